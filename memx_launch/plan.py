@@ -1,0 +1,190 @@
+"""The plan: what memx decided, as a versioned JSON file every other part reads.
+
+Rank layout inside a stage: ``stage.ranks[j]`` has data-parallel index ``j // tp`` and
+tensor-parallel index ``j % tp`` (TP groups are consecutive ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from memx_launch.errors import ConfigError
+from memx_launch.specs import ModelSpec
+
+PLAN_VERSION = 1
+SCHEDULES = ("1f1b", "interleaved")
+RECOMPUTE_LEVELS = ("none", "selective", "full")
+
+
+@dataclass
+class StagePlan:
+    device_type: str
+    ranks: list[int]
+    num_layers: int
+    recompute: str
+    predicted_peak_memory_gib: float
+    predicted_stage_time_s: float
+    """One micro-batch, forward plus backward, recompute included."""
+    memory_capacity_gib: float = 0.0
+
+
+@dataclass
+class Objective:
+    phi: float
+    profile: str
+    weights: tuple[float, float, float]
+    terms: dict[str, float] = field(default_factory=dict)
+    """Normalised T, M and V of this plan (each divided by its reference)."""
+
+
+@dataclass
+class Plan:
+    model: str
+    model_spec: ModelSpec
+    cluster: str
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    seq_len: int
+    schedule: str
+    virtual_stages: int
+    stages: list[StagePlan]
+    predicted_iteration_time_s: float
+    objective: Objective
+    predicted_peak_memory_fraction: float = 0.0
+    predicted_memory_variance: float = 0.0
+    emulated: bool = False
+    version: int = PLAN_VERSION
+
+    # ---- derived
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.dp * self.micro_batch_size)
+
+    def stage_of_rank(self, rank: int) -> tuple[int, int, int]:
+        """(stage index, data-parallel index, tensor-parallel index) of a global rank."""
+        for i, stage in enumerate(self.stages):
+            if rank in stage.ranks:
+                j = stage.ranks.index(rank)
+                return i, j // self.tp, j % self.tp
+        raise ConfigError("plan.stages", f"rank {rank} is in no stage",
+                          f"the plan covers ranks 0..{self.world_size - 1}")
+
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) global layer indices of each stage."""
+        out, start = [], 0
+        for stage in self.stages:
+            out.append((start, start + stage.num_layers))
+            start += stage.num_layers
+        return out
+
+    # ---- (de)serialisation
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["model_spec"] = self.model_spec.to_dict()
+        data["objective"]["weights"] = list(self.objective.weights)
+        data["world_size"] = self.world_size
+        order = ["version", "model", "cluster", "world_size", "tp", "pp", "dp", "micro_batch_size",
+                 "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages",
+                 "predicted_iteration_time_s", "predicted_peak_memory_fraction",
+                 "predicted_memory_variance", "objective", "emulated", "model_spec"]
+        return {k: data[k] for k in order}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
+        if not isinstance(data, dict):
+            raise ConfigError(source, "not a plan object", "pass a file written by memx plan --json")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise ConfigError(f"{source}.version", f"expected {PLAN_VERSION}, got {version!r}",
+                              "re-create the plan with this memx version")
+        try:
+            stages = [StagePlan(**s) for s in data["stages"]]
+            objective = dict(data["objective"])
+            objective["weights"] = tuple(objective["weights"])
+            plan = cls(
+                model=data["model"], model_spec=ModelSpec.from_dict(data["model_spec"]),
+                cluster=data["cluster"], tp=data["tp"], pp=data["pp"], dp=data["dp"],
+                micro_batch_size=data["micro_batch_size"], global_batch_size=data["global_batch_size"],
+                seq_len=data["seq_len"], schedule=data["schedule"],
+                virtual_stages=data["virtual_stages"], stages=stages,
+                predicted_iteration_time_s=data["predicted_iteration_time_s"],
+                objective=Objective(**objective),
+                predicted_peak_memory_fraction=data.get("predicted_peak_memory_fraction", 0.0),
+                predicted_memory_variance=data.get("predicted_memory_variance", 0.0),
+                emulated=data.get("emulated", False), version=version)
+        except KeyError as exc:
+            raise ConfigError(f"{source}.{exc.args[0]}", "missing",
+                              "pass a complete plan written by memx plan --json") from None
+        except TypeError as exc:
+            raise ConfigError(source, f"malformed ({exc})", "pass a plan written by memx plan --json") from None
+        plan.validate(source)
+        return plan
+
+    def validate(self, source: str = "plan") -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"{source}.schedule", f"unknown schedule {self.schedule!r}",
+                              f"use one of {', '.join(SCHEDULES)}")
+        if len(self.stages) != self.pp:
+            raise ConfigError(f"{source}.stages", f"{len(self.stages)} stages but pp={self.pp}")
+        if sum(s.num_layers for s in self.stages) != self.model_spec.num_layers:
+            raise ConfigError(f"{source}.stages", "layer counts do not add up to the model's "
+                              f"{self.model_spec.num_layers} layers")
+        seen = sorted(r for s in self.stages for r in s.ranks)
+        if seen != list(range(self.world_size)):
+            raise ConfigError(f"{source}.stages", "ranks must cover 0..world_size-1 exactly once")
+        for i, s in enumerate(self.stages):
+            if s.recompute not in RECOMPUTE_LEVELS:
+                raise ConfigError(f"{source}.stages[{i}].recompute", f"unknown level {s.recompute!r}",
+                                  f"use one of {', '.join(RECOMPUTE_LEVELS)}")
+            if len(s.ranks) != self.tp * self.dp:
+                raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*dp={self.tp * self.dp} ranks")
+            if s.num_layers < self.virtual_stages:
+                raise ConfigError(f"{source}.stages[{i}].num_layers",
+                                  f"{s.num_layers} layers cannot form {self.virtual_stages} virtual stages")
+        if self.global_batch_size % (self.dp * self.micro_batch_size):
+            raise ConfigError(f"{source}.global_batch_size", f"{self.global_batch_size} is not divisible by "
+                              f"dp*micro_batch_size={self.dp * self.micro_batch_size}")
+
+    def save(self, path: str, overwrite: bool = False) -> None:
+        write_json_atomic(path, self.to_dict(), overwrite=overwrite)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ConfigError("--plan", f"cannot read {path!r} ({exc.strerror})", "pass an existing plan file") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError("--plan", f"{path} is not valid JSON (line {exc.lineno})",
+                              "re-create it with memx plan --json") from None
+        return cls.from_dict(data, source=f"plan {path}")
+
+
+def write_json_atomic(path: str, data: Any, overwrite: bool = False) -> None:
+    """Write JSON through a temporary file and rename, so readers never see half a file."""
+    if os.path.exists(path) and not overwrite:
+        raise ConfigError("output", f"{path} already exists", "pass --force to overwrite or choose another path")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
