@@ -1,0 +1,269 @@
+"""Analytical cost model: memory and time of transformer layers and pipeline stages.
+
+No torch import: the search runs anywhere, on whole numpy arrays of configurations.
+
+Everything per layer goes through :class:`LayerCostModel`, one call for arrays of
+(device type, TP, micro-batch, sequence length, recompute level). The analytical model
+here is one implementation; the learned predictor (profiler issue) wraps it and scales
+its outputs by learned ratios, so the search never changes when the predictor does.
+
+Memory follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"), adapted to LLaMA blocks (GQA, SwiGLU, RMSNorm, fused attention).
+Time counts FLOPs at each device's effective TFLOPS, element-wise traffic at its memory
+bandwidth and tensor-parallel all-reduces at the TP group's link bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from memx_launch.specs import ClusterSpec, DeviceType, ModelSpec, TrainingSpec
+
+RECOMPUTE_LEVELS = ("none", "selective", "full")
+NONE, SELECTIVE, FULL = 0, 1, 2
+GIB = 2**30
+
+# Bytes an element-wise op moves per byte of stored activation (read + write, fwd + bwd).
+_ELEMENTWISE_TRAFFIC = 4.0
+# FLOPs per byte a device sustains before element-wise work becomes memory bound,
+# used when a device type gives no memory bandwidth.
+_DEFAULT_FLOPS_PER_BYTE = 150.0
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Costs of one transformer layer for one micro-batch (arrays, one entry per query)."""
+
+    time_s: np.ndarray
+    """Forward + backward seconds, recomputation included."""
+    activation_bytes: np.ndarray
+    """Bytes kept alive from the forward until the backward of this micro-batch."""
+    working_bytes: np.ndarray
+    """Extra transient bytes while this layer's backward runs (recomputed activations, grads)."""
+
+
+class LayerCostModel(Protocol):
+    """Per-layer costs for arrays of configurations; what the search calls."""
+
+    device_names: tuple[str, ...]
+
+    def layer_costs(self, device: np.ndarray, tp: np.ndarray, mbs: np.ndarray,
+                    seq: np.ndarray, recompute: np.ndarray) -> LayerCost:
+        """``device`` indexes ``device_names``; ``recompute`` is 0 none, 1 selective, 2 full."""
+        ...
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, recompute="none"):
+    """The paper's per-layer activation bytes for a GPT block (fp16, dropout, GELU 4h MLP).
+
+    none: sbh(10 + 24/t + 5as/(ht)); with sequence parallel: (sbh/t)(34 + 5as/h);
+    selective drops the 5as/h attention term; full keeps only the 2sbh layer input.
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attn = 0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (34 + attn)
+    return sbh * (10 + 24 / t + attn / t)
+
+
+def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
+                     flash_attention=True, sequence_parallel: bool = False) -> LayerCost:
+    """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
+
+    Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
+      two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP)
+      Q + K + V saved by attention: 2 + 4*kv/h, over t
+      attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
+      unfused attention: scores and softmax, 2 bytes each: 4as/h over t (the Korthikanti s^2 term)
+      SwiGLU: gate and up outputs, silu(gate), product: 8f/h over t (GELU MLP: 4f/h)
+    Selective recompute drops the attention core (Q, K, V, scores) and silu(gate).
+    Full recompute keeps the block input only; its working set is one block recomputed.
+    """
+    mbs = np.asarray(mbs, dtype=np.float64)
+    seq = np.asarray(seq, dtype=np.float64)
+    tp = np.asarray(tp, dtype=np.float64)
+    recompute = np.asarray(recompute)
+    flash = np.asarray(flash_attention, dtype=bool)
+    h, a = model.hidden_size, model.num_heads
+    f, kv = model.ffn_hidden_size, model.kv_hidden_size
+    scale = dtype_bytes / 2.0
+    sbh = seq * mbs * h * scale
+    replicated = 8.0 / (tp if sequence_parallel else 1.0)
+    qkv = (2.0 + 4.0 * kv / h) / tp
+    attn_out = 2.0 / tp
+    lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
+    scores = np.where(flash, 0.0, 4.0 * a * seq / h / tp)
+    if model.gated_mlp:
+        mlp_kept, mlp_elementwise = 6.0 * f / h / tp, 2.0 * f / h / tp
+    else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
+        mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * f / h / tp
+    none = replicated + qkv + attn_out + lse + scores + mlp_kept + mlp_elementwise
+    selective = replicated + attn_out + mlp_kept
+    full = np.broadcast_to(2.0 / (tp if sequence_parallel else 1.0), none.shape)
+    stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
+    # Backward of one block: its recomputed part is alive again, plus gradient buffers of
+    # the size of the block input and output.
+    recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective], none)
+    working = recomputed + 4.0
+    return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
+
+
+def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
+    """Bytes of weights + gradients + optimizer state per parameter on one rank.
+
+    Mixed precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12
+    = 18 bytes; the distributed optimizer shards the 12 over DP. fp32: 4 + 4 + 8 = 16.
+    """
+    dp = np.asarray(dp, dtype=np.float64)
+    mixed = training.dtype != "fp32"
+    weight = training.dtype_bytes
+    grad = 4.0
+    if training.optimizer == "adam":
+        optim = 12.0 if mixed else 8.0
+    else:  # SGD with momentum
+        optim = 8.0 if mixed else 4.0
+    if training.distributed_optimizer:
+        optim = optim / dp
+    return weight + grad + optim
+
+
+def logits_bytes(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
+    """The last stage's logits in fp32 for the loss, plus their gradient (vocab split over TP)."""
+    return 2 * 4.0 * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / np.asarray(tp)
+
+
+def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.ndarray:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
+
+    1F1B: min(P - i, G). Interleaving with v chunks multiplies the first stage's count by
+    1 + (P-1)/(P*v) (Narayanan et al. 2021); later stages hold proportionally less.
+    """
+    stage = np.asarray(stage, dtype=np.float64)
+    pp = np.asarray(pp, dtype=np.float64)
+    g = np.asarray(num_microbatches, dtype=np.float64)
+    v = np.asarray(virtual_stages, dtype=np.float64)
+    base = np.minimum(pp - stage, g)
+    interleave = np.where(v > 1, 1.0 + (pp - 1 - stage) / (pp * v), 1.0)
+    return np.minimum(base * interleave, np.maximum(g, 1.0))
+
+
+# --------------------------------------------------------------------------- time
+
+
+def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
+    """Forward FLOPs of one block: 2 per multiply-add of the matmuls, causal attention halved."""
+    mbs = np.asarray(mbs, dtype=np.float64)
+    seq = np.asarray(seq, dtype=np.float64)
+    tokens = mbs * seq
+    matmul = 2.0 * tokens * (model.attention_params + model.mlp_params)
+    attention = 2.0 * mbs * seq * seq * model.hidden_size  # QK^T and AV, causal half of 4bs^2h
+    return (matmul + attention) / np.asarray(tp, dtype=np.float64)
+
+
+def allreduce_time(nbytes, group_size, gbps) -> np.ndarray:
+    """Ring all-reduce: 2(n-1)/n of the buffer crosses the slowest link."""
+    n = np.asarray(group_size, dtype=np.float64)
+    return np.where(n > 1, 2.0 * (n - 1) / np.maximum(n, 1) * np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
+
+
+class AnalyticalCostModel:
+    """Physics-only per-layer costs for the device types of a cluster."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec):
+        self.model = model
+        self.cluster = cluster
+        self.training = training
+        self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
+        self.device_names = tuple(d.name for d in self.device_types)
+        self._tflops = np.array([d.effective_tflops for d in self.device_types])
+        self._hbm = np.array([d.memory_bandwidth_gbps or d.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+                              for d in self.device_types])
+        self._flash = np.array([d.flash_attention for d in self.device_types])
+        slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
+        self._slowdown = np.array([slow(d.name) for d in self.device_types])
+        self._tp_gbps = np.array([tp_link_gbps(cluster, d.name) for d in self.device_types])
+
+    def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
+        device = np.asarray(device, dtype=np.int64)
+        tp = np.asarray(tp, dtype=np.float64)
+        recompute = np.asarray(recompute)
+        act = activation_bytes(self.model, mbs, seq, tp, recompute, self.training.dtype_bytes,
+                               self._flash[device])
+        fwd_flops = layer_forward_flops(self.model, mbs, seq, tp)
+        mbs_a = np.asarray(mbs, dtype=np.float64)
+        seq_a = np.asarray(seq, dtype=np.float64)
+        attn_core_flops = 2.0 * mbs_a * seq_a * seq_a * self.model.hidden_size / tp
+        recompute_flops = np.select([recompute == NONE, recompute == SELECTIVE],
+                                    [0.0 * fwd_flops, attn_core_flops], fwd_flops)
+        compute_s = (3.0 * fwd_flops + recompute_flops) / (self._tflops[device] * 1e12)
+        none_act = activation_bytes(self.model, mbs, seq, tp, NONE, self.training.dtype_bytes,
+                                    self._flash[device]).activation_bytes
+        recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
+                                      [0.0 * none_act, none_act - act.activation_bytes], none_act)
+        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic) / (self._hbm[device] * 1e9)
+        # Two all-reduces of the block output forward, two backward, two more when the
+        # full block is recomputed.
+        hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
+        n_allreduce = np.where(recompute == FULL, 6.0, 4.0)
+        comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self._tp_gbps[device])
+        time_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
+        return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
+
+    # ---- non-layer parts, analytical for every cost model
+    def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
+        """Embedding lookup forward and backward: memory bound, one pass over b*s*h."""
+        nbytes = 4.0 * np.asarray(mbs) * np.asarray(seq) * self.model.hidden_size * self.training.dtype_bytes
+        return nbytes / (self._hbm[np.asarray(device)] * 1e9) * self._slowdown[np.asarray(device)]
+
+    def head_time(self, device, tp, mbs, seq) -> np.ndarray:
+        """Output projection and loss, forward and backward."""
+        flops = 3 * 2.0 * np.asarray(mbs) * np.asarray(seq) * self.model.hidden_size * self.model.vocab_size
+        device = np.asarray(device)
+        return flops / np.asarray(tp, dtype=np.float64) / (self._tflops[device] * 1e12) * self._slowdown[device]
+
+
+def tp_link_gbps(cluster: ClusterSpec, device_type: str) -> float:
+    """Bandwidth of TP groups of one device type: the best intra-node link holding that type."""
+    best = 0.0
+    for node in cluster.nodes:
+        if any(t == device_type for t, _ in node.devices):
+            best = max(best, node.intra_node_gbps)
+    return best or cluster.inter_node_gbps
+
+
+def optimizer_step_time(params_on_rank, training: TrainingSpec, device: DeviceType, dp=1) -> np.ndarray:
+    """Adam step: reads and writes the model state once at HBM speed."""
+    hbm = device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+    state = np.asarray(params_on_rank, dtype=np.float64) * model_state_bytes_per_param(training, dp)
+    return 2.0 * state / (hbm * 1e9)
+
+
+def iteration_time_1f1b(stage_times, transfer_times, num_microbatches, t_fix=0.0, t_dp=0.0):
+    """Paper equation 3 on arrays whose last axis is the stage.
+
+    T = (G-1) max_i t_i + sum_i t_i + 2 sum_i t_pp_i + t_fix + t_dp
+    """
+    g = np.asarray(num_microbatches, dtype=np.float64)
+    return ((g - 1) * stage_times.max(axis=-1) + stage_times.sum(axis=-1)
+            + 2.0 * transfer_times.sum(axis=-1) + t_fix + t_dp)
+
+
+def iteration_time_interleaved(stage_times, transfer_times, num_microbatches, virtual_stages,
+                               t_fix=0.0, t_dp=0.0):
+    """Paper equation 4: T = (G-1+1/v) max_i(t_i/v) + (2/v) sum_i t_i + sum_i t_pp_i + t_dp.
+
+    ``t_fix`` (optimizer step) is added as in equation 3: it is paid once per iteration
+    whatever the schedule.
+    """
+    g = np.asarray(num_microbatches, dtype=np.float64)
+    v = np.asarray(virtual_stages, dtype=np.float64)
+    return ((g - 1 + 1 / v) * stage_times.max(axis=-1) / v + (2 / v) * stage_times.sum(axis=-1)
+            + transfer_times.sum(axis=-1) + t_fix + t_dp)
