@@ -1,0 +1,155 @@
+"""The LLaMA stage model: split-invariant init, recompute levels, tensor parallel."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from memx_launch.errors import ConfigError
+from memx_launch.llama import LlamaStage, TransformerBlock, apply_tensor_parallel
+from memx_launch.specs import get_model
+
+SPEC = get_model("llama-tiny")
+# fp32 on CPU: differences come only from summation order (TP all-reduce, checkpoint replay).
+ATOL = 1e-5
+
+
+def _tokens(batch=2, seq=32, seed=1):
+    return torch.randint(0, SPEC.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(model, tokens):
+    logits = model(tokens)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def test_stages_of_any_split_hold_the_reference_weights():
+    ref = LlamaStage.full(SPEC)
+    tokens = _tokens()
+    expected = ref(tokens)
+    stages = [LlamaStage(SPEC, 3, first=True, last=False),
+              LlamaStage(SPEC, 1, first=False, last=False, layer_offset=3),
+              LlamaStage(SPEC, 4, first=False, last=True, layer_offset=4)]
+    h = tokens
+    for stage in stages:
+        h = stage(h)
+    assert torch.equal(h, expected)
+    ref_state = ref.state_dict()
+    for stage in stages:
+        for name, tensor in stage.state_dict().items():
+            assert torch.equal(tensor, ref_state[name]), name
+
+
+def test_layers_differ_from_each_other_and_seed_changes_weights():
+    ref = LlamaStage.full(SPEC)
+    assert not torch.equal(ref.layers["0"].attention.wq.weight, ref.layers["1"].attention.wq.weight)
+    other = LlamaStage.full(SPEC, seed=1)
+    assert not torch.equal(ref.layers["0"].attention.wq.weight, other.layers["0"].attention.wq.weight)
+
+
+@pytest.mark.parametrize("level", ["selective", "full"])
+def test_recompute_gives_the_same_loss_and_gradients(level):
+    tokens = _tokens()
+    base = LlamaStage.full(SPEC)
+    _loss(base, tokens).backward()
+    model = LlamaStage.full(SPEC, recompute=level)
+    loss = _loss(model, tokens)
+    loss.backward()
+    assert torch.allclose(loss, _loss(base, tokens), atol=ATOL)
+    grads = dict(base.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name
+
+
+def test_recompute_levels_really_drop_saved_activations():
+    """Bytes saved for backward by one block fall from none to selective to full."""
+    block = TransformerBlock(SPEC)
+    x = torch.randn(4, 64, SPEC.hidden_size, requires_grad=True)
+    saved = {}
+    for level in ("none", "selective", "full"):
+        block.recompute = level
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+        saved[level] = total
+    assert saved["none"] > saved["selective"] > saved["full"]
+
+
+def test_recompute_rejects_unknown_level():
+    with pytest.raises(ConfigError, match="recompute"):
+        TransformerBlock(SPEC, recompute="some")
+
+
+def test_out_of_range_layers_are_a_config_error():
+    with pytest.raises(ConfigError, match="num_layers"):
+        LlamaStage(SPEC, 5, first=False, last=True, layer_offset=4)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank, world, port, result_queue):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = apply_tensor_parallel(LlamaStage.full(SPEC, recompute="selective"), mesh)
+        tokens = _tokens()
+        loss = _loss(model, tokens)
+        loss.backward()
+        wq = model.layers["0"].attention.wq.weight
+        w2 = model.layers["7"].feed_forward.w2.weight
+        # numpy arrays travel by value; tensors would go through shared memory that dies with the worker
+        result_queue.put((rank, loss.item(), tuple(wq.to_local().shape), wq.grad.full_tensor().numpy(),
+                          w2.grad.full_tensor().numpy(), model.layers["0"].attention_norm.weight.grad.numpy()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_the_reference():
+    tokens = _tokens()
+    ref = LlamaStage.full(SPEC)
+    ref_loss = _loss(ref, tokens)
+    ref_loss.backward()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, loss, local_shape, wq_grad, w2_grad, norm_grad in results:
+        assert local_shape == (SPEC.hidden_size // 2, SPEC.hidden_size)
+        assert abs(loss - ref_loss.item()) < ATOL
+        assert torch.allclose(torch.from_numpy(wq_grad), ref.layers["0"].attention.wq.weight.grad, atol=ATOL)
+        assert torch.allclose(torch.from_numpy(w2_grad), ref.layers["7"].feed_forward.w2.weight.grad, atol=ATOL)
+        assert torch.allclose(torch.from_numpy(norm_grad), ref.layers["0"].attention_norm.weight.grad, atol=ATOL)
+
+
+def test_tensor_parallel_rejects_a_degree_that_does_not_divide_the_heads():
+    class FakeMesh:
+        def size(self):
+            return 4  # llama-tiny has 2 KV heads
+
+    with pytest.raises(ConfigError, match="tp"):
+        apply_tensor_parallel(LlamaStage.full(SPEC), FakeMesh())
