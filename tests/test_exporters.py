@@ -1,0 +1,127 @@
+"""Exporters: Megatron-LM arguments checked by megatron-core, torchrun lines by torch's parser."""
+
+import os
+
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.exporters import megatron_args, pipeline_layout, plan_env, torchrun_commands
+from memx_launch.plan import Objective, Plan, StagePlan
+from memx_launch.specs import ClusterSpec, get_model
+
+CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
+
+
+def make_plan(layers=(8, 24), recompute=("full", "none"), devices=("vendor-x-32gb", "vendor-y-64gb"),
+              tp=1, dp=8, virtual_stages=1, schedule="1f1b", mbs=1, gbs=64, model="llama2-7b"):
+    pp = len(layers)
+    per_stage = tp * dp
+    stages = [StagePlan(device_type=d, ranks=list(range(i * per_stage, (i + 1) * per_stage)),
+                        num_layers=n, recompute=r, predicted_peak_memory_gib=10.0,
+                        predicted_stage_time_s=0.1)
+              for i, (n, r, d) in enumerate(zip(layers, recompute, devices))]
+    plan = Plan(model=model, model_spec=get_model(model), cluster="table1-2vendor", tp=tp, pp=pp, dp=dp,
+                micro_batch_size=mbs, global_batch_size=gbs, seq_len=4096, schedule=schedule,
+                virtual_stages=virtual_stages, stages=stages, predicted_iteration_time_s=1.0,
+                objective=Objective(phi=1.0, profile="heterogeneous", weights=(0.4, 0.2, 0.4)))
+    plan.validate()
+    return plan
+
+
+def _flag(args, name):
+    return args[args.index(name) + 1] if name in args else None
+
+
+def _megatron_config(plan, args):
+    """Build megatron-core's TransformerConfig from the exported flags; it validates them."""
+    torch = pytest.importorskip("torch")
+    tc = pytest.importorskip("megatron.core.transformer.transformer_config")
+    spec = plan.model_spec
+    kwargs = dict(num_layers=int(_flag(args, "--num-layers")), hidden_size=spec.hidden_size,
+                  num_attention_heads=spec.num_heads,
+                  tensor_model_parallel_size=int(_flag(args, "--tensor-model-parallel-size")),
+                  pipeline_model_parallel_size=int(_flag(args, "--pipeline-model-parallel-size")),
+                  pipeline_model_parallel_layout=_flag(args, "--pipeline-model-parallel-layout"),
+                  recompute_granularity=_flag(args, "--recompute-granularity"),
+                  recompute_method=_flag(args, "--recompute-method"),
+                  pipeline_dtype=torch.bfloat16)
+    if _flag(args, "--recompute-num-layers"):
+        kwargs["recompute_num_layers"] = int(_flag(args, "--recompute-num-layers"))
+    return tc.TransformerConfig(**kwargs)
+
+
+def test_uneven_layout_is_what_megatron_builds():
+    plan = make_plan(layers=(8, 24), recompute=("full", "full"))
+    export = megatron_args(plan)
+    assert _flag(export.args, "--pipeline-model-parallel-layout") == "Et*8|t*24L"
+    config = _megatron_config(plan, export.args)
+    layout = config.pipeline_model_parallel_layout
+    assert [layout.get_num_layers_to_build(pp_rank=r) for r in range(2)] == [8, 24]
+    assert _flag(export.args, "--recompute-granularity") == "full"
+    assert not any("recompute" in n for n in export.notes)  # same level on every stage
+    assert _flag(export.args, "--micro-batch-size") == "1"
+    assert _flag(export.args, "--global-batch-size") == "64"
+    assert _flag(export.args, "--seq-length") == "4096"
+
+
+def test_interleaved_layout_gives_each_stage_its_layers_in_chunks():
+    plan = make_plan(layers=(10, 6, 16), recompute=("none",) * 3, tp=1, dp=2, virtual_stages=2,
+                     schedule="interleaved", devices=("a",) * 3, gbs=12)
+    export = megatron_args(plan)
+    layout_str = pipeline_layout(plan)
+    assert layout_str == "Et*5|t*3|t*8|t*5|t*3|t*8L"
+    config = _megatron_config(plan, export.args)
+    assert config.virtual_pipeline_model_parallel_size == 2
+    layout = config.pipeline_model_parallel_layout
+    built = [sum(layout.get_num_layers_to_build(pp_rank=r, vp_stage=v) for v in range(2)) for r in range(3)]
+    assert built == [10, 6, 16]
+    assert "--num-layers-per-virtual-pipeline-stage" not in export.args
+    assert "--recompute-granularity" not in export.args
+
+
+def test_per_stage_recompute_is_reported_not_hidden():
+    plan = make_plan(layers=(8, 24), recompute=("selective", "none"))
+    export = megatron_args(plan)
+    assert _flag(export.args, "--recompute-granularity") == "selective"
+    assert any("per-stage recompute" in n and "stage 0: selective" in n for n in export.notes)
+    _megatron_config(plan, export.args)
+
+
+def test_torchrun_commands_parse_and_keep_rank_order():
+    run = pytest.importorskip("torch.distributed.run")
+    cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    plan = make_plan()
+    commands = torchrun_commands(plan, cluster, "train.py", ["--model", "llama2-7b"], master_addr="10.0.0.1")
+    assert len(commands) == 2
+    total = 0
+    for node_rank, cmd in enumerate(commands):
+        assert cmd.args[0] == "torchrun"
+        args = run.get_args_parser().parse_args(cmd.args[1:])
+        assert args.node_rank == node_rank
+        assert args.nnodes == "2"
+        assert args.rdzv_backend == "static"
+        assert args.training_script == "train.py"
+        assert args.training_script_args == ["--model", "llama2-7b"]
+        total += int(args.nproc_per_node)
+    assert total == plan.world_size
+
+
+def test_torchrun_refuses_a_cluster_the_plan_was_not_made_for():
+    cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    swapped = make_plan(devices=("vendor-y-64gb", "vendor-x-32gb"))
+    with pytest.raises(ConfigError, match="rank 0 is a vendor-x-32gb"):
+        torchrun_commands(swapped, cluster, "train.py")
+    small = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "v100-t4.yaml"))
+    with pytest.raises(ConfigError, match="has 6 devices but the plan needs"):
+        torchrun_commands(make_plan(), small, "train.py")
+
+
+def test_env_describes_every_stage():
+    plan = make_plan()
+    env = plan_env(plan, "/tmp/plan.json")
+    assert env["MEMX_PLAN"] == "/tmp/plan.json"
+    assert env["MEMX_LAYERS_PER_STAGE"] == "8,24"
+    assert env["MEMX_RECOMPUTE_PER_STAGE"] == "full,none"
+    assert env["MEMX_STAGE_DEVICE_TYPES"] == "vendor-x-32gb,vendor-y-64gb"
+    assert (env["MEMX_TP"], env["MEMX_PP"], env["MEMX_DP"]) == ("1", "2", "8")
+    assert env["MEMX_NUM_MICROBATCHES"] == "8"
