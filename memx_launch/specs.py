@@ -8,11 +8,12 @@ field and the fix.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import yaml
@@ -258,15 +259,11 @@ class ClusterSpec:
 
     def rank_device_types(self) -> list[str]:
         """Device type of each global rank: nodes in order, types in listed order."""
-        return [t for node in self.nodes for t, count in node.devices for _ in range(count)]
+        return list(_rank_device_types(self.nodes))
 
-    def rank_locations(self) -> list[tuple[int, int]]:
+    def rank_locations(self) -> tuple[tuple[int, int], ...]:
         """(node index, NUMA domain) of each global rank."""
-        out = []
-        for ni, node in enumerate(self.nodes):
-            per_domain = math.ceil(node.num_devices / node.numa_domains)
-            out += [(ni, i // per_domain) for i in range(node.num_devices)]
-        return out
+        return _rank_locations(self.nodes)
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {d.name: 0 for d in self.device_types}
@@ -403,6 +400,20 @@ class ClusterSpec:
             emulation = Emulation(tuple((k, float(v)) for k, v in slow.items()))
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
                    float(inter) if inter is not None else math.inf, emulation)
+
+
+@functools.lru_cache(maxsize=32)
+def _rank_device_types(nodes: tuple[Node, ...]) -> tuple[str, ...]:
+    return tuple(t for node in nodes for t, count in node.devices for _ in range(count))
+
+
+@functools.lru_cache(maxsize=32)
+def _rank_locations(nodes: tuple[Node, ...]) -> tuple[tuple[int, int], ...]:
+    out = []
+    for ni, node in enumerate(nodes):
+        per_domain = math.ceil(node.num_devices / node.numa_domains)
+        out += [(ni, i // per_domain) for i in range(node.num_devices)]
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- training
