@@ -153,6 +153,7 @@ def _make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
     types = [rank_types[ranks[0]] for ranks in stage_ranks]
     next_gbps = [min(cluster.link_gbps(a, b) for a, b in zip(cur, nxt))
                  for cur, nxt in zip(stage_ranks, stage_ranks[1:])] + [math.inf]
+    # A DP group is every tp-th rank of the stage; its ring's slowest hop decides.
     dp_gbps = [min([cluster.group_gbps(ranks[j::tp]) for j in range(tp)]) for ranks in stage_ranks]
     return Layout(tp, dp, tuple(order), np.array([device_names.index(t) for t in types]),
                   [list(r) for r in stage_ranks],

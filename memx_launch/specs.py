@@ -8,7 +8,6 @@ field and the fix.
 from __future__ import annotations
 
 import difflib
-import functools
 import hashlib
 import json
 import math
@@ -246,6 +245,16 @@ class ClusterSpec:
     inter_node_gbps: float
     emulation: Emulation | None = None
 
+    def __post_init__(self):
+        # Rank tables, computed once: the search asks for links between thousands of ranks.
+        types, locations = [], []
+        for ni, node in enumerate(self.nodes):
+            per_domain = math.ceil(node.num_devices / node.numa_domains)
+            types += [t for t, count in node.devices for _ in range(count)]
+            locations += [(ni, i // per_domain) for i in range(node.num_devices)]
+        object.__setattr__(self, "_rank_types", tuple(types))
+        object.__setattr__(self, "_rank_locations", tuple(locations))
+
     # ---- derived views
     def device_type(self, name: str) -> DeviceType:
         for d in self.device_types:
@@ -259,11 +268,11 @@ class ClusterSpec:
 
     def rank_device_types(self) -> list[str]:
         """Device type of each global rank: nodes in order, types in listed order."""
-        return list(_rank_device_types(self.nodes))
+        return list(self._rank_types)
 
     def rank_locations(self) -> tuple[tuple[int, int], ...]:
         """(node index, NUMA domain) of each global rank."""
-        return _rank_locations(self.nodes)
+        return self._rank_locations
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {d.name: 0 for d in self.device_types}
@@ -275,8 +284,7 @@ class ClusterSpec:
         """Bandwidth of the slowest link between two ranks (GB/s)."""
         if rank_a == rank_b:
             return math.inf
-        loc = self.rank_locations()
-        (na, da), (nb, db) = loc[rank_a], loc[rank_b]
+        (na, da), (nb, db) = self._rank_locations[rank_a], self._rank_locations[rank_b]
         if na != nb:
             return self.inter_node_gbps
         node = self.nodes[na]
@@ -400,20 +408,6 @@ class ClusterSpec:
             emulation = Emulation(tuple((k, float(v)) for k, v in slow.items()))
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
                    float(inter) if inter is not None else math.inf, emulation)
-
-
-@functools.lru_cache(maxsize=32)
-def _rank_device_types(nodes: tuple[Node, ...]) -> tuple[str, ...]:
-    return tuple(t for node in nodes for t, count in node.devices for _ in range(count))
-
-
-@functools.lru_cache(maxsize=32)
-def _rank_locations(nodes: tuple[Node, ...]) -> tuple[tuple[int, int], ...]:
-    out = []
-    for ni, node in enumerate(nodes):
-        per_domain = math.ceil(node.num_devices / node.numa_domains)
-        out += [(ni, i // per_domain) for i in range(node.num_devices)]
-    return tuple(out)
 
 
 # --------------------------------------------------------------------------- training

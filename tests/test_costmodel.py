@@ -1,0 +1,82 @@
+"""The analytical cost model against the formulas it implements."""
+
+import numpy as np
+import pytest
+
+from memx_launch import costmodel as cm
+from memx_launch.specs import ModelSpec, TrainingSpec, get_model
+
+S, B, H, A = 2048, 1, 12288, 96  # GPT-3 175B, the case of Korthikanti et al. Table 2
+
+
+@pytest.mark.parametrize("t, sp, recompute, per_sbh", [
+    (1, False, "none", 34 + 5 * A * S / H),
+    (8, False, "none", 10 + 24 / 8 + 5 * A * S / (H * 8)),
+    (8, True, "none", (34 + 5 * A * S / H) / 8),
+    (8, True, "selective", 34 / 8),
+    (8, False, "full", 2),
+    (8, True, "full", 2 / 8),
+])
+def test_korthikanti_reference_values(t, sp, recompute, per_sbh):
+    got = cm.korthikanti_activation_bytes(S, B, H, A, t, sp, recompute)
+    assert got == pytest.approx(per_sbh * S * B * H)
+
+
+def test_llama_formula_reduces_to_korthikanti_for_a_gpt_block():
+    """A GELU 4h MLP, full MHA and unfused attention is the Korthikanti block without its
+    three dropouts (two sbh masks and one as^2b mask): 34sbh + 5as^2b - (2sbh + as^2b)."""
+    gpt = ModelSpec("gpt", 1, H, A, A, 4 * H, 50000, S, gated_mlp=False)
+    for t in (1, 2, 8):
+        got = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False).activation_bytes
+        korthikanti = cm.korthikanti_activation_bytes(S, B, H, A, t)
+        dropout = 2 * S * B * H + A * S * S * B / t
+        assert float(got) == pytest.approx(korthikanti - dropout)
+
+
+def test_recompute_levels_order_memory_and_time():
+    model = get_model("llama2-7b")
+    act = cm.activation_bytes(model, 1, 4096, 1, np.array([0, 1, 2])).activation_bytes
+    assert act[0] > act[1] > act[2]
+    assert act[2] == 2 * 4096 * 4096
+    cluster_model = cm.AnalyticalCostModel(model, _one_device_cluster(), TrainingSpec())
+    cost = cluster_model.layer_costs(np.zeros(3, int), np.ones(3), np.ones(3), np.full(3, 4096), np.arange(3))
+    assert cost.time_s[0] < cost.time_s[1] < cost.time_s[2]
+    # Full recompute redoes one forward: about 4/3 of the time of none.
+    assert cost.time_s[2] / cost.time_s[0] == pytest.approx(4 / 3, rel=0.1)
+
+
+def test_gqa_shrinks_stored_keys_and_values():
+    mha = get_model("llama2-7b")
+    gqa = ModelSpec("gqa", 32, 4096, 32, 8, 11008, 32000, 4096)
+    a_mha = cm.activation_bytes(mha, 1, 4096, 1, cm.NONE).activation_bytes
+    a_gqa = cm.activation_bytes(gqa, 1, 4096, 1, cm.NONE).activation_bytes
+    # K and V drop from 4sbh to 1sbh.
+    assert float(a_mha - a_gqa) == pytest.approx(3 * 4096 * 4096)
+
+
+def test_model_state_bytes():
+    assert cm.model_state_bytes_per_param(TrainingSpec(), 1) == 18
+    assert cm.model_state_bytes_per_param(TrainingSpec(distributed_optimizer=True), 8) == 6 + 12 / 8
+    assert cm.model_state_bytes_per_param(TrainingSpec(dtype="fp32"), 1) == 16
+
+
+def test_inflight_microbatches_1f1b_and_interleaved():
+    assert cm.inflight_microbatches(np.arange(4), 4, 8).tolist() == [4, 3, 2, 1]
+    assert cm.inflight_microbatches(np.arange(4), 4, 2).tolist() == [2, 2, 2, 1]
+    assert float(cm.inflight_microbatches(0, 4, 8, 2)) == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_iteration_time_equations():
+    t = np.array([[1.0, 2.0, 1.5]])
+    pp = np.array([[0.1, 0.1, 0.0]])
+    assert cm.iteration_time_1f1b(t, pp, 8, 0.5, 0.25)[0] == pytest.approx(7 * 2 + 4.5 + 0.4 + 0.75)
+    v = 2
+    expected = (8 - 1 + 1 / v) * 2 / v + (2 / v) * 4.5 + 0.2 + 0.75
+    assert cm.iteration_time_interleaved(t, pp, 8, v, 0.5, 0.25)[0] == pytest.approx(expected)
+
+
+def _one_device_cluster():
+    from memx_launch.specs import ClusterSpec
+    return ClusterSpec.from_dict({"version": 1, "device_types": {
+        "gpu": {"memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}},
+        "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 300}]})

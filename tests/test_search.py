@@ -1,0 +1,126 @@
+"""The search: layouts, layer balancing, recompute policy, Phi, pruning and the Table 1 case."""
+
+import os
+
+import numpy as np
+import pytest
+
+from memx_launch import costmodel as cm
+from memx_launch.errors import ConfigError, NoFeasiblePlanError
+from memx_launch.search import (SearchSpace, balance_layers, compare_baselines, evaluate_layout,
+                                parse_weights, proportional_split, search)
+from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+
+CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
+
+
+def cluster(name):
+    return ClusterSpec.from_yaml(os.path.join(CLUSTERS, name + ".yaml"))
+
+
+def test_table1_memory_asymmetry_case():
+    """Paper Table 1: the compute-proportional split overflows the 32 GB part, the
+    memory-proportional split fits but is slow, memx's plan fits and is faster."""
+    model = get_model("llama2-7b")
+    choices = compare_baselines(model, cluster("table1-2vendor"), TrainingSpec(global_batch_size=64))
+    by_compute, by_memory, memx = (choices["compute-proportional"], choices["memory-proportional"],
+                                   choices["memx"])
+    overflow = [s for s in by_compute.stages if s.predicted_peak_memory_gib > s.memory_capacity_gib]
+    assert overflow and {s.device_type for s in overflow} == {"vendor-x-32gb"}
+    for plan in (by_memory, memx):
+        assert all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
+    assert memx.predicted_iteration_time_s < by_memory.predicted_iteration_time_s
+    # The small fast part recomputes, the big one keeps (some of) its activations.
+    x_levels = {s.recompute for s in memx.stages if s.device_type == "vendor-x-32gb"}
+    y_levels = {s.recompute for s in memx.stages if s.device_type == "vendor-y-64gb"}
+    assert max(map(cm.RECOMPUTE_LEVELS.index, x_levels)) >= max(map(cm.RECOMPUTE_LEVELS.index, y_levels))
+
+
+def test_paper_cluster_plans_are_feasible_ranked_and_uneven():
+    model = get_model("llama2-7b")
+    result = search(model, cluster("paper-20gpu"), TrainingSpec(global_batch_size=64), top_k=5)
+    phis = [p.objective.phi for p in result.plans]
+    assert phis == sorted(phis)
+    for plan in result.plans:
+        assert sum(s.num_layers for s in plan.stages) == 32
+        assert all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
+        assert plan.tp * plan.pp * plan.dp == 20
+        for stage in plan.stages:  # a stage never mixes device types
+            assert len({cluster("paper-20gpu").rank_device_types()[r] for r in stage.ranks}) == 1
+    assert len({s.num_layers for s in result.best.stages}) > 1
+    assert result.profile == "default"
+    stats = result.stats
+    assert stats.cache_misses > 0 and stats.cache_hits > 100 * stats.cache_misses
+    assert stats.enumerated == stats.evaluated + stats.pruned_memory + stats.pruned_time + \
+        stats.pruned_schedule + stats.pruned_batch
+    # The Pareto front trades time for variance: sorted by time, variance strictly falls.
+    times = [p.predicted_iteration_time_s for p in result.pareto]
+    variances = [p.predicted_memory_variance for p in result.pareto]
+    assert variances == sorted(variances, reverse=True) and len(set(variances)) == len(variances)
+
+
+def test_weights_change_the_winner_towards_time():
+    model, c, t = get_model("llama2-7b"), cluster("paper-20gpu"), TrainingSpec(global_batch_size=64)
+    time_only = search(model, c, t, weights=(1, 0, 0), top_k=1).best
+    balanced = search(model, c, t, weights=(0, 0, 1), top_k=1).best
+    assert time_only.predicted_iteration_time_s <= balanced.predicted_iteration_time_s
+    assert balanced.predicted_memory_variance <= time_only.predicted_memory_variance
+
+
+def test_time_budget_is_honoured():
+    model = get_model("llama3-70b")
+    space = SearchSpace(micro_batch_sizes=(1, 2, 4, 8, 16), seq_lens=(2048, 4096, 8192), time_prune_factor=1e9)
+    result = search(model, cluster("hetero-1024"), TrainingSpec(global_batch_size=2048, seq_len=8192,
+                    distributed_optimizer=True), space=space, time_budget_s=1.0)
+    assert result.stats.budget_exhausted and result.plans
+    assert result.stats.evaluated < result.stats.enumerated
+    # One group of candidates may finish after the deadline, nothing more.
+    assert result.stats.seconds < 2.0
+
+
+def test_nothing_fits_lists_closest_with_shortfall():
+    with pytest.raises(NoFeasiblePlanError) as err:
+        search(get_model("llama3-70b"), cluster("v100-t4"), TrainingSpec(global_batch_size=8))
+    assert err.value.closest and "short" in err.value.closest[0] and "GiB" in err.value.closest[0]
+
+
+def test_balance_layers_respects_memory_and_balances_time():
+    t_layer = np.array([[1.0, 2.0]])
+    layers, ok = balance_layers(t_layer, np.zeros(2), np.array([[100.0, 100.0]]), 30)
+    assert ok[0] and layers.tolist() == [[20, 10]]
+    layers, ok = balance_layers(t_layer, np.zeros(2), np.array([[12.0, 100.0]]), 30)
+    assert ok[0] and layers.tolist() == [[12, 18]]
+    _, ok = balance_layers(t_layer, np.zeros(2), np.array([[12.0, 10.0]]), 30)
+    assert not ok[0]
+
+
+def test_proportional_split_adds_up():
+    assert proportional_split(np.array([70.0, 86.0]), 32).tolist() == [14, 18]
+    assert proportional_split(np.array([32.0, 64.0]), 32).sum() == 32
+
+
+def test_evaluate_layout_reproduces_the_searched_plan():
+    model, c, t = get_model("llama2-7b"), cluster("paper-20gpu"), TrainingSpec(global_batch_size=64)
+    plan = search(model, c, t, top_k=1).best
+    refs = tuple(plan.objective.terms[k] for k in ("T_ref", "M_ref", "V_ref"))
+    again = evaluate_layout(model, c, t, tp=plan.tp, pp=plan.pp, dp=plan.dp,
+                            micro_batch_size=plan.micro_batch_size,
+                            layers_per_stage=[s.num_layers for s in plan.stages],
+                            recompute=[s.recompute for s in plan.stages],
+                            stage_devices=[s.device_type for s in plan.stages], schedule=plan.schedule,
+                            virtual_stages=plan.virtual_stages, references=refs, weights=plan.objective.weights)
+    assert again.predicted_iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
+    assert again.objective.phi == pytest.approx(plan.objective.phi)
+    for a, b in zip(again.stages, plan.stages):
+        assert a.predicted_peak_memory_gib == pytest.approx(b.predicted_peak_memory_gib)
+        assert a.ranks == b.ranks
+
+
+def test_bad_layouts_are_rejected_with_the_field():
+    model, c, t = get_model("llama2-7b"), cluster("paper-20gpu"), TrainingSpec(global_batch_size=64)
+    with pytest.raises(ConfigError, match="--tp/--pp/--dp"):
+        evaluate_layout(model, c, t, tp=1, pp=3, dp=1, micro_batch_size=1)
+    with pytest.raises(ConfigError, match="--global-batch-size"):
+        evaluate_layout(model, c, TrainingSpec(global_batch_size=10), tp=1, pp=5, dp=4, micro_batch_size=4)
+    with pytest.raises(ConfigError, match="--weights"):
+        parse_weights("1,2")
