@@ -103,22 +103,44 @@ def megatron_args(plan: Plan) -> Export:
     args += recompute_args
     notes += recompute_notes
     if len({s.device_type for s in plan.stages}) > 1:
-        notes.append("stages run on different device types; Megatron-LM itself does not know, the "
-                     "placement comes from the rank order of the torchrun commands")
+        notes.append("stages run on different device types: start Megatron with the torchrun lines "
+                     "made for it, whose node order puts each stage on its devices")
     return Export(args, notes)
 
 
 # --------------------------------------------------------------------------- torchrun
 
 
+def megatron_node_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
+    """Node indices in the order Megatron needs them.
+
+    Megatron gives pipeline rank ``r // (tp * dp)`` to global rank ``r``, so stage 0's
+    devices must come first. Nodes are reordered (their ranks keep their order inside the
+    node) so that the stages' ranks, listed stage by stage, become 0..world_size-1.
+    """
+    wanted = {r: i for i, r in enumerate(r for s in plan.stages for r in s.ranks)}
+    firsts, start = [], 0
+    for index, node in enumerate(cluster.nodes):
+        ranks = range(start, start + node.num_devices)
+        start += node.num_devices
+        positions = [wanted[r] for r in ranks]
+        if positions != list(range(positions[0], positions[0] + len(positions))):
+            raise ConfigError("plan.stages", f"the stages split {node.name} in a way Megatron's rank order "
+                              "cannot follow", "use memx-run, which places stages on any ranks")
+        firsts.append((positions[0], index))
+    return [index for _, index in sorted(firsts)]
+
+
 def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args: list[str] = (),
                       *, master_addr: str = "localhost", master_port: int = DEFAULT_MASTER_PORT,
-                      plan_path: str | None = None) -> list[Export]:
-    """One ``torchrun`` command per node of the cluster, in node order.
+                      for_megatron: bool = False) -> list[Export]:
+    """One ``torchrun`` command per node of the cluster.
 
-    The static rendezvous with ``--node-rank`` keeps global ranks in the cluster file's
-    order (ranks are handed out by cumulative ``--nproc-per-node``), which is the order the
-    plan's stages were placed in; nodes may have different device counts.
+    The static rendezvous with ``--node-rank`` fixes the global rank order (ranks are handed
+    out by cumulative ``--nproc-per-node`` in node-rank order), and nodes may have different
+    device counts. For memx's runtime the nodes keep the cluster file's order, which is the
+    order the plan's ranks refer to; ``for_megatron`` reorders them so that pipeline stages
+    take consecutive global ranks (:func:`megatron_node_order`).
     """
     if cluster.world_size != plan.world_size:
         raise ConfigError("--cluster", f"{cluster.name} has {cluster.world_size} devices but the "
@@ -130,18 +152,16 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args
             raise ConfigError(f"plan.stages[{i}].ranks", f"rank {wrong[0]} is a {ranks[wrong[0]]} "
                               f"in {cluster.name}, not a {stage.device_type}",
                               "pass the cluster the plan was made for")
-    exports = []
+    order = megatron_node_order(plan, cluster) if for_megatron else list(range(len(cluster.nodes)))
     nnodes = len(cluster.nodes)
-    for node_rank, node in enumerate(cluster.nodes):
+    exports = []
+    for node_rank, index in enumerate(order):
+        node = cluster.nodes[index]
         args = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(node.num_devices),
                 "--node-rank", str(node_rank), "--rdzv-backend", "static",
                 "--master-addr", master_addr, "--master-port", str(master_port),
                 script, *script_args]
-        notes = [f"run on {node.name}"] if nnodes > 1 else []
-        if plan_path:
-            notes.append(f"export MEMX_PLAN={shlex.quote(plan_path)} (and the other MEMX_* variables) "
-                         "so the script can read the plan")
-        exports.append(Export(args, notes))
+        exports.append(Export(args, [f"run on {node.name}"] if nnodes > 1 else []))
     return exports
 
 

@@ -125,3 +125,16 @@ def test_env_describes_every_stage():
     assert env["MEMX_STAGE_DEVICE_TYPES"] == "vendor-x-32gb,vendor-y-64gb"
     assert (env["MEMX_TP"], env["MEMX_PP"], env["MEMX_DP"]) == ("1", "2", "8")
     assert env["MEMX_NUM_MICROBATCHES"] == "8"
+
+
+def test_megatron_node_order_puts_each_stage_on_consecutive_ranks():
+    run = pytest.importorskip("torch.distributed.run")
+    cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    plan = make_plan(devices=("vendor-y-64gb", "vendor-x-32gb"))  # Y first in the pipeline
+    plan.stages[0].ranks, plan.stages[1].ranks = list(range(8, 16)), list(range(8))
+    commands = torchrun_commands(plan, cluster, "train.py", for_megatron=True)
+    parsed = [run.get_args_parser().parse_args(c.args[1:]) for c in commands]
+    assert [c.notes[0] for c in commands] == ["run on y-node", "run on x-node"]
+    assert [p.node_rank for p in parsed] == [0, 1]
+    # memx's own runtime keeps the cluster file's order, which the plan's ranks refer to.
+    assert [c.notes[0] for c in torchrun_commands(plan, cluster, "train.py")] == ["run on x-node", "run on y-node"]

@@ -1,0 +1,287 @@
+"""The ``memx`` command: ``plan``, ``estimate`` and ``export``.
+
+One ``add_<name>_command(subparsers)`` and one ``run_<name>(args) -> int`` per subcommand;
+adding one means writing that pair and listing the first in ``COMMANDS``. Every
+:class:`~memx_launch.errors.MemxError` becomes one ``memx: error: ...`` line on stderr and
+its exit code (2, or 3 when nothing fits). Nothing here imports torch: planning and
+estimating run on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
+from memx_launch.plan import Plan, write_json_atomic
+from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the same one-line error format as every other memx error."""
+
+    def error(self, message):
+        self.exit(2, f"memx: error: {message} (see '{self.prog} --help')\n")
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required, help="catalog name (e.g. llama2-7b) or a Hugging Face config.json")
+    p.add_argument("--cluster", required=required, help="cluster YAML file (see examples/clusters/)")
+    p.add_argument("--global-batch-size", "--global_batch_size", type=int, help="sequences per iteration")
+    p.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON (atomically)")
+    p.add_argument("--force", action="store_true", help="overwrite existing output files")
+
+
+def _training(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec:
+    base = defaults or TrainingSpec(seq_len=model.seq_len)
+    return TrainingSpec(global_batch_size=args.global_batch_size or base.global_batch_size,
+                        seq_len=args.seq_len or base.seq_len, dtype=base.dtype, optimizer=base.optimizer,
+                        distributed_optimizer=base.distributed_optimizer)
+
+
+def _check_new_file(path: str | None, flag: str, force: bool) -> None:
+    """Refuse before any work is done, not after a long search."""
+    if path and os.path.exists(path) and not force:
+        raise ConfigError(flag, f"{path} already exists", "pass --force to overwrite or choose another path")
+
+
+def _cost_model(args, model, cluster, training):
+    if not getattr(args, "profile_db", None):
+        return None
+    if not os.path.exists(args.profile_db):
+        raise ConfigError("--profile-db", f"{args.profile_db} does not exist", "run memx profile first")
+    from memx_launch.predictor import load_cost_model
+
+    return load_cost_model(args.profile_db, model, cluster, training)
+
+
+def _progress(args):
+    if args.quiet:
+        return None
+    from memx_launch.search import progress_to_stderr
+
+    return progress_to_stderr
+
+
+def _csv(text: str | None, cast=str, flag: str = "") -> list | None:
+    if text is None:
+        return None
+    try:
+        return [cast(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(flag, f"expected a comma-separated list, got {text!r}", "e.g. 8,24") from None
+
+
+# --------------------------------------------------------------------------- memx plan
+
+
+def add_plan_command(sub) -> None:
+    p = sub.add_parser("plan", help="search the best parallel layout for a model on a cluster",
+                       description="Search TP x PP x DP layouts, uneven layer splits, per-stage recompute and "
+                                   "schedules; rank them by the memory-aware objective Phi.")
+    _add_target_args(p)
+    p.add_argument("--objective", choices=("default", "safety", "throughput"),
+                   help="weight profile for Phi (default: chosen from the cluster and the memory margin)")
+    p.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights, overriding --objective")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="how many ranked plans to show (default 5)")
+    _add_output_args(p)
+    p.add_argument("--plot", metavar="PATH.png", help="write the time vs memory-variance Pareto plot")
+    p.add_argument("--compare", action="store_true",
+                   help="also show what compute-proportional, memory-proportional and time-only planners pick")
+    p.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S",
+                   help="stop the search after S seconds and report the best found")
+    p.add_argument("--profile-db", "--profile_db", metavar="FILE",
+                   help="use the learned predictor fitted on this profile database")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(handler=run_plan)
+
+
+def run_plan(args) -> int:
+    from memx_launch import report
+    from memx_launch.search import compare_baselines, parse_weights, search
+
+    if args.top < 1:
+        raise ConfigError("--top", f"must be at least 1, got {args.top}", "e.g. --top 5")
+    if args.search_budget_s is not None and args.search_budget_s <= 0:
+        raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ConfigError("--plot", f"{args.plot} is not a .png path", "e.g. --plot pareto.png")
+    _check_new_file(args.json, "--json", args.force)
+    _check_new_file(args.plot, "--plot", args.force)
+    model = get_model(args.model)
+    cluster = ClusterSpec.from_yaml(args.cluster)
+    training = _training(args, model)
+    weights = parse_weights(args.weights) if args.weights else None
+    cost_model = _cost_model(args, model, cluster, training)
+
+    result = search(model, cluster, training, cost_model=cost_model, objective=args.objective, weights=weights,
+                    time_budget_s=args.search_budget_s, top_k=args.top, progress=_progress(args))
+    print(report.plan_report(result, cluster))
+    print(report.search_stats_line(result.stats), file=sys.stderr)
+    if args.compare:
+        baselines = compare_baselines(model, cluster, training, cost_model=cost_model,
+                                      objective=args.objective, weights=weights)
+        print("\ncompared in the same cost model:")
+        print(report.compare_table(baselines))
+    if args.json:
+        result.best.save(args.json, overwrite=args.force)
+        print(f"plan written to {args.json}", file=sys.stderr)
+    if args.plot:
+        report.pareto_plot(result, args.plot, overwrite=args.force, emulated=cluster.is_emulated)
+        print(f"Pareto plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- memx estimate
+
+
+_LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch_size", "recompute", "layers_per_stage", "stage_devices",
+                 "schedule", "virtual_stages", "model", "global_batch_size", "seq_len")
+
+
+def add_estimate_command(sub) -> None:
+    p = sub.add_parser("estimate", help="predict memory and time of a layout you already have",
+                       description="Will it fit? Predicted memory per stage against capacity, stage and "
+                                   "iteration time, and Phi, for a given layout or a plan file.")
+    _add_target_args(p, required=False)
+    p.add_argument("--plan", metavar="FILE", help="a plan JSON (from memx plan --json) instead of layout flags")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--dp", type=int)
+    p.add_argument("--micro-batch-size", "--micro_batch_size", type=int)
+    p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none")
+    p.add_argument("--layers-per-stage", "--layers_per_stage", help="uneven split, e.g. 8,24")
+    p.add_argument("--stage-devices", "--stage_devices", help="device type of each stage, e.g. a100-80gb,t4-16gb")
+    p.add_argument("--schedule", choices=("1f1b", "interleaved"))
+    p.add_argument("--virtual-stages", "--virtual_stages", type=int)
+    p.add_argument("--weights", metavar="wT,wM,wV", help="Phi weights (default: the heterogeneous profile)")
+    _add_output_args(p)
+    p.set_defaults(handler=run_estimate)
+
+
+def run_estimate(args) -> int:
+    from memx_launch import report
+    from memx_launch.search import evaluate_layout, parse_weights
+
+    _check_new_file(args.json, "--json", args.force)
+    if not args.cluster:
+        raise ConfigError("--cluster", "missing", "pass the cluster YAML the layout runs on")
+    cluster = ClusterSpec.from_yaml(args.cluster)
+    weights = parse_weights(args.weights) if args.weights else None
+    if args.plan:
+        given = [f"--{f.replace('_', '-')}" for f in _LAYOUT_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise ConfigError(given[0], "cannot be combined with --plan", "the plan file fixes the layout")
+        handed = Plan.load(args.plan)
+        model = handed.model_spec
+        training = TrainingSpec(global_batch_size=handed.global_batch_size, seq_len=handed.seq_len)
+        o = handed.objective
+        references = tuple(o.terms[k] for k in ("T_ref", "M_ref", "V_ref")) if "T_ref" in o.terms else None
+        plan = evaluate_layout(model, cluster, training, tp=handed.tp, pp=handed.pp, dp=handed.dp,
+                               micro_batch_size=handed.micro_batch_size,
+                               layers_per_stage=[s.num_layers for s in handed.stages],
+                               recompute=[s.recompute for s in handed.stages],
+                               stage_devices=[s.device_type for s in handed.stages],
+                               schedule=handed.schedule, virtual_stages=handed.virtual_stages,
+                               weights=weights or o.weights, references=references)
+        plan.objective.profile = o.profile if weights is None else "custom"
+    else:
+        missing = [f"--{f.replace('_', '-')}" for f in ("model", "tp", "pp", "dp", "micro_batch_size")
+                   if getattr(args, f) is None]
+        if missing:
+            raise ConfigError(missing[0], "missing", "give --model, --tp, --pp, --dp and --micro-batch-size, "
+                              "or --plan FILE")
+        model = get_model(args.model)
+        training = _training(args, model)
+        for flag in ("tp", "pp", "dp", "micro_batch_size"):
+            if getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')}", f"must be at least 1, got {getattr(args, flag)}")
+        plan = evaluate_layout(model, cluster, training, tp=args.tp, pp=args.pp, dp=args.dp,
+                               micro_batch_size=args.micro_batch_size,
+                               layers_per_stage=_csv(args.layers_per_stage, int, "--layers-per-stage"),
+                               recompute=args.recompute, stage_devices=_csv(args.stage_devices),
+                               schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
+                               weights=weights)
+    print(report.estimate_report(plan, cluster))
+    if args.json:
+        plan.save(args.json, overwrite=args.force)
+        print(f"estimate written to {args.json}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- memx export
+
+
+def add_export_command(sub) -> None:
+    p = sub.add_parser("export", help="a plan as Megatron-LM arguments, torchrun lines and MEMX_* variables")
+    p.add_argument("--plan", required=True, metavar="FILE", help="plan JSON from memx plan --json")
+    p.add_argument("--cluster", help="cluster YAML; needed for the per-node torchrun lines")
+    p.add_argument("--script", default="train.py", help="training script for the torchrun lines")
+    p.add_argument("--master-addr", "--master_addr", default="localhost")
+    p.add_argument("--master-port", "--master_port", type=int, default=29500)
+    p.set_defaults(handler=run_export)
+
+
+def run_export(args) -> int:
+    from memx_launch import exporters
+
+    plan = Plan.load(args.plan)
+    megatron = exporters.megatron_args(plan)
+    print("# Megatron-LM arguments")
+    print(megatron.command_line())
+    for note in megatron.notes:
+        print(f"# note: {note}")
+    print("\n# environment for the training script")
+    print("\n".join(exporters.env_lines(exporters.plan_env(plan, os.path.abspath(args.plan)))))
+    if args.cluster:
+        cluster = ClusterSpec.from_yaml(args.cluster)
+        for title, for_megatron in (("memx's runtime (the plan's rank order)", False),
+                                    ("Megatron-LM (stages on consecutive ranks)", True)):
+            print(f"\n# torchrun for {title}, one line per node")
+            for cmd in exporters.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
+                                                   master_port=args.master_port, for_megatron=for_megatron):
+                print(f"{cmd.command_line()}" + (f"  # {cmd.notes[0]}" if cmd.notes else ""))
+    return 0
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+COMMANDS = [add_plan_command, add_estimate_command, add_export_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memx", description="Memory-aware parallelism planning for heterogeneous GPU clusters.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(
+        c.__name__[len("add_"):-len("_command")] for c in COMMANDS) + "}", parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except NoFeasiblePlanError as exc:
+        print(f"memx: error: {exc}", file=sys.stderr)
+        if exc.closest:
+            print("closest candidates (GiB short per device):", file=sys.stderr)
+            for text in exc.closest:
+                print(f"  {text}", file=sys.stderr)
+        return exc.exit_code
+    except MemxError as exc:
+        print(f"memx: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

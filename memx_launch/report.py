@@ -1,0 +1,198 @@
+"""What memx prints: plan tables, why the winner won, the --compare table, estimates, the
+Pareto plot. Text in, text out (the plot is the one file written); no torch import.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from memx_launch.errors import ConfigError
+from memx_launch.plan import Plan
+from memx_launch.specs import ClusterSpec
+
+EMULATION_NOTE = ("EMULATED cluster: devices are CPU processes with a memory guard and a compute "
+                  "slowdown, not real GPUs; predictions describe the emulated devices")
+
+
+def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    """Aligned plain-text table; columns in ``right`` are right-aligned (numbers)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+
+    def line(cells):
+        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3,8'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r != start else f"{r}")
+            start = None
+    return ",".join(out)
+
+
+def layout_summary(plan: Plan) -> str:
+    sched = plan.schedule if plan.schedule == "1f1b" else f"{plan.schedule} v={plan.virtual_stages}"
+    return (f"tp={plan.tp} pp={plan.pp} dp={plan.dp} mbs={plan.micro_batch_size} "
+            f"seq={plan.seq_len} {sched}")
+
+
+def header(cluster: ClusterSpec, model: str) -> list[str]:
+    counts = ", ".join(f"{n} x {t}" for t, n in cluster.type_counts().items())
+    lines = [f"model {model} on {cluster.name}: {cluster.world_size} devices ({counts})"]
+    if cluster.is_emulated:
+        lines.append(EMULATION_NOTE)
+    return lines
+
+
+def stage_rows(plan: Plan) -> list[list[str]]:
+    rows = []
+    for i, s in enumerate(plan.stages):
+        cap = s.memory_capacity_gib
+        if cap:
+            margin = cap - s.predicted_peak_memory_gib
+            fits = "fits" if margin >= 0 else f"OOM by {-margin:.1f} GiB"
+            mem = f"{s.predicted_peak_memory_gib:.1f} / {cap:.0f} GiB ({s.predicted_peak_memory_gib / cap:.0%})"
+        else:
+            fits, mem = "?", f"{s.predicted_peak_memory_gib:.1f} GiB"
+        rows.append([str(i), s.device_type, rank_ranges(s.ranks), str(s.num_layers), s.recompute,
+                     mem, fits, f"{s.predicted_stage_time_s * 1e3:.1f}"])
+    return rows
+
+
+STAGE_HEADERS = ["stage", "device", "ranks", "layers", "recompute", "memory (peak / capacity)",
+                 "verdict", "stage ms"]
+
+
+def stage_table(plan: Plan) -> str:
+    return table(STAGE_HEADERS, stage_rows(plan), right={0, 3, 7})
+
+
+def plans_table(plans: list[Plan]) -> str:
+    """One line per ranked plan."""
+    rows = []
+    for k, p in enumerate(plans, 1):
+        rows.append([str(k), f"{p.objective.phi:.3f}", f"{p.predicted_iteration_time_s:.2f}",
+                     f"{p.predicted_peak_memory_fraction:.0%}", f"{p.predicted_memory_variance:.4f}",
+                     layout_summary(p),
+                     ":".join(str(s.num_layers) for s in p.stages),
+                     ",".join(_short_level(s.recompute) for s in p.stages)])
+    return table(["#", "phi", "iter s", "peak mem", "mem var", "layout", "layers", "recompute"],
+                 rows, right={0, 1, 2, 3, 4})
+
+
+def _short_level(level: str) -> str:
+    return {"none": "-", "selective": "sel", "full": "full"}.get(level, level)
+
+
+def why_line(plan: Plan, reason: str = "") -> str:
+    """The winner's Phi as the product of its three normalised terms."""
+    o = plan.objective
+    w_t, w_m, w_v = o.weights
+    t, m, v = (o.terms.get(k, float("nan")) for k in ("T", "M", "V"))
+    line = (f"why it won: phi={o.phi:.3f} = T {t:.3f}^{w_t:.2f} x M {m:.3f}^{w_m:.2f} x V {v:.3f}^{w_v:.2f} "
+            f"(terms relative to the medians of the feasible candidates); profile '{o.profile}' "
+            f"(wT,wM,wV = {w_t:.2f},{w_m:.2f},{w_v:.2f})")
+    return line + (f": {reason}" if reason else "")
+
+
+def plan_report(result, cluster: ClusterSpec) -> str:
+    """``memx plan`` output: the ranked plans, the winner's stages, why it won."""
+    best = result.plans[0]
+    lines = header(cluster, best.model)
+    lines += ["", f"top {len(result.plans)} plans (lower phi is better):", plans_table(result.plans), "",
+              f"winner: {layout_summary(best)}, predicted iteration {best.predicted_iteration_time_s:.2f} s, "
+              f"{best.num_microbatches} micro-batches",
+              stage_table(best), "", why_line(best, result.reason)]
+    return "\n".join(lines)
+
+
+def search_stats_line(stats) -> str:
+    s = stats
+    cut = " (time budget reached: search cut short)" if s.budget_exhausted else ""
+    return (f"search: {s.enumerated} configurations enumerated, {s.evaluated} evaluated, {s.feasible} feasible, "
+            f"pruned {s.pruned_memory} by memory, {s.pruned_time} by time, "
+            f"{s.pruned_schedule + s.pruned_batch} by schedule/batch; cache {s.cache_hits} hits / "
+            f"{s.cache_misses} misses; {s.seconds:.2f} s{cut}")
+
+
+def compare_table(baselines: dict[str, Plan | None]) -> str:
+    """The same cost model's verdict on what other planners would pick."""
+    rows = []
+    for name, p in baselines.items():
+        if p is None:
+            rows.append([name, "-", "-", "-", "-", "no layout", ""])
+            continue
+        over = [s.predicted_peak_memory_gib - s.memory_capacity_gib for s in p.stages
+                if s.memory_capacity_gib and s.predicted_peak_memory_gib > s.memory_capacity_gib]
+        oom = f"yes, {max(over):.1f} GiB over" if over else "no"
+        rows.append([name, f"{p.predicted_iteration_time_s:.2f}", f"{p.predicted_peak_memory_fraction:.0%}",
+                     f"{p.predicted_memory_variance:.4f}", oom,
+                     ":".join(str(s.num_layers) for s in p.stages),
+                     layout_summary(p) + " " + ",".join(_short_level(s.recompute) for s in p.stages)])
+    return table(["strategy", "iter s", "peak mem", "mem var", "OOM", "layers", "layout, recompute"],
+                 rows, right={1, 2, 3})
+
+
+def estimate_report(plan: Plan, cluster: ClusterSpec) -> str:
+    """``memx estimate``: will it fit, how long does it take, what is its Phi."""
+    lines = header(cluster, plan.model)
+    short = [(i, s.predicted_peak_memory_gib - s.memory_capacity_gib) for i, s in enumerate(plan.stages)
+             if s.memory_capacity_gib and s.predicted_peak_memory_gib > s.memory_capacity_gib]
+    verdict = ("fits: every stage is under its capacity" if not short else
+               "OOM: " + ", ".join(f"stage {i} short {gib:.1f} GiB per device" for i, gib in short))
+    o = plan.objective
+    lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches",
+              stage_table(plan), "",
+              f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
+              f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "
+              f"{plan.predicted_memory_variance:.4f}",
+              f"phi={o.phi:.3f} (T {o.terms.get('T', float('nan')):.3f}, M {o.terms.get('M', float('nan')):.3f}, "
+              f"V {o.terms.get('V', float('nan')):.3f}; weights {','.join(f'{w:.2f}' for w in o.weights)})",
+              verdict]
+    return "\n".join(lines)
+
+
+def pareto_plot(result, path: str, overwrite: bool = False, emulated: bool = False) -> None:
+    """Iteration time against memory variance: ranked plans, the Pareto front, the winner."""
+    if os.path.exists(path) and not overwrite:
+        raise ConfigError("--plot", f"{path} already exists", "pass --force to overwrite or choose another path")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ranked = result.plans
+    ax.scatter([p.predicted_iteration_time_s for p in ranked], [p.predicted_memory_variance for p in ranked],
+               s=18, color="0.6", label=f"top {len(ranked)} by phi")
+    front = sorted(result.pareto, key=lambda p: p.predicted_iteration_time_s)
+    ax.plot([p.predicted_iteration_time_s for p in front], [p.predicted_memory_variance for p in front],
+            "o-", color="tab:blue", ms=4, label="Pareto front")
+    best = ranked[0]
+    ax.scatter([best.predicted_iteration_time_s], [best.predicted_memory_variance], s=140, marker="*",
+               color="tab:red", zorder=3, label=f"winner ({layout_summary(best)})")
+    ax.set_xlabel("predicted iteration time (s)")
+    ax.set_ylabel("variance of per-device memory fraction")
+    title = f"{best.model} on {best.cluster}" + (" (emulated)" if emulated else "")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,122 @@
+"""Specs: the model catalog, cluster files (good and bad), training settings."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.specs import ClusterSpec, ModelSpec, TrainingSpec, get_model
+
+CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
+
+GOOD = """
+version: 1
+device_types:
+  big: {memory_gib: 80, peak_tflops: 312}
+  small: {memory_gib: 16, peak_tflops: 65, flash_attention: false}
+nodes:
+  - {devices: {big: 2}, intra_node_gbps: 300}
+  - {devices: {small: 2}, intra_node_gbps: 12}
+inter_node_gbps: 12.5
+"""
+
+
+def write(tmp_path, text, name="cluster.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_catalog_matches_the_published_shapes():
+    m = get_model("llama2-7b")
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.vocab_size, m.seq_len) == (32, 4096, 32, 32000, 4096)
+    assert 6.7e9 < m.total_params < 6.8e9  # 6.74 B
+    m = get_model("llama3-70b")
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.vocab_size) == (80, 8192, 64, 8, 128256)
+    assert 70.4e9 < m.total_params < 70.8e9  # 70.6 B
+    assert get_model("llama-tiny").total_params < 2e6
+
+
+def test_unknown_model_suggests_nearest_names():
+    with pytest.raises(ConfigError, match=r"--model: unknown model 'llama2-7B'; did you mean llama2-7b"):
+        get_model("llama2-7B")
+
+
+def test_hf_config_json(tmp_path):
+    cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192,
+           "hidden_act": "silu"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    m = get_model(str(tmp_path))
+    assert m.signature() == get_model("llama3-8b").signature()
+
+
+def test_every_example_cluster_loads():
+    files = sorted(glob.glob(os.path.join(CLUSTERS, "*.yaml")))
+    assert len(files) >= 4
+    for path in files:
+        assert ClusterSpec.from_yaml(path).world_size > 0
+
+
+def test_paper_cluster_keeps_table3_ratios_and_links():
+    c = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "paper-20gpu.yaml"))
+    assert c.type_counts() == {"a100-80gb": 4, "vendor-b-32gb": 8, "vendor-c-32gb": 8}
+    eff = {d.name: d.effective_tflops for d in c.device_types}
+    assert eff["vendor-b-32gb"] / eff["a100-80gb"] == pytest.approx(99 / 128, rel=1e-3)
+    assert eff["vendor-c-32gb"] / eff["a100-80gb"] == pytest.approx(46 / 128, rel=1e-3)
+    assert c.link_gbps(0, 1) == 240          # A100 NVLink
+    assert c.link_gbps(4, 5) == 17           # same NUMA domain
+    assert c.link_gbps(4, 8) == 12           # across NUMA
+    assert c.link_gbps(0, 4) == 28           # between nodes
+
+
+def test_table1_cluster_reaches_the_measured_standalone_rates():
+    c = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    eff = {d.name: d.effective_tflops for d in c.device_types}
+    assert eff["vendor-x-32gb"] == pytest.approx(70, rel=1e-3)
+    assert eff["vendor-y-64gb"] == pytest.approx(86, rel=1e-3)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("version: 1\ndevice_types: [unclosed", r"--cluster: .* is not valid YAML at line"),
+    (GOOD.replace("inter_node_gbps", "inter_node_gbs"), r"cluster.inter_node_gbs: unknown key; did you mean 'inter_node_gbps'"),
+    (GOOD.replace("memory_gib: 80", "memory_gib: 0"), r"device_types.big.memory_gib: must be a positive number, got 0"),
+    (GOOD.replace("memory_gib: 16", "memory_gib: -16"), r"device_types.small.memory_gib: must be a positive number, got -16"),
+    (GOOD.replace("version: 1", "version: 7"), r"cluster.version: expected 1, got 7"),
+    (GOOD.replace("{big: 2}", "{huge: 2}"), r"nodes\[0\].devices.huge: unknown device type"),
+    (GOOD.replace("{small: 2}", "{small: 0}"), r"count must be a positive integer"),
+    ("just a string", r"cluster: the file must be a mapping"),
+])
+def test_bad_cluster_files_name_the_field_and_the_fix(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        ClusterSpec.from_yaml(write(tmp_path, text))
+
+
+def test_missing_cluster_file():
+    with pytest.raises(ConfigError, match=r"--cluster: cannot read 'nope.yaml'"):
+        ClusterSpec.from_yaml("nope.yaml")
+
+
+def test_good_cluster_parses(tmp_path):
+    c = ClusterSpec.from_yaml(write(tmp_path, GOOD))
+    assert c.rank_device_types() == ["big", "big", "small", "small"]
+    assert not c.device_type("small").flash_attention
+    assert c.link_gbps(1, 2) == 12.5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"global_batch_size": 0}, "--global-batch-size"),
+    ({"seq_len": -1}, "--seq-len"),
+    ({"dtype": "fp8"}, "--dtype"),
+])
+def test_bad_training_settings(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainingSpec(**kwargs)
+
+
+def test_model_shape_is_checked():
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        ModelSpec("bad", 2, 128, 4, 3, 256, 100, 32)
