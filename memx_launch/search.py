@@ -39,7 +39,7 @@ WEAK_HETEROGENEITY = 0.10     # compute CV below this counts as (nearly) homogen
 INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B
 SELECTIVE_MIN_SAVING = 0.10   # selective must save this share of what full saves, else binary
 EPS_V_FRACTION = 0.05         # eps_V as a fraction of V_ref
-_BISECTION_STEPS = 40
+_BISECTION_STEPS = 30
 
 
 @dataclass
@@ -289,6 +289,14 @@ class Evaluator:
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
                            T, frac.max(axis=1), frac.var(axis=1), feasible)
 
+    def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
+        """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
+        full = np.full((1, layout.pp), cm.FULL)
+        per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, full)
+        max_layers = np.floor((layout.capacity - fixed) / per_layer)
+        min_layers = v if schedule == "interleaved" else 1
+        return bool((max_layers >= min_layers).all() and max_layers.sum() >= self.model.num_layers)
+
     def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
         """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
         best = levels.copy()
@@ -323,17 +331,20 @@ def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1):
     is taken back from the slowest stages. Rows are independent candidates.
     Returns (layers (C, P) int, feasible (C,) bool).
     """
-    max_layers = np.clip(max_layers, 0, num_layers)
+    max_layers = np.minimum(np.maximum(max_layers, 0), num_layers)
     feasible = (max_layers >= min_layers).all(axis=1) & (max_layers.sum(axis=1) >= num_layers)
-    lo = np.zeros(t_layer.shape[0])
-    hi = (num_layers * t_layer + edge_t).max(axis=1) + 1e-12
+    inv_t = 1.0 / t_layer
+    offset = edge_t * inv_t
+    upper = np.maximum(max_layers, min_layers)
+    lo = np.zeros((t_layer.shape[0], 1))
+    hi = (num_layers * t_layer + edge_t).max(axis=1, keepdims=True) + 1e-12
     for _ in range(_BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        take = np.clip(np.floor((mid[:, None] - edge_t) / t_layer), min_layers, max_layers)
-        enough = take.sum(axis=1) >= num_layers
+        mid = (lo + hi) * 0.5
+        take = np.minimum(np.maximum(np.floor(mid * inv_t - offset), min_layers), upper)
+        enough = take.sum(axis=1, keepdims=True) >= num_layers
         hi = np.where(enough, mid, hi)
         lo = np.where(enough, lo, mid)
-    layers = np.clip(np.floor((hi[:, None] - edge_t) / t_layer), min_layers, max_layers)
+    layers = np.minimum(np.maximum(np.floor(hi * inv_t - offset), min_layers), upper)
     surplus = layers.sum(axis=1) - num_layers
     rows = np.arange(len(layers))
     while (surplus > 0).any():
@@ -452,11 +463,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
             stats.pruned_time += len(policies)
             continue
         # Memory lower bound: full recompute everywhere is the least memory a group can use.
-        full = np.full((1, layout.pp), cm.FULL)
-        floor_result = evaluator.score(layout, mbs, seq, schedule, v, full)
-        if not floor_result.feasible[0]:
+        if not evaluator.fits_with_full_recompute(layout, mbs, seq, schedule, v):
             stats.pruned_memory += len(policies)
-            closest.append(_shortfall(floor_result, cost_model.device_names))
+            full = np.full((1, layout.pp), cm.FULL)
+            closest.append(_shortfall(evaluator.score(layout, mbs, seq, schedule, v, full), cost_model.device_names))
             continue
         result = evaluator.score(layout, mbs, seq, schedule, v, policies)
         stats.evaluated += len(policies)
