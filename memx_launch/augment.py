@@ -1,0 +1,175 @@
+"""Validated interpolation (paper section 3.2.2): more training points from sparse measurements.
+
+Along each line of measurements that differ in one numeric parameter only, each metric (time,
+memory) is checked against a linear fit, classified, and interpolated by the rule its class
+allows:
+
+| trend | test | rule |
+|---|---|---|
+| constant | (max - min) / mean < 5% | fixed value: the mean at every value in range |
+| linear | R^2 >= 0.99 | large steps: the global linear fit at every value in range |
+| approximately linear | 0.95 <= R^2 < 0.99 | small steps: split at the measured points, piecewise linear |
+| superlinear | R^2 < 0.95, monotone | shrink: piecewise power law between neighbours (log-log) |
+| non-monotone | direction changes | skip: no point added |
+
+A point is added only where every measured metric of the line may be interpolated, at the
+values of the profile space strictly between measured ones. No torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from memx_launch.profiledb import Measurement
+
+INTERPOLATED_PARAMETERS = ("micro_batch_size", "seq_len", "tp", "num_kv_heads")
+METRICS = ("time_s", "peak_memory_bytes")
+CONSTANT_CHANGE = 0.05
+LINEAR_R2 = 0.99
+APPROX_LINEAR_R2 = 0.95
+RULES = {"constant": "fixed value", "linear": "large steps", "approximately linear": "small steps (split)",
+         "superlinear": "shrink (piecewise power law)", "non-monotone": "skip"}
+
+
+@dataclass
+class TrendCheck:
+    parameter: str
+    metric: str
+    values: list
+    r2: float
+    trend: str
+    rule: str
+    points_added: int = 0
+
+
+@dataclass
+class Augmentation:
+    points: list[Measurement]
+    checks: list[TrendCheck]
+
+    def summary(self) -> str:
+        """Rules applied per parameter-metric pair, with counts."""
+        table: dict[tuple, list[TrendCheck]] = {}
+        for c in self.checks:
+            table.setdefault((c.parameter, c.metric, c.trend), []).append(c)
+        lines = [f"interpolation: {len(self.points)} points added from {len(self.checks)} checked lines"]
+        for (param, metric, trend), checks in sorted(table.items()):
+            r2 = np.mean([c.r2 for c in checks])
+            lines.append(f"  {param:<17} -> {metric:<17} {trend:<21} mean R^2 {r2:5.3f}  rule: {RULES[trend]:<29}"
+                         f" lines {len(checks):>3}  points {sum(c.points_added for c in checks):>4}")
+        return "\n".join(lines)
+
+
+def parameter_value(record: Measurement, name: str):
+    return record.block_shape["num_kv_heads"] if name == "num_kv_heads" else getattr(record, name)
+
+
+def _with_value(record: Measurement, name: str, value) -> Measurement:
+    if name == "num_kv_heads":
+        return replace(record, block_shape={**record.block_shape, "num_kv_heads": int(value)})
+    return replace(record, **{name: int(value)})
+
+
+def _line_key(record: Measurement, name: str) -> str:
+    fields = {"device_type": record.device_type, "device": record.device, "model": record.model_signature,
+              "shape": {k: v for k, v in record.block_shape.items() if k != name}, "dtype": record.dtype,
+              "software": record.software, "blocks": record.num_blocks, "slowdown": record.emulation_slowdown,
+              "link": record.tp_link_gbps if name != "tp" else None}
+    for p in ("tp", "micro_batch_size", "seq_len", "recompute"):
+        if p != name:
+            fields[p] = getattr(record, p)
+    return json.dumps(fields, sort_keys=True)
+
+
+def classify_trend(x: np.ndarray, y: np.ndarray) -> tuple[str, float]:
+    """(trend, R^2 of the linear fit)."""
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (slope * x + intercept)
+    total = ((y - y.mean()) ** 2).sum()
+    r2 = float(1.0 - (residual**2).sum() / total) if total > 0 else 1.0
+    if (y.max() - y.min()) / abs(y.mean()) < CONSTANT_CHANGE:
+        return "constant", r2
+    if r2 >= LINEAR_R2:
+        return "linear", r2
+    if r2 >= APPROX_LINEAR_R2:
+        return "approximately linear", r2
+    steps = np.sign(np.diff(y))
+    if np.all(steps >= 0) or np.all(steps <= 0):
+        return "superlinear", r2
+    return "non-monotone", r2
+
+
+def _interpolate(trend: str, x: np.ndarray, y: np.ndarray, new_x: np.ndarray) -> np.ndarray:
+    if trend == "constant":
+        return np.full(new_x.shape, y.mean())
+    if trend == "linear":
+        slope, intercept = np.polyfit(x, y, 1)
+        return slope * new_x + intercept
+    if trend == "approximately linear":
+        return np.interp(new_x, x, y)
+    return np.exp(np.interp(np.log(new_x), np.log(x), np.log(y)))  # superlinear
+
+
+def augment_measurements(records: Iterable[Measurement], space_values: dict[str, Sequence] | None = None,
+                         min_points: int = 3) -> Augmentation:
+    """Interpolated records along every line of at least ``min_points`` measured values.
+
+    ``space_values`` gives, per parameter, the values a point may be added at; by default the
+    powers of two (and for KV heads the integers) between the measured extremes.
+    """
+    feasible = [r for r in records if r.feasible and r.time_s]
+    measured_keys = {r.key for r in feasible}
+    points: list[Measurement] = []
+    checks: list[TrendCheck] = []
+    for name in INTERPOLATED_PARAMETERS:
+        lines: dict[str, list[Measurement]] = {}
+        for r in feasible:
+            lines.setdefault(_line_key(r, name), []).append(r)
+        for line in lines.values():
+            by_value = {parameter_value(r, name): r for r in line}
+            if len(by_value) < min_points:
+                continue
+            x = np.array(sorted(by_value), dtype=np.float64)
+            rows = [by_value[v] for v in sorted(by_value)]
+            candidates = _candidate_values(name, x, space_values, rows[0].block_shape["num_heads"])
+            line_checks, interpolated = [], {}
+            for metric in METRICS:
+                y = np.array([getattr(r, metric) or np.nan for r in rows], dtype=np.float64)
+                if not np.all(np.isfinite(y)) or np.any(y <= 0):
+                    continue  # not measured on this line (e.g. time-only public profiles)
+                trend, r2 = classify_trend(x, y)
+                line_checks.append(TrendCheck(name, metric, x.tolist(), r2, trend, RULES[trend]))
+                if trend != "non-monotone":
+                    interpolated[metric] = _interpolate(trend, x, y, candidates)
+            checks += line_checks
+            if len(interpolated) < len(line_checks) or not candidates.size:
+                continue  # a metric of this line may not be interpolated: add nothing
+            added = 0
+            for i, value in enumerate(candidates):
+                point = _with_value(rows[0], name, value)
+                point = replace(point, source=f"interpolated:{name}", time_spread_s=None,
+                                **{m: float(v[i]) for m, v in interpolated.items()})
+                if point.key not in measured_keys:
+                    measured_keys.add(point.key)
+                    points.append(point)
+                    added += 1
+            for c in line_checks:
+                c.points_added = added
+    return Augmentation(points, checks)
+
+
+def _candidate_values(name: str, x: np.ndarray, space_values: dict[str, Sequence] | None,
+                      num_heads: int) -> np.ndarray:
+    lo, hi = x[0], x[-1]
+    if space_values and name in space_values:
+        values = np.array(sorted(space_values[name]), dtype=np.float64)
+    else:
+        values = 2.0 ** np.arange(np.floor(np.log2(lo)), np.ceil(np.log2(hi)) + 1)
+    keep = (values > lo) & (values < hi) & ~np.isin(values, x)
+    if name == "num_kv_heads":  # a KV-head count must divide the query heads
+        keep &= num_heads % values == 0
+    return values[keep]

@@ -1,0 +1,128 @@
+"""Accuracy of predictions against measurements: errors and ranking agreement.
+
+Measurements file (``memx evaluate --measurements FILE``), CSV with a header or JSON (a list
+of row objects, or ``{"rows": [...]}``), one row per configuration:
+
+| column | required | meaning |
+|---|---|---|
+| ``config`` | yes | a name for the configuration (e.g. ``tp2-pp4-dp1-mbs2``) |
+| ``predicted_time_s``, ``measured_time_s`` | yes | iteration (or block) time |
+| ``predicted_memory_bytes``, ``measured_memory_bytes`` | no | peak memory |
+| ``predicted_phi``, ``measured_phi`` | no | objective value (lower is better) |
+
+A top-k hit rate is 1 when the configuration that is best by measurement is among the k best
+by prediction (lower time or Phi is better), else 0. No torch import here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+from scipy.stats import kendalltau, spearmanr
+
+from memx_launch.errors import ConfigError
+
+PAIRS = {"time": ("predicted_time_s", "measured_time_s"),
+         "memory": ("predicted_memory_bytes", "measured_memory_bytes"),
+         "phi": ("predicted_phi", "measured_phi")}
+TOP_K = (1, 3, 5, 10)
+
+
+def percentage_errors(predicted, measured) -> np.ndarray:
+    """|predicted - measured| / measured, in percent."""
+    predicted = np.asarray(predicted, dtype=np.float64)
+    measured = np.asarray(measured, dtype=np.float64)
+    return 100.0 * np.abs(predicted - measured) / np.abs(measured)
+
+
+def error_summary(predicted, measured) -> dict:
+    """MAPE, share of rows under 20% and over 50% error, and the largest error (percent)."""
+    err = percentage_errors(predicted, measured)
+    if err.size == 0:
+        return {"n": 0}
+    return {"n": int(err.size), "mape_pct": float(err.mean()), "under_20pct_share": float((err < 20).mean()),
+            "over_50pct_share": float((err > 50).mean()), "max_error_pct": float(err.max())}
+
+
+def ranking_summary(predicted, measured) -> dict:
+    """Spearman and Kendall correlations and top-k hit rates (lower is better)."""
+    predicted = np.asarray(predicted, dtype=np.float64)
+    measured = np.asarray(measured, dtype=np.float64)
+    out: dict = {"n": int(predicted.size)}
+    if predicted.size >= 2:
+        out["spearman"] = float(spearmanr(predicted, measured).statistic)
+        out["kendall"] = float(kendalltau(predicted, measured).statistic)
+    if predicted.size:
+        best = int(np.argmin(measured))
+        rank_of_best = int(np.sum(predicted < predicted[best]))
+        out.update({f"top{k}_hit": float(rank_of_best < k) for k in TOP_K})
+    return out
+
+
+def evaluate(columns: dict[str, np.ndarray]) -> dict:
+    """Errors for time and memory, rankings for time and Phi, for whichever pairs are present."""
+    report = {}
+    for metric, (pred, meas) in PAIRS.items():
+        if pred in columns and meas in columns:
+            entry = {}
+            if metric != "phi":
+                entry.update(error_summary(columns[pred], columns[meas]))
+            if metric != "memory":
+                entry["ranking"] = ranking_summary(columns[pred], columns[meas])
+            report[metric] = entry
+    return report
+
+
+def load_measurements(path: str) -> dict[str, np.ndarray]:
+    """Read a measurements file (format in this module's docstring) into numeric columns."""
+    try:
+        with open(path, newline="") as f:
+            if path.endswith(".json"):
+                data = json.load(f)
+                rows = data.get("rows") if isinstance(data, dict) else data
+            else:
+                rows = list(csv.DictReader(f))
+    except OSError as exc:
+        raise ConfigError("--measurements", f"cannot read {path!r} ({exc.strerror})",
+                          "pass a CSV or JSON file of predicted vs measured values") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError("--measurements", f"{path} is not valid JSON (line {exc.lineno})", "fix the file") from None
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError("--measurements", f"{path} holds no rows",
+                          "give one row per configuration with predicted_time_s and measured_time_s")
+    columns: dict[str, np.ndarray] = {"config": np.array([str(r.get("config", i)) for i, r in enumerate(rows)])}
+    for pred, meas in PAIRS.values():
+        for name in (pred, meas):
+            if any(r.get(name) not in (None, "") for r in rows):
+                try:
+                    columns[name] = np.array([float(r[name]) for r in rows])
+                except (KeyError, TypeError, ValueError):
+                    raise ConfigError(f"--measurements {path}: {name}", "missing or not a number in some rows",
+                                      "fill the column in every row or drop it") from None
+    for name in PAIRS["time"]:
+        if name not in columns:
+            raise ConfigError(f"--measurements {path}", f"no {name} column",
+                              "add predicted_time_s and measured_time_s (see docs/profiler.md)")
+    if np.any(columns["measured_time_s"] <= 0):
+        raise ConfigError(f"--measurements {path}: measured_time_s", "must be positive in every row")
+    return columns
+
+
+def format_report(report: dict) -> str:
+    """The accuracy table `memx evaluate` prints."""
+    lines = [f"{'metric':<8} {'n':>4} {'MAPE%':>7} {'<20%':>6} {'>50%':>6} {'max%':>7} "
+             f"{'spearman':>8} {'kendall':>8}  top-1/3/5/10"]
+    for metric, entry in report.items():
+        rank = entry.get("ranking", {})
+        n = entry.get("n", rank.get("n", 0))
+
+        def fmt(key, src, scale=1.0, width=7, digits=2):
+            return f"{src[key] * scale:>{width}.{digits}f}" if key in src else f"{'-':>{width}}"
+
+        tops = "/".join(f"{int(rank[f'top{k}_hit'])}" for k in TOP_K) if "top1_hit" in rank else "-"
+        lines.append(f"{metric:<8} {n:>4} {fmt('mape_pct', entry)} {fmt('under_20pct_share', entry, 100, 6, 0)}"
+                     f" {fmt('over_50pct_share', entry, 100, 6, 0)} {fmt('max_error_pct', entry)}"
+                     f" {fmt('spearman', rank, 1, 8, 3)} {fmt('kendall', rank, 1, 8, 3)}  {tops}")
+    return "\n".join(lines)

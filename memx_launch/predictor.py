@@ -1,0 +1,381 @@
+"""Learned per-block costs: one two-output XGBoost model over the analytical model's residual.
+
+The model predicts log(measured / analytical) for the time and the memory of one transformer
+block, so physics carries the trend (linear in micro-batch, 1/TP, s^2 attention) and the trees
+learn only what the formulas miss (kernel efficiency at small shapes, launch overheads,
+allocator slack). Outside the sampled range a tree is flat, and a flat ratio over a physical
+model still extrapolates sensibly.
+
+Hyper-parameters are tuned by a small Gaussian-process Bayesian optimisation with k-fold
+cross-validation. The model is saved as XGBoost UBJ/JSON plus a JSON sidecar holding the
+format version and the signature of its training data; nothing is ever pickled.
+No torch import here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.stats import norm
+
+from memx_launch.costmodel import (FULL, AnalyticalCostModel, LayerCost, allreduce_time,
+                                   tp_link_gbps)
+from memx_launch.errors import ConfigError
+from memx_launch.plan import RECOMPUTE_LEVELS, write_json_atomic
+from memx_launch.profiledb import Measurement
+from memx_launch.specs import (DTYPE_BYTES, ClusterSpec, DeviceType, Emulation, ModelSpec, Node,
+                               TrainingSpec)
+
+PREDICTOR_FORMAT = 1
+VENDOR_CODES = {"nvidia": 1, "amd": 2, "intel": 3, "cpu": 4}
+FEATURE_NAMES = (
+    "memory_gib", "peak_tflops", "memory_bandwidth_gbps", "vendor_code",
+    "tp", "log2_micro_batch", "log2_seq_len", "recompute",
+    "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "gated_mlp", "dtype_bytes",
+    "log2_tokens_x_hidden_per_rank", "log2_analytical_time", "comm_share", "log2_analytical_memory",
+)
+TARGETS = ("time", "memory")
+# Bounds of the tuned hyper-parameters; (name, low, high, log scale, integer).
+_SEARCH_SPACE = (
+    ("max_depth", 2, 7, False, True),
+    ("learning_rate", 0.05, 0.3, True, False),
+    ("subsample", 0.6, 1.0, False, False),
+    ("min_child_weight", 0.5, 8.0, True, False),
+    ("reg_lambda", 0.1, 10.0, True, False),
+)
+# Boosting rounds scale with 1/learning rate so every trial reaches a similar total step.
+_ROUNDS_X_RATE = 20.0
+
+
+# --------------------------------------------------------------------------- features
+
+
+def vendor_code(vendor: str) -> int:
+    return VENDOR_CODES.get(vendor.lower(), 0)
+
+
+def _bandwidth(device: DeviceType) -> float:
+    # Same fallback the analytical model uses when a device gives no HBM bandwidth.
+    return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / 150.0
+
+
+def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute) -> tuple[np.ndarray, LayerCost]:
+    """Feature matrix of queries against one analytical model, and that model's costs."""
+    device = np.asarray(device, dtype=np.int64)
+    tp = np.asarray(tp, dtype=np.float64)
+    mbs = np.asarray(mbs, dtype=np.float64)
+    seq = np.asarray(seq, dtype=np.float64)
+    recompute = np.asarray(recompute, dtype=np.float64)
+    base = cost.layer_costs(device, tp, mbs, seq, recompute)
+    model, types = cost.model, cost.device_types
+    dev = np.array([[d.memory_gib, d.peak_tflops, _bandwidth(d), vendor_code(d.vendor)] for d in types])[device]
+    gbps = np.array([tp_link_gbps(cost.cluster, d.name) for d in types])[device]
+    hidden_bytes = mbs * seq * model.hidden_size * cost.training.dtype_bytes
+    comm = np.where(recompute == FULL, 6.0, 4.0) * allreduce_time(hidden_bytes, tp, gbps)
+    memory = base.activation_bytes + base.working_bytes
+    n = device.shape[0]
+    shape = np.broadcast_to([model.hidden_size, model.num_heads, model.num_kv_heads, model.ffn_hidden_size,
+                             float(model.gated_mlp), cost.training.dtype_bytes], (n, 6))
+    X = np.column_stack([
+        dev, tp, np.log2(mbs), np.log2(seq), recompute, shape,
+        np.log2(mbs * seq * model.hidden_size / tp), np.log2(base.time_s),
+        comm / base.time_s, np.log2(memory),
+    ])
+    return X, base
+
+
+def _single_device_cluster(device: DeviceType, tp_link: float | None, slowdown: float) -> ClusterSpec:
+    node = Node("profiled", ((device.name, 1),), float(tp_link or 1.0))
+    emulation = Emulation(((device.name, slowdown),)) if slowdown != 1.0 else None
+    return ClusterSpec("profiled", (device,), (node,), math.inf, emulation)
+
+
+def training_rows(records: list[Measurement]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(features, log-ratio targets [time, memory], mask of rows whose memory was measured).
+
+    Infeasible (out-of-memory) records carry no time and are left out of the regression.
+    """
+    groups: dict[tuple, list[Measurement]] = {}
+    for r in records:
+        if r.feasible and r.time_s and r.time_s > 0:
+            key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
+                   r.dtype, r.tp_link_gbps, r.emulation_slowdown)
+            groups.setdefault(key, []).append(r)
+    if not groups:
+        raise ConfigError("profile", "no feasible measurement to learn from",
+                          "profile configurations that fit in memory (memx profile)")
+    xs, ys, masks = [], [], []
+    for rows in groups.values():
+        first = rows[0]
+        device = DeviceType(name=first.device_type, **first.device)
+        cost = AnalyticalCostModel(first.shape_spec(),
+                                   _single_device_cluster(device, first.tp_link_gbps, first.emulation_slowdown),
+                                   TrainingSpec(dtype=first.dtype))
+        X, base = physics_features(cost, np.zeros(len(rows), dtype=np.int64), [r.tp for r in rows],
+                                   [r.micro_batch_size for r in rows], [r.seq_len for r in rows],
+                                   [RECOMPUTE_LEVELS.index(r.recompute) for r in rows])
+        k = np.array([r.num_blocks for r in rows], dtype=np.float64)
+        analytical_memory = k * base.activation_bytes + base.working_bytes
+        measured_memory = np.array([r.peak_memory_bytes or np.nan for r in rows], dtype=np.float64)
+        time = np.array([r.time_s for r in rows])
+        xs.append(X)
+        ys.append(np.column_stack([np.log(time / base.time_s), np.log(measured_memory / analytical_memory)]))
+        masks.append(np.isfinite(ys[-1][:, 1]))
+    X, Y, has_memory = np.vstack(xs), np.vstack(ys), np.concatenate(masks)
+    # Rows without a memory measurement (e.g. time-only public profiles) get the typical
+    # measured ratio, or the analytical value when nothing was measured; the mask keeps
+    # them out of the memory error.
+    Y[~has_memory, 1] = np.median(Y[has_memory, 1]) if has_memory.any() else 0.0
+    return X, Y, has_memory
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class Predictor:
+    """A fitted two-output booster plus what it was trained on."""
+
+    booster: object
+    meta: dict
+
+    def predict_log_ratios(self, X: np.ndarray) -> np.ndarray:
+        """[n, 2] predicted log(measured / analytical) for time and memory."""
+        if X.shape[0] == 0:
+            return np.zeros((0, 2))
+        return np.asarray(self.booster.inplace_predict(X), dtype=np.float64).reshape(-1, 2)
+
+    def save(self, path: str) -> None:
+        """``path`` ends in .ubj or .json (XGBoost's own formats); the sidecar is ``path + '.meta.json'``."""
+        if not path.endswith((".ubj", ".json")):
+            raise ConfigError("--predictor", f"{path} must end in .ubj or .json", "e.g. predictor.ubj")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp" + os.path.splitext(path)[1]
+        self.booster.save_model(tmp)
+        os.replace(tmp, path)
+        write_json_atomic(sidecar_path(path), self.meta, overwrite=True)
+
+    @classmethod
+    def load(cls, path: str) -> "Predictor":
+        import xgboost as xgb
+
+        try:
+            with open(sidecar_path(path)) as f:
+                meta = json.load(f)
+        except OSError:
+            raise ConfigError("--predictor", f"{sidecar_path(path)} is missing",
+                              "load a predictor saved by memx (model file plus its .meta.json)") from None
+        except json.JSONDecodeError:
+            raise ConfigError("--predictor", f"{sidecar_path(path)} is not valid JSON",
+                              "re-train the predictor from its profile") from None
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        if version != PREDICTOR_FORMAT:
+            raise ConfigError("--predictor", f"{path} has format version {version!r}, this memx reads "
+                              f"{PREDICTOR_FORMAT}", "re-train it from its profile (memx plan --profile-db FILE)")
+        if tuple(meta.get("feature_names", ())) != FEATURE_NAMES:
+            raise ConfigError("--predictor", f"{path} was trained on other features",
+                              "re-train it from its profile (memx plan --profile-db FILE)")
+        booster = xgb.Booster()
+        try:
+            booster.load_model(path)
+        except xgb.core.XGBoostError as exc:
+            raise ConfigError("--predictor", f"cannot load {path} ({str(exc).splitlines()[0]})",
+                              "re-train it from its profile") from None
+        return cls(booster, meta)
+
+
+def sidecar_path(path: str) -> str:
+    return path + ".meta.json"
+
+
+def training_signature(records: list[Measurement]) -> dict:
+    """What a predictor was fitted on: models, device types, software, and a content hash."""
+    digest = hashlib.sha256("".join(sorted(r.to_json() for r in records)).encode()).hexdigest()[:16]
+    return {
+        "models": sorted({f"{r.model}:{r.model_signature}" for r in records}),
+        "device_types": sorted({r.device_type for r in records}),
+        "software": sorted({json.dumps(r.software, sort_keys=True) for r in records}),
+        "records": len(records),
+        "records_sha256": digest,
+    }
+
+
+def _booster_params(params: dict, seed: int) -> dict:
+    return {"tree_method": "hist", "multi_strategy": "multi_output_tree", "objective": "reg:squarederror",
+            "max_depth": int(params["max_depth"]), "eta": params["learning_rate"],
+            "subsample": params["subsample"], "min_child_weight": params["min_child_weight"],
+            "lambda": params["reg_lambda"], "seed": seed, "nthread": 2, "verbosity": 0}
+
+
+def _train(X, Y, params: dict, seed: int):
+    import xgboost as xgb
+
+    rounds = int(round(_ROUNDS_X_RATE / params["learning_rate"]))
+    return xgb.train(_booster_params(params, seed), xgb.DMatrix(X, label=Y), num_boost_round=rounds)
+
+
+def ratio_mape(pred_log: np.ndarray, true_log: np.ndarray) -> float:
+    """MAPE of exp(pred) against exp(true): the error of the scaled physical estimate."""
+    if pred_log.size == 0:
+        return 0.0
+    return float(np.mean(np.abs(np.exp(pred_log - true_log) - 1.0)))
+
+
+def _cv_error(X, Y, has_memory, params, folds, seed) -> float:
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(X))
+    errors = []
+    for k in range(folds):
+        test = order[k::folds]
+        train = np.setdiff1d(order, test)
+        booster = _train(X[train], Y[train], params, seed)
+        pred = np.asarray(booster.inplace_predict(X[test])).reshape(-1, 2)
+        mem = has_memory[test]
+        errors.append(ratio_mape(pred[:, 0], Y[test, 0]) + ratio_mape(pred[mem, 1], Y[test, 1][mem]))
+    return float(np.mean(errors))
+
+
+def _decode(u: np.ndarray) -> dict:
+    out = {}
+    for value, (name, low, high, log, integer) in zip(u, _SEARCH_SPACE):
+        x = math.exp(math.log(low) + value * (math.log(high) - math.log(low))) if log else low + value * (high - low)
+        out[name] = int(round(x)) if integer else float(x)
+    return out
+
+
+def _gp_posterior(U: np.ndarray, y: np.ndarray, candidates: np.ndarray):
+    """Zero-mean GP with an RBF kernel; length scale by maximum marginal likelihood on a grid."""
+    best = None
+    for length in (0.15, 0.3, 0.6, 1.2):
+        K = np.exp(-0.5 * ((U[:, None] - U[None]) ** 2).sum(-1) / length**2) + 1e-4 * np.eye(len(U))
+        L = np.linalg.cholesky(K)
+        alpha = np.linalg.solve(L.T, np.linalg.solve(L, y))
+        loglik = -0.5 * y @ alpha - np.log(np.diag(L)).sum()
+        if best is None or loglik > best[0]:
+            best = (loglik, length, L, alpha)
+    _, length, L, alpha = best
+    Ks = np.exp(-0.5 * ((candidates[:, None] - U[None]) ** 2).sum(-1) / length**2)
+    mean = Ks @ alpha
+    v = np.linalg.solve(L, Ks.T)
+    std = np.sqrt(np.maximum(1.0 - (v**2).sum(0), 1e-12))
+    return mean, std
+
+
+def tune_hyperparameters(X, Y, has_memory, *, trials: int = 10, initial: int = 4, folds: int = 3,
+                         seed: int = 0) -> tuple[dict, float, list[dict]]:
+    """Bayesian optimisation (GP + expected improvement) of the k-fold CV error."""
+    rng = np.random.default_rng(seed)
+    folds = max(2, min(folds, len(X)))
+    U, scores, history = [], [], []
+    for i in range(trials):
+        if i < initial:
+            u = rng.random(len(_SEARCH_SPACE))
+        else:
+            Ua, s = np.array(U), np.array(scores)
+            y = (s - s.mean()) / (s.std() + 1e-12)
+            candidates = rng.random((512, len(_SEARCH_SPACE)))
+            mean, std = _gp_posterior(Ua, y, candidates)
+            z = (y.min() - mean) / std
+            ei = (y.min() - mean) * norm.cdf(z) + std * norm.pdf(z)
+            u = candidates[int(np.argmax(ei))]
+        params = _decode(u)
+        score = _cv_error(X, Y, has_memory, params, folds, seed)
+        U.append(u)
+        scores.append(score)
+        history.append({**params, "cv_error": score})
+    best = int(np.argmin(scores))
+    return _decode(U[best]), scores[best], history
+
+
+def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = (), trials: int = 10,
+                  seed: int = 0) -> Predictor:
+    """Fit the two-output model on measured (plus augmented) records, tuning by CV."""
+    X, Y, has_memory = training_rows(list(records) + list(augmented))
+    if len(X) < 4:
+        raise ConfigError("profile", f"only {len(X)} feasible measurements",
+                          "profile at least 4 configurations (memx profile --budget)")
+    params, cv_error, history = tune_hyperparameters(X, Y, has_memory, trials=trials, seed=seed)
+    booster = _train(X, Y, params, seed)
+    gain = booster.get_score(importance_type="gain")
+    total = sum(gain.values()) or 1.0
+    importance = {FEATURE_NAMES[int(k[1:])]: v / total for k, v in gain.items()}
+    meta = {
+        "format_version": PREDICTOR_FORMAT,
+        "feature_names": list(FEATURE_NAMES),
+        "targets": ["log(measured_time / analytical_time)", "log(measured_memory / analytical_memory)"],
+        "training": training_signature(list(records)),
+        "rows": {"measured": len(records), "augmented": len(augmented), "used": int(len(X)),
+                 "with_memory": int(has_memory.sum())},
+        "hyperparameters": params,
+        "cv_error": cv_error,
+        "tuning_history": history,
+        "feature_importance": dict(sorted(importance.items(), key=lambda kv: -kv[1])),
+    }
+    return Predictor(booster, meta)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+class LearnedCostModel:
+    """The analytical model scaled by learned ratios; a drop-in ``LayerCostModel``."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, predictor: Predictor):
+        self.analytical = AnalyticalCostModel(model, cluster, training)
+        self.model, self.cluster, self.training = model, cluster, training
+        self.device_names = self.analytical.device_names
+        self.device_types = self.analytical.device_types
+        self.predictor = predictor
+        known = set(predictor.meta["training"]["device_types"])
+        unseen = [d for d in self.device_names if d not in known]
+        if unseen:
+            warnings.warn(f"no measurement of device type(s) {', '.join(unseen)}: their costs come from "
+                          "the analytical model corrected by other devices' descriptors", stacklevel=2)
+
+    def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
+        X, base = physics_features(self.analytical, device, tp, mbs, seq, recompute)
+        ratio = np.exp(self.predictor.predict_log_ratios(X))
+        return LayerCost(time_s=base.time_s * ratio[:, 0], activation_bytes=base.activation_bytes * ratio[:, 1],
+                         working_bytes=base.working_bytes * ratio[:, 1])
+
+    def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
+        return self.analytical.embedding_time(device, tp, mbs, seq)
+
+    def head_time(self, device, tp, mbs, seq) -> np.ndarray:
+        return self.analytical.head_time(device, tp, mbs, seq)
+
+
+def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                    *, trials: int = 10):
+    """The planner's cost model from a profile: fitted once, saved next to the profile, cached.
+
+    A saved predictor is reused when its sidecar's training signature matches the profile's
+    records; otherwise (new records, other version) it is re-fitted and saved again.
+    """
+    from memx_launch.augment import augment_measurements
+    from memx_launch.prediction_cache import CachedCostModel
+    from memx_launch.profiledb import ProfileDB
+
+    if training.dtype not in DTYPE_BYTES:
+        raise ConfigError("--dtype", f"unknown dtype {training.dtype!r}")
+    records = ProfileDB(profile_db_path).for_model(model)
+    path = os.path.splitext(profile_db_path)[0] + ".predictor.ubj"
+    predictor = None
+    if os.path.exists(path):
+        try:
+            predictor = Predictor.load(path)
+            if predictor.meta.get("training") != training_signature(records):
+                predictor = None
+        except ConfigError:
+            predictor = None
+    if predictor is None:
+        augmented = augment_measurements(records).points
+        predictor = fit_predictor(records, augmented=augmented, trials=trials)
+        predictor.save(path)
+    return CachedCostModel(LearnedCostModel(model, cluster, training, predictor))

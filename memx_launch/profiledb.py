@@ -1,0 +1,175 @@
+"""ProfileDB: calibration measurements on disk, one JSON record per line, append-only.
+
+Each record is self-contained: the device type's descriptors, the block shape that was run,
+the configuration, the measured time and memory, and the software versions. Records are
+keyed by (device type, model signature, software versions); many ranks append to one file
+(whole lines under an exclusive lock, then fsync) or write their own files that
+:func:`merge_profiles` joins. A corrupt line is skipped with a warning, never fatal.
+No torch import here: the planner reads profiles anywhere.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Iterable
+
+from memx_launch.errors import ConfigError
+from memx_launch.specs import ModelSpec
+
+PROFILE_FORMAT = 1
+
+
+class ProfileWarning(UserWarning):
+    """A ProfileDB record could not be used (corrupt or of another format)."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One calibration sample: k transformer blocks, forward + backward, on one device type."""
+
+    device_type: str
+    device: dict
+    """The device type's descriptors (vendor, memory_gib, peak_tflops, memory_bandwidth_gbps,
+    efficiency, flash_attention) so that a record alone rebuilds its analytical estimate."""
+    model: str
+    model_signature: str
+    """Signature of the model this profile is for (what the planner asks for)."""
+    block_shape: dict
+    """ModelSpec fields of the blocks actually run (differs from the model's in ablations
+    over shape parameters such as num_kv_heads)."""
+    tp: int
+    micro_batch_size: int
+    seq_len: int
+    recompute: str
+    dtype: str
+    num_blocks: int
+    feasible: bool
+    """False when the sample ran out of memory: it marks the feasibility boundary."""
+    time_s: float | None = None
+    """Median seconds of forward + backward of one block (emulated slowdown applied)."""
+    time_spread_s: float | None = None
+    """Interquartile range of the per-block repeats."""
+    peak_memory_bytes: float | None = None
+    """Peak bytes allocated above the resting state (weights, grads, input) over the
+    forward + backward of all ``num_blocks`` blocks."""
+    tp_link_gbps: float | None = None
+    """Bandwidth of the TP group's link (None for tp=1)."""
+    emulation_slowdown: float = 1.0
+    emulated: bool = False
+    software: dict = field(default_factory=dict)
+    """Versions that change kernels: torch, CUDA, memx."""
+    source: str = "memx-profile"
+    format: int = PROFILE_FORMAT
+
+    @property
+    def key(self) -> tuple:
+        """Identity of a sample; later duplicates replace earlier ones on merge."""
+        return (self.device_type, self.model_signature, json.dumps(self.block_shape, sort_keys=True),
+                self.tp, self.micro_batch_size, self.seq_len, self.recompute, self.dtype,
+                json.dumps(self.software, sort_keys=True))
+
+    def shape_spec(self) -> ModelSpec:
+        return ModelSpec(**self.block_shape)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Measurement":
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, this memx reads {PROFILE_FORMAT}")
+        known = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls)
+                   if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class ProfileDB:
+    """One JSONL file of :class:`Measurement` records."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def append(self, measurements: Iterable[Measurement]) -> int:
+        """Append whole lines under an exclusive lock, then fsync; safe for concurrent ranks."""
+        payload = "".join(m.to_json() + "\n" for m in measurements)
+        if not payload:
+            return 0
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, payload.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # closing releases the lock
+        return payload.count("\n")
+
+    def read(self) -> list[Measurement]:
+        """All valid records; corrupt or foreign lines are skipped with a :class:`ProfileWarning`."""
+        try:
+            with open(self.path) as f:
+                lines = f.readlines()
+        except OSError as exc:
+            raise ConfigError("--profile-db", f"cannot read {self.path!r} ({exc.strerror})",
+                              "run memx profile --model NAME --out FILE first") from None
+        out = []
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(Measurement.from_dict(json.loads(line)))
+            except (ValueError, TypeError) as exc:
+                warnings.warn(f"{self.path}:{lineno}: skipped a corrupt profile record ({exc})",
+                              ProfileWarning, stacklevel=2)
+        return out
+
+    def for_model(self, model: ModelSpec) -> list[Measurement]:
+        """Records of ``model`` (by shape signature); a clear error when the file holds others."""
+        records = self.read()
+        signature = model.signature()
+        mine = [r for r in records if r.model_signature == signature]
+        if not mine:
+            others = sorted({f"{r.model} ({r.model_signature})" for r in records})
+            problem = (f"holds measurements of {', '.join(others)}, not of {model.name} ({signature})"
+                       if others else "holds no valid measurement")
+            raise ConfigError(f"--profile-db {self.path}", problem,
+                              f"run memx profile --model {model.name} --out {self.path}")
+        return mine
+
+
+def deduplicate(records: Iterable[Measurement]) -> list[Measurement]:
+    """Later records with the same key replace earlier ones (a re-run supersedes)."""
+    by_key: dict[tuple, Measurement] = {}
+    for r in records:
+        by_key.pop(r.key, None)
+        by_key[r.key] = r
+    return list(by_key.values())
+
+
+def merge_profiles(paths: Iterable[str], out_path: str) -> int:
+    """Join per-rank profile files into one (deduplicated), written atomically."""
+    records = deduplicate(r for p in paths for r in ProfileDB(p).read())
+    directory = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-profile-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.writelines(r.to_json() + "\n" for r in records)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return len(records)
