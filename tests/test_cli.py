@@ -1,0 +1,258 @@
+"""`memx plan`, `memx estimate`, `memx export`: outputs, plan files, and every bad input."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memx_launch.cli import main
+from memx_launch.plan import Plan
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CLUSTERS = os.path.join(ROOT, "examples", "clusters")
+PAPER = os.path.join(CLUSTERS, "paper-20gpu.yaml")
+TABLE1 = os.path.join(CLUSTERS, "table1-2vendor.yaml")
+MODEL_FOR = {"hetero-1024": "llama3-70b", "cpu-emulated": "llama-tiny"}
+PLAN_FIELDS = {"version", "model", "cluster", "tp", "pp", "dp", "micro_batch_size", "global_batch_size", "seq_len",
+               "schedule", "virtual_stages", "stages", "predicted_iteration_time_s", "objective"}
+STAGE_FIELDS = {"device_type", "ranks", "num_layers", "recompute", "predicted_peak_memory_gib",
+                "predicted_stage_time_s"}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err):
+    lines = [line for line in err.splitlines() if line.startswith("memx: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("cluster", sorted(glob.glob(os.path.join(CLUSTERS, "*.yaml"))),
+                         ids=lambda p: os.path.basename(p))
+def test_plan_on_every_example_cluster_writes_a_complete_plan(tmp_path, capsys, cluster):
+    name = os.path.splitext(os.path.basename(cluster))[0]
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "pareto.png"
+    code, out, err = run(capsys, "plan", "--model", MODEL_FOR.get(name, "llama2-7b"), "--cluster", cluster,
+                         "--top", "3", "--json", str(out_json), "--plot", str(out_png),
+                         "--search-budget-s", "60")
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    assert PLAN_FIELDS <= set(data)
+    assert {"phi", "profile", "weights"} <= set(data["objective"])
+    for stage in data["stages"]:
+        assert STAGE_FIELDS <= set(stage)
+    plan = Plan.from_dict(data)
+    assert plan.world_size == sum(len(s.ranks) for s in plan.stages)
+    assert all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "why it won: phi=" in out and "T " in out and "M " in out and "V " in out
+    assert "configurations enumerated" in err  # progress and statistics go to stderr
+    if "emulated" in name:
+        assert "EMULATED" in out
+
+
+def test_plan_flags_reach_the_search(tmp_path, capsys):
+    out_json = tmp_path / "p.json"
+    code, out, err = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--global-batch-size", "64",
+                         "--seq-len", "2048", "--weights", "1,0,0", "--json", str(out_json), "--quiet")
+    assert code == 0
+    plan = json.loads(out_json.read_text())
+    assert (plan["global_batch_size"], plan["seq_len"]) == (64, 2048)
+    assert plan["objective"]["profile"] == "custom"
+    assert plan["objective"]["weights"] == [1.0, 0.0, 0.0]
+    assert "search:" in err and "groups" not in err  # --quiet drops progress lines, keeps the summary
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--objective", "throughput",
+                       "--quiet")
+    assert "profile 'throughput'" in out
+
+
+def test_compare_on_the_table1_case(capsys):
+    """Paper Table 1: compute-proportional overflows the 32 GB part, memory-proportional fits."""
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", TABLE1, "--compare", "--quiet")
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.split("compared in the same cost model:")[1].splitlines()
+            if line and line.split()[0] in ("compute-proportional", "memory-proportional", "time-only", "memx")}
+    assert set(rows) == {"compute-proportional", "memory-proportional", "time-only", "memx"}
+    assert "yes," in rows["compute-proportional"] and "GiB over" in rows["compute-proportional"]
+    assert rows["memory-proportional"].split()[4] == "no"
+    assert rows["memx"].split()[4] == "no"
+
+
+def test_estimate_of_a_plan_gives_the_plans_predictions(tmp_path, capsys):
+    plan_json, est_json = tmp_path / "plan.json", tmp_path / "est.json"
+    assert run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--json", str(plan_json),
+               "--quiet")[0] == 0
+    code, out, err = run(capsys, "estimate", "--plan", str(plan_json), "--cluster", PAPER, "--json", str(est_json))
+    assert code == 0, err
+    planned, estimated = Plan.load(str(plan_json)), Plan.load(str(est_json))
+    assert estimated.predicted_iteration_time_s == pytest.approx(planned.predicted_iteration_time_s, rel=1e-9)
+    assert estimated.objective.phi == pytest.approx(planned.objective.phi, rel=1e-9)
+    for a, b in zip(planned.stages, estimated.stages):
+        assert (a.device_type, a.ranks, a.num_layers, a.recompute) == (b.device_type, b.ranks, b.num_layers, b.recompute)
+        assert b.predicted_peak_memory_gib == pytest.approx(a.predicted_peak_memory_gib, abs=1e-3)
+        assert b.predicted_stage_time_s == pytest.approx(a.predicted_stage_time_s, rel=1e-9)
+    assert "fits: every stage is under its capacity" in out
+
+
+def test_estimate_reports_oom_by_how_much(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "1", "--pp", "2",
+                       "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "64",
+                       "--layers-per-stage", "21,11", "--recompute", "none,none")
+    assert code == 0
+    stage0 = next(line for line in out.splitlines() if line.strip().startswith("0 "))
+    assert "vendor-x-32gb" in stage0 and "OOM by" in stage0
+    assert "OOM: stage 0 short" in out and "phi=" in out and "predicted iteration time" in out
+
+
+def test_estimate_per_stage_recompute_and_devices(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "1", "--pp", "2",
+                       "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "64",
+                       "--stage-devices", "vendor-y-64gb,vendor-x-32gb", "--recompute", "none,full",
+                       "--layers-per-stage", "20,12")
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2] in ("0 ", "1 ")]
+    assert [r[1] for r in rows] == ["vendor-y-64gb", "vendor-x-32gb"]
+    assert [r[4] for r in rows] == ["none", "full"]
+    assert [r[3] for r in rows] == ["20", "12"]
+
+
+def test_export_prints_megatron_env_and_torchrun(tmp_path, capsys):
+    plan_json = tmp_path / "plan.json"
+    run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--json", str(plan_json), "--quiet")
+    code, out, _ = run(capsys, "export", "--plan", str(plan_json), "--cluster", PAPER)
+    assert code == 0
+    assert "--pipeline-model-parallel-layout" in out and "export MEMX_PLAN=" in out
+    assert out.count("torchrun --nnodes 3") == 6
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_malformed_yaml(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nnodes: [\n")
+    code, _, err = run(capsys, "plan", "--model", "llama2-7b", "--cluster", str(bad))
+    assert code == 2
+    assert "is not valid YAML at line" in one_error_line(err)
+
+
+def test_unknown_key(tmp_path, capsys):
+    text = open(PAPER).read().replace("inter_node_gbps: 28", "inter_node_bandwidth: 28")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    code, _, err = run(capsys, "plan", "--model", "llama2-7b", "--cluster", str(bad))
+    assert code == 2
+    assert "cluster.inter_node_bandwidth: unknown key" in one_error_line(err)
+
+
+@pytest.mark.parametrize("value", ["0", "-32"])
+def test_zero_or_negative_capacity(tmp_path, capsys, value):
+    text = open(PAPER).read().replace("memory_gib: 32", f"memory_gib: {value}", 1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    code, _, err = run(capsys, "plan", "--model", "llama2-7b", "--cluster", str(bad))
+    assert code == 2
+    line = one_error_line(err)
+    assert "vendor-b-32gb.memory_gib: must be a positive number" in line and "real capacity" in line
+
+
+def test_unknown_model_suggests_names(capsys):
+    code, _, err = run(capsys, "plan", "--model", "llama-7b", "--cluster", PAPER)
+    assert code == 2
+    assert "did you mean" in one_error_line(err) and "llama2-7b" in err
+
+
+def test_world_size_no_layout_fits(tmp_path, capsys):
+    cluster = tmp_path / "odd.yaml"
+    cluster.write_text("version: 1\ndevice_types:\n  a: {memory_gib: 8, peak_tflops: 10}\n"
+                       "  b: {memory_gib: 8, peak_tflops: 20}\n"
+                       "nodes:\n  - {devices: {a: 9}, intra_node_gbps: 10}\n"
+                       "  - {devices: {b: 7}, intra_node_gbps: 10}\ninter_node_gbps: 5\n")
+    code, _, err = run(capsys, "plan", "--model", "llama-tiny", "--cluster", str(cluster))
+    assert code == 2
+    assert "no TP x PP x DP layout fits 16 devices" in one_error_line(err)
+    code, _, err = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "2", "--pp", "2",
+                       "--dp", "2", "--micro-batch-size", "1")
+    assert code == 2
+    assert "tp*pp*dp = 8 but the cluster has 20 devices" in one_error_line(err)
+
+
+def test_batch_that_does_not_divide(capsys):
+    code, _, err = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "1", "--pp", "2",
+                       "--dp", "8", "--micro-batch-size", "2", "--global-batch-size", "20")
+    assert code == 2
+    line = one_error_line(err)
+    assert "--global-batch-size: 20 is not divisible by dp*micro_batch_size=16" in line
+
+
+def test_nothing_fits_lists_closest_candidates(capsys):
+    code, _, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", os.path.join(CLUSTERS, "v100-t4.yaml"),
+                       "--quiet")
+    assert code == 3
+    one_error_line(err)
+    assert "closest candidates (GiB short per device):" in err
+    shorts = [line for line in err.splitlines() if line.startswith("  ") and "short" in line and "GiB" in line]
+    assert shorts
+
+
+def test_existing_output_is_not_overwritten(tmp_path, capsys):
+    out_json = tmp_path / "plan.json"
+    out_json.write_text("keep me")
+    code, _, err = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--json", str(out_json))
+    assert code == 2
+    assert "already exists; pass --force" in one_error_line(err)
+    assert out_json.read_text() == "keep me"
+    code, _, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--json", str(out_json),
+                     "--force", "--quiet")
+    assert code == 0 and json.loads(out_json.read_text())["version"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary files left
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--weights", "1,2"], "--weights: expected three"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--top", "0"], "--top: must be at least 1"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--plot", "p.svg"], "--plot: p.svg is not a .png"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "2"], "unrecognized arguments: --tp 2"),
+    (["estimate", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "1"], "--pp: missing"),
+    (["estimate", "--plan", "nope.json", "--cluster", PAPER], "--plan: cannot read 'nope.json'"),
+    (["estimate", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "4", "--pp", "5", "--dp", "1",
+      "--micro-batch-size", "1", "--global-batch-size", "20", "--recompute", "full,none"], "--recompute: 2 levels for pp=5"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--profile-db", "missing.db"], "--profile-db: missing.db"),
+])
+def test_bad_flags_give_one_line(capsys, argv, match):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors go through the same one-line format
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert match in one_error_line(err)
+
+
+def test_estimate_rejects_layout_flags_with_a_plan(tmp_path, capsys):
+    plan_json = tmp_path / "plan.json"
+    run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--json", str(plan_json), "--quiet")
+    code, _, err = run(capsys, "estimate", "--plan", str(plan_json), "--cluster", PAPER, "--tp", "2")
+    assert code == 2
+    assert "--tp: cannot be combined with --plan" in one_error_line(err)
+
+
+def test_console_script_path_has_no_traceback_and_no_torch(tmp_path):
+    """The real entry point: exit codes through sys.exit, and plan/estimate never import torch."""
+    code = ("import sys; from memx_launch.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    ok = subprocess.run([sys.executable, "-c", code, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--quiet",
+                         "--plot", str(tmp_path / "p.png")], capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "memx_launch.cli", "plan", "--model", "gpt5", "--cluster", PAPER],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("memx: error: --model: unknown model 'gpt5'")
