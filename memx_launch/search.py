@@ -34,7 +34,7 @@ WEIGHT_PROFILES = {
     "safety": (0.3, 0.5, 0.2),
     "throughput": (0.7, 0.2, 0.1),
 }
-SAFETY_MARGIN = 0.10          # below this predicted free memory, the safety profile is chosen
+SAFETY_MARGIN = 0.10          # if no candidate leaves this much memory free: safety profile
 WEAK_HETEROGENEITY = 0.10     # compute CV below this counts as (nearly) homogeneous
 INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B
 SELECTIVE_MIN_SAVING = 0.10   # selective must save this share of what full saves, else binary
@@ -379,15 +379,16 @@ def phi(T, M, V, weights, references=None):
 
 
 def choose_profile(cluster: ClusterSpec, T, M) -> tuple[str, str]:
-    """Safety when even the fastest feasible plan has under 10% memory margin; throughput for
-    (nearly) homogeneous clusters; the heterogeneous default otherwise."""
-    margin = 1.0 - M[np.argmin(T)]
+    """Safety when memory is tight for this model on this cluster: even the leanest feasible
+    candidate leaves under 10% free. Throughput for (nearly) homogeneous clusters; the
+    heterogeneous default otherwise."""
+    margin = 1.0 - float(np.min(M))
     het = cluster.heterogeneity_index()
     if margin < SAFETY_MARGIN:
-        return "safety", f"the fastest feasible plan leaves {margin:.0%} memory free (< {SAFETY_MARGIN:.0%})"
+        return "safety", f"even the leanest feasible plan leaves only {margin:.0%} memory free (< {SAFETY_MARGIN:.0%})"
     if het < WEAK_HETEROGENEITY:
         return "throughput", f"compute heterogeneity index {het:.2f} < {WEAK_HETEROGENEITY}"
-    return "default", f"heterogeneous cluster (compute CV {het:.2f}), memory margin {margin:.0%}"
+    return "default", f"heterogeneous cluster (compute CV {het:.2f}), up to {margin:.0%} memory free"
 
 
 def parse_weights(text: str) -> tuple[float, float, float]:
