@@ -1,0 +1,132 @@
+"""Emulated accelerators on CPU: a memory capacity enforced by a guard, and a compute slowdown.
+
+A TorchDispatchMode sees every tensor an operator creates (forward, backward, recompute,
+optimizer, pipeline receive buffers), so it counts live tensor bytes exactly, by storage,
+where process RSS would mix in the interpreter and allocator slack. The same mode times
+each compute operator and sleeps (slowdown - 1) times as long, so a slower device type is
+slower in its compute and not in its waits on communication.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GIB = 2**30
+# Sleeping costs ~0.1 ms of overhead, so owed slowdown time is paid in slices of at least this.
+MIN_SLEEP_S = 0.002
+# Operators that move data between ranks: their time is waiting, not this device's compute.
+COMMUNICATION_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
+
+
+class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
+    """Raised when an emulated device's tensors pass its capacity, as a GPU allocator would."""
+
+
+class EmulatedDevice(TorchDispatchMode):
+    """Use as a context manager around the work of one rank; ``peak_bytes`` since
+    :meth:`reset_peak` is the most tensor memory alive at once."""
+
+    def __init__(self, device_type: str, memory_gib: float, slowdown: float = 1.0):
+        super().__init__()
+        self.device_type = device_type
+        self.capacity_bytes = memory_gib * GIB
+        self.slowdown = slowdown
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.compute_s = 0.0
+        self.slept_s = 0.0
+        self._owed_s = 0.0
+        self._storages: dict[int, list[int]] = {}  # data_ptr -> [tracked tensors, nbytes]
+        self._tensors: dict[int, weakref.ref] = {}  # id(tensor) -> weakref that releases it
+
+    @property
+    def label(self) -> str:
+        return f"{self.device_type} (emulated)"
+
+    def track(self, tensors) -> None:
+        """Count tensors that already exist (weights, gradients, optimizer state)."""
+        for t in tensors:
+            self._track(t)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+        self.compute_s = 0.0
+        self.slept_s = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if self.slowdown > 1 and func.namespace not in COMMUNICATION_NAMESPACES:
+            elapsed = time.perf_counter() - start
+            self.compute_s += elapsed
+            self._owed_s += (self.slowdown - 1) * elapsed
+            if self._owed_s >= MIN_SLEEP_S:
+                time.sleep(self._owed_s)
+                self.slept_s += self._owed_s
+                self._owed_s = 0.0
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        local = getattr(t, "_local_tensor", None)  # a DTensor holds its shard here
+        if local is not None:
+            t = local
+        if id(t) in self._tensors or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        try:
+            key = storage.data_ptr()
+        except RuntimeError:  # a storage freed in place (FSDP2 resizes unsharded parameters to 0)
+            return
+        entry = self._storages.get(key)
+        if entry is None:
+            self._storages[key] = [1, nbytes]
+            self.live_bytes += nbytes
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+                if self.peak_bytes > self.capacity_bytes:
+                    self._raise_oom(nbytes)
+        else:
+            entry[0] += 1
+        tid = id(t)
+        self._tensors[tid] = weakref.ref(t, lambda _ref, tid=tid, key=key: self._release(tid, key))
+
+    def _release(self, tid: int, key: int) -> None:
+        self._tensors.pop(tid, None)
+        entry = self._storages.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._storages[key]
+            self.live_bytes -= entry[1]
+
+    def _raise_oom(self, nbytes: int) -> None:
+        raise EmulatedOutOfMemoryError(
+            f"CUDA out of memory (emulated device {self.device_type}). Tried to allocate "
+            f"{nbytes / 2**20:.2f} MiB; {self.live_bytes / GIB:.4f} GiB in use would pass the emulated "
+            f"capacity of {self.capacity_bytes / GIB:.4f} GiB. Choose a plan with more recompute or fewer "
+            f"layers on this device type, or raise memory_gib in the cluster file.")
+
+
+def device_for_rank(cluster, rank: int) -> EmulatedDevice:
+    """The emulated device the cluster file gives ``rank`` (rank order: ClusterSpec.rank_device_types())."""
+    from memx_launch.errors import ConfigError
+
+    types = cluster.rank_device_types()
+    if rank >= len(types):
+        raise ConfigError("--cluster", f"rank {rank} has no device in {cluster.name} ({len(types)} devices)",
+                          "launch as many processes as the cluster file declares devices")
+    name = types[rank]
+    slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else 1.0
+    return EmulatedDevice(name, cluster.device_type(name).memory_gib, slowdown)

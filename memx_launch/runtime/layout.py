@@ -1,0 +1,80 @@
+"""Where a rank sits in a plan: its stage, its TP/DP/PP peers, and the layers of its model chunks.
+
+Pure Python on the Plan, so it is testable without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memx_launch.plan import Plan
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk (virtual pipeline stage) held by a rank."""
+
+    virtual_stage: int
+    layer_offset: int
+    num_layers: int
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    rank: int
+    stage: int
+    dp_index: int
+    tp_index: int
+    pp_ranks: tuple[int, ...]
+    """The pipeline this rank belongs to: one rank per stage, same DP and TP index."""
+    tp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == len(self.pp_ranks) - 1
+
+
+def mesh_ranks(plan: Plan) -> list[list[list[int]]]:
+    """Global ranks as a [pp][dp][tp] grid (plan.py: stage.ranks[j] has dp j // tp, tp j % tp)."""
+    return [[[stage.ranks[d * plan.tp + t] for t in range(plan.tp)] for d in range(plan.dp)]
+            for stage in plan.stages]
+
+
+def split_evenly(total: int, parts: int) -> list[int]:
+    """``total`` items in ``parts`` groups, the first groups one larger when it does not divide."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def chunks_by_stage(plan: Plan) -> list[list[Chunk]]:
+    """The chunks of every stage. With v virtual stages, stage i holds chunks c*P + i
+    (c = 0..v-1, the loop order of ScheduleInterleaved1F1B), and the model's layers run
+    through virtual stages in index order; stage i's layer count is split evenly over its v chunks."""
+    p, v = plan.pp, plan.virtual_stages
+    sizes = [split_evenly(stage.num_layers, v) for stage in plan.stages]
+    out: list[list[Chunk]] = [[] for _ in range(p)]
+    offset = 0
+    for virtual in range(p * v):
+        stage, c = virtual % p, virtual // p
+        n = sizes[stage][c]
+        out[stage].append(Chunk(virtual, offset, n, first=virtual == 0, last=virtual == p * v - 1))
+        offset += n
+    return out
+
+
+def rank_layout(plan: Plan, rank: int) -> RankLayout:
+    stage, dp_index, tp_index = plan.stage_of_rank(rank)
+    grid = mesh_ranks(plan)
+    return RankLayout(
+        rank=rank, stage=stage, dp_index=dp_index, tp_index=tp_index,
+        pp_ranks=tuple(grid[s][dp_index][tp_index] for s in range(plan.pp)),
+        tp_ranks=tuple(grid[stage][dp_index]),
+        dp_ranks=tuple(grid[stage][d][tp_index] for d in range(plan.dp)),
+        chunks=tuple(chunks_by_stage(plan)[stage]))
