@@ -33,6 +33,12 @@ def _add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--cluster", required=required, help="cluster YAML file (see examples/clusters/)")
     p.add_argument("--global-batch-size", "--global_batch_size", type=int, help="sequences per iteration")
     p.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="training precision (default bf16)")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), help="optimizer (default adam)")
+    p.add_argument("--distributed-optimizer", "--distributed_optimizer", action="store_true", default=None,
+                   help="shard optimizer state over data-parallel ranks (Megatron distributed optimizer, ZeRO-1)")
+    p.add_argument("--fully-sharded", "--fully_sharded", action="store_true", default=None,
+                   help="shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -42,9 +48,13 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 def _training(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec:
     base = defaults or TrainingSpec(seq_len=model.seq_len)
-    return TrainingSpec(global_batch_size=args.global_batch_size or base.global_batch_size,
-                        seq_len=args.seq_len or base.seq_len, dtype=base.dtype, optimizer=base.optimizer,
-                        distributed_optimizer=base.distributed_optimizer)
+    def pick(name):
+        value = getattr(args, name, None)
+        return getattr(base, name) if value is None else value
+
+    return TrainingSpec(global_batch_size=pick("global_batch_size"), seq_len=pick("seq_len"),
+                        dtype=pick("dtype"), optimizer=pick("optimizer"),
+                        distributed_optimizer=pick("distributed_optimizer"), fully_sharded=pick("fully_sharded"))
 
 
 def _check_new_file(path: str | None, flag: str, force: bool) -> None:
@@ -182,7 +192,8 @@ def run_estimate(args) -> int:
             raise ConfigError(given[0], "cannot be combined with --plan", "the plan file fixes the layout")
         handed = Plan.load(args.plan)
         model = handed.model_spec
-        training = TrainingSpec(global_batch_size=handed.global_batch_size, seq_len=handed.seq_len)
+        training = TrainingSpec(global_batch_size=handed.global_batch_size, seq_len=handed.seq_len,
+                                **handed.training)
         o = handed.objective
         references = tuple(o.terms[k] for k in ("T_ref", "M_ref", "V_ref")) if "T_ref" in o.terms else None
         plan = evaluate_layout(model, cluster, training, tp=handed.tp, pp=handed.pp, dp=handed.dp,

@@ -84,7 +84,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
       unfused attention: scores and softmax, 2 bytes each: 4as/h over t (the Korthikanti s^2 term)
       SwiGLU: gate and up outputs, silu(gate), product: 8f/h over t (GELU MLP: 4f/h)
-    Selective recompute drops the attention core (Q, K, V, scores) and silu(gate).
+    Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
+    it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
     Full recompute keeps the block input only; its working set is one block recomputed.
     """
     mbs = np.asarray(mbs, dtype=np.float64)
@@ -106,7 +107,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
         mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * f / h / tp
     none = replicated + qkv + attn_out + lse + scores + mlp_kept + mlp_elementwise
-    selective = replicated + attn_out + mlp_kept
+    selective = replicated + qkv + attn_out + mlp_kept
     full = np.broadcast_to(2.0 / (tp if sequence_parallel else 1.0), none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of
@@ -120,7 +121,8 @@ def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
     """Bytes of weights + gradients + optimizer state per parameter on one rank.
 
     Mixed precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12
-    = 18 bytes; the distributed optimizer shards the 12 over DP. fp32: 4 + 4 + 8 = 16.
+    = 18 bytes; the distributed optimizer shards the 12 over DP, full sharding (FSDP) all 18.
+    fp32: 4 + 4 + 8 = 16.
     """
     dp = np.asarray(dp, dtype=np.float64)
     mixed = training.dtype != "fp32"
@@ -130,6 +132,8 @@ def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
         optim = 12.0 if mixed else 8.0
     else:  # SGD with momentum
         optim = 8.0 if mixed else 4.0
+    if training.fully_sharded:
+        return (weight + grad + optim) / dp
     if training.distributed_optimizer:
         optim = optim / dp
     return weight + grad + optim

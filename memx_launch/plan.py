@@ -60,6 +60,8 @@ class Plan:
     predicted_peak_memory_fraction: float = 0.0
     predicted_memory_variance: float = 0.0
     emulated: bool = False
+    training: dict = field(default_factory=dict)
+    """dtype, optimizer and data-parallel sharding the predictions assumed."""
     version: int = PLAN_VERSION
 
     # ---- derived
@@ -97,7 +99,7 @@ class Plan:
         order = ["version", "model", "cluster", "world_size", "tp", "pp", "dp", "micro_batch_size",
                  "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages",
                  "predicted_iteration_time_s", "predicted_peak_memory_fraction",
-                 "predicted_memory_variance", "objective", "emulated", "model_spec"]
+                 "predicted_memory_variance", "objective", "emulated", "training", "model_spec"]
         return {k: data[k] for k in order}
 
     @classmethod
@@ -122,12 +124,17 @@ class Plan:
                 objective=Objective(**objective),
                 predicted_peak_memory_fraction=data.get("predicted_peak_memory_fraction", 0.0),
                 predicted_memory_variance=data.get("predicted_memory_variance", 0.0),
-                emulated=data.get("emulated", False), version=version)
+                emulated=data.get("emulated", False), training=dict(data.get("training", {})),
+                version=version)
         except KeyError as exc:
             raise ConfigError(f"{source}.{exc.args[0]}", "missing",
                               "pass a complete plan written by memx plan --json") from None
         except TypeError as exc:
             raise ConfigError(source, f"malformed ({exc})", "pass a plan written by memx plan --json") from None
+        unknown = set(plan.training) - {"dtype", "optimizer", "distributed_optimizer", "fully_sharded"}
+        if unknown:
+            raise ConfigError(f"{source}.training.{sorted(unknown)[0]}", "unknown key",
+                              "use dtype, optimizer, distributed_optimizer or fully_sharded")
         plan.validate(source)
         return plan
 

@@ -480,6 +480,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                      f"{time.perf_counter() - start:.1f}s")
     stats.cache_hits, stats.cache_misses = table.hits, table.misses
 
+    if not results and stats.pruned_batch == stats.enumerated:
+        raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by DP x micro-batch "
+                          f"for any candidate (micro-batches {list(space.micro_batch_sizes)})",
+                          "use a multiple of the data-parallel degree, e.g. a power of two")
     if not results:
         closest.sort()
         stats.seconds = time.perf_counter() - start
@@ -607,7 +611,10 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
                 seq_len=result.seq, schedule=result.schedule, virtual_stages=result.v, stages=stages,
                 predicted_iteration_time_s=float(result.T[row]), objective=objective,
                 predicted_peak_memory_fraction=float(result.M[row]),
-                predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated)
+                predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
+                training={"dtype": training.dtype, "optimizer": training.optimizer,
+                          "distributed_optimizer": training.distributed_optimizer,
+                          "fully_sharded": training.fully_sharded})
 
 
 def progress_to_stderr(message: str) -> None:

@@ -420,6 +420,9 @@ class TrainingSpec:
     dtype: str = "bf16"
     optimizer: str = "adam"
     distributed_optimizer: bool = False
+    """Shard the optimizer state over data-parallel ranks (Megatron's distributed optimizer, ZeRO-1)."""
+    fully_sharded: bool = False
+    """Shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)."""
 
     def __post_init__(self):
         if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0:

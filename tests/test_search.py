@@ -124,3 +124,15 @@ def test_bad_layouts_are_rejected_with_the_field():
         evaluate_layout(model, c, TrainingSpec(global_batch_size=10), tp=1, pp=5, dp=4, micro_batch_size=4)
     with pytest.raises(ConfigError, match="--weights"):
         parse_weights("1,2")
+
+
+def test_a_batch_that_never_divides_names_the_batch():
+    with pytest.raises(ConfigError, match="--global-batch-size"):
+        search(get_model("llama2-7b"), cluster("paper-20gpu"), TrainingSpec(global_batch_size=7),
+               space=SearchSpace(micro_batch_sizes=(2, 4)))
+
+
+def test_plan_records_training_assumptions():
+    t = TrainingSpec(global_batch_size=64, fully_sharded=True)
+    plan = search(get_model("llama2-7b"), cluster("paper-20gpu"), t, top_k=1).best
+    assert plan.training["fully_sharded"] is True
