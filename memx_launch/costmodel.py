@@ -121,8 +121,9 @@ def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
     """Bytes of weights + gradients + optimizer state per parameter on one rank.
 
     Mixed precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12
-    = 18 bytes; the distributed optimizer shards the 12 over DP, full sharding (FSDP) all 18.
-    fp32: 4 + 4 + 8 = 16.
+    = 18 bytes; the distributed optimizer shards the 12 over DP. fp32: 4 + 4 + 8 = 16.
+    Full sharding (FSDP2 with a bf16 compute policy) keeps fp32 parameters as the master copy,
+    fp32 gradients and the moments, all sharded: (4 + 4 + 8) / DP for Adam.
     """
     dp = np.asarray(dp, dtype=np.float64)
     mixed = training.dtype != "fp32"
@@ -133,7 +134,8 @@ def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
     else:  # SGD with momentum
         optim = 8.0 if mixed else 4.0
     if training.fully_sharded:
-        return (weight + grad + optim) / dp
+        moments = 8.0 if training.optimizer == "adam" else 4.0
+        return (4.0 + 4.0 + moments) / dp
     if training.distributed_optimizer:
         optim = optim / dp
     return weight + grad + optim

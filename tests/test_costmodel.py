@@ -58,7 +58,7 @@ def test_model_state_bytes():
     assert cm.model_state_bytes_per_param(TrainingSpec(), 1) == 18
     assert cm.model_state_bytes_per_param(TrainingSpec(distributed_optimizer=True), 8) == 6 + 12 / 8
     assert cm.model_state_bytes_per_param(TrainingSpec(dtype="fp32"), 1) == 16
-    assert cm.model_state_bytes_per_param(TrainingSpec(fully_sharded=True), 8) == 18 / 8
+    assert cm.model_state_bytes_per_param(TrainingSpec(fully_sharded=True), 8) == 16 / 8
 
 
 def test_inflight_microbatches_1f1b_and_interleaved():
