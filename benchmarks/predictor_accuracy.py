@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import platform
@@ -207,6 +208,145 @@ def sailor_benchmark(trials: int) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- (b) this CPU
+
+CPU_SPACE = {"tp": (1,), "micro_batch_size": (1, 2, 3, 4, 6, 8), "seq_len": (32, 64, 96, 128, 192, 256),
+             "recompute": ("none", "selective", "full"), "num_kv_heads": (1, 2, 4, 8)}
+
+
+def cpu_benchmark(grid_size: int, trials: int) -> dict:
+    import torch
+
+    from memx_launch.profiler import (PARAMETERS, ProfileSpace, Sample, ablation_samples, calibrate, classify_impact,
+                                      detect_device_type, three_point_design)
+
+    # One thread: the machine's two cores are shared, and one thread per measurement is the
+    # least sensitive to what the neighbours run.
+    torch.set_num_threads(1)
+    spec = MODEL_CATALOG["llama-small"]
+    device = detect_device_type("cpu")
+    space = ProfileSpace(CPU_SPACE, Sample(tp=1, micro_batch_size=2, seq_len=128, recompute="none",
+                                           num_kv_heads=spec.num_kv_heads))
+    settings = dict(num_blocks=1, warmup=1, repeats=5)
+    t_start = time.perf_counter()
+
+    ablation = ablation_samples(space)
+    measured = dict(zip(ablation, calibrate(spec, device, ablation, **settings)))
+    impact = classify_impact(space, measured)
+    design, design_params, _ = three_point_design(space, impact)
+    new_design = [s for s in design if s not in measured]
+    grid = [Sample(*combo) for combo in itertools.product(*(CPU_SPACE[p] for p in PARAMETERS))]
+    rng = random.Random(0)
+    held_back = rng.sample([g for g in grid if g not in measured and g not in design], grid_size)
+    # Design and held-back points measured interleaved, so that load from other users of the
+    # machine falls on both alike.
+    order = new_design + held_back
+    rng.shuffle(order)
+    results = dict(zip(order, calibrate(spec, device, order, **settings)))
+    measured.update({s: results[s] for s in new_design})
+    profile = list(measured.values())
+    test = [results[s] for s in held_back if results[s].feasible]
+    measure_s = time.perf_counter() - t_start
+    print(f"[cpu] {device}")
+    for p in impact:
+        print(f"    {p.name:<17} time {p.time_change:+.1%} memory {p.memory_change:+.1%} "
+              f"-> {'high' if p.high else 'low'}")
+    print(f"[cpu] measured {len(profile)} (ablation {len(ablation)}, design {len(design)}) of a full grid "
+          f"of {space.full_grid_size}; held back {len(test)}; {measure_s:.0f}s")
+
+    augmentation = augment_measurements(profile, space_values=CPU_SPACE)
+    print(augmentation.summary())
+    predictor = fit_predictor(profile, augmented=augmentation.points, trials=trials)
+    cluster = ClusterSpec("this-cpu", (device,), (Node("n", (("cpu", 1),), 1.0),), float("inf"))
+    training = TrainingSpec(dtype="fp32")
+
+    measured_time = np.array([r.time_s for r in test])
+    measured_mem = np.array([r.peak_memory_bytes for r in test])
+    report = {}
+    variants = {"learned": predictor, "learned_without_augmentation": fit_predictor(profile, trials=trials)}
+    for name, fitted in variants.items():
+        # The held-back rows differ in KV heads too: one cost model per block shape.
+        time_pred, mem_pred = np.zeros(len(test)), np.zeros(len(test))
+        for kv in sorted({r.block_shape["num_kv_heads"] for r in test}):
+            idx = [i for i, r in enumerate(test) if r.block_shape["num_kv_heads"] == kv]
+            shape = type(spec)(**{**spec.to_dict(), "num_kv_heads": kv})
+            model = LearnedCostModel(shape, cluster, training, fitted)
+            sub = [test[i] for i in idx]
+            cost = model.layer_costs(np.zeros(len(sub), dtype=int), [r.tp for r in sub],
+                                     [r.micro_batch_size for r in sub], [r.seq_len for r in sub],
+                                     [("none", "selective", "full").index(r.recompute) for r in sub])
+            time_pred[idx] = cost.time_s
+            mem_pred[idx] = cost.activation_bytes + cost.working_bytes
+        report[name] = {"time": {**error_summary(time_pred, measured_time),
+                                 "ranking": ranking_summary(time_pred, measured_time)},
+                        "memory": error_summary(mem_pred, measured_mem)}
+    analytical_time, analytical_mem = np.zeros(len(test)), np.zeros(len(test))
+    for i, r in enumerate(test):
+        cost = AnalyticalCostModel(r.shape_spec(), cluster, training).layer_costs(
+            [0], [r.tp], [r.micro_batch_size], [r.seq_len], [("none", "selective", "full").index(r.recompute)])
+        analytical_time[i], analytical_mem[i] = cost.time_s[0], cost.activation_bytes[0] + cost.working_bytes[0]
+    report["analytical_only"] = {"time": {**error_summary(analytical_time, measured_time),
+                                          "ranking": ranking_summary(analytical_time, measured_time)},
+                                 "memory": error_summary(analytical_mem, measured_mem)}
+    noise = np.array([r.time_spread_s / r.time_s for r in test])
+    learned = report["learned"]
+    print(f"[cpu] held-back {len(test)}: time MAPE {learned['time']['mape_pct']:.2f}%, memory MAPE "
+          f"{learned['memory']['mape_pct']:.2f}%, Spearman {learned['time']['ranking']['spearman']:.3f} "
+          f"(analytical alone: time {report['analytical_only']['time']['mape_pct']:.1f}%, memory "
+          f"{report['analytical_only']['memory']['mape_pct']:.1f}%); median repeat IQR {np.median(noise):.1%}")
+    return {
+        "device": {"name": device.name, "peak_tflops_measured": device.peak_tflops,
+                   "memory_bandwidth_gbps_measured": device.memory_bandwidth_gbps, "torch_threads": 1},
+        "model": "llama-small block (h=512, 8 heads, SwiGLU 1376), fp32, 1 block, 5 repeats (median)",
+        "space": {k: list(v) for k, v in CPU_SPACE.items()}, "full_grid": space.full_grid_size,
+        "impact": [vars(p) for p in impact], "design_parameters": design_params,
+        "measured_for_profile": len(profile), "held_back_measured": len(test),
+        "augmented_points": len(augmentation.points), "measure_seconds": measure_s,
+        "median_repeat_iqr_share": float(np.median(noise)),
+        "results": report, "feature_importance": predictor.meta["feature_importance"],
+        "hyperparameters": predictor.meta["hyperparameters"],
+        "goals": "time MAPE < 10%, memory MAPE < 5%, Spearman > 0.95",
+    }
+
+
+# --------------------------------------------------------------------------- (c) cache
+
+
+def cache_benchmark(trials: int) -> dict:
+    """Predictions per second through CachedCostModel over a learned model, 1e6-row queries."""
+    records = sailor_records()
+    predictor = fit_predictor(records, trials=trials)
+    names = ("A100-40", "V100-16", "RTX-3090")
+    types = tuple(DeviceType(name=n, vendor="nvidia", memory_gib=SAILOR_DEVICES[n]["memory_gib"],
+                             peak_tflops=SAILOR_DEVICES[n]["peak_tflops"],
+                             memory_bandwidth_gbps=SAILOR_DEVICES[n]["memory_bandwidth_gbps"]) for n in names)
+    cluster = ClusterSpec("bench", types, tuple(Node(f"n{i}", ((n, 8),), 300.0) for i, n in enumerate(names)), 25.0)
+    inner = LearnedCostModel(MODEL_CATALOG["llama3-8b"], cluster, TrainingSpec(), predictor)
+    cached = CachedCostModel(inner)
+    rng = np.random.default_rng(0)
+    rows = 1_000_000
+    query = (rng.integers(0, 3, rows), 2 ** rng.integers(0, 4, rows), 2 ** rng.integers(0, 5, rows),
+             rng.choice([2048, 4096, 8192], rows), rng.integers(0, 3, rows))
+    t0 = time.perf_counter()
+    cached.layer_costs(*query)
+    cold_s = time.perf_counter() - t0
+    warm = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        cached.layer_costs(*query)
+        warm.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    inner.layer_costs(*(q[:100_000] for q in query))
+    uncached_rate = 100_000 / (time.perf_counter() - t0)
+    stats = cached.cache.stats()
+    rate = rows / min(warm)
+    print(f"[cache] {rows} rows, {stats['entries']} distinct: cold {rows / cold_s:,.0f}/s, warm {rate:,.0f}/s, "
+          f"uncached predictor {uncached_rate:,.0f}/s")
+    return {"rows_per_query": rows, "distinct_configurations": stats["entries"],
+            "cold_predictions_per_s": rows / cold_s, "warm_predictions_per_s": rate,
+            "uncached_predictions_per_s": uncached_rate, "stats": stats, "goal": "over 1e6 predictions/s"}
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -218,7 +358,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     random.seed(0)
     result = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-              "sailor": sailor_benchmark(args.trials)}
+              "sailor": sailor_benchmark(args.trials), "cache": cache_benchmark(args.trials)}
+    if not args.skip_cpu:
+        result["cpu"] = cpu_benchmark(args.cpu_grid, args.trials)
     if os.path.exists(RESULTS):
         with open(RESULTS) as f:
             previous = json.load(f)

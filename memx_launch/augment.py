@@ -9,11 +9,15 @@ allows:
 | constant | (max - min) / mean < 5% | fixed value: the mean at every value in range |
 | linear | R^2 >= 0.99 | large steps: the global linear fit at every value in range |
 | approximately linear | 0.95 <= R^2 < 0.99 | small steps: split at the measured points, piecewise linear |
-| superlinear | R^2 < 0.95, monotone | shrink: piecewise power law between neighbours (log-log) |
+| superlinear | R^2 < 0.95, monotone | shrink: only between neighbouring measured points, as a power law (straight in log-log), never the global fit |
 | non-monotone | direction changes | skip: no point added |
 
-A point is added only where every measured metric of the line may be interpolated, at the
-values of the profile space strictly between measured ones. No torch import here.
+The superlinear rule follows the paper's "nonlinear cases need nonlinear interpolation":
+TP, sequence length and attention scale as powers, so each interval between two measured
+neighbours is bridged by the power law through them. A point is added only where every
+measured metric of the line may be interpolated, at the values of the profile space
+strictly between measured ones.
+No torch import here.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ CONSTANT_CHANGE = 0.05
 LINEAR_R2 = 0.99
 APPROX_LINEAR_R2 = 0.95
 RULES = {"constant": "fixed value", "linear": "large steps", "approximately linear": "small steps (split)",
-         "superlinear": "shrink (piecewise power law)", "non-monotone": "skip"}
+         "superlinear": "shrink (neighbours, power law)", "non-monotone": "skip"}
 
 
 @dataclass
@@ -103,15 +107,19 @@ def classify_trend(x: np.ndarray, y: np.ndarray) -> tuple[str, float]:
     return "non-monotone", r2
 
 
-def _interpolate(trend: str, x: np.ndarray, y: np.ndarray, new_x: np.ndarray) -> np.ndarray:
+def _interpolate(x: np.ndarray, y: np.ndarray, new_x: np.ndarray) -> tuple[str, float, np.ndarray]:
+    """(trend, R^2, values at new_x); NaN everywhere when the rule is skip."""
+    trend, r2 = classify_trend(x, y)
     if trend == "constant":
-        return np.full(new_x.shape, y.mean())
+        return trend, r2, np.full(new_x.shape, y.mean())
     if trend == "linear":
         slope, intercept = np.polyfit(x, y, 1)
-        return slope * new_x + intercept
+        return trend, r2, slope * new_x + intercept
     if trend == "approximately linear":
-        return np.interp(new_x, x, y)
-    return np.exp(np.interp(np.log(new_x), np.log(x), np.log(y)))  # superlinear
+        return trend, r2, np.interp(new_x, x, y)
+    if trend == "superlinear":
+        return trend, r2, np.exp(np.interp(np.log(new_x), np.log(x), np.log(y)))
+    return trend, r2, np.full(new_x.shape, np.nan)
 
 
 def augment_measurements(records: Iterable[Measurement], space_values: dict[str, Sequence] | None = None,
@@ -119,7 +127,7 @@ def augment_measurements(records: Iterable[Measurement], space_values: dict[str,
     """Interpolated records along every line of at least ``min_points`` measured values.
 
     ``space_values`` gives, per parameter, the values a point may be added at; by default the
-    powers of two (and for KV heads the integers) between the measured extremes.
+    powers of two between the measured extremes (for KV heads, those dividing the head count).
     """
     feasible = [r for r in records if r.feasible and r.time_s]
     measured_keys = {r.key for r in feasible}
@@ -141,15 +149,17 @@ def augment_measurements(records: Iterable[Measurement], space_values: dict[str,
                 y = np.array([getattr(r, metric) or np.nan for r in rows], dtype=np.float64)
                 if not np.all(np.isfinite(y)) or np.any(y <= 0):
                     continue  # not measured on this line (e.g. time-only public profiles)
-                trend, r2 = classify_trend(x, y)
+                trend, r2, values = _interpolate(x, y, candidates)
                 line_checks.append(TrendCheck(name, metric, x.tolist(), r2, trend, RULES[trend]))
-                if trend != "non-monotone":
-                    interpolated[metric] = _interpolate(trend, x, y, candidates)
+                interpolated[metric] = values
             checks += line_checks
-            if len(interpolated) < len(line_checks) or not candidates.size:
-                continue  # a metric of this line may not be interpolated: add nothing
+            if not interpolated:
+                continue
+            allowed = np.all([np.isfinite(v) for v in interpolated.values()], axis=0)
             added = 0
             for i, value in enumerate(candidates):
+                if not allowed[i]:
+                    continue  # some metric of this line may not be interpolated here
                 point = _with_value(rows[0], name, value)
                 point = replace(point, source=f"interpolated:{name}", time_spread_s=None,
                                 **{m: float(v[i]) for m, v in interpolated.items()})

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 from scipy.stats import norm
@@ -43,14 +43,14 @@ FEATURE_NAMES = (
 TARGETS = ("time", "memory")
 # Bounds of the tuned hyper-parameters; (name, low, high, log scale, integer).
 _SEARCH_SPACE = (
-    ("max_depth", 2, 7, False, True),
-    ("learning_rate", 0.05, 0.3, True, False),
+    ("max_depth", 2, 6, False, True),
+    ("learning_rate", 0.08, 0.3, True, False),
     ("subsample", 0.6, 1.0, False, False),
     ("min_child_weight", 0.5, 8.0, True, False),
     ("reg_lambda", 0.1, 10.0, True, False),
 )
 # Boosting rounds scale with 1/learning rate so every trial reaches a similar total step.
-_ROUNDS_X_RATE = 20.0
+_ROUNDS_X_RATE = 15.0
 
 
 # --------------------------------------------------------------------------- features
@@ -66,12 +66,11 @@ def _bandwidth(device: DeviceType) -> float:
 
 
 def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute) -> tuple[np.ndarray, LayerCost]:
-    """Feature matrix of queries against one analytical model, and that model's costs."""
-    device = np.asarray(device, dtype=np.int64)
-    tp = np.asarray(tp, dtype=np.float64)
-    mbs = np.asarray(mbs, dtype=np.float64)
-    seq = np.asarray(seq, dtype=np.float64)
-    recompute = np.asarray(recompute, dtype=np.float64)
+    """Feature matrix of queries (broadcast together, flattened) against one analytical model,
+    and that model's costs."""
+    device, tp, mbs, seq, recompute = (a.reshape(-1) for a in np.broadcast_arrays(
+        np.asarray(device, dtype=np.int64), np.asarray(tp, dtype=np.float64), np.asarray(mbs, dtype=np.float64),
+        np.asarray(seq, dtype=np.float64), np.asarray(recompute, dtype=np.float64)))
     base = cost.layer_costs(device, tp, mbs, seq, recompute)
     model, types = cost.model, cost.device_types
     dev = np.array([[d.memory_gib, d.peak_tflops, _bandwidth(d), vendor_code(d.vendor)] for d in types])[device]
@@ -96,8 +95,23 @@ def _single_device_cluster(device: DeviceType, tp_link: float | None, slowdown: 
     return ClusterSpec("profiled", (device,), (node,), math.inf, emulation)
 
 
-def training_rows(records: list[Measurement]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(features, log-ratio targets [time, memory], mask of rows whose memory was measured).
+@dataclass
+class TrainingSet:
+    X: np.ndarray
+    Y: np.ndarray
+    """log(measured / analytical): [time, memory]."""
+    has_memory: np.ndarray
+    """Rows whose memory was measured (the others carry a filled-in target)."""
+    device_types: np.ndarray
+    models: np.ndarray
+    """Model signature of each row."""
+
+    def subset(self, idx) -> "TrainingSet":
+        return TrainingSet(self.X[idx], self.Y[idx], self.has_memory[idx], self.device_types[idx], self.models[idx])
+
+
+def training_rows(records: list[Measurement]) -> TrainingSet:
+    """Features and log-ratio targets of the feasible records.
 
     Infeasible (out-of-memory) records carry no time and are left out of the regression.
     """
@@ -110,7 +124,7 @@ def training_rows(records: list[Measurement]) -> tuple[np.ndarray, np.ndarray, n
     if not groups:
         raise ConfigError("profile", "no feasible measurement to learn from",
                           "profile configurations that fit in memory (memx profile)")
-    xs, ys, masks = [], [], []
+    xs, ys, masks, devices, models = [], [], [], [], []
     for rows in groups.values():
         first = rows[0]
         device = DeviceType(name=first.device_type, **first.device)
@@ -127,12 +141,45 @@ def training_rows(records: list[Measurement]) -> tuple[np.ndarray, np.ndarray, n
         xs.append(X)
         ys.append(np.column_stack([np.log(time / base.time_s), np.log(measured_memory / analytical_memory)]))
         masks.append(np.isfinite(ys[-1][:, 1]))
+        devices += [r.device_type for r in rows]
+        models += [r.model_signature for r in rows]
     X, Y, has_memory = np.vstack(xs), np.vstack(ys), np.concatenate(masks)
     # Rows without a memory measurement (e.g. time-only public profiles) get the typical
     # measured ratio, or the analytical value when nothing was measured; the mask keeps
     # them out of the memory error.
     Y[~has_memory, 1] = np.median(Y[has_memory, 1]) if has_memory.any() else 0.0
-    return X, Y, has_memory
+    return TrainingSet(X, Y, has_memory, np.array(devices), np.array(models))
+
+
+@dataclass
+class Offsets:
+    """Per-device calibration: the median log-ratio of each (device type, model) pair's own
+    measurements, falling back to the device type's median, then to the global median.
+
+    It is the trees' base margin: a device's overall level comes from its own samples (a
+    handful suffice), the trees learn how the ratio moves with the configuration.
+    """
+
+    pairs: dict
+    devices: dict
+    overall: list
+
+    @classmethod
+    def fit(cls, ts: TrainingSet) -> "Offsets":
+        def median(mask):
+            time = float(np.median(ts.Y[mask, 0]))
+            mem_mask = mask & ts.has_memory
+            memory = float(np.median(ts.Y[mem_mask, 1])) if mem_mask.any() else float(np.median(ts.Y[mask, 1]))
+            return [time, memory]
+
+        pairs = {f"{d}|{m}": median((ts.device_types == d) & (ts.models == m))
+                 for d, m in sorted(set(zip(ts.device_types, ts.models)))}
+        devices = {d: median(ts.device_types == d) for d in sorted(set(ts.device_types))}
+        return cls(pairs, devices, median(np.ones(len(ts.Y), dtype=bool)))
+
+    def margin(self, device_types, models) -> np.ndarray:
+        return np.array([self.pairs.get(f"{d}|{m}") or self.devices.get(d) or self.overall
+                         for d, m in zip(device_types, models)], dtype=np.float64).reshape(-1, 2)
 
 
 # --------------------------------------------------------------------------- model
@@ -145,11 +192,16 @@ class Predictor:
     booster: object
     meta: dict
 
-    def predict_log_ratios(self, X: np.ndarray) -> np.ndarray:
+    @property
+    def offsets(self) -> Offsets:
+        return Offsets(**self.meta["offsets"])
+
+    def predict_log_ratios(self, X: np.ndarray, device_types, models) -> np.ndarray:
         """[n, 2] predicted log(measured / analytical) for time and memory."""
         if X.shape[0] == 0:
             return np.zeros((0, 2))
-        return np.asarray(self.booster.inplace_predict(X), dtype=np.float64).reshape(-1, 2)
+        margin = self.offsets.margin(device_types, models)
+        return np.asarray(self.booster.inplace_predict(X, base_margin=margin), dtype=np.float64).reshape(-1, 2)
 
     def save(self, path: str) -> None:
         """``path`` ends in .ubj or .json (XGBoost's own formats); the sidecar is ``path + '.meta.json'``."""
@@ -213,11 +265,12 @@ def _booster_params(params: dict, seed: int) -> dict:
             "lambda": params["reg_lambda"], "seed": seed, "nthread": 2, "verbosity": 0}
 
 
-def _train(X, Y, params: dict, seed: int):
+def _train(ts: TrainingSet, offsets: Offsets, params: dict, seed: int):
     import xgboost as xgb
 
     rounds = int(round(_ROUNDS_X_RATE / params["learning_rate"]))
-    return xgb.train(_booster_params(params, seed), xgb.DMatrix(X, label=Y), num_boost_round=rounds)
+    data = xgb.DMatrix(ts.X, label=ts.Y, base_margin=offsets.margin(ts.device_types, ts.models))
+    return xgb.train(_booster_params(params, seed), data, num_boost_round=rounds)
 
 
 def ratio_mape(pred_log: np.ndarray, true_log: np.ndarray) -> float:
@@ -227,17 +280,19 @@ def ratio_mape(pred_log: np.ndarray, true_log: np.ndarray) -> float:
     return float(np.mean(np.abs(np.exp(pred_log - true_log) - 1.0)))
 
 
-def _cv_error(X, Y, has_memory, params, folds, seed) -> float:
+def _cv_error(ts: TrainingSet, params, folds, seed) -> float:
     rng = np.random.default_rng(seed)
-    order = rng.permutation(len(X))
+    order = rng.permutation(len(ts.X))
     errors = []
     for k in range(folds):
-        test = order[k::folds]
-        train = np.setdiff1d(order, test)
-        booster = _train(X[train], Y[train], params, seed)
-        pred = np.asarray(booster.inplace_predict(X[test])).reshape(-1, 2)
-        mem = has_memory[test]
-        errors.append(ratio_mape(pred[:, 0], Y[test, 0]) + ratio_mape(pred[mem, 1], Y[test, 1][mem]))
+        test = ts.subset(order[k::folds])
+        train = ts.subset(np.setdiff1d(order, order[k::folds]))
+        offsets = Offsets.fit(train)  # from the training fold only
+        booster = _train(train, offsets, params, seed)
+        pred = np.asarray(booster.inplace_predict(test.X, base_margin=offsets.margin(test.device_types, test.models)))
+        pred = pred.reshape(-1, 2)
+        mem = test.has_memory
+        errors.append(ratio_mape(pred[:, 0], test.Y[:, 0]) + ratio_mape(pred[mem, 1], test.Y[mem, 1]))
     return float(np.mean(errors))
 
 
@@ -267,11 +322,11 @@ def _gp_posterior(U: np.ndarray, y: np.ndarray, candidates: np.ndarray):
     return mean, std
 
 
-def tune_hyperparameters(X, Y, has_memory, *, trials: int = 10, initial: int = 4, folds: int = 3,
+def tune_hyperparameters(ts: TrainingSet, *, trials: int = 10, initial: int = 4, folds: int = 3,
                          seed: int = 0) -> tuple[dict, float, list[dict]]:
     """Bayesian optimisation (GP + expected improvement) of the k-fold CV error."""
     rng = np.random.default_rng(seed)
-    folds = max(2, min(folds, len(X)))
+    folds = max(2, min(folds, len(ts.X)))
     U, scores, history = [], [], []
     for i in range(trials):
         if i < initial:
@@ -285,7 +340,7 @@ def tune_hyperparameters(X, Y, has_memory, *, trials: int = 10, initial: int = 4
             ei = (y.min() - mean) * norm.cdf(z) + std * norm.pdf(z)
             u = candidates[int(np.argmax(ei))]
         params = _decode(u)
-        score = _cv_error(X, Y, has_memory, params, folds, seed)
+        score = _cv_error(ts, params, folds, seed)
         U.append(u)
         scores.append(score)
         history.append({**params, "cv_error": score})
@@ -296,12 +351,13 @@ def tune_hyperparameters(X, Y, has_memory, *, trials: int = 10, initial: int = 4
 def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = (), trials: int = 10,
                   seed: int = 0) -> Predictor:
     """Fit the two-output model on measured (plus augmented) records, tuning by CV."""
-    X, Y, has_memory = training_rows(list(records) + list(augmented))
-    if len(X) < 4:
-        raise ConfigError("profile", f"only {len(X)} feasible measurements",
+    ts = training_rows(list(records) + list(augmented))
+    if len(ts.X) < 4:
+        raise ConfigError("profile", f"only {len(ts.X)} feasible measurements",
                           "profile at least 4 configurations (memx profile --budget)")
-    params, cv_error, history = tune_hyperparameters(X, Y, has_memory, trials=trials, seed=seed)
-    booster = _train(X, Y, params, seed)
+    params, cv_error, history = tune_hyperparameters(ts, trials=trials, seed=seed)
+    offsets = Offsets.fit(ts)
+    booster = _train(ts, offsets, params, seed)
     gain = booster.get_score(importance_type="gain")
     total = sum(gain.values()) or 1.0
     importance = {FEATURE_NAMES[int(k[1:])]: v / total for k, v in gain.items()}
@@ -310,8 +366,9 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "feature_names": list(FEATURE_NAMES),
         "targets": ["log(measured_time / analytical_time)", "log(measured_memory / analytical_memory)"],
         "training": training_signature(list(records)),
-        "rows": {"measured": len(records), "augmented": len(augmented), "used": int(len(X)),
-                 "with_memory": int(has_memory.sum())},
+        "rows": {"measured": len(records), "augmented": len(augmented), "used": int(len(ts.X)),
+                 "with_memory": int(ts.has_memory.sum())},
+        "offsets": asdict(offsets),
         "hyperparameters": params,
         "cv_error": cv_error,
         "tuning_history": history,
@@ -332,6 +389,7 @@ class LearnedCostModel:
         self.device_names = self.analytical.device_names
         self.device_types = self.analytical.device_types
         self.predictor = predictor
+        self._model_signature = model.signature()
         known = set(predictor.meta["training"]["device_types"])
         unseen = [d for d in self.device_names if d not in known]
         if unseen:
@@ -339,10 +397,13 @@ class LearnedCostModel:
                           "the analytical model corrected by other devices' descriptors", stacklevel=2)
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
+        shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape
         X, base = physics_features(self.analytical, device, tp, mbs, seq, recompute)
-        ratio = np.exp(self.predictor.predict_log_ratios(X))
-        return LayerCost(time_s=base.time_s * ratio[:, 0], activation_bytes=base.activation_bytes * ratio[:, 1],
-                         working_bytes=base.working_bytes * ratio[:, 1])
+        names = np.asarray(self.device_names)[np.broadcast_to(np.asarray(device, dtype=np.int64), shape).reshape(-1)]
+        ratio = np.exp(self.predictor.predict_log_ratios(X, names, np.full(len(names), self._model_signature)))
+        return LayerCost(time_s=(base.time_s * ratio[:, 0]).reshape(shape),
+                         activation_bytes=(base.activation_bytes * ratio[:, 1]).reshape(shape),
+                         working_bytes=(base.working_bytes * ratio[:, 1]).reshape(shape))
 
     def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
         return self.analytical.embedding_time(device, tp, mbs, seq)

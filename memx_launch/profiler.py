@@ -71,9 +71,12 @@ class ProfileSpace:
         return math.prod(len(self.values[p]) for p in PARAMETERS)
 
     def three_points(self, name: str) -> tuple:
-        """(min, mid, max) of a parameter, fewer when it has fewer values."""
+        """(min, mid, max) of a parameter, fewer when it has fewer values. The mid is the
+        default when it lies strictly inside, so the ablation's points are design points too."""
         vals = self.values[name]
-        return tuple(dict.fromkeys((vals[0], vals[len(vals) // 2], vals[-1])))
+        default = getattr(self.default, name)
+        mid = default if vals[0] != default != vals[-1] else vals[len(vals) // 2]
+        return tuple(dict.fromkeys((vals[0], mid, vals[-1])))
 
 
 def default_space(model: ModelSpec, *, tp_degrees: Sequence[int] = (1,), max_micro_batch: int = 8,
@@ -255,12 +258,15 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
         a @ b
         _sync(dev)
         rates.append(2 * n**3 / (time.perf_counter() - t0) / 1e12)
-    copy = torch.empty(64 * 2**20 // 4, device=dev)
-    _sync(dev)
-    t0 = time.perf_counter()
-    copy.clone()
-    _sync(dev)
-    bandwidth = 2 * copy.numel() * 4 / (time.perf_counter() - t0) / 1e9
+    src, dst = torch.ones(64 * 2**20 // 4, device=dev), torch.zeros(64 * 2**20 // 4, device=dev)
+    seconds = []
+    for _ in range(3):  # the first copy also faults the pages in
+        _sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        seconds.append(time.perf_counter() - t0)
+    bandwidth = 2 * src.numel() * 4 / min(seconds[1:]) / 1e9
     # Two significant digits, so reruns on the same machine give the same descriptors.
     return DeviceType(name=name or default_name, vendor=vendor, memory_gib=_round2(memory_gib),
                       peak_tflops=_round2(max(rates[1:])), efficiency=1.0,

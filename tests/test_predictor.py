@@ -1,0 +1,139 @@
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from memx_launch.augment import augment_measurements, classify_trend
+from memx_launch.costmodel import AnalyticalCostModel
+from memx_launch.errors import ConfigError
+from memx_launch.prediction_cache import CachedCostModel, PredictionCache, pack_keys, unpack_keys
+from memx_launch.predictor import LearnedCostModel, Predictor, fit_predictor, sidecar_path
+from memx_launch.profiledb import Measurement, ProfileDB
+from memx_launch.specs import MODEL_CATALOG, ClusterSpec, DeviceType, Node, TrainingSpec
+
+SPEC = MODEL_CATALOG["llama-tiny"]
+DEVICE = DeviceType(name="dev", vendor="nvidia", memory_gib=16, peak_tflops=50, memory_bandwidth_gbps=900)
+CLUSTER = ClusterSpec("c", (DEVICE,), (Node("n", (("dev", 4),), 100.0),), float("inf"))
+TRAINING = TrainingSpec(dtype="fp32")
+LEVELS = ("none", "selective", "full")
+
+
+def true_ratio(mbs):
+    """What the synthetic 'hardware' does beyond the formulas: poor efficiency at small batches."""
+    return 1.5 * (1 + 0.5 / mbs), 1.1
+
+
+def synthetic_records(mbs_values=(1, 2, 4, 8, 16), seqs=(32, 64, 128)):
+    cost = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+    out = []
+    for b in mbs_values:
+        for s in seqs:
+            for r, level in enumerate(LEVELS):
+                c = cost.layer_costs([0], [1], [b], [s], [r])
+                t_ratio, m_ratio = true_ratio(b)
+                out.append(Measurement(
+                    device_type="dev", device={k: v for k, v in vars(DEVICE).items() if k != "name"},
+                    model=SPEC.name, model_signature=SPEC.signature(), block_shape=SPEC.to_dict(), tp=1,
+                    micro_batch_size=b, seq_len=s, recompute=level, dtype="fp32", num_blocks=1, feasible=True,
+                    time_s=float(c.time_s[0] * t_ratio),
+                    peak_memory_bytes=float((c.activation_bytes[0] + c.working_bytes[0]) * m_ratio)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    return fit_predictor(synthetic_records(), trials=3)
+
+
+def test_learned_model_recovers_the_residual_and_extrapolates(fitted):
+    model = LearnedCostModel(SPEC, CLUSTER, TRAINING, fitted)
+    base = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+    mbs = np.array([3, 6, 12, 64])  # 64 is far outside the sampled 1..16
+    got, ref = model.layer_costs(0, 1, mbs, 96, 0), base.layer_costs(0, 1, mbs, 96, 0)
+    expected = ref.time_s * np.array([true_ratio(b)[0] for b in mbs])
+    assert np.allclose(got.time_s, expected, rtol=0.15)
+    assert np.allclose(got.activation_bytes, ref.activation_bytes * 1.1, rtol=0.05)
+    assert fitted.meta["feature_importance"] and fitted.meta["hyperparameters"]
+
+
+def test_saved_predictor_loads_and_predicts_the_same(tmp_path, fitted):
+    path = str(tmp_path / "p.ubj")
+    fitted.save(path)
+    loaded = Predictor.load(path)
+    X = np.random.default_rng(0).random((5, len(fitted.meta["feature_names"])))
+    names, models = ["dev"] * 5, [SPEC.signature()] * 5
+    assert np.allclose(loaded.predict_log_ratios(X, names, models), fitted.predict_log_ratios(X, names, models))
+
+
+def test_predictor_of_another_version_is_a_clear_error(tmp_path, fitted):
+    path = str(tmp_path / "p.ubj")
+    fitted.save(path)
+    with open(sidecar_path(path)) as f:
+        meta = json.load(f)
+    meta["format_version"] = 0
+    with open(sidecar_path(path), "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(ConfigError, match="format version 0, this memx reads 1; re-train"):
+        Predictor.load(path)
+
+
+def test_unseen_device_type_warns_and_still_predicts(fitted):
+    other = DeviceType(name="other", vendor="amd", memory_gib=64, peak_tflops=100)
+    cluster = ClusterSpec("c", (DEVICE, other), (Node("n", (("dev", 2), ("other", 2)), 100.0),), float("inf"))
+    with pytest.warns(UserWarning, match="no measurement of device type"):
+        model = LearnedCostModel(SPEC, cluster, TRAINING, fitted)
+    assert np.all(model.layer_costs([0, 1], 1, 2, 64, 0).time_s > 0)
+
+
+def test_cache_matches_inner_and_counts(fitted):
+    inner = LearnedCostModel(SPEC, CLUSTER, TRAINING, fitted)
+    cached = CachedCostModel(inner)
+    device, tp, mbs, seq, rc = np.zeros(6, int), np.ones(6, int), np.array([1, 2, 1, 2, 4, 4]), 64, np.array([0, 1, 0, 1, 2, 2])
+    first = cached.layer_costs(device, tp, mbs, seq, rc)
+    assert np.allclose(first.time_s, inner.layer_costs(device, tp, mbs, seq, rc).time_s)
+    assert cached.cache.misses == 3 and cached.cache.hits == 0
+    again = cached.layer_costs(device[:2], tp[:2], mbs[:2], 64, rc[:2])
+    assert np.allclose(again.time_s, first.time_s[:2])
+    assert cached.cache.hits == 2 and cached.cache.misses == 3
+
+
+def test_cache_is_invalidated_by_a_new_context(fitted):
+    store = PredictionCache()
+    CachedCostModel(LearnedCostModel(SPEC, CLUSTER, TRAINING, fitted), store).layer_costs(0, 1, 2, 64, 0)
+    assert len(store) == 1
+    CachedCostModel(LearnedCostModel(SPEC, CLUSTER, TrainingSpec(dtype="fp32", global_batch_size=64), fitted), store)
+    assert len(store) == 0 and store.invalidations == 1
+
+
+def test_key_packing_round_trips_and_rejects_out_of_range():
+    fields = [np.array([0, 3]), np.array([1, 8]), np.array([1, 512]), np.array([128, 131072]), np.array([0, 2])]
+    assert all(np.array_equal(a, b) for a, b in zip(unpack_keys(pack_keys(*fields)), fields))
+    with pytest.raises(ConfigError, match="tp"):
+        pack_keys(0, 1 << 13, 1, 1, 0)
+
+
+def test_validator_classes_and_rules():
+    x = np.array([1.0, 4.0, 8.0])
+    assert classify_trend(x, 2 * x + 1)[0] == "linear"
+    assert classify_trend(x, np.array([1.0, 1.01, 1.02]))[0] == "constant"
+    assert classify_trend(x, x**2.5)[0] == "superlinear"
+    assert classify_trend(x, np.array([3.0, 1.0, 4.0]))[0] == "non-monotone"
+    records = synthetic_records(mbs_values=(1, 4, 16), seqs=(64,))
+    aug = augment_measurements(records)
+    assert {c.parameter for c in aug.checks} == {"micro_batch_size"}
+    assert aug.points and all(p.micro_batch_size in (2, 8) for p in aug.points)
+    assert "points" in aug.summary()
+
+
+def test_load_cost_model_fits_once_then_reuses(tmp_path, monkeypatch):
+    from memx_launch import predictor as predictor_module
+
+    path = str(tmp_path / "profile.jsonl")
+    ProfileDB(path).append(synthetic_records(mbs_values=(1, 4, 16), seqs=(32, 128)))
+    model = predictor_module.load_cost_model(path, SPEC, CLUSTER, TRAINING, trials=2)
+    assert isinstance(model, CachedCostModel) and model.layer_costs(0, 1, 2, 64, 0).time_s.shape == ()
+    monkeypatch.setattr(predictor_module, "fit_predictor", lambda *a, **k: pytest.fail("refitted"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        predictor_module.load_cost_model(path, SPEC, CLUSTER, TRAINING, trials=2)

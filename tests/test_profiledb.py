@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.profiledb import Measurement, ProfileDB, ProfileWarning, merge_profiles
+from memx_launch.specs import MODEL_CATALOG
+
+
+def record(model="llama-tiny", mbs=1, time_s=0.01, rank_software="2.13"):
+    spec = MODEL_CATALOG[model]
+    return Measurement(device_type="cpu", device={"vendor": "cpu", "memory_gib": 8.0, "peak_tflops": 0.1},
+                       model=spec.name, model_signature=spec.signature(), block_shape=spec.to_dict(), tp=1,
+                       micro_batch_size=mbs, seq_len=32, recompute="none", dtype="fp32", num_blocks=1,
+                       feasible=True, time_s=time_s, peak_memory_bytes=1e6, software={"torch": rank_software})
+
+
+def test_append_and_read_round_trip(tmp_path):
+    db = ProfileDB(str(tmp_path / "p.jsonl"))
+    assert db.append([record(mbs=1), record(mbs=2)]) == 2
+    db.append([record(mbs=4)])
+    assert [r.micro_batch_size for r in db.read()] == [1, 2, 4]
+
+
+def test_corrupt_line_is_skipped_with_a_warning(tmp_path):
+    path = tmp_path / "p.jsonl"
+    db = ProfileDB(str(path))
+    db.append([record(mbs=1)])
+    with open(path, "a") as f:
+        f.write('{"device_type": "cpu", "truncated\n')
+        f.write(json.dumps({**json.loads(record(mbs=2).to_json()), "format": 99}) + "\n")
+    db.append([record(mbs=8)])
+    with pytest.warns(ProfileWarning) as caught:
+        records = db.read()
+    messages = [str(w.message) for w in caught]
+    assert any("p.jsonl:2: skipped a corrupt profile record" in m for m in messages)
+    assert any("p.jsonl:3: skipped" in m and "format 99, this memx reads 1" in m for m in messages)
+    assert [r.micro_batch_size for r in records] == [1, 8]
+
+
+def test_profile_of_another_model_is_a_clear_error(tmp_path):
+    db = ProfileDB(str(tmp_path / "p.jsonl"))
+    db.append([record(model="llama-tiny")])
+    with pytest.raises(ConfigError, match=r"holds measurements of llama-tiny .* not of llama-small.*memx profile "
+                                          r"--model llama-small"):
+        db.for_model(MODEL_CATALOG["llama-small"])
+    assert len(db.for_model(MODEL_CATALOG["llama-tiny"])) == 1
+
+
+def test_missing_file_names_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="--profile-db.*run memx profile"):
+        ProfileDB(str(tmp_path / "none.jsonl")).read()
+
+
+def test_merge_from_ranks_deduplicates_and_keeps_the_latest(tmp_path):
+    a, b = tmp_path / "rank0.jsonl", tmp_path / "rank1.jsonl"
+    ProfileDB(str(a)).append([record(mbs=1, time_s=0.01), record(mbs=2)])
+    ProfileDB(str(b)).append([record(mbs=1, time_s=0.02), record(mbs=4), record(mbs=4, rank_software="2.14")])
+    out = tmp_path / "merged.jsonl"
+    assert merge_profiles([str(a), str(b)], str(out)) == 4
+    merged = ProfileDB(str(out)).read()
+    assert {r.micro_batch_size: r.time_s for r in merged if r.software["torch"] == "2.13"}[1] == 0.02
