@@ -1,0 +1,236 @@
+"""Memory monitor: per rank peak and current memory every N steps, predicted against observed per
+stage, and a re-plan event that every rank agrees on.
+
+Every sampled step each rank reads its memory and the ranks all-gather one row of four numbers,
+so every rank holds the same table and runs the same decision on it: the event (or None) is
+identical everywhere without a second collective. Steps between samples cost nothing.
+
+What is read:
+- GPUs: ``torch.cuda.max_memory_allocated`` (tensor bytes, what the cost model predicts),
+  ``max_memory_reserved`` (what the caching allocator holds, what runs out), and nvidia-ml-py for
+  the device total and the memory of other processes on the device.
+- Emulated CPU devices (runtime/emulation.py): the emulation's exact live-tensor count against
+  its capacity. Plain CPU without emulation has no capacity to watch and is not supported
+  (process RSS misses freed-but-mapped blocks, and the profiler's memory events cost a step).
+
+An out-of-memory error cannot be agreed on by a collective: the other pipeline ranks are
+blocked on the failed rank. The rank that saw it saves the event (:func:`oom_event` then
+``ReplanEvent.save``) and fails; the launcher re-plans from the saved event when it restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from memx_launch.errors import ConfigError
+from memx_launch.plan import Plan
+from memx_launch.replan import DEFAULT_MIN_HEADROOM, ReplanEvent
+
+GIB = 2**30
+log = logging.getLogger("memx.monitor")
+
+
+@dataclass
+class MonitorConfig:
+    interval: int = 10
+    """Sample every this many steps (step % interval == 0)."""
+    min_headroom: float = DEFAULT_MIN_HEADROOM
+    """Free share of a rank's capacity below which the rank is under pressure."""
+    consecutive: int = 3
+    """Samples in a row under min_headroom before re-planning (one spike is not pressure)."""
+    above_prediction: float = 0.25
+    """Re-plan when a rank's peak passes its stage's prediction by more than this share."""
+
+    def __post_init__(self):
+        if not isinstance(self.interval, int) or self.interval < 1:
+            raise ConfigError("monitor.interval", f"must be a positive integer, got {self.interval!r}",
+                              "e.g. MEMX_MONITOR_INTERVAL=10")
+        if not 0 <= self.min_headroom < 1:
+            raise ConfigError("monitor.min_headroom", f"must be in [0, 1), got {self.min_headroom!r}",
+                              "e.g. MEMX_MIN_HEADROOM=0.10")
+        if not isinstance(self.consecutive, int) or self.consecutive < 1:
+            raise ConfigError("monitor.consecutive", f"must be a positive integer, got {self.consecutive!r}",
+                              "e.g. MEMX_PRESSURE_SAMPLES=3")
+        if self.above_prediction <= 0:
+            raise ConfigError("monitor.above_prediction", f"must be positive, got {self.above_prediction!r}",
+                              "e.g. MEMX_ABOVE_PREDICTION=0.25")
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "MonitorConfig":
+        """MEMX_MONITOR_INTERVAL, MEMX_MIN_HEADROOM, MEMX_PRESSURE_SAMPLES, MEMX_ABOVE_PREDICTION."""
+        kwargs = {}
+        for var, name, kind in (("MEMX_MONITOR_INTERVAL", "interval", int), ("MEMX_MIN_HEADROOM", "min_headroom", float),
+                                ("MEMX_PRESSURE_SAMPLES", "consecutive", int),
+                                ("MEMX_ABOVE_PREDICTION", "above_prediction", float)):
+            if var in environ:
+                try:
+                    kwargs[name] = kind(environ[var])
+                except ValueError:
+                    raise ConfigError(var, f"not a number: {environ[var]!r}", f"set {var} to a {kind.__name__}") from None
+        return cls(**kwargs)
+
+
+@dataclass
+class MemoryReading:
+    peak_bytes: float
+    """Most tensor bytes alive at once since the last reset (what the cost model predicts)."""
+    reserved_bytes: float
+    """Most bytes the allocator held since the last reset (what runs out first)."""
+    current_bytes: float
+    capacity_bytes: float
+    """What this process may use: the device total less other processes' memory."""
+
+
+class EmulatedMemory:
+    """Reads an emulated device (runtime/emulation.py); its guard's count is exact."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def read(self) -> MemoryReading:
+        d = self.device
+        return MemoryReading(float(d.peak_bytes), float(d.peak_bytes), float(d.live_bytes), float(d.capacity_bytes))
+
+    def reset(self) -> None:
+        self.device.reset_peak()
+
+
+class CudaMemory:
+    """Reads the CUDA caching allocator and, through NVML, the device's total and other processes."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            uuid = torch.cuda.get_device_properties(index).uuid
+            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}"))
+        except Exception as exc:  # noqa: BLE001 - no NVML (other vendors, containers): torch's view only
+            log.warning("nvidia-ml-py unavailable (%s): other processes' memory is read as total - free - ours", exc)
+
+    def read(self) -> MemoryReading:
+        reserved_now = torch.cuda.memory_reserved(self.device)
+        if self._nvml is not None:
+            pynvml, handle = self._nvml
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            pid = os.getpid()
+            others = sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                         if p.pid != pid)
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            others = max(0, total - free - reserved_now)
+        return MemoryReading(float(torch.cuda.max_memory_allocated(self.device)),
+                             float(torch.cuda.max_memory_reserved(self.device)),
+                             float(torch.cuda.memory_allocated(self.device)), float(total - others))
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def memory_reader(emulated=None, device: torch.device | None = None):
+    """The reader for this rank: its emulated device when it has one, else its CUDA device."""
+    if emulated is not None:
+        return EmulatedMemory(emulated)
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
+    if device is None or device.type != "cuda":
+        raise ConfigError("monitor", "no GPU and no emulated device on this rank",
+                          "declare emulated devices in the cluster file, or pass --no-replan")
+    return CudaMemory(device)
+
+
+class MemoryMonitor:
+    """Call :meth:`after_step` on every rank after every optimizer step."""
+
+    COLUMNS = 4  # peak, reserved, current, capacity
+
+    def __init__(self, plan: Plan, rank: int, reader, config: MonitorConfig | None = None, group=None):
+        self.plan = plan
+        self.rank = rank
+        self.reader = reader
+        self.config = config or MonitorConfig()
+        self.group = group
+        self.low_samples = 0
+        self.last_table: torch.Tensor | None = None
+        """[world, 4] bytes of the latest sample (identical on every rank)."""
+        self._stage_of = {r: i for i, s in enumerate(plan.stages) for r in s.ranks}
+
+    def after_step(self, step: int) -> ReplanEvent | None:
+        """None, or the re-plan event every rank returns for this same step."""
+        if step % self.config.interval:
+            return None
+        reading = self.reader.read()
+        self.reader.reset()
+        row = torch.tensor([reading.peak_bytes, reading.reserved_bytes, reading.current_bytes,
+                            reading.capacity_bytes], dtype=torch.float64)
+        if dist.get_backend(self.group) == "nccl":
+            row = row.cuda()
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(rows, row, group=self.group)
+        table = torch.stack(rows).cpu()
+        self.last_table = table
+        event = self._decide(step, table)
+        if self.rank == 0:
+            log.info("%s", self.describe(step, table))
+            if event is not None:
+                log.warning("re-plan at step %d: %s", step, event.message)
+        return event
+
+    def _decide(self, step: int, table: torch.Tensor) -> ReplanEvent | None:
+        c = self.config
+        peak, reserved, capacity = table[:, 0], table[:, 1], table[:, 3]
+        headroom = 1 - reserved / capacity
+        worst = int(headroom.argmin())
+        self.low_samples = self.low_samples + 1 if headroom[worst] < c.min_headroom else 0
+        if self.low_samples >= c.consecutive:
+            return self._event(step, "headroom", worst, table, (
+                f"{headroom[worst]:.1%} free ({reserved[worst] / GIB:.4f} of {capacity[worst] / GIB:.4f} GiB) "
+                f"< {c.min_headroom:.0%} for {self.low_samples} samples in a row"))
+        predicted = torch.tensor([self.plan.stages[self._stage_of[r]].predicted_peak_memory_gib * GIB
+                                  for r in range(len(table))], dtype=torch.float64)
+        ratio = torch.where(predicted > 0, peak / predicted, torch.zeros_like(peak))
+        over = int(ratio.argmax())
+        if ratio[over] > 1 + c.above_prediction:
+            return self._event(step, "above_prediction", over, table, (
+                f"peak {peak[over] / GIB:.4f} GiB is {ratio[over]:.2f}x the predicted "
+                f"{predicted[over] / GIB:.4f} GiB (> {1 + c.above_prediction:.2f}x)"))
+        return None
+
+    def _event(self, step: int, reason: str, rank: int, table: torch.Tensor, message: str) -> ReplanEvent:
+        stage = self._stage_of[rank]
+        return ReplanEvent(step, reason, rank, stage, self.plan.stages[stage].device_type, message,
+                           (table[:, 0] / GIB).tolist(), (table[:, 3] / GIB).tolist())
+
+    def describe(self, step: int, table: torch.Tensor) -> str:
+        """One line: per stage observed peak against predicted, and the least free share."""
+        parts = []
+        for i, stage in enumerate(self.plan.stages):
+            peak = max(float(table[r, 0]) for r in stage.ranks) / GIB
+            free = min(1 - float(table[r, 1] / table[r, 3]) for r in stage.ranks)
+            pred = stage.predicted_peak_memory_gib
+            vs = f" (x{peak / pred:.2f})" if pred > 0 else ""
+            parts.append(f"stage {i} {stage.device_type}: {peak:.4f}/{pred:.4f} GiB{vs}, {free:.0%} free")
+        return f"memory step {step}: observed/predicted " + " | ".join(parts)
+
+
+def oom_event(plan: Plan, rank: int, step: int, error: BaseException, reader) -> ReplanEvent:
+    """The event of an out-of-memory error on this rank in the step after ``step`` (the last completed
+    one); only this rank's memory is known."""
+    reading = reader.read()
+    stage = plan.stage_of_rank(rank)[0]
+    observed = [math.nan] * plan.world_size
+    capacity = [math.nan] * plan.world_size
+    # The failed allocation would have passed the capacity: the peak is at least that.
+    observed[rank] = max(reading.reserved_bytes, reading.capacity_bytes) / GIB
+    capacity[rank] = reading.capacity_bytes / GIB
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return ReplanEvent(step, "oom", rank, stage, plan.stages[stage].device_type,
+                       f"out of memory after step {step}: {first_line}", observed, capacity)

@@ -1,0 +1,129 @@
+"""Memory monitor: the decision on a gathered table, configuration, and agreement across gloo ranks
+with a ballast fault on one of them."""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from memx_launch.errors import ConfigError
+from memx_launch.monitor import GIB, MemoryMonitor, MonitorConfig, oom_event
+from memx_launch.plan import Objective, Plan, StagePlan
+from memx_launch.specs import get_model
+
+SPEC = get_model("llama-tiny")
+
+
+def make_plan(predicted=(0.01, 0.01), capacity=0.05):
+    stages = [StagePlan("cpu", [i], n, "none", p, 0.0, capacity) for i, (n, p) in enumerate(zip((5, 3), predicted))]
+    plan = Plan("llama-tiny", SPEC, "test", 1, 2, 1, 1, 4, 32, "1f1b", 1, stages, 0.0,
+                Objective(1.0, "default", (0.4, 0.2, 0.4)))
+    plan.validate()
+    return plan
+
+
+def table(peaks_gib, capacity_gib=0.05):
+    return torch.tensor([[p * GIB, p * GIB, p * GIB, capacity_gib * GIB] for p in peaks_gib], dtype=torch.float64)
+
+
+def test_headroom_must_stay_low_for_k_samples():
+    monitor = MemoryMonitor(make_plan(), 0, None, MonitorConfig(interval=1, min_headroom=0.2, consecutive=3,
+                                                                 above_prediction=10))
+    assert monitor._decide(1, table([0.01, 0.045])) is None
+    assert monitor._decide(2, table([0.01, 0.045])) is None
+    assert monitor._decide(3, table([0.01, 0.02])) is None  # recovered: the count starts again
+    assert monitor._decide(4, table([0.01, 0.045])) is None
+    assert monitor._decide(5, table([0.01, 0.045])) is None
+    event = monitor._decide(6, table([0.01, 0.045]))
+    assert (event.reason, event.rank, event.stage, event.step) == ("headroom", 1, 1, 6)
+    assert "10.0% free" in event.message and "3 samples" in event.message
+    assert event.observed_gib == pytest.approx([0.01, 0.045])
+
+
+def test_observed_above_prediction_by_the_margin():
+    monitor = MemoryMonitor(make_plan(), 0, None, MonitorConfig(interval=1, above_prediction=0.25))
+    assert monitor._decide(1, table([0.012, 0.0124])) is None  # 1.24x: inside the margin
+    event = monitor._decide(2, table([0.012, 0.013]))
+    assert (event.reason, event.rank) == ("above_prediction", 1)
+    assert "1.30x" in event.message
+
+
+def test_describe_shows_observed_against_predicted_per_stage():
+    monitor = MemoryMonitor(make_plan(), 0, None)
+    line = monitor.describe(10, table([0.011, 0.02]))
+    assert "stage 0 cpu: 0.0110/0.0100 GiB (x1.10), 78% free" in line and "stage 1 cpu: 0.0200/0.0100" in line
+
+
+def test_config_from_env_and_errors():
+    config = MonitorConfig.from_env({"MEMX_MONITOR_INTERVAL": "5", "MEMX_MIN_HEADROOM": "0.2"})
+    assert (config.interval, config.min_headroom, config.consecutive) == (5, 0.2, 3)
+    with pytest.raises(ConfigError, match="MEMX_MONITOR_INTERVAL"):
+        MonitorConfig.from_env({"MEMX_MONITOR_INTERVAL": "often"})
+    with pytest.raises(ConfigError, match="min_headroom"):
+        MonitorConfig(min_headroom=1.5)
+
+
+def test_oom_event_knows_only_its_own_rank():
+    class Reader:
+        def read(self):
+            from memx_launch.monitor import MemoryReading
+            return MemoryReading(0.03 * GIB, 0.03 * GIB, 0.03 * GIB, 0.05 * GIB)
+
+    event = oom_event(make_plan(), 1, 7, torch.OutOfMemoryError("CUDA out of memory. Tried\nmore"), Reader())
+    assert (event.reason, event.rank, event.stage, event.step) == ("oom", 1, 1, 7)
+    assert math.isnan(event.observed_gib[0]) and event.observed_gib[1] == pytest.approx(0.05)
+    assert event.message == "out of memory after step 7: CUDA out of memory. Tried"
+
+
+# --------------------------------------------------------------------------- 2 gloo processes
+
+
+def _worker(rank, port, queue):
+    import torch.distributed as dist
+    from memx_launch.faults import BallastFault
+    from memx_launch.monitor import memory_reader
+    from memx_launch.runtime.emulation import EmulatedDevice
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        device = EmulatedDevice("cpu", memory_gib=0.05)
+        with device:
+            weights = torch.zeros(int(0.01 * GIB) // 4)  # noqa: F841 - the rank's resident state
+        fault = BallastFault(rank=1, step=5, gib=0.03)
+        monitor = MemoryMonitor(make_plan(), rank, memory_reader(emulated=device),
+                                MonitorConfig(interval=1, min_headroom=0.25, consecutive=2, above_prediction=10))
+        events = []
+        for step in range(1, 10):
+            fault.before_step(step, rank, emulated=device)
+            event = monitor.after_step(step)
+            if event is not None:
+                events.append((step, event.to_dict()))
+                break
+        queue.put((rank, events))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_event_of_a_ballast_on_one_rank():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert results[0] == results[1]  # same step, same event, on every rank
+    [(step, event)] = results[0]
+    assert step == 6  # ballast before step 5, two samples in a row under 25% free
+    assert (event["reason"], event["rank"], event["stage"]) == ("headroom", 1, 1)
+    assert event["observed_gib"][1] == pytest.approx(0.04, rel=1e-3)
