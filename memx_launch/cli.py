@@ -1,10 +1,10 @@
-"""The ``memx`` command: ``plan``, ``estimate`` and ``export``.
+"""The ``memx`` command: ``plan``, ``estimate``, ``export``, ``profile`` and ``evaluate``.
 
 One ``add_<name>_command(subparsers)`` and one ``run_<name>(args) -> int`` per subcommand;
 adding one means writing that pair and listing the first in ``COMMANDS``. Every
 :class:`~memx_launch.errors.MemxError` becomes one ``memx: error: ...`` line on stderr and
-its exit code (2, or 3 when nothing fits). Nothing here imports torch: planning and
-estimating run on any machine.
+its exit code (2, or 3 when nothing fits). Nothing here imports torch at module level:
+planning and estimating run on any machine; only ``profile`` loads it.
 """
 
 from __future__ import annotations
@@ -266,7 +266,101 @@ def run_export(args) -> int:
 # --------------------------------------------------------------------------- entry point
 
 
-COMMANDS = [add_plan_command, add_estimate_command, add_export_command]
+# --------------------------------------------------------------------------- memx profile
+
+
+def add_profile_command(sub) -> None:
+    p = sub.add_parser("profile", help="measure transformer blocks on this machine's device (minimal set)",
+                       description="Ablation, then a three-point design over the high-impact parameters; "
+                                   "appends the measurements to a profile database (JSON lines).")
+    p.add_argument("--model", required=True, help="catalog name or a Hugging Face config.json")
+    p.add_argument("--out", default="profile.jsonl", help="profile database to append to (default profile.jsonl)")
+    p.add_argument("--budget", type=int, metavar="N", help="at most N measurements, ablation included")
+    p.add_argument("--cluster", help="cluster YAML: take this device's type (and emulation) from it")
+    p.add_argument("--device-type", "--device_type", help="which of the cluster's device types this machine is")
+    p.add_argument("--device", help="torch device to measure on (default: cuda when present, else cpu)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on GPUs, fp32 on CPUs")
+    p.add_argument("--max-micro-batch", "--max_micro_batch", type=int, default=8, metavar="B")
+    p.add_argument("--seq-lens", "--seq_lens", metavar="S1,S2,...", help="default: the model's, its half and quarter")
+    p.add_argument("--num-blocks", "--num_blocks", type=int, default=2, help="blocks per measurement (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (median; default 5)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run_profile)
+
+
+def run_profile(args) -> int:
+    import torch
+
+    from memx_launch.augment import augment_measurements
+    from memx_launch.costmodel import tp_link_gbps
+    from memx_launch.profiledb import ProfileDB
+    from memx_launch.profiler import default_space, detect_device_type, profile_model
+
+    model = get_model(args.model)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    slowdown, link = 1.0, None
+    if args.cluster:
+        cluster = ClusterSpec.from_yaml(args.cluster)
+        names = [d.name for d in cluster.device_types]
+        name = args.device_type or (names[0] if len(names) == 1 else None)
+        if name not in names:
+            raise ConfigError("--device-type", f"{args.device_type!r} is not a device type of {cluster.name}"
+                              if args.device_type else f"{cluster.name} has {len(names)} device types",
+                              f"pass --device-type with one of {', '.join(names)}")
+        device_type = cluster.device_type(name)
+        slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else 1.0
+        link = tp_link_gbps(cluster, name)
+    else:
+        device_type = detect_device_type(device, args.device_type)
+    for flag, value in (("--budget", args.budget), ("--num-blocks", args.num_blocks), ("--repeats", args.repeats),
+                        ("--max-micro-batch", args.max_micro_batch)):
+        if value is not None and value <= 0:
+            raise ConfigError(flag, f"must be a positive integer, got {value}")
+    dtype = args.dtype or ("fp32" if device.startswith("cpu") else "bf16")
+    space = default_space(model, max_micro_batch=args.max_micro_batch,
+                          seq_lens=_csv(args.seq_lens, int, "--seq-lens"))
+    emulated = " (emulated: measured time x {:g})".format(slowdown) if slowdown != 1.0 else ""
+    print(f"profiling {model.name} on {device_type.name} ({device}, {dtype}){emulated}; "
+          f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
+    result = profile_model(model, device_type, space, device=device, budget=args.budget, dtype=dtype,
+                           num_blocks=args.num_blocks, repeats=args.repeats, emulation_slowdown=slowdown,
+                           tp_link_gbps=link, show_progress=not args.quiet)
+    print(result.summary())
+    infeasible = sum(not m.feasible for m in result.measurements)
+    if infeasible:
+        print(f"{infeasible} configuration(s) ran out of memory (kept as infeasible points)")
+    print(augment_measurements(result.measurements, space.values).summary())
+    ProfileDB(args.out).append(result.measurements)
+    print(f"appended {len(result.measurements)} measurements to {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- memx evaluate
+
+
+def add_evaluate_command(sub) -> None:
+    p = sub.add_parser("evaluate", help="accuracy of predictions against measurements",
+                       description="MAPE, error shares, max error, Spearman, Kendall and top-k hits for time, "
+                                   "memory and Phi (format: docs/profiler.md).")
+    p.add_argument("--measurements", required=True, metavar="FILE", help="CSV or JSON of predicted vs measured")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    p.set_defaults(handler=run_evaluate)
+
+
+def run_evaluate(args) -> int:
+    from memx_launch.metrics import evaluate, format_report, load_measurements
+
+    _check_new_file(args.json, "--json", args.force)
+    report = evaluate(load_measurements(args.measurements))
+    print(format_report(report))
+    if args.json:
+        write_json_atomic(args.json, report, overwrite=args.force)
+    return 0
+
+
+COMMANDS = [add_plan_command, add_estimate_command, add_export_command, add_profile_command,
+            add_evaluate_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

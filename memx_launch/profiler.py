@@ -16,6 +16,7 @@ import itertools
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Sequence
@@ -417,3 +418,26 @@ def _peak_memory_bytes(step: Callable[[], None], dev) -> float:
         live += e.nbytes()
         peak = max(peak, live)
     return float(peak)
+
+
+# --------------------------------------------------------------------------- memx profile
+
+
+def profile_model(spec: ModelSpec, device_type: DeviceType, space: ProfileSpace, *, device: str = "cpu",
+                  budget: int | None = None, dtype: str = "fp32", num_blocks: int = 2, repeats: int = 5,
+                  emulation_slowdown: float = 1.0, tp_link_gbps: float | None = None,
+                  show_progress: bool = True) -> MinimalSet:
+    """The minimal-set profile of one device type on this process's device (TP 1), with a
+    progress bar per phase on stderr."""
+    from tqdm import tqdm
+
+    phases = iter(("ablation", "design"))
+
+    def measure(samples: list[Sample]) -> list[Measurement]:
+        with tqdm(total=len(samples), desc=f"memx profile {next(phases)}", unit="config", file=sys.stderr,
+                  disable=not show_progress or not samples, leave=False) as bar:
+            return calibrate(spec, device_type, samples, device=device, dtype=dtype, num_blocks=num_blocks,
+                             repeats=repeats, emulation_slowdown=emulation_slowdown, tp_link_gbps=tp_link_gbps,
+                             progress=lambda _sample: bar.update())
+
+    return minimal_sample_set(space, measure, budget=budget)

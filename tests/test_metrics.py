@@ -46,3 +46,14 @@ def test_missing_time_column_is_a_clear_error(tmp_path):
     path.write_text("config,predicted_time_s\na,1.0\n")
     with pytest.raises(ConfigError, match="no measured_time_s column"):
         load_measurements(str(path))
+
+
+def test_memx_evaluate_prints_the_table(tmp_path, capsys):
+    from memx_launch.cli import main
+
+    path = tmp_path / "m.csv"
+    path.write_text("config,predicted_time_s,measured_time_s\na,1.0,1.1\nb,2.0,2.2\nc,3.0,2.5\n")
+    assert main(["evaluate", "--measurements", str(path), "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "MAPE%" in out and "time" in out
+    assert json.loads((tmp_path / "r.json").read_text())["time"]["n"] == 3

@@ -108,3 +108,29 @@ def test_tp_sample_needs_a_tp_group():
 def test_space_rejects_a_default_outside_its_values():
     with pytest.raises(ConfigError, match="profile_space.seq_len"):
         ProfileSpace(FIVE, replace(space().default, seq_len=48))
+
+
+def test_memx_profile_prints_ablation_and_counts_and_appends(tmp_path, capsys):
+    from memx_launch.cli import main
+    from memx_launch.profiledb import ProfileDB
+
+    out = tmp_path / "profile.jsonl"
+    code = main(["profile", "--model", "llama-tiny", "--out", str(out), "--max-micro-batch", "2",
+                 "--seq-lens", "16,32", "--repeats", "1", "--num-blocks", "1", "--budget", "12", "--quiet"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "ablation (threshold 10%" in printed and "of a full grid of" in printed
+    records = ProfileDB(str(out)).read()
+    assert 0 < len(records) <= 12 and all(r.model == "llama-tiny" for r in records)
+
+
+def test_memx_profile_needs_a_device_type_for_a_mixed_cluster(tmp_path, capsys):
+    from memx_launch.cli import main
+
+    cluster = tmp_path / "mixed.yaml"
+    cluster.write_text("version: 1\ndevice_types:\n  a: {memory_gib: 1, peak_tflops: 1}\n"
+                       "  b: {memory_gib: 2, peak_tflops: 1}\nnodes:\n  - devices: {a: 1, b: 1}\n"
+                       "    intra_node_gbps: 10\n")
+    code = main(["profile", "--model", "llama-tiny", "--cluster", str(cluster)])
+    assert code == 2
+    assert "--device-type: mixed has 2 device types; pass --device-type with one of a, b" in capsys.readouterr().err
