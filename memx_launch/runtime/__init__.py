@@ -27,7 +27,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.plan import Plan
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
-from memx_launch.runtime.layout import RankLayout, mesh_ranks, rank_layout
+from memx_launch.runtime.layout import RankLayout, process_rank, rank_layout
 
 DEFAULT_LR = 3e-4
 
@@ -51,9 +51,10 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def init_distributed() -> None:
+def init_distributed(plan: Plan | None = None) -> None:
     """Join the job's process group from torchrun's variables, under a per-generation key prefix:
-    after an in-place restart the agent's store still holds the previous generation's keys."""
+    after an in-place restart the agent's store still holds the previous generation's keys.
+    With a plan, this device takes its stage-major process rank (layout.process_rank)."""
     if dist.is_initialized():
         return
     try:
@@ -68,8 +69,10 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:  # CPU stand-ins share the host's cores: oversubscribed threads make every rank crawl
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group(backend, store=dist.PrefixStore(f"memx/generation{generation}", store),
-                            rank=rank, world_size=world)
+                            rank=rank if plan is None else process_rank(plan, rank), world_size=world)
 
 
 class Runtime:
@@ -84,6 +87,10 @@ class Runtime:
             raise ConfigError("plan.world_size", f"the plan needs {plan.world_size} ranks but the job has "
                               f"{dist.get_world_size()}", f"launch with --nproc-per-node {plan.world_size} "
                               "or re-plan for this job")
+        if dist.get_rank() != process_rank(plan, rank):
+            raise ConfigError("rank", f"device rank {rank} must join the process group as rank "
+                              f"{process_rank(plan, rank)}, not {dist.get_rank()}",
+                              "initialise it with memx_launch.runtime.init_distributed(plan)")
         self.plan = plan
         self.layout: RankLayout = rank_layout(plan, rank)
         self.stage_plan = plan.stages[self.layout.stage]
@@ -91,7 +98,8 @@ class Runtime:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self.step_count = 0
-        self.mesh = DeviceMesh(self.device.type, torch.tensor(mesh_ranks(plan)), mesh_dim_names=("pp", "dp", "tp"))
+        grid = torch.arange(plan.world_size).view(plan.pp, plan.dp, plan.tp)  # process ranks, stage-major
+        self.mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
         with self._measured():
             self.chunks = [self._build_chunk(c, seed, data_parallel) for c in self.layout.chunks]
         num_virtual = plan.pp * plan.virtual_stages
@@ -113,7 +121,8 @@ class Runtime:
         if self.plan.dp > 1:
             # DDP keeps whole gradients and optimizer state per replica, as the cost model assumes
             # without a distributed optimizer; DDP cannot hold DTensor parameters, so TP uses FSDP2.
-            if data_parallel == "fsdp" or (data_parallel == "auto" and self.plan.tp > 1):
+            sharded = self.plan.training.get("fully_sharded", False) or self.plan.tp > 1
+            if data_parallel == "fsdp" or (data_parallel == "auto" and sharded):
                 from torch.distributed.fsdp import fully_shard
                 fully_shard(module, mesh=self.mesh["dp"])
             else:
@@ -172,8 +181,9 @@ class Runtime:
         dist.all_gather(rows, row)
         table = torch.stack(rows)
         stage_peak, stage_compute = [], []
-        for stage in self.plan.stages:
-            sub = table[stage.ranks]
+        per_stage = self.plan.tp * self.plan.dp
+        for i in range(self.plan.pp):
+            sub = table[i * per_stage:(i + 1) * per_stage]
             stage_peak.append(sub[:, 1].max().item())
             stage_compute.append(sub[:, 2].max().item())
         step_time = table[:, 3].max().item()
@@ -182,21 +192,110 @@ class Runtime:
                          tokens / step_time, stage_peak, stage_compute)
 
     # ---- checkpoints
-    def state_dict(self) -> dict:
-        """This rank's model chunks and optimizer (plain tensors, layer names are global)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        model_state, optim_state = get_state_dict(self.chunks, self.optimizer)
-        return {"model": model_state, "optimizer": optim_state, "step": self.step_count}
+    def save_checkpoint(self, directory: str) -> None:
+        """This rank's parameters and optimizer state as a numpy .npz (no pickles), written atomically;
+        rank 0 adds meta.json. Resume needs the same plan (each rank holds its own shards)."""
+        import numpy as np
 
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-        set_state_dict(self.chunks, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-        self.step_count = int(state["step"])
+        from memx_launch.plan import write_json_atomic
+
+        os.makedirs(directory, exist_ok=True)
+        arrays = {}
+        for name, tensor in self._checkpoint_tensors().items():
+            arrays[name] = _local(tensor).detach().cpu().numpy()
+        path = os.path.join(directory, f"rank{self.layout.rank}.npz")
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            write_json_atomic(os.path.join(directory, "meta.json"),
+                              {"step": self.step_count, "plan": self.plan.to_dict(),
+                               "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                for g in self.optimizer.param_groups]}, overwrite=True)
+
+    def load_checkpoint(self, directory: str) -> None:
+        import json
+
+        import numpy as np
+
+        with open(os.path.join(directory, "meta.json")) as f:
+            meta = json.load(f)
+        saved = Plan.from_dict(meta["plan"], source=f"checkpoint {directory}")
+        if saved.to_dict()["stages"] != self.plan.to_dict()["stages"] or \
+                (saved.tp, saved.pp, saved.dp, saved.virtual_stages) != (self.plan.tp, self.plan.pp, self.plan.dp,
+                                                                          self.plan.virtual_stages):
+            raise ConfigError("--resume", f"the checkpoint in {directory} was written under another plan",
+                              "resume with the plan it was saved with (MEMX_PLAN / memx-run --plan)")
+        # Create the optimizer state (zeros) so that every tensor below has a place to go.
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state[p]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+        with np.load(os.path.join(directory, f"rank{self.layout.rank}.npz"), allow_pickle=False) as data:
+            with torch.no_grad():
+                for name, tensor in self._checkpoint_tensors().items():
+                    _local(tensor).copy_(torch.from_numpy(data[name]))
+        self.step_count = int(meta["step"])
+
+    def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for module in self.chunks:
+            for name, p in module.named_parameters():
+                out[f"model/{name}"] = p
+        for name, p in self._named_parameters().items():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                out[f"optimizer/{name}/{key}"] = value
+        return out
+
+    def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {name: p for module in self.chunks for name, p in module.named_parameters()}
+
+    # ---- reporting
+    def progress_line(self, stats: StepStats) -> str:
+        """Step, loss, step time, tokens/s, and per stage measured vs predicted peak memory and
+        micro-batch compute time (emulated devices are labelled)."""
+        parts = [f"step {stats.step}", f"loss {stats.loss:.4f}",
+                 f"{stats.step_time_s:.3f} s/step (predicted {self.plan.predicted_iteration_time_s:.3f})",
+                 f"{stats.tokens_per_s:,.0f} tok/s"]
+        for i, stage in enumerate(self.plan.stages):
+            label = f"{stage.device_type}{' emulated' if self.plan.emulated else ''}"
+            parts.append(f"s{i} {label}: mem {stats.stage_peak_gib[i] * 1024:.1f}/"
+                         f"{stage.predicted_peak_memory_gib * 1024:.1f} MiB, mb "
+                         f"{stats.stage_compute_s[i] * 1e3:.1f}/{stage.predicted_stage_time_s * 1e3:.1f} ms")
+        return " | ".join(parts) + "  (measured/predicted)"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def build(plan: Plan, rank: int | None = None, **kwargs) -> Runtime:
-    """The runtime of ``rank`` (default: this process's rank) in an initialised process group."""
+    """The runtime of device ``rank`` of the plan (default: torchrun's RANK)."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
     if not dist.is_initialized():
-        init_distributed()
-    return Runtime(plan, dist.get_rank() if rank is None else rank, **kwargs)
+        init_distributed(plan)
+    return Runtime(plan, rank, **kwargs)
+
+
+def from_env(**kwargs) -> Runtime:
+    """The runtime for a worker started by memx-run (or torchrun with MEMX_PLAN set): joins the
+    process group, loads the plan from MEMX_PLAN and, on a machine without GPUs, emulates this
+    rank's device type from MEMX_CLUSTER."""
+    from memx_launch.runtime.devices import detect_rank_device
+    from memx_launch.specs import ClusterSpec
+
+    path = os.environ.get("MEMX_PLAN")
+    if not path:
+        raise ConfigError("MEMX_PLAN", "not set", "start the script with memx-run, or set MEMX_PLAN to a plan file")
+    plan = Plan.load(path)
+    init_distributed(plan)
+    cluster = ClusterSpec.from_yaml(os.environ["MEMX_CLUSTER"]) if os.environ.get("MEMX_CLUSTER") else None
+    if cluster is not None and cluster.world_size != dist.get_world_size():
+        raise ConfigError("MEMX_CLUSTER", f"{cluster.name} declares {cluster.world_size} devices but the job has "
+                          f"{dist.get_world_size()} ranks", "launch one process per declared device")
+    rank = int(os.environ["RANK"])
+    device = detect_rank_device(cluster, rank, int(os.environ.get("LOCAL_RANK", "0")))
+    return build(plan, rank, emulated=device.emulated, **kwargs)

@@ -43,9 +43,19 @@ class RankLayout:
 
 
 def mesh_ranks(plan: Plan) -> list[list[list[int]]]:
-    """Global ranks as a [pp][dp][tp] grid (plan.py: stage.ranks[j] has dp j // tp, tp j % tp)."""
+    """Plan (device) ranks as a [pp][dp][tp] grid (plan.py: stage.ranks[j] has dp j // tp, tp j % tp)."""
     return [[[stage.ranks[d * plan.tp + t] for t in range(plan.tp)] for d in range(plan.dp)]
             for stage in plan.stages]
+
+
+def process_rank(plan: Plan, rank: int) -> int:
+    """The rank this device takes in the process group: stage-major (stage i, position j in its
+    ranks -> i * tp * dp + j). torch's pipeline schedules take a rank's place in the pipeline from
+    its rank in the PP group, and groups number their ranks in ascending order, so the cluster
+    file's device order (the plan's ranks) cannot be used directly when stages run on ranks
+    out of order (e.g. stage 0 on ranks 2-3)."""
+    stage, dp_index, tp_index = plan.stage_of_rank(rank)
+    return stage * plan.tp * plan.dp + dp_index * plan.tp + tp_index
 
 
 def split_evenly(total: int, parts: int) -> list[int]:

@@ -1,0 +1,100 @@
+"""Train a LLaMA-style model with the plan memx chose for this job.
+
+    memx-run --nproc-per-node 4 --cluster examples/clusters/cpu-emulated.yaml examples/train.py --model llama-tiny
+
+Data: byte-level tokens of this repository's own text (README, docs, sources), a small corpus
+shipped with it, or ``--synthetic`` random tokens. Every rank draws the same global batch per
+step from a step-seeded generator and takes its data-parallel share. Rank 0 prints one line per
+step: loss, step time, tokens/s and per-stage peak memory and compute time, measured against
+the plan's predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import memx_launch.runtime
+from memx_launch.errors import ConfigError, MemxError
+from memx_launch.specs import get_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def corpus_tokens(vocab_size: int) -> torch.Tensor:
+    """This repository's text as bytes (vocab >= 256 needed)."""
+    paths = sorted(glob.glob(os.path.join(REPO, "*.md")) + glob.glob(os.path.join(REPO, "docs", "*.md"))
+                   + glob.glob(os.path.join(REPO, "memx_launch", "*.py")))
+    data = b"".join(open(p, "rb").read() for p in paths)
+    if vocab_size < 256:
+        raise ConfigError("--model", f"vocab_size {vocab_size} is below 256 bytes", "use --synthetic")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batch(corpus: torch.Tensor | None, step: int, rows: int, seq_len: int, vocab: int):
+    g = torch.Generator().manual_seed(1000 + step)  # the same batch on every rank
+    if corpus is None:
+        tokens = torch.randint(0, vocab, (rows, seq_len + 1), generator=g)
+    else:
+        starts = torch.randint(0, len(corpus) - seq_len - 1, (rows,), generator=g)
+        tokens = torch.stack([corpus[s:s + seq_len + 1] for s in starts.tolist()])
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-tiny", help="catalog name (memx-run plans for it)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--synthetic", action="store_true", help="random tokens instead of the repository text")
+    p.add_argument("--checkpoint-dir", help="save here every --checkpoint-every steps and at the end")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    args = p.parse_args()
+    try:
+        runtime = memx_launch.runtime.from_env(lr=args.lr)
+        plan = runtime.plan
+        if get_model(args.model).signature() != plan.model_spec.signature():
+            raise ConfigError("--model", f"{args.model} is not the plan's model {plan.model}",
+                              "run the script with the model the plan was made for")
+        if args.resume:
+            if not args.checkpoint_dir:
+                raise ConfigError("--resume", "needs --checkpoint-dir", "pass the directory to resume from")
+            runtime.load_checkpoint(args.checkpoint_dir)
+    except MemxError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    rank0 = dist.get_rank() == 0
+    corpus = None if args.synthetic else corpus_tokens(plan.model_spec.vocab_size)
+    if rank0:
+        print(f"training {plan.model} with {plan.tp=} {plan.pp=} {plan.dp=} {plan.schedule} "
+              f"{plan.num_microbatches} micro-batches of {plan.micro_batch_size}; layers "
+              f"{[s.num_layers for s in plan.stages]}, recompute {[s.recompute for s in plan.stages]}"
+              f"{' (emulated devices)' if plan.emulated else ''}", flush=True)
+    first = last = None
+    start = time.perf_counter()
+    while runtime.step_count < args.steps:
+        tokens, targets = batch(corpus, runtime.step_count, plan.global_batch_size, plan.seq_len,
+                                plan.model_spec.vocab_size)
+        stats = runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets))
+        first = stats.loss if first is None else first
+        last = stats.loss
+        if rank0:
+            print(runtime.progress_line(stats), flush=True)
+        if args.checkpoint_dir and (runtime.step_count % args.checkpoint_every == 0 or runtime.step_count == args.steps):
+            runtime.save_checkpoint(args.checkpoint_dir)
+    if rank0 and first is not None:
+        print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s, loss {first:.4f} -> {last:.4f}",
+              flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""``memx-run``: torchrun plus memx.
+
+The parser is torch.distributed.run's own, so every torchrun flag keeps its spelling (dashed
+and underscore forms) and meaning; memx adds its flags, which like torchrun's go before the
+script. The script's own ``--model NAME`` is read (not taken away) when memx-run has none.
+Everything is checked before any worker starts: a bad model, cluster, plan or script path is
+one error line and a non-zero exit, and nothing is overwritten.
+
+Then either ``--dry-run`` (plan here, print the plan and the torchrun line, exit) or the job:
+the workers run :mod:`memx_launch.runtime.worker`, which plans in the job (unless --plan is
+given) and restarts in place with the plan through the elastic agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+
+from memx_launch.errors import ConfigError, MemxError
+from memx_launch.plan import Plan
+from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+
+DEFAULT_RUNS_DIR = "runs"
+DEFAULT_PROFILE_DB = os.path.join(DEFAULT_RUNS_DIR, "profiles.jsonl")
+# Emulated devices are CPU stand-ins: a batch a CPU trains in seconds, in fp32 as the runtime does.
+EMULATED_GLOBAL_BATCH_SIZE = 16
+
+
+def build_parser():
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "memx-run"
+    parser.description = ("torchrun plus memx: plans TP/PP/DP, layer split, recompute and schedule for the "
+                          "cluster in the job, then trains with the plan. memx and torchrun flags go before "
+                          "the script.")
+    g = parser.add_argument_group("memx")
+    g.add_argument("--cluster", metavar="FILE", help="cluster YAML (default: detect the devices in the job)")
+    g.add_argument("--plan", metavar="FILE", help="run this plan (skip calibration and search)")
+    g.add_argument("--model", help="model to plan for (default: the script's own --model)")
+    g.add_argument("--dry-run", "--dry_run", action="store_true",
+                   help="plan here (analytical model, or --profile-db), print the plan and the torchrun line, exit")
+    g.add_argument("--export-plan", "--export_plan", metavar="FILE", help="also write the plan to FILE (must not exist)")
+    g.add_argument("--objective", choices=("default", "safety", "throughput"), help="weight profile of Phi")
+    g.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights (override --objective)")
+    g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
+    g.add_argument("--no-replan", "--no_replan", action="store_true",
+                   help="never re-plan during training (passed to the workers as MEMX_NO_REPLAN=1)")
+    g.add_argument("--profile-db", "--profile_db", metavar="FILE",
+                   help=f"calibration samples, read and appended (default {DEFAULT_PROFILE_DB})")
+    g.add_argument("--global-batch-size", "--global_batch_size", type=int,
+                   help=f"sequences per step (default 512; {EMULATED_GLOBAL_BATCH_SIZE} on emulated clusters)")
+    g.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
+    g.add_argument("--run-dir", "--run_dir", metavar="DIR",
+                   help=f"where the plan and restart records go (default {DEFAULT_RUNS_DIR}/<model>-<time>)")
+    return parser
+
+
+def script_flag(script_args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` among the script's arguments (``--flag V`` or ``--flag=V``), last wins."""
+    value = None
+    for i, arg in enumerate(script_args):
+        if arg == flag and i + 1 < len(script_args):
+            value = script_args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _world_size(args) -> int:
+    nnodes = str(args.nnodes).split(":")[-1]
+    nproc = str(args.nproc_per_node)
+    if not nnodes.isdigit():
+        raise ConfigError("--nnodes", f"cannot read {args.nnodes!r}", "e.g. --nnodes 1 or 1:2")
+    if not nproc.isdigit():
+        import torch
+        nproc = str(torch.cuda.device_count() if nproc in ("gpu", "auto") and torch.cuda.is_available()
+                    else os.cpu_count())
+    return int(nnodes) * int(nproc)
+
+
+class Settings:
+    """Resolved settings with where each came from: (default), (file) or (flag)."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, str, str]] = []
+
+    def add(self, name: str, value, source: str) -> None:
+        self.rows.append((name, str(value), source))
+
+    def render(self) -> str:
+        width = max(len(n) for n, _, _ in self.rows)
+        return "\n".join(f"  {n:<{width}}  {v}  ({s})" for n, v, s in self.rows)
+
+
+def resolve(args) -> dict:
+    """Check every input and resolve every setting; raises ConfigError before anything runs."""
+    settings = Settings()
+    if not args.module and not args.no_python and not os.path.isfile(args.training_script):
+        raise ConfigError("training_script", f"{args.training_script} does not exist",
+                          "give the path of the training script (e.g. examples/train.py)")
+    script_args = list(args.training_script_args)
+    model_name, source = args.model, "flag"
+    if model_name is None:
+        model_name, source = script_flag(script_args, "--model"), "flag, the script's --model"
+    if model_name is None:
+        raise ConfigError("--model", "not given", "pass --model NAME to memx-run or to the script")
+    model = get_model(model_name)
+    settings.add("model", model.name, source)
+
+    world = _world_size(args)
+    settings.add("world size", world, "flag" if args.nproc_per_node != "1" or args.nnodes != "1:1" else "default")
+    cluster = None
+    if args.cluster:
+        cluster = ClusterSpec.from_yaml(args.cluster)
+        if cluster.world_size != world:
+            raise ConfigError("--cluster", f"{args.cluster} declares {cluster.world_size} devices but the job "
+                              f"launches {world} processes", f"pass --nproc-per-node {cluster.world_size} "
+                              "(one process per device) or a cluster file of this job")
+        settings.add("cluster", f"{args.cluster}: {cluster.name}", "flag")
+        for name, count in cluster.type_counts().items():
+            d = cluster.device_type(name)
+            slow = f", slowdown x{cluster.emulation.slowdown_of(name):g} (emulated)" if cluster.is_emulated else ""
+            settings.add(f"  {name}", f"{count} x {d.memory_gib:g} GiB, {d.peak_tflops:g} TFLOPS{slow}", "file")
+    else:
+        settings.add("cluster", "detected in the job", "default")
+
+    emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
+    gbs = args.global_batch_size or (EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
+    training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or model.seq_len,
+                            dtype="fp32" if emulated else "bf16")
+    settings.add("global batch size", training.global_batch_size, "flag" if args.global_batch_size else "default")
+    settings.add("sequence length", training.seq_len, "flag" if args.seq_len else "default")
+    settings.add("dtype", training.dtype, "default")
+
+    plan = None
+    if args.plan:
+        plan = Plan.load(args.plan)
+        if plan.model_spec.signature() != model.signature():
+            raise ConfigError("--plan", f"{args.plan} is a plan for {plan.model}, not {model.name}",
+                              f"pass a plan made for {model.name} or drop --plan to plan in the job")
+        if plan.world_size != world:
+            raise ConfigError("--plan", f"{args.plan} needs {plan.world_size} ranks but the job launches {world}",
+                              f"pass --nproc-per-node {plan.world_size} or a plan for {world} ranks")
+        settings.add("plan", args.plan, "flag")
+    else:
+        settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
+                     "default")
+    if args.weights:
+        from memx_launch.search import parse_weights
+        parse_weights(args.weights)
+    settings.add("objective", args.weights or args.objective or "chosen from the cluster",
+                 "flag" if args.weights or args.objective else "default")
+    if args.search_budget_s is not None and args.search_budget_s <= 0:
+        raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
+    settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
+                 "flag" if args.search_budget_s else "default")
+    profile_db = args.profile_db or DEFAULT_PROFILE_DB
+    settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
+    if args.export_plan and os.path.exists(args.export_plan):
+        raise ConfigError("--export-plan", f"{args.export_plan} already exists", "choose a new path")
+    run_dir = args.run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    if os.path.exists(os.path.join(run_dir, "plan.json")) and not args.plan:
+        raise ConfigError("--run-dir", f"{run_dir} already holds a plan", "choose a new run directory")
+    settings.add("run dir", run_dir, "flag" if args.run_dir else "default")
+    settings.add("max restarts", f"{args.max_restarts} for crashes (planned restarts not counted)",
+                 "flag" if args.max_restarts else "default")
+    settings.add("replan during training", "off" if args.no_replan else "monitor decides",
+                 "flag" if args.no_replan else "default")
+    return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
+                profile_db=profile_db, run_dir=run_dir, script_args=script_args)
+
+
+def _has_gpu() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def dry_run(args, resolved) -> int:
+    from memx_launch import report
+    from memx_launch.runtime.worker import reproduce_command
+    from memx_launch.search import parse_weights, search
+
+    cluster, model, training = resolved["cluster"], resolved["model"], resolved["training"]
+    if cluster is None:
+        raise ConfigError("--cluster", "--dry-run plans without starting workers, so it cannot detect devices",
+                          "pass --cluster FILE")
+    plan = resolved["plan"]
+    if plan is None:
+        cost_model = None
+        if args.profile_db:
+            from memx_launch.predictor import load_cost_model
+            cost_model = load_cost_model(args.profile_db, model, cluster, training)
+        result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
+                        weights=parse_weights(args.weights) if args.weights else None,
+                        time_budget_s=args.search_budget_s)
+        print(report.plan_report(result, cluster))
+        plan = result.best
+    else:
+        print(report.estimate_report(plan, cluster))
+    plan_path = args.export_plan or args.plan or "PLAN.json"
+    if args.export_plan:
+        plan.save(args.export_plan)
+        print(f"plan written to {args.export_plan}")
+    env = {"MEMX_PLAN": plan_path, "MEMX_CLUSTER": args.cluster,
+           "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]])}
+    print("torchrun command for this plan (no search):\n  " + reproduce_command(plan, cluster, env))
+    return 0
+
+
+def launch(args, resolved) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    run_dir = resolved["run_dir"]
+    os.makedirs(run_dir, exist_ok=True)
+    plan_path = args.plan or args.export_plan or os.path.join(run_dir, "plan.json")
+    env = {
+        "MEMX_RUN_DIR": run_dir, "MEMX_PLAN": os.path.abspath(plan_path), "MEMX_MODEL": resolved["model"].name,
+        "MEMX_PROFILE_DB": os.path.abspath(resolved["profile_db"]),
+        "MEMX_TRAINING": json.dumps(resolved["training"].__dict__),
+        "MEMX_OBJECTIVE": args.objective or "", "MEMX_WEIGHTS": args.weights or "",
+        "MEMX_SEARCH_BUDGET_S": "" if args.search_budget_s is None else str(args.search_budget_s),
+        "MEMX_USER_MAX_RESTARTS": str(args.max_restarts), "MEMX_NO_REPLAN": str(int(args.no_replan)),
+        "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]]),
+    }
+    if args.cluster:
+        env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
+    os.environ.update(env)
+    # The workers run memx's worker, which runs the script; one extra restart for the planned one.
+    worker_args = (["--module"] if args.module else []) + [args.training_script, *resolved["script_args"]]
+    args.module, args.no_python = True, False
+    args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
+    if resolved["plan"] is None:
+        args.max_restarts += 1
+    if args.nnodes in ("1", "1:1") and args.rdzv_endpoint == "" and args.rdzv_backend == "static":
+        args.standalone = True  # a free local port instead of torchrun's fixed 29500
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        first = next(iter(exc.failures.values()))
+        print(f"memx-run: error: worker rank {first.rank} failed with exit code {first.exitcode}; "
+              "see its traceback above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        resolved = resolve(args)
+        print("memx-run settings:\n" + resolved["settings"].render(), flush=True)
+        if args.dry_run:
+            return dry_run(args, resolved)
+        return launch(args, resolved)
+    except MemxError as exc:
+        print(f"memx-run: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

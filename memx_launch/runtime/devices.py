@@ -1,0 +1,51 @@
+"""Which device this rank trains on: the cluster file's type for the rank (emulated on CPU),
+or what the driver reports (NVIDIA through torch.cuda and nvidia-ml-py, ROCm through
+torch.version.hip)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memx_launch.runtime.emulation import EmulatedDevice, device_for_rank
+from memx_launch.specs import ClusterSpec, DeviceType
+
+
+@dataclass
+class RankDevice:
+    device_type: DeviceType
+    emulated: EmulatedDevice | None
+    description: str
+    """What was detected, for the settings printout (emulation is labelled as such)."""
+
+
+def _nvml_name(index: int) -> str | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return name.decode() if isinstance(name, bytes) else name
+    except Exception:  # no NVML on this machine (ROCm, CPU, containers without the driver library)
+        return None
+
+
+def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) -> RankDevice:
+    """This rank's device type. With a cluster file, its type for ``rank`` (rank order:
+    ClusterSpec.rank_device_types()); on a machine without GPUs that type is emulated."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(local_rank)
+        vendor = "amd" if torch.version.hip else "nvidia"
+        name = (_nvml_name(local_rank) if vendor == "nvidia" else None) or props.name
+        if cluster is not None:
+            declared = cluster.device_type(cluster.rank_device_types()[rank])
+            return RankDevice(declared, None, f"{name} (cluster file type {declared.name})")
+        from memx_launch.profiler import detect_device_type
+        return RankDevice(detect_device_type(f"cuda:{local_rank}", name.replace(" ", "-")), None, name)
+    if cluster is not None:
+        emulated = device_for_rank(cluster, rank)
+        return RankDevice(cluster.device_type(emulated.device_type), emulated,
+                          f"{emulated.label}, {emulated.capacity_bytes / 2**30:g} GiB, slowdown x{emulated.slowdown:g}")
+    from memx_launch.profiler import detect_device_type
+    cpu = detect_device_type("cpu")
+    return RankDevice(cpu, EmulatedDevice(cpu.name, cpu.memory_gib), "cpu (no cluster file: host memory)")

@@ -1,0 +1,255 @@
+"""What every memx-run worker process runs: plan in the job when there is no plan yet, then
+run the user's script with the plan in its environment.
+
+Planning generation (no plan file yet): every rank detects its device, ranks of each device
+type calibrate the minimal sample set together (skipped for types the ProfileDB already
+holds), rank 0 gathers and stores the samples, fits the predictor, searches, writes the plan
+atomically and broadcasts it; then every rank exits with PLANNED_RESTART_EXIT_CODE and the
+elastic agent restarts the workers in place. The restart is recorded in the run directory, so
+that it is told apart from a crash and does not count against the user's --max-restarts.
+
+Training generation: per-rank MEMX_* variables (stage, layers, recompute, device type) on top
+of the plan's, then the script runs as ``__main__``.
+
+Launcher -> worker contract (environment): MEMX_RUN_DIR, MEMX_PLAN, MEMX_MODEL, MEMX_CLUSTER
+(optional), MEMX_PROFILE_DB, MEMX_TRAINING (TrainingSpec JSON), MEMX_OBJECTIVE, MEMX_WEIGHTS,
+MEMX_SEARCH_BUDGET_S, MEMX_USER_MAX_RESTARTS, MEMX_REPRODUCE (the script and its arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+PLANNED_RESTART_EXIT_CODE = 75
+PLANNED_RESTARTS_FILE = "planned-restarts.json"
+# Calibration on the job's own devices: small enough to finish in seconds on a CPU stand-in,
+# the profiler's ablation plus three-point design decides the rest.
+CALIBRATION_BUDGET = 14
+CALIBRATION_REPEATS = 3
+
+
+def _log(message: str) -> None:
+    print(f"memx-run: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- restart accounting
+
+
+def planned_restarts(run_dir: str) -> list[int]:
+    try:
+        with open(os.path.join(run_dir, PLANNED_RESTARTS_FILE)) as f:
+            return list(json.load(f))
+    except FileNotFoundError:
+        return []
+
+
+def record_planned_restart(run_dir: str, generation: int) -> None:
+    from memx_launch.plan import write_json_atomic
+    write_json_atomic(os.path.join(run_dir, PLANNED_RESTARTS_FILE),
+                      sorted(set(planned_restarts(run_dir)) | {generation}), overwrite=True)
+
+
+def check_crash_budget(run_dir: str, generation: int, user_max_restarts: int) -> None:
+    """The agent's budget is the user's plus one per planned restart; crashes get the user's."""
+    crashes = generation - len([g for g in planned_restarts(run_dir) if g < generation])
+    if crashes > user_max_restarts:
+        _log(f"error: {crashes} crash restart(s) exceed --max-restarts {user_max_restarts}; see the errors above")
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------- planning generation
+
+
+def _measure_together(samples, calibrate_one, type_group, group_ranks):
+    """Split samples over the ranks of one device type; everyone gets every measurement."""
+    import torch.distributed as dist
+    from memx_launch.profiledb import Measurement
+
+    n, me = len(group_ranks), group_ranks.index(dist.get_rank())
+    mine = calibrate_one(samples[me::n])
+    gathered: list = [None] * n
+    dist.all_gather_object(gathered, [m.to_json() for m in mine], group=type_group)
+    # samples[i] was measured by rank i % n as its (i // n)-th sample
+    return [Measurement.from_dict(json.loads(gathered[i % n][i // n])) for i in range(len(samples))]
+
+
+def calibrate_rank(model, rank_device, device_types_by_rank, stored_types, training):
+    """Every rank joins its type's group; types already in the ProfileDB are not measured."""
+    import torch.distributed as dist
+    from memx_launch.profiler import calibrate, default_space, minimal_sample_set
+
+    groups = {}
+    for name in sorted(set(device_types_by_rank)):
+        ranks = [r for r, t in enumerate(device_types_by_rank) if t == name]
+        groups[name] = (dist.new_group(ranks), ranks)  # every rank creates every group, in order
+    mine = rank_device.device_type.name
+    if mine in stored_types:
+        return []
+    group, ranks = groups[mine]
+    slowdown = rank_device.emulated.slowdown if rank_device.emulated is not None else 1.0
+    device = "cuda" if rank_device.emulated is None else "cpu"
+    dtype = "fp32" if device == "cpu" else training.dtype
+
+    def calibrate_one(samples):
+        return calibrate(model, rank_device.device_type, samples, device=device, dtype=dtype, num_blocks=1,
+                         repeats=CALIBRATION_REPEATS, emulation_slowdown=slowdown)
+
+    space = default_space(model, max_micro_batch=4, seq_lens=(max(16, model.seq_len // 2), model.seq_len))
+    result = minimal_sample_set(space, lambda s: _measure_together(s, calibrate_one, group, ranks),
+                                budget=CALIBRATION_BUDGET)
+    if dist.get_rank() == ranks[0]:
+        _log(f"calibrated {mine} on ranks {ranks}: {result.measured_count} measurements\n{result.summary()}")
+    return result.measurements if dist.get_rank() == ranks[0] else []
+
+
+def plan_in_job(env) -> None:
+    import torch.distributed as dist
+    from memx_launch import report
+    from memx_launch.plan import Plan
+    from memx_launch.predictor import load_cost_model
+    from memx_launch.profiledb import Measurement, ProfileDB
+    from memx_launch.runtime import init_distributed
+    from memx_launch.runtime.devices import detect_rank_device
+    from memx_launch.search import parse_weights, search
+    from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = get_model(env["MEMX_MODEL"])
+    training = TrainingSpec(**json.loads(env["MEMX_TRAINING"]))
+    cluster = ClusterSpec.from_yaml(env["MEMX_CLUSTER"]) if env.get("MEMX_CLUSTER") else None
+    rank_device = detect_rank_device(cluster, rank, int(env.get("LOCAL_RANK", "0")))
+    described: list = [None] * world
+    dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description))
+    if cluster is None:
+        cluster = _cluster_of_detected(dist, rank_device, world)
+    if rank == 0:
+        for r, (name, what) in enumerate(described):
+            _log(f"rank {r}: {what}")
+
+    db = ProfileDB(env["MEMX_PROFILE_DB"])
+    stored: list = [None]
+    if rank == 0:
+        records = db.read() if os.path.exists(db.path) else []
+        stored[0] = sorted({r.device_type for r in records if r.model_signature == model.signature()})
+    dist.broadcast_object_list(stored, src=0)
+    if rank == 0 and stored[0]:
+        _log(f"profile {db.path} already holds {', '.join(stored[0])}: not measured again")
+    new = calibrate_rank(model, rank_device, [d[0] for d in described], set(stored[0]), training)
+    gathered: list = [None] * world if rank == 0 else None
+    dist.gather_object([m.to_json() for m in new], gathered, dst=0)
+
+    payload: list = [None]
+    if rank == 0:
+        records = [Measurement.from_dict(json.loads(line)) for part in gathered for line in part]
+        if records:
+            db.append(records)
+            _log(f"stored {len(records)} measurements in {db.path}")
+        cost_model = load_cost_model(db.path, model, cluster, training)
+        weights = parse_weights(env["MEMX_WEIGHTS"]) if env.get("MEMX_WEIGHTS") else None
+        budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
+        result = search(model, cluster, training, cost_model=cost_model, objective=env.get("MEMX_OBJECTIVE") or None,
+                        weights=weights, time_budget_s=budget)
+        plan = result.best
+        plan.save(env["MEMX_PLAN"], overwrite=True)
+        print(report.plan_report(result, cluster), flush=True)
+        print(report.search_stats_line(result.stats), file=sys.stderr, flush=True)
+        print(f"plan written to {env['MEMX_PLAN']}", flush=True)
+        print("reproduce this run without searching:\n  " + reproduce_command(plan, cluster, env), flush=True)
+        payload[0] = json.dumps(plan.to_dict())
+    dist.broadcast_object_list(payload, src=0)
+    Plan.from_dict(json.loads(payload[0]), source="broadcast plan")  # every rank checks what it got
+    generation = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank == 0:
+        record_planned_restart(env["MEMX_RUN_DIR"], generation)
+        _log(f"restarting the workers in place with the plan (planned restart after generation {generation})")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(PLANNED_RESTART_EXIT_CODE)
+
+
+def reproduce_command(plan, cluster, env) -> str:
+    """The torchrun line that runs this plan without memx-run (the script builds it from MEMX_PLAN)."""
+    import shlex
+
+    from memx_launch.exporters import torchrun_commands
+
+    script_and_args = json.loads(env["MEMX_REPRODUCE"])
+    exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:])
+    prefix = f"MEMX_PLAN={shlex.quote(env['MEMX_PLAN'])}"
+    if env.get("MEMX_CLUSTER"):
+        prefix += f" MEMX_CLUSTER={shlex.quote(env['MEMX_CLUSTER'])}"
+    return "\n  ".join(f"{prefix} {shlex.join(e.args)}" for e in exports)
+
+
+def _cluster_of_detected(dist, rank_device, world):
+    """A one-node cluster of what the ranks detected (no cluster file given)."""
+    from dataclasses import asdict
+
+    from memx_launch.specs import ClusterSpec
+
+    types: list = [None] * world
+    dist.all_gather_object(types, asdict(rank_device.device_type))
+    device_types, counts = {}, {}
+    for t in types:
+        name = t.pop("name")
+        device_types[name] = t
+        counts[name] = counts.get(name, 0) + 1
+    # Links are not measured here: a conservative PCIe-class figure.
+    return ClusterSpec.from_dict({"version": 1, "name": "detected", "device_types": device_types,
+                                  "nodes": [{"name": "node0", "devices": counts, "intra_node_gbps": 16}]})
+
+
+# --------------------------------------------------------------------------- training generation
+
+
+def rank_env(plan, plan_path: str, rank: int, device_type: str | None = None) -> dict[str, str]:
+    """The plan's MEMX_* variables plus this rank's own: stage, layers, recompute, device type."""
+    from memx_launch.exporters import plan_env
+    from memx_launch.runtime.layout import rank_layout
+
+    layout = rank_layout(plan, rank)
+    stage = plan.stages[layout.stage]
+    env = plan_env(plan, plan_path)
+    env.update(MEMX_STAGE=str(layout.stage), MEMX_NUM_LAYERS=str(stage.num_layers),
+               MEMX_LAYER_OFFSET=str(layout.chunks[0].layer_offset), MEMX_RECOMPUTE=stage.recompute,
+               MEMX_DP_INDEX=str(layout.dp_index), MEMX_TP_INDEX=str(layout.tp_index),
+               MEMX_DEVICE_TYPE=device_type or stage.device_type, MEMX_EMULATED=str(int(plan.emulated)))
+    return env
+
+
+def run_script(argv: list[str]) -> None:
+    from memx_launch.plan import Plan
+
+    plan_path = os.environ["MEMX_PLAN"]
+    os.environ.update(rank_env(Plan.load(plan_path), plan_path, int(os.environ["RANK"])))
+    module = argv[0] == "--module"
+    target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
+    sys.argv = [target, *args]
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+
+
+def main() -> None:
+    from memx_launch.errors import MemxError
+
+    env = os.environ
+    try:
+        check_crash_budget(env["MEMX_RUN_DIR"], int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                           int(env.get("MEMX_USER_MAX_RESTARTS", "0")))
+        if not os.path.exists(env["MEMX_PLAN"]):
+            plan_in_job(env)
+        run_script(sys.argv[1:])
+    except MemxError as exc:
+        _log(f"error: {exc}")
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()
