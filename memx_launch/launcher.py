@@ -241,8 +241,8 @@ def launch(args, resolved) -> int:
     try:
         run(args)
     except ChildFailedError as exc:
-        first = next(iter(exc.failures.values()))
-        print(f"memx-run: error: worker rank {first.rank} failed with exit code {first.exitcode}; "
+        rank, first = next(iter(exc.failures.items()))
+        print(f"memx-run: error: worker rank {rank} failed with exit code {first.exitcode}; "
               "see its traceback above", file=sys.stderr)
         return 1
     return 0

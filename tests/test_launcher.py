@@ -1,0 +1,116 @@
+"""memx-run: flag parsing, bad input caught before anything runs, --dry-run output."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from memx_launch.launcher import build_parser, main, script_flag
+from memx_launch.plan import Plan
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "examples", "train.py")
+CPU_CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
+PAPER_CLUSTER = os.path.join(REPO, "examples", "clusters", "paper-20gpu.yaml")
+
+
+def test_torchrun_flags_keep_both_spellings_and_script_args_stay():
+    for flag in ("--nproc-per-node", "--nproc_per_node"):
+        args = build_parser().parse_args([flag, "4", "--max-restarts", "2", "--cluster", "c.yaml", "--dry-run",
+                                          "train.py", "--model", "llama2-7b", "--steps", "3"])
+        assert args.nproc_per_node == "4" and args.max_restarts == 2 and args.cluster == "c.yaml" and args.dry_run
+        assert args.training_script_args == ["--model", "llama2-7b", "--steps", "3"]
+
+
+def test_script_model_is_read_and_memx_flag_wins(capsys):
+    assert script_flag(["--steps", "3", "--model=llama-tiny"], "--model") == "llama-tiny"
+    # memx's --model (llama-tiny) overrides the script's (llama2-7b) for planning
+    rc = main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--model", "llama-tiny",
+               TRAIN, "--model", "llama2-7b"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "model                   llama-tiny  (flag)" in out
+    # the script keeps its own arguments in the reproduce line
+    assert "examples/train.py --model llama2-7b" in out
+
+
+def _run(argv, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "memx_launch.launcher", *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _error_line(stderr):
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, stderr  # one line, no traceback
+    assert lines[0].startswith("memx-run: error: ")
+    return lines[0]
+
+
+def _tiny_plan(tmp_path, world_ranks=(0, 1, 2, 3)):
+    """A valid 4-rank llama-tiny plan from the dry run."""
+    path = tmp_path / "tiny-plan.json"
+    rc, _, err = _run(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(path),
+                       TRAIN, "--model", "llama-tiny"], tmp_path)
+    assert rc == 0, err
+    return path
+
+
+@pytest.mark.parametrize("case", ["unknown model", "cluster size", "missing script", "corrupt plan",
+                                  "plan for another model", "plan for another world size"])
+def test_bad_input_is_one_line_and_nothing_starts(tmp_path, case):
+    base = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER]
+    if case == "unknown model":
+        argv, field = base + [TRAIN, "--model", "llama-huge"], "--model"
+    elif case == "cluster size":
+        argv, field = ["--nproc-per-node", "2", "--cluster", CPU_CLUSTER, TRAIN, "--model", "llama-tiny"], "--cluster"
+    elif case == "missing script":
+        argv, field = base + ["nope/train.py", "--model", "llama-tiny"], "training_script"
+    elif case == "corrupt plan":
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"version": 1, "model": ')
+        argv, field = base + ["--plan", str(bad), TRAIN, "--model", "llama-tiny"], "--plan"
+    elif case == "plan for another model":
+        plan = _tiny_plan(tmp_path)
+        argv, field = base + ["--plan", str(plan), TRAIN, "--model", "llama-small"], "--plan"
+    else:
+        plan = _tiny_plan(tmp_path)
+        argv, field = ["--nproc-per-node", "2", "--plan", str(plan), TRAIN, "--model", "llama-tiny"], "--plan"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    snapshot = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    rc, out, err = _run(argv, tmp_path)
+    assert rc != 0
+    assert field in _error_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no run directory, no new files
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == snapshot
+
+
+def test_export_plan_never_overwrites(tmp_path):
+    target = tmp_path / "plan.json"
+    target.write_text("keep me")
+    rc, _, err = _run(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(target),
+                       TRAIN, "--model", "llama-tiny"], tmp_path)
+    assert rc != 0 and "--export-plan" in _error_line(err)
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.skipif(not os.path.exists(PAPER_CLUSTER), reason="paper-20gpu.yaml not in the tree yet")
+def test_dry_run_paper_cluster_prints_plan_and_a_torchrun_line_torchrun_accepts(tmp_path):
+    from torch.distributed.run import get_args_parser
+
+    rc, out, err = _run(["--nproc-per-node", "20", "--cluster", PAPER_CLUSTER, "--dry-run", TRAIN,
+                         "--model", "llama2-7b"], tmp_path)
+    assert rc == 0, err
+    assert "winner:" in out and "llama2-7b" in out
+    lines = [l.strip() for l in out.splitlines() if " torchrun " in l]
+    assert lines
+    for line in lines:
+        words = shlex.split(line)
+        env = [w for w in words[:words.index("torchrun")]]
+        assert any(w.startswith("MEMX_PLAN=") for w in env)
+        args = get_args_parser().parse_args(words[words.index("torchrun") + 1:])
+        assert args.training_script.endswith("train.py")
+        assert args.training_script_args == ["--model", "llama2-7b"]
