@@ -24,13 +24,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.stats import norm
 
-from memx_launch.costmodel import (FULL, AnalyticalCostModel, LayerCost, allreduce_time,
-                                   tp_link_gbps)
+from memx_launch.costmodel import (_DEFAULT_FLOPS_PER_BYTE, FULL, AnalyticalCostModel, LayerCost,
+                                   allreduce_time, tp_link_gbps)
 from memx_launch.errors import ConfigError
 from memx_launch.plan import RECOMPUTE_LEVELS, write_json_atomic
 from memx_launch.profiledb import Measurement
-from memx_launch.specs import (DTYPE_BYTES, ClusterSpec, DeviceType, Emulation, ModelSpec, Node,
-                               TrainingSpec)
+from memx_launch.specs import ClusterSpec, DeviceType, Emulation, ModelSpec, Node, TrainingSpec
 
 PREDICTOR_FORMAT = 1
 VENDOR_CODES = {"nvidia": 1, "amd": 2, "intel": 3, "cpu": 4}
@@ -62,7 +61,7 @@ def vendor_code(vendor: str) -> int:
 
 def _bandwidth(device: DeviceType) -> float:
     # Same fallback the analytical model uses when a device gives no HBM bandwidth.
-    return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / 150.0
+    return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
 
 
 def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute) -> tuple[np.ndarray, LayerCost]:
@@ -423,8 +422,6 @@ def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec
     from memx_launch.prediction_cache import CachedCostModel
     from memx_launch.profiledb import ProfileDB
 
-    if training.dtype not in DTYPE_BYTES:
-        raise ConfigError("--dtype", f"unknown dtype {training.dtype!r}")
     records = ProfileDB(profile_db_path).for_model(model)
     path = os.path.splitext(profile_db_path)[0] + ".predictor.ubj"
     predictor = None

@@ -134,3 +134,43 @@ def test_memx_profile_needs_a_device_type_for_a_mixed_cluster(tmp_path, capsys):
     code = main(["profile", "--model", "llama-tiny", "--cluster", str(cluster)])
     assert code == 2
     assert "--device-type: mixed has 2 device types; pass --device-type with one of a, b" in capsys.readouterr().err
+
+
+def _tp_calibration_worker(rank, port, queue):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        samples = [Sample(2, 1, 16, "none", SPEC.num_kv_heads), Sample(2, 1, 16, "full", SPEC.num_kv_heads)]
+        out = calibrate(SPEC, CPU, samples, tp_group=dist.group.WORLD, repeats=2, tp_link_gbps=2.0)
+        queue.put((rank, [(m.tp, m.feasible, m.time_s, m.peak_memory_bytes, m.tp_link_gbps) for m in out]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_calibration_kernel_runs_tensor_parallel_over_a_group():
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_calibration_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank in (0, 1):
+        (tp, feasible, time_s, peak, link), (_, _, _, full_peak, _) = results[rank]
+        assert tp == 2 and feasible and time_s > 0 and link == 2.0
+        assert full_peak < peak
