@@ -106,6 +106,8 @@ class ParameterImpact:
     """(max - min) / value at defaults, over the ablation line of this parameter."""
     memory_change: float
     high: bool
+    single_value: bool = False
+    """The space gives this parameter one value (e.g. TP on a single process): nothing to vary."""
 
 
 @dataclass
@@ -125,6 +127,9 @@ class MinimalSet:
     def summary(self) -> str:
         lines = [f"ablation (threshold {IMPACT_THRESHOLD:.0%} change of time or memory):"]
         for p in self.impact:
+            if p.single_value:
+                lines.append(f"  {p.name:<17} one value in the space: fixed")
+                continue
             lines.append(f"  {p.name:<17} time {p.time_change:+7.1%}  memory {p.memory_change:+7.1%}  "
                          f"-> {'high' if p.high else 'low'} impact")
         if self.dropped_for_budget:
@@ -162,6 +167,9 @@ def classify_impact(space: ProfileSpace, measurements: dict[Sample, Measurement]
     out = []
     for name in PARAMETERS:
         vals = space.values[name]
+        if len(vals) == 1:
+            out.append(ParameterImpact(name, 0.0, 0.0, False, single_value=True))
+            continue
         line = [measurements[replace(space.default, **{name: v})] for v in dict.fromkeys((vals[0], vals[-1]))]
         if any(not m.feasible for m in line):
             out.append(ParameterImpact(name, math.inf, math.inf, True))

@@ -120,6 +120,7 @@ def test_memx_profile_prints_ablation_and_counts_and_appends(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     assert "ablation (threshold 10%" in printed and "of a full grid of" in printed
+    assert "tp                one value in the space: fixed" in printed
     records = ProfileDB(str(out)).read()
     assert 0 < len(records) <= 12 and all(r.model == "llama-tiny" for r in records)
 
