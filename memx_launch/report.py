@@ -52,16 +52,22 @@ def header(cluster: ClusterSpec, model: str) -> list[str]:
     return lines
 
 
+def format_gib(gib: float) -> str:
+    """GiB, or MiB below one GiB (emulated devices hold megabytes)."""
+    return f"{gib:.1f} GiB" if abs(gib) >= 1 else f"{gib * 1024:.1f} MiB"
+
+
 def stage_rows(plan: Plan) -> list[list[str]]:
     rows = []
     for i, s in enumerate(plan.stages):
         cap = s.memory_capacity_gib
         if cap:
             margin = cap - s.predicted_peak_memory_gib
-            fits = "fits" if margin >= 0 else f"OOM by {-margin:.1f} GiB"
-            mem = f"{s.predicted_peak_memory_gib:.1f} / {cap:.0f} GiB ({s.predicted_peak_memory_gib / cap:.0%})"
+            fits = "fits" if margin >= 0 else f"OOM by {format_gib(-margin)}"
+            mem = (f"{format_gib(s.predicted_peak_memory_gib)} / {format_gib(cap)} "
+                   f"({s.predicted_peak_memory_gib / cap:.0%})")
         else:
-            fits, mem = "?", f"{s.predicted_peak_memory_gib:.1f} GiB"
+            fits, mem = "?", format_gib(s.predicted_peak_memory_gib)
         rows.append([str(i), s.device_type, rank_ranges(s.ranks), str(s.num_layers), s.recompute,
                      mem, fits, f"{s.predicted_stage_time_s * 1e3:.1f}"])
     return rows
@@ -132,7 +138,7 @@ def compare_table(baselines: dict[str, Plan | None]) -> str:
             continue
         over = [s.predicted_peak_memory_gib - s.memory_capacity_gib for s in p.stages
                 if s.memory_capacity_gib and s.predicted_peak_memory_gib > s.memory_capacity_gib]
-        oom = f"yes, {max(over):.1f} GiB over" if over else "no"
+        oom = f"yes, {format_gib(max(over))} over" if over else "no"
         rows.append([name, f"{p.predicted_iteration_time_s:.2f}", f"{p.predicted_peak_memory_fraction:.0%}",
                      f"{p.predicted_memory_variance:.4f}", oom,
                      ":".join(str(s.num_layers) for s in p.stages),
@@ -147,7 +153,7 @@ def estimate_report(plan: Plan, cluster: ClusterSpec) -> str:
     short = [(i, s.predicted_peak_memory_gib - s.memory_capacity_gib) for i, s in enumerate(plan.stages)
              if s.memory_capacity_gib and s.predicted_peak_memory_gib > s.memory_capacity_gib]
     verdict = ("fits: every stage is under its capacity" if not short else
-               "OOM: " + ", ".join(f"stage {i} short {gib:.1f} GiB per device" for i, gib in short))
+               "OOM: " + ", ".join(f"stage {i} short {format_gib(gib)} per device" for i, gib in short))
     o = plan.objective
     lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches",
               stage_table(plan), "",

@@ -602,7 +602,7 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
     stages = [StagePlan(device_type=names[ranks[0]], ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
                         recompute=cm.RECOMPUTE_LEVELS[int(result.levels[row, i])],
-                        predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 3),
+                        predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 6),
                         predicted_stage_time_s=float(result.stage_time[row, i]),
                         memory_capacity_gib=float(lay.capacity[i]) / cm.GIB)
               for i, ranks in enumerate(lay.stage_ranks)]
