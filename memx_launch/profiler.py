@@ -415,6 +415,8 @@ def _peak_memory_bytes(step: Callable[[], None], dev) -> float:
         step()
         torch.cuda.synchronize(dev)
         return float(torch.cuda.max_memory_allocated(dev) - resting)
+    # Kineto prints a line per profiler start and stop unless told otherwise (6: silent).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -25,10 +25,6 @@ import sys
 
 PLANNED_RESTART_EXIT_CODE = 75
 PLANNED_RESTARTS_FILE = "planned-restarts.json"
-# Calibration on the job's own devices: small enough to finish in seconds on a CPU stand-in,
-# the profiler's ablation plus three-point design decides the rest.
-CALIBRATION_BUDGET = 14
-CALIBRATION_REPEATS = 3
 
 
 def _log(message: str) -> None:
@@ -63,46 +59,27 @@ def check_crash_budget(run_dir: str, generation: int, user_max_restarts: int) ->
 # --------------------------------------------------------------------------- planning generation
 
 
-def _measure_together(samples, calibrate_one, type_group, group_ranks):
-    """Split samples over the ranks of one device type; everyone gets every measurement."""
+def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training):
+    """This rank's share of calibrating its device type; returns the type's samples on the
+    type's first rank (empty elsewhere)."""
     import torch.distributed as dist
-    from memx_launch.profiledb import Measurement
 
-    n, me = len(group_ranks), group_ranks.index(dist.get_rank())
-    mine = calibrate_one(samples[me::n])
-    gathered: list = [None] * n
-    dist.all_gather_object(gathered, [m.to_json() for m in mine], group=type_group)
-    # samples[i] was measured by rank i % n as its (i // n)-th sample
-    return [Measurement.from_dict(json.loads(gathered[i % n][i // n])) for i in range(len(samples))]
+    from memx_launch.costmodel import tp_link_gbps
+    from memx_launch.faults import Faults
+    from memx_launch.runtime.calibration import (TypeCalibration, calibration_timeout_s, calibration_tp_degrees,
+                                                 make_groups)
 
-
-def calibrate_rank(model, rank_device, device_types_by_rank, stored_types, training):
-    """Every rank joins its type's group; types already in the ProfileDB are not measured."""
-    import torch.distributed as dist
-    from memx_launch.profiler import calibrate, default_space, minimal_sample_set
-
-    groups = {}
-    for name in sorted(set(device_types_by_rank)):
-        ranks = [r for r, t in enumerate(device_types_by_rank) if t == name]
-        groups[name] = (dist.new_group(ranks), ranks)  # every rank creates every group, in order
-    mine = rank_device.device_type.name
-    if mine in stored_types:
-        return []
-    group, ranks = groups[mine]
-    slowdown = rank_device.emulated.slowdown if rank_device.emulated is not None else 1.0
-    device = "cuda" if rank_device.emulated is None else "cpu"
-    dtype = "fp32" if device == "cpu" else training.dtype
-
-    def calibrate_one(samples):
-        return calibrate(model, rank_device.device_type, samples, device=device, dtype=dtype, num_blocks=1,
-                         repeats=CALIBRATION_REPEATS, emulation_slowdown=slowdown)
-
-    space = default_space(model, max_micro_batch=4, seq_lens=(max(16, model.seq_len // 2), model.seq_len))
-    result = minimal_sample_set(space, lambda s: _measure_together(s, calibrate_one, group, ranks),
-                                budget=CALIBRATION_BUDGET)
-    if dist.get_rank() == ranks[0]:
-        _log(f"calibrated {mine} on ranks {ranks}: {result.measured_count} measurements\n{result.summary()}")
-    return result.measurements if dist.get_rank() == ranks[0] else []
+    groups = make_groups(cluster, model)
+    name = rank_device.device_type.name
+    emulated = rank_device.emulated is not None
+    calibration = TypeCalibration(
+        model, rank_device.device_type, groups[name], db, stored, device="cpu" if emulated else "cuda",
+        dtype="fp32" if emulated else training.dtype,
+        slowdown=rank_device.emulated.slowdown if emulated else 1.0, tp_link_gbps=tp_link_gbps(cluster, name),
+        describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
+        log=_log)
+    measurements = calibration.run(calibration_tp_degrees(model, cluster, name))
+    return measurements if groups[name].ranks[0] == dist.get_rank() else []
 
 
 def plan_in_job(env) -> None:
@@ -112,6 +89,7 @@ def plan_in_job(env) -> None:
     from memx_launch.predictor import load_cost_model
     from memx_launch.profiledb import Measurement, ProfileDB
     from memx_launch.runtime import init_distributed
+    from memx_launch.runtime.calibration import measurement_key
     from memx_launch.runtime.devices import detect_rank_device
     from memx_launch.search import parse_weights, search
     from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
@@ -131,23 +109,30 @@ def plan_in_job(env) -> None:
             _log(f"rank {r}: {what}")
 
     db = ProfileDB(env["MEMX_PROFILE_DB"])
-    stored: list = [None]
-    if rank == 0:
-        records = db.read() if os.path.exists(db.path) else []
-        stored[0] = sorted({r.device_type for r in records if r.model_signature == model.signature()})
-    dist.broadcast_object_list(stored, src=0)
-    if rank == 0 and stored[0]:
-        _log(f"profile {db.path} already holds {', '.join(stored[0])}: not measured again")
-    new = calibrate_rank(model, rank_device, [d[0] for d in described], set(stored[0]), training)
+    stored_lines: list = [None]
+    if rank == 0:  # one reading for everyone: ranks must agree on what is left to measure
+        stored_lines[0] = [r.to_json() for r in db.read() if r.model_signature == model.signature()] \
+            if os.path.exists(db.path) else []
+        if stored_lines[0]:
+            _log(f"profile {db.path} already holds {len(stored_lines[0])} samples of {model.name}: "
+                 "those are not measured again")
+    dist.broadcast_object_list(stored_lines, src=0)
+    stored = [Measurement.from_dict(json.loads(line)) for line in stored_lines[0]]
+    mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training)
     gathered: list = [None] * world if rank == 0 else None
-    dist.gather_object([m.to_json() for m in new], gathered, dst=0)
+    dist.gather_object([m.to_json() for m in mine], gathered, dst=0)
 
     payload: list = [None]
     if rank == 0:
-        records = [Measurement.from_dict(json.loads(line)) for part in gathered for line in part]
-        if records:
-            db.append(records)
-            _log(f"stored {len(records)} measurements in {db.path}")
+        # Each sample was stored by the rank that measured it; a node with its own disk
+        # sends them here too.
+        have = {measurement_key(m) for m in db.read()} if os.path.exists(db.path) else set()
+        records = {measurement_key(m): m for part in gathered
+                   for m in map(lambda line: Measurement.from_dict(json.loads(line)), part)}
+        missing = [m for k, m in records.items() if k not in have]
+        if missing:
+            db.append(missing)
+        _log(f"profile {db.path}: {len(records)} samples of this job's device types")
         cost_model = load_cost_model(db.path, model, cluster, training)
         weights = parse_weights(env["MEMX_WEIGHTS"]) if env.get("MEMX_WEIGHTS") else None
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None

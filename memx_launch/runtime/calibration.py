@@ -1,0 +1,174 @@
+"""In-job calibration: the ranks of each device type measure its minimal sample set together.
+
+Samples with TP = 1 are shared round-robin over the type's ranks; samples with TP = t run on
+subgroups of t ranks of that type inside one node (DTensor tensor parallel, as the runtime
+would run them). Each sample is appended to the ProfileDB by the rank that measured it as soon
+as it is measured, so a rank that dies mid-way loses nothing already stored: after the
+elastic restart those samples are read back instead of measured again. Before results are
+exchanged, every rank reports through the job's store; a rank that has not reported within
+the timeout is named, with its device, in the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from memx_launch.errors import MemxError
+from memx_launch.faults import Faults
+from memx_launch.profiledb import Measurement, ProfileDB
+from memx_launch.profiler import Sample, calibrate, default_space, minimal_sample_set
+from memx_launch.specs import ClusterSpec, DeviceType, ModelSpec
+
+CALIBRATION_BUDGET = 20
+CALIBRATION_REPEATS = 3
+DEFAULT_TIMEOUT_S = 600.0
+MAX_TP = 8
+
+
+class CalibrationTimeout(MemxError):
+    """A rank did not report its calibration samples in time."""
+
+
+@dataclass
+class TypeGroups:
+    """Process groups of one device type: all its ranks, and its TP subgroups per degree."""
+
+    ranks: list[int]
+    group: object
+    tp_groups: dict[int, list[tuple[object, list[int]]]] = field(default_factory=dict)
+    """tp -> [(group or None for tp=1, ranks)], the measuring units for that degree."""
+
+
+def calibration_tp_degrees(model: ModelSpec, cluster: ClusterSpec, device_type: str) -> list[int]:
+    """TP degrees the search may use on this type: powers of two dividing the heads that fit
+    in one node's devices of the type."""
+    per_node = max((n for node in cluster.nodes for t, n in node.devices if t == device_type), default=1)
+    out, tp = [], 1
+    while tp <= min(MAX_TP, per_node):
+        if model.num_heads % tp == 0 and model.num_kv_heads % tp == 0:
+            out.append(tp)
+        tp *= 2
+    return out
+
+
+def make_groups(cluster: ClusterSpec, model: ModelSpec) -> dict[str, TypeGroups]:
+    """Every rank creates every group in the same order (new_group is collective)."""
+    rank_types = cluster.rank_device_types()
+    locations = cluster.rank_locations()
+    out = {}
+    for name in sorted(set(rank_types)):
+        ranks = [r for r, t in enumerate(rank_types) if t == name]
+        groups = TypeGroups(ranks, dist.new_group(ranks))
+        groups.tp_groups[1] = [(None, [r]) for r in ranks]
+        for tp in calibration_tp_degrees(model, cluster, name)[1:]:
+            units = []
+            for node in sorted({locations[r][0] for r in ranks}):
+                local = [r for r in ranks if locations[r][0] == node]
+                for i in range(0, len(local) - tp + 1, tp):
+                    units.append((dist.new_group(local[i:i + tp]), local[i:i + tp]))
+            if units:
+                groups.tp_groups[tp] = units
+        out[name] = groups
+    return out
+
+
+def sample_key(device_type: str, model: ModelSpec, s: Sample, dtype: str) -> tuple:
+    return (device_type, model.signature(), s.tp, s.micro_batch_size, s.seq_len, s.recompute, s.num_kv_heads, dtype)
+
+
+def measurement_key(m: Measurement) -> tuple:
+    return (m.device_type, m.model_signature, m.tp, m.micro_batch_size, m.seq_len, m.recompute,
+            m.block_shape["num_kv_heads"], m.dtype)
+
+
+class TypeCalibration:
+    """One rank's part in calibrating its device type."""
+
+    def __init__(self, model: ModelSpec, device_type: DeviceType, groups: TypeGroups, db: ProfileDB,
+                 stored: list[Measurement], *, device: str, dtype: str, slowdown: float, tp_link_gbps: float,
+                 describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print):
+        self.model, self.device_type, self.groups, self.db = model, device_type, groups, db
+        self.device, self.dtype, self.slowdown, self.tp_link_gbps = device, dtype, slowdown, tp_link_gbps
+        self.describe_rank, self.faults, self.timeout_s, self.log = describe_rank, faults, timeout_s, log
+        self.stored = {measurement_key(m): m for m in stored}
+        self.reused = 0
+        self.measured_here = 0
+        self._round = 0
+
+    def run(self, tp_degrees: list[int]) -> list[Measurement]:
+        space = default_space(self.model, tp_degrees=tuple(d for d in tp_degrees if d in self.groups.tp_groups),
+                              max_micro_batch=4, seq_lens=(max(16, self.model.seq_len // 2), self.model.seq_len))
+        result = minimal_sample_set(space, self.measure, budget=CALIBRATION_BUDGET)
+        if dist.get_rank() == self.groups.ranks[0]:
+            self.log(f"calibrated {self.device_type.name} on ranks {self.groups.ranks}: "
+                     f"{result.measured_count} samples ({self.reused} reused from the profile)\n{result.summary()}")
+        return result.measurements
+
+    def measure(self, samples: list[Sample]) -> list[Measurement]:
+        """Every rank of the type gets every measurement, in the order of ``samples``."""
+        self._round += 1
+        me = dist.get_rank()
+        todo = [s for s in dict.fromkeys(samples) if self._key(s) not in self.stored]
+        mine: list[Measurement] = []
+        for tp in sorted({s.tp for s in todo}):
+            units = self.groups.tp_groups[tp]
+            part = [s for s in todo if s.tp == tp]
+            for j, (group, ranks) in enumerate(units):
+                if me in ranks:
+                    measured = self._measure_unit(part[j::len(units)], group)
+                    if me == ranks[0]:  # one record per sample, from the unit's first rank
+                        mine += measured
+        self._report_and_wait()
+        gathered: list = [None] * len(self.groups.ranks)
+        dist.all_gather_object(gathered, [m.to_json() for m in mine], group=self.groups.group)
+        for part in gathered:
+            for line in part:
+                m = Measurement.from_dict(json.loads(line))
+                self.stored[measurement_key(m)] = m
+        self.reused += len(samples) - len(todo)
+        return [self.stored[self._key(s)] for s in samples]
+
+    def _measure_unit(self, samples: list[Sample], group) -> list[Measurement]:
+        out = []
+        for s in samples:
+            [m] = calibrate(self.model, self.device_type, [s], device=self.device, tp_group=group,
+                            dtype=self.dtype, num_blocks=1, repeats=CALIBRATION_REPEATS,
+                            emulation_slowdown=self.slowdown,
+                            tp_link_gbps=self.tp_link_gbps if s.tp > 1 else None)
+            out.append(m)
+            leader = group is None or dist.get_rank() == dist.get_process_group_ranks(group)[0]
+            if leader:  # stored at once: a rank that dies later loses nothing measured
+                self.db.append([m])
+                self.measured_here += 1
+                if self.faults.kill_calibration is not None:
+                    self.faults.kill_calibration.after_sample(dist.get_rank(), self.measured_here)
+        return out
+
+    def _report_and_wait(self) -> None:
+        """Each rank marks this round done; a rank missing at the deadline is named."""
+        # NOTE: the default group's store is the job's (per-generation) store; collectives
+        # would only hang, while the store lets us say which rank is missing.
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"memx/calibration/{self.device_type.name}/round{self._round}/"
+        store.set(prefix + str(dist.get_rank()), "done")
+        deadline = time.monotonic() + self.timeout_s
+        for rank in self.groups.ranks:
+            key = prefix + str(rank)
+            while not store.check([key]):
+                if time.monotonic() > deadline:
+                    raise CalibrationTimeout(
+                        f"calibration: rank {rank} ({self.describe_rank(rank)}) did not report within "
+                        f"{self.timeout_s:.0f} s; check that process's output, or raise MEMX_CALIBRATION_TIMEOUT_S")
+                time.sleep(0.05)
+
+    def _key(self, s: Sample) -> tuple:
+        return sample_key(self.device_type.name, self.model, s, self.dtype)
+
+
+def calibration_timeout_s(environ=os.environ) -> float:
+    return float(environ.get("MEMX_CALIBRATION_TIMEOUT_S", DEFAULT_TIMEOUT_S))
