@@ -1,0 +1,65 @@
+"""In-job calibration: rank timeouts, and a rank killed mid-way whose samples are kept."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch.distributed as dist
+
+from memx_launch.faults import Faults
+from memx_launch.profiledb import ProfileDB
+from memx_launch.runtime.calibration import CalibrationTimeout, TypeCalibration, TypeGroups, calibration_tp_degrees
+from memx_launch.specs import ClusterSpec, get_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "examples", "train.py")
+CPU_CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
+
+
+def test_a_rank_that_never_reports_is_named_with_its_device(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        cluster = ClusterSpec.from_yaml(CPU_CLUSTER)
+        model = get_model("llama-tiny")
+        # Rank 1 belongs to the type but is not in this one-process job: it never reports.
+        groups = TypeGroups([0, 1], None)
+        calibration = TypeCalibration(model, cluster.device_type("fast-small"), groups,
+                                      ProfileDB(str(tmp_path / "p.jsonl")), [], device="cpu", dtype="fp32",
+                                      slowdown=1.0, tp_link_gbps=2.0,
+                                      describe_rank=lambda r: f"fast-small (emulated) #{r}", faults=Faults(),
+                                      timeout_s=0.3)
+        with pytest.raises(CalibrationTimeout, match=r"rank 1 \(fast-small \(emulated\) #1\) did not report"):
+            calibration.measure([])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_degrees_follow_the_devices_in_a_node():
+    cluster = ClusterSpec.from_yaml(CPU_CLUSTER)
+    assert calibration_tp_degrees(get_model("llama-tiny"), cluster, "fast-small") == [1, 2]
+
+
+@pytest.mark.slow
+def test_rank_killed_during_calibration_job_finishes_and_samples_are_not_measured_again(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, MEMX_FAULT_KILL_CALIBRATION="rank=2,after=3", MEMX_FAULT_MARKER_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "memx_launch.launcher", "--nproc-per-node", "4", "--max-restarts", "1",
+         "--cluster", CPU_CLUSTER, "--run-dir", str(run_dir), "--profile-db", str(tmp_path / "profile.jsonl"),
+         TRAIN, "--model", "llama-tiny", "--steps", "3", "--synthetic"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert (tmp_path / "kill-calibration-rank2").exists()  # the fault did fire
+    assert "done: 3 steps" in out
+    # After the restart the profile's samples were read back ...
+    assert "already holds" in out and "not measured again" in out
+    # ... and none was measured twice: every sample key appears once in the profile.
+    records = [json.loads(line) for line in open(tmp_path / "profile.jsonl")]
+    keys = Counter((r["device_type"], r["tp"], r["micro_batch_size"], r["seq_len"], r["recompute"],
+                    r["block_shape"]["num_kv_heads"]) for r in records)
+    assert keys and max(keys.values()) == 1
