@@ -6,7 +6,8 @@ Data: byte-level tokens of this repository's own text (README, docs, sources), a
 shipped with it, or ``--synthetic`` random tokens. Every rank draws the same global batch per
 step from a step-seeded generator and takes its data-parallel share. Rank 0 prints one line per
 step: loss, step time, tokens/s and per-stage peak memory and compute time, measured against
-the plan's predictions.
+the plan's predictions. Under memx-run, ``runtime.step`` also watches memory and re-plans when
+a device comes under pressure; the restarted job resumes at the next step (docs/replanning.md).
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ def main() -> int:
         if get_model(args.model).signature() != plan.model_spec.signature():
             raise ConfigError("--model", f"{args.model} is not the plan's model {plan.model}",
                               "run the script with the model the plan was made for")
-        if args.resume:
-            if not args.checkpoint_dir:
-                raise ConfigError("--resume", "needs --checkpoint-dir", "pass the directory to resume from")
-            runtime.load_checkpoint(args.checkpoint_dir)
+        if args.resume and not args.checkpoint_dir:
+            raise ConfigError("--resume", "needs --checkpoint-dir", "pass the directory to resume from")
+        # step_count > 0: memx-run already resumed this restarted job from its own checkpoint
+        if args.resume and runtime.step_count == 0 and runtime.load_checkpoint(args.checkpoint_dir) is None:
+            raise ConfigError("--resume", f"no checkpoint in {args.checkpoint_dir}", "check --checkpoint-dir")
     except MemxError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return exc.exit_code

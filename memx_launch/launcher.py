@@ -14,6 +14,7 @@ given) and restarts in place with the plan through the elastic agent.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import sys
@@ -21,6 +22,7 @@ import time
 
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.plan import Plan
+from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
 
 DEFAULT_RUNS_DIR = "runs"
@@ -165,11 +167,15 @@ def resolve(args) -> dict:
     run_dir = args.run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     if os.path.exists(os.path.join(run_dir, "plan.json")) and not args.plan:
         raise ConfigError("--run-dir", f"{run_dir} already holds a plan", "choose a new run directory")
+    if os.path.exists(os.path.join(run_dir, CHECKPOINT_DIR)):  # the workers would resume from them
+        raise ConfigError("--run-dir", f"{run_dir} holds another run's checkpoints", "choose a new run directory")
     settings.add("run dir", run_dir, "flag" if args.run_dir else "default")
     settings.add("max restarts", f"{args.max_restarts} for crashes (planned restarts not counted)",
                  "flag" if args.max_restarts else "default")
-    settings.add("replan during training", "off" if args.no_replan else "monitor decides",
-                 "flag" if args.no_replan else "default")
+    replans = max_replans()
+    settings.add("replan during training", "off" if args.no_replan else f"monitor decides, at most {replans} "
+                 "re-plans", "flag" if args.no_replan else "MEMX_MAX_REPLANS" if os.environ.get("MEMX_MAX_REPLANS")
+                 else "default")
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
                 profile_db=profile_db, run_dir=run_dir, script_args=script_args)
 
@@ -217,7 +223,9 @@ def launch(args, resolved) -> int:
 
     run_dir = resolved["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
-    plan_path = args.plan or args.export_plan or os.path.join(run_dir, "plan.json")
+    plan_path = args.export_plan or os.path.join(run_dir, "plan.json")
+    if resolved["plan"] is not None:  # re-plans rewrite MEMX_PLAN: never the user's own file
+        resolved["plan"].save(plan_path, overwrite=True)
     env = {
         "MEMX_RUN_DIR": run_dir, "MEMX_PLAN": os.path.abspath(plan_path), "MEMX_MODEL": resolved["model"].name,
         "MEMX_PROFILE_DB": os.path.abspath(resolved["profile_db"]),
@@ -230,14 +238,16 @@ def launch(args, resolved) -> int:
     if args.cluster:
         env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
     os.environ.update(env)
-    # The workers run memx's worker, which runs the script; one extra restart for the planned one.
+    # The workers run memx's worker, which runs the script. The agent restarts for crashes and
+    # planned restarts alike: it gets the user's budget plus one per planned restart (the initial
+    # plan, each re-plan); the worker holds crashes to the user's --max-restarts.
     worker_args = (["--module"] if args.module else []) + [args.training_script, *resolved["script_args"]]
     args.module, args.no_python = True, False
     args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
-    if resolved["plan"] is None:
-        args.max_restarts += 1
+    args.max_restarts += (resolved["plan"] is None) + (0 if args.no_replan else max_replans())
     if args.nnodes in ("1", "1:1") and args.rdzv_endpoint == "" and args.rdzv_backend == "static":
         args.standalone = True  # a free local port instead of torchrun's fixed 29500
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_hide_planned_restart)
     try:
         run(args)
     except ChildFailedError as exc:
@@ -246,6 +256,13 @@ def launch(args, resolved) -> int:
               "see its traceback above", file=sys.stderr)
         return 1
     return 0
+
+
+def _hide_planned_restart(record: logging.LogRecord) -> bool:
+    """The elastic agent logs every non-zero worker exit as a failure; a planned restart is not one."""
+    from memx_launch.runtime.worker import PLANNED_RESTART_EXIT_CODE
+
+    return f"exitcode: {PLANNED_RESTART_EXIT_CODE})" not in record.getMessage()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from memx_launch.errors import ConfigError
 from memx_launch.plan import Plan
 from memx_launch.replan import DEFAULT_MIN_HEADROOM, ReplanEvent
+from memx_launch.runtime.layout import process_rank
 
 GIB = 2**30
 log = logging.getLogger("memx.monitor")
@@ -153,6 +154,7 @@ class MemoryMonitor:
     COLUMNS = 4  # peak, reserved, current, capacity
 
     def __init__(self, plan: Plan, rank: int, reader, config: MonitorConfig | None = None, group=None):
+        """``rank``: this device's rank in the plan; rank 0 logs."""
         self.plan = plan
         self.rank = rank
         self.reader = reader
@@ -162,6 +164,9 @@ class MemoryMonitor:
         self.last_table: torch.Tensor | None = None
         """[world, 4] bytes of the latest sample (identical on every rank)."""
         self._stage_of = {r: i for i, s in enumerate(plan.stages) for r in s.ranks}
+        # Rows arrive in process-rank order (stage-major, runtime/layout.py); the table and the
+        # event speak of the plan's (device) ranks.
+        self._rows_by_rank = [process_rank(plan, r) for r in range(plan.world_size)]
 
     def after_step(self, step: int) -> ReplanEvent | None:
         """None, or the re-plan event every rank returns for this same step."""
@@ -175,7 +180,7 @@ class MemoryMonitor:
             row = row.cuda()
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(rows, row, group=self.group)
-        table = torch.stack(rows).cpu()
+        table = torch.stack(rows).cpu()[self._rows_by_rank]
         self.last_table = table
         event = self._decide(step, table)
         if self.rank == 0:

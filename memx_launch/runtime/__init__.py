@@ -98,6 +98,8 @@ class Runtime:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self.step_count = 0
+        self.supervisor = None
+        """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
         grid = torch.arange(plan.world_size).view(plan.pp, plan.dp, plan.tp)  # process ranks, stage-major
         self.mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
         with self._measured():
@@ -149,18 +151,26 @@ class Runtime:
         """One optimizer step over plan.num_microbatches micro-batches of this DP replica's
         [local_batch_size, seq] tokens and targets. Every rank passes the same tensors for its
         replica; only the first stage reads tokens and only the last reads targets."""
-        if self.emulated is not None:
-            self.emulated.reset_peak()
-        elif self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
         losses: list[torch.Tensor] = []
-        with self._measured():
-            self.optimizer.zero_grad(set_to_none=True)
-            args = (tokens.to(self.device),) if self.layout.is_first_stage else ()
-            target = targets.to(self.device) if self.layout.is_last_stage else None
-            self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
-            self.optimizer.step()
+        try:
+            if self.supervisor is not None:
+                self.supervisor.before_step(self.step_count + 1)
+            if self.emulated is not None:
+                self.emulated.reset_peak()
+            elif self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            with self._measured():
+                self.optimizer.zero_grad(set_to_none=True)
+                args = (tokens.to(self.device),) if self.layout.is_first_stage else ()
+                target = targets.to(self.device) if self.layout.is_last_stage else None
+                self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
+                self.optimizer.step()
+        except Exception as exc:
+            oom = _out_of_memory(exc)
+            if oom is None or self.supervisor is None:
+                raise
+            self.supervisor.on_out_of_memory(oom)
         step_time = time.perf_counter() - start
         self.step_count += 1
         return self._gather_stats(losses, step_time)
@@ -192,66 +202,25 @@ class Runtime:
                          tokens / step_time, stage_peak, stage_compute)
 
     # ---- checkpoints
-    def save_checkpoint(self, directory: str) -> None:
-        """This rank's parameters and optimizer state as a numpy .npz (no pickles), written atomically;
-        rank 0 adds meta.json. Resume needs the same plan (each rank holds its own shards)."""
-        import numpy as np
+    def save_checkpoint(self, directory: str, data_state: dict | None = None) -> str:
+        """Every rank: model, optimizer, RNG and ``data_state`` after step ``step_count``
+        (memx_launch.checkpoint: loads under another plan). Returns the step's folder."""
+        from memx_launch.checkpoint import save_checkpoint
 
-        from memx_launch.plan import write_json_atomic
+        return save_checkpoint(directory, self.chunks, self.optimizer, self.step_count, data_state, self.plan)
 
-        os.makedirs(directory, exist_ok=True)
-        arrays = {}
-        for name, tensor in self._checkpoint_tensors().items():
-            arrays[name] = _local(tensor).detach().cpu().numpy()
-        path = os.path.join(directory, f"rank{self.layout.rank}.npz")
-        tmp = path + ".tmp.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            write_json_atomic(os.path.join(directory, "meta.json"),
-                              {"step": self.step_count, "plan": self.plan.to_dict(),
-                               "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                for g in self.optimizer.param_groups]}, overwrite=True)
+    def load_checkpoint(self, directory: str):
+        """Every rank: the latest checkpoint in ``directory``, whatever plan wrote it; sets
+        ``step_count`` to its step and returns its Resumed (None when there is none)."""
+        from memx_launch.checkpoint import load_checkpoint
 
-    def load_checkpoint(self, directory: str) -> None:
-        import json
-
-        import numpy as np
-
-        with open(os.path.join(directory, "meta.json")) as f:
-            meta = json.load(f)
-        saved = Plan.from_dict(meta["plan"], source=f"checkpoint {directory}")
-        if saved.to_dict()["stages"] != self.plan.to_dict()["stages"] or \
-                (saved.tp, saved.pp, saved.dp, saved.virtual_stages) != (self.plan.tp, self.plan.pp, self.plan.dp,
-                                                                          self.plan.virtual_stages):
-            raise ConfigError("--resume", f"the checkpoint in {directory} was written under another plan",
-                              "resume with the plan it was saved with (MEMX_PLAN / memx-run --plan)")
-        # Create the optimizer state (zeros) so that every tensor below has a place to go.
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state[p]
-                if not state:
-                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p))
-        with np.load(os.path.join(directory, f"rank{self.layout.rank}.npz"), allow_pickle=False) as data:
-            with torch.no_grad():
-                for name, tensor in self._checkpoint_tensors().items():
-                    _local(tensor).copy_(torch.from_numpy(data[name]))
-        self.step_count = int(meta["step"])
-
-    def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for module in self.chunks:
-            for name, p in module.named_parameters():
-                out[f"model/{name}"] = p
-        for name, p in self._named_parameters().items():
-            for key, value in self.optimizer.state.get(p, {}).items():
-                out[f"optimizer/{name}/{key}"] = value
-        return out
-
-    def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        return {name: p for module in self.chunks for name, p in module.named_parameters()}
+        resumed = load_checkpoint(directory, self.chunks, self.optimizer)
+        if resumed is not None:
+            self.step_count = resumed.step
+            if self.emulated is not None:  # the optimizer state was created outside the guard
+                self.emulated.track(t for state in self.optimizer.state.values() for t in state.values()
+                                    if isinstance(t, torch.Tensor))
+        return resumed
 
     # ---- reporting
     def progress_line(self, stats: StepStats) -> str:
@@ -268,8 +237,11 @@ class Runtime:
         return " | ".join(parts) + "  (measured/predicted)"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+def _out_of_memory(exc: BaseException | None) -> torch.OutOfMemoryError | None:
+    """The out-of-memory error behind ``exc`` (pipelining wraps a stage's error in a RuntimeError)."""
+    while exc is not None and not isinstance(exc, torch.OutOfMemoryError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
 
 
 def build(plan: Plan, rank: int | None = None, **kwargs) -> Runtime:
@@ -283,7 +255,9 @@ def build(plan: Plan, rank: int | None = None, **kwargs) -> Runtime:
 def from_env(**kwargs) -> Runtime:
     """The runtime for a worker started by memx-run (or torchrun with MEMX_PLAN set): joins the
     process group, loads the plan from MEMX_PLAN and, on a machine without GPUs, emulates this
-    rank's device type from MEMX_CLUSTER."""
+    rank's device type from MEMX_CLUSTER. Under memx-run (MEMX_RUN_DIR set) it also watches
+    memory and re-plans around each step (runtime/supervisor.py) and resumes from the run's
+    latest checkpoint after a restart."""
     from memx_launch.runtime.devices import detect_rank_device
     from memx_launch.specs import ClusterSpec
 
@@ -298,4 +272,9 @@ def from_env(**kwargs) -> Runtime:
                           f"{dist.get_world_size()} ranks", "launch one process per declared device")
     rank = int(os.environ["RANK"])
     device = detect_rank_device(cluster, rank, int(os.environ.get("LOCAL_RANK", "0")))
-    return build(plan, rank, emulated=device.emulated, **kwargs)
+    runtime = build(plan, rank, emulated=device.emulated, **kwargs)
+    if os.environ.get("MEMX_RUN_DIR"):
+        from memx_launch.runtime.supervisor import Supervisor
+        runtime.supervisor = Supervisor(runtime, os.environ["MEMX_RUN_DIR"])
+        runtime.supervisor.resume()
+    return runtime

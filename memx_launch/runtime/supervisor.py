@@ -1,0 +1,224 @@
+"""What memx-run adds around every training step, so that scripts get it for free.
+
+Before each step: the checks of the previous step, then fault injection (MEMX_FAULT_BALLAST).
+The checks run when the next step begins, so that the script has logged a step's results before
+any restart (the last step of a run is therefore not checked): the memory monitor and, every
+MEMX_CHECKPOINT_EVERY steps, a checkpoint into the run directory. On a re-plan event that all
+ranks agree on, rank 0 re-plans (replan.py), writes the new plan atomically to MEMX_PLAN (the
+old one stays as ``plan.gen<N>.json``) and logs what and why; every rank then checkpoints and
+exits with the planned-restart code, and the next generation resumes from the checkpoint with
+the new plan at the next step. An out-of-memory error on one rank cannot be agreed on (the
+other ranks are blocked on it): that rank saves the event, re-plans and exits with the same
+code; the next generation resumes from the last periodic checkpoint, so the steps after it are
+run again (the only case where a step repeats).
+
+Built by runtime.from_env when MEMX_RUN_DIR is set (memx-run). Environment: MEMX_NO_REPLAN=1
+(monitor and log only), MEMX_MAX_REPLANS (default 3), MEMX_CHECKPOINT_EVERY (default 10, 0 off),
+and the monitor's variables (monitor.MonitorConfig.from_env).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch.distributed as dist
+
+from memx_launch.errors import ConfigError
+from memx_launch.faults import Faults
+from memx_launch.monitor import MemoryMonitor, MonitorConfig, memory_reader, oom_event
+from memx_launch.plan import Plan, write_json_atomic
+from memx_launch.replan import ReplanEvent
+
+CHECKPOINT_DIR = "checkpoints"
+REPLANS_FILE = "replans.json"
+DEFAULT_MAX_REPLANS = 3
+DEFAULT_CHECKPOINT_EVERY = 10
+log = logging.getLogger("memx")
+
+
+def _env_int(environ, var: str, default: int) -> int:
+    text = environ.get(var, "")
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ConfigError(var, f"must be a non-negative integer, got {text!r}", f"e.g. {var}={default}")
+    return int(text)
+
+
+def max_replans(environ=os.environ) -> int:
+    return _env_int(environ, "MEMX_MAX_REPLANS", DEFAULT_MAX_REPLANS)
+
+
+def _show_logs() -> None:
+    """memx's INFO lines (monitor samples, re-plans) on stderr, unless the script set up logging."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("memx-run: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+def _stage_changes(old: Plan, new: Plan) -> str:
+    if [s.ranks for s in old.stages] != [s.ranks for s in new.stages]:
+        return (f"layout pp={old.pp} dp={old.dp} tp={old.tp} -> pp={new.pp} dp={new.dp} tp={new.tp}, layers "
+                f"{[s.num_layers for s in new.stages]}, recompute {[s.recompute for s in new.stages]}")
+    return "; ".join(f"stage {i} ({a.device_type}): layers {a.num_layers} -> {b.num_layers}, recompute "
+                     f"{a.recompute} -> {b.recompute}, predicted {a.predicted_peak_memory_gib * 1024:.1f} -> "
+                     f"{b.predicted_peak_memory_gib * 1024:.1f} MiB"
+                     for i, (a, b) in enumerate(zip(old.stages, new.stages))
+                     if (a.num_layers, a.recompute) != (b.num_layers, b.recompute)) or "no stage changes"
+
+
+class Supervisor:
+    def __init__(self, runtime, run_dir: str, environ=os.environ):
+        self.runtime = runtime
+        self.run_dir = run_dir
+        self.environ = environ
+        self.rank = runtime.layout.rank
+        self.generation = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.replan_enabled = environ.get("MEMX_NO_REPLAN", "0") != "1"
+        self.max_replans = max_replans(environ)
+        self.checkpoint_every = _env_int(environ, "MEMX_CHECKPOINT_EVERY", DEFAULT_CHECKPOINT_EVERY)
+        self.checkpoint_dir = os.path.join(run_dir, CHECKPOINT_DIR)
+        self.faults = Faults.from_env(environ)
+        self.reader = memory_reader(emulated=runtime.emulated)
+        self.config = MonitorConfig.from_env(environ)
+        self.monitor = MemoryMonitor(runtime.plan, self.rank, self.reader, self.config)
+        self.first_step = 1
+        """The first step of this generation: the checks of the step before it ran already."""
+        _show_logs()
+
+    def resume(self) -> None:
+        """Continue from the run's latest checkpoint, when a previous generation left one."""
+        resumed = self.runtime.load_checkpoint(self.checkpoint_dir)
+        self.first_step = self.runtime.step_count + 1
+        if resumed is not None and dist.get_rank() == 0:
+            log.info("resumed after step %d from %s (generation %d, plan %s)", resumed.step, resumed.path,
+                     self.generation, self.environ.get("MEMX_PLAN"))
+
+    def before_step(self, step: int) -> None:
+        """The checks of the step before (run now, so that the script has logged that step's
+        results before a restart), then fault injection."""
+        if step > self.first_step:
+            self._after_step(step - 1)
+        if self.faults.ballast is not None and self.faults.ballast.before_step(
+                step, self.rank, emulated=self.runtime.emulated, device=self.runtime.device):
+            log.warning("fault injection: %.4f GiB ballast on rank %d before step %d", self.faults.ballast.gib,
+                        self.rank, step)
+
+    def _after_step(self, step: int) -> None:
+        event = self.monitor.after_step(step)
+        if event is not None:
+            if not self.replan_enabled:
+                if dist.get_rank() == 0:
+                    log.warning("re-planning is off (--no-replan): continuing with the current plan")
+            else:
+                self._agreed_replan(event)
+        if self.checkpoint_every and step % self.checkpoint_every == 0:
+            self.runtime.save_checkpoint(self.checkpoint_dir)
+
+    def _agreed_replan(self, event: ReplanEvent) -> None:
+        """Every rank: rank 0 decides and writes the decision to a file the others read after a
+        barrier (no pickled objects travel)."""
+        path = os.path.join(self.run_dir, f"decision.gen{self.generation}.step{event.step}.json")
+        if dist.get_rank() == 0:
+            try:
+                record = self._decide(event)
+            except Exception as exc:  # every rank must learn of it, or the others wait forever
+                record = {"error": f"{exc}"}
+            write_json_atomic(path, record, overwrite=True)
+        dist.barrier()
+        with open(path) as f:
+            record = json.load(f)
+        if "error" in record:
+            raise ConfigError("re-plan", record["error"])
+        new_plan = Plan.load(self.environ["MEMX_PLAN"])
+        if not record["restart"]:  # corrected predictions only: same layout, keep training
+            self.runtime.plan = new_plan
+            self.monitor = MemoryMonitor(new_plan, self.rank, self.reader, self.config)
+            return
+        self.runtime.save_checkpoint(self.checkpoint_dir)
+        self._planned_restart()
+
+    def on_out_of_memory(self, error: BaseException) -> None:
+        """On the rank that ran out of memory: save the event, re-plan here, restart. Re-raises
+        when re-planning is off."""
+        if not self.replan_enabled:
+            raise error
+        step = self.runtime.step_count
+        event = oom_event(self.runtime.plan, self.rank, step, error, self.reader)
+        event.save(os.path.join(self.run_dir, f"oom-event.gen{self.generation}.rank{self.rank}.json"))
+        log.warning("out of memory on rank %d in step %d: %s", self.rank, step + 1, event.message)
+        self._decide(event)
+        log.warning("resuming from the last checkpoint: the steps after it run again")
+        self._planned_restart(destroy=False)  # the other ranks are stuck in this step
+
+    def _decide(self, event: ReplanEvent) -> dict:
+        """Re-plan, write the new plan and the record; on one rank."""
+        from memx_launch.replan import replan
+        from memx_launch.runtime.worker import record_planned_restart
+        from memx_launch.specs import ClusterSpec, TrainingSpec
+
+        env = self.environ
+        records = _read_records(self.run_dir)
+        done = sum(r["restart"] for r in records)
+        if done >= self.max_replans:
+            raise ConfigError("MEMX_MAX_REPLANS", f"{event.reason} on rank {event.rank} at step {event.step} would be "
+                              f"re-plan {done + 1}, over the limit of {self.max_replans}",
+                              "raise MEMX_MAX_REPLANS, free memory on that device, or pass --no-replan")
+        if not env.get("MEMX_CLUSTER"):
+            raise ConfigError("--cluster", "re-planning during training needs the cluster file",
+                              "pass --cluster FILE to memx-run, or --no-replan")
+        plan = self.runtime.plan
+        cluster = ClusterSpec.from_yaml(env["MEMX_CLUSTER"])
+        training = TrainingSpec(**json.loads(env["MEMX_TRAINING"]))
+        budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
+        decision = replan(event, plan, plan.model_spec, cluster, training, _cost_model(env, plan, cluster, training),
+                          min_headroom=self.config.min_headroom, search_budget_s=budget)
+        archive = os.path.join(self.run_dir, f"plan.gen{self.generation}.json")
+        if not os.path.exists(archive):  # the plan this generation started with
+            plan.save(archive)
+        decision.plan.save(env["MEMX_PLAN"], overwrite=True)
+        record = {"generation": self.generation, "step": event.step, "reason": event.reason, "rank": event.rank,
+                  "stage": event.stage, "action": decision.action, "restart": decision.needs_restart,
+                  "why": decision.why, "changes": _stage_changes(plan, decision.plan), "event": event.to_dict()}
+        write_json_atomic(os.path.join(self.run_dir, REPLANS_FILE), records + [record], overwrite=True)
+        if decision.needs_restart:
+            record_planned_restart(self.run_dir, self.generation)
+        log.warning("re-plan at step %d: %s on rank %d (stage %d) -> %s: %s", event.step, event.reason,
+                    event.rank, event.stage, decision.action, record["changes"])
+        log.warning("why: %s", decision.why)
+        return record
+
+    def _planned_restart(self, destroy: bool = True) -> None:
+        from memx_launch.runtime.worker import PLANNED_RESTART_EXIT_CODE
+
+        if destroy:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                log.warning("restarting the workers in place with the new plan %s", self.environ["MEMX_PLAN"])
+            dist.destroy_process_group()
+        sys.exit(PLANNED_RESTART_EXIT_CODE)
+
+
+def _read_records(run_dir: str) -> list[dict]:
+    try:
+        with open(os.path.join(run_dir, REPLANS_FILE)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return []
+
+
+def _cost_model(env, plan: Plan, cluster, training):
+    """The cost model the job plans with: the ProfileDB's when it holds samples of this model,
+    else the analytical one (None)."""
+    from memx_launch.profiledb import ProfileDB
+
+    path = env.get("MEMX_PROFILE_DB", "")
+    if not path or not os.path.exists(path) or not ProfileDB(path).for_model(plan.model_spec):
+        return None
+    from memx_launch.predictor import load_cost_model
+    return load_cost_model(path, plan.model_spec, cluster, training)
