@@ -195,7 +195,8 @@ class AnalyticalCostModel:
         self._flash = np.array([d.flash_attention for d in self.device_types])
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
-        self._tp_gbps = np.array([tp_link_gbps(cluster, d.name) for d in self.device_types])
+        self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
+                                  for d in self.device_types])
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         device = np.asarray(device, dtype=np.int64)
@@ -219,9 +220,14 @@ class AnalyticalCostModel:
         # full block is recomputed.
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         n_allreduce = np.where(recompute == FULL, 6.0, 4.0)
-        comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self._tp_gbps[device])
+        comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self.tp_gbps(device, tp))
         time_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
+
+    def tp_gbps(self, device, tp) -> np.ndarray:
+        """Link bandwidth of TP groups of ``tp`` devices of each queried type."""
+        column = np.clip(np.round(np.log2(np.asarray(tp, dtype=np.float64))), 0, len(TP_DEGREES) - 1)
+        return self._tp_gbps[np.asarray(device), column.astype(np.int64)]
 
     # ---- non-layer parts, analytical for every cost model
     def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
@@ -236,13 +242,28 @@ class AnalyticalCostModel:
         return flops / np.asarray(tp, dtype=np.float64) / (self._tflops[device] * 1e12) * self._slowdown[device]
 
 
-def tp_link_gbps(cluster: ClusterSpec, device_type: str) -> float:
-    """Bandwidth of TP groups of one device type: the best intra-node link holding that type."""
-    best = 0.0
+TP_DEGREES = (1, 2, 4, 8, 16)
+
+
+def tp_link_gbps(cluster: ClusterSpec, device_type: str, tp: int = 2) -> float:
+    """Slowest link inside a TP group of ``tp`` consecutive devices of one type, in the node
+    holding the most of them: TP 4 inside a NUMA domain runs at its link, TP 8 across two
+    domains at the cross-NUMA link. A node with fewer such devices (a profile of one device)
+    gives its intra-node link."""
+    best_node, best_count = None, 0
+    start = 0
     for node in cluster.nodes:
-        if any(t == device_type for t, _ in node.devices):
-            best = max(best, node.intra_node_gbps)
-    return best or cluster.inter_node_gbps
+        count = sum(n for t, n in node.devices if t == device_type)
+        if count > best_count:
+            best_node, best_count, best_start = node, count, start
+        start += node.num_devices
+    if best_node is None:
+        return cluster.inter_node_gbps
+    if best_count < tp or tp < 2:
+        return best_node.intra_node_gbps
+    types = cluster.rank_device_types()
+    ranks = [r for r in range(best_start, best_start + best_node.num_devices) if types[r] == device_type][:tp]
+    return cluster.group_gbps(ranks)
 
 
 def optimizer_step_time(params_on_rank, training: TrainingSpec, device: DeviceType, dp=1) -> np.ndarray:

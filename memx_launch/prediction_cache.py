@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from memx_launch.costmodel import LayerCost, tp_link_gbps
+from memx_launch.costmodel import TP_DEGREES, LayerCost, tp_link_gbps
 from memx_launch.errors import ConfigError
 
 # Bit widths of the packed row signature: device | tp | micro-batch | seq len | recompute.
@@ -53,7 +53,7 @@ def context_signature(inner) -> str:
         payload["model"] = model.signature()
     if cluster is not None:
         payload["devices"] = [asdict(d) for d in cluster.device_types]
-        payload["tp_links"] = [tp_link_gbps(cluster, d.name) for d in cluster.device_types]
+        payload["tp_links"] = [[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES] for d in cluster.device_types]
         payload["emulation"] = asdict(cluster.emulation) if cluster.emulation else None
     if training is not None:
         payload["training"] = asdict(training)

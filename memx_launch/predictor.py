@@ -25,7 +25,7 @@ import numpy as np
 from scipy.stats import norm
 
 from memx_launch.costmodel import (_DEFAULT_FLOPS_PER_BYTE, FULL, AnalyticalCostModel, LayerCost,
-                                   allreduce_time, tp_link_gbps)
+                                   allreduce_time)
 from memx_launch.errors import ConfigError
 from memx_launch.plan import RECOMPUTE_LEVELS, write_json_atomic
 from memx_launch.profiledb import Measurement
@@ -73,7 +73,7 @@ def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute)
     base = cost.layer_costs(device, tp, mbs, seq, recompute)
     model, types = cost.model, cost.device_types
     dev = np.array([[d.memory_gib, d.peak_tflops, _bandwidth(d), vendor_code(d.vendor)] for d in types])[device]
-    gbps = np.array([tp_link_gbps(cost.cluster, d.name) for d in types])[device]
+    gbps = cost.tp_gbps(device, tp)
     hidden_bytes = mbs * seq * model.hidden_size * cost.training.dtype_bytes
     comm = np.where(recompute == FULL, 6.0, 4.0) * allreduce_time(hidden_bytes, tp, gbps)
     memory = base.activation_bytes + base.working_bytes

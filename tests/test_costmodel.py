@@ -81,3 +81,16 @@ def _one_device_cluster():
     return ClusterSpec.from_dict({"version": 1, "device_types": {
         "gpu": {"memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}},
         "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 300}]})
+
+
+def test_tp_link_depends_on_the_group_size_through_numa_domains():
+    from memx_launch.specs import ClusterSpec
+    cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"gpu": {"memory_gib": 32, "peak_tflops": 100}},
+                                     "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 17, "numa_domains": 2,
+                                                "cross_numa_gbps": 12}]})
+    assert [cm.tp_link_gbps(cluster, "gpu", t) for t in (2, 4, 8)] == [17, 17, 12]
+    model = cm.AnalyticalCostModel(get_model("llama2-7b"), cluster, TrainingSpec())
+    t4, t8 = model.layer_costs(np.zeros(2, int), np.array([4, 8]), np.ones(2), np.full(2, 4096), np.zeros(2)).time_s
+    # TP 8 halves the compute but its all-reduces cross the slower link.
+    assert model.tp_gbps(np.zeros(2, int), np.array([4, 8])).tolist() == [17, 12]
+    assert t8 > t4 / 2

@@ -90,7 +90,7 @@ class TypeCalibration:
     """One rank's part in calibrating its device type."""
 
     def __init__(self, model: ModelSpec, device_type: DeviceType, groups: TypeGroups, db: ProfileDB,
-                 stored: list[Measurement], *, device: str, dtype: str, slowdown: float, tp_link_gbps: float,
+                 stored: list[Measurement], *, device: str, dtype: str, slowdown: float, tp_link_gbps,
                  describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print):
         self.model, self.device_type, self.groups, self.db = model, device_type, groups, db
         self.device, self.dtype, self.slowdown, self.tp_link_gbps = device, dtype, slowdown, tp_link_gbps
@@ -139,7 +139,7 @@ class TypeCalibration:
             [m] = calibrate(self.model, self.device_type, [s], device=self.device, tp_group=group,
                             dtype=self.dtype, num_blocks=1, repeats=CALIBRATION_REPEATS,
                             emulation_slowdown=self.slowdown,
-                            tp_link_gbps=self.tp_link_gbps if s.tp > 1 else None)
+                            tp_link_gbps=self.tp_link_gbps(s.tp) if s.tp > 1 else None)
             out.append(m)
             leader = group is None or dist.get_rank() == dist.get_process_group_ranks(group)[0]
             if leader:  # stored at once: a rank that dies later loses nothing measured
