@@ -167,10 +167,12 @@ class Runtime:
                 self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
                 self.optimizer.step()
         except Exception as exc:
-            oom = _out_of_memory(exc)
-            if oom is None or self.supervisor is None:
+            if self.supervisor is None:
                 raise
-            self.supervisor.on_out_of_memory(oom)
+            oom = _out_of_memory(exc)
+            if oom is not None:
+                self.supervisor.on_out_of_memory(oom)
+            self.supervisor.on_peer_failure(exc)
         step_time = time.perf_counter() - start
         self.step_count += 1
         return self._gather_stats(losses, step_time)
@@ -226,7 +228,7 @@ class Runtime:
     def progress_line(self, stats: StepStats) -> str:
         """Step, loss, step time, tokens/s, and per stage measured vs predicted peak memory and
         micro-batch compute time (emulated devices are labelled)."""
-        parts = [f"step {stats.step}", f"loss {stats.loss:.4f}",
+        parts = [f"step {stats.step}", f"loss {stats.loss:.6f}",
                  f"{stats.step_time_s:.3f} s/step (predicted {self.plan.predicted_iteration_time_s:.3f})",
                  f"{stats.tokens_per_s:,.0f} tok/s"]
         for i, stage in enumerate(self.plan.stages):

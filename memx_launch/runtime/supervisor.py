@@ -156,6 +156,15 @@ class Supervisor:
         log.warning("resuming from the last checkpoint: the steps after it run again")
         self._planned_restart(destroy=False)  # the other ranks are stuck in this step
 
+    def on_peer_failure(self, error: BaseException) -> None:
+        """A step failed for another reason than memory on this rank: when a peer is restarting
+        for a re-plan (it ran out of memory), restart quietly too; else re-raise."""
+        from memx_launch.runtime.worker import planned_restarts
+
+        if self.generation not in planned_restarts(self.run_dir):
+            raise error
+        self._planned_restart(destroy=False)
+
     def _decide(self, event: ReplanEvent) -> dict:
         """Re-plan, write the new plan and the record; on one rank."""
         from memx_launch.replan import replan
