@@ -91,8 +91,9 @@ def _set_rng_state(rank: int, state: dict[str, torch.Tensor]) -> None:
 
 
 def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                    step: int, data_state: dict | None = None, plan=None) -> str:
-    """Every rank calls this after ``step``; returns the checkpoint's folder."""
+                    step: int, data_state: dict | None = None, plan=None, keep: int | None = None) -> str:
+    """Every rank calls this after ``step``; returns the checkpoint's folder. ``keep``: delete all
+    but the newest ``keep`` step folders once this one is complete."""
     rank = dist.get_rank()
     final = os.path.join(directory, f"step-{step:08d}")
     tmp = final + ".tmp"
@@ -111,6 +112,10 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
         os.replace(tmp, final)
         write_json_atomic(os.path.join(directory, LATEST), {"step": step, "path": os.path.basename(final)},
                           overwrite=True)
+        if keep is not None:
+            done = sorted(d for d in os.listdir(directory) if re.fullmatch(r"step-\d{8}", d))
+            for old in done[:-keep]:
+                shutil.rmtree(os.path.join(directory, old))
     dist.barrier()
     return final
 

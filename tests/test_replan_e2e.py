@@ -39,10 +39,10 @@ def _plan_file(tmp_path):
     return path
 
 
-def memx_run(tmp_path, run_dir, plan, env=None, max_restarts=0, timeout=150):
-    argv = [sys.executable, "-m", "memx_launch.launcher", "--nproc-per-node", "4", "--max-restarts", str(max_restarts),
+def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=150):
+    argv = [sys.executable, "-m", "memx_launch.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
             "--cluster", CLUSTER, "--plan", str(plan), "--global-batch-size", "4", "--run-dir", str(run_dir),
-            "--profile-db", str(tmp_path / "no-profile.jsonl"),
+            "--profile-db", str(tmp_path / "no-profile.jsonl"), *flags,
             TRAIN, "--model", "llama-tiny", "--steps", str(STEPS), "--synthetic"]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     proc = subprocess.run(argv, cwd=tmp_path, env={**full_env, **(env or {})}, capture_output=True, text=True,
@@ -132,6 +132,8 @@ def test_out_of_memory_replans_and_reruns_the_steps_after_the_last_checkpoint(tm
     # the failed step 4 never printed; step 3 ran after the checkpoint of step 2, so it runs again
     printed = losses(out)
     assert [s for s, _ in printed] == [1, 2, 3, 3, 4, 5, 6], out
+    # periodic checkpoints replace each other: the last one (step 4; step 6's checks never run)
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["latest.json", "step-00000004"]
     final = tmp_path / "final-plan.json"
     final.write_text((tmp_path / "run" / "plan.json").read_text())
     rc, ref_out, ref_err = memx_run(tmp_path, tmp_path / "reference", final)
@@ -139,3 +141,14 @@ def test_out_of_memory_replans_and_reruns_the_steps_after_the_last_checkpoint(tm
     reference = dict(losses(ref_out))
     for step, loss in printed:
         assert loss == pytest.approx(reference[step], abs=LOSS_ATOL), step
+
+
+@pytest.mark.slow
+def test_no_replan_monitors_and_logs_but_keeps_the_plan(tmp_path):
+    plan0 = _plan_file(tmp_path)
+    rc, out, err = memx_run(tmp_path, tmp_path / "run", plan0, {"MEMX_FAULT_BALLAST": BALLAST,
+                                                                "MEMX_MONITOR_INTERVAL": "1"}, flags=["--no-replan"])
+    assert rc == 0, err[-4000:]
+    assert f"re-plan at step {FAULT_STEP}: peak" in err and "re-planning is off (--no-replan)" in err
+    assert not (tmp_path / "run" / "replans.json").exists() and "resumed after" not in err
+    assert [s for s, _ in losses(out)] == list(range(1, STEPS + 1))

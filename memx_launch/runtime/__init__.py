@@ -204,12 +204,13 @@ class Runtime:
                          tokens / step_time, stage_peak, stage_compute)
 
     # ---- checkpoints
-    def save_checkpoint(self, directory: str, data_state: dict | None = None) -> str:
+    def save_checkpoint(self, directory: str, data_state: dict | None = None, keep: int | None = None) -> str:
         """Every rank: model, optimizer, RNG and ``data_state`` after step ``step_count``
-        (memx_launch.checkpoint: loads under another plan). Returns the step's folder."""
+        (memx_launch.checkpoint: loads under another plan; ``keep`` newest step folders).
+        Returns the step's folder."""
         from memx_launch.checkpoint import save_checkpoint
 
-        return save_checkpoint(directory, self.chunks, self.optimizer, self.step_count, data_state, self.plan)
+        return save_checkpoint(directory, self.chunks, self.optimizer, self.step_count, data_state, self.plan, keep)
 
     def load_checkpoint(self, directory: str):
         """Every rank: the latest checkpoint in ``directory``, whatever plan wrote it; sets

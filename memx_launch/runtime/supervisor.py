@@ -36,6 +36,8 @@ CHECKPOINT_DIR = "checkpoints"
 REPLANS_FILE = "replans.json"
 DEFAULT_MAX_REPLANS = 3
 DEFAULT_CHECKPOINT_EVERY = 10
+# Only the latest is resumed from (a step folder is complete before latest.json points at it).
+KEEP_CHECKPOINTS = 1
 log = logging.getLogger("memx")
 
 
@@ -118,7 +120,7 @@ class Supervisor:
             else:
                 self._agreed_replan(event)
         if self.checkpoint_every and step % self.checkpoint_every == 0:
-            self.runtime.save_checkpoint(self.checkpoint_dir)
+            self.runtime.save_checkpoint(self.checkpoint_dir, keep=KEEP_CHECKPOINTS)
 
     def _agreed_replan(self, event: ReplanEvent) -> None:
         """Every rank: rank 0 decides and writes the decision to a file the others read after a
@@ -140,7 +142,7 @@ class Supervisor:
             self.runtime.plan = new_plan
             self.monitor = MemoryMonitor(new_plan, self.rank, self.reader, self.config)
             return
-        self.runtime.save_checkpoint(self.checkpoint_dir)
+        self.runtime.save_checkpoint(self.checkpoint_dir, keep=KEEP_CHECKPOINTS)
         self._planned_restart()
 
     def on_out_of_memory(self, error: BaseException) -> None:
