@@ -222,9 +222,12 @@ def run_script(argv: list[str]) -> None:
 
 
 def main() -> None:
+    import atexit
+
     from memx_launch.errors import MemxError
 
     env = os.environ
+    code = 0
     try:
         check_crash_budget(env["MEMX_RUN_DIR"], int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                            int(env.get("MEMX_USER_MAX_RESTARTS", "0")))
@@ -233,7 +236,18 @@ def main() -> None:
         run_script(sys.argv[1:])
     except MemxError as exc:
         _log(f"error: {exc}")
-        sys.exit(exc.exit_code)
+        code = exc.exit_code
+    except SystemExit as exc:  # the script's own exit, or a planned restart
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    # Leave without interpreter finalization: gloo's threads may still hold tensors then and abort
+    # the process (SIGABRT) after a clean run, which the agent takes for a crash (seen about once
+    # in ten 4-rank runs; pytorch/pytorch#179291). The script's exit handlers still run.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
