@@ -2,9 +2,10 @@
 
 (a) Public GPU profiles (shared/peer-data/sailor): per-block forward + backward time by
     micro-batch and TP on 7 GPU types and 4 models.
-    a1: every (model, GPU) profile keeps only its minimal set (three-point design over
-        micro-batch and TP); one predictor fitted on all minimal sets predicts every other
-        measured point.
+    a1: every (model, GPU) profile keeps only its minimal set, chosen by the profiler's own
+        sampling (ablation, three-point design over micro-batch and TP, refinement of
+        non-linear lines; "measuring" reads the profile); one predictor fitted on all minimal
+        sets predicts every point not measured.
     a2: leave one GPU type out: fit on the other types' minimal sets plus at most 5 samples of
         the held-out type, predict the rest of the held-out type.
 (b) This machine's CPU: calibrate a LLaMA block (llama-small shape) on the minimal set chosen
@@ -27,6 +28,7 @@ import platform
 import random
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -39,6 +41,7 @@ from memx_launch.plan import write_json_atomic  # noqa: E402
 from memx_launch.prediction_cache import CachedCostModel  # noqa: E402
 from memx_launch.predictor import LearnedCostModel, fit_predictor  # noqa: E402
 from memx_launch.profiledb import Measurement  # noqa: E402
+from memx_launch.profiler import ProfileSpace, Sample, minimal_sample_set  # noqa: E402
 from memx_launch.specs import MODEL_CATALOG, ClusterSpec, DeviceType, Node, TrainingSpec  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,29 +89,49 @@ def sailor_records() -> list[Measurement]:
     return out
 
 
-def three_points(values):
-    values = sorted(set(values))
-    return sorted({values[0], values[len(values) // 2], values[-1]})
-
-
-def sailor_minimal_set(records: list[Measurement]) -> set:
-    """Keys of the three-point design over (micro-batch, TP) of each (model, GPU) profile.
+def sailor_minimal_set(records: list[Measurement], refine_budget: int | None = None) -> tuple[set, dict]:
+    """Keys measured by the profiler's own sampling (ablation, three-point design, refinement)
+    over (micro-batch, TP) of each (model, GPU) profile, and per-profile counts.
 
     The profile space is the powers of two between the smallest and largest micro-batch and
-    TP the profile covers; design points the profile lacks did not fit (out of memory).
+    TP the profile covers, the defaults their middle values; "measuring" a configuration reads
+    the profile's value, and one the profile lacks did not fit (out of memory).
     """
-    chosen = set()
+    chosen, report = set(), {}
     groups: dict[tuple, list[Measurement]] = {}
     for r in records:
         groups.setdefault((r.model, r.device_type), []).append(r)
-    for rows in groups.values():
-        mbs_space = [2**i for i in range(int(np.log2(min(r.micro_batch_size for r in rows))),
-                                         int(np.log2(max(r.micro_batch_size for r in rows))) + 1)]
-        tp_space = [2**i for i in range(int(np.log2(min(r.tp for r in rows))),
-                                        int(np.log2(max(r.tp for r in rows))) + 1)]
-        design = {(b, t) for b in three_points(mbs_space) for t in three_points(tp_space)}
-        chosen |= {r.key for r in rows if (r.micro_batch_size, r.tp) in design}
-    return chosen
+    for (model, gpu), rows in groups.items():
+        by_config = {(r.micro_batch_size, r.tp): r for r in rows}
+        mbs_space = tuple(2**i for i in range(int(np.log2(min(r.micro_batch_size for r in rows))),
+                                              int(np.log2(max(r.micro_batch_size for r in rows))) + 1))
+        tp_space = tuple(2**i for i in range(int(np.log2(min(r.tp for r in rows))),
+                                             int(np.log2(max(r.tp for r in rows))) + 1))
+        first = rows[0]
+
+        def measure(samples, by_config=by_config, first=first):
+            return [by_config.get((s.micro_batch_size, s.tp))
+                    or replace(first, tp=s.tp, micro_batch_size=s.micro_batch_size, feasible=False, time_s=None)
+                    for s in samples]
+
+        space = ProfileSpace({"tp": tp_space, "micro_batch_size": mbs_space, "seq_len": (first.seq_len,),
+                              "recompute": ("none",), "num_kv_heads": (first.block_shape["num_kv_heads"],)},
+                             Sample(tp=tp_space[len(tp_space) // 2], micro_batch_size=mbs_space[len(mbs_space) // 2],
+                                    seq_len=first.seq_len, recompute="none",
+                                    num_kv_heads=first.block_shape["num_kv_heads"]))
+        result = minimal_sample_set(space, measure, refine_budget=refine_budget)
+        chosen |= {m.key for m in result.measurements if m.feasible}
+        refined = []
+        for r in result.refinements:
+            config = {"tp": space.default.tp, "micro_batch_size": space.default.micro_batch_size, **r.line,
+                      r.parameter: r.value}
+            refined.append({"tp": config["tp"], "micro_batch_size": config["micro_batch_size"],
+                            "in_profile": (config["micro_batch_size"], config["tp"]) in by_config,
+                            "line_parameter": r.parameter, "metric": r.metric, "trend": r.trend, "r2": r.r2,
+                            "worst_interior_error": r.error, "round": r.round})
+        report[f"{model}|{gpu}"] = {"measured": result.measured_count, "design": result.design_count,
+                                    "refinement_budget": result.refinement_budget, "refinements": refined}
+    return chosen, report
 
 
 def predict_records(predictor, records: list[Measurement]) -> np.ndarray:
@@ -155,11 +178,20 @@ def per_gpu(records, predicted) -> dict:
 
 def sailor_benchmark(trials: int) -> dict:
     records = sailor_records()
-    minimal = sailor_minimal_set(records)
+    minimal, sampling = sailor_minimal_set(records)
+    design_only, _ = sailor_minimal_set(records, refine_budget=0)
     train = [r for r in records if r.key in minimal]
     test = [r for r in records if r.key not in minimal]
+    refined = sum(len(v["refinements"]) for v in sampling.values())
     augmentation = augment_measurements(train)
-    print(f"[sailor] {len(records)} measured points, minimal set {len(train)}, held back {len(test)}")
+    print(f"[sailor] {len(records)} measured points; minimal set {len(train)} ({len(design_only)} ablation + design, "
+          f"{refined} refinement measurements, {len(train) - len(design_only)} of them in the profiles); "
+          f"held back {len(test)}")
+    for name, v in sampling.items():
+        for r in v["refinements"]:
+            print(f"    {name:<22} refined tp={r['tp']} micro-batch={r['micro_batch_size']} "
+                  f"(along {r['line_parameter']}, {r['metric']} ratio {r['trend']}, R^2 {r['r2']:.2f}, "
+                  f"worst interior error {r['worst_interior_error']:.0%}, round {r['round']})")
     print(augmentation.summary())
     t0 = time.perf_counter()
     predictor = fit_predictor(train, augmented=augmentation.points, trials=trials)
@@ -172,6 +204,19 @@ def sailor_benchmark(trials: int) -> dict:
         print(f"    {gpu:<10} n={e['n']:>3} MAPE {e['mape_pct']:6.2f}%  max {e['max_error_pct']:6.1f}%")
 
     a1_no_aug = per_gpu(test, predict_records(fit_predictor(train, trials=trials), test))
+    # Refinement's effect on the same test points: fitted on the design alone (no refinement).
+    design_train = [r for r in records if r.key in design_only]
+    design_predictor = fit_predictor(design_train, augmented=augment_measurements(design_train).points,
+                                     trials=trials)
+    a1_design_only = per_gpu(test, predict_records(design_predictor, test))
+    print(f"[sailor a1] same held-back points, fitted without refinement: time MAPE overall "
+          f"{a1_design_only['overall']['mape_pct']:.2f}%, RTX-3090 {a1_design_only['RTX-3090']['mape_pct']:.2f}%")
+    # The design-only protocol as before refinement: every point outside the design is tested.
+    design_test = [r for r in records if r.key not in design_only]
+    a1_design_only_own = per_gpu(design_test, predict_records(design_predictor, design_test))
+    print(f"[sailor a1] without refinement, its own {len(design_test)} held-back points: time MAPE overall "
+          f"{a1_design_only_own['overall']['mape_pct']:.2f}%, "
+          f"RTX-3090 {a1_design_only_own['RTX-3090']['mape_pct']:.2f}%")
 
     a2 = {}
     all_test, all_pred = [], []
@@ -197,10 +242,13 @@ def sailor_benchmark(trials: int) -> dict:
     print(f"[sailor a2] overall MAPE {a2['overall']['mape_pct']:.2f}%")
     return {
         "data": "shared/peer-data/sailor/profiles (fp32, Megatron-DeepSpeed, CUDA events)",
-        "points": len(records), "minimal_set": len(train), "held_back": len(test),
-        "augmented_points": len(augmentation.points),
+        "points": len(records), "minimal_set": len(train), "design_only_set": len(design_only),
+        "refinement_measurements": refined, "held_back": len(test),
+        "augmented_points": len(augmentation.points), "sampling_per_profile": sampling,
         "a1_minimal_set_per_gpu": {"time": a1, "analytical_only_time": a1_analytical,
-                                   "without_augmentation_time": a1_no_aug, "fit_seconds": fit_s,
+                                   "without_augmentation_time": a1_no_aug,
+                                   "without_refinement_same_test_time": a1_design_only,
+                                   "without_refinement_own_test_time": a1_design_only_own, "fit_seconds": fit_s,
                                    "feature_importance": predictor.meta["feature_importance"],
                                    "hyperparameters": predictor.meta["hyperparameters"]},
         "a2_new_gpu_type_max_5_samples": {"time": a2},

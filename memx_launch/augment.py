@@ -35,6 +35,10 @@ METRICS = ("time_s", "peak_memory_bytes")
 CONSTANT_CHANGE = 0.05
 LINEAR_R2 = 0.99
 APPROX_LINEAR_R2 = 0.95
+REFINE_ERROR = 0.10
+"""An interior point of a measured line further than this (relative) from the straight line
+through its two neighbours is a kink that the profiler measures around: the same margin over
+repeat-to-repeat noise as the profiler's impact threshold, so noise alone does not buy points."""
 RULES = {"constant": "fixed value", "linear": "large steps", "approximately linear": "small steps (split)",
          "superlinear": "shrink (neighbours, power law)", "non-monotone": "skip"}
 
@@ -105,6 +109,30 @@ def classify_trend(x: np.ndarray, y: np.ndarray) -> tuple[str, float]:
     if np.all(steps >= 0) or np.all(steps <= 0):
         return "superlinear", r2
     return "non-monotone", r2
+
+
+def interior_errors(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Relative error of each interior point against the straight line through its two
+    neighbours (``x`` increasing); what interpolating that point would have got wrong."""
+    t = (x[1:-1] - x[:-2]) / (x[2:] - x[:-2])
+    predicted = y[:-2] + t * (y[2:] - y[:-2])
+    return np.abs(predicted / y[1:-1] - 1.0)
+
+
+def line_kinks(x: np.ndarray, y: np.ndarray) -> tuple[list[int], str, float, float]:
+    """(kinks, trend, R^2, worst interior error) of a measured line.
+
+    Kinks are interior points (indices into ``x``, worst first) where the line is not linear
+    enough to interpolate: those off their neighbours' line by more than :data:`REFINE_ERROR`,
+    or, when the validator calls the whole line superlinear or non-monotone (R^2 < 0.95, not
+    constant), at least its worst interior point."""
+    trend, r2 = classify_trend(x, y)
+    errors = interior_errors(x, y)
+    order = np.argsort(-errors, kind="stable")
+    bad = [int(i) + 1 for i in order if errors[i] > REFINE_ERROR]
+    if not bad and trend in ("superlinear", "non-monotone") and errors.size:
+        bad = [int(order[0]) + 1]
+    return bad, trend, r2, float(errors.max(initial=0.0))
 
 
 def _interpolate(x: np.ndarray, y: np.ndarray, new_x: np.ndarray) -> tuple[str, float, np.ndarray]:

@@ -276,6 +276,8 @@ def add_profile_command(sub) -> None:
     p.add_argument("--model", required=True, help="catalog name or a Hugging Face config.json")
     p.add_argument("--out", default="profile.jsonl", help="profile database to append to (default profile.jsonl)")
     p.add_argument("--budget", type=int, metavar="N", help="at most N measurements, ablation included")
+    p.add_argument("--refine-budget", "--refine_budget", type=int, metavar="N",
+                   help="at most N extra measurements around non-linear lines (default: a third of the design)")
     p.add_argument("--cluster", help="cluster YAML: take this device's type (and emulation) from it")
     p.add_argument("--device-type", "--device_type", help="which of the cluster's device types this machine is")
     p.add_argument("--device", help="torch device to measure on (default: cuda when present, else cpu)")
@@ -316,6 +318,8 @@ def run_profile(args) -> int:
                         ("--max-micro-batch", args.max_micro_batch)):
         if value is not None and value <= 0:
             raise ConfigError(flag, f"must be a positive integer, got {value}")
+    if args.refine_budget is not None and args.refine_budget < 0:
+        raise ConfigError("--refine-budget", f"must be 0 or more, got {args.refine_budget}")
     dtype = args.dtype or ("fp32" if device.startswith("cpu") else "bf16")
     space = default_space(model, max_micro_batch=args.max_micro_batch,
                           seq_lens=_csv(args.seq_lens, int, "--seq-lens"))
@@ -324,7 +328,7 @@ def run_profile(args) -> int:
           f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
     result = profile_model(model, device_type, space, device=device, budget=args.budget, dtype=dtype,
                            num_blocks=args.num_blocks, repeats=args.repeats, emulation_slowdown=slowdown,
-                           tp_link_gbps=link, show_progress=not args.quiet)
+                           tp_link_gbps=link, refine_budget=args.refine_budget, show_progress=not args.quiet)
     print(result.summary())
     infeasible = sum(not m.feasible for m in result.measurements)
     if infeasible:

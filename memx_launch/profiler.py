@@ -5,7 +5,9 @@ rank's device for one configuration, and measures the median time of several rep
 peak memory above the resting state (weights, gradients, input). Which configurations to
 run is decided per device type: an ablation (one parameter at a time around the defaults)
 classifies parameters as high or low impact, then a three-point design (min, mid, max) spans
-the high-impact ones, within a measurement budget.
+the high-impact ones, within a measurement budget. Where a design line's ratio to the
+analytical model is not linear (the interpolation validator's test), the intervals around the
+kink are bisected with extra measurements, within a refinement budget.
 
 torch is imported lazily inside the kernel, so the sampling plan stays importable anywhere.
 """
@@ -21,6 +23,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
+
+from memx_launch.augment import APPROX_LINEAR_R2, INTERPOLATED_PARAMETERS, REFINE_ERROR, line_kinks
 from memx_launch.errors import ConfigError
 from memx_launch.plan import RECOMPUTE_LEVELS
 from memx_launch.profiledb import Measurement
@@ -32,6 +37,9 @@ IMPACT_THRESHOLD = 0.10
 others at defaults) changes time or memory by more than 10% of the value at the defaults:
 above typical repeat-to-repeat noise on a shared machine (a few percent), well below the
 factor-of-two moves of micro-batch, sequence length or TP."""
+REFINE_SHARE = 3
+"""Default refinement budget: the design count divided by this, i.e. as many points as one more
+value on every line of one design parameter (3^(k-1) for a 3^k design)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,8 @@ class MinimalSet:
     measured_count: int
     full_grid_size: int
     dropped_for_budget: list[str] = field(default_factory=list)
+    refinement_budget: int = 0
+    refinements: list["Refinement"] = field(default_factory=list)
 
     def summary(self) -> str:
         lines = [f"ablation (threshold {IMPACT_THRESHOLD:.0%} change of time or memory):"]
@@ -136,9 +146,32 @@ class MinimalSet:
             lines.append(f"  fixed at defaults to fit the budget: {', '.join(self.dropped_for_budget)}")
         lines.append(f"three-point design over {', '.join(self.design_parameters) or 'nothing'}: "
                      f"{self.design_count} configurations")
+        lines.append(f"refinement (ratio to the analytical model off the line through its neighbours by more "
+                     f"than {REFINE_ERROR:.0%}, or R^2 < {APPROX_LINEAR_R2}; budget {self.refinement_budget}): "
+                     f"{len(self.refinements)} configurations")
+        for r in self.refinements:
+            at = ", ".join(f"{k}={v}" for k, v in r.line.items()) or "defaults"
+            lines.append(f"  round {r.round}: {r.parameter}={r.value} on the line {at} ({r.metric}: {r.trend}, "
+                         f"R^2 {r.r2:.2f}, worst interior point off by {r.error:.0%})")
         lines.append(f"measured {self.measured_count} configurations ({self.ablation_count} ablation, "
-                     f"the rest design) of a full grid of {self.full_grid_size}")
+                     f"{len(self.refinements)} refinement, the rest design) of a full grid of {self.full_grid_size}")
         return "\n".join(lines)
+
+
+@dataclass
+class Refinement:
+    """One configuration measured because its line was not linear."""
+
+    parameter: str
+    value: object
+    line: dict
+    """The other design parameters' values along the line."""
+    metric: str
+    trend: str
+    r2: float
+    error: float
+    """Worst relative error of an interior point against its neighbours' line, when chosen."""
+    round: int
 
 
 def ablation_samples(space: ProfileSpace) -> list[Sample]:
@@ -177,7 +210,8 @@ def classify_impact(space: ProfileSpace, measurements: dict[Sample, Measurement]
         times = [m.time_s for m in line] + [base.time_s]
         mems = [m.peak_memory_bytes for m in line] + [base.peak_memory_bytes]
         dt = (max(times) - min(times)) / base.time_s
-        dm = (max(mems) - min(mems)) / base.peak_memory_bytes if base.peak_memory_bytes else 0.0
+        # Time-only profiles (e.g. public ones) carry no memory.
+        dm = (max(mems) - min(mems)) / base.peak_memory_bytes if all(mems) else 0.0
         out.append(ParameterImpact(name, dt, dm, max(dt, dm) > threshold))
     return out
 
@@ -208,11 +242,95 @@ def three_point_design(space: ProfileSpace, impact: list[ParameterImpact],
     return samples, names, dropped
 
 
-def minimal_sample_set(space: ProfileSpace, measure: Callable[[list[Sample]], list[Measurement]], *,
-                       budget: int | None = None, threshold: float = IMPACT_THRESHOLD) -> MinimalSet:
-    """Ablation, then the three-point design; ``measure`` runs samples (e.g. :func:`calibrate`).
+def analytical_log_ratios(record: Measurement) -> tuple[float, float]:
+    """log(measured / analytical) of time and memory (NaN without a memory measurement): the
+    targets the predictor learns, so a line is judged on what the predictor must interpolate."""
+    from memx_launch.predictor import training_rows
 
-    ``budget`` bounds the total number of measurements, ablation included.
+    ts = training_rows([record])
+    return float(ts.Y[0, 0]), float(ts.Y[0, 1]) if ts.has_memory[0] else math.nan
+
+
+def refine_design(space: ProfileSpace, measured: dict[Sample, Measurement], parameters: Sequence[str],
+                  measure: Callable[[list[Sample]], list[Measurement]], budget: int) -> list[Refinement]:
+    """Bisect the intervals around each kink of the measured lines, in rounds, within ``budget``.
+
+    A line is the feasible measurements that differ only in one design parameter; its time and
+    memory ratios to the analytical model are checked against log2 of the parameter's value by
+    :func:`augment.line_kinks`. Per line and round the worst kink with an untested value
+    beside it gets the untested value halfway in index into each interval on either side (the
+    kink lies in one of them, which one is unknown). Candidates are taken worst line first until
+    the budget is spent; rounds repeat until no kink has an untested neighbour. Adds the new
+    measurements to ``measured``.
+    """
+    ratios: dict[Sample, tuple[float, float]] = {}
+    done: list[Refinement] = []
+    round_no = 0
+    while len(done) < budget:
+        round_no += 1
+        candidates: dict[Sample, tuple[float, int, Refinement]] = {}
+        for name in parameters:
+            if name not in INTERPOLATED_PARAMETERS:
+                continue  # recompute levels are categories, not points on a line
+            values = list(space.values[name])
+            lines: dict[Sample, list[Sample]] = {}
+            for s, m in measured.items():
+                if m.feasible and m.time_s:
+                    lines.setdefault(replace(s, **{name: getattr(space.default, name)}), []).append(s)
+            for base, line in lines.items():
+                if len(line) < 3:
+                    continue
+                line.sort(key=lambda s: getattr(s, name))
+                for s in line:
+                    if s not in ratios:
+                        ratios[s] = analytical_log_ratios(measured[s])
+                x = np.log2([getattr(s, name) for s in line])
+                for k, metric in enumerate(("time", "memory")):
+                    y = np.exp([ratios[s][k] for s in line])
+                    if not np.all(np.isfinite(y)):
+                        continue
+                    kinks, trend, r2, worst = line_kinks(x, y)
+                    for i in kinks:
+                        picks = [p for p in (_bisect(space, measured, base, name, values, line[j], line[j + 1])
+                                             for j in (i - 1, i)) if p]
+                        for sample, untested in picks:
+                            ref = Refinement(name, getattr(sample, name),
+                                             {p: getattr(base, p) for p in parameters if p != name},
+                                             metric, trend, r2, worst, round_no)
+                            if sample not in candidates or candidates[sample][0] < worst:
+                                candidates[sample] = (worst, untested, ref)
+                        if picks:
+                            break
+        if not candidates:
+            break
+        # Worst lines first; within a kink, the interval with more untested values first.
+        chosen = sorted(candidates.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:budget - len(done)]
+        new = [sample for sample, _ in chosen]
+        measured.update(zip(new, measure(new)))
+        done += [ref for _, (_, _, ref) in chosen]
+    return done
+
+
+def _bisect(space: ProfileSpace, measured: dict[Sample, Measurement], base: Sample, name: str, values: list,
+            lo: Sample, hi: Sample) -> tuple[Sample, int] | None:
+    """(the untested value of ``name`` nearest the middle index between ``lo`` and ``hi``, how
+    many untested values lie between), or None when every value between was measured."""
+    a, b = values.index(getattr(lo, name)), values.index(getattr(hi, name))
+    untested = [i for i in range(a + 1, b) if replace(base, **{name: values[i]}) not in measured]
+    if not untested:
+        return None
+    mid = min(untested, key=lambda i: abs(i - (a + b) / 2))
+    return replace(base, **{name: values[mid]}), len(untested)
+
+
+def minimal_sample_set(space: ProfileSpace, measure: Callable[[list[Sample]], list[Measurement]], *,
+                       budget: int | None = None, threshold: float = IMPACT_THRESHOLD,
+                       refine_budget: int | None = None) -> MinimalSet:
+    """Ablation, the three-point design, then refinement of non-linear lines; ``measure`` runs
+    samples (e.g. :func:`calibrate`).
+
+    ``budget`` bounds the total number of measurements, ablation and refinement included.
+    ``refine_budget`` bounds the refinement alone (default: the design count // REFINE_SHARE).
     """
     ablation = ablation_samples(space)
     if budget is not None and budget < len(ablation):
@@ -227,8 +345,12 @@ def minimal_sample_set(space: ProfileSpace, measure: Callable[[list[Sample]], li
         samples, names, dropped = three_point_design(space, impact, len(samples) - 1)
     new = [s for s in samples if s not in measured]
     measured.update(zip(new, measure(new)))
+    refine = len(samples) // REFINE_SHARE if refine_budget is None else refine_budget
+    if budget is not None:
+        refine = min(refine, budget - len(measured))
+    refinements = refine_design(space, measured, names, measure, refine)
     return MinimalSet(list(measured.values()), impact, names, len(ablation), len(samples), len(measured),
-                      space.full_grid_size, dropped)
+                      space.full_grid_size, dropped, refine, refinements)
 
 
 # --------------------------------------------------------------------------- calibration kernel
@@ -436,12 +558,12 @@ def _peak_memory_bytes(step: Callable[[], None], dev) -> float:
 def profile_model(spec: ModelSpec, device_type: DeviceType, space: ProfileSpace, *, device: str = "cpu",
                   budget: int | None = None, dtype: str = "fp32", num_blocks: int = 2, repeats: int = 5,
                   emulation_slowdown: float = 1.0, tp_link_gbps: float | None = None,
-                  show_progress: bool = True) -> MinimalSet:
+                  refine_budget: int | None = None, show_progress: bool = True) -> MinimalSet:
     """The minimal-set profile of one device type on this process's device (TP 1), with a
     progress bar per phase on stderr."""
     from tqdm import tqdm
 
-    phases = iter(("ablation", "design"))
+    phases = itertools.chain(("ablation", "design"), itertools.repeat("refinement"))
 
     def measure(samples: list[Sample]) -> list[Measurement]:
         with tqdm(total=len(samples), desc=f"memx profile {next(phases)}", unit="config", file=sys.stderr,
@@ -450,4 +572,4 @@ def profile_model(spec: ModelSpec, device_type: DeviceType, space: ProfileSpace,
                              repeats=repeats, emulation_slowdown=emulation_slowdown, tp_link_gbps=tp_link_gbps,
                              progress=lambda _sample: bar.update())
 
-    return minimal_sample_set(space, measure, budget=budget)
+    return minimal_sample_set(space, measure, budget=budget, refine_budget=refine_budget)

@@ -1,3 +1,4 @@
+import math
 from dataclasses import replace
 
 import pytest
@@ -5,8 +6,8 @@ import pytest
 from memx_launch import profiler
 from memx_launch.errors import ConfigError
 from memx_launch.profiledb import Measurement
-from memx_launch.profiler import (PARAMETERS, ProfileSpace, Sample, ablation_samples, calibrate,
-                                  minimal_sample_set, three_point_design)
+from memx_launch.profiler import (PARAMETERS, ProfileSpace, Sample, ablation_samples, analytical_log_ratios,
+                                  calibrate, minimal_sample_set, three_point_design)
 from memx_launch.specs import MODEL_CATALOG, DeviceType
 
 SPEC = MODEL_CATALOG["llama-tiny"]
@@ -80,6 +81,88 @@ def test_three_point_design_uses_min_mid_max():
     assert names == ["micro_batch_size"] and sorted(s.micro_batch_size for s in samples) == [1, 2, 8]
 
 
+def tp_mbs_space(tp=(1, 2, 4, 8), mbs=(1, 2, 4, 8, 16)):
+    """TP and micro-batch vary, everything else fixed; defaults at the middle values."""
+    values = {"tp": tp, "micro_batch_size": mbs, "seq_len": (64,), "recompute": ("none",),
+              "num_kv_heads": (SPEC.num_kv_heads,)}
+    return ProfileSpace(values, Sample(tp=tp[len(tp) // 2], micro_batch_size=mbs[len(mbs) // 2], seq_len=64,
+                                       recompute="none", num_kv_heads=SPEC.num_kv_heads))
+
+
+def physical_measure(time_factor, infeasible=()):
+    """Measurements that are the analytical model's time times ``time_factor(sample)`` (memory
+    exactly analytical): the ratio the refinement judges is the factor itself."""
+    def measure(samples):
+        out = []
+        for s in samples:
+            unit = Measurement(device_type="cpu", device={"vendor": "cpu", "memory_gib": 8.0, "peak_tflops": 0.1},
+                               model=SPEC.name, model_signature=SPEC.signature(), block_shape=SPEC.to_dict(),
+                               tp=s.tp, micro_batch_size=s.micro_batch_size, seq_len=s.seq_len,
+                               recompute=s.recompute, dtype="fp32", num_blocks=1, feasible=True, time_s=1.0,
+                               peak_memory_bytes=1.0, tp_link_gbps=25.0 if s.tp > 1 else None)
+            if s in infeasible:
+                out.append(replace(unit, feasible=False, time_s=None, peak_memory_bytes=None))
+                continue
+            log_time, log_memory = analytical_log_ratios(unit)  # log(1 / analytical)
+            out.append(replace(unit, time_s=time_factor(s) / math.exp(log_time),
+                               peak_memory_bytes=1.0 / math.exp(log_memory)))
+        return out
+    return measure
+
+
+# RTX-3090-like: TP=2 as cheap as TP=1 (a bridged pair), TP=4 and 8 far above the link model.
+KINKED_TP = {1: 1.0, 2: 1.0, 4: 2.6, 8: 10.0}
+
+
+def test_a_parameter_linear_over_the_analytical_model_gets_no_extra_points():
+    # Ratios that are constant or straight in log2 of TP and micro-batch: nothing to refine.
+    result = minimal_sample_set(tp_mbs_space(), physical_measure(
+        lambda s: 1.3 * (1 + 0.2 * math.log2(s.tp)) * (1 + 0.1 * math.log2(s.micro_batch_size))))
+    assert result.refinements == [] and result.refinement_budget == 3
+    assert result.design_count == 9 and result.measured_count == 9
+    assert "budget 3): 0 configurations" in result.summary()
+
+
+def test_a_kinked_parameter_gets_its_missing_value_measured():
+    result = minimal_sample_set(tp_mbs_space(), physical_measure(lambda s: KINKED_TP[s.tp]))
+    # The design sees TP 1, 4, 8; each of the three TP lines gets TP=2, micro-batch lines none.
+    measured = {(m.tp, m.micro_batch_size) for m in result.measurements}
+    assert {(2, b) for b in (1, 4, 16)} <= measured and result.measured_count == 12
+    assert sorted((r.parameter, r.value, r.line["micro_batch_size"]) for r in result.refinements) == [
+        ("tp", 2, 1), ("tp", 2, 4), ("tp", 2, 16)]
+    assert all(r.metric == "time" and r.error > 0.10 for r in result.refinements)
+    assert "tp=2 on the line micro_batch_size=4 (time:" in result.summary()
+    assert "3 refinement" in result.summary()
+
+
+def test_refinement_honours_its_budget_and_the_total_budget():
+    kinked = physical_measure(lambda s: KINKED_TP[s.tp])
+    result = minimal_sample_set(tp_mbs_space(), kinked, refine_budget=2)
+    assert len(result.refinements) == 2 and result.measured_count == 11
+    assert "budget 2): 2 configurations" in result.summary()
+    result = minimal_sample_set(tp_mbs_space(), kinked, budget=10)
+    assert len(result.refinements) == 1 and result.measured_count == 10 and result.refinement_budget == 1
+    assert minimal_sample_set(tp_mbs_space(), kinked, refine_budget=0).measured_count == 9
+
+
+def test_refinement_bisects_in_rounds_until_no_kink_has_an_untested_neighbour():
+    # The ratio steps up between micro-batch 16 and 32; the design sees 1, 8, 64.
+    space = tp_mbs_space(tp=(1,), mbs=(1, 2, 4, 8, 16, 32, 64))
+    result = minimal_sample_set(space, physical_measure(lambda s: 3.0 if s.micro_batch_size >= 32 else 1.0),
+                                refine_budget=10)
+    # Round 1 splits both intervals beside the kink at 8; round 2 the one beside the kink at 16;
+    # then the step is bracketed by measured neighbours (16, 32) and 4 is never measured.
+    assert [(r.value, r.round) for r in result.refinements] == [(2, 1), (16, 1), (32, 2)]
+    assert result.measured_count == 6
+
+
+def test_an_infeasible_refinement_point_counts_and_is_not_retried():
+    kinked = physical_measure(lambda s: KINKED_TP[s.tp], infeasible={Sample(2, 1, 64, "none", SPEC.num_kv_heads)})
+    result = minimal_sample_set(tp_mbs_space(), kinked)
+    tp2 = [m for m in result.measurements if m.tp == 2]
+    assert len(tp2) == 3 and sum(not m.feasible for m in tp2) == 1 and result.measured_count == 12
+
+
 def test_calibration_kernel_measures_time_and_memory_on_cpu():
     samples = [Sample(1, 1, 16, level, SPEC.num_kv_heads) for level in ("none", "selective", "full")]
     none, selective, full = calibrate(SPEC, CPU, samples, repeats=3)
@@ -120,6 +203,7 @@ def test_memx_profile_prints_ablation_and_counts_and_appends(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     assert "ablation (threshold 10%" in printed and "of a full grid of" in printed
+    assert "refinement (ratio to the analytical model" in printed
     assert "tp                one value in the space: fixed" in printed
     records = ProfileDB(str(out)).read()
     assert 0 < len(records) <= 12 and all(r.model == "llama-tiny" for r in records)
