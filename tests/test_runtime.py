@@ -187,7 +187,8 @@ EQUIVALENCE_CASES = {
 
 @pytest.mark.slow
 def test_pipelines_match_the_single_process_reference():
-    cases = [(plan, dp, 1) for plan, dp in EQUIVALENCE_CASES.values()]
+    # DDP rebuilds its buckets at step 2 (it failed there once with several micro-batches): run past it
+    cases = [(plan, dp, 3 if dp == "ddp" else 1) for plan, dp in EQUIVALENCE_CASES.values()]
     results = _run_4_ranks(cases)
     for i, (name, (plan, _)) in enumerate(EQUIVALENCE_CASES.items()):
         ref_loss, ref_grads = _reference(plan)
@@ -195,6 +196,7 @@ def test_pipelines_match_the_single_process_reference():
         for rank in range(4):
             losses, stage_peaks, grads = results[rank][i]
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank)
+            assert len(losses) == cases[i][2] and losses[-1] <= losses[0], (name, rank)
             assert all(peak > 0 for peak in stage_peaks), name
             for param, grad in grads.items():
                 diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()

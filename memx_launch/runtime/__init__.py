@@ -129,7 +129,11 @@ class Runtime:
                 fully_shard(module, mesh=self.mesh["dp"])
             else:
                 from torch.nn.parallel import DistributedDataParallel
-                module = DistributedDataParallel(module, process_group=self.mesh["dp"].get_group())
+                # The pipeline runs one backward per micro-batch: DDP's one-time bucket rebuild
+                # would record every micro-batch's hooks and fail an internal assert at step 2;
+                # find_unused_parameters skips that rebuild.
+                module = DistributedDataParallel(module, process_group=self.mesh["dp"].get_group(),
+                                                 find_unused_parameters=True)
         return module
 
     def _measured(self):
