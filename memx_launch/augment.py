@@ -39,6 +39,8 @@ REFINE_ERROR = 0.10
 """An interior point of a measured line further than this (relative) from the straight line
 through its two neighbours is a kink that the profiler measures around: the same margin over
 repeat-to-repeat noise as the profiler's impact threshold, so noise alone does not buy points."""
+NOISE_MARGIN = 2.0
+"""A kink must stand this many times above the interquartile spread of the repeats."""
 RULES = {"constant": "fixed value", "linear": "large steps", "approximately linear": "small steps (split)",
          "superlinear": "shrink (neighbours, power law)", "non-monotone": "skip"}
 
@@ -119,18 +121,24 @@ def interior_errors(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.abs(predicted / y[1:-1] - 1.0)
 
 
-def line_kinks(x: np.ndarray, y: np.ndarray) -> tuple[list[int], str, float, float]:
+def line_kinks(x: np.ndarray, y: np.ndarray, noise: np.ndarray | None = None
+               ) -> tuple[list[int], str, float, float]:
     """(kinks, trend, R^2, worst interior error) of a measured line.
 
     Kinks are interior points (indices into ``x``, worst first) where the line is not linear
     enough to interpolate: those off their neighbours' line by more than :data:`REFINE_ERROR`,
     or, when the validator calls the whole line superlinear or non-monotone (R^2 < 0.95, not
-    constant), at least its worst interior point."""
+    constant), at least its worst interior point. ``noise`` (relative spread of each point's
+    repeats) raises the bar to :data:`NOISE_MARGIN` times the noisiest of the three points, so
+    that a noisy machine does not spend the budget on its own jitter."""
     trend, r2 = classify_trend(x, y)
     errors = interior_errors(x, y)
+    jitter = np.zeros(errors.shape)
+    if noise is not None and errors.size:
+        jitter = NOISE_MARGIN * np.maximum(np.maximum(noise[:-2], noise[1:-1]), noise[2:])
     order = np.argsort(-errors, kind="stable")
-    bad = [int(i) + 1 for i in order if errors[i] > REFINE_ERROR]
-    if not bad and trend in ("superlinear", "non-monotone") and errors.size:
+    bad = [int(i) + 1 for i in order if errors[i] > max(REFINE_ERROR, jitter[i])]
+    if not bad and trend in ("superlinear", "non-monotone") and errors.size and errors[order[0]] > jitter[order[0]]:
         bad = [int(order[0]) + 1]
     return bad, trend, r2, float(errors.max(initial=0.0))
 

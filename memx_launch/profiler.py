@@ -289,7 +289,9 @@ def refine_design(space: ProfileSpace, measured: dict[Sample, Measurement], para
                     y = np.exp([ratios[s][k] for s in line])
                     if not np.all(np.isfinite(y)):
                         continue
-                    kinks, trend, r2, worst = line_kinks(x, y)
+                    noise = (np.array([(measured[s].time_spread_s or 0.0) / measured[s].time_s for s in line])
+                             if metric == "time" else None)
+                    kinks, trend, r2, worst = line_kinks(x, y, noise)
                     for i in kinks:
                         picks = [p for p in (_bisect(space, measured, base, name, values, line[j], line[j + 1])
                                              for j in (i - 1, i)) if p]

@@ -1,6 +1,7 @@
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from memx_launch import profiler
@@ -259,3 +260,13 @@ def test_calibration_kernel_runs_tensor_parallel_over_a_group():
         (tp, feasible, time_s, peak, link), (_, _, _, full_peak, _) = results[rank]
         assert tp == 2 and feasible and time_s > 0 and link == 2.0
         assert full_peak < peak
+
+
+def test_a_kink_within_the_repeat_noise_buys_no_point():
+    from memx_launch.augment import line_kinks
+
+    x = np.log2([1.0, 2.0, 4.0, 8.0])
+    y = np.array([1.0, 1.0, 1.3, 1.0])  # 30% off its neighbours' line
+    assert line_kinks(x, y)[0][0] == 2
+    # The same line measured with a 20% spread per point: within 2x the noise, not a kink.
+    assert line_kinks(x, y, noise=np.full(4, 0.2))[0] == []
