@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 
 import numpy as np
@@ -29,6 +28,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch import costmodel as cm  # noqa: E402
 from memx_launch.plan import write_json_atomic  # noqa: E402
 from memx_launch.specs import TrainingSpec, get_model  # noqa: E402
@@ -112,7 +112,7 @@ def main() -> None:
     ckpt_ratio = predicted_ckpt / measured_ckpt
     result = {
         "source": "shared/peer-data/galvatron memory_profiling_bf16_llama2-7b_all.json (Hetu-Galvatron cea12ff)",
-        "machine": {"python": platform.python_version()},
+        "machine": machine_info(),
         "conventions": {"galvatron": "bf16, seq 2048, global batch 8 over 8 GPUs, sequence parallel, zero2",
                         "memx": "Megatron: bf16 weight 2 + fp32 grad 4 + Adam 12 bytes/param; distributed "
                                 "optimizer shards the 12 over DP; fully sharded: 16/DP"},

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memx_launch.monitor import MonitorConfig  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.plan import Objective, Plan, StagePlan, write_json_atomic  # noqa: E402
 from memx_launch.specs import get_model  # noqa: E402
 
@@ -78,6 +79,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--block", type=int, default=10)
     args = p.parse_args()
+    machine = machine_info()
     interval = MonitorConfig().interval
     if args.block % interval:
         p.error(f"--block must be a multiple of the monitor interval ({interval}) so every monitored block samples")
@@ -97,7 +99,7 @@ def main() -> int:
     hook_per_step = statistics.fmean(t for t, _ in hook)
     sampled = [t for t, was_sampled in hook if was_sampled]
     result = {
-        "model": MODEL, "ranks": 2, "pipeline": "2 stages, 1F1B, 8 micro-batches, emulated CPU devices",
+        "machine": machine, "model": MODEL, "ranks": 2, "pipeline": "2 stages, 1F1B, 8 micro-batches, emulated CPU devices",
         "monitor_interval_steps": interval, "block_steps": args.block, "sampled_steps": len(sampled), "steps_with_monitor": len(on), "steps_without_monitor": len(off),
         "median_step_s_with_monitor": med_on, "median_step_s_without_monitor": med_off,
         "overhead_of_medians": med_on / med_off - 1,

@@ -24,7 +24,6 @@ import glob
 import itertools
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from memx_launch.augment import augment_measurements  # noqa: E402
 from memx_launch.costmodel import AnalyticalCostModel  # noqa: E402
 from memx_launch.metrics import error_summary, ranking_summary  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.plan import write_json_atomic  # noqa: E402
 from memx_launch.prediction_cache import CachedCostModel  # noqa: E402
 from memx_launch.predictor import LearnedCostModel, fit_predictor  # noqa: E402
@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-grid", type=int, default=60, help="held-back CPU configurations to measure")
     args = parser.parse_args(argv)
     random.seed(0)
-    result = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+    result = {"machine": machine_info(),
               "sailor": sailor_benchmark(args.trials), "cache": cache_benchmark(args.trials)}
     if not args.skip_cpu:
         result["cpu"] = cpu_benchmark(args.cpu_grid, args.trials)

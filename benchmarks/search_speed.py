@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.plan import write_json_atomic  # noqa: E402
 from memx_launch.search import SearchSpace, search  # noqa: E402
 from memx_launch.specs import ClusterSpec, TrainingSpec, get_model  # noqa: E402
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "search_speed.json"))
     args = parser.parse_args(argv)
+    machine = machine_info()
     paper = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "paper-20gpu.yaml"))
     big = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "hetero-1024.yaml"))
     llama2 = get_model("llama2-7b")
@@ -85,10 +86,7 @@ def main(argv=None) -> int:
                              TrainingSpec(global_batch_size=128), PAPER_SPACE, None, args.repeats))
     goals = {"a_under_1s": rows[0]["seconds_median"] < 1.0 and rows[0]["enumerated"] >= 31240,
              "b_under_30s_budget_honoured": rows[1]["seconds_median"] < 30.0}
-    write_json_atomic(args.out, {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
-        "date": time.strftime("%Y-%m-%d"), "cases": rows, "goals_met": goals}, overwrite=True)
+    write_json_atomic(args.out, {"machine": machine, "cases": rows, "goals_met": goals}, overwrite=True)
     print(f"wrote {args.out}: goals {goals}", file=sys.stderr)
     return 0
 

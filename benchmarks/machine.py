@@ -1,0 +1,14 @@
+"""What a benchmark ran on, recorded beside its numbers (load average included: the
+machines here are shared, and timing results mean little without it)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(),
+            "load_average_1m_at_start": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M")}
