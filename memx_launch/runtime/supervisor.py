@@ -51,6 +51,7 @@ def _env_int(environ, var: str, default: int) -> int:
 
 
 def max_replans(environ=os.environ) -> int:
+    """Re-plans with a restart allowed per run (MEMX_MAX_REPLANS)."""
     return _env_int(environ, "MEMX_MAX_REPLANS", DEFAULT_MAX_REPLANS)
 
 
@@ -75,6 +76,8 @@ def _stage_changes(old: Plan, new: Plan) -> str:
 
 
 class Supervisor:
+    """One rank's monitor, faults, checkpoints and re-planning; Runtime.step calls it."""
+
     def __init__(self, runtime, run_dir: str, environ=os.environ):
         self.runtime = runtime
         self.run_dir = run_dir
