@@ -2,14 +2,13 @@
 optimizer state (the same losses afterwards), data position and RNG restored."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from memx_launch.plan import Objective, Plan, StagePlan
 from memx_launch.specs import get_model
+from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")
 # fp32 on CPU, same operations in the same order per layer: differences come only from how the
@@ -67,18 +66,7 @@ def _worker(rank, port, directory, queue):
 
 @pytest.mark.slow
 def test_checkpoint_loads_under_another_split(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=90) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    results = spawn_ranks(_worker, 2, str(tmp_path))
     saved = {**results[0]["saved"], **results[1]["saved"]}
     loaded = {**results[0]["loaded"], **results[1]["loaded"]}
     assert set(saved) == set(loaded)

@@ -1,16 +1,15 @@
 """The LLaMA stage model: split-invariant init, recompute levels, tensor parallel."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from memx_launch.errors import ConfigError
 from memx_launch.llama import LlamaStage, TransformerBlock, apply_tensor_parallel
 from memx_launch.specs import get_model
+from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")
 # fp32 on CPU: differences come only from summation order (TP all-reduce, checkpoint replay).
@@ -94,13 +93,7 @@ def test_out_of_range_layers_are_a_config_error():
         LlamaStage(SPEC, 5, first=False, last=True, layer_offset=4)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank, world, port, result_queue):
+def _tp_worker(rank, port, world, result_queue):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -116,8 +109,8 @@ def _tp_worker(rank, world, port, result_queue):
         wq = model.layers["0"].attention.wq.weight
         w2 = model.layers["7"].feed_forward.w2.weight
         # numpy arrays travel by value; tensors would go through shared memory that dies with the worker
-        result_queue.put((rank, loss.item(), tuple(wq.to_local().shape), wq.grad.full_tensor().numpy(),
-                          w2.grad.full_tensor().numpy(), model.layers["0"].attention_norm.weight.grad.numpy()))
+        result_queue.put((rank, (loss.item(), tuple(wq.to_local().shape), wq.grad.full_tensor().numpy(),
+                                 w2.grad.full_tensor().numpy(), model.layers["0"].attention_norm.weight.grad.numpy())))
     finally:
         dist.destroy_process_group()
 
@@ -128,17 +121,8 @@ def test_tensor_parallel_matches_the_reference():
     ref = LlamaStage.full(SPEC)
     ref_loss = _loss(ref, tokens)
     ref_loss.backward()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    for rank, loss, local_shape, wq_grad, w2_grad, norm_grad in results:
+    results = spawn_ranks(_tp_worker, 2, 2)
+    for loss, local_shape, wq_grad, w2_grad, norm_grad in results.values():
         assert local_shape == (SPEC.hidden_size // 2, SPEC.hidden_size)
         assert abs(loss - ref_loss.item()) < ATOL
         assert torch.allclose(torch.from_numpy(wq_grad), ref.layers["0"].attention.wq.weight.grad, atol=ATOL)

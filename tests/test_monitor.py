@@ -3,16 +3,15 @@ with a ballast fault on one of them."""
 
 import math
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from memx_launch.errors import ConfigError
 from memx_launch.monitor import GIB, MemoryMonitor, MonitorConfig, oom_event
 from memx_launch.plan import Objective, Plan, StagePlan
 from memx_launch.specs import get_model
+from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")
 
@@ -110,18 +109,7 @@ def _worker(rank, port, queue):
 
 @pytest.mark.slow
 def test_ranks_agree_on_the_event_of_a_ballast_on_one_rank():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    results = spawn_ranks(_worker, 2)
     assert results[0] == results[1]  # same step, same event, on every rank
     [(step, event)] = results[0]
     assert step == 6  # ballast before step 5, two samples in a row under 25% free

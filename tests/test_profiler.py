@@ -241,21 +241,9 @@ def _tp_calibration_worker(rank, port, queue):
 
 @pytest.mark.slow
 def test_calibration_kernel_runs_tensor_parallel_over_a_group():
-    import multiprocessing as mp
-    import socket
+    from ranks import spawn_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_tp_calibration_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = spawn_ranks(_tp_calibration_worker, 2)
     for rank in (0, 1):
         (tp, feasible, time_s, peak, link), (_, _, _, full_peak, _) = results[rank]
         assert tp == 2 and feasible and time_s > 0 and link == 2.0

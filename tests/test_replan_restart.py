@@ -7,14 +7,13 @@ Not covered here: the elastic agent's restart itself (launcher.py owns it)."""
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from memx_launch.search import evaluate_layout
 from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+from ranks import spawn_ranks
 
 MODEL = get_model("llama-tiny")
 TRAINING = TrainingSpec(global_batch_size=4, seq_len=64, dtype="fp32")
@@ -118,17 +117,7 @@ def test_ballast_replan_restart_resume(tmp_path):
     plan = evaluate_layout(MODEL, cluster, TRAINING, tp=1, pp=4, dp=1, micro_batch_size=1,
                            layers_per_stage=[2, 2, 2, 2], recompute=["none"] * 4, references=(1, 1, 1))
     plan.save(str(tmp_path / "plan0.json"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), queue)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=150) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    results = spawn_ranks(_worker, 4, str(tmp_path), timeout=150)
     assert all("error" not in r for r in results.values()), {k: r.get("error") for k, r in results.items()}
     r0 = results[0]
     for decision in r0["decisions"]:

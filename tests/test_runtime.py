@@ -2,11 +2,9 @@
 single-process reference."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from memx_launch.llama import LlamaStage
 from memx_launch.plan import Objective, Plan, StagePlan
@@ -14,6 +12,7 @@ from memx_launch.runtime import loss_fn
 from memx_launch.runtime.emulation import GIB, EmulatedDevice, EmulatedOutOfMemoryError
 from memx_launch.runtime.layout import chunks_by_stage, rank_layout
 from memx_launch.specs import get_model
+from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")
 # Tolerances (fp32 on CPU): pipelining, TP and DP only reorder sums, measured differences are
@@ -105,12 +104,6 @@ def test_emulated_slowdown_sleeps_in_proportion_to_compute():
 # --------------------------------------------------------------------------- 4 gloo processes
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _batch(plan, seed=5):
     tokens = torch.randint(0, SPEC.vocab_size, (plan.global_batch_size, plan.seq_len + 1),
                            generator=torch.Generator().manual_seed(seed))
@@ -144,20 +137,6 @@ def _worker(rank, port, cases, queue):
         dist.destroy_process_group()
 
 
-def _run_4_ranks(cases):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, cases, queue)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results
-
-
 def _reference(plan):
     model = LlamaStage.full(SPEC)
     tokens, targets = _batch(plan)
@@ -189,7 +168,7 @@ EQUIVALENCE_CASES = {
 def test_pipelines_match_the_single_process_reference():
     # DDP rebuilds its buckets at step 2 (it failed there once with several micro-batches): run past it
     cases = [(plan, dp, 3 if dp == "ddp" else 1) for plan, dp in EQUIVALENCE_CASES.values()]
-    results = _run_4_ranks(cases)
+    results = spawn_ranks(_worker, 4, cases, timeout=300)
     for i, (name, (plan, _)) in enumerate(EQUIVALENCE_CASES.items()):
         ref_loss, ref_grads = _reference(plan)
         covered = set()
@@ -208,7 +187,7 @@ def test_pipelines_match_the_single_process_reference():
 @pytest.mark.slow
 def test_tp2_pp2_trains():
     plan = make_plan([((0, 1), 5, "full"), ((2, 3), 3, "none")], tp=2, micro_batch_size=2, global_batch_size=8)
-    results = _run_4_ranks([(plan, "fsdp", 8)])
+    results = spawn_ranks(_worker, 4, [(plan, "fsdp", 8)], timeout=300)
     losses, stage_peaks, _ = results[0][0]
     assert all(results[r][0][0] == pytest.approx(losses) for r in range(4))  # every rank reports the same
     assert losses[-1] < losses[0] - 0.5  # one repeated batch: the loss must fall clearly
