@@ -86,7 +86,7 @@ def plans_table(plans: list[Plan]) -> str:
     rows = []
     for k, p in enumerate(plans, 1):
         rows.append([str(k), f"{p.objective.phi:.3f}", f"{p.predicted_iteration_time_s:.2f}",
-                     f"{p.predicted_peak_memory_fraction:.0%}", f"{p.predicted_memory_variance:.4f}",
+                     f"{p.predicted_peak_memory_fraction:.0%}", f"{p.predicted_memory_variance:.3g}",
                      layout_summary(p),
                      ":".join(str(s.num_layers) for s in p.stages),
                      ",".join(_short_level(s.recompute) for s in p.stages)])
@@ -140,7 +140,7 @@ def compare_table(baselines: dict[str, Plan | None]) -> str:
                 if s.memory_capacity_gib and s.predicted_peak_memory_gib > s.memory_capacity_gib]
         oom = f"yes, {format_gib(max(over))} over" if over else "no"
         rows.append([name, f"{p.predicted_iteration_time_s:.2f}", f"{p.predicted_peak_memory_fraction:.0%}",
-                     f"{p.predicted_memory_variance:.4f}", oom,
+                     f"{p.predicted_memory_variance:.3g}", oom,
                      ":".join(str(s.num_layers) for s in p.stages),
                      layout_summary(p) + " " + ",".join(_short_level(s.recompute) for s in p.stages)])
     return table(["strategy", "iter s", "peak mem", "mem var", "OOM", "layers", "layout, recompute"],
@@ -159,7 +159,7 @@ def estimate_report(plan: Plan, cluster: ClusterSpec) -> str:
               stage_table(plan), "",
               f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
               f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "
-              f"{plan.predicted_memory_variance:.4f}",
+              f"{plan.predicted_memory_variance:.3g} GiB^2",
               f"phi={o.phi:.3f} (T {o.terms.get('T', float('nan')):.3f}, M {o.terms.get('M', float('nan')):.3f}, "
               f"V {o.terms.get('V', float('nan')):.3f}; weights {','.join(f'{w:.2f}' for w in o.weights)})",
               verdict]
@@ -186,7 +186,7 @@ def pareto_plot(result, path: str, overwrite: bool = False, emulated: bool = Fal
     ax.scatter([best.predicted_iteration_time_s], [best.predicted_memory_variance], s=140, marker="*",
                color="tab:red", zorder=3, label=f"winner ({layout_summary(best)})")
     ax.set_xlabel("predicted iteration time (s)")
-    ax.set_ylabel("variance of per-device memory fraction")
+    ax.set_ylabel("variance of per-device memory (GiB^2)")
     title = f"{best.model} on {best.cluster}" + (" (emulated)" if emulated else "")
     ax.set_title(title)
     ax.legend(fontsize=8)

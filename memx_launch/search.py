@@ -228,7 +228,7 @@ class GroupResult:
     stage_time: np.ndarray  # (C, P) seconds per micro-batch
     T: np.ndarray           # (C,)
     M: np.ndarray           # (C,) max memory fraction
-    V: np.ndarray           # (C,) variance of memory fractions
+    V: np.ndarray           # (C,) variance of per-device memory, GiB^2
     feasible: np.ndarray    # (C,)
 
 
@@ -285,9 +285,11 @@ class Evaluator:
         feasible = (memory <= cap).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         stage_time = layers * t_layer + edge_t
         T = self.iteration_time(layout, mbs, seq, schedule, v, g, stage_time, layers)
-        frac = memory / cap
+        # M: the fullest device, as a fraction of its capacity (devices of different sizes
+        # compare); V: the variance of the devices' memory use in GiB^2, as the paper's
+        # (its Table 10 reports 9.13e5 MB^2), so that balance means equal use, not equal shares.
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
-                           T, frac.max(axis=1), frac.var(axis=1), feasible)
+                           T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible)
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""

@@ -11,8 +11,11 @@ the timeout is named, with its device, in the error.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -96,6 +99,8 @@ class TypeCalibration:
         self.device, self.dtype, self.slowdown, self.tp_link_gbps = device, dtype, slowdown, tp_link_gbps
         self.describe_rank, self.faults, self.timeout_s, self.log = describe_rank, faults, timeout_s, log
         self.stored = {measurement_key(m): m for m in stored}
+        self.host_lock = os.path.join(tempfile.gettempdir(),
+                                      f"memx-calibration-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}.lock")
         self.reused = 0
         self.measured_here = 0
         self._round = 0
@@ -135,19 +140,36 @@ class TypeCalibration:
 
     def _measure_unit(self, samples: list[Sample], group) -> list[Measurement]:
         out = []
+        leader = group is None or dist.get_rank() == dist.get_process_group_ranks(group)[0]
         for s in samples:
-            [m] = calibrate(self.model, self.device_type, [s], device=self.device, tp_group=group,
-                            dtype=self.dtype, num_blocks=1, repeats=CALIBRATION_REPEATS,
-                            emulation_slowdown=self.slowdown,
-                            tp_link_gbps=self.tp_link_gbps(s.tp) if s.tp > 1 else None)
+            if group is not None:
+                dist.barrier(group=group)  # the whole unit is here before its leader takes the host
+            with self._host_turn(leader):
+                [m] = calibrate(self.model, self.device_type, [s], device=self.device, tp_group=group,
+                                dtype=self.dtype, num_blocks=1, repeats=CALIBRATION_REPEATS,
+                                emulation_slowdown=self.slowdown,
+                                tp_link_gbps=self.tp_link_gbps(s.tp) if s.tp > 1 else None)
             out.append(m)
-            leader = group is None or dist.get_rank() == dist.get_process_group_ranks(group)[0]
             if leader:  # stored at once: a rank that dies later loses nothing measured
                 self.db.append([m])
                 self.measured_here += 1
                 if self.faults.kill_calibration is not None:
                     self.faults.kill_calibration.after_sample(dist.get_rank(), self.measured_here)
         return out
+
+    @contextlib.contextmanager
+    def _host_turn(self, leader: bool):
+        """Emulated devices are processes sharing the host's cores: one measuring unit at a
+        time, or each rank's timing would include the others' work. Real devices measure at once."""
+        if self.device != "cpu" or not leader:
+            yield
+            return
+        fd = os.open(self.host_lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def _report_and_wait(self) -> None:
         """Each rank marks this round done; a rank missing at the deadline is named."""
