@@ -110,18 +110,23 @@ def add_plan_command(sub) -> None:
                    help="stop the search after S seconds and report the best found")
     p.add_argument("--profile-db", "--profile_db", metavar="FILE",
                    help="use the learned predictor fitted on this profile database")
+    p.add_argument("--memory-headroom", "--memory_headroom", type=float, default=0.0, metavar="F",
+                   help="share of every device's memory a plan must leave free (default 0; memx-run keeps "
+                        "the memory monitor's 0.10)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(handler=run_plan)
 
 
 def run_plan(args) -> int:
     from memx_launch import report
-    from memx_launch.search import compare_baselines, parse_weights, search
+    from memx_launch.search import SearchSpace, compare_baselines, parse_weights, search
 
     if args.top < 1:
         raise ConfigError("--top", f"must be at least 1, got {args.top}", "e.g. --top 5")
     if args.search_budget_s is not None and args.search_budget_s <= 0:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
+    if not 0 <= args.memory_headroom < 1:
+        raise ConfigError("--memory-headroom", f"must be in [0, 1), got {args.memory_headroom}", "e.g. 0.1")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ConfigError("--plot", f"{args.plot} is not a .png path", "e.g. --plot pareto.png")
     _check_new_file(args.json, "--json", args.force)
@@ -132,8 +137,9 @@ def run_plan(args) -> int:
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = _cost_model(args, model, cluster, training)
 
-    result = search(model, cluster, training, cost_model=cost_model, objective=args.objective, weights=weights,
-                    time_budget_s=args.search_budget_s, top_k=args.top, progress=_progress(args))
+    result = search(model, cluster, training, cost_model=cost_model,
+                    space=SearchSpace(memory_headroom=args.memory_headroom), objective=args.objective,
+                    weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=_progress(args))
     print(report.plan_report(result, cluster))
     print(report.search_stats_line(result.stats), file=sys.stderr)
     if args.compare:

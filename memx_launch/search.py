@@ -54,6 +54,8 @@ class SearchSpace:
     recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS
     time_prune_factor: float = 2.0
     """Skip a group whose iteration-time lower bound exceeds this multiple of the best time."""
+    memory_headroom: float = 0.0
+    """Share of every device's memory a plan must leave free (memx-run: the monitor's threshold)."""
 
 
 @dataclass
@@ -236,10 +238,16 @@ class Evaluator:
     """Scores groups of candidates for one model, cluster and training spec."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                 cost_model: cm.LayerCostModel, analytical: cm.AnalyticalCostModel, table: CostTable):
+                 cost_model: cm.LayerCostModel, analytical: cm.AnalyticalCostModel, table: CostTable,
+                 memory_headroom: float = 0.0):
         self.model, self.cluster, self.training = model, cluster, training
+        self.memory_headroom = memory_headroom
         self.cost_model, self.analytical, self.table = cost_model, analytical, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
+
+    def usable(self, layout: Layout) -> np.ndarray:
+        """Bytes a stage may plan for: its capacity less the headroom kept free."""
+        return layout.capacity * (1.0 - self.memory_headroom)
 
     def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray):
         """Per-stage per-layer bytes, fixed bytes, layer time and fixed time for each row."""
@@ -275,14 +283,14 @@ class Evaluator:
         L = self.model.num_layers
         min_layers = v if schedule == "interleaved" else 1
         per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels)
-        cap = layout.capacity
+        cap, usable = layout.capacity, self.usable(layout)
         if layers is None:
-            max_layers = np.floor((cap - fixed) / per_layer)
+            max_layers = np.floor((usable - fixed) / per_layer)
             layers, feasible = balance_layers(t_layer, edge_t, max_layers, L, min_layers)
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
             per_layer, fixed, t_layer, _, _ = self.split_inputs(layout, mbs, seq, v, levels)
         memory = layers * per_layer + fixed
-        feasible = (memory <= cap).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
+        feasible = (memory <= usable).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         stage_time = layers * t_layer + edge_t
         T = self.iteration_time(layout, mbs, seq, schedule, v, g, stage_time, layers)
         # M: the fullest device, as a fraction of its capacity (devices of different sizes
@@ -295,7 +303,7 @@ class Evaluator:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
         full = np.full((1, layout.pp), cm.FULL)
         per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, full)
-        max_layers = np.floor((layout.capacity - fixed) / per_layer)
+        max_layers = np.floor((self.usable(layout) - fixed) / per_layer)
         min_layers = v if schedule == "interleaved" else 1
         return bool((max_layers >= min_layers).all() and max_layers.sum() >= self.model.num_layers)
 
@@ -305,7 +313,7 @@ class Evaluator:
         for level in (cm.FULL, cm.SELECTIVE, cm.NONE):
             trial = np.full_like(levels, level)
             per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, trial)
-            fits = layers * per_layer + fixed <= layout.capacity
+            fits = layers * per_layer + fixed <= self.usable(layout)
             best = np.where(fits & (level < best), level, best)
         return best
 
@@ -427,7 +435,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                           "give each device type a count that shares a common divisor with the others")
     tps = sorted({lay.tp for lay in layouts})
     table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
-    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table)
+    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table, space.memory_headroom)
     stats = SearchStats()
     level_options, stats.binary_recompute_types = recompute_options(table, cost_model.device_names, space)
     stats.interleaving_allowed = cluster.heterogeneity_index() <= INTERLEAVE_MAX_HETEROGENEITY
@@ -445,6 +453,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                     stats.pruned_batch += len(policies)
                     continue
                 g = training.global_batch_size // (layout.dp * mbs)
+                if g < layout.pp:  # pipeline schedules need a micro-batch in flight per stage
+                    stats.pruned_batch += len(policies)
+                    continue
                 if schedule == "interleaved" and (not stats.interleaving_allowed or g % layout.pp
                                                   or layout.pp * v > model.num_layers or layout.pp < 2):
                     stats.pruned_schedule += len(policies)
@@ -658,6 +669,9 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if model.num_heads % tp or model.num_kv_heads % tp:
         raise ConfigError("--tp", f"{tp} does not divide the model's {model.num_heads} heads and "
                           f"{model.num_kv_heads} KV heads", "use a divisor of both")
+    if training.global_batch_size // (dp * micro_batch_size) < pp:
+        raise ConfigError("--global-batch-size", f"{training.global_batch_size // (dp * micro_batch_size)} "
+                          f"micro-batches for pp={pp} stages", "give at least one micro-batch per stage")
     analytical = cm.AnalyticalCostModel(model, cluster, training)
     cost_model = cost_model or analytical
     layout = layout_from_stage_devices(model, cluster, tuple(cost_model.device_names), tp, pp, dp, stage_devices)
@@ -685,7 +699,7 @@ def _score_fixed_levels(evaluator: Evaluator, layout, mbs, seq, schedule, v, lev
     """Balanced split for levels the user fixed (no per-stage hard rule: their choice stands)."""
     per_layer, fixed, t_layer, edge_t, _ = evaluator.split_inputs(layout, mbs, seq, v, levels)
     min_layers = v if schedule == "interleaved" else 1
-    max_layers = np.floor((layout.capacity - fixed) / per_layer)
+    max_layers = np.floor((evaluator.usable(layout) - fixed) / per_layer)
     layers, _ = balance_layers(t_layer, edge_t, max_layers, evaluator.model.num_layers, min_layers)
     return evaluator.score(layout, mbs, seq, schedule, v, levels, layers)
 

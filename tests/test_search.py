@@ -136,3 +136,12 @@ def test_plan_records_training_assumptions():
     t = TrainingSpec(global_batch_size=64, fully_sharded=True)
     plan = search(get_model("llama2-7b"), cluster("paper-20gpu"), t, top_k=1).best
     assert plan.training["fully_sharded"] is True
+
+
+def test_memory_headroom_keeps_every_stage_under_its_share():
+    model, c, t = get_model("llama2-7b"), cluster("table1-2vendor"), TrainingSpec(global_batch_size=64)
+    plans = search(model, c, t, space=SearchSpace(memory_headroom=0.25), top_k=5).plans
+    for plan in plans:
+        assert all(s.predicted_peak_memory_gib <= 0.75 * s.memory_capacity_gib for s in plan.stages)
+    tight = search(model, c, t, top_k=1).best
+    assert max(s.predicted_peak_memory_gib / s.memory_capacity_gib for s in tight.stages) > 0.75

@@ -52,7 +52,8 @@ def check_crash_budget(run_dir: str, generation: int, user_max_restarts: int) ->
     """The agent's budget is the user's plus one per planned restart; crashes get the user's."""
     crashes = generation - len([g for g in planned_restarts(run_dir) if g < generation])
     if crashes > user_max_restarts:
-        _log(f"error: {crashes} crash restart(s) exceed --max-restarts {user_max_restarts}; see the errors above")
+        if os.environ.get("RANK", "0") == "0":  # one line per generation, not one per worker
+            _log(f"error: {crashes} crash restart(s) exceed --max-restarts {user_max_restarts}; see the errors above")
         sys.exit(1)
 
 
@@ -91,7 +92,8 @@ def plan_in_job(env) -> None:
     from memx_launch.runtime import init_distributed
     from memx_launch.runtime.calibration import measurement_key
     from memx_launch.runtime.devices import detect_rank_device
-    from memx_launch.search import parse_weights, search
+    from memx_launch.monitor import MonitorConfig
+    from memx_launch.search import SearchSpace, parse_weights, search
     from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
 
     init_distributed()
@@ -136,7 +138,11 @@ def plan_in_job(env) -> None:
         cost_model = load_cost_model(db.path, model, cluster, training)
         weights = parse_weights(env["MEMX_WEIGHTS"]) if env.get("MEMX_WEIGHTS") else None
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
-        result = search(model, cluster, training, cost_model=cost_model, objective=env.get("MEMX_OBJECTIVE") or None,
+        # Leave the free memory the monitor will ask for, or the first samples would re-plan.
+        space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
+                            else MonitorConfig.from_env(env).min_headroom)
+        result = search(model, cluster, training, cost_model=cost_model, space=space,
+                        objective=env.get("MEMX_OBJECTIVE") or None,
                         weights=weights, time_budget_s=budget)
         plan = result.best
         plan.save(env["MEMX_PLAN"], overwrite=True)
