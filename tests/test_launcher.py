@@ -1,6 +1,5 @@
 """memx-run: flag parsing, bad input caught before anything runs, --dry-run output."""
 
-import json
 import os
 import shlex
 import subprocess
@@ -9,7 +8,6 @@ import sys
 import pytest
 
 from memx_launch.launcher import build_parser, main, script_flag
-from memx_launch.plan import Plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")

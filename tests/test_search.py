@@ -56,6 +56,7 @@ def test_paper_cluster_plans_are_feasible_ranked_and_uneven():
     # The Pareto front trades time for variance: sorted by time, variance strictly falls.
     times = [p.predicted_iteration_time_s for p in result.pareto]
     variances = [p.predicted_memory_variance for p in result.pareto]
+    assert times == sorted(times)
     assert variances == sorted(variances, reverse=True) and len(set(variances)) == len(variances)
 
 
