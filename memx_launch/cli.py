@@ -137,14 +137,14 @@ def run_plan(args) -> int:
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = _cost_model(args, model, cluster, training)
 
-    result = search(model, cluster, training, cost_model=cost_model,
-                    space=SearchSpace(memory_headroom=args.memory_headroom), objective=args.objective,
+    space = SearchSpace(memory_headroom=args.memory_headroom)
+    result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=_progress(args))
     print(report.plan_report(result, cluster))
     print(report.search_stats_line(result.stats), file=sys.stderr)
     if args.compare:
-        baselines = compare_baselines(model, cluster, training, cost_model=cost_model,
-                                      objective=args.objective, weights=weights)
+        baselines = compare_baselines(model, cluster, training, cost_model=cost_model, space=space,
+                                      objective=args.objective, weights=weights, memx=result)
         print("\ncompared in the same cost model:")
         print(report.compare_table(baselines))
     if args.json:

@@ -187,10 +187,6 @@ class LlamaStage(nn.Module):
             self.output.weight.copy_(
                 torch.randn(self.output.weight.shape, generator=_generator(seed, HEAD_TAG)) * INIT_STD)
 
-    def set_recompute(self, level: str) -> None:
-        for block in self.layers.values():
-            block.recompute = level
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for block in self.layers.values():

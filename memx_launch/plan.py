@@ -82,14 +82,6 @@ class Plan:
         raise ConfigError("plan.stages", f"rank {rank} is in no stage",
                           f"the plan covers ranks 0..{self.world_size - 1}")
 
-    def layer_ranges(self) -> list[tuple[int, int]]:
-        """[start, end) global layer indices of each stage."""
-        out, start = [], 0
-        for stage in self.stages:
-            out.append((start, start + stage.num_layers))
-            start += stage.num_layers
-        return out
-
     # ---- (de)serialisation
     def to_dict(self) -> dict:
         data = asdict(self)

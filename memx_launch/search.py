@@ -727,17 +727,19 @@ def _objective_for(T, M, V, references, profile, weights) -> Objective:
 
 def compare_baselines(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                       cost_model: cm.LayerCostModel | None = None, space: SearchSpace | None = None,
-                      objective: str | None = None, weights=None) -> dict[str, Plan | None]:
+                      objective: str | None = None, weights=None,
+                      memx: SearchResult | None = None) -> dict[str, Plan | None]:
     """What other planners would pick, judged by the same cost model.
 
     compute-proportional: layers by effective compute share, no recompute, fastest predicted
     plan (memory not checked, as compute-share planners do); memory-proportional: layers by
     capacity share, no recompute, fastest plan that fits; time-only: memx's search with
-    weights (1, 0, 0); memx: memx's own choice.
+    weights (1, 0, 0); memx: memx's own choice (``memx``, the search already run, when given).
     """
     space = space or SearchSpace()
-    memx = search(model, cluster, training, cost_model=cost_model, space=space, objective=objective,
-                  weights=weights, top_k=1)
+    if memx is None:
+        memx = search(model, cluster, training, cost_model=cost_model, space=space, objective=objective,
+                      weights=weights, top_k=1)
     refs = tuple(memx.best.objective.terms[k] for k in ("T_ref", "M_ref", "V_ref"))
     out: dict[str, Plan | None] = {}
     analytical = cm.AnalyticalCostModel(model, cluster, training)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from memx_launch.faults import Faults
 from memx_launch.profiledb import ProfileDB
-from memx_launch.runtime.calibration import CalibrationTimeout, TypeCalibration, TypeGroups, calibration_tp_degrees
+from memx_launch.runtime.calibration import CalibrationTimeout, TypeCalibration, TypeGroups, make_groups
 from memx_launch.specs import ClusterSpec, get_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,9 +38,14 @@ def test_a_rank_that_never_reports_is_named_with_its_device(tmp_path):
         dist.destroy_process_group()
 
 
-def test_tp_degrees_follow_the_devices_in_a_node():
-    cluster = ClusterSpec.from_yaml(CPU_CLUSTER)
-    assert calibration_tp_degrees(get_model("llama-tiny"), cluster, "fast-small") == [1, 2]
+def test_tp_subgroups_are_the_search_degrees_inside_one_node(monkeypatch):
+    # new_group is collective; here each call just records the ranks it was given.
+    monkeypatch.setattr(dist, "new_group", lambda ranks: tuple(ranks))
+    groups = make_groups(ClusterSpec.from_yaml(CPU_CLUSTER), get_model("llama-tiny"))
+    assert sorted(groups) == ["fast-small", "slow-big"]
+    assert groups["fast-small"].tp_groups[2] == [((0, 1), [0, 1])]
+    assert groups["slow-big"].tp_groups[2] == [((2, 3), [2, 3])]
+    assert set(groups["fast-small"].tp_groups) == {1, 2}  # the search never uses TP 4 here
 
 
 @pytest.mark.slow

@@ -25,12 +25,12 @@ from memx_launch.errors import MemxError
 from memx_launch.faults import Faults
 from memx_launch.profiledb import Measurement, ProfileDB
 from memx_launch.profiler import Sample, calibrate, default_space, minimal_sample_set
+from memx_launch.search import tp_degrees
 from memx_launch.specs import ClusterSpec, DeviceType, ModelSpec
 
 CALIBRATION_BUDGET = 20
 CALIBRATION_REPEATS = 3
 DEFAULT_TIMEOUT_S = 600.0
-MAX_TP = 8
 
 
 class CalibrationTimeout(MemxError):
@@ -47,18 +47,6 @@ class TypeGroups:
     """tp -> [(group or None for tp=1, ranks)], the measuring units for that degree."""
 
 
-def calibration_tp_degrees(model: ModelSpec, cluster: ClusterSpec, device_type: str) -> list[int]:
-    """TP degrees the search may use on this type: powers of two dividing the heads that fit
-    in one node's devices of the type."""
-    per_node = max((n for node in cluster.nodes for t, n in node.devices if t == device_type), default=1)
-    out, tp = [], 1
-    while tp <= min(MAX_TP, per_node):
-        if model.num_heads % tp == 0 and model.num_kv_heads % tp == 0:
-            out.append(tp)
-        tp *= 2
-    return out
-
-
 def make_groups(cluster: ClusterSpec, model: ModelSpec) -> dict[str, TypeGroups]:
     """Every rank creates every group in the same order (new_group is collective)."""
     rank_types = cluster.rank_device_types()
@@ -68,7 +56,7 @@ def make_groups(cluster: ClusterSpec, model: ModelSpec) -> dict[str, TypeGroups]
         ranks = [r for r, t in enumerate(rank_types) if t == name]
         groups = TypeGroups(ranks, dist.new_group(ranks))
         groups.tp_groups[1] = [(None, [r]) for r in ranks]
-        for tp in calibration_tp_degrees(model, cluster, name)[1:]:
+        for tp in tp_degrees(model, cluster)[1:]:  # only the degrees the search can choose
             units = []
             for node in sorted({locations[r][0] for r in ranks}):
                 local = [r for r in ranks if locations[r][0] == node]

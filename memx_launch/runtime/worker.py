@@ -67,8 +67,8 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
 
     from memx_launch.costmodel import tp_link_gbps
     from memx_launch.faults import Faults
-    from memx_launch.runtime.calibration import (TypeCalibration, calibration_timeout_s, calibration_tp_degrees,
-                                                 make_groups)
+    from memx_launch.runtime.calibration import TypeCalibration, calibration_timeout_s, make_groups
+    from memx_launch.search import tp_degrees
 
     groups = make_groups(cluster, model)
     name = rank_device.device_type.name
@@ -79,7 +79,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
         slowdown=rank_device.emulated.slowdown if emulated else 1.0, tp_link_gbps=lambda tp: tp_link_gbps(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
         log=_log)
-    measurements = calibration.run(calibration_tp_degrees(model, cluster, name))
+    measurements = calibration.run(tp_degrees(model, cluster))
     return measurements if groups[name].ranks[0] == dist.get_rank() else []
 
 
