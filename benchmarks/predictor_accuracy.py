@@ -7,7 +7,11 @@
         non-linear lines; "measuring" reads the profile); one predictor fitted on all minimal
         sets predicts every point not measured.
     a2: leave one GPU type out: fit on the other types' minimal sets plus at most 5 samples of
-        the held-out type, predict the rest of the held-out type.
+        the held-out type (the profiler's new-type design: each model and TP degree of the type
+        once, nearest the middle micro-batch, then micro-batch spread), predict the rest of it.
+    a3: the same protocol on data no design choice was made on: the Aceso block timings of
+        OPT-350 (same repository, another harness) of each GPU type as the new type, the
+        other types' sailor minimal sets as the fleet.
 (b) This machine's CPU: calibrate a LLaMA block (llama-small shape) on the minimal set chosen
     by ablation, then measure a held-back grid of configurations the profiler never saw and
     predict it (time, memory, ranking).
@@ -20,6 +24,7 @@ training rows only. Usage: python benchmarks/predictor_accuracy.py [--skip-cpu] 
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
 import itertools
 import json
@@ -41,11 +46,12 @@ from memx_launch.plan import write_json_atomic  # noqa: E402
 from memx_launch.prediction_cache import CachedCostModel  # noqa: E402
 from memx_launch.predictor import LearnedCostModel, fit_predictor  # noqa: E402
 from memx_launch.profiledb import Measurement  # noqa: E402
-from memx_launch.profiler import ProfileSpace, Sample, minimal_sample_set  # noqa: E402
+from memx_launch.profiler import ProfileSpace, Sample, minimal_sample_set, new_type_design  # noqa: E402
 from memx_launch.specs import MODEL_CATALOG, ClusterSpec, DeviceType, Node, TrainingSpec  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAILOR = os.path.join(ROOT, "..", "shared", "peer-data", "sailor", "profiles")
+ACESO = os.path.join(ROOT, "..", "shared", "peer-data", "sailor", "aceso_layer_time")
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "predictor_accuracy.json")
 SAILOR_MODELS = {"OPT-350": "opt-350m", "GPT-Neo-2.7": "gpt-neo-2.7b", "OPT-30": "opt-30b", "LLAMA-3-8": "llama3-8b"}
 SAILOR_SEQ = {"OPT-350": 2048, "GPT-Neo-2.7": 2048, "OPT-30": 2048, "LLAMA-3-8": 8192}
@@ -66,26 +72,82 @@ MAX_NEW_TYPE_SAMPLES = 5
 # --------------------------------------------------------------------------- (a) sailor
 
 
+def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, source: str) -> Measurement:
+    """One public block timing (fp32, forward + backward) as a ProfileDB record (time only)."""
+    spec = MODEL_CATALOG[SAILOR_MODELS[model_dir]]
+    spec = type(spec)(**{**spec.to_dict(), "seq_len": SAILOR_SEQ[model_dir]})
+    desc = dict(SAILOR_DEVICES[gpu])
+    link = desc.pop("link")
+    return Measurement(
+        device_type=gpu, device={"vendor": "nvidia", **desc, "efficiency": None, "flash_attention": False},
+        model=spec.name, model_signature=spec.signature(), block_shape=spec.to_dict(),
+        tp=tp, micro_batch_size=mbs, seq_len=spec.seq_len, recompute="none", dtype="fp32",
+        num_blocks=1, feasible=True, time_s=time_s, tp_link_gbps=float(link),
+        software={"framework": f"Megatron-DeepSpeed (sailor cf2c8e3, {source})"}, source=source)
+
+
 def sailor_records() -> list[Measurement]:
-    """Every block measurement of the public profiles as a ProfileDB record (time only)."""
+    """Every block measurement of the public profiles."""
     out = []
     for path in sorted(glob.glob(os.path.join(SAILOR, "*", "*", "profile.json"))):
         model_dir, gpu = path.split(os.sep)[-3:-1]
-        spec = MODEL_CATALOG[SAILOR_MODELS[model_dir]]
-        spec = type(spec)(**{**spec.to_dict(), "seq_len": SAILOR_SEQ[model_dir]})
-        desc = dict(SAILOR_DEVICES[gpu])
-        link = desc.pop("link")
         with open(path) as f:
             profile = json.load(f)
         for mbs, by_tp in profile.items():
             for tp, units in by_tp.items():
                 fwd, bwd = units["1"][:2]  # unit 1 is a transformer block
-                out.append(Measurement(
-                    device_type=gpu, device={"vendor": "nvidia", **desc, "efficiency": None, "flash_attention": False},
-                    model=spec.name, model_signature=spec.signature(), block_shape=spec.to_dict(),
-                    tp=int(tp), micro_batch_size=int(mbs), seq_len=spec.seq_len, recompute="none", dtype="fp32",
-                    num_blocks=1, feasible=True, time_s=fwd + bwd, tp_link_gbps=float(link),
-                    software={"framework": "Megatron-DeepSpeed (sailor cf2c8e3)"}, source="sailor"))
+                out.append(block_record(gpu, model_dir, int(tp), int(mbs), fwd + bwd, "sailor"))
+    return out
+
+
+def aceso_records() -> list[Measurement]:
+    """The Aceso OPT-350 block timings (``algo`` 0, the default kernels) of each GPU type."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(ACESO, "*.csv"))):
+        gpu = os.path.splitext(os.path.basename(path))[0]
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        out += [block_record(gpu, "OPT-350", int(r["tp"]), int(r["mbs"]), float(r["fwd+bwd"]), "aceso")
+                for r in rows if r["algo"] == "0"]
+    return out
+
+
+def new_type_samples(own: list[Measurement], budget: int = MAX_NEW_TYPE_SAMPLES) -> list[Measurement]:
+    """The profiler's new-type design over the configurations a GPU type's profile holds (any
+    other did not fit): each model and TP degree once, nearest the middle micro-batch of its
+    row, then micro-batch spread within a model."""
+    rows: dict[tuple, list[int]] = {}
+    for r in own:
+        rows.setdefault((r.model, r.tp), []).append(r.micro_batch_size)
+    middle = {k: np.log2(sorted(v)[len(v) // 2]) for k, v in rows.items()}
+    return new_type_design(sorted(own, key=lambda r: (r.model, r.tp, r.micro_batch_size)), budget,
+                           levels=lambda r: (("model", r.model), ("tp", r.tp)),
+                           centre=lambda r: abs(np.log2(r.micro_batch_size) - middle[(r.model, r.tp)]),
+                           position=lambda r: np.log2(r.micro_batch_size), group=lambda r: r.model)
+
+
+def new_type_benchmark(fleet: list[Measurement], new: list[Measurement], trials: int, tag: str) -> dict:
+    """Per GPU type of ``new``: fit on the other types of ``fleet`` plus at most 5 samples of
+    the type, predict the rest of the type's points in ``new``."""
+    out, all_test, all_pred = {}, [], []
+    for gpu in sorted({r.device_type for r in new}):
+        few = new_type_samples([r for r in new if r.device_type == gpu])
+        few_keys = {r.key for r in few}
+        others = [r for r in fleet if r.device_type != gpu]
+        held = [r for r in new if r.device_type == gpu and r.key not in few_keys]
+        fitted = fit_predictor(others + few, augmented=augment_measurements(others).points, trials=trials)
+        pred = predict_records(fitted, held)
+        out[gpu] = {"samples_of_new_type": [{"model": r.model, "tp": r.tp, "micro_batch_size": r.micro_batch_size}
+                                            for r in few],
+                    **error_summary(pred, [r.time_s for r in held])}
+        all_test += held
+        all_pred.append(pred)
+        print(f"[{tag}] new type {gpu:<10} with {len(few)} samples: MAPE {out[gpu]['mape_pct']:6.2f}% "
+              f"over {len(held)} points")
+    out["overall"] = error_summary(np.concatenate(all_pred), [r.time_s for r in all_test])
+    out["overall"]["mean_of_gpu_mapes_pct"] = float(np.mean([v["mape_pct"] for k, v in out.items()
+                                                             if k != "overall"]))
+    print(f"[{tag}] overall MAPE {out['overall']['mape_pct']:.2f}%")
     return out
 
 
@@ -218,28 +280,10 @@ def sailor_benchmark(trials: int) -> dict:
           f"{a1_design_only_own['overall']['mape_pct']:.2f}%, "
           f"RTX-3090 {a1_design_only_own['RTX-3090']['mape_pct']:.2f}%")
 
-    a2 = {}
-    all_test, all_pred = [], []
-    for gpu in sorted({r.device_type for r in records}):
-        own = [r for r in records if r.device_type == gpu]
-        own_minimal = sorted((r for r in own if r.key in minimal),
-                             key=lambda r: (r.model, r.micro_batch_size, r.tp))
-        pick = np.unique(np.linspace(0, len(own_minimal) - 1, min(MAX_NEW_TYPE_SAMPLES, len(own_minimal)))
-                         .round().astype(int))
-        few = [own_minimal[i] for i in pick]
-        few_keys = {r.key for r in few}
-        others = [r for r in train if r.device_type != gpu]
-        held = [r for r in own if r.key not in few_keys]
-        fitted = fit_predictor(others + few, augmented=augment_measurements(others).points, trials=trials)
-        pred = predict_records(fitted, held)
-        a2[gpu] = {"samples_of_new_type": len(few), **error_summary(pred, [r.time_s for r in held])}
-        all_test += held
-        all_pred.append(pred)
-        print(f"[sailor a2] new type {gpu:<10} with {len(few)} samples: MAPE {a2[gpu]['mape_pct']:6.2f}% "
-              f"over {len(held)} points")
-    a2["overall"] = error_summary(np.concatenate(all_pred), [r.time_s for r in all_test])
-    a2["overall"]["mean_of_gpu_mapes_pct"] = float(np.mean([v["mape_pct"] for k, v in a2.items() if k != "overall"]))
-    print(f"[sailor a2] overall MAPE {a2['overall']['mape_pct']:.2f}%")
+    a2 = new_type_benchmark(train, records, trials, "sailor a2")
+    aceso = aceso_records()
+    a3 = new_type_benchmark(train, aceso, trials, "aceso a3")
+    a3_analytical = per_gpu(aceso, analytical_records(aceso))
     return {
         "data": "shared/peer-data/sailor/profiles (fp32, Megatron-DeepSpeed, CUDA events)",
         "points": len(records), "minimal_set": len(train), "design_only_set": len(design_only),
@@ -252,6 +296,10 @@ def sailor_benchmark(trials: int) -> dict:
                                    "feature_importance": predictor.meta["feature_importance"],
                                    "hyperparameters": predictor.meta["hyperparameters"]},
         "a2_new_gpu_type_max_5_samples": {"time": a2},
+        "a3_new_gpu_type_independent_data": {
+            "data": "shared/peer-data/sailor/aceso_layer_time (OPT-350 block, algo 0), "
+                    "fleet: the other types' sailor minimal sets",
+            "points": len(aceso), "time": a3, "analytical_only_time": a3_analytical},
         "goal": "time MAPE under 8%",
     }
 

@@ -6,6 +6,13 @@ learn only what the formulas miss (kernel efficiency at small shapes, launch ove
 allocator slack). Outside the sampled range a tree is flat, and a flat ratio over a physical
 model still extrapolates sensibly.
 
+What belongs to one device type is its level, taken from its own samples (``Offsets``: per
+TP degree of each model, since each TP degree is its own communication path). The trees see
+the device only through the physics features computed from its descriptors (analytical time,
+communication share), so the shape they learn is shared by the fleet and a type with a
+handful of samples gets it too; raw descriptor columns let the trees carve one shape per type,
+which five samples of a new type cannot support.
+
 Hyper-parameters are tuned by a small Gaussian-process Bayesian optimisation with k-fold
 cross-validation. The model is saved as XGBoost UBJ/JSON plus a JSON sidecar holding the
 format version and the signature of its training data; nothing is ever pickled.
@@ -24,17 +31,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.stats import norm
 
-from memx_launch.costmodel import (_DEFAULT_FLOPS_PER_BYTE, FULL, AnalyticalCostModel, LayerCost,
-                                   allreduce_time)
+from memx_launch.costmodel import FULL, AnalyticalCostModel, LayerCost, allreduce_time
 from memx_launch.errors import ConfigError
 from memx_launch.plan import RECOMPUTE_LEVELS, write_json_atomic
 from memx_launch.profiledb import Measurement
 from memx_launch.specs import ClusterSpec, DeviceType, Emulation, ModelSpec, Node, TrainingSpec
 
-PREDICTOR_FORMAT = 1
-VENDOR_CODES = {"nvidia": 1, "amd": 2, "intel": 3, "cpu": 4}
+PREDICTOR_FORMAT = 2
 FEATURE_NAMES = (
-    "memory_gib", "peak_tflops", "memory_bandwidth_gbps", "vendor_code",
     "tp", "log2_micro_batch", "log2_seq_len", "recompute",
     "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "gated_mlp", "dtype_bytes",
     "log2_tokens_x_hidden_per_rank", "log2_analytical_time", "comm_share", "log2_analytical_memory",
@@ -55,13 +59,7 @@ _ROUNDS_X_RATE = 15.0
 # --------------------------------------------------------------------------- features
 
 
-def vendor_code(vendor: str) -> int:
-    return VENDOR_CODES.get(vendor.lower(), 0)
-
-
-def _bandwidth(device: DeviceType) -> float:
-    # Same fallback the analytical model uses when a device gives no HBM bandwidth.
-    return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+TP_COLUMN = FEATURE_NAMES.index("tp")
 
 
 def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute) -> tuple[np.ndarray, LayerCost]:
@@ -71,8 +69,7 @@ def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute)
         np.asarray(device, dtype=np.int64), np.asarray(tp, dtype=np.float64), np.asarray(mbs, dtype=np.float64),
         np.asarray(seq, dtype=np.float64), np.asarray(recompute, dtype=np.float64)))
     base = cost.layer_costs(device, tp, mbs, seq, recompute)
-    model, types = cost.model, cost.device_types
-    dev = np.array([[d.memory_gib, d.peak_tflops, _bandwidth(d), vendor_code(d.vendor)] for d in types])[device]
+    model = cost.model
     gbps = cost.tp_gbps(device, tp)
     hidden_bytes = mbs * seq * model.hidden_size * cost.training.dtype_bytes
     comm = np.where(recompute == FULL, 6.0, 4.0) * allreduce_time(hidden_bytes, tp, gbps)
@@ -81,7 +78,7 @@ def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute)
     shape = np.broadcast_to([model.hidden_size, model.num_heads, model.num_kv_heads, model.ffn_hidden_size,
                              float(model.gated_mlp), cost.training.dtype_bytes], (n, 6))
     X = np.column_stack([
-        dev, tp, np.log2(mbs), np.log2(seq), recompute, shape,
+        tp, np.log2(mbs), np.log2(seq), recompute, shape,
         np.log2(mbs * seq * model.hidden_size / tp), np.log2(base.time_s),
         comm / base.time_s, np.log2(memory),
     ])
@@ -152,14 +149,18 @@ def training_rows(records: list[Measurement]) -> TrainingSet:
 
 @dataclass
 class Offsets:
-    """Per-device calibration: the median log-ratio of each (device type, model) pair's own
-    measurements, falling back to the device type's median, then to the global median.
+    """Per-device calibration: the median log-ratio of the measurements of each (device type,
+    model) at each measured TP degree, linear in log2 TP between measured degrees and flat
+    beyond them; the device type's median for a model it has no measurement of, then the
+    global median.
 
-    It is the trees' base margin: a device's overall level comes from its own samples (a
-    handful suffice), the trees learn how the ratio moves with the configuration.
+    It is the trees' base margin: a device's level comes from its own samples (one per TP
+    degree suffices; TP is the level that changes the hardware path, NVLink pair or PCIe or
+    across sockets), the trees learn how the ratio moves with the configuration.
     """
 
-    pairs: dict
+    levels: dict
+    """"device|model" -> {TP degree: [time, memory]}."""
     devices: dict
     overall: list
 
@@ -171,14 +172,29 @@ class Offsets:
             memory = float(np.median(ts.Y[mem_mask, 1])) if mem_mask.any() else float(np.median(ts.Y[mask, 1]))
             return [time, memory]
 
-        pairs = {f"{d}|{m}": median((ts.device_types == d) & (ts.models == m))
-                 for d, m in sorted(set(zip(ts.device_types, ts.models)))}
+        tp = ts.X[:, TP_COLUMN].astype(np.int64)
+        levels: dict = {}
+        for d, m, t in sorted(set(zip(ts.device_types, ts.models, tp))):
+            levels.setdefault(f"{d}|{m}", {})[str(t)] = median((ts.device_types == d) & (ts.models == m) & (tp == t))
         devices = {d: median(ts.device_types == d) for d in sorted(set(ts.device_types))}
-        return cls(pairs, devices, median(np.ones(len(ts.Y), dtype=bool)))
+        return cls(levels, devices, median(np.ones(len(ts.Y), dtype=bool)))
 
-    def margin(self, device_types, models) -> np.ndarray:
-        return np.array([self.pairs.get(f"{d}|{m}") or self.devices.get(d) or self.overall
-                         for d, m in zip(device_types, models)], dtype=np.float64).reshape(-1, 2)
+    def margin(self, X: np.ndarray, device_types, models) -> np.ndarray:
+        """[n, 2] base margin of feature rows ``X`` (for their TP column)."""
+        log_tp = np.log2(X[:, TP_COLUMN])
+        out = np.empty((len(log_tp), 2))
+        keys = np.array([f"{d}|{m}" for d, m in zip(device_types, models)])
+        for key in set(keys):
+            rows = keys == key
+            by_tp = self.levels.get(key)
+            if by_tp is None:
+                out[rows] = self.devices.get(key.split("|", 1)[0]) or self.overall
+                continue
+            degrees = sorted(by_tp, key=int)
+            x = np.log2([int(t) for t in degrees])
+            for k in range(2):
+                out[rows, k] = np.interp(log_tp[rows], x, [by_tp[t][k] for t in degrees])
+        return out
 
 
 # --------------------------------------------------------------------------- model
@@ -199,7 +215,7 @@ class Predictor:
         """[n, 2] predicted log(measured / analytical) for time and memory."""
         if X.shape[0] == 0:
             return np.zeros((0, 2))
-        margin = self.offsets.margin(device_types, models)
+        margin = self.offsets.margin(X, device_types, models)
         return np.asarray(self.booster.inplace_predict(X, base_margin=margin), dtype=np.float64).reshape(-1, 2)
 
     def save(self, path: str) -> None:
@@ -268,7 +284,7 @@ def _train(ts: TrainingSet, offsets: Offsets, params: dict, seed: int):
     import xgboost as xgb
 
     rounds = int(round(_ROUNDS_X_RATE / params["learning_rate"]))
-    data = xgb.DMatrix(ts.X, label=ts.Y, base_margin=offsets.margin(ts.device_types, ts.models))
+    data = xgb.DMatrix(ts.X, label=ts.Y, base_margin=offsets.margin(ts.X, ts.device_types, ts.models))
     return xgb.train(_booster_params(params, seed), data, num_boost_round=rounds)
 
 
@@ -288,8 +304,8 @@ def _cv_error(ts: TrainingSet, params, folds, seed) -> float:
         train = ts.subset(np.setdiff1d(order, order[k::folds]))
         offsets = Offsets.fit(train)  # from the training fold only
         booster = _train(train, offsets, params, seed)
-        pred = np.asarray(booster.inplace_predict(test.X, base_margin=offsets.margin(test.device_types, test.models)))
-        pred = pred.reshape(-1, 2)
+        margin = offsets.margin(test.X, test.device_types, test.models)
+        pred = np.asarray(booster.inplace_predict(test.X, base_margin=margin)).reshape(-1, 2)
         mem = test.has_memory
         errors.append(ratio_mape(pred[:, 0], test.Y[:, 0]) + ratio_mape(pred[mem, 1], test.Y[mem, 1]))
     return float(np.mean(errors))
@@ -393,7 +409,8 @@ class LearnedCostModel:
         unseen = [d for d in self.device_names if d not in known]
         if unseen:
             warnings.warn(f"no measurement of device type(s) {', '.join(unseen)}: their costs come from "
-                          "the analytical model corrected by other devices' descriptors", stacklevel=2)
+                          "the analytical model, scaled by the shape learned on the other types at their median "
+                          "level", stacklevel=2)
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
@@ -133,8 +133,15 @@ class MinimalSet:
     dropped_for_budget: list[str] = field(default_factory=list)
     refinement_budget: int = 0
     refinements: list["Refinement"] = field(default_factory=list)
+    few_sample: bool = False
+    """Measured by :func:`new_type_design` (a budget below the ablation): no ablation, no design."""
 
     def summary(self) -> str:
+        if self.few_sample:
+            configs = ", ".join(f"tp={m.tp} micro-batch={m.micro_batch_size}" for m in self.measurements)
+            return (f"few-sample profile of a device type joining a profiled fleet: {configs}\n"
+                    f"measured {self.measured_count} configurations of a full grid of {self.full_grid_size}; "
+                    "fit the predictor on one profile holding the other types too (same --out file)")
         lines = [f"ablation (threshold {IMPACT_THRESHOLD:.0%} change of time or memory):"]
         for p in self.impact:
             if p.single_value:
@@ -242,6 +249,37 @@ def three_point_design(space: ProfileSpace, impact: list[ParameterImpact],
     return samples, names, dropped
 
 
+C = TypeVar("C")
+
+
+def new_type_design(candidates: Sequence[C], budget: int, *, levels: Callable[[C], Iterable],
+                    centre: Callable[[C], float], position: Callable[[C], float],
+                    group: Callable[[C], object] = lambda _c: None) -> list[C]:
+    """At most ``budget`` of ``candidates`` for a device type joining a fleet already profiled.
+
+    With a handful of samples the trees learned on the other types give the shape, and the
+    samples must pin the new type's level wherever its level can differ (``predictor.Offsets``):
+    first every level in ``levels(c)`` is covered (each TP degree, a communication path of its
+    own; in a benchmark over several models, each model too), greedily by how many uncovered
+    levels a candidate adds, nearest the defaults (smallest ``centre``) first; the rest of the
+    budget goes to the candidate farthest in ``position`` (log2 micro-batch) from those already
+    chosen in its ``group``, which pins the slope. Ties keep the order of ``candidates``.
+    """
+    chosen: list[C] = []
+    while len(chosen) < min(budget, len(candidates)):
+        covered = {level for c in chosen for level in levels(c)}
+
+        def score(c, covered=covered):
+            new = sum(level not in covered for level in levels(c))
+            if new:
+                return (-new, centre(c))
+            nearest = min((abs(position(c) - position(o)) for o in chosen if group(o) == group(c)), default=0.0)
+            return (0, -nearest)
+
+        chosen.append(min((c for c in candidates if c not in chosen), key=score))
+    return chosen
+
+
 def analytical_log_ratios(record: Measurement) -> tuple[float, float]:
     """log(measured / analytical) of time and memory (NaN without a memory measurement): the
     targets the predictor learns, so a line is judged on what the predictor must interpolate."""
@@ -333,11 +371,21 @@ def minimal_sample_set(space: ProfileSpace, measure: Callable[[list[Sample]], li
 
     ``budget`` bounds the total number of measurements, ablation and refinement included.
     ``refine_budget`` bounds the refinement alone (default: the design count // REFINE_SHARE).
+    A budget below the ablation's size measures :func:`new_type_design` over TP and micro-batch
+    instead: enough for a device type added to a fleet whose other types are profiled.
     """
     ablation = ablation_samples(space)
     if budget is not None and budget < len(ablation):
-        raise ConfigError("--budget", f"{budget} is below the {len(ablation)} ablation measurements",
-                          f"pass --budget {len(ablation)} or more")
+        if budget < 1:
+            raise ConfigError("--budget", f"must be 1 or more, got {budget}", "e.g. --budget 5")
+        default_mbs = math.log2(space.default.micro_batch_size)
+        grid = [replace(space.default, tp=t, micro_batch_size=m)
+                for t in space.values["tp"] for m in space.values["micro_batch_size"]]
+        few = new_type_design(grid, budget, levels=lambda s: (s.tp,),
+                              centre=lambda s: abs(math.log2(s.micro_batch_size) - default_mbs),
+                              position=lambda s: math.log2(s.micro_batch_size))
+        measured = measure(few)
+        return MinimalSet(measured, [], [], 0, len(few), len(few), space.full_grid_size, few_sample=True)
     measured = dict(zip(ablation, measure(ablation)))
     impact = classify_impact(space, measured, threshold)
     design_budget = None if budget is None else budget - len(ablation)

@@ -74,7 +74,7 @@ def test_predictor_of_another_version_is_a_clear_error(tmp_path, fitted):
     meta["format_version"] = 0
     with open(sidecar_path(path), "w") as f:
         json.dump(meta, f)
-    with pytest.raises(ConfigError, match="format version 0, this memx reads 1; re-train"):
+    with pytest.raises(ConfigError, match="format version 0, this memx reads 2; re-train"):
         Predictor.load(path)
 
 
@@ -137,3 +137,26 @@ def test_load_cost_model_fits_once_then_reuses(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         predictor_module.load_cost_model(path, SPEC, CLUSTER, TRAINING, trials=2)
+
+
+def test_offsets_follow_each_measured_tp_degree_and_interpolate_between():
+    from memx_launch.predictor import TP_COLUMN, Offsets, training_rows
+
+    cluster = ClusterSpec("c", (DEVICE,), (Node("n", (("dev", 8),), 100.0),), float("inf"))
+    cost = AnalyticalCostModel(SPEC, cluster, TRAINING)
+    # A slow link beyond pairs: the measured/analytical ratio is 1.2 at TP 1 and 4.8 at TP 4.
+    ratio = {1: 1.2, 4: 4.8}
+    records = [Measurement(
+        device_type="dev", device={k: v for k, v in vars(DEVICE).items() if k != "name"}, model=SPEC.name,
+        model_signature=SPEC.signature(), block_shape=SPEC.to_dict(), tp=tp, micro_batch_size=b, seq_len=64,
+        recompute="none", dtype="fp32", num_blocks=1, feasible=True, tp_link_gbps=100.0,
+        time_s=float(cost.layer_costs([0], [tp], [b], [64], [0]).time_s[0] * ratio[tp]))
+        for tp in (1, 4) for b in (1, 2, 4)]
+    offsets = Offsets.fit(training_rows(records))
+    X = np.zeros((5, TP_COLUMN + 1))
+    X[:, TP_COLUMN] = [1, 2, 4, 8, 1]
+    got = np.exp(offsets.margin(X, ["dev"] * 4 + ["other"], [SPEC.signature()] * 5)[:, 0])
+    # Exact at measured degrees, geometric mean halfway in log2 TP, flat beyond; a type never
+    # measured gets the global median.
+    assert np.allclose(got[:4], [1.2, (1.2 * 4.8) ** 0.5, 4.8, 4.8], rtol=1e-6)
+    assert got[4] == pytest.approx(np.exp(offsets.overall[0]))

@@ -63,8 +63,35 @@ def test_budget_drops_the_least_impactful_parameter_first():
     change = {p.name: p.time_change for p in result.impact}
     kept = min(change[n] for n in result.design_parameters)
     assert result.dropped_for_budget and all(change[n] <= kept for n in result.dropped_for_budget)
-    with pytest.raises(ConfigError, match="--budget"):
-        minimal_sample_set(space(), fake_measure(), budget=3)
+    with pytest.raises(ConfigError, match="--budget: must be 1 or more"):
+        minimal_sample_set(space(), fake_measure(), budget=0)
+
+
+def test_budget_below_the_ablation_measures_each_tp_degree_then_micro_batch_extremes():
+    measured = []
+
+    def measure(samples):
+        measured.extend(samples)
+        return fake_measure()(samples)
+
+    result = minimal_sample_set(space(), measure, budget=5)
+    assert result.few_sample and result.measured_count == len(measured) == 5
+    # One sample per TP degree at the default micro-batch, then the micro-batches farthest from it.
+    assert [(s.tp, s.micro_batch_size) for s in measured] == [(1, 2), (2, 2), (4, 2), (1, 8), (1, 1)]
+    assert all(s.seq_len == 64 and s.recompute == "none" for s in measured)
+    assert "few-sample profile" in result.summary()
+
+
+def test_new_type_design_covers_every_level_before_spreading():
+    configs = [(model, tp, mbs) for model in "ab" for tp in (1, 2, 4) for mbs in (1, 2, 4, 8, 16)]
+    chosen = profiler.new_type_design(configs, 5, levels=lambda c: (c[0], c[1]),
+                                      centre=lambda c: abs(math.log2(c[2]) - 2), position=lambda c: math.log2(c[2]),
+                                      group=lambda c: c[0])
+    assert {c[0] for c in chosen[:3]} == {"a", "b"} and {c[1] for c in chosen[:3]} == {1, 2, 4}
+    assert all(c[2] == 4 for c in chosen[:3])  # nearest the centre while covering
+    assert {c[2] for c in chosen[3:]} == {1, 16}  # then the far ends of micro-batch
+    assert len(profiler.new_type_design(configs[:2], 5, levels=lambda c: (c[1],), centre=lambda c: 0,
+                                        position=lambda c: 0)) == 2
 
 
 def test_ablation_varies_one_parameter_at_a_time():
