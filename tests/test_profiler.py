@@ -237,6 +237,22 @@ def test_memx_profile_prints_ablation_and_counts_and_appends(tmp_path, capsys):
     assert 0 < len(records) <= 12 and all(r.model == "llama-tiny" for r in records)
 
 
+def test_memx_profile_below_the_ablation_measures_a_few_samples(tmp_path, capsys):
+    from memx_launch.cli import main
+    from memx_launch.profiledb import ProfileDB
+
+    out = tmp_path / "profile.jsonl"
+    code = main(["profile", "--model", "llama-tiny", "--out", str(out), "--max-micro-batch", "8",
+                 "--seq-lens", "16,32", "--repeats", "1", "--num-blocks", "1", "--budget", "2", "--quiet"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "few-sample profile of a device type joining a profiled fleet" in printed
+    assert "measured 2 configurations" in printed and "ablation (threshold" not in printed
+    records = ProfileDB(str(out)).read()
+    # The default micro-batch (4 of 1..8), then the end farthest from it.
+    assert sorted(r.micro_batch_size for r in records) == [1, 4]
+
+
 def test_memx_profile_needs_a_device_type_for_a_mixed_cluster(tmp_path, capsys):
     from memx_launch.cli import main
 
