@@ -1,4 +1,4 @@
-"""Predictor accuracy on real measurements; writes benchmarks/results/predictor_accuracy.json.
+"""Predictor accuracy on real measurements; writes benchmarks/results/predictor_accuracy.json and .png.
 
 (a) Public GPU profiles (shared/peer-data/sailor): per-block forward + backward time by
     micro-batch and TP on 7 GPU types and 4 models.
@@ -53,6 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAILOR = os.path.join(ROOT, "..", "shared", "peer-data", "sailor", "profiles")
 ACESO = os.path.join(ROOT, "..", "shared", "peer-data", "sailor", "aceso_layer_time")
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "predictor_accuracy.json")
+PLOT = os.path.join(ROOT, "benchmarks", "results", "predictor_accuracy.png")
 SAILOR_MODELS = {"OPT-350": "opt-350m", "GPT-Neo-2.7": "gpt-neo-2.7b", "OPT-30": "opt-30b", "LLAMA-3-8": "llama3-8b"}
 SAILOR_SEQ = {"OPT-350": 2048, "GPT-Neo-2.7": 2048, "OPT-30": 2048, "LLAMA-3-8": 8192}
 # Vendor datasheets: fp32 (non-tensor-core) TFLOPS since the profiles are fp32, HBM GB/s,
@@ -126,9 +127,11 @@ def new_type_samples(own: list[Measurement], budget: int = MAX_NEW_TYPE_SAMPLES)
                            position=lambda r: np.log2(r.micro_batch_size), group=lambda r: r.model)
 
 
-def new_type_benchmark(fleet: list[Measurement], new: list[Measurement], trials: int, tag: str) -> dict:
+def new_type_benchmark(fleet: list[Measurement], new: list[Measurement], trials: int,
+                       tag: str) -> tuple[dict, list[Measurement], np.ndarray]:
     """Per GPU type of ``new``: fit on the other types of ``fleet`` plus at most 5 samples of
-    the type, predict the rest of the type's points in ``new``."""
+    the type, predict the rest of the type's points in ``new``. Returns the error summary, the
+    predicted records and the predictions."""
     out, all_test, all_pred = {}, [], []
     for gpu in sorted({r.device_type for r in new}):
         few = new_type_samples([r for r in new if r.device_type == gpu])
@@ -148,7 +151,38 @@ def new_type_benchmark(fleet: list[Measurement], new: list[Measurement], trials:
     out["overall"]["mean_of_gpu_mapes_pct"] = float(np.mean([v["mape_pct"] for k, v in out.items()
                                                              if k != "overall"]))
     print(f"[{tag}] overall MAPE {out['overall']['mape_pct']:.2f}%")
-    return out
+    return out, all_test, np.concatenate(all_pred)
+
+
+def accuracy_plot(panels: dict, path: str) -> None:
+    """Predicted against measured block time, one panel per protocol, one colour per GPU type."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = sorted({r.device_type for records, _ in panels.values() for r in records})
+    colours = dict(zip(gpus, plt.cm.tab10.colors))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.8))
+    for ax, (title, (records, predicted)) in zip(axes, panels.items()):
+        measured = np.array([r.time_s for r in records]) * 1e3
+        for gpu in gpus:
+            idx = [i for i, r in enumerate(records) if r.device_type == gpu]
+            if idx:
+                ax.scatter(measured[idx], predicted[idx] * 1e3, s=14, color=colours[gpu], label=gpu)
+        lo, hi = measured.min() / 1.5, measured.max() * 1.5
+        ax.plot([lo, hi], [lo, hi], color="0.3", lw=1)
+        ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="0.85", zorder=0,
+                        label="within 20%")
+        mape = float(np.mean(np.abs(predicted / (measured / 1e3) - 1))) * 100
+        ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured block time (ms)",
+               ylabel="predicted (ms)", title=f"{title}\nn={len(records)}, MAPE {mape:.1f}%")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
 
 
 def sailor_minimal_set(records: list[Measurement], refine_budget: int | None = None) -> tuple[set, dict]:
@@ -258,7 +292,8 @@ def sailor_benchmark(trials: int) -> dict:
     t0 = time.perf_counter()
     predictor = fit_predictor(train, augmented=augmentation.points, trials=trials)
     fit_s = time.perf_counter() - t0
-    a1 = per_gpu(test, predict_records(predictor, test))
+    a1_pred = predict_records(predictor, test)
+    a1 = per_gpu(test, a1_pred)
     a1_analytical = per_gpu(test, analytical_records(test))
     print(f"[sailor a1] fit {fit_s:.1f}s; time MAPE overall {a1['overall']['mape_pct']:.2f}% "
           f"(analytical alone {a1_analytical['overall']['mape_pct']:.1f}%)")
@@ -280,10 +315,14 @@ def sailor_benchmark(trials: int) -> dict:
           f"{a1_design_only_own['overall']['mape_pct']:.2f}%, "
           f"RTX-3090 {a1_design_only_own['RTX-3090']['mape_pct']:.2f}%")
 
-    a2 = new_type_benchmark(train, records, trials, "sailor a2")
+    a2, a2_records, a2_pred = new_type_benchmark(train, records, trials, "sailor a2")
     aceso = aceso_records()
-    a3 = new_type_benchmark(train, aceso, trials, "aceso a3")
+    a3, a3_records, a3_pred = new_type_benchmark(train, aceso, trials, "aceso a3")
     a3_analytical = per_gpu(aceso, analytical_records(aceso))
+    accuracy_plot({"a1: minimal set per profile": (test, a1_pred),
+                   "a2: new GPU type, 5 samples": (a2_records, a2_pred),
+                   "a3: new GPU type, 5 samples (Aceso data)": (a3_records, a3_pred)}, PLOT)
+    print(f"wrote {PLOT}")
     return {
         "data": "shared/peer-data/sailor/profiles (fp32, Megatron-DeepSpeed, CUDA events)",
         "points": len(records), "minimal_set": len(train), "design_only_set": len(design_only),
@@ -319,6 +358,7 @@ def cpu_benchmark(grid_size: int, trials: int) -> dict:
     # One thread: the machine's two cores are shared, and one thread per measurement is the
     # least sensitive to what the neighbours run.
     torch.set_num_threads(1)
+    machine = machine_info()  # this part's own load, kept with it when a later run skips it
     spec = MODEL_CATALOG["llama-small"]
     device = detect_device_type("cpu")
     space = ProfileSpace(CPU_SPACE, Sample(tp=1, micro_batch_size=2, seq_len=128, recompute="none",
@@ -393,6 +433,7 @@ def cpu_benchmark(grid_size: int, trials: int) -> dict:
           f"(analytical alone: time {report['analytical_only']['time']['mape_pct']:.1f}%, memory "
           f"{report['analytical_only']['memory']['mape_pct']:.1f}%); median repeat IQR {np.median(noise):.1%}")
     return {
+        "machine": machine,
         "device": {"name": device.name, "peak_tflops_measured": device.peak_tflops,
                    "memory_bandwidth_gbps_measured": device.memory_bandwidth_gbps, "torch_threads": 1},
         "model": "llama-small blocks (h=512, 8 heads, SwiGLU 1376), fp32, 2 blocks per run, 5 repeats (median)",
