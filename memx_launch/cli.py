@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
@@ -342,6 +343,11 @@ def run_profile(args) -> int:
     infeasible = sum(not m.feasible for m in result.measurements)
     if infeasible:
         print(f"{infeasible} configuration(s) ran out of memory (kept as infeasible points)")
+    slack = [m.peak_reserved_bytes / m.peak_memory_bytes for m in result.measurements
+             if m.feasible and m.peak_reserved_bytes and m.peak_memory_bytes]
+    if slack:
+        print(f"caching allocator: reserved peak {statistics.median(slack):.2f}x the allocated peak (median over "
+              f"{len(slack)} configurations); the plan's memory headroom must cover it")
     print(augment_measurements(result.measurements, space.values).summary())
     ProfileDB(args.out).append(result.measurements)
     print(f"appended {len(result.measurements)} measurements to {args.out}")

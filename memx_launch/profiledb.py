@@ -57,6 +57,9 @@ class Measurement:
     peak_memory_bytes: float | None = None
     """Peak bytes allocated above the resting state (weights, grads, input) over the
     forward + backward of all ``num_blocks`` blocks."""
+    peak_reserved_bytes: float | None = None
+    """GPUs: the caching allocator's peak reserve above the resting state over the same
+    step (allocated plus its slack); None on CPUs."""
     tp_link_gbps: float | None = None
     """Bandwidth of the TP group's link (None for tp=1)."""
     emulation_slowdown: float = 1.0

@@ -499,13 +499,13 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     for s in samples:
         shape = replace(spec, num_kv_heads=s.num_kv_heads)
         try:
-            time_s, spread_s, peak = _run_sample(shape, s, torch.device(device), tp_group, dtype, num_blocks,
-                                                 warmup, repeats)
+            time_s, spread_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
+                                                           num_blocks, warmup, repeats)
             feasible = True
         except (RuntimeError, MemoryError) as exc:
             if not _is_oom(exc):
                 raise
-            time_s = spread_s = peak = None
+            time_s = spread_s = peak = reserved = None
             feasible = False
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -521,7 +521,7 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             dtype=dtype, num_blocks=num_blocks, feasible=feasible,
             time_s=None if time_s is None else time_s * emulation_slowdown,
             time_spread_s=None if spread_s is None else spread_s * emulation_slowdown,
-            peak_memory_bytes=peak, tp_link_gbps=tp_link_gbps if s.tp > 1 else None,
+            peak_memory_bytes=peak, peak_reserved_bytes=reserved, tp_link_gbps=tp_link_gbps if s.tp > 1 else None,
             emulation_slowdown=emulation_slowdown, emulated=emulated, software=software))
         if progress is not None:
             progress(s)
@@ -529,8 +529,9 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
 
 
 def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
-                repeats: int) -> tuple[float, float, float]:
-    """(median seconds per block, interquartile range per block, peak bytes above resting)."""
+                repeats: int) -> tuple[float, float, float, float | None]:
+    """(median seconds per block, interquartile range per block, peak bytes above resting,
+    peak bytes the caching allocator reserved above resting (GPUs; None on CPUs))."""
     import torch
 
     from memx_launch.llama import TransformerBlock, apply_tensor_parallel
@@ -566,27 +567,31 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    peak = _peak_memory_bytes(step, dev)
+    peak, reserved = _peak_memory_bytes(step, dev)
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return statistics.median(times) / num_blocks, (quartiles[2] - quartiles[0]) / num_blocks, peak
+    return statistics.median(times) / num_blocks, (quartiles[2] - quartiles[0]) / num_blocks, peak, reserved
 
 
-def _peak_memory_bytes(step: Callable[[], None], dev) -> float:
-    """Peak bytes of live tensors above the state before ``step``.
+def _peak_memory_bytes(step: Callable[[], None], dev) -> tuple[float, float | None]:
+    """Peak bytes of live tensors above the state before ``step``, and on GPUs the peak the
+    caching allocator reserved above it (what an out-of-memory error is about).
 
-    GPU: the caching allocator's max_memory_allocated. CPU: the profiler's memory events,
+    GPU: max_memory_allocated and max_memory_reserved. CPU: the profiler's memory events,
     which see every tensor allocation and free (the process RSS does not: freed blocks stay
-    mapped and large ones bypass it).
+    mapped and large ones bypass it); there is no allocator reserve to read.
     """
     import torch
 
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-        resting = torch.cuda.memory_allocated(dev)
+        # Blocks the timed repeats left cached would hide what this step has to reserve.
+        torch.cuda.empty_cache()
+        resting, resting_reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         step()
         torch.cuda.synchronize(dev)
-        return float(torch.cuda.max_memory_allocated(dev) - resting)
+        return (float(torch.cuda.max_memory_allocated(dev) - resting),
+                float(torch.cuda.max_memory_reserved(dev) - resting_reserved))
     # Kineto prints a line per profiler start and stop unless told otherwise (6: silent).
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import ProfilerActivity, profile
@@ -599,7 +604,7 @@ def _peak_memory_bytes(step: Callable[[], None], dev) -> float:
     for e in events:
         live += e.nbytes()
         peak = max(peak, live)
-    return float(peak)
+    return float(peak), None
 
 
 # --------------------------------------------------------------------------- memx profile

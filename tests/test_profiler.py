@@ -198,8 +198,27 @@ def test_calibration_kernel_measures_time_and_memory_on_cpu():
         assert m.feasible and m.time_s > 0 and m.time_spread_s >= 0 and not m.emulated
     # Full recompute keeps only the block inputs: the least memory.
     assert full.peak_memory_bytes < selective.peak_memory_bytes <= none.peak_memory_bytes
+    assert none.peak_reserved_bytes is None  # no caching allocator on CPUs
     (slow,) = calibrate(SPEC, CPU, samples[:1], repeats=1, emulation_slowdown=4.0)
     assert slow.emulated and slow.emulation_slowdown == 4.0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+def test_gpu_calibration_times_with_events_and_reads_both_allocator_peaks():
+    import torch
+
+    gpu = DeviceType(name="gpu", vendor="nvidia", memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
+                     peak_tflops=100.0)
+    (m,) = calibrate(SPEC, gpu, [Sample(1, 2, 64, "none", SPEC.num_kv_heads)], device="cuda", dtype="bf16",
+                     repeats=3)
+    assert m.feasible and m.time_s > 0
+    assert 0 < m.peak_memory_bytes <= m.peak_reserved_bytes
 
 
 def test_out_of_memory_is_stored_as_an_infeasible_point(monkeypatch):
