@@ -184,11 +184,11 @@ class Offsets:
         log_tp = np.log2(X[:, TP_COLUMN])
         out = np.empty((len(log_tp), 2))
         keys = np.array([f"{d}|{m}" for d, m in zip(device_types, models)])
-        for key in set(keys):
+        for key, device_type in dict(zip(keys, device_types)).items():
             rows = keys == key
             by_tp = self.levels.get(key)
             if by_tp is None:
-                out[rows] = self.devices.get(key.split("|", 1)[0]) or self.overall
+                out[rows] = self.devices.get(device_type) or self.overall
                 continue
             degrees = sorted(by_tp, key=int)
             x = np.log2([int(t) for t in degrees])
