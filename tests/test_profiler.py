@@ -240,34 +240,30 @@ def test_space_rejects_a_default_outside_its_values():
         ProfileSpace(FIVE, replace(space().default, seq_len=48))
 
 
-def test_memx_profile_prints_ablation_and_counts_and_appends(tmp_path, capsys):
+def run_memx_profile(tmp_path, capsys, max_micro_batch: int, budget: int):
+    """``memx profile`` of llama-tiny on this CPU: (printed output, records appended)."""
     from memx_launch.cli import main
     from memx_launch.profiledb import ProfileDB
 
     out = tmp_path / "profile.jsonl"
-    code = main(["profile", "--model", "llama-tiny", "--out", str(out), "--max-micro-batch", "2",
-                 "--seq-lens", "16,32", "--repeats", "1", "--num-blocks", "1", "--budget", "12", "--quiet"])
-    printed = capsys.readouterr().out
+    code = main(["profile", "--model", "llama-tiny", "--out", str(out), "--max-micro-batch", str(max_micro_batch),
+                 "--seq-lens", "16,32", "--repeats", "1", "--num-blocks", "1", "--budget", str(budget), "--quiet"])
     assert code == 0
+    return capsys.readouterr().out, ProfileDB(str(out)).read()
+
+
+def test_memx_profile_prints_ablation_and_counts_and_appends(tmp_path, capsys):
+    printed, records = run_memx_profile(tmp_path, capsys, max_micro_batch=2, budget=12)
     assert "ablation (threshold 10%" in printed and "of a full grid of" in printed
     assert "refinement (ratio to the analytical model" in printed
     assert "tp                one value in the space: fixed" in printed
-    records = ProfileDB(str(out)).read()
     assert 0 < len(records) <= 12 and all(r.model == "llama-tiny" for r in records)
 
 
 def test_memx_profile_below_the_ablation_measures_a_few_samples(tmp_path, capsys):
-    from memx_launch.cli import main
-    from memx_launch.profiledb import ProfileDB
-
-    out = tmp_path / "profile.jsonl"
-    code = main(["profile", "--model", "llama-tiny", "--out", str(out), "--max-micro-batch", "8",
-                 "--seq-lens", "16,32", "--repeats", "1", "--num-blocks", "1", "--budget", "2", "--quiet"])
-    printed = capsys.readouterr().out
-    assert code == 0
+    printed, records = run_memx_profile(tmp_path, capsys, max_micro_batch=8, budget=2)
     assert "few-sample profile of a device type joining a profiled fleet" in printed
     assert "measured 2 configurations" in printed and "ablation (threshold" not in printed
-    records = ProfileDB(str(out)).read()
     # The default micro-batch (4 of 1..8), then the end farthest from it.
     assert sorted(r.micro_batch_size for r in records) == [1, 4]
 
