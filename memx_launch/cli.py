@@ -284,8 +284,8 @@ def add_profile_command(sub) -> None:
     p.add_argument("--out", default="profile.jsonl", help="profile database to append to (default profile.jsonl)")
     p.add_argument("--budget", type=int, metavar="N",
                    help="at most N measurements, ablation included; below the ablation's size, a few-sample "
-                        "profile for a device type added to an already profiled fleet (one point per TP degree, "
-                        "then micro-batch extremes)")
+                        "profile for a device type added to an already profiled fleet (the default micro-batch, "
+                        "then its extremes)")
     p.add_argument("--refine-budget", "--refine_budget", type=int, metavar="N",
                    help="at most N extra measurements around non-linear lines (default: a third of the design)")
     p.add_argument("--cluster", help="cluster YAML: take this device's type (and emulation) from it")

@@ -385,7 +385,8 @@ def minimal_sample_set(space: ProfileSpace, measure: Callable[[list[Sample]], li
                               centre=lambda s: abs(math.log2(s.micro_batch_size) - default_mbs),
                               position=lambda s: math.log2(s.micro_batch_size))
         measured = measure(few)
-        return MinimalSet(measured, [], [], 0, len(few), len(few), space.full_grid_size, few_sample=True)
+        return MinimalSet(measured, impact=[], design_parameters=[], ablation_count=0, design_count=len(few),
+                          measured_count=len(few), full_grid_size=space.full_grid_size, few_sample=True)
     measured = dict(zip(ablation, measure(ablation)))
     impact = classify_impact(space, measured, threshold)
     design_budget = None if budget is None else budget - len(ablation)
