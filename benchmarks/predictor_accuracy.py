@@ -44,6 +44,7 @@ from memx_launch.metrics import error_summary, ranking_summary  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.plan import write_json_atomic  # noqa: E402
 from memx_launch.prediction_cache import CachedCostModel  # noqa: E402
+from memx_launch.report import save_png_atomic  # noqa: E402
 from memx_launch.predictor import LearnedCostModel, fit_predictor  # noqa: E402
 from memx_launch.profiledb import Measurement  # noqa: E402
 from memx_launch.profiler import ProfileSpace, Sample, minimal_sample_set, new_type_design  # noqa: E402
@@ -147,11 +148,10 @@ def new_type_benchmark(fleet: list[Measurement], new: list[Measurement], trials:
         all_pred.append(pred)
         print(f"[{tag}] new type {gpu:<10} with {len(few)} samples: MAPE {out[gpu]['mape_pct']:6.2f}% "
               f"over {len(held)} points")
-    out["overall"] = error_summary(np.concatenate(all_pred), [r.time_s for r in all_test])
-    out["overall"]["mean_of_gpu_mapes_pct"] = float(np.mean([v["mape_pct"] for k, v in out.items()
-                                                             if k != "overall"]))
+    predicted = np.concatenate(all_pred)
+    out["overall"] = per_gpu(all_test, predicted)["overall"]
     print(f"[{tag}] overall MAPE {out['overall']['mape_pct']:.2f}%")
-    return out, all_test, np.concatenate(all_pred)
+    return out, all_test, predicted
 
 
 def accuracy_plot(panels: dict, path: str) -> None:
@@ -179,10 +179,7 @@ def accuracy_plot(panels: dict, path: str) -> None:
                ylabel="predicted (ms)", title=f"{title}\nn={len(records)}, MAPE {mape:.1f}%")
     axes[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_png_atomic(fig, path, dpi=110)
 
 
 def sailor_minimal_set(records: list[Measurement], refine_budget: int | None = None) -> tuple[set, dict]:

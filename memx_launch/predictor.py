@@ -183,10 +183,15 @@ class Offsets:
         """[n, 2] base margin of feature rows ``X`` (for their TP column)."""
         log_tp = np.log2(X[:, TP_COLUMN])
         out = np.empty((len(log_tp), 2))
-        keys = np.array([f"{d}|{m}" for d, m in zip(device_types, models)])
-        for key, device_type in dict(zip(keys, device_types)).items():
-            rows = keys == key
-            by_tp = self.levels.get(key)
+        # Group rows by (device type, model) through integer codes: per-row keys cost more
+        # than the trees' prediction on large queries.
+        device_names, device_index = np.unique(np.asarray(device_types), return_inverse=True)
+        model_names, model_index = np.unique(np.asarray(models), return_inverse=True)
+        pair_index = device_index.reshape(-1) * len(model_names) + model_index.reshape(-1)
+        for pair in np.unique(pair_index):
+            rows = pair_index == pair
+            device_type, model = device_names[pair // len(model_names)], model_names[pair % len(model_names)]
+            by_tp = self.levels.get(f"{device_type}|{model}")
             if by_tp is None:
                 out[rows] = self.devices.get(device_type) or self.overall
                 continue

@@ -191,12 +191,19 @@ def pareto_plot(result, path: str, overwrite: bool = False, emulated: bool = Fal
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    save_png_atomic(fig, path)
+
+
+def save_png_atomic(fig, path: str, dpi: int = 120) -> None:
+    """Write a matplotlib figure to ``path`` through a temporary file and a rename, then close it."""
+    import matplotlib.pyplot as plt
+
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=".png")
     os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=120)
+        fig.savefig(tmp, format="png", dpi=dpi)
         os.replace(tmp, path)
     finally:
         plt.close(fig)
