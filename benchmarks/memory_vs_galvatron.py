@@ -29,9 +29,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.machine import machine_info  # noqa: E402
-from memx_launch import costmodel as cm  # noqa: E402
-from memx_launch.plan import write_json_atomic  # noqa: E402
-from memx_launch.specs import TrainingSpec, get_model  # noqa: E402
+from memx_launch.planning import costmodel as cm
+from memx_launch.files import write_json_atomic
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.model import get_model
 
 DATA = os.path.join(ROOT, "..", "shared", "peer-data", "galvatron", "galvatron", "models", "gpt", "configs",
                     "memory_profiling_bf16_llama2-7b_all.json")

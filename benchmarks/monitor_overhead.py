@@ -25,10 +25,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from memx_launch.monitor import MonitorConfig  # noqa: E402
+from memx_launch.runtime.monitor import MonitorConfig
 from benchmarks.machine import machine_info  # noqa: E402
-from memx_launch.plan import Objective, Plan, StagePlan, write_json_atomic  # noqa: E402
-from memx_launch.specs import get_model  # noqa: E402
+from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.files import write_json_atomic
+from memx_launch.specs.model import get_model
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "monitor_overhead.json")
 MODEL = "llama-tiny"
@@ -45,8 +46,8 @@ def make_plan() -> Plan:
 
 def _worker(rank, port, steps, block, queue):
     import torch.distributed as dist
-    from memx_launch.monitor import MemoryMonitor, MonitorConfig, memory_reader
-    from memx_launch.runtime import Runtime
+    from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
+    from memx_launch.runtime.training import Runtime
     from memx_launch.runtime.emulation import EmulatedDevice
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

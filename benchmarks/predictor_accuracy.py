@@ -38,17 +38,20 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from memx_launch.augment import augment_measurements  # noqa: E402
-from memx_launch.costmodel import AnalyticalCostModel  # noqa: E402
-from memx_launch.metrics import error_summary, ranking_summary  # noqa: E402
+from memx_launch.profiling.interpolation import augment_measurements
+from memx_launch.planning.costmodel import AnalyticalCostModel
+from memx_launch.profiling.metrics import error_summary, ranking_summary
 from benchmarks.machine import machine_info  # noqa: E402
-from memx_launch.plan import write_json_atomic  # noqa: E402
-from memx_launch.prediction_cache import CachedCostModel  # noqa: E402
-from memx_launch.report import save_png_atomic  # noqa: E402
-from memx_launch.predictor import LearnedCostModel, fit_predictor  # noqa: E402
-from memx_launch.profiledb import Measurement  # noqa: E402
-from memx_launch.profiler import ProfileSpace, Sample, minimal_sample_set, new_type_design  # noqa: E402
-from memx_launch.specs import MODEL_CATALOG, ClusterSpec, DeviceType, Node, TrainingSpec  # noqa: E402
+from memx_launch.files import write_json_atomic
+from memx_launch.profiling.prediction_cache import CachedCostModel
+from memx_launch.planning.report import save_png_atomic
+from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
+from memx_launch.profiling.profiledb import Measurement
+from memx_launch.profiling.space import ProfileSpace, Sample
+from memx_launch.profiling.design import minimal_sample_set, new_type_design
+from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
+from memx_launch.specs.training import TrainingSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAILOR = os.path.join(ROOT, "..", "shared", "peer-data", "sailor", "profiles")
@@ -349,8 +352,9 @@ CPU_SPACE = {"tp": (1,), "micro_batch_size": (1, 2, 3, 4, 6, 8), "seq_len": (32,
 def cpu_benchmark(grid_size: int, trials: int) -> dict:
     import torch
 
-    from memx_launch.profiler import (PARAMETERS, ProfileSpace, Sample, ablation_samples, calibrate, classify_impact,
-                                      detect_device_type, three_point_design)
+    from memx_launch.profiling.space import PARAMETERS, ProfileSpace, Sample
+    from memx_launch.profiling.design import ablation_samples, classify_impact, three_point_design
+    from memx_launch.profiling.kernel import calibrate, detect_device_type
 
     # One thread: the machine's two cores are shared, and one thread per measurement is the
     # least sensitive to what the neighbours run.

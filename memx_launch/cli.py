@@ -15,8 +15,11 @@ import statistics
 import sys
 
 from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
-from memx_launch.plan import Plan, write_json_atomic
-from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+from memx_launch.planning.plan import Plan
+from memx_launch.files import write_json_atomic
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.model import get_model
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +72,7 @@ def _cost_model(args, model, cluster, training):
         return None
     if not os.path.exists(args.profile_db):
         raise ConfigError("--profile-db", f"{args.profile_db} does not exist", "run memx profile first")
-    from memx_launch.predictor import load_cost_model
+    from memx_launch.profiling.predictor import load_cost_model
 
     return load_cost_model(args.profile_db, model, cluster, training)
 
@@ -77,7 +80,7 @@ def _cost_model(args, model, cluster, training):
 def _progress(args):
     if args.quiet:
         return None
-    from memx_launch.search import progress_to_stderr
+    from memx_launch.planning.search import progress_to_stderr
 
     return progress_to_stderr
 
@@ -119,8 +122,10 @@ def add_plan_command(sub) -> None:
 
 
 def run_plan(args) -> int:
-    from memx_launch import report
-    from memx_launch.search import SearchSpace, compare_baselines, parse_weights, search
+    from memx_launch.planning import report
+    from memx_launch.planning.search import SearchSpace, search
+    from memx_launch.planning.baselines import compare_baselines
+    from memx_launch.planning.objective import parse_weights
 
     if args.top < 1:
         raise ConfigError("--top", f"must be at least 1, got {args.top}", "e.g. --top 5")
@@ -185,8 +190,9 @@ def add_estimate_command(sub) -> None:
 
 
 def run_estimate(args) -> int:
-    from memx_launch import report
-    from memx_launch.search import evaluate_layout, parse_weights
+    from memx_launch.planning import report
+    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.planning.objective import parse_weights
 
     _check_new_file(args.json, "--json", args.force)
     if not args.cluster:
@@ -249,7 +255,7 @@ def add_export_command(sub) -> None:
 
 
 def run_export(args) -> int:
-    from memx_launch import exporters
+    from memx_launch.planning import exporters
 
     plan = Plan.load(args.plan)
     megatron = exporters.megatron_args(plan)
@@ -303,10 +309,11 @@ def add_profile_command(sub) -> None:
 def run_profile(args) -> int:
     import torch
 
-    from memx_launch.augment import augment_measurements
-    from memx_launch.costmodel import tp_link_gbps
-    from memx_launch.profiledb import ProfileDB
-    from memx_launch.profiler import default_space, detect_device_type, profile_model
+    from memx_launch.profiling.interpolation import augment_measurements
+    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.profiling.profiledb import ProfileDB
+    from memx_launch.profiling.space import default_space
+    from memx_launch.profiling.kernel import detect_device_type, profile_model
 
     model = get_model(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -368,7 +375,7 @@ def add_evaluate_command(sub) -> None:
 
 
 def run_evaluate(args) -> int:
-    from memx_launch.metrics import evaluate, format_report, load_measurements
+    from memx_launch.profiling.metrics import evaluate, format_report, load_measurements
 
     _check_new_file(args.json, "--json", args.force)
     report = evaluate(load_measurements(args.measurements))

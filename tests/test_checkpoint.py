@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from memx_launch.plan import Objective, Plan, StagePlan
-from memx_launch.specs import get_model
+from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")
@@ -35,8 +35,8 @@ def _params(runtime):
 
 def _worker(rank, port, directory, queue):
     import torch.distributed as dist
-    from memx_launch.checkpoint import load_checkpoint, save_checkpoint
-    from memx_launch.runtime import Runtime
+    from memx_launch.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from memx_launch.runtime.training import Runtime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from memx_launch.cli import main
-from memx_launch.plan import Plan
+from memx_launch.planning.plan import Plan
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CLUSTERS = os.path.join(ROOT, "examples", "clusters")

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from memx_launch import costmodel as cm
-from memx_launch.specs import ModelSpec, TrainingSpec, get_model
+from memx_launch.planning import costmodel as cm
+from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.training import TrainingSpec
 
 S, B, H, A = 2048, 1, 12288, 96  # GPT-3 175B, the case of Korthikanti et al. Table 2
 
@@ -77,14 +78,14 @@ def test_iteration_time_equations():
 
 
 def _one_device_cluster():
-    from memx_launch.specs import ClusterSpec
+    from memx_launch.specs.cluster import ClusterSpec
     return ClusterSpec.from_dict({"version": 1, "device_types": {
         "gpu": {"memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}},
         "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 300}]})
 
 
 def test_tp_link_depends_on_the_group_size_through_numa_domains():
-    from memx_launch.specs import ClusterSpec
+    from memx_launch.specs.cluster import ClusterSpec
     cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"gpu": {"memory_gib": 32, "peak_tflops": 100}},
                                      "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 17, "numa_domains": 2,
                                                 "cross_numa_gbps": 12}]})

@@ -5,9 +5,10 @@ import os
 import pytest
 
 from memx_launch.errors import ConfigError
-from memx_launch.exporters import megatron_args, pipeline_layout, plan_env, torchrun_commands
-from memx_launch.plan import Objective, Plan, StagePlan
-from memx_launch.specs import ClusterSpec, get_model
+from memx_launch.planning.exporters import megatron_args, pipeline_layout, plan_env, torchrun_commands
+from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memx_launch.errors import ConfigError
-from memx_launch.faults import BallastFault, Faults, KillCalibrationFault
+from memx_launch.runtime.faults import BallastFault, Faults, KillCalibrationFault
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 
 
@@ -45,7 +45,7 @@ def test_ballast_counts_against_the_emulated_capacity_from_its_step_on():
 
 
 def test_calibration_kill_happens_once(tmp_path):
-    code = ("from memx_launch.faults import Faults\n"
+    code = ("from memx_launch.runtime.faults import Faults\n"
             "f = Faults.from_env().kill_calibration\n"
             "for done in range(1, 4):\n"
             "    f.after_sample(2, done)\n"

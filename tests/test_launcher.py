@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from memx_launch.launcher import build_parser, main, script_flag
+from memx_launch.runtime.launcher import build_parser, main, script_flag
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
@@ -36,7 +36,7 @@ def test_script_model_is_read_and_memx_flag_wins(capsys):
 
 
 def _run(argv, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "memx_launch.launcher", *argv], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", *argv], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout, proc.stderr
 

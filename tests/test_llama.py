@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from memx_launch.errors import ConfigError
-from memx_launch.llama import LlamaStage, TransformerBlock, apply_tensor_parallel
-from memx_launch.specs import get_model
+from memx_launch.models.llama import LlamaStage, TransformerBlock, apply_tensor_parallel
+from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from memx_launch.errors import ConfigError
-from memx_launch.metrics import error_summary, evaluate, format_report, load_measurements, ranking_summary
+from memx_launch.profiling.metrics import error_summary, evaluate, format_report, load_measurements, ranking_summary
 
 
 def test_error_summary():

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from memx_launch.errors import ConfigError
-from memx_launch.monitor import GIB, MemoryMonitor, MonitorConfig, oom_event
-from memx_launch.plan import Objective, Plan, StagePlan
-from memx_launch.specs import get_model
+from memx_launch.runtime.monitor import GIB, MemoryMonitor, MonitorConfig, oom_event
+from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")
@@ -68,7 +68,7 @@ def test_config_from_env_and_errors():
 def test_oom_event_knows_only_its_own_rank():
     class Reader:
         def read(self):
-            from memx_launch.monitor import MemoryReading
+            from memx_launch.runtime.monitor import MemoryReading
             return MemoryReading(0.03 * GIB, 0.03 * GIB, 0.03 * GIB, 0.05 * GIB)
 
     event = oom_event(make_plan(), 1, 7, torch.OutOfMemoryError("CUDA out of memory. Tried\nmore"), Reader())
@@ -82,8 +82,8 @@ def test_oom_event_knows_only_its_own_rank():
 
 def _worker(rank, port, queue):
     import torch.distributed as dist
-    from memx_launch.faults import BallastFault
-    from memx_launch.monitor import memory_reader
+    from memx_launch.runtime.faults import BallastFault
+    from memx_launch.runtime.monitor import memory_reader
     from memx_launch.runtime.emulation import EmulatedDevice
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -4,13 +4,15 @@ import warnings
 import numpy as np
 import pytest
 
-from memx_launch.augment import augment_measurements, classify_trend
-from memx_launch.costmodel import AnalyticalCostModel
+from memx_launch.profiling.interpolation import augment_measurements, classify_trend
+from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.errors import ConfigError
-from memx_launch.prediction_cache import CachedCostModel, PredictionCache, pack_keys, unpack_keys
-from memx_launch.predictor import LearnedCostModel, Predictor, fit_predictor, sidecar_path
-from memx_launch.profiledb import Measurement, ProfileDB
-from memx_launch.specs import MODEL_CATALOG, ClusterSpec, DeviceType, Node, TrainingSpec
+from memx_launch.profiling.prediction_cache import CachedCostModel, PredictionCache, pack_keys, unpack_keys
+from memx_launch.profiling.predictor import LearnedCostModel, Predictor, fit_predictor, sidecar_path
+from memx_launch.profiling.profiledb import Measurement, ProfileDB
+from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
+from memx_launch.specs.training import TrainingSpec
 
 SPEC = MODEL_CATALOG["llama-tiny"]
 DEVICE = DeviceType(name="dev", vendor="nvidia", memory_gib=16, peak_tflops=50, memory_bandwidth_gbps=900)
@@ -127,7 +129,7 @@ def test_validator_classes_and_rules():
 
 
 def test_load_cost_model_fits_once_then_reuses(tmp_path, monkeypatch):
-    from memx_launch import predictor as predictor_module
+    from memx_launch.profiling import predictor as predictor_module
 
     path = str(tmp_path / "profile.jsonl")
     ProfileDB(path).append(synthetic_records(mbs_values=(1, 4, 16), seqs=(32, 128)))
@@ -140,7 +142,7 @@ def test_load_cost_model_fits_once_then_reuses(tmp_path, monkeypatch):
 
 
 def test_offsets_follow_each_measured_tp_degree_and_interpolate_between():
-    from memx_launch.predictor import TP_COLUMN, Offsets, training_rows
+    from memx_launch.profiling.features import TP_COLUMN, Offsets, training_rows
 
     cluster = ClusterSpec("c", (DEVICE,), (Node("n", (("dev", 8),), 100.0),), float("inf"))
     cost = AnalyticalCostModel(SPEC, cluster, TRAINING)

@@ -4,12 +4,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from memx_launch import profiler
+from memx_launch.profiling import design, kernel
 from memx_launch.errors import ConfigError
-from memx_launch.profiledb import Measurement
-from memx_launch.profiler import (PARAMETERS, ProfileSpace, Sample, ablation_samples, analytical_log_ratios,
-                                  calibrate, minimal_sample_set, three_point_design)
-from memx_launch.specs import MODEL_CATALOG, DeviceType
+from memx_launch.profiling.profiledb import Measurement
+from memx_launch.profiling.space import PARAMETERS, ProfileSpace, Sample
+from memx_launch.profiling.design import ablation_samples, minimal_sample_set, three_point_design
+from memx_launch.profiling.refinement import analytical_log_ratios
+from memx_launch.profiling.kernel import calibrate
+from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.cluster import DeviceType
 
 SPEC = MODEL_CATALOG["llama-tiny"]
 CPU = DeviceType(name="cpu", vendor="cpu", memory_gib=8, peak_tflops=0.1, efficiency=1.0)
@@ -84,13 +87,13 @@ def test_budget_below_the_ablation_measures_each_tp_degree_then_micro_batch_extr
 
 def test_new_type_design_covers_every_level_before_spreading():
     configs = [(model, tp, mbs) for model in "ab" for tp in (1, 2, 4) for mbs in (1, 2, 4, 8, 16)]
-    chosen = profiler.new_type_design(configs, 5, levels=lambda c: (c[0], c[1]),
+    chosen = design.new_type_design(configs, 5, levels=lambda c: (c[0], c[1]),
                                       centre=lambda c: abs(math.log2(c[2]) - 2), position=lambda c: math.log2(c[2]),
                                       group=lambda c: c[0])
     assert {c[0] for c in chosen[:3]} == {"a", "b"} and {c[1] for c in chosen[:3]} == {1, 2, 4}
     assert all(c[2] == 4 for c in chosen[:3])  # nearest the centre while covering
     assert {c[2] for c in chosen[3:]} == {1, 16}  # then the far ends of micro-batch
-    assert len(profiler.new_type_design(configs[:2], 5, levels=lambda c: (c[1],), centre=lambda c: 0,
+    assert len(design.new_type_design(configs[:2], 5, levels=lambda c: (c[1],), centre=lambda c: 0,
                                         position=lambda c: 0)) == 2
 
 
@@ -103,7 +106,7 @@ def test_ablation_varies_one_parameter_at_a_time():
 
 
 def test_three_point_design_uses_min_mid_max():
-    impact = [profiler.ParameterImpact(p, 1.0, 1.0, p == "micro_batch_size") for p in PARAMETERS]
+    impact = [design.ParameterImpact(p, 1.0, 1.0, p == "micro_batch_size") for p in PARAMETERS]
     samples, names, _ = three_point_design(space(), impact)
     # The default (2) lies inside the range, so it is the mid point.
     assert names == ["micro_batch_size"] and sorted(s.micro_batch_size for s in samples) == [1, 2, 8]
@@ -225,7 +228,7 @@ def test_out_of_memory_is_stored_as_an_infeasible_point(monkeypatch):
     def oom(*args):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(profiler, "_run_sample", oom)
+    monkeypatch.setattr(kernel, "_run_sample", oom)
     (m,) = calibrate(SPEC, CPU, [Sample(1, 64, 4096, "none", SPEC.num_kv_heads)])
     assert not m.feasible and m.time_s is None
 
@@ -243,7 +246,7 @@ def test_space_rejects_a_default_outside_its_values():
 def run_memx_profile(tmp_path, capsys, max_micro_batch: int, budget: int):
     """``memx profile`` of llama-tiny on this CPU: (printed output, records appended)."""
     from memx_launch.cli import main
-    from memx_launch.profiledb import ProfileDB
+    from memx_launch.profiling.profiledb import ProfileDB
 
     out = tmp_path / "profile.jsonl"
     code = main(["profile", "--model", "llama-tiny", "--out", str(out), "--max-micro-batch", str(max_micro_batch),
@@ -309,7 +312,7 @@ def test_calibration_kernel_runs_tensor_parallel_over_a_group():
 
 
 def test_a_kink_within_the_repeat_noise_buys_no_point():
-    from memx_launch.augment import line_kinks
+    from memx_launch.profiling.interpolation import line_kinks
 
     x = np.log2([1.0, 2.0, 4.0, 8.0])
     y = np.array([1.0, 1.0, 1.3, 1.0])  # 30% off its neighbours' line

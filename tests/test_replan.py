@@ -5,9 +5,11 @@ import math
 import pytest
 
 from memx_launch.errors import NoFeasiblePlanError
-from memx_launch.replan import GIB, ReplanEvent, memory_correction, replan
-from memx_launch.search import evaluate_layout
-from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+from memx_launch.planning.replan import GIB, ReplanEvent, memory_correction, replan
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.model import get_model
 
 MODEL = get_model("llama-tiny")
 TRAINING = TrainingSpec(global_batch_size=8, seq_len=64, dtype="fp32")
@@ -103,5 +105,5 @@ def test_event_round_trips_through_json(tmp_path, plan):
 def test_replan_imports_no_torch():
     import subprocess
     import sys
-    code = "import sys, memx_launch.replan; assert 'torch' not in sys.modules"
+    code = "import sys, memx_launch.planning.replan; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

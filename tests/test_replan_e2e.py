@@ -11,9 +11,11 @@ import sys
 
 import pytest
 
-from memx_launch.plan import Plan
-from memx_launch.search import evaluate_layout
-from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+from memx_launch.planning.plan import Plan
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.model import get_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
@@ -40,7 +42,7 @@ def _plan_file(tmp_path):
 
 
 def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=150):
-    argv = [sys.executable, "-m", "memx_launch.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
+    argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
             "--cluster", CLUSTER, "--plan", str(plan), "--global-batch-size", "4", "--run-dir", str(run_dir),
             "--profile-db", str(tmp_path / "no-profile.jsonl"), *flags,
             TRAIN, "--model", "llama-tiny", "--steps", str(STEPS), "--synthetic"]

@@ -11,8 +11,10 @@ import os
 import pytest
 import torch
 
-from memx_launch.search import evaluate_layout
-from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
 
 MODEL = get_model("llama-tiny")
@@ -39,12 +41,12 @@ def _batch(step):
 
 def _worker(rank, port, directory, queue):
     import torch.distributed as dist
-    from memx_launch.checkpoint import load_checkpoint, save_checkpoint
-    from memx_launch.faults import BallastFault
-    from memx_launch.monitor import MemoryMonitor, MonitorConfig, memory_reader
-    from memx_launch.plan import Plan
-    from memx_launch.replan import replan
-    from memx_launch.runtime import Runtime
+    from memx_launch.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from memx_launch.runtime.faults import BallastFault
+    from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
+    from memx_launch.planning.plan import Plan
+    from memx_launch.planning.replan import replan
+    from memx_launch.runtime.training import Runtime
     from memx_launch.runtime.emulation import device_for_rank
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from memx_launch.llama import LlamaStage
-from memx_launch.plan import Objective, Plan, StagePlan
-from memx_launch.runtime import loss_fn
+from memx_launch.models.llama import LlamaStage
+from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.runtime.training import loss_fn
 from memx_launch.runtime.emulation import GIB, EmulatedDevice, EmulatedOutOfMemoryError
 from memx_launch.runtime.layout import chunks_by_stage, rank_layout
-from memx_launch.specs import get_model
+from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")
@@ -112,7 +112,7 @@ def _batch(plan, seed=5):
 
 def _worker(rank, port, cases, queue):
     import torch.distributed as dist
-    from memx_launch.runtime import Runtime
+    from memx_launch.runtime.training import Runtime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)

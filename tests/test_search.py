@@ -5,11 +5,16 @@ import os
 import numpy as np
 import pytest
 
-from memx_launch import costmodel as cm
+from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
-from memx_launch.search import (SearchSpace, balance_layers, compare_baselines, evaluate_layout,
-                                parse_weights, proportional_split, search)
-from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+from memx_launch.planning.search import SearchSpace, search
+from memx_launch.planning.scoring import balance_layers
+from memx_launch.planning.baselines import compare_baselines, proportional_split
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.objective import parse_weights
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.model import get_model
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
 

@@ -7,7 +7,9 @@ import os
 import pytest
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs import ClusterSpec, ModelSpec, TrainingSpec, get_model
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.training import TrainingSpec
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
 

@@ -22,11 +22,14 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from memx_launch.errors import MemxError
-from memx_launch.faults import Faults
-from memx_launch.profiledb import Measurement, ProfileDB
-from memx_launch.profiler import Sample, calibrate, default_space, minimal_sample_set
-from memx_launch.search import tp_degrees
-from memx_launch.specs import ClusterSpec, DeviceType, ModelSpec
+from memx_launch.runtime.faults import Faults
+from memx_launch.profiling.profiledb import Measurement, ProfileDB
+from memx_launch.profiling.space import Sample, default_space
+from memx_launch.profiling.kernel import calibrate
+from memx_launch.profiling.design import minimal_sample_set
+from memx_launch.planning.layouts import tp_degrees
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.model import ModelSpec
 
 CALIBRATION_BUDGET = 20
 CALIBRATION_REPEATS = 3

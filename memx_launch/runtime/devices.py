@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from memx_launch.runtime.emulation import EmulatedDevice, device_for_rank
-from memx_launch.specs import ClusterSpec, DeviceType
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
 
 
 @dataclass
@@ -40,12 +40,12 @@ def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) 
         if cluster is not None:
             declared = cluster.device_type(cluster.rank_device_types()[rank])
             return RankDevice(declared, None, f"{name} (cluster file type {declared.name})")
-        from memx_launch.profiler import detect_device_type
+        from memx_launch.profiling.kernel import detect_device_type
         return RankDevice(detect_device_type(f"cuda:{local_rank}", name.replace(" ", "-")), None, name)
     if cluster is not None:
         emulated = device_for_rank(cluster, rank)
         return RankDevice(cluster.device_type(emulated.device_type), emulated,
                           f"{emulated.label}, {emulated.capacity_bytes / 2**30:g} GiB, slowdown x{emulated.slowdown:g}")
-    from memx_launch.profiler import detect_device_type
+    from memx_launch.profiling.kernel import detect_device_type
     cpu = detect_device_type("cpu")
     return RankDevice(cpu, EmulatedDevice(cpu.name, cpu.memory_gib), "cpu (no cluster file: host memory)")

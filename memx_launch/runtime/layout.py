@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memx_launch.plan import Plan
+from memx_launch.planning.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ import sys
 import torch.distributed as dist
 
 from memx_launch.errors import ConfigError
-from memx_launch.faults import Faults
-from memx_launch.monitor import MemoryMonitor, MonitorConfig, memory_reader, oom_event
-from memx_launch.plan import Plan, write_json_atomic
-from memx_launch.replan import ReplanEvent
+from memx_launch.runtime.faults import Faults
+from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader, oom_event
+from memx_launch.planning.plan import Plan
+from memx_launch.files import write_json_atomic
+from memx_launch.planning.replan import ReplanEvent
 
 CHECKPOINT_DIR = "checkpoints"
 REPLANS_FILE = "replans.json"
@@ -172,9 +173,10 @@ class Supervisor:
 
     def _decide(self, event: ReplanEvent) -> dict:
         """Re-plan, write the new plan and the record; on one rank."""
-        from memx_launch.replan import replan
+        from memx_launch.planning.replan import replan
         from memx_launch.runtime.worker import record_planned_restart
-        from memx_launch.specs import ClusterSpec, TrainingSpec
+        from memx_launch.specs.cluster import ClusterSpec
+        from memx_launch.specs.training import TrainingSpec
 
         env = self.environ
         records = _read_records(self.run_dir)
@@ -229,10 +231,10 @@ def _read_records(run_dir: str) -> list[dict]:
 def _cost_model(env, plan: Plan, cluster, training):
     """The cost model the job plans with: the ProfileDB's when it holds samples of this model,
     else the analytical one (None)."""
-    from memx_launch.profiledb import ProfileDB
+    from memx_launch.profiling.profiledb import ProfileDB
 
     path = env.get("MEMX_PROFILE_DB", "")
     if not path or not os.path.exists(path) or not ProfileDB(path).for_model(plan.model_spec):
         return None
-    from memx_launch.predictor import load_cost_model
+    from memx_launch.profiling.predictor import load_cost_model
     return load_cost_model(path, plan.model_spec, cluster, training)

@@ -43,7 +43,7 @@ def planned_restarts(run_dir: str) -> list[int]:
 
 
 def record_planned_restart(run_dir: str, generation: int) -> None:
-    from memx_launch.plan import write_json_atomic
+    from memx_launch.files import write_json_atomic
     write_json_atomic(os.path.join(run_dir, PLANNED_RESTARTS_FILE),
                       sorted(set(planned_restarts(run_dir)) | {generation}), overwrite=True)
 
@@ -65,10 +65,10 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
     type's first rank (empty elsewhere)."""
     import torch.distributed as dist
 
-    from memx_launch.costmodel import tp_link_gbps
-    from memx_launch.faults import Faults
+    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.runtime.faults import Faults
     from memx_launch.runtime.calibration import TypeCalibration, calibration_timeout_s, make_groups
-    from memx_launch.search import tp_degrees
+    from memx_launch.planning.layouts import tp_degrees
 
     groups = make_groups(cluster, model)
     name = rank_device.device_type.name
@@ -85,16 +85,19 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
 
 def plan_in_job(env) -> None:
     import torch.distributed as dist
-    from memx_launch import report
-    from memx_launch.plan import Plan
-    from memx_launch.predictor import load_cost_model
-    from memx_launch.profiledb import Measurement, ProfileDB
-    from memx_launch.runtime import init_distributed
+    from memx_launch.planning import report
+    from memx_launch.planning.plan import Plan
+    from memx_launch.profiling.predictor import load_cost_model
+    from memx_launch.profiling.profiledb import Measurement, ProfileDB
+    from memx_launch.runtime.training import init_distributed
     from memx_launch.runtime.calibration import measurement_key
     from memx_launch.runtime.devices import detect_rank_device
-    from memx_launch.monitor import MonitorConfig
-    from memx_launch.search import SearchSpace, parse_weights, search
-    from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+    from memx_launch.runtime.monitor import MonitorConfig
+    from memx_launch.planning.search import SearchSpace, search
+    from memx_launch.planning.objective import parse_weights
+    from memx_launch.specs.cluster import ClusterSpec
+    from memx_launch.specs.training import TrainingSpec
+    from memx_launch.specs.model import get_model
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -166,7 +169,7 @@ def reproduce_command(plan, cluster, env) -> str:
     """The torchrun line that runs this plan without memx-run (the script builds it from MEMX_PLAN)."""
     import shlex
 
-    from memx_launch.exporters import torchrun_commands
+    from memx_launch.planning.exporters import torchrun_commands
 
     script_and_args = json.loads(env["MEMX_REPRODUCE"])
     exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:])
@@ -180,7 +183,7 @@ def _cluster_of_detected(dist, rank_device, world):
     """A one-node cluster of what the ranks detected (no cluster file given)."""
     from dataclasses import asdict
 
-    from memx_launch.specs import ClusterSpec
+    from memx_launch.specs.cluster import ClusterSpec
 
     types: list = [None] * world
     dist.all_gather_object(types, asdict(rank_device.device_type))
@@ -199,7 +202,7 @@ def _cluster_of_detected(dist, rank_device, world):
 
 def rank_env(plan, plan_path: str, rank: int, device_type: str | None = None) -> dict[str, str]:
     """The plan's MEMX_* variables plus this rank's own: stage, layers, recompute, device type."""
-    from memx_launch.exporters import plan_env
+    from memx_launch.planning.exporters import plan_env
     from memx_launch.runtime.layout import rank_layout
 
     layout = rank_layout(plan, rank)
@@ -213,7 +216,7 @@ def rank_env(plan, plan_path: str, rank: int, device_type: str | None = None) ->
 
 
 def run_script(argv: list[str]) -> None:
-    from memx_launch.plan import Plan
+    from memx_launch.planning.plan import Plan
 
     plan_path = os.environ["MEMX_PLAN"]
     os.environ.update(rank_env(Plan.load(plan_path), plan_path, int(os.environ["RANK"])))

@@ -20,7 +20,9 @@ from typing import Protocol
 
 import numpy as np
 
-from memx_launch.specs import ClusterSpec, DeviceType, ModelSpec, TrainingSpec
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
 
 RECOMPUTE_LEVELS = ("none", "selective", "full")
 NONE, SELECTIVE, FULL = 0, 1, 2

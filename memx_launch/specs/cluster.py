@@ -1,176 +1,22 @@
-"""What is trained, on what, and how: ModelSpec, ClusterSpec and TrainingSpec.
-
-Plain frozen dataclasses, validated on construction, no torch import. Every
-validation error is a :class:`~memx_launch.errors.ConfigError` that names the
-field and the fix.
+"""What it runs on: DeviceType, Node, Emulation and ClusterSpec, read from a cluster YAML file.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
 from memx_launch.errors import ConfigError
+from memx_launch.specs.checks import reject_unknown, require_positive
+
 
 CLUSTER_FILE_VERSION = 1
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-OPTIMIZERS = ("adam", "sgd")
-
-
-# --------------------------------------------------------------------------- model
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Shape of a decoder-only transformer (LLaMA style unless ``gated_mlp`` is off)."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    vocab_size: int
-    seq_len: int
-    """Default training sequence length."""
-    gated_mlp: bool = True
-    """SwiGLU (three FFN matrices) when true, GELU MLP (two) when false."""
-    tie_embeddings: bool = False
-
-    def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                     "ffn_hidden_size", "vocab_size", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.{name}", f"must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_heads:
-            raise ConfigError("model.hidden_size", f"{self.hidden_size} is not divisible by "
-                              f"num_heads={self.num_heads}", "use a multiple of num_heads")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} does not divide "
-                              f"num_heads={self.num_heads}", "use a divisor of num_heads")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def kv_hidden_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def attention_params(self) -> int:
-        """Wq, Wk, Wv, Wo (no biases)."""
-        h = self.hidden_size
-        return 2 * h * h + 2 * h * self.kv_hidden_size
-
-    @property
-    def mlp_params(self) -> int:
-        return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one transformer block, two norms included."""
-        return self.attention_params + self.mlp_params + 2 * self.hidden_size
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def head_params(self) -> int:
-        """Final norm plus the output projection (zero extra when tied)."""
-        return self.hidden_size + (0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
-
-    @property
-    def total_params(self) -> int:
-        return self.num_layers * self.layer_params + self.embedding_params + self.head_params
-
-    def signature(self) -> str:
-        """Short stable hash of the shape; keys profiles, caches and predictors."""
-        payload = json.dumps({k: v for k, v in asdict(self).items() if k != "name"}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str = "model") -> "ModelSpec":
-        _reject_unknown(data, {f for f in cls.__dataclass_fields__}, where)
-        return cls(**data)
-
-    @classmethod
-    def from_hf_config(cls, path: str, name: str | None = None) -> "ModelSpec":
-        """Read a Hugging Face style ``config.json`` (LLaMA, Mistral, Qwen2 families)."""
-        try:
-            with open(path) as f:
-                cfg = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError("model", f"cannot read Hugging Face config {path!r} ({exc})",
-                              "pass a readable config.json") from None
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                               "intermediate_size", "vocab_size") if k not in cfg]
-        if missing:
-            raise ConfigError(f"model ({path})", f"config.json lacks {', '.join(missing)}",
-                              "use a decoder-only config with these keys")
-        act = str(cfg.get("hidden_act", "silu"))
-        return cls(
-            name=name or cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))),
-            num_layers=cfg["num_hidden_layers"],
-            hidden_size=cfg["hidden_size"],
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            ffn_hidden_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            seq_len=min(int(cfg.get("max_position_embeddings", 4096)), 8192),
-            gated_mlp=act in ("silu", "swiglu", "swish"),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-
-
-def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq) -> ModelSpec:
-    return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq)
-
-
-# Paper Table 4 plus the published FFN and KV-head sizes; the small flavors run on a CPU.
-MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
-    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
-    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
-    _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
-    _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
-    # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, fp32 there).
-    ModelSpec("opt-350m", 24, 1024, 16, 16, 4096, 50272, 2048, gated_mlp=False, tie_embeddings=True),
-    ModelSpec("gpt-neo-2.7b", 32, 2560, 20, 20, 10240, 50257, 2048, gated_mlp=False, tie_embeddings=True),
-    ModelSpec("opt-30b", 48, 7168, 56, 56, 28672, 50272, 2048, gated_mlp=False, tie_embeddings=True),
-)}
-
-
-def get_model(name_or_path: str) -> ModelSpec:
-    """A catalog name, or the path of a Hugging Face ``config.json`` (or its folder)."""
-    if name_or_path in MODEL_CATALOG:
-        return MODEL_CATALOG[name_or_path]
-    candidate = name_or_path
-    if os.path.isdir(candidate):
-        candidate = os.path.join(candidate, "config.json")
-    if candidate.endswith(".json") and os.path.exists(candidate):
-        return ModelSpec.from_hf_config(candidate)
-    close = difflib.get_close_matches(name_or_path, MODEL_CATALOG, n=3, cutoff=0.4)
-    hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(MODEL_CATALOG)}"
-    raise ConfigError("--model", f"unknown model {name_or_path!r}",
-                      f"{hint} (or pass a Hugging Face config.json)")
-
-
-# --------------------------------------------------------------------------- cluster
 
 
 @dataclass(frozen=True)
@@ -335,7 +181,7 @@ class ClusterSpec:
         if not isinstance(data, dict):
             raise ConfigError("cluster", "the file must be a mapping with version, device_types, nodes",
                               "see examples/clusters/paper-20gpu.yaml")
-        _reject_unknown(data, {"version", "name", "device_types", "nodes", "inter_node_gbps",
+        reject_unknown(data, {"version", "name", "device_types", "nodes", "inter_node_gbps",
                                "emulation"}, "cluster")
         version = data.get("version")
         if version != CLUSTER_FILE_VERSION:
@@ -351,7 +197,7 @@ class ClusterSpec:
         for tname, spec in raw_types.items():
             if not isinstance(spec, dict):
                 raise ConfigError(f"cluster.device_types.{tname}", "must be a mapping")
-            _reject_unknown(spec, allowed, f"cluster.device_types.{tname}")
+            reject_unknown(spec, allowed, f"cluster.device_types.{tname}")
             for req in ("memory_gib", "peak_tflops"):
                 if req not in spec:
                     raise ConfigError(f"cluster.device_types.{tname}.{req}", "missing",
@@ -367,7 +213,7 @@ class ClusterSpec:
             where = f"cluster.nodes[{i}]"
             if not isinstance(raw, dict):
                 raise ConfigError(where, "must be a mapping")
-            _reject_unknown(raw, {"name", "devices", "intra_node_gbps", "numa_domains",
+            reject_unknown(raw, {"name", "devices", "intra_node_gbps", "numa_domains",
                                   "cross_numa_gbps"}, where)
             devices = raw.get("devices")
             if not isinstance(devices, dict) or not devices:
@@ -379,79 +225,32 @@ class ClusterSpec:
                 if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
                     raise ConfigError(f"{where}.devices.{tname}", f"count must be a positive integer, got {count!r}")
             intra = raw.get("intra_node_gbps")
-            _positive(intra, f"{where}.intra_node_gbps")
+            require_positive(intra, f"{where}.intra_node_gbps")
             numa = raw.get("numa_domains", 1)
             if not isinstance(numa, int) or numa <= 0:
                 raise ConfigError(f"{where}.numa_domains", f"must be a positive integer, got {numa!r}")
             cross = raw.get("cross_numa_gbps")
             if cross is not None:
-                _positive(cross, f"{where}.cross_numa_gbps")
+                require_positive(cross, f"{where}.cross_numa_gbps")
             nodes.append(Node(str(raw.get("name", f"node{i}")), tuple(devices.items()),
                               float(intra), numa, None if cross is None else float(cross)))
         inter = data.get("inter_node_gbps")
         if len(nodes) > 1 or inter is not None:
-            _positive(inter, "cluster.inter_node_gbps")
+            require_positive(inter, "cluster.inter_node_gbps")
         emulation = None
         if data.get("emulation") is not None:
             raw = data["emulation"]
             if not isinstance(raw, dict):
                 raise ConfigError("cluster.emulation", "must be a mapping with slowdown")
-            _reject_unknown(raw, {"slowdown"}, "cluster.emulation")
+            reject_unknown(raw, {"slowdown"}, "cluster.emulation")
             slow = raw.get("slowdown") or {}
             for tname, factor in slow.items():
                 if tname not in known:
                     raise ConfigError(f"cluster.emulation.slowdown.{tname}", "unknown device type")
-                _positive(factor, f"cluster.emulation.slowdown.{tname}")
+                require_positive(factor, f"cluster.emulation.slowdown.{tname}")
                 if factor < 1:
                     raise ConfigError(f"cluster.emulation.slowdown.{tname}", f"{factor} < 1",
                                       "a slowdown is 1 or more (1 = CPU speed)")
             emulation = Emulation(tuple((k, float(v)) for k, v in slow.items()))
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
                    float(inter) if inter is not None else math.inf, emulation)
-
-
-# --------------------------------------------------------------------------- training
-
-
-@dataclass(frozen=True)
-class TrainingSpec:
-    global_batch_size: int = 512
-    seq_len: int = 4096
-    dtype: str = "bf16"
-    optimizer: str = "adam"
-    distributed_optimizer: bool = False
-    """Shard the optimizer state over data-parallel ranks (Megatron's distributed optimizer, ZeRO-1)."""
-    fully_sharded: bool = False
-    """Shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)."""
-
-    def __post_init__(self):
-        if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0:
-            raise ConfigError("--global-batch-size", f"must be a positive integer, got {self.global_batch_size!r}")
-        if not isinstance(self.seq_len, int) or self.seq_len <= 0:
-            raise ConfigError("--seq-len", f"must be a positive integer, got {self.seq_len!r}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ConfigError("--dtype", f"unknown dtype {self.dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError("--optimizer", f"unknown optimizer {self.optimizer!r}",
-                              f"use one of {', '.join(OPTIMIZERS)}")
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _reject_unknown(data: Mapping, allowed: set, where: str) -> None:
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
-        fix = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(sorted(allowed))}"
-        raise ConfigError(f"{where}.{key}", "unknown key", fix)
-
-
-def _positive(value: Any, where: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(where, f"must be a positive number, got {value!r}", "give the link's real GB/s")

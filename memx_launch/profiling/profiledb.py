@@ -19,7 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs import ModelSpec
+from memx_launch.specs.model import ModelSpec
 
 PROFILE_FORMAT = 1
 

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memx_launch.errors import ConfigError
-from memx_launch.plan import RECOMPUTE_LEVELS
-from memx_launch.specs import ModelSpec
+from memx_launch.planning.plan import RECOMPUTE_LEVELS
+from memx_launch.specs.model import ModelSpec
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-5

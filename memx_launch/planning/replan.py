@@ -27,11 +27,16 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from memx_launch import costmodel as cm
+from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
-from memx_launch.plan import Plan, write_json_atomic
-from memx_launch.search import (CostTable, Evaluator, GroupResult, _make_layout, search)
-from memx_launch.specs import ClusterSpec, DeviceType, ModelSpec, TrainingSpec
+from memx_launch.planning.plan import Plan
+from memx_launch.files import write_json_atomic
+from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
+from memx_launch.planning.layouts import make_layout
+from memx_launch.planning.search import search
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
 
 GIB = 2**30
 REASONS = ("headroom", "oom", "above_prediction")
@@ -133,7 +138,7 @@ class _PlanScorer:
         self.cost_model = cost_model or analytical
         names = tuple(self.cost_model.device_names)
         order = tuple(dict.fromkeys(s.device_type for s in plan.stages))
-        self.layout = _make_layout(cluster, names, plan.tp, plan.dp, order, [list(s.ranks) for s in plan.stages])
+        self.layout = make_layout(cluster, names, plan.tp, plan.dp, order, [list(s.ranks) for s in plan.stages])
         table = CostTable(self.cost_model, len(names), [plan.tp], [plan.micro_batch_size], [plan.seq_len])
         self.evaluator = Evaluator(model, cluster, training, self.cost_model, analytical, table)
         self.v = plan.virtual_stages if plan.schedule == "interleaved" else 1

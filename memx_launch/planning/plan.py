@@ -7,16 +7,20 @@ tensor-parallel index ``j % tp`` (TP groups are consecutive ranks).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs import ModelSpec
+from memx_launch.specs.model import ModelSpec
+from memx_launch.files import write_json_atomic
+
 
 PLAN_VERSION = 1
+
+
 SCHEDULES = ("1f1b", "interleaved")
+
+
 RECOMPUTE_LEVELS = ("none", "selective", "full")
 
 
@@ -169,21 +173,3 @@ class Plan:
             raise ConfigError("--plan", f"{path} is not valid JSON (line {exc.lineno})",
                               "re-create it with memx plan --json") from None
         return cls.from_dict(data, source=f"plan {path}")
-
-
-def write_json_atomic(path: str, data: Any, overwrite: bool = False) -> None:
-    """Write JSON through a temporary file and rename, so readers never see half a file."""
-    if os.path.exists(path) and not overwrite:
-        raise ConfigError("output", f"{path} already exists", "pass --force to overwrite or choose another path")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

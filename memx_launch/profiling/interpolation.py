@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from memx_launch.profiledb import Measurement
+from memx_launch.profiling.profiledb import Measurement
 
 INTERPOLATED_PARAMETERS = ("micro_batch_size", "seq_len", "tp", "num_kv_heads")
 METRICS = ("time_s", "peak_memory_bytes")

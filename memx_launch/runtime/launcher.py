@@ -20,9 +20,11 @@ import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
-from memx_launch.plan import Plan
+from memx_launch.planning.plan import Plan
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
-from memx_launch.specs import ClusterSpec, TrainingSpec, get_model
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.model import get_model
 
 DEFAULT_RUNS_DIR = "runs"
 DEFAULT_PROFILE_DB = os.path.join(DEFAULT_RUNS_DIR, "profiles.jsonl")
@@ -151,7 +153,7 @@ def resolve(args) -> dict:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
     if args.weights:
-        from memx_launch.search import parse_weights
+        from memx_launch.planning.objective import parse_weights
         parse_weights(args.weights)
     settings.add("objective", args.weights or args.objective or "chosen from the cluster",
                  "flag" if args.weights or args.objective else "default")
@@ -185,9 +187,10 @@ def _has_gpu() -> bool:
 
 
 def dry_run(args, resolved) -> int:
-    from memx_launch import report
+    from memx_launch.planning import report
     from memx_launch.runtime.worker import reproduce_command
-    from memx_launch.search import parse_weights, search
+    from memx_launch.planning.objective import parse_weights
+    from memx_launch.planning.search import search
 
     cluster, model, training = resolved["cluster"], resolved["model"], resolved["training"]
     if cluster is None:
@@ -197,7 +200,7 @@ def dry_run(args, resolved) -> int:
     if plan is None:
         cost_model = None
         if args.profile_db:
-            from memx_launch.predictor import load_cost_model
+            from memx_launch.profiling.predictor import load_cost_model
             cost_model = load_cost_model(args.profile_db, model, cluster, training)
         result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
                         weights=parse_weights(args.weights) if args.weights else None,

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from memx_launch.errors import ConfigError
-from memx_launch.plan import write_json_atomic
+from memx_launch.files import write_json_atomic
 
 LATEST = "latest.json"
 META = "memx.json"

@@ -8,8 +8,8 @@ import os
 import tempfile
 
 from memx_launch.errors import ConfigError
-from memx_launch.plan import Plan
-from memx_launch.specs import ClusterSpec
+from memx_launch.planning.plan import Plan
+from memx_launch.specs.cluster import ClusterSpec
 
 EMULATION_NOTE = ("EMULATED cluster: devices are CPU processes with a memory guard and a compute "
                   "slowdown, not real GPUs; predictions describe the emulated devices")

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from memx_launch.errors import ConfigError
-from memx_launch.plan import Plan
-from memx_launch.replan import DEFAULT_MIN_HEADROOM, ReplanEvent
+from memx_launch.planning.plan import Plan
+from memx_launch.planning.replan import DEFAULT_MIN_HEADROOM, ReplanEvent
 from memx_launch.runtime.layout import process_rank
 
 GIB = 2**30

@@ -1,6 +1,6 @@
 """A plan in the words of other tools: Megatron-LM arguments, torchrun lines, MEMX_* variables.
 
-Pure functions of a :class:`~memx_launch.plan.Plan`; nothing here imports torch. Whatever
+Pure functions of a :class:`~memx_launch.planning.plan.Plan`; nothing here imports torch. Whatever
 the target cannot express (per-stage recompute in Megatron-LM, for one) comes back as a
 note next to the arguments instead of being dropped silently.
 """
@@ -11,8 +11,8 @@ import shlex
 from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
-from memx_launch.plan import RECOMPUTE_LEVELS, Plan
-from memx_launch.specs import ClusterSpec
+from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan
+from memx_launch.specs.cluster import ClusterSpec
 
 DEFAULT_MASTER_PORT = 29500
 

@@ -31,19 +31,19 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.stats import norm
 
-from memx_launch.costmodel import FULL, AnalyticalCostModel, LayerCost, allreduce_time
+from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
-from memx_launch.plan import RECOMPUTE_LEVELS, write_json_atomic
-from memx_launch.profiledb import Measurement
-from memx_launch.specs import ClusterSpec, DeviceType, Emulation, ModelSpec, Node, TrainingSpec
+from memx_launch.files import write_json_atomic
+from memx_launch.profiling.profiledb import Measurement
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, physics_features, training_rows
+
 
 PREDICTOR_FORMAT = 2
-FEATURE_NAMES = (
-    "tp", "log2_micro_batch", "log2_seq_len", "recompute",
-    "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "gated_mlp", "dtype_bytes",
-    "log2_tokens_x_hidden_per_rank", "log2_analytical_time", "comm_share", "log2_analytical_memory",
-)
-TARGETS = ("time", "memory")
+
+
 # Bounds of the tuned hyper-parameters; (name, low, high, log scale, integer).
 _SEARCH_SPACE = (
     ("max_depth", 2, 6, False, True),
@@ -52,157 +52,10 @@ _SEARCH_SPACE = (
     ("min_child_weight", 0.5, 8.0, True, False),
     ("reg_lambda", 0.1, 10.0, True, False),
 )
+
+
 # Boosting rounds scale with 1/learning rate so every trial reaches a similar total step.
 _ROUNDS_X_RATE = 15.0
-
-
-# --------------------------------------------------------------------------- features
-
-
-TP_COLUMN = FEATURE_NAMES.index("tp")
-
-
-def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute) -> tuple[np.ndarray, LayerCost]:
-    """Feature matrix of queries (broadcast together, flattened) against one analytical model,
-    and that model's costs."""
-    device, tp, mbs, seq, recompute = (a.reshape(-1) for a in np.broadcast_arrays(
-        np.asarray(device, dtype=np.int64), np.asarray(tp, dtype=np.float64), np.asarray(mbs, dtype=np.float64),
-        np.asarray(seq, dtype=np.float64), np.asarray(recompute, dtype=np.float64)))
-    base = cost.layer_costs(device, tp, mbs, seq, recompute)
-    model = cost.model
-    gbps = cost.tp_gbps(device, tp)
-    hidden_bytes = mbs * seq * model.hidden_size * cost.training.dtype_bytes
-    comm = np.where(recompute == FULL, 6.0, 4.0) * allreduce_time(hidden_bytes, tp, gbps)
-    memory = base.activation_bytes + base.working_bytes
-    n = device.shape[0]
-    shape = np.broadcast_to([model.hidden_size, model.num_heads, model.num_kv_heads, model.ffn_hidden_size,
-                             float(model.gated_mlp), cost.training.dtype_bytes], (n, 6))
-    X = np.column_stack([
-        tp, np.log2(mbs), np.log2(seq), recompute, shape,
-        np.log2(mbs * seq * model.hidden_size / tp), np.log2(base.time_s),
-        comm / base.time_s, np.log2(memory),
-    ])
-    return X, base
-
-
-def _single_device_cluster(device: DeviceType, tp_link: float | None, slowdown: float) -> ClusterSpec:
-    node = Node("profiled", ((device.name, 1),), float(tp_link or 1.0))
-    emulation = Emulation(((device.name, slowdown),)) if slowdown != 1.0 else None
-    return ClusterSpec("profiled", (device,), (node,), math.inf, emulation)
-
-
-@dataclass
-class TrainingSet:
-    X: np.ndarray
-    Y: np.ndarray
-    """log(measured / analytical): [time, memory]."""
-    has_memory: np.ndarray
-    """Rows whose memory was measured (the others carry a filled-in target)."""
-    device_types: np.ndarray
-    models: np.ndarray
-    """Model signature of each row."""
-
-    def subset(self, idx) -> "TrainingSet":
-        return TrainingSet(self.X[idx], self.Y[idx], self.has_memory[idx], self.device_types[idx], self.models[idx])
-
-
-def training_rows(records: list[Measurement]) -> TrainingSet:
-    """Features and log-ratio targets of the feasible records.
-
-    Infeasible (out-of-memory) records carry no time and are left out of the regression.
-    """
-    groups: dict[tuple, list[Measurement]] = {}
-    for r in records:
-        if r.feasible and r.time_s and r.time_s > 0:
-            key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-                   r.dtype, r.tp_link_gbps, r.emulation_slowdown)
-            groups.setdefault(key, []).append(r)
-    if not groups:
-        raise ConfigError("profile", "no feasible measurement to learn from",
-                          "profile configurations that fit in memory (memx profile)")
-    xs, ys, masks, devices, models = [], [], [], [], []
-    for rows in groups.values():
-        first = rows[0]
-        device = DeviceType(name=first.device_type, **first.device)
-        cost = AnalyticalCostModel(first.shape_spec(),
-                                   _single_device_cluster(device, first.tp_link_gbps, first.emulation_slowdown),
-                                   TrainingSpec(dtype=first.dtype))
-        X, base = physics_features(cost, np.zeros(len(rows), dtype=np.int64), [r.tp for r in rows],
-                                   [r.micro_batch_size for r in rows], [r.seq_len for r in rows],
-                                   [RECOMPUTE_LEVELS.index(r.recompute) for r in rows])
-        k = np.array([r.num_blocks for r in rows], dtype=np.float64)
-        analytical_memory = k * base.activation_bytes + base.working_bytes
-        measured_memory = np.array([r.peak_memory_bytes or np.nan for r in rows], dtype=np.float64)
-        time = np.array([r.time_s for r in rows])
-        xs.append(X)
-        ys.append(np.column_stack([np.log(time / base.time_s), np.log(measured_memory / analytical_memory)]))
-        masks.append(np.isfinite(ys[-1][:, 1]))
-        devices += [r.device_type for r in rows]
-        models += [r.model_signature for r in rows]
-    X, Y, has_memory = np.vstack(xs), np.vstack(ys), np.concatenate(masks)
-    # Rows without a memory measurement (e.g. time-only public profiles) get the typical
-    # measured ratio, or the analytical value when nothing was measured; the mask keeps
-    # them out of the memory error.
-    Y[~has_memory, 1] = np.median(Y[has_memory, 1]) if has_memory.any() else 0.0
-    return TrainingSet(X, Y, has_memory, np.array(devices), np.array(models))
-
-
-@dataclass
-class Offsets:
-    """Per-device calibration: the median log-ratio of the measurements of each (device type,
-    model) at each measured TP degree, linear in log2 TP between measured degrees and flat
-    beyond them; the device type's median for a model it has no measurement of, then the
-    global median.
-
-    It is the trees' base margin: a device's level comes from its own samples (one per TP
-    degree suffices; TP is the level that changes the hardware path, NVLink pair or PCIe or
-    across sockets), the trees learn how the ratio moves with the configuration.
-    """
-
-    levels: dict
-    """"device|model" -> {TP degree: [time, memory]}."""
-    devices: dict
-    overall: list
-
-    @classmethod
-    def fit(cls, ts: TrainingSet) -> "Offsets":
-        def median(mask):
-            time = float(np.median(ts.Y[mask, 0]))
-            mem_mask = mask & ts.has_memory
-            memory = float(np.median(ts.Y[mem_mask, 1])) if mem_mask.any() else float(np.median(ts.Y[mask, 1]))
-            return [time, memory]
-
-        tp = ts.X[:, TP_COLUMN].astype(np.int64)
-        levels: dict = {}
-        for d, m, t in sorted(set(zip(ts.device_types, ts.models, tp))):
-            levels.setdefault(f"{d}|{m}", {})[str(t)] = median((ts.device_types == d) & (ts.models == m) & (tp == t))
-        devices = {d: median(ts.device_types == d) for d in sorted(set(ts.device_types))}
-        return cls(levels, devices, median(np.ones(len(ts.Y), dtype=bool)))
-
-    def margin(self, X: np.ndarray, device_types, models) -> np.ndarray:
-        """[n, 2] base margin of feature rows ``X`` (for their TP column)."""
-        log_tp = np.log2(X[:, TP_COLUMN])
-        out = np.empty((len(log_tp), 2))
-        # Group rows by (device type, model) through integer codes: per-row keys cost more
-        # than the trees' prediction on large queries.
-        device_names, device_index = np.unique(np.asarray(device_types), return_inverse=True)
-        model_names, model_index = np.unique(np.asarray(models), return_inverse=True)
-        pair_index = device_index.reshape(-1) * len(model_names) + model_index.reshape(-1)
-        for pair in np.unique(pair_index):
-            rows = pair_index == pair
-            device_type, model = device_names[pair // len(model_names)], model_names[pair % len(model_names)]
-            by_tp = self.levels.get(f"{device_type}|{model}")
-            if by_tp is None:
-                out[rows] = self.devices.get(device_type) or self.overall
-                continue
-            degrees = sorted(by_tp, key=int)
-            x = np.log2([int(t) for t in degrees])
-            for k in range(2):
-                out[rows, k] = np.interp(log_tp[rows], x, [by_tp[t][k] for t in degrees])
-        return out
-
-
-# --------------------------------------------------------------------------- model
 
 
 @dataclass
@@ -397,9 +250,6 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
     return Predictor(booster, meta)
 
 
-# --------------------------------------------------------------------------- cost model
-
-
 class LearnedCostModel:
     """The analytical model scaled by learned ratios; a drop-in ``LayerCostModel``."""
 
@@ -440,9 +290,9 @@ def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec
     A saved predictor is reused when its sidecar's training signature matches the profile's
     records; otherwise (new records, other version) it is re-fitted and saved again.
     """
-    from memx_launch.augment import augment_measurements
-    from memx_launch.prediction_cache import CachedCostModel
-    from memx_launch.profiledb import ProfileDB
+    from memx_launch.profiling.interpolation import augment_measurements
+    from memx_launch.profiling.prediction_cache import CachedCostModel
+    from memx_launch.profiling.profiledb import ProfileDB
 
     records = ProfileDB(profile_db_path).for_model(model)
     path = os.path.splitext(profile_db_path)[0] + ".predictor.ubj"

@@ -1,0 +1,199 @@
+"""Scoring candidates: per-layer costs of the whole space in one table, the uneven layer split
+under each stage's memory, the per-stage recompute hard rule and the iteration time.
+
+Candidates are scored a group at a time: one group shares a layout and hyper-parameters and
+holds every recompute policy as rows of numpy arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memx_launch.planning import costmodel as cm
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.planning.layouts import Layout
+
+
+_BISECTION_STEPS = 30
+
+
+class CostTable:
+    """Per-layer costs of every signature in the space, from one cost-model call."""
+
+    def __init__(self, cost_model: cm.LayerCostModel, n_devices: int, tps, mbss, seqs):
+        self.tps, self.mbss, self.seqs = list(tps), list(mbss), list(seqs)
+        grid = np.meshgrid(np.arange(n_devices), self.tps, self.mbss, self.seqs, [0, 1, 2], indexing="ij")
+        shape = grid[0].shape
+        cost = cost_model.layer_costs(*(g.ravel() for g in grid))
+        self.time = np.asarray(cost.time_s, dtype=float).reshape(shape)
+        self.act = np.asarray(cost.activation_bytes, dtype=float).reshape(shape)
+        self.work = np.asarray(cost.working_bytes, dtype=float).reshape(shape)
+        self.misses = self.time.size
+        self.hits = 0
+
+    def lookup(self, device, tp, mbs, seq, level):
+        """Index arrays broadcast together; counts every element served as a hit."""
+        key = (device, self.tps.index(tp), self.mbss.index(mbs), self.seqs.index(seq), level)
+        t, a, w = self.time[key], self.act[key], self.work[key]
+        self.hits += np.size(t)
+        return t, a, w
+
+
+@dataclass
+class GroupResult:
+    """All recompute policies of one (layout, micro-batch, seq, schedule, v): rows are policies."""
+
+    layout: Layout
+    mbs: int
+    seq: int
+    schedule: str
+    v: int
+    levels: np.ndarray      # (C, P) recompute level per stage
+    layers: np.ndarray      # (C, P)
+    memory: np.ndarray      # (C, P) bytes
+    stage_time: np.ndarray  # (C, P) seconds per micro-batch
+    T: np.ndarray           # (C,)
+    M: np.ndarray           # (C,) max memory fraction
+    V: np.ndarray           # (C,) variance of per-device memory, GiB^2
+    feasible: np.ndarray    # (C,)
+
+
+class Evaluator:
+    """Scores groups of candidates for one model, cluster and training spec."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                 cost_model: cm.LayerCostModel, analytical: cm.AnalyticalCostModel, table: CostTable,
+                 memory_headroom: float = 0.0):
+        self.model, self.cluster, self.training = model, cluster, training
+        self.memory_headroom = memory_headroom
+        self.cost_model, self.analytical, self.table = cost_model, analytical, table
+        self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
+
+    def usable(self, layout: Layout) -> np.ndarray:
+        """Bytes a stage may plan for: its capacity less the headroom kept free."""
+        return layout.capacity * (1.0 - self.memory_headroom)
+
+    def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray):
+        """Per-stage per-layer bytes, fixed bytes, layer time and fixed time for each row."""
+        m, tr = self.model, self.training
+        pp, tp, dp = layout.pp, layout.tp, layout.dp
+        g = tr.global_batch_size // (dp * mbs)
+        dev = np.broadcast_to(layout.stage_device, levels.shape)
+        t_layer, act, work = self.table.lookup(dev, tp, mbs, seq, levels)
+        bpp = cm.model_state_bytes_per_param(tr, dp)
+        inflight = cm.inflight_microbatches(np.arange(pp), pp, g, v)
+        per_layer = m.layer_params / tp * bpp + inflight * act
+        fixed = work + self._edge_bytes(layout, mbs, seq, inflight)
+        return per_layer, fixed, t_layer, self._edge_time(layout, mbs, seq), g
+
+    def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
+        m, tr = self.model, self.training
+        tp, pp = layout.tp, layout.pp
+        bpp = cm.model_state_bytes_per_param(tr, layout.dp)
+        out = np.zeros(pp)
+        out[0] += m.embedding_params / tp * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
+        out[-1] += m.head_params / tp * bpp + cm.logits_bytes(m, mbs, seq, tp)
+        return out
+
+    def _edge_time(self, layout, mbs, seq) -> np.ndarray:
+        out = np.zeros(layout.pp)
+        out[0] += self.analytical.embedding_time(layout.stage_device[0], layout.tp, mbs, seq)
+        out[-1] += self.analytical.head_time(layout.stage_device[-1], layout.tp, mbs, seq)
+        return out
+
+    def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
+              levels: np.ndarray, layers: np.ndarray | None = None) -> GroupResult:
+        """Split layers (unless given), apply the per-stage hard rule, and score every row."""
+        L = self.model.num_layers
+        min_layers = v if schedule == "interleaved" else 1
+        per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels)
+        cap, usable = layout.capacity, self.usable(layout)
+        if layers is None:
+            max_layers = np.floor((usable - fixed) / per_layer)
+            layers, feasible = balance_layers(t_layer, edge_t, max_layers, L, min_layers)
+            levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
+            per_layer, fixed, t_layer, _, _ = self.split_inputs(layout, mbs, seq, v, levels)
+        memory = layers * per_layer + fixed
+        feasible = (memory <= usable).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
+        stage_time = layers * t_layer + edge_t
+        T = self.iteration_time(layout, mbs, seq, schedule, v, g, stage_time, layers)
+        # M: the fullest device, as a fraction of its capacity (devices of different sizes
+        # compare); V: the variance of the devices' memory use in GiB^2, as the paper's
+        # (its Table 10 reports 9.13e5 MB^2), so that balance means equal use, not equal shares.
+        return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
+                           T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible)
+
+    def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
+        """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
+        full = np.full((1, layout.pp), cm.FULL)
+        per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, full)
+        max_layers = np.floor((self.usable(layout) - fixed) / per_layer)
+        min_layers = v if schedule == "interleaved" else 1
+        return bool((max_layers >= min_layers).all() and max_layers.sum() >= self.model.num_layers)
+
+    def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
+        """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
+        best = levels.copy()
+        for level in (cm.FULL, cm.SELECTIVE, cm.NONE):
+            trial = np.full_like(levels, level)
+            per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, trial)
+            fits = layers * per_layer + fixed <= self.usable(layout)
+            best = np.where(fits & (level < best), level, best)
+        return best
+
+    def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
+        m, tr = self.model, self.training
+        hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
+        transfer = np.where(np.isinf(layout.next_stage_gbps), 0.0,
+                            hidden_bytes / (layout.next_stage_gbps * 1e9))
+        stage_params = layers * m.layer_params / layout.tp
+        stage_params[:, 0] += m.embedding_params / layout.tp
+        stage_params[:, -1] += m.head_params / layout.tp
+        t_dp = cm.allreduce_time(stage_params * 4.0, layout.dp, layout.dp_gbps).max(axis=1)
+        t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
+                        for i, d in enumerate(layout.stage_device)], axis=0)
+        if schedule == "interleaved":
+            return cm.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
+        return cm.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
+
+
+def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1):
+    """Uneven split minimising the slowest stage under each stage's memory limit.
+
+    Bisection on the bottleneck time T: stage i can take min(max_layers_i, (T - edge_i)/t_i)
+    layers; the smallest T whose capacities add up to ``num_layers`` wins, then the surplus
+    is taken back from the slowest stages. Rows are independent candidates.
+    Returns (layers (C, P) int, feasible (C,) bool).
+    """
+    max_layers = np.minimum(np.maximum(max_layers, 0), num_layers)
+    feasible = (max_layers >= min_layers).all(axis=1) & (max_layers.sum(axis=1) >= num_layers)
+    inv_t = 1.0 / t_layer
+    offset = edge_t * inv_t
+    upper = np.maximum(max_layers, min_layers)
+    lo = np.zeros((t_layer.shape[0], 1))
+    hi = (num_layers * t_layer + edge_t).max(axis=1, keepdims=True) + 1e-12
+    for _ in range(_BISECTION_STEPS):
+        mid = (lo + hi) * 0.5
+        take = np.minimum(np.maximum(np.floor(mid * inv_t - offset), min_layers), upper)
+        enough = take.sum(axis=1, keepdims=True) >= num_layers
+        hi = np.where(enough, mid, hi)
+        lo = np.where(enough, lo, mid)
+    layers = np.minimum(np.maximum(np.floor(hi * inv_t - offset), min_layers), upper)
+    surplus = layers.sum(axis=1) - num_layers
+    rows = np.arange(len(layers))
+    while (surplus > 0).any():
+        active = surplus > 0
+        time_now = np.where(layers > min_layers, layers * t_layer + edge_t, -np.inf)
+        worst = time_now.argmax(axis=1)
+        layers[rows[active], worst[active]] -= 1
+        surplus = surplus - active
+    # Infeasible rows: spread the layers by memory room, so the shortfall can be reported.
+    room = np.maximum(max_layers, 0) + 1e-9
+    spread = np.floor(room / room.sum(axis=1, keepdims=True) * num_layers)
+    spread[:, 0] += num_layers - spread.sum(axis=1)
+    layers = np.where(feasible[:, None], layers, np.maximum(spread, min_layers))
+    return layers.astype(np.int64), feasible

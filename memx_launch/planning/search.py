@@ -1,0 +1,324 @@
+"""Memory-aware search over parallel layouts (paper section 3.1).
+
+The space: TP x PP x DP = world size with TP and DP groups inside one stage and one device
+type, the order of device types along the pipeline, micro-batch size, sequence length,
+schedule (1F1B, interleaved with v virtual stages) and a recompute level per device type.
+Each candidate gets an uneven layer split that balances predicted stage time under every
+stage's memory, then a per-stage hard rule (the lowest recompute level that fits the layers
+it got), then the score Phi (:mod:`scoring`, :mod:`objective`).
+
+Per-layer costs come from one :class:`~memx_launch.planning.costmodel.LayerCostModel` call over
+every distinct (device type, TP, micro-batch, seq len, recompute) signature of the space; every
+later lookup is a cache hit. No torch import.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from memx_launch.planning import costmodel as cm
+from memx_launch.errors import ConfigError, NoFeasiblePlanError
+from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+from memx_launch.planning.layouts import Layout, enumerate_layouts
+from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
+from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
+
+
+INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B
+
+
+SELECTIVE_MIN_SAVING = 0.10   # selective must save this share of what full saves, else binary
+
+
+@dataclass
+class SearchSpace:
+    """What may vary. ``None`` means derived from the model, cluster and training spec."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    seq_lens: tuple[int, ...] | None = None
+    tp_degrees: tuple[int, ...] | None = None
+    schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    virtual_stages: tuple[int, ...] = (2, 4)
+    recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS
+    time_prune_factor: float = 2.0
+    """Skip a group whose iteration-time lower bound exceeds this multiple of the best time."""
+    memory_headroom: float = 0.0
+    """Share of every device's memory a plan must leave free (memx-run: the monitor's threshold)."""
+
+
+@dataclass
+class SearchStats:
+    enumerated: int = 0
+    evaluated: int = 0
+    feasible: int = 0
+    pruned_memory: int = 0
+    pruned_time: int = 0
+    pruned_schedule: int = 0
+    pruned_batch: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    seconds: float = 0.0
+    budget_exhausted: bool = False
+    binary_recompute_types: list[str] = field(default_factory=list)
+    interleaving_allowed: bool = True
+
+    @property
+    def configs_per_second(self) -> float:
+        return self.enumerated / self.seconds if self.seconds else float("inf")
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["configs_per_second"] = self.configs_per_second
+        return out
+
+
+@dataclass
+class SearchResult:
+    plans: list[Plan]
+    pareto: list[Plan]
+    stats: SearchStats
+    profile: str
+    weights: tuple[float, float, float]
+    reason: str
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+           cost_model: cm.LayerCostModel | None = None, space: SearchSpace | None = None,
+           objective: str | None = None, weights: tuple[float, float, float] | None = None,
+           time_budget_s: float | None = None, top_k: int = 10,
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    """Rank every candidate of the space by Phi; raise NoFeasiblePlanError when none fits."""
+    start = time.perf_counter()
+    space = space or SearchSpace()
+    seqs = tuple(space.seq_lens or (training.seq_len,))
+    analytical = cm.AnalyticalCostModel(model, cluster, training)
+    cost_model = cost_model or analytical
+    layouts = enumerate_layouts(model, cluster, tuple(cost_model.device_names), list(space.tp_degrees or [])
+                                or None)
+    if not layouts:
+        raise ConfigError("cluster", f"no TP x PP x DP layout fits {cluster.world_size} devices of counts "
+                          f"{cluster.type_counts()} with at most {model.num_layers} stages",
+                          "give each device type a count that shares a common divisor with the others")
+    tps = sorted({lay.tp for lay in layouts})
+    table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
+    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table, space.memory_headroom)
+    stats = SearchStats()
+    level_options, stats.binary_recompute_types = recompute_options(table, cost_model.device_names, space)
+    stats.interleaving_allowed = cluster.heterogeneity_index() <= INTERLEAVE_MAX_HETEROGENEITY
+    schedules = [("1f1b", 1)] + [("interleaved", v) for v in space.virtual_stages if "interleaved" in space.schedules]
+    if "1f1b" not in space.schedules:
+        schedules = schedules[1:]
+
+    groups = []
+    for layout in layouts:
+        policies = _policy_rows(layout, level_options)
+        for mbs, seq in itertools.product(space.micro_batch_sizes, seqs):
+            for schedule, v in schedules:
+                stats.enumerated += len(policies)
+                if training.global_batch_size % (layout.dp * mbs):
+                    stats.pruned_batch += len(policies)
+                    continue
+                g = training.global_batch_size // (layout.dp * mbs)
+                if g < layout.pp:  # pipeline schedules need a micro-batch in flight per stage
+                    stats.pruned_batch += len(policies)
+                    continue
+                if schedule == "interleaved" and (not stats.interleaving_allowed or g % layout.pp
+                                                  or layout.pp * v > model.num_layers or layout.pp < 2):
+                    stats.pruned_schedule += len(policies)
+                    continue
+                groups.append((_time_lower_bound(table, layout, mbs, seq, g, model.num_layers),
+                               layout, mbs, seq, schedule, v, policies))
+    groups.sort(key=lambda item: item[0])
+
+    results: list[GroupResult] = []
+    closest: list[tuple[float, str]] = []
+    best_time = math.inf
+    report_every = max(1, len(groups) // 10)
+    for i, (lower_bound, layout, mbs, seq, schedule, v, policies) in enumerate(groups):
+        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            stats.budget_exhausted = True
+            stats.pruned_time += sum(len(item[-1]) for item in groups[i:])
+            break
+        if lower_bound > space.time_prune_factor * best_time:
+            stats.pruned_time += len(policies)
+            continue
+        # Memory lower bound: full recompute everywhere is the least memory a group can use.
+        if not evaluator.fits_with_full_recompute(layout, mbs, seq, schedule, v):
+            stats.pruned_memory += len(policies)
+            full = np.full((1, layout.pp), cm.FULL)
+            closest.append(_shortfall(evaluator.score(layout, mbs, seq, schedule, v, full), cost_model.device_names))
+            continue
+        result = evaluator.score(layout, mbs, seq, schedule, v, policies)
+        stats.evaluated += len(policies)
+        stats.feasible += int(result.feasible.sum())
+        if result.feasible.any():
+            best_time = min(best_time, result.T[result.feasible].min())
+            results.append(result)
+        if progress and (i + 1) % report_every == 0:
+            progress(f"search: {i + 1}/{len(groups)} groups, {stats.feasible} feasible, "
+                     f"{time.perf_counter() - start:.1f}s")
+    stats.cache_hits, stats.cache_misses = table.hits, table.misses
+
+    if not results and stats.pruned_batch == stats.enumerated:
+        raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by DP x micro-batch "
+                          f"for any candidate (micro-batches {list(space.micro_batch_sizes)})",
+                          "use a multiple of the data-parallel degree, e.g. a power of two")
+    if not results:
+        closest.sort()
+        stats.seconds = time.perf_counter() - start
+        if stats.budget_exhausted:
+            raise NoFeasiblePlanError(
+                f"the search budget of {time_budget_s:g}s ran out before any feasible plan was found "
+                f"({stats.evaluated} of {stats.enumerated} evaluated); raise --search-budget-s", [])
+        raise NoFeasiblePlanError(
+            f"no candidate fits in memory ({stats.enumerated} enumerated, {stats.pruned_memory} over capacity "
+            "even with full recompute); use more devices, a shorter --seq-len or a smaller model",
+            [text for _, text in closest[:5]])
+
+    ranked = _rank(results, cluster, model, training, objective, weights, top_k)
+    stats.seconds = time.perf_counter() - start
+    plans, pareto, profile, chosen, reason = ranked
+    return SearchResult(plans, pareto, stats, profile, chosen, reason)
+
+
+def recompute_options(table: CostTable, device_names, space: SearchSpace) -> tuple[list[list[int]], list[str]]:
+    """Levels each device type may use. Selective is dropped where it saves under 10% of what
+    full recompute saves (its exchange rate rho = dT/dM is then no better than going binary)."""
+    allowed = [cm.RECOMPUTE_LEVELS.index(name) for name in space.recompute_levels]
+    options, binary = [], []
+    for d, name in enumerate(device_names):
+        act = table.act[d]
+        saving_sel = act[..., cm.NONE] - act[..., cm.SELECTIVE]
+        saving_full = act[..., cm.NONE] - act[..., cm.FULL]
+        levels = list(allowed)
+        if cm.SELECTIVE in levels and (saving_sel < SELECTIVE_MIN_SAVING * saving_full).all():
+            levels.remove(cm.SELECTIVE)
+            binary.append(name)
+        options.append(levels)
+    return options, binary
+
+
+def _policy_rows(layout: Layout, level_options) -> np.ndarray:
+    """One row per combination of levels for the device types in this layout."""
+    types = sorted(set(layout.stage_device.tolist()))
+    combos = list(itertools.product(*(level_options[t] for t in types)))
+    rows = np.empty((len(combos), layout.pp), dtype=np.int64)
+    for c, combo in enumerate(combos):
+        mapping = dict(zip(types, combo))
+        rows[c] = [mapping[d] for d in layout.stage_device]
+    return rows
+
+
+def _time_lower_bound(table: CostTable, layout: Layout, mbs, seq, g, num_layers) -> float:
+    """All layers of every micro-batch on perfectly balanced stages of the fastest device."""
+    t_min = table.time[layout.stage_device, table.tps.index(layout.tp), table.mbss.index(mbs),
+                       table.seqs.index(seq), cm.NONE].min()
+    return g * num_layers * t_min / layout.pp
+
+
+def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
+    over = (result.memory[0] - result.layout.capacity) / cm.GIB
+    lay = result.layout
+    parts = [f"{device_names[d]} short {o:.1f} GiB" for d, o in zip(lay.stage_device, over) if o > 0]
+    text = (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} full recompute: "
+            + ", ".join(dict.fromkeys(parts)))
+    return float(over.max()), text
+
+
+def _rank(results, cluster, model, training, objective, weights, top_k):
+    # Candidates with another sequence length are compared at equal tokens per iteration.
+    T = np.concatenate([r.T[r.feasible] * training.seq_len / r.seq for r in results])
+    M = np.concatenate([r.M[r.feasible] for r in results])
+    V = np.concatenate([r.V[r.feasible] for r in results])
+    index = [(gi, row) for gi, r in enumerate(results) for row in np.flatnonzero(r.feasible)]
+    auto_profile, why = choose_profile(cluster, T, M)
+    if weights is not None:
+        profile, chosen = "custom", tuple(weights)
+        why = "weights given with --weights"
+    else:
+        profile = objective or auto_profile
+        if profile not in WEIGHT_PROFILES:
+            raise ConfigError("--objective", f"unknown profile {profile!r}",
+                              f"use one of {', '.join(WEIGHT_PROFILES)}")
+        chosen = WEIGHT_PROFILES[profile]
+        if objective:
+            why = "profile given with --objective"
+    score, (t_n, m_n, v_n) = phi(T, M, V, chosen)
+    refs = {"T_ref": float(np.median(T)), "M_ref": float(np.median(M)), "V_ref": float(np.median(V))}
+    order = np.argsort(score, kind="stable")
+    plans, seen = [], set()
+    for k in order:
+        gi, row = index[k]
+        key = _plan_key(results[gi], row)
+        if key in seen:
+            continue
+        seen.add(key)
+        terms = {"T": float(t_n[k]), "M": float(m_n[k]), "V": float(v_n[k]), **refs}
+        plans.append(to_plan(results[gi], row, model, cluster, training,
+                             Objective(float(score[k]), profile, chosen, terms)))
+        if len(plans) >= top_k:
+            break
+    pareto, best_v, seen = [], math.inf, set()
+    for k in np.lexsort((V, T)):
+        if V[k] < best_v:
+            best_v = V[k]
+            gi, row = index[k]
+            terms = {"T": float(t_n[k]), "M": float(m_n[k]), "V": float(v_n[k]), **refs}
+            pareto.append(to_plan(results[gi], row, model, cluster, training,
+                                  Objective(float(score[k]), profile, chosen, terms)))
+    return plans, pareto, profile, chosen, why
+
+
+def _plan_key(result: GroupResult, row: int):
+    lay = result.layout
+    return (lay.tp, lay.dp, lay.order, result.mbs, result.seq, result.schedule, result.v,
+            tuple(result.levels[row]), tuple(result.layers[row]))
+
+
+def to_plan(result: GroupResult, row: int, model, cluster, training, objective: Objective) -> Plan:
+    lay = result.layout
+    names = cluster.rank_device_types()
+    stages = [StagePlan(device_type=names[ranks[0]], ranks=list(ranks),
+                        num_layers=int(result.layers[row, i]),
+                        recompute=cm.RECOMPUTE_LEVELS[int(result.levels[row, i])],
+                        predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 6),
+                        predicted_stage_time_s=float(result.stage_time[row, i]),
+                        memory_capacity_gib=float(lay.capacity[i]) / cm.GIB)
+              for i, ranks in enumerate(lay.stage_ranks)]
+    return Plan(model=model.name, model_spec=model, cluster=cluster.name, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+                micro_batch_size=result.mbs, global_batch_size=training.global_batch_size,
+                seq_len=result.seq, schedule=result.schedule, virtual_stages=result.v, stages=stages,
+                predicted_iteration_time_s=float(result.T[row]), objective=objective,
+                predicted_peak_memory_fraction=float(result.M[row]),
+                predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
+                training={"dtype": training.dtype, "optimizer": training.optimizer,
+                          "distributed_optimizer": training.distributed_optimizer,
+                          "fully_sharded": training.fully_sharded})
+
+
+def progress_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def default_references(model, cluster, training, cost_model=None) -> tuple[float, float, float]:
+    """T, M and V medians over the feasible candidates of the default space."""
+    try:
+        result = search(model, cluster, training, cost_model=cost_model, top_k=1)
+    except (NoFeasiblePlanError, ConfigError):
+        return (math.nan, math.nan, math.nan)
+    refs = result.best.objective.terms
+    return refs["T_ref"], refs["M_ref"], refs["V_ref"]

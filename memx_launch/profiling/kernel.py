@@ -1,0 +1,248 @@
+"""The calibration kernel: forward + backward of ``num_blocks`` LLaMA blocks of the model's
+shape on this rank's device for one configuration, with the median time of several repeats
+and the peak memory above the resting state (weights, gradients, input).
+
+torch is imported lazily inside the kernel, so the sampling plan stays importable anywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from typing import Callable, Iterable
+
+
+import psutil
+
+from memx_launch.errors import ConfigError
+from memx_launch.profiling.profiledb import Measurement
+from memx_launch.specs.training import DTYPE_BYTES
+from memx_launch.specs.cluster import DeviceType
+from memx_launch.specs.model import ModelSpec
+from memx_launch.profiling.design import MinimalSet, minimal_sample_set
+from memx_launch.profiling.space import ProfileSpace, Sample
+
+
+def software_versions() -> dict:
+    import torch
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        memx = version("memx")
+    except PackageNotFoundError:
+        memx = "unknown"
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "memx": memx}
+
+
+def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceType:
+    """Descriptors of this machine's device: capacity from the OS or driver, compute from a
+    short matmul run (what the analytical model should take as sustained TFLOPS)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        memory_gib, vendor = props.total_memory / 2**30, "amd" if torch.version.hip else "nvidia"
+        default_name, dtype = props.name.replace(" ", "-"), torch.bfloat16
+    else:
+        memory_gib = psutil.virtual_memory().total / 2**30
+        vendor, default_name, dtype = "cpu", "cpu", torch.float32
+    n = 1024 if dev.type == "cpu" else 8192
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    rates = []
+    for _ in range(4):
+        _sync(dev)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(dev)
+        rates.append(2 * n**3 / (time.perf_counter() - t0) / 1e12)
+    src, dst = torch.ones(64 * 2**20 // 4, device=dev), torch.zeros(64 * 2**20 // 4, device=dev)
+    seconds = []
+    for _ in range(3):  # the first copy also faults the pages in
+        _sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        seconds.append(time.perf_counter() - t0)
+    bandwidth = 2 * src.numel() * 4 / min(seconds[1:]) / 1e9
+    # Two significant digits, so reruns on the same machine give the same descriptors.
+    return DeviceType(name=name or default_name, vendor=vendor, memory_gib=_round2(memory_gib),
+                      peak_tflops=_round2(max(rates[1:])), efficiency=1.0,
+                      memory_bandwidth_gbps=_round2(bandwidth), flash_attention=True)
+
+
+def _round2(x: float) -> float:
+    return float(f"{x:.2g}")
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample], *, device: str = "cpu",
+              tp_group=None, dtype: str = "fp32", num_blocks: int = 2, warmup: int = 1, repeats: int = 5,
+              emulation_slowdown: float = 1.0, tp_link_gbps: float | None = None,
+              progress: Callable[[Sample], None] | None = None) -> list[Measurement]:
+    """Measure forward + backward of ``num_blocks`` blocks for each sample, on this rank.
+
+    ``tp_group`` is a process group of same-type ranks for samples with tp > 1 (every rank of
+    the group calls this with the same samples); samples whose TP does not match the group
+    size are an error. ``emulation_slowdown`` multiplies measured time (CPU stand-ins for
+    slower devices) and labels the records emulated. Out-of-memory samples come back with
+    ``feasible=False``; so do samples whose peak exceeds an emulated device's capacity.
+    """
+    import torch
+
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError("--dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
+    samples = list(samples)
+    group_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    for s in samples:
+        if s.tp != group_size:
+            raise ConfigError("tp", f"sample tp={s.tp} but this rank's TP group has {group_size} rank(s)",
+                              "calibrate TP>1 samples inside a group of that many same-type ranks")
+    software = software_versions()
+    out = []
+    for s in samples:
+        shape = replace(spec, num_kv_heads=s.num_kv_heads)
+        try:
+            time_s, spread_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
+                                                           num_blocks, warmup, repeats)
+            feasible = True
+        except (RuntimeError, MemoryError) as exc:
+            if not _is_oom(exc):
+                raise
+            time_s = spread_s = peak = reserved = None
+            feasible = False
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+        emulated = emulation_slowdown != 1.0
+        if feasible and emulated and peak > device_type.memory_bytes:
+            feasible = False
+        out.append(Measurement(
+            device_type=device_type.name,
+            device={k: v for k, v in asdict(device_type).items() if k != "name"},
+            model=spec.name, model_signature=spec.signature(),
+            block_shape=shape.to_dict(),
+            tp=s.tp, micro_batch_size=s.micro_batch_size, seq_len=s.seq_len, recompute=s.recompute,
+            dtype=dtype, num_blocks=num_blocks, feasible=feasible,
+            time_s=None if time_s is None else time_s * emulation_slowdown,
+            time_spread_s=None if spread_s is None else spread_s * emulation_slowdown,
+            peak_memory_bytes=peak, peak_reserved_bytes=reserved, tp_link_gbps=tp_link_gbps if s.tp > 1 else None,
+            emulation_slowdown=emulation_slowdown, emulated=emulated, software=software))
+        if progress is not None:
+            progress(s)
+    return out
+
+
+def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
+                repeats: int) -> tuple[float, float, float, float | None]:
+    """(median seconds per block, interquartile range per block, peak bytes above resting,
+    peak bytes the caching allocator reserved above resting (GPUs; None on CPUs))."""
+    import torch
+
+    from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch.manual_seed(0)  # identical weights and input on every rank of a TP group
+    blocks = torch.nn.Sequential(*[TransformerBlock(shape, s.recompute) for _ in range(num_blocks)])
+    blocks = blocks.to(device=dev, dtype=torch_dtype)
+    if s.tp > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        apply_tensor_parallel(blocks, DeviceMesh.from_group(tp_group, dev.type))
+    x = torch.randn(s.micro_batch_size, s.seq_len, shape.hidden_size, device=dev, dtype=torch_dtype,
+                    requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        blocks(x).backward(dy)
+
+    # Warm-up also allocates the gradients, which stay: they belong to the resting state.
+    for _ in range(max(1, warmup)):
+        step()
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    peak, reserved = _peak_memory_bytes(step, dev)
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return statistics.median(times) / num_blocks, (quartiles[2] - quartiles[0]) / num_blocks, peak, reserved
+
+
+def _peak_memory_bytes(step: Callable[[], None], dev) -> tuple[float, float | None]:
+    """Peak bytes of live tensors above the state before ``step``, and on GPUs the peak the
+    caching allocator reserved above it (what an out-of-memory error is about).
+
+    GPU: max_memory_allocated and max_memory_reserved. CPU: the profiler's memory events,
+    which see every tensor allocation and free (the process RSS does not: freed blocks stay
+    mapped and large ones bypass it); there is no allocator reserve to read.
+    """
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        # Blocks the timed repeats left cached would hide what this step has to reserve.
+        torch.cuda.empty_cache()
+        resting, resting_reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        step()
+        torch.cuda.synchronize(dev)
+        return (float(torch.cuda.max_memory_allocated(dev) - resting),
+                float(torch.cuda.max_memory_reserved(dev) - resting_reserved))
+    # Kineto prints a line per profiler start and stop unless told otherwise (6: silent).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return float(peak), None
+
+
+def profile_model(spec: ModelSpec, device_type: DeviceType, space: ProfileSpace, *, device: str = "cpu",
+                  budget: int | None = None, dtype: str = "fp32", num_blocks: int = 2, repeats: int = 5,
+                  emulation_slowdown: float = 1.0, tp_link_gbps: float | None = None,
+                  refine_budget: int | None = None, show_progress: bool = True) -> MinimalSet:
+    """The minimal-set profile of one device type on this process's device (TP 1), with a
+    progress bar per phase on stderr."""
+    from tqdm import tqdm
+
+    phases = itertools.chain(("ablation", "design"), itertools.repeat("refinement"))
+
+    def measure(samples: list[Sample]) -> list[Measurement]:
+        with tqdm(total=len(samples), desc=f"memx profile {next(phases)}", unit="config", file=sys.stderr,
+                  disable=not show_progress or not samples, leave=False) as bar:
+            return calibrate(spec, device_type, samples, device=device, dtype=dtype, num_blocks=num_blocks,
+                             repeats=repeats, emulation_slowdown=emulation_slowdown, tp_link_gbps=tp_link_gbps,
+                             progress=lambda _sample: bar.update())
+
+    return minimal_sample_set(space, measure, budget=budget, refine_budget=refine_budget)

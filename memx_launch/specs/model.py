@@ -1,0 +1,158 @@
+"""What is trained: ModelSpec (a transformer's shape) and the catalog of named models.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+
+from memx_launch.errors import ConfigError
+from memx_launch.specs.checks import reject_unknown
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer (LLaMA style unless ``gated_mlp`` is off)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_len: int
+    """Default training sequence length."""
+    gated_mlp: bool = True
+    """SwiGLU (three FFN matrices) when true, GELU MLP (two) when false."""
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                     "ffn_hidden_size", "vocab_size", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model.{name}", f"must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError("model.hidden_size", f"{self.hidden_size} is not divisible by "
+                              f"num_heads={self.num_heads}", "use a multiple of num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} does not divide "
+                              f"num_heads={self.num_heads}", "use a divisor of num_heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_hidden_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """Wq, Wk, Wv, Wo (no biases)."""
+        h = self.hidden_size
+        return 2 * h * h + 2 * h * self.kv_hidden_size
+
+    @property
+    def mlp_params(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer block, two norms included."""
+        return self.attention_params + self.mlp_params + 2 * self.hidden_size
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        """Final norm plus the output projection (zero extra when tied)."""
+        return self.hidden_size + (0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
+
+    @property
+    def total_params(self) -> int:
+        return self.num_layers * self.layer_params + self.embedding_params + self.head_params
+
+    def signature(self) -> str:
+        """Short stable hash of the shape; keys profiles, caches and predictors."""
+        payload = json.dumps({k: v for k, v in asdict(self).items() if k != "name"}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "model") -> "ModelSpec":
+        reject_unknown(data, {f for f in cls.__dataclass_fields__}, where)
+        return cls(**data)
+
+    @classmethod
+    def from_hf_config(cls, path: str, name: str | None = None) -> "ModelSpec":
+        """Read a Hugging Face style ``config.json`` (LLaMA, Mistral, Qwen2 families)."""
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError("model", f"cannot read Hugging Face config {path!r} ({exc})",
+                              "pass a readable config.json") from None
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                               "intermediate_size", "vocab_size") if k not in cfg]
+        if missing:
+            raise ConfigError(f"model ({path})", f"config.json lacks {', '.join(missing)}",
+                              "use a decoder-only config with these keys")
+        act = str(cfg.get("hidden_act", "silu"))
+        return cls(
+            name=name or cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))),
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            ffn_hidden_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            seq_len=min(int(cfg.get("max_position_embeddings", 4096)), 8192),
+            gated_mlp=act in ("silu", "swiglu", "swish"),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq)
+
+
+# Paper Table 4 plus the published FFN and KV-head sizes; the small flavors run on a CPU.
+MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
+    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
+    _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
+    # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, fp32 there).
+    ModelSpec("opt-350m", 24, 1024, 16, 16, 4096, 50272, 2048, gated_mlp=False, tie_embeddings=True),
+    ModelSpec("gpt-neo-2.7b", 32, 2560, 20, 20, 10240, 50257, 2048, gated_mlp=False, tie_embeddings=True),
+    ModelSpec("opt-30b", 48, 7168, 56, 56, 28672, 50272, 2048, gated_mlp=False, tie_embeddings=True),
+)}
+
+
+def get_model(name_or_path: str) -> ModelSpec:
+    """A catalog name, or the path of a Hugging Face ``config.json`` (or its folder)."""
+    if name_or_path in MODEL_CATALOG:
+        return MODEL_CATALOG[name_or_path]
+    candidate = name_or_path
+    if os.path.isdir(candidate):
+        candidate = os.path.join(candidate, "config.json")
+    if candidate.endswith(".json") and os.path.exists(candidate):
+        return ModelSpec.from_hf_config(candidate)
+    close = difflib.get_close_matches(name_or_path, MODEL_CATALOG, n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(MODEL_CATALOG)}"
+    raise ConfigError("--model", f"unknown model {name_or_path!r}",
+                      f"{hint} (or pass a Hugging Face config.json)")
