@@ -18,6 +18,7 @@ from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.specs.model import get_model
 
@@ -118,6 +119,7 @@ def add_plan_command(sub) -> None:
                    help="share of every device's memory a plan must leave free (default 0; memx-run keeps "
                         "the memory monitor's 0.10)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_config_args(p)
     p.set_defaults(handler=run_plan)
 
 
@@ -399,8 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
+        args = parse_with_config(parser, argv)
+        if getattr(args, "print_config", False):
+            print(config_yaml(parser, args), end="")
+            return 0
         return args.handler(args)
     except NoFeasiblePlanError as exc:
         print(f"memx: error: {exc}", file=sys.stderr)

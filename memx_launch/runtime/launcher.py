@@ -23,6 +23,7 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.specs.model import get_model
 
@@ -59,6 +60,7 @@ def build_parser():
     g.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
     g.add_argument("--run-dir", "--run_dir", metavar="DIR",
                    help=f"where the plan and restart records go (default {DEFAULT_RUNS_DIR}/<model>-<time>)")
+    add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
     return parser
 
 
@@ -269,8 +271,11 @@ def _hide_planned_restart(record: logging.LogRecord) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parse_with_config(parser, argv)
+        if args.print_config:
+            print(config_yaml(parser, args), end="")
+            return 0
         resolved = resolve(args)
         print("memx-run settings:\n" + resolved["settings"].render(), flush=True)
         if args.dry_run:
