@@ -131,3 +131,25 @@ def test_csv_with_too_many_cells_is_that_rows_error(tmp_path):
     rows = list(read_cases(str(path)))
     assert rows[0] == (1, {"tp": "1", "pp": "2"})
     assert "more cells than the header" in str(rows[1][1])
+
+
+def test_example_cases_file_runs_with_paths_relative_to_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the cluster column is found from the file's folder, not the working one
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "cases", "table1-layouts.csv")
+    code, rows, err = _run(capsys, "estimate", "--cases", example)
+    assert code == 0 and len(rows) == 5 and not [r for r in rows if "error" in r], rows
+    by_id = {r["id"]: r for r in rows}
+    # Paper Table 1: the compute-proportional split overflows the 32 GB part, the memory one fits.
+    assert not by_id["compute-split"]["fits"] and by_id["memory-split"]["fits"]
+    assert by_id["one-microbatch"]["num_microbatches"] == 1
+
+
+def test_interleaved_rows_need_whole_rounds_of_micro_batches(tmp_path):
+    runner = CaseRunner(str(tmp_path), {"model": "llama2-7b", "cluster": TABLE1})
+    row = {"tp": 2, "pp": 2, "dp": 4, "micro_batch_size": 1, "schedule": "interleaved", "virtual_stages": 2,
+           "recompute": "full", "distributed_optimizer": True}
+    assert "error" not in runner.estimate({**row, "global_batch_size": 16})
+    assert runner.estimate({**row, "global_batch_size": 4})["error"].startswith(
+        "global_batch_size: 1 micro-batches for the interleaved schedule on pp=2")
+    assert runner.estimate({k: v for k, v in row.items() if k != "virtual_stages"})["error"].startswith(
+        "virtual_stages: missing")

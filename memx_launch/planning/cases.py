@@ -51,7 +51,7 @@ def read_cases(path: str) -> Iterator[tuple[int, dict | ConfigError]]:
     if kind not in (".csv", ".jsonl", ".ndjson", ".json"):
         raise ConfigError("--cases", f"{path} is neither .csv nor .jsonl", "name the file by its format")
     try:
-        f = open(path, newline="")
+        f = open(path, newline="", encoding="utf-8-sig")  # a spreadsheet's byte-order mark is no column
     except OSError as exc:
         raise ConfigError("--cases", f"cannot read {path!r} ({exc.strerror})", "pass an existing file") from None
     with f:

@@ -57,6 +57,10 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if training.global_batch_size % (dp * micro_batch_size):
         raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
                           f"dp*micro_batch_size={dp * micro_batch_size}", "choose a multiple of dp*micro_batch_size")
+    g = training.global_batch_size // (dp * micro_batch_size)
+    if v > 1 and g % pp:  # as in the search: the interleaved time model needs whole rounds of pp micro-batches
+        raise ConfigError("--global-batch-size", f"{g} micro-batches for the interleaved schedule on pp={pp}",
+                          "interleaving needs a multiple of pp micro-batches (Megatron-LM's rule); or use 1f1b")
     if model.num_heads % tp or model.num_kv_heads % tp:
         raise ConfigError("--tp", f"{tp} does not divide the model's {model.num_heads} heads and "
                           f"{model.num_kv_heads} KV heads", "use a divisor of both")
