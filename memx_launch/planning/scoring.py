@@ -67,9 +67,11 @@ class Evaluator:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  cost_model: cm.LayerCostModel, analytical: cm.AnalyticalCostModel, table: CostTable,
-                 memory_headroom: float = 0.0):
+                 memory_headroom: float = 0.0, recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS):
         self.model, self.cluster, self.training = model, cluster, training
         self.memory_headroom = memory_headroom
+        # The hard rule and the memory bound only use levels the search may use (memx plan --recompute-levels).
+        self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
         self.cost_model, self.analytical, self.table = cost_model, analytical, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
 
@@ -129,7 +131,7 @@ class Evaluator:
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
-        full = np.full((1, layout.pp), cm.FULL)
+        full = np.full((1, layout.pp), self.allowed_levels[-1])
         per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, full)
         max_layers = np.floor((self.usable(layout) - fixed) / per_layer)
         min_layers = v if schedule == "interleaved" else 1
@@ -138,7 +140,7 @@ class Evaluator:
     def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
         """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
         best = levels.copy()
-        for level in (cm.FULL, cm.SELECTIVE, cm.NONE):
+        for level in reversed(self.allowed_levels):
             trial = np.full_like(levels, level)
             per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, trial)
             fits = layers * per_layer + fixed <= self.usable(layout)

@@ -192,7 +192,7 @@ def dry_run(args, resolved) -> int:
     from memx_launch.planning import report
     from memx_launch.runtime.worker import reproduce_command
     from memx_launch.planning.objective import parse_weights
-    from memx_launch.planning.search import search
+    from memx_launch.planning.search import SearchSpace, search
 
     cluster, model, training = resolved["cluster"], resolved["model"], resolved["training"]
     if cluster is None:
@@ -205,6 +205,7 @@ def dry_run(args, resolved) -> int:
             from memx_launch.profiling.predictor import load_cost_model
             cost_model = load_cost_model(args.profile_db, model, cluster, training)
         result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
+                        space=SearchSpace(fewer_microbatches_than_stages=False),  # as the workers search
                         weights=parse_weights(args.weights) if args.weights else None,
                         time_budget_s=args.search_budget_s)
         print(report.plan_report(result, cluster))

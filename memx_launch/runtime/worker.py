@@ -143,7 +143,7 @@ def plan_in_job(env) -> None:
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         # Leave the free memory the monitor will ask for, or the first samples would re-plan.
         space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
-                            else MonitorConfig.from_env(env).min_headroom)
+                            else MonitorConfig.from_env(env).min_headroom, fewer_microbatches_than_stages=False)
         result = search(model, cluster, training, cost_model=cost_model, space=space,
                         objective=env.get("MEMX_OBJECTIVE") or None,
                         weights=weights, time_budget_s=budget)
