@@ -71,9 +71,13 @@ def test_inflight_microbatches_1f1b_and_interleaved():
 def test_iteration_time_equations():
     t = np.array([[1.0, 2.0, 1.5]])
     pp = np.array([[0.1, 0.1, 0.0]])
-    assert cm.iteration_time_1f1b(t, pp, 8, 0.5, 0.25)[0] == pytest.approx(7 * 2 + 4.5 + 0.4 + 0.75)
+    # Equation 3 plus the blocking sends of the bottleneck stage on every other micro-batch:
+    # e = t + x_prev + x_next = (1.1, 2.2, 1.6).
+    assert cm.iteration_time_1f1b(t, pp, 8, 0.5, 0.25)[0] == pytest.approx(7 * 2.2 + 4.9 + 0.75)
+    # Interleaving divides only the bubble; the transfers happen v times.
     v = 2
-    expected = (8 - 1 + 1 / v) * 2 / v + (2 / v) * 4.5 + 0.2 + 0.75
+    e = np.array([1.2, 2.4, 1.7])
+    expected = 8 * 2.4 + (e.sum() - 2.4) / v + 0.75
     assert cm.iteration_time_interleaved(t, pp, 8, v, 0.5, 0.25)[0] == pytest.approx(expected)
 
 
