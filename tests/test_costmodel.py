@@ -24,14 +24,19 @@ def test_korthikanti_reference_values(t, sp, recompute, per_sbh):
 
 
 def test_llama_formula_reduces_to_korthikanti_for_a_gpt_block():
-    """A GELU 4h MLP, full MHA and unfused attention is the Korthikanti block without its
-    three dropouts (two sbh masks and one as^2b mask): 34sbh + 5as^2b - (2sbh + as^2b)."""
+    """A GELU 4h MLP, full MHA, unfused attention and dropout on is the Korthikanti block;
+    without dropout its three masks (two sbh, one as^2b) and the dropout output (2as^2b) go."""
     gpt = ModelSpec("gpt", 1, H, A, A, 4 * H, 50000, S, gated_mlp=False)
     for t in (1, 2, 8):
-        got = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False).activation_bytes
-        korthikanti = cm.korthikanti_activation_bytes(S, B, H, A, t)
-        dropout = 2 * S * B * H + A * S * S * B / t
-        assert float(got) == pytest.approx(korthikanti - dropout)
+        for sp in (False, True):
+            korthikanti = cm.korthikanti_activation_bytes(S, B, H, A, t, sp)
+            with_dropout = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False,
+                                               sequence_parallel=sp, dropout=True).activation_bytes
+            assert float(with_dropout) == pytest.approx(korthikanti)
+            without = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False,
+                                          sequence_parallel=sp).activation_bytes
+            dropout = 2 * S * B * H / (t if sp else 1) + 3 * A * S * S * B / t
+            assert float(without) == pytest.approx(korthikanti - dropout)
 
 
 def test_recompute_levels_order_memory_and_time():

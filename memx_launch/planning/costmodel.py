@@ -77,14 +77,19 @@ def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, recom
 
 
 def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
-                     flash_attention=True, sequence_parallel: bool = False) -> LayerCost:
+                     flash_attention=True, sequence_parallel: bool = False,
+                     dropout: bool = False, fused_norm: bool = True) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
       two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP)
       Q + K + V saved by attention: 2 + 4*kv/h, over t
       attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
-      unfused attention: scores and softmax, 2 bytes each: 4as/h over t (the Korthikanti s^2 term)
+      unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
+        with dropout also its 1-byte mask and the dropped-out probabilities: 5as/h over t,
+        the Korthikanti s^2 term
+      dropout on: 1-byte masks after attention and after the MLP: 2 (replicated unless SP)
+      unfused norms (torch ops): each also keeps its normalised tensor before the weight: 4
       SwiGLU: gate and up outputs, silu(gate), product: 8f/h over t (GELU MLP: 4f/h)
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
@@ -99,11 +104,14 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     f, kv = model.ffn_hidden_size, model.kv_hidden_size
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
-    replicated = 8.0 / (tp if sequence_parallel else 1.0)
+    replicated = (8.0 if fused_norm else 12.0) / (tp if sequence_parallel else 1.0)
     qkv = (2.0 + 4.0 * kv / h) / tp
     attn_out = 2.0 / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
-    scores = np.where(flash, 0.0, 4.0 * a * seq / h / tp)
+    score_bytes = (2.0 + 3.0 / scale) if dropout else 2.0  # softmax out (+ 1-byte mask, dropout out)
+    scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
+    if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
+        replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
     if model.gated_mlp:
         mlp_kept, mlp_elementwise = 6.0 * f / h / tp, 2.0 * f / h / tp
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
@@ -120,32 +128,64 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
 
 
 def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
-    """Bytes of weights + gradients + optimizer state per parameter on one rank.
+    """Bytes of weights + gradients + master weights + optimizer moments per parameter on one rank.
 
-    Mixed precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12
-    = 18 bytes; the distributed optimizer shards the 12 over DP. fp32: 4 + 4 + 8 = 16.
-    Full sharding (FSDP2 with a bf16 compute policy) keeps fp32 parameters as the master copy,
-    fp32 gradients and the moments, all sharded: (4 + 4 + 8) / DP for Adam.
+    Megatron mixed precision with Adam: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 and
+    moments 8 = 18; the distributed optimizer shards the 12 over DP (Megatron's
+    ``theoretical_memory_usage.py``: 6 + 12/DP). ZeRO-1 keeps bf16 grads (4 + 12/DP), ZeRO-2
+    shards them too (2 + 14/DP); full sharding divides everything by DP. fp32 weights
+    (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16.
     """
     dp = np.asarray(dp, dtype=np.float64)
-    mixed = training.dtype != "fp32"
-    weight = training.dtype_bytes
-    grad = 4.0
-    if training.optimizer == "adam":
-        optim = 12.0 if mixed else 8.0
-    else:  # SGD with momentum
-        optim = 8.0 if mixed else 4.0
+    weight = float(training.precision_bytes("weights_dtype"))
+    grad = float(training.precision_bytes("grad_dtype"))
+    master = 4.0 if weight < 4 else 0.0
+    moments = 8.0 if training.optimizer == "adam" else 4.0  # Adam m and v; SGD momentum
     if training.fully_sharded:
-        moments = 8.0 if training.optimizer == "adam" else 4.0
-        return (4.0 + 4.0 + moments) / dp
+        return (weight + grad + master + moments) / dp
+    optim = master + moments
     if training.distributed_optimizer:
         optim = optim / dp
+    if training.sharded_gradients:
+        grad = grad / dp
     return weight + grad + optim
 
 
-def logits_bytes(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
-    """The last stage's logits in fp32 for the loss, plus their gradient (vocab split over TP)."""
-    return 2 * 4.0 * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / np.asarray(tp)
+def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp) -> float:
+    """FSDP / ZeRO-3: one layer's weights gathered in the compute dtype while the next is
+    prefetched, and one layer's unsharded gradient before its reduce-scatter."""
+    if not training.fully_sharded:
+        return 0.0
+    layer = model.layer_params / np.asarray(tp, dtype=np.float64)
+    return layer * (2.0 * training.dtype_bytes + training.precision_bytes("grad_dtype"))
+
+
+def last_stage_params(model: ModelSpec, pp: int) -> int:
+    """Final norm and output layer; with tied embeddings and PP > 1 the last stage keeps its
+    own copy of the word embeddings (Megatron syncs their gradients with the first stage)."""
+    tied_copy = model.embedding_params if model.tie_embeddings and pp > 1 else 0
+    return model.head_params + tied_copy
+
+
+def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None = None) -> np.ndarray:
+    """The last stage's logits for the loss at their peak, in the backward of the loss.
+
+    Vocab-parallel (Megatron), per logit of the rank's 1/TP: fp32 loss 8 bytes (16-bit
+    logits, the fp32 copy its softmax is computed in place in, the 16-bit gradient), loss in
+    the training dtype 2 x its bytes. Torch's cross entropy on gathered logits (every TP rank
+    holds the whole vocabulary): the logits, the fp32 copy (``.float()``), the log-softmax
+    kept for the backward and its gradient: 2 + 4 + 4 + 4 = 14 bytes for a 16-bit model, or
+    3 x the training dtype when the loss runs in it.
+    """
+    tr = training or TrainingSpec()
+    d = tr.dtype_bytes
+    if tr.vocab_parallel_loss:
+        per_logit = 8.0 if tr.loss_dtype == "fp32" else 2.0 * d
+        share = np.asarray(tp, dtype=np.float64)
+    else:
+        per_logit = (d + 12.0 if d < 4 else 12.0) if tr.loss_dtype == "fp32" else 3.0 * d
+        share = 1.0
+    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / share
 
 
 def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.ndarray:
@@ -191,10 +231,10 @@ class AnalyticalCostModel:
         self.training = training
         self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
         self.device_names = tuple(d.name for d in self.device_types)
-        self._tflops = np.array([d.effective_tflops for d in self.device_types])
+        self._tflops = np.array([d.effective_tflops_for(training.dtype) for d in self.device_types])
         self._hbm = np.array([d.memory_bandwidth_gbps or d.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
                               for d in self.device_types])
-        self._flash = np.array([d.flash_attention for d in self.device_types])
+        self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
@@ -204,8 +244,9 @@ class AnalyticalCostModel:
         device = np.asarray(device, dtype=np.int64)
         tp = np.asarray(tp, dtype=np.float64)
         recompute = np.asarray(recompute)
-        act = activation_bytes(self.model, mbs, seq, tp, recompute, self.training.dtype_bytes,
-                               self._flash[device])
+        tr = self.training
+        act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
+                               self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm)
         fwd_flops = layer_forward_flops(self.model, mbs, seq, tp)
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
@@ -213,8 +254,8 @@ class AnalyticalCostModel:
         recompute_flops = np.select([recompute == NONE, recompute == SELECTIVE],
                                     [0.0 * fwd_flops, attn_core_flops], fwd_flops)
         compute_s = (3.0 * fwd_flops + recompute_flops) / (self._tflops[device] * 1e12)
-        none_act = activation_bytes(self.model, mbs, seq, tp, NONE, self.training.dtype_bytes,
-                                    self._flash[device]).activation_bytes
+        none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
+                                    self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm).activation_bytes
         recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
                                       [0.0 * none_act, none_act - act.activation_bytes], none_act)
         memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic) / (self._hbm[device] * 1e9)

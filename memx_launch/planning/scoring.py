@@ -72,6 +72,7 @@ class Evaluator:
         self.memory_headroom = memory_headroom
         self.cost_model, self.analytical, self.table = cost_model, analytical, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
+        self.overhead = np.array([d.overhead_bytes for d in self.device_types])
 
     def usable(self, layout: Layout) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -87,7 +88,10 @@ class Evaluator:
         bpp = cm.model_state_bytes_per_param(tr, dp)
         inflight = cm.inflight_microbatches(np.arange(pp), pp, g, v)
         per_layer = m.layer_params / tp * bpp + inflight * act
-        fixed = work + self._edge_bytes(layout, mbs, seq, inflight)
+        # Fixed per stage: the backward working set, embedding / head / logits, the gathered
+        # weights of a fully sharded run and what the process holds above its tensors.
+        fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
+                 + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[layout.stage_device])
         return per_layer, fixed, t_layer, self._edge_time(layout, mbs, seq), g
 
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
@@ -96,7 +100,7 @@ class Evaluator:
         bpp = cm.model_state_bytes_per_param(tr, layout.dp)
         out = np.zeros(pp)
         out[0] += m.embedding_params / tp * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
-        out[-1] += m.head_params / tp * bpp + cm.logits_bytes(m, mbs, seq, tp)
+        out[-1] += cm.last_stage_params(m, pp) / tp * bpp + cm.logits_bytes(m, mbs, seq, tp, tr)
         return out
 
     def _edge_time(self, layout, mbs, seq) -> np.ndarray:
@@ -152,7 +156,7 @@ class Evaluator:
                             hidden_bytes / (layout.next_stage_gbps * 1e9))
         stage_params = layers * m.layer_params / layout.tp
         stage_params[:, 0] += m.embedding_params / layout.tp
-        stage_params[:, -1] += m.head_params / layout.tp
+        stage_params[:, -1] += cm.last_stage_params(m, layout.pp) / layout.tp
         t_dp = cm.allreduce_time(stage_params * 4.0, layout.dp, layout.dp_gbps).max(axis=1)
         t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
                         for i, d in enumerate(layout.stage_device)], axis=0)
