@@ -14,7 +14,8 @@ Data (development sets of issue 10, in shared/peer-data):
   node (25 GB/s per GPU), datasheet peaks, memx's default efficiency (uncalibrated).
 - sailor-plans-dev/opt350_gh96_plans.csv: 15 whole OPT-350 plans run on GH200 nodes of 4 with
   Megatron-DeepSpeed: fp32 (fp32 matmuls at the fp32 peak: PyTorch leaves TF32 off), Adam state
-  whole, GPT-2 dropout on, no fused attention in fp32, the plan's layer split.
+  whole, hidden dropout on and attention dropout off (OPT's training configuration), no fused
+  attention in fp32, the plan's layer split.
 
 Metrics: fit/OOM confusion matrix, false fits (real OOMs called fits) as a share of real OOMs,
 time MAPE and Spearman per group (runs that ran), memx's pick per group (lowest predicted time
@@ -128,7 +129,8 @@ def group_summary(rows, key) -> dict:
 def time_summary(rows) -> dict:
     ran = [r for r in rows if r["real"] == "ok" and r.get("time_s") is not None]
     ratio = np.array([r["time_s"] / r["real_time_s"] for r in ran]) if ran else np.array([math.nan])
-    return {"runs": len(ran), "time_mape_pct": round(mape([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 1),
+    return {"runs": len(ran),
+            "time_mape_pct": round(mape([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 1),
             "predicted_over_measured_median": round(float(np.median(ratio)), 3),
             "predicted_over_measured_p10_p90": [round(float(np.percentile(ratio, q)), 3) for q in (10, 90)]}
 
@@ -237,6 +239,17 @@ def sailor(shared: str) -> list[dict]:
     return rows
 
 
+def no_nan(value):
+    """NaN (a group too small to rank) as null: the results file stays strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [no_nan(v) for v in value]
+    return value
+
+
 def main() -> None:
     shared = shared_dir()
     started = time.perf_counter()
@@ -244,7 +257,8 @@ def main() -> None:
     h = hagemann(shared)
     result["hagemann_llama13b_a100"] = {
         "fit": fit_summary(h), "time": time_summary(h),
-        "time_by_kernel": {k: time_summary([r for r in h if r["kernel"] == k]) for k in sorted({r["kernel"] for r in h})},
+        "time_by_kernel": {k: time_summary([r for r in h if r["kernel"] == k])
+                           for k in sorted({r["kernel"] for r in h})},
         "fit_by_seq_len": {str(s): fit_summary([r for r in h if r["seq_len"] == s]) for s in (2048, 8192)},
         "groups": group_summary(h, lambda r: r["group"]),
         "errors": sum("error" in r for r in h),
@@ -262,7 +276,7 @@ def main() -> None:
         "errors": sum("error" in r for r in s),
         "rows": s}
     result["seconds"] = round(time.perf_counter() - started, 1)
-    write_json_atomic(OUT, result, overwrite=True)
+    write_json_atomic(OUT, no_nan(result), overwrite=True)
     brief = {k: result["hagemann_llama13b_a100"][k] for k in ("fit", "time", "spearman_mean_over_groups")}
     print("hagemann", brief)
     for name, g in groups.items():

@@ -54,7 +54,16 @@ def _add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
                    help="precision of the logits for the loss (default fp32)")
     p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
-                   help="dropout on: its masks are kept for the backward (default off)")
+                   help="hidden dropout on: its masks are kept for the backward (default off)")
+    p.add_argument("--attention-dropout", "--attention_dropout", action=argparse.BooleanOptionalAction,
+                   default=None, help="dropout on the attention probabilities (default off)")
+    p.add_argument("--fused-norm", "--fused_norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused RMSNorm/LayerNorm kernel (default on)")
+    p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
+                   default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
+                   "(default on)")
+    p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
+                   default=None, help="DP gradient reduction overlapped with the last backward (default off)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -75,7 +84,8 @@ def _training(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec
 
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 _SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention",
-                "grad_dtype", "loss_dtype", "dropout")
+                "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
+                "overlap_grad_reduce")
 
 
 def _check_new_file(path: str | None, flag: str, force: bool) -> None:

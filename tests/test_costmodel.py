@@ -31,7 +31,8 @@ def test_llama_formula_reduces_to_korthikanti_for_a_gpt_block():
         for sp in (False, True):
             korthikanti = cm.korthikanti_activation_bytes(S, B, H, A, t, sp)
             with_dropout = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False,
-                                               sequence_parallel=sp, dropout=True).activation_bytes
+                                               sequence_parallel=sp, dropout=True,
+                                               attention_dropout=True).activation_bytes
             assert float(with_dropout) == pytest.approx(korthikanti)
             without = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False,
                                           sequence_parallel=sp).activation_bytes

@@ -104,5 +104,6 @@ def test_interleaving_on_8_h100_stays_within_compute():
         times[v] = plan.predicted_iteration_time_s
         compute = plan.num_microbatches * max(s.predicted_stage_time_s for s in plan.stages)
         assert times[v] >= compute
-    assert times[4] < times[2] < times[1]
-    assert times[1] / times[4] < 1 + 7 / 512  # at most the whole bubble saved
+    assert times[2] < times[1]  # half the bubble saved, more than the extra transfers cost
+    for v in (2, 4):
+        assert times[1] / times[v] < 1 + 7 / 512  # at most the whole bubble saved

@@ -109,3 +109,63 @@ def _cluster_dict():
 
 def _cluster():
     return ClusterSpec.from_dict(_cluster_dict())
+
+
+# --------------------------------------------------------------------------- time terms
+
+
+def test_collectives_pay_latency_per_step_and_bytes_per_link():
+    n, gbps = 8, 100.0
+    assert float(cm.allreduce_time(0, n, gbps)) == pytest.approx(2 * (n - 1) * cm.LINK_LATENCY_S)
+    big = float(cm.allreduce_time(1e9, n, gbps))
+    assert big == pytest.approx(2 * (n - 1) * cm.LINK_LATENCY_S + 2 * 7 / 8 * 1e9 / 100e9)
+    assert float(cm.allreduce_time(1e9, 1, gbps)) == 0
+    assert float(cm.p2p_time(1e6, 10.0)) == pytest.approx(cm.LINK_LATENCY_S + 1e6 / 10e9)
+    assert float(cm.p2p_time(1e6, np.inf)) == 0
+
+
+def test_data_parallel_volume_follows_the_setup():
+    params, dp, gbps = 1e9, 8, 25.0
+    plain = float(cm.data_parallel_sync_time(params, TrainingSpec(), dp, gbps))           # fp32 all-reduce
+    zero1 = float(cm.data_parallel_sync_time(params, TrainingSpec(setup="zero1"), dp, gbps))  # bf16 RS + AG
+    fsdp = float(cm.data_parallel_sync_time(params, TrainingSpec(setup="zero3"), dp, gbps))   # 2 AG + RS, bf16
+    assert zero1 == pytest.approx(plain / 2, rel=1e-3)
+    assert fsdp == pytest.approx(1.5 * zero1, rel=1e-3)
+
+
+def test_overlapped_gradient_reduction_hides_behind_the_last_backward():
+    model, cluster = get_model("llama2-7b"), _cluster()
+    times = {}
+    for overlap in (False, True):
+        training = TrainingSpec(global_batch_size=64, seq_len=2048, overlap_grad_reduce=overlap)
+        plan = evaluate_layout(model, cluster, training, tp=1, pp=1, dp=8, micro_batch_size=1,
+                               recompute="full", references=(1.0, 1.0, 1.0))
+        times[overlap] = plan.predicted_iteration_time_s
+        assert times[overlap] >= plan.num_microbatches * plan.stages[0].predicted_stage_time_s
+    assert times[True] < times[False]
+
+
+def test_small_layers_are_launch_bound_and_fp32_uses_its_peak():
+    cluster = ClusterSpec.from_dict({**_cluster_dict(), "device_types": {"gpu": {
+        "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "peak_tflops_fp32": 19.5,
+        "memory_bandwidth_gbps": 2039}}})
+    tiny = get_model("llama-tiny")
+    cost = cm.AnalyticalCostModel(tiny, cluster, TrainingSpec()).layer_costs(
+        np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 64), np.zeros(1))
+    assert float(cost.time_s[0]) == pytest.approx(cm.KERNELS_PER_LAYER * cm.KERNEL_LAUNCH_S)
+    model = get_model("llama2-7b")
+    args = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 4096), np.zeros(1))
+    bf16 = float(cm.AnalyticalCostModel(model, cluster, TrainingSpec()).layer_costs(*args).time_s[0])
+    fp32 = float(cm.AnalyticalCostModel(model, cluster, TrainingSpec(dtype="fp32")).layer_costs(*args).time_s[0])
+    assert fp32 / bf16 > 0.8 * 312 / 19.5  # compute bound: the peak ratio, less the memory-bound share
+
+
+def test_fp32_dropout_scores_are_two_fp32_tensors_and_a_byte_mask():
+    gpt = ModelSpec("gpt", 1, 1024, 16, 16, 4096, 50000, 2048, gated_mlp=False)
+    s, a = 2048, 16
+    args = dict(flash_attention=False, dropout=True, attention_dropout=True)
+    fp32 = float(cm.activation_bytes(gpt, 1, s, 1, cm.NONE, dtype_bytes=4, **args).activation_bytes)
+    fp32_flash = float(cm.activation_bytes(gpt, 1, s, 1, cm.NONE, dtype_bytes=4, flash_attention=True,
+                                           dropout=True, attention_dropout=True).activation_bytes)
+    lse = 4 * a * s
+    assert fp32 - fp32_flash == pytest.approx(9 * a * s * s - lse)

@@ -33,6 +33,13 @@ _ELEMENTWISE_TRAFFIC = 4.0
 # FLOPs per byte a device sustains before element-wise work becomes memory bound,
 # used when a device type gives no memory bandwidth.
 _DEFAULT_FLOPS_PER_BYTE = 150.0
+# Latency of one collective step or point-to-point message (NCCL over NVLink or InfiniBand:
+# a few microseconds of launch and protocol per hop), the alpha of the alpha-beta model.
+LINK_LATENCY_S = 10e-6
+# Host time to launch one CUDA kernel; a block's forward + backward runs about 40 kernels
+# (norms, linears, attention, activations, their backward), so a small block is launch bound.
+KERNEL_LAUNCH_S = 5e-6
+KERNELS_PER_LAYER = 40
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,8 @@ def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, recom
 
 def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
                      flash_attention=True, sequence_parallel: bool = False,
-                     dropout: bool = False, fused_norm: bool = True) -> LayerCost:
+                     dropout: bool = False, fused_norm: bool = True,
+                     attention_dropout: bool = False) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -86,9 +94,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       Q + K + V saved by attention: 2 + 4*kv/h, over t
       attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
-        with dropout also its 1-byte mask and the dropped-out probabilities: 5as/h over t,
-        the Korthikanti s^2 term
-      dropout on: 1-byte masks after attention and after the MLP: 2 (replicated unless SP)
+        with attention dropout also its 1-byte mask and the dropped-out probabilities: 5as/h
+        over t, the Korthikanti s^2 term (fused attention regenerates its mask: nothing kept)
+      hidden dropout on: 1-byte masks after attention and after the MLP: 2 (replicated unless SP)
       unfused norms (torch ops): each also keeps its normalised tensor before the weight: 4
       SwiGLU: gate and up outputs, silu(gate), product: 8f/h over t (GELU MLP: 4f/h)
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
@@ -108,7 +116,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     qkv = (2.0 + 4.0 * kv / h) / tp
     attn_out = 2.0 / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
-    score_bytes = (2.0 + 3.0 / scale) if dropout else 2.0  # softmax out (+ 1-byte mask, dropout out)
+    score_bytes = (4.0 + 1.0 / scale) if attention_dropout else 2.0  # softmax out (+ mask, dropout out)
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
@@ -216,10 +224,43 @@ def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
     return (matmul + attention) / np.asarray(tp, dtype=np.float64)
 
 
-def allreduce_time(nbytes, group_size, gbps) -> np.ndarray:
-    """Ring all-reduce: 2(n-1)/n of the buffer crosses the slowest link."""
+def allreduce_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.ndarray:
+    """Ring all-reduce: 2(n-1) steps of latency, 2(n-1)/n of the buffer over the slowest link."""
+    return 2.0 * collective_time(nbytes, group_size, gbps, latency_s)
+
+
+def collective_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.ndarray:
+    """Ring reduce-scatter or all-gather of a ``nbytes`` buffer: (n-1) steps of latency and
+    (n-1)/n of the buffer over the slowest link (alpha-beta)."""
     n = np.asarray(group_size, dtype=np.float64)
-    return np.where(n > 1, 2.0 * (n - 1) / np.maximum(n, 1) * np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
+    steps = np.maximum(n - 1, 0)
+    return np.where(n > 1, steps * latency_s
+                    + steps / np.maximum(n, 1) * np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
+
+
+def p2p_time(nbytes, gbps) -> np.ndarray:
+    """One point-to-point message: latency plus the bytes over the link (none for inf)."""
+    gbps = np.asarray(gbps, dtype=np.float64)
+    return np.where(np.isinf(gbps), 0.0, LINK_LATENCY_S + np.asarray(nbytes) / (gbps * 1e9))
+
+
+def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps) -> np.ndarray:
+    """Gradient synchronisation of one iteration over a stage's DP group.
+
+    Plain data parallel: all-reduce of the gradients (their dtype). Sharded optimizer (ZeRO-1/2,
+    Megatron's distributed optimizer): reduce-scatter of the gradients and all-gather of the
+    updated weights. Fully sharded: the weights all-gathered for the forward and again for the
+    backward in the compute dtype, and the gradients reduce-scattered.
+    """
+    grad = training.precision_bytes("grad_dtype")
+    params = np.asarray(stage_params, dtype=np.float64)
+    if training.fully_sharded:
+        volume = 2.0 * training.dtype_bytes + grad
+    elif training.distributed_optimizer:
+        volume = grad + training.precision_bytes("weights_dtype")
+    else:
+        return allreduce_time(params * grad, dp, gbps)
+    return collective_time(params * volume, dp, gbps)
 
 
 class AnalyticalCostModel:
@@ -235,6 +276,11 @@ class AnalyticalCostModel:
         self._hbm = np.array([d.memory_bandwidth_gbps or d.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
                               for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
+        # Accelerators launch kernels from the host and talk through NCCL/RCCL; CPU stand-ins
+        # (emulation, profiling on a CPU) run their ops inline and are timed without these.
+        accelerator = np.array([d.vendor != "cpu" for d in self.device_types])
+        self._launch_s = np.where(accelerator, KERNELS_PER_LAYER * KERNEL_LAUNCH_S, 0.0)
+        self._latency_s = np.where(accelerator, LINK_LATENCY_S, 0.0)
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
@@ -246,25 +292,35 @@ class AnalyticalCostModel:
         recompute = np.asarray(recompute)
         tr = self.training
         act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
-                               self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm)
+                               self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
+                               tr.attention_dropout)
         fwd_flops = layer_forward_flops(self.model, mbs, seq, tp)
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
         attn_core_flops = 2.0 * mbs_a * seq_a * seq_a * self.model.hidden_size / tp
         recompute_flops = np.select([recompute == NONE, recompute == SELECTIVE],
                                     [0.0 * fwd_flops, attn_core_flops], fwd_flops)
+        # Unfused attention computes the whole s x s square (no causal skipping) and moves the
+        # scores through memory: QK^T out, softmax in and out, AV in, and their gradients,
+        # about 20 bytes per score, of which the stored-activation traffic below counts 8.
+        unfused = ~self._flash[device]
+        attn_core_flops = np.where(unfused, 2.0, 1.0) * attn_core_flops
+        fwd_flops = fwd_flops + np.where(unfused, 0.5 * attn_core_flops, 0.0)
+        score_traffic = np.where(unfused, 12.0 * mbs_a * self.model.num_heads / tp * seq_a * seq_a, 0.0)
         compute_s = (3.0 * fwd_flops + recompute_flops) / (self._tflops[device] * 1e12)
         none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
-                                    self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm).activation_bytes
+                                    self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
+                               tr.attention_dropout).activation_bytes
         recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
                                       [0.0 * none_act, none_act - act.activation_bytes], none_act)
-        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic) / (self._hbm[device] * 1e9)
+        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic + score_traffic) / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two backward, two more when the
         # full block is recomputed.
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         n_allreduce = np.where(recompute == FULL, 6.0, 4.0)
-        comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self.tp_gbps(device, tp))
-        time_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
+        comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self.tp_gbps(device, tp), self._latency_s[device])
+        launch_s = self._launch_s[device] * np.where(recompute == FULL, 1.5, 1.0)
+        time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 
     def tp_gbps(self, device, tp) -> np.ndarray:

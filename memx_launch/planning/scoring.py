@@ -152,12 +152,15 @@ class Evaluator:
     def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
         m, tr = self.model, self.training
         hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
-        transfer = np.where(np.isinf(layout.next_stage_gbps), 0.0,
-                            hidden_bytes / (layout.next_stage_gbps * 1e9))
+        transfer = cm.p2p_time(hidden_bytes, layout.next_stage_gbps)
         stage_params = layers * m.layer_params / layout.tp
         stage_params[:, 0] += m.embedding_params / layout.tp
         stage_params[:, -1] += cm.last_stage_params(m, layout.pp) / layout.tp
-        t_dp = cm.allreduce_time(stage_params * 4.0, layout.dp, layout.dp_gbps).max(axis=1)
+        t_dp = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps)
+        if tr.overlap_grad_reduce:
+            # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
+            t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
+        t_dp = t_dp.max(axis=1)
         t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
                         for i, d in enumerate(layout.stage_device)], axis=0)
         if schedule == "interleaved":

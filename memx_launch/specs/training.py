@@ -39,15 +39,16 @@ OPTIMIZERS = ("adam", "sgd")
 SETUPS: dict[str, dict] = {
     "megatron": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="fp32",
                      sequence_parallel=True, flash_attention=True, loss_dtype="fp32",
-                     vocab_parallel_loss=True),
+                     vocab_parallel_loss=True, overlap_grad_reduce=True),
     "zero1": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
                   vocab_parallel_loss=False),
     "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
                   grad_dtype="training", vocab_parallel_loss=False),
     "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
-                  vocab_parallel_loss=False),
-    "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False),
-    "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False),
+                  vocab_parallel_loss=False, overlap_grad_reduce=True),
+    "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
+                  overlap_grad_reduce=True),
+    "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
@@ -86,8 +87,14 @@ class TrainingSpec:
     """"fp32" (logits cast to fp32 for the loss, Megatron's cross entropy) or "training"
     (logits and their gradient in the training dtype). Default fp32."""
     dropout: bool | None = None
-    """Dropout on (GPT style): one byte per element for each dropout mask kept. LLaMA trains
-    without; default off."""
+    """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. LLaMA
+    trains without; default off."""
+    attention_dropout: bool | None = None
+    """Dropout on the attention probabilities: without fused attention its mask and output
+    (s x s each) are kept. Default off (OPT trains without it)."""
+    overlap_grad_reduce: bool | None = None
+    """The data-parallel gradient reduction runs during the last micro-batch's backward (DDP
+    buckets, FSDP, ZeRO-3, Megatron's --overlap-grad-reduce); off: after it. Default off."""
     fused_norm: bool | None = None
     """Fused RMSNorm/LayerNorm kernel (saves its input and output only). Off: the norm in
     separate torch ops keeps the normalised tensor before the weight as well (2 bytes per
@@ -112,8 +119,8 @@ class TrainingSpec:
         preset = SETUPS.get(self.setup, {})
         defaults = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
                         grad_dtype="fp32", sequence_parallel=False, flash_attention=True,
-                        loss_dtype="fp32", dropout=False, fused_norm=True,
-                        vocab_parallel_loss=True)
+                        loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
+                        overlap_grad_reduce=False, vocab_parallel_loss=True)
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))
