@@ -141,7 +141,9 @@ def time_summary(rows) -> dict:
 def a100_cluster(world: int) -> ClusterSpec:
     return ClusterSpec.from_dict({
         "version": 1, "name": f"dgx-a100-{world}",
-        "device_types": {"a100-80gb": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312,
+        # "80GB" is the marketing size; CUDA reports about 79.3 GiB of it (81,920 MiB less what
+        # the driver keeps), the capacity a run can fill.
+        "device_types": {"a100-80gb": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
                                        "memory_bandwidth_gbps": 2039}},
         "nodes": [{"devices": {"a100-80gb": 8}, "intra_node_gbps": 300} for _ in range(world // 8)],
         "inter_node_gbps": 25})
