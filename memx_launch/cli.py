@@ -19,7 +19,7 @@ from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
-from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.training import SETUPS, TrainingSpec
 from memx_launch.specs.model import get_model
 
 
@@ -44,6 +44,27 @@ def _add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="shard optimizer state over data-parallel ranks (Megatron distributed optimizer, ZeRO-1)")
     p.add_argument("--fully-sharded", "--fully_sharded", action="store_true", default=None,
                    help="shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)")
+    p.add_argument("--setup", choices=tuple(SETUPS),
+                   help="the training framework's memory setup (docs/setups.md); explicit flags win")
+    p.add_argument("--sequence-parallel", "--sequence_parallel", action=argparse.BooleanOptionalAction,
+                   default=None, help="Megatron sequence parallelism (default: on for --setup megatron)")
+    p.add_argument("--flash-attention", "--flash_attention", action=argparse.BooleanOptionalAction,
+                   default=None, help="fused attention, no s x s scores kept (default on)")
+    p.add_argument("--grad-dtype", "--grad_dtype", choices=("fp32", "bf16", "fp16"),
+                   help="gradient precision (default fp32; bf16/fp16 = the training dtype)")
+    p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
+                   help="precision of the logits for the loss (default fp32)")
+    p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="hidden dropout on: its masks are kept for the backward (default off)")
+    p.add_argument("--attention-dropout", "--attention_dropout", action=argparse.BooleanOptionalAction,
+                   default=None, help="dropout on the attention probabilities (default off)")
+    p.add_argument("--fused-norm", "--fused_norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused RMSNorm/LayerNorm kernel (default on)")
+    p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
+                   default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
+                   "(default on)")
+    p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
+                   default=None, help="DP gradient reduction overlapped with the last backward (default off)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -58,8 +79,14 @@ def _training(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec
         return getattr(base, name) if value is None else value
 
     return TrainingSpec(global_batch_size=pick("global_batch_size"), seq_len=pick("seq_len"),
-                        dtype=pick("dtype"), optimizer=pick("optimizer"),
-                        distributed_optimizer=pick("distributed_optimizer"), fully_sharded=pick("fully_sharded"))
+                        dtype=pick("dtype"), optimizer=pick("optimizer"), setup=pick("setup"),
+                        **{name: getattr(args, name, None) for name in _SETUP_FLAGS})
+
+
+# Flags that override one field of a --setup preset (None: the preset or the default decides).
+_SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention",
+                "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
+                "overlap_grad_reduce")
 
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:

@@ -105,8 +105,8 @@ def test_training_columns_follow_trainingspec_fields(tmp_path):
     plain = runner.estimate(dict(layout))
     sharded = runner.estimate({**layout, "distributed_optimizer": "true"})
     assert sharded["stage_peak_memory_gib"][0] < plain["stage_peak_memory_gib"][0]
-    for column in ("setup", "sequence_parallel", "flash_attention"):
-        result = runner.estimate({**layout, column: "true"})
+    for column, value in (("setup", "megatron"), ("sequence_parallel", "true"), ("flash_attention", "false")):
+        result = runner.estimate({**layout, column: value})
         known = column in TrainingSpec.__dataclass_fields__
         assert ("error" in result) != known, (column, result)
         if not known:

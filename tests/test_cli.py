@@ -112,6 +112,22 @@ def test_estimate_reports_oom_by_how_much(capsys):
     assert "OOM: stage 0 short" in out and "phi=" in out and "predicted iteration time" in out
 
 
+def test_estimate_setup_flags_reach_the_plan(tmp_path, capsys):
+    peaks = {}
+    for setup, extra in (("ddp", []), ("megatron", ["--no-sequence-parallel", "--grad-dtype", "bf16"])):
+        out_json = tmp_path / f"{setup}.json"
+        code, _, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "2", "--pp", "2",
+                         "--dp", "4", "--micro-batch-size", "1", "--global-batch-size", "64", "--recompute", "full",
+                         "--setup", setup, *extra, "--json", str(out_json))
+        assert code == 0
+        plan = Plan.load(str(out_json))
+        assert plan.training["setup"] == setup
+        peaks[setup] = max(s.predicted_peak_memory_gib for s in plan.stages)
+    assert plan.training["sequence_parallel"] is False and plan.training["grad_dtype"] == "training"
+    assert plan.training["distributed_optimizer"] is True
+    assert peaks["megatron"] < peaks["ddp"]
+
+
 def test_estimate_per_stage_recompute_and_devices(capsys):
     code, out, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "1", "--pp", "2",
                        "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "64",

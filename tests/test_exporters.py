@@ -88,6 +88,21 @@ def test_per_stage_recompute_is_reported_not_hidden():
     _megatron_config(plan, export.args)
 
 
+def test_megatron_flags_state_the_training_setup_of_the_plan():
+    from memx_launch.specs.training import TrainingSpec
+    plan = make_plan(layers=(8, 24), recompute=("full", "full"), tp=2, dp=4)
+    plan.training = TrainingSpec(setup="megatron").plan_fields()
+    export = megatron_args(plan)
+    for flag in ("--bf16", "--use-distributed-optimizer", "--sequence-parallel", "--overlap-grad-reduce"):
+        assert flag in export.args
+    assert not any("--setup" in n for n in export.notes)
+    plan.training = TrainingSpec(setup="zero3").plan_fields()
+    export = megatron_args(plan)
+    assert "--use-distributed-optimizer" not in export.args and "--sequence-parallel" not in export.args
+    assert any("--setup zero3" in n for n in export.notes)
+    _megatron_config(plan, export.args)
+
+
 def test_torchrun_commands_parse_and_keep_rank_order():
     run = pytest.importorskip("torch.distributed.run")
     cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))

@@ -102,10 +102,33 @@ def megatron_args(plan: Plan) -> Export:
     recompute_args, recompute_notes = _megatron_recompute(plan)
     args += recompute_args
     notes += recompute_notes
+    training_args, training_notes = _megatron_training(plan)
+    args += training_args
+    notes += training_notes
     if len({s.device_type for s in plan.stages}) > 1:
         notes.append("stages run on different device types: start Megatron with the torchrun lines "
                      "made for it, whose node order puts each stage on its devices")
     return Export(args, notes)
+
+
+def _megatron_training(plan: Plan) -> tuple[list[str], list[str]]:
+    """The precision and sharding the plan's memory was predicted for, as Megatron flags."""
+    tr = plan.training
+    args, notes = [], []
+    args += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(tr.get("dtype"), [])
+    if tr.get("distributed_optimizer"):
+        args.append("--use-distributed-optimizer")
+    if tr.get("sequence_parallel") and plan.tp > 1:
+        args.append("--sequence-parallel")
+    if tr.get("overlap_grad_reduce"):
+        args.append("--overlap-grad-reduce")
+    if tr.get("setup") not in (None, "megatron"):
+        notes.append(f"the plan was predicted for --setup {tr['setup']}; Megatron-LM keeps its own "
+                     "model states (6 + 12/DP bytes per parameter with --use-distributed-optimizer)")
+    if tr.get("fully_sharded") or tr.get("sharded_gradients") or tr.get("grad_dtype") == "training":
+        notes.append("Megatron-LM keeps fp32 main gradients whole on every rank: its memory differs "
+                     "from the plan's sharded or 16-bit gradients")
+    return args, notes
 
 
 # --------------------------------------------------------------------------- torchrun

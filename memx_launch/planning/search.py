@@ -339,9 +339,7 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
                 predicted_iteration_time_s=float(result.T[row]), objective=objective,
                 predicted_peak_memory_fraction=float(result.M[row]),
                 predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
-                training={"dtype": training.dtype, "optimizer": training.optimizer,
-                          "distributed_optimizer": training.distributed_optimizer,
-                          "fully_sharded": training.fully_sharded})
+                training=training.plan_fields())
 
 
 def progress_to_stderr(message: str) -> None:

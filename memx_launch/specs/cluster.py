@@ -32,6 +32,13 @@ class DeviceType:
     """HBM bandwidth in GB/s; bounds element-wise work in the analytical time model."""
     flash_attention: bool = True
     """Fused attention kernel available (no s^2 activation term)."""
+    peak_tflops_fp32: float | None = None
+    """Dense fp32 matmul peak (TF32 on Ampere and later where the framework enables it);
+    used for fp32 training, else ``peak_tflops`` serves every dtype."""
+    memory_overhead_gib: float | None = None
+    """Memory a training process holds above its tensors: CUDA context, communication
+    buffers, the caching allocator's reserve over allocated. Unset: the vendor's default
+    (:data:`DEFAULT_MEMORY_OVERHEAD_GIB`)."""
 
     def __post_init__(self):
         where = f"device_types.{self.name}"
@@ -45,6 +52,11 @@ class DeviceType:
                               "give achieved/peak TFLOPS, e.g. 0.45")
         if self.memory_bandwidth_gbps is not None and self.memory_bandwidth_gbps <= 0:
             raise ConfigError(f"{where}.memory_bandwidth_gbps", "must be positive")
+        if self.peak_tflops_fp32 is not None and not self.peak_tflops_fp32 > 0:
+            raise ConfigError(f"{where}.peak_tflops_fp32", "must be positive", "give the fp32/TF32 peak")
+        if self.memory_overhead_gib is not None and not 0 <= self.memory_overhead_gib < self.memory_gib:
+            raise ConfigError(f"{where}.memory_overhead_gib", f"must be in [0, memory_gib), got "
+                              f"{self.memory_overhead_gib!r}", "give reserved minus allocated memory in GiB")
 
     @property
     def memory_bytes(self) -> float:
@@ -54,8 +66,32 @@ class DeviceType:
     def effective_tflops(self) -> float:
         return self.peak_tflops * (self.efficiency if self.efficiency is not None else DEFAULT_EFFICIENCY)
 
+    def effective_tflops_for(self, dtype: str) -> float:
+        """Sustained TFLOPS for training in ``dtype`` (the fp32 peak for fp32 when given)."""
+        if dtype == "fp32" and self.peak_tflops_fp32 is not None:
+            return self.effective_tflops * self.peak_tflops_fp32 / self.peak_tflops
+        return self.effective_tflops
 
-DEFAULT_EFFICIENCY = 0.45
+    @property
+    def overhead_bytes(self) -> float:
+        gib = self.memory_overhead_gib
+        if gib is None:
+            gib = DEFAULT_MEMORY_OVERHEAD_GIB.get(self.vendor, DEFAULT_MEMORY_OVERHEAD_GIB["unknown"])
+        return gib * 2**30
+
+
+# Share of the datasheet peak that large 16-bit matmuls and fused attention sustain on
+# datacenter GPUs (cuBLAS reaches 75-85% on A100/H100 for transformer-sized GEMMs). The cost
+# model times memory-bound work, launches and communication separately, so this is the
+# matmul share, not an end-to-end MFU; calibration replaces it per device type.
+DEFAULT_EFFICIENCY = 0.75
+
+# Unmeasured memory above the tensors, per vendor. NVIDIA/AMD: the CUDA/HIP context with the
+# BLAS and attention-kernel modules loaded (~0.75 GiB), NCCL/RCCL buffers of the TP, PP and DP
+# communicators (~0.75 GiB at default buffer sizes) and the caching allocator's reserve over
+# allocated (~0.5 GiB of partly used 2 MiB / 20 MiB blocks). CPU emulation: a guard counts the
+# tensors only. A measured value in the cluster YAML (memory_overhead_gib) replaces these.
+DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 2.0, "amd": 2.0, "cpu": 0.0, "unknown": 0.0}
 
 
 @dataclass(frozen=True)
@@ -193,7 +229,7 @@ class ClusterSpec:
                               "map each device type name to its memory_gib and peak_tflops")
         types = []
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
-                   "flash_attention"}
+                   "flash_attention", "peak_tflops_fp32", "memory_overhead_gib"}
         for tname, spec in raw_types.items():
             if not isinstance(spec, dict):
                 raise ConfigError(f"cluster.device_types.{tname}", "must be a mapping")

@@ -156,7 +156,9 @@ def _as_flags(parser, values: dict) -> list[str]:
     for dest, value in values.items():
         action = _options(parser)[dest]
         flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
-        if action.nargs == 0:
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x; null leaves the default
+            flags += [] if value is None else [flag if value else "--no-" + flag[2:]]
+        elif action.nargs == 0:
             flags += [flag] if value == action.const else []
         elif value is not None:
             flags.append(f"{flag}={value}")  # "=" keeps a value that starts with "-" a value
