@@ -14,7 +14,6 @@ given) and restarts in place with the plan through the elastic agent.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -220,8 +219,7 @@ def dry_run(args, resolved) -> int:
 
 
 def launch(args, resolved) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
+    from memx_launch.runtime.agent import run_agent
 
     run_dir = resolved["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
@@ -234,37 +232,20 @@ def launch(args, resolved) -> int:
         "MEMX_TRAINING": json.dumps(resolved["training"].__dict__),
         "MEMX_OBJECTIVE": args.objective or "", "MEMX_WEIGHTS": args.weights or "",
         "MEMX_SEARCH_BUDGET_S": "" if args.search_budget_s is None else str(args.search_budget_s),
-        "MEMX_USER_MAX_RESTARTS": str(args.max_restarts), "MEMX_NO_REPLAN": str(int(args.no_replan)),
+        "MEMX_NO_REPLAN": str(int(args.no_replan)),
         "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]]),
     }
     if args.cluster:
         env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
     os.environ.update(env)
-    # The workers run memx's worker, which runs the script. The agent restarts for crashes and
-    # planned restarts alike: it gets the user's budget plus one per planned restart (the initial
-    # plan, each re-plan); the worker holds crashes to the user's --max-restarts.
+    # The workers run memx's worker, which runs the script. Planned restarts (the initial plan,
+    # each re-plan) go through the agent too; memx's agent does not count them (agent.py).
     worker_args = (["--module"] if args.module else []) + [args.training_script, *resolved["script_args"]]
     args.module, args.no_python = True, False
     args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
-    args.max_restarts += (resolved["plan"] is None) + (0 if args.no_replan else max_replans())
     if args.nnodes in ("1", "1:1") and args.rdzv_endpoint == "" and args.rdzv_backend == "static":
         args.standalone = True  # a free local port instead of torchrun's fixed 29500
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_hide_planned_restart)
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        rank, first = next(iter(exc.failures.items()))
-        print(f"memx-run: error: worker rank {rank} failed with exit code {first.exitcode}; "
-              "see its traceback above", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _hide_planned_restart(record: logging.LogRecord) -> bool:
-    """The elastic agent logs every non-zero worker exit as a failure; a planned restart is not one."""
-    from memx_launch.runtime.worker import PLANNED_RESTART_EXIT_CODE
-
-    return f"exitcode: {PLANNED_RESTART_EXIT_CODE})" not in record.getMessage()
+    return run_agent(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,7 +84,8 @@ class Supervisor:
         self.run_dir = run_dir
         self.environ = environ
         self.rank = runtime.layout.rank
-        self.generation = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        from memx_launch.runtime.worker import restart_generation
+        self.generation = restart_generation(environ)
         self.replan_enabled = environ.get("MEMX_NO_REPLAN", "0") != "1"
         self.max_replans = max_replans(environ)
         self.checkpoint_every = _env_int(environ, "MEMX_CHECKPOINT_EVERY", DEFAULT_CHECKPOINT_EVERY)

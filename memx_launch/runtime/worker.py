@@ -6,14 +6,16 @@ type calibrate the minimal sample set together (skipped for types the ProfileDB 
 holds), rank 0 gathers and stores the samples, fits the predictor, searches, writes the plan
 atomically and broadcasts it; then every rank exits with PLANNED_RESTART_EXIT_CODE and the
 elastic agent restarts the workers in place. The restart is recorded in the run directory, so
-that it is told apart from a crash and does not count against the user's --max-restarts.
+that the other ranks tell it apart from a crash; memx-run's agent does not count it against the
+user's --max-restarts (all failing workers exit with PLANNED_RESTART_EXIT_CODE).
 
 Training generation: per-rank MEMX_* variables (stage, layers, recompute, device type) on top
 of the plan's, then the script runs as ``__main__``.
 
 Launcher -> worker contract (environment): MEMX_RUN_DIR, MEMX_PLAN, MEMX_MODEL, MEMX_CLUSTER
 (optional), MEMX_PROFILE_DB, MEMX_TRAINING (TrainingSpec JSON), MEMX_OBJECTIVE, MEMX_WEIGHTS,
-MEMX_SEARCH_BUDGET_S, MEMX_USER_MAX_RESTARTS, MEMX_REPRODUCE (the script and its arguments).
+MEMX_SEARCH_BUDGET_S, MEMX_REPRODUCE (the script and its arguments), MEMX_GENERATION (how many times
+the workers were started before, planned restarts included; the agent sets it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 
 PLANNED_RESTART_EXIT_CODE = 75
 PLANNED_RESTARTS_FILE = "planned-restarts.json"
+GENERATION_VAR = "MEMX_GENERATION"
 
 
 def _log(message: str) -> None:
@@ -48,13 +51,10 @@ def record_planned_restart(run_dir: str, generation: int) -> None:
                       sorted(set(planned_restarts(run_dir)) | {generation}), overwrite=True)
 
 
-def check_crash_budget(run_dir: str, generation: int, user_max_restarts: int) -> None:
-    """The agent's budget is the user's plus one per planned restart; crashes get the user's."""
-    crashes = generation - len([g for g in planned_restarts(run_dir) if g < generation])
-    if crashes > user_max_restarts:
-        if os.environ.get("RANK", "0") == "0":  # one line per generation, not one per worker
-            _log(f"error: {crashes} crash restart(s) exceed --max-restarts {user_max_restarts}; see the errors above")
-        sys.exit(1)
+def restart_generation(environ=os.environ) -> int:
+    """How many times this job's workers were started before: memx-run's agent counts planned
+    restarts and crash restarts (MEMX_GENERATION); under plain torchrun, its crash restarts."""
+    return int(environ.get(GENERATION_VAR) or environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 # --------------------------------------------------------------------------- planning generation
@@ -156,7 +156,7 @@ def plan_in_job(env) -> None:
         payload[0] = json.dumps(plan.to_dict())
     dist.broadcast_object_list(payload, src=0)
     Plan.from_dict(json.loads(payload[0]), source="broadcast plan")  # every rank checks what it got
-    generation = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    generation = restart_generation(env)
     if rank == 0:
         record_planned_restart(env["MEMX_RUN_DIR"], generation)
         _log(f"restarting the workers in place with the plan (planned restart after generation {generation})")
@@ -238,8 +238,6 @@ def main() -> None:
     env = os.environ
     code = 0
     try:
-        check_crash_budget(env["MEMX_RUN_DIR"], int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                           int(env.get("MEMX_USER_MAX_RESTARTS", "0")))
         if not os.path.exists(env["MEMX_PLAN"]):
             plan_in_job(env)
         run_script(sys.argv[1:])
