@@ -249,7 +249,8 @@ def add_export_command(sub) -> None:
     p.add_argument("--plan", required=True, metavar="FILE", help="plan JSON from memx plan --json")
     p.add_argument("--cluster", help="cluster YAML; needed for the per-node torchrun lines")
     p.add_argument("--script", default="train.py", help="training script for the torchrun lines")
-    p.add_argument("--master-addr", "--master_addr", default="localhost")
+    p.add_argument("--master-addr", "--master_addr",
+                   help="rendezvous address (default: the cluster file's master_addr or first node's host)")
     p.add_argument("--master-port", "--master_port", type=int, default=29500)
     p.set_defaults(handler=run_export)
 
@@ -272,7 +273,7 @@ def run_export(args) -> int:
             print(f"\n# torchrun for {title}, one line per node")
             for cmd in exporters.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
                                                    master_port=args.master_port, for_megatron=for_megatron):
-                print(f"{cmd.command_line()}" + (f"  # {cmd.notes[0]}" if cmd.notes else ""))
+                print(f"{cmd.command_line()}" + "".join(f"  # {note}" for note in cmd.notes))
     return 0
 
 

@@ -73,3 +73,21 @@ def test_planning_restart_is_not_a_crash(job):
     assert proc.returncode == 7, proc.stderr[-3000:]
     assert _attempts(job) == ["0"]
     assert "planned restart" in proc.stderr
+
+
+def test_planned_restart_and_root_cause_ignore_the_workers_the_agent_stopped():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from memx_launch.runtime.agent import _planned, root_cause
+
+    def failure(code, timestamp):
+        f = ProcessFailure(local_rank=0, pid=1, exitcode=code, error_file="<N/A>")
+        f.timestamp = timestamp
+        return f
+
+    # rank 2 ran out of memory and restarts for a re-plan, its peers follow, rank 0 was stopped first
+    oom = {0: failure(-15, 10), 1: failure(75, 10), 2: failure(75, 10), 3: failure(75, 10)}
+    assert _planned(oom)
+    crash = {0: failure(-15, 10), 2: failure(7, 10), 3: failure(75, 10)}
+    assert not _planned(crash) and root_cause(crash)[0] == 2
+    assert not _planned({0: failure(-15, 10)})

@@ -1,5 +1,6 @@
-"""memx-run's elastic agent: torchrun's own, except that a planned restart (every failing worker
-exited with PLANNED_RESTART_EXIT_CODE: the plan was made, or re-made) is not a crash, so
+"""memx-run's elastic agent: torchrun's own, except that a planned restart (the failing workers
+exited with PLANNED_RESTART_EXIT_CODE, the plan was made or re-made, and the others were stopped
+by the agent) is not a crash, so
 ``--max-restarts`` counts crash restarts only, exactly as torchrun counts them. The agent numbers
 every start of the workers (MEMX_GENERATION), planned or not, for the workers' per-generation
 files and store keys.
@@ -27,8 +28,7 @@ def _agent_class():
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            if result.state == WorkerState.FAILED and result.failures and all(
-                    f.exitcode == PLANNED_RESTART_EXIT_CODE for f in result.failures.values()):
+            if result.state == WorkerState.FAILED and _planned(result.failures):
                 self._remaining_restarts += 1  # the agent takes one off for every restart it makes
             return result
 
@@ -38,6 +38,23 @@ def _agent_class():
             super()._restart_workers(worker_group)
 
     return MemxAgent
+
+
+# Once one worker fails the agent stops the others (SIGTERM, then SIGKILL): they are listed too.
+STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
+
+
+def _planned(failures) -> bool:
+    codes = {f.exitcode for f in failures.values()}
+    return PLANNED_RESTART_EXIT_CODE in codes and codes <= {PLANNED_RESTART_EXIT_CODE, *STOPPED_BY_AGENT}
+
+
+def root_cause(failures) -> tuple[int, object]:
+    """The first failure (torchrun's root cause), not counting workers the agent stopped after it
+    (timestamps are whole seconds: a stopped worker can tie with the one that failed)."""
+    own = {r: f for r, f in failures.items() if f.exitcode not in STOPPED_BY_AGENT} or failures
+    rank = min(own, key=lambda r: own[r].timestamp)
+    return rank, own[rank]
 
 
 def exit_code(exitcode: int) -> int:
@@ -60,7 +77,7 @@ def run_agent(args) -> int:
         run(args)
     except ChildFailedError as exc:
         print(str(exc), file=sys.stderr)  # torchrun's root-cause table
-        rank, failure = exc.get_first_failure()
+        rank, failure = root_cause(exc.failures)
         how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
                else f"failed with exit code {failure.exitcode}")
         print(f"memx-run: error: worker rank {rank} {how}; see its traceback above", file=sys.stderr)

@@ -85,6 +85,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
 
 def plan_in_job(env) -> None:
     import torch.distributed as dist
+    from memx_launch.errors import ConfigError
     from memx_launch.planning import report
     from memx_launch.planning.plan import Plan
     from memx_launch.profiling.predictor import load_cost_model
@@ -104,6 +105,10 @@ def plan_in_job(env) -> None:
     model = get_model(env["MEMX_MODEL"])
     training = TrainingSpec(**json.loads(env["MEMX_TRAINING"]))
     cluster = ClusterSpec.from_yaml(env["MEMX_CLUSTER"]) if env.get("MEMX_CLUSTER") else None
+    if cluster is not None and cluster.world_size != world:
+        raise ConfigError("--cluster", f"{env['MEMX_CLUSTER']} declares {cluster.world_size} devices but the "
+                          f"rendezvous gathered {world} processes", "start each node with its own device count "
+                          "(memx-run takes it from the file when --nproc-per-node is not given)")
     rank_device = detect_rank_device(cluster, rank, int(env.get("LOCAL_RANK", "0")))
     described: list = [None] * world
     dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description))
@@ -155,10 +160,13 @@ def plan_in_job(env) -> None:
         print("reproduce this run without searching:\n  " + reproduce_command(plan, cluster, env), flush=True)
         payload[0] = json.dumps(plan.to_dict())
     dist.broadcast_object_list(payload, src=0)
-    Plan.from_dict(json.loads(payload[0]), source="broadcast plan")  # every rank checks what it got
+    plan = Plan.from_dict(json.loads(payload[0]), source="broadcast plan")  # every rank checks what it got
     generation = restart_generation(env)
-    if rank == 0:
+    if int(env.get("LOCAL_RANK", "0")) == 0:  # every node's run directory (nodes need not share a disk)
+        if rank != 0:
+            plan.save(env["MEMX_PLAN"], overwrite=True)
         record_planned_restart(env["MEMX_RUN_DIR"], generation)
+    if rank == 0:
         _log(f"restarting the workers in place with the plan (planned restart after generation {generation})")
     dist.barrier()
     dist.destroy_process_group()
@@ -218,8 +226,15 @@ def rank_env(plan, plan_path: str, rank: int, device_type: str | None = None) ->
 def run_script(argv: list[str]) -> None:
     from memx_launch.planning.plan import Plan
 
+    from memx_launch.errors import ConfigError
+
     plan_path = os.environ["MEMX_PLAN"]
-    os.environ.update(rank_env(Plan.load(plan_path), plan_path, int(os.environ["RANK"])))
+    plan = Plan.load(plan_path)
+    world = int(os.environ.get("WORLD_SIZE", plan.world_size))
+    if plan.world_size != world:
+        raise ConfigError("--plan", f"{plan_path} needs {plan.world_size} ranks but the rendezvous gathered {world}",
+                          "pass a plan made for this job's devices, or drop --plan to plan in the job")
+    os.environ.update(rank_env(plan, plan_path, int(os.environ["RANK"])))
     module = argv[0] == "--module"
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *args]
