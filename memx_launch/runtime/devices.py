@@ -68,3 +68,13 @@ def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) 
     from memx_launch.profiling.kernel import detect_device_type
     cpu = detect_device_type("cpu")
     return RankDevice(cpu, EmulatedDevice(cpu.name, cpu.memory_gib), "cpu (no cluster file: host memory)")
+
+
+def calibration_tflops(rank_device: RankDevice, from_cluster_file: bool) -> float:
+    """The rate this rank's calibration runs at, for the up-front estimate: a GPU's peak (declared
+    in the file, or measured when detected); an emulated device runs on the CPU, measured here
+    unless it was detected (then it was just measured)."""
+    if rank_device.emulated is not None and from_cluster_file:
+        from memx_launch.profiling.kernel import detect_device_type
+        return detect_device_type("cpu").peak_tflops
+    return rank_device.device_type.peak_tflops

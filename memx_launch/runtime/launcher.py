@@ -20,6 +20,7 @@ import time
 
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.planning.plan import Plan
+from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
@@ -56,6 +57,9 @@ def build_parser():
     g.add_argument("--objective", choices=("default", "safety", "throughput"), help="weight profile of Phi")
     g.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights (override --objective)")
     g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
+    g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float, metavar="S",
+                   help="time each device type may spend calibrating (default 1800): fewer samples when the "
+                        "estimate is over it, and a refusal up front when not even a few fit")
     g.add_argument("--no-replan", "--no_replan", action="store_true",
                    help="never re-plan during training (passed to the workers as MEMX_NO_REPLAN=1)")
     g.add_argument("--profile-db", "--profile_db", metavar="FILE",
@@ -209,6 +213,10 @@ def resolve(args) -> dict:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
                  "flag" if args.search_budget_s else "default")
+    if args.calibration_budget_s is not None and args.calibration_budget_s <= 0:
+        raise ConfigError("--calibration-budget-s", f"must be positive, got {args.calibration_budget_s}", "e.g. 600")
+    settings.add("calibration budget", f"{args.calibration_budget_s or DEFAULT_CALIBRATION_BUDGET_S:g} s per device type",
+                 "flag" if args.calibration_budget_s else "default")
     profile_db = args.profile_db or DEFAULT_PROFILE_DB
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
     if args.export_plan and os.path.exists(args.export_plan):
@@ -282,6 +290,7 @@ def launch(args, resolved) -> int:
         "MEMX_OBJECTIVE": args.objective or "", "MEMX_WEIGHTS": args.weights or "",
         "MEMX_SEARCH_BUDGET_S": "" if args.search_budget_s is None else str(args.search_budget_s),
         "MEMX_NO_REPLAN": str(int(args.no_replan)),
+        "MEMX_CALIBRATION_BUDGET_S": "" if args.calibration_budget_s is None else str(args.calibration_budget_s),
         "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]]),
     }
     if args.cluster:

@@ -60,9 +60,27 @@ def restart_generation(environ=os.environ) -> int:
 # --------------------------------------------------------------------------- planning generation
 
 
-def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training):
+def sample_budgets(model, cluster, speeds: dict[str, float], stored) -> dict[str, tuple[int, float]]:
+    """(samples, estimated seconds per sample) of each device type, from its first rank's speed and
+    MEMX_CALIBRATION_BUDGET_S; the same on every rank, so that a refusal stops every rank. A type the
+    profile already holds samples of is not limited (most of its samples are read back)."""
+    from memx_launch.planning.layouts import tp_degrees
+    from memx_launch.runtime.calibration import (CALIBRATION_BUDGET, calibration_budget_s, sample_budget,
+                                                 seconds_per_sample)
+
+    budgets = {}
+    for name, tflops in speeds.items():
+        slowdown = cluster.emulation.slowdown_of(name) if cluster.is_emulated else 1.0
+        per_sample = seconds_per_sample(model, tp_degrees(model, cluster), tflops, slowdown)
+        known = any(m.device_type == name for m in stored)
+        budgets[name] = (CALIBRATION_BUDGET if known else sample_budget(model, name, per_sample, calibration_budget_s()),
+                         per_sample)
+    return budgets
+
+
+def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training, budget):
     """This rank's share of calibrating its device type; returns the type's samples on the
-    type's first rank (empty elsewhere)."""
+    type's first rank (empty elsewhere). ``budget``: (samples, estimated seconds per sample)."""
     import torch.distributed as dist
 
     from memx_launch.planning.costmodel import tp_link_gbps
@@ -79,7 +97,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
         slowdown=rank_device.emulated.slowdown if emulated else 1.0, tp_link_gbps=lambda tp: tp_link_gbps(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
         log=_log)
-    measurements = calibration.run(tp_degrees(model, cluster))
+    measurements = calibration.run(tp_degrees(model, cluster), *budget)
     return measurements if groups[name].ranks[0] == dist.get_rank() else []
 
 
@@ -92,7 +110,7 @@ def plan_in_job(env) -> None:
     from memx_launch.profiling.profiledb import Measurement, ProfileDB
     from memx_launch.runtime.training import init_distributed
     from memx_launch.runtime.calibration import measurement_key
-    from memx_launch.runtime.devices import detect_rank_device
+    from memx_launch.runtime.devices import calibration_tflops, detect_rank_device
     from memx_launch.runtime.monitor import MonitorConfig
     from memx_launch.planning.search import SearchSpace, search
     from memx_launch.planning.objective import parse_weights
@@ -111,11 +129,12 @@ def plan_in_job(env) -> None:
                           "(memx-run takes it from the file when --nproc-per-node is not given)")
     rank_device = detect_rank_device(cluster, rank, int(env.get("LOCAL_RANK", "0")))
     described: list = [None] * world
-    dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description))
+    dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description,
+                                       calibration_tflops(rank_device, cluster is not None)))
     if cluster is None:
         cluster = _cluster_of_detected(dist, rank_device, world)
     if rank == 0:
-        for r, (name, what) in enumerate(described):
+        for r, (name, what, _) in enumerate(described):
             _log(f"rank {r}: {what}")
 
     db = ProfileDB(env["MEMX_PROFILE_DB"])
@@ -128,7 +147,12 @@ def plan_in_job(env) -> None:
                  "those are not measured again")
     dist.broadcast_object_list(stored_lines, src=0)
     stored = [Measurement.from_dict(json.loads(line)) for line in stored_lines[0]]
-    mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training)
+    speeds: dict[str, float] = {}
+    for name, _, tflops in described:  # each type's first rank's
+        speeds.setdefault(name, tflops)
+    budgets = sample_budgets(model, cluster, speeds, stored)
+    mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
+                                 budgets[rank_device.device_type.name])
     gathered: list = [None] * world if rank == 0 else None
     dist.gather_object([m.to_json() for m in mine], gathered, dst=0)
 
@@ -180,7 +204,8 @@ def reproduce_command(plan, cluster, env) -> str:
     from memx_launch.planning.exporters import torchrun_commands
 
     script_and_args = json.loads(env["MEMX_REPRODUCE"])
-    exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:])
+    exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:],
+                                master_addr=env.get("MASTER_ADDR") if len(cluster.nodes) > 1 else None)
     prefix = f"MEMX_PLAN={shlex.quote(env['MEMX_PLAN'])}"
     if env.get("MEMX_CLUSTER"):
         prefix += f" MEMX_CLUSTER={shlex.quote(env['MEMX_CLUSTER'])}"
@@ -257,7 +282,9 @@ def main() -> None:
             plan_in_job(env)
         run_script(sys.argv[1:])
     except MemxError as exc:
-        _log(f"error: {exc}")
+        from memx_launch.runtime.calibration import CalibrationRefused
+        if not isinstance(exc, CalibrationRefused) or env.get("RANK", "0") == "0":  # every rank refuses: one line
+            _log(f"error: {exc}")
         code = exc.exit_code
     except SystemExit as exc:  # the script's own exit, or a planned restart
         if isinstance(exc.code, str):
