@@ -10,6 +10,7 @@ import pytest
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.calibration import (CALIBRATION_BUDGET, MIN_CALIBRATION_SAMPLES, sample_budget,
                                              seconds_per_sample)
+from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import get_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,3 +51,5 @@ def test_llama2_7b_on_a_cpu_is_refused_up_front(tmp_path):
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "calibrating llama2-7b on cpu" in errors[0]
     assert not (tmp_path / "profiles.jsonl").exists()  # nothing was measured
+    # no --cluster: the job detected itself first and wrote the description into the run directory
+    assert ClusterSpec.from_yaml(str(tmp_path / "run" / "cluster.yaml")).world_size == 1

@@ -28,6 +28,7 @@ import sys
 PLANNED_RESTART_EXIT_CODE = 75
 PLANNED_RESTARTS_FILE = "planned-restarts.json"
 GENERATION_VAR = "MEMX_GENERATION"
+DETECTED_CLUSTER_FILE = "cluster.yaml"
 
 
 def _log(message: str) -> None:
@@ -131,8 +132,10 @@ def plan_in_job(env) -> None:
     described: list = [None] * world
     dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description,
                                        calibration_tflops(rank_device, cluster is not None)))
-    if cluster is None:
-        cluster = _cluster_of_detected(dist, rank_device, world)
+    if cluster is None:  # detected: devices, hosts and measured links, written into the run directory
+        from memx_launch.runtime.detection import write_detected
+        cluster = ClusterSpec.from_dict(write_detected(rank_device, detected_cluster_path(env["MEMX_RUN_DIR"]),
+                                                       overwrite=True))
     if rank == 0:
         for r, (name, what, _) in enumerate(described):
             _log(f"rank {r}: {what}")
@@ -207,27 +210,21 @@ def reproduce_command(plan, cluster, env) -> str:
     exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:],
                                 master_addr=env.get("MASTER_ADDR") if len(cluster.nodes) > 1 else None)
     prefix = f"MEMX_PLAN={shlex.quote(env['MEMX_PLAN'])}"
-    if env.get("MEMX_CLUSTER"):
-        prefix += f" MEMX_CLUSTER={shlex.quote(env['MEMX_CLUSTER'])}"
+    if cluster_path(env):
+        prefix += f" MEMX_CLUSTER={shlex.quote(cluster_path(env))}"
     return "\n  ".join(f"{prefix} {shlex.join(e.args)}" for e in exports)
 
 
-def _cluster_of_detected(dist, rank_device, world):
-    """A one-node cluster of what the ranks detected (no cluster file given)."""
-    from dataclasses import asdict
+def detected_cluster_path(run_dir: str) -> str:
+    return os.path.join(run_dir, DETECTED_CLUSTER_FILE)
 
-    from memx_launch.specs.cluster import ClusterSpec
 
-    types: list = [None] * world
-    dist.all_gather_object(types, asdict(rank_device.device_type))
-    device_types, counts = {}, {}
-    for t in types:
-        name = t.pop("name")
-        device_types[name] = t
-        counts[name] = counts.get(name, 0) + 1
-    # Links are not measured here: a conservative PCIe-class figure.
-    return ClusterSpec.from_dict({"version": 1, "name": "detected", "device_types": device_types,
-                                  "nodes": [{"name": "node0", "devices": counts, "intra_node_gbps": 16}]})
+def cluster_path(environ) -> str | None:
+    """The job's cluster file: --cluster's, else the one detected into the run directory."""
+    if environ.get("MEMX_CLUSTER"):
+        return environ["MEMX_CLUSTER"]
+    detected = detected_cluster_path(environ.get("MEMX_RUN_DIR", ""))
+    return detected if environ.get("MEMX_RUN_DIR") and os.path.exists(detected) else None
 
 
 # --------------------------------------------------------------------------- training generation
