@@ -1,21 +1,22 @@
 """What every memx-run worker process runs: plan in the job when there is no plan yet, then
 run the user's script with the plan in its environment.
 
-Planning generation (no plan file yet): every rank detects its device, ranks of each device
-type calibrate the minimal sample set together (skipped for types the ProfileDB already
-holds), rank 0 gathers and stores the samples, fits the predictor, searches, writes the plan
+Planning generation (no plan file yet): every rank detects its device (and, without a cluster
+file, the job its cluster: runtime/detection.py), ranks of each device type calibrate the
+minimal sample set together (skipped for types the ProfileDB already holds), rank 0 gathers and stores the samples, fits the predictor, searches, writes the plan
 atomically and broadcasts it; then every rank exits with PLANNED_RESTART_EXIT_CODE and the
 elastic agent restarts the workers in place. The restart is recorded in the run directory, so
 that the other ranks tell it apart from a crash; memx-run's agent does not count it against the
-user's --max-restarts (all failing workers exit with PLANNED_RESTART_EXIT_CODE).
+user's --max-restarts (the failing workers exit with PLANNED_RESTART_EXIT_CODE, runtime/agent.py).
 
 Training generation: per-rank MEMX_* variables (stage, layers, recompute, device type) on top
 of the plan's, then the script runs as ``__main__``.
 
 Launcher -> worker contract (environment): MEMX_RUN_DIR, MEMX_PLAN, MEMX_MODEL, MEMX_CLUSTER
 (optional), MEMX_PROFILE_DB, MEMX_TRAINING (TrainingSpec JSON), MEMX_OBJECTIVE, MEMX_WEIGHTS,
-MEMX_SEARCH_BUDGET_S, MEMX_REPRODUCE (the script and its arguments), MEMX_GENERATION (how many times
-the workers were started before, planned restarts included; the agent sets it).
+MEMX_SEARCH_BUDGET_S, MEMX_CALIBRATION_BUDGET_S, MEMX_REPRODUCE (the script and its arguments),
+MEMX_GENERATION (how many times the workers were started before, planned restarts included; the
+agent sets it). Without MEMX_CLUSTER the job detects its cluster into <run dir>/cluster.yaml.
 """
 
 from __future__ import annotations
