@@ -313,7 +313,8 @@ def add_export_command(sub) -> None:
     p.add_argument("--plan", required=True, metavar="FILE", help="plan JSON from memx plan --json")
     p.add_argument("--cluster", help="cluster YAML; needed for the per-node torchrun lines")
     p.add_argument("--script", default="train.py", help="training script for the torchrun lines")
-    p.add_argument("--master-addr", "--master_addr", default="localhost")
+    p.add_argument("--master-addr", "--master_addr",
+                   help="rendezvous address (default: the cluster file's master_addr or first node's host)")
     p.add_argument("--master-port", "--master_port", type=int, default=29500)
     p.set_defaults(handler=run_export)
 
@@ -336,7 +337,7 @@ def run_export(args) -> int:
             print(f"\n# torchrun for {title}, one line per node")
             for cmd in exporters.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
                                                    master_port=args.master_port, for_megatron=for_megatron):
-                print(f"{cmd.command_line()}" + (f"  # {cmd.notes[0]}" if cmd.notes else ""))
+                print(f"{cmd.command_line()}" + "".join(f"  # {note}" for note in cmd.notes))
     return 0
 
 
@@ -446,8 +447,23 @@ def run_evaluate(args) -> int:
     return 0
 
 
+def add_cluster_command(sub) -> None:
+    p = sub.add_parser("cluster", help="the cluster this machine belongs to")
+    d = p.add_subparsers(dest="cluster_command", required=True, parser_class=_Parser).add_parser(
+        "detect", help="detect devices, hosts and links (a short torchrun job) and write a cluster YAML",
+        description="Run on every node with the same --nnodes/--master-addr; node rank 0 measures across nodes.")
+    d.add_argument("--out", default="cluster.yaml", help="cluster YAML to write (default cluster.yaml)")
+    d.add_argument("--force", action="store_true", help="overwrite --out")
+    d.add_argument("--nproc-per-node", help="processes on this node (default: one per GPU, 1 without GPUs)")
+    d.add_argument("--nnodes", default="1")
+    d.add_argument("--node-rank", type=int, default=0)
+    d.add_argument("--master-addr", help="node rank 0's address (needed with --nnodes > 1)")
+    d.add_argument("--master-port", type=int, default=29500)
+    d.set_defaults(handler=lambda args: __import__("memx_launch.runtime.detection", fromlist=["x"]).run_detect(args))
+
+
 COMMANDS = [add_plan_command, add_estimate_command, add_export_command, add_profile_command,
-            add_evaluate_command]
+            add_evaluate_command, add_cluster_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

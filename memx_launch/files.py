@@ -31,3 +31,20 @@ def write_text_atomic(path: str, text: str, overwrite: bool = False) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_text_atomic(path: str, text: str, overwrite: bool = False) -> None:
+    """Write text through a temporary file and rename, so readers never see half a file."""
+    if os.path.exists(path) and not overwrite:
+        raise ConfigError("output", f"{path} already exists", "pass --force to overwrite or choose another path")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

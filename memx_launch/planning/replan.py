@@ -23,7 +23,7 @@ import copy
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -305,7 +305,7 @@ def _reduced_cluster(cluster: ClusterSpec, plan: Plan, budgets: np.ndarray) -> C
             raise NoFeasiblePlanError(f"device type {d.name}: the observed memory leaves nothing for the model; "
                                       "free memory on those devices or add devices")
         types.append(DeviceType(**{**asdict(d), "memory_gib": memory / GIB}))
-    return ClusterSpec(cluster.name, tuple(types), cluster.nodes, cluster.inter_node_gbps, cluster.emulation)
+    return replace(cluster, device_types=tuple(types))
 
 
 def _refresh_fraction(plan: Plan) -> None:

@@ -67,7 +67,8 @@ def init_distributed(plan: Plan | None = None) -> None:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store,
                           multi_tenant=not agent_store)
-    generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    from memx_launch.runtime.worker import restart_generation
+    generation = restart_generation()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

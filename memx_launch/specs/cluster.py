@@ -17,6 +17,8 @@ from memx_launch.specs.checks import reject_unknown, require_positive
 
 
 CLUSTER_FILE_VERSION = 1
+# Nodes given with a count are expanded: a bound keeps a typo (count: 10000000) from filling memory.
+MAX_DEVICES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ class Node:
     intra_node_gbps: float
     numa_domains: int = 1
     cross_numa_gbps: float | None = None
+    host: str | None = None
+    """Address the other nodes reach this one at (the rendezvous master when it is the first)."""
 
     @property
     def num_devices(self) -> int:
@@ -126,6 +130,8 @@ class ClusterSpec:
     nodes: tuple[Node, ...]
     inter_node_gbps: float
     emulation: Emulation | None = None
+    master_addr: str | None = None
+    """Where torchrun's rendezvous runs; default: the first node's host."""
 
     def __post_init__(self):
         # Rank tables, computed once: the search asks for links between thousands of ranks.
@@ -146,7 +152,11 @@ class ClusterSpec:
 
     @property
     def world_size(self) -> int:
-        return sum(n.num_devices for n in self.nodes)
+        return len(self._rank_types)
+
+    def master_address(self) -> str | None:
+        """The rendezvous address: ``master_addr``, else the first node's ``host`` (None: not given)."""
+        return self.master_addr or self.nodes[0].host
 
     def rank_device_types(self) -> list[str]:
         """Device type of each global rank: nodes in order, types in listed order."""
@@ -218,7 +228,7 @@ class ClusterSpec:
             raise ConfigError("cluster", "the file must be a mapping with version, device_types, nodes",
                               "see examples/clusters/paper-20gpu.yaml")
         reject_unknown(data, {"version", "name", "device_types", "nodes", "inter_node_gbps",
-                               "emulation"}, "cluster")
+                               "emulation", "master_addr"}, "cluster")
         version = data.get("version")
         if version != CLUSTER_FILE_VERSION:
             raise ConfigError("cluster.version", f"expected {CLUSTER_FILE_VERSION}, got {version!r}",
@@ -244,13 +254,13 @@ class ClusterSpec:
         raw_nodes = data.get("nodes")
         if not isinstance(raw_nodes, list) or not raw_nodes:
             raise ConfigError("cluster.nodes", "missing or empty", "list the nodes with their devices")
-        nodes = []
+        nodes, devices_in_file = [], 0
         for i, raw in enumerate(raw_nodes):
             where = f"cluster.nodes[{i}]"
             if not isinstance(raw, dict):
                 raise ConfigError(where, "must be a mapping")
             reject_unknown(raw, {"name", "devices", "intra_node_gbps", "numa_domains",
-                                  "cross_numa_gbps"}, where)
+                                  "cross_numa_gbps", "host", "count"}, where)
             devices = raw.get("devices")
             if not isinstance(devices, dict) or not devices:
                 raise ConfigError(f"{where}.devices", "missing or empty", "e.g. devices: {a100: 8}")
@@ -268,8 +278,21 @@ class ClusterSpec:
             cross = raw.get("cross_numa_gbps")
             if cross is not None:
                 require_positive(cross, f"{where}.cross_numa_gbps")
-            nodes.append(Node(str(raw.get("name", f"node{i}")), tuple(devices.items()),
-                              float(intra), numa, None if cross is None else float(cross)))
+            count = raw.get("count", 1)
+            if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+                raise ConfigError(f"{where}.count", f"must be a positive integer, got {count!r}",
+                                  "the number of identical nodes this entry stands for")
+            host = raw.get("host")
+            if host is not None and (not isinstance(host, str) or count > 1):
+                raise ConfigError(f"{where}.host", "must be one address, on an entry without count",
+                                  "list nodes with their own host one by one")
+            devices_in_file += count * sum(devices.values())
+            if devices_in_file > MAX_DEVICES:
+                raise ConfigError(f"{where}.count", f"the file declares more than {MAX_DEVICES:,} devices",
+                                  "split the job, or check the counts")
+            name = str(raw.get("name", f"node{i}"))
+            nodes += [Node(name if count == 1 else f"{name}-{k}", tuple(devices.items()), float(intra), numa,
+                           None if cross is None else float(cross), host) for k in range(count)]
         inter = data.get("inter_node_gbps")
         if len(nodes) > 1 or inter is not None:
             require_positive(inter, "cluster.inter_node_gbps")
@@ -288,5 +311,9 @@ class ClusterSpec:
                     raise ConfigError(f"cluster.emulation.slowdown.{tname}", f"{factor} < 1",
                                       "a slowdown is 1 or more (1 = CPU speed)")
             emulation = Emulation(tuple((k, float(v)) for k, v in slow.items()))
+        master = data.get("master_addr")
+        if master is not None and not (isinstance(master, str) and master):
+            raise ConfigError("cluster.master_addr", f"must be a host name or address, got {master!r}",
+                              "e.g. master_addr: node0.example.org")
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
-                   float(inter) if inter is not None else math.inf, emulation)
+                   float(inter) if inter is not None else math.inf, emulation, master)
