@@ -166,9 +166,9 @@ def hagemann(shared: str) -> list[dict]:
         g = max(math.ceil(sequences / (dp * mbs)), pp)
         flash = d["kernel"].startswith("flash_attention")
         sp = d["sequence_parallel"] in ("1", "True")
-        training = TrainingSpec(global_batch_size=g * dp * mbs, seq_len=seq, dtype="bf16", setup="zero1",
+        training = TrainingSpec(global_batch_size=g * dp * mbs, seq_len=seq, dtype="bf16", setup="scaling",
                                 sequence_parallel=sp, flash_attention=flash, dropout=False,
-                                fused_norm="RMS kernel" in d["kernel"])
+                                fused_norm="RMS kernel" in d["kernel"], fused_softmax=d["kernel"] == "fused")
         recompute = "full" if d["activation_checkpointing"] == "every_layer" else "none"
         cluster = clusters.setdefault(world, a100_cluster(world))
         row = {"group": f"{d['source_file'].replace('.xlsx', '')}", "real": d["status"],

@@ -65,6 +65,14 @@ def _add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    "(default on)")
     p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
+    p.add_argument("--fused-softmax", "--fused_softmax", action=argparse.BooleanOptionalAction, default=None,
+                   help="without flash attention: fused softmax kernel, in-place backward (default on)")
+    p.add_argument("--keep-stage-outputs", "--keep_stage_outputs", action=argparse.BooleanOptionalAction,
+                   default=None, help="pipeline buffers keep stage outputs and the previous logits (default off; "
+                   "--setup scaling: on)")
+    p.add_argument("--sp-keeps-gathered-input", "--sp_keeps_gathered_input",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallel linears keep their all-gathered input (default off; --setup scaling: on)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +94,7 @@ def _training(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 _SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention",
                 "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
-                "overlap_grad_reduce")
+                "overlap_grad_reduce", "fused_softmax", "keep_stage_outputs", "sp_keeps_gathered_input")
 
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:

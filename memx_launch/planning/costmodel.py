@@ -86,11 +86,13 @@ def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, recom
 def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
                      flash_attention=True, sequence_parallel: bool = False,
                      dropout: bool = False, fused_norm: bool = True,
-                     attention_dropout: bool = False) -> LayerCost:
+                     attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
+                     fused_softmax: bool = True) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
-      two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP)
+      two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP;
+        with SP a framework whose linears keep the all-gathered input keeps those 4 whole)
       Q + K + V saved by attention: 2 + 4*kv/h, over t
       attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
@@ -102,6 +104,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
     Full recompute keeps the block input only; its working set is one block recomputed.
+    Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
+    probabilities: one more s x s tensor per head in the training dtype when a fused softmax
+    kernel (Megatron's scaled masked softmax) turns it into the scores' gradient in place; two
+    with torch's softmax, whose backward writes a new tensor (its forward holds as many: the
+    scores, their masked copy and the probabilities). That working set is what makes long
+    sequences run out of memory without flash attention.
     """
     mbs = np.asarray(mbs, dtype=np.float64)
     seq = np.asarray(seq, dtype=np.float64)
@@ -112,7 +120,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     f, kv = model.ffn_hidden_size, model.kv_hidden_size
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
-    replicated = (8.0 if fused_norm else 12.0) / (tp if sequence_parallel else 1.0)
+    norms = 4.0 if fused_norm else 8.0  # norm inputs (and an unfused norm's normalised tensor)
+    linear_inputs = 4.0 / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
+    replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     qkv = (2.0 + 4.0 * kv / h) / tp
     attn_out = 2.0 / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
@@ -131,7 +141,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of
     # the size of the block input and output.
     recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective], none)
-    working = recomputed + 4.0
+    score_grads = 1.0 if fused_softmax else 2.0
+    working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
@@ -194,6 +205,27 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
         per_logit = (d + 12.0 if d < 4 else 12.0) if tr.loss_dtype == "fp32" else 3.0 * d
         share = 1.0
     return per_logit * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / share
+
+
+def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight,
+                            num_microbatches) -> np.ndarray:
+    """Per stage: what a pipeline engine that keeps its buffers (``keep_stage_outputs``) holds
+    beyond the layers. Every stage but the last keeps each in-flight micro-batch's output hidden
+    state (b s h, over TP with sequence parallelism) until its gradient returns; Megatron frees
+    that data once sent (Korthikanti et al. 2022, appendix B). The last stage writes each
+    micro-batch's logits into one of two buffers and never empties them, so while one
+    micro-batch's loss runs the previous one's 16-bit logits (whole or 1/TP, as the loss
+    holds them) are still there."""
+    tr = training
+    inflight = np.asarray(inflight, dtype=np.float64)
+    out = np.zeros(inflight.shape)
+    if not tr.keep_stage_outputs:
+        return out
+    hidden = mbs * seq * model.hidden_size * tr.dtype_bytes / (tp if tr.sequence_parallel else 1)
+    out[:-1] = inflight[:-1] * hidden
+    if num_microbatches > 1:
+        out[-1] = tr.dtype_bytes * mbs * seq * model.vocab_size / (tp if tr.vocab_parallel_loss else 1)
+    return out
 
 
 def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.ndarray:
@@ -293,7 +325,7 @@ class AnalyticalCostModel:
         tr = self.training
         act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
-                               tr.attention_dropout)
+                               tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax)
         fwd_flops = layer_forward_flops(self.model, mbs, seq, tp)
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
@@ -310,7 +342,7 @@ class AnalyticalCostModel:
         compute_s = (3.0 * fwd_flops + recompute_flops) / (self._tflops[device] * 1e12)
         none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
                                     self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
-                               tr.attention_dropout).activation_bytes
+                                    tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax).activation_bytes
         recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
                                       [0.0 * none_act, none_act - act.activation_bytes], none_act)
         memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic + score_traffic) / (self._hbm[device] * 1e9)

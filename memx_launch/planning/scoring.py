@@ -93,6 +93,7 @@ class Evaluator:
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run and what the process holds above its tensors.
         fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
+                 + cm.kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[layout.stage_device])
         return per_layer, fixed, t_layer, self._edge_time(layout, mbs, seq), g
 

@@ -1,0 +1,75 @@
+"""Memory terms of what a framework keeps beyond Korthikanti's per-layer tensors: sequence
+parallelism that keeps gathered inputs, unfused attention's backward working set, pipeline
+buffers that keep stage outputs and the previous micro-batch's logits."""
+
+import numpy as np
+import pytest
+
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+S, H, T = 8192, 5120, 4
+MODEL = get_model("llama2-13b")
+
+
+def test_sequence_parallel_that_keeps_gathered_inputs_splits_only_the_norm_inputs():
+    megatron = float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, sequence_parallel=True).activation_bytes)
+    gathered = float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, sequence_parallel=True,
+                                         sp_keeps_gathered_input=True).activation_bytes)
+    off = float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE).activation_bytes)
+    # The two normed tensors fed to the linears (4 sbh) stay whole; the norm inputs split.
+    assert gathered - megatron == pytest.approx(4 * S * H * (1 - 1 / T))
+    assert megatron < gathered < off
+    # Without sequence parallelism the option changes nothing.
+    same = float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, sp_keeps_gathered_input=True).activation_bytes)
+    assert same == off
+
+
+def test_unfused_attention_backward_holds_score_gradients():
+    a = MODEL.num_heads
+    flash = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=True).working_bytes
+    fused = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False).working_bytes
+    torch_softmax = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False,
+                                        fused_softmax=False).working_bytes
+    score = 2.0 * a / T * S * S  # one 16-bit s x s tensor per head on this rank
+    assert float(fused - flash) == pytest.approx(score)
+    assert float(torch_softmax - fused) == pytest.approx(score)
+    # Full recompute rebuilds the kept probabilities as well.
+    full = cm.activation_bytes(MODEL, 1, S, T, cm.FULL, flash_attention=False).working_bytes
+    assert float(full - fused) == pytest.approx(
+        float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False).activation_bytes))
+
+
+def test_kept_stage_outputs_and_the_previous_logits():
+    b, pp = 2, 4
+    inflight = cm.inflight_microbatches(np.arange(pp), pp, 16)
+    off = cm.kept_stage_output_bytes(MODEL, TrainingSpec(), b, S, T, inflight, 16)
+    assert not off.any()
+    kept = cm.kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight, 16)
+    assert list(kept[:-1]) == pytest.approx([(pp - i) * b * S * H * 2 for i in range(pp - 1)])
+    assert kept[-1] == 2 * b * S * MODEL.vocab_size  # gathered 16-bit logits of the previous micro-batch
+    vocab_parallel = cm.kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling", vocab_parallel_loss=True),
+                                                b, S, T, inflight, 16)
+    assert vocab_parallel[-1] == kept[-1] / T
+    single = cm.kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight[:1], 1)
+    assert single[-1] == 0  # one micro-batch: no previous logits
+
+
+def test_the_scaling_setup_turns_a_fit_into_an_oom():
+    """LLaMA-2-13B, 8k tokens, TP 4 PP 2, micro-batch 4, sequence parallelism: ZeRO-1's states
+    alone fit in an A100; with the scaling codebase's gathered linear inputs and buffers it does not."""
+    cluster = ClusterSpec.from_dict({
+        "version": 1, "device_types": {"a100": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
+                                                "memory_bandwidth_gbps": 2039}},
+        "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300} for _ in range(8)], "inter_node_gbps": 25})
+    peaks = {}
+    for setup in ("zero1", "scaling"):
+        training = TrainingSpec(global_batch_size=512, seq_len=S, setup=setup, sequence_parallel=True,
+                                vocab_parallel_loss=False)
+        plan = evaluate_layout(MODEL, cluster, training, tp=4, pp=2, dp=8, micro_batch_size=4,
+                               references=(1.0, 1.0, 1.0))
+        peaks[setup] = max(s.predicted_peak_memory_gib for s in plan.stages)
+    assert peaks["zero1"] < 79.3 < peaks["scaling"]
