@@ -235,7 +235,8 @@ def add_estimate_command(sub) -> None:
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)
     p.add_argument("--micro-batch-size", "--micro_batch_size", type=int)
-    p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none")
+    p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none; full:K "
+                   "recomputes a stage's first K layers (Megatron's block method)")
     p.add_argument("--layers-per-stage", "--layers_per_stage", type=_list_of(int),
                    help="layers per stage, kept as given, e.g. 8,24 (default: even, remainder first)")
     p.add_argument("--stage-devices", "--stage_devices", type=_list_of(str), help="device type per stage, e.g. a,b")

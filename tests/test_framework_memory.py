@@ -73,3 +73,49 @@ def test_the_scaling_setup_turns_a_fit_into_an_oom():
                                references=(1.0, 1.0, 1.0))
         peaks[setup] = max(s.predicted_peak_memory_gib for s in plan.stages)
     assert peaks["zero1"] < 79.3 < peaks["scaling"]
+
+
+# --------------------------------------------------------------------------- recompute of K of n layers
+
+
+def _a100s():
+    return ClusterSpec.from_dict({
+        "version": 1, "device_types": {"a100": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
+                                                "memory_bandwidth_gbps": 2039}},
+        "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300}]})
+
+
+def _estimate(recompute):
+    training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="megatron")
+    return evaluate_layout(MODEL, _a100s(), training, tp=2, pp=2, dp=2, micro_batch_size=1,
+                           recompute=recompute, references=(1.0, 1.0, 1.0))
+
+
+def test_recomputing_k_of_a_stages_layers_lies_between_none_and_full():
+    none, full = _estimate("none"), _estimate("full")
+    n = none.stages[0].num_layers
+    part = _estimate(f"full:{n // 2},full:{n // 2}")
+    for i in range(2):
+        assert none.stages[i].predicted_peak_memory_gib > part.stages[i].predicted_peak_memory_gib \
+            > full.stages[i].predicted_peak_memory_gib
+        assert none.stages[i].predicted_stage_time_s < part.stages[i].predicted_stage_time_s \
+            < full.stages[i].predicted_stage_time_s
+    assert [s.recompute for s in part.stages] == [f"full:{n // 2}"] * 2
+    # K = n is full recompute, K = 0 none; the per-layer terms are linear in K.
+    assert _estimate(f"full:{n}").stages[0].predicted_peak_memory_gib == full.stages[0].predicted_peak_memory_gib
+    assert _estimate("full:0").stages[0].predicted_peak_memory_gib == none.stages[0].predicted_peak_memory_gib
+    quarter = _estimate(f"full:{n // 4}").stages[1].predicted_stage_time_s
+    assert quarter - none.stages[1].predicted_stage_time_s == pytest.approx(
+        (part.stages[1].predicted_stage_time_s - none.stages[1].predicted_stage_time_s) * (n // 4) / (n // 2))
+
+
+def test_recompute_of_k_layers_is_validated_and_exported_as_the_block_method():
+    from memx_launch.errors import ConfigError
+    from memx_launch.planning.exporters import megatron_args
+    for bad in ("full:99", "selective:2", "full:x", "half"):
+        with pytest.raises(ConfigError, match="--recompute"):
+            _estimate(bad)
+    n = MODEL.num_layers // 2
+    args = megatron_args(_estimate(f"full:3,full:{n // 2}")).args
+    assert args[args.index("--recompute-method") + 1] == "block"
+    assert args[args.index("--recompute-num-layers") + 1] == str(n // 2)

@@ -113,8 +113,11 @@ class Evaluator:
         return out
 
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
-              levels: np.ndarray, layers: np.ndarray | None = None) -> GroupResult:
-        """Split layers (unless given), apply the per-stage hard rule, and score every row."""
+              levels: np.ndarray, layers: np.ndarray | None = None,
+              recompute_layers: np.ndarray | None = None) -> GroupResult:
+        """Split layers (unless given), apply the per-stage hard rule, and score every row.
+        ``recompute_layers`` (with ``layers``): how many of each stage's layers recompute at its
+        level, the others keeping everything (Megatron's block method: the first K layers)."""
         L = self.model.num_layers
         min_layers = v if schedule == "interleaved" else 1
         per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels)
@@ -125,8 +128,14 @@ class Evaluator:
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
             per_layer, fixed, t_layer, _, _ = self.split_inputs(layout, mbs, seq, v, levels)
         memory = layers * per_layer + fixed
-        feasible = (memory <= usable).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         stage_time = layers * t_layer + edge_t
+        if recompute_layers is not None:
+            # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
+            none_layer, none_fixed, none_t, _, _ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels))
+            k = np.minimum(recompute_layers, layers)
+            memory = k * per_layer + (layers - k) * none_layer + np.where(k > 0, fixed, none_fixed)
+            stage_time = k * t_layer + (layers - k) * none_t + edge_t
+        feasible = (memory <= usable).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         T = self.iteration_time(layout, mbs, seq, schedule, v, g, stage_time, layers)
         # M: the fullest device, as a fraction of its capacity (devices of different sizes
         # compare); V: the variance of the devices' memory use in GiB^2, as the paper's
