@@ -7,6 +7,7 @@ import pytest
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -46,15 +47,15 @@ def test_unfused_attention_backward_holds_score_gradients():
 def test_kept_stage_outputs_and_the_previous_logits():
     b, pp = 2, 4
     inflight = cm.inflight_microbatches(np.arange(pp), pp, 16)
-    off = cm.kept_stage_output_bytes(MODEL, TrainingSpec(), b, S, T, inflight, 16)
+    off = kept_stage_output_bytes(MODEL, TrainingSpec(), b, S, T, inflight, 16)
     assert not off.any()
-    kept = cm.kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight, 16)
+    kept = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight, 16)
     assert list(kept[:-1]) == pytest.approx([(pp - i) * b * S * H * 2 for i in range(pp - 1)])
     assert kept[-1] == 2 * b * S * MODEL.vocab_size  # gathered 16-bit logits of the previous micro-batch
-    vocab_parallel = cm.kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling", vocab_parallel_loss=True),
+    vocab_parallel = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling", vocab_parallel_loss=True),
                                                 b, S, T, inflight, 16)
     assert vocab_parallel[-1] == kept[-1] / T
-    single = cm.kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight[:1], 1)
+    single = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight[:1], 1)
     assert single[-1] == 0  # one micro-batch: no previous logits
 
 
@@ -119,3 +120,20 @@ def test_recompute_of_k_layers_is_validated_and_exported_as_the_block_method():
     args = megatron_args(_estimate(f"full:3,full:{n // 2}")).args
     assert args[args.index("--recompute-method") + 1] == "block"
     assert args[args.index("--recompute-num-layers") + 1] == str(n // 2)
+
+
+def test_a_gathered_loss_costs_every_tp_rank_the_whole_vocabulary():
+    """The head's time: FLOPs over TP either way; a gathered loss adds the logits' all-gather
+    and runs the cross entropy's passes over all of them, not over 1/TP."""
+    cluster = _a100s()
+    device, mbs = np.zeros(1, int), np.ones(1)
+    times = {}
+    for vocab_parallel in (True, False):
+        model = cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(vocab_parallel_loss=vocab_parallel))
+        times[vocab_parallel] = {t: float(model.head_time(device, np.full(1, t), mbs, np.full(1, S))[0])
+                                 for t in (1, 4)}
+    assert times[True][1] == pytest.approx(times[False][1])  # one rank: the same work
+    logits = S * MODEL.vocab_size
+    passes = cm.LOSS_BYTES_PER_LOGIT * logits * (1 - 1 / 4) / 2039e9
+    gather = cm.collective_time(2.0 * logits, 4, 300.0)
+    assert times[False][4] - times[True][4] == pytest.approx(passes + float(gather), rel=1e-6)

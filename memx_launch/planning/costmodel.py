@@ -40,6 +40,10 @@ LINK_LATENCY_S = 10e-6
 # (norms, linears, attention, activations, their backward), so a small block is launch bound.
 KERNEL_LAUNCH_S = 5e-6
 KERNELS_PER_LAYER = 40
+# HBM bytes the cross entropy moves per logit, forward and backward: the fp32 cast (read 2,
+# write 4), log-softmax (two reads and a write of 4), the argmax/target read (4), its backward
+# (zero-filled gradient 4; read gradient and output, write 4 each) and the cast back (4 + 2).
+LOSS_BYTES_PER_LOGIT = 48.0
 
 
 @dataclass(frozen=True)
@@ -207,27 +211,6 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     return per_logit * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / share
 
 
-def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight,
-                            num_microbatches) -> np.ndarray:
-    """Per stage: what a pipeline engine that keeps its buffers (``keep_stage_outputs``) holds
-    beyond the layers. Every stage but the last keeps each in-flight micro-batch's output hidden
-    state (b s h, over TP with sequence parallelism) until its gradient returns; Megatron frees
-    that data once sent (Korthikanti et al. 2022, appendix B). The last stage writes each
-    micro-batch's logits into one of two buffers and never empties them, so while one
-    micro-batch's loss runs the previous one's 16-bit logits (whole or 1/TP, as the loss
-    holds them) are still there."""
-    tr = training
-    inflight = np.asarray(inflight, dtype=np.float64)
-    out = np.zeros(inflight.shape)
-    if not tr.keep_stage_outputs:
-        return out
-    hidden = mbs * seq * model.hidden_size * tr.dtype_bytes / (tp if tr.sequence_parallel else 1)
-    out[:-1] = inflight[:-1] * hidden
-    if num_microbatches > 1:
-        out[-1] = tr.dtype_bytes * mbs * seq * model.vocab_size / (tp if tr.vocab_parallel_loss else 1)
-    return out
-
-
 def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.ndarray:
     """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
 
@@ -367,10 +350,19 @@ class AnalyticalCostModel:
         return nbytes / (self._hbm[np.asarray(device)] * 1e9) * self._slowdown[np.asarray(device)]
 
     def head_time(self, device, tp, mbs, seq) -> np.ndarray:
-        """Output projection and loss, forward and backward."""
-        flops = 3 * 2.0 * np.asarray(mbs) * np.asarray(seq) * self.model.hidden_size * self.model.vocab_size
-        device = np.asarray(device)
-        return flops / np.asarray(tp, dtype=np.float64) / (self._tflops[device] * 1e12) * self._slowdown[device]
+        """Output projection and loss, forward and backward: the projection's FLOPs over TP and
+        the cross entropy's passes over the logits the rank holds, at HBM speed (LOSS_BYTES_PER_LOGIT).
+        Without a vocab-parallel loss the logits are first all-gathered over TP and every rank
+        runs the loss on the whole vocabulary."""
+        tp, device = np.asarray(tp, dtype=np.float64), np.asarray(device)
+        logits = np.asarray(mbs) * np.asarray(seq) * self.model.vocab_size
+        held = logits / tp if self.training.vocab_parallel_loss else logits
+        compute = (6.0 * logits * self.model.hidden_size / tp / (self._tflops[device] * 1e12)
+                   + LOSS_BYTES_PER_LOGIT * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
+        if self.training.vocab_parallel_loss:
+            return compute
+        gathered = logits * self.training.dtype_bytes
+        return compute + collective_time(gathered, tp, self.tp_gbps(device, tp), self._latency_s[device])
 
 
 TP_DEGREES = (1, 2, 4, 8, 16)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -93,7 +94,7 @@ class Evaluator:
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run and what the process holds above its tensors.
         fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
-                 + cm.kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
+                 + kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[layout.stage_device])
         return per_layer, fixed, t_layer, self._edge_time(layout, mbs, seq), g
 
