@@ -112,3 +112,19 @@ def test_dry_run_paper_cluster_prints_plan_and_a_torchrun_line_torchrun_accepts(
         args = get_args_parser().parse_args(words[words.index("torchrun") + 1:])
         assert args.training_script.endswith("train.py")
         assert args.training_script_args == ["--model", "llama2-7b"]
+
+
+def test_a_plan_recomputing_k_of_a_stages_layers_is_refused(tmp_path, capsys):
+    """memx estimate and memx export state full:K; memx-run's stages cannot run it yet."""
+    import json
+    target = tmp_path / "plan.json"
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(target),
+                 TRAIN, "--model", "llama-tiny"]) == 0
+    data = json.loads(target.read_text())
+    data["stages"][0]["recompute"] = "full:1"
+    target.write_text(json.dumps(data))
+    capsys.readouterr()
+    rc = main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
+               TRAIN, "--model", "llama-tiny"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --plan: stage 0 recomputes full:1" in err
