@@ -23,7 +23,8 @@ Data (development sets of issue 10, in shared/peer-data):
 - sailor-plans-dev/opt350_gh96_plans.csv: 15 whole OPT-350 plans run on GH200 nodes of 4 with
   Megatron-DeepSpeed: fp32 (fp32 matmuls at the fp32 peak: PyTorch leaves TF32 off), Adam state
   whole, hidden dropout on and attention dropout off (OPT's training configuration), no fused
-  attention in fp32, the plan's layer split.
+  attention in fp32 and torch's softmax (Megatron's fused softmax kernel takes only 16-bit
+  inputs: ``--no-fused-softmax``), the plan's layer split.
 
 Metrics: fit/OOM confusion matrix, false fits (real OOMs called fits) as a share of real OOMs,
 time MAPE and Spearman per group (runs that ran), memx's pick per group (lowest predicted time
@@ -233,7 +234,7 @@ def sailor(shared: str) -> list[dict]:
             continue
         dp, tp = dps.pop(), tps.pop()
         training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
-                                flash_attention=False, dropout=True)
+                                flash_attention=False, fused_softmax=False, dropout=True)
         try:
             plan = evaluate_layout(model, gh200_cluster(nodes), training, tp=tp, pp=pp, dp=dp,
                                    micro_batch_size=mbs, layers_per_stage=layers, recompute=d["recompute"],
