@@ -137,3 +137,13 @@ def test_a_gathered_loss_costs_every_tp_rank_the_whole_vocabulary():
     passes = cm.LOSS_BYTES_PER_LOGIT * logits * (1 - 1 / 4) / 2039e9
     gather = cm.collective_time(2.0 * logits, 4, 300.0)
     assert times[False][4] - times[True][4] == pytest.approx(passes + float(gather), rel=1e-6)
+
+
+def test_torch_softmax_moves_three_more_passes_over_the_scores():
+    """Clone of the scores' view, out-of-place mask fill and its backward: 12 bytes per score."""
+    cluster = _a100s()
+    args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.zeros(1))
+    times = {fused: float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(
+        flash_attention=False, fused_softmax=fused)).layer_costs(*args).time_s[0]) for fused in (True, False)}
+    scores = MODEL.num_heads / T * S * S
+    assert times[False] - times[True] == pytest.approx(12.0 * scores / 2039e9, rel=1e-6)

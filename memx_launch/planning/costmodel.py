@@ -321,7 +321,10 @@ class AnalyticalCostModel:
         unfused = ~self._flash[device]
         attn_core_flops = np.where(unfused, 2.0, 1.0) * attn_core_flops
         fwd_flops = fwd_flops + np.where(unfused, 0.5 * attn_core_flops, 0.0)
-        score_traffic = np.where(unfused, 12.0 * mbs_a * self.model.num_heads / tp * seq_a * seq_a, 0.0)
+        # Torch's softmax path adds three passes of 4 bytes per score: the clone of the scores'
+        # view, the out-of-place mask fill and that fill's backward (a fused kernel has none).
+        per_score = 12.0 if tr.fused_softmax else 24.0
+        score_traffic = np.where(unfused, per_score * mbs_a * self.model.num_heads / tp * seq_a * seq_a, 0.0)
         compute_s = (3.0 * fwd_flops + recompute_flops) / (self._tflops[device] * 1e12)
         none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
                                     self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
