@@ -65,14 +65,11 @@ def _add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    "(default on)")
     p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
-    p.add_argument("--fused-softmax", "--fused_softmax", action=argparse.BooleanOptionalAction, default=None,
-                   help="without flash attention: fused softmax kernel, in-place backward (default on)")
-    p.add_argument("--keep-stage-outputs", "--keep_stage_outputs", action=argparse.BooleanOptionalAction,
-                   default=None, help="pipeline buffers keep stage outputs and the previous logits (default off; "
-                   "--setup scaling: on)")
-    p.add_argument("--sp-keeps-gathered-input", "--sp_keeps_gathered_input",
-                   action=argparse.BooleanOptionalAction, default=None,
-                   help="sequence parallel linears keep their all-gathered input (default off; --setup scaling: on)")
+    for flag, text in (("fused-softmax", "without flash attention: fused softmax, in-place backward (default on)"),
+                       ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
+                       ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input")):
+        p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
+                       default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:

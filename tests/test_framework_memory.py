@@ -147,3 +147,16 @@ def test_torch_softmax_moves_three_more_passes_over_the_scores():
         flash_attention=False, fused_softmax=fused)).layer_costs(*args).time_s[0]) for fused in (True, False)}
     scores = MODEL.num_heads / T * S * S
     assert times[False] - times[True] == pytest.approx(12.0 * scores / 2039e9, rel=1e-6)
+
+
+def test_torch_op_norms_move_more_bytes_than_a_fused_kernel():
+    cluster = _a100s()
+    args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.zeros(1))
+    def layer_time(**options):
+        return float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(**options)).layer_costs(*args).time_s[0])
+    stored = 4 * S * H * cm._ELEMENTWISE_TRAFFIC  # the normalised tensors they also keep, read and written
+    extra = (cm.UNFUSED_NORM_BYTES * 2 * S * H + stored) / 2039e9
+    assert layer_time(fused_norm=False) - layer_time() == pytest.approx(extra, rel=1e-6)
+    # With sequence parallelism each rank normalises its 1/TP of the sequence.
+    sp = layer_time(fused_norm=False, sequence_parallel=True) - layer_time(sequence_parallel=True)
+    assert sp == pytest.approx(extra / T, rel=1e-6)

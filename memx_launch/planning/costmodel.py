@@ -44,6 +44,11 @@ KERNELS_PER_LAYER = 40
 # write 4), log-softmax (two reads and a write of 4), the argmax/target read (4), its backward
 # (zero-filled gradient 4; read gradient and output, write 4 each) and the cast back (4 + 2).
 LOSS_BYTES_PER_LOGIT = 48.0
+# Extra HBM bytes per element of a norm (two per block, on the rank's share of the sequence with
+# SP) run as torch ops instead of one fused kernel: forward pow, mean, mul by the rsqrt, the fp32
+# round trip and the weight mul (26 bytes against 4), backward their gradients, casts and row
+# sums (about 44 against 8), at 16 bits.
+UNFUSED_NORM_BYTES = 58.0
 
 
 @dataclass(frozen=True)
@@ -110,10 +115,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     Full recompute keeps the block input only; its working set is one block recomputed.
     Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
     probabilities: one more s x s tensor per head in the training dtype when a fused softmax
-    kernel (Megatron's scaled masked softmax) turns it into the scores' gradient in place; two
-    with torch's softmax, whose backward writes a new tensor (its forward holds as many: the
-    scores, their masked copy and the probabilities). That working set is what makes long
-    sequences run out of memory without flash attention.
+    (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
+    backward writes a new tensor (its forward holds as many: scores, masked copy, probabilities).
     """
     mbs = np.asarray(mbs, dtype=np.float64)
     seq = np.asarray(seq, dtype=np.float64)
@@ -331,7 +334,10 @@ class AnalyticalCostModel:
                                     tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax).activation_bytes
         recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
                                       [0.0 * none_act, none_act - act.activation_bytes], none_act)
-        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic + score_traffic) / (self._hbm[device] * 1e9)
+        norm_traffic = (0.0 if tr.fused_norm else UNFUSED_NORM_BYTES * tr.dtype_bytes) * mbs_a * seq_a \
+            * self.model.hidden_size / (tp if tr.sequence_parallel else 1.0)
+        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic + score_traffic
+                    + norm_traffic) / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two backward, two more when the
         # full block is recomputed.
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
