@@ -3,26 +3,35 @@
 Data (development sets of issue 10, in shared/peer-data):
 - hagemann-dev/llama13b_runs.csv: 422 LLaMA-13B runs on A100-80GB (Hagemann et al. 2023), each
   ok or OOM with its average step time. Their setup, modelled through memx's options (not
-  fitted): Aleph Alpha's Megatron-derived codebase in bf16, 1F1B, an even layer split; its
-  ZeRO optimizer keeps bf16 weights and bf16 gradients whole on every rank and shards the
-  fp32 master weights and Adam moments over DP (``scaling/core/optimizer/parameter_group.py``:
-  memx's ``zero1`` setup); LLaMA without dropout; flash attention when the row's kernel is
-  flash_attention*, the s x s scores kept for "torch" and "fused" (Megatron's fused softmax);
-  sequence parallelism and activation checkpointing (every layer = full) as the row says.
+  fitted): Aleph Alpha's Megatron-derived codebase in bf16, 1F1B, an even layer split, memx's
+  ``--setup scaling``, each option read from the public code (github.com/Aleph-Alpha/scaling):
+  its ZeRO optimizer keeps bf16 weights and bf16 gradients whole on every rank and shards the
+  fp32 master weights and Adam moments over DP (``core/optimizer/parameter_group.py``, as
+  ``zero1``); the LM head all-gathers the logits for torch's cross entropy (``lm_head.py``,
+  ``losses/cross_entropy.py``: no vocab-parallel loss); the pipeline buffers keep each stage
+  output until its gradient returns and the last stage's two output buffers are never
+  emptied, so the previous micro-batch's logits stay (``parallel_module.py``:
+  ``keep_stage_outputs``); with sequence parallelism the RMSNorm all-gathers its output and
+  the next linear keeps it whole (``norm/rms_norm.py``: ``sp_keeps_gathered_input``).
+  Per row: LLaMA without dropout; flash attention when the kernel is flash_attention*, the
+  s x s scores kept for "torch" (torch's softmax: ``--no-fused-softmax``) and "fused"
+  (Megatron's fused softmax); fused norms only with "RMS kernel"; sequence parallelism and
+  activation checkpointing (every layer = full) as the row says.
   Vocabulary 131,072 and 4.2M tokens per step (2,048 sequences at 2k, 512 at 8k), from the data's
   README. Cluster: DGX A100 nodes of 8 (NVLink 300 GB/s per direction), 8 HDR 200 Gb/s NICs per
   node (25 GB/s per GPU), datasheet peaks, memx's default efficiency (uncalibrated).
 - sailor-plans-dev/opt350_gh96_plans.csv: 15 whole OPT-350 plans run on GH200 nodes of 4 with
   Megatron-DeepSpeed: fp32 (fp32 matmuls at the fp32 peak: PyTorch leaves TF32 off), Adam state
   whole, hidden dropout on and attention dropout off (OPT's training configuration), no fused
-  attention in fp32, the plan's layer split.
+  attention in fp32 and torch's softmax (Megatron's fused softmax kernel takes only 16-bit
+  inputs: ``--no-fused-softmax``), the plan's layer split.
 
 Metrics: fit/OOM confusion matrix, false fits (real OOMs called fits) as a share of real OOMs,
 time MAPE and Spearman per group (runs that ran), memx's pick per group (lowest predicted time
 among layouts predicted to fit) and its regret against the measured best.
 
 Writes benchmarks/results/real_runs.json.
-Run: .venv/bin/python benchmarks/real_runs.py   (about a minute on 2 CPU cores)
+Run: .venv/bin/python benchmarks/real_runs.py   (about 2 s on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -166,9 +175,9 @@ def hagemann(shared: str) -> list[dict]:
         g = max(math.ceil(sequences / (dp * mbs)), pp)
         flash = d["kernel"].startswith("flash_attention")
         sp = d["sequence_parallel"] in ("1", "True")
-        training = TrainingSpec(global_batch_size=g * dp * mbs, seq_len=seq, dtype="bf16", setup="zero1",
+        training = TrainingSpec(global_batch_size=g * dp * mbs, seq_len=seq, dtype="bf16", setup="scaling",
                                 sequence_parallel=sp, flash_attention=flash, dropout=False,
-                                fused_norm="RMS kernel" in d["kernel"])
+                                fused_norm="RMS kernel" in d["kernel"], fused_softmax=d["kernel"] == "fused")
         recompute = "full" if d["activation_checkpointing"] == "every_layer" else "none"
         cluster = clusters.setdefault(world, a100_cluster(world))
         row = {"group": f"{d['source_file'].replace('.xlsx', '')}", "real": d["status"],
@@ -225,7 +234,7 @@ def sailor(shared: str) -> list[dict]:
             continue
         dp, tp = dps.pop(), tps.pop()
         training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
-                                flash_attention=False, dropout=True)
+                                flash_attention=False, fused_softmax=False, dropout=True)
         try:
             plan = evaluate_layout(model, gh200_cluster(nodes), training, tp=tp, pp=pp, dp=dp,
                                    micro_batch_size=mbs, layers_per_stage=layers, recompute=d["recompute"],
@@ -264,6 +273,8 @@ def main() -> None:
         "fit_by_seq_len": {str(s): fit_summary([r for r in h if r["seq_len"] == s]) for s in (2048, 8192)},
         "groups": group_summary(h, lambda r: r["group"]),
         "errors": sum("error" in r for r in h),
+        "setup": "--setup scaling (Aleph Alpha's codebase, read from its public code; see the script's "
+                 "docstring); per row: flash_attention, fused_norm, fused_softmax, sequence_parallel, recompute",
         "rows": h}
     groups = result["hagemann_llama13b_a100"]["groups"]
     rhos = [g["spearman"] for g in groups.values() if not math.isnan(g["spearman"])]

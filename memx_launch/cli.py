@@ -65,6 +65,11 @@ def _add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    "(default on)")
     p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
+    for flag, text in (("fused-softmax", "without flash attention: fused softmax, in-place backward (default on)"),
+                       ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
+                       ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input")):
+        p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
+                       default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +91,7 @@ def _training(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 _SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention",
                 "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
-                "overlap_grad_reduce")
+                "overlap_grad_reduce", "fused_softmax", "keep_stage_outputs", "sp_keeps_gathered_input")
 
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
@@ -227,7 +232,8 @@ def add_estimate_command(sub) -> None:
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)
     p.add_argument("--micro-batch-size", "--micro_batch_size", type=int)
-    p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none")
+    p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none; full:K "
+                   "recomputes a stage's first K layers (Megatron's block method)")
     p.add_argument("--layers-per-stage", "--layers_per_stage", type=_list_of(int),
                    help="layers per stage, kept as given, e.g. 8,24 (default: even, remainder first)")
     p.add_argument("--stage-devices", "--stage_devices", type=_list_of(str), help="device type per stage, e.g. a,b")

@@ -100,7 +100,7 @@ def test_memx_run_config_covers_memx_and_torchrun_options_not_the_script(tmp_pat
     # the script's own --config stays the script's
     assert memx_run(["--config", str(config), "--nproc-per-node", "4", "--dry-run", *script]) == 0
     printed = capsys.readouterr().out
-    assert "world size              4  (flag)" in printed
+    assert "processes on this node  4  (flag)" in printed
     assert "train.py --model llama-tiny --config script.yaml" in printed
 
 

@@ -130,6 +130,15 @@ def test_per_stage_recompute_is_reported_not_hidden():
     _megatron_config(plan, export.args)
 
 
+def test_recompute_of_a_stages_first_k_layers_is_the_block_method():
+    plan = make_plan(layers=(8, 24), recompute=("full:3", "full:5"))
+    export = megatron_args(plan)
+    assert [_flag(export.args, f) for f in ("--recompute-granularity", "--recompute-method",
+                                            "--recompute-num-layers")] == ["full", "block", "5"]
+    assert any("K=5 everywhere" in n for n in export.notes)
+    _megatron_config(plan, export.args)
+
+
 def test_megatron_flags_state_the_training_setup_of_the_plan():
     from memx_launch.specs.training import TrainingSpec
     plan = make_plan(layers=(8, 24), recompute=("full", "full"), tp=2, dp=4)

@@ -141,3 +141,19 @@ def test_node_counts_that_disagree_with_the_file_are_refused(argv, field):
     with pytest.raises(ConfigError) as info:
         resolve(build_parser().parse_args([*argv, "--cluster", PAPER_CLUSTER, TRAIN, "--model", "llama2-7b"]))
     assert info.value.field == field
+
+
+def test_a_plan_recomputing_k_of_a_stages_layers_is_refused(tmp_path, capsys):
+    """memx estimate and memx export state full:K; memx-run's stages cannot run it yet."""
+    import json
+    target = tmp_path / "plan.json"
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(target),
+                 TRAIN, "--model", "llama-tiny"]) == 0
+    data = json.loads(target.read_text())
+    data["stages"][0]["recompute"] = "full:1"
+    target.write_text(json.dumps(data))
+    capsys.readouterr()
+    rc = main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
+               TRAIN, "--model", "llama-tiny"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --plan: stage 0 recomputes full:1" in err

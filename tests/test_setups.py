@@ -34,7 +34,7 @@ def test_explicit_fields_win_over_the_preset():
         TrainingSpec(setup="deepspeed")
     with pytest.raises(ConfigError, match="--sharded-gradients"):
         TrainingSpec(sharded_gradients=True)
-    assert set(SETUPS) == {"megatron", "fsdp2", "zero1", "zero2", "zero3", "ddp"}
+    assert set(SETUPS) == {"megatron", "fsdp2", "zero1", "zero2", "zero3", "ddp", "scaling"}
 
 
 def test_flash_attention_is_a_run_option():

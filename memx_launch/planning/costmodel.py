@@ -40,6 +40,15 @@ LINK_LATENCY_S = 10e-6
 # (norms, linears, attention, activations, their backward), so a small block is launch bound.
 KERNEL_LAUNCH_S = 5e-6
 KERNELS_PER_LAYER = 40
+# HBM bytes the cross entropy moves per logit, forward and backward: the fp32 cast (read 2,
+# write 4), log-softmax (two reads and a write of 4), the argmax/target read (4), its backward
+# (zero-filled gradient 4; read gradient and output, write 4 each) and the cast back (4 + 2).
+LOSS_BYTES_PER_LOGIT = 48.0
+# Extra HBM bytes per element of a norm (two per block, on the rank's share of the sequence with
+# SP) run as torch ops instead of one fused kernel: forward pow, mean, mul by the rsqrt, the fp32
+# round trip and the weight mul (26 bytes against 4), backward their gradients, casts and row
+# sums (about 44 against 8), at 16 bits.
+UNFUSED_NORM_BYTES = 58.0
 
 
 @dataclass(frozen=True)
@@ -86,11 +95,13 @@ def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, recom
 def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
                      flash_attention=True, sequence_parallel: bool = False,
                      dropout: bool = False, fused_norm: bool = True,
-                     attention_dropout: bool = False) -> LayerCost:
+                     attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
+                     fused_softmax: bool = True) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
-      two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP)
+      two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP;
+        with SP a framework whose linears keep the all-gathered input keeps those 4 whole)
       Q + K + V saved by attention: 2 + 4*kv/h, over t
       attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
@@ -102,6 +113,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
     Full recompute keeps the block input only; its working set is one block recomputed.
+    Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
+    probabilities: one more s x s tensor per head in the training dtype when a fused softmax
+    (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
+    backward writes a new tensor (its forward holds as many: scores, masked copy, probabilities).
     """
     mbs = np.asarray(mbs, dtype=np.float64)
     seq = np.asarray(seq, dtype=np.float64)
@@ -112,7 +127,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     f, kv = model.ffn_hidden_size, model.kv_hidden_size
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
-    replicated = (8.0 if fused_norm else 12.0) / (tp if sequence_parallel else 1.0)
+    norms = 4.0 if fused_norm else 8.0  # norm inputs (and an unfused norm's normalised tensor)
+    linear_inputs = 4.0 / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
+    replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     qkv = (2.0 + 4.0 * kv / h) / tp
     attn_out = 2.0 / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
@@ -131,7 +148,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of
     # the size of the block input and output.
     recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective], none)
-    working = recomputed + 4.0
+    score_grads = 1.0 if fused_softmax else 2.0
+    working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
@@ -293,7 +311,7 @@ class AnalyticalCostModel:
         tr = self.training
         act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
-                               tr.attention_dropout)
+                               tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax)
         fwd_flops = layer_forward_flops(self.model, mbs, seq, tp)
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
@@ -306,14 +324,20 @@ class AnalyticalCostModel:
         unfused = ~self._flash[device]
         attn_core_flops = np.where(unfused, 2.0, 1.0) * attn_core_flops
         fwd_flops = fwd_flops + np.where(unfused, 0.5 * attn_core_flops, 0.0)
-        score_traffic = np.where(unfused, 12.0 * mbs_a * self.model.num_heads / tp * seq_a * seq_a, 0.0)
+        # Torch's softmax path adds three passes of 4 bytes per score: the clone of the scores'
+        # view, the out-of-place mask fill and that fill's backward (a fused kernel has none).
+        per_score = 12.0 if tr.fused_softmax else 24.0
+        score_traffic = np.where(unfused, per_score * mbs_a * self.model.num_heads / tp * seq_a * seq_a, 0.0)
         compute_s = (3.0 * fwd_flops + recompute_flops) / (self._tflops[device] * 1e12)
         none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
                                     self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
-                               tr.attention_dropout).activation_bytes
+                                    tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax).activation_bytes
         recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
                                       [0.0 * none_act, none_act - act.activation_bytes], none_act)
-        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic + score_traffic) / (self._hbm[device] * 1e9)
+        norm_traffic = (0.0 if tr.fused_norm else UNFUSED_NORM_BYTES * tr.dtype_bytes) * mbs_a * seq_a \
+            * self.model.hidden_size / (tp if tr.sequence_parallel else 1.0)
+        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic + score_traffic
+                    + norm_traffic) / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two backward, two more when the
         # full block is recomputed.
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
@@ -335,10 +359,19 @@ class AnalyticalCostModel:
         return nbytes / (self._hbm[np.asarray(device)] * 1e9) * self._slowdown[np.asarray(device)]
 
     def head_time(self, device, tp, mbs, seq) -> np.ndarray:
-        """Output projection and loss, forward and backward."""
-        flops = 3 * 2.0 * np.asarray(mbs) * np.asarray(seq) * self.model.hidden_size * self.model.vocab_size
-        device = np.asarray(device)
-        return flops / np.asarray(tp, dtype=np.float64) / (self._tflops[device] * 1e12) * self._slowdown[device]
+        """Output projection and loss, forward and backward: the projection's FLOPs over TP and
+        the cross entropy's passes over the logits the rank holds, at HBM speed (LOSS_BYTES_PER_LOGIT).
+        Without a vocab-parallel loss the logits are first all-gathered over TP and every rank
+        runs the loss on the whole vocabulary."""
+        tp, device = np.asarray(tp, dtype=np.float64), np.asarray(device)
+        logits = np.asarray(mbs) * np.asarray(seq) * self.model.vocab_size
+        held = logits / tp if self.training.vocab_parallel_loss else logits
+        compute = (6.0 * logits * self.model.hidden_size / tp / (self._tflops[device] * 1e12)
+                   + LOSS_BYTES_PER_LOGIT * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
+        if self.training.vocab_parallel_loss:
+            return compute
+        gathered = logits * self.training.dtype_bytes
+        return compute + collective_time(gathered, tp, self.tp_gbps(device, tp), self._latency_s[device])
 
 
 TP_DEGREES = (1, 2, 4, 8, 16)

@@ -11,7 +11,7 @@ import numpy as np
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import Plan
+from memx_launch.planning.plan import Plan, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -21,7 +21,9 @@ from memx_launch.planning.scoring import CostTable, Evaluator
 from memx_launch.planning.search import default_references, to_plan
 
 
-def _parse_levels(recompute, pp: int) -> np.ndarray:
+def _parse_levels(recompute, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage: the level index and how many of its layers recompute at it (the rest: none)."""
+    pp = layers.shape[1]
     if recompute is None:
         recompute = ["none"]
     if isinstance(recompute, str):
@@ -30,10 +32,9 @@ def _parse_levels(recompute, pp: int) -> np.ndarray:
         recompute = list(recompute) * pp
     if len(recompute) != pp:
         raise ConfigError("--recompute", f"{len(recompute)} levels for pp={pp}", "give one level, or one per stage")
-    for level in recompute:
-        if level not in cm.RECOMPUTE_LEVELS:
-            raise ConfigError("--recompute", f"unknown level {level!r}", f"use one of {', '.join(cm.RECOMPUTE_LEVELS)}")
-    return np.array([[cm.RECOMPUTE_LEVELS.index(level) for level in recompute]])
+    parsed = [parse_recompute(text, int(n)) for text, n in zip(recompute, layers[0])]
+    return (np.array([[cm.RECOMPUTE_LEVELS.index(level) for level, _ in parsed]]),
+            np.array([[k for _, k in parsed]], dtype=np.int64))
 
 
 def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int, pp: int,
@@ -70,7 +71,6 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     layout = layout_from_stage_devices(model, cluster, tuple(cost_model.device_names), tp, pp, dp, stage_devices)
     table = CostTable(cost_model, len(cost_model.device_names), [tp], [micro_batch_size], [training.seq_len])
     evaluator = Evaluator(model, cluster, training, cost_model, analytical, table, memory_headroom)
-    levels = _parse_levels(recompute, pp)
     if layers_per_stage is None:
         if model.num_layers < pp * v:
             raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",
@@ -80,13 +80,20 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if layers.shape[1] != pp or layers.sum() != model.num_layers or (layers < v).any():
         raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
                           f"least {v} layer(s) adding up to {model.num_layers}", "fix the split")
-    result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers)
+    levels, recompute_layers = _parse_levels(recompute, layers)
+    partial = recompute_layers < layers
+    result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers,
+                             recompute_layers if partial.any() else None)
     if references is None:
         references = default_references(model, cluster, training, cost_model)
     profile = "custom" if weights is not None else "default"
     chosen = tuple(weights) if weights is not None else WEIGHT_PROFILES["default"]
     objective = objective_for(result.T[0], result.M[0], result.V[0], references, profile, chosen)
-    return to_plan(result, 0, model, cluster, training, objective)
+    plan = to_plan(result, 0, model, cluster, training, objective)
+    for stage, k, part in zip(plan.stages, recompute_layers[0], partial[0]):
+        if part:
+            stage.recompute = f"full:{k}"
+    return plan
 
 
 def plan_training(plan: Plan) -> TrainingSpec:

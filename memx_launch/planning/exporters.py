@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan
+from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
 
 DEFAULT_MASTER_PORT = 29500
@@ -58,6 +58,17 @@ def pipeline_layout(plan: Plan) -> str:
 
 def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
     levels = [s.recompute for s in plan.stages]
+    partial = [parse_recompute(s.recompute, s.num_layers) for s in plan.stages if s.recompute.startswith("full:")]
+    if partial and all(s.recompute.startswith("full:") or s.recompute == "none" for s in plan.stages):
+        # Block method: the first K layers of every pipeline stage recompute fully, one K for all.
+        k = max(count for _, count in partial)
+        notes = [] if len(set(levels)) == 1 else [
+            "per-stage recompute (" + ", ".join(f"stage {i}: {lvl}" for i, lvl in enumerate(levels))
+            + f") cannot be expressed in Megatron-LM, which recomputes the first K layers of every "
+            f"stage; these arguments use K={k} everywhere: memory-safe, but slower than the plan predicts"]
+        return ["--recompute-granularity", "full", "--recompute-method", "block",
+                "--recompute-num-layers", str(k)], notes
+    levels = ["full" if lvl.startswith("full:") else lvl for lvl in levels]
     # Megatron-LM applies one recompute setting to every stage; take the strongest one
     # any stage needs so that no stage gets less memory relief than the plan assumed.
     strongest = max(levels, key=RECOMPUTE_LEVELS.index)

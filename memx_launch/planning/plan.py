@@ -25,6 +25,21 @@ SCHEDULES = ("1f1b", "interleaved")
 RECOMPUTE_LEVELS = ("none", "selective", "full")
 
 
+def parse_recompute(text: str, num_layers: int, field: str = "--recompute") -> tuple[str, int]:
+    """A stage's recompute: a level for all its layers, or ``full:K``, full recompute of its first
+    K layers and none for the rest (Megatron-LM's ``--recompute-method block
+    --recompute-num-layers K``). Returns (level, layers recomputing at that level)."""
+    level, _, count = str(text).partition(":")
+    if level not in RECOMPUTE_LEVELS:
+        raise ConfigError(field, f"unknown level {text!r}", f"use one of {', '.join(RECOMPUTE_LEVELS)} or full:K")
+    if not count:
+        return level, num_layers
+    if level != "full" or not count.isdigit() or int(count) > num_layers:
+        raise ConfigError(field, f"{text!r} is not full:K with 0 <= K <= the stage's {num_layers} layers",
+                          "give full:K, the number of the stage's first layers that recompute fully")
+    return ("full", int(count)) if int(count) else ("none", num_layers)
+
+
 @dataclass
 class StagePlan:
     device_type: str
@@ -148,9 +163,7 @@ class Plan:
         if seen != list(range(self.world_size)):
             raise ConfigError(f"{source}.stages", "ranks must cover 0..world_size-1 exactly once")
         for i, s in enumerate(self.stages):
-            if s.recompute not in RECOMPUTE_LEVELS:
-                raise ConfigError(f"{source}.stages[{i}].recompute", f"unknown level {s.recompute!r}",
-                                  f"use one of {', '.join(RECOMPUTE_LEVELS)}")
+            parse_recompute(s.recompute, s.num_layers, f"{source}.stages[{i}].recompute")
             if len(s.ranks) != self.tp * self.dp:
                 raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*dp={self.tp * self.dp} ranks")
             if s.num_layers < self.virtual_stages:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -93,6 +94,7 @@ class Evaluator:
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run and what the process holds above its tensors.
         fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
+                 + kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[layout.stage_device])
         return per_layer, fixed, t_layer, self._edge_time(layout, mbs, seq), g
 
@@ -112,8 +114,11 @@ class Evaluator:
         return out
 
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
-              levels: np.ndarray, layers: np.ndarray | None = None) -> GroupResult:
-        """Split layers (unless given), apply the per-stage hard rule, and score every row."""
+              levels: np.ndarray, layers: np.ndarray | None = None,
+              recompute_layers: np.ndarray | None = None) -> GroupResult:
+        """Split layers (unless given), apply the per-stage hard rule, and score every row.
+        ``recompute_layers`` (with ``layers``): how many of each stage's layers recompute at its
+        level, the others keeping everything (Megatron's block method: the first K layers)."""
         L = self.model.num_layers
         min_layers = v if schedule == "interleaved" else 1
         per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels)
@@ -124,8 +129,14 @@ class Evaluator:
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
             per_layer, fixed, t_layer, _, _ = self.split_inputs(layout, mbs, seq, v, levels)
         memory = layers * per_layer + fixed
-        feasible = (memory <= usable).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         stage_time = layers * t_layer + edge_t
+        if recompute_layers is not None:
+            # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
+            none_layer, none_fixed, none_t, _, _ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels))
+            k = np.minimum(recompute_layers, layers)
+            memory = k * per_layer + (layers - k) * none_layer + np.where(k > 0, fixed, none_fixed)
+            stage_time = k * t_layer + (layers - k) * none_t + edge_t
+        feasible = (memory <= usable).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         T = self.iteration_time(layout, mbs, seq, schedule, v, g, stage_time, layers)
         # M: the fullest device, as a fraction of its capacity (devices of different sizes
         # compare); V: the variance of the devices' memory use in GiB^2, as the paper's

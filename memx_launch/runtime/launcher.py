@@ -202,6 +202,11 @@ def resolve(args) -> dict:
         if world is not None and plan.world_size != world:
             raise ConfigError("--plan", f"{args.plan} needs {plan.world_size} ranks but the job launches {world}",
                               f"pass a plan for {world} ranks, or start {plan.world_size} processes")
+        partial = [i for i, s in enumerate(plan.stages) if ":" in s.recompute]
+        if partial:
+            raise ConfigError("--plan", f"stage {partial[0]} recomputes {plan.stages[partial[0]].recompute}, "
+                              "K of its layers, which memx-run cannot run yet",
+                              "run it with Megatron-LM (memx export), or give the stage none, selective or full")
         settings.add("plan", args.plan, "flag")
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",

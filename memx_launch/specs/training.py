@@ -16,6 +16,9 @@ zero3      all sharded (ZeRO-3)                                     16/DP
 fsdp2      fp32 sharded params, bf16 compute, fp32 reduce (torch-   16/DP
            titan MixedPrecisionPolicy)
 ddp        fp32 params under autocast, fp32 grads, fp32 moments     16
+scaling    as zero1, in Aleph Alpha's Megatron-derived codebase      4 + 12/DP
+           (Hagemann et al. 2023): logits gathered over TP, stage
+           outputs kept, sequence parallel keeps gathered inputs
 =========  =======================================================  =====================
 
 No setup keeps the defaults memx always had: 16-bit weights, fp32 grads, fp32 master and
@@ -49,6 +52,13 @@ SETUPS: dict[str, dict] = {
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
                   overlap_grad_reduce=True),
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True),
+    # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
+    # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
+    # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
+    # last stage the previous micro-batch's logits; its RMSNorm all-gathers the sequence-parallel
+    # output, which the next linear then keeps whole.
+    "scaling": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
+                    vocab_parallel_loss=False, keep_stage_outputs=True, sp_keeps_gathered_input=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
@@ -103,6 +113,20 @@ class TrainingSpec:
     """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits.
     Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
     vocabulary on every TP rank and the loss keeps a log-softmax of it. Default on."""
+    keep_stage_outputs: bool | None = None
+    """The pipeline engine keeps each in-flight micro-batch's stage output until its gradient
+    returns, and its last stage keeps the previous micro-batch's logits in its second buffer
+    (DeepSpeed-style buffers, Aleph Alpha's scaling). Off: Megatron frees an output's data once
+    sent (Korthikanti et al. 2022, appendix B). Default off."""
+    fused_softmax: bool | None = None
+    """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
+    softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
+    s x s tensor. Default on."""
+    sp_keeps_gathered_input: bool | None = None
+    """With sequence parallelism, the column-parallel linears keep their all-gathered (whole
+    sequence) input for the backward, as when the norm gathers its output and autograd saves
+    it. Off: Megatron keeps the 1/TP shard and gathers it again in the backward (Korthikanti's
+    34/t). Default off."""
 
     def __post_init__(self):
         if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0:
@@ -120,7 +144,8 @@ class TrainingSpec:
         defaults = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
                         grad_dtype="fp32", sequence_parallel=False, flash_attention=True,
                         loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
-                        overlap_grad_reduce=False, vocab_parallel_loss=True)
+                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
+                        sp_keeps_gathered_input=False, fused_softmax=True)
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))

@@ -1,0 +1,162 @@
+"""Memory terms of what a framework keeps beyond Korthikanti's per-layer tensors: sequence
+parallelism that keeps gathered inputs, unfused attention's backward working set, pipeline
+buffers that keep stage outputs and the previous micro-batch's logits."""
+
+import numpy as np
+import pytest
+
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+S, H, T = 8192, 5120, 4
+MODEL = get_model("llama2-13b")
+
+
+def test_sequence_parallel_that_keeps_gathered_inputs_splits_only_the_norm_inputs():
+    megatron = float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, sequence_parallel=True).activation_bytes)
+    gathered = float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, sequence_parallel=True,
+                                         sp_keeps_gathered_input=True).activation_bytes)
+    off = float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE).activation_bytes)
+    # The two normed tensors fed to the linears (4 sbh) stay whole; the norm inputs split.
+    assert gathered - megatron == pytest.approx(4 * S * H * (1 - 1 / T))
+    assert megatron < gathered < off
+    # Without sequence parallelism the option changes nothing.
+    same = float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, sp_keeps_gathered_input=True).activation_bytes)
+    assert same == off
+
+
+def test_unfused_attention_backward_holds_score_gradients():
+    a = MODEL.num_heads
+    flash = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=True).working_bytes
+    fused = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False).working_bytes
+    torch_softmax = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False,
+                                        fused_softmax=False).working_bytes
+    score = 2.0 * a / T * S * S  # one 16-bit s x s tensor per head on this rank
+    assert float(fused - flash) == pytest.approx(score)
+    assert float(torch_softmax - fused) == pytest.approx(score)
+    # Full recompute rebuilds the kept probabilities as well.
+    full = cm.activation_bytes(MODEL, 1, S, T, cm.FULL, flash_attention=False).working_bytes
+    assert float(full - fused) == pytest.approx(
+        float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False).activation_bytes))
+
+
+def test_kept_stage_outputs_and_the_previous_logits():
+    b, pp = 2, 4
+    inflight = cm.inflight_microbatches(np.arange(pp), pp, 16)
+    off = kept_stage_output_bytes(MODEL, TrainingSpec(), b, S, T, inflight, 16)
+    assert not off.any()
+    kept = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight, 16)
+    assert list(kept[:-1]) == pytest.approx([(pp - i) * b * S * H * 2 for i in range(pp - 1)])
+    assert kept[-1] == 2 * b * S * MODEL.vocab_size  # gathered 16-bit logits of the previous micro-batch
+    vocab_parallel = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling", vocab_parallel_loss=True),
+                                                b, S, T, inflight, 16)
+    assert vocab_parallel[-1] == kept[-1] / T
+    single = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight[:1], 1)
+    assert single[-1] == 0  # one micro-batch: no previous logits
+
+
+def test_the_scaling_setup_turns_a_fit_into_an_oom():
+    """LLaMA-2-13B, 8k tokens, TP 4 PP 2, micro-batch 4, sequence parallelism: ZeRO-1's states
+    alone fit in an A100; with the scaling codebase's gathered linear inputs and buffers it does not."""
+    cluster = ClusterSpec.from_dict({
+        "version": 1, "device_types": {"a100": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
+                                                "memory_bandwidth_gbps": 2039}},
+        "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300} for _ in range(8)], "inter_node_gbps": 25})
+    peaks = {}
+    for setup in ("zero1", "scaling"):
+        training = TrainingSpec(global_batch_size=512, seq_len=S, setup=setup, sequence_parallel=True,
+                                vocab_parallel_loss=False)
+        plan = evaluate_layout(MODEL, cluster, training, tp=4, pp=2, dp=8, micro_batch_size=4,
+                               references=(1.0, 1.0, 1.0))
+        peaks[setup] = max(s.predicted_peak_memory_gib for s in plan.stages)
+    assert peaks["zero1"] < 79.3 < peaks["scaling"]
+
+
+# --------------------------------------------------------------------------- recompute of K of n layers
+
+
+def _a100s():
+    return ClusterSpec.from_dict({
+        "version": 1, "device_types": {"a100": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
+                                                "memory_bandwidth_gbps": 2039}},
+        "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300}]})
+
+
+def _estimate(recompute):
+    training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="megatron")
+    return evaluate_layout(MODEL, _a100s(), training, tp=2, pp=2, dp=2, micro_batch_size=1,
+                           recompute=recompute, references=(1.0, 1.0, 1.0))
+
+
+def test_recomputing_k_of_a_stages_layers_lies_between_none_and_full():
+    none, full = _estimate("none"), _estimate("full")
+    n = none.stages[0].num_layers
+    part = _estimate(f"full:{n // 2},full:{n // 2}")
+    for i in range(2):
+        assert none.stages[i].predicted_peak_memory_gib > part.stages[i].predicted_peak_memory_gib \
+            > full.stages[i].predicted_peak_memory_gib
+        assert none.stages[i].predicted_stage_time_s < part.stages[i].predicted_stage_time_s \
+            < full.stages[i].predicted_stage_time_s
+    assert [s.recompute for s in part.stages] == [f"full:{n // 2}"] * 2
+    # K = n is full recompute, K = 0 none; the per-layer terms are linear in K.
+    assert _estimate(f"full:{n}").stages[0].predicted_peak_memory_gib == full.stages[0].predicted_peak_memory_gib
+    assert _estimate("full:0").stages[0].predicted_peak_memory_gib == none.stages[0].predicted_peak_memory_gib
+    quarter = _estimate(f"full:{n // 4}").stages[1].predicted_stage_time_s
+    assert quarter - none.stages[1].predicted_stage_time_s == pytest.approx(
+        (part.stages[1].predicted_stage_time_s - none.stages[1].predicted_stage_time_s) * (n // 4) / (n // 2))
+
+
+def test_recompute_of_k_layers_is_validated_and_exported_as_the_block_method():
+    from memx_launch.errors import ConfigError
+    from memx_launch.planning.exporters import megatron_args
+    for bad in ("full:99", "selective:2", "full:x", "half"):
+        with pytest.raises(ConfigError, match="--recompute"):
+            _estimate(bad)
+    n = MODEL.num_layers // 2
+    args = megatron_args(_estimate(f"full:3,full:{n // 2}")).args
+    assert args[args.index("--recompute-method") + 1] == "block"
+    assert args[args.index("--recompute-num-layers") + 1] == str(n // 2)
+
+
+def test_a_gathered_loss_costs_every_tp_rank_the_whole_vocabulary():
+    """The head's time: FLOPs over TP either way; a gathered loss adds the logits' all-gather
+    and runs the cross entropy's passes over all of them, not over 1/TP."""
+    cluster = _a100s()
+    device, mbs = np.zeros(1, int), np.ones(1)
+    times = {}
+    for vocab_parallel in (True, False):
+        model = cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(vocab_parallel_loss=vocab_parallel))
+        times[vocab_parallel] = {t: float(model.head_time(device, np.full(1, t), mbs, np.full(1, S))[0])
+                                 for t in (1, 4)}
+    assert times[True][1] == pytest.approx(times[False][1])  # one rank: the same work
+    logits = S * MODEL.vocab_size
+    passes = cm.LOSS_BYTES_PER_LOGIT * logits * (1 - 1 / 4) / 2039e9
+    gather = cm.collective_time(2.0 * logits, 4, 300.0)
+    assert times[False][4] - times[True][4] == pytest.approx(passes + float(gather), rel=1e-6)
+
+
+def test_torch_softmax_moves_three_more_passes_over_the_scores():
+    """Clone of the scores' view, out-of-place mask fill and its backward: 12 bytes per score."""
+    cluster = _a100s()
+    args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.zeros(1))
+    times = {fused: float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(
+        flash_attention=False, fused_softmax=fused)).layer_costs(*args).time_s[0]) for fused in (True, False)}
+    scores = MODEL.num_heads / T * S * S
+    assert times[False] - times[True] == pytest.approx(12.0 * scores / 2039e9, rel=1e-6)
+
+
+def test_torch_op_norms_move_more_bytes_than_a_fused_kernel():
+    cluster = _a100s()
+    args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.zeros(1))
+    def layer_time(**options):
+        return float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(**options)).layer_costs(*args).time_s[0])
+    stored = 4 * S * H * cm._ELEMENTWISE_TRAFFIC  # the normalised tensors they also keep, read and written
+    extra = (cm.UNFUSED_NORM_BYTES * 2 * S * H + stored) / 2039e9
+    assert layer_time(fused_norm=False) - layer_time() == pytest.approx(extra, rel=1e-6)
+    # With sequence parallelism each rank normalises its 1/TP of the sequence.
+    sp = layer_time(fused_norm=False, sequence_parallel=True) - layer_time(sequence_parallel=True)
+    assert sp == pytest.approx(extra / T, rel=1e-6)
