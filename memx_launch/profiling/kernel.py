@@ -157,20 +157,25 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
 
     from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    from contextlib import nullcontext
+
     torch.manual_seed(0)  # identical weights and input on every rank of a TP group
     blocks = torch.nn.Sequential(*[TransformerBlock(shape, s.recompute) for _ in range(num_blocks)])
-    blocks = blocks.to(device=dev, dtype=torch_dtype)
+    # As the runtime trains (runtime/precision.py): fp32 weights and residual stream, low-precision
+    # matrix products under autocast.
+    blocks = blocks.to(device=dev)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     if s.tp > 1:
         from torch.distributed.device_mesh import DeviceMesh
 
         apply_tensor_parallel(blocks, DeviceMesh.from_group(tp_group, dev.type))
-    x = torch.randn(s.micro_batch_size, s.seq_len, shape.hidden_size, device=dev, dtype=torch_dtype,
-                    requires_grad=True)
+    x = torch.randn(s.micro_batch_size, s.seq_len, shape.hidden_size, device=dev, requires_grad=True)
     dy = torch.randn_like(x)
 
     def step():
-        blocks(x).backward(dy)
+        with torch.autocast(dev.type, dtype=low) if low is not None else nullcontext():
+            y = blocks(x)
+        y.backward(dy.to(y.dtype))
 
     # Warm-up also allocates the gradients, which stay: they belong to the resting state.
     for _ in range(max(1, warmup)):

@@ -23,7 +23,7 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 from memx_launch.specs.model import get_model
 
 DEFAULT_RUNS_DIR = "runs"
@@ -57,6 +57,9 @@ def build_parser():
     g.add_argument("--global-batch-size", "--global_batch_size", type=int,
                    help=f"sequences per step (default 512; {EMULATED_GLOBAL_BATCH_SIZE} on emulated clusters)")
     g.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
+    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
+                   help="training precision, also calibrated and planned for (default bf16 on GPUs, fp32 on CPUs); "
+                        "bf16/fp16 autocast with fp32 master weights")
     g.add_argument("--run-dir", "--run_dir", metavar="DIR",
                    help=f"where the plan and restart records go (default {DEFAULT_RUNS_DIR}/<model>-<time>)")
     return parser
@@ -134,10 +137,10 @@ def resolve(args) -> dict:
     emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
     gbs = args.global_batch_size or (EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or model.seq_len,
-                            dtype="fp32" if emulated else "bf16")
+                            dtype=args.dtype or ("fp32" if emulated else "bf16"))
     settings.add("global batch size", training.global_batch_size, "flag" if args.global_batch_size else "default")
     settings.add("sequence length", training.seq_len, "flag" if args.seq_len else "default")
-    settings.add("dtype", training.dtype, "default")
+    settings.add("dtype", training.dtype, "flag" if args.dtype else "default")
 
     plan = None
     if args.plan:

@@ -30,6 +30,7 @@ from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_rank, rank_layout
+from memx_launch.runtime.precision import Precision
 
 
 DEFAULT_LR = 3e-4
@@ -87,10 +88,11 @@ class Runtime:
 
     def __init__(self, plan: Plan, rank: int, *, model: torch.nn.Module | None = None, blocks: str | None = None,
                  optimizer=None, loss_fn=None, lr_scheduler=None, max_grad_norm: float | None = None,
-                 emulated: EmulatedDevice | None = None, lr: float = DEFAULT_LR, seed: int = 0,
-                 data_parallel: str = "auto"):
+                 dtype: str | None = None, emulated: EmulatedDevice | None = None, lr: float = DEFAULT_LR,
+                 seed: int = 0, data_parallel: str = "auto"):
         """``model``: the user's module (runtime/prepare.py explains it and the optimizer, loss,
-        scheduler and clipping arguments); None trains memx's LLaMA of the plan's shape."""
+        scheduler and clipping arguments); None trains memx's LLaMA of the plan's shape. ``dtype``:
+        fp32, bf16 or fp16 (runtime/precision.py; default: the plan's training dtype, else fp32)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
@@ -124,7 +126,8 @@ class Runtime:
         pp_group = self.mesh["pp"].get_group()
         stages = [PipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=pp_group)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
-        user_loss = loss_fn or default_loss
+        self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device)
+        user_loss = self.precision.scaled(loss_fn or default_loss)
         if plan.virtual_stages == 1:
             self.schedule = Schedule1F1B(stages[0], plan.num_microbatches, loss_fn=user_loss)
         else:
@@ -207,11 +210,14 @@ class Runtime:
                 self.optimizer.zero_grad(set_to_none=True)
                 args = (tokens.to(self.device),) if self.layout.is_first_stage else ()
                 target = targets.to(self.device) if self.layout.is_last_stage else None
-                self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
-                if self.max_grad_norm is not None:
-                    from memx_launch.runtime.prepare import clip_grad_norm
-                    clip_grad_norm(self.chunks, self.max_grad_norm, self.mesh["pp"].get_group())
-                self.optimizer.step()
+                self.precision.begin_step()
+                with self.precision.autocast():
+                    self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
+                if self.precision.unscale(p for m in self.chunks for p in m.parameters()):
+                    if self.max_grad_norm is not None:
+                        from memx_launch.runtime.prepare import clip_grad_norm
+                        clip_grad_norm(self.chunks, self.max_grad_norm, self.mesh["pp"].get_group())
+                    self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         except Exception as exc:
@@ -228,7 +234,8 @@ class Runtime:
     def _gather_stats(self, losses: list[torch.Tensor], step_time: float) -> StepStats:
         # One loss per pipeline: the last stage's TP rank 0 of each DP replica contributes it.
         contributes = self.layout.is_last_stage and self.layout.tp_index == 0
-        local_loss = torch.stack([l.detach().float() for l in losses]).mean().item() if contributes else 0.0
+        local_loss = torch.stack([l.detach().float() for l in losses]).mean().item() / self.precision.step_scale \
+            if contributes else 0.0
         if self.emulated is not None:
             peak = self.emulated.peak_bytes / GIB
             compute = (self.emulated.compute_s + self.emulated.slept_s) / self.plan.num_microbatches

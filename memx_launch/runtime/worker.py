@@ -75,7 +75,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
     emulated = rank_device.emulated is not None
     calibration = TypeCalibration(
         model, rank_device.device_type, groups[name], db, stored, device="cpu" if emulated else "cuda",
-        dtype="fp32" if emulated else training.dtype,
+        dtype=training.dtype,
         slowdown=rank_device.emulated.slowdown if emulated else 1.0, tp_link_gbps=lambda tp: tp_link_gbps(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
         log=_log)
