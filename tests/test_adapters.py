@@ -196,3 +196,19 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
         assert ref[-1] < ref[0], name
     for rank in range(4):  # TP on a block type memx does not know: every rank names the fix
         assert "no tensor-parallel plan for ToyBlock" in results[rank][-1] and "tp=1" in results[rank][-1]
+
+
+@pytest.mark.parametrize("make", [hf_llama, ToyModel], ids=["hf-llama", "own-block"])
+def test_calibration_measures_a_copy_of_the_users_block(make):
+    from memx_launch.profiling.kernel import calibrate
+    from memx_launch.profiling.space import Sample
+    from memx_launch.specs.cluster import DeviceType
+
+    model = make()
+    parts = ModelParts(model)
+    spec = HF_SPEC if make is hf_llama else TOY_SPEC
+    cpu = DeviceType("cpu", "cpu", 8.0, 1.0, efficiency=1.0, memory_bandwidth_gbps=10)
+    samples = [Sample(1, 2, 32, level, spec.num_kv_heads) for level in ("none", "full")]
+    none, full = calibrate(spec, cpu, samples, num_blocks=1, repeats=1, block_factory=parts.block_probe)
+    assert none.peak_memory_bytes > full.peak_memory_bytes > 0 and none.time_s > 0
+    assert all(p.grad is None for p in model.parameters())  # the user's own weights were not touched

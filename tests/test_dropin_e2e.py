@@ -1,5 +1,6 @@
-"""examples/train_hf_llama.py under the real memx-run (4 emulated ranks, a fixed plan with an uneven
-split and mixed recompute) against the same script's one-process reference."""
+"""examples/train_hf_llama.py and examples/train_own_model.py under the real memx-run (4 emulated
+ranks, a fixed plan with an uneven split and mixed recompute) against the same script's
+one-process reference."""
 
 import os
 import re
@@ -16,11 +17,14 @@ from memx_launch.specs.training import TrainingSpec
 pytest.importorskip("transformers")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "examples", "train_hf_llama.py")
-MODEL = os.path.join(REPO, "examples", "models", "hf-llama-tiny")
+EXAMPLES = os.path.join(REPO, "examples")
 CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
 LOSS_ATOL = 1e-5
-STEPS, BATCH, SEQ = 3, 4, 64
+STEPS, BATCH = 3, 4
+CASES = {  # script, model, (pp, dp), layers, recompute
+    "hf-llama": ("train_hf_llama.py", "hf-llama-tiny", (4, 1), [1, 2, 3, 2], ["full", "selective", "none", "full"]),
+    "own-block": ("train_own_model.py", "own-gpt-tiny", (2, 2), [3, 1], ["selective", "full"]),
+}
 
 
 def _losses(stdout):
@@ -28,22 +32,26 @@ def _losses(stdout):
 
 
 @pytest.mark.slow
-def test_hf_llama_under_memx_run_matches_the_one_process_reference(tmp_path):
-    plan = evaluate_layout(get_model(MODEL), ClusterSpec.from_yaml(CLUSTER),
-                           TrainingSpec(global_batch_size=BATCH, seq_len=SEQ, dtype="fp32"), tp=1, pp=4, dp=1,
-                           micro_batch_size=1, layers_per_stage=[1, 2, 3, 2],
-                           recompute=["full", "selective", "none", "full"], references=(1, 1, 1))
+@pytest.mark.parametrize("case", CASES)
+def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, case):
+    script, model, (pp, dp), layers, recompute = CASES[case]
+    script, model = os.path.join(EXAMPLES, script), os.path.join(EXAMPLES, "models", model)
+    spec = get_model(model)
+    plan = evaluate_layout(spec, ClusterSpec.from_yaml(CLUSTER),
+                           TrainingSpec(global_batch_size=BATCH, seq_len=spec.seq_len, dtype="fp32"), tp=1, pp=pp,
+                           dp=dp, micro_batch_size=1, layers_per_stage=layers, recompute=recompute,
+                           references=(1, 1, 1))
     plan.save(str(tmp_path / "plan.json"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
                           "--cluster", CLUSTER, "--plan", str(tmp_path / "plan.json"), "--run-dir",
-                          str(tmp_path / "run"), "--profile-db", str(tmp_path / "none.jsonl"), SCRIPT,
-                          "--model", MODEL, "--steps", str(STEPS)],
+                          str(tmp_path / "run"), "--profile-db", str(tmp_path / "none.jsonl"), script,
+                          "--model", model, "--steps", str(STEPS)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert "layers [1, 2, 3, 2], recompute ['full', 'selective', 'none', 'full']" in run.stdout
-    ref = subprocess.run([sys.executable, SCRIPT, "--reference", "--model", MODEL, "--steps", str(STEPS),
-                          "--global-batch-size", str(BATCH), "--seq-len", str(SEQ)],
+    assert f"pp={pp} dp={dp} fp32; layers {layers}, recompute {recompute}" in run.stdout
+    ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
+                          "--global-batch-size", str(BATCH)],
                          env=env, capture_output=True, text=True, timeout=300, check=True)
     got, want = _losses(run.stdout), _losses(ref.stdout)
     assert len(got) == len(want) == STEPS

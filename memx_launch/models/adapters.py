@@ -24,6 +24,7 @@ tensor parallelism; any other block trains with TP = 1, and "selective" recomput
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -130,6 +131,13 @@ class ModelParts:
     def stage(self, layer_offset: int, num_layers: int, *, first: bool, last: bool,
               recompute: str) -> "StageModule":
         return StageModule(self, layer_offset, num_layers, first=first, last=last, recompute=recompute)
+
+    def block_probe(self, recompute: str) -> "StageModule":
+        """A copy of the first block (own weights) run as a middle stage: [b, s, hidden] in and out,
+        at ``recompute``. What calibration measures (profiling/kernel.py's block_factory)."""
+        probe = copy.copy(self)
+        probe.blocks, probe.before, probe.after = [copy.deepcopy(self.blocks[0])], [], []
+        return StageModule(probe, 0, 1, first=False, last=False, recompute=recompute)
 
     @torch.no_grad()
     def verify(self, example: torch.Tensor | None = None, atol: float = 1e-5) -> None:
