@@ -209,6 +209,7 @@ def test_calibration_measures_a_copy_of_the_users_block(make):
     spec = HF_SPEC if make is hf_llama else TOY_SPEC
     cpu = DeviceType("cpu", "cpu", 8.0, 1.0, efficiency=1.0, memory_bandwidth_gbps=10)
     samples = [Sample(1, 2, 32, level, spec.num_kv_heads) for level in ("none", "full")]
-    none, full = calibrate(spec, cpu, samples, num_blocks=1, repeats=1, block_factory=parts.block_probe)
+    # Three blocks: full recompute keeps only the inputs of the blocks not being recomputed
+    none, full = calibrate(spec, cpu, samples, num_blocks=3, repeats=1, block_factory=parts.block_probe)
     assert none.peak_memory_bytes > full.peak_memory_bytes > 0 and none.time_s > 0
     assert all(p.grad is None for p in model.parameters())  # the user's own weights were not touched
