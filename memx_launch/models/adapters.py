@@ -43,6 +43,7 @@ HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLaye
 # The attention function memx registers with transformers: SDPA, with the core recomputed in the
 # backward pass on blocks of "selective" stages.
 HF_ATTENTION = "memx_sdpa"
+_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ class StageModule(nn.Module):
         self.after = nn.ModuleDict({_key(n): m for n, m in parts.after}) if last else nn.ModuleDict()
         self.rotary = parts.rotary
         self.recompute = recompute
-        if recompute == "selective" and not self.kind.knows_attention:
+        if recompute == "selective" and not self.kind.knows_attention and self.kind.name not in _WARNED:
+            _WARNED.add(self.kind.name)  # once per process and block type
             log.warning("memx: selective recompute on %s blocks recomputes the whole block (memx cannot "
                         "reach their attention core); the plan's prediction assumed less", self.kind.name)
         for block in self.blocks.values():
