@@ -2,6 +2,7 @@
 ranks, a fixed plan with an uneven split and mixed recompute) against the same script's
 one-process reference."""
 
+import json
 import os
 import re
 import subprocess
@@ -50,6 +51,28 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert f"pp={pp} dp={dp} fp32; layers {layers}, recompute {recompute}" in run.stdout
+    ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
+                          "--global-batch-size", str(BATCH)],
+                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    got, want = _losses(run.stdout), _losses(ref.stdout)
+    assert len(got) == len(want) == STEPS
+    assert max(abs(a - b) for a, b in zip(got, want)) < LOSS_ATOL, (got, want)
+
+
+@pytest.mark.slow
+def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path):
+    script = os.path.join(EXAMPLES, "train_own_model.py")
+    model = os.path.join(EXAMPLES, "models", "own-gpt-tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
+                          "--cluster", CLUSTER, "--global-batch-size", str(BATCH), "--run-dir", str(tmp_path / "run"),
+                          "--model-builder", f"{script}:build", script, "--model", model, "--steps", str(STEPS)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stderr[-4000:]
+    db = tmp_path / "runs" / "profiles.train_own_model.build.jsonl"
+    records = [json.loads(line) for line in db.read_text().splitlines()]
+    assert records and all(r["tp"] == 1 for r in records)
+    assert "tp=1 " in run.stdout
     ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
                           "--global-batch-size", str(BATCH)],
                          env=env, capture_output=True, text=True, timeout=300, check=True)

@@ -60,6 +60,9 @@ def build_parser():
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
                    help="training precision, also calibrated and planned for (default bf16 on GPUs, fp32 on CPUs); "
                         "bf16/fp16 autocast with fp32 master weights")
+    g.add_argument("--model-builder", "--model_builder", metavar="FILE:FUNCTION",
+                   help="calibrate the script's own block: FUNCTION(model, seed) in FILE builds the nn.Module "
+                        "(e.g. examples/train_own_model.py:build); plans then keep TP = 1")
     g.add_argument("--run-dir", "--run_dir", metavar="DIR",
                    help=f"where the plan and restart records go (default {DEFAULT_RUNS_DIR}/<model>-<time>)")
     return parser
@@ -115,6 +118,8 @@ def resolve(args) -> dict:
     if model_name is None:
         raise ConfigError("--model", "not given", "pass --model NAME to memx-run or to the script")
     model = get_model(model_name)
+    # What the workers read back with get_model: a config.json's path (absolute), else the catalog name.
+    model_arg = os.path.abspath(model_name) if os.path.exists(model_name) else model.name
     settings.add("model", model.name, source)
 
     world = _world_size(args)
@@ -164,7 +169,18 @@ def resolve(args) -> dict:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
                  "flag" if args.search_budget_s else "default")
-    profile_db = args.profile_db or DEFAULT_PROFILE_DB
+    builder = None
+    if args.model_builder:
+        path, _, function = args.model_builder.rpartition(":")
+        if not path or not function or not os.path.isfile(path):
+            raise ConfigError("--model-builder", f"{args.model_builder!r} is not FILE:FUNCTION of an existing file",
+                              "e.g. --model-builder examples/train_own_model.py:build")
+        builder = [os.path.abspath(path), function, model_arg]
+        settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
+    # The script's own block is stored apart: its samples have the shape of memx's block of that model.
+    default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
+        DEFAULT_RUNS_DIR, f"profiles.{os.path.splitext(os.path.basename(builder[0]))[0]}.{builder[1]}.jsonl")
+    profile_db = args.profile_db or default_db
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
     if args.export_plan and os.path.exists(args.export_plan):
         raise ConfigError("--export-plan", f"{args.export_plan} already exists", "choose a new path")
@@ -181,7 +197,8 @@ def resolve(args) -> dict:
                  "re-plans", "flag" if args.no_replan else "MEMX_MAX_REPLANS" if os.environ.get("MEMX_MAX_REPLANS")
                  else "default")
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
-                profile_db=profile_db, run_dir=run_dir, script_args=script_args)
+                profile_db=profile_db, run_dir=run_dir, script_args=script_args, builder=builder,
+                model_arg=model_arg)
 
 
 def _has_gpu() -> bool:
@@ -232,7 +249,7 @@ def launch(args, resolved) -> int:
     if resolved["plan"] is not None:  # re-plans rewrite MEMX_PLAN: never the user's own file
         resolved["plan"].save(plan_path, overwrite=True)
     env = {
-        "MEMX_RUN_DIR": run_dir, "MEMX_PLAN": os.path.abspath(plan_path), "MEMX_MODEL": resolved["model"].name,
+        "MEMX_RUN_DIR": run_dir, "MEMX_PLAN": os.path.abspath(plan_path), "MEMX_MODEL": resolved["model_arg"],
         "MEMX_PROFILE_DB": os.path.abspath(resolved["profile_db"]),
         "MEMX_TRAINING": json.dumps(resolved["training"].__dict__),
         "MEMX_OBJECTIVE": args.objective or "", "MEMX_WEIGHTS": args.weights or "",
@@ -242,6 +259,8 @@ def launch(args, resolved) -> int:
     }
     if args.cluster:
         env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
+    if resolved["builder"] is not None:
+        env["MEMX_MODEL_BUILDER"] = json.dumps(resolved["builder"])
     os.environ.update(env)
     # The workers run memx's worker, which runs the script. The agent restarts for crashes and
     # planned restarts alike: it gets the user's budget plus one per planned restart (the initial

@@ -43,6 +43,27 @@ def prepare(model: nn.Module, optimizer=None, *, loss_fn: Callable | None = None
     return from_env(**options)
 
 
+def user_block_factory(environ=os.environ):
+    """memx-run --model-builder FILE:FUNCTION (MEMX_MODEL_BUILDER): FUNCTION(model, seed) from the
+    script file builds the model, and calibration measures copies of its first block. None without it."""
+    import importlib.util
+    import json
+    import sys
+
+    from memx_launch.models.adapters import ModelParts
+
+    if not environ.get("MEMX_MODEL_BUILDER"):
+        return None
+    path, function, model_arg = json.loads(environ["MEMX_MODEL_BUILDER"])
+    sys.path.insert(0, os.path.dirname(path))  # the script's own imports, as when it runs
+    spec = importlib.util.spec_from_file_location("memx_model_builder", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: the script's training does not start
+    if not callable(getattr(module, function, None)):
+        raise ConfigError("--model-builder", f"{path} has no function {function}", "name a function(model, seed)")
+    return ModelParts(getattr(module, function)(model_arg, 0)).block_probe
+
+
 def parameter_names(chunks: list[nn.Module]) -> dict[str, nn.Parameter]:
     """``{chunk index}.{name}``: the rank's parameters under names that wrapping does not change
     (DDP adds ``module.``; FSDP2 and TP keep the names)."""

@@ -13,7 +13,8 @@ of the plan's, then the script runs as ``__main__``.
 
 Launcher -> worker contract (environment): MEMX_RUN_DIR, MEMX_PLAN, MEMX_MODEL, MEMX_CLUSTER
 (optional), MEMX_PROFILE_DB, MEMX_TRAINING (TrainingSpec JSON), MEMX_OBJECTIVE, MEMX_WEIGHTS,
-MEMX_SEARCH_BUDGET_S, MEMX_USER_MAX_RESTARTS, MEMX_REPRODUCE (the script and its arguments).
+MEMX_SEARCH_BUDGET_S, MEMX_USER_MAX_RESTARTS, MEMX_REPRODUCE (the script and its arguments),
+MEMX_MODEL_BUILDER (optional: [file, function, model] that builds the script's model, whose block is calibrated).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def check_crash_budget(run_dir: str, generation: int, user_max_restarts: int) ->
 # --------------------------------------------------------------------------- planning generation
 
 
-def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training):
+def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training, block_factory=None):
     """This rank's share of calibrating its device type; returns the type's samples on the
-    type's first rank (empty elsewhere)."""
+    type's first rank (empty elsewhere). ``block_factory``: the script's own block (TP = 1 only)."""
     import torch.distributed as dist
 
     from memx_launch.planning.costmodel import tp_link_gbps
@@ -78,8 +79,8 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
         dtype=training.dtype,
         slowdown=rank_device.emulated.slowdown if emulated else 1.0, tp_link_gbps=lambda tp: tp_link_gbps(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
-        log=_log)
-    measurements = calibration.run(tp_degrees(model, cluster))
+        log=_log, block_factory=block_factory)
+    measurements = calibration.run([1] if block_factory is not None else tp_degrees(model, cluster))
     return measurements if groups[name].ranks[0] == dist.get_rank() else []
 
 
@@ -123,7 +124,10 @@ def plan_in_job(env) -> None:
                  "those are not measured again")
     dist.broadcast_object_list(stored_lines, src=0)
     stored = [Measurement.from_dict(json.loads(line)) for line in stored_lines[0]]
-    mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training)
+    from memx_launch.runtime.prepare import user_block_factory
+    block_factory = user_block_factory(env)  # memx-run --model-builder: calibrate the script's own block
+    mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
+                                 block_factory)
     gathered: list = [None] * world if rank == 0 else None
     dist.gather_object([m.to_json() for m in mine], gathered, dst=0)
 
@@ -143,7 +147,8 @@ def plan_in_job(env) -> None:
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         # Leave the free memory the monitor will ask for, or the first samples would re-plan.
         space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
-                            else MonitorConfig.from_env(env).min_headroom)
+                            else MonitorConfig.from_env(env).min_headroom,
+                            tp_degrees=(1,) if block_factory is not None else None)
         result = search(model, cluster, training, cost_model=cost_model, space=space,
                         objective=env.get("MEMX_OBJECTIVE") or None,
                         weights=weights, time_budget_s=budget)
