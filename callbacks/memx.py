@@ -43,7 +43,7 @@ SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 class MemxCallback(pl.Callback):
     def __init__(self, cluster: str | None = None, *, model: str | ModelSpec | None = None,
                  blocks: str | None = None, log_every_n_steps: int = 10, profile_db: str | None = None,
-                 plan_file: str | None = None, dtype: str = "fp32", monitor: MonitorConfig | None = None):
+                 plan_file: str | None = None, monitor: MonitorConfig | None = None):
         """``cluster``: the cluster file (on CPUs it gives each rank its emulated device; None: detect
         the GPUs). ``model``: the shape to plan for (catalog name, config.json, ModelSpec); default the
         module's Hugging Face ``config``. ``blocks``: dotted path of the block list when memx does not
@@ -51,7 +51,9 @@ class MemxCallback(pl.Callback):
         if log_every_n_steps < 1:
             raise ConfigError("log_every_n_steps", f"must be positive, got {log_every_n_steps}", "e.g. 10")
         self.cluster_path, self.model, self.blocks_path = cluster, model, blocks
-        self.profile_db, self.plan_file, self.dtype = profile_db, plan_file, dtype
+        self.profile_db, self.plan_file = profile_db, plan_file
+        self.dtype = "fp32"
+        """What the Trainer's precision calibrates and plans for (set at fit start)."""
         self.config = monitor or MonitorConfig(interval=log_every_n_steps)
         self.decision: Decision | None = None
         self.plan: Plan | None = None
@@ -59,6 +61,7 @@ class MemxCallback(pl.Callback):
         self._blocks: list[torch.nn.Module] = []
         self._emulated = None
         self._monitor: MemoryMonitor | None = None
+        self._inside = False
 
     # ------------------------------------------------------------------ fit start
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -82,6 +85,7 @@ class MemxCallback(pl.Callback):
             raise ConfigError("cluster", f"{cluster.name} declares {cluster.world_size} devices but the Trainer runs "
                               f"{trainer.world_size}", "set Trainer(devices=..., num_nodes=...) to the cluster file")
         self._emulated = device.emulated
+        self.dtype = _dtype(str(trainer.precision))
         spec = self._spec(pl_module)
         if self.decision is None:  # not restored from a checkpoint (load_state_dict runs before this)
             self.decision = self._plan(trainer, pl_module, spec, cluster, device)
@@ -179,10 +183,10 @@ class MemxCallback(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._emulated is not None:
             self._emulated.__enter__()
+            self._inside = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._emulated is not None:
-            self._emulated.__exit__(None, None, None)
+        self._leave_emulation()
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return  # mid-accumulation: no optimizer step yet
         step = trainer.global_step
@@ -193,11 +197,12 @@ class MemxCallback(pl.Callback):
             self._fix(trainer, event)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if self._emulated is not None and self._emulated.__class__.__enter__ is not None:
-            try:
-                self._emulated.__exit__(None, None, None)
-            except Exception:  # noqa: BLE001 - not entered: nothing to leave
-                pass
+        self._leave_emulation()
+
+    def _leave_emulation(self) -> None:
+        if self._inside:
+            self._emulated.__exit__(None, None, None)
+            self._inside = False
 
     def _log(self, trainer, step: int) -> None:
         table = self._monitor.last_table
@@ -262,6 +267,13 @@ def _checkpointed(block: torch.nn.Module, on: bool) -> None:
                                          block)
     elif not on:
         block.__dict__.pop("forward", None)
+
+
+def _dtype(precision: str) -> str:
+    """memx's dtype of a Lightning precision setting ("bf16-mixed", "16-mixed", "32-true", ...)."""
+    if precision.startswith("bf16"):
+        return "bf16"
+    return "fp16" if precision.startswith("16") else "fp32"
 
 
 def _log_rank0(trainer):

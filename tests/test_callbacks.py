@@ -43,6 +43,13 @@ def _decision(k=2, n=8, mbs=8):
     return Decision(mbs, 1, k, n, 0.0, peak_none_gib=0.024, peak_full_gib=0.010, capacity_gib=0.025)
 
 
+def test_the_trainers_precision_is_what_is_planned_for():
+    from memx_callbacks.memx import _dtype
+
+    assert [_dtype(p) for p in ("bf16-mixed", "bf16-true", "16-mixed", "32-true", "64-true")] == \
+        ["bf16", "bf16", "fp16", "fp32", "fp32"]
+
+
 def test_checkpointed_blocks_trade_memory_linearly():
     d = _decision()
     assert d.blocks_to_fit(0.030) == 0
