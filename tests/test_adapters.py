@@ -213,3 +213,19 @@ def test_calibration_measures_a_copy_of_the_users_block(make):
     none, full = calibrate(spec, cpu, samples, num_blocks=3, repeats=1, block_factory=parts.block_probe)
     assert none.peak_memory_bytes > full.peak_memory_bytes > 0 and none.time_s > 0
     assert all(p.grad is None for p in model.parameters())  # the user's own weights were not touched
+
+
+def test_a_hugging_face_model_inside_a_wrapper_is_found_and_calibrated():
+    from memx_launch.profiling.kernel import calibrate
+    from memx_launch.profiling.space import Sample
+    from memx_launch.specs.cluster import DeviceType
+
+    wrapper = nn.Module()
+    wrapper.model = hf_llama()  # as a LightningModule holds it
+    parts = ModelParts(wrapper)
+    assert parts.path == "model.model.layers"
+    assert [n for n, _ in parts.after] == ["model.model.norm", "model.lm_head"]
+    cpu = DeviceType("cpu", "cpu", 8.0, 1.0, efficiency=1.0, memory_bandwidth_gbps=10)
+    [m] = calibrate(HF_SPEC, cpu, [Sample(1, 1, 16, "selective", HF_SPEC.num_kv_heads)], num_blocks=1, repeats=1,
+                    block_factory=parts.block_probe)
+    assert m.feasible and m.peak_memory_bytes > 0

@@ -112,18 +112,30 @@ class ModelParts:
                               "name a list of one block type")
         self.kind = kinds.pop()
         self.rotary: nn.Module | None = None
-        if self.kind is HF_KIND and self.path == "model.layers" and hasattr(model, "lm_head"):
-            inner = model.model
-            if model.config.tie_word_embeddings:
-                raise ConfigError("model.config.tie_word_embeddings", "the LM head shares the embedding's "
-                                  "weight, which pipeline stages cannot share",
-                                  "build the model with tie_word_embeddings=False")
-            self.before = [("model.embed_tokens", inner.embed_tokens)]
-            self.after = [("model.norm", inner.norm), ("lm_head", model.lm_head)]
-            self.rotary = inner.rotary_emb
-            _use_memx_attention(model.config)
+        if self.kind is HF_KIND:
+            self._hf_parts(model, container)
         else:
             self.before, self.after = _around(model, self.path)
+
+    def _hf_parts(self, model: nn.Module, container: nn.Module) -> None:
+        """The Hugging Face causal LM holding the blocks (the model itself, or a module inside a
+        wrapper such as a LightningModule): its embedding, rotary table, final norm and head."""
+        found = next(((name, m) for name, m in model.named_modules() if hasattr(m, "lm_head")
+                      and getattr(getattr(m, "model", None), "layers", None) is container), None)
+        if found is None:
+            raise ConfigError("model", f"the {self.kind.name} blocks at {self.path} are not the layers of a "
+                              "*ForCausalLM's model", "pass the Hugging Face *ForCausalLM (or a module holding it)")
+        name, lm = found
+        prefix = name + "." if name else ""
+        if lm.config.tie_word_embeddings:
+            raise ConfigError("model.config.tie_word_embeddings", "the LM head shares the embedding's "
+                              "weight, which pipeline stages cannot share",
+                              "build the model with tie_word_embeddings=False")
+        self.before = [(prefix + "model.embed_tokens", lm.model.embed_tokens)]
+        self.after = [(prefix + "model.norm", lm.model.norm), (prefix + "lm_head", lm.lm_head)]
+        self.rotary = lm.model.rotary_emb
+        self.config = lm.config
+        _use_memx_attention(lm.config)
 
     @property
     def num_layers(self) -> int:
@@ -168,7 +180,7 @@ class ModelParts:
         if self.kind is MEMX_KIND:
             apply_tensor_parallel(stage, tp_mesh)
         else:
-            _hf_tensor_parallel(stage, tp_mesh, self.model.config)
+            _hf_tensor_parallel(stage, tp_mesh, self.config)
 
 
 def _around(model: nn.Module, path: str) -> tuple[list, list]:
