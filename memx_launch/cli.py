@@ -18,7 +18,8 @@ from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
+from memx_launch.specs.training import SETUPS, TrainingSpec
 from memx_launch.specs.model import get_model
 
 
@@ -43,6 +44,27 @@ def _add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="shard optimizer state over data-parallel ranks (Megatron distributed optimizer, ZeRO-1)")
     p.add_argument("--fully-sharded", "--fully_sharded", action="store_true", default=None,
                    help="shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)")
+    p.add_argument("--setup", choices=tuple(SETUPS),
+                   help="the training framework's memory setup (docs/setups.md); explicit flags win")
+    p.add_argument("--sequence-parallel", "--sequence_parallel", action=argparse.BooleanOptionalAction,
+                   default=None, help="Megatron sequence parallelism (default: on for --setup megatron)")
+    p.add_argument("--flash-attention", "--flash_attention", action=argparse.BooleanOptionalAction,
+                   default=None, help="fused attention, no s x s scores kept (default on)")
+    p.add_argument("--grad-dtype", "--grad_dtype", choices=("fp32", "bf16", "fp16"),
+                   help="gradient precision (default fp32; bf16/fp16 = the training dtype)")
+    p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
+                   help="precision of the logits for the loss (default fp32)")
+    p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="hidden dropout on: its masks are kept for the backward (default off)")
+    p.add_argument("--attention-dropout", "--attention_dropout", action=argparse.BooleanOptionalAction,
+                   default=None, help="dropout on the attention probabilities (default off)")
+    p.add_argument("--fused-norm", "--fused_norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused RMSNorm/LayerNorm kernel (default on)")
+    p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
+                   default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
+                   "(default on)")
+    p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
+                   default=None, help="DP gradient reduction overlapped with the last backward (default off)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -57,8 +79,27 @@ def _training(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec
         return getattr(base, name) if value is None else value
 
     return TrainingSpec(global_batch_size=pick("global_batch_size"), seq_len=pick("seq_len"),
-                        dtype=pick("dtype"), optimizer=pick("optimizer"),
-                        distributed_optimizer=pick("distributed_optimizer"), fully_sharded=pick("fully_sharded"))
+                        dtype=pick("dtype"), optimizer=pick("optimizer"), setup=pick("setup"),
+                        **{name: getattr(args, name, None) for name in _SETUP_FLAGS})
+
+
+# Flags that override one field of a --setup preset (None: the preset or the default decides).
+_SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention",
+                "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
+                "overlap_grad_reduce")
+
+
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile-db", "--profile_db", metavar="FILE",
+                   help="use the learned predictor fitted on this profile database")
+    p.add_argument("--memory-headroom", "--memory_headroom", type=float, default=0.0, metavar="F",
+                   help="share of every device's memory a plan must leave free (default 0; memx-run keeps "
+                        "the memory monitor's 0.10)")
+
+
+def _check_headroom(args) -> None:
+    if not 0 <= args.memory_headroom < 1:
+        raise ConfigError("--memory-headroom", f"must be in [0, 1), got {args.memory_headroom}", "e.g. 0.1")
 
 
 def _check_new_file(path: str | None, flag: str, force: bool) -> None:
@@ -85,13 +126,15 @@ def _progress(args):
     return progress_to_stderr
 
 
-def _csv(text: str | None, cast=str, flag: str = "") -> list | None:
-    if text is None:
-        return None
-    try:
-        return [cast(x.strip()) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(flag, f"expected a comma-separated list, got {text!r}", "e.g. 8,24") from None
+def _list_of(cast):
+    """argparse type of a comma list (its error is the usual one line)."""
+    def parse(text: str) -> list:
+        try:
+            return [cast(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    parse.__name__ = "comma list"
+    return parse
 
 
 # --------------------------------------------------------------------------- memx plan
@@ -112,12 +155,14 @@ def add_plan_command(sub) -> None:
                    help="also show what compute-proportional, memory-proportional and time-only planners pick")
     p.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S",
                    help="stop the search after S seconds and report the best found")
-    p.add_argument("--profile-db", "--profile_db", metavar="FILE",
-                   help="use the learned predictor fitted on this profile database")
-    p.add_argument("--memory-headroom", "--memory_headroom", type=float, default=0.0, metavar="F",
-                   help="share of every device's memory a plan must leave free (default 0; memx-run keeps "
-                        "the memory monitor's 0.10)")
+    for flag, kind, what in (("--tp", int, "TP degrees"), ("--pp", int, "pipeline degrees"),
+                             ("--micro-batch-sizes", int, "micro-batch sizes (default 1,2,4,8)"),
+                             ("--schedules", str, "schedules: 1f1b,interleaved"),
+                             ("--recompute-levels", str, "recompute levels: none,selective,full")):
+        p.add_argument(flag, type=_list_of(kind), metavar="A,B", help=f"search only these {what}")
+    _add_cost_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_config_args(p)
     p.set_defaults(handler=run_plan)
 
 
@@ -131,8 +176,7 @@ def run_plan(args) -> int:
         raise ConfigError("--top", f"must be at least 1, got {args.top}", "e.g. --top 5")
     if args.search_budget_s is not None and args.search_budget_s <= 0:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
-    if not 0 <= args.memory_headroom < 1:
-        raise ConfigError("--memory-headroom", f"must be in [0, 1), got {args.memory_headroom}", "e.g. 0.1")
+    _check_headroom(args)
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ConfigError("--plot", f"{args.plot} is not a .png path", "e.g. --plot pareto.png")
     _check_new_file(args.json, "--json", args.force)
@@ -143,7 +187,10 @@ def run_plan(args) -> int:
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = _cost_model(args, model, cluster, training)
 
-    space = SearchSpace(memory_headroom=args.memory_headroom)
+    restricted = {field: tuple(getattr(args, flag)) for flag, field in (
+        ("tp", "tp_degrees"), ("pp", "pipeline_degrees"), ("micro_batch_sizes", "micro_batch_sizes"),
+        ("schedules", "schedules"), ("recompute_levels", "recompute_levels")) if getattr(args, flag) is not None}
+    space = SearchSpace(memory_headroom=args.memory_headroom, **restricted)
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=_progress(args))
     print(report.plan_report(result, cluster))
@@ -172,7 +219,8 @@ _LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch_size", "recompute", "layers_per_
 def add_estimate_command(sub) -> None:
     p = sub.add_parser("estimate", help="predict memory and time of a layout you already have",
                        description="Will it fit? Predicted memory per stage against capacity, stage and "
-                                   "iteration time, and Phi, for a given layout or a plan file.")
+                                   "iteration time, and Phi, for a given layout or a plan file (exit code 3 when "
+                                   "a stage does not fit), or for every row of a --cases file.")
     _add_target_args(p, required=False)
     p.add_argument("--plan", metavar="FILE", help="a plan JSON (from memx plan --json) instead of layout flags")
     p.add_argument("--tp", type=int)
@@ -180,20 +228,28 @@ def add_estimate_command(sub) -> None:
     p.add_argument("--dp", type=int)
     p.add_argument("--micro-batch-size", "--micro_batch_size", type=int)
     p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none")
-    p.add_argument("--layers-per-stage", "--layers_per_stage", help="uneven split, e.g. 8,24")
-    p.add_argument("--stage-devices", "--stage_devices", help="device type of each stage, e.g. a100-80gb,t4-16gb")
+    p.add_argument("--layers-per-stage", "--layers_per_stage", type=_list_of(int),
+                   help="layers per stage, kept as given, e.g. 8,24 (default: even, remainder first)")
+    p.add_argument("--stage-devices", "--stage_devices", type=_list_of(str), help="device type per stage, e.g. a,b")
     p.add_argument("--schedule", choices=("1f1b", "interleaved"))
     p.add_argument("--virtual-stages", "--virtual_stages", type=int)
     p.add_argument("--weights", metavar="wT,wM,wV", help="Phi weights (default: the heterogeneous profile)")
+    _add_cost_args(p)
+    p.add_argument("--cases", metavar="FILE", help="CSV or JSONL, one layout per row (columns: docs/estimate.md); "
+                   "--model, --cluster and the training flags fill empty cells")
+    p.add_argument("--out", metavar="FILE", help="with --cases: the JSON lines, one per row (default stdout)")
     _add_output_args(p)
     p.set_defaults(handler=run_estimate)
 
 
 def run_estimate(args) -> int:
     from memx_launch.planning import report
-    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.planning.estimate import evaluate_layout, evaluate_plan, plan_training, stage_short_gib
     from memx_launch.planning.objective import parse_weights
 
+    _check_headroom(args)
+    if args.cases:
+        return _run_cases(args)
     _check_new_file(args.json, "--json", args.force)
     if not args.cluster:
         raise ConfigError("--cluster", "missing", "pass the cluster YAML the layout runs on")
@@ -204,19 +260,9 @@ def run_estimate(args) -> int:
         if given:
             raise ConfigError(given[0], "cannot be combined with --plan", "the plan file fixes the layout")
         handed = Plan.load(args.plan)
-        model = handed.model_spec
-        training = TrainingSpec(global_batch_size=handed.global_batch_size, seq_len=handed.seq_len,
-                                **handed.training)
-        o = handed.objective
-        references = tuple(o.terms[k] for k in ("T_ref", "M_ref", "V_ref")) if "T_ref" in o.terms else None
-        plan = evaluate_layout(model, cluster, training, tp=handed.tp, pp=handed.pp, dp=handed.dp,
-                               micro_batch_size=handed.micro_batch_size,
-                               layers_per_stage=[s.num_layers for s in handed.stages],
-                               recompute=[s.recompute for s in handed.stages],
-                               stage_devices=[s.device_type for s in handed.stages],
-                               schedule=handed.schedule, virtual_stages=handed.virtual_stages,
-                               weights=weights or o.weights, references=references)
-        plan.objective.profile = o.profile if weights is None else "custom"
+        model, training, split_note = handed.model_spec, plan_training(handed), ""
+        plan = evaluate_plan(handed, cluster, training, weights=weights, memory_headroom=args.memory_headroom,
+                             cost_model=_cost_model(args, model, cluster, training))
     else:
         missing = [f"--{f.replace('_', '-')}" for f in ("model", "tp", "pp", "dp", "micro_batch_size")
                    if getattr(args, f) is None]
@@ -225,19 +271,37 @@ def run_estimate(args) -> int:
                               "or --plan FILE")
         model = get_model(args.model)
         training = _training(args, model)
-        for flag in ("tp", "pp", "dp", "micro_batch_size"):
-            if getattr(args, flag) < 1:
-                raise ConfigError(f"--{flag.replace('_', '-')}", f"must be at least 1, got {getattr(args, flag)}")
+        split_note = "" if args.layers_per_stage else "no --layers-per-stage: even split, remainder on the first stages"
         plan = evaluate_layout(model, cluster, training, tp=args.tp, pp=args.pp, dp=args.dp,
                                micro_batch_size=args.micro_batch_size,
-                               layers_per_stage=_csv(args.layers_per_stage, int, "--layers-per-stage"),
-                               recompute=args.recompute, stage_devices=_csv(args.stage_devices),
+                               layers_per_stage=args.layers_per_stage,
+                               recompute=args.recompute, stage_devices=args.stage_devices,
                                schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
-                               weights=weights)
-    print(report.estimate_report(plan, cluster))
+                               weights=weights, cost_model=_cost_model(args, model, cluster, training),
+                               memory_headroom=args.memory_headroom)
+    print(report.estimate_report(plan, cluster, args.memory_headroom, split_note))
     if args.json:
         plan.save(args.json, overwrite=args.force)
         print(f"estimate written to {args.json}", file=sys.stderr)
+    return NoFeasiblePlanError.exit_code if any(stage_short_gib(plan, args.memory_headroom)) else 0
+
+
+def _run_cases(args) -> int:
+    """``--cases``: one JSON line per row; a bad row is that row's ``error``, never the file's."""
+    from memx_launch.planning.cases import FLAG_DEFAULTS, run_cases
+    from memx_launch.planning.objective import parse_weights
+
+    given = [f"--{f.replace('_', '-')}" for f in (*_LAYOUT_FLAGS, "plan", "json")
+             if f not in FLAG_DEFAULTS and getattr(args, f) is not None]
+    if given:
+        raise ConfigError(given[0], "cannot be combined with --cases", "give it as a column of the cases file")
+    _check_new_file(args.out, "--out", args.force)
+    if args.profile_db and not os.path.exists(args.profile_db):
+        raise ConfigError("--profile-db", f"{args.profile_db} does not exist", "run memx profile first")
+    print(run_cases(args.cases, args.out, overwrite=args.force, defaults={k: getattr(args, k) for k in FLAG_DEFAULTS},
+                    memory_headroom=args.memory_headroom, weights=parse_weights(args.weights) if args.weights else None,
+                    cost_model_for=(lambda m, c, t: _cost_model(args, m, c, t)) if args.profile_db else None),
+          file=sys.stderr)
     return 0
 
 
@@ -249,7 +313,8 @@ def add_export_command(sub) -> None:
     p.add_argument("--plan", required=True, metavar="FILE", help="plan JSON from memx plan --json")
     p.add_argument("--cluster", help="cluster YAML; needed for the per-node torchrun lines")
     p.add_argument("--script", default="train.py", help="training script for the torchrun lines")
-    p.add_argument("--master-addr", "--master_addr", default="localhost")
+    p.add_argument("--master-addr", "--master_addr",
+                   help="rendezvous address (default: the cluster file's master_addr or first node's host)")
     p.add_argument("--master-port", "--master_port", type=int, default=29500)
     p.set_defaults(handler=run_export)
 
@@ -272,11 +337,8 @@ def run_export(args) -> int:
             print(f"\n# torchrun for {title}, one line per node")
             for cmd in exporters.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
                                                    master_port=args.master_port, for_megatron=for_megatron):
-                print(f"{cmd.command_line()}" + (f"  # {cmd.notes[0]}" if cmd.notes else ""))
+                print(f"{cmd.command_line()}" + "".join(f"  # {note}" for note in cmd.notes))
     return 0
-
-
-# --------------------------------------------------------------------------- entry point
 
 
 # --------------------------------------------------------------------------- memx profile
@@ -299,7 +361,7 @@ def add_profile_command(sub) -> None:
     p.add_argument("--device", help="torch device to measure on (default: cuda when present, else cpu)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on GPUs, fp32 on CPUs")
     p.add_argument("--max-micro-batch", "--max_micro_batch", type=int, default=8, metavar="B")
-    p.add_argument("--seq-lens", "--seq_lens", metavar="S1,S2,...", help="default: the model's, its half and quarter")
+    p.add_argument("--seq-lens", "--seq_lens", type=_list_of(int), metavar="S1,S2,...", help="default: the model's, its half and quarter")
     p.add_argument("--num-blocks", "--num_blocks", type=int, default=2, help="blocks per measurement (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (median; default 5)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -339,7 +401,7 @@ def run_profile(args) -> int:
         raise ConfigError("--refine-budget", f"must be 0 or more, got {args.refine_budget}")
     dtype = args.dtype or ("fp32" if device.startswith("cpu") else "bf16")
     space = default_space(model, max_micro_batch=args.max_micro_batch,
-                          seq_lens=_csv(args.seq_lens, int, "--seq-lens"))
+                          seq_lens=args.seq_lens)
     emulated = " (emulated: measured time x {:g})".format(slowdown) if slowdown != 1.0 else ""
     print(f"profiling {model.name} on {device_type.name} ({device}, {dtype}){emulated}; "
           f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
@@ -385,8 +447,23 @@ def run_evaluate(args) -> int:
     return 0
 
 
+def add_cluster_command(sub) -> None:
+    p = sub.add_parser("cluster", help="the cluster this machine belongs to")
+    d = p.add_subparsers(dest="cluster_command", required=True, parser_class=_Parser).add_parser(
+        "detect", help="detect devices, hosts and links (a short torchrun job) and write a cluster YAML",
+        description="Run on every node with the same --nnodes/--master-addr; node rank 0 measures across nodes.")
+    d.add_argument("--out", default="cluster.yaml", help="cluster YAML to write (default cluster.yaml)")
+    d.add_argument("--force", action="store_true", help="overwrite --out")
+    d.add_argument("--nproc-per-node", help="processes on this node (default: one per GPU, 1 without GPUs)")
+    d.add_argument("--nnodes", default="1")
+    d.add_argument("--node-rank", type=int, default=0)
+    d.add_argument("--master-addr", help="node rank 0's address (needed with --nnodes > 1)")
+    d.add_argument("--master-port", type=int, default=29500)
+    d.set_defaults(handler=lambda args: __import__("memx_launch.runtime.detection", fromlist=["x"]).run_detect(args))
+
+
 COMMANDS = [add_plan_command, add_estimate_command, add_export_command, add_profile_command,
-            add_evaluate_command]
+            add_evaluate_command, add_cluster_command]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -399,8 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
+        args = parse_with_config(parser, argv)
+        if getattr(args, "print_config", False):
+            print(config_yaml(parser, args), end="")
+            return 0
         return args.handler(args)
     except NoFeasiblePlanError as exc:
         print(f"memx: error: {exc}", file=sys.stderr)

@@ -107,10 +107,26 @@ def test_estimate_reports_oom_by_how_much(capsys):
     code, out, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "1", "--pp", "2",
                        "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "64",
                        "--layers-per-stage", "21,11", "--recompute", "none,none")
-    assert code == 0
+    assert code == 3  # the layout does not fit
     stage0 = next(line for line in out.splitlines() if line.strip().startswith("0 "))
     assert "vendor-x-32gb" in stage0 and "OOM by" in stage0
     assert "OOM: stage 0 short" in out and "phi=" in out and "predicted iteration time" in out
+
+
+def test_estimate_setup_flags_reach_the_plan(tmp_path, capsys):
+    peaks = {}
+    for setup, extra in (("ddp", []), ("megatron", ["--no-sequence-parallel", "--grad-dtype", "bf16"])):
+        out_json = tmp_path / f"{setup}.json"
+        code, _, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "2", "--pp", "2",
+                         "--dp", "4", "--micro-batch-size", "1", "--global-batch-size", "64", "--recompute", "full",
+                         "--setup", setup, *extra, "--json", str(out_json))
+        assert code == 0
+        plan = Plan.load(str(out_json))
+        assert plan.training["setup"] == setup
+        peaks[setup] = max(s.predicted_peak_memory_gib for s in plan.stages)
+    assert plan.training["sequence_parallel"] is False and plan.training["grad_dtype"] == "training"
+    assert plan.training["distributed_optimizer"] is True
+    assert peaks["megatron"] < peaks["ddp"]
 
 
 def test_estimate_per_stage_recompute_and_devices(capsys):
@@ -118,7 +134,7 @@ def test_estimate_per_stage_recompute_and_devices(capsys):
                        "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "64",
                        "--stage-devices", "vendor-y-64gb,vendor-x-32gb", "--recompute", "none,full",
                        "--layers-per-stage", "20,12")
-    assert code == 0
+    assert code == 3  # both stages over capacity
     rows = [line.split() for line in out.splitlines() if line.strip()[:2] in ("0 ", "1 ")]
     assert [r[1] for r in rows] == ["vendor-y-64gb", "vendor-x-32gb"]
     assert [r[4] for r in rows] == ["none", "full"]
@@ -221,7 +237,16 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--weights", "1,2"], "--weights: expected three"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--top", "0"], "--top: must be at least 1"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--plot", "p.svg"], "--plot: p.svg is not a .png"),
-    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "2"], "unrecognized arguments: --tp 2"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--dp", "2"], "unrecognized arguments: --dp 2"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "3"], "--tp: 3 does not divide"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--schedules", "gpipe"], "--schedules: expected some of"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--pp", "3"], "--pp: no layout of 20 devices has pp"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--micro-batch-sizes", "0"], "--micro-batch-sizes: expected"),
+    (["estimate", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "1", "--pp", "5", "--dp", "4",
+      "--micro-batch-size", "1", "--memory-headroom", "1.5"], "--memory-headroom: must be in [0, 1)"),
+    (["estimate", "--cases", "c.csv", "--tp", "2"], "--tp: cannot be combined with --cases"),
+    (["estimate", "--cases", "missing.csv"], "--cases: cannot read 'missing.csv'"),
+    (["estimate", "--cases", "c.txt"], "--cases: c.txt is neither .csv nor .jsonl"),
     (["estimate", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "1"], "--pp: missing"),
     (["estimate", "--plan", "nope.json", "--cluster", PAPER], "--plan: cannot read 'nope.json'"),
     (["estimate", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "4", "--pp", "5", "--dp", "1",
@@ -257,3 +282,60 @@ def test_console_script_path_has_no_traceback_and_no_torch(tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("memx: error: --model: unknown model 'gpt5'")
+
+
+def test_estimate_keeps_the_split_or_splits_evenly_and_says_so(tmp_path, capsys):
+    base = ["estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "1", "--pp", "4", "--dp", "4",
+            "--micro-batch-size", "1", "--global-batch-size", "64", "--recompute", "full", "--distributed-optimizer"]
+    code, out, _ = run(capsys, *base, "--json", str(tmp_path / "even.json"))
+    assert "even split, remainder on the first stages" in out
+    assert [s.num_layers for s in Plan.load(str(tmp_path / "even.json")).stages] == [8, 8, 8, 8]
+    # A split that a balancer would change (all but 3 layers on the first stage) is kept as given.
+    code, out, _ = run(capsys, *base, "--layers-per-stage", "29,1,1,1", "--json", str(tmp_path / "given.json"))
+    assert [s.num_layers for s in Plan.load(str(tmp_path / "given.json")).stages] == [29, 1, 1, 1]
+    assert "even split" not in out and code == 3 and "OOM: stage 0 short" in out
+
+
+def test_estimate_headroom_turns_a_fit_into_exit_3(capsys):
+    base = ["estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "2", "--pp", "2", "--dp", "4",
+            "--micro-batch-size", "1", "--global-batch-size", "64", "--recompute", "full",
+            "--distributed-optimizer", "--stage-devices", "vendor-y-64gb,vendor-x-32gb"]
+    code, out, _ = run(capsys, *base)
+    assert code == 0 and "fits: every stage is under its capacity" in out
+    peak = max(float(line.split()[5]) for line in out.splitlines() if line.strip()[:2] in ("0 ", "1 "))
+    code, out, _ = run(capsys, *base, "--memory-headroom", "0.9")
+    assert code == 3 and "less 90% headroom" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2] in ("0 ", "1 ")]
+    assert max(float(r[5]) for r in rows) == peak  # the headroom changes the verdict, not the prediction
+
+
+def test_estimate_fewer_micro_batches_than_stages(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "2", "--pp", "2",
+                         "--dp", "4", "--micro-batch-size", "1", "--global-batch-size", "4", "--recompute", "full",
+                         "--distributed-optimizer")
+    assert code in (0, 3), err
+    assert "fewer micro-batches than stages (1 < 2)" in out
+
+
+def test_estimate_with_a_profile_db_uses_its_cost_model(tmp_path, capsys, monkeypatch):
+    """--profile-db reaches the estimate; the learned model itself is tested in test_predictor."""
+    from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
+    from memx_launch.profiling import predictor
+
+    class TwiceAsSlow(AnalyticalCostModel):
+        def layer_costs(self, *args):
+            cost = super().layer_costs(*args)
+            return LayerCost(cost.time_s * 2, cost.activation_bytes, cost.working_bytes)
+
+    loaded = []
+    monkeypatch.setattr(predictor, "load_cost_model", lambda path, *spec: loaded.append(path) or TwiceAsSlow(*spec))
+    db = tmp_path / "profile.jsonl"
+    db.write_text("")
+    base = ["estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "1", "--pp", "2", "--dp", "8",
+            "--micro-batch-size", "1", "--global-batch-size", "64", "--recompute", "full", "--distributed-optimizer"]
+    run(capsys, *base, "--json", str(tmp_path / "a.json"))
+    run(capsys, *base, "--profile-db", str(db), "--json", str(tmp_path / "l.json"))
+    assert loaded == [str(db)]
+    analytical, learned = Plan.load(str(tmp_path / "a.json")), Plan.load(str(tmp_path / "l.json"))
+    ratio = learned.stages[0].predicted_stage_time_s / analytical.stages[0].predicted_stage_time_s
+    assert 1.9 < ratio <= 2.0  # the layers' time doubles; the embedding stays analytical

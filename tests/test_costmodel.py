@@ -24,14 +24,20 @@ def test_korthikanti_reference_values(t, sp, recompute, per_sbh):
 
 
 def test_llama_formula_reduces_to_korthikanti_for_a_gpt_block():
-    """A GELU 4h MLP, full MHA and unfused attention is the Korthikanti block without its
-    three dropouts (two sbh masks and one as^2b mask): 34sbh + 5as^2b - (2sbh + as^2b)."""
+    """A GELU 4h MLP, full MHA, unfused attention and dropout on is the Korthikanti block;
+    without dropout its three masks (two sbh, one as^2b) and the dropout output (2as^2b) go."""
     gpt = ModelSpec("gpt", 1, H, A, A, 4 * H, 50000, S, gated_mlp=False)
     for t in (1, 2, 8):
-        got = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False).activation_bytes
-        korthikanti = cm.korthikanti_activation_bytes(S, B, H, A, t)
-        dropout = 2 * S * B * H + A * S * S * B / t
-        assert float(got) == pytest.approx(korthikanti - dropout)
+        for sp in (False, True):
+            korthikanti = cm.korthikanti_activation_bytes(S, B, H, A, t, sp)
+            with_dropout = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False,
+                                               sequence_parallel=sp, dropout=True,
+                                               attention_dropout=True).activation_bytes
+            assert float(with_dropout) == pytest.approx(korthikanti)
+            without = cm.activation_bytes(gpt, B, S, t, cm.NONE, flash_attention=False,
+                                          sequence_parallel=sp).activation_bytes
+            dropout = 2 * S * B * H / (t if sp else 1) + 3 * A * S * S * B / t
+            assert float(without) == pytest.approx(korthikanti - dropout)
 
 
 def test_recompute_levels_order_memory_and_time():
@@ -71,9 +77,13 @@ def test_inflight_microbatches_1f1b_and_interleaved():
 def test_iteration_time_equations():
     t = np.array([[1.0, 2.0, 1.5]])
     pp = np.array([[0.1, 0.1, 0.0]])
-    assert cm.iteration_time_1f1b(t, pp, 8, 0.5, 0.25)[0] == pytest.approx(7 * 2 + 4.5 + 0.4 + 0.75)
+    # Equation 3 plus the blocking sends of the bottleneck stage on every other micro-batch:
+    # e = t + x_prev + x_next = (1.1, 2.2, 1.6).
+    assert cm.iteration_time_1f1b(t, pp, 8, 0.5, 0.25)[0] == pytest.approx(7 * 2.2 + 4.9 + 0.75)
+    # Interleaving divides only the bubble; the transfers happen v times.
     v = 2
-    expected = (8 - 1 + 1 / v) * 2 / v + (2 / v) * 4.5 + 0.2 + 0.75
+    e = np.array([1.2, 2.4, 1.7])
+    expected = 8 * 2.4 + (e.sum() - 2.4) / v + 0.75
     assert cm.iteration_time_interleaved(t, pp, 8, v, 0.5, 0.25)[0] == pytest.approx(expected)
 
 

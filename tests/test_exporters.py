@@ -33,13 +33,55 @@ def _flag(args, name):
     return args[args.index(name) + 1] if name in args else None
 
 
+# Megatron-LM's argument names (NVIDIA/Megatron-LM, megatron/training/arguments.py, which is not
+# part of the megatron-core package), by the function that adds them: _add_network_size_args,
+# _add_training_args, _add_mixed_precision_args, _add_distributed_args, _add_data_args,
+# _add_tokenizer_args. Read from the file at commit 000c4ac24f61159c138b0975def722c65245983c.
+MEGATRON_LM_ARGUMENTS = {
+    # network size
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--group-query-attention",
+    "--num-query-groups", "--max-position-embeddings", "--position-embedding-type", "--normalization",
+    "--swiglu", "--untie-embeddings-and-output-weights",
+    # training
+    "--micro-batch-size", "--global-batch-size", "--recompute-granularity", "--recompute-method",
+    "--recompute-num-layers", "--disable-bias-linear", "--optimizer",
+    # mixed precision
+    "--fp16", "--bf16",
+    # distributed
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--pipeline-model-parallel-layout",
+    "--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+    "--sequence-parallel", "--overlap-grad-reduce",
+    # data, tokenizer
+    "--seq-length", "--vocab-size",
+}
+MEGATRON_LM_CHOICES = {"--position-embedding-type": {"learned_absolute", "rope", "mrope", "relative", "none"},
+                       "--normalization": {"LayerNorm", "RMSNorm"}, "--recompute-granularity": {"full", "selective"},
+                       "--recompute-method": {"uniform", "block"}, "--optimizer": {"adam", "sgd"},
+                       "--data-parallel-sharding-strategy": {"no_shard", "optim", "optim_grads",
+                                                             "optim_grads_params"}}
+
+
+def _check_megatron_names(args):
+    flags = [a for a in args if a.startswith("--")]
+    assert set(flags) <= MEGATRON_LM_ARGUMENTS, set(flags) - MEGATRON_LM_ARGUMENTS
+    assert len(flags) == len(set(flags))  # each flag once
+    for flag, choices in MEGATRON_LM_CHOICES.items():
+        if flag in args:
+            assert _flag(args, flag) in choices
+
+
 def _megatron_config(plan, args):
     """Build megatron-core's TransformerConfig from the exported flags; it validates them."""
     torch = pytest.importorskip("torch")
     tc = pytest.importorskip("megatron.core.transformer.transformer_config")
-    spec = plan.model_spec
-    kwargs = dict(num_layers=int(_flag(args, "--num-layers")), hidden_size=spec.hidden_size,
-                  num_attention_heads=spec.num_heads,
+    _check_megatron_names(args)
+    kwargs = dict(num_layers=int(_flag(args, "--num-layers")), hidden_size=int(_flag(args, "--hidden-size")),
+                  ffn_hidden_size=int(_flag(args, "--ffn-hidden-size")),
+                  num_attention_heads=int(_flag(args, "--num-attention-heads")),
+                  num_query_groups=int(_flag(args, "--num-query-groups") or _flag(args, "--num-attention-heads")),
+                  gated_linear_unit="--swiglu" in args, normalization=_flag(args, "--normalization"),
+                  add_bias_linear="--disable-bias-linear" not in args,
+                  bf16="--bf16" in args, fp16="--fp16" in args,
                   tensor_model_parallel_size=int(_flag(args, "--tensor-model-parallel-size")),
                   pipeline_model_parallel_size=int(_flag(args, "--pipeline-model-parallel-size")),
                   pipeline_model_parallel_layout=_flag(args, "--pipeline-model-parallel-layout"),
@@ -85,6 +127,21 @@ def test_per_stage_recompute_is_reported_not_hidden():
     export = megatron_args(plan)
     assert _flag(export.args, "--recompute-granularity") == "selective"
     assert any("per-stage recompute" in n and "stage 0: selective" in n for n in export.notes)
+    _megatron_config(plan, export.args)
+
+
+def test_megatron_flags_state_the_training_setup_of_the_plan():
+    from memx_launch.specs.training import TrainingSpec
+    plan = make_plan(layers=(8, 24), recompute=("full", "full"), tp=2, dp=4)
+    plan.training = TrainingSpec(setup="megatron").plan_fields()
+    export = megatron_args(plan)
+    for flag in ("--bf16", "--use-distributed-optimizer", "--sequence-parallel", "--overlap-grad-reduce"):
+        assert flag in export.args
+    assert not any("--setup" in n for n in export.notes)
+    plan.training = TrainingSpec(setup="zero3").plan_fields()
+    export = megatron_args(plan)
+    assert "--use-distributed-optimizer" not in export.args and "--sequence-parallel" not in export.args
+    assert any("--setup zero3" in n for n in export.notes)
     _megatron_config(plan, export.args)
 
 
@@ -139,3 +196,60 @@ def test_megatron_node_order_puts_each_stage_on_consecutive_ranks():
     assert [p.node_rank for p in parsed] == [0, 1]
     # memx's own runtime keeps the cluster file's order, which the plan's ranks refer to.
     assert [c.notes[0] for c in torchrun_commands(plan, cluster, "train.py")] == ["run on x-node", "run on y-node"]
+
+
+def test_bf16_distributed_optimizer_plan_exports_both_flags_and_the_model_shape():
+    from memx_launch.planning.search import search
+    from memx_launch.specs.training import TrainingSpec
+
+    model = get_model("llama2-7b")
+    cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    plan = search(model, cluster, TrainingSpec(global_batch_size=64, seq_len=4096, dtype="bf16",
+                                               distributed_optimizer=True)).best
+    args = megatron_args(plan).args
+    assert "--bf16" in args and "--use-distributed-optimizer" in args and "--fp16" not in args
+    shape = {f: _flag(args, f) for f in ("--num-layers", "--hidden-size", "--ffn-hidden-size",
+                                         "--num-attention-heads", "--seq-length", "--vocab-size")}
+    assert shape == {"--num-layers": "32", "--hidden-size": "4096", "--ffn-hidden-size": "11008",
+                     "--num-attention-heads": "32", "--seq-length": "4096", "--vocab-size": "32000"}
+    assert {"--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"} <= set(args)
+    assert (_flag(args, "--position-embedding-type"), _flag(args, "--normalization")) == ("rope", "RMSNorm")
+    assert "--group-query-attention" not in args  # llama2-7b: as many KV heads as heads
+    assert (_flag(args, "--micro-batch-size"), _flag(args, "--global-batch-size")) == (
+        str(plan.micro_batch_size), "64")
+    config = _megatron_config(plan, args)
+    assert config.bf16 and config.gated_linear_unit and not config.add_bias_linear
+
+
+def test_grouped_query_attention_fp16_and_fully_sharded():
+    plan = make_plan(model="llama3-70b", layers=(40, 40), recompute=("full", "full"))
+    plan.training = {"dtype": "fp16", "optimizer": "adam", "distributed_optimizer": False, "fully_sharded": True}
+    args = megatron_args(plan).args
+    spec = plan.model_spec
+    assert spec.num_kv_heads < spec.num_heads
+    assert _flag(args, "--num-query-groups") == str(spec.num_kv_heads) and "--group-query-attention" in args
+    assert "--fp16" in args and "--bf16" not in args and "--use-distributed-optimizer" not in args
+    assert _flag(args, "--data-parallel-sharding-strategy") == "optim_grads_params"
+    config = _megatron_config(plan, args)
+    assert config.num_query_groups == spec.num_kv_heads and config.fp16
+
+
+def test_master_address_comes_from_the_cluster_file():
+    from memx_launch.specs.cluster import ClusterSpec as CS
+    import yaml
+
+    with open(os.path.join(CLUSTERS, "table1-2vendor.yaml")) as f:
+        data = yaml.safe_load(f)
+    plan = make_plan()
+    plain = torchrun_commands(plan, CS.from_dict(data), "train.py")
+    assert all(_flag(c.args, "--master-addr") == "localhost" for c in plain)
+    assert any("set master_addr" in n for n in plain[0].notes)  # two nodes cannot meet at localhost
+    data["nodes"][0]["host"] = "x0.example.org"
+    from_host = torchrun_commands(plan, CS.from_dict(data), "train.py")
+    assert all(_flag(c.args, "--master-addr") == "x0.example.org" for c in from_host)
+    assert not any("master_addr" in n for c in from_host for n in c.notes)
+    data["master_addr"] = "10.0.0.7"
+    assert all(_flag(c.args, "--master-addr") == "10.0.0.7"
+               for c in torchrun_commands(plan, CS.from_dict(data), "train.py"))
+    assert all(_flag(c.args, "--master-addr") == "10.0.0.9"
+               for c in torchrun_commands(plan, CS.from_dict(data), "train.py", master_addr="10.0.0.9"))

@@ -64,7 +64,8 @@ def test_bad_input_is_one_line_and_nothing_starts(tmp_path, case):
     if case == "unknown model":
         argv, field = base + [TRAIN, "--model", "llama-huge"], "--model"
     elif case == "cluster size":
-        argv, field = ["--nproc-per-node", "2", "--cluster", CPU_CLUSTER, TRAIN, "--model", "llama-tiny"], "--cluster"
+        argv, field = ["--nproc-per-node", "2", "--cluster", CPU_CLUSTER, TRAIN, "--model", "llama-tiny"], \
+            "--nproc-per-node"
     elif case == "missing script":
         argv, field = base + ["nope/train.py", "--model", "llama-tiny"], "training_script"
     elif case == "corrupt plan":
@@ -99,16 +100,44 @@ def test_export_plan_never_overwrites(tmp_path):
 def test_dry_run_paper_cluster_prints_plan_and_a_torchrun_line_torchrun_accepts(tmp_path):
     from torch.distributed.run import get_args_parser
 
-    rc, out, err = _run(["--nproc-per-node", "20", "--cluster", PAPER_CLUSTER, "--dry-run", TRAIN,
-                         "--model", "llama2-7b"], tmp_path)
+    # no --nproc-per-node: each node's count is its entry in the file (4, 8 and 8 GPUs)
+    rc, out, err = _run(["--cluster", PAPER_CLUSTER, "--dry-run", TRAIN, "--model", "llama2-7b"], tmp_path)
     assert rc == 0, err
     assert "winner:" in out and "llama2-7b" in out
     lines = [l.strip() for l in out.splitlines() if " torchrun " in l]
     assert lines
-    for line in lines:
+    assert len(lines) == 3
+    for node_rank, (line, gpus) in enumerate(zip(lines, (4, 8, 8))):
         words = shlex.split(line)
         env = [w for w in words[:words.index("torchrun")]]
         assert any(w.startswith("MEMX_PLAN=") for w in env)
         args = get_args_parser().parse_args(words[words.index("torchrun") + 1:])
         assert args.training_script.endswith("train.py")
         assert args.training_script_args == ["--model", "llama2-7b"]
+        assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("3", node_rank, str(gpus))
+
+
+def test_nodes_take_their_own_process_count_from_the_cluster_file(capsys):
+    from memx_launch.runtime.launcher import resolve
+
+    for node_rank, gpus in ((0, 4), (2, 8)):
+        args = build_parser().parse_args(["--nnodes", "3", "--node-rank", str(node_rank), "--cluster", PAPER_CLUSTER,
+                                          TRAIN, "--model", "llama2-7b"])
+        resolved = resolve(args)
+        assert args.nproc_per_node == str(gpus)
+        rendered = resolved["settings"].render()
+        assert f"processes on this node  {gpus}  (file: node {node_rank}" in rendered
+        assert "world size              20  (file)" in rendered
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--nnodes", "3", "--node-rank", "1", "--nproc-per-node", "4"], "--nproc-per-node"),
+    (["--nnodes", "3", "--node-rank", "3"], "--node-rank"),
+    (["--nnodes", "2"], "--nnodes")])
+def test_node_counts_that_disagree_with_the_file_are_refused(argv, field):
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.launcher import resolve
+
+    with pytest.raises(ConfigError) as info:
+        resolve(build_parser().parse_args([*argv, "--cluster", PAPER_CLUSTER, TRAIN, "--model", "llama2-7b"]))
+    assert info.value.field == field

@@ -192,3 +192,20 @@ def test_tp2_pp2_trains():
     assert all(results[r][0][0] == pytest.approx(losses) for r in range(4))  # every rank reports the same
     assert losses[-1] < losses[0] - 0.5  # one repeated batch: the loss must fall clearly
     assert len(stage_peaks) == 2 and all(0 < p < 1.0 for p in stage_peaks)
+
+
+def test_a_plan_with_fewer_micro_batches_than_stages_stops_before_training():
+    """memx plan and estimate allow G < P (Megatron-LM runs it); torch's Schedule1F1B does not."""
+    from memx_launch.errors import ConfigError
+    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.runtime.training import Runtime
+    from memx_launch.specs.cluster import ClusterSpec
+    from memx_launch.specs.training import TrainingSpec
+
+    cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
+                                                 "cpu-emulated.yaml"))
+    plan = evaluate_layout(get_model("llama-tiny"), cluster, TrainingSpec(global_batch_size=2, seq_len=64, dtype="fp32"),
+                           tp=1, pp=4, dp=1, micro_batch_size=1, references=(1, 1, 1))
+    assert plan.num_microbatches == 2 < plan.pp
+    with pytest.raises(ConfigError, match="2 micro-batches for 4 stages: torch's Schedule1F1B"):
+        Runtime(plan, 0)

@@ -33,6 +33,13 @@ _ELEMENTWISE_TRAFFIC = 4.0
 # FLOPs per byte a device sustains before element-wise work becomes memory bound,
 # used when a device type gives no memory bandwidth.
 _DEFAULT_FLOPS_PER_BYTE = 150.0
+# Latency of one collective step or point-to-point message (NCCL over NVLink or InfiniBand:
+# a few microseconds of launch and protocol per hop), the alpha of the alpha-beta model.
+LINK_LATENCY_S = 10e-6
+# Host time to launch one CUDA kernel; a block's forward + backward runs about 40 kernels
+# (norms, linears, attention, activations, their backward), so a small block is launch bound.
+KERNEL_LAUNCH_S = 5e-6
+KERNELS_PER_LAYER = 40
 
 
 @dataclass(frozen=True)
@@ -77,14 +84,20 @@ def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, recom
 
 
 def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
-                     flash_attention=True, sequence_parallel: bool = False) -> LayerCost:
+                     flash_attention=True, sequence_parallel: bool = False,
+                     dropout: bool = False, fused_norm: bool = True,
+                     attention_dropout: bool = False) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
       two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP)
       Q + K + V saved by attention: 2 + 4*kv/h, over t
       attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
-      unfused attention: scores and softmax, 2 bytes each: 4as/h over t (the Korthikanti s^2 term)
+      unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
+        with attention dropout also its 1-byte mask and the dropped-out probabilities: 5as/h
+        over t, the Korthikanti s^2 term (fused attention regenerates its mask: nothing kept)
+      hidden dropout on: 1-byte masks after attention and after the MLP: 2 (replicated unless SP)
+      unfused norms (torch ops): each also keeps its normalised tensor before the weight: 4
       SwiGLU: gate and up outputs, silu(gate), product: 8f/h over t (GELU MLP: 4f/h)
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
@@ -99,11 +112,14 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     f, kv = model.ffn_hidden_size, model.kv_hidden_size
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
-    replicated = 8.0 / (tp if sequence_parallel else 1.0)
+    replicated = (8.0 if fused_norm else 12.0) / (tp if sequence_parallel else 1.0)
     qkv = (2.0 + 4.0 * kv / h) / tp
     attn_out = 2.0 / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
-    scores = np.where(flash, 0.0, 4.0 * a * seq / h / tp)
+    score_bytes = (4.0 + 1.0 / scale) if attention_dropout else 2.0  # softmax out (+ mask, dropout out)
+    scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
+    if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
+        replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
     if model.gated_mlp:
         mlp_kept, mlp_elementwise = 6.0 * f / h / tp, 2.0 * f / h / tp
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
@@ -120,32 +136,64 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
 
 
 def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
-    """Bytes of weights + gradients + optimizer state per parameter on one rank.
+    """Bytes of weights + gradients + master weights + optimizer moments per parameter on one rank.
 
-    Mixed precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12
-    = 18 bytes; the distributed optimizer shards the 12 over DP. fp32: 4 + 4 + 8 = 16.
-    Full sharding (FSDP2 with a bf16 compute policy) keeps fp32 parameters as the master copy,
-    fp32 gradients and the moments, all sharded: (4 + 4 + 8) / DP for Adam.
+    Megatron mixed precision with Adam: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 and
+    moments 8 = 18; the distributed optimizer shards the 12 over DP (Megatron's
+    ``theoretical_memory_usage.py``: 6 + 12/DP). ZeRO-1 keeps bf16 grads (4 + 12/DP), ZeRO-2
+    shards them too (2 + 14/DP); full sharding divides everything by DP. fp32 weights
+    (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16.
     """
     dp = np.asarray(dp, dtype=np.float64)
-    mixed = training.dtype != "fp32"
-    weight = training.dtype_bytes
-    grad = 4.0
-    if training.optimizer == "adam":
-        optim = 12.0 if mixed else 8.0
-    else:  # SGD with momentum
-        optim = 8.0 if mixed else 4.0
+    weight = float(training.precision_bytes("weights_dtype"))
+    grad = float(training.precision_bytes("grad_dtype"))
+    master = 4.0 if weight < 4 else 0.0
+    moments = 8.0 if training.optimizer == "adam" else 4.0  # Adam m and v; SGD momentum
     if training.fully_sharded:
-        moments = 8.0 if training.optimizer == "adam" else 4.0
-        return (4.0 + 4.0 + moments) / dp
+        return (weight + grad + master + moments) / dp
+    optim = master + moments
     if training.distributed_optimizer:
         optim = optim / dp
+    if training.sharded_gradients:
+        grad = grad / dp
     return weight + grad + optim
 
 
-def logits_bytes(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
-    """The last stage's logits in fp32 for the loss, plus their gradient (vocab split over TP)."""
-    return 2 * 4.0 * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / np.asarray(tp)
+def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp) -> float:
+    """FSDP / ZeRO-3: one layer's weights gathered in the compute dtype while the next is
+    prefetched, and one layer's unsharded gradient before its reduce-scatter."""
+    if not training.fully_sharded:
+        return 0.0
+    layer = model.layer_params / np.asarray(tp, dtype=np.float64)
+    return layer * (2.0 * training.dtype_bytes + training.precision_bytes("grad_dtype"))
+
+
+def last_stage_params(model: ModelSpec, pp: int) -> int:
+    """Final norm and output layer; with tied embeddings and PP > 1 the last stage keeps its
+    own copy of the word embeddings (Megatron syncs their gradients with the first stage)."""
+    tied_copy = model.embedding_params if model.tie_embeddings and pp > 1 else 0
+    return model.head_params + tied_copy
+
+
+def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None = None) -> np.ndarray:
+    """The last stage's logits for the loss at their peak, in the backward of the loss.
+
+    Vocab-parallel (Megatron), per logit of the rank's 1/TP: fp32 loss 8 bytes (16-bit
+    logits, the fp32 copy its softmax is computed in place in, the 16-bit gradient), loss in
+    the training dtype 2 x its bytes. Torch's cross entropy on gathered logits (every TP rank
+    holds the whole vocabulary): the logits, the fp32 copy (``.float()``), the log-softmax
+    kept for the backward and its gradient: 2 + 4 + 4 + 4 = 14 bytes for a 16-bit model, or
+    3 x the training dtype when the loss runs in it.
+    """
+    tr = training or TrainingSpec()
+    d = tr.dtype_bytes
+    if tr.vocab_parallel_loss:
+        per_logit = 8.0 if tr.loss_dtype == "fp32" else 2.0 * d
+        share = np.asarray(tp, dtype=np.float64)
+    else:
+        per_logit = (d + 12.0 if d < 4 else 12.0) if tr.loss_dtype == "fp32" else 3.0 * d
+        share = 1.0
+    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / share
 
 
 def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.ndarray:
@@ -176,10 +224,43 @@ def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
     return (matmul + attention) / np.asarray(tp, dtype=np.float64)
 
 
-def allreduce_time(nbytes, group_size, gbps) -> np.ndarray:
-    """Ring all-reduce: 2(n-1)/n of the buffer crosses the slowest link."""
+def allreduce_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.ndarray:
+    """Ring all-reduce: 2(n-1) steps of latency, 2(n-1)/n of the buffer over the slowest link."""
+    return 2.0 * collective_time(nbytes, group_size, gbps, latency_s)
+
+
+def collective_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.ndarray:
+    """Ring reduce-scatter or all-gather of a ``nbytes`` buffer: (n-1) steps of latency and
+    (n-1)/n of the buffer over the slowest link (alpha-beta)."""
     n = np.asarray(group_size, dtype=np.float64)
-    return np.where(n > 1, 2.0 * (n - 1) / np.maximum(n, 1) * np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
+    steps = np.maximum(n - 1, 0)
+    return np.where(n > 1, steps * latency_s
+                    + steps / np.maximum(n, 1) * np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
+
+
+def p2p_time(nbytes, gbps) -> np.ndarray:
+    """One point-to-point message: latency plus the bytes over the link (none for inf)."""
+    gbps = np.asarray(gbps, dtype=np.float64)
+    return np.where(np.isinf(gbps), 0.0, LINK_LATENCY_S + np.asarray(nbytes) / (gbps * 1e9))
+
+
+def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps) -> np.ndarray:
+    """Gradient synchronisation of one iteration over a stage's DP group.
+
+    Plain data parallel: all-reduce of the gradients (their dtype). Sharded optimizer (ZeRO-1/2,
+    Megatron's distributed optimizer): reduce-scatter of the gradients and all-gather of the
+    updated weights. Fully sharded: the weights all-gathered for the forward and again for the
+    backward in the compute dtype, and the gradients reduce-scattered.
+    """
+    grad = training.precision_bytes("grad_dtype")
+    params = np.asarray(stage_params, dtype=np.float64)
+    if training.fully_sharded:
+        volume = 2.0 * training.dtype_bytes + grad
+    elif training.distributed_optimizer:
+        volume = grad + training.precision_bytes("weights_dtype")
+    else:
+        return allreduce_time(params * grad, dp, gbps)
+    return collective_time(params * volume, dp, gbps)
 
 
 class AnalyticalCostModel:
@@ -191,10 +272,15 @@ class AnalyticalCostModel:
         self.training = training
         self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
         self.device_names = tuple(d.name for d in self.device_types)
-        self._tflops = np.array([d.effective_tflops for d in self.device_types])
+        self._tflops = np.array([d.effective_tflops_for(training.dtype) for d in self.device_types])
         self._hbm = np.array([d.memory_bandwidth_gbps or d.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
                               for d in self.device_types])
-        self._flash = np.array([d.flash_attention for d in self.device_types])
+        self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
+        # Accelerators launch kernels from the host and talk through NCCL/RCCL; CPU stand-ins
+        # (emulation, profiling on a CPU) run their ops inline and are timed without these.
+        accelerator = np.array([d.vendor != "cpu" for d in self.device_types])
+        self._launch_s = np.where(accelerator, KERNELS_PER_LAYER * KERNEL_LAUNCH_S, 0.0)
+        self._latency_s = np.where(accelerator, LINK_LATENCY_S, 0.0)
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
@@ -204,26 +290,37 @@ class AnalyticalCostModel:
         device = np.asarray(device, dtype=np.int64)
         tp = np.asarray(tp, dtype=np.float64)
         recompute = np.asarray(recompute)
-        act = activation_bytes(self.model, mbs, seq, tp, recompute, self.training.dtype_bytes,
-                               self._flash[device])
+        tr = self.training
+        act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
+                               self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
+                               tr.attention_dropout)
         fwd_flops = layer_forward_flops(self.model, mbs, seq, tp)
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
         attn_core_flops = 2.0 * mbs_a * seq_a * seq_a * self.model.hidden_size / tp
         recompute_flops = np.select([recompute == NONE, recompute == SELECTIVE],
                                     [0.0 * fwd_flops, attn_core_flops], fwd_flops)
+        # Unfused attention computes the whole s x s square (no causal skipping) and moves the
+        # scores through memory: QK^T out, softmax in and out, AV in, and their gradients,
+        # about 20 bytes per score, of which the stored-activation traffic below counts 8.
+        unfused = ~self._flash[device]
+        attn_core_flops = np.where(unfused, 2.0, 1.0) * attn_core_flops
+        fwd_flops = fwd_flops + np.where(unfused, 0.5 * attn_core_flops, 0.0)
+        score_traffic = np.where(unfused, 12.0 * mbs_a * self.model.num_heads / tp * seq_a * seq_a, 0.0)
         compute_s = (3.0 * fwd_flops + recompute_flops) / (self._tflops[device] * 1e12)
-        none_act = activation_bytes(self.model, mbs, seq, tp, NONE, self.training.dtype_bytes,
-                                    self._flash[device]).activation_bytes
+        none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
+                                    self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
+                               tr.attention_dropout).activation_bytes
         recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
                                       [0.0 * none_act, none_act - act.activation_bytes], none_act)
-        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic) / (self._hbm[device] * 1e9)
+        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic + score_traffic) / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two backward, two more when the
         # full block is recomputed.
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         n_allreduce = np.where(recompute == FULL, 6.0, 4.0)
-        comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self.tp_gbps(device, tp))
-        time_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
+        comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self.tp_gbps(device, tp), self._latency_s[device])
+        launch_s = self._launch_s[device] * np.where(recompute == FULL, 1.5, 1.0)
+        time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 
     def tp_gbps(self, device, tp) -> np.ndarray:
@@ -276,23 +373,45 @@ def optimizer_step_time(params_on_rank, training: TrainingSpec, device: DeviceTy
 
 
 def iteration_time_1f1b(stage_times, transfer_times, num_microbatches, t_fix=0.0, t_dp=0.0):
-    """Paper equation 3 on arrays whose last axis is the stage.
-
-    T = (G-1) max_i t_i + sum_i t_i + 2 sum_i t_pp_i + t_fix + t_dp
-    """
-    g = np.asarray(num_microbatches, dtype=np.float64)
-    return ((g - 1) * stage_times.max(axis=-1) + stage_times.sum(axis=-1)
-            + 2.0 * transfer_times.sum(axis=-1) + t_fix + t_dp)
+    """1F1B iteration time (the paper's equation 3, with transfers per micro-batch); see
+    :func:`pipeline_iteration_time` with ``v = 1``."""
+    return pipeline_iteration_time(stage_times, transfer_times, num_microbatches, 1, t_fix, t_dp)
 
 
 def iteration_time_interleaved(stage_times, transfer_times, num_microbatches, virtual_stages,
                                t_fix=0.0, t_dp=0.0):
-    """Paper equation 4: T = (G-1+1/v) max_i(t_i/v) + (2/v) sum_i t_i + sum_i t_pp_i + t_dp.
+    """Interleaved 1F1B with ``v`` model chunks per device; see :func:`pipeline_iteration_time`.
 
-    ``t_fix`` (optimizer step) is added as in equation 3: it is paid once per iteration
-    whatever the schedule.
+    Not the paper's printed equation 4, which divides the steady-state term by v: interleaving
+    shrinks only the bubble (Narayanan et al. 2021, section 2.2.2), every micro-batch still
+    costs its whole stage compute.
+    """
+    return pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages,
+                                   t_fix, t_dp)
+
+
+def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages=1,
+                            t_fix=0.0, t_dp=0.0):
+    """Iteration time of a synchronous 1F1B pipeline, arrays whose last axis is the stage.
+
+    ``stage_times[i]``: forward + backward of one micro-batch on stage i (all its chunks);
+    ``transfer_times[i]``: one activation (or its gradient) from stage i to stage i+1.
+    Each micro-batch pays the blocking sends of its stage: forward to the next stage and
+    backward to the previous one, each link full duplex, v times with v chunks (Narayanan
+    2021: point-to-point traffic grows v times). With ``e_i = t_i + v (x_{i-1} + x_i)``:
+
+        T = G max_i e_i + (sum_i e_i - max_i e_i) / v + t_fix + t_dp
+
+    The first term is every micro-batch through the slowest stage; the second the fill and
+    drain (the bubble), which interleaving divides by v: for equal stages the bubble
+    fraction is (p-1)/(v G). With v = 1 this is the paper's equation 3,
+    ``(G-1) max t + sum t + 2 sum x`` plus the per-micro-batch transfers of the bottleneck.
     """
     g = np.asarray(num_microbatches, dtype=np.float64)
     v = np.asarray(virtual_stages, dtype=np.float64)
-    return ((g - 1 + 1 / v) * stage_times.max(axis=-1) / v + (2 / v) * stage_times.sum(axis=-1)
-            + transfer_times.sum(axis=-1) + t_fix + t_dp)
+    t = np.asarray(stage_times, dtype=np.float64)
+    x = np.asarray(transfer_times, dtype=np.float64)
+    x_prev = np.concatenate([np.zeros_like(x[..., :1]), x[..., :-1]], axis=-1)
+    e = t + np.expand_dims(v, -1) * (x + x_prev)
+    slowest = e.max(axis=-1)
+    return g * slowest + (e.sum(axis=-1) - slowest) / v + t_fix + t_dp

@@ -1,4 +1,7 @@
 """Predicting one given layout (``memx estimate``): the split and recompute levels the user fixed.
+
+The split is never re-balanced: a layout without one gets an even split (the remainder on the
+first stages), as Megatron-LM's ``--num-layers`` divided by the pipeline degree would give.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import layout_from_stage_devices
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
-from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult, balance_layers
+from memx_launch.planning.scoring import CostTable, Evaluator
 from memx_launch.planning.search import default_references, to_plan
 
 
@@ -37,37 +40,47 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                     dp: int, micro_batch_size: int, layers_per_stage=None, recompute=None,
                     stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
                     cost_model: cm.LayerCostModel | None = None, weights=None,
-                    references: tuple[float, float, float] | None = None) -> Plan:
+                    references: tuple[float, float, float] | None = None,
+                    memory_headroom: float = 0.0) -> Plan:
     """Predict one given layout (``memx estimate``). The plan may not fit: its stages then
-    show predicted memory above capacity. Phi uses ``references`` (T, M, V medians) when
-    given, else those of a default search of the same model, cluster and training spec."""
+    show predicted memory above capacity (less ``memory_headroom``, see :func:`stage_short_gib`).
+    No ``layers_per_stage``: an :func:`even_split`. Fewer micro-batches than stages is allowed
+    (Megatron-LM runs it; 1F1B then fills the pipeline only partly). Phi uses ``references``
+    (T, M, V medians) when given, else those of a default search of the same model, cluster and
+    training spec."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--micro-batch-size", micro_batch_size)):
+        if value < 1:
+            raise ConfigError(flag, f"must be at least 1, got {value}")
     if schedule not in ("1f1b", "interleaved"):
         raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
     v = virtual_stages if schedule == "interleaved" else 1
     if training.global_batch_size % (dp * micro_batch_size):
         raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
                           f"dp*micro_batch_size={dp * micro_batch_size}", "choose a multiple of dp*micro_batch_size")
+    g = training.global_batch_size // (dp * micro_batch_size)
+    if v > 1 and g % pp:  # as in the search: the interleaved time model needs whole rounds of pp micro-batches
+        raise ConfigError("--global-batch-size", f"{g} micro-batches for the interleaved schedule on pp={pp}",
+                          "interleaving needs a multiple of pp micro-batches (Megatron-LM's rule); or use 1f1b")
     if model.num_heads % tp or model.num_kv_heads % tp:
         raise ConfigError("--tp", f"{tp} does not divide the model's {model.num_heads} heads and "
                           f"{model.num_kv_heads} KV heads", "use a divisor of both")
-    if training.global_batch_size // (dp * micro_batch_size) < pp:
-        raise ConfigError("--global-batch-size", f"{training.global_batch_size // (dp * micro_batch_size)} "
-                          f"micro-batches for pp={pp} stages", "give at least one micro-batch per stage")
-    analytical = cm.AnalyticalCostModel(model, cluster, training)
-    cost_model = cost_model or analytical
+    cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
+    analytical = (cost_model if isinstance(cost_model, cm.AnalyticalCostModel)
+                  else cm.AnalyticalCostModel(model, cluster, training))
     layout = layout_from_stage_devices(model, cluster, tuple(cost_model.device_names), tp, pp, dp, stage_devices)
     table = CostTable(cost_model, len(cost_model.device_names), [tp], [micro_batch_size], [training.seq_len])
-    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table)
+    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table, memory_headroom)
     levels = _parse_levels(recompute, pp)
-    layers = None
-    if layers_per_stage is not None:
-        layers = np.array([list(layers_per_stage)], dtype=np.int64)
-        if layers.shape[1] != pp or layers.sum() != model.num_layers or (layers < v).any():
-            raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
-                              f"least {v} layer(s) adding up to {model.num_layers}", "fix the split")
-        result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers)
-    else:
-        result = _score_fixed_levels(evaluator, layout, micro_batch_size, training.seq_len, schedule, v, levels)
+    if layers_per_stage is None:
+        if model.num_layers < pp * v:
+            raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",
+                              "use fewer stages")
+        layers_per_stage = even_split(model.num_layers, pp)
+    layers = np.array([list(layers_per_stage)], dtype=np.int64)
+    if layers.shape[1] != pp or layers.sum() != model.num_layers or (layers < v).any():
+        raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
+                          f"least {v} layer(s) adding up to {model.num_layers}", "fix the split")
+    result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers)
     if references is None:
         references = default_references(model, cluster, training, cost_model)
     profile = "custom" if weights is not None else "default"
@@ -76,10 +89,35 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     return to_plan(result, 0, model, cluster, training, objective)
 
 
-def _score_fixed_levels(evaluator: Evaluator, layout, mbs, seq, schedule, v, levels) -> GroupResult:
-    """Balanced split for levels the user fixed (no per-stage hard rule: their choice stands)."""
-    per_layer, fixed, t_layer, edge_t, _ = evaluator.split_inputs(layout, mbs, seq, v, levels)
-    min_layers = v if schedule == "interleaved" else 1
-    max_layers = np.floor((evaluator.usable(layout) - fixed) / per_layer)
-    layers, _ = balance_layers(t_layer, edge_t, max_layers, evaluator.model.num_layers, min_layers)
-    return evaluator.score(layout, mbs, seq, schedule, v, levels, layers)
+def plan_training(plan: Plan) -> TrainingSpec:
+    """The training spec a plan file was made for."""
+    return TrainingSpec(global_batch_size=plan.global_batch_size, seq_len=plan.seq_len, **plan.training)
+
+
+def evaluate_plan(handed: Plan, cluster: ClusterSpec, training: TrainingSpec, *, weights=None,
+                  cost_model: cm.LayerCostModel | None = None, memory_headroom: float = 0.0) -> Plan:
+    """A plan file predicted again (``memx estimate --plan``): its layout, split and levels, its
+    Phi references, and its weights unless ``weights`` are given."""
+    o = handed.objective
+    references = tuple(o.terms[k] for k in ("T_ref", "M_ref", "V_ref")) if "T_ref" in o.terms else None
+    plan = evaluate_layout(handed.model_spec, cluster, training, tp=handed.tp, pp=handed.pp, dp=handed.dp,
+                           micro_batch_size=handed.micro_batch_size,
+                           layers_per_stage=[s.num_layers for s in handed.stages],
+                           recompute=[s.recompute for s in handed.stages],
+                           stage_devices=[s.device_type for s in handed.stages], schedule=handed.schedule,
+                           virtual_stages=handed.virtual_stages, weights=weights or o.weights,
+                           references=references, cost_model=cost_model, memory_headroom=memory_headroom)
+    plan.objective.profile = o.profile if weights is None else "custom"
+    return plan
+
+
+def even_split(num_layers: int, pp: int) -> list[int]:
+    """``num_layers`` over ``pp`` stages as evenly as possible, the remainder on the first stages."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (i < extra) for i in range(pp)]
+
+
+def stage_short_gib(plan: Plan, memory_headroom: float = 0.0) -> list[float]:
+    """Per stage, GiB over what the stage may use (capacity less the headroom); 0 where it fits."""
+    return [max(0.0, s.predicted_peak_memory_gib - s.memory_capacity_gib * (1.0 - memory_headroom))
+            for s in plan.stages]

@@ -79,33 +79,79 @@ def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
             "--recompute-num-layers", "1"], notes
 
 
+def _megatron_model(plan: Plan) -> list[str]:
+    """The model's shape in Megatron-LM's words: a LLaMA-style decoder (no biases, RMSNorm, RoPE,
+    SwiGLU unless the model has a plain MLP) with grouped-query attention when KV heads are fewer."""
+    spec = plan.model_spec
+    args = ["--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden_size),
+            "--ffn-hidden-size", str(spec.ffn_hidden_size), "--num-attention-heads", str(spec.num_heads)]
+    if spec.num_kv_heads != spec.num_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(spec.num_kv_heads)]
+    args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings", str(max(plan.seq_len, spec.seq_len)),
+             "--vocab-size", str(spec.vocab_size), "--position-embedding-type", "rope",
+             "--normalization", "RMSNorm", "--disable-bias-linear"]
+    if spec.gated_mlp:
+        args.append("--swiglu")
+    if not spec.tie_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    return args
+
+
 def megatron_args(plan: Plan) -> Export:
-    """Megatron-LM training arguments for the plan's parallel layout, batch and recompute.
+    """Megatron-LM training arguments: the model's shape, precision and optimizer sharding, the
+    plan's parallel layout, batch and recompute.
 
     The uneven layer split always goes through ``--pipeline-model-parallel-layout``, which
     also fixes the virtual-stage count (Megatron derives it from the number of chunks), so
     ``--num-layers-per-virtual-pipeline-stage`` is never given alongside it.
     """
-    spec = plan.model_spec
-    args = ["--num-layers", str(spec.num_layers),
-            "--tensor-model-parallel-size", str(plan.tp),
-            "--pipeline-model-parallel-size", str(plan.pp)]
-    notes = []
+    args = _megatron_model(plan)
+    training_args, notes = _megatron_training(plan)
+    args += training_args
+    args += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
     if plan.pp > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan)]
         if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp:
             notes.append(f"{plan.num_microbatches} micro-batches is not a multiple of pp={plan.pp}; "
                          "older Megatron-LM releases reject that with the interleaved schedule")
     args += ["--micro-batch-size", str(plan.micro_batch_size),
-             "--global-batch-size", str(plan.global_batch_size),
-             "--seq-length", str(plan.seq_len)]
+             "--global-batch-size", str(plan.global_batch_size)]
     recompute_args, recompute_notes = _megatron_recompute(plan)
     args += recompute_args
     notes += recompute_notes
+    notes.append("--vocab-size is the model's; with a real tokenizer (--tokenizer-type) Megatron-LM takes the "
+                 "tokenizer's instead: add the data and tokenizer flags of your run")
     if len({s.device_type for s in plan.stages}) > 1:
         notes.append("stages run on different device types: start Megatron with the torchrun lines "
                      "made for it, whose node order puts each stage on its devices")
     return Export(args, notes)
+
+
+def _megatron_training(plan: Plan) -> tuple[list[str], list[str]]:
+    """The precision, optimizer and state sharding the plan's memory was predicted for, as Megatron flags."""
+    tr = plan.training
+    args, notes = [], []
+    args += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(tr.get("dtype", "bf16"), [])
+    if tr.get("optimizer", "adam") != "adam":
+        args += ["--optimizer", tr["optimizer"]]
+    if tr.get("fully_sharded"):
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    elif tr.get("distributed_optimizer"):
+        args.append("--use-distributed-optimizer")
+    if tr.get("sequence_parallel") and plan.tp > 1:
+        args.append("--sequence-parallel")
+    if tr.get("overlap_grad_reduce"):
+        args.append("--overlap-grad-reduce")
+    if not tr:
+        notes.append("the plan does not record its precision and optimizer (made before memx stored them): "
+                     "add --bf16 or --fp16 and --use-distributed-optimizer as trained")
+    if tr.get("setup") not in (None, "megatron"):
+        notes.append(f"the plan was predicted for --setup {tr['setup']}; Megatron-LM keeps its own "
+                     "model states (6 + 12/DP bytes per parameter with --use-distributed-optimizer)")
+    if tr.get("fully_sharded") or tr.get("sharded_gradients") or tr.get("grad_dtype") == "training":
+        notes.append("Megatron-LM keeps fp32 main gradients whole on every rank: its memory differs "
+                     "from the plan's sharded or 16-bit gradients")
+    return args, notes
 
 
 # --------------------------------------------------------------------------- torchrun
@@ -132,7 +178,7 @@ def megatron_node_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
 
 
 def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args: list[str] = (),
-                      *, master_addr: str = "localhost", master_port: int = DEFAULT_MASTER_PORT,
+                      *, master_addr: str | None = None, master_port: int = DEFAULT_MASTER_PORT,
                       for_megatron: bool = False) -> list[Export]:
     """One ``torchrun`` command per node of the cluster.
 
@@ -140,7 +186,9 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args
     out by cumulative ``--nproc-per-node`` in node-rank order), and nodes may have different
     device counts. For memx's runtime the nodes keep the cluster file's order, which is the
     order the plan's ranks refer to; ``for_megatron`` reorders them so that pipeline stages
-    take consecutive global ranks (:func:`megatron_node_order`).
+    take consecutive global ranks (:func:`megatron_node_order`). The master address is
+    ``master_addr``, else the cluster file's (``master_addr``, or its first node's ``host``), else
+    localhost, which only a one-node job can use (a note says so).
     """
     if cluster.world_size != plan.world_size:
         raise ConfigError("--cluster", f"{cluster.name} has {cluster.world_size} devices but the "
@@ -154,6 +202,13 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args
                               "pass the cluster the plan was made for")
     order = megatron_node_order(plan, cluster) if for_megatron else list(range(len(cluster.nodes)))
     nnodes = len(cluster.nodes)
+    master_addr = master_addr or cluster.master_address()
+    missing = []
+    if master_addr is None:
+        master_addr = "localhost"
+        if nnodes > 1:
+            missing = ["--master-addr localhost only reaches node 0 from itself: set master_addr (or the "
+                       "first node's host) in the cluster file, or pass --master-addr"]
     exports = []
     for node_rank, index in enumerate(order):
         node = cluster.nodes[index]
@@ -161,7 +216,7 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args
                 "--node-rank", str(node_rank), "--rdzv-backend", "static",
                 "--master-addr", master_addr, "--master-port", str(master_port),
                 script, *script_args]
-        exports.append(Export(args, [f"run on {node.name}"] if nnodes > 1 else []))
+        exports.append(Export(args, ([f"run on {node.name}"] if nnodes > 1 else []) + missing))
     return exports
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import PLAN_TRAINING_KEYS
 from memx_launch.files import write_json_atomic
 
 
@@ -127,10 +128,10 @@ class Plan:
                               "pass a complete plan written by memx plan --json") from None
         except TypeError as exc:
             raise ConfigError(source, f"malformed ({exc})", "pass a plan written by memx plan --json") from None
-        unknown = set(plan.training) - {"dtype", "optimizer", "distributed_optimizer", "fully_sharded"}
+        unknown = set(plan.training) - set(PLAN_TRAINING_KEYS)
         if unknown:
             raise ConfigError(f"{source}.training.{sorted(unknown)[0]}", "unknown key",
-                              "use dtype, optimizer, distributed_optimizer or fully_sharded")
+                              f"use {', '.join(PLAN_TRAINING_KEYS)}")
         plan.validate(source)
         return plan
 

@@ -23,7 +23,7 @@ import copy
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
 from memx_launch.planning.layouts import make_layout
-from memx_launch.planning.search import search
+from memx_launch.planning.search import SearchSpace, search
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -216,7 +216,8 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
     reduced = _reduced_cluster(cluster, plan, budgets)
     try:
         found = search(model, reduced, training, cost_model=scorer.cost_model, objective="safety",
-                       time_budget_s=search_budget_s, top_k=1)
+                       time_budget_s=search_budget_s, top_k=1,  # memx-run's Schedule1F1B needs G >= P
+                       space=SearchSpace(fewer_microbatches_than_stages=False))
     except NoFeasiblePlanError as exc:
         raise NoFeasiblePlanError(f"{head} No plan fits the corrected memory ({exc}); free memory on the "
                                   f"device(s) of rank {event.rank} or add devices", exc.closest) from None
@@ -304,7 +305,7 @@ def _reduced_cluster(cluster: ClusterSpec, plan: Plan, budgets: np.ndarray) -> C
             raise NoFeasiblePlanError(f"device type {d.name}: the observed memory leaves nothing for the model; "
                                       "free memory on those devices or add devices")
         types.append(DeviceType(**{**asdict(d), "memory_gib": memory / GIB}))
-    return ClusterSpec(cluster.name, tuple(types), cluster.nodes, cluster.inter_node_gbps, cluster.emulation)
+    return replace(cluster, device_types=tuple(types))
 
 
 def _refresh_fraction(plan: Plan) -> None:

@@ -8,6 +8,7 @@ import os
 import tempfile
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.estimate import stage_short_gib
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
 
@@ -147,15 +148,20 @@ def compare_table(baselines: dict[str, Plan | None]) -> str:
                  rows, right={1, 2, 3})
 
 
-def estimate_report(plan: Plan, cluster: ClusterSpec) -> str:
-    """``memx estimate``: will it fit, how long does it take, what is its Phi."""
+def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0.0, split_note: str = "") -> str:
+    """``memx estimate``: will it fit (under each capacity less ``memory_headroom``), how long
+    does it take, what is its Phi."""
     lines = header(cluster, plan.model)
-    short = [(i, s.predicted_peak_memory_gib - s.memory_capacity_gib) for i, s in enumerate(plan.stages)
-             if s.memory_capacity_gib and s.predicted_peak_memory_gib > s.memory_capacity_gib]
-    verdict = ("fits: every stage is under its capacity" if not short else
-               "OOM: " + ", ".join(f"stage {i} short {format_gib(gib)} per device" for i, gib in short))
+    short = [(i, gib) for i, gib in enumerate(stage_short_gib(plan, memory_headroom)) if gib > 0]
+    limit = "its capacity" + (f" less {memory_headroom:.0%} headroom" if memory_headroom else "")
+    verdict = (f"fits: every stage is under {limit}" if not short else
+               "OOM: " + ", ".join(f"stage {i} short {format_gib(gib)} per device" for i, gib in short)
+               + (f" (against {limit})" if memory_headroom else ""))
     o = plan.objective
-    lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches",
+    pipeline = (f", fewer micro-batches than stages ({plan.num_microbatches} < {plan.pp}): the pipeline "
+                "never fills" if plan.num_microbatches < plan.pp else "")
+    lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches{pipeline}"
+              + (f"; {split_note}" if split_note else ""),
               stage_table(plan), "",
               f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
               f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "

@@ -67,11 +67,14 @@ class Evaluator:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  cost_model: cm.LayerCostModel, analytical: cm.AnalyticalCostModel, table: CostTable,
-                 memory_headroom: float = 0.0):
+                 memory_headroom: float = 0.0, recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS):
         self.model, self.cluster, self.training = model, cluster, training
         self.memory_headroom = memory_headroom
+        # The hard rule and the memory bound only use levels the search may use (memx plan --recompute-levels).
+        self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
         self.cost_model, self.analytical, self.table = cost_model, analytical, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
+        self.overhead = np.array([d.overhead_bytes for d in self.device_types])
 
     def usable(self, layout: Layout) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -87,7 +90,10 @@ class Evaluator:
         bpp = cm.model_state_bytes_per_param(tr, dp)
         inflight = cm.inflight_microbatches(np.arange(pp), pp, g, v)
         per_layer = m.layer_params / tp * bpp + inflight * act
-        fixed = work + self._edge_bytes(layout, mbs, seq, inflight)
+        # Fixed per stage: the backward working set, embedding / head / logits, the gathered
+        # weights of a fully sharded run and what the process holds above its tensors.
+        fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
+                 + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[layout.stage_device])
         return per_layer, fixed, t_layer, self._edge_time(layout, mbs, seq), g
 
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
@@ -96,7 +102,7 @@ class Evaluator:
         bpp = cm.model_state_bytes_per_param(tr, layout.dp)
         out = np.zeros(pp)
         out[0] += m.embedding_params / tp * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
-        out[-1] += m.head_params / tp * bpp + cm.logits_bytes(m, mbs, seq, tp)
+        out[-1] += cm.last_stage_params(m, pp) / tp * bpp + cm.logits_bytes(m, mbs, seq, tp, tr)
         return out
 
     def _edge_time(self, layout, mbs, seq) -> np.ndarray:
@@ -129,7 +135,7 @@ class Evaluator:
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
-        full = np.full((1, layout.pp), cm.FULL)
+        full = np.full((1, layout.pp), self.allowed_levels[-1])
         per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, full)
         max_layers = np.floor((self.usable(layout) - fixed) / per_layer)
         min_layers = v if schedule == "interleaved" else 1
@@ -138,7 +144,7 @@ class Evaluator:
     def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
         """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
         best = levels.copy()
-        for level in (cm.FULL, cm.SELECTIVE, cm.NONE):
+        for level in reversed(self.allowed_levels):
             trial = np.full_like(levels, level)
             per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, trial)
             fits = layers * per_layer + fixed <= self.usable(layout)
@@ -148,12 +154,15 @@ class Evaluator:
     def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
         m, tr = self.model, self.training
         hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
-        transfer = np.where(np.isinf(layout.next_stage_gbps), 0.0,
-                            hidden_bytes / (layout.next_stage_gbps * 1e9))
+        transfer = cm.p2p_time(hidden_bytes, layout.next_stage_gbps)
         stage_params = layers * m.layer_params / layout.tp
         stage_params[:, 0] += m.embedding_params / layout.tp
-        stage_params[:, -1] += m.head_params / layout.tp
-        t_dp = cm.allreduce_time(stage_params * 4.0, layout.dp, layout.dp_gbps).max(axis=1)
+        stage_params[:, -1] += cm.last_stage_params(m, layout.pp) / layout.tp
+        t_dp = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps)
+        if tr.overlap_grad_reduce:
+            # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
+            t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
+        t_dp = t_dp.max(axis=1)
         t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
                         for i, d in enumerate(layout.stage_device)], axis=0)
         if schedule == "interleaved":

@@ -47,6 +47,7 @@ class SearchSpace:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     seq_lens: tuple[int, ...] | None = None
     tp_degrees: tuple[int, ...] | None = None
+    pipeline_degrees: tuple[int, ...] | None = None
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
     virtual_stages: tuple[int, ...] = (2, 4)
     recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS
@@ -54,6 +55,25 @@ class SearchSpace:
     """Skip a group whose iteration-time lower bound exceeds this multiple of the best time."""
     memory_headroom: float = 0.0
     """Share of every device's memory a plan must leave free (memx-run: the monitor's threshold)."""
+    fewer_microbatches_than_stages: bool = True
+    """Allow G < P micro-batches per iteration: Megatron-LM runs it (the pipeline never fills);
+    torch's Schedule1F1B refuses it, so memx-run's own searches turn it off."""
+
+    def check(self, model: ModelSpec) -> None:
+        """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""
+        for flag, values, known in (("--schedules", self.schedules, ("1f1b", "interleaved")),
+                                    ("--recompute-levels", self.recompute_levels, cm.RECOMPUTE_LEVELS)):
+            if not values or set(values) - set(known):
+                raise ConfigError(flag, f"expected some of {', '.join(known)}, got {','.join(values)!r}",
+                                  f"e.g. {flag} {known[0]}")
+        for flag, values in (("--tp", self.tp_degrees), ("--pp", self.pipeline_degrees),
+                             ("--micro-batch-sizes", self.micro_batch_sizes)):
+            if values is not None and (not values or min(values) < 1):
+                raise ConfigError(flag, f"expected positive integers, got {list(values)}", f"e.g. {flag} 1,2")
+        bad = [t for t in self.tp_degrees or () if model.num_heads % t or model.num_kv_heads % t]
+        if bad:
+            raise ConfigError("--tp", f"{bad[0]} does not divide the model's {model.num_heads} heads and "
+                              f"{model.num_kv_heads} KV heads", "use a divisor of both")
 
 
 @dataclass
@@ -104,18 +124,26 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     """Rank every candidate of the space by Phi; raise NoFeasiblePlanError when none fits."""
     start = time.perf_counter()
     space = space or SearchSpace()
+    space.check(model)
     seqs = tuple(space.seq_lens or (training.seq_len,))
     analytical = cm.AnalyticalCostModel(model, cluster, training)
     cost_model = cost_model or analytical
     layouts = enumerate_layouts(model, cluster, tuple(cost_model.device_names), list(space.tp_degrees or [])
                                 or None)
+    if space.pipeline_degrees:
+        layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
+        if not layouts:
+            raise ConfigError("--pp", f"no layout of {cluster.world_size} devices has pp in "
+                              f"{list(space.pipeline_degrees)} (with the TP degrees allowed)",
+                              "pp must divide the device count of every type; drop --pp to see all")
     if not layouts:
         raise ConfigError("cluster", f"no TP x PP x DP layout fits {cluster.world_size} devices of counts "
                           f"{cluster.type_counts()} with at most {model.num_layers} stages",
                           "give each device type a count that shares a common divisor with the others")
     tps = sorted({lay.tp for lay in layouts})
     table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
-    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table, space.memory_headroom)
+    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table, space.memory_headroom,
+                          space.recompute_levels)
     stats = SearchStats()
     level_options, stats.binary_recompute_types = recompute_options(table, cost_model.device_names, space)
     stats.interleaving_allowed = cluster.heterogeneity_index() <= INTERLEAVE_MAX_HETEROGENEITY
@@ -123,7 +151,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     if "1f1b" not in space.schedules:
         schedules = schedules[1:]
 
-    groups = []
+    groups, too_few = [], 0
     for layout in layouts:
         policies = _policy_rows(layout, level_options)
         for mbs, seq in itertools.product(space.micro_batch_sizes, seqs):
@@ -133,8 +161,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                     stats.pruned_batch += len(policies)
                     continue
                 g = training.global_batch_size // (layout.dp * mbs)
-                if g < layout.pp:  # pipeline schedules need a micro-batch in flight per stage
+                if g < layout.pp and not space.fewer_microbatches_than_stages:
                     stats.pruned_batch += len(policies)
+                    too_few += len(policies)
                     continue
                 if schedule == "interleaved" and (not stats.interleaving_allowed or g % layout.pp
                                                   or layout.pp * v > model.num_layers or layout.pp < 2):
@@ -156,10 +185,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         if lower_bound > space.time_prune_factor * best_time:
             stats.pruned_time += len(policies)
             continue
-        # Memory lower bound: full recompute everywhere is the least memory a group can use.
+        # Memory lower bound: the strongest allowed recompute everywhere is the least memory a group can use.
         if not evaluator.fits_with_full_recompute(layout, mbs, seq, schedule, v):
             stats.pruned_memory += len(policies)
-            full = np.full((1, layout.pp), cm.FULL)
+            full = np.full((1, layout.pp), evaluator.allowed_levels[-1])
             closest.append(_shortfall(evaluator.score(layout, mbs, seq, schedule, v, full), cost_model.device_names))
             continue
         result = evaluator.score(layout, mbs, seq, schedule, v, policies)
@@ -173,6 +202,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                      f"{time.perf_counter() - start:.1f}s")
     stats.cache_hits, stats.cache_misses = table.hits, table.misses
 
+    if not results and too_few and stats.pruned_batch == stats.enumerated:
+        raise ConfigError("--global-batch-size", f"{training.global_batch_size} gives fewer micro-batches than "
+                          "pipeline stages to every candidate; memx-run's pipeline schedule (torch's Schedule1F1B) "
+                          "needs one per stage", "raise the global batch size")
     if not results and stats.pruned_batch == stats.enumerated:
         raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by DP x micro-batch "
                           f"for any candidate (micro-batches {list(space.micro_batch_sizes)})",
@@ -186,7 +219,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                 f"({stats.evaluated} of {stats.enumerated} evaluated); raise --search-budget-s", [])
         raise NoFeasiblePlanError(
             f"no candidate fits in memory ({stats.enumerated} enumerated, {stats.pruned_memory} over capacity "
-            "even with full recompute); use more devices, a shorter --seq-len or a smaller model",
+            f"even with {cm.RECOMPUTE_LEVELS[evaluator.allowed_levels[-1]]} recompute); use more devices, a shorter --seq-len or a smaller model",
             [text for _, text in closest[:5]])
 
     ranked = _rank(results, cluster, model, training, objective, weights, top_k)
@@ -234,7 +267,8 @@ def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
     over = (result.memory[0] - result.layout.capacity) / cm.GIB
     lay = result.layout
     parts = [f"{device_names[d]} short {o:.1f} GiB" for d, o in zip(lay.stage_device, over) if o > 0]
-    text = (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} full recompute: "
+    text = (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
+            f"{cm.RECOMPUTE_LEVELS[int(result.levels[0].max())]} recompute: "
             + ", ".join(dict.fromkeys(parts)))
     return float(over.max()), text
 
@@ -305,9 +339,7 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
                 predicted_iteration_time_s=float(result.T[row]), objective=objective,
                 predicted_peak_memory_fraction=float(result.M[row]),
                 predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
-                training={"dtype": training.dtype, "optimizer": training.optimizer,
-                          "distributed_optimizer": training.distributed_optimizer,
-                          "fully_sharded": training.fully_sharded})
+                training=training.plan_fields())
 
 
 def progress_to_stderr(message: str) -> None:

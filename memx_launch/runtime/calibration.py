@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from memx_launch.errors import MemxError
+from memx_launch.errors import ConfigError, MemxError
 from memx_launch.runtime.faults import Faults
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
 from memx_launch.profiling.space import Sample, default_space
 from memx_launch.profiling.kernel import calibrate
 from memx_launch.profiling.design import minimal_sample_set
+from memx_launch.planning.costmodel import layer_forward_flops
 from memx_launch.planning.layouts import tp_degrees
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.model import ModelSpec
@@ -34,6 +35,16 @@ from memx_launch.specs.model import ModelSpec
 CALIBRATION_BUDGET = 20
 CALIBRATION_REPEATS = 3
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_CALIBRATION_BUDGET_S = 1800.0
+# Fewer samples than this cannot fit the predictor's time and memory lines.
+MIN_CALIBRATION_SAMPLES = 3
+# Steps of one sample (warm-up, timed repeats, the memory pass), each a forward and a backward
+# (twice the forward), plus the forward again where the block recomputes.
+STEPS_PER_SAMPLE = 1 + CALIBRATION_REPEATS + 1
+RECOMPUTE_FORWARDS = {"none": 0.0, "selective": 0.25, "full": 1.0}
+# A transformer block reaches a fraction of a large matmul's rate (the same share the analytical
+# model assumes for devices without a measured efficiency).
+BLOCK_EFFICIENCY = 0.45
 
 
 class CalibrationTimeout(MemxError):
@@ -95,13 +106,22 @@ class TypeCalibration:
         self.host_lock = os.path.join(tempfile.gettempdir(),
                                       f"memx-calibration-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}.lock")
         self.reused = 0
+        self.done = 0
+        self.budget, self.estimate_s, self.started = CALIBRATION_BUDGET, None, time.monotonic()
         self.measured_here = 0
         self._round = 0
 
-    def run(self, tp_degrees: list[int]) -> list[Measurement]:
-        space = default_space(self.model, tp_degrees=tuple(d for d in tp_degrees if d in self.groups.tp_groups),
-                              max_micro_batch=4, seq_lens=(max(16, self.model.seq_len // 2), self.model.seq_len))
-        result = minimal_sample_set(space, self.measure, budget=CALIBRATION_BUDGET)
+    def run(self, tp_degrees: list[int], budget: int = CALIBRATION_BUDGET,
+            seconds_per_sample: float | None = None) -> list[Measurement]:
+        """Measure up to ``budget`` samples; ``seconds_per_sample`` (the estimate) starts the
+        progress lines' time left until measured times replace it."""
+        space = calibration_space(self.model, [d for d in tp_degrees if d in self.groups.tp_groups])
+        self.budget, self.estimate_s = budget, seconds_per_sample
+        self.started = time.monotonic()
+        if dist.get_rank() == self.groups.ranks[0]:
+            guess = f", about {budget * seconds_per_sample:.0f} s estimated" if seconds_per_sample else ""
+            self.log(f"calibrating {self.device_type.name} on ranks {self.groups.ranks}: up to {budget} samples{guess}")
+        result = minimal_sample_set(space, self.measure, budget=budget)
         if dist.get_rank() == self.groups.ranks[0]:
             self.log(f"calibrated {self.device_type.name} on ranks {self.groups.ranks}: "
                      f"{result.measured_count} samples ({self.reused} reused from the profile)\n{result.summary()}")
@@ -129,7 +149,19 @@ class TypeCalibration:
                 m = Measurement.from_dict(json.loads(line))
                 self.stored[measurement_key(m)] = m
         self.reused += len(samples) - len(todo)
+        self.done += len(todo)
+        if todo and dist.get_rank() == self.groups.ranks[0]:
+            self.log(self.progress_line())
         return [self.stored[self._key(s)] for s in samples]
+
+    def progress_line(self) -> str:
+        """Samples measured of the budget, elapsed, and what is left at the rate so far."""
+        elapsed = time.monotonic() - self.started
+        rate = elapsed / self.done if self.done else self.estimate_s
+        left = max(0, self.budget - self.done - self.reused)
+        eta = f", about {left * rate:.0f} s left" if rate is not None and left else ""
+        return (f"calibrating {self.device_type.name}: {self.done + self.reused} of at most {self.budget} samples "
+                f"({self.reused} reused), {elapsed:.0f} s elapsed{eta}")
 
     def _measure_unit(self, samples: list[Sample], group) -> list[Measurement]:
         out = []
@@ -187,3 +219,42 @@ class TypeCalibration:
 
 def calibration_timeout_s(environ=os.environ) -> float:
     return float(environ.get("MEMX_CALIBRATION_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+def calibration_space(model: ModelSpec, tp_degrees: list[int]):
+    """What the job calibrates: micro-batches up to 4, half and full sequence, every recompute level."""
+    return default_space(model, tp_degrees=tuple(tp_degrees), max_micro_batch=4,
+                         seq_lens=(max(16, model.seq_len // 2), model.seq_len))
+
+
+def seconds_per_sample(model: ModelSpec, tp_degrees: list[int], tflops: float, slowdown: float = 1.0) -> float:
+    """Estimated seconds to measure one sample, averaged over the calibration space: the block's
+    analytical FLOPs at ``tflops`` (a large matmul's rate on the device) x BLOCK_EFFICIENCY."""
+    space = calibration_space(model, tp_degrees)
+    values = space.values
+    forwards = [2.0 + 1.0 + RECOMPUTE_FORWARDS[r] for r in values["recompute"]]  # fwd + bwd (2 fwd) + recompute
+    flops = [float(layer_forward_flops(model, m, q, t)) * f for m in values["micro_batch_size"]
+             for q in values["seq_len"] for t in values["tp"] for f in forwards]
+    return STEPS_PER_SAMPLE * sum(flops) / len(flops) / (tflops * 1e12 * BLOCK_EFFICIENCY) * slowdown
+
+
+def sample_budget(model: ModelSpec, device_type: str, per_sample_s: float, budget_s: float) -> int:
+    """Samples that fit ``budget_s``: at most CALIBRATION_BUDGET; a device too slow for
+    MIN_CALIBRATION_SAMPLES is refused with what to do instead."""
+    fits = int(budget_s // per_sample_s) if per_sample_s > 0 else CALIBRATION_BUDGET
+    if fits < MIN_CALIBRATION_SAMPLES:
+        raise CalibrationRefused(
+            "--calibration-budget-s", f"calibrating {model.name} on {device_type} takes about {per_sample_s:.0f} s a "
+            f"sample, {MIN_CALIBRATION_SAMPLES * per_sample_s:.0f} s for the fewest samples, over the budget of "
+            f"{budget_s:.0f} s", "use a smaller --model, a profile DB measured on the GPUs (memx profile there, "
+            "then --profile-db FILE), --dry-run to plan with the analytical model, or a larger --calibration-budget-s")
+    return min(CALIBRATION_BUDGET, fits)
+
+
+class CalibrationRefused(ConfigError):
+    """The devices cannot calibrate the model within the budget; every rank raises it."""
+
+
+def calibration_budget_s(environ=os.environ) -> float:
+    text = environ.get("MEMX_CALIBRATION_BUDGET_S", "")
+    return float(text) if text else DEFAULT_CALIBRATION_BUDGET_S

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memx_launch.errors import ConfigError
 from memx_launch.runtime.emulation import EmulatedDevice, device_for_rank
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 
@@ -30,6 +31,23 @@ def _nvml_name(index: int) -> str | None:
         return None
 
 
+# Drivers report a little less than the marketed capacity (an "80 GB" H100 shows 79.6 GiB); a
+# declared capacity further off than this is another device, or a typo that plans out of memory.
+MEMORY_TOLERANCE = 0.10
+GPU_VENDORS = ("nvidia", "amd")
+
+
+def check_declared(declared: DeviceType, rank: int, name: str, vendor: str, memory_bytes: float) -> None:
+    """A rank's GPU must be what the cluster file says it is: the vendor (when the file names a GPU
+    vendor) and the memory capacity within MEMORY_TOLERANCE."""
+    memory_gib = memory_bytes / 2**30
+    vendor_differs = declared.vendor in GPU_VENDORS and declared.vendor != vendor
+    if vendor_differs or abs(memory_gib - declared.memory_gib) > MEMORY_TOLERANCE * declared.memory_gib:
+        raise ConfigError("--cluster", f"rank {rank} has {name} ({vendor}, {memory_gib:.1f} GiB) but the cluster "
+                          f"file makes it {declared.name} ({declared.vendor}, {declared.memory_gib:g} GiB)",
+                          "fix that node's entry (devices are listed in local-rank order) or its --node-rank")
+
+
 def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) -> RankDevice:
     """This rank's device type. With a cluster file, its type for ``rank`` (rank order:
     ClusterSpec.rank_device_types()); on a machine without GPUs that type is emulated."""
@@ -39,6 +57,7 @@ def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) 
         name = (_nvml_name(local_rank) if vendor == "nvidia" else None) or props.name
         if cluster is not None:
             declared = cluster.device_type(cluster.rank_device_types()[rank])
+            check_declared(declared, rank, name, vendor, props.total_memory)
             return RankDevice(declared, None, f"{name} (cluster file type {declared.name})")
         from memx_launch.profiling.kernel import detect_device_type
         return RankDevice(detect_device_type(f"cuda:{local_rank}", name.replace(" ", "-")), None, name)
@@ -49,3 +68,13 @@ def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) 
     from memx_launch.profiling.kernel import detect_device_type
     cpu = detect_device_type("cpu")
     return RankDevice(cpu, EmulatedDevice(cpu.name, cpu.memory_gib), "cpu (no cluster file: host memory)")
+
+
+def calibration_tflops(rank_device: RankDevice, from_cluster_file: bool) -> float:
+    """The rate this rank's calibration runs at, for the up-front estimate: a GPU's peak (declared
+    in the file, or measured when detected); an emulated device runs on the CPU, measured here
+    unless it was detected (then it was just measured)."""
+    if rank_device.emulated is not None and from_cluster_file:
+        from memx_launch.profiling.kernel import detect_device_type
+        return detect_device_type("cpu").peak_tflops
+    return rank_device.device_type.peak_tflops

@@ -14,15 +14,16 @@ given) and restarts in place with the plan through the elastic agent.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.planning.plan import Plan
+from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 from memx_launch.specs.model import get_model
 
@@ -37,6 +38,13 @@ def build_parser():
 
     parser = get_args_parser()
     parser.prog = "memx-run"
+    # None: not given; this node's count then comes from the cluster file or its GPUs.
+    parser.set_defaults(nproc_per_node=os.environ.get("PET_NPROC_PER_NODE"))
+    for action in parser._actions:
+        if action.dest == "nproc_per_node":
+            action.help = ("processes on this node: a number, or gpu/auto (default: this node's devices in "
+                           "--cluster, the entry at --node-rank; without a cluster file one per GPU, 1 on a "
+                           "CPU machine). Nodes may start different numbers")
     parser.description = ("torchrun plus memx: plans TP/PP/DP, layer split, recompute and schedule for the "
                           "cluster in the job, then trains with the plan. memx and torchrun flags go before "
                           "the script.")
@@ -50,6 +58,9 @@ def build_parser():
     g.add_argument("--objective", choices=("default", "safety", "throughput"), help="weight profile of Phi")
     g.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights (override --objective)")
     g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
+    g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float, metavar="S",
+                   help="time each device type may spend calibrating (default 1800): fewer samples when the "
+                        "estimate is over it, and a refusal up front when not even a few fit")
     g.add_argument("--no-replan", "--no_replan", action="store_true",
                    help="never re-plan during training (passed to the workers as MEMX_NO_REPLAN=1)")
     g.add_argument("--profile-db", "--profile_db", metavar="FILE",
@@ -65,6 +76,7 @@ def build_parser():
                         "(e.g. examples/train_own_model.py:build); plans then keep TP = 1")
     g.add_argument("--run-dir", "--run_dir", metavar="DIR",
                    help=f"where the plan and restart records go (default {DEFAULT_RUNS_DIR}/<model>-<time>)")
+    add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
     return parser
 
 
@@ -79,16 +91,50 @@ def script_flag(script_args: list[str], flag: str) -> str | None:
     return value
 
 
-def _world_size(args) -> int:
+def _max_nodes(args) -> int:
     nnodes = str(args.nnodes).split(":")[-1]
-    nproc = str(args.nproc_per_node)
     if not nnodes.isdigit():
         raise ConfigError("--nnodes", f"cannot read {args.nnodes!r}", "e.g. --nnodes 1 or 1:2")
-    if not nproc.isdigit():
+    return int(nnodes)
+
+
+def _process_count(value: str) -> int:
+    """torchrun's --nproc-per-node: a number, or gpu/auto (this machine's GPUs; auto: CPUs without)."""
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    if value in ("gpu", "auto"):
         import torch
-        nproc = str(torch.cuda.device_count() if nproc in ("gpu", "auto") and torch.cuda.is_available()
-                    else os.cpu_count())
-    return int(nnodes) * int(nproc)
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if value == "auto":
+            return os.cpu_count() or 1
+    raise ConfigError("--nproc-per-node", f"cannot use {value!r} here", "give a number of processes, e.g. 4")
+
+
+def node_processes(args, cluster: ClusterSpec | None) -> tuple[int, str]:
+    """How many processes this node starts and where that came from: the flag, this node's
+    entry in the cluster file (--node-rank), or one per GPU (one process on a CPU machine).
+    Nodes may differ: each node's agent reports its own count to the rendezvous."""
+    given = args.nproc_per_node
+    if cluster is not None:
+        if args.node_rank >= len(cluster.nodes):
+            raise ConfigError("--node-rank", f"{args.node_rank} but {args.cluster} lists {len(cluster.nodes)} node(s)",
+                              f"pass --node-rank 0..{len(cluster.nodes) - 1}, this node's place in the file")
+        node = cluster.nodes[args.node_rank]
+        if given is None:
+            return node.num_devices, f"file: node {args.node_rank}, {node.name}"
+        count = _process_count(given)
+        if count != node.num_devices:
+            raise ConfigError("--nproc-per-node", f"{count} process(es), but {args.cluster} gives node {args.node_rank} "
+                              f"({node.name}) {node.num_devices} device(s)",
+                              f"drop --nproc-per-node (the file's count is used) or pass {node.num_devices}")
+        return count, "flag"
+    if given is not None:
+        return _process_count(given), "flag"
+    if _has_gpu():
+        import torch
+        return torch.cuda.device_count(), "default: one per GPU"
+    return 1, "default: no GPU"
 
 
 class Settings:
@@ -122,21 +168,29 @@ def resolve(args) -> dict:
     model_arg = os.path.abspath(model_name) if os.path.exists(model_name) else model.name
     settings.add("model", model.name, source)
 
-    world = _world_size(args)
-    settings.add("world size", world, "flag" if args.nproc_per_node != "1" or args.nnodes != "1:1" else "default")
-    cluster = None
-    if args.cluster:
-        cluster = ClusterSpec.from_yaml(args.cluster)
-        if cluster.world_size != world:
-            raise ConfigError("--cluster", f"{args.cluster} declares {cluster.world_size} devices but the job "
-                              f"launches {world} processes", f"pass --nproc-per-node {cluster.world_size} "
-                              "(one process per device) or a cluster file of this job")
+    cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else None
+    nodes = _max_nodes(args)
+    local, source = node_processes(args, cluster)
+    args.nproc_per_node = str(local)
+    settings.add("processes on this node", local, source)
+    world = None  # known up front with a cluster file or on one node; else from the rendezvous
+    if cluster is not None:
+        if nodes != len(cluster.nodes) and not args.dry_run:
+            raise ConfigError("--nnodes", f"{nodes} node(s), but {args.cluster} lists {len(cluster.nodes)}",
+                              f"start memx-run on each node with --nnodes {len(cluster.nodes)} --node-rank N "
+                              "--rdzv-backend static --master-addr <node 0's address>")
+        world = cluster.world_size
+        settings.add("world size", world, "file")
         settings.add("cluster", f"{args.cluster}: {cluster.name}", "flag")
         for name, count in cluster.type_counts().items():
             d = cluster.device_type(name)
             slow = f", slowdown x{cluster.emulation.slowdown_of(name):g} (emulated)" if cluster.is_emulated else ""
             settings.add(f"  {name}", f"{count} x {d.memory_gib:g} GiB, {d.peak_tflops:g} TFLOPS{slow}", "file")
     else:
+        if nodes == 1:
+            world = local
+        settings.add("world size", world or "from the rendezvous (the nodes' processes together)",
+                     "default")
         settings.add("cluster", "detected in the job", "default")
 
     emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
@@ -153,9 +207,9 @@ def resolve(args) -> dict:
         if plan.model_spec.signature() != model.signature():
             raise ConfigError("--plan", f"{args.plan} is a plan for {plan.model}, not {model.name}",
                               f"pass a plan made for {model.name} or drop --plan to plan in the job")
-        if plan.world_size != world:
+        if world is not None and plan.world_size != world:
             raise ConfigError("--plan", f"{args.plan} needs {plan.world_size} ranks but the job launches {world}",
-                              f"pass --nproc-per-node {plan.world_size} or a plan for {world} ranks")
+                              f"pass a plan for {world} ranks, or start {plan.world_size} processes")
         settings.add("plan", args.plan, "flag")
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
@@ -169,6 +223,10 @@ def resolve(args) -> dict:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
                  "flag" if args.search_budget_s else "default")
+    if args.calibration_budget_s is not None and args.calibration_budget_s <= 0:
+        raise ConfigError("--calibration-budget-s", f"must be positive, got {args.calibration_budget_s}", "e.g. 600")
+    settings.add("calibration budget", f"{args.calibration_budget_s or DEFAULT_CALIBRATION_BUDGET_S:g} s per device type",
+                 "flag" if args.calibration_budget_s else "default")
     builder = None
     if args.model_builder:
         path, _, function = args.model_builder.rpartition(":")
@@ -210,7 +268,7 @@ def dry_run(args, resolved) -> int:
     from memx_launch.planning import report
     from memx_launch.runtime.worker import reproduce_command
     from memx_launch.planning.objective import parse_weights
-    from memx_launch.planning.search import search
+    from memx_launch.planning.search import SearchSpace, search
 
     cluster, model, training = resolved["cluster"], resolved["model"], resolved["training"]
     if cluster is None:
@@ -223,6 +281,7 @@ def dry_run(args, resolved) -> int:
             from memx_launch.profiling.predictor import load_cost_model
             cost_model = load_cost_model(args.profile_db, model, cluster, training)
         result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
+                        space=SearchSpace(fewer_microbatches_than_stages=False),  # as the workers search
                         weights=parse_weights(args.weights) if args.weights else None,
                         time_budget_s=args.search_budget_s)
         print(report.plan_report(result, cluster))
@@ -240,8 +299,7 @@ def dry_run(args, resolved) -> int:
 
 
 def launch(args, resolved) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
+    from memx_launch.runtime.agent import run_agent
 
     run_dir = resolved["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
@@ -254,7 +312,8 @@ def launch(args, resolved) -> int:
         "MEMX_TRAINING": json.dumps(resolved["training"].__dict__),
         "MEMX_OBJECTIVE": args.objective or "", "MEMX_WEIGHTS": args.weights or "",
         "MEMX_SEARCH_BUDGET_S": "" if args.search_budget_s is None else str(args.search_budget_s),
-        "MEMX_USER_MAX_RESTARTS": str(args.max_restarts), "MEMX_NO_REPLAN": str(int(args.no_replan)),
+        "MEMX_NO_REPLAN": str(int(args.no_replan)),
+        "MEMX_CALIBRATION_BUDGET_S": "" if args.calibration_budget_s is None else str(args.calibration_budget_s),
         "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]]),
     }
     if args.cluster:
@@ -262,37 +321,23 @@ def launch(args, resolved) -> int:
     if resolved["builder"] is not None:
         env["MEMX_MODEL_BUILDER"] = json.dumps(resolved["builder"])
     os.environ.update(env)
-    # The workers run memx's worker, which runs the script. The agent restarts for crashes and
-    # planned restarts alike: it gets the user's budget plus one per planned restart (the initial
-    # plan, each re-plan); the worker holds crashes to the user's --max-restarts.
+    # The workers run memx's worker, which runs the script. Planned restarts (the initial plan,
+    # each re-plan) go through the agent too; memx's agent does not count them (agent.py).
     worker_args = (["--module"] if args.module else []) + [args.training_script, *resolved["script_args"]]
     args.module, args.no_python = True, False
     args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
-    args.max_restarts += (resolved["plan"] is None) + (0 if args.no_replan else max_replans())
     if args.nnodes in ("1", "1:1") and args.rdzv_endpoint == "" and args.rdzv_backend == "static":
         args.standalone = True  # a free local port instead of torchrun's fixed 29500
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_hide_planned_restart)
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        rank, first = next(iter(exc.failures.items()))
-        print(f"memx-run: error: worker rank {rank} failed with exit code {first.exitcode}; "
-              "see its traceback above", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _hide_planned_restart(record: logging.LogRecord) -> bool:
-    """The elastic agent logs every non-zero worker exit as a failure; a planned restart is not one."""
-    from memx_launch.runtime.worker import PLANNED_RESTART_EXIT_CODE
-
-    return f"exitcode: {PLANNED_RESTART_EXIT_CODE})" not in record.getMessage()
+    return run_agent(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parse_with_config(parser, argv)
+        if args.print_config:
+            print(config_yaml(parser, args), end="")
+            return 0
         resolved = resolve(args)
         print("memx-run settings:\n" + resolved["settings"].render(), flush=True)
         if args.dry_run:

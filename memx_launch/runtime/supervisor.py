@@ -84,7 +84,8 @@ class Supervisor:
         self.run_dir = run_dir
         self.environ = environ
         self.rank = runtime.layout.rank
-        self.generation = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        from memx_launch.runtime.worker import restart_generation
+        self.generation = restart_generation(environ)
         self.replan_enabled = environ.get("MEMX_NO_REPLAN", "0") != "1"
         self.max_replans = max_replans(environ)
         self.checkpoint_every = _env_int(environ, "MEMX_CHECKPOINT_EVERY", DEFAULT_CHECKPOINT_EVERY)
@@ -185,11 +186,13 @@ class Supervisor:
             raise ConfigError("MEMX_MAX_REPLANS", f"{event.reason} on rank {event.rank} at step {event.step} would be "
                               f"re-plan {done + 1}, over the limit of {self.max_replans}",
                               "raise MEMX_MAX_REPLANS, free memory on that device, or pass --no-replan")
-        if not env.get("MEMX_CLUSTER"):
-            raise ConfigError("--cluster", "re-planning during training needs the cluster file",
-                              "pass --cluster FILE to memx-run, or --no-replan")
+        from memx_launch.runtime.worker import cluster_path
+        path = cluster_path(env)
+        if path is None:
+            raise ConfigError("--cluster", "re-planning during training needs the cluster file, given or detected "
+                              "when the job planned", "pass --cluster FILE to memx-run, or --no-replan")
         plan = self.runtime.plan
-        cluster = ClusterSpec.from_yaml(env["MEMX_CLUSTER"])
+        cluster = ClusterSpec.from_yaml(path)
         training = TrainingSpec(**json.loads(env["MEMX_TRAINING"]))
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         decision = replan(event, plan, plan.model_spec, cluster, training, _cost_model(env, plan, cluster, training),

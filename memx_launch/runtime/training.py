@@ -70,7 +70,8 @@ def init_distributed(plan: Plan | None = None) -> None:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store,
                           multi_tenant=not agent_store)
-    generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    from memx_launch.runtime.worker import restart_generation
+    generation = restart_generation()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -96,6 +97,10 @@ class Runtime:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
+        if plan.virtual_stages == 1 and plan.num_microbatches < plan.pp:  # memx plan allows it, Megatron runs it
+            raise ConfigError("plan.global_batch_size", f"{plan.num_microbatches} micro-batches for {plan.pp} stages: "
+                              "torch's Schedule1F1B needs at least one per stage", "raise the global batch size, or "
+                              "run the plan with Megatron-LM (memx export)")
         if dist.get_world_size() != plan.world_size:
             raise ConfigError("plan.world_size", f"the plan needs {plan.world_size} ranks but the job has "
                               f"{dist.get_world_size()}", f"launch with --nproc-per-node {plan.world_size} "

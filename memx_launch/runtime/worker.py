@@ -1,20 +1,23 @@
 """What every memx-run worker process runs: plan in the job when there is no plan yet, then
 run the user's script with the plan in its environment.
 
-Planning generation (no plan file yet): every rank detects its device, ranks of each device
-type calibrate the minimal sample set together (skipped for types the ProfileDB already
-holds), rank 0 gathers and stores the samples, fits the predictor, searches, writes the plan
+Planning generation (no plan file yet): every rank detects its device (and, without a cluster
+file, the job its cluster: runtime/detection.py), ranks of each device type calibrate the
+minimal sample set together (skipped for types the ProfileDB already holds), rank 0 gathers and stores the samples, fits the predictor, searches, writes the plan
 atomically and broadcasts it; then every rank exits with PLANNED_RESTART_EXIT_CODE and the
 elastic agent restarts the workers in place. The restart is recorded in the run directory, so
-that it is told apart from a crash and does not count against the user's --max-restarts.
+that the other ranks tell it apart from a crash; memx-run's agent does not count it against the
+user's --max-restarts (the failing workers exit with PLANNED_RESTART_EXIT_CODE, runtime/agent.py).
 
 Training generation: per-rank MEMX_* variables (stage, layers, recompute, device type) on top
 of the plan's, then the script runs as ``__main__``.
 
 Launcher -> worker contract (environment): MEMX_RUN_DIR, MEMX_PLAN, MEMX_MODEL, MEMX_CLUSTER
 (optional), MEMX_PROFILE_DB, MEMX_TRAINING (TrainingSpec JSON), MEMX_OBJECTIVE, MEMX_WEIGHTS,
-MEMX_SEARCH_BUDGET_S, MEMX_USER_MAX_RESTARTS, MEMX_REPRODUCE (the script and its arguments),
-MEMX_MODEL_BUILDER (optional: [file, function, model] that builds the script's model, whose block is calibrated).
+MEMX_SEARCH_BUDGET_S, MEMX_CALIBRATION_BUDGET_S, MEMX_REPRODUCE (the script and its arguments),
+MEMX_GENERATION (how many times the workers were started before, planned restarts included; the
+agent sets it), MEMX_MODEL_BUILDER (optional: [file, function, model] that builds the script's model,
+whose block is calibrated). Without MEMX_CLUSTER the job detects its cluster into <run dir>/cluster.yaml.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import sys
 
 PLANNED_RESTART_EXIT_CODE = 75
 PLANNED_RESTARTS_FILE = "planned-restarts.json"
+GENERATION_VAR = "MEMX_GENERATION"
+DETECTED_CLUSTER_FILE = "cluster.yaml"
 
 
 def _log(message: str) -> None:
@@ -49,21 +54,38 @@ def record_planned_restart(run_dir: str, generation: int) -> None:
                       sorted(set(planned_restarts(run_dir)) | {generation}), overwrite=True)
 
 
-def check_crash_budget(run_dir: str, generation: int, user_max_restarts: int) -> None:
-    """The agent's budget is the user's plus one per planned restart; crashes get the user's."""
-    crashes = generation - len([g for g in planned_restarts(run_dir) if g < generation])
-    if crashes > user_max_restarts:
-        if os.environ.get("RANK", "0") == "0":  # one line per generation, not one per worker
-            _log(f"error: {crashes} crash restart(s) exceed --max-restarts {user_max_restarts}; see the errors above")
-        sys.exit(1)
+def restart_generation(environ=os.environ) -> int:
+    """How many times this job's workers were started before: memx-run's agent counts planned
+    restarts and crash restarts (MEMX_GENERATION); under plain torchrun, its crash restarts."""
+    return int(environ.get(GENERATION_VAR) or environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 # --------------------------------------------------------------------------- planning generation
 
 
-def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training, block_factory=None):
+def sample_budgets(model, cluster, speeds: dict[str, float], stored) -> dict[str, tuple[int, float]]:
+    """(samples, estimated seconds per sample) of each device type, from its first rank's speed and
+    MEMX_CALIBRATION_BUDGET_S; the same on every rank, so that a refusal stops every rank. A type the
+    profile already holds samples of is not limited (most of its samples are read back)."""
+    from memx_launch.planning.layouts import tp_degrees
+    from memx_launch.runtime.calibration import (CALIBRATION_BUDGET, calibration_budget_s, sample_budget,
+                                                 seconds_per_sample)
+
+    budgets = {}
+    for name, tflops in speeds.items():
+        slowdown = cluster.emulation.slowdown_of(name) if cluster.is_emulated else 1.0
+        per_sample = seconds_per_sample(model, tp_degrees(model, cluster), tflops, slowdown)
+        known = any(m.device_type == name for m in stored)
+        budgets[name] = (CALIBRATION_BUDGET if known else sample_budget(model, name, per_sample, calibration_budget_s()),
+                         per_sample)
+    return budgets
+
+
+def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training, budget,
+                          block_factory=None):
     """This rank's share of calibrating its device type; returns the type's samples on the
-    type's first rank (empty elsewhere). ``block_factory``: the script's own block (TP = 1 only)."""
+    type's first rank (empty elsewhere). ``budget``: (samples, estimated seconds per sample).
+    ``block_factory``: the script's own block (TP = 1 only)."""
     import torch.distributed as dist
 
     from memx_launch.planning.costmodel import tp_link_gbps
@@ -80,19 +102,20 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
         slowdown=rank_device.emulated.slowdown if emulated else 1.0, tp_link_gbps=lambda tp: tp_link_gbps(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
         log=_log, block_factory=block_factory)
-    measurements = calibration.run([1] if block_factory is not None else tp_degrees(model, cluster))
+    measurements = calibration.run([1] if block_factory is not None else tp_degrees(model, cluster), *budget)
     return measurements if groups[name].ranks[0] == dist.get_rank() else []
 
 
 def plan_in_job(env) -> None:
     import torch.distributed as dist
+    from memx_launch.errors import ConfigError
     from memx_launch.planning import report
     from memx_launch.planning.plan import Plan
     from memx_launch.profiling.predictor import load_cost_model
     from memx_launch.profiling.profiledb import Measurement, ProfileDB
     from memx_launch.runtime.training import init_distributed
     from memx_launch.runtime.calibration import measurement_key
-    from memx_launch.runtime.devices import detect_rank_device
+    from memx_launch.runtime.devices import calibration_tflops, detect_rank_device
     from memx_launch.runtime.monitor import MonitorConfig
     from memx_launch.planning.search import SearchSpace, search
     from memx_launch.planning.objective import parse_weights
@@ -105,13 +128,20 @@ def plan_in_job(env) -> None:
     model = get_model(env["MEMX_MODEL"])
     training = TrainingSpec(**json.loads(env["MEMX_TRAINING"]))
     cluster = ClusterSpec.from_yaml(env["MEMX_CLUSTER"]) if env.get("MEMX_CLUSTER") else None
+    if cluster is not None and cluster.world_size != world:
+        raise ConfigError("--cluster", f"{env['MEMX_CLUSTER']} declares {cluster.world_size} devices but the "
+                          f"rendezvous gathered {world} processes", "start each node with its own device count "
+                          "(memx-run takes it from the file when --nproc-per-node is not given)")
     rank_device = detect_rank_device(cluster, rank, int(env.get("LOCAL_RANK", "0")))
     described: list = [None] * world
-    dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description))
-    if cluster is None:
-        cluster = _cluster_of_detected(dist, rank_device, world)
+    dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description,
+                                       calibration_tflops(rank_device, cluster is not None)))
+    if cluster is None:  # detected: devices, hosts and measured links, written into the run directory
+        from memx_launch.runtime.detection import write_detected
+        cluster = ClusterSpec.from_dict(write_detected(rank_device, detected_cluster_path(env["MEMX_RUN_DIR"]),
+                                                       overwrite=True))
     if rank == 0:
-        for r, (name, what) in enumerate(described):
+        for r, (name, what, _) in enumerate(described):
             _log(f"rank {r}: {what}")
 
     db = ProfileDB(env["MEMX_PROFILE_DB"])
@@ -124,10 +154,14 @@ def plan_in_job(env) -> None:
                  "those are not measured again")
     dist.broadcast_object_list(stored_lines, src=0)
     stored = [Measurement.from_dict(json.loads(line)) for line in stored_lines[0]]
+    speeds: dict[str, float] = {}
+    for name, _, tflops in described:  # each type's first rank's
+        speeds.setdefault(name, tflops)
+    budgets = sample_budgets(model, cluster, speeds, stored)
     from memx_launch.runtime.prepare import user_block_factory
     block_factory = user_block_factory(env)  # memx-run --model-builder: calibrate the script's own block
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
-                                 block_factory)
+                                 budgets[rank_device.device_type.name], block_factory)
     gathered: list = [None] * world if rank == 0 else None
     dist.gather_object([m.to_json() for m in mine], gathered, dst=0)
 
@@ -147,7 +181,7 @@ def plan_in_job(env) -> None:
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         # Leave the free memory the monitor will ask for, or the first samples would re-plan.
         space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
-                            else MonitorConfig.from_env(env).min_headroom,
+                            else MonitorConfig.from_env(env).min_headroom, fewer_microbatches_than_stages=False,
                             tp_degrees=(1,) if block_factory is not None else None)
         result = search(model, cluster, training, cost_model=cost_model, space=space,
                         objective=env.get("MEMX_OBJECTIVE") or None,
@@ -160,10 +194,13 @@ def plan_in_job(env) -> None:
         print("reproduce this run without searching:\n  " + reproduce_command(plan, cluster, env), flush=True)
         payload[0] = json.dumps(plan.to_dict())
     dist.broadcast_object_list(payload, src=0)
-    Plan.from_dict(json.loads(payload[0]), source="broadcast plan")  # every rank checks what it got
-    generation = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if rank == 0:
+    plan = Plan.from_dict(json.loads(payload[0]), source="broadcast plan")  # every rank checks what it got
+    generation = restart_generation(env)
+    if int(env.get("LOCAL_RANK", "0")) == 0:  # every node's run directory (nodes need not share a disk)
+        if rank != 0:
+            plan.save(env["MEMX_PLAN"], overwrite=True)
         record_planned_restart(env["MEMX_RUN_DIR"], generation)
+    if rank == 0:
         _log(f"restarting the workers in place with the plan (planned restart after generation {generation})")
     dist.barrier()
     dist.destroy_process_group()
@@ -177,29 +214,24 @@ def reproduce_command(plan, cluster, env) -> str:
     from memx_launch.planning.exporters import torchrun_commands
 
     script_and_args = json.loads(env["MEMX_REPRODUCE"])
-    exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:])
+    exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:],
+                                master_addr=env.get("MASTER_ADDR") if len(cluster.nodes) > 1 else None)
     prefix = f"MEMX_PLAN={shlex.quote(env['MEMX_PLAN'])}"
-    if env.get("MEMX_CLUSTER"):
-        prefix += f" MEMX_CLUSTER={shlex.quote(env['MEMX_CLUSTER'])}"
+    if cluster_path(env):
+        prefix += f" MEMX_CLUSTER={shlex.quote(cluster_path(env))}"
     return "\n  ".join(f"{prefix} {shlex.join(e.args)}" for e in exports)
 
 
-def _cluster_of_detected(dist, rank_device, world):
-    """A one-node cluster of what the ranks detected (no cluster file given)."""
-    from dataclasses import asdict
+def detected_cluster_path(run_dir: str) -> str:
+    return os.path.join(run_dir, DETECTED_CLUSTER_FILE)
 
-    from memx_launch.specs.cluster import ClusterSpec
 
-    types: list = [None] * world
-    dist.all_gather_object(types, asdict(rank_device.device_type))
-    device_types, counts = {}, {}
-    for t in types:
-        name = t.pop("name")
-        device_types[name] = t
-        counts[name] = counts.get(name, 0) + 1
-    # Links are not measured here: a conservative PCIe-class figure.
-    return ClusterSpec.from_dict({"version": 1, "name": "detected", "device_types": device_types,
-                                  "nodes": [{"name": "node0", "devices": counts, "intra_node_gbps": 16}]})
+def cluster_path(environ) -> str | None:
+    """The job's cluster file: --cluster's, else the one detected into the run directory."""
+    if environ.get("MEMX_CLUSTER"):
+        return environ["MEMX_CLUSTER"]
+    detected = detected_cluster_path(environ.get("MEMX_RUN_DIR", ""))
+    return detected if environ.get("MEMX_RUN_DIR") and os.path.exists(detected) else None
 
 
 # --------------------------------------------------------------------------- training generation
@@ -223,8 +255,15 @@ def rank_env(plan, plan_path: str, rank: int, device_type: str | None = None) ->
 def run_script(argv: list[str]) -> None:
     from memx_launch.planning.plan import Plan
 
+    from memx_launch.errors import ConfigError
+
     plan_path = os.environ["MEMX_PLAN"]
-    os.environ.update(rank_env(Plan.load(plan_path), plan_path, int(os.environ["RANK"])))
+    plan = Plan.load(plan_path)
+    world = int(os.environ.get("WORLD_SIZE", plan.world_size))
+    if plan.world_size != world:
+        raise ConfigError("--plan", f"{plan_path} needs {plan.world_size} ranks but the rendezvous gathered {world}",
+                          "pass a plan made for this job's devices, or drop --plan to plan in the job")
+    os.environ.update(rank_env(plan, plan_path, int(os.environ["RANK"])))
     module = argv[0] == "--module"
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *args]
@@ -243,13 +282,13 @@ def main() -> None:
     env = os.environ
     code = 0
     try:
-        check_crash_budget(env["MEMX_RUN_DIR"], int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                           int(env.get("MEMX_USER_MAX_RESTARTS", "0")))
         if not os.path.exists(env["MEMX_PLAN"]):
             plan_in_job(env)
         run_script(sys.argv[1:])
     except MemxError as exc:
-        _log(f"error: {exc}")
+        from memx_launch.runtime.calibration import CalibrationRefused
+        if not isinstance(exc, CalibrationRefused) or env.get("RANK", "0") == "0":  # every rank refuses: one line
+            _log(f"error: {exc}")
         code = exc.exit_code
     except SystemExit as exc:  # the script's own exit, or a planned restart
         if isinstance(exc.code, str):

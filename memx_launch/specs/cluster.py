@@ -17,6 +17,8 @@ from memx_launch.specs.checks import reject_unknown, require_positive
 
 
 CLUSTER_FILE_VERSION = 1
+# Nodes given with a count are expanded: a bound keeps a typo (count: 10000000) from filling memory.
+MAX_DEVICES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,13 @@ class DeviceType:
     """HBM bandwidth in GB/s; bounds element-wise work in the analytical time model."""
     flash_attention: bool = True
     """Fused attention kernel available (no s^2 activation term)."""
+    peak_tflops_fp32: float | None = None
+    """Dense fp32 matmul peak (TF32 on Ampere and later where the framework enables it);
+    used for fp32 training, else ``peak_tflops`` serves every dtype."""
+    memory_overhead_gib: float | None = None
+    """Memory a training process holds above its tensors: CUDA context, communication
+    buffers, the caching allocator's reserve over allocated. Unset: the vendor's default
+    (:data:`DEFAULT_MEMORY_OVERHEAD_GIB`)."""
 
     def __post_init__(self):
         where = f"device_types.{self.name}"
@@ -45,6 +54,11 @@ class DeviceType:
                               "give achieved/peak TFLOPS, e.g. 0.45")
         if self.memory_bandwidth_gbps is not None and self.memory_bandwidth_gbps <= 0:
             raise ConfigError(f"{where}.memory_bandwidth_gbps", "must be positive")
+        if self.peak_tflops_fp32 is not None and not self.peak_tflops_fp32 > 0:
+            raise ConfigError(f"{where}.peak_tflops_fp32", "must be positive", "give the fp32/TF32 peak")
+        if self.memory_overhead_gib is not None and not 0 <= self.memory_overhead_gib < self.memory_gib:
+            raise ConfigError(f"{where}.memory_overhead_gib", f"must be in [0, memory_gib), got "
+                              f"{self.memory_overhead_gib!r}", "give reserved minus allocated memory in GiB")
 
     @property
     def memory_bytes(self) -> float:
@@ -54,8 +68,32 @@ class DeviceType:
     def effective_tflops(self) -> float:
         return self.peak_tflops * (self.efficiency if self.efficiency is not None else DEFAULT_EFFICIENCY)
 
+    def effective_tflops_for(self, dtype: str) -> float:
+        """Sustained TFLOPS for training in ``dtype`` (the fp32 peak for fp32 when given)."""
+        if dtype == "fp32" and self.peak_tflops_fp32 is not None:
+            return self.effective_tflops * self.peak_tflops_fp32 / self.peak_tflops
+        return self.effective_tflops
 
-DEFAULT_EFFICIENCY = 0.45
+    @property
+    def overhead_bytes(self) -> float:
+        gib = self.memory_overhead_gib
+        if gib is None:
+            gib = DEFAULT_MEMORY_OVERHEAD_GIB.get(self.vendor, DEFAULT_MEMORY_OVERHEAD_GIB["unknown"])
+        return gib * 2**30
+
+
+# Share of the datasheet peak that large 16-bit matmuls and fused attention sustain on
+# datacenter GPUs (cuBLAS reaches 75-85% on A100/H100 for transformer-sized GEMMs). The cost
+# model times memory-bound work, launches and communication separately, so this is the
+# matmul share, not an end-to-end MFU; calibration replaces it per device type.
+DEFAULT_EFFICIENCY = 0.75
+
+# Unmeasured memory above the tensors, per vendor. NVIDIA/AMD: the CUDA/HIP context with the
+# BLAS and attention-kernel modules loaded (~0.75 GiB), NCCL/RCCL buffers of the TP, PP and DP
+# communicators (~0.75 GiB at default buffer sizes) and the caching allocator's reserve over
+# allocated (~0.5 GiB of partly used 2 MiB / 20 MiB blocks). CPU emulation: a guard counts the
+# tensors only. A measured value in the cluster YAML (memory_overhead_gib) replaces these.
+DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 2.0, "amd": 2.0, "cpu": 0.0, "unknown": 0.0}
 
 
 @dataclass(frozen=True)
@@ -66,6 +104,8 @@ class Node:
     intra_node_gbps: float
     numa_domains: int = 1
     cross_numa_gbps: float | None = None
+    host: str | None = None
+    """Address the other nodes reach this one at (the rendezvous master when it is the first)."""
 
     @property
     def num_devices(self) -> int:
@@ -90,6 +130,8 @@ class ClusterSpec:
     nodes: tuple[Node, ...]
     inter_node_gbps: float
     emulation: Emulation | None = None
+    master_addr: str | None = None
+    """Where torchrun's rendezvous runs; default: the first node's host."""
 
     def __post_init__(self):
         # Rank tables, computed once: the search asks for links between thousands of ranks.
@@ -110,7 +152,11 @@ class ClusterSpec:
 
     @property
     def world_size(self) -> int:
-        return sum(n.num_devices for n in self.nodes)
+        return len(self._rank_types)
+
+    def master_address(self) -> str | None:
+        """The rendezvous address: ``master_addr``, else the first node's ``host`` (None: not given)."""
+        return self.master_addr or self.nodes[0].host
 
     def rank_device_types(self) -> list[str]:
         """Device type of each global rank: nodes in order, types in listed order."""
@@ -182,7 +228,7 @@ class ClusterSpec:
             raise ConfigError("cluster", "the file must be a mapping with version, device_types, nodes",
                               "see examples/clusters/paper-20gpu.yaml")
         reject_unknown(data, {"version", "name", "device_types", "nodes", "inter_node_gbps",
-                               "emulation"}, "cluster")
+                               "emulation", "master_addr"}, "cluster")
         version = data.get("version")
         if version != CLUSTER_FILE_VERSION:
             raise ConfigError("cluster.version", f"expected {CLUSTER_FILE_VERSION}, got {version!r}",
@@ -193,7 +239,7 @@ class ClusterSpec:
                               "map each device type name to its memory_gib and peak_tflops")
         types = []
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
-                   "flash_attention"}
+                   "flash_attention", "peak_tflops_fp32", "memory_overhead_gib"}
         for tname, spec in raw_types.items():
             if not isinstance(spec, dict):
                 raise ConfigError(f"cluster.device_types.{tname}", "must be a mapping")
@@ -208,13 +254,13 @@ class ClusterSpec:
         raw_nodes = data.get("nodes")
         if not isinstance(raw_nodes, list) or not raw_nodes:
             raise ConfigError("cluster.nodes", "missing or empty", "list the nodes with their devices")
-        nodes = []
+        nodes, devices_in_file = [], 0
         for i, raw in enumerate(raw_nodes):
             where = f"cluster.nodes[{i}]"
             if not isinstance(raw, dict):
                 raise ConfigError(where, "must be a mapping")
             reject_unknown(raw, {"name", "devices", "intra_node_gbps", "numa_domains",
-                                  "cross_numa_gbps"}, where)
+                                  "cross_numa_gbps", "host", "count"}, where)
             devices = raw.get("devices")
             if not isinstance(devices, dict) or not devices:
                 raise ConfigError(f"{where}.devices", "missing or empty", "e.g. devices: {a100: 8}")
@@ -232,8 +278,21 @@ class ClusterSpec:
             cross = raw.get("cross_numa_gbps")
             if cross is not None:
                 require_positive(cross, f"{where}.cross_numa_gbps")
-            nodes.append(Node(str(raw.get("name", f"node{i}")), tuple(devices.items()),
-                              float(intra), numa, None if cross is None else float(cross)))
+            count = raw.get("count", 1)
+            if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+                raise ConfigError(f"{where}.count", f"must be a positive integer, got {count!r}",
+                                  "the number of identical nodes this entry stands for")
+            host = raw.get("host")
+            if host is not None and (not isinstance(host, str) or count > 1):
+                raise ConfigError(f"{where}.host", "must be one address, on an entry without count",
+                                  "list nodes with their own host one by one")
+            devices_in_file += count * sum(devices.values())
+            if devices_in_file > MAX_DEVICES:
+                raise ConfigError(f"{where}.count", f"the file declares more than {MAX_DEVICES:,} devices",
+                                  "split the job, or check the counts")
+            name = str(raw.get("name", f"node{i}"))
+            nodes += [Node(name if count == 1 else f"{name}-{k}", tuple(devices.items()), float(intra), numa,
+                           None if cross is None else float(cross), host) for k in range(count)]
         inter = data.get("inter_node_gbps")
         if len(nodes) > 1 or inter is not None:
             require_positive(inter, "cluster.inter_node_gbps")
@@ -252,5 +311,9 @@ class ClusterSpec:
                     raise ConfigError(f"cluster.emulation.slowdown.{tname}", f"{factor} < 1",
                                       "a slowdown is 1 or more (1 = CPU speed)")
             emulation = Emulation(tuple((k, float(v)) for k, v in slow.items()))
+        master = data.get("master_addr")
+        if master is not None and not (isinstance(master, str) and master):
+            raise ConfigError("cluster.master_addr", f"must be a host name or address, got {master!r}",
+                              "e.g. master_addr: node0.example.org")
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
-                   float(inter) if inter is not None else math.inf, emulation)
+                   float(inter) if inter is not None else math.inf, emulation, master)

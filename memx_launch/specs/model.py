@@ -150,6 +150,7 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
     _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
     _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
+    _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),  # TinyLlama-1.1B's shape: benchmarks/gpu_check.py
     # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, fp32 there).
     ModelSpec("opt-350m", 24, 1024, 16, 16, 4096, 50272, 2048, gated_mlp=False, tie_embeddings=True),
     ModelSpec("gpt-neo-2.7b", 32, 2560, 20, 20, 10240, 50257, 2048, gated_mlp=False, tie_embeddings=True),

@@ -1,9 +1,30 @@
-"""How it is trained: TrainingSpec (batch, sequence, precision, optimizer and state sharding).
+"""How it is trained: TrainingSpec (batch, sequence, precision, optimizer, state sharding and the
+memory-relevant options of the framework), and the named setups users run (``--setup``).
+
+A setup is a preset of the explicit fields; a field given explicitly wins over the preset.
+What each setup keeps per parameter (Adam, 16-bit training; Megatron's
+``theoretical_memory_usage.py`` and the ZeRO paper, Rajbhandari et al. 2020):
+
+=========  =======================================================  =====================
+setup      weights / grads / master + moments                       bytes per parameter
+=========  =======================================================  =====================
+megatron   bf16 / fp32 main grads / fp32, sharded over DP (dist.    6 + 12/DP
+           optimizer); sequence parallel on when TP > 1
+zero1      bf16 / bf16 / fp32 sharded (DeepSpeed ZeRO-1)            4 + 12/DP
+zero2      bf16 / bf16 sharded / fp32 sharded (ZeRO-2)              2 + 14/DP
+zero3      all sharded (ZeRO-3)                                     16/DP
+fsdp2      fp32 sharded params, bf16 compute, fp32 reduce (torch-   16/DP
+           titan MixedPrecisionPolicy)
+ddp        fp32 params under autocast, fp32 grads, fp32 moments     16
+=========  =======================================================  =====================
+
+No setup keeps the defaults memx always had: 16-bit weights, fp32 grads, fp32 master and
+moments, nothing sharded unless ``distributed_optimizer`` / ``fully_sharded`` say so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 from memx_launch.errors import ConfigError
@@ -15,16 +36,73 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZERS = ("adam", "sgd")
 
 
+SETUPS: dict[str, dict] = {
+    "megatron": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="fp32",
+                     sequence_parallel=True, flash_attention=True, loss_dtype="fp32",
+                     vocab_parallel_loss=True, overlap_grad_reduce=True),
+    "zero1": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
+                  vocab_parallel_loss=False),
+    "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
+                  grad_dtype="training", vocab_parallel_loss=False),
+    "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
+                  vocab_parallel_loss=False, overlap_grad_reduce=True),
+    "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
+                  overlap_grad_reduce=True),
+    "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True),
+}
+"""Explicit field values of each named setup ("training" = the training dtype)."""
+
+
+_PRECISIONS = ("fp32", "training")
+
+
 @dataclass(frozen=True)
 class TrainingSpec:
     global_batch_size: int = 512
     seq_len: int = 4096
     dtype: str = "bf16"
     optimizer: str = "adam"
-    distributed_optimizer: bool = False
-    """Shard the optimizer state over data-parallel ranks (Megatron's distributed optimizer, ZeRO-1)."""
-    fully_sharded: bool = False
+    setup: str | None = None
+    """A named preset of the fields below (see :data:`SETUPS`); explicit fields win."""
+    distributed_optimizer: bool | None = None
+    """Shard the master weights and optimizer state over data-parallel ranks (Megatron's
+    distributed optimizer, ZeRO-1)."""
+    sharded_gradients: bool | None = None
+    """Also shard the gradients (ZeRO-2: reduce-scatter into each rank's partition)."""
+    fully_sharded: bool | None = None
     """Shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)."""
+    weights_dtype: str | None = None
+    """"training" (16-bit weights, fp32 master copy in the optimizer) or "fp32" (fp32 weights
+    computed in 16 bits by autocast or a mixed-precision policy: no separate master copy).
+    Default: fp32 when fully sharded, else the training dtype."""
+    grad_dtype: str | None = None
+    """"fp32" (Megatron's main grads, FSDP's fp32 reduce) or "training" (DeepSpeed's bf16
+    grads). Default fp32."""
+    sequence_parallel: bool | None = None
+    """Megatron sequence parallelism: the norm and dropout activations split over TP."""
+    flash_attention: bool | None = None
+    """Fused attention: no s x s score tensors kept. Default on (a device type without the
+    kernel turns it off for its stages)."""
+    loss_dtype: str | None = None
+    """"fp32" (logits cast to fp32 for the loss, Megatron's cross entropy) or "training"
+    (logits and their gradient in the training dtype). Default fp32."""
+    dropout: bool | None = None
+    """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. LLaMA
+    trains without; default off."""
+    attention_dropout: bool | None = None
+    """Dropout on the attention probabilities: without fused attention its mask and output
+    (s x s each) are kept. Default off (OPT trains without it)."""
+    overlap_grad_reduce: bool | None = None
+    """The data-parallel gradient reduction runs during the last micro-batch's backward (DDP
+    buckets, FSDP, ZeRO-3, Megatron's --overlap-grad-reduce); off: after it. Default off."""
+    fused_norm: bool | None = None
+    """Fused RMSNorm/LayerNorm kernel (saves its input and output only). Off: the norm in
+    separate torch ops keeps the normalised tensor before the weight as well (2 bytes per
+    element per norm). Default on."""
+    vocab_parallel_loss: bool | None = None
+    """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits.
+    Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
+    vocabulary on every TP rank and the loss keeps a log-softmax of it. Default on."""
 
     def __post_init__(self):
         if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0:
@@ -36,7 +114,41 @@ class TrainingSpec:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("--optimizer", f"unknown optimizer {self.optimizer!r}",
                               f"use one of {', '.join(OPTIMIZERS)}")
+        if self.setup is not None and self.setup not in SETUPS:
+            raise ConfigError("--setup", f"unknown setup {self.setup!r}", f"use one of {', '.join(SETUPS)}")
+        preset = SETUPS.get(self.setup, {})
+        defaults = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
+                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True,
+                        loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
+                        overlap_grad_reduce=False, vocab_parallel_loss=True)
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, preset.get(name, default))
+        if self.weights_dtype is None:
+            object.__setattr__(self, "weights_dtype",
+                               preset.get("weights_dtype", "fp32" if self.fully_sharded else "training"))
+        for name in ("weights_dtype", "grad_dtype", "loss_dtype"):
+            value = getattr(self, name)
+            if value in ("bf16", "fp16"):  # a 16-bit name means the training dtype
+                object.__setattr__(self, name, "training")
+            elif value not in _PRECISIONS:
+                raise ConfigError(f"--{name.replace('_', '-')}", f"unknown precision {value!r}",
+                                  "use fp32 or the training dtype")
+        if self.sharded_gradients and not self.distributed_optimizer and not self.fully_sharded:
+            raise ConfigError("--sharded-gradients", "needs the optimizer state sharded as well",
+                              "use --setup zero2 or add --distributed-optimizer")
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    def precision_bytes(self, name: str) -> int:
+        """Bytes per element of ``weights_dtype``, ``grad_dtype`` or ``loss_dtype``."""
+        return 4 if getattr(self, name) == "fp32" else self.dtype_bytes
+
+    def plan_fields(self) -> dict:
+        """What a plan records of the run (every field but the batch and sequence length)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("global_batch_size", "seq_len")}
+
+
+PLAN_TRAINING_KEYS = tuple(f.name for f in fields(TrainingSpec) if f.name not in ("global_batch_size", "seq_len"))

@@ -1,0 +1,173 @@
+"""GPU check: the paths that only run on a GPU, on one GPU, in under five minutes.
+
+    python benchmarks/gpu_check.py            # writes benchmarks/results/gpu_check.json
+
+1. Calibration of llama2-7b blocks in bf16 with memx's real kernel (CUDA-event timing, allocated
+   and reserved peaks), against the analytical model's time and activation memory.
+2. The memory monitor's NVML reading against torch.cuda's (device total, this process's use).
+3. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
+   calibration in the job, the plan, 10 training steps; predicted against measured peak memory
+   and step time, from the script's per-step lines.
+
+Without a CUDA GPU it stops at once with one line and exit code 1 (nothing is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+OUT = os.path.join(ROOT, "benchmarks", "results", "gpu_check.json")
+RUN_MODEL = "tinyllama-1.1b"
+RUN_STEPS = 10
+RUN_TIMEOUT_S = 240
+# mbs x seq of the llama2-7b blocks measured, and their recompute levels
+CALIBRATION_POINTS = [(1, 4096, "none"), (2, 4096, "none"), (1, 4096, "full"), (1, 2048, "selective")]
+
+
+def _error(message: str) -> int:
+    print(f"gpu_check: error: {message}", file=sys.stderr)
+    return 1
+
+
+def calibration_check() -> list[dict]:
+    import torch
+
+    from memx_launch.planning.costmodel import AnalyticalCostModel
+    from memx_launch.planning.plan import RECOMPUTE_LEVELS
+    from memx_launch.profiling.kernel import calibrate
+    from memx_launch.profiling.space import Sample
+    from memx_launch.specs.cluster import ClusterSpec
+    from memx_launch.specs.model import get_model
+    from memx_launch.specs.training import TrainingSpec
+
+    model = get_model("llama2-7b")
+    props = torch.cuda.get_device_properties(0)
+    # The analytical model's view of this GPU: its capacity, the peak the file would declare for
+    # an H200/H100 (989 dense bf16 TFLOPS, 4.8 TB/s), the default efficiency.
+    cluster = ClusterSpec.from_dict({"version": 1, "name": "this-gpu", "device_types": {"gpu": {
+        "vendor": "nvidia", "memory_gib": round(props.total_memory / 2**30, 1), "peak_tflops": 989,
+        "memory_bandwidth_gbps": 4800}}, "nodes": [{"devices": {"gpu": 1}, "intra_node_gbps": 450}]})
+    device_type = cluster.device_type("gpu")
+    samples = [Sample(tp=1, micro_batch_size=m, seq_len=s, recompute=r, num_kv_heads=model.num_kv_heads)
+               for m, s, r in CALIBRATION_POINTS]
+    measured = calibrate(model, device_type, samples, device="cuda", dtype="bf16", num_blocks=1, repeats=5)
+    rows = []
+    for s, m in zip(samples, measured):
+        analytical = AnalyticalCostModel(model, cluster, TrainingSpec(seq_len=s.seq_len, dtype="bf16")).layer_costs(
+            0, 1, s.micro_batch_size, s.seq_len, RECOMPUTE_LEVELS.index(s.recompute))
+        rows.append({
+            "micro_batch_size": s.micro_batch_size, "seq_len": s.seq_len, "recompute": s.recompute,
+            "feasible": m.feasible, "time_ms": None if m.time_s is None else round(m.time_s * 1e3, 3),
+            "time_spread_ms": None if m.time_spread_s is None else round(m.time_spread_s * 1e3, 3),
+            "peak_allocated_gib": None if m.peak_memory_bytes is None else round(m.peak_memory_bytes / 2**30, 3),
+            "peak_reserved_gib": None if m.peak_reserved_bytes is None else round(m.peak_reserved_bytes / 2**30, 3),
+            "analytical_time_ms": round(float(analytical.time_s) * 1e3, 3),
+            "analytical_activation_plus_working_gib": round(
+                float(analytical.activation_bytes + analytical.working_bytes) / 2**30, 3)})
+    return rows
+
+
+def nvml_check() -> dict:
+    import pynvml
+    import torch
+
+    from memx_launch.runtime.monitor import memory_reader
+
+    device = torch.device("cuda", 0)
+    hold = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)  # 2 GiB held, so both see something
+    torch.cuda.synchronize(device)
+    reader = memory_reader(device=device)
+    reading = reader.read()
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
+    free, total = torch.cuda.mem_get_info(device)
+    result = {
+        "nvml_total_gib": round(info.total / 2**30, 3), "torch_total_gib": round(total / 2**30, 3),
+        "nvml_used_gib": round(info.used / 2**30, 3), "torch_used_gib": round((total - free) / 2**30, 3),
+        "nvml_this_process_gib": round(mine[0] / 2**30, 3) if mine and mine[0] else None,
+        "torch_reserved_gib": round(torch.cuda.memory_reserved(device) / 2**30, 3),
+        "monitor_capacity_gib": round(reading.capacity_bytes / 2**30, 3),
+        "monitor_current_gib": round(reading.current_bytes / 2**30, 3),
+    }
+    if result["nvml_this_process_gib"] is not None:  # the CUDA context and libraries, outside the allocator
+        result["context_overhead_gib"] = round(result["nvml_this_process_gib"] - result["torch_reserved_gib"], 3)
+    else:
+        result["note"] = "NVML lists no process with this PID (a container's PID namespace): per-process use unseen"
+    del hold
+    torch.cuda.empty_cache()
+    return result
+
+
+STEP = re.compile(r"^step (\d+) \| loss ([0-9.]+) \| ([0-9.]+) s/step \(predicted ([0-9.]+)\).*?"
+                  r"s0 [^:]+: mem ([0-9.]+)/([0-9.]+) MiB, mb ([0-9.]+)/([0-9.]+) ms", re.M)
+
+
+def memx_run_check(workdir: str) -> dict:
+    argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "1", "--max-restarts", "0",
+            "--run-dir", os.path.join(workdir, "run"), "--profile-db", os.path.join(workdir, "profiles.jsonl"),
+            "--global-batch-size", "8", "--seq-len", "2048", "--no-replan",
+            os.path.join(ROOT, "examples", "train.py"), "--model", RUN_MODEL, "--steps", str(RUN_STEPS), "--synthetic"]
+    start = time.perf_counter()
+    proc = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    steps = [dict(zip(("step", "loss", "step_s", "predicted_step_s", "peak_mib", "predicted_peak_mib",
+                       "microbatch_ms", "predicted_microbatch_ms"), (int(m[0]), *map(float, m[1:]))))
+             for m in STEP.findall(proc.stdout)]
+    result = {"command": " ".join(argv[2:]), "exit_code": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
+              "steps": steps, "plan": [l for l in proc.stdout.splitlines() if l.startswith("winner:")]}
+    if proc.returncode != 0 or not steps:
+        result["stderr_tail"] = proc.stderr[-3000:]
+        return result
+    later = steps[1:] or steps  # the first step includes warm-up
+    measured_step = sorted(s["step_s"] for s in later)[len(later) // 2]
+    peak = max(s["peak_mib"] for s in steps)
+    result.update(measured_median_step_s=measured_step, predicted_step_s=steps[0]["predicted_step_s"],
+                  step_time_error=round(steps[0]["predicted_step_s"] / measured_step - 1, 4),
+                  measured_peak_mib=peak, predicted_peak_mib=steps[0]["predicted_peak_mib"],
+                  peak_memory_error=round(steps[0]["predicted_peak_mib"] / peak - 1, 4))
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=OUT, help=f"results file (default {os.path.relpath(OUT, ROOT)})")
+    args = p.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        return _error("no CUDA GPU here (torch.cuda.is_available() is False); run this on a machine with an "
+                      "NVIDIA GPU and a CUDA build of torch")
+    from benchmarks.machine import machine_info
+    from memx_launch.files import write_json_atomic
+
+    started = time.perf_counter()
+    props = torch.cuda.get_device_properties(0)
+    result = {"machine": machine_info(),
+              "device": {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 2),
+                         "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
+                         "cuda": torch.version.cuda}}
+    result["calibration_llama2_7b_bf16"] = calibration_check()
+    print(f"calibration: {result['calibration_llama2_7b_bf16']}", flush=True)
+    result["nvml_vs_torch"] = nvml_check()
+    print(f"nvml vs torch: {result['nvml_vs_torch']}", flush=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        result["memx_run"] = memx_run_check(workdir)
+    print(f"memx-run: exit {result['memx_run']['exit_code']}, {len(result['memx_run']['steps'])} steps", flush=True)
+    result["total_s"] = round(time.perf_counter() - started, 1)
+    write_json_atomic(args.out, result, overwrite=True)
+    print(f"written to {args.out} in {result['total_s']} s")
+    return 0 if result["memx_run"]["exit_code"] == 0 and result["memx_run"]["steps"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

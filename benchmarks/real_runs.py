@@ -1,0 +1,291 @@
+"""memx's whole-plan predictions against real training runs: fit or OOM, iteration time, ranking.
+
+Data (development sets of issue 10, in shared/peer-data):
+- hagemann-dev/llama13b_runs.csv: 422 LLaMA-13B runs on A100-80GB (Hagemann et al. 2023), each
+  ok or OOM with its average step time. Their setup, modelled through memx's options (not
+  fitted): Aleph Alpha's Megatron-derived codebase in bf16, 1F1B, an even layer split; its
+  ZeRO optimizer keeps bf16 weights and bf16 gradients whole on every rank and shards the
+  fp32 master weights and Adam moments over DP (``scaling/core/optimizer/parameter_group.py``:
+  memx's ``zero1`` setup); LLaMA without dropout; flash attention when the row's kernel is
+  flash_attention*, the s x s scores kept for "torch" and "fused" (Megatron's fused softmax);
+  sequence parallelism and activation checkpointing (every layer = full) as the row says.
+  Vocabulary 131,072 and 4.2M tokens per step (2,048 sequences at 2k, 512 at 8k), from the data's
+  README. Cluster: DGX A100 nodes of 8 (NVLink 300 GB/s per direction), 8 HDR 200 Gb/s NICs per
+  node (25 GB/s per GPU), datasheet peaks, memx's default efficiency (uncalibrated).
+- sailor-plans-dev/opt350_gh96_plans.csv: 15 whole OPT-350 plans run on GH200 nodes of 4 with
+  Megatron-DeepSpeed: fp32 (fp32 matmuls at the fp32 peak: PyTorch leaves TF32 off), Adam state
+  whole, hidden dropout on and attention dropout off (OPT's training configuration), no fused
+  attention in fp32, the plan's layer split.
+
+Metrics: fit/OOM confusion matrix, false fits (real OOMs called fits) as a share of real OOMs,
+time MAPE and Spearman per group (runs that ran), memx's pick per group (lowest predicted time
+among layouts predicted to fit) and its regret against the measured best.
+
+Writes benchmarks/results/real_runs.json.
+Run: .venv/bin/python benchmarks/real_runs.py   (about a minute on 2 CPU cores)
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.errors import ConfigError  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.planning.estimate import evaluate_layout  # noqa: E402
+from memx_launch.specs.cluster import ClusterSpec  # noqa: E402
+from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
+from memx_launch.specs.training import TrainingSpec  # noqa: E402
+
+OUT = os.path.join(ROOT, "benchmarks", "results", "real_runs.json")
+GIB = 2**30
+
+
+def shared_dir() -> str:
+    """shared/ beside the repository (the main checkout), or $MEMX_SHARED."""
+    for candidate in (os.environ.get("MEMX_SHARED"), os.path.join(ROOT, "..", "shared"),
+                      os.path.join(ROOT, "..", "..", "shared"), os.path.join(ROOT, "shared")):
+        if candidate and os.path.isdir(os.path.join(candidate, "peer-data")):
+            return os.path.abspath(candidate)
+    raise SystemExit("real_runs: no shared/peer-data found; set MEMX_SHARED")
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def spearman(a, b) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(x):
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="mergesort")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for value in np.unique(x):
+            tied = x == value
+            r[tied] = r[tied].mean()
+        return r
+    if len(a) < 3:
+        return math.nan
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def mape(pred, real) -> float:
+    pred, real = np.asarray(pred, dtype=float), np.asarray(real, dtype=float)
+    return float(100 * np.mean(np.abs(pred - real) / real)) if len(real) else math.nan
+
+
+def fit_summary(rows) -> dict:
+    """Confusion matrix of predicted fit against the real ok/OOM label."""
+    labelled = [r for r in rows if r["real"] in ("ok", "OOM") and r.get("fits") is not None]
+    cm = {"real_ok_pred_fit": 0, "real_ok_pred_oom": 0, "real_oom_pred_fit": 0, "real_oom_pred_oom": 0}
+    for r in labelled:
+        cm[f"real_{r['real'].lower()}_pred_{'fit' if r['fits'] else 'oom'}"] += 1
+    n_oom = cm["real_oom_pred_fit"] + cm["real_oom_pred_oom"]
+    n_ok = cm["real_ok_pred_fit"] + cm["real_ok_pred_oom"]
+    right = cm["real_ok_pred_fit"] + cm["real_oom_pred_oom"]
+    return {"runs": len(labelled), "confusion": cm,
+            "accuracy_pct": round(100 * right / max(len(labelled), 1), 1),
+            "false_fit_pct_of_real_ooms": round(100 * cm["real_oom_pred_fit"] / max(n_oom, 1), 1),
+            "false_oom_pct_of_real_oks": round(100 * cm["real_ok_pred_oom"] / max(n_ok, 1), 1)}
+
+
+def group_summary(rows, key) -> dict:
+    """Per group: time MAPE and Spearman over the runs that ran; memx's pick and its regret."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[key(r)].append(r)
+    out = {}
+    for name, members in sorted(groups.items()):
+        ran = [r for r in members if r["real"] == "ok" and r.get("time_s") is not None]
+        entry = {"runs": len(members), "ran": len(ran),
+                 "time_mape_pct": round(mape([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 1),
+                 "spearman": round(spearman([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 3)}
+        fits = [r for r in members if r.get("fits")]
+        if ran and fits:
+            pick = min(fits, key=lambda r: r["time_s"])
+            best = min(ran, key=lambda r: r["real_time_s"])
+            entry["measured_best"] = {"layout": best["layout"], "time_s": best["real_time_s"]}
+            entry["memx_pick"] = {"layout": pick["layout"], "predicted_time_s": round(pick["time_s"], 3),
+                                  "real": pick["real"], "real_time_s": pick.get("real_time_s")}
+            entry["regret_pct"] = (round(100 * (pick["real_time_s"] / best["real_time_s"] - 1), 1)
+                                   if pick["real"] == "ok" else "pick ran out of memory")
+        out[name] = entry
+    return out
+
+
+def time_summary(rows) -> dict:
+    ran = [r for r in rows if r["real"] == "ok" and r.get("time_s") is not None]
+    ratio = np.array([r["time_s"] / r["real_time_s"] for r in ran]) if ran else np.array([math.nan])
+    return {"runs": len(ran),
+            "time_mape_pct": round(mape([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 1),
+            "predicted_over_measured_median": round(float(np.median(ratio)), 3),
+            "predicted_over_measured_p10_p90": [round(float(np.percentile(ratio, q)), 3) for q in (10, 90)]}
+
+
+# --------------------------------------------------------------------------- Hagemann et al. (LLaMA-13B, A100)
+
+
+def a100_cluster(world: int) -> ClusterSpec:
+    return ClusterSpec.from_dict({
+        "version": 1, "name": f"dgx-a100-{world}",
+        # "80GB" is the marketing size; CUDA reports about 79.3 GiB of it (81,920 MiB less what
+        # the driver keeps), the capacity a run can fill.
+        "device_types": {"a100-80gb": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
+                                       "memory_bandwidth_gbps": 2039}},
+        "nodes": [{"devices": {"a100-80gb": 8}, "intra_node_gbps": 300} for _ in range(world // 8)],
+        "inter_node_gbps": 25})
+
+
+def hagemann(shared: str) -> list[dict]:
+    rows = []
+    clusters: dict[int, ClusterSpec] = {}
+    with open(os.path.join(shared, "peer-data", "hagemann-dev", "llama13b_runs.csv")) as f:
+        data = list(csv.DictReader(f))
+    for d in data:
+        seq, world = int(d["seq_len"]), int(d["world_size"])
+        tp, pp, mbs = int(d["tp"]), int(d["pp"]), int(d["micro_batch_size"])
+        dp = world // (tp * pp)
+        model = ModelSpec("llama-13b", int(d["layers"]), int(d["hidden"]), int(d["heads"]), int(d["heads"]),
+                          int(d["ffn_hidden"]), 131072, seq)
+        sequences = 2048 if seq == 2048 else 512
+        # Micro-batches per pipeline from the step's sequences; a layout whose dp x mbs exceeds
+        # them (it only OOMed) is asked with one micro-batch per stage at least.
+        g = max(math.ceil(sequences / (dp * mbs)), pp)
+        flash = d["kernel"].startswith("flash_attention")
+        sp = d["sequence_parallel"] in ("1", "True")
+        training = TrainingSpec(global_batch_size=g * dp * mbs, seq_len=seq, dtype="bf16", setup="zero1",
+                                sequence_parallel=sp, flash_attention=flash, dropout=False,
+                                fused_norm="RMS kernel" in d["kernel"])
+        recompute = "full" if d["activation_checkpointing"] == "every_layer" else "none"
+        cluster = clusters.setdefault(world, a100_cluster(world))
+        row = {"group": f"{d['source_file'].replace('.xlsx', '')}", "real": d["status"],
+               "real_time_s": float(d["avg_step_time_s"]) if d["avg_step_time_s"] else None,
+               "layout": f"tp{tp} pp{pp} dp{dp} mbs{mbs} {recompute} {d['kernel']}{' sp' if sp else ''}",
+               "kernel": d["kernel"], "seq_len": seq}
+        try:
+            plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+                                   layers_per_stage=[model.num_layers // pp] * pp, recompute=recompute,
+                                   references=(1.0, 1.0, 1.0))
+        except ConfigError as exc:
+            row["error"] = str(exc)
+            rows.append(row)
+            continue
+        row["fits"] = all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
+        row["peak_gib"] = round(max(s.predicted_peak_memory_gib for s in plan.stages), 2)
+        row["time_s"] = plan.predicted_iteration_time_s
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- Sailor plans (OPT-350, GH200)
+
+
+def gh200_cluster(nodes: int) -> ClusterSpec:
+    return ClusterSpec.from_dict({
+        "version": 1, "name": f"gh200-{nodes}x4",
+        "device_types": {"GH-96": {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989,
+                                   "peak_tflops_fp32": 67, "memory_bandwidth_gbps": 4000}},
+        "nodes": [{"devices": {"GH-96": 4}, "intra_node_gbps": 450} for _ in range(nodes)],
+        "inter_node_gbps": 25})
+
+
+def sailor(shared: str) -> list[dict]:
+    rows = []
+    model = get_model("opt-350m")
+    with open(os.path.join(shared, "peer-data", "sailor-plans-dev", "opt350_gh96_plans.csv")) as f:
+        data = list(csv.DictReader(f))
+    for d in data:
+        pp, mbs, gbs = int(d["pp"]), int(d["mbs"]), int(d["gbs"])
+        dps = {int(x) for x in d["dp"].split("/")}
+        tps = {int(x) for x in d["stage_tp"].split("|")}
+        units = [int(x) for x in d["layer_units_per_stage"].split("/")]
+        layers = list(units)
+        layers[0] -= 1   # embedding unit
+        layers[-1] -= 1  # head unit
+        nodes = int(d["case"].split("/")[2][1:])
+        row = {"group": f"N{nodes} gbs{gbs}", "real": "ok", "real_time_s": float(d["measured_iter_s"]),
+               "real_peak_gib": float(d["measured_peak_mem_bytes"]) / GIB,
+               "layout": f"pp{pp} dp{d['dp']} tp{d['stage_tp']} mbs{mbs} split {d['layer_units_per_stage']}"}
+        if len(dps) > 1 or len(tps) > 1:
+            row["error"] = "per-stage DP or TP degrees differ (not expressible yet)"
+            rows.append(row)
+            continue
+        dp, tp = dps.pop(), tps.pop()
+        training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
+                                flash_attention=False, dropout=True)
+        try:
+            plan = evaluate_layout(model, gh200_cluster(nodes), training, tp=tp, pp=pp, dp=dp,
+                                   micro_batch_size=mbs, layers_per_stage=layers, recompute=d["recompute"],
+                                   references=(1.0, 1.0, 1.0))
+        except ConfigError as exc:
+            row["error"] = str(exc)
+            rows.append(row)
+            continue
+        row["fits"] = all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
+        row["peak_gib"] = round(max(s.predicted_peak_memory_gib for s in plan.stages), 2)
+        row["time_s"] = plan.predicted_iteration_time_s
+        rows.append(row)
+    return rows
+
+
+def no_nan(value):
+    """NaN (a group too small to rank) as null: the results file stays strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [no_nan(v) for v in value]
+    return value
+
+
+def main() -> None:
+    shared = shared_dir()
+    started = time.perf_counter()
+    result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency"}
+    h = hagemann(shared)
+    result["hagemann_llama13b_a100"] = {
+        "fit": fit_summary(h), "time": time_summary(h),
+        "time_by_kernel": {k: time_summary([r for r in h if r["kernel"] == k])
+                           for k in sorted({r["kernel"] for r in h})},
+        "fit_by_seq_len": {str(s): fit_summary([r for r in h if r["seq_len"] == s]) for s in (2048, 8192)},
+        "groups": group_summary(h, lambda r: r["group"]),
+        "errors": sum("error" in r for r in h),
+        "rows": h}
+    groups = result["hagemann_llama13b_a100"]["groups"]
+    rhos = [g["spearman"] for g in groups.values() if not math.isnan(g["spearman"])]
+    result["hagemann_llama13b_a100"]["spearman_mean_over_groups"] = round(float(np.mean(rhos)), 3)
+    s = sailor(shared)
+    done = [r for r in s if "time_s" in r]
+    result["sailor_opt350_gh200"] = {
+        "fit": fit_summary(s), "time": time_summary(s),
+        "memory_mape_pct": round(mape([r["peak_gib"] for r in done], [r["real_peak_gib"] for r in done]), 1),
+        "spearman_all_plans": round(spearman([r["time_s"] for r in done], [r["real_time_s"] for r in done]), 3),
+        "groups": group_summary(s, lambda r: r["group"]),
+        "errors": sum("error" in r for r in s),
+        "rows": s}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    write_json_atomic(OUT, no_nan(result), overwrite=True)
+    brief = {k: result["hagemann_llama13b_a100"][k] for k in ("fit", "time", "spearman_mean_over_groups")}
+    print("hagemann", brief)
+    for name, g in groups.items():
+        print(" ", name, {k: v for k, v in g.items() if k in ("time_mape_pct", "spearman", "regret_pct")})
+    print("sailor", {k: result["sailor_opt350_gh200"][k] for k in ("time", "memory_mape_pct", "spearman_all_plans")})
+    print(f"{result['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

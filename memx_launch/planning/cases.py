@@ -1,0 +1,276 @@
+"""Many layouts at once (``memx estimate --cases FILE``): one row of a CSV or JSON-lines file per
+layout, one JSON object out per row, in one process.
+
+Each row goes through :func:`~memx_launch.planning.estimate.evaluate_layout`, exactly as
+``memx estimate`` with flags; parsed models and clusters, cost models and Phi's reference
+medians are cached across rows, so a file of thousands of layouts of one model on one cluster
+costs one reference search. A bad row gives that row an ``error`` and never stops the others.
+
+Columns (an empty cell or a missing key is the default): the layout columns below, ``id``
+(echoed back), and any field of :class:`~memx_launch.specs.training.TrainingSpec` by its name,
+so training fields added there work here without more code. No torch import.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import typing
+from typing import Callable, Iterator
+
+from memx_launch.errors import ConfigError, MemxError
+from memx_launch.files import write_text_atomic
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.estimate import evaluate_layout, stage_short_gib
+from memx_launch.planning.search import default_references
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "dp", "micro_batch_size", "layers_per_stage", "stage_devices",
+                  "stage_tp", "recompute", "schedule", "virtual_stages")
+ECHO_COLUMNS = ("id",)
+# Documented training columns; each goes to TrainingSpec only once TrainingSpec has that field.
+TRAINING_COLUMNS = ("setup", "dtype", "global_batch_size", "seq_len", "sequence_parallel", "flash_attention",
+                    "distributed_optimizer")
+# memx estimate flags that fill empty cells (paths relative to the working directory).
+FLAG_DEFAULTS = ("model", "cluster", "global_batch_size", "seq_len", "dtype", "optimizer", "distributed_optimizer",
+                 "fully_sharded")
+_LIST_SEPARATORS = ("/", "|", ",")
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def read_cases(path: str) -> Iterator[tuple[int, dict | ConfigError]]:
+    """(row number from 1, the row's values or why the row cannot be read) for every row.
+    ``.csv``: a header line, then one layout per line; ``.jsonl``/``.ndjson``/``.json``: one
+    JSON object per line (blank lines skipped)."""
+    kind = os.path.splitext(path)[1].lower()
+    if kind not in (".csv", ".jsonl", ".ndjson", ".json"):
+        raise ConfigError("--cases", f"{path} is neither .csv nor .jsonl", "name the file by its format")
+    try:
+        f = open(path, newline="", encoding="utf-8-sig")  # a spreadsheet's byte-order mark is no column
+    except OSError as exc:
+        raise ConfigError("--cases", f"cannot read {path!r} ({exc.strerror})", "pass an existing file") from None
+    with f:
+        if kind == ".csv":
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None:
+                raise ConfigError("--cases", f"{path} is empty", "write a header line, then one layout per row")
+            for n, row in enumerate(reader, 1):
+                if None in row:
+                    yield n, ConfigError(f"row {n}", f"{len(row[None])} more cells than the header has columns",
+                                         "quote cells that hold commas")
+                else:
+                    yield n, {k.strip(): v for k, v in row.items() if k is not None}
+            return
+        n = 0
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            n += 1
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield n, ConfigError(f"line {line_no}", f"not valid JSON ({exc.msg})", "one JSON object per line")
+                continue
+            yield n, row if isinstance(row, dict) else ConfigError(
+                f"line {line_no}", "not a JSON object", 'write {"column": value, ...} per line')
+
+
+def run_cases(path: str, out: str | None = None, overwrite: bool = False, **runner_args) -> str:
+    """Estimate every row of ``path`` with a :class:`CaseRunner` (``runner_args``; its base folder
+    is the file's): JSON lines to ``out`` (written atomically once all rows are done) or to stdout
+    as they come. Returns a one-line summary: how many rows fit, do not fit, or failed."""
+    runner = CaseRunner(os.path.dirname(os.path.abspath(path)), **runner_args)
+    lines, counts = [], {"fit": 0, "do not fit": 0, "error": 0}
+    for n, row in read_cases(path):
+        result = {"row": n, **runner.estimate(row)}
+        counts["error" if "error" in result else "fit" if result["fits"] else "do not fit"] += 1
+        line = json.dumps(result, allow_nan=False)
+        if out:
+            lines.append(line + "\n")
+        else:
+            print(line)
+    if out:
+        write_text_atomic(out, "".join(lines), overwrite=overwrite)
+    return (f"{sum(counts.values())} rows: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+            + (f"; written to {out}" if out else ""))
+
+
+class CaseRunner:
+    """Estimates rows one after the other, caching everything rows share.
+
+    ``defaults`` fill absent cells (``memx estimate --model/--cluster/...``); relative paths in
+    ``model`` and ``cluster`` cells are relative to ``base_dir`` (the cases file's folder).
+    ``cost_model_for(model, cluster, training)`` gives the learned cost model (``--profile-db``);
+    None: the analytical model.
+    """
+
+    def __init__(self, base_dir: str = ".", defaults: dict | None = None, memory_headroom: float = 0.0,
+                 weights: tuple[float, float, float] | None = None,
+                 cost_model_for: Callable | None = None):
+        self.base_dir = base_dir
+        # Defaults come from the command line: their paths are relative to the working directory.
+        self.defaults = {k: os.path.abspath(v) if k in ("model", "cluster") and os.path.exists(v) else v
+                         for k, v in (defaults or {}).items() if v is not None}
+        self.memory_headroom = memory_headroom
+        self.weights = weights
+        self.cost_model_for = cost_model_for
+        self._training_types = typing.get_type_hints(TrainingSpec)
+        self._training_fields = {f.name for f in dataclasses.fields(TrainingSpec)}
+        self._models, self._clusters, self._cost_models, self._references = {}, {}, {}, {}
+
+    def estimate(self, row: dict | ConfigError) -> dict:
+        """The row's estimate, or ``{"error": one line}``; never raises for a bad row."""
+        out = {"id": row.get("id")} if isinstance(row, dict) and not _absent(row.get("id")) else {}
+        try:
+            if isinstance(row, ConfigError):
+                raise row
+            return {**out, **self._estimate(row)}
+        except ConfigError as exc:  # flag names become the column names a row uses
+            field = exc.field.replace("--", "").replace("-", "_")
+            return {**out, "error": str(ConfigError(field, exc.problem, exc.fix))}
+        except MemxError as exc:
+            return {**out, "error": str(exc)}
+        except Exception as exc:  # a bug, said as such, must not stop the other rows either
+            return {**out, "error": f"internal error: {type(exc).__name__}: {exc}"}
+
+    def _estimate(self, row: dict) -> dict:
+        values = {**self.defaults, **{k: v for k, v in row.items() if not _absent(v)}}
+        training_kwargs = {}
+        for column, value in values.items():
+            if column in LAYOUT_COLUMNS or column in ECHO_COLUMNS:
+                continue
+            if column in self._training_fields:
+                training_kwargs[column] = _convert(column, value, self._training_types[column])
+            elif column in TRAINING_COLUMNS:
+                raise ConfigError(column, "this memx has no training field of that name yet",
+                                  "leave the column empty")
+            else:
+                raise ConfigError(column, "unknown column", "use the columns listed in docs/estimate.md")
+        for column in ("model", "cluster"):
+            if column not in values:
+                raise ConfigError(column, "missing", f"give a {column} column or --{column}")
+        model = self._model(str(values["model"]))
+        cluster = self._cluster(str(values["cluster"]))
+        training = TrainingSpec(**{"seq_len": model.seq_len, **training_kwargs})
+
+        stage_devices = _list(values, "stage_devices", str)
+        layers = _list(values, "layers_per_stage", int)
+        recompute = _list(values, "recompute", str)
+        stage_tp = _list(values, "stage_tp", int)
+        given_pp = [len(x) for x in (layers, stage_devices, stage_tp) if x is not None]
+        pp = _int(values, "pp", given_pp[0] if given_pp else 1)
+        tp = _int(values, "tp", stage_tp[0] if stage_tp else 1)
+        if stage_tp is not None:
+            if len(set(stage_tp)) > 1:
+                raise ConfigError("stage_tp", "per-stage TP is not supported yet", "give every stage the same degree")
+            if len(stage_tp) != pp or stage_tp[0] != tp:
+                raise ConfigError("stage_tp", f"{stage_tp} does not match tp={tp}, pp={pp}", "one tp per stage")
+        dp = _int(values, "dp", max(1, cluster.world_size // (tp * pp)))
+        schedule = str(values.get("schedule", "1f1b"))
+        v = _int(values, "virtual_stages", 1)
+        if schedule == "interleaved" and "virtual_stages" not in values:
+            raise ConfigError("virtual_stages", "missing for the interleaved schedule", "e.g. 2")
+
+        key = (id(model), id(cluster), training)  # models and clusters are cached: ids are stable
+        if key not in self._cost_models:
+            self._cost_models[key] = (self.cost_model_for(model, cluster, training) if self.cost_model_for
+                                      else None) or cm.AnalyticalCostModel(model, cluster, training)
+        cost_model = self._cost_models[key]
+        if key not in self._references:
+            self._references[key] = default_references(model, cluster, training, cost_model)
+        plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp,
+                               micro_batch_size=_int(values, "micro_batch_size", 1), layers_per_stage=layers,
+                               recompute=recompute, stage_devices=stage_devices, schedule=schedule,
+                               virtual_stages=v, cost_model=cost_model, weights=self.weights,
+                               references=self._references[key], memory_headroom=self.memory_headroom)
+        short = stage_short_gib(plan, self.memory_headroom)
+        peaks = [s.predicted_peak_memory_gib for s in plan.stages]
+        return {"fits": not any(short), "stage_peak_memory_gib": peaks, "peak_memory_gib": max(peaks),
+                "short_gib": [round(x, 6) for x in short], "iteration_time_s": _number(plan.predicted_iteration_time_s),
+                "phi": _number(plan.objective.phi), "layers_per_stage": [s.num_layers for s in plan.stages],
+                "split": "given" if layers is not None else "even",
+                "num_microbatches": plan.num_microbatches}
+
+    def _model(self, value: str):
+        if value not in self._models:
+            path = os.path.join(self.base_dir, value)
+            try:
+                self._models[value] = get_model(path if os.path.exists(path) else value)
+            except ConfigError as exc:
+                raise ConfigError("model", exc.problem, exc.fix) from None
+        return self._models[value]
+
+    def _cluster(self, value: str) -> ClusterSpec:
+        path = os.path.normpath(os.path.join(self.base_dir, value))
+        if path not in self._clusters:
+            try:
+                self._clusters[path] = ClusterSpec.from_yaml(path)
+            except ConfigError as exc:
+                raise ConfigError("cluster", exc.problem, exc.fix) from None
+        return self._clusters[path]
+
+
+def _absent(value) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def _convert(column: str, value, kind):
+    """A cell to the type of its TrainingSpec field (``int``, ``float``, ``bool``, ``str``;
+    ``X | None`` as X)."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    kind = args[0] if len(args) == 1 else kind
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in _TRUE + _FALSE:
+            return str(value).strip().lower() in _TRUE
+        raise ConfigError(column, f"expected true or false, got {value!r}")
+    if kind is int:
+        return _as_int(column, value)
+    if kind is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(column, f"expected a number, got {value!r}") from None
+    return value.strip() if isinstance(value, str) else value
+
+
+def _as_int(column: str, value) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(column, f"expected an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(column, f"expected an integer, got {value!r}") from None
+
+
+def _int(values: dict, column: str, default: int) -> int:
+    if column not in values:
+        return default
+    number = _as_int(column, values[column])
+    if number < 1:
+        raise ConfigError(column, f"must be at least 1, got {number}")
+    return number
+
+
+def _list(values: dict, column: str, cast) -> list | None:
+    """``8/8/8/8``, ``a|b`` or ``full,none`` (or a JSON list); None when absent."""
+    if column not in values:
+        return None
+    value = values[column]
+    if not isinstance(value, list):
+        text = str(value)
+        sep = next((s for s in _LIST_SEPARATORS if s in text), None)
+        value = text.split(sep) if sep else [text]
+    return [_as_int(column, x) if cast is int else str(x).strip() for x in value]
+
+
+def _number(x: float) -> float | None:
+    """JSON has no NaN: an undefined value (Phi without reference plans) is null."""
+    return None if math.isnan(x) else x
+

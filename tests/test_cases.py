@@ -1,0 +1,155 @@
+"""`memx estimate --cases`: one JSON line per row, every row on its own, the columns it reads."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from memx_launch.cli import main
+from memx_launch.planning.cases import CaseRunner, read_cases
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
+TABLE1 = os.path.join(CLUSTERS, "table1-2vendor.yaml")
+
+
+def _cases(tmp_path, text, name="cases.csv"):
+    """A cases file next to a copy of the Table 1 cluster, which rows name by a relative path."""
+    shutil.copy(TABLE1, tmp_path / "t1.yaml")
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, [json.loads(line) for line in out.splitlines()], err
+
+
+def test_rows_match_single_estimates_and_bad_rows_stay_alone(tmp_path, capsys):
+    path = _cases(tmp_path, "id,model,cluster,tp,pp,dp,micro_batch_size,global_batch_size,layers_per_stage,"
+                            "recompute,stage_devices,stage_tp\n"
+                            "fit,llama2-7b,t4.yaml,,,,,,,,,\n"   # unreadable cluster: this row only
+                            "ok,llama2-7b,t1.yaml,2,2,4,1,64,16/16,full|full,vendor-y-64gb|vendor-x-32gb,2|2\n"
+                            "oom,llama2-7b,t1.yaml,1,2,8,1,64,21/11,none,,\n"
+                            "het,llama2-7b,t1.yaml,,2,4,1,64,,full,,4|2\n"
+                            "few,llama2-7b,t1.yaml,1,2,8,1,8,,full,,\n")
+    code, rows, err = _run(capsys, "estimate", "--cases", str(path))
+    assert code == 0, err
+    assert [r["row"] for r in rows] == [1, 2, 3, 4, 5] and [r["id"] for r in rows] == ["fit", "ok", "oom", "het", "few"]
+    assert rows[0]["error"].startswith("cluster: cannot read")
+    assert rows[3]["error"] == "stage_tp: per-stage TP is not supported yet; give every stage the same degree"
+    assert "5 rows: 1 fit, 2 do not fit, 2 error" in err
+
+    cluster = ClusterSpec.from_yaml(TABLE1)
+    model = get_model("llama2-7b")
+    for row, kwargs in ((rows[1], dict(tp=2, dp=4, layers_per_stage=[16, 16], recompute="full",
+                                       stage_devices=["vendor-y-64gb", "vendor-x-32gb"])),
+                        (rows[2], dict(tp=1, dp=8, layers_per_stage=[21, 11], recompute="none"))):
+        plan = evaluate_layout(model, cluster, TrainingSpec(global_batch_size=64, seq_len=model.seq_len), pp=2,
+                               micro_batch_size=1, references=(1, 1, 1), **kwargs)
+        peaks = [s.predicted_peak_memory_gib for s in plan.stages]
+        assert row["stage_peak_memory_gib"] == pytest.approx(peaks)
+        assert row["peak_memory_gib"] == pytest.approx(max(peaks))
+        assert row["iteration_time_s"] == pytest.approx(plan.predicted_iteration_time_s)
+        over = [max(0.0, p - s.memory_capacity_gib) for p, s in zip(peaks, plan.stages)]
+        assert row["short_gib"] == pytest.approx(over, abs=1e-6)
+        assert row["fits"] == (max(over) == 0) and row["split"] == "given"
+        assert row["phi"] > 0
+    assert rows[1]["fits"] and not rows[2]["fits"] and rows[2]["short_gib"][0] > 0
+    # Fewer micro-batches (1) than stages (2) is estimated, with the even split said.
+    assert rows[4]["num_microbatches"] == 1 and rows[4]["split"] == "even"
+    assert rows[4]["layers_per_stage"] == [16, 16]
+
+
+def test_jsonl_flag_defaults_out_file_and_headroom(tmp_path, capsys):
+    lines = [{"tp": 1, "pp": 2, "dp": 8, "micro_batch_size": 1, "layers_per_stage": [16, 16], "recompute": "full"},
+             {"tp": 1, "pp": 2, "dp": 8, "micro_batch_size": 1, "recompute": "full", "global_batch_size": 8,
+              "dtype": "fp32"},
+             "not an object", {"tp": 1, "pp": 2, "dp": 8, "micro_batch_size": 1, "colour": "red"},
+             {"tp": 1, "pp": 2, "dp": 8, "micro_batch_size": 1, "distributed_optimizer": "maybe"}]
+    path = _cases(tmp_path, "\n".join(json.dumps(x) for x in lines) + "\n\n{broken\n", "cases.jsonl")
+    out = tmp_path / "out.jsonl"
+    base = ["estimate", "--cases", str(path), "--model", "llama2-7b", "--cluster", TABLE1, "--global-batch-size", "64"]
+    code, printed, err = _run(capsys, *base, "--out", str(out))
+    assert code == 0 and printed == [] and "written to" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6
+    assert "fits" in rows[0] and rows[1]["num_microbatches"] == 1
+    # the dtype cell reaches the training spec: fp32 model states differ from bf16 mixed precision
+    assert rows[1]["stage_peak_memory_gib"][1] != pytest.approx(rows[0]["stage_peak_memory_gib"][1], rel=1e-3)
+    assert rows[2]["error"].startswith("line 3: not a JSON object")
+    assert rows[3]["error"].startswith("colour: unknown column")
+    assert rows[4]["error"] == "distributed_optimizer: expected true or false, got 'maybe'"
+    assert rows[5]["error"].startswith("line 7: not valid JSON")
+    # The output is never overwritten without --force; with a headroom, less fits.
+    code, _, err = _run(capsys, *base, "--out", str(out))
+    assert code == 2 and "--out: " in err and "already exists" in err
+    code, _, _ = _run(capsys, *base, "--out", str(out), "--force", "--memory-headroom", "0.5")
+    tight = [json.loads(line) for line in out.read_text().splitlines()]
+    assert tight[0]["stage_peak_memory_gib"] == rows[0]["stage_peak_memory_gib"]
+    assert sum(tight[0]["short_gib"]) > sum(rows[0]["short_gib"])
+
+
+def test_training_columns_follow_trainingspec_fields(tmp_path):
+    """A column naming a TrainingSpec field goes there by name; a documented training column that
+    TrainingSpec does not have yet is that row's error, not a silent default."""
+    runner = CaseRunner(str(tmp_path), {"model": "llama2-7b", "cluster": TABLE1})
+    layout = {"tp": "1", "pp": "2", "dp": "8", "micro_batch_size": "1", "global_batch_size": "64",
+              "recompute": "full"}
+    plain = runner.estimate(dict(layout))
+    sharded = runner.estimate({**layout, "distributed_optimizer": "true"})
+    assert sharded["stage_peak_memory_gib"][0] < plain["stage_peak_memory_gib"][0]
+    for column, value in (("setup", "megatron"), ("sequence_parallel", "true"), ("flash_attention", "false")):
+        result = runner.estimate({**layout, column: value})
+        known = column in TrainingSpec.__dataclass_fields__
+        assert ("error" in result) != known, (column, result)
+        if not known:
+            assert result["error"].startswith(f"{column}: this memx has no training field")
+        assert "error" not in runner.estimate({**layout, column: ""})  # empty cell = default
+
+
+def test_many_rows_reuse_parsed_inputs(tmp_path):
+    """Rows of one model, cluster and training share the parsed cluster and one reference search."""
+    rows = [{"tp": 1, "pp": 2, "dp": 8, "micro_batch_size": 1, "layers_per_stage": [16 + k, 16 - k]}
+            for k in range(8)]
+    runner = CaseRunner(str(tmp_path), {"model": "llama2-7b", "cluster": TABLE1, "global_batch_size": 64})
+    results = [runner.estimate(r) for r in rows]
+    assert all("error" not in r for r in results)
+    assert len(runner._clusters) == 1 and len(runner._references) == 1
+    peaks0 = [r["stage_peak_memory_gib"][0] for r in results]
+    assert peaks0 == sorted(peaks0)  # more layers on stage 0, more memory there
+
+
+def test_csv_with_too_many_cells_is_that_rows_error(tmp_path):
+    path = _cases(tmp_path, "tp,pp\n1,2\n1,2,3\n")
+    rows = list(read_cases(str(path)))
+    assert rows[0] == (1, {"tp": "1", "pp": "2"})
+    assert "more cells than the header" in str(rows[1][1])
+
+
+def test_example_cases_file_runs_with_paths_relative_to_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the cluster column is found from the file's folder, not the working one
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "cases", "table1-layouts.csv")
+    code, rows, err = _run(capsys, "estimate", "--cases", example)
+    assert code == 0 and len(rows) == 5 and not [r for r in rows if "error" in r], rows
+    by_id = {r["id"]: r for r in rows}
+    # Paper Table 1: the compute-proportional split overflows the 32 GB part, the memory one fits.
+    assert not by_id["compute-split"]["fits"] and by_id["memory-split"]["fits"]
+    assert by_id["one-microbatch"]["num_microbatches"] == 1
+
+
+def test_interleaved_rows_need_whole_rounds_of_micro_batches(tmp_path):
+    runner = CaseRunner(str(tmp_path), {"model": "llama2-7b", "cluster": TABLE1})
+    row = {"tp": 2, "pp": 2, "dp": 4, "micro_batch_size": 1, "schedule": "interleaved", "virtual_stages": 2,
+           "recompute": "full", "distributed_optimizer": True}
+    assert "error" not in runner.estimate({**row, "global_batch_size": 16})
+    assert runner.estimate({**row, "global_batch_size": 4})["error"].startswith(
+        "global_batch_size: 1 micro-batches for the interleaved schedule on pp=2")
+    assert runner.estimate({k: v for k, v in row.items() if k != "virtual_stages"})["error"].startswith(
+        "virtual_stages: missing")

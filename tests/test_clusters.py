@@ -1,0 +1,70 @@
+"""Cluster files with node counts (12,288 GPUs in a few lines) and the check of each rank's GPU
+against the file."""
+
+import os
+import tracemalloc
+
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.runtime.devices import check_declared
+from memx_launch.specs.cluster import ClusterSpec
+
+CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
+H100 = {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989}
+
+
+def _cluster(nodes, **extra):
+    return ClusterSpec.from_dict({"version": 1, "device_types": {"h100": H100, "mi300x": {
+        "vendor": "amd", "memory_gib": 192, "peak_tflops": 1307}}, "nodes": nodes, "inter_node_gbps": 50, **extra})
+
+
+def test_identical_nodes_as_one_entry_with_a_count():
+    cluster = _cluster([{"name": "h", "devices": {"h100": 8}, "count": 3, "intra_node_gbps": 450},
+                        {"name": "m", "devices": {"mi300x": 4}, "intra_node_gbps": 300}])
+    assert [n.name for n in cluster.nodes] == ["h-0", "h-1", "h-2", "m"]
+    assert cluster.world_size == 28
+    assert cluster.rank_device_types()[23:25] == ["h100", "mi300x"]
+    assert cluster.link_gbps(0, 7) == 450 and cluster.link_gbps(7, 8) == 50
+
+
+def test_twelve_thousand_gpus_in_a_few_lines_and_little_memory():
+    tracemalloc.start()
+    cluster = _cluster([{"name": "h", "devices": {"h100": 8}, "count": 1024, "intra_node_gbps": 450},
+                        {"name": "m", "devices": {"mi300x": 8}, "count": 512, "intra_node_gbps": 300}])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert cluster.world_size == 12288 and len(cluster.nodes) == 1536
+    assert peak < 20 * 2**20, peak  # per-rank tables of 12,288 entries, not per-pair ones
+
+
+@pytest.mark.parametrize("entry, field", [
+    ({"count": 0}, "cluster.nodes[0].count"),
+    ({"count": 2, "host": "a"}, "cluster.nodes[0].host"),
+    ({"count": 200_000}, "cluster.nodes[0].count")])
+def test_bad_counts_are_one_line(entry, field):
+    with pytest.raises(ConfigError) as info:
+        _cluster([{"devices": {"h100": 8}, "intra_node_gbps": 450, **entry}])
+    assert info.value.field == field
+
+
+def test_master_address_is_the_file_s_or_the_first_node_s_host():
+    nodes = [{"devices": {"h100": 8}, "intra_node_gbps": 450, "host": "n0.example.org"},
+             {"devices": {"h100": 8}, "intra_node_gbps": 450}]
+    assert _cluster(nodes).master_address() == "n0.example.org"
+    assert _cluster(nodes, master_addr="10.1.1.1").master_address() == "10.1.1.1"
+    with pytest.raises(ConfigError, match="cluster.master_addr"):
+        _cluster(nodes, master_addr=5)
+
+
+def test_a_rank_whose_gpu_disagrees_with_the_file_is_named_with_both():
+    cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "paper-20gpu.yaml"))
+    a100 = cluster.device_type("a100-80gb")
+    check_declared(a100, 0, "NVIDIA A100-SXM4-80GB", "nvidia", 79.15 * 2**30)  # what the driver reports
+    with pytest.raises(ConfigError) as info:
+        check_declared(a100, 3, "NVIDIA A100-SXM4-40GB", "nvidia", 39.4 * 2**30)
+    message = str(info.value)
+    assert message.startswith("--cluster: rank 3 has NVIDIA A100-SXM4-40GB (nvidia, 39.4 GiB)")
+    assert "a100-80gb (nvidia, 80 GiB)" in message and "\n" not in message
+    with pytest.raises(ConfigError, match="rank 1 has AMD Instinct MI250X"):
+        check_declared(a100, 1, "AMD Instinct MI250X", "amd", 80 * 2**30)

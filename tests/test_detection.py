@@ -1,0 +1,84 @@
+"""Cluster detection: reports grouped into nodes, the description written as a cluster file that
+ClusterSpec reads, `memx cluster detect` on one and on two "nodes" (CPU devices, gloo), and
+re-planning finds the detected file."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from memx_launch.runtime.detection import describe, nodes_of
+from memx_launch.runtime.worker import cluster_path
+from memx_launch.specs.cluster import ClusterSpec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU = {"name": "NVIDIA-H200", "vendor": "nvidia", "memory_gib": 139.8, "peak_tflops": 700.0, "efficiency": 1.0,
+       "memory_bandwidth_gbps": 4000.0, "flash_attention": True}
+
+
+def _report(node, host="h"):
+    return {"node": node, "host": f"{host}{node}", "local_rank": 0, "type": dict(GPU), "nvlink_peers": [],
+            "p2p_peers": []}
+
+
+def test_nodes_of_different_sizes_become_a_cluster_file():
+    reports = [_report(0)] + [_report(1) for _ in range(3)]
+    nodes = nodes_of(reports)
+    assert nodes == [[0], [1, 2, 3]]
+    probe = {"allreduce_gbps": 350.0, "p2p_gbps": 400.0}
+    results = [{"inter": {"allreduce_gbps": 24.0, "p2p_gbps": 25.0}}, {"intra": probe, "inter": probe}, {}, {}]
+    cluster = ClusterSpec.from_dict(describe(reports, nodes, results))
+    assert [n.num_devices for n in cluster.nodes] == [1, 3]
+    assert cluster.nodes[1].intra_node_gbps == 350.0 and cluster.inter_node_gbps == 24.0
+    assert cluster.nodes[0].host == "h0" and cluster.master_address() == "h0"
+    assert cluster.device_type("NVIDIA-H200").memory_gib == 139.8
+
+
+def _detect(cwd, *flags):
+    return subprocess.Popen([sys.executable, "-m", "memx_launch.cli", "cluster", "detect", *flags], cwd=cwd,
+                            env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.slow
+def test_memx_cluster_detect_on_one_node(tmp_path):
+    proc = _detect(tmp_path, "--nproc-per-node", "2", "--out", "c.yaml")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    cluster = ClusterSpec.from_yaml(str(tmp_path / "c.yaml"))
+    assert cluster.world_size == 2 and len(cluster.nodes) == 1 and cluster.nodes[0].intra_node_gbps > 0
+    assert "all-reduce" in (tmp_path / "c.yaml").read_text()  # what was measured, as comments
+    again = _detect(tmp_path, "--out", "c.yaml")  # never overwritten without --force
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 2 and "memx: error: --out:" in err
+
+
+@pytest.mark.slow
+def test_memx_cluster_detect_on_two_nodes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = []
+    for node, nproc in ((0, "1"), (1, "2")):
+        (tmp_path / f"n{node}").mkdir()
+        procs.append(_detect(tmp_path / f"n{node}", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+                             nproc, "--master-addr", "127.0.0.1", "--master-port", port, "--out", "c.yaml"))
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    for node in (0, 1):  # each node writes its own copy
+        data = yaml.safe_load((tmp_path / f"n{node}" / "c.yaml").read_text())
+        cluster = ClusterSpec.from_dict(data)
+        assert [n.num_devices for n in cluster.nodes] == [1, 2]
+        assert cluster.inter_node_gbps > 0 and cluster.nodes[1].intra_node_gbps > 0
+
+
+def test_replanning_finds_the_detected_cluster(tmp_path):
+    env = {"MEMX_RUN_DIR": str(tmp_path)}
+    assert cluster_path(env) is None
+    (tmp_path / "cluster.yaml").write_text("version: 1\n")
+    assert cluster_path(env) == str(tmp_path / "cluster.yaml")
+    assert cluster_path({**env, "MEMX_CLUSTER": "given.yaml"}) == "given.yaml"

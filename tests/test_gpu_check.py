@@ -1,0 +1,32 @@
+"""benchmarks/gpu_check.py: without a GPU it stops at once, in one line, writing nothing; its
+parser reads the training script's step lines."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_without_a_gpu_it_fails_clearly(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: error: no CUDA GPU"), proc.stderr
+    assert not out.exists()
+
+
+def test_step_lines_are_read():
+    from benchmarks.gpu_check import STEP
+
+    line = ("step 3 | loss 6.253072 | 0.980 s/step (predicted 0.419) | 1,229 tok/s | s0 NVIDIA-H200: mem "
+            "2960.4/3049.6 MiB, mb 849.3/408.9 ms  (measured/predicted)")
+    [match] = STEP.findall(line)
+    assert match == ("3", "6.253072", "0.980", "0.419", "2960.4", "3049.6", "849.3", "408.9")

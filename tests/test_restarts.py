@@ -1,0 +1,93 @@
+"""memx-run restarts as torchrun does them: --max-restarts counts crash restarts only, the job
+exits with the failing rank's code, torchrun's root-cause table is shown, the failing rank named."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE_DEVICE = """version: 1
+name: one-cpu
+device_types:
+  cpu-a: {vendor: cpu, memory_gib: 0.2, peak_tflops: 0.03, memory_bandwidth_gbps: 5}
+nodes:
+  - {name: localhost, devices: {cpu-a: 1}, intra_node_gbps: 2}
+emulation:
+  slowdown: {cpu-a: 1}
+"""
+# Counts its runs in a file next to it, then exits with the code it is given.
+EXITING_SCRIPT = """import os, sys
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "attempts"), "a") as f:
+    f.write(os.environ["RANK"] + "\\n")
+sys.exit(int(sys.argv[sys.argv.index("--code") + 1]))
+"""
+
+
+def _memx_run(argv, cwd, timeout=300):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def job(tmp_path):
+    (tmp_path / "cluster.yaml").write_text(ONE_DEVICE)
+    (tmp_path / "exit.py").write_text(EXITING_SCRIPT)
+    return tmp_path
+
+
+def _plan(job):
+    proc = _memx_run(["--nproc-per-node", "1", "--cluster", "cluster.yaml", "--dry-run", "--export-plan",
+                      "plan.json", "exit.py", "--model", "llama-tiny"], job)
+    assert proc.returncode == 0, proc.stderr
+    return "plan.json"
+
+
+def _attempts(job):
+    path = job / "attempts"
+    return path.read_text().split() if path.exists() else []
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_exit_code_and_attempts_are_the_crashing_rank_s(job, max_restarts):
+    plan = _plan(job)
+    proc = _memx_run(["--nproc-per-node", "1", "--cluster", "cluster.yaml", "--plan", plan,
+                      "--max-restarts", str(max_restarts), "--run-dir", "run", "exit.py", "--model", "llama-tiny",
+                      "--code", "7"], job)
+    assert proc.returncode == 7, proc.stderr
+    assert len(_attempts(job)) == max_restarts + 1
+    assert "Root Cause (first observed failure)" in proc.stderr  # torchrun's summary
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "memx-run: error: worker rank 0 failed with exit code 7; see its traceback above"
+
+
+@pytest.mark.slow
+def test_planning_restart_is_not_a_crash(job):
+    """Without --plan the job calibrates and plans first, then restarts in place: with
+    --max-restarts 0 the script still runs once, and the job ends with its code."""
+    proc = _memx_run(["--nproc-per-node", "1", "--cluster", "cluster.yaml", "--max-restarts", "0",
+                      "--profile-db", "profiles.jsonl", "--run-dir", "run", "exit.py", "--model", "llama-tiny",
+                      "--code", "7"], job)
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    assert _attempts(job) == ["0"]
+    assert "planned restart" in proc.stderr
+
+
+def test_planned_restart_and_root_cause_ignore_the_workers_the_agent_stopped():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from memx_launch.runtime.agent import _planned, root_cause
+
+    def failure(code, timestamp):
+        f = ProcessFailure(local_rank=0, pid=1, exitcode=code, error_file="<N/A>")
+        f.timestamp = timestamp
+        return f
+
+    # rank 2 ran out of memory and restarts for a re-plan, its peers follow, rank 0 was stopped first
+    oom = {0: failure(-15, 10), 1: failure(75, 10), 2: failure(75, 10), 3: failure(75, 10)}
+    assert _planned(oom)
+    crash = {0: failure(-15, 10), 2: failure(7, 10), 3: failure(75, 10)}
+    assert not _planned(crash) and root_cause(crash)[0] == 2
+    assert not _planned({0: failure(-15, 10)})

@@ -1,0 +1,171 @@
+"""Training setups as users run them: presets, the memory each keeps, and the run options."""
+
+import numpy as np
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.training import SETUPS, TrainingSpec
+
+
+@pytest.mark.parametrize("setup, per_param", [
+    ("megatron", lambda dp: 6 + 12 / dp),     # Megatron theoretical_memory_usage.py
+    ("zero1", lambda dp: 4 + 12 / dp),        # ZeRO paper: 2 + 2 + K/Nd
+    ("zero2", lambda dp: 2 + 14 / dp),
+    ("zero3", lambda dp: 16 / dp),
+    ("fsdp2", lambda dp: 16 / dp),
+    ("ddp", lambda dp: 16),
+])
+def test_model_state_bytes_per_setup(setup, per_param):
+    for dp in (1, 8, 64):
+        assert float(cm.model_state_bytes_per_param(TrainingSpec(setup=setup), dp)) == pytest.approx(per_param(dp))
+
+
+def test_explicit_fields_win_over_the_preset():
+    spec = TrainingSpec(setup="megatron", distributed_optimizer=False, grad_dtype="bf16")
+    assert spec.sequence_parallel and not spec.distributed_optimizer and spec.grad_dtype == "training"
+    assert float(cm.model_state_bytes_per_param(spec, 8)) == 2 + 2 + 12
+    # A spec rebuilt from what a plan records is the same spec.
+    assert TrainingSpec(**spec.plan_fields()) == spec
+    with pytest.raises(ConfigError, match="--setup"):
+        TrainingSpec(setup="deepspeed")
+    with pytest.raises(ConfigError, match="--sharded-gradients"):
+        TrainingSpec(sharded_gradients=True)
+    assert set(SETUPS) == {"megatron", "fsdp2", "zero1", "zero2", "zero3", "ddp"}
+
+
+def test_flash_attention_is_a_run_option():
+    model = get_model("llama2-7b")
+    cluster = _cluster()
+    costs = []
+    for flash in (True, False):
+        analytical = cm.AnalyticalCostModel(model, cluster, TrainingSpec(flash_attention=flash))
+        costs.append(float(analytical.layer_costs(np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 4096),
+                                                  np.zeros(1)).activation_bytes[0]))
+    # Without a fused kernel the softmax output (2 bytes per score) is kept: 2as^2b.
+    assert costs[1] - costs[0] == pytest.approx(2 * 32 * 4096 * 4096 - 4 * 32 * 4096, rel=1e-9)
+
+
+def test_dropout_masks_and_sequence_parallel():
+    model = get_model("llama2-7b")
+    s, h, t = 4096, 4096, 4
+    base = float(cm.activation_bytes(model, 1, s, t, cm.NONE).activation_bytes)
+    masks = float(cm.activation_bytes(model, 1, s, t, cm.NONE, dropout=True).activation_bytes)
+    assert masks - base == pytest.approx(2 * s * h)  # two 1-byte residual masks, replicated
+    sp = float(cm.activation_bytes(model, 1, s, t, cm.NONE, sequence_parallel=True).activation_bytes)
+    assert base - sp == pytest.approx(8 * s * h * (1 - 1 / t))  # norms' tensors split over TP
+
+
+def test_logits_in_the_training_dtype_halve_the_loss_memory():
+    model = get_model("llama3-8b")
+    fp32 = cm.logits_bytes(model, 1, 8192, 1, TrainingSpec(loss_dtype="fp32"))
+    bf16 = cm.logits_bytes(model, 1, 8192, 1, TrainingSpec(loss_dtype="bf16"))
+    assert fp32 == 8 * 8192 * 128256 and bf16 == fp32 / 2
+
+
+def test_tied_embeddings_are_kept_on_the_last_stage():
+    tied = ModelSpec("tied", 4, 1024, 8, 8, 4096, 50000, 1024, tie_embeddings=True)
+    assert cm.last_stage_params(tied, 1) == tied.head_params
+    assert cm.last_stage_params(tied, 2) == tied.head_params + tied.embedding_params
+
+
+def test_overhead_and_fp32_peak_of_a_device_type():
+    nvidia = DeviceType("a100", "nvidia", 80, 312, peak_tflops_fp32=156)
+    assert nvidia.overhead_bytes == 2.0 * 2**30
+    assert DeviceType("cpu", "cpu", 8, 1).overhead_bytes == 0
+    assert DeviceType("a", "nvidia", 80, 312, memory_overhead_gib=5).overhead_bytes == 5 * 2**30
+    assert nvidia.effective_tflops_for("fp32") == pytest.approx(nvidia.effective_tflops / 2)
+    assert nvidia.effective_tflops_for("bf16") == nvidia.effective_tflops
+    with pytest.raises(ConfigError, match="memory_overhead_gib"):
+        DeviceType("a", "nvidia", 80, 312, memory_overhead_gib=90)
+
+
+def test_estimate_counts_the_overhead_and_the_setup():
+    model = get_model("llama2-13b")
+    plans = {}
+    for setup in ("ddp", "megatron", "zero3"):
+        plans[setup] = evaluate_layout(model, _cluster(), TrainingSpec(global_batch_size=64, seq_len=2048, setup=setup),
+                                       tp=1, pp=1, dp=8, micro_batch_size=1, references=(1.0, 1.0, 1.0))
+    peak = {k: p.stages[0].predicted_peak_memory_gib for k, p in plans.items()}
+    assert peak["zero3"] < peak["megatron"] < peak["ddp"]
+    # ddp keeps 16 bytes per parameter whole: 13B parameters do not fit in 80 GiB.
+    assert peak["ddp"] > 80 and peak["zero3"] < 80
+    # The 2 GiB NVIDIA default sits on top of the tensors.
+    overhead = ClusterSpec.from_dict({**_cluster_dict(), "device_types": {"gpu": {
+        "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "memory_overhead_gib": 0}}})
+    bare = evaluate_layout(model, overhead, TrainingSpec(global_batch_size=64, seq_len=2048, setup="zero3"),
+                           tp=1, pp=1, dp=8, micro_batch_size=1, references=(1.0, 1.0, 1.0))
+    assert peak["zero3"] - bare.stages[0].predicted_peak_memory_gib == pytest.approx(2.0)
+
+
+def _cluster_dict():
+    return {"version": 1, "device_types": {"gpu": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312,
+                                                   "memory_bandwidth_gbps": 2039}},
+            "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 300}]}
+
+
+def _cluster():
+    return ClusterSpec.from_dict(_cluster_dict())
+
+
+# --------------------------------------------------------------------------- time terms
+
+
+def test_collectives_pay_latency_per_step_and_bytes_per_link():
+    n, gbps = 8, 100.0
+    assert float(cm.allreduce_time(0, n, gbps)) == pytest.approx(2 * (n - 1) * cm.LINK_LATENCY_S)
+    big = float(cm.allreduce_time(1e9, n, gbps))
+    assert big == pytest.approx(2 * (n - 1) * cm.LINK_LATENCY_S + 2 * 7 / 8 * 1e9 / 100e9)
+    assert float(cm.allreduce_time(1e9, 1, gbps)) == 0
+    assert float(cm.p2p_time(1e6, 10.0)) == pytest.approx(cm.LINK_LATENCY_S + 1e6 / 10e9)
+    assert float(cm.p2p_time(1e6, np.inf)) == 0
+
+
+def test_data_parallel_volume_follows_the_setup():
+    params, dp, gbps = 1e9, 8, 25.0
+    plain = float(cm.data_parallel_sync_time(params, TrainingSpec(), dp, gbps))           # fp32 all-reduce
+    zero1 = float(cm.data_parallel_sync_time(params, TrainingSpec(setup="zero1"), dp, gbps))  # bf16 RS + AG
+    fsdp = float(cm.data_parallel_sync_time(params, TrainingSpec(setup="zero3"), dp, gbps))   # 2 AG + RS, bf16
+    assert zero1 == pytest.approx(plain / 2, rel=1e-3)
+    assert fsdp == pytest.approx(1.5 * zero1, rel=1e-3)
+
+
+def test_overlapped_gradient_reduction_hides_behind_the_last_backward():
+    model, cluster = get_model("llama2-7b"), _cluster()
+    times = {}
+    for overlap in (False, True):
+        training = TrainingSpec(global_batch_size=64, seq_len=2048, overlap_grad_reduce=overlap)
+        plan = evaluate_layout(model, cluster, training, tp=1, pp=1, dp=8, micro_batch_size=1,
+                               recompute="full", references=(1.0, 1.0, 1.0))
+        times[overlap] = plan.predicted_iteration_time_s
+        assert times[overlap] >= plan.num_microbatches * plan.stages[0].predicted_stage_time_s
+    assert times[True] < times[False]
+
+
+def test_small_layers_are_launch_bound_and_fp32_uses_its_peak():
+    cluster = ClusterSpec.from_dict({**_cluster_dict(), "device_types": {"gpu": {
+        "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "peak_tflops_fp32": 19.5,
+        "memory_bandwidth_gbps": 2039}}})
+    tiny = get_model("llama-tiny")
+    cost = cm.AnalyticalCostModel(tiny, cluster, TrainingSpec()).layer_costs(
+        np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 64), np.zeros(1))
+    assert float(cost.time_s[0]) == pytest.approx(cm.KERNELS_PER_LAYER * cm.KERNEL_LAUNCH_S)
+    model = get_model("llama2-7b")
+    args = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 4096), np.zeros(1))
+    bf16 = float(cm.AnalyticalCostModel(model, cluster, TrainingSpec()).layer_costs(*args).time_s[0])
+    fp32 = float(cm.AnalyticalCostModel(model, cluster, TrainingSpec(dtype="fp32")).layer_costs(*args).time_s[0])
+    assert fp32 / bf16 > 0.8 * 312 / 19.5  # compute bound: the peak ratio, less the memory-bound share
+
+
+def test_fp32_dropout_scores_are_two_fp32_tensors_and_a_byte_mask():
+    gpt = ModelSpec("gpt", 1, 1024, 16, 16, 4096, 50000, 2048, gated_mlp=False)
+    s, a = 2048, 16
+    args = dict(flash_attention=False, dropout=True, attention_dropout=True)
+    fp32 = float(cm.activation_bytes(gpt, 1, s, 1, cm.NONE, dtype_bytes=4, **args).activation_bytes)
+    fp32_flash = float(cm.activation_bytes(gpt, 1, s, 1, cm.NONE, dtype_bytes=4, flash_attention=True,
+                                           dropout=True, attention_dropout=True).activation_bytes)
+    lse = 4 * a * s
+    assert fp32 - fp32_flash == pytest.approx(9 * a * s * s - lse)
