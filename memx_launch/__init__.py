@@ -15,6 +15,7 @@ _EXPORTS = {
     "evaluate_layout": "memx_launch.planning",
     "ProfileDB": "memx_launch.profiling", "load_cost_model": "memx_launch.profiling",
     "Runtime": "memx_launch.runtime", "build": "memx_launch.runtime", "from_env": "memx_launch.runtime",
+    "prepare": "memx_launch.runtime",
 }
 __all__ = sorted(_EXPORTS)
 

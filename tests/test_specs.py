@@ -56,6 +56,18 @@ def test_hf_config_json(tmp_path):
     assert m.signature() == get_model("llama3-8b").signature()
 
 
+def test_gpt2_style_config_json(tmp_path):
+    # GPT-2 small's config.json as published (n_inner null: 4 x n_embd; tied embeddings by default)
+    cfg = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": None, "n_positions": 1024,
+           "vocab_size": 50257, "activation_function": "gelu_new"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = get_model(str(tmp_path))
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.vocab_size, m.seq_len) == \
+        (12, 768, 12, 12, 3072, 50257, 1024)
+    assert not m.gated_mlp and m.tie_embeddings
+    assert 120e6 < m.total_params < 130e6  # GPT-2 small: 124M (memx counts no biases or position table)
+
+
 def test_every_example_cluster_loads():
     files = sorted(glob.glob(os.path.join(CLUSTERS, "*.yaml")))
     assert len(files) >= 4

@@ -96,7 +96,7 @@ def _is_oom(exc: BaseException) -> bool:
 def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample], *, device: str = "cpu",
               tp_group=None, dtype: str = "fp32", num_blocks: int = 2, warmup: int = 1, repeats: int = 5,
               emulation_slowdown: float = 1.0, tp_link_gbps: float | None = None,
-              progress: Callable[[Sample], None] | None = None) -> list[Measurement]:
+              progress: Callable[[Sample], None] | None = None, block_factory=None) -> list[Measurement]:
     """Measure forward + backward of ``num_blocks`` blocks for each sample, on this rank.
 
     ``tp_group`` is a process group of same-type ranks for samples with tp > 1 (every rank of
@@ -104,6 +104,8 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     size are an error. ``emulation_slowdown`` multiplies measured time (CPU stand-ins for
     slower devices) and labels the records emulated. Out-of-memory samples come back with
     ``feasible=False``; so do samples whose peak exceeds an emulated device's capacity.
+    ``block_factory``: recompute level -> one block of the user's model ([b, s, hidden] in and out,
+    e.g. models/adapters.py's ModelParts.block_probe); default memx's LLaMA block of the shape. TP = 1 only.
     """
     import torch
 
@@ -121,7 +123,7 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
         shape = replace(spec, num_kv_heads=s.num_kv_heads)
         try:
             time_s, spread_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
-                                                           num_blocks, warmup, repeats)
+                                                           num_blocks, warmup, repeats, block_factory)
             feasible = True
         except (RuntimeError, MemoryError) as exc:
             if not _is_oom(exc):
@@ -150,27 +152,35 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
 
 
 def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
-                repeats: int) -> tuple[float, float, float, float | None]:
+                repeats: int, block_factory=None) -> tuple[float, float, float, float | None]:
     """(median seconds per block, interquartile range per block, peak bytes above resting,
     peak bytes the caching allocator reserved above resting (GPUs; None on CPUs))."""
     import torch
 
     from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    from contextlib import nullcontext
+
     torch.manual_seed(0)  # identical weights and input on every rank of a TP group
-    blocks = torch.nn.Sequential(*[TransformerBlock(shape, s.recompute) for _ in range(num_blocks)])
-    blocks = blocks.to(device=dev, dtype=torch_dtype)
+    if block_factory is not None and s.tp > 1:
+        raise ConfigError("tp", "calibrating the user's own block is for TP = 1 samples", "calibrate with tp=1")
+    blocks = torch.nn.Sequential(*[block_factory(s.recompute) if block_factory is not None
+                                   else TransformerBlock(shape, s.recompute) for _ in range(num_blocks)])
+    # As the runtime trains (runtime/precision.py): fp32 weights and residual stream, low-precision
+    # matrix products under autocast.
+    blocks = blocks.to(device=dev)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     if s.tp > 1:
         from torch.distributed.device_mesh import DeviceMesh
 
         apply_tensor_parallel(blocks, DeviceMesh.from_group(tp_group, dev.type))
-    x = torch.randn(s.micro_batch_size, s.seq_len, shape.hidden_size, device=dev, dtype=torch_dtype,
-                    requires_grad=True)
+    x = torch.randn(s.micro_batch_size, s.seq_len, shape.hidden_size, device=dev, requires_grad=True)
     dy = torch.randn_like(x)
 
     def step():
-        blocks(x).backward(dy)
+        with torch.autocast(dev.type, dtype=low) if low is not None else nullcontext():
+            y = blocks(x)
+        y.backward(dy.to(y.dtype))
 
     # Warm-up also allocates the gradients, which stay: they belong to the resting state.
     for _ in range(max(1, warmup)):

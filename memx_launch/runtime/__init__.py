@@ -1,6 +1,7 @@
 """Runtime: memx-run's launcher and workers, calibration on each rank, training with a plan,
 the memory monitor, checkpoints and fault injection (torch)."""
 
+from memx_launch.runtime.prepare import prepare
 from memx_launch.runtime.training import Runtime, StepStats, build, from_env, init_distributed
 
-__all__ = ["Runtime", "StepStats", "build", "from_env", "init_distributed"]
+__all__ = ["Runtime", "StepStats", "build", "from_env", "init_distributed", "prepare"]

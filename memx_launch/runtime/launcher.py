@@ -24,7 +24,7 @@ from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
-from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 from memx_launch.specs.model import get_model
 
 DEFAULT_RUNS_DIR = "runs"
@@ -68,6 +68,12 @@ def build_parser():
     g.add_argument("--global-batch-size", "--global_batch_size", type=int,
                    help=f"sequences per step (default 512; {EMULATED_GLOBAL_BATCH_SIZE} on emulated clusters)")
     g.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
+    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
+                   help="training precision, also calibrated and planned for (default bf16 on GPUs, fp32 on CPUs); "
+                        "bf16/fp16 autocast with fp32 master weights")
+    g.add_argument("--model-builder", "--model_builder", metavar="FILE:FUNCTION",
+                   help="calibrate the script's own block: FUNCTION(model, seed) in FILE builds the nn.Module "
+                        "(e.g. examples/train_own_model.py:build); plans then keep TP = 1")
     g.add_argument("--run-dir", "--run_dir", metavar="DIR",
                    help=f"where the plan and restart records go (default {DEFAULT_RUNS_DIR}/<model>-<time>)")
     add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
@@ -158,6 +164,8 @@ def resolve(args) -> dict:
     if model_name is None:
         raise ConfigError("--model", "not given", "pass --model NAME to memx-run or to the script")
     model = get_model(model_name)
+    # What the workers read back with get_model: a config.json's path (absolute), else the catalog name.
+    model_arg = os.path.abspath(model_name) if os.path.exists(model_name) else model.name
     settings.add("model", model.name, source)
 
     cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else None
@@ -188,10 +196,10 @@ def resolve(args) -> dict:
     emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
     gbs = args.global_batch_size or (EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or model.seq_len,
-                            dtype="fp32" if emulated else "bf16")
+                            dtype=args.dtype or ("fp32" if emulated else "bf16"))
     settings.add("global batch size", training.global_batch_size, "flag" if args.global_batch_size else "default")
     settings.add("sequence length", training.seq_len, "flag" if args.seq_len else "default")
-    settings.add("dtype", training.dtype, "default")
+    settings.add("dtype", training.dtype, "flag" if args.dtype else "default")
 
     plan = None
     if args.plan:
@@ -224,7 +232,18 @@ def resolve(args) -> dict:
         raise ConfigError("--calibration-budget-s", f"must be positive, got {args.calibration_budget_s}", "e.g. 600")
     settings.add("calibration budget", f"{args.calibration_budget_s or DEFAULT_CALIBRATION_BUDGET_S:g} s per device type",
                  "flag" if args.calibration_budget_s else "default")
-    profile_db = args.profile_db or DEFAULT_PROFILE_DB
+    builder = None
+    if args.model_builder:
+        path, _, function = args.model_builder.rpartition(":")
+        if not path or not function or not os.path.isfile(path):
+            raise ConfigError("--model-builder", f"{args.model_builder!r} is not FILE:FUNCTION of an existing file",
+                              "e.g. --model-builder examples/train_own_model.py:build")
+        builder = [os.path.abspath(path), function, model_arg]
+        settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
+    # The script's own block is stored apart: its samples have the shape of memx's block of that model.
+    default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
+        DEFAULT_RUNS_DIR, f"profiles.{os.path.splitext(os.path.basename(builder[0]))[0]}.{builder[1]}.jsonl")
+    profile_db = args.profile_db or default_db
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
     if args.export_plan and os.path.exists(args.export_plan):
         raise ConfigError("--export-plan", f"{args.export_plan} already exists", "choose a new path")
@@ -241,7 +260,8 @@ def resolve(args) -> dict:
                  "re-plans", "flag" if args.no_replan else "MEMX_MAX_REPLANS" if os.environ.get("MEMX_MAX_REPLANS")
                  else "default")
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
-                profile_db=profile_db, run_dir=run_dir, script_args=script_args)
+                profile_db=profile_db, run_dir=run_dir, script_args=script_args, builder=builder,
+                model_arg=model_arg)
 
 
 def _has_gpu() -> bool:
@@ -292,7 +312,7 @@ def launch(args, resolved) -> int:
     if resolved["plan"] is not None:  # re-plans rewrite MEMX_PLAN: never the user's own file
         resolved["plan"].save(plan_path, overwrite=True)
     env = {
-        "MEMX_RUN_DIR": run_dir, "MEMX_PLAN": os.path.abspath(plan_path), "MEMX_MODEL": resolved["model"].name,
+        "MEMX_RUN_DIR": run_dir, "MEMX_PLAN": os.path.abspath(plan_path), "MEMX_MODEL": resolved["model_arg"],
         "MEMX_PROFILE_DB": os.path.abspath(resolved["profile_db"]),
         "MEMX_TRAINING": json.dumps(resolved["training"].__dict__),
         "MEMX_OBJECTIVE": args.objective or "", "MEMX_WEIGHTS": args.weights or "",
@@ -303,6 +323,8 @@ def launch(args, resolved) -> int:
     }
     if args.cluster:
         env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
+    if resolved["builder"] is not None:
+        env["MEMX_MODEL_BUILDER"] = json.dumps(resolved["builder"])
     os.environ.update(env)
     # The workers run memx's worker, which runs the script. Planned restarts (the initial plan,
     # each re-plan) go through the agent too; memx's agent does not count them (agent.py).

@@ -2,13 +2,13 @@
 
 Training scripts use it in three lines::
 
-    runtime = memx_launch.runtime.from_env()          # or build(plan, rank)
+    runtime = memx_launch.runtime.from_env()          # or build(plan, rank); or prepare(model, ...)
     batch = runtime.local_batch(tokens)               # this DP replica's share
     stats = runtime.step(tokens, targets)             # one optimizer step, all micro-batches
 
-Per rank: a [pp][dp][tp] DeviceMesh from the plan's stage ranks, the rank's model chunks
-(LlamaStage with the stage's uneven layer count and recompute level), DTensor tensor parallel
-inside the stage, DDP (FSDP2 with TP) across the stage's DP replicas, and torch.distributed.pipelining with
+Per rank: a [pp][dp][tp] DeviceMesh from the plan's stage ranks, the rank's model chunks (memx's
+LlamaStage, or the user's model cut by models/adapters.py, with the stage's uneven layer count and
+recompute level), DTensor tensor parallel inside the stage, DDP (FSDP2 with TP) across the stage's DP replicas, and torch.distributed.pipelining with
 Schedule1F1B or ScheduleInterleaved1F1B (plan.virtual_stages chunks per rank).
 """
 
@@ -25,13 +25,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from memx_launch.errors import ConfigError
+from memx_launch.models.adapters import ModelParts
 from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_rank, rank_layout
+from memx_launch.runtime.precision import Precision
 
 
 DEFAULT_LR = 3e-4
+SCHEDULER_KEY = "memx.lr_scheduler"
 
 
 @dataclass
@@ -48,7 +51,7 @@ class StepStats:
     """Measured compute time of one micro-batch per stage (emulated devices only; NaN otherwise)."""
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy, mean over the micro-batch's tokens."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -84,8 +87,13 @@ def init_distributed(plan: Plan | None = None) -> None:
 class Runtime:
     """The plan applied on one rank. Build it with :func:`build` or :func:`from_env`."""
 
-    def __init__(self, plan: Plan, rank: int, *, emulated: EmulatedDevice | None = None,
-                 lr: float = DEFAULT_LR, seed: int = 0, data_parallel: str = "auto"):
+    def __init__(self, plan: Plan, rank: int, *, model: torch.nn.Module | None = None, blocks: str | None = None,
+                 optimizer=None, loss_fn=None, lr_scheduler=None, max_grad_norm: float | None = None,
+                 dtype: str | None = None, emulated: EmulatedDevice | None = None, lr: float = DEFAULT_LR,
+                 seed: int = 0, data_parallel: str = "auto"):
+        """``model``: the user's module (runtime/prepare.py explains it and the optimizer, loss,
+        scheduler and clipping arguments); None trains memx's LLaMA of the plan's shape. ``dtype``:
+        fp32, bf16 or fp16 (runtime/precision.py; default: the plan's training dtype, else fp32)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
@@ -112,24 +120,53 @@ class Runtime:
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
         grid = torch.arange(plan.world_size).view(plan.pp, plan.dp, plan.tp)  # process ranks, stage-major
         self.mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
+        self.parts = None if model is None else self._model_parts(model, blocks)
+        original = {}  # id of the user's parameter -> its rank-local name (wrapping replaces the objects)
         with self._measured():
-            self.chunks = [self._build_chunk(c, seed, data_parallel) for c in self.layout.chunks]
+            self.chunks = [self._build_chunk(i, c, seed, data_parallel, original)
+                           for i, c in enumerate(self.layout.chunks)]
+        if self.parts is not None and emulated is not None:  # created before the guard was on
+            emulated.track(p for m in self.chunks for p in m.parameters())
         num_virtual = plan.pp * plan.virtual_stages
         pp_group = self.mesh["pp"].get_group()
         stages = [PipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=pp_group)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
+        self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device)
+        user_loss = self.precision.scaled(loss_fn or default_loss)
         if plan.virtual_stages == 1:
-            self.schedule = Schedule1F1B(stages[0], plan.num_microbatches, loss_fn=loss_fn)
+            self.schedule = Schedule1F1B(stages[0], plan.num_microbatches, loss_fn=user_loss)
         else:
-            self.schedule = ScheduleInterleaved1F1B(stages, plan.num_microbatches, loss_fn=loss_fn)
-        self.optimizer = torch.optim.AdamW([p for m in self.chunks for p in m.parameters()], lr=lr)
+            self.schedule = ScheduleInterleaved1F1B(stages, plan.num_microbatches, loss_fn=user_loss)
+        from memx_launch.runtime.prepare import local_optimizer, local_scheduler, parameter_names
 
-    def _build_chunk(self, chunk, seed: int, data_parallel: str) -> torch.nn.Module:
-        module = LlamaStage(self.plan.model_spec, chunk.num_layers, first=chunk.first, last=chunk.last,
-                            recompute=self.stage_plan.recompute, layer_offset=chunk.layer_offset,
-                            seed=seed).to(self.device)
+        self.optimizer = local_optimizer(optimizer, parameter_names(self.chunks), original, lr)
+        self.lr_scheduler = local_scheduler(lr_scheduler, self.optimizer)
+        self.max_grad_norm = max_grad_norm
+
+    def _model_parts(self, model: torch.nn.Module, blocks: str | None) -> ModelParts:
+        parts = ModelParts(model, blocks)
+        if parts.num_layers != self.plan.model_spec.num_layers:
+            raise ConfigError("model", f"{type(model).__name__} has {parts.num_layers} blocks at {parts.path} but "
+                              f"the plan is for {self.plan.model} with {self.plan.model_spec.num_layers} layers",
+                              "plan for this model (memx-run --model its config.json) or pass blocks='path'")
+        if not parts.kind.knows_attention:  # memx reads an unknown model's forward: check that reading
+            parts.verify()
+        return parts
+
+    def _build_chunk(self, index: int, chunk, seed: int, data_parallel: str, original: dict) -> torch.nn.Module:
+        if self.parts is None:
+            module = LlamaStage(self.plan.model_spec, chunk.num_layers, first=chunk.first, last=chunk.last,
+                                recompute=self.stage_plan.recompute, layer_offset=chunk.layer_offset, seed=seed)
+        else:
+            module = self.parts.stage(chunk.layer_offset, chunk.num_layers, first=chunk.first, last=chunk.last,
+                                      recompute=self.stage_plan.recompute)
+            original.update({id(p): f"{index}.{name}" for name, p in module.named_parameters()})
+        module = module.to(self.device)
         if self.plan.tp > 1:
-            apply_tensor_parallel(module, self.mesh["tp"])
+            if self.parts is None:
+                apply_tensor_parallel(module, self.mesh["tp"])
+            else:
+                self.parts.apply_tensor_parallel(module, self.mesh["tp"])
         if self.plan.dp > 1:
             # DDP keeps whole gradients and optimizer state per replica, as the cost model assumes
             # without a distributed optimizer; DDP cannot hold DTensor parameters, so TP uses FSDP2.
@@ -178,8 +215,16 @@ class Runtime:
                 self.optimizer.zero_grad(set_to_none=True)
                 args = (tokens.to(self.device),) if self.layout.is_first_stage else ()
                 target = targets.to(self.device) if self.layout.is_last_stage else None
-                self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
-                self.optimizer.step()
+                self.precision.begin_step()
+                with self.precision.autocast():
+                    self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
+                if self.precision.unscale(p for m in self.chunks for p in m.parameters()):
+                    if self.max_grad_norm is not None:
+                        from memx_launch.runtime.prepare import clip_grad_norm
+                        clip_grad_norm(self.chunks, self.max_grad_norm, self.mesh["pp"].get_group())
+                    self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         except Exception as exc:
             if self.supervisor is None:
                 raise
@@ -194,7 +239,8 @@ class Runtime:
     def _gather_stats(self, losses: list[torch.Tensor], step_time: float) -> StepStats:
         # One loss per pipeline: the last stage's TP rank 0 of each DP replica contributes it.
         contributes = self.layout.is_last_stage and self.layout.tp_index == 0
-        local_loss = torch.stack([l.detach().float() for l in losses]).mean().item() if contributes else 0.0
+        local_loss = torch.stack([l.detach().float() for l in losses]).mean().item() / self.precision.step_scale \
+            if contributes else 0.0
         if self.emulated is not None:
             peak = self.emulated.peak_bytes / GIB
             compute = (self.emulated.compute_s + self.emulated.slept_s) / self.plan.num_microbatches
@@ -219,11 +265,13 @@ class Runtime:
 
     # ---- checkpoints
     def save_checkpoint(self, directory: str, data_state: dict | None = None, keep: int | None = None) -> str:
-        """Every rank: model, optimizer, RNG and ``data_state`` after step ``step_count``
+        """Every rank: model, optimizer, LR scheduler, RNG and ``data_state`` after step ``step_count``
         (memx_launch.runtime.checkpoint: loads under another plan; ``keep`` newest step folders).
         Returns the step's folder."""
         from memx_launch.runtime.checkpoint import save_checkpoint
 
+        if self.lr_scheduler is not None:  # a few numbers, the same on every rank: kept with the data state
+            data_state = {**(data_state or {}), SCHEDULER_KEY: self.lr_scheduler.state_dict()}
         return save_checkpoint(directory, self.chunks, self.optimizer, self.step_count, data_state, self.plan, keep)
 
     def load_checkpoint(self, directory: str):
@@ -234,6 +282,9 @@ class Runtime:
         resumed = load_checkpoint(directory, self.chunks, self.optimizer)
         if resumed is not None:
             self.step_count = resumed.step
+            scheduler_state = resumed.data_state.pop(SCHEDULER_KEY, None)
+            if self.lr_scheduler is not None and scheduler_state is not None:
+                self.lr_scheduler.load_state_dict(scheduler_state)
             if self.emulated is not None:  # the optimizer state was created outside the guard
                 self.emulated.track(t for state in self.optimizer.state.values() for t in state.values()
                                     if isinstance(t, torch.Tensor))

@@ -16,7 +16,8 @@ Launcher -> worker contract (environment): MEMX_RUN_DIR, MEMX_PLAN, MEMX_MODEL, 
 (optional), MEMX_PROFILE_DB, MEMX_TRAINING (TrainingSpec JSON), MEMX_OBJECTIVE, MEMX_WEIGHTS,
 MEMX_SEARCH_BUDGET_S, MEMX_CALIBRATION_BUDGET_S, MEMX_REPRODUCE (the script and its arguments),
 MEMX_GENERATION (how many times the workers were started before, planned restarts included; the
-agent sets it). Without MEMX_CLUSTER the job detects its cluster into <run dir>/cluster.yaml.
+agent sets it), MEMX_MODEL_BUILDER (optional: [file, function, model] that builds the script's model,
+whose block is calibrated). Without MEMX_CLUSTER the job detects its cluster into <run dir>/cluster.yaml.
 """
 
 from __future__ import annotations
@@ -80,9 +81,11 @@ def sample_budgets(model, cluster, speeds: dict[str, float], stored) -> dict[str
     return budgets
 
 
-def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training, budget):
+def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training, budget,
+                          block_factory=None):
     """This rank's share of calibrating its device type; returns the type's samples on the
-    type's first rank (empty elsewhere). ``budget``: (samples, estimated seconds per sample)."""
+    type's first rank (empty elsewhere). ``budget``: (samples, estimated seconds per sample).
+    ``block_factory``: the script's own block (TP = 1 only)."""
     import torch.distributed as dist
 
     from memx_launch.planning.costmodel import tp_link_gbps
@@ -95,11 +98,11 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
     emulated = rank_device.emulated is not None
     calibration = TypeCalibration(
         model, rank_device.device_type, groups[name], db, stored, device="cpu" if emulated else "cuda",
-        dtype="fp32" if emulated else training.dtype,
+        dtype=training.dtype,
         slowdown=rank_device.emulated.slowdown if emulated else 1.0, tp_link_gbps=lambda tp: tp_link_gbps(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
-        log=_log)
-    measurements = calibration.run(tp_degrees(model, cluster), *budget)
+        log=_log, block_factory=block_factory)
+    measurements = calibration.run([1] if block_factory is not None else tp_degrees(model, cluster), *budget)
     return measurements if groups[name].ranks[0] == dist.get_rank() else []
 
 
@@ -155,8 +158,10 @@ def plan_in_job(env) -> None:
     for name, _, tflops in described:  # each type's first rank's
         speeds.setdefault(name, tflops)
     budgets = sample_budgets(model, cluster, speeds, stored)
+    from memx_launch.runtime.prepare import user_block_factory
+    block_factory = user_block_factory(env)  # memx-run --model-builder: calibrate the script's own block
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
-                                 budgets[rank_device.device_type.name])
+                                 budgets[rank_device.device_type.name], block_factory)
     gathered: list = [None] * world if rank == 0 else None
     dist.gather_object([m.to_json() for m in mine], gathered, dst=0)
 
@@ -176,7 +181,8 @@ def plan_in_job(env) -> None:
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         # Leave the free memory the monitor will ask for, or the first samples would re-plan.
         space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
-                            else MonitorConfig.from_env(env).min_headroom, fewer_microbatches_than_stages=False)
+                            else MonitorConfig.from_env(env).min_headroom, fewer_microbatches_than_stages=False,
+                            tp_degrees=(1,) if block_factory is not None else None)
         result = search(model, cluster, training, cost_model=cost_model, space=space,
                         objective=env.get("MEMX_OBJECTIVE") or None,
                         weights=weights, time_budget_s=budget)

@@ -96,21 +96,35 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, path: str, name: str | None = None) -> "ModelSpec":
-        """Read a Hugging Face style ``config.json`` (LLaMA, Mistral, Qwen2 families)."""
+        """Read a Hugging Face style ``config.json`` (LLaMA, Mistral, Qwen2 families; GPT-2 style keys)."""
         try:
             with open(path) as f:
                 cfg = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError("model", f"cannot read Hugging Face config {path!r} ({exc})",
                               "pass a readable config.json") from None
+        return cls.from_hf_dict(cfg, name or cfg.get("_name_or_path")
+                                or os.path.basename(os.path.dirname(os.path.abspath(path))), where=path)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: Mapping[str, Any], name: str, where: str = "config") -> "ModelSpec":
+        """The shape in a Hugging Face config's dict (``model.config.to_dict()``, or a config.json)."""
+        if "n_layer" in cfg:  # GPT-2 style names (GPT-2, GPT-J, ...): GELU MLP, 4x width unless n_inner, tied
+            cfg = {"num_hidden_layers": cfg["n_layer"], "hidden_size": cfg.get("n_embd"),
+                   "num_attention_heads": cfg.get("n_head"),
+                   "intermediate_size": cfg.get("n_inner") or 4 * int(cfg.get("n_embd") or 0),
+                   "vocab_size": cfg.get("vocab_size"), "hidden_act": cfg.get("activation_function", "gelu"),
+                   "max_position_embeddings": cfg.get("n_positions") or cfg.get("n_ctx") or 1024,
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+            cfg = {k: v for k, v in cfg.items() if v is not None}
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                "intermediate_size", "vocab_size") if k not in cfg]
         if missing:
-            raise ConfigError(f"model ({path})", f"config.json lacks {', '.join(missing)}",
-                              "use a decoder-only config with these keys")
+            raise ConfigError(f"model ({where})", f"config.json lacks {', '.join(missing)}",
+                              "use a decoder-only config with these keys (or GPT-2's n_layer, n_embd, n_head)")
         act = str(cfg.get("hidden_act", "silu"))
         return cls(
-            name=name or cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))),
+            name=name,
             num_layers=cfg["num_hidden_layers"],
             hidden_size=cfg["hidden_size"],
             num_heads=cfg["num_attention_heads"],

@@ -1,0 +1,123 @@
+"""What the Lightning callback decides at fit start, apart from Lightning itself: calibrate the
+module's own block on each device type, then pick the micro-batch size and the number of blocks
+that recompute their activations under the Trainer's data-parallel layout.
+
+Under DDP every rank holds the whole model and all its blocks' activations are alive together at
+the peak, so the blocks trade memory one for one: with k of N blocks checkpointed, the predicted
+peak is peak(none) - k/N * (peak(none) - peak(full)), both from memx's estimate of the layout
+(pp=1, dp=world, tp=1). The user's micro-batch is kept when some k fits under the
+capacity less the monitor's headroom on every device type; otherwise the micro-batch halves, with
+gradient accumulation keeping the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from memx_launch.errors import NoFeasiblePlanError
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.plan import RECOMPUTE_LEVELS
+from memx_launch.profiling.design import minimal_sample_set
+from memx_launch.profiling.kernel import calibrate
+from memx_launch.profiling.profiledb import Measurement, ProfileDB
+from memx_launch.profiling.space import ProfileSpace, Sample
+
+CALIBRATION_BUDGET = 12
+
+
+@dataclass
+class Decision:
+    """The part of a plan that applies under the Trainer's strategy."""
+
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    recompute_blocks: int
+    """The first this many blocks recompute their activations in the backward pass (full)."""
+    num_blocks: int
+    predicted_peak_gib: float
+    """Per rank, with recompute_blocks checkpointed (the largest over device types)."""
+    peak_none_gib: float
+    peak_full_gib: float
+    capacity_gib: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def peak_with(self, k: int) -> float:
+        return self.peak_none_gib - k / self.num_blocks * (self.peak_none_gib - self.peak_full_gib)
+
+    def blocks_to_fit(self, target_gib: float) -> int | None:
+        """The fewest checkpointed blocks whose predicted peak is at most ``target_gib``."""
+        saving = (self.peak_none_gib - self.peak_full_gib) / self.num_blocks
+        if self.peak_none_gib <= target_gib:
+            return 0
+        if saving <= 0 or self.peak_full_gib > target_gib:
+            return None
+        return min(self.num_blocks, math.ceil((self.peak_none_gib - target_gib) / saving - 1e-9))
+
+
+def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, max_micro_batch: int, log) -> str:
+    """The first rank of each device type measures the module's block (``probe``: recompute level ->
+    a copy of one block) at a minimal set of micro-batch sizes and recompute levels; rank 0 appends
+    every type's samples to the profile at ``db_path``. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    types = cluster.rank_device_types()
+    mine = types[rank]
+    lines: list[str] = []
+    if types.index(mine) == rank:
+        mbs = tuple(2**i for i in range(int(math.log2(max(1, max_micro_batch))) + 1))
+        default = Sample(1, mbs[len(mbs) // 2], training.seq_len, "none", spec.num_kv_heads)
+        space = ProfileSpace({"tp": (1,), "micro_batch_size": mbs, "seq_len": (training.seq_len,),
+                              "recompute": RECOMPUTE_LEVELS, "num_kv_heads": (spec.num_kv_heads,)}, default)
+        emulated = rank_device.emulated
+        device = "cpu" if emulated is not None or not _cuda() else "cuda"
+
+        def measure(samples):
+            return calibrate(spec, rank_device.device_type, samples, device=device, dtype=training.dtype,
+                             num_blocks=2, repeats=2, block_factory=probe,
+                             emulation_slowdown=emulated.slowdown if emulated is not None else 1.0)
+
+        result = minimal_sample_set(space, measure, budget=CALIBRATION_BUDGET)
+        lines = [m.to_json() for m in result.measurements]
+        log(f"memx: calibrated {mine} on rank {rank}: {len(lines)} samples of the module's own block")
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, lines)
+    if rank == 0:
+        db = ProfileDB(db_path)
+        import json
+        db.append(Measurement.from_dict(json.loads(line)) for part in gathered for line in part)
+    dist.barrier()
+    return db_path
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def decide(spec, cluster, training, *, world: int, tp: int, num_blocks: int, user_micro_batch: int,
+           user_accumulation: int, headroom: float, cost_model=None) -> Decision:
+    """The micro-batch size and checkpointed block count for this layout (module docstring)."""
+    dp = world // tp
+    local = user_micro_batch * user_accumulation
+    mbs = user_micro_batch
+    while mbs >= 1:
+        if local % mbs == 0:
+            peaks = {}
+            for level in ("none", "full"):
+                plan = evaluate_layout(spec, cluster, training, tp=tp, pp=1, dp=dp, micro_batch_size=mbs,
+                                       recompute=[level], cost_model=cost_model, references=(1.0, 1.0, 1.0))
+                peaks[level] = plan.stages[0].predicted_peak_memory_gib
+                capacity = plan.stages[0].memory_capacity_gib
+            decision = Decision(mbs, local // mbs, 0, num_blocks, 0.0, peaks["none"], peaks["full"], capacity)
+            k = decision.blocks_to_fit(capacity * (1 - headroom))
+            if k is not None:
+                decision.recompute_blocks, decision.predicted_peak_gib = k, decision.peak_with(k)
+                return decision
+        mbs //= 2
+    raise NoFeasiblePlanError(f"{spec.name} does not fit in {cluster.name} under DDP even with micro-batch 1 and "
+                              "every block recomputed; use more devices, a sharded strategy, or a smaller model")
+

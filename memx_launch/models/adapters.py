@@ -1,0 +1,302 @@
+"""A plan applied to the user's own nn.Module: its transformer blocks, the parts before and after
+them, pipeline stages with uneven layer counts, per-stage activation recompute and tensor parallel.
+
+What is found (:class:`ModelParts`):
+
+- the blocks: the ModuleList (or ModuleDict) the user names with ``blocks="path"``, else the first
+  of ``model.layers`` (Hugging Face decoders, memx's LlamaStage), ``layers`` (torchtitan style),
+  ``transformer.h``, else the largest list of modules of one class;
+- Hugging Face Llama / Mistral / Qwen2 models (``*ForCausalLM``): token embedding, rotary table,
+  final norm and LM head, called the way the model's forward calls them (causal, no padding mask);
+- any other model: the modules registered before the blocks (in each module on the path from the
+  root to the blocks) run before them, in registration order, and those registered after run after
+  them, innermost first. ``verify`` runs the whole module against this reading on a small input and
+  raises when they differ, so a forward that does more (positions, masks) is caught at start.
+
+A stage (:class:`StageModule`) keeps the user's module objects (their weights, pretrained or not)
+under names that do not depend on the split (``blocks.{global index}``), so checkpoints load under
+another plan.
+
+Block kinds memx knows (:data:`KNOWN_KINDS`) get selective recompute of their attention core and
+tensor parallelism; any other block trains with TP = 1, and "selective" recomputes the whole block
+(the same as "full") because memx cannot see inside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memx_launch.errors import ConfigError
+from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
+
+log = logging.getLogger("memx")
+
+BLOCK_PATHS = ("model.layers", "layers", "transformer.h")
+HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+# The attention function memx registers with transformers: SDPA, with the core recomputed in the
+# backward pass on blocks of "selective" stages.
+HF_ATTENTION = "memx_sdpa"
+_WARNED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    name: str
+    knows_attention: bool
+    """Selective recompute reaches the attention core (else it falls back to the whole block)."""
+    tensor_parallel: bool
+
+
+MEMX_KIND = BlockKind("memx LLaMA", True, True)
+HF_KIND = BlockKind("Hugging Face Llama family", True, True)
+KNOWN_KINDS = (MEMX_KIND, HF_KIND)
+
+
+def block_kind(block: nn.Module) -> BlockKind:
+    if isinstance(block, TransformerBlock):
+        return MEMX_KIND
+    if type(block).__name__ in HF_LLAMA_FAMILY:
+        return HF_KIND
+    return BlockKind(type(block).__name__, False, False)
+
+
+def _container(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        found = model.get_submodule(path)
+    except AttributeError:
+        return None
+    return found if isinstance(found, (nn.ModuleList, nn.ModuleDict)) and len(found) else None
+
+
+def find_blocks(model: nn.Module, blocks: str | None = None) -> str:
+    """The dotted path of the model's block list."""
+    if blocks is not None:
+        if _container(model, blocks) is None:
+            raise ConfigError("blocks", f"{type(model).__name__} has no non-empty ModuleList or ModuleDict "
+                              f"at {blocks!r}", "name the attribute that holds the transformer blocks")
+        return blocks
+    for path in BLOCK_PATHS:
+        if _container(model, path) is not None:
+            return path
+    best, best_params = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 1 \
+                and len({type(m) for m in module.children()}) == 1:
+            params = sum(p.numel() for p in module.parameters())
+            if params > best_params:
+                best, best_params = name, params
+    if best is None:
+        raise ConfigError("model", f"no transformer blocks found in {type(model).__name__} (no list of "
+                          "same-class modules)", "pass blocks='attribute.path' naming the ModuleList of blocks")
+    return best
+
+
+class ModelParts:
+    """The user's model read as: before (first stage), blocks, after (last stage)."""
+
+    def __init__(self, model: nn.Module, blocks: str | None = None):
+        self.model = model
+        self.path = find_blocks(model, blocks)
+        container = model.get_submodule(self.path)
+        self.blocks: list[nn.Module] = list(container.children())
+        kinds = {block_kind(b) for b in self.blocks}
+        if len(kinds) > 1:
+            raise ConfigError("blocks", f"{self.path} mixes block types ({', '.join(k.name for k in kinds)})",
+                              "name a list of one block type")
+        self.kind = kinds.pop()
+        self.rotary: nn.Module | None = None
+        if self.kind is HF_KIND:
+            self._hf_parts(model, container)
+        else:
+            self.before, self.after = _around(model, self.path)
+
+    def _hf_parts(self, model: nn.Module, container: nn.Module) -> None:
+        """The Hugging Face causal LM holding the blocks (the model itself, or a module inside a
+        wrapper such as a LightningModule): its embedding, rotary table, final norm and head."""
+        found = next(((name, m) for name, m in model.named_modules() if hasattr(m, "lm_head")
+                      and getattr(getattr(m, "model", None), "layers", None) is container), None)
+        if found is None:
+            raise ConfigError("model", f"the {self.kind.name} blocks at {self.path} are not the layers of a "
+                              "*ForCausalLM's model", "pass the Hugging Face *ForCausalLM (or a module holding it)")
+        name, lm = found
+        prefix = name + "." if name else ""
+        if lm.config.tie_word_embeddings:
+            raise ConfigError("model.config.tie_word_embeddings", "the LM head shares the embedding's "
+                              "weight, which pipeline stages cannot share",
+                              "build the model with tie_word_embeddings=False")
+        self.before = [(prefix + "model.embed_tokens", lm.model.embed_tokens)]
+        self.after = [(prefix + "model.norm", lm.model.norm), (prefix + "lm_head", lm.lm_head)]
+        self.rotary = lm.model.rotary_emb
+        self.config = lm.config
+        _use_memx_attention(lm.config)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    def stage(self, layer_offset: int, num_layers: int, *, first: bool, last: bool,
+              recompute: str) -> "StageModule":
+        return StageModule(self, layer_offset, num_layers, first=first, last=last, recompute=recompute)
+
+    def block_probe(self, recompute: str) -> "StageModule":
+        """A copy of the first block (own weights) run as a middle stage: [b, s, hidden] in and out,
+        at ``recompute``. What calibration measures (profiling/kernel.py's block_factory)."""
+        probe = copy.copy(self)
+        probe.blocks, probe.before, probe.after = [copy.deepcopy(self.blocks[0])], [], []
+        return StageModule(probe, 0, 1, first=False, last=False, recompute=recompute)
+
+    @torch.no_grad()
+    def verify(self, example: torch.Tensor | None = None, atol: float = 1e-5) -> None:
+        """The whole model against before -> blocks -> after on ``example`` (default: 1 x 8 token
+        ids when the first part is an embedding; nothing to check otherwise)."""
+        if example is None:
+            first = self.before[0][1] if self.before else None
+            if not isinstance(first, nn.Embedding) or first.weight.device.type == "meta":
+                return
+            example = torch.randint(0, first.num_embeddings, (1, 8), device=first.weight.device)
+        expected = self.model(example)
+        expected = getattr(expected, "logits", expected)
+        expected = expected[0] if isinstance(expected, (tuple, list)) else expected
+        got = self.stage(0, self.num_layers, first=True, last=True, recompute="none")(example)
+        if got.shape != expected.shape or not torch.allclose(got, expected, atol=atol, rtol=0):
+            raise ConfigError("model", f"running {type(self.model).__name__}'s parts in order (before the blocks: "
+                              f"{[n for n, _ in self.before]}, after: {[n for n, _ in self.after]}) does not "
+                              "reproduce its forward", "give memx a model whose forward is embedding -> blocks "
+                              "-> head, or name the blocks with blocks='path'")
+
+    def apply_tensor_parallel(self, stage: nn.Module, tp_mesh) -> None:
+        if tp_mesh.size() == 1:
+            return
+        if not self.kind.tensor_parallel:
+            raise ConfigError("tp", f"memx has no tensor-parallel plan for {self.kind.name} blocks",
+                              "use a plan with tp=1 (memx-run --plan, or re-plan), or a Llama-family model")
+        if self.kind is MEMX_KIND:
+            apply_tensor_parallel(stage, tp_mesh)
+        else:
+            _hf_tensor_parallel(stage, tp_mesh, self.config)
+
+
+def _around(model: nn.Module, path: str) -> tuple[list, list]:
+    """Modules registered before and after the path's step in every module along the path."""
+    before, after_levels = [], []
+    node, prefix = model, ""
+    for step in path.split("."):
+        names = [n for n, _ in node.named_children()]
+        i = names.index(step)
+        before += [(prefix + n, getattr(node, n)) for n in names[:i]]
+        after_levels.append([(prefix + n, getattr(node, n)) for n in names[i + 1:]])
+        node, prefix = getattr(node, step), prefix + step + "."
+    return before, [part for level in reversed(after_levels) for part in level]
+
+
+class StageModule(nn.Module):
+    """Layers [layer_offset, layer_offset + num_layers) of a ModelParts, with the parts before
+    them on the first stage and after them on the last; ``recompute`` as in the plan."""
+
+    def __init__(self, parts: ModelParts, layer_offset: int, num_layers: int, *, first: bool, last: bool,
+                 recompute: str):
+        super().__init__()
+        self.kind = parts.kind
+        self.before = nn.ModuleDict({_key(n): m for n, m in parts.before}) if first else nn.ModuleDict()
+        self.blocks = nn.ModuleDict({str(layer_offset + i): parts.blocks[layer_offset + i]
+                                     for i in range(num_layers)})
+        self.after = nn.ModuleDict({_key(n): m for n, m in parts.after}) if last else nn.ModuleDict()
+        self.rotary = parts.rotary
+        self.recompute = recompute
+        if recompute == "selective" and not self.kind.knows_attention and self.kind.name not in _WARNED:
+            _WARNED.add(self.kind.name)  # once per process and block type
+            log.warning("memx: selective recompute on %s blocks recomputes the whole block (memx cannot "
+                        "reach their attention core); the plan's prediction assumed less", self.kind.name)
+        for block in self.blocks.values():
+            if self.kind is MEMX_KIND:
+                block.recompute = recompute
+            elif self.kind is HF_KIND:
+                _hf_selective(block, recompute == "selective")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for module in self.before.values():
+            h = module(h)
+        call = self._block_call(h)
+        whole = self.recompute == "full" or (self.recompute == "selective" and not self.kind.knows_attention)
+        for block in self.blocks.values():
+            if whole and self.kind is not MEMX_KIND:
+                h = checkpoint(call, block, h, use_reentrant=False)
+            else:
+                h = call(block, h)
+        for module in self.after.values():
+            h = module(h)
+        return h
+
+    def _block_call(self, h: torch.Tensor) -> Callable:
+        if self.kind is HF_KIND:
+            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            rotary = self.rotary(h, positions)
+            return lambda block, x: _first(block(x, attention_mask=None, position_ids=positions,
+                                                 position_embeddings=rotary))
+        return lambda block, x: _first(block(x))
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")  # ModuleDict keys cannot hold dots
+
+
+# --------------------------------------------------------------------------- Hugging Face Llama family
+
+
+def _use_memx_attention(config) -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def memx_sdpa(module, *args, **kwargs):
+        if getattr(module, "_memx_selective", False) and torch.is_grad_enabled():
+            return checkpoint(sdpa_attention_forward, module, *args, use_reentrant=False, **kwargs)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register(HF_ATTENTION, memx_sdpa)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)  # the model's own forward still runs
+    config._attn_implementation = HF_ATTENTION
+
+
+def _hf_selective(block: nn.Module, on: bool) -> None:
+    """The attention core (through memx_sdpa) and the MLP's gated product recomputed in backward."""
+    block.self_attn._memx_selective = on
+    mlp = block.mlp
+    if on:
+        mlp.forward = lambda x, mlp=mlp: mlp.down_proj(
+            checkpoint(_gated, mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x), use_reentrant=False))
+    else:
+        mlp.__dict__.pop("forward", None)
+
+
+def _gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return act(gate) * up
+
+
+def _hf_tensor_parallel(stage: nn.Module, tp_mesh, config) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    if heads % tp or kv_heads % tp or config.intermediate_size % tp:
+        raise ConfigError("tp", f"{tp} does not divide the {heads} heads, {kv_heads} KV heads and FFN width "
+                          f"{config.intermediate_size}", "choose a TP degree that divides all three")
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+    for block in stage.blocks.values():
+        parallelize_module(block, tp_mesh, plan)
+

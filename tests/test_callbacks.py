@@ -1,0 +1,130 @@
+"""The Lightning callback (callbacks/, installed as memx_callbacks): packaging, decisions, errors,
+and examples/lightning_train.py end to end (2-process DDP on emulated devices, then a resume)."""
+
+import configparser
+import csv
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from memx_callbacks import MemxCallback
+from memx_callbacks.planning import Decision
+from memx_launch.errors import ConfigError
+from memx_launch.planning.replan import ReplanEvent
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_the_editable_install_imports_the_callback_under_its_own_name():
+    out = subprocess.run([sys.executable, "-c", "import memx_callbacks, callbacks"], cwd="/", capture_output=True,
+                         text=True)
+    assert "No module named 'callbacks'" in out.stderr  # the folder's name is not a top-level package
+    out = subprocess.run([sys.executable, "-c", "import memx_callbacks; print(memx_callbacks.MemxCallback.__module__,"
+                          " memx_callbacks.__file__)"], cwd="/", capture_output=True, text=True, check=True)
+    module, path = out.stdout.split()
+    assert module == "memx_callbacks.memx" and pathlib.Path(path) == ROOT / "callbacks" / "__init__.py"
+
+
+def test_every_package_folder_is_listed_in_setup_cfg():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "memx_launch").rglob("__init__.py")}
+    assert folders | {"memx_callbacks"} == listed
+
+
+def _decision(k=2, n=8, mbs=8):
+    return Decision(mbs, 1, k, n, 0.0, peak_none_gib=0.024, peak_full_gib=0.010, capacity_gib=0.025)
+
+
+def test_the_trainers_precision_is_what_is_planned_for():
+    from memx_callbacks.memx import _dtype
+
+    assert [_dtype(p) for p in ("bf16-mixed", "bf16-true", "16-mixed", "32-true", "64-true")] == \
+        ["bf16", "bf16", "fp16", "fp32", "fp32"]
+
+
+def test_checkpointed_blocks_trade_memory_linearly():
+    d = _decision()
+    assert d.blocks_to_fit(0.030) == 0
+    assert d.blocks_to_fit(0.010) == 8 and d.blocks_to_fit(0.009) is None
+    k = d.blocks_to_fit(0.0215)  # (0.024 - 0.0215) / (0.014 / 8) = 1.43 -> 2
+    assert k == 2 and d.peak_with(k) <= 0.0215 < d.peak_with(k - 1)
+
+
+class _Trainer(SimpleNamespace):
+    def save_checkpoint(self, path):
+        self.saved = path
+
+
+def _callback_with_blocks(tmp_path, decision):
+    cb = MemxCallback(plan_file=str(tmp_path / "plan.json"))
+    cb.decision = decision
+    cb._blocks = [torch.nn.Linear(2, 2) for _ in range(decision.num_blocks)]
+    trainer = _Trainer(global_rank=0, default_root_dir=str(tmp_path), should_stop=False)
+    return cb, trainer
+
+
+def _event(observed_gib):
+    return ReplanEvent(10, "headroom", 0, 0, "small", "3% free", [observed_gib, observed_gib], [0.025, 0.025])
+
+
+def test_pressure_checkpoints_more_blocks_in_place(tmp_path):
+    cb, trainer = _callback_with_blocks(tmp_path, _decision(k=2))
+    cb._fix(trainer, _event(0.0243))  # 0.0018 GiB over 90% of 0.025: two more blocks of 0.00175
+    assert cb.decision.recompute_blocks == 4 and not trainer.should_stop
+    assert ["forward" in b.__dict__ for b in cb._blocks] == [True] * 4 + [False] * 4
+
+
+def test_pressure_with_every_block_checkpointed_stops_with_a_smaller_micro_batch(tmp_path):
+    cb, trainer = _callback_with_blocks(tmp_path, _decision(k=8, mbs=8))
+    cb._fix(trainer, _event(0.0243))
+    assert trainer.should_stop and trainer.saved.endswith("memx-replan-step10.ckpt")
+    assert (cb.decision.micro_batch_size, cb.decision.accumulate_grad_batches) == (4, 2)
+    assert '"micro_batch_size": 4' in (tmp_path / "plan.json").read_text()
+    restored = MemxCallback()
+    restored.load_state_dict(cb.state_dict())
+    assert restored.decision == cb.decision and restored.resumed
+
+
+def test_misconfiguration_names_the_fix():
+    from toy_models import NoBlocks
+
+    with pytest.raises(ConfigError, match="strategy: MemxCallback does not apply its plan under FSDPStrategy; use "):
+        MemxCallback().setup(SimpleNamespace(strategy=type("FSDPStrategy", (), {})()), NoBlocks(), "fit")
+    trainer = SimpleNamespace(strategy=type("DDPStrategy", (), {})())
+    with pytest.raises(ConfigError) as info:
+        MemxCallback().setup(trainer, NoBlocks(), "fit")
+    assert str(info.value).startswith("model: no transformer blocks found in NoBlocks") and "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_lightning_example_plans_trains_logs_and_resumes_with_its_plan(tmp_path):
+    script = ROOT / "examples" / "lightning_train.py"
+    run = subprocess.run([sys.executable, str(script), "--root", str(tmp_path), "--steps", "4"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    plan = re.search(r"memx: plan for lightning-gpt on cpu-emulated-ddp: (.*)", run.stdout)
+    assert plan, run.stdout[-3000:]
+    k = int(re.search(r"(\d+)/8 blocks checkpointed", plan[1])[1])
+    assert 0 < k < 8  # the cap forces some checkpointing, not all
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    memory = [r for r in rows if r["memx/stage0/peak_gib"]]
+    losses = [float(r["train_loss"]) for r in rows if r["train_loss"]]
+    assert [int(r["step"]) for r in memory] == [2, 4]
+    for r in memory:
+        peak, predicted = float(r["memx/stage0/peak_gib"]), float(r["memx/stage0/predicted_gib"])
+        assert 0 < peak < 0.0234 and abs(peak / predicted - 1) < 0.25
+    assert losses[-1] < losses[0]
+    again = subprocess.run([sys.executable, str(script), "--root", str(tmp_path), "--steps", "6", "--resume"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"memx: resumed plan kept: {plan[1]}" in again.stdout
+    assert "calibrated" not in again.stdout

@@ -1,0 +1,81 @@
+"""examples/train_hf_llama.py and examples/train_own_model.py under the real memx-run (4 emulated
+ranks, a fixed plan with an uneven split and mixed recompute) against the same script's
+one-process reference."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+pytest.importorskip("transformers")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
+LOSS_ATOL = 1e-5
+STEPS, BATCH = 3, 4
+CASES = {  # script, model, (pp, dp), layers, recompute
+    "hf-llama": ("train_hf_llama.py", "hf-llama-tiny", (4, 1), [1, 2, 3, 2], ["full", "selective", "none", "full"]),
+    "own-block": ("train_own_model.py", "own-gpt-tiny", (2, 2), [3, 1], ["selective", "full"]),
+}
+
+
+def _losses(stdout):
+    return [float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", stdout, re.M)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, case):
+    script, model, (pp, dp), layers, recompute = CASES[case]
+    script, model = os.path.join(EXAMPLES, script), os.path.join(EXAMPLES, "models", model)
+    spec = get_model(model)
+    plan = evaluate_layout(spec, ClusterSpec.from_yaml(CLUSTER),
+                           TrainingSpec(global_batch_size=BATCH, seq_len=spec.seq_len, dtype="fp32"), tp=1, pp=pp,
+                           dp=dp, micro_batch_size=1, layers_per_stage=layers, recompute=recompute,
+                           references=(1, 1, 1))
+    plan.save(str(tmp_path / "plan.json"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
+                          "--cluster", CLUSTER, "--plan", str(tmp_path / "plan.json"), "--run-dir",
+                          str(tmp_path / "run"), "--profile-db", str(tmp_path / "none.jsonl"), script,
+                          "--model", model, "--steps", str(STEPS)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert f"pp={pp} dp={dp} fp32; layers {layers}, recompute {recompute}" in run.stdout
+    ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
+                          "--global-batch-size", str(BATCH)],
+                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    got, want = _losses(run.stdout), _losses(ref.stdout)
+    assert len(got) == len(want) == STEPS
+    assert max(abs(a - b) for a, b in zip(got, want)) < LOSS_ATOL, (got, want)
+
+
+@pytest.mark.slow
+def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path):
+    script = os.path.join(EXAMPLES, "train_own_model.py")
+    model = os.path.join(EXAMPLES, "models", "own-gpt-tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
+                          "--cluster", CLUSTER, "--global-batch-size", str(BATCH), "--run-dir", str(tmp_path / "run"),
+                          "--model-builder", f"{script}:build", script, "--model", model, "--steps", str(STEPS)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stderr[-4000:]
+    db = tmp_path / "runs" / "profiles.train_own_model.build.jsonl"
+    records = [json.loads(line) for line in db.read_text().splitlines()]
+    assert records and all(r["tp"] == 1 for r in records)
+    assert "tp=1 " in run.stdout
+    ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
+                          "--global-batch-size", str(BATCH)],
+                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    got, want = _losses(run.stdout), _losses(ref.stdout)
+    assert len(got) == len(want) == STEPS
+    assert max(abs(a - b) for a, b in zip(got, want)) < LOSS_ATOL, (got, want)
