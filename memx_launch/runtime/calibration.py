@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from memx_launch.errors import MemxError
 from memx_launch.runtime.faults import Faults
+from memx_launch.runtime.messages import all_gather_json
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
 from memx_launch.profiling.space import Sample, default_space
 from memx_launch.profiling.kernel import calibrate
@@ -120,8 +121,7 @@ class TypeCalibration:
                     if me == ranks[0]:  # one record per sample, from the unit's first rank
                         mine += measured
         self._report_and_wait()
-        gathered: list = [None] * len(self.groups.ranks)
-        dist.all_gather_object(gathered, [m.to_json() for m in mine], group=self.groups.group)
+        gathered = all_gather_json([m.to_json() for m in mine], group=self.groups.group)
         for part in gathered:
             for line in part:
                 m = Measurement.from_dict(json.loads(line))

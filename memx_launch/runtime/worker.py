@@ -92,6 +92,7 @@ def plan_in_job(env) -> None:
     from memx_launch.runtime.training import init_distributed
     from memx_launch.runtime.calibration import measurement_key
     from memx_launch.runtime.devices import detect_rank_device
+    from memx_launch.runtime.messages import all_gather_json, broadcast_json
     from memx_launch.runtime.monitor import MonitorConfig
     from memx_launch.planning.search import SearchSpace, search
     from memx_launch.planning.objective import parse_weights
@@ -105,8 +106,7 @@ def plan_in_job(env) -> None:
     training = TrainingSpec(**json.loads(env["MEMX_TRAINING"]))
     cluster = ClusterSpec.from_yaml(env["MEMX_CLUSTER"]) if env.get("MEMX_CLUSTER") else None
     rank_device = detect_rank_device(cluster, rank, int(env.get("LOCAL_RANK", "0")))
-    described: list = [None] * world
-    dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description))
+    described = all_gather_json([rank_device.device_type.name, rank_device.description])
     if cluster is None:
         cluster = _cluster_of_detected(dist, rank_device, world)
     if rank == 0:
@@ -114,20 +114,19 @@ def plan_in_job(env) -> None:
             _log(f"rank {r}: {what}")
 
     db = ProfileDB(env["MEMX_PROFILE_DB"])
-    stored_lines: list = [None]
+    stored_lines = None
     if rank == 0:  # one reading for everyone: ranks must agree on what is left to measure
-        stored_lines[0] = [r.to_json() for r in db.read() if r.model_signature == model.signature()] \
+        stored_lines = [r.to_json() for r in db.read() if r.model_signature == model.signature()] \
             if os.path.exists(db.path) else []
-        if stored_lines[0]:
-            _log(f"profile {db.path} already holds {len(stored_lines[0])} samples of {model.name}: "
+        if stored_lines:
+            _log(f"profile {db.path} already holds {len(stored_lines)} samples of {model.name}: "
                  "those are not measured again")
-    dist.broadcast_object_list(stored_lines, src=0)
-    stored = [Measurement.from_dict(json.loads(line)) for line in stored_lines[0]]
+    stored_lines = broadcast_json(stored_lines, src=0)
+    stored = [Measurement.from_dict(json.loads(line)) for line in stored_lines]
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training)
-    gathered: list = [None] * world if rank == 0 else None
-    dist.gather_object([m.to_json() for m in mine], gathered, dst=0)
+    gathered = all_gather_json([m.to_json() for m in mine])
 
-    payload: list = [None]
+    payload = None
     if rank == 0:
         # Each sample was stored by the rank that measured it; a node with its own disk
         # sends them here too.
@@ -153,9 +152,8 @@ def plan_in_job(env) -> None:
         print(report.search_stats_line(result.stats), file=sys.stderr, flush=True)
         print(f"plan written to {env['MEMX_PLAN']}", flush=True)
         print("reproduce this run without searching:\n  " + reproduce_command(plan, cluster, env), flush=True)
-        payload[0] = json.dumps(plan.to_dict())
-    dist.broadcast_object_list(payload, src=0)
-    Plan.from_dict(json.loads(payload[0]), source="broadcast plan")  # every rank checks what it got
+        payload = plan.to_dict()
+    Plan.from_dict(broadcast_json(payload, src=0), source="broadcast plan")  # every rank checks what it got
     generation = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
         record_planned_restart(env["MEMX_RUN_DIR"], generation)
@@ -183,10 +181,10 @@ def _cluster_of_detected(dist, rank_device, world):
     """A one-node cluster of what the ranks detected (no cluster file given)."""
     from dataclasses import asdict
 
+    from memx_launch.runtime.messages import all_gather_json
     from memx_launch.specs.cluster import ClusterSpec
 
-    types: list = [None] * world
-    dist.all_gather_object(types, asdict(rank_device.device_type))
+    types = all_gather_json(asdict(rank_device.device_type))
     device_types, counts = {}, {}
     for t in types:
         name = t.pop("name")
