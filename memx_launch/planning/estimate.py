@@ -43,6 +43,7 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     given, else those of a default search of the same model, cluster and training spec."""
     if schedule not in ("1f1b", "interleaved"):
         raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
+    _check_layout_numbers(model, cluster, tp, pp, dp, micro_batch_size, schedule, virtual_stages, layers_per_stage)
     v = virtual_stages if schedule == "interleaved" else 1
     if training.global_batch_size % (dp * micro_batch_size):
         raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
@@ -74,6 +75,29 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     chosen = tuple(weights) if weights is not None else WEIGHT_PROFILES["default"]
     objective = objective_for(result.T[0], result.M[0], result.V[0], references, profile, chosen)
     return to_plan(result, 0, model, cluster, training, objective)
+
+
+def _check_layout_numbers(model, cluster, tp, pp, dp, mbs, schedule, virtual_stages, layers_per_stage) -> None:
+    """Integers in range before any array is built from them."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--micro-batch-size", mbs),
+                        ("--virtual-stages", virtual_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(flag, f"must be a positive integer, got {value!r}")
+    if tp * pp * dp > cluster.world_size:
+        raise ConfigError("--tp", f"tp*pp*dp={tp * pp * dp} is more than the cluster's {cluster.world_size} devices",
+                          "use a layout that fits the cluster")
+    if pp > model.num_layers:
+        raise ConfigError("--pp", f"{pp} stages for {model.num_layers} layers", "use at most one stage per layer")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ConfigError("--virtual-stages", f"{virtual_stages} needs --schedule interleaved",
+                          "pass --schedule interleaved, or drop --virtual-stages")
+    if pp * virtual_stages > model.num_layers:
+        raise ConfigError("--virtual-stages", f"pp*virtual_stages={pp * virtual_stages} chunks for "
+                          f"{model.num_layers} layers", "every chunk needs at least one layer")
+    for n in layers_per_stage or ():
+        if not isinstance(n, int) or not 1 <= n <= model.num_layers:
+            raise ConfigError("--layers-per-stage", f"{n} is not a layer count between 1 and {model.num_layers}",
+                              "fix the split")
 
 
 def _score_fixed_levels(evaluator: Evaluator, layout, mbs, seq, schedule, v, levels) -> GroupResult:

@@ -19,7 +19,11 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.checks import require_number, require_type
+from memx_launch.specs.inputs import parse_json, read_text
+from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
+
+MAX_PROFILE_BYTES = 1 * 2**30
 
 PROFILE_FORMAT = 1
 
@@ -93,7 +97,24 @@ class Measurement:
                    if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
+        _check_record(data)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _check_record(data: dict) -> None:
+    """Types and ranges of a record (ValueError: the line is skipped as corrupt)."""
+    for key in ("device_type", "model", "model_signature", "recompute", "dtype"):
+        require_type(data[key], str, key)
+    for key in ("device", "block_shape"):
+        require_type(data[key], dict, key)
+    for key in ("tp", "micro_batch_size", "seq_len", "num_blocks"):
+        require_number(data[key], key, lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
+    require_type(data["feasible"], bool, "feasible")
+    for key in ("time_s", "time_spread_s", "peak_memory_bytes", "peak_reserved_bytes", "tp_link_gbps",
+                "emulation_slowdown"):
+        if data.get(key) is not None:
+            require_number(data[key], key, lo=0)
+    ModelSpec.from_dict(data["block_shape"], "block_shape")
 
 
 class ProfileDB:
@@ -119,18 +140,14 @@ class ProfileDB:
 
     def read(self) -> list[Measurement]:
         """All valid records; corrupt or foreign lines are skipped with a :class:`ProfileWarning`."""
-        try:
-            with open(self.path) as f:
-                lines = f.readlines()
-        except OSError as exc:
-            raise ConfigError("--profile-db", f"cannot read {self.path!r} ({exc.strerror})",
-                              "run memx profile --model NAME --out FILE first") from None
+        text = read_text(self.path, "--profile-db", MAX_PROFILE_BYTES,
+                         "run memx profile --model NAME --out FILE first")
         out = []
-        for lineno, line in enumerate(lines, 1):
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                out.append(Measurement.from_dict(json.loads(line)))
+                out.append(Measurement.from_dict(parse_json(line, "record", self.path)))
             except (ValueError, TypeError) as exc:
                 warnings.warn(f"{self.path}:{lineno}: skipped a corrupt profile record ({exc})",
                               ProfileWarning, stacklevel=2)
