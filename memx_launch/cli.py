@@ -10,13 +10,16 @@ planning and estimating run on any machine; only ``profile`` loads it.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import statistics
 import sys
+import threading
 
 from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
-from memx_launch.files import write_json_atomic
+from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.specs.model import get_model
@@ -63,8 +66,13 @@ def _training(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec
 
 def _check_new_file(path: str | None, flag: str, force: bool) -> None:
     """Refuse before any work is done, not after a long search."""
-    if path and os.path.exists(path) and not force:
-        raise ConfigError(flag, f"{path} already exists", "pass --force to overwrite or choose another path")
+    if path is not None:
+        check_output_path(path, flag, force)
+
+
+def _check_finite(value: float | None, flag: str) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ConfigError(flag, f"must be a finite number, got {value}", "give a plain number")
 
 
 def _cost_model(args, model, cluster, training):
@@ -127,8 +135,10 @@ def run_plan(args) -> int:
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_weights
 
-    if args.top < 1:
-        raise ConfigError("--top", f"must be at least 1, got {args.top}", "e.g. --top 5")
+    if not 1 <= args.top <= 10_000:
+        raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
+    _check_finite(args.search_budget_s, "--search-budget-s")
+    _check_finite(args.memory_headroom, "--memory-headroom")
     if args.search_budget_s is not None and args.search_budget_s <= 0:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     if not 0 <= args.memory_headroom < 1:
@@ -316,7 +326,8 @@ def run_profile(args) -> int:
     from memx_launch.profiling.kernel import detect_device_type, profile_model
 
     model = get_model(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ProfileDB(args.out).check_appendable("--out")  # before measuring, not after
+    device = _profile_device(torch, args.device)
     slowdown, link = 1.0, None
     if args.cluster:
         cluster = ClusterSpec.from_yaml(args.cluster)
@@ -338,8 +349,11 @@ def run_profile(args) -> int:
     if args.refine_budget is not None and args.refine_budget < 0:
         raise ConfigError("--refine-budget", f"must be 0 or more, got {args.refine_budget}")
     dtype = args.dtype or ("fp32" if device.startswith("cpu") else "bf16")
-    space = default_space(model, max_micro_batch=args.max_micro_batch,
-                          seq_lens=_csv(args.seq_lens, int, "--seq-lens"))
+    seq_lens = _csv(args.seq_lens, int, "--seq-lens")
+    for s in seq_lens or ():
+        if not 1 <= s <= 2**20:
+            raise ConfigError("--seq-lens", f"{s} is not a sequence length", "e.g. --seq-lens 1024,2048")
+    space = default_space(model, max_micro_batch=args.max_micro_batch, seq_lens=seq_lens)
     emulated = " (emulated: measured time x {:g})".format(slowdown) if slowdown != 1.0 else ""
     print(f"profiling {model.name} on {device_type.name} ({device}, {dtype}){emulated}; "
           f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
@@ -356,9 +370,41 @@ def run_profile(args) -> int:
         print(f"caching allocator: reserved peak {statistics.median(slack):.2f}x the allocated peak (median over "
               f"{len(slack)} configurations); the plan's memory headroom must cover it")
     print(augment_measurements(result.measurements, space.values).summary())
-    ProfileDB(args.out).append(result.measurements)
+    _store_measurements(ProfileDB(args.out), result.measurements)
     print(f"appended {len(result.measurements)} measurements to {args.out}")
     return 0
+
+
+def _profile_device(torch, name: str | None) -> str:
+    """The device to measure on, checked before anything is measured."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError("--device", f"{name!r} is not a torch device", "e.g. --device cuda:0 or --device cpu") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ConfigError("--device", f"{name} is not present ({count} CUDA device(s) here)",
+                              "pick a present device, or --device cpu")
+    elif device.type != "cpu":
+        raise ConfigError("--device", f"memx measures on cuda or cpu, not {device.type}", "e.g. --device cuda:0")
+    return name
+
+
+def _store_measurements(db, measurements) -> None:
+    """Append to the profile; if that fails after measuring, keep the measurements elsewhere."""
+    import tempfile
+
+    try:
+        db.append(measurements)
+    except OSError as exc:
+        fd, rescue = tempfile.mkstemp(prefix="memx-profile-", suffix=".jsonl", dir=tempfile.gettempdir())
+        with os.fdopen(fd, "w") as f:
+            f.writelines(m.to_json() + "\n" for m in measurements)
+        raise ConfigError("--out", f"cannot append to {db.path} ({exc.strerror}); the measurements are saved in "
+                          f"{rescue}", f"append that file to your profile: cat {rescue} >> PROFILE") from None
 
 
 # --------------------------------------------------------------------------- memx evaluate
@@ -398,10 +444,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds: temporary files are removed on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.handler(args)
+    except KeyboardInterrupt:
+        print("memx: interrupted; no output file was written", file=sys.stderr)
+        return 130
+    except SystemExit as exc:
+        if exc.code == 128 + signal.SIGTERM:
+            print("memx: terminated; no output file was written", file=sys.stderr)
+        raise
     except NoFeasiblePlanError as exc:
         print(f"memx: error: {exc}", file=sys.stderr)
         if exc.closest:

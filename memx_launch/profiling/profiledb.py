@@ -13,12 +13,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable
 
 from memx_launch.errors import ConfigError
+from memx_launch.files import atomic_output, check_output_path
 from memx_launch.specs.checks import require_number, require_type
 from memx_launch.specs.inputs import parse_json, read_text
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
@@ -123,6 +123,12 @@ class ProfileDB:
     def __init__(self, path: str):
         self.path = path
 
+    def check_appendable(self, flag: str = "--out") -> None:
+        """Before measuring: a regular file (or a new one) that memx may append to."""
+        check_output_path(self.path, flag, force=True)
+        if os.path.exists(self.path) and not os.access(self.path, os.W_OK):
+            raise ConfigError(flag, f"cannot write to {self.path}", "choose a file you can write to")
+
     def append(self, measurements: Iterable[Measurement]) -> int:
         """Append whole lines under an exclusive lock, then fsync; safe for concurrent ranks."""
         payload = "".join(m.to_json() + "\n" for m in measurements)
@@ -179,17 +185,9 @@ def deduplicate(records: Iterable[Measurement]) -> list[Measurement]:
 def merge_profiles(paths: Iterable[str], out_path: str) -> int:
     """Join per-rank profile files into one (deduplicated), written atomically."""
     records = deduplicate(r for p in paths for r in ProfileDB(p).read())
-    directory = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-profile-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
+    with atomic_output(out_path, "--out", overwrite=True) as tmp:
+        with open(tmp, "w") as f:
             f.writelines(r.to_json() + "\n" for r in records)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return len(records)
