@@ -317,17 +317,15 @@ def add_profile_command(sub) -> None:
 
 
 def run_profile(args) -> int:
-    import torch
-
     from memx_launch.profiling.interpolation import augment_measurements
     from memx_launch.planning.costmodel import tp_link_gbps
     from memx_launch.profiling.profiledb import ProfileDB
     from memx_launch.profiling.space import default_space
-    from memx_launch.profiling.kernel import detect_device_type, profile_model
+    from memx_launch.profiling.kernel import detect_device_type, measuring_device, profile_model
 
     model = get_model(args.model)
     ProfileDB(args.out).check_appendable("--out")  # before measuring, not after
-    device = _profile_device(torch, args.device)
+    device = measuring_device(args.device)
     slowdown, link = 1.0, None
     if args.cluster:
         cluster = ClusterSpec.from_yaml(args.cluster)
@@ -370,41 +368,9 @@ def run_profile(args) -> int:
         print(f"caching allocator: reserved peak {statistics.median(slack):.2f}x the allocated peak (median over "
               f"{len(slack)} configurations); the plan's memory headroom must cover it")
     print(augment_measurements(result.measurements, space.values).summary())
-    _store_measurements(ProfileDB(args.out), result.measurements)
+    ProfileDB(args.out).append_or_keep(result.measurements)
     print(f"appended {len(result.measurements)} measurements to {args.out}")
     return 0
-
-
-def _profile_device(torch, name: str | None) -> str:
-    """The device to measure on, checked before anything is measured."""
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError("--device", f"{name!r} is not a torch device", "e.g. --device cuda:0 or --device cpu") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            raise ConfigError("--device", f"{name} is not present ({count} CUDA device(s) here)",
-                              "pick a present device, or --device cpu")
-    elif device.type != "cpu":
-        raise ConfigError("--device", f"memx measures on cuda or cpu, not {device.type}", "e.g. --device cuda:0")
-    return name
-
-
-def _store_measurements(db, measurements) -> None:
-    """Append to the profile; if that fails after measuring, keep the measurements elsewhere."""
-    import tempfile
-
-    try:
-        db.append(measurements)
-    except OSError as exc:
-        fd, rescue = tempfile.mkstemp(prefix="memx-profile-", suffix=".jsonl", dir=tempfile.gettempdir())
-        with os.fdopen(fd, "w") as f:
-            f.writelines(m.to_json() + "\n" for m in measurements)
-        raise ConfigError("--out", f"cannot append to {db.path} ({exc.strerror}); the measurements are saved in "
-                          f"{rescue}", f"append that file to your profile: cat {rescue} >> PROFILE") from None
 
 
 # --------------------------------------------------------------------------- memx evaluate

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import tempfile
 import warnings
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable
@@ -143,6 +144,18 @@ class ProfileDB:
         finally:
             os.close(fd)  # closing releases the lock
         return payload.count("\n")
+
+    def append_or_keep(self, measurements: list[Measurement]) -> int:
+        """append(); when that fails after measuring, the measurements go to a new file in the
+        temporary directory and the error says where."""
+        try:
+            return self.append(measurements)
+        except OSError as exc:
+            fd, rescue = tempfile.mkstemp(prefix="memx-profile-", suffix=".jsonl")
+            with os.fdopen(fd, "w") as f:
+                f.writelines(m.to_json() + "\n" for m in measurements)
+            raise ConfigError("--out", f"cannot append to {self.path} ({exc.strerror}); the measurements are kept "
+                              f"in {rescue}", f"append that file to the profile: cat {rescue} >> {self.path}") from None
 
     def read(self) -> list[Measurement]:
         """All valid records; corrupt or foreign lines are skipped with a :class:`ProfileWarning`."""
