@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import tempfile
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from memx_launch.errors import MemxError
+from memx_launch.errors import ConfigError, MemxError
 from memx_launch.runtime.faults import Faults
 from memx_launch.runtime.messages import all_gather_json
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
@@ -184,4 +185,12 @@ class TypeCalibration:
 
 
 def calibration_timeout_s(environ=os.environ) -> float:
-    return float(environ.get("MEMX_CALIBRATION_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    text = environ.get("MEMX_CALIBRATION_TIMEOUT_S", "")
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ConfigError("MEMX_CALIBRATION_TIMEOUT_S", f"must be a positive number of seconds, got {text!r}",
+                          f"e.g. MEMX_CALIBRATION_TIMEOUT_S={DEFAULT_TIMEOUT_S:g}")
+    return value

@@ -13,13 +13,16 @@ given) and restarts in place with the plan through the elastic agent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
+from memx_launch.files import check_output_path
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import ClusterSpec
@@ -58,7 +61,10 @@ def build_parser():
                    help=f"sequences per step (default 512; {EMULATED_GLOBAL_BATCH_SIZE} on emulated clusters)")
     g.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
     g.add_argument("--run-dir", "--run_dir", metavar="DIR",
-                   help=f"where the plan and restart records go (default {DEFAULT_RUNS_DIR}/<model>-<time>)")
+                   help=f"where the plan, restart records and checkpoints go (default {DEFAULT_RUNS_DIR}/<model>-<time>); "
+                        "a run directory that already holds this model's plan is resumed from its latest checkpoint")
+    g.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped run: its plan and its latest checkpoint (same as --run-dir RUN_DIR)")
     return parser
 
 
@@ -102,11 +108,16 @@ class Settings:
 def resolve(args) -> dict:
     """Check every input and resolve every setting; raises ConfigError before anything runs."""
     settings = Settings()
+    check_environment()
     if not args.module and not args.no_python and not os.path.isfile(args.training_script):
         raise ConfigError("training_script", f"{args.training_script} does not exist",
                           "give the path of the training script (e.g. examples/train.py)")
     script_args = list(args.training_script_args)
+    run_dir = args.resume or args.run_dir
+    previous = _previous_run(run_dir, args) if run_dir else None
     model_name, source = args.model, "flag"
+    if model_name is None and previous is not None:
+        model_name, source = previous.model_spec.name, f"{run_dir}/plan.json"
     if model_name is None:
         model_name, source = script_flag(script_args, "--model"), "flag, the script's --model"
     if model_name is None:
@@ -140,7 +151,16 @@ def resolve(args) -> dict:
     settings.add("dtype", training.dtype, "default")
 
     plan = None
-    if args.plan:
+    if previous is not None:
+        plan = previous
+        if plan.model_spec.signature() != model.signature():
+            raise ConfigError("--run-dir", f"{run_dir} is a run of {plan.model}, not {model.name}",
+                              "choose a new run directory, or pass that run's model")
+        if plan.world_size != world:
+            raise ConfigError("--run-dir", f"{run_dir} ran on {plan.world_size} ranks but the job launches {world}",
+                              f"pass --nproc-per-node {plan.world_size}")
+        settings.add("plan", f"{run_dir}/plan.json (continuing that run from its latest checkpoint)", "flag")
+    elif args.plan:
         plan = Plan.load(args.plan)
         if plan.model_spec.signature() != model.signature():
             raise ConfigError("--plan", f"{args.plan} is a plan for {plan.model}, not {model.name}",
@@ -157,19 +177,18 @@ def resolve(args) -> dict:
         parse_weights(args.weights)
     settings.add("objective", args.weights or args.objective or "chosen from the cluster",
                  "flag" if args.weights or args.objective else "default")
-    if args.search_budget_s is not None and args.search_budget_s <= 0:
+    if args.search_budget_s is not None and not 0 < args.search_budget_s < math.inf:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
                  "flag" if args.search_budget_s else "default")
     profile_db = args.profile_db or DEFAULT_PROFILE_DB
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
-    if args.export_plan and os.path.exists(args.export_plan):
-        raise ConfigError("--export-plan", f"{args.export_plan} already exists", "choose a new path")
-    run_dir = args.run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    if os.path.exists(os.path.join(run_dir, "plan.json")) and not args.plan:
-        raise ConfigError("--run-dir", f"{run_dir} already holds a plan", "choose a new run directory")
-    if os.path.exists(os.path.join(run_dir, CHECKPOINT_DIR)):  # the workers would resume from them
-        raise ConfigError("--run-dir", f"{run_dir} holds another run's checkpoints", "choose a new run directory")
+    if args.export_plan:
+        check_output_path(args.export_plan, "--export-plan")
+    run_dir = run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    if previous is None and os.path.exists(os.path.join(run_dir, CHECKPOINT_DIR)):  # the workers would resume
+        raise ConfigError("--run-dir", f"{run_dir} holds checkpoints but no plan.json", "choose a new run directory")
+    check_output_path(os.path.join(run_dir, "plan.json"), "--run-dir", force=True)
     settings.add("run dir", run_dir, "flag" if args.run_dir else "default")
     settings.add("max restarts", f"{args.max_restarts} for crashes (planned restarts not counted)",
                  "flag" if args.max_restarts else "default")
@@ -178,7 +197,32 @@ def resolve(args) -> dict:
                  "re-plans", "flag" if args.no_replan else "MEMX_MAX_REPLANS" if os.environ.get("MEMX_MAX_REPLANS")
                  else "default")
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
-                profile_db=profile_db, run_dir=run_dir, script_args=script_args)
+                profile_db=profile_db, run_dir=run_dir, script_args=script_args, resumed=previous is not None)
+
+
+def _previous_run(run_dir: str, args) -> Plan | None:
+    """The plan of the run in ``run_dir`` when it holds one (that run is continued)."""
+    path = os.path.join(run_dir, "plan.json")
+    if not os.path.exists(path):
+        if args.resume:
+            raise ConfigError("--resume", f"{run_dir} holds no plan.json", "pass the run directory of a memx-run job")
+        return None
+    return Plan.load(path)  # the run's latest plan (re-plans rewrite it), not --plan's first one
+
+
+def check_environment(environ=os.environ) -> None:
+    """Every MEMX_* variable the workers read, parsed here: a bad one is one line before any
+    worker starts, not a traceback in each."""
+    from memx_launch.runtime.calibration import calibration_timeout_s
+    from memx_launch.runtime.faults import Faults
+    from memx_launch.runtime.monitor import MonitorConfig
+    from memx_launch.runtime.supervisor import checkpoint_every
+
+    max_replans(environ)
+    checkpoint_every(environ)
+    MonitorConfig.from_env(environ)
+    Faults.from_env(environ)
+    calibration_timeout_s(environ)
 
 
 def _has_gpu() -> bool:
@@ -220,11 +264,16 @@ def dry_run(args, resolved) -> int:
 
 
 def launch(args, resolved) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
     run_dir = resolved["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
+    if resolved["resumed"]:  # generations count from 0 again: the old planned restarts are not this job's
+        from memx_launch.runtime.worker import PLANNED_RESTARTS_FILE
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(run_dir, PLANNED_RESTARTS_FILE))
     plan_path = args.export_plan or os.path.join(run_dir, "plan.json")
     if resolved["plan"] is not None:  # re-plans rewrite MEMX_PLAN: never the user's own file
         resolved["plan"].save(plan_path, overwrite=True)
@@ -250,8 +299,20 @@ def launch(args, resolved) -> int:
     if args.nnodes in ("1", "1:1") and args.rdzv_endpoint == "" and args.rdzv_backend == "static":
         args.standalone = True  # a free local port instead of torchrun's fixed 29500
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_hide_planned_restart)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_hide_signal_shutdown)
     try:
         run(args)
+    except SignalException as exc:  # the workers checkpointed and said so (supervisor.stop_at_signal)
+        from memx_launch.runtime.checkpoint import latest_checkpoint
+
+        try:
+            latest = latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR))
+        except ConfigError:
+            latest = None
+        kept = f"checkpoint {latest}" if latest else "no checkpoint (training had not started)"
+        print(f"memx-run: stopped by {exc.sigval.name}: {kept}; to continue, run the same command with "
+              f"--resume {run_dir}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, first = next(iter(exc.failures.items()))
         print(f"memx-run: error: worker rank {rank} failed with exit code {first.exitcode}; "
@@ -264,7 +325,14 @@ def _hide_planned_restart(record: logging.LogRecord) -> bool:
     """The elastic agent logs every non-zero worker exit as a failure; a planned restart is not one."""
     from memx_launch.runtime.worker import PLANNED_RESTART_EXIT_CODE
 
-    return f"exitcode: {PLANNED_RESTART_EXIT_CODE})" not in record.getMessage()
+    message = record.getMessage()
+    # The closing signals of a stop (SIGINT/SIGTERM) are summed up in memx-run's own line.
+    return f"exitcode: {PLANNED_RESTART_EXIT_CODE})" not in message and "closing signal" not in message
+
+
+def _hide_signal_shutdown(record: logging.LogRecord) -> bool:
+    """The agent's own line about a stop signal: memx-run says it once, with how to resume."""
+    return "death signal, shutting down workers" not in record.getMessage()
 
 
 def main(argv: list[str] | None = None) -> int:

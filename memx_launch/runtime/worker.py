@@ -244,6 +244,8 @@ def main() -> None:
     except MemxError as exc:
         _log(f"error: {exc}")
         code = exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before training (calibration, search): nothing to keep yet
+        code = 130
     except SystemExit as exc:  # the script's own exit, or a planned restart
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)

@@ -1,0 +1,77 @@
+"""Stopping and resuming through memx-run: SIGINT/SIGTERM -> every rank finishes its step, a
+checkpoint of the completed steps, one line, exit 130/143; the same command continues with no
+step lost or repeated (the losses of an uninterrupted run)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_replan_e2e import CLUSTER, LOSS_ATOL, TRAIN, _plan_file, losses
+
+STEPS = 8
+
+
+def _argv(tmp_path, run_dir, plan, steps=STEPS):
+    return [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
+            "--cluster", CLUSTER, "--plan", str(plan), "--global-batch-size", "4", "--run-dir", str(run_dir),
+            "--profile-db", str(tmp_path / "no-profile.jsonl"), TRAIN, "--model", "llama-tiny", "--steps",
+            str(steps), "--synthetic"]
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+
+
+def _stopped_run(tmp_path, signum, after_step=2):
+    """memx-run until rank 0 printed ``after_step``, then ``signum`` to memx-run."""
+    plan = _plan_file(tmp_path)
+    out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(_argv(tmp_path, tmp_path / "run", plan, steps=1000), cwd=tmp_path, env=_env(),
+                                stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + 150
+        while f"step {after_step} |" not in out_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        rc = proc.wait(timeout=120)
+    return plan, rc, out_path.read_text(), err_path.read_text()
+
+
+@pytest.mark.slow
+def test_sigint_checkpoints_every_completed_step_and_the_same_command_continues(tmp_path):
+    plan, rc, out, err = _stopped_run(tmp_path, signal.SIGINT)
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    stop_lines = [line for line in err.splitlines() if "memx-run:" in line and "SIGINT" in line]
+    assert len(stop_lines) == 1 and "--resume" in stop_lines[0], err[-3000:]
+    printed = [s for s, _ in losses(out)]
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == printed[-1]  # the step in flight finished and was kept
+
+    resumed = subprocess.run(_argv(tmp_path, tmp_path / "run", plan), cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(resumed.stdout)
+    assert [s for s, _ in after] == list(range(printed[-1] + 1, STEPS + 1))  # none lost, none repeated
+
+    reference = subprocess.run(_argv(tmp_path, tmp_path / "reference", plan), cwd=tmp_path, env=_env(),
+                               capture_output=True, text=True, timeout=150)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = dict(losses(reference.stdout))
+    for step, loss in losses(out) + after:
+        assert loss == pytest.approx(expected[step], abs=LOSS_ATOL), step
+
+
+@pytest.mark.slow
+def test_sigterm_stops_with_143_and_a_checkpoint(tmp_path):
+    _, rc, out, err = _stopped_run(tmp_path, signal.SIGTERM)
+    assert rc == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == losses(out)[-1][0]
