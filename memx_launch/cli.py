@@ -16,6 +16,7 @@ import signal
 import statistics
 import sys
 import threading
+import warnings
 
 from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
@@ -242,7 +243,8 @@ def run_estimate(args) -> int:
                                micro_batch_size=args.micro_batch_size,
                                layers_per_stage=_csv(args.layers_per_stage, int, "--layers-per-stage"),
                                recompute=args.recompute, stage_devices=_csv(args.stage_devices),
-                               schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
+                               schedule=args.schedule or "1f1b",
+                               virtual_stages=1 if args.virtual_stages is None else args.virtual_stages,
                                weights=weights)
     print(report.estimate_report(plan, cluster))
     if args.json:
@@ -284,9 +286,6 @@ def run_export(args) -> int:
                                                    master_port=args.master_port, for_megatron=for_megatron):
                 print(f"{cmd.command_line()}" + (f"  # {cmd.notes[0]}" if cmd.notes else ""))
     return 0
-
-
-# --------------------------------------------------------------------------- entry point
 
 
 # --------------------------------------------------------------------------- memx profile
@@ -418,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminate)
+    with warnings.catch_warnings():  # one line each, like the errors
+        warnings.showwarning = lambda message, *_, **__: print(f"memx: warning: {message}", file=sys.stderr)
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         return args.handler(args)
     except KeyboardInterrupt:
