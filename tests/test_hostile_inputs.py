@@ -327,3 +327,63 @@ def test_a_good_plan_and_cluster_pass_the_same_doors(tmp_path, capsys):
     assert main([a.replace("{d}", str(tmp_path)) for a in ESTIMATE_PLAN]) == 0
     assert main([a.replace("{d}", str(tmp_path)) for a in HF + ["--search-budget-s", "5"]]) == 0
     capsys.readouterr()
+
+
+# ---- memx-run: checked before any worker starts (--dry-run, so that a case let through plans
+# here instead of launching workers)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
+TRAIN = os.path.join(REPO, "examples", "train.py")
+RUN = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run"]
+SCRIPT = [TRAIN, "--model", "llama-tiny"]
+
+# (id, environment, files, argv)
+LAUNCHER_CASES = [
+    ("env-monitor-interval-text", {"MEMX_MONITOR_INTERVAL": "abc"}, {}, RUN + SCRIPT),
+    ("env-monitor-interval-zero", {"MEMX_MONITOR_INTERVAL": "0"}, {}, RUN + SCRIPT),
+    ("env-headroom-nan", {"MEMX_MIN_HEADROOM": "nan"}, {}, RUN + SCRIPT),
+    ("env-above-prediction-nan", {"MEMX_ABOVE_PREDICTION": "nan"}, {}, RUN + SCRIPT),
+    ("env-pressure-samples-zero", {"MEMX_PRESSURE_SAMPLES": "0"}, {}, RUN + SCRIPT),
+    ("env-ballast-garbage", {"MEMX_FAULT_BALLAST": "garbage"}, {}, RUN + SCRIPT),
+    ("env-ballast-inf", {"MEMX_FAULT_BALLAST": "rank=1,step=1,gib=inf"}, {}, RUN + SCRIPT),
+    ("env-kill-rank-text", {"MEMX_FAULT_KILL_CALIBRATION": "rank=x"}, {}, RUN + SCRIPT),
+    ("env-calibration-timeout-text", {"MEMX_CALIBRATION_TIMEOUT_S": "abc"}, {}, RUN + SCRIPT),
+    ("env-calibration-timeout-nan", {"MEMX_CALIBRATION_TIMEOUT_S": "nan"}, {}, RUN + SCRIPT),
+    ("env-max-replans-negative", {"MEMX_MAX_REPLANS": "-1"}, {}, RUN + SCRIPT),
+    ("env-checkpoint-every-text", {"MEMX_CHECKPOINT_EVERY": "often"}, {}, RUN + SCRIPT),
+    ("run-budget-nan", {}, {}, RUN + ["--search-budget-s", "nan"] + SCRIPT),
+    ("run-weights-nan", {}, {}, RUN + ["--weights", "nan,1,1"] + SCRIPT),
+    ("run-export-dev-null", {}, {}, RUN + ["--export-plan", "/dev/null"] + SCRIPT),
+    ("run-export-directory", {}, {"out/x": "x"}, RUN + ["--export-plan", "{d}/out"] + SCRIPT),
+    ("run-resume-missing", {}, {}, RUN + ["--resume", "{d}/no-run"] + SCRIPT),
+    ("run-resume-binary-plan", {}, {"run/plan.json": BINARY}, RUN + ["--resume", "{d}/run"] + SCRIPT),
+    ("run-dir-below-file", {}, {"file.txt": "keep"}, RUN + ["--run-dir", "{d}/file.txt/run"] + SCRIPT),
+    ("run-dir-other-model", {}, {"run/plan.json": json.dumps(PLAN)}, RUN + ["--run-dir", "{d}/run"] + [
+        TRAIN, "--model", "llama-small"]),
+    ("run-cluster-binary", {}, {"c.yaml": BINARY}, ["--nproc-per-node", "4", "--cluster", "{d}/c.yaml", "--dry-run"]
+     + SCRIPT),
+    ("run-plan-tp-negative", {}, {"p.json": plan_with(_set("tp", -1))}, RUN + ["--plan", "{d}/p.json"] + SCRIPT),
+]
+
+
+@pytest.mark.parametrize("case_id, env, files, argv", LAUNCHER_CASES, ids=[c[0] for c in LAUNCHER_CASES])
+def test_memx_run_refuses_before_any_worker_starts(tmp_path, capsys, monkeypatch, case_id, env, files, argv):
+    from memx_launch.runtime.launcher import main as memx_run
+
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    for name in [k for k in os.environ if k.startswith("MEMX_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    before = _snapshot(tmp_path)
+    code = memx_run([a.replace("{d}", str(tmp_path)) for a in argv])
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert "Traceback" not in err + out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memx-run: error:"), err
+    assert _snapshot(tmp_path) == before
