@@ -137,6 +137,8 @@ class Plan:
         return plan
 
     def validate(self, source: str = "plan") -> None:
+        for key in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
+            require_number(getattr(self, key), f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"{source}.schedule", f"unknown schedule {self.schedule!r}",
                               f"use one of {', '.join(SCHEDULES)}")
