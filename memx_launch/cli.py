@@ -269,6 +269,8 @@ def add_export_command(sub) -> None:
 def run_export(args) -> int:
     from memx_launch.planning import exporters
 
+    if not 1 <= args.master_port <= 65535:
+        raise ConfigError("--master-port", f"{args.master_port} is not a TCP port", "e.g. --master-port 29500")
     plan = Plan.load(args.plan)
     megatron = exporters.megatron_args(plan)
     print("# Megatron-LM arguments")

@@ -140,6 +140,11 @@ CASES = [
     ("cluster-slowdown-list", {"cluster.yaml": CLUSTER + "emulation: {slowdown: [1, 2]}\n"}, PLAN_CMD, 2),
     ("cluster-slowdown-nan", {"cluster.yaml": CLUSTER + "emulation: {slowdown: {big: .nan}}\n"}, PLAN_CMD, 2),
     ("cluster-slowdown-below-one", {"cluster.yaml": CLUSTER + "emulation: {slowdown: {big: 0.5}}\n"}, PLAN_CMD, 2),
+    ("cluster-node-name-newline", {"cluster.yaml": cluster_with("{name: n0,", "{name: \"n0\\nrm -rf ~\",")},
+     PLAN_CMD, 2),
+    ("cluster-type-name-escape", {"cluster.yaml": cluster_with("  small: {", "  \"\\e[2Jsmall\": {memory_gib: 1, "
+                                                               "peak_tflops: 1}\n  small: {")}, PLAN_CMD, 2),
+    ("cluster-name-long", {"cluster.yaml": cluster_with("name: small", "name: " + "x" * 500)}, PLAN_CMD, 2),
     ("cluster-name-mapping", {"cluster.yaml": cluster_with("name: small", "name: {a: 1}")}, PLAN_CMD, 2),
     # ---- Hugging Face config.json
     ("config-binary", {"config.json": BINARY}, HF, 2),
@@ -209,6 +214,9 @@ CASES = [
     ("plan-nested", {"plan.json": NESTED}, EXPORT, 2),
     ("plan-estimate-tp-negative", {"plan.json": plan_with(_set("tp", -1))}, ESTIMATE_PLAN, 2),
     ("plan-estimate-binary", {"plan.json": BINARY}, ESTIMATE_PLAN, 2),
+    ("plan-device-type-newline", {"plan.json": plan_with(_set("stages.0.device_type", "big\nrm -rf ~"))}, EXPORT, 2),
+    ("plan-model-name-control", {"plan.json": plan_with(_set("model", "llama\u001b[2J"))}, EXPORT, 2),
+    ("export-port-negative", {"plan.json": json.dumps(PLAN)}, EXPORT + ["--master-port", "-5"], 2),
     ("plan-directory", {"plan.json/x": "x"}, EXPORT, 2),
     # ---- flags
     ("flag-weights-nan", {}, PLAN_CMD + ["--weights", "nan,1,1"], 2),

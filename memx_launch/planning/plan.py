@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.checks import require_number, require_type
+from memx_launch.specs.checks import require_name, require_number, require_type
 from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 from memx_launch.files import write_json_atomic
@@ -188,6 +188,7 @@ def _check_types(data: dict, source: str) -> None:
     for key in ("model", "cluster", "schedule"):
         if key in data:
             require_type(data[key], str, f"{source}.{key}", fix)
+            require_name(data[key], f"{source}.{key}")
     for key in ("predicted_iteration_time_s", "predicted_peak_memory_fraction", "predicted_memory_variance"):
         if key in data:
             require_number(data[key], f"{source}.{key}", lo=0, fix=fix)
@@ -215,6 +216,7 @@ def _check_types(data: dict, source: str) -> None:
         where = f"{source}.stages[{i}]"
         require_type(stage, dict, where, fix)
         require_type(stage.get("device_type"), str, f"{where}.device_type", fix)
+        require_name(stage["device_type"], f"{where}.device_type")
         require_number(stage.get("num_layers"), f"{where}.num_layers", lo=0, lo_open=True, hi=MAX_DIMENSION,
                        integer=True, fix=fix)
         if not isinstance(stage.get("ranks"), list) or not stage["ranks"]:

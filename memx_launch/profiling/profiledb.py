@@ -20,7 +20,7 @@ from typing import Iterable
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, check_output_path
-from memx_launch.specs.checks import require_number, require_type
+from memx_launch.specs.checks import require_name, require_number, require_type
 from memx_launch.specs.inputs import parse_json, read_text
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 
@@ -106,6 +106,7 @@ def _check_record(data: dict) -> None:
     """Types and ranges of a record (ValueError: the line is skipped as corrupt)."""
     for key in ("device_type", "model", "model_signature", "recompute", "dtype"):
         require_type(data[key], str, key)
+        require_name(data[key], key)
     for key in ("device", "block_shape"):
         require_type(data[key], dict, key)
     for key in ("tp", "micro_batch_size", "seq_len", "num_blocks"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import unicodedata
 from typing import Any, Mapping
 
 
@@ -45,3 +46,16 @@ def require_type(value: Any, kind: type | tuple, where: str, fix: str = "") -> N
                                        (kind if isinstance(kind, tuple) else (kind,))):
         name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise ConfigError(where, f"must be a {name}, got {value!r}", fix)
+
+
+MAX_NAME_CHARS = 128
+
+
+def require_name(value: Any, where: str) -> None:
+    """A name memx prints into tables and command lines: text of bounded length without control
+    characters (a newline in a node name would start a new line of an exported shell script)."""
+    require_type(value, (str, int), where, "use a short name")
+    text = str(value)
+    if not text or len(text) > MAX_NAME_CHARS or any(unicodedata.category(c)[0] in "CZ" and c != " " for c in text):
+        raise ConfigError(where, f"{text[:40]!r} is not a name (1 to {MAX_NAME_CHARS} printable characters)",
+                          "use letters, digits, '-', '_' or '.'")

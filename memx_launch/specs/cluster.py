@@ -12,7 +12,7 @@ from typing import Any
 
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.checks import reject_unknown, require_number, require_positive, require_type
+from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_positive, require_type
 from memx_launch.specs.inputs import load_yaml
 
 
@@ -188,6 +188,7 @@ class ClusterSpec:
                    "flash_attention"}
         for tname, spec in raw_types.items():
             require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")
+            require_name(tname, f"cluster.device_types.{tname}")
             if not isinstance(spec, dict):
                 raise ConfigError(f"cluster.device_types.{tname}", "must be a mapping")
             reject_unknown(spec, allowed, f"cluster.device_types.{tname}")
@@ -195,7 +196,7 @@ class ClusterSpec:
                 if req not in spec:
                     raise ConfigError(f"cluster.device_types.{tname}.{req}", "missing",
                                       f"add {req}: <number>")
-            require_type(spec.get("vendor", ""), str, f"cluster.device_types.{tname}.vendor")
+            require_name(spec.get("vendor", "unknown"), f"cluster.device_types.{tname}.vendor")
             types.append(DeviceType(name=str(tname), vendor=str(spec.get("vendor", "unknown")),
                                     **{k: v for k, v in spec.items() if k != "vendor"}))
         known = {t.name for t in types}
@@ -222,7 +223,7 @@ class ClusterSpec:
             require_positive(intra, f"{where}.intra_node_gbps")
             numa = raw.get("numa_domains", 1)
             require_number(numa, f"{where}.numa_domains", lo=0, lo_open=True, hi=MAX_DEVICES_PER_NODE, integer=True)
-            require_type(raw.get("name", ""), (str, int), f"{where}.name")
+            require_name(raw.get("name", f"node{i}"), f"{where}.name")
             cross = raw.get("cross_numa_gbps")
             if cross is not None:
                 require_positive(cross, f"{where}.cross_numa_gbps")
@@ -253,6 +254,6 @@ class ClusterSpec:
                     raise ConfigError(f"cluster.emulation.slowdown.{tname}", f"{factor} < 1",
                                       "a slowdown is 1 or more (1 = CPU speed)")
             emulation = Emulation(tuple((k, float(v)) for k, v in slow.items()))
-        require_type(data.get("name", default_name), (str, int), "cluster.name")
+        require_name(data.get("name", default_name), "cluster.name")
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
                    float(inter) if inter is not None else math.inf, emulation)

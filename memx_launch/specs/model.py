@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.checks import reject_unknown, require_number, require_type
+from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_type
 from memx_launch.specs.inputs import load_json
 
 MAX_DIMENSION = 2**24
@@ -41,6 +41,7 @@ class ModelSpec:
                      "ffn_hidden_size", "vocab_size", "seq_len"):
             require_number(getattr(self, name), f"model.{name}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
         require_type(self.name, str, "model.name")
+        require_name(self.name, "model.name")
         require_type(self.gated_mlp, bool, "model.gated_mlp")
         require_type(self.tie_embeddings, bool, "model.tie_embeddings")
         if self.hidden_size % self.num_heads:
