@@ -25,7 +25,7 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
-from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.specs.model import get_model
 
@@ -85,9 +85,15 @@ def _world_size(args) -> int:
     if not nnodes.isdigit():
         raise ConfigError("--nnodes", f"cannot read {args.nnodes!r}", "e.g. --nnodes 1 or 1:2")
     if not nproc.isdigit():
+        if nproc not in ("auto", "cpu", "gpu"):
+            raise ConfigError("--nproc-per-node", f"cannot read {args.nproc_per_node!r}",
+                              "give a number of processes, or auto, cpu or gpu")
         import torch
         nproc = str(torch.cuda.device_count() if nproc in ("gpu", "auto") and torch.cuda.is_available()
                     else os.cpu_count())
+    if not 0 < int(nproc) <= MAX_DEVICES_PER_NODE or not 0 < int(nnodes) <= MAX_DEVICES:
+        raise ConfigError("--nproc-per-node", f"{nnodes} node(s) x {nproc} processes is not a job memx plans for",
+                          f"at most {MAX_DEVICES_PER_NODE} processes per node")
     return int(nnodes) * int(nproc)
 
 
@@ -109,6 +115,8 @@ def resolve(args) -> dict:
     """Check every input and resolve every setting; raises ConfigError before anything runs."""
     settings = Settings()
     check_environment()
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"must be 0 or more, got {args.max_restarts}", "e.g. --max-restarts 3")
     if not args.module and not args.no_python and not os.path.isfile(args.training_script):
         raise ConfigError("training_script", f"{args.training_script} does not exist",
                           "give the path of the training script (e.g. examples/train.py)")
@@ -309,9 +317,13 @@ def launch(args, resolved) -> int:
             latest = latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR))
         except ConfigError:
             latest = None
-        kept = f"checkpoint {latest}" if latest else "no checkpoint (training had not started)"
-        print(f"memx-run: stopped by {exc.sigval.name}: {kept}; to continue, run the same command with "
-              f"--resume {run_dir}", file=sys.stderr)
+        if os.path.exists(os.path.join(run_dir, "plan.json")):
+            kept = f"checkpoint {latest}" if latest else "the plan, no checkpoint yet"
+            again = f"run the same command with --resume {run_dir}"
+        else:
+            kept = f"no plan yet; the calibration samples measured are in {resolved['profile_db']}"
+            again = "run the same command again"
+        print(f"memx-run: stopped by {exc.sigval.name}: {kept}; to continue, {again}", file=sys.stderr)
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, first = next(iter(exc.failures.items()))
