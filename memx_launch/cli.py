@@ -341,12 +341,11 @@ def run_profile(args) -> int:
         link = tp_link_gbps(cluster, name)
     else:
         device_type = detect_device_type(device, args.device_type)
-    for flag, value in (("--budget", args.budget), ("--num-blocks", args.num_blocks), ("--repeats", args.repeats),
-                        ("--max-micro-batch", args.max_micro_batch)):
-        if value is not None and value <= 0:
-            raise ConfigError(flag, f"must be a positive integer, got {value}")
-    if args.refine_budget is not None and args.refine_budget < 0:
-        raise ConfigError("--refine-budget", f"must be 0 or more, got {args.refine_budget}")
+    for flag, value, lo, hi in (("--budget", args.budget, 1, 10_000), ("--num-blocks", args.num_blocks, 1, 64),
+                                ("--repeats", args.repeats, 1, 1000), ("--max-micro-batch", args.max_micro_batch, 1, 4096),
+                                ("--refine-budget", args.refine_budget, 0, 10_000)):
+        if value is not None and not lo <= value <= hi:
+            raise ConfigError(flag, f"must be an integer in [{lo}, {hi}], got {value}")
     dtype = args.dtype or ("fp32" if device.startswith("cpu") else "bf16")
     seq_lens = _csv(args.seq_lens, int, "--seq-lens")
     for s in seq_lens or ():

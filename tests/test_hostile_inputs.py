@@ -77,6 +77,7 @@ LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch-size", "1"]
 HF = ["plan", "--model", "{d}/config.json", "--cluster", "{d}/cluster.yaml", "--quiet"]
 EVALUATE = ["evaluate", "--measurements", "{d}/m.csv"]
 EVALUATE_JSON = ["evaluate", "--measurements", "{d}/m.json"]
+PROFILE = ["profile", "--model", "llama-tiny", "--device", "cpu", "--quiet", "--out", "{d}/p.jsonl"]
 BINARY = bytes(range(256)) * 8
 NESTED = "[" * 5000 + "]" * 5000
 ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
@@ -262,6 +263,18 @@ CASES = [
     ("plot-directory", {"p.png/x": "x"}, PLAN_CMD + ["--plot", "{d}/p.png"], 2),
     ("estimate-json-directory", {"out/x": "x"}, ESTIMATE + LAYOUT + ["--json", "{d}/out"], 2),
     ("evaluate-json-proc", {"m.csv": CSV_HEAD + "a,1,1\nb,2,2\n"}, EVALUATE + ["--json", "/proc/x.json"], 2),
+    ("profile-out-directory", {"out/x": "x"}, PROFILE + ["--out", "{d}/out"], 2),
+    ("profile-out-dev-null", {}, PROFILE + ["--out", "/dev/null"], 2),
+    ("profile-out-below-file", {"file.txt": "keep"}, PROFILE + ["--out", "{d}/file.txt/p.jsonl"], 2),
+    ("profile-device-banana", {}, PROFILE + ["--device", "banana"], 2),
+    ("profile-device-missing-gpu", {}, PROFILE + ["--device", "cuda:99"], 2),
+    ("profile-seq-lens-zero", {}, PROFILE + ["--seq-lens", "0"], 2),
+    ("profile-seq-lens-text", {}, PROFILE + ["--seq-lens", "long"], 2),
+    ("profile-num-blocks-huge", {}, PROFILE + ["--num-blocks", "1000000"], 2),
+    ("profile-micro-batch-huge", {}, PROFILE + ["--max-micro-batch", "100000000"], 2),
+    ("profile-repeats-zero", {}, PROFILE + ["--repeats", "0"], 2),
+    ("profile-budget-negative", {}, PROFILE + ["--budget", "-3"], 2),
+    ("profile-device-type-unknown", {}, PROFILE + ["--cluster", "{d}/cluster.yaml", "--device-type", "tpu"], 2),
     # ---- profile database given to plan
     ("profile-db-binary", {"db.jsonl": BINARY}, PLAN_CMD + ["--profile-db", "{d}/db.jsonl"], 2),
     ("profile-db-not-utf8", {"db.jsonl": b"\xff\xfe{}\n"}, PLAN_CMD + ["--profile-db", "{d}/db.jsonl"], 2),
