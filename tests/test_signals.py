@@ -75,3 +75,37 @@ def test_sigterm_stops_with_143_and_a_checkpoint(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == losses(out)[-1][0]
+
+
+@pytest.mark.slow
+def test_after_kill_9_of_a_rank_resume_reruns_the_steps_after_the_last_checkpoint(tmp_path):
+    import psutil
+
+    plan = _plan_file(tmp_path)
+    out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+    env = {**_env(), "MEMX_CHECKPOINT_EVERY": "2"}
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(_argv(tmp_path, tmp_path / "run", plan, steps=1000), cwd=tmp_path, env=env,
+                                stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + 150
+        while "step 5 |" not in out_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "memx_launch.runtime.worker" in " ".join(p.cmdline())]
+        assert len(workers) == 4
+        workers[-1].kill()  # SIGKILL: nothing can be saved at that moment
+        assert proc.wait(timeout=120) != 0
+    printed = [s for s, _ in losses(out_path.read_text())]
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["step"]
+    assert latest % 2 == 0 and printed[-1] - latest <= 2  # at most MEMX_CHECKPOINT_EVERY steps to redo
+
+    resumed = subprocess.run(_argv(tmp_path, tmp_path / "run", plan), cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(resumed.stdout)
+    assert [s for s, _ in after] == list(range(latest + 1, STEPS + 1))
+    reference = dict(losses(subprocess.run(_argv(tmp_path, tmp_path / "reference", plan), cwd=tmp_path, env=env,
+                                           capture_output=True, text=True, timeout=150).stdout))
+    for step, loss in after:
+        assert loss == pytest.approx(reference[step], abs=LOSS_ATOL), step
