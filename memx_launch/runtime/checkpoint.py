@@ -42,12 +42,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
 from memx_launch.runtime.messages import all_gather_json
+from memx_launch.specs.inputs import load_json
 
 LATEST = "latest.json"
 META = "memx.json"
 FORMAT = 2
 STEP_DIR = re.compile(r"step-\d{8}")
 RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
+MAX_META_BYTES = 2**30
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # The container below adds "parts.{i}." to every name; i depends on the split, so it is dropped.
 _PART_PREFIX = re.compile(r"(^|\.)parts\.\d+\.")
@@ -220,11 +222,7 @@ def latest_checkpoint(directory: str) -> str | None:
 
 def _read_meta(path: str) -> dict:
     where = f"{path}/{META}"
-    try:
-        with open(_confined(path, META, where), "rb") as f:
-            meta = json.loads(f.read())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ConfigError(where, f"unreadable ({exc.__class__.__name__})", "delete this checkpoint folder") from None
+    meta = load_json(_confined(path, META, where), "checkpoint", MAX_META_BYTES, fix="delete this checkpoint folder")
     ok = (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("step"), int)
           and meta["step"] >= 0 and isinstance(meta.get("data_state"), dict) and isinstance(meta.get("values"), dict)
           and isinstance(meta.get("tensors"), dict))

@@ -218,15 +218,15 @@ class Supervisor:
 
     def _decide(self, event: ReplanEvent) -> dict:
         """Re-plan, write the new plan and the record; on one rank."""
+        with _replan_lock(self.run_dir):
+            return self._decide_locked(event)
+
+    def _decide_locked(self, event: ReplanEvent) -> dict:
         from memx_launch.planning.replan import replan
         from memx_launch.runtime.worker import record_planned_restart
         from memx_launch.specs.cluster import ClusterSpec
         from memx_launch.specs.training import TrainingSpec
 
-        with _replan_lock(self.run_dir):
-            return self._decide_locked(event)
-
-    def _decide_locked(self, event: ReplanEvent) -> dict:
         env = self.environ
         records = _read_records(self.run_dir)
         # Two ranks out of memory at once: the first one's new plan restarts the generation.
