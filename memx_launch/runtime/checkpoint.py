@@ -134,6 +134,14 @@ def _plain(value):
 # --------------------------------------------------------------------------- saving
 
 
+def _remove(path: str) -> None:
+    """Delete a step folder; a link planted in its place is removed, never followed."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                     step: int, data_state: dict | None = None, plan=None, keep: int | None = None) -> str:
     """Every rank calls this after ``step``; returns the checkpoint's folder. ``keep``: delete all
@@ -142,7 +150,7 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
     final = os.path.join(directory, f"step-{step:08d}")
     tmp = final + ".tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         os.makedirs(tmp)
     model_state, optim_state, _ = _global_names(_Parts(model_parts), optimizer)
     tensors, values = {}, {}
@@ -177,14 +185,14 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
             "format": FORMAT, "step": step, "data_state": data_state or {}, "world_size": dist.get_world_size(),
             "plan": plan.to_dict() if plan is not None else None,
             "values": {k: v for sent in everyone for k, v in sent["values"].items()}, "tensors": index})
-        shutil.rmtree(final, ignore_errors=True)
+        _remove(final)
         os.replace(tmp, final)
         write_json_atomic(os.path.join(directory, LATEST), {"step": step, "path": os.path.basename(final)},
                           overwrite=True)
         if keep is not None:
             done = sorted(d for d in os.listdir(directory) if STEP_DIR.fullmatch(d))
             for old in done[:-keep]:
-                shutil.rmtree(os.path.join(directory, old))
+                _remove(os.path.join(directory, old))
     dist.barrier()
     return final
 
