@@ -4,6 +4,7 @@ step lost or repeated (the losses of an uninterrupted run)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,30 +18,35 @@ STEPS = 8
 
 
 def _argv(tmp_path, run_dir, plan, steps=STEPS):
+    """memx-run's command line; run_dir None: memx-run's default (runs/<model>-<time>-<pid>)."""
     return [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
-            "--cluster", CLUSTER, "--plan", str(plan), "--global-batch-size", "4", "--run-dir", str(run_dir),
-            "--profile-db", str(tmp_path / "no-profile.jsonl"), TRAIN, "--model", "llama-tiny", "--steps",
-            str(steps), "--synthetic"]
+            "--cluster", CLUSTER, "--plan", str(plan), "--global-batch-size", "4",
+            *(["--run-dir", str(run_dir)] if run_dir else []), "--profile-db", str(tmp_path / "no-profile.jsonl"),
+            TRAIN, "--model", "llama-tiny", "--steps", str(steps), "--synthetic"]
 
 
 def _env():
     return {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
 
 
-def _stopped_run(tmp_path, signum, after_step=2):
-    """memx-run until rank 0 printed ``after_step``, then ``signum`` to memx-run."""
-    plan = _plan_file(tmp_path)
-    out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+def _run_until(argv, tmp_path, name, step, signum):
+    """Run ``argv`` until rank 0 printed ``step``, then send ``signum`` to memx-run."""
+    out_path, err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(_argv(tmp_path, tmp_path / "run", plan, steps=1000), cwd=tmp_path, env=_env(),
-                                stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=out, stderr=err, text=True)
         deadline = time.monotonic() + 150
-        while f"step {after_step} |" not in out_path.read_text():
+        while not re.search(rf"^step {step} \|", out_path.read_text(), re.M):
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
             time.sleep(0.2)
         proc.send_signal(signum)
         rc = proc.wait(timeout=120)
-    return plan, rc, out_path.read_text(), err_path.read_text()
+    return rc, out_path.read_text(), err_path.read_text()
+
+
+def _stopped_run(tmp_path, signum, after_step=2, run_dir="run"):
+    plan = _plan_file(tmp_path)
+    argv = _argv(tmp_path, run_dir and tmp_path / run_dir, plan, steps=1000)
+    return plan, *_run_until(argv, tmp_path, "first", after_step, signum)
 
 
 @pytest.mark.slow
@@ -69,12 +75,19 @@ def test_sigint_checkpoints_every_completed_step_and_the_same_command_continues(
 
 
 @pytest.mark.slow
-def test_sigterm_stops_with_143_and_a_checkpoint(tmp_path):
-    _, rc, out, err = _stopped_run(tmp_path, signal.SIGTERM)
+def test_sigterm_stops_with_143_and_the_same_command_continues_the_run(tmp_path):
+    plan, rc, out, err = _stopped_run(tmp_path, signal.SIGTERM, run_dir=None)
     assert rc == 143, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    [run_dir] = (tmp_path / "runs").iterdir()  # memx-run's default run directory
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == losses(out)[-1][0]
+    # the very same command line: continues that run at the next step, then stops again
+    rc, out, err = _run_until(_argv(tmp_path, None, plan, steps=1000), tmp_path, "second", latest["step"] + 1,
+                              signal.SIGTERM)
+    assert rc == 143, err[-3000:]
+    assert losses(out)[0][0] == latest["step"] + 1 and f"resumed after step {latest['step']}" in err
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ given) and restarts in place with the plan through the elastic agent.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
-from memx_launch.files import check_output_path
+from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
@@ -121,7 +122,7 @@ def resolve(args) -> dict:
         raise ConfigError("training_script", f"{args.training_script} does not exist",
                           "give the path of the training script (e.g. examples/train.py)")
     script_args = list(args.training_script_args)
-    run_dir = args.resume or args.run_dir
+    run_dir = args.resume or args.run_dir or _stopped_run_of(args.argv)
     previous = _previous_run(run_dir, args) if run_dir else None
     model_name, source = args.model, "flag"
     if model_name is None and previous is not None:
@@ -197,7 +198,8 @@ def resolve(args) -> dict:
     if previous is None and os.path.exists(os.path.join(run_dir, CHECKPOINT_DIR)):  # the workers would resume
         raise ConfigError("--run-dir", f"{run_dir} holds checkpoints but no plan.json", "choose a new run directory")
     check_output_path(os.path.join(run_dir, "plan.json"), "--run-dir", force=True)
-    settings.add("run dir", run_dir, "flag" if args.run_dir else "default")
+    settings.add("run dir", run_dir, "flag" if args.run_dir or args.resume else
+                 "the stopped run of this command" if previous is not None else "default")
     settings.add("max restarts", f"{args.max_restarts} for crashes (planned restarts not counted)",
                  "flag" if args.max_restarts else "default")
     replans = max_replans()
@@ -205,7 +207,25 @@ def resolve(args) -> dict:
                  "re-plans", "flag" if args.no_replan else "MEMX_MAX_REPLANS" if os.environ.get("MEMX_MAX_REPLANS")
                  else "default")
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
-                profile_db=profile_db, run_dir=run_dir, script_args=script_args, resumed=previous is not None)
+                profile_db=profile_db, run_dir=run_dir, script_args=script_args, resumed=previous is not None,
+                argv=args.argv)
+
+
+STOPPED_FILE = "stopped.json"
+
+
+def _stopped_run_of(argv: list[str]) -> str | None:
+    """The run directory (under runs/) that the same command line left stopped by a signal:
+    running the same command again continues it."""
+    stopped = []
+    for path in glob.glob(os.path.join(DEFAULT_RUNS_DIR, "*", STOPPED_FILE)):
+        try:
+            with open(path) as f:
+                if json.load(f).get("argv") == argv:
+                    stopped.append((os.path.getmtime(path), os.path.dirname(path)))
+        except (OSError, ValueError, AttributeError):
+            continue  # not a record memx wrote: ignored
+    return max(stopped)[1] if stopped else None
 
 
 def _previous_run(run_dir: str, args) -> Plan | None:
@@ -308,9 +328,13 @@ def launch(args, resolved) -> int:
         args.standalone = True  # a free local port instead of torchrun's fixed 29500
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_hide_planned_restart)
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_hide_signal_shutdown)
+    stopped = os.path.join(run_dir, STOPPED_FILE)
+    if os.path.exists(stopped):  # continued now: a later same command starts a new run
+        os.remove(stopped)
     try:
         run(args)
     except SignalException as exc:  # the workers checkpointed and said so (supervisor.stop_at_signal)
+        write_json_atomic(stopped, {"argv": resolved["argv"], "signal": exc.sigval.name}, overwrite=True)
         from memx_launch.runtime.checkpoint import latest_checkpoint
 
         try:
@@ -319,7 +343,7 @@ def launch(args, resolved) -> int:
             latest = None
         if os.path.exists(os.path.join(run_dir, "plan.json")):
             kept = f"checkpoint {latest}" if latest else "the plan, no checkpoint yet"
-            again = f"run the same command with --resume {run_dir}"
+            again = f"run the same command again (or with --resume {run_dir})"
         else:
             kept = f"no plan yet; the calibration samples measured are in {resolved['profile_db']}"
             again = "run the same command again"
@@ -349,7 +373,9 @@ def _hide_signal_shutdown(record: logging.LogRecord) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         resolved = resolve(args)
         print("memx-run settings:\n" + resolved["settings"].render(), flush=True)
