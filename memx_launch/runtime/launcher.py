@@ -191,6 +191,7 @@ def resolve(args) -> dict:
     settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
                  "flag" if args.search_budget_s else "default")
     profile_db = args.profile_db or DEFAULT_PROFILE_DB
+    _check_profile_db(profile_db)
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
     if args.export_plan:
         check_output_path(args.export_plan, "--export-plan")
@@ -209,6 +210,20 @@ def resolve(args) -> dict:
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
                 profile_db=profile_db, run_dir=run_dir, script_args=script_args, resumed=previous is not None,
                 argv=args.argv)
+
+
+def _check_profile_db(path: str) -> None:
+    """The workers append calibration samples to it and read it back: both checked here."""
+    import warnings
+
+    from memx_launch.profiling.profiledb import ProfileDB
+
+    db = ProfileDB(path)
+    db.check_appendable("--profile-db")
+    if os.path.exists(path):
+        with warnings.catch_warnings():  # corrupt lines are the workers' to report (and skip)
+            warnings.simplefilter("ignore")
+            db.read()
 
 
 STOPPED_FILE = "stopped.json"
