@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 
 import numpy as np
 from scipy.stats import kendalltau, spearmanr

@@ -25,7 +25,6 @@ links out of it are refused). torch.distributed.checkpoint is not used: its read
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
