@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
+from memx_launch.runtime.messages import all_gather_json
 from memx_launch.errors import NoFeasiblePlanError
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
@@ -63,7 +64,7 @@ def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, 
     """The first rank of each device type measures the module's block (``probe``: recompute level ->
     a copy of one block) at a minimal set of micro-batch sizes and recompute levels; rank 0 appends
     every type's samples to the profile at ``db_path``. Collective."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     types = cluster.rank_device_types()
     mine = types[rank]
     lines: list[str] = []
@@ -83,8 +84,7 @@ def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, 
         result = minimal_sample_set(space, measure, budget=CALIBRATION_BUDGET)
         lines = [m.to_json() for m in result.measurements]
         log(f"memx: calibrated {mine} on rank {rank}: {len(lines)} samples of the module's own block")
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, lines)
+    gathered = all_gather_json(lines)
     if rank == 0:
         db = ProfileDB(db_path)
         import json

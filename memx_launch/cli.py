@@ -10,13 +10,17 @@ planning and estimating run on any machine; only ``profile`` loads it.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import statistics
 import sys
+import threading
+import warnings
 
 from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
-from memx_launch.files import write_json_atomic
+from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
 from memx_launch.specs.training import SETUPS, TrainingSpec
@@ -109,8 +113,13 @@ def _check_headroom(args) -> None:
 
 def _check_new_file(path: str | None, flag: str, force: bool) -> None:
     """Refuse before any work is done, not after a long search."""
-    if path and os.path.exists(path) and not force:
-        raise ConfigError(flag, f"{path} already exists", "pass --force to overwrite or choose another path")
+    if path is not None:
+        check_output_path(path, flag, force)
+
+
+def _check_finite(value: float | None, flag: str) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ConfigError(flag, f"must be a finite number, got {value}", "give a plain number")
 
 
 def _cost_model(args, model, cluster, training):
@@ -177,8 +186,10 @@ def run_plan(args) -> int:
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_weights
 
-    if args.top < 1:
-        raise ConfigError("--top", f"must be at least 1, got {args.top}", "e.g. --top 5")
+    if not 1 <= args.top <= 10_000:
+        raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
+    _check_finite(args.search_budget_s, "--search-budget-s")
+    _check_finite(args.memory_headroom, "--memory-headroom")
     if args.search_budget_s is not None and args.search_budget_s <= 0:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     _check_headroom(args)
@@ -282,7 +293,8 @@ def run_estimate(args) -> int:
                                micro_batch_size=args.micro_batch_size,
                                layers_per_stage=args.layers_per_stage,
                                recompute=args.recompute, stage_devices=args.stage_devices,
-                               schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
+                               schedule=args.schedule or "1f1b", virtual_stages=1 if args.virtual_stages is None else args.virtual_stages,
+                              
                                weights=weights, cost_model=_cost_model(args, model, cluster, training),
                                memory_headroom=args.memory_headroom)
     print(report.estimate_report(plan, cluster, args.memory_headroom, split_note))
@@ -328,6 +340,8 @@ def add_export_command(sub) -> None:
 def run_export(args) -> int:
     from memx_launch.planning import exporters
 
+    if not 1 <= args.master_port <= 65535:
+        raise ConfigError("--master-port", f"{args.master_port} is not a TCP port", "e.g. --master-port 29500")
     plan = Plan.load(args.plan)
     megatron = exporters.megatron_args(plan)
     print("# Megatron-LM arguments")
@@ -375,16 +389,15 @@ def add_profile_command(sub) -> None:
 
 
 def run_profile(args) -> int:
-    import torch
-
     from memx_launch.profiling.interpolation import augment_measurements
     from memx_launch.planning.costmodel import tp_link_gbps
     from memx_launch.profiling.profiledb import ProfileDB
     from memx_launch.profiling.space import default_space
-    from memx_launch.profiling.kernel import detect_device_type, profile_model
+    from memx_launch.profiling.kernel import detect_device_type, measuring_device, profile_model
 
     model = get_model(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ProfileDB(args.out).check_appendable("--out")  # before measuring, not after
+    device = measuring_device(args.device)
     slowdown, link = 1.0, None
     if args.cluster:
         cluster = ClusterSpec.from_yaml(args.cluster)
@@ -399,15 +412,16 @@ def run_profile(args) -> int:
         link = tp_link_gbps(cluster, name)
     else:
         device_type = detect_device_type(device, args.device_type)
-    for flag, value in (("--budget", args.budget), ("--num-blocks", args.num_blocks), ("--repeats", args.repeats),
-                        ("--max-micro-batch", args.max_micro_batch)):
-        if value is not None and value <= 0:
-            raise ConfigError(flag, f"must be a positive integer, got {value}")
-    if args.refine_budget is not None and args.refine_budget < 0:
-        raise ConfigError("--refine-budget", f"must be 0 or more, got {args.refine_budget}")
+    for flag, value, lo, hi in (("--budget", args.budget, 1, 10_000), ("--num-blocks", args.num_blocks, 1, 64),
+                                ("--repeats", args.repeats, 1, 1000), ("--max-micro-batch", args.max_micro_batch, 1, 4096),
+                                ("--refine-budget", args.refine_budget, 0, 10_000)):
+        if value is not None and not lo <= value <= hi:
+            raise ConfigError(flag, f"must be an integer in [{lo}, {hi}], got {value}")
     dtype = args.dtype or ("fp32" if device.startswith("cpu") else "bf16")
-    space = default_space(model, max_micro_batch=args.max_micro_batch,
-                          seq_lens=args.seq_lens)
+    for s in args.seq_lens or ():
+        if not 1 <= s <= 2**20:
+            raise ConfigError("--seq-lens", f"{s} is not a sequence length", "e.g. --seq-lens 1024,2048")
+    space = default_space(model, max_micro_batch=args.max_micro_batch, seq_lens=args.seq_lens)
     emulated = " (emulated: measured time x {:g})".format(slowdown) if slowdown != 1.0 else ""
     print(f"profiling {model.name} on {device_type.name} ({device}, {dtype}){emulated}; "
           f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
@@ -424,7 +438,7 @@ def run_profile(args) -> int:
         print(f"caching allocator: reserved peak {statistics.median(slack):.2f}x the allocated peak (median over "
               f"{len(slack)} configurations); the plan's memory headroom must cover it")
     print(augment_measurements(result.measurements, space.values).summary())
-    ProfileDB(args.out).append(result.measurements)
+    ProfileDB(args.out).append_or_keep(result.measurements)
     print(f"appended {len(result.measurements)} measurements to {args.out}")
     return 0
 
@@ -481,14 +495,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds: temporary files are removed on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
+    with warnings.catch_warnings():  # one line each, like the errors
+        warnings.showwarning = lambda message, *_, **__: print(f"memx: warning: {message}", file=sys.stderr)
+        return _run(build_parser(), argv)
+
+
+def _run(parser, argv) -> int:
     try:
         args = parse_with_config(parser, argv)
         if getattr(args, "print_config", False):
             print(config_yaml(parser, args), end="")
             return 0
         return args.handler(args)
+    except KeyboardInterrupt:
+        print("memx: interrupted; no output file was written", file=sys.stderr)
+        return 130
+    except SystemExit as exc:
+        if exc.code == 128 + signal.SIGTERM:
+            print("memx: terminated; no output file was written", file=sys.stderr)
+        raise
     except NoFeasiblePlanError as exc:
         print(f"memx: error: {exc}", file=sys.stderr)
         if exc.closest:

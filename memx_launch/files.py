@@ -1,50 +1,87 @@
-"""Writing output files: atomically, so a reader never sees half a file.
+"""Writing output files: checked before the work, written atomically, so a reader never sees half
+a file and nothing but a regular file is ever replaced.
+
+An output path must be a regular file (replaced only with --force) or a new name, in a directory
+memx may write, and not under /proc, /sys or /dev (``check_output_path``, called before the work
+starts). Files get the permissions of a plain ``open``: the umask's, or the replaced file's mode;
+temporary files are removed on any failure, Ctrl-C and SIGTERM included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 from memx_launch.errors import ConfigError
 
+SYSTEM_TREES = ("/proc", "/sys", "/dev")
 
-def write_json_atomic(path: str, data: Any, overwrite: bool = False) -> None:
+
+def check_output_path(path: str, flag: str = "output", force: bool = False) -> None:
+    """Refuse, before any work, an output path memx must not or cannot write."""
+    if not path or "\0" in path:
+        raise ConfigError(flag, f"{path!r} is not a file name", "pass a file path")
+    real = os.path.realpath(path)
+    for tree in SYSTEM_TREES:
+        if real == tree or real.startswith(tree + os.sep):
+            raise ConfigError(flag, f"{path} is under {tree}, not a place for output files",
+                              "write to a regular file in your own directory")
+    if os.path.lexists(path):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise ConfigError(flag, f"cannot use {path} ({exc.strerror})", "choose another path") from None
+        if stat.S_ISDIR(mode):
+            raise ConfigError(flag, f"{path} is a directory", "give a file name inside it")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(flag, f"{path} is not a regular file", "write to a regular file")
+        if not force:
+            raise ConfigError(flag, f"{path} already exists", "pass --force to overwrite or choose another path")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):  # the nearest existing ancestor; missing folders are created
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(flag, f"{path} lies below {parent}, which is not a directory", "choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(flag, f"cannot write in {parent}", "choose a directory you can write to")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_output(path: str, flag: str = "output", overwrite: bool = False, suffix: str = ".tmp") -> Iterator[str]:
+    """A temporary path next to ``path``; renamed onto ``path`` when the block succeeds, removed
+    when it fails (exceptions, Ctrl-C, SIGTERM under the memx command)."""
+    check_output_path(path, flag, overwrite)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.exists(path) else 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=suffix)
+    try:
+        os.fchmod(fd, mode)  # mkstemp makes 0600; the output gets what open() would give
+        os.close(fd)
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_text_atomic(path: str, text: str, overwrite: bool = False, flag: str = "output") -> None:
+    """Write text through a temporary file and rename, so readers never see half a file."""
+    with atomic_output(path, flag, overwrite) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+
+def write_json_atomic(path: str, data: Any, overwrite: bool = False, flag: str = "output") -> None:
     """Write JSON through a temporary file and rename, so readers never see half a file."""
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n", overwrite)
-
-
-def write_text_atomic(path: str, text: str, overwrite: bool = False) -> None:
-    """Write text through a temporary file and rename, so readers never see half a file."""
-    if os.path.exists(path) and not overwrite:
-        raise ConfigError("output", f"{path} already exists", "pass --force to overwrite or choose another path")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_text_atomic(path: str, text: str, overwrite: bool = False) -> None:
-    """Write text through a temporary file and rename, so readers never see half a file."""
-    if os.path.exists(path) and not overwrite:
-        raise ConfigError("output", f"{path} already exists", "pass --force to overwrite or choose another path")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n", overwrite, flag)

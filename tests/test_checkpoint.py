@@ -78,3 +78,97 @@ def test_checkpoint_loads_under_another_split(tmp_path):
         assert results[r]["rng_equal"]
         assert results[r]["resumed"] == pytest.approx(results[r]["continued"], abs=LOSS_ATOL)
     assert os.path.isdir(tmp_path / "step-00000003") and not os.path.exists(tmp_path / "step-00000003.tmp")
+
+
+def _tp_worker(rank, port, directory, queue):
+    """Written under pp=2 (whole tensors), read under tp=2 (DTensor shards of them)."""
+    import torch.distributed as dist
+    from memx_launch.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from memx_launch.runtime.training import Runtime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        before = Runtime(make_plan([4, 4], ["none", "none"]), rank, lr=1e-2)
+        before.step(*(before.local_batch(t) for t in _batch(1)))
+        save_checkpoint(directory, before.chunks, before.optimizer, 1, {})
+        saved = _params(before)
+        stages = [StagePlan("cpu", [0, 1], 8, "none", 0.0, 0.0)]
+        tp_plan = Plan("llama-tiny", SPEC, "test", 2, 1, 1, 2, 4, 32, "1f1b", 1, stages, 0.0,
+                       Objective(1.0, "default", (0.4, 0.2, 0.4)))
+        after = Runtime(tp_plan, rank, lr=1e-2)
+        load_checkpoint(directory, after.chunks, after.optimizer)
+        loaded = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().numpy()
+                  for m in after.chunks for n, p in m.named_parameters()}
+        states = [s for s in after.optimizer.state.values()]
+        queue.put((rank, dict(saved=saved, loaded=loaded, optimizer_states=len(states),
+                              exp_avg_nonzero=all(float(s["exp_avg"].to_local().abs().sum()
+                                                        if hasattr(s["exp_avg"], "to_local")
+                                                        else s["exp_avg"].abs().sum()) > 0 for s in states))))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_into_tensor_parallel_shards(tmp_path):
+    results = spawn_ranks(_tp_worker, 2, str(tmp_path))
+    saved = {**results[0]["saved"], **results[1]["saved"]}
+    for r in (0, 1):
+        loaded = results[r]["loaded"]
+        assert set(loaded) == set(saved)
+        for name in saved:
+            assert (saved[name] == loaded[name]).all(), name
+        assert results[r]["optimizer_states"] and results[r]["exp_avg_nonzero"]
+    assert not list(tmp_path.glob("step-*/.metadata"))  # no pickled DCP metadata is written
+
+
+def _pickle_bomb(marker):
+    """A pickle that creates ``marker`` when unpickled."""
+    import pickle
+
+    class Bomb:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    return pickle.dumps(Bomb())
+
+
+def test_a_crafted_pickle_in_a_checkpoint_folder_is_never_executed(tmp_path):
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.checkpoint import load_checkpoint
+
+    marker = tmp_path / "pwned"
+    step = tmp_path / "step-00000003"
+    step.mkdir()
+    for name in (".metadata", "__0_0.distcp", "memx.json"):
+        (step / name).write_bytes(_pickle_bomb(marker))
+    (tmp_path / "latest.json").write_text('{"step": 3, "path": "step-00000003"}')
+    with pytest.raises(ConfigError, match="memx.json"):
+        load_checkpoint(str(tmp_path), [], None)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("latest", ['{"path": "/etc"}', '{"path": "../x"}', '{"path": "step-00000001/../../x"}',
+                                    '[1]', 'garbage', '{"path": "step-00000009"}'])
+def test_latest_json_cannot_point_outside_the_checkpoint_directory(tmp_path, latest):
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.checkpoint import latest_checkpoint
+
+    (tmp_path / "latest.json").write_text(latest)
+    with pytest.raises(ConfigError, match="latest.json"):
+        latest_checkpoint(str(tmp_path))
+
+
+def test_a_step_folder_linked_outside_is_refused(tmp_path):
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.checkpoint import latest_checkpoint
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(outside, run / "step-00000001")
+    (run / "latest.json").write_text('{"step": 1, "path": "step-00000001"}')
+    with pytest.raises(ConfigError, match="outside"):
+        latest_checkpoint(str(run))

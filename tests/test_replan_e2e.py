@@ -115,6 +115,9 @@ def test_more_replans_than_the_limit_is_an_error_naming_it(tmp_path):
     assert rc != 0
     assert re.search(r"memx-run: error: re-plan: MEMX_MAX_REPLANS: .* over the limit of 0", err), err[-4000:]
     assert Plan.load(str(tmp_path / "run" / "plan.json")).to_dict() == Plan.load(str(plan0)).to_dict()
+    # stopped, but with the steps done so far: the checkpoint of the step whose checks failed
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == FAULT_STEP
 
 
 @pytest.mark.slow

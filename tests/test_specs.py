@@ -101,7 +101,7 @@ def test_table1_cluster_reaches_the_measured_standalone_rates():
     (GOOD.replace("memory_gib: 16", "memory_gib: -16"), r"device_types.small.memory_gib: must be a positive number, got -16"),
     (GOOD.replace("version: 1", "version: 7"), r"cluster.version: expected 1, got 7"),
     (GOOD.replace("{big: 2}", "{huge: 2}"), r"nodes\[0\].devices.huge: unknown device type"),
-    (GOOD.replace("{small: 2}", "{small: 0}"), r"count must be a positive integer"),
+    (GOOD.replace("{small: 2}", "{small: 0}"), r"devices.small: must be a positive integer"),
     ("just a string", r"cluster: the file must be a mapping"),
 ])
 def test_bad_cluster_files_name_the_field_and_the_fix(tmp_path, text, match):

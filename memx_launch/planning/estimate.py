@@ -49,11 +49,9 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     (Megatron-LM runs it; 1F1B then fills the pipeline only partly). Phi uses ``references``
     (T, M, V medians) when given, else those of a default search of the same model, cluster and
     training spec."""
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--micro-batch-size", micro_batch_size)):
-        if value < 1:
-            raise ConfigError(flag, f"must be at least 1, got {value}")
     if schedule not in ("1f1b", "interleaved"):
         raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
+    _check_layout_numbers(model, cluster, tp, pp, dp, micro_batch_size, schedule, virtual_stages, layers_per_stage)
     v = virtual_stages if schedule == "interleaved" else 1
     if training.global_batch_size % (dp * micro_batch_size):
         raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
@@ -128,3 +126,26 @@ def stage_short_gib(plan: Plan, memory_headroom: float = 0.0) -> list[float]:
     """Per stage, GiB over what the stage may use (capacity less the headroom); 0 where it fits."""
     return [max(0.0, s.predicted_peak_memory_gib - s.memory_capacity_gib * (1.0 - memory_headroom))
             for s in plan.stages]
+
+
+def _check_layout_numbers(model, cluster, tp, pp, dp, mbs, schedule, virtual_stages, layers_per_stage) -> None:
+    """Integers in range before any array is built from them."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--micro-batch-size", mbs),
+                        ("--virtual-stages", virtual_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(flag, f"must be a positive integer, got {value!r}")
+    if tp * pp * dp > cluster.world_size:
+        raise ConfigError("--tp", f"tp*pp*dp={tp * pp * dp} is more than the cluster's {cluster.world_size} devices",
+                          "use a layout that fits the cluster")
+    if pp > model.num_layers:
+        raise ConfigError("--pp", f"{pp} stages for {model.num_layers} layers", "use at most one stage per layer")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ConfigError("--virtual-stages", f"{virtual_stages} needs --schedule interleaved",
+                          "pass --schedule interleaved, or drop --virtual-stages")
+    if pp * virtual_stages > model.num_layers:
+        raise ConfigError("--virtual-stages", f"pp*virtual_stages={pp * virtual_stages} chunks for "
+                          f"{model.num_layers} layers", "every chunk needs at least one layer")
+    for n in layers_per_stage or ():
+        if not isinstance(n, int) or not 1 <= n <= model.num_layers:
+            raise ConfigError("--layers-per-stage", f"{n} is not a layer count between 1 and {model.num_layers}",
+                              "fix the split")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 import numpy as np
 
@@ -59,7 +61,7 @@ def parse_weights(text: str) -> tuple[float, float, float]:
         values = tuple(float(x) for x in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != 3 or any(v < 0 for v in values) or sum(values) <= 0:
+    if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
         raise ConfigError("--weights", f"expected three non-negative numbers wT,wM,wV, got {text!r}",
                           "e.g. --weights 0.4,0.2,0.4")
     total = sum(values)

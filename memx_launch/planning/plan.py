@@ -6,12 +6,13 @@ tensor-parallel index ``j % tp`` (TP groups are consecutive ranks).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.checks import require_name, require_number, require_type
+from memx_launch.specs.inputs import load_json
+from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 from memx_launch.specs.training import PLAN_TRAINING_KEYS
 from memx_launch.files import write_json_atomic
 
@@ -122,6 +123,7 @@ class Plan:
         if version != PLAN_VERSION:
             raise ConfigError(f"{source}.version", f"expected {PLAN_VERSION}, got {version!r}",
                               "re-create the plan with this memx version")
+        _check_types(data, source)
         try:
             stages = [StagePlan(**s) for s in data["stages"]]
             objective = dict(data["objective"])
@@ -151,6 +153,8 @@ class Plan:
         return plan
 
     def validate(self, source: str = "plan") -> None:
+        for key in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
+            require_number(getattr(self, key), f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"{source}.schedule", f"unknown schedule {self.schedule!r}",
                               f"use one of {', '.join(SCHEDULES)}")
@@ -166,6 +170,8 @@ class Plan:
             parse_recompute(s.recompute, s.num_layers, f"{source}.stages[{i}].recompute")
             if len(s.ranks) != self.tp * self.dp:
                 raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*dp={self.tp * self.dp} ranks")
+            if len(set(s.ranks)) != len(s.ranks):
+                raise ConfigError(f"{source}.stages[{i}].ranks", "lists a rank twice")
             if s.num_layers < self.virtual_stages:
                 raise ConfigError(f"{source}.stages[{i}].num_layers",
                                   f"{s.num_layers} layers cannot form {self.virtual_stages} virtual stages")
@@ -178,12 +184,59 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as exc:
-            raise ConfigError("--plan", f"cannot read {path!r} ({exc.strerror})", "pass an existing plan file") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError("--plan", f"{path} is not valid JSON (line {exc.lineno})",
-                              "re-create it with memx plan --json") from None
+        data = load_json(path, "--plan", fix="pass a plan written by memx plan --json")
         return cls.from_dict(data, source=f"plan {path}")
+
+
+MAX_WORLD_SIZE = 2**20
+
+
+def _check_types(data: dict, source: str) -> None:
+    """Types and ranges of a plan read from a file or a peer, before anything uses it."""
+    fix = "pass a plan written by memx plan --json"
+    for key in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
+        if key in data:
+            require_number(data[key], f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
+    if all(k in data for k in ("tp", "pp", "dp")) and data["tp"] * data["pp"] * data["dp"] > MAX_WORLD_SIZE:
+        raise ConfigError(f"{source}.world_size", f"tp*pp*dp over the limit of {MAX_WORLD_SIZE} ranks", fix)
+    for key in ("model", "cluster", "schedule"):
+        if key in data:
+            require_type(data[key], str, f"{source}.{key}", fix)
+            require_name(data[key], f"{source}.{key}")
+    for key in ("predicted_iteration_time_s", "predicted_peak_memory_fraction", "predicted_memory_variance"):
+        if key in data:
+            require_number(data[key], f"{source}.{key}", lo=0, fix=fix)
+    if "emulated" in data:
+        require_type(data["emulated"], bool, f"{source}.emulated", fix)
+    for key in ("training", "objective", "model_spec"):
+        if key in data:
+            require_type(data[key], dict, f"{source}.{key}", fix)
+    if "objective" in data:
+        o = data["objective"]
+        require_number(o.get("phi"), f"{source}.objective.phi", fix=fix)
+        require_type(o.get("profile"), str, f"{source}.objective.profile", fix)
+        weights = o.get("weights")
+        if not isinstance(weights, list) or len(weights) != 3:
+            raise ConfigError(f"{source}.objective.weights", "must be a list of three numbers", fix)
+        for w in weights:
+            require_number(w, f"{source}.objective.weights", lo=0, fix=fix)
+        require_type(o.get("terms", {}), dict, f"{source}.objective.terms", fix)
+        for k, v in o.get("terms", {}).items():
+            require_number(v, f"{source}.objective.terms.{k}", fix=fix)
+    stages = data.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise ConfigError(f"{source}.stages", "must be a non-empty list of stages", fix)
+    for i, stage in enumerate(stages):
+        where = f"{source}.stages[{i}]"
+        require_type(stage, dict, where, fix)
+        require_type(stage.get("device_type"), str, f"{where}.device_type", fix)
+        require_name(stage["device_type"], f"{where}.device_type")
+        require_number(stage.get("num_layers"), f"{where}.num_layers", lo=0, lo_open=True, hi=MAX_DIMENSION,
+                       integer=True, fix=fix)
+        if not isinstance(stage.get("ranks"), list) or not stage["ranks"]:
+            raise ConfigError(f"{where}.ranks", "must be a non-empty list of ranks", fix)
+        for r in stage["ranks"]:
+            require_number(r, f"{where}.ranks", lo=0, hi=MAX_WORLD_SIZE, integer=True, fix=fix)
+        for key in ("predicted_peak_memory_gib", "predicted_stage_time_s", "memory_capacity_gib"):
+            if key in stage:
+                require_number(stage[key], f"{where}.{key}", lo=0, fix=fix)

@@ -4,10 +4,8 @@ Pareto plot. Text in, text out (the plot is the one file written); no torch impo
 
 from __future__ import annotations
 
-import os
-import tempfile
 
-from memx_launch.errors import ConfigError
+from memx_launch.files import atomic_output, check_output_path
 from memx_launch.planning.estimate import stage_short_gib
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
@@ -174,8 +172,7 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
 
 def pareto_plot(result, path: str, overwrite: bool = False, emulated: bool = False) -> None:
     """Iteration time against memory variance: ranked plans, the Pareto front, the winner."""
-    if os.path.exists(path) and not overwrite:
-        raise ConfigError("--plot", f"{path} already exists", "pass --force to overwrite or choose another path")
+    check_output_path(path, "--plot", overwrite)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,14 +201,8 @@ def save_png_atomic(fig, path: str, dpi: int = 120) -> None:
     """Write a matplotlib figure to ``path`` through a temporary file and a rename, then close it."""
     import matplotlib.pyplot as plt
 
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=dpi)
-        os.replace(tmp, path)
+        with atomic_output(path, "--plot", overwrite=True, suffix=".png") as tmp:
+            fig.savefig(tmp, format="png", dpi=dpi)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)

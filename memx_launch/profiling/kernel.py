@@ -256,3 +256,24 @@ def profile_model(spec: ModelSpec, device_type: DeviceType, space: ProfileSpace,
                              progress=lambda _sample: bar.update())
 
     return minimal_sample_set(space, measure, budget=budget, refine_budget=refine_budget)
+
+
+def measuring_device(name: str | None) -> str:
+    """The device to measure on (default: cuda when present, else cpu), checked before anything
+    is measured."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError("--device", f"{name!r} is not a torch device", "e.g. --device cuda:0 or --device cpu") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ConfigError("--device", f"{name} is not present ({count} CUDA device(s) here)",
+                              "pick a present device, or --device cpu")
+    elif device.type != "cpu":
+        raise ConfigError("--device", f"memx measures on cuda or cpu, not {device.type}", "e.g. --device cuda:0")
+    return name

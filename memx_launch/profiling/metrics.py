@@ -17,12 +17,13 @@ by prediction (lower time or Phi is better), else 0. No torch import here.
 from __future__ import annotations
 
 import csv
-import json
+import io
 
 import numpy as np
 from scipy.stats import kendalltau, spearmanr
 
 from memx_launch.errors import ConfigError
+from memx_launch.specs.inputs import parse_json, read_text
 
 PAIRS = {"time": ("predicted_time_s", "measured_time_s"),
          "memory": ("predicted_memory_bytes", "measured_memory_bytes"),
@@ -77,18 +78,16 @@ def evaluate(columns: dict[str, np.ndarray]) -> dict:
 
 def load_measurements(path: str) -> dict[str, np.ndarray]:
     """Read a measurements file (format in this module's docstring) into numeric columns."""
-    try:
-        with open(path, newline="") as f:
-            if path.endswith(".json"):
-                data = json.load(f)
-                rows = data.get("rows") if isinstance(data, dict) else data
-            else:
-                rows = list(csv.DictReader(f))
-    except OSError as exc:
-        raise ConfigError("--measurements", f"cannot read {path!r} ({exc.strerror})",
-                          "pass a CSV or JSON file of predicted vs measured values") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError("--measurements", f"{path} is not valid JSON (line {exc.lineno})", "fix the file") from None
+    fix = "pass a CSV or JSON file of predicted vs measured values"
+    text = read_text(path, "--measurements", fix=fix)
+    if path.endswith(".json"):
+        data = parse_json(text, "--measurements", path, fix)
+        rows = data.get("rows") if isinstance(data, dict) else data
+    else:
+        try:
+            rows = list(csv.DictReader(io.StringIO(text, newline="")))
+        except csv.Error as exc:
+            raise ConfigError("--measurements", f"{path} is not valid CSV ({exc})", fix) from None
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise ConfigError("--measurements", f"{path} holds no rows",
                           "give one row per configuration with predicted_time_s and measured_time_s")
@@ -101,6 +100,9 @@ def load_measurements(path: str) -> dict[str, np.ndarray]:
                 except (KeyError, TypeError, ValueError):
                     raise ConfigError(f"--measurements {path}: {name}", "missing or not a number in some rows",
                                       "fill the column in every row or drop it") from None
+                if not np.isfinite(columns[name]).all():
+                    raise ConfigError(f"--measurements {path}: {name}", "NaN or infinite in some rows",
+                                      "give finite numbers")
     for name in PAIRS["time"]:
         if name not in columns:
             raise ConfigError(f"--measurements {path}", f"no {name} column",

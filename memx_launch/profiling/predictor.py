@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -33,7 +34,7 @@ from scipy.stats import norm
 
 from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
-from memx_launch.files import write_json_atomic
+from memx_launch.files import atomic_output, write_json_atomic
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -80,10 +81,8 @@ class Predictor:
         """``path`` ends in .ubj or .json (XGBoost's own formats); the sidecar is ``path + '.meta.json'``."""
         if not path.endswith((".ubj", ".json")):
             raise ConfigError("--predictor", f"{path} must end in .ubj or .json", "e.g. predictor.ubj")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp" + os.path.splitext(path)[1]
-        self.booster.save_model(tmp)
-        os.replace(tmp, path)
+        with atomic_output(path, "--predictor", overwrite=True, suffix=os.path.splitext(path)[1]) as tmp:
+            self.booster.save_model(tmp)
         write_json_atomic(sidecar_path(path), self.meta, overwrite=True)
 
     @classmethod
@@ -302,10 +301,16 @@ def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec
             predictor = Predictor.load(path)
             if predictor.meta.get("training") != training_signature(records):
                 predictor = None
-        except ConfigError:
+        except Exception:  # noqa: BLE001 (a cache: whatever is wrong with it, fit again)
             predictor = None
     if predictor is None:
         augmented = augment_measurements(records).points
         predictor = fit_predictor(records, augmented=augmented, trials=trials)
-        predictor.save(path)
+        # A cache of the fit, next to the profile when memx may write there; said either way.
+        try:
+            predictor.save(path)
+            print(f"memx: fitted the predictor on {len(records)} records of {profile_db_path}; cached as {path} "
+                  "(refitted when the profile changes)", file=sys.stderr)
+        except (ConfigError, OSError) as exc:
+            print(f"memx: fitted the predictor on {len(records)} records; not cached ({exc})", file=sys.stderr)
     return CachedCostModel(LearnedCostModel(model, cluster, training, predictor))

@@ -19,7 +19,12 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.model import ModelSpec
+from memx_launch.files import atomic_output, check_output_path
+from memx_launch.specs.checks import require_name, require_number, require_type
+from memx_launch.specs.inputs import parse_json, read_text
+from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
+
+MAX_PROFILE_BYTES = 1 * 2**30
 
 PROFILE_FORMAT = 1
 
@@ -93,7 +98,25 @@ class Measurement:
                    if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
+        _check_record(data)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _check_record(data: dict) -> None:
+    """Types and ranges of a record (ValueError: the line is skipped as corrupt)."""
+    for key in ("device_type", "model", "model_signature", "recompute", "dtype"):
+        require_type(data[key], str, key)
+        require_name(data[key], key)
+    for key in ("device", "block_shape"):
+        require_type(data[key], dict, key)
+    for key in ("tp", "micro_batch_size", "seq_len", "num_blocks"):
+        require_number(data[key], key, lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
+    require_type(data["feasible"], bool, "feasible")
+    for key in ("time_s", "time_spread_s", "peak_memory_bytes", "peak_reserved_bytes", "tp_link_gbps",
+                "emulation_slowdown"):
+        if data.get(key) is not None:
+            require_number(data[key], key, lo=0)
+    ModelSpec.from_dict(data["block_shape"], "block_shape")
 
 
 class ProfileDB:
@@ -101,6 +124,12 @@ class ProfileDB:
 
     def __init__(self, path: str):
         self.path = path
+
+    def check_appendable(self, flag: str = "--out") -> None:
+        """Before measuring: a regular file (or a new one) that memx may append to."""
+        check_output_path(self.path, flag, force=True)
+        if os.path.exists(self.path) and not os.access(self.path, os.W_OK):
+            raise ConfigError(flag, f"cannot write to {self.path}", "choose a file you can write to")
 
     def append(self, measurements: Iterable[Measurement]) -> int:
         """Append whole lines under an exclusive lock, then fsync; safe for concurrent ranks."""
@@ -117,20 +146,28 @@ class ProfileDB:
             os.close(fd)  # closing releases the lock
         return payload.count("\n")
 
+    def append_or_keep(self, measurements: list[Measurement]) -> int:
+        """append(); when that fails after measuring, the measurements go to a new file in the
+        temporary directory and the error says where."""
+        try:
+            return self.append(measurements)
+        except OSError as exc:
+            fd, rescue = tempfile.mkstemp(prefix="memx-profile-", suffix=".jsonl")
+            with os.fdopen(fd, "w") as f:
+                f.writelines(m.to_json() + "\n" for m in measurements)
+            raise ConfigError("--out", f"cannot append to {self.path} ({exc.strerror}); the measurements are kept "
+                              f"in {rescue}", f"append that file to the profile: cat {rescue} >> {self.path}") from None
+
     def read(self) -> list[Measurement]:
         """All valid records; corrupt or foreign lines are skipped with a :class:`ProfileWarning`."""
-        try:
-            with open(self.path) as f:
-                lines = f.readlines()
-        except OSError as exc:
-            raise ConfigError("--profile-db", f"cannot read {self.path!r} ({exc.strerror})",
-                              "run memx profile --model NAME --out FILE first") from None
+        text = read_text(self.path, "--profile-db", MAX_PROFILE_BYTES,
+                         "run memx profile --model NAME --out FILE first")
         out = []
-        for lineno, line in enumerate(lines, 1):
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                out.append(Measurement.from_dict(json.loads(line)))
+                out.append(Measurement.from_dict(parse_json(line, "record", self.path)))
             except (ValueError, TypeError) as exc:
                 warnings.warn(f"{self.path}:{lineno}: skipped a corrupt profile record ({exc})",
                               ProfileWarning, stacklevel=2)
@@ -162,17 +199,9 @@ def deduplicate(records: Iterable[Measurement]) -> list[Measurement]:
 def merge_profiles(paths: Iterable[str], out_path: str) -> int:
     """Join per-rank profile files into one (deduplicated), written atomically."""
     records = deduplicate(r for p in paths for r in ProfileDB(p).read())
-    directory = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-profile-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
+    with atomic_output(out_path, "--out", overwrite=True) as tmp:
+        with open(tmp, "w") as f:
             f.writelines(r.to_json() + "\n" for r in records)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return len(records)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import tempfile
 import time
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.runtime.faults import Faults
+from memx_launch.runtime.messages import all_gather_json
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
 from memx_launch.profiling.space import Sample, default_space
 from memx_launch.profiling.kernel import calibrate
@@ -142,8 +144,7 @@ class TypeCalibration:
                     if me == ranks[0]:  # one record per sample, from the unit's first rank
                         mine += measured
         self._report_and_wait()
-        gathered: list = [None] * len(self.groups.ranks)
-        dist.all_gather_object(gathered, [m.to_json() for m in mine], group=self.groups.group)
+        gathered = all_gather_json([m.to_json() for m in mine], group=self.groups.group)
         for part in gathered:
             for line in part:
                 m = Measurement.from_dict(json.loads(line))
@@ -218,7 +219,15 @@ class TypeCalibration:
 
 
 def calibration_timeout_s(environ=os.environ) -> float:
-    return float(environ.get("MEMX_CALIBRATION_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    text = environ.get("MEMX_CALIBRATION_TIMEOUT_S", "")
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ConfigError("MEMX_CALIBRATION_TIMEOUT_S", f"must be a positive number of seconds, got {text!r}",
+                          f"e.g. MEMX_CALIBRATION_TIMEOUT_S={DEFAULT_TIMEOUT_S:g}")
+    return value
 
 
 def calibration_space(model: ModelSpec, tp_degrees: list[int]):
@@ -257,4 +266,11 @@ class CalibrationRefused(ConfigError):
 
 def calibration_budget_s(environ=os.environ) -> float:
     text = environ.get("MEMX_CALIBRATION_BUDGET_S", "")
-    return float(text) if text else DEFAULT_CALIBRATION_BUDGET_S
+    try:
+        value = float(text) if text else DEFAULT_CALIBRATION_BUDGET_S
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ConfigError("--calibration-budget-s", f"must be a positive number of seconds, got {text!r}",
+                          f"e.g. --calibration-budget-s {DEFAULT_CALIBRATION_BUDGET_S:g}")
+    return value

@@ -1,14 +1,25 @@
-"""Checkpoints that load under any plan: torch.distributed.checkpoint (DCP) keyed by layer names.
+"""Checkpoints that load under any plan, and load without unpickling anything.
 
 LlamaStage names its blocks by global layer index (``layers.{i}.…``), and the optimizer state is
-flattened to the same names (``state.layers.{i}.….exp_avg``), so a checkpoint written under one
-stage split, TP or DP degree loads under another: each rank asks DCP for the names it holds now.
-Besides model and optimizer: the data position (a small JSON dict every rank passes alike) and
-each rank's RNG states (keyed by global rank; a rank that did not exist keeps its own).
+flattened to the same names (``state.layers.{i}.….exp_avg``, torch's get_state_dict), so a
+checkpoint written under one stage split, TP or DP degree loads under another: each rank reads
+the names it holds now, and of each tensor the box it holds (a DTensor shard) from the stored
+pieces that overlap it. Besides model and optimizer: the data position (a small JSON dict every
+rank passes alike) and each rank's RNG states (keyed by global rank; a rank that did not exist
+keeps its own).
 
-Layout on disk: ``{dir}/step-{step:08d}/`` (DCP files plus memx.json) and ``{dir}/latest.json``;
-a step is written to a temporary folder and renamed after every rank finished, so a crash
-mid-save leaves the previous checkpoint as the latest. All ranks must see the same folder.
+Layout on disk: ``{dir}/step-{step:08d}/`` holding ``rank{r:05d}.safetensors`` (the pieces rank r
+wrote: each distinct piece once, by the lowest rank holding it) and ``memx.json`` (step, data
+position, plan, plain optimizer values such as lr and betas, and where each piece is), plus
+``{dir}/latest.json``. A step is written to a temporary folder and renamed after every rank
+finished, so a crash mid-save leaves the previous checkpoint as the latest. All ranks must see
+the same folder.
+
+What is trusted: nothing in the folder is executed. safetensors files are a JSON header plus raw
+bytes, memx.json is JSON read through a schema (names, shapes and file names checked), and every
+path is confined to the checkpoint directory (latest.json names a ``step-NNNNNNNN`` folder in it;
+links out of it are refused). torch.distributed.checkpoint is not used: its reader unpickles
+``.metadata`` and non-tensor values.
 """
 
 from __future__ import annotations
@@ -23,32 +34,42 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
+from memx_launch.runtime.messages import all_gather_json
+from memx_launch.specs.inputs import load_json
 
 LATEST = "latest.json"
 META = "memx.json"
+FORMAT = 2
+STEP_DIR = re.compile(r"step-\d{8}")
+RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
+MAX_META_BYTES = 2**30
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # The container below adds "parts.{i}." to every name; i depends on the split, so it is dropped.
 _PART_PREFIX = re.compile(r"(^|\.)parts\.\d+\.")
 
 
 class _Parts(torch.nn.Module):
-    """One module over a rank's model chunks: DCP's state-dict helpers take one model."""
+    """One module over a rank's model chunks: the state-dict helpers take one model."""
 
     def __init__(self, parts: list[torch.nn.Module]):
         super().__init__()
         self.parts = torch.nn.ModuleList(parts)
 
 
-def _global_names(parts: list[torch.nn.Module], optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state under names that do not depend on the split."""
-    model_state, optim_state = get_state_dict(_Parts(parts), optimizer, options=_OPTIONS)
-    strip = lambda d: {_PART_PREFIX.sub(r"\1", k, count=1): v for k, v in d.items()}  # noqa: E731
-    return strip(model_state), strip(optim_state)
+def _global_names(container: _Parts, optimizer) -> tuple[dict, dict, dict]:
+    """Model and optimizer state under names that do not depend on the split, and each global
+    name's local key."""
+    model_state, optim_state = get_state_dict(container, optimizer, options=_OPTIONS)
+    local_name = {_PART_PREFIX.sub(r"\1", k, count=1): k for k in [*model_state, *optim_state]}
+    back = {v: k for k, v in local_name.items()}
+    return ({back[k]: v for k, v in model_state.items()}, {back[k]: v for k, v in optim_state.items()},
+            local_name)
 
 
 @dataclass
@@ -59,35 +80,65 @@ class Resumed:
     path: str
 
 
-def _rng_state(rank: int) -> dict[str, torch.Tensor]:
-    out = {f"rng.rank{rank}.torch": torch.get_rng_state(),
-           f"rng.rank{rank}.numpy": torch.from_numpy(np.frombuffer(
-               json.dumps(_numpy_state()).encode(), dtype=np.uint8).copy()),
-           f"rng.rank{rank}.python": torch.from_numpy(np.frombuffer(
-               json.dumps(_python_state()).encode(), dtype=np.uint8).copy())}
+# --------------------------------------------------------------------------- pieces of tensors
+
+
+def _piece(value: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(local tensor, global shape, global offset of the local box) of a tensor or DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return value.to_local(), list(value.shape), list(offset)
+    return value, list(value.shape), [0] * value.dim()
+
+
+def _key(name: str, offset: list[int]) -> str:
+    return f"{name}@{','.join(map(str, offset))}"
+
+
+def _rng_state(rank: int) -> dict:
+    out = {f"rng.rank{rank}.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         out[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
     return out
 
 
-def _numpy_state() -> list:
+def _rng_values(rank: int) -> dict:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    version, internal, pgauss = random.getstate()
+    return {f"rng.rank{rank}.numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+            f"rng.rank{rank}.python": [version, list(internal), pgauss]}
 
 
-def _python_state() -> list:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
+def _set_rng_values(rank: int, values: dict) -> None:
+    name, keys, pos, has_gauss, gauss = values[f"rng.rank{rank}.numpy"]
+    np.random.set_state((str(name), np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(gauss)))
+    version, internal, gauss = values[f"rng.rank{rank}.python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
 
-def _set_rng_state(rank: int, state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state[f"rng.rank{rank}.torch"])
-    name, keys, pos, has_gauss, gauss = json.loads(bytes(state[f"rng.rank{rank}.numpy"].numpy()).decode())
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    version, internal, gauss = json.loads(bytes(state[f"rng.rank{rank}.python"].numpy()).decode())
-    random.setstate((version, tuple(internal), gauss))
-    if f"rng.rank{rank}.cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state[f"rng.rank{rank}.cuda"])
+def _plain(value):
+    """A non-tensor optimizer value (lr, betas, flags) as JSON."""
+    if isinstance(value, tuple):
+        return list(value)
+    if value is None or isinstance(value, (bool, int, float, str, list)):
+        return value
+    raise ConfigError("checkpoint", f"cannot store a {type(value).__name__} optimizer value",
+                      "use an optimizer whose hyper-parameters are numbers")
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def _remove(path: str) -> None:
+    """Delete a step folder; a link planted in its place is removed, never followed."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
@@ -98,37 +149,154 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
     final = os.path.join(directory, f"step-{step:08d}")
     tmp = final + ".tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         os.makedirs(tmp)
+    model_state, optim_state, _ = _global_names(_Parts(model_parts), optimizer)
+    tensors, values = {}, {}
+    for prefix, state in (("model", model_state), ("optimizer", optim_state)):
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{prefix}.{name}"] = _piece(value)
+            else:
+                values[f"{prefix}.{name}"] = _plain(value)
+    tensors.update({k: _piece(v) for k, v in _rng_state(rank).items()})
+    values.update(_rng_values(rank))
+    mine = [[name, offset, list(local.shape), global_shape]
+            for name, (local, global_shape, offset) in tensors.items() if local.numel()]
+    # Also the barrier that makes tmp exist for every rank.
+    everyone = all_gather_json({"pieces": mine, "values": values})
+    # Each distinct piece once: written by the lowest rank that holds it (DP replicas hold copies).
+    writer: dict[tuple, tuple[int, list]] = {}
+    for r, sent in enumerate(everyone):
+        for name, offset, shape, global_shape in sent["pieces"]:
+            writer.setdefault((name, tuple(offset), tuple(shape)), (r, global_shape))
+    save_file({_key(name, offset): tensors[name][0].detach().to("cpu", copy=True).contiguous()
+               for name, offset, shape, _ in mine if writer[(name, tuple(offset), tuple(shape))][0] == rank},
+              os.path.join(tmp, f"rank{rank:05d}.safetensors"))
     dist.barrier()
-    model_state, optim_state = _global_names(model_parts, optimizer)
-    state = {"model": model_state, "optimizer": optim_state, **_rng_state(rank)}
-    dcp.save(state, checkpoint_id=tmp)
     if rank == 0:
-        write_json_atomic(os.path.join(tmp, META), {"step": step, "data_state": data_state or {},
-                                                    "world_size": dist.get_world_size(),
-                                                    "plan": plan.to_dict() if plan is not None else None})
-        shutil.rmtree(final, ignore_errors=True)
+        index: dict[str, dict] = {}
+        for (name, offset, shape), (r, global_shape) in writer.items():
+            entry = index.setdefault(name, {"shape": global_shape, "pieces": []})
+            entry["pieces"].append({"file": f"rank{r:05d}.safetensors", "key": _key(name, list(offset)),
+                                    "offset": list(offset), "shape": list(shape)})
+        write_json_atomic(os.path.join(tmp, META), {
+            "format": FORMAT, "step": step, "data_state": data_state or {}, "world_size": dist.get_world_size(),
+            "plan": plan.to_dict() if plan is not None else None,
+            "values": {k: v for sent in everyone for k, v in sent["values"].items()}, "tensors": index})
+        _remove(final)
         os.replace(tmp, final)
         write_json_atomic(os.path.join(directory, LATEST), {"step": step, "path": os.path.basename(final)},
                           overwrite=True)
         if keep is not None:
-            done = sorted(d for d in os.listdir(directory) if re.fullmatch(r"step-\d{8}", d))
+            done = sorted(d for d in os.listdir(directory) if STEP_DIR.fullmatch(d))
             for old in done[:-keep]:
-                shutil.rmtree(os.path.join(directory, old))
+                _remove(os.path.join(directory, old))
     dist.barrier()
     return final
 
 
+# --------------------------------------------------------------------------- loading
+
+
+def _confined(directory: str, name: str, what: str) -> str:
+    """``directory/name`` when it resolves inside ``directory``."""
+    root = os.path.realpath(directory)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.dirname(path) != root:
+        raise ConfigError(what, f"{name!r} leads outside {directory}", "checkpoints are read from the run "
+                          "directory only; delete the tampered entry")
+    return path
+
+
 def latest_checkpoint(directory: str) -> str | None:
+    where = f"{directory}/{LATEST}"
     try:
         with open(os.path.join(directory, LATEST)) as f:
-            return os.path.join(directory, json.load(f)["path"])
+            data = json.loads(f.read(4096))
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ConfigError(f"{directory}/{LATEST}", "corrupt", "delete it to resume from no checkpoint, or "
-                          "point it at a complete step-* folder") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("path"), str) or not STEP_DIR.fullmatch(data["path"]):
+        raise ConfigError(where, "corrupt or not a step-NNNNNNNN folder of this directory",
+                          "delete it to resume from no checkpoint, or point it at a complete step-* folder")
+    path = _confined(directory, data["path"], where)
+    if not os.path.isdir(path):
+        raise ConfigError(where, f"{data['path']} is missing", "delete latest.json to start from no checkpoint")
+    return path
+
+
+def _read_meta(path: str) -> dict:
+    where = f"{path}/{META}"
+    meta = load_json(_confined(path, META, where), "checkpoint", MAX_META_BYTES, fix="delete this checkpoint folder")
+    ok = (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("step"), int)
+          and meta["step"] >= 0 and isinstance(meta.get("data_state"), dict) and isinstance(meta.get("values"), dict)
+          and isinstance(meta.get("tensors"), dict))
+    if not ok:
+        raise ConfigError(where, f"not a memx checkpoint of format {FORMAT}", "delete this checkpoint folder")
+    for name, entry in meta["tensors"].items():
+        _check_entry(name, entry, where)
+    return meta
+
+
+def _ints(x, n=None) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x) \
+        and (n is None or len(x) == n)
+
+
+def _check_entry(name: str, entry, where: str) -> None:
+    ok = isinstance(entry, dict) and _ints(entry.get("shape")) and isinstance(entry.get("pieces"), list)
+    if ok:
+        shape = entry["shape"]
+        for p in entry["pieces"]:
+            ok = ok and isinstance(p, dict) and isinstance(p.get("file"), str) and RANK_FILE.fullmatch(p["file"]) \
+                and isinstance(p.get("key"), str) and _ints(p.get("offset"), len(shape)) \
+                and _ints(p.get("shape"), len(shape)) \
+                and all(o + s <= g for o, s, g in zip(p["offset"], p["shape"], shape))
+    if not ok:
+        raise ConfigError(f"{where}.tensors.{name}", "malformed piece table", "delete this checkpoint folder")
+
+
+class _Reader:
+    """Reads boxes of stored tensors, opening each rank file once."""
+
+    def __init__(self, path: str, meta: dict):
+        self.path, self.meta, self.files = path, meta, {}
+
+    def _file(self, name: str):
+        if name not in self.files:
+            self.files[name] = safe_open(_confined(self.path, name, f"{self.path}/{name}"), framework="pt")
+        return self.files[name]
+
+    def fill(self, name: str, target: torch.Tensor, shape: list[int], offset: list[int]) -> None:
+        """Copy the stored ``name`` into ``target``, the box at ``offset`` of a tensor of ``shape``."""
+        entry = self.meta["tensors"].get(name)
+        if entry is None or entry["shape"] != shape:
+            raise ConfigError("checkpoint", f"{name} is missing or has another shape in {self.path}",
+                              "resume with the model the checkpoint was written for")
+        covered = 0
+        for p in entry["pieces"]:
+            lo = [max(a, b) for a, b in zip(offset, p["offset"])]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offset, target.shape, p["offset"], p["shape"])]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            try:
+                stored = self._file(p["file"])
+                piece = stored.get_slice(p["key"])[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, p["offset"]))] \
+                    if target.dim() else stored.get_tensor(p["key"])
+            except Exception as exc:  # safetensors raises its own errors for bad files and keys
+                raise ConfigError(f"{self.path}/{p['file']}", f"cannot read {p['key']} ({exc})",
+                                  "delete this checkpoint folder") from None
+            box = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))
+            if tuple(piece.shape) != tuple(target[box].shape):
+                raise ConfigError(f"{self.path}/{p['file']}", f"{p['key']} has shape {list(piece.shape)}",
+                                  "delete this checkpoint folder")
+            target[box].copy_(piece)
+            covered += piece.numel()
+        if covered != target.numel():
+            raise ConfigError("checkpoint", f"{name}: the stored pieces cover {covered} of {target.numel()} "
+                              f"elements this rank needs", "delete this checkpoint folder")
 
 
 def load_checkpoint(directory: str, model_parts: list[torch.nn.Module],
@@ -138,20 +306,34 @@ def load_checkpoint(directory: str, model_parts: list[torch.nn.Module],
     path = latest_checkpoint(directory)
     if path is None:
         return None
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
+    meta = _read_meta(path)
     rank = dist.get_rank()
+    reader = _Reader(path, meta)
     container = _Parts(model_parts)
-    model_state, optim_state = get_state_dict(container, optimizer, options=_OPTIONS)
-    local_name = {_PART_PREFIX.sub(r"\1", k, count=1): k for k in [*model_state, *optim_state]}
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    # Placeholders of the stored sizes: the numpy and python states are JSON of varying length.
-    rng = {k: torch.empty(stored[k].size, dtype=torch.uint8) for k in _rng_state(rank) if k in stored}
-    state = {"model": {g: model_state[k] for g, k in local_name.items() if k in model_state},
-             "optimizer": {g: optim_state[k] for g, k in local_name.items() if k in optim_state}, **rng}
-    dcp.load(state, checkpoint_id=path)  # tensors in place; plain values (lr, betas) replaced
-    set_state_dict(container, optimizer, model_state_dict={local_name[g]: v for g, v in state["model"].items()},
-                   optim_state_dict={local_name[g]: v for g, v in state["optimizer"].items()}, options=_OPTIONS)
-    if len(rng) == len(_rng_state(rank)):
-        _set_rng_state(rank, state)
-    return Resumed(int(meta["step"]), dict(meta["data_state"]), path)
+    model_state, optim_state, local_name = _global_names(container, optimizer)
+    with torch.no_grad():
+        for prefix, state in (("model", model_state), ("optimizer", optim_state)):
+            for name, value in state.items():
+                stored = f"{prefix}.{name}"
+                if isinstance(value, torch.Tensor):
+                    local, shape, offset = _piece(value)
+                    if local.numel():
+                        reader.fill(stored, local, shape, offset)
+                elif stored in meta["values"]:
+                    got = meta["values"][stored]
+                    state[name] = tuple(got) if isinstance(value, tuple) and isinstance(got, list) else got
+    set_state_dict(container, optimizer, model_state_dict={local_name[g]: v for g, v in model_state.items()},
+                   optim_state_dict={local_name[g]: v for g, v in optim_state.items()}, options=_OPTIONS)
+    rng = _rng_state(rank)
+    if all(k in meta["tensors"] for k in rng) and all(k in meta["values"] for k in _rng_values(rank)):
+        for name, current in rng.items():
+            reader.fill(name, current, list(current.shape), [0] * current.dim())
+        torch.set_rng_state(rng[f"rng.rank{rank}.torch"])
+        if f"rng.rank{rank}.cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"rng.rank{rank}.cuda"])
+        try:
+            _set_rng_values(rank, meta["values"])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}/{META}", f"rng of rank {rank} is malformed", "delete this checkpoint "
+                              "folder") from None
+    return Resumed(meta["step"], dict(meta["data_state"]), path)

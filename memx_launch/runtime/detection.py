@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from memx_launch.runtime.messages import all_gather_json
 from memx_launch.files import write_text_atomic
 from memx_launch.runtime.devices import RankDevice
 
@@ -112,9 +113,7 @@ def nodes_of(reports: list[dict]) -> list[list[int]]:
 def detect_cluster(rank_device: RankDevice, local_rank: int, local_count: int) -> tuple[dict, str]:
     """Every rank: report, probe the links; returns the cluster description (a dict for
     ClusterSpec.from_dict) and comment lines with what was measured, on every rank."""
-    world = dist.get_world_size()
-    reports: list = [None] * world
-    dist.all_gather_object(reports, rank_report(rank_device, local_rank, local_count))
+    reports = all_gather_json(rank_report(rank_device, local_rank, local_count))
     nodes = nodes_of(reports)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     # new_group is collective: every rank creates every group, in the same order.
@@ -129,8 +128,7 @@ def detect_cluster(rank_device: RankDevice, local_rank: int, local_count: int) -
     dist.barrier()  # the inter-node probe runs alone on the links
     if leader_group is not None and me in leaders:
         measured["inter"] = _probe(leaders, leader_group, device)
-    results: list = [None] * world
-    dist.all_gather_object(results, measured)
+    results = all_gather_json(measured)
     return describe(reports, nodes, results), probe_note(reports, nodes, results)
 
 

@@ -13,6 +13,7 @@ MEMX_FAULT_KILL_CALIBRATION="rank=2" (optional ",after=N", default 1)
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import tempfile
@@ -45,7 +46,7 @@ def _number(var: str, key: str, value: str, kind):
         out = kind(value)
     except ValueError:
         out = -1
-    if out < 0 or (kind is float and out == 0):
+    if not math.isfinite(out) or out < 0 or (kind is float and out == 0):
         raise ConfigError(f"{var}.{key}", f"must be a {'positive' if kind is float else 'non-negative'} "
                           f"{kind.__name__}, got {value!r}")
     return out

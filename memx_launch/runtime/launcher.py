@@ -13,16 +13,21 @@ given) and restarts in place with the plan through the elastic agent.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
+import logging
+import math
 import os
 import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
+from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
-from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 from memx_launch.specs.model import get_model
@@ -75,7 +80,10 @@ def build_parser():
                    help="calibrate the script's own block: FUNCTION(model, seed) in FILE builds the nn.Module "
                         "(e.g. examples/train_own_model.py:build); plans then keep TP = 1")
     g.add_argument("--run-dir", "--run_dir", metavar="DIR",
-                   help=f"where the plan and restart records go (default {DEFAULT_RUNS_DIR}/<model>-<time>)")
+                   help=f"where the plan, restart records and checkpoints go (default {DEFAULT_RUNS_DIR}/<model>-<time>); "
+                        "a run directory that already holds this model's plan is resumed from its latest checkpoint")
+    g.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped run: its plan and its latest checkpoint (same as --run-dir RUN_DIR)")
     add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
     return parser
 
@@ -95,20 +103,23 @@ def _max_nodes(args) -> int:
     nnodes = str(args.nnodes).split(":")[-1]
     if not nnodes.isdigit():
         raise ConfigError("--nnodes", f"cannot read {args.nnodes!r}", "e.g. --nnodes 1 or 1:2")
+    if not 0 < int(nnodes) <= MAX_DEVICES:
+        raise ConfigError("--nnodes", f"{nnodes} nodes is not a job memx plans for", f"at most {MAX_DEVICES:,}")
     return int(nnodes)
 
 
 def _process_count(value: str) -> int:
-    """torchrun's --nproc-per-node: a number, or gpu/auto (this machine's GPUs; auto: CPUs without)."""
-    if value.isdigit() and int(value) > 0:
+    """torchrun's --nproc-per-node: a number, or gpu/auto/cpu (this machine's GPUs; auto: CPUs without)."""
+    if value.isdigit() and 0 < int(value) <= MAX_DEVICES_PER_NODE:
         return int(value)
     if value in ("gpu", "auto"):
         import torch
         if torch.cuda.is_available():
             return torch.cuda.device_count()
-        if value == "auto":
-            return os.cpu_count() or 1
-    raise ConfigError("--nproc-per-node", f"cannot use {value!r} here", "give a number of processes, e.g. 4")
+    if value in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    raise ConfigError("--nproc-per-node", f"cannot use {value!r} here",
+                      f"give a number of processes, 1 to {MAX_DEVICES_PER_NODE}, e.g. 4")
 
 
 def node_processes(args, cluster: ClusterSpec | None) -> tuple[int, str]:
@@ -154,11 +165,18 @@ class Settings:
 def resolve(args) -> dict:
     """Check every input and resolve every setting; raises ConfigError before anything runs."""
     settings = Settings()
+    check_environment()
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"must be 0 or more, got {args.max_restarts}", "e.g. --max-restarts 3")
     if not args.module and not args.no_python and not os.path.isfile(args.training_script):
         raise ConfigError("training_script", f"{args.training_script} does not exist",
                           "give the path of the training script (e.g. examples/train.py)")
     script_args = list(args.training_script_args)
+    run_dir = args.resume or args.run_dir or _stopped_run_of(args.argv)
+    previous = _previous_run(run_dir, args) if run_dir else None
     model_name, source = args.model, "flag"
+    if model_name is None and previous is not None:
+        model_name, source = previous.model_spec.name, f"{run_dir}/plan.json"
     if model_name is None:
         model_name, source = script_flag(script_args, "--model"), "flag, the script's --model"
     if model_name is None:
@@ -202,7 +220,16 @@ def resolve(args) -> dict:
     settings.add("dtype", training.dtype, "flag" if args.dtype else "default")
 
     plan = None
-    if args.plan:
+    if previous is not None:
+        plan = previous
+        if plan.model_spec.signature() != model.signature():
+            raise ConfigError("--run-dir", f"{run_dir} is a run of {plan.model}, not {model.name}",
+                              "choose a new run directory, or pass that run's model")
+        if plan.world_size != world:
+            raise ConfigError("--run-dir", f"{run_dir} ran on {plan.world_size} ranks but the job launches {world}",
+                              f"pass --nproc-per-node {plan.world_size}")
+        settings.add("plan", f"{run_dir}/plan.json (continuing that run from its latest checkpoint)", "flag")
+    elif args.plan:
         plan = Plan.load(args.plan)
         if plan.model_spec.signature() != model.signature():
             raise ConfigError("--plan", f"{args.plan} is a plan for {plan.model}, not {model.name}",
@@ -224,7 +251,7 @@ def resolve(args) -> dict:
         parse_weights(args.weights)
     settings.add("objective", args.weights or args.objective or "chosen from the cluster",
                  "flag" if args.weights or args.objective else "default")
-    if args.search_budget_s is not None and args.search_budget_s <= 0:
+    if args.search_budget_s is not None and not 0 < args.search_budget_s < math.inf:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
                  "flag" if args.search_budget_s else "default")
@@ -244,15 +271,16 @@ def resolve(args) -> dict:
     default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
         DEFAULT_RUNS_DIR, f"profiles.{os.path.splitext(os.path.basename(builder[0]))[0]}.{builder[1]}.jsonl")
     profile_db = args.profile_db or default_db
+    _check_profile_db(profile_db)
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
-    if args.export_plan and os.path.exists(args.export_plan):
-        raise ConfigError("--export-plan", f"{args.export_plan} already exists", "choose a new path")
-    run_dir = args.run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    if os.path.exists(os.path.join(run_dir, "plan.json")) and not args.plan:
-        raise ConfigError("--run-dir", f"{run_dir} already holds a plan", "choose a new run directory")
-    if os.path.exists(os.path.join(run_dir, CHECKPOINT_DIR)):  # the workers would resume from them
-        raise ConfigError("--run-dir", f"{run_dir} holds another run's checkpoints", "choose a new run directory")
-    settings.add("run dir", run_dir, "flag" if args.run_dir else "default")
+    if args.export_plan:
+        check_output_path(args.export_plan, "--export-plan")
+    run_dir = run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    if previous is None and os.path.exists(os.path.join(run_dir, CHECKPOINT_DIR)):  # the workers would resume
+        raise ConfigError("--run-dir", f"{run_dir} holds checkpoints but no plan.json", "choose a new run directory")
+    check_output_path(os.path.join(run_dir, "plan.json"), "--run-dir", force=True)
+    settings.add("run dir", run_dir, "flag" if args.run_dir or args.resume else
+                 "the stopped run of this command" if previous is not None else "default")
     settings.add("max restarts", f"{args.max_restarts} for crashes (planned restarts not counted)",
                  "flag" if args.max_restarts else "default")
     replans = max_replans()
@@ -261,7 +289,63 @@ def resolve(args) -> dict:
                  else "default")
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
                 profile_db=profile_db, run_dir=run_dir, script_args=script_args, builder=builder,
-                model_arg=model_arg)
+                model_arg=model_arg, resumed=previous is not None, argv=args.argv)
+
+
+def _check_profile_db(path: str) -> None:
+    """The workers append calibration samples to it and read it back: both checked here."""
+    import warnings
+
+    from memx_launch.profiling.profiledb import ProfileDB
+
+    db = ProfileDB(path)
+    db.check_appendable("--profile-db")
+    if os.path.exists(path):
+        with warnings.catch_warnings():  # corrupt lines are the workers' to report (and skip)
+            warnings.simplefilter("ignore")
+            db.read()
+
+
+STOPPED_FILE = "stopped.json"
+
+
+def _stopped_run_of(argv: list[str]) -> str | None:
+    """The run directory (under runs/) that the same command line left stopped by a signal:
+    running the same command again continues it."""
+    stopped = []
+    for path in glob.glob(os.path.join(DEFAULT_RUNS_DIR, "*", STOPPED_FILE)):
+        try:
+            with open(path) as f:
+                if json.load(f).get("argv") == argv:
+                    stopped.append((os.path.getmtime(path), os.path.dirname(path)))
+        except (OSError, ValueError, AttributeError):
+            continue  # not a record memx wrote: ignored
+    return max(stopped)[1] if stopped else None
+
+
+def _previous_run(run_dir: str, args) -> Plan | None:
+    """The plan of the run in ``run_dir`` when it holds one (that run is continued)."""
+    path = os.path.join(run_dir, "plan.json")
+    if not os.path.exists(path):
+        if args.resume:
+            raise ConfigError("--resume", f"{run_dir} holds no plan.json", "pass the run directory of a memx-run job")
+        return None
+    return Plan.load(path)  # the run's latest plan (re-plans rewrite it), not --plan's first one
+
+
+def check_environment(environ=os.environ) -> None:
+    """Every MEMX_* variable the workers read, parsed here: a bad one is one line before any
+    worker starts, not a traceback in each."""
+    from memx_launch.runtime.calibration import calibration_timeout_s
+    from memx_launch.runtime.faults import Faults
+    from memx_launch.runtime.monitor import MonitorConfig
+    from memx_launch.runtime.supervisor import checkpoint_every
+
+    max_replans(environ)
+    checkpoint_every(environ)
+    MonitorConfig.from_env(environ)
+    Faults.from_env(environ)
+    calibration_timeout_s(environ)
 
 
 def _has_gpu() -> bool:
@@ -304,10 +388,16 @@ def dry_run(args, resolved) -> int:
 
 
 def launch(args, resolved) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from memx_launch.runtime.agent import run_agent
 
     run_dir = resolved["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
+    if resolved["resumed"]:  # generations count from 0 again: the old planned restarts are not this job's
+        from memx_launch.runtime.worker import PLANNED_RESTARTS_FILE
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(run_dir, PLANNED_RESTARTS_FILE))
     plan_path = args.export_plan or os.path.join(run_dir, "plan.json")
     if resolved["plan"] is not None:  # re-plans rewrite MEMX_PLAN: never the user's own file
         resolved["plan"].save(plan_path, overwrite=True)
@@ -333,13 +423,43 @@ def launch(args, resolved) -> int:
     args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
     if args.nnodes in ("1", "1:1") and args.rdzv_endpoint == "" and args.rdzv_backend == "static":
         args.standalone = True  # a free local port instead of torchrun's fixed 29500
-    return run_agent(args)
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_hide_signal_shutdown)
+    stopped = os.path.join(run_dir, STOPPED_FILE)
+    if os.path.exists(stopped):  # continued now: a later same command starts a new run
+        os.remove(stopped)
+    try:
+        return run_agent(args)
+    except SignalException as exc:  # the workers checkpointed and said so (supervisor.stop_at_signal)
+        write_json_atomic(stopped, {"argv": resolved["argv"], "signal": exc.sigval.name}, overwrite=True)
+        from memx_launch.runtime.checkpoint import latest_checkpoint
+
+        try:
+            latest = latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR))
+        except ConfigError:
+            latest = None
+        if os.path.exists(os.path.join(run_dir, "plan.json")):
+            kept = f"checkpoint {latest}" if latest else "the plan, no checkpoint yet"
+            again = f"run the same command again (or with --resume {run_dir})"
+        else:
+            kept = f"no plan yet; the calibration samples measured are in {resolved['profile_db']}"
+            again = "run the same command again"
+        print(f"memx-run: stopped by {exc.sigval.name}: {kept}; to continue, {again}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+
+
+def _hide_signal_shutdown(record: logging.LogRecord) -> bool:
+    """The agent's own lines about a stop signal: memx-run says it once, with how to resume."""
+    message = record.getMessage()
+    return "death signal, shutting down workers" not in message and "closing signal" not in message
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = parse_with_config(parser, argv)
+        args.argv = argv
         if args.print_config:
             print(config_yaml(parser, args), end="")
             return 0

@@ -58,7 +58,7 @@ class MonitorConfig:
         if not isinstance(self.consecutive, int) or self.consecutive < 1:
             raise ConfigError("monitor.consecutive", f"must be a positive integer, got {self.consecutive!r}",
                               "e.g. MEMX_PRESSURE_SAMPLES=3")
-        if self.above_prediction <= 0:
+        if not 0 < self.above_prediction < math.inf:
             raise ConfigError("monitor.above_prediction", f"must be positive, got {self.above_prediction!r}",
                               "e.g. MEMX_ABOVE_PREDICTION=0.25")
 

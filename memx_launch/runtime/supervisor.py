@@ -19,10 +19,14 @@ and the monitor's variables (monitor.MonitorConfig.from_env).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 
 import torch.distributed as dist
 
@@ -54,6 +58,11 @@ def _env_int(environ, var: str, default: int) -> int:
 def max_replans(environ=os.environ) -> int:
     """Re-plans with a restart allowed per run (MEMX_MAX_REPLANS)."""
     return _env_int(environ, "MEMX_MAX_REPLANS", DEFAULT_MAX_REPLANS)
+
+
+def checkpoint_every(environ=os.environ) -> int:
+    """Steps between periodic checkpoints (MEMX_CHECKPOINT_EVERY; 0: none)."""
+    return _env_int(environ, "MEMX_CHECKPOINT_EVERY", DEFAULT_CHECKPOINT_EVERY)
 
 
 def _show_logs() -> None:
@@ -88,7 +97,7 @@ class Supervisor:
         self.generation = restart_generation(environ)
         self.replan_enabled = environ.get("MEMX_NO_REPLAN", "0") != "1"
         self.max_replans = max_replans(environ)
-        self.checkpoint_every = _env_int(environ, "MEMX_CHECKPOINT_EVERY", DEFAULT_CHECKPOINT_EVERY)
+        self.checkpoint_every = checkpoint_every(environ)
         self.checkpoint_dir = os.path.join(run_dir, CHECKPOINT_DIR)
         self.faults = Faults.from_env(environ)
         self.reader = memory_reader(emulated=runtime.emulated)
@@ -96,7 +105,38 @@ class Supervisor:
         self.monitor = MemoryMonitor(runtime.plan, self.rank, self.reader, self.config)
         self.first_step = 1
         """The first step of this generation: the checks of the step before it ran already."""
+        self.signal_received = 0
+        """SIGINT or SIGTERM seen by this rank (0: none); Runtime.step gathers it from every rank."""
+        self.stop_signal = 0
+        """The largest signal any rank saw by the last completed step: every rank agrees on it."""
+        self._catch_stop_signals()
         _show_logs()
+
+    def _catch_stop_signals(self) -> None:
+        """SIGINT/SIGTERM (memx-run's agent forwards them) let the step finish; the next step
+        checkpoints and stops (stop_at_signal)."""
+        def note(signum, frame):
+            self.signal_received = max(self.signal_received, signum)
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, note)
+
+    def stop_at_signal(self) -> None:
+        """Every rank, before a step, when a rank saw a signal by the last one: checkpoint the
+        completed steps and exit 128 + the signal (130 SIGINT, 143 SIGTERM); memx-run says so."""
+        step = self.runtime.step_count
+        if step and not self._checkpoint_saved(step):
+            self.runtime.save_checkpoint(self.checkpoint_dir, keep=KEEP_CHECKPOINTS)
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.exit(128 + self.stop_signal)
+
+    def _checkpoint_saved(self, step: int) -> bool:
+        from memx_launch.runtime.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(self.checkpoint_dir) if os.path.isdir(self.checkpoint_dir) else None
+        return latest is not None and os.path.basename(latest) == f"step-{step:08d}"
 
     def resume(self) -> None:
         """Continue from the run's latest checkpoint, when a previous generation left one."""
@@ -109,6 +149,8 @@ class Supervisor:
     def before_step(self, step: int) -> None:
         """The checks of the step before (run now, so that the script has logged that step's
         results before a restart), then fault injection."""
+        if self.stop_signal:
+            self.stop_at_signal()
         if step > self.first_step:
             self._after_step(step - 1)
         if self.faults.ballast is not None and self.faults.ballast.before_step(
@@ -140,7 +182,10 @@ class Supervisor:
         dist.barrier()
         with open(path) as f:
             record = json.load(f)
-        if "error" in record:
+        if "error" in record:  # the run stops: keep every step done so far
+            self.runtime.save_checkpoint(self.checkpoint_dir, keep=KEEP_CHECKPOINTS)
+            if dist.get_rank() == 0:
+                log.warning("checkpoint of step %d written before stopping", event.step)
             raise ConfigError("re-plan", record["error"])
         new_plan = Plan.load(self.environ["MEMX_PLAN"])
         if not record["restart"]:  # corrected predictions only: same layout, keep training
@@ -174,6 +219,10 @@ class Supervisor:
 
     def _decide(self, event: ReplanEvent) -> dict:
         """Re-plan, write the new plan and the record; on one rank."""
+        with _replan_lock(self.run_dir):
+            return self._decide_locked(event)
+
+    def _decide_locked(self, event: ReplanEvent) -> dict:
         from memx_launch.planning.replan import replan
         from memx_launch.runtime.worker import record_planned_restart
         from memx_launch.specs.cluster import ClusterSpec
@@ -181,6 +230,12 @@ class Supervisor:
 
         env = self.environ
         records = _read_records(self.run_dir)
+        # Two ranks out of memory at once: the first one's new plan restarts the generation.
+        earlier = [r for r in records if r["generation"] == self.generation and r["restart"]]
+        if earlier:
+            log.warning("rank %d: generation %d already re-planned (rank %d at step %d); restarting with that plan",
+                        self.rank, self.generation, earlier[-1]["rank"], earlier[-1]["step"])
+            return earlier[-1]
         done = sum(r["restart"] for r in records)
         if done >= self.max_replans:
             raise ConfigError("MEMX_MAX_REPLANS", f"{event.reason} on rank {event.rank} at step {event.step} would be "
@@ -221,6 +276,17 @@ class Supervisor:
                 log.warning("restarting the workers in place with the new plan %s", self.environ["MEMX_PLAN"])
             dist.destroy_process_group()
         sys.exit(PLANNED_RESTART_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def _replan_lock(run_dir: str):
+    """One re-plan at a time per run directory (plan.json and replans.json are read, then written)."""
+    fd = os.open(os.path.join(run_dir, "replan.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _read_records(run_dir: str) -> list[dict]:

@@ -248,7 +248,9 @@ class Runtime:
             peak, compute = torch.cuda.max_memory_allocated() / GIB, float("nan")
         else:
             peak = compute = float("nan")
-        row = torch.tensor([local_loss, peak, compute, step_time], dtype=torch.float64)
+        # The last column: a stop signal this rank saw, so that every rank stops at the same step.
+        signal_seen = self.supervisor.signal_received if self.supervisor is not None else 0
+        row = torch.tensor([local_loss, peak, compute, step_time, signal_seen], dtype=torch.float64)
         rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, row)
         table = torch.stack(rows)
@@ -259,6 +261,8 @@ class Runtime:
             stage_peak.append(sub[:, 1].max().item())
             stage_compute.append(sub[:, 2].max().item())
         step_time = table[:, 3].max().item()
+        if self.supervisor is not None:
+            self.supervisor.stop_signal = int(table[:, 4].max().item())
         tokens = self.plan.global_batch_size * self.plan.seq_len
         return StepStats(self.step_count, table[:, 0].sum().item() / self.plan.dp, step_time,
                          tokens / step_time, stage_peak, stage_compute)

@@ -116,6 +116,7 @@ def plan_in_job(env) -> None:
     from memx_launch.runtime.training import init_distributed
     from memx_launch.runtime.calibration import measurement_key
     from memx_launch.runtime.devices import calibration_tflops, detect_rank_device
+    from memx_launch.runtime.messages import all_gather_json, broadcast_json
     from memx_launch.runtime.monitor import MonitorConfig
     from memx_launch.planning.search import SearchSpace, search
     from memx_launch.planning.objective import parse_weights
@@ -133,9 +134,8 @@ def plan_in_job(env) -> None:
                           f"rendezvous gathered {world} processes", "start each node with its own device count "
                           "(memx-run takes it from the file when --nproc-per-node is not given)")
     rank_device = detect_rank_device(cluster, rank, int(env.get("LOCAL_RANK", "0")))
-    described: list = [None] * world
-    dist.all_gather_object(described, (rank_device.device_type.name, rank_device.description,
-                                       calibration_tflops(rank_device, cluster is not None)))
+    described = all_gather_json([rank_device.device_type.name, rank_device.description,
+                                 calibration_tflops(rank_device, cluster is not None)])
     if cluster is None:  # detected: devices, hosts and measured links, written into the run directory
         from memx_launch.runtime.detection import write_detected
         cluster = ClusterSpec.from_dict(write_detected(rank_device, detected_cluster_path(env["MEMX_RUN_DIR"]),
@@ -145,15 +145,15 @@ def plan_in_job(env) -> None:
             _log(f"rank {r}: {what}")
 
     db = ProfileDB(env["MEMX_PROFILE_DB"])
-    stored_lines: list = [None]
+    stored_lines = None
     if rank == 0:  # one reading for everyone: ranks must agree on what is left to measure
-        stored_lines[0] = [r.to_json() for r in db.read() if r.model_signature == model.signature()] \
+        stored_lines = [r.to_json() for r in db.read() if r.model_signature == model.signature()] \
             if os.path.exists(db.path) else []
-        if stored_lines[0]:
-            _log(f"profile {db.path} already holds {len(stored_lines[0])} samples of {model.name}: "
+        if stored_lines:
+            _log(f"profile {db.path} already holds {len(stored_lines)} samples of {model.name}: "
                  "those are not measured again")
-    dist.broadcast_object_list(stored_lines, src=0)
-    stored = [Measurement.from_dict(json.loads(line)) for line in stored_lines[0]]
+    stored_lines = broadcast_json(stored_lines, src=0)
+    stored = [Measurement.from_dict(json.loads(line)) for line in stored_lines]
     speeds: dict[str, float] = {}
     for name, _, tflops in described:  # each type's first rank's
         speeds.setdefault(name, tflops)
@@ -162,10 +162,9 @@ def plan_in_job(env) -> None:
     block_factory = user_block_factory(env)  # memx-run --model-builder: calibrate the script's own block
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
                                  budgets[rank_device.device_type.name], block_factory)
-    gathered: list = [None] * world if rank == 0 else None
-    dist.gather_object([m.to_json() for m in mine], gathered, dst=0)
+    gathered = all_gather_json([m.to_json() for m in mine])
 
-    payload: list = [None]
+    payload = None
     if rank == 0:
         # Each sample was stored by the rank that measured it; a node with its own disk
         # sends them here too.
@@ -192,9 +191,8 @@ def plan_in_job(env) -> None:
         print(report.search_stats_line(result.stats), file=sys.stderr, flush=True)
         print(f"plan written to {env['MEMX_PLAN']}", flush=True)
         print("reproduce this run without searching:\n  " + reproduce_command(plan, cluster, env), flush=True)
-        payload[0] = json.dumps(plan.to_dict())
-    dist.broadcast_object_list(payload, src=0)
-    plan = Plan.from_dict(json.loads(payload[0]), source="broadcast plan")  # every rank checks what it got
+        payload = plan.to_dict()
+    plan = Plan.from_dict(broadcast_json(payload, src=0), source="broadcast plan")  # every rank checks what it got
     generation = restart_generation(env)
     if int(env.get("LOCAL_RANK", "0")) == 0:  # every node's run directory (nodes need not share a disk)
         if rank != 0:
@@ -290,6 +288,8 @@ def main() -> None:
         if not isinstance(exc, CalibrationRefused) or env.get("RANK", "0") == "0":  # every rank refuses: one line
             _log(f"error: {exc}")
         code = exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before training (calibration, search): nothing to keep yet
+        code = 130
     except SystemExit as exc:  # the script's own exit, or a planned restart
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)

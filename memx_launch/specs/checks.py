@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import difflib
+import math
+import unicodedata
 from typing import Any, Mapping
 
 
@@ -19,6 +21,41 @@ def reject_unknown(data: Mapping, allowed: set, where: str) -> None:
         raise ConfigError(f"{where}.{key}", "unknown key", fix)
 
 
-def require_positive(value: Any, where: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(where, f"must be a positive number, got {value!r}", "give the link's real GB/s")
+def require_positive(value: Any, where: str, fix: str = "give the link's real GB/s") -> None:
+    require_number(value, where, lo=0, lo_open=True, fix=fix)
+
+
+def require_number(value: Any, where: str, *, lo: float | None = None, hi: float | None = None,
+                   lo_open: bool = False, integer: bool = False, fix: str = "") -> None:
+    """A finite number (an integer when ``integer``) in [lo, hi] ((lo, hi] when ``lo_open``)."""
+    kinds = int if integer else (int, float)
+    what = "an integer" if integer else "a number"
+    if lo == 0 and lo_open:
+        what = "a positive integer" if integer else "a positive number"
+    if not isinstance(value, kinds) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(where, f"must be {what}, got {value!r}", fix)
+    below = value <= lo if lo_open else value < lo if lo is not None else False
+    if below or (hi is not None and value > hi):
+        plain = lo == 0 and lo_open and hi is None
+        bounds = "" if plain else f" in {'(' if lo_open else '['}{'' if lo is None else lo}, {'' if hi is None else hi}]"
+        raise ConfigError(where, f"must be {what}{bounds}, got {value!r}", fix)
+
+
+def require_type(value: Any, kind: type | tuple, where: str, fix: str = "") -> None:
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool) and bool not in
+                                       (kind if isinstance(kind, tuple) else (kind,))):
+        name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ConfigError(where, f"must be a {name}, got {value!r}", fix)
+
+
+MAX_NAME_CHARS = 128
+
+
+def require_name(value: Any, where: str) -> None:
+    """A name memx prints into tables and command lines: text of bounded length without control
+    characters (a newline in a node name would start a new line of an exported shell script)."""
+    require_type(value, (str, int), where, "use a short name")
+    text = str(value)
+    if not text or len(text) > MAX_NAME_CHARS or any(unicodedata.category(c)[0] in "CZ" and c != " " for c in text):
+        raise ConfigError(where, f"{text[:40]!r} is not a name (1 to {MAX_NAME_CHARS} printable characters)",
+                          "use letters, digits, '-', '_' or '.'")

@@ -10,15 +10,17 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import yaml
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.checks import reject_unknown, require_positive
+from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_positive, require_type
+from memx_launch.specs.inputs import load_yaml
 
 
 CLUSTER_FILE_VERSION = 1
+MAX_DEVICES_PER_NODE = 4096
 # Nodes given with a count are expanded: a bound keeps a typo (count: 10000000) from filling memory.
 MAX_DEVICES = 1_000_000
+"""Bounds on the device counts a cluster file may declare (memx keeps a table per rank)."""
 
 
 @dataclass(frozen=True)
@@ -45,20 +47,19 @@ class DeviceType:
     def __post_init__(self):
         where = f"device_types.{self.name}"
         for attr in ("memory_gib", "peak_tflops"):
-            value = getattr(self, attr)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{where}.{attr}", f"must be a positive number, got {value!r}",
-                                  "give the device's real capacity")
-        if self.efficiency is not None and not 0 < self.efficiency <= 1:
-            raise ConfigError(f"{where}.efficiency", f"must be in (0, 1], got {self.efficiency!r}",
-                              "give achieved/peak TFLOPS, e.g. 0.45")
-        if self.memory_bandwidth_gbps is not None and self.memory_bandwidth_gbps <= 0:
-            raise ConfigError(f"{where}.memory_bandwidth_gbps", "must be positive")
-        if self.peak_tflops_fp32 is not None and not self.peak_tflops_fp32 > 0:
-            raise ConfigError(f"{where}.peak_tflops_fp32", "must be positive", "give the fp32/TF32 peak")
-        if self.memory_overhead_gib is not None and not 0 <= self.memory_overhead_gib < self.memory_gib:
-            raise ConfigError(f"{where}.memory_overhead_gib", f"must be in [0, memory_gib), got "
-                              f"{self.memory_overhead_gib!r}", "give reserved minus allocated memory in GiB")
+            require_positive(getattr(self, attr), f"{where}.{attr}", "give the device's real capacity")
+        if self.efficiency is not None:
+            require_number(self.efficiency, f"{where}.efficiency", lo=0, hi=1, lo_open=True,
+                           fix="give achieved/peak TFLOPS, e.g. 0.45")
+        if self.memory_bandwidth_gbps is not None:
+            require_positive(self.memory_bandwidth_gbps, f"{where}.memory_bandwidth_gbps",
+                             "give the HBM bandwidth in GB/s, e.g. 2039")
+        require_type(self.flash_attention, bool, f"{where}.flash_attention", "true or false")
+        if self.peak_tflops_fp32 is not None:
+            require_positive(self.peak_tflops_fp32, f"{where}.peak_tflops_fp32", "give the fp32/TF32 peak")
+        if self.memory_overhead_gib is not None:
+            require_number(self.memory_overhead_gib, f"{where}.memory_overhead_gib", lo=0, hi=self.memory_gib,
+                           fix="give reserved minus allocated memory in GiB")
 
     @property
     def memory_bytes(self) -> float:
@@ -208,17 +209,7 @@ class ClusterSpec:
     # ---- loading
     @classmethod
     def from_yaml(cls, path: str) -> "ClusterSpec":
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except OSError as exc:
-            raise ConfigError("--cluster", f"cannot read {path!r} ({exc.strerror})",
-                              "pass an existing cluster YAML file") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError("--cluster", f"{path} is not valid YAML{at}",
-                              "fix the syntax (see examples/clusters/)") from None
+        data = load_yaml(path, "--cluster", fix="pass a cluster YAML file (see examples/clusters/)")
         default_name = os.path.splitext(os.path.basename(path))[0]
         return cls.from_dict(data, default_name=default_name)
 
@@ -241,6 +232,8 @@ class ClusterSpec:
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
                    "flash_attention", "peak_tflops_fp32", "memory_overhead_gib"}
         for tname, spec in raw_types.items():
+            require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")
+            require_name(tname, f"cluster.device_types.{tname}")
             if not isinstance(spec, dict):
                 raise ConfigError(f"cluster.device_types.{tname}", "must be a mapping")
             reject_unknown(spec, allowed, f"cluster.device_types.{tname}")
@@ -248,6 +241,7 @@ class ClusterSpec:
                 if req not in spec:
                     raise ConfigError(f"cluster.device_types.{tname}.{req}", "missing",
                                       f"add {req}: <number>")
+            require_name(spec.get("vendor", "unknown"), f"cluster.device_types.{tname}.vendor")
             types.append(DeviceType(name=str(tname), vendor=str(spec.get("vendor", "unknown")),
                                     **{k: v for k, v in spec.items() if k != "vendor"}))
         known = {t.name for t in types}
@@ -268,13 +262,13 @@ class ClusterSpec:
                 if tname not in known:
                     raise ConfigError(f"{where}.devices.{tname}", "unknown device type",
                                       f"declare it under device_types (known: {', '.join(sorted(known))})")
-                if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-                    raise ConfigError(f"{where}.devices.{tname}", f"count must be a positive integer, got {count!r}")
+                require_number(count, f"{where}.devices.{tname}", lo=0, lo_open=True, hi=MAX_DEVICES_PER_NODE,
+                               integer=True, fix="the number of such devices in this node")
             intra = raw.get("intra_node_gbps")
             require_positive(intra, f"{where}.intra_node_gbps")
             numa = raw.get("numa_domains", 1)
-            if not isinstance(numa, int) or numa <= 0:
-                raise ConfigError(f"{where}.numa_domains", f"must be a positive integer, got {numa!r}")
+            require_number(numa, f"{where}.numa_domains", lo=0, lo_open=True, hi=MAX_DEVICES_PER_NODE, integer=True)
+            require_name(raw.get("name", f"node{i}"), f"{where}.name")
             cross = raw.get("cross_numa_gbps")
             if cross is not None:
                 require_positive(cross, f"{where}.cross_numa_gbps")
@@ -283,6 +277,8 @@ class ClusterSpec:
                 raise ConfigError(f"{where}.count", f"must be a positive integer, got {count!r}",
                                   "the number of identical nodes this entry stands for")
             host = raw.get("host")
+            if host is not None:
+                require_name(host, f"{where}.host")
             if host is not None and (not isinstance(host, str) or count > 1):
                 raise ConfigError(f"{where}.host", "must be one address, on an entry without count",
                                   "list nodes with their own host one by one")
@@ -303,6 +299,9 @@ class ClusterSpec:
                 raise ConfigError("cluster.emulation", "must be a mapping with slowdown")
             reject_unknown(raw, {"slowdown"}, "cluster.emulation")
             slow = raw.get("slowdown") or {}
+            if not isinstance(slow, dict):
+                raise ConfigError("cluster.emulation.slowdown", "must be a mapping of device type to factor",
+                                  "e.g. slowdown: {fast-small: 1.0, slow-big: 3.0}")
             for tname, factor in slow.items():
                 if tname not in known:
                     raise ConfigError(f"cluster.emulation.slowdown.{tname}", "unknown device type")
@@ -312,8 +311,11 @@ class ClusterSpec:
                                       "a slowdown is 1 or more (1 = CPU speed)")
             emulation = Emulation(tuple((k, float(v)) for k, v in slow.items()))
         master = data.get("master_addr")
+        if master is not None:
+            require_name(master, "cluster.master_addr")
         if master is not None and not (isinstance(master, str) and master):
             raise ConfigError("cluster.master_addr", f"must be a host name or address, got {master!r}",
                               "e.g. master_addr: node0.example.org")
+        require_name(data.get("name", default_name), "cluster.name")
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
                    float(inter) if inter is not None else math.inf, emulation, master)

@@ -12,7 +12,11 @@ from typing import Any, Mapping
 
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.checks import reject_unknown
+from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_type
+from memx_launch.specs.inputs import load_json
+
+MAX_DIMENSION = 2**24
+"""Bound on every size of a model (layers, hidden, heads, vocabulary, sequence)."""
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,11 @@ class ModelSpec:
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                      "ffn_hidden_size", "vocab_size", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.{name}", f"must be a positive integer, got {value!r}")
+            require_number(getattr(self, name), f"model.{name}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
+        require_type(self.name, str, "model.name")
+        require_name(self.name, "model.name")
+        require_type(self.gated_mlp, bool, "model.gated_mlp")
+        require_type(self.tie_embeddings, bool, "model.tie_embeddings")
         if self.hidden_size % self.num_heads:
             raise ConfigError("model.hidden_size", f"{self.hidden_size} is not divisible by "
                               f"num_heads={self.num_heads}", "use a multiple of num_heads")
@@ -91,18 +97,19 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "model") -> "ModelSpec":
+        if not isinstance(data, Mapping):
+            raise ConfigError(where, "must be a mapping of the model's sizes")
         reject_unknown(data, {f for f in cls.__dataclass_fields__}, where)
         return cls(**data)
 
     @classmethod
     def from_hf_config(cls, path: str, name: str | None = None) -> "ModelSpec":
         """Read a Hugging Face style ``config.json`` (LLaMA, Mistral, Qwen2 families; GPT-2 style keys)."""
-        try:
-            with open(path) as f:
-                cfg = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError("model", f"cannot read Hugging Face config {path!r} ({exc})",
-                              "pass a readable config.json") from None
+        cfg = load_json(path, "--model", fix="pass a Hugging Face config.json")
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"model ({path})", "config.json must be a JSON object", "pass a Hugging Face config.json")
+        if cfg.get("_name_or_path") is not None:
+            require_type(cfg["_name_or_path"], str, f"model ({path})._name_or_path")
         return cls.from_hf_dict(cfg, name or cfg.get("_name_or_path")
                                 or os.path.basename(os.path.dirname(os.path.abspath(path))), where=path)
 
@@ -110,6 +117,8 @@ class ModelSpec:
     def from_hf_dict(cls, cfg: Mapping[str, Any], name: str, where: str = "config") -> "ModelSpec":
         """The shape in a Hugging Face config's dict (``model.config.to_dict()``, or a config.json)."""
         if "n_layer" in cfg:  # GPT-2 style names (GPT-2, GPT-J, ...): GELU MLP, 4x width unless n_inner, tied
+            require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
+                           integer=True, fix="config.json must give it as a positive integer")
             cfg = {"num_hidden_layers": cfg["n_layer"], "hidden_size": cfg.get("n_embd"),
                    "num_attention_heads": cfg.get("n_head"),
                    "intermediate_size": cfg.get("n_inner") or 4 * int(cfg.get("n_embd") or 0),
@@ -122,6 +131,15 @@ class ModelSpec:
         if missing:
             raise ConfigError(f"model ({where})", f"config.json lacks {', '.join(missing)}",
                               "use a decoder-only config with these keys (or GPT-2's n_layer, n_embd, n_head)")
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                    "num_key_value_heads", "max_position_embeddings"):
+            if cfg.get(key) is not None:
+                require_number(cfg[key], f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
+                               fix="config.json must give it as a positive integer")
+        if cfg.get("hidden_act") is not None:
+            require_type(cfg["hidden_act"], str, f"model ({where}).hidden_act")
+        if cfg.get("tie_word_embeddings") is not None:
+            require_type(cfg["tie_word_embeddings"], bool, f"model ({where}).tie_word_embeddings")
         act = str(cfg.get("hidden_act", "silu"))
         return cls(
             name=name,
@@ -131,7 +149,7 @@ class ModelSpec:
             num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
             ffn_hidden_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
-            seq_len=min(int(cfg.get("max_position_embeddings", 4096)), 8192),
+            seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
             gated_mlp=act in ("silu", "swiglu", "swish"),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )

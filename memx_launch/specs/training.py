@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, fields
 
 
 from memx_launch.errors import ConfigError
+from memx_launch.specs.checks import require_number
+from memx_launch.specs.model import MAX_DIMENSION
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -129,10 +131,8 @@ class TrainingSpec:
     34/t). Default off."""
 
     def __post_init__(self):
-        if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0:
-            raise ConfigError("--global-batch-size", f"must be a positive integer, got {self.global_batch_size!r}")
-        if not isinstance(self.seq_len, int) or self.seq_len <= 0:
-            raise ConfigError("--seq-len", f"must be a positive integer, got {self.seq_len!r}")
+        require_number(self.global_batch_size, "--global-batch-size", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
+        require_number(self.seq_len, "--seq-len", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError("--dtype", f"unknown dtype {self.dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
         if self.optimizer not in OPTIMIZERS:

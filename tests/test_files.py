@@ -1,0 +1,78 @@
+"""Output files: checked before the work, umask permissions, nothing left behind on failure or
+on SIGTERM, and only regular files are ever replaced."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.files import atomic_output, check_output_path, write_json_atomic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_new_files_follow_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_json_atomic(str(tmp_path / "out.json"), {"a": 1})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out.json").stat().st_mode & 0o777 == mode
+
+
+def test_force_keeps_the_replaced_files_mode(tmp_path):
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    path.chmod(0o640)
+    write_json_atomic(str(path), {"a": 1}, overwrite=True)
+    assert path.stat().st_mode & 0o777 == 0o640 and path.read_text().startswith("{")
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "out.json"
+    path.write_text("keep")
+    with pytest.raises(RuntimeError):
+        with atomic_output(str(path), overwrite=True) as tmp:
+            with open(tmp, "w") as f:
+                f.write("half")
+            raise RuntimeError("disk full")
+    assert path.read_text() == "keep" and os.listdir(tmp_path) == ["out.json"]
+
+
+@pytest.mark.parametrize("target, force, problem", [
+    ("{d}", True, "is a directory"),
+    ("/dev/null", True, "under /dev"),
+    ("/proc/self/x.json", True, "under /proc"),
+    ("/sys/x.json", True, "under /sys"),
+    ("{d}/file.txt/x.json", True, "not a directory"),
+    ("{d}/file.txt", False, "already exists"),
+    ("{d}/link", True, "under /dev"),
+    ("{d}/fifo", True, "not a regular file"),
+])
+def test_output_paths_memx_must_not_write_are_refused(tmp_path, target, force, problem):
+    (tmp_path / "file.txt").write_text("keep")
+    os.symlink("/dev/null", tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ConfigError, match=problem):
+        check_output_path(target.replace("{d}", str(tmp_path)), "--json", force)
+    assert (tmp_path / "file.txt").read_text() == "keep"
+
+
+def test_sigterm_stops_memx_with_one_line_and_143(tmp_path):
+    db = tmp_path / "profile.jsonl"
+    db.write_text("")
+    proc = subprocess.Popen([sys.executable, "-m", "memx_launch.cli", "profile", "--model", "llama-small", "--device",
+                             "cpu", "--quiet", "--out", str(db)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout.readline().startswith("profiling ")  # measuring now
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == ["memx: terminated; no output file was written"]
+    assert os.listdir(tmp_path) == ["profile.jsonl"] and db.read_text() == ""

@@ -1,0 +1,124 @@
+"""Stopping and resuming through memx-run: SIGINT/SIGTERM -> every rank finishes its step, a
+checkpoint of the completed steps, one line, exit 130/143; the same command continues with no
+step lost or repeated (the losses of an uninterrupted run)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_replan_e2e import CLUSTER, LOSS_ATOL, TRAIN, _plan_file, losses
+
+STEPS = 8
+
+
+def _argv(tmp_path, run_dir, plan, steps=STEPS):
+    """memx-run's command line; run_dir None: memx-run's default (runs/<model>-<time>-<pid>)."""
+    return [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
+            "--cluster", CLUSTER, "--plan", str(plan), "--global-batch-size", "4",
+            *(["--run-dir", str(run_dir)] if run_dir else []), "--profile-db", str(tmp_path / "no-profile.jsonl"),
+            TRAIN, "--model", "llama-tiny", "--steps", str(steps), "--synthetic"]
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+
+
+def _run_until(argv, tmp_path, name, step, signum):
+    """Run ``argv`` until rank 0 printed ``step``, then send ``signum`` to memx-run."""
+    out_path, err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + 150
+        while not re.search(rf"^step {step} \|", out_path.read_text(), re.M):
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        rc = proc.wait(timeout=120)
+    return rc, out_path.read_text(), err_path.read_text()
+
+
+def _stopped_run(tmp_path, signum, after_step=2, run_dir="run"):
+    plan = _plan_file(tmp_path)
+    argv = _argv(tmp_path, run_dir and tmp_path / run_dir, plan, steps=1000)
+    return plan, *_run_until(argv, tmp_path, "first", after_step, signum)
+
+
+@pytest.mark.slow
+def test_sigint_checkpoints_every_completed_step_and_the_same_command_continues(tmp_path):
+    plan, rc, out, err = _stopped_run(tmp_path, signal.SIGINT)
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    stop_lines = [line for line in err.splitlines() if "memx-run:" in line and "SIGINT" in line]
+    assert len(stop_lines) == 1 and "--resume" in stop_lines[0], err[-3000:]
+    printed = [s for s, _ in losses(out)]
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == printed[-1]  # the step in flight finished and was kept
+
+    resumed = subprocess.run(_argv(tmp_path, tmp_path / "run", plan), cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(resumed.stdout)
+    assert [s for s, _ in after] == list(range(printed[-1] + 1, STEPS + 1))  # none lost, none repeated
+
+    reference = subprocess.run(_argv(tmp_path, tmp_path / "reference", plan), cwd=tmp_path, env=_env(),
+                               capture_output=True, text=True, timeout=150)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = dict(losses(reference.stdout))
+    for step, loss in losses(out) + after:
+        assert loss == pytest.approx(expected[step], abs=LOSS_ATOL), step
+
+
+@pytest.mark.slow
+def test_sigterm_stops_with_143_and_the_same_command_continues_the_run(tmp_path):
+    plan, rc, out, err = _stopped_run(tmp_path, signal.SIGTERM, run_dir=None)
+    assert rc == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    [run_dir] = (tmp_path / "runs").iterdir()  # memx-run's default run directory
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == losses(out)[-1][0]
+    # the very same command line: continues that run at the next step, then stops again
+    rc, out, err = _run_until(_argv(tmp_path, None, plan, steps=1000), tmp_path, "second", latest["step"] + 1,
+                              signal.SIGTERM)
+    assert rc == 143, err[-3000:]
+    assert losses(out)[0][0] == latest["step"] + 1 and f"resumed after step {latest['step']}" in err
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+
+
+@pytest.mark.slow
+def test_after_kill_9_of_a_rank_resume_reruns_the_steps_after_the_last_checkpoint(tmp_path):
+    import psutil
+
+    plan = _plan_file(tmp_path)
+    out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+    env = {**_env(), "MEMX_CHECKPOINT_EVERY": "2"}
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(_argv(tmp_path, tmp_path / "run", plan, steps=1000), cwd=tmp_path, env=env,
+                                stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + 150
+        while "step 5 |" not in out_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "memx_launch.runtime.worker" in " ".join(p.cmdline())]
+        assert len(workers) == 4
+        workers[-1].kill()  # SIGKILL: nothing can be saved at that moment
+        assert proc.wait(timeout=120) != 0
+    printed = [s for s, _ in losses(out_path.read_text())]
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["step"]
+    assert latest % 2 == 0 and printed[-1] - latest <= 2  # at most MEMX_CHECKPOINT_EVERY steps to redo
+
+    resumed = subprocess.run(_argv(tmp_path, tmp_path / "run", plan), cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(resumed.stdout)
+    assert [s for s, _ in after] == list(range(latest + 1, STEPS + 1))
+    reference = dict(losses(subprocess.run(_argv(tmp_path, tmp_path / "reference", plan), cwd=tmp_path, env=env,
+                                           capture_output=True, text=True, timeout=150).stdout))
+    for step, loss in after:
+        assert loss == pytest.approx(reference[step], abs=LOSS_ATOL), step
