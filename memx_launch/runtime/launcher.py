@@ -85,6 +85,7 @@ def build_parser():
     g.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run: its plan and its latest checkpoint (same as --run-dir RUN_DIR)")
     add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
+    parser.set_defaults(argv=None)
     return parser
 
 
@@ -172,7 +173,8 @@ def resolve(args) -> dict:
         raise ConfigError("training_script", f"{args.training_script} does not exist",
                           "give the path of the training script (e.g. examples/train.py)")
     script_args = list(args.training_script_args)
-    run_dir = args.resume or args.run_dir or _stopped_run_of(args.argv)
+    # The command line as given (main sets it): the same command continues a run a signal stopped.
+    run_dir = args.resume or args.run_dir or (_stopped_run_of(args.argv) if args.argv is not None else None)
     previous = _previous_run(run_dir, args) if run_dir else None
     model_name, source = args.model, "flag"
     if model_name is None and previous is not None:
