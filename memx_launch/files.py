@@ -4,7 +4,8 @@ a file and nothing but a regular file is ever replaced.
 An output path must be a regular file (replaced only with --force) or a new name, in a directory
 memx may write, and not under /proc, /sys or /dev (``check_output_path``, called before the work
 starts). Files get the permissions of a plain ``open``: the umask's, or the replaced file's mode;
-temporary files are removed on any failure, Ctrl-C and SIGTERM included.
+temporary files are removed on any failure, Ctrl-C and SIGTERM included, and those a kill -9
+left are removed by the next write into the same directory once an hour old.
 """
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import tempfile
+import time
 from typing import Any, Iterator
 
 from memx_launch.errors import ConfigError
 
 SYSTEM_TREES = ("/proc", "/sys", "/dev")
+TEMP_PREFIX = ".memx-"
+_TEMP_NAME = re.compile(r"\.memx-[a-z0-9_]{8}\.(tmp|png|ubj|json)")
+STALE_TEMP_S = 3600
+"""A temporary file this old is left from a killed write (kill -9): no write takes an hour."""
 
 
 def check_output_path(path: str, flag: str = "output", force: bool = False) -> None:
@@ -50,6 +57,16 @@ def check_output_path(path: str, flag: str = "output", force: bool = False) -> N
         raise ConfigError(flag, f"cannot write in {parent}", "choose a directory you can write to")
 
 
+def _remove_stale_temporaries(directory: str) -> None:
+    now = time.time()
+    for name in os.listdir(directory):
+        if _TEMP_NAME.fullmatch(name):
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                if now - os.lstat(path).st_mtime > STALE_TEMP_S:
+                    os.unlink(path)
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -64,7 +81,8 @@ def atomic_output(path: str, flag: str = "output", overwrite: bool = False, suff
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.exists(path) else 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".memx-", suffix=suffix)
+    _remove_stale_temporaries(directory)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMP_PREFIX, suffix=suffix)
     try:
         os.fchmod(fd, mode)  # mkstemp makes 0600; the output gets what open() would give
         os.close(fd)

@@ -66,6 +66,8 @@ def _worker(rank, port, directory, queue):
 
 @pytest.mark.slow
 def test_checkpoint_loads_under_another_split(tmp_path):
+    (tmp_path / "step-00000001.tmp").mkdir()  # as a save killed with -9 leaves it
+    (tmp_path / "step-00000001.tmp" / "rank00000.safetensors").write_bytes(b"x" * 1000)
     results = spawn_ranks(_worker, 2, str(tmp_path))
     saved = {**results[0]["saved"], **results[1]["saved"]}
     loaded = {**results[0]["loaded"], **results[1]["loaded"]}
@@ -78,6 +80,7 @@ def test_checkpoint_loads_under_another_split(tmp_path):
         assert results[r]["rng_equal"]
         assert results[r]["resumed"] == pytest.approx(results[r]["continued"], abs=LOSS_ATOL)
     assert os.path.isdir(tmp_path / "step-00000003") and not os.path.exists(tmp_path / "step-00000003.tmp")
+    assert not os.path.exists(tmp_path / "step-00000001.tmp")  # a save killed earlier leaves nothing behind
 
 
 def _tp_worker(rank, port, directory, queue):

@@ -76,3 +76,12 @@ def test_sigterm_stops_memx_with_one_line_and_143(tmp_path):
     assert proc.returncode == 143, err
     assert err.strip().splitlines() == ["memx: terminated; no output file was written"]
     assert os.listdir(tmp_path) == ["profile.jsonl"] and db.read_text() == ""
+
+
+def test_temporaries_left_by_a_killed_write_are_removed_by_the_next_one(tmp_path):
+    stale, fresh = tmp_path / ".memx-abcd1234.tmp", tmp_path / ".memx-efgh5678.tmp"
+    for path in (stale, fresh):
+        path.write_text("half")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))  # two hours old: its writer is gone
+    write_json_atomic(str(tmp_path / "out.json"), {"a": 1})
+    assert not stale.exists() and fresh.exists()  # a fresh one may be another writer's

@@ -148,8 +148,10 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
     rank = dist.get_rank()
     final = os.path.join(directory, f"step-{step:08d}")
     tmp = final + ".tmp"
-    if rank == 0:
-        _remove(tmp)
+    if rank == 0:  # also the half-written folders of saves killed earlier (kill -9)
+        for stale in os.listdir(directory) if os.path.isdir(directory) else []:
+            if re.fullmatch(r"step-\d{8}\.tmp", stale):
+                _remove(os.path.join(directory, stale))
         os.makedirs(tmp)
     model_state, optim_state, _ = _global_names(_Parts(model_parts), optimizer)
     tensors, values = {}, {}

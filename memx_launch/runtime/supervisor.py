@@ -290,11 +290,16 @@ def _replan_lock(run_dir: str):
 
 
 def _read_records(run_dir: str) -> list[dict]:
-    try:
-        with open(os.path.join(run_dir, REPLANS_FILE)) as f:
-            return json.load(f)
-    except FileNotFoundError:
+    from memx_launch.specs.inputs import load_json
+
+    path = os.path.join(run_dir, REPLANS_FILE)
+    if not os.path.exists(path):
         return []
+    records = load_json(path, path, fix="move it away to start the re-plan count afresh")
+    if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("generation"), int)
+                                                and isinstance(r.get("restart"), bool) for r in records):
+        raise ConfigError(path, "not a list of re-plan records", "move it away to start the re-plan count afresh")
+    return records
 
 
 def _cost_model(env, plan: Plan, cluster, training):

@@ -41,11 +41,16 @@ def _log(message: str) -> None:
 
 
 def planned_restarts(run_dir: str) -> list[int]:
-    try:
-        with open(os.path.join(run_dir, PLANNED_RESTARTS_FILE)) as f:
-            return list(json.load(f))
-    except FileNotFoundError:
+    from memx_launch.errors import ConfigError
+    from memx_launch.specs.inputs import load_json
+
+    path = os.path.join(run_dir, PLANNED_RESTARTS_FILE)
+    if not os.path.exists(path):
         return []
+    data = load_json(path, path, fix="delete it (memx-run rewrites it)")
+    if not isinstance(data, list) or not all(isinstance(g, int) and not isinstance(g, bool) for g in data):
+        raise ConfigError(path, "not a list of generations", "delete it (memx-run rewrites it)")
+    return data
 
 
 def record_planned_restart(run_dir: str, generation: int) -> None:
