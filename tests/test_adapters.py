@@ -121,6 +121,8 @@ CASES = {
         ("hf", make_plan(HF_SPEC, [((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2)),
     "own block pp=2 x dp=2 uneven 3/1 full/selective":
         ("toy", make_plan(TOY_SPEC, [((0, 1), 3, "full"), ((2, 3), 1, "selective")], dp=2)),
+    "hf pp=2 x dp=2 (FSDP2) uneven 3/5 full/none":
+        ("hf", make_plan(HF_SPEC, [((0, 1), 3, "full"), ((2, 3), 5, "none")], dp=2), "fsdp"),
 }
 STEPS = 3
 
@@ -149,12 +151,13 @@ def _worker(rank, port, cases, queue):
     torch.set_num_threads(1)
     results = []
     try:
-        for kind, plan in cases:
+        for kind, plan, *data_parallel in cases:
             model = _model(kind)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
             try:
                 job = prepare(model, optimizer, loss_fn=default_loss, lr_scheduler=_schedule, max_grad_norm=CLIP,
-                              plan=plan, emulated=EmulatedDevice("cpu", 1.0))
+                              plan=plan, emulated=EmulatedDevice("cpu", 1.0),
+                              data_parallel=(data_parallel or ["auto"])[0])
             except ConfigError as exc:
                 results.append(str(exc))
                 continue
@@ -188,7 +191,7 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
     toy_tp = make_plan(TOY_SPEC, [((0, 1), 2, "none"), ((2, 3), 2, "none")], tp=2)
     cases = [*CASES.values(), ("toy", toy_tp)]
     results = spawn_ranks(_worker, 4, cases, timeout=400)
-    for i, (name, (kind, plan)) in enumerate(CASES.items()):
+    for i, (name, (kind, plan, *_)) in enumerate(CASES.items()):
         ref = _reference(kind, plan)
         for rank in range(4):
             got = results[rank][i]

@@ -215,8 +215,11 @@ def resolve(args) -> dict:
 
     emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
     gbs = args.global_batch_size or (EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
+    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and gradients with
+    # autocast, torch's cross entropy over the whole vocabulary.
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or model.seq_len,
-                            dtype=args.dtype or ("fp32" if emulated else "bf16"))
+                            dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32",
+                            grad_dtype="fp32", vocab_parallel_loss=False)
     settings.add("global batch size", training.global_batch_size, "flag" if args.global_batch_size else "default")
     settings.add("sequence length", training.seq_len, "flag" if args.seq_len else "default")
     settings.add("dtype", training.dtype, "flag" if args.dtype else "default")
