@@ -14,7 +14,6 @@ given) and restarts in place with the plan through the elastic agent.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import math
@@ -31,9 +30,9 @@ from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, Cluster
 from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 from memx_launch.specs.model import get_model
+from memx_launch.runtime.runs import DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, STOPPED_FILE, check_environment, check_profile_db, previous_run, stopped_run_of
 
-DEFAULT_RUNS_DIR = "runs"
-DEFAULT_PROFILE_DB = os.path.join(DEFAULT_RUNS_DIR, "profiles.jsonl")
+
 # Emulated devices are CPU stand-ins: a batch a CPU trains in seconds, in fp32 as the runtime does.
 EMULATED_GLOBAL_BATCH_SIZE = 16
 
@@ -174,8 +173,8 @@ def resolve(args) -> dict:
                           "give the path of the training script (e.g. examples/train.py)")
     script_args = list(args.training_script_args)
     # The command line as given (main sets it): the same command continues a run a signal stopped.
-    run_dir = args.resume or args.run_dir or (_stopped_run_of(args.argv) if args.argv is not None else None)
-    previous = _previous_run(run_dir, args) if run_dir else None
+    run_dir = args.resume or args.run_dir or (stopped_run_of(args.argv) if args.argv is not None else None)
+    previous = previous_run(run_dir, args) if run_dir else None
     model_name, source = args.model, "flag"
     if model_name is None and previous is not None:
         model_name, source = previous.model_spec.name, f"{run_dir}/plan.json"
@@ -276,7 +275,7 @@ def resolve(args) -> dict:
     default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
         DEFAULT_RUNS_DIR, f"profiles.{os.path.splitext(os.path.basename(builder[0]))[0]}.{builder[1]}.jsonl")
     profile_db = args.profile_db or default_db
-    _check_profile_db(profile_db)
+    check_profile_db(profile_db)
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
     if args.export_plan:
         check_output_path(args.export_plan, "--export-plan")
@@ -295,62 +294,6 @@ def resolve(args) -> dict:
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
                 profile_db=profile_db, run_dir=run_dir, script_args=script_args, builder=builder,
                 model_arg=model_arg, resumed=previous is not None, argv=args.argv)
-
-
-def _check_profile_db(path: str) -> None:
-    """The workers append calibration samples to it and read it back: both checked here."""
-    import warnings
-
-    from memx_launch.profiling.profiledb import ProfileDB
-
-    db = ProfileDB(path)
-    db.check_appendable("--profile-db")
-    if os.path.exists(path):
-        with warnings.catch_warnings():  # corrupt lines are the workers' to report (and skip)
-            warnings.simplefilter("ignore")
-            db.read()
-
-
-STOPPED_FILE = "stopped.json"
-
-
-def _stopped_run_of(argv: list[str]) -> str | None:
-    """The run directory (under runs/) that the same command line left stopped by a signal:
-    running the same command again continues it."""
-    stopped = []
-    for path in glob.glob(os.path.join(DEFAULT_RUNS_DIR, "*", STOPPED_FILE)):
-        try:
-            with open(path) as f:
-                if json.load(f).get("argv") == argv:
-                    stopped.append((os.path.getmtime(path), os.path.dirname(path)))
-        except (OSError, ValueError, AttributeError):
-            continue  # not a record memx wrote: ignored
-    return max(stopped)[1] if stopped else None
-
-
-def _previous_run(run_dir: str, args) -> Plan | None:
-    """The plan of the run in ``run_dir`` when it holds one (that run is continued)."""
-    path = os.path.join(run_dir, "plan.json")
-    if not os.path.exists(path):
-        if args.resume:
-            raise ConfigError("--resume", f"{run_dir} holds no plan.json", "pass the run directory of a memx-run job")
-        return None
-    return Plan.load(path)  # the run's latest plan (re-plans rewrite it), not --plan's first one
-
-
-def check_environment(environ=os.environ) -> None:
-    """Every MEMX_* variable the workers read, parsed here: a bad one is one line before any
-    worker starts, not a traceback in each."""
-    from memx_launch.runtime.calibration import calibration_timeout_s
-    from memx_launch.runtime.faults import Faults
-    from memx_launch.runtime.monitor import MonitorConfig
-    from memx_launch.runtime.supervisor import checkpoint_every
-
-    max_replans(environ)
-    checkpoint_every(environ)
-    MonitorConfig.from_env(environ)
-    Faults.from_env(environ)
-    calibration_timeout_s(environ)
 
 
 def _has_gpu() -> bool:

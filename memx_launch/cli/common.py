@@ -1,0 +1,134 @@
+"""What the ``memx`` subcommands share: the parser with memx's one-line errors, the model,
+cluster and training flags, and the checks made before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from memx_launch.errors import ConfigError
+from memx_launch.files import check_output_path
+from memx_launch.specs.training import SETUPS, TrainingSpec
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the same one-line error format as every other memx error."""
+
+    def error(self, message):
+        self.exit(2, f"memx: error: {message} (see '{self.prog} --help')\n")
+
+
+def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required, help="catalog name (e.g. llama2-7b) or a Hugging Face config.json")
+    p.add_argument("--cluster", required=required, help="cluster YAML file (see examples/clusters/)")
+    p.add_argument("--global-batch-size", "--global_batch_size", type=int, help="sequences per iteration")
+    p.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="training precision (default bf16)")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), help="optimizer (default adam)")
+    p.add_argument("--distributed-optimizer", "--distributed_optimizer", action="store_true", default=None,
+                   help="shard optimizer state over data-parallel ranks (Megatron distributed optimizer, ZeRO-1)")
+    p.add_argument("--fully-sharded", "--fully_sharded", action="store_true", default=None,
+                   help="shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)")
+    p.add_argument("--setup", choices=tuple(SETUPS),
+                   help="the training framework's memory setup (docs/setups.md); explicit flags win")
+    p.add_argument("--sequence-parallel", "--sequence_parallel", action=argparse.BooleanOptionalAction,
+                   default=None, help="Megatron sequence parallelism (default: on for --setup megatron)")
+    p.add_argument("--flash-attention", "--flash_attention", action=argparse.BooleanOptionalAction,
+                   default=None, help="fused attention, no s x s scores kept (default on)")
+    p.add_argument("--grad-dtype", "--grad_dtype", choices=("fp32", "bf16", "fp16"),
+                   help="gradient precision (default fp32; bf16/fp16 = the training dtype)")
+    p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
+                   help="precision of the logits for the loss (default fp32)")
+    p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="hidden dropout on: its masks are kept for the backward (default off)")
+    p.add_argument("--attention-dropout", "--attention_dropout", action=argparse.BooleanOptionalAction,
+                   default=None, help="dropout on the attention probabilities (default off)")
+    p.add_argument("--fused-norm", "--fused_norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused RMSNorm/LayerNorm kernel (default on)")
+    p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
+                   default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
+                   "(default on)")
+    p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
+                   default=None, help="DP gradient reduction overlapped with the last backward (default off)")
+    for flag, text in (("fused-softmax", "without flash attention: fused softmax, in-place backward (default on)"),
+                       ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
+                       ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input")):
+        p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
+                       default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON (atomically)")
+    p.add_argument("--force", action="store_true", help="overwrite existing output files")
+
+
+def training_from_args(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec:
+    base = defaults or TrainingSpec(seq_len=model.seq_len)
+    def pick(name):
+        value = getattr(args, name, None)
+        return getattr(base, name) if value is None else value
+
+    return TrainingSpec(global_batch_size=pick("global_batch_size"), seq_len=pick("seq_len"),
+                        dtype=pick("dtype"), optimizer=pick("optimizer"), setup=pick("setup"),
+                        **{name: getattr(args, name, None) for name in SETUP_FLAGS})
+
+
+# Flags that override one field of a --setup preset (None: the preset or the default decides).
+SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention",
+                "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
+                "overlap_grad_reduce", "fused_softmax", "keep_stage_outputs", "sp_keeps_gathered_input")
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile-db", "--profile_db", metavar="FILE",
+                   help="use the learned predictor fitted on this profile database")
+    p.add_argument("--memory-headroom", "--memory_headroom", type=float, default=0.0, metavar="F",
+                   help="share of every device's memory a plan must leave free (default 0; memx-run keeps "
+                        "the memory monitor's 0.10)")
+
+
+def check_headroom(args) -> None:
+    if not 0 <= args.memory_headroom < 1:
+        raise ConfigError("--memory-headroom", f"must be in [0, 1), got {args.memory_headroom}", "e.g. 0.1")
+
+
+def check_new_file(path: str | None, flag: str, force: bool) -> None:
+    """Refuse before any work is done, not after a long search."""
+    if path is not None:
+        check_output_path(path, flag, force)
+
+
+def check_finite(value: float | None, flag: str) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ConfigError(flag, f"must be a finite number, got {value}", "give a plain number")
+
+
+def cost_model_from_args(args, model, cluster, training):
+    if not getattr(args, "profile_db", None):
+        return None
+    if not os.path.exists(args.profile_db):
+        raise ConfigError("--profile-db", f"{args.profile_db} does not exist", "run memx profile first")
+    from memx_launch.profiling.predictor import load_cost_model
+
+    return load_cost_model(args.profile_db, model, cluster, training)
+
+
+def progress_from_args(args):
+    if args.quiet:
+        return None
+    from memx_launch.planning.search import progress_to_stderr
+
+    return progress_to_stderr
+
+
+def list_of(cast):
+    """argparse type of a comma list (its error is the usual one line)."""
+    def parse(text: str) -> list:
+        try:
+            return [cast(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    parse.__name__ = "comma list"
+    return parse

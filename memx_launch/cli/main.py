@@ -1,0 +1,73 @@
+"""The ``memx`` command: ``plan``, ``estimate``, ``export``, ``profile`` and ``evaluate``.
+
+One ``add_<name>_command(subparsers)`` and one ``run_<name>(args) -> int`` per subcommand;
+adding one means writing that pair and listing the first in ``COMMANDS``. Every
+:class:`~memx_launch.errors.MemxError` becomes one ``memx: error: ...`` line on stderr and
+its exit code (2, or 3 when nothing fits). Nothing here imports torch at module level:
+planning and estimating run on any machine; only ``profile`` loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import warnings
+
+from memx_launch.errors import MemxError, NoFeasiblePlanError
+from memx_launch.specs.config_file import config_yaml, parse_with_config
+from memx_launch.cli.common import Parser
+from memx_launch.cli.measure_commands import add_cluster_command, add_evaluate_command, add_profile_command
+from memx_launch.cli.plan_commands import add_estimate_command, add_export_command, add_plan_command
+
+
+COMMANDS = [add_plan_command, add_estimate_command, add_export_command, add_profile_command,
+            add_evaluate_command, add_cluster_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="memx", description="Memory-aware parallelism planning for heterogeneous GPU clusters.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(
+        c.__name__[len("add_"):-len("_command")] for c in COMMANDS) + "}", parser_class=Parser)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds: temporary files are removed on the way out
+
+
+def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
+    with warnings.catch_warnings():  # one line each, like the errors
+        warnings.showwarning = lambda message, *_, **__: print(f"memx: warning: {message}", file=sys.stderr)
+        return _run(build_parser(), argv)
+
+
+def _run(parser, argv) -> int:
+    try:
+        args = parse_with_config(parser, argv)
+        if getattr(args, "print_config", False):
+            print(config_yaml(parser, args), end="")
+            return 0
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("memx: interrupted; no output file was written", file=sys.stderr)
+        return 130
+    except SystemExit as exc:
+        if exc.code == 128 + signal.SIGTERM:
+            print("memx: terminated; no output file was written", file=sys.stderr)
+        raise
+    except NoFeasiblePlanError as exc:
+        print(f"memx: error: {exc}", file=sys.stderr)
+        if exc.closest:
+            print("closest candidates (GiB short per device):", file=sys.stderr)
+            for text in exc.closest:
+                print(f"  {text}", file=sys.stderr)
+        return exc.exit_code
+    except MemxError as exc:
+        print(f"memx: error: {exc}", file=sys.stderr)
+        return exc.exit_code

@@ -1,0 +1,128 @@
+"""``memx profile``, ``memx evaluate`` and ``memx cluster detect``: measurements on this machine
+and their accuracy (torch only inside the commands).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from memx_launch.errors import ConfigError
+from memx_launch.files import write_json_atomic
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.cli.common import Parser, check_new_file, list_of
+
+
+def add_profile_command(sub) -> None:
+    p = sub.add_parser("profile", help="measure transformer blocks on this machine's device (minimal set)",
+                       description="Ablation, then a three-point design over the high-impact parameters; "
+                                   "appends the measurements to a profile database (JSON lines).")
+    p.add_argument("--model", required=True, help="catalog name or a Hugging Face config.json")
+    p.add_argument("--out", default="profile.jsonl", help="profile database to append to (default profile.jsonl)")
+    p.add_argument("--budget", type=int, metavar="N",
+                   help="at most N measurements, ablation included; below the ablation's size, a few-sample "
+                        "profile for a device type added to an already profiled fleet (the default micro-batch, "
+                        "then its extremes)")
+    p.add_argument("--refine-budget", "--refine_budget", type=int, metavar="N",
+                   help="at most N extra measurements around non-linear lines (default: a third of the design)")
+    p.add_argument("--cluster", help="cluster YAML: take this device's type (and emulation) from it")
+    p.add_argument("--device-type", "--device_type", help="which of the cluster's device types this machine is")
+    p.add_argument("--device", help="torch device to measure on (default: cuda when present, else cpu)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on GPUs, fp32 on CPUs")
+    p.add_argument("--max-micro-batch", "--max_micro_batch", type=int, default=8, metavar="B")
+    p.add_argument("--seq-lens", "--seq_lens", type=list_of(int), metavar="S1,S2,...", help="default: the model's, its half and quarter")
+    p.add_argument("--num-blocks", "--num_blocks", type=int, default=2, help="blocks per measurement (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (median; default 5)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run_profile)
+
+
+def run_profile(args) -> int:
+    from memx_launch.profiling.interpolation import augment_measurements
+    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.profiling.profiledb import ProfileDB
+    from memx_launch.profiling.space import default_space
+    from memx_launch.profiling.kernel import detect_device_type, measuring_device, profile_model
+
+    model = get_model(args.model)
+    ProfileDB(args.out).check_appendable("--out")  # before measuring, not after
+    device = measuring_device(args.device)
+    slowdown, link = 1.0, None
+    if args.cluster:
+        cluster = ClusterSpec.from_yaml(args.cluster)
+        names = [d.name for d in cluster.device_types]
+        name = args.device_type or (names[0] if len(names) == 1 else None)
+        if name not in names:
+            raise ConfigError("--device-type", f"{args.device_type!r} is not a device type of {cluster.name}"
+                              if args.device_type else f"{cluster.name} has {len(names)} device types",
+                              f"pass --device-type with one of {', '.join(names)}")
+        device_type = cluster.device_type(name)
+        slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else 1.0
+        link = tp_link_gbps(cluster, name)
+    else:
+        device_type = detect_device_type(device, args.device_type)
+    for flag, value, lo, hi in (("--budget", args.budget, 1, 10_000), ("--num-blocks", args.num_blocks, 1, 64),
+                                ("--repeats", args.repeats, 1, 1000), ("--max-micro-batch", args.max_micro_batch, 1, 4096),
+                                ("--refine-budget", args.refine_budget, 0, 10_000)):
+        if value is not None and not lo <= value <= hi:
+            raise ConfigError(flag, f"must be an integer in [{lo}, {hi}], got {value}")
+    dtype = args.dtype or ("fp32" if device.startswith("cpu") else "bf16")
+    for s in args.seq_lens or ():
+        if not 1 <= s <= 2**20:
+            raise ConfigError("--seq-lens", f"{s} is not a sequence length", "e.g. --seq-lens 1024,2048")
+    space = default_space(model, max_micro_batch=args.max_micro_batch, seq_lens=args.seq_lens)
+    emulated = " (emulated: measured time x {:g})".format(slowdown) if slowdown != 1.0 else ""
+    print(f"profiling {model.name} on {device_type.name} ({device}, {dtype}){emulated}; "
+          f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
+    result = profile_model(model, device_type, space, device=device, budget=args.budget, dtype=dtype,
+                           num_blocks=args.num_blocks, repeats=args.repeats, emulation_slowdown=slowdown,
+                           tp_link_gbps=link, refine_budget=args.refine_budget, show_progress=not args.quiet)
+    print(result.summary())
+    infeasible = sum(not m.feasible for m in result.measurements)
+    if infeasible:
+        print(f"{infeasible} configuration(s) ran out of memory (kept as infeasible points)")
+    slack = [m.peak_reserved_bytes / m.peak_memory_bytes for m in result.measurements
+             if m.feasible and m.peak_reserved_bytes and m.peak_memory_bytes]
+    if slack:
+        print(f"caching allocator: reserved peak {statistics.median(slack):.2f}x the allocated peak (median over "
+              f"{len(slack)} configurations); the plan's memory headroom must cover it")
+    print(augment_measurements(result.measurements, space.values).summary())
+    ProfileDB(args.out).append_or_keep(result.measurements)
+    print(f"appended {len(result.measurements)} measurements to {args.out}")
+    return 0
+
+
+def add_evaluate_command(sub) -> None:
+    p = sub.add_parser("evaluate", help="accuracy of predictions against measurements",
+                       description="MAPE, error shares, max error, Spearman, Kendall and top-k hits for time, "
+                                   "memory and Phi (format: docs/profiler.md).")
+    p.add_argument("--measurements", required=True, metavar="FILE", help="CSV or JSON of predicted vs measured")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    p.set_defaults(handler=run_evaluate)
+
+
+def run_evaluate(args) -> int:
+    from memx_launch.profiling.metrics import evaluate, format_report, load_measurements
+
+    check_new_file(args.json, "--json", args.force)
+    report = evaluate(load_measurements(args.measurements))
+    print(format_report(report))
+    if args.json:
+        write_json_atomic(args.json, report, overwrite=args.force)
+    return 0
+
+
+def add_cluster_command(sub) -> None:
+    p = sub.add_parser("cluster", help="the cluster this machine belongs to")
+    d = p.add_subparsers(dest="cluster_command", required=True, parser_class=Parser).add_parser(
+        "detect", help="detect devices, hosts and links (a short torchrun job) and write a cluster YAML",
+        description="Run on every node with the same --nnodes/--master-addr; node rank 0 measures across nodes.")
+    d.add_argument("--out", default="cluster.yaml", help="cluster YAML to write (default cluster.yaml)")
+    d.add_argument("--force", action="store_true", help="overwrite --out")
+    d.add_argument("--nproc-per-node", help="processes on this node (default: one per GPU, 1 without GPUs)")
+    d.add_argument("--nnodes", default="1")
+    d.add_argument("--node-rank", type=int, default=0)
+    d.add_argument("--master-addr", help="node rank 0's address (needed with --nnodes > 1)")
+    d.add_argument("--master-port", type=int, default=29500)
+    d.set_defaults(handler=lambda args: __import__("memx_launch.runtime.detection", fromlist=["x"]).run_detect(args))

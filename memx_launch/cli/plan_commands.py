@@ -1,0 +1,215 @@
+"""``memx plan``, ``memx estimate`` and ``memx export``: the cost model and the search, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from memx_launch.errors import ConfigError, NoFeasiblePlanError
+from memx_launch.planning.plan import Plan
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.config_file import add_config_args
+from memx_launch.specs.model import get_model
+from memx_launch.cli.common import add_cost_args, add_output_args, add_target_args, check_finite, check_headroom, check_new_file, cost_model_from_args, list_of, progress_from_args, training_from_args
+
+
+def add_plan_command(sub) -> None:
+    p = sub.add_parser("plan", help="search the best parallel layout for a model on a cluster",
+                       description="Search TP x PP x DP layouts, uneven layer splits, per-stage recompute and "
+                                   "schedules; rank them by the memory-aware objective Phi.")
+    add_target_args(p)
+    p.add_argument("--objective", choices=("default", "safety", "throughput"),
+                   help="weight profile for Phi (default: chosen from the cluster and the memory margin)")
+    p.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights, overriding --objective")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="how many ranked plans to show (default 5)")
+    add_output_args(p)
+    p.add_argument("--plot", metavar="PATH.png", help="write the time vs memory-variance Pareto plot")
+    p.add_argument("--compare", action="store_true",
+                   help="also show what compute-proportional, memory-proportional and time-only planners pick")
+    p.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S",
+                   help="stop the search after S seconds and report the best found")
+    for flag, kind, what in (("--tp", int, "TP degrees"), ("--pp", int, "pipeline degrees"),
+                             ("--micro-batch-sizes", int, "micro-batch sizes (default 1,2,4,8)"),
+                             ("--schedules", str, "schedules: 1f1b,interleaved"),
+                             ("--recompute-levels", str, "recompute levels: none,selective,full")):
+        p.add_argument(flag, type=list_of(kind), metavar="A,B", help=f"search only these {what}")
+    add_cost_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_config_args(p)
+    p.set_defaults(handler=run_plan)
+
+
+def run_plan(args) -> int:
+    from memx_launch.planning import report
+    from memx_launch.planning.search import SearchSpace, search
+    from memx_launch.planning.baselines import compare_baselines
+    from memx_launch.planning.objective import parse_weights
+
+    if not 1 <= args.top <= 10_000:
+        raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
+    check_finite(args.search_budget_s, "--search-budget-s")
+    check_finite(args.memory_headroom, "--memory-headroom")
+    if args.search_budget_s is not None and args.search_budget_s <= 0:
+        raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
+    check_headroom(args)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ConfigError("--plot", f"{args.plot} is not a .png path", "e.g. --plot pareto.png")
+    check_new_file(args.json, "--json", args.force)
+    check_new_file(args.plot, "--plot", args.force)
+    model = get_model(args.model)
+    cluster = ClusterSpec.from_yaml(args.cluster)
+    training = training_from_args(args, model)
+    weights = parse_weights(args.weights) if args.weights else None
+    cost_model = cost_model_from_args(args, model, cluster, training)
+
+    restricted = {field: tuple(getattr(args, flag)) for flag, field in (
+        ("tp", "tp_degrees"), ("pp", "pipeline_degrees"), ("micro_batch_sizes", "micro_batch_sizes"),
+        ("schedules", "schedules"), ("recompute_levels", "recompute_levels")) if getattr(args, flag) is not None}
+    space = SearchSpace(memory_headroom=args.memory_headroom, **restricted)
+    result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
+                    weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
+    print(report.plan_report(result, cluster))
+    print(report.search_stats_line(result.stats), file=sys.stderr)
+    if args.compare:
+        baselines = compare_baselines(model, cluster, training, cost_model=cost_model, space=space,
+                                      objective=args.objective, weights=weights, memx=result)
+        print("\ncompared in the same cost model:")
+        print(report.compare_table(baselines))
+    if args.json:
+        result.best.save(args.json, overwrite=args.force)
+        print(f"plan written to {args.json}", file=sys.stderr)
+    if args.plot:
+        report.pareto_plot(result, args.plot, overwrite=args.force, emulated=cluster.is_emulated)
+        print(f"Pareto plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+_LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch_size", "recompute", "layers_per_stage", "stage_devices",
+                 "schedule", "virtual_stages", "model", "global_batch_size", "seq_len")
+
+
+def add_estimate_command(sub) -> None:
+    p = sub.add_parser("estimate", help="predict memory and time of a layout you already have",
+                       description="Will it fit? Predicted memory per stage against capacity, stage and "
+                                   "iteration time, and Phi, for a given layout or a plan file (exit code 3 when "
+                                   "a stage does not fit), or for every row of a --cases file.")
+    add_target_args(p, required=False)
+    p.add_argument("--plan", metavar="FILE", help="a plan JSON (from memx plan --json) instead of layout flags")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--dp", type=int)
+    p.add_argument("--micro-batch-size", "--micro_batch_size", type=int)
+    p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none; full:K "
+                   "recomputes a stage's first K layers (Megatron's block method)")
+    p.add_argument("--layers-per-stage", "--layers_per_stage", type=list_of(int),
+                   help="layers per stage, kept as given, e.g. 8,24 (default: even, remainder first)")
+    p.add_argument("--stage-devices", "--stage_devices", type=list_of(str), help="device type per stage, e.g. a,b")
+    p.add_argument("--schedule", choices=("1f1b", "interleaved"))
+    p.add_argument("--virtual-stages", "--virtual_stages", type=int)
+    p.add_argument("--weights", metavar="wT,wM,wV", help="Phi weights (default: the heterogeneous profile)")
+    add_cost_args(p)
+    p.add_argument("--cases", metavar="FILE", help="CSV or JSONL, one layout per row (columns: docs/estimate.md); "
+                   "--model, --cluster and the training flags fill empty cells")
+    p.add_argument("--out", metavar="FILE", help="with --cases: the JSON lines, one per row (default stdout)")
+    add_output_args(p)
+    p.set_defaults(handler=run_estimate)
+
+
+def run_estimate(args) -> int:
+    from memx_launch.planning import report
+    from memx_launch.planning.estimate import evaluate_layout, evaluate_plan, plan_training, stage_short_gib
+    from memx_launch.planning.objective import parse_weights
+
+    check_headroom(args)
+    if args.cases:
+        return _run_cases(args)
+    check_new_file(args.json, "--json", args.force)
+    if not args.cluster:
+        raise ConfigError("--cluster", "missing", "pass the cluster YAML the layout runs on")
+    cluster = ClusterSpec.from_yaml(args.cluster)
+    weights = parse_weights(args.weights) if args.weights else None
+    if args.plan:
+        given = [f"--{f.replace('_', '-')}" for f in _LAYOUT_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise ConfigError(given[0], "cannot be combined with --plan", "the plan file fixes the layout")
+        handed = Plan.load(args.plan)
+        model, training, split_note = handed.model_spec, plan_training(handed), ""
+        plan = evaluate_plan(handed, cluster, training, weights=weights, memory_headroom=args.memory_headroom,
+                             cost_model=cost_model_from_args(args, model, cluster, training))
+    else:
+        missing = [f"--{f.replace('_', '-')}" for f in ("model", "tp", "pp", "dp", "micro_batch_size")
+                   if getattr(args, f) is None]
+        if missing:
+            raise ConfigError(missing[0], "missing", "give --model, --tp, --pp, --dp and --micro-batch-size, "
+                              "or --plan FILE")
+        model = get_model(args.model)
+        training = training_from_args(args, model)
+        split_note = "" if args.layers_per_stage else "no --layers-per-stage: even split, remainder on the first stages"
+        plan = evaluate_layout(model, cluster, training, tp=args.tp, pp=args.pp, dp=args.dp,
+                               micro_batch_size=args.micro_batch_size,
+                               layers_per_stage=args.layers_per_stage,
+                               recompute=args.recompute, stage_devices=args.stage_devices,
+                               schedule=args.schedule or "1f1b", virtual_stages=1 if args.virtual_stages is None else args.virtual_stages,
+                              
+                               weights=weights, cost_model=cost_model_from_args(args, model, cluster, training),
+                               memory_headroom=args.memory_headroom)
+    print(report.estimate_report(plan, cluster, args.memory_headroom, split_note))
+    if args.json:
+        plan.save(args.json, overwrite=args.force)
+        print(f"estimate written to {args.json}", file=sys.stderr)
+    return NoFeasiblePlanError.exit_code if any(stage_short_gib(plan, args.memory_headroom)) else 0
+
+
+def _run_cases(args) -> int:
+    """``--cases``: one JSON line per row; a bad row is that row's ``error``, never the file's."""
+    from memx_launch.planning.cases import FLAG_DEFAULTS, run_cases
+    from memx_launch.planning.objective import parse_weights
+
+    given = [f"--{f.replace('_', '-')}" for f in (*_LAYOUT_FLAGS, "plan", "json")
+             if f not in FLAG_DEFAULTS and getattr(args, f) is not None]
+    if given:
+        raise ConfigError(given[0], "cannot be combined with --cases", "give it as a column of the cases file")
+    check_new_file(args.out, "--out", args.force)
+    if args.profile_db and not os.path.exists(args.profile_db):
+        raise ConfigError("--profile-db", f"{args.profile_db} does not exist", "run memx profile first")
+    print(run_cases(args.cases, args.out, overwrite=args.force, defaults={k: getattr(args, k) for k in FLAG_DEFAULTS},
+                    memory_headroom=args.memory_headroom, weights=parse_weights(args.weights) if args.weights else None,
+                    cost_model_for=(lambda m, c, t: cost_model_from_args(args, m, c, t)) if args.profile_db else None),
+          file=sys.stderr)
+    return 0
+
+
+def add_export_command(sub) -> None:
+    p = sub.add_parser("export", help="a plan as Megatron-LM arguments, torchrun lines and MEMX_* variables")
+    p.add_argument("--plan", required=True, metavar="FILE", help="plan JSON from memx plan --json")
+    p.add_argument("--cluster", help="cluster YAML; needed for the per-node torchrun lines")
+    p.add_argument("--script", default="train.py", help="training script for the torchrun lines")
+    p.add_argument("--master-addr", "--master_addr",
+                   help="rendezvous address (default: the cluster file's master_addr or first node's host)")
+    p.add_argument("--master-port", "--master_port", type=int, default=29500)
+    p.set_defaults(handler=run_export)
+
+
+def run_export(args) -> int:
+    from memx_launch.planning import exporters
+
+    if not 1 <= args.master_port <= 65535:
+        raise ConfigError("--master-port", f"{args.master_port} is not a TCP port", "e.g. --master-port 29500")
+    plan = Plan.load(args.plan)
+    megatron = exporters.megatron_args(plan)
+    print("# Megatron-LM arguments")
+    print(megatron.command_line())
+    for note in megatron.notes:
+        print(f"# note: {note}")
+    print("\n# environment for the training script")
+    print("\n".join(exporters.env_lines(exporters.plan_env(plan, os.path.abspath(args.plan)))))
+    if args.cluster:
+        cluster = ClusterSpec.from_yaml(args.cluster)
+        for title, for_megatron in (("memx's runtime (the plan's rank order)", False),
+                                    ("Megatron-LM (stages on consecutive ranks)", True)):
+            print(f"\n# torchrun for {title}, one line per node")
+            for cmd in exporters.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
+                                                   master_port=args.master_port, for_megatron=for_megatron):
+                print(f"{cmd.command_line()}" + "".join(f"  # {note}" for note in cmd.notes))
+    return 0

@@ -1,0 +1,74 @@
+"""Run directories: where a memx-run job keeps its plan, records and checkpoints, how a run a
+signal stopped is found again, and the checks of what the workers will read (profile DB,
+``MEMX_*`` variables) made before any worker starts.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning.plan import Plan
+from memx_launch.runtime.supervisor import max_replans
+
+
+DEFAULT_RUNS_DIR = "runs"
+DEFAULT_PROFILE_DB = os.path.join(DEFAULT_RUNS_DIR, "profiles.jsonl")
+
+
+def check_profile_db(path: str) -> None:
+    """The workers append calibration samples to it and read it back: both checked here."""
+    import warnings
+
+    from memx_launch.profiling.profiledb import ProfileDB
+
+    db = ProfileDB(path)
+    db.check_appendable("--profile-db")
+    if os.path.exists(path):
+        with warnings.catch_warnings():  # corrupt lines are the workers' to report (and skip)
+            warnings.simplefilter("ignore")
+            db.read()
+
+
+STOPPED_FILE = "stopped.json"
+
+
+def stopped_run_of(argv: list[str]) -> str | None:
+    """The run directory (under runs/) that the same command line left stopped by a signal:
+    running the same command again continues it."""
+    stopped = []
+    for path in glob.glob(os.path.join(DEFAULT_RUNS_DIR, "*", STOPPED_FILE)):
+        try:
+            with open(path) as f:
+                if json.load(f).get("argv") == argv:
+                    stopped.append((os.path.getmtime(path), os.path.dirname(path)))
+        except (OSError, ValueError, AttributeError):
+            continue  # not a record memx wrote: ignored
+    return max(stopped)[1] if stopped else None
+
+
+def previous_run(run_dir: str, args) -> Plan | None:
+    """The plan of the run in ``run_dir`` when it holds one (that run is continued)."""
+    path = os.path.join(run_dir, "plan.json")
+    if not os.path.exists(path):
+        if args.resume:
+            raise ConfigError("--resume", f"{run_dir} holds no plan.json", "pass the run directory of a memx-run job")
+        return None
+    return Plan.load(path)  # the run's latest plan (re-plans rewrite it), not --plan's first one
+
+
+def check_environment(environ=os.environ) -> None:
+    """Every MEMX_* variable the workers read, parsed here: a bad one is one line before any
+    worker starts, not a traceback in each."""
+    from memx_launch.runtime.calibration import calibration_timeout_s
+    from memx_launch.runtime.faults import Faults
+    from memx_launch.runtime.monitor import MonitorConfig
+    from memx_launch.runtime.supervisor import checkpoint_every
+
+    max_replans(environ)
+    checkpoint_every(environ)
+    MonitorConfig.from_env(environ)
+    Faults.from_env(environ)
+    calibration_timeout_s(environ)
