@@ -211,7 +211,9 @@ def gh200_cluster(nodes: int) -> ClusterSpec:
         "inter_node_gbps": 25})
 
 
-def sailor(shared: str) -> list[dict]:
+def sailor(shared: str, cost_model=None) -> list[dict]:
+    """The 15 plans predicted through ``memx estimate``'s path; ``cost_model(model, cluster,
+    training)`` gives the cost model of each plan's cluster (None: the analytical one)."""
     rows = []
     model = get_model("opt-350m")
     with open(os.path.join(shared, "peer-data", "sailor-plans-dev", "opt350_gh96_plans.csv")) as f:
@@ -235,10 +237,12 @@ def sailor(shared: str) -> list[dict]:
         dp, tp = dps.pop(), tps.pop()
         training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
                                 flash_attention=False, fused_softmax=False, dropout=True)
+        cluster = gh200_cluster(nodes)
         try:
-            plan = evaluate_layout(model, gh200_cluster(nodes), training, tp=tp, pp=pp, dp=dp,
+            plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp,
                                    micro_batch_size=mbs, layers_per_stage=layers, recompute=d["recompute"],
-                                   references=(1.0, 1.0, 1.0))
+                                   references=(1.0, 1.0, 1.0),
+                                   cost_model=cost_model(model, cluster, training) if cost_model else None)
         except ConfigError as exc:
             row["error"] = str(exc)
             rows.append(row)
@@ -248,6 +252,40 @@ def sailor(shared: str) -> list[dict]:
         row["time_s"] = plan.predicted_iteration_time_s
         rows.append(row)
     return rows
+
+
+def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
+    """The same plans with the learned model fitted on the public Sailor profile of their GPU
+    type and model (OPT-350 on GH-96: block, embedding and head times by micro-batch and TP;
+    the profile holds no memory, so memory stays analytical), as ``memx estimate --profile-db``."""
+    import warnings
+
+    from benchmarks.predictor_accuracy import sailor_records
+    from memx_launch.profiling.interpolation import augment_measurements
+    from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
+
+    records = [r for r in sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
+               if r.device_type == "GH-96" and r.model == "opt-350m"]
+    predictor = fit_predictor(records, augmented=augment_measurements(records).points, trials=trials)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plan clusters' only type is the profiled one
+        rows = sailor(shared, lambda model, cluster, training: LearnedCostModel(model, cluster, training, predictor))
+    fitted = {"profile": "shared/peer-data/sailor/profiles/OPT-350/GH-96 (fp32, Megatron-DeepSpeed)",
+              "records": len(records), "trials": trials,
+              "part_levels_measured_over_analytical": {
+                  part: {k.split("|")[0]: round(float(np.exp(v)), 3) for k, v in levels.items()}
+                  for part, levels in predictor.meta["part_levels"].items()},
+              "memory_overhead_gib_measured": predictor.meta["memory_overhead_gib"] or None}
+    return rows, fitted
+
+
+def sailor_summary(rows: list[dict]) -> dict:
+    done = [r for r in rows if "time_s" in r]
+    return {"fit": fit_summary(rows), "time": time_summary(rows),
+            "memory_mape_pct": round(mape([r["peak_gib"] for r in done], [r["real_peak_gib"] for r in done]), 1),
+            "spearman_all_plans": round(spearman([r["time_s"] for r in done], [r["real_time_s"] for r in done]), 3),
+            "groups": group_summary(rows, lambda r: r["group"]),
+            "errors": sum("error" in r for r in rows)}
 
 
 def no_nan(value):
@@ -280,21 +318,19 @@ def main() -> None:
     rhos = [g["spearman"] for g in groups.values() if not math.isnan(g["spearman"])]
     result["hagemann_llama13b_a100"]["spearman_mean_over_groups"] = round(float(np.mean(rhos)), 3)
     s = sailor(shared)
-    done = [r for r in s if "time_s" in r]
-    result["sailor_opt350_gh200"] = {
-        "fit": fit_summary(s), "time": time_summary(s),
-        "memory_mape_pct": round(mape([r["peak_gib"] for r in done], [r["real_peak_gib"] for r in done]), 1),
-        "spearman_all_plans": round(spearman([r["time_s"] for r in done], [r["real_time_s"] for r in done]), 3),
-        "groups": group_summary(s, lambda r: r["group"]),
-        "errors": sum("error" in r for r in s),
-        "rows": s}
+    result["sailor_opt350_gh200"] = {**sailor_summary(s), "rows": s}
+    calibrated, fitted = sailor_calibrated(shared)
+    result["sailor_opt350_gh200_calibrated"] = {
+        "cost_model": "learned (XGBoost over the analytical model), fitted on the plans' GPU type and model",
+        **fitted, **sailor_summary(calibrated), "rows": calibrated}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     brief = {k: result["hagemann_llama13b_a100"][k] for k in ("fit", "time", "spearman_mean_over_groups")}
     print("hagemann", brief)
     for name, g in groups.items():
         print(" ", name, {k: v for k, v in g.items() if k in ("time_mape_pct", "spearman", "regret_pct")})
-    print("sailor", {k: result["sailor_opt350_gh200"][k] for k in ("time", "memory_mape_pct", "spearman_all_plans")})
+    for key in ("sailor_opt350_gh200", "sailor_opt350_gh200_calibrated"):
+        print(key, {k: result[key][k] for k in ("time", "memory_mape_pct", "spearman_all_plans")})
     print(f"{result['seconds']} s")
 
 

@@ -34,6 +34,7 @@ from scipy.stats import norm
 from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
+from memx_launch.profiling.calibrated_parts import measured_overhead_gib, part_levels, part_ratio
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -242,6 +243,8 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "rows": {"measured": len(records), "augmented": len(augmented), "used": int(len(ts.X)),
                  "with_memory": int(ts.has_memory.sum())},
         "offsets": asdict(offsets),
+        "part_levels": part_levels(list(records)),
+        "memory_overhead_gib": measured_overhead_gib(list(records)),
         "hyperparameters": params,
         "cv_error": cv_error,
         "tuning_history": history,
@@ -266,6 +269,14 @@ class LearnedCostModel:
             warnings.warn(f"no measurement of device type(s) {', '.join(unseen)}: their costs come from "
                           "the analytical model, scaled by the shape learned on the other types at their median "
                           "level", stacklevel=2)
+        # Embedding and head: scaled by their measured level where the profile timed them.
+        levels = predictor.meta.get("part_levels", {})
+        self._embedding_ratio, self._head_ratio = (part_ratio(levels, part, self.device_names, self._model_signature)
+                                                   for part in ("embedding", "head"))
+        # A type's measured overhead replaces the vendor default, never a value the cluster file gives.
+        measured = predictor.meta.get("memory_overhead_gib", {})
+        self.measured_overhead_bytes = {d.name: measured[d.name] * 2**30 for d in self.device_types
+                                        if d.memory_overhead_gib is None and d.name in measured}
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape
@@ -277,10 +288,10 @@ class LearnedCostModel:
                          working_bytes=(base.working_bytes * ratio[:, 1]).reshape(shape))
 
     def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
-        return self.analytical.embedding_time(device, tp, mbs, seq)
+        return self.analytical.embedding_time(device, tp, mbs, seq) * self._embedding_ratio[np.asarray(device)]
 
     def head_time(self, device, tp, mbs, seq) -> np.ndarray:
-        return self.analytical.head_time(device, tp, mbs, seq)
+        return self.analytical.head_time(device, tp, mbs, seq) * self._head_ratio[np.asarray(device)]
 
 
 def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

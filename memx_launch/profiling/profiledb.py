@@ -60,6 +60,13 @@ class Measurement:
     peak_reserved_bytes: float | None = None
     """GPUs: the caching allocator's peak reserve above the resting state over the same
     step (allocated plus its slack); None on CPUs."""
+    context_bytes: float | None = None
+    """GPUs: device memory the process holds outside the caching allocator (CUDA context with
+    its kernel modules, communication buffers): used minus reserved, read once per record."""
+    embedding_time_s: float | None = None
+    """Forward + backward of the embedding at this configuration, where the profile timed it."""
+    head_time_s: float | None = None
+    """Forward + backward of the final norm, output layer and loss, where the profile timed it."""
     tp_link_gbps: float | None = None
     """Bandwidth of the TP group's link (None for tp=1)."""
     emulation_slowdown: float = 1.0

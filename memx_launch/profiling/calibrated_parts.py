@@ -1,0 +1,78 @@
+"""What calibration measures besides the blocks: the embedding and head times, and the memory
+a process holds above its tensors, per device type.
+
+The embedding and the head (final norm, output layer, loss) are one each per model, so a tree
+per part would learn from a handful of rows: the learned model scales their analytical times
+by the median measured / analytical ratio of the device type and model instead (the physics
+carries the trend in micro-batch, sequence and TP, as for the blocks' offsets).
+
+The fixed memory overhead (DeviceType.memory_overhead_gib) is the caching allocator's reserve
+over allocated at the peak (peak_reserved - peak_allocated) plus the memory the process holds
+outside the allocator (CUDA context, NCCL buffers): the median over a type's records that
+measured both. No torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from memx_launch.planning.costmodel import AnalyticalCostModel
+from memx_launch.profiling.profiledb import Measurement
+from memx_launch.specs.cluster import ClusterSpec, DeviceType, Emulation, Node
+from memx_launch.specs.training import TrainingSpec
+
+PARTS = ("embedding", "head")
+
+
+def _analytical(first: Measurement) -> AnalyticalCostModel:
+    device = DeviceType(name=first.device_type, **first.device)
+    emulation = Emulation(((device.name, first.emulation_slowdown),)) if first.emulation_slowdown != 1.0 else None
+    cluster = ClusterSpec("profiled", (device,), (Node("profiled", ((device.name, 1),),
+                                                       float(first.tp_link_gbps or 1.0)),), math.inf, emulation)
+    return AnalyticalCostModel(first.shape_spec(), cluster, TrainingSpec(dtype=first.dtype))
+
+
+def part_levels(records: list[Measurement]) -> dict:
+    """{"embedding" | "head": {"device type|model signature": median log(measured / analytical)}}
+    over the feasible records that timed that part."""
+    groups: dict[tuple, list[Measurement]] = {}
+    for r in records:
+        if r.feasible and (r.embedding_time_s or r.head_time_s):
+            key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
+                   r.dtype, r.tp_link_gbps, r.emulation_slowdown)
+            groups.setdefault(key, []).append(r)
+    ratios: dict[str, dict[str, list[float]]] = {part: {} for part in PARTS}
+    for rows in groups.values():
+        cost = _analytical(rows[0])
+        for part in PARTS:
+            timed = [r for r in rows if (getattr(r, f"{part}_time_s") or 0) > 0]
+            if not timed:
+                continue
+            base = getattr(cost, f"{part}_time")(np.zeros(len(timed), dtype=np.int64), [r.tp for r in timed],
+                                                 [r.micro_batch_size for r in timed], [r.seq_len for r in timed])
+            measured = np.array([getattr(r, f"{part}_time_s") for r in timed])
+            key = f"{rows[0].device_type}|{rows[0].model_signature}"
+            ratios[part].setdefault(key, []).extend(np.log(measured / base).tolist())
+    return {part: {k: float(np.median(v)) for k, v in by_key.items()} for part, by_key in ratios.items()}
+
+
+def measured_overhead_gib(records: list[Measurement]) -> dict:
+    """{device type: GiB held above allocated tensors}, from the records that measured both the
+    allocator's reserve and the memory outside it."""
+    by_type: dict[str, list[float]] = {}
+    for r in records:
+        if r.feasible and r.peak_memory_bytes is not None and r.peak_reserved_bytes is not None \
+                and r.context_bytes is not None:
+            slack = max(0.0, r.peak_reserved_bytes - r.peak_memory_bytes)
+            by_type.setdefault(r.device_type, []).append((slack + r.context_bytes) / 2**30)
+    return {name: float(np.median(v)) for name, v in sorted(by_type.items())}
+
+
+def part_ratio(levels: dict, part: str, device_names, model_signature: str) -> np.ndarray:
+    """Per device type of a cluster: the measured / analytical factor of ``part``; 1 (the
+    analytical time) for a type whose profile did not time it."""
+    by_key = levels.get(part, {})
+    return np.exp([by_key.get(f"{name}|{model_signature}", 0.0) for name in device_names])
