@@ -1,0 +1,86 @@
+"""Calibration beyond the blocks: embedding and head times, and the measured memory overhead
+(synthetic GPU records: no GPU here, the kernel's CUDA path is untested in this suite)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from memx_launch.planning.costmodel import AnalyticalCostModel
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.profiling.calibrated_parts import measured_overhead_gib, part_levels
+from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
+from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
+from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.training import TrainingSpec
+from tests.test_predictor import CLUSTER, DEVICE, SPEC, TRAINING, synthetic_records
+
+GIB = 2**30
+
+
+def gpu_records(embedding_ratio=3.0, head_ratio=0.5, slack_gib=1.5, context_gib=0.6):
+    """Synthetic records of a GPU that timed the embedding and head and read its memory above
+    the allocated tensors."""
+    cost = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+    out = []
+    for r in synthetic_records():
+        emb = cost.embedding_time([0], [r.tp], [r.micro_batch_size], [r.seq_len])[0]
+        head = cost.head_time([0], [r.tp], [r.micro_batch_size], [r.seq_len])[0]
+        out.append(replace(r, embedding_time_s=float(emb * embedding_ratio), head_time_s=float(head * head_ratio),
+                           peak_reserved_bytes=r.peak_memory_bytes + slack_gib * GIB, context_bytes=context_gib * GIB))
+    return out
+
+
+@pytest.fixture(scope="module")
+def predictor():
+    return fit_predictor(gpu_records(), trials=2)
+
+
+def test_part_levels_and_overhead_come_from_the_records():
+    records = gpu_records()
+    levels = part_levels(records)
+    key = f"dev|{SPEC.signature()}"
+    assert levels["embedding"][key] == pytest.approx(np.log(3.0))
+    assert levels["head"][key] == pytest.approx(np.log(0.5))
+    assert measured_overhead_gib(records) == {"dev": pytest.approx(2.1)}
+    # Records without the measurements (public time-only profiles, CPUs) give nothing.
+    assert part_levels(synthetic_records()) == {"embedding": {}, "head": {}}
+    assert measured_overhead_gib([replace(r, context_bytes=None) for r in records]) == {}
+
+
+def test_learned_model_times_embedding_and_head_by_their_measured_level(predictor):
+    learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, predictor)
+    base = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+    args = (np.array([0, 0]), np.array([1, 2]), np.array([2, 8]), np.array([64, 128]))
+    assert np.allclose(learned.embedding_time(*args), 3.0 * base.embedding_time(*args))
+    assert np.allclose(learned.head_time(*args), 0.5 * base.head_time(*args))
+    # A type the profile did not time keeps the analytical time.
+    other = replace(DEVICE, name="other")
+    cluster = ClusterSpec("c2", (DEVICE, other), (Node("n", (("dev", 4), ("other", 4)), 100.0),), float("inf"))
+    with pytest.warns(UserWarning):
+        mixed = LearnedCostModel(SPEC, cluster, TRAINING, predictor)
+    plain = AnalyticalCostModel(SPEC, cluster, TRAINING)
+    one = (np.array([1]), np.array([1]), np.array([4]), np.array([64]))
+    assert np.allclose(mixed.head_time(*one), plain.head_time(*one))
+
+
+def test_estimate_uses_the_measured_overhead_unless_the_cluster_gives_one(predictor):
+    training = TrainingSpec(dtype="fp32", global_batch_size=8, seq_len=64)
+    model = replace(MODEL_CATALOG["llama-tiny"], seq_len=64)
+
+    def peak(cluster, cost_model=None):
+        plan = evaluate_layout(model, cluster, training, tp=1, pp=1, dp=4, micro_batch_size=2,
+                               cost_model=cost_model, references=(1.0, 1.0, 1.0))
+        return plan.stages[0].predicted_peak_memory_gib
+
+    analytical = AnalyticalCostModel(model, CLUSTER, training)
+    default = peak(CLUSTER, analytical)  # vendor default: 2.0 GiB for nvidia
+    learned = LearnedCostModel(model, CLUSTER, training, predictor)
+    assert learned.measured_overhead_bytes == {"dev": pytest.approx(2.1 * GIB)}
+    # Activations differ by the learned memory ratio; the overhead moves by 2.1 - 2.0 GiB.
+    acts = peak(CLUSTER, learned) - 2.1 - (default - 2.0)
+    assert abs(acts) < 0.05
+    given = ClusterSpec("c", (replace(DEVICE, memory_overhead_gib=0.25),), CLUSTER.nodes, float("inf"))
+    stated = LearnedCostModel(model, given, training, predictor)
+    assert stated.measured_overhead_bytes == {}
+    assert peak(given, stated) == pytest.approx(peak(CLUSTER, learned) - 2.1 + 0.25, abs=1e-6)
