@@ -26,12 +26,16 @@ Data (development sets of issue 10, in shared/peer-data):
   attention in fp32 and torch's softmax (Megatron's fused softmax kernel takes only 16-bit
   inputs: ``--no-fused-softmax``), the plan's layer split.
 
+Calibrated: the Sailor plans again with the learned model fitted on the public Sailor profile
+of their GPU type and model (block, embedding and head times; no memory in that profile).
+
 Metrics: fit/OOM confusion matrix, false fits (real OOMs called fits) as a share of real OOMs,
 time MAPE and Spearman per group (runs that ran), memx's pick per group (lowest predicted time
 among layouts predicted to fit) and its regret against the measured best.
 
 Writes benchmarks/results/real_runs.json.
-Run: .venv/bin/python benchmarks/real_runs.py   (about 2 s on 2 CPU cores)
+Run: .venv/bin/python benchmarks/real_runs.py   (about 20 s on 2 CPU cores: the calibrated
+Sailor section fits the learned model once)
 """
 
 from __future__ import annotations
