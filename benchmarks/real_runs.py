@@ -206,18 +206,20 @@ def hagemann(shared: str) -> list[dict]:
 # --------------------------------------------------------------------------- Sailor plans (OPT-350, GH200)
 
 
-def gh200_cluster(nodes: int) -> ClusterSpec:
+def gh200_cluster(nodes: int, efficiency: float | None = None) -> ClusterSpec:
+    gh = {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989, "peak_tflops_fp32": 67,
+          "memory_bandwidth_gbps": 4000}
     return ClusterSpec.from_dict({
         "version": 1, "name": f"gh200-{nodes}x4",
-        "device_types": {"GH-96": {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989,
-                                   "peak_tflops_fp32": 67, "memory_bandwidth_gbps": 4000}},
+        "device_types": {"GH-96": {**gh, **({"efficiency": efficiency} if efficiency else {})}},
         "nodes": [{"devices": {"GH-96": 4}, "intra_node_gbps": 450} for _ in range(nodes)],
         "inter_node_gbps": 25})
 
 
-def sailor(shared: str, cost_model=None) -> list[dict]:
+def sailor(shared: str, cost_model=None, efficiency: float | None = None) -> list[dict]:
     """The 15 plans predicted through ``memx estimate``'s path; ``cost_model(model, cluster,
-    training)`` gives the cost model of each plan's cluster (None: the analytical one)."""
+    training)`` gives the cost model of each plan's cluster (None: the analytical one, at
+    ``efficiency`` of the GH-96 peak, or the default)."""
     rows = []
     model = get_model("opt-350m")
     with open(os.path.join(shared, "peer-data", "sailor-plans-dev", "opt350_gh96_plans.csv")) as f:
@@ -241,7 +243,7 @@ def sailor(shared: str, cost_model=None) -> list[dict]:
         dp, tp = dps.pop(), tps.pop()
         training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
                                 flash_attention=False, fused_softmax=False, dropout=True)
-        cluster = gh200_cluster(nodes)
+        cluster = gh200_cluster(nodes, efficiency)
         try:
             plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp,
                                    micro_batch_size=mbs, layers_per_stage=layers, recompute=d["recompute"],
@@ -274,12 +276,16 @@ def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the plan clusters' only type is the profiled one
         rows = sailor(shared, lambda model, cluster, training: LearnedCostModel(model, cluster, training, predictor))
+    efficiency = predictor.meta["efficiency"]["GH-96"]
+    analytical_rows = sailor(shared, efficiency=efficiency)
     fitted = {"profile": "shared/peer-data/sailor/profiles/OPT-350/GH-96 (fp32, Megatron-DeepSpeed)",
               "records": len(records), "trials": trials,
               "part_levels_measured_over_analytical": {
                   part: {k.split("|")[0]: round(float(np.exp(v)), 3) for k, v in levels.items()}
                   for part, levels in predictor.meta["part_levels"].items()},
-              "memory_overhead_gib_measured": predictor.meta["memory_overhead_gib"] or None}
+              "memory_overhead_gib_measured": predictor.meta["memory_overhead_gib"] or None,
+              "efficiency_measured": round(efficiency, 3),
+              "analytical_at_measured_efficiency": {**sailor_summary(analytical_rows), "rows": analytical_rows}}
     return rows, fitted
 
 

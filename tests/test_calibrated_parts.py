@@ -8,7 +8,8 @@ import pytest
 
 from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.profiling.calibrated_parts import measured_overhead_gib, part_levels
+from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
+                                                    with_measured_efficiency)
 from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
 from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
 from memx_launch.specs.model import MODEL_CATALOG
@@ -84,3 +85,30 @@ def test_estimate_uses_the_measured_overhead_unless_the_cluster_gives_one(predic
     stated = LearnedCostModel(model, given, training, predictor)
     assert stated.measured_overhead_bytes == {}
     assert peak(given, stated) == pytest.approx(peak(CLUSTER, learned) - 2.1 + 0.25, abs=1e-6)
+
+
+def test_measured_efficiency_recovers_the_share_of_peak_the_blocks_sustained():
+    """Records timed by 'hardware' that sustains 40% of peak (the analytical model at 0.4), the
+    records' device saying nothing (the 0.75 default): calibration finds 0.4, and the analytical
+    model of the cluster with it reproduces the measured times."""
+    big = MODEL_CATALOG["llama-small"]  # large enough that no block is launch-bound
+    slow = AnalyticalCostModel(big, ClusterSpec("c", (replace(DEVICE, efficiency=0.4),), CLUSTER.nodes,
+                                                float("inf")), TRAINING)
+    records = []
+    for r in synthetic_records(mbs_values=(4, 8, 16), seqs=(128, 256)):
+        level = ("none", "selective", "full").index(r.recompute)
+        t = slow.layer_costs([0], [r.tp], [r.micro_batch_size], [r.seq_len], [level]).time_s[0]
+        records.append(replace(r, model=big.name, model_signature=big.signature(), block_shape=big.to_dict(),
+                               time_s=float(t)))
+    # Launch-bound blocks (llama-tiny at small shapes) carry no information: no value from them alone.
+    assert measured_efficiency(synthetic_records(mbs_values=(1,), seqs=(32,))) == {}
+    eff = measured_efficiency(records)
+    assert eff == {"dev": pytest.approx(0.4, rel=0.02)}
+    calibrated = with_measured_efficiency(CLUSTER, eff)
+    assert calibrated.device_type("dev").efficiency == pytest.approx(0.4, rel=0.02)
+    again = AnalyticalCostModel(big, calibrated, TRAINING).layer_costs([0], [1], [4], [64], [0]).time_s
+    assert again == pytest.approx(slow.layer_costs([0], [1], [4], [64], [0]).time_s, rel=0.02)
+    # A value the cluster file gives wins over the measured one.
+    given = ClusterSpec("c", (replace(DEVICE, efficiency=0.6),), CLUSTER.nodes, float("inf"))
+    assert with_measured_efficiency(given, eff).device_type("dev").efficiency == 0.6
+    assert fit_predictor(records, trials=2).meta["efficiency"]["dev"] == pytest.approx(0.4, rel=0.02)

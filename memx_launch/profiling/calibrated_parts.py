@@ -16,19 +16,23 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from memx_launch.planning.costmodel import AnalyticalCostModel
+from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.profiling.profiledb import Measurement
-from memx_launch.specs.cluster import ClusterSpec, DeviceType, Emulation, Node
+from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType, Emulation, Node
 from memx_launch.specs.training import TrainingSpec
 
 PARTS = ("embedding", "head")
 
 
-def _analytical(first: Measurement) -> AnalyticalCostModel:
+def _analytical(first: Measurement, efficiency: float | None = None) -> AnalyticalCostModel:
     device = DeviceType(name=first.device_type, **first.device)
+    if efficiency is not None:
+        device = replace(device, efficiency=efficiency)
     emulation = Emulation(((device.name, first.emulation_slowdown),)) if first.emulation_slowdown != 1.0 else None
     cluster = ClusterSpec("profiled", (device,), (Node("profiled", ((device.name, 1),),
                                                        float(first.tp_link_gbps or 1.0)),), math.inf, emulation)
@@ -76,3 +80,44 @@ def part_ratio(levels: dict, part: str, device_names, model_signature: str) -> n
     analytical time) for a type whose profile did not time it."""
     by_key = levels.get(part, {})
     return np.exp([by_key.get(f"{name}|{model_signature}", 0.0) for name in device_names])
+
+
+def measured_efficiency(records: list[Measurement]) -> dict:
+    """{device type: share of its peak the blocks sustained}: the efficiency at which the
+    analytical block time equals the measured one, median over the type's records.
+
+    Only the compute term scales with the efficiency (memory-bound work, launches and TP
+    communication do not): the analytical time at the record's efficiency e and at e/2 gives
+    the compute part C (T(e/2) - T(e) = C) and the rest R, and the measured time M implies
+    e x C / (M - R), clipped to (0, 1]. This is what the analytical model (memx plan without a
+    profile) can take as the type's ``efficiency`` in place of the 0.75 default.
+    """
+    by_type: dict[str, list[float]] = {}
+    groups: dict[tuple, list[Measurement]] = {}
+    for r in records:
+        if r.feasible and r.time_s and r.time_s > 0:
+            key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
+                   r.dtype, r.tp_link_gbps, r.emulation_slowdown)
+            groups.setdefault(key, []).append(r)
+    for rows in groups.values():
+        first = rows[0]
+        e = first.device.get("efficiency") or DEFAULT_EFFICIENCY
+        query = (np.zeros(len(rows), dtype=np.int64), [r.tp for r in rows], [r.micro_batch_size for r in rows],
+                 [r.seq_len for r in rows], [RECOMPUTE_LEVELS.index(r.recompute) for r in rows])
+        at_e = _analytical(first, e).layer_costs(*query).time_s
+        compute = _analytical(first, e / 2).layer_costs(*query).time_s - at_e
+        rest = at_e - compute
+        measured = np.array([r.time_s for r in rows])
+        implied = np.where(measured > rest, e * compute / np.maximum(measured - rest, 1e-30), 1.0)
+        # Launch-bound blocks (no compute term left above the launch floor) say nothing of it.
+        informative = compute > 1e-3 * at_e
+        by_type.setdefault(first.device_type, []).extend(np.clip(implied[informative], 1e-3, 1.0).tolist())
+    return {name: float(np.median(v)) for name, v in sorted(by_type.items()) if v}
+
+
+def with_measured_efficiency(cluster: ClusterSpec, efficiency: dict) -> ClusterSpec:
+    """``cluster`` whose device types take their measured efficiency (:func:`measured_efficiency`)
+    where the cluster file gives none: the analytical model of a calibrated type."""
+    types = tuple(replace(d, efficiency=efficiency[d.name]) if d.efficiency is None and d.name in efficiency else d
+                  for d in cluster.device_types)
+    return replace(cluster, device_types=types)

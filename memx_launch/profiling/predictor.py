@@ -34,7 +34,8 @@ from scipy.stats import norm
 from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
-from memx_launch.profiling.calibrated_parts import measured_overhead_gib, part_levels, part_ratio
+from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
+                                                    part_ratio)
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -245,6 +246,7 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "offsets": asdict(offsets),
         "part_levels": part_levels(list(records)),
         "memory_overhead_gib": measured_overhead_gib(list(records)),
+        "efficiency": measured_efficiency(list(records)),
         "hyperparameters": params,
         "cv_error": cv_error,
         "tuning_history": history,
