@@ -265,12 +265,18 @@ def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
     type and model (OPT-350 on GH-96: block, embedding and head times by micro-batch and TP;
     the profile holds no memory, so memory stays analytical), as ``memx estimate --profile-db``."""
     import warnings
+    from dataclasses import replace
 
     from benchmarks.predictor_accuracy import sailor_records
+    from memx_launch.planning.costmodel import tp_link_gbps
     from memx_launch.profiling.interpolation import augment_measurements
     from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
 
-    records = [r for r in sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
+    # The profile was taken on the plans' GH200 nodes: its TP groups ran over the links the plan
+    # cluster describes, so the learned ratio applies to the same analytical base.
+    node = gh200_cluster(1)
+    records = [replace(r, tp_link_gbps=tp_link_gbps(node, "GH-96", r.tp) if r.tp > 1 else None)
+               for r in sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
                if r.device_type == "GH-96" and r.model == "opt-350m"]
     predictor = fit_predictor(records, augmented=augment_measurements(records).points, trials=trials)
     with warnings.catch_warnings():
@@ -280,8 +286,9 @@ def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
     analytical_rows = sailor(shared, efficiency=efficiency)
     fitted = {"profile": "shared/peer-data/sailor/profiles/OPT-350/GH-96 (fp32, Megatron-DeepSpeed)",
               "records": len(records), "trials": trials,
-              "part_levels_measured_over_analytical": {
-                  part: {k.split("|")[0]: round(float(np.exp(v)), 3) for k, v in levels.items()}
+              "parts_fixed_ms_and_scale_of_analytical": {
+                  part: {k.split("|")[0]: {"fixed_ms": round(1e3 * fixed, 3), "scale": round(scale, 3)}
+                         for k, (scale, fixed) in levels.items()}
                   for part, levels in predictor.meta["part_levels"].items()},
               "memory_overhead_gib_measured": predictor.meta["memory_overhead_gib"] or None,
               "efficiency_measured": round(efficiency, 3),

@@ -19,7 +19,7 @@ from tests.test_predictor import CLUSTER, DEVICE, SPEC, TRAINING, synthetic_reco
 GIB = 2**30
 
 
-def gpu_records(embedding_ratio=3.0, head_ratio=0.5, slack_gib=1.5, context_gib=0.6):
+def gpu_records(embedding_ratio=3.0, head_ratio=0.5, slack_gib=1.5, context_gib=0.6, head_fixed_s=0.0):
     """Synthetic records of a GPU that timed the embedding and head and read its memory above
     the allocated tensors."""
     cost = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
@@ -27,7 +27,7 @@ def gpu_records(embedding_ratio=3.0, head_ratio=0.5, slack_gib=1.5, context_gib=
     for r in synthetic_records():
         emb = cost.embedding_time([0], [r.tp], [r.micro_batch_size], [r.seq_len])[0]
         head = cost.head_time([0], [r.tp], [r.micro_batch_size], [r.seq_len])[0]
-        out.append(replace(r, embedding_time_s=float(emb * embedding_ratio), head_time_s=float(head * head_ratio),
+        out.append(replace(r, embedding_time_s=float(emb * embedding_ratio), head_time_s=float(head_fixed_s + head * head_ratio),
                            peak_reserved_bytes=r.peak_memory_bytes + slack_gib * GIB, context_bytes=context_gib * GIB))
     return out
 
@@ -41,8 +41,11 @@ def test_part_levels_and_overhead_come_from_the_records():
     records = gpu_records()
     levels = part_levels(records)
     key = f"dev|{SPEC.signature()}"
-    assert levels["embedding"][key] == pytest.approx(np.log(3.0))
-    assert levels["head"][key] == pytest.approx(np.log(0.5))
+    assert levels["embedding"][key] == pytest.approx([3.0, 0.0], abs=1e-9)
+    assert levels["head"][key] == pytest.approx([0.5, 0.0], abs=1e-9)
+    # A fixed cost per call (launches) beside the scaled physics is recovered too.
+    fixed = part_levels(gpu_records(head_fixed_s=2e-3))["head"][key]
+    assert fixed == pytest.approx([0.5, 2e-3], rel=1e-6)
     assert measured_overhead_gib(records) == {"dev": pytest.approx(2.1)}
     # Records without the measurements (public time-only profiles, CPUs) give nothing.
     assert part_levels(synthetic_records()) == {"embedding": {}, "head": {}}

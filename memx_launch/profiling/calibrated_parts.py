@@ -40,15 +40,19 @@ def _analytical(first: Measurement, efficiency: float | None = None) -> Analytic
 
 
 def part_levels(records: list[Measurement]) -> dict:
-    """{"embedding" | "head": {"device type|model signature": median log(measured / analytical)}}
-    over the feasible records that timed that part."""
+    """{"embedding" | "head": {"device type|model signature": [scale, fixed seconds]}}: the
+    measured time of each part as a fixed cost per call (launches, host work: what keeps a
+    small embedding at about a millisecond) plus a scale of its analytical time, fitted by
+    non-negative least squares over the feasible records that timed that part."""
+    from scipy.optimize import nnls
+
     groups: dict[tuple, list[Measurement]] = {}
     for r in records:
         if r.feasible and (r.embedding_time_s or r.head_time_s):
             key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
                    r.dtype, r.tp_link_gbps, r.emulation_slowdown)
             groups.setdefault(key, []).append(r)
-    ratios: dict[str, dict[str, list[float]]] = {part: {} for part in PARTS}
+    points: dict[str, dict[str, list[tuple[float, float]]]] = {part: {} for part in PARTS}
     for rows in groups.values():
         cost = _analytical(rows[0])
         for part in PARTS:
@@ -57,10 +61,17 @@ def part_levels(records: list[Measurement]) -> dict:
                 continue
             base = getattr(cost, f"{part}_time")(np.zeros(len(timed), dtype=np.int64), [r.tp for r in timed],
                                                  [r.micro_batch_size for r in timed], [r.seq_len for r in timed])
-            measured = np.array([getattr(r, f"{part}_time_s") for r in timed])
             key = f"{rows[0].device_type}|{rows[0].model_signature}"
-            ratios[part].setdefault(key, []).extend(np.log(measured / base).tolist())
-    return {part: {k: float(np.median(v)) for k, v in by_key.items()} for part, by_key in ratios.items()}
+            points[part].setdefault(key, []).extend(zip(base.tolist(), [getattr(r, f"{part}_time_s") for r in timed]))
+    out: dict[str, dict[str, list[float]]] = {part: {} for part in PARTS}
+    for part, by_key in points.items():
+        for key, pairs in by_key.items():
+            base, measured = np.array(pairs).T
+            # Relative errors: each point weighted by 1 / its measured time.
+            (scale, fixed), _ = nnls(np.column_stack([base, np.ones_like(base)]) / measured[:, None],
+                                     np.ones_like(measured))
+            out[part][key] = [float(scale), float(fixed)]
+    return out
 
 
 def measured_overhead_gib(records: list[Measurement]) -> dict:
@@ -75,11 +86,12 @@ def measured_overhead_gib(records: list[Measurement]) -> dict:
     return {name: float(np.median(v)) for name, v in sorted(by_type.items())}
 
 
-def part_ratio(levels: dict, part: str, device_names, model_signature: str) -> np.ndarray:
-    """Per device type of a cluster: the measured / analytical factor of ``part``; 1 (the
-    analytical time) for a type whose profile did not time it."""
+def part_terms(levels: dict, part: str, device_names, model_signature: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per device type of a cluster: (scale, fixed seconds) of ``part``; (1, 0), the analytical
+    time, for a type whose profile did not time it."""
     by_key = levels.get(part, {})
-    return np.exp([by_key.get(f"{name}|{model_signature}", 0.0) for name in device_names])
+    terms = np.array([by_key.get(f"{name}|{model_signature}", [1.0, 0.0]) for name in device_names], dtype=float)
+    return terms[:, 0], terms[:, 1]
 
 
 def measured_efficiency(records: list[Measurement]) -> dict:

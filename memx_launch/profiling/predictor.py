@@ -35,7 +35,7 @@ from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
-                                                    part_ratio)
+                                                    part_terms)
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -271,9 +271,9 @@ class LearnedCostModel:
             warnings.warn(f"no measurement of device type(s) {', '.join(unseen)}: their costs come from "
                           "the analytical model, scaled by the shape learned on the other types at their median "
                           "level", stacklevel=2)
-        # Embedding and head: scaled by their measured level where the profile timed them.
+        # Embedding and head: fixed cost + scaled analytical time where the profile timed them.
         levels = predictor.meta.get("part_levels", {})
-        self._embedding_ratio, self._head_ratio = (part_ratio(levels, part, self.device_names, self._model_signature)
+        self._embedding_terms, self._head_terms = (part_terms(levels, part, self.device_names, self._model_signature)
                                                    for part in ("embedding", "head"))
         # A type's measured overhead replaces the vendor default, never a value the cluster file gives.
         measured = predictor.meta.get("memory_overhead_gib", {})
@@ -290,10 +290,12 @@ class LearnedCostModel:
                          working_bytes=(base.working_bytes * ratio[:, 1]).reshape(shape))
 
     def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
-        return self.analytical.embedding_time(device, tp, mbs, seq) * self._embedding_ratio[np.asarray(device)]
+        scale, fixed = (t[np.asarray(device)] for t in self._embedding_terms)
+        return fixed + scale * self.analytical.embedding_time(device, tp, mbs, seq)
 
     def head_time(self, device, tp, mbs, seq) -> np.ndarray:
-        return self.analytical.head_time(device, tp, mbs, seq) * self._head_ratio[np.asarray(device)]
+        scale, fixed = (t[np.asarray(device)] for t in self._head_terms)
+        return fixed + scale * self.analytical.head_time(device, tp, mbs, seq)
 
 
 def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
