@@ -115,3 +115,11 @@ def test_measured_efficiency_recovers_the_share_of_peak_the_blocks_sustained():
     given = ClusterSpec("c", (replace(DEVICE, efficiency=0.6),), CLUSTER.nodes, float("inf"))
     assert with_measured_efficiency(given, eff).device_type("dev").efficiency == 0.6
     assert fit_predictor(records, trials=2).meta["efficiency"]["dev"] == pytest.approx(0.4, rel=0.02)
+
+
+def test_learned_model_carries_the_measured_efficiency_for_compute_share_baselines(predictor):
+    eff = predictor.meta["efficiency"]
+    learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, predictor)
+    assert 0 < eff["dev"] <= 1 and learned.calibrated_cluster.device_type("dev").efficiency == eff["dev"]
+    # The learned ratios stay on the profile's descriptors: its analytical base is unchanged.
+    assert learned.analytical.cluster is CLUSTER

@@ -35,7 +35,7 @@ from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
-                                                    part_terms)
+                                                    part_terms, with_measured_efficiency)
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -279,6 +279,9 @@ class LearnedCostModel:
         measured = predictor.meta.get("memory_overhead_gib", {})
         self.measured_overhead_bytes = {d.name: measured[d.name] * 2**30 for d in self.device_types
                                         if d.memory_overhead_gib is None and d.name in measured}
+        # The cluster as the analytical model should see it: measured efficiencies where the file
+        # gives none (compute-share baselines); the learned ratios stay on the profile's descriptors.
+        self.calibrated_cluster = with_measured_efficiency(cluster, predictor.meta.get("efficiency", {}))
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape
