@@ -206,6 +206,10 @@ def hagemann(shared: str) -> list[dict]:
 # --------------------------------------------------------------------------- Sailor plans (OPT-350, GH200)
 
 
+# Megatron-DeepSpeed's OPT runs in fp32: no fused attention, torch's softmax, hidden dropout on.
+SAILOR_RUN_OPTIONS = {"flash_attention": False, "fused_softmax": False, "dropout": True}
+
+
 def gh200_cluster(nodes: int, efficiency: float | None = None) -> ClusterSpec:
     gh = {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989, "peak_tflops_fp32": 67,
           "memory_bandwidth_gbps": 4000}
@@ -241,8 +245,7 @@ def sailor(shared: str, cost_model=None, efficiency: float | None = None) -> lis
             rows.append(row)
             continue
         dp, tp = dps.pop(), tps.pop()
-        training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
-                                flash_attention=False, fused_softmax=False, dropout=True)
+        training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32", **SAILOR_RUN_OPTIONS)
         cluster = gh200_cluster(nodes, efficiency)
         try:
             plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp,
@@ -272,10 +275,12 @@ def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
     from memx_launch.profiling.interpolation import augment_measurements
     from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
 
-    # The profile was taken on the plans' GH200 nodes: its TP groups ran over the links the plan
-    # cluster describes, so the learned ratio applies to the same analytical base.
+    # The profile was taken on the plans' GH200 nodes with the plans' framework and options: its
+    # TP groups ran over the links the plan cluster describes, its blocks with dropout and
+    # torch's softmax (SAILOR_RUN_OPTIONS), so the learned ratio applies to the same analytical base.
     node = gh200_cluster(1)
-    records = [replace(r, tp_link_gbps=tp_link_gbps(node, "GH-96", r.tp) if r.tp > 1 else None)
+    records = [replace(r, tp_link_gbps=tp_link_gbps(node, "GH-96", r.tp) if r.tp > 1 else None,
+                       run_options=SAILOR_RUN_OPTIONS)
                for r in sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
                if r.device_type == "GH-96" and r.model == "opt-350m"]
     predictor = fit_predictor(records, augmented=augment_measurements(records).points, trials=trials)

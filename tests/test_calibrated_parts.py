@@ -1,6 +1,7 @@
 """Calibration beyond the blocks: embedding and head times, and the measured memory overhead
 (synthetic GPU records: no GPU here, the kernel's CUDA path is untested in this suite)."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -123,3 +124,23 @@ def test_learned_model_carries_the_measured_efficiency_for_compute_share_baselin
     assert 0 < eff["dev"] <= 1 and learned.calibrated_cluster.device_type("dev").efficiency == eff["dev"]
     # The learned ratios stay on the profile's descriptors: its analytical base is unchanged.
     assert learned.analytical.cluster is CLUSTER
+
+
+def test_records_state_the_run_options_their_blocks_ran_with():
+    """Blocks timed with dropout and torch's softmax: the learned targets are taken against the
+    analytical model at those options (ratio 1 here), not at memx's defaults."""
+    from memx_launch.profiling.features import training_rows
+    from memx_launch.profiling.profiledb import Measurement
+
+    options = {"dropout": True, "fused_softmax": False, "flash_attention": False}
+    physics = AnalyticalCostModel(SPEC, CLUSTER, TrainingSpec(dtype="fp32", **options))
+    records = []
+    for r in synthetic_records():
+        level = ("none", "selective", "full").index(r.recompute)
+        t = physics.layer_costs([0], [1], [r.micro_batch_size], [r.seq_len], [level]).time_s[0]
+        records.append(replace(r, time_s=float(t), run_options=options))
+    assert np.allclose(training_rows(records).Y[:, 0], 0.0, atol=1e-9)
+    assert not np.allclose(training_rows([replace(r, run_options={}) for r in records]).Y[:, 0], 0.0, atol=1e-3)
+    with pytest.raises(ValueError, match="unknown run option"):
+        Measurement.from_dict({**json.loads(records[0].to_json()), "run_options": {"turbo": True}})
+    assert Measurement.from_dict(json.loads(records[0].to_json())) == records[0]

@@ -36,7 +36,7 @@ def _analytical(first: Measurement, efficiency: float | None = None) -> Analytic
     emulation = Emulation(((device.name, first.emulation_slowdown),)) if first.emulation_slowdown != 1.0 else None
     cluster = ClusterSpec("profiled", (device,), (Node("profiled", ((device.name, 1),),
                                                        float(first.tp_link_gbps or 1.0)),), math.inf, emulation)
-    return AnalyticalCostModel(first.shape_spec(), cluster, TrainingSpec(dtype=first.dtype))
+    return AnalyticalCostModel(first.shape_spec(), cluster, TrainingSpec(dtype=first.dtype, **first.run_options))
 
 
 def part_levels(records: list[Measurement]) -> dict:
@@ -50,7 +50,7 @@ def part_levels(records: list[Measurement]) -> dict:
     for r in records:
         if r.feasible and (r.embedding_time_s or r.head_time_s):
             key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-                   r.dtype, r.tp_link_gbps, r.emulation_slowdown)
+                   r.dtype, r.tp_link_gbps, r.emulation_slowdown, json.dumps(r.run_options, sort_keys=True))
             groups.setdefault(key, []).append(r)
     points: dict[str, dict[str, list[tuple[float, float]]]] = {part: {} for part in PARTS}
     for rows in groups.values():
@@ -109,7 +109,7 @@ def measured_efficiency(records: list[Measurement]) -> dict:
     for r in records:
         if r.feasible and r.time_s and r.time_s > 0:
             key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-                   r.dtype, r.tp_link_gbps, r.emulation_slowdown)
+                   r.dtype, r.tp_link_gbps, r.emulation_slowdown, json.dumps(r.run_options, sort_keys=True))
             groups.setdefault(key, []).append(r)
     for rows in groups.values():
         first = rows[0]

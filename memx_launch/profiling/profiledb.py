@@ -67,6 +67,11 @@ class Measurement:
     """Forward + backward of the embedding at this configuration, where the profile timed it."""
     head_time_s: float | None = None
     """Forward + backward of the final norm, output layer and loss, where the profile timed it."""
+    run_options: dict = field(default_factory=dict)
+    """TrainingSpec options the blocks ran with that change their cost (flash_attention,
+    fused_softmax, dropout, ...); empty: memx's defaults. The learned ratio is taken against
+    the analytical model at these options, so a plan at other options keeps the physics of
+    the difference."""
     tp_link_gbps: float | None = None
     """Bandwidth of the TP group's link (None for tp=1)."""
     emulation_slowdown: float = 1.0
@@ -100,6 +105,12 @@ class Measurement:
                    if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
+        from memx_launch.specs.training import TrainingSpec
+
+        options = {f.name for f in fields(TrainingSpec)}
+        unknown = sorted(set(data.get("run_options") or {}) - options)
+        if unknown:
+            raise ValueError(f"unknown run option(s) {', '.join(unknown)}")
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
