@@ -2,9 +2,12 @@
 a process holds above its tensors, per device type.
 
 The embedding and the head (final norm, output layer, loss) are one each per model, so a tree
-per part would learn from a handful of rows: the learned model scales their analytical times
-by the median measured / analytical ratio of the device type and model instead (the physics
-carries the trend in micro-batch, sequence and TP, as for the blocks' offsets).
+per part would learn from a handful of rows: the learned model times each as a fixed cost per
+call plus a scale of its analytical time, per device type and model (the physics carries the
+trend in micro-batch, sequence and TP, as for the blocks' offsets).
+
+The efficiency per device type (the share of peak the blocks sustained) is what the analytical
+model of a calibrated type takes in place of the 0.75 default.
 
 The fixed memory overhead (DeviceType.memory_overhead_gib) is the caching allocator's reserve
 over allocated at the peak (peak_reserved - peak_allocated) plus the memory the process holds
@@ -39,6 +42,16 @@ def _analytical(first: Measurement, efficiency: float | None = None) -> Analytic
     return AnalyticalCostModel(first.shape_spec(), cluster, TrainingSpec(dtype=first.dtype, **first.run_options))
 
 
+def _same_setup_groups(records) -> dict[tuple, list[Measurement]]:
+    """Records by what their analytical estimate depends on besides the configuration."""
+    groups: dict[tuple, list[Measurement]] = {}
+    for r in records:
+        key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
+               r.dtype, r.tp_link_gbps, r.emulation_slowdown, json.dumps(r.run_options, sort_keys=True))
+        groups.setdefault(key, []).append(r)
+    return groups
+
+
 def part_levels(records: list[Measurement]) -> dict:
     """{"embedding" | "head": {"device type|model signature": [scale, fixed seconds]}}: the
     measured time of each part as a fixed cost per call (launches, host work: what keeps a
@@ -46,12 +59,7 @@ def part_levels(records: list[Measurement]) -> dict:
     non-negative least squares over the feasible records that timed that part."""
     from scipy.optimize import nnls
 
-    groups: dict[tuple, list[Measurement]] = {}
-    for r in records:
-        if r.feasible and (r.embedding_time_s or r.head_time_s):
-            key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-                   r.dtype, r.tp_link_gbps, r.emulation_slowdown, json.dumps(r.run_options, sort_keys=True))
-            groups.setdefault(key, []).append(r)
+    groups = _same_setup_groups(r for r in records if r.feasible and (r.embedding_time_s or r.head_time_s))
     points: dict[str, dict[str, list[tuple[float, float]]]] = {part: {} for part in PARTS}
     for rows in groups.values():
         cost = _analytical(rows[0])
@@ -105,12 +113,7 @@ def measured_efficiency(records: list[Measurement]) -> dict:
     profile) can take as the type's ``efficiency`` in place of the 0.75 default.
     """
     by_type: dict[str, list[float]] = {}
-    groups: dict[tuple, list[Measurement]] = {}
-    for r in records:
-        if r.feasible and r.time_s and r.time_s > 0:
-            key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-                   r.dtype, r.tp_link_gbps, r.emulation_slowdown, json.dumps(r.run_options, sort_keys=True))
-            groups.setdefault(key, []).append(r)
+    groups = _same_setup_groups(r for r in records if r.feasible and r.time_s and r.time_s > 0)
     for rows in groups.values():
         first = rows[0]
         e = first.device.get("efficiency") or DEFAULT_EFFICIENCY
