@@ -34,7 +34,7 @@ time MAPE and Spearman per group (runs that ran), memx's pick per group (lowest 
 among layouts predicted to fit) and its regret against the measured best.
 
 Writes benchmarks/results/real_runs.json.
-Run: .venv/bin/python benchmarks/real_runs.py   (about 20 s on 2 CPU cores: the calibrated
+Run: .venv/bin/python benchmarks/real_runs.py   (3-60 s on 2 shared CPU cores: the calibrated
 Sailor section fits the learned model once)
 """
 
