@@ -77,8 +77,10 @@ MAX_NEW_TYPE_SAMPLES = 5
 # --------------------------------------------------------------------------- (a) sailor
 
 
-def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, source: str) -> Measurement:
-    """One public block timing (fp32, forward + backward) as a ProfileDB record (time only)."""
+def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, source: str,
+                 embedding_time_s: float | None = None, head_time_s: float | None = None) -> Measurement:
+    """One public block timing (fp32, forward + backward) as a ProfileDB record (time only),
+    with the embedding's and the head's where the profile timed them."""
     spec = MODEL_CATALOG[SAILOR_MODELS[model_dir]]
     spec = type(spec)(**{**spec.to_dict(), "seq_len": SAILOR_SEQ[model_dir]})
     desc = dict(SAILOR_DEVICES[gpu])
@@ -88,20 +90,23 @@ def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, sou
         model=spec.name, model_signature=spec.signature(), block_shape=spec.to_dict(),
         tp=tp, micro_batch_size=mbs, seq_len=spec.seq_len, recompute="none", dtype="fp32",
         num_blocks=1, feasible=True, time_s=time_s, tp_link_gbps=float(link),
+        embedding_time_s=embedding_time_s, head_time_s=head_time_s,
         software={"framework": f"Megatron-DeepSpeed (sailor cf2c8e3, {source})"}, source=source)
 
 
-def sailor_records() -> list[Measurement]:
-    """Every block measurement of the public profiles."""
+def sailor_records(profiles: str = SAILOR) -> list[Measurement]:
+    """Every block measurement of the public profiles (``profiles``: the sailor/profiles folder)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(SAILOR, "*", "*", "profile.json"))):
+    for path in sorted(glob.glob(os.path.join(profiles, "*", "*", "profile.json"))):
         model_dir, gpu = path.split(os.sep)[-3:-1]
         with open(path) as f:
             profile = json.load(f)
         for mbs, by_tp in profile.items():
             for tp, units in by_tp.items():
                 fwd, bwd = units["1"][:2]  # unit 1 is a transformer block
-                out.append(block_record(gpu, model_dir, int(tp), int(mbs), fwd + bwd, "sailor"))
+                # Unit 0 is the embedding, the last one final norm + LM head + loss.
+                embedding, head = (sum(units[u][:2]) for u in ("0", str(max(int(k) for k in units))))
+                out.append(block_record(gpu, model_dir, int(tp), int(mbs), fwd + bwd, "sailor", embedding, head))
     return out
 
 

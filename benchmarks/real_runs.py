@@ -26,12 +26,16 @@ Data (development sets of issue 10, in shared/peer-data):
   attention in fp32 and torch's softmax (Megatron's fused softmax kernel takes only 16-bit
   inputs: ``--no-fused-softmax``), the plan's layer split.
 
+Calibrated: the Sailor plans again with the learned model fitted on the public Sailor profile
+of their GPU type and model (block, embedding and head times; no memory in that profile).
+
 Metrics: fit/OOM confusion matrix, false fits (real OOMs called fits) as a share of real OOMs,
 time MAPE and Spearman per group (runs that ran), memx's pick per group (lowest predicted time
 among layouts predicted to fit) and its regret against the measured best.
 
 Writes benchmarks/results/real_runs.json.
-Run: .venv/bin/python benchmarks/real_runs.py   (about 2 s on 2 CPU cores)
+Run: .venv/bin/python benchmarks/real_runs.py   (3-60 s on 2 shared CPU cores: the calibrated
+Sailor section fits the learned model once)
 """
 
 from __future__ import annotations
@@ -202,16 +206,24 @@ def hagemann(shared: str) -> list[dict]:
 # --------------------------------------------------------------------------- Sailor plans (OPT-350, GH200)
 
 
-def gh200_cluster(nodes: int) -> ClusterSpec:
+# Megatron-DeepSpeed's OPT runs in fp32: no fused attention, torch's softmax, hidden dropout on.
+SAILOR_RUN_OPTIONS = {"flash_attention": False, "fused_softmax": False, "dropout": True}
+
+
+def gh200_cluster(nodes: int, efficiency: float | None = None) -> ClusterSpec:
+    gh = {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989, "peak_tflops_fp32": 67,
+          "memory_bandwidth_gbps": 4000}
     return ClusterSpec.from_dict({
         "version": 1, "name": f"gh200-{nodes}x4",
-        "device_types": {"GH-96": {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989,
-                                   "peak_tflops_fp32": 67, "memory_bandwidth_gbps": 4000}},
+        "device_types": {"GH-96": {**gh, **({"efficiency": efficiency} if efficiency else {})}},
         "nodes": [{"devices": {"GH-96": 4}, "intra_node_gbps": 450} for _ in range(nodes)],
         "inter_node_gbps": 25})
 
 
-def sailor(shared: str) -> list[dict]:
+def sailor(shared: str, cost_model=None, efficiency: float | None = None) -> list[dict]:
+    """The 15 plans predicted through ``memx estimate``'s path; ``cost_model(model, cluster,
+    training)`` gives the cost model of each plan's cluster (None: the analytical one, at
+    ``efficiency`` of the GH-96 peak, or the default)."""
     rows = []
     model = get_model("opt-350m")
     with open(os.path.join(shared, "peer-data", "sailor-plans-dev", "opt350_gh96_plans.csv")) as f:
@@ -233,12 +245,13 @@ def sailor(shared: str) -> list[dict]:
             rows.append(row)
             continue
         dp, tp = dps.pop(), tps.pop()
-        training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
-                                flash_attention=False, fused_softmax=False, dropout=True)
+        training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32", **SAILOR_RUN_OPTIONS)
+        cluster = gh200_cluster(nodes, efficiency)
         try:
-            plan = evaluate_layout(model, gh200_cluster(nodes), training, tp=tp, pp=pp, dp=dp,
+            plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp,
                                    micro_batch_size=mbs, layers_per_stage=layers, recompute=d["recompute"],
-                                   references=(1.0, 1.0, 1.0))
+                                   references=(1.0, 1.0, 1.0),
+                                   cost_model=cost_model(model, cluster, training) if cost_model else None)
         except ConfigError as exc:
             row["error"] = str(exc)
             rows.append(row)
@@ -248,6 +261,53 @@ def sailor(shared: str) -> list[dict]:
         row["time_s"] = plan.predicted_iteration_time_s
         rows.append(row)
     return rows
+
+
+def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
+    """The same plans with the learned model fitted on the public Sailor profile of their GPU
+    type and model (OPT-350 on GH-96: block, embedding and head times by micro-batch and TP;
+    the profile holds no memory, so memory stays analytical), as ``memx estimate --profile-db``."""
+    import warnings
+    from dataclasses import replace
+
+    from benchmarks.predictor_accuracy import sailor_records
+    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.profiling.interpolation import augment_measurements
+    from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
+
+    # The profile was taken on the plans' GH200 nodes with the plans' framework and options: its
+    # TP groups ran over the links the plan cluster describes, its blocks with dropout and
+    # torch's softmax (SAILOR_RUN_OPTIONS), so the learned ratio applies to the same analytical base.
+    node = gh200_cluster(1)
+    records = [replace(r, tp_link_gbps=tp_link_gbps(node, "GH-96", r.tp) if r.tp > 1 else None,
+                       run_options=SAILOR_RUN_OPTIONS)
+               for r in sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
+               if r.device_type == "GH-96" and r.model == "opt-350m"]
+    predictor = fit_predictor(records, augmented=augment_measurements(records).points, trials=trials)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plan clusters' only type is the profiled one
+        rows = sailor(shared, lambda model, cluster, training: LearnedCostModel(model, cluster, training, predictor))
+    efficiency = predictor.meta["efficiency"]["GH-96"]
+    analytical_rows = sailor(shared, efficiency=efficiency)
+    fitted = {"profile": "shared/peer-data/sailor/profiles/OPT-350/GH-96 (fp32, Megatron-DeepSpeed)",
+              "records": len(records), "trials": trials,
+              "parts_fixed_ms_and_scale_of_analytical": {
+                  part: {k.split("|")[0]: {"fixed_ms": round(1e3 * fixed, 3), "scale": round(scale, 3)}
+                         for k, (scale, fixed) in levels.items()}
+                  for part, levels in predictor.meta["part_levels"].items()},
+              "memory_overhead_gib_measured": predictor.meta["memory_overhead_gib"] or None,
+              "efficiency_measured": round(efficiency, 3),
+              "analytical_at_measured_efficiency": {**sailor_summary(analytical_rows), "rows": analytical_rows}}
+    return rows, fitted
+
+
+def sailor_summary(rows: list[dict]) -> dict:
+    done = [r for r in rows if "time_s" in r]
+    return {"fit": fit_summary(rows), "time": time_summary(rows),
+            "memory_mape_pct": round(mape([r["peak_gib"] for r in done], [r["real_peak_gib"] for r in done]), 1),
+            "spearman_all_plans": round(spearman([r["time_s"] for r in done], [r["real_time_s"] for r in done]), 3),
+            "groups": group_summary(rows, lambda r: r["group"]),
+            "errors": sum("error" in r for r in rows)}
 
 
 def no_nan(value):
@@ -280,21 +340,19 @@ def main() -> None:
     rhos = [g["spearman"] for g in groups.values() if not math.isnan(g["spearman"])]
     result["hagemann_llama13b_a100"]["spearman_mean_over_groups"] = round(float(np.mean(rhos)), 3)
     s = sailor(shared)
-    done = [r for r in s if "time_s" in r]
-    result["sailor_opt350_gh200"] = {
-        "fit": fit_summary(s), "time": time_summary(s),
-        "memory_mape_pct": round(mape([r["peak_gib"] for r in done], [r["real_peak_gib"] for r in done]), 1),
-        "spearman_all_plans": round(spearman([r["time_s"] for r in done], [r["real_time_s"] for r in done]), 3),
-        "groups": group_summary(s, lambda r: r["group"]),
-        "errors": sum("error" in r for r in s),
-        "rows": s}
+    result["sailor_opt350_gh200"] = {**sailor_summary(s), "rows": s}
+    calibrated, fitted = sailor_calibrated(shared)
+    result["sailor_opt350_gh200_calibrated"] = {
+        "cost_model": "learned (XGBoost over the analytical model), fitted on the plans' GPU type and model",
+        **fitted, **sailor_summary(calibrated), "rows": calibrated}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     brief = {k: result["hagemann_llama13b_a100"][k] for k in ("fit", "time", "spearman_mean_over_groups")}
     print("hagemann", brief)
     for name, g in groups.items():
         print(" ", name, {k: v for k, v in g.items() if k in ("time_mape_pct", "spearman", "regret_pct")})
-    print("sailor", {k: result["sailor_opt350_gh200"][k] for k in ("time", "memory_mape_pct", "spearman_all_plans")})
+    for key in ("sailor_opt350_gh200", "sailor_opt350_gh200_calibrated"):
+        print(key, {k: result[key][k] for k in ("time", "memory_mape_pct", "spearman_all_plans")})
     print(f"{result['seconds']} s")
 
 

@@ -201,7 +201,7 @@ def test_calibration_kernel_measures_time_and_memory_on_cpu():
         assert m.feasible and m.time_s > 0 and m.time_spread_s >= 0 and not m.emulated
     # Full recompute keeps only the block inputs: the least memory.
     assert full.peak_memory_bytes < selective.peak_memory_bytes <= none.peak_memory_bytes
-    assert none.peak_reserved_bytes is None  # no caching allocator on CPUs
+    assert none.peak_reserved_bytes is None and none.context_bytes is None  # no caching allocator, no CUDA context
     (slow,) = calibrate(SPEC, CPU, samples[:1], repeats=1, emulation_slowdown=4.0)
     assert slow.emulated and slow.emulation_slowdown == 4.0
 
@@ -222,6 +222,7 @@ def test_gpu_calibration_times_with_events_and_reads_both_allocator_peaks():
                      repeats=3)
     assert m.feasible and m.time_s > 0
     assert 0 < m.peak_memory_bytes <= m.peak_reserved_bytes
+    assert m.context_bytes > 0  # the CUDA context at least (untested here: no GPU in development)
 
 
 def test_out_of_memory_is_stored_as_an_infeasible_point(monkeypatch):

@@ -39,3 +39,18 @@ def test_every_development_run_gets_a_prediction():
     assert all(r["peak_gib"] > 0 and r["time_s"] > 0 for r in rows)
     plans = real_runs.sailor(shared)
     assert len(plans) == 15 and all("time_s" in r for r in plans)
+
+
+def test_calibrated_sailor_plans_go_through_the_learned_model():
+    try:
+        shared = real_runs.shared_dir()
+    except SystemExit:
+        pytest.skip("shared/peer-data is not beside this checkout")
+    rows, fitted = real_runs.sailor_calibrated(shared, trials=2)
+    plain = real_runs.sailor(shared)
+    assert len(rows) == 15 and all("time_s" in r for r in rows)
+    # The learned model changes the times (blocks, embedding, head), not the analytical memory.
+    assert any(abs(a["time_s"] / b["time_s"] - 1) > 0.05 for a, b in zip(rows, plain))
+    assert [r["peak_gib"] for r in rows] == [r["peak_gib"] for r in plain]
+    parts = fitted["parts_fixed_ms_and_scale_of_analytical"]
+    assert parts["head"]["GH-96"]["fixed_ms"] > 0 and 0 < fitted["efficiency_measured"] <= 1

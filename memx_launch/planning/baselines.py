@@ -44,7 +44,9 @@ def compare_baselines(model: ModelSpec, cluster: ClusterSpec, training: Training
                                      ("memory-proportional", _memory_share, True)):
         best = None
         for layout in enumerate_layouts(model, cluster, names):
-            layers = proportional_split(share_of(cluster, layout, names), model.num_layers)
+            # A learned model's cluster carries the efficiencies calibration measured.
+            layers = proportional_split(share_of(getattr(cost_model, "calibrated_cluster", cluster), layout, names),
+                                        model.num_layers)
             for mbs in space.micro_batch_sizes:
                 if training.global_batch_size % (layout.dp * mbs) or layers.min() < 1:
                     continue

@@ -75,7 +75,9 @@ class Evaluator:
         self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
         self.cost_model, self.analytical, self.table = cost_model, analytical, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
-        self.overhead = np.array([d.overhead_bytes for d in self.device_types])
+        # A learned model brings the overhead calibration measured for a type (else the default).
+        measured = getattr(cost_model, "measured_overhead_bytes", {})
+        self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
 
     def usable(self, layout: Layout) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -109,8 +111,8 @@ class Evaluator:
 
     def _edge_time(self, layout, mbs, seq) -> np.ndarray:
         out = np.zeros(layout.pp)
-        out[0] += self.analytical.embedding_time(layout.stage_device[0], layout.tp, mbs, seq)
-        out[-1] += self.analytical.head_time(layout.stage_device[-1], layout.tp, mbs, seq)
+        out[0] += self.cost_model.embedding_time(layout.stage_device[0], layout.tp, mbs, seq)
+        out[-1] += self.cost_model.head_time(layout.stage_device[-1], layout.tp, mbs, seq)
         return out
 
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,

@@ -84,7 +84,7 @@ def training_rows(records: list[Measurement]) -> TrainingSet:
     for r in records:
         if r.feasible and r.time_s and r.time_s > 0:
             key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-                   r.dtype, r.tp_link_gbps, r.emulation_slowdown)
+                   r.dtype, r.tp_link_gbps, r.emulation_slowdown, json.dumps(r.run_options, sort_keys=True))
             groups.setdefault(key, []).append(r)
     if not groups:
         raise ConfigError("profile", "no feasible measurement to learn from",
@@ -95,7 +95,7 @@ def training_rows(records: list[Measurement]) -> TrainingSet:
         device = DeviceType(name=first.device_type, **first.device)
         cost = AnalyticalCostModel(first.shape_spec(),
                                    _single_device_cluster(device, first.tp_link_gbps, first.emulation_slowdown),
-                                   TrainingSpec(dtype=first.dtype))
+                                   TrainingSpec(dtype=first.dtype, **first.run_options))
         X, base = physics_features(cost, np.zeros(len(rows), dtype=np.int64), [r.tp for r in rows],
                                    [r.micro_batch_size for r in rows], [r.seq_len for r in rows],
                                    [RECOMPUTE_LEVELS.index(r.recompute) for r in rows])

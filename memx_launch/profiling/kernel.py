@@ -144,7 +144,9 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             dtype=dtype, num_blocks=num_blocks, feasible=feasible,
             time_s=None if time_s is None else time_s * emulation_slowdown,
             time_spread_s=None if spread_s is None else spread_s * emulation_slowdown,
-            peak_memory_bytes=peak, peak_reserved_bytes=reserved, tp_link_gbps=tp_link_gbps if s.tp > 1 else None,
+            peak_memory_bytes=peak, peak_reserved_bytes=reserved,
+            context_bytes=_context_bytes(torch.device(device)) if feasible else None,
+            tp_link_gbps=tp_link_gbps if s.tp > 1 else None,
             emulation_slowdown=emulation_slowdown, emulated=emulated, software=software))
         if progress is not None:
             progress(s)
@@ -201,6 +203,17 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
     peak, reserved = _peak_memory_bytes(step, dev)
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return statistics.median(times) / num_blocks, (quartiles[2] - quartiles[0]) / num_blocks, peak, reserved
+
+
+def _context_bytes(dev) -> float | None:
+    """GPUs: device memory in use that the caching allocator did not reserve (the CUDA context
+    with its kernel modules, NCCL buffers; other processes on the device count too); None on CPUs."""
+    import torch
+
+    if dev.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(dev)
+    return float(max(0, total - free - torch.cuda.memory_reserved(dev)))
 
 
 def _peak_memory_bytes(step: Callable[[], None], dev) -> tuple[float, float | None]:

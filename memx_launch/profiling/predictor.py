@@ -35,6 +35,8 @@ from scipy.stats import norm
 from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, write_json_atomic
+from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
+                                                    part_terms, with_measured_efficiency)
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -241,6 +243,9 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "rows": {"measured": len(records), "augmented": len(augmented), "used": int(len(ts.X)),
                  "with_memory": int(ts.has_memory.sum())},
         "offsets": asdict(offsets),
+        "part_levels": part_levels(list(records)),
+        "memory_overhead_gib": measured_overhead_gib(list(records)),
+        "efficiency": measured_efficiency(list(records)),
         "hyperparameters": params,
         "cv_error": cv_error,
         "tuning_history": history,
@@ -265,6 +270,17 @@ class LearnedCostModel:
             warnings.warn(f"no measurement of device type(s) {', '.join(unseen)}: their costs come from "
                           "the analytical model, scaled by the shape learned on the other types at their median "
                           "level", stacklevel=2)
+        # Embedding and head: fixed cost + scaled analytical time where the profile timed them.
+        levels = predictor.meta.get("part_levels", {})
+        self._embedding_terms, self._head_terms = (part_terms(levels, part, self.device_names, self._model_signature)
+                                                   for part in ("embedding", "head"))
+        # A type's measured overhead replaces the vendor default, never a value the cluster file gives.
+        measured = predictor.meta.get("memory_overhead_gib", {})
+        self.measured_overhead_bytes = {d.name: measured[d.name] * 2**30 for d in self.device_types
+                                        if d.memory_overhead_gib is None and d.name in measured}
+        # The cluster as the analytical model should see it: measured efficiencies where the file
+        # gives none (compute-share baselines); the learned ratios stay on the profile's descriptors.
+        self.calibrated_cluster = with_measured_efficiency(cluster, predictor.meta.get("efficiency", {}))
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape
@@ -276,10 +292,12 @@ class LearnedCostModel:
                          working_bytes=(base.working_bytes * ratio[:, 1]).reshape(shape))
 
     def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
-        return self.analytical.embedding_time(device, tp, mbs, seq)
+        scale, fixed = (t[np.asarray(device)] for t in self._embedding_terms)
+        return fixed + scale * self.analytical.embedding_time(device, tp, mbs, seq)
 
     def head_time(self, device, tp, mbs, seq) -> np.ndarray:
-        return self.analytical.head_time(device, tp, mbs, seq)
+        scale, fixed = (t[np.asarray(device)] for t in self._head_terms)
+        return fixed + scale * self.analytical.head_time(device, tp, mbs, seq)
 
 
 def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

@@ -65,6 +65,18 @@ class Measurement:
     peak_reserved_bytes: float | None = None
     """GPUs: the caching allocator's peak reserve above the resting state over the same
     step (allocated plus its slack); None on CPUs."""
+    context_bytes: float | None = None
+    """GPUs: device memory the process holds outside the caching allocator (CUDA context with
+    its kernel modules, communication buffers): used minus reserved, read once per record."""
+    embedding_time_s: float | None = None
+    """Forward + backward of the embedding at this configuration, where the profile timed it."""
+    head_time_s: float | None = None
+    """Forward + backward of the final norm, output layer and loss, where the profile timed it."""
+    run_options: dict = field(default_factory=dict)
+    """TrainingSpec options the blocks ran with that change their cost (flash_attention,
+    fused_softmax, dropout, ...); empty: memx's defaults. The learned ratio is taken against
+    the analytical model at these options, so a plan at other options keeps the physics of
+    the difference."""
     tp_link_gbps: float | None = None
     """Bandwidth of the TP group's link (None for tp=1)."""
     emulation_slowdown: float = 1.0
@@ -99,6 +111,12 @@ class Measurement:
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
         _check_record(data)
+        from memx_launch.specs.training import TrainingSpec
+
+        options = {f.name for f in fields(TrainingSpec)}
+        unknown = sorted(set(data.get("run_options") or {}) - options)
+        if unknown:
+            raise ValueError(f"unknown run option(s) {', '.join(unknown)}")
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
@@ -113,9 +131,11 @@ def _check_record(data: dict) -> None:
         require_number(data[key], key, lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
     require_type(data["feasible"], bool, "feasible")
     for key in ("time_s", "time_spread_s", "peak_memory_bytes", "peak_reserved_bytes", "tp_link_gbps",
-                "emulation_slowdown"):
+                "emulation_slowdown", "context_bytes", "embedding_time_s", "head_time_s"):
         if data.get(key) is not None:
             require_number(data[key], key, lo=0)
+    if data.get("run_options") is not None:
+        require_type(data["run_options"], dict, "run_options")
     ModelSpec.from_dict(data["block_shape"], "block_shape")
 
 

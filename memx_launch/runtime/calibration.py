@@ -218,16 +218,21 @@ class TypeCalibration:
         return sample_key(self.device_type.name, self.model, s, self.dtype)
 
 
-def calibration_timeout_s(environ=os.environ) -> float:
-    text = environ.get("MEMX_CALIBRATION_TIMEOUT_S", "")
+def _seconds(environ, var: str, default: float, field: str, example: str) -> float:
+    """A positive, finite number of seconds from ``var`` (``default`` when unset)."""
+    text = environ.get(var, "")
     try:
-        value = float(text) if text else DEFAULT_TIMEOUT_S
+        value = float(text) if text else default
     except ValueError:
         value = math.nan
     if not 0 < value < math.inf:
-        raise ConfigError("MEMX_CALIBRATION_TIMEOUT_S", f"must be a positive number of seconds, got {text!r}",
-                          f"e.g. MEMX_CALIBRATION_TIMEOUT_S={DEFAULT_TIMEOUT_S:g}")
+        raise ConfigError(field, f"must be a positive number of seconds, got {text!r}", f"e.g. {example}")
     return value
+
+
+def calibration_timeout_s(environ=os.environ) -> float:
+    return _seconds(environ, "MEMX_CALIBRATION_TIMEOUT_S", DEFAULT_TIMEOUT_S, "MEMX_CALIBRATION_TIMEOUT_S",
+                    f"MEMX_CALIBRATION_TIMEOUT_S={DEFAULT_TIMEOUT_S:g}")
 
 
 def calibration_space(model: ModelSpec, tp_degrees: list[int]):
@@ -265,12 +270,5 @@ class CalibrationRefused(ConfigError):
 
 
 def calibration_budget_s(environ=os.environ) -> float:
-    text = environ.get("MEMX_CALIBRATION_BUDGET_S", "")
-    try:
-        value = float(text) if text else DEFAULT_CALIBRATION_BUDGET_S
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise ConfigError("--calibration-budget-s", f"must be a positive number of seconds, got {text!r}",
-                          f"e.g. --calibration-budget-s {DEFAULT_CALIBRATION_BUDGET_S:g}")
-    return value
+    return _seconds(environ, "MEMX_CALIBRATION_BUDGET_S", DEFAULT_CALIBRATION_BUDGET_S, "--calibration-budget-s",
+                    f"--calibration-budget-s {DEFAULT_CALIBRATION_BUDGET_S:g}")

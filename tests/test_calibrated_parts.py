@@ -1,0 +1,146 @@
+"""Calibration beyond the blocks: embedding and head times, and the measured memory overhead
+(synthetic GPU records: no GPU here, the kernel's CUDA path is untested in this suite)."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from memx_launch.planning.costmodel import AnalyticalCostModel
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
+                                                    with_measured_efficiency)
+from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
+from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
+from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.training import TrainingSpec
+from tests.test_predictor import CLUSTER, DEVICE, SPEC, TRAINING, synthetic_records
+
+GIB = 2**30
+
+
+def gpu_records(embedding_ratio=3.0, head_ratio=0.5, slack_gib=1.5, context_gib=0.6, head_fixed_s=0.0):
+    """Synthetic records of a GPU that timed the embedding and head and read its memory above
+    the allocated tensors."""
+    cost = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+    out = []
+    for r in synthetic_records():
+        emb = cost.embedding_time([0], [r.tp], [r.micro_batch_size], [r.seq_len])[0]
+        head = cost.head_time([0], [r.tp], [r.micro_batch_size], [r.seq_len])[0]
+        out.append(replace(r, embedding_time_s=float(emb * embedding_ratio), head_time_s=float(head_fixed_s + head * head_ratio),
+                           peak_reserved_bytes=r.peak_memory_bytes + slack_gib * GIB, context_bytes=context_gib * GIB))
+    return out
+
+
+@pytest.fixture(scope="module")
+def predictor():
+    return fit_predictor(gpu_records(), trials=2)
+
+
+def test_part_levels_and_overhead_come_from_the_records():
+    records = gpu_records()
+    levels = part_levels(records)
+    key = f"dev|{SPEC.signature()}"
+    assert levels["embedding"][key] == pytest.approx([3.0, 0.0], abs=1e-9)
+    assert levels["head"][key] == pytest.approx([0.5, 0.0], abs=1e-9)
+    # A fixed cost per call (launches) beside the scaled physics is recovered too.
+    fixed = part_levels(gpu_records(head_fixed_s=2e-3))["head"][key]
+    assert fixed == pytest.approx([0.5, 2e-3], rel=1e-6)
+    assert measured_overhead_gib(records) == {"dev": pytest.approx(2.1)}
+    # Records without the measurements (public time-only profiles, CPUs) give nothing.
+    assert part_levels(synthetic_records()) == {"embedding": {}, "head": {}}
+    assert measured_overhead_gib([replace(r, context_bytes=None) for r in records]) == {}
+
+
+def test_learned_model_times_embedding_and_head_by_their_measured_level(predictor):
+    learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, predictor)
+    base = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+    args = (np.array([0, 0]), np.array([1, 2]), np.array([2, 8]), np.array([64, 128]))
+    assert np.allclose(learned.embedding_time(*args), 3.0 * base.embedding_time(*args))
+    assert np.allclose(learned.head_time(*args), 0.5 * base.head_time(*args))
+    # A type the profile did not time keeps the analytical time.
+    other = replace(DEVICE, name="other")
+    cluster = ClusterSpec("c2", (DEVICE, other), (Node("n", (("dev", 4), ("other", 4)), 100.0),), float("inf"))
+    with pytest.warns(UserWarning):
+        mixed = LearnedCostModel(SPEC, cluster, TRAINING, predictor)
+    plain = AnalyticalCostModel(SPEC, cluster, TRAINING)
+    one = (np.array([1]), np.array([1]), np.array([4]), np.array([64]))
+    assert np.allclose(mixed.head_time(*one), plain.head_time(*one))
+
+
+def test_estimate_uses_the_measured_overhead_unless_the_cluster_gives_one(predictor):
+    training = TrainingSpec(dtype="fp32", global_batch_size=8, seq_len=64)
+    model = replace(MODEL_CATALOG["llama-tiny"], seq_len=64)
+
+    def peak(cluster, cost_model=None):
+        plan = evaluate_layout(model, cluster, training, tp=1, pp=1, dp=4, micro_batch_size=2,
+                               cost_model=cost_model, references=(1.0, 1.0, 1.0))
+        return plan.stages[0].predicted_peak_memory_gib
+
+    analytical = AnalyticalCostModel(model, CLUSTER, training)
+    default = peak(CLUSTER, analytical)  # vendor default: 2.0 GiB for nvidia
+    learned = LearnedCostModel(model, CLUSTER, training, predictor)
+    assert learned.measured_overhead_bytes == {"dev": pytest.approx(2.1 * GIB)}
+    # Activations differ by the learned memory ratio; the overhead moves by 2.1 - 2.0 GiB.
+    acts = peak(CLUSTER, learned) - 2.1 - (default - 2.0)
+    assert abs(acts) < 0.05
+    given = ClusterSpec("c", (replace(DEVICE, memory_overhead_gib=0.25),), CLUSTER.nodes, float("inf"))
+    stated = LearnedCostModel(model, given, training, predictor)
+    assert stated.measured_overhead_bytes == {}
+    assert peak(given, stated) == pytest.approx(peak(CLUSTER, learned) - 2.1 + 0.25, abs=1e-6)
+
+
+def test_measured_efficiency_recovers_the_share_of_peak_the_blocks_sustained():
+    """Records timed by 'hardware' that sustains 40% of peak (the analytical model at 0.4), the
+    records' device saying nothing (the 0.75 default): calibration finds 0.4, and the analytical
+    model of the cluster with it reproduces the measured times."""
+    big = MODEL_CATALOG["llama-small"]  # large enough that no block is launch-bound
+    slow = AnalyticalCostModel(big, ClusterSpec("c", (replace(DEVICE, efficiency=0.4),), CLUSTER.nodes,
+                                                float("inf")), TRAINING)
+    records = []
+    for r in synthetic_records(mbs_values=(4, 8, 16), seqs=(128, 256)):
+        level = ("none", "selective", "full").index(r.recompute)
+        t = slow.layer_costs([0], [r.tp], [r.micro_batch_size], [r.seq_len], [level]).time_s[0]
+        records.append(replace(r, model=big.name, model_signature=big.signature(), block_shape=big.to_dict(),
+                               time_s=float(t)))
+    # Launch-bound blocks (llama-tiny at small shapes) carry no information: no value from them alone.
+    assert measured_efficiency(synthetic_records(mbs_values=(1,), seqs=(32,))) == {}
+    eff = measured_efficiency(records)
+    assert eff == {"dev": pytest.approx(0.4, rel=0.02)}
+    calibrated = with_measured_efficiency(CLUSTER, eff)
+    assert calibrated.device_type("dev").efficiency == pytest.approx(0.4, rel=0.02)
+    again = AnalyticalCostModel(big, calibrated, TRAINING).layer_costs([0], [1], [4], [64], [0]).time_s
+    assert again == pytest.approx(slow.layer_costs([0], [1], [4], [64], [0]).time_s, rel=0.02)
+    # A value the cluster file gives wins over the measured one.
+    given = ClusterSpec("c", (replace(DEVICE, efficiency=0.6),), CLUSTER.nodes, float("inf"))
+    assert with_measured_efficiency(given, eff).device_type("dev").efficiency == 0.6
+    assert fit_predictor(records, trials=2).meta["efficiency"]["dev"] == pytest.approx(0.4, rel=0.02)
+
+
+def test_learned_model_carries_the_measured_efficiency_for_compute_share_baselines(predictor):
+    eff = predictor.meta["efficiency"]
+    learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, predictor)
+    assert 0 < eff["dev"] <= 1 and learned.calibrated_cluster.device_type("dev").efficiency == eff["dev"]
+    # The learned ratios stay on the profile's descriptors: its analytical base is unchanged.
+    assert learned.analytical.cluster is CLUSTER
+
+
+def test_records_state_the_run_options_their_blocks_ran_with():
+    """Blocks timed with dropout and torch's softmax: the learned targets are taken against the
+    analytical model at those options (ratio 1 here), not at memx's defaults."""
+    from memx_launch.profiling.features import training_rows
+    from memx_launch.profiling.profiledb import Measurement
+
+    options = {"dropout": True, "fused_softmax": False, "flash_attention": False}
+    physics = AnalyticalCostModel(SPEC, CLUSTER, TrainingSpec(dtype="fp32", **options))
+    records = []
+    for r in synthetic_records():
+        level = ("none", "selective", "full").index(r.recompute)
+        t = physics.layer_costs([0], [1], [r.micro_batch_size], [r.seq_len], [level]).time_s[0]
+        records.append(replace(r, time_s=float(t), run_options=options))
+    assert np.allclose(training_rows(records).Y[:, 0], 0.0, atol=1e-9)
+    assert not np.allclose(training_rows([replace(r, run_options={}) for r in records]).Y[:, 0], 0.0, atol=1e-3)
+    with pytest.raises(ValueError, match="unknown run option"):
+        Measurement.from_dict({**json.loads(records[0].to_json()), "run_options": {"turbo": True}})
+    assert Measurement.from_dict(json.loads(records[0].to_json())) == records[0]
