@@ -188,19 +188,20 @@ def hagemann(shared: str) -> list[dict]:
                "real_time_s": float(d["avg_step_time_s"]) if d["avg_step_time_s"] else None,
                "layout": f"tp{tp} pp{pp} dp{dp} mbs{mbs} {recompute} {d['kernel']}{' sp' if sp else ''}",
                "kernel": d["kernel"], "seq_len": seq}
-        try:
-            plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
-                                   layers_per_stage=[model.num_layers // pp] * pp, recompute=recompute,
-                                   references=(1.0, 1.0, 1.0))
-        except ConfigError as exc:
-            row["error"] = str(exc)
-            rows.append(row)
-            continue
-        row["fits"] = all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
-        row["peak_gib"] = round(max(s.predicted_peak_memory_gib for s in plan.stages), 2)
-        row["time_s"] = plan.predicted_iteration_time_s
-        rows.append(row)
+        rows.append(predicted(row, model, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+                              layers_per_stage=[model.num_layers // pp] * pp, recompute=recompute))
     return rows
+
+
+def predicted(row: dict, model, cluster, training, **layout) -> dict:
+    """``row`` with memx's estimate of the layout: fits, peak GiB and iteration time, or the error."""
+    try:
+        plan = evaluate_layout(model, cluster, training, references=(1.0, 1.0, 1.0), **layout)
+    except ConfigError as exc:
+        return {**row, "error": str(exc)}
+    return {**row, "fits": all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages),
+            "peak_gib": round(max(s.predicted_peak_memory_gib for s in plan.stages), 2),
+            "time_s": plan.predicted_iteration_time_s}
 
 
 # --------------------------------------------------------------------------- Sailor plans (OPT-350, GH200)
@@ -247,19 +248,9 @@ def sailor(shared: str, cost_model=None, efficiency: float | None = None) -> lis
         dp, tp = dps.pop(), tps.pop()
         training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32", **SAILOR_RUN_OPTIONS)
         cluster = gh200_cluster(nodes, efficiency)
-        try:
-            plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp,
-                                   micro_batch_size=mbs, layers_per_stage=layers, recompute=d["recompute"],
-                                   references=(1.0, 1.0, 1.0),
-                                   cost_model=cost_model(model, cluster, training) if cost_model else None)
-        except ConfigError as exc:
-            row["error"] = str(exc)
-            rows.append(row)
-            continue
-        row["fits"] = all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
-        row["peak_gib"] = round(max(s.predicted_peak_memory_gib for s in plan.stages), 2)
-        row["time_s"] = plan.predicted_iteration_time_s
-        rows.append(row)
+        rows.append(predicted(row, model, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+                              layers_per_stage=layers, recompute=d["recompute"],
+                              cost_model=cost_model(model, cluster, training) if cost_model else None))
     return rows
 
 
