@@ -31,6 +31,16 @@ CASES = {  # script, model, (pp, dp), layers, recompute
 def _losses(stdout):
     return [float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", stdout, re.M)]
 
+def _assert_losses_match_the_reference(stdout: str, script: str, model: str, env: dict) -> None:
+    """The memx-run losses against the same script run in one process (--reference)."""
+    ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
+                          "--global-batch-size", str(BATCH)],
+                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    got, want = _losses(stdout), _losses(ref.stdout)
+    assert len(got) == len(want) == STEPS
+    assert max(abs(a - b) for a, b in zip(got, want)) < LOSS_ATOL, (got, want)
+
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
@@ -51,12 +61,7 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert f"pp={pp} dp={dp} fp32; layers {layers}, recompute {recompute}" in run.stdout
-    ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
-                          "--global-batch-size", str(BATCH)],
-                         env=env, capture_output=True, text=True, timeout=300, check=True)
-    got, want = _losses(run.stdout), _losses(ref.stdout)
-    assert len(got) == len(want) == STEPS
-    assert max(abs(a - b) for a, b in zip(got, want)) < LOSS_ATOL, (got, want)
+    _assert_losses_match_the_reference(run.stdout, script, model, env)
 
 
 @pytest.mark.slow
@@ -73,9 +78,4 @@ def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path):
     records = [json.loads(line) for line in db.read_text().splitlines()]
     assert records and all(r["tp"] == 1 for r in records)
     assert "tp=1 " in run.stdout
-    ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
-                          "--global-batch-size", str(BATCH)],
-                         env=env, capture_output=True, text=True, timeout=300, check=True)
-    got, want = _losses(run.stdout), _losses(ref.stdout)
-    assert len(got) == len(want) == STEPS
-    assert max(abs(a - b) for a, b in zip(got, want)) < LOSS_ATOL, (got, want)
+    _assert_losses_match_the_reference(run.stdout, script, model, env)

@@ -37,7 +37,7 @@ from memx_launch.specs.model import ModelSpec
 CALIBRATION_BUDGET = 20
 CALIBRATION_REPEATS = 3
 DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_CALIBRATION_BUDGET_S = 1800.0
+DEFAULT_CALIBRATION_BUDGET_S = 600.0
 # Fewer samples than this cannot fit the predictor's time and memory lines.
 MIN_CALIBRATION_SAMPLES = 3
 # Steps of one sample (warm-up, timed repeats, the memory pass), each a forward and a backward

@@ -63,7 +63,7 @@ def build_parser():
     g.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights (override --objective)")
     g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
     g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float, metavar="S",
-                   help="time each device type may spend calibrating (default 1800): fewer samples when the "
+                   help="time each device type may spend calibrating (default 600): fewer samples when the "
                         "estimate is over it, and a refusal up front when not even a few fit")
     g.add_argument("--no-replan", "--no_replan", action="store_true",
                    help="never re-plan during training (passed to the workers as MEMX_NO_REPLAN=1)")
