@@ -34,12 +34,11 @@ def compare_baselines(model: ModelSpec, cluster: ClusterSpec, training: Training
                       weights=weights, top_k=1)
     refs = tuple(memx.best.objective.terms[k] for k in ("T_ref", "M_ref", "V_ref"))
     out: dict[str, Plan | None] = {}
-    analytical = cm.AnalyticalCostModel(model, cluster, training)
-    cost_model = cost_model or analytical
+    cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
     names = tuple(cost_model.device_names)
     seq = training.seq_len
     table = CostTable(cost_model, len(names), tp_degrees(model, cluster), space.micro_batch_sizes, [seq])
-    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table)
+    evaluator = Evaluator(model, cluster, training, cost_model, table)
     for name, share_of, must_fit in (("compute-proportional", _compute_share, False),
                                      ("memory-proportional", _memory_share, True)):
         best = None

@@ -64,11 +64,9 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         raise ConfigError("--tp", f"{tp} does not divide the model's {model.num_heads} heads and "
                           f"{model.num_kv_heads} KV heads", "use a divisor of both")
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
-    analytical = (cost_model if isinstance(cost_model, cm.AnalyticalCostModel)
-                  else cm.AnalyticalCostModel(model, cluster, training))
     layout = layout_from_stage_devices(model, cluster, tuple(cost_model.device_names), tp, pp, dp, stage_devices)
     table = CostTable(cost_model, len(cost_model.device_names), [tp], [micro_batch_size], [training.seq_len])
-    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table, memory_headroom)
+    evaluator = Evaluator(model, cluster, training, cost_model, table, memory_headroom)
     if layers_per_stage is None:
         if model.num_layers < pp * v:
             raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",

@@ -134,13 +134,12 @@ class _PlanScorer:
 
     def __init__(self, plan: Plan, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, cost_model):
         self.plan = plan
-        analytical = cm.AnalyticalCostModel(model, cluster, training)
-        self.cost_model = cost_model or analytical
+        self.cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
         names = tuple(self.cost_model.device_names)
         order = tuple(dict.fromkeys(s.device_type for s in plan.stages))
         self.layout = make_layout(cluster, names, plan.tp, plan.dp, order, [list(s.ranks) for s in plan.stages])
         table = CostTable(self.cost_model, len(names), [plan.tp], [plan.micro_batch_size], [plan.seq_len])
-        self.evaluator = Evaluator(model, cluster, training, self.cost_model, analytical, table)
+        self.evaluator = Evaluator(model, cluster, training, self.cost_model, table)
         self.v = plan.virtual_stages if plan.schedule == "interleaved" else 1
 
     def score(self, layers: np.ndarray, levels: np.ndarray) -> GroupResult:

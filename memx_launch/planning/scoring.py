@@ -67,13 +67,13 @@ class Evaluator:
     """Scores groups of candidates for one model, cluster and training spec."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                 cost_model: cm.LayerCostModel, analytical: cm.AnalyticalCostModel, table: CostTable,
+                 cost_model: cm.LayerCostModel, table: CostTable,
                  memory_headroom: float = 0.0, recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS):
         self.model, self.cluster, self.training = model, cluster, training
         self.memory_headroom = memory_headroom
         # The hard rule and the memory bound only use levels the search may use (memx plan --recompute-levels).
         self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
-        self.cost_model, self.analytical, self.table = cost_model, analytical, table
+        self.cost_model, self.table = cost_model, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
         # A learned model brings the overhead calibration measured for a type (else the default).
         measured = getattr(cost_model, "measured_overhead_bytes", {})

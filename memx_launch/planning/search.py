@@ -126,8 +126,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     space = space or SearchSpace()
     space.check(model)
     seqs = tuple(space.seq_lens or (training.seq_len,))
-    analytical = cm.AnalyticalCostModel(model, cluster, training)
-    cost_model = cost_model or analytical
+    cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
     layouts = enumerate_layouts(model, cluster, tuple(cost_model.device_names), list(space.tp_degrees or [])
                                 or None)
     if space.pipeline_degrees:
@@ -142,7 +141,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                           "give each device type a count that shares a common divisor with the others")
     tps = sorted({lay.tp for lay in layouts})
     table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
-    evaluator = Evaluator(model, cluster, training, cost_model, analytical, table, space.memory_headroom,
+    evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
                           space.recompute_levels)
     stats = SearchStats()
     level_options, stats.binary_recompute_types = recompute_options(table, cost_model.device_names, space)
