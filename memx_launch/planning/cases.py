@@ -33,9 +33,6 @@ from memx_launch.specs.training import TrainingSpec
 LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "dp", "micro_batch_size", "layers_per_stage", "stage_devices",
                   "stage_tp", "recompute", "schedule", "virtual_stages")
 ECHO_COLUMNS = ("id",)
-# Documented training columns; each goes to TrainingSpec only once TrainingSpec has that field.
-TRAINING_COLUMNS = ("setup", "dtype", "global_batch_size", "seq_len", "sequence_parallel", "flash_attention",
-                    "distributed_optimizer")
 # memx estimate flags that fill empty cells (paths relative to the working directory).
 FLAG_DEFAULTS = ("model", "cluster", "global_batch_size", "seq_len", "dtype", "optimizer", "distributed_optimizer",
                  "fully_sharded")
@@ -146,9 +143,6 @@ class CaseRunner:
                 continue
             if column in self._training_fields:
                 training_kwargs[column] = _convert(column, value, self._training_types[column])
-            elif column in TRAINING_COLUMNS:
-                raise ConfigError(column, "this memx has no training field of that name yet",
-                                  "leave the column empty")
             else:
                 raise ConfigError(column, "unknown column", "use the columns listed in docs/estimate.md")
         for column in ("model", "cluster"):
