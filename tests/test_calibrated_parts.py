@@ -79,11 +79,11 @@ def test_estimate_uses_the_measured_overhead_unless_the_cluster_gives_one(predic
         return plan.stages[0].predicted_peak_memory_gib
 
     analytical = AnalyticalCostModel(model, CLUSTER, training)
-    default = peak(CLUSTER, analytical)  # vendor default: 2.0 GiB for nvidia
+    default = peak(CLUSTER, analytical)  # vendor default: 1.25 GiB for nvidia
     learned = LearnedCostModel(model, CLUSTER, training, predictor)
     assert learned.measured_overhead_bytes == {"dev": pytest.approx(2.1 * GIB)}
-    # Activations differ by the learned memory ratio; the overhead moves by 2.1 - 2.0 GiB.
-    acts = peak(CLUSTER, learned) - 2.1 - (default - 2.0)
+    # Activations differ by the learned memory ratio; the overhead moves by 2.1 - 1.25 GiB.
+    acts = peak(CLUSTER, learned) - 2.1 - (default - 1.25)
     assert abs(acts) < 0.05
     given = ClusterSpec("c", (replace(DEVICE, memory_overhead_gib=0.25),), CLUSTER.nodes, float("inf"))
     stated = LearnedCostModel(model, given, training, predictor)

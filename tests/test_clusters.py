@@ -4,11 +4,15 @@ against the file."""
 import os
 import tracemalloc
 
+import numpy as np
 import pytest
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning import costmodel as cm
 from memx_launch.runtime.devices import check_declared
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
 H100 = {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989}
@@ -68,3 +72,16 @@ def test_a_rank_whose_gpu_disagrees_with_the_file_is_named_with_both():
     assert "a100-80gb (nvidia, 80 GiB)" in message and "\n" not in message
     with pytest.raises(ConfigError, match="rank 1 has AMD Instinct MI250X"):
         check_declared(a100, 1, "AMD Instinct MI250X", "amd", 80 * 2**30)
+
+
+def test_link_efficiency_discounts_stated_bandwidth_in_communication_time():
+    nodes = [{"devices": {"h100": 8}, "intra_node_gbps": 450}]
+    assert _cluster(nodes).link_efficiency == 0.8
+    args = (np.zeros(1, int), np.full(1, 8), np.ones(1), np.full(1, 4096), np.zeros(1))
+    times = {e: float(cm.AnalyticalCostModel(get_model("llama2-7b"), _cluster(nodes, link_efficiency=e),
+                                             TrainingSpec()).layer_costs(*args).time_s[0]) for e in (0.5, 1.0)}
+    assert times[0.5] > times[1.0]
+    for bad in (0, 1.5, "fast"):
+        with pytest.raises(ConfigError) as info:
+            _cluster(nodes, link_efficiency=bad)
+        assert info.value.field == "cluster.link_efficiency"

@@ -33,6 +33,7 @@ def test_nodes_of_different_sizes_become_a_cluster_file():
     cluster = ClusterSpec.from_dict(describe(reports, nodes, results))
     assert [n.num_devices for n in cluster.nodes] == [1, 3]
     assert cluster.nodes[1].intra_node_gbps == 350.0 and cluster.inter_node_gbps == 24.0
+    assert cluster.link_efficiency == 1.0  # measured bus bandwidth: nothing to discount
     assert cluster.nodes[0].host == "h0" and cluster.master_address() == "h0"
     assert cluster.device_type("NVIDIA-H200").memory_gib == 139.8
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import ClusterSpec
@@ -46,7 +47,7 @@ def test_unfused_attention_backward_holds_score_gradients():
 
 def test_kept_stage_outputs_and_the_previous_logits():
     b, pp = 2, 4
-    inflight = cm.inflight_microbatches(np.arange(pp), pp, 16)
+    inflight = schedules.inflight_microbatches(np.arange(pp), pp, 16)
     off = kept_stage_output_bytes(MODEL, TrainingSpec(), b, S, T, inflight, 16)
     assert not off.any()
     kept = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight, 16)
@@ -135,7 +136,7 @@ def test_a_gathered_loss_costs_every_tp_rank_the_whole_vocabulary():
     assert times[True][1] == pytest.approx(times[False][1])  # one rank: the same work
     logits = S * MODEL.vocab_size
     passes = cm.LOSS_BYTES_PER_LOGIT * logits * (1 - 1 / 4) / 2039e9
-    gather = cm.collective_time(2.0 * logits, 4, 300.0)
+    gather = cm.collective_time(2.0 * logits, 4, 300.0 * cluster.link_efficiency)
     assert times[False][4] - times[True][4] == pytest.approx(passes + float(gather), rel=1e-6)
 
 
@@ -154,9 +155,44 @@ def test_torch_op_norms_move_more_bytes_than_a_fused_kernel():
     args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.zeros(1))
     def layer_time(**options):
         return float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(**options)).layer_costs(*args).time_s[0])
-    stored = 4 * S * H * cm._ELEMENTWISE_TRAFFIC  # the normalised tensors they also keep, read and written
+    stored = 8 * S * H * cm._ELEMENTWISE_TRAFFIC  # the fp32 copies and normalised tensors they also keep
     extra = (cm.UNFUSED_NORM_BYTES * 2 * S * H + stored) / 2039e9
     assert layer_time(fused_norm=False) - layer_time() == pytest.approx(extra, rel=1e-6)
     # With sequence parallelism each rank normalises its 1/TP of the sequence.
     sp = layer_time(fused_norm=False, sequence_parallel=True) - layer_time(sequence_parallel=True)
     assert sp == pytest.approx(extra / T, rel=1e-6)
+
+
+def test_torch_op_norms_keep_an_fp32_copy_and_the_normalised_tensor():
+    """x.float() is saved by pow and by the rsqrt multiply, the cast-back result by the weight
+    multiply; the 16-bit input a fused kernel keeps is not: 2 x (4 + 2) bytes against 2 x 2."""
+    def kept(dtype_bytes=2, **options):
+        return float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, dtype_bytes=dtype_bytes, **options).activation_bytes)
+    assert kept(fused_norm=False) - kept() == pytest.approx(2 * 4 * S * H)
+    # In fp32 the upcast is the input itself: input and normalised tensor, 2 x (4 + 4) against 2 x 4.
+    assert kept(4, fused_norm=False) - kept(4) == pytest.approx(2 * 4 * S * H)
+    # With sequence parallelism each rank keeps its 1/TP of the sequence.
+    assert kept(fused_norm=False, sequence_parallel=True) - kept(sequence_parallel=True) == \
+        pytest.approx(2 * 4 * S * H / T)
+
+
+def test_softmax_in_fp32_keeps_fp32_probabilities_and_their_16_bit_copy():
+    a = MODEL.num_heads
+    score = a / T * S * S  # scores per layer on this rank
+
+    def costs(dtype_bytes=2, **options):
+        return cm.activation_bytes(MODEL, 1, S, T, cm.NONE, dtype_bytes=dtype_bytes, flash_attention=False,
+                                   fused_softmax=False, **options)
+    plain, fp32 = costs(), costs(softmax_in_fp32=True)
+    assert float(fp32.activation_bytes - plain.activation_bytes) == pytest.approx(4 * score)  # 6 - 2 bytes
+    # Backward: the fp32 gradient in and out of the softmax less the freed 16-bit probabilities
+    # (4 + 4 - 2) against torch's two 16-bit gradients.
+    assert float(fp32.working_bytes - plain.working_bytes) == pytest.approx((6 - 4) * score)
+    # A fused kernel reads and writes 16 bits, and fp32 training has nothing to upcast.
+    fused = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False, softmax_in_fp32=True)
+    assert float(fused.activation_bytes) == float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE,
+                                                                      flash_attention=False).activation_bytes)
+    assert float(costs(4, softmax_in_fp32=True).activation_bytes) == float(costs(4).activation_bytes)
+    # Flash attention keeps no scores at all.
+    flash = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, fused_softmax=False, softmax_in_fp32=True)
+    assert float(flash.activation_bytes) == float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE).activation_bytes)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import get_model
@@ -20,7 +21,7 @@ def test_bubble_fraction_of_equal_stages_is_narayanans():
     for _ in range(200):
         p, g, v = int(rng.integers(2, 17)), int(rng.integers(1, 257)), int(rng.choice([1, 2, 4]))
         t = float(rng.uniform(1e-3, 1.0))
-        total = float(cm.pipeline_iteration_time(np.full(p, t), np.zeros(p), g, v))
+        total = float(schedules.pipeline_iteration_time(np.full(p, t), np.zeros(p), g, v))
         assert total / (g * t) - 1 == pytest.approx((p - 1) / (v * g))
 
 
@@ -31,10 +32,10 @@ def test_random_stage_times_never_beat_the_slowest_stage():
         t = rng.uniform(1e-3, 1.0, size=p)
         x = np.append(rng.uniform(0, 0.05, size=p - 1), 0.0)
         t_fix = float(rng.uniform(0, 0.5))
-        one = float(cm.iteration_time_1f1b(t, x, g, t_fix))
+        one = float(schedules.iteration_time_1f1b(t, x, g, t_fix))
         assert one >= g * t.max() + t_fix
         for v in (2, 4):
-            inter = float(cm.iteration_time_interleaved(t, x, g, v, t_fix))
+            inter = float(schedules.iteration_time_interleaved(t, x, g, v, t_fix))
             assert inter >= g * t.max() + t_fix
             if x.max() == 0:
                 assert inter <= one  # without transfers interleaving can only shrink the bubble

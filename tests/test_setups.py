@@ -74,7 +74,8 @@ def test_tied_embeddings_are_kept_on_the_last_stage():
 
 def test_overhead_and_fp32_peak_of_a_device_type():
     nvidia = DeviceType("a100", "nvidia", 80, 312, peak_tflops_fp32=156)
-    assert nvidia.overhead_bytes == 2.0 * 2**30
+    assert nvidia.overhead_bytes == 1.25 * 2**30
+    assert nvidia.communicator_bytes == 0.6 * 2**30
     assert DeviceType("cpu", "cpu", 8, 1).overhead_bytes == 0
     assert DeviceType("a", "nvidia", 80, 312, memory_overhead_gib=5).overhead_bytes == 5 * 2**30
     assert nvidia.effective_tflops_for("fp32") == pytest.approx(nvidia.effective_tflops / 2)
@@ -93,12 +94,34 @@ def test_estimate_counts_the_overhead_and_the_setup():
     assert peak["zero3"] < peak["megatron"] < peak["ddp"]
     # ddp keeps 16 bytes per parameter whole: 13B parameters do not fit in 80 GiB.
     assert peak["ddp"] > 80 and peak["zero3"] < 80
-    # The 2 GiB NVIDIA default sits on top of the tensors.
+    # The NVIDIA default (1.25 GiB) and one communicator (dp=8 is the world group) sit on top.
     overhead = ClusterSpec.from_dict({**_cluster_dict(), "device_types": {"gpu": {
         "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "memory_overhead_gib": 0}}})
     bare = evaluate_layout(model, overhead, TrainingSpec(global_batch_size=64, seq_len=2048, setup="zero3"),
                            tp=1, pp=1, dp=8, micro_batch_size=1, references=(1.0, 1.0, 1.0))
-    assert peak["zero3"] - bare.stages[0].predicted_peak_memory_gib == pytest.approx(2.0)
+    assert peak["zero3"] - bare.stages[0].predicted_peak_memory_gib == pytest.approx(1.25)
+    assert bare.stages[0].predicted_peak_memory_gib > 0.6
+
+
+def test_every_communicator_a_rank_joins_holds_its_buffers():
+    assert cm.communicators_per_rank(1, 1, 1) == 0
+    assert cm.communicators_per_rank(1, 1, 8) == 1        # DP is the world group
+    assert cm.communicators_per_rank(8, 1, 1) == 1        # so is TP
+    assert cm.communicators_per_rank(2, 2, 16) == 4       # world, DP, TP, PP
+    model = get_model("llama2-13b")
+    training = TrainingSpec(global_batch_size=64, seq_len=2048, setup="zero3")
+
+    def peaks(tp, pp, dp):
+        plan = evaluate_layout(model, _cluster(), training, tp=tp, pp=pp, dp=dp, micro_batch_size=1,
+                               references=(1.0, 1.0, 1.0))
+        return [s.predicted_peak_memory_gib for s in plan.stages]
+    no_buffers = ClusterSpec.from_dict({**_cluster_dict(), "device_types": {"gpu": {
+        "vendor": "cpu", "memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}}})
+    bare = evaluate_layout(model, no_buffers, training, tp=2, pp=2, dp=2, micro_batch_size=1,
+                           references=(1.0, 1.0, 1.0))
+    # world, DP, TP and PP groups: 4 x 0.6 GiB, plus the 1.25 GiB process overhead, per stage.
+    assert [a - b.predicted_peak_memory_gib for a, b in zip(peaks(2, 2, 2), bare.stages)] == \
+        pytest.approx([4 * 0.6 + 1.25] * 2)
 
 
 def _cluster_dict():

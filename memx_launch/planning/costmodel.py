@@ -28,8 +28,10 @@ RECOMPUTE_LEVELS = ("none", "selective", "full")
 NONE, SELECTIVE, FULL = 0, 1, 2
 GIB = 2**30
 
-# Bytes an element-wise op moves per byte of stored activation (read + write, fwd + bwd).
+# Bytes an element-wise op moves per byte of stored activation (read + write, fwd + bwd), and
+# the forward's share of it, which recomputation moves again.
 _ELEMENTWISE_TRAFFIC = 4.0
+_FORWARD_TRAFFIC = _ELEMENTWISE_TRAFFIC / 2
 # FLOPs per byte a device sustains before element-wise work becomes memory bound,
 # used when a device type gives no memory bandwidth.
 _DEFAULT_FLOPS_PER_BYTE = 150.0
@@ -49,6 +51,10 @@ LOSS_BYTES_PER_LOGIT = 48.0
 # round trip and the weight mul (26 bytes against 4), backward their gradients, casts and row
 # sums (about 44 against 8), at 16 bits.
 UNFUSED_NORM_BYTES = 58.0
+# Extra HBM bytes per attention score when torch's softmax runs on an fp32 copy of 16-bit scores:
+# the casts up and back, forward (2 + 4, 4 + 2) and backward (the same), and the mask fill, softmax
+# and their backward passes over 4-byte instead of 2-byte elements (about 6 x 2).
+SOFTMAX_FP32_EXTRA_BYTES = 36.0
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      flash_attention=True, sequence_parallel: bool = False,
                      dropout: bool = False, fused_norm: bool = True,
                      attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
-                     fused_softmax: bool = True) -> LayerCost:
+                     fused_softmax: bool = True, softmax_in_fp32: bool = False) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -105,10 +111,14 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       Q + K + V saved by attention: 2 + 4*kv/h, over t
       attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
+        softmax in fp32 (torch's softmax on an fp32 copy of 16-bit scores, Megatron's
+        --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h;
         with attention dropout also its 1-byte mask and the dropped-out probabilities: 5as/h
         over t, the Korthikanti s^2 term (fused attention regenerates its mask: nothing kept)
       hidden dropout on: 1-byte masks after attention and after the MLP: 2 (replicated unless SP)
-      unfused norms (torch ops): each also keeps its normalised tensor before the weight: 4
+      unfused norms (torch ops, Hugging Face's LlamaRMSNorm): ``x.float()`` is kept by the pow
+        and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
+        by the weight multiply; the 16-bit input is not kept: 2(4 + d) bytes for the two norms
       SwiGLU: gate and up outputs, silu(gate), product: 8f/h over t (GELU MLP: 4f/h)
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
@@ -127,13 +137,18 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     f, kv = model.ffn_hidden_size, model.kv_hidden_size
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
-    norms = 4.0 if fused_norm else 8.0  # norm inputs (and an unfused norm's normalised tensor)
+    # Two norms: a fused kernel keeps its input (d bytes); torch ops the fp32 copy and the result.
+    norms = 4.0 if fused_norm else 4.0 * (4.0 + dtype_bytes) / dtype_bytes
     linear_inputs = 4.0 / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     qkv = (2.0 + 4.0 * kv / h) / tp
     attn_out = 2.0 / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
-    score_bytes = (4.0 + 1.0 / scale) if attention_dropout else 2.0  # softmax out (+ mask, dropout out)
+    # Bytes kept per score (in units of 2 bytes x scale): the softmax output, in fp32 plus its
+    # 16-bit copy when torch's softmax upcasts (a fused kernel reads and writes 16 bits).
+    fp32_probs = softmax_in_fp32 and not fused_softmax and dtype_bytes < 4
+    probs = (4.0 + dtype_bytes) / dtype_bytes * 2.0 if fp32_probs else 2.0
+    score_bytes = probs + (2.0 + 1.0 / scale if attention_dropout else 0.0)  # (+ mask, dropout out)
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
@@ -148,7 +163,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of
     # the size of the block input and output.
     recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective], none)
-    score_grads = 1.0 if fused_softmax else 2.0
+    # Score gradients alive beside the kept scores in the backward, per score in units of the
+    # training dtype: the fused kernel's in place (one), torch's softmax a new one (two); in fp32
+    # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
+    # 16-bit copy of the probabilities.
+    score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
     working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
@@ -186,6 +205,13 @@ def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp) ->
     return layer * (2.0 * training.dtype_bytes + training.precision_bytes("grad_dtype"))
 
 
+def communicators_per_rank(tp, pp, dp) -> int:
+    """Distinct communicators a rank joins: the world group, and its DP, TP and PP groups where
+    they have more than one member and are not the world itself."""
+    world = tp * pp * dp
+    return int(world > 1) + sum(1 < n < world for n in (tp, pp, dp))
+
+
 def last_stage_params(model: ModelSpec, pp: int) -> int:
     """Final norm and output layer; with tied embeddings and PP > 1 the last stage keeps its
     own copy of the word embeddings (Megatron syncs their gradients with the first stage)."""
@@ -212,21 +238,6 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
         per_logit = (d + 12.0 if d < 4 else 12.0) if tr.loss_dtype == "fp32" else 3.0 * d
         share = 1.0
     return per_logit * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / share
-
-
-def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.ndarray:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
-
-    1F1B: min(P - i, G). Interleaving with v chunks multiplies the first stage's count by
-    1 + (P-1)/(P*v) (Narayanan et al. 2021); later stages hold proportionally less.
-    """
-    stage = np.asarray(stage, dtype=np.float64)
-    pp = np.asarray(pp, dtype=np.float64)
-    g = np.asarray(num_microbatches, dtype=np.float64)
-    v = np.asarray(virtual_stages, dtype=np.float64)
-    base = np.minimum(pp - stage, g)
-    interleave = np.where(v > 1, 1.0 + (pp - 1 - stage) / (pp * v), 1.0)
-    return np.minimum(base * interleave, np.maximum(g, 1.0))
 
 
 # --------------------------------------------------------------------------- time
@@ -302,7 +313,7 @@ class AnalyticalCostModel:
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
-                                  for d in self.device_types])
+                                  for d in self.device_types]) * cluster.link_efficiency
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         device = np.asarray(device, dtype=np.int64)
@@ -311,7 +322,8 @@ class AnalyticalCostModel:
         tr = self.training
         act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
-                               tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax)
+                               tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
+                               tr.softmax_in_fp32)
         fwd_flops = layer_forward_flops(self.model, mbs, seq, tp)
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
@@ -327,16 +339,22 @@ class AnalyticalCostModel:
         # Torch's softmax path adds three passes of 4 bytes per score: the clone of the scores'
         # view, the out-of-place mask fill and that fill's backward (a fused kernel has none).
         per_score = 12.0 if tr.fused_softmax else 24.0
+        if tr.softmax_in_fp32 and not tr.fused_softmax and tr.dtype_bytes < 4:
+            per_score += SOFTMAX_FP32_EXTRA_BYTES
         score_traffic = np.where(unfused, per_score * mbs_a * self.model.num_heads / tp * seq_a * seq_a, 0.0)
-        compute_s = (3.0 * fwd_flops + recompute_flops) / (self._tflops[device] * 1e12)
+        # Fused attention's backward recomputes the scores: five s x s matmuls against the
+        # forward's two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
+        flash_backward_flops = np.where(unfused, 0.0, 0.5 * attn_core_flops)
+        compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops) / (self._tflops[device] * 1e12)
         none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
                                     self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
-                                    tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax).activation_bytes
+                                    tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
+                                    tr.softmax_in_fp32).activation_bytes
         recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
                                       [0.0 * none_act, none_act - act.activation_bytes], none_act)
         norm_traffic = (0.0 if tr.fused_norm else UNFUSED_NORM_BYTES * tr.dtype_bytes) * mbs_a * seq_a \
             * self.model.hidden_size / (tp if tr.sequence_parallel else 1.0)
-        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + recompute_traffic + score_traffic
+        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + _FORWARD_TRAFFIC * recompute_traffic + score_traffic
                     + norm_traffic) / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two backward, two more when the
         # full block is recomputed.
@@ -348,7 +366,7 @@ class AnalyticalCostModel:
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 
     def tp_gbps(self, device, tp) -> np.ndarray:
-        """Link bandwidth of TP groups of ``tp`` devices of each queried type."""
+        """Bandwidth TP groups of ``tp`` devices of each queried type reach (link x link_efficiency)."""
         column = np.clip(np.round(np.log2(np.asarray(tp, dtype=np.float64))), 0, len(TP_DEGREES) - 1)
         return self._tp_gbps[np.asarray(device), column.astype(np.int64)]
 
@@ -403,48 +421,3 @@ def optimizer_step_time(params_on_rank, training: TrainingSpec, device: DeviceTy
     hbm = device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
     state = np.asarray(params_on_rank, dtype=np.float64) * model_state_bytes_per_param(training, dp)
     return 2.0 * state / (hbm * 1e9)
-
-
-def iteration_time_1f1b(stage_times, transfer_times, num_microbatches, t_fix=0.0, t_dp=0.0):
-    """1F1B iteration time (the paper's equation 3, with transfers per micro-batch); see
-    :func:`pipeline_iteration_time` with ``v = 1``."""
-    return pipeline_iteration_time(stage_times, transfer_times, num_microbatches, 1, t_fix, t_dp)
-
-
-def iteration_time_interleaved(stage_times, transfer_times, num_microbatches, virtual_stages,
-                               t_fix=0.0, t_dp=0.0):
-    """Interleaved 1F1B with ``v`` model chunks per device; see :func:`pipeline_iteration_time`.
-
-    Not the paper's printed equation 4, which divides the steady-state term by v: interleaving
-    shrinks only the bubble (Narayanan et al. 2021, section 2.2.2), every micro-batch still
-    costs its whole stage compute.
-    """
-    return pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages,
-                                   t_fix, t_dp)
-
-
-def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages=1,
-                            t_fix=0.0, t_dp=0.0):
-    """Iteration time of a synchronous 1F1B pipeline, arrays whose last axis is the stage.
-
-    ``stage_times[i]``: forward + backward of one micro-batch on stage i (all its chunks);
-    ``transfer_times[i]``: one activation (or its gradient) from stage i to stage i+1.
-    Each micro-batch pays the blocking sends of its stage: forward to the next stage and
-    backward to the previous one, each link full duplex, v times with v chunks (Narayanan
-    2021: point-to-point traffic grows v times). With ``e_i = t_i + v (x_{i-1} + x_i)``:
-
-        T = G max_i e_i + (sum_i e_i - max_i e_i) / v + t_fix + t_dp
-
-    The first term is every micro-batch through the slowest stage; the second the fill and
-    drain (the bubble), which interleaving divides by v: for equal stages the bubble
-    fraction is (p-1)/(v G). With v = 1 this is the paper's equation 3,
-    ``(G-1) max t + sum t + 2 sum x`` plus the per-micro-batch transfers of the bottleneck.
-    """
-    g = np.asarray(num_microbatches, dtype=np.float64)
-    v = np.asarray(virtual_stages, dtype=np.float64)
-    t = np.asarray(stage_times, dtype=np.float64)
-    x = np.asarray(transfer_times, dtype=np.float64)
-    x_prev = np.concatenate([np.zeros_like(x[..., :1]), x[..., :-1]], axis=-1)
-    e = t + np.expand_dims(v, -1) * (x + x_prev)
-    slowest = e.max(axis=-1)
-    return g * slowest + (e.sum(axis=-1) - slowest) / v + t_fix + t_dp

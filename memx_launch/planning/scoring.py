@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning import schedules
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -78,6 +79,7 @@ class Evaluator:
         # A learned model brings the overhead calibration measured for a type (else the default).
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
+        self.communicator_bytes = np.array([d.communicator_bytes for d in self.device_types])
 
     def usable(self, layout: Layout) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -91,13 +93,15 @@ class Evaluator:
         dev = np.broadcast_to(layout.stage_device, levels.shape)
         t_layer, act, work = self.table.lookup(dev, tp, mbs, seq, levels)
         bpp = cm.model_state_bytes_per_param(tr, dp)
-        inflight = cm.inflight_microbatches(np.arange(pp), pp, g, v)
+        inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         per_layer = m.layer_params / tp * bpp + inflight * act
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
-        # weights of a fully sharded run and what the process holds above its tensors.
+        # weights of a fully sharded run, and what the process and its communicators hold above
+        # the tensors.
         fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
                  + kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
-                 + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[layout.stage_device])
+                 + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[layout.stage_device]
+                 + cm.communicators_per_rank(tp, pp, dp) * self.communicator_bytes[layout.stage_device])
         return per_layer, fixed, t_layer, self._edge_time(layout, mbs, seq), g
 
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
@@ -167,11 +171,12 @@ class Evaluator:
     def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
         m, tr = self.model, self.training
         hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
-        transfer = cm.p2p_time(hidden_bytes, layout.next_stage_gbps)
+        efficiency = self.cluster.link_efficiency
+        transfer = cm.p2p_time(hidden_bytes, layout.next_stage_gbps * efficiency)
         stage_params = layers * m.layer_params / layout.tp
         stage_params[:, 0] += m.embedding_params / layout.tp
         stage_params[:, -1] += cm.last_stage_params(m, layout.pp) / layout.tp
-        t_dp = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps)
+        t_dp = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps * efficiency)
         if tr.overlap_grad_reduce:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
@@ -179,8 +184,8 @@ class Evaluator:
         t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
                         for i, d in enumerate(layout.stage_device)], axis=0)
         if schedule == "interleaved":
-            return cm.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
-        return cm.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
+            return schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
+        return schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
 
 
 def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1):

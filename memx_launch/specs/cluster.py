@@ -40,9 +40,10 @@ class DeviceType:
     """Dense fp32 matmul peak (TF32 on Ampere and later where the framework enables it);
     used for fp32 training, else ``peak_tflops`` serves every dtype."""
     memory_overhead_gib: float | None = None
-    """Memory a training process holds above its tensors: CUDA context, communication
-    buffers, the caching allocator's reserve over allocated. Unset: the vendor's default
-    (:data:`DEFAULT_MEMORY_OVERHEAD_GIB`)."""
+    """Memory a training process holds above its tensors: CUDA context and the caching
+    allocator's reserve over allocated. Unset: the vendor's default
+    (:data:`DEFAULT_MEMORY_OVERHEAD_GIB`). The buffers of the plan's communicators come on top
+    (:attr:`communicator_bytes` each)."""
 
     def __post_init__(self):
         where = f"device_types.{self.name}"
@@ -82,6 +83,11 @@ class DeviceType:
             gib = DEFAULT_MEMORY_OVERHEAD_GIB.get(self.vendor, DEFAULT_MEMORY_OVERHEAD_GIB["unknown"])
         return gib * 2**30
 
+    @property
+    def communicator_bytes(self) -> float:
+        """GPU memory one NCCL/RCCL communicator holds on this device (:data:`COMMUNICATOR_GIB`)."""
+        return COMMUNICATOR_GIB.get(self.vendor, 0.0) * 2**30
+
 
 # Share of the datasheet peak that large 16-bit matmuls and fused attention sustain on
 # datacenter GPUs (cuBLAS reaches 75-85% on A100/H100 for transformer-sized GEMMs). The cost
@@ -90,11 +96,15 @@ class DeviceType:
 DEFAULT_EFFICIENCY = 0.75
 
 # Unmeasured memory above the tensors, per vendor. NVIDIA/AMD: the CUDA/HIP context with the
-# BLAS and attention-kernel modules loaded (~0.75 GiB), NCCL/RCCL buffers of the TP, PP and DP
-# communicators (~0.75 GiB at default buffer sizes) and the caching allocator's reserve over
+# BLAS and attention-kernel modules loaded (~0.75 GiB) and the caching allocator's reserve over
 # allocated (~0.5 GiB of partly used 2 MiB / 20 MiB blocks). CPU emulation: a guard counts the
 # tensors only. A measured value in the cluster YAML (memory_overhead_gib) replaces these.
-DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 2.0, "amd": 2.0, "cpu": 0.0, "unknown": 0.0}
+DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 1.25, "amd": 1.25, "cpu": 0.0, "unknown": 0.0}
+
+# Buffers one communicator holds per GPU at NCCL's default sizes: 544-688 MB measured per
+# process group on 4 x A100 over NVLink (github.com/NVIDIA/nccl/issues/964); every communicator
+# a rank joins (world, DP, TP, PP) holds its own (nccl#864, #986). RCCL is built alike.
+COMMUNICATOR_GIB = {"nvidia": 0.6, "amd": 0.6}
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,11 @@ class ClusterSpec:
     emulation: Emulation | None = None
     master_addr: str | None = None
     """Where torchrun's rendezvous runs; default: the first node's host."""
+    link_efficiency: float = 0.8
+    """Share of the links' stated bandwidth collectives and transfers reach. The default takes
+    the figures as datasheet numbers: NCCL's all-reduce bus bandwidth reaches about 230 of
+    NVLink 3's 300 GB/s on DGX A100 nodes and 90% of an InfiniBand NIC's line rate (nccl-tests);
+    a detected cluster states the measured bus bandwidth and 1.0."""
 
     def __post_init__(self):
         # Rank tables, computed once: the search asks for links between thousands of ranks.
@@ -219,7 +234,7 @@ class ClusterSpec:
             raise ConfigError("cluster", "the file must be a mapping with version, device_types, nodes",
                               "see examples/clusters/paper-20gpu.yaml")
         reject_unknown(data, {"version", "name", "device_types", "nodes", "inter_node_gbps",
-                               "emulation", "master_addr"}, "cluster")
+                               "emulation", "master_addr", "link_efficiency"}, "cluster")
         version = data.get("version")
         if version != CLUSTER_FILE_VERSION:
             raise ConfigError("cluster.version", f"expected {CLUSTER_FILE_VERSION}, got {version!r}",
@@ -317,5 +332,8 @@ class ClusterSpec:
             raise ConfigError("cluster.master_addr", f"must be a host name or address, got {master!r}",
                               "e.g. master_addr: node0.example.org")
         require_name(data.get("name", default_name), "cluster.name")
+        link_efficiency = data.get("link_efficiency", cls.link_efficiency)
+        require_number(link_efficiency, "cluster.link_efficiency", lo=0, hi=1, lo_open=True,
+                       fix="the share of the stated link bandwidth collectives reach, e.g. 0.8 (1.0 if measured)")
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
-                   float(inter) if inter is not None else math.inf, emulation, master)
+                   float(inter) if inter is not None else math.inf, emulation, master, float(link_efficiency))

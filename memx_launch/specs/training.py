@@ -108,9 +108,9 @@ class TrainingSpec:
     """The data-parallel gradient reduction runs during the last micro-batch's backward (DDP
     buckets, FSDP, ZeRO-3, Megatron's --overlap-grad-reduce); off: after it. Default off."""
     fused_norm: bool | None = None
-    """Fused RMSNorm/LayerNorm kernel (saves its input and output only). Off: the norm in
-    separate torch ops keeps the normalised tensor before the weight as well (2 bytes per
-    element per norm). Default on."""
+    """Fused RMSNorm/LayerNorm kernel (keeps its 16-bit input). Off: the norm in separate torch
+    ops (Hugging Face's LlamaRMSNorm) keeps the fp32 copy of its input and the normalised tensor
+    before the weight (4 + 2 bytes per element per norm instead of 2). Default on."""
     vocab_parallel_loss: bool | None = None
     """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits.
     Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
@@ -124,6 +124,10 @@ class TrainingSpec:
     """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
     softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
     s x s tensor. Default on."""
+    softmax_in_fp32: bool | None = None
+    """With torch's softmax (no flash attention, no fused softmax) on 16-bit scores, the softmax
+    runs on an fp32 copy (Megatron's ``--attention-softmax-in-fp32``): the fp32 probabilities and
+    their 16-bit copy are kept, 6 bytes per score instead of 2. Default off."""
     sp_keeps_gathered_input: bool | None = None
     """With sequence parallelism, the column-parallel linears keep their all-gathered (whole
     sequence) input for the backward, as when the norm gathers its output and autograd saves
@@ -145,7 +149,7 @@ class TrainingSpec:
                         grad_dtype="fp32", sequence_parallel=False, flash_attention=True,
                         loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
                         overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
-                        sp_keeps_gathered_input=False, fused_softmax=True)
+                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False)
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))

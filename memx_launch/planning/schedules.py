@@ -1,0 +1,69 @@
+"""Pipeline schedules: how many micro-batches a stage holds and how long an iteration takes.
+
+Synchronous 1F1B (Narayanan et al. 2021, PipeDream-Flush) and its interleaved variant with v
+model chunks per device. No torch import.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.ndarray:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
+
+    1F1B: min(P - i, G). Interleaving with v chunks multiplies the first stage's count by
+    1 + (P-1)/(P*v) (Narayanan et al. 2021); later stages hold proportionally less.
+    """
+    stage = np.asarray(stage, dtype=np.float64)
+    pp = np.asarray(pp, dtype=np.float64)
+    g = np.asarray(num_microbatches, dtype=np.float64)
+    v = np.asarray(virtual_stages, dtype=np.float64)
+    base = np.minimum(pp - stage, g)
+    interleave = np.where(v > 1, 1.0 + (pp - 1 - stage) / (pp * v), 1.0)
+    return np.minimum(base * interleave, np.maximum(g, 1.0))
+
+
+def iteration_time_1f1b(stage_times, transfer_times, num_microbatches, t_fix=0.0, t_dp=0.0):
+    """1F1B iteration time (the paper's equation 3, with transfers per micro-batch); see
+    :func:`pipeline_iteration_time` with ``v = 1``."""
+    return pipeline_iteration_time(stage_times, transfer_times, num_microbatches, 1, t_fix, t_dp)
+
+
+def iteration_time_interleaved(stage_times, transfer_times, num_microbatches, virtual_stages,
+                               t_fix=0.0, t_dp=0.0):
+    """Interleaved 1F1B with ``v`` model chunks per device; see :func:`pipeline_iteration_time`.
+
+    Not the paper's printed equation 4, which divides the steady-state term by v: interleaving
+    shrinks only the bubble (Narayanan et al. 2021, section 2.2.2), every micro-batch still
+    costs its whole stage compute.
+    """
+    return pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages,
+                                   t_fix, t_dp)
+
+
+def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages=1,
+                            t_fix=0.0, t_dp=0.0):
+    """Iteration time of a synchronous 1F1B pipeline, arrays whose last axis is the stage.
+
+    ``stage_times[i]``: forward + backward of one micro-batch on stage i (all its chunks);
+    ``transfer_times[i]``: one activation (or its gradient) from stage i to stage i+1.
+    Each micro-batch pays the blocking sends of its stage: forward to the next stage and
+    backward to the previous one, each link full duplex, v times with v chunks (Narayanan
+    2021: point-to-point traffic grows v times). With ``e_i = t_i + v (x_{i-1} + x_i)``:
+
+        T = G max_i e_i + (sum_i e_i - max_i e_i) / v + t_fix + t_dp
+
+    The first term is every micro-batch through the slowest stage; the second the fill and
+    drain (the bubble), which interleaving divides by v: for equal stages the bubble
+    fraction is (p-1)/(v G). With v = 1 this is the paper's equation 3,
+    ``(G-1) max t + sum t + 2 sum x`` plus the per-micro-batch transfers of the bottleneck.
+    """
+    g = np.asarray(num_microbatches, dtype=np.float64)
+    v = np.asarray(virtual_stages, dtype=np.float64)
+    t = np.asarray(stage_times, dtype=np.float64)
+    x = np.asarray(transfer_times, dtype=np.float64)
+    x_prev = np.concatenate([np.zeros_like(x[..., :1]), x[..., :-1]], axis=-1)
+    e = t + np.expand_dims(v, -1) * (x + x_prev)
+    slowest = e.max(axis=-1)
+    return g * slowest + (e.sum(axis=-1) - slowest) / v + t_fix + t_dp
