@@ -165,7 +165,42 @@ def test_excluded_recompute_level_never_appears_even_through_the_hard_rule():
     assert "selective" in {s.recompute for p in every.plans + every.pareto for s in p.stages}
     binary = search(model, cluster("table1-2vendor"), training, top_k=50,
                     space=SearchSpace(recompute_levels=("none", "full")))
-    assert {s.recompute for p in binary.plans + binary.pareto for s in p.stages} <= {"none", "full"}
+    assert {s.recompute.split(":")[0] for p in binary.plans + binary.pareto for s in p.stages} <= {"none", "full"}
+
+
+def test_a_stage_that_needs_full_recompute_recomputes_only_the_layers_it_must():
+    """Megatron's block method in the search: the fewest first layers at full recompute that let
+    the stage fit; memx-run's searches keep one level per stage."""
+    model, c = get_model("llama2-7b"), cluster("table1-2vendor")
+    training = TrainingSpec(global_batch_size=64)
+    space = SearchSpace(recompute_levels=("none", "full"), schedules=("1f1b",))
+    some = search(model, c, training, space=space, top_k=50)
+    partial = [(p, s) for p in some.plans for s in p.stages if s.recompute.startswith("full:")]
+    assert partial, "no plan recomputes part of a stage"
+    for plan, stage in partial:
+        k = int(stage.recompute.split(":")[1])
+        assert 0 < k < stage.num_layers
+        assert stage.predicted_peak_memory_gib <= stage.memory_capacity_gib
+        # One layer fewer at full recompute would not fit.
+        fewer = evaluate_layout(model, c, training, tp=plan.tp, pp=plan.pp, dp=plan.dp,
+                                micro_batch_size=plan.micro_batch_size,
+                                layers_per_stage=[s.num_layers for s in plan.stages],
+                                stage_devices=[s.device_type for s in plan.stages],
+                                recompute=[s.recompute if s is not stage else f"full:{k - 1}" for s in plan.stages],
+                                references=(1.0, 1.0, 1.0))
+        index = plan.stages.index(stage)
+        assert fewer.stages[index].predicted_peak_memory_gib > stage.memory_capacity_gib
+        whole = evaluate_layout(model, c, training, tp=plan.tp, pp=plan.pp, dp=plan.dp,
+                                micro_batch_size=plan.micro_batch_size,
+                                layers_per_stage=[s.num_layers for s in plan.stages],
+                                stage_devices=[s.device_type for s in plan.stages],
+                                recompute=[s.recompute.split(":")[0] for s in plan.stages],
+                                references=(1.0, 1.0, 1.0))
+        assert whole.stages[index].predicted_stage_time_s > stage.predicted_stage_time_s
+    levels = SearchSpace(recompute_levels=("none", "full"), schedules=("1f1b",), recompute_some_layers=False)
+    whole_only = search(model, c, training, space=levels, top_k=50)
+    assert all(":" not in s.recompute for p in whole_only.plans + whole_only.pareto for s in p.stages)
+    assert some.best.predicted_iteration_time_s <= whole_only.best.predicted_iteration_time_s
 
 
 def test_restrictions_bound_every_plan():

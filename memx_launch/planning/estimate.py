@@ -85,11 +85,7 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     profile = "custom" if weights is not None else "default"
     chosen = tuple(weights) if weights is not None else WEIGHT_PROFILES["default"]
     objective = objective_for(result.T[0], result.M[0], result.V[0], references, profile, chosen)
-    plan = to_plan(result, 0, model, cluster, training, objective)
-    for stage, k, part in zip(plan.stages, recompute_layers[0], partial[0]):
-        if part:
-            stage.recompute = f"full:{k}"
-    return plan
+    return to_plan(result, 0, model, cluster, training, objective)
 
 
 def plan_training(plan: Plan) -> TrainingSpec:

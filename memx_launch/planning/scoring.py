@@ -62,6 +62,19 @@ class GroupResult:
     M: np.ndarray           # (C,) max memory fraction
     V: np.ndarray           # (C,) variance of per-device memory, GiB^2
     feasible: np.ndarray    # (C,)
+    recompute_layers: np.ndarray | None = None
+    """(C, P) layers of each stage recomputing at its level, the first ones (the rest keep
+    everything); None: all of them."""
+
+    def stage_recompute(self, row: int, stage: int) -> str:
+        """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""
+        level = cm.RECOMPUTE_LEVELS[int(self.levels[row, stage])]
+        if self.recompute_layers is None:
+            return level
+        k = int(self.recompute_layers[row, stage])
+        if k >= self.layers[row, stage]:
+            return level
+        return f"full:{k}" if k else "none"
 
 
 class Evaluator:
@@ -69,9 +82,11 @@ class Evaluator:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  cost_model: cm.LayerCostModel, table: CostTable,
-                 memory_headroom: float = 0.0, recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS):
+                 memory_headroom: float = 0.0, recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS,
+                 recompute_some_layers: bool = False):
         self.model, self.cluster, self.training = model, cluster, training
         self.memory_headroom = memory_headroom
+        self.recompute_some_layers = recompute_some_layers
         # The hard rule and the memory bound only use levels the search may use (memx plan --recompute-levels).
         self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
         self.cost_model, self.table = cost_model, table
@@ -134,6 +149,8 @@ class Evaluator:
             layers, feasible = balance_layers(t_layer, edge_t, max_layers, L, min_layers)
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
             per_layer, fixed, t_layer, _, _ = self.split_inputs(layout, mbs, seq, v, levels)
+            if self.recompute_some_layers and v == 1:
+                recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
         memory = layers * per_layer + fixed
         stage_time = layers * t_layer + edge_t
         if recompute_layers is not None:
@@ -148,7 +165,8 @@ class Evaluator:
         # compare); V: the variance of the devices' memory use in GiB^2, as the paper's
         # (its Table 10 reports 9.13e5 MB^2), so that balance means equal use, not equal shares.
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
-                           T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible)
+                           T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible,
+                           recompute_layers)
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
@@ -167,6 +185,21 @@ class Evaluator:
             fits = layers * per_layer + fixed <= self.usable(layout)
             best = np.where(fits & (level < best), level, best)
         return best
+
+    def fewest_recomputed_layers(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
+        """Per stage, how many of its first layers must recompute fully for it to fit, where the
+        hard rule chose full recompute and none is allowed (Megatron's block method); the others
+        keep their level on every layer. A stage that fits nowhere keeps all its layers."""
+        k = layers.copy()
+        if cm.NONE not in self.allowed_levels:
+            return k
+        full_layer, full_fixed, *_ = self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.FULL))
+        none_layer, *_ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels))
+        # k full layers and n - k kept: k (full - none) + n none + fixed <= usable.
+        saved = np.maximum(none_layer - full_layer, 1.0)
+        need = (layers * none_layer + full_fixed - self.usable(layout)) / saved
+        fewest = np.clip(np.ceil(need), 1, layers).astype(np.int64)
+        return np.where(levels == cm.FULL, fewest, k)
 
     def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
         m, tr = self.model, self.training

@@ -58,6 +58,10 @@ class SearchSpace:
     fewer_microbatches_than_stages: bool = True
     """Allow G < P micro-batches per iteration: Megatron-LM runs it (the pipeline never fills);
     torch's Schedule1F1B refuses it, so memx-run's own searches turn it off."""
+    recompute_some_layers: bool = True
+    """Where a stage needs full recompute, recompute only as many of its first layers as it
+    needs to fit (``full:K``, Megatron's block method, 1F1B only); memx-run's searches turn it
+    off until its runtime runs it."""
 
     def check(self, model: ModelSpec) -> None:
         """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""
@@ -142,7 +146,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     tps = sorted({lay.tp for lay in layouts})
     table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
     evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
-                          space.recompute_levels)
+                          space.recompute_levels, space.recompute_some_layers)
     stats = SearchStats()
     level_options, stats.binary_recompute_types = recompute_options(table, cost_model.device_names, space)
     stats.interleaving_allowed = cluster.heterogeneity_index() <= INTERLEAVE_MAX_HETEROGENEITY
@@ -327,7 +331,7 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
     names = cluster.rank_device_types()
     stages = [StagePlan(device_type=names[ranks[0]], ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
-                        recompute=cm.RECOMPUTE_LEVELS[int(result.levels[row, i])],
+                        recompute=result.stage_recompute(row, i),
                         predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 6),
                         predicted_stage_time_s=float(result.stage_time[row, i]),
                         memory_capacity_gib=float(lay.capacity[i]) / cm.GIB)
