@@ -143,8 +143,8 @@ def test_node_counts_that_disagree_with_the_file_are_refused(argv, field):
     assert info.value.field == field
 
 
-def test_a_plan_recomputing_k_of_a_stages_layers_is_refused(tmp_path, capsys):
-    """memx estimate and memx export state full:K; memx-run's stages cannot run it yet."""
+def test_a_plan_recomputing_k_of_a_stages_layers_is_taken(tmp_path, capsys):
+    """memx-run runs full:K (its stages checkpoint their first K blocks)."""
     import json
     target = tmp_path / "plan.json"
     assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(target),
@@ -155,5 +155,9 @@ def test_a_plan_recomputing_k_of_a_stages_layers_is_refused(tmp_path, capsys):
     capsys.readouterr()
     rc = main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
                TRAIN, "--model", "llama-tiny"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "error: --plan: stage 0 recomputes full:1" in err
+    assert rc == 0, capsys.readouterr().err
+    data["stages"][0]["recompute"] = "full:99"
+    target.write_text(json.dumps(data))
+    rc = main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
+               TRAIN, "--model", "llama-tiny"])
+    assert rc == 2 and "full:99" in capsys.readouterr().err

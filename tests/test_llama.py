@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from memx_launch.errors import ConfigError
 from memx_launch.models.llama import LlamaStage, TransformerBlock, apply_tensor_parallel
+from memx_launch.planning.plan import layer_recompute_levels
 from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
 
@@ -61,6 +62,25 @@ def test_recompute_gives_the_same_loss_and_gradients(level):
     grads = dict(base.named_parameters())
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name
+
+
+def test_a_stage_recomputing_its_first_k_layers():
+    """full:K: the first K blocks checkpoint, the rest keep everything; numerics unchanged."""
+    levels = layer_recompute_levels("full:2", SPEC.num_layers)
+    assert levels == ["full", "full"] + ["none"] * (SPEC.num_layers - 2)
+    model = LlamaStage.full(SPEC, recompute=levels)
+    assert [block.recompute for block in model.layers.values()] == levels
+    tokens = _tokens()
+    base = LlamaStage.full(SPEC)
+    _loss(base, tokens).backward()
+    loss = _loss(model, tokens)
+    loss.backward()
+    assert torch.allclose(loss, _loss(base, tokens), atol=ATOL)
+    grads = dict(base.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name
+    with pytest.raises(ConfigError, match="recompute"):
+        LlamaStage.full(SPEC, recompute=["full"])
 
 
 def test_recompute_levels_really_drop_saved_activations():

@@ -71,6 +71,24 @@ def test_moderate_pressure_raises_recompute_on_that_stage_only(plan):
     assert "recompute none ->" in decision.why and "rank 2" in decision.why
 
 
+def test_a_stage_recomputing_k_layers_recomputes_them_all_under_pressure():
+    """full:1 of 2 on stage 2: the next step up is full on both, the other stages keep theirs."""
+    partial = evaluate_layout(MODEL, CLUSTER, TRAINING, tp=1, pp=4, dp=1, micro_batch_size=1,
+                              layers_per_stage=[2, 2, 2, 2], recompute=["full:1", "none", "full:1", "none"],
+                              references=(1, 1, 1))
+    assert [s.recompute for s in partial.stages] == ["full:1", "none", "full:1", "none"]
+    whole = evaluate_layout(MODEL, CLUSTER, TRAINING, tp=1, pp=4, dp=1, micro_batch_size=1,
+                            layers_per_stage=[2, 2, 2, 2], recompute=["full:1", "none", "full", "none"],
+                            references=(1, 1, 1))
+    room = whole.stages[2].predicted_peak_memory_gib
+    ballast = (1 - HEADROOM) * CAPACITY[2] - room - 0.0005  # fits only once stage 2 recomputes both layers
+    decision = replan(_event(partial, ballast), partial, MODEL, CLUSTER, TRAINING, min_headroom=HEADROOM)
+    assert decision.action == "recompute", decision.why
+    assert [s.recompute for s in decision.plan.stages] == ["full:1", "none", "full", "none"]
+    assert "recompute full:1 -> full on stage 2" in decision.why
+    assert _fits(decision)
+
+
 def test_when_recompute_is_not_enough_layers_move_off_the_stage(plan):
     decision = replan(_event(plan, 0.022), plan, MODEL, CLUSTER, TRAINING, min_headroom=HEADROOM)
     assert decision.action == "move_layers", decision.why

@@ -146,11 +146,11 @@ def _reference(plan):
 
 
 EQUIVALENCE_CASES = {
-    "1f1b uneven 3/1/2/2, recompute full/none/selective/none":
-        (make_plan([((0,), 3, "full"), ((1,), 1, "none"), ((2,), 2, "selective"), ((3,), 2, "none")],
+    "1f1b uneven 3/1/2/2, recompute full:2/none/selective/none":
+        (make_plan([((0,), 3, "full:2"), ((1,), 1, "none"), ((2,), 2, "selective"), ((3,), 2, "none")],
                    micro_batch_size=2, global_batch_size=8), "fsdp"),
-    "interleaved v=2 uneven 5/3 x dp=2, recompute selective/full":
-        (make_plan([((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2, micro_batch_size=1,
+    "interleaved v=2 uneven 5/3 x dp=2, recompute selective/full:1 (the first chunk's first layer)":
+        (make_plan([((0, 1), 5, "selective"), ((2, 3), 3, "full:1")], dp=2, micro_batch_size=1,
                    global_batch_size=8, schedule="interleaved", virtual_stages=2), "fsdp"),
     "interleaved v=2 pp=4, recompute full/selective/none/full":
         (make_plan([((0,), 2, "full"), ((1,), 2, "selective"), ((2,), 2, "none"), ((3,), 2, "full")],

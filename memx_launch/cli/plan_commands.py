@@ -37,7 +37,7 @@ def add_plan_command(sub) -> None:
         p.add_argument(flag, type=list_of(kind), metavar="A,B", help=f"search only these {what}")
     p.add_argument("--recompute-some-layers", "--recompute_some_layers", action=argparse.BooleanOptionalAction,
                    default=True, help="a stage that needs full recompute recomputes only its first K layers "
-                   "(full:K, Megatron's block method; memx-run runs one level per stage) (default on)")
+                   "(full:K, Megatron's block method) (default on)")
     add_cost_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_config_args(p)

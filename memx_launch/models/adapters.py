@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memx_launch.errors import ConfigError
-from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
+from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel, per_layer
 
 log = logging.getLogger("memx")
 
@@ -142,7 +142,7 @@ class ModelParts:
         return len(self.blocks)
 
     def stage(self, layer_offset: int, num_layers: int, *, first: bool, last: bool,
-              recompute: str) -> "StageModule":
+              recompute: str | list[str]) -> "StageModule":
         return StageModule(self, layer_offset, num_layers, first=first, last=last, recompute=recompute)
 
     def block_probe(self, recompute: str) -> "StageModule":
@@ -201,7 +201,7 @@ class StageModule(nn.Module):
     them on the first stage and after them on the last; ``recompute`` as in the plan."""
 
     def __init__(self, parts: ModelParts, layer_offset: int, num_layers: int, *, first: bool, last: bool,
-                 recompute: str):
+                 recompute: str | list[str]):
         super().__init__()
         self.kind = parts.kind
         self.before = nn.ModuleDict({_key(n): m for n, m in parts.before}) if first else nn.ModuleDict()
@@ -209,24 +209,24 @@ class StageModule(nn.Module):
                                      for i in range(num_layers)})
         self.after = nn.ModuleDict({_key(n): m for n, m in parts.after}) if last else nn.ModuleDict()
         self.rotary = parts.rotary
-        self.recompute = recompute
-        if recompute == "selective" and not self.kind.knows_attention and self.kind.name not in _WARNED:
+        self.levels = per_layer(recompute, num_layers)
+        if "selective" in self.levels and not self.kind.knows_attention and self.kind.name not in _WARNED:
             _WARNED.add(self.kind.name)  # once per process and block type
             log.warning("memx: selective recompute on %s blocks recomputes the whole block (memx cannot "
                         "reach their attention core); the plan's prediction assumed less", self.kind.name)
-        for block in self.blocks.values():
+        for block, level in zip(self.blocks.values(), self.levels):
             if self.kind is MEMX_KIND:
-                block.recompute = recompute
+                block.recompute = level
             elif self.kind is HF_KIND:
-                _hf_selective(block, recompute == "selective")
+                _hf_selective(block, level == "selective")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x
         for module in self.before.values():
             h = module(h)
         call = self._block_call(h)
-        whole = self.recompute == "full" or (self.recompute == "selective" and not self.kind.knows_attention)
-        for block in self.blocks.values():
+        for block, level in zip(self.blocks.values(), self.levels):
+            whole = level == "full" or (level == "selective" and not self.kind.knows_attention)
             if whole and self.kind is not MEMX_KIND:
                 h = checkpoint(call, block, h, use_reentrant=False)
             else:

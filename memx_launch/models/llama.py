@@ -94,6 +94,14 @@ class FeedForward(nn.Module):
         return self.w2(hidden)
 
 
+def per_layer(recompute: str | list[str], num_layers: int) -> list[str]:
+    """One level for every layer, or the given level of each (``layer_recompute_levels``)."""
+    levels = [recompute] * num_layers if isinstance(recompute, str) else list(recompute)
+    if len(levels) != num_layers:
+        raise ConfigError("recompute", f"{len(levels)} levels for {num_layers} layers", "give one level per layer")
+    return levels
+
+
 class TransformerBlock(nn.Module):
     """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual.
 
@@ -154,7 +162,7 @@ class LlamaStage(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, num_layers: int, *, first: bool, last: bool,
-                 recompute: str = "none", layer_offset: int = 0, seed: int = 0):
+                 recompute: str | list[str] = "none", layer_offset: int = 0, seed: int = 0):
         super().__init__()
         if num_layers < 0 or layer_offset < 0 or layer_offset + num_layers > spec.num_layers:
             raise ConfigError("num_layers", f"layers [{layer_offset}, {layer_offset + num_layers}) "
@@ -164,14 +172,15 @@ class LlamaStage(nn.Module):
         self.layer_offset = layer_offset
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size) if first else None
         # Keyed by global layer index, so checkpoints keep their names under any split.
-        self.layers = nn.ModuleDict({str(layer_offset + i): TransformerBlock(spec, recompute)
+        levels = per_layer(recompute, num_layers)
+        self.layers = nn.ModuleDict({str(layer_offset + i): TransformerBlock(spec, levels[i])
                                      for i in range(num_layers)})
         self.norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS) if last else None
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
         self.reset_parameters(seed)
 
     @classmethod
-    def full(cls, spec: ModelSpec, recompute: str = "none", seed: int = 0) -> "LlamaStage":
+    def full(cls, spec: ModelSpec, recompute: str | list[str] = "none", seed: int = 0) -> "LlamaStage":
         """The whole model in one module: the single-process reference."""
         return cls(spec, spec.num_layers, first=True, last=True, recompute=recompute, seed=seed)
 

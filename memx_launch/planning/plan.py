@@ -41,6 +41,12 @@ def parse_recompute(text: str, num_layers: int, field: str = "--recompute") -> t
     return ("full", int(count)) if int(count) else ("none", num_layers)
 
 
+def layer_recompute_levels(text: str, num_layers: int) -> list[str]:
+    """The level of each of a stage's layers: ``full:K`` is full for the first K, none after."""
+    level, count = parse_recompute(text, num_layers)
+    return [level] * count + ["none"] * (num_layers - count)
+
+
 @dataclass
 class StagePlan:
     device_type: str

@@ -29,7 +29,7 @@ import numpy as np
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
-from memx_launch.planning.plan import Plan
+from memx_launch.planning.plan import Plan, parse_recompute
 from memx_launch.files import write_json_atomic
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
 from memx_launch.planning.layouts import make_layout
@@ -142,9 +142,11 @@ class _PlanScorer:
         self.evaluator = Evaluator(model, cluster, training, self.cost_model, table)
         self.v = plan.virtual_stages if plan.schedule == "interleaved" else 1
 
-    def score(self, layers: np.ndarray, levels: np.ndarray) -> GroupResult:
+    def score(self, layers: np.ndarray, levels: np.ndarray, recompute_layers: np.ndarray) -> GroupResult:
+        """``recompute_layers``: how many of each stage's first layers recompute at its level."""
         return self.evaluator.score(self.layout, self.plan.micro_batch_size, self.plan.seq_len, self.plan.schedule,
-                                    self.v, np.asarray(levels, dtype=np.int64), np.asarray(layers, dtype=np.int64))
+                                    self.v, np.asarray(levels, dtype=np.int64), np.asarray(layers, dtype=np.int64),
+                                    np.asarray(recompute_layers, dtype=np.int64))
 
 
 def memory_correction(event: ReplanEvent, plan: Plan, predicted_stage_bytes: np.ndarray) -> MemoryCorrection:
@@ -173,9 +175,11 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
     if not 0 <= min_headroom < 1:
         raise ConfigError("min_headroom", f"must be in [0, 1), got {min_headroom!r}", "e.g. 0.10 for 10% free")
     scorer = _PlanScorer(plan, model, cluster, training, cost_model)
-    levels = np.array([[cm.RECOMPUTE_LEVELS.index(s.recompute) for s in plan.stages]])
+    parsed = [parse_recompute(s.recompute, s.num_layers, "plan.stages.recompute") for s in plan.stages]
+    levels = np.array([[cm.RECOMPUTE_LEVELS.index(level) for level, _ in parsed]])
+    counts = np.array([[count for _, count in parsed]])
     layers = np.array([[s.num_layers for s in plan.stages]])
-    current = scorer.score(layers, levels)
+    current = scorer.score(layers, levels, counts)
     correction = memory_correction(event, plan, current.memory[0])
     usable = [(1 - min_headroom) * (c * GIB if not math.isnan(c) else cluster.device_type(t).memory_bytes)
               for c, t in zip(event.capacity_gib, cluster.rank_device_types())]
@@ -188,35 +192,37 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
                               " The corrected prediction of the current plan still leaves "
                               f"{min_headroom:.0%} free: no change.", correction)
     s = event.stage
-    level_s = int(levels[0, s])
+    # A stage recomputing K of its layers gets stronger by recomputing all of them; the stage
+    # changed recomputes every layer at its new level, the others keep their counts.
+    level_s = int(levels[0, s]) - int(counts[0, s] < layers[0, s])
     stronger = list(range(level_s + 1, len(cm.RECOMPUTE_LEVELS)))
     if stronger:
         rows = np.repeat(levels, len(stronger), axis=0)
         rows[:, s] = stronger
-        result = scorer.score(np.repeat(layers, len(stronger), axis=0), rows)
+        result = scorer.score(np.repeat(layers, len(stronger), axis=0), rows, _whole(counts, s, len(stronger)))
         best = _best_fitting(result, budgets)
         if best is not None:
             return ReplanDecision("recompute", _with_predictions(plan, result, best, correction), head + (
-                f" Fix: recompute {cm.RECOMPUTE_LEVELS[level_s]} -> {cm.RECOMPUTE_LEVELS[rows[best, s]]} on stage {s}"
+                f" Fix: recompute {plan.stages[s].recompute} -> {result.stage_recompute(best, s)} on stage {s}"
                 f"{_change_text(current, result, best, s, budgets)}."), correction)
 
     min_layers = scorer.v
     move_layers, move_levels = _layer_moves(layers[0], levels[0], s, min_layers)
     if len(move_layers):
-        result = scorer.score(move_layers, move_levels)
+        result = scorer.score(move_layers, move_levels, _whole(counts, s, len(move_layers)))
         best = _best_fitting(result, budgets)
         if best is not None:
             moved = int(layers[0, s] - move_layers[best, s])
             return ReplanDecision("move_layers", _with_predictions(plan, result, best, correction), head + (
                 f" Fix: move {moved} layer(s) off stage {s} (layers {layers[0].tolist()} -> "
-                f"{move_layers[best].tolist()}, recompute {cm.RECOMPUTE_LEVELS[move_levels[best, s]]} on stage {s})"
+                f"{move_layers[best].tolist()}, recompute {result.stage_recompute(best, s)} on stage {s})"
                 f"{_change_text(current, result, best, s, budgets)}."), correction)
 
     reduced = _reduced_cluster(cluster, plan, budgets)
     try:
         found = search(model, reduced, training, cost_model=scorer.cost_model, objective="safety",
                        time_budget_s=search_budget_s, top_k=1,  # memx-run's Schedule1F1B needs G >= P
-                       space=SearchSpace(fewer_microbatches_than_stages=False, recompute_some_layers=False))
+                       space=SearchSpace(fewer_microbatches_than_stages=False))
     except NoFeasiblePlanError as exc:
         raise NoFeasiblePlanError(f"{head} No plan fits the corrected memory ({exc}); free memory on the "
                                   f"device(s) of rank {event.rank} or add devices", exc.closest) from None
@@ -233,6 +239,13 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
         f"pp={new.pp} dp={new.dp} tp={new.tp}, layers {[st.num_layers for st in new.stages]}, recompute "
         f"{[st.recompute for st in new.stages]}, predicted iteration time "
         f"{new.predicted_iteration_time_s / t_old - 1:+.0%}."), correction)
+
+
+def _whole(counts: np.ndarray, s: int, rows: int) -> np.ndarray:
+    """``rows`` copies of the plan's recompute counts with stage ``s`` recomputing every layer."""
+    out = np.repeat(counts, rows, axis=0)
+    out[:, s] = np.iinfo(np.int64).max
+    return out
 
 
 def _best_fitting(result: GroupResult, budgets: np.ndarray) -> int | None:
@@ -275,7 +288,7 @@ def _with_predictions(plan: Plan, result: GroupResult, row: int, correction: Mem
     new = copy.deepcopy(plan)
     for i, stage in enumerate(new.stages):
         stage.num_layers = int(result.layers[row, i])
-        stage.recompute = cm.RECOMPUTE_LEVELS[int(result.levels[row, i])]
+        stage.recompute = result.stage_recompute(row, i)
         stage.predicted_peak_memory_gib = float(max(
             correction.corrected(r, stage.device_type, result.memory[row, i]) for r in stage.ranks)) / GIB
         stage.predicted_stage_time_s = float(result.stage_time[row, i])

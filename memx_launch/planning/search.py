@@ -60,8 +60,7 @@ class SearchSpace:
     torch's Schedule1F1B refuses it, so memx-run's own searches turn it off."""
     recompute_some_layers: bool = True
     """Where a stage needs full recompute, recompute only as many of its first layers as it
-    needs to fit (``full:K``, Megatron's block method, 1F1B only); memx-run's searches turn it
-    off until its runtime runs it."""
+    needs to fit (``full:K``, Megatron's block method, 1F1B only)."""
 
     def check(self, model: ModelSpec) -> None:
         """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""

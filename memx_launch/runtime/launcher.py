@@ -241,12 +241,6 @@ def resolve(args) -> dict:
         if world is not None and plan.world_size != world:
             raise ConfigError("--plan", f"{args.plan} needs {plan.world_size} ranks but the job launches {world}",
                               f"pass a plan for {world} ranks, or start {plan.world_size} processes")
-        partial = [i for i, s in enumerate(plan.stages) if ":" in s.recompute]
-        if partial:
-            raise ConfigError("--plan", f"stage {partial[0]} recomputes {plan.stages[partial[0]].recompute}, "
-                              "K of its layers, which memx-run cannot run yet",
-                              "run it with Megatron-LM (memx export), or plan with memx plan "
-                              "--no-recompute-some-layers")
         settings.add("plan", args.plan, "flag")
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
@@ -319,8 +313,7 @@ def dry_run(args, resolved) -> int:
             from memx_launch.profiling.predictor import load_cost_model
             cost_model = load_cost_model(args.profile_db, model, cluster, training)
         result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
-                        space=SearchSpace(fewer_microbatches_than_stages=False,  # as the workers search
-                                          recompute_some_layers=False),
+                        space=SearchSpace(fewer_microbatches_than_stages=False),  # as the workers search
                         weights=parse_weights(args.weights) if args.weights else None,
                         time_budget_s=args.search_budget_s)
         print(report.plan_report(result, cluster))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts
 from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
-from memx_launch.planning.plan import Plan
+from memx_launch.planning.plan import Plan, layer_recompute_levels
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_rank, rank_layout
 from memx_launch.runtime.precision import Precision
@@ -154,12 +154,16 @@ class Runtime:
         return parts
 
     def _build_chunk(self, index: int, chunk, seed: int, data_parallel: str, original: dict) -> torch.nn.Module:
+        # full:K recomputes the stage's first K layers, counted through its chunks in order.
+        levels = layer_recompute_levels(self.stage_plan.recompute, self.stage_plan.num_layers)
+        start = sum(c.num_layers for c in self.layout.chunks[:index])
+        recompute = levels[start:start + chunk.num_layers]
         if self.parts is None:
             module = LlamaStage(self.plan.model_spec, chunk.num_layers, first=chunk.first, last=chunk.last,
-                                recompute=self.stage_plan.recompute, layer_offset=chunk.layer_offset, seed=seed)
+                                recompute=recompute, layer_offset=chunk.layer_offset, seed=seed)
         else:
             module = self.parts.stage(chunk.layer_offset, chunk.num_layers, first=chunk.first, last=chunk.last,
-                                      recompute=self.stage_plan.recompute)
+                                      recompute=recompute)
             original.update({id(p): f"{index}.{name}" for name, p in module.named_parameters()})
         module = module.to(self.device)
         if self.plan.tp > 1:
