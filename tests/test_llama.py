@@ -50,37 +50,21 @@ def test_layers_differ_from_each_other_and_seed_changes_weights():
     assert not torch.equal(ref.layers["0"].attention.wq.weight, other.layers["0"].attention.wq.weight)
 
 
-@pytest.mark.parametrize("level", ["selective", "full"])
+@pytest.mark.parametrize("level", ["selective", "full", "full:2"])
 def test_recompute_gives_the_same_loss_and_gradients(level):
+    """full:K checkpoints the first K blocks and keeps everything of the rest."""
+    levels = layer_recompute_levels(level, SPEC.num_layers)
     tokens = _tokens()
     base = LlamaStage.full(SPEC)
     _loss(base, tokens).backward()
-    model = LlamaStage.full(SPEC, recompute=level)
-    loss = _loss(model, tokens)
-    loss.backward()
-    assert torch.allclose(loss, _loss(base, tokens), atol=ATOL)
-    grads = dict(base.named_parameters())
-    for name, p in model.named_parameters():
-        assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name
-
-
-def test_a_stage_recomputing_its_first_k_layers():
-    """full:K: the first K blocks checkpoint, the rest keep everything; numerics unchanged."""
-    levels = layer_recompute_levels("full:2", SPEC.num_layers)
-    assert levels == ["full", "full"] + ["none"] * (SPEC.num_layers - 2)
     model = LlamaStage.full(SPEC, recompute=levels)
     assert [block.recompute for block in model.layers.values()] == levels
-    tokens = _tokens()
-    base = LlamaStage.full(SPEC)
-    _loss(base, tokens).backward()
     loss = _loss(model, tokens)
     loss.backward()
     assert torch.allclose(loss, _loss(base, tokens), atol=ATOL)
     grads = dict(base.named_parameters())
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name
-    with pytest.raises(ConfigError, match="recompute"):
-        LlamaStage.full(SPEC, recompute=["full"])
 
 
 def test_recompute_levels_really_drop_saved_activations():
@@ -106,6 +90,8 @@ def test_recompute_levels_really_drop_saved_activations():
 def test_recompute_rejects_unknown_level():
     with pytest.raises(ConfigError, match="recompute"):
         TransformerBlock(SPEC, recompute="some")
+    with pytest.raises(ConfigError, match="recompute"):
+        LlamaStage.full(SPEC, recompute=["full"])  # one level for a model of several layers
 
 
 def test_out_of_range_layers_are_a_config_error():
