@@ -39,7 +39,8 @@ def rank_ranges(ranks: list[int]) -> str:
 
 def layout_summary(plan: Plan) -> str:
     sched = plan.schedule if plan.schedule == "1f1b" else f"{plan.schedule} v={plan.virtual_stages}"
-    return (f"tp={plan.tp} pp={plan.pp} dp={plan.dp} mbs={plan.micro_batch_size} "
+    tp = plan.tp if plan.stage_tp is None else "|".join(str(t) for t in plan.stage_tp)
+    return (f"tp={tp} pp={plan.pp} dp={plan.dp} mbs={plan.micro_batch_size} "
             f"seq={plan.seq_len} {sched}")
 
 
@@ -77,7 +78,11 @@ STAGE_HEADERS = ["stage", "device", "ranks", "layers", "recompute", "memory (pea
 
 
 def stage_table(plan: Plan) -> str:
-    return table(STAGE_HEADERS, stage_rows(plan), right={0, 3, 7})
+    if plan.stage_tp is None:
+        return table(STAGE_HEADERS, stage_rows(plan), right={0, 3, 7})
+    # Stages of different TP degrees: each stage's degree after its device.
+    rows = [row[:2] + [str(t)] + row[2:] for row, t in zip(stage_rows(plan), plan.stage_tp)]
+    return table(STAGE_HEADERS[:2] + ["tp"] + STAGE_HEADERS[2:], rows, right={0, 2, 4, 8})
 
 
 def plans_table(plans: list[Plan]) -> str:

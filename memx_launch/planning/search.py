@@ -29,7 +29,7 @@ from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.planning.layouts import Layout, enumerate_layouts
+from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
 
@@ -263,7 +263,7 @@ def _time_lower_bound(table: CostTable, layout: Layout, mbs, seq, g, num_layers)
 
 
 def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
-    over = (result.memory[0] - result.layout.capacity) / cm.GIB
+    over = (result.memory[0] - result.capacity[0]) / cm.GIB
     lay = result.layout
     parts = [f"{device_names[d]} short {o:.1f} GiB" for d, o in zip(lay.stage_device, over) if o > 0]
     text = (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
@@ -318,27 +318,28 @@ def _rank(results, cluster, model, training, objective, weights, top_k):
 
 def _plan_key(result: GroupResult, row: int):
     lay = result.layout
-    return (lay.tp, lay.dp, lay.order, result.mbs, result.seq, result.schedule, result.v,
+    return (tuple(lay.stage_tp), lay.dp, lay.order, result.mbs, result.seq, result.schedule, result.v,
             tuple(result.levels[row]), tuple(result.layers[row]))
 
 
 def to_plan(result: GroupResult, row: int, model, cluster, training, objective: Objective) -> Plan:
     lay = result.layout
-    names = cluster.rank_device_types()
-    stages = [StagePlan(device_type=names[ranks[0]], ranks=list(ranks),
+    stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i])), ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
                         recompute=cm.RECOMPUTE_LEVELS[int(result.levels[row, i])],
                         predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 6),
                         predicted_stage_time_s=float(result.stage_time[row, i]),
-                        memory_capacity_gib=float(lay.capacity[i]) / cm.GIB)
+                        memory_capacity_gib=float(result.capacity[row, i]) / cm.GIB)
               for i, ranks in enumerate(lay.stage_ranks)]
-    return Plan(model=model.name, model_spec=model, cluster=cluster.name, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+    uniform = lay.uniform_tp
+    return Plan(model=model.name, model_spec=model, cluster=cluster.name, tp=lay.tp if uniform else None,
+                pp=lay.pp, dp=lay.dp,
                 micro_batch_size=result.mbs, global_batch_size=training.global_batch_size,
                 seq_len=result.seq, schedule=result.schedule, virtual_stages=result.v, stages=stages,
                 predicted_iteration_time_s=float(result.T[row]), objective=objective,
                 predicted_peak_memory_fraction=float(result.M[row]),
                 predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
-                training=training.plan_fields())
+                training=training.plan_fields(), stage_tp=None if uniform else lay.stage_tp.tolist())
 
 
 def progress_to_stderr(message: str) -> None:

@@ -24,6 +24,7 @@ import time
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.planning.plan import Plan
+from memx_launch.runtime.layout import check_runnable
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
@@ -241,6 +242,7 @@ def resolve(args) -> dict:
         if world is not None and plan.world_size != world:
             raise ConfigError("--plan", f"{args.plan} needs {plan.world_size} ranks but the job launches {world}",
                               f"pass a plan for {world} ranks, or start {plan.world_size} processes")
+        check_runnable(plan, "--plan")
         partial = [i for i, s in enumerate(plan.stages) if ":" in s.recompute]
         if partial:
             raise ConfigError("--plan", f"stage {partial[0]} recomputes {plan.stages[partial[0]].recompute}, "
