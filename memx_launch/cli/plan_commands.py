@@ -34,6 +34,9 @@ def add_plan_command(sub) -> None:
                              ("--schedules", str, "schedules: 1f1b,interleaved"),
                              ("--recompute-levels", str, "recompute levels: none,selective,full")):
         p.add_argument(flag, type=list_of(kind), metavar="A,B", help=f"search only these {what}")
+    p.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
+                   help="let each device type take its own TP degree (from --tp when given); several times "
+                        "the search time; memx-run and memx export cannot run such plans, memx estimate can")
     add_cost_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_config_args(p)
@@ -66,7 +69,7 @@ def run_plan(args) -> int:
     restricted = {field: tuple(getattr(args, flag)) for flag, field in (
         ("tp", "tp_degrees"), ("pp", "pipeline_degrees"), ("micro_batch_sizes", "micro_batch_sizes"),
         ("schedules", "schedules"), ("recompute_levels", "recompute_levels")) if getattr(args, flag) is not None}
-    space = SearchSpace(memory_headroom=args.memory_headroom, **restricted)
+    space = SearchSpace(memory_headroom=args.memory_headroom, per_type_tp=args.per_type_tp, **restricted)
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))

@@ -87,23 +87,39 @@ def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 
 
 def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tuple[str, ...],
-                      tps: list[int] | None = None, max_orders: int = 24) -> list[Layout]:
+                      tps: list[int] | None = None, max_orders: int = 24, per_type_tp: bool = False) -> list[Layout]:
+    """Every (TP, DP, device-type order) layout: one DP degree for all stages, a type's stages on
+    its own ranks, tp x dp dividing the type's count. ``per_type_tp``: each device type may
+    take its own TP degree from ``tps`` (layouts of one degree come first, in the same order)."""
     rank_types = cluster.rank_device_types()
     counts = cluster.type_counts()
     ranks_of = {t: [r for r, rt in enumerate(rank_types) if rt == t] for t in counts}
-    gcd = math.gcd(*counts.values())
+    degrees = tps or tp_degrees(model, cluster)
+    combos = [(tp,) * len(counts) for tp in degrees]
+    if per_type_tp and len(counts) > 1:
+        combos += [c for c in itertools.product(degrees, repeat=len(counts)) if len(set(c)) > 1]
     layouts = []
-    for tp in tps or tp_degrees(model, cluster):
-        for group in (g for g in range(tp, gcd + 1, tp) if gcd % g == 0):
-            dp = group // tp
-            pp = cluster.world_size // group
-            if pp > model.num_layers:
+    for combo in combos:
+        tp_of = dict(zip(counts, combo))
+        for dp in range(1, min(counts[t] // tp_of[t] for t in counts) + 1):
+            if any(counts[t] % (tp_of[t] * dp) for t in counts):
+                continue
+            if sum(counts[t] // (tp_of[t] * dp) for t in counts) > model.num_layers:
                 continue
             for order in itertools.islice(itertools.permutations(counts), max_orders):
-                stage_ranks = [ranks_of[t][i:i + group] for t in order
-                               for i in range(0, counts[t], group)]
-                layouts.append(make_layout(cluster, device_names, tp, dp, order, stage_ranks))
+                stage_ranks, stage_tp = [], []
+                for t in order:
+                    group = tp_of[t] * dp
+                    stage_ranks += [ranks_of[t][i:i + group] for i in range(0, counts[t], group)]
+                    stage_tp += [tp_of[t]] * (counts[t] // group)
+                layouts.append(make_layout(cluster, device_names, stage_tp, dp, order, stage_ranks))
     return layouts
+
+
+def tp_text(stage_tp) -> str:
+    """``4``, or ``4|2|2`` when the stages' degrees differ."""
+    degrees = [int(t) for t in stage_tp]
+    return str(degrees[0]) if len(set(degrees)) == 1 else "|".join(map(str, degrees))
 
 
 def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:

@@ -29,7 +29,7 @@ from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text
+from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
 
@@ -58,6 +58,10 @@ class SearchSpace:
     fewer_microbatches_than_stages: bool = True
     """Allow G < P micro-batches per iteration: Megatron-LM runs it (the pipeline never fills);
     torch's Schedule1F1B refuses it, so memx-run's own searches turn it off."""
+    per_type_tp: bool = False
+    """On clusters of several device types, let each type take its own TP degree (one DP degree
+    for all stages; ``memx plan --per-type-tp``). Off by default: it multiplies the layouts by
+    up to (TP degrees)^(types - 1), and memx-run's runtime runs one degree for all stages."""
 
     def check(self, model: ModelSpec) -> None:
         """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""
@@ -128,7 +132,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     seqs = tuple(space.seq_lens or (training.seq_len,))
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
     layouts = enumerate_layouts(model, cluster, tuple(cost_model.device_names), list(space.tp_degrees or [])
-                                or None)
+                                or None, per_type_tp=space.per_type_tp)
     if space.pipeline_degrees:
         layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
         if not layouts:
@@ -139,7 +143,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         raise ConfigError("cluster", f"no TP x PP x DP layout fits {cluster.world_size} devices of counts "
                           f"{cluster.type_counts()} with at most {model.num_layers} stages",
                           "give each device type a count that shares a common divisor with the others")
-    tps = sorted({lay.tp for lay in layouts})
+    tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
     table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
     evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
                           space.recompute_levels)
@@ -257,8 +261,8 @@ def _policy_rows(layout: Layout, level_options) -> np.ndarray:
 
 def _time_lower_bound(table: CostTable, layout: Layout, mbs, seq, g, num_layers) -> float:
     """All layers of every micro-batch on perfectly balanced stages of the fastest device."""
-    t_min = table.time[layout.stage_device, table.tps.index(layout.tp), table.mbss.index(mbs),
-                       table.seqs.index(seq), cm.NONE].min()
+    tp_index = [table.tps.index(t) for t in layout.stage_tp.tolist()]
+    t_min = table.time[layout.stage_device, tp_index, table.mbss.index(mbs), table.seqs.index(seq), cm.NONE].min()
     return g * num_layers * t_min / layout.pp
 
 
@@ -266,7 +270,7 @@ def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
     over = (result.memory[0] - result.capacity[0]) / cm.GIB
     lay = result.layout
     parts = [f"{device_names[d]} short {o:.1f} GiB" for d, o in zip(lay.stage_device, over) if o > 0]
-    text = (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
+    text = (f"tp={tp_text(lay.stage_tp)} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
             f"{cm.RECOMPUTE_LEVELS[int(result.levels[0].max())]} recompute: "
             + ", ".join(dict.fromkeys(parts)))
     return float(over.max()), text

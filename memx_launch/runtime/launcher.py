@@ -320,7 +320,7 @@ def dry_run(args, resolved) -> int:
             from memx_launch.profiling.predictor import load_cost_model
             cost_model = load_cost_model(args.profile_db, model, cluster, training)
         result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
-                        space=SearchSpace(fewer_microbatches_than_stages=False),  # as the workers search
+                        space=SearchSpace(fewer_microbatches_than_stages=False, per_type_tp=False),  # as the workers
                         weights=parse_weights(args.weights) if args.weights else None,
                         time_budget_s=args.search_budget_s)
         print(report.plan_report(result, cluster))
