@@ -146,7 +146,7 @@ def _stage_tps(tp, stage_tp, pp) -> list:
     if len(stage_tp) != pp:
         raise ConfigError("--stage-tp", f"{len(stage_tp)} degrees for pp={pp}", "give one TP degree per stage")
     if tp is not None and any(t != tp for t in stage_tp):
-        raise ConfigError("--tp", f"{tp} differs from --stage-tp {stage_tp}", "give one of them")
+        raise ConfigError("--tp", f"{tp} differs from the per-stage degrees {stage_tp}", "give one of them")
     return stage_tp
 
 
