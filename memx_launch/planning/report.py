@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from memx_launch.files import atomic_output, check_output_path
 from memx_launch.planning.estimate import stage_short_gib
+from memx_launch.planning.layouts import MIXED_SEPARATOR, REPLICAS_MARK
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
 
@@ -165,7 +166,7 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
                 "never fills" if plan.num_microbatches < plan.pp else "")
     lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches{pipeline}"
               + (f"; {split_note}" if split_note else ""),
-              stage_table(plan), "",
+              stage_table(plan), *_mixed_stage_notes(plan, cluster), "",
               f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
               f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "
               f"{plan.predicted_memory_variance:.3g} GiB^2",
@@ -173,6 +174,20 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
               f"V {o.terms.get('V', float('nan')):.3f}; weights {','.join(f'{w:.2f}' for w in o.weights)})",
               verdict]
     return "\n".join(lines)
+
+
+def _mixed_stage_notes(plan: Plan, cluster: ClusterSpec) -> list[str]:
+    """Which device type a stage spread over several types is shown on."""
+    known = {d.name: d for d in cluster.device_types}
+    notes = []
+    for i, s in enumerate(plan.stages):
+        if s.device_type in known or MIXED_SEPARATOR not in s.device_type:
+            continue
+        types = [part.rpartition(REPLICAS_MARK)[0] or part for part in s.device_type.split(MIXED_SEPARATOR)]
+        shown = [t for t in types if t in known and abs(known[t].memory_gib - s.memory_capacity_gib) < 1e-9]
+        notes.append(f"stage {i}: replicas on {', '.join(types)}; memory shown on {' or '.join(shown) or '?'} "
+                     "(nearest its capacity; the stage must fit on every type), time of the slowest type")
+    return notes
 
 
 def pareto_plot(result, path: str, overwrite: bool = False, emulated: bool = False) -> None:
