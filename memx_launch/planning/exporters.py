@@ -184,8 +184,10 @@ def megatron_node_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
         start += node.num_devices
         positions = [wanted[r] for r in ranks]
         if positions != list(range(positions[0], positions[0] + len(positions))):
+            mixed = any(MIXED_SEPARATOR in s.device_type for s in plan.stages)
             raise ConfigError("plan.stages", f"the stages split {node.name} in a way Megatron's rank order "
-                              "cannot follow", "use memx-run, which places stages on any ranks")
+                              "cannot follow", "give a stage on several device types whole nodes of each"
+                              if mixed else "use memx-run, which places stages on any ranks")
         firsts.append((positions[0], index))
     return [index for _, index in sorted(firsts)]
 
