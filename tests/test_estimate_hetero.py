@@ -191,3 +191,47 @@ def test_memx_run_refuses_per_stage_tp_in_one_line(tmp_path, capsys):
                      os.path.join(repo, "examples", "train.py"), "--model", "llama-tiny"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("memx-run: error: --plan.stage_tp: stages have different TP degrees")
+
+
+def test_random_heterogeneous_layouts_keep_the_pipeline_invariants():
+    """Random per-stage TP and mixed stages on a two-type cluster: every micro-batch passes the
+    slowest stage, the plan file round-trips, and predicting the file again gives its numbers."""
+    rng = np.random.default_rng(7)
+    c = cluster(8, 8)
+    training = TrainingSpec(global_batch_size=64, seq_len=2048)
+    checked = 0
+    for _ in range(40):
+        dp = int(rng.choice([1, 2]))
+        stage_tp, left = [], 16 // dp
+        while left:
+            stage_tp.append(int(rng.choice([t for t in (1, 2, 4) if t <= left])))
+            left -= stage_tp[-1]
+        pp = len(stage_tp)
+        if pp < 2 or len(set(stage_tp)) < 2:
+            continue
+        devices, free = [], {"x": 8, "y": 8}
+        for t in stage_tp:
+            need = t * dp
+            if dp == 2 and free["x"] >= t and free["y"] >= t and rng.random() < 0.5:
+                devices.append("x+y")
+                free["x"] -= t
+                free["y"] -= t
+            else:
+                name = "x" if free["x"] >= need else "y"
+                devices.append(name)
+                free[name] -= need
+        if min(free.values()) < 0:
+            continue
+        plan = evaluate_layout(MODEL, c, training, tp=None, stage_tp=stage_tp, pp=pp, dp=dp, micro_batch_size=1,
+                               stage_devices=devices, recompute="full", references=(1.0, 1.0, 1.0))
+        g = plan.num_microbatches
+        assert plan.predicted_iteration_time_s >= g * max(s.predicted_stage_time_s for s in plan.stages)
+        assert [len(s.ranks) for s in plan.stages] == [t * dp for t in stage_tp]
+        loaded = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+        assert loaded.stage_tps == stage_tp and loaded.world_size == 16
+        again = evaluate_layout(MODEL, c, training, tp=loaded.tp, stage_tp=loaded.stage_tp, pp=pp, dp=dp,
+                                micro_batch_size=1, stage_devices=[s.device_type for s in loaded.stages],
+                                recompute="full", references=(1.0, 1.0, 1.0))
+        assert again.predicted_iteration_time_s == pytest.approx(plan.predicted_iteration_time_s, rel=1e-12)
+        checked += 1
+    assert checked >= 20
