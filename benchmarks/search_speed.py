@@ -3,7 +3,9 @@
 (a) the paper-sized space on examples/clusters/paper-20gpu.yaml with llama2-7b (the paper's
     MemX searched 31,240 configurations in 26.5 s); goal: under 1 s on 2 CPU cores;
 (b) llama3-70b on examples/clusters/hetero-1024.yaml with a 30 s budget; goal: under 30 s;
-(c) cluster-scale extension (paper section 4.3): the 20-GPU cluster doubled and tripled.
+(c) cluster-scale extension (paper section 4.3): the 20-GPU cluster doubled and tripled;
+(d) case (a) and the Table 1 cluster with each device type its own TP degree (memx plan
+    --per-type-tp), against the same space with one degree.
 
 Usage: python benchmarks/search_speed.py [--repeats 3] [--out benchmarks/results/search_speed.json]
 Seconds are the median of the repeats, measured in one process on this machine.
@@ -57,7 +59,7 @@ def run_case(name, model, cluster, training, space, budget, repeats):
         "configs_per_second": round(stats.enumerated / seconds),
         "cached_predictions_per_second": round(stats.cache_hits / seconds),
         "time_budget_s": budget, "budget_exhausted": stats.budget_exhausted,
-        "best_plan": {"tp": best.tp, "pp": best.pp, "dp": best.dp, "mbs": best.micro_batch_size,
+        "best_plan": {"tp": best.tp, "stage_tp": best.stage_tp, "pp": best.pp, "dp": best.dp, "mbs": best.micro_batch_size,
                       "seq_len": best.seq_len, "schedule": best.schedule,
                       "layers": [s.num_layers for s in best.stages],
                       "recompute": [s.recompute for s in best.stages],
@@ -86,6 +88,13 @@ def main(argv=None) -> int:
     for factor in (2, 3):
         rows.append(run_case(f"c: paper space, {20 * factor} GPUs", llama2, scaled(paper, factor),
                              TrainingSpec(global_batch_size=128), PAPER_SPACE, None, args.repeats))
+    table1 = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    for per_type in (False, True):
+        tag = "per-type TP" if per_type else "one TP"
+        rows.append(run_case(f"d: paper space, 20 GPUs, {tag}", llama2, paper, TrainingSpec(global_batch_size=128),
+                             dataclasses.replace(PAPER_SPACE, per_type_tp=per_type), None, args.repeats))
+        rows.append(run_case(f"d: default space, table1-2vendor, {tag}", llama2, table1,
+                             TrainingSpec(global_batch_size=64), SearchSpace(per_type_tp=per_type), None, args.repeats))
     goals = {"a_under_1s": rows[0]["seconds_median"] < 1.0 and rows[0]["enumerated"] >= 31240,
              "b_under_30s_budget_honoured": rows[1]["seconds_median"] < 30.0}
     write_json_atomic(args.out, {"machine": machine, "cases": rows, "goals_met": goals}, overwrite=True)

@@ -37,14 +37,19 @@ def test_rows_match_single_estimates_and_bad_rows_stay_alone(tmp_path, capsys):
                             "fit,llama2-7b,t4.yaml,,,,,,,,,\n"   # unreadable cluster: this row only
                             "ok,llama2-7b,t1.yaml,2,2,4,1,64,16/16,full|full,vendor-y-64gb|vendor-x-32gb,2|2\n"
                             "oom,llama2-7b,t1.yaml,1,2,8,1,64,21/11,none,,\n"
-                            "het,llama2-7b,t1.yaml,,2,4,1,64,,full,,4|2\n"
-                            "few,llama2-7b,t1.yaml,1,2,8,1,8,,full,,\n")
+                            "bad,llama2-7b,t1.yaml,,2,4,1,64,,full,,4|2\n"
+                            "few,llama2-7b,t1.yaml,1,2,8,1,8,,full,,\n"
+                            "het,llama2-7b,t1.yaml,,3,2,1,64,,full,,4|2|2\n"
+                            "mixed,llama2-7b,t1.yaml,4,2,2,1,64,,full,vendor-x-32gb+vendor-y-64gb|vendor-x-32gb"
+                            "+vendor-y-64gb,\n")
     code, rows, err = _run(capsys, "estimate", "--cases", str(path))
     assert code == 0, err
-    assert [r["row"] for r in rows] == [1, 2, 3, 4, 5] and [r["id"] for r in rows] == ["fit", "ok", "oom", "het", "few"]
+    assert [r["row"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["id"] for r in rows] == ["fit", "ok", "oom", "bad", "few", "het", "mixed"]
     assert rows[0]["error"].startswith("cluster: cannot read")
-    assert rows[3]["error"] == "stage_tp: per-stage TP is not supported yet; give every stage the same degree"
-    assert "5 rows: 1 fit, 2 do not fit, 2 error" in err
+    assert rows[3]["error"] == ("stage_tp: sum(stage_tp)*dp=24 is more than the cluster's 16 devices; "
+                                "use a layout that fits the cluster")
+    assert "7 rows: 3 fit, 2 do not fit, 2 error" in err
 
     cluster = ClusterSpec.from_yaml(TABLE1)
     model = get_model("llama2-7b")
@@ -65,6 +70,13 @@ def test_rows_match_single_estimates_and_bad_rows_stay_alone(tmp_path, capsys):
     # Fewer micro-batches (1) than stages (2) is estimated, with the even split said.
     assert rows[4]["num_microbatches"] == 1 and rows[4]["split"] == "even"
     assert rows[4]["layers_per_stage"] == [16, 16]
+    # Per-stage TP and a stage spread over two device types give the estimate the flags give.
+    for row, kwargs in ((rows[5], dict(tp=None, stage_tp=[4, 2, 2], pp=3, dp=2)),
+                        (rows[6], dict(tp=4, pp=2, dp=2, stage_devices=["vendor-x-32gb+vendor-y-64gb"] * 2))):
+        plan = evaluate_layout(model, cluster, TrainingSpec(global_batch_size=64, seq_len=model.seq_len),
+                               micro_batch_size=1, recompute="full", references=(1, 1, 1), **kwargs)
+        assert row["stage_peak_memory_gib"] == pytest.approx([s.predicted_peak_memory_gib for s in plan.stages])
+        assert row["iteration_time_s"] == pytest.approx(plan.predicted_iteration_time_s) and row["fits"]
 
 
 def test_jsonl_flag_defaults_out_file_and_headroom(tmp_path, capsys):

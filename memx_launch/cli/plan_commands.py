@@ -38,6 +38,9 @@ def add_plan_command(sub) -> None:
     p.add_argument("--recompute-some-layers", "--recompute_some_layers", action=argparse.BooleanOptionalAction,
                    default=True, help="a stage that needs full recompute recomputes only its first K layers "
                    "(full:K, Megatron's block method) (default on)")
+    p.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
+                   help="let each device type take its own TP degree (from --tp when given); several times "
+                        "the search time; memx-run and memx export cannot run such plans, memx estimate can")
     add_cost_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_config_args(p)
@@ -71,7 +74,7 @@ def run_plan(args) -> int:
         ("tp", "tp_degrees"), ("pp", "pipeline_degrees"), ("micro_batch_sizes", "micro_batch_sizes"),
         ("schedules", "schedules"), ("recompute_levels", "recompute_levels")) if getattr(args, flag) is not None}
     space = SearchSpace(memory_headroom=args.memory_headroom, recompute_some_layers=args.recompute_some_layers,
-                        **restricted)
+                        per_type_tp=args.per_type_tp, **restricted)
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))
@@ -90,8 +93,8 @@ def run_plan(args) -> int:
     return 0
 
 
-_LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch_size", "recompute", "layers_per_stage", "stage_devices",
-                 "schedule", "virtual_stages", "model", "global_batch_size", "seq_len")
+_LAYOUT_FLAGS = ("tp", "stage_tp", "pp", "dp", "micro_batch_size", "recompute", "layers_per_stage",
+                 "stage_devices", "schedule", "virtual_stages", "model", "global_batch_size", "seq_len")
 
 
 def add_estimate_command(sub) -> None:
@@ -102,6 +105,8 @@ def add_estimate_command(sub) -> None:
     add_target_args(p, required=False)
     p.add_argument("--plan", metavar="FILE", help="a plan JSON (from memx plan --json) instead of layout flags")
     p.add_argument("--tp", type=int)
+    p.add_argument("--stage-tp", "--stage_tp", type=list_of(int),
+                   help="one TP degree per stage instead of --tp, e.g. 4,2 (each stage has tp_i x dp devices)")
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)
     p.add_argument("--micro-batch-size", "--micro_batch_size", type=int)
@@ -109,7 +114,9 @@ def add_estimate_command(sub) -> None:
                    "recomputes a stage's first K layers (Megatron's block method)")
     p.add_argument("--layers-per-stage", "--layers_per_stage", type=list_of(int),
                    help="layers per stage, kept as given, e.g. 8,24 (default: even, remainder first)")
-    p.add_argument("--stage-devices", "--stage_devices", type=list_of(str), help="device type per stage, e.g. a,b")
+    p.add_argument("--stage-devices", "--stage_devices", type=list_of(str),
+                   help="device type per stage, e.g. a,b; a+b spreads a stage's DP replicas evenly over both "
+                        "types, a*3+b*1 gives the replicas per type")
     p.add_argument("--schedule", choices=("1f1b", "interleaved"))
     p.add_argument("--virtual-stages", "--virtual_stages", type=int)
     p.add_argument("--weights", metavar="wT,wM,wV", help="Phi weights (default: the heterogeneous profile)")
@@ -144,14 +151,14 @@ def run_estimate(args) -> int:
                              cost_model=cost_model_from_args(args, model, cluster, training))
     else:
         missing = [f"--{f.replace('_', '-')}" for f in ("model", "tp", "pp", "dp", "micro_batch_size")
-                   if getattr(args, f) is None]
+                   if getattr(args, f) is None and not (f == "tp" and args.stage_tp)]
         if missing:
-            raise ConfigError(missing[0], "missing", "give --model, --tp, --pp, --dp and --micro-batch-size, "
-                              "or --plan FILE")
+            raise ConfigError(missing[0], "missing", "give --model, --tp (or --stage-tp), --pp, --dp and "
+                              "--micro-batch-size, or --plan FILE")
         model = get_model(args.model)
         training = training_from_args(args, model)
         split_note = "" if args.layers_per_stage else "no --layers-per-stage: even split, remainder on the first stages"
-        plan = evaluate_layout(model, cluster, training, tp=args.tp, pp=args.pp, dp=args.dp,
+        plan = evaluate_layout(model, cluster, training, tp=args.tp, stage_tp=args.stage_tp, pp=args.pp, dp=args.dp,
                                micro_batch_size=args.micro_batch_size,
                                layers_per_stage=args.layers_per_stage,
                                recompute=args.recompute, stage_devices=args.stage_devices,

@@ -158,13 +158,8 @@ class CaseRunner:
         stage_tp = _list(values, "stage_tp", int)
         given_pp = [len(x) for x in (layers, stage_devices, stage_tp) if x is not None]
         pp = _int(values, "pp", given_pp[0] if given_pp else 1)
-        tp = _int(values, "tp", stage_tp[0] if stage_tp else 1)
-        if stage_tp is not None:
-            if len(set(stage_tp)) > 1:
-                raise ConfigError("stage_tp", "per-stage TP is not supported yet", "give every stage the same degree")
-            if len(stage_tp) != pp or stage_tp[0] != tp:
-                raise ConfigError("stage_tp", f"{stage_tp} does not match tp={tp}, pp={pp}", "one tp per stage")
-        dp = _int(values, "dp", max(1, cluster.world_size // (tp * pp)))
+        tp = _int(values, "tp", 1) if stage_tp is None or "tp" in values else None
+        dp = _int(values, "dp", max(1, cluster.world_size // (sum(stage_tp) if stage_tp else tp * pp)))
         schedule = str(values.get("schedule", "1f1b"))
         v = _int(values, "virtual_stages", 1)
         if schedule == "interleaved" and "virtual_stages" not in values:
@@ -177,7 +172,7 @@ class CaseRunner:
         cost_model = self._cost_models[key]
         if key not in self._references:
             self._references[key] = default_references(model, cluster, training, cost_model)
-        plan = evaluate_layout(model, cluster, training, tp=tp, pp=pp, dp=dp,
+        plan = evaluate_layout(model, cluster, training, tp=tp, stage_tp=stage_tp, pp=pp, dp=dp,
                                micro_batch_size=_int(values, "micro_batch_size", 1), layers_per_stage=layers,
                                recompute=recompute, stage_devices=stage_devices, schedule=schedule,
                                virtual_stages=v, cost_model=cost_model, weights=self.weights,

@@ -37,21 +37,26 @@ def _parse_levels(recompute, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray
             np.array([[k for _, k in parsed]], dtype=np.int64))
 
 
-def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int, pp: int,
+def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int | None, pp: int,
                     dp: int, micro_batch_size: int, layers_per_stage=None, recompute=None,
                     stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
                     cost_model: cm.LayerCostModel | None = None, weights=None,
                     references: tuple[float, float, float] | None = None,
-                    memory_headroom: float = 0.0) -> Plan:
+                    memory_headroom: float = 0.0, stage_tp=None) -> Plan:
     """Predict one given layout (``memx estimate``). The plan may not fit: its stages then
     show predicted memory above capacity (less ``memory_headroom``, see :func:`stage_short_gib`).
+    ``stage_tp``: one TP degree per stage instead of ``tp`` for all (the DP degree is every
+    stage's). ``stage_devices``: a device type per stage, or several joined by ``+`` for a
+    stage whose replicas sit on several (:func:`~memx_launch.planning.layouts.parse_stage_devices`).
     No ``layers_per_stage``: an :func:`even_split`. Fewer micro-batches than stages is allowed
     (Megatron-LM runs it; 1F1B then fills the pipeline only partly). Phi uses ``references``
     (T, M, V medians) when given, else those of a default search of the same model, cluster and
     training spec."""
     if schedule not in ("1f1b", "interleaved"):
         raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
-    _check_layout_numbers(model, cluster, tp, pp, dp, micro_batch_size, schedule, virtual_stages, layers_per_stage)
+    stage_tps = _stage_tps(tp, stage_tp, pp)
+    _check_layout_numbers(model, cluster, stage_tps, pp, dp, micro_batch_size, schedule, virtual_stages,
+                          layers_per_stage)
     v = virtual_stages if schedule == "interleaved" else 1
     if training.global_batch_size % (dp * micro_batch_size):
         raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
@@ -60,12 +65,16 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if v > 1 and g % pp:  # as in the search: the interleaved time model needs whole rounds of pp micro-batches
         raise ConfigError("--global-batch-size", f"{g} micro-batches for the interleaved schedule on pp={pp}",
                           "interleaving needs a multiple of pp micro-batches (Megatron-LM's rule); or use 1f1b")
-    if model.num_heads % tp or model.num_kv_heads % tp:
-        raise ConfigError("--tp", f"{tp} does not divide the model's {model.num_heads} heads and "
-                          f"{model.num_kv_heads} KV heads", "use a divisor of both")
+    for t in sorted(set(stage_tps)):
+        if model.num_heads % t or model.num_kv_heads % t:
+            raise ConfigError("--tp" if stage_tp is None else "--stage-tp", f"{t} does not divide the model's "
+                              f"{model.num_heads} heads and {model.num_kv_heads} KV heads", "use a divisor of both")
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
-    layout = layout_from_stage_devices(model, cluster, tuple(cost_model.device_names), tp, pp, dp, stage_devices)
-    table = CostTable(cost_model, len(cost_model.device_names), [tp], [micro_batch_size], [training.seq_len])
+    uniform = len(set(stage_tps)) == 1
+    layout = layout_from_stage_devices(model, cluster, tuple(cost_model.device_names),
+                                       stage_tps[0] if uniform else stage_tps, pp, dp, stage_devices)
+    table = CostTable(cost_model, len(cost_model.device_names), sorted(set(stage_tps)), [micro_batch_size],
+                      [training.seq_len])
     evaluator = Evaluator(model, cluster, training, cost_model, table, memory_headroom)
     if layers_per_stage is None:
         if model.num_layers < pp * v:
@@ -99,7 +108,8 @@ def evaluate_plan(handed: Plan, cluster: ClusterSpec, training: TrainingSpec, *,
     Phi references, and its weights unless ``weights`` are given."""
     o = handed.objective
     references = tuple(o.terms[k] for k in ("T_ref", "M_ref", "V_ref")) if "T_ref" in o.terms else None
-    plan = evaluate_layout(handed.model_spec, cluster, training, tp=handed.tp, pp=handed.pp, dp=handed.dp,
+    plan = evaluate_layout(handed.model_spec, cluster, training, tp=handed.tp, stage_tp=handed.stage_tp,
+                           pp=handed.pp, dp=handed.dp,
                            micro_batch_size=handed.micro_batch_size,
                            layers_per_stage=[s.num_layers for s in handed.stages],
                            recompute=[s.recompute for s in handed.stages],
@@ -122,14 +132,32 @@ def stage_short_gib(plan: Plan, memory_headroom: float = 0.0) -> list[float]:
             for s in plan.stages]
 
 
-def _check_layout_numbers(model, cluster, tp, pp, dp, mbs, schedule, virtual_stages, layers_per_stage) -> None:
+def _stage_tps(tp, stage_tp, pp) -> list:
+    """One TP degree per stage, from ``tp`` or ``stage_tp`` (checked as integers later)."""
+    if stage_tp is None:
+        if tp is None:
+            raise ConfigError("--tp", "missing", "give --tp, or --stage-tp with one degree per stage")
+        return [tp] * pp if isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 else [tp]
+    stage_tp = list(stage_tp)
+    if len(stage_tp) != pp:
+        raise ConfigError("--stage-tp", f"{len(stage_tp)} degrees for pp={pp}", "give one TP degree per stage")
+    if tp is not None and any(t != tp for t in stage_tp):
+        raise ConfigError("--tp", f"{tp} differs from the per-stage degrees {stage_tp}", "give one of them")
+    return stage_tp
+
+
+def _check_layout_numbers(model, cluster, stage_tps, pp, dp, mbs, schedule, virtual_stages, layers_per_stage) -> None:
     """Integers in range before any array is built from them."""
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--micro-batch-size", mbs),
-                        ("--virtual-stages", virtual_stages)):
+    for flag, value in (*(("--stage-tp" if len(set(stage_tps)) > 1 else "--tp", t) for t in stage_tps),
+                        ("--pp", pp), ("--dp", dp), ("--micro-batch-size", mbs), ("--virtual-stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(flag, f"must be a positive integer, got {value!r}")
-    if tp * pp * dp > cluster.world_size:
-        raise ConfigError("--tp", f"tp*pp*dp={tp * pp * dp} is more than the cluster's {cluster.world_size} devices",
+    if len(set(stage_tps)) == 1:
+        flag, used, total = "--tp", "tp*pp*dp", stage_tps[0] * pp * dp
+    else:
+        flag, used, total = "--stage-tp", "sum(stage_tp)*dp", sum(stage_tps) * dp
+    if total > cluster.world_size:
+        raise ConfigError(flag, f"{used}={total} is more than the cluster's {cluster.world_size} devices",
                           "use a layout that fits the cluster")
     if pp > model.num_layers:
         raise ConfigError("--pp", f"{pp} stages for {model.num_layers} layers", "use at most one stage per layer")

@@ -11,6 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.layouts import MIXED_SEPARATOR, REPLICAS_MARK
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
 
@@ -116,10 +117,11 @@ def megatron_args(plan: Plan) -> Export:
     also fixes the virtual-stage count (Megatron derives it from the number of chunks), so
     ``--num-layers-per-virtual-pipeline-stage`` is never given alongside it.
     """
+    tp = plan.uniform_tp("Megatron-LM (one --tensor-model-parallel-size for all stages)")
     args = _megatron_model(plan)
     training_args, notes = _megatron_training(plan)
     args += training_args
-    args += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
+    args += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(plan.pp)]
     if plan.pp > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan)]
         if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp:
@@ -182,8 +184,10 @@ def megatron_node_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
         start += node.num_devices
         positions = [wanted[r] for r in ranks]
         if positions != list(range(positions[0], positions[0] + len(positions))):
+            mixed = any(MIXED_SEPARATOR in s.device_type for s in plan.stages)
             raise ConfigError("plan.stages", f"the stages split {node.name} in a way Megatron's rank order "
-                              "cannot follow", "use memx-run, which places stages on any ranks")
+                              "cannot follow", "give a stage on several device types whole nodes of each"
+                              if mixed else "use memx-run, which places stages on any ranks")
         firsts.append((positions[0], index))
     return [index for _, index in sorted(firsts)]
 
@@ -206,7 +210,10 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args
                           f"plan needs tp*pp*dp={plan.world_size}", "pass the cluster the plan was made for")
     ranks = cluster.rank_device_types()
     for i, stage in enumerate(plan.stages):
-        wrong = [r for r in stage.ranks if ranks[r] != stage.device_type]
+        # A stage on several types names them a+b or a*3+b*1 (planning.layouts).
+        types = {stage.device_type} | {part.rpartition(REPLICAS_MARK)[0] or part
+                                       for part in stage.device_type.split(MIXED_SEPARATOR)}
+        wrong = [r for r in stage.ranks if ranks[r] not in types]
         if wrong:
             raise ConfigError(f"plan.stages[{i}].ranks", f"rank {wrong[0]} is a {ranks[wrong[0]]} "
                               f"in {cluster.name}, not a {stage.device_type}",
@@ -238,7 +245,7 @@ def plan_env(plan: Plan, plan_path: str | None = None) -> dict[str, str]:
     """``MEMX_*`` variables for scripts that do not import memx (comma lists, one per stage)."""
     env = {
         "MEMX_MODEL": plan.model,
-        "MEMX_TP": str(plan.tp),
+        "MEMX_TP": str(plan.uniform_tp("MEMX_TP (one degree)")),
         "MEMX_PP": str(plan.pp),
         "MEMX_DP": str(plan.dp),
         "MEMX_MICRO_BATCH_SIZE": str(plan.micro_batch_size),

@@ -1,9 +1,12 @@
-"""Pipeline layouts: which ranks form each stage for a TP degree, a DP degree and an order of
-device types along the pipeline. TP and DP groups stay inside one stage and one device type.
+"""Pipeline layouts: which ranks form each stage, each stage's TP degree, a DP degree and an
+order of device types along the pipeline. TP groups stay inside one device type; the search
+keeps every stage on one type, a user-given stage may spread its DP replicas over several
+(``A100+V100``, :func:`parse_stage_devices`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -15,22 +18,65 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 
 
+MIXED_SEPARATOR = "+"
+REPLICAS_MARK = "*"
+
+
 @dataclass
 class Layout:
-    """One (TP, DP, device-type order): which ranks form each pipeline stage."""
+    """One (per-stage TP, DP, device-type order): which ranks form each pipeline stage.
 
-    tp: int
+    A stage whose DP replicas sit on several device types has one row per type in
+    ``replica_device`` / ``replica_capacity`` (a stage on one type repeats it): the scorer
+    times the stage at its slowest type and checks its memory on every type.
+    """
+
+    stage_tp: np.ndarray              # (P,) TP degree of each stage
     dp: int
     order: tuple[str, ...]
-    stage_device: np.ndarray          # (P,) index into the cost model's device names
+    replica_device: np.ndarray        # (K, P) index into the cost model's device names
     stage_ranks: list[list[int]]
-    capacity: np.ndarray              # (P,) bytes
+    replica_capacity: np.ndarray      # (K, P) bytes
     next_stage_gbps: np.ndarray       # (P,) link to the next stage, inf for the last
     dp_gbps: np.ndarray               # (P,) slowest link of the stage's DP groups
 
     @property
     def pp(self) -> int:
         return len(self.stage_ranks)
+
+    @functools.cached_property
+    def world_size(self) -> int:
+        return sum(len(ranks) for ranks in self.stage_ranks)
+
+    @functools.cached_property
+    def uniform_tp(self) -> bool:
+        return bool((self.stage_tp == self.stage_tp[0]).all())
+
+    @functools.cached_property
+    def end_tp(self) -> tuple[int, int]:
+        """TP degrees of the first and the last stage (embedding, head)."""
+        return int(self.stage_tp[0]), int(self.stage_tp[-1])
+
+    @property
+    def tp(self) -> int:
+        """The TP degree of every stage; only a layout whose stages share one has it."""
+        if not self.uniform_tp:
+            raise ValueError(f"stages have different TP degrees {self.stage_tp.tolist()}")
+        return int(self.stage_tp[0])
+
+    @property
+    def stage_device(self) -> np.ndarray:
+        """(P,) each stage's (first) device type."""
+        return self.replica_device[0]
+
+    @property
+    def capacity(self) -> np.ndarray:
+        """(P,) bytes of each stage's (first) device type."""
+        return self.replica_capacity[0]
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.replica_device) > 1
 
 
 def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
@@ -45,57 +91,136 @@ def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 
 
 def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tuple[str, ...],
-                      tps: list[int] | None = None, max_orders: int = 24) -> list[Layout]:
+                      tps: list[int] | None = None, max_orders: int = 24, per_type_tp: bool = False) -> list[Layout]:
+    """Every (TP, DP, device-type order) layout: one DP degree for all stages, a type's stages on
+    its own ranks, tp x dp dividing the type's count. ``per_type_tp``: each device type may
+    take its own TP degree from ``tps`` (layouts of one degree come first, in the same order)."""
     rank_types = cluster.rank_device_types()
     counts = cluster.type_counts()
     ranks_of = {t: [r for r, rt in enumerate(rank_types) if rt == t] for t in counts}
-    gcd = math.gcd(*counts.values())
+    degrees = tps or tp_degrees(model, cluster)
+    combos = [(tp,) * len(counts) for tp in degrees]
+    if per_type_tp and len(counts) > 1:
+        combos += [c for c in itertools.product(degrees, repeat=len(counts)) if len(set(c)) > 1]
     layouts = []
-    for tp in tps or tp_degrees(model, cluster):
-        for group in (g for g in range(tp, gcd + 1, tp) if gcd % g == 0):
-            dp = group // tp
-            pp = cluster.world_size // group
-            if pp > model.num_layers:
+    for combo in combos:
+        tp_of = dict(zip(counts, combo))
+        for dp in range(1, min(counts[t] // tp_of[t] for t in counts) + 1):
+            if any(counts[t] % (tp_of[t] * dp) for t in counts):
+                continue
+            if sum(counts[t] // (tp_of[t] * dp) for t in counts) > model.num_layers:
                 continue
             for order in itertools.islice(itertools.permutations(counts), max_orders):
-                stage_ranks = [ranks_of[t][i:i + group] for t in order
-                               for i in range(0, counts[t], group)]
-                layouts.append(make_layout(cluster, device_names, tp, dp, order, stage_ranks))
+                stage_ranks, stage_tp = [], []
+                for t in order:
+                    group = tp_of[t] * dp
+                    stage_ranks += [ranks_of[t][i:i + group] for i in range(0, counts[t], group)]
+                    stage_tp += [tp_of[t]] * (counts[t] // group)
+                layouts.append(make_layout(cluster, device_names, stage_tp, dp, order, stage_ranks))
     return layouts
 
 
+def tp_text(stage_tp) -> str:
+    """``4``, or ``4|2|2`` when the stages' degrees differ."""
+    degrees = [int(t) for t in stage_tp]
+    return str(degrees[0]) if len(set(degrees)) == 1 else "|".join(map(str, degrees))
+
+
 def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
+    """``tp``: one degree for every stage or one per stage. A stage's ranks are its DP replicas
+    in order, ``tp`` consecutive ranks each; they may be of several device types."""
     rank_types = cluster.rank_device_types()
-    types = [rank_types[ranks[0]] for ranks in stage_ranks]
+    stage_tp = np.broadcast_to(np.asarray(tp, dtype=np.int64), (len(stage_ranks),)).copy()
+    types = [list(dict.fromkeys(rank_types[r] for r in ranks)) for ranks in stage_ranks]
+    k = max(len(t) for t in types)
+    rows = [[t[min(j, len(t) - 1)] for t in types] for j in range(k)]
     next_gbps = [min(cluster.link_gbps(a, b) for a, b in zip(cur, nxt))
                  for cur, nxt in zip(stage_ranks, stage_ranks[1:])] + [math.inf]
     # A DP group is every tp-th rank of the stage; its ring's slowest hop decides.
-    dp_gbps = [min([cluster.group_gbps(ranks[j::tp]) for j in range(tp)]) for ranks in stage_ranks]
-    return Layout(tp, dp, tuple(order), np.array([device_names.index(t) for t in types]),
+    dp_gbps = [min([cluster.group_gbps(ranks[j::t]) for j in range(t)]) for ranks, t in zip(stage_ranks, stage_tp)]
+    return Layout(stage_tp, dp, tuple(order), np.array([[device_names.index(t) for t in row] for row in rows]),
                   [list(r) for r in stage_ranks],
-                  np.array([cluster.device_type(t).memory_bytes for t in types]),
+                  np.array([[cluster.device_type(t).memory_bytes for t in row] for row in rows], dtype=float),
                   np.array(next_gbps, dtype=float), np.array(dp_gbps, dtype=float))
 
 
+def parse_stage_devices(text: str, known, dp: int, field: str) -> list[tuple[str, int]]:
+    """A stage's device types and how many of its ``dp`` replicas each holds, in rank order.
+
+    ``A100`` (every replica), ``A100+V100`` (the replicas split evenly, the first types first)
+    or ``A100*3+V100*1`` (replica counts adding up to dp). A whole known type name is
+    always a type, so a type whose name holds ``+`` or ``*`` still works on its own."""
+    text = str(text).strip()
+    if text in known:
+        return [(text, dp)]
+    parts = [p.strip() for p in text.split(MIXED_SEPARATOR)]
+    out = []
+    for part in parts:
+        name, mark, count = part.rpartition(REPLICAS_MARK) if REPLICAS_MARK in part else (part, "", "")
+        if name not in known:
+            raise ConfigError(field, f"unknown device type {name!r}", f"use one of {', '.join(known)}, "
+                              f"or several joined by '{MIXED_SEPARATOR}' (e.g. a+b, a*3+b*1)")
+        if mark and not (count.isdigit() and int(count) > 0):
+            raise ConfigError(field, f"{part!r}: replica count {count!r} is not a positive integer",
+                              f"write TYPE{REPLICAS_MARK}N, N the stage's replicas on TYPE")
+        out.append((name, int(count) if mark else 0))
+    if len({name for name, _ in out}) != len(out):
+        raise ConfigError(field, f"{text!r} names a device type twice", "list each type once")
+    if all(n == 0 for _, n in out):
+        if dp % len(out):
+            raise ConfigError(field, f"dp={dp} replicas cannot split evenly over {len(out)} device types",
+                              f"give counts, e.g. {out[0][0]}{REPLICAS_MARK}{dp - dp // 2}+...")
+        return [(name, dp // len(out)) for name, _ in out]
+    if any(n == 0 for _, n in out) or sum(n for _, n in out) != dp:
+        raise ConfigError(field, f"replica counts in {text!r} must add up to dp={dp}",
+                          f"give every type a count, e.g. {out[0][0]}{REPLICAS_MARK}{dp}")
+    return out
+
+
+def stage_device_text(cluster: ClusterSpec, ranks: list[int], tp: int) -> str:
+    """A stage's device type as plans and ``--stage-devices`` write it: ``a``, ``a+b`` when its
+    replicas split evenly over several types, else ``a*3+b*1`` (replicas per type)."""
+    rank_types = cluster.rank_device_types()
+    counts: dict[str, int] = {}
+    for r in ranks:
+        counts[rank_types[r]] = counts.get(rank_types[r], 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    if len(set(counts.values())) == 1:
+        return MIXED_SEPARATOR.join(counts)
+    return MIXED_SEPARATOR.join(f"{t}{REPLICAS_MARK}{n // tp}" for t, n in counts.items())
+
+
 def layout_from_stage_devices(model, cluster, device_names, tp, pp, dp, stage_devices) -> Layout:
-    """A user-given layout: stage i on the next free ranks of ``stage_devices[i]``."""
-    if tp * pp * dp != cluster.world_size:
-        raise ConfigError("--tp/--pp/--dp", f"tp*pp*dp = {tp * pp * dp} but the cluster has "
-                          f"{cluster.world_size} devices", "choose degrees whose product is the world size")
+    """A user-given layout: stage i's replicas on the next free ranks of ``stage_devices[i]``
+    (one type, or several: :func:`parse_stage_devices`). ``tp``: one degree or one per stage."""
+    stage_tp = [int(tp)] * pp if np.ndim(tp) == 0 else [int(t) for t in tp]
+    if len(stage_tp) != pp:
+        raise ConfigError("--stage-tp", f"{len(stage_tp)} degrees for pp={pp}", "give one TP degree per stage")
+    if sum(stage_tp) * dp != cluster.world_size:
+        uniform = np.ndim(tp) == 0
+        flag, used = (("--tp/--pp/--dp", "tp*pp*dp") if uniform
+                      else ("--stage-tp/--dp", "sum(stage_tp)*dp"))
+        raise ConfigError(flag, f"{used} = {sum(stage_tp) * dp} but the cluster has {cluster.world_size} devices",
+                          "choose degrees whose product is the world size" if uniform
+                          else "choose stage TP degrees that, times dp, add up to the world size")
     rank_types = cluster.rank_device_types()
     free = {t: [r for r, rt in enumerate(rank_types) if rt == t] for t in cluster.type_counts()}
     if stage_devices is None:
-        stage_devices = [rank_types[i * tp * dp] for i in range(pp)]
+        starts = np.cumsum([0] + [t * dp for t in stage_tp])
+        stage_devices = [rank_types[s] for s in starts[:-1]]
     if len(stage_devices) != pp:
         raise ConfigError("--stage-devices", f"{len(stage_devices)} entries for pp={pp}", "give one device type per stage")
-    stage_ranks = []
-    for i, t in enumerate(stage_devices):
-        if t not in free:
-            raise ConfigError(f"--stage-devices[{i}]", f"unknown device type {t!r}",
-                              f"use one of {', '.join(free)}")
-        if len(free[t]) < tp * dp:
-            raise ConfigError(f"--stage-devices[{i}]", f"not enough {t} devices left for a stage of "
-                              f"tp*dp={tp * dp}", "assign stages to device types by their counts")
-        stage_ranks.append(free[t][:tp * dp])
-        free[t] = free[t][tp * dp:]
-    return make_layout(cluster, device_names, tp, dp, tuple(dict.fromkeys(stage_devices)), stage_ranks)
+    stage_ranks, order = [], []
+    for i, (text, t) in enumerate(zip(stage_devices, stage_tp)):
+        field = f"--stage-devices[{i}]"
+        ranks = []
+        for name, replicas in parse_stage_devices(text, free, dp, field):
+            if len(free[name]) < t * replicas:
+                raise ConfigError(field, f"not enough {name} devices left for {replicas} replica(s) of "
+                                  f"tp={t}", "assign stages to device types by their counts")
+            ranks += free[name][:t * replicas]
+            free[name] = free[name][t * replicas:]
+            order.append(name)
+        stage_ranks.append(ranks)
+    return make_layout(cluster, device_names, stage_tp, dp, tuple(dict.fromkeys(order)), stage_ranks)

@@ -1,7 +1,10 @@
 """The plan: what memx decided, as a versioned JSON file every other part reads.
 
 Rank layout inside a stage: ``stage.ranks[j]`` has data-parallel index ``j // tp`` and
-tensor-parallel index ``j % tp`` (TP groups are consecutive ranks).
+tensor-parallel index ``j % tp`` (TP groups are consecutive ranks), ``tp`` the stage's degree.
+A plan whose stages differ in TP degree has ``tp`` null and ``stage_tp`` one degree per stage
+(memx estimate states such layouts; memx-run and the Megatron export refuse them). A stage
+whose DP replicas sit on several device types names them ``a+b`` (``a*3+b*1`` when uneven).
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class Plan:
     model: str
     model_spec: ModelSpec
     cluster: str
-    tp: int
+    tp: int | None
+    """The TP degree of every stage; None when they differ (``stage_tp``)."""
     pp: int
     dp: int
     micro_batch_size: int
@@ -90,11 +94,25 @@ class Plan:
     training: dict = field(default_factory=dict)
     """dtype, optimizer and data-parallel sharding the predictions assumed."""
     version: int = PLAN_VERSION
+    stage_tp: list[int] | None = None
+    """One TP degree per stage when they differ (``tp`` is then None); None: every stage at ``tp``."""
 
     # ---- derived
     @property
+    def stage_tps(self) -> list[int]:
+        """The TP degree of each stage."""
+        return list(self.stage_tp) if self.stage_tp is not None else [self.tp] * self.pp
+
+    def uniform_tp(self, consumer: str) -> int:
+        """The one TP degree of every stage; a one-line refusal naming ``consumer`` otherwise."""
+        if self.stage_tp is not None:
+            raise ConfigError("plan.stage_tp", f"stages have different TP degrees {self.stage_tp}, which "
+                              f"{consumer} cannot run", "plan or estimate one TP degree for every stage (--tp)")
+        return self.tp
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return sum(self.stage_tps) * self.dp
 
     @property
     def num_microbatches(self) -> int:
@@ -105,7 +123,8 @@ class Plan:
         for i, stage in enumerate(self.stages):
             if rank in stage.ranks:
                 j = stage.ranks.index(rank)
-                return i, j // self.tp, j % self.tp
+                tp = self.stage_tps[i]
+                return i, j // tp, j % tp
         raise ConfigError("plan.stages", f"rank {rank} is in no stage",
                           f"the plan covers ranks 0..{self.world_size - 1}")
 
@@ -115,7 +134,7 @@ class Plan:
         data["model_spec"] = self.model_spec.to_dict()
         data["objective"]["weights"] = list(self.objective.weights)
         data["world_size"] = self.world_size
-        order = ["version", "model", "cluster", "world_size", "tp", "pp", "dp", "micro_batch_size",
+        order = ["version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "dp", "micro_batch_size",
                  "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages",
                  "predicted_iteration_time_s", "predicted_peak_memory_fraction",
                  "predicted_memory_variance", "objective", "emulated", "training", "model_spec"]
@@ -145,7 +164,7 @@ class Plan:
                 predicted_peak_memory_fraction=data.get("predicted_peak_memory_fraction", 0.0),
                 predicted_memory_variance=data.get("predicted_memory_variance", 0.0),
                 emulated=data.get("emulated", False), training=dict(data.get("training", {})),
-                version=version)
+                version=version, stage_tp=data.get("stage_tp"))
         except KeyError as exc:
             raise ConfigError(f"{source}.{exc.args[0]}", "missing",
                               "pass a complete plan written by memx plan --json") from None
@@ -159,8 +178,20 @@ class Plan:
         return plan
 
     def validate(self, source: str = "plan") -> None:
-        for key in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
+        for key in ("pp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
             require_number(getattr(self, key), f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
+        if self.stage_tp is None:
+            require_number(self.tp, f"{source}.tp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
+        else:
+            if self.tp is not None:
+                raise ConfigError(f"{source}.tp", "given with stage_tp", "tp is null when the stages' degrees differ")
+            if not isinstance(self.stage_tp, list) or len(self.stage_tp) != self.pp:
+                raise ConfigError(f"{source}.stage_tp", f"must list one TP degree for each of pp={self.pp} stages")
+            for t in self.stage_tp:
+                require_number(t, f"{source}.stage_tp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
+            if len(set(self.stage_tp)) == 1:
+                raise ConfigError(f"{source}.stage_tp", "every stage has the same degree",
+                                  f"give tp: {self.stage_tp[0]} and no stage_tp")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"{source}.schedule", f"unknown schedule {self.schedule!r}",
                               f"use one of {', '.join(SCHEDULES)}")
@@ -174,8 +205,9 @@ class Plan:
             raise ConfigError(f"{source}.stages", "ranks must cover 0..world_size-1 exactly once")
         for i, s in enumerate(self.stages):
             parse_recompute(s.recompute, s.num_layers, f"{source}.stages[{i}].recompute")
-            if len(s.ranks) != self.tp * self.dp:
-                raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*dp={self.tp * self.dp} ranks")
+            tp = self.stage_tps[i]
+            if len(s.ranks) != tp * self.dp:
+                raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*dp={tp * self.dp} ranks")
             if len(set(s.ranks)) != len(s.ranks):
                 raise ConfigError(f"{source}.stages[{i}].ranks", "lists a rank twice")
             if s.num_layers < self.virtual_stages:
@@ -201,10 +233,18 @@ def _check_types(data: dict, source: str) -> None:
     """Types and ranges of a plan read from a file or a peer, before anything uses it."""
     fix = "pass a plan written by memx plan --json"
     for key in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
-        if key in data:
+        if key in data and not (key == "tp" and data[key] is None and data.get("stage_tp") is not None):
             require_number(data[key], f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
-    if all(k in data for k in ("tp", "pp", "dp")) and data["tp"] * data["pp"] * data["dp"] > MAX_WORLD_SIZE:
-        raise ConfigError(f"{source}.world_size", f"tp*pp*dp over the limit of {MAX_WORLD_SIZE} ranks", fix)
+    stage_tp = data.get("stage_tp")
+    if stage_tp is not None:
+        if not isinstance(stage_tp, list) or not stage_tp:
+            raise ConfigError(f"{source}.stage_tp", "must be a list of TP degrees, one per stage", fix)
+        for t in stage_tp:
+            require_number(t, f"{source}.stage_tp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
+    if all(k in data for k in ("tp", "pp", "dp")):
+        tps = stage_tp if stage_tp is not None else [data["tp"]] * data["pp"]
+        if sum(tps) * data["dp"] > MAX_WORLD_SIZE:
+            raise ConfigError(f"{source}.world_size", f"tp*pp*dp over the limit of {MAX_WORLD_SIZE} ranks", fix)
     for key in ("model", "cluster", "schedule"):
         if key in data:
             require_type(data[key], str, f"{source}.{key}", fix)

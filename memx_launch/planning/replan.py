@@ -222,7 +222,7 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
     try:
         found = search(model, reduced, training, cost_model=scorer.cost_model, objective="safety",
                        time_budget_s=search_budget_s, top_k=1,  # memx-run's Schedule1F1B needs G >= P
-                       space=SearchSpace(fewer_microbatches_than_stages=False))
+                       space=SearchSpace(fewer_microbatches_than_stages=False, per_type_tp=False))
     except NoFeasiblePlanError as exc:
         raise NoFeasiblePlanError(f"{head} No plan fits the corrected memory ({exc}); free memory on the "
                                   f"device(s) of rank {event.rank} or add devices", exc.closest) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from memx_launch.files import atomic_output, check_output_path
 from memx_launch.planning.estimate import stage_short_gib
+from memx_launch.planning.layouts import MIXED_SEPARATOR, REPLICAS_MARK
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
 
@@ -39,7 +40,8 @@ def rank_ranges(ranks: list[int]) -> str:
 
 def layout_summary(plan: Plan) -> str:
     sched = plan.schedule if plan.schedule == "1f1b" else f"{plan.schedule} v={plan.virtual_stages}"
-    return (f"tp={plan.tp} pp={plan.pp} dp={plan.dp} mbs={plan.micro_batch_size} "
+    tp = plan.tp if plan.stage_tp is None else "|".join(str(t) for t in plan.stage_tp)
+    return (f"tp={tp} pp={plan.pp} dp={plan.dp} mbs={plan.micro_batch_size} "
             f"seq={plan.seq_len} {sched}")
 
 
@@ -77,7 +79,11 @@ STAGE_HEADERS = ["stage", "device", "ranks", "layers", "recompute", "memory (pea
 
 
 def stage_table(plan: Plan) -> str:
-    return table(STAGE_HEADERS, stage_rows(plan), right={0, 3, 7})
+    if plan.stage_tp is None:
+        return table(STAGE_HEADERS, stage_rows(plan), right={0, 3, 7})
+    # Stages of different TP degrees: each stage's degree after its device.
+    rows = [row[:2] + [str(t)] + row[2:] for row, t in zip(stage_rows(plan), plan.stage_tp)]
+    return table(STAGE_HEADERS[:2] + ["tp"] + STAGE_HEADERS[2:], rows, right={0, 2, 4, 8})
 
 
 def plans_table(plans: list[Plan]) -> str:
@@ -160,7 +166,7 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
                 "never fills" if plan.num_microbatches < plan.pp else "")
     lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches{pipeline}"
               + (f"; {split_note}" if split_note else ""),
-              stage_table(plan), "",
+              stage_table(plan), *_mixed_stage_notes(plan, cluster), "",
               f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
               f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "
               f"{plan.predicted_memory_variance:.3g} GiB^2",
@@ -168,6 +174,20 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
               f"V {o.terms.get('V', float('nan')):.3f}; weights {','.join(f'{w:.2f}' for w in o.weights)})",
               verdict]
     return "\n".join(lines)
+
+
+def _mixed_stage_notes(plan: Plan, cluster: ClusterSpec) -> list[str]:
+    """Which device type a stage spread over several types is shown on."""
+    known = {d.name: d for d in cluster.device_types}
+    notes = []
+    for i, s in enumerate(plan.stages):
+        if s.device_type in known or MIXED_SEPARATOR not in s.device_type:
+            continue
+        types = [part.rpartition(REPLICAS_MARK)[0] or part for part in s.device_type.split(MIXED_SEPARATOR)]
+        shown = [t for t in types if t in known and abs(known[t].memory_gib - s.memory_capacity_gib) < 1e-9]
+        notes.append(f"stage {i}: replicas on {', '.join(types)}; memory shown on {' or '.join(shown) or '?'} "
+                     "(nearest its capacity; the stage must fit on every type), time of the slowest type")
+    return notes
 
 
 def pareto_plot(result, path: str, overwrite: bool = False, emulated: bool = False) -> None:

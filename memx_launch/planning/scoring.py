@@ -38,8 +38,11 @@ class CostTable:
         self.hits = 0
 
     def lookup(self, device, tp, mbs, seq, level):
-        """Index arrays broadcast together; counts every element served as a hit."""
-        key = (device, self.tps.index(tp), self.mbss.index(mbs), self.seqs.index(seq), level)
+        """Index arrays broadcast together (``tp`` a degree or an array of them); counts every
+        element served as a hit."""
+        tp_index = (self.tps.index(tp) if np.ndim(tp) == 0
+                    else np.array([self.tps.index(t) for t in np.ravel(tp)]).reshape(np.shape(tp)))
+        key = (device, tp_index, self.mbss.index(mbs), self.seqs.index(seq), level)
         t, a, w = self.time[key], self.act[key], self.work[key]
         self.hits += np.size(t)
         return t, a, w
@@ -56,12 +59,13 @@ class GroupResult:
     v: int
     levels: np.ndarray      # (C, P) recompute level per stage
     layers: np.ndarray      # (C, P)
-    memory: np.ndarray      # (C, P) bytes
+    memory: np.ndarray      # (C, P) bytes, on the stage's device type nearest its capacity
     stage_time: np.ndarray  # (C, P) seconds per micro-batch
     T: np.ndarray           # (C,)
     M: np.ndarray           # (C,) max memory fraction
     V: np.ndarray           # (C,) variance of per-device memory, GiB^2
     feasible: np.ndarray    # (C,)
+    capacity: np.ndarray    # (C, P) bytes of the device type ``memory`` is on
     recompute_layers: np.ndarray | None = None
     """(C, P) layers of each stage recomputing at its level, the first ones (the rest keep
     everything); None: all of them."""
@@ -96,16 +100,19 @@ class Evaluator:
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
         self.communicator_bytes = np.array([d.communicator_bytes for d in self.device_types])
 
-    def usable(self, layout: Layout) -> np.ndarray:
+    def usable(self, capacity: np.ndarray) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
-        return layout.capacity * (1.0 - self.memory_headroom)
+        return capacity * (1.0 - self.memory_headroom)
 
-    def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray):
-        """Per-stage per-layer bytes, fixed bytes, layer time and fixed time for each row."""
+    def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0):
+        """Per-stage per-layer bytes, fixed bytes, layer time and fixed time for each row, on the
+        device types of row ``replica`` of the layout's ``replica_device``."""
         m, tr = self.model, self.training
-        pp, tp, dp = layout.pp, layout.tp, layout.dp
+        pp, dp = layout.pp, layout.dp
+        tp = layout.tp if layout.uniform_tp else layout.stage_tp  # a scalar where it can: the search's hot path
+        device = layout.replica_device[replica]
         g = tr.global_batch_size // (dp * mbs)
-        dev = np.broadcast_to(layout.stage_device, levels.shape)
+        dev = np.broadcast_to(device, levels.shape)
         t_layer, act, work = self.table.lookup(dev, tp, mbs, seq, levels)
         bpp = cm.model_state_bytes_per_param(tr, dp)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
@@ -113,66 +120,97 @@ class Evaluator:
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run, and what the process and its communicators hold above
         # the tensors.
+        communicators = cm.communicators_per_rank(tp, pp, dp, layout.world_size)
         fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
                  + kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
-                 + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[layout.stage_device]
-                 + cm.communicators_per_rank(tp, pp, dp) * self.communicator_bytes[layout.stage_device])
-        return per_layer, fixed, t_layer, self._edge_time(layout, mbs, seq), g
+                 + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[device]
+                 + communicators * self.communicator_bytes[device])
+        return per_layer, fixed, t_layer, self._edge_time(layout, device, mbs, seq), g
 
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
         m, tr = self.model, self.training
-        tp, pp = layout.tp, layout.pp
+        (first, last), pp = layout.end_tp, layout.pp
         bpp = cm.model_state_bytes_per_param(tr, layout.dp)
         out = np.zeros(pp)
-        out[0] += m.embedding_params / tp * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
-        out[-1] += cm.last_stage_params(m, pp) / tp * bpp + cm.logits_bytes(m, mbs, seq, tp, tr)
+        out[0] += m.embedding_params / first * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
+        out[-1] += cm.last_stage_params(m, pp) / last * bpp + cm.logits_bytes(m, mbs, seq, last, tr)
         return out
 
-    def _edge_time(self, layout, mbs, seq) -> np.ndarray:
+    def _edge_time(self, layout, device, mbs, seq) -> np.ndarray:
         out = np.zeros(layout.pp)
-        out[0] += self.cost_model.embedding_time(layout.stage_device[0], layout.tp, mbs, seq)
-        out[-1] += self.cost_model.head_time(layout.stage_device[-1], layout.tp, mbs, seq)
+        first, last = layout.end_tp
+        out[0] += self.cost_model.embedding_time(device[0], first, mbs, seq)
+        out[-1] += self.cost_model.head_time(device[-1], last, mbs, seq)
         return out
+
+    def _max_layers(self, layout, mbs, seq, v, levels) -> np.ndarray:
+        """Layers each stage can hold at ``levels`` on every one of its device types."""
+        rooms = []
+        for k, capacity in enumerate(layout.replica_capacity):
+            per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, levels, k)
+            rooms.append(np.floor((self.usable(capacity) - fixed) / per_layer))
+        return np.min(rooms, axis=0)
 
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
               levels: np.ndarray, layers: np.ndarray | None = None,
               recompute_layers: np.ndarray | None = None) -> GroupResult:
         """Split layers (unless given), apply the per-stage hard rule, and score every row.
         ``recompute_layers`` (with ``layers``): how many of each stage's layers recompute at its
-        level, the others keeping everything (Megatron's block method: the first K layers)."""
+        level, the others keeping everything (Megatron's block method: the first K layers).
+        A stage whose DP replicas sit on several device types runs at its slowest type's pace
+        and fits only if it fits on each type; its memory is that of the type nearest (or
+        furthest over) its capacity."""
         L = self.model.num_layers
         min_layers = v if schedule == "interleaved" else 1
-        per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels)
-        cap, usable = layout.capacity, self.usable(layout)
+        replicas = range(len(layout.replica_device))
         if layers is None:
-            max_layers = np.floor((usable - fixed) / per_layer)
+            inputs = [self.split_inputs(layout, mbs, seq, v, levels, k) for k in replicas]
+            rooms = [np.floor((self.usable(capacity) - fixed) / per_layer)
+                     for (per_layer, fixed, *_), capacity in zip(inputs, layout.replica_capacity)]
+            if layout.mixed:
+                t_layer, edge_t = np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)
+                max_layers = np.min(rooms, axis=0)
+            else:
+                (_, _, t_layer, edge_t, _), max_layers = inputs[0], rooms[0]
             layers, feasible = balance_layers(t_layer, edge_t, max_layers, L, min_layers)
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
-            per_layer, fixed, t_layer, _, _ = self.split_inputs(layout, mbs, seq, v, levels)
             if self.recompute_some_layers and v == 1:
                 recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
-        memory = layers * per_layer + fixed
-        stage_time = layers * t_layer + edge_t
-        if recompute_layers is not None:
-            # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
-            none_layer, none_fixed, none_t, _, _ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels))
-            k = np.minimum(recompute_layers, layers)
-            memory = k * per_layer + (layers - k) * none_layer + np.where(k > 0, fixed, none_fixed)
-            stage_time = k * t_layer + (layers - k) * none_t + edge_t
-        feasible = (memory <= usable).all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
+        memories, times, fits = [], [], []
+        for k in replicas:
+            per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels, k)
+            memory = layers * per_layer + fixed
+            stage_time = layers * t_layer + edge_t
+            if recompute_layers is not None:
+                # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
+                none_layer, none_fixed, none_t, _, _ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels), k)
+                r = np.minimum(recompute_layers, layers)
+                memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
+                stage_time = r * t_layer + (layers - r) * none_t + edge_t
+            memories.append(memory)
+            times.append(stage_time)
+            fits.append(memory <= self.usable(layout.replica_capacity[k]))
+        if layout.mixed:
+            capacities = np.broadcast_to(layout.replica_capacity[:, None, :], (len(replicas), *levels.shape))
+            worst = np.argmax(np.array(memories) / capacities, axis=0)[None]
+            memory = np.take_along_axis(np.array(memories), worst, axis=0)[0]
+            cap = np.take_along_axis(capacities, worst, axis=0)[0]
+            stage_time, fits = np.max(times, axis=0), np.all(fits, axis=0)
+        else:  # the search's layouts: one device type per stage
+            memory, stage_time, fits, cap = memories[0], times[0], fits[0], np.broadcast_to(layout.capacity, levels.shape)
+        feasible = fits.all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         T = self.iteration_time(layout, mbs, seq, schedule, v, g, stage_time, layers)
         # M: the fullest device, as a fraction of its capacity (devices of different sizes
         # compare); V: the variance of the devices' memory use in GiB^2, as the paper's
         # (its Table 10 reports 9.13e5 MB^2), so that balance means equal use, not equal shares.
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
-                           T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible,
+                           T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible, cap,
                            recompute_layers)
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
         full = np.full((1, layout.pp), self.allowed_levels[-1])
-        per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, full)
-        max_layers = np.floor((self.usable(layout) - fixed) / per_layer)
+        max_layers = self._max_layers(layout, mbs, seq, v, full)
         min_layers = v if schedule == "interleaved" else 1
         return bool((max_layers >= min_layers).all() and max_layers.sum() >= self.model.num_layers)
 
@@ -181,41 +219,48 @@ class Evaluator:
         best = levels.copy()
         for level in reversed(self.allowed_levels):
             trial = np.full_like(levels, level)
-            per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, trial)
-            fits = layers * per_layer + fixed <= self.usable(layout)
+            fits = True
+            for k, capacity in enumerate(layout.replica_capacity):
+                per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, trial, k)
+                fits = fits & (layers * per_layer + fixed <= self.usable(capacity))
             best = np.where(fits & (level < best), level, best)
         return best
 
     def fewest_recomputed_layers(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
-        """Per stage, how many of its first layers must recompute fully for it to fit, where the
-        hard rule chose full recompute and none is allowed (Megatron's block method); the others
-        keep their level on every layer. A stage that fits nowhere keeps all its layers."""
-        k = layers.copy()
+        """Per stage, how many of its first layers must recompute fully for it to fit (on each of
+        its device types), where the hard rule chose full recompute and none is allowed
+        (Megatron's block method); the others keep their level on every layer. A stage that
+        fits nowhere keeps all its layers."""
         if cm.NONE not in self.allowed_levels:
-            return k
-        full_layer, full_fixed, *_ = self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.FULL))
-        none_layer, *_ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels))
-        # k full layers and n - k kept: k (full - none) + n none + fixed <= usable.
-        saved = np.maximum(none_layer - full_layer, 1.0)
-        need = (layers * none_layer + full_fixed - self.usable(layout)) / saved
-        fewest = np.clip(np.ceil(need), 1, layers).astype(np.int64)
-        return np.where(levels == cm.FULL, fewest, k)
+            return layers.copy()
+        fewest = np.ones_like(layers, dtype=np.float64)
+        for k, capacity in enumerate(layout.replica_capacity):
+            full_layer, full_fixed, *_ = self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.FULL), k)
+            none_layer, *_ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels), k)
+            # k full layers and n - k kept: k (full - none) + n none + fixed <= usable.
+            saved = np.maximum(none_layer - full_layer, 1.0)
+            fewest = np.maximum(fewest, np.ceil((layers * none_layer + full_fixed - self.usable(capacity)) / saved))
+        return np.where(levels == cm.FULL, np.clip(fewest, 1, layers).astype(np.int64), layers)
 
     def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
         m, tr = self.model, self.training
+        # Between stages of different TP the whole tensor crosses once per pipeline (a
+        # resharding sender, as Sailor's), as it does between equal TP groups here.
         hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
         efficiency = self.cluster.link_efficiency
         transfer = cm.p2p_time(hidden_bytes, layout.next_stage_gbps * efficiency)
-        stage_params = layers * m.layer_params / layout.tp
-        stage_params[:, 0] += m.embedding_params / layout.tp
-        stage_params[:, -1] += cm.last_stage_params(m, layout.pp) / layout.tp
+        tp = layout.tp if layout.uniform_tp else layout.stage_tp
+        first, last = layout.end_tp
+        stage_params = layers * m.layer_params / tp
+        stage_params[:, 0] += m.embedding_params / first
+        stage_params[:, -1] += cm.last_stage_params(m, layout.pp) / last
         t_dp = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps * efficiency)
         if tr.overlap_grad_reduce:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
         t_dp = t_dp.max(axis=1)
         t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
-                        for i, d in enumerate(layout.stage_device)], axis=0)
+                        for devices in layout.replica_device for i, d in enumerate(devices)], axis=0)
         if schedule == "interleaved":
             return schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
         return schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)

@@ -29,7 +29,7 @@ from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.planning.layouts import Layout, enumerate_layouts
+from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
 
@@ -61,6 +61,10 @@ class SearchSpace:
     recompute_some_layers: bool = True
     """Where a stage needs full recompute, recompute only as many of its first layers as it
     needs to fit (``full:K``, Megatron's block method, 1F1B only)."""
+    per_type_tp: bool = False
+    """On clusters of several device types, let each type take its own TP degree (one DP degree
+    for all stages; ``memx plan --per-type-tp``). Off by default: it multiplies the layouts by
+    up to (TP degrees)^(types - 1), and memx-run's runtime runs one degree for all stages."""
 
     def check(self, model: ModelSpec) -> None:
         """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""
@@ -131,7 +135,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     seqs = tuple(space.seq_lens or (training.seq_len,))
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
     layouts = enumerate_layouts(model, cluster, tuple(cost_model.device_names), list(space.tp_degrees or [])
-                                or None)
+                                or None, per_type_tp=space.per_type_tp)
     if space.pipeline_degrees:
         layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
         if not layouts:
@@ -142,7 +146,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         raise ConfigError("cluster", f"no TP x PP x DP layout fits {cluster.world_size} devices of counts "
                           f"{cluster.type_counts()} with at most {model.num_layers} stages",
                           "give each device type a count that shares a common divisor with the others")
-    tps = sorted({lay.tp for lay in layouts})
+    tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
     table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
     evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
                           space.recompute_levels, space.recompute_some_layers)
@@ -260,16 +264,16 @@ def _policy_rows(layout: Layout, level_options) -> np.ndarray:
 
 def _time_lower_bound(table: CostTable, layout: Layout, mbs, seq, g, num_layers) -> float:
     """All layers of every micro-batch on perfectly balanced stages of the fastest device."""
-    t_min = table.time[layout.stage_device, table.tps.index(layout.tp), table.mbss.index(mbs),
-                       table.seqs.index(seq), cm.NONE].min()
+    tp_index = [table.tps.index(t) for t in layout.stage_tp.tolist()]
+    t_min = table.time[layout.stage_device, tp_index, table.mbss.index(mbs), table.seqs.index(seq), cm.NONE].min()
     return g * num_layers * t_min / layout.pp
 
 
 def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
-    over = (result.memory[0] - result.layout.capacity) / cm.GIB
+    over = (result.memory[0] - result.capacity[0]) / cm.GIB
     lay = result.layout
     parts = [f"{device_names[d]} short {o:.1f} GiB" for d, o in zip(lay.stage_device, over) if o > 0]
-    text = (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
+    text = (f"tp={tp_text(lay.stage_tp)} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
             f"{cm.RECOMPUTE_LEVELS[int(result.levels[0].max())]} recompute: "
             + ", ".join(dict.fromkeys(parts)))
     return float(over.max()), text
@@ -321,27 +325,28 @@ def _rank(results, cluster, model, training, objective, weights, top_k):
 
 def _plan_key(result: GroupResult, row: int):
     lay = result.layout
-    return (lay.tp, lay.dp, lay.order, result.mbs, result.seq, result.schedule, result.v,
+    return (tuple(lay.stage_tp), lay.dp, lay.order, result.mbs, result.seq, result.schedule, result.v,
             tuple(result.levels[row]), tuple(result.layers[row]))
 
 
 def to_plan(result: GroupResult, row: int, model, cluster, training, objective: Objective) -> Plan:
     lay = result.layout
-    names = cluster.rank_device_types()
-    stages = [StagePlan(device_type=names[ranks[0]], ranks=list(ranks),
+    stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i])), ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
                         recompute=result.stage_recompute(row, i),
                         predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 6),
                         predicted_stage_time_s=float(result.stage_time[row, i]),
-                        memory_capacity_gib=float(lay.capacity[i]) / cm.GIB)
+                        memory_capacity_gib=float(result.capacity[row, i]) / cm.GIB)
               for i, ranks in enumerate(lay.stage_ranks)]
-    return Plan(model=model.name, model_spec=model, cluster=cluster.name, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+    uniform = lay.uniform_tp
+    return Plan(model=model.name, model_spec=model, cluster=cluster.name, tp=lay.tp if uniform else None,
+                pp=lay.pp, dp=lay.dp,
                 micro_batch_size=result.mbs, global_batch_size=training.global_batch_size,
                 seq_len=result.seq, schedule=result.schedule, virtual_stages=result.v, stages=stages,
                 predicted_iteration_time_s=float(result.T[row]), objective=objective,
                 predicted_peak_memory_fraction=float(result.M[row]),
                 predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
-                training=training.plan_fields())
+                training=training.plan_fields(), stage_tp=None if uniform else lay.stage_tp.tolist())
 
 
 def progress_to_stderr(message: str) -> None:

@@ -24,6 +24,7 @@ import time
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.planning.plan import Plan
+from memx_launch.runtime.layout import check_runnable
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
@@ -241,6 +242,7 @@ def resolve(args) -> dict:
         if world is not None and plan.world_size != world:
             raise ConfigError("--plan", f"{args.plan} needs {plan.world_size} ranks but the job launches {world}",
                               f"pass a plan for {world} ranks, or start {plan.world_size} processes")
+        check_runnable(plan, "--plan")
         settings.add("plan", args.plan, "flag")
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
@@ -313,7 +315,7 @@ def dry_run(args, resolved) -> int:
             from memx_launch.profiling.predictor import load_cost_model
             cost_model = load_cost_model(args.profile_db, model, cluster, training)
         result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
-                        space=SearchSpace(fewer_microbatches_than_stages=False),  # as the workers search
+                        space=SearchSpace(fewer_microbatches_than_stages=False, per_type_tp=False),  # as the workers
                         weights=parse_weights(args.weights) if args.weights else None,
                         time_budget_s=args.search_budget_s)
         print(report.plan_report(result, cluster))

@@ -7,7 +7,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memx_launch.errors import ConfigError
+from memx_launch.planning.layouts import MIXED_SEPARATOR
 from memx_launch.planning.plan import Plan
+
+
+def check_runnable(plan: Plan, field: str = "plan") -> None:
+    """memx's runtime runs one TP degree and one device type per stage: a one-line refusal of
+    plans ``memx estimate`` can state beyond that (per-stage TP, replicas on several types)."""
+    if plan.stage_tp is not None:
+        raise ConfigError(f"{field}.stage_tp", f"stages have different TP degrees {plan.stage_tp}, which "
+                          "memx-run cannot run (one TP degree for all stages)",
+                          "plan with one --tp for every stage, or run it with a framework that reshards")
+    mixed = [i for i, s in enumerate(plan.stages) if MIXED_SEPARATOR in s.device_type]
+    if mixed:
+        raise ConfigError(f"{field}.stages[{mixed[0]}].device_type", f"{plan.stages[mixed[0]].device_type!r} puts "
+                          "one stage's replicas on several device types, which memx-run cannot run",
+                          "give every stage one device type")
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,7 @@ class RankLayout:
 
 def mesh_ranks(plan: Plan) -> list[list[list[int]]]:
     """Plan (device) ranks as a [pp][dp][tp] grid (plan.py: stage.ranks[j] has dp j // tp, tp j % tp)."""
+    check_runnable(plan)
     return [[[stage.ranks[d * plan.tp + t] for t in range(plan.tp)] for d in range(plan.dp)]
             for stage in plan.stages]
 
@@ -54,6 +71,7 @@ def process_rank(plan: Plan, rank: int) -> int:
     its rank in the PP group, and groups number their ranks in ascending order, so the cluster
     file's device order (the plan's ranks) cannot be used directly when stages run on ranks
     out of order (e.g. stage 0 on ranks 2-3)."""
+    check_runnable(plan)
     stage, dp_index, tp_index = plan.stage_of_rank(rank)
     return stage * plan.tp * plan.dp + dp_index * plan.tp + tp_index
 

@@ -186,6 +186,7 @@ def plan_in_job(env) -> None:
         # Leave the free memory the monitor will ask for, or the first samples would re-plan.
         space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
                             else MonitorConfig.from_env(env).min_headroom, fewer_microbatches_than_stages=False,
+                            per_type_tp=False,  # the runtime runs one TP degree for all stages
                             tp_degrees=(1,) if block_factory is not None else None)
         result = search(model, cluster, training, cost_model=cost_model, space=space,
                         objective=env.get("MEMX_OBJECTIVE") or None,
