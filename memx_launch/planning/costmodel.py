@@ -205,13 +205,12 @@ def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp) ->
     return layer * (2.0 * training.dtype_bytes + training.precision_bytes("grad_dtype"))
 
 
-def communicators_per_rank(tp, pp, dp, world=None):
+def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None) -> int:
     """Distinct communicators a rank joins: the world group, and its DP, TP and PP groups where
-    they have more than one member and are not the world itself. ``tp`` may hold one degree
-    per stage (then give ``world``)."""
-    tp = np.asarray(tp)
+    they have more than one member and are not the world itself (``world``: tp x pp x dp
+    unless the stages' TP degrees differ)."""
     world = tp * pp * dp if world is None else world
-    return (world > 1) * 1 + sum(np.logical_and(1 < n, n < world) * 1 for n in (tp, pp, dp))
+    return int(world > 1) + sum(1 < n < world for n in (tp, pp, dp))
 
 
 def last_stage_params(model: ModelSpec, pp: int) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.costmodel import communicators_per_rank
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 
@@ -45,8 +46,10 @@ class Layout:
         return len(self.stage_ranks)
 
     @functools.cached_property
-    def world_size(self) -> int:
-        return sum(len(ranks) for ranks in self.stage_ranks)
+    def communicators(self) -> np.ndarray:
+        """(P,) communicators a rank of each stage joins (their buffers count in its memory)."""
+        world = sum(len(ranks) for ranks in self.stage_ranks)
+        return np.array([communicators_per_rank(int(tp), self.pp, self.dp, world) for tp in self.stage_tp])
 
     @functools.cached_property
     def uniform_tp(self) -> bool:

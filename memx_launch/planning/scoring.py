@@ -120,11 +120,10 @@ class Evaluator:
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run, and what the process and its communicators hold above
         # the tensors.
-        communicators = cm.communicators_per_rank(tp, pp, dp, layout.world_size)
         fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
                  + kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[device]
-                 + communicators * self.communicator_bytes[device])
+                 + layout.communicators * self.communicator_bytes[device])
         return per_layer, fixed, t_layer, self._edge_time(layout, device, mbs, seq), g
 
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
@@ -174,7 +173,7 @@ class Evaluator:
                 (_, _, t_layer, edge_t, _), max_layers = inputs[0], rooms[0]
             layers, feasible = balance_layers(t_layer, edge_t, max_layers, L, min_layers)
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
-            if self.recompute_some_layers and v == 1:
+            if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any():
                 recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
         memories, times, fits = [], [], []
         for k in replicas:
