@@ -12,7 +12,9 @@ Data (development sets of issue 10, in shared/peer-data):
   output until its gradient returns and the last stage's two output buffers are never
   emptied, so the previous micro-batch's logits stay (``parallel_module.py``:
   ``keep_stage_outputs``); with sequence parallelism the RMSNorm all-gathers its output and
-  the next linear keeps it whole (``norm/rms_norm.py``: ``sp_keeps_gathered_input``).
+  the next linear keeps it whole (``norm/rms_norm.py``: ``sp_keeps_gathered_input``); its
+  SwiGLU has separate gate and up linears, each all-reducing its input gradient over TP
+  (``core/nn/mlp.py``: ``fused_gate_up`` off).
   Per row: LLaMA without dropout; flash attention when the kernel is flash_attention*, the
   s x s scores kept for "torch" (torch's softmax: ``--no-fused-softmax``) and "fused"
   (Megatron's fused softmax, 16-bit in and out); fused norms only with "RMS kernel" (else torch

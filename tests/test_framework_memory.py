@@ -196,3 +196,21 @@ def test_softmax_in_fp32_keeps_fp32_probabilities_and_their_16_bit_copy():
     # Flash attention keeps no scores at all.
     flash = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, fused_softmax=False, softmax_in_fp32=True)
     assert float(flash.activation_bytes) == float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE).activation_bytes)
+
+
+def test_separate_gate_and_up_linears_all_reduce_once_more_per_layer():
+    """Two column-parallel linears on the same input each all-reduce its gradient over TP."""
+    cluster = _a100s()
+    args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.zeros(1))
+    def layer_time(**options):
+        model = cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(**options))
+        return float(model.layer_costs(*args).time_s[0]), model
+    fused, model = layer_time()
+    separate, _ = layer_time(fused_gate_up=False)
+    one = float(cm.allreduce_time(S * H * 2.0, T, model.tp_gbps(np.zeros(1, int), np.full(1, T))[0]))
+    assert separate - fused == pytest.approx(one, rel=1e-6)
+    assert TrainingSpec(setup="scaling").fused_gate_up is False and TrainingSpec().fused_gate_up is True
+    # One TP rank: nothing to all-reduce.
+    single = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, S), np.zeros(1))
+    assert cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(fused_gate_up=False)).layer_costs(*single).time_s[0] == \
+        cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec()).layer_costs(*single).time_s[0]

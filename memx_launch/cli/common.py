@@ -54,6 +54,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
     for flag, text in (("fused-softmax", "without flash attention: fused softmax, in-place backward (default on)"),
                        ("softmax-in-fp32", "torch's softmax on an fp32 copy of the scores (default off)"),
+                       ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
+                        "(default on; --setup scaling: off)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
                        ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
@@ -79,7 +81,7 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention",
                 "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
-                "overlap_grad_reduce", "fused_softmax", "softmax_in_fp32", "keep_stage_outputs",
+                "overlap_grad_reduce", "fused_softmax", "softmax_in_fp32", "fused_gate_up", "keep_stage_outputs",
                 "sp_keeps_gathered_input")
 
 

@@ -357,10 +357,12 @@ class AnalyticalCostModel:
             * self.model.hidden_size / (tp if tr.sequence_parallel else 1.0)
         memory_s = (_ELEMENTWISE_TRAFFIC * none_act + _FORWARD_TRAFFIC * recompute_traffic + score_traffic
                     + norm_traffic) / (self._hbm[device] * 1e9)
-        # Two all-reduces of the block output forward, two backward, two more when the
-        # full block is recomputed.
+        # Two all-reduces of the block output forward, two of the input gradients of the
+        # column-parallel linears backward (three with separate gate and up linears), two more
+        # when the full block is recomputed.
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
-        n_allreduce = np.where(recompute == FULL, 6.0, 4.0)
+        separate_gate_up = self.model.gated_mlp and not tr.fused_gate_up
+        n_allreduce = np.where(recompute == FULL, 6.0, 4.0) + (1.0 if separate_gate_up else 0.0)
         comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self.tp_gbps(device, tp), self._latency_s[device])
         launch_s = self._launch_s[device] * np.where(recompute == FULL, 1.5, 1.0)
         time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s

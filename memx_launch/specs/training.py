@@ -18,7 +18,8 @@ fsdp2      fp32 sharded params, bf16 compute, fp32 reduce (torch-   16/DP
 ddp        fp32 params under autocast, fp32 grads, fp32 moments     16
 scaling    as zero1, in Aleph Alpha's Megatron-derived codebase      4 + 12/DP
            (Hagemann et al. 2023): logits gathered over TP, stage
-           outputs kept, sequence parallel keeps gathered inputs
+           outputs kept, sequence parallel keeps gathered inputs,
+           separate SwiGLU gate and up linears
 =========  =======================================================  =====================
 
 No setup keeps the defaults memx always had: 16-bit weights, fp32 grads, fp32 master and
@@ -58,9 +59,10 @@ SETUPS: dict[str, dict] = {
     # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
     # last stage the previous micro-batch's logits; its RMSNorm all-gathers the sequence-parallel
-    # output, which the next linear then keeps whole.
+    # output, which the next linear then keeps whole; its SwiGLU has separate gate and up linears.
     "scaling": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
-                    vocab_parallel_loss=False, keep_stage_outputs=True, sp_keeps_gathered_input=True),
+                    vocab_parallel_loss=False, keep_stage_outputs=True, sp_keeps_gathered_input=True,
+                    fused_gate_up=False),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
@@ -124,6 +126,11 @@ class TrainingSpec:
     """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
     softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
     s x s tensor. Default on."""
+    fused_gate_up: bool | None = None
+    """SwiGLU's gate and up projections as one column-parallel linear (Megatron's linear_fc1):
+    one all-reduce of their input gradient over TP in the backward. Off: two linears (Aleph
+    Alpha's scaling), each all-reducing it: five TP all-reduces per layer instead of four.
+    Default on."""
     softmax_in_fp32: bool | None = None
     """With torch's softmax (no flash attention, no fused softmax) on 16-bit scores, the softmax
     runs on an fp32 copy (Megatron's ``--attention-softmax-in-fp32``): the fp32 probabilities and
@@ -149,7 +156,8 @@ class TrainingSpec:
                         grad_dtype="fp32", sequence_parallel=False, flash_attention=True,
                         loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
                         overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
-                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False)
+                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False,
+                        fused_gate_up=True)
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))
