@@ -41,7 +41,7 @@ Metrics: fit/OOM confusion matrix, false fits (real OOMs called fits) as a share
 time MAPE and Spearman per group (runs that ran), memx's pick per group (lowest predicted time
 among layouts predicted to fit) and its regret against the measured best.
 
-Writes benchmarks/results/real_runs.json.
+Writes benchmarks/results/real_runs.json and the plot real_runs.png.
 Run: .venv/bin/python benchmarks/real_runs.py   (3-60 s on 2 shared CPU cores: the calibrated
 Sailor section fits the learned model once)
 """
@@ -69,6 +69,7 @@ from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "real_runs.json")
+PLOT = os.path.join(ROOT, "benchmarks", "results", "real_runs.png")
 GIB = 2**30
 
 
@@ -321,6 +322,54 @@ def no_nan(value):
     return value
 
 
+def real_runs_plot(hagemann_rows, sailor_rows, calibrated_rows, path: str) -> None:
+    """Three panels: Hagemann step time, Hagemann peak memory by real outcome, Sailor plans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memx_launch.planning.report import save_png_atomic
+
+    fig, (time_ax, memory_ax, sailor_ax) = plt.subplots(1, 3, figsize=(16, 5))
+    ran = [r for r in hagemann_rows if r["real"] == "ok" and r.get("time_s")]
+    for colour, group in zip(plt.cm.tab10.colors, sorted({r["group"] for r in ran})):
+        members = [r for r in ran if r["group"] == group]
+        time_ax.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=14,
+                        color=colour, label=group.replace("llama_13B_bfloat16_", ""))
+    _identity(time_ax, [r[k] for r in ran for k in ("real_time_s", "time_s")], "measured step time (s)", "memx (s)",
+              f"LLaMA-13B on A100 (Hagemann): {len(ran)} runs, MAPE "
+              f"{mape([r['time_s'] for r in ran], [r['real_time_s'] for r in ran]):.1f}%")
+    time_ax.legend(fontsize=7, loc="upper left")
+    labelled = [r for r in hagemann_rows if r.get("peak_gib") is not None]
+    for x, outcome, colour in ((0, "ok", "tab:green"), (1, "OOM", "tab:red")):
+        peaks = np.array([r["peak_gib"] for r in labelled if r["real"] == outcome])
+        jitter = np.random.default_rng(x).uniform(-0.25, 0.25, len(peaks))
+        memory_ax.scatter(x + jitter, peaks, s=10, color=colour, alpha=0.6)
+    memory_ax.axhline(79.3, color="0.3", lw=1, ls="--", label="A100-80GB capacity (79.3 GiB)")
+    memory_ax.set(xticks=[0, 1], xticklabels=["ran", "ran out of memory"], yscale="log",
+                  ylabel="memx's predicted peak (GiB)", title="Fit or OOM: every run on the predicted peak")
+    memory_ax.legend(fontsize=8, loc="upper left")
+    for rows, marker, name in ((sailor_rows, "o", "analytical"), (calibrated_rows, "^", "calibrated")):
+        done = [r for r in rows if r.get("time_s")]
+        sailor_ax.scatter([r["real_time_s"] for r in done], [r["time_s"] for r in done], marker=marker, s=24,
+                          label=f"{name}: MAPE {mape([r['time_s'] for r in done], [r['real_time_s'] for r in done]):.1f}%")
+    _identity(sailor_ax, [r[k] for r in sailor_rows + calibrated_rows for k in ("real_time_s", "time_s") if r.get(k)],
+              "measured iteration time (s)", "memx (s)",
+              "OPT-350 whole plans on GH200 (Sailor)")
+    sailor_ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    save_png_atomic(fig, path, dpi=100)
+
+
+def _identity(ax, values, xlabel, ylabel, title) -> None:
+    """Log-log axes around the measured and predicted values with the y = x line and a 20% band."""
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="0.3", lw=1)
+    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="0.9", zorder=0)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel=xlabel, ylabel=ylabel, title=title)
+
+
 def main() -> None:
     shared = shared_dir()
     started = time.perf_counter()
@@ -348,6 +397,7 @@ def main() -> None:
         **fitted, **sailor_summary(calibrated), "rows": calibrated}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
+    real_runs_plot(h, s, calibrated, PLOT)
     brief = {k: result["hagemann_llama13b_a100"][k] for k in ("fit", "time", "spearman_mean_over_groups")}
     print("hagemann", brief)
     for name, g in groups.items():
