@@ -38,6 +38,9 @@ def add_plan_command(sub) -> None:
     p.add_argument("--recompute-some-layers", "--recompute_some_layers", action=argparse.BooleanOptionalAction,
                    default=True, help="a stage that needs full recompute recomputes only its first K layers "
                    "(full:K, Megatron's block method) (default on)")
+    p.add_argument("--mixed-stages", "--mixed_stages", action="store_true",
+                   help="also layouts whose stages take DP replicas from two device types where the "
+                        "counts do not divide; memx-run and memx export cannot run such plans, memx estimate can")
     p.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
                    help="let each device type take its own TP degree (from --tp when given); several times "
                         "the search time; memx-run and memx export cannot run such plans, memx estimate can")
@@ -74,7 +77,7 @@ def run_plan(args) -> int:
         ("tp", "tp_degrees"), ("pp", "pipeline_degrees"), ("micro_batch_sizes", "micro_batch_sizes"),
         ("schedules", "schedules"), ("recompute_levels", "recompute_levels")) if getattr(args, flag) is not None}
     space = SearchSpace(memory_headroom=args.memory_headroom, recompute_some_layers=args.recompute_some_layers,
-                        per_type_tp=args.per_type_tp, **restricted)
+                        per_type_tp=args.per_type_tp, mixed_stages=args.mixed_stages, **restricted)
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))

@@ -94,10 +94,14 @@ def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 
 
 def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tuple[str, ...],
-                      tps: list[int] | None = None, max_orders: int = 24, per_type_tp: bool = False) -> list[Layout]:
+                      tps: list[int] | None = None, max_orders: int = 24, per_type_tp: bool = False,
+                      mixed_stages: bool = False) -> list[Layout]:
     """Every (TP, DP, device-type order) layout: one DP degree for all stages, a type's stages on
     its own ranks, tp x dp dividing the type's count. ``per_type_tp``: each device type may
-    take its own TP degree from ``tps`` (layouts of one degree come first, in the same order)."""
+    take its own TP degree from ``tps`` (layouts of one degree come first, in the same order).
+    ``mixed_stages``: also the layouts whose tp x dp divides the world but not every type's
+    count, the stage at a boundary between types taking its replicas from both (after the
+    others)."""
     rank_types = cluster.rank_device_types()
     counts = cluster.type_counts()
     ranks_of = {t: [r for r, rt in enumerate(rank_types) if rt == t] for t in counts}
@@ -120,7 +124,32 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tupl
                     stage_ranks += [ranks_of[t][i:i + group] for i in range(0, counts[t], group)]
                     stage_tp += [tp_of[t]] * (counts[t] // group)
                 layouts.append(make_layout(cluster, device_names, stage_tp, dp, order, stage_ranks))
+    if mixed_stages:
+        layouts += _spanning_layouts(model, cluster, device_names, degrees, max_orders)
     return layouts
+
+
+def _spanning_layouts(model, cluster, device_names, degrees, max_orders) -> list[Layout]:
+    """Layouts of one TP degree whose stages cut the ranks, taken type after type, into groups
+    of tp x dp where that does not divide some type's count: a stage across a boundary has
+    replicas of both types (each TP group inside one type, so tp divides every count)."""
+    rank_types = cluster.rank_device_types()
+    counts = cluster.type_counts()
+    ranks_of = {t: [r for r, rt in enumerate(rank_types) if rt == t] for t in counts}
+    out = []
+    for tp in degrees:
+        if any(n % tp for n in counts.values()):
+            continue
+        for dp in range(1, cluster.world_size // tp + 1):
+            group = tp * dp
+            if cluster.world_size % group or all(n % group == 0 for n in counts.values()) \
+                    or cluster.world_size // group > model.num_layers:
+                continue
+            for order in itertools.islice(itertools.permutations(counts), max_orders):
+                ranks = [r for t in order for r in ranks_of[t]]
+                stage_ranks = [ranks[i:i + group] for i in range(0, len(ranks), group)]
+                out.append(make_layout(cluster, device_names, tp, dp, order, stage_ranks))
+    return out
 
 
 def tp_text(stage_tp) -> str:

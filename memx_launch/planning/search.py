@@ -65,6 +65,11 @@ class SearchSpace:
     """On clusters of several device types, let each type take its own TP degree (one DP degree
     for all stages; ``memx plan --per-type-tp``). Off by default: it multiplies the layouts by
     up to (TP degrees)^(types - 1), and memx-run's runtime runs one degree for all stages."""
+    mixed_stages: bool = False
+    """Also layouts whose stage at a boundary between device types takes its DP replicas from
+    both (Sailor's plans; ``memx plan --mixed-stages``): where tp x dp divides the world but not
+    every type's count. The slowest type sets such a stage's pace and it must fit on each.
+    memx-run's runtime runs one device type per stage."""
 
     def check(self, model: ModelSpec) -> None:
         """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""
@@ -135,7 +140,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     seqs = tuple(space.seq_lens or (training.seq_len,))
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
     layouts = enumerate_layouts(model, cluster, tuple(cost_model.device_names), list(space.tp_degrees or [])
-                                or None, per_type_tp=space.per_type_tp)
+                                or None, per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages)
     if space.pipeline_degrees:
         layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
         if not layouts:
