@@ -1,5 +1,6 @@
 """memx-run: flag parsing, bad input caught before anything runs, --dry-run output."""
 
+import json
 import os
 import shlex
 import subprocess
@@ -145,7 +146,6 @@ def test_node_counts_that_disagree_with_the_file_are_refused(argv, field):
 
 def test_a_plan_recomputing_k_of_a_stages_layers_is_taken(tmp_path, capsys):
     """memx-run runs full:K (its stages checkpoint their first K blocks)."""
-    import json
     target = tmp_path / "plan.json"
     assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(target),
                  TRAIN, "--model", "llama-tiny"]) == 0
@@ -161,3 +161,26 @@ def test_a_plan_recomputing_k_of_a_stages_layers_is_taken(tmp_path, capsys):
     rc = main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
                TRAIN, "--model", "llama-tiny"])
     assert rc == 2 and "full:99" in capsys.readouterr().err
+
+
+def test_the_search_restrictions_of_memx_plan_restrict_memx_run_s_search(tmp_path, capsys):
+    target = tmp_path / "plan.json"
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(target),
+                 "--pp", "4", "--micro-batch-sizes", "2", "--recompute-levels", "none,full",
+                 TRAIN, "--model", "llama-tiny"]) == 0
+    plan = json.loads(target.read_text())
+    assert plan["pp"] == 4 and plan["micro_batch_size"] == 2
+    assert {s["recompute"].split(":")[0] for s in plan["stages"]} <= {"none", "full"}
+    assert "search pipeline degrees" in capsys.readouterr().out
+    for argv, field in ((["--tp", "3"], "--tp"), (["--schedules", "gpipe"], "--schedules"),
+                        (["--plan", str(target), "--pp", "2"], "--pp")):
+        assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", *argv,
+                     TRAIN, "--model", "llama-tiny"]) == 2
+        assert f"error: {field}:" in capsys.readouterr().err
+
+
+def test_the_workers_read_the_restrictions_back():
+    from memx_launch.runtime.worker import search_restrictions
+    env = {"MEMX_SEARCH_RESTRICTIONS": json.dumps({"tp_degrees": [1, 2], "schedules": ["1f1b"]})}
+    assert search_restrictions(env) == {"tp_degrees": (1, 2), "schedules": ("1f1b",)}
+    assert search_restrictions({}) == {}

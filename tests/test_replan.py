@@ -105,6 +105,15 @@ def test_last_resort_is_a_safety_first_search(plan):
     assert all(s.memory_capacity_gib in (0.08, 0.03) for s in decision.plan.stages)  # real capacities
 
 
+def test_the_last_resort_search_keeps_memx_run_s_restrictions(plan):
+    """The search's plan needs TP 2; with memx-run's --tp 1 nothing else fits, and it says so."""
+    free = replan(_event(plan, 0.024), plan, MODEL, CLUSTER, TRAINING, min_headroom=HEADROOM)
+    assert free.action == "search" and free.plan.tp == 2
+    with pytest.raises(NoFeasiblePlanError, match="No plan fits"):
+        replan(_event(plan, 0.024), plan, MODEL, CLUSTER, TRAINING, min_headroom=HEADROOM,
+               restrictions={"tp_degrees": (1,)})
+
+
 def test_no_room_at_all_is_a_clear_error(plan):
     with pytest.raises(NoFeasiblePlanError, match="small"):
         replan(_event(plan, 0.029), plan, MODEL, CLUSTER, TRAINING)

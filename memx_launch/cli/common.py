@@ -10,6 +10,7 @@ import os
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
+from memx_launch.specs.checks import list_of
 from memx_launch.specs.training import SETUPS, TrainingSpec
 
 
@@ -127,12 +128,3 @@ def progress_from_args(args):
     return progress_to_stderr
 
 
-def list_of(cast):
-    """argparse type of a comma list (its error is the usual one line)."""
-    def parse(text: str) -> list:
-        try:
-            return [cast(x.strip()) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-    parse.__name__ = "comma list"
-    return parse

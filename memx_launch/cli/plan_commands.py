@@ -16,6 +16,8 @@ from memx_launch.cli.common import add_cost_args, add_output_args, add_target_ar
 
 
 def add_plan_command(sub) -> None:
+    from memx_launch.planning.search import add_restriction_args
+
     p = sub.add_parser("plan", help="search the best parallel layout for a model on a cluster",
                        description="Search TP x PP x DP layouts, uneven layer splits, per-stage recompute and "
                                    "schedules; rank them by the memory-aware objective Phi.")
@@ -30,11 +32,7 @@ def add_plan_command(sub) -> None:
                    help="also show what compute-proportional, memory-proportional and time-only planners pick")
     p.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S",
                    help="stop the search after S seconds and report the best found")
-    for flag, kind, what in (("--tp", int, "TP degrees"), ("--pp", int, "pipeline degrees"),
-                             ("--micro-batch-sizes", int, "micro-batch sizes (default 1,2,4,8)"),
-                             ("--schedules", str, "schedules: 1f1b,interleaved"),
-                             ("--recompute-levels", str, "recompute levels: none,selective,full")):
-        p.add_argument(flag, type=list_of(kind), metavar="A,B", help=f"search only these {what}")
+    add_restriction_args(p)
     p.add_argument("--recompute-some-layers", "--recompute_some_layers", action=argparse.BooleanOptionalAction,
                    default=True, help="a stage that needs full recompute recomputes only its first K layers "
                    "(full:K, Megatron's block method) (default on)")
@@ -52,7 +50,7 @@ def add_plan_command(sub) -> None:
 
 def run_plan(args) -> int:
     from memx_launch.planning import report
-    from memx_launch.planning.search import SearchSpace, search
+    from memx_launch.planning.search import SearchSpace, restrictions_from_args, search
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_weights
 
@@ -73,11 +71,8 @@ def run_plan(args) -> int:
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = cost_model_from_args(args, model, cluster, training)
 
-    restricted = {field: tuple(getattr(args, flag)) for flag, field in (
-        ("tp", "tp_degrees"), ("pp", "pipeline_degrees"), ("micro_batch_sizes", "micro_batch_sizes"),
-        ("schedules", "schedules"), ("recompute_levels", "recompute_levels")) if getattr(args, flag) is not None}
     space = SearchSpace(memory_headroom=args.memory_headroom, recompute_some_layers=args.recompute_some_layers,
-                        per_type_tp=args.per_type_tp, mixed_stages=args.mixed_stages, **restricted)
+                        per_type_tp=args.per_type_tp, mixed_stages=args.mixed_stages, **restrictions_from_args(args))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))

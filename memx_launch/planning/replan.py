@@ -170,8 +170,9 @@ def memory_correction(event: ReplanEvent, plan: Plan, predicted_stage_bytes: np.
 
 def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
            cost_model: cm.LayerCostModel | None = None, *, min_headroom: float = DEFAULT_MIN_HEADROOM,
-           search_budget_s: float | None = None) -> ReplanDecision:
-    """The cheapest change of ``plan`` that the corrected cost model says fits; see the module doc."""
+           search_budget_s: float | None = None, restrictions: dict | None = None) -> ReplanDecision:
+    """The cheapest change of ``plan`` that the corrected cost model says fits; see the module doc.
+    ``restrictions``: SearchSpace fields the last-resort search keeps to (memx-run's --tp, ...)."""
     if not 0 <= min_headroom < 1:
         raise ConfigError("min_headroom", f"must be in [0, 1), got {min_headroom!r}", "e.g. 0.10 for 10% free")
     scorer = _PlanScorer(plan, model, cluster, training, cost_model)
@@ -222,7 +223,7 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
     try:
         found = search(model, reduced, training, cost_model=scorer.cost_model, objective="safety",
                        time_budget_s=search_budget_s, top_k=1,  # memx-run's Schedule1F1B needs G >= P
-                       space=SearchSpace(fewer_microbatches_than_stages=False, per_type_tp=False))
+                       space=SearchSpace(fewer_microbatches_than_stages=False, **(restrictions or {})))
     except NoFeasiblePlanError as exc:
         raise NoFeasiblePlanError(f"{head} No plan fits the corrected memory ({exc}); free memory on the "
                                   f"device(s) of rank {event.rank} or add devices", exc.closest) from None

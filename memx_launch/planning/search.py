@@ -26,6 +26,7 @@ import numpy as np
 from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.specs.checks import list_of
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -38,6 +39,27 @@ INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B
 
 
 SELECTIVE_MIN_SAVING = 0.10   # selective must save this share of what full saves, else binary
+
+
+# Command-line restrictions of the space (memx plan and memx-run): flag, SearchSpace field,
+# element type, what the values are.
+RESTRICTIONS = (("tp", "tp_degrees", int, "TP degrees"), ("pp", "pipeline_degrees", int, "pipeline degrees"),
+                ("micro_batch_sizes", "micro_batch_sizes", int, "micro-batch sizes (default 1,2,4,8)"),
+                ("schedules", "schedules", str, "schedules: 1f1b,interleaved"),
+                ("recompute_levels", "recompute_levels", str, "recompute levels: none,selective,full"))
+
+
+def add_restriction_args(parser) -> None:
+    """``--tp``, ``--pp``, ``--micro-batch-sizes``, ``--schedules``, ``--recompute-levels``."""
+    for flag, _, kind, what in RESTRICTIONS:
+        parser.add_argument("--" + flag.replace("_", "-"), type=list_of(kind), metavar="A,B",
+                            help=f"search only these {what}")
+
+
+def restrictions_from_args(args) -> dict:
+    """The SearchSpace fields the restriction flags gave (tuples)."""
+    return {field: tuple(getattr(args, flag)) for flag, field, _, _ in RESTRICTIONS
+            if getattr(args, flag, None) is not None}
 
 
 @dataclass

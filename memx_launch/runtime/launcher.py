@@ -24,6 +24,7 @@ import time
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.planning.plan import Plan
+from memx_launch.planning.search import RESTRICTIONS, SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime.layout import check_runnable
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
@@ -63,6 +64,7 @@ def build_parser():
     g.add_argument("--objective", choices=("default", "safety", "throughput"), help="weight profile of Phi")
     g.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights (override --objective)")
     g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
+    add_restriction_args(g)
     g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float, metavar="S",
                    help="time each device type may spend calibrating (default 600): fewer samples when the "
                         "estimate is over it, and a refusal up front when not even a few fit")
@@ -247,6 +249,14 @@ def resolve(args) -> dict:
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
+    restrictions = restrictions_from_args(args)
+    if restrictions and (previous is not None or args.plan):
+        flag = "--" + next(f for f, field, _, _ in RESTRICTIONS if field in restrictions).replace("_", "-")
+        raise ConfigError(flag, "restricts the search, which a given or continued plan skips",
+                          "drop it, or drop --plan / --resume")
+    SearchSpace(**restrictions).check(model)
+    for field, values in restrictions.items():
+        settings.add(f"search {field.replace('_', ' ')}", ",".join(map(str, values)), "flag")
     if args.weights:
         from memx_launch.planning.objective import parse_weights
         parse_weights(args.weights)
@@ -290,7 +300,7 @@ def resolve(args) -> dict:
                  else "default")
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
                 profile_db=profile_db, run_dir=run_dir, script_args=script_args, builder=builder,
-                model_arg=model_arg, resumed=previous is not None, argv=args.argv)
+                model_arg=model_arg, resumed=previous is not None, argv=args.argv, restrictions=restrictions)
 
 
 def _has_gpu() -> bool:
@@ -302,7 +312,7 @@ def dry_run(args, resolved) -> int:
     from memx_launch.planning import report
     from memx_launch.runtime.worker import reproduce_command
     from memx_launch.planning.objective import parse_weights
-    from memx_launch.planning.search import SearchSpace, search
+    from memx_launch.planning.search import search
 
     cluster, model, training = resolved["cluster"], resolved["model"], resolved["training"]
     if cluster is None:
@@ -315,7 +325,7 @@ def dry_run(args, resolved) -> int:
             from memx_launch.profiling.predictor import load_cost_model
             cost_model = load_cost_model(args.profile_db, model, cluster, training)
         result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
-                        space=SearchSpace(fewer_microbatches_than_stages=False, per_type_tp=False),  # as the workers
+                        space=SearchSpace(fewer_microbatches_than_stages=False, **resolved["restrictions"]),  # as the workers
                         weights=parse_weights(args.weights) if args.weights else None,
                         time_budget_s=args.search_budget_s)
         print(report.plan_report(result, cluster))
@@ -352,6 +362,7 @@ def launch(args, resolved) -> int:
         "MEMX_TRAINING": json.dumps(resolved["training"].__dict__),
         "MEMX_OBJECTIVE": args.objective or "", "MEMX_WEIGHTS": args.weights or "",
         "MEMX_SEARCH_BUDGET_S": "" if args.search_budget_s is None else str(args.search_budget_s),
+        "MEMX_SEARCH_RESTRICTIONS": json.dumps(resolved["restrictions"]),
         "MEMX_NO_REPLAN": str(int(args.no_replan)),
         "MEMX_CALIBRATION_BUDGET_S": "" if args.calibration_budget_s is None else str(args.calibration_budget_s),
         "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]]),

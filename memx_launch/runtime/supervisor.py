@@ -241,7 +241,7 @@ class Supervisor:
             raise ConfigError("MEMX_MAX_REPLANS", f"{event.reason} on rank {event.rank} at step {event.step} would be "
                               f"re-plan {done + 1}, over the limit of {self.max_replans}",
                               "raise MEMX_MAX_REPLANS, free memory on that device, or pass --no-replan")
-        from memx_launch.runtime.worker import cluster_path
+        from memx_launch.runtime.worker import cluster_path, search_restrictions
         path = cluster_path(env)
         if path is None:
             raise ConfigError("--cluster", "re-planning during training needs the cluster file, given or detected "
@@ -251,7 +251,8 @@ class Supervisor:
         training = TrainingSpec(**json.loads(env["MEMX_TRAINING"]))
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         decision = replan(event, plan, plan.model_spec, cluster, training, _cost_model(env, plan, cluster, training),
-                          min_headroom=self.config.min_headroom, search_budget_s=budget)
+                          min_headroom=self.config.min_headroom, search_budget_s=budget,
+                          restrictions=search_restrictions(env))
         archive = os.path.join(self.run_dir, f"plan.gen{self.generation}.json")
         if not os.path.exists(archive):  # the plan this generation started with
             plan.save(archive)

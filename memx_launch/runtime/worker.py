@@ -14,7 +14,7 @@ of the plan's, then the script runs as ``__main__``.
 
 Launcher -> worker contract (environment): MEMX_RUN_DIR, MEMX_PLAN, MEMX_MODEL, MEMX_CLUSTER
 (optional), MEMX_PROFILE_DB, MEMX_TRAINING (TrainingSpec JSON), MEMX_OBJECTIVE, MEMX_WEIGHTS,
-MEMX_SEARCH_BUDGET_S, MEMX_CALIBRATION_BUDGET_S, MEMX_REPRODUCE (the script and its arguments),
+MEMX_SEARCH_BUDGET_S, MEMX_SEARCH_RESTRICTIONS (JSON), MEMX_CALIBRATION_BUDGET_S, MEMX_REPRODUCE (the script and its arguments),
 MEMX_GENERATION (how many times the workers were started before, planned restarts included; the
 agent sets it), MEMX_MODEL_BUILDER (optional: [file, function, model] that builds the script's model,
 whose block is calibrated). Without MEMX_CLUSTER the job detects its cluster into <run dir>/cluster.yaml.
@@ -184,10 +184,15 @@ def plan_in_job(env) -> None:
         weights = parse_weights(env["MEMX_WEIGHTS"]) if env.get("MEMX_WEIGHTS") else None
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         # Leave the free memory the monitor will ask for, or the first samples would re-plan.
+        restrictions = search_restrictions(env)
+        if block_factory is not None:  # the script's own blocks train with TP 1
+            if 1 not in restrictions.get("tp_degrees", (1,)):
+                raise ConfigError("--tp", f"{list(restrictions['tp_degrees'])} leaves out TP 1, the only degree "
+                                  "the --model-builder blocks train with", "drop --tp or include 1")
+            restrictions["tp_degrees"] = (1,)
         space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
                             else MonitorConfig.from_env(env).min_headroom, fewer_microbatches_than_stages=False,
-                            per_type_tp=False,  # the runtime runs one TP degree for all stages
-                            tp_degrees=(1,) if block_factory is not None else None)
+                            **restrictions)
         result = search(model, cluster, training, cost_model=cost_model, space=space,
                         objective=env.get("MEMX_OBJECTIVE") or None,
                         weights=weights, time_budget_s=budget)
@@ -209,6 +214,11 @@ def plan_in_job(env) -> None:
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(PLANNED_RESTART_EXIT_CODE)
+
+
+def search_restrictions(env) -> dict:
+    """memx-run's --tp/--pp/--micro-batch-sizes/--schedules/--recompute-levels, as SearchSpace fields."""
+    return {field: tuple(values) for field, values in json.loads(env.get("MEMX_SEARCH_RESTRICTIONS") or "{}").items()}
 
 
 def reproduce_command(plan, cluster, env) -> str:

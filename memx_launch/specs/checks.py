@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import math
 import unicodedata
@@ -59,3 +60,14 @@ def require_name(value: Any, where: str) -> None:
     if not text or len(text) > MAX_NAME_CHARS or any(unicodedata.category(c)[0] in "CZ" and c != " " for c in text):
         raise ConfigError(where, f"{text[:40]!r} is not a name (1 to {MAX_NAME_CHARS} printable characters)",
                           "use letters, digits, '-', '_' or '.'")
+
+
+def list_of(cast):
+    """argparse type of a comma list (its error is the usual one line)."""
+    def parse(text: str) -> list:
+        try:
+            return [cast(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    parse.__name__ = "comma list"
+    return parse
