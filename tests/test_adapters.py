@@ -2,8 +2,6 @@
 block, and 4 gloo processes matching the single-process reference over 3 optimizer steps."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
                                                     with_measured_efficiency)
 from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
-from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
+from memx_launch.specs.cluster import ClusterSpec, Node
 from memx_launch.specs.model import MODEL_CATALOG
 from memx_launch.specs.training import TrainingSpec
 from tests.test_predictor import CLUSTER, DEVICE, SPEC, TRAINING, synthetic_records

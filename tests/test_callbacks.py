@@ -3,7 +3,6 @@ and examples/lightning_train.py end to end (2-process DDP on emulated devices, t
 
 import configparser
 import csv
-import os
 import pathlib
 import re
 import subprocess

@@ -10,7 +10,6 @@ import os
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
-from memx_launch.specs.checks import list_of
 from memx_launch.specs.training import SETUPS, TrainingSpec
 
 

@@ -10,7 +10,8 @@ from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import get_model
-from memx_launch.cli.common import Parser, check_new_file, list_of
+from memx_launch.cli.common import Parser, check_new_file
+from memx_launch.specs.checks import list_of
 
 
 def add_profile_command(sub) -> None:

@@ -12,7 +12,8 @@ from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.config_file import add_config_args
 from memx_launch.specs.model import get_model
-from memx_launch.cli.common import add_cost_args, add_output_args, add_target_args, check_finite, check_headroom, check_new_file, cost_model_from_args, list_of, progress_from_args, training_from_args
+from memx_launch.cli.common import add_cost_args, add_output_args, add_target_args, check_finite, check_headroom, check_new_file, cost_model_from_args, progress_from_args, training_from_args
+from memx_launch.specs.checks import list_of
 
 
 def add_plan_command(sub) -> None:
