@@ -196,7 +196,7 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
             assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, ref)) < LOSS_ATOL, (name, rank, got, ref)
         assert ref[-1] < ref[0], name
     for rank in range(4):  # TP on a block type memx does not know: every rank names the fix
-        assert "no tensor-parallel plan for ToyBlock" in results[rank][-1] and "tp=1" in results[rank][-1]
+        assert "no tensor-parallel plan for OwnBlock" in results[rank][-1] and "tp=1" in results[rank][-1]
 
 
 @pytest.mark.parametrize("make", [hf_llama, ToyModel], ids=["hf-llama", "own-block"])
