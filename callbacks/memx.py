@@ -165,8 +165,9 @@ class MemxCallback(pl.Callback):
         """A one-stage plan of the decision, for the monitor (it compares against stages)."""
         d = self.decision
         types = cluster.rank_device_types()
-        stage = StagePlan(types[0], list(range(world)), spec.num_layers,
-                          "full" if d.recompute_blocks == d.num_blocks else "none", d.predicted_peak_gib, 0.0,
+        k = d.recompute_blocks
+        recompute = "none" if k == 0 else "full" if k == d.num_blocks else f"full:{k}"
+        stage = StagePlan(types[0], list(range(world)), spec.num_layers, recompute, d.predicted_peak_gib, 0.0,
                           d.capacity_gib)
         return Plan(spec.name, spec, cluster.name, 1, 1, world, d.micro_batch_size,
                     d.micro_batch_size * d.accumulate_grad_batches * world, spec.seq_len, "1f1b", 1, [stage], 0.0,
@@ -220,10 +221,10 @@ class MemxCallback(pl.Callback):
         d = self.decision
         observed = max(v for v in event.observed_gib if v == v)
         excess = observed - d.capacity_gib * (1 - self.config.min_headroom)
-        saving = (d.peak_none_gib - d.peak_full_gib) / d.num_blocks
         if d.recompute_blocks < d.num_blocks:
-            more = max(1, int(-(-excess // saving))) if saving > 0 else d.num_blocks
-            d.recompute_blocks = min(d.num_blocks, d.recompute_blocks + more)
+            # The fewest more checkpointed blocks whose prediction drops by what was observed over it.
+            target = d.peak_with(d.recompute_blocks) - excess
+            d.recompute_blocks = d.blocks_to_fit(target, at_least=d.recompute_blocks + 1) or d.num_blocks
             d.predicted_peak_gib = d.peak_with(d.recompute_blocks)
             for i, block in enumerate(self._blocks):
                 _checkpointed(block, i < d.recompute_blocks)

@@ -3,9 +3,10 @@ module's own block on each device type, then pick the micro-batch size and the n
 that recompute their activations under the Trainer's data-parallel layout.
 
 Under DDP every rank holds the whole model and all its blocks' activations are alive together at
-the peak, so the blocks trade memory one for one: with k of N blocks checkpointed, the predicted
-peak is peak(none) - k/N * (peak(none) - peak(full)), both from memx's estimate of the layout
-(pp=1, dp=world, tp=1). The user's micro-batch is kept when some k fits under the
+the peak: with the first k of N blocks checkpointed, the predicted peak is memx's estimate of the
+layout (pp=1, dp=world, tp=1) with recompute ``full:k`` (Megatron's block method: k blocks at
+full, the rest keeping everything, the working set of a recomputed block once k > 0). The
+user's micro-batch is kept when some k fits under the
 capacity less the monitor's headroom on every device type; otherwise the micro-batch halves, with
 gradient accumulation keeping the global batch.
 """
@@ -37,27 +38,26 @@ class Decision:
     accumulate_grad_batches: int
     recompute_blocks: int
     """The first this many blocks recompute their activations in the backward pass (full)."""
-    num_blocks: int
     predicted_peak_gib: float
     """Per rank, with recompute_blocks checkpointed (the largest over device types)."""
-    peak_none_gib: float
-    peak_full_gib: float
+    peaks_gib: list[float]
+    """The predicted peak with the first k blocks checkpointed, k = 0 .. all of them."""
     capacity_gib: float
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.peaks_gib) - 1
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def peak_with(self, k: int) -> float:
-        return self.peak_none_gib - k / self.num_blocks * (self.peak_none_gib - self.peak_full_gib)
+        return self.peaks_gib[k]
 
-    def blocks_to_fit(self, target_gib: float) -> int | None:
-        """The fewest checkpointed blocks whose predicted peak is at most ``target_gib``."""
-        saving = (self.peak_none_gib - self.peak_full_gib) / self.num_blocks
-        if self.peak_none_gib <= target_gib:
-            return 0
-        if saving <= 0 or self.peak_full_gib > target_gib:
-            return None
-        return min(self.num_blocks, math.ceil((self.peak_none_gib - target_gib) / saving - 1e-9))
+    def blocks_to_fit(self, target_gib: float, at_least: int = 0) -> int | None:
+        """The fewest checkpointed blocks (``at_least`` or more) whose predicted peak is at most
+        ``target_gib``."""
+        return next((k for k in range(at_least, len(self.peaks_gib)) if self.peaks_gib[k] <= target_gib), None)
 
 
 def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, max_micro_batch: int, log) -> str:
@@ -106,13 +106,13 @@ def decide(spec, cluster, training, *, world: int, tp: int, num_blocks: int, use
     mbs = user_micro_batch
     while mbs >= 1:
         if local % mbs == 0:
-            peaks = {}
-            for level in ("none", "full"):
+            peaks = []
+            for k in range(num_blocks + 1):
                 plan = evaluate_layout(spec, cluster, training, tp=tp, pp=1, dp=dp, micro_batch_size=mbs,
-                                       recompute=[level], cost_model=cost_model, references=(1.0, 1.0, 1.0))
-                peaks[level] = plan.stages[0].predicted_peak_memory_gib
-                capacity = plan.stages[0].memory_capacity_gib
-            decision = Decision(mbs, local // mbs, 0, num_blocks, 0.0, peaks["none"], peaks["full"], capacity)
+                                       recompute=[f"full:{k}"], cost_model=cost_model, references=(1.0, 1.0, 1.0))
+                peaks.append(plan.stages[0].predicted_peak_memory_gib)
+            capacity = plan.stages[0].memory_capacity_gib
+            decision = Decision(mbs, local // mbs, 0, peaks[0], peaks, capacity)
             k = decision.blocks_to_fit(capacity * (1 - headroom))
             if k is not None:
                 decision.recompute_blocks, decision.predicted_peak_gib = k, decision.peak_with(k)

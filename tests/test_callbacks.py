@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from memx_callbacks import MemxCallback
-from memx_callbacks.planning import Decision
+from memx_callbacks.planning import Decision, decide
 from memx_launch.errors import ConfigError
 from memx_launch.planning.replan import ReplanEvent
 
@@ -39,7 +39,9 @@ def test_every_package_folder_is_listed_in_setup_cfg():
 
 
 def _decision(k=2, n=8, mbs=8):
-    return Decision(mbs, 1, k, n, 0.0, peak_none_gib=0.024, peak_full_gib=0.010, capacity_gib=0.025)
+    # 0.024 GiB with nothing checkpointed, 0.0012 GiB less per block, 0.0005 GiB of recompute working set.
+    peaks = [0.024] + [0.024 - 0.0012 * j + 0.0005 for j in range(1, n + 1)]
+    return Decision(mbs, 1, k, peaks[k], peaks, capacity_gib=0.025)
 
 
 def test_the_trainers_precision_is_what_is_planned_for():
@@ -49,12 +51,39 @@ def test_the_trainers_precision_is_what_is_planned_for():
         ["bf16", "bf16", "fp16", "fp32", "fp32"]
 
 
-def test_checkpointed_blocks_trade_memory_linearly():
+def test_the_fewest_checkpointed_blocks_that_fit():
     d = _decision()
+    assert d.num_blocks == 8
     assert d.blocks_to_fit(0.030) == 0
-    assert d.blocks_to_fit(0.010) == 8 and d.blocks_to_fit(0.009) is None
-    k = d.blocks_to_fit(0.0215)  # (0.024 - 0.0215) / (0.014 / 8) = 1.43 -> 2
-    assert k == 2 and d.peak_with(k) <= 0.0215 < d.peak_with(k - 1)
+    assert d.blocks_to_fit(d.peaks_gib[-1]) == 8 and d.blocks_to_fit(d.peaks_gib[-1] - 1e-6) is None
+    k = d.blocks_to_fit(0.0215)  # 0.024 - 0.0012 k + 0.0005 <= 0.0215 -> k = 2.5 -> 3
+    assert k == 3 and d.peak_with(k) <= 0.0215 < d.peak_with(k - 1)
+    assert d.blocks_to_fit(0.030, at_least=4) == 4
+
+
+def test_the_peaks_are_memx_s_estimate_of_checkpointing_the_first_k_blocks():
+    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.specs.cluster import ClusterSpec
+    from memx_launch.specs.model import get_model
+    from memx_launch.specs.training import TrainingSpec
+
+    spec = get_model("llama-tiny")
+    cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"gpu": {
+        "vendor": "cpu", "memory_gib": 0.05, "peak_tflops": 1}}, "nodes": [{"devices": {"gpu": 2},
+                                                                              "intra_node_gbps": 100}]})
+    training = TrainingSpec(global_batch_size=16, seq_len=spec.seq_len, dtype="fp32")
+    d = decide(spec, cluster, training, world=2, tp=1, num_blocks=spec.num_layers, user_micro_batch=8,
+               user_accumulation=1, headroom=0.1)
+    assert d.num_blocks == spec.num_layers
+    for k in (0, 1, spec.num_layers):
+        plan = evaluate_layout(spec, cluster, training, tp=1, pp=1, dp=2, micro_batch_size=d.micro_batch_size,
+                               recompute=[f"full:{k}"], references=(1.0, 1.0, 1.0))
+        assert d.peaks_gib[k] == plan.stages[0].predicted_peak_memory_gib
+    assert d.micro_batch_size == 8 and 0 < d.recompute_blocks < d.num_blocks  # some blocks, not all
+    assert d.predicted_peak_gib == d.peaks_gib[d.recompute_blocks] <= 0.9 * d.capacity_gib
+    assert d.peaks_gib[d.recompute_blocks - 1] > 0.9 * d.capacity_gib  # one fewer would not fit
+    # One checkpointed block costs more than it saves: its recompute working set comes with it.
+    assert d.peaks_gib[1] > d.peaks_gib[0] > d.peaks_gib[-1]
 
 
 class _Trainer(SimpleNamespace):
@@ -76,7 +105,7 @@ def _event(observed_gib):
 
 def test_pressure_checkpoints_more_blocks_in_place(tmp_path):
     cb, trainer = _callback_with_blocks(tmp_path, _decision(k=2))
-    cb._fix(trainer, _event(0.0243))  # 0.0018 GiB over 90% of 0.025: two more blocks of 0.00175
+    cb._fix(trainer, _event(0.0243))  # 0.0018 GiB over 90% of 0.025: two more blocks of 0.0012
     assert cb.decision.recompute_blocks == 4 and not trainer.should_stop
     assert ["forward" in b.__dict__ for b in cb._blocks] == [True] * 4 + [False] * 4
 
