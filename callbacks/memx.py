@@ -30,7 +30,7 @@ from memx_callbacks.planning import Decision, calibrate_blocks, decide
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
 from memx_launch.models.adapters import ModelParts, find_blocks
-from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
 from memx_launch.runtime.devices import detect_rank_device
 from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
 from memx_launch.specs.cluster import ClusterSpec
@@ -165,9 +165,8 @@ class MemxCallback(pl.Callback):
         """A one-stage plan of the decision, for the monitor (it compares against stages)."""
         d = self.decision
         types = cluster.rank_device_types()
-        k = d.recompute_blocks
-        recompute = "none" if k == 0 else "full" if k == d.num_blocks else f"full:{k}"
-        stage = StagePlan(types[0], list(range(world)), spec.num_layers, recompute, d.predicted_peak_gib, 0.0,
+        stage = StagePlan(types[0], list(range(world)), spec.num_layers,
+                          recompute_text("full", d.recompute_blocks, d.num_blocks), d.predicted_peak_gib, 0.0,
                           d.capacity_gib)
         return Plan(spec.name, spec, cluster.name, 1, 1, world, d.micro_batch_size,
                     d.micro_batch_size * d.accumulate_grad_batches * world, spec.seq_len, "1f1b", 1, [stage], 0.0,

@@ -100,7 +100,6 @@ def test_estimate_counts_the_overhead_and_the_setup():
     bare = evaluate_layout(model, overhead, TrainingSpec(global_batch_size=64, seq_len=2048, setup="zero3"),
                            tp=1, pp=1, dp=8, micro_batch_size=1, references=(1.0, 1.0, 1.0))
     assert peak["zero3"] - bare.stages[0].predicted_peak_memory_gib == pytest.approx(1.25)
-    assert bare.stages[0].predicted_peak_memory_gib > 0.6
 
 
 def test_every_communicator_a_rank_joins_holds_its_buffers():

@@ -44,6 +44,14 @@ def parse_recompute(text: str, num_layers: int, field: str = "--recompute") -> t
     return ("full", int(count)) if int(count) else ("none", num_layers)
 
 
+def recompute_text(level: str, count: int, num_layers: int) -> str:
+    """What :func:`parse_recompute` reads back as (level, count): the level when every layer
+    recomputes at it, ``full:K`` for the first K, ``none`` for none."""
+    if count >= num_layers:
+        return level
+    return f"full:{count}" if count else "none"
+
+
 def layer_recompute_levels(text: str, num_layers: int) -> list[str]:
     """The level of each of a stage's layers: ``full:K`` is full for the first K, none after."""
     level, count = parse_recompute(text, num_layers)

@@ -14,6 +14,7 @@ import numpy as np
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import schedules
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
+from memx_launch.planning.plan import recompute_text
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -75,10 +76,7 @@ class GroupResult:
         level = cm.RECOMPUTE_LEVELS[int(self.levels[row, stage])]
         if self.recompute_layers is None:
             return level
-        k = int(self.recompute_layers[row, stage])
-        if k >= self.layers[row, stage]:
-            return level
-        return f"full:{k}" if k else "none"
+        return recompute_text(level, int(self.recompute_layers[row, stage]), int(self.layers[row, stage]))
 
 
 class Evaluator:

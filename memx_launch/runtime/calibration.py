@@ -44,8 +44,9 @@ MIN_CALIBRATION_SAMPLES = 3
 # (twice the forward), plus the forward again where the block recomputes.
 STEPS_PER_SAMPLE = 1 + CALIBRATION_REPEATS + 1
 RECOMPUTE_FORWARDS = {"none": 0.0, "selective": 0.25, "full": 1.0}
-# A transformer block reaches a fraction of a large matmul's rate (the same share the analytical
-# model assumes for devices without a measured efficiency).
+# A whole transformer block (norms, attention, element-wise ops around its matmuls) reaches about
+# this share of a large matmul's measured rate: a cautious figure for the time estimate, so a
+# budget that looks enough is.
 BLOCK_EFFICIENCY = 0.45
 
 
