@@ -15,7 +15,8 @@ Data (development sets of issue 10, in shared/peer-data):
   the next linear keeps it whole (``norm/rms_norm.py``: ``sp_keeps_gathered_input``); its
   SwiGLU has separate gate and up linears, each all-reducing its input gradient over TP
   (``core/nn/mlp.py``: ``fused_gate_up`` off).
-  Per row: LLaMA without dropout; flash attention when the kernel is flash_attention*, the
+  Per row: LLaMA without dropout; flash attention when the kernel is flash_attention* (its
+  version from the name: flash_attentionv1.0.8 is FlashAttention 1), the
   s x s scores kept for "torch" (torch's softmax: ``--no-fused-softmax``) and "fused"
   (Megatron's fused softmax, 16-bit in and out); fused norms only with "RMS kernel" (else torch
   ops that keep an fp32 copy of each norm's input, ``norm/rms_norm.py``); sequence parallelism
@@ -190,6 +191,7 @@ def hagemann(shared: str) -> list[dict]:
         sp = d["sequence_parallel"] in ("1", "True")
         training = TrainingSpec(global_batch_size=g * dp * mbs, seq_len=seq, dtype="bf16", setup="scaling",
                                 sequence_parallel=sp, flash_attention=flash, dropout=False,
+                                flash_attention_version=1 if d["kernel"] == "flash_attentionv1.0.8" else 2,
                                 fused_norm="RMS kernel" in d["kernel"], fused_softmax=d["kernel"] == "fused",
                                 softmax_in_fp32=d["kernel"] == "torch")
         recompute = "full" if d["activation_checkpointing"] == "every_layer" else "none"

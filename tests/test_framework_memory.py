@@ -5,6 +5,7 @@ buffers that keep stage outputs and the previous micro-batch's logits."""
 import numpy as np
 import pytest
 
+from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
@@ -152,15 +153,19 @@ def test_torch_softmax_moves_three_more_passes_over_the_scores():
 
 def test_torch_op_norms_move_more_bytes_than_a_fused_kernel():
     cluster = _a100s()
-    args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.zeros(1))
-    def layer_time(**options):
+    def layer_time(recompute=cm.NONE, **options):
+        args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.full(1, recompute))
         return float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(**options)).layer_costs(*args).time_s[0])
     stored = 8 * S * H * cm._ELEMENTWISE_TRAFFIC  # the fp32 copies and normalised tensors they also keep
-    extra = (cm.UNFUSED_NORM_BYTES * 2 * S * H + stored) / 2039e9
+    extra = (2 * 104 * S * H + stored) / 2039e9  # 32 + 72 bytes per element per norm at 16 bits
     assert layer_time(fused_norm=False) - layer_time() == pytest.approx(extra, rel=1e-6)
     # With sequence parallelism each rank normalises its 1/TP of the sequence.
     sp = layer_time(fused_norm=False, sequence_parallel=True) - layer_time(sequence_parallel=True)
     assert sp == pytest.approx(extra / T, rel=1e-6)
+    # Full recompute runs the two norms' forward (32 bytes each) again; fp32 has no casts (84).
+    recomputed = layer_time(fused_norm=False, recompute=cm.FULL) - layer_time(recompute=cm.FULL)
+    assert recomputed - (layer_time(fused_norm=False) - layer_time()) >= 2 * 32 * S * H / 2039e9
+    assert sum(cm.unfused_norm_extra_bytes(4)) == 84
 
 
 def test_torch_op_norms_keep_an_fp32_copy_and_the_normalised_tensor():
@@ -214,3 +219,23 @@ def test_separate_gate_and_up_linears_all_reduce_once_more_per_layer():
     single = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, S), np.zeros(1))
     assert cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(fused_gate_up=False)).layer_costs(*single).time_s[0] == \
         cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec()).layer_costs(*single).time_s[0]
+
+
+def test_flash_attention_1_runs_its_flops_slower_and_keeps_the_same_memory():
+    """FlashAttention reaches 25-40% of A100 peak, FlashAttention-2 50-73% (Dao 2023): the
+    kernel's forward, backward (2.5 x) and recomputed forward run at its own share of the rate."""
+    cluster = _a100s()
+    def costs(version, recompute=cm.NONE):
+        args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.full(1, recompute))
+        return cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(flash_attention_version=version)).layer_costs(*args)
+    attention_flops = 2.0 * S * S * MODEL.hidden_size / T
+    tflops = cluster.device_types[0].effective_tflops * 1e12
+    for recompute, passes in ((cm.NONE, 3.5), (cm.FULL, 4.5)):
+        slower = float(costs(1, recompute).time_s[0] - costs(2, recompute).time_s[0])
+        expected = passes * attention_flops / tflops * (1 / cm.FLASH_ATTENTION_SPEED[1] - 1 / cm.FLASH_ATTENTION_SPEED[2])
+        assert slower == pytest.approx(expected, rel=1e-6) and slower > 0
+        assert float(costs(1, recompute).activation_bytes[0]) == float(costs(2, recompute).activation_bytes[0])
+    # Never faster than the matmuls themselves.
+    assert all(0 < speed <= 1 for speed in cm.FLASH_ATTENTION_SPEED.values())
+    with pytest.raises(ConfigError, match="--flash-attention-version"):
+        TrainingSpec(flash_attention_version=4)

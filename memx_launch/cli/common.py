@@ -10,7 +10,7 @@ import os
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
-from memx_launch.specs.training import SETUPS, TrainingSpec
+from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, SETUPS, TrainingSpec
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,6 +37,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    default=None, help="Megatron sequence parallelism (default: on for --setup megatron)")
     p.add_argument("--flash-attention", "--flash_attention", action=argparse.BooleanOptionalAction,
                    default=None, help="fused attention, no s x s scores kept (default on)")
+    p.add_argument("--flash-attention-version", "--flash_attention_version", type=int,
+                   choices=FLASH_ATTENTION_VERSIONS, help="FlashAttention generation of the fused attention kernel: "
+                   "its speed against the matmuls (default 2)")
     p.add_argument("--grad-dtype", "--grad_dtype", choices=("fp32", "bf16", "fp16"),
                    help="gradient precision (default fp32; bf16/fp16 = the training dtype)")
     p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
@@ -79,7 +82,7 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
 
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
-SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention",
+SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention", "flash_attention_version",
                 "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
                 "overlap_grad_reduce", "fused_softmax", "softmax_in_fp32", "fused_gate_up", "keep_stage_outputs",
                 "sp_keeps_gathered_input")

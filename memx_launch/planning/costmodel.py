@@ -46,11 +46,26 @@ KERNELS_PER_LAYER = 40
 # write 4), log-softmax (two reads and a write of 4), the argmax/target read (4), its backward
 # (zero-filled gradient 4; read gradient and output, write 4 each) and the cast back (4 + 2).
 LOSS_BYTES_PER_LOGIT = 48.0
-# Extra HBM bytes per element of a norm (two per block, on the rank's share of the sequence with
-# SP) run as torch ops instead of one fused kernel: forward pow, mean, mul by the rsqrt, the fp32
-# round trip and the weight mul (26 bytes against 4), backward their gradients, casts and row
-# sums (about 44 against 8), at 16 bits.
-UNFUSED_NORM_BYTES = 58.0
+# Speed of the fused attention kernel against the device's matmuls, by FlashAttention version.
+# On A100 FlashAttention reaches 25-40% of peak and FlashAttention-2 50-73% (Dao 2023, abstract),
+# where large matmuls sustain DEFAULT_EFFICIENCY (0.75): about 0.33 / 0.75 and 0.6 / 0.75 for the
+# forward and backward together. FlashAttention-3 on H100 is taken at FlashAttention-2's share.
+FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
+
+
+def unfused_norm_extra_bytes(dtype_bytes: int) -> tuple[float, float]:
+    """HBM bytes per element one RMSNorm moves as torch ops beyond a fused kernel, forward and
+    backward. The fused kernel reads its input and writes its output (2d), and its backward reads
+    the gradient and the input and writes the input's gradient (about 4d).
+
+    Forward: ``x.float()`` (d + 4), ``pow(2)`` (8), ``mean`` (4), the multiply by the rsqrt (8),
+    the cast back (4 + d), the weight multiply (2d). Backward: the weight multiply's two
+    gradients and the weight's row sum (6d), the cast (d + 4), the rsqrt multiply's gradient and
+    its row sum (24), the mean's expanded gradient (4), pow's (16), the sum of the two paths into
+    the fp32 copy (12), the first cast (4 + d). In fp32 the casts do not exist.
+    """
+    casts = 2.0 * dtype_bytes + 8.0 if dtype_bytes < 4 else 0.0
+    return 20.0 + casts, 56.0 + 2.0 * dtype_bytes + casts
 # Extra HBM bytes per attention score when torch's softmax runs on an fp32 copy of 16-bit scores:
 # the casts up and back, forward (2 + 4, 4 + 2) and backward (the same), and the mask fill, softmax
 # and their backward passes over 4-byte instead of 2-byte elements (about 6 x 2).
@@ -346,15 +361,21 @@ class AnalyticalCostModel:
         # Fused attention's backward recomputes the scores: five s x s matmuls against the
         # forward's two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
         flash_backward_flops = np.where(unfused, 0.0, 0.5 * attn_core_flops)
-        compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops) / (self._tflops[device] * 1e12)
+        # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
+        kernel_flops = np.where(unfused, 0.0, attn_core_flops * (3.5 + (recompute != NONE)))
+        kernel_slowdown = 1.0 / FLASH_ATTENTION_SPEED[tr.flash_attention_version] - 1.0
+        compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops + kernel_slowdown * kernel_flops) \
+            / (self._tflops[device] * 1e12)
         none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
                                     self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                     tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
                                     tr.softmax_in_fp32).activation_bytes
         recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
                                       [0.0 * none_act, none_act - act.activation_bytes], none_act)
-        norm_traffic = (0.0 if tr.fused_norm else UNFUSED_NORM_BYTES * tr.dtype_bytes) * mbs_a * seq_a \
-            * self.model.hidden_size / (tp if tr.sequence_parallel else 1.0)
+        # Two norms per block; a recomputed block runs their forward again.
+        norm_forward, norm_backward = unfused_norm_extra_bytes(tr.dtype_bytes)
+        norm_bytes = 0.0 if tr.fused_norm else 2.0 * (norm_backward + norm_forward * np.where(recompute == FULL, 2.0, 1.0))
+        norm_traffic = norm_bytes * mbs_a * seq_a * self.model.hidden_size / (tp if tr.sequence_parallel else 1.0)
         memory_s = (_ELEMENTWISE_TRAFFIC * none_act + _FORWARD_TRAFFIC * recompute_traffic + score_traffic
                     + norm_traffic) / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two of the input gradients of the

@@ -40,6 +40,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 OPTIMIZERS = ("adam", "sgd")
+FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 
 
 SETUPS: dict[str, dict] = {
@@ -97,6 +98,10 @@ class TrainingSpec:
     flash_attention: bool | None = None
     """Fused attention: no s x s score tensors kept. Default on (a device type without the
     kernel turns it off for its stages)."""
+    flash_attention_version: int | None = None
+    """Generation of the fused attention kernel (FlashAttention 1, 2 or 3): how fast it runs
+    against the device's matmuls (:data:`~memx_launch.planning.costmodel.FLASH_ATTENTION_SPEED`).
+    Memory is the same for all three. Default 2."""
     loss_dtype: str | None = None
     """"fp32" (logits cast to fp32 for the loss, Megatron's cross entropy) or "training"
     (logits and their gradient in the training dtype). Default fp32."""
@@ -157,7 +162,7 @@ class TrainingSpec:
                         loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
                         overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                         sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False,
-                        fused_gate_up=True)
+                        fused_gate_up=True, flash_attention_version=2)
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))
@@ -171,6 +176,9 @@ class TrainingSpec:
             elif value not in _PRECISIONS:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"unknown precision {value!r}",
                                   "use fp32 or the training dtype")
+        if self.flash_attention_version not in FLASH_ATTENTION_VERSIONS:
+            raise ConfigError("--flash-attention-version", f"unknown version {self.flash_attention_version!r}",
+                              f"use one of {', '.join(map(str, FLASH_ATTENTION_VERSIONS))}")
         if self.sharded_gradients and not self.distributed_optimizer and not self.fully_sharded:
             raise ConfigError("--sharded-gradients", "needs the optimizer state sharded as well",
                               "use --setup zero2 or add --distributed-optimizer")
