@@ -157,15 +157,49 @@ def test_torch_op_norms_move_more_bytes_than_a_fused_kernel():
         args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.full(1, recompute))
         return float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(**options)).layer_costs(*args).time_s[0])
     stored = 8 * S * H * cm._ELEMENTWISE_TRAFFIC  # the fp32 copies and normalised tensors they also keep
-    extra = (2 * 104 * S * H + stored) / 2039e9  # 32 + 72 bytes per element per norm at 16 bits
+    extra = (2 * 120 * S * H + stored) / 2039e9  # 32 + 88 bytes per element per norm at 16 bits
     assert layer_time(fused_norm=False) - layer_time() == pytest.approx(extra, rel=1e-6)
     # With sequence parallelism each rank normalises its 1/TP of the sequence.
     sp = layer_time(fused_norm=False, sequence_parallel=True) - layer_time(sequence_parallel=True)
     assert sp == pytest.approx(extra / T, rel=1e-6)
-    # Full recompute runs the two norms' forward (32 bytes each) again; fp32 has no casts (84).
+    # Full recompute runs the two norms' forward (32 bytes each) again.
     recomputed = layer_time(fused_norm=False, recompute=cm.FULL) - layer_time(recompute=cm.FULL)
     assert recomputed - (layer_time(fused_norm=False) - layer_time()) >= 2 * 32 * S * H / 2039e9
-    assert sum(cm.unfused_norm_extra_bytes(4)) == 84
+
+
+def test_torch_op_norm_traffic_is_what_eager_pytorch_reads_and_writes():
+    """Every aten op of Hugging Face's LlamaRMSNorm, forward and backward, traced: the bytes of
+    its tensor inputs and outputs, per element, less a fused kernel's (2d forward, 4d backward),
+    are what the cost model charges."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    moves_nothing = {"view", "_unsafe_view", "expand", "t", "transpose", "detach", "alias", "empty_like"}
+
+    class Traffic(TorchDispatchMode):
+        total = 0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name.split("::")[1] not in moves_nothing:
+                tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+                self.total += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    rows, width = 256, 2048
+    for dtype, d in ((torch.bfloat16, 2), (torch.float32, 4)):
+        x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+        weight = torch.ones(width, dtype=dtype, requires_grad=True)
+        grad = torch.randn(rows, width, dtype=dtype)
+        with Traffic() as forward:
+            hidden = x.float()
+            out = weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+        with Traffic() as backward:
+            out.backward(grad)
+        forward_extra, backward_extra = cm.unfused_norm_extra_bytes(d)
+        # The per-row statistics and the weight add a few bytes per row, not per element.
+        assert forward.total / x.numel() - 2 * d == pytest.approx(forward_extra, abs=0.1)
+        assert backward.total / x.numel() - 4 * d == pytest.approx(backward_extra, abs=0.1)
 
 
 def test_torch_op_norms_keep_an_fp32_copy_and_the_normalised_tensor():

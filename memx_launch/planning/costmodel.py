@@ -55,17 +55,19 @@ FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
 
 def unfused_norm_extra_bytes(dtype_bytes: int) -> tuple[float, float]:
     """HBM bytes per element one RMSNorm moves as torch ops beyond a fused kernel, forward and
-    backward. The fused kernel reads its input and writes its output (2d), and its backward reads
+    backward: what eager PyTorch's ops read and write (``tests/test_framework_memory.py`` traces
+    them). The fused kernel reads its input and writes its output (2d), and its backward reads
     the gradient and the input and writes the input's gradient (about 4d).
 
     Forward: ``x.float()`` (d + 4), ``pow(2)`` (8), ``mean`` (4), the multiply by the rsqrt (8),
     the cast back (4 + d), the weight multiply (2d). Backward: the weight multiply's two
     gradients and the weight's row sum (6d), the cast (d + 4), the rsqrt multiply's gradient and
-    its row sum (24), the mean's expanded gradient (4), pow's (16), the sum of the two paths into
-    the fp32 copy (12), the first cast (4 + d). In fp32 the casts do not exist.
+    its row sum (24), the mean's gradient, expanded and divided (8), pow's (28: ``x ** 1`` and two
+    multiplies), the sum of the two paths into the fp32 copy (12), the first cast (4 + d). In
+    fp32 the casts do not exist.
     """
     casts = 2.0 * dtype_bytes + 8.0 if dtype_bytes < 4 else 0.0
-    return 20.0 + casts, 56.0 + 2.0 * dtype_bytes + casts
+    return 20.0 + casts, 72.0 + 2.0 * dtype_bytes + casts
 # Extra HBM bytes per attention score when torch's softmax runs on an fp32 copy of 16-bit scores:
 # the casts up and back, forward (2 + 4, 4 + 2) and backward (the same), and the mask fill, softmax
 # and their backward passes over 4-byte instead of 2-byte elements (about 6 x 2).
