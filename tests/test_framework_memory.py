@@ -7,6 +7,7 @@ import pytest
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning import elementwise
 from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
@@ -156,15 +157,41 @@ def test_torch_op_norms_move_more_bytes_than_a_fused_kernel():
     def layer_time(recompute=cm.NONE, **options):
         args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.full(1, recompute))
         return float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(**options)).layer_costs(*args).time_s[0])
-    stored = 8 * S * H * cm._ELEMENTWISE_TRAFFIC  # the fp32 copies and normalised tensors they also keep
-    extra = (2 * 120 * S * H + stored) / 2039e9  # 32 + 88 bytes per element per norm at 16 bits
+    extra = 2 * 120 * S * H / 2039e9  # 32 + 88 bytes per element per norm at 16 bits
     assert layer_time(fused_norm=False) - layer_time() == pytest.approx(extra, rel=1e-6)
     # With sequence parallelism each rank normalises its 1/TP of the sequence.
     sp = layer_time(fused_norm=False, sequence_parallel=True) - layer_time(sequence_parallel=True)
     assert sp == pytest.approx(extra / T, rel=1e-6)
     # Full recompute runs the two norms' forward (32 bytes each) again.
     recomputed = layer_time(fused_norm=False, recompute=cm.FULL) - layer_time(recompute=cm.FULL)
-    assert recomputed - (layer_time(fused_norm=False) - layer_time()) >= 2 * 32 * S * H / 2039e9
+    assert recomputed - (layer_time(fused_norm=False) - layer_time()) == pytest.approx(2 * 32 * S * H / 2039e9)
+
+
+def _traced_bytes(fn, *inputs):
+    """Bytes eager PyTorch's ops read and write (their tensor inputs and outputs) running
+    ``fn`` forward, then backward from a random gradient."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    # Views and allocations move no bytes.
+    moves_nothing = {"_unsafe_view", "empty_like"}
+
+    class Traffic(TorchDispatchMode):
+        total = 0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and func._schema.name.split("::")[1] not in moves_nothing:
+                tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+                self.total += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    with Traffic() as forward:
+        out = fn(*inputs)
+    grad = torch.randn_like(out)
+    with Traffic() as backward:
+        out.backward(grad)
+    return forward.total, backward.total
 
 
 def test_torch_op_norm_traffic_is_what_eager_pytorch_reads_and_writes():
@@ -172,34 +199,59 @@ def test_torch_op_norm_traffic_is_what_eager_pytorch_reads_and_writes():
     its tensor inputs and outputs, per element, less a fused kernel's (2d forward, 4d backward),
     are what the cost model charges."""
     torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
-    moves_nothing = {"view", "_unsafe_view", "expand", "t", "transpose", "detach", "alias", "empty_like"}
-
-    class Traffic(TorchDispatchMode):
-        total = 0
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func._schema.name.split("::")[1] not in moves_nothing:
-                tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-                self.total += sum(t.numel() * t.element_size() for t in tensors)
-            return out
+    def hf_rms_norm(x, weight):
+        hidden = x.float()
+        return weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
 
     rows, width = 256, 2048
     for dtype, d in ((torch.bfloat16, 2), (torch.float32, 4)):
         x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
         weight = torch.ones(width, dtype=dtype, requires_grad=True)
-        grad = torch.randn(rows, width, dtype=dtype)
-        with Traffic() as forward:
-            hidden = x.float()
-            out = weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
-        with Traffic() as backward:
-            out.backward(grad)
-        forward_extra, backward_extra = cm.unfused_norm_extra_bytes(d)
+        forward, backward = _traced_bytes(hf_rms_norm, x, weight)
+        forward_extra, backward_extra = elementwise.unfused_norm_extra_bytes(d)
         # The per-row statistics and the weight add a few bytes per row, not per element.
-        assert forward.total / x.numel() - 2 * d == pytest.approx(forward_extra, abs=0.1)
-        assert backward.total / x.numel() - 4 * d == pytest.approx(backward_extra, abs=0.1)
+        assert forward / x.numel() - elementwise.FUSED_NORM_BYTES[0] * d == pytest.approx(forward_extra, abs=0.1)
+        assert backward / x.numel() - elementwise.FUSED_NORM_BYTES[1] * d == pytest.approx(backward_extra, abs=0.1)
+
+
+def test_element_wise_bytes_are_what_memx_blocks_ops_read_and_write():
+    """The rotary embedding and SwiGLU of memx's own LLaMA block (``models/llama.py``), traced in
+    16 bits: their bytes per element are ROPE_BYTES and SWIGLU_BYTES (the rotary tables, shared
+    by every head, add a little)."""
+    torch = pytest.importorskip("torch")
+    from memx_launch.models import llama
+
+    heads, seq, head_dim, width = 8, 256, 64, 1376
+    cos, sin = llama._rope_tables(seq, head_dim, "cpu", torch.bfloat16)
+    q = torch.randn(1, heads, seq, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    forward, backward = _traced_bytes(lambda x: llama._apply_rope(x, cos, sin), q)
+    assert forward / q.numel() == pytest.approx(elementwise.ROPE_BYTES[0] * 2, rel=0.05)
+    assert backward / q.numel() == pytest.approx(elementwise.ROPE_BYTES[1] * 2, rel=0.05)
+    gate, up = (torch.randn(seq, width, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    forward, backward = _traced_bytes(llama._swiglu, gate, up)
+    assert forward / gate.numel() == pytest.approx(elementwise.SWIGLU_BYTES[0] * 2)
+    assert backward / gate.numel() == pytest.approx(elementwise.SWIGLU_BYTES[1] * 2)
+
+
+def test_recompute_moves_the_forwards_element_wise_bytes_again():
+    """Full recompute runs every element-wise op's forward again; selective only the attention
+    core's (rotary embedding, scores) and the MLP activation's."""
+    training = TrainingSpec()
+    def traffic(level, **options):
+        return float(elementwise.elementwise_traffic_bytes(MODEL, TrainingSpec(**options), 1, S, T, level))
+    none, selective, full = (traffic(level) for level in (cm.NONE, cm.SELECTIVE, cm.FULL))
+    tokens = S
+    rope_and_mlp = tokens * ((MODEL.hidden_size + MODEL.kv_hidden_size) / T * elementwise.ROPE_BYTES[0]
+                             + MODEL.ffn_hidden_size / T * elementwise.SWIGLU_BYTES[0]) * training.dtype_bytes
+    assert selective - none == pytest.approx(rope_and_mlp)
+    blockwide = tokens * MODEL.hidden_size * 2 * (elementwise.RESIDUAL_BYTES[0] + elementwise.FUSED_NORM_BYTES[0]) * training.dtype_bytes
+    assert full - none == pytest.approx(rope_and_mlp + blockwide)
+    # Unfused attention: its scores' forward passes too.
+    unfused_none = float(elementwise.elementwise_traffic_bytes(MODEL, training, 1, S, T, cm.NONE, flash_attention=False))
+    unfused_sel = float(elementwise.elementwise_traffic_bytes(MODEL, training, 1, S, T, cm.SELECTIVE, flash_attention=False))
+    scores = MODEL.num_heads / T * S * S
+    assert unfused_sel - unfused_none == pytest.approx(rope_and_mlp + scores * elementwise.SCORE_BYTES[True][0] * 2)
 
 
 def test_torch_op_norms_keep_an_fp32_copy_and_the_normalised_tensor():

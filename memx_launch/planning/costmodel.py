@@ -20,18 +20,14 @@ from typing import Protocol
 
 import numpy as np
 
+from memx_launch.planning.elementwise import elementwise_traffic_bytes
+from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
-RECOMPUTE_LEVELS = ("none", "selective", "full")
-NONE, SELECTIVE, FULL = 0, 1, 2
 GIB = 2**30
 
-# Bytes an element-wise op moves per byte of stored activation (read + write, fwd + bwd), and
-# the forward's share of it, which recomputation moves again.
-_ELEMENTWISE_TRAFFIC = 4.0
-_FORWARD_TRAFFIC = _ELEMENTWISE_TRAFFIC / 2
 # FLOPs per byte a device sustains before element-wise work becomes memory bound,
 # used when a device type gives no memory bandwidth.
 _DEFAULT_FLOPS_PER_BYTE = 150.0
@@ -53,25 +49,6 @@ LOSS_BYTES_PER_LOGIT = 48.0
 FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
 
 
-def unfused_norm_extra_bytes(dtype_bytes: int) -> tuple[float, float]:
-    """HBM bytes per element one RMSNorm moves as torch ops beyond a fused kernel, forward and
-    backward: what eager PyTorch's ops read and write (``tests/test_framework_memory.py`` traces
-    them). The fused kernel reads its input and writes its output (2d), and its backward reads
-    the gradient and the input and writes the input's gradient (about 4d).
-
-    Forward: ``x.float()`` (d + 4), ``pow(2)`` (8), ``mean`` (4), the multiply by the rsqrt (8),
-    the cast back (4 + d), the weight multiply (2d). Backward: the weight multiply's two
-    gradients and the weight's row sum (6d), the cast (d + 4), the rsqrt multiply's gradient and
-    its row sum (24), the mean's gradient, expanded and divided (8), pow's (28: ``x ** 1`` and two
-    multiplies), the sum of the two paths into the fp32 copy (12), the first cast (4 + d). In
-    fp32 the casts do not exist.
-    """
-    casts = 2.0 * dtype_bytes + 8.0 if dtype_bytes < 4 else 0.0
-    return 20.0 + casts, 72.0 + 2.0 * dtype_bytes + casts
-# Extra HBM bytes per attention score when torch's softmax runs on an fp32 copy of 16-bit scores:
-# the casts up and back, forward (2 + 4, 4 + 2) and backward (the same), and the mask fill, softmax
-# and their backward passes over 4-byte instead of 2-byte elements (about 6 x 2).
-SOFTMAX_FP32_EXTRA_BYTES = 36.0
 
 
 @dataclass(frozen=True)
@@ -187,6 +164,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
     working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
+
+
 
 
 def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
@@ -348,18 +327,11 @@ class AnalyticalCostModel:
         attn_core_flops = 2.0 * mbs_a * seq_a * seq_a * self.model.hidden_size / tp
         recompute_flops = np.select([recompute == NONE, recompute == SELECTIVE],
                                     [0.0 * fwd_flops, attn_core_flops], fwd_flops)
-        # Unfused attention computes the whole s x s square (no causal skipping) and moves the
-        # scores through memory: QK^T out, softmax in and out, AV in, and their gradients,
-        # about 20 bytes per score, of which the stored-activation traffic below counts 8.
+        # Unfused attention computes the whole s x s square (no causal skipping); its scores'
+        # traffic is in the element-wise bytes.
         unfused = ~self._flash[device]
         attn_core_flops = np.where(unfused, 2.0, 1.0) * attn_core_flops
         fwd_flops = fwd_flops + np.where(unfused, 0.5 * attn_core_flops, 0.0)
-        # Torch's softmax path adds three passes of 4 bytes per score: the clone of the scores'
-        # view, the out-of-place mask fill and that fill's backward (a fused kernel has none).
-        per_score = 12.0 if tr.fused_softmax else 24.0
-        if tr.softmax_in_fp32 and not tr.fused_softmax and tr.dtype_bytes < 4:
-            per_score += SOFTMAX_FP32_EXTRA_BYTES
-        score_traffic = np.where(unfused, per_score * mbs_a * self.model.num_heads / tp * seq_a * seq_a, 0.0)
         # Fused attention's backward recomputes the scores: five s x s matmuls against the
         # forward's two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
         flash_backward_flops = np.where(unfused, 0.0, 0.5 * attn_core_flops)
@@ -368,18 +340,8 @@ class AnalyticalCostModel:
         kernel_slowdown = 1.0 / FLASH_ATTENTION_SPEED[tr.flash_attention_version] - 1.0
         compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops + kernel_slowdown * kernel_flops) \
             / (self._tflops[device] * 1e12)
-        none_act = activation_bytes(self.model, mbs, seq, tp, NONE, tr.dtype_bytes,
-                                    self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
-                                    tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
-                                    tr.softmax_in_fp32).activation_bytes
-        recompute_traffic = np.select([recompute == NONE, recompute == SELECTIVE],
-                                      [0.0 * none_act, none_act - act.activation_bytes], none_act)
-        # Two norms per block; a recomputed block runs their forward again.
-        norm_forward, norm_backward = unfused_norm_extra_bytes(tr.dtype_bytes)
-        norm_bytes = 0.0 if tr.fused_norm else 2.0 * (norm_backward + norm_forward * np.where(recompute == FULL, 2.0, 1.0))
-        norm_traffic = norm_bytes * mbs_a * seq_a * self.model.hidden_size / (tp if tr.sequence_parallel else 1.0)
-        memory_s = (_ELEMENTWISE_TRAFFIC * none_act + _FORWARD_TRAFFIC * recompute_traffic + score_traffic
-                    + norm_traffic) / (self._hbm[device] * 1e9)
+        traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device])
+        memory_s = traffic / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two of the input gradients of the
         # column-parallel linears backward (three with separate gate and up linears), two more
         # when the full block is recomputed.

@@ -27,6 +27,7 @@ SCHEDULES = ("1f1b", "interleaved")
 
 
 RECOMPUTE_LEVELS = ("none", "selective", "full")
+NONE, SELECTIVE, FULL = range(3)  # the levels' codes in the cost model's arrays
 
 
 def parse_recompute(text: str, num_layers: int, field: str = "--recompute") -> tuple[str, int]:

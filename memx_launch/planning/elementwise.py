@@ -1,0 +1,101 @@
+"""HBM traffic of a block's element-wise ops: what eager PyTorch reads and writes.
+
+Every element-wise op (rotary embedding, the MLP's activation, residual adds, norms, dropout,
+the softmax of unfused attention) reads its inputs from and writes its output to device memory;
+their time is these bytes over the memory bandwidth. Counted op by op, in units of the training
+dtype ``d`` where the op works in it; ``tests/test_framework_memory.py`` traces the ops of
+memx's own block to check the counts. No torch import.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memx_launch.planning.plan import NONE, SELECTIVE
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+
+# Bytes per element that eager PyTorch's element-wise ops read and write, in units of the
+# training dtype (d), forward and backward; tests/test_framework_memory.py traces memx's own
+# block to check them. Rotary embedding on q and k (x1 cos - x2 sin, x1 sin + x2 cos and the
+# stack: 9d; backward 14d), SwiGLU on the MLP width (silu, product: 5d; their gradients: 9d),
+# GELU (2d; 3d), a residual add (3d; the gradient sum where the stream forks: 3d), a fused
+# norm kernel (2d; 4d).
+ROPE_BYTES = (9.0, 14.0)
+SWIGLU_BYTES = (5.0, 9.0)
+GELU_BYTES = (2.0, 3.0)
+RESIDUAL_BYTES = (3.0, 3.0)
+FUSED_NORM_BYTES = (2.0, 4.0)
+
+
+def unfused_norm_extra_bytes(dtype_bytes: int) -> tuple[float, float]:
+    """HBM bytes per element one RMSNorm moves as torch ops beyond a fused kernel, forward and
+    backward: what eager PyTorch's ops read and write (``tests/test_framework_memory.py`` traces
+    them). The fused kernel reads its input and writes its output (2d), and its backward reads
+    the gradient and the input and writes the input's gradient (about 4d).
+
+    Forward: ``x.float()`` (d + 4), ``pow(2)`` (8), ``mean`` (4), the multiply by the rsqrt (8),
+    the cast back (4 + d), the weight multiply (2d). Backward: the weight multiply's two
+    gradients and the weight's row sum (6d), the cast (d + 4), the rsqrt multiply's gradient and
+    its row sum (24), the mean's gradient, expanded and divided (8), pow's (28: ``x ** 1`` and two
+    multiplies), the sum of the two paths into the fp32 copy (12), the first cast (4 + d). In
+    fp32 the casts do not exist.
+    """
+    casts = 2.0 * dtype_bytes + 8.0 if dtype_bytes < 4 else 0.0
+    return 20.0 + casts, 72.0 + 2.0 * dtype_bytes + casts
+# Bytes per attention score of unfused attention, in units of the training dtype, forward and
+# backward: QK^T written, the softmax read and written, AV reading it (4d); AV's backward writing
+# the probabilities' gradient and reading the probabilities, the softmax backward reading both
+# and writing the scores' gradient, read by both matmuls' backward (7d). Torch's softmax adds
+# the clone of the scores' view and the out-of-place mask fill (4d) and the fill's backward (2d). Attention dropout: the mask (1 byte)
+# and the dropped-out copy (2d + 2), and their backward (2d + 1).
+SCORE_BYTES = {True: (4.0, 7.0), False: (8.0, 9.0)}
+# Extra HBM bytes per attention score when torch's softmax runs on an fp32 copy of 16-bit scores:
+# the casts up and back, forward (2 + 4, 4 + 2) and backward (the same), and the mask fill, softmax
+# and their backward passes over 4-byte instead of 2-byte elements (about 6 x 2).
+SOFTMAX_FP32_EXTRA_BYTES = 36.0
+
+
+def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
+                              flash_attention=True) -> np.ndarray:
+    """HBM bytes the element-wise ops of one block move for one micro-batch: forward, backward
+    and the forward that recomputation runs again (everything under full recompute; rotary
+    embedding, the MLP's activation and the scores under selective). Matmuls and the fused
+    attention kernel are timed by their FLOPs instead.
+
+    Per token, over TP where the tensors are split: residual adds and norms on the hidden size
+    (over TP only with sequence parallelism), hidden dropout's masks and products, rotary
+    embedding on q and k (LLaMA-style models), the MLP's activation on its width; without flash
+    attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
+    passes and attention dropout.
+    """
+    d = float(training.dtype_bytes)
+    tp = np.asarray(tp, dtype=np.float64)
+    recompute = np.asarray(recompute)
+    tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
+    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    hidden = tokens * h / (tp if training.sequence_parallel else 1.0)
+    if training.fused_norm:
+        norm = (FUSED_NORM_BYTES[0] * d, FUSED_NORM_BYTES[1] * d)
+    else:
+        extra = unfused_norm_extra_bytes(training.dtype_bytes)
+        norm = (FUSED_NORM_BYTES[0] * d + extra[0], FUSED_NORM_BYTES[1] * d + extra[1])
+    dropout = (2.0 * d + 2.0, 2.0 * d + 1.0) if training.dropout else (0.0, 0.0)
+    mlp = SWIGLU_BYTES if model.gated_mlp else GELU_BYTES
+    rope = ROPE_BYTES if model.gated_mlp else (0.0, 0.0)
+    scores = np.where(flash_attention, 0.0, np.asarray(mbs, dtype=np.float64) * model.num_heads / tp
+                      * np.asarray(seq, dtype=np.float64) ** 2)
+    score = [SCORE_BYTES[training.fused_softmax][i] * d for i in (0, 1)]
+    if training.softmax_in_fp32 and not training.fused_softmax and training.dtype_bytes < 4:
+        score = [b + SOFTMAX_FP32_EXTRA_BYTES / 2 for b in score]
+    if training.attention_dropout:
+        score = [score[0] + 2.0 * d + 2.0, score[1] + 2.0 * d + 1.0]
+
+    def part(i):  # 0: forward, 1: backward
+        blockwide = hidden * 2.0 * (RESIDUAL_BYTES[i] * d + norm[i] + dropout[i])
+        core = tokens * (h + kv) / tp * rope[i] * d + scores * score[i]
+        return blockwide + core + tokens * f / tp * mlp[i] * d, core + tokens * f / tp * mlp[i] * d
+
+    (forward, selective_part), (backward, _) = part(0), part(1)
+    again = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * forward, selective_part], forward)
+    return forward + backward + again
