@@ -28,6 +28,12 @@ RESIDUAL_BYTES = (3.0, 3.0)
 FUSED_NORM_BYTES = (2.0, 4.0)
 
 
+def dropout_bytes(dtype_bytes: int) -> tuple[float, float]:
+    """Torch's dropout kernel reads its input and writes the output and a 1-byte mask; its
+    backward reads the gradient and the mask and writes the input's gradient."""
+    return 2.0 * dtype_bytes + 1.0, 2.0 * dtype_bytes + 1.0
+
+
 def unfused_norm_extra_bytes(dtype_bytes: int) -> tuple[float, float]:
     """HBM bytes per element one RMSNorm moves as torch ops beyond a fused kernel, forward and
     backward: what eager PyTorch's ops read and write (``tests/test_framework_memory.py`` traces
@@ -47,8 +53,8 @@ def unfused_norm_extra_bytes(dtype_bytes: int) -> tuple[float, float]:
 # backward: QK^T written, the softmax read and written, AV reading it (4d); AV's backward writing
 # the probabilities' gradient and reading the probabilities, the softmax backward reading both
 # and writing the scores' gradient, read by both matmuls' backward (7d). Torch's softmax adds
-# the clone of the scores' view and the out-of-place mask fill (4d) and the fill's backward (2d). Attention dropout: the mask (1 byte)
-# and the dropped-out copy (2d + 2), and their backward (2d + 1).
+# the clone of the scores' view and the out-of-place mask fill (4d) and the fill's backward (2d).
+# Attention dropout adds :func:`dropout_bytes` per score.
 SCORE_BYTES = {True: (4.0, 7.0), False: (8.0, 9.0)}
 # Extra HBM bytes per attention score when torch's softmax runs on an fp32 copy of 16-bit scores:
 # the casts up and back, forward (2 + 4, 4 + 2) and backward (the same), and the mask fill, softmax
@@ -80,8 +86,10 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     else:
         extra = unfused_norm_extra_bytes(training.dtype_bytes)
         norm = (FUSED_NORM_BYTES[0] * d + extra[0], FUSED_NORM_BYTES[1] * d + extra[1])
-    dropout = (2.0 * d + 2.0, 2.0 * d + 1.0) if training.dropout else (0.0, 0.0)
+    dropout = dropout_bytes(training.dtype_bytes) if training.dropout else (0.0, 0.0)
     mlp = SWIGLU_BYTES if model.gated_mlp else GELU_BYTES
+    # LLaMA-style (gated MLP) models rotate q and k in every block; GPT-style ones add learned
+    # positions once, at the embedding.
     rope = ROPE_BYTES if model.gated_mlp else (0.0, 0.0)
     scores = np.where(flash_attention, 0.0, np.asarray(mbs, dtype=np.float64) * model.num_heads / tp
                       * np.asarray(seq, dtype=np.float64) ** 2)
@@ -89,7 +97,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     if training.softmax_in_fp32 and not training.fused_softmax and training.dtype_bytes < 4:
         score = [b + SOFTMAX_FP32_EXTRA_BYTES / 2 for b in score]
     if training.attention_dropout:
-        score = [score[0] + 2.0 * d + 2.0, score[1] + 2.0 * d + 1.0]
+        score = [b + extra for b, extra in zip(score, dropout_bytes(training.dtype_bytes))]
 
     def part(i):  # 0: forward, 1: backward
         blockwide = hidden * 2.0 * (RESIDUAL_BYTES[i] * d + norm[i] + dropout[i])
