@@ -267,6 +267,34 @@ def test_torch_op_norms_keep_an_fp32_copy_and_the_normalised_tensor():
         pytest.approx(2 * 4 * S * H / T)
 
 
+def test_what_autograd_saves_for_a_torch_op_norm_is_what_the_model_keeps():
+    """Measured, not read: the tensors autograd saves for the 2023 scaling code's torch-op
+    RMSNorm (``self._norm(x.float()).type_as(x) * weight``), by storage, are 4 + d bytes per
+    element (the fp32 copy and the normalised tensor), the input not among them."""
+    torch = pytest.importorskip("torch")
+
+    def scaling_rms_norm(x, weight):
+        hidden = x.float()
+        return (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x) * weight
+
+    rows, width = 256, 2048
+    for dtype, d in ((torch.bfloat16, 2), (torch.float32, 4)):
+        x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+        weight = torch.ones(width, dtype=dtype, requires_grad=True)
+        saved = {}
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            scaling_rms_norm(x, weight)
+        inputs = {x.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()}
+        kept = sum(n for ptr, n in saved.items() if ptr not in inputs)
+        # fp32: x.float() is x itself, so only the normalised tensor is new (the model's 4 + 4
+        # counts the input the norm keeps instead of a fused kernel's copy).
+        expected = 4 + d if d < 4 else 4
+        assert kept / x.numel() == pytest.approx(expected, abs=0.05)
+
+
 def test_softmax_in_fp32_keeps_fp32_probabilities_and_their_16_bit_copy():
     a = MODEL.num_heads
     score = a / T * S * S  # scores per layer on this rank
