@@ -353,3 +353,36 @@ def test_flash_attention_1_runs_its_flops_slower_and_keeps_the_same_memory():
     assert all(0 < speed <= 1 for speed in cm.FLASH_ATTENTION_SPEED.values())
     with pytest.raises(ConfigError, match="--flash-attention-version"):
         TrainingSpec(flash_attention_version=4)
+
+
+def test_what_autograd_saves_for_memx_block_is_the_activation_model():
+    """memx's own LLaMA block (GQA, SwiGLU) in bf16 on CPU, every tensor autograd saves counted
+    once by storage, against ``activation_bytes`` with torch-op norms. Two differences are this
+    CPU run's, named here: torch's ``nn.RMSNorm`` keeps its normalised tensor in fp32 (2 bytes
+    more per element per norm than Hugging Face's norm), and the CPU attention kernel returns
+    [b, heads, s, d], so ``wo`` keeps a reshaped copy beside the kernel's own saved output (on
+    CUDA the flash kernel's output is already laid out as [b, s, heads, d] and the reshape is a
+    view). Full recompute keeps the block input only, which the caller owns here."""
+    torch = pytest.importorskip("torch")
+    from memx_launch.models.llama import TransformerBlock
+    from memx_launch.specs.model import ModelSpec
+
+    h, seq = 512, 256
+    spec = ModelSpec("t", 1, h, 8, 2, 1376, 1000, seq)
+    elements = seq * h
+    rope_tables = 2 * seq * spec.head_dim // 2 * 2  # cos and sin, kept by the rotary multiplies
+    for level, cpu_extra in (("none", 2 * 2 * elements + 2 * elements + rope_tables),
+                             ("selective", 2 * 2 * elements), ("full", -2 * elements)):
+        block = TransformerBlock(spec, recompute=level).to(torch.bfloat16)
+        x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
+        saved = {}
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+        owned = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+        kept = sum(n for ptr, n in saved.items() if ptr not in owned)
+        model = float(cm.activation_bytes(spec, 1, seq, 1, cm.RECOMPUTE_LEVELS.index(level), 2, True,
+                                          fused_norm=False).activation_bytes)
+        assert kept == pytest.approx(model + cpu_extra, rel=0.01), level
