@@ -386,3 +386,40 @@ def test_what_autograd_saves_for_memx_block_is_the_activation_model():
         model = float(cm.activation_bytes(spec, 1, seq, 1, cm.RECOMPUTE_LEVELS.index(level), 2, True,
                                           fused_norm=False).activation_bytes)
         assert kept == pytest.approx(model + cpu_extra, rel=0.01), level
+
+
+def test_what_autograd_saves_for_torch_softmax_attention_is_the_model():
+    """Unfused attention as the scaling code runs it (``masked_softmax.py``: optional fp32 upcast,
+    in-place mask fill, torch's softmax, cast back, then AV), measured with saved-tensor hooks:
+    2 bytes per score kept in 16 bits, 6 with the softmax in fp32 (the fp32 probabilities and
+    their 16-bit copy), as ``activation_bytes`` counts them."""
+    torch = pytest.importorskip("torch")
+    heads, seq, head_dim = 4, 128, 32
+    mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+
+    def attention(q, k, v, in_fp32):
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        x = scores.float() if in_fp32 else scores
+        x = x * head_dim ** -0.5
+        x.masked_fill_(mask, -10000.0)
+        probs = torch.softmax(x, dim=-1)
+        return torch.matmul(probs.to(q.dtype) if in_fp32 else probs, v)
+
+    spec_scores = heads * seq * seq
+    for in_fp32, per_score in ((False, 2), (True, 6)):
+        q, k, v = (torch.randn(1, heads, seq, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        saved = {}
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            attention(q, k, v, in_fp32)
+        owned = {t.untyped_storage().data_ptr() for t in (q, k, v, mask)}
+        kept = sum(n for ptr, n in saved.items() if ptr not in owned)
+        assert kept / spec_scores == pytest.approx(per_score, rel=0.01)
+        model = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False, fused_softmax=False,
+                                    softmax_in_fp32=in_fp32)
+        flash = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=True)
+        lse = 4.0 * MODEL.num_heads / T * S  # the flash kernel's fp32 logsumexp, not kept unfused
+        per_score_model = (float(model.activation_bytes - flash.activation_bytes) + lse) / (MODEL.num_heads / T * S * S)
+        assert per_score_model == pytest.approx(per_score)
