@@ -423,3 +423,39 @@ def test_what_autograd_saves_for_torch_softmax_attention_is_the_model():
         lse = 4.0 * MODEL.num_heads / T * S  # the flash kernel's fp32 logsumexp, not kept unfused
         per_score_model = (float(model.activation_bytes - flash.activation_bytes) + lse) / (MODEL.num_heads / T * S * S)
         assert per_score_model == pytest.approx(per_score)
+
+
+def test_the_gathered_losss_live_peak_is_what_the_model_counts():
+    """The scaling code's loss on 16-bit logits (``.float()``, torch's cross entropy, the
+    accuracy's argmax), forward and backward, on CPU: the live-tensor peak from the profiler's
+    memory timeline is 14 bytes per logit (the logits, which the pipeline's output buffer holds,
+    the fp32 copy, the log-softmax and its gradient), what ``logits_bytes`` counts for a gathered
+    fp32 loss."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    tokens, vocab, width = 1024, 8192, 64
+    hidden = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
+    head = torch.randn(vocab, width, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,))
+    weights = torch.ones(tokens)
+
+    def loss_step():
+        logits = hidden @ head.t()
+        flat = logits.float().reshape(-1, vocab)
+        losses = torch.nn.functional.cross_entropy(flat, target, reduction="none")
+        (flat.argmax(-1) == target).float().mean()
+        return torch.sum(losses * weights) / weights.sum(), logits
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        loss, logits_in_the_output_buffer = loss_step()  # the pipeline engine holds the stage output
+        loss.backward()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    peak_per_logit = np.asarray(sizes).sum(axis=1).max() / (tokens * vocab)
+    training = TrainingSpec(vocab_parallel_loss=False, loss_dtype="fp32")
+    spec = get_model("llama2-7b")
+    modelled = float(cm.logits_bytes(spec, 1, 1, 1, training)) / spec.vocab_size
+    assert modelled == 14.0
+    # The gradients of the hidden states and the head weight add 0.14 bytes per logit here.
+    assert peak_per_logit == pytest.approx(modelled, abs=0.3)
