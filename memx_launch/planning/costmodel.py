@@ -49,8 +49,6 @@ LOSS_BYTES_PER_LOGIT = 48.0
 FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
 
 
-
-
 @dataclass(frozen=True)
 class LayerCost:
     """Costs of one transformer layer for one micro-batch (arrays, one entry per query)."""
@@ -164,8 +162,6 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
     working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
-
-
 
 
 def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:

@@ -49,6 +49,8 @@ def unfused_norm_extra_bytes(dtype_bytes: int) -> tuple[float, float]:
     """
     casts = 2.0 * dtype_bytes + 8.0 if dtype_bytes < 4 else 0.0
     return 20.0 + casts, 72.0 + 2.0 * dtype_bytes + casts
+
+
 # Bytes per attention score of unfused attention, in units of the training dtype, forward and
 # backward: QK^T written, the softmax read and written, AV reading it (4d); AV's backward writing
 # the probabilities' gradient and reading the probabilities, the softmax backward reading both
@@ -99,11 +101,13 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     if training.attention_dropout:
         score = [b + extra for b, extra in zip(score, dropout_bytes(training.dtype_bytes))]
 
-    def part(i):  # 0: forward, 1: backward
+    def passes(i):  # 0: forward, 1: backward
+        """(the residual adds, norms and dropouts; what selective recompute runs again)."""
         blockwide = hidden * 2.0 * (RESIDUAL_BYTES[i] * d + norm[i] + dropout[i])
-        core = tokens * (h + kv) / tp * rope[i] * d + scores * score[i]
-        return blockwide + core + tokens * f / tp * mlp[i] * d, core + tokens * f / tp * mlp[i] * d
+        core = tokens * ((h + kv) / tp * rope[i] + f / tp * mlp[i]) * d + scores * score[i]
+        return blockwide, core
 
-    (forward, selective_part), (backward, _) = part(0), part(1)
-    again = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * forward, selective_part], forward)
-    return forward + backward + again
+    (block_forward, core_forward), (block_backward, core_backward) = passes(0), passes(1)
+    forward = block_forward + core_forward
+    again = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * forward, core_forward], forward)
+    return forward + block_backward + core_backward + again

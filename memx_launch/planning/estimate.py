@@ -21,8 +21,9 @@ from memx_launch.planning.scoring import CostTable, Evaluator
 from memx_launch.planning.search import default_references, to_plan
 
 
-def _parse_levels(recompute, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per stage: the level index and how many of its layers recompute at it (the rest: none)."""
+def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") -> tuple[np.ndarray, np.ndarray]:
+    """Per stage of ``layers`` (1, P): the level index and how many of its layers recompute at it
+    (the rest: none), from one recompute text for all stages or one per stage."""
     pp = layers.shape[1]
     if recompute is None:
         recompute = ["none"]
@@ -31,8 +32,8 @@ def _parse_levels(recompute, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray
     if len(recompute) == 1:
         recompute = list(recompute) * pp
     if len(recompute) != pp:
-        raise ConfigError("--recompute", f"{len(recompute)} levels for pp={pp}", "give one level, or one per stage")
-    parsed = [parse_recompute(text, int(n)) for text, n in zip(recompute, layers[0])]
+        raise ConfigError(field, f"{len(recompute)} levels for pp={pp}", "give one level, or one per stage")
+    parsed = [parse_recompute(text, int(n), field) for text, n in zip(recompute, layers[0])]
     return (np.array([[cm.RECOMPUTE_LEVELS.index(level) for level, _ in parsed]]),
             np.array([[k for _, k in parsed]], dtype=np.int64))
 
@@ -85,7 +86,7 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if layers.shape[1] != pp or layers.sum() != model.num_layers or (layers < v).any():
         raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
                           f"least {v} layer(s) adding up to {model.num_layers}", "fix the split")
-    levels, recompute_layers = _parse_levels(recompute, layers)
+    levels, recompute_layers = recompute_rows(recompute, layers)
     partial = recompute_layers < layers
     result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers,
                              recompute_layers if partial.any() else None)

@@ -29,9 +29,10 @@ import numpy as np
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
-from memx_launch.planning.plan import Plan, parse_recompute
+from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
+from memx_launch.planning.estimate import recompute_rows
 from memx_launch.planning.layouts import make_layout
 from memx_launch.planning.search import SearchSpace, search
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
@@ -176,10 +177,8 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
     if not 0 <= min_headroom < 1:
         raise ConfigError("min_headroom", f"must be in [0, 1), got {min_headroom!r}", "e.g. 0.10 for 10% free")
     scorer = _PlanScorer(plan, model, cluster, training, cost_model)
-    parsed = [parse_recompute(s.recompute, s.num_layers, "plan.stages.recompute") for s in plan.stages]
-    levels = np.array([[cm.RECOMPUTE_LEVELS.index(level) for level, _ in parsed]])
-    counts = np.array([[count for _, count in parsed]])
     layers = np.array([[s.num_layers for s in plan.stages]])
+    levels, counts = recompute_rows([s.recompute for s in plan.stages], layers, "plan.stages.recompute")
     current = scorer.score(layers, levels, counts)
     correction = memory_correction(event, plan, current.memory[0])
     usable = [(1 - min_headroom) * (c * GIB if not math.isnan(c) else cluster.device_type(t).memory_bytes)

@@ -140,13 +140,15 @@ class Evaluator:
         out[-1] += self.cost_model.head_time(device[-1], last, mbs, seq)
         return out
 
-    def _max_layers(self, layout, mbs, seq, v, levels) -> np.ndarray:
-        """Layers each stage can hold at ``levels`` on every one of its device types."""
-        rooms = []
-        for k, capacity in enumerate(layout.replica_capacity):
-            per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, levels, k)
-            rooms.append(np.floor((self.usable(capacity) - fixed) / per_layer))
-        return np.min(rooms, axis=0)
+    def replica_inputs(self, layout, mbs, seq, v, levels) -> list[tuple]:
+        """:meth:`split_inputs` on each row of the layout's device types."""
+        return [self.split_inputs(layout, mbs, seq, v, levels, k) for k in range(len(layout.replica_device))]
+
+    def _max_layers(self, layout, inputs) -> np.ndarray:
+        """Layers each stage can hold on every one of its device types (``inputs``:
+        :meth:`replica_inputs` at the levels in question)."""
+        return np.min([np.floor((self.usable(capacity) - fixed) / per_layer)
+                       for (per_layer, fixed, *_), capacity in zip(inputs, layout.replica_capacity)], axis=0)
 
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
               levels: np.ndarray, layers: np.ndarray | None = None,
@@ -160,19 +162,18 @@ class Evaluator:
         L = self.model.num_layers
         min_layers = v if schedule == "interleaved" else 1
         replicas = range(len(layout.replica_device))
+        none_inputs = None  # at no recompute, where some stages recompute only some layers
         if layers is None:
-            inputs = [self.split_inputs(layout, mbs, seq, v, levels, k) for k in replicas]
-            rooms = [np.floor((self.usable(capacity) - fixed) / per_layer)
-                     for (per_layer, fixed, *_), capacity in zip(inputs, layout.replica_capacity)]
-            if layout.mixed:
-                t_layer, edge_t = np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)
-                max_layers = np.min(rooms, axis=0)
-            else:
-                (_, _, t_layer, edge_t, _), max_layers = inputs[0], rooms[0]
-            layers, feasible = balance_layers(t_layer, edge_t, max_layers, L, min_layers)
+            inputs = self.replica_inputs(layout, mbs, seq, v, levels)
+            t_layer, edge_t = (np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)) \
+                if layout.mixed else inputs[0][2:4]
+            layers, feasible = balance_layers(t_layer, edge_t, self._max_layers(layout, inputs), L, min_layers)
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
-            if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any():
-                recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
+            if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any() and cm.NONE in self.allowed_levels:
+                none_inputs = self.replica_inputs(layout, mbs, seq, v, np.zeros_like(levels))
+                recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers, none_inputs)
+        if recompute_layers is not None and none_inputs is None:
+            none_inputs = self.replica_inputs(layout, mbs, seq, v, np.zeros_like(levels))
         memories, times, fits = [], [], []
         for k in replicas:
             per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels, k)
@@ -180,7 +181,7 @@ class Evaluator:
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
                 # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
-                none_layer, none_fixed, none_t, _, _ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels), k)
+                none_layer, none_fixed, none_t, _, _ = none_inputs[k]
                 r = np.minimum(recompute_layers, layers)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
@@ -207,7 +208,7 @@ class Evaluator:
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
         full = np.full((1, layout.pp), self.allowed_levels[-1])
-        max_layers = self._max_layers(layout, mbs, seq, v, full)
+        max_layers = self._max_layers(layout, self.replica_inputs(layout, mbs, seq, v, full))
         min_layers = v if schedule == "interleaved" else 1
         return bool((max_layers >= min_layers).all() and max_layers.sum() >= self.model.num_layers)
 
@@ -223,17 +224,15 @@ class Evaluator:
             best = np.where(fits & (level < best), level, best)
         return best
 
-    def fewest_recomputed_layers(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
+    def fewest_recomputed_layers(self, layout, mbs, seq, v, levels, layers, none_inputs) -> np.ndarray:
         """Per stage, how many of its first layers must recompute fully for it to fit (on each of
-        its device types), where the hard rule chose full recompute and none is allowed
-        (Megatron's block method); the others keep their level on every layer. A stage that
-        fits nowhere keeps all its layers."""
-        if cm.NONE not in self.allowed_levels:
-            return layers.copy()
+        its device types), where the hard rule chose full recompute (Megatron's block method);
+        the others keep their level on every layer. A stage that fits nowhere keeps all its
+        layers. ``none_inputs``: :meth:`replica_inputs` at no recompute."""
         fewest = np.ones_like(layers, dtype=np.float64)
         for k, capacity in enumerate(layout.replica_capacity):
             full_layer, full_fixed, *_ = self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.FULL), k)
-            none_layer, *_ = self.split_inputs(layout, mbs, seq, v, np.zeros_like(levels), k)
+            none_layer = none_inputs[k][0]
             # k full layers and n - k kept: k (full - none) + n none + fixed <= usable.
             saved = np.maximum(none_layer - full_layer, 1.0)
             fewest = np.maximum(fewest, np.ceil((layers * none_layer + full_fixed - self.usable(capacity)) / saved))
