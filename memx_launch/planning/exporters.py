@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.layouts import MIXED_SEPARATOR, REPLICAS_MARK
+from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
 
@@ -210,9 +210,9 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args
                           f"plan needs tp*pp*dp={plan.world_size}", "pass the cluster the plan was made for")
     ranks = cluster.rank_device_types()
     for i, stage in enumerate(plan.stages):
-        # A stage on several types names them a+b or a*3+b*1 (planning.layouts).
-        types = {stage.device_type} | {part.rpartition(REPLICAS_MARK)[0] or part
-                                       for part in stage.device_type.split(MIXED_SEPARATOR)}
+        # A stage on several types names them a+b or a*3+b*1 (planning.layouts); a whole
+        # type name may itself hold those marks.
+        types = {stage.device_type, *stage_device_types(stage.device_type)}
         wrong = [r for r in stage.ranks if ranks[r] not in types]
         if wrong:
             raise ConfigError(f"plan.stages[{i}].ranks", f"rank {wrong[0]} is a {ranks[wrong[0]]} "

@@ -209,6 +209,11 @@ def parse_stage_devices(text: str, known, dp: int, field: str) -> list[tuple[str
     return out
 
 
+def stage_device_types(text: str) -> list[str]:
+    """The device types a stage's text names (``a``, ``a+b``, ``a*3+b*1``), unchecked."""
+    return [part.rpartition(REPLICAS_MARK)[0] or part for part in text.split(MIXED_SEPARATOR)]
+
+
 def stage_device_text(cluster: ClusterSpec, ranks: list[int], tp: int) -> str:
     """A stage's device type as plans and ``--stage-devices`` write it: ``a``, ``a+b`` when its
     replicas split evenly over several types, else ``a*3+b*1`` (replicas per type)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from memx_launch.files import atomic_output, check_output_path
 from memx_launch.planning.estimate import stage_short_gib
-from memx_launch.planning.layouts import MIXED_SEPARATOR, REPLICAS_MARK
+from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types, tp_text
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
 
@@ -40,8 +40,7 @@ def rank_ranges(ranks: list[int]) -> str:
 
 def layout_summary(plan: Plan) -> str:
     sched = plan.schedule if plan.schedule == "1f1b" else f"{plan.schedule} v={plan.virtual_stages}"
-    tp = plan.tp if plan.stage_tp is None else "|".join(str(t) for t in plan.stage_tp)
-    return (f"tp={tp} pp={plan.pp} dp={plan.dp} mbs={plan.micro_batch_size} "
+    return (f"tp={tp_text(plan.stage_tps)} pp={plan.pp} dp={plan.dp} mbs={plan.micro_batch_size} "
             f"seq={plan.seq_len} {sched}")
 
 
@@ -183,7 +182,7 @@ def _mixed_stage_notes(plan: Plan, cluster: ClusterSpec) -> list[str]:
     for i, s in enumerate(plan.stages):
         if s.device_type in known or MIXED_SEPARATOR not in s.device_type:
             continue
-        types = [part.rpartition(REPLICAS_MARK)[0] or part for part in s.device_type.split(MIXED_SEPARATOR)]
+        types = stage_device_types(s.device_type)
         shown = [t for t in types if t in known and abs(known[t].memory_gib - s.memory_capacity_gib) < 1e-9]
         notes.append(f"stage {i}: replicas on {', '.join(types)}; memory shown on {' or '.join(shown) or '?'} "
                      "(nearest its capacity; the stage must fit on every type), time of the slowest type")
