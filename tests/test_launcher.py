@@ -1,6 +1,7 @@
 """memx-run: flag parsing, bad input caught before anything runs, --dry-run output."""
 
 import json
+import re
 import os
 import shlex
 import subprocess
@@ -13,6 +14,7 @@ from memx_launch.runtime.launcher import build_parser, main, script_flag
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
 CPU_CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
+OWN_MODEL = os.path.join(REPO, "examples", "train_own_model.py")
 PAPER_CLUSTER = os.path.join(REPO, "examples", "clusters", "paper-20gpu.yaml")
 
 
@@ -173,10 +175,21 @@ def test_the_search_restrictions_of_memx_plan_restrict_memx_run_s_search(tmp_pat
     assert {s["recompute"].split(":")[0] for s in plan["stages"]} <= {"none", "full"}
     assert "search pipeline degrees" in capsys.readouterr().out
     for argv, field in ((["--tp", "3"], "--tp"), (["--schedules", "gpipe"], "--schedules"),
-                        (["--plan", str(target), "--pp", "2"], "--pp")):
+                        (["--model-builder", f"{OWN_MODEL}:build", "--tp", "2"], "--tp")):
         assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", *argv,
                      TRAIN, "--model", "llama-tiny"]) == 2
         assert f"error: {field}:" in capsys.readouterr().err
+    # With a given (or continued) plan the restrictions hold for the job's re-plans; the same
+    # command repeated continues a stopped run, so they are never refused.
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
+                 "--pp", "2", TRAIN, "--model", "llama-tiny"]) == 0
+    assert "search pipeline degrees (re-plans)" in capsys.readouterr().out
+    # The script's own blocks train with TP 1: its search and re-plans keep to it.
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--model-builder",
+                 f"{OWN_MODEL}:build", TRAIN, "--model", "llama-tiny"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"search tp degrees +1 +\(--model-builder\)", out)
+    assert re.findall(r" tp=(\d+) pp=", out) and set(re.findall(r" tp=(\d+) pp=", out)) == {"1"}
 
 
 def test_the_workers_read_the_restrictions_back():

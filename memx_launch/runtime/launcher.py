@@ -24,7 +24,7 @@ import time
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.search import RESTRICTIONS, SearchSpace, add_restriction_args, restrictions_from_args
+from memx_launch.planning.search import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime.layout import check_runnable
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
@@ -249,14 +249,6 @@ def resolve(args) -> dict:
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
-    restrictions = restrictions_from_args(args)
-    if restrictions and (previous is not None or args.plan):
-        flag = "--" + next(f for f, field, _, _ in RESTRICTIONS if field in restrictions).replace("_", "-")
-        raise ConfigError(flag, "restricts the search, which a given or continued plan skips",
-                          "drop it, or drop --plan / --resume")
-    SearchSpace(**restrictions).check(model)
-    for field, values in restrictions.items():
-        settings.add(f"search {field.replace('_', ' ')}", ",".join(map(str, values)), "flag")
     if args.weights:
         from memx_launch.planning.objective import parse_weights
         parse_weights(args.weights)
@@ -278,6 +270,18 @@ def resolve(args) -> dict:
                               "e.g. --model-builder examples/train_own_model.py:build")
         builder = [os.path.abspath(path), function, model_arg]
         settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
+    # The job's search and its re-plans keep to these (with a given or continued plan: the re-plans).
+    restrictions = restrictions_from_args(args)
+    if builder is not None:  # the script's own blocks train with TP 1
+        if 1 not in restrictions.get("tp_degrees", (1,)):
+            raise ConfigError("--tp", f"{list(restrictions['tp_degrees'])} leaves out TP 1, the only degree "
+                              "the --model-builder blocks train with", "drop --tp or include 1")
+        restrictions["tp_degrees"] = (1,)
+    SearchSpace(**restrictions).check(model)
+    for field, values in restrictions.items():
+        source = "--model-builder" if builder is not None and field == "tp_degrees" else "flag"
+        applies = " (re-plans)" if previous is not None or args.plan else ""
+        settings.add(f"search {field.replace('_', ' ')}{applies}", ",".join(map(str, values)), source)
     # The script's own block is stored apart: its samples have the shape of memx's block of that model.
     default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
         DEFAULT_RUNS_DIR, f"profiles.{os.path.splitext(os.path.basename(builder[0]))[0]}.{builder[1]}.jsonl")

@@ -184,15 +184,9 @@ def plan_in_job(env) -> None:
         weights = parse_weights(env["MEMX_WEIGHTS"]) if env.get("MEMX_WEIGHTS") else None
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         # Leave the free memory the monitor will ask for, or the first samples would re-plan.
-        restrictions = search_restrictions(env)
-        if block_factory is not None:  # the script's own blocks train with TP 1
-            if 1 not in restrictions.get("tp_degrees", (1,)):
-                raise ConfigError("--tp", f"{list(restrictions['tp_degrees'])} leaves out TP 1, the only degree "
-                                  "the --model-builder blocks train with", "drop --tp or include 1")
-            restrictions["tp_degrees"] = (1,)
         space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
                             else MonitorConfig.from_env(env).min_headroom, fewer_microbatches_than_stages=False,
-                            **restrictions)
+                            **search_restrictions(env))  # memx-run's, TP 1 with --model-builder
         result = search(model, cluster, training, cost_model=cost_model, space=space,
                         objective=env.get("MEMX_OBJECTIVE") or None,
                         weights=weights, time_budget_s=budget)
