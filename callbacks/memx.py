@@ -79,8 +79,7 @@ class MemxCallback(pl.Callback):
         rank = trainer.global_rank
         device = detect_rank_device(cluster, rank, trainer.local_rank)
         if cluster is None:
-            from memx_launch.runtime.worker import _cluster_of_detected
-            cluster = _cluster_of_detected(dist, device, trainer.world_size)
+            cluster = ClusterSpec.from_dict(_detected_cluster(device, trainer))
         if cluster.world_size != trainer.world_size:
             raise ConfigError("cluster", f"{cluster.name} declares {cluster.world_size} devices but the Trainer runs "
                               f"{trainer.world_size}", "set Trainer(devices=..., num_nodes=...) to the cluster file")
@@ -141,7 +140,7 @@ class MemxCallback(pl.Callback):
             payload[0] = json.dumps(decision.to_dict())
         if dist.is_initialized():
             dist.broadcast_object_list(payload, src=0)
-        decision = Decision(**json.loads(payload[0]))
+        decision = Decision.from_dict(json.loads(payload[0]))
         if trainer.global_rank == 0:
             print(f"memx: plan for {spec.name} on {cluster.name}: {self._describe(decision)}", flush=True)
         return decision
@@ -224,7 +223,6 @@ class MemxCallback(pl.Callback):
             # The fewest more checkpointed blocks whose prediction drops by what was observed over it.
             target = d.peak_with(d.recompute_blocks) - excess
             d.recompute_blocks = d.blocks_to_fit(target, at_least=d.recompute_blocks + 1) or d.num_blocks
-            d.predicted_peak_gib = d.peak_with(d.recompute_blocks)
             for i, block in enumerate(self._blocks):
                 _checkpointed(block, i < d.recompute_blocks)
             self._say(trainer, f"memx: {event.message} at step {event.step}: now {self._describe()}")
@@ -234,7 +232,10 @@ class MemxCallback(pl.Callback):
             return
         d.micro_batch_size //= 2
         d.accumulate_grad_batches *= 2
-        d.recompute_blocks = 0  # the halved micro-batch is re-checked from none at the resume
+        # The resumed fit keeps this decision: its peaks are those of the doubled micro-batch, an
+        # over-estimate, so the run restarts with no block checkpointed and re-checkpoints only
+        # where memory says so.
+        d.recompute_blocks = 0
         path = os.path.join(trainer.default_root_dir, f"memx-replan-step{event.step}.ckpt")
         trainer.save_checkpoint(path)
         if trainer.global_rank == 0:
@@ -255,8 +256,17 @@ class MemxCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("decision"):
-            self.decision = Decision(**state_dict["decision"])
+            self.decision = Decision.from_dict(state_dict["decision"])
             self.resumed = True
+
+
+def _detected_cluster(device, trainer) -> dict:
+    """The Trainer's devices described as memx-run's detection does (every rank, collective
+    under DDP; a single process reports itself alone)."""
+    from memx_launch.runtime.detection import describe, detect_cluster, rank_report
+    if dist.is_initialized():
+        return detect_cluster(device, trainer.local_rank, trainer.num_devices)[0]
+    return describe([rank_report(device, 0, 1)], [[0]], [{}])
 
 
 def _checkpointed(block: torch.nn.Module, on: bool) -> None:

@@ -14,12 +14,12 @@ gradient accumulation keeping the global batch.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch.distributed as dist
 
 from memx_launch.runtime.messages import all_gather_json
-from memx_launch.errors import NoFeasiblePlanError
+from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.profiling.design import minimal_sample_set
@@ -38,18 +38,30 @@ class Decision:
     accumulate_grad_batches: int
     recompute_blocks: int
     """The first this many blocks recompute their activations in the backward pass (full)."""
-    predicted_peak_gib: float
-    """Per rank, with recompute_blocks checkpointed (the largest over device types)."""
     peaks_gib: list[float]
-    """The predicted peak with the first k blocks checkpointed, k = 0 .. all of them."""
+    """Per rank, the predicted peak with the first k blocks checkpointed, k = 0 .. all of them."""
     capacity_gib: float
 
     @property
     def num_blocks(self) -> int:
         return len(self.peaks_gib) - 1
 
+    @property
+    def predicted_peak_gib(self) -> float:
+        """With ``recompute_blocks`` checkpointed."""
+        return self.peaks_gib[self.recompute_blocks]
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Decision":
+        """A decision a checkpoint or rank 0 wrote; older memx wrote no ``peaks_gib``."""
+        if "peaks_gib" not in data:
+            raise ConfigError("checkpoint.decision", "written by an older memx (no peaks_gib)",
+                              "fit without ckpt_path, or drop the callback's state from the checkpoint")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})  # predicted_peak_gib is derived
 
     def peak_with(self, k: int) -> float:
         return self.peaks_gib[k]
@@ -112,10 +124,10 @@ def decide(spec, cluster, training, *, world: int, tp: int, num_blocks: int, use
                                        recompute=[f"full:{k}"], cost_model=cost_model, references=(1.0, 1.0, 1.0))
                 peaks.append(plan.stages[0].predicted_peak_memory_gib)
             capacity = plan.stages[0].memory_capacity_gib
-            decision = Decision(mbs, local // mbs, 0, peaks[0], peaks, capacity)
+            decision = Decision(mbs, local // mbs, 0, peaks, capacity)
             k = decision.blocks_to_fit(capacity * (1 - headroom))
             if k is not None:
-                decision.recompute_blocks, decision.predicted_peak_gib = k, decision.peak_with(k)
+                decision.recompute_blocks = k
                 return decision
         mbs //= 2
     raise NoFeasiblePlanError(f"{spec.name} does not fit in {cluster.name} under DDP even with micro-batch 1 and "

@@ -41,7 +41,7 @@ def test_every_package_folder_is_listed_in_setup_cfg():
 def _decision(k=2, n=8, mbs=8):
     # 0.024 GiB with nothing checkpointed, 0.0012 GiB less per block, 0.0005 GiB of recompute working set.
     peaks = [0.024] + [0.024 - 0.0012 * j + 0.0005 for j in range(1, n + 1)]
-    return Decision(mbs, 1, k, peaks[k], peaks, capacity_gib=0.025)
+    return Decision(mbs, 1, k, peaks, capacity_gib=0.025)
 
 
 def test_the_trainers_precision_is_what_is_planned_for():
@@ -53,7 +53,6 @@ def test_the_trainers_precision_is_what_is_planned_for():
 
 def test_the_fewest_checkpointed_blocks_that_fit():
     d = _decision()
-    assert d.num_blocks == 8
     assert d.blocks_to_fit(0.030) == 0
     assert d.blocks_to_fit(d.peaks_gib[-1]) == 8 and d.blocks_to_fit(d.peaks_gib[-1] - 1e-6) is None
     k = d.blocks_to_fit(0.0215)  # 0.024 - 0.0012 k + 0.0005 <= 0.0215 -> k = 2.5 -> 3
@@ -119,6 +118,23 @@ def test_pressure_with_every_block_checkpointed_stops_with_a_smaller_micro_batch
     restored = MemxCallback()
     restored.load_state_dict(cb.state_dict())
     assert restored.decision == cb.decision and restored.resumed
+    assert restored.decision.predicted_peak_gib == restored.decision.peaks_gib[0]
+    # A decision written by the previous format (a stored predicted_peak_gib) still loads; one
+    # from before peaks_gib names the fix.
+    assert Decision.from_dict({**cb.decision.to_dict(), "predicted_peak_gib": 1.0}) == cb.decision
+    with pytest.raises(ConfigError, match="peaks_gib"):
+        Decision.from_dict({"micro_batch_size": 4, "accumulate_grad_batches": 2, "recompute_blocks": 0,
+                            "peak_none_gib": 0.02, "peak_full_gib": 0.01, "capacity_gib": 0.025})
+
+
+def test_without_a_cluster_file_a_single_process_describes_itself():
+    """MemxCallback(cluster=None) on one process: the detected description of its own device."""
+    from memx_callbacks.memx import _detected_cluster
+    from memx_launch.runtime.devices import detect_rank_device
+    from memx_launch.specs.cluster import ClusterSpec
+
+    cluster = ClusterSpec.from_dict(_detected_cluster(detect_rank_device(None, 0, 0), None))
+    assert cluster.world_size == 1 and cluster.name == "detected"
 
 
 def test_misconfiguration_names_the_fix():

@@ -87,6 +87,30 @@ def test_recompute_levels_really_drop_saved_activations():
     assert saved["none"] > saved["selective"] > saved["full"]
 
 
+def test_full_k_checkpoints_the_first_k_blocks_and_no_others():
+    """A stage's ``full:K`` text: the first K blocks keep only their input, the rest everything.
+    Measured: the bytes autograd saves sit exactly K/N of the way from "none" to "full"."""
+    n, k = SPEC.num_layers, 2
+    assert layer_recompute_levels("full:2", 4) == ["full", "full", "none", "none"]
+    model = LlamaStage.full(SPEC, recompute=f"full:{k}")
+    assert [block.recompute for block in model.layers.values()] == ["full"] * k + ["none"] * (n - k)
+    tokens = _tokens()
+
+    def saved_bytes(recompute):
+        total = 0
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _loss(LlamaStage.full(SPEC, recompute=recompute), tokens)
+        return total
+
+    none, full, some = saved_bytes("none"), saved_bytes("full"), saved_bytes(f"full:{k}")
+    assert full < some < none
+    assert some - full == (none - full) * (n - k) // n
+
+
 def test_recompute_rejects_unknown_level():
     with pytest.raises(ConfigError, match="recompute"):
         TransformerBlock(SPEC, recompute="some")

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import RECOMPUTE_LEVELS
+from memx_launch.planning.plan import RECOMPUTE_LEVELS, layer_recompute_levels
 from memx_launch.specs.model import ModelSpec
 
 ROPE_THETA = 10000.0
@@ -95,8 +95,8 @@ class FeedForward(nn.Module):
 
 
 def per_layer(recompute: str | list[str], num_layers: int) -> list[str]:
-    """One level for every layer, or the given level of each (``layer_recompute_levels``)."""
-    levels = [recompute] * num_layers if isinstance(recompute, str) else list(recompute)
+    """The level of each layer: from a stage's recompute text (``full:K`` the first K), or given."""
+    levels = layer_recompute_levels(recompute, num_layers) if isinstance(recompute, str) else list(recompute)
     if len(levels) != num_layers:
         raise ConfigError("recompute", f"{len(levels)} levels for {num_layers} layers", "give one level per layer")
     return levels
