@@ -10,7 +10,7 @@ import os
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
-from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, SETUPS, TrainingSpec
+from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, OPTION_DEFAULTS, SETUPS, TrainingSpec
 
 
 class Parser(argparse.ArgumentParser):
@@ -82,10 +82,7 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
 
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
-SETUP_FLAGS = ("distributed_optimizer", "fully_sharded", "sequence_parallel", "flash_attention", "flash_attention_version",
-                "grad_dtype", "loss_dtype", "dropout", "attention_dropout", "fused_norm", "vocab_parallel_loss",
-                "overlap_grad_reduce", "fused_softmax", "softmax_in_fp32", "fused_gate_up", "keep_stage_outputs",
-                "sp_keeps_gathered_input")
+SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag
 
 
 def add_cost_args(p: argparse.ArgumentParser) -> None:

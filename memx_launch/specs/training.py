@@ -70,6 +70,13 @@ SETUPS: dict[str, dict] = {
 
 _PRECISIONS = ("fp32", "training")
 
+# What an option left unset (None) takes when the setup does not set it either.
+OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
+                       grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
+                       loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
+                       overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
+                       sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True)
+
 
 @dataclass(frozen=True)
 class TrainingSpec:
@@ -157,13 +164,7 @@ class TrainingSpec:
         if self.setup is not None and self.setup not in SETUPS:
             raise ConfigError("--setup", f"unknown setup {self.setup!r}", f"use one of {', '.join(SETUPS)}")
         preset = SETUPS.get(self.setup, {})
-        defaults = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
-                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True,
-                        loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
-                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
-                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False,
-                        fused_gate_up=True, flash_attention_version=2)
-        for name, default in defaults.items():
+        for name, default in OPTION_DEFAULTS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))
         if self.weights_dtype is None:
