@@ -121,6 +121,10 @@ def test_training_columns_follow_trainingspec_fields(tmp_path):
         result = runner.estimate({**layout, column: value})
         assert result["stage_peak_memory_gib"] != plain["stage_peak_memory_gib"], column
         assert "error" not in runner.estimate({**layout, column: ""})  # empty cell = default
+    # Sequence parallelism splits activations over TP, so it needs a row with TP > 1.
+    tp2 = {**layout, "tp": "2", "dp": "4"}
+    assert runner.estimate({**tp2, "sequence_parallel": "true"})["stage_peak_memory_gib"][0] < \
+        runner.estimate(tp2)["stage_peak_memory_gib"][0]
 
 
 def test_many_rows_reuse_parsed_inputs(tmp_path):
