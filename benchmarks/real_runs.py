@@ -65,6 +65,7 @@ from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.errors import ConfigError  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.planning.estimate import evaluate_layout  # noqa: E402
+from memx_launch.profiling.metrics import error_summary, ranking_summary  # noqa: E402
 from memx_launch.specs.cluster import ClusterSpec  # noqa: E402
 from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
@@ -87,27 +88,15 @@ def shared_dir() -> str:
 
 
 def spearman(a, b) -> float:
-    """Rank correlation (average ranks for ties)."""
-    def ranks(x):
-        x = np.asarray(x, dtype=float)
-        order = np.argsort(x, kind="mergesort")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x))
-        for value in np.unique(x):
-            tied = x == value
-            r[tied] = r[tied].mean()
-        return r
-    if len(a) < 3:
+    """memx's rank correlation; NaN for fewer than three runs or no spread (a group of one or two
+    ranks nothing)."""
+    if len(a) < 3 or np.std(a) == 0 or np.std(b) == 0:
         return math.nan
-    ra, rb = ranks(a), ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return math.nan
-    return float(np.corrcoef(ra, rb)[0, 1])
+    return ranking_summary(a, b)["spearman"]
 
 
 def mape(pred, real) -> float:
-    pred, real = np.asarray(pred, dtype=float), np.asarray(real, dtype=float)
-    return float(100 * np.mean(np.abs(pred - real) / real)) if len(real) else math.nan
+    return error_summary(pred, real)["mape_pct"] if len(real) else math.nan
 
 
 def fit_summary(rows) -> dict:
