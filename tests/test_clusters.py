@@ -85,3 +85,29 @@ def test_link_efficiency_discounts_stated_bandwidth_in_communication_time():
         with pytest.raises(ConfigError) as info:
             _cluster(nodes, link_efficiency=bad)
         assert info.value.field == "cluster.link_efficiency"
+
+
+def test_a_collective_leaves_each_node_over_its_members_share_of_the_nics():
+    two = [{"name": "h", "devices": {"h100": 8}, "count": 2, "intra_node_gbps": 450}]
+    cluster = _cluster(two)
+    # All 16 ranks in one group (FSDP, TP 1): 8 rails per node, capped by the node's own links.
+    assert cluster.group_gbps(list(range(16))) == 400
+    # TP 8: each DP group has one member per node, one rail.
+    assert cluster.group_gbps([0, 8]) == 50
+    # TP 2: four members per node, four rails; a pair of ranks in one node stays on NVLink.
+    assert cluster.group_gbps([0, 2, 4, 6, 8, 10, 12, 14]) == 200 and cluster.group_gbps([0, 1]) == 450
+    # One NIC shared by the node's eight GPUs: every group gets its members' share of it.
+    shared = _cluster([{**two[0], "nics": 1}])
+    assert shared.group_gbps(list(range(16))) == 50 and shared.group_gbps([0, 8]) == 50 / 8
+    assert shared.link_gbps(0, 8) == 50 / 8
+    # Never more than the members' NICs, never more than the node's links.
+    for ranks in ([0, 8], list(range(16)), [0, 1, 8, 9], [3, 4, 5, 11]):
+        members = max(sum(1 for r in ranks if r // 8 == n) for n in (0, 1))
+        assert cluster.group_gbps(ranks) <= min(50 * members, 450)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "eight"])
+def test_bad_nic_counts_are_one_line(bad):
+    with pytest.raises(ConfigError) as info:
+        _cluster([{"devices": {"h100": 8}, "intra_node_gbps": 450, "nics": bad}])
+    assert info.value.field == "cluster.nodes[0].nics"

@@ -191,3 +191,15 @@ def test_fp32_dropout_scores_are_two_fp32_tensors_and_a_byte_mask():
                                            dropout=True, attention_dropout=True).activation_bytes)
     lse = 4 * a * s
     assert fp32 - fp32_flash == pytest.approx(9 * a * s * s - lse)
+
+
+def test_a_fused_cross_entropy_keeps_the_16_bit_logits_and_their_gradient_only():
+    model = get_model("llama3-8b")
+    mbs, seq = 2, 4096
+    logits = mbs * seq * model.vocab_size
+    for loss_dtype in ("fp32", "bf16"):
+        fused = TrainingSpec(fused_loss=True, loss_dtype=loss_dtype, vocab_parallel_loss=False)
+        assert float(cm.logits_bytes(model, mbs, seq, 4, fused)) == 4 * logits
+    assert float(cm.logits_bytes(model, mbs, seq, 4, TrainingSpec(fused_loss=True))) == logits  # vocab-parallel: 1/TP
+    torch_loss = TrainingSpec(vocab_parallel_loss=False)
+    assert float(cm.logits_bytes(model, mbs, seq, 4, torch_loss)) == 14 * logits

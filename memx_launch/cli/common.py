@@ -57,6 +57,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
     for flag, text in (("fused-softmax", "without flash attention: fused softmax, in-place backward (default on)"),
                        ("softmax-in-fp32", "torch's softmax on an fp32 copy of the scores (default off)"),
+                       ("fused-loss", "one-kernel cross entropy: 16-bit logits and gradient only (default off)"),
                        ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
                         "(default on; --setup scaling: off)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),

@@ -220,10 +220,14 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     the training dtype 2 x its bytes. Torch's cross entropy on gathered logits (every TP rank
     holds the whole vocabulary): the logits, the fp32 copy (``.float()``), the log-softmax
     kept for the backward and its gradient: 2 + 4 + 4 + 4 = 14 bytes for a 16-bit model, or
-    3 x the training dtype when the loss runs in it.
+    3 x the training dtype when the loss runs in it. A fused cross entropy kernel keeps the
+    16-bit logits and their gradient only: 2 x the training dtype.
     """
     tr = training or TrainingSpec()
     d = tr.dtype_bytes
+    if tr.fused_loss:
+        return 2.0 * d * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / (
+            np.asarray(tp, dtype=np.float64) if tr.vocab_parallel_loss else 1.0)
     if tr.vocab_parallel_loss:
         per_logit = 8.0 if tr.loss_dtype == "fp32" else 2.0 * d
         share = np.asarray(tp, dtype=np.float64)
@@ -362,14 +366,17 @@ class AnalyticalCostModel:
 
     def head_time(self, device, tp, mbs, seq) -> np.ndarray:
         """Output projection and loss, forward and backward: the projection's FLOPs over TP and
-        the cross entropy's passes over the logits the rank holds, at HBM speed (LOSS_BYTES_PER_LOGIT).
+        the cross entropy's passes over the logits the rank holds, at HBM speed (LOSS_BYTES_PER_LOGIT,
+        or 3 x the training dtype for a fused cross entropy).
         Without a vocab-parallel loss the logits are first all-gathered over TP and every rank
         runs the loss on the whole vocabulary."""
         tp, device = np.asarray(tp, dtype=np.float64), np.asarray(device)
         logits = np.asarray(mbs) * np.asarray(seq) * self.model.vocab_size
         held = logits / tp if self.training.vocab_parallel_loss else logits
+        # A fused cross entropy reads the 16-bit logits forward and again backward, writing the gradient.
+        per_logit = 3.0 * self.training.dtype_bytes if self.training.fused_loss else LOSS_BYTES_PER_LOGIT
         compute = (6.0 * logits * self.model.hidden_size / tp / (self._tflops[device] * 1e12)
-                   + LOSS_BYTES_PER_LOGIT * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
+                   + per_logit * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
         if self.training.vocab_parallel_loss:
             return compute
         gathered = logits * self.training.dtype_bytes

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -117,10 +118,21 @@ class Node:
     cross_numa_gbps: float | None = None
     host: str | None = None
     """Address the other nodes reach this one at (the rendezvous master when it is the first)."""
+    nics: int | None = None
+    """Network interfaces (rails) of ``inter_node_gbps`` each that the node's devices share;
+    None: one per device, as on DGX/HGX nodes."""
 
     @property
     def num_devices(self) -> int:
         return sum(n for _, n in self.devices)
+
+    def uplink_gbps(self, inter_node_gbps: float, members: int) -> float:
+        """Inter-node bandwidth of a collective group with ``members`` devices on this node. NCCL
+        runs a ring per rail, so the group leaves the node over its members' share of the NICs
+        (every group of a layout communicates at once), and its members forward the ring's
+        traffic over the node's own links."""
+        rails = members * (self.nics / self.num_devices if self.nics else 1.0)
+        return min(inter_node_gbps * rails, self.intra_node_gbps if members > 1 else math.inf)
 
 
 @dataclass(frozen=True)
@@ -194,17 +206,26 @@ class ClusterSpec:
             return math.inf
         (na, da), (nb, db) = self._rank_locations[rank_a], self._rank_locations[rank_b]
         if na != nb:
-            return self.inter_node_gbps
+            return min(self.nodes[na].uplink_gbps(self.inter_node_gbps, 1),
+                       self.nodes[nb].uplink_gbps(self.inter_node_gbps, 1))
         node = self.nodes[na]
         if da != db and node.cross_numa_gbps:
             return node.cross_numa_gbps
         return node.intra_node_gbps
 
     def group_gbps(self, ranks: list[int]) -> float:
-        """Bandwidth a collective over ``ranks`` is limited by (slowest pairwise link)."""
+        """Bandwidth a collective over ``ranks`` is limited by: the slowest link inside a node,
+        and between nodes each node's uplink for the group's members there
+        (:meth:`Node.uplink_gbps`: one ring per rail, NCCL's multi-rail)."""
         if len(ranks) < 2:
             return math.inf
-        return min(self.link_gbps(a, b) for a, b in zip(ranks, ranks[1:] + ranks[:1]) if a != b)
+        node_of = [self._rank_locations[r][0] for r in ranks]
+        inside = [self.link_gbps(a, b) for a, b, na, nb in zip(ranks, ranks[1:] + ranks[:1], node_of,
+                                                                node_of[1:] + node_of[:1]) if a != b and na == nb]
+        members = collections.Counter(node_of)
+        across = [self.nodes[n].uplink_gbps(self.inter_node_gbps, k) for n, k in members.items()] \
+            if len(members) > 1 else []
+        return min(inside + across, default=math.inf)
 
     @property
     def is_emulated(self) -> bool:
@@ -269,7 +290,7 @@ class ClusterSpec:
             if not isinstance(raw, dict):
                 raise ConfigError(where, "must be a mapping")
             reject_unknown(raw, {"name", "devices", "intra_node_gbps", "numa_domains",
-                                  "cross_numa_gbps", "host", "count"}, where)
+                                  "cross_numa_gbps", "host", "count", "nics"}, where)
             devices = raw.get("devices")
             if not isinstance(devices, dict) or not devices:
                 raise ConfigError(f"{where}.devices", "missing or empty", "e.g. devices: {a100: 8}")
@@ -287,6 +308,10 @@ class ClusterSpec:
             cross = raw.get("cross_numa_gbps")
             if cross is not None:
                 require_positive(cross, f"{where}.cross_numa_gbps")
+            nics = raw.get("nics")
+            if nics is not None:
+                require_number(nics, f"{where}.nics", lo=0, lo_open=True, hi=MAX_DEVICES_PER_NODE, integer=True,
+                               fix="the number of network interfaces the node's devices share")
             count = raw.get("count", 1)
             if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
                 raise ConfigError(f"{where}.count", f"must be a positive integer, got {count!r}",
@@ -303,7 +328,7 @@ class ClusterSpec:
                                   "split the job, or check the counts")
             name = str(raw.get("name", f"node{i}"))
             nodes += [Node(name if count == 1 else f"{name}-{k}", tuple(devices.items()), float(intra), numa,
-                           None if cross is None else float(cross), host) for k in range(count)]
+                           None if cross is None else float(cross), host, nics) for k in range(count)]
         inter = data.get("inter_node_gbps")
         if len(nodes) > 1 or inter is not None:
             require_positive(inter, "cluster.inter_node_gbps")

@@ -75,7 +75,8 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
                        loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
-                       sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True)
+                       sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
+                       fused_loss=False)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,12 @@ class TrainingSpec:
     """With torch's softmax (no flash attention, no fused softmax) on 16-bit scores, the softmax
     runs on an fp32 copy (Megatron's ``--attention-softmax-in-fp32``): the fp32 probabilities and
     their 16-bit copy are kept, 6 bytes per score instead of 2. Default off."""
+    fused_loss: bool | None = None
+    """The cross entropy runs as one kernel that computes the softmax in fp32 on the fly
+    (flash-attn's ``CrossEntropyLoss``, MPT's default; Liger's; Megatron's
+    ``--cross-entropy-loss-fusion``): only the 16-bit logits and their 16-bit gradient are held,
+    2 x the training dtype per logit whatever ``loss_dtype`` says, no fp32 copy or
+    log-softmax. Default off."""
     sp_keeps_gathered_input: bool | None = None
     """With sequence parallelism, the column-parallel linears keep their all-gathered (whole
     sequence) input for the backward, as when the norm gathers its output and autograd saves
