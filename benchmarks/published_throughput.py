@@ -1,0 +1,223 @@
+"""memx's iteration time against published throughput tables (uncalibrated, datasheet peaks).
+
+Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
+
+- Narayanan et al. 2021, Table 1 (narayanan2021_table1.csv): GPT models of 1.7B to 1T parameters
+  trained with Megatron-LM on up to 3,072 A100-80GB (Selene: DGX A100 nodes, NVSwitch, 8 HDR
+  200 Gb/s NICs per node), sequence 2,048, vocabulary 51,200. The table gives TP, PP, GPUs and
+  the global batch, and the achieved TFLOP/s per GPU counted with the paper's Eq. 3 (which
+  includes the recomputed forward). The step time follows: Eq. 3's FLOPs / (GPUs x TFLOP/s).
+  Their setup, through memx's options: fp16 with fp32 main gradients and no distributed
+  optimizer (it came later), full activation recomputation (Eq. 3 counts it), no flash
+  attention and no sequence parallelism (both later), Megatron's fused softmax and LayerNorm,
+  hidden and attention dropout on (GPT's 0.1). The table leaves out the micro-batch size and the
+  schedule, which the authors tuned per row; memx is asked for every micro-batch size (1, 2, 4,
+  8) and schedule (1F1B, interleaved with each v that divides the layers per stage) at the
+  table's TP/PP/DP, and its fastest layout that fits is compared, as a user would plan it.
+- MosaicML's MPT throughput tables (mpt_llm_foundry.csv): MPT-125M to 70B trained with Composer
+  and PyTorch FSDP (FULL_SHARD, no TP or PP) on H100-80GB, A100-80GB and A100-40GB nodes of 8,
+  sequences of 512 to 65,536 tokens. Each row gives the micro-batch size, gradient accumulation,
+  GPUs, global batch and tokens per second: the step time is global tokens / tokens per second,
+  the layout is fully given. Their setup, read from llm-foundry's yamls and
+  ``submit_benchmarks.py``: bf16, GELU MLP 4x, tied embeddings, vocabulary 50,368, no dropout,
+  a one-kernel LayerNorm, flash-attn's fused cross entropy (``loss_fn: fused_crossentropy``, MPT's
+  default: ``--fused-loss``), flash attention in Triton (``attn_impl: triton``, counted as
+  FlashAttention 1: its forward is as fast as FA1's CUDA kernel and its backward slower),
+  activation checkpointing of every block when the row says so. FSDP mixed precision ``PURE``
+  (bf16 weights gathered, bf16 gradients reduced) is memx's ``--setup zero3``; ``DEFAULT``
+  (fp32 weights gathered, bf16 gradients) is ``--setup fsdp2``, which gathers in bf16 and
+  reduces in fp32: the same bytes on the wire within 20%, overlapped with compute either way.
+  Inter-node links: 1,600 Gb/s per A100 node (the table's heading: 25 GB/s per GPU); the H100
+  nodes' network is not stated, 3,200 Gb/s per node assumed (DGX H100's 8 x 400 Gb/s).
+
+Every published run ran, so every row is also a fit check: memx should say each layout fits.
+
+Writes benchmarks/results/published_throughput.json and the plot published_throughput.png.
+Run: .venv/bin/python benchmarks/published_throughput.py   (a few seconds)
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import time
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.machine import machine_info  # noqa: E402
+from benchmarks.real_runs import _identity, fit_summary, mape, no_nan, predicted, time_summary  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.specs.cluster import ClusterSpec  # noqa: E402
+from memx_launch.specs.model import ModelSpec  # noqa: E402
+from memx_launch.specs.training import TrainingSpec  # noqa: E402
+
+DATA = os.path.join(ROOT, "benchmarks", "data")
+OUT = os.path.join(ROOT, "benchmarks", "results", "published_throughput.json")
+PLOT = os.path.join(ROOT, "benchmarks", "results", "published_throughput.png")
+
+# Datasheet numbers (dense 16-bit peak, HBM bandwidth, NVLink per direction). The capacity is
+# what CUDA reports of the marketing size, the most a run can fill.
+GPUS = {
+    "a100_80gb": ({"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}, 300),
+    "a100_40gb": ({"vendor": "nvidia", "memory_gib": 39.4, "peak_tflops": 312, "memory_bandwidth_gbps": 1555}, 300),
+    "h100_80gb": ({"vendor": "nvidia", "memory_gib": 79.1, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}, 450),
+}
+INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50}  # per GPU
+
+
+def dgx_cluster(gpu: str, world: int) -> ClusterSpec:
+    device, nvlink = GPUS[gpu]
+    return ClusterSpec.from_dict({
+        "version": 1, "name": f"{gpu}-{world}", "device_types": {gpu: device},
+        "nodes": [{"devices": {gpu: min(8, world)}, "intra_node_gbps": nvlink} for _ in range(max(world // 8, 1))],
+        "inter_node_gbps": INTER_NODE_GBPS[gpu]})
+
+
+# --------------------------------------------------------------------------- Narayanan et al. 2021
+
+
+def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one iteration with full recomputation, the paper's Eq. 3."""
+    return 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def narayanan_layouts(layers: int, pp: int):
+    """(micro-batch size, schedule, v) the table's authors could have run."""
+    per_stage = layers // pp if layers % pp == 0 else 0
+    for mbs in (1, 2, 4, 8):
+        yield mbs, "1f1b", 1
+        if pp > 1:
+            for v in range(2, per_stage + 1):
+                if per_stage % v == 0:
+                    yield mbs, "interleaved", v
+
+
+def narayanan() -> list[dict]:
+    seq, vocab = 2048, 51200
+    rows = []
+    with open(os.path.join(DATA, "narayanan2021_table1.csv")) as f:
+        for d in csv.DictReader(f):
+            heads, hidden, layers = int(d["attention_heads"]), int(d["hidden_size"]), int(d["layers"])
+            tp, pp, gpus, batch = int(d["tp"]), int(d["pp"]), int(d["gpus"]), int(d["batch_size"])
+            real = narayanan_flops(batch, seq, layers, hidden, vocab) / (gpus * float(d["achieved_tflops_per_gpu"]) * 1e12)
+            model = ModelSpec(f"gpt-{d['parameters_billion']}b", layers, hidden, heads, heads, 4 * hidden, vocab, seq,
+                              gated_mlp=False, tie_embeddings=True)
+            training = TrainingSpec(global_batch_size=batch, seq_len=seq, dtype="fp16", flash_attention=False,
+                                    dropout=True, attention_dropout=True)
+            cluster = dgx_cluster("a100_80gb", gpus)
+            base = {"group": "narayanan2021", "real": "ok", "real_time_s": real,
+                    "model": model.name, "published_tflops_per_gpu": float(d["achieved_tflops_per_gpu"])}
+            options = [predicted({**base, "layout": f"tp{tp} pp{pp} dp{gpus // (tp * pp)} mbs{mbs} {schedule}"
+                                  + (f" v{v}" if v > 1 else "")}, model, cluster, training, tp=tp, pp=pp,
+                                 dp=gpus // (tp * pp), micro_batch_size=mbs, recompute="full",
+                                 schedule=schedule, virtual_stages=v)
+                       for mbs, schedule, v in narayanan_layouts(layers, pp)]
+            runnable = [o for o in options if "time_s" in o]
+            fitting = [o for o in runnable if o["fits"]]
+            pick = min(fitting or runnable, key=lambda o: o["time_s"])
+            times = [o["time_s"] for o in runnable]
+            rows.append({**pick, "layouts_asked": len(options),
+                         "predicted_range_s": [round(min(times), 3), round(max(times), 3)]})
+    return rows
+
+
+# --------------------------------------------------------------------------- MosaicML MPT (llm-foundry)
+
+
+# MPT shapes (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): layers, d_model, heads.
+MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
+              "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56),
+              "70b": (80, 8192, 64)}
+MPT_SETUP = {"PURE": "zero3", "DEFAULT": "fsdp2"}
+
+
+def mpt() -> list[dict]:
+    rows = []
+    with open(os.path.join(DATA, "mpt_llm_foundry.csv")) as f:
+        for d in csv.DictReader(f):
+            layers, hidden, heads = MPT_SHAPES[d["model"]]
+            seq, gpus, mbs = int(d["seq_len"]), int(d["gpus"]), int(d["micro_batch_size"])
+            batch = int(d["global_batch_size"])
+            model = ModelSpec(f"mpt-{d['model']}", layers, hidden, heads, heads, 4 * hidden, 50368, seq,
+                              gated_mlp=False, tie_embeddings=True)
+            training = TrainingSpec(global_batch_size=batch, seq_len=seq, dtype="bf16",
+                                    setup=MPT_SETUP[d["fsdp_mixed_precision"]], flash_attention=True,
+                                    flash_attention_version=1, dropout=False, fused_loss=True)
+            recompute = "full" if d["activation_checkpointing"] == "True" else "none"
+            row = {"group": d["gpu"], "real": "ok", "real_time_s": batch * seq / float(d["tokens_per_s"]),
+                   "model": model.name, "seq_len": seq, "gpus": gpus, "tokens": batch * seq, "recompute": recompute,
+                   "layout": f"{d['model']} s{seq} {gpus}x{d['gpu']} mbs{mbs} x{d['grad_accum']} {recompute}"
+                             f" {d['fsdp_mixed_precision']}"}
+            rows.append(predicted(row, model, dgx_cluster(d["gpu"], gpus), training, tp=1, pp=1, dp=gpus,
+                                  micro_batch_size=mbs, recompute=recompute))
+    return rows
+
+
+# --------------------------------------------------------------------------- summary and plot
+
+
+def summary(rows: list[dict]) -> dict:
+    done = [r for r in rows if "time_s" in r]
+    return {"time": time_summary(rows), "fit": fit_summary(rows), "errors": len(rows) - len(done)}
+
+
+def by(rows, key) -> dict:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[key(r)].append(r)
+    return {name: summary(members) for name, members in sorted(groups.items())}
+
+
+def plot(narayanan_rows, mpt_rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memx_launch.planning.report import save_png_atomic
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    left.scatter([r["real_time_s"] for r in narayanan_rows], [r["time_s"] for r in narayanan_rows], s=24)
+    for r in narayanan_rows:
+        left.annotate(r["model"].replace("gpt-", ""), (r["real_time_s"], r["time_s"]), fontsize=7)
+    _identity(left, [r[k] for r in narayanan_rows for k in ("real_time_s", "time_s")], "published step time (s)",
+              "memx (s)", f"Megatron-LM GPT on A100 (Narayanan 2021): MAPE "
+              f"{mape([r['time_s'] for r in narayanan_rows], [r['real_time_s'] for r in narayanan_rows]):.1f}%")
+    done = [r for r in mpt_rows if "time_s" in r]
+    for colour, gpu in zip(plt.cm.tab10.colors, sorted({r["group"] for r in done})):
+        members = [r for r in done if r["group"] == gpu]
+        right.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=12, color=colour,
+                      label=f"{gpu}: MAPE {mape([r['time_s'] for r in members], [r['real_time_s'] for r in members]):.1f}%")
+    _identity(right, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)", "memx (s)",
+              f"MPT with FSDP (MosaicML): {len(done)} runs")
+    right.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    save_png_atomic(fig, path, dpi=100)
+
+
+def main() -> None:
+    started = time.perf_counter()
+    n, m = narayanan(), mpt()
+    result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency",
+              "narayanan2021_table1": {**summary(n), "rows": n},
+              "mpt_llm_foundry": {**summary(m), "by_gpu": by(m, lambda r: r["group"]),
+                                  "by_seq_len": by(m, lambda r: r["seq_len"]),
+                                  "by_recompute": by(m, lambda r: r["recompute"]), "rows": m},
+              "all": summary(n + m)}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    write_json_atomic(OUT, no_nan(result), overwrite=True)
+    plot(n, m, PLOT)
+    for key in ("narayanan2021_table1", "mpt_llm_foundry", "all"):
+        print(key, result[key]["time"], result[key]["fit"]["confusion"])
+    for gpu, s in result["mpt_llm_foundry"]["by_gpu"].items():
+        print(" ", gpu, s["time"])
+    for seq, s in result["mpt_llm_foundry"]["by_seq_len"].items():
+        print(" ", seq, s["time"])
+    print(f"{result['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

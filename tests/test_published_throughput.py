@@ -1,0 +1,36 @@
+"""benchmarks/published_throughput.py: the published tables as data and memx's step time on them."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks import published_throughput as pt  # noqa: E402
+
+
+def test_narayanan_step_time_follows_the_paper_s_flop_count():
+    # Table 1's 1T row: 163 TFLOP/s per GPU on 3,072 GPUs; Eq. 3 with full recompute.
+    flops = pt.narayanan_flops(3072, 2048, 128, 25600, 51200)
+    assert flops / (3072 * 163e12) == pytest.approx(102.6, rel=1e-3)
+    # A layout per micro-batch size and schedule; interleaving only with v dividing the layers per stage.
+    layouts = list(pt.narayanan_layouts(layers=105, pp=35))
+    assert ("interleaved" in {s for _, s, _ in layouts}) and all(3 % v == 0 for _, _, v in layouts)
+    assert {s for _, s, _ in pt.narayanan_layouts(24, 1)} == {"1f1b"}
+
+
+def test_every_published_row_gets_a_prediction_and_the_layouts_are_consistent():
+    rows = pt.mpt()
+    assert len(rows) == 191 and not [r for r in rows if "error" in r]
+    # Every published run ran: a layout memx calls out of memory is a false OOM the summary counts.
+    assert pt.summary(rows)["fit"]["runs"] == 191
+    narayanan = pt.narayanan()
+    assert len(narayanan) == 10 and all(r["time_s"] > 0 and r["fits"] for r in narayanan)
+
+
+def test_no_prediction_beats_the_peak_flops_of_the_layout():
+    # 6 FLOPs per parameter and token (8 with recomputation) at the datasheet peak bound the step time.
+    for r in pt.mpt():
+        layers, hidden, _ = pt.MPT_SHAPES[r["model"].removeprefix("mpt-")]
+        flops = (8 if r["recompute"] == "full" else 6) * 12 * layers * hidden ** 2 * r["tokens"]
+        assert r["time_s"] >= flops / (r["gpus"] * pt.GPUS[r["group"]][0]["peak_tflops"] * 1e12)
