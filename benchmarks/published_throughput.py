@@ -58,12 +58,13 @@ DATA = os.path.join(ROOT, "benchmarks", "data")
 OUT = os.path.join(ROOT, "benchmarks", "results", "published_throughput.json")
 PLOT = os.path.join(ROOT, "benchmarks", "results", "published_throughput.png")
 
-# Datasheet numbers (dense 16-bit peak, HBM bandwidth, NVLink per direction). The capacity is
+# Datasheet numbers (dense 16-bit peak, HBM bandwidth, NVLink per direction, compute capability). The capacity is
 # what CUDA reports of the marketing size, the most a run can fill.
+AMPERE, HOPPER = {"vendor": "nvidia", "compute_capability": 8.0}, {"vendor": "nvidia", "compute_capability": 9.0}
 GPUS = {
-    "a100_80gb": ({"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}, 300),
-    "a100_40gb": ({"vendor": "nvidia", "memory_gib": 39.4, "peak_tflops": 312, "memory_bandwidth_gbps": 1555}, 300),
-    "h100_80gb": ({"vendor": "nvidia", "memory_gib": 79.1, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}, 450),
+    "a100_80gb": ({**AMPERE, "memory_gib": 79.3, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}, 300),
+    "a100_40gb": ({**AMPERE, "memory_gib": 39.4, "peak_tflops": 312, "memory_bandwidth_gbps": 1555}, 300),
+    "h100_80gb": ({**HOPPER, "memory_gib": 79.1, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}, 450),
 }
 INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50}  # per GPU
 

@@ -11,7 +11,7 @@ from memx_launch.planning import elementwise
 from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
-from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
 
@@ -458,3 +458,26 @@ def test_the_gathered_losss_live_peak_is_what_the_model_counts():
     assert modelled == 14.0
     # The gradients of the hidden states and the head weight add 0.14 bytes per logit here.
     assert peak_per_logit == pytest.approx(modelled, abs=0.3)
+
+
+def test_ampere_attention_kernels_reach_a_smaller_share_of_hopper_s_peak():
+    """FlashAttention-2 reaches about 35% of H100's peak, against about 60% of A100's (Shah et
+    al. 2024): on compute capability 9.0 FlashAttention 1 and 2 run slower against the matmuls;
+    FlashAttention-3, written for Hopper, does not."""
+    def layer_time(capability, version):
+        cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {
+            "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989, "compute_capability": capability}},
+            "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
+        args = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 8192), np.zeros(1))
+        model = cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(flash_attention_version=version))
+        return float(model.layer_costs(*args).time_s[0])
+    for version in (1, 2):
+        assert layer_time(9.0, version) > layer_time(8.0, version) == layer_time(None, version)
+        assert cm.fused_attention_speed(version, 9.0) == pytest.approx(cm.FLASH_ATTENTION_SPEED[version] * 0.35 / 0.6)
+    assert layer_time(9.0, 3) == layer_time(8.0, 3)
+    # FlashAttention-2 on Hopper: 35% of the peak where the matmuls sustain the default 0.75.
+    assert cm.fused_attention_speed(2, 9.0) * DEFAULT_EFFICIENCY == pytest.approx(0.35)
+    with pytest.raises(ConfigError, match="compute_capability"):
+        ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {
+            "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989, "compute_capability": "hopper"}},
+            "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})

@@ -47,6 +47,18 @@ LOSS_BYTES_PER_LOGIT = 48.0
 # where large matmuls sustain DEFAULT_EFFICIENCY (0.75): about 0.33 / 0.75 and 0.6 / 0.75 for the
 # forward and backward together. FlashAttention-3 on H100 is taken at FlashAttention-2's share.
 FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
+# FlashAttention 1 and 2 are written for Ampere's mma instructions. On Hopper (compute capability
+# 9.0) and later, FlashAttention-2 reaches about 35% of the peak (Shah et al. 2024,
+# FlashAttention-3, abstract), against about 60% on A100. FlashAttention-3 is written for Hopper.
+AMPERE_KERNEL_ON_HOPPER = 0.35 / 0.6
+
+
+def fused_attention_speed(version: int, compute_capability: float | None) -> float:
+    """Speed of the fused attention kernel against the device's matmuls."""
+    speed = FLASH_ATTENTION_SPEED[version]
+    if version < 3 and compute_capability is not None and compute_capability >= 9.0:
+        speed *= AMPERE_KERNEL_ON_HOPPER
+    return speed
 
 
 @dataclass(frozen=True)
@@ -302,6 +314,8 @@ class AnalyticalCostModel:
         self._hbm = np.array([d.memory_bandwidth_gbps or d.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
                               for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
+        self._attention_speed = np.array([fused_attention_speed(training.flash_attention_version,
+                                                                d.compute_capability) for d in self.device_types])
         # Accelerators launch kernels from the host and talk through NCCL/RCCL; CPU stand-ins
         # (emulation, profiling on a CPU) run their ops inline and are timed without these.
         accelerator = np.array([d.vendor != "cpu" for d in self.device_types])
@@ -337,7 +351,7 @@ class AnalyticalCostModel:
         flash_backward_flops = np.where(unfused, 0.0, 0.5 * attn_core_flops)
         # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
         kernel_flops = np.where(unfused, 0.0, attn_core_flops * (3.5 + (recompute != NONE)))
-        kernel_slowdown = 1.0 / FLASH_ATTENTION_SPEED[tr.flash_attention_version] - 1.0
+        kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
         compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops + kernel_slowdown * kernel_flops) \
             / (self._tflops[device] * 1e12)
         traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device])

@@ -47,10 +47,11 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         memory_gib, vendor = props.total_memory / 2**30, "amd" if torch.version.hip else "nvidia"
+        capability = None if torch.version.hip else props.major + props.minor / 10
         default_name, dtype = props.name.replace(" ", "-"), torch.bfloat16
     else:
         memory_gib = psutil.virtual_memory().total / 2**30
-        vendor, default_name, dtype = "cpu", "cpu", torch.float32
+        vendor, default_name, dtype, capability = "cpu", "cpu", torch.float32, None
     n = 1024 if dev.type == "cpu" else 8192
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
     rates = []
@@ -72,7 +73,8 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
     # Two significant digits, so reruns on the same machine give the same descriptors.
     return DeviceType(name=name or default_name, vendor=vendor, memory_gib=_round2(memory_gib),
                       peak_tflops=_round2(max(rates[1:])), efficiency=1.0,
-                      memory_bandwidth_gbps=_round2(bandwidth), flash_attention=True)
+                      memory_bandwidth_gbps=_round2(bandwidth), flash_attention=True,
+                      compute_capability=capability)
 
 
 def _round2(x: float) -> float:

@@ -40,6 +40,11 @@ class DeviceType:
     peak_tflops_fp32: float | None = None
     """Dense fp32 matmul peak (TF32 on Ampere and later where the framework enables it);
     used for fp32 training, else ``peak_tflops`` serves every dtype."""
+    compute_capability: float | None = None
+    """NVIDIA compute capability (8.0 A100, 8.9 L4, 9.0 H100/H200/GH200): on 9.0 and later the
+    fused attention kernels written for Ampere (FlashAttention 1 and 2) reach a smaller share
+    of the peak (:func:`~memx_launch.planning.costmodel.fused_attention_speed`). Unset: taken
+    as Ampere."""
     memory_overhead_gib: float | None = None
     """Memory a training process holds above its tensors: CUDA context and the caching
     allocator's reserve over allocated. Unset: the vendor's default
@@ -59,6 +64,9 @@ class DeviceType:
         require_type(self.flash_attention, bool, f"{where}.flash_attention", "true or false")
         if self.peak_tflops_fp32 is not None:
             require_positive(self.peak_tflops_fp32, f"{where}.peak_tflops_fp32", "give the fp32/TF32 peak")
+        if self.compute_capability is not None:
+            require_number(self.compute_capability, f"{where}.compute_capability", lo=0, lo_open=True, hi=100,
+                           fix="give major.minor, e.g. 9.0 for H100")
         if self.memory_overhead_gib is not None:
             require_number(self.memory_overhead_gib, f"{where}.memory_overhead_gib", lo=0, hi=self.memory_gib,
                            fix="give reserved minus allocated memory in GiB")
@@ -266,7 +274,7 @@ class ClusterSpec:
                               "map each device type name to its memory_gib and peak_tflops")
         types = []
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
-                   "flash_attention", "peak_tflops_fp32", "memory_overhead_gib"}
+                   "flash_attention", "peak_tflops_fp32", "memory_overhead_gib", "compute_capability"}
         for tname, spec in raw_types.items():
             require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")
             require_name(tname, f"cluster.device_types.{tname}")

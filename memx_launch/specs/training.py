@@ -108,8 +108,9 @@ class TrainingSpec:
     kernel turns it off for its stages)."""
     flash_attention_version: int | None = None
     """Generation of the fused attention kernel (FlashAttention 1, 2 or 3): how fast it runs
-    against the device's matmuls (:data:`~memx_launch.planning.costmodel.FLASH_ATTENTION_SPEED`).
-    Memory is the same for all three. Default 2."""
+    against the device's matmuls, slower for 1 and 2 on Hopper and later
+    (:func:`~memx_launch.planning.costmodel.fused_attention_speed`). Memory is the same for all
+    three. Default 2."""
     loss_dtype: str | None = None
     """"fp32" (logits cast to fp32 for the loss, Megatron's cross entropy) or "training"
     (logits and their gradient in the training dtype). Default fp32."""
