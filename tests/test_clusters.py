@@ -99,7 +99,7 @@ def test_a_collective_leaves_each_node_over_its_members_share_of_the_nics():
     # One NIC shared by the node's eight GPUs: every group gets its members' share of it.
     shared = _cluster([{**two[0], "nics": 1}])
     assert shared.group_gbps(list(range(16))) == 50 and shared.group_gbps([0, 8]) == 50 / 8
-    assert shared.link_gbps(0, 8) == 50 / 8
+    assert shared.link_gbps(0, 8) == 50 and shared.transfers_gbps([(i, 8 + i) for i in range(8)]) == 50 / 8
     # Never more than the members' NICs, never more than the node's links.
     for ranks in ([0, 8], list(range(16)), [0, 1, 8, 9], [3, 4, 5, 11]):
         members = max(sum(1 for r in ranks if r // 8 == n) for n in (0, 1))
@@ -111,3 +111,15 @@ def test_bad_nic_counts_are_one_line(bad):
     with pytest.raises(ConfigError) as info:
         _cluster([{"devices": {"h100": 8}, "intra_node_gbps": 450, "nics": bad}])
     assert info.value.field == "cluster.nodes[0].nics"
+
+
+def test_point_to_point_transfers_share_a_node_s_nics_only_when_more_cross_than_it_has():
+    cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"v100": H100, "t4": H100}, "inter_node_gbps": 12.5,
+                                     "nodes": [{"devices": {"v100": 4}, "intra_node_gbps": 150, "nics": 1},
+                                               {"devices": {"t4": 2}, "intra_node_gbps": 12, "nics": 1}]})
+    assert cluster.transfers_gbps([(3, 4)]) == 12.5  # one transfer: the whole NIC
+    assert cluster.transfers_gbps([(2, 4), (3, 5)]) == 12.5 / 2  # two through one NIC each way
+    assert cluster.transfers_gbps([(0, 1), (2, 3)]) == 150  # inside a node: its link
+    # One NIC per GPU (the default): every crossing transfer has its own.
+    dgx = _cluster([{"name": "h", "devices": {"h100": 8}, "count": 2, "intra_node_gbps": 450}])
+    assert dgx.transfers_gbps([(i, 8 + i) for i in range(8)]) == 50

@@ -50,7 +50,7 @@ MEGATRON_LM_ARGUMENTS = {
     # distributed
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--pipeline-model-parallel-layout",
     "--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-    "--sequence-parallel", "--overlap-grad-reduce",
+    "--sequence-parallel", "--overlap-grad-reduce", "--cross-entropy-loss-fusion",
     # data, tokenizer
     "--seq-length", "--vocab-size",
 }
@@ -146,7 +146,9 @@ def test_megatron_flags_state_the_training_setup_of_the_plan():
     export = megatron_args(plan)
     for flag in ("--bf16", "--use-distributed-optimizer", "--sequence-parallel", "--overlap-grad-reduce"):
         assert flag in export.args
-    assert not any("--setup" in n for n in export.notes)
+    assert not any("--setup" in n for n in export.notes) and "--cross-entropy-loss-fusion" not in export.args
+    plan.training = TrainingSpec(setup="megatron", fused_loss=True).plan_fields()
+    assert "--cross-entropy-loss-fusion" in megatron_args(plan).args
     plan.training = TrainingSpec(setup="zero3").plan_fields()
     export = megatron_args(plan)
     assert "--use-distributed-optimizer" not in export.args and "--sequence-parallel" not in export.args

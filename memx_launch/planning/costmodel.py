@@ -45,7 +45,7 @@ LOSS_BYTES_PER_LOGIT = 48.0
 # Speed of the fused attention kernel against the device's matmuls, by FlashAttention version.
 # On A100 FlashAttention reaches 25-40% of peak and FlashAttention-2 50-73% (Dao 2023, abstract),
 # where large matmuls sustain DEFAULT_EFFICIENCY (0.75): about 0.33 / 0.75 and 0.6 / 0.75 for the
-# forward and backward together. FlashAttention-3 on H100 is taken at FlashAttention-2's share.
+# forward and backward together. FlashAttention-3 on H100 is taken at FlashAttention-2's share on A100.
 FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
 # FlashAttention 1 and 2 are written for Ampere's mma instructions. On Hopper (compute capability
 # 9.0) and later, FlashAttention-2 reaches about 35% of the peak (Shah et al. 2024,

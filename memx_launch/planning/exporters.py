@@ -155,6 +155,8 @@ def _megatron_training(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--sequence-parallel")
     if tr.get("overlap_grad_reduce"):
         args.append("--overlap-grad-reduce")
+    if tr.get("fused_loss"):
+        args.append("--cross-entropy-loss-fusion")
     if not tr:
         notes.append("the plan does not record its precision and optimizer (made before memx stored them): "
                      "add --bf16 or --fp16 and --use-distributed-optimizer as trained")

@@ -174,6 +174,8 @@ def probe_note(reports: list[dict], nodes: list[list[int]], results: list[dict])
     inter = results[nodes[0][0]].get("inter")
     if inter:
         lines.append(f"# across nodes: all-reduce {inter['allreduce_gbps']:.2f} GB/s, p2p {inter['p2p_gbps']:.2f} GB/s")
+        lines.append("# inter_node_gbps is one rail (one rank per node probed); NICs were not counted, so each "
+                     "node is taken to have one per device: add nics: N to a node with fewer")
     return "\n".join(lines) + "\n"
 
 

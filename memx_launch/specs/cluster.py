@@ -214,12 +214,26 @@ class ClusterSpec:
             return math.inf
         (na, da), (nb, db) = self._rank_locations[rank_a], self._rank_locations[rank_b]
         if na != nb:
-            return min(self.nodes[na].uplink_gbps(self.inter_node_gbps, 1),
-                       self.nodes[nb].uplink_gbps(self.inter_node_gbps, 1))
+            return self.inter_node_gbps
         node = self.nodes[na]
         if da != db and node.cross_numa_gbps:
             return node.cross_numa_gbps
         return node.intra_node_gbps
+
+    def transfers_gbps(self, pairs) -> float:
+        """Bandwidth each of these concurrent point-to-point transfers gets (the slowest): inside
+        a node its link; between nodes a NIC each while the node has as many as transfers leave
+        or enter it, else they share its NICs."""
+        crossing = collections.Counter()
+        for a, b in pairs:
+            na, nb = self._rank_locations[a][0], self._rank_locations[b][0]
+            if na != nb:
+                crossing.update((na, nb))
+        slowest = min((self.link_gbps(a, b) for a, b in pairs), default=math.inf)
+        for n, k in crossing.items():
+            node = self.nodes[n]
+            slowest = min(slowest, self.inter_node_gbps * min(1.0, (node.nics or node.num_devices) / k))
+        return slowest
 
     def group_gbps(self, ranks: list[int]) -> float:
         """Bandwidth a collective over ``ranks`` is limited by: the slowest link inside a node,
