@@ -9,7 +9,7 @@ import pytest
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
-from memx_launch.runtime.devices import check_declared
+from memx_launch.runtime.devices import capability_hint, check_declared
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -123,3 +123,11 @@ def test_point_to_point_transfers_share_a_node_s_nics_only_when_more_cross_than_
     # One NIC per GPU (the default): every crossing transfer has its own.
     dgx = _cluster([{"name": "h", "devices": {"h100": 8}, "count": 2, "intra_node_gbps": 450}])
     assert dgx.transfers_gbps([(i, 8 + i) for i in range(8)]) == 50
+
+
+def test_a_gpu_whose_compute_capability_the_file_leaves_out_is_named_in_the_settings_line():
+    h100 = _cluster([{"devices": {"h100": 8}, "intra_node_gbps": 450}]).device_type("h100")
+    assert "add compute_capability: 9" in capability_hint(h100, 9.0)
+    stated = ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {**H100, "compute_capability": 9.0}},
+                                    "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
+    assert capability_hint(stated.device_type("h100"), 9.0) == "" and capability_hint(h100, None) == ""

@@ -48,6 +48,14 @@ def check_declared(declared: DeviceType, rank: int, name: str, vendor: str, memo
                           "fix that node's entry (devices are listed in local-rank order) or its --node-rank")
 
 
+def capability_hint(declared: DeviceType, capability: float | None) -> str:
+    """What the settings line adds when the file leaves out the compute capability the GPU reports
+    (the cost model then takes the type as Ampere, which changes its fused attention speed)."""
+    if capability is None or declared.compute_capability is not None:
+        return ""
+    return f"; the GPU reports compute capability {capability:g}, the file gives none: add compute_capability: {capability:g}"
+
+
 def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) -> RankDevice:
     """This rank's device type. With a cluster file, its type for ``rank`` (rank order:
     ClusterSpec.rank_device_types()); on a machine without GPUs that type is emulated."""
@@ -58,7 +66,9 @@ def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) 
         if cluster is not None:
             declared = cluster.device_type(cluster.rank_device_types()[rank])
             check_declared(declared, rank, name, vendor, props.total_memory)
-            return RankDevice(declared, None, f"{name} (cluster file type {declared.name})")
+            capability = None if torch.version.hip else props.major + props.minor / 10
+            return RankDevice(declared, None, f"{name} (cluster file type {declared.name})"
+                              + capability_hint(declared, capability))
         from memx_launch.profiling.kernel import detect_device_type
         return RankDevice(detect_device_type(f"cuda:{local_rank}", name.replace(" ", "-")), None, name)
     if cluster is not None:
