@@ -128,6 +128,11 @@ def test_point_to_point_transfers_share_a_node_s_nics_only_when_more_cross_than_
 def test_a_gpu_whose_compute_capability_the_file_leaves_out_is_named_in_the_settings_line():
     h100 = _cluster([{"devices": {"h100": 8}, "intra_node_gbps": 450}]).device_type("h100")
     assert "add compute_capability: 9" in capability_hint(h100, 9.0)
+    # Where it changes nothing (Ampere, or no fused attention on the type) the line stays quiet.
+    assert capability_hint(h100, 8.0) == ""
+    no_flash = ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {**H100, "flash_attention": False}},
+                                      "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
+    assert capability_hint(no_flash.device_type("h100"), 9.0) == ""
     stated = ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {**H100, "compute_capability": 9.0}},
                                     "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
     assert capability_hint(stated.device_type("h100"), 9.0) == "" and capability_hint(h100, None) == ""

@@ -51,12 +51,13 @@ FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
 # 9.0) and later, FlashAttention-2 reaches about 35% of the peak (Shah et al. 2024,
 # FlashAttention-3, abstract), against about 60% on A100. FlashAttention-3 is written for Hopper.
 AMPERE_KERNEL_ON_HOPPER = 0.35 / 0.6
+HOPPER_COMPUTE_CAPABILITY = 9.0
 
 
 def fused_attention_speed(version: int, compute_capability: float | None) -> float:
     """Speed of the fused attention kernel against the device's matmuls."""
     speed = FLASH_ATTENTION_SPEED[version]
-    if version < 3 and compute_capability is not None and compute_capability >= 9.0:
+    if version < 3 and compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY:
         speed *= AMPERE_KERNEL_ON_HOPPER
     return speed
 
@@ -237,15 +238,13 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     """
     tr = training or TrainingSpec()
     d = tr.dtype_bytes
+    share = np.asarray(tp, dtype=np.float64) if tr.vocab_parallel_loss else 1.0
     if tr.fused_loss:
-        return 2.0 * d * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / (
-            np.asarray(tp, dtype=np.float64) if tr.vocab_parallel_loss else 1.0)
-    if tr.vocab_parallel_loss:
+        per_logit = 2.0 * d
+    elif tr.vocab_parallel_loss:
         per_logit = 8.0 if tr.loss_dtype == "fp32" else 2.0 * d
-        share = np.asarray(tp, dtype=np.float64)
     else:
         per_logit = (d + 12.0 if d < 4 else 12.0) if tr.loss_dtype == "fp32" else 3.0 * d
-        share = 1.0
     return per_logit * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / share
 
 
@@ -350,7 +349,7 @@ class AnalyticalCostModel:
         # forward's two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
         flash_backward_flops = np.where(unfused, 0.0, 0.5 * attn_core_flops)
         # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
-        kernel_flops = np.where(unfused, 0.0, attn_core_flops * (3.5 + (recompute != NONE)))
+        kernel_flops = np.where(unfused, 0.0, (3.0 + (recompute != NONE)) * attn_core_flops + flash_backward_flops)
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
         compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops + kernel_slowdown * kernel_flops) \
             / (self._tflops[device] * 1e12)

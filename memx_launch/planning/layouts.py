@@ -166,9 +166,10 @@ def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
     types = [list(dict.fromkeys(rank_types[r] for r in ranks)) for ranks in stage_ranks]
     k = max(len(t) for t in types)
     rows = [[t[min(j, len(t) - 1)] for t in types] for j in range(k)]
-    next_gbps = [cluster.transfers_gbps(list(zip(cur, nxt)))
+    next_gbps = [cluster.transfers_gbps(zip(cur, nxt))
                  for cur, nxt in zip(stage_ranks, stage_ranks[1:])] + [math.inf]
-    # A DP group is every tp-th rank of the stage; its ring's slowest hop decides.
+    # A DP group is every tp-th rank of the stage; the slowest group decides (ClusterSpec.group_gbps:
+    # links inside a node, each node's share of its NICs between nodes).
     dp_gbps = [min([cluster.group_gbps(ranks[j::t]) for j in range(t)]) for ranks, t in zip(stage_ranks, stage_tp)]
     return Layout(stage_tp, dp, tuple(order), np.array([[device_names.index(t) for t in row] for row in rows]),
                   [list(r) for r in stage_ranks],

@@ -162,18 +162,22 @@ class Evaluator:
         L = self.model.num_layers
         min_layers = v if schedule == "interleaved" else 1
         replicas = range(len(layout.replica_device))
-        none_inputs = None  # at no recompute, where some stages recompute only some layers
+        by_level = {}
+
+        def uniform(level):
+            """:meth:`replica_inputs` with every stage at ``level``, computed once per call."""
+            if level not in by_level:
+                by_level[level] = self.replica_inputs(layout, mbs, seq, v, np.full_like(levels, level))
+            return by_level[level]
+
         if layers is None:
             inputs = self.replica_inputs(layout, mbs, seq, v, levels)
             t_layer, edge_t = (np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)) \
                 if layout.mixed else inputs[0][2:4]
             layers, feasible = balance_layers(t_layer, edge_t, self._max_layers(layout, inputs), L, min_layers)
-            levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
+            levels = self.lowest_fitting_levels(layout, levels, layers, uniform)
             if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any() and cm.NONE in self.allowed_levels:
-                none_inputs = self.replica_inputs(layout, mbs, seq, v, np.zeros_like(levels))
-                recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers, none_inputs)
-        if recompute_layers is not None and none_inputs is None:
-            none_inputs = self.replica_inputs(layout, mbs, seq, v, np.zeros_like(levels))
+                recompute_layers = self.fewest_recomputed_layers(layout, levels, layers, uniform)
         memories, times, fits = [], [], []
         for k in replicas:
             per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels, k)
@@ -181,7 +185,7 @@ class Evaluator:
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
                 # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
-                none_layer, none_fixed, none_t, _, _ = none_inputs[k]
+                none_layer, none_fixed, none_t, _, _ = uniform(cm.NONE)[k]
                 r = np.minimum(recompute_layers, layers)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
@@ -212,27 +216,26 @@ class Evaluator:
         min_layers = v if schedule == "interleaved" else 1
         return bool((max_layers >= min_layers).all() and max_layers.sum() >= self.model.num_layers)
 
-    def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
-        """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
+    def lowest_fitting_levels(self, layout, levels, layers, uniform) -> np.ndarray:
+        """Hard rule per stage: keep no recompute where it fits, else the lightest level that does.
+        ``uniform(level)``: :meth:`replica_inputs` with every stage at ``level``."""
         best = levels.copy()
         for level in reversed(self.allowed_levels):
-            trial = np.full_like(levels, level)
             fits = True
-            for k, capacity in enumerate(layout.replica_capacity):
-                per_layer, fixed, *_ = self.split_inputs(layout, mbs, seq, v, trial, k)
+            for (per_layer, fixed, *_), capacity in zip(uniform(level), layout.replica_capacity):
                 fits = fits & (layers * per_layer + fixed <= self.usable(capacity))
             best = np.where(fits & (level < best), level, best)
         return best
 
-    def fewest_recomputed_layers(self, layout, mbs, seq, v, levels, layers, none_inputs) -> np.ndarray:
+    def fewest_recomputed_layers(self, layout, levels, layers, uniform) -> np.ndarray:
         """Per stage, how many of its first layers must recompute fully for it to fit (on each of
         its device types), where the hard rule chose full recompute (Megatron's block method);
         the others keep their level on every layer. A stage that fits nowhere keeps all its
-        layers. ``none_inputs``: :meth:`replica_inputs` at no recompute."""
+        layers. ``uniform(level)``: :meth:`replica_inputs` with every stage at ``level``."""
         fewest = np.ones_like(layers, dtype=np.float64)
         for k, capacity in enumerate(layout.replica_capacity):
-            full_layer, full_fixed, *_ = self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.FULL), k)
-            none_layer = none_inputs[k][0]
+            full_layer, full_fixed, *_ = uniform(cm.FULL)[k]
+            none_layer = uniform(cm.NONE)[k][0]
             # k full layers and n - k kept: k (full - none) + n none + fixed <= usable.
             saved = np.maximum(none_layer - full_layer, 1.0)
             fewest = np.maximum(fewest, np.ceil((layers * none_layer + full_fixed - self.usable(capacity)) / saved))

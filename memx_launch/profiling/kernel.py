@@ -47,7 +47,7 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         memory_gib, vendor = props.total_memory / 2**30, "amd" if torch.version.hip else "nvidia"
-        capability = None if torch.version.hip else props.major + props.minor / 10
+        capability = compute_capability(props)
         default_name, dtype = props.name.replace(" ", "-"), torch.bfloat16
     else:
         memory_gib = psutil.virtual_memory().total / 2**30
@@ -75,6 +75,13 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
                       peak_tflops=_round2(max(rates[1:])), efficiency=1.0,
                       memory_bandwidth_gbps=_round2(bandwidth), flash_attention=True,
                       compute_capability=capability)
+
+
+def compute_capability(props) -> float | None:
+    """NVIDIA's major.minor of a ``torch.cuda`` device's properties (None on ROCm)."""
+    import torch
+
+    return None if torch.version.hip else props.major + props.minor / 10
 
 
 def _round2(x: float) -> float:

@@ -49,9 +49,12 @@ def check_declared(declared: DeviceType, rank: int, name: str, vendor: str, memo
 
 
 def capability_hint(declared: DeviceType, capability: float | None) -> str:
-    """What the settings line adds when the file leaves out the compute capability the GPU reports
-    (the cost model then takes the type as Ampere, which changes its fused attention speed)."""
-    if capability is None or declared.compute_capability is not None:
+    """What the settings line adds when the file leaves out a compute capability that changes the
+    plan: a Hopper or newer GPU with fused attention, which the cost model would take as Ampere."""
+    from memx_launch.planning.costmodel import HOPPER_COMPUTE_CAPABILITY
+
+    if (capability is None or capability < HOPPER_COMPUTE_CAPABILITY or not declared.flash_attention
+            or declared.compute_capability is not None):
         return ""
     return f"; the GPU reports compute capability {capability:g}, the file gives none: add compute_capability: {capability:g}"
 
@@ -66,9 +69,9 @@ def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) 
         if cluster is not None:
             declared = cluster.device_type(cluster.rank_device_types()[rank])
             check_declared(declared, rank, name, vendor, props.total_memory)
-            capability = None if torch.version.hip else props.major + props.minor / 10
+            from memx_launch.profiling.kernel import compute_capability
             return RankDevice(declared, None, f"{name} (cluster file type {declared.name})"
-                              + capability_hint(declared, capability))
+                              + capability_hint(declared, compute_capability(props)))
         from memx_launch.profiling.kernel import detect_device_type
         return RankDevice(detect_device_type(f"cuda:{local_rank}", name.replace(" ", "-")), None, name)
     if cluster is not None:

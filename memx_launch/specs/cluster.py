@@ -134,12 +134,17 @@ class Node:
     def num_devices(self) -> int:
         return sum(n for _, n in self.devices)
 
+    @property
+    def rails(self) -> int:
+        """NICs between this node and the others (one per device unless ``nics`` says)."""
+        return self.nics or self.num_devices
+
     def uplink_gbps(self, inter_node_gbps: float, members: int) -> float:
         """Inter-node bandwidth of a collective group with ``members`` devices on this node. NCCL
         runs a ring per rail, so the group leaves the node over its members' share of the NICs
         (every group of a layout communicates at once), and its members forward the ring's
         traffic over the node's own links."""
-        rails = members * (self.nics / self.num_devices if self.nics else 1.0)
+        rails = members * self.rails / self.num_devices
         return min(inter_node_gbps * rails, self.intra_node_gbps if members > 1 else math.inf)
 
 
@@ -225,14 +230,15 @@ class ClusterSpec:
         a node its link; between nodes a NIC each while the node has as many as transfers leave
         or enter it, else they share its NICs."""
         crossing = collections.Counter()
+        slowest = math.inf
         for a, b in pairs:
             na, nb = self._rank_locations[a][0], self._rank_locations[b][0]
             if na != nb:
                 crossing.update((na, nb))
-        slowest = min((self.link_gbps(a, b) for a, b in pairs), default=math.inf)
+            else:
+                slowest = min(slowest, self.link_gbps(a, b))
         for n, k in crossing.items():
-            node = self.nodes[n]
-            slowest = min(slowest, self.inter_node_gbps * min(1.0, (node.nics or node.num_devices) / k))
+            slowest = min(slowest, self.inter_node_gbps * min(1.0, self.nodes[n].rails / k))
         return slowest
 
     def group_gbps(self, ranks: list[int]) -> float:
@@ -241,10 +247,10 @@ class ClusterSpec:
         (:meth:`Node.uplink_gbps`: one ring per rail, NCCL's multi-rail)."""
         if len(ranks) < 2:
             return math.inf
-        node_of = [self._rank_locations[r][0] for r in ranks]
-        inside = [self.link_gbps(a, b) for a, b, na, nb in zip(ranks, ranks[1:] + ranks[:1], node_of,
-                                                                node_of[1:] + node_of[:1]) if a != b and na == nb]
-        members = collections.Counter(node_of)
+        node_of = {r: self._rank_locations[r][0] for r in ranks}
+        inside = [self.link_gbps(a, b) for a, b in zip(ranks, ranks[1:] + ranks[:1])
+                  if a != b and node_of[a] == node_of[b]]
+        members = collections.Counter(node_of[r] for r in ranks)
         across = [self.nodes[n].uplink_gbps(self.inter_node_gbps, k) for n, k in members.items()] \
             if len(members) > 1 else []
         return min(inside + across, default=math.inf)
