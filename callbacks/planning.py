@@ -75,8 +75,9 @@ class Decision:
 def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, max_micro_batch: int, log) -> str:
     """The first rank of each device type measures the module's block (``probe``: recompute level ->
     a copy of one block) at a minimal set of micro-batch sizes and recompute levels; rank 0 appends
-    every type's samples to the profile at ``db_path``. Collective."""
-    rank = dist.get_rank()
+    every type's samples to the profile at ``db_path``. Collective (a single process without a
+    process group is rank 0 alone)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     types = cluster.rank_device_types()
     mine = types[rank]
     lines: list[str] = []
@@ -101,7 +102,8 @@ def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, 
         db = ProfileDB(db_path)
         import json
         db.append(Measurement.from_dict(json.loads(line)) for part in gathered for line in part)
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return db_path
 
 

@@ -127,14 +127,19 @@ def test_pressure_with_every_block_checkpointed_stops_with_a_smaller_micro_batch
                             "peak_none_gib": 0.02, "peak_full_gib": 0.01, "capacity_gib": 0.025})
 
 
-def test_without_a_cluster_file_a_single_process_describes_itself():
-    """MemxCallback(cluster=None) on one process: the detected description of its own device."""
-    from memx_callbacks.memx import _detected_cluster
-    from memx_launch.runtime.devices import detect_rank_device
-    from memx_launch.specs.cluster import ClusterSpec
+def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp_path, capsys):
+    """MemxCallback(cluster=None) under Lightning's SingleDeviceStrategy (no process group): the
+    process describes its own device, calibrates the module's block and trains with the plan."""
+    import lightning as L
+    import toy_models  # noqa: F401  (puts examples/ on the path: the examples import each other)
 
-    cluster = ClusterSpec.from_dict(_detected_cluster(detect_rank_device(None, 0, 0), None))
-    assert cluster.world_size == 1 and cluster.name == "detected"
+    import lightning_train as example
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, default_root_dir=str(tmp_path), logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        callbacks=[MemxCallback(None, model=example.MODEL)])
+    trainer.fit(example.LitGPT())
+    assert type(trainer.strategy).__name__ == "SingleDeviceStrategy" and trainer.global_step == 2
+    assert "memx: plan for" in capsys.readouterr().out and (tmp_path / "memx-profiles.jsonl").exists()
 
 
 def test_misconfiguration_names_the_fix():

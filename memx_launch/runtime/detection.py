@@ -54,8 +54,9 @@ def rank_report(rank_device: RankDevice, local_rank: int, local_count: int) -> d
     """What this rank is: host, device type (name, vendor, memory, measured peak) and its links."""
     from dataclasses import asdict
 
-    # A node is one torchrun agent (GROUP_RANK): its ranks are consecutive, whatever the host is called.
-    report = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(), "local_rank": local_rank,
+    # A node is one torchrun agent (GROUP_RANK; Lightning's launchers set NODE_RANK): its ranks are
+    # consecutive, whatever the host is called.
+    report = {"node": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))), "host": socket.gethostname(), "local_rank": local_rank,
               "type": asdict(rank_device.device_type),
               "description": rank_device.description, "nvlink_peers": [], "p2p_peers": []}
     if torch.cuda.is_available():

@@ -53,7 +53,10 @@ def _lengths(length: int, device, group) -> list[int]:
 
 
 def all_gather_json(value: Any, group=None) -> list[Any]:
-    """Every rank's ``value`` (JSON-serialisable), in group rank order, on every rank."""
+    """Every rank's ``value`` (JSON-serialisable), in group rank order, on every rank; a single
+    process without a process group is the only rank."""
+    if not dist.is_initialized():
+        return [value]
     device = _device(group)
     data = _encode(value, device)
     lengths = _lengths(data.numel(), device, group)
