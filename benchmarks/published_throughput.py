@@ -48,34 +48,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.real_runs import _identity, fit_summary, mape, no_nan, predicted, time_summary  # noqa: E402
+from benchmarks.common import dgx_cluster, fit_summary, identity_axes, mape, no_nan, predicted, time_summary  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
-from memx_launch.specs.cluster import ClusterSpec  # noqa: E402
 from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "benchmarks", "data")
 OUT = os.path.join(ROOT, "benchmarks", "results", "published_throughput.json")
 PLOT = os.path.join(ROOT, "benchmarks", "results", "published_throughput.png")
-
-# Datasheet numbers (dense 16-bit peak, HBM bandwidth, NVLink per direction, compute capability). The capacity is
-# what CUDA reports of the marketing size, the most a run can fill.
-AMPERE, HOPPER = {"vendor": "nvidia", "compute_capability": 8.0}, {"vendor": "nvidia", "compute_capability": 9.0}
-GPUS = {
-    "a100_80gb": ({**AMPERE, "memory_gib": 79.3, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}, 300),
-    "a100_40gb": ({**AMPERE, "memory_gib": 39.4, "peak_tflops": 312, "memory_bandwidth_gbps": 1555}, 300),
-    "h100_80gb": ({**HOPPER, "memory_gib": 79.1, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}, 450),
-}
-INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50}  # per GPU
-
-
-def dgx_cluster(gpu: str, world: int) -> ClusterSpec:
-    device, nvlink = GPUS[gpu]
-    return ClusterSpec.from_dict({
-        "version": 1, "name": f"{gpu}-{world}", "device_types": {gpu: device},
-        "nodes": [{"devices": {gpu: min(8, world)}, "intra_node_gbps": nvlink} for _ in range(max(world // 8, 1))],
-        "inter_node_gbps": INTER_NODE_GBPS[gpu]})
-
 
 # --------------------------------------------------------------------------- Narayanan et al. 2021
 
@@ -184,7 +164,7 @@ def plot(narayanan_rows, mpt_rows, path: str) -> None:
     left.scatter([r["real_time_s"] for r in narayanan_rows], [r["time_s"] for r in narayanan_rows], s=24)
     for r in narayanan_rows:
         left.annotate(r["model"].replace("gpt-", ""), (r["real_time_s"], r["time_s"]), fontsize=7)
-    _identity(left, [r[k] for r in narayanan_rows for k in ("real_time_s", "time_s")], "published step time (s)",
+    identity_axes(left, [r[k] for r in narayanan_rows for k in ("real_time_s", "time_s")], "published step time (s)",
               "memx (s)", f"Megatron-LM GPT on A100 (Narayanan 2021): MAPE "
               f"{mape([r['time_s'] for r in narayanan_rows], [r['real_time_s'] for r in narayanan_rows]):.1f}%")
     done = [r for r in mpt_rows if "time_s" in r]
@@ -192,7 +172,7 @@ def plot(narayanan_rows, mpt_rows, path: str) -> None:
         members = [r for r in done if r["group"] == gpu]
         right.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=12, color=colour,
                       label=f"{gpu}: MAPE {mape([r['time_s'] for r in members], [r['real_time_s'] for r in members]):.1f}%")
-    _identity(right, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)", "memx (s)",
+    identity_axes(right, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)", "memx (s)",
               f"MPT with FSDP (MosaicML): {len(done)} runs")
     right.legend(fontsize=8, loc="upper left")
     fig.tight_layout()

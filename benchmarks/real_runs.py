@@ -61,11 +61,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.common import (dgx_cluster, fit_summary, identity_axes, mape, no_nan, predicted,  # noqa: E402
+                               spearman, time_summary)
 from benchmarks.machine import machine_info  # noqa: E402
-from memx_launch.errors import ConfigError  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
-from memx_launch.planning.estimate import evaluate_layout  # noqa: E402
-from memx_launch.profiling.metrics import error_summary, ranking_summary  # noqa: E402
 from memx_launch.specs.cluster import ClusterSpec  # noqa: E402
 from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
@@ -85,33 +84,6 @@ def shared_dir() -> str:
 
 
 # --------------------------------------------------------------------------- metrics
-
-
-def spearman(a, b) -> float:
-    """memx's rank correlation; NaN for fewer than three runs or no spread (a group of one or two
-    ranks nothing)."""
-    if len(a) < 3 or np.std(a) == 0 or np.std(b) == 0:
-        return math.nan
-    return ranking_summary(a, b)["spearman"]
-
-
-def mape(pred, real) -> float:
-    return error_summary(pred, real)["mape_pct"] if len(real) else math.nan
-
-
-def fit_summary(rows) -> dict:
-    """Confusion matrix of predicted fit against the real ok/OOM label."""
-    labelled = [r for r in rows if r["real"] in ("ok", "OOM") and r.get("fits") is not None]
-    cm = {"real_ok_pred_fit": 0, "real_ok_pred_oom": 0, "real_oom_pred_fit": 0, "real_oom_pred_oom": 0}
-    for r in labelled:
-        cm[f"real_{r['real'].lower()}_pred_{'fit' if r['fits'] else 'oom'}"] += 1
-    n_oom = cm["real_oom_pred_fit"] + cm["real_oom_pred_oom"]
-    n_ok = cm["real_ok_pred_fit"] + cm["real_ok_pred_oom"]
-    right = cm["real_ok_pred_fit"] + cm["real_oom_pred_oom"]
-    return {"runs": len(labelled), "confusion": cm,
-            "accuracy_pct": round(100 * right / max(len(labelled), 1), 1),
-            "false_fit_pct_of_real_ooms": round(100 * cm["real_oom_pred_fit"] / max(n_oom, 1), 1),
-            "false_oom_pct_of_real_oks": round(100 * cm["real_ok_pred_oom"] / max(n_ok, 1), 1)}
 
 
 def group_summary(rows, key) -> dict:
@@ -138,32 +110,11 @@ def group_summary(rows, key) -> dict:
     return out
 
 
-def time_summary(rows) -> dict:
-    ran = [r for r in rows if r["real"] == "ok" and r.get("time_s") is not None]
-    ratio = np.array([r["time_s"] / r["real_time_s"] for r in ran]) if ran else np.array([math.nan])
-    return {"runs": len(ran),
-            "time_mape_pct": round(mape([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 1),
-            "predicted_over_measured_median": round(float(np.median(ratio)), 3),
-            "predicted_over_measured_p10_p90": [round(float(np.percentile(ratio, q)), 3) for q in (10, 90)]}
-
-
 # --------------------------------------------------------------------------- Hagemann et al. (LLaMA-13B, A100)
-
-
-def a100_cluster(world: int) -> ClusterSpec:
-    return ClusterSpec.from_dict({
-        "version": 1, "name": f"dgx-a100-{world}",
-        # "80GB" is the marketing size; CUDA reports about 79.3 GiB of it (81,920 MiB less what
-        # the driver keeps), the capacity a run can fill.
-        "device_types": {"a100-80gb": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
-                                       "memory_bandwidth_gbps": 2039}},
-        "nodes": [{"devices": {"a100-80gb": 8}, "intra_node_gbps": 300} for _ in range(world // 8)],
-        "inter_node_gbps": 25})
 
 
 def hagemann(shared: str) -> list[dict]:
     rows = []
-    clusters: dict[int, ClusterSpec] = {}
     with open(os.path.join(shared, "peer-data", "hagemann-dev", "llama13b_runs.csv")) as f:
         data = list(csv.DictReader(f))
     for d in data:
@@ -184,25 +135,14 @@ def hagemann(shared: str) -> list[dict]:
                                 fused_norm="RMS kernel" in d["kernel"], fused_softmax=d["kernel"] == "fused",
                                 softmax_in_fp32=d["kernel"] == "torch")
         recompute = "full" if d["activation_checkpointing"] == "every_layer" else "none"
-        cluster = clusters.setdefault(world, a100_cluster(world))
         row = {"group": f"{d['source_file'].replace('.xlsx', '')}", "real": d["status"],
                "real_time_s": float(d["avg_step_time_s"]) if d["avg_step_time_s"] else None,
                "layout": f"tp{tp} pp{pp} dp{dp} mbs{mbs} {recompute} {d['kernel']}{' sp' if sp else ''}",
                "kernel": d["kernel"], "seq_len": seq}
-        rows.append(predicted(row, model, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
-                              layers_per_stage=[model.num_layers // pp] * pp, recompute=recompute))
+        rows.append(predicted(row, model, dgx_cluster("a100_80gb", world), training, tp=tp, pp=pp, dp=dp,
+                              micro_batch_size=mbs, layers_per_stage=[model.num_layers // pp] * pp,
+                              recompute=recompute))
     return rows
-
-
-def predicted(row: dict, model, cluster, training, **layout) -> dict:
-    """``row`` with memx's estimate of the layout: fits, peak GiB and iteration time, or the error."""
-    try:
-        plan = evaluate_layout(model, cluster, training, references=(1.0, 1.0, 1.0), **layout)
-    except ConfigError as exc:
-        return {**row, "error": str(exc)}
-    return {**row, "fits": all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages),
-            "peak_gib": round(max(s.predicted_peak_memory_gib for s in plan.stages), 2),
-            "time_s": plan.predicted_iteration_time_s}
 
 
 # --------------------------------------------------------------------------- Sailor plans (OPT-350, GH200)
@@ -302,17 +242,6 @@ def sailor_summary(rows: list[dict]) -> dict:
             "errors": sum("error" in r for r in rows)}
 
 
-def no_nan(value):
-    """NaN (a group too small to rank) as null: the results file stays strict JSON."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [no_nan(v) for v in value]
-    return value
-
-
 def real_runs_plot(hagemann_rows, sailor_rows, calibrated_rows, path: str) -> None:
     """Three panels: Hagemann step time, Hagemann peak memory by real outcome, Sailor plans."""
     import matplotlib
@@ -328,7 +257,7 @@ def real_runs_plot(hagemann_rows, sailor_rows, calibrated_rows, path: str) -> No
         members = [r for r in ran if r["group"] == group]
         time_ax.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=14,
                         color=colour, label=group.replace("llama_13B_bfloat16_", ""))
-    _identity(time_ax, [r[k] for r in ran for k in ("real_time_s", "time_s")], "measured step time (s)", "memx (s)",
+    identity_axes(time_ax, [r[k] for r in ran for k in ("real_time_s", "time_s")], "measured step time (s)", "memx (s)",
               f"LLaMA-13B on A100 (Hagemann): {len(ran)} runs, MAPE "
               f"{mape([r['time_s'] for r in ran], [r['real_time_s'] for r in ran]):.1f}%")
     time_ax.legend(fontsize=7, loc="upper left")
@@ -345,20 +274,12 @@ def real_runs_plot(hagemann_rows, sailor_rows, calibrated_rows, path: str) -> No
         done = [r for r in rows if r.get("time_s")]
         sailor_ax.scatter([r["real_time_s"] for r in done], [r["time_s"] for r in done], marker=marker, s=24,
                           label=f"{name}: MAPE {mape([r['time_s'] for r in done], [r['real_time_s'] for r in done]):.1f}%")
-    _identity(sailor_ax, [r[k] for r in sailor_rows + calibrated_rows for k in ("real_time_s", "time_s") if r.get(k)],
+    identity_axes(sailor_ax, [r[k] for r in sailor_rows + calibrated_rows for k in ("real_time_s", "time_s") if r.get(k)],
               "measured iteration time (s)", "memx (s)",
               "OPT-350 whole plans on GH200 (Sailor)")
     sailor_ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)
-
-
-def _identity(ax, values, xlabel, ylabel, title) -> None:
-    """Log-log axes around the measured and predicted values with the y = x line and a 20% band."""
-    lo, hi = min(values) / 1.5, max(values) * 1.5
-    ax.plot([lo, hi], [lo, hi], color="0.3", lw=1)
-    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="0.9", zorder=0)
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel=xlabel, ylabel=ylabel, title=title)
 
 
 def main() -> None:

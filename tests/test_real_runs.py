@@ -7,17 +7,17 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks import real_runs  # noqa: E402
+from benchmarks import common, real_runs  # noqa: E402
 
 
 def test_metrics_of_the_benchmark():
-    assert real_runs.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert real_runs.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert math.isnan(real_runs.spearman([1, 2], [1, 2]))
-    assert real_runs.mape([110, 90], [100, 100]) == pytest.approx(10.0)
+    assert common.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert common.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(common.spearman([1, 2], [1, 2]))
+    assert common.mape([110, 90], [100, 100]) == pytest.approx(10.0)
     rows = [{"real": "ok", "fits": True}, {"real": "OOM", "fits": True}, {"real": "OOM", "fits": False},
             {"real": "ok", "fits": False}, {"real": "kernel n/a", "fits": True}]
-    summary = real_runs.fit_summary(rows)
+    summary = common.fit_summary(rows)
     assert summary["runs"] == 4 and summary["accuracy_pct"] == 50.0
     assert summary["false_fit_pct_of_real_ooms"] == 50.0 and summary["false_oom_pct_of_real_oks"] == 50.0
     groups = real_runs.group_summary([
@@ -26,7 +26,7 @@ def test_metrics_of_the_benchmark():
         {"group": "g", "real": "OOM", "fits": False, "time_s": 0.5, "real_time_s": None, "layout": "c"},
     ], lambda r: r["group"])
     assert groups["g"]["memx_pick"]["layout"] == "a" and groups["g"]["regret_pct"] == pytest.approx(10.0)
-    assert real_runs.no_nan({"x": [float("nan"), 1.0]}) == {"x": [None, 1.0]}
+    assert common.no_nan({"x": [float("nan"), 1.0]}) == {"x": [None, 1.0]}
 
 
 def test_every_development_run_gets_a_prediction():

@@ -1,0 +1,101 @@
+"""What the real-run benchmarks share: memx's estimate of a layout for a results row, the
+summaries of predicted against real (fit or OOM, time), DGX-style clusters at datasheet numbers,
+strict-JSON cleaning and the predicted-against-measured axes of their plots."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.profiling.metrics import error_summary, ranking_summary
+from memx_launch.specs.cluster import ClusterSpec
+
+# Datasheet numbers (dense 16-bit peak, HBM bandwidth, NVLink per direction, compute capability). The capacity is
+# what CUDA reports of the marketing size, the most a run can fill.
+AMPERE, HOPPER = {"vendor": "nvidia", "compute_capability": 8.0}, {"vendor": "nvidia", "compute_capability": 9.0}
+GPUS = {
+    "a100_80gb": ({**AMPERE, "memory_gib": 79.3, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}, 300),
+    "a100_40gb": ({**AMPERE, "memory_gib": 39.4, "peak_tflops": 312, "memory_bandwidth_gbps": 1555}, 300),
+    "h100_80gb": ({**HOPPER, "memory_gib": 79.1, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}, 450),
+}
+INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50}  # per GPU
+
+
+@functools.lru_cache(maxsize=None)
+def dgx_cluster(gpu: str, world: int) -> ClusterSpec:
+    """``world`` GPUs of one type in nodes of 8 (fewer in one node), at the datasheet numbers."""
+    device, nvlink = GPUS[gpu]
+    return ClusterSpec.from_dict({
+        "version": 1, "name": f"{gpu}-{world}", "device_types": {gpu: device},
+        "nodes": [{"devices": {gpu: min(8, world)}, "intra_node_gbps": nvlink} for _ in range(max(world // 8, 1))],
+        "inter_node_gbps": INTER_NODE_GBPS[gpu]})
+
+
+def predicted(row: dict, model, cluster, training, **layout) -> dict:
+    """``row`` with memx's estimate of the layout: fits, peak GiB and iteration time, or the error."""
+    try:
+        plan = evaluate_layout(model, cluster, training, references=(1.0, 1.0, 1.0), **layout)
+    except ConfigError as exc:
+        return {**row, "error": str(exc)}
+    return {**row, "fits": all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages),
+            "peak_gib": round(max(s.predicted_peak_memory_gib for s in plan.stages), 2),
+            "time_s": plan.predicted_iteration_time_s}
+
+
+def spearman(a, b) -> float:
+    """memx's rank correlation; NaN for fewer than three runs or no spread (a group of one or two
+    ranks nothing)."""
+    if len(a) < 3 or np.std(a) == 0 or np.std(b) == 0:
+        return math.nan
+    return ranking_summary(a, b)["spearman"]
+
+
+def mape(pred, real) -> float:
+    return error_summary(pred, real)["mape_pct"] if len(real) else math.nan
+
+
+def fit_summary(rows) -> dict:
+    """Confusion matrix of predicted fit against the real ok/OOM label."""
+    labelled = [r for r in rows if r["real"] in ("ok", "OOM") and r.get("fits") is not None]
+    cm = {"real_ok_pred_fit": 0, "real_ok_pred_oom": 0, "real_oom_pred_fit": 0, "real_oom_pred_oom": 0}
+    for r in labelled:
+        cm[f"real_{r['real'].lower()}_pred_{'fit' if r['fits'] else 'oom'}"] += 1
+    n_oom = cm["real_oom_pred_fit"] + cm["real_oom_pred_oom"]
+    n_ok = cm["real_ok_pred_fit"] + cm["real_ok_pred_oom"]
+    right = cm["real_ok_pred_fit"] + cm["real_oom_pred_oom"]
+    return {"runs": len(labelled), "confusion": cm,
+            "accuracy_pct": round(100 * right / max(len(labelled), 1), 1),
+            "false_fit_pct_of_real_ooms": round(100 * cm["real_oom_pred_fit"] / max(n_oom, 1), 1),
+            "false_oom_pct_of_real_oks": round(100 * cm["real_ok_pred_oom"] / max(n_ok, 1), 1)}
+
+
+def time_summary(rows) -> dict:
+    ran = [r for r in rows if r["real"] == "ok" and r.get("time_s") is not None]
+    ratio = np.array([r["time_s"] / r["real_time_s"] for r in ran]) if ran else np.array([math.nan])
+    return {"runs": len(ran),
+            "time_mape_pct": round(mape([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 1),
+            "predicted_over_measured_median": round(float(np.median(ratio)), 3),
+            "predicted_over_measured_p10_p90": [round(float(np.percentile(ratio, q)), 3) for q in (10, 90)]}
+
+
+def no_nan(value):
+    """NaN (a group too small to rank) as null: the results file stays strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [no_nan(v) for v in value]
+    return value
+
+
+def identity_axes(ax, values, xlabel, ylabel, title) -> None:
+    """Log-log axes around the measured and predicted values with the y = x line and a 20% band."""
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="0.3", lw=1)
+    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="0.9", zorder=0)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel=xlabel, ylabel=ylabel, title=title)
