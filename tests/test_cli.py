@@ -339,3 +339,14 @@ def test_estimate_with_a_profile_db_uses_its_cost_model(tmp_path, capsys, monkey
     analytical, learned = Plan.load(str(tmp_path / "a.json")), Plan.load(str(tmp_path / "l.json"))
     ratio = learned.stages[0].predicted_stage_time_s / analytical.stages[0].predicted_stage_time_s
     assert 1.9 < ratio <= 2.0  # the layers' time doubles; the embedding stays analytical
+
+
+def test_every_setup_override_flag_is_documented_in_the_readme_and_docs_setups():
+    from memx_launch.cli.common import SETUP_FLAGS
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    setups = open(os.path.join(root, "docs", "setups.md"), encoding="utf-8").read()
+    for name in SETUP_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        assert f"`{flag}" in readme and flag in setups, flag
