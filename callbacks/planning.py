@@ -21,7 +21,7 @@ import torch.distributed as dist
 from memx_launch.runtime.messages import all_gather_json
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.planning.plan import RECOMPUTE_LEVELS
+from memx_launch.planning.plan import RECOMPUTE_LEVELS, recompute_text
 from memx_launch.profiling.design import minimal_sample_set
 from memx_launch.profiling.kernel import calibrate
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
@@ -123,7 +123,7 @@ def decide(spec, cluster, training, *, world: int, tp: int, num_blocks: int, use
             peaks = []
             for k in range(num_blocks + 1):
                 plan = evaluate_layout(spec, cluster, training, tp=tp, pp=1, dp=dp, micro_batch_size=mbs,
-                                       recompute=[f"full:{k}"], cost_model=cost_model, references=(1.0, 1.0, 1.0))
+                                       recompute=[recompute_text("full", k, num_blocks)], cost_model=cost_model, references=(1.0, 1.0, 1.0))
                 peaks.append(plan.stages[0].predicted_peak_memory_gib)
             capacity = plan.stages[0].memory_capacity_gib
             decision = Decision(mbs, local // mbs, 0, peaks, capacity)

@@ -184,6 +184,9 @@ def test_the_search_restrictions_of_memx_plan_restrict_memx_run_s_search(tmp_pat
     assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
                  "--pp", "2", TRAIN, "--model", "llama-tiny"]) == 0
     assert "search pipeline degrees (re-plans)" in capsys.readouterr().out
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
+                 "--pp", "2", "--no-replan", TRAIN, "--model", "llama-tiny"]) == 0
+    assert "search pipeline degrees (unused: --no-replan)" in capsys.readouterr().out
     # The script's own blocks train with TP 1: its search and re-plans keep to it.
     assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--model-builder",
                  f"{OWN_MODEL}:build", TRAIN, "--model", "llama-tiny"]) == 0

@@ -278,9 +278,10 @@ def resolve(args) -> dict:
                               "the --model-builder blocks train with", "drop --tp or include 1")
         restrictions["tp_degrees"] = (1,)
     SearchSpace(**restrictions).check(model)
+    applies = "" if previous is None and not args.plan else " (unused: --no-replan)" if args.no_replan \
+        else " (re-plans)"
     for field, values in restrictions.items():
         source = "--model-builder" if builder is not None and field == "tp_degrees" else "flag"
-        applies = " (re-plans)" if previous is not None or args.plan else ""
         settings.add(f"search {field.replace('_', ' ')}{applies}", ",".join(map(str, values)), source)
     # The script's own block is stored apart: its samples have the shape of memx's block of that model.
     default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
