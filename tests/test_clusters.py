@@ -114,7 +114,9 @@ def test_bad_nic_counts_are_one_line(bad):
 
 
 def test_point_to_point_transfers_share_a_node_s_nics_only_when_more_cross_than_it_has():
-    cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"v100": H100, "t4": H100}, "inter_node_gbps": 12.5,
+    v100, t4 = {"vendor": "nvidia", "memory_gib": 32, "peak_tflops": 125}, {"vendor": "nvidia", "memory_gib": 16,
+                                                                              "peak_tflops": 65}
+    cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"v100": v100, "t4": t4}, "inter_node_gbps": 12.5,
                                      "nodes": [{"devices": {"v100": 4}, "intra_node_gbps": 150, "nics": 1},
                                                {"devices": {"t4": 2}, "intra_node_gbps": 12, "nics": 1}]})
     assert cluster.transfers_gbps([(3, 4)]) == 12.5  # one transfer: the whole NIC

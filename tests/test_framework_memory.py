@@ -13,7 +13,7 @@ from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec
 from memx_launch.specs.model import get_model
-from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, TrainingSpec
 
 S, H, T = 8192, 5120, 4
 MODEL = get_model("llama2-13b")
@@ -80,6 +80,21 @@ def test_the_scaling_setup_turns_a_fit_into_an_oom():
 
 
 # --------------------------------------------------------------------------- recompute of K of n layers
+
+
+def saved_storage_bytes(forward, owned=()) -> int:
+    """Bytes of the storages autograd saves for the backward while ``forward()`` runs, each once,
+    less those of ``owned`` tensors (inputs and parameters the caller holds anyway)."""
+    import torch
+
+    saved = {}
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    skip = {t.untyped_storage().data_ptr() for t in owned}
+    return sum(n for ptr, n in saved.items() if ptr not in skip)
 
 
 def _a100s():
@@ -275,14 +290,7 @@ def test_what_autograd_saves_for_a_torch_op_norm_is_what_the_model_keeps():
     for dtype, d in ((torch.bfloat16, 2), (torch.float32, 4)):
         x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
         weight = torch.ones(width, dtype=dtype, requires_grad=True)
-        saved = {}
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            scaling_rms_norm(x, weight)
-        inputs = {x.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()}
-        kept = sum(n for ptr, n in saved.items() if ptr not in inputs)
+        kept = saved_storage_bytes(lambda: scaling_rms_norm(x, weight), owned=(x, weight))
         # The model's bytes per element of one torch-op norm: the difference to fused norms over
         # the two norms of a block, plus the d bytes of input a fused kernel keeps.
         unfused, fused = (float(cm.activation_bytes(MODEL, 1, S, T, cm.NONE, dtype_bytes=d, fused_norm=f).activation_bytes)
@@ -348,10 +356,12 @@ def test_flash_attention_1_runs_its_flops_slower_and_keeps_the_same_memory():
         expected = passes * attention_flops / tflops * (1 / cm.FLASH_ATTENTION_SPEED[1] - 1 / cm.FLASH_ATTENTION_SPEED[2])
         assert slower == pytest.approx(expected, rel=1e-6) and slower > 0
         assert float(costs(1, recompute).activation_bytes[0]) == float(costs(2, recompute).activation_bytes[0])
-    # Never faster than the matmuls themselves.
+    # Never faster than the matmuls themselves, and a speed for every version a run can name.
     assert all(0 < speed <= 1 for speed in cm.FLASH_ATTENTION_SPEED.values())
-    with pytest.raises(ConfigError, match="--flash-attention-version"):
-        TrainingSpec(flash_attention_version=4)
+    assert set(cm.FLASH_ATTENTION_SPEED) == set(FLASH_ATTENTION_VERSIONS)
+    for bad in (4, True):
+        with pytest.raises(ConfigError, match="--flash-attention-version"):
+            TrainingSpec(flash_attention_version=bad)
 
 
 def test_what_autograd_saves_for_memx_block_is_the_activation_model():
@@ -374,14 +384,7 @@ def test_what_autograd_saves_for_memx_block_is_the_activation_model():
                              ("selective", 2 * 2 * elements), ("full", -2 * elements)):
         block = TransformerBlock(spec, recompute=level).to(torch.bfloat16)
         x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
-        saved = {}
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            block(x)
-        owned = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
-        kept = sum(n for ptr, n in saved.items() if ptr not in owned)
+        kept = saved_storage_bytes(lambda: block(x), owned=(*block.parameters(), x))
         model = float(cm.activation_bytes(spec, 1, seq, 1, cm.RECOMPUTE_LEVELS.index(level), 2, True,
                                           fused_norm=False).activation_bytes)
         assert kept == pytest.approx(model + cpu_extra, rel=0.01), level
@@ -407,14 +410,7 @@ def test_what_autograd_saves_for_torch_softmax_attention_is_the_model():
     spec_scores = heads * seq * seq
     for in_fp32, per_score in ((False, 2), (True, 6)):
         q, k, v = (torch.randn(1, heads, seq, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        saved = {}
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            attention(q, k, v, in_fp32)
-        owned = {t.untyped_storage().data_ptr() for t in (q, k, v, mask)}
-        kept = sum(n for ptr, n in saved.items() if ptr not in owned)
+        kept = saved_storage_bytes(lambda: attention(q, k, v, in_fp32), owned=(q, k, v, mask))
         assert kept / spec_scores == pytest.approx(per_score, rel=0.01)
         model = cm.activation_bytes(MODEL, 1, S, T, cm.NONE, flash_attention=False, fused_softmax=False,
                                     softmax_in_fp32=in_fp32)

@@ -185,7 +185,7 @@ class TrainingSpec:
             elif value not in _PRECISIONS:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"unknown precision {value!r}",
                                   "use fp32 or the training dtype")
-        if self.flash_attention_version not in FLASH_ATTENTION_VERSIONS:
+        if isinstance(self.flash_attention_version, bool) or self.flash_attention_version not in FLASH_ATTENTION_VERSIONS:
             raise ConfigError("--flash-attention-version", f"unknown version {self.flash_attention_version!r}",
                               f"use one of {', '.join(map(str, FLASH_ATTENTION_VERSIONS))}")
         if self.sharded_gradients and not self.distributed_optimizer and not self.fully_sharded:
