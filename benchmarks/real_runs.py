@@ -153,7 +153,7 @@ SAILOR_RUN_OPTIONS = {"flash_attention": False, "fused_softmax": False, "dropout
 
 
 def gh200_cluster(nodes: int, efficiency: float | None = None) -> ClusterSpec:
-    gh = {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989, "peak_tflops_fp32": 67,
+    gh = {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989, "peak_tflops_fp32": 67, "compute_capability": 9.0,
           "memory_bandwidth_gbps": 4000}
     return ClusterSpec.from_dict({
         "version": 1, "name": f"gh200-{nodes}x4",

@@ -10,7 +10,7 @@ import pytest
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.runtime.devices import capability_hint, check_declared
-from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
 
@@ -130,11 +130,35 @@ def test_point_to_point_transfers_share_a_node_s_nics_only_when_more_cross_than_
 def test_a_gpu_whose_compute_capability_the_file_leaves_out_is_named_in_the_settings_line():
     h100 = _cluster([{"devices": {"h100": 8}, "intra_node_gbps": 450}]).device_type("h100")
     assert "add compute_capability: 9" in capability_hint(h100, 9.0)
-    # Where it changes nothing (Ampere, or no fused attention on the type) the line stays quiet.
+    # Without fused attention it still sets the default efficiency; where it changes nothing
+    # (Ampere, or no fused attention and an efficiency given) the line stays quiet.
     assert capability_hint(h100, 8.0) == ""
-    no_flash = ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {**H100, "flash_attention": False}},
-                                      "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
-    assert capability_hint(no_flash.device_type("h100"), 9.0) == ""
-    stated = ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {**H100, "compute_capability": 9.0}},
-                                    "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
-    assert capability_hint(stated.device_type("h100"), 9.0) == "" and capability_hint(h100, None) == ""
+
+    def h100_with(**fields):
+        return ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {**H100, **fields}},
+                                      "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]}).device_type("h100")
+    assert "add compute_capability" in capability_hint(h100_with(flash_attention=False), 9.0)
+    assert capability_hint(h100_with(flash_attention=False, efficiency=0.6), 9.0) == ""
+    assert capability_hint(h100_with(compute_capability=9.0), 9.0) == "" and capability_hint(h100, None) == ""
+
+
+def test_hopper_s_default_efficiency_is_the_same_share_of_its_lower_best_matmul_rate():
+    """A100's best bf16 matmul reaches 85.9% of its datasheet peak, H100's 80.1%, MI300X's 60.1%
+    (MAMF): with no efficiency in the file, each sustains the same share of its best rate as A100."""
+    a100 = {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "compute_capability": 8.0}
+    types = {"a100": a100, "h100": {**H100, "compute_capability": 9.0}, "h100-stated": {**H100, "efficiency": 0.6},
+             "h100-unknown": H100, "mi300x": {"vendor": "amd", "memory_gib": 192, "peak_tflops": 1307}}
+    cluster = ClusterSpec.from_dict({"version": 1, "device_types": types,
+                                     "nodes": [{"devices": {t: 1 for t in types}, "intra_node_gbps": 300}]})
+    share = {t: cluster.device_type(t).effective_tflops / cluster.device_type(t).peak_tflops for t in types}
+    assert share["a100"] == share["h100-unknown"] == DEFAULT_EFFICIENCY
+    assert share["h100"] / 0.801 == pytest.approx(share["a100"] / 0.859) and share["h100"] == pytest.approx(0.699, abs=1e-3)
+    assert share["mi300x"] / 0.601 == pytest.approx(share["a100"] / 0.859)
+    # An MI300X (1,307 TFLOPS on paper) is no longer taken for 1.4 H100s: they compare as their
+    # measured best matmuls do (781.9 and 792.1 TFLOPS).
+    ratio = cluster.device_type("mi300x").effective_tflops / cluster.device_type("h100").effective_tflops
+    assert ratio == pytest.approx(781.9 / 792.1, rel=0.01)
+    assert share["h100-stated"] == 0.6
+    # The measured share is of bf16 matmuls: fp32 on its own peak keeps the default.
+    gh200 = DeviceType("gh200", "nvidia", 96, 989, peak_tflops_fp32=67, compute_capability=9.0)
+    assert gh200.effective_tflops_for("fp32") == pytest.approx(67 * DEFAULT_EFFICIENCY)

@@ -22,7 +22,8 @@ import numpy as np
 
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
-from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
+                                       default_efficiency)
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -49,9 +50,9 @@ LOSS_BYTES_PER_LOGIT = 48.0
 FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
 # FlashAttention 1 and 2 are written for Ampere's mma instructions. On Hopper (compute capability
 # 9.0) and later, FlashAttention-2 reaches about 35% of the peak (Shah et al. 2024,
-# FlashAttention-3, abstract), against about 60% on A100. FlashAttention-3 is written for Hopper.
-AMPERE_KERNEL_ON_HOPPER = 0.35 / 0.6
-HOPPER_COMPUTE_CAPABILITY = 9.0
+# FlashAttention-3, abstract), against about 60% on A100; against each device's matmul rate
+# (default_efficiency) that is its speed on Hopper. FlashAttention-3 is written for Hopper.
+AMPERE_KERNEL_ON_HOPPER = (0.35 / default_efficiency("nvidia", HOPPER_COMPUTE_CAPABILITY)) / (0.6 / DEFAULT_EFFICIENCY)
 
 
 def fused_attention_speed(version: int, compute_capability: float | None) -> float:

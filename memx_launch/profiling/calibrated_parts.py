@@ -7,7 +7,7 @@ call plus a scale of its analytical time, per device type and model (the physics
 trend in micro-batch, sequence and TP, as for the blocks' offsets).
 
 The efficiency per device type (the share of peak the blocks sustained) is what the analytical
-model of a calibrated type takes in place of the 0.75 default.
+model of a calibrated type takes in place of the default.
 
 The fixed memory overhead (DeviceType.memory_overhead_gib) is the caching allocator's reserve
 over allocated at the peak (peak_reserved - peak_allocated) plus the memory the process holds
@@ -110,7 +110,7 @@ def measured_efficiency(records: list[Measurement]) -> dict:
     communication do not): the analytical time at the record's efficiency e and at e/2 gives
     the compute part C (T(e/2) - T(e) = C) and the rest R, and the measured time M implies
     e x C / (M - R), clipped to (0, 1]. This is what the analytical model (memx plan without a
-    profile) can take as the type's ``efficiency`` in place of the 0.75 default.
+    profile) can take as the type's ``efficiency`` in place of the default.
     """
     by_type: dict[str, list[float]] = {}
     groups = _same_setup_groups(r for r in records if r.feasible and r.time_s and r.time_s > 0)

@@ -50,10 +50,12 @@ def check_declared(declared: DeviceType, rank: int, name: str, vendor: str, memo
 
 def capability_hint(declared: DeviceType, capability: float | None) -> str:
     """What the settings line adds when the file leaves out a compute capability that changes the
-    plan: a Hopper or newer GPU with fused attention, which the cost model would take as Ampere."""
-    from memx_launch.planning.costmodel import HOPPER_COMPUTE_CAPABILITY
+    plan: a Hopper or newer GPU, which the cost model would take as Ampere (its default
+    efficiency, unless the file gives one, and its fused attention kernels' speed)."""
+    from memx_launch.specs.cluster import HOPPER_COMPUTE_CAPABILITY
 
-    if (capability is None or capability < HOPPER_COMPUTE_CAPABILITY or not declared.flash_attention
+    changes_plan = declared.flash_attention or declared.efficiency is None
+    if (capability is None or capability < HOPPER_COMPUTE_CAPABILITY or not changes_plan
             or declared.compute_capability is not None):
         return ""
     return f"; the GPU reports compute capability {capability:g}, the file gives none: add compute_capability: {capability:g}"

@@ -77,12 +77,16 @@ class DeviceType:
 
     @property
     def effective_tflops(self) -> float:
-        return self.peak_tflops * (self.efficiency if self.efficiency is not None else DEFAULT_EFFICIENCY)
+        """Sustained 16-bit matmul TFLOPS: ``efficiency`` (or :func:`default_efficiency`) x peak."""
+        efficiency = self.efficiency if self.efficiency is not None else default_efficiency(self.vendor,
+                                                                                            self.compute_capability)
+        return self.peak_tflops * efficiency
 
     def effective_tflops_for(self, dtype: str) -> float:
-        """Sustained TFLOPS for training in ``dtype`` (the fp32 peak for fp32 when given)."""
+        """Sustained TFLOPS for training in ``dtype``: the fp32 peak for fp32 when given, at the
+        type's efficiency or DEFAULT_EFFICIENCY (the measured Hopper share is of 16-bit matmuls)."""
         if dtype == "fp32" and self.peak_tflops_fp32 is not None:
-            return self.effective_tflops * self.peak_tflops_fp32 / self.peak_tflops
+            return self.peak_tflops_fp32 * (self.efficiency if self.efficiency is not None else DEFAULT_EFFICIENCY)
         return self.effective_tflops
 
     @property
@@ -98,11 +102,35 @@ class DeviceType:
         return COMMUNICATOR_GIB.get(self.vendor, 0.0) * 2**30
 
 
-# Share of the datasheet peak that large 16-bit matmuls and fused attention sustain on
-# datacenter GPUs (cuBLAS reaches 75-85% on A100/H100 for transformer-sized GEMMs). The cost
-# model times memory-bound work, launches and communication separately, so this is the
-# matmul share, not an end-to-end MFU; calibration replaces it per device type.
+# Share of the datasheet peak that a training step's 16-bit matmuls sustain on A100 (and on any
+# device memx knows no better of). The cost model times memory-bound work, launches and
+# communication separately, so this is the matmul share, not an end-to-end MFU; calibration
+# replaces it per device type.
 DEFAULT_EFFICIENCY = 0.75
+# The best-shaped bf16 matmul's share of the datasheet peak, found by a brute-force search over
+# shapes (Maximum Achievable Matmul FLOPS; github.com/stas00/ml-engineering,
+# compute/accelerator/README.md): A100 SXM 85.9% and H100 SXM 80.1% (CUDA 12.1), MI300X 60.1%
+# (ROCm 6.2; MI250X 76.7%). The newer datasheet peaks sit further above what the clocks sustain
+# under the power limit.
+BEST_MATMUL_SHARE = {"ampere": 0.859, "hopper": 0.801, "amd": 0.601}
+# What training's matmuls sustain of the device's best matmul rate: DEFAULT_EFFICIENCY of A100's
+# peak, where it reproduces Megatron's published A100 throughput (benchmarks/published_throughput.py).
+TRAINING_SHARE_OF_BEST_MATMUL = DEFAULT_EFFICIENCY / BEST_MATMUL_SHARE["ampere"]
+# NVIDIA compute capability of Hopper (H100, H200, GH200); later ones are taken as Hopper until measured.
+HOPPER_COMPUTE_CAPABILITY = 9.0
+
+
+def default_efficiency(vendor: str, compute_capability: float | None) -> float:
+    """Share of the datasheet peak a device type's 16-bit training matmuls sustain when its file
+    gives no ``efficiency``: the same share of the device's best matmul rate as on A100
+    (DEFAULT_EFFICIENCY), so about 0.70 on NVIDIA Hopper and 0.52 on AMD (MI300X's share; an
+    MI250X is nearer 0.67). Any other device: DEFAULT_EFFICIENCY."""
+    if vendor == "nvidia" and compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY:
+        return TRAINING_SHARE_OF_BEST_MATMUL * BEST_MATMUL_SHARE["hopper"]
+    if vendor == "amd":
+        return TRAINING_SHARE_OF_BEST_MATMUL * BEST_MATMUL_SHARE["amd"]
+    return DEFAULT_EFFICIENCY
+
 
 # Unmeasured memory above the tensors, per vendor. NVIDIA/AMD: the CUDA/HIP context with the
 # BLAS and attention-kernel modules loaded (~0.75 GiB) and the caching allocator's reserve over
