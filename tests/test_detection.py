@@ -51,6 +51,7 @@ def test_memx_cluster_detect_on_one_node(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     cluster = ClusterSpec.from_yaml(str(tmp_path / "c.yaml"))
     assert cluster.world_size == 2 and len(cluster.nodes) == 1 and cluster.nodes[0].intra_node_gbps > 0
+    assert cluster.device_type("cpu").efficiency == 1.0  # a CPU's measured matmul rate is taken as it is
     assert "all-reduce" in (tmp_path / "c.yaml").read_text()  # what was measured, as comments
     again = _detect(tmp_path, "--out", "c.yaml")  # never overwritten without --force
     _, err = again.communicate(timeout=120)
