@@ -50,11 +50,12 @@ def calibration_check() -> list[dict]:
 
     model = get_model("llama2-7b")
     props = torch.cuda.get_device_properties(0)
-    # The analytical model's view of this GPU: its capacity, the peak the file would declare for
-    # an H200/H100 (989 dense bf16 TFLOPS, 4.8 TB/s), the default efficiency.
+    # The analytical model's view of this GPU: its capacity and compute capability, the peak the
+    # file would declare for an H200/H100 (989 dense bf16 TFLOPS, 4.8 TB/s), the default efficiency.
     cluster = ClusterSpec.from_dict({"version": 1, "name": "this-gpu", "device_types": {"gpu": {
         "vendor": "nvidia", "memory_gib": round(props.total_memory / 2**30, 1), "peak_tflops": 989,
-        "memory_bandwidth_gbps": 4800}}, "nodes": [{"devices": {"gpu": 1}, "intra_node_gbps": 450}]})
+        "memory_bandwidth_gbps": 4800, "compute_capability": props.major + props.minor / 10}},
+        "nodes": [{"devices": {"gpu": 1}, "intra_node_gbps": 450}]})
     device_type = cluster.device_type("gpu")
     samples = [Sample(tp=1, micro_batch_size=m, seq_len=s, recompute=r, num_kv_heads=model.num_kv_heads)
                for m, s, r in CALIBRATION_POINTS]
