@@ -123,7 +123,25 @@ def test_learned_model_carries_the_measured_efficiency_for_compute_share_baselin
     learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, predictor)
     assert 0 < eff["dev"] <= 1 and learned.calibrated_cluster.device_type("dev").efficiency == eff["dev"]
     # The learned ratios stay on the profile's descriptors: its analytical base is unchanged.
-    assert learned.analytical.cluster is CLUSTER
+    assert learned.analytical.cluster.device_type("dev") == DEVICE
+
+
+def test_learned_costs_follow_the_profile_not_what_a_cluster_file_declares_of_its_compute(predictor):
+    """A cluster file that declares the profiled type's peak, efficiency, bandwidth or capability
+    otherwise leaves the learned costs as they were: its ratios scale the base they were fitted
+    against. Its capacity, and a type the profile never measured, stay the file's."""
+    declared = replace(DEVICE, peak_tflops=DEVICE.peak_tflops * 3, efficiency=0.3, compute_capability=9.0,
+                       memory_bandwidth_gbps=(DEVICE.memory_bandwidth_gbps or 100) * 2, memory_gib=DEVICE.memory_gib * 2)
+    other = replace(DEVICE, name="unprofiled")
+    cluster = ClusterSpec("c", (declared, other), (Node("n", (("dev", 1), ("unprofiled", 1)), 100.0),), float("inf"))
+    args = (np.array([0, 0, 0]), np.array([1, 2, 1]), np.array([2, 8, 4]), np.array([64, 128, 64]), np.array([0, 2, 1]))
+    with pytest.warns(UserWarning, match="unprofiled"):
+        learned = LearnedCostModel(SPEC, cluster, TRAINING, predictor)
+    reference = LearnedCostModel(SPEC, CLUSTER, TRAINING, predictor)
+    assert np.allclose(learned.layer_costs(*args).time_s, reference.layer_costs(*args).time_s)
+    assert np.allclose(learned.head_time(*args[:4]), reference.head_time(*args[:4]))
+    assert learned.analytical.cluster.device_type("dev").memory_gib == declared.memory_gib
+    assert learned.analytical.cluster.device_type("unprofiled") == other
 
 
 def test_records_state_the_run_options_their_blocks_ran_with():

@@ -8,7 +8,7 @@ from memx_launch.profiling.interpolation import augment_measurements, classify_t
 from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.errors import ConfigError
 from memx_launch.profiling.prediction_cache import CachedCostModel, PredictionCache, pack_keys, unpack_keys
-from memx_launch.profiling.predictor import LearnedCostModel, Predictor, fit_predictor, sidecar_path
+from memx_launch.profiling.predictor import PREDICTOR_FORMAT, LearnedCostModel, Predictor, fit_predictor, sidecar_path
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
 from memx_launch.specs.model import MODEL_CATALOG
 from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
@@ -76,7 +76,7 @@ def test_predictor_of_another_version_is_a_clear_error(tmp_path, fitted):
     meta["format_version"] = 0
     with open(sidecar_path(path), "w") as f:
         json.dump(meta, f)
-    with pytest.raises(ConfigError, match="format version 0, this memx reads 2; re-train"):
+    with pytest.raises(ConfigError, match=f"format version 0, this memx reads {PREDICTOR_FORMAT}; re-train"):
         Predictor.load(path)
 
 

@@ -9,6 +9,10 @@ trend in micro-batch, sequence and TP, as for the blocks' offsets).
 The efficiency per device type (the share of peak the blocks sustained) is what the analytical
 model of a calibrated type takes in place of the default.
 
+The compute descriptors a type was profiled with (peak, efficiency, HBM bandwidth, compute
+capability, fused attention) are the analytical base its learned ratios were fitted against;
+the learned model predicts on that base whatever a cluster file says of the type's compute.
+
 The fixed memory overhead (DeviceType.memory_overhead_gib) is the caching allocator's reserve
 over allocated at the peak (peak_reserved - peak_allocated) plus the memory the process holds
 outside the allocator (CUDA context, NCCL buffers): the median over a type's records that
@@ -30,6 +34,10 @@ from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceTyp
 from memx_launch.specs.training import TrainingSpec
 
 PARTS = ("embedding", "head")
+# The fields of a device type the analytical block and part times depend on (capacity and
+# memory overhead do not enter them).
+COMPUTE_DESCRIPTORS = ("peak_tflops", "peak_tflops_fp32", "efficiency", "memory_bandwidth_gbps",
+                       "compute_capability", "flash_attention")
 
 
 def _analytical(first: Measurement, efficiency: float | None = None) -> AnalyticalCostModel:
@@ -135,4 +143,22 @@ def with_measured_efficiency(cluster: ClusterSpec, efficiency: dict) -> ClusterS
     where the cluster file gives none: the analytical model of a calibrated type."""
     types = tuple(replace(d, efficiency=efficiency[d.name]) if d.efficiency is None and d.name in efficiency else d
                   for d in cluster.device_types)
+    return replace(cluster, device_types=types)
+
+
+def profiled_descriptors(records: list[Measurement]) -> dict:
+    """{device type: the compute descriptors of its first record}: the base of its learned ratios."""
+    out: dict[str, dict] = {}
+    for r in records:
+        if r.device_type not in out:
+            device = DeviceType(name=r.device_type, **r.device)
+            out[r.device_type] = {k: getattr(device, k) for k in COMPUTE_DESCRIPTORS}
+    return out
+
+
+def with_profiled_descriptors(cluster: ClusterSpec, descriptors: dict) -> ClusterSpec:
+    """``cluster`` whose profiled device types compute as they were profiled
+    (:func:`profiled_descriptors`), so a learned ratio scales the base it was fitted against;
+    capacities, overheads and links stay the cluster's."""
+    types = tuple(replace(d, **descriptors[d.name]) if d.name in descriptors else d for d in cluster.device_types)
     return replace(cluster, device_types=types)

@@ -36,7 +36,8 @@ from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, write_json_atomic
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
-                                                    part_terms, with_measured_efficiency)
+                                                    part_terms, profiled_descriptors, with_measured_efficiency,
+                                                    with_profiled_descriptors)
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -44,7 +45,7 @@ from memx_launch.specs.training import TrainingSpec
 from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, physics_features, training_rows
 
 
-PREDICTOR_FORMAT = 2
+PREDICTOR_FORMAT = 3
 
 
 # Bounds of the tuned hyper-parameters; (name, low, high, log scale, integer).
@@ -246,6 +247,7 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "part_levels": part_levels(list(records)),
         "memory_overhead_gib": measured_overhead_gib(list(records)),
         "efficiency": measured_efficiency(list(records)),
+        "device_descriptors": profiled_descriptors(list(records)),
         "hyperparameters": params,
         "cv_error": cv_error,
         "tuning_history": history,
@@ -258,7 +260,10 @@ class LearnedCostModel:
     """The analytical model scaled by learned ratios; a drop-in ``LayerCostModel``."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, predictor: Predictor):
-        self.analytical = AnalyticalCostModel(model, cluster, training)
+        # The ratios scale the analytical model of the profiled types as they were profiled,
+        # not as the cluster file declares them.
+        base = with_profiled_descriptors(cluster, predictor.meta.get("device_descriptors", {}))
+        self.analytical = AnalyticalCostModel(model, base, training)
         self.model, self.cluster, self.training = model, cluster, training
         self.device_names = self.analytical.device_names
         self.device_types = self.analytical.device_types
