@@ -11,7 +11,7 @@ from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
                                                     with_measured_efficiency)
-from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
+from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor, training_signature
 from memx_launch.specs.cluster import ClusterSpec, Node
 from memx_launch.specs.model import MODEL_CATALOG
 from memx_launch.specs.training import TrainingSpec
@@ -112,9 +112,6 @@ def test_measured_efficiency_recovers_the_share_of_peak_the_blocks_sustained():
     assert calibrated.device_type("dev").efficiency == pytest.approx(0.4, rel=0.02)
     again = AnalyticalCostModel(big, calibrated, TRAINING).layer_costs([0], [1], [4], [64], [0]).time_s
     assert again == pytest.approx(slow.layer_costs([0], [1], [4], [64], [0]).time_s, rel=0.02)
-    # A value the cluster file gives wins over the measured one.
-    given = ClusterSpec("c", (replace(DEVICE, efficiency=0.6),), CLUSTER.nodes, float("inf"))
-    assert with_measured_efficiency(given, eff).device_type("dev").efficiency == 0.6
     assert fit_predictor(records, trials=2).meta["efficiency"]["dev"] == pytest.approx(0.4, rel=0.02)
 
 
@@ -122,6 +119,11 @@ def test_learned_model_carries_the_measured_efficiency_for_compute_share_baselin
     eff = predictor.meta["efficiency"]
     learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, predictor)
     assert 0 < eff["dev"] <= 1 and learned.calibrated_cluster.device_type("dev").efficiency == eff["dev"]
+    # On the profiled peak, whatever peak and efficiency the file declares: the measured share is of it.
+    declared = ClusterSpec("c", (replace(DEVICE, peak_tflops=DEVICE.peak_tflops * 3, efficiency=0.6),), CLUSTER.nodes,
+                           float("inf"))
+    baseline = LearnedCostModel(SPEC, declared, TRAINING, predictor).calibrated_cluster.device_type("dev")
+    assert baseline.effective_tflops == pytest.approx(DEVICE.peak_tflops * eff["dev"])
     # The learned ratios stay on the profile's descriptors: its analytical base is unchanged.
     assert learned.analytical.cluster.device_type("dev") == DEVICE
 
@@ -130,7 +132,7 @@ def test_learned_costs_follow_the_profile_not_what_a_cluster_file_declares_of_it
     """A cluster file that declares the profiled type's peak, efficiency, bandwidth or capability
     otherwise leaves the learned costs as they were: its ratios scale the base they were fitted
     against. Its capacity, and a type the profile never measured, stay the file's."""
-    declared = replace(DEVICE, peak_tflops=DEVICE.peak_tflops * 3, efficiency=0.3, compute_capability=9.0,
+    declared = replace(DEVICE, vendor="amd", peak_tflops=DEVICE.peak_tflops * 3, compute_capability=9.0,
                        memory_bandwidth_gbps=(DEVICE.memory_bandwidth_gbps or 100) * 2, memory_gib=DEVICE.memory_gib * 2)
     other = replace(DEVICE, name="unprofiled")
     cluster = ClusterSpec("c", (declared, other), (Node("n", (("dev", 1), ("unprofiled", 1)), 100.0),), float("inf"))
@@ -142,6 +144,23 @@ def test_learned_costs_follow_the_profile_not_what_a_cluster_file_declares_of_it
     assert np.allclose(learned.head_time(*args[:4]), reference.head_time(*args[:4]))
     assert learned.analytical.cluster.device_type("dev").memory_gib == declared.memory_gib
     assert learned.analytical.cluster.device_type("unprofiled") == other
+    assert LearnedCostModel(SPEC, ClusterSpec("c", (replace(DEVICE, efficiency=0.3),), CLUSTER.nodes, float("inf")),
+                            TRAINING, predictor).layer_costs(*args).time_s == pytest.approx(
+        reference.layer_costs(*args).time_s)
+    # Whether the run may use fused attention stays the file's: without it a block that keeps
+    # everything (the first query) keeps the scores too.
+    no_flash = ClusterSpec("c", (replace(DEVICE, flash_attention=False),), CLUSTER.nodes, float("inf"))
+    kept = LearnedCostModel(SPEC, no_flash, TRAINING, predictor).layer_costs(*args).activation_bytes
+    assert kept[0] > reference.layer_costs(*args).activation_bytes[0]
+
+
+def test_a_type_profiled_under_several_descriptions_is_fitted_on_the_one_most_records_carry():
+    records = gpu_records()
+    redetected = [replace(r, device={**r.device, "peak_tflops": r.device["peak_tflops"] * 1.1}) for r in records[:3]]
+    with pytest.warns(UserWarning, match="device type dev carry 2 different device descriptions"):
+        fitted = fit_predictor(redetected + records[3:], trials=2)
+    assert fitted.meta["device_descriptors"]["dev"]["peak_tflops"] == DEVICE.peak_tflops
+    assert fitted.meta["training"] == training_signature(redetected + records[3:])  # the profile as stored
 
 
 def test_records_state_the_run_options_their_blocks_ran_with():

@@ -1,4 +1,5 @@
 import json
+import os
 import warnings
 
 import numpy as np
@@ -135,10 +136,25 @@ def test_load_cost_model_fits_once_then_reuses(tmp_path, monkeypatch):
     ProfileDB(path).append(synthetic_records(mbs_values=(1, 4, 16), seqs=(32, 128)))
     model = predictor_module.load_cost_model(path, SPEC, CLUSTER, TRAINING, trials=2)
     assert isinstance(model, CachedCostModel) and model.layer_costs(0, 1, 2, 64, 0).time_s.shape == ()
+    # The cache keeps the profiled descriptors: a file declaring the type otherwise predicts the same.
+    declared = ClusterSpec("c", (DeviceType(name="dev", vendor="nvidia", memory_gib=16, peak_tflops=500,
+                                            efficiency=0.2),), CLUSTER.nodes, float("inf"))
+    refit = predictor_module.fit_predictor
     monkeypatch.setattr(predictor_module, "fit_predictor", lambda *a, **k: pytest.fail("refitted"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        predictor_module.load_cost_model(path, SPEC, CLUSTER, TRAINING, trials=2)
+        cached = predictor_module.load_cost_model(path, SPEC, declared, TRAINING, trials=2)
+    assert cached.layer_costs(0, 1, 2, 64, 0).time_s == pytest.approx(model.layer_costs(0, 1, 2, 64, 0).time_s)
+    # A cache of an older format is fitted again, not an error.
+    with open(sidecar_path(os.path.splitext(path)[0] + ".predictor.ubj")) as f:
+        meta = json.load(f)
+    meta["format_version"] = PREDICTOR_FORMAT - 1
+    with open(sidecar_path(os.path.splitext(path)[0] + ".predictor.ubj"), "w") as f:
+        json.dump(meta, f)
+    fits = []
+    monkeypatch.setattr(predictor_module, "fit_predictor", lambda *a, **k: fits.append(1) or refit(*a, **k))
+    predictor_module.load_cost_model(path, SPEC, CLUSTER, TRAINING, trials=2)
+    assert fits == [1]
 
 
 def test_offsets_follow_each_measured_tp_degree_and_interpolate_between():

@@ -9,9 +9,11 @@ trend in micro-batch, sequence and TP, as for the blocks' offsets).
 The efficiency per device type (the share of peak the blocks sustained) is what the analytical
 model of a calibrated type takes in place of the default.
 
-The compute descriptors a type was profiled with (peak, efficiency, HBM bandwidth, compute
-capability, fused attention) are the analytical base its learned ratios were fitted against;
-the learned model predicts on that base whatever a cluster file says of the type's compute.
+The compute descriptors a type was profiled with (vendor, peak, efficiency, HBM bandwidth,
+compute capability) are the analytical base its learned ratios were fitted against; the learned
+model predicts on that base whatever a cluster file says of the type's compute. A profile whose
+records of one type carry different descriptors (a re-detected peak, an older memx) is fitted on
+one set, that of most of them.
 
 The fixed memory overhead (DeviceType.memory_overhead_gib) is the caching allocator's reserve
 over allocated at the peak (peak_reserved - peak_allocated) plus the memory the process holds
@@ -21,8 +23,10 @@ measured both. No torch import here.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -34,10 +38,11 @@ from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceTyp
 from memx_launch.specs.training import TrainingSpec
 
 PARTS = ("embedding", "head")
-# The fields of a device type the analytical block and part times depend on (capacity and
-# memory overhead do not enter them).
-COMPUTE_DESCRIPTORS = ("peak_tflops", "peak_tflops_fp32", "efficiency", "memory_bandwidth_gbps",
-                       "compute_capability", "flash_attention")
+# The fields of a device type the analytical block and part times depend on (the vendor: the
+# default efficiency, launches and link latency). Capacity and memory overhead do not enter
+# them, and fused attention is what the cluster file says the run may use.
+COMPUTE_DESCRIPTORS = ("vendor", "peak_tflops", "peak_tflops_fp32", "efficiency", "memory_bandwidth_gbps",
+                       "compute_capability")
 
 
 def _analytical(first: Measurement, efficiency: float | None = None) -> AnalyticalCostModel:
@@ -124,7 +129,7 @@ def measured_efficiency(records: list[Measurement]) -> dict:
     groups = _same_setup_groups(r for r in records if r.feasible and r.time_s and r.time_s > 0)
     for rows in groups.values():
         first = rows[0]
-        e = first.device.get("efficiency") or DEFAULT_EFFICIENCY
+        e = first.device.get("efficiency") or DEFAULT_EFFICIENCY  # any e: e x C does not depend on it
         query = (np.zeros(len(rows), dtype=np.int64), [r.tp for r in rows], [r.micro_batch_size for r in rows],
                  [r.seq_len for r in rows], [RECOMPUTE_LEVELS.index(r.recompute) for r in rows])
         at_e = _analytical(first, e).layer_costs(*query).time_s
@@ -139,15 +144,34 @@ def measured_efficiency(records: list[Measurement]) -> dict:
 
 
 def with_measured_efficiency(cluster: ClusterSpec, efficiency: dict) -> ClusterSpec:
-    """``cluster`` whose device types take their measured efficiency (:func:`measured_efficiency`)
-    where the cluster file gives none: the analytical model of a calibrated type."""
-    types = tuple(replace(d, efficiency=efficiency[d.name]) if d.efficiency is None and d.name in efficiency else d
+    """``cluster`` whose measured device types take their measured efficiency
+    (:func:`measured_efficiency`), on the descriptors they were measured with
+    (:func:`with_profiled_descriptors`): the analytical model of a calibrated type."""
+    types = tuple(replace(d, efficiency=efficiency[d.name]) if d.name in efficiency else d
                   for d in cluster.device_types)
     return replace(cluster, device_types=types)
 
 
+def one_descriptor_set(records: list[Measurement]) -> list[Measurement]:
+    """``records`` with every record of a device type carrying the same descriptors: those most
+    of its records carry (the latest of equally common sets), said in a warning when they differ."""
+    sets: dict[str, collections.Counter] = {}
+    for r in records:
+        sets.setdefault(r.device_type, collections.Counter())[json.dumps(r.device, sort_keys=True)] += 1
+    chosen = {}
+    for name, counter in sets.items():
+        top = max(counter.values())
+        chosen[name] = json.loads([key for key in counter if counter[key] == top][-1])
+        if len(counter) > 1:
+            warnings.warn(f"the profile's records of device type {name} carry {len(counter)} different device "
+                          f"descriptions; fitted on the one {top} of {sum(counter.values())} carry: {chosen[name]}",
+                          stacklevel=2)
+    return [r if r.device == chosen[r.device_type] else replace(r, device=chosen[r.device_type]) for r in records]
+
+
 def profiled_descriptors(records: list[Measurement]) -> dict:
-    """{device type: the compute descriptors of its first record}: the base of its learned ratios."""
+    """{device type: its compute descriptors (:data:`COMPUTE_DESCRIPTORS`)}, from records of one
+    descriptor set per type (:func:`one_descriptor_set`): the base of its learned ratios."""
     out: dict[str, dict] = {}
     for r in records:
         if r.device_type not in out:
@@ -159,6 +183,6 @@ def profiled_descriptors(records: list[Measurement]) -> dict:
 def with_profiled_descriptors(cluster: ClusterSpec, descriptors: dict) -> ClusterSpec:
     """``cluster`` whose profiled device types compute as they were profiled
     (:func:`profiled_descriptors`), so a learned ratio scales the base it was fitted against;
-    capacities, overheads and links stay the cluster's."""
+    capacities, overheads, fused attention and links stay the cluster's."""
     types = tuple(replace(d, **descriptors[d.name]) if d.name in descriptors else d for d in cluster.device_types)
     return replace(cluster, device_types=types)

@@ -36,8 +36,8 @@ from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, write_json_atomic
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
-                                                    part_terms, profiled_descriptors, with_measured_efficiency,
-                                                    with_profiled_descriptors)
+                                                    one_descriptor_set, part_terms, profiled_descriptors,
+                                                    with_measured_efficiency, with_profiled_descriptors)
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -226,7 +226,11 @@ def tune_hyperparameters(ts: TrainingSet, *, trials: int = 10, initial: int = 4,
 def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = (), trials: int = 10,
                   seed: int = 0) -> Predictor:
     """Fit the two-output model on measured (plus augmented) records, tuning by CV."""
-    ts = training_rows(list(records) + list(augmented))
+    signature = training_signature(list(records))
+    # One analytical base per device type: what the learned model predicts on.
+    consistent = one_descriptor_set(list(records) + list(augmented))
+    records, augmented = consistent[:len(records)], consistent[len(records):]
+    ts = training_rows(records + augmented)
     if len(ts.X) < 4:
         raise ConfigError("profile", f"only {len(ts.X)} feasible measurements",
                           "profile at least 4 configurations (memx profile --budget)")
@@ -240,7 +244,7 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "format_version": PREDICTOR_FORMAT,
         "feature_names": list(FEATURE_NAMES),
         "targets": ["log(measured_time / analytical_time)", "log(measured_memory / analytical_memory)"],
-        "training": training_signature(list(records)),
+        "training": signature,
         "rows": {"measured": len(records), "augmented": len(augmented), "used": int(len(ts.X)),
                  "with_memory": int(ts.has_memory.sum())},
         "offsets": asdict(offsets),
@@ -283,9 +287,8 @@ class LearnedCostModel:
         measured = predictor.meta.get("memory_overhead_gib", {})
         self.measured_overhead_bytes = {d.name: measured[d.name] * 2**30 for d in self.device_types
                                         if d.memory_overhead_gib is None and d.name in measured}
-        # The cluster as the analytical model should see it: measured efficiencies where the file
-        # gives none (compute-share baselines); the learned ratios stay on the profile's descriptors.
-        self.calibrated_cluster = with_measured_efficiency(cluster, predictor.meta.get("efficiency", {}))
+        # Compute-share baselines: the profiled types at the efficiency their blocks sustained.
+        self.calibrated_cluster = with_measured_efficiency(base, predictor.meta.get("efficiency", {}))
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape

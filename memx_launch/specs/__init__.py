@@ -1,8 +1,8 @@
 """What is trained (model), on what (cluster) and how (training): validated specs, no torch."""
 
-from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType, Emulation, Node
+from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType, Emulation, Node, default_efficiency
 from memx_launch.specs.model import MODEL_CATALOG, ModelSpec, get_model
 from memx_launch.specs.training import DTYPE_BYTES, OPTIMIZERS, TrainingSpec
 
 __all__ = ["DEFAULT_EFFICIENCY", "DTYPE_BYTES", "MODEL_CATALOG", "OPTIMIZERS", "ClusterSpec", "DeviceType",
-           "Emulation", "ModelSpec", "Node", "TrainingSpec", "get_model"]
+           "Emulation", "ModelSpec", "Node", "TrainingSpec", "default_efficiency", "get_model"]
