@@ -97,6 +97,7 @@ class Evaluator:
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
         self.communicator_bytes = np.array([d.communicator_bytes for d in self.device_types])
+        self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
 
     def usable(self, capacity: np.ndarray) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -144,6 +145,17 @@ class Evaluator:
         """:meth:`split_inputs` on each row of the layout's device types."""
         return [self.split_inputs(layout, mbs, seq, v, levels, k) for k in range(len(layout.replica_device))]
 
+    def uniform_inputs(self, layout, mbs, seq, v, level) -> list[tuple]:
+        """:meth:`replica_inputs` with every stage at ``level`` (one row, broadcasting against a
+        group's rows), kept for the latest group: the search asks the full-recompute bound of a
+        group, then the hard rule asks every level of it."""
+        group = (mbs, seq, v)
+        if self._uniform_layout is not layout or self._uniform_group != group:
+            self._uniform_layout, self._uniform_group, self._uniform = layout, group, {}
+        if level not in self._uniform:
+            self._uniform[level] = self.replica_inputs(layout, mbs, seq, v, np.full((1, layout.pp), level))
+        return self._uniform[level]
+
     def _max_layers(self, layout, inputs) -> np.ndarray:
         """Layers each stage can hold on every one of its device types (``inputs``:
         :meth:`replica_inputs` at the levels in question)."""
@@ -162,22 +174,14 @@ class Evaluator:
         L = self.model.num_layers
         min_layers = v if schedule == "interleaved" else 1
         replicas = range(len(layout.replica_device))
-        by_level = {}
-
-        def uniform(level):
-            """:meth:`replica_inputs` with every stage at ``level``, computed once per call."""
-            if level not in by_level:
-                by_level[level] = self.replica_inputs(layout, mbs, seq, v, np.full_like(levels, level))
-            return by_level[level]
-
         if layers is None:
             inputs = self.replica_inputs(layout, mbs, seq, v, levels)
             t_layer, edge_t = (np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)) \
                 if layout.mixed else inputs[0][2:4]
             layers, feasible = balance_layers(t_layer, edge_t, self._max_layers(layout, inputs), L, min_layers)
-            levels = self.lowest_fitting_levels(layout, levels, layers, uniform)
+            levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
             if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any() and cm.NONE in self.allowed_levels:
-                recompute_layers = self.fewest_recomputed_layers(layout, levels, layers, uniform)
+                recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
         memories, times, fits = [], [], []
         for k in replicas:
             per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels, k)
@@ -185,7 +189,7 @@ class Evaluator:
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
                 # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
-                none_layer, none_fixed, none_t, _, _ = uniform(cm.NONE)[k]
+                none_layer, none_fixed, none_t, _, _ = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
                 r = np.minimum(recompute_layers, layers)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
@@ -211,31 +215,30 @@ class Evaluator:
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
-        full = np.full((1, layout.pp), self.allowed_levels[-1])
-        max_layers = self._max_layers(layout, self.replica_inputs(layout, mbs, seq, v, full))
+        max_layers = self._max_layers(layout, self.uniform_inputs(layout, mbs, seq, v, self.allowed_levels[-1]))
         min_layers = v if schedule == "interleaved" else 1
         return bool((max_layers >= min_layers).all() and max_layers.sum() >= self.model.num_layers)
 
-    def lowest_fitting_levels(self, layout, levels, layers, uniform) -> np.ndarray:
-        """Hard rule per stage: keep no recompute where it fits, else the lightest level that does.
-        ``uniform(level)``: :meth:`replica_inputs` with every stage at ``level``."""
+    def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
+        """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
         best = levels.copy()
         for level in reversed(self.allowed_levels):
             fits = True
-            for (per_layer, fixed, *_), capacity in zip(uniform(level), layout.replica_capacity):
+            for (per_layer, fixed, *_), capacity in zip(self.uniform_inputs(layout, mbs, seq, v, level),
+                                                        layout.replica_capacity):
                 fits = fits & (layers * per_layer + fixed <= self.usable(capacity))
             best = np.where(fits & (level < best), level, best)
         return best
 
-    def fewest_recomputed_layers(self, layout, levels, layers, uniform) -> np.ndarray:
+    def fewest_recomputed_layers(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
         """Per stage, how many of its first layers must recompute fully for it to fit (on each of
         its device types), where the hard rule chose full recompute (Megatron's block method);
         the others keep their level on every layer. A stage that fits nowhere keeps all its
-        layers. ``uniform(level)``: :meth:`replica_inputs` with every stage at ``level``."""
+        layers."""
         fewest = np.ones_like(layers, dtype=np.float64)
         for k, capacity in enumerate(layout.replica_capacity):
-            full_layer, full_fixed, *_ = uniform(cm.FULL)[k]
-            none_layer = uniform(cm.NONE)[k][0]
+            full_layer, full_fixed, *_ = self.uniform_inputs(layout, mbs, seq, v, cm.FULL)[k]
+            none_layer = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k][0]
             # k full layers and n - k kept: k (full - none) + n none + fixed <= usable.
             saved = np.maximum(none_layer - full_layer, 1.0)
             fewest = np.maximum(fewest, np.ceil((layers * none_layer + full_fixed - self.usable(capacity)) / saved))
