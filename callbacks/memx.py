@@ -31,6 +31,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
 from memx_launch.models.adapters import ModelParts, find_blocks
 from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
+from memx_launch.runtime.detection import detect_cluster
 from memx_launch.runtime.devices import detect_rank_device
 from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
 from memx_launch.specs.cluster import ClusterSpec
@@ -79,7 +80,7 @@ class MemxCallback(pl.Callback):
         rank = trainer.global_rank
         device = detect_rank_device(cluster, rank, trainer.local_rank)
         if cluster is None:
-            cluster = ClusterSpec.from_dict(_detected_cluster(device, trainer))
+            cluster = ClusterSpec.from_dict(detect_cluster(device, trainer.local_rank, trainer.num_devices)[0])
         if cluster.world_size != trainer.world_size:
             raise ConfigError("cluster", f"{cluster.name} declares {cluster.world_size} devices but the Trainer runs "
                               f"{trainer.world_size}", "set Trainer(devices=..., num_nodes=...) to the cluster file")
@@ -258,15 +259,6 @@ class MemxCallback(pl.Callback):
         if state_dict.get("decision"):
             self.decision = Decision.from_dict(state_dict["decision"])
             self.resumed = True
-
-
-def _detected_cluster(device, trainer) -> dict:
-    """The Trainer's devices described as memx-run's detection does (every rank, collective
-    under DDP; a single process reports itself alone)."""
-    from memx_launch.runtime.detection import describe, detect_cluster, rank_report
-    if dist.is_initialized():
-        return detect_cluster(device, trainer.local_rank, trainer.num_devices)[0]
-    return describe([rank_report(device, 0, 1)], [[0]], [{}])
 
 
 def _checkpointed(block: torch.nn.Module, on: bool) -> None:

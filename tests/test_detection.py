@@ -84,3 +84,15 @@ def test_replanning_finds_the_detected_cluster(tmp_path):
     (tmp_path / "cluster.yaml").write_text("version: 1\n")
     assert cluster_path(env) == str(tmp_path / "cluster.yaml")
     assert cluster_path({**env, "MEMX_CLUSTER": "given.yaml"}) == "given.yaml"
+
+
+def test_a_single_process_without_a_process_group_describes_itself_alone():
+    import torch.distributed as dist
+
+    from memx_launch.runtime.detection import detect_cluster
+    from memx_launch.runtime.devices import detect_rank_device
+
+    assert not dist.is_initialized()
+    data, note = detect_cluster(detect_rank_device(None, 0, 0), 0, 1)
+    cluster = ClusterSpec.from_dict(data)
+    assert cluster.world_size == 1 and cluster.rank_device_types() == ["cpu"] and "one device" in note

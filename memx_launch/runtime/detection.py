@@ -113,9 +113,12 @@ def nodes_of(reports: list[dict]) -> list[list[int]]:
 
 def detect_cluster(rank_device: RankDevice, local_rank: int, local_count: int) -> tuple[dict, str]:
     """Every rank: report, probe the links; returns the cluster description (a dict for
-    ClusterSpec.from_dict) and comment lines with what was measured, on every rank."""
+    ClusterSpec.from_dict) and comment lines with what was measured, on every rank. A single
+    process without a process group describes itself alone."""
     reports = all_gather_json(rank_report(rank_device, local_rank, local_count))
     nodes = nodes_of(reports)
+    if not dist.is_initialized():  # a single process (Lightning on one device): no link to probe
+        return describe(reports, nodes, [{}]), probe_note(reports, nodes, [{}])
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     # new_group is collective: every rank creates every group, in the same order.
     node_groups = [dist.new_group(ranks) if len(ranks) > 1 else None for ranks in nodes]
