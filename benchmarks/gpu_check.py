@@ -42,7 +42,7 @@ def calibration_check() -> list[dict]:
 
     from memx_launch.planning.costmodel import AnalyticalCostModel
     from memx_launch.planning.plan import RECOMPUTE_LEVELS
-    from memx_launch.profiling.kernel import calibrate
+    from memx_launch.profiling.kernel import calibrate, compute_capability
     from memx_launch.profiling.space import Sample
     from memx_launch.specs.cluster import ClusterSpec
     from memx_launch.specs.model import get_model
@@ -54,7 +54,7 @@ def calibration_check() -> list[dict]:
     # file would declare for an H200/H100 (989 dense bf16 TFLOPS, 4.8 TB/s), the default efficiency.
     cluster = ClusterSpec.from_dict({"version": 1, "name": "this-gpu", "device_types": {"gpu": {
         "vendor": "nvidia", "memory_gib": round(props.total_memory / 2**30, 1), "peak_tflops": 989,
-        "memory_bandwidth_gbps": 4800, "compute_capability": props.major + props.minor / 10}},
+        "memory_bandwidth_gbps": 4800, "compute_capability": compute_capability(props)}},
         "nodes": [{"devices": {"gpu": 1}, "intra_node_gbps": 450}]})
     device_type = cluster.device_type("gpu")
     samples = [Sample(tp=1, micro_batch_size=m, seq_len=s, recompute=r, num_kv_heads=model.num_kv_heads)

@@ -23,7 +23,7 @@ import numpy as np
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
-                                       default_efficiency)
+                                       default_efficiency, hopper_or_later)
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -58,7 +58,7 @@ AMPERE_KERNEL_ON_HOPPER = (0.35 / default_efficiency("nvidia", HOPPER_COMPUTE_CA
 def fused_attention_speed(version: int, compute_capability: float | None) -> float:
     """Speed of the fused attention kernel against the device's matmuls."""
     speed = FLASH_ATTENTION_SPEED[version]
-    if version < 3 and compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY:
+    if version < 3 and hopper_or_later(compute_capability):
         speed *= AMPERE_KERNEL_ON_HOPPER
     return speed
 

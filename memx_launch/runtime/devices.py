@@ -10,7 +10,7 @@ import torch
 
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.emulation import EmulatedDevice, device_for_rank
-from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.cluster import ClusterSpec, DeviceType, hopper_or_later
 
 
 @dataclass
@@ -52,11 +52,8 @@ def capability_hint(declared: DeviceType, capability: float | None) -> str:
     """What the settings line adds when the file leaves out a compute capability that changes the
     plan: a Hopper or newer GPU, which the cost model would take as Ampere (its default
     efficiency, unless the file gives one, and its fused attention kernels' speed)."""
-    from memx_launch.specs.cluster import HOPPER_COMPUTE_CAPABILITY
-
     changes_plan = declared.flash_attention or declared.efficiency is None
-    if (capability is None or capability < HOPPER_COMPUTE_CAPABILITY or not changes_plan
-            or declared.compute_capability is not None):
+    if not hopper_or_later(capability) or not changes_plan or declared.compute_capability is not None:
         return ""
     return f"; the GPU reports compute capability {capability:g}, the file gives none: add compute_capability: {capability:g}"
 

@@ -120,12 +120,17 @@ TRAINING_SHARE_OF_BEST_MATMUL = DEFAULT_EFFICIENCY / BEST_MATMUL_SHARE["ampere"]
 HOPPER_COMPUTE_CAPABILITY = 9.0
 
 
+def hopper_or_later(compute_capability: float | None) -> bool:
+    """An NVIDIA compute capability of Hopper or later (unset: taken as Ampere)."""
+    return compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY
+
+
 def default_efficiency(vendor: str, compute_capability: float | None) -> float:
     """Share of the datasheet peak a device type's 16-bit training matmuls sustain when its file
     gives no ``efficiency``: the same share of the device's best matmul rate as on A100
     (DEFAULT_EFFICIENCY), so about 0.70 on NVIDIA Hopper and 0.52 on AMD (MI300X's share; an
     MI250X is nearer 0.67). Any other device: DEFAULT_EFFICIENCY."""
-    if vendor == "nvidia" and compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY:
+    if vendor == "nvidia" and hopper_or_later(compute_capability):
         return TRAINING_SHARE_OF_BEST_MATMUL * BEST_MATMUL_SHARE["hopper"]
     if vendor == "amd":
         return TRAINING_SHARE_OF_BEST_MATMUL * BEST_MATMUL_SHARE["amd"]
