@@ -10,7 +10,7 @@ import pytest
 from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
-                                                    with_measured_efficiency)
+                                                    with_type_fields)
 from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor, training_signature
 from memx_launch.specs.cluster import ClusterSpec, Node
 from memx_launch.specs.model import MODEL_CATALOG
@@ -108,7 +108,7 @@ def test_measured_efficiency_recovers_the_share_of_peak_the_blocks_sustained():
     assert measured_efficiency(synthetic_records(mbs_values=(1,), seqs=(32,))) == {}
     eff = measured_efficiency(records)
     assert eff == {"dev": pytest.approx(0.4, rel=0.02)}
-    calibrated = with_measured_efficiency(CLUSTER, eff)
+    calibrated = with_type_fields(CLUSTER, {"dev": {"efficiency": eff["dev"]}})
     assert calibrated.device_type("dev").efficiency == pytest.approx(0.4, rel=0.02)
     again = AnalyticalCostModel(big, calibrated, TRAINING).layer_costs([0], [1], [4], [64], [0]).time_s
     assert again == pytest.approx(slow.layer_costs([0], [1], [4], [64], [0]).time_s, rel=0.02)

@@ -143,22 +143,15 @@ def measured_efficiency(records: list[Measurement]) -> dict:
     return {name: float(np.median(v)) for name, v in sorted(by_type.items()) if v}
 
 
-def with_measured_efficiency(cluster: ClusterSpec, efficiency: dict) -> ClusterSpec:
-    """``cluster`` whose measured device types take their measured efficiency
-    (:func:`measured_efficiency`), on the descriptors they were measured with
-    (:func:`with_profiled_descriptors`): the analytical model of a calibrated type."""
-    types = tuple(replace(d, efficiency=efficiency[d.name]) if d.name in efficiency else d
-                  for d in cluster.device_types)
-    return replace(cluster, device_types=types)
-
-
-def one_descriptor_set(records: list[Measurement]) -> list[Measurement]:
-    """``records`` with every record of a device type carrying the same descriptors: those most
-    of its records carry (the latest of equally common sets), said in a warning when they differ."""
+def one_descriptor_set(records: list[Measurement]) -> tuple[list[Measurement], dict]:
+    """``records`` with every record of a device type carrying the same descriptors (those most
+    of its records carry, the latest of equally common sets; a warning when they differ), and
+    {device type: its compute descriptors (:data:`COMPUTE_DESCRIPTORS`)}: the base of its learned
+    ratios."""
     sets: dict[str, collections.Counter] = {}
     for r in records:
         sets.setdefault(r.device_type, collections.Counter())[json.dumps(r.device, sort_keys=True)] += 1
-    chosen = {}
+    chosen, descriptors = {}, {}
     for name, counter in sets.items():
         top = max(counter.values())
         chosen[name] = json.loads([key for key in counter if counter[key] == top][-1])
@@ -166,23 +159,17 @@ def one_descriptor_set(records: list[Measurement]) -> list[Measurement]:
             warnings.warn(f"the profile's records of device type {name} carry {len(counter)} different device "
                           f"descriptions; fitted on the one {top} of {sum(counter.values())} carry: {chosen[name]}",
                           stacklevel=2)
-    return [r if r.device == chosen[r.device_type] else replace(r, device=chosen[r.device_type]) for r in records]
+        device = DeviceType(name=name, **chosen[name])
+        descriptors[name] = {k: getattr(device, k) for k in COMPUTE_DESCRIPTORS}
+    records = [r if r.device == chosen[r.device_type] else replace(r, device=chosen[r.device_type]) for r in records]
+    return records, descriptors
 
 
-def profiled_descriptors(records: list[Measurement]) -> dict:
-    """{device type: its compute descriptors (:data:`COMPUTE_DESCRIPTORS`)}, from records of one
-    descriptor set per type (:func:`one_descriptor_set`): the base of its learned ratios."""
-    out: dict[str, dict] = {}
-    for r in records:
-        if r.device_type not in out:
-            device = DeviceType(name=r.device_type, **r.device)
-            out[r.device_type] = {k: getattr(device, k) for k in COMPUTE_DESCRIPTORS}
-    return out
-
-
-def with_profiled_descriptors(cluster: ClusterSpec, descriptors: dict) -> ClusterSpec:
-    """``cluster`` whose profiled device types compute as they were profiled
-    (:func:`profiled_descriptors`), so a learned ratio scales the base it was fitted against;
-    capacities, overheads, fused attention and links stay the cluster's."""
-    types = tuple(replace(d, **descriptors[d.name]) if d.name in descriptors else d for d in cluster.device_types)
+def with_type_fields(cluster: ClusterSpec, fields_by_type: dict) -> ClusterSpec:
+    """``cluster`` whose device types named in ``fields_by_type`` take those field values: the
+    profiled compute descriptors (:func:`one_descriptor_set`), so a learned ratio scales the base
+    it was fitted against, or the measured efficiency (:func:`measured_efficiency`); capacities,
+    overheads, fused attention and links stay the cluster's."""
+    types = tuple(replace(d, **fields_by_type[d.name]) if d.name in fields_by_type else d
+                  for d in cluster.device_types)
     return replace(cluster, device_types=types)

@@ -36,8 +36,7 @@ from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, write_json_atomic
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
-                                                    one_descriptor_set, part_terms, profiled_descriptors,
-                                                    with_measured_efficiency, with_profiled_descriptors)
+                                                    one_descriptor_set, part_terms, with_type_fields)
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -226,9 +225,9 @@ def tune_hyperparameters(ts: TrainingSet, *, trials: int = 10, initial: int = 4,
 def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = (), trials: int = 10,
                   seed: int = 0) -> Predictor:
     """Fit the two-output model on measured (plus augmented) records, tuning by CV."""
-    signature = training_signature(list(records))
+    signature = training_signature(records)
     # One analytical base per device type: what the learned model predicts on.
-    consistent = one_descriptor_set(list(records) + list(augmented))
+    consistent, descriptors = one_descriptor_set(list(records) + list(augmented))
     records, augmented = consistent[:len(records)], consistent[len(records):]
     ts = training_rows(records + augmented)
     if len(ts.X) < 4:
@@ -248,10 +247,10 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "rows": {"measured": len(records), "augmented": len(augmented), "used": int(len(ts.X)),
                  "with_memory": int(ts.has_memory.sum())},
         "offsets": asdict(offsets),
-        "part_levels": part_levels(list(records)),
-        "memory_overhead_gib": measured_overhead_gib(list(records)),
-        "efficiency": measured_efficiency(list(records)),
-        "device_descriptors": profiled_descriptors(list(records)),
+        "part_levels": part_levels(records),
+        "memory_overhead_gib": measured_overhead_gib(records),
+        "efficiency": measured_efficiency(records),
+        "device_descriptors": descriptors,
         "hyperparameters": params,
         "cv_error": cv_error,
         "tuning_history": history,
@@ -266,7 +265,7 @@ class LearnedCostModel:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, predictor: Predictor):
         # The ratios scale the analytical model of the profiled types as they were profiled,
         # not as the cluster file declares them.
-        base = with_profiled_descriptors(cluster, predictor.meta.get("device_descriptors", {}))
+        base = with_type_fields(cluster, predictor.meta.get("device_descriptors", {}))
         self.analytical = AnalyticalCostModel(model, base, training)
         self.model, self.cluster, self.training = model, cluster, training
         self.device_names = self.analytical.device_names
@@ -288,7 +287,8 @@ class LearnedCostModel:
         self.measured_overhead_bytes = {d.name: measured[d.name] * 2**30 for d in self.device_types
                                         if d.memory_overhead_gib is None and d.name in measured}
         # Compute-share baselines: the profiled types at the efficiency their blocks sustained.
-        self.calibrated_cluster = with_measured_efficiency(base, predictor.meta.get("efficiency", {}))
+        self.calibrated_cluster = with_type_fields(
+            base, {name: {"efficiency": e} for name, e in predictor.meta.get("efficiency", {}).items()})
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape
