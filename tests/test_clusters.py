@@ -113,6 +113,14 @@ def test_bad_nic_counts_are_one_line(bad):
     assert info.value.field == "cluster.nodes[0].nics"
 
 
+@pytest.mark.parametrize("bad", ["hopper", 0, -9.0, True])
+def test_bad_compute_capabilities_are_one_line(bad):
+    with pytest.raises(ConfigError) as info:
+        ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {**H100, "compute_capability": bad}},
+                               "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
+    assert info.value.field == "device_types.h100.compute_capability"
+
+
 def test_point_to_point_transfers_share_a_node_s_nics_only_when_more_cross_than_it_has():
     v100, t4 = {"vendor": "nvidia", "memory_gib": 32, "peak_tflops": 125}, {"vendor": "nvidia", "memory_gib": 16,
                                                                               "peak_tflops": 65}

@@ -11,6 +11,7 @@ from memx_launch.models.llama import LlamaStage, TransformerBlock, apply_tensor_
 from memx_launch.planning.plan import layer_recompute_levels
 from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
+from tests.test_framework_memory import saved_storage_bytes
 
 SPEC = get_model("llama-tiny")
 # fp32 on CPU: differences come only from summation order (TP all-reduce, checkpoint replay).
@@ -67,22 +68,10 @@ def test_recompute_gives_the_same_loss_and_gradients(level):
         assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name
 
 
-def _saved_bytes(forward) -> int:
-    """Bytes of the tensors autograd saves for the backward while ``forward()`` runs."""
-    total = 0
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return total
-
-
 def test_recompute_levels_really_drop_saved_activations():
     """Bytes saved for backward by one block fall from none to selective to full."""
     x = torch.randn(4, 64, SPEC.hidden_size, requires_grad=True)
-    saved = {level: _saved_bytes(lambda: TransformerBlock(SPEC, recompute=level)(x))
+    saved = {level: saved_storage_bytes(lambda: TransformerBlock(SPEC, recompute=level)(x))
              for level in ("none", "selective", "full")}
     assert saved["none"] > saved["selective"] > saved["full"]
 
@@ -95,7 +84,7 @@ def test_full_k_checkpoints_the_first_k_blocks_and_no_others():
     model = LlamaStage.full(SPEC, recompute=f"full:{k}")
     assert [block.recompute for block in model.layers.values()] == ["full"] * k + ["none"] * (n - k)
     tokens = _tokens()
-    none, full, some = (_saved_bytes(lambda r=recompute: _loss(LlamaStage.full(SPEC, recompute=r), tokens))
+    none, full, some = (saved_storage_bytes(lambda r=recompute: _loss(LlamaStage.full(SPEC, recompute=r), tokens))
                         for recompute in ("none", "full", f"full:{k}"))
     assert full < some < none
     assert some - full == (none - full) * (n - k) // n
