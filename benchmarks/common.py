@@ -28,6 +28,8 @@ INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50}  # per GPU
 @functools.lru_cache(maxsize=None)
 def dgx_cluster(gpu: str, world: int) -> ClusterSpec:
     """``world`` GPUs of one type in nodes of 8 (fewer in one node), at the datasheet numbers."""
+    if world > 8 and world % 8:
+        raise ValueError(f"{world} {gpu} GPUs do not fill nodes of 8")
     device, nvlink = GPUS[gpu]
     return ClusterSpec.from_dict({
         "version": 1, "name": f"{gpu}-{world}", "device_types": {gpu: device},
@@ -73,13 +75,31 @@ def fit_summary(rows) -> dict:
             "false_oom_pct_of_real_oks": round(100 * cm["real_ok_pred_oom"] / max(n_ok, 1), 1)}
 
 
+def time_mape(rows) -> float:
+    """Time MAPE (%) of predicted ``time_s`` against ``real_time_s`` over ``rows``."""
+    return mape([r["time_s"] for r in rows], [r["real_time_s"] for r in rows])
+
+
+def grouped(rows, key) -> dict:
+    """{key(row): its rows}, sorted by key."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    return dict(sorted(groups.items()))
+
+
 def time_summary(rows) -> dict:
     ran = [r for r in rows if r["real"] == "ok" and r.get("time_s") is not None]
     ratio = np.array([r["time_s"] / r["real_time_s"] for r in ran]) if ran else np.array([math.nan])
     return {"runs": len(ran),
-            "time_mape_pct": round(mape([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 1),
+            "time_mape_pct": round(time_mape(ran), 1),
             "predicted_over_measured_median": round(float(np.median(ratio)), 3),
             "predicted_over_measured_p10_p90": [round(float(np.percentile(ratio, q)), 3) for q in (10, 90)]}
+
+
+def run_summary(rows) -> dict:
+    """Fit or OOM, time, and how many rows memx refused (their ``error``)."""
+    return {"fit": fit_summary(rows), "time": time_summary(rows), "errors": sum("error" in r for r in rows)}
 
 
 def no_nan(value):

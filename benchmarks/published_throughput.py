@@ -42,13 +42,13 @@ import csv
 import os
 import sys
 import time
-from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.common import dgx_cluster, fit_summary, identity_axes, mape, no_nan, predicted, time_summary  # noqa: E402
+from benchmarks.common import (dgx_cluster, grouped, identity_axes, no_nan, predicted, run_summary,  # noqa: E402
+                               time_mape)
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
@@ -141,16 +141,8 @@ def mpt(fused_loss: bool = True) -> list[dict]:
 # --------------------------------------------------------------------------- summary and plot
 
 
-def summary(rows: list[dict]) -> dict:
-    done = [r for r in rows if "time_s" in r]
-    return {"time": time_summary(rows), "fit": fit_summary(rows), "errors": len(rows) - len(done)}
-
-
 def by(rows, key) -> dict:
-    groups = defaultdict(list)
-    for r in rows:
-        groups[key(r)].append(r)
-    return {name: summary(members) for name, members in sorted(groups.items())}
+    return {name: run_summary(members) for name, members in grouped(rows, key).items()}
 
 
 def plot(narayanan_rows, mpt_rows, path: str) -> None:
@@ -167,12 +159,12 @@ def plot(narayanan_rows, mpt_rows, path: str) -> None:
         left.annotate(r["model"].replace("gpt-", ""), (r["real_time_s"], r["time_s"]), fontsize=7)
     identity_axes(left, [r[k] for r in narayanan_rows for k in ("real_time_s", "time_s")], "published step time (s)",
               "memx (s)", f"Megatron-LM GPT on A100 (Narayanan 2021): MAPE "
-              f"{mape([r['time_s'] for r in narayanan_rows], [r['real_time_s'] for r in narayanan_rows]):.1f}%")
+              f"{time_mape(narayanan_rows):.1f}%")
     done = [r for r in mpt_rows if "time_s" in r]
     for colour, gpu in zip(plt.cm.tab10.colors, sorted({r["group"] for r in done})):
         members = [r for r in done if r["group"] == gpu]
         right.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=12, color=colour,
-                      label=f"{gpu}: MAPE {mape([r['time_s'] for r in members], [r['real_time_s'] for r in members]):.1f}%")
+                      label=f"{gpu}: MAPE {time_mape(members):.1f}%")
     identity_axes(right, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)", "memx (s)",
               f"MPT with FSDP (MosaicML): {len(done)} runs")
     right.legend(fontsize=8, loc="upper left")
@@ -184,13 +176,13 @@ def main() -> None:
     started = time.perf_counter()
     n, m = narayanan(), mpt()
     result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency",
-              "narayanan2021_table1": {**summary(n), "rows": n},
-              "mpt_llm_foundry": {**summary(m), "by_gpu": by(m, lambda r: r["group"]),
+              "narayanan2021_table1": {**run_summary(n), "rows": n},
+              "mpt_llm_foundry": {**run_summary(m), "by_gpu": by(m, lambda r: r["group"]),
                                   "by_seq_len": by(m, lambda r: r["seq_len"]),
                                   "by_recompute": by(m, lambda r: r["recompute"]), "rows": m},
               # What the fused loss changes: the same rows with torch's cross entropy (14 bytes per logit).
-              "mpt_llm_foundry_with_torch_cross_entropy": summary(mpt(fused_loss=False)),
-              "all": summary(n + m)}
+              "mpt_llm_foundry_with_torch_cross_entropy": run_summary(mpt(fused_loss=False)),
+              "all": run_summary(n + m)}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(n, m, PLOT)

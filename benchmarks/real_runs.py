@@ -54,15 +54,14 @@ import math
 import os
 import sys
 import time
-from collections import defaultdict
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import (dgx_cluster, fit_summary, identity_axes, mape, no_nan, predicted,  # noqa: E402
-                               spearman, time_summary)
+from benchmarks.common import (GPUS, dgx_cluster, fit_summary, grouped, identity_axes, mape, no_nan,  # noqa: E402
+                               predicted, run_summary, spearman, time_mape, time_summary)
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.specs.cluster import ClusterSpec  # noqa: E402
@@ -88,14 +87,11 @@ def shared_dir() -> str:
 
 def group_summary(rows, key) -> dict:
     """Per group: time MAPE and Spearman over the runs that ran; memx's pick and its regret."""
-    groups = defaultdict(list)
-    for r in rows:
-        groups[key(r)].append(r)
     out = {}
-    for name, members in sorted(groups.items()):
+    for name, members in grouped(rows, key).items():
         ran = [r for r in members if r["real"] == "ok" and r.get("time_s") is not None]
         entry = {"runs": len(members), "ran": len(ran),
-                 "time_mape_pct": round(mape([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 1),
+                 "time_mape_pct": round(time_mape(ran), 1),
                  "spearman": round(spearman([r["time_s"] for r in ran], [r["real_time_s"] for r in ran]), 3)}
         fits = [r for r in members if r.get("fits")]
         if ran and fits:
@@ -235,11 +231,10 @@ def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
 
 def sailor_summary(rows: list[dict]) -> dict:
     done = [r for r in rows if "time_s" in r]
-    return {"fit": fit_summary(rows), "time": time_summary(rows),
+    return {**run_summary(rows),
             "memory_mape_pct": round(mape([r["peak_gib"] for r in done], [r["real_peak_gib"] for r in done]), 1),
             "spearman_all_plans": round(spearman([r["time_s"] for r in done], [r["real_time_s"] for r in done]), 3),
-            "groups": group_summary(rows, lambda r: r["group"]),
-            "errors": sum("error" in r for r in rows)}
+            "groups": group_summary(rows, lambda r: r["group"])}
 
 
 def real_runs_plot(hagemann_rows, sailor_rows, calibrated_rows, path: str) -> None:
@@ -259,21 +254,22 @@ def real_runs_plot(hagemann_rows, sailor_rows, calibrated_rows, path: str) -> No
                         color=colour, label=group.replace("llama_13B_bfloat16_", ""))
     identity_axes(time_ax, [r[k] for r in ran for k in ("real_time_s", "time_s")], "measured step time (s)", "memx (s)",
               f"LLaMA-13B on A100 (Hagemann): {len(ran)} runs, MAPE "
-              f"{mape([r['time_s'] for r in ran], [r['real_time_s'] for r in ran]):.1f}%")
+              f"{time_mape(ran):.1f}%")
     time_ax.legend(fontsize=7, loc="upper left")
     labelled = [r for r in hagemann_rows if r.get("peak_gib") is not None]
     for x, outcome, colour in ((0, "ok", "tab:green"), (1, "OOM", "tab:red")):
         peaks = np.array([r["peak_gib"] for r in labelled if r["real"] == outcome])
         jitter = np.random.default_rng(x).uniform(-0.25, 0.25, len(peaks))
         memory_ax.scatter(x + jitter, peaks, s=10, color=colour, alpha=0.6)
-    memory_ax.axhline(79.3, color="0.3", lw=1, ls="--", label="A100-80GB capacity (79.3 GiB)")
+    capacity = GPUS["a100_80gb"][0]["memory_gib"]
+    memory_ax.axhline(capacity, color="0.3", lw=1, ls="--", label=f"A100-80GB capacity ({capacity} GiB)")
     memory_ax.set(xticks=[0, 1], xticklabels=["ran", "ran out of memory"], yscale="log",
                   ylabel="memx's predicted peak (GiB)", title="Fit or OOM: every run on the predicted peak")
     memory_ax.legend(fontsize=8, loc="upper left")
     for rows, marker, name in ((sailor_rows, "o", "analytical"), (calibrated_rows, "^", "calibrated")):
         done = [r for r in rows if r.get("time_s")]
         sailor_ax.scatter([r["real_time_s"] for r in done], [r["time_s"] for r in done], marker=marker, s=24,
-                          label=f"{name}: MAPE {mape([r['time_s'] for r in done], [r['real_time_s'] for r in done]):.1f}%")
+                          label=f"{name}: MAPE {time_mape(done):.1f}%")
     identity_axes(sailor_ax, [r[k] for r in sailor_rows + calibrated_rows for k in ("real_time_s", "time_s") if r.get(k)],
               "measured iteration time (s)", "memx (s)",
               "OPT-350 whole plans on GH200 (Sailor)")
@@ -288,12 +284,11 @@ def main() -> None:
     result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency"}
     h = hagemann(shared)
     result["hagemann_llama13b_a100"] = {
-        "fit": fit_summary(h), "time": time_summary(h),
+        **run_summary(h),
         "time_by_kernel": {k: time_summary([r for r in h if r["kernel"] == k])
                            for k in sorted({r["kernel"] for r in h})},
         "fit_by_seq_len": {str(s): fit_summary([r for r in h if r["seq_len"] == s]) for s in (2048, 8192)},
         "groups": group_summary(h, lambda r: r["group"]),
-        "errors": sum("error" in r for r in h),
         "setup": "--setup scaling (Aleph Alpha's codebase, read from its public code; see the script's "
                  "docstring); per row: flash_attention, fused_norm, fused_softmax, softmax_in_fp32 (torch rows), "
                  "sequence_parallel, recompute",
