@@ -50,6 +50,10 @@ class DeviceType:
     allocator's reserve over allocated. Unset: the vendor's default
     (:data:`DEFAULT_MEMORY_OVERHEAD_GIB`). The buffers of the plan's communicators come on top
     (:attr:`communicator_bytes` each)."""
+    domain: str | None = None
+    """Communication domain: the collective library this type's ranks share. Ranks of one domain
+    form native groups (NCCL among NVIDIA GPUs); traffic between domains takes the bridge.
+    Unset: the vendor's (:data:`DOMAIN_BY_VENDOR`)."""
 
     def __post_init__(self):
         where = f"device_types.{self.name}"
@@ -70,6 +74,14 @@ class DeviceType:
         if self.memory_overhead_gib is not None:
             require_number(self.memory_overhead_gib, f"{where}.memory_overhead_gib", lo=0, hi=self.memory_gib,
                            fix="give reserved minus allocated memory in GiB")
+        if self.domain is not None:
+            require_name(self.domain, f"{where}.domain")
+
+    @property
+    def communication_domain(self) -> str:
+        """The collective library this type's ranks share: ``domain``, else the vendor's; a vendor
+        memx knows no library of is a domain of its own."""
+        return self.domain or DOMAIN_BY_VENDOR.get(self.vendor, f"{self.vendor}-native")
 
     @property
     def memory_bytes(self) -> float:
@@ -147,6 +159,10 @@ DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 1.25, "amd": 1.25, "cpu": 0.0, "unknown
 # process group on 4 x A100 over NVLink (github.com/NVIDIA/nccl/issues/964); every communicator
 # a rank joins (world, DP, TP, PP) holds its own (nccl#864, #986). RCCL is built alike.
 COMMUNICATOR_GIB = {"nvidia": 0.6, "amd": 0.6}
+
+# The collective library each vendor's torch build brings. Libraries of different vendors cannot
+# join one communicator (ROCm's torch calls RCCL "nccl" too), so each is a domain of its own.
+DOMAIN_BY_VENDOR = {"nvidia": "nccl", "amd": "rccl", "intel": "xccl", "ascend": "hccl", "cpu": "gloo"}
 
 
 @dataclass(frozen=True)
@@ -240,6 +256,16 @@ class ClusterSpec:
         """(node index, NUMA domain) of each global rank."""
         return self._rank_locations
 
+    def rank_domains(self) -> list[str]:
+        """Communication domain of each global rank (DeviceType.communication_domain)."""
+        domains = {d.name: d.communication_domain for d in self.device_types}
+        return [domains[t] for t in self._rank_types]
+
+    @property
+    def crosses_domains(self) -> bool:
+        """Whether the job's ranks use more than one collective library."""
+        return len(set(self.rank_domains())) > 1
+
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {d.name: 0 for d in self.device_types}
         for t in self.rank_device_types():
@@ -327,7 +353,8 @@ class ClusterSpec:
                               "map each device type name to its memory_gib and peak_tflops")
         types = []
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
-                   "flash_attention", "peak_tflops_fp32", "memory_overhead_gib", "compute_capability"}
+                   "flash_attention", "peak_tflops_fp32", "memory_overhead_gib", "compute_capability",
+                   "domain"}
         for tname, spec in raw_types.items():
             require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")
             require_name(tname, f"cluster.device_types.{tname}")
