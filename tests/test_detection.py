@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from memx_launch.runtime.detection import describe, nodes_of
-from memx_launch.runtime.worker import cluster_path
+from memx_launch.runtime.worker_env import cluster_path
 from memx_launch.specs.cluster import ClusterSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

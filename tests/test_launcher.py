@@ -196,7 +196,7 @@ def test_the_search_restrictions_of_memx_plan_restrict_memx_run_s_search(tmp_pat
 
 
 def test_the_workers_read_the_restrictions_back():
-    from memx_launch.runtime.worker import search_restrictions
+    from memx_launch.runtime.worker_env import search_restrictions
     env = {"MEMX_SEARCH_RESTRICTIONS": json.dumps({"tp_degrees": [1, 2], "schedules": ["1f1b"]})}
     assert search_restrictions(env) == {"tp_degrees": (1, 2), "schedules": ("1f1b",)}
     assert search_restrictions({}) == {}

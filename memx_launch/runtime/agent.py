@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from memx_launch.runtime.worker import GENERATION_VAR, PLANNED_RESTART_EXIT_CODE
+from memx_launch.runtime.restarts import GENERATION_VAR, PLANNED_RESTART_EXIT_CODE
 
 
 def _agent_class():

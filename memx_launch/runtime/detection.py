@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     """``memx cluster detect``'s worker: detect and write --out."""
     from memx_launch.errors import MemxError
     from memx_launch.runtime.devices import detect_rank_device
-    from memx_launch.runtime.training import init_distributed
+    from memx_launch.runtime.communication import init_distributed
 
     parser = argparse.ArgumentParser(prog="memx cluster detect (worker)")
     parser.add_argument("--out", required=True, help="written by each node's first local rank")

@@ -53,6 +53,15 @@ class EmulatedDevice(TorchDispatchMode):
         for t in tensors:
             self._track(t)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in this device's memory (a tensor its guard counts)."""
+        local = getattr(t, "_local_tensor", None)
+        storage = (t if local is None else local).untyped_storage()
+        try:
+            return storage.nbytes() > 0 and storage.data_ptr() in self._storages
+        except RuntimeError:
+            return False
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
         self.compute_s = 0.0

@@ -315,7 +315,7 @@ def _has_gpu() -> bool:
 
 def dry_run(args, resolved) -> int:
     from memx_launch.planning import report
-    from memx_launch.runtime.worker import reproduce_command
+    from memx_launch.runtime.worker_env import reproduce_command
     from memx_launch.planning.objective import parse_weights
     from memx_launch.planning.search import search
 
@@ -355,7 +355,7 @@ def launch(args, resolved) -> int:
     run_dir = resolved["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
     if resolved["resumed"]:  # generations count from 0 again: the old planned restarts are not this job's
-        from memx_launch.runtime.worker import PLANNED_RESTARTS_FILE
+        from memx_launch.runtime.restarts import PLANNED_RESTARTS_FILE
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(run_dir, PLANNED_RESTARTS_FILE))
     plan_path = args.export_plan or os.path.join(run_dir, "plan.json")

@@ -8,22 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.layouts import MIXED_SEPARATOR
 from memx_launch.planning.plan import Plan
 
 
 def check_runnable(plan: Plan, field: str = "plan") -> None:
-    """memx's runtime runs one TP degree and one device type per stage: a one-line refusal of
-    plans ``memx estimate`` can state beyond that (per-stage TP, replicas on several types)."""
+    """memx's runtime runs one TP degree for all stages: a one-line refusal of per-stage TP plans
+    (a stage's DP replicas may sit on several device types and domains)."""
     if plan.stage_tp is not None:
         raise ConfigError(f"{field}.stage_tp", f"stages have different TP degrees {plan.stage_tp}, which "
-                          "memx-run cannot run (one TP degree for all stages)",
+                          "memx-run cannot run yet (one TP degree for all stages)",
                           "plan with one --tp for every stage, or run it with a framework that reshards")
-    mixed = [i for i, s in enumerate(plan.stages) if MIXED_SEPARATOR in s.device_type]
-    if mixed:
-        raise ConfigError(f"{field}.stages[{mixed[0]}].device_type", f"{plan.stages[mixed[0]].device_type!r} puts "
-                          "one stage's replicas on several device types, which memx-run cannot run",
-                          "give every stage one device type")
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.environ = environ
         self.rank = runtime.layout.rank
-        from memx_launch.runtime.worker import restart_generation
+        from memx_launch.runtime.restarts import restart_generation
         self.generation = restart_generation(environ)
         self.replan_enabled = environ.get("MEMX_NO_REPLAN", "0") != "1"
         self.max_replans = max_replans(environ)
@@ -211,7 +211,7 @@ class Supervisor:
     def on_peer_failure(self, error: BaseException) -> None:
         """A step failed for another reason than memory on this rank: when a peer is restarting
         for a re-plan (it ran out of memory), restart quietly too; else re-raise."""
-        from memx_launch.runtime.worker import planned_restarts
+        from memx_launch.runtime.restarts import planned_restarts
 
         if self.generation not in planned_restarts(self.run_dir):
             raise error
@@ -224,7 +224,7 @@ class Supervisor:
 
     def _decide_locked(self, event: ReplanEvent) -> dict:
         from memx_launch.planning.replan import replan
-        from memx_launch.runtime.worker import record_planned_restart
+        from memx_launch.runtime.restarts import record_planned_restart
         from memx_launch.specs.cluster import ClusterSpec
         from memx_launch.specs.training import TrainingSpec
 
@@ -241,7 +241,7 @@ class Supervisor:
             raise ConfigError("MEMX_MAX_REPLANS", f"{event.reason} on rank {event.rank} at step {event.step} would be "
                               f"re-plan {done + 1}, over the limit of {self.max_replans}",
                               "raise MEMX_MAX_REPLANS, free memory on that device, or pass --no-replan")
-        from memx_launch.runtime.worker import cluster_path, search_restrictions
+        from memx_launch.runtime.worker_env import cluster_path, search_restrictions
         path = cluster_path(env)
         if path is None:
             raise ConfigError("--cluster", "re-planning during training needs the cluster file, given or detected "
@@ -269,7 +269,7 @@ class Supervisor:
         return record
 
     def _planned_restart(self, destroy: bool = True) -> None:
-        from memx_launch.runtime.worker import PLANNED_RESTART_EXIT_CODE
+        from memx_launch.runtime.restarts import PLANNED_RESTART_EXIT_CODE
 
         if destroy:
             dist.barrier()

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,8 +27,11 @@ from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts
 from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
+from memx_launch.runtime.communication import (Communicator, DomainPipelineStage, init_distributed, local_device,
+                                               strict_mode)
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_rank, rank_layout
+from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import Precision
 
 
@@ -49,39 +51,16 @@ class StepStats:
     """Measured peak memory per stage (max over the stage's ranks); NaN where unmeasured."""
     stage_compute_s: list[float] = field(default_factory=list)
     """Measured compute time of one micro-batch per stage (emulated devices only; NaN otherwise)."""
+    bridge_messages: int = 0
+    """Transfers that crossed communication domains this step, over all ranks (sends and receives)."""
+    bridge_bytes: int = 0
+    bridge_seconds: float = 0.0
+    """The most time one rank spent staging and waiting on bridge collectives this step."""
 
 
 def default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy, mean over the micro-batch's tokens."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def init_distributed(plan: Plan | None = None) -> None:
-    """Join the job's process group from torchrun's variables, under a per-generation key prefix:
-    after an in-place restart the agent's store still holds the previous generation's keys.
-    With a plan, this device takes its stage-major process rank (layout.process_rank)."""
-    if dist.is_initialized():
-        return
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    except KeyError as exc:
-        raise ConfigError(exc.args[0], "not set", "start the script with memx-run or torchrun") from None
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store,
-                          multi_tenant=not agent_store)
-    from memx_launch.runtime.worker import restart_generation
-    generation = restart_generation()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:  # CPU stand-ins share the host's cores: oversubscribed threads make every rank crawl
-        # The cores this process may use (its affinity where the OS has one), shared by the node's ranks.
-        process = psutil.Process()
-        cores = len(process.cpu_affinity()) if hasattr(process, "cpu_affinity") else psutil.cpu_count()
-        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"memx/generation{generation}", store),
-                            rank=rank if plan is None else process_rank(plan, rank), world_size=world)
 
 
 class Runtime:
@@ -90,12 +69,14 @@ class Runtime:
     def __init__(self, plan: Plan, rank: int, *, model: torch.nn.Module | None = None, blocks: str | None = None,
                  optimizer=None, loss_fn=None, lr_scheduler=None, max_grad_norm: float | None = None,
                  dtype: str | None = None, emulated: EmulatedDevice | None = None, lr: float = DEFAULT_LR,
-                 seed: int = 0, data_parallel: str = "auto"):
+                 seed: int = 0, data_parallel: str = "auto", cluster=None):
         """``model``: the user's module (runtime/prepare.py explains it and the optimizer, loss,
         scheduler and clipping arguments); None trains memx's LLaMA of the plan's shape. ``dtype``:
-        fp32, bf16 or fp16 (runtime/precision.py; default: the plan's training dtype, else fp32)."""
+        fp32, bf16 or fp16 (runtime/precision.py; default: the plan's training dtype, else fp32).
+        ``cluster``: the job's ClusterSpec, whose communication domains decide which groups are
+        native and which traffic takes the bridge (runtime/communication.py); None: one domain."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
         if plan.virtual_stages == 1 and plan.num_microbatches < plan.pp:  # memx plan allows it, Megatron runs it
             raise ConfigError("plan.global_batch_size", f"{plan.num_microbatches} micro-batches for {plan.pp} stages: "
@@ -113,13 +94,24 @@ class Runtime:
         self.layout: RankLayout = rank_layout(plan, rank)
         self.stage_plan = plan.stages[self.layout.stage]
         self.emulated = emulated
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = local_device()
         self.step_count = 0
         self.supervisor = None
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
-        grid = torch.arange(plan.world_size).view(plan.pp, plan.dp, plan.tp)  # process ranks, stage-major
-        self.mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
+        self.comm = Communicator(process_domains(plan, cluster), self.device,
+                                 strict=strict_mode(emulated is not None), emulated=emulated)
+        self._make_groups()
+        self.tp_mesh = self.dp_mesh = None  # FSDP2 over TP needs both from one [dp][tp] mesh of the stage
+        if plan.tp > 1 and plan.dp > 1 and not self.dp_crosses_domains:
+            stage_mesh = DeviceMesh.from_group([self.comm.native(self._dp_ranks), self.tp_group], self.device.type,
+                                               mesh=self._stage_grid, mesh_dim_names=("dp", "tp"))
+            self.tp_mesh, self.dp_mesh = stage_mesh["tp"], stage_mesh["dp"]
+        elif plan.tp > 1:
+            self.tp_mesh = DeviceMesh.from_group(self.tp_group, self.device.type, mesh=list(self._tp_ranks),
+                                                 mesh_dim_names=("tp",))
+        elif plan.dp > 1 and not self.dp_crosses_domains:
+            self.dp_mesh = DeviceMesh.from_group(self.comm.native(self._dp_ranks), self.device.type,
+                                                 mesh=list(self._dp_ranks), mesh_dim_names=("dp",))
         self.parts = None if model is None else self._model_parts(model, blocks)
         original = {}  # id of the user's parameter -> its rank-local name (wrapping replaces the objects)
         with self._measured():
@@ -128,8 +120,8 @@ class Runtime:
         if self.parts is not None and emulated is not None:  # created before the guard was on
             emulated.track(p for m in self.chunks for p in m.parameters())
         num_virtual = plan.pp * plan.virtual_stages
-        pp_group = self.mesh["pp"].get_group()
-        stages = [PipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=pp_group)
+        stages = [DomainPipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=self.pp_group,
+                                      communicator=self.comm)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
         self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device)
         user_loss = self.precision.scaled(loss_fn or default_loss)
@@ -137,11 +129,39 @@ class Runtime:
             self.schedule = Schedule1F1B(stages[0], plan.num_microbatches, loss_fn=user_loss)
         else:
             self.schedule = ScheduleInterleaved1F1B(stages, plan.num_microbatches, loss_fn=user_loss)
-        from memx_launch.runtime.prepare import local_optimizer, local_scheduler, parameter_names
-
         self.optimizer = local_optimizer(optimizer, parameter_names(self.chunks), original, lr)
         self.lr_scheduler = local_scheduler(lr_scheduler, self.optimizer)
         self.max_grad_norm = max_grad_norm
+        self.comm.verify_groups()
+
+    def _make_groups(self) -> None:
+        """This rank's TP, DP and pipeline groups. Every rank walks every group of the plan in one
+        order and creates those it belongs to (members only: a native group exists only on its
+        domain), so that group creation cannot deadlock."""
+        p = self.plan
+        grid = torch.arange(p.world_size).view(p.pp, p.dp, p.tp).tolist()  # process ranks, stage-major
+        me = self.comm.rank
+        self._tp_ranks = self._dp_ranks = self._pp_ranks = ()
+        for stage in grid:
+            for replica in stage:
+                if me in replica:
+                    self._stage_grid = stage
+                    self._tp_ranks = tuple(replica)
+                    self.tp_group = self.comm.native(replica) if p.tp > 1 else None
+        for s in range(p.pp):
+            for t in range(p.tp):
+                ranks = [grid[s][d][t] for d in range(p.dp)]
+                if me in ranks:
+                    self._dp_ranks = tuple(ranks)
+                    self.dp_crosses_domains = self.comm.spans_domains(ranks)
+                    if p.dp > 1:
+                        self.comm.prepare_all_reduce(ranks)
+        for d in range(p.dp):
+            for t in range(p.tp):
+                ranks = [grid[s][d][t] for s in range(p.pp)]
+                if me in ranks:
+                    self._pp_ranks = tuple(ranks)
+                    self.pp_group = self.comm.pipeline(ranks, ring=p.virtual_stages > 1)
 
     def _model_parts(self, model: torch.nn.Module, blocks: str | None) -> ModelParts:
         parts = ModelParts(model, blocks)
@@ -168,27 +188,38 @@ class Runtime:
         module = module.to(self.device)
         if self.plan.tp > 1:
             if self.parts is None:
-                apply_tensor_parallel(module, self.mesh["tp"])
+                apply_tensor_parallel(module, self.tp_mesh)
             else:
-                self.parts.apply_tensor_parallel(module, self.mesh["tp"])
+                self.parts.apply_tensor_parallel(module, self.tp_mesh)
+        if self.plan.dp > 1 and self.dp_crosses_domains:
+            return module  # no library spans the replicas: step() averages the gradients itself
         if self.plan.dp > 1:
             # DDP keeps whole gradients and optimizer state per replica, as the cost model assumes
             # without a distributed optimizer; DDP cannot hold DTensor parameters, so TP uses FSDP2.
             sharded = self.plan.training.get("fully_sharded", False) or self.plan.tp > 1
             if data_parallel == "fsdp" or (data_parallel == "auto" and sharded):
                 from torch.distributed.fsdp import fully_shard
-                fully_shard(module, mesh=self.mesh["dp"])
+                fully_shard(module, mesh=self.dp_mesh)
             else:
                 from torch.nn.parallel import DistributedDataParallel
                 # The pipeline runs one backward per micro-batch: DDP's one-time bucket rebuild
                 # would record every micro-batch's hooks and fail an internal assert at step 2;
                 # find_unused_parameters skips that rebuild.
-                module = DistributedDataParallel(module, process_group=self.mesh["dp"].get_group(),
+                module = DistributedDataParallel(module, process_group=self.comm.native(self._dp_ranks),
                                                  find_unused_parameters=True)
         return module
 
     def _measured(self):
-        return self.emulated if self.emulated is not None else nullcontext()
+        """The emulated device's guard (and strict mode's bridge check inside it) around rank work."""
+        strict = self.comm.strict_check()
+        if self.emulated is None:
+            return strict or nullcontext()
+        return _stacked(self.emulated, strict) if strict is not None else self.emulated
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient tensors (a DTensor's local shard)."""
+        grads = [p.grad for m in self.chunks for p in m.parameters() if p.grad is not None]
+        return [getattr(g, "_local_tensor", g) for g in grads]
 
     # ---- data
     @property
@@ -222,10 +253,12 @@ class Runtime:
                 self.precision.begin_step()
                 with self.precision.autocast():
                     self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
+                if self.plan.dp > 1 and self.dp_crosses_domains:
+                    self.comm.all_reduce_mean(self._local_grads(), self._dp_ranks)
                 if self.precision.unscale(p for m in self.chunks for p in m.parameters()):
                     if self.max_grad_norm is not None:
-                        from memx_launch.runtime.prepare import clip_grad_norm
-                        clip_grad_norm(self.chunks, self.max_grad_norm, self.mesh["pp"].get_group())
+                        clip_grad_norm(self.chunks, self.max_grad_norm,
+                                       lambda t: self.comm.all_reduce_sum(t, self._pp_ranks))
                     self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -254,10 +287,11 @@ class Runtime:
             peak = compute = float("nan")
         # The last column: a stop signal this rank saw, so that every rank stops at the same step.
         signal_seen = self.supervisor.signal_received if self.supervisor is not None else 0
-        row = torch.tensor([local_loss, peak, compute, step_time, signal_seen], dtype=torch.float64)
-        rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, row)
-        table = torch.stack(rows)
+        traffic = self.comm.traffic
+        row = torch.tensor([local_loss, peak, compute, step_time, signal_seen, traffic.messages, traffic.bytes,
+                            traffic.seconds], dtype=torch.float64)
+        table = torch.stack(self.comm.all_gather_host(row))
+        traffic.reset()
         stage_peak, stage_compute = [], []
         per_stage = self.plan.tp * self.plan.dp
         for i in range(self.plan.pp):
@@ -269,7 +303,8 @@ class Runtime:
             self.supervisor.stop_signal = int(table[:, 4].max().item())
         tokens = self.plan.global_batch_size * self.plan.seq_len
         return StepStats(self.step_count, table[:, 0].sum().item() / self.plan.dp, step_time,
-                         tokens / step_time, stage_peak, stage_compute)
+                         tokens / step_time, stage_peak, stage_compute, int(table[:, 5].sum().item()),
+                         int(table[:, 6].sum().item()), table[:, 7].max().item())
 
     # ---- checkpoints
     def save_checkpoint(self, directory: str, data_state: dict | None = None, keep: int | None = None) -> str:
@@ -310,7 +345,27 @@ class Runtime:
             parts.append(f"s{i} {label}: mem {stats.stage_peak_gib[i] * 1024:.1f}/"
                          f"{stage.predicted_peak_memory_gib * 1024:.1f} MiB, mb "
                          f"{stats.stage_compute_s[i] * 1e3:.1f}/{stage.predicted_stage_time_s * 1e3:.1f} ms")
+        if stats.bridge_messages:
+            parts.append(f"bridge {stats.bridge_messages} transfers {stats.bridge_bytes / 2**20:.2f} MiB "
+                         f"{stats.bridge_seconds * 1e3:.1f} ms")
         return " | ".join(parts) + "  (measured/predicted)"
+
+
+@contextmanager
+def _stacked(outer, inner):
+    with outer, inner:
+        yield
+
+
+def process_domains(plan: Plan, cluster) -> list[str]:
+    """Each process rank's communication domain (one domain without a cluster)."""
+    if cluster is None:
+        return ["native"] * plan.world_size
+    by_device = cluster.rank_domains()
+    domains = [""] * plan.world_size
+    for device_rank, domain in enumerate(by_device):
+        domains[process_rank(plan, device_rank)] = domain
+    return domains
 
 
 def _out_of_memory(exc: BaseException | None) -> torch.OutOfMemoryError | None:
@@ -324,7 +379,8 @@ def build(plan: Plan, rank: int | None = None, **kwargs) -> Runtime:
     """The runtime of device ``rank`` of the plan (default: torchrun's RANK)."""
     rank = int(os.environ["RANK"]) if rank is None else rank
     if not dist.is_initialized():
-        init_distributed(plan)
+        cluster = kwargs.get("cluster")
+        init_distributed(plan, cluster.rank_domains() if cluster is not None else None)
     return Runtime(plan, rank, **kwargs)
 
 
@@ -341,14 +397,14 @@ def from_env(**kwargs) -> Runtime:
     if not path:
         raise ConfigError("MEMX_PLAN", "not set", "start the script with memx-run, or set MEMX_PLAN to a plan file")
     plan = Plan.load(path)
-    init_distributed(plan)
     cluster = ClusterSpec.from_yaml(os.environ["MEMX_CLUSTER"]) if os.environ.get("MEMX_CLUSTER") else None
+    init_distributed(plan, cluster.rank_domains() if cluster is not None else None)
     if cluster is not None and cluster.world_size != dist.get_world_size():
         raise ConfigError("MEMX_CLUSTER", f"{cluster.name} declares {cluster.world_size} devices but the job has "
                           f"{dist.get_world_size()} ranks", "launch one process per declared device")
     rank = int(os.environ["RANK"])
     device = detect_rank_device(cluster, rank, int(os.environ.get("LOCAL_RANK", "0")))
-    runtime = build(plan, rank, emulated=device.emulated, **kwargs)
+    runtime = build(plan, rank, emulated=device.emulated, cluster=cluster, **kwargs)
     if os.environ.get("MEMX_RUN_DIR"):
         from memx_launch.runtime.supervisor import Supervisor
         runtime.supervisor = Supervisor(runtime, os.environ["MEMX_RUN_DIR"])

@@ -27,42 +27,12 @@ import os
 import runpy
 import sys
 
-PLANNED_RESTART_EXIT_CODE = 75
-PLANNED_RESTARTS_FILE = "planned-restarts.json"
-GENERATION_VAR = "MEMX_GENERATION"
-DETECTED_CLUSTER_FILE = "cluster.yaml"
+from memx_launch.runtime.restarts import PLANNED_RESTART_EXIT_CODE, record_planned_restart, restart_generation
+from memx_launch.runtime.worker_env import detected_cluster_path, reproduce_command, search_restrictions
 
 
 def _log(message: str) -> None:
     print(f"memx-run: {message}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------- restart accounting
-
-
-def planned_restarts(run_dir: str) -> list[int]:
-    from memx_launch.errors import ConfigError
-    from memx_launch.specs.inputs import load_json
-
-    path = os.path.join(run_dir, PLANNED_RESTARTS_FILE)
-    if not os.path.exists(path):
-        return []
-    data = load_json(path, path, fix="delete it (memx-run rewrites it)")
-    if not isinstance(data, list) or not all(isinstance(g, int) and not isinstance(g, bool) for g in data):
-        raise ConfigError(path, "not a list of generations", "delete it (memx-run rewrites it)")
-    return data
-
-
-def record_planned_restart(run_dir: str, generation: int) -> None:
-    from memx_launch.files import write_json_atomic
-    write_json_atomic(os.path.join(run_dir, PLANNED_RESTARTS_FILE),
-                      sorted(set(planned_restarts(run_dir)) | {generation}), overwrite=True)
-
-
-def restart_generation(environ=os.environ) -> int:
-    """How many times this job's workers were started before: memx-run's agent counts planned
-    restarts and crash restarts (MEMX_GENERATION); under plain torchrun, its crash restarts."""
-    return int(environ.get(GENERATION_VAR) or environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 # --------------------------------------------------------------------------- planning generation
@@ -118,7 +88,7 @@ def plan_in_job(env) -> None:
     from memx_launch.planning.plan import Plan
     from memx_launch.profiling.predictor import load_cost_model
     from memx_launch.profiling.profiledb import Measurement, ProfileDB
-    from memx_launch.runtime.training import init_distributed
+    from memx_launch.runtime.communication import init_distributed
     from memx_launch.runtime.calibration import measurement_key
     from memx_launch.runtime.devices import calibration_tflops, detect_rank_device
     from memx_launch.runtime.messages import all_gather_json, broadcast_json
@@ -208,41 +178,6 @@ def plan_in_job(env) -> None:
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(PLANNED_RESTART_EXIT_CODE)
-
-
-def search_restrictions(env) -> dict:
-    """memx-run's --tp/--pp/--micro-batch-sizes/--schedules/--recompute-levels, as SearchSpace fields."""
-    return {field: tuple(values) for field, values in json.loads(env.get("MEMX_SEARCH_RESTRICTIONS") or "{}").items()}
-
-
-def reproduce_command(plan, cluster, env) -> str:
-    """The torchrun line that runs this plan without memx-run (the script builds it from MEMX_PLAN)."""
-    import shlex
-
-    from memx_launch.planning.exporters import torchrun_commands
-
-    script_and_args = json.loads(env["MEMX_REPRODUCE"])
-    exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:],
-                                master_addr=env.get("MASTER_ADDR") if len(cluster.nodes) > 1 else None)
-    prefix = f"MEMX_PLAN={shlex.quote(env['MEMX_PLAN'])}"
-    if cluster_path(env):
-        prefix += f" MEMX_CLUSTER={shlex.quote(cluster_path(env))}"
-    return "\n  ".join(f"{prefix} {shlex.join(e.args)}" for e in exports)
-
-
-def detected_cluster_path(run_dir: str) -> str:
-    return os.path.join(run_dir, DETECTED_CLUSTER_FILE)
-
-
-def cluster_path(environ) -> str | None:
-    """The job's cluster file: --cluster's, else the one detected into the run directory."""
-    if environ.get("MEMX_CLUSTER"):
-        return environ["MEMX_CLUSTER"]
-    detected = detected_cluster_path(environ.get("MEMX_RUN_DIR", ""))
-    return detected if environ.get("MEMX_RUN_DIR") and os.path.exists(detected) else None
-
-
-# --------------------------------------------------------------------------- training generation
 
 
 def rank_env(plan, plan_path: str, rank: int, device_type: str | None = None) -> dict[str, str]:

@@ -1,0 +1,477 @@
+"""Every process group of a job whose ranks may use different collective libraries.
+
+Each device type belongs to a communication domain (ClusterSpec.rank_domains: NCCL for NVIDIA,
+RCCL for AMD, ...). A group whose members share a domain uses that domain's native backend and is
+created by its members only, so it exists only where its library does. Traffic between domains
+takes the **bridge**: a backend every torch build has (gloo over TCP; MPI or UCC by
+MEMX_BRIDGE_BACKEND), carrying host tensors: a device tensor is staged to host memory, sent,
+and copied to the receiver's device. The crossing traffic is pipeline P2P between stages on
+different domains (:class:`DomainPipelineStage`), the gradient sync of a stage whose DP replicas
+span domains (:meth:`Communicator.all_reduce_mean`, hierarchical) and job-wide scalars.
+
+Nothing else in memx creates process groups. Strict mode (MEMX_STRICT_DOMAINS=1, the default on
+emulated clusters) fails the job when a group that is not a bridge spans two domains, or when a
+device tensor (on an emulated device: one its guard counts) reaches a bridge op unstaged.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from memx_launch.errors import ConfigError
+
+BRIDGE_BACKENDS = ("gloo", "mpi", "ucc")
+BRIDGE_BACKEND_VAR = "MEMX_BRIDGE_BACKEND"
+STRICT_VAR = "MEMX_STRICT_DOMAINS"
+# Each torch build names its vendor's library by the device it drives (ROCm's torch calls RCCL "nccl").
+NATIVE_BACKEND_BY_DEVICE = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "cpu": "gloo"}
+
+
+class DomainViolation(RuntimeError):
+    """Strict mode: a native group spans domains, or a device tensor reached the bridge unstaged."""
+
+
+def bridge_backend(environ=os.environ) -> str:
+    backend = environ.get(BRIDGE_BACKEND_VAR) or "gloo"
+    if backend not in BRIDGE_BACKENDS:
+        raise ConfigError(BRIDGE_BACKEND_VAR, f"{backend!r} is not a bridge backend",
+                          f"use one of {', '.join(BRIDGE_BACKENDS)} (every torch build has gloo)")
+    if backend != "gloo" and not dist.is_backend_available(backend):
+        raise ConfigError(BRIDGE_BACKEND_VAR, f"this torch build has no {backend} backend",
+                          "use gloo, or a torch built with it on every node")
+    return backend
+
+
+def strict_mode(emulated: bool, environ=os.environ) -> bool:
+    value = environ.get(STRICT_VAR)
+    return emulated if value in (None, "") else value == "1"
+
+
+def job_domains(environ=os.environ) -> list[str] | None:
+    """Each device rank's domain, from the job's cluster file (None: no file, one domain)."""
+    from memx_launch.runtime.worker_env import cluster_path
+    from memx_launch.specs.cluster import ClusterSpec
+
+    path = cluster_path(environ)
+    return ClusterSpec.from_yaml(path).rank_domains() if path else None
+
+
+def init_distributed(plan=None, domains: list[str] | None = None) -> None:
+    """Join the job's process group from torchrun's variables, under a per-generation key prefix:
+    after an in-place restart the agent's store still holds the previous generation's keys. With a
+    plan, this device takes its stage-major process rank (layout.process_rank). The job-wide group
+    is native when every rank shares a domain and the bridge when they do not (``domains``: each
+    device rank's; default: the job's cluster file)."""
+    from memx_launch.runtime.layout import process_rank
+    from memx_launch.runtime.restarts import restart_generation
+
+    if dist.is_initialized():
+        return
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except KeyError as exc:
+        raise ConfigError(exc.args[0], "not set", "start the script with memx-run or torchrun") from None
+    domains = job_domains() if domains is None else domains
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store,
+                          multi_tenant=not agent_store)
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # CPU stand-ins share the host's cores: oversubscribed threads make every rank crawl
+        process = psutil.Process()
+        cores = len(process.cpu_affinity()) if hasattr(process, "cpu_affinity") else psutil.cpu_count()
+        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    crossing = domains is not None and len(set(domains)) > 1
+    backend = bridge_backend() if crossing else NATIVE_BACKEND_BY_DEVICE[device.type]
+    dist.init_process_group(backend, store=dist.PrefixStore(f"memx/generation{restart_generation()}", store),
+                            rank=rank if plan is None else process_rank(plan, rank), world_size=world)
+
+
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+@dataclass
+class BridgeTraffic:
+    """What crossed domains on this rank since :meth:`reset`: messages, bytes, and the time spent
+    staging and waiting on bridge transfers."""
+
+    messages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.messages, self.bytes, self.seconds = 0, 0, 0.0
+
+
+class Communicator:
+    """The groups of one rank. ``domains``: each process rank's communication domain."""
+
+    def __init__(self, domains: list[str], device: torch.device, *, strict: bool = False, emulated=None):
+        if len(domains) != dist.get_world_size():
+            raise ConfigError("cluster", f"{len(domains)} ranks have a domain but the job has "
+                              f"{dist.get_world_size()}", "launch one process per declared device")
+        self.domains = domains
+        self.device = device
+        self.rank = dist.get_rank()
+        self.domain = domains[self.rank]
+        self.strict = strict
+        self.emulated = emulated
+        self.traffic = BridgeTraffic()
+        self._groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+        self._pair_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        self._bridge_names: set[str] = set()
+        self.crossing = len(set(domains)) > 1
+        self.native_backend = NATIVE_BACKEND_BY_DEVICE[device.type]
+        self.bridge_backend = dist.get_backend() if self.crossing else bridge_backend()
+        # Job-wide scalars travel as host tensors: over the default group when it is a bridge (the
+        # job crosses domains) or carries host tensors, else over a host group made by every rank.
+        if self.crossing or self.native_backend == "gloo":
+            self.host_world = dist.group.WORLD
+        else:
+            self.host_world = dist.new_group(backend=self.bridge_backend)
+        if self.host_world is not dist.group.WORLD or self.crossing:
+            self._bridge_names.add(self.host_world.group_name)
+
+    # ---- groups
+    def spans_domains(self, ranks) -> bool:
+        return len({self.domains[r] for r in ranks}) > 1
+
+    def native(self, ranks) -> dist.ProcessGroup:
+        """The native group of ``ranks`` (one domain), created by its members only: call it on
+        every member, never elsewhere."""
+        ranks = tuple(sorted(ranks))
+        if self.spans_domains(ranks):
+            raise DomainViolation(f"native group {list(ranks)} spans domains "
+                                  f"{sorted({self.domains[r] for r in ranks})}: its traffic must take the bridge")
+        return self._group("native", ranks, self.native_backend)
+
+    def bridge(self, ranks) -> dist.ProcessGroup:
+        """A bridge group over ``ranks`` (host tensors only), created by its members."""
+        group = self._group("bridge", tuple(sorted(ranks)), self.bridge_backend)
+        self._bridge_names.add(group.group_name)
+        return group
+
+    def group(self, ranks) -> dist.ProcessGroup:
+        """Native where ``ranks`` share a domain, else the bridge."""
+        return self.bridge(ranks) if self.spans_domains(ranks) else self.native(ranks)
+
+    def _group(self, kind: str, ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} creates group {list(ranks)} without being in it")
+        key = (kind, ranks)
+        if key not in self._groups:
+            # Members only: a group of another vendor's library is never created on this rank.
+            self._groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+        return self._groups[key]
+
+    def is_bridge(self, group) -> bool:
+        return group.group_name in self._bridge_names
+
+    def pipeline(self, ranks, ring: bool) -> dist.ProcessGroup:
+        """The group of one pipeline (its ranks in stage order): native in one domain, else a
+        bridge, with a native pair group for each edge that stays inside a domain (``ring``: the
+        last stage also feeds the first, as under interleaving)."""
+        ranks = list(ranks)
+        if not self.spans_domains(ranks):
+            return self.native(ranks)
+        group = self.bridge(ranks)
+        edges = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if ring and len(ranks) > 2 else [])
+        for a, b in edges:
+            if self.rank in (a, b) and not self.spans_domains((a, b)):
+                self._pair_groups[tuple(sorted((a, b)))] = self.native((a, b))
+        self.prepare_all_reduce(ranks)
+        return group
+
+    def pair_group(self, peer: int) -> dist.ProcessGroup:
+        """The native group of this rank and a pipeline neighbour in its domain."""
+        return self._pair_groups[tuple(sorted((self.rank, peer)))]
+
+    def prepare_all_reduce(self, ranks) -> None:
+        """Create the groups :meth:`all_reduce_sum` over ``ranks`` uses, where every rank creates its groups."""
+        ranks = sorted(ranks)
+        if len(ranks) < 2:
+            return
+        if not self.spans_domains(ranks):
+            self.native(ranks)
+            return
+        by_domain = self._by_domain(ranks)
+        mine = by_domain[self.domain]
+        if len(mine) > 1:
+            self.native(mine)
+        index = mine.index(self.rank)
+        if len({len(m) for m in by_domain.values()}) == 1 or index == 0:
+            self.bridge([members[index] for members in by_domain.values()])
+
+    def _by_domain(self, ranks) -> dict[str, list[int]]:
+        by_domain: dict[str, list[int]] = {}
+        for r in sorted(ranks):
+            by_domain.setdefault(self.domains[r], []).append(r)
+        return by_domain
+
+    def verify_groups(self) -> None:
+        """Strict mode: every process group of the job (memx's and any a library made) that is not
+        a bridge lies in one domain."""
+        if not self.strict:
+            return
+        from torch.distributed.distributed_c10d import _world
+
+        for group, ranks in _world.pg_group_ranks.items():
+            if group.group_name not in self._bridge_names and self.spans_domains(ranks.keys()):
+                raise DomainViolation(f"group {group.group_name} over ranks {sorted(ranks)} spans domains "
+                                      f"{sorted({self.domains[r] for r in ranks})} and is not a bridge")
+
+    # ---- staging
+    @contextmanager
+    def on_host(self):
+        """Work on host memory: outside the emulated device's guard (its tensors are device memory)."""
+        with _disable_current_modes():
+            yield
+
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor`` for the bridge (pinned when it comes from a GPU)."""
+        start = time.perf_counter()
+        with self.on_host():
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                               pin_memory=tensor.device.type == "cuda")
+            host.copy_(tensor.detach())
+        self._count(host, start)
+        return host
+
+    def unstage(self, host: torch.Tensor, into: torch.Tensor) -> None:
+        start = time.perf_counter()
+        with torch.no_grad():
+            into.copy_(host)
+        self.traffic.seconds += time.perf_counter() - start
+
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer that a bridge receive fills (then :meth:`unstage` into ``like``)."""
+        with self.on_host():
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.device.type == "cuda")
+
+    def _count(self, host: torch.Tensor, start: float) -> None:
+        self.traffic.messages += 1
+        self.traffic.bytes += host.numel() * host.element_size()
+        self.traffic.seconds += time.perf_counter() - start
+
+    # ---- collectives that may cross domains
+    def all_reduce_sum(self, tensor: torch.Tensor, ranks) -> None:
+        """Sum ``tensor`` (in place) over ``ranks``: natively in one domain, else hierarchically."""
+        ranks = sorted(ranks)
+        if len(ranks) < 2:
+            return
+        if not self.spans_domains(ranks):
+            dist.all_reduce(tensor, group=self.native(ranks))
+            return
+        by_domain = self._by_domain(ranks)
+        mine = by_domain[self.domain]
+        sizes = {len(members) for members in by_domain.values()}
+        if len(sizes) == 1 and tensor.numel() >= len(mine):
+            self._all_reduce_sharded(tensor, mine, by_domain)
+        else:
+            self._all_reduce_by_leaders(tensor, mine, by_domain)
+
+    def _all_reduce_sharded(self, tensor, mine, by_domain) -> None:
+        # Reduce-scatter inside the domain, each shard summed across domains over the bridge by
+        # the ranks that hold it, all-gather inside the domain: a rank sends 1/k of the tensor.
+        k = len(mine)
+        flat = tensor.reshape(-1)
+        shard = -(-flat.numel() // k)
+        padded = torch.zeros(shard * k, dtype=flat.dtype, device=flat.device)
+        padded[:flat.numel()] = flat
+        native = self.native(mine) if k > 1 else None
+        mine_index = mine.index(self.rank)
+        piece = torch.empty(shard, dtype=flat.dtype, device=flat.device)
+        if native is not None:
+            dist.reduce_scatter_tensor(piece, padded, group=native)
+        else:
+            piece.copy_(padded)
+        peers = [members[mine_index] for members in by_domain.values()]
+        self._bridge_all_reduce(piece, peers)
+        if native is not None:
+            dist.all_gather_into_tensor(padded, piece, group=native)
+        else:
+            padded.copy_(piece)
+        with torch.no_grad():
+            flat.copy_(padded[:flat.numel()])
+
+    def _all_reduce_by_leaders(self, tensor, mine, by_domain) -> None:
+        # Domains of different sizes: sum inside the domain, leaders sum across, leader broadcasts.
+        native = self.native(mine) if len(mine) > 1 else None
+        if native is not None:
+            dist.all_reduce(tensor, group=native)
+        if self.rank == mine[0]:
+            self._bridge_all_reduce(tensor, [members[0] for members in by_domain.values()])
+        if native is not None:
+            dist.broadcast(tensor, src=mine[0], group=native)
+
+    def _bridge_all_reduce(self, tensor: torch.Tensor, ranks: list[int]) -> None:
+        host = self.stage(tensor)
+        start = time.perf_counter()
+        dist.all_reduce(host, group=self.bridge(ranks))
+        self.traffic.seconds += time.perf_counter() - start
+        self.unstage(host, tensor)
+
+    def all_reduce_mean(self, tensors: list[torch.Tensor], ranks) -> None:
+        """Average ``tensors`` (in place) over ``ranks`` in one flat buffer: the gradient sync of
+        a stage whose DP replicas span domains."""
+        if len(ranks) < 2 or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.all_reduce_sum(flat, ranks)
+        flat /= len(ranks)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def all_gather_host(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's host tensor ``row`` (job-wide scalars)."""
+        rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row, group=self.host_world)
+        return rows
+
+    def strict_check(self) -> "StrictBridgeCheck | None":
+        return StrictBridgeCheck(self) if self.strict else None
+
+
+class StrictBridgeCheck(TorchDispatchMode):
+    """Sees every c10d operator: one on a bridge group must carry host tensors only."""
+
+    def __init__(self, communicator: Communicator):
+        super().__init__()
+        self.communicator = communicator
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            groups = [a for a in args if isinstance(a, torch.ScriptObject)]
+            on_bridge = any(self.communicator.is_bridge(dist.ProcessGroup.unbox(g)) for g in groups
+                            if _is_process_group(g))
+            if on_bridge:
+                for t in _tensors(args):
+                    if self._device_tensor(t):
+                        raise DomainViolation(f"{func} sends a device tensor {tuple(t.shape)} over the bridge "
+                                              "unstaged (Communicator.stage copies it to host first)")
+        return func(*args, **(kwargs or {}))
+
+    def _device_tensor(self, t: torch.Tensor) -> bool:
+        emulated = self.communicator.emulated
+        return t.device.type != "cpu" or (emulated is not None and emulated.holds(t))
+
+
+def _is_process_group(obj) -> bool:
+    try:
+        dist.ProcessGroup.unbox(obj)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _tensors(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+
+
+class DomainPipelineStage(PipelineStage):
+    """torch's PipelineStage whose transfers to a stage on another domain take the bridge, staged
+    through host memory; transfers inside a domain use the domain's native group. ``group`` is
+    the pipeline's group (a bridge when the pipeline crosses domains): torch's warm-up vote and
+    shape metadata go over it as host tensors."""
+
+    def __init__(self, *args, communicator: Communicator, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.communicator = communicator
+        self._staged_recvs: dict[int, torch.Tensor] = {}  # id of a recv buffer -> the host copy filled for it
+        self._staged_sends: list[torch.Tensor] = []  # host copies alive until the step ends
+
+    def _route(self, op: dist.P2POp, receiving: bool) -> dist.P2POp:
+        comm = self.communicator
+        pair = (comm.rank, op.peer)
+        if not comm.spans_domains(pair):
+            if not comm.is_bridge(op.group):
+                return op
+            return dist.P2POp(op.op, op.tensor, op.peer, comm.pair_group(op.peer))
+        if receiving:
+            host = comm.host_buffer(op.tensor)
+            self._staged_recvs[id(op.tensor)] = host
+        else:
+            host = comm.stage(op.tensor)
+            self._staged_sends.append(host)
+        if receiving:
+            comm.traffic.messages += 1
+            comm.traffic.bytes += host.numel() * host.element_size()
+        return dist.P2POp(op.op, host, op.peer, self.group)
+
+    def _get_recv_ops(self, recv_infos):
+        return [self._route(op, receiving=True) for op in super()._get_recv_ops(recv_infos)]
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        return [self._route(op, receiving=False) for op in super().get_fwd_send_ops(fwd_chunk_id)]
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        return [self._route(op, receiving=False) for op in super().get_bwd_send_ops(bwd_chunk_id)]
+
+    def _unstage(self, recv_infos) -> None:
+        for info in recv_infos:
+            host = self._staged_recvs.pop(id(info.buffer), None) if info.buffer is not None else None
+            if host is not None:
+                self.communicator.unstage(host, info.buffer)
+
+    def _retrieve_recv_activations(self, fwd_chunk_id: int):
+        self._unstage(self.args_recv_info[fwd_chunk_id])
+        return super()._retrieve_recv_activations(fwd_chunk_id)
+
+    def _retrieve_recv_grads(self, bwd_chunk_id: int):
+        self._unstage(self.grad_recv_info[bwd_chunk_id])
+        return super()._retrieve_recv_grads(bwd_chunk_id)
+
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        self._staged_sends.clear()
+
+    # torch's warm-up vote and shape metadata: host tensors when the pipeline group is a bridge.
+    @contextmanager
+    def _control_on_host(self):
+        if not self.communicator.is_bridge(self.group):
+            yield
+            return
+        device = self.device
+        self.device = torch.device("cpu")
+        try:
+            with self.communicator.on_host():
+                yield
+        finally:
+            self.device = device
+
+    def _warmup_forward_vote(self, has_backward, received_acc=None):
+        with self._control_on_host():
+            return super()._warmup_forward_vote(has_backward, received_acc)
+
+    def _warmup_backward_result(self, received_result=None):
+        with self._control_on_host():
+            return super()._warmup_backward_result(received_result)
+
+    def _send_meta(self, meta, dst_stage):
+        with self._control_on_host():
+            super()._send_meta(meta, dst_stage)
+
+    def _recv_meta(self, src_stage):
+        with self._control_on_host():
+            return super()._recv_meta(src_stage)
