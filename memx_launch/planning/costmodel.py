@@ -276,6 +276,12 @@ def collective_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.nd
                     + steps / np.maximum(n, 1) * np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
 
 
+def broadcast_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.ndarray:
+    """Pipelined ring broadcast: (n-1) steps of latency, the whole buffer over the slowest link."""
+    n = np.asarray(group_size, dtype=np.float64)
+    return np.where(n > 1, np.maximum(n - 1, 0) * latency_s + np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
+
+
 def p2p_time(nbytes, gbps) -> np.ndarray:
     """One point-to-point message: latency plus the bytes over the link (none for inf)."""
     gbps = np.asarray(gbps, dtype=np.float64)
@@ -290,15 +296,28 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps) -> n
     updated weights. Fully sharded: the weights all-gathered for the forward and again for the
     backward in the compute dtype, and the gradients reduce-scattered.
     """
-    grad = training.precision_bytes("grad_dtype")
     params = np.asarray(stage_params, dtype=np.float64)
+    if not (training.fully_sharded or training.distributed_optimizer):
+        return allreduce_time(params * training.precision_bytes("grad_dtype"), dp, gbps)
+    return collective_time(params * _sharded_sync_bytes_per_param(training), dp, gbps)
+
+
+def _sharded_sync_bytes_per_param(training: TrainingSpec) -> float:
+    """Bytes per parameter a sharded setup's reduce-scatters and all-gathers move through the ring."""
+    grad = training.precision_bytes("grad_dtype")
     if training.fully_sharded:
-        volume = 2.0 * training.dtype_bytes + grad
-    elif training.distributed_optimizer:
-        volume = grad + training.precision_bytes("weights_dtype")
-    else:
-        return allreduce_time(params * grad, dp, gbps)
-    return collective_time(params * volume, dp, gbps)
+        return 2.0 * training.dtype_bytes + grad
+    return grad + training.precision_bytes("weights_dtype")
+
+
+def sync_allreduce_bytes(stage_params, training: TrainingSpec) -> np.ndarray:
+    """The all-reduce whose ring traffic equals one iteration's gradient sync: the gradients for
+    plain data parallel; half the collectives' volume for a sharded setup (an all-reduce moves
+    its buffer twice). What a cross-domain DP group syncs hierarchically."""
+    params = np.asarray(stage_params, dtype=np.float64)
+    if not (training.fully_sharded or training.distributed_optimizer):
+        return params * training.precision_bytes("grad_dtype")
+    return params * _sharded_sync_bytes_per_param(training) / 2.0
 
 
 class AnalyticalCostModel:

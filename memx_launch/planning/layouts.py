@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.bridge import EdgeCrossing, GroupCrossing, layout_crossings
 from memx_launch.planning.costmodel import communicators_per_rank
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -40,6 +41,10 @@ class Layout:
     replica_capacity: np.ndarray      # (K, P) bytes
     next_stage_gbps: np.ndarray       # (P,) link to the next stage, inf for the last
     dp_gbps: np.ndarray               # (P,) slowest link of the stage's DP groups
+    edge_crossings: tuple[EdgeCrossing, ...] = ()
+    """Pipeline edges (the last stage's: interleaving's wrap-around) that cross communication domains."""
+    group_crossings: tuple[GroupCrossing, ...] = ()
+    """Stages whose DP groups span communication domains."""
 
     @property
     def pp(self) -> int:
@@ -174,7 +179,8 @@ def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
     return Layout(stage_tp, dp, tuple(order), np.array([[device_names.index(t) for t in row] for row in rows]),
                   [list(r) for r in stage_ranks],
                   np.array([[cluster.device_type(t).memory_bytes for t in row] for row in rows], dtype=float),
-                  np.array(next_gbps, dtype=float), np.array(dp_gbps, dtype=float))
+                  np.array(next_gbps, dtype=float), np.array(dp_gbps, dtype=float),
+                  *layout_crossings(cluster, [list(r) for r in stage_ranks], stage_tp))
 
 
 def parse_stage_devices(text: str, known, dp: int, field: str) -> list[tuple[str, int]]:

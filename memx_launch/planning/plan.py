@@ -72,6 +72,26 @@ class StagePlan:
 
 
 @dataclass
+class Crossing:
+    """Traffic of one training step that crosses communication domains, over the bridge."""
+
+    kind: str
+    """``pipeline`` (a stage's transfers to the next, both directions) or ``data_parallel``
+    (a stage's gradient sync)."""
+    stages: list[int]
+    """The edge's two stages, or the DP group's stage."""
+    domains: list[str]
+    bytes_per_step: float
+    """Bytes one rank sends over the bridge per step."""
+    seconds_per_step: float
+    """Pipeline: the edge's transfers of one step, staging and latency included; data
+    parallel: the stage's whole hierarchical sync."""
+
+
+CROSSING_KINDS = ("pipeline", "data_parallel")
+
+
+@dataclass
 class Objective:
     phi: float
     profile: str
@@ -105,6 +125,8 @@ class Plan:
     version: int = PLAN_VERSION
     stage_tp: list[int] | None = None
     """One TP degree per stage when they differ (``tp`` is then None); None: every stage at ``tp``."""
+    crossings: list[Crossing] = field(default_factory=list)
+    """Pipeline edges and DP groups that cross communication domains (empty on one domain)."""
 
     # ---- derived
     @property
@@ -146,7 +168,7 @@ class Plan:
         order = ["version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "dp", "micro_batch_size",
                  "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages",
                  "predicted_iteration_time_s", "predicted_peak_memory_fraction",
-                 "predicted_memory_variance", "objective", "emulated", "training", "model_spec"]
+                 "predicted_memory_variance", "objective", "emulated", "training", "crossings", "model_spec"]
         return {k: data[k] for k in order}
 
     @classmethod
@@ -173,7 +195,8 @@ class Plan:
                 predicted_peak_memory_fraction=data.get("predicted_peak_memory_fraction", 0.0),
                 predicted_memory_variance=data.get("predicted_memory_variance", 0.0),
                 emulated=data.get("emulated", False), training=dict(data.get("training", {})),
-                version=version, stage_tp=data.get("stage_tp"))
+                version=version, stage_tp=data.get("stage_tp"),
+                crossings=[Crossing(**c) for c in data.get("crossings", [])])
         except KeyError as exc:
             raise ConfigError(f"{source}.{exc.args[0]}", "missing",
                               "pass a complete plan written by memx plan --json") from None
@@ -278,6 +301,15 @@ def _check_types(data: dict, source: str) -> None:
         require_type(o.get("terms", {}), dict, f"{source}.objective.terms", fix)
         for k, v in o.get("terms", {}).items():
             require_number(v, f"{source}.objective.terms.{k}", fix=fix)
+    crossings = data.get("crossings", [])
+    require_type(crossings, list, f"{source}.crossings", fix)
+    for i, c in enumerate(crossings):
+        where = f"{source}.crossings[{i}]"
+        require_type(c, dict, where, fix)
+        if c.get("kind") not in CROSSING_KINDS:
+            raise ConfigError(f"{where}.kind", f"expected one of {', '.join(CROSSING_KINDS)}, got {c.get('kind')!r}", fix)
+        for key in ("bytes_per_step", "seconds_per_step"):
+            require_number(c.get(key), f"{where}.{key}", lo=0, fix=fix)
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ConfigError(f"{source}.stages", "must be a non-empty list of stages", fix)

@@ -120,8 +120,25 @@ def plan_report(result, cluster: ClusterSpec) -> str:
     lines += ["", f"top {len(result.plans)} plans (lower phi is better):", plans_table(result.plans), "",
               f"winner: {layout_summary(best)}, predicted iteration {best.predicted_iteration_time_s:.2f} s, "
               f"{best.num_microbatches} micro-batches",
-              stage_table(best), "", why_line(best, result.reason)]
+              stage_table(best), *crossing_lines(best, cluster), "", why_line(best, result.reason)]
+    if result.stats.pruned_too_few_microbatches:
+        lines.append(f"left out: {result.stats.pruned_too_few_microbatches} candidates with fewer micro-batches "
+                     "than stages (memx-run's pipeline schedule needs one per stage)")
     return "\n".join(lines)
+
+
+def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
+    """The plan's traffic between communication domains: each crossing pipeline edge and DP
+    group, its bytes and seconds per step (why plans keep a vendor's stages together)."""
+    if not plan.crossings:
+        return []
+    lines = [f"crossing communication domains over the bridge ({cluster.bridge.backend}, staged through host memory):"]
+    for c in plan.crossings:
+        what = (f"pipeline stage {c.stages[0]} -> {c.stages[1]}" if c.kind == "pipeline"
+                else f"DP sync of stage {c.stages[0]}")
+        lines.append(f"  {what} ({' | '.join(c.domains)}): {format_gib(c.bytes_per_step / 2**30)} per rank, "
+                     f"{c.seconds_per_step:.3g} s per step")
+    return lines
 
 
 def search_stats_line(stats) -> str:
@@ -165,7 +182,7 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
                 "never fills" if plan.num_microbatches < plan.pp else "")
     lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches{pipeline}"
               + (f"; {split_note}" if split_note else ""),
-              stage_table(plan), *_mixed_stage_notes(plan, cluster), "",
+              stage_table(plan), *_mixed_stage_notes(plan, cluster), *crossing_lines(plan, cluster), "",
               f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
               f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "
               f"{plan.predicted_memory_variance:.3g} GiB^2",

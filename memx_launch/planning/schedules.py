@@ -47,7 +47,8 @@ def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtu
     """Iteration time of a synchronous 1F1B pipeline, arrays whose last axis is the stage.
 
     ``stage_times[i]``: forward + backward of one micro-batch on stage i (all its chunks);
-    ``transfer_times[i]``: one activation (or its gradient) from stage i to stage i+1.
+    ``transfer_times[i]``: one activation (or its gradient) from stage i to stage i+1; the
+    last: from the last stage to the first (interleaving's wrap-around; 0 where unpriced).
     Each micro-batch pays the blocking sends of its stage: forward to the next stage and
     backward to the previous one, each link full duplex, v times with v chunks (Narayanan
     2021: point-to-point traffic grows v times). With ``e_i = t_i + v (x_{i-1} + x_i)``:
@@ -63,7 +64,7 @@ def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtu
     v = np.asarray(virtual_stages, dtype=np.float64)
     t = np.asarray(stage_times, dtype=np.float64)
     x = np.asarray(transfer_times, dtype=np.float64)
-    x_prev = np.concatenate([np.zeros_like(x[..., :1]), x[..., :-1]], axis=-1)
+    x_prev = np.concatenate([x[..., -1:], x[..., :-1]], axis=-1)
     e = t + np.expand_dims(v, -1) * (x + x_prev)
     slowest = e.max(axis=-1)
     return g * slowest + (e.sum(axis=-1) - slowest) / v + t_fix + t_dp

@@ -13,8 +13,9 @@ import numpy as np
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import schedules
+from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
-from memx_launch.planning.plan import recompute_text
+from memx_launch.planning.plan import Crossing, recompute_text
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -70,6 +71,11 @@ class GroupResult:
     recompute_layers: np.ndarray | None = None
     """(C, P) layers of each stage recomputing at its level, the first ones (the rest keep
     everything); None: all of them."""
+    transfer: np.ndarray | None = None
+    """(P,) seconds of one transfer to the next stage (:meth:`Evaluator.iteration_parts`);
+    kept where the layout crosses communication domains."""
+    sync: np.ndarray | None = None
+    """(C, P) seconds of each stage's gradient sync; kept where the layout crosses domains."""
 
     def stage_recompute(self, row: int, stage: int) -> str:
         """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""
@@ -96,7 +102,11 @@ class Evaluator:
         # A learned model brings the overhead calibration measured for a type (else the default).
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
-        self.communicator_bytes = np.array([d.communicator_bytes for d in self.device_types])
+        # An emulated cluster's communicators are gloo's, in host memory the guard does not count.
+        self.communicator_bytes = np.array([0.0 if cluster.is_emulated else d.communicator_bytes
+                                            for d in self.device_types])
+        # A learned model brings the bridges calibration measured (else the cluster file's).
+        self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
 
     def usable(self, capacity: np.ndarray) -> np.ndarray:
@@ -205,13 +215,14 @@ class Evaluator:
         else:  # the search's layouts: one device type per stage
             memory, stage_time, fits, cap = memories[0], times[0], fits[0], np.broadcast_to(layout.capacity, levels.shape)
         feasible = fits.all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
-        T = self.iteration_time(layout, mbs, seq, schedule, v, g, stage_time, layers)
+        T, transfer, sync = self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)
+        crosses = bool(layout.edge_crossings or layout.group_crossings)
         # M: the fullest device, as a fraction of its capacity (devices of different sizes
         # compare); V: the variance of the devices' memory use in GiB^2, as the paper's
         # (its Table 10 reports 9.13e5 MB^2), so that balance means equal use, not equal shares.
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
                            T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible, cap,
-                           recompute_layers)
+                           recompute_layers, transfer if crosses else None, sync if crosses else None)
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
@@ -245,18 +256,32 @@ class Evaluator:
         return np.where(levels == cm.FULL, np.clip(fewest, 1, layers).astype(np.int64), layers)
 
     def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
+        return self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)[0]
+
+    def iteration_parts(self, layout, mbs, seq, schedule, v, g, stage_time, layers):
+        """(T, transfer, sync): the iteration time of each row, the (P,) seconds of one transfer
+        from each stage to the next (the last: interleaving's wrap-around), and the (C, P)
+        seconds of each stage's gradient sync before any overlap with the backward."""
         m, tr = self.model, self.training
         # Between stages of different TP the whole tensor crosses once per pipeline (a
         # resharding sender, as Sailor's), as it does between equal TP groups here.
         hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
         efficiency = self.cluster.link_efficiency
         transfer = cm.p2p_time(hidden_bytes, layout.next_stage_gbps * efficiency)
-        tp = layout.tp if layout.uniform_tp else layout.stage_tp
-        first, last = layout.end_tp
-        stage_params = layers * m.layer_params / tp
-        stage_params[:, 0] += m.embedding_params / first
-        stage_params[:, -1] += cm.last_stage_params(m, layout.pp) / last
-        t_dp = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps * efficiency)
+        if layout.edge_crossings:
+            transfer = transfer.copy()
+            for edge in layout.edge_crossings:
+                wrap = edge.stage == layout.pp - 1
+                if not wrap or v > 1:
+                    # The wrap-around carries v - 1 of each micro-batch's v passes; the schedule charges v.
+                    share = (v - 1) / v if wrap else 1.0
+                    transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(hidden_bytes)
+        stage_params = parameters_per_rank(m, layout, layers)
+        sync = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps * efficiency)
+        for group in layout.group_crossings:
+            sync[:, group.stage] = self.bridges.group_sync_time(
+                group, cm.sync_allreduce_bytes(stage_params[:, group.stage], tr))
+        t_dp = sync
         if tr.overlap_grad_reduce:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
@@ -264,8 +289,45 @@ class Evaluator:
         t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
                         for devices in layout.replica_device for i, d in enumerate(devices)], axis=0)
         if schedule == "interleaved":
-            return schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
-        return schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
+            T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
+        else:
+            T = schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
+        return T, transfer, sync
+
+
+def parameters_per_rank(model: ModelSpec, layout: Layout, layers: np.ndarray) -> np.ndarray:
+    """(C, P) parameters a rank of each stage holds: its layers over TP, the embedding on the
+    first stage, the head on the last."""
+    tp = layout.tp if layout.uniform_tp else layout.stage_tp
+    first, last = layout.end_tp
+    params = layers * model.layer_params / tp
+    params[:, 0] += model.embedding_params / first
+    params[:, -1] += cm.last_stage_params(model, layout.pp) / last
+    return params
+
+
+def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: TrainingSpec) -> list[Crossing]:
+    """What one step of a scored row sends between communication domains, per crossing
+    pipeline edge (forward and backward, every micro-batch) and DP group, with its seconds."""
+    layout = result.layout
+    if result.transfer is None:
+        return []
+    g = training.global_batch_size // (layout.dp * result.mbs)
+    hidden_bytes = result.mbs * result.seq * model.hidden_size * training.dtype_bytes
+    out = []
+    for edge in layout.edge_crossings:
+        wrap = edge.stage == layout.pp - 1
+        passes = result.v - 1 if wrap else result.v  # per micro-batch and direction
+        if passes:
+            out.append(Crossing("pipeline", [edge.stage, (edge.stage + 1) % layout.pp],
+                                sorted({d for p in edge.domain_pairs for d in p}), 2.0 * g * passes * hidden_bytes,
+                                float(2.0 * g * result.v * result.transfer[edge.stage])))
+    params = parameters_per_rank(model, layout, result.layers[row:row + 1])[0]
+    for group in layout.group_crossings:
+        synced = cm.sync_allreduce_bytes(params[group.stage], training)
+        out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
+                            float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
+    return out
 
 
 def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1):

@@ -32,7 +32,7 @@ from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
-from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
+from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult, crossings_of
 
 
 INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B
@@ -119,6 +119,9 @@ class SearchStats:
     pruned_time: int = 0
     pruned_schedule: int = 0
     pruned_batch: int = 0
+    pruned_too_few_microbatches: int = 0
+    """Of ``pruned_batch``: candidates with fewer micro-batches than stages, where the space
+    refuses them (``fewer_microbatches_than_stages=False``, memx-run's searches)."""
     cache_hits: int = 0
     cache_misses: int = 0
     seconds: float = 0.0
@@ -184,7 +187,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     if "1f1b" not in space.schedules:
         schedules = schedules[1:]
 
-    groups, too_few = [], 0
+    groups = []
     for layout in layouts:
         policies = _policy_rows(layout, level_options)
         for mbs, seq in itertools.product(space.micro_batch_sizes, seqs):
@@ -196,7 +199,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                 g = training.global_batch_size // (layout.dp * mbs)
                 if g < layout.pp and not space.fewer_microbatches_than_stages:
                     stats.pruned_batch += len(policies)
-                    too_few += len(policies)
+                    stats.pruned_too_few_microbatches += len(policies)
                     continue
                 if schedule == "interleaved" and (not stats.interleaving_allowed or g % layout.pp
                                                   or layout.pp * v > model.num_layers or layout.pp < 2):
@@ -235,7 +238,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                      f"{time.perf_counter() - start:.1f}s")
     stats.cache_hits, stats.cache_misses = table.hits, table.misses
 
-    if not results and too_few and stats.pruned_batch == stats.enumerated:
+    if not results and stats.pruned_too_few_microbatches and stats.pruned_batch == stats.enumerated:
         raise ConfigError("--global-batch-size", f"{training.global_batch_size} gives fewer micro-batches than "
                           "pipeline stages to every candidate; memx-run's pipeline schedule (torch's Schedule1F1B) "
                           "needs one per stage", "raise the global batch size")
@@ -373,7 +376,8 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
                 predicted_iteration_time_s=float(result.T[row]), objective=objective,
                 predicted_peak_memory_fraction=float(result.M[row]),
                 predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
-                training=training.plan_fields(), stage_tp=None if uniform else lay.stage_tp.tolist())
+                training=training.plan_fields(), stage_tp=None if uniform else lay.stage_tp.tolist(),
+                crossings=crossings_of(result, row, model, training))
 
 
 def progress_to_stderr(message: str) -> None:

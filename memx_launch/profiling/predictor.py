@@ -262,7 +262,8 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
 class LearnedCostModel:
     """The analytical model scaled by learned ratios; a drop-in ``LayerCostModel``."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, predictor: Predictor):
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, predictor: Predictor,
+                 measured_bridges: dict | None = None):
         # The ratios scale the analytical model of the profiled types as they were profiled,
         # not as the cluster file declares them.
         base = with_type_fields(cluster, predictor.meta.get("device_descriptors", {}))
@@ -286,6 +287,8 @@ class LearnedCostModel:
         measured = predictor.meta.get("memory_overhead_gib", {})
         self.measured_overhead_bytes = {d.name: measured[d.name] * 2**30 for d in self.device_types
                                         if d.memory_overhead_gib is None and d.name in measured}
+        # Fitted (latency_s, gbps) per pair of domains: the planner's bridge where measured.
+        self.measured_bridges = dict(measured_bridges or {})
         # Compute-share baselines: the profiled types at the efficiency their blocks sustained.
         self.calibrated_cluster = with_type_fields(
             base, {name: {"efficiency": e} for name, e in predictor.meta.get("efficiency", {}).items()})
@@ -313,13 +316,16 @@ def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec
     """The planner's cost model from a profile: fitted once, saved next to the profile, cached.
 
     A saved predictor is reused when its sidecar's training signature matches the profile's
-    records; otherwise (new records, other version) it is re-fitted and saved again.
+    records; otherwise (new records, other version) it is re-fitted and saved again. Bridge
+    measurements of the cluster's backend replace its bridge defaults per pair of domains.
     """
     from memx_launch.profiling.interpolation import augment_measurements
     from memx_launch.profiling.prediction_cache import CachedCostModel
-    from memx_launch.profiling.profiledb import ProfileDB
+    from memx_launch.profiling.profiledb import ProfileDB, fitted_bridges
 
-    records = ProfileDB(profile_db_path).for_model(model)
+    db = ProfileDB(profile_db_path)
+    records = db.for_model(model)
+    bridges = fitted_bridges(db.bridge_measurements(), cluster.bridge.backend) if cluster.crosses_domains else {}
     path = os.path.splitext(profile_db_path)[0] + ".predictor.ubj"
     predictor = None
     if os.path.exists(path):
@@ -339,4 +345,4 @@ def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec
                   "(refitted when the profile changes)", file=sys.stderr)
         except (ConfigError, OSError) as exc:
             print(f"memx: fitted the predictor on {len(records)} records; not cached ({exc})", file=sys.stderr)
-    return CachedCostModel(LearnedCostModel(model, cluster, training, predictor))
+    return CachedCostModel(LearnedCostModel(model, cluster, training, predictor, bridges))

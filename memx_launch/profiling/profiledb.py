@@ -18,6 +18,8 @@ import warnings
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Iterable
 
+import numpy as np
+
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, check_output_path
 from memx_launch.specs.checks import require_name, require_number, require_type
@@ -139,8 +141,93 @@ def _check_record(data: dict) -> None:
     ModelSpec.from_dict(data["block_shape"], "block_shape")
 
 
+BRIDGE_KIND = "bridge"
+
+
+@dataclass(frozen=True)
+class BridgeMeasurement:
+    """One measured bridge message between two communication domains: ``nbytes`` sent one way
+    between host buffers over ``backend`` (half a ping-pong's round trip), the median of its
+    repeats. Several sizes per pair let :func:`fit_bridge` fit latency and bandwidth; the
+    staging copies are priced apart (``cluster.bridge``'s host_copy_gbps)."""
+
+    domains: tuple[str, str]
+    backend: str
+    nbytes: int
+    seconds: float
+    ranks: tuple[int, int] | None = None
+    """The two global ranks that exchanged (None: not recorded)."""
+    software: dict = field(default_factory=dict)
+    kind: str = BRIDGE_KIND
+    """What tells a bridge line from a layer sample in the same file."""
+    format: int = PROFILE_FORMAT
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        """The domains in one order (a measurement either way serves both directions)."""
+        return tuple(sorted(self.domains))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BridgeMeasurement":
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, this memx reads {PROFILE_FORMAT}")
+        domains = data.get("domains")
+        if not (isinstance(domains, list) and len(domains) == 2):
+            raise ValueError("domains must be two names")
+        for name in (*domains, data.get("backend")):
+            require_type(name, str, "domains/backend")
+            require_name(name, "domains/backend")
+        require_number(data.get("nbytes"), "nbytes", lo=0, lo_open=True, integer=True)
+        require_number(data.get("seconds"), "seconds", lo=0, lo_open=True)
+        ranks = data.get("ranks")
+        if ranks is not None:
+            if not (isinstance(ranks, list) and len(ranks) == 2):
+                raise ValueError("ranks must be two ranks")
+            for r in ranks:
+                require_number(r, "ranks", lo=0, integer=True)
+        require_type(data.get("software", {}), dict, "software")
+        return cls(tuple(domains), data["backend"], data["nbytes"], data["seconds"],
+                   None if ranks is None else tuple(ranks), dict(data.get("software", {})))
+
+
+def fit_bridge(points: Iterable[BridgeMeasurement]) -> tuple[float, float]:
+    """(latency_s, gbps) of seconds = latency_s + nbytes / (gbps * 1e9) through the points,
+    least squares on relative error (small and large messages count alike). ValueError unless
+    the points span two sizes and time grows with size."""
+    points = list(points)
+    sizes = np.array([p.nbytes for p in points], dtype=np.float64)
+    seconds = np.array([p.seconds for p in points], dtype=np.float64)
+    if len(np.unique(sizes)) < 2:
+        raise ValueError("bridge measurements of at least two message sizes are needed")
+    slope, intercept = np.polyfit(sizes, seconds, 1, w=1.0 / seconds)
+    if slope <= 0:
+        raise ValueError("bridge time does not grow with the message size")
+    return max(float(intercept), 0.0), float(1.0 / (slope * 1e9))
+
+
+def fitted_bridges(measurements: Iterable[BridgeMeasurement], backend: str) -> dict:
+    """Per pair of domains measured over ``backend``, its fitted (latency_s, gbps); a pair
+    whose points cannot be fitted is left out with a :class:`ProfileWarning`."""
+    by_pair: dict[tuple[str, str], list[BridgeMeasurement]] = {}
+    for m in measurements:
+        if m.backend == backend:
+            by_pair.setdefault(m.pair, []).append(m)
+    out = {}
+    for pair, points in by_pair.items():
+        try:
+            out[pair] = fit_bridge(points)
+        except ValueError as exc:
+            warnings.warn(f"bridge {pair[0]}<->{pair[1]}: measurements not used ({exc})", ProfileWarning,
+                          stacklevel=2)
+    return out
+
+
 class ProfileDB:
-    """One JSONL file of :class:`Measurement` records."""
+    """One JSONL file of :class:`Measurement` records and :class:`BridgeMeasurement` lines
+    (``"kind": "bridge"``)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -151,7 +238,7 @@ class ProfileDB:
         if os.path.exists(self.path) and not os.access(self.path, os.W_OK):
             raise ConfigError(flag, f"cannot write to {self.path}", "choose a file you can write to")
 
-    def append(self, measurements: Iterable[Measurement]) -> int:
+    def append(self, measurements: Iterable[Measurement | BridgeMeasurement]) -> int:
         """Append whole lines under an exclusive lock, then fsync; safe for concurrent ranks."""
         payload = "".join(m.to_json() + "\n" for m in measurements)
         if not payload:
@@ -178,8 +265,20 @@ class ProfileDB:
             raise ConfigError("--out", f"cannot append to {self.path} ({exc.strerror}); the measurements are kept "
                               f"in {rescue}", f"append that file to the profile: cat {rescue} >> {self.path}") from None
 
+    def append_bridge(self, measurements: Iterable[BridgeMeasurement]) -> int:
+        """Append bridge measurements (:meth:`append`'s locking); returns the lines written."""
+        return self.append(measurements)
+
     def read(self) -> list[Measurement]:
-        """All valid records; corrupt or foreign lines are skipped with a :class:`ProfileWarning`."""
+        """All valid layer samples; bridge lines are :meth:`bridge_measurements`'; corrupt or
+        foreign lines are skipped with a :class:`ProfileWarning`."""
+        return [r for r in self._records() if isinstance(r, Measurement)]
+
+    def bridge_measurements(self) -> list[BridgeMeasurement]:
+        """All valid bridge measurements, in file order."""
+        return [r for r in self._records() if isinstance(r, BridgeMeasurement)]
+
+    def _records(self) -> list:
         text = read_text(self.path, "--profile-db", MAX_PROFILE_BYTES,
                          "run memx profile --model NAME --out FILE first")
         out = []
@@ -187,10 +286,12 @@ class ProfileDB:
             if not line.strip():
                 continue
             try:
-                out.append(Measurement.from_dict(parse_json(line, "record", self.path)))
+                data = parse_json(line, "record", self.path)
+                kind = BridgeMeasurement if isinstance(data, dict) and data.get("kind") == BRIDGE_KIND else Measurement
+                out.append(kind.from_dict(data))
             except (ValueError, TypeError) as exc:
                 warnings.warn(f"{self.path}:{lineno}: skipped a corrupt profile record ({exc})",
-                              ProfileWarning, stacklevel=2)
+                              ProfileWarning, stacklevel=3)
         return out
 
     def for_model(self, model: ModelSpec) -> list[Measurement]:
@@ -217,8 +318,11 @@ def deduplicate(records: Iterable[Measurement]) -> list[Measurement]:
 
 
 def merge_profiles(paths: Iterable[str], out_path: str) -> int:
-    """Join per-rank profile files into one (deduplicated), written atomically."""
-    records = deduplicate(r for p in paths for r in ProfileDB(p).read())
+    """Join per-rank profile files into one (layer samples deduplicated, bridge measurements
+    all kept), written atomically."""
+    paths = list(paths)
+    records = deduplicate(r for p in paths for r in ProfileDB(p).read()) + [
+        b for p in paths for b in ProfileDB(p).bridge_measurements()]
     with atomic_output(out_path, "--out", overwrite=True) as tmp:
         with open(tmp, "w") as f:
             f.writelines(r.to_json() + "\n" for r in records)

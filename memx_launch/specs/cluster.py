@@ -11,11 +11,10 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-
 from memx_launch.errors import ConfigError
+from memx_launch.specs.bridge import DOMAIN_BY_VENDOR, Bridge, bridge_from
 from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_positive, require_type
 from memx_launch.specs.inputs import load_yaml
-
 
 CLUSTER_FILE_VERSION = 1
 MAX_DEVICES_PER_NODE = 4096
@@ -160,11 +159,6 @@ DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 1.25, "amd": 1.25, "cpu": 0.0, "unknown
 # a rank joins (world, DP, TP, PP) holds its own (nccl#864, #986). RCCL is built alike.
 COMMUNICATOR_GIB = {"nvidia": 0.6, "amd": 0.6}
 
-# The collective library each vendor's torch build brings. Libraries of different vendors cannot
-# join one communicator (ROCm's torch calls RCCL "nccl" too), so each is a domain of its own.
-DOMAIN_BY_VENDOR = {"nvidia": "nccl", "amd": "rccl", "intel": "xccl", "ascend": "hccl", "cpu": "gloo"}
-
-
 @dataclass(frozen=True)
 class Node:
     name: str
@@ -222,6 +216,8 @@ class ClusterSpec:
     the figures as datasheet numbers: NCCL's all-reduce bus bandwidth reaches about 230 of
     NVLink 3's 300 GB/s on DGX A100 nodes and 90% of an InfiniBand NIC's line rate (nccl-tests);
     a detected cluster states the measured bus bandwidth and 1.0."""
+    bridge: Bridge = Bridge()
+    """Traffic between communication domains (:attr:`crosses_domains`)."""
 
     def __post_init__(self):
         # Rank tables, computed once: the search asks for links between thousands of ranks.
@@ -342,7 +338,7 @@ class ClusterSpec:
             raise ConfigError("cluster", "the file must be a mapping with version, device_types, nodes",
                               "see examples/clusters/paper-20gpu.yaml")
         reject_unknown(data, {"version", "name", "device_types", "nodes", "inter_node_gbps",
-                               "emulation", "master_addr", "link_efficiency"}, "cluster")
+                               "emulation", "master_addr", "link_efficiency", "bridge"}, "cluster")
         version = data.get("version")
         if version != CLUSTER_FILE_VERSION:
             raise ConfigError("cluster.version", f"expected {CLUSTER_FILE_VERSION}, got {version!r}",
@@ -449,4 +445,6 @@ class ClusterSpec:
         require_number(link_efficiency, "cluster.link_efficiency", lo=0, hi=1, lo_open=True,
                        fix="the share of the stated link bandwidth collectives reach, e.g. 0.8 (1.0 if measured)")
         return cls(str(data.get("name", default_name)), tuple(types), tuple(nodes),
-                   float(inter) if inter is not None else math.inf, emulation, master, float(link_efficiency))
+                   float(inter) if inter is not None else math.inf, emulation, master, float(link_efficiency),
+                   bridge_from(data.get("bridge")))
+

@@ -1,0 +1,229 @@
+"""Traffic between communication domains priced in the plan: the bridge's cluster-file fields,
+crossing pipeline edges and DP groups, bridge measurements in the profile DB."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.search import search
+from memx_launch.profiling.profiledb import BridgeMeasurement, ProfileDB, ProfileWarning, fit_bridge, fitted_bridges
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+from tests.test_profiledb import record
+
+MODEL = get_model("llama-tiny")
+TRAINING = TrainingSpec(global_batch_size=16, seq_len=64, dtype="fp32", distributed_optimizer=False,
+                        overlap_grad_reduce=False)
+# cpu-two-vendors, written out: the numbers below are computed from these.
+TWO_VENDORS = {
+    "version": 1, "name": "two-vendors",
+    "device_types": {"nv-small": {"vendor": "nvidia", "memory_gib": 1, "peak_tflops": 0.03, "efficiency": 1.0,
+                                  "memory_bandwidth_gbps": 5, "memory_overhead_gib": 0},
+                     "amd-big": {"vendor": "amd", "memory_gib": 1, "peak_tflops": 0.01, "efficiency": 1.0,
+                                 "memory_bandwidth_gbps": 5, "memory_overhead_gib": 0}},
+    "nodes": [{"name": "localhost", "devices": {"nv-small": 2, "amd-big": 2}, "intra_node_gbps": 2}],
+    "emulation": {"slowdown": {"nv-small": 1, "amd-big": 3}},
+}
+LINK_GBPS, EFFICIENCY = 2.0, 0.8
+BRIDGE_GBPS, BRIDGE_LATENCY_S, HOST_COPY_GBPS = 1.1, 175e-6, 10.0  # the defaults on this emulated cluster
+NATIVE_LATENCY_S = 10e-6
+
+
+def two_vendors(shared_domain=False, **top):
+    data = copy.deepcopy(TWO_VENDORS)
+    if shared_domain:
+        for spec in data["device_types"].values():
+            spec["domain"] = "shared"
+    data.update(top)
+    return ClusterSpec.from_dict(data)
+
+
+def estimate(cluster, **layout):
+    layout = {"tp": 1, "micro_batch_size": 1, "references": (1.0, 1.0, 1.0), **layout}
+    return evaluate_layout(MODEL, cluster, TRAINING, **layout)
+
+
+def test_cross_domain_dp_group_costs_exactly_the_hierarchical_sync():
+    layout = dict(pp=1, dp=4, stage_devices=["nv-small+amd-big"])
+    crossing, native = estimate(two_vendors(), **layout), estimate(two_vendors(shared_domain=True), **layout)
+    params = MODEL.layer_params * MODEL.num_layers + MODEL.embedding_params + cm.last_stage_params(MODEL, 1)
+    m = params * TRAINING.precision_bytes("grad_dtype")
+    native_gbps = LINK_GBPS * EFFICIENCY * 1e9
+    # Two domains of two: reduce-scatter in each (2 shards), bridge all-reduce of a shard, all-gather.
+    shard = m / 2
+    hierarchical = (2 * (NATIVE_LATENCY_S + shard / native_gbps)
+                    + 2 * shard / (HOST_COPY_GBPS * 1e9) + 2 * BRIDGE_LATENCY_S + shard / (BRIDGE_GBPS * 1e9))
+    flat = 2 * (3 * NATIVE_LATENCY_S + 0.75 * m / native_gbps)
+    assert crossing.predicted_iteration_time_s - native.predicted_iteration_time_s == pytest.approx(
+        hierarchical - flat, rel=1e-9)
+    [group] = crossing.crossings
+    assert (group.kind, group.stages, group.domains) == ("data_parallel", [0], ["nccl", "rccl"])
+    assert group.seconds_per_step == pytest.approx(hierarchical) and group.bytes_per_step == pytest.approx(shard)
+    assert native.crossings == []
+
+
+def test_domains_of_different_sizes_all_reduce_then_broadcast():
+    cluster = two_vendors(nodes=[{"name": "n", "devices": {"nv-small": 1, "amd-big": 3}, "intra_node_gbps": 2}])
+    shared = ClusterSpec.from_dict({**copy.deepcopy(TWO_VENDORS), "nodes": cluster_nodes(cluster),
+                                    "device_types": {n: {**s, "domain": "shared"}
+                                                     for n, s in TWO_VENDORS["device_types"].items()}})
+    layout = dict(pp=1, dp=4, stage_devices=["nv-small*1+amd-big*3"])
+    crossing, native = estimate(cluster, **layout), estimate(shared, **layout)
+    params = MODEL.layer_params * MODEL.num_layers + MODEL.embedding_params + cm.last_stage_params(MODEL, 1)
+    m = params * TRAINING.precision_bytes("grad_dtype")
+    native_gbps = LINK_GBPS * EFFICIENCY * 1e9
+    inside = 2 * (2 * NATIVE_LATENCY_S + 2 / 3 * m / native_gbps)     # all-reduce among the 3 AMD ranks
+    bridge = 2 * m / (HOST_COPY_GBPS * 1e9) + 2 * BRIDGE_LATENCY_S + m / (BRIDGE_GBPS * 1e9)
+    spread = 2 * NATIVE_LATENCY_S + m / native_gbps                   # broadcast to 3
+    flat = 2 * (3 * NATIVE_LATENCY_S + 0.75 * m / native_gbps)
+    assert crossing.predicted_iteration_time_s - native.predicted_iteration_time_s == pytest.approx(
+        inside + bridge + spread - flat, rel=1e-9)
+
+
+def cluster_nodes(cluster):
+    return [{"name": n.name, "devices": dict(n.devices), "intra_node_gbps": n.intra_node_gbps} for n in cluster.nodes]
+
+
+def hidden_bytes(mbs=1):
+    return mbs * TRAINING.seq_len * MODEL.hidden_size * TRAINING.dtype_bytes
+
+
+def edge_seconds():
+    """One transfer over the bridge and over the native link."""
+    h = hidden_bytes()
+    bridge = BRIDGE_LATENCY_S + h / (BRIDGE_GBPS * 1e9) + 2 * h / (HOST_COPY_GBPS * 1e9)
+    return bridge, NATIVE_LATENCY_S + h / (LINK_GBPS * EFFICIENCY * 1e9)
+
+
+def test_crossing_pipeline_edge_costs_more_per_micro_batch_both_ways():
+    layout = dict(pp=2, dp=2, stage_devices=["nv-small", "amd-big"])
+    crossing, native = estimate(two_vendors(), **layout), estimate(two_vendors(shared_domain=True), **layout)
+    bridge, link = edge_seconds()
+    g = crossing.num_microbatches
+    # Both stages send over the edge (forward, backward) once per micro-batch: (G + 1) extra per second.
+    assert crossing.predicted_iteration_time_s - native.predicted_iteration_time_s == pytest.approx(
+        (g + 1) * (bridge - link), rel=1e-9)
+    [edge] = crossing.crossings
+    assert (edge.kind, edge.stages) == ("pipeline", [0, 1])
+    assert edge.bytes_per_step == 2 * g * hidden_bytes()
+    assert edge.seconds_per_step == pytest.approx(2 * g * bridge)
+
+
+def test_interleaving_crosses_v_times_and_wraps_around():
+    layout = dict(pp=2, dp=2, stage_devices=["nv-small", "amd-big"], schedule="interleaved", virtual_stages=2)
+    crossing, native = estimate(two_vendors(), **layout), estimate(two_vendors(shared_domain=True), **layout)
+    bridge, link = edge_seconds()
+    g, v = crossing.num_microbatches, 2
+    # Each stage pays v passes over the edge and v - 1 over the wrap-around, both directions.
+    extra = v * bridge + (v - 1) * bridge - v * link
+    assert crossing.predicted_iteration_time_s - native.predicted_iteration_time_s == pytest.approx(
+        g * extra + extra / v, rel=1e-9)
+    assert [c.stages for c in crossing.crossings] == [[0, 1], [1, 0]]
+
+
+def test_one_domain_plans_ignore_the_bridge_settings():
+    plain = search(MODEL, two_vendors(shared_domain=True), TRAINING, top_k=3)
+    bridged = search(MODEL, two_vendors(shared_domain=True, bridge={"backend": "mpi", "gbps": 0.01}),
+                     TRAINING, top_k=3)
+    assert [p.to_dict() for p in plain.plans] == [p.to_dict() for p in bridged.plans]
+    assert all(not p.crossings for p in plain.plans)
+
+
+def test_emulated_vendor_types_hold_no_communicator_buffers():
+    layout = dict(pp=2, dp=2, stage_devices=["nv-small", "amd-big"])
+    cpu_types = {n: {**s, "vendor": "cpu"} for n, s in TWO_VENDORS["device_types"].items()}
+    as_cpu = ClusterSpec.from_dict({**copy.deepcopy(TWO_VENDORS), "device_types": cpu_types})
+    assert ([s.predicted_peak_memory_gib for s in estimate(two_vendors(), **layout).stages]
+            == [s.predicted_peak_memory_gib for s in estimate(as_cpu, **layout).stages])
+
+
+def test_plans_with_crossings_round_trip(tmp_path):
+    plan = estimate(two_vendors(), pp=2, dp=2, stage_devices=["nv-small", "amd-big"])
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    assert type(plan).load(path).crossings == plan.crossings
+    older = plan.to_dict()
+    del older["crossings"]
+    assert type(plan).from_dict(older).crossings == []
+
+
+@pytest.mark.parametrize("bridge, field", [
+    ({"backend": "nccl"}, "cluster.bridge.backend"),
+    ({"backend": 3}, "cluster.bridge.backend"),
+    ({"gbps": 0}, "cluster.bridge.gbps"),
+    ({"latency_us": -1}, "cluster.bridge.latency_us"),
+    ({"host_copy_gbps": "fast"}, "cluster.bridge.host_copy_gbps"),
+    ({"bandwidth": 1}, "cluster.bridge.bandwidth"),
+    ("gloo", "cluster.bridge"),
+])
+def test_bad_bridge_fields_are_one_line_naming_the_field(bridge, field):
+    with pytest.raises(ConfigError) as err:
+        two_vendors(bridge=bridge)
+    assert err.value.field == field and "\n" not in str(err.value)
+
+
+def test_bridge_fields_are_read():
+    bridge = two_vendors(bridge={"backend": "ucc", "gbps": 12.5, "latency_us": 20, "host_copy_gbps": 50}).bridge
+    assert (bridge.backend, bridge.gbps, bridge.staging_gbps(True)) == ("ucc", 12.5, 50)
+    assert bridge.latency_s == pytest.approx(20e-6)
+
+
+def points(latency_s, gbps, sizes=(1 << 10, 1 << 16, 1 << 22)):
+    return [BridgeMeasurement(("rccl", "nccl"), "gloo", n, latency_s + n / (gbps * 1e9), ranks=(0, 2))
+            for n in sizes]
+
+
+def test_bridge_measurements_round_trip_beside_layer_samples(tmp_path, recwarn):
+    db = ProfileDB(str(tmp_path / "p.jsonl"))
+    db.append([record(mbs=1)])
+    assert db.append_bridge(points(1e-4, 2.0)) == 3
+    db.append([record(mbs=2)])
+    assert [r.micro_batch_size for r in db.read()] == [1, 2]
+    assert db.bridge_measurements() == points(1e-4, 2.0)
+    lines = [json.loads(line) for line in open(db.path)]
+    assert [line.get("kind") for line in lines] == [None, "bridge", "bridge", "bridge", None]
+    assert not [w for w in recwarn.list if issubclass(w.category, ProfileWarning)]
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    latency, gbps = fit_bridge(points(2.5e-4, 0.9))
+    assert latency == pytest.approx(2.5e-4, rel=1e-6) and gbps == pytest.approx(0.9, rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_bridge(points(1e-4, 1.0, sizes=(4096, 4096)))
+    assert fitted_bridges(points(1e-4, 1.0), "mpi") == {}
+
+
+def test_fitted_bridge_replaces_the_defaults():
+    cluster = two_vendors()
+    measured = cm.AnalyticalCostModel(MODEL, cluster, TRAINING)
+    measured.measured_bridges = fitted_bridges(points(1e-3, 0.25), "gloo")
+    layout = dict(pp=2, dp=2, stage_devices=["nv-small", "amd-big"])
+    fitted, default = estimate(cluster, cost_model=measured, **layout), estimate(cluster, **layout)
+    h, g = hidden_bytes(), default.num_microbatches
+    bridge_default, _ = edge_seconds()
+    bridge_fitted = 1e-3 + h / 0.25e9 + 2 * h / (HOST_COPY_GBPS * 1e9)
+    assert fitted.predicted_iteration_time_s - default.predicted_iteration_time_s == pytest.approx(
+        (g + 1) * (bridge_fitted - bridge_default), rel=1e-6)
+
+
+def test_a_crossing_never_makes_a_plan_faster():
+    rng = np.random.default_rng(7)
+    for _ in range(25):
+        gbps = float(rng.uniform(0.05, 400))
+        nodes = [{"name": "n", "devices": {"nv-small": 2, "amd-big": 2}, "intra_node_gbps": gbps}]
+        bridge = {"host_copy_gbps": float(rng.uniform(1, 50))}
+        order = list(rng.permutation(["nv-small", "amd-big"]))
+        layout = [dict(pp=2, dp=2, stage_devices=order), dict(pp=4, dp=1, stage_devices=[order[0]] * 2 + [order[1]] * 2),
+                  dict(pp=1, dp=4, stage_devices=["nv-small+amd-big"]),
+                  dict(pp=2, dp=2, stage_devices=order, schedule="interleaved", virtual_stages=2)][rng.integers(4)]
+        mbs = int(rng.choice([1, 2, 4]))
+        crossing = estimate(two_vendors(nodes=nodes, bridge=bridge), micro_batch_size=mbs, **layout)
+        native = estimate(two_vendors(shared_domain=True, nodes=nodes, bridge=bridge), micro_batch_size=mbs, **layout)
+        assert crossing.predicted_iteration_time_s >= native.predicted_iteration_time_s
