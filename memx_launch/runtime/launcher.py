@@ -25,6 +25,7 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, write_json_atomic
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import SearchSpace, add_restriction_args, restrictions_from_args
+from memx_launch.runtime import rendezvous
 from memx_launch.runtime.layout import check_runnable
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
@@ -382,8 +383,7 @@ def launch(args, resolved) -> int:
     worker_args = (["--module"] if args.module else []) + [args.training_script, *resolved["script_args"]]
     args.module, args.no_python = True, False
     args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
-    if args.nnodes in ("1", "1:1") and args.rdzv_endpoint == "" and args.rdzv_backend == "static":
-        args.standalone = True  # a free local port instead of torchrun's fixed 29500
+    rendezvous.configure(args)  # a one-node job on loopback; a secret run id; no pickle from the store
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_hide_signal_shutdown)
     stopped = os.path.join(run_dir, STOPPED_FILE)
