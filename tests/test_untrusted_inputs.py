@@ -130,3 +130,97 @@ def test_torchs_dynamic_rendezvous_reads_the_store_through_the_codec():
     with pytest.raises(RendezvousStateError):
         holder.sync()
     assert not _Exploit.ran
+
+
+# ------------------------------------------------------------------ every file memx reads
+
+def _readers(tmp_path):
+    """Each reader memx has, given a path: what it raises for a file it must not read."""
+    from memx_launch.planning.cases import read_cases
+    from memx_launch.profiling.predictor import Predictor
+    from memx_launch.runtime.checkpoint import latest_checkpoint
+    from memx_launch.specs.config_file import _load
+
+    def latest(path):
+        os.makedirs(tmp_path / "ckpt", exist_ok=True)
+        target = tmp_path / "ckpt" / "latest.json"
+        if not os.path.lexists(target):
+            os.symlink(path, target)
+        return latest_checkpoint(str(tmp_path / "ckpt"))
+
+    def predictor_meta(path):
+        model = tmp_path / "p.ubj"
+        model.write_bytes(b"{}")
+        if not os.path.lexists(str(model) + ".meta.json"):
+            os.symlink(path, str(model) + ".meta.json")
+        return Predictor.load(str(model))
+
+    return {
+        "--config": lambda path: _load(build_parser(), path),
+        "--cases": lambda path: list(read_cases(path)),
+        "latest.json": latest,
+        "predictor .meta.json": predictor_meta,
+    }
+
+
+def _hostile_file(tmp_path, kind):
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "fifo.jsonl")
+        return str(tmp_path / "fifo.jsonl")
+    if kind == "directory":
+        os.mkdir(tmp_path / "dir.jsonl")
+        return str(tmp_path / "dir.jsonl")
+    if kind == "oversized":
+        path = tmp_path / "big.jsonl"
+        with open(path, "wb") as f:
+            f.truncate(64 * 2**20)  # sparse: over every cap, no disk used
+        return str(path)
+    os.symlink("/dev/zero", tmp_path / "zero.jsonl")  # a name the reader expects, a device behind it
+    return str(tmp_path / "zero.jsonl")
+
+
+@FAST
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory", "oversized"])
+@pytest.mark.parametrize("reader", ["--config", "--cases", "latest.json", "predictor .meta.json"])
+def test_no_reader_blocks_or_reads_without_bound(tmp_path, kind, reader):
+    path = _hostile_file(tmp_path, kind)
+    with pytest.raises(ConfigError, match="not a regular file|over the limit") as exc:
+        _readers(tmp_path)[reader](path)
+    assert "\n" not in str(exc.value)
+
+
+@FAST
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory", "oversized"])
+def test_a_stopped_record_that_is_no_file_is_ignored_not_waited_on(tmp_path, monkeypatch, kind):
+    from memx_launch.runtime.runs import DEFAULT_RUNS_DIR, STOPPED_FILE, stopped_run_of
+
+    monkeypatch.chdir(tmp_path)
+    os.makedirs(os.path.join(DEFAULT_RUNS_DIR, "r1"))
+    os.symlink(os.path.abspath(_hostile_file(tmp_path, kind)), os.path.join(DEFAULT_RUNS_DIR, "r1", STOPPED_FILE))
+    assert stopped_run_of(["x"]) is None
+
+
+@FAST
+def test_a_yaml_alias_bomb_in_config_fails_fast_in_one_line(tmp_path, capsys):
+    from memx_launch.cli import main
+
+    lines = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f'{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]' for p, c in zip("abcdefgh", "bcdefghi")]
+    (tmp_path / "bomb.yaml").write_text("\n".join(lines) + "\n")
+    code = main(["plan", "--config", str(tmp_path / "bomb.yaml"), "--model", "llama-tiny"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--config" in err[0] and "anchors (&name) are not accepted" in err[0]
+
+
+@FAST
+@pytest.mark.parametrize("text, problem", [
+    ('{"tp": 1, "tp": 2}\n', "duplicate key 'tp'"),
+    ('{"tp": ' + "9" * 5000 + "}\n", "digits"),
+    ('{"tp": NaN}\n', "NaN is not a number"),
+])
+def test_a_cases_line_memx_cannot_trust_is_that_rows_error(tmp_path, text, problem):
+    from memx_launch.planning.cases import read_cases
+
+    (tmp_path / "c.jsonl").write_text(text)
+    (n, row), = read_cases(str(tmp_path / "c.jsonl"))
+    assert isinstance(row, ConfigError) and problem in str(row)
