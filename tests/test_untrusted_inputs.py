@@ -224,3 +224,29 @@ def test_a_cases_line_memx_cannot_trust_is_that_rows_error(tmp_path, text, probl
     (tmp_path / "c.jsonl").write_text(text)
     (n, row), = read_cases(str(tmp_path / "c.jsonl"))
     assert isinstance(row, ConfigError) and problem in str(row)
+
+
+# ------------------------------------------------------------------ names inside files
+
+HF_CONFIG = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+             "vocab_size": 256, "max_position_embeddings": 64, "hidden_act": "silu"}
+TRAIN = os.path.join(os.path.dirname(__file__), "..", "examples", "train.py")
+
+
+@pytest.mark.parametrize("name", ["../../../escaped", "/tmp/escaped", "..", "a/../../b\nc", ""])
+def test_a_name_inside_a_model_config_never_places_the_run_directory(tmp_path, monkeypatch, name):
+    import json
+
+    from memx_launch.runtime.launcher import resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "_name_or_path": name}))
+    args = build_parser().parse_args(["--nproc-per-node", "1", "--dry-run", TRAIN, "--model", "config.json"])
+    args.argv = None
+    try:
+        run_dir = resolve(args)["run_dir"]
+    except ConfigError:  # a name memx refuses outright is as good
+        return
+    assert os.path.dirname(run_dir) == "runs"
+    assert os.path.realpath(run_dir).startswith(str(tmp_path.resolve()) + os.sep)
+    assert not os.path.basename(run_dir).startswith(".") and "\n" not in run_dir

@@ -22,7 +22,7 @@ import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
-from memx_launch.files import check_output_path, write_json_atomic
+from memx_launch.files import check_output_path, path_component, write_json_atomic
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
@@ -292,7 +292,8 @@ def resolve(args) -> dict:
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
     if args.export_plan:
         check_output_path(args.export_plan, "--export-plan")
-    run_dir = run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # the model's name is a config.json's: never a path
+    run_dir = run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{path_component(model.name, 'model')}-{stamp}")
     if previous is None and os.path.exists(os.path.join(run_dir, CHECKPOINT_DIR)):  # the workers would resume
         raise ConfigError("--run-dir", f"{run_dir} holds checkpoints but no plan.json", "choose a new run directory")
     check_output_path(os.path.join(run_dir, "plan.json"), "--run-dir", force=True)
