@@ -250,3 +250,44 @@ def test_a_name_inside_a_model_config_never_places_the_run_directory(tmp_path, m
     assert os.path.dirname(run_dir) == "runs"
     assert os.path.realpath(run_dir).startswith(str(tmp_path.resolve()) + os.sep)
     assert not os.path.basename(run_dir).startswith(".") and "\n" not in run_dir
+
+
+# ------------------------------------------------------------------ the Lightning callback's profile_db
+
+@pytest.mark.parametrize("kind", ["directory", "link to /dev/null", "fifo"])
+def test_the_callback_renames_nothing_but_a_regular_file(tmp_path, kind):
+    from memx_callbacks.memx import _set_aside
+
+    db = tmp_path / "profile.jsonl"
+    if kind == "directory":
+        db.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(db)
+    else:
+        os.symlink("/dev/null", db)
+    with pytest.raises(ConfigError, match="^profile_db: .* is not a regular file") as exc:
+        _set_aside(str(db))
+    assert "\n" not in str(exc.value)
+    assert os.path.lexists(db) and not os.path.lexists(str(db) + ".old")
+
+
+def test_the_callback_never_replaces_a_kept_profile(tmp_path):
+    from memx_callbacks.memx import _set_aside
+
+    db = tmp_path / "profile.jsonl"
+    for fit in ("the user's own records\n", "fit 1\n", "fit 2\n"):
+        db.write_text(fit)
+        _set_aside(str(db))
+        assert not db.exists()
+    kept = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert kept == {"profile.jsonl.old": "the user's own records\n", "profile.jsonl.old.1": "fit 1\n",
+                    "profile.jsonl.old.2": "fit 2\n"}
+
+
+def test_the_callback_sends_its_decision_as_json_not_pickle():
+    import inspect
+
+    import memx_callbacks.memx as callback
+
+    source = inspect.getsource(callback)
+    assert "_object_list(" not in source and "broadcast_json(" in source
