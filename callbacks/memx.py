@@ -16,8 +16,8 @@ already checkpointed, a checkpoint, a halved micro-batch written to the plan fil
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 import types
 
 import lightning.pytorch as pl
@@ -32,6 +32,7 @@ from memx_launch.files import write_json_atomic
 from memx_launch.models.adapters import ModelParts, find_blocks
 from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
 from memx_launch.runtime.detection import detect_cluster
+from memx_launch.runtime.messages import broadcast_json
 from memx_launch.runtime.devices import detect_rank_device
 from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
 from memx_launch.specs.cluster import ClusterSpec
@@ -126,22 +127,22 @@ class MemxCallback(pl.Callback):
         db = self.profile_db or os.path.join(root, "memx-profiles.jsonl")
         if os.path.exists(db) and dist.is_initialized():  # every rank must agree: a fresh profile per fit
             dist.barrier()
-        if trainer.global_rank == 0 and os.path.exists(db):
-            os.replace(db, db + ".old")
+        if trainer.global_rank == 0 and os.path.lexists(db):
+            _set_aside(db)
         if dist.is_initialized():
             dist.barrier()
         parts = ModelParts(pl_module, self.blocks_path)
         calibrate_blocks(spec, cluster, device, parts.block_probe, training, db, batch, log=_log_rank0(trainer))
-        payload = [None]
+        payload = None
         if trainer.global_rank == 0:
             cost_model = load_cost_model(db, spec, cluster, training)
             decision = decide(spec, cluster, training, world=trainer.world_size, tp=1, num_blocks=len(self._blocks),
                               user_micro_batch=batch, user_accumulation=accumulation,
                               headroom=self.config.min_headroom, cost_model=cost_model)
-            payload[0] = json.dumps(decision.to_dict())
-        if dist.is_initialized():
-            dist.broadcast_object_list(payload, src=0)
-        decision = Decision.from_dict(json.loads(payload[0]))
+            payload = decision.to_dict()
+        if dist.is_initialized():  # JSON bytes: torch's object collectives pickle
+            payload = broadcast_json(payload, src=0)
+        decision = Decision.from_dict(payload)
         if trainer.global_rank == 0:
             print(f"memx: plan for {spec.name} on {cluster.name}: {self._describe(decision)}", flush=True)
         return decision
@@ -259,6 +260,23 @@ class MemxCallback(pl.Callback):
         if state_dict.get("decision"):
             self.decision = Decision.from_dict(state_dict["decision"])
             self.resumed = True
+
+
+def _set_aside(db: str) -> None:
+    """Keep the previous profile under the first free ``<db>.old[.N]`` name: only a regular file
+    is renamed, and nothing is ever replaced (it may be the user's own profile)."""
+    if not stat.S_ISREG(os.lstat(db).st_mode):
+        raise ConfigError("profile_db", f"{db} is not a regular file (a link, directory or device)",
+                          "pass a file name for memx's calibration profile, or leave profile_db unset")
+    for n in range(1000):
+        kept = db + ".old" + (f".{n}" if n else "")
+        try:  # a hard link fails when the name exists, so nothing is overwritten
+            os.link(db, kept)
+        except FileExistsError:
+            continue
+        os.unlink(db)
+        return
+    raise ConfigError("profile_db", f"{db}.old to {db}.old.999 all exist", "delete the old profiles you no longer need")
 
 
 def _checkpointed(block: torch.nn.Module, on: bool) -> None:

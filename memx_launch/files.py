@@ -28,6 +28,14 @@ STALE_TEMP_S = 3600
 """A temporary file this old is left from a killed write (kill -9): no write takes an hour."""
 
 
+def path_component(name: str, fallback: str = "run") -> str:
+    """``name`` (read from a file: a model's ``_name_or_path``, ...) as one safe file-name
+    component: no separators, no ``..``, no leading dot, printable ASCII, at most 64 characters.
+    A name from inside a file never chooses where memx writes."""
+    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).lstrip("._-")[:64]
+    return safe or fallback
+
+
 def check_output_path(path: str, flag: str = "output", force: bool = False) -> None:
     """Refuse, before any work, an output path memx must not or cannot write."""
     if not path or "\0" in path:

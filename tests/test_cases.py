@@ -98,7 +98,7 @@ def test_jsonl_flag_defaults_out_file_and_headroom(tmp_path, capsys):
     assert rows[2]["error"].startswith("line 3: not a JSON object")
     assert rows[3]["error"].startswith("colour: unknown column")
     assert rows[4]["error"] == "distributed_optimizer: expected true or false, got 'maybe'"
-    assert rows[5]["error"].startswith("line 7: not valid JSON")
+    assert rows[5]["error"].startswith("line 7: this line is not valid JSON")
     # The output is never overwritten without --force; with a headroom, less fits.
     code, _, err = _run(capsys, *base, "--out", str(out))
     assert code == 2 and "--out: " in err and "already exists" in err

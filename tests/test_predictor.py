@@ -157,6 +157,32 @@ def test_load_cost_model_fits_once_then_reuses(tmp_path, monkeypatch):
     assert fits == [1]
 
 
+def test_a_damaged_predictor_cache_never_reaches_xgboost_and_is_refitted(tmp_path, monkeypatch, capsys):
+    from memx_launch.profiling import predictor as predictor_module
+
+    path = str(tmp_path / "profile.jsonl")
+    ProfileDB(path).append(synthetic_records(mbs_values=(1, 4, 16), seqs=(32, 128)))
+    predictor_module.load_cost_model(path, SPEC, CLUSTER, TRAINING, trials=2)
+    cache = os.path.splitext(path)[0] + ".predictor.ubj"
+    data = bytearray(open(cache, "rb").read())
+    for i in (len(data) // 3, 2 * len(data) // 3):  # two bytes changed: the crash of issue 23
+        data[i] ^= 0xFF
+    with open(cache, "wb") as f:
+        f.write(data)
+    monkeypatch.setattr("xgboost.Booster.load_model", lambda *a: pytest.fail("a damaged file reached XGBoost"))
+    with pytest.raises(ConfigError, match="does not match the sha256 in its .meta.json"):
+        Predictor.load(cache)
+    monkeypatch.undo()
+    refit, fits = predictor_module.fit_predictor, []
+    monkeypatch.setattr(predictor_module, "fit_predictor", lambda *a, **k: fits.append(1) or refit(*a, **k))
+    capsys.readouterr()
+    model = predictor_module.load_cost_model(path, SPEC, CLUSTER, TRAINING, trials=2)
+    assert fits == [1] and model.layer_costs(0, 1, 2, 64, 0).time_s > 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "sha256" in warning[0] and "fitting it again" in warning[0]
+    Predictor.load(cache)  # the refit's cache is whole again
+
+
 def test_offsets_follow_each_measured_tp_degree_and_interpolate_between():
     from memx_launch.profiling.features import TP_COLUMN, Offsets, training_rows
 

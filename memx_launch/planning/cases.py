@@ -14,6 +14,7 @@ so training fields added there work here without more code. No torch import.
 from __future__ import annotations
 
 import csv
+import io
 import dataclasses
 import json
 import math
@@ -27,6 +28,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.planning.estimate import evaluate_layout, stage_short_gib
 from memx_launch.planning.search import default_references
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.inputs import parse_json, read_text
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
 
@@ -47,35 +49,32 @@ def read_cases(path: str) -> Iterator[tuple[int, dict | ConfigError]]:
     kind = os.path.splitext(path)[1].lower()
     if kind not in (".csv", ".jsonl", ".ndjson", ".json"):
         raise ConfigError("--cases", f"{path} is neither .csv nor .jsonl", "name the file by its format")
-    try:
-        f = open(path, newline="", encoding="utf-8-sig")  # a spreadsheet's byte-order mark is no column
-    except OSError as exc:
-        raise ConfigError("--cases", f"cannot read {path!r} ({exc.strerror})", "pass an existing file") from None
-    with f:
-        if kind == ".csv":
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None:
-                raise ConfigError("--cases", f"{path} is empty", "write a header line, then one layout per row")
-            for n, row in enumerate(reader, 1):
-                if None in row:
-                    yield n, ConfigError(f"row {n}", f"{len(row[None])} more cells than the header has columns",
-                                         "quote cells that hold commas")
-                else:
-                    yield n, {k.strip(): v for k, v in row.items() if k is not None}
-            return
-        n = 0
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            n += 1
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield n, ConfigError(f"line {line_no}", f"not valid JSON ({exc.msg})", "one JSON object per line")
-                continue
-            yield n, row if isinstance(row, dict) else ConfigError(
-                f"line {line_no}", "not a JSON object", 'write {"column": value, ...} per line')
-
+    # the guarded reader: a FIFO, a device or a huge file is refused before any row is read
+    text = read_text(path, "--cases", fix="pass a .csv or .jsonl file of layouts")
+    text = text.removeprefix("\ufeff")  # a spreadsheet's byte-order mark is no column
+    if kind == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        if reader.fieldnames is None:
+            raise ConfigError("--cases", f"{path} is empty", "write a header line, then one layout per row")
+        for n, row in enumerate(reader, 1):
+            if None in row:
+                yield n, ConfigError(f"row {n}", f"{len(row[None])} more cells than the header has columns",
+                                     "quote cells that hold commas")
+            else:
+                yield n, {k.strip(): v for k, v in row.items() if k is not None}
+        return
+    n = 0
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        n += 1
+        try:
+            row = parse_json(line, f"line {line_no}", "this line", "one JSON object per line")
+        except ConfigError as exc:
+            yield n, exc
+            continue
+        yield n, row if isinstance(row, dict) else ConfigError(
+            f"line {line_no}", "not a JSON object", 'write {"column": value, ...} per line')
 
 def run_cases(path: str, out: str | None = None, overwrite: bool = False, **runner_args) -> str:
     """Estimate every row of ``path`` with a :class:`CaseRunner` (``runner_args``; its base folder

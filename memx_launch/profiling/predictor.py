@@ -15,7 +15,8 @@ which five samples of a new type cannot support.
 
 Hyper-parameters are tuned by a small Gaussian-process Bayesian optimisation with k-fold
 cross-validation. The model is saved as XGBoost UBJ/JSON plus a JSON sidecar holding the
-format version and the signature of its training data; nothing is ever pickled.
+format version, the signature of its training data and the model file's sha256 (checked before
+XGBoost reads the file); nothing is ever pickled.
 No torch import here.
 """
 
@@ -39,12 +40,16 @@ from memx_launch.profiling.calibrated_parts import (measured_efficiency, measure
                                                     one_descriptor_set, part_terms, with_type_fields)
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.inputs import load_json, read_bytes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, physics_features, training_rows
 
 
-PREDICTOR_FORMAT = 3
+PREDICTOR_FORMAT = 4
+"""4: the sidecar holds the model file's sha256."""
+MAX_MODEL_BYTES = 64 * 2**20
+"""A predictor of a few thousand records is well under 1 MB."""
 
 
 # Bounds of the tuned hyper-parameters; (name, low, high, log scale, integer).
@@ -80,39 +85,39 @@ class Predictor:
         return np.asarray(self.booster.inplace_predict(X, base_margin=margin), dtype=np.float64).reshape(-1, 2)
 
     def save(self, path: str) -> None:
-        """``path`` ends in .ubj or .json (XGBoost's own formats); the sidecar is ``path + '.meta.json'``."""
+        """``path`` ends in .ubj or .json (XGBoost's own formats); the sidecar is ``path + '.meta.json'``
+        and holds the model file's sha256."""
         if not path.endswith((".ubj", ".json")):
             raise ConfigError("--predictor", f"{path} must end in .ubj or .json", "e.g. predictor.ubj")
         with atomic_output(path, "--predictor", overwrite=True, suffix=os.path.splitext(path)[1]) as tmp:
             self.booster.save_model(tmp)
+            with open(tmp, "rb") as f:
+                self.meta["model_sha256"] = hashlib.sha256(f.read()).hexdigest()
         write_json_atomic(sidecar_path(path), self.meta, overwrite=True)
 
     @classmethod
     def load(cls, path: str) -> "Predictor":
         import xgboost as xgb
 
-        try:
-            with open(sidecar_path(path)) as f:
-                meta = json.load(f)
-        except OSError:
-            raise ConfigError("--predictor", f"{sidecar_path(path)} is missing",
-                              "load a predictor saved by memx (model file plus its .meta.json)") from None
-        except json.JSONDecodeError:
-            raise ConfigError("--predictor", f"{sidecar_path(path)} is not valid JSON",
-                              "re-train the predictor from its profile") from None
+        fix = "re-train it from its profile (memx plan --profile-db FILE)"
+        meta = load_json(sidecar_path(path), "--predictor", fix="load a predictor saved by memx (model file plus "
+                         "its .meta.json)")
         version = meta.get("format_version") if isinstance(meta, dict) else None
         if version != PREDICTOR_FORMAT:
             raise ConfigError("--predictor", f"{path} has format version {version!r}, this memx reads "
-                              f"{PREDICTOR_FORMAT}", "re-train it from its profile (memx plan --profile-db FILE)")
+                              f"{PREDICTOR_FORMAT}", fix)
         if tuple(meta.get("feature_names", ())) != FEATURE_NAMES:
-            raise ConfigError("--predictor", f"{path} was trained on other features",
-                              "re-train it from its profile (memx plan --profile-db FILE)")
+            raise ConfigError("--predictor", f"{path} was trained on other features", fix)
+        # XGBoost's loader crashes the process (SIGSEGV) on some damaged files: only the bytes the
+        # sidecar's hash vouches for reach it, read once so that they cannot change in between
+        data = read_bytes(path, "--predictor", MAX_MODEL_BYTES, fix)
+        if hashlib.sha256(data).hexdigest() != meta.get("model_sha256"):
+            raise ConfigError("--predictor", f"{path} does not match the sha256 in its .meta.json (damaged)", fix)
         booster = xgb.Booster()
         try:
-            booster.load_model(path)
+            booster.load_model(bytearray(data))
         except xgb.core.XGBoostError as exc:
-            raise ConfigError("--predictor", f"cannot load {path} ({str(exc).splitlines()[0]})",
-                              "re-train it from its profile") from None
+            raise ConfigError("--predictor", f"cannot load {path} ({str(exc).splitlines()[0]})", fix) from None
         return cls(booster, meta)
 
 
@@ -333,7 +338,8 @@ def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec
             predictor = Predictor.load(path)
             if predictor.meta.get("training") != training_signature(records):
                 predictor = None
-        except Exception:  # noqa: BLE001 (a cache: whatever is wrong with it, fit again)
+        except Exception as exc:  # noqa: BLE001 (a cache: whatever is wrong with it, fit again)
+            print(f"memx: warning: the cached predictor is not used ({exc}); fitting it again", file=sys.stderr)
             predictor = None
     if predictor is None:
         augmented = augment_measurements(records).points

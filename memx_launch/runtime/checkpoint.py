@@ -24,7 +24,6 @@ links out of it are refused). torch.distributed.checkpoint is not used: its read
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -213,16 +212,12 @@ def _confined(directory: str, name: str, what: str) -> str:
 
 def latest_checkpoint(directory: str) -> str | None:
     where = f"{directory}/{LATEST}"
-    try:
-        with open(os.path.join(directory, LATEST)) as f:
-            data = json.loads(f.read(4096))
-    except FileNotFoundError:
+    if not os.path.lexists(os.path.join(directory, LATEST)):
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        data = None
+    fix = "delete it to resume from no checkpoint, or point it at a complete step-* folder"
+    data = load_json(os.path.join(directory, LATEST), where, 4096, fix)  # regular files only: a FIFO never blocks
     if not isinstance(data, dict) or not isinstance(data.get("path"), str) or not STEP_DIR.fullmatch(data["path"]):
-        raise ConfigError(where, "corrupt or not a step-NNNNNNNN folder of this directory",
-                          "delete it to resume from no checkpoint, or point it at a complete step-* folder")
+        raise ConfigError(where, "corrupt or not a step-NNNNNNNN folder of this directory", fix)
     path = _confined(directory, data["path"], where)
     if not os.path.isdir(path):
         raise ConfigError(where, f"{data['path']} is missing", "delete latest.json to start from no checkpoint")

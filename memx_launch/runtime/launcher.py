@@ -22,9 +22,10 @@ import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
-from memx_launch.files import check_output_path, write_json_atomic
+from memx_launch.files import check_output_path, path_component, write_json_atomic
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import SearchSpace, add_restriction_args, restrictions_from_args
+from memx_launch.runtime import rendezvous
 from memx_launch.runtime.layout import check_runnable
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
@@ -291,7 +292,8 @@ def resolve(args) -> dict:
     settings.add("profile db", profile_db, "flag" if args.profile_db else "default")
     if args.export_plan:
         check_output_path(args.export_plan, "--export-plan")
-    run_dir = run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{model.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # the model's name is a config.json's: never a path
+    run_dir = run_dir or os.path.join(DEFAULT_RUNS_DIR, f"{path_component(model.name, 'model')}-{stamp}")
     if previous is None and os.path.exists(os.path.join(run_dir, CHECKPOINT_DIR)):  # the workers would resume
         raise ConfigError("--run-dir", f"{run_dir} holds checkpoints but no plan.json", "choose a new run directory")
     check_output_path(os.path.join(run_dir, "plan.json"), "--run-dir", force=True)
@@ -382,8 +384,7 @@ def launch(args, resolved) -> int:
     worker_args = (["--module"] if args.module else []) + [args.training_script, *resolved["script_args"]]
     args.module, args.no_python = True, False
     args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
-    if args.nnodes in ("1", "1:1") and args.rdzv_endpoint == "" and args.rdzv_backend == "static":
-        args.standalone = True  # a free local port instead of torchrun's fixed 29500
+    rendezvous.configure(args)  # a one-node job on loopback; a secret run id; no pickle from the store
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_hide_signal_shutdown)
     stopped = os.path.join(run_dir, STOPPED_FILE)

@@ -6,12 +6,12 @@ signal stopped is found again, and the checks of what the workers will read (pro
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.supervisor import max_replans
+from memx_launch.specs.inputs import load_json
 
 
 DEFAULT_RUNS_DIR = "runs"
@@ -33,6 +33,8 @@ def check_profile_db(path: str) -> None:
 
 
 STOPPED_FILE = "stopped.json"
+MAX_STOPPED_BYTES = 1 * 2**20
+"""A command line and a signal name."""
 
 
 def stopped_run_of(argv: list[str]) -> str | None:
@@ -40,11 +42,10 @@ def stopped_run_of(argv: list[str]) -> str | None:
     running the same command again continues it."""
     stopped = []
     for path in glob.glob(os.path.join(DEFAULT_RUNS_DIR, "*", STOPPED_FILE)):
-        try:
-            with open(path) as f:
-                if json.load(f).get("argv") == argv:
-                    stopped.append((os.path.getmtime(path), os.path.dirname(path)))
-        except (OSError, ValueError, AttributeError):
+        try:  # the guarded reader: a FIFO or a huge file here must not stop every later memx-run
+            if load_json(path, path, MAX_STOPPED_BYTES).get("argv") == argv:
+                stopped.append((os.path.getmtime(path), os.path.dirname(path)))
+        except (OSError, ConfigError, AttributeError):
             continue  # not a record memx wrote: ignored
     return max(stopped)[1] if stopped else None
 

@@ -36,6 +36,7 @@ from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_rea
 from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.planning.replan import ReplanEvent
+from memx_launch.specs.inputs import load_json
 
 CHECKPOINT_DIR = "checkpoints"
 REPLANS_FILE = "replans.json"
@@ -180,8 +181,7 @@ class Supervisor:
                 record = {"error": f"{exc}"}
             write_json_atomic(path, record, overwrite=True)
         dist.barrier()
-        with open(path) as f:
-            record = json.load(f)
+        record = load_json(path, path, fix="delete the run directory's decision files and resume")
         if "error" in record:  # the run stops: keep every step done so far
             self.runtime.save_checkpoint(self.checkpoint_dir, keep=KEEP_CHECKPOINTS)
             if dist.get_rank() == 0:
@@ -291,7 +291,6 @@ def _replan_lock(run_dir: str):
 
 
 def _read_records(run_dir: str) -> list[dict]:
-    from memx_launch.specs.inputs import load_json
 
     path = os.path.join(run_dir, REPLANS_FILE)
     if not os.path.exists(path):

@@ -19,9 +19,8 @@ import difflib
 import sys
 from typing import Literal, Optional, Union
 
-import yaml
-
 from memx_launch.errors import ConfigError
+from memx_launch.specs.inputs import load_yaml
 
 _OWN = ("config", "print_config")
 
@@ -113,16 +112,9 @@ def _options(parser) -> dict[str, argparse.Action]:
 
 
 def _load(parser, path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as exc:
-        raise ConfigError("--config", f"cannot read {path!r} ({exc.strerror})",
-                          f"give an existing YAML file ({parser.prog} --print-config writes one)") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError("--config", f"{path} is not valid YAML{at}", "fix the syntax") from None
+    # the cluster file's strict loader: no aliases (a "billion laughs" hangs safe_load), no
+    # duplicate keys, regular files of bounded size only
+    data = load_yaml(path, "--config", fix=f"give an option: value YAML file ({parser.prog} --print-config writes one)")
     if data is None:
         return {}
     if not isinstance(data, dict):

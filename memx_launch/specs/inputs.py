@@ -22,26 +22,38 @@ MAX_FILE_BYTES = 16 * 2**20
 """Cluster, model and plan files: the 1,024-GPU example cluster is 2 KB."""
 MAX_LINE_CHARS = 1 * 2**20
 MAX_DEPTH = 64
+MAX_INT_DIGITS = 30
+"""No count, size or seed memx reads has more digits (2**64 has 20)."""
+
+
+def read_bytes(path: str, flag: str, max_bytes: int = MAX_FILE_BYTES, fix: str = "pass the right file") -> bytes:
+    """The file's bytes, or one error: missing, not a regular file (a FIFO, a device, a
+    directory), over ``max_bytes``."""
+    try:
+        # O_NONBLOCK: a FIFO opens without waiting for a writer; fstat then refuses it (no race
+        # between a check of the name and the open)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise ConfigError(flag, f"cannot read {path!r} ({exc.strerror})", fix) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+        os.close(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(flag, f"{path} is not a regular file", fix)
+        raise ConfigError(flag, f"{path} is {info.st_size} bytes, over the limit of {max_bytes}", fix)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise ConfigError(flag, f"cannot read {path!r} ({exc.strerror})", fix) from None
+    if len(data) > max_bytes:
+        raise ConfigError(flag, f"{path} is over the limit of {max_bytes} bytes", fix)
+    return data
 
 
 def read_text(path: str, flag: str, max_bytes: int = MAX_FILE_BYTES, fix: str = "pass the right file") -> str:
-    """The file's text, or one error: missing, not a regular file, too big, binary, not UTF-8,
-    a line too long."""
-    try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(flag, f"cannot read {path!r} ({exc.strerror})", fix) from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(flag, f"{path} is not a regular file", fix)
-    if info.st_size > max_bytes:
-        raise ConfigError(flag, f"{path} is {info.st_size} bytes, over the limit of {max_bytes}", fix)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
-    except OSError as exc:
-        raise ConfigError(flag, f"cannot read {path!r} ({exc.strerror})", fix) from None
-    if len(data) > max_bytes:
-        raise ConfigError(flag, f"{path} is over the limit of {max_bytes} bytes", fix)
+    """The file's text, or one error: what read_bytes refuses, binary, not UTF-8, a line too long."""
+    data = read_bytes(path, flag, max_bytes, fix)
     if b"\0" in data:
         raise ConfigError(flag, f"{path} is a binary file, not text", fix)
     try:
@@ -74,15 +86,23 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _bounded_int(text: str) -> int:
+    # Python parses a 5,000-digit integer slowly and then refuses it with a bare ValueError
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Refused(f"a number of {len(text)} digits")
+    return int(text)
+
+
 def _no_constant(text: str):
     raise _Refused(f"{text} is not a number memx accepts")
 
 
 def parse_json(text: str, flag: str, path: str, fix: str = "pass the right file") -> Any:
-    """Strict JSON: duplicate keys, NaN, Infinity and numbers that overflow to inf refused."""
+    """Strict JSON: duplicate keys, NaN, Infinity, numbers that overflow to inf and integers of
+    more than MAX_INT_DIGITS digits refused."""
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_finite_float,
-                          parse_constant=_no_constant)
+                          parse_int=_bounded_int, parse_constant=_no_constant)
     except _Refused as exc:
         raise ConfigError(flag, f"{path}: {exc}", fix) from None
     except json.JSONDecodeError as exc:
@@ -94,7 +114,7 @@ def parse_json(text: str, flag: str, path: str, fix: str = "pass the right file"
 
 
 def check_structure(data: Any, flag: str, path: str, fix: str) -> None:
-    """Nesting bounded and every float finite (YAML's .nan and .inf included)."""
+    """Nesting bounded, every float finite (YAML's .nan and .inf included), integers bounded."""
     stack = [(data, 0)]
     while stack:
         value, depth = stack.pop()
@@ -102,6 +122,8 @@ def check_structure(data: Any, flag: str, path: str, fix: str) -> None:
             raise ConfigError(flag, f"{path} is nested more than {MAX_DEPTH} levels", fix)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(flag, f"{path} holds {value}, not a finite number", fix)
+        if isinstance(value, int) and abs(value) >= 10**MAX_INT_DIGITS:
+            raise ConfigError(flag, f"{path} holds an integer of more than {MAX_INT_DIGITS} digits", fix)
         if isinstance(value, dict):
             stack += [(v, depth + 1) for v in value.values()]
         elif isinstance(value, list):
@@ -151,5 +173,7 @@ def load_yaml(path: str, flag: str, max_bytes: int = MAX_FILE_BYTES, fix: str = 
         raise ConfigError(flag, f"{path} is not valid YAML{at}", fix) from None
     except RecursionError:
         raise ConfigError(flag, f"{path} is nested too deeply", fix) from None
+    except ValueError:  # int() of an integer over Python's 4,300-digit limit
+        raise ConfigError(flag, f"{path} holds a number too long to read", fix) from None
     check_structure(data, flag, path, fix)
     return data
