@@ -101,3 +101,55 @@ def test_cross_domain_plans_match_the_single_process_reference():
             crossed = messages
         assert covered == set(ref_grads), name
         assert crossed > 0, f"{name}: nothing took the bridge"
+
+
+def _communicator_worker(rank, port, queue):
+    import torch.distributed as dist
+
+    from memx_launch.runtime.communication import Communicator
+    from memx_launch.runtime.emulation import EmulatedDevice
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    emulated = EmulatedDevice("dev", memory_gib=1.0)
+    comm = Communicator(["nccl", "nccl", "rccl", "rccl"], torch.device("cpu"), strict=True, emulated=emulated)
+    out = {}
+    try:
+        value = torch.arange(5, dtype=torch.float64) + 10 * rank
+        comm.all_reduce_sum(value, range(4))  # two domains of two: sharded
+        out["sharded"] = value.tolist()
+        if rank < 3:  # domains of two and one: the leaders sum across
+            value = torch.arange(3, dtype=torch.float64) + 10 * rank
+            comm.all_reduce_sum(value, range(3))
+            out["leaders"] = value.tolist()
+        if rank in (1, 2):
+            try:
+                comm.native([1, 2])
+            except DomainViolation as exc:
+                out["native"] = str(exc)
+            bridge = comm.bridge([1, 2])
+            with emulated:
+                on_device = torch.ones(4)  # the guard counts it: device memory
+            with emulated, comm.strict_check():
+                try:
+                    dist.all_reduce(on_device, group=bridge)
+                except DomainViolation as exc:
+                    out["unstaged"] = str(exc)
+                staged = comm.stage(on_device)
+                dist.all_reduce(staged, group=bridge)
+                out["staged"] = staged.tolist()
+    finally:
+        queue.put((rank, out))
+        dist.destroy_process_group()
+
+
+def test_communicator_sums_across_domains_and_strict_mode_refuses_what_would_break_on_gpus():
+    results = spawn_ranks(_communicator_worker, 4, timeout=120)
+    sharded = [sum(i + 10 * r for r in range(4)) for i in range(5)]
+    assert all(results[r]["sharded"] == sharded for r in range(4))
+    leaders = [sum(i + 10 * r for r in range(3)) for i in range(3)]
+    assert all(results[r]["leaders"] == leaders for r in range(3))
+    for r in (1, 2):
+        assert "native group [1, 2] spans domains ['nccl', 'rccl']" in results[r]["native"]
+        assert "device tensor (4,) over the bridge unstaged" in results[r]["unstaged"]
+        assert results[r]["staged"] == [2.0] * 4

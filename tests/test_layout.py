@@ -50,6 +50,49 @@ def _modules():
         yield ".".join(rel.parts).removesuffix(".__init__"), path
 
 
+# Entry modules of commands: run by a launcher or console script, imported by nothing.
+ENTRY_MODULES = {"memx_launch.runtime.worker"}
+
+
+def _package(module: str) -> str:
+    return module.rsplit(".", 1)[0]
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module's imports of other memx_launch modules (a package import stands for its __init__)."""
+    modules = dict(_modules())
+    return {m: {i for i in _imports(path) if i in modules and i != m} for m, path in modules.items()}
+
+
+def test_no_import_circle_inside_a_package():
+    graph = _module_imports()
+    inside = {m: {i for i in deps if _package(i) == _package(m) and i != _package(m)} for m, deps in graph.items()}
+    done, on_path = set(), []
+
+    def visit(m):
+        if m in on_path:
+            return on_path[on_path.index(m):] + [m]
+        if m in done:
+            return None
+        on_path.append(m)
+        for dep in sorted(inside[m]):
+            circle = visit(dep)
+            if circle:
+                return circle
+        on_path.pop()
+        done.add(m)
+        return None
+
+    for module in sorted(inside):
+        circle = visit(module)
+        assert circle is None, f"import circle: {' -> '.join(circle)}"
+
+
+def test_entry_modules_are_imported_by_nothing():
+    importers = {m for m, deps in _module_imports().items() if deps & ENTRY_MODULES}
+    assert not importers, f"{sorted(importers)} import an entry module"
+
+
 def test_every_module_belongs_to_a_known_layer():
     assert {_layer(m) for m, _ in _modules()} <= set(LAYERS)
 

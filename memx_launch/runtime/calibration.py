@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from memx_launch.errors import ConfigError, MemxError
@@ -65,20 +66,23 @@ class TypeGroups:
 
 
 def make_groups(cluster: ClusterSpec, model: ModelSpec) -> dict[str, TypeGroups]:
-    """Every rank creates every group in the same order (new_group is collective)."""
+    """Every rank walks every group in the same order and creates those it belongs to, natively
+    (a device type is one communication domain; runtime/communication.py)."""
+    from memx_launch.runtime.communication import member_group
+
     rank_types = cluster.rank_device_types()
     locations = cluster.rank_locations()
-    out = {}
+    out, cache = {}, {}
     for name in sorted(set(rank_types)):
         ranks = [r for r, t in enumerate(rank_types) if t == name]
-        groups = TypeGroups(ranks, dist.new_group(ranks))
+        groups = TypeGroups(ranks, member_group(ranks, cache))
         groups.tp_groups[1] = [(None, [r]) for r in ranks]
         for tp in tp_degrees(model, cluster)[1:]:  # only the degrees the search can choose
             units = []
             for node in sorted({locations[r][0] for r in ranks}):
                 local = [r for r in ranks if locations[r][0] == node]
                 for i in range(0, len(local) - tp + 1, tp):
-                    units.append((dist.new_group(local[i:i + tp]), local[i:i + tp]))
+                    units.append((member_group(local[i:i + tp], cache), local[i:i + tp]))
             if units:
                 groups.tp_groups[tp] = units
         out[name] = groups
@@ -273,3 +277,38 @@ class CalibrationRefused(ConfigError):
 def calibration_budget_s(environ=os.environ) -> float:
     return _seconds(environ, "MEMX_CALIBRATION_BUDGET_S", DEFAULT_CALIBRATION_BUDGET_S, "--calibration-budget-s",
                     f"--calibration-budget-s {DEFAULT_CALIBRATION_BUDGET_S:g}")
+
+
+BRIDGE_PROBE_BYTES = (4096, 4 * 2**20)
+BRIDGE_PROBE_REPEATS = 5
+
+
+def measure_bridges(domains: list[str]) -> list[tuple[tuple[str, str], tuple[int, int], int, float]]:
+    """Ping-pong host buffers between the first ranks of each pair of domains over the default
+    group (the bridge in a job that crosses domains): (domains, ranks, bytes, one-way seconds,
+    the median of the repeats) per pair and size, on every rank. Every rank takes part in the
+    same order; the others wait at a barrier."""
+    firsts: dict[str, int] = {}
+    for rank, domain in enumerate(domains):
+        firsts.setdefault(domain, rank)
+    me = dist.get_rank()
+    results = []
+    pairs = [(a, b) for i, a in enumerate(sorted(firsts)) for b in sorted(firsts)[i + 1:]]
+    for a, b in pairs:
+        ra, rb = firsts[a], firsts[b]
+        for nbytes in BRIDGE_PROBE_BYTES:
+            buffer = torch.zeros(nbytes, dtype=torch.uint8)
+            times = []
+            for _ in range(BRIDGE_PROBE_REPEATS if me in (ra, rb) else 0):
+                start = time.perf_counter()
+                if me == ra:
+                    dist.send(buffer, rb)
+                    dist.recv(buffer, rb)
+                else:
+                    dist.recv(buffer, ra)
+                    dist.send(buffer, ra)
+                times.append((time.perf_counter() - start) / 2)
+            seconds = torch.tensor([sorted(times)[len(times) // 2] if times else 0.0], dtype=torch.float64)
+            dist.broadcast(seconds, src=ra)
+            results.append(((a, b), (ra, rb), nbytes, seconds.item()))
+    return results

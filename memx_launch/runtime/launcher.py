@@ -66,6 +66,9 @@ def build_parser():
     g.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights (override --objective)")
     g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
     add_restriction_args(g)
+    g.add_argument("--mixed-stages", "--mixed_stages", action="store_true",
+                   help="also search stages whose DP replicas sit on several device types (and domains: "
+                        "their gradients are summed over the bridge)")
     g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float, metavar="S",
                    help="time each device type may spend calibrating (default 600): fewer samples when the "
                         "estimate is over it, and a refusal up front when not even a few fit")
@@ -278,12 +281,15 @@ def resolve(args) -> dict:
             raise ConfigError("--tp", f"{list(restrictions['tp_degrees'])} leaves out TP 1, the only degree "
                               "the --model-builder blocks train with", "drop --tp or include 1")
         restrictions["tp_degrees"] = (1,)
+    if args.mixed_stages:
+        restrictions["mixed_stages"] = True
     SearchSpace(**restrictions).check(model)
     applies = "" if previous is None and not args.plan else " (unused: --no-replan)" if args.no_replan \
         else " (re-plans)"
     for field, values in restrictions.items():
         source = "--model-builder" if builder is not None and field == "tp_degrees" else "flag"
-        settings.add(f"search {field.replace('_', ' ')}{applies}", ",".join(map(str, values)), source)
+        shown = ",".join(map(str, values)) if isinstance(values, tuple) else "yes"
+        settings.add(f"search {field.replace('_', ' ')}{applies}", shown, source)
     # The script's own block is stored apart: its samples have the shape of memx's block of that model.
     default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
         DEFAULT_RUNS_DIR, f"profiles.{os.path.splitext(os.path.basename(builder[0]))[0]}.{builder[1]}.jsonl")

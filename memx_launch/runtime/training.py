@@ -27,10 +27,10 @@ from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts
 from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
-from memx_launch.runtime.communication import (Communicator, DomainPipelineStage, init_distributed, local_device,
-                                               strict_mode)
+from memx_launch.runtime.communication import Communicator, init_distributed, local_device, strict_mode
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_rank, rank_layout
+from memx_launch.runtime.pipeline_stage import DomainPipelineStage
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import Precision
 

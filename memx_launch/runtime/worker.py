@@ -87,7 +87,8 @@ def plan_in_job(env) -> None:
     from memx_launch.planning import report
     from memx_launch.planning.plan import Plan
     from memx_launch.profiling.predictor import load_cost_model
-    from memx_launch.profiling.profiledb import Measurement, ProfileDB
+    from memx_launch.profiling.profiledb import BridgeMeasurement, Measurement, ProfileDB
+    from memx_launch.runtime.calibration import measure_bridges
     from memx_launch.runtime.communication import init_distributed
     from memx_launch.runtime.calibration import measurement_key
     from memx_launch.runtime.devices import calibration_tflops, detect_rank_device
@@ -138,6 +139,7 @@ def plan_in_job(env) -> None:
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
                                  budgets[rank_device.device_type.name], block_factory)
     gathered = all_gather_json([m.to_json() for m in mine])
+    bridges = measure_bridges(cluster.rank_domains()) if cluster.crosses_domains else []
 
     payload = None
     if rank == 0:
@@ -149,6 +151,12 @@ def plan_in_job(env) -> None:
         missing = [m for k, m in records.items() if k not in have]
         if missing:
             db.append(missing)
+        if bridges:  # this job's bridge, as it runs now: the planner prices crossings with it
+            db.append_bridge(BridgeMeasurement(domains, cluster.bridge.backend, nbytes, seconds, ranks)
+                             for domains, ranks, nbytes, seconds in bridges)
+            for domains, _, nbytes, seconds in bridges:
+                _log(f"bridge {domains[0]} <-> {domains[1]} ({cluster.bridge.backend}): "
+                     f"{nbytes / 2**10:,.0f} KiB one way in {seconds * 1e3:.2f} ms (measured)")
         _log(f"profile {db.path}: {len(records)} samples of this job's device types")
         cost_model = load_cost_model(db.path, model, cluster, training)
         weights = parse_weights(env["MEMX_WEIGHTS"]) if env.get("MEMX_WEIGHTS") else None

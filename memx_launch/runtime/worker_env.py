@@ -10,8 +10,10 @@ DETECTED_CLUSTER_FILE = "cluster.yaml"
 
 
 def search_restrictions(env) -> dict:
-    """memx-run's --tp/--pp/--micro-batch-sizes/--schedules/--recompute-levels, as SearchSpace fields."""
-    return {field: tuple(values) for field, values in json.loads(env.get("MEMX_SEARCH_RESTRICTIONS") or "{}").items()}
+    """memx-run's --tp/--pp/--micro-batch-sizes/--schedules/--recompute-levels (lists) and
+    --mixed-stages (a flag), as SearchSpace fields."""
+    return {field: tuple(values) if isinstance(values, list) else values
+            for field, values in json.loads(env.get("MEMX_SEARCH_RESTRICTIONS") or "{}").items()}
 
 
 def reproduce_command(plan, cluster, env) -> str:
