@@ -5,7 +5,10 @@
 1. Calibration of llama2-7b blocks in bf16 with memx's real kernel (CUDA-event timing, allocated
    and reserved peaks), against the analytical model's time and activation memory.
 2. The memory monitor's NVML reading against torch.cuda's (device total, this process's use).
-3. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
+3. The cross-vendor path: two processes on this GPU as two communication domains (each its own
+   native group), a CUDA tensor summed between them over the bridge (staged to pinned host
+   memory and back), and strict mode refusing a CUDA tensor sent over the bridge unstaged.
+4. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
    calibration in the job, the plan, 10 training steps; predicted against measured peak memory
    and step time, from the script's per-step lines.
 
@@ -113,6 +116,61 @@ STEP = re.compile(r"^step (\d+) \| loss ([0-9.]+) \| ([0-9.]+) s/step \(predicte
                   r"s0 [^:]+: mem ([0-9.]+)/([0-9.]+) MiB, mb ([0-9.]+)/([0-9.]+) ms", re.M)
 
 
+BRIDGE_BYTES = 64 * 2**20
+
+
+def _bridge_worker(rank: int, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from memx_launch.runtime.communication import Communicator, DomainViolation
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", rank=rank, world_size=2)  # two domains: the default group is the bridge
+    comm = Communicator(["domain-a", "domain-b"], torch.device("cuda", 0), strict=True)
+    value = torch.full((BRIDGE_BYTES // 4,), float(rank + 1), device="cuda")
+    comm.all_reduce_sum(value, [0, 1])  # warm-up
+    value.fill_(rank + 1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    comm.all_reduce_sum(value, [0, 1])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    refused = False
+    with comm.strict_check():
+        try:
+            dist.all_reduce(value, group=dist.group.WORLD)
+        except DomainViolation:
+            refused = True
+    queue.put((rank, {"sum_ok": bool((value == 3).all().item()), "seconds": seconds, "unstaged_refused": refused}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bridge_check() -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_bridge_worker, args=(r, port, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    worst = max(r["seconds"] for r in results.values())
+    return {"bytes": BRIDGE_BYTES, "sum_ok": all(r["sum_ok"] for r in results.values()),
+            "unstaged_refused": all(r["unstaged_refused"] for r in results.values()),
+            "all_reduce_s": round(worst, 4), "effective_gbps": round(BRIDGE_BYTES / worst / 1e9, 3),
+            "exit_codes": [proc.exitcode for proc in procs]}
+
+
 def memx_run_check(workdir: str) -> dict:
     argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "1", "--max-restarts", "0",
             "--run-dir", os.path.join(workdir, "run"), "--profile-db", os.path.join(workdir, "profiles.jsonl"),
@@ -161,6 +219,8 @@ def main() -> int:
     print(f"calibration: {result['calibration_llama2_7b_bf16']}", flush=True)
     result["nvml_vs_torch"] = nvml_check()
     print(f"nvml vs torch: {result['nvml_vs_torch']}", flush=True)
+    result["bridge"] = bridge_check()
+    print(f"bridge: {result['bridge']}", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         result["memx_run"] = memx_run_check(workdir)
     print(f"memx-run: exit {result['memx_run']['exit_code']}, {len(result['memx_run']['steps'])} steps", flush=True)

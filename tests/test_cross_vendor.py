@@ -44,7 +44,7 @@ def _worker(rank, port, cases, queue):
     try:
         for generation, (plan, cluster, steps) in enumerate(cases):
             os.environ["MEMX_GENERATION"] = str(generation)  # a fresh key prefix per process group
-            init_distributed(plan, cluster.rank_domains())
+            init_distributed(plan, cluster)
             runtime = Runtime(plan, rank, emulated=device_for_rank(cluster, rank), cluster=cluster, lr=1e-2)
             tokens, targets = _batch(plan)
             stats = [runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets))]

@@ -3,8 +3,8 @@
 Each device type belongs to a communication domain (ClusterSpec.rank_domains: NCCL for NVIDIA,
 RCCL for AMD, ...). A group whose members share a domain uses that domain's native backend and is
 created by its members only, so it exists only where its library does. Traffic between domains
-takes the **bridge**: a backend every torch build has (gloo over TCP; MPI or UCC by
-MEMX_BRIDGE_BACKEND), carrying host tensors: a device tensor is staged to host memory, sent,
+takes the **bridge**: a backend every torch build has (gloo over TCP; MPI or UCC by the cluster
+file's ``bridge.backend``), carrying host tensors: a device tensor is staged to host memory, sent,
 and copied to the receiver's device. The crossing traffic is pipeline P2P between stages on
 different domains (runtime/pipeline_stage.py), the gradient sync of a stage whose DP replicas
 span domains (:meth:`Communicator.all_reduce_mean`, hierarchical) and job-wide scalars.
@@ -28,8 +28,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from memx_launch.errors import ConfigError
 
-BRIDGE_BACKENDS = ("gloo", "mpi", "ucc")
-BRIDGE_BACKEND_VAR = "MEMX_BRIDGE_BACKEND"
 STRICT_VAR = "MEMX_STRICT_DOMAINS"
 # Each torch build names its vendor's library by the device it drives (ROCm's torch calls RCCL "nccl").
 NATIVE_BACKEND_BY_DEVICE = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "cpu": "gloo"}
@@ -39,13 +37,11 @@ class DomainViolation(RuntimeError):
     """Strict mode: a native group spans domains, or a device tensor reached the bridge unstaged."""
 
 
-def bridge_backend(environ=os.environ) -> str:
-    backend = environ.get(BRIDGE_BACKEND_VAR) or "gloo"
-    if backend not in BRIDGE_BACKENDS:
-        raise ConfigError(BRIDGE_BACKEND_VAR, f"{backend!r} is not a bridge backend",
-                          f"use one of {', '.join(BRIDGE_BACKENDS)} (every torch build has gloo)")
+def bridge_backend(cluster) -> str:
+    """The cluster file's bridge backend (gloo without a file), if this torch build has it."""
+    backend = cluster.bridge.backend if cluster is not None else "gloo"
     if backend != "gloo" and not dist.is_backend_available(backend):
-        raise ConfigError(BRIDGE_BACKEND_VAR, f"this torch build has no {backend} backend",
+        raise ConfigError("cluster.bridge.backend", f"this torch build has no {backend} backend",
                           "use gloo, or a torch built with it on every node")
     return backend
 
@@ -55,21 +51,21 @@ def strict_mode(emulated: bool, environ=os.environ) -> bool:
     return emulated if value in (None, "") else value == "1"
 
 
-def job_domains(environ=os.environ) -> list[str] | None:
-    """Each device rank's domain, from the job's cluster file (None: no file, one domain)."""
+def job_cluster(environ=os.environ):
+    """The job's cluster file (None: none given or detected yet)."""
     from memx_launch.runtime.worker_env import cluster_path
     from memx_launch.specs.cluster import ClusterSpec
 
     path = cluster_path(environ)
-    return ClusterSpec.from_yaml(path).rank_domains() if path else None
+    return ClusterSpec.from_yaml(path) if path else None
 
 
-def init_distributed(plan=None, domains: list[str] | None = None) -> None:
+def init_distributed(plan=None, cluster=None) -> None:
     """Join the job's process group from torchrun's variables, under a per-generation key prefix:
     after an in-place restart the agent's store still holds the previous generation's keys. With a
     plan, this device takes its stage-major process rank (layout.process_rank). The job-wide group
-    is native when every rank shares a domain and the bridge when they do not (``domains``: each
-    device rank's; default: the job's cluster file)."""
+    is native when every rank shares a domain and the bridge when they do not (``cluster``: the
+    job's ClusterSpec; default: its cluster file)."""
     from memx_launch.runtime.layout import process_rank
     from memx_launch.runtime.restarts import restart_generation
 
@@ -80,7 +76,7 @@ def init_distributed(plan=None, domains: list[str] | None = None) -> None:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except KeyError as exc:
         raise ConfigError(exc.args[0], "not set", "start the script with memx-run or torchrun") from None
-    domains = job_domains() if domains is None else domains
+    cluster = job_cluster() if cluster is None else cluster
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store,
                           multi_tenant=not agent_store)
@@ -91,8 +87,8 @@ def init_distributed(plan=None, domains: list[str] | None = None) -> None:
         process = psutil.Process()
         cores = len(process.cpu_affinity()) if hasattr(process, "cpu_affinity") else psutil.cpu_count()
         torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    crossing = domains is not None and len(set(domains)) > 1
-    backend = bridge_backend() if crossing else NATIVE_BACKEND_BY_DEVICE[device.type]
+    backend = bridge_backend(cluster) if cluster is not None and cluster.crosses_domains \
+        else NATIVE_BACKEND_BY_DEVICE[device.type]
     dist.init_process_group(backend, store=dist.PrefixStore(f"memx/generation{restart_generation()}", store),
                             rank=rank if plan is None else process_rank(plan, rank), world_size=world)
 
@@ -132,7 +128,8 @@ class BridgeTraffic:
 class Communicator:
     """The groups of one rank. ``domains``: each process rank's communication domain."""
 
-    def __init__(self, domains: list[str], device: torch.device, *, strict: bool = False, emulated=None):
+    def __init__(self, domains: list[str], device: torch.device, *, strict: bool = False, emulated=None,
+                 bridge_backend: str = "gloo"):
         if len(domains) != dist.get_world_size():
             raise ConfigError("cluster", f"{len(domains)} ranks have a domain but the job has "
                               f"{dist.get_world_size()}", "launch one process per declared device")
@@ -148,7 +145,7 @@ class Communicator:
         self._bridge_names: set[str] = set()
         self.crossing = len(set(domains)) > 1
         self.native_backend = NATIVE_BACKEND_BY_DEVICE[device.type]
-        self.bridge_backend = dist.get_backend() if self.crossing else bridge_backend()
+        self.bridge_backend = dist.get_backend() if self.crossing else bridge_backend
         # Job-wide scalars travel as host tensors: over the default group when it is a bridge (the
         # job crosses domains) or carries host tensors, else over a host group made by every rank.
         if self.crossing or self.native_backend == "gloo":

@@ -27,7 +27,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts
 from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
-from memx_launch.runtime.communication import Communicator, init_distributed, local_device, strict_mode
+from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_rank, rank_layout
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage
@@ -98,8 +98,8 @@ class Runtime:
         self.step_count = 0
         self.supervisor = None
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
-        self.comm = Communicator(process_domains(plan, cluster), self.device,
-                                 strict=strict_mode(emulated is not None), emulated=emulated)
+        self.comm = Communicator(process_domains(plan, cluster), self.device, strict=strict_mode(emulated is not None),
+                                 emulated=emulated, bridge_backend=bridge_backend(cluster))
         self._make_groups()
         self.tp_mesh = self.dp_mesh = None  # FSDP2 over TP needs both from one [dp][tp] mesh of the stage
         if plan.tp > 1 and plan.dp > 1 and not self.dp_crosses_domains:
@@ -380,7 +380,7 @@ def build(plan: Plan, rank: int | None = None, **kwargs) -> Runtime:
     rank = int(os.environ["RANK"]) if rank is None else rank
     if not dist.is_initialized():
         cluster = kwargs.get("cluster")
-        init_distributed(plan, cluster.rank_domains() if cluster is not None else None)
+        init_distributed(plan, cluster)
     return Runtime(plan, rank, **kwargs)
 
 
@@ -398,7 +398,7 @@ def from_env(**kwargs) -> Runtime:
         raise ConfigError("MEMX_PLAN", "not set", "start the script with memx-run, or set MEMX_PLAN to a plan file")
     plan = Plan.load(path)
     cluster = ClusterSpec.from_yaml(os.environ["MEMX_CLUSTER"]) if os.environ.get("MEMX_CLUSTER") else None
-    init_distributed(plan, cluster.rank_domains() if cluster is not None else None)
+    init_distributed(plan, cluster)
     if cluster is not None and cluster.world_size != dist.get_world_size():
         raise ConfigError("MEMX_CLUSTER", f"{cluster.name} declares {cluster.world_size} devices but the job has "
                           f"{dist.get_world_size()} ranks", "launch one process per declared device")
