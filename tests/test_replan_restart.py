@@ -1,7 +1,9 @@
 """End to end on 4 emulated CPU ranks (gloo): ballast on rank 2 at step 4 -> the monitor's agreed
 event -> re-plan on rank 0 -> checkpoint -> the runtime rebuilt with the new plan in the same
 processes (what the launcher's restart in place does, minus the new processes) -> resume at the
-next step. The whole loss sequence must match an uninterrupted run with the final plan.
+next step. The whole loss sequence must match an uninterrupted run with the final plan. The two
+device types are of two vendors (communication domains): the pipeline crosses them over the
+bridge, in strict mode, through the re-plan, the checkpoint and the resume.
 
 Not covered here: the elastic agent's restart itself (launcher.py owns it)."""
 
@@ -21,8 +23,10 @@ MODEL = get_model("llama-tiny")
 TRAINING = TrainingSpec(global_batch_size=4, seq_len=64, dtype="fp32")
 CLUSTER_DICT = {
     "version": 1, "name": "emu",
-    "device_types": {"big": {"vendor": "cpu", "memory_gib": 0.08, "peak_tflops": 1.0},
-                     "small": {"vendor": "cpu", "memory_gib": 0.03, "peak_tflops": 0.5}},
+    "device_types": {"big": {"vendor": "nvidia", "memory_gib": 0.08, "peak_tflops": 1.0, "efficiency": 0.75,
+                             "memory_overhead_gib": 0},
+                     "small": {"vendor": "amd", "memory_gib": 0.03, "peak_tflops": 0.5, "efficiency": 0.75,
+                               "memory_overhead_gib": 0}},
     "nodes": [{"devices": {"big": 2, "small": 2}, "intra_node_gbps": 10}],
     "emulation": {"slowdown": {"small": 1.5}}}
 STEPS = 9
@@ -49,7 +53,7 @@ def _worker(rank, port, directory, queue):
     from memx_launch.runtime.training import Runtime
     from memx_launch.runtime.emulation import device_for_rank
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEMX_STRICT_DOMAINS="1")
     dist.init_process_group("gloo", rank=rank, world_size=4)
     torch.set_num_threads(1)
     cluster = ClusterSpec.from_dict(CLUSTER_DICT)
@@ -58,7 +62,7 @@ def _worker(rank, port, directory, queue):
     out = {"losses": {}, "events": [], "decisions": []}
 
     def generation(plan, first_step, ballast):
-        runtime = Runtime(plan, rank, emulated=device_for_rank(cluster, rank), lr=1e-2)
+        runtime = Runtime(plan, rank, emulated=device_for_rank(cluster, rank), cluster=cluster, lr=1e-2)
         resumed = load_checkpoint(os.path.join(directory, "ckpt"), runtime.chunks, runtime.optimizer)
         if resumed is not None:
             first_step = resumed.data_state["next_step"]
@@ -139,5 +143,6 @@ def test_ballast_replan_restart_resume(tmp_path):
     faulted = {int(k): v for k, v in r0["faulted"].items()}
     reference = {int(k): v for k, v in r0["reference"].items()}
     assert sorted(faulted) == list(range(1, STEPS + 1)) == sorted(reference)
+    assert cluster.crosses_domains
     for step in range(1, STEPS + 1):
         assert faulted[step] == pytest.approx(reference[step], abs=LOSS_ATOL), step

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -29,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from memx_launch.errors import ConfigError
 
 STRICT_VAR = "MEMX_STRICT_DOMAINS"
+# Gradients summed across domains travel in flat buckets of this size (the last one smaller).
+BUCKET_BYTES = 2**20
 # Each torch build names its vendor's library by the device it drives (ROCm's torch calls RCCL "nccl").
 NATIVE_BACKEND_BY_DEVICE = {"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "cpu": "gloo"}
 
@@ -114,15 +116,38 @@ def local_device() -> torch.device:
 
 @dataclass
 class BridgeTraffic:
-    """What crossed domains on this rank since :meth:`reset`: messages, bytes, and the time spent
-    staging and waiting on bridge transfers."""
+    """What crossed domains on this rank since :meth:`reset`: messages, bytes, the time spent
+    copying between device and host, and the time inside bridge collectives (waits for slower
+    peers included; pipeline transfers overlap the schedule and are not timed)."""
 
     messages: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    staging_s: float = 0.0
+    collective_s: float = 0.0
 
     def reset(self) -> None:
-        self.messages, self.bytes, self.seconds = 0, 0, 0.0
+        self.messages, self.bytes, self.staging_s, self.collective_s = 0, 0, 0.0, 0.0
+
+
+@dataclass
+class _JobGroups:
+    """The groups made during one process group's life. A runtime rebuilt in the same processes
+    (a re-plan applied in place) reuses them: torch names a group made by its members after its
+    ranks, so the same ranks cannot make a second one."""
+
+    world: object
+    groups: dict = field(default_factory=dict)
+    bridge_names: set = field(default_factory=set)
+
+
+_registry: _JobGroups | None = None
+
+
+def _job_groups() -> _JobGroups:
+    global _registry
+    if _registry is None or _registry.world is not dist.group.WORLD:
+        _registry = _JobGroups(dist.group.WORLD)
+    return _registry
 
 
 class Communicator:
@@ -140,9 +165,10 @@ class Communicator:
         self.strict = strict
         self.emulated = emulated
         self.traffic = BridgeTraffic()
-        self._groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+        registry = _job_groups()
+        self._groups = registry.groups
+        self._bridge_names = registry.bridge_names
         self._pair_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
-        self._bridge_names: set[str] = set()
         self.crossing = len(set(domains)) > 1
         self.native_backend = NATIVE_BACKEND_BY_DEVICE[device.type]
         self.bridge_backend = dist.get_backend() if self.crossing else bridge_backend
@@ -151,7 +177,9 @@ class Communicator:
         if self.crossing or self.native_backend == "gloo":
             self.host_world = dist.group.WORLD
         else:
-            self.host_world = dist.new_group(backend=self.bridge_backend)
+            if ("host", ()) not in self._groups:
+                self._groups[("host", ())] = dist.new_group(backend=self.bridge_backend)
+            self.host_world = self._groups[("host", ())]
         if self.host_world is not dist.group.WORLD or self.crossing:
             self._bridge_names.add(self.host_world.group_name)
 
@@ -264,7 +292,7 @@ class Communicator:
         start = time.perf_counter()
         with torch.no_grad():
             into.copy_(host)
-        self.traffic.seconds += time.perf_counter() - start
+        self.traffic.staging_s += time.perf_counter() - start
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer that a bridge receive fills (then :meth:`unstage` into ``like``)."""
@@ -274,7 +302,7 @@ class Communicator:
     def _count(self, host: torch.Tensor, start: float) -> None:
         self.traffic.messages += 1
         self.traffic.bytes += host.numel() * host.element_size()
-        self.traffic.seconds += time.perf_counter() - start
+        self.traffic.staging_s += time.perf_counter() - start
 
     # ---- collectives that may cross domains
     def all_reduce_sum(self, tensor: torch.Tensor, ranks) -> None:
@@ -297,25 +325,22 @@ class Communicator:
         # Reduce-scatter inside the domain, each shard summed across domains over the bridge by
         # the ranks that hold it, all-gather inside the domain: a rank sends 1/k of the tensor.
         k = len(mine)
+        peers = [members[mine.index(self.rank)] for members in by_domain.values()]
+        if k == 1:
+            self._bridge_all_reduce(tensor, peers)
+            return
         flat = tensor.reshape(-1)
         shard = -(-flat.numel() // k)
-        padded = torch.zeros(shard * k, dtype=flat.dtype, device=flat.device)
-        padded[:flat.numel()] = flat
-        native = self.native(mine) if k > 1 else None
-        mine_index = mine.index(self.rank)
-        piece = torch.empty(shard, dtype=flat.dtype, device=flat.device)
-        if native is not None:
-            dist.reduce_scatter_tensor(piece, padded, group=native)
-        else:
-            piece.copy_(padded)
-        peers = [members[mine_index] for members in by_domain.values()]
+        padded = flat if flat.numel() == shard * k and flat.is_contiguous() else \
+            torch.cat([flat, flat.new_zeros(shard * k - flat.numel())])
+        piece = flat.new_empty(shard)
+        native = self.native(mine)
+        dist.reduce_scatter_tensor(piece, padded, group=native)
         self._bridge_all_reduce(piece, peers)
-        if native is not None:
-            dist.all_gather_into_tensor(padded, piece, group=native)
-        else:
-            padded.copy_(piece)
-        with torch.no_grad():
-            flat.copy_(padded[:flat.numel()])
+        dist.all_gather_into_tensor(padded, piece, group=native)
+        if padded is not flat:
+            with torch.no_grad():
+                flat.copy_(padded[:flat.numel()])
 
     def _all_reduce_by_leaders(self, tensor, mine, by_domain) -> None:
         # Domains of different sizes: sum inside the domain, leaders sum across, leader broadcasts.
@@ -331,22 +356,32 @@ class Communicator:
         host = self.stage(tensor)
         start = time.perf_counter()
         dist.all_reduce(host, group=self.bridge(ranks))
-        self.traffic.seconds += time.perf_counter() - start
+        self.traffic.collective_s += time.perf_counter() - start
         self.unstage(host, tensor)
 
     def all_reduce_mean(self, tensors: list[torch.Tensor], ranks) -> None:
-        """Average ``tensors`` (in place) over ``ranks`` in one flat buffer: the gradient sync of
-        a stage whose DP replicas span domains."""
-        if len(ranks) < 2 or not tensors:
+        """Average ``tensors`` (in place) over ``ranks`` in flat buckets of up to BUCKET_BYTES: the
+        gradient sync of a stage whose DP replicas span domains. A bucket bounds both the
+        messages (one per bucket, not per tensor) and the memory on top of the gradients."""
+        if len(ranks) < 2:
             return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        bucket: list[torch.Tensor] = []
+        for i, t in enumerate(tensors):
+            bucket.append(t)
+            if sum(b.numel() * b.element_size() for b in bucket) >= BUCKET_BYTES or i == len(tensors) - 1:
+                self._all_reduce_bucket(bucket, ranks)
+                bucket = []
+
+    def _all_reduce_bucket(self, tensors: list[torch.Tensor], ranks) -> None:
+        flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
         self.all_reduce_sum(flat, ranks)
         flat /= len(ranks)
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        if len(tensors) > 1:
+            offset = 0
+            with torch.no_grad():
+                for t in tensors:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def all_gather_host(self, row: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's host tensor ``row`` (job-wide scalars)."""

@@ -54,8 +54,10 @@ class StepStats:
     bridge_messages: int = 0
     """Transfers that crossed communication domains this step, over all ranks (sends and receives)."""
     bridge_bytes: int = 0
-    bridge_seconds: float = 0.0
-    """The most time one rank spent staging and waiting on bridge collectives this step."""
+    bridge_staging_s: float = 0.0
+    """The most time one rank spent copying bridge traffic between device and host this step."""
+    bridge_collective_s: float = 0.0
+    """The most time one rank spent in bridge collectives this step (waits for slower replicas included)."""
 
 
 def default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -289,7 +291,7 @@ class Runtime:
         signal_seen = self.supervisor.signal_received if self.supervisor is not None else 0
         traffic = self.comm.traffic
         row = torch.tensor([local_loss, peak, compute, step_time, signal_seen, traffic.messages, traffic.bytes,
-                            traffic.seconds], dtype=torch.float64)
+                            traffic.staging_s, traffic.collective_s], dtype=torch.float64)
         table = torch.stack(self.comm.all_gather_host(row))
         traffic.reset()
         stage_peak, stage_compute = [], []
@@ -304,7 +306,7 @@ class Runtime:
         tokens = self.plan.global_batch_size * self.plan.seq_len
         return StepStats(self.step_count, table[:, 0].sum().item() / self.plan.dp, step_time,
                          tokens / step_time, stage_peak, stage_compute, int(table[:, 5].sum().item()),
-                         int(table[:, 6].sum().item()), table[:, 7].max().item())
+                         int(table[:, 6].sum().item()), table[:, 7].max().item(), table[:, 8].max().item())
 
     # ---- checkpoints
     def save_checkpoint(self, directory: str, data_state: dict | None = None, keep: int | None = None) -> str:
@@ -346,8 +348,9 @@ class Runtime:
                          f"{stage.predicted_peak_memory_gib * 1024:.1f} MiB, mb "
                          f"{stats.stage_compute_s[i] * 1e3:.1f}/{stage.predicted_stage_time_s * 1e3:.1f} ms")
         if stats.bridge_messages:
-            parts.append(f"bridge {stats.bridge_messages} transfers {stats.bridge_bytes / 2**20:.2f} MiB "
-                         f"{stats.bridge_seconds * 1e3:.1f} ms")
+            parts.append(f"bridge {stats.bridge_messages} transfers {stats.bridge_bytes / 2**20:.2f} MiB, "
+                         f"staging {stats.bridge_staging_s * 1e3:.1f} ms, collectives "
+                         f"{stats.bridge_collective_s * 1e3:.1f} ms")
         return " | ".join(parts) + "  (measured/predicted)"
 
 
