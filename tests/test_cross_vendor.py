@@ -12,7 +12,8 @@ import torch
 from memx_launch.runtime.communication import DomainViolation
 from memx_launch.specs.cluster import ClusterSpec, Emulation
 from ranks import spawn_ranks
-from test_runtime import GRAD_ATOL, LOSS_ATOL, _batch, _reference, make_plan
+from memx_launch.planning.plan import Objective, Plan, StagePlan
+from test_runtime import GRAD_ATOL, LOSS_ATOL, SPEC, _batch, _reference, make_plan
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "cpu-two-vendors.yaml")
 
@@ -37,15 +38,16 @@ def _worker(rank, port, cases, queue):
     from memx_launch.runtime.emulation import device_for_rank
     from memx_launch.runtime.training import Runtime
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cases[0][1].world_size),
                       MEMX_STRICT_DOMAINS="1")
     torch.set_num_threads(1)
     results = []
     try:
-        for generation, (plan, cluster, steps) in enumerate(cases):
+        for generation, (plan, cluster, steps, max_grad_norm) in enumerate(cases):
             os.environ["MEMX_GENERATION"] = str(generation)  # a fresh key prefix per process group
             init_distributed(plan, cluster)
-            runtime = Runtime(plan, rank, emulated=device_for_rank(cluster, rank), cluster=cluster, lr=1e-2)
+            runtime = Runtime(plan, rank, emulated=device_for_rank(cluster, rank), cluster=cluster, lr=1e-2,
+                              max_grad_norm=max_grad_norm)
             tokens, targets = _batch(plan)
             stats = [runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets))]
             grads = {}  # the first step's, as the reference computes them
@@ -84,7 +86,7 @@ CASES = {
 
 @pytest.mark.slow
 def test_cross_domain_plans_match_the_single_process_reference():
-    cases = [(plan, cluster, 2) for plan, cluster in CASES.values()]
+    cases = [(plan, cluster, 2, None) for plan, cluster in CASES.values()]
     results = spawn_ranks(_worker, 4, cases, timeout=300)
     for i, (name, (plan, _)) in enumerate(CASES.items()):
         ref_loss, ref_grads = _reference(plan)
@@ -115,6 +117,9 @@ def _communicator_worker(rank, port, queue):
     comm = Communicator(["nccl", "nccl", "rccl", "rccl"], torch.device("cpu"), strict=True, emulated=emulated)
     out = {}
     try:
+        comm.prepare_all_reduce(range(4))  # every rank makes every group, in one order
+        comm.prepare_all_reduce(range(3))
+        bridge = comm.bridge([1, 2])
         value = torch.arange(5, dtype=torch.float64) + 10 * rank
         comm.all_reduce_sum(value, range(4))  # two domains of two: sharded
         out["sharded"] = value.tolist()
@@ -122,12 +127,11 @@ def _communicator_worker(rank, port, queue):
             value = torch.arange(3, dtype=torch.float64) + 10 * rank
             comm.all_reduce_sum(value, range(3))
             out["leaders"] = value.tolist()
+        try:
+            comm.native([1, 2])
+        except DomainViolation as exc:
+            out["native"] = str(exc)
         if rank in (1, 2):
-            try:
-                comm.native([1, 2])
-            except DomainViolation as exc:
-                out["native"] = str(exc)
-            bridge = comm.bridge([1, 2])
             with emulated:
                 on_device = torch.ones(4)  # the guard counts it: device memory
             with emulated, comm.strict_check():
@@ -149,7 +153,51 @@ def test_communicator_sums_across_domains_and_strict_mode_refuses_what_would_bre
     assert all(results[r]["sharded"] == sharded for r in range(4))
     leaders = [sum(i + 10 * r for r in range(3)) for i in range(3)]
     assert all(results[r]["leaders"] == leaders for r in range(3))
+    assert all("native group [1, 2] spans domains ['nccl', 'rccl']" in results[r]["native"] for r in range(4))
     for r in (1, 2):
-        assert "native group [1, 2] spans domains ['nccl', 'rccl']" in results[r]["native"]
         assert "device tensor (4,) over the bridge unstaged" in results[r]["unstaged"]
         assert results[r]["staged"] == [2.0] * 4
+
+
+
+
+def _stage_tp_plan(stages, stage_tp, micro_batch_size=1, global_batch_size=4, schedule="1f1b", virtual_stages=1):
+    """A plan like make_plan's with one TP degree per stage."""
+    plan = Plan("llama-tiny", SPEC, "test", None, len(stages), 1, micro_batch_size, global_batch_size, 32, schedule,
+                virtual_stages, [StagePlan("nv-small", list(ranks), layers, recompute, 0.0, 0.0)
+                                 for ranks, layers, recompute in stages],
+                0.0, Objective(1.0, "default", (0.4, 0.2, 0.4)), stage_tp=stage_tp)
+    plan.validate()
+    return plan
+
+
+PER_STAGE_TP = {
+    "tp 2|1 in one domain, 1f1b, gradients clipped": (
+        _stage_tp_plan([((0, 1), 5, "selective"), ((2,), 3, "none")], [2, 1], micro_batch_size=2,
+                       global_batch_size=4), _cluster(["nv-small"] * 3), 0.5),
+    "tp 1|2 across domains, interleaved": (
+        _stage_tp_plan([((0,), 4, "none"), ((1, 2), 4, "full")], [1, 2], global_batch_size=4,
+                       schedule="interleaved", virtual_stages=2), _cluster(["nv-small", "amd-big", "amd-big"]), None),
+}
+
+
+@pytest.mark.slow
+def test_stages_of_different_tp_degrees_match_the_reference():
+    cases = [(plan, cluster, 2, clip) for plan, cluster, clip in PER_STAGE_TP.values()]
+    results = spawn_ranks(_worker, 3, cases, timeout=300)
+    for i, (name, (plan, cluster, clip)) in enumerate(PER_STAGE_TP.items()):
+        ref_loss, ref_grads = _reference(plan)
+        if clip is not None:
+            norm = torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())).item()
+            ref_grads = {k: g * min(1.0, clip / (norm + 1e-6)) for k, g in ref_grads.items()}
+        covered = set()
+        for rank in range(3):
+            losses, messages, _, grads = results[rank][i]
+            assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
+            assert losses[1] < losses[0], (name, rank)
+            for param, grad in grads.items():
+                diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
+                assert diff < GRAD_ATOL, (name, rank, param, diff)
+                covered.add(param)
+            assert (messages > 0) == cluster.crosses_domains, name
+        assert covered == set(ref_grads), name

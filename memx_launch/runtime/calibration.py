@@ -66,23 +66,24 @@ class TypeGroups:
 
 
 def make_groups(cluster: ClusterSpec, model: ModelSpec) -> dict[str, TypeGroups]:
-    """Every rank walks every group in the same order and creates those it belongs to, natively
-    (a device type is one communication domain; runtime/communication.py)."""
-    from memx_launch.runtime.communication import member_group
+    """Every rank creates every group in the same order, natively (a device type is one
+    communication domain; runtime/communication.py builds each only on its members)."""
+    from memx_launch.runtime.communication import NATIVE_BACKEND_BY_DEVICE, local_device, new_group
 
     rank_types = cluster.rank_device_types()
     locations = cluster.rank_locations()
-    out, cache = {}, {}
+    native = NATIVE_BACKEND_BY_DEVICE[local_device().type]
+    out = {}
     for name in sorted(set(rank_types)):
         ranks = [r for r, t in enumerate(rank_types) if t == name]
-        groups = TypeGroups(ranks, member_group(ranks, cache))
+        groups = TypeGroups(ranks, new_group(ranks, native))
         groups.tp_groups[1] = [(None, [r]) for r in ranks]
         for tp in tp_degrees(model, cluster)[1:]:  # only the degrees the search can choose
             units = []
             for node in sorted({locations[r][0] for r in ranks}):
                 local = [r for r in ranks if locations[r][0] == node]
                 for i in range(0, len(local) - tp + 1, tp):
-                    units.append((member_group(local[i:i + tp], cache), local[i:i + tp]))
+                    units.append((new_group(local[i:i + tp], native), local[i:i + tp]))
             if units:
                 groups.tp_groups[tp] = units
         out[name] = groups

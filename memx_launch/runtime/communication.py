@@ -95,17 +95,14 @@ def init_distributed(plan=None, cluster=None) -> None:
                             rank=rank if plan is None else process_rank(plan, rank), world_size=world)
 
 
-def member_group(ranks, cache: dict) -> dist.ProcessGroup | None:
-    """A native group of ``ranks`` (one domain: one device type's ranks) created by its members
-    only, or None on other ranks; ``cache`` keeps one group per rank set, as torch names groups
-    created this way by their ranks."""
-    ranks = tuple(sorted(ranks))
-    if dist.get_rank() not in ranks:
-        return None
-    if ranks not in cache:
-        cache[ranks] = dist.new_group(list(ranks), backend=NATIVE_BACKEND_BY_DEVICE[local_device().type],
-                                      use_local_synchronization=True)
-    return cache[ranks]
+def new_group(ranks, backend: str) -> dist.ProcessGroup | None:
+    """A group of ``ranks`` on ``backend``, or None on a rank outside it. Every rank of the job
+    calls this for every group, in one order (torch numbers groups by creation), but only the
+    members build the backend: a non-member names gloo, which every torch build has, so a group
+    of another vendor's library is never built where that library does not exist."""
+    member = dist.get_rank() in ranks
+    group = dist.new_group(sorted(ranks), backend=backend if member else "gloo")
+    return group if member else None
 
 
 def local_device() -> torch.device:
@@ -131,9 +128,8 @@ class BridgeTraffic:
 
 @dataclass
 class _JobGroups:
-    """The groups made during one process group's life. A runtime rebuilt in the same processes
-    (a re-plan applied in place) reuses them: torch names a group made by its members after its
-    ranks, so the same ranks cannot make a second one."""
+    """The groups made during one process group's life: a runtime rebuilt in the same processes
+    (a re-plan applied in place) reuses them instead of making each again."""
 
     world: object
     groups: dict = field(default_factory=dict)
@@ -168,7 +164,6 @@ class Communicator:
         registry = _job_groups()
         self._groups = registry.groups
         self._bridge_names = registry.bridge_names
-        self._pair_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         self.crossing = len(set(domains)) > 1
         self.native_backend = NATIVE_BACKEND_BY_DEVICE[device.type]
         self.bridge_backend = dist.get_backend() if self.crossing else bridge_backend
@@ -187,58 +182,45 @@ class Communicator:
     def spans_domains(self, ranks) -> bool:
         return len({self.domains[r] for r in ranks}) > 1
 
-    def native(self, ranks) -> dist.ProcessGroup:
-        """The native group of ``ranks`` (one domain), created by its members only: call it on
-        every member, never elsewhere."""
+    def native(self, ranks) -> dist.ProcessGroup | None:
+        """The native group of ``ranks`` (one domain); None on other ranks. Every rank calls it
+        for every group, in one order (:func:`new_group`)."""
         ranks = tuple(sorted(ranks))
         if self.spans_domains(ranks):
             raise DomainViolation(f"native group {list(ranks)} spans domains "
                                   f"{sorted({self.domains[r] for r in ranks})}: its traffic must take the bridge")
         return self._group("native", ranks, self.native_backend)
 
-    def bridge(self, ranks) -> dist.ProcessGroup:
-        """A bridge group over ``ranks`` (host tensors only), created by its members."""
+    def bridge(self, ranks) -> dist.ProcessGroup | None:
+        """A bridge group over ``ranks`` (host tensors only); None on other ranks."""
         group = self._group("bridge", tuple(sorted(ranks)), self.bridge_backend)
-        self._bridge_names.add(group.group_name)
+        if group is not None:
+            self._bridge_names.add(group.group_name)
         return group
 
-    def group(self, ranks) -> dist.ProcessGroup:
+    def group(self, ranks) -> dist.ProcessGroup | None:
         """Native where ``ranks`` share a domain, else the bridge."""
         return self.bridge(ranks) if self.spans_domains(ranks) else self.native(ranks)
 
-    def _group(self, kind: str, ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
-        if self.rank not in ranks:
-            raise ValueError(f"rank {self.rank} creates group {list(ranks)} without being in it")
+    def _group(self, kind: str, ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup | None:
         key = (kind, ranks)
         if key not in self._groups:
-            # Members only: a group of another vendor's library is never created on this rank.
-            self._groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+            self._groups[key] = new_group(ranks, backend)
         return self._groups[key]
+
+    def _made(self, kind: str, ranks) -> dist.ProcessGroup:
+        try:
+            return self._groups[(kind, tuple(sorted(ranks)))]
+        except KeyError:  # made here by this rank alone, it would wait for the others forever
+            raise RuntimeError(f"no {kind} group over {sorted(ranks)}: every rank calls "
+                               "Communicator.prepare_all_reduce for it first") from None
 
     def is_bridge(self, group) -> bool:
         return group.group_name in self._bridge_names
 
-    def pipeline(self, ranks, ring: bool) -> dist.ProcessGroup:
-        """The group of one pipeline (its ranks in stage order): native in one domain, else a
-        bridge, with a native pair group for each edge that stays inside a domain (``ring``: the
-        last stage also feeds the first, as under interleaving)."""
-        ranks = list(ranks)
-        if not self.spans_domains(ranks):
-            return self.native(ranks)
-        group = self.bridge(ranks)
-        edges = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if ring and len(ranks) > 2 else [])
-        for a, b in edges:
-            if self.rank in (a, b) and not self.spans_domains((a, b)):
-                self._pair_groups[tuple(sorted((a, b)))] = self.native((a, b))
-        self.prepare_all_reduce(ranks)
-        return group
-
-    def pair_group(self, peer: int) -> dist.ProcessGroup:
-        """The native group of this rank and a pipeline neighbour in its domain."""
-        return self._pair_groups[tuple(sorted((self.rank, peer)))]
-
     def prepare_all_reduce(self, ranks) -> None:
-        """Create the groups :meth:`all_reduce_sum` over ``ranks`` uses, where every rank creates its groups."""
+        """Create the groups :meth:`all_reduce_sum` over ``ranks`` uses; every rank calls it for
+        every group it makes, in one order."""
         ranks = sorted(ranks)
         if len(ranks) < 2:
             return
@@ -246,11 +228,11 @@ class Communicator:
             self.native(ranks)
             return
         by_domain = self._by_domain(ranks)
-        mine = by_domain[self.domain]
-        if len(mine) > 1:
-            self.native(mine)
-        index = mine.index(self.rank)
-        if len({len(m) for m in by_domain.values()}) == 1 or index == 0:
+        for members in by_domain.values():
+            if len(members) > 1:
+                self.native(members)
+        shards = min(len(m) for m in by_domain.values()) if len({len(m) for m in by_domain.values()}) == 1 else 1
+        for index in range(shards):  # the ranks holding shard ``index`` (or the domains' first ranks)
             self.bridge([members[index] for members in by_domain.values()])
 
     def _by_domain(self, ranks) -> dict[str, list[int]]:
@@ -267,6 +249,8 @@ class Communicator:
         from torch.distributed.distributed_c10d import _world
 
         for group, ranks in _world.pg_group_ranks.items():
+            if not isinstance(group, dist.ProcessGroup):  # torch's marker of groups this rank is not in
+                continue
             if group.group_name not in self._bridge_names and self.spans_domains(ranks.keys()):
                 raise DomainViolation(f"group {group.group_name} over ranks {sorted(ranks)} spans domains "
                                       f"{sorted({self.domains[r] for r in ranks})} and is not a bridge")
@@ -306,12 +290,13 @@ class Communicator:
 
     # ---- collectives that may cross domains
     def all_reduce_sum(self, tensor: torch.Tensor, ranks) -> None:
-        """Sum ``tensor`` (in place) over ``ranks``: natively in one domain, else hierarchically."""
+        """Sum ``tensor`` (in place) over ``ranks``: natively in one domain, else hierarchically
+        (the groups :meth:`prepare_all_reduce` made on every rank)."""
         ranks = sorted(ranks)
         if len(ranks) < 2:
             return
         if not self.spans_domains(ranks):
-            dist.all_reduce(tensor, group=self.native(ranks))
+            dist.all_reduce(tensor, group=self._made("native", ranks))
             return
         by_domain = self._by_domain(ranks)
         mine = by_domain[self.domain]
@@ -334,7 +319,7 @@ class Communicator:
         padded = flat if flat.numel() == shard * k and flat.is_contiguous() else \
             torch.cat([flat, flat.new_zeros(shard * k - flat.numel())])
         piece = flat.new_empty(shard)
-        native = self.native(mine)
+        native = self._made("native", mine)
         dist.reduce_scatter_tensor(piece, padded, group=native)
         self._bridge_all_reduce(piece, peers)
         dist.all_gather_into_tensor(padded, piece, group=native)
@@ -344,7 +329,7 @@ class Communicator:
 
     def _all_reduce_by_leaders(self, tensor, mine, by_domain) -> None:
         # Domains of different sizes: sum inside the domain, leaders sum across, leader broadcasts.
-        native = self.native(mine) if len(mine) > 1 else None
+        native = self._made("native", mine) if len(mine) > 1 else None
         if native is not None:
             dist.all_reduce(tensor, group=native)
         if self.rank == mine[0]:
@@ -355,7 +340,7 @@ class Communicator:
     def _bridge_all_reduce(self, tensor: torch.Tensor, ranks: list[int]) -> None:
         host = self.stage(tensor)
         start = time.perf_counter()
-        dist.all_reduce(host, group=self.bridge(ranks))
+        dist.all_reduce(host, group=self._made("bridge", ranks))
         self.traffic.collective_s += time.perf_counter() - start
         self.unstage(host, tensor)
 
@@ -382,6 +367,13 @@ class Communicator:
                 for t in tensors:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
+
+    def sum_over_job(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over every rank, as a host copy (job-wide scalars such as a norm)."""
+        with self.on_host():
+            host = value.detach().to("cpu", copy=True)
+        dist.all_reduce(host, group=self.host_world)
+        return host
 
     def all_gather_host(self, row: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's host tensor ``row`` (job-wide scalars)."""

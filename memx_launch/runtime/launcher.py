@@ -26,7 +26,6 @@ from memx_launch.files import check_output_path, path_component, write_json_atom
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
-from memx_launch.runtime.layout import check_runnable
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
@@ -248,7 +247,6 @@ def resolve(args) -> dict:
         if world is not None and plan.world_size != world:
             raise ConfigError("--plan", f"{args.plan} needs {plan.world_size} ranks but the job launches {world}",
                               f"pass a plan for {world} ranks, or start {plan.world_size} processes")
-        check_runnable(plan, "--plan")
         settings.add("plan", args.plan, "flag")
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",

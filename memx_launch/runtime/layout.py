@@ -7,17 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Plan
-
-
-def check_runnable(plan: Plan, field: str = "plan") -> None:
-    """memx's runtime runs one TP degree for all stages: a one-line refusal of per-stage TP plans
-    (a stage's DP replicas may sit on several device types and domains)."""
-    if plan.stage_tp is not None:
-        raise ConfigError(f"{field}.stage_tp", f"stages have different TP degrees {plan.stage_tp}, which "
-                          "memx-run cannot run yet (one TP degree for all stages)",
-                          "plan with one --tp for every stage, or run it with a framework that reshards")
 
 
 @dataclass(frozen=True)
@@ -38,7 +28,8 @@ class RankLayout:
     dp_index: int
     tp_index: int
     pp_ranks: tuple[int, ...]
-    """The pipeline this rank belongs to: one rank per stage, same DP and TP index."""
+    """This rank's lane of the pipeline: one rank per stage, same DP index, TP index modulo
+    each stage's degree."""
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     chunks: tuple[Chunk, ...]
@@ -53,21 +44,30 @@ class RankLayout:
 
 
 def mesh_ranks(plan: Plan) -> list[list[list[int]]]:
-    """Plan (device) ranks as a [pp][dp][tp] grid (plan.py: stage.ranks[j] has dp j // tp, tp j % tp)."""
-    check_runnable(plan)
-    return [[[stage.ranks[d * plan.tp + t] for t in range(plan.tp)] for d in range(plan.dp)]
-            for stage in plan.stages]
+    """Plan (device) ranks as a [stage][dp][tp of that stage] grid (plan.py: stage.ranks[j] has
+    dp j // tp, tp j % tp)."""
+    return [[[stage.ranks[d * tp + t] for t in range(tp)] for d in range(plan.dp)]
+            for stage, tp in zip(plan.stages, plan.stage_tps)]
+
+
+def process_grid(plan: Plan) -> list[list[list[int]]]:
+    """Process ranks as a [stage][dp][tp of that stage] grid: stage-major, as :func:`process_rank`."""
+    grid, start = [], 0
+    for tp in plan.stage_tps:
+        grid.append([list(range(start + d * tp, start + (d + 1) * tp)) for d in range(plan.dp)])
+        start += tp * plan.dp
+    return grid
 
 
 def process_rank(plan: Plan, rank: int) -> int:
     """The rank this device takes in the process group: stage-major (stage i, position j in its
-    ranks -> i * tp * dp + j). torch's pipeline schedules take a rank's place in the pipeline from
-    its rank in the PP group, and groups number their ranks in ascending order, so the cluster
-    file's device order (the plan's ranks) cannot be used directly when stages run on ranks
-    out of order (e.g. stage 0 on ranks 2-3)."""
-    check_runnable(plan)
+    ranks -> the earlier stages' ranks + j). torch's pipeline schedules take a rank's place in
+    the pipeline from its rank in the PP group, and groups number their ranks in ascending order,
+    so the cluster file's device order (the plan's ranks) cannot be used directly when stages
+    run on ranks out of order (e.g. stage 0 on ranks 2-3)."""
     stage, dp_index, tp_index = plan.stage_of_rank(rank)
-    return stage * plan.tp * plan.dp + dp_index * plan.tp + tp_index
+    tps = plan.stage_tps
+    return sum(tps[:stage]) * plan.dp + dp_index * tps[stage] + tp_index
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -96,7 +96,7 @@ def rank_layout(plan: Plan, rank: int) -> RankLayout:
     grid = mesh_ranks(plan)
     return RankLayout(
         rank=rank, stage=stage, dp_index=dp_index, tp_index=tp_index,
-        pp_ranks=tuple(grid[s][dp_index][tp_index] for s in range(plan.pp)),
+        pp_ranks=tuple(grid[s][dp_index][tp_index % len(grid[s][dp_index])] for s in range(plan.pp)),
         tp_ranks=tuple(grid[stage][dp_index]),
         dp_ranks=tuple(grid[stage][d][tp_index] for d in range(plan.dp)),
         chunks=tuple(chunks_by_stage(plan)[stage]))

@@ -53,9 +53,9 @@ def local_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer):
     return lr_scheduler(optimizer)
 
 
-def clip_grad_norm(chunks: list[nn.Module], max_norm: float, sum_over_pipeline: Callable[[torch.Tensor], None]) -> float:
+def clip_grad_norm(chunks: list[nn.Module], max_norm: float, sum_over_stages: Callable[[torch.Tensor], None]) -> float:
     """Clip by the norm of the whole model's gradient: each stage's norm (over its TP and DP
-    shards, which DTensor reduces) combined across the pipeline by ``sum_over_pipeline`` (in place).
+    shards, which DTensor reduces) combined across the stages by ``sum_over_stages`` (in place).
     Returns the norm before clipping."""
     grads = [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None]
     by_mesh: dict[int, list] = {}  # DTensor gradients (TP, FSDP2) reduce over their own mesh
@@ -65,7 +65,7 @@ def clip_grad_norm(chunks: list[nn.Module], max_norm: float, sum_over_pipeline: 
     for mesh, group in by_mesh.items():
         norm = torch.nn.utils.get_total_norm(group)
         squared += (norm.full_tensor() if mesh else norm).detach().float() ** 2
-    sum_over_pipeline(squared)
+    sum_over_stages(squared)
     total = math.sqrt(squared.item())
     scale = max_norm / (total + 1e-6)
     if scale < 1:

@@ -1,55 +1,87 @@
-"""torch's PipelineStage across communication domains: each transfer to a stage on another
-domain takes the bridge, staged through host memory (runtime/communication.py)."""
+"""torch's PipelineStage with memx's links between stages: stages of different TP degree, and
+stages on different communication domains (each transfer between domains takes the bridge,
+staged through host memory: runtime/communication.py)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.stage import InferenceMode
 
 from memx_launch.runtime.communication import Communicator
 
 
-class DomainPipelineStage(PipelineStage):
-    """torch's PipelineStage whose transfers to a stage on another domain take the bridge, staged
-    through host memory; transfers inside a domain use the domain's native group. ``group`` is
-    the pipeline's group (a bridge when the pipeline crosses domains): torch's warm-up vote and
-    shape metadata go over it as host tensors."""
+@dataclass(frozen=True)
+class PipelineLinks:
+    """The process ranks one rank exchanges pipeline transfers with. Every TP rank of a stage
+    holds the whole activation at a stage boundary, so stage s's TP rank t receives activations
+    from the previous stage's rank t mod tp(s-1) and sends its own to each next-stage rank u with
+    u mod tp(s) == t; gradients go back by the same rule. Stages are taken modulo the pipeline
+    depth: under interleaving the last stage feeds the first."""
 
-    def __init__(self, *args, communicator: Communicator, **kwargs):
+    fwd_in: int
+    fwd_out: tuple[int, ...]
+    bwd_in: int
+    bwd_out: tuple[int, ...]
+    groups: dict
+    """Peer process rank -> the group of that edge (native in one domain, else a bridge)."""
+
+    @classmethod
+    def of(cls, grid, stage: int, replica: int, tp_index: int, groups: dict) -> "PipelineLinks":
+        """``grid``: process ranks [stage][replica][tp index]."""
+        p = len(grid)
+        prev, nxt = grid[(stage - 1) % p][replica], grid[(stage + 1) % p][replica]
+        tp = len(grid[stage][replica])
+        return cls(fwd_in=prev[tp_index % len(prev)], fwd_out=tuple(r for u, r in enumerate(nxt) if u % tp == tp_index),
+                   bwd_in=nxt[tp_index % len(nxt)], bwd_out=tuple(r for u, r in enumerate(prev) if u % tp == tp_index),
+                   groups=groups)
+
+
+class DomainPipelineStage(PipelineStage):
+    """torch's PipelineStage whose transfers follow :class:`PipelineLinks`: over the edge's
+    native group inside a domain, over the bridge (host copies) between domains. ``group`` (this
+    rank's lane: one rank per stage) only numbers the stages for torch; the warm-up vote needs no
+    exchange (memx builds every stage alike) and shape metadata goes over the links."""
+
+    def __init__(self, *args, communicator: Communicator, links: PipelineLinks, **kwargs):
         super().__init__(*args, **kwargs)
         self.communicator = communicator
+        self.links = links
         self._staged_recvs: dict[int, torch.Tensor] = {}  # id of a recv buffer -> the host copy filled for it
         self._staged_sends: list[torch.Tensor] = []  # host copies alive until the step ends
+        self._vote: torch.Tensor | None = None
 
-    def _route(self, op: dist.P2POp, receiving: bool) -> dist.P2POp:
+    def _op(self, op: dist.P2POp, peer: int, receiving: bool) -> dist.P2POp:
         comm = self.communicator
-        pair = (comm.rank, op.peer)
-        if not comm.spans_domains(pair):
-            if not comm.is_bridge(op.group):
-                return op
-            return dist.P2POp(op.op, op.tensor, op.peer, comm.pair_group(op.peer))
+        group = self.links.groups[peer]
+        if not comm.is_bridge(group):
+            return dist.P2POp(op.op, op.tensor, peer, group)
         if receiving:
             host = comm.host_buffer(op.tensor)
             self._staged_recvs[id(op.tensor)] = host
+            comm.traffic.messages += 1
+            comm.traffic.bytes += host.numel() * host.element_size()
         else:
             host = comm.stage(op.tensor)
             self._staged_sends.append(host)
-        if receiving:
-            comm.traffic.messages += 1
-            comm.traffic.bytes += host.numel() * host.element_size()
-        return dist.P2POp(op.op, host, op.peer, self.group)
+        return dist.P2POp(op.op, host, peer, group)
 
-    def _get_recv_ops(self, recv_infos):
-        return [self._route(op, receiving=True) for op in super()._get_recv_ops(recv_infos)]
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        return [self._op(op, self.links.fwd_in, True) for op in super().get_fwd_recv_ops(fwd_chunk_id)]
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        return [self._op(op, self.links.bwd_in, True) for op in super().get_bwd_recv_ops(bwd_chunk_id)]
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
-        return [self._route(op, receiving=False) for op in super().get_fwd_send_ops(fwd_chunk_id)]
+        return [self._op(op, peer, False) for op in super().get_fwd_send_ops(fwd_chunk_id)
+                for peer in self.links.fwd_out]
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
-        return [self._route(op, receiving=False) for op in super().get_bwd_send_ops(bwd_chunk_id)]
+        return [self._op(op, peer, False) for op in super().get_bwd_send_ops(bwd_chunk_id)
+                for peer in self.links.bwd_out]
 
     def _unstage(self, recv_infos) -> None:
         for info in recv_infos:
@@ -69,32 +101,32 @@ class DomainPipelineStage(PipelineStage):
         super().clear_runtime_states()
         self._staged_sends.clear()
 
-    # torch's warm-up vote and shape metadata: host tensors when the pipeline group is a bridge.
-    @contextmanager
-    def _control_on_host(self):
-        if not self.communicator.is_bridge(self.group):
-            yield
-            return
-        device = self.device
-        self.device = torch.device("cpu")
-        try:
-            with self.communicator.on_host():
-                yield
-        finally:
-            self.device = device
-
+    # ---- torch's control plane
     def _warmup_forward_vote(self, has_backward, received_acc=None):
-        with self._control_on_host():
-            return super()._warmup_forward_vote(has_backward, received_acc)
+        # Every stage votes for static shapes only when it was given them; memx gives none to
+        # any stage, so each stage's own vote is the pipeline's and nothing is exchanged.
+        vote = 0 if InferenceMode.needs_dynamic(self._user_meta, has_backward) else 1
+        self._vote = torch.tensor([vote], dtype=torch.int32)
+        return self._vote
 
     def _warmup_backward_result(self, received_result=None):
-        with self._control_on_host():
-            return super()._warmup_backward_result(received_result)
+        return self._vote
 
-    def _send_meta(self, meta, dst_stage):
-        with self._control_on_host():
-            super()._send_meta(meta, dst_stage)
+    def _meta_device(self, group) -> torch.device:
+        native_gloo = self.communicator.native_backend == "gloo"
+        return torch.device("cpu") if native_gloo or self.communicator.is_bridge(group) else self.device
 
-    def _recv_meta(self, src_stage):
-        with self._control_on_host():
-            return super()._recv_meta(src_stage)
+    def _send_meta(self, meta, dst_stage: int) -> None:
+        forward = dst_stage == self.stage_index + 1
+        for peer in self.links.fwd_out if forward else self.links.bwd_out:
+            group = self.links.groups[peer]
+            with self.communicator.on_host():
+                dist.send_object_list([meta], dst=peer, group=group, device=self._meta_device(group))
+
+    def _recv_meta(self, src_stage: int):
+        peer = self.links.fwd_in if src_stage == self.stage_index - 1 else self.links.bwd_in
+        group = self.links.groups[peer]
+        objects = [None]
+        with self.communicator.on_host():
+            dist.recv_object_list(objects, src=peer, group=group, device=self._meta_device(group))
+        return objects[0]

@@ -29,8 +29,8 @@ from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
-from memx_launch.runtime.layout import RankLayout, process_rank, rank_layout
-from memx_launch.runtime.pipeline_stage import DomainPipelineStage
+from memx_launch.runtime.layout import RankLayout, process_grid, process_rank, rank_layout
+from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import Precision
 
@@ -103,12 +103,14 @@ class Runtime:
         self.comm = Communicator(process_domains(plan, cluster), self.device, strict=strict_mode(emulated is not None),
                                  emulated=emulated, bridge_backend=bridge_backend(cluster))
         self._make_groups()
+        self.tp = len(self._tp_ranks)
+        """This stage's TP degree (the plan's stage_tp may give each stage its own)."""
         self.tp_mesh = self.dp_mesh = None  # FSDP2 over TP needs both from one [dp][tp] mesh of the stage
-        if plan.tp > 1 and plan.dp > 1 and not self.dp_crosses_domains:
+        if self.tp > 1 and plan.dp > 1 and not self.dp_crosses_domains:
             stage_mesh = DeviceMesh.from_group([self.comm.native(self._dp_ranks), self.tp_group], self.device.type,
                                                mesh=self._stage_grid, mesh_dim_names=("dp", "tp"))
             self.tp_mesh, self.dp_mesh = stage_mesh["tp"], stage_mesh["dp"]
-        elif plan.tp > 1:
+        elif self.tp > 1:
             self.tp_mesh = DeviceMesh.from_group(self.tp_group, self.device.type, mesh=list(self._tp_ranks),
                                                  mesh_dim_names=("tp",))
         elif plan.dp > 1 and not self.dp_crosses_domains:
@@ -123,7 +125,7 @@ class Runtime:
             emulated.track(p for m in self.chunks for p in m.parameters())
         num_virtual = plan.pp * plan.virtual_stages
         stages = [DomainPipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=self.pp_group,
-                                      communicator=self.comm)
+                                      communicator=self.comm, links=self.links)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
         self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device)
         user_loss = self.precision.scaled(loss_fn or default_loss)
@@ -137,33 +139,43 @@ class Runtime:
         self.comm.verify_groups()
 
     def _make_groups(self) -> None:
-        """This rank's TP, DP and pipeline groups. Every rank walks every group of the plan in one
-        order and creates those it belongs to (members only: a native group exists only on its
-        domain), so that group creation cannot deadlock."""
-        p = self.plan
-        grid = torch.arange(p.world_size).view(p.pp, p.dp, p.tp).tolist()  # process ranks, stage-major
-        me = self.comm.rank
-        self._tp_ranks = self._dp_ranks = self._pp_ranks = ()
-        for stage in grid:
-            for replica in stage:
-                if me in replica:
-                    self._stage_grid = stage
-                    self._tp_ranks = tuple(replica)
-                    self.tp_group = self.comm.native(replica) if p.tp > 1 else None
-        for s in range(p.pp):
-            for t in range(p.tp):
-                ranks = [grid[s][d][t] for d in range(p.dp)]
-                if me in ranks:
-                    self._dp_ranks = tuple(ranks)
-                    self.dp_crosses_domains = self.comm.spans_domains(ranks)
-                    if p.dp > 1:
-                        self.comm.prepare_all_reduce(ranks)
+        """This rank's TP, DP and pipeline groups. Every rank creates every group of the plan in
+        one order (torch numbers groups by creation); only members build one, so a native group
+        exists only on its domain."""
+        p, comm = self.plan, self.comm
+        grid = process_grid(p)
+        me = comm.rank
+        stage, dp_index, tp_index = next((s, d, replica.index(me)) for s, replicas in enumerate(grid)
+                                         for d, replica in enumerate(replicas) if me in replica)
+        self._stage_grid = grid[stage]
+        self._tp_ranks = tuple(grid[stage][dp_index])
+        self._dp_ranks = tuple(replica[tp_index] for replica in grid[stage])
+        self.dp_crosses_domains = comm.spans_domains(self._dp_ranks)
+        self.tp_group = None
+        for replicas in grid:
+            for replica in replicas:
+                if len(replica) > 1:
+                    group = comm.native(replica)
+                    self.tp_group = group if me in replica else self.tp_group
+        if p.dp > 1:
+            for replicas in grid:
+                for t in range(len(replicas[0])):
+                    comm.prepare_all_reduce([replica[t] for replica in replicas])
+        # Each edge between adjacent stages of a replica (the last feeds the first when interleaved).
+        edge_groups = {}
         for d in range(p.dp):
-            for t in range(p.tp):
-                ranks = [grid[s][d][t] for s in range(p.pp)]
-                if me in ranks:
-                    self._pp_ranks = tuple(ranks)
-                    self.pp_group = self.comm.pipeline(ranks, ring=p.virtual_stages > 1)
+            for s in range(p.pp if p.virtual_stages > 1 and p.pp > 1 else p.pp - 1):
+                a, b = grid[s][d], grid[(s + 1) % p.pp][d]
+                group = comm.group(sorted(set(a) | set(b)))
+                if me in a or me in b:
+                    edge_groups.update({r: group for r in (b if me in a else a)})
+        # torch numbers the stages by a group with one rank per stage: this rank's lane.
+        for d in range(p.dp):
+            for lane in range(max(len(replicas[0]) for replicas in grid)):
+                group = comm.group([grid[s][d][lane % len(grid[s][d])] for s in range(p.pp)])
+                if d == dp_index and lane == tp_index:
+                    self.pp_group = group
+        self.links = PipelineLinks.of(grid, stage, dp_index, tp_index, edge_groups)
 
     def _model_parts(self, model: torch.nn.Module, blocks: str | None) -> ModelParts:
         parts = ModelParts(model, blocks)
@@ -188,7 +200,7 @@ class Runtime:
                                       recompute=recompute)
             original.update({id(p): f"{index}.{name}" for name, p in module.named_parameters()})
         module = module.to(self.device)
-        if self.plan.tp > 1:
+        if self.tp > 1:
             if self.parts is None:
                 apply_tensor_parallel(module, self.tp_mesh)
             else:
@@ -198,7 +210,7 @@ class Runtime:
         if self.plan.dp > 1:
             # DDP keeps whole gradients and optimizer state per replica, as the cost model assumes
             # without a distributed optimizer; DDP cannot hold DTensor parameters, so TP uses FSDP2.
-            sharded = self.plan.training.get("fully_sharded", False) or self.plan.tp > 1
+            sharded = self.plan.training.get("fully_sharded", False) or self.tp > 1
             if data_parallel == "fsdp" or (data_parallel == "auto" and sharded):
                 from torch.distributed.fsdp import fully_shard
                 fully_shard(module, mesh=self.dp_mesh)
@@ -217,6 +229,12 @@ class Runtime:
         if self.emulated is None:
             return strict or nullcontext()
         return _stacked(self.emulated, strict) if strict is not None else self.emulated
+
+    def _sum_over_stages(self, value: torch.Tensor) -> None:
+        """Sum (in place) a quantity every rank of a stage holds alike over the stages: one
+        contribution per stage, job-wide as a host tensor (lanes differ when TP degrees do)."""
+        contributes = self.layout.dp_index == 0 and self.layout.tp_index == 0
+        value.copy_(self.comm.sum_over_job(value if contributes else torch.zeros_like(value)))
 
     def _local_grads(self) -> list[torch.Tensor]:
         """This rank's gradient tensors (a DTensor's local shard)."""
@@ -259,8 +277,7 @@ class Runtime:
                     self.comm.all_reduce_mean(self._local_grads(), self._dp_ranks)
                 if self.precision.unscale(p for m in self.chunks for p in m.parameters()):
                     if self.max_grad_norm is not None:
-                        clip_grad_norm(self.chunks, self.max_grad_norm,
-                                       lambda t: self.comm.all_reduce_sum(t, self._pp_ranks))
+                        clip_grad_norm(self.chunks, self.max_grad_norm, self._sum_over_stages)
                     self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -295,9 +312,10 @@ class Runtime:
         table = torch.stack(self.comm.all_gather_host(row))
         traffic.reset()
         stage_peak, stage_compute = [], []
-        per_stage = self.plan.tp * self.plan.dp
-        for i in range(self.plan.pp):
-            sub = table[i * per_stage:(i + 1) * per_stage]
+        start = 0
+        for tp in self.plan.stage_tps:
+            sub = table[start:start + tp * self.plan.dp]
+            start += tp * self.plan.dp
             stage_peak.append(sub[:, 1].max().item())
             stage_compute.append(sub[:, 2].max().item())
         step_time = table[:, 3].max().item()
