@@ -33,11 +33,11 @@ def test_a_step_past_its_limit_is_one_line_naming_rank_stage_and_compute(capsys)
 
 def test_steps_within_their_limit_pass_and_each_step_rearms():
     exits = []
-    watchdog = StepWatchdog(0, 0, "cpu", 0.01, limit_s=0.3, exit=exits.append)
+    watchdog = StepWatchdog(0, 0, "cpu", 0.01, limit_s=0.6, exit=exits.append)
     for step in range(1, 4):
         with watchdog.armed(step):
-            time.sleep(0.2)  # 0.6 s in all: only a deadline kept from an earlier step would fire
-    time.sleep(0.4)  # nor does a disarmed watchdog fire later
+            time.sleep(0.3)  # 0.9 s in all: only a deadline kept from an earlier step would fire
+    time.sleep(0.8)  # nor does a disarmed watchdog fire later
     assert exits == []
 
 
