@@ -372,6 +372,7 @@ LAUNCHER_CASES = [
     ("env-kill-rank-text", {"MEMX_FAULT_KILL_CALIBRATION": "rank=x"}, {}, RUN + SCRIPT),
     ("env-calibration-timeout-text", {"MEMX_CALIBRATION_TIMEOUT_S": "abc"}, {}, RUN + SCRIPT),
     ("env-calibration-timeout-nan", {"MEMX_CALIBRATION_TIMEOUT_S": "nan"}, {}, RUN + SCRIPT),
+    ("env-step-timeout-zero", {"MEMX_STEP_TIMEOUT_S": "0"}, {}, RUN + SCRIPT),
     ("env-max-replans-negative", {"MEMX_MAX_REPLANS": "-1"}, {}, RUN + SCRIPT),
     ("env-checkpoint-every-text", {"MEMX_CHECKPOINT_EVERY": "often"}, {}, RUN + SCRIPT),
     ("run-nproc-text", {}, {}, ["--nproc-per-node", "abc", "--dry-run"] + SCRIPT),

@@ -17,6 +17,7 @@ import signal
 import sys
 
 from memx_launch.runtime.restarts import GENERATION_VAR, PLANNED_RESTART_EXIT_CODE
+from memx_launch.runtime.watchdog import STEP_TIMEOUT_EXIT_CODE
 
 
 def _agent_class():
@@ -62,6 +63,15 @@ def exit_code(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
+def failure_line(rank: int, exitcode: int) -> str:
+    """memx-run's last line about the worker that failed first."""
+    if exitcode == STEP_TIMEOUT_EXIT_CODE:
+        return (f"memx-run: error: worker rank {rank} failed with exit code {exitcode}, its step watchdog's; "
+                "its line above says what it waited in")
+    how = f"was killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"failed with exit code {exitcode}"
+    return f"memx-run: error: worker rank {rank} {how}; see its traceback above"
+
+
 def run_agent(args) -> int:
     """torch.distributed.run.run(args) with memx's agent; the job's exit code."""
     import torch.distributed.launcher.api as launcher_api
@@ -78,9 +88,7 @@ def run_agent(args) -> int:
     except ChildFailedError as exc:
         print(str(exc), file=sys.stderr)  # torchrun's root-cause table
         rank, failure = root_cause(exc.failures)
-        how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
-               else f"failed with exit code {failure.exitcode}")
-        print(f"memx-run: error: worker rank {rank} {how}; see its traceback above", file=sys.stderr)
+        print(failure_line(rank, failure.exitcode), file=sys.stderr)
         return exit_code(failure.exitcode)
     finally:
         launcher_api.LocalElasticAgent = original

@@ -224,7 +224,7 @@ class TypeCalibration:
         return sample_key(self.device_type.name, self.model, s, self.dtype)
 
 
-def _seconds(environ, var: str, default: float, field: str, example: str) -> float:
+def positive_seconds(environ, var: str, default: float, field: str, example: str) -> float:
     """A positive, finite number of seconds from ``var`` (``default`` when unset)."""
     text = environ.get(var, "")
     try:
@@ -237,8 +237,8 @@ def _seconds(environ, var: str, default: float, field: str, example: str) -> flo
 
 
 def calibration_timeout_s(environ=os.environ) -> float:
-    return _seconds(environ, "MEMX_CALIBRATION_TIMEOUT_S", DEFAULT_TIMEOUT_S, "MEMX_CALIBRATION_TIMEOUT_S",
-                    f"MEMX_CALIBRATION_TIMEOUT_S={DEFAULT_TIMEOUT_S:g}")
+    return positive_seconds(environ, "MEMX_CALIBRATION_TIMEOUT_S", DEFAULT_TIMEOUT_S, "MEMX_CALIBRATION_TIMEOUT_S",
+                            f"MEMX_CALIBRATION_TIMEOUT_S={DEFAULT_TIMEOUT_S:g}")
 
 
 def calibration_space(model: ModelSpec, tp_degrees: list[int]):
@@ -276,8 +276,8 @@ class CalibrationRefused(ConfigError):
 
 
 def calibration_budget_s(environ=os.environ) -> float:
-    return _seconds(environ, "MEMX_CALIBRATION_BUDGET_S", DEFAULT_CALIBRATION_BUDGET_S, "--calibration-budget-s",
-                    f"--calibration-budget-s {DEFAULT_CALIBRATION_BUDGET_S:g}")
+    return positive_seconds(environ, "MEMX_CALIBRATION_BUDGET_S", DEFAULT_CALIBRATION_BUDGET_S,
+                            "--calibration-budget-s", f"--calibration-budget-s {DEFAULT_CALIBRATION_BUDGET_S:g}")
 
 
 BRIDGE_PROBE_BYTES = (4096, 4 * 2**20)

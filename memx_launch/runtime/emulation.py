@@ -4,7 +4,10 @@ A TorchDispatchMode sees every tensor an operator creates (forward, backward, re
 optimizer, pipeline receive buffers), so it counts live tensor bytes exactly, by storage,
 where process RSS would mix in the interpreter and allocator slack. The same mode times
 each compute operator and sleeps (slowdown - 1) times as long, so a slower device type is
-slower in its compute and not in its waits on communication.
+slower in its compute and not in its waits on communication: collectives are not timed, and an
+operator whose input is a functional collective's pending result (an AsyncCollectiveTensor, as
+DTensor's tensor parallel returns) first waits for it, untimed. Timing that wait as compute
+made TP ranks sleep in proportion to each other's waits, a loop that grew every step.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 import weakref
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -68,6 +72,8 @@ class EmulatedDevice(TorchDispatchMode):
         self.slept_s = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for pending in _pending_collectives(args, kwargs):
+            pending.trigger_wait()
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         if func.namespace not in COMMUNICATION_NAMESPACES:
@@ -126,6 +132,17 @@ class EmulatedDevice(TorchDispatchMode):
             f"{nbytes / 2**20:.2f} MiB; {self.live_bytes / GIB:.4f} GiB in use would pass the emulated "
             f"capacity of {self.capacity_bytes / GIB:.4f} GiB. Choose a plan with more recompute or fewer "
             f"layers on this device type, or raise memory_gib in the cluster file.")
+
+
+def _pending_collectives(args, kwargs):
+    """The unfinished collective results among an operator's inputs (a DTensor's local shard can
+    be one): their waits would otherwise run inside the operator's timed dispatch. Operator
+    arguments nest tensors one list deep at most; a pytree walk here doubled the mode's overhead."""
+    for arg in (*args, *(kwargs or {}).values()):
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            local = getattr(t, "_local_tensor", t)
+            if isinstance(local, AsyncCollectiveTensor) and not local.completed:
+                yield local
 
 
 def device_for_rank(cluster, rank: int) -> EmulatedDevice:

@@ -67,9 +67,11 @@ def check_environment(environ=os.environ) -> None:
     from memx_launch.runtime.faults import Faults
     from memx_launch.runtime.monitor import MonitorConfig
     from memx_launch.runtime.supervisor import checkpoint_every
+    from memx_launch.runtime.watchdog import step_timeout_s
 
     max_replans(environ)
     checkpoint_every(environ)
     MonitorConfig.from_env(environ)
     Faults.from_env(environ)
     calibration_timeout_s(environ)
+    step_timeout_s(0.0, environ)

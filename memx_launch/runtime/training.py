@@ -33,6 +33,7 @@ from memx_launch.runtime.layout import RankLayout, process_grid, process_rank, r
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import Precision
+from memx_launch.runtime.watchdog import StepWatchdog
 
 
 DEFAULT_LR = 3e-4
@@ -95,6 +96,8 @@ class Runtime:
         self.plan = plan
         self.layout: RankLayout = rank_layout(plan, rank)
         self.stage_plan = plan.stages[self.layout.stage]
+        self.watchdog = StepWatchdog(rank, self.layout.stage, self.stage_plan.device_type,
+                                     plan.predicted_iteration_time_s)
         self.emulated = emulated
         self.device = local_device()
         self.step_count = 0
@@ -257,6 +260,10 @@ class Runtime:
         """One optimizer step over plan.num_microbatches micro-batches of this DP replica's
         [local_batch_size, seq] tokens and targets. Every rank passes the same tensors for its
         replica; only the first stage reads tokens and only the last reads targets."""
+        with self.watchdog.armed(self.step_count + 1):  # a hang becomes a one-line error (runtime/watchdog.py)
+            return self._step(tokens, targets)
+
+    def _step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepStats:
         losses: list[torch.Tensor] = []
         try:
             if self.supervisor is not None:
