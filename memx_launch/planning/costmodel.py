@@ -330,8 +330,7 @@ class AnalyticalCostModel:
         self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
         self.device_names = tuple(d.name for d in self.device_types)
         self._tflops = np.array([d.effective_tflops_for(training.dtype) for d in self.device_types])
-        self._hbm = np.array([d.memory_bandwidth_gbps or d.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
-                              for d in self.device_types])
+        self._hbm = np.array([hbm_gbps(d) for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
         self._attention_speed = np.array([fused_attention_speed(training.flash_attention_version,
                                                                 d.compute_capability) for d in self.device_types])
@@ -440,8 +439,18 @@ def tp_link_gbps(cluster: ClusterSpec, device_type: str, tp: int = 2) -> float:
     return cluster.group_gbps(ranks)
 
 
+def hbm_gbps(device: DeviceType) -> float:
+    """The device's memory bandwidth, or what its peak FLOPs suggest when the file gives none."""
+    return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+
+
 def optimizer_step_time(params_on_rank, training: TrainingSpec, device: DeviceType, dp=1) -> np.ndarray:
     """Adam step: reads and writes the model state once at HBM speed."""
-    hbm = device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+    return optimizer_step_seconds(params_on_rank, training, hbm_gbps(device), dp)
+
+
+def optimizer_step_seconds(params_on_rank, training: TrainingSpec, hbm, dp=1) -> np.ndarray:
+    """:func:`optimizer_step_time` at ``hbm`` GB/s, broadcast against ``params_on_rank`` (many
+    stages and device types in one call)."""
     state = np.asarray(params_on_rank, dtype=np.float64) * model_state_bytes_per_param(training, dp)
-    return 2.0 * state / (hbm * 1e9)
+    return 2.0 * state / (np.asarray(hbm, dtype=np.float64) * 1e9)

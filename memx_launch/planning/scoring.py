@@ -99,6 +99,7 @@ class Evaluator:
         self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
         self.cost_model, self.table = cost_model, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
+        self.hbm_gbps = np.array([cm.hbm_gbps(d) for d in self.device_types])
         # A learned model brings the overhead calibration measured for a type (else the default).
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
@@ -286,8 +287,10 @@ class Evaluator:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
         t_dp = t_dp.max(axis=1)
-        t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
-                        for devices in layout.replica_device for i, d in enumerate(devices)], axis=0)
+        # The optimizer step of every stage on each of its device types, at once.
+        step = cm.optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
+                                         layout.dp)
+        t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
             T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
         else:
