@@ -21,6 +21,8 @@ from typing import Protocol
 import numpy as np
 
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
+from memx_launch.planning.model_states import (fully_sharded_working_bytes, fully_sharded_working_parts,  # noqa: F401
+                                               model_state_bytes_by_part, model_state_bytes_per_param)
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
                                        default_efficiency, hopper_or_later)
@@ -176,39 +178,6 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
     working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
-
-
-def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
-    """Bytes of weights + gradients + master weights + optimizer moments per parameter on one rank.
-
-    Megatron mixed precision with Adam: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 and
-    moments 8 = 18; the distributed optimizer shards the 12 over DP (Megatron's
-    ``theoretical_memory_usage.py``: 6 + 12/DP). ZeRO-1 keeps bf16 grads (4 + 12/DP), ZeRO-2
-    shards them too (2 + 14/DP); full sharding divides everything by DP. fp32 weights
-    (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16.
-    """
-    dp = np.asarray(dp, dtype=np.float64)
-    weight = float(training.precision_bytes("weights_dtype"))
-    grad = float(training.precision_bytes("grad_dtype"))
-    master = 4.0 if weight < 4 else 0.0
-    moments = 8.0 if training.optimizer == "adam" else 4.0  # Adam m and v; SGD momentum
-    if training.fully_sharded:
-        return (weight + grad + master + moments) / dp
-    optim = master + moments
-    if training.distributed_optimizer:
-        optim = optim / dp
-    if training.sharded_gradients:
-        grad = grad / dp
-    return weight + grad + optim
-
-
-def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp) -> float:
-    """FSDP / ZeRO-3: one layer's weights gathered in the compute dtype while the next is
-    prefetched, and one layer's unsharded gradient before its reduce-scatter."""
-    if not training.fully_sharded:
-        return 0.0
-    layer = model.layer_params / np.asarray(tp, dtype=np.float64)
-    return layer * (2.0 * training.dtype_bytes + training.precision_bytes("grad_dtype"))
 
 
 def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None) -> int:

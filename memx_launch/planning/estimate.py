@@ -124,14 +124,16 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     No ``layers_per_stage``: an :func:`even_split`. Fewer micro-batches than stages is allowed
     (Megatron-LM runs it; 1F1B then fills the pipeline only partly). Phi uses ``references``
     (T, M, V medians) when given, else those of a default search of the same model, cluster and
-    training spec."""
+    training spec. Each stage carries its memory by part (``memory_parts_gib``)."""
     scorer = LayoutScorer(model, cluster, training, cost_model, memory_headroom)
-    result, _ = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
+    result, evaluator = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
                                      layers_per_stage=layers_per_stage, recompute=recompute,
                                      stage_devices=stage_devices, schedule=schedule, virtual_stages=virtual_stages)
     if references is None:
         references = default_references(model, cluster, training, scorer.cost_model)
     plan = to_plan(result, 0, model, cluster, training, layout_objective(result, references, weights))
+    for stage, parts in zip(plan.stages, evaluator.memory_parts(result)):
+        stage.memory_parts_gib = {name: nbytes / cm.GIB for name, nbytes in parts.items()}
     return plan
 
 
