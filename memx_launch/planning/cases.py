@@ -122,6 +122,7 @@ class CaseRunner:
         self._training_types = typing.get_type_hints(TrainingSpec)
         self._training_fields = {f.name for f in dataclasses.fields(TrainingSpec)}
         self._models, self._clusters, self._trainings, self._scorers, self._references = {}, {}, {}, {}, {}
+        self._layouts: dict[int, dict] = {}  # parsed layouts by cluster, shared by its setups' scorers
 
     def estimate(self, row: dict | ConfigError) -> dict:
         """The row's estimate, or ``{"error": one line}``; never raises for a bad row."""
@@ -175,7 +176,8 @@ class CaseRunner:
         key = (id(model), id(cluster), training)  # models and clusters are cached: ids are stable
         if key not in self._scorers:
             cost_model = self.cost_model_for(model, cluster, training) if self.cost_model_for else None
-            self._scorers[key] = LayoutScorer(model, cluster, training, cost_model, self.memory_headroom)
+            self._scorers[key] = LayoutScorer(model, cluster, training, cost_model, self.memory_headroom,
+                                              self._layouts.setdefault(id(cluster), {}))
         scorer = self._scorers[key]
         result, _ = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp,
                                  micro_batch_size=_int(values, "micro_batch_size", 1), layers_per_stage=layers,

@@ -6,6 +6,7 @@ first stages), as Megatron-LM's ``--num-layers`` divided by the pipeline degree 
 
 from __future__ import annotations
 
+import math
 
 import numpy as np
 
@@ -40,16 +41,21 @@ def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") ->
 
 class LayoutScorer:
     """Scores given layouts of one model, cluster and training on one cost model, keeping what
-    layouts share: the cost table of each (TP degrees, micro-batch) and each parsed layout
-    (``memx estimate --cases`` asks thousands of layouts of a few setups)."""
+    layouts share: one cost table per micro-batch size (every TP degree the model's heads
+    allow on the cluster) and each parsed layout (``memx estimate --cases`` asks thousands of
+    layouts of a few setups). ``layouts``: a cache of parsed layouts to share with the scorers
+    of other setups on the same cluster."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                 cost_model: cm.LayerCostModel | None = None, memory_headroom: float = 0.0):
+                 cost_model: cm.LayerCostModel | None = None, memory_headroom: float = 0.0,
+                 layouts: dict | None = None):
         self.model, self.cluster, self.training = model, cluster, training
         self.cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
         self.memory_headroom = memory_headroom
-        self._evaluators: dict[tuple, Evaluator] = {}
-        self._layouts: dict[tuple, Layout] = {}
+        self._evaluators: dict[int, Evaluator] = {}
+        self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
+        heads = math.gcd(model.num_heads, model.num_kv_heads)
+        self._degrees = [t for t in range(1, min(heads, cluster.world_size) + 1) if heads % t == 0]
 
     def score(self, *, tp: int | None, pp: int, dp: int, micro_batch_size: int, layers_per_stage=None,
               recompute=None, stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
@@ -76,17 +82,16 @@ class LayoutScorer:
                 raise ConfigError("--tp" if stage_tp is None else "--stage-tp", f"{t} does not divide the model's "
                                   f"{model.num_heads} heads and {model.num_kv_heads} KV heads", "use a divisor of both")
         tp_arg = stage_tps[0] if len(degrees) == 1 else tuple(stage_tps)
-        key = (tp_arg, pp, dp, None if stage_devices is None else tuple(stage_devices))
+        names = tuple(self.cost_model.device_names)
+        key = (names, tp_arg, pp, dp, None if stage_devices is None else tuple(stage_devices))
         if key not in self._layouts:
-            self._layouts[key] = layout_from_stage_devices(model, cluster, tuple(self.cost_model.device_names),
-                                                           tp_arg, pp, dp, stage_devices)
+            self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp, stage_devices)
         layout = self._layouts[key]
-        evaluator = self._evaluators.get((degrees, micro_batch_size))
-        if evaluator is None:
-            table = CostTable(self.cost_model, len(self.cost_model.device_names), list(degrees), [micro_batch_size],
-                              [training.seq_len])
+        evaluator = self._evaluators.get(micro_batch_size)
+        if evaluator is None:  # per-layer costs are element-wise: a wider table holds the same numbers
+            table = CostTable(self.cost_model, len(names), self._degrees, [micro_batch_size], [training.seq_len])
             evaluator = Evaluator(model, cluster, training, self.cost_model, table, self.memory_headroom)
-            self._evaluators[(degrees, micro_batch_size)] = evaluator
+            self._evaluators[micro_batch_size] = evaluator
         if layers_per_stage is None:
             if model.num_layers < pp * v:
                 raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",
