@@ -112,9 +112,12 @@ def test_the_plan_file_and_the_report_carry_the_parts(tmp_path, capsys):
                  "--recompute", "full", "--json", str(path)])
     out = capsys.readouterr().out
     assert code == 0 and "memory by part, per device:" in out
-    header = next(line for line in out.splitlines() if line.startswith("stage   params"))
-    assert header.split() == ["stage", "params", "grads", "optimizer", "activations", "logits", "pipeline", "comm",
+    lines = out.splitlines()
+    header = lines[lines.index("memory by part, per device:") + 1]
+    assert header.split() == ["params", "grads", "optimizer", "activations", "logits", "pipeline", "comm",
                               "fixed", "=", "peak"]
+    assert [line.split()[:2] for line in lines if line.startswith("stage ") and "GiB" in line][:2] == \
+        [["stage", "0"], ["stage", "1"]]
     data = json.loads(path.read_text())
     assert set(data["stages"][0]["memory_parts_gib"]) == set(MEMORY_PARTS)
     loaded = Plan.load(str(path))

@@ -205,11 +205,12 @@ def memory_parts_lines(plan: Plan) -> list[str]:
     torch.cuda.memory_allocated and memory_reserved); nothing where the plan has no parts."""
     if any(s.memory_parts_gib is None for s in plan.stages):
         return []
-    rows = [[str(i)] + [format_gib(s.memory_parts_gib[name]) if s.memory_parts_gib.get(name) else "-"
+    rows = [[f"stage {i}"] + [format_gib(s.memory_parts_gib[name]) if s.memory_parts_gib.get(name) else "-"
                         for name in MEMORY_PARTS]
             + [format_gib(s.predicted_peak_memory_gib)] for i, s in enumerate(plan.stages)]
-    headers = ["stage"] + [_PART_HEADERS[name] for name in MEMORY_PARTS] + ["= peak"]
-    return ["", "memory by part, per device:", table(headers, rows, right=set(range(len(headers))))]
+    # "stage i" labels: rows that start with a bare number belong to the stage table above.
+    headers = [""] + [_PART_HEADERS[name] for name in MEMORY_PARTS] + ["= peak"]
+    return ["", "memory by part, per device:", table(headers, rows, right=set(range(1, len(headers))))]
 
 
 def _mixed_stage_notes(plan: Plan, cluster: ClusterSpec) -> list[str]:
