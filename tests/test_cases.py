@@ -65,7 +65,7 @@ def test_rows_match_single_estimates_and_bad_rows_stay_alone(tmp_path, capsys):
         over = [max(0.0, p - s.memory_capacity_gib) for p, s in zip(peaks, plan.stages)]
         assert row["short_gib"] == pytest.approx(over, abs=1e-6)
         assert row["fits"] == (max(over) == 0) and row["split"] == "given"
-        assert row["phi"] > 0
+        assert "phi" not in row  # not asked for (--phi): no reference search ran
     assert rows[1]["fits"] and not rows[2]["fits"] and rows[2]["short_gib"][0] > 0
     # Fewer micro-batches (1) than stages (2) is estimated, with the even split said.
     assert rows[4]["num_microbatches"] == 1 and rows[4]["split"] == "even"
@@ -127,16 +127,78 @@ def test_training_columns_follow_trainingspec_fields(tmp_path):
         runner.estimate(tp2)["stage_peak_memory_gib"][0]
 
 
-def test_many_rows_reuse_parsed_inputs(tmp_path):
-    """Rows of one model, cluster and training share the parsed cluster and one reference search."""
+def test_many_rows_reuse_parsed_inputs_and_search_for_phi_only_when_asked(tmp_path, monkeypatch):
+    """Rows of one model, cluster and training share the parsed cluster and scorer; Phi's
+    reference search runs once for them with ``phi``, never without."""
+    from memx_launch.planning import cases
+
     rows = [{"tp": 1, "pp": 2, "dp": 8, "micro_batch_size": 1, "layers_per_stage": [16 + k, 16 - k]}
             for k in range(8)]
-    runner = CaseRunner(str(tmp_path), {"model": "llama2-7b", "cluster": TABLE1, "global_batch_size": 64})
+    defaults = {"model": "llama2-7b", "cluster": TABLE1, "global_batch_size": 64}
+    searches, search = [], cases.default_references
+    monkeypatch.setattr(cases, "default_references", lambda *a: searches.append(a) or search(*a))
+    runner = CaseRunner(str(tmp_path), defaults)
     results = [runner.estimate(r) for r in rows]
-    assert all("error" not in r for r in results)
-    assert len(runner._clusters) == 1 and len(runner._references) == 1
+    assert all("error" not in r and "phi" not in r for r in results) and searches == []
+    assert len(runner._clusters) == 1 and len(runner._scorers) == 1
     peaks0 = [r["stage_peak_memory_gib"][0] for r in results]
     assert peaks0 == sorted(peaks0)  # more layers on stage 0, more memory there
+
+    with_phi = CaseRunner(str(tmp_path), defaults, phi=True)
+    scored = [with_phi.estimate(r) for r in rows]
+    assert len(searches) == 1 and all(r["phi"] > 0 for r in scored)
+    # Phi as memx estimate gives it for the same layout, the rest as without --phi.
+    model, cluster = get_model("llama2-7b"), ClusterSpec.from_yaml(TABLE1)
+    plan = evaluate_layout(model, cluster, TrainingSpec(global_batch_size=64, seq_len=model.seq_len), tp=1, pp=2,
+                           dp=8, micro_batch_size=1, layers_per_stage=[16, 16])
+    assert scored[0]["phi"] == pytest.approx(plan.objective.phi)
+    assert [{k: v for k, v in r.items() if k != "phi"} for r in scored] == results
+
+
+def test_a_row_names_every_column_memx_cannot_express(tmp_path, capsys):
+    path = _cases(tmp_path, "id,tp,pp,dp,fp8,context_parallel,recompute,lora-rank\n"
+                            "a,1,2,8,true,2,full,16\n"
+                            "b,1,2,8,,,full,\n")
+    code, rows, err = _run(capsys, "estimate", "--cases", str(path), "--model", "llama2-7b", "--cluster", TABLE1)
+    assert code == 0, err
+    assert rows[0] == {"row": 1, "id": "a", "error": "fp8, context_parallel, lora-rank: unknown columns; "
+                                                      "use the columns listed in docs/estimate.md"}
+    assert "error" not in rows[1]  # empty cells ask for nothing
+    # --phi scores Phi; --weights without --phi would change nothing, and --phi needs --cases.
+    assert "phi" in _run(capsys, "estimate", "--cases", str(path), "--model", "llama2-7b", "--cluster", TABLE1,
+                         "--phi")[1][1]
+    code, _, err = _run(capsys, "estimate", "--cases", str(path), "--weights", "1,0,0")
+    assert code == 2 and "--weights: only changes Phi" in err
+    code, _, err = _run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "1", "--pp", "2",
+                        "--dp", "8", "--micro-batch-size", "1", "--phi")
+    assert code == 2 and "--phi: only with --cases" in err
+
+
+def test_a_profile_of_several_models_is_fitted_once(tmp_path, capsys, monkeypatch):
+    """Rows of two models on a profile DB holding both: one predictor fit for the file (not one
+    per model, each overwriting the other's cache), and none on the next run."""
+    from memx_launch.profiling import predictor
+    from memx_launch.profiling.profiledb import ProfileDB
+    from tests.test_predictor import synthetic_records
+
+    (tmp_path / "c.yaml").write_text(
+        "version: 1\nname: c\ndevice_types:\n  dev: {vendor: nvidia, memory_gib: 16, peak_tflops: 50, "
+        "memory_bandwidth_gbps: 900}\nnodes:\n  - {name: n, devices: {dev: 4}, intra_node_gbps: 100}\n"
+        "inter_node_gbps: 100\n")
+    db = str(tmp_path / "profile.jsonl")  # the records' device is c.yaml's "dev"
+    ProfileDB(db).append(synthetic_records(mbs_values=(1, 4), seqs=(32, 128))
+                         + synthetic_records(mbs_values=(1, 4), seqs=(32, 128), spec=get_model("llama-small")))
+    path = _cases(tmp_path, "model,tp,pp,dp,micro_batch_size,seq_len,dtype\n"
+                            "llama-tiny,1,2,2,1,64,fp32\nllama-small,1,2,2,1,64,fp32\nllama-tiny,2,2,1,2,64,fp32\n")
+    fits, fit = [], predictor.fit_predictor
+    monkeypatch.setattr(predictor, "fit_predictor", lambda *a, **k: fits.append(1) or fit(*a, **{**k, "trials": 2}))
+    argv = ["estimate", "--cases", str(path), "--cluster", str(tmp_path / "c.yaml"), "--global-batch-size", "8",
+            "--profile-db", db]
+    code, rows, err = _run(capsys, *argv)
+    assert code == 0 and fits == [1] and not [r for r in rows if "error" in r], (rows, err)
+    assert rows[0]["stage_peak_memory_gib"] != rows[1]["stage_peak_memory_gib"]  # each model its own
+    code, again, _ = _run(capsys, *argv)
+    assert code == 0 and fits == [1] and again == rows
 
 
 def test_csv_with_too_many_cells_is_that_rows_error(tmp_path):

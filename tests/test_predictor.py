@@ -27,8 +27,8 @@ def true_ratio(mbs):
     return 1.5 * (1 + 0.5 / mbs), 1.1
 
 
-def synthetic_records(mbs_values=(1, 2, 4, 8, 16), seqs=(32, 64, 128)):
-    cost = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+def synthetic_records(mbs_values=(1, 2, 4, 8, 16), seqs=(32, 64, 128), spec=SPEC):
+    cost = AnalyticalCostModel(spec, CLUSTER, TRAINING)
     out = []
     for b in mbs_values:
         for s in seqs:
@@ -37,7 +37,7 @@ def synthetic_records(mbs_values=(1, 2, 4, 8, 16), seqs=(32, 64, 128)):
                 t_ratio, m_ratio = true_ratio(b)
                 out.append(Measurement(
                     device_type="dev", device={k: v for k, v in vars(DEVICE).items() if k != "name"},
-                    model=SPEC.name, model_signature=SPEC.signature(), block_shape=SPEC.to_dict(), tp=1,
+                    model=spec.name, model_signature=spec.signature(), block_shape=spec.to_dict(), tp=1,
                     micro_batch_size=b, seq_len=s, recompute=level, dtype="fp32", num_blocks=1, feasible=True,
                     time_s=float(c.time_s[0] * t_ratio),
                     peak_memory_bytes=float((c.activation_bytes[0] + c.working_bytes[0]) * m_ratio)))

@@ -123,6 +123,9 @@ def add_estimate_command(sub) -> None:
     p.add_argument("--cases", metavar="FILE", help="CSV or JSONL, one layout per row (columns: docs/estimate.md); "
                    "--model, --cluster and the training flags fill empty cells")
     p.add_argument("--out", metavar="FILE", help="with --cases: the JSON lines, one per row (default stdout)")
+    p.add_argument("--phi", action="store_true",
+                   help="with --cases: also score Phi, which needs one search per model, cluster and training "
+                        "(under a second each); without it rows give time, memory and fit only")
     add_output_args(p)
     p.set_defaults(handler=run_estimate)
 
@@ -135,6 +138,8 @@ def run_estimate(args) -> int:
     check_headroom(args)
     if args.cases:
         return _run_cases(args)
+    if args.phi:
+        raise ConfigError("--phi", "only with --cases", "drop it: one layout's estimate always gives Phi")
     check_new_file(args.json, "--json", args.force)
     if not args.cluster:
         raise ConfigError("--cluster", "missing", "pass the cluster YAML the layout runs on")
@@ -181,11 +186,15 @@ def _run_cases(args) -> int:
              if f not in FLAG_DEFAULTS and getattr(args, f) is not None]
     if given:
         raise ConfigError(given[0], "cannot be combined with --cases", "give it as a column of the cases file")
+    if args.weights and not args.phi:
+        raise ConfigError("--weights", "only changes Phi, which --cases scores with --phi",
+                          "add --phi, or drop --weights")
     check_new_file(args.out, "--out", args.force)
     if args.profile_db and not os.path.exists(args.profile_db):
         raise ConfigError("--profile-db", f"{args.profile_db} does not exist", "run memx profile first")
     print(run_cases(args.cases, args.out, overwrite=args.force, defaults={k: getattr(args, k) for k in FLAG_DEFAULTS},
                     memory_headroom=args.memory_headroom, weights=parse_weights(args.weights) if args.weights else None,
+                    phi=args.phi,
                     cost_model_for=(lambda m, c, t: cost_model_from_args(args, m, c, t)) if args.profile_db else None),
           file=sys.stderr)
     return 0

@@ -1,10 +1,11 @@
 """Many layouts at once (``memx estimate --cases FILE``): one row of a CSV or JSON-lines file per
 layout, one JSON object out per row, in one process.
 
-Each row goes through :func:`~memx_launch.planning.estimate.evaluate_layout`, exactly as
-``memx estimate`` with flags; parsed models and clusters, cost models and Phi's reference
-medians are cached across rows, so a file of thousands of layouts of one model on one cluster
-costs one reference search. A bad row gives that row an ``error`` and never stops the others.
+Each row is scored as :func:`~memx_launch.planning.estimate.evaluate_layout` scores it for
+``memx estimate`` with flags; parsed models and clusters, cost models, cost tables and Phi's reference
+medians (only with ``phi``: they need a search) are cached across rows, so a file of thousands
+of layouts of one model on one cluster costs one reference search, or none without Phi. A bad
+row gives that row an ``error`` and never stops the others.
 
 Columns (an empty cell or a missing key is the default): the layout columns below, ``id``
 (echoed back), and any field of :class:`~memx_launch.specs.training.TrainingSpec` by its name,
@@ -25,7 +26,7 @@ from typing import Callable, Iterator
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import write_text_atomic
 from memx_launch.planning import costmodel as cm
-from memx_launch.planning.estimate import evaluate_layout, stage_short_gib
+from memx_launch.planning.estimate import LayoutScorer, layout_objective, short_gib
 from memx_launch.planning.search import default_references
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.inputs import parse_json, read_text
@@ -102,12 +103,13 @@ class CaseRunner:
     ``defaults`` fill absent cells (``memx estimate --model/--cluster/...``); relative paths in
     ``model`` and ``cluster`` cells are relative to ``base_dir`` (the cases file's folder).
     ``cost_model_for(model, cluster, training)`` gives the learned cost model (``--profile-db``);
-    None: the analytical model.
+    None: the analytical model. ``phi``: also score Phi, against the medians of one default
+    search per model, cluster and training (``--phi``); without it no search runs.
     """
 
     def __init__(self, base_dir: str = ".", defaults: dict | None = None, memory_headroom: float = 0.0,
                  weights: tuple[float, float, float] | None = None,
-                 cost_model_for: Callable | None = None):
+                 cost_model_for: Callable | None = None, phi: bool = False):
         self.base_dir = base_dir
         # Defaults come from the command line: their paths are relative to the working directory.
         self.defaults = {k: os.path.abspath(v) if k in ("model", "cluster") and os.path.exists(v) else v
@@ -115,9 +117,12 @@ class CaseRunner:
         self.memory_headroom = memory_headroom
         self.weights = weights
         self.cost_model_for = cost_model_for
+        self.phi = phi
+        self._cluster_paths: dict[str, str] = {}
         self._training_types = typing.get_type_hints(TrainingSpec)
         self._training_fields = {f.name for f in dataclasses.fields(TrainingSpec)}
-        self._models, self._clusters, self._cost_models, self._references = {}, {}, {}, {}
+        self._models, self._clusters, self._trainings, self._scorers, self._references = {}, {}, {}, {}, {}
+        self._layouts: dict[int, dict] = {}  # parsed layouts by cluster, shared by its setups' scorers
 
     def estimate(self, row: dict | ConfigError) -> dict:
         """The row's estimate, or ``{"error": one line}``; never raises for a bad row."""
@@ -127,7 +132,7 @@ class CaseRunner:
                 raise row
             return {**out, **self._estimate(row)}
         except ConfigError as exc:  # flag names become the column names a row uses
-            field = exc.field.replace("--", "").replace("-", "_")
+            field = exc.field.removeprefix("--").replace("-", "_") if exc.field.startswith("--") else exc.field
             return {**out, "error": str(ConfigError(field, exc.problem, exc.fix))}
         except MemxError as exc:
             return {**out, "error": str(exc)}
@@ -136,20 +141,24 @@ class CaseRunner:
 
     def _estimate(self, row: dict) -> dict:
         values = {**self.defaults, **{k: v for k, v in row.items() if not _absent(v)}}
-        training_kwargs = {}
-        for column, value in values.items():
-            if column in LAYOUT_COLUMNS or column in ECHO_COLUMNS:
-                continue
-            if column in self._training_fields:
-                training_kwargs[column] = _convert(column, value, self._training_types[column])
-            else:
-                raise ConfigError(column, "unknown column", "use the columns listed in docs/estimate.md")
+        # Every column memx cannot express, named at once: a row asking for several features
+        # should not be fixed and re-run one column at a time.
+        unknown = [c for c in values if c not in LAYOUT_COLUMNS and c not in ECHO_COLUMNS
+                   and c not in self._training_fields]
+        if unknown:
+            raise ConfigError(", ".join(unknown), "unknown column" + "s" * (len(unknown) > 1),
+                              "use the columns listed in docs/estimate.md")
+        training_kwargs = {c: _convert(c, v, self._training_types[c]) for c, v in values.items()
+                           if c in self._training_fields}
         for column in ("model", "cluster"):
             if column not in values:
                 raise ConfigError(column, "missing", f"give a {column} column or --{column}")
         model = self._model(str(values["model"]))
         cluster = self._cluster(str(values["cluster"]))
-        training = TrainingSpec(**{"seq_len": model.seq_len, **training_kwargs})
+        training_key = (model.seq_len, *sorted(training_kwargs.items()))
+        if training_key not in self._trainings:  # a spec per distinct setup, not per row
+            self._trainings[training_key] = TrainingSpec(**{"seq_len": model.seq_len, **training_kwargs})
+        training = self._trainings[training_key]
 
         stage_devices = _list(values, "stage_devices", str)
         layers = _list(values, "layers_per_stage", int)
@@ -165,24 +174,28 @@ class CaseRunner:
             raise ConfigError("virtual_stages", "missing for the interleaved schedule", "e.g. 2")
 
         key = (id(model), id(cluster), training)  # models and clusters are cached: ids are stable
-        if key not in self._cost_models:
-            self._cost_models[key] = (self.cost_model_for(model, cluster, training) if self.cost_model_for
-                                      else None) or cm.AnalyticalCostModel(model, cluster, training)
-        cost_model = self._cost_models[key]
-        if key not in self._references:
-            self._references[key] = default_references(model, cluster, training, cost_model)
-        plan = evaluate_layout(model, cluster, training, tp=tp, stage_tp=stage_tp, pp=pp, dp=dp,
-                               micro_batch_size=_int(values, "micro_batch_size", 1), layers_per_stage=layers,
-                               recompute=recompute, stage_devices=stage_devices, schedule=schedule,
-                               virtual_stages=v, cost_model=cost_model, weights=self.weights,
-                               references=self._references[key], memory_headroom=self.memory_headroom)
-        short = stage_short_gib(plan, self.memory_headroom)
-        peaks = [s.predicted_peak_memory_gib for s in plan.stages]
-        return {"fits": not any(short), "stage_peak_memory_gib": peaks, "peak_memory_gib": max(peaks),
-                "short_gib": [round(x, 6) for x in short], "iteration_time_s": _number(plan.predicted_iteration_time_s),
-                "phi": _number(plan.objective.phi), "layers_per_stage": [s.num_layers for s in plan.stages],
-                "split": "given" if layers is not None else "even",
-                "num_microbatches": plan.num_microbatches}
+        if key not in self._scorers:
+            cost_model = self.cost_model_for(model, cluster, training) if self.cost_model_for else None
+            self._scorers[key] = LayoutScorer(model, cluster, training, cost_model, self.memory_headroom,
+                                              self._layouts.setdefault(id(cluster), {}))
+        scorer = self._scorers[key]
+        result, _ = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp,
+                                 micro_batch_size=_int(values, "micro_batch_size", 1), layers_per_stage=layers,
+                                 recompute=recompute, stage_devices=stage_devices, schedule=schedule,
+                                 virtual_stages=v)
+        # Read off the scored arrays as to_plan would write them: no plan object per row.
+        peaks = [round(float(x) / cm.GIB, 6) for x in result.memory[0]]
+        short = short_gib(peaks, [float(x) / cm.GIB for x in result.capacity[0]], self.memory_headroom)
+        out = {"fits": not any(short), "stage_peak_memory_gib": peaks, "peak_memory_gib": max(peaks),
+               "short_gib": [round(x, 6) for x in short], "iteration_time_s": _number(float(result.T[0])),
+               "layers_per_stage": [int(n) for n in result.layers[0]],
+               "split": "given" if layers is not None else "even",
+               "num_microbatches": training.global_batch_size // (dp * result.mbs)}
+        if self.phi:
+            if key not in self._references:
+                self._references[key] = default_references(model, cluster, training, scorer.cost_model)
+            out["phi"] = _number(layout_objective(result, self._references[key], self.weights).phi)
+        return out
 
     def _model(self, value: str):
         if value not in self._models:
@@ -194,8 +207,10 @@ class CaseRunner:
         return self._models[value]
 
     def _cluster(self, value: str) -> ClusterSpec:
-        path = os.path.normpath(os.path.join(self.base_dir, value))
-        if path not in self._clusters:
+        if value not in self._cluster_paths:
+            self._cluster_paths[value] = os.path.normpath(os.path.join(self.base_dir, value))
+        path = self._cluster_paths[value]
+        if path not in self._clusters:  # one parse per file, however the rows spell its path
             try:
                 self._clusters[path] = ClusterSpec.from_yaml(path)
             except ConfigError as exc:

@@ -21,6 +21,8 @@ from typing import Protocol
 import numpy as np
 
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
+from memx_launch.planning.model_states import (fully_sharded_working_bytes, fully_sharded_working_parts,  # noqa: F401
+                                               model_state_bytes_by_part, model_state_bytes_per_param)
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
                                        default_efficiency, hopper_or_later)
@@ -178,39 +180,6 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
-def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
-    """Bytes of weights + gradients + master weights + optimizer moments per parameter on one rank.
-
-    Megatron mixed precision with Adam: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 and
-    moments 8 = 18; the distributed optimizer shards the 12 over DP (Megatron's
-    ``theoretical_memory_usage.py``: 6 + 12/DP). ZeRO-1 keeps bf16 grads (4 + 12/DP), ZeRO-2
-    shards them too (2 + 14/DP); full sharding divides everything by DP. fp32 weights
-    (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16.
-    """
-    dp = np.asarray(dp, dtype=np.float64)
-    weight = float(training.precision_bytes("weights_dtype"))
-    grad = float(training.precision_bytes("grad_dtype"))
-    master = 4.0 if weight < 4 else 0.0
-    moments = 8.0 if training.optimizer == "adam" else 4.0  # Adam m and v; SGD momentum
-    if training.fully_sharded:
-        return (weight + grad + master + moments) / dp
-    optim = master + moments
-    if training.distributed_optimizer:
-        optim = optim / dp
-    if training.sharded_gradients:
-        grad = grad / dp
-    return weight + grad + optim
-
-
-def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp) -> float:
-    """FSDP / ZeRO-3: one layer's weights gathered in the compute dtype while the next is
-    prefetched, and one layer's unsharded gradient before its reduce-scatter."""
-    if not training.fully_sharded:
-        return 0.0
-    layer = model.layer_params / np.asarray(tp, dtype=np.float64)
-    return layer * (2.0 * training.dtype_bytes + training.precision_bytes("grad_dtype"))
-
-
 def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None) -> int:
     """Distinct communicators a rank joins: the world group, and its DP, TP and PP groups where
     they have more than one member and are not the world itself (``world``: tp x pp x dp
@@ -330,8 +299,7 @@ class AnalyticalCostModel:
         self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
         self.device_names = tuple(d.name for d in self.device_types)
         self._tflops = np.array([d.effective_tflops_for(training.dtype) for d in self.device_types])
-        self._hbm = np.array([d.memory_bandwidth_gbps or d.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
-                              for d in self.device_types])
+        self._hbm = np.array([hbm_gbps(d) for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
         self._attention_speed = np.array([fused_attention_speed(training.flash_attention_version,
                                                                 d.compute_capability) for d in self.device_types])
@@ -440,8 +408,18 @@ def tp_link_gbps(cluster: ClusterSpec, device_type: str, tp: int = 2) -> float:
     return cluster.group_gbps(ranks)
 
 
+def hbm_gbps(device: DeviceType) -> float:
+    """The device's memory bandwidth, or what its peak FLOPs suggest when the file gives none."""
+    return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+
+
 def optimizer_step_time(params_on_rank, training: TrainingSpec, device: DeviceType, dp=1) -> np.ndarray:
     """Adam step: reads and writes the model state once at HBM speed."""
-    hbm = device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+    return optimizer_step_seconds(params_on_rank, training, hbm_gbps(device), dp)
+
+
+def optimizer_step_seconds(params_on_rank, training: TrainingSpec, hbm, dp=1) -> np.ndarray:
+    """:func:`optimizer_step_time` at ``hbm`` GB/s, broadcast against ``params_on_rank`` (many
+    stages and device types in one call)."""
     state = np.asarray(params_on_rank, dtype=np.float64) * model_state_bytes_per_param(training, dp)
-    return 2.0 * state / (hbm * 1e9)
+    return 2.0 * state / (np.asarray(hbm, dtype=np.float64) * 1e9)

@@ -6,18 +6,19 @@ first stages), as Megatron-LM's ``--num-layers`` divided by the pipeline degree 
 
 from __future__ import annotations
 
+import math
 
 import numpy as np
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import Plan, parse_recompute
+from memx_launch.planning.plan import Objective, Plan, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.planning.layouts import layout_from_stage_devices
+from memx_launch.planning.layouts import Layout, layout_from_stage_devices
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
-from memx_launch.planning.scoring import CostTable, Evaluator
+from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
 from memx_launch.planning.search import default_references, to_plan
 
 
@@ -38,6 +39,82 @@ def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") ->
             np.array([[k for _, k in parsed]], dtype=np.int64))
 
 
+class LayoutScorer:
+    """Scores given layouts of one model, cluster and training on one cost model, keeping what
+    layouts share: one cost table per micro-batch size (every TP degree the model's heads
+    allow on the cluster) and each parsed layout (``memx estimate --cases`` asks thousands of
+    layouts of a few setups). ``layouts``: a cache of parsed layouts to share with the scorers
+    of other setups on the same cluster."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                 cost_model: cm.LayerCostModel | None = None, memory_headroom: float = 0.0,
+                 layouts: dict | None = None):
+        self.model, self.cluster, self.training = model, cluster, training
+        self.cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
+        self.memory_headroom = memory_headroom
+        self._evaluators: dict[int, Evaluator] = {}
+        self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
+        heads = math.gcd(model.num_heads, model.num_kv_heads)
+        self._degrees = [t for t in range(1, min(heads, cluster.world_size) + 1) if heads % t == 0]
+
+    def score(self, *, tp: int | None, pp: int, dp: int, micro_batch_size: int, layers_per_stage=None,
+              recompute=None, stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
+              stage_tp=None) -> tuple[GroupResult, Evaluator]:
+        """The layout scored as one row, and the evaluator that scored it (see
+        :func:`evaluate_layout` for the arguments)."""
+        model, cluster, training = self.model, self.cluster, self.training
+        if schedule not in ("1f1b", "interleaved"):
+            raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
+        stage_tps = _stage_tps(tp, stage_tp, pp)
+        _check_layout_numbers(model, cluster, stage_tps, pp, dp, micro_batch_size, schedule, virtual_stages,
+                              layers_per_stage)
+        v = virtual_stages if schedule == "interleaved" else 1
+        if training.global_batch_size % (dp * micro_batch_size):
+            raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
+                              f"dp*micro_batch_size={dp * micro_batch_size}", "choose a multiple of dp*micro_batch_size")
+        g = training.global_batch_size // (dp * micro_batch_size)
+        if v > 1 and g % pp:  # as in the search: the interleaved time model needs whole rounds of pp micro-batches
+            raise ConfigError("--global-batch-size", f"{g} micro-batches for the interleaved schedule on pp={pp}",
+                              "interleaving needs a multiple of pp micro-batches (Megatron-LM's rule); or use 1f1b")
+        degrees = tuple(sorted(set(stage_tps)))
+        for t in degrees:
+            if model.num_heads % t or model.num_kv_heads % t:
+                raise ConfigError("--tp" if stage_tp is None else "--stage-tp", f"{t} does not divide the model's "
+                                  f"{model.num_heads} heads and {model.num_kv_heads} KV heads", "use a divisor of both")
+        tp_arg = stage_tps[0] if len(degrees) == 1 else tuple(stage_tps)
+        names = tuple(self.cost_model.device_names)
+        key = (names, tp_arg, pp, dp, None if stage_devices is None else tuple(stage_devices))
+        if key not in self._layouts:
+            self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp, stage_devices)
+        layout = self._layouts[key]
+        evaluator = self._evaluators.get(micro_batch_size)
+        if evaluator is None:  # per-layer costs are element-wise: a wider table holds the same numbers
+            table = CostTable(self.cost_model, len(names), self._degrees, [micro_batch_size], [training.seq_len])
+            evaluator = Evaluator(model, cluster, training, self.cost_model, table, self.memory_headroom)
+            self._evaluators[micro_batch_size] = evaluator
+        if layers_per_stage is None:
+            if model.num_layers < pp * v:
+                raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",
+                                  "use fewer stages")
+            layers_per_stage = even_split(model.num_layers, pp)
+        layers = np.array([list(layers_per_stage)], dtype=np.int64)
+        if layers.shape[1] != pp or layers.sum() != model.num_layers or (layers < v).any():
+            raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
+                              f"least {v} layer(s) adding up to {model.num_layers}", "fix the split")
+        levels, recompute_layers = recompute_rows(recompute, layers)
+        partial = recompute_layers < layers
+        result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers,
+                                 recompute_layers if partial.any() else None)
+        return result, evaluator
+
+
+def layout_objective(result: GroupResult, references, weights=None) -> Objective:
+    """Phi of a scored layout (row 0) against ``references``, with ``weights`` or the default profile's."""
+    profile = "custom" if weights is not None else "default"
+    chosen = tuple(weights) if weights is not None else WEIGHT_PROFILES["default"]
+    return objective_for(result.T[0], result.M[0], result.V[0], references, profile, chosen)
+
+
 def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int | None, pp: int,
                     dp: int, micro_batch_size: int, layers_per_stage=None, recompute=None,
                     stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
@@ -52,50 +129,17 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     No ``layers_per_stage``: an :func:`even_split`. Fewer micro-batches than stages is allowed
     (Megatron-LM runs it; 1F1B then fills the pipeline only partly). Phi uses ``references``
     (T, M, V medians) when given, else those of a default search of the same model, cluster and
-    training spec."""
-    if schedule not in ("1f1b", "interleaved"):
-        raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
-    stage_tps = _stage_tps(tp, stage_tp, pp)
-    _check_layout_numbers(model, cluster, stage_tps, pp, dp, micro_batch_size, schedule, virtual_stages,
-                          layers_per_stage)
-    v = virtual_stages if schedule == "interleaved" else 1
-    if training.global_batch_size % (dp * micro_batch_size):
-        raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
-                          f"dp*micro_batch_size={dp * micro_batch_size}", "choose a multiple of dp*micro_batch_size")
-    g = training.global_batch_size // (dp * micro_batch_size)
-    if v > 1 and g % pp:  # as in the search: the interleaved time model needs whole rounds of pp micro-batches
-        raise ConfigError("--global-batch-size", f"{g} micro-batches for the interleaved schedule on pp={pp}",
-                          "interleaving needs a multiple of pp micro-batches (Megatron-LM's rule); or use 1f1b")
-    for t in sorted(set(stage_tps)):
-        if model.num_heads % t or model.num_kv_heads % t:
-            raise ConfigError("--tp" if stage_tp is None else "--stage-tp", f"{t} does not divide the model's "
-                              f"{model.num_heads} heads and {model.num_kv_heads} KV heads", "use a divisor of both")
-    cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
-    uniform = len(set(stage_tps)) == 1
-    layout = layout_from_stage_devices(model, cluster, tuple(cost_model.device_names),
-                                       stage_tps[0] if uniform else stage_tps, pp, dp, stage_devices)
-    table = CostTable(cost_model, len(cost_model.device_names), sorted(set(stage_tps)), [micro_batch_size],
-                      [training.seq_len])
-    evaluator = Evaluator(model, cluster, training, cost_model, table, memory_headroom)
-    if layers_per_stage is None:
-        if model.num_layers < pp * v:
-            raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",
-                              "use fewer stages")
-        layers_per_stage = even_split(model.num_layers, pp)
-    layers = np.array([list(layers_per_stage)], dtype=np.int64)
-    if layers.shape[1] != pp or layers.sum() != model.num_layers or (layers < v).any():
-        raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
-                          f"least {v} layer(s) adding up to {model.num_layers}", "fix the split")
-    levels, recompute_layers = recompute_rows(recompute, layers)
-    partial = recompute_layers < layers
-    result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers,
-                             recompute_layers if partial.any() else None)
+    training spec. Each stage carries its memory by part (``memory_parts_gib``)."""
+    scorer = LayoutScorer(model, cluster, training, cost_model, memory_headroom)
+    result, evaluator = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
+                                     layers_per_stage=layers_per_stage, recompute=recompute,
+                                     stage_devices=stage_devices, schedule=schedule, virtual_stages=virtual_stages)
     if references is None:
-        references = default_references(model, cluster, training, cost_model)
-    profile = "custom" if weights is not None else "default"
-    chosen = tuple(weights) if weights is not None else WEIGHT_PROFILES["default"]
-    objective = objective_for(result.T[0], result.M[0], result.V[0], references, profile, chosen)
-    return to_plan(result, 0, model, cluster, training, objective)
+        references = default_references(model, cluster, training, scorer.cost_model)
+    plan = to_plan(result, 0, model, cluster, training, layout_objective(result, references, weights))
+    for stage, parts in zip(plan.stages, evaluator.memory_parts(result)):
+        stage.memory_parts_gib = {name: nbytes / cm.GIB for name, nbytes in parts.items()}
+    return plan
 
 
 def plan_training(plan: Plan) -> TrainingSpec:
@@ -129,8 +173,13 @@ def even_split(num_layers: int, pp: int) -> list[int]:
 
 def stage_short_gib(plan: Plan, memory_headroom: float = 0.0) -> list[float]:
     """Per stage, GiB over what the stage may use (capacity less the headroom); 0 where it fits."""
-    return [max(0.0, s.predicted_peak_memory_gib - s.memory_capacity_gib * (1.0 - memory_headroom))
-            for s in plan.stages]
+    return short_gib([s.predicted_peak_memory_gib for s in plan.stages],
+                     [s.memory_capacity_gib for s in plan.stages], memory_headroom)
+
+
+def short_gib(peaks_gib, capacities_gib, memory_headroom: float = 0.0) -> list[float]:
+    """:func:`stage_short_gib` of per-stage peaks and capacities (GiB)."""
+    return [max(0.0, peak - cap * (1.0 - memory_headroom)) for peak, cap in zip(peaks_gib, capacities_gib)]
 
 
 def _stage_tps(tp, stage_tp, pp) -> list:

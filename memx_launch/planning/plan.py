@@ -69,6 +69,10 @@ class StagePlan:
     predicted_stage_time_s: float
     """One micro-batch, forward plus backward, recompute included."""
     memory_capacity_gib: float = 0.0
+    memory_parts_gib: dict[str, float] | None = None
+    """``memx estimate``: the peak by part (parameters, gradients, optimizer_states, activations,
+    logits_loss, pipeline_buffers, communicator_buffers, fixed_overhead), adding up to it;
+    None (and absent from the file) where not computed."""
 
 
 @dataclass
@@ -165,6 +169,9 @@ class Plan:
         data["model_spec"] = self.model_spec.to_dict()
         data["objective"]["weights"] = list(self.objective.weights)
         data["world_size"] = self.world_size
+        for stage in data["stages"]:
+            if stage["memory_parts_gib"] is None:
+                del stage["memory_parts_gib"]
         order = ["version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "dp", "micro_batch_size",
                  "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages",
                  "predicted_iteration_time_s", "predicted_peak_memory_fraction",
@@ -327,3 +334,8 @@ def _check_types(data: dict, source: str) -> None:
         for key in ("predicted_peak_memory_gib", "predicted_stage_time_s", "memory_capacity_gib"):
             if key in stage:
                 require_number(stage[key], f"{where}.{key}", lo=0, fix=fix)
+        parts = stage.get("memory_parts_gib")
+        if parts is not None:
+            require_type(parts, dict, f"{where}.memory_parts_gib", fix)
+            for name, gib in parts.items():
+                require_number(gib, f"{where}.memory_parts_gib.{name}", lo=0, fix=fix)

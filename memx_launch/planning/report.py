@@ -9,6 +9,7 @@ from memx_launch.files import atomic_output, check_output_path
 from memx_launch.planning.estimate import stage_short_gib
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types, tp_text
 from memx_launch.planning.plan import Plan
+from memx_launch.planning.scoring import MEMORY_PARTS
 from memx_launch.specs.cluster import ClusterSpec
 
 EMULATION_NOTE = ("EMULATED cluster: devices are CPU processes with a memory guard and a compute "
@@ -182,7 +183,8 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
                 "never fills" if plan.num_microbatches < plan.pp else "")
     lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches{pipeline}"
               + (f"; {split_note}" if split_note else ""),
-              stage_table(plan), *_mixed_stage_notes(plan, cluster), *crossing_lines(plan, cluster), "",
+              stage_table(plan), *_mixed_stage_notes(plan, cluster), *crossing_lines(plan, cluster),
+              *memory_parts_lines(plan), "",
               f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
               f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "
               f"{plan.predicted_memory_variance:.3g} GiB^2",
@@ -190,6 +192,25 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
               f"V {o.terms.get('V', float('nan')):.3f}; weights {','.join(f'{w:.2f}' for w in o.weights)})",
               verdict]
     return "\n".join(lines)
+
+
+# Short headers of the parts of a stage's peak (StagePlan.memory_parts_gib), in MEMORY_PARTS order.
+_PART_HEADERS = {"parameters": "params", "gradients": "grads", "optimizer_states": "optimizer",
+                 "activations": "activations", "logits_loss": "logits", "pipeline_buffers": "pipeline",
+                 "communicator_buffers": "comm", "fixed_overhead": "fixed"}
+
+
+def memory_parts_lines(plan: Plan) -> list[str]:
+    """Each stage's predicted peak by part, per device (what to hold against
+    torch.cuda.memory_allocated and memory_reserved); nothing where the plan has no parts."""
+    if any(s.memory_parts_gib is None for s in plan.stages):
+        return []
+    rows = [[f"stage {i}"] + [format_gib(s.memory_parts_gib[name]) if s.memory_parts_gib.get(name) else "-"
+                        for name in MEMORY_PARTS]
+            + [format_gib(s.predicted_peak_memory_gib)] for i, s in enumerate(plan.stages)]
+    # "stage i" labels: rows that start with a bare number belong to the stage table above.
+    headers = [""] + [_PART_HEADERS[name] for name in MEMORY_PARTS] + ["= peak"]
+    return ["", "memory by part, per device:", table(headers, rows, right=set(range(1, len(headers))))]
 
 
 def _mixed_stage_notes(plan: Plan, cluster: ClusterSpec) -> list[str]:

@@ -23,6 +23,9 @@ from memx_launch.planning.layouts import Layout
 
 
 _BISECTION_STEPS = 30
+# What a stage's predicted peak holds, in the order reports list it (Evaluator.memory_parts).
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations", "logits_loss", "pipeline_buffers",
+                "communicator_buffers", "fixed_overhead")
 
 
 class CostTable:
@@ -76,6 +79,9 @@ class GroupResult:
     kept where the layout crosses communication domains."""
     sync: np.ndarray | None = None
     """(C, P) seconds of each stage's gradient sync; kept where the layout crosses domains."""
+    memory_replica: np.ndarray | None = None
+    """(C, P) the row of the layout's ``replica_device`` that ``memory`` is on, where a stage's
+    replicas sit on several device types; None: the first (the only one)."""
 
     def stage_recompute(self, row: int, stage: int) -> str:
         """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""
@@ -99,6 +105,7 @@ class Evaluator:
         self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
         self.cost_model, self.table = cost_model, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
+        self.hbm_gbps = np.array([cm.hbm_gbps(d) for d in self.device_types])
         # A learned model brings the overhead calibration measured for a type (else the default).
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
@@ -212,8 +219,10 @@ class Evaluator:
             memory = np.take_along_axis(np.array(memories), worst, axis=0)[0]
             cap = np.take_along_axis(capacities, worst, axis=0)[0]
             stage_time, fits = np.max(times, axis=0), np.all(fits, axis=0)
+            replica = worst[0]
         else:  # the search's layouts: one device type per stage
             memory, stage_time, fits, cap = memories[0], times[0], fits[0], np.broadcast_to(layout.capacity, levels.shape)
+            replica = None
         feasible = fits.all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         T, transfer, sync = self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)
         crosses = bool(layout.edge_crossings or layout.group_crossings)
@@ -222,7 +231,52 @@ class Evaluator:
         # (its Table 10 reports 9.13e5 MB^2), so that balance means equal use, not equal shares.
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
                            T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible, cap,
-                           recompute_layers, transfer if crosses else None, sync if crosses else None)
+                           recompute_layers, transfer if crosses else None, sync if crosses else None, replica)
+
+    def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
+        """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the
+        device type it is on; they add up to it (to float rounding). The terms are
+        :meth:`split_inputs`' own, told apart: parameters (with the layer a fully sharded run
+        gathers), gradients (with its unsharded layer), optimizer states (fp32 master + moments),
+        activations (kept layers in flight, the embedding output, the backward's working set),
+        the last stage's logits for the loss, the pipeline engine's kept outputs, communicator
+        buffers and the fixed per-process overhead."""
+        layout, mbs, seq, v = result.layout, result.mbs, result.seq, result.v
+        m, tr = self.model, self.training
+        pp, dp = layout.pp, layout.dp
+        tp = layout.tp if layout.uniform_tp else layout.stage_tp
+        last = layout.end_tp[1]
+        levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
+        g = tr.global_batch_size // (dp * mbs)
+        inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
+        params = parameters_per_rank(m, layout, layers)[0]
+        weights, grads, optim = cm.model_state_bytes_by_part(tr, dp)
+        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
+        embedding_out = np.zeros(pp)
+        embedding_out[0] = inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
+        logits = np.zeros(pp)
+        logits[-1] = cm.logits_bytes(m, mbs, seq, last, tr)
+        pipeline = kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
+        replica = (np.zeros(pp, dtype=np.int64) if result.memory_replica is None
+                   else result.memory_replica[row])
+        by_replica = []
+        for k, device in enumerate(layout.replica_device):
+            _, act, work = (x[0] for x in self.table.lookup(np.broadcast_to(device, levels.shape), tp, mbs, seq,
+                                                            levels))
+            kept = layers[0] * inflight * act
+            if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
+                _, act_none, work_none = self.table.lookup(device, tp, mbs, seq, cm.NONE)
+                r = np.minimum(result.recompute_layers[row], layers[0])
+                kept = r * inflight * act + (layers[0] - r) * inflight * act_none
+                work = np.where(r > 0, work, work_none)
+            by_replica.append({
+                "parameters": params * weights + gathered, "gradients": params * grads + unsharded_grad,
+                "optimizer_states": params * optim, "activations": kept + embedding_out + work,
+                "logits_loss": logits, "pipeline_buffers": pipeline,
+                "communicator_buffers": np.broadcast_to(layout.communicators * self.communicator_bytes[device], pp),
+                "fixed_overhead": self.overhead[device]})
+        return [{name: float(np.broadcast_to(by_replica[k][name], pp)[i]) for name in MEMORY_PARTS}
+                for i, k in enumerate(replica)]
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
@@ -286,8 +340,10 @@ class Evaluator:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
         t_dp = t_dp.max(axis=1)
-        t_fix = np.max([cm.optimizer_step_time(stage_params[:, i], tr, self.device_types[d], layout.dp)
-                        for devices in layout.replica_device for i, d in enumerate(devices)], axis=0)
+        # The optimizer step of every stage on each of its device types, at once.
+        step = cm.optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
+                                         layout.dp)
+        t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
             T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
         else:

@@ -320,16 +320,20 @@ def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec
                     *, trials: int = 10):
     """The planner's cost model from a profile: fitted once, saved next to the profile, cached.
 
-    A saved predictor is reused when its sidecar's training signature matches the profile's
-    records; otherwise (new records, other version) it is re-fitted and saved again. Bridge
-    measurements of the cluster's backend replace its bridge defaults per pair of domains.
+    One predictor per profile, fitted on every model's records in it (its offsets and trees
+    tell models apart by their shape signature), so that the models of one file share one fit
+    and one cache file instead of refitting over each other. A saved predictor is reused when
+    its sidecar's training signature matches the profile's records; otherwise (new records,
+    other version) it is re-fitted and saved again. Bridge measurements of the cluster's
+    backend replace its bridge defaults per pair of domains.
     """
     from memx_launch.profiling.interpolation import augment_measurements
     from memx_launch.profiling.prediction_cache import CachedCostModel
     from memx_launch.profiling.profiledb import ProfileDB, fitted_bridges
 
     db = ProfileDB(profile_db_path)
-    records = db.for_model(model)
+    records = db.read()
+    db.for_model(model, records)  # a profile without this model is a one-line error, not a guess
     bridges = fitted_bridges(db.bridge_measurements(), cluster.bridge.backend) if cluster.crosses_domains else {}
     path = os.path.splitext(profile_db_path)[0] + ".predictor.ubj"
     predictor = None

@@ -294,9 +294,10 @@ class ProfileDB:
                               ProfileWarning, stacklevel=3)
         return out
 
-    def for_model(self, model: ModelSpec) -> list[Measurement]:
-        """Records of ``model`` (by shape signature); a clear error when the file holds others."""
-        records = self.read()
+    def for_model(self, model: ModelSpec, records: list[Measurement] | None = None) -> list[Measurement]:
+        """Records of ``model`` (by shape signature) among ``records`` (default: the file's);
+        a clear error when the file holds others."""
+        records = self.read() if records is None else records
         signature = model.signature()
         mine = [r for r in records if r.model_signature == signature]
         if not mine:
