@@ -41,7 +41,8 @@ def test_a_rank_that_never_reports_is_named_with_its_device(tmp_path):
 
 def test_tp_subgroups_are_the_search_degrees_inside_one_node(monkeypatch):
     # new_group is collective; here each call just records the ranks it was given.
-    monkeypatch.setattr(dist, "new_group", lambda ranks: tuple(ranks))
+    from memx_launch.runtime import communication
+    monkeypatch.setattr(communication, "new_group", lambda ranks, backend: tuple(ranks))
     groups = make_groups(ClusterSpec.from_yaml(CPU_CLUSTER), get_model("llama-tiny"))
     assert sorted(groups) == ["fast-small", "slow-big"]
     assert groups["fast-small"].tp_groups[2] == [((0, 1), [0, 1])]
