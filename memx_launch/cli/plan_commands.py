@@ -17,6 +17,7 @@ from memx_launch.specs.checks import list_of
 
 
 def add_plan_command(sub) -> None:
+    from memx_launch.planning.objective import add_slowdown_arg
     from memx_launch.planning.search import add_restriction_args
 
     p = sub.add_parser("plan", help="search the best parallel layout for a model on a cluster",
@@ -24,8 +25,11 @@ def add_plan_command(sub) -> None:
                                    "schedules; rank them by the memory-aware objective Phi.")
     add_target_args(p)
     p.add_argument("--objective", choices=("default", "safety", "throughput"),
-                   help="weight profile for Phi (default: chosen from the cluster and the memory margin)")
-    p.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights, overriding --objective")
+                   help="weight profile for Phi (default: chosen from the cluster and the memory margin); "
+                        "a profile given here ranks without the --max-slowdown bound unless that is given too")
+    p.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights, overriding --objective "
+                   "(no --max-slowdown bound unless given too)")
+    add_slowdown_arg(p)
     p.add_argument("--top", type=int, default=5, metavar="K", help="how many ranked plans to show (default 5)")
     add_output_args(p)
     p.add_argument("--plot", metavar="PATH.png", help="write the time vs memory-variance Pareto plot")
@@ -53,7 +57,7 @@ def run_plan(args) -> int:
     from memx_launch.planning import report
     from memx_launch.planning.search import SearchSpace, restrictions_from_args, search
     from memx_launch.planning.baselines import compare_baselines
-    from memx_launch.planning.objective import parse_weights
+    from memx_launch.planning.objective import parse_slowdown, parse_weights
 
     if not 1 <= args.top <= 10_000:
         raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
@@ -72,7 +76,8 @@ def run_plan(args) -> int:
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = cost_model_from_args(args, model, cluster, training)
 
-    space = SearchSpace(memory_headroom=args.memory_headroom, recompute_some_layers=args.recompute_some_layers,
+    space = SearchSpace(memory_headroom=args.memory_headroom,
+                        max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
                         per_type_tp=args.per_type_tp, mixed_stages=args.mixed_stages, **restrictions_from_args(args))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))

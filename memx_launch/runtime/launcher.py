@@ -23,6 +23,7 @@ import time
 
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, path_component, write_json_atomic
+from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
@@ -62,8 +63,11 @@ def build_parser():
     g.add_argument("--dry-run", "--dry_run", action="store_true",
                    help="plan here (analytical model, or --profile-db), print the plan and the torchrun line, exit")
     g.add_argument("--export-plan", "--export_plan", metavar="FILE", help="also write the plan to FILE (must not exist)")
-    g.add_argument("--objective", choices=("default", "safety", "throughput"), help="weight profile of Phi")
-    g.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights (override --objective)")
+    g.add_argument("--objective", choices=("default", "safety", "throughput"),
+                   help="weight profile of Phi (no --max-slowdown bound unless given too)")
+    g.add_argument("--weights", metavar="wT,wM,wV",
+                   help="explicit Phi weights (override --objective; no --max-slowdown bound unless given too)")
+    add_slowdown_arg(g)
     g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
     add_restriction_args(g)
     g.add_argument("--mixed-stages", "--mixed_stages", action="store_true",
@@ -254,10 +258,12 @@ def resolve(args) -> dict:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
     if args.weights:
-        from memx_launch.planning.objective import parse_weights
         parse_weights(args.weights)
-    settings.add("objective", args.weights or args.objective or "chosen from the cluster",
-                 "flag" if args.weights or args.objective else "default")
+    max_slowdown = parse_slowdown(args.max_slowdown) if args.max_slowdown else None
+    bound = SearchSpace(max_slowdown=max_slowdown).bound(args.objective, args.weights)
+    settings.add("objective", (args.weights or args.objective or "chosen from the cluster")
+                 + (f", at most {bound:.0%} slower than the fastest plan" if bound is not None else ", no time bound"),
+                 "flag" if args.weights or args.objective or max_slowdown is not None else "default")
     if args.search_budget_s is not None and not 0 < args.search_budget_s < math.inf:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
@@ -283,10 +289,14 @@ def resolve(args) -> dict:
         restrictions["tp_degrees"] = (1,)
     if args.mixed_stages:
         restrictions["mixed_stages"] = True
+    if max_slowdown is not None:  # the job's search and its re-plans (shown with the objective)
+        restrictions["max_slowdown"] = max_slowdown
     SearchSpace(**restrictions).check(model)
     applies = "" if previous is None and not args.plan else " (unused: --no-replan)" if args.no_replan \
         else " (re-plans)"
     for field, values in restrictions.items():
+        if field == "max_slowdown":
+            continue
         source = "--model-builder" if builder is not None and field == "tp_degrees" else "flag"
         shown = ",".join(map(str, values)) if isinstance(values, tuple) else "yes"
         settings.add(f"search {field.replace('_', ' ')}{applies}", shown, source)
@@ -324,7 +334,6 @@ def _has_gpu() -> bool:
 def dry_run(args, resolved) -> int:
     from memx_launch.planning import report
     from memx_launch.runtime.worker_env import reproduce_command
-    from memx_launch.planning.objective import parse_weights
     from memx_launch.planning.search import search
 
     cluster, model, training = resolved["cluster"], resolved["model"], resolved["training"]
