@@ -254,6 +254,7 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--weights", "1,2"], "--weights: expected three"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--top", "0"], "--top: must be between 1 and 10000"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--max-slowdown", "5"], "--max-slowdown: expected a share"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--topp", "3"], "--topp 3; did you mean --top? (see"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--plot", "p.svg"], "--plot: p.svg is not a .png"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--dp", "2"], "unrecognized arguments: --dp 2"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "3"], "--tp: 3 does not divide"),

@@ -183,18 +183,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     space.check(model)
     seqs = tuple(space.seq_lens or (training.seq_len,))
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
-    layouts = enumerate_layouts(model, cluster, tuple(cost_model.device_names), list(space.tp_degrees or [])
-                                or None, per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages)
-    if space.pipeline_degrees:
-        layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
-        if not layouts:
-            raise ConfigError("--pp", f"no layout of {cluster.world_size} devices has pp in "
-                              f"{list(space.pipeline_degrees)} (with the TP degrees allowed)",
-                              "pp must divide the device count of every type; drop --pp to see all")
-    if not layouts:
-        raise ConfigError("cluster", f"no TP x PP x DP layout fits {cluster.world_size} devices of counts "
-                          f"{cluster.type_counts()} with at most {model.num_layers} stages",
-                          "give each device type a count that shares a common divisor with the others")
+    layouts = _layouts(model, cluster, tuple(cost_model.device_names), space)
+    check_batch(layouts, space, training)
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
     table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
     evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
@@ -257,14 +247,6 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                      f"{time.perf_counter() - start:.1f}s")
     stats.cache_hits, stats.cache_misses = table.hits, table.misses
 
-    if not results and stats.pruned_too_few_microbatches and stats.pruned_batch == stats.enumerated:
-        raise ConfigError("--global-batch-size", f"{training.global_batch_size} gives fewer micro-batches than "
-                          "pipeline stages to every candidate; memx-run's pipeline schedule (torch's Schedule1F1B) "
-                          "needs one per stage", "raise the global batch size")
-    if not results and stats.pruned_batch == stats.enumerated:
-        raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by DP x micro-batch "
-                          f"for any candidate (micro-batches {list(space.micro_batch_sizes)})",
-                          "use a multiple of the data-parallel degree, e.g. a power of two")
     if not results:
         closest.sort()
         stats.seconds = time.perf_counter() - start
@@ -282,6 +264,47 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         results, cluster, model, training, objective, weights, bound, top_k)
     stats.seconds = time.perf_counter() - start
     return SearchResult(plans, pareto, stats, profile, chosen, reason, fastest, unbounded, bound)
+
+
+def _layouts(model, cluster, device_names, space: SearchSpace) -> list[Layout]:
+    layouts = enumerate_layouts(model, cluster, device_names, list(space.tp_degrees or []) or None,
+                                per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages)
+    if space.pipeline_degrees:
+        layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
+        if not layouts:
+            raise ConfigError("--pp", f"no layout of {cluster.world_size} devices has pp in "
+                              f"{list(space.pipeline_degrees)} (with the TP degrees allowed)",
+                              "pp must divide the device count of every type; drop --pp to see all")
+    if not layouts:
+        raise ConfigError("cluster", f"no TP x PP x DP layout fits {cluster.world_size} devices of counts "
+                          f"{cluster.type_counts()} with at most {model.num_layers} stages",
+                          "give each device type a count that shares a common divisor with the others")
+    return layouts
+
+
+def check_batch(layouts: list[Layout], space: SearchSpace, training: TrainingSpec) -> None:
+    """Some layout and micro-batch size must split the global batch (into at least one micro-batch
+    per stage where the space asks for it), or no candidate can ever be scored."""
+    gbs = training.global_batch_size
+    divides = [(lay, m) for lay in layouts for m in space.micro_batch_sizes if gbs % (lay.dp * m) == 0]
+    if any(space.fewer_microbatches_than_stages or gbs // (lay.dp * m) >= lay.pp for lay, m in divides):
+        return
+    if divides:
+        raise ConfigError("--global-batch-size", f"{gbs} gives fewer micro-batches than pipeline stages to every "
+                          "candidate; memx-run's pipeline schedule (torch's Schedule1F1B) needs one per stage",
+                          "raise the global batch size")
+    raise ConfigError("--global-batch-size", f"{gbs} is not divisible by DP x micro-batch for any candidate "
+                      f"(micro-batches {list(space.micro_batch_sizes)})",
+                      "use a multiple of the data-parallel degree, e.g. a power of two")
+
+
+def check_space(model: ModelSpec, cluster: ClusterSpec | None, training: TrainingSpec, space: SearchSpace) -> None:
+    """What search() refuses before scoring anything, without a cost model: the restrictions, and
+    on ``cluster`` (None: not known yet) its layouts and the batch. memx-run asks before any
+    worker calibrates."""
+    space.check(model)
+    if cluster is not None:
+        check_batch(_layouts(model, cluster, tuple(d.name for d in cluster.device_types), space), space, training)
 
 
 def recompute_options(table: CostTable, device_names, space: SearchSpace) -> tuple[list[list[int]], list[str]]:

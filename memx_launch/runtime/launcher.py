@@ -3,8 +3,8 @@
 The parser is torch.distributed.run's own, so every torchrun flag keeps its spelling (dashed
 and underscore forms) and meaning; memx adds its flags, which like torchrun's go before the
 script. The script's own ``--model NAME`` is read (not taken away) when memx-run has none.
-Everything is checked before any worker starts: a bad model, cluster, plan or script path is
-one error line and a non-zero exit, and nothing is overwritten.
+Everything is checked before any worker starts (the script too: :mod:`script_check`): a bad
+input is one error line and a non-zero exit, and nothing is overwritten.
 
 Then either ``--dry-run`` (plan here, print the plan and the torchrun line, exit) or the job:
 the workers run :mod:`memx_launch.runtime.worker`, which plans in the job (unless --plan is
@@ -25,13 +25,14 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, path_component, write_json_atomic
 from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.search import SearchSpace, add_restriction_args, restrictions_from_args
+from memx_launch.planning.search import SearchSpace, add_restriction_args, check_space, restrictions_from_args
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.layout import check_runnable
+from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
-from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
+from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 from memx_launch.specs.model import get_model
 from memx_launch.runtime.runs import DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, STOPPED_FILE, check_environment, check_profile_db, previous_run, stopped_run_of
@@ -46,6 +47,7 @@ def build_parser():
 
     parser = get_args_parser()
     parser.prog = "memx-run"
+    parser.error = lambda message: one_line_error(parser, message, "memx-run")  # not torchrun's usage dump
     # None: not given; this node's count then comes from the cluster file or its GPUs.
     parser.set_defaults(nproc_per_node=os.environ.get("PET_NPROC_PER_NODE"))
     for action in parser._actions:
@@ -95,19 +97,9 @@ def build_parser():
     g.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run: its plan and its latest checkpoint (same as --run-dir RUN_DIR)")
     add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
+    add_version_arg(g)
     parser.set_defaults(argv=None)
     return parser
-
-
-def script_flag(script_args: list[str], flag: str) -> str | None:
-    """The value of ``flag`` among the script's arguments (``--flag V`` or ``--flag=V``), last wins."""
-    value = None
-    for i, arg in enumerate(script_args):
-        if arg == flag and i + 1 < len(script_args):
-            value = script_args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _max_nodes(args) -> int:
@@ -183,6 +175,9 @@ def resolve(args) -> dict:
         raise ConfigError("training_script", f"{args.training_script} does not exist",
                           "give the path of the training script (e.g. examples/train.py)")
     script_args = list(args.training_script_args)
+    if not args.module and not args.no_python:  # a typo in its flags would surface after calibration
+        check_script_args(args.training_script, script_args,
+                          {flag for action in build_parser()._actions for flag in action.option_strings})
     # The command line as given (main sets it): the same command continues a run a signal stopped.
     run_dir = args.resume or args.run_dir or (stopped_run_of(args.argv) if args.argv is not None else None)
     previous = previous_run(run_dir, args) if run_dir else None
@@ -278,6 +273,7 @@ def resolve(args) -> dict:
         if not path or not function or not os.path.isfile(path):
             raise ConfigError("--model-builder", f"{args.model_builder!r} is not FILE:FUNCTION of an existing file",
                               "e.g. --model-builder examples/train_own_model.py:build")
+        check_builder(path, function)
         builder = [os.path.abspath(path), function, model_arg]
         settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
     # The job's search and its re-plans keep to these (with a given or continued plan: the re-plans).
@@ -289,17 +285,16 @@ def resolve(args) -> dict:
         restrictions["tp_degrees"] = (1,)
     if args.mixed_stages:
         restrictions["mixed_stages"] = True
-    if max_slowdown is not None:  # the job's search and its re-plans (shown with the objective)
-        restrictions["max_slowdown"] = max_slowdown
-    SearchSpace(**restrictions).check(model)
+    check_space(model, cluster if plan is None else None, training,  # what the job would refuse after calibrating
+                SearchSpace(fewer_microbatches_than_stages=False, max_slowdown=max_slowdown, **restrictions))
     applies = "" if previous is None and not args.plan else " (unused: --no-replan)" if args.no_replan \
         else " (re-plans)"
     for field, values in restrictions.items():
-        if field == "max_slowdown":
-            continue
         source = "--model-builder" if builder is not None and field == "tp_degrees" else "flag"
         shown = ",".join(map(str, values)) if isinstance(values, tuple) else "yes"
         settings.add(f"search {field.replace('_', ' ')}{applies}", shown, source)
+    if max_slowdown is not None:  # the job's search and its re-plans (shown with the objective)
+        restrictions["max_slowdown"] = max_slowdown
     # The script's own block is stored apart: its samples have the shape of memx's block of that model.
     default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
         DEFAULT_RUNS_DIR, f"profiles.{os.path.splitext(os.path.basename(builder[0]))[0]}.{builder[1]}.jsonl")
