@@ -92,6 +92,21 @@ def test_plan_says_what_the_winner_trades_against_the_fastest_plan(capsys):
     assert "the winner is the fastest feasible plan (--max-slowdown 0%)" in out
 
 
+def test_bf16_on_a_device_without_it_is_planned_in_fp16_and_said_or_refused_when_asked(tmp_path, capsys):
+    v100 = os.path.join(CLUSTERS, "v100-t4.yaml")
+    out_json = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", v100, "--global-batch-size", "8",
+                       "--quiet", "--json", str(out_json))
+    assert code == 0
+    assert ("precision: fp16, not the default bf16: no bf16 on v100-32gb (compute capability 7.0), "
+            "t4-16gb (compute capability 7.5)") in out
+    assert Plan.load(str(out_json)).training["dtype"] == "fp16"
+    code, out, err = run(capsys, "plan", "--model", "llama2-7b", "--cluster", v100, "--dtype", "bf16", "--quiet")
+    assert code == 2 and "--dtype: bf16, but there is no bf16 on v100-32gb" in one_error_line(err)
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--quiet")
+    assert "precision:" not in out  # no compute capability under 8.0 declared there
+
+
 def test_compare_on_the_table1_case(capsys):
     """Paper Table 1: compute-proportional overflows the 32 GB part, memory-proportional fits."""
     code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", TABLE1, "--compare", "--quiet")

@@ -286,3 +286,16 @@ def test_max_slowdown_reaches_the_search_and_the_workers(tmp_path, capsys):
     assert "the winner is the fastest feasible plan (--max-slowdown 0%)" in out
     assert main(argv[:5] + ["--max-slowdown", "5", *argv[7:]]) == 2
     assert "--max-slowdown: expected a share" in capsys.readouterr().err
+
+
+def test_bf16_on_a_device_without_it_is_fp16_in_the_job_or_refused_when_asked():
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.launcher import resolve
+
+    v100 = os.path.join(REPO, "examples", "clusters", "v100-t4.yaml")
+    argv = ["--nnodes", "2", "--cluster", v100, TRAIN, "--model", "llama2-7b"]
+    resolved = resolve(build_parser().parse_args(argv))
+    assert resolved["training"].dtype == "fp16"
+    assert "dtype                   fp16, not the default bf16: no bf16 on v100-32gb" in resolved["settings"].render()
+    with pytest.raises(ConfigError, match="--dtype: bf16, but there is no bf16"):
+        resolve(build_parser().parse_args(["--dtype", "bf16", *argv]))

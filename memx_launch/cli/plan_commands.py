@@ -56,6 +56,7 @@ def add_plan_command(sub) -> None:
 def run_plan(args) -> int:
     from memx_launch.planning import report
     from memx_launch.planning.search import SearchSpace, restrictions_from_args, search
+    from memx_launch.specs.training import device_precision
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_slowdown, parse_weights
 
@@ -72,7 +73,7 @@ def run_plan(args) -> int:
     check_new_file(args.plot, "--plot", args.force)
     model = get_model(args.model)
     cluster = ClusterSpec.from_yaml(args.cluster)
-    training = training_from_args(args, model)
+    training, precision = device_precision(cluster, training_from_args(args, model), args.dtype is not None)
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = cost_model_from_args(args, model, cluster, training)
 
@@ -82,6 +83,8 @@ def run_plan(args) -> int:
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))
+    if precision:
+        print(f"precision: {precision}")
     print(report.search_stats_line(result.stats), file=sys.stderr)
     if args.compare:
         baselines = compare_baselines(model, cluster, training, cost_model=cost_model, space=space,
@@ -213,15 +216,15 @@ def run_export(args) -> int:
     if not 1 <= args.master_port <= 65535:
         raise ConfigError("--master-port", f"{args.master_port} is not a TCP port", "e.g. --master-port 29500")
     plan = Plan.load(args.plan)
-    megatron = exporters.megatron_args(plan)
+    cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else None
+    megatron = exporters.megatron_args(plan, cluster)
     print("# Megatron-LM arguments")
     print(megatron.command_line())
     for note in megatron.notes:
         print(f"# note: {note}")
     print("\n# environment for the training script")
     print("\n".join(exporters.env_lines(exporters.plan_env(plan, os.path.abspath(args.plan)))))
-    if args.cluster:
-        cluster = ClusterSpec.from_yaml(args.cluster)
+    if cluster is not None:
         for title, for_megatron in (("memx's runtime (the plan's rank order)", False),
                                     ("Megatron-LM (stages on consecutive ranks)", True)):
             print(f"\n# torchrun for {title}, one line per node")

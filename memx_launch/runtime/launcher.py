@@ -33,7 +33,7 @@ from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
-from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
+from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precision
 from memx_launch.specs.model import get_model
 from memx_launch.runtime.runs import DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, STOPPED_FILE, check_environment, check_profile_db, previous_run, stopped_run_of
 
@@ -227,7 +227,8 @@ def resolve(args) -> dict:
                             grad_dtype="fp32", vocab_parallel_loss=False)
     settings.add("global batch size", training.global_batch_size, "flag" if args.global_batch_size else "default")
     settings.add("sequence length", training.seq_len, "flag" if args.seq_len else "default")
-    settings.add("dtype", training.dtype, "flag" if args.dtype else "default")
+    training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
+    settings.add("dtype", why or training.dtype, "flag" if args.dtype else "default")
 
     plan = None
     if previous is not None:
