@@ -12,12 +12,17 @@ and rank 0 sends measured against predicted peak memory to ``trainer.loggers``. 
 pressure all ranks take the same fix: more blocks checkpointed, in place; when every block is
 already checkpointed, a checkpoint, a halved micro-batch written to the plan file, and a clean stop
 (resume with ``ckpt_path``: ``state_dict`` carries the plan, so the resumed run keeps it).
+
+An error memx explains (a bad setting, a model that does not fit) ends the script with one
+``memx: error: ...`` line, as ``memx plan`` does, not a traceback (an exception hook for memx's
+errors only; others keep theirs); an error every rank shares is printed by rank 0 alone.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import sys
 import types
 
 import lightning.pytorch as pl
@@ -27,7 +32,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch.utils.checkpoint import checkpoint
 
 from memx_callbacks.planning import Decision, calibrate_blocks, decide
-from memx_launch.errors import ConfigError
+from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.files import write_json_atomic
 from memx_launch.models.adapters import ModelParts, find_blocks
 from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
@@ -50,6 +55,7 @@ class MemxCallback(pl.Callback):
         the GPUs). ``model``: the shape to plan for (catalog name, config.json, ModelSpec); default the
         module's Hugging Face ``config``. ``blocks``: dotted path of the block list when memx does not
         find it. ``profile_db`` and ``plan_file`` default to files in the Trainer's root dir."""
+        _one_line_memx_errors()
         if log_every_n_steps < 1:
             raise ConfigError("log_every_n_steps", f"must be positive, got {log_every_n_steps}", "e.g. 10")
         self.cluster_path, self.model, self.blocks_path = cluster, model, blocks
@@ -136,12 +142,20 @@ class MemxCallback(pl.Callback):
         payload = None
         if trainer.global_rank == 0:
             cost_model = load_cost_model(db, spec, cluster, training)
-            decision = decide(spec, cluster, training, world=trainer.world_size, tp=1, num_blocks=len(self._blocks),
-                              user_micro_batch=batch, user_accumulation=accumulation,
-                              headroom=self.config.min_headroom, cost_model=cost_model)
-            payload = decision.to_dict()
+            try:
+                decision = decide(spec, cluster, training, world=trainer.world_size, tp=1,
+                                  num_blocks=len(self._blocks), user_micro_batch=batch,
+                                  user_accumulation=accumulation, headroom=self.config.min_headroom,
+                                  cost_model=cost_model)
+                payload = decision.to_dict()
+            except NoFeasiblePlanError as exc:  # the other ranks wait for the decision: send them the error
+                payload = {"no_feasible_plan": str(exc)}
         if dist.is_initialized():  # JSON bytes: torch's object collectives pickle
             payload = broadcast_json(payload, src=0)
+        if "no_feasible_plan" in payload:
+            error = NoFeasiblePlanError(payload["no_feasible_plan"])
+            error.said_by_rank_0 = trainer.global_rank != 0  # one line per job, not per rank
+            raise error
         decision = Decision.from_dict(payload)
         if trainer.global_rank == 0:
             print(f"memx: plan for {spec.name} on {cluster.name}: {self._describe(decision)}", flush=True)
@@ -260,6 +274,23 @@ class MemxCallback(pl.Callback):
         if state_dict.get("decision"):
             self.decision = Decision.from_dict(state_dict["decision"])
             self.resumed = True
+
+
+def _one_line_memx_errors() -> None:
+    """Uncaught memx errors print as one line and exit with their code (2, or 3 when nothing fits)."""
+    previous = sys.excepthook
+    if getattr(previous, "memx", False):
+        return
+
+    def hook(kind, error, tb):
+        if not issubclass(kind, MemxError):
+            return previous(kind, error, tb)
+        if not getattr(error, "said_by_rank_0", False):
+            print(f"memx: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(error.exit_code)  # unlike the default hook's 1: the code memx plan gives
+
+    hook.memx = True
+    sys.excepthook = hook
 
 
 def _set_aside(db: str) -> None:

@@ -22,6 +22,7 @@ from memx_launch.runtime.messages import all_gather_json
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, recompute_text
+from memx_launch.planning.report import format_gib
 from memx_launch.profiling.design import minimal_sample_set
 from memx_launch.profiling.kernel import calibrate
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
@@ -132,6 +133,10 @@ def decide(spec, cluster, training, *, world: int, tp: int, num_blocks: int, use
                 decision.recompute_blocks = k
                 return decision
         mbs //= 2
+    usable = capacity * (1 - headroom)
     raise NoFeasiblePlanError(f"{spec.name} does not fit in {cluster.name} under DDP even with micro-batch 1 and "
-                              "every block recomputed; use more devices, a sharded strategy, or a smaller model")
+                              f"every block recomputed: {plan.stages[0].device_type} short "
+                              f"{format_gib(peaks[-1] - usable)} per device ({format_gib(peaks[-1])} predicted, "
+                              f"{format_gib(usable)} usable with {headroom:.0%} left free); use more devices, "
+                              "a sharded strategy, or a smaller model")
 

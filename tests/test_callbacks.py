@@ -177,3 +177,21 @@ def test_lightning_example_plans_trains_logs_and_resumes_with_its_plan(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"memx: resumed plan kept: {plan[1]}" in again.stdout
     assert "calibrated" not in again.stdout
+
+
+def test_a_model_that_does_not_fit_is_one_line_with_how_much_is_short(tmp_path):
+    """Like memx plan's: no traceback, the GiB short per device, exit code 3."""
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text("version: 1\nname: tiny\ndevice_types:\n  small: {vendor: cpu, memory_gib: 0.002, "
+                       "peak_tflops: 0.03, memory_bandwidth_gbps: 5}\nnodes:\n  - {name: localhost, devices: "
+                       "{small: 1}, intra_node_gbps: 2}\nemulation:\n  slowdown: {small: 1}\n")
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+              "import lightning as L\nfrom memx_callbacks import MemxCallback\nimport lightning_train as example\n"
+              f"trainer = L.Trainer(accelerator='cpu', devices=1, max_steps=1, default_root_dir={str(tmp_path)!r}, "
+              "logger=False, enable_progress_bar=False, enable_checkpointing=False, "
+              f"callbacks=[MemxCallback({str(cluster)!r}, model=example.MODEL)])\n"
+              "trainer.fit(example.LitGPT())\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("memx: error:")]
+    assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr
+    assert len(errors) == 1 and re.search(r"does not fit .* small short [\d.]+ [MG]iB per device", errors[0]), errors

@@ -76,13 +76,44 @@ def test_plan_flags_reach_the_search(tmp_path, capsys):
     assert "profile 'throughput'" in out
 
 
+def test_plan_says_what_the_winner_trades_against_the_fastest_plan(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--quiet", "--compare")
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("against the fastest feasible plan"))
+    assert re.search(r": \+[0-5]% time for -\d+% peak memory, -\d+% memory variance \(--max-slowdown 5%\)$", line), line
+    assert "without --max-slowdown's bound the profile would pick" in out
+    compared = out.split("compared in the same cost model:")[1].splitlines()
+    times = {name: float(next(line for line in compared if line.startswith(name + "  "))[len(name):].split()[0])
+             for name in ("memx", "memx unbounded", "time-only")}
+    assert times["memx"] <= 1.05 * times["time-only"] < times["memx unbounded"]
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--quiet", "--objective", "default")
+    assert "(no bound: --objective or --weights without --max-slowdown)" in out and "without --max-slowdown's" not in out
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--quiet", "--max-slowdown", "0")
+    assert "the winner is the fastest feasible plan (--max-slowdown 0%)" in out
+
+
+def test_bf16_on_a_device_without_it_is_planned_in_fp16_and_said_or_refused_when_asked(tmp_path, capsys):
+    v100 = os.path.join(CLUSTERS, "v100-t4.yaml")
+    out_json = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", v100, "--global-batch-size", "8",
+                       "--quiet", "--json", str(out_json))
+    assert code == 0
+    assert ("precision: fp16, not the default bf16: no bf16 on v100-32gb (compute capability 7.0), "
+            "t4-16gb (compute capability 7.5)") in out
+    assert Plan.load(str(out_json)).training["dtype"] == "fp16"
+    code, out, err = run(capsys, "plan", "--model", "llama2-7b", "--cluster", v100, "--dtype", "bf16", "--quiet")
+    assert code == 2 and "--dtype: bf16, but there is no bf16 on v100-32gb" in one_error_line(err)
+    code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", PAPER, "--quiet")
+    assert "precision:" not in out  # no compute capability under 8.0 declared there
+
+
 def test_compare_on_the_table1_case(capsys):
     """Paper Table 1: compute-proportional overflows the 32 GB part, memory-proportional fits."""
     code, out, _ = run(capsys, "plan", "--model", "llama2-7b", "--cluster", TABLE1, "--compare", "--quiet")
     assert code == 0
-    rows = {line.split()[0]: line for line in out.split("compared in the same cost model:")[1].splitlines()
+    rows = {re.split(r"\s{2,}", line)[0]: line for line in out.split("compared in the same cost model:")[1].splitlines()
             if line and line.split()[0] in ("compute-proportional", "memory-proportional", "time-only", "memx")}
-    assert set(rows) == {"compute-proportional", "memory-proportional", "time-only", "memx"}
+    assert set(rows) == {"compute-proportional", "memory-proportional", "time-only", "memx", "memx unbounded"}
     assert "yes," in rows["compute-proportional"] and "GiB over" in rows["compute-proportional"]
     assert rows["memory-proportional"].split()[4] == "no"
     assert rows["memx"].split()[4] == "no"
@@ -237,6 +268,8 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
 @pytest.mark.parametrize("argv, match", [
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--weights", "1,2"], "--weights: expected three"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--top", "0"], "--top: must be between 1 and 10000"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--max-slowdown", "5"], "--max-slowdown: expected a share"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--topp", "3"], "--topp 3; did you mean --top? (see"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--plot", "p.svg"], "--plot: p.svg is not a .png"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--dp", "2"], "unrecognized arguments: --dp 2"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "3"], "--tp: 3 does not divide"),

@@ -94,7 +94,10 @@ def test_memx_run_config_covers_memx_and_torchrun_options_not_the_script(tmp_pat
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "run.yaml"
     config.write_text(f"nproc_per_node: 2\ncluster: {CPU_CLUSTER}\nmodel: llama-tiny\nmax_restarts: 1\n")
-    script = [TRAIN, "--model", "llama-tiny", "--config", "script.yaml"]
+    train = tmp_path / "train.py"  # a script with a --config of its own (memx-run checks the script's flags)
+    train.write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--model')\n"
+                     "p.add_argument('--config')\np.parse_args()\n")
+    script = [str(train), "--model", "llama-tiny", "--config", "script.yaml"]
     out = yaml.safe_load(_print_config(memx_run, ["--config", str(config), "--nproc-per-node", "4", *script], capsys))
     assert out["nproc_per_node"] == "4" and out["max_restarts"] == 1 and out["cluster"] == CPU_CLUSTER
     # the script's own --config stays the script's

@@ -33,63 +33,84 @@ def _flag(args, name):
     return args[args.index(name) + 1] if name in args else None
 
 
-# Megatron-LM's argument names (NVIDIA/Megatron-LM, megatron/training/arguments.py, which is not
-# part of the megatron-core package), by the function that adds them: _add_network_size_args,
-# _add_training_args, _add_mixed_precision_args, _add_distributed_args, _add_data_args,
-# _add_tokenizer_args. Read from the file at commit 000c4ac24f61159c138b0975def722c65245983c.
+# Megatron-LM's arguments as megatron/training/arguments.py declares them (that file is not part
+# of the megatron-core package; read at commit 000c4ac24f61159c138b0975def722c65245983c), by the
+# function that adds them: _add_network_size_args, _add_training_args, _add_mixed_precision_args,
+# _add_distributed_args, _add_regularization_args, _add_data_args, _add_tokenizer_args.
+# flag -> argparse keywords: its type (int/float/choices) or its action.
 MEGATRON_LM_ARGUMENTS = {
     # network size
-    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--group-query-attention",
-    "--num-query-groups", "--max-position-embeddings", "--position-embedding-type", "--normalization",
-    "--swiglu", "--untie-embeddings-and-output-weights",
+    "--num-layers": dict(type=int), "--hidden-size": dict(type=int), "--ffn-hidden-size": dict(type=int),
+    "--num-attention-heads": dict(type=int), "--group-query-attention": dict(action="store_true"),
+    "--num-query-groups": dict(type=int), "--max-position-embeddings": dict(type=int),
+    "--position-embedding-type": dict(choices=["learned_absolute", "rope", "mrope", "relative", "none"]),
+    "--rotary-base": dict(type=int, default=10000), "--normalization": dict(choices=["LayerNorm", "RMSNorm"]),
+    "--norm-epsilon": dict(type=float, default=1e-5), "--swiglu": dict(action="store_true"),
+    "--untie-embeddings-and-output-weights": dict(action="store_true"),
+    "--attention-backend": dict(type=str, choices=["flash", "fused", "unfused", "local", "auto"], default="auto"),
+    # regularization
+    "--attention-dropout": dict(type=float, default=0.1), "--hidden-dropout": dict(type=float, default=0.1),
     # training
-    "--micro-batch-size", "--global-batch-size", "--recompute-granularity", "--recompute-method",
-    "--recompute-num-layers", "--disable-bias-linear", "--optimizer",
+    "--micro-batch-size": dict(type=int), "--global-batch-size": dict(type=int),
+    "--recompute-granularity": dict(choices=["full", "selective"]),
+    "--recompute-method": dict(choices=["uniform", "block"]), "--recompute-num-layers": dict(type=int),
+    "--disable-bias-linear": dict(action="store_true"), "--optimizer": dict(choices=["adam", "sgd"]),
+    "--cross-entropy-loss-fusion": dict(action="store_true"),
+    "--no-masked-softmax-fusion": dict(action="store_false", dest="masked_softmax_fusion"),
     # mixed precision
-    "--fp16", "--bf16",
+    "--fp16": dict(action="store_true"), "--bf16": dict(action="store_true"),
+    "--attention-softmax-in-fp32": dict(action="store_true"),
+    "--accumulate-allreduce-grads-in-fp32": dict(action="store_true"),
     # distributed
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--pipeline-model-parallel-layout",
-    "--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-    "--sequence-parallel", "--overlap-grad-reduce", "--cross-entropy-loss-fusion",
+    "--tensor-model-parallel-size": dict(type=int), "--pipeline-model-parallel-size": dict(type=int),
+    "--pipeline-model-parallel-layout": dict(type=str), "--use-distributed-optimizer": dict(action="store_true"),
+    "--use-megatron-fsdp": dict(action="store_true"),
+    "--data-parallel-sharding-strategy": dict(choices=["no_shard", "optim", "optim_grads", "optim_grads_params"]),
+    "--sequence-parallel": dict(action="store_true"), "--overlap-grad-reduce": dict(action="store_true"),
     # data, tokenizer
-    "--seq-length", "--vocab-size",
+    "--seq-length": dict(type=int), "--vocab-size": dict(type=int),
 }
-MEGATRON_LM_CHOICES = {"--position-embedding-type": {"learned_absolute", "rope", "mrope", "relative", "none"},
-                       "--normalization": {"LayerNorm", "RMSNorm"}, "--recompute-granularity": {"full", "selective"},
-                       "--recompute-method": {"uniform", "block"}, "--optimizer": {"adam", "sgd"},
-                       "--data-parallel-sharding-strategy": {"no_shard", "optim", "optim_grads",
-                                                             "optim_grads_params"}}
 
 
-def _check_megatron_names(args):
+def _megatron_parse(args):
+    """The exported line read back by Megatron-LM's declarations: an unknown flag, a value of the
+    wrong type (--rotary-base 500000.0) or outside the choices fails here as it would there."""
+    import argparse
+
+    class Strict(argparse.ArgumentParser):
+        def error(self, message):
+            raise AssertionError(message)
+
+    parser = Strict(allow_abbrev=False)
+    for flag, kwargs in MEGATRON_LM_ARGUMENTS.items():
+        parser.add_argument(flag, **kwargs)
     flags = [a for a in args if a.startswith("--")]
-    assert set(flags) <= MEGATRON_LM_ARGUMENTS, set(flags) - MEGATRON_LM_ARGUMENTS
     assert len(flags) == len(set(flags))  # each flag once
-    for flag, choices in MEGATRON_LM_CHOICES.items():
-        if flag in args:
-            assert _flag(args, flag) in choices
+    return parser.parse_args(args)
 
 
 def _megatron_config(plan, args):
-    """Build megatron-core's TransformerConfig from the exported flags; it validates them."""
+    """Build megatron-core's TransformerConfig from the parsed flags; it validates them."""
     torch = pytest.importorskip("torch")
     tc = pytest.importorskip("megatron.core.transformer.transformer_config")
-    _check_megatron_names(args)
-    kwargs = dict(num_layers=int(_flag(args, "--num-layers")), hidden_size=int(_flag(args, "--hidden-size")),
-                  ffn_hidden_size=int(_flag(args, "--ffn-hidden-size")),
-                  num_attention_heads=int(_flag(args, "--num-attention-heads")),
-                  num_query_groups=int(_flag(args, "--num-query-groups") or _flag(args, "--num-attention-heads")),
-                  gated_linear_unit="--swiglu" in args, normalization=_flag(args, "--normalization"),
-                  add_bias_linear="--disable-bias-linear" not in args,
-                  bf16="--bf16" in args, fp16="--fp16" in args,
-                  tensor_model_parallel_size=int(_flag(args, "--tensor-model-parallel-size")),
-                  pipeline_model_parallel_size=int(_flag(args, "--pipeline-model-parallel-size")),
-                  pipeline_model_parallel_layout=_flag(args, "--pipeline-model-parallel-layout"),
-                  recompute_granularity=_flag(args, "--recompute-granularity"),
-                  recompute_method=_flag(args, "--recompute-method"),
+    from megatron.core.transformer.enums import AttnBackend
+
+    a = _megatron_parse(args)
+    kwargs = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
+                  num_attention_heads=a.num_attention_heads,
+                  num_query_groups=a.num_query_groups or a.num_attention_heads,
+                  gated_linear_unit=a.swiglu, normalization=a.normalization, add_bias_linear=not a.disable_bias_linear,
+                  layernorm_epsilon=a.norm_epsilon, hidden_dropout=a.hidden_dropout,
+                  attention_dropout=a.attention_dropout, attention_backend=AttnBackend[a.attention_backend],
+                  masked_softmax_fusion=a.masked_softmax_fusion, attention_softmax_in_fp32=a.attention_softmax_in_fp32,
+                  bf16=a.bf16, fp16=a.fp16,
+                  tensor_model_parallel_size=a.tensor_model_parallel_size,
+                  pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+                  pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
+                  recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
                   pipeline_dtype=torch.bfloat16)
-    if _flag(args, "--recompute-num-layers"):
-        kwargs["recompute_num_layers"] = int(_flag(args, "--recompute-num-layers"))
+    if a.recompute_num_layers:
+        kwargs["recompute_num_layers"] = a.recompute_num_layers
     return tc.TransformerConfig(**kwargs)
 
 
@@ -264,3 +285,48 @@ def test_master_address_comes_from_the_cluster_file():
                for c in torchrun_commands(plan, CS.from_dict(data), "train.py"))
     assert all(_flag(c.args, "--master-addr") == "10.0.0.9"
                for c in torchrun_commands(plan, CS.from_dict(data), "train.py", master_addr="10.0.0.9"))
+
+
+def test_megatron_line_states_what_megatron_defaults_differently():
+    """Issue 22: dropout (Megatron: 0.1), the attention kernel, Llama 3's RoPE base, the norm epsilon."""
+    plan = make_plan(model="llama3-8b", layers=(16, 16), recompute=("full", "full"))
+    export = megatron_args(plan)
+    args = export.args
+    assert any("pass --cluster to check" in n for n in export.notes)  # flash assumed, devices unknown
+    parsed = _megatron_parse(args)
+    assert (parsed.rotary_base, parsed.norm_epsilon) == (500000, 1e-5)
+    assert (parsed.hidden_dropout, parsed.attention_dropout, parsed.attention_backend) == (0.0, 0.0, "flash")
+    config = _megatron_config(plan, args)
+    assert config.hidden_dropout == 0.0 and config.attention_dropout == 0.0 and config.layernorm_epsilon == 1e-5
+    assert _megatron_parse(megatron_args(make_plan()).args).rotary_base == 10000  # llama2: stated too
+    plan.training = {**plan.training, "dropout": True, "flash_attention": False, "fused_softmax": False,
+                     "softmax_in_fp32": True}
+    parsed = _megatron_parse(megatron_args(plan).args)
+    assert (parsed.hidden_dropout, parsed.attention_dropout) == (0.1, 0.0)  # dropout on: Megatron's own rate
+    assert (parsed.attention_backend, parsed.masked_softmax_fusion, parsed.attention_softmax_in_fp32) == \
+        ("unfused", False, True)
+    _megatron_config(plan, megatron_args(plan).args)
+
+
+def test_attention_kernel_follows_the_devices_that_run_it():
+    cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    kinds = {d.name: d.flash_attention for d in cluster.device_types}
+    assert kinds == {"vendor-x-32gb": False, "vendor-y-64gb": True}
+    export = megatron_args(make_plan(), cluster)
+    assert _flag(export.args, "--attention-backend") == "unfused"
+    assert any("fused attention on vendor-y-64gb and unfused on vendor-x-32gb" in n for n in export.notes)
+    same = make_plan(devices=("vendor-y-64gb", "vendor-y-64gb"))
+    assert _flag(megatron_args(same, cluster).args, "--attention-backend") == "flash"
+
+
+def test_fp16_keeps_fp32_gradients_and_an_odd_rope_base_is_named():
+    from dataclasses import replace
+
+    plan = make_plan()
+    plan.training = {**plan.training, "dtype": "fp16", "grad_dtype": "fp32"}
+    args = megatron_args(plan).args
+    assert "--fp16" in args and "--accumulate-allreduce-grads-in-fp32" in args
+    _megatron_config(plan, args)
+    plan.model_spec = replace(plan.model_spec, rope_theta=1e4 + 0.5)
+    export = megatron_args(plan)
+    assert _flag(export.args, "--rotary-base") == "10000" and any("not an integer" in n for n in export.notes)

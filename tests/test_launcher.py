@@ -200,3 +200,102 @@ def test_the_workers_read_the_restrictions_back():
     env = {"MEMX_SEARCH_RESTRICTIONS": json.dumps({"tp_degrees": [1, 2], "schedules": ["1f1b"]})}
     assert search_restrictions(env) == {"tp_degrees": (1, 2), "schedules": ("1f1b",)}
     assert search_restrictions({}) == {}
+
+
+def test_version_on_both_commands(capsys):
+    from importlib.metadata import version
+
+    from memx_launch.cli import main as memx_main
+
+    for command, name in ((main, "memx-run"), (memx_main, "memx")):
+        with pytest.raises(SystemExit) as info:
+            command(["--version"])
+        assert info.value.code == 0 and capsys.readouterr().out == f"{name} {version('memx')}\n"
+
+
+def test_a_mistyped_flag_is_one_line_with_the_nearest_flag(tmp_path):
+    rc, _, err = _run(["--nproc-per-node", "4", "--clustr", CPU_CLUSTER, TRAIN, "--model", "llama-tiny"], tmp_path)
+    assert rc == 2
+    assert _error_line(err) == ("memx-run: error: unrecognized arguments: --clustr; did you mean --cluster? "
+                                "(see 'memx-run --help')")
+
+
+@pytest.mark.parametrize("case", ["script flag typo", "memx-run flag after the script", "script syntax",
+                                  "builder function", "batch for the pipeline", "batch never divides"])
+def test_what_a_worker_would_refuse_after_calibrating_is_refused_before(tmp_path, case):
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.launcher import resolve
+
+    script, before, after = TRAIN, [], ["--model", "llama-tiny"]
+    if case == "script flag typo":
+        after, field, says = after + ["--stepz", "3"], "training_script", "does not take --stepz"
+        fix = "did you mean --steps?"
+    elif case == "memx-run flag after the script":
+        after, field, says, fix = after + ["--dry-run"], "training_script", "does not take --dry-run", "memx-run's"
+    elif case == "script syntax":
+        script = tmp_path / "broken.py"
+        script.write_text("import argparse\ndef main(:\n")
+        field, says, fix = "training_script", "broken.py line 2", "nothing was started"
+    elif case == "builder function":
+        before, field, says, fix = ["--model-builder", f"{OWN_MODEL}:buld"], "--model-builder", "no function 'buld'", \
+            "did you mean build?"
+    elif case == "batch for the pipeline":  # pp 4 needs 4 micro-batches; 2 sequences give 2 at most
+        before, field, says, fix = ["--pp", "4", "--global-batch-size", "2"], "--global-batch-size", \
+            "fewer micro-batches than pipeline stages", "raise"
+    else:
+        before, field, says, fix = ["--global-batch-size", "3", "--micro-batch-sizes", "2,4"], "--global-batch-size", \
+            "not divisible", "multiple"
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, *before, str(script), *after]
+    with pytest.raises(ConfigError) as info:
+        resolve(build_parser().parse_args(argv))
+    assert info.value.field == field and says in info.value.problem and fix in info.value.fix
+
+
+def test_script_flags_are_judged_only_where_the_script_declares_them_for_sure(tmp_path):
+    import ast
+
+    from memx_launch.runtime.script_check import check_script_args, declared_flags
+
+    plain = ("import argparse\nfor p in []: print(p)\ndef main():\n    p = argparse.ArgumentParser()\n"
+             "    g = p.add_argument_group('x')\n    g.add_argument('--steps', '-s')\n    p.add_argument('--lr')\n"
+             "    return p.parse_args()\n")
+    assert declared_flags(ast.parse(plain)) == {"--steps", "--lr"}
+    for unsure in ("p.parse_known_args()", "add_common(p)", "p.add_subparsers()", "p.add_argument(*FLAGS)"):
+        assert declared_flags(ast.parse(plain.replace("return p.parse_args()", unsure))) is None, unsure
+    assert declared_flags(ast.parse("import sys\nprint(sys.argv)\n")) is None
+    path = tmp_path / "s.py"
+    path.write_text(plain)
+    check_script_args(str(path), ["--steps=3", "--st", "4", "--lr", "1", "--", "--anything"])  # = and prefixes
+    with pytest.raises(Exception, match="does not take --epochs"):
+        check_script_args(str(path), ["--epochs", "3"])
+
+
+def test_max_slowdown_reaches_the_search_and_the_workers(tmp_path, capsys):
+    from memx_launch.planning.search import SearchSpace
+    from memx_launch.runtime.launcher import resolve
+    from memx_launch.runtime.worker_env import search_restrictions
+
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--max-slowdown", "0%",
+            TRAIN, "--model", "llama-tiny"]
+    restrictions = resolve(build_parser().parse_args(argv))["restrictions"]
+    env = {"MEMX_SEARCH_RESTRICTIONS": json.dumps(restrictions)}
+    assert SearchSpace(**search_restrictions(env)).max_slowdown == 0.0
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "at most 0% slower than the fastest plan  (flag)" in out
+    assert "the winner is the fastest feasible plan (--max-slowdown 0%)" in out
+    assert main(argv[:5] + ["--max-slowdown", "5", *argv[7:]]) == 2
+    assert "--max-slowdown: expected a share" in capsys.readouterr().err
+
+
+def test_bf16_on_a_device_without_it_is_fp16_in_the_job_or_refused_when_asked():
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.launcher import resolve
+
+    v100 = os.path.join(REPO, "examples", "clusters", "v100-t4.yaml")
+    argv = ["--nnodes", "2", "--cluster", v100, TRAIN, "--model", "llama2-7b"]
+    resolved = resolve(build_parser().parse_args(argv))
+    assert resolved["training"].dtype == "fp16"
+    assert "dtype                   fp16, not the default bf16: no bf16 on v100-32gb" in resolved["settings"].render()
+    with pytest.raises(ConfigError, match="--dtype: bf16, but there is no bf16"):
+        resolve(build_parser().parse_args(["--dtype", "bf16", *argv]))

@@ -11,7 +11,7 @@ from memx_launch.planning.search import SearchSpace, search
 from memx_launch.planning.scoring import balance_layers
 from memx_launch.planning.baselines import compare_baselines, proportional_split
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.planning.objective import parse_weights
+from memx_launch.planning.objective import WEIGHT_PROFILES, parse_slowdown, parse_weights
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.specs.model import get_model
@@ -74,6 +74,53 @@ def test_weights_change_the_winner_towards_time():
     balanced = search(model, c, t, weights=(0, 0, 1), top_k=1).best
     assert time_only.predicted_iteration_time_s <= balanced.predicted_iteration_time_s
     assert balanced.predicted_memory_variance <= time_only.predicted_memory_variance
+
+
+def test_default_pick_is_within_max_slowdown_of_the_fastest_feasible_plan():
+    """Issue 22: the default profile's pick was the slowest point of its own Pareto front (+29%)."""
+    model, c, t = get_model("llama2-7b"), cluster("paper-20gpu"), TrainingSpec(global_batch_size=64)
+    fastest = search(model, c, t, weights=(1, 0, 0), top_k=1).best.predicted_iteration_time_s
+    result = search(model, c, t, top_k=5)
+    assert result.profile == "default" and result.max_slowdown == 0.05
+    assert result.fastest.predicted_iteration_time_s == pytest.approx(fastest)
+    assert all(p.predicted_iteration_time_s <= 1.05 * fastest * (1 + 1e-9) for p in result.plans)
+    # The bound binds here: the profile alone picks a much slower plan, kept as ``unbounded``.
+    assert result.unbounded.predicted_iteration_time_s > 1.05 * fastest
+    assert result.unbounded.objective.phi < result.best.objective.phi
+    # What it bought: less peak memory and variance than the fastest plan.
+    assert result.best.predicted_memory_variance < result.fastest.predicted_memory_variance
+    zero = search(model, c, t, space=SearchSpace(max_slowdown=0.0), top_k=1)
+    assert zero.best.predicted_iteration_time_s == pytest.approx(fastest)
+
+
+def test_explicit_paper_weights_rank_every_candidate_unless_bounded_too():
+    model, c, t = get_model("llama2-7b"), cluster("paper-20gpu"), TrainingSpec(global_batch_size=64)
+    auto = search(model, c, t, top_k=1)
+    for given in (dict(objective="default"), dict(weights=WEIGHT_PROFILES["default"])):
+        paper = search(model, c, t, top_k=1, **given)
+        assert paper.max_slowdown is None and paper.best is paper.unbounded
+        assert _layout(paper.best) == _layout(auto.unbounded)  # what the paper's Phi picked before the bound
+        assert min(p.objective.phi for p in paper.pareto) >= paper.best.objective.phi
+    bounded = search(model, c, t, top_k=1, objective="default", space=SearchSpace(max_slowdown=0.05))
+    assert bounded.best.predicted_iteration_time_s <= 1.05 * auto.fastest.predicted_iteration_time_s * (1 + 1e-9)
+    with pytest.raises(ConfigError, match="--max-slowdown"):
+        search(model, c, t, space=SearchSpace(max_slowdown=-0.1))
+
+
+def _layout(plan):
+    return (plan.stage_tps, plan.pp, plan.dp, plan.micro_batch_size, [s.num_layers for s in plan.stages],
+            [s.recompute for s in plan.stages])
+
+
+@pytest.mark.parametrize("text, value", [("5%", 0.05), ("0.05", 0.05), ("0", 0.0), ("150%", 1.5)])
+def test_max_slowdown_reads_a_share_or_a_percentage(text, value):
+    assert parse_slowdown(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["5", "-1%", "nan", "fast", "inf%"])
+def test_max_slowdown_refuses_what_it_cannot_read_as_a_share(text):
+    with pytest.raises(ConfigError, match="--max-slowdown"):
+        parse_slowdown(text)
 
 
 def test_time_budget_is_honoured():

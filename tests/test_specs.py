@@ -54,6 +54,17 @@ def test_hf_config_json(tmp_path):
     path.write_text(json.dumps(cfg))
     m = get_model(str(tmp_path))
     assert m.signature() == get_model("llama3-8b").signature()
+    assert (m.rope_theta, m.norm_eps) == (10000.0, 1e-5)  # the config gives neither: Megatron's defaults
+    cfg.update(rope_theta=500000.0, rms_norm_eps=1e-6)
+    path.write_text(json.dumps(cfg))
+    m = get_model(str(tmp_path))
+    assert (m.rope_theta, m.norm_eps) == (500000.0, 1e-6) and get_model("llama3-8b").rope_theta == 500000.0
+    # Neither changes time or memory: the profiles and plans of the shape stay its own.
+    assert m.signature() == get_model("llama3-8b").signature()
+    cfg.update(rope_theta="big")
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="rope_theta"):
+        get_model(str(tmp_path))
 
 
 def test_gpt2_style_config_json(tmp_path):
@@ -64,7 +75,7 @@ def test_gpt2_style_config_json(tmp_path):
     m = get_model(str(tmp_path))
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.vocab_size, m.seq_len) == \
         (12, 768, 12, 12, 3072, 50257, 1024)
-    assert not m.gated_mlp and m.tie_embeddings
+    assert not m.gated_mlp and m.tie_embeddings and m.norm_eps == 1e-5
     assert 120e6 < m.total_params < 130e6  # GPT-2 small: 124M (memx counts no biases or position table)
 
 

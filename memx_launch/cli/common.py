@@ -10,6 +10,7 @@ import os
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
+from memx_launch.specs.config_file import one_line_error
 from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, OPTION_DEFAULTS, SETUPS, TrainingSpec
 
 
@@ -17,7 +18,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with the same one-line error format as every other memx error."""
 
     def error(self, message):
-        self.exit(2, f"memx: error: {message} (see '{self.prog} --help')\n")
+        one_line_error(self, message, "memx")
 
 
 def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:

@@ -16,7 +16,7 @@ import threading
 import warnings
 
 from memx_launch.errors import MemxError, NoFeasiblePlanError
-from memx_launch.specs.config_file import config_yaml, parse_with_config
+from memx_launch.specs.config_file import add_version_arg, config_yaml, parse_with_config
 from memx_launch.cli.common import Parser
 from memx_launch.cli.measure_commands import add_cluster_command, add_evaluate_command, add_profile_command
 from memx_launch.cli.plan_commands import add_estimate_command, add_export_command, add_plan_command
@@ -28,6 +28,7 @@ COMMANDS = [add_plan_command, add_estimate_command, add_export_command, add_prof
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="memx", description="Memory-aware parallelism planning for heterogeneous GPU clusters.")
+    add_version_arg(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(
         c.__name__[len("add_"):-len("_command")] for c in COMMANDS) + "}", parser_class=Parser)
     for add in COMMANDS:

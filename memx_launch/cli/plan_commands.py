@@ -17,6 +17,7 @@ from memx_launch.specs.checks import list_of
 
 
 def add_plan_command(sub) -> None:
+    from memx_launch.planning.objective import add_slowdown_arg
     from memx_launch.planning.search import add_restriction_args
 
     p = sub.add_parser("plan", help="search the best parallel layout for a model on a cluster",
@@ -24,8 +25,11 @@ def add_plan_command(sub) -> None:
                                    "schedules; rank them by the memory-aware objective Phi.")
     add_target_args(p)
     p.add_argument("--objective", choices=("default", "safety", "throughput"),
-                   help="weight profile for Phi (default: chosen from the cluster and the memory margin)")
-    p.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights, overriding --objective")
+                   help="weight profile for Phi (default: chosen from the cluster and the memory margin); "
+                        "a profile given here ranks without the --max-slowdown bound unless that is given too")
+    p.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights, overriding --objective "
+                   "(no --max-slowdown bound unless given too)")
+    add_slowdown_arg(p)
     p.add_argument("--top", type=int, default=5, metavar="K", help="how many ranked plans to show (default 5)")
     add_output_args(p)
     p.add_argument("--plot", metavar="PATH.png", help="write the time vs memory-variance Pareto plot")
@@ -52,8 +56,9 @@ def add_plan_command(sub) -> None:
 def run_plan(args) -> int:
     from memx_launch.planning import report
     from memx_launch.planning.search import SearchSpace, restrictions_from_args, search
+    from memx_launch.specs.training import device_precision
     from memx_launch.planning.baselines import compare_baselines
-    from memx_launch.planning.objective import parse_weights
+    from memx_launch.planning.objective import parse_slowdown, parse_weights
 
     if not 1 <= args.top <= 10_000:
         raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
@@ -68,15 +73,18 @@ def run_plan(args) -> int:
     check_new_file(args.plot, "--plot", args.force)
     model = get_model(args.model)
     cluster = ClusterSpec.from_yaml(args.cluster)
-    training = training_from_args(args, model)
+    training, precision = device_precision(cluster, training_from_args(args, model), args.dtype is not None)
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = cost_model_from_args(args, model, cluster, training)
 
-    space = SearchSpace(memory_headroom=args.memory_headroom, recompute_some_layers=args.recompute_some_layers,
+    space = SearchSpace(memory_headroom=args.memory_headroom,
+                        max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
                         per_type_tp=args.per_type_tp, mixed_stages=args.mixed_stages, **restrictions_from_args(args))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))
+    if precision:
+        print(f"precision: {precision}")
     print(report.search_stats_line(result.stats), file=sys.stderr)
     if args.compare:
         baselines = compare_baselines(model, cluster, training, cost_model=cost_model, space=space,
@@ -217,15 +225,15 @@ def run_export(args) -> int:
     if not 1 <= args.master_port <= 65535:
         raise ConfigError("--master-port", f"{args.master_port} is not a TCP port", "e.g. --master-port 29500")
     plan = Plan.load(args.plan)
-    megatron = exporters.megatron_args(plan)
+    cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else None
+    megatron = exporters.megatron_args(plan, cluster)
     print("# Megatron-LM arguments")
     print(megatron.command_line())
     for note in megatron.notes:
         print(f"# note: {note}")
     print("\n# environment for the training script")
     print("\n".join(exporters.env_lines(exporters.plan_env(plan, os.path.abspath(args.plan)))))
-    if args.cluster:
-        cluster = ClusterSpec.from_yaml(args.cluster)
+    if cluster is not None:
         for title, for_megatron in (("memx's runtime (the plan's rank order)", False),
                                     ("Megatron-LM (stages on consecutive ranks)", True)):
             print(f"\n# torchrun for {title}, one line per node")

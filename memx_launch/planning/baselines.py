@@ -26,7 +26,8 @@ def compare_baselines(model: ModelSpec, cluster: ClusterSpec, training: Training
     compute-proportional: layers by effective compute share, no recompute, fastest predicted
     plan (memory not checked, as compute-share planners do); memory-proportional: layers by
     capacity share, no recompute, fastest plan that fits; time-only: memx's search with
-    weights (1, 0, 0); memx: memx's own choice (``memx``, the search already run, when given).
+    weights (1, 0, 0); memx: memx's own choice (``memx``, the search already run, when given);
+    memx unbounded: what the same profile picks with no --max-slowdown bound.
     """
     space = space or SearchSpace()
     if memx is None:
@@ -65,6 +66,7 @@ def compare_baselines(model: ModelSpec, cluster: ClusterSpec, training: Training
                                          time_only.predicted_memory_variance, refs, memx.profile, memx.weights)
     out["time-only"] = time_only
     out["memx"] = memx.best
+    out["memx unbounded"] = memx.unbounded
     return out
 
 

@@ -91,10 +91,12 @@ def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
             "--recompute-num-layers", "1"], notes
 
 
-def _megatron_model(plan: Plan) -> list[str]:
+def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     """The model's shape in Megatron-LM's words: a LLaMA-style decoder (no biases, RMSNorm, RoPE,
-    SwiGLU unless the model has a plain MLP) with grouped-query attention when KV heads are fewer."""
+    SwiGLU unless the model has a plain MLP) with grouped-query attention when KV heads are fewer,
+    its RoPE base and norm epsilon (Megatron's defaults, 10000 and 1e-5, are not every model's)."""
     spec = plan.model_spec
+    notes = []
     args = ["--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden_size),
             "--ffn-hidden-size", str(spec.ffn_hidden_size), "--num-attention-heads", str(spec.num_heads)]
     if spec.num_kv_heads != spec.num_heads:
@@ -106,21 +108,28 @@ def _megatron_model(plan: Plan) -> list[str]:
         args.append("--swiglu")
     if not spec.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
-    return args
+    # Megatron-LM reads --rotary-base as an integer.
+    args += ["--rotary-base", str(round(spec.rope_theta)), "--norm-epsilon", f"{spec.norm_eps:g}"]
+    if spec.rope_theta != round(spec.rope_theta):
+        notes.append(f"the model's RoPE base {spec.rope_theta:g} is not an integer; Megatron-LM's --rotary-base "
+                     f"takes one ({round(spec.rope_theta)} here)")
+    return args, notes
 
 
-def megatron_args(plan: Plan) -> Export:
-    """Megatron-LM training arguments: the model's shape, precision and optimizer sharding, the
-    plan's parallel layout, batch and recompute.
+def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
+    """Megatron-LM training arguments: the model's shape, precision, dropout, attention kernel and
+    optimizer sharding the plan's predictions assumed, the plan's parallel layout, batch and
+    recompute. ``cluster`` (the plan's) tells which device types run fused attention.
 
     The uneven layer split always goes through ``--pipeline-model-parallel-layout``, which
     also fixes the virtual-stage count (Megatron derives it from the number of chunks), so
     ``--num-layers-per-virtual-pipeline-stage`` is never given alongside it.
     """
     tp = plan.uniform_tp("Megatron-LM (one --tensor-model-parallel-size for all stages)")
-    args = _megatron_model(plan)
-    training_args, notes = _megatron_training(plan)
+    args, notes = _megatron_model(plan)
+    training_args, training_notes = _megatron_training(plan, cluster)
     args += training_args
+    notes += training_notes
     args += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(plan.pp)]
     if plan.pp > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan)]
@@ -140,11 +149,22 @@ def megatron_args(plan: Plan) -> Export:
     return Export(args, notes)
 
 
-def _megatron_training(plan: Plan) -> tuple[list[str], list[str]]:
-    """The precision, optimizer and state sharding the plan's memory was predicted for, as Megatron flags."""
+def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[str], list[str]]:
+    """The precision, dropout, attention kernel, optimizer and state sharding the plan's memory and
+    time were predicted for, as Megatron flags (Megatron's defaults differ: dropout 0.1, its own
+    choice of attention backend)."""
     tr = plan.training
     args, notes = [], []
-    args += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(tr.get("dtype", "bf16"), [])
+    dtype = tr.get("dtype", "bf16")
+    args += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(dtype, [])
+    if dtype == "fp16" and tr.get("grad_dtype", "fp32") == "fp32":  # with --bf16 Megatron does this itself
+        args.append("--accumulate-allreduce-grads-in-fp32")
+    # No dropout unless the plan kept its masks; with them, Megatron's own rate (0.1).
+    args += [] if tr.get("dropout") else ["--hidden-dropout", "0"]
+    args += [] if tr.get("attention_dropout") else ["--attention-dropout", "0"]
+    attention_args, attention_notes = _megatron_attention(plan, cluster)
+    args += attention_args
+    notes += attention_notes
     if tr.get("optimizer", "adam") != "adam":
         args += ["--optimizer", tr["optimizer"]]
     if tr.get("fully_sharded"):
@@ -166,6 +186,33 @@ def _megatron_training(plan: Plan) -> tuple[list[str], list[str]]:
     if tr.get("fully_sharded") or tr.get("sharded_gradients") or tr.get("grad_dtype") == "training":
         notes.append("Megatron-LM keeps fp32 main gradients whole on every rank: its memory differs "
                      "from the plan's sharded or 16-bit gradients")
+    return args, notes
+
+
+def _megatron_attention(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[str], list[str]]:
+    """The attention kernel the plan timed: fused (FlashAttention) where the run asked for it and
+    the device type has it, else the unfused one keeping the s x s scores."""
+    tr = plan.training
+    known = {d.name: d for d in cluster.device_types} if cluster is not None else {}
+    # A stage on several types names them a+b (planning.layouts); a whole type name may hold a "+".
+    types = {t for s in plan.stages for t in ([s.device_type] if s.device_type in known
+                                              else stage_device_types(s.device_type))}
+    fused = {t: tr.get("flash_attention", True) and (t not in known or known[t].flash_attention) for t in types}
+    notes = [] if cluster is not None or not all(fused.values()) else [
+        "--attention-backend flash assumes every device type runs fused attention: pass --cluster to check"]
+    if len(set(fused.values())) > 1:
+        on = ", ".join(sorted(t for t in types if fused[t]))
+        notes.append(f"the plan times fused attention on {on} and unfused on "
+                     + ", ".join(sorted(t for t in types if not fused[t])) + "; Megatron-LM takes one "
+                     f"--attention-backend for all: unfused here, which every device runs; on {on} it keeps the "
+                     "s x s attention scores: more memory and time than the plan predicts there")
+    if all(fused.values()):
+        return ["--attention-backend", "flash"], notes
+    args = ["--attention-backend", "unfused"]
+    if not tr.get("fused_softmax", True):
+        args.append("--no-masked-softmax-fusion")
+    if tr.get("softmax_in_fp32"):
+        args.append("--attention-softmax-in-fp32")
     return args, notes
 
 

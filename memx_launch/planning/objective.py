@@ -29,6 +29,9 @@ WEAK_HETEROGENEITY = 0.10     # compute CV below this counts as (nearly) homogen
 EPS_V_FRACTION = 0.05         # eps_V as a fraction of V_ref
 
 
+DEFAULT_MAX_SLOWDOWN = 0.05   # the chosen profile may cost this much predicted time against the fastest plan
+
+
 def objective_terms(T, M, V, references=None):
     """Reference values are medians over the feasible candidates (paper section 3.1.2)."""
     t_ref, m_ref, v_ref = references or (np.median(T), np.median(M), np.median(V))
@@ -66,6 +69,28 @@ def parse_weights(text: str) -> tuple[float, float, float]:
                           "e.g. --weights 0.4,0.2,0.4")
     total = sum(values)
     return tuple(v / total for v in values)
+
+
+def add_slowdown_arg(parser) -> None:
+    """``--max-slowdown`` (memx plan, memx-run): the bound on what the default profile may trade."""
+    parser.add_argument("--max-slowdown", "--max_slowdown", metavar="PCT",
+                        help="the winner may be predicted at most this much slower than the fastest feasible plan, "
+                             "trading it for memory and balance, e.g. 5%% or 0.05 (default 5%% for the profile memx "
+                             "chooses; none for --objective/--weights)")
+
+
+def parse_slowdown(text: str) -> float:
+    """``--max-slowdown``: a share of the fastest plan's time, ``5%`` or ``0.05``."""
+    number = text.strip().removesuffix("%")
+    try:
+        value = float(number) / (100 if text.strip().endswith("%") else 1)
+    except ValueError:
+        value = math.nan
+    # A bare 5 is almost surely 5%, not 500%: ask for the unit rather than guess.
+    if not math.isfinite(value) or value < 0 or (not text.strip().endswith("%") and value >= 1):
+        raise ConfigError("--max-slowdown", f"expected a share of the fastest plan's time, got {text!r}",
+                          "e.g. --max-slowdown 5% or 0.05 (more than 100% only with %)")
+    return value
 
 
 def objective_for(T, M, V, references, profile, weights) -> Objective:

@@ -12,7 +12,8 @@ and stage under pressure, and why. :func:`replan` then
 2. takes the first fix that brings every stage under ``(1 - min_headroom)`` of its capacity:
    keep the plan (the corrected prediction still fits) -> more recompute on the stage under
    pressure (same layout) -> fewer layers on it (moved to the other stages) -> a new search
-   with the safety-first weights on capacities reduced by the correction.
+   with the safety-first weights on capacities reduced by the correction, bounded like memx
+   plan's default (at most ``--max-slowdown``, 5%, slower than the fastest plan that fits).
 
 Among the candidates of one rung it picks the one with the least predicted iteration time.
 """
@@ -34,6 +35,7 @@ from memx_launch.files import write_json_atomic
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
 from memx_launch.planning.estimate import recompute_rows
 from memx_launch.planning.layouts import make_layout
+from memx_launch.planning.objective import DEFAULT_MAX_SLOWDOWN
 from memx_launch.planning.search import SearchSpace, search
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.model import ModelSpec
@@ -220,9 +222,11 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
 
     reduced = _reduced_cluster(cluster, plan, budgets)
     try:
+        # memx-run's Schedule1F1B needs G >= P; the bound is memx-run's --max-slowdown, else the default.
+        space = SearchSpace(fewer_microbatches_than_stages=False,
+                            **{"max_slowdown": DEFAULT_MAX_SLOWDOWN, **(restrictions or {})})
         found = search(model, reduced, training, cost_model=scorer.cost_model, objective="safety",
-                       time_budget_s=search_budget_s, top_k=1,  # memx-run's Schedule1F1B needs G >= P
-                       space=SearchSpace(fewer_microbatches_than_stages=False, **(restrictions or {})))
+                       time_budget_s=search_budget_s, top_k=1, space=space)
     except NoFeasiblePlanError as exc:
         raise NoFeasiblePlanError(f"{head} No plan fits the corrected memory ({exc}); free memory on the "
                                   f"device(s) of rank {event.rank} or add devices", exc.closest) from None
@@ -235,7 +239,8 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
     t_old = current.T[0]
     return ReplanDecision("search", new, head + (
         " Neither more recompute nor fewer layers on stage "
-        f"{s} fits; new search with the safety-first weights on capacities reduced by the correction: "
+        f"{s} fits; new search with the safety-first weights on capacities reduced by the correction "
+        f"(at most {found.max_slowdown:.0%} slower than its fastest plan): "
         f"pp={new.pp} dp={new.dp} tp={new.tp}, layers {[st.num_layers for st in new.stages]}, recompute "
         f"{[st.recompute for st in new.stages]}, predicted iteration time "
         f"{new.predicted_iteration_time_s / t_old - 1:+.0%}."), correction)

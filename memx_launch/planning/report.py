@@ -114,6 +114,30 @@ def why_line(plan: Plan, reason: str = "") -> str:
     return line + (f": {reason}" if reason else "")
 
 
+def trade_text(plan: Plan, fastest: Plan) -> str:
+    """'+4% time for -31% peak memory, -80% memory variance' (time per token, so plans of
+    different sequence lengths compare)."""
+    def time_per_token(p):
+        return p.predicted_iteration_time_s / p.seq_len
+
+    def change(new, old):
+        return f"{new / old - 1:+.0%}" if old else ("+0%" if new == old else "from 0")
+
+    return (f"{change(time_per_token(plan), time_per_token(fastest))} time for "
+            f"{change(plan.predicted_peak_memory_fraction, fastest.predicted_peak_memory_fraction)} peak memory, "
+            f"{change(plan.predicted_memory_variance, fastest.predicted_memory_variance)} memory variance")
+
+
+def trade_line(best: Plan, fastest: Plan, max_slowdown: float | None) -> str:
+    """What the winner costs and buys against the fastest feasible plan."""
+    bound = ("no bound: --objective or --weights without --max-slowdown" if max_slowdown is None
+             else f"--max-slowdown {max_slowdown:.0%}")
+    if best is fastest:
+        return f"the winner is the fastest feasible plan ({bound})"
+    return (f"against the fastest feasible plan ({layout_summary(fastest)}, "
+            f"{fastest.predicted_iteration_time_s:.2f} s): {trade_text(best, fastest)} ({bound})")
+
+
 def plan_report(result, cluster: ClusterSpec) -> str:
     """``memx plan`` output: the ranked plans, the winner's stages, why it won."""
     best = result.plans[0]
@@ -121,7 +145,11 @@ def plan_report(result, cluster: ClusterSpec) -> str:
     lines += ["", f"top {len(result.plans)} plans (lower phi is better):", plans_table(result.plans), "",
               f"winner: {layout_summary(best)}, predicted iteration {best.predicted_iteration_time_s:.2f} s, "
               f"{best.num_microbatches} micro-batches",
-              stage_table(best), *crossing_lines(best, cluster), "", why_line(best, result.reason)]
+              stage_table(best), *crossing_lines(best, cluster), "", why_line(best, result.reason),
+              trade_line(best, result.fastest, result.max_slowdown)]
+    if result.unbounded is not best:
+        lines.append(f"without --max-slowdown's bound the profile would pick {layout_summary(result.unbounded)}: "
+                     + trade_text(result.unbounded, result.fastest))
     if result.stats.pruned_too_few_microbatches:
         lines.append(f"left out: {result.stats.pruned_too_few_microbatches} candidates with fewer micro-batches "
                      "than stages (memx-run's pipeline schedule needs one per stage)")

@@ -31,7 +31,7 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
-from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
+from memx_launch.planning.objective import DEFAULT_MAX_SLOWDOWN, WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult, crossings_of
 
 
@@ -92,6 +92,16 @@ class SearchSpace:
     both (Sailor's plans; ``memx plan --mixed-stages``): where tp x dp divides the world but not
     every type's count. The slowest type sets such a stage's pace and it must fit on each.
     memx-run's runtime runs one device type per stage."""
+    max_slowdown: float | None = None
+    """The winner may be predicted at most this share slower than the fastest feasible plan
+    (``--max-slowdown``). None: 5% (DEFAULT_MAX_SLOWDOWN) for the profile memx chooses; no bound
+    for one given with ``objective`` or ``weights``, which keep the paper's Phi as it ranks."""
+
+    def bound(self, objective, weights) -> float | None:
+        """The slowdown the winner may have against the fastest plan (None: any)."""
+        if self.max_slowdown is not None:
+            return self.max_slowdown
+        return DEFAULT_MAX_SLOWDOWN if objective is None and weights is None else None
 
     def check(self, model: ModelSpec) -> None:
         """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""
@@ -104,6 +114,9 @@ class SearchSpace:
                              ("--micro-batch-sizes", self.micro_batch_sizes)):
             if values is not None and (not values or min(values) < 1):
                 raise ConfigError(flag, f"expected positive integers, got {list(values)}", f"e.g. {flag} 1,2")
+        if self.max_slowdown is not None and not 0 <= self.max_slowdown < math.inf:
+            raise ConfigError("--max-slowdown", f"must be a share of 0 or more, got {self.max_slowdown}",
+                              "e.g. --max-slowdown 5%")
         bad = [t for t in self.tp_degrees or () if model.num_heads % t or model.num_kv_heads % t]
         if bad:
             raise ConfigError("--tp", f"{bad[0]} does not divide the model's {model.num_heads} heads and "
@@ -142,11 +155,17 @@ class SearchStats:
 @dataclass
 class SearchResult:
     plans: list[Plan]
+    """Ranked by Phi among the candidates within ``max_slowdown`` of the fastest."""
     pareto: list[Plan]
     stats: SearchStats
     profile: str
     weights: tuple[float, float, float]
     reason: str
+    fastest: Plan
+    """The feasible plan of least predicted time (per token): what the winner's trade is against."""
+    unbounded: Plan
+    """Phi's pick over every feasible candidate: the winner when no bound applies."""
+    max_slowdown: float | None = None
 
     @property
     def best(self) -> Plan:
@@ -164,18 +183,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     space.check(model)
     seqs = tuple(space.seq_lens or (training.seq_len,))
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
-    layouts = enumerate_layouts(model, cluster, tuple(cost_model.device_names), list(space.tp_degrees or [])
-                                or None, per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages)
-    if space.pipeline_degrees:
-        layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
-        if not layouts:
-            raise ConfigError("--pp", f"no layout of {cluster.world_size} devices has pp in "
-                              f"{list(space.pipeline_degrees)} (with the TP degrees allowed)",
-                              "pp must divide the device count of every type; drop --pp to see all")
-    if not layouts:
-        raise ConfigError("cluster", f"no TP x PP x DP layout fits {cluster.world_size} devices of counts "
-                          f"{cluster.type_counts()} with at most {model.num_layers} stages",
-                          "give each device type a count that shares a common divisor with the others")
+    layouts = _layouts(model, cluster, tuple(cost_model.device_names), space)
+    check_batch(layouts, space, training)
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
     table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
     evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
@@ -238,14 +247,6 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                      f"{time.perf_counter() - start:.1f}s")
     stats.cache_hits, stats.cache_misses = table.hits, table.misses
 
-    if not results and stats.pruned_too_few_microbatches and stats.pruned_batch == stats.enumerated:
-        raise ConfigError("--global-batch-size", f"{training.global_batch_size} gives fewer micro-batches than "
-                          "pipeline stages to every candidate; memx-run's pipeline schedule (torch's Schedule1F1B) "
-                          "needs one per stage", "raise the global batch size")
-    if not results and stats.pruned_batch == stats.enumerated:
-        raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by DP x micro-batch "
-                          f"for any candidate (micro-batches {list(space.micro_batch_sizes)})",
-                          "use a multiple of the data-parallel degree, e.g. a power of two")
     if not results:
         closest.sort()
         stats.seconds = time.perf_counter() - start
@@ -258,10 +259,52 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
             f"even with {cm.RECOMPUTE_LEVELS[evaluator.allowed_levels[-1]]} recompute); use more devices, a shorter --seq-len or a smaller model",
             [text for _, text in closest[:5]])
 
-    ranked = _rank(results, cluster, model, training, objective, weights, top_k)
+    bound = space.bound(objective, weights)
+    plans, pareto, profile, chosen, reason, fastest, unbounded = _rank(
+        results, cluster, model, training, objective, weights, bound, top_k)
     stats.seconds = time.perf_counter() - start
-    plans, pareto, profile, chosen, reason = ranked
-    return SearchResult(plans, pareto, stats, profile, chosen, reason)
+    return SearchResult(plans, pareto, stats, profile, chosen, reason, fastest, unbounded, bound)
+
+
+def _layouts(model, cluster, device_names, space: SearchSpace) -> list[Layout]:
+    layouts = enumerate_layouts(model, cluster, device_names, list(space.tp_degrees or []) or None,
+                                per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages)
+    if space.pipeline_degrees:
+        layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
+        if not layouts:
+            raise ConfigError("--pp", f"no layout of {cluster.world_size} devices has pp in "
+                              f"{list(space.pipeline_degrees)} (with the TP degrees allowed)",
+                              "pp must divide the device count of every type; drop --pp to see all")
+    if not layouts:
+        raise ConfigError("cluster", f"no TP x PP x DP layout fits {cluster.world_size} devices of counts "
+                          f"{cluster.type_counts()} with at most {model.num_layers} stages",
+                          "give each device type a count that shares a common divisor with the others")
+    return layouts
+
+
+def check_batch(layouts: list[Layout], space: SearchSpace, training: TrainingSpec) -> None:
+    """Some layout and micro-batch size must split the global batch (into at least one micro-batch
+    per stage where the space asks for it), or no candidate can ever be scored."""
+    gbs = training.global_batch_size
+    divides = [(lay, m) for lay in layouts for m in space.micro_batch_sizes if gbs % (lay.dp * m) == 0]
+    if any(space.fewer_microbatches_than_stages or gbs // (lay.dp * m) >= lay.pp for lay, m in divides):
+        return
+    if divides:
+        raise ConfigError("--global-batch-size", f"{gbs} gives fewer micro-batches than pipeline stages to every "
+                          "candidate; memx-run's pipeline schedule (torch's Schedule1F1B) needs one per stage",
+                          "raise the global batch size")
+    raise ConfigError("--global-batch-size", f"{gbs} is not divisible by DP x micro-batch for any candidate "
+                      f"(micro-batches {list(space.micro_batch_sizes)})",
+                      "use a multiple of the data-parallel degree, e.g. a power of two")
+
+
+def check_space(model: ModelSpec, cluster: ClusterSpec | None, training: TrainingSpec, space: SearchSpace) -> None:
+    """What search() refuses before scoring anything, without a cost model: the restrictions, and
+    on ``cluster`` (None: not known yet) its layouts and the batch. memx-run asks before any
+    worker calibrates."""
+    space.check(model)
+    if cluster is not None:
+        check_batch(_layouts(model, cluster, tuple(d.name for d in cluster.device_types), space), space, training)
 
 
 def recompute_options(table: CostTable, device_names, space: SearchSpace) -> tuple[list[list[int]], list[str]]:
@@ -309,7 +352,7 @@ def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
     return float(over.max()), text
 
 
-def _rank(results, cluster, model, training, objective, weights, top_k):
+def _rank(results, cluster, model, training, objective, weights, bound, top_k):
     # Candidates with another sequence length are compared at equal tokens per iteration.
     T = np.concatenate([r.T[r.feasible] * training.seq_len / r.seq for r in results])
     M = np.concatenate([r.M[r.feasible] for r in results])
@@ -329,7 +372,18 @@ def _rank(results, cluster, model, training, objective, weights, top_k):
             why = "profile given with --objective"
     score, (t_n, m_n, v_n) = phi(T, M, V, chosen)
     refs = {"T_ref": float(np.median(T)), "M_ref": float(np.median(M)), "V_ref": float(np.median(V))}
-    order = np.argsort(score, kind="stable")
+
+    def plan_of(k):
+        gi, row = index[k]
+        terms = {"T": float(t_n[k]), "M": float(m_n[k]), "V": float(v_n[k]), **refs}
+        return to_plan(results[gi], row, model, cluster, training, Objective(float(score[k]), profile, chosen, terms))
+
+    fastest = int(np.lexsort((score, T))[0])
+    # Only candidates this close to the fastest may win; the relative slack absorbs rounding.
+    allowed = np.ones(len(T), bool) if bound is None else T <= T[fastest] * (1 + bound) * (1 + 1e-12)
+    if bound is not None:
+        why += f"; at most {bound:.0%} slower than the fastest feasible plan (--max-slowdown)"
+    order = np.argsort(np.where(allowed, score, np.inf), kind="stable")[:int(allowed.sum())]
     plans, seen = [], set()
     for k in order:
         gi, row = index[k]
@@ -337,20 +391,18 @@ def _rank(results, cluster, model, training, objective, weights, top_k):
         if key in seen:
             continue
         seen.add(key)
-        terms = {"T": float(t_n[k]), "M": float(m_n[k]), "V": float(v_n[k]), **refs}
-        plans.append(to_plan(results[gi], row, model, cluster, training,
-                             Objective(float(score[k]), profile, chosen, terms)))
+        plans.append(plan_of(k))
         if len(plans) >= top_k:
             break
-    pareto, best_v, seen = [], math.inf, set()
+    pareto, best_v = [], math.inf
     for k in np.lexsort((V, T)):
         if V[k] < best_v:
             best_v = V[k]
-            gi, row = index[k]
-            terms = {"T": float(t_n[k]), "M": float(m_n[k]), "V": float(v_n[k]), **refs}
-            pareto.append(to_plan(results[gi], row, model, cluster, training,
-                                  Objective(float(score[k]), profile, chosen, terms)))
-    return plans, pareto, profile, chosen, why
+            pareto.append(plan_of(k))
+    unbounded = int(np.argmin(score))
+    # The winner's own object where it is also the fastest or the unbounded pick (the report asks "is").
+    return (plans, pareto, profile, chosen, why, plans[0] if fastest == order[0] else plan_of(fastest),
+            plans[0] if unbounded == order[0] else plan_of(unbounded))
 
 
 def _plan_key(result: GroupResult, row: int):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from memx_launch.runtime.communication import new_group
 from memx_launch.runtime.messages import all_gather_json
 from memx_launch.files import write_text_atomic
 from memx_launch.runtime.devices import RankDevice
@@ -120,10 +121,12 @@ def detect_cluster(rank_device: RankDevice, local_rank: int, local_count: int) -
     if not dist.is_initialized():  # a single process (Lightning on one device): no link to probe
         return describe(reports, nodes, [{}]), probe_note(reports, nodes, [{}])
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    # new_group is collective: every rank creates every group, in the same order.
-    node_groups = [dist.new_group(ranks) if len(ranks) > 1 else None for ranks in nodes]
+    # Every rank creates every group, in the same order, on the default group's backend (a
+    # detected job is one domain: runtime/communication.py).
+    backend = dist.get_backend()
+    node_groups = [new_group(ranks, backend) if len(ranks) > 1 else None for ranks in nodes]
     leaders = [ranks[0] for ranks in nodes]
-    leader_group = dist.new_group(leaders) if len(leaders) > 1 else None
+    leader_group = new_group(leaders, backend) if len(leaders) > 1 else None
     me = dist.get_rank()
     measured: dict = {}
     for ranks, group in zip(nodes, node_groups):

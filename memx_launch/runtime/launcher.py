@@ -3,8 +3,8 @@
 The parser is torch.distributed.run's own, so every torchrun flag keeps its spelling (dashed
 and underscore forms) and meaning; memx adds its flags, which like torchrun's go before the
 script. The script's own ``--model NAME`` is read (not taken away) when memx-run has none.
-Everything is checked before any worker starts: a bad model, cluster, plan or script path is
-one error line and a non-zero exit, and nothing is overwritten.
+Everything is checked before any worker starts (the script too: :mod:`script_check`): a bad
+input is one error line and a non-zero exit, and nothing is overwritten.
 
 Then either ``--dry-run`` (plan here, print the plan and the torchrun line, exit) or the job:
 the workers run :mod:`memx_launch.runtime.worker`, which plans in the job (unless --plan is
@@ -23,14 +23,16 @@ import time
 
 from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, path_component, write_json_atomic
+from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.search import SearchSpace, add_restriction_args, restrictions_from_args
+from memx_launch.planning.search import SearchSpace, add_restriction_args, check_space, restrictions_from_args
 from memx_launch.runtime import rendezvous
+from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
 from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
-from memx_launch.specs.config_file import add_config_args, config_yaml, parse_with_config
-from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
+from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
+from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precision
 from memx_launch.specs.model import get_model
 from memx_launch.runtime.runs import DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, STOPPED_FILE, check_environment, check_profile_db, previous_run, stopped_run_of
 
@@ -44,6 +46,7 @@ def build_parser():
 
     parser = get_args_parser()
     parser.prog = "memx-run"
+    parser.error = lambda message: one_line_error(parser, message, "memx-run")  # not torchrun's usage dump
     # None: not given; this node's count then comes from the cluster file or its GPUs.
     parser.set_defaults(nproc_per_node=os.environ.get("PET_NPROC_PER_NODE"))
     for action in parser._actions:
@@ -61,13 +64,17 @@ def build_parser():
     g.add_argument("--dry-run", "--dry_run", action="store_true",
                    help="plan here (analytical model, or --profile-db), print the plan and the torchrun line, exit")
     g.add_argument("--export-plan", "--export_plan", metavar="FILE", help="also write the plan to FILE (must not exist)")
-    g.add_argument("--objective", choices=("default", "safety", "throughput"), help="weight profile of Phi")
-    g.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights (override --objective)")
+    g.add_argument("--objective", choices=("default", "safety", "throughput"),
+                   help="weight profile of Phi (no --max-slowdown bound unless given too)")
+    g.add_argument("--weights", metavar="wT,wM,wV",
+                   help="explicit Phi weights (override --objective; no --max-slowdown bound unless given too)")
+    add_slowdown_arg(g)
     g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
     add_restriction_args(g)
-    g.add_argument("--mixed-stages", "--mixed_stages", action="store_true",
-                   help="also search stages whose DP replicas sit on several device types (and domains: "
-                        "their gradients are summed over the bridge)")
+    g.add_argument("--mixed-stages", "--mixed_stages", action="store_true", help="also search stages whose DP "
+                   "replicas sit on several device types (and domains: gradients summed over the bridge)")
+    g.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
+                   help="let each device type take its own TP degree (stages of different degrees)")
     g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float, metavar="S",
                    help="time each device type may spend calibrating (default 600): fewer samples when the "
                         "estimate is over it, and a refusal up front when not even a few fit")
@@ -90,19 +97,9 @@ def build_parser():
     g.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run: its plan and its latest checkpoint (same as --run-dir RUN_DIR)")
     add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
+    add_version_arg(g)
     parser.set_defaults(argv=None)
     return parser
-
-
-def script_flag(script_args: list[str], flag: str) -> str | None:
-    """The value of ``flag`` among the script's arguments (``--flag V`` or ``--flag=V``), last wins."""
-    value = None
-    for i, arg in enumerate(script_args):
-        if arg == flag and i + 1 < len(script_args):
-            value = script_args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _max_nodes(args) -> int:
@@ -178,6 +175,9 @@ def resolve(args) -> dict:
         raise ConfigError("training_script", f"{args.training_script} does not exist",
                           "give the path of the training script (e.g. examples/train.py)")
     script_args = list(args.training_script_args)
+    if not args.module and not args.no_python:  # a typo in its flags would surface after calibration
+        check_script_args(args.training_script, script_args,
+                          {flag for action in build_parser()._actions for flag in action.option_strings})
     # The command line as given (main sets it): the same command continues a run a signal stopped.
     run_dir = args.resume or args.run_dir or (stopped_run_of(args.argv) if args.argv is not None else None)
     previous = previous_run(run_dir, args) if run_dir else None
@@ -227,7 +227,8 @@ def resolve(args) -> dict:
                             grad_dtype="fp32", vocab_parallel_loss=False)
     settings.add("global batch size", training.global_batch_size, "flag" if args.global_batch_size else "default")
     settings.add("sequence length", training.seq_len, "flag" if args.seq_len else "default")
-    settings.add("dtype", training.dtype, "flag" if args.dtype else "default")
+    training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
+    settings.add("dtype", why or training.dtype, "flag" if args.dtype else "default")
 
     plan = None
     if previous is not None:
@@ -252,10 +253,12 @@ def resolve(args) -> dict:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
     if args.weights:
-        from memx_launch.planning.objective import parse_weights
         parse_weights(args.weights)
-    settings.add("objective", args.weights or args.objective or "chosen from the cluster",
-                 "flag" if args.weights or args.objective else "default")
+    max_slowdown = parse_slowdown(args.max_slowdown) if args.max_slowdown else None
+    bound = SearchSpace(max_slowdown=max_slowdown).bound(args.objective, args.weights)
+    settings.add("objective", (args.weights or args.objective or "chosen from the cluster")
+                 + (f", at most {bound:.0%} slower than the fastest plan" if bound is not None else ", no time bound"),
+                 "flag" if args.weights or args.objective or max_slowdown is not None else "default")
     if args.search_budget_s is not None and not 0 < args.search_budget_s < math.inf:
         raise ConfigError("--search-budget-s", f"must be positive, got {args.search_budget_s}", "e.g. 30")
     settings.add("search budget", f"{args.search_budget_s:g} s" if args.search_budget_s else "none",
@@ -270,6 +273,7 @@ def resolve(args) -> dict:
         if not path or not function or not os.path.isfile(path):
             raise ConfigError("--model-builder", f"{args.model_builder!r} is not FILE:FUNCTION of an existing file",
                               "e.g. --model-builder examples/train_own_model.py:build")
+        check_builder(path, function)
         builder = [os.path.abspath(path), function, model_arg]
         settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
     # The job's search and its re-plans keep to these (with a given or continued plan: the re-plans).
@@ -279,15 +283,17 @@ def resolve(args) -> dict:
             raise ConfigError("--tp", f"{list(restrictions['tp_degrees'])} leaves out TP 1, the only degree "
                               "the --model-builder blocks train with", "drop --tp or include 1")
         restrictions["tp_degrees"] = (1,)
-    if args.mixed_stages:
-        restrictions["mixed_stages"] = True
-    SearchSpace(**restrictions).check(model)
+    restrictions.update({flag: True for flag in ("mixed_stages", "per_type_tp") if getattr(args, flag)})
+    check_space(model, cluster if plan is None else None, training,  # what the job would refuse after calibrating
+                SearchSpace(fewer_microbatches_than_stages=False, max_slowdown=max_slowdown, **restrictions))
     applies = "" if previous is None and not args.plan else " (unused: --no-replan)" if args.no_replan \
         else " (re-plans)"
     for field, values in restrictions.items():
         source = "--model-builder" if builder is not None and field == "tp_degrees" else "flag"
         shown = ",".join(map(str, values)) if isinstance(values, tuple) else "yes"
         settings.add(f"search {field.replace('_', ' ')}{applies}", shown, source)
+    if max_slowdown is not None:  # the job's search and its re-plans (shown with the objective)
+        restrictions["max_slowdown"] = max_slowdown
     # The script's own block is stored apart: its samples have the shape of memx's block of that model.
     default_db = DEFAULT_PROFILE_DB if builder is None else os.path.join(
         DEFAULT_RUNS_DIR, f"profiles.{os.path.splitext(os.path.basename(builder[0]))[0]}.{builder[1]}.jsonl")
@@ -322,7 +328,6 @@ def _has_gpu() -> bool:
 def dry_run(args, resolved) -> int:
     from memx_launch.planning import report
     from memx_launch.runtime.worker_env import reproduce_command
-    from memx_launch.planning.objective import parse_weights
     from memx_launch.planning.search import search
 
     cluster, model, training = resolved["cluster"], resolved["model"], resolved["training"]

@@ -52,6 +52,33 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = 
     return parser.parse_args(argv)
 
 
+def add_version_arg(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the installed package's version (its metadata, as pip shows it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("memx")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        installed = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed}")
+
+
+def one_line_error(parser: argparse.ArgumentParser, message: str, name: str):
+    """argparse's error as memx's one line (never the usage dump), with the nearest known flag
+    when one was mistyped."""
+    parser.exit(2, f"{name}: error: {message}{_flag_suggestion(parser, message)} (see '{parser.prog} --help')\n")
+
+
+def _flag_suggestion(parser, message: str) -> str:
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    typed = next((word.split("=")[0] for word in message.split()[2:] if word.startswith("--")), None)
+    known = sorted({flag for p in _parsers(parser) for action in p._actions for flag in action.option_strings
+                    if flag.startswith("--")})
+    close = difflib.get_close_matches(typed, known, n=1) if typed else []
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def config_yaml(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     """The options of ``args`` that a config file can hold, as YAML ``--config`` reads back."""
     target = _selected_parser(parser, args)

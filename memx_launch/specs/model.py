@@ -19,6 +19,10 @@ MAX_DIMENSION = 2**24
 """Bound on every size of a model (layers, hidden, heads, vocabulary, sequence)."""
 
 
+# Fields that change no time or memory: a model's profiles and plans stay its own whatever they hold.
+_NOT_SHAPE = ("name", "rope_theta", "norm_eps")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a decoder-only transformer (LLaMA style unless ``gated_mlp`` is off)."""
@@ -35,6 +39,10 @@ class ModelSpec:
     gated_mlp: bool = True
     """SwiGLU (three FFN matrices) when true, GELU MLP (two) when false."""
     tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    """RoPE base (Llama 3: 500000). Neither it nor ``norm_eps`` changes time or memory: they are
+    kept so that exports state them (Megatron-LM's --rotary-base, --norm-epsilon)."""
+    norm_eps: float = 1e-5
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -44,6 +52,8 @@ class ModelSpec:
         require_name(self.name, "model.name")
         require_type(self.gated_mlp, bool, "model.gated_mlp")
         require_type(self.tie_embeddings, bool, "model.tie_embeddings")
+        require_number(self.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
+        require_number(self.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
         if self.hidden_size % self.num_heads:
             raise ConfigError("model.hidden_size", f"{self.hidden_size} is not divisible by "
                               f"num_heads={self.num_heads}", "use a multiple of num_heads")
@@ -89,7 +99,7 @@ class ModelSpec:
 
     def signature(self) -> str:
         """Short stable hash of the shape; keys profiles, caches and predictors."""
-        payload = json.dumps({k: v for k, v in asdict(self).items() if k != "name"}, sort_keys=True)
+        payload = json.dumps({k: v for k, v in asdict(self).items() if k not in _NOT_SHAPE}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -124,7 +134,8 @@ class ModelSpec:
                    "intermediate_size": cfg.get("n_inner") or 4 * int(cfg.get("n_embd") or 0),
                    "vocab_size": cfg.get("vocab_size"), "hidden_act": cfg.get("activation_function", "gelu"),
                    "max_position_embeddings": cfg.get("n_positions") or cfg.get("n_ctx") or 1024,
-                   "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+                   "layer_norm_epsilon": cfg.get("layer_norm_epsilon")}
             cfg = {k: v for k, v in cfg.items() if v is not None}
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                "intermediate_size", "vocab_size") if k not in cfg]
@@ -152,11 +163,14 @@ class ModelSpec:
             seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
             gated_mlp=act in ("silu", "swiglu", "swish"),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
+                                                  ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
+               if cfg.get(key) is not None},
         )
 
 
-def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq) -> ModelSpec:
-    return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq)
+def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=10000.0) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=rope_theta)
 
 
 # Paper Table 4 plus the published FFN and KV-head sizes; the small flavors run on a CPU.
@@ -164,8 +178,8 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0),
     _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
     _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
     _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),  # TinyLlama-1.1B's shape: benchmarks/gpu_check.py
