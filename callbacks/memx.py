@@ -69,6 +69,8 @@ class MemxCallback(pl.Callback):
         self._blocks: list[torch.nn.Module] = []
         self._emulated = None
         self._monitor: MemoryMonitor | None = None
+        self._comm = None
+        """memx's communicator when the ranks span communication domains (it carries DDP's gradients)."""
         self._inside = False
 
     # ------------------------------------------------------------------ fit start
@@ -99,11 +101,30 @@ class MemxCallback(pl.Callback):
         elif rank == 0:
             print(f"memx: resumed plan kept: {self._describe()}", flush=True)
         self._apply(trainer, pl_module)
+        if cluster.crosses_domains:
+            self._bridge_gradients(trainer, cluster)
         self.plan = self._as_plan(spec, cluster, trainer.world_size)
         self._monitor = MemoryMonitor(self.plan, rank, memory_reader(emulated=self._emulated,
                                                                       device=pl_module.device), self.config)
         if self._emulated is not None:  # weights and DDP buffers were made before the guard was on
             self._emulated.track(pl_module.parameters())
+
+    def _bridge_gradients(self, trainer, cluster) -> None:
+        """Ranks of several vendors: DDP's gradient all-reduce becomes memx's hierarchical sum,
+        native inside each vendor's domain and over the bridge between (runtime/communication.py)."""
+        from memx_launch.runtime.communication import Communicator, local_device
+
+        ddp = trainer.strategy.model
+        if dist.get_backend() == "nccl" or not hasattr(ddp, "register_comm_hook"):
+            raise ConfigError("strategy", f"{cluster.name} spans the domains {sorted(set(cluster.rank_domains()))}, "
+                              f"which one {dist.get_backend()} process group cannot join",
+                              "use DDPStrategy(process_group_backend='gloo'): memx carries the gradients between them")
+        self._comm = Communicator(cluster.rank_domains(), local_device(), emulated=self._emulated)
+        self._comm.prepare_all_reduce(range(trainer.world_size))
+        ddp.register_comm_hook(None, self._comm.ddp_comm_hook)
+        if trainer.global_rank == 0:
+            print(f"memx: gradients cross domains {sorted(set(cluster.rank_domains()))}: summed natively inside "
+                  "each, over the bridge between", flush=True)
 
     def _spec(self, pl_module) -> ModelSpec:
         if isinstance(self.model, ModelSpec):
@@ -226,6 +247,8 @@ class MemxCallback(pl.Callback):
                    "memx/stage0/predicted_gib": self.decision.predicted_peak_gib,
                    "memx/stage0/free_fraction": float((1 - table[:, 1] / table[:, 3]).min()),
                    "memx/recompute_blocks": float(self.decision.recompute_blocks)}
+        if self._comm is not None:  # what this rank sent and received across domains so far
+            metrics["memx/bridge_mib"] = self._comm.traffic.bytes / 2**20
         if trainer.global_rank == 0:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)

@@ -117,6 +117,8 @@ def decide(spec, cluster, training, *, world: int, tp: int, num_blocks: int, use
            user_accumulation: int, headroom: float, cost_model=None) -> Decision:
     """The micro-batch size and checkpointed block count for this layout (module docstring)."""
     dp = world // tp
+    counts = cluster.type_counts()  # DDP's one stage holds every device: its replicas on each type
+    stage_devices = None if len(counts) == 1 else ["+".join(f"{name}*{n // tp}" for name, n in counts.items())]
     local = user_micro_batch * user_accumulation
     mbs = user_micro_batch
     while mbs >= 1:
@@ -124,7 +126,8 @@ def decide(spec, cluster, training, *, world: int, tp: int, num_blocks: int, use
             peaks = []
             for k in range(num_blocks + 1):
                 plan = evaluate_layout(spec, cluster, training, tp=tp, pp=1, dp=dp, micro_batch_size=mbs,
-                                       recompute=[recompute_text("full", k, num_blocks)], cost_model=cost_model, references=(1.0, 1.0, 1.0))
+                                       recompute=[recompute_text("full", k, num_blocks)], stage_devices=stage_devices,
+                                       cost_model=cost_model, references=(1.0, 1.0, 1.0))
                 peaks.append(plan.stages[0].predicted_peak_memory_gib)
             capacity = plan.stages[0].memory_capacity_gib
             decision = Decision(mbs, local // mbs, 0, peaks, capacity)

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import Dataset
 
 from memx_callbacks import MemxCallback
+from memx_launch.specs.cluster import ClusterSpec
 from train_own_model import build
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,6 +72,7 @@ def main() -> int:
     p.add_argument("--log-every", type=int, default=2)
     p.add_argument("--root", default="runs/lightning-example", help="logs, checkpoints, profile and plan")
     p.add_argument("--resume", action="store_true", help="continue from ROOT/checkpoints/last.ckpt")
+    p.add_argument("--cluster", default=CLUSTER, help="cluster file: one process per device it declares")
     args = p.parse_args()
     torch.set_num_threads(1)
     ckpt = os.path.join(args.root, "checkpoints", "last.ckpt")
@@ -79,9 +81,9 @@ def main() -> int:
               file=sys.stderr)
         return 2
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, default_root_dir=args.root,
+        accelerator="cpu", devices=ClusterSpec.from_yaml(args.cluster).world_size, strategy="ddp", max_steps=args.steps, default_root_dir=args.root,
         logger=CSVLogger(args.root, name="logs", version=0), enable_progress_bar=False, log_every_n_steps=1,
-        callbacks=[MemxCallback(CLUSTER, model=MODEL, log_every_n_steps=args.log_every),
+        callbacks=[MemxCallback(args.cluster, model=MODEL, log_every_n_steps=args.log_every),
                    ModelCheckpoint(os.path.join(args.root, "checkpoints"), save_last=True, every_n_train_steps=2)])
     trainer.fit(LitGPT(), ckpt_path=ckpt if args.resume else None)
     return 0
