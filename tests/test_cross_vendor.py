@@ -100,7 +100,7 @@ def test_cross_domain_plans_match_the_single_process_reference():
                 diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
                 assert diff < GRAD_ATOL, (name, rank, param, diff)
                 covered.add(param)
-            crossed = messages
+            crossed += messages
         assert covered == set(ref_grads), name
         assert crossed > 0, f"{name}: nothing took the bridge"
 

@@ -155,7 +155,6 @@ class Communicator:
             raise ConfigError("cluster", f"{len(domains)} ranks have a domain but the job has "
                               f"{dist.get_world_size()}", "launch one process per declared device")
         self.domains = domains
-        self.device = device
         self.rank = dist.get_rank()
         self.domain = domains[self.rank]
         self.strict = strict
@@ -231,7 +230,7 @@ class Communicator:
         for members in by_domain.values():
             if len(members) > 1:
                 self.native(members)
-        shards = min(len(m) for m in by_domain.values()) if len({len(m) for m in by_domain.values()}) == 1 else 1
+        shards = len(next(iter(by_domain.values()))) if _equal_sizes(by_domain) else 1
         for index in range(shards):  # the ranks holding shard ``index`` (or the domains' first ranks)
             self.bridge([members[index] for members in by_domain.values()])
 
@@ -265,11 +264,10 @@ class Communicator:
     def stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of ``tensor`` for the bridge (pinned when it comes from a GPU)."""
         start = time.perf_counter()
+        host = self._host_like(tensor)
         with self.on_host():
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                               pin_memory=tensor.device.type == "cuda")
             host.copy_(tensor.detach())
-        self._count(host, start)
+        self.traffic.staging_s += time.perf_counter() - start
         return host
 
     def unstage(self, host: torch.Tensor, into: torch.Tensor) -> None:
@@ -278,15 +276,17 @@ class Communicator:
             into.copy_(host)
         self.traffic.staging_s += time.perf_counter() - start
 
-    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+    def receive_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer that a bridge receive fills (then :meth:`unstage` into ``like``)."""
-        with self.on_host():
-            return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.device.type == "cuda")
+        return self._host_like(like)
 
-    def _count(self, host: torch.Tensor, start: float) -> None:
+    def _host_like(self, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor shaped like ``like`` (pinned for a GPU's), counted as one bridge message."""
+        with self.on_host():
+            host = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.device.type == "cuda")
         self.traffic.messages += 1
         self.traffic.bytes += host.numel() * host.element_size()
-        self.traffic.staging_s += time.perf_counter() - start
+        return host
 
     # ---- collectives that may cross domains
     def all_reduce_sum(self, tensor: torch.Tensor, ranks) -> None:
@@ -300,8 +300,7 @@ class Communicator:
             return
         by_domain = self._by_domain(ranks)
         mine = by_domain[self.domain]
-        sizes = {len(members) for members in by_domain.values()}
-        if len(sizes) == 1 and tensor.numel() >= len(mine):
+        if _equal_sizes(by_domain) and tensor.numel() >= len(mine):
             self._all_reduce_sharded(tensor, mine, by_domain)
         else:
             self._all_reduce_by_leaders(tensor, mine, by_domain)
@@ -405,10 +404,7 @@ class StrictBridgeCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            groups = [a for a in args if isinstance(a, torch.ScriptObject)]
-            on_bridge = any(self.communicator.is_bridge(dist.ProcessGroup.unbox(g)) for g in groups
-                            if _is_process_group(g))
-            if on_bridge:
+            if any(self.communicator.is_bridge(group) for group in _process_groups(args)):
                 for t in _tensors(args):
                     if self._device_tensor(t):
                         raise DomainViolation(f"{func} sends a device tensor {tuple(t.shape)} over the bridge "
@@ -420,12 +416,19 @@ class StrictBridgeCheck(TorchDispatchMode):
         return t.device.type != "cpu" or (emulated is not None and emulated.holds(t))
 
 
-def _is_process_group(obj) -> bool:
-    try:
-        dist.ProcessGroup.unbox(obj)
-        return True
-    except RuntimeError:
-        return False
+def _process_groups(args):
+    """The process groups among a c10d operator's arguments (torch passes them as script objects)."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                yield dist.ProcessGroup.unbox(arg)
+            except RuntimeError:  # another kind of script object (a reduce op)
+                continue
+
+
+def _equal_sizes(by_domain: dict) -> bool:
+    """Whether every domain holds as many of the ranks: then each sums one shard across domains."""
+    return len({len(members) for members in by_domain.values()}) == 1
 
 
 def _tensors(args):

@@ -60,10 +60,8 @@ class DomainPipelineStage(PipelineStage):
         if not comm.is_bridge(group):
             return dist.P2POp(op.op, op.tensor, peer, group)
         if receiving:
-            host = comm.host_buffer(op.tensor)
+            host = comm.receive_buffer(op.tensor)
             self._staged_recvs[id(op.tensor)] = host
-            comm.traffic.messages += 1
-            comm.traffic.bytes += host.numel() * host.element_size()
         else:
             host = comm.stage(op.tensor)
             self._staged_sends.append(host)

@@ -158,8 +158,7 @@ class Runtime:
         for replicas in grid:
             for replica in replicas:
                 if len(replica) > 1:
-                    group = comm.native(replica)
-                    self.tp_group = group if me in replica else self.tp_group
+                    self.tp_group = comm.native(replica) or self.tp_group  # None outside the replica
         if p.dp > 1:
             for replicas in grid:
                 for t in range(len(replicas[0])):
