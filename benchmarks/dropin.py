@@ -1,7 +1,7 @@
 """The user's own models under memx: plan, measured against predicted memory, and the loss against
 the one-process reference.
 
-1. examples/train_hf_llama.py (transformers LlamaForCausalLM) under memx-run on
+1. examples/train_hf.py (transformers LlamaForCausalLM) under memx-run on
    examples/clusters/cpu-emulated.yaml, planned in the job (memx's block calibrated);
 2. examples/train_own_model.py (a block class memx does not know) the same way, with
    --model-builder (its own block calibrated);
@@ -77,7 +77,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     result = {"machine": machine_info(), "steps": args.steps,
-              "hf_llama": memx_run(os.path.join(EXAMPLES, "train_hf_llama.py"),
+              "hf_llama": memx_run(os.path.join(EXAMPLES, "train_hf.py"),
                                    os.path.join(EXAMPLES, "models", "hf-llama-tiny"), args.steps, builder=False),
               "own_block": memx_run(os.path.join(EXAMPLES, "train_own_model.py"),
                                     os.path.join(EXAMPLES, "models", "own-gpt-tiny"), args.steps, builder=True),

@@ -14,7 +14,8 @@ from memx_launch.runtime.emulation import EmulatedDevice
 from memx_launch.runtime.training import default_loss
 from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
-from toy_models import TOY_SPEC, NoBlocks, ToyModel, hf_llama
+from test_cross_vendor import TWO_VENDORS
+from toy_models import TOY_SPEC, NoBlocks, ToyModel, hf_example, hf_llama
 
 pytest.importorskip("transformers")
 
@@ -90,11 +91,41 @@ def test_a_forward_memx_cannot_read_is_caught():
     ModelParts(ToyModel()).verify()
 
 
-def test_tied_embeddings_are_refused_with_the_fix():
-    model = hf_llama()
-    model.config.tie_word_embeddings = True
-    with pytest.raises(ConfigError, match="tie_word_embeddings=False"):
-        ModelParts(model)
+def _hf_config(family):
+    import transformers as T
+
+    small = dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=97)
+    return {"gpt2": lambda: T.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=97, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0),
+            "opt": lambda: T.OPTConfig(**small, ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=16,
+                                       pad_token_id=1, bos_token_id=0, eos_token_id=0),
+            "qwen2": lambda: T.Qwen2Config(**small, num_key_value_heads=2, intermediate_size=64,
+                                           tie_word_embeddings=True),
+            "gemma": lambda: T.GemmaConfig(**small, num_key_value_heads=1, head_dim=8, intermediate_size=64,
+                                           pad_token_id=0, bos_token_id=0, eos_token_id=0),
+            "phi": lambda: T.PhiConfig(**small, intermediate_size=64)}[family]()
+
+
+@pytest.mark.parametrize("family,tied", [("gpt2", True), ("opt", True), ("qwen2", True), ("gemma", True),
+                                         ("phi", False)])
+def test_hugging_face_causal_lms_split_into_stages_reproduce_the_model(family, tied):
+    """Learned positions (GPT-2, OPT), embedding scaling (Gemma), a projection after the final norm
+    (OPT), parallel blocks (Phi) and tied embeddings: the model's own forward, cut in two."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_config(family))
+    parts = ModelParts(model)
+    parts.verify()
+    x = torch.randint(0, 97, (2, 8))
+    model.eval()
+    first = parts.stage(0, 1, first=True, last=False, recompute="none")
+    last = parts.stage(1, 2, first=False, last=True, recompute="full")
+    assert torch.allclose(last(first(x)), model(x).logits, atol=1e-6, rtol=0)
+    assert len(parts.tied) == tied
+    # each end of a split holds its copy of the tied weight; a stage holding both ends holds one
+    assert len(parts.tied_names(first)) == len(parts.tied_names(last)) == tied
+    assert parts.tied_names(parts.stage(0, 3, first=True, last=True, recompute="none")) == []
 
 
 # --------------------------------------------------------------------------- 4 gloo processes
@@ -108,25 +139,31 @@ def make_plan(spec, stages, tp=1, dp=1, micro_batch_size=1, global_batch_size=8,
     return plan
 
 
-HF_SPEC = get_model(os.path.join(os.path.dirname(__file__), "..", "examples", "models", "hf-llama-tiny"))
-CASES = {
+MODELS = os.path.join(os.path.dirname(__file__), "..", "examples", "models")
+HF_SPEC = get_model(os.path.join(MODELS, "hf-llama-tiny"))
+QWEN2_SPEC = get_model(os.path.join(MODELS, "hf-qwen2-tiny"))  # tied embeddings, TP-able blocks
+GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, learned positions
+CASES = {  # (model, plan, data parallel, cluster: None is one domain)
     "hf pp=4 uneven 3/1/2/2 full/none/selective/none":
         ("hf", make_plan(HF_SPEC, [((0,), 3, "full"), ((1,), 1, "none"), ((2,), 2, "selective"),
-                                   ((3,), 2, "none")], micro_batch_size=2)),
-    "hf pp=2 x dp=2 (DDP) uneven 5/3 selective/full":
-        ("hf", make_plan(HF_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2, micro_batch_size=2)),
-    "hf tp=2 x pp=2 uneven 6/2":
-        ("hf", make_plan(HF_SPEC, [((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2)),
+                                   ((3,), 2, "none")], micro_batch_size=2), "auto", None),
+    "qwen2 tied pp=2 x dp=2 (DDP) uneven 5/3 selective/full":
+        ("hf-qwen2-tiny", make_plan(QWEN2_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
+                                    micro_batch_size=2), "auto", None),
+    "qwen2 tied tp=2 x pp=2 uneven 6/2, the stages on two vendors (tied gradients over the bridge)":
+        ("hf-qwen2-tiny", make_plan(QWEN2_SPEC, [((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2),
+         "auto", TWO_VENDORS),
     "own block pp=2 x dp=2 uneven 3/1 full/selective":
-        ("toy", make_plan(TOY_SPEC, [((0, 1), 3, "full"), ((2, 3), 1, "selective")], dp=2)),
-    "hf pp=2 x dp=2 (FSDP2) uneven 3/5 full/none":
-        ("hf", make_plan(HF_SPEC, [((0, 1), 3, "full"), ((2, 3), 5, "none")], dp=2), "fsdp"),
+        ("toy", make_plan(TOY_SPEC, [((0, 1), 3, "full"), ((2, 3), 1, "selective")], dp=2), "auto", None),
+    "gpt2 tied pp=2 x dp=2 (FSDP2) uneven 3/5 full/none, the stages on two vendors":
+        ("hf-gpt2-tiny", make_plan(GPT2_SPEC, [((0, 1), 3, "full"), ((2, 3), 5, "none")], dp=2), "fsdp",
+         TWO_VENDORS),
 }
 STEPS = 3
 
 
 def _model(kind):
-    return hf_llama() if kind == "hf" else ToyModel()
+    return hf_llama() if kind == "hf" else ToyModel() if kind == "toy" else hf_example(kind)
 
 
 def _batches(plan, vocab):
@@ -142,29 +179,36 @@ def _schedule(opt):
 
 def _worker(rank, port, cases, queue):
     import torch.distributed as dist
+    from memx_launch.runtime.communication import init_distributed
     from memx_launch.runtime.prepare import prepare
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
+                      MEMX_STRICT_DOMAINS="1")
     torch.set_num_threads(1)
     results = []
     try:
-        for kind, plan, *data_parallel in cases:
+        for generation, (kind, plan, data_parallel, cluster) in enumerate(cases):
+            os.environ["MEMX_GENERATION"] = str(generation)  # a fresh key prefix per process group
+            init_distributed(plan, cluster)
+            torch.set_num_threads(1)
             model = _model(kind)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
             try:
                 job = prepare(model, optimizer, loss_fn=default_loss, lr_scheduler=_schedule, max_grad_norm=CLIP,
-                              plan=plan, emulated=EmulatedDevice("cpu", 1.0),
-                              data_parallel=(data_parallel or ["auto"])[0])
+                              plan=plan, emulated=EmulatedDevice("cpu", 1.0), data_parallel=data_parallel,
+                              cluster=cluster)
             except ConfigError as exc:
                 results.append(str(exc))
+                dist.destroy_process_group()
                 continue
-            losses = [job.step(job.local_batch(x), job.local_batch(y)).loss
-                      for x, y in _batches(plan, plan.model_spec.vocab_size)]
-            results.append(losses)
+            stats = [job.step(job.local_batch(x), job.local_batch(y))
+                     for x, y in _batches(plan, plan.model_spec.vocab_size)]
+            results.append(([s.loss for s in stats], sum(s.bridge_messages for s in stats)))
+            dist.destroy_process_group()
     finally:
         queue.put((rank, results))
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _reference(kind, plan):
@@ -186,14 +230,17 @@ def _reference(kind, plan):
 
 @pytest.mark.slow
 def test_user_models_match_the_single_process_reference_over_three_steps():
+    """Tied embeddings included: the first and last stage's copies take the same step as the one
+    weight of the single process only if their gradients are summed (steps 2 and 3 tell)."""
     toy_tp = make_plan(TOY_SPEC, [((0, 1), 2, "none"), ((2, 3), 2, "none")], tp=2)
-    cases = [*CASES.values(), ("toy", toy_tp)]
+    cases = [*CASES.values(), ("toy", toy_tp, "auto", None)]
     results = spawn_ranks(_worker, 4, cases, timeout=400)
-    for i, (name, (kind, plan, *_)) in enumerate(CASES.items()):
+    for i, (name, (kind, plan, _, cluster)) in enumerate(CASES.items()):
         ref = _reference(kind, plan)
         for rank in range(4):
-            got = results[rank][i]
+            got, bridge_messages = results[rank][i]
             assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, ref)) < LOSS_ATOL, (name, rank, got, ref)
+            assert (bridge_messages > 0) == (cluster is not None), (name, rank)
         assert ref[-1] < ref[0], name
     for rank in range(4):  # TP on a block type memx does not know: every rank names the fix
         assert "no tensor-parallel plan for OwnBlock" in results[rank][-1] and "tp=1" in results[rank][-1]
@@ -230,3 +277,17 @@ def test_a_hugging_face_model_inside_a_wrapper_is_found_and_calibrated():
     [m] = calibrate(HF_SPEC, cpu, [Sample(1, 1, 16, "selective", HF_SPEC.num_kv_heads)], num_blocks=1, repeats=1,
                     block_factory=parts.block_probe)
     assert m.feasible and m.peak_memory_bytes > 0
+
+
+def test_a_gelu_config_is_calibrated_with_its_own_hugging_face_block():
+    """memx's LLaMA cannot stand in for GPT-2's block: without --model-builder, memx-run measures
+    the model's own block, built from its config.json; Llama-shaped configs keep memx's block."""
+    from memx_launch.runtime.prepare import user_block_factory
+
+    env = {"MEMX_MODEL": os.path.join(MODELS, "hf-gpt2-tiny")}
+    probe = user_block_factory(env)("none")
+    assert type(next(iter(probe.blocks.values()))).__name__ == "GPT2Block"
+    h = torch.randn(2, 8, GPT2_SPEC.hidden_size)
+    assert probe(h).shape == h.shape
+    assert user_block_factory({"MEMX_MODEL": os.path.join(MODELS, "hf-llama-tiny")}) is None
+    assert user_block_factory({"MEMX_MODEL": "llama-tiny"}) is None

@@ -227,3 +227,26 @@ def test_a_crossing_never_makes_a_plan_faster():
         crossing = estimate(two_vendors(nodes=nodes, bridge=bridge), micro_batch_size=mbs, **layout)
         native = estimate(two_vendors(shared_domain=True, nodes=nodes, bridge=bridge), micro_batch_size=mbs, **layout)
         assert crossing.predicted_iteration_time_s >= native.predicted_iteration_time_s
+
+
+def test_tied_embeddings_across_domains_cost_the_bridge_all_reduce_of_their_gradient():
+    """The first and the last stage sum the shared weight's gradient after the backward (the step
+    waits for it): over the bridge when the two stages sit on different vendors."""
+    import dataclasses
+
+    tied = dataclasses.replace(MODEL, tie_embeddings=True)
+    layout = dict(tp=1, micro_batch_size=1, references=(1.0, 1.0, 1.0), pp=2, dp=2,
+                  stage_devices=["nv-small", "amd-big"], layers_per_stage=[4, 4])
+    crossing = evaluate_layout(tied, two_vendors(), TRAINING, **layout)
+    untied = evaluate_layout(MODEL, two_vendors(), TRAINING, **layout)
+    m = MODEL.embedding_params * TRAINING.precision_bytes("grad_dtype")
+    bridge = 2 * m / (HOST_COPY_GBPS * 1e9) + 2 * BRIDGE_LATENCY_S + m / (BRIDGE_GBPS * 1e9)
+    [sum_of_ends] = [c for c in crossing.crossings if c.kind == "tied_embeddings"]
+    assert (sum_of_ends.stages, sum_of_ends.domains) == ([0, 1], ["nccl", "rccl"])
+    assert sum_of_ends.seconds_per_step == pytest.approx(bridge) and sum_of_ends.bytes_per_step == m
+    # the tied model also holds the head's copy on the last stage: only the sum is extra time here
+    assert crossing.predicted_iteration_time_s > untied.predicted_iteration_time_s
+    native = evaluate_layout(tied, two_vendors(shared_domain=True), TRAINING, **layout)
+    assert not [c for c in native.crossings if c.kind == "tied_embeddings"]
+    assert crossing.predicted_iteration_time_s - native.predicted_iteration_time_s > bridge - 2 * (
+        NATIVE_LATENCY_S + m / (LINK_GBPS * EFFICIENCY * 1e9))

@@ -1,4 +1,4 @@
-"""examples/train_hf_llama.py and examples/train_own_model.py under the real memx-run (4 emulated
+"""examples/train_hf.py and examples/train_own_model.py under the real memx-run (4 emulated
 ranks, a fixed plan with an uneven split and mixed recompute) against the same script's
 one-process reference."""
 
@@ -23,7 +23,7 @@ CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
 LOSS_ATOL = 1e-5
 STEPS, BATCH = 3, 4
 CASES = {  # script, model, (pp, dp), layers, recompute
-    "hf-llama": ("train_hf_llama.py", "hf-llama-tiny", (4, 1), [1, 2, 3, 2], ["full", "selective", "none", "full"]),
+    "hf-llama": ("train_hf.py", "hf-llama-tiny", (4, 1), [1, 2, 3, 2], ["full", "selective", "none", "full"]),
     "own-block": ("train_own_model.py", "own-gpt-tiny", (2, 2), [3, 1], ["selective", "full"]),
 }
 

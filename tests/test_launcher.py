@@ -193,6 +193,10 @@ def test_the_search_restrictions_of_memx_plan_restrict_memx_run_s_search(tmp_pat
     out = capsys.readouterr().out
     assert re.search(r"search tp degrees +1 +\(--model-builder\)", out)
     assert re.findall(r" tp=(\d+) pp=", out) and set(re.findall(r" tp=(\d+) pp=", out)) == {"1"}
+    # So do blocks of a config memx has no TP plan for (GPT-2), without --model-builder
+    gpt2 = os.path.join(os.path.dirname(OWN_MODEL), "models", "hf-gpt2-tiny")
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", TRAIN, "--model", gpt2]) == 0
+    assert re.search(r"search tp degrees +1 +\(--model\)", capsys.readouterr().out)
 
 
 def test_the_workers_read_the_restrictions_back():

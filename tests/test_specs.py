@@ -77,6 +77,39 @@ def test_gpt2_style_config_json(tmp_path):
         (12, 768, 12, 12, 3072, 50257, 1024)
     assert not m.gated_mlp and m.tie_embeddings and m.norm_eps == 1e-5
     assert 120e6 < m.total_params < 130e6  # GPT-2 small: 124M (memx counts no biases or position table)
+    assert not m.tensor_parallel_blocks  # memx-run has no TP plan for GPT-2 blocks
+
+
+@pytest.mark.parametrize("cfg,expected", [
+    # OPT-350m as published: ffn_dim, ReLU, tied by default
+    ({"model_type": "opt", "num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "ffn_dim": 4096,
+      "vocab_size": 50272, "max_position_embeddings": 2048, "activation_function": "relu"},
+     dict(ffn_hidden_size=4096, gated_mlp=False, tie_embeddings=True, tensor_parallel_blocks=False)),
+    # Gemma-2B: a gated GELU MLP, tied by default, Llama-family blocks
+    ({"model_type": "gemma", "num_hidden_layers": 18, "hidden_size": 2048, "num_attention_heads": 8,
+      "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 16384, "vocab_size": 256000,
+      "hidden_act": "gelu_pytorch_tanh"},
+     dict(gated_mlp=True, tie_embeddings=True, tensor_parallel_blocks=True)),
+    # Qwen2-0.5B says tie_word_embeddings itself; Phi-2 (parallel blocks, GELU) does not tie
+    ({"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
+      "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True},
+     dict(gated_mlp=True, tie_embeddings=True, tensor_parallel_blocks=True)),
+    ({"model_type": "phi", "num_hidden_layers": 32, "hidden_size": 2560, "num_attention_heads": 32,
+      "intermediate_size": 10240, "vocab_size": 51200, "hidden_act": "gelu_new"},
+     dict(gated_mlp=False, tie_embeddings=False, tensor_parallel_blocks=False)),
+], ids=["opt-350m", "gemma-2b", "qwen2-0.5b", "phi-2"])
+def test_hf_configs_of_other_families(tmp_path, cfg, expected):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = get_model(str(tmp_path))
+    assert {k: getattr(m, k) for k in expected} == expected
+
+
+def test_a_head_dim_memx_cannot_model_is_refused(tmp_path):
+    cfg = {"model_type": "gemma", "num_hidden_layers": 28, "hidden_size": 3072, "num_attention_heads": 16,
+           "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000}  # Gemma-7B: 16 x 256 != 3072
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"head_dim: 256 x 16 heads is not hidden_size 3072.*hidden_size / num_"):
+        get_model(str(tmp_path))
 
 
 def test_every_example_cluster_loads():

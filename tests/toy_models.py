@@ -23,6 +23,14 @@ def hf_llama(seed: int = 0):
     return LlamaForCausalLM(LlamaConfig.from_pretrained(HF_TINY))
 
 
+def hf_example(name: str, seed: int = 0):
+    """examples/models/<name>'s causal LM (hf-gpt2-tiny, hf-qwen2-tiny: tied embeddings)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.join(EXAMPLES, "models", name)))
+
+
 class ToyModel(OwnModel):
     """examples/train_own_model.py's model (a block class memx does not know) at TOY_SPEC."""
 

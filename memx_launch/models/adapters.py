@@ -6,12 +6,19 @@ What is found (:class:`ModelParts`):
 - the blocks: the ModuleList (or ModuleDict) the user names with ``blocks="path"``, else the first
   of ``model.layers`` (Hugging Face decoders, memx's LlamaStage), ``layers`` (torchtitan style),
   ``transformer.h``, else the largest list of modules of one class;
-- Hugging Face Llama / Mistral / Qwen2 models (``*ForCausalLM``): token embedding, rotary table,
-  final norm and LM head, called the way the model's forward calls them (causal, no padding mask);
+- Hugging Face causal LMs (``*ForCausalLM``: GPT-2, OPT, Llama, Mistral, Qwen2, Gemma, Phi and
+  any other whose decoder holds the blocks): before the blocks, the decoder's own forward with its
+  blocks and final modules left out (embeddings, learned positions, scaling and dropout as the
+  model does them); after them, the final norm (OPT: and projection) and the LM head; blocks called
+  with positions (and the rotary table), causal, no padding mask;
 - any other model: the modules registered before the blocks (in each module on the path from the
   root to the blocks) run before them, in registration order, and those registered after run after
-  them, innermost first. ``verify`` runs the whole module against this reading on a small input and
-  raises when they differ, so a forward that does more (positions, masks) is caught at start.
+  them, innermost first.
+
+``verify`` runs the whole module against this reading on a small input and raises when they
+differ, so a forward that does more is caught at start. Tied embeddings (the head holding the
+embedding's weight) are :attr:`ModelParts.tied`: one parameter when one stage holds both ends,
+else a copy on the first and the last stage whose gradients the runtime sums every step.
 
 A stage (:class:`StageModule`) keeps the user's module objects (their weights, pretrained or not)
 under names that do not depend on the split (``blocks.{global index}``), so checkpoints load under
@@ -39,10 +46,12 @@ from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel, pe
 log = logging.getLogger("memx")
 
 BLOCK_PATHS = ("model.layers", "layers", "transformer.h")
-HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "GemmaDecoderLayer")
 # The attention function memx registers with transformers: SDPA, with the core recomputed in the
 # backward pass on blocks of "selective" stages.
 HF_ATTENTION = "memx_sdpa"
+# What a Hugging Face decoder runs after its blocks, in this order (OPT: norm, then projection).
+HF_FINAL_MODULES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "project_out")
 _WARNED: set[str] = set()
 
 
@@ -111,35 +120,51 @@ class ModelParts:
             raise ConfigError("blocks", f"{self.path} mixes block types ({', '.join(k.name for k in kinds)})",
                               "name a list of one block type")
         self.kind = kinds.pop()
+        self.container = container
         self.rotary: nn.Module | None = None
-        if self.kind is HF_KIND:
-            self._hf_parts(model, container)
+        lm = _hf_causal_lm(model, container)
+        self.hf = lm is not None
+        """A Hugging Face causal LM: blocks take positions (and the rotary table), no mask."""
+        if lm is not None:
+            self._hf_parts(*lm)
+        elif self.kind is HF_KIND:
+            raise ConfigError("model", f"the {self.kind.name} blocks at {self.path} are not the layers of a "
+                              "*ForCausalLM's decoder", "pass the Hugging Face *ForCausalLM (or a module holding it)")
         else:
             self.before, self.after = _around(model, self.path)
+        self.tied = _shared_parameters(self.before, self.after)
+        """Parameters the first and the last stage both hold (tied embeddings): one object when
+        one stage holds both, else two copies whose gradients the runtime sums every step."""
 
-    def _hf_parts(self, model: nn.Module, container: nn.Module) -> None:
-        """The Hugging Face causal LM holding the blocks (the model itself, or a module inside a
-        wrapper such as a LightningModule): its embedding, rotary table, final norm and head."""
-        found = next(((name, m) for name, m in model.named_modules() if hasattr(m, "lm_head")
-                      and getattr(getattr(m, "model", None), "layers", None) is container), None)
-        if found is None:
-            raise ConfigError("model", f"the {self.kind.name} blocks at {self.path} are not the layers of a "
-                              "*ForCausalLM's model", "pass the Hugging Face *ForCausalLM (or a module holding it)")
-        name, lm = found
-        prefix = name + "." if name else ""
-        if lm.config.tie_word_embeddings:
-            raise ConfigError("model.config.tie_word_embeddings", "the LM head shares the embedding's "
-                              "weight, which pipeline stages cannot share",
-                              "build the model with tie_word_embeddings=False")
-        self.before = [(prefix + "model.embed_tokens", lm.model.embed_tokens)]
-        self.after = [(prefix + "model.norm", lm.model.norm), (prefix + "lm_head", lm.lm_head)]
-        self.rotary = lm.model.rotary_emb
+    def _hf_parts(self, lm: nn.Module, prefix: str) -> None:
+        """A Hugging Face causal LM (the model itself, or a module inside a wrapper such as a
+        LightningModule): before the blocks, its decoder's own forward with no blocks and no final
+        norm (embeddings, learned positions, scaling and dropout as the model does them); after
+        them, the final norm (and projection) and the LM head; the rotary table every block uses."""
+        decoder = lm.get_decoder()
+        decoder_prefix = prefix + next(n + "." for n, m in lm.named_modules() if m is decoder)
+        blocks_name = next(n for n, m in decoder.named_children() if m is self.container)
+        finals = [n for n in HF_FINAL_MODULES if getattr(decoder, n, None) is not None]
+        head_name = next(n for n, m in lm.named_children() if m is lm.get_output_embeddings())
+        self.before = [(decoder_prefix.rstrip("."), HFEmbedding(decoder, blocks_name, finals))]
+        self.after = [(decoder_prefix + n, getattr(decoder, n)) for n in finals] + \
+            [(prefix + head_name, lm.get_output_embeddings())]
+        self.rotary = getattr(decoder, "rotary_emb", None)
         self.config = lm.config
-        _use_memx_attention(lm.config)
+        if self.kind is HF_KIND:
+            _use_memx_attention(lm.config)
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
+
+    def tied_names(self, stage: nn.Module) -> list[str]:
+        """The names in ``stage`` of the tied parameters it holds while another stage holds them
+        too (none when it holds both ends), in :attr:`tied` order on every stage."""
+        names = {id(p): n for n, p in stage.named_parameters()}
+        if not (stage.before and stage.after):
+            return [names[id(p)] for p in self.tied if id(p) in names]
+        return []
 
     def stage(self, layer_offset: int, num_layers: int, *, first: bool, last: bool,
               recompute: str | list[str]) -> "StageModule":
@@ -155,16 +180,23 @@ class ModelParts:
     @torch.no_grad()
     def verify(self, example: torch.Tensor | None = None, atol: float = 1e-5) -> None:
         """The whole model against before -> blocks -> after on ``example`` (default: 1 x 8 token
-        ids when the first part is an embedding; nothing to check otherwise)."""
+        ids when the first part is an embedding; nothing to check otherwise), in eval mode (dropout
+        would differ between the two runs)."""
         if example is None:
-            first = self.before[0][1] if self.before else None
-            if not isinstance(first, nn.Embedding) or first.weight.device.type == "meta":
+            first = next((m for _, part in self.before for m in part.modules() if isinstance(m, nn.Embedding)), None)
+            if first is None or first.weight.device.type == "meta":
                 return
             example = torch.randint(0, first.num_embeddings, (1, 8), device=first.weight.device)
-        expected = self.model(example)
-        expected = getattr(expected, "logits", expected)
-        expected = expected[0] if isinstance(expected, (tuple, list)) else expected
-        got = self.stage(0, self.num_layers, first=True, last=True, recompute="none")(example)
+        training = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+        try:
+            expected = self.model(example)
+            expected = getattr(expected, "logits", expected)
+            expected = expected[0] if isinstance(expected, (tuple, list)) else expected
+            got = self.stage(0, self.num_layers, first=True, last=True, recompute="none")(example)
+        finally:
+            for module, mode in training.items():
+                module.training = mode
         if got.shape != expected.shape or not torch.allclose(got, expected, atol=atol, rtol=0):
             raise ConfigError("model", f"running {type(self.model).__name__}'s parts in order (before the blocks: "
                               f"{[n for n, _ in self.before]}, after: {[n for n, _ in self.after]}) does not "
@@ -209,6 +241,7 @@ class StageModule(nn.Module):
                                      for i in range(num_layers)})
         self.after = nn.ModuleDict({_key(n): m for n, m in parts.after}) if last else nn.ModuleDict()
         self.rotary = parts.rotary
+        self.hf = parts.hf
         self.levels = per_layer(recompute, num_layers)
         if "selective" in self.levels and not self.kind.knows_attention and self.kind.name not in _WARNED:
             _WARNED.add(self.kind.name)  # once per process and block type
@@ -236,12 +269,45 @@ class StageModule(nn.Module):
         return h
 
     def _block_call(self, h: torch.Tensor) -> Callable:
-        if self.kind is HF_KIND:
+        if self.hf:  # causal attention without a padding mask, as the model's own forward without one
             positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            rotary = self.rotary(h, positions)
-            return lambda block, x: _first(block(x, attention_mask=None, position_ids=positions,
-                                                 position_embeddings=rotary))
+            extra = {} if self.rotary is None else {"position_embeddings": self.rotary(h, positions)}
+            return lambda block, x: _first(block(x, attention_mask=None, position_ids=positions, **extra))
         return lambda block, x: _first(block(x))
+
+
+def _hf_causal_lm(model: nn.Module, container: nn.Module) -> tuple[nn.Module, str] | None:
+    """The Hugging Face causal LM whose decoder holds ``container`` as its blocks, and its name
+    prefix inside ``model``; None when the blocks are not such a model's."""
+    for name, module in model.named_modules():
+        get_decoder = getattr(module, "get_decoder", None)
+        if callable(getattr(module, "get_output_embeddings", None)) and callable(get_decoder) \
+                and module.get_output_embeddings() is not None \
+                and any(child is container for child in get_decoder().children()):
+            return module, name + "." if name else ""
+    return None
+
+
+class HFEmbedding(nn.Module):
+    """A Hugging Face decoder's forward up to its blocks: the decoder itself (same modules, no
+    copies of weights) with no blocks and no final modules, so that token and position embeddings,
+    scaling and dropout are exactly the model's."""
+
+    def __init__(self, decoder: nn.Module, blocks_name: str, finals: list[str]):
+        super().__init__()
+        shell = copy.copy(decoder)  # the modules dict is replaced below, never the decoder's own
+        shell._modules = {**decoder._modules, blocks_name: nn.ModuleList(),
+                          **{name: nn.Identity() for name in finals}}
+        self.decoder = shell
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(input_ids=tokens, use_cache=False).last_hidden_state
+
+
+def _shared_parameters(before: list, after: list) -> list[nn.Parameter]:
+    """Parameters of the first stage's parts that the last stage's parts hold too."""
+    first = {id(p) for _, module in before for p in module.parameters()}
+    return [p for _, module in after for p in module.parameters() if id(p) in first]
 
 
 def _first(out):

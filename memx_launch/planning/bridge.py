@@ -119,6 +119,17 @@ def layout_crossings(cluster: ClusterSpec, stage_ranks, stage_tp) -> tuple[tuple
     return tuple(edges), tuple(groups)
 
 
+def tied_crossing(cluster: ClusterSpec, stage_ranks) -> EdgeCrossing | None:
+    """The first and the last stage's sum of tied-embedding gradients (rank j of one with rank j
+    of the other) when it crosses domains; ``stage`` is the last stage."""
+    if not cluster.crosses_domains or len(stage_ranks) < 2:
+        return None
+    domain = cluster.rank_domains()
+    ends = list(zip(stage_ranks[0], stage_ranks[-1]))
+    pairs = tuple(sorted({pair(domain[a], domain[b]) for a, b in ends if domain[a] != domain[b]}))
+    return EdgeCrossing(len(stage_ranks) - 1, pairs, cluster.transfers_gbps(ends)) if pairs else None
+
+
 class BridgePricing:
     """Bridge costs on one cluster: the cluster file's ``bridge`` settings, the measured
     (latency_s, gbps) of domain pairs where calibration measured them (``measured``, keyed by

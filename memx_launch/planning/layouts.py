@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.bridge import EdgeCrossing, GroupCrossing, layout_crossings
+from memx_launch.planning.bridge import EdgeCrossing, GroupCrossing, layout_crossings, tied_crossing
 from memx_launch.planning.costmodel import communicators_per_rank
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -45,6 +45,10 @@ class Layout:
     """Pipeline edges (the last stage's: interleaving's wrap-around) that cross communication domains."""
     group_crossings: tuple[GroupCrossing, ...] = ()
     """Stages whose DP groups span communication domains."""
+    ends_gbps: float = math.inf
+    """The link between the first and the last stage (tied embeddings' gradient sum)."""
+    ends_crossing: EdgeCrossing | None = None
+    """That sum, when the first and the last stage sit in different domains."""
 
     @property
     def pp(self) -> int:
@@ -180,7 +184,9 @@ def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
                   [list(r) for r in stage_ranks],
                   np.array([[cluster.device_type(t).memory_bytes for t in row] for row in rows], dtype=float),
                   np.array(next_gbps, dtype=float), np.array(dp_gbps, dtype=float),
-                  *layout_crossings(cluster, [list(r) for r in stage_ranks], stage_tp))
+                  *layout_crossings(cluster, [list(r) for r in stage_ranks], stage_tp),
+                  cluster.transfers_gbps(zip(stage_ranks[0], stage_ranks[-1])) if len(stage_ranks) > 1 else math.inf,
+                  tied_crossing(cluster, [list(r) for r in stage_ranks]))
 
 
 def parse_stage_devices(text: str, known, dp: int, field: str) -> list[tuple[str, int]]:

@@ -80,10 +80,11 @@ class Crossing:
     """Traffic of one training step that crosses communication domains, over the bridge."""
 
     kind: str
-    """``pipeline`` (a stage's transfers to the next, both directions) or ``data_parallel``
-    (a stage's gradient sync)."""
+    """``pipeline`` (a stage's transfers to the next, both directions), ``data_parallel``
+    (a stage's gradient sync) or ``tied_embeddings`` (the first and last stage's sum of the
+    gradients of the weight they share)."""
     stages: list[int]
-    """The edge's two stages, or the DP group's stage."""
+    """The edge's two stages, the DP group's stage, or the first and the last stage."""
     domains: list[str]
     bytes_per_step: float
     """Bytes one rank sends over the bridge per step."""
@@ -92,7 +93,7 @@ class Crossing:
     parallel: the stage's whole hierarchical sync."""
 
 
-CROSSING_KINDS = ("pipeline", "data_parallel")
+CROSSING_KINDS = ("pipeline", "data_parallel", "tied_embeddings")
 
 
 @dataclass

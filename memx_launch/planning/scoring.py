@@ -82,6 +82,8 @@ class GroupResult:
     memory_replica: np.ndarray | None = None
     """(C, P) the row of the layout's ``replica_device`` that ``memory`` is on, where a stage's
     replicas sit on several device types; None: the first (the only one)."""
+    tied_sync_s: float = 0.0
+    """Seconds the first and the last stage sum their tied gradients (:meth:`Evaluator.tied_sync_time`)."""
 
     def stage_recompute(self, row: int, stage: int) -> str:
         """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""
@@ -225,13 +227,14 @@ class Evaluator:
             replica = None
         feasible = fits.all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         T, transfer, sync = self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)
-        crosses = bool(layout.edge_crossings or layout.group_crossings)
+        crosses = bool(layout.edge_crossings or layout.group_crossings or layout.ends_crossing)
         # M: the fullest device, as a fraction of its capacity (devices of different sizes
         # compare); V: the variance of the devices' memory use in GiB^2, as the paper's
         # (its Table 10 reports 9.13e5 MB^2), so that balance means equal use, not equal shares.
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
                            T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible, cap,
-                           recompute_layers, transfer if crosses else None, sync if crosses else None, replica)
+                           recompute_layers, transfer if crosses else None, sync if crosses else None, replica,
+                           self.tied_sync_time(layout))
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the
@@ -309,6 +312,17 @@ class Evaluator:
             fewest = np.maximum(fewest, np.ceil((layers * none_layer + full_fixed - self.usable(capacity)) / saved))
         return np.where(levels == cm.FULL, np.clip(fewest, 1, layers).astype(np.int64), layers)
 
+    def tied_sync_time(self, layout) -> float:
+        """Seconds the first and the last stage spend summing their tied gradients, after the DP
+        sync (Megatron's embedding group): an all-reduce of two, over the bridge when they sit in
+        different domains."""
+        nbytes = cm.tied_gradient_bytes(self.model, layout.pp, layout.end_tp[0], self.training)
+        if not nbytes:
+            return 0.0
+        if layout.ends_crossing is not None:
+            return float(self.bridges.edge_link(layout.ends_crossing).allreduce_time(nbytes, 2))
+        return float(cm.allreduce_time(nbytes, 2, layout.ends_gbps * self.cluster.link_efficiency))
+
     def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
         return self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)[0]
 
@@ -339,6 +353,10 @@ class Evaluator:
         if tr.overlap_grad_reduce:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
+        tied = self.tied_sync_time(layout)
+        if tied:  # after their DP sync the first and the last stage sum their tied gradients
+            t_dp = t_dp.copy()
+            t_dp[:, [0, -1]] += tied
         t_dp = t_dp.max(axis=1)
         # The optimizer step of every stage on each of its device types, at once.
         step = cm.optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
@@ -383,6 +401,11 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
         synced = cm.sync_allreduce_bytes(params[group.stage], training)
         out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
                             float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
+    tied_bytes = cm.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)
+    if tied_bytes and layout.ends_crossing is not None:
+        edge = layout.ends_crossing
+        out.append(Crossing("tied_embeddings", [0, layout.pp - 1], sorted({d for p in edge.domain_pairs for d in p}),
+                            tied_bytes, result.tied_sync_s))
     return out
 
 

@@ -278,10 +278,11 @@ def resolve(args) -> dict:
         settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
     # The job's search and its re-plans keep to these (with a given or continued plan: the re-plans).
     restrictions = restrictions_from_args(args)
-    if builder is not None:  # the script's own blocks train with TP 1
+    tp_one = "--model-builder" if builder is not None else None if model.tensor_parallel_blocks else "--model"
+    if tp_one is not None:  # blocks memx has no tensor-parallel plan for train with TP 1
         if 1 not in restrictions.get("tp_degrees", (1,)):
             raise ConfigError("--tp", f"{list(restrictions['tp_degrees'])} leaves out TP 1, the only degree "
-                              "the --model-builder blocks train with", "drop --tp or include 1")
+                              f"the {tp_one} blocks train with", "drop --tp or include 1")
         restrictions["tp_degrees"] = (1,)
     restrictions.update({flag: True for flag in ("mixed_stages", "per_type_tp") if getattr(args, flag)})
     check_space(model, cluster if plan is None else None, training,  # what the job would refuse after calibrating
@@ -289,7 +290,7 @@ def resolve(args) -> dict:
     applies = "" if previous is None and not args.plan else " (unused: --no-replan)" if args.no_replan \
         else " (re-plans)"
     for field, values in restrictions.items():
-        source = "--model-builder" if builder is not None and field == "tp_degrees" else "flag"
+        source = tp_one if tp_one is not None and field == "tp_degrees" else "flag"
         shown = ",".join(map(str, values)) if isinstance(values, tuple) else "yes"
         settings.add(f"search {field.replace('_', ' ')}{applies}", shown, source)
     if max_slowdown is not None:  # the job's search and its re-plans (shown with the objective)

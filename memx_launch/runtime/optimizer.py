@@ -53,13 +53,16 @@ def local_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer):
     return lr_scheduler(optimizer)
 
 
-def clip_grad_norm(chunks: list[nn.Module], max_norm: float, sum_over_stages: Callable[[torch.Tensor], None]) -> float:
+def clip_grad_norm(chunks: list[nn.Module], max_norm: float, sum_over_stages: Callable[[torch.Tensor], None],
+                   counted_elsewhere: list[nn.Parameter] = ()) -> float:
     """Clip by the norm of the whole model's gradient: each stage's norm (over its TP and DP
     shards, which DTensor reduces) combined across the stages by ``sum_over_stages`` (in place).
-    Returns the norm before clipping."""
+    ``counted_elsewhere``: this stage's copies of parameters another stage counts (tied
+    embeddings), clipped but not counted twice. Returns the norm before clipping."""
     grads = [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    skip = {id(p.grad) for p in counted_elsewhere}
     by_mesh: dict[int, list] = {}  # DTensor gradients (TP, FSDP2) reduce over their own mesh
-    for g in grads:
+    for g in (g for g in grads if id(g) not in skip):
         by_mesh.setdefault(id(g.device_mesh) if hasattr(g, "device_mesh") else 0, []).append(g)
     squared = torch.zeros(1, device=grads[0].device if grads else None)
     for mesh, group in by_mesh.items():

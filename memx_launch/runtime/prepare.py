@@ -41,7 +41,10 @@ def prepare(model: nn.Module, optimizer=None, *, loss_fn: Callable | None = None
 
 def user_block_factory(environ=os.environ):
     """memx-run --model-builder FILE:FUNCTION (MEMX_MODEL_BUILDER): FUNCTION(model, seed) from the
-    script file builds the model, and calibration measures copies of its first block. None without it."""
+    script file builds the model, and calibration measures copies of its first block. Without it,
+    a Hugging Face config.json that memx's LLaMA cannot stand in for (a GELU MLP: GPT-2, OPT, Phi)
+    gives the model's own block, built from the config by transformers; else None (memx's LLaMA
+    block of the shape)."""
     import importlib.util
     import json
     import sys
@@ -49,7 +52,7 @@ def user_block_factory(environ=os.environ):
     from memx_launch.models.adapters import ModelParts
 
     if not environ.get("MEMX_MODEL_BUILDER"):
-        return None
+        return _hf_block_factory(environ.get("MEMX_MODEL", ""))
     path, function, model_arg = json.loads(environ["MEMX_MODEL_BUILDER"])
     sys.path.insert(0, os.path.dirname(path))  # the script's own imports, as when it runs
     spec = importlib.util.spec_from_file_location("memx_model_builder", path)
@@ -57,4 +60,29 @@ def user_block_factory(environ=os.environ):
     spec.loader.exec_module(module)  # not __main__: the script's training does not start
     if not callable(getattr(module, function, None)):
         raise ConfigError("--model-builder", f"{path} has no function {function}", "name a function(model, seed)")
-    return ModelParts(getattr(module, function)(model_arg, 0)).block_probe
+    return _block_probe(ModelParts(getattr(module, function)(model_arg, 0)))
+
+
+def _hf_block_factory(model_arg: str):
+    from memx_launch.models.adapters import ModelParts
+    from memx_launch.specs.model import get_model
+
+    folder = model_arg if os.path.isdir(model_arg) else os.path.dirname(model_arg)
+    if not os.path.isfile(os.path.join(folder, "config.json")) or get_model(model_arg).gated_mlp:
+        return None
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError("--model", f"{model_arg} has a GELU MLP, which memx's own LLaMA block cannot measure "
+                          "in its place", "pip install -e '.[hf]' so that memx measures the model's own block, "
+                          "or pass --model-builder FILE:FUNCTION") from None
+    config = AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers = 1  # the block is what calibration measures
+    return _block_probe(ModelParts(AutoModelForCausalLM.from_config(config)))
+
+
+def _block_probe(parts):
+    """What calibration measures; a forward memx cannot read stops the job here, before calibrating."""
+    if not parts.kind.knows_attention:
+        parts.verify()
+    return parts.block_probe

@@ -33,6 +33,7 @@ from memx_launch.runtime.layout import RankLayout, process_grid, process_rank, r
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import Precision
+from memx_launch.runtime.tied_weights import TiedGradients
 from memx_launch.runtime.watchdog import StepWatchdog
 
 
@@ -120,10 +121,13 @@ class Runtime:
             self.dp_mesh = DeviceMesh.from_group(self.comm.native(self._dp_ranks), self.device.type,
                                                  mesh=list(self._dp_ranks), mesh_dim_names=("dp",))
         self.parts = None if model is None else self._model_parts(model, blocks)
+        self.tied = TiedGradients(self.comm, plan, bool(self.parts and self.parts.tied))
         original = {}  # id of the user's parameter -> its rank-local name (wrapping replaces the objects)
+        tied_names: list[str] = []
         with self._measured():
-            self.chunks = [self._build_chunk(i, c, seed, data_parallel, original)
+            self.chunks = [self._build_chunk(i, c, seed, data_parallel, original, tied_names)
                            for i, c in enumerate(self.layout.chunks)]
+        self.tied.parameters = [parameter_names(self.chunks)[name] for name in tied_names]
         if self.parts is not None and emulated is not None:  # created before the guard was on
             emulated.track(p for m in self.chunks for p in m.parameters())
         num_virtual = plan.pp * plan.virtual_stages
@@ -189,7 +193,8 @@ class Runtime:
             parts.verify()
         return parts
 
-    def _build_chunk(self, index: int, chunk, seed: int, data_parallel: str, original: dict) -> torch.nn.Module:
+    def _build_chunk(self, index: int, chunk, seed: int, data_parallel: str, original: dict,
+                     tied_names: list[str]) -> torch.nn.Module:
         # full:K recomputes the stage's first K layers, counted through its chunks in order.
         levels = layer_recompute_levels(self.stage_plan.recompute, self.stage_plan.num_layers)
         start = sum(c.num_layers for c in self.layout.chunks[:index])
@@ -201,6 +206,8 @@ class Runtime:
             module = self.parts.stage(chunk.layer_offset, chunk.num_layers, first=chunk.first, last=chunk.last,
                                       recompute=recompute)
             original.update({id(p): f"{index}.{name}" for name, p in module.named_parameters()})
+            if self.plan.pp > 1:
+                tied_names += [f"{index}.{name}" for name in self.parts.tied_names(module)]
         module = module.to(self.device)
         if self.tp > 1:
             if self.parts is None:
@@ -281,9 +288,11 @@ class Runtime:
                     self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
                 if self.plan.dp > 1 and self.dp_crosses_domains:
                     self.comm.all_reduce_mean(self._local_grads(), self._dp_ranks)
+                self.tied.sum_grads(self.layout.tp_index)
                 if self.precision.unscale(p for m in self.chunks for p in m.parameters()):
                     if self.max_grad_norm is not None:
-                        clip_grad_norm(self.chunks, self.max_grad_norm, self._sum_over_stages)
+                        counted_elsewhere = self.tied.parameters if self.layout.is_last_stage else []
+                        clip_grad_norm(self.chunks, self.max_grad_norm, self._sum_over_stages, counted_elsewhere)
                     self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

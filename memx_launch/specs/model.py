@@ -20,7 +20,13 @@ MAX_DIMENSION = 2**24
 
 
 # Fields that change no time or memory: a model's profiles and plans stay its own whatever they hold.
-_NOT_SHAPE = ("name", "rope_theta", "norm_eps")
+_NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
+# Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
+# Model types whose config class ties the head to the embedding unless told otherwise.
+TIED_BY_DEFAULT = ("gpt2", "opt", "gemma")
+# Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU).
+GATED_GELU = ("gemma",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class ModelSpec:
     """RoPE base (Llama 3: 500000). Neither it nor ``norm_eps`` changes time or memory: they are
     kept so that exports state them (Megatron-LM's --rotary-base, --norm-epsilon)."""
     norm_eps: float = 1e-5
+    tensor_parallel_blocks: bool = True
+    """memx's runtime splits these blocks by TP (its LLaMA, the Hugging Face Llama family);
+    memx-run plans TP 1 otherwise (a plan for another framework may still use TP)."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -52,6 +61,7 @@ class ModelSpec:
         require_name(self.name, "model.name")
         require_type(self.gated_mlp, bool, "model.gated_mlp")
         require_type(self.tie_embeddings, bool, "model.tie_embeddings")
+        require_type(self.tensor_parallel_blocks, bool, "model.tensor_parallel_blocks")
         require_number(self.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
         require_number(self.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
         if self.hidden_size % self.num_heads:
@@ -125,7 +135,12 @@ class ModelSpec:
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any], name: str, where: str = "config") -> "ModelSpec":
-        """The shape in a Hugging Face config's dict (``model.config.to_dict()``, or a config.json)."""
+        """The shape in a Hugging Face config's dict (``model.config.to_dict()``, or a config.json):
+        Llama-style keys, GPT-2's (``n_layer``, ...) or OPT's (``ffn_dim``)."""
+        model_type = cfg.get("model_type", "gpt2" if "n_layer" in cfg else "llama")
+        require_type(model_type, str, f"model ({where}).model_type")
+        if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
+            cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
         if "n_layer" in cfg:  # GPT-2 style names (GPT-2, GPT-J, ...): GELU MLP, 4x width unless n_inner, tied
             require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
                            integer=True, fix="config.json must give it as a positive integer")
@@ -134,7 +149,7 @@ class ModelSpec:
                    "intermediate_size": cfg.get("n_inner") or 4 * int(cfg.get("n_embd") or 0),
                    "vocab_size": cfg.get("vocab_size"), "hidden_act": cfg.get("activation_function", "gelu"),
                    "max_position_embeddings": cfg.get("n_positions") or cfg.get("n_ctx") or 1024,
-                   "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings"),
                    "layer_norm_epsilon": cfg.get("layer_norm_epsilon")}
             cfg = {k: v for k, v in cfg.items() if v is not None}
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
@@ -152,6 +167,12 @@ class ModelSpec:
         if cfg.get("tie_word_embeddings") is not None:
             require_type(cfg["tie_word_embeddings"], bool, f"model ({where}).tie_word_embeddings")
         act = str(cfg.get("hidden_act", "silu"))
+        heads = cfg["num_attention_heads"]
+        if cfg.get("head_dim") is not None and cfg["head_dim"] * heads != cfg["hidden_size"]:
+            raise ConfigError(f"model ({where}).head_dim", f"{cfg['head_dim']} x {heads} heads is not "
+                              f"hidden_size {cfg['hidden_size']}: memx models attention as hidden_size wide",
+                              "use a model whose head_dim is hidden_size / num_attention_heads")
+        tied = cfg.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)
         return cls(
             name=name,
             num_layers=cfg["num_hidden_layers"],
@@ -161,8 +182,9 @@ class ModelSpec:
             ffn_hidden_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
-            gated_mlp=act in ("silu", "swiglu", "swish"),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            gated_mlp=act in ("silu", "swiglu", "swish") or model_type in GATED_GELU,
+            tie_embeddings=bool(tied),
+            tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
             **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
                                                   ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
                if cfg.get(key) is not None},

@@ -1,15 +1,20 @@
-"""Train a Hugging Face LlamaForCausalLM with the plan memx chose: your model, optimizer, LR schedule,
-loss and gradient clipping; memx cuts the model into the plan's stages.
+"""Train a Hugging Face causal LM (Llama, Mistral, Qwen2, Gemma, GPT-2, OPT, Phi: any
+``AutoModelForCausalLM``) with the plan memx chose: your model, optimizer, LR schedule, loss and
+gradient clipping; memx cuts the model into the plan's stages.
 
     memx-run --nproc-per-node 4 --cluster examples/clusters/cpu-emulated.yaml \\
-        examples/train_hf_llama.py --model examples/models/hf-llama-tiny
-    python examples/train_hf_llama.py --reference --model examples/models/hf-llama-tiny   # one process
+        examples/train_hf.py --model examples/models/hf-llama-tiny
+    memx-run --nproc-per-node 4 --cluster examples/clusters/cpu-two-vendors.yaml \\
+        examples/train_hf.py --model examples/models/hf-gpt2-tiny      # tied embeddings, two vendors
+    python examples/train_hf.py --reference --model examples/models/hf-llama-tiny   # one process
 
 The model is built from its config.json with random weights (seeded, so every rank builds the same
 one); load pretrained weights the same way on every rank before ``prepare``. memx-run plans for the
-shape in the config (``--model`` is read by memx-run and by this script). ``--reference`` trains the
-whole model in this one process, with the same batches, as the check that the plan changes nothing
-but where the work runs. Needs ``pip install -e '.[hf]'``.
+shape in the config (``--model`` is read by memx-run and by this script). A model whose head shares
+the embedding's weight (GPT-2, Qwen2-0.5B, Gemma) keeps a copy on the first and the last stage and
+memx sums their gradients every step. ``--reference`` trains the whole model in this one process,
+with the same batches, as the check that the plan changes nothing but where the work runs. Needs
+``pip install -e '.[hf]'``.
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ def batch(step: int, rows: int, seq_len: int, vocab: int):
 
 
 def build(model_dir: str, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
 
 
 def reference(model, args, vocab: int, seq_len: int) -> int:

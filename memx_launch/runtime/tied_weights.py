@@ -1,0 +1,48 @@
+"""Tied embeddings across pipeline stages: the LM head holding the embedding's weight (GPT-2,
+Qwen2-0.5B, Gemma). With PP > 1 the first and the last stage each keep a copy; every step they
+add each other's gradient (after the DP sync: the sum of averages is the average of sums), so both
+copies take the step the one weight takes in a single process. Megatron's embedding group does
+the same. The sum crosses the bridge when the two stages sit in different domains."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memx_launch.runtime.communication import Communicator
+from memx_launch.runtime.layout import process_grid
+
+
+class TiedGradients:
+    """This rank's copies of tied parameters and the group that sums their gradients."""
+
+    def __init__(self, comm: Communicator, plan, tied: bool):
+        """Makes the groups on every rank (one per DP replica: its first and last stage's ranks),
+        in one order; ``tied``: the model has tied parameters (the same on every rank)."""
+        self.comm = comm
+        self.ranks: list[int] = []
+        self.parameters: list[nn.Parameter] = []
+        """This stage's copies of parameters another stage holds too."""
+        if not tied or plan.pp == 1:
+            return
+        grid = process_grid(plan)
+        for d in range(plan.dp):
+            ranks = sorted(set(grid[0][d]) | set(grid[-1][d]))
+            comm.prepare_all_reduce(ranks)
+            self.ranks = ranks if comm.rank in ranks else self.ranks
+
+    def sum_grads(self, tp_index: int) -> None:
+        """Add the other end's gradients to this stage's copies. The TP ranks of a stage hold the
+        same gradient (embedding and head are not split): only TP rank 0 contributes."""
+        if not self.parameters:
+            return
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.parameters]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if tp_index:
+            flat.zero_()
+        self.comm.all_reduce_sum(flat, self.ranks)
+        offset = 0
+        with torch.no_grad():
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
