@@ -12,9 +12,9 @@ which is how the tests cover this path without a GPU.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from memx_launch.errors import ConfigError
 
@@ -50,20 +50,21 @@ class Precision:
     def begin_step(self) -> None:
         self.step_scale = self.loss_scale
 
-    def unscale(self, parameters) -> bool:
+    def unscale(self, parameters, sum_over_job: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         """fp16: divide the gradients by the scale; False (and a halved scale) when any rank's
-        gradients overflowed, so that every rank skips this optimizer step. Always True otherwise."""
+        gradients overflowed, so that every rank skips this optimizer step. Always True otherwise.
+        ``sum_over_job``: the communicator's job-wide sum (a host flag, over the bridge when the
+        job crosses domains)."""
         if self.dtype != "fp16":
             return True
         grads = [p.grad for p in parameters if p.grad is not None]
-        found = torch.zeros(1, device=self.device)
+        found = torch.zeros(1)
         for g in grads:
             local = g._local_tensor if hasattr(g, "_local_tensor") else g
             local.div_(self.loss_scale)
             if not torch.isfinite(local).all():
                 found.fill_(1.0)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        if found.item():
+        if sum_over_job(found).item():
             self.loss_scale /= 2
             self.good_steps = 0
             self.skipped_steps += 1

@@ -289,7 +289,7 @@ class Runtime:
                 if self.plan.dp > 1 and self.dp_crosses_domains:
                     self.comm.all_reduce_mean(self._local_grads(), self._dp_ranks)
                 self.tied.sum_grads(self.layout.tp_index)
-                if self.precision.unscale(p for m in self.chunks for p in m.parameters()):
+                if self.precision.unscale((p for m in self.chunks for p in m.parameters()), self.comm.sum_over_job):
                     if self.max_grad_norm is not None:
                         counted_elsewhere = self.tied.parameters if self.layout.is_last_stage else []
                         clip_grad_norm(self.chunks, self.max_grad_norm, self._sum_over_stages, counted_elsewhere)
