@@ -330,3 +330,86 @@ def test_fp16_keeps_fp32_gradients_and_an_odd_rope_base_is_named():
     plan.model_spec = replace(plan.model_spec, rope_theta=1e4 + 0.5)
     export = megatron_args(plan)
     assert _flag(export.args, "--rotary-base") == "10000" and any("not an integer" in n for n in export.notes)
+
+
+# --------------------------------------------------------------------------- torchtitan, DeepSpeed
+# torchtitan's JobConfig (torchtitan/config/job_config.py at commit 000204a4a8bf3d0f31adc44fc29855fbb6ea13d8):
+# the sections and keys memx writes, with their types.
+TORCHTITAN_KEYS = {
+    "training": {"local_batch_size": int, "global_batch_size": int, "seq_len": int, "mixed_precision_param": str},
+    "parallelism": {"data_parallel_replicate_degree": int, "data_parallel_shard_degree": int,
+                    "tensor_parallel_degree": int, "pipeline_parallel_degree": int,
+                    "pipeline_parallel_schedule": str, "pipeline_parallel_microbatch_size": int,
+                    "pipeline_parallel_split_points": list},
+    "activation_checkpoint": {"mode": str, "selective_ac_option": str},
+}
+
+
+def _torchtitan(plan):
+    import tomllib
+
+    from memx_launch.planning.config_exports import torchtitan_toml
+
+    config = torchtitan_toml(plan)
+    parsed = tomllib.loads(config.text)
+    for section, keys in parsed.items():
+        for key, value in keys.items():
+            assert isinstance(value, TORCHTITAN_KEYS[section][key]), (section, key)
+    return parsed, config.notes
+
+
+def test_torchtitan_config_states_the_uneven_split_batch_and_dp_kind():
+    parsed, notes = _torchtitan(make_plan(layers=(8, 24), recompute=("full", "none"), tp=2, dp=4, mbs=2, gbs=64))
+    par = parsed["parallelism"]
+    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_replicate_degree"],
+            par["data_parallel_shard_degree"]) == (2, 2, 4, 1)
+    assert par["pipeline_parallel_split_points"] == ["layers.8"] and par["pipeline_parallel_schedule"] == "1F1B"
+    assert par["pipeline_parallel_microbatch_size"] == 2
+    assert parsed["training"]["local_batch_size"] * 4 == parsed["training"]["global_batch_size"] == 64
+    assert parsed["activation_checkpoint"]["mode"] == "full"
+    assert any("per-stage recompute" in n and "'full'" in n for n in notes)
+
+
+def test_torchtitan_interleaved_split_points_follow_its_looped_stage_order():
+    # chunks in model order 4 | 12 | 4 | 12 layers on ranks 0, 1, 0, 1 (as Megatron's layout Et*4|t*12|t*4|t*12L)
+    plan = make_plan(layers=(8, 24), virtual_stages=2, schedule="interleaved")
+    parsed, _ = _torchtitan(plan)
+    assert parsed["parallelism"]["pipeline_parallel_split_points"] == ["layers.4", "layers.16", "layers.20"]
+    assert pipeline_layout(plan) == "Et*4|t*12|t*4|t*12L"
+    assert parsed["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"
+
+
+def test_torchtitan_refuses_per_stage_tp():
+    plan = make_plan()
+    plan.stage_tp, plan.tp = [2, 1], None
+    with pytest.raises(ConfigError, match="plan.stage_tp.*torchtitan"):
+        _torchtitan(plan)
+
+
+def test_deepspeed_config_of_a_data_parallel_plan_and_its_refusal_of_pp():
+    import json
+
+    from memx_launch.planning.config_exports import deepspeed_json
+
+    plan = make_plan(layers=(32,), recompute=("selective",), devices=("vendor-x-32gb",), dp=8, mbs=2, gbs=64)
+    plan.training = {"dtype": "bf16", "distributed_optimizer": True}
+    config = deepspeed_json(plan)
+    ds = json.loads(config.text)
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 8
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"] and ds["zero_optimization"]["stage"] == 1
+    assert any("gradient_checkpointing_enable" in n for n in config.notes)
+    with pytest.raises(ConfigError, match=r"^plan: pp=2.*export to Megatron-LM or torchtitan"):
+        deepspeed_json(make_plan())
+
+
+def test_memx_export_to_torchtitan_prints_the_toml_and_notes_on_stderr(tmp_path, capsys):
+    import tomllib
+
+    from memx_launch.cli.main import main
+
+    path = tmp_path / "plan.json"
+    make_plan().save(str(path))
+    assert main(["export", "--plan", str(path), "--to", "torchtitan"]) == 0
+    out, err = capsys.readouterr()
+    assert tomllib.loads(out)["parallelism"]["pipeline_parallel_split_points"] == ["layers.8"]
+    assert "note: set [model] name and flavor" in err

@@ -209,8 +209,13 @@ def _run_cases(args) -> int:
 
 
 def add_export_command(sub) -> None:
-    p = sub.add_parser("export", help="a plan as Megatron-LM arguments, torchrun lines and MEMX_* variables")
+    p = sub.add_parser("export", help="a plan as Megatron-LM arguments, torchrun lines and MEMX_* variables, "
+                       "or as a torchtitan or DeepSpeed config")
     p.add_argument("--plan", required=True, metavar="FILE", help="plan JSON from memx plan --json")
+    p.add_argument("--to", choices=("megatron", "torchtitan", "deepspeed"), default="megatron",
+                   help="megatron: Megatron-LM arguments, MEMX_* variables and torchrun lines (default); "
+                   "torchtitan: its job TOML; deepspeed: its JSON config (data-parallel plans; accelerate "
+                   "takes it with --deepspeed_config_file). What the target cannot say is printed as notes")
     p.add_argument("--cluster", help="cluster YAML; needed for the per-node torchrun lines")
     p.add_argument("--script", default="train.py", help="training script for the torchrun lines")
     p.add_argument("--master-addr", "--master_addr",
@@ -225,6 +230,14 @@ def run_export(args) -> int:
     if not 1 <= args.master_port <= 65535:
         raise ConfigError("--master-port", f"{args.master_port} is not a TCP port", "e.g. --master-port 29500")
     plan = Plan.load(args.plan)
+    if args.to != "megatron":
+        from memx_launch.planning import config_exports
+
+        config = (config_exports.torchtitan_toml if args.to == "torchtitan" else config_exports.deepspeed_json)(plan)
+        print(config.text, end="")
+        for note in config.notes:  # JSON has no comments: the notes go to stderr for both
+            print(f"note: {note}", file=sys.stderr)
+        return 0
     cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else None
     megatron = exporters.megatron_args(plan, cluster)
     print("# Megatron-LM arguments")

@@ -1,0 +1,119 @@
+"""A plan as other frameworks' config files: torchtitan's job TOML and DeepSpeed's JSON (which
+accelerate takes). Pure functions of a :class:`~memx_launch.planning.plan.Plan`, no torch.
+
+Like the Megatron-LM arguments (:mod:`~memx_launch.planning.exporters`), what the target cannot
+express comes back as notes beside the file, never dropped silently; a plan the target cannot run
+at all (per-stage TP; PP or TP in a DeepSpeed config) is a one-line refusal.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning.exporters import stage_chunks
+from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan
+
+TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+
+
+@dataclass
+class ConfigText:
+    """A config file's text plus what it could not say."""
+
+    text: str
+    notes: list[str] = field(default_factory=list)
+
+
+def _strongest_recompute(plan: Plan, target: str) -> tuple[str, list[str]]:
+    """One recompute level for every stage, the strongest any stage needs (memory-safe)."""
+    levels = ["full" if s.recompute.startswith("full:") else s.recompute for s in plan.stages]
+    strongest = max(levels, key=RECOMPUTE_LEVELS.index)
+    notes = []
+    if len({s.recompute for s in plan.stages}) > 1:
+        notes.append("per-stage recompute (" + ", ".join(f"stage {i}: {s.recompute}" for i, s in
+                     enumerate(plan.stages)) + f") cannot be expressed in {target}, which applies one mode to "
+                     f"every layer; this uses '{strongest}': memory-safe, but slower than the plan predicts")
+    return strongest, notes
+
+
+def torchtitan_split_points(plan: Plan) -> list[str]:
+    """``parallelism.pipeline_parallel_split_points``: the first layer of every (virtual) stage but
+    the first. Chunks follow in model order virtual-stage major, chunk k on pipeline rank k mod pp
+    (torchtitan's looped schedules, Megatron's layout): a stage's chunks are not adjacent layers."""
+    per_stage = [stage_chunks(s.num_layers, plan.virtual_stages) for s in plan.stages]
+    sizes = [per_stage[pp_rank][vpp] for vpp in range(plan.virtual_stages) for pp_rank in range(plan.pp)]
+    return [f"layers.{sum(sizes[:k])}" for k in range(1, len(sizes))]
+
+
+def torchtitan_toml(plan: Plan) -> ConfigText:
+    """The plan as torchtitan's job config (``[training]``, ``[parallelism]``,
+    ``[activation_checkpoint]``; each key is also its ``--section.key`` flag)."""
+    tp = plan.uniform_tp("torchtitan (one tensor_parallel_degree for all stages)")
+    tr = plan.training
+    notes = [f"set [model] name and flavor to {plan.model}'s (torchtitan names its models; memx planned "
+             f"{plan.model_spec.num_layers} layers of hidden size {plan.model_spec.hidden_size})"]
+    dtype = tr.get("dtype", "bf16")
+    if dtype == "fp16":
+        notes.append("torchtitan has no fp16 training: mixed_precision_param is bfloat16, which the plan did "
+                     "not time")
+    sharded = bool(tr.get("fully_sharded"))
+    if tr.get("distributed_optimizer") and not sharded:
+        notes.append("torchtitan has no sharded-optimizer-only mode (ZeRO-1): this runs DDP, whose whole "
+                     "optimizer state per rank is more memory than the plan's")
+    level, recompute_notes = _strongest_recompute(plan, "torchtitan")
+    notes += recompute_notes
+    if level == "selective":
+        notes.append("selective maps to torchtitan's op-level SAC (selective_ac_option = \"op\"), which keeps "
+                     "some matmul outputs memx's selective level recomputes: more memory than planned")
+    if len({s.device_type for s in plan.stages}) > 1:
+        notes.append("stages run on different device types: torchtitan puts pipeline stages on consecutive "
+                     "ranks, so start it with memx export's torchrun lines for Megatron-LM")
+    split = ", ".join(f'"{p}"' for p in torchtitan_split_points(plan))
+    lines = [
+        "[training]",
+        f"local_batch_size = {plan.global_batch_size // plan.dp}",
+        f"global_batch_size = {plan.global_batch_size}",
+        f"seq_len = {plan.seq_len}",
+        f'mixed_precision_param = "{"float32" if dtype == "fp32" else "bfloat16"}"',
+        "",
+        "[parallelism]",
+        f"data_parallel_replicate_degree = {1 if sharded else plan.dp}",
+        f"data_parallel_shard_degree = {plan.dp if sharded else 1}",
+        f"tensor_parallel_degree = {tp}",
+        f"pipeline_parallel_degree = {plan.pp}",
+    ]
+    if plan.pp > 1:
+        lines += [f'pipeline_parallel_schedule = "{TORCHTITAN_SCHEDULES[plan.schedule]}"',
+                  f"pipeline_parallel_microbatch_size = {plan.micro_batch_size}",
+                  f"pipeline_parallel_split_points = [{split}]"]
+    lines += ["", "[activation_checkpoint]", f'mode = "{level}"']
+    if level == "selective":
+        lines.append('selective_ac_option = "op"')
+    return ConfigText("\n".join(lines) + "\n", notes)
+
+
+def deepspeed_json(plan: Plan) -> ConfigText:
+    """The plan as a DeepSpeed config (``accelerate launch --use_deepspeed --deepspeed_config_file``):
+    batch, precision and ZeRO stage of a data-parallel plan."""
+    if plan.pp > 1 or max(plan.stage_tps) > 1:
+        raise ConfigError("plan", f"pp={plan.pp}, tp={plan.tp or plan.stage_tp}: a DeepSpeed config holds data "
+                          "parallelism only (its pipeline and TP are set in code)",
+                          "export to Megatron-LM or torchtitan, or plan with --pp 1 --tp 1")
+    tr = plan.training
+    dtype = tr.get("dtype", "bf16")
+    stage = 3 if tr.get("fully_sharded") else 2 if tr.get("sharded_gradients") else \
+        1 if tr.get("distributed_optimizer") else 0
+    config = {"train_batch_size": plan.global_batch_size,
+              "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+              "gradient_accumulation_steps": plan.num_microbatches,
+              "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
+              "zero_optimization": {"stage": stage}}
+    notes = []
+    level, recompute_notes = _strongest_recompute(plan, "DeepSpeed")
+    notes += recompute_notes
+    if level != "none":
+        notes.append(f"the plan recomputes ({level}): turn on activation checkpointing in the model "
+                     "(Hugging Face: model.gradient_checkpointing_enable()); DeepSpeed's config does not")
+    return ConfigText(json.dumps(config, indent=2) + "\n", notes)
