@@ -249,7 +249,8 @@ def test_a_stage_that_needs_full_recompute_recomputes_only_the_layers_it_must():
     levels = SearchSpace(recompute_levels=("none", "full"), schedules=("1f1b",), recompute_some_layers=False)
     whole_only = search(model, c, training, space=levels, top_k=50)
     assert all(":" not in s.recompute for p in whole_only.plans + whole_only.pareto for s in p.stages)
-    assert some.best.predicted_iteration_time_s <= whole_only.best.predicted_iteration_time_s
+    # A larger space never has a slower fastest plan (the default pick may trade up to 5% of time).
+    assert some.fastest.predicted_iteration_time_s <= whole_only.fastest.predicted_iteration_time_s
 
 
 def test_restrictions_bound_every_plan():
