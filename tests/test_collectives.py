@@ -108,3 +108,29 @@ def test_bad_gpu_link_is_one_line_naming_the_field():
     from memx_launch.errors import ConfigError
     with pytest.raises(ConfigError, match="gpu_link"):
         _dgx(8, gpu_link="nvswitch")
+
+
+def test_zero3_gathers_hide_behind_compute_until_they_outlast_it():
+    """Per micro-batch each layer gathers twice and reduce-scatters once; prefetching hides them
+    behind the micro-batch's compute, all but the first gather; over 1,536 ranks the ring's
+    steps make them outlast a short micro-batch."""
+    from memx_launch.planning.data_parallel import fully_sharded_exposed_time
+    training = TrainingSpec(setup="zero3")
+    layer, layers = 200e6, 32
+    args = (32 * layer, layer, layers)
+    long = float(fully_sharded_exposed_time(*args, 10.0, training, 64, 160.0, 8))
+    first = float(co.collective_seconds("all_gather", layer * 2, 64, 160.0, 8))
+    assert long == pytest.approx(first)
+    short_small = float(fully_sharded_exposed_time(*args, 0.05, training, 64, 160.0, 8))
+    short_large = float(fully_sharded_exposed_time(*args, 0.05, training, 1536, 160.0, 192))
+    assert first < short_small < short_large
+
+
+def test_sm_count_is_read_and_checked():
+    from memx_launch.errors import ConfigError
+    spec = {"version": 1, "nodes": [{"devices": {"g": 1}, "intra_node_gbps": 450}]}
+    device = {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 756, "compute_capability": 9.0}
+    cluster = ClusterSpec.from_dict({**spec, "device_types": {"g": {**device, "sm_count": 114}}})
+    assert cluster.device_types[0].sm_count == 114
+    with pytest.raises(ConfigError, match="sm_count"):
+        ClusterSpec.from_dict({**spec, "device_types": {"g": {**device, "sm_count": 0}}})
