@@ -1,4 +1,5 @@
-"""Matmul time by shape: a roofline per GEMM (M, N, K) with tile and wave quantization. No torch.
+"""Matmul time by shape: a roofline per GEMM (M, N, K) with tile and wave quantization (NVIDIA's
+Matrix Multiplication Background User's Guide, docs.nvidia.com/deeplearning/performance). No torch.
 
 A GEMM runs as output tiles of tm x tn, each on one streaming multiprocessor (SM), in waves of
 as many tiles as the device has SMs. The device's best matmul rate (one input per device type)
@@ -7,8 +8,8 @@ is what a large, well-shaped GEMM sustains; a GEMM of another shape reaches a sh
 - tile quantization: the edge tiles of M and N compute padding;
 - wave quantization: the last wave leaves SMs idle (64 tiles on 132 SMs use 48% of them);
 - tile shape: a smaller tile (which fills more SMs) loads more operand bytes per FLOP: a tile's
-  reuse is tm tn / (tm + tn); 128 x 128 keeps the tensor cores fed, 128 x 64 and 64 x 64 reach
-  2/3 and 1/2 of the rate (operand feed bound in proportion to their reuse);
+  reuse is tm tn / (tm + tn); 128 x 128 and larger keep the tensor cores fed, 256 x 64, 128 x 64
+  and 64 x 64 reach 0.8, 2/3 and 1/2 of the rate (operand feed bound in proportion to reuse);
 - the K loop: each tile fills and drains a software pipeline of a few K steps and writes its
   output once, about K_FILL of K's worth of time, so a GEMM reaches K / (K + K_FILL) of its rate;
 - the memory side: no faster than reading A and B and writing C once at HBM bandwidth.
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-# (tm, tn, share of the best rate): the tile's operand reuse against 128 x 128's.
-TILES = ((128.0, 128.0, 1.0), (128.0, 64.0, 2.0 / 3.0), (64.0, 64.0, 0.5))
+# Output tiles cuBLAS/CUTLASS kernels use, each (tm, tn, share of the best rate): its operand
+# reuse tm tn / (tm + tn) against 128 x 128's, at most 1.
+_TILE_SIDES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
+TILES = tuple((float(a), float(b), min(1.0, a * b / (a + b) / 64.0)) for a, b in _TILE_SIDES)
 # K of pipeline fill and epilogue per output tile (a few 32-64 deep K steps).
 K_FILL = 128.0
 # Streaming multiprocessors by NVIDIA compute capability, the datacenter part of each
