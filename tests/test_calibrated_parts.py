@@ -104,8 +104,11 @@ def test_measured_efficiency_recovers_the_share_of_peak_the_blocks_sustained():
         t = slow.layer_costs([0], [r.tp], [r.micro_batch_size], [r.seq_len], [level]).time_s[0]
         records.append(replace(r, model=big.name, model_signature=big.signature(), block_shape=big.to_dict(),
                                time_s=float(t)))
-    # Launch-bound blocks (llama-tiny at small shapes) carry no information: no value from them alone.
-    assert measured_efficiency(synthetic_records(mbs_values=(1,), seqs=(32,))) == {}
+    # Launch-bound blocks (llama-tiny at small shapes on a device fast enough that its GEMMs take
+    # less than the launches) carry no information: no value from them alone.
+    fast = [replace(r, device={**r.device, "peak_tflops": 5000.0})
+            for r in synthetic_records(mbs_values=(1,), seqs=(32,))]
+    assert measured_efficiency(fast) == {}
     eff = measured_efficiency(records)
     assert eff == {"dev": pytest.approx(0.4, rel=0.02)}
     calibrated = with_type_fields(CLUSTER, {"dev": {"efficiency": eff["dev"]}})

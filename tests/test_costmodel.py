@@ -100,9 +100,13 @@ def test_tp_link_depends_on_the_group_size_through_numa_domains():
     cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"gpu": {"memory_gib": 32, "peak_tflops": 100}},
                                      "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 17, "numa_domains": 2,
                                                 "cross_numa_gbps": 12}]})
-    assert [cm.tp_link_gbps(cluster, "gpu", t) for t in (2, 4, 8)] == [17, 17, 12]
+    # PCIe-class links: collectives stage through the host (PCIE_STAGED_SHARE of each link).
+    from memx_launch.specs.node import PCIE_STAGED_SHARE
+    assert [cm.tp_link_gbps(cluster, "gpu", t) for t in (2, 4, 8)] == pytest.approx(
+        [17 * PCIE_STAGED_SHARE, 17 * PCIE_STAGED_SHARE, 12 * PCIE_STAGED_SHARE])
     model = cm.AnalyticalCostModel(get_model("llama2-7b"), cluster, TrainingSpec())
     t4, t8 = model.layer_costs(np.zeros(2, int), np.array([4, 8]), np.ones(2), np.full(2, 4096), np.zeros(2)).time_s
     # TP 8 halves the compute but its all-reduces cross the slower link.
-    assert model.tp_gbps(np.zeros(2, int), np.array([4, 8])).tolist() == pytest.approx([17 * 0.8, 12 * 0.8])
+    assert model.tp_gbps(np.zeros(2, int), np.array([4, 8])).tolist() == pytest.approx(
+        [17 * 0.8 * PCIE_STAGED_SHARE, 12 * 0.8 * PCIE_STAGED_SHARE])
     assert t8 > t4 / 2

@@ -8,6 +8,7 @@ import pytest
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import elementwise
+from memx_launch.planning import matmuls as mm
 from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
@@ -334,12 +335,22 @@ def test_separate_gate_and_up_linears_all_reduce_once_more_per_layer():
     fused, model = layer_time()
     separate, _ = layer_time(fused_gate_up=False)
     one = float(cm.allreduce_time(S * H * 2.0, T, model.tp_gbps(np.zeros(1, int), np.full(1, T))[0]))
-    assert separate - fused == pytest.approx(one, rel=1e-6)
+    # Besides the all-reduce, gate and up run as two GEMMs of half the width: timed by their shape.
+    device = cluster.device_types[0]
+    gemm = (device.effective_tflops_for("bf16") * 1e12, cm.hbm_gbps(device) * 1e9,
+            mm.streaming_multiprocessors(device.vendor, device.compute_capability), 2)
+
+    def split(tp):
+        ffn = MODEL.ffn_hidden_size / tp
+        return float(mm.forward_backward_seconds(S, [(ffn, H), (ffn, H)], *gemm)
+                     - mm.forward_backward_seconds(S, [(2 * ffn, H)], *gemm))
+    assert separate - fused == pytest.approx(one + split(T), rel=1e-6)
     assert TrainingSpec(setup="scaling").fused_gate_up is False and TrainingSpec().fused_gate_up is True
-    # One TP rank: nothing to all-reduce.
+    # One TP rank: nothing to all-reduce, only the two GEMMs.
     single = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, S), np.zeros(1))
-    assert cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(fused_gate_up=False)).layer_costs(*single).time_s[0] == \
-        cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec()).layer_costs(*single).time_s[0]
+    apart = cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(fused_gate_up=False)).layer_costs(*single).time_s[0]
+    together = cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec()).layer_costs(*single).time_s[0]
+    assert apart - together == pytest.approx(split(1), rel=1e-6, abs=1e-12)
 
 
 def test_flash_attention_1_runs_its_flops_slower_and_keeps_the_same_memory():
@@ -460,10 +471,10 @@ def test_ampere_attention_kernels_reach_a_smaller_share_of_hopper_s_peak():
     al. 2024): on compute capability 9.0 FlashAttention 1 and 2 run slower against the matmuls;
     FlashAttention-3, written for Hopper, does not."""
     def layer_time(capability, version):
-        # One efficiency for both capabilities: what differs is the attention kernel alone.
+        # One efficiency and SM count for both capabilities: what differs is the attention kernel alone.
         cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {
             "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989, "compute_capability": capability,
-            "efficiency": 0.75}}, "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
+            "efficiency": 0.75, "sm_count": 132}}, "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
         args = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 8192), np.zeros(1))
         model = cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(flash_attention_version=version))
         return float(model.layer_costs(*args).time_s[0])

@@ -1,6 +1,7 @@
 import json
 import os
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -122,7 +123,9 @@ def test_validator_classes_and_rules():
     assert classify_trend(x, np.array([1.0, 1.01, 1.02]))[0] == "constant"
     assert classify_trend(x, x**2.5)[0] == "superlinear"
     assert classify_trend(x, np.array([3.0, 1.0, 4.0]))[0] == "non-monotone"
-    records = synthetic_records(mbs_values=(1, 4, 16), seqs=(64,))
+    # Times linear in the micro-batch (llama-tiny's own GEMMs are wave-quantized, flat-then-step).
+    records = [replace(r, time_s=1e-3 * (1 + r.micro_batch_size))
+               for r in synthetic_records(mbs_values=(1, 4, 16), seqs=(64,))]
     aug = augment_measurements(records)
     assert {c.parameter for c in aug.checks} == {"micro_batch_size"}
     assert aug.points and all(p.micro_batch_size in (2, 8) for p in aug.points)

@@ -33,7 +33,9 @@ def test_table1_memory_asymmetry_case():
     by_compute, by_memory, memx, fastest = (choices["compute-proportional"], choices["memory-proportional"],
                                             choices["memx"], choices["time-only"])
     overflow = [s for s in by_compute.stages if s.predicted_peak_memory_gib > s.memory_capacity_gib]
-    assert overflow and {s.device_type for s in overflow} == {"vendor-x-32gb"}
+    # The small part overflows (the fastest such plan may run the big one over too: the
+    # compute-share planner checks no memory).
+    assert overflow and "vendor-x-32gb" in {s.device_type for s in overflow}
     for plan in (by_memory, memx, fastest):
         assert all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
     assert fastest.predicted_iteration_time_s < by_memory.predicted_iteration_time_s
@@ -247,7 +249,8 @@ def test_a_stage_that_needs_full_recompute_recomputes_only_the_layers_it_must():
     levels = SearchSpace(recompute_levels=("none", "full"), schedules=("1f1b",), recompute_some_layers=False)
     whole_only = search(model, c, training, space=levels, top_k=50)
     assert all(":" not in s.recompute for p in whole_only.plans + whole_only.pareto for s in p.stages)
-    assert some.best.predicted_iteration_time_s <= whole_only.best.predicted_iteration_time_s
+    # A larger space never has a slower fastest plan (the default pick may trade up to 5% of time).
+    assert some.fastest.predicted_iteration_time_s <= whole_only.fastest.predicted_iteration_time_s
 
 
 def test_restrictions_bound_every_plan():

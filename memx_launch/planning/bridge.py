@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning.collectives import NVLINK, PCI
 from memx_launch.specs.cluster import ClusterSpec
 
 
@@ -68,6 +69,8 @@ class GroupCrossing:
     """Per domain, the bandwidth of its members' native collective (the slowest DP group's)."""
     bridge_link_gbps: float
     """The link among the ranks that all-reduce over the bridge, before link_efficiency."""
+    native_hop: tuple[int, ...] = ()
+    """Per domain, the hop between its members inside a node (collectives.NVLINK or PCI); empty: NVLink."""
 
     @property
     def shards(self) -> int | None:
@@ -114,8 +117,10 @@ def layout_crossings(cluster: ClusterSpec, stage_ranks, stage_tp) -> tuple[tuple
         # domains are of one size, else the domains' first ranks.
         shards = sizes.pop() if len(sizes) == 1 else 1
         rings = [[groups_of_d[g][j] for groups_of_d in by_domain] for g in range(len(dp_groups)) for j in range(shards)]
+        hops = tuple(PCI if any(cluster.intra_hop_over_pcie(g) for g in groups_of_d) else NVLINK
+                     for groups_of_d in by_domain)
         groups.append(GroupCrossing(i, tuple((d, len(m)) for d, m in members.items()), native,
-                                    min(cluster.group_gbps(ring) for ring in rings)))
+                                    min(cluster.group_gbps(ring) for ring in rings), hops))
     return tuple(edges), tuple(groups)
 
 
@@ -164,11 +169,12 @@ class BridgePricing:
         m = np.asarray(allreduce_bytes, dtype=np.float64)
         sizes = [n for _, n in group.domain_sizes]
         native = [g * eff for g in group.native_gbps]
+        hops = group.native_hop or (NVLINK,) * len(sizes)
         bridge = self.group_link(group).allreduce_time
         k = group.shards
         if k is not None:  # reduce-scatter, bridge all-reduce of a shard, all-gather
-            native_part = np.max([cm.collective_time(m, k, g) for g in native], axis=0)
+            native_part = np.max([cm.collective_time(m, k, g, 1, hop) for g, hop in zip(native, hops)], axis=0)
             return 2.0 * native_part + bridge(m / k, len(sizes))
-        inside = np.max([cm.allreduce_time(m, n, g) for n, g in zip(sizes, native)], axis=0)
-        spread = np.max([cm.broadcast_time(m, n, g) for n, g in zip(sizes, native)], axis=0)
+        inside = np.max([cm.allreduce_time(m, n, g, 1, hop) for n, g, hop in zip(sizes, native, hops)], axis=0)
+        spread = np.max([cm.broadcast_time(m, n, g, 1, hop) for n, g, hop in zip(sizes, native, hops)], axis=0)
         return inside + bridge(m, len(sizes)) + spread

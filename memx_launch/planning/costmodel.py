@@ -20,7 +20,9 @@ from typing import Protocol
 
 import numpy as np
 
+from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
+from memx_launch.planning.matmuls import forward_backward_seconds, gemm_seconds, linear_shapes, streaming_multiprocessors
 from memx_launch.planning.model_states import (fully_sharded_working_bytes, fully_sharded_working_parts,  # noqa: F401
                                                model_state_bytes_by_part, model_state_bytes_per_param)
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
@@ -239,62 +241,27 @@ def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
     return (matmul + attention) / np.asarray(tp, dtype=np.float64)
 
 
-def allreduce_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.ndarray:
-    """Ring all-reduce: 2(n-1) steps of latency, 2(n-1)/n of the buffer over the slowest link."""
-    return 2.0 * collective_time(nbytes, group_size, gbps, latency_s)
+def allreduce_time(nbytes, group_size, gbps, nodes=1, hop=NVLINK) -> np.ndarray:
+    """All-reduce as NCCL runs it (ring or tree, the fastest protocol; :mod:`collectives`) over
+    ``nodes`` nodes at bus bandwidth ``gbps``; ``hop``: NVLINK or PCI inside a node."""
+    return collective_seconds("all_reduce", nbytes, group_size, gbps, nodes, hop)
 
 
-def collective_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.ndarray:
-    """Ring reduce-scatter or all-gather of a ``nbytes`` buffer: (n-1) steps of latency and
-    (n-1)/n of the buffer over the slowest link (alpha-beta)."""
-    n = np.asarray(group_size, dtype=np.float64)
-    steps = np.maximum(n - 1, 0)
-    return np.where(n > 1, steps * latency_s
-                    + steps / np.maximum(n, 1) * np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
+def collective_time(nbytes, group_size, gbps, nodes=1, hop=NVLINK) -> np.ndarray:
+    """Ring reduce-scatter or all-gather of a ``nbytes`` buffer: (n-1) steps of their hops'
+    latency and (n-1)/n of the buffer at the bus bandwidth (:mod:`collectives`)."""
+    return collective_seconds("all_gather", nbytes, group_size, gbps, nodes, hop)
 
 
-def broadcast_time(nbytes, group_size, gbps, latency_s=LINK_LATENCY_S) -> np.ndarray:
-    """Pipelined ring broadcast: (n-1) steps of latency, the whole buffer over the slowest link."""
-    n = np.asarray(group_size, dtype=np.float64)
-    return np.where(n > 1, np.maximum(n - 1, 0) * latency_s + np.asarray(nbytes) / (np.asarray(gbps) * 1e9), 0.0)
+def broadcast_time(nbytes, group_size, gbps, nodes=1, hop=NVLINK) -> np.ndarray:
+    """Pipelined ring broadcast: (n-1) steps of latency, the whole buffer at the bus bandwidth."""
+    return collective_seconds("broadcast", nbytes, group_size, gbps, nodes, hop)
 
 
 def p2p_time(nbytes, gbps) -> np.ndarray:
     """One point-to-point message: latency plus the bytes over the link (none for inf)."""
     gbps = np.asarray(gbps, dtype=np.float64)
     return np.where(np.isinf(gbps), 0.0, LINK_LATENCY_S + np.asarray(nbytes) / (gbps * 1e9))
-
-
-def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps) -> np.ndarray:
-    """Gradient synchronisation of one iteration over a stage's DP group.
-
-    Plain data parallel: all-reduce of the gradients (their dtype). Sharded optimizer (ZeRO-1/2,
-    Megatron's distributed optimizer): reduce-scatter of the gradients and all-gather of the
-    updated weights. Fully sharded: the weights all-gathered for the forward and again for the
-    backward in the compute dtype, and the gradients reduce-scattered.
-    """
-    params = np.asarray(stage_params, dtype=np.float64)
-    if not (training.fully_sharded or training.distributed_optimizer):
-        return allreduce_time(params * training.precision_bytes("grad_dtype"), dp, gbps)
-    return collective_time(params * _sharded_sync_bytes_per_param(training), dp, gbps)
-
-
-def _sharded_sync_bytes_per_param(training: TrainingSpec) -> float:
-    """Bytes per parameter a sharded setup's reduce-scatters and all-gathers move through the ring."""
-    grad = training.precision_bytes("grad_dtype")
-    if training.fully_sharded:
-        return 2.0 * training.dtype_bytes + grad
-    return grad + training.precision_bytes("weights_dtype")
-
-
-def sync_allreduce_bytes(stage_params, training: TrainingSpec) -> np.ndarray:
-    """The all-reduce whose ring traffic equals one iteration's gradient sync: the gradients for
-    plain data parallel; half the collectives' volume for a sharded setup (an all-reduce moves
-    its buffer twice). What a cross-domain DP group syncs hierarchically."""
-    params = np.asarray(stage_params, dtype=np.float64)
-    if not (training.fully_sharded or training.distributed_optimizer):
-        return params * training.precision_bytes("grad_dtype")
-    return params * _sharded_sync_bytes_per_param(training) / 2.0
 
 
 class AnalyticalCostModel:
@@ -307,6 +274,10 @@ class AnalyticalCostModel:
         self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
         self.device_names = tuple(d.name for d in self.device_types)
         self._tflops = np.array([d.effective_tflops_for(training.dtype) for d in self.device_types])
+        # The linear layers' GEMMs: each at its shape's share of the rate large training GEMMs sustain.
+        self._best_flops = self._tflops * 1e12
+        self._sms = np.array([streaming_multiprocessors(d.vendor, d.compute_capability, d.sm_count)
+                              for d in self.device_types])
         self._hbm = np.array([hbm_gbps(d) for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
         self._attention_speed = np.array([fused_attention_speed(training.flash_attention_version,
@@ -315,11 +286,15 @@ class AnalyticalCostModel:
         # (emulation, profiling on a CPU) run their ops inline and are timed without these.
         accelerator = np.array([d.vendor != "cpu" for d in self.device_types])
         self._launch_s = np.where(accelerator, KERNELS_PER_LAYER * KERNEL_LAUNCH_S, 0.0)
-        self._latency_s = np.where(accelerator, LINK_LATENCY_S, 0.0)
+        self._accelerator = accelerator
+        self._head_cache: dict = {}
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
                                   for d in self.device_types]) * cluster.link_efficiency
+        # The hop between a TP group's ranks: NVLink, or PCIe through the host.
+        self._tp_hop = np.array([[PCI if tp_over_pcie(cluster, d.name, t) else NVLINK for t in TP_DEGREES]
+                                 for d in self.device_types])
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         device = np.asarray(device, dtype=np.int64)
@@ -330,25 +305,32 @@ class AnalyticalCostModel:
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
                                tr.softmax_in_fp32)
-        fwd_flops = layer_forward_flops(self.model, mbs, seq, tp)
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
+        # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), and
+        # again forward where the whole block is recomputed.
+        tokens = mbs_a * seq_a
+        shapes = linear_shapes(self.model, tr, tp)
+        gemm = (self._best_flops[device], self._hbm[device] * 1e9, self._sms[device], tr.dtype_bytes)
+        linear_s = forward_backward_seconds(tokens, shapes, *gemm)
+        linear_forward_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in shapes)
+        linear_s = linear_s + np.where(recompute == FULL, linear_forward_s, 0.0)
+        # The attention core (QK^T and AV, causal half): what the selective and the full
+        # recompute both run again.
         attn_core_flops = 2.0 * mbs_a * seq_a * seq_a * self.model.hidden_size / tp
-        recompute_flops = np.select([recompute == NONE, recompute == SELECTIVE],
-                                    [0.0 * fwd_flops, attn_core_flops], fwd_flops)
+        recompute_flops = np.where(recompute == NONE, 0.0, attn_core_flops)
         # Unfused attention computes the whole s x s square (no causal skipping); its scores'
         # traffic is in the element-wise bytes.
         unfused = ~self._flash[device]
         attn_core_flops = np.where(unfused, 2.0, 1.0) * attn_core_flops
-        fwd_flops = fwd_flops + np.where(unfused, 0.5 * attn_core_flops, 0.0)
         # Fused attention's backward recomputes the scores: five s x s matmuls against the
         # forward's two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
         flash_backward_flops = np.where(unfused, 0.0, 0.5 * attn_core_flops)
         # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
         kernel_flops = np.where(unfused, 0.0, (3.0 + (recompute != NONE)) * attn_core_flops + flash_backward_flops)
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
-        compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops + kernel_slowdown * kernel_flops) \
-            / (self._tflops[device] * 1e12)
+        compute_s = linear_s + (3.0 * attn_core_flops + flash_backward_flops + recompute_flops
+                                + kernel_slowdown * kernel_flops) / (self._tflops[device] * 1e12)
         traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device])
         memory_s = traffic / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two of the input gradients of the
@@ -357,15 +339,42 @@ class AnalyticalCostModel:
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         separate_gate_up = self.model.gated_mlp and not tr.fused_gate_up
         n_allreduce = np.where(recompute == FULL, 6.0, 4.0) + (1.0 if separate_gate_up else 0.0)
-        comm_s = n_allreduce * allreduce_time(hidden_bytes, tp, self.tp_gbps(device, tp), self._latency_s[device])
+        comm_s = n_allreduce * self.tp_allreduce_time(hidden_bytes, device, tp)
         launch_s = self._launch_s[device] * np.where(recompute == FULL, 1.5, 1.0)
         time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 
+    def _head_projection_time(self, device, tp, mbs, seq) -> np.ndarray:
+        """The LM head's GEMMs forward and backward; kept per scalar query (the search asks the
+        same stage ends again and again)."""
+        scalar = all(np.ndim(x) == 0 for x in (device, tp, mbs, seq))
+        key = (int(device), float(tp), float(mbs), float(seq)) if scalar else None
+        if key in self._head_cache:
+            return self._head_cache[key]
+        tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
+        seconds = forward_backward_seconds(tokens, [(self.model.vocab_size / tp, self.model.hidden_size)],
+                                           self._best_flops[device], self._hbm[device] * 1e9, self._sms[device],
+                                           self.training.dtype_bytes)
+        if scalar:
+            self._head_cache[key] = seconds
+        return seconds
+
+    def _tp_column(self, tp) -> np.ndarray:
+        return np.clip(np.round(np.log2(np.asarray(tp, dtype=np.float64))), 0, len(TP_DEGREES) - 1).astype(np.int64)
+
     def tp_gbps(self, device, tp) -> np.ndarray:
         """Bandwidth TP groups of ``tp`` devices of each queried type reach (link x link_efficiency)."""
-        column = np.clip(np.round(np.log2(np.asarray(tp, dtype=np.float64))), 0, len(TP_DEGREES) - 1)
-        return self._tp_gbps[np.asarray(device), column.astype(np.int64)]
+        return self._tp_gbps[np.asarray(device), self._tp_column(tp)]
+
+    def tp_allreduce_time(self, nbytes, device, tp) -> np.ndarray:
+        """One all-reduce over a TP group of each queried type (its link and hop; collectives.py).
+        CPU stand-ins run gloo inline: bandwidth only."""
+        device = np.asarray(device)
+        hop = self._tp_hop[device, self._tp_column(tp)]
+        timed = allreduce_time(nbytes, tp, self.tp_gbps(device, tp), 1, hop)
+        tp = np.asarray(tp, dtype=np.float64)
+        bandwidth_only = 2.0 * (tp - 1) / np.maximum(tp, 1) * nbytes / (self.tp_gbps(device, tp) * 1e9)
+        return np.where(self._accelerator[device], timed, np.where(tp > 1, bandwidth_only, 0.0))
 
     # ---- non-layer parts, analytical for every cost model
     def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
@@ -384,12 +393,13 @@ class AnalyticalCostModel:
         held = logits / tp if self.training.vocab_parallel_loss else logits
         # A fused cross entropy reads the 16-bit logits forward and again backward, writing the gradient.
         per_logit = 3.0 * self.training.dtype_bytes if self.training.fused_loss else LOSS_BYTES_PER_LOGIT
-        compute = (6.0 * logits * self.model.hidden_size / tp / (self._tflops[device] * 1e12)
-                   + per_logit * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
+        projection = self._head_projection_time(device, tp, mbs, seq)
+        compute = (projection + per_logit * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
         if self.training.vocab_parallel_loss:
             return compute
         gathered = logits * self.training.dtype_bytes
-        return compute + collective_time(gathered, tp, self.tp_gbps(device, tp), self._latency_s[device])
+        hop = self._tp_hop[device, self._tp_column(tp)]
+        return compute + collective_time(gathered, tp, self.tp_gbps(device, tp), 1, hop)
 
 
 TP_DEGREES = (1, 2, 4, 8, 16)
@@ -399,21 +409,36 @@ def tp_link_gbps(cluster: ClusterSpec, device_type: str, tp: int = 2) -> float:
     """Slowest link inside a TP group of ``tp`` consecutive devices of one type, in the node
     holding the most of them: TP 4 inside a NUMA domain runs at its link, TP 8 across two
     domains at the cross-NUMA link. A node with fewer such devices (a profile of one device)
-    gives its intra-node link."""
-    best_node, best_count = None, 0
+    gives its intra-node link (through the host on a PCIe node)."""
+    node, ranks = _tp_group(cluster, device_type, tp)
+    if node is None:
+        return cluster.inter_node_gbps
+    if ranks is None:
+        return node.peer_gbps(node.intra_node_gbps, cluster.datasheet_links)
+    return cluster.group_gbps(ranks)
+
+
+def tp_over_pcie(cluster: ClusterSpec, device_type: str, tp: int = 2) -> bool:
+    """Whether a TP group of ``tp`` devices of one type talks over PCIe through the host."""
+    node, _ = _tp_group(cluster, device_type, tp)
+    return node is not None and node.over_pcie
+
+
+def _tp_group(cluster: ClusterSpec, device_type: str, tp: int):
+    """(node, ranks) of a TP group of ``tp`` consecutive devices of one type in the node holding
+    the most of them; ranks None where that node has fewer (or tp < 2); node None: no such type."""
+    best_node, best_count, best_start = None, 0, 0
     start = 0
     for node in cluster.nodes:
         count = sum(n for t, n in node.devices if t == device_type)
         if count > best_count:
             best_node, best_count, best_start = node, count, start
         start += node.num_devices
-    if best_node is None:
-        return cluster.inter_node_gbps
-    if best_count < tp or tp < 2:
-        return best_node.intra_node_gbps
+    if best_node is None or best_count < tp or tp < 2:
+        return best_node, None
     types = cluster.rank_device_types()
-    ranks = [r for r in range(best_start, best_start + best_node.num_devices) if types[r] == device_type][:tp]
-    return cluster.group_gbps(ranks)
+    return best_node, [r for r in range(best_start, best_start + best_node.num_devices)
+                       if types[r] == device_type][:tp]
 
 
 def hbm_gbps(device: DeviceType) -> float:

@@ -15,6 +15,7 @@ import numpy as np
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.bridge import EdgeCrossing, GroupCrossing, layout_crossings, tied_crossing
+from memx_launch.planning.collectives import NVLINK, PCI
 from memx_launch.planning.costmodel import communicators_per_rank
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -41,6 +42,8 @@ class Layout:
     replica_capacity: np.ndarray      # (K, P) bytes
     next_stage_gbps: np.ndarray       # (P,) link to the next stage, inf for the last
     dp_gbps: np.ndarray               # (P,) slowest link of the stage's DP groups
+    dp_nodes: np.ndarray              # (P,) most nodes one of the stage's DP groups spans
+    dp_hop: np.ndarray                # (P,) collectives.NVLINK or PCI: the hop inside a node of its DP groups
     edge_crossings: tuple[EdgeCrossing, ...] = ()
     """Pipeline edges (the last stage's: interleaving's wrap-around) that cross communication domains."""
     group_crossings: tuple[GroupCrossing, ...] = ()
@@ -180,10 +183,13 @@ def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
     # A DP group is every tp-th rank of the stage; the slowest group decides (ClusterSpec.group_gbps:
     # links inside a node, each node's share of its NICs between nodes).
     dp_gbps = [min([cluster.group_gbps(ranks[j::t]) for j in range(t)]) for ranks, t in zip(stage_ranks, stage_tp)]
+    dp_nodes = [max(cluster.nodes_spanned(ranks[j::t]) for j in range(t)) for ranks, t in zip(stage_ranks, stage_tp)]
+    dp_hop = [PCI if cluster.intra_hop_over_pcie(ranks) else NVLINK for ranks in stage_ranks]
     return Layout(stage_tp, dp, tuple(order), np.array([[device_names.index(t) for t in row] for row in rows]),
                   [list(r) for r in stage_ranks],
                   np.array([[cluster.device_type(t).memory_bytes for t in row] for row in rows], dtype=float),
                   np.array(next_gbps, dtype=float), np.array(dp_gbps, dtype=float),
+                  np.array(dp_nodes, dtype=float), np.array(dp_hop),
                   *layout_crossings(cluster, [list(r) for r in stage_ranks], stage_tp),
                   cluster.transfers_gbps(zip(stage_ranks[0], stage_ranks[-1])) if len(stage_ranks) > 1 else math.inf,
                   tied_crossing(cluster, [list(r) for r in stage_ranks]))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning import data_parallel
 from memx_launch.planning import schedules
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
@@ -345,10 +346,18 @@ class Evaluator:
                     share = (v - 1) / v if wrap else 1.0
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(hidden_bytes)
         stage_params = parameters_per_rank(m, layout, layers)
-        sync = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps * efficiency)
+        dp_link = (layout.dp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
+        if tr.fully_sharded:
+            # Gathered and reduce-scattered layer by layer every micro-batch, behind its compute.
+            tp = layout.tp if layout.uniform_tp else layout.stage_tp
+            stage_time = stage_time + data_parallel.fully_sharded_exposed_time(stage_params, m.layer_params / tp, layers,
+                                                                    stage_time, tr, *dp_link)
+            sync = np.zeros_like(stage_params)
+        else:
+            sync = data_parallel.data_parallel_sync_time(stage_params, tr, *dp_link)
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
-                group, cm.sync_allreduce_bytes(stage_params[:, group.stage], tr))
+                group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr))
         t_dp = sync
         if tr.overlap_grad_reduce:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
@@ -398,7 +407,7 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
                                 float(2.0 * g * result.v * result.transfer[edge.stage])))
     params = parameters_per_rank(model, layout, result.layers[row:row + 1])[0]
     for group in layout.group_crossings:
-        synced = cm.sync_allreduce_bytes(params[group.stage], training)
+        synced = data_parallel.sync_allreduce_bytes(params[group.stage], training)
         out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
                             float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
     tied_bytes = cm.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)

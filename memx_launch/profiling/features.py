@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning.costmodel import FULL, AnalyticalCostModel, LayerCost, allreduce_time
+from memx_launch.planning.costmodel import FULL, AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.profiling.profiledb import Measurement
@@ -39,9 +39,8 @@ def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute)
         np.asarray(seq, dtype=np.float64), np.asarray(recompute, dtype=np.float64)))
     base = cost.layer_costs(device, tp, mbs, seq, recompute)
     model = cost.model
-    gbps = cost.tp_gbps(device, tp)
     hidden_bytes = mbs * seq * model.hidden_size * cost.training.dtype_bytes
-    comm = np.where(recompute == FULL, 6.0, 4.0) * allreduce_time(hidden_bytes, tp, gbps)
+    comm = np.where(recompute == FULL, 6.0, 4.0) * cost.tp_allreduce_time(hidden_bytes, device, tp)
     memory = base.activation_bytes + base.working_bytes
     n = device.shape[0]
     shape = np.broadcast_to([model.hidden_size, model.num_heads, model.num_kv_heads, model.ffn_hidden_size,
@@ -55,7 +54,8 @@ def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute)
 
 
 def _single_device_cluster(device: DeviceType, tp_link: float | None, slowdown: float) -> ClusterSpec:
-    node = Node("profiled", ((device.name, 1),), float(tp_link or 1.0))
+    # The link is what the profiled TP group reached (already through the host on a PCIe node).
+    node = Node("profiled", ((device.name, 1),), float(tp_link or 1.0), gpu_link="direct")
     emulation = Emulation(((device.name, slowdown),)) if slowdown != 1.0 else None
     return ClusterSpec("profiled", (device,), (node,), math.inf, emulation)
 

@@ -15,6 +15,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.specs.bridge import DOMAIN_BY_VENDOR, Bridge, bridge_from
 from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_positive, require_type
 from memx_launch.specs.inputs import load_yaml
+from memx_launch.specs.node import GPU_LINKS, Node
 
 CLUSTER_FILE_VERSION = 1
 MAX_DEVICES_PER_NODE = 4096
@@ -49,6 +50,9 @@ class DeviceType:
     allocator's reserve over allocated. Unset: the vendor's default
     (:data:`DEFAULT_MEMORY_OVERHEAD_GIB`). The buffers of the plan's communicators come on top
     (:attr:`communicator_bytes` each)."""
+    sm_count: int | None = None
+    """Streaming multiprocessors (NVIDIA) or compute units (AMD): the waves a matmul's tiles run
+    in. Unset: by compute capability (:data:`~memx_launch.planning.matmuls.SMS_BY_COMPUTE_CAPABILITY`)."""
     domain: str | None = None
     """Communication domain: the collective library this type's ranks share. Ranks of one domain
     form native groups (NCCL among NVIDIA GPUs); traffic between domains takes the bridge.
@@ -75,6 +79,9 @@ class DeviceType:
                            fix="give reserved minus allocated memory in GiB")
         if self.domain is not None:
             require_name(self.domain, f"{where}.domain")
+        if self.sm_count is not None:
+            require_number(self.sm_count, f"{where}.sm_count", lo=0, lo_open=True, hi=100000, integer=True,
+                           fix="give the device's streaming multiprocessors, e.g. 132 for H100 SXM")
 
     @property
     def communication_domain(self) -> str:
@@ -158,38 +165,6 @@ DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 1.25, "amd": 1.25, "cpu": 0.0, "unknown
 # process group on 4 x A100 over NVLink (github.com/NVIDIA/nccl/issues/964); every communicator
 # a rank joins (world, DP, TP, PP) holds its own (nccl#864, #986). RCCL is built alike.
 COMMUNICATOR_GIB = {"nvidia": 0.6, "amd": 0.6}
-
-@dataclass(frozen=True)
-class Node:
-    name: str
-    devices: tuple[tuple[str, int], ...]
-    """(device type, count) in rank order."""
-    intra_node_gbps: float
-    numa_domains: int = 1
-    cross_numa_gbps: float | None = None
-    host: str | None = None
-    """Address the other nodes reach this one at (the rendezvous master when it is the first)."""
-    nics: int | None = None
-    """Network interfaces (rails) of ``inter_node_gbps`` each that the node's devices share;
-    None: one per device, as on DGX/HGX nodes."""
-
-    @property
-    def num_devices(self) -> int:
-        return sum(n for _, n in self.devices)
-
-    @property
-    def rails(self) -> int:
-        """NICs between this node and the others (one per device unless ``nics`` says)."""
-        return self.nics or self.num_devices
-
-    def uplink_gbps(self, inter_node_gbps: float, members: int) -> float:
-        """Inter-node bandwidth of a collective group with ``members`` devices on this node. NCCL
-        runs a ring per rail, so the group leaves the node over its members' share of the NICs
-        (every group of a layout communicates at once), and its members forward the ring's
-        traffic over the node's own links."""
-        rails = members * self.rails / self.num_devices
-        return min(inter_node_gbps * rails, self.intra_node_gbps if members > 1 else math.inf)
-
 
 @dataclass(frozen=True)
 class Emulation:
@@ -276,9 +251,21 @@ class ClusterSpec:
         if na != nb:
             return self.inter_node_gbps
         node = self.nodes[na]
-        if da != db and node.cross_numa_gbps:
-            return node.cross_numa_gbps
-        return node.intra_node_gbps
+        link = node.cross_numa_gbps if da != db and node.cross_numa_gbps else node.intra_node_gbps
+        return node.peer_gbps(link, self.datasheet_links)
+
+    @property
+    def datasheet_links(self) -> bool:
+        """Datasheet link figures (link_efficiency < 1), not measured bus bandwidths (1.0, detected)."""
+        return self.link_efficiency < 1.0
+
+    def intra_hop_over_pcie(self, ranks) -> bool:
+        """Whether a group's ranks inside a node talk over PCIe through the host (any of its nodes)."""
+        return any(self.nodes[n].over_pcie for n in {self._rank_locations[r][0] for r in ranks})
+
+    def nodes_spanned(self, ranks) -> int:
+        """Nodes a group's ranks sit on."""
+        return len({self._rank_locations[r][0] for r in ranks})
 
     def transfers_gbps(self, pairs) -> float:
         """Bandwidth each of these concurrent point-to-point transfers gets (the slowest): inside
@@ -306,7 +293,7 @@ class ClusterSpec:
         inside = [self.link_gbps(a, b) for a, b in zip(ranks, ranks[1:] + ranks[:1])
                   if a != b and node_of[a] == node_of[b]]
         members = collections.Counter(node_of[r] for r in ranks)
-        across = [self.nodes[n].uplink_gbps(self.inter_node_gbps, k) for n, k in members.items()] \
+        across = [self.nodes[n].uplink_gbps(self.inter_node_gbps, k, self.datasheet_links) for n, k in members.items()] \
             if len(members) > 1 else []
         return min(inside + across, default=math.inf)
 
@@ -350,7 +337,7 @@ class ClusterSpec:
         types = []
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
                    "flash_attention", "peak_tflops_fp32", "memory_overhead_gib", "compute_capability",
-                   "domain"}
+                   "domain", "sm_count"}
         for tname, spec in raw_types.items():
             require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")
             require_name(tname, f"cluster.device_types.{tname}")
@@ -374,7 +361,7 @@ class ClusterSpec:
             if not isinstance(raw, dict):
                 raise ConfigError(where, "must be a mapping")
             reject_unknown(raw, {"name", "devices", "intra_node_gbps", "numa_domains",
-                                  "cross_numa_gbps", "host", "count", "nics"}, where)
+                                  "cross_numa_gbps", "host", "count", "nics", "gpu_link"}, where)
             devices = raw.get("devices")
             if not isinstance(devices, dict) or not devices:
                 raise ConfigError(f"{where}.devices", "missing or empty", "e.g. devices: {a100: 8}")
@@ -396,6 +383,10 @@ class ClusterSpec:
             if nics is not None:
                 require_number(nics, f"{where}.nics", lo=0, lo_open=True, hi=MAX_DEVICES_PER_NODE, integer=True,
                                fix="the number of network interfaces the node's devices share")
+            gpu_link = raw.get("gpu_link")
+            if gpu_link is not None and gpu_link not in GPU_LINKS:
+                raise ConfigError(f"{where}.gpu_link", f"unknown link {gpu_link!r}",
+                                  "direct (NVLink, xGMI, HCCS) or pcie (through the host)")
             count = raw.get("count", 1)
             if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
                 raise ConfigError(f"{where}.count", f"must be a positive integer, got {count!r}",
@@ -412,7 +403,7 @@ class ClusterSpec:
                                   "split the job, or check the counts")
             name = str(raw.get("name", f"node{i}"))
             nodes += [Node(name if count == 1 else f"{name}-{k}", tuple(devices.items()), float(intra), numa,
-                           None if cross is None else float(cross), host, nics) for k in range(count)]
+                           None if cross is None else float(cross), host, nics, gpu_link) for k in range(count)]
         inter = data.get("inter_node_gbps")
         if len(nodes) > 1 or inter is not None:
             require_positive(inter, "cluster.inter_node_gbps")

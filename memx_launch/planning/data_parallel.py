@@ -1,0 +1,78 @@
+"""Data-parallel synchronisation: what a stage's DP group sends each iteration (or, fully sharded,
+each micro-batch), bucket by bucket, as NCCL runs it (collectives.py). No torch import."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds
+from memx_launch.specs.training import TrainingSpec
+
+
+def gradient_bucket_params(training: TrainingSpec, dp) -> np.ndarray:
+    """Parameters per gradient bucket, each bucket its own collective: Megatron's default,
+    max(40M, 1M x DP) where gradients are reduced as the backward runs (overlap_grad_reduce),
+    else one bucket (megatron/core/distributed/distributed_data_parallel.py)."""
+    if not training.overlap_grad_reduce:
+        return np.inf
+    return np.maximum(40e6, 1e6 * np.asarray(dp, dtype=np.float64))
+
+
+def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, nodes=1, hop=NVLINK) -> np.ndarray:
+    """Gradient synchronisation of one iteration over a stage's DP group of ``dp`` ranks on
+    ``nodes`` nodes, bucket by bucket (:func:`gradient_bucket_params`), each bucket a collective
+    as NCCL runs it (collectives.py: its latency grows with the group).
+
+    Plain data parallel: all-reduce of the gradients (their dtype). Sharded optimizer (ZeRO-1/2,
+    Megatron's distributed optimizer): reduce-scatter of the gradients and all-gather of the
+    updated weights. Fully sharded: the weights all-gathered for the forward and again for the
+    backward in the compute dtype, and the gradients reduce-scattered (one micro-batch's;
+    :func:`fully_sharded_exposed_time` times them per layer and micro-batch).
+    """
+    params = np.asarray(stage_params, dtype=np.float64)
+    bucket = gradient_bucket_params(training, dp)
+    grad = training.precision_bytes("grad_dtype")
+    if not (training.fully_sharded or training.distributed_optimizer):
+        return bucketed_seconds("all_reduce", params * grad, bucket * grad, dp, gbps, nodes, hop)
+    gathered = 2.0 * training.dtype_bytes if training.fully_sharded else training.precision_bytes("weights_dtype")
+    return (bucketed_seconds("reduce_scatter", params * grad, bucket * grad, dp, gbps, nodes, hop)
+            + bucketed_seconds("all_gather", params * gathered, bucket * gathered, dp, gbps, nodes, hop))
+
+
+def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
+                               nodes=1, hop=NVLINK) -> np.ndarray:
+    """Seconds per micro-batch a fully sharded stage waits on its DP group beyond its compute.
+    Each layer (one FSDP unit of ``layer_params`` on a rank), and the stage's other parameters
+    (embedding, head: one unit), all-gathers its weights for the forward and again for the
+    backward and reduce-scatters its gradients, every micro-batch; the next unit's gather is
+    prefetched while this one computes, so the collectives hide behind ``stage_time`` (one
+    micro-batch's forward and backward) except what exceeds it and the first unit's gather."""
+    layers = np.asarray(layers, dtype=np.float64)
+    rest = np.maximum(np.asarray(stage_params, dtype=np.float64) - layers * layer_params, 0.0)
+
+    def unit_seconds(params):
+        gather = collective_seconds("all_gather", params * training.dtype_bytes, dp, gbps, nodes, hop)
+        return gather, 2.0 * gather + collective_seconds("reduce_scatter", params * training.precision_bytes(
+            "grad_dtype"), dp, gbps, nodes, hop)
+
+    first_gather, per_layer = unit_seconds(np.asarray(layer_params, dtype=np.float64))
+    per_microbatch = layers * per_layer + unit_seconds(rest)[1]
+    return np.maximum(per_microbatch - np.asarray(stage_time), 0.0) + first_gather
+
+
+def _sharded_sync_bytes_per_param(training: TrainingSpec) -> float:
+    """Bytes per parameter a sharded setup's reduce-scatters and all-gathers move through the ring."""
+    grad = training.precision_bytes("grad_dtype")
+    if training.fully_sharded:
+        return 2.0 * training.dtype_bytes + grad
+    return grad + training.precision_bytes("weights_dtype")
+
+
+def sync_allreduce_bytes(stage_params, training: TrainingSpec) -> np.ndarray:
+    """The all-reduce whose ring traffic equals one iteration's gradient sync: the gradients for
+    plain data parallel; half the collectives' volume for a sharded setup (an all-reduce moves
+    its buffer twice). What a cross-domain DP group syncs hierarchically."""
+    params = np.asarray(stage_params, dtype=np.float64)
+    if not (training.fully_sharded or training.distributed_optimizer):
+        return params * training.precision_bytes("grad_dtype")
+    return params * _sharded_sync_bytes_per_param(training) / 2.0

@@ -1,0 +1,98 @@
+"""Matmul time by shape: a roofline per GEMM (M, N, K) with tile and wave quantization (NVIDIA's
+Matrix Multiplication Background User's Guide, docs.nvidia.com/deeplearning/performance). No torch.
+
+A GEMM runs as output tiles of tm x tn, each on one streaming multiprocessor (SM), in waves of
+as many tiles as the device has SMs. The device's best matmul rate (one input per device type)
+is what a large, well-shaped GEMM sustains; a GEMM of another shape reaches a share of it:
+
+- tile quantization: the edge tiles of M and N compute padding;
+- wave quantization: the last wave leaves SMs idle (64 tiles on 132 SMs use 48% of them);
+- tile shape: a smaller tile (which fills more SMs) loads more operand bytes per FLOP: a tile's
+  reuse is tm tn / (tm + tn); 128 x 128 and larger keep the tensor cores fed, 256 x 64, 128 x 64
+  and 64 x 64 reach 0.8, 2/3 and 1/2 of the rate (operand feed bound in proportion to reuse);
+- the K loop: each tile fills and drains a software pipeline of a few K steps and writes its
+  output once, about K_FILL of K's worth of time, so a GEMM reaches K / (K + K_FILL) of its rate;
+- the memory side: no faster than reading A and B and writing C once at HBM bandwidth.
+
+cuBLAS picks the tile per shape; memx takes the tile that gives the shortest time. A micro-batch
+of 1-2 sequences on a small model is a grid of few tiles on many SMs: slow for that reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Output tiles cuBLAS/CUTLASS kernels use, each (tm, tn, share of the best rate): its operand
+# reuse tm tn / (tm + tn) against 128 x 128's, at most 1.
+_TILE_SIDES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
+TILES = tuple((float(a), float(b), min(1.0, a * b / (a + b) / 64.0)) for a, b in _TILE_SIDES)
+# K of pipeline fill and epilogue per output tile (a few 32-64 deep K steps).
+K_FILL = 128.0
+# Streaming multiprocessors by NVIDIA compute capability, the datacenter part of each
+# generation (V100, T4, A100, A10G, L4, H100/H200/GH200); AMD: MI300X's compute units.
+SMS_BY_COMPUTE_CAPABILITY = {7.0: 80, 7.5: 40, 8.0: 108, 8.6: 80, 8.9: 58, 9.0: 132}
+DEFAULT_SMS = {"nvidia": 108, "amd": 304}
+
+
+def streaming_multiprocessors(vendor: str, compute_capability: float | None, given: int | None = None) -> int:
+    """SMs of a device type: ``given``, else its compute capability's datacenter part, else
+    the vendor's default (A100's 108 for NVIDIA); 0 for a CPU (no tiles nor waves: its measured
+    matmul rate is taken as it is)."""
+    if given:
+        return int(given)
+    if vendor == "cpu":
+        return 0
+    if compute_capability is not None and compute_capability in SMS_BY_COMPUTE_CAPABILITY:
+        return SMS_BY_COMPUTE_CAPABILITY[compute_capability]
+    return DEFAULT_SMS.get(vendor, DEFAULT_SMS["nvidia"])
+
+
+def shape_efficiency(m, n, k, sms) -> np.ndarray:
+    """Share of the best matmul rate a GEMM of output M x N and depth K reaches (arrays broadcast),
+    with the best of :data:`TILES`. 1 means the best rate; never above it. ``sms`` 0: a CPU, 1."""
+    m, n, k = (np.maximum(np.asarray(x, dtype=np.float64), 1.0) for x in (m, n, k))
+    tiled = np.asarray(sms, dtype=np.float64) > 0
+    sms = np.maximum(np.asarray(sms, dtype=np.float64), 1.0)
+    best = np.zeros(np.broadcast(m, n, k, sms).shape)
+    for tm, tn, feed in TILES:
+        tiles_m, tiles_n = np.ceil(m / tm), np.ceil(n / tn)
+        tiles = tiles_m * tiles_n
+        padding = (m * n) / (tiles * tm * tn)
+        waves = tiles / (np.ceil(tiles / sms) * sms)
+        best = np.maximum(best, feed * padding * waves)
+    return np.where(tiled, best * k / (k + K_FILL), 1.0)
+
+
+def gemm_seconds(m, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> np.ndarray:
+    """Seconds of one GEMM: its FLOPs at the shape's share of the best rate, or reading A and B
+    and writing C at HBM bandwidth, whichever is longer."""
+    m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
+    compute = 2.0 * m * n * k / (np.asarray(best_flops) * shape_efficiency(m, n, k, sms))
+    memory = (m * k + k * n + m * n) * dtype_bytes / np.asarray(hbm_bytes_per_s)
+    return np.maximum(compute, memory)
+
+
+def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> np.ndarray:
+    """One layer's linear layers forward and backward: for each weight of ``shapes`` ((N, K):
+    output and input features, per TP rank), the forward M x N x K, the input gradient M x K x N
+    and the weight gradient N x K x M, with M the tokens of the micro-batch."""
+    total = 0.0
+    for n, k in shapes:
+        total = total + (gemm_seconds(tokens, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
+                         + gemm_seconds(tokens, k, n, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
+                         + gemm_seconds(n, k, tokens, best_flops, hbm_bytes_per_s, sms, dtype_bytes))
+    return total
+
+
+def linear_shapes(model, training, tp) -> list[tuple]:
+    """(N, K) of each linear layer's weight of a block on one TP rank: the fused QKV, the output
+    projection, the MLP's up (and gate: fused, or its own GEMM) and down projections."""
+    tp = np.asarray(tp, dtype=np.float64)
+    h, ffn = float(model.hidden_size), float(model.ffn_hidden_size)
+    if not model.gated_mlp:
+        up = [(ffn / tp, h)]
+    elif training.fused_gate_up:
+        up = [(2.0 * ffn / tp, h)]
+    else:
+        up = [(ffn / tp, h), (ffn / tp, h)]
+    return [((h + 2.0 * model.kv_hidden_size) / tp, h), (h, h / tp), *up, (h, ffn / tp)]

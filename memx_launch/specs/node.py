@@ -1,0 +1,68 @@
+"""One machine of a cluster: its devices, the links between them and its network interfaces."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# A PCIe 5.0 x16 link per direction; every NVLink generation gives a GPU more (V100 150, A100
+# 300, H100 450 GB/s).
+PCIE_MAX_GBPS = 64.0
+GPU_LINKS = ("direct", "pcie")
+# Bus bandwidth of NCCL collectives among PCIe GPUs without a direct path (peer-to-peer off, as
+# on cloud VMs, or through the CPU): each chunk is staged in host memory, through the CPU's root
+# complex and memory, and reaches about half the link: 28 and 35 GB/s all-reduce bus bandwidth on
+# 8 and 4 PCIe 5.0 GPUs (64 GB/s links; github.com/NVIDIA/nccl/issues/1639, "determined by the
+# bandwidth your CPU and memory can deliver"); NCCL's topology takes a PCIe 3.0 x16 path at 12 of
+# its 16 GB/s and a CPU-to-CPU hop at 6-10 GB/s (src/graph/topo.h). As a share of the link
+# before link_efficiency (0.8, NVLink's): 0.5 / 0.8.
+PCIE_STAGED_SHARE = 0.5 / 0.8
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    devices: tuple[tuple[str, int], ...]
+    """(device type, count) in rank order."""
+    intra_node_gbps: float
+    numa_domains: int = 1
+    cross_numa_gbps: float | None = None
+    host: str | None = None
+    """Address the other nodes reach this one at (the rendezvous master when it is the first)."""
+    nics: int | None = None
+    """Network interfaces (rails) of ``inter_node_gbps`` each that the node's devices share;
+    None: one per device, as on DGX/HGX nodes."""
+    gpu_link: str | None = None
+    """How the node's devices reach each other: ``direct`` (NVLink, xGMI, HCCS: device to device)
+    or ``pcie`` (through the host: PCIe GPUs such as A10G, T4, L4). None: ``pcie`` where
+    ``intra_node_gbps`` is at most :data:`PCIE_MAX_GBPS`, else ``direct``."""
+
+    @property
+    def num_devices(self) -> int:
+        return sum(n for _, n in self.devices)
+
+    @property
+    def over_pcie(self) -> bool:
+        """The devices talk over PCIe through the host (:attr:`gpu_link`)."""
+        if self.gpu_link is not None:
+            return self.gpu_link == "pcie"
+        return self.intra_node_gbps <= PCIE_MAX_GBPS
+
+    @property
+    def rails(self) -> int:
+        """NICs between this node and the others (one per device unless ``nics`` says)."""
+        return self.nics or self.num_devices
+
+    def uplink_gbps(self, inter_node_gbps: float, members: int, staged: bool = True) -> float:
+        """Inter-node bandwidth of a collective group with ``members`` devices on this node. NCCL
+        runs a ring per rail, so the group leaves the node over its members' share of the NICs
+        (every group of a layout communicates at once), and its members forward the ring's
+        traffic over the node's own links."""
+        rails = members * self.rails / self.num_devices
+        inside = self.peer_gbps(self.intra_node_gbps, staged) if members > 1 else math.inf
+        return min(inter_node_gbps * rails, inside)
+
+    def peer_gbps(self, link_gbps: float, staged: bool = True) -> float:
+        """What traffic between this node's devices gets of a link of theirs: all of it over
+        NVLink; :data:`PCIE_STAGED_SHARE` of it through the host, where ``staged`` (the figure
+        is a datasheet link, not a measured bus bandwidth)."""
+        return link_gbps * PCIE_STAGED_SHARE if staged and self.over_pcie else link_gbps

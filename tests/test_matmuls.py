@@ -1,0 +1,81 @@
+"""Matmul efficiency by shape (planning/matmuls.py) and the cost model's linear layers."""
+
+import numpy as np
+import pytest
+
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning import matmuls as mm
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+
+rng = np.random.default_rng(0)
+
+
+def test_never_above_the_best_rate_nor_peak_compute():
+    """Property: over random shapes and SM counts the share stays in (0, 1], and a GEMM is never
+    timed faster than its FLOPs at the best rate or its bytes at HBM bandwidth."""
+    m, n, k = (rng.integers(1, 40000, 2000) for _ in range(3))
+    sms = rng.integers(1, 300, 2000)
+    share = mm.shape_efficiency(m, n, k, sms)
+    assert ((share > 0) & (share <= 1)).all()
+    best, hbm = 700e12, 3e12
+    t = mm.gemm_seconds(m, n, k, best, hbm, sms, 2)
+    assert (t >= 2.0 * m * n * k / best).all()
+    assert (t >= (m * k + k * n + m * n) * 2 / hbm).all()
+
+
+def test_large_shapes_run_near_the_best_rate():
+    assert float(mm.shape_efficiency(16384, 16384, 8192, 108)) > 0.9
+
+
+def test_wave_quantization_one_tile_past_a_wave():
+    """132 tiles fill H100's 132 SMs; 133 tiles need a second wave that is nearly empty."""
+    full = float(mm.shape_efficiency(128 * 12, 128 * 11, 4096, 132))
+    over = float(mm.shape_efficiency(128 * 12 + 1, 128 * 11, 4096, 132))
+    assert over < 0.8 * full
+
+
+def test_thin_gemms_are_slow_for_their_shape():
+    """A micro-batch of one short sequence on a small model: few tiles on many SMs, a short K."""
+    thin = float(mm.shape_efficiency(512, 1024, 1024, 132))
+    assert thin < 0.5
+    assert float(mm.shape_efficiency(512, 1024, 1024, 40)) > thin  # the same GEMM fills a T4 better
+
+
+def test_memory_bound_side():
+    """M = 1: a matrix-vector product is bound by reading the weights."""
+    t = float(mm.gemm_seconds(1, 8192, 8192, 700e12, 2e12, 132, 2))
+    assert t == pytest.approx((8192 + 8192 * 8192 + 8192) * 2 / 2e12)
+
+
+def test_cpu_takes_its_measured_rate():
+    assert float(mm.shape_efficiency(7, 9, 11, 0)) == 1.0
+    assert mm.streaming_multiprocessors("cpu", None) == 0
+    assert mm.streaming_multiprocessors("nvidia", 9.0) == 132
+    assert mm.streaming_multiprocessors("nvidia", 9.0, 114) == 114  # H100 PCIe, given
+
+
+def _cost(hidden, heads, sms=None):
+    model = ModelSpec("m", 4, hidden, heads, heads, 4 * hidden, 32000, 2048, gated_mlp=False)
+    device = {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989, "compute_capability": 9.0,
+              "memory_bandwidth_gbps": 3350, **({"sm_count": sms} if sms else {})}
+    cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"h": device},
+                                     "nodes": [{"devices": {"h": 8}, "intra_node_gbps": 450}]})
+    return model, cm.AnalyticalCostModel(model, cluster, TrainingSpec(dtype="bf16"))
+
+
+def test_thin_layers_reach_a_smaller_share_of_peak():
+    """Achieved matmul FLOP/s of a layer (its 6 x linear FLOPs over its time) fall with the
+    micro-batch and the hidden size, and never pass the best rate."""
+    achieved = {}
+    for hidden in (1024, 8192):
+        model, cost = _cost(hidden, hidden // 128)
+        for mbs in (1, 8):
+            t = float(cost.layer_costs(0, 1, mbs, 512, 0).time_s)
+            flops = 6 * mbs * 512 * (model.attention_params + model.mlp_params)
+            achieved[hidden, mbs] = flops / t
+    best = cost.device_types[0].effective_tflops_for("bf16") * 1e12
+    assert max(achieved.values()) < best
+    assert achieved[1024, 1] < achieved[1024, 8] < achieved[8192, 8]
+    assert achieved[1024, 1] < 0.5 * achieved[8192, 8]
