@@ -22,19 +22,21 @@ import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
-from memx_launch.files import check_output_path, path_component, write_json_atomic
+from memx_launch.files import check_output_path, path_component
 from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import SearchSpace, add_restriction_args, check_space, restrictions_from_args
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
-from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
+from memx_launch.runtime.supervisor import (CHECKPOINT_DIR, COMMAND_VAR, LAUNCHER_PID_VAR, STOPPED_FILE, max_replans,
+                                            record_stopped)
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precision
 from memx_launch.specs.model import get_model
-from memx_launch.runtime.runs import DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, STOPPED_FILE, check_environment, check_profile_db, previous_run, stopped_run_of
+from memx_launch.runtime.runs import (DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, check_environment, check_profile_db,
+                                      previous_run, stopped_run_of, stopped_state)
 
 
 # Emulated devices are CPU stand-ins: a batch a CPU trains in seconds, in fp32 as the runtime does.
@@ -96,6 +98,8 @@ def build_parser():
                         "a run directory that already holds this model's plan is resumed from its latest checkpoint")
     g.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run: its plan and its latest checkpoint (same as --run-dir RUN_DIR)")
+    g.add_argument("--verbose", action="store_true",
+                   help="when workers fail, also torchrun's root-cause table and its log lines (default: one line)")
     add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
     add_version_arg(g)
     parser.set_defaults(argv=None)
@@ -382,6 +386,9 @@ def launch(args, resolved) -> int:
         "MEMX_NO_REPLAN": str(int(args.no_replan)),
         "MEMX_CALIBRATION_BUDGET_S": "" if args.calibration_budget_s is None else str(args.calibration_budget_s),
         "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]]),
+        # The workers stop (with a checkpoint) when this process is gone (supervisor.py), and leave
+        # the command line so that the same command continues the run.
+        LAUNCHER_PID_VAR: str(os.getpid()), COMMAND_VAR: json.dumps(resolved["argv"]),
     }
     if args.cluster:
         env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
@@ -400,22 +407,11 @@ def launch(args, resolved) -> int:
     if os.path.exists(stopped):  # continued now: a later same command starts a new run
         os.remove(stopped)
     try:
-        return run_agent(args)
+        return run_agent(args, verbose=args.verbose)
     except SignalException as exc:  # the workers checkpointed and said so (supervisor.stop_at_signal)
-        write_json_atomic(stopped, {"argv": resolved["argv"], "signal": exc.sigval.name}, overwrite=True)
-        from memx_launch.runtime.checkpoint import latest_checkpoint
-
-        try:
-            latest = latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR))
-        except ConfigError:
-            latest = None
-        if os.path.exists(os.path.join(run_dir, "plan.json")):
-            kept = f"checkpoint {latest}" if latest else "the plan, no checkpoint yet"
-            again = f"run the same command again (or with --resume {run_dir})"
-        else:
-            kept = f"no plan yet; the calibration samples measured are in {resolved['profile_db']}"
-            again = "run the same command again"
-        print(f"memx-run: stopped by {exc.sigval.name}: {kept}; to continue, {again}", file=sys.stderr)
+        record_stopped(run_dir, resolved["argv"], exc.sigval.name)
+        print(f"memx-run: stopped by {exc.sigval.name}: {stopped_state(run_dir, resolved['profile_db'])}",
+              file=sys.stderr)
         return 128 + int(exc.sigval)
 
 
