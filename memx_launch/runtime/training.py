@@ -33,11 +33,14 @@ from memx_launch.runtime.layout import RankLayout, process_grid, process_rank, r
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import Precision
+from memx_launch.runtime.run_record import RunRecord
 from memx_launch.runtime.watchdog import StepWatchdog
 
 
 DEFAULT_LR = 3e-4
 SCHEDULER_KEY = "memx.lr_scheduler"
+RUN_KEY = "memx.run"
+"""The run so far (runtime/run_record.py), kept with the data state."""
 
 
 @dataclass
@@ -101,6 +104,8 @@ class Runtime:
         self.emulated = emulated
         self.device = local_device()
         self.step_count = 0
+        self.run_record = RunRecord()
+        """The run over every generation (checkpoints carry it): ``run_record.summary(step_count)``."""
         self.supervisor = None
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
         self.comm = Communicator(process_domains(plan, cluster), self.device, strict=strict_mode(emulated is not None),
@@ -260,7 +265,9 @@ class Runtime:
         [local_batch_size, seq] tokens and targets. Every rank passes the same tensors for its
         replica; only the first stage reads tokens and only the last reads targets."""
         with self.watchdog.armed(self.step_count + 1):  # a hang becomes a one-line error (runtime/watchdog.py)
-            return self._step(tokens, targets)
+            stats = self._step(tokens, targets)
+        self.run_record.add(stats.loss, stats.step_time_s)
+        return stats
 
     def _step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepStats:
         losses: list[torch.Tensor] = []
@@ -339,8 +346,9 @@ class Runtime:
         Returns the step's folder."""
         from memx_launch.runtime.checkpoint import save_checkpoint
 
+        data_state = {**(data_state or {}), RUN_KEY: self.run_record.to_dict()}
         if self.lr_scheduler is not None:  # a few numbers, the same on every rank: kept with the data state
-            data_state = {**(data_state or {}), SCHEDULER_KEY: self.lr_scheduler.state_dict()}
+            data_state[SCHEDULER_KEY] = self.lr_scheduler.state_dict()
         return save_checkpoint(directory, self.chunks, self.optimizer, self.step_count, data_state, self.plan, keep)
 
     def load_checkpoint(self, directory: str):
@@ -351,6 +359,8 @@ class Runtime:
         resumed = load_checkpoint(directory, self.chunks, self.optimizer)
         if resumed is not None:
             self.step_count = resumed.step
+            self.run_record = RunRecord.from_dict(resumed.data_state.pop(RUN_KEY, None), f"{resumed.path}/memx.json")
+            self.run_record.resumed_at.append(resumed.step + 1)
             scheduler_state = resumed.data_state.pop(SCHEDULER_KEY, None)
             if self.lr_scheduler is not None and scheduler_state is not None:
                 self.lr_scheduler.load_state_dict(scheduler_state)
