@@ -299,3 +299,39 @@ def test_bf16_on_a_device_without_it_is_fp16_in_the_job_or_refused_when_asked():
     assert "dtype                   fp16, not the default bf16: no bf16 on v100-32gb" in resolved["settings"].render()
     with pytest.raises(ConfigError, match="--dtype: bf16, but there is no bf16"):
         resolve(build_parser().parse_args(["--dtype", "bf16", *argv]))
+
+
+def test_a_silent_listener_on_the_store_port_is_one_line_not_minutes_of_silence():
+    """Something that accepts connections on the rendezvous port but is no torch store: memx-run
+    says so within its answer time, before the agent starts (torch would wait out its timeout)."""
+    import datetime
+    import socket
+    import time
+
+    from torch.distributed import TCPStore
+
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.rendezvous import check_endpoint, store_answers
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # the kernel accepts connections; nobody answers
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"--rdzv-endpoint: 127.0.0.1:{port} accepts connections but did not "
+                                              "answer as a torch store within 0.5 s"):
+            store_answers("127.0.0.1", port, "--rdzv-endpoint", answer_s=0.5)
+        assert time.monotonic() - start < 5
+        args = build_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", TRAIN])
+        with pytest.raises(ConfigError, match="--rdzv-endpoint: .* did not answer as a torch store"):
+            check_endpoint(args, answer_s=0.5)  # memx-run's check before the agent starts
+        args = build_parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                                          "--master-port", str(port), TRAIN])
+        with pytest.raises(ConfigError, match="--master-port: .* did not answer as a torch store"):
+            check_endpoint(args, answer_s=0.5)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    assert store_answers("127.0.0.1", store.port, "--rdzv-endpoint")  # a store answers its ping
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        unused = free.getsockname()[1]
+    assert not store_answers("127.0.0.1", unused, "--rdzv-endpoint")  # nothing there yet: torch waits for it

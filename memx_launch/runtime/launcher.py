@@ -401,6 +401,7 @@ def launch(args, resolved) -> int:
     args.module, args.no_python = True, False
     args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
     rendezvous.configure(args)  # a one-node job on loopback; a secret run id; no pickle from the store
+    rendezvous.check_endpoint(args)  # another program on the store's port: one line, not minutes of silence
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_hide_signal_shutdown)
     stopped = os.path.join(run_dir, STOPPED_FILE)
