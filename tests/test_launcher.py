@@ -335,3 +335,22 @@ def test_a_silent_listener_on_the_store_port_is_one_line_not_minutes_of_silence(
         free.bind(("127.0.0.1", 0))
         unused = free.getsockname()[1]
     assert not store_answers("127.0.0.1", unused, "--rdzv-endpoint")  # nothing there yet: torch waits for it
+
+
+def test_a_given_plan_keeps_its_batch_for_the_job_and_its_re_plans(tmp_path):
+    """The workers train the plan's batch; the re-plans (MEMX_TRAINING) must plan for the same
+    one, not memx-run's default (16 on emulated clusters): a flag may only repeat it."""
+    from memx_launch.cli.main import main as memx
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.launcher import resolve
+
+    plan = tmp_path / "plan.json"
+    assert memx(["estimate", "--model", "llama-tiny", "--cluster", CPU_CLUSTER, "--tp", "1", "--pp", "4", "--dp", "1",
+                 "--micro-batch-size", "1", "--global-batch-size", "4", "--seq-len", "32", "--dtype", "fp32",
+                 "--json", str(plan)]) == 0
+    base = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--plan", str(plan), "--run-dir", str(tmp_path / "r")]
+    resolved = resolve(build_parser().parse_args([*base, TRAIN, "--model", "llama-tiny"]))
+    assert (resolved["training"].global_batch_size, resolved["training"].seq_len) == (4, 32)
+    assert re.search(r"global batch size +4 +\(plan\)", resolved["settings"].render())
+    with pytest.raises(ConfigError, match="--global-batch-size: 16, but the plan trains 4"):
+        resolve(build_parser().parse_args([*base, "--global-batch-size", "16", TRAIN, "--model", "llama-tiny"]))

@@ -218,21 +218,8 @@ def resolve(args) -> dict:
     else:
         if nodes == 1:
             world = local
-        settings.add("world size", world or "from the rendezvous (the nodes' processes together)",
-                     "default")
+        settings.add("world size", world or "from the rendezvous (the nodes' processes together)", "default")
         settings.add("cluster", "detected in the job", "default")
-
-    emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
-    gbs = args.global_batch_size or (EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
-    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and gradients with
-    # autocast, torch's cross entropy over the whole vocabulary.
-    training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or model.seq_len,
-                            dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32",
-                            grad_dtype="fp32", vocab_parallel_loss=False)
-    settings.add("global batch size", training.global_batch_size, "flag" if args.global_batch_size else "default")
-    settings.add("sequence length", training.seq_len, "flag" if args.seq_len else "default")
-    training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
-    settings.add("dtype", why or training.dtype, "flag" if args.dtype else "default")
 
     plan = None
     if previous is not None:
@@ -256,6 +243,24 @@ def resolve(args) -> dict:
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
+    emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
+    # A given or continued plan keeps its batch, in its re-plans too: a flag may only repeat it.
+    batch = {"global_batch_size": args.global_batch_size, "seq_len": args.seq_len}
+    for field, given in batch.items():
+        if None not in (given, getattr(plan, field, None)) and given != getattr(plan, field):
+            raise ConfigError(f"--{field.replace('_', '-')}", f"{given}, but the plan trains {getattr(plan, field)}", "drop it")
+    gbs = args.global_batch_size or getattr(plan, "global_batch_size", None) or (
+        EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
+    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and gradients with
+    # autocast, torch's cross entropy over the whole vocabulary.
+    training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
+                            dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32",
+                            grad_dtype="fp32", vocab_parallel_loss=False)
+    for name, field in (("global batch size", "global_batch_size"), ("sequence length", "seq_len")):
+        settings.add(name, getattr(training, field), "flag" if batch[field] else "plan" if plan else "default")
+    training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
+    settings.add("dtype", why or training.dtype, "flag" if args.dtype else "default")
+
     if args.weights:
         parse_weights(args.weights)
     max_slowdown = parse_slowdown(args.max_slowdown) if args.max_slowdown else None
