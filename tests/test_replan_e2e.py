@@ -190,3 +190,28 @@ def test_no_replan_monitors_and_logs_but_keeps_the_plan(tmp_path):
     assert f"re-plan at step {FAULT_STEP}: peak" in err and "re-planning is off (--no-replan)" in err
     assert not (tmp_path / "run" / "replans.json").exists() and "resumed after" not in err
     assert [s for s, _ in losses(out)] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_an_edited_plan_that_runs_out_of_memory_is_re_planned_and_runs_to_the_end(tmp_path):
+    """A plan edited by hand (5 of the 8 layers on stage 0's 25.6 MiB device, sequences of 160)
+    runs out of memory in its first step. memx-run is not told the batch: the re-plan must plan
+    the plan's own (4 x 160), not memx-run's default, and the run ends with every step."""
+    plan = json.loads(_plan_file(tmp_path).read_text())
+    for stage, layers in zip(plan["stages"], [5, 1, 1, 1]):
+        stage["num_layers"] = layers
+    plan["seq_len"] = 160
+    (tmp_path / "edited.json").write_text(json.dumps(plan))
+    argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
+            "--cluster", CLUSTER, "--plan", str(tmp_path / "edited.json"), "--run-dir", str(tmp_path / "run"),
+            "--profile-db", str(tmp_path / "no-profile.jsonl"), TRAIN, "--model", "llama-tiny", "--steps", "3",
+            "--synthetic"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "out of memory on rank 0 in step 1" in proc.stderr, proc.stderr[-4000:]
+    [record] = json.loads((tmp_path / "run" / "replans.json").read_text())
+    assert record["reason"] == "oom" and record["action"] != "keep"
+    new = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (new["global_batch_size"], new["seq_len"]) == (4, 160)
+    assert [s for s, _ in losses(proc.stdout)] == [1, 2, 3]  # step 1 failed before it printed
