@@ -130,3 +130,26 @@ def test_an_error_every_rank_wrote_is_one_line_naming_the_ranks(tmp_path):
     crash = {0: _failure(-15, 10), 1: written(1, "RuntimeError: boom", EXCEPTION, 1)}
     assert failure_line(crash) == ("memx-run: error: worker rank 1 failed with exit code 1: RuntimeError: boom "
                                    "(traceback above)")
+
+
+MEMX_ERROR_SCRIPT = """import memx_launch.runtime
+from memx_launch.errors import ConfigError
+memx_launch.runtime.from_env()
+raise ConfigError("--steps", "must be positive, got 0", "e.g. --steps 10")
+"""
+
+
+@pytest.mark.slow
+def test_a_memx_error_of_every_rank_is_one_line_for_the_job(tmp_path):
+    from memx_launch.cli.main import main as memx
+
+    (tmp_path / "cluster.yaml").write_text(ONE_DEVICE.replace("cpu-a: 1}", "cpu-a: 2}"))
+    (tmp_path / "fail.py").write_text(MEMX_ERROR_SCRIPT)
+    assert memx(["estimate", "--model", "llama-tiny", "--cluster", str(tmp_path / "cluster.yaml"), "--tp", "1", "--pp",
+                 "2", "--dp", "1", "--micro-batch-size", "1", "--global-batch-size", "2", "--seq-len", "32",
+                 "--dtype", "fp32", "--json", str(tmp_path / "plan.json")]) == 0
+    proc = _memx_run(["--cluster", "cluster.yaml", "--plan", "plan.json", "--run-dir", "run", "fail.py", "--model",
+                      "llama-tiny"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["memx-run: error: --steps: must be positive, got 0; e.g. --steps 10 (ranks 0, 1)"], proc.stderr
