@@ -107,8 +107,11 @@ def test_after_kill_9_of_a_rank_resume_reruns_the_steps_after_the_last_checkpoin
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "memx_launch.runtime.worker" in " ".join(p.cmdline())]
         assert len(workers) == 4
+        killed = int(workers[-1].environ()["RANK"])
         workers[-1].kill()  # SIGKILL: nothing can be saved at that moment
-        assert proc.wait(timeout=120) != 0
+        assert proc.wait(timeout=120) == 137  # as torchrun reports it, not its peers' failures
+    assert err_path.read_text().strip().splitlines()[-1] == (
+        f"memx-run: error: worker rank {killed} was killed by SIGKILL (exit code 137)"), err_path.read_text()[-3000:]
     printed = [s for s, _ in losses(out_path.read_text())]
     latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["step"]
     assert latest % 2 == 0 and printed[-1] - latest <= 2  # at most MEMX_CHECKPOINT_EVERY steps to redo
