@@ -122,7 +122,7 @@ def test_after_kill_9_of_a_rank_resume_reruns_the_steps_after_the_last_checkpoin
     after = losses(resumed.stdout)
     assert [s for s, _ in after] == list(range(latest + 1, STEPS + 1))
     reference = dict(losses(subprocess.run(_argv(tmp_path, tmp_path / "reference", plan), cwd=tmp_path, env=env,
-                                           capture_output=True, text=True, timeout=150).stdout))
+                                           capture_output=True, text=True, timeout=300).stdout))
     for step, loss in after:
         assert loss == pytest.approx(reference[step], abs=LOSS_ATOL), step
 
