@@ -46,7 +46,7 @@ def _plan_file(tmp_path):
     return tmp_path / "plan0.json"
 
 
-def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=150):
+def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=300):
     drill = [os.path.join(REPO, a) if a.startswith("examples/") else str(plan) if a == DRILL_PLAN else a
              for a in DRILL_RUN]
     argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
