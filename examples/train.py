@@ -16,7 +16,6 @@ import argparse
 import glob
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -79,21 +78,16 @@ def main() -> int:
               f"{plan.num_microbatches} micro-batches of {plan.micro_batch_size}; layers "
               f"{[s.num_layers for s in plan.stages]}, recompute {[s.recompute for s in plan.stages]}"
               f"{' (emulated devices)' if plan.emulated else ''}", flush=True)
-    first = last = None
-    start = time.perf_counter()
     while runtime.step_count < args.steps:
         tokens, targets = batch(corpus, runtime.step_count, plan.global_batch_size, plan.seq_len,
                                 plan.model_spec.vocab_size)
         stats = runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets))
-        first = stats.loss if first is None else first
-        last = stats.loss
         if rank0:
             print(runtime.progress_line(stats), flush=True)
         if args.checkpoint_dir and (runtime.step_count % args.checkpoint_every == 0 or runtime.step_count == args.steps):
             runtime.save_checkpoint(args.checkpoint_dir)
-    if rank0 and first is not None:
-        print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s, loss {first:.4f} -> {last:.4f}",
-              flush=True)
+    if rank0:  # every step of the run, also those of the generations before a re-plan's restart
+        print(f"done: {runtime.run_record.summary(runtime.step_count)}", flush=True)
     dist.destroy_process_group()
     return 0
 

@@ -303,3 +303,58 @@ def test_bf16_on_a_device_without_it_is_fp16_in_the_job_or_refused_when_asked():
     assert "dtype                   fp16, not the default bf16: no bf16 on v100-32gb" in resolved["settings"].render()
     with pytest.raises(ConfigError, match="--dtype: bf16, but there is no bf16"):
         resolve(build_parser().parse_args(["--dtype", "bf16", *argv]))
+
+
+def test_a_silent_listener_on_the_store_port_is_one_line_not_minutes_of_silence():
+    """Something that accepts connections on the rendezvous port but is no torch store: memx-run
+    says so within its answer time, before the agent starts (torch would wait out its timeout)."""
+    import datetime
+    import socket
+    import time
+
+    from torch.distributed import TCPStore
+
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.rendezvous import check_endpoint, store_answers
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # the kernel accepts connections; nobody answers
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"--rdzv-endpoint: 127.0.0.1:{port} accepts connections but did not "
+                                              "answer as a torch store within 0.5 s"):
+            store_answers("127.0.0.1", port, "--rdzv-endpoint", answer_s=0.5)
+        assert time.monotonic() - start < 5
+        args = build_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", TRAIN])
+        with pytest.raises(ConfigError, match="--rdzv-endpoint: .* did not answer as a torch store"):
+            check_endpoint(args, answer_s=0.5)  # memx-run's check before the agent starts
+        args = build_parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                                          "--master-port", str(port), TRAIN])
+        with pytest.raises(ConfigError, match="--master-port: .* did not answer as a torch store"):
+            check_endpoint(args, answer_s=0.5)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    assert store_answers("127.0.0.1", store.port, "--rdzv-endpoint")  # a store answers its ping
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        unused = free.getsockname()[1]
+    assert not store_answers("127.0.0.1", unused, "--rdzv-endpoint")  # nothing there yet: torch waits for it
+
+
+def test_a_given_plan_keeps_its_batch_for_the_job_and_its_re_plans(tmp_path):
+    """The workers train the plan's batch; the re-plans (MEMX_TRAINING) must plan for the same
+    one, not memx-run's default (16 on emulated clusters): a flag may only repeat it."""
+    from memx_launch.cli.main import main as memx
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.launcher import resolve
+
+    plan = tmp_path / "plan.json"
+    assert memx(["estimate", "--model", "llama-tiny", "--cluster", CPU_CLUSTER, "--tp", "1", "--pp", "4", "--dp", "1",
+                 "--micro-batch-size", "1", "--global-batch-size", "4", "--seq-len", "32", "--dtype", "fp32",
+                 "--json", str(plan)]) == 0
+    base = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--plan", str(plan), "--run-dir", str(tmp_path / "r")]
+    resolved = resolve(build_parser().parse_args([*base, TRAIN, "--model", "llama-tiny"]))
+    assert (resolved["training"].global_batch_size, resolved["training"].seq_len) == (4, 32)
+    assert re.search(r"global batch size +4 +\(plan\)", resolved["settings"].render())
+    with pytest.raises(ConfigError, match="--global-batch-size: 16, but the plan trains 4"):
+        resolve(build_parser().parse_args([*base, "--global-batch-size", "16", TRAIN, "--model", "llama-tiny"]))

@@ -12,10 +12,6 @@ import sys
 import pytest
 
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.training import TrainingSpec
-from memx_launch.specs.model import get_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
@@ -31,21 +27,30 @@ LOSS_ATOL = 1e-5
 LEVELS = ("none", "selective", "full")
 
 
+# The README's re-plan drill: this plan, then memx-run with the ballast and a sample every step
+# (the test adds --nproc-per-node, --max-restarts 0, --run-dir and --profile-db to keep to tmp_path).
+DRILL_PLAN = "drill-plan.json"
+DRILL_ESTIMATE = ["--model", "llama-tiny", "--cluster", "examples/clusters/cpu-emulated.yaml", "--tp", "1", "--pp",
+                  "4", "--dp", "1", "--micro-batch-size", "1", "--layers-per-stage", "1,1,3,3", "--global-batch-size",
+                  "4", "--seq-len", "64", "--dtype", "fp32", "--json", DRILL_PLAN]
+DRILL_ENV = {"MEMX_FAULT_BALLAST": BALLAST, "MEMX_MONITOR_INTERVAL": "1"}
+DRILL_RUN = ["--cluster", "examples/clusters/cpu-emulated.yaml", "--plan", DRILL_PLAN, "--global-batch-size", "4",
+             "examples/train.py", "--model", "llama-tiny", "--steps", str(STEPS), "--synthetic"]
+
+
 def _plan_file(tmp_path):
-    plan = evaluate_layout(get_model("llama-tiny"), ClusterSpec.from_yaml(CLUSTER),
-                           TrainingSpec(global_batch_size=4, seq_len=64, dtype="fp32"), tp=1, pp=4, dp=1,
-                           micro_batch_size=1, layers_per_stage=[1, 1, 3, 3], recompute=["none"] * 4,
-                           references=(1, 1, 1))
-    path = tmp_path / "plan0.json"
-    plan.save(str(path))
-    return path
+    from memx_launch.cli.main import main
+
+    args = [os.path.join(REPO, a) if a.startswith("examples/") else a for a in DRILL_ESTIMATE]
+    assert main(["estimate", *args[:-1], str(tmp_path / "plan0.json")]) == 0
+    return tmp_path / "plan0.json"
 
 
-def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=150):
+def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=300):
+    drill = [os.path.join(REPO, a) if a.startswith("examples/") else str(plan) if a == DRILL_PLAN else a
+             for a in DRILL_RUN]
     argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
-            "--cluster", CLUSTER, "--plan", str(plan), "--global-batch-size", "4", "--run-dir", str(run_dir),
-            "--profile-db", str(tmp_path / "no-profile.jsonl"), *flags,
-            TRAIN, "--model", "llama-tiny", "--steps", str(STEPS), "--synthetic"]
+            "--run-dir", str(run_dir), "--profile-db", str(tmp_path / "no-profile.jsonl"), *flags, *drill]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     proc = subprocess.run(argv, cwd=tmp_path, env={**full_env, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
@@ -97,6 +102,34 @@ def test_ballast_replans_restarts_and_resumes_with_nothing_lost(ballast_run):
     assert sorted(reference) == list(range(1, STEPS + 1))
     for step, loss in losses(out):
         assert loss == pytest.approx(reference[step], abs=LOSS_ATOL), step
+
+
+def step_times(stdout):
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step (\d+) \| loss [0-9.]+ \| ([0-9.]+) s/step", stdout, re.M)}
+
+
+def test_the_readme_gives_the_drill_this_file_runs():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "memx estimate " + " ".join(DRILL_ESTIMATE) in readme
+    env = " ".join(f'{k}="{v}"' if "," in v else f"{k}={v}" for k, v in DRILL_ENV.items())
+    assert f"{env} memx-run " + " ".join(DRILL_RUN) in readme
+
+
+@pytest.mark.slow
+def test_the_drill_runs_as_the_readme_says(ballast_run):
+    """Detected at the sample of the step the ballast came in, the README's action (move_layers:
+    stage 2's layers to the fast stages), the steps after the restart about as fast as before the
+    pressure, and a done: line over both generations."""
+    tmp, _, out, err = ballast_run
+    assert re.search(rf"re-plan at step {FAULT_STEP}: above_prediction on rank 2 \(stage 2\) -> move_layers: "
+                     r".*stage 2 \(slow-big\): layers 3 -> 1", err), err[-4000:]
+    times = step_times(out)
+    before = max(times[s] for s in range(1, FAULT_STEP))  # step 1 is the slowest (warm-up)
+    after = sorted(times[s] for s in range(FAULT_STEP + 1, STEPS + 1))[(STEPS - FAULT_STEP) // 2]
+    assert after <= 2 * before, times  # the plan that runs out of the pressure is no slower (issue 22: 10x)
+    loss = dict(losses(out))
+    assert re.search(rf"^done: {STEPS} steps in [0-9.]+ s, loss {loss[1]:.4f} -> {loss[STEPS]:.4f} \(resumed at "
+                     rf"step {FAULT_STEP + 1}\)$", out, re.M), out[-2000:]
 
 
 @pytest.mark.slow
@@ -157,3 +190,28 @@ def test_no_replan_monitors_and_logs_but_keeps_the_plan(tmp_path):
     assert f"re-plan at step {FAULT_STEP}: peak" in err and "re-planning is off (--no-replan)" in err
     assert not (tmp_path / "run" / "replans.json").exists() and "resumed after" not in err
     assert [s for s, _ in losses(out)] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_an_edited_plan_that_runs_out_of_memory_is_re_planned_and_runs_to_the_end(tmp_path):
+    """A plan edited by hand (5 of the 8 layers on stage 0's 25.6 MiB device, sequences of 160)
+    runs out of memory in its first step. memx-run is not told the batch: the re-plan must plan
+    the plan's own (4 x 160), not memx-run's default, and the run ends with every step."""
+    plan = json.loads(_plan_file(tmp_path).read_text())
+    for stage, layers in zip(plan["stages"], [5, 1, 1, 1]):
+        stage["num_layers"] = layers
+    plan["seq_len"] = 160
+    (tmp_path / "edited.json").write_text(json.dumps(plan))
+    argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
+            "--cluster", CLUSTER, "--plan", str(tmp_path / "edited.json"), "--run-dir", str(tmp_path / "run"),
+            "--profile-db", str(tmp_path / "no-profile.jsonl"), TRAIN, "--model", "llama-tiny", "--steps", "3",
+            "--synthetic"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "out of memory on rank 0 in step 1" in proc.stderr, proc.stderr[-4000:]
+    [record] = json.loads((tmp_path / "run" / "replans.json").read_text())
+    assert record["reason"] == "oom" and record["action"] != "keep"
+    new = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (new["global_batch_size"], new["seq_len"]) == (4, 160)
+    assert [s for s, _ in losses(proc.stdout)] == [1, 2, 3]  # step 1 failed before it printed

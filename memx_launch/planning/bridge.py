@@ -159,6 +159,15 @@ class BridgePricing:
     def edge_link(self, edge: EdgeCrossing) -> BridgeLink:
         return self.link(edge.domain_pairs, edge.link_gbps)
 
+    def ends_sum_time(self, layout, nbytes: float) -> float:
+        """The first and the last stage's all-reduce of ``nbytes`` (tied embeddings; Megatron's
+        embedding group): over the bridge when they sit in different domains."""
+        if not nbytes:
+            return 0.0
+        if layout.ends_crossing is not None:
+            return float(self.edge_link(layout.ends_crossing).allreduce_time(nbytes, 2))
+        return float(cm.allreduce_time(nbytes, 2, layout.ends_gbps * self.cluster.link_efficiency))
+
     def group_link(self, group: GroupCrossing) -> BridgeLink:
         domains = sorted(d for d, _ in group.domain_sizes)
         return self.link(tuple(pair(a, b) for a, b in itertools.combinations(domains, 2)), group.bridge_link_gbps)

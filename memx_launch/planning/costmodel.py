@@ -197,14 +197,6 @@ def last_stage_params(model: ModelSpec, pp: int) -> int:
     return model.head_params + tied_copy
 
 
-def tied_gradient_bytes(model: ModelSpec, pp: int, first_tp: int, training: TrainingSpec) -> float:
-    """Bytes of the tied embedding's gradient the first and the last stage sum every step (none
-    without tied embeddings or with one stage, which holds the one weight)."""
-    if not model.tie_embeddings or pp == 1:
-        return 0.0
-    return model.embedding_params / first_tp * training.precision_bytes("grad_dtype")
-
-
 def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None = None) -> np.ndarray:
     """The last stage's logits for the loss at their peak, in the backward of the loss.
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds
+from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
 
@@ -76,3 +77,11 @@ def sync_allreduce_bytes(stage_params, training: TrainingSpec) -> np.ndarray:
     if not (training.fully_sharded or training.distributed_optimizer):
         return params * training.precision_bytes("grad_dtype")
     return params * _sharded_sync_bytes_per_param(training) / 2.0
+
+
+def tied_gradient_bytes(model: ModelSpec, pp: int, first_tp: int, training: TrainingSpec) -> float:
+    """Bytes of the tied embedding's gradient the first and the last stage sum every step (none
+    without tied embeddings or with one stage, which holds the one weight)."""
+    if not model.tie_embeddings or pp == 1:
+        return 0.0
+    return model.embedding_params / first_tp * training.precision_bytes("grad_dtype")

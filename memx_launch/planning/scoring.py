@@ -314,15 +314,9 @@ class Evaluator:
         return np.where(levels == cm.FULL, np.clip(fewest, 1, layers).astype(np.int64), layers)
 
     def tied_sync_time(self, layout) -> float:
-        """Seconds the first and the last stage spend summing their tied gradients, after the DP
-        sync (Megatron's embedding group): an all-reduce of two, over the bridge when they sit in
-        different domains."""
-        nbytes = cm.tied_gradient_bytes(self.model, layout.pp, layout.end_tp[0], self.training)
-        if not nbytes:
-            return 0.0
-        if layout.ends_crossing is not None:
-            return float(self.bridges.edge_link(layout.ends_crossing).allreduce_time(nbytes, 2))
-        return float(cm.allreduce_time(nbytes, 2, layout.ends_gbps * self.cluster.link_efficiency))
+        """Seconds the first and the last stage sum their tied gradients, after the DP sync."""
+        return self.bridges.ends_sum_time(layout, data_parallel.tied_gradient_bytes(
+            self.model, layout.pp, layout.end_tp[0], self.training))
 
     def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
         return self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)[0]
@@ -410,7 +404,7 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
         synced = data_parallel.sync_allreduce_bytes(params[group.stage], training)
         out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
                             float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
-    tied_bytes = cm.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)
+    tied_bytes = data_parallel.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)
     if tied_bytes and layout.ends_crossing is not None:
         edge = layout.ends_crossing
         out.append(Crossing("tied_embeddings", [0, layout.pp - 1], sorted({d for p in edge.domain_pairs for d in p}),

@@ -263,16 +263,12 @@ def sample_budget(model: ModelSpec, device_type: str, per_sample_s: float, budge
     MIN_CALIBRATION_SAMPLES is refused with what to do instead."""
     fits = int(budget_s // per_sample_s) if per_sample_s > 0 else CALIBRATION_BUDGET
     if fits < MIN_CALIBRATION_SAMPLES:
-        raise CalibrationRefused(
+        raise ConfigError(
             "--calibration-budget-s", f"calibrating {model.name} on {device_type} takes about {per_sample_s:.0f} s a "
             f"sample, {MIN_CALIBRATION_SAMPLES * per_sample_s:.0f} s for the fewest samples, over the budget of "
             f"{budget_s:.0f} s", "use a smaller --model, a profile DB measured on the GPUs (memx profile there, "
             "then --profile-db FILE), --dry-run to plan with the analytical model, or a larger --calibration-budget-s")
     return min(CALIBRATION_BUDGET, fits)
-
-
-class CalibrationRefused(ConfigError):
-    """The devices cannot calibrate the model within the budget; every rank raises it."""
 
 
 def calibration_budget_s(environ=os.environ) -> float:

@@ -22,19 +22,21 @@ import sys
 import time
 
 from memx_launch.errors import ConfigError, MemxError
-from memx_launch.files import check_output_path, path_component, write_json_atomic
+from memx_launch.files import check_output_path, path_component
 from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import SearchSpace, add_restriction_args, check_space, restrictions_from_args
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
-from memx_launch.runtime.supervisor import CHECKPOINT_DIR, max_replans
+from memx_launch.runtime.supervisor import (CHECKPOINT_DIR, COMMAND_VAR, LAUNCHER_PID_VAR, STOPPED_FILE, max_replans,
+                                            record_stopped)
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precision
 from memx_launch.specs.model import get_model
-from memx_launch.runtime.runs import DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, STOPPED_FILE, check_environment, check_profile_db, previous_run, stopped_run_of
+from memx_launch.runtime.runs import (DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, check_environment, check_profile_db,
+                                      previous_run, stopped_run_of, stopped_state)
 
 
 # Emulated devices are CPU stand-ins: a batch a CPU trains in seconds, in fp32 as the runtime does.
@@ -96,6 +98,8 @@ def build_parser():
                         "a run directory that already holds this model's plan is resumed from its latest checkpoint")
     g.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run: its plan and its latest checkpoint (same as --run-dir RUN_DIR)")
+    g.add_argument("--verbose", action="store_true",
+                   help="when workers fail, also torchrun's root-cause table and its log lines (default: one line)")
     add_config_args(g)  # memx's and torchrun's options; the script's stay after the script
     add_version_arg(g)
     parser.set_defaults(argv=None)
@@ -214,21 +218,8 @@ def resolve(args) -> dict:
     else:
         if nodes == 1:
             world = local
-        settings.add("world size", world or "from the rendezvous (the nodes' processes together)",
-                     "default")
+        settings.add("world size", world or "from the rendezvous (the nodes' processes together)", "default")
         settings.add("cluster", "detected in the job", "default")
-
-    emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
-    gbs = args.global_batch_size or (EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
-    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and gradients with
-    # autocast, torch's cross entropy over the whole vocabulary.
-    training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or model.seq_len,
-                            dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32",
-                            grad_dtype="fp32", vocab_parallel_loss=False)
-    settings.add("global batch size", training.global_batch_size, "flag" if args.global_batch_size else "default")
-    settings.add("sequence length", training.seq_len, "flag" if args.seq_len else "default")
-    training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
-    settings.add("dtype", why or training.dtype, "flag" if args.dtype else "default")
 
     plan = None
     if previous is not None:
@@ -252,6 +243,24 @@ def resolve(args) -> dict:
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
+    emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
+    # A given or continued plan keeps its batch, in its re-plans too: a flag may only repeat it.
+    batch = {"global_batch_size": args.global_batch_size, "seq_len": args.seq_len}
+    for field, given in batch.items():
+        if None not in (given, getattr(plan, field, None)) and given != getattr(plan, field):
+            raise ConfigError(f"--{field.replace('_', '-')}", f"{given}, but the plan trains {getattr(plan, field)}", "drop it")
+    gbs = args.global_batch_size or getattr(plan, "global_batch_size", None) or (
+        EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
+    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and gradients with
+    # autocast, torch's cross entropy over the whole vocabulary.
+    training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
+                            dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32",
+                            grad_dtype="fp32", vocab_parallel_loss=False)
+    for name, field in (("global batch size", "global_batch_size"), ("sequence length", "seq_len")):
+        settings.add(name, getattr(training, field), "flag" if batch[field] else "plan" if plan else "default")
+    training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
+    settings.add("dtype", why or training.dtype, "flag" if args.dtype else "default")
+
     if args.weights:
         parse_weights(args.weights)
     max_slowdown = parse_slowdown(args.max_slowdown) if args.max_slowdown else None
@@ -276,8 +285,7 @@ def resolve(args) -> dict:
         check_builder(path, function)
         builder = [os.path.abspath(path), function, model_arg]
         settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
-    # The job's search and its re-plans keep to these (with a given or continued plan: the re-plans).
-    restrictions = restrictions_from_args(args)
+    restrictions = restrictions_from_args(args)  # the job's search and re-plans (or only those) keep to these
     tp_one = "--model-builder" if builder is not None else None if model.tensor_parallel_blocks else "--model"
     if tp_one is not None:  # blocks memx has no tensor-parallel plan for train with TP 1
         if 1 not in restrictions.get("tp_degrees", (1,)):
@@ -383,6 +391,9 @@ def launch(args, resolved) -> int:
         "MEMX_NO_REPLAN": str(int(args.no_replan)),
         "MEMX_CALIBRATION_BUDGET_S": "" if args.calibration_budget_s is None else str(args.calibration_budget_s),
         "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]]),
+        # The workers stop (with a checkpoint) when this process is gone (supervisor.py), and leave
+        # the command line so that the same command continues the run.
+        LAUNCHER_PID_VAR: str(os.getpid()), COMMAND_VAR: json.dumps(resolved["argv"]),
     }
     if args.cluster:
         env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
@@ -395,28 +406,18 @@ def launch(args, resolved) -> int:
     args.module, args.no_python = True, False
     args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
     rendezvous.configure(args)  # a one-node job on loopback; a secret run id; no pickle from the store
+    rendezvous.check_endpoint(args)  # another program on the store's port: one line, not minutes of silence
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_hide_signal_shutdown)
     stopped = os.path.join(run_dir, STOPPED_FILE)
     if os.path.exists(stopped):  # continued now: a later same command starts a new run
         os.remove(stopped)
     try:
-        return run_agent(args)
+        return run_agent(args, verbose=args.verbose)
     except SignalException as exc:  # the workers checkpointed and said so (supervisor.stop_at_signal)
-        write_json_atomic(stopped, {"argv": resolved["argv"], "signal": exc.sigval.name}, overwrite=True)
-        from memx_launch.runtime.checkpoint import latest_checkpoint
-
-        try:
-            latest = latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR))
-        except ConfigError:
-            latest = None
-        if os.path.exists(os.path.join(run_dir, "plan.json")):
-            kept = f"checkpoint {latest}" if latest else "the plan, no checkpoint yet"
-            again = f"run the same command again (or with --resume {run_dir})"
-        else:
-            kept = f"no plan yet; the calibration samples measured are in {resolved['profile_db']}"
-            again = "run the same command again"
-        print(f"memx-run: stopped by {exc.sigval.name}: {kept}; to continue, {again}", file=sys.stderr)
+        record_stopped(run_dir, resolved["argv"], exc.sigval.name)
+        print(f"memx-run: stopped by {exc.sigval.name}: {stopped_state(run_dir, resolved['profile_db'])}",
+              file=sys.stderr)
         return 128 + int(exc.sigval)
 
 

@@ -100,3 +100,14 @@ def rank_layout(plan: Plan, rank: int) -> RankLayout:
         tp_ranks=tuple(grid[stage][dp_index]),
         dp_ranks=tuple(grid[stage][d][tp_index] for d in range(plan.dp)),
         chunks=tuple(chunks_by_stage(plan)[stage]))
+
+
+def process_domains(plan: Plan, cluster) -> list[str]:
+    """Each process rank's communication domain (one domain without a cluster)."""
+    if cluster is None:
+        return ["native"] * plan.world_size
+    by_device = cluster.rank_domains()
+    domains = [""] * plan.world_size
+    for device_rank, domain in enumerate(by_device):
+        domains[process_rank(plan, device_rank)] = domain
+    return domains

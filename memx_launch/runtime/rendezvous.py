@@ -17,6 +17,8 @@ import datetime
 import json
 import secrets
 import socket
+import struct
+import sys
 from typing import Any
 
 from memx_launch.errors import ConfigError
@@ -42,6 +44,54 @@ def configure(args) -> None:
                               "pass the same secret id on every node, e.g. --rdzv-id $(openssl rand -hex 16)")
         args.rdzv_id = secrets.token_hex(16)
     install()
+
+
+STORE_ANSWER_S = 10.0
+"""How long a store may take to answer a ping before memx-run calls the port taken by another program."""
+# torch's TCPStore protocol (torch/csrc/distributed/c10d/TCPStore.cpp): a client validates with
+# this magic number, then pings with a nonce that the store sends back.
+_VALIDATE, _PING, _MAGIC = 0, 13, 0x3C85F7CE
+
+
+def check_endpoint(args, answer_s: float = STORE_ANSWER_S) -> None:
+    """Before the agent starts: the store this node joins (node 0's for static rendezvous,
+    --rdzv-endpoint's for c10d) answers, or is not up yet (torch waits for it, and memx-run says
+    so). A program that accepts connections there but is no store would get minutes of silence
+    (torch's rendezvous timeout): refused in one line instead."""
+    if args.rdzv_backend == "static" and args.node_rank != 0 and not args.rdzv_endpoint:
+        if not store_answers(args.master_addr, args.master_port, "--master-port", answer_s):
+            print(f"memx-run: node 0's store at {args.master_addr}:{args.master_port} is not up yet: waiting for it "
+                  "(up to --rdzv-conf timeout=S, torch's default 600 s)", file=sys.stderr, flush=True)
+    elif args.rdzv_backend == "c10d" and args.rdzv_endpoint:  # nothing there yet: the node that hosts it starts it
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        if port.isdigit():
+            store_answers(host, int(port), "--rdzv-endpoint", answer_s)
+
+
+def store_answers(host: str, port: int, flag: str, answer_s: float = STORE_ANSWER_S) -> bool:
+    """True when a torch store answers at host:port, False when nothing listens there; a
+    ConfigError when something accepts connections but does not answer as a store."""
+    try:
+        conn = socket.create_connection((host, port), timeout=answer_s)
+    except OSError:
+        return False
+    nonce = secrets.randbits(32)
+    with conn:
+        answer = b""
+        try:
+            conn.sendall(struct.pack("<BIBI", _VALIDATE, _MAGIC, _PING, nonce))
+            while len(answer) < 4:
+                chunk = conn.recv(4 - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+        except OSError:  # a timeout included
+            pass
+    if answer != struct.pack("<I", nonce):
+        raise ConfigError(flag, f"{host}:{port} accepts connections but did not answer as a torch store within "
+                          f"{answer_s:g} s: another program listens there", f"stop that program or pass a free port "
+                          f"(the same {flag} on every node)")
+    return True
 
 
 def install() -> None:

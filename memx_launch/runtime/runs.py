@@ -10,7 +10,7 @@ import os
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Plan
-from memx_launch.runtime.supervisor import max_replans
+from memx_launch.runtime.supervisor import CHECKPOINT_DIR, STOPPED_FILE, max_replans
 from memx_launch.specs.inputs import load_json
 
 
@@ -32,7 +32,6 @@ def check_profile_db(path: str) -> None:
             db.read()
 
 
-STOPPED_FILE = "stopped.json"
 MAX_STOPPED_BYTES = 1 * 2**20
 """A command line and a signal name."""
 
@@ -48,6 +47,20 @@ def stopped_run_of(argv: list[str]) -> str | None:
         except (OSError, ConfigError, AttributeError):
             continue  # not a record memx wrote: ignored
     return max(stopped)[1] if stopped else None
+
+
+def stopped_state(run_dir: str, profile_db: str) -> str:
+    """What a stopped run kept and how to continue it."""
+    from memx_launch.runtime.checkpoint import latest_checkpoint
+
+    if not os.path.exists(os.path.join(run_dir, "plan.json")):
+        return f"no plan yet; the calibration samples measured are in {profile_db}; to continue, run the same command again"
+    try:
+        latest = latest_checkpoint(os.path.join(run_dir, CHECKPOINT_DIR))
+    except ConfigError:
+        latest = None
+    kept = f"checkpoint {latest}" if latest else "the plan, no checkpoint yet"
+    return f"{kept}; to continue, run the same command again (or with --resume {run_dir})"
 
 
 def previous_run(run_dir: str, args) -> Plan | None:

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -39,6 +40,13 @@ from memx_launch.planning.replan import ReplanEvent
 from memx_launch.specs.inputs import load_json
 
 CHECKPOINT_DIR = "checkpoints"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LAUNCHER_PID_VAR = "MEMX_LAUNCHER_PID"
+"""memx-run's process id, given to its workers: they stop when it is gone."""
+COMMAND_VAR = "MEMX_COMMAND"
+"""memx-run's command line (JSON), given to its workers for ``stopped.json``."""
+LAUNCHER_POLL_S = 1.0
+STOPPED_FILE = "stopped.json"
 REPLANS_FILE = "replans.json"
 DEFAULT_MAX_REPLANS = 3
 DEFAULT_CHECKPOINT_EVERY = 10
@@ -64,6 +72,12 @@ def max_replans(environ=os.environ) -> int:
 def checkpoint_every(environ=os.environ) -> int:
     """Steps between periodic checkpoints (MEMX_CHECKPOINT_EVERY; 0: none)."""
     return _env_int(environ, "MEMX_CHECKPOINT_EVERY", DEFAULT_CHECKPOINT_EVERY)
+
+
+def record_stopped(run_dir: str, argv: list[str] | None, cause: str) -> None:
+    """The run a signal stopped (or its workers, memx-run gone): the same command line continues
+    it (runs.stopped_run_of)."""
+    write_json_atomic(os.path.join(run_dir, STOPPED_FILE), {"argv": argv, "signal": cause}, overwrite=True)
 
 
 def _show_logs() -> None:
@@ -107,29 +121,54 @@ class Supervisor:
         self.first_step = 1
         """The first step of this generation: the checks of the step before it ran already."""
         self.signal_received = 0
-        """SIGINT or SIGTERM seen by this rank (0: none); Runtime.step gathers it from every rank."""
+        """SIGINT, SIGTERM or SIGHUP seen by this rank (0: none); Runtime.step gathers it from every rank."""
         self.stop_signal = 0
         """The largest signal any rank saw by the last completed step: every rank agrees on it."""
+        self.launcher_gone = False
+        """memx-run's process is gone (killed with SIGKILL): this rank stops as after a SIGHUP."""
         self._catch_stop_signals()
+        self._watch_launcher()
         _show_logs()
 
-    def _catch_stop_signals(self) -> None:
-        """SIGINT/SIGTERM (memx-run's agent forwards them) let the step finish; the next step
-        checkpoints and stops (stop_at_signal)."""
-        def note(signum, frame):
-            self.signal_received = max(self.signal_received, signum)
+    def _note_signal(self, signum, frame=None) -> None:
+        self.signal_received = max(self.signal_received, signum)
 
+    def _catch_stop_signals(self) -> None:
+        """SIGINT/SIGTERM/SIGHUP (memx-run's agent forwards them) let the step finish; the next
+        step checkpoints and stops (stop_at_signal)."""
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(signum, note)
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._note_signal)
+
+    def _watch_launcher(self) -> None:
+        """Without memx-run nobody restarts, re-plans or stops the job: when its process is gone
+        (this process's parent changes), stop at the next step boundary with a checkpoint."""
+        pid = self.environ.get(LAUNCHER_PID_VAR, "")
+        if not pid.isdigit():
+            return
+
+        def watch():
+            while os.getppid() == int(pid):
+                time.sleep(LAUNCHER_POLL_S)
+            self.launcher_gone = True
+            self._note_signal(signal.SIGHUP)
+
+        threading.Thread(target=watch, name="memx-launcher-watch", daemon=True).start()
 
     def stop_at_signal(self) -> None:
         """Every rank, before a step, when a rank saw a signal by the last one: checkpoint the
-        completed steps and exit 128 + the signal (130 SIGINT, 143 SIGTERM); memx-run says so."""
+        completed steps and exit 128 + the signal (130 SIGINT, 143 SIGTERM, 129 SIGHUP); memx-run
+        says so, or rank 0 does when memx-run is gone."""
         step = self.runtime.step_count
         if step and not self._checkpoint_saved(step):
             self.runtime.save_checkpoint(self.checkpoint_dir, keep=KEEP_CHECKPOINTS)
         dist.barrier()
+        if self.launcher_gone and dist.get_rank() == 0:
+            command = self.environ.get(COMMAND_VAR)
+            record_stopped(self.run_dir, json.loads(command) if command else None, "memx-run gone")
+            log.warning("memx-run (pid %s) is gone: stopped after step %d with its checkpoint; to continue, run "
+                        "the same command again (or with --resume %s)", self.environ[LAUNCHER_PID_VAR], step,
+                        self.run_dir)
         dist.destroy_process_group()
         sys.exit(128 + self.stop_signal)
 

@@ -29,16 +29,19 @@ from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
-from memx_launch.runtime.layout import RankLayout, process_grid, process_rank, rank_layout
+from memx_launch.runtime.layout import RankLayout, process_domains, process_grid, process_rank, rank_layout
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import Precision
+from memx_launch.runtime.run_record import RunRecord
 from memx_launch.runtime.tied_weights import TiedGradients
 from memx_launch.runtime.watchdog import StepWatchdog
 
 
 DEFAULT_LR = 3e-4
 SCHEDULER_KEY = "memx.lr_scheduler"
+RUN_KEY = "memx.run"
+"""The run so far (runtime/run_record.py), kept with the data state."""
 
 
 @dataclass
@@ -102,6 +105,8 @@ class Runtime:
         self.emulated = emulated
         self.device = local_device()
         self.step_count = 0
+        self.run_record = RunRecord()
+        """The run over every generation (checkpoints carry it): ``run_record.summary(step_count)``."""
         self.supervisor = None
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
         self.comm = Communicator(process_domains(plan, cluster), self.device, strict=strict_mode(emulated is not None),
@@ -267,7 +272,9 @@ class Runtime:
         [local_batch_size, seq] tokens and targets. Every rank passes the same tensors for its
         replica; only the first stage reads tokens and only the last reads targets."""
         with self.watchdog.armed(self.step_count + 1):  # a hang becomes a one-line error (runtime/watchdog.py)
-            return self._step(tokens, targets)
+            stats = self._step(tokens, targets)
+        self.run_record.add(stats.loss, stats.step_time_s)
+        return stats
 
     def _step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepStats:
         losses: list[torch.Tensor] = []
@@ -348,8 +355,9 @@ class Runtime:
         Returns the step's folder."""
         from memx_launch.runtime.checkpoint import save_checkpoint
 
+        data_state = {**(data_state or {}), RUN_KEY: self.run_record.to_dict()}
         if self.lr_scheduler is not None:  # a few numbers, the same on every rank: kept with the data state
-            data_state = {**(data_state or {}), SCHEDULER_KEY: self.lr_scheduler.state_dict()}
+            data_state[SCHEDULER_KEY] = self.lr_scheduler.state_dict()
         return save_checkpoint(directory, self.chunks, self.optimizer, self.step_count, data_state, self.plan, keep)
 
     def load_checkpoint(self, directory: str):
@@ -360,6 +368,8 @@ class Runtime:
         resumed = load_checkpoint(directory, self.chunks, self.optimizer)
         if resumed is not None:
             self.step_count = resumed.step
+            self.run_record = RunRecord.from_dict(resumed.data_state.pop(RUN_KEY, None), f"{resumed.path}/memx.json")
+            self.run_record.resumed_at.append(resumed.step + 1)
             scheduler_state = resumed.data_state.pop(SCHEDULER_KEY, None)
             if self.lr_scheduler is not None and scheduler_state is not None:
                 self.lr_scheduler.load_state_dict(scheduler_state)
@@ -391,17 +401,6 @@ class Runtime:
 def _stacked(outer, inner):
     with outer, inner:
         yield
-
-
-def process_domains(plan: Plan, cluster) -> list[str]:
-    """Each process rank's communication domain (one domain without a cluster)."""
-    if cluster is None:
-        return ["native"] * plan.world_size
-    by_device = cluster.rank_domains()
-    domains = [""] * plan.world_size
-    for device_rank, domain in enumerate(by_device):
-        domains[process_rank(plan, device_rank)] = domain
-    return domains
 
 
 def _out_of_memory(exc: BaseException | None) -> torch.OutOfMemoryError | None:

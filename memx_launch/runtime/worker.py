@@ -27,12 +27,29 @@ import os
 import runpy
 import sys
 
+from memx_launch.runtime.agent import EXCEPTION, MEMX_ERROR, error_record
 from memx_launch.runtime.restarts import PLANNED_RESTART_EXIT_CODE, record_planned_restart, restart_generation
 from memx_launch.runtime.worker_env import detected_cluster_path, reproduce_command, search_restrictions
 
 
 def _log(message: str) -> None:
     print(f"memx-run: {message}", file=sys.stderr, flush=True)
+
+
+def _report(message: str, kind: str) -> None:
+    """A failure of this rank, for memx-run's one line about the job (runtime/agent.py): written
+    to torchrun's error file, where the agent reads it; printed when there is none."""
+    from memx_launch.files import write_json_atomic
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            write_json_atomic(path, error_record(message, kind), overwrite=True)
+            return
+        except OSError:
+            pass
+    if kind == MEMX_ERROR:
+        _log(f"error: {message}")
 
 
 # --------------------------------------------------------------------------- planning generation
@@ -237,9 +254,7 @@ def main() -> None:
             plan_in_job(env)
         run_script(sys.argv[1:])
     except MemxError as exc:
-        from memx_launch.runtime.calibration import CalibrationRefused
-        if not isinstance(exc, CalibrationRefused) or env.get("RANK", "0") == "0":  # every rank refuses: one line
-            _log(f"error: {exc}")
+        _report(f"{exc}", MEMX_ERROR)
         code = exc.exit_code
     except KeyboardInterrupt:  # Ctrl-C before training (calibration, search): nothing to keep yet
         code = 130
@@ -247,6 +262,12 @@ def main() -> None:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except Exception as exc:  # noqa: BLE001 - the traceback is printed; memx-run names the rank once
+        import traceback
+
+        traceback.print_exc()
+        _report(f"{type(exc).__name__}: {exc}".splitlines()[0], EXCEPTION)
+        code = 1
     # Leave without interpreter finalization: gloo's threads may still hold tensors then and abort
     # the process (SIGABRT) after a clean run, which the agent takes for a crash (seen about once
     # in ten 4-rank runs; pytorch/pytorch#179291). The script's exit handlers still run.
