@@ -21,9 +21,13 @@ from typing import Protocol
 import numpy as np
 
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
-from memx_launch.planning.model_states import (fully_sharded_working_bytes, fully_sharded_working_parts,  # noqa: F401
-                                               model_state_bytes_by_part, model_state_bytes_per_param)
+from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,  # noqa: F401
+                                               fine_tuning_flops, fully_sharded_working_bytes,
+                                               fully_sharded_working_parts, model_state_bytes_by_part,
+                                               model_state_bytes_per_param, trained_parameters)
+from memx_launch.planning.peaks import training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
+from memx_launch.specs.bridge import HOST_COPY_GBPS
 from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
                                        default_efficiency, hopper_or_later)
 from memx_launch.specs.model import ModelSpec
@@ -257,36 +261,39 @@ def p2p_time(nbytes, gbps) -> np.ndarray:
     return np.where(np.isinf(gbps), 0.0, LINK_LATENCY_S + np.asarray(nbytes) / (gbps * 1e9))
 
 
-def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps) -> np.ndarray:
+def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps,
+                            trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
     """Gradient synchronisation of one iteration over a stage's DP group.
 
     Plain data parallel: all-reduce of the gradients (their dtype). Sharded optimizer (ZeRO-1/2,
     Megatron's distributed optimizer): reduce-scatter of the gradients and all-gather of the
     updated weights. Fully sharded: the weights all-gathered for the forward and again for the
-    backward in the compute dtype, and the gradients reduce-scattered.
+    backward in the compute dtype, and the gradients reduce-scattered. Only ``trained``
+    parameters have gradients and updated weights; a fully sharded run gathers frozen ones too.
     """
     params = np.asarray(stage_params, dtype=np.float64)
     if not (training.fully_sharded or training.distributed_optimizer):
-        return allreduce_time(params * training.precision_bytes("grad_dtype"), dp, gbps)
-    return collective_time(params * _sharded_sync_bytes_per_param(training), dp, gbps)
+        return allreduce_time(params * trained.share * training.precision_bytes("grad_dtype"), dp, gbps)
+    return collective_time(params * _sharded_sync_bytes_per_param(training, trained), dp, gbps)
 
 
-def _sharded_sync_bytes_per_param(training: TrainingSpec) -> float:
+def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParameters) -> float:
     """Bytes per parameter a sharded setup's reduce-scatters and all-gathers move through the ring."""
-    grad = training.precision_bytes("grad_dtype")
+    grad = training.precision_bytes("grad_dtype") * trained.share
     if training.fully_sharded:
-        return 2.0 * training.dtype_bytes + grad
-    return grad + training.precision_bytes("weights_dtype")
+        return 2.0 * training.dtype_bytes * (1.0 + trained.adapters) + grad
+    return grad + training.precision_bytes("weights_dtype") * trained.share
 
 
-def sync_allreduce_bytes(stage_params, training: TrainingSpec) -> np.ndarray:
+def sync_allreduce_bytes(stage_params, training: TrainingSpec,
+                         trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
     """The all-reduce whose ring traffic equals one iteration's gradient sync: the gradients for
     plain data parallel; half the collectives' volume for a sharded setup (an all-reduce moves
     its buffer twice). What a cross-domain DP group syncs hierarchically."""
     params = np.asarray(stage_params, dtype=np.float64)
     if not (training.fully_sharded or training.distributed_optimizer):
-        return params * training.precision_bytes("grad_dtype")
-    return params * _sharded_sync_bytes_per_param(training) / 2.0
+        return params * trained.share * training.precision_bytes("grad_dtype")
+    return params * _sharded_sync_bytes_per_param(training, trained) / 2.0
 
 
 class AnalyticalCostModel:
@@ -298,7 +305,7 @@ class AnalyticalCostModel:
         self.training = training
         self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
         self.device_names = tuple(d.name for d in self.device_types)
-        self._tflops = np.array([d.effective_tflops_for(training.dtype) for d in self.device_types])
+        self._tflops = np.array([training_tflops(d, training) for d in self.device_types])
         self._hbm = np.array([hbm_gbps(d) for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
         self._attention_speed = np.array([fused_attention_speed(training.flash_attention_version,
@@ -339,8 +346,8 @@ class AnalyticalCostModel:
         # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
         kernel_flops = np.where(unfused, 0.0, (3.0 + (recompute != NONE)) * attn_core_flops + flash_backward_flops)
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
-        compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops + kernel_slowdown * kernel_flops) \
-            / (self._tflops[device] * 1e12)
+        compute_s = (3.0 * fwd_flops + flash_backward_flops + recompute_flops + kernel_slowdown * kernel_flops
+                     + fine_tuning_flops(self.model, tr, mbs_a, seq_a, tp)) / (self._tflops[device] * 1e12)
         traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device])
         memory_s = traffic / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two of the input gradients of the
@@ -413,13 +420,28 @@ def hbm_gbps(device: DeviceType) -> float:
     return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
 
 
+# Host Adam (DeepSpeed's CPU-Adam) for one GPU's share of the host: about 0.22 s per billion
+# parameters (Ren et al. 2021, ZeRO-Offload, section 5: CPU-Adam against PyTorch's CPU Adam).
+HOST_ADAM_S_PER_PARAM = 0.22e-9
+
+
 def optimizer_step_time(params_on_rank, training: TrainingSpec, device: DeviceType, dp=1) -> np.ndarray:
     """Adam step: reads and writes the model state once at HBM speed."""
     return optimizer_step_seconds(params_on_rank, training, hbm_gbps(device), dp)
 
 
-def optimizer_step_seconds(params_on_rank, training: TrainingSpec, hbm, dp=1) -> np.ndarray:
+def optimizer_step_seconds(params_on_rank, training: TrainingSpec, hbm, dp=1,
+                           trained: TrainedParameters = FULL_TRAINING, host_gbps: float = HOST_COPY_GBPS) -> np.ndarray:
     """:func:`optimizer_step_time` at ``hbm`` GB/s, broadcast against ``params_on_rank`` (many
-    stages and device types in one call)."""
-    state = np.asarray(params_on_rank, dtype=np.float64) * model_state_bytes_per_param(training, dp)
+    stages and device types in one call). With ``optimizer_offload`` the rank's share of the
+    trained parameters (over DP when the optimizer is sharded) sends its gradients to the host
+    and takes its updated weights back at ``host_gbps`` (PCIe), and the host runs Adam
+    (:data:`HOST_ADAM_S_PER_PARAM`); not overlapped with the backward."""
+    params = np.asarray(params_on_rank, dtype=np.float64)
+    if training.optimizer_offload:
+        sharded = training.distributed_optimizer or training.fully_sharded
+        updated = params * trained.share / (np.asarray(dp, dtype=np.float64) if sharded else 1.0)
+        moved = updated * (training.precision_bytes("grad_dtype") + training.precision_bytes("weights_dtype"))
+        return moved / (host_gbps * 1e9) + updated * HOST_ADAM_S_PER_PARAM
+    state = params * trained.share * model_state_bytes_per_param(training, dp)  # the trained ones' state
     return 2.0 * state / (np.asarray(hbm, dtype=np.float64) * 1e9)

@@ -106,6 +106,9 @@ class Evaluator:
         self.cost_model, self.table = cost_model, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
         self.hbm_gbps = np.array([cm.hbm_gbps(d) for d in self.device_types])
+        # Fine-tuning trains only part of the parameters; an offloaded optimizer's PCIe copies.
+        self.trained = cm.trained_parameters(model, training)
+        self.host_gbps = cluster.bridge.staging_gbps(cluster.is_emulated)
         # A learned model brings the overhead calibration measured for a type (else the default).
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
@@ -130,7 +133,7 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         dev = np.broadcast_to(device, levels.shape)
         t_layer, act, work = self.table.lookup(dev, tp, mbs, seq, levels)
-        bpp = cm.model_state_bytes_per_param(tr, dp)
+        bpp = cm.model_state_bytes_per_param(tr, dp, self.trained)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         per_layer = m.layer_params / tp * bpp + inflight * act
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
@@ -145,7 +148,7 @@ class Evaluator:
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
         m, tr = self.model, self.training
         (first, last), pp = layout.end_tp, layout.pp
-        bpp = cm.model_state_bytes_per_param(tr, layout.dp)
+        bpp = cm.model_state_bytes_per_param(tr, layout.dp, self.trained)
         out = np.zeros(pp)
         out[0] += m.embedding_params / first * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
         out[-1] += cm.last_stage_params(m, pp) / last * bpp + cm.logits_bytes(m, mbs, seq, last, tr)
@@ -250,7 +253,7 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         params = parameters_per_rank(m, layout, layers)[0]
-        weights, grads, optim = cm.model_state_bytes_by_part(tr, dp)
+        weights, grads, optim = cm.model_state_bytes_by_part(tr, dp, self.trained)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
         embedding_out = np.zeros(pp)
         embedding_out[0] = inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
@@ -331,10 +334,10 @@ class Evaluator:
                     share = (v - 1) / v if wrap else 1.0
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(hidden_bytes)
         stage_params = parameters_per_rank(m, layout, layers)
-        sync = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps * efficiency)
+        sync = cm.data_parallel_sync_time(stage_params, tr, layout.dp, layout.dp_gbps * efficiency, self.trained)
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
-                group, cm.sync_allreduce_bytes(stage_params[:, group.stage], tr))
+                group, cm.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))
         t_dp = sync
         if tr.overlap_grad_reduce:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
@@ -342,7 +345,7 @@ class Evaluator:
         t_dp = t_dp.max(axis=1)
         # The optimizer step of every stage on each of its device types, at once.
         step = cm.optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
-                                         layout.dp)
+                                         layout.dp, self.trained, self.host_gbps)
         t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
             T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
@@ -380,7 +383,7 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
                                 float(2.0 * g * result.v * result.transfer[edge.stage])))
     params = parameters_per_rank(model, layout, result.layers[row:row + 1])[0]
     for group in layout.group_crossings:
-        synced = cm.sync_allreduce_bytes(params[group.stage], training)
+        synced = cm.sync_allreduce_bytes(params[group.stage], training, cm.trained_parameters(model, training))
         out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
                             float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
     return out
