@@ -3,7 +3,6 @@ LoRA, and the optimizer offloaded to the host (memory, time, flags and --cases c
 
 import json
 
-import numpy as np
 import pytest
 
 from memx_launch.cli import main

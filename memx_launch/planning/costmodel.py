@@ -421,7 +421,7 @@ def hbm_gbps(device: DeviceType) -> float:
 
 
 # Host Adam (DeepSpeed's CPU-Adam) for one GPU's share of the host: about 0.22 s per billion
-# parameters (Ren et al. 2021, ZeRO-Offload, section 5: CPU-Adam against PyTorch's CPU Adam).
+# parameters, the order Ren et al. 2021 (ZeRO-Offload) report for CPU-Adam; not measured here.
 HOST_ADAM_S_PER_PARAM = 0.22e-9
 
 
