@@ -191,10 +191,12 @@ def sailor(shared: str, cost_model=None, efficiency: float | None = None) -> lis
     return rows
 
 
-def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
+def sailor_calibrated(shared: str, trials: int = 10, fleet: bool = False) -> tuple[list[dict], dict]:
     """The same plans with the learned model fitted on the public Sailor profile of their GPU
     type and model (OPT-350 on GH-96: block, embedding and head times by micro-batch and TP;
-    the profile holds no memory, so memory stays analytical), as ``memx estimate --profile-db``."""
+    the profile holds no memory, so memory stays analytical), as ``memx estimate --profile-db``.
+    ``fleet``: the profile DB also holds every other GPU type's Sailor profiles (all models),
+    as a DB of a mixed fleet would; the GH-96 predictions must not move."""
     import warnings
     from dataclasses import replace
 
@@ -207,18 +209,22 @@ def sailor_calibrated(shared: str, trials: int = 10) -> tuple[list[dict], dict]:
     # TP groups ran over the links the plan cluster describes, its blocks with dropout and
     # torch's softmax (SAILOR_RUN_OPTIONS), so the learned ratio applies to the same analytical base.
     node = gh200_cluster(1)
+    profiles = sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
     records = [replace(r, tp_link_gbps=tp_link_gbps(node, "GH-96", r.tp) if r.tp > 1 else None,
                        run_options=SAILOR_RUN_OPTIONS)
-               for r in sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
-               if r.device_type == "GH-96" and r.model == "opt-350m"]
+               for r in profiles if r.device_type == "GH-96" and r.model == "opt-350m"]
+    if fleet:
+        records += [r for r in profiles if r.device_type != "GH-96"]
     predictor = fit_predictor(records, augmented=augment_measurements(records).points, trials=trials)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the plan clusters' only type is the profiled one
         rows = sailor(shared, lambda model, cluster, training: LearnedCostModel(model, cluster, training, predictor))
     efficiency = predictor.meta["efficiency"]["GH-96"]
     analytical_rows = sailor(shared, efficiency=efficiency)
-    fitted = {"profile": "shared/peer-data/sailor/profiles/OPT-350/GH-96 (fp32, Megatron-DeepSpeed)",
+    fitted = {"profile": "shared/peer-data/sailor/profiles/OPT-350/GH-96 (fp32, Megatron-DeepSpeed)"
+                         + (" + every other GPU type's Sailor profiles" if fleet else ""),
               "records": len(records), "trials": trials,
+              "device_types_with_own_trees": sorted(predictor.own_boosters),
               "parts_fixed_ms_and_scale_of_analytical": {
                   part: {k.split("|")[0]: {"fixed_ms": round(1e3 * fixed, 3), "scale": round(scale, 3)}
                          for k, (scale, fixed) in levels.items()}
@@ -302,6 +308,12 @@ def main() -> None:
     result["sailor_opt350_gh200_calibrated"] = {
         "cost_model": "learned (XGBoost over the analytical model), fitted on the plans' GPU type and model",
         **fitted, **sailor_summary(calibrated), "rows": calibrated}
+    fleet_rows, fleet_fitted = sailor_calibrated(shared, fleet=True)
+    result["sailor_opt350_gh200_calibrated_fleet_db"] = {
+        "cost_model": "learned, fitted on a DB holding the plans' GPU type and model and every other GPU type's "
+                      "Sailor profiles (GH-96 keeps trees of its own: the other types must not move it)",
+        **{k: v for k, v in fleet_fitted.items() if k != "analytical_at_measured_efficiency"},
+        **sailor_summary(fleet_rows), "rows": fleet_rows}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     real_runs_plot(h, s, calibrated, PLOT)
@@ -309,7 +321,7 @@ def main() -> None:
     print("hagemann", brief)
     for name, g in groups.items():
         print(" ", name, {k: v for k, v in g.items() if k in ("time_mape_pct", "spearman", "regret_pct")})
-    for key in ("sailor_opt350_gh200", "sailor_opt350_gh200_calibrated"):
+    for key in ("sailor_opt350_gh200", "sailor_opt350_gh200_calibrated", "sailor_opt350_gh200_calibrated_fleet_db"):
         print(key, {k: result[key][k] for k in ("time", "memory_mape_pct", "spearman_all_plans")})
     print(f"{result['seconds']} s")
 

@@ -377,13 +377,13 @@ def test_estimate_with_a_profile_db_uses_its_cost_model(tmp_path, capsys, monkey
     assert 1.9 < ratio <= 2.0  # the layers' time doubles; the embedding stays analytical
 
 
-def test_every_setup_override_flag_is_documented_in_the_readme_and_docs_setups():
-    from memx_launch.cli.common import SETUP_FLAGS
+def test_every_setup_and_run_flag_is_documented_in_the_readme_and_docs_setups():
+    from memx_launch.cli.common import RUN_FLAGS, SETUP_FLAGS
 
     root = os.path.join(os.path.dirname(__file__), "..")
     readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
     setups = open(os.path.join(root, "docs", "setups.md"), encoding="utf-8").read()
-    for name in SETUP_FLAGS:
+    for name in SETUP_FLAGS + RUN_FLAGS:
         flag = "--" + name.replace("_", "-")
         named = re.compile(re.escape(flag) + r"(?![\w-])")  # --flash-attention is not --flash-attention-version
         assert named.search(readme) and named.search(setups), flag

@@ -10,6 +10,7 @@ from memx_launch.profiling.interpolation import augment_measurements, classify_t
 from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.errors import ConfigError
 from memx_launch.profiling.prediction_cache import CachedCostModel, PredictionCache, pack_keys, unpack_keys
+from memx_launch.profiling.features import FEATURE_NAMES
 from memx_launch.profiling.predictor import PREDICTOR_FORMAT, LearnedCostModel, Predictor, fit_predictor, sidecar_path
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
 from memx_launch.specs.model import MODEL_CATALOG
@@ -82,12 +83,62 @@ def test_predictor_of_another_version_is_a_clear_error(tmp_path, fitted):
         Predictor.load(path)
 
 
+def test_adding_device_types_never_moves_a_profiled_types_predictions(tmp_path):
+    from dataclasses import replace
+
+    from memx_launch.profiling.predictor import MIN_OWN_RECORDS, own_model_types
+
+    own = synthetic_records(mbs_values=(1, 4, 16), seqs=(32, 128))
+    # Another type, slower and with another trend, profiled alongside it.
+    others = [replace(r, device_type="other", device={**r.device, "peak_tflops": 20.0},
+                      time_s=r.time_s * (4.0 if r.micro_batch_size > 2 else 1.2)) for r in own]
+    alone = fit_predictor(own, trials=1)
+    together = fit_predictor(own + others, trials=1)
+    assert set(together.own_boosters) == {"dev", "other"} and len(own) >= MIN_OWN_RECORDS
+    query = (0, np.array([1, 1, 1, 1]), np.array([1, 3, 8, 32]), np.array([32, 64, 128, 512]), np.array([0, 1, 2, 0]))
+    a, b = (LearnedCostModel(SPEC, CLUSTER, TRAINING, p).layer_costs(*query) for p in (alone, together))
+    assert np.array_equal(a.time_s, b.time_s) and np.array_equal(a.activation_bytes, b.activation_bytes)
+    # A type with fewer samples leans on the fleet's trees: it gets none of its own.
+    assert own_model_types(own + others[:MIN_OWN_RECORDS - 1]) == {"dev"}
+    # Each type's trees are saved in a file of their own, vouched for by the sidecar.
+    together.save(str(tmp_path / "p.ubj"))
+    loaded = Predictor.load(str(tmp_path / "p.ubj"))
+    X = np.random.default_rng(0).random((4, len(FEATURE_NAMES)))
+    names, models = ["dev", "other", "new", "dev"], [SPEC.signature()] * 4
+    assert np.allclose(loaded.predict_log_ratios(X, names, models), together.predict_log_ratios(X, names, models))
+    assert sorted(os.listdir(tmp_path)) == ["p.type0.ubj", "p.type1.ubj", "p.ubj", "p.ubj.meta.json"]
+
+
 def test_unseen_device_type_warns_and_still_predicts(fitted):
     other = DeviceType(name="other", vendor="amd", memory_gib=64, peak_tflops=100)
     cluster = ClusterSpec("c", (DEVICE, other), (Node("n", (("dev", 2), ("other", 2)), 100.0),), float("inf"))
     with pytest.warns(UserWarning, match="no measurement of device type"):
         model = LearnedCostModel(SPEC, cluster, TRAINING, fitted)
     assert np.all(model.layer_costs([0, 1], 1, 2, 64, 0).time_s > 0)
+
+
+def test_an_unprofiled_pair_predicts_the_same_however_its_peak_is_described(fitted):
+    """A type never profiled: descriptions of one sustained rate (peak x efficiency, the fp32
+    peak, TF32) give one prediction. A model never profiled on a profiled type: the type's
+    profiled descriptors are the base, whatever the file says."""
+    other = MODEL_CATALOG["llama-small"]
+    query = (0, 1, np.array([1, 4, 16]), 256, np.array([0, 1, 2]))
+
+    def predict(model, training=TRAINING, **device):
+        d = DeviceType(name=device.pop("name", "new"), vendor="nvidia", memory_gib=80, memory_bandwidth_gbps=2000,
+                       **device)
+        cluster = ClusterSpec("c", (d,), (Node("n", ((d.name, 4),), 100.0),), float("inf"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "new" has no measurement
+            return LearnedCostModel(model, cluster, training, fitted).layer_costs(*query).time_s
+
+    same_rate = [predict(SPEC, peak_tflops=400, efficiency=0.5), predict(SPEC, peak_tflops=200, efficiency=1.0),
+                 predict(SPEC, peak_tflops=266.67, peak_tflops_fp32=200, efficiency=1.0),
+                 predict(SPEC, TrainingSpec(dtype="fp32", tf32=True), peak_tflops=800, peak_tflops_fp32=19.5,
+                         efficiency=0.5)]  # TF32: half the 16-bit peak
+    assert all(np.allclose(t, same_rate[0], rtol=1e-9) for t in same_rate)
+    profiled = [predict(other, name="dev", peak_tflops=p, efficiency=e) for p, e in ((50, None), (500, 0.2))]
+    assert np.array_equal(*profiled)
 
 
 def test_cache_matches_inner_and_counts(fitted):

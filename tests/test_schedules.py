@@ -11,6 +11,7 @@ import pytest
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.optimizer_step import optimizer_step_time
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -85,7 +86,7 @@ def test_random_layouts_respect_compute_and_peak(seed):
         stage_params = [s.num_layers * model.layer_params / tp for s in plan.stages]
         stage_params[0] += model.embedding_params / tp
         stage_params[-1] += model.head_params / tp
-        step = max(float(cm.optimizer_step_time(n, training, cluster.device_type(s.device_type), dp))
+        step = max(float(optimizer_step_time(n, training, cluster.device_type(s.device_type), dp))
                    for n, s in zip(stage_params, plan.stages))
         assert plan.predicted_iteration_time_s >= plan.num_microbatches * slowest + step
         for i, stage in enumerate(plan.stages):

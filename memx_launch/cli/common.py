@@ -65,6 +65,16 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
+    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                   help="fp32 matmuls as TF32 on NVIDIA Ampere and later: half the 16-bit peak (default off)")
+    p.add_argument("--frozen-fraction", "--frozen_fraction", type=float, metavar="F",
+                   help="fine-tuning: share of the parameters frozen, no gradients or optimizer states (default 0)")
+    p.add_argument("--lora-rank", "--lora_rank", type=int, metavar="R",
+                   help="fine-tuning with LoRA adapters of rank R on every linear of each block, base frozen "
+                        "(default 0: none)")
+    p.add_argument("--optimizer-offload", "--optimizer_offload", action=argparse.BooleanOptionalAction,
+                   default=None, help="optimizer on the host (ZeRO-Offload): no master weights or moments on the "
+                   "GPU, gradients and weights over PCIe each step (default off)")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -80,9 +90,12 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
     return TrainingSpec(global_batch_size=pick("global_batch_size"), seq_len=pick("seq_len"),
                         dtype=pick("dtype"), optimizer=pick("optimizer"), setup=pick("setup"),
+                        **{name: pick(name) for name in RUN_FLAGS},
                         **{name: getattr(args, name, None) for name in SETUP_FLAGS})
 
 
+# Flags of what is trained and where (fine-tuning, TF32, the optimizer's place); no setup presets them.
+RUN_FLAGS = ("tf32", "frozen_fraction", "lora_rank", "optimizer_offload")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag
 

@@ -1,5 +1,6 @@
-"""``memx profile``, ``memx evaluate`` and ``memx cluster detect``: measurements on this machine
-and their accuracy (torch only inside the commands).
+"""``memx profile``, ``memx profile import``, ``memx evaluate`` and ``memx cluster detect``:
+measurements on this machine, measurements from elsewhere, and their accuracy (torch only
+inside the commands).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def add_profile_command(sub) -> None:
     p = sub.add_parser("profile", help="measure transformer blocks on this machine's device (minimal set)",
                        description="Ablation, then a three-point design over the high-impact parameters; "
                                    "appends the measurements to a profile database (JSON lines).")
-    p.add_argument("--model", required=True, help="catalog name or a Hugging Face config.json")
+    p.add_argument("--model", help="catalog name or a Hugging Face config.json (required)")
     p.add_argument("--out", default="profile.jsonl", help="profile database to append to (default profile.jsonl)")
     p.add_argument("--budget", type=int, metavar="N",
                    help="at most N measurements, ablation included; below the ablation's size, a few-sample "
@@ -36,6 +37,62 @@ def add_profile_command(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (median; default 5)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_profile)
+    add_profile_import_command(p.add_subparsers(dest="profile_command", parser_class=Parser,
+                                                metavar="{import}"))
+
+
+def add_profile_import_command(sub) -> None:
+    from memx_launch.profiling.profile_import import FORMATS
+
+    p = sub.add_parser("import", help="append per-layer tables measured elsewhere to a profile database",
+                       description="Formats: table (memx's CSV/JSONL schema), sailor (Sailor's profile.json), "
+                                   "aceso (Aceso's layer-time CSV); see docs/profiler.md. The device type's "
+                                   "descriptors and TP links come from --cluster.")
+    p.add_argument("table", help="the file to import")
+    p.add_argument("--format", required=True, choices=FORMATS, help="the table's format")
+    p.add_argument("--model", required=True, help="the model the table measured (catalog name or config.json)")
+    p.add_argument("--cluster", required=True, help="cluster YAML describing the device type that measured it")
+    p.add_argument("--device-type", "--device_type", help="which of the cluster's device types measured it "
+                   "(default: the cluster's only one)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                   help="precision the table measured (required unless every row says; sailor and aceso: fp32)")
+    p.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence the table measured "
+                   "(default: the model's; table rows may say)")
+    p.add_argument("--tf32", action="store_true", help="the table's fp32 matmuls ran as TF32")
+    p.add_argument("--out", default="profile.jsonl", help="profile database to append to (default profile.jsonl)")
+    p.set_defaults(handler=run_profile_import)
+
+
+def run_profile_import(args) -> int:
+    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.profiling.profile_import import import_profile
+    from memx_launch.profiling.profiledb import ProfileDB
+
+    model = get_model(args.model)
+    cluster = ClusterSpec.from_yaml(args.cluster)
+    device_type = _cluster_device_type(cluster, args.device_type)
+    ProfileDB(args.out).check_appendable("--out")
+    if args.seq_len is not None and not 1 <= args.seq_len <= 2**20:
+        raise ConfigError("--seq-len", f"{args.seq_len} is not a sequence length", "e.g. --seq-len 2048")
+    records = import_profile(args.table, args.format, model, device_type, dtype=args.dtype, seq_len=args.seq_len,
+                             tp_link_gbps=lambda tp: tp_link_gbps(cluster, device_type.name, tp),
+                             run_options={"tf32": True} if args.tf32 else None)
+    ProfileDB(args.out).append(records)
+    oom = sum(not r.feasible for r in records)
+    print(f"appended {len(records)} measurements of {model.name} on {device_type.name} ({args.format}: "
+          f"{args.table}{f'; {oom} out of memory' if oom else ''}) to {args.out}")
+    return 0
+
+
+def _cluster_device_type(cluster: ClusterSpec, name: str | None):
+    """The cluster's device type ``name`` (--device-type), or its only one."""
+    names = [d.name for d in cluster.device_types]
+    name = name or (names[0] if len(names) == 1 else None)
+    if name not in names:
+        raise ConfigError("--device-type", f"{name!r} is not a device type of {cluster.name}" if name
+                          else f"{cluster.name} has {len(names)} device types",
+                          f"pass --device-type with one of {', '.join(names)}")
+    return cluster.device_type(name)
 
 
 def run_profile(args) -> int:
@@ -45,19 +102,16 @@ def run_profile(args) -> int:
     from memx_launch.profiling.space import default_space
     from memx_launch.profiling.kernel import detect_device_type, measuring_device, profile_model
 
+    if not args.model:
+        raise ConfigError("--model", "is required", "e.g. memx profile --model llama2-7b")
     model = get_model(args.model)
     ProfileDB(args.out).check_appendable("--out")  # before measuring, not after
     device = measuring_device(args.device)
     slowdown, link = 1.0, None
     if args.cluster:
         cluster = ClusterSpec.from_yaml(args.cluster)
-        names = [d.name for d in cluster.device_types]
-        name = args.device_type or (names[0] if len(names) == 1 else None)
-        if name not in names:
-            raise ConfigError("--device-type", f"{args.device_type!r} is not a device type of {cluster.name}"
-                              if args.device_type else f"{cluster.name} has {len(names)} device types",
-                              f"pass --device-type with one of {', '.join(names)}")
-        device_type = cluster.device_type(name)
+        device_type = _cluster_device_type(cluster, args.device_type)
+        name = device_type.name
         slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else 1.0
         link = tp_link_gbps(cluster, name)
     else:

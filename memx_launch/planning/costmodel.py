@@ -23,8 +23,11 @@ import numpy as np
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.matmuls import forward_backward_seconds, gemm_seconds, linear_shapes, streaming_multiprocessors
-from memx_launch.planning.model_states import (fully_sharded_working_bytes, fully_sharded_working_parts,  # noqa: F401
-                                               model_state_bytes_by_part, model_state_bytes_per_param)
+from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,  # noqa: F401
+                                               fine_tuning_flops, fully_sharded_working_bytes,
+                                               fully_sharded_working_parts, model_state_bytes_by_part,
+                                               model_state_bytes_per_param, trained_parameters)
+from memx_launch.planning.peaks import training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
                                        default_efficiency, hopper_or_later)
@@ -265,7 +268,7 @@ class AnalyticalCostModel:
         self.training = training
         self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
         self.device_names = tuple(d.name for d in self.device_types)
-        self._tflops = np.array([d.effective_tflops_for(training.dtype) for d in self.device_types])
+        self._tflops = np.array([training_tflops(d, training) for d in self.device_types])
         # The linear layers' GEMMs: each at its shape's share of the rate large training GEMMs sustain.
         self._best_flops = self._tflops * 1e12
         self._sms = np.array([streaming_multiprocessors(d.vendor, d.compute_capability, d.sm_count)
@@ -321,8 +324,10 @@ class AnalyticalCostModel:
         # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
         kernel_flops = np.where(unfused, 0.0, (3.0 + (recompute != NONE)) * attn_core_flops + flash_backward_flops)
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
+        # Fine-tuning's saved weight-gradient GEMMs and its adapters' FLOPs at the sustained rate.
         compute_s = linear_s + (3.0 * attn_core_flops + flash_backward_flops + recompute_flops
-                                + kernel_slowdown * kernel_flops) / (self._tflops[device] * 1e12)
+                                + kernel_slowdown * kernel_flops
+                                + fine_tuning_flops(self.model, tr, mbs_a, seq_a, tp)) / (self._tflops[device] * 1e12)
         traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device])
         memory_s = traffic / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two of the input gradients of the
@@ -436,15 +441,3 @@ def _tp_group(cluster: ClusterSpec, device_type: str, tp: int):
 def hbm_gbps(device: DeviceType) -> float:
     """The device's memory bandwidth, or what its peak FLOPs suggest when the file gives none."""
     return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
-
-
-def optimizer_step_time(params_on_rank, training: TrainingSpec, device: DeviceType, dp=1) -> np.ndarray:
-    """Adam step: reads and writes the model state once at HBM speed."""
-    return optimizer_step_seconds(params_on_rank, training, hbm_gbps(device), dp)
-
-
-def optimizer_step_seconds(params_on_rank, training: TrainingSpec, hbm, dp=1) -> np.ndarray:
-    """:func:`optimizer_step_time` at ``hbm`` GB/s, broadcast against ``params_on_rank`` (many
-    stages and device types in one call)."""
-    state = np.asarray(params_on_rank, dtype=np.float64) * model_state_bytes_per_param(training, dp)
-    return 2.0 * state / (np.asarray(hbm, dtype=np.float64) * 1e9)

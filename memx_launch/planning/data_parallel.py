@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds
+from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -19,7 +20,8 @@ def gradient_bucket_params(training: TrainingSpec, dp) -> np.ndarray:
     return np.maximum(40e6, 1e6 * np.asarray(dp, dtype=np.float64))
 
 
-def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, nodes=1, hop=NVLINK) -> np.ndarray:
+def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, nodes=1, hop=NVLINK,
+                            trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
     """Gradient synchronisation of one iteration over a stage's DP group of ``dp`` ranks on
     ``nodes`` nodes, bucket by bucket (:func:`gradient_bucket_params`), each bucket a collective
     as NCCL runs it (collectives.py: its latency grows with the group).
@@ -28,14 +30,16 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
     Megatron's distributed optimizer): reduce-scatter of the gradients and all-gather of the
     updated weights. Fully sharded: the weights all-gathered for the forward and again for the
     backward in the compute dtype, and the gradients reduce-scattered (one micro-batch's;
-    :func:`fully_sharded_exposed_time` times them per layer and micro-batch).
+    :func:`fully_sharded_exposed_time` times them per layer and micro-batch). Only ``trained``
+    parameters have gradients and updated weights; a fully sharded run gathers frozen ones too.
     """
     params = np.asarray(stage_params, dtype=np.float64)
     bucket = gradient_bucket_params(training, dp)
-    grad = training.precision_bytes("grad_dtype")
+    grad = training.precision_bytes("grad_dtype") * trained.share
     if not (training.fully_sharded or training.distributed_optimizer):
         return bucketed_seconds("all_reduce", params * grad, bucket * grad, dp, gbps, nodes, hop)
-    gathered = 2.0 * training.dtype_bytes if training.fully_sharded else training.precision_bytes("weights_dtype")
+    gathered = 2.0 * training.dtype_bytes * (1.0 + trained.adapters) if training.fully_sharded \
+        else training.precision_bytes("weights_dtype") * trained.share
     return (bucketed_seconds("reduce_scatter", params * grad, bucket * grad, dp, gbps, nodes, hop)
             + bucketed_seconds("all_gather", params * gathered, bucket * gathered, dp, gbps, nodes, hop))
 
@@ -61,22 +65,23 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     return np.maximum(per_microbatch - np.asarray(stage_time), 0.0) + first_gather
 
 
-def _sharded_sync_bytes_per_param(training: TrainingSpec) -> float:
+def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParameters) -> float:
     """Bytes per parameter a sharded setup's reduce-scatters and all-gathers move through the ring."""
-    grad = training.precision_bytes("grad_dtype")
+    grad = training.precision_bytes("grad_dtype") * trained.share
     if training.fully_sharded:
-        return 2.0 * training.dtype_bytes + grad
-    return grad + training.precision_bytes("weights_dtype")
+        return 2.0 * training.dtype_bytes * (1.0 + trained.adapters) + grad
+    return grad + training.precision_bytes("weights_dtype") * trained.share
 
 
-def sync_allreduce_bytes(stage_params, training: TrainingSpec) -> np.ndarray:
+def sync_allreduce_bytes(stage_params, training: TrainingSpec,
+                         trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
     """The all-reduce whose ring traffic equals one iteration's gradient sync: the gradients for
     plain data parallel; half the collectives' volume for a sharded setup (an all-reduce moves
     its buffer twice). What a cross-domain DP group syncs hierarchically."""
     params = np.asarray(stage_params, dtype=np.float64)
     if not (training.fully_sharded or training.distributed_optimizer):
-        return params * training.precision_bytes("grad_dtype")
-    return params * _sharded_sync_bytes_per_param(training) / 2.0
+        return params * trained.share * training.precision_bytes("grad_dtype")
+    return params * _sharded_sync_bytes_per_param(training, trained) / 2.0
 
 
 def tied_gradient_bytes(model: ModelSpec, pp: int, first_tp: int, training: TrainingSpec) -> float:

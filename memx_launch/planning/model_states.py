@@ -1,10 +1,13 @@
 """Model states in memory: weights, gradients and optimizer states per parameter on one rank,
-by how the training setup shards them, and what a fully sharded run gathers per layer.
+by how the training setup shards them and which parameters it trains (fine-tuning: frozen
+weights, LoRA adapters), and what a fully sharded run gathers per layer.
 
 Read through :mod:`~memx_launch.planning.costmodel` (``cm.model_state_bytes_per_param``). No torch import.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,7 +15,50 @@ from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
 
-def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
+@dataclass(frozen=True)
+class TrainedParameters:
+    """Which parameters the optimizer trains, per parameter of the model: ``base`` the trained
+    share of its own weights, ``adapters`` the LoRA parameters added per model parameter."""
+
+    base: float = 1.0
+    adapters: float = 0.0
+
+    @property
+    def share(self) -> float:
+        """Parameters with gradients and optimizer states, per model parameter."""
+        return self.base + self.adapters
+
+
+FULL_TRAINING = TrainedParameters()
+
+
+def trained_parameters(model: ModelSpec, training: TrainingSpec) -> TrainedParameters:
+    """The base share (1 - ``frozen_fraction``) and the adapters of ``lora_rank``. The adapters
+    are counted per block parameter and spread over every parameter (an embedding or head
+    carries the block's share: at rank 16 on LLaMA-2-7B its 0.6%)."""
+    return TrainedParameters(1.0 - training.frozen_fraction,
+                             training.lora_rank * lora_width(model) / model.layer_params)
+
+
+def lora_width(model: ModelSpec) -> int:
+    """Inputs + outputs of every linear of one block (Wq, Wk, Wv, Wo and the MLP's): a LoRA
+    adapter of rank r holds r x this many parameters."""
+    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    mlp = (2 if model.gated_mlp else 1) * (h + f) + (f + h)
+    return (h + h) + 2 * (h + kv) + (h + h) + mlp
+
+
+def fine_tuning_flops(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndarray:
+    """FLOPs fine-tuning adds to one block's forward + backward (negative: it saves them): the
+    frozen share of the weights takes no weight-gradient GEMM (one forward's matmul FLOPs), and
+    LoRA adapters run their forward (2 per multiply-add, over TP) and twice that backward."""
+    tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64) / np.asarray(tp, dtype=np.float64)
+    adapters = 2.0 * tokens * training.lora_rank * lora_width(model)
+    return 3.0 * adapters - training.frozen_fraction * 2.0 * tokens * (model.attention_params + model.mlp_params)
+
+
+def model_state_bytes_per_param(training: TrainingSpec, dp,
+                                trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
     """Bytes of weights + gradients + master weights + optimizer moments per parameter on one rank.
 
     Megatron mixed precision with Adam: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 and
@@ -23,16 +69,16 @@ def model_state_bytes_per_param(training: TrainingSpec, dp) -> np.ndarray:
     By part: :func:`model_state_bytes_by_part`.
     """
     if training.fully_sharded:  # the whole divided once: the parts' quotients would round apart
-        return sum(_unsharded_state_bytes(training)) / np.asarray(dp, dtype=np.float64)
-    return sum(model_state_bytes_by_part(training, dp))
+        return sum(_unsharded_state_bytes(training, trained)) / np.asarray(dp, dtype=np.float64)
+    return sum(model_state_bytes_by_part(training, dp, trained))
 
 
-def model_state_bytes_by_part(training: TrainingSpec, dp) -> tuple:
+def model_state_bytes_by_part(training: TrainingSpec, dp, trained: TrainedParameters = FULL_TRAINING) -> tuple:
     """(weights, gradients, optimizer states) bytes per parameter on one rank, the parts of
     :func:`model_state_bytes_per_param`; optimizer states are the fp32 master copy of 16-bit
-    weights and the moments."""
+    weights and the moments (none on the GPU with ``optimizer_offload``)."""
     dp = np.asarray(dp, dtype=np.float64)
-    weight, grad, optim = _unsharded_state_bytes(training)
+    weight, grad, optim = _unsharded_state_bytes(training, trained)
     if training.fully_sharded:
         return weight / dp, grad / dp, optim / dp
     if training.distributed_optimizer:
@@ -42,13 +88,15 @@ def model_state_bytes_by_part(training: TrainingSpec, dp) -> tuple:
     return weight, grad, optim
 
 
-def _unsharded_state_bytes(training: TrainingSpec) -> tuple[float, float, float]:
-    """Weights, gradients, master weights + moments per parameter before any sharding."""
+def _unsharded_state_bytes(training: TrainingSpec, trained: TrainedParameters) -> tuple[float, float, float]:
+    """Weights, gradients, master weights + moments per parameter before any sharding: every
+    weight (frozen ones too) and the adapters; gradients and optimizer states of the trained."""
     weight = float(training.precision_bytes("weights_dtype"))
     grad = float(training.precision_bytes("grad_dtype"))
     master = 4.0 if weight < 4 else 0.0
     moments = 8.0 if training.optimizer == "adam" else 4.0  # Adam m and v; SGD momentum
-    return weight, grad, master + moments
+    optim = 0.0 if training.optimizer_offload else master + moments
+    return weight * (1.0 + trained.adapters), grad * trained.share, optim * trained.share
 
 
 def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp) -> float:

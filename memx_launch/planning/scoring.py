@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import costmodel as cm
-from memx_launch.planning import data_parallel
-from memx_launch.planning import schedules
+from memx_launch.planning import costmodel as cm, data_parallel, schedules
+from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.planning.plan import Crossing, recompute_text
@@ -109,6 +108,9 @@ class Evaluator:
         self.cost_model, self.table = cost_model, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
         self.hbm_gbps = np.array([cm.hbm_gbps(d) for d in self.device_types])
+        # Fine-tuning trains only part of the parameters; an offloaded optimizer's PCIe copies.
+        self.trained = cm.trained_parameters(model, training)
+        self.host_gbps = cluster.bridge.staging_gbps(cluster.is_emulated)
         # A learned model brings the overhead calibration measured for a type (else the default).
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
@@ -133,7 +135,7 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         dev = np.broadcast_to(device, levels.shape)
         t_layer, act, work = self.table.lookup(dev, tp, mbs, seq, levels)
-        bpp = cm.model_state_bytes_per_param(tr, dp)
+        bpp = cm.model_state_bytes_per_param(tr, dp, self.trained)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         per_layer = m.layer_params / tp * bpp + inflight * act
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
@@ -148,7 +150,7 @@ class Evaluator:
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
         m, tr = self.model, self.training
         (first, last), pp = layout.end_tp, layout.pp
-        bpp = cm.model_state_bytes_per_param(tr, layout.dp)
+        bpp = cm.model_state_bytes_per_param(tr, layout.dp, self.trained)
         out = np.zeros(pp)
         out[0] += m.embedding_params / first * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
         out[-1] += cm.last_stage_params(m, pp) / last * bpp + cm.logits_bytes(m, mbs, seq, last, tr)
@@ -254,7 +256,7 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         params = parameters_per_rank(m, layout, layers)[0]
-        weights, grads, optim = cm.model_state_bytes_by_part(tr, dp)
+        weights, grads, optim = cm.model_state_bytes_by_part(tr, dp, self.trained)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
         embedding_out = np.zeros(pp)
         embedding_out[0] = inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
@@ -348,22 +350,19 @@ class Evaluator:
                                                                     stage_time, tr, *dp_link)
             sync = np.zeros_like(stage_params)
         else:
-            sync = data_parallel.data_parallel_sync_time(stage_params, tr, *dp_link)
+            sync = data_parallel.data_parallel_sync_time(stage_params, tr, *dp_link, trained=self.trained)
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
-                group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr))
+                group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))
         t_dp = sync
         if tr.overlap_grad_reduce:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
-        tied = self.tied_sync_time(layout)
-        if tied:  # after their DP sync the first and the last stage sum their tied gradients
-            t_dp = t_dp.copy()
-            t_dp[:, [0, -1]] += tied
-        t_dp = t_dp.max(axis=1)
+        ends = np.isin(np.arange(layout.pp), (0, layout.pp - 1))  # after their DP sync they sum tied gradients
+        t_dp = (t_dp + self.tied_sync_time(layout) * ends).max(axis=1)
         # The optimizer step of every stage on each of its device types, at once.
-        step = cm.optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
-                                         layout.dp)
+        step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
+                                         layout.dp, self.trained, self.host_gbps)
         t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
             T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
@@ -401,7 +400,7 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
                                 float(2.0 * g * result.v * result.transfer[edge.stage])))
     params = parameters_per_rank(model, layout, result.layers[row:row + 1])[0]
     for group in layout.group_crossings:
-        synced = data_parallel.sync_allreduce_bytes(params[group.stage], training)
+        synced = data_parallel.sync_allreduce_bytes(params[group.stage], training, cm.trained_parameters(model, training))
         out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
                             float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
     tied_bytes = data_parallel.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)

@@ -109,11 +109,16 @@ def training_rows(records: list[Measurement]) -> TrainingSet:
         devices += [r.device_type for r in rows]
         models += [r.model_signature for r in rows]
     X, Y, has_memory = np.vstack(xs), np.vstack(ys), np.concatenate(masks)
-    # Rows without a memory measurement (e.g. time-only public profiles) get the typical
-    # measured ratio, or the analytical value when nothing was measured; the mask keeps
-    # them out of the memory error.
-    Y[~has_memory, 1] = np.median(Y[has_memory, 1]) if has_memory.any() else 0.0
-    return TrainingSet(X, Y, has_memory, np.array(devices), np.array(models))
+    devices = np.array(devices)
+    # Rows without a memory measurement (e.g. time-only public profiles) get their type's
+    # typical measured ratio, or the analytical value when the type measured none (never
+    # another type's: adding types must not move a type's fit); the mask keeps them out of
+    # the memory error.
+    for name in np.unique(devices):
+        mine = devices == name
+        measured = mine & has_memory
+        Y[mine & ~has_memory, 1] = np.median(Y[measured, 1]) if measured.any() else 0.0
+    return TrainingSet(X, Y, has_memory, devices, np.array(models))
 
 
 @dataclass

@@ -7,11 +7,14 @@ allocator slack). Outside the sampled range a tree is flat, and a flat ratio ove
 model still extrapolates sensibly.
 
 What belongs to one device type is its level, taken from its own samples (``Offsets``: per
-TP degree of each model, since each TP degree is its own communication path). The trees see
-the device only through the physics features computed from its descriptors (analytical time,
-communication share), so the shape they learn is shared by the fleet and a type with a
-handful of samples gets it too; raw descriptor columns let the trees carve one shape per type,
-which five samples of a new type cannot support.
+TP degree of each model, since each TP degree is its own communication path). A type with
+:data:`MIN_OWN_RECORDS` measured samples or more also gets trees of its own, fitted (and tuned)
+on its samples alone: its predictions then depend on nothing the profile holds of other types,
+so adding types to a profile never moves them. The fleet's trees, fitted on every sample, serve
+the types with fewer samples and the unprofiled ones: they see the device only through the
+physics features computed from its descriptors (analytical time, communication share), so the
+shape they learn is shared and a type with a handful of samples gets it too; raw descriptor
+columns let the trees carve one shape per type, which five samples of a new type cannot support.
 
 Hyper-parameters are tuned by a small Gaussian-process Bayesian optimisation with k-fold
 cross-validation. The model is saved as XGBoost UBJ/JSON plus a JSON sidecar holding the
@@ -28,7 +31,7 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from scipy.stats import norm
@@ -46,8 +49,11 @@ from memx_launch.specs.training import TrainingSpec
 from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, physics_features, training_rows
 
 
-PREDICTOR_FORMAT = 4
-"""4: the sidecar holds the model file's sha256."""
+PREDICTOR_FORMAT = 5
+"""5: per-type trees in files of their own, each with its sha256 in the sidecar."""
+MIN_OWN_RECORDS = 8
+"""Measured feasible samples from which a device type gets trees of its own (a three-point
+design over micro-batch and TP holds 9; the new-type design's 5 lean on the fleet)."""
 MAX_MODEL_BYTES = 64 * 2**20
 """A predictor of a few thousand records is well under 1 MB."""
 
@@ -71,7 +77,10 @@ class Predictor:
     """A fitted two-output booster plus what it was trained on."""
 
     booster: object
+    """The fleet's trees: types without trees of their own."""
     meta: dict
+    own_boosters: dict = field(default_factory=dict)
+    """{device type: its own trees} (:data:`MIN_OWN_RECORDS`)."""
 
     @property
     def offsets(self) -> Offsets:
@@ -82,23 +91,32 @@ class Predictor:
         if X.shape[0] == 0:
             return np.zeros((0, 2))
         margin = self.offsets.margin(X, device_types, models)
-        return np.asarray(self.booster.inplace_predict(X, base_margin=margin), dtype=np.float64).reshape(-1, 2)
+        out = np.asarray(self.booster.inplace_predict(X, base_margin=margin), dtype=np.float64).reshape(-1, 2)
+        device_types = np.asarray(device_types)
+        for name, booster in self.own_boosters.items():
+            rows = device_types == name
+            if rows.any():
+                out[rows] = np.asarray(booster.inplace_predict(X[rows], base_margin=margin[rows]),
+                                       dtype=np.float64).reshape(-1, 2)
+        return out
 
     def save(self, path: str) -> None:
-        """``path`` ends in .ubj or .json (XGBoost's own formats); the sidecar is ``path + '.meta.json'``
-        and holds the model file's sha256."""
+        """``path`` ends in .ubj or .json (XGBoost's own formats); each type's own trees go to
+        ``path`` with ``.typeN`` before the extension; the sidecar is ``path + '.meta.json'``
+        and holds every model file's sha256."""
         if not path.endswith((".ubj", ".json")):
             raise ConfigError("--predictor", f"{path} must end in .ubj or .json", "e.g. predictor.ubj")
-        with atomic_output(path, "--predictor", overwrite=True, suffix=os.path.splitext(path)[1]) as tmp:
-            self.booster.save_model(tmp)
-            with open(tmp, "rb") as f:
-                self.meta["model_sha256"] = hashlib.sha256(f.read()).hexdigest()
+        self.meta["model_sha256"] = _save_booster(self.booster, path)
+        own = {}
+        for i, (name, booster) in enumerate(sorted(self.own_boosters.items())):
+            own_path = own_model_path(path, i)
+            own[name] = {**self.meta.get("own_models", {}).get(name, {}), "file": os.path.basename(own_path),
+                         "sha256": _save_booster(booster, own_path)}
+        self.meta["own_models"] = own
         write_json_atomic(sidecar_path(path), self.meta, overwrite=True)
 
     @classmethod
     def load(cls, path: str) -> "Predictor":
-        import xgboost as xgb
-
         fix = "re-train it from its profile (memx plan --profile-db FILE)"
         meta = load_json(sidecar_path(path), "--predictor", fix="load a predictor saved by memx (model file plus "
                          "its .meta.json)")
@@ -108,21 +126,45 @@ class Predictor:
                               f"{PREDICTOR_FORMAT}", fix)
         if tuple(meta.get("feature_names", ())) != FEATURE_NAMES:
             raise ConfigError("--predictor", f"{path} was trained on other features", fix)
-        # XGBoost's loader crashes the process (SIGSEGV) on some damaged files: only the bytes the
-        # sidecar's hash vouches for reach it, read once so that they cannot change in between
-        data = read_bytes(path, "--predictor", MAX_MODEL_BYTES, fix)
-        if hashlib.sha256(data).hexdigest() != meta.get("model_sha256"):
-            raise ConfigError("--predictor", f"{path} does not match the sha256 in its .meta.json (damaged)", fix)
-        booster = xgb.Booster()
-        try:
-            booster.load_model(bytearray(data))
-        except xgb.core.XGBoostError as exc:
-            raise ConfigError("--predictor", f"cannot load {path} ({str(exc).splitlines()[0]})", fix) from None
-        return cls(booster, meta)
+        booster = _load_booster(path, meta.get("model_sha256"), fix)
+        own = {name: _load_booster(os.path.join(os.path.dirname(path), os.path.basename(str(entry.get("file")))),
+                                   entry.get("sha256"), fix)
+               for name, entry in meta.get("own_models", {}).items()}
+        return cls(booster, meta, own)
+
+
+def _save_booster(booster, path: str) -> str:
+    """Write ``booster`` atomically to ``path``; returns the file's sha256."""
+    with atomic_output(path, "--predictor", overwrite=True, suffix=os.path.splitext(path)[1]) as tmp:
+        booster.save_model(tmp)
+        with open(tmp, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+
+def _load_booster(path: str, sha256: str | None, fix: str):
+    import xgboost as xgb
+
+    # XGBoost's loader crashes the process (SIGSEGV) on some damaged files: only the bytes the
+    # sidecar's hash vouches for reach it, read once so that they cannot change in between
+    data = read_bytes(path, "--predictor", MAX_MODEL_BYTES, fix)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ConfigError("--predictor", f"{path} does not match the sha256 in its .meta.json (damaged)", fix)
+    booster = xgb.Booster()
+    try:
+        booster.load_model(bytearray(data))
+    except xgb.core.XGBoostError as exc:
+        raise ConfigError("--predictor", f"cannot load {path} ({str(exc).splitlines()[0]})", fix) from None
+    return booster
 
 
 def sidecar_path(path: str) -> str:
     return path + ".meta.json"
+
+
+def own_model_path(path: str, index: int) -> str:
+    """Where the ``index``-th type's own trees are saved beside the fleet's ``path``."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.type{index}{ext}"
 
 
 def training_signature(records: list[Measurement]) -> dict:
@@ -241,6 +283,15 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
     params, cv_error, history = tune_hyperparameters(ts, trials=trials, seed=seed)
     offsets = Offsets.fit(ts)
     booster = _train(ts, offsets, params, seed)
+    own_boosters, own_models = {}, {}
+    # A profile of one type: the fleet's trees are that type's own, fitted the same way.
+    for name in sorted(own_model_types(records)) if len(set(ts.device_types)) > 1 else ():
+        # Tuned and trained on the type's rows alone, so no other type's samples reach them
+        # (its offsets, fitted on its own rows, are those of the fleet's margin).
+        own = ts.subset(ts.device_types == name)
+        own_params, own_error, _ = tune_hyperparameters(own, trials=trials, seed=seed)
+        own_boosters[name] = _train(own, Offsets.fit(own), own_params, seed)
+        own_models[name] = {"rows": int(len(own.X)), "hyperparameters": own_params, "cv_error": own_error}
     gain = booster.get_score(importance_type="gain")
     total = sum(gain.values()) or 1.0
     importance = {FEATURE_NAMES[int(k[1:])]: v / total for k, v in gain.items()}
@@ -258,10 +309,20 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "device_descriptors": descriptors,
         "hyperparameters": params,
         "cv_error": cv_error,
+        "own_models": own_models,
         "tuning_history": history,
         "feature_importance": dict(sorted(importance.items(), key=lambda kv: -kv[1])),
     }
-    return Predictor(booster, meta)
+    return Predictor(booster, meta, own_boosters)
+
+
+def own_model_types(records: list[Measurement]) -> set[str]:
+    """Device types with :data:`MIN_OWN_RECORDS` measured feasible samples or more."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.feasible and r.time_s:
+            counts[r.device_type] = counts.get(r.device_type, 0) + 1
+    return {name for name, n in counts.items() if n >= MIN_OWN_RECORDS}
 
 
 class LearnedCostModel:

@@ -38,8 +38,8 @@ class DeviceType:
     flash_attention: bool = True
     """Fused attention kernel available (no s^2 activation term)."""
     peak_tflops_fp32: float | None = None
-    """Dense fp32 matmul peak (TF32 on Ampere and later where the framework enables it);
-    used for fp32 training, else ``peak_tflops`` serves every dtype."""
+    """Dense fp32 matmul peak on CUDA cores, for fp32 training (``peak_tflops`` serves every dtype
+    without it); with TF32 on, :func:`~memx_launch.planning.peaks.training_tflops` decides."""
     compute_capability: float | None = None
     """NVIDIA compute capability (8.0 A100, 8.9 L4, 9.0 H100/H200/GH200): on 9.0 and later the
     fused attention kernels written for Ampere (FlashAttention 1 and 2) reach a smaller share

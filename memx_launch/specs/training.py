@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.checks import require_number
+from memx_launch.specs.checks import require_number, require_type
 from memx_launch.specs.model import MAX_DIMENSION
 
 
@@ -160,6 +160,22 @@ class TrainingSpec:
     sequence) input for the backward, as when the norm gathers its output and autograd saves
     it. Off: Megatron keeps the 1/TP shard and gathers it again in the backward (Korthikanti's
     34/t). Default off."""
+    tf32: bool = False
+    """fp32 training's matmuls run as TF32 on NVIDIA Ampere and later (NGC containers turn it
+    on; PyTorch's ``torch.backends.cuda.matmul.allow_tf32``): at the TF32 peak, half the dense
+    16-bit ``peak_tflops``, instead of ``peak_tflops_fp32``. Other devices ignore it."""
+    frozen_fraction: float = 0.0
+    """Fine-tuning: the share of the model's parameters that is frozen (no gradients, no
+    optimizer states, no weight-gradient GEMMs; their weights are still kept, gathered and
+    all-gathered by a fully sharded run)."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on every linear of each block (PEFT's ``all-linear``):
+    r x (inputs + outputs) trained parameters per linear, with their gradients and optimizer
+    states; the base weights they adapt are frozen (``frozen_fraction`` 1 unless given)."""
+    optimizer_offload: bool = False
+    """The optimizer runs on the host (DeepSpeed ZeRO-Offload, ``offload_optimizer: cpu``): master
+    weights and moments leave the GPU; each step the gradients go to the host and the updated
+    weights come back over PCIe, and the host runs Adam."""
 
     def __post_init__(self):
         require_number(self.global_batch_size, "--global-batch-size", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
@@ -188,6 +204,16 @@ class TrainingSpec:
         if isinstance(self.flash_attention_version, bool) or self.flash_attention_version not in FLASH_ATTENTION_VERSIONS:
             raise ConfigError("--flash-attention-version", f"unknown version {self.flash_attention_version!r}",
                               f"use one of {', '.join(map(str, FLASH_ATTENTION_VERSIONS))}")
+        require_type(self.tf32, bool, "--tf32", "true or false")
+        require_type(self.optimizer_offload, bool, "--optimizer-offload", "true or false")
+        require_number(self.lora_rank, "--lora-rank", lo=0, hi=MAX_DIMENSION, integer=True)
+        require_number(self.frozen_fraction, "--frozen-fraction", lo=0, hi=1,
+                       fix="give the share of parameters frozen, e.g. 0.5")
+        if self.lora_rank and self.frozen_fraction != 1.0:
+            if self.frozen_fraction:
+                raise ConfigError("--frozen-fraction", f"{self.frozen_fraction} with LoRA adapters, whose base "
+                                  "weights are all frozen", "drop --frozen-fraction (LoRA freezes the base)")
+            object.__setattr__(self, "frozen_fraction", 1.0)
         if self.sharded_gradients and not self.distributed_optimizer and not self.fully_sharded:
             raise ConfigError("--sharded-gradients", "needs the optimizer state sharded as well",
                               "use --setup zero2 or add --distributed-optimizer")

@@ -1,0 +1,98 @@
+"""`memx profile import`: per-layer tables measured elsewhere (memx's schema, Sailor's, Aceso's)
+become ProfileDB records a predictor fits on."""
+
+import json
+
+import pytest
+
+from memx_launch.cli import main
+from memx_launch.errors import ConfigError
+from memx_launch.profiling.profile_import import TABLE_COLUMNS, import_profile
+from memx_launch.profiling.profiledb import ProfileDB
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+
+MODEL = get_model("opt-350m")
+CLUSTER = {"version": 1, "device_types": {"GH-96": {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989,
+                                                    "peak_tflops_fp32": 67, "compute_capability": 9.0}},
+           "nodes": [{"devices": {"GH-96": 4}, "intra_node_gbps": 450}]}
+
+
+def _device():
+    return ClusterSpec.from_dict(CLUSTER).device_type("GH-96")
+
+
+def _sailor(tmp_path):
+    """Sailor's layout: profile[mbs][tp][unit] = [forward, backward, optimizer]; 26 units."""
+    units = lambda scale: {str(u): [0.001 * scale, 0.002 * scale, 0.0] for u in range(26)}  # noqa: E731
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"1": {"1": units(1), "2": units(0.6)}, "2": {"1": units(2)}}))
+    return path
+
+
+def test_sailor_profile_gives_block_embedding_and_head_times(tmp_path):
+    records = import_profile(str(_sailor(tmp_path)), "sailor", MODEL, _device(), dtype="fp32",
+                             tp_link_gbps=lambda tp: 450.0)
+    by_config = {(r.micro_batch_size, r.tp): r for r in records}
+    assert set(by_config) == {(1, 1), (1, 2), (2, 1)}
+    r = by_config[(1, 2)]
+    assert (r.time_s, r.embedding_time_s, r.head_time_s) == pytest.approx((0.0018, 0.0018, 0.0018))
+    assert r.tp_link_gbps == 450.0 and by_config[(1, 1)].tp_link_gbps is None
+    assert r.device["peak_tflops_fp32"] == 67 and r.dtype == "fp32" and r.model_signature == MODEL.signature()
+
+
+def test_aceso_csv_keeps_the_default_kernels(tmp_path):
+    path = tmp_path / "A100-40.csv"
+    path.write_text("mbs,tp,algo,fwd,bwd,fwd+bwd\n1,1,0,0.01,0.02,0.03\n1,1,1,0.5,0.5,1.0\n2,2,0,0.02,0.03,0.05\n")
+    records = import_profile(str(path), "aceso", MODEL, _device(), dtype="fp32")
+    assert [(r.micro_batch_size, r.tp, r.time_s) for r in records] == [(1, 1, pytest.approx(0.03)),
+                                                                       (2, 2, pytest.approx(0.05))]
+
+
+def test_memx_table_csv_and_jsonl_with_memory_and_out_of_memory_rows(tmp_path):
+    csv_path = tmp_path / "mine.csv"
+    csv_path.write_text("tp,micro_batch_size,seq_len,forward_s,backward_s,peak_memory_bytes,feasible,recompute\n"
+                        "1,4,1024,0.01,0.02,3e9,,selective\n1,64,1024,,,,false,none\n")
+    jsonl_path = tmp_path / "mine.jsonl"
+    jsonl_path.write_text('{"tp": 2, "micro_batch_size": 4, "time_s": 0.02, "dtype": "bf16"}\n')
+    ok, oom = import_profile(str(csv_path), "table", MODEL, _device(), dtype="bf16")
+    assert (ok.time_s, ok.peak_memory_bytes, ok.recompute, ok.seq_len) == (pytest.approx(0.03), 3e9, "selective", 1024)
+    assert not oom.feasible and oom.time_s is None
+    (row,) = import_profile(str(jsonl_path), "table", MODEL, _device(), dtype=None)
+    assert (row.tp, row.dtype, row.seq_len) == (2, "bf16", MODEL.seq_len)
+    assert set(TABLE_COLUMNS) >= {"tp", "micro_batch_size", "time_s", "peak_memory_bytes"}
+
+
+@pytest.mark.parametrize("text, error", [
+    ("tp,micro_batch_size,time_s,fp8\n1,1,0.1,yes\n", "row 1: fp8: unknown column"),
+    ("tp,micro_batch_size,time_s\n0,1,0.1\n", "row 1: tp: '0' is not a positive integer"),
+    ("tp,micro_batch_size\n1,1\n", "row 1: time_s: a feasible row needs a positive time"),
+    ("tp,micro_batch_size,forward_s\n1,1,0.1\n", "row 1: forward_s, backward_s: only one"),
+    ("tp,micro_batch_size,time_s\n1,1,-2\n", "row 1: time_s: '-2' is not a non-negative number"),
+])
+def test_a_bad_cell_is_one_line_naming_row_and_column(tmp_path, text, error):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=error):
+        import_profile(str(path), "table", MODEL, _device(), dtype="bf16")
+
+
+def test_a_peer_table_without_a_precision_asks_for_dtype(tmp_path):
+    with pytest.raises(ConfigError, match="dtype: the table does not say.*pass --dtype"):
+        import_profile(str(_sailor(tmp_path)), "sailor", MODEL, _device(), dtype=None)
+
+
+def test_cli_appends_records_a_predictor_reads(tmp_path, capsys):
+    cluster = tmp_path / "gh.yaml"
+    cluster.write_text(json.dumps(CLUSTER))
+    out = tmp_path / "db.jsonl"
+    argv = ["profile", "import", str(_sailor(tmp_path)), "--format", "sailor", "--model", "opt-350m",
+            "--cluster", str(cluster), "--dtype", "fp32", "--out", str(out)]
+    assert main(argv + ["--tf32"]) == 0
+    assert "appended 3 measurements of opt-350m on GH-96" in capsys.readouterr().out
+    records = ProfileDB(str(out)).read()
+    assert len(records) == 3 and {r.source for r in records} == {"import:sailor"}
+    assert {r.tp_link_gbps for r in records if r.tp == 2} == {450.0}
+    assert all(r.run_options == {"tf32": True} for r in records)
+    assert main(argv + ["--device-type", "H100"]) == 2
+    assert "--device-type: 'H100' is not a device type" in capsys.readouterr().err
