@@ -108,6 +108,7 @@ def make_plan(spec, stages, tp=1, dp=1, micro_batch_size=1, global_batch_size=8,
     return plan
 
 
+PADDED = "hf pp=2 x dp=2 (DDP) left-padded dict batches from a DataLoader, memx's token-mean loss"
 HF_SPEC = get_model(os.path.join(os.path.dirname(__file__), "..", "examples", "models", "hf-llama-tiny"))
 CASES = {
     "hf pp=4 uneven 3/1/2/2 full/none/selective/none":
@@ -121,12 +122,14 @@ CASES = {
         ("toy", make_plan(TOY_SPEC, [((0, 1), 3, "full"), ((2, 3), 1, "selective")], dp=2)),
     "hf pp=2 x dp=2 (FSDP2) uneven 3/5 full/none":
         ("hf", make_plan(HF_SPEC, [((0, 1), 3, "full"), ((2, 3), 5, "none")], dp=2), "fsdp"),
+    PADDED:
+        ("hf-padded", make_plan(HF_SPEC, [((0, 1), 5, "none"), ((2, 3), 3, "full")], dp=2, micro_batch_size=2)),
 }
 STEPS = 3
 
 
 def _model(kind):
-    return hf_llama() if kind == "hf" else ToyModel()
+    return hf_llama() if kind.startswith("hf") else ToyModel()
 
 
 def _batches(plan, vocab):
@@ -134,6 +137,13 @@ def _batches(plan, vocab):
     tokens = torch.randint(0, vocab, (plan.global_batch_size, plan.seq_len + 1),
                            generator=torch.Generator().manual_seed(7))
     return [(tokens[:, :-1], tokens[:, 1:])] * STEPS
+
+
+def _padded(plan):
+    """examples/finetune_padded.py's DataLoader: README lines of every length, padded on the left."""
+    from finetune_padded import loader
+
+    return loader(plan.global_batch_size, plan.seq_len, seed=3, side="left")
 
 
 def _schedule(opt):
@@ -152,16 +162,18 @@ def _worker(rank, port, cases, queue):
         for kind, plan, *data_parallel in cases:
             model = _model(kind)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+            padded = kind == "hf-padded"
             try:
-                job = prepare(model, optimizer, loss_fn=default_loss, lr_scheduler=_schedule, max_grad_norm=CLIP,
+                job = prepare(model, optimizer, data=_padded(plan) if padded else None,
+                              loss_fn=None if padded else default_loss, lr_scheduler=_schedule, max_grad_norm=CLIP,
                               plan=plan, emulated=EmulatedDevice("cpu", 1.0),
                               data_parallel=(data_parallel or ["auto"])[0])
             except ConfigError as exc:
                 results.append(str(exc))
                 continue
-            losses = [job.step(job.local_batch(x), job.local_batch(y)).loss
-                      for x, y in _batches(plan, plan.model_spec.vocab_size)]
-            results.append(losses)
+            batches = job.data if padded else [job.local_batch(pair)
+                                               for pair in _batches(plan, plan.model_spec.vocab_size)]
+            results.append([job.step(batch).loss for _, batch in zip(range(STEPS), batches)])
     finally:
         queue.put((rank, results))
         dist.destroy_process_group()
@@ -172,9 +184,16 @@ def _reference(kind, plan):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     scheduler = _schedule(optimizer)
     losses = []
-    for x, y in _batches(plan, plan.model_spec.vocab_size):
-        out = model(x)
-        loss = default_loss(getattr(out, "logits", out), y)
+    if kind == "hf-padded":  # Hugging Face's own loss: the mean over the global batch's labelled tokens
+        batches = [(batch, None) for _, batch in zip(range(STEPS), _padded(plan))]
+    else:
+        batches = _batches(plan, plan.model_spec.vocab_size)
+    for x, y in batches:
+        if y is None:
+            loss = model(**x).loss
+        else:
+            out = model(x)
+            loss = default_loss(getattr(out, "logits", out), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
@@ -195,6 +214,9 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
             got = results[rank][i]
             assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, ref)) < LOSS_ATOL, (name, rank, got, ref)
         assert ref[-1] < ref[0], name
+    first = next(iter(_padded(CASES[PADDED][1])))  # where the padding mask changes the loss
+    model = hf_llama()
+    assert abs(model(**first).loss - model(input_ids=first["input_ids"], labels=first["labels"]).loss) > 1e-3
     for rank in range(4):  # TP on a block type memx does not know: every rank names the fix
         assert "no tensor-parallel plan for OwnBlock" in results[rank][-1] and "tp=1" in results[rank][-1]
 

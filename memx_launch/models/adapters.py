@@ -7,7 +7,8 @@ What is found (:class:`ModelParts`):
   of ``model.layers`` (Hugging Face decoders, memx's LlamaStage), ``layers`` (torchtitan style),
   ``transformer.h``, else the largest list of modules of one class;
 - Hugging Face Llama / Mistral / Qwen2 models (``*ForCausalLM``): token embedding, rotary table,
-  final norm and LM head, called the way the model's forward calls them (causal, no padding mask);
+  final norm and LM head, called the way the model's forward calls them (causal, with the batch's
+  padding mask when it has one);
 - any other model: the modules registered before the blocks (in each module on the path from the
   root to the blocks) run before them, in registration order, and those registered after run after
   them, innermost first. ``verify`` runs the whole module against this reading on a small input and
@@ -52,10 +53,12 @@ class BlockKind:
     knows_attention: bool
     """Selective recompute reaches the attention core (else it falls back to the whole block)."""
     tensor_parallel: bool
+    padding_mask: bool = False
+    """Its blocks take a padding mask (else batches may pad only on the right: runtime/batches.py)."""
 
 
 MEMX_KIND = BlockKind("memx LLaMA", True, True)
-HF_KIND = BlockKind("Hugging Face Llama family", True, True)
+HF_KIND = BlockKind("Hugging Face Llama family", True, True, padding_mask=True)
 KNOWN_KINDS = (MEMX_KIND, HF_KIND)
 
 
@@ -209,6 +212,7 @@ class StageModule(nn.Module):
                                      for i in range(num_layers)})
         self.after = nn.ModuleDict({_key(n): m for n, m in parts.after}) if last else nn.ModuleDict()
         self.rotary = parts.rotary
+        self.config = getattr(parts, "config", None)  # a Hugging Face model's, for its mask
         self.levels = per_layer(recompute, num_layers)
         if "selective" in self.levels and not self.kind.knows_attention and self.kind.name not in _WARNED:
             _WARNED.add(self.kind.name)  # once per process and block type
@@ -220,11 +224,12 @@ class StageModule(nn.Module):
             elif self.kind is HF_KIND:
                 _hf_selective(block, level == "selective")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask``: [batch, seq], 0 at padding (Hugging Face Llama family only)."""
         h = x
         for module in self.before.values():
             h = module(h)
-        call = self._block_call(h)
+        call = self._block_call(h, attention_mask)
         for block, level in zip(self.blocks.values(), self.levels):
             whole = level == "full" or (level == "selective" and not self.kind.knows_attention)
             if whole and self.kind is not MEMX_KIND:
@@ -235,11 +240,16 @@ class StageModule(nn.Module):
             h = module(h)
         return h
 
-    def _block_call(self, h: torch.Tensor) -> Callable:
+    def _block_call(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> Callable:
         if self.kind is HF_KIND:
             positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
             rotary = self.rotary(h, positions)
-            return lambda block, x: _first(block(x, attention_mask=None, position_ids=positions,
+            mask = None
+            if attention_mask is not None:  # built as the model's own forward builds it
+                from transformers.masking_utils import create_causal_mask
+                mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
+                                          cache=None, position_ids=positions)
+            return lambda block, x: _first(block(x, attention_mask=mask, position_ids=positions,
                                                  position_embeddings=rotary))
         return lambda block, x: _first(block(x))
 

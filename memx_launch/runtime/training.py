@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts
 from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
+from memx_launch.runtime.batches import BatchLoss, StepBatch, default_loss, replica_rows, step_batch
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_grid, process_rank, rank_layout
@@ -59,11 +59,6 @@ class StepStats:
     """The most time one rank spent copying bridge traffic between device and host this step."""
     bridge_collective_s: float = 0.0
     """The most time one rank spent in bridge collectives this step (waits for slower replicas included)."""
-
-
-def default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy, mean over the micro-batch's tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class Runtime:
@@ -102,6 +97,8 @@ class Runtime:
         self.device = local_device()
         self.step_count = 0
         self.supervisor = None
+        self.data = None
+        """prepare(data=...)'s batches as this DP replica reads them (runtime/batches.py)."""
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
         self.comm = Communicator(process_domains(plan, cluster), self.device, strict=strict_mode(emulated is not None),
                                  emulated=emulated, bridge_backend=bridge_backend(cluster))
@@ -131,7 +128,8 @@ class Runtime:
                                       communicator=self.comm, links=self.links)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
         self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device)
-        user_loss = self.precision.scaled(loss_fn or default_loss)
+        self.loss = BatchLoss(loss_fn)
+        user_loss = self.precision.scaled(self.loss)
         if plan.virtual_stages == 1:
             self.schedule = Schedule1F1B(stages[0], plan.num_microbatches, loss_fn=user_loss)
         else:
@@ -218,11 +216,13 @@ class Runtime:
                 fully_shard(module, mesh=self.dp_mesh)
             else:
                 from torch.nn.parallel import DistributedDataParallel
+                module = DistributedDataParallel(module, process_group=self.comm.native(self._dp_ranks))
                 # The pipeline runs one backward per micro-batch: DDP's one-time bucket rebuild
-                # would record every micro-batch's hooks and fail an internal assert at step 2;
-                # find_unused_parameters skips that rebuild.
-                module = DistributedDataParallel(module, process_group=self.comm.native(self._dp_ranks),
-                                                 find_unused_parameters=True)
+                # would record every micro-batch's gradients and fail an internal assert at step 2.
+                # Rebuilding now, in parameter order, ends that recording (find_unused_parameters
+                # skipped it too, but searched the graph every step and warned on every rank).
+                module.reducer._push_all_rebuilt_params()
+                module.reducer._rebuild_buckets()
         return module
 
     def _measured(self):
@@ -249,20 +249,32 @@ class Runtime:
         """Sequences this DP replica processes per step (all its micro-batches)."""
         return self.plan.num_microbatches * self.plan.micro_batch_size
 
-    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
-        """This rank's DP replica's rows of a [global_batch_size, ...] tensor."""
-        n = self.local_batch_size
-        return global_batch[self.layout.dp_index * n:(self.layout.dp_index + 1) * n]
+    def local_batch(self, global_batch):
+        """This rank's DP replica's rows of a [global_batch_size, ...] tensor (or of each tensor
+        of a dict or tuple batch)."""
+        return replica_rows(global_batch, self.layout.dp_index, self.local_batch_size)
 
     # ---- training
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepStats:
+    def step(self, batch, targets: torch.Tensor | None = None) -> StepStats:
         """One optimizer step over plan.num_microbatches micro-batches of this DP replica's
-        [local_batch_size, seq] tokens and targets. Every rank passes the same tensors for its
-        replica; only the first stage reads tokens and only the last reads targets."""
+        local_batch_size rows: ``step(inputs, targets)``, an ``(inputs, targets)`` pair, or a dict
+        (``input_ids``, ``attention_mask``, ``labels``; runtime/batches.py). Every rank passes the
+        same batch for its replica; only the first stage reads the inputs and only the last the
+        targets, and every stage gets the padding mask where its blocks need one."""
+        takes_mask = self.parts is not None and self.parts.kind.padding_mask
+        batch = step_batch(batch, targets, self.local_batch_size, takes_mask)
         with self.watchdog.armed(self.step_count + 1):  # a hang becomes a one-line error (runtime/watchdog.py)
-            return self._step(tokens, targets)
+            return self._step(batch)
 
-    def _step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepStats:
+    def _token_scale(self, batch: StepBatch) -> float:
+        """Micro-batches x replicas over the global batch's labelled tokens (BatchLoss's scale):
+        one count per DP replica, summed job-wide."""
+        contributes = self.layout.is_last_stage and self.layout.tp_index == 0
+        count = torch.tensor([batch.labelled_tokens() if contributes else 0], dtype=torch.float64)
+        total = self.comm.sum_over_job(count).item()
+        return self.plan.num_microbatches * self.plan.dp / max(total, 1.0)
+
+    def _step(self, batch: StepBatch) -> StepStats:
         losses: list[torch.Tensor] = []
         try:
             if self.supervisor is not None:
@@ -274,11 +286,14 @@ class Runtime:
             start = time.perf_counter()
             with self._measured():
                 self.optimizer.zero_grad(set_to_none=True)
-                args = (tokens.to(self.device),) if self.layout.is_first_stage else ()
-                target = targets.to(self.device) if self.layout.is_last_stage else None
+                args = (batch.inputs.to(self.device),) if self.layout.is_first_stage else ()
+                target = batch.targets.to(self.device) if self.layout.is_last_stage else None
+                mask = {} if batch.attention_mask is None else {"attention_mask": batch.attention_mask.to(self.device)}
+                self.loss.begin(batch, self._token_scale(batch) if batch.labelled and self.loss.loss_fn is None else 1.0)
                 self.precision.begin_step()
                 with self.precision.autocast():
-                    self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
+                    self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None,
+                                       **mask)
                 if self.plan.dp > 1 and self.dp_crosses_domains:
                     self.comm.all_reduce_mean(self._local_grads(), self._dp_ranks)
                 if self.precision.unscale(p for m in self.chunks for p in m.parameters()):
