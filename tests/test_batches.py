@@ -1,6 +1,7 @@
 """The user's batches (runtime/batches.py): dict and tuple forms, padding masks, each DP replica's
 rows of a DataLoader's global batches, and the padded loss against one process's."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -51,10 +52,10 @@ def test_the_loss_of_dict_batches_weights_every_labelled_token_of_the_global_bat
     loss = BatchLoss(None)
     batch = StepBatch(IDS, labels, None, True)
     micro_batches, replicas = 2, 1
-    loss.begin(batch, micro_batches * replicas / batch.labelled_tokens())
+    loss.begin(batch, lambda count: count, micro_batches * replicas)  # one process: the count is the job's
     mean_of_micro_batches = (loss(logits[:2], labels[:2]) + loss(logits[2:], labels[2:])) / micro_batches
     assert torch.allclose(mean_of_micro_batches, whole, atol=1e-6, rtol=0)
-    loss.begin(StepBatch(IDS, IDS, None, False), 1.0)  # tuple batches: the user's (or default) mean
+    loss.begin(StepBatch(IDS, IDS, None, False), None, 2)  # pairs: the default mean, no count
     assert torch.allclose(loss(logits[:, :-1], labels[:, 1:].clamp(min=0)),
                           torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].clamp(min=0)
                                                             .flatten()))
@@ -100,3 +101,31 @@ def test_an_iterable_of_global_batches_gives_each_replica_its_rows():
     assert len(mine) == 2 and torch.equal(mine[0][0], replica_rows(batches[1][0], 1, 2))
     with pytest.raises(ConfigError, match="a batch of 4 rows where the plan's global batch has 8"):
         list(ReplicaBatches(batches, _runtime(0)))
+
+
+@pytest.mark.slow
+def test_the_padded_fine_tuning_example_trains_as_its_one_process_reference(tmp_path):
+    """examples/finetune_padded.py's own loop (prepare with its DataLoader, job.data) in one process
+    under a plan with 2 micro-batches, against --reference; tests/test_adapters.py runs its batches
+    with PP 2 x DP 2."""
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    from ranks import free_port
+    from test_adapters import HF_SPEC, make_plan
+    from toy_models import EXAMPLES
+
+    plan = make_plan(HF_SPEC, [((0,), 8, "none")], micro_batch_size=4, global_batch_size=8, seq_len=HF_SPEC.seq_len)
+    plan.save(str(tmp_path / "plan.json"))
+    script = os.path.join(EXAMPLES, "finetune_padded.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    env["MEMX_STEP_TIMEOUT_S"] = "600"  # the plan predicts no time; a loaded machine is slow, not hung
+    runs = [subprocess.run([sys.executable, script, "--steps", "2", "--global-batch-size", "8", *extra], env={
+        **env, **job}, capture_output=True, text=True, timeout=300) for extra, job in (
+        ([], dict(MEMX_PLAN=str(tmp_path / "plan.json"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))), (["--reference"], {}))]
+    got, want = ([float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", run.stdout, re.M)] for run in runs)
+    assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
+    assert len(got) == len(want) == 2 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)

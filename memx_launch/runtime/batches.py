@@ -83,8 +83,8 @@ def step_batch(batch, targets: torch.Tensor | None, rows: int, takes_mask: bool)
     elif isinstance(batch, torch.Tensor) and targets is not None:
         step = StepBatch(batch, targets, None, False)
     else:
-        raise ConfigError("batch", f"step() got {type(batch).__name__}" + (" and targets" if targets is not None else ""),
-                          "pass a dict with input_ids (attention_mask, labels), an (inputs, targets) pair, or "
+        got = type(batch).__name__ + (" and targets" if targets is not None else "")
+        raise ConfigError("batch", f"step() got {got}", "pass a dict with input_ids (attention_mask, labels), an (inputs, targets) pair, or "
                           "step(inputs, targets)")
     if len(step.inputs) != rows:
         raise ConfigError("batch", f"{len(step.inputs)} rows where this DP replica takes {rows} per step",
@@ -117,8 +117,12 @@ class BatchLoss:
         self.labelled = False
         self.scale = 1.0
 
-    def begin(self, batch: StepBatch, scale: float) -> None:
-        self.labelled, self.scale = batch.labelled, scale
+    def begin(self, batch: StepBatch, sum_over_job: Callable[[float], float], shares: int) -> None:
+        """``sum_over_job(n)``: ``n`` summed over the ranks, called on every rank (the last stage's
+        first TP rank of each replica counting); ``shares``: micro-batches x DP replicas."""
+        self.labelled = batch.labelled
+        if batch.labelled and self.loss_fn is None:
+            self.scale = shares / max(sum_over_job(float(batch.labelled_tokens())), 1.0)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not self.labelled:
@@ -159,8 +163,8 @@ class ReplicaBatches:
         self.map_style = isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset)
         if self.map_style:
             if isinstance(data.sampler, DistributedSampler):
-                raise ConfigError("data", "the DataLoader has a DistributedSampler; memx shares each batch out "
-                                  "over the DP replicas itself", "give the DataLoader a plain (or shuffle=True) sampler")
+                raise ConfigError("data", "the DataLoader has a DistributedSampler; memx shares each batch "
+                                  "out over the DP replicas itself", "give it a plain (or shuffle=True) sampler")
             first_rank = not dist.is_initialized() or dist.get_rank() == 0
             if data.batch_size not in (None, self.global_rows) and first_rank:
                 log.warning("memx: the DataLoader's batch_size %d is regrouped into the plan's global batches of "

@@ -26,7 +26,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts
 from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
-from memx_launch.runtime.batches import BatchLoss, StepBatch, default_loss, replica_rows, step_batch
+from memx_launch.runtime.batches import BatchLoss, StepBatch, replica_rows, step_batch
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_grid, process_rank, rank_layout
@@ -97,8 +97,8 @@ class Runtime:
         self.device = local_device()
         self.step_count = 0
         self.supervisor = None
-        self.data = None
-        """prepare(data=...)'s batches as this DP replica reads them (runtime/batches.py)."""
+        self.data = None  # prepare(data=...)'s batches as this DP replica reads them (runtime/batches.py)
+        self.metrics = None  # memx-run's metrics file on rank 0 (runtime/metrics_file.py; from_env sets it)
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
         self.comm = Communicator(process_domains(plan, cluster), self.device, strict=strict_mode(emulated is not None),
                                  emulated=emulated, bridge_backend=bridge_backend(cluster))
@@ -217,10 +217,9 @@ class Runtime:
             else:
                 from torch.nn.parallel import DistributedDataParallel
                 module = DistributedDataParallel(module, process_group=self.comm.native(self._dp_ranks))
-                # The pipeline runs one backward per micro-batch: DDP's one-time bucket rebuild
-                # would record every micro-batch's gradients and fail an internal assert at step 2.
-                # Rebuilding now, in parameter order, ends that recording (find_unused_parameters
-                # skipped it too, but searched the graph every step and warned on every rank).
+                # One backward per micro-batch: DDP's one-time bucket rebuild would record them all
+                # and fail an assert at step 2. Rebuilt now, in parameter order, it records nothing
+                # (find_unused_parameters skipped it too, but searched every step and warned per rank).
                 module.reducer._push_all_rebuilt_params()
                 module.reducer._rebuild_buckets()
         return module
@@ -250,29 +249,21 @@ class Runtime:
         return self.plan.num_microbatches * self.plan.micro_batch_size
 
     def local_batch(self, global_batch):
-        """This rank's DP replica's rows of a [global_batch_size, ...] tensor (or of each tensor
-        of a dict or tuple batch)."""
+        """This rank's DP replica's rows of a [global_batch_size, ...] tensor, dict or pair."""
         return replica_rows(global_batch, self.layout.dp_index, self.local_batch_size)
 
     # ---- training
     def step(self, batch, targets: torch.Tensor | None = None) -> StepStats:
         """One optimizer step over plan.num_microbatches micro-batches of this DP replica's
-        local_batch_size rows: ``step(inputs, targets)``, an ``(inputs, targets)`` pair, or a dict
-        (``input_ids``, ``attention_mask``, ``labels``; runtime/batches.py). Every rank passes the
-        same batch for its replica; only the first stage reads the inputs and only the last the
-        targets, and every stage gets the padding mask where its blocks need one."""
+        local_batch_size rows: ``(inputs, targets)`` or a dict (runtime/batches.py), the same on
+        every rank of the replica (the first stage reads inputs, the last targets, all the mask)."""
         takes_mask = self.parts is not None and self.parts.kind.padding_mask
         batch = step_batch(batch, targets, self.local_batch_size, takes_mask)
         with self.watchdog.armed(self.step_count + 1):  # a hang becomes a one-line error (runtime/watchdog.py)
-            return self._step(batch)
-
-    def _token_scale(self, batch: StepBatch) -> float:
-        """Micro-batches x replicas over the global batch's labelled tokens (BatchLoss's scale):
-        one count per DP replica, summed job-wide."""
-        contributes = self.layout.is_last_stage and self.layout.tp_index == 0
-        count = torch.tensor([batch.labelled_tokens() if contributes else 0], dtype=torch.float64)
-        total = self.comm.sum_over_job(count).item()
-        return self.plan.num_microbatches * self.plan.dp / max(total, 1.0)
+            stats = self._step(batch)
+        if self.metrics is not None:
+            self.metrics.append(stats, self.plan)
+        return stats
 
     def _step(self, batch: StepBatch) -> StepStats:
         losses: list[torch.Tensor] = []
@@ -289,7 +280,9 @@ class Runtime:
                 args = (batch.inputs.to(self.device),) if self.layout.is_first_stage else ()
                 target = batch.targets.to(self.device) if self.layout.is_last_stage else None
                 mask = {} if batch.attention_mask is None else {"attention_mask": batch.attention_mask.to(self.device)}
-                self.loss.begin(batch, self._token_scale(batch) if batch.labelled and self.loss.loss_fn is None else 1.0)
+                counts = self.layout.is_last_stage and self.layout.tp_index == 0  # one count per replica
+                self.loss.begin(batch, lambda n: self.comm.sum_over_job(torch.tensor([n if counts else 0.0],
+                                dtype=torch.float64)).item(), self.plan.num_microbatches * self.plan.dp)
                 self.precision.begin_step()
                 with self.precision.autocast():
                     self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None,
@@ -451,4 +444,7 @@ def from_env(**kwargs) -> Runtime:
         from memx_launch.runtime.supervisor import Supervisor
         runtime.supervisor = Supervisor(runtime, os.environ["MEMX_RUN_DIR"])
         runtime.supervisor.resume()
+        if dist.get_rank() == 0:
+            from memx_launch.runtime.metrics_file import MetricsFile
+            runtime.metrics = MetricsFile(os.environ["MEMX_RUN_DIR"], runtime.supervisor.generation)
     return runtime
