@@ -108,22 +108,30 @@ def test_the_padded_fine_tuning_example_trains_as_its_one_process_reference(tmp_
     """examples/finetune_padded.py's own loop (prepare with its DataLoader, job.data) in one process
     under a plan with 2 micro-batches, against --reference; tests/test_adapters.py runs its batches
     with PP 2 x DP 2."""
+    import json
     import re
     import subprocess
     import sys
 
     pytest.importorskip("transformers")
     from ranks import free_port
-    from test_adapters import HF_SPEC, make_plan
+    from memx_launch.specs.model import get_model
+    from test_adapters import make_plan
     from toy_models import EXAMPLES
 
-    plan = make_plan(HF_SPEC, [((0,), 8, "none")], micro_batch_size=4, global_batch_size=8, seq_len=HF_SPEC.seq_len)
+    config = json.loads(open(os.path.join(EXAMPLES, "models", "hf-llama-tiny", "config.json")).read())
+    (tmp_path / "tiny").mkdir()  # two blocks, 16 positions: seconds on a loaded machine
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2,
+                                                               "max_position_embeddings": 16}))
+    spec = get_model(str(tmp_path / "tiny"))
+    plan = make_plan(spec, [((0,), 2, "none")], micro_batch_size=2, global_batch_size=4, seq_len=spec.seq_len)
     plan.save(str(tmp_path / "plan.json"))
     script = os.path.join(EXAMPLES, "finetune_padded.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     env["MEMX_STEP_TIMEOUT_S"] = "600"  # the plan predicts no time; a loaded machine is slow, not hung
-    runs = [subprocess.run([sys.executable, script, "--steps", "2", "--global-batch-size", "8", *extra], env={
-        **env, **job}, capture_output=True, text=True, timeout=300) for extra, job in (
+    runs = [subprocess.run([sys.executable, script, "--model", str(tmp_path / "tiny"), "--steps", "2",
+                            "--global-batch-size", "4", *extra], env={
+        **env, **job}, capture_output=True, text=True, timeout=600) for extra, job in (
         ([], dict(MEMX_PLAN=str(tmp_path / "plan.json"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))), (["--reference"], {}))]
     got, want = ([float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", run.stdout, re.M)] for run in runs)
