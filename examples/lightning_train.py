@@ -8,7 +8,8 @@ blocks checkpointed.
 At fit start MemxCallback calibrates a copy of the model's own block on each device type, decides
 how many blocks recompute their activations and the micro-batch size, and applies it; every
 ``--log-every`` steps it writes measured against predicted peak memory to the CSVLogger's
-metrics.csv (``memx/stage0/peak_gib``, ``memx/stage0/predicted_gib``). The model is
+metrics.csv (``memx/stage0/peak_gib``, ``memx/stage0/predicted_gib``): ROOT/logs/version_0 for
+the first run, version_1 for the first resume, and so on. The model is
 examples/train_own_model.py's, shaped by examples/models/lightning-gpt/config.json.
 """
 
@@ -82,7 +83,9 @@ def main() -> int:
         return 2
     trainer = L.Trainer(
         accelerator="cpu", devices=ClusterSpec.from_yaml(args.cluster).world_size, strategy="ddp", max_steps=args.steps, default_root_dir=args.root,
-        logger=CSVLogger(args.root, name="logs", version=0), enable_progress_bar=False, log_every_n_steps=1,
+        # version=None: each run (a resume too) logs to the next logs/version_N; CSVLogger deletes
+        # the metrics.csv of a version it is given again
+        logger=CSVLogger(args.root, name="logs", version=None), enable_progress_bar=False, log_every_n_steps=1,
         callbacks=[MemxCallback(args.cluster, model=MODEL, log_every_n_steps=args.log_every),
                    ModelCheckpoint(os.path.join(args.root, "checkpoints"), save_last=True, every_n_train_steps=2)])
     trainer.fit(LitGPT(), ckpt_path=ckpt if args.resume else None)

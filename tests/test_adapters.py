@@ -11,7 +11,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts, find_blocks
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.runtime.emulation import EmulatedDevice
-from memx_launch.runtime.training import default_loss
+from memx_launch.runtime.batches import default_loss
 from memx_launch.specs.model import get_model
 from ranks import spawn_ranks
 from test_cross_vendor import TWO_VENDORS
@@ -143,6 +143,7 @@ MODELS = os.path.join(os.path.dirname(__file__), "..", "examples", "models")
 HF_SPEC = get_model(os.path.join(MODELS, "hf-llama-tiny"))
 QWEN2_SPEC = get_model(os.path.join(MODELS, "hf-qwen2-tiny"))  # tied embeddings, TP-able blocks
 GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, learned positions
+PADDED = "hf pp=2 x dp=2 (DDP) left-padded dict batches from a DataLoader, memx's token-mean loss"
 CASES = {  # (model, plan, data parallel, cluster: None is one domain)
     "hf pp=4 uneven 3/1/2/2 full/none/selective/none":
         ("hf", make_plan(HF_SPEC, [((0,), 3, "full"), ((1,), 1, "none"), ((2,), 2, "selective"),
@@ -158,12 +159,17 @@ CASES = {  # (model, plan, data parallel, cluster: None is one domain)
     "gpt2 tied pp=2 x dp=2 (FSDP2) uneven 3/5 full/none, the stages on two vendors":
         ("hf-gpt2-tiny", make_plan(GPT2_SPEC, [((0, 1), 3, "full"), ((2, 3), 5, "none")], dp=2), "fsdp",
          TWO_VENDORS),
+    PADDED:
+        ("hf-padded", make_plan(HF_SPEC, [((0, 1), 5, "none"), ((2, 3), 3, "full")], dp=2, micro_batch_size=2),
+         "auto", None),
 }
 STEPS = 3
 
 
 def _model(kind):
-    return hf_llama() if kind == "hf" else ToyModel() if kind == "toy" else hf_example(kind)
+    if kind.startswith("hf-") and kind != "hf-padded":
+        return hf_example(kind)
+    return hf_llama() if kind.startswith("hf") else ToyModel()
 
 
 def _batches(plan, vocab):
@@ -171,6 +177,13 @@ def _batches(plan, vocab):
     tokens = torch.randint(0, vocab, (plan.global_batch_size, plan.seq_len + 1),
                            generator=torch.Generator().manual_seed(7))
     return [(tokens[:, :-1], tokens[:, 1:])] * STEPS
+
+
+def _padded(plan):
+    """examples/finetune_padded.py's DataLoader: README lines of every length, padded on the left."""
+    from finetune_padded import loader
+
+    return loader(plan.global_batch_size, plan.seq_len, seed=3, side="left")
 
 
 def _schedule(opt):
@@ -182,8 +195,9 @@ def _worker(rank, port, cases, queue):
     from memx_launch.runtime.communication import init_distributed
     from memx_launch.runtime.prepare import prepare
 
+    # the test plans predict no time (the watchdog's floor, 60 s): a loaded machine is slow, not hung
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
-                      MEMX_STRICT_DOMAINS="1")
+                      MEMX_STRICT_DOMAINS="1", MEMX_STEP_TIMEOUT_S="600")
     torch.set_num_threads(1)
     results = []
     try:
@@ -193,16 +207,19 @@ def _worker(rank, port, cases, queue):
             torch.set_num_threads(1)
             model = _model(kind)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+            padded = kind == "hf-padded"
             try:
-                job = prepare(model, optimizer, loss_fn=default_loss, lr_scheduler=_schedule, max_grad_norm=CLIP,
+                job = prepare(model, optimizer, data=_padded(plan) if padded else None,
+                              loss_fn=None if padded else default_loss, lr_scheduler=_schedule, max_grad_norm=CLIP,
                               plan=plan, emulated=EmulatedDevice("cpu", 1.0), data_parallel=data_parallel,
                               cluster=cluster)
             except ConfigError as exc:
                 results.append(str(exc))
                 dist.destroy_process_group()
                 continue
-            stats = [job.step(job.local_batch(x), job.local_batch(y))
-                     for x, y in _batches(plan, plan.model_spec.vocab_size)]
+            batches = job.data if padded else [job.local_batch(pair)
+                                               for pair in _batches(plan, plan.model_spec.vocab_size)]
+            stats = [job.step(batch) for _, batch in zip(range(STEPS), batches)]
             results.append(([s.loss for s in stats], sum(s.bridge_messages for s in stats)))
             dist.destroy_process_group()
     finally:
@@ -216,9 +233,16 @@ def _reference(kind, plan):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     scheduler = _schedule(optimizer)
     losses = []
-    for x, y in _batches(plan, plan.model_spec.vocab_size):
-        out = model(x)
-        loss = default_loss(getattr(out, "logits", out), y)
+    if kind == "hf-padded":  # Hugging Face's own loss: the mean over the global batch's labelled tokens
+        batches = [(batch, None) for _, batch in zip(range(STEPS), _padded(plan))]
+    else:
+        batches = _batches(plan, plan.model_spec.vocab_size)
+    for x, y in batches:
+        if y is None:
+            loss = model(**x).loss
+        else:
+            out = model(x)
+            loss = default_loss(getattr(out, "logits", out), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
@@ -234,7 +258,7 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
     weight of the single process only if their gradients are summed (steps 2 and 3 tell)."""
     toy_tp = make_plan(TOY_SPEC, [((0, 1), 2, "none"), ((2, 3), 2, "none")], tp=2)
     cases = [*CASES.values(), ("toy", toy_tp, "auto", None)]
-    results = spawn_ranks(_worker, 4, cases, timeout=400)
+    results = spawn_ranks(_worker, 4, cases, timeout=480)
     for i, (name, (kind, plan, _, cluster)) in enumerate(CASES.items()):
         ref = _reference(kind, plan)
         for rank in range(4):
@@ -242,6 +266,9 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
             assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, ref)) < LOSS_ATOL, (name, rank, got, ref)
             assert (bridge_messages > 0) == (cluster is not None), (name, rank)
         assert ref[-1] < ref[0], name
+    first = next(iter(_padded(CASES[PADDED][1])))  # where the padding mask changes the loss
+    model = hf_llama()
+    assert abs(model(**first).loss - model(input_ids=first["input_ids"], labels=first["labels"]).loss) > 1e-3
     for rank in range(4):  # TP on a block type memx does not know: every rank names the fix
         assert "no tensor-parallel plan for OwnBlock" in results[rank][-1] and "tp=1" in results[rank][-1]
 

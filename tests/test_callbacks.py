@@ -177,6 +177,10 @@ def test_lightning_example_plans_trains_logs_and_resumes_with_its_plan(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"memx: resumed plan kept: {plan[1]}" in again.stdout
     assert "calibrated" not in again.stdout
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:  # the first run's rows are kept
+        assert list(csv.DictReader(f)) == rows
+    with open(tmp_path / "logs" / "version_1" / "metrics.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f) if r["memx/stage0/peak_gib"]] == [6]
 
 
 def test_a_model_that_does_not_fit_is_one_line_with_how_much_is_short(tmp_path):

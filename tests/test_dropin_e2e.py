@@ -62,6 +62,13 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
     assert run.returncode == 0, run.stderr[-4000:]
     assert f"pp={pp} dp={dp} fp32; layers {layers}, recompute {recompute}" in run.stdout
     _assert_losses_match_the_reference(run.stdout, script, model, env)
+    # memx-run's metrics file, written without the script asking: the printed steps, every stage measured
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    assert [round(m["loss"], 6) for m in lines] == _losses(run.stdout)
+    assert all(len(m["stages"]) == pp and m["tokens_per_s"] > 0 for m in lines)
+    assert all(0 < s["peak_memory_gib"] and 0 < s["predicted_peak_memory_gib"] for m in lines for s in m["stages"])
+    assert "find_unused_parameters" not in run.stderr  # DDP (the own-block case's dp=2) says nothing per rank
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ What is found (:class:`ModelParts`):
   any other whose decoder holds the blocks): before the blocks, the decoder's own forward with its
   blocks and final modules left out (embeddings, learned positions, scaling and dropout as the
   model does them); after them, the final norm (OPT: and projection) and the LM head; blocks called
-  with positions (and the rotary table), causal, no padding mask;
+  with positions (and the rotary table), causal, with the batch's padding mask
+  (Llama family) when it has one;
 - any other model: the modules registered before the blocks (in each module on the path from the
   root to the blocks) run before them, in registration order, and those registered after run after
   them, innermost first.
@@ -61,10 +62,12 @@ class BlockKind:
     knows_attention: bool
     """Selective recompute reaches the attention core (else it falls back to the whole block)."""
     tensor_parallel: bool
+    padding_mask: bool = False
+    """Its blocks take a padding mask (else batches may pad only on the right: runtime/batches.py)."""
 
 
 MEMX_KIND = BlockKind("memx LLaMA", True, True)
-HF_KIND = BlockKind("Hugging Face Llama family", True, True)
+HF_KIND = BlockKind("Hugging Face Llama family", True, True, padding_mask=True)
 KNOWN_KINDS = (MEMX_KIND, HF_KIND)
 
 
@@ -242,6 +245,7 @@ class StageModule(nn.Module):
         self.after = nn.ModuleDict({_key(n): m for n, m in parts.after}) if last else nn.ModuleDict()
         self.rotary = parts.rotary
         self.hf = parts.hf
+        self.config = getattr(parts, "config", None)  # a Hugging Face model's, for its mask
         self.levels = per_layer(recompute, num_layers)
         if "selective" in self.levels and not self.kind.knows_attention and self.kind.name not in _WARNED:
             _WARNED.add(self.kind.name)  # once per process and block type
@@ -253,11 +257,12 @@ class StageModule(nn.Module):
             elif self.kind is HF_KIND:
                 _hf_selective(block, level == "selective")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask``: [batch, seq], 0 at padding (Hugging Face Llama family only)."""
         h = x
         for module in self.before.values():
             h = module(h)
-        call = self._block_call(h)
+        call = self._block_call(h, attention_mask)
         for block, level in zip(self.blocks.values(), self.levels):
             whole = level == "full" or (level == "selective" and not self.kind.knows_attention)
             if whole and self.kind is not MEMX_KIND:
@@ -268,11 +273,16 @@ class StageModule(nn.Module):
             h = module(h)
         return h
 
-    def _block_call(self, h: torch.Tensor) -> Callable:
-        if self.hf:  # causal attention without a padding mask, as the model's own forward without one
+    def _block_call(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> Callable:
+        if self.hf:  # causal, with a padding mask built as the model's own forward builds it
             positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
             extra = {} if self.rotary is None else {"position_embeddings": self.rotary(h, positions)}
-            return lambda block, x: _first(block(x, attention_mask=None, position_ids=positions, **extra))
+            mask = None
+            if attention_mask is not None:
+                from transformers.masking_utils import create_causal_mask
+                mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
+                                          cache=None, position_ids=positions)
+            return lambda block, x: _first(block(x, attention_mask=mask, position_ids=positions, **extra))
         return lambda block, x: _first(block(x))
 
 

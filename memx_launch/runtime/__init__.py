@@ -3,6 +3,7 @@ the memory monitor, checkpoints and fault injection (torch)."""
 
 from memx_launch.runtime.prepare import prepare
 from memx_launch.runtime.communication import init_distributed
-from memx_launch.runtime.training import Runtime, StepStats, build, from_env
+from memx_launch.runtime.step_stats import StepStats
+from memx_launch.runtime.training import Runtime, build, from_env
 
 __all__ = ["Runtime", "StepStats", "build", "from_env", "init_distributed", "prepare"]

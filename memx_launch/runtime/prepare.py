@@ -1,8 +1,12 @@
 """The user's training pieces on one rank's share of the model: ``prepare`` and what it needs.
 
-    job = memx_launch.prepare(model, optimizer, loss_fn=loss, lr_scheduler=lambda opt: ..., max_grad_norm=1.0)
-    for inputs, targets in loader:                     # this DP replica's rows (job.local_batch)
-        stats = job.step(inputs, targets)              # all micro-batches, clipping, optimizer, scheduler
+    job = memx_launch.prepare(model, optimizer, data=loader, lr_scheduler=lambda opt: ..., max_grad_norm=1.0)
+    for batch in job.data:                             # this DP replica's rows of each global batch
+        stats = job.step(batch)                        # all micro-batches, clipping, optimizer, scheduler
+
+``batch``: a dict (``input_ids``, ``attention_mask``, ``labels``) or an ``(inputs, targets)`` pair
+(runtime/batches.py); ``data``: a DataLoader or any iterable of global batches (``job.data`` is
+this replica's share; without ``data``, ``job.local_batch(global_batch)`` takes it).
 
 ``job`` is a :class:`~memx_launch.runtime.training.Runtime`: under memx-run it watches memory,
 re-plans, checkpoints and resumes, whatever the model.
@@ -23,20 +27,22 @@ from torch import nn
 from memx_launch.errors import ConfigError
 
 
-def prepare(model: nn.Module, optimizer=None, *, loss_fn: Callable | None = None,
+def prepare(model: nn.Module, optimizer=None, *, data=None, loss_fn: Callable | None = None,
             lr_scheduler: Callable | None = None, max_grad_norm: float | None = None,
             blocks: str | None = None, plan=None, **kwargs):
     """This rank's Runtime for ``model`` under the job's plan (MEMX_PLAN, as memx-run sets it) or
     ``plan``. Build the model the same way on every rank (same seed, or the same pretrained weights)
     and on the CPU (or a meta device you fill later): each rank moves only its stage to its device.
-    ``blocks``: the dotted path of the transformer blocks when memx does not find them."""
+    ``data``: a DataLoader (or iterable) of global batches; ``job.data`` yields this DP replica's
+    rows of each. ``blocks``: the dotted path of the transformer blocks when memx does not find them."""
+    from memx_launch.runtime.batches import ReplicaBatches
     from memx_launch.runtime.training import build, from_env
 
     options = dict(model=model, optimizer=optimizer, loss_fn=loss_fn, lr_scheduler=lr_scheduler,
                    max_grad_norm=max_grad_norm, blocks=blocks, **kwargs)
-    if plan is not None:
-        return build(plan, int(os.environ.get("RANK", "0")), **options)
-    return from_env(**options)
+    job = build(plan, int(os.environ.get("RANK", "0")), **options) if plan is not None else from_env(**options)
+    job.data = None if data is None else ReplicaBatches(data, job, seed=kwargs.get("seed", 0))
+    return job
 
 
 def user_block_factory(environ=os.environ):

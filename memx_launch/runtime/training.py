@@ -17,16 +17,15 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts
 from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
+from memx_launch.runtime.batches import BatchLoss, StepBatch, replica_rows, step_batch
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_domains, process_grid, process_rank, rank_layout
@@ -34,6 +33,7 @@ from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLink
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import Precision
 from memx_launch.runtime.run_record import RunRecord
+from memx_launch.runtime.step_stats import StepStats, progress_line
 from memx_launch.runtime.tied_weights import TiedGradients
 from memx_launch.runtime.watchdog import StepWatchdog
 
@@ -42,32 +42,6 @@ DEFAULT_LR = 3e-4
 SCHEDULER_KEY = "memx.lr_scheduler"
 RUN_KEY = "memx.run"
 """The run so far (runtime/run_record.py), kept with the data state."""
-
-
-@dataclass
-class StepStats:
-    """One optimizer step as every rank sees it; the per-stage lists are filled on all ranks."""
-
-    step: int
-    loss: float
-    step_time_s: float
-    tokens_per_s: float
-    stage_peak_gib: list[float] = field(default_factory=list)
-    """Measured peak memory per stage (max over the stage's ranks); NaN where unmeasured."""
-    stage_compute_s: list[float] = field(default_factory=list)
-    """Measured compute time of one micro-batch per stage (emulated devices only; NaN otherwise)."""
-    bridge_messages: int = 0
-    """Transfers that crossed communication domains this step, over all ranks (sends and receives)."""
-    bridge_bytes: int = 0
-    bridge_staging_s: float = 0.0
-    """The most time one rank spent copying bridge traffic between device and host this step."""
-    bridge_collective_s: float = 0.0
-    """The most time one rank spent in bridge collectives this step (waits for slower replicas included)."""
-
-
-def default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy, mean over the micro-batch's tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class Runtime:
@@ -108,6 +82,8 @@ class Runtime:
         self.run_record = RunRecord()
         """The run over every generation (checkpoints carry it): ``run_record.summary(step_count)``."""
         self.supervisor = None
+        self.data = None  # prepare(data=...)'s batches as this DP replica reads them (runtime/batches.py)
+        self.metrics = None  # memx-run's metrics file on rank 0 (runtime/metrics_file.py; from_env sets it)
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
         self.comm = Communicator(process_domains(plan, cluster), self.device, strict=strict_mode(emulated is not None),
                                  emulated=emulated, bridge_backend=bridge_backend(cluster))
@@ -140,7 +116,8 @@ class Runtime:
                                       communicator=self.comm, links=self.links)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
         self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device)
-        user_loss = self.precision.scaled(loss_fn or default_loss)
+        self.loss = BatchLoss(loss_fn)
+        user_loss = self.precision.scaled(self.loss)
         if plan.virtual_stages == 1:
             self.schedule = Schedule1F1B(stages[0], plan.num_microbatches, loss_fn=user_loss)
         else:
@@ -230,11 +207,12 @@ class Runtime:
                 fully_shard(module, mesh=self.dp_mesh)
             else:
                 from torch.nn.parallel import DistributedDataParallel
-                # The pipeline runs one backward per micro-batch: DDP's one-time bucket rebuild
-                # would record every micro-batch's hooks and fail an internal assert at step 2;
-                # find_unused_parameters skips that rebuild.
-                module = DistributedDataParallel(module, process_group=self.comm.native(self._dp_ranks),
-                                                 find_unused_parameters=True)
+                module = DistributedDataParallel(module, process_group=self.comm.native(self._dp_ranks))
+                # One backward per micro-batch: DDP's one-time bucket rebuild would record them all
+                # and fail an assert at step 2. Rebuilt now, in parameter order, it records nothing
+                # (find_unused_parameters skipped it too, but searched every step and warned per rank).
+                module.reducer._push_all_rebuilt_params()
+                module.reducer._rebuild_buckets()
         return module
 
     def _measured(self):
@@ -261,22 +239,25 @@ class Runtime:
         """Sequences this DP replica processes per step (all its micro-batches)."""
         return self.plan.num_microbatches * self.plan.micro_batch_size
 
-    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
-        """This rank's DP replica's rows of a [global_batch_size, ...] tensor."""
-        n = self.local_batch_size
-        return global_batch[self.layout.dp_index * n:(self.layout.dp_index + 1) * n]
+    def local_batch(self, global_batch):
+        """This rank's DP replica's rows of a [global_batch_size, ...] tensor, dict or pair."""
+        return replica_rows(global_batch, self.layout.dp_index, self.local_batch_size)
 
     # ---- training
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepStats:
+    def step(self, batch, targets: torch.Tensor | None = None) -> StepStats:
         """One optimizer step over plan.num_microbatches micro-batches of this DP replica's
-        [local_batch_size, seq] tokens and targets. Every rank passes the same tensors for its
-        replica; only the first stage reads tokens and only the last reads targets."""
+        local_batch_size rows: ``(inputs, targets)`` or a dict (runtime/batches.py), the same on
+        every rank of the replica (the first stage reads inputs, the last targets, all the mask)."""
+        takes_mask = self.parts is not None and self.parts.kind.padding_mask
+        batch = step_batch(batch, targets, self.local_batch_size, takes_mask)
         with self.watchdog.armed(self.step_count + 1):  # a hang becomes a one-line error (runtime/watchdog.py)
-            stats = self._step(tokens, targets)
+            stats = self._step(batch)
         self.run_record.add(stats.loss, stats.step_time_s)
+        if self.metrics is not None:
+            self.metrics.append(stats, self.plan)
         return stats
 
-    def _step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepStats:
+    def _step(self, batch: StepBatch) -> StepStats:
         losses: list[torch.Tensor] = []
         try:
             if self.supervisor is not None:
@@ -288,11 +269,16 @@ class Runtime:
             start = time.perf_counter()
             with self._measured():
                 self.optimizer.zero_grad(set_to_none=True)
-                args = (tokens.to(self.device),) if self.layout.is_first_stage else ()
-                target = targets.to(self.device) if self.layout.is_last_stage else None
+                args = (batch.inputs.to(self.device),) if self.layout.is_first_stage else ()
+                target = batch.targets.to(self.device) if self.layout.is_last_stage else None
+                mask = {} if batch.attention_mask is None else {"attention_mask": batch.attention_mask.to(self.device)}
+                counts = self.layout.is_last_stage and self.layout.tp_index == 0  # one count per replica
+                self.loss.begin(batch, lambda n: self.comm.sum_over_job(torch.tensor([n if counts else 0.0],
+                                dtype=torch.float64)).item(), self.plan.num_microbatches * self.plan.dp)
                 self.precision.begin_step()
                 with self.precision.autocast():
-                    self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None)
+                    self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None,
+                                       **mask)
                 if self.plan.dp > 1 and self.dp_crosses_domains:
                     self.comm.all_reduce_mean(self._local_grads(), self._dp_ranks)
                 self.tied.sum_grads(self.layout.tp_index)
@@ -380,21 +366,7 @@ class Runtime:
 
     # ---- reporting
     def progress_line(self, stats: StepStats) -> str:
-        """Step, loss, step time, tokens/s, and per stage measured vs predicted peak memory and
-        micro-batch compute time (emulated devices are labelled)."""
-        parts = [f"step {stats.step}", f"loss {stats.loss:.6f}",
-                 f"{stats.step_time_s:.3f} s/step (predicted {self.plan.predicted_iteration_time_s:.3f})",
-                 f"{stats.tokens_per_s:,.0f} tok/s"]
-        for i, stage in enumerate(self.plan.stages):
-            label = f"{stage.device_type}{' emulated' if self.plan.emulated else ''}"
-            parts.append(f"s{i} {label}: mem {stats.stage_peak_gib[i] * 1024:.1f}/"
-                         f"{stage.predicted_peak_memory_gib * 1024:.1f} MiB, mb "
-                         f"{stats.stage_compute_s[i] * 1e3:.1f}/{stage.predicted_stage_time_s * 1e3:.1f} ms")
-        if stats.bridge_messages:
-            parts.append(f"bridge {stats.bridge_messages} transfers {stats.bridge_bytes / 2**20:.2f} MiB, "
-                         f"staging {stats.bridge_staging_s * 1e3:.1f} ms, collectives "
-                         f"{stats.bridge_collective_s * 1e3:.1f} ms")
-        return " | ".join(parts) + "  (measured/predicted)"
+        return progress_line(stats, self.plan)
 
 
 @contextmanager
@@ -444,4 +416,7 @@ def from_env(**kwargs) -> Runtime:
         from memx_launch.runtime.supervisor import Supervisor
         runtime.supervisor = Supervisor(runtime, os.environ["MEMX_RUN_DIR"])
         runtime.supervisor.resume()
+        if dist.get_rank() == 0:
+            from memx_launch.runtime.metrics_file import MetricsFile
+            runtime.metrics = MetricsFile(os.environ["MEMX_RUN_DIR"], runtime.supervisor.generation)
     return runtime
