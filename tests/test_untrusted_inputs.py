@@ -16,6 +16,7 @@ from memx_launch.runtime import rendezvous
 from memx_launch.runtime.launcher import build_parser
 
 FAST = pytest.mark.timeout(5)
+CPU_CLUSTER = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "cpu-emulated.yaml")
 
 
 class _Exploit:
@@ -137,6 +138,7 @@ def test_torchs_dynamic_rendezvous_reads_the_store_through_the_codec():
 def _readers(tmp_path):
     """Each reader memx has, given a path: what it raises for a file it must not read."""
     from memx_launch.planning.cases import read_cases
+    from memx_launch.planning.replan import ReplanEvent
     from memx_launch.profiling.predictor import Predictor
     from memx_launch.runtime.checkpoint import latest_checkpoint
     from memx_launch.specs.config_file import _load
@@ -160,6 +162,7 @@ def _readers(tmp_path):
         "--cases": lambda path: list(read_cases(path)),
         "latest.json": latest,
         "predictor .meta.json": predictor_meta,
+        "replan event": ReplanEvent.load,
     }
 
 
@@ -181,7 +184,7 @@ def _hostile_file(tmp_path, kind):
 
 @FAST
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory", "oversized"])
-@pytest.mark.parametrize("reader", ["--config", "--cases", "latest.json", "predictor .meta.json"])
+@pytest.mark.parametrize("reader", ["--config", "--cases", "latest.json", "predictor .meta.json", "replan event"])
 def test_no_reader_blocks_or_reads_without_bound(tmp_path, kind, reader):
     path = _hostile_file(tmp_path, kind)
     with pytest.raises(ConfigError, match="not a regular file|over the limit") as exc:
@@ -210,6 +213,36 @@ def test_a_yaml_alias_bomb_in_config_fails_fast_in_one_line(tmp_path, capsys):
     code = main(["plan", "--config", str(tmp_path / "bomb.yaml"), "--model", "llama-tiny"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--config" in err[0] and "anchors (&name) are not accepted" in err[0]
+
+
+@FAST
+@pytest.mark.parametrize("cell", ["\uff11", "\u00b2", "\u0663", "1" * 5000])
+def test_a_cases_csv_cell_of_non_ascii_or_endless_digits_is_that_rows_error(tmp_path, capsys, cell):
+    import json
+
+    from memx_launch.cli import main
+
+    (tmp_path / "c.csv").write_text(f"tp,pp,dp,micro_batch_size\n{cell},2,2,1\n")
+    code = main(["estimate", "--cases", str(tmp_path / "c.csv"), "--model", "llama-tiny", "--cluster", CPU_CLUSTER,
+                 "--global-batch-size", "8"])
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert code == 0 and row["error"].startswith("tp: ") and "is not a plain integer" in row["error"]
+    assert len(row["error"]) < 200
+
+
+@FAST
+@pytest.mark.parametrize("text", ['{"step": 1}', '[1]', '{"step": 1, "step": 2}', "EVENT"])
+def test_a_replan_event_memx_cannot_trust_is_one_error(tmp_path, text):
+    import json
+
+    from memx_launch.planning.replan import ReplanEvent
+
+    event = {"step": 3, "reason": "oom", "rank": 0, "stage": 0, "device_type": "a", "message": "m",
+             "observed_gib": ["lots"], "capacity_gib": [1.0]}
+    (tmp_path / "event.json").write_text(json.dumps(event) if text == "EVENT" else text)
+    with pytest.raises(ConfigError, match="^replan event") as exc:
+        ReplanEvent.load(str(tmp_path / "event.json"))
+    assert "\n" not in str(exc.value)
 
 
 @FAST

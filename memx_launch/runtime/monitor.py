@@ -32,6 +32,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.replan import DEFAULT_MIN_HEADROOM, ReplanEvent
 from memx_launch.runtime.layout import process_rank
+from memx_launch.specs.inputs import parse_number
 
 GIB = 2**30
 log = logging.getLogger("memx.monitor")
@@ -70,10 +71,8 @@ class MonitorConfig:
                                 ("MEMX_PRESSURE_SAMPLES", "consecutive", int),
                                 ("MEMX_ABOVE_PREDICTION", "above_prediction", float)):
             if var in environ:
-                try:
-                    kwargs[name] = kind(environ[var])
-                except ValueError:
-                    raise ConfigError(var, f"not a number: {environ[var]!r}", f"set {var} to a {kind.__name__}") from None
+                kwargs[name] = parse_number(environ[var], kind, var, f"set {var} to a number, e.g. "
+                                            f"{var}={getattr(cls, name)}")
         return cls(**kwargs)
 
 
