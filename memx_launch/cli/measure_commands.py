@@ -111,7 +111,7 @@ def run_evaluate(args) -> int:
     report = evaluate(load_measurements(args.measurements))
     print(format_report(report))
     if args.json:
-        write_json_atomic(args.json, report, overwrite=args.force)
+        write_json_atomic(args.json, report, overwrite=args.force, flag="--json")
     return 0
 
 

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from memx_launch.files import check_distinct_outputs
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
@@ -72,6 +73,7 @@ def run_plan(args) -> int:
         raise ConfigError("--plot", f"{args.plot} is not a .png path", "e.g. --plot pareto.png")
     check_new_file(args.json, "--json", args.force)
     check_new_file(args.plot, "--plot", args.force)
+    check_distinct_outputs({"--json": args.json, "--plot": args.plot})
     model = get_model(args.model)
     cluster = ClusterSpec.from_yaml(args.cluster)
     training, precision = device_precision(cluster, training_from_args(args, model), args.dtype is not None)
@@ -93,7 +95,7 @@ def run_plan(args) -> int:
         print("\ncompared in the same cost model:")
         print(report.compare_table(baselines))
     if args.json:
-        result.best.save(args.json, overwrite=args.force)
+        result.best.save(args.json, overwrite=args.force, flag="--json")
         print(f"plan written to {args.json}", file=sys.stderr)
     if args.plot:
         report.pareto_plot(result, args.plot, overwrite=args.force, emulated=cluster.is_emulated)
@@ -181,7 +183,7 @@ def run_estimate(args) -> int:
                                memory_headroom=args.memory_headroom)
     print(report.estimate_report(plan, cluster, args.memory_headroom, split_note))
     if args.json:
-        plan.save(args.json, overwrite=args.force)
+        plan.save(args.json, overwrite=args.force, flag="--json")
         print(f"estimate written to {args.json}", file=sys.stderr)
     return NoFeasiblePlanError.exit_code if any(stage_short_gib(plan, args.memory_headroom)) else 0
 

@@ -92,7 +92,7 @@ def run_cases(path: str, out: str | None = None, overwrite: bool = False, **runn
         else:
             print(line)
     if out:
-        write_text_atomic(out, "".join(lines), overwrite=overwrite)
+        write_text_atomic(out, "".join(lines), overwrite=overwrite, flag="--out")
     return (f"{sum(counts.values())} rows: " + ", ".join(f"{v} {k}" for k, v in counts.items())
             + (f"; written to {out}" if out else ""))
 

@@ -263,8 +263,8 @@ class Plan:
             raise ConfigError(f"{source}.global_batch_size", f"{self.global_batch_size} is not divisible by "
                               f"dp*micro_batch_size={self.dp * self.micro_batch_size}")
 
-    def save(self, path: str, overwrite: bool = False) -> None:
-        write_json_atomic(path, self.to_dict(), overwrite=overwrite)
+    def save(self, path: str, overwrite: bool = False, flag: str = "plan") -> None:
+        write_json_atomic(path, self.to_dict(), overwrite=overwrite, flag=flag)
 
     @classmethod
     def load(cls, path: str) -> "Plan":
