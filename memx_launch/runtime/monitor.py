@@ -175,10 +175,13 @@ class MemoryMonitor:
         self.reader.reset()
         row = torch.tensor([reading.peak_bytes, reading.reserved_bytes, reading.current_bytes,
                             reading.capacity_bytes], dtype=torch.float64)
-        if dist.get_backend(self.group) == "nccl":
-            row = row.cuda()
-        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(rows, row, group=self.group)
+        if not dist.is_initialized():  # one process without a process group (Lightning on one device)
+            rows = [row]
+        else:
+            if dist.get_backend(self.group) == "nccl":
+                row = row.cuda()
+            rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(rows, row, group=self.group)
         table = torch.stack(rows).cpu()[self._rows_by_rank]
         self.last_table = table
         event = self._decide(step, table)
