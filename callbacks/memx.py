@@ -56,8 +56,9 @@ class MemxCallback(pl.Callback):
         module's Hugging Face ``config``. ``blocks``: dotted path of the block list when memx does not
         find it. ``profile_db`` and ``plan_file`` default to files in the Trainer's root dir."""
         _one_line_memx_errors()
-        if log_every_n_steps < 1:
-            raise ConfigError("log_every_n_steps", f"must be positive, got {log_every_n_steps}", "e.g. 10")
+        if type(log_every_n_steps) is not int or log_every_n_steps < 1:  # True is an int to Python
+            raise ConfigError("log_every_n_steps", f"must be a positive integer, got {log_every_n_steps!r}",
+                              "e.g. log_every_n_steps=10")
         self.cluster_path, self.model, self.blocks_path = cluster, model, blocks
         self.profile_db, self.plan_file = profile_db, plan_file
         self.dtype = "fp32"
@@ -98,6 +99,9 @@ class MemxCallback(pl.Callback):
         spec = self._spec(pl_module)
         if self.decision is None:  # not restored from a checkpoint (load_state_dict runs before this)
             self.decision = self._plan(trainer, pl_module, spec, cluster, device)
+        elif self.decision.num_blocks != len(self._blocks):
+            raise ConfigError("checkpoint.decision", f"plans {self.decision.num_blocks} blocks but the module has "
+                              f"{len(self._blocks)}", "resume with the model the checkpoint was written for")
         elif rank == 0:
             print(f"memx: resumed plan kept: {self._describe()}", flush=True)
         self._apply(trainer, pl_module)

@@ -27,6 +27,8 @@ from memx_launch.profiling.design import minimal_sample_set
 from memx_launch.profiling.kernel import calibrate
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
 from memx_launch.profiling.space import ProfileSpace, Sample
+from memx_launch.specs.checks import reject_unknown, require_number
+from memx_launch.specs.model import MAX_DIMENSION
 
 CALIBRATION_BUDGET = 12
 
@@ -56,13 +58,30 @@ class Decision:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Decision":
-        """A decision a checkpoint or rank 0 wrote; older memx wrote no ``peaks_gib``."""
+    def from_dict(cls, data: dict, where: str = "checkpoint.decision") -> "Decision":
+        """A decision a checkpoint, a plan file or rank 0 wrote, checked (a checkpoint can be
+        edited); older memx wrote no ``peaks_gib``."""
+        fix = "fit without ckpt_path, or drop the callback's state from the checkpoint"
+        if not isinstance(data, dict):
+            raise ConfigError(where, f"not a decision ({type(data).__name__})", fix)
         if "peaks_gib" not in data:
-            raise ConfigError("checkpoint.decision", "written by an older memx (no peaks_gib)",
-                              "fit without ckpt_path, or drop the callback's state from the checkpoint")
+            raise ConfigError(where, "written by an older memx (no peaks_gib)", fix)
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})  # predicted_peak_gib is derived
+        reject_unknown(data, names | {"predicted_peak_gib"}, where)  # predicted_peak_gib is derived
+        missing = sorted(names - set(data))
+        if missing:
+            raise ConfigError(f"{where}.{missing[0]}", "missing", fix)
+        peaks = data["peaks_gib"]
+        if not isinstance(peaks, list) or not 1 <= len(peaks) <= MAX_DIMENSION + 1:
+            raise ConfigError(f"{where}.peaks_gib", "must list the predicted peaks, one per number of blocks", fix)
+        for peak in peaks:
+            require_number(peak, f"{where}.peaks_gib", lo=0, fix=fix)
+        for name in ("micro_batch_size", "accumulate_grad_batches"):
+            require_number(data[name], f"{where}.{name}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
+        require_number(data["recompute_blocks"], f"{where}.recompute_blocks", lo=0, hi=len(peaks) - 1, integer=True,
+                       fix=fix)
+        require_number(data["capacity_gib"], f"{where}.capacity_gib", lo=0, lo_open=True, fix=fix)
+        return cls(**{k: data[k] for k in names})
 
     def peak_with(self, k: int) -> float:
         return self.peaks_gib[k]

@@ -1,9 +1,11 @@
 """Writing output files: checked before the work, written atomically, so a reader never sees half
 a file and nothing but a regular file is ever replaced.
 
-An output path must be a regular file (replaced only with --force) or a new name, in a directory
-memx may write, and not under /proc, /sys or /dev (``check_output_path``, called before the work
-starts). Files get the permissions of a plain ``open``: the umask's, or the replaced file's mode;
+An output path must be a regular file (replaced only with --force) or a new name, not a symbolic
+link (an append would write into whatever it points at), in a directory memx may write, and not
+under /proc, /sys or /dev (``check_output_path``, called before the work starts); two outputs of
+one command never name the same file (``check_distinct_outputs``). A write that fails (a full
+disk, ``ulimit -f``) is one ConfigError and leaves no file behind. Files get the permissions of a plain ``open``: the umask's, or the replaced file's mode;
 temporary files are removed on any failure, Ctrl-C and SIGTERM included, and those a kill -9
 left are removed by the next write into the same directory once an hour old.
 """
@@ -45,6 +47,8 @@ def check_output_path(path: str, flag: str = "output", force: bool = False) -> N
         if real == tree or real.startswith(tree + os.sep):
             raise ConfigError(flag, f"{path} is under {tree}, not a place for output files",
                               "write to a regular file in your own directory")
+    if os.path.islink(path):
+        raise ConfigError(flag, f"{path} is a symbolic link", "give the path of the file itself")
     if os.path.lexists(path):
         try:
             mode = os.stat(path).st_mode
@@ -63,6 +67,25 @@ def check_output_path(path: str, flag: str = "output", force: bool = False) -> N
         raise ConfigError(flag, f"{path} lies below {parent}, which is not a directory", "choose another path")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(flag, f"cannot write in {parent}", "choose a directory you can write to")
+
+
+def check_distinct_outputs(outputs: dict[str, str | None]) -> None:
+    """Refuse two output flags (flag -> path) naming one file: the second write would replace the first."""
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ConfigError(flag, f"{path} is also the {seen[real]} file", f"give {flag} and {seen[real]} "
+                              "different paths")
+        seen[real] = flag
+
+
+def write_error(path: str, flag: str, exc: OSError) -> ConfigError:
+    """A write that failed after the work (a full disk, ``ulimit -f``) as one line."""
+    return ConfigError(flag, f"cannot write {path} ({exc.strerror or exc}); no output file was written",
+                       "free disk space (or raise the file size limit) and run again, or choose another path")
 
 
 def _remove_stale_temporaries(directory: str) -> None:
@@ -94,8 +117,11 @@ def atomic_output(path: str, flag: str = "output", overwrite: bool = False, suff
     try:
         os.fchmod(fd, mode)  # mkstemp makes 0600; the output gets what open() would give
         os.close(fd)
-        yield tmp
-        os.replace(tmp, path)
+        try:
+            yield tmp
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise write_error(path, flag, exc) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

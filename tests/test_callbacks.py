@@ -129,17 +129,43 @@ def test_pressure_with_every_block_checkpointed_stops_with_a_smaller_micro_batch
 
 def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp_path, capsys):
     """MemxCallback(cluster=None) under Lightning's SingleDeviceStrategy (no process group): the
-    process describes its own device, calibrates the module's block and trains with the plan."""
+    process describes its own device, calibrates the module's block, trains with the plan and
+    samples its memory (every step here; the default's first sample, step 10, crashed once)."""
     import lightning as L
     import toy_models  # noqa: F401  (puts examples/ on the path: the examples import each other)
 
     import lightning_train as example
+    callback = MemxCallback(None, model=example.MODEL, log_every_n_steps=1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, default_root_dir=str(tmp_path), logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False,
-                        callbacks=[MemxCallback(None, model=example.MODEL)])
+                        enable_progress_bar=False, enable_checkpointing=False, callbacks=[callback])
     trainer.fit(example.LitGPT())
     assert type(trainer.strategy).__name__ == "SingleDeviceStrategy" and trainer.global_step == 2
+    assert callback._monitor.last_table is not None and callback._monitor.last_table.shape == (1, 4)
     assert "memx: plan for" in capsys.readouterr().out and (tmp_path / "memx-profiles.jsonl").exists()
+
+
+@pytest.mark.parametrize("value", ["abc", True, 2.5, 0, None])
+def test_log_every_n_steps_must_be_a_positive_integer(value):
+    with pytest.raises(ConfigError, match="^log_every_n_steps: must be a positive integer") as info:
+        MemxCallback(log_every_n_steps=value)
+    assert "\n" not in str(info.value)
+
+
+GOOD_DECISION = {"micro_batch_size": 4, "accumulate_grad_batches": 2, "recompute_blocks": 1,
+                 "peaks_gib": [0.03, 0.02, 0.01], "capacity_gib": 0.025}
+
+
+@pytest.mark.parametrize("change", [{"micro_batch_size": "4"}, {"micro_batch_size": 0}, {"recompute_blocks": 3},
+                                    {"recompute_blocks": -1}, {"peaks_gib": []}, {"peaks_gib": ["a"]},
+                                    {"peaks_gib": [float("nan")]}, {"capacity_gib": -1}, {"accumulate_grad_batches":
+                                    True}, {"colour": "red"}])
+def test_a_tampered_decision_is_one_error(change):
+    assert Decision.from_dict(GOOD_DECISION).predicted_peak_gib == 0.02
+    with pytest.raises(ConfigError, match="^checkpoint.decision") as info:
+        Decision.from_dict({**GOOD_DECISION, **change})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="not a decision"):
+        Decision.from_dict([GOOD_DECISION])
 
 
 def test_misconfiguration_names_the_fix():

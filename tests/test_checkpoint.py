@@ -175,3 +175,68 @@ def test_a_step_folder_linked_outside_is_refused(tmp_path):
     (run / "latest.json").write_text('{"step": 1, "path": "step-00000001"}')
     with pytest.raises(ConfigError, match="outside"):
         latest_checkpoint(str(run))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """This process as a job of one rank (the checkpoint's collectives need a process group)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _saved_linear(directory):
+    from memx_launch.runtime.checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer, save_checkpoint(str(directory), [model], optimizer, step=1)
+
+
+@pytest.mark.parametrize("key, value", [("lr", "abc"), ("lr", None), ("lr", True), ("betas", [0.9]),
+                                        ("betas", ["a", "b"]), ("rng.rank0.python", [3, [1, 2], None]),
+                                        ("rng.rank0.numpy", ["MT19937", [2**70] * 624, 0, 0, 0.0]),
+                                        ("rng.rank0.numpy", "garbage")])
+def test_a_tampered_checkpoint_scalar_is_one_error(tmp_path, one_rank, key, value):
+    import json
+
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.checkpoint import META, load_checkpoint
+
+    model, optimizer, folder = _saved_linear(tmp_path / "ckpt")
+    meta = json.loads(open(os.path.join(folder, META)).read())
+    names = [k for k in meta["values"] if k == key or k.endswith("." + key)]
+    assert names, sorted(meta["values"])
+    for name in names:
+        meta["values"][name] = value
+    with open(os.path.join(folder, META), "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(ConfigError, match="memx.json") as exc:
+        load_checkpoint(str(tmp_path / "ckpt"), [model], optimizer)
+    assert "\n" not in str(exc.value)
+
+
+def test_an_untampered_checkpoint_loads_its_scalars(tmp_path, one_rank):
+    from memx_launch.runtime.checkpoint import load_checkpoint
+
+    model, optimizer, _ = _saved_linear(tmp_path / "ckpt")
+    optimizer.param_groups[0]["lr"] = 5.0
+    assert load_checkpoint(str(tmp_path / "ckpt"), [model], optimizer).step == 1
+    assert optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_a_huge_checkpoint_metadata_file_is_refused_before_it_is_read(tmp_path, one_rank):
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.checkpoint import META, load_checkpoint
+
+    model, optimizer, folder = _saved_linear(tmp_path / "ckpt")
+    with open(os.path.join(folder, META), "r+b") as f:
+        f.truncate(28 * 10**6)  # sparse: the size is what is refused, before any byte is parsed
+    with pytest.raises(ConfigError, match="over the limit"):
+        load_checkpoint(str(tmp_path / "ckpt"), [model], optimizer)

@@ -1,7 +1,8 @@
 """One job across communication domains, emulated on CPU: two "vendors" whose native groups are
 separate gloo groups, everything between them over the bridge, strict mode on (a native group
 spanning domains, or a device tensor on the bridge unstaged, fails the job). Every case matches
-the single-process reference."""
+the single-process reference, and nothing any rank receives is unpickled (the stages' shape
+metadata travels as JSON)."""
 
 import dataclasses
 import os
@@ -31,6 +32,20 @@ ALTERNATING = ["nv-small", "amd-big", "nv-small", "amd-big"]
 MIXED = "nv-small+amd-big"
 
 
+def _count_unpickling() -> list:
+    """Every unpickling in this process from now on: pickle.loads and the Unpickler torch's
+    object collectives use."""
+    import pickle
+
+    import torch.distributed.distributed_c10d as c10d
+
+    seen = []
+    loads, unpickler = pickle.loads, c10d._unpickler
+    pickle.loads = lambda *a, **k: seen.append("pickle.loads") or loads(*a, **k)
+    c10d._unpickler = lambda *a, **k: seen.append("object collective") or unpickler(*a, **k)
+    return seen
+
+
 def _worker(rank, port, cases, queue):
     import torch.distributed as dist
 
@@ -42,6 +57,7 @@ def _worker(rank, port, cases, queue):
                       MEMX_STRICT_DOMAINS="1")
     torch.set_num_threads(1)
     results = []
+    unpickled = _count_unpickling()
     try:
         for generation, (plan, cluster, steps, max_grad_norm) in enumerate(cases):
             os.environ["MEMX_GENERATION"] = str(generation)  # a fresh key prefix per process group
@@ -57,7 +73,8 @@ def _worker(rank, port, cases, queue):
                     grads[name.removeprefix("module.")] = g.numpy()
             stats += [runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets))
                       for _ in range(steps - 1)]
-            results.append(([s.loss for s in stats], stats[0].bridge_messages, stats[0].bridge_bytes, grads))
+            results.append(([s.loss for s in stats], stats[0].bridge_messages, stats[0].bridge_bytes, grads,
+                            list(unpickled)))
             dist.destroy_process_group()
     finally:
         queue.put((rank, results))
@@ -93,7 +110,8 @@ def test_cross_domain_plans_match_the_single_process_reference():
         covered = set()
         crossed = 0
         for rank in range(4):
-            losses, messages, nbytes, grads = results[rank][i]
+            losses, messages, nbytes, grads, unpickled = results[rank][i]
+            assert unpickled == [], (name, rank, unpickled)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
             assert losses[1] < losses[0], (name, rank)  # the optimizer stepped on synced gradients
             for param, grad in grads.items():
@@ -192,7 +210,8 @@ def test_stages_of_different_tp_degrees_match_the_reference():
             ref_grads = {k: g * min(1.0, clip / (norm + 1e-6)) for k, g in ref_grads.items()}
         covered = set()
         for rank in range(3):
-            losses, messages, _, grads = results[rank][i]
+            losses, messages, _, grads, unpickled = results[rank][i]
+            assert unpickled == [], (name, rank, unpickled)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
             assert losses[1] < losses[0], (name, rank)
             for param, grad in grads.items():

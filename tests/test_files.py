@@ -12,6 +12,8 @@ import pytest
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, check_output_path, write_json_atomic
 
+CPU_CLUSTER = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "cpu-emulated.yaml")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -85,3 +87,34 @@ def test_temporaries_left_by_a_killed_write_are_removed_by_the_next_one(tmp_path
     os.utime(stale, (time.time() - 7200, time.time() - 7200))  # two hours old: its writer is gone
     write_json_atomic(str(tmp_path / "out.json"), {"a": 1})
     assert not stale.exists() and fresh.exists()  # a fresh one may be another writer's
+
+
+def test_a_write_that_fails_after_the_work_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    (tmp_path / "plan.json").write_text("the previous plan")
+
+    def disk_full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(ConfigError, match=r"^--json: cannot write .*plan.json \(No space left on device\); no output "
+                                          r"file was written") as exc:
+        write_json_atomic(str(tmp_path / "plan.json"), {"tp": 1}, overwrite=True, flag="--json")
+    assert "\n" not in str(exc.value)
+    assert sorted(os.listdir(tmp_path)) == ["plan.json"] and (tmp_path / "plan.json").read_text() == "the previous plan"
+
+
+def test_memx_plan_under_a_file_size_limit_is_one_line_and_writes_nothing(tmp_path):
+    import resource
+
+    def small_files():  # ulimit -f: a write past 1 KiB fails with EFBIG (Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    proc = subprocess.run([sys.executable, "-m", "memx_launch.cli", "plan", "--model", "llama-tiny", "--cluster",
+                           CPU_CLUSTER, "--quiet", "--json", str(tmp_path / "plan.json")], cwd=tmp_path,
+                          capture_output=True, text=True, preexec_fn=small_files, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[-1].startswith("memx: error: --json: cannot write") and "no output file was written" in lines[-1]
+    assert os.listdir(tmp_path) == []

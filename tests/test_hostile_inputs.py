@@ -219,6 +219,16 @@ CASES = [
     ("plan-model-name-control", {"plan.json": plan_with(_set("model", "llama\u001b[2J"))}, EXPORT, 2),
     ("export-port-negative", {"plan.json": json.dumps(PLAN)}, EXPORT + ["--master-port", "-5"], 2),
     ("plan-directory", {"plan.json/x": "x"}, EXPORT, 2),
+    ("plan-world-size-mismatch", {"plan.json": plan_with(_set("world_size", 8))}, EXPORT, 2),
+    ("plan-world-size-mismatch-run", {"plan.json": plan_with(_set("world_size", 2))}, ESTIMATE_PLAN, 2),
+    ("plan-unknown-key", {"plan.json": plan_with(_set("pipeline_parallel", 4))}, EXPORT, 2),
+    # ---- --config (memx's own options file)
+    ("options-duplicate-key", {"o.yaml": "top: 2\ntop: 3\n"}, PLAN_CMD + ["--config", "{d}/o.yaml"], 2),
+    ("options-huge-int", {"o.yaml": "top: " + "9" * 5000 + "\n"}, PLAN_CMD + ["--config", "{d}/o.yaml"], 2),
+    ("options-nested", {"o.yaml": "top: " + NESTED + "\n"}, PLAN_CMD + ["--config", "{d}/o.yaml"], 2),
+    ("options-binary", {"o.yaml": BINARY}, PLAN_CMD + ["--config", "{d}/o.yaml"], 2),
+    ("options-long-line", {"o.yaml": "top: " + "1" * 200_000 + "\n"}, PLAN_CMD + ["--config", "{d}/o.yaml"], 2),
+    ("options-fullwidth-digit", {"o.yaml": "top: \uff18\n"}, PLAN_CMD + ["--config", "{d}/o.yaml"], 2),
     # ---- flags
     ("flag-weights-nan", {}, PLAN_CMD + ["--weights", "nan,1,1"], 2),
     ("flag-weights-inf", {}, PLAN_CMD + ["--weights", "inf,1,1"], 2),
@@ -235,6 +245,12 @@ CASES = [
     ("flag-seq-negative", {}, PLAN_CMD + ["--seq-len", "-5"], 2),
     ("flag-gbs-huge", {}, PLAN_CMD + ["--global-batch-size", "99999999999999999999999999"], 2),
     ("flag-seq-huge", {}, PLAN_CMD + ["--seq-len", "100000000000"], 2),
+    ("flag-superscript-digit", {}, PLAN_CMD + ["--global-batch-size", "\u00b2"], 2),
+    ("flag-fullwidth-digit", {}, PLAN_CMD + ["--global-batch-size", "\uff18"], 2),
+    ("flag-arabic-indic-digit", {}, PLAN_CMD + ["--top", "\u0663"], 2),
+    ("flag-fullwidth-float", {}, PLAN_CMD + ["--memory-headroom", "\uff10.1"], 2),
+    ("flag-5000-digits", {}, PLAN_CMD + ["--global-batch-size", "9" * 5000], 2),
+    ("flag-recompute-superscript", {}, ESTIMATE + LAYOUT + ["--recompute", "full:\u00b2"], 2),
     ("flag-model-unknown", {}, ["plan", "--model", "llama9", "--cluster", "{d}/cluster.yaml"], 2),
     ("estimate-virtual-99", {}, ESTIMATE + LAYOUT + ["--schedule", "interleaved", "--virtual-stages", "99"], 2),
     ("estimate-virtual-zero", {}, ESTIMATE + LAYOUT + ["--schedule", "interleaved", "--virtual-stages", "0"], 2),
@@ -258,6 +274,10 @@ CASES = [
     ("json-dev-null-force", {}, PLAN_CMD + ["--json", "/dev/null", "--force"], 2),
     ("json-below-file", {"file.txt": "keep"}, PLAN_CMD + ["--json", "{d}/file.txt/plan.json"], 2),
     ("json-exists", {"plan-out.json": "keep"}, PLAN_CMD + ["--json", "{d}/plan-out.json"], 2),
+    ("profile-out-link-to-another-file", {"notes.txt": "mine\n", "@p.jsonl": "notes.txt"}, PROFILE, 2),
+    ("json-and-plot-one-file", {}, PLAN_CMD + ["--json", "{d}/x.png", "--plot", "{d}/x.png", "--force"], 2),
+    ("json-link-to-own-file", {"mine.json": "{}", "@link.json": "mine.json"},
+     PLAN_CMD + ["--json", "{d}/link.json", "--force"], 2),
     ("json-link-to-dev-null", {"@link.json": "/dev/null"}, PLAN_CMD + ["--json", "{d}/link.json", "--force"], 2),
     ("plot-not-png", {}, PLAN_CMD + ["--plot", "{d}/p.svg"], 2),
     ("plot-directory", {"p.png/x": "x"}, PLAN_CMD + ["--plot", "{d}/p.png"], 2),
@@ -375,6 +395,17 @@ LAUNCHER_CASES = [
     ("env-step-timeout-zero", {"MEMX_STEP_TIMEOUT_S": "0"}, {}, RUN + SCRIPT),
     ("env-max-replans-negative", {"MEMX_MAX_REPLANS": "-1"}, {}, RUN + SCRIPT),
     ("env-checkpoint-every-text", {"MEMX_CHECKPOINT_EVERY": "often"}, {}, RUN + SCRIPT),
+    ("env-checkpoint-every-superscript", {"MEMX_CHECKPOINT_EVERY": "\u00b2"}, {}, RUN + SCRIPT),
+    ("env-max-replans-superscript", {"MEMX_MAX_REPLANS": "\u00b2"}, {}, RUN + SCRIPT),
+    ("env-max-replans-5000-digits", {"MEMX_MAX_REPLANS": "9" * 5000}, {}, RUN + SCRIPT),
+    ("env-monitor-interval-fullwidth", {"MEMX_MONITOR_INTERVAL": "\uff11\uff10"}, {}, RUN + SCRIPT),
+    ("env-headroom-fullwidth", {"MEMX_MIN_HEADROOM": "\uff10.1"}, {}, RUN + SCRIPT),
+    ("env-step-timeout-superscript", {"MEMX_STEP_TIMEOUT_S": "6\u00b2"}, {}, RUN + SCRIPT),
+    ("env-ballast-superscript", {"MEMX_FAULT_BALLAST": "rank=\u00b2,step=1,gib=1"}, {}, RUN + SCRIPT),
+    ("run-nproc-fullwidth", {}, {}, ["--nproc-per-node", "\uff14", "--dry-run"] + SCRIPT),
+    ("run-nnodes-superscript", {}, {}, RUN + ["--nnodes", "\u00b9"] + SCRIPT),
+    ("run-budget-superscript", {}, {}, RUN + ["--search-budget-s", "\u00b2"] + SCRIPT),
+    ("run-options-fullwidth", {}, {"o.yaml": "global_batch_size: \uff18\n"}, RUN + ["--config", "{d}/o.yaml"] + SCRIPT),
     ("run-nproc-text", {}, {}, ["--nproc-per-node", "abc", "--dry-run"] + SCRIPT),
     ("run-nproc-negative", {}, {}, ["--nproc-per-node", "-1", "--dry-run"] + SCRIPT),
     ("run-nproc-huge", {}, {}, ["--nproc-per-node", "99999999", "--dry-run"] + SCRIPT),
@@ -411,7 +442,10 @@ def test_memx_run_refuses_before_any_worker_starts(tmp_path, capsys, monkeypatch
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
     before = _snapshot(tmp_path)
-    code = memx_run([a.replace("{d}", str(tmp_path)) for a in argv])
+    try:
+        code = memx_run([a.replace("{d}", str(tmp_path)) for a in argv])
+    except SystemExit as exc:  # argparse's own errors use the same one-line format
+        code = exc.code
     out, err = capsys.readouterr()
     assert code == 2, err
     assert "Traceback" not in err + out

@@ -60,3 +60,50 @@ def test_merge_from_ranks_deduplicates_and_keeps_the_latest(tmp_path):
     assert merge_profiles([str(a), str(b)], str(out)) == 4
     merged = ProfileDB(str(out)).read()
     assert {r.micro_batch_size: r.time_s for r in merged if r.software["torch"] == "2.13"}[1] == 0.02
+
+
+def test_a_record_torn_by_a_crash_is_not_glued_onto_the_next(tmp_path):
+    path = tmp_path / "p.jsonl"
+    db = ProfileDB(str(path))
+    db.append([record(mbs=1)])
+    with open(path, "a") as f:
+        f.write(record(mbs=2).to_json()[:40])  # the disk filled (or the process died) mid-record
+    assert db.append([record(mbs=4)]) == 1
+    with pytest.warns(ProfileWarning, match="p.jsonl:2: skipped a corrupt profile record"):
+        assert [r.micro_batch_size for r in db.read()] == [1, 4]
+
+
+def test_an_append_that_fails_midway_leaves_the_profile_as_it_was(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    path = tmp_path / "p.jsonl"
+    db = ProfileDB(str(path))
+    db.append([record(mbs=1)])
+    before = path.read_bytes()
+    real_write = os.write
+
+    def disk_full(fd, data):  # half the bytes land, then the disk is full
+        real_write(fd, data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", disk_full)
+    with pytest.raises(OSError):
+        db.append([record(mbs=2), record(mbs=4)])
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    db.append([record(mbs=8)])
+    assert [r.micro_batch_size for r in db.read()] == [1, 8]
+
+
+def test_an_append_never_follows_a_link_into_another_file(tmp_path):
+    import os
+
+    victim = tmp_path / "notes.txt"
+    victim.write_text("mine\n")
+    os.symlink(victim, tmp_path / "p.jsonl")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        ProfileDB(str(tmp_path / "p.jsonl")).check_appendable("--out")
+    with pytest.raises(OSError):  # the append itself refuses the link too (O_NOFOLLOW)
+        ProfileDB(str(tmp_path / "p.jsonl")).append([record()])
+    assert victim.read_text() == "mine\n"

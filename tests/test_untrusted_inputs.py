@@ -16,6 +16,7 @@ from memx_launch.runtime import rendezvous
 from memx_launch.runtime.launcher import build_parser
 
 FAST = pytest.mark.timeout(5)
+CPU_CLUSTER = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "cpu-emulated.yaml")
 
 
 class _Exploit:
@@ -137,6 +138,7 @@ def test_torchs_dynamic_rendezvous_reads_the_store_through_the_codec():
 def _readers(tmp_path):
     """Each reader memx has, given a path: what it raises for a file it must not read."""
     from memx_launch.planning.cases import read_cases
+    from memx_launch.planning.replan import ReplanEvent
     from memx_launch.profiling.predictor import Predictor
     from memx_launch.runtime.checkpoint import latest_checkpoint
     from memx_launch.specs.config_file import _load
@@ -160,6 +162,7 @@ def _readers(tmp_path):
         "--cases": lambda path: list(read_cases(path)),
         "latest.json": latest,
         "predictor .meta.json": predictor_meta,
+        "replan event": ReplanEvent.load,
     }
 
 
@@ -181,7 +184,7 @@ def _hostile_file(tmp_path, kind):
 
 @FAST
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory", "oversized"])
-@pytest.mark.parametrize("reader", ["--config", "--cases", "latest.json", "predictor .meta.json"])
+@pytest.mark.parametrize("reader", ["--config", "--cases", "latest.json", "predictor .meta.json", "replan event"])
 def test_no_reader_blocks_or_reads_without_bound(tmp_path, kind, reader):
     path = _hostile_file(tmp_path, kind)
     with pytest.raises(ConfigError, match="not a regular file|over the limit") as exc:
@@ -210,6 +213,36 @@ def test_a_yaml_alias_bomb_in_config_fails_fast_in_one_line(tmp_path, capsys):
     code = main(["plan", "--config", str(tmp_path / "bomb.yaml"), "--model", "llama-tiny"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--config" in err[0] and "anchors (&name) are not accepted" in err[0]
+
+
+@FAST
+@pytest.mark.parametrize("cell", ["\uff11", "\u00b2", "\u0663", "1" * 5000])
+def test_a_cases_csv_cell_of_non_ascii_or_endless_digits_is_that_rows_error(tmp_path, capsys, cell):
+    import json
+
+    from memx_launch.cli import main
+
+    (tmp_path / "c.csv").write_text(f"tp,pp,dp,micro_batch_size\n{cell},2,2,1\n")
+    code = main(["estimate", "--cases", str(tmp_path / "c.csv"), "--model", "llama-tiny", "--cluster", CPU_CLUSTER,
+                 "--global-batch-size", "8"])
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert code == 0 and row["error"].startswith("tp: ") and "is not a plain integer" in row["error"]
+    assert len(row["error"]) < 200
+
+
+@FAST
+@pytest.mark.parametrize("text", ['{"step": 1}', '[1]', '{"step": 1, "step": 2}', "EVENT"])
+def test_a_replan_event_memx_cannot_trust_is_one_error(tmp_path, text):
+    import json
+
+    from memx_launch.planning.replan import ReplanEvent
+
+    event = {"step": 3, "reason": "oom", "rank": 0, "stage": 0, "device_type": "a", "message": "m",
+             "observed_gib": ["lots"], "capacity_gib": [1.0]}
+    (tmp_path / "event.json").write_text(json.dumps(event) if text == "EVENT" else text)
+    with pytest.raises(ConfigError, match="^replan event") as exc:
+        ReplanEvent.load(str(tmp_path / "event.json"))
+    assert "\n" not in str(exc.value)
 
 
 @FAST
@@ -284,10 +317,84 @@ def test_the_callback_never_replaces_a_kept_profile(tmp_path):
                     "profile.jsonl.old.2": "fit 2\n"}
 
 
-def test_the_callback_sends_its_decision_as_json_not_pickle():
-    import inspect
+OBJECT_COLLECTIVES = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+                      "send_object_list", "recv_object_list"}
+PICKLING_MODULES = {"pickle", "cloudpickle", "dill", "joblib", "shelve", "marshal"}
+MEMX_SOURCES = ("memx_launch", "callbacks", "examples", "benchmarks")
 
-    import memx_callbacks.memx as callback
 
-    source = inspect.getsource(callback)
-    assert "_object_list(" not in source and "broadcast_json(" in source
+def _pickling_calls(tree) -> list[str]:
+    """Where a module's syntax tree pickles: torch's object collectives, pickle-like modules,
+    torch.load without weights_only=True, numpy loads with allow_pickle=True."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found += [f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0] in PICKLING_MODULES]
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+        keywords = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
+        if name in OBJECT_COLLECTIVES:
+            found.append(f"line {node.lineno}: {name}")
+        if name == "load" and getattr(node.func.value if isinstance(node.func, ast.Attribute) else None, "id", "") \
+                == "torch" and keywords.get("weights_only") is not True:
+            found.append(f"line {node.lineno}: torch.load without weights_only=True")
+        if keywords.get("allow_pickle") is True:
+            found.append(f"line {node.lineno}: allow_pickle=True")
+    return found
+
+
+def test_the_scan_sees_each_way_of_pickling():
+    import ast
+
+    source = ("import pickle\nfrom torch.distributed import broadcast_object_list\n"
+              "dist.send_object_list([m], dst=1)\ntorch.load(p)\ntorch.load(p, weights_only=True)\n"
+              "np.load(p, allow_pickle=True)\n")
+    assert _pickling_calls(ast.parse(source)) == [
+        "line 1: imports pickle", "line 3: send_object_list", "line 4: torch.load without weights_only=True",
+        "line 6: allow_pickle=True"]
+
+
+def test_no_memx_code_path_pickles_on_the_wire_or_on_disk():
+    """Nothing received from a rank or read from a file is unpickled: the pipeline stages' shape
+    metadata and the callback's decision travel as JSON (runtime/messages.py); the rendezvous
+    codec (runtime/rendezvous.py) replaces torch's pickle. The runtime's multi-rank tests count
+    the unpickling that actually happens (tests/test_cross_vendor.py)."""
+    import ast
+    import glob
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    found = {}
+    for folder in MEMX_SOURCES:
+        for path in glob.glob(os.path.join(root, folder, "**", "*.py"), recursive=True):
+            with open(path) as f:
+                calls = _pickling_calls(ast.parse(f.read()))
+            if calls:
+                found[os.path.relpath(path, root)] = calls
+    assert found == {}
+
+
+def test_pipeline_shape_metadata_round_trips_as_json_and_crafted_metadata_is_refused():
+    import json
+
+    import torch
+    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, _TensorMeta
+
+    from memx_launch.runtime.pipeline_stage import decode_meta, encode_meta
+
+    activation = _TensorMeta.from_tensor(torch.zeros(2, 8, 16, dtype=torch.bfloat16, requires_grad=True))
+    for meta in (_StageForwardMeta((activation,)), _StageBackwardMeta((None, activation))):
+        assert decode_meta(json.loads(json.dumps(encode_meta(meta))), 1) == meta
+    good = encode_meta(_StageForwardMeta((activation,)))
+    for crafted in ({"direction": "sideways", "tensors": []}, [1, 2],
+                    {**good, "tensors": [dict(good["tensors"][0], dtype="__class__")]},
+                    {**good, "tensors": [dict(good["tensors"][0], shape=[-1, 8, 16])]},
+                    {**good, "tensors": [dict(good["tensors"][0], shape=[2**70])]},
+                    {**good, "tensors": [dict(good["tensors"][0], exploit="os.system")]},
+                    {**good, "tensors": [None]}):
+        with pytest.raises(ConfigError, match="^pipeline metadata: rank 3 sent") as exc:
+            decode_meta(crafted, 3)
+        assert "\n" not in str(exc.value)

@@ -16,8 +16,10 @@ def test_the_limit_is_20x_the_prediction_with_a_floor_and_an_override():
     assert step_timeout_s(3.75, {}) == 75.0
     assert step_timeout_s(0.01, {}) == 60.0  # a tiny model on a loaded machine must not trip it
     assert step_timeout_s(3.75, {"MEMX_STEP_TIMEOUT_S": "600"}) == 600.0
-    with pytest.raises(ConfigError, match="MEMX_STEP_TIMEOUT_S: must be a positive number of seconds"):
+    with pytest.raises(ConfigError, match="MEMX_STEP_TIMEOUT_S: 'never' is not a plain number"):
         step_timeout_s(3.75, {"MEMX_STEP_TIMEOUT_S": "never"})
+    with pytest.raises(ConfigError, match="MEMX_STEP_TIMEOUT_S: must be a positive number of seconds"):
+        step_timeout_s(3.75, {"MEMX_STEP_TIMEOUT_S": "0"})
 
 
 def test_a_step_past_its_limit_is_one_line_naming_rank_stage_and_compute(capsys):

@@ -11,6 +11,7 @@ import os
 from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
 from memx_launch.specs.config_file import one_line_error
+from memx_launch.specs.inputs import float_flag, int_flag
 from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, OPTION_DEFAULTS, SETUPS, TrainingSpec
 
 
@@ -24,8 +25,8 @@ class Parser(argparse.ArgumentParser):
 def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required, help="catalog name (e.g. llama2-7b) or a Hugging Face config.json")
     p.add_argument("--cluster", required=required, help="cluster YAML file (see examples/clusters/)")
-    p.add_argument("--global-batch-size", "--global_batch_size", type=int, help="sequences per iteration")
-    p.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch-size", "--global_batch_size", type=int_flag, help="sequences per iteration")
+    p.add_argument("--seq-len", "--seq_len", type=int_flag, help="tokens per sequence (default: the model's)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="training precision (default bf16)")
     p.add_argument("--optimizer", choices=("adam", "sgd"), help="optimizer (default adam)")
     p.add_argument("--distributed-optimizer", "--distributed_optimizer", action="store_true", default=None,
@@ -38,7 +39,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    default=None, help="Megatron sequence parallelism (default: on for --setup megatron)")
     p.add_argument("--flash-attention", "--flash_attention", action=argparse.BooleanOptionalAction,
                    default=None, help="fused attention, no s x s scores kept (default on)")
-    p.add_argument("--flash-attention-version", "--flash_attention_version", type=int,
+    p.add_argument("--flash-attention-version", "--flash_attention_version", type=int_flag,
                    choices=FLASH_ATTENTION_VERSIONS, help="FlashAttention generation of the fused attention kernel: "
                    "its speed against the matmuls (default 2)")
     p.add_argument("--grad-dtype", "--grad_dtype", choices=("fp32", "bf16", "fp16"),
@@ -103,7 +104,7 @@ SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradien
 def add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-db", "--profile_db", metavar="FILE",
                    help="use the learned predictor fitted on this profile database")
-    p.add_argument("--memory-headroom", "--memory_headroom", type=float, default=0.0, metavar="F",
+    p.add_argument("--memory-headroom", "--memory_headroom", type=float_flag, default=0.0, metavar="F",
                    help="share of every device's memory a plan must leave free (default 0; memx-run keeps "
                         "the memory monitor's 0.10)")
 

@@ -10,6 +10,7 @@ import statistics
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.inputs import int_flag
 from memx_launch.specs.model import get_model
 from memx_launch.cli.common import Parser, check_new_file
 from memx_launch.specs.checks import list_of
@@ -21,20 +22,20 @@ def add_profile_command(sub) -> None:
                                    "appends the measurements to a profile database (JSON lines).")
     p.add_argument("--model", help="catalog name or a Hugging Face config.json (required)")
     p.add_argument("--out", default="profile.jsonl", help="profile database to append to (default profile.jsonl)")
-    p.add_argument("--budget", type=int, metavar="N",
+    p.add_argument("--budget", type=int_flag, metavar="N",
                    help="at most N measurements, ablation included; below the ablation's size, a few-sample "
                         "profile for a device type added to an already profiled fleet (the default micro-batch, "
                         "then its extremes)")
-    p.add_argument("--refine-budget", "--refine_budget", type=int, metavar="N",
+    p.add_argument("--refine-budget", "--refine_budget", type=int_flag, metavar="N",
                    help="at most N extra measurements around non-linear lines (default: a third of the design)")
     p.add_argument("--cluster", help="cluster YAML: take this device's type (and emulation) from it")
     p.add_argument("--device-type", "--device_type", help="which of the cluster's device types this machine is")
     p.add_argument("--device", help="torch device to measure on (default: cuda when present, else cpu)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on GPUs, fp32 on CPUs")
-    p.add_argument("--max-micro-batch", "--max_micro_batch", type=int, default=8, metavar="B")
+    p.add_argument("--max-micro-batch", "--max_micro_batch", type=int_flag, default=8, metavar="B")
     p.add_argument("--seq-lens", "--seq_lens", type=list_of(int), metavar="S1,S2,...", help="default: the model's, its half and quarter")
-    p.add_argument("--num-blocks", "--num_blocks", type=int, default=2, help="blocks per measurement (default 2)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (median; default 5)")
+    p.add_argument("--num-blocks", "--num_blocks", type=int_flag, default=2, help="blocks per measurement (default 2)")
+    p.add_argument("--repeats", type=int_flag, default=5, help="timed repeats per configuration (median; default 5)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_profile)
     add_profile_import_command(p.add_subparsers(dest="profile_command", parser_class=Parser,
@@ -164,7 +165,7 @@ def run_evaluate(args) -> int:
     report = evaluate(load_measurements(args.measurements))
     print(format_report(report))
     if args.json:
-        write_json_atomic(args.json, report, overwrite=args.force)
+        write_json_atomic(args.json, report, overwrite=args.force, flag="--json")
     return 0
 
 
@@ -177,7 +178,7 @@ def add_cluster_command(sub) -> None:
     d.add_argument("--force", action="store_true", help="overwrite --out")
     d.add_argument("--nproc-per-node", help="processes on this node (default: one per GPU, 1 without GPUs)")
     d.add_argument("--nnodes", default="1")
-    d.add_argument("--node-rank", type=int, default=0)
+    d.add_argument("--node-rank", type=int_flag, default=0)
     d.add_argument("--master-addr", help="node rank 0's address (needed with --nnodes > 1)")
-    d.add_argument("--master-port", type=int, default=29500)
+    d.add_argument("--master-port", type=int_flag, default=29500)
     d.set_defaults(handler=lambda args: __import__("memx_launch.runtime.detection", fromlist=["x"]).run_detect(args))

@@ -7,10 +7,12 @@ import argparse
 import os
 import sys
 
+from memx_launch.files import check_distinct_outputs
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.config_file import add_config_args
+from memx_launch.specs.inputs import float_flag, int_flag
 from memx_launch.specs.model import get_model
 from memx_launch.cli.common import add_cost_args, add_output_args, add_target_args, check_finite, check_headroom, check_new_file, cost_model_from_args, progress_from_args, training_from_args
 from memx_launch.specs.checks import list_of
@@ -30,12 +32,12 @@ def add_plan_command(sub) -> None:
     p.add_argument("--weights", metavar="wT,wM,wV", help="explicit Phi weights, overriding --objective "
                    "(no --max-slowdown bound unless given too)")
     add_slowdown_arg(p)
-    p.add_argument("--top", type=int, default=5, metavar="K", help="how many ranked plans to show (default 5)")
+    p.add_argument("--top", type=int_flag, default=5, metavar="K", help="how many ranked plans to show (default 5)")
     add_output_args(p)
     p.add_argument("--plot", metavar="PATH.png", help="write the time vs memory-variance Pareto plot")
     p.add_argument("--compare", action="store_true",
                    help="also show what compute-proportional, memory-proportional and time-only planners pick")
-    p.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S",
+    p.add_argument("--search-budget-s", "--search_budget_s", type=float_flag, metavar="S",
                    help="stop the search after S seconds and report the best found")
     add_restriction_args(p)
     p.add_argument("--recompute-some-layers", "--recompute_some_layers", action=argparse.BooleanOptionalAction,
@@ -71,6 +73,7 @@ def run_plan(args) -> int:
         raise ConfigError("--plot", f"{args.plot} is not a .png path", "e.g. --plot pareto.png")
     check_new_file(args.json, "--json", args.force)
     check_new_file(args.plot, "--plot", args.force)
+    check_distinct_outputs({"--json": args.json, "--plot": args.plot})
     model = get_model(args.model)
     cluster = ClusterSpec.from_yaml(args.cluster)
     training, precision = device_precision(cluster, training_from_args(args, model), args.dtype is not None)
@@ -92,7 +95,7 @@ def run_plan(args) -> int:
         print("\ncompared in the same cost model:")
         print(report.compare_table(baselines))
     if args.json:
-        result.best.save(args.json, overwrite=args.force)
+        result.best.save(args.json, overwrite=args.force, flag="--json")
         print(f"plan written to {args.json}", file=sys.stderr)
     if args.plot:
         report.pareto_plot(result, args.plot, overwrite=args.force, emulated=cluster.is_emulated)
@@ -111,12 +114,12 @@ def add_estimate_command(sub) -> None:
                                    "a stage does not fit), or for every row of a --cases file.")
     add_target_args(p, required=False)
     p.add_argument("--plan", metavar="FILE", help="a plan JSON (from memx plan --json) instead of layout flags")
-    p.add_argument("--tp", type=int)
+    p.add_argument("--tp", type=int_flag)
     p.add_argument("--stage-tp", "--stage_tp", type=list_of(int),
                    help="one TP degree per stage instead of --tp, e.g. 4,2 (each stage has tp_i x dp devices)")
-    p.add_argument("--pp", type=int)
-    p.add_argument("--dp", type=int)
-    p.add_argument("--micro-batch-size", "--micro_batch_size", type=int)
+    p.add_argument("--pp", type=int_flag)
+    p.add_argument("--dp", type=int_flag)
+    p.add_argument("--micro-batch-size", "--micro_batch_size", type=int_flag)
     p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none; full:K "
                    "recomputes a stage's first K layers (Megatron's block method)")
     p.add_argument("--layers-per-stage", "--layers_per_stage", type=list_of(int),
@@ -125,7 +128,7 @@ def add_estimate_command(sub) -> None:
                    help="device type per stage, e.g. a,b; a+b spreads a stage's DP replicas evenly over both "
                         "types, a*3+b*1 gives the replicas per type")
     p.add_argument("--schedule", choices=("1f1b", "interleaved"))
-    p.add_argument("--virtual-stages", "--virtual_stages", type=int)
+    p.add_argument("--virtual-stages", "--virtual_stages", type=int_flag)
     p.add_argument("--weights", metavar="wT,wM,wV", help="Phi weights (default: the heterogeneous profile)")
     add_cost_args(p)
     p.add_argument("--cases", metavar="FILE", help="CSV or JSONL, one layout per row (columns: docs/estimate.md); "
@@ -180,7 +183,7 @@ def run_estimate(args) -> int:
                                memory_headroom=args.memory_headroom)
     print(report.estimate_report(plan, cluster, args.memory_headroom, split_note))
     if args.json:
-        plan.save(args.json, overwrite=args.force)
+        plan.save(args.json, overwrite=args.force, flag="--json")
         print(f"estimate written to {args.json}", file=sys.stderr)
     return NoFeasiblePlanError.exit_code if any(stage_short_gib(plan, args.memory_headroom)) else 0
 
@@ -220,7 +223,7 @@ def add_export_command(sub) -> None:
     p.add_argument("--script", default="train.py", help="training script for the torchrun lines")
     p.add_argument("--master-addr", "--master_addr",
                    help="rendezvous address (default: the cluster file's master_addr or first node's host)")
-    p.add_argument("--master-port", "--master_port", type=int, default=29500)
+    p.add_argument("--master-port", "--master_port", type=int_flag, default=29500)
     p.set_defaults(handler=run_export)
 
 

@@ -29,7 +29,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.planning.estimate import LayoutScorer, layout_objective, short_gib
 from memx_launch.planning.search import default_references
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.inputs import parse_json, read_text
+from memx_launch.specs.inputs import parse_json, parse_number, read_text
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
 
@@ -92,7 +92,7 @@ def run_cases(path: str, out: str | None = None, overwrite: bool = False, **runn
         else:
             print(line)
     if out:
-        write_text_atomic(out, "".join(lines), overwrite=overwrite)
+        write_text_atomic(out, "".join(lines), overwrite=overwrite, flag="--out")
     return (f"{sum(counts.values())} rows: " + ", ".join(f"{v} {k}" for k, v in counts.items())
             + (f"; written to {out}" if out else ""))
 
@@ -236,6 +236,8 @@ def _convert(column: str, value, kind):
     if kind is int:
         return _as_int(column, value)
     if kind is float:
+        if isinstance(value, str):  # float() takes '１.５' and spends seconds on 5,000 digits
+            return parse_number(value.strip(), float, column, "write the number in ASCII digits")
         try:
             return float(value)
         except (TypeError, ValueError):
@@ -246,6 +248,8 @@ def _convert(column: str, value, kind):
 def _as_int(column: str, value) -> int:
     if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
         raise ConfigError(column, f"expected an integer, got {value!r}")
+    if isinstance(value, str):  # int() takes '１' and '٣' and spends seconds on 5,000 digits
+        return parse_number(value.strip(), int, column, "write the number in ASCII digits")
     try:
         return int(value)
     except (TypeError, ValueError):

@@ -211,7 +211,7 @@ def parse_stage_devices(text: str, known, dp: int, field: str) -> list[tuple[str
         if name not in known:
             raise ConfigError(field, f"unknown device type {name!r}", f"use one of {', '.join(known)}, "
                               f"or several joined by '{MIXED_SEPARATOR}' (e.g. a+b, a*3+b*1)")
-        if mark and not (count.isdigit() and int(count) > 0):
+        if mark and not (count.isascii() and count.isdigit() and int(count) > 0):
             raise ConfigError(field, f"{part!r}: replica count {count!r} is not a positive integer",
                               f"write TYPE{REPLICAS_MARK}N, N the stage's replicas on TYPE")
         out.append((name, int(count) if mark else 0))

@@ -21,6 +21,11 @@ from memx_launch.files import write_json_atomic
 
 
 PLAN_VERSION = 1
+PLAN_KEYS = ("version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "dp", "micro_batch_size",
+             "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages", "predicted_iteration_time_s",
+             "predicted_peak_memory_fraction", "predicted_memory_variance", "objective", "emulated", "training",
+             "crossings", "model_spec")
+"""A plan file's keys, in the order memx writes them; any other key is refused."""
 
 
 SCHEDULES = ("1f1b", "interleaved")
@@ -39,7 +44,7 @@ def parse_recompute(text: str, num_layers: int, field: str = "--recompute") -> t
         raise ConfigError(field, f"unknown level {text!r}", f"use one of {', '.join(RECOMPUTE_LEVELS)} or full:K")
     if not count:
         return level, num_layers
-    if level != "full" or not count.isdigit() or int(count) > num_layers:
+    if level != "full" or not (count.isascii() and count.isdigit()) or int(count) > num_layers:
         raise ConfigError(field, f"{text!r} is not full:K with 0 <= K <= the stage's {num_layers} layers",
                           "give full:K, the number of the stage's first layers that recompute fully")
     return ("full", int(count)) if int(count) else ("none", num_layers)
@@ -173,11 +178,7 @@ class Plan:
         for stage in data["stages"]:
             if stage["memory_parts_gib"] is None:
                 del stage["memory_parts_gib"]
-        order = ["version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "dp", "micro_batch_size",
-                 "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages",
-                 "predicted_iteration_time_s", "predicted_peak_memory_fraction",
-                 "predicted_memory_variance", "objective", "emulated", "training", "crossings", "model_spec"]
-        return {k: data[k] for k in order}
+        return {k: data[k] for k in PLAN_KEYS}
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
@@ -187,6 +188,9 @@ class Plan:
         if version != PLAN_VERSION:
             raise ConfigError(f"{source}.version", f"expected {PLAN_VERSION}, got {version!r}",
                               "re-create the plan with this memx version")
+        unknown = [k for k in data if k not in PLAN_KEYS]
+        if unknown:
+            raise ConfigError(f"{source}.{unknown[0]}", "unknown key", "pass a plan written by memx plan --json")
         _check_types(data, source)
         try:
             stages = [StagePlan(**s) for s in data["stages"]]
@@ -215,6 +219,9 @@ class Plan:
             raise ConfigError(f"{source}.training.{sorted(unknown)[0]}", "unknown key",
                               f"use {', '.join(PLAN_TRAINING_KEYS)}")
         plan.validate(source)
+        if "world_size" in data and data["world_size"] != plan.world_size:
+            raise ConfigError(f"{source}.world_size", f"{data['world_size']!r}, but its layout (tp*pp*dp) has "
+                              f"{plan.world_size} ranks", "correct world_size, or the layout")
         return plan
 
     def validate(self, source: str = "plan") -> None:
@@ -257,8 +264,8 @@ class Plan:
             raise ConfigError(f"{source}.global_batch_size", f"{self.global_batch_size} is not divisible by "
                               f"dp*micro_batch_size={self.dp * self.micro_batch_size}")
 
-    def save(self, path: str, overwrite: bool = False) -> None:
-        write_json_atomic(path, self.to_dict(), overwrite=overwrite)
+    def save(self, path: str, overwrite: bool = False, flag: str = "plan") -> None:
+        write_json_atomic(path, self.to_dict(), overwrite=overwrite, flag=flag)
 
     @classmethod
     def load(cls, path: str) -> "Plan":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
@@ -38,6 +37,7 @@ from memx_launch.planning.layouts import make_layout
 from memx_launch.planning.objective import DEFAULT_MAX_SLOWDOWN
 from memx_launch.planning.search import SearchSpace, search
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -75,8 +75,11 @@ class ReplanEvent:
             event = cls(**{k: data[k] for k in cls.__dataclass_fields__})
         except (KeyError, TypeError) as exc:
             raise ConfigError("replan event", f"malformed ({exc})", "delete the event file to start afresh") from None
-        event.observed_gib = [math.nan if x is None else float(x) for x in event.observed_gib]
-        event.capacity_gib = [math.nan if x is None else float(x) for x in event.capacity_gib]
+        try:
+            event.observed_gib = [math.nan if x is None else float(x) for x in event.observed_gib]
+            event.capacity_gib = [math.nan if x is None else float(x) for x in event.capacity_gib]
+        except (TypeError, ValueError):
+            raise ConfigError("replan event", "memory readings are not numbers", "delete the event file to start afresh") from None
         if event.reason not in REASONS:
             raise ConfigError("replan event.reason", f"unknown reason {event.reason!r}", f"use one of {', '.join(REASONS)}")
         return event
@@ -86,8 +89,7 @@ class ReplanEvent:
 
     @classmethod
     def load(cls, path: str) -> "ReplanEvent":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(load_json(path, "replan event", fix="delete the event file to start afresh"))
 
 
 @dataclass

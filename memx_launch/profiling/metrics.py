@@ -23,7 +23,7 @@ import numpy as np
 from scipy.stats import kendalltau, spearmanr
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.inputs import parse_json, read_text
+from memx_launch.specs.inputs import MAX_NUMBER_CHARS, parse_json, read_text
 
 PAIRS = {"time": ("predicted_time_s", "measured_time_s"),
          "memory": ("predicted_memory_bytes", "measured_memory_bytes"),
@@ -95,7 +95,10 @@ def load_measurements(path: str) -> dict[str, np.ndarray]:
     for pred, meas in PAIRS.values():
         for name in (pred, meas):
             if any(r.get(name) not in (None, "") for r in rows):
-                try:
+                try:  # float() takes '１.５' and 5,000 digits
+                    if any(isinstance(r[name], str) and (not r[name].isascii() or len(r[name]) > MAX_NUMBER_CHARS)
+                           for r in rows):
+                        raise ValueError
                     columns[name] = np.array([float(r[name]) for r in rows])
                 except (KeyError, TypeError, ValueError):
                     raise ConfigError(f"--measurements {path}: {name}", "missing or not a number in some rows",

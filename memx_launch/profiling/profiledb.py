@@ -239,19 +239,31 @@ class ProfileDB:
             raise ConfigError(flag, f"cannot write to {self.path}", "choose a file you can write to")
 
     def append(self, measurements: Iterable[Measurement | BridgeMeasurement]) -> int:
-        """Append whole lines under an exclusive lock, then fsync; safe for concurrent ranks."""
-        payload = "".join(m.to_json() + "\n" for m in measurements)
+        """Append whole lines under an exclusive lock, then fsync; safe for concurrent ranks. A
+        write that fails (a full disk) is cut back off, so that no torn record is left; a torn
+        last line left by a crash gets its own line, so that the next record is not glued onto it."""
+        payload = "".join(m.to_json() + "\n" for m in measurements).encode()
         if not payload:
             return 0
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a link put in place of the profile never redirects the append into another file
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, payload.encode())
-            os.fsync(fd)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                payload = b"\n" + payload
+            try:
+                written = 0
+                while written < len(payload):
+                    written += os.write(fd, payload[written:])
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, size)
+                raise
         finally:
             os.close(fd)  # closing releases the lock
-        return payload.count("\n")
+        return payload.count(b"\n") - payload.startswith(b"\n")
 
     def append_or_keep(self, measurements: list[Measurement]) -> int:
         """append(); when that fails after measuring, the measurements go to a new file in the

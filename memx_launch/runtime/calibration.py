@@ -33,6 +33,7 @@ from memx_launch.profiling.design import minimal_sample_set
 from memx_launch.planning.costmodel import layer_forward_flops
 from memx_launch.planning.layouts import tp_degrees
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.inputs import parse_number
 from memx_launch.specs.model import ModelSpec
 
 CALIBRATION_BUDGET = 20
@@ -227,10 +228,7 @@ class TypeCalibration:
 def positive_seconds(environ, var: str, default: float, field: str, example: str) -> float:
     """A positive, finite number of seconds from ``var`` (``default`` when unset)."""
     text = environ.get(var, "")
-    try:
-        value = float(text) if text else default
-    except ValueError:
-        value = math.nan
+    value = parse_number(text, float, field, f"e.g. {example}") if text else default
     if not 0 < value < math.inf:
         raise ConfigError(field, f"must be a positive number of seconds, got {text!r}", f"e.g. {example}")
     return value

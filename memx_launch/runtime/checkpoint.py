@@ -24,6 +24,7 @@ links out of it are refused). torch.distributed.checkpoint is not used: its read
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -47,7 +48,10 @@ META = "memx.json"
 FORMAT = 2
 STEP_DIR = re.compile(r"step-\d{8}")
 RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
-MAX_META_BYTES = 2**30
+META_BASE_BYTES = 4 * 2**20
+META_BYTES_PER_RANK = 64 * 2**10
+"""memx.json's cap: a rank's RNG states are ~14 KB of JSON and its piece table a few KB per
+hundred tensors; parsing takes ~50x the file's size in memory (a 28 MB file took 1.3 GB)."""
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # The container below adds "parts.{i}." to every name; i depends on the split, so it is dropped.
 _PART_PREFIX = re.compile(r"(^|\.)parts\.\d+\.")
@@ -117,6 +121,18 @@ def _set_rng_values(rank: int, values: dict) -> None:
     np.random.set_state((str(name), np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(gauss)))
     version, internal, gauss = values[f"rng.rank{rank}.python"]
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+def _same_kind(current, stored) -> bool:
+    """Whether a stored optimizer value can stand where ``current`` (its JSON form) is: a finite
+    number for a number, a bool for a bool, a list as long with elements alike, else equal types."""
+    if isinstance(current, bool) or current is None or isinstance(current, str):
+        return type(stored) is type(current)
+    if isinstance(current, (int, float)):
+        return isinstance(stored, (int, float)) and not isinstance(stored, bool) and math.isfinite(stored)
+    if isinstance(current, list):
+        return isinstance(stored, list) and len(stored) == len(current) and all(map(_same_kind, current, stored))
+    return False
 
 
 def _plain(value):
@@ -224,9 +240,17 @@ def latest_checkpoint(directory: str) -> str | None:
     return path
 
 
+def meta_cap(path: str) -> int:
+    """The most bytes memx.json of the checkpoint folder ``path`` may hold: by the job's ranks or
+    the folder's rank files, whichever are more."""
+    files = sum(1 for name in os.listdir(path) if RANK_FILE.fullmatch(name))
+    ranks = max(files, dist.get_world_size() if dist.is_initialized() else 1)
+    return META_BASE_BYTES + META_BYTES_PER_RANK * ranks
+
+
 def _read_meta(path: str) -> dict:
     where = f"{path}/{META}"
-    meta = load_json(_confined(path, META, where), "checkpoint", MAX_META_BYTES, fix="delete this checkpoint folder")
+    meta = load_json(_confined(path, META, where), "checkpoint", meta_cap(path), fix="delete this checkpoint folder")
     ok = (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("step"), int)
           and meta["step"] >= 0 and isinstance(meta.get("data_state"), dict) and isinstance(meta.get("values"), dict)
           and isinstance(meta.get("tensors"), dict))
@@ -318,6 +342,9 @@ def load_checkpoint(directory: str, model_parts: list[torch.nn.Module],
                         reader.fill(stored, local, shape, offset)
                 elif stored in meta["values"]:
                     got = meta["values"][stored]
+                    if not _same_kind(_plain(value), got):
+                        raise ConfigError(f"{path}/{META}: {stored}", f"{str(got)[:40]!r} is not what the optimizer "
+                                          f"holds there ({type(value).__name__})", "delete this checkpoint folder")
                     state[name] = tuple(got) if isinstance(value, tuple) and isinstance(got, list) else got
     set_state_dict(container, optimizer, model_state_dict={local_name[g]: v for g, v in model_state.items()},
                    optim_state_dict={local_name[g]: v for g, v in optim_state.items()}, options=_OPTIONS)
@@ -325,12 +352,12 @@ def load_checkpoint(directory: str, model_parts: list[torch.nn.Module],
     if all(k in meta["tensors"] for k in rng) and all(k in meta["values"] for k in _rng_values(rank)):
         for name, current in rng.items():
             reader.fill(name, current, list(current.shape), [0] * current.dim())
-        torch.set_rng_state(rng[f"rng.rank{rank}.torch"])
-        if f"rng.rank{rank}.cuda" in rng:
-            torch.cuda.set_rng_state(rng[f"rng.rank{rank}.cuda"])
         try:
+            torch.set_rng_state(rng[f"rng.rank{rank}.torch"])
+            if f"rng.rank{rank}.cuda" in rng:
+                torch.cuda.set_rng_state(rng[f"rng.rank{rank}.cuda"])
             _set_rng_values(rank, meta["values"])
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError, RuntimeError):
             raise ConfigError(f"{path}/{META}", f"rng of rank {rank} is malformed", "delete this checkpoint "
                               "folder") from None
     return Resumed(meta["step"], dict(meta["data_state"]), path)

@@ -13,13 +13,13 @@ MEMX_FAULT_KILL_CALIBRATION="rank=2" (optional ",after=N", default 1)
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import tempfile
 from dataclasses import dataclass
 
 from memx_launch.errors import ConfigError
+from memx_launch.specs.inputs import parse_number
 
 GIB = 2**30
 BALLAST_VAR = "MEMX_FAULT_BALLAST"
@@ -42,11 +42,8 @@ def _parse(var: str, text: str, required: tuple[str, ...], optional: dict[str, s
 
 
 def _number(var: str, key: str, value: str, kind):
-    try:
-        out = kind(value)
-    except ValueError:
-        out = -1
-    if not math.isfinite(out) or out < 0 or (kind is float and out == 0):
+    out = parse_number(value, kind, f"{var}.{key}", f"e.g. {var}=\"rank=1,step=5,gib=0.5\"")
+    if out < 0 or (kind is float and out == 0):
         raise ConfigError(f"{var}.{key}", f"must be a {'positive' if kind is float else 'non-negative'} "
                           f"{kind.__name__}, got {value!r}")
     return out

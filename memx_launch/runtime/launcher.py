@@ -34,6 +34,7 @@ from memx_launch.runtime.supervisor import (CHECKPOINT_DIR, COMMAND_VAR, LAUNCHE
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precision
+from memx_launch.specs.inputs import float_flag, int_flag
 from memx_launch.specs.model import get_model
 from memx_launch.runtime.runs import (DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, check_environment, check_profile_db,
                                       previous_run, stopped_run_of, stopped_state)
@@ -71,22 +72,22 @@ def build_parser():
     g.add_argument("--weights", metavar="wT,wM,wV",
                    help="explicit Phi weights (override --objective; no --max-slowdown bound unless given too)")
     add_slowdown_arg(g)
-    g.add_argument("--search-budget-s", "--search_budget_s", type=float, metavar="S", help="search time budget")
+    g.add_argument("--search-budget-s", "--search_budget_s", type=float_flag, metavar="S", help="search time budget")
     add_restriction_args(g)
     g.add_argument("--mixed-stages", "--mixed_stages", action="store_true", help="also search stages whose DP "
                    "replicas sit on several device types (and domains: gradients summed over the bridge)")
     g.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
                    help="let each device type take its own TP degree (stages of different degrees)")
-    g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float, metavar="S",
+    g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float_flag, metavar="S",
                    help="time each device type may spend calibrating (default 600): fewer samples when the "
                         "estimate is over it, and a refusal up front when not even a few fit")
     g.add_argument("--no-replan", "--no_replan", action="store_true",
                    help="never re-plan during training (passed to the workers as MEMX_NO_REPLAN=1)")
     g.add_argument("--profile-db", "--profile_db", metavar="FILE",
                    help=f"calibration samples, read and appended (default {DEFAULT_PROFILE_DB})")
-    g.add_argument("--global-batch-size", "--global_batch_size", type=int,
+    g.add_argument("--global-batch-size", "--global_batch_size", type=int_flag,
                    help=f"sequences per step (default 512; {EMULATED_GLOBAL_BATCH_SIZE} on emulated clusters)")
-    g.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence (default: the model's)")
+    g.add_argument("--seq-len", "--seq_len", type=int_flag, help="tokens per sequence (default: the model's)")
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
                    help="training precision, also calibrated and planned for (default bf16 on GPUs, fp32 on CPUs); "
                         "bf16/fp16 autocast with fp32 master weights")
@@ -108,7 +109,7 @@ def build_parser():
 
 def _max_nodes(args) -> int:
     nnodes = str(args.nnodes).split(":")[-1]
-    if not nnodes.isdigit():
+    if not (nnodes.isascii() and nnodes.isdigit()):
         raise ConfigError("--nnodes", f"cannot read {args.nnodes!r}", "e.g. --nnodes 1 or 1:2")
     if not 0 < int(nnodes) <= MAX_DEVICES:
         raise ConfigError("--nnodes", f"{nnodes} nodes is not a job memx plans for", f"at most {MAX_DEVICES:,}")
@@ -117,7 +118,7 @@ def _max_nodes(args) -> int:
 
 def _process_count(value: str) -> int:
     """torchrun's --nproc-per-node: a number, or gpu/auto/cpu (this machine's GPUs; auto: CPUs without)."""
-    if value.isdigit() and 0 < int(value) <= MAX_DEVICES_PER_NODE:
+    if value.isascii() and value.isdigit() and 0 < int(value) <= MAX_DEVICES_PER_NODE:
         return int(value)
     if value in ("gpu", "auto"):
         import torch

@@ -1,7 +1,7 @@
 """Rank-to-rank messages as tensors of JSON bytes: nothing received is unpickled.
 
-torch's object collectives (all_gather_object, broadcast_object_list, gather_object) pickle
-their payload over the job's unauthenticated TCP store and network; a peer that can reach them
+torch's object collectives (all_gather_object, broadcast_object_list, gather_object,
+send_object_list, recv_object_list) pickle their payload over the job's unauthenticated TCP store and network; a peer that can reach them
 could run code in every rank. These helpers send ``json.dumps(value)`` as uint8 tensors instead
 (lengths first, then the bytes padded to the longest), so a message is at most data.
 """
@@ -32,6 +32,13 @@ def _encode(value: Any, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
+def _checked_length(n: int, sender: int) -> int:
+    if not 0 <= n <= MAX_MESSAGE_BYTES:
+        raise ConfigError("rank message", f"rank {sender} announced {n} bytes (limit {MAX_MESSAGE_BYTES})",
+                          "check that every rank runs the same memx version")
+    return n
+
+
 def _decode(buffer: torch.Tensor, length: int, sender: int) -> Any:
     try:
         return json.loads(bytes(buffer[:length].cpu().numpy()).decode())
@@ -44,12 +51,7 @@ def _lengths(length: int, device, group) -> list[int]:
     mine = torch.tensor([length], dtype=torch.int64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    lengths = [int(t.item()) for t in everyone]
-    for rank, n in enumerate(lengths):
-        if not 0 <= n <= MAX_MESSAGE_BYTES:
-            raise ConfigError("rank message", f"rank {rank} announced {n} bytes (limit {MAX_MESSAGE_BYTES})",
-                              "check that every rank runs the same memx version")
-    return lengths
+    return [_checked_length(int(t.item()), rank) for rank, t in enumerate(everyone)]
 
 
 def all_gather_json(value: Any, group=None) -> list[Any]:
@@ -74,10 +76,27 @@ def broadcast_json(value: Any, src: int = 0, group=None) -> Any:
     data = _encode(value if dist.get_rank() == src else None, device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src, group=group)
-    n = int(length.item())
-    if not 0 <= n <= MAX_MESSAGE_BYTES:
-        raise ConfigError("rank message", f"rank {src} announced {n} bytes (limit {MAX_MESSAGE_BYTES})",
-                          "check that every rank runs the same memx version")
+    n = _checked_length(int(length.item()), src)
     buffer = data if dist.get_rank() == src else torch.empty(n, dtype=torch.uint8, device=device)
     dist.broadcast(buffer, src=src, group=group)
+    return _decode(buffer, n, src)
+
+
+def send_json(value: Any, dst: int, group=None, device: torch.device | None = None) -> None:
+    """``value`` to the one rank ``dst`` (a global rank): its length, then its bytes. ``device``:
+    where the group carries tensors (default: the group's backend decides)."""
+    device = device or _device(group)
+    data = _encode(value, device)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), dst=dst, group=group)
+    dist.send(data, dst=dst, group=group)
+
+
+def recv_json(src: int, group=None, device: torch.device | None = None) -> Any:
+    """What :func:`send_json` on rank ``src`` (a global rank) sent to this rank."""
+    device = device or _device(group)
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(length, src=src, group=group)
+    n = _checked_length(int(length.item()), src)
+    buffer = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.recv(buffer, src=src, group=group)
     return _decode(buffer, n, src)

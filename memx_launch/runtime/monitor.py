@@ -32,6 +32,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.replan import DEFAULT_MIN_HEADROOM, ReplanEvent
 from memx_launch.runtime.layout import process_rank
+from memx_launch.specs.inputs import parse_number
 
 GIB = 2**30
 log = logging.getLogger("memx.monitor")
@@ -70,10 +71,8 @@ class MonitorConfig:
                                 ("MEMX_PRESSURE_SAMPLES", "consecutive", int),
                                 ("MEMX_ABOVE_PREDICTION", "above_prediction", float)):
             if var in environ:
-                try:
-                    kwargs[name] = kind(environ[var])
-                except ValueError:
-                    raise ConfigError(var, f"not a number: {environ[var]!r}", f"set {var} to a {kind.__name__}") from None
+                kwargs[name] = parse_number(environ[var], kind, var, f"set {var} to a number, e.g. "
+                                            f"{var}={getattr(cls, name)}")
         return cls(**kwargs)
 
 
@@ -176,10 +175,13 @@ class MemoryMonitor:
         self.reader.reset()
         row = torch.tensor([reading.peak_bytes, reading.reserved_bytes, reading.current_bytes,
                             reading.capacity_bytes], dtype=torch.float64)
-        if dist.get_backend(self.group) == "nccl":
-            row = row.cuda()
-        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(rows, row, group=self.group)
+        if not dist.is_initialized():  # one process without a process group (Lightning on one device)
+            rows = [row]
+        else:
+            if dist.get_backend(self.group) == "nccl":
+                row = row.cuda()
+            rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(rows, row, group=self.group)
         table = torch.stack(rows).cpu()[self._rows_by_rank]
         self.last_table = table
         event = self._decide(step, table)

@@ -9,9 +9,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import _DTensorMeta, _StageBackwardMeta, _StageForwardMeta, _TensorMeta
 from torch.distributed.pipelining.stage import InferenceMode
 
+from memx_launch.errors import ConfigError
 from memx_launch.runtime.communication import Communicator
+from memx_launch.runtime.messages import recv_json, send_json
+
+MAX_META_TENSORS = 64
+MAX_META_DIMS = 16
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,8 @@ class DomainPipelineStage(PipelineStage):
     """torch's PipelineStage whose transfers follow :class:`PipelineLinks`: over the edge's
     native group inside a domain, over the bridge (host copies) between domains. ``group`` (this
     rank's lane: one rank per stage) only numbers the stages for torch; the warm-up vote needs no
-    exchange (memx builds every stage alike) and shape metadata goes over the links."""
+    exchange (memx builds every stage alike) and shape metadata goes over the links as JSON
+(:func:`encode_meta`), never pickled as torch's ``send_object_list`` would."""
 
     def __init__(self, *args, communicator: Communicator, links: PipelineLinks, **kwargs):
         super().__init__(*args, **kwargs)
@@ -119,12 +126,50 @@ class DomainPipelineStage(PipelineStage):
         for peer in self.links.fwd_out if forward else self.links.bwd_out:
             group = self.links.groups[peer]
             with self.communicator.on_host():
-                dist.send_object_list([meta], dst=peer, group=group, device=self._meta_device(group))
+                send_json(encode_meta(meta), peer, group, self._meta_device(group))
 
     def _recv_meta(self, src_stage: int):
         peer = self.links.fwd_in if src_stage == self.stage_index - 1 else self.links.bwd_in
         group = self.links.groups[peer]
-        objects = [None]
         with self.communicator.on_host():
-            dist.recv_object_list(objects, src=peer, group=group, device=self._meta_device(group))
-        return objects[0]
+            return decode_meta(recv_json(peer, group, self._meta_device(group)), peer)
+
+
+def encode_meta(meta) -> dict:
+    """A stage's forward (output) or backward (input gradient) tensor metadata as plain JSON data."""
+    forward = isinstance(meta, _StageForwardMeta)
+    metas = meta.forward_metas if forward else meta.backward_metas
+    if any(isinstance(m, _DTensorMeta) for m in metas):  # memx's stage boundaries carry whole activations
+        raise ConfigError("pipeline stage", "a stage boundary carries a DTensor",
+                          "return plain tensors from each pipeline stage")
+    return {"direction": "forward" if forward else "backward",
+            "tensors": [None if m is None else {"shape": list(m.shape), "stride": list(m.stride),
+                                                "dtype": str(m.dtype).removeprefix("torch."),
+                                                "requires_grad": bool(m.requires_grad)} for m in metas]}
+
+
+def decode_meta(data, sender: int):
+    """:func:`encode_meta`'s data back as torch's metadata; anything else is one error."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError("pipeline metadata", f"rank {sender} sent {what}",
+                           "check that every rank runs the same memx version")
+
+    if not isinstance(data, dict) or data.get("direction") not in ("forward", "backward") \
+            or not isinstance(data.get("tensors"), list) or len(data["tensors"]) > MAX_META_TENSORS:
+        raise bad("malformed stage metadata")
+    metas = []
+    for entry in data["tensors"]:
+        if entry is None and data["direction"] == "backward":
+            metas.append(None)
+            continue
+        if not isinstance(entry, dict) or set(entry) != {"shape", "stride", "dtype", "requires_grad"}:
+            raise bad("a malformed tensor description")
+        dims = [entry["shape"], entry["stride"]]
+        if not all(isinstance(d, list) and len(d) <= MAX_META_DIMS and len(d) == len(entry["shape"])
+                   and all(type(x) is int and x >= 0 for x in d) for d in dims):
+            raise bad(f"tensor dimensions {entry['shape']!r} / {entry['stride']!r}")
+        dtype = getattr(torch, entry["dtype"], None) if isinstance(entry["dtype"], str) else None
+        if not isinstance(dtype, torch.dtype) or type(entry["requires_grad"]) is not bool:
+            raise bad(f"dtype {entry['dtype']!r}")
+        metas.append(_TensorMeta(torch.Size(entry["shape"]), tuple(entry["stride"]), dtype, entry["requires_grad"]))
+    return _StageForwardMeta(tuple(metas)) if data["direction"] == "forward" else _StageBackwardMeta(tuple(metas))

@@ -37,7 +37,7 @@ from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_rea
 from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.planning.replan import ReplanEvent
-from memx_launch.specs.inputs import load_json
+from memx_launch.specs.inputs import load_json, parse_number
 
 CHECKPOINT_DIR = "checkpoints"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -59,9 +59,10 @@ def _env_int(environ, var: str, default: int) -> int:
     text = environ.get(var, "")
     if not text:
         return default
-    if not text.isdigit():
+    value = parse_number(text, int, var, f"e.g. {var}={default}")
+    if value < 0:
         raise ConfigError(var, f"must be a non-negative integer, got {text!r}", f"e.g. {var}={default}")
-    return int(text)
+    return value
 
 
 def max_replans(environ=os.environ) -> int:

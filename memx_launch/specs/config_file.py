@@ -20,7 +20,7 @@ import sys
 from typing import Literal, Optional, Union
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.inputs import load_yaml
+from memx_launch.specs.inputs import float_flag, int_flag, load_yaml, parse_number
 
 _OWN = ("config", "print_config")
 
@@ -128,7 +128,7 @@ def _options(parser) -> dict[str, argparse.Action]:
     """Destination -> action of every option a config file may set."""
     out = {}
     for action in parser._actions:
-        plain_type = action.type in (None, str, int, float)
+        plain_type = action.type in (None, str) or _number_kind(action) is not None
         if (action.option_strings and action.dest not in _OWN and action.default is not argparse.SUPPRESS
                 and (action.nargs == 0 or (action.nargs is None and plain_type))):
             out[action.dest] = action
@@ -153,6 +153,9 @@ def _load(parser, path: str) -> dict:
         dest = str(key).replace("-", "_")
         if dest not in options:
             raise ConfigError(f"{path}: {key}", "unknown key", _unknown_key_fix(parser, options, dest))
+        kind = _number_kind(options[dest])
+        if kind is not None and isinstance(value, str) and not value.isascii():  # jsonargparse's int() takes '８'
+            value = parse_number(value, kind, f"{path}: {key}", f"see {parser.prog} --help")
         try:
             values[dest] = schema.parse_object({dest: value})[dest]
         except (argparse.ArgumentError, TypeError, ValueError):
@@ -192,9 +195,12 @@ def _type_of(action: argparse.Action):
         return bool
     if action.choices is not None:
         return Literal[tuple(action.choices)]
-    if action.type in (int, float):
-        return action.type
-    return Union[str, int, float]  # text options; a YAML number is its text, as on the command line
+    return _number_kind(action) or Union[str, int, float]  # text options; a YAML number is its text, as on the command line
+
+
+def _number_kind(action: argparse.Action) -> type | None:
+    """int or float for a number option (argparse's types or memx's ASCII-only ones), else None."""
+    return {int: int, float: float, int_flag: int, float_flag: float}.get(action.type)
 
 
 def _describe(action: argparse.Action) -> str:
@@ -202,7 +208,7 @@ def _describe(action: argparse.Action) -> str:
         return "true or false"
     if action.choices is not None:
         return "one of " + ", ".join(map(str, action.choices))
-    return {int: "an integer", float: "a number"}.get(action.type, "text or a number")
+    return {int: "an integer", float: "a number"}.get(_number_kind(action), "text or a number")
 
 
 def _schema(parser):

@@ -1,13 +1,16 @@
-"""Reading input files that may be broken or hostile: checked at the door, before any work.
+"""Reading inputs that may be broken or hostile: checked at the door, before any work.
 
 Every file memx reads (cluster YAML, model config.json, plan JSON, profile records, cases files)
 comes through here: a regular file of bounded size, UTF-8 text without NUL bytes and with bounded
 lines; JSON and YAML parsed strictly (duplicate keys refused, NaN and infinities refused, YAML
-aliases refused, nesting bounded). What fails is one ConfigError naming the flag and the file.
+aliases refused, nesting bounded). Numbers given as text (command-line flags, MEMX_* variables)
+are plain ASCII of bounded length: Python's int() and float() also take '８' or '٣' and spend
+seconds on 5,000 digits. What fails is one ConfigError naming the flag and the file.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -24,6 +27,7 @@ MAX_LINE_CHARS = 1 * 2**20
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 30
 """No count, size or seed memx reads has more digits (2**64 has 20)."""
+MAX_NUMBER_CHARS = 40
 
 
 def read_bytes(path: str, flag: str, max_bytes: int = MAX_FILE_BYTES, fix: str = "pass the right file") -> bytes:
@@ -177,3 +181,36 @@ def load_yaml(path: str, flag: str, max_bytes: int = MAX_FILE_BYTES, fix: str = 
         raise ConfigError(flag, f"{path} holds a number too long to read", fix) from None
     check_structure(data, flag, path, fix)
     return data
+
+
+def parse_number(text: str, kind: type, field: str, fix: str) -> int | float:
+    """``text`` as ``kind`` (int or float): ASCII only, at most MAX_NUMBER_CHARS characters,
+    finite; else one ConfigError naming ``field``."""
+    value = None
+    if isinstance(text, str) and text.isascii() and len(text) <= MAX_NUMBER_CHARS:
+        try:
+            value = kind(text)
+        except ValueError:
+            pass
+    if value is None or not math.isfinite(value):
+        shown = text if len(str(text)) <= MAX_NUMBER_CHARS else f"{str(text)[:MAX_NUMBER_CHARS]}... ({len(text)} chars)"
+        raise ConfigError(field, f"{shown!r} is not a plain {'integer' if kind is int else 'number'} "
+                          "(ASCII digits, finite)", fix)
+    return value
+
+
+def _flag_type(kind: type):
+    def convert(text: str):
+        try:
+            return parse_number(text, kind, "", "")
+        except ConfigError:
+            raise argparse.ArgumentTypeError(f"{text[:MAX_NUMBER_CHARS]!r} is not a plain "
+                                             f"{'integer' if kind is int else 'number'} (ASCII digits, finite)") from None
+    convert.__name__ = kind.__name__
+    return convert
+
+
+int_flag = _flag_type(int)
+"""argparse's ``type=`` for an integer flag: ``int`` without its non-ASCII digits and unbounded length."""
+float_flag = _flag_type(float)
+"""argparse's ``type=`` for a number flag: ``float`` without its non-ASCII digits, NaN and infinities."""
