@@ -40,8 +40,7 @@ from memx_launch.runtime.runs import (DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, chec
                                       previous_run, stopped_run_of, stopped_state)
 
 
-# Emulated devices are CPU stand-ins: a batch a CPU trains in seconds, in fp32 as the runtime does.
-EMULATED_GLOBAL_BATCH_SIZE = 16
+EMULATED_GLOBAL_BATCH_SIZE = 16  # emulated devices are CPU stand-ins: a batch they train in seconds, in fp32
 
 
 def build_parser():
