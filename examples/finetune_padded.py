@@ -22,7 +22,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from train_hf import DEFAULT_MODEL, build, warmup
+from train_hf import DEFAULT_MODEL, build, reference_step, warmup
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 PAD_ID = 0
@@ -59,13 +59,8 @@ def reference(model, args, seq_len: int) -> int:
     for step, batch in enumerate(loader(args.global_batch_size, seq_len, args.seed, args.padding_side)):
         if step == args.steps:
             break
-        loss = model(**batch).loss  # Hugging Face's mean over the labelled tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        print(f"step {step + 1} | loss {loss.item():.6f} (reference, one process)", flush=True)
+        # Hugging Face's loss: the mean over the labelled tokens
+        reference_step(step, model(**batch).loss, model, optimizer, scheduler, args.max_grad_norm)
     return 0
 
 

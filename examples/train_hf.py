@@ -56,14 +56,20 @@ def reference(model, args, vocab: int, seq_len: int) -> int:
     for step in range(args.steps):
         tokens, targets = batch(step, args.global_batch_size, args.seq_len or seq_len, vocab)
         out = model(tokens)
-        loss = loss_fn(getattr(out, "logits", out), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        print(f"step {step + 1} | loss {loss.item():.6f} (reference, one process)", flush=True)
+        reference_step(step, loss_fn(getattr(out, "logits", out), targets), model, optimizer, scheduler,
+                       args.max_grad_norm)
     return 0
+
+
+def reference_step(step: int, loss: torch.Tensor, model, optimizer, scheduler, max_grad_norm: float) -> None:
+    """The rest of one step of the one-process reference: backward, clipping, optimizer and
+    scheduler, and the line memx's progress lines are compared with."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    print(f"step {step + 1} | loss {loss.item():.6f} (reference, one process)", flush=True)
 
 
 def main(build_model=build, doc: str = __doc__, default_model: str = DEFAULT_MODEL) -> int:

@@ -47,7 +47,10 @@ def fake_measure(flat=()):
 
 def test_five_parameters_all_high_impact_measure_at_most_243():
     result = minimal_sample_set(space(), fake_measure())
-    assert result.design_count == 243 and result.measured_count <= 243
+    # docs/profiler.md: the design is 3^5; refinement adds at most a third of it (where this
+    # fixture's plain products bend away from the GEMM-by-shape analytical trends)
+    assert result.design_count == 243 and result.refinement_budget == 81
+    assert result.measured_count <= 243 + len(result.refinements) and len(result.refinements) <= 81
     assert result.full_grid_size == 3 * 4 * 3 * 3 * 3
     assert "of a full grid of 324" in result.summary()
 
