@@ -223,7 +223,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     best_time = math.inf
     report_every = max(1, len(groups) // 10)
     for i, (lower_bound, layout, mbs, seq, schedule, v, policies) in enumerate(groups):
-        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+        # The budget counts from the start (layouts, the cost table); one group is always scored.
+        if time_budget_s is not None and i and time.perf_counter() - start > time_budget_s:
             stats.budget_exhausted = True
             stats.pruned_time += sum(len(item[-1]) for item in groups[i:])
             break
