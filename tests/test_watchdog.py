@@ -82,8 +82,13 @@ def test_a_rank_blocked_in_a_collective_exits_naming_it(capfd):
 
 
 def test_memx_run_says_which_worker_its_watchdog_stopped():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
     from memx_launch.runtime.agent import failure_line
 
-    assert failure_line(2, STEP_TIMEOUT_EXIT_CODE) == (
+    stopped = ProcessFailure(local_rank=2, pid=1, exitcode=STEP_TIMEOUT_EXIT_CODE, error_file="<N/A>")
+    peer = ProcessFailure(local_rank=0, pid=2, exitcode=-15, error_file="<N/A>")  # stopped by the agent after it
+    stopped.timestamp, peer.timestamp = 10, 11
+    assert failure_line({0: peer, 2: stopped}) == (
         "memx-run: error: worker rank 2 failed with exit code 124, its step watchdog's; its line above says "
         "what it waited in")
