@@ -347,19 +347,27 @@ class Communicator:
         """Average ``tensors`` (in place) over ``ranks`` in flat buckets of up to BUCKET_BYTES: the
         gradient sync of a stage whose DP replicas span domains. A bucket bounds both the
         messages (one per bucket, not per tensor) and the memory on top of the gradients."""
+        self._all_reduce_buckets(tensors, ranks, mean=True)
+
+    def all_reduce_sums(self, tensors: list[torch.Tensor], ranks) -> None:
+        """Sum ``tensors`` (in place) over ``ranks``, in buckets as :meth:`all_reduce_mean`."""
+        self._all_reduce_buckets(tensors, ranks, mean=False)
+
+    def _all_reduce_buckets(self, tensors: list[torch.Tensor], ranks, mean: bool) -> None:
         if len(ranks) < 2:
             return
         bucket: list[torch.Tensor] = []
         for i, t in enumerate(tensors):
             bucket.append(t)
             if sum(b.numel() * b.element_size() for b in bucket) >= BUCKET_BYTES or i == len(tensors) - 1:
-                self._all_reduce_bucket(bucket, ranks)
+                self._all_reduce_bucket(bucket, ranks, mean)
                 bucket = []
 
-    def _all_reduce_bucket(self, tensors: list[torch.Tensor], ranks) -> None:
+    def _all_reduce_bucket(self, tensors: list[torch.Tensor], ranks, mean: bool) -> None:
         flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
         self.all_reduce_sum(flat, ranks)
-        flat /= len(ranks)
+        if mean:
+            flat /= len(ranks)
         if len(tensors) > 1:
             offset = 0
             with torch.no_grad():

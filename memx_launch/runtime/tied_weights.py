@@ -6,7 +6,6 @@ the same. The sum crosses the bridge when the two stages sit in different domain
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from memx_launch.runtime.communication import Communicator
@@ -37,12 +36,7 @@ class TiedGradients:
         if not self.parameters:
             return
         grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.parameters]
-        flat = torch.cat([g.reshape(-1) for g in grads])
         if tp_index:
-            flat.zero_()
-        self.comm.all_reduce_sum(flat, self.ranks)
-        offset = 0
-        with torch.no_grad():
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+                g.zero_()
+        self.comm.all_reduce_sums(grads, self.ranks)
