@@ -123,13 +123,12 @@ class ModelParts:
             raise ConfigError("blocks", f"{self.path} mixes block types ({', '.join(k.name for k in kinds)})",
                               "name a list of one block type")
         self.kind = kinds.pop()
-        self.container = container
         self.rotary: nn.Module | None = None
         lm = _hf_causal_lm(model, container)
         self.hf = lm is not None
         """A Hugging Face causal LM: blocks take positions (and the rotary table), no mask."""
         if lm is not None:
-            self._hf_parts(*lm)
+            self._hf_parts(*lm, container)
         elif self.kind is HF_KIND:
             raise ConfigError("model", f"the {self.kind.name} blocks at {self.path} are not the layers of a "
                               "*ForCausalLM's decoder", "pass the Hugging Face *ForCausalLM (or a module holding it)")
@@ -139,14 +138,14 @@ class ModelParts:
         """Parameters the first and the last stage both hold (tied embeddings): one object when
         one stage holds both, else two copies whose gradients the runtime sums every step."""
 
-    def _hf_parts(self, lm: nn.Module, prefix: str) -> None:
+    def _hf_parts(self, lm: nn.Module, prefix: str, container: nn.Module) -> None:
         """A Hugging Face causal LM (the model itself, or a module inside a wrapper such as a
         LightningModule): before the blocks, its decoder's own forward with no blocks and no final
         norm (embeddings, learned positions, scaling and dropout as the model does them); after
         them, the final norm (and projection) and the LM head; the rotary table every block uses."""
         decoder = lm.get_decoder()
         decoder_prefix = prefix + next(n + "." for n, m in lm.named_modules() if m is decoder)
-        blocks_name = next(n for n, m in decoder.named_children() if m is self.container)
+        blocks_name = next(n for n, m in decoder.named_children() if m is container)
         finals = [n for n in HF_FINAL_MODULES if getattr(decoder, n, None) is not None]
         head_name = next(n for n, m in lm.named_children() if m is lm.get_output_embeddings())
         self.before = [(decoder_prefix.rstrip("."), HFEmbedding(decoder, blocks_name, finals))]
