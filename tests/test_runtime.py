@@ -89,6 +89,27 @@ def test_emulated_guard_fails_like_a_gpu_oom():
     assert isinstance(info.value, EmulatedOutOfMemoryError)
 
 
+def test_emulated_device_follows_a_storage_resized_in_place():
+    """FSDP2 frees an unsharded parameter's storage to 0 bytes after its forward and regrows it:
+    the guard counts its bytes as they are now, and host memory that reuses its old address is
+    not mistaken for device memory (the bridge's staging check asks)."""
+    device = EmulatedDevice("small", memory_gib=1.0)
+    param = torch.zeros(1 << 16)
+    device.track([param])
+    nbytes = param.untyped_storage().nbytes()
+    freed_at = param.untyped_storage().data_ptr()
+    param.untyped_storage().resize_(0)
+    device.reset_peak()
+    assert device.live_bytes == 0 and not device.holds(param)
+    hosts = [torch.empty(1 << 16) for _ in range(64)]  # the allocator hands the freed block out again
+    assert any(h.untyped_storage().data_ptr() == freed_at for h in hosts)
+    assert not any(device.holds(h) for h in hosts)
+    param.untyped_storage().resize_(nbytes)
+    with device:
+        param.add_(1.0)  # the next operator that outputs it sees the regrown storage
+    assert device.live_bytes == nbytes and device.holds(param)
+
+
 def test_emulated_slowdown_sleeps_in_proportion_to_compute():
     model = LlamaStage.full(SPEC)
     tokens = torch.randint(0, SPEC.vocab_size, (4, 65))

@@ -45,8 +45,10 @@ class EmulatedDevice(TorchDispatchMode):
         self.compute_s = 0.0
         self.slept_s = 0.0
         self._owed_s = 0.0
-        self._storages: dict[int, list[int]] = {}  # data_ptr -> [tracked tensors, nbytes]
-        self._tensors: dict[int, weakref.ref] = {}  # id(tensor) -> weakref that releases it
+        # Keyed by the storage itself (its C++ object), not its data pointer: FSDP2 resizes a
+        # parameter's storage to 0 and back, so a pointer goes stale and host memory can reuse it.
+        self._storages: dict[int, list[int]] = {}  # storage -> [tracked tensors, nbytes counted]
+        self._tensors: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (weakref that releases it, storage)
 
     @property
     def label(self) -> str:
@@ -61,12 +63,10 @@ class EmulatedDevice(TorchDispatchMode):
         """Whether ``t`` lives in this device's memory (a tensor its guard counts)."""
         local = getattr(t, "_local_tensor", None)
         storage = (t if local is None else local).untyped_storage()
-        try:
-            return storage.nbytes() > 0 and storage.data_ptr() in self._storages
-        except RuntimeError:
-            return False
+        return storage.nbytes() > 0 and _storage_key(storage) in self._storages
 
     def reset_peak(self) -> None:
+        self._recount()
         self.peak_bytes = self.live_bytes
         self.compute_s = 0.0
         self.slept_s = 0.0
@@ -93,28 +93,45 @@ class EmulatedDevice(TorchDispatchMode):
         local = getattr(t, "_local_tensor", None)  # a DTensor holds its shard here
         if local is not None:
             t = local
-        if id(t) in self._tensors or t.device.type == "meta":
+        if t.device.type == "meta":
             return
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
+        known = self._tensors.get(id(t))
+        if known is not None:  # an in-place operator's output: its storage may have been resized
+            entry = self._storages.get(known[1])
+            if entry is not None:
+                self._resize(entry, nbytes)
+            return
         if nbytes == 0:
             return
-        try:
-            key = storage.data_ptr()
-        except RuntimeError:  # a storage freed in place (FSDP2 resizes unsharded parameters to 0)
-            return
+        key = _storage_key(storage)
         entry = self._storages.get(key)
         if entry is None:
-            self._storages[key] = [1, nbytes]
-            self.live_bytes += nbytes
-            if self.live_bytes > self.peak_bytes:
-                self.peak_bytes = self.live_bytes
-                if self.peak_bytes > self.capacity_bytes:
-                    self._raise_oom(nbytes)
-        else:
-            entry[0] += 1
+            entry = self._storages[key] = [0, 0]
+        entry[0] += 1
         tid = id(t)
-        self._tensors[tid] = weakref.ref(t, lambda _ref, tid=tid, key=key: self._release(tid, key))
+        self._tensors[tid] = (weakref.ref(t, lambda _ref, tid=tid, key=key: self._release(tid, key)), key)
+        self._resize(entry, nbytes)
+
+    def _resize(self, entry: list[int], nbytes: int) -> None:
+        grown = nbytes - entry[1]
+        entry[1] = nbytes
+        self.live_bytes += grown
+        if grown > 0 and self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            if self.peak_bytes > self.capacity_bytes:
+                self._raise_oom(grown)
+
+    def _recount(self) -> None:
+        """Bring each storage's bytes up to date: one resized in place (FSDP2 frees an unsharded
+        parameter to 0 bytes after its forward) is seen only when an operator next outputs it."""
+        for ref, key in list(self._tensors.values()):
+            t, entry = ref(), self._storages.get(key)
+            if t is not None and entry is not None:
+                nbytes = t.untyped_storage().nbytes()
+                self.live_bytes += nbytes - entry[1]
+                entry[1] = nbytes
 
     def _release(self, tid: int, key: int) -> None:
         self._tensors.pop(tid, None)
@@ -132,6 +149,11 @@ class EmulatedDevice(TorchDispatchMode):
             f"{nbytes / 2**20:.2f} MiB; {self.live_bytes / GIB:.4f} GiB in use would pass the emulated "
             f"capacity of {self.capacity_bytes / GIB:.4f} GiB. Choose a plan with more recompute or fewer "
             f"layers on this device type, or raise memory_gib in the cluster file.")
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """The address of the storage's C++ object: fixed for its life, unlike its data pointer."""
+    return storage._cdata
 
 
 def _pending_collectives(args, kwargs):
