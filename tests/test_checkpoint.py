@@ -240,3 +240,27 @@ def test_a_huge_checkpoint_metadata_file_is_refused_before_it_is_read(tmp_path, 
         f.truncate(28 * 10**6)  # sparse: the size is what is refused, before any byte is parsed
     with pytest.raises(ConfigError, match="over the limit"):
         load_checkpoint(str(tmp_path / "ckpt"), [model], optimizer)
+
+
+@pytest.mark.parametrize("failing", ["save_file", "replace"])
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, one_rank,
+                                                                                  monkeypatch, failing):
+    """The tensors' file (every rank) or the folder's completion (rank 0) meets ENOSPC."""
+    import errno
+
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime import checkpoint
+
+    model, optimizer, _ = _saved_linear(tmp_path / "ckpt")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(*((checkpoint, "save_file") if failing == "save_file" else (os, "replace")), disk_full)
+    with pytest.raises(ConfigError, match=r"^checkpoint: step 2 was not saved under .*No space left on device.*"
+                                          r"step-00000001 is intact; free space") as exc:
+        checkpoint.save_checkpoint(str(tmp_path / "ckpt"), [model], optimizer, step=2)
+    assert "\n" not in str(exc.value)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest.json", "step-00000001"]
+    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt"), [model], optimizer).step == 1

@@ -156,18 +156,44 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _write_failure(rank: int, exc: OSError) -> str:
+    return f"rank {rank} could not write it ({exc.strerror or exc})"
+
+
+def _agree(failure: str | None, directory: str, step: int, tmp: str) -> None:
+    """Every rank learns whether any rank's write failed (a full disk, a quota): then rank 0
+    removes the half-written folder and every rank raises the same one line, instead of the
+    failed rank dying alone while the others wait at the next collective."""
+    failures = [f for f in all_gather_json(failure) if f]
+    if not failures:
+        return
+    if dist.get_rank() == 0:
+        _remove(tmp)
+    latest = latest_checkpoint(directory) if os.path.exists(os.path.join(directory, LATEST)) else None
+    kept = f"{os.path.basename(latest)} is intact" if latest else "no earlier checkpoint exists"
+    raise ConfigError("checkpoint", f"step {step} was not saved under {directory}: {failures[0]}; {kept}",
+                      "free space on that disk (or give --run-dir on one with room) and resume the run")
+
+
 def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                     step: int, data_state: dict | None = None, plan=None, keep: int | None = None) -> str:
     """Every rank calls this after ``step``; returns the checkpoint's folder. ``keep``: delete all
-    but the newest ``keep`` step folders once this one is complete."""
+    but the newest ``keep`` step folders once this one is complete. A write that fails on any
+    rank raises the same ConfigError on every rank and leaves the earlier checkpoints as they were."""
     rank = dist.get_rank()
     final = os.path.join(directory, f"step-{step:08d}")
     tmp = final + ".tmp"
+    failure = None
     if rank == 0:  # also the half-written folders of saves killed earlier (kill -9)
-        for stale in os.listdir(directory) if os.path.isdir(directory) else []:
-            if re.fullmatch(r"step-\d{8}\.tmp", stale):
-                _remove(os.path.join(directory, stale))
-        os.makedirs(tmp)
+        try:
+            for stale in os.listdir(directory) if os.path.isdir(directory) else []:
+                if re.fullmatch(r"step-\d{8}\.tmp", stale):
+                    _remove(os.path.join(directory, stale))
+            os.makedirs(tmp)
+        except OSError as exc:
+            failure = _write_failure(rank, exc)
+    # Also the barrier that makes tmp exist for every rank.
+    _agree(failure, directory, step, tmp)
     model_state, optim_state, _ = _global_names(_Parts(model_parts), optimizer)
     tensors, values = {}, {}
     for prefix, state in (("model", model_state), ("optimizer", optim_state)):
@@ -180,37 +206,49 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
     values.update(_rng_values(rank))
     mine = [[name, offset, list(local.shape), global_shape]
             for name, (local, global_shape, offset) in tensors.items() if local.numel()]
-    # Also the barrier that makes tmp exist for every rank.
     everyone = all_gather_json({"pieces": mine, "values": values})
     # Each distinct piece once: written by the lowest rank that holds it (DP replicas hold copies).
     writer: dict[tuple, tuple[int, list]] = {}
     for r, sent in enumerate(everyone):
         for name, offset, shape, global_shape in sent["pieces"]:
             writer.setdefault((name, tuple(offset), tuple(shape)), (r, global_shape))
-    save_file({_key(name, offset): tensors[name][0].detach().to("cpu", copy=True).contiguous()
-               for name, offset, shape, _ in mine if writer[(name, tuple(offset), tuple(shape))][0] == rank},
-              os.path.join(tmp, f"rank{rank:05d}.safetensors"))
-    dist.barrier()
+    try:
+        save_file({_key(name, offset): tensors[name][0].detach().to("cpu", copy=True).contiguous()
+                   for name, offset, shape, _ in mine if writer[(name, tuple(offset), tuple(shape))][0] == rank},
+                  os.path.join(tmp, f"rank{rank:05d}.safetensors"))
+    except OSError as exc:
+        failure = _write_failure(rank, exc)
+    _agree(failure, directory, step, tmp)
     if rank == 0:
-        index: dict[str, dict] = {}
-        for (name, offset, shape), (r, global_shape) in writer.items():
-            entry = index.setdefault(name, {"shape": global_shape, "pieces": []})
-            entry["pieces"].append({"file": f"rank{r:05d}.safetensors", "key": _key(name, list(offset)),
-                                    "offset": list(offset), "shape": list(shape)})
-        write_json_atomic(os.path.join(tmp, META), {
-            "format": FORMAT, "step": step, "data_state": data_state or {}, "world_size": dist.get_world_size(),
-            "plan": plan.to_dict() if plan is not None else None,
-            "values": {k: v for sent in everyone for k, v in sent["values"].items()}, "tensors": index})
-        _remove(final)
-        os.replace(tmp, final)
-        write_json_atomic(os.path.join(directory, LATEST), {"step": step, "path": os.path.basename(final)},
-                          overwrite=True)
-        if keep is not None:
-            done = sorted(d for d in os.listdir(directory) if STEP_DIR.fullmatch(d))
-            for old in done[:-keep]:
-                _remove(os.path.join(directory, old))
-    dist.barrier()
+        try:
+            _complete(directory, final, tmp, step, data_state, plan, everyone, writer, keep)
+        except OSError as exc:
+            failure = _write_failure(rank, exc)
+        except ConfigError as exc:  # write_json_atomic's own one line for a failed write
+            failure = f"rank 0 could not complete it ({exc.problem})"
+    _agree(failure, directory, step, tmp)
     return final
+
+
+def _complete(directory, final, tmp, step, data_state, plan, everyone, writer, keep) -> None:
+    """Rank 0, once every rank wrote its pieces: the index, then the folder and latest.json."""
+    index: dict[str, dict] = {}
+    for (name, offset, shape), (r, global_shape) in writer.items():
+        entry = index.setdefault(name, {"shape": global_shape, "pieces": []})
+        entry["pieces"].append({"file": f"rank{r:05d}.safetensors", "key": _key(name, list(offset)),
+                                "offset": list(offset), "shape": list(shape)})
+    write_json_atomic(os.path.join(tmp, META), {
+        "format": FORMAT, "step": step, "data_state": data_state or {}, "world_size": dist.get_world_size(),
+        "plan": plan.to_dict() if plan is not None else None,
+        "values": {k: v for sent in everyone for k, v in sent["values"].items()}, "tensors": index})
+    _remove(final)
+    os.replace(tmp, final)
+    write_json_atomic(os.path.join(directory, LATEST), {"step": step, "path": os.path.basename(final)},
+                      overwrite=True)
+    if keep is not None:
+        done = sorted(d for d in os.listdir(directory) if STEP_DIR.fullmatch(d))
+        for old in done[:-keep]:
+            _remove(os.path.join(directory, old))
 
 
 # --------------------------------------------------------------------------- loading
