@@ -4,7 +4,7 @@ The names a script uses. They load on first use, so ``import memx_launch.plannin
 of torch; the flow's steps are the sub-packages specs -> planning -> profiling -> runtime.
 """
 
-import importlib
+from memx_launch.lazy import lazy_attributes
 
 _EXPORTS = {
     "ConfigError": "memx_launch.errors", "MemxError": "memx_launch.errors",
@@ -18,9 +18,4 @@ _EXPORTS = {
     "prepare": "memx_launch.runtime",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'memx_launch' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

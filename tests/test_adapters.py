@@ -20,6 +20,7 @@ from toy_models import TOY_SPEC, NoBlocks, ToyModel, hf_example, hf_llama
 pytest.importorskip("transformers")
 
 LOSS_ATOL = 1e-5  # fp32 on CPU: splits only reorder sums (test_runtime.py explains the margin)
+BF16_LOSS_ATOL = 0.03  # bf16 autocast against the fp32 reference: 8 mantissa bits in every matmul
 LR, CLIP = 1e-2, 0.5
 
 
@@ -144,6 +145,13 @@ HF_SPEC = get_model(os.path.join(MODELS, "hf-llama-tiny"))
 QWEN2_SPEC = get_model(os.path.join(MODELS, "hf-qwen2-tiny"))  # tied embeddings, TP-able blocks
 GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, learned positions
 PADDED = "hf pp=2 x dp=2 (DDP) left-padded dict batches from a DataLoader, memx's token-mean loss"
+
+
+def _in_bf16(plan):
+    plan.training = {"dtype": "bf16"}  # the Runtime's precision follows the plan's training dtype
+    return plan
+
+
 CASES = {  # (model, plan, data parallel, cluster: None is one domain)
     "hf pp=4 uneven 3/1/2/2 full/none/selective/none":
         ("hf", make_plan(HF_SPEC, [((0,), 3, "full"), ((1,), 1, "none"), ((2,), 2, "selective"),
@@ -162,6 +170,9 @@ CASES = {  # (model, plan, data parallel, cluster: None is one domain)
     PADDED:
         ("hf-padded", make_plan(HF_SPEC, [((0, 1), 5, "none"), ((2, 3), 3, "full")], dp=2, micro_batch_size=2),
          "auto", None),
+    "hf tp=2 x pp=2 in bf16 autocast, the padded DataLoader (memx-run --dtype bf16 picks TP 2)":
+        ("hf-padded", _in_bf16(make_plan(HF_SPEC, [((0, 1), 4, "selective"), ((2, 3), 4, "none")], tp=2,
+                                         micro_batch_size=2)), "auto", None),
 }
 STEPS = 3
 
@@ -263,7 +274,9 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
         ref = _reference(kind, plan)
         for rank in range(4):
             got, bridge_messages = results[rank][i]
-            assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, ref)) < LOSS_ATOL, (name, rank, got, ref)
+            atol = BF16_LOSS_ATOL if plan.training.get("dtype") == "bf16" else LOSS_ATOL
+            assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, ref)) < atol, (name, rank, got, ref)
+            assert got[-1] < got[0], (name, rank, got)
             assert (bridge_messages > 0) == (cluster is not None), (name, rank)
         assert ref[-1] < ref[0], name
     first = next(iter(_padded(CASES[PADDED][1])))  # where the padding mask changes the loss

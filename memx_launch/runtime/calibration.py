@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import math
 import os
 import tempfile
 import time
@@ -33,13 +32,13 @@ from memx_launch.profiling.design import minimal_sample_set
 from memx_launch.planning.costmodel import layer_forward_flops
 from memx_launch.planning.layouts import tp_degrees
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
-from memx_launch.specs.inputs import parse_number
+from memx_launch.specs.inputs import positive_seconds
 from memx_launch.specs.model import ModelSpec
 
+DEFAULT_CALIBRATION_BUDGET_S = 600.0  # per device type
 CALIBRATION_BUDGET = 20
 CALIBRATION_REPEATS = 3
 DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_CALIBRATION_BUDGET_S = 600.0
 # Fewer samples than this cannot fit the predictor's time and memory lines.
 MIN_CALIBRATION_SAMPLES = 3
 # Steps of one sample (warm-up, timed repeats, the memory pass), each a forward and a backward
@@ -223,15 +222,6 @@ class TypeCalibration:
 
     def _key(self, s: Sample) -> tuple:
         return sample_key(self.device_type.name, self.model, s, self.dtype)
-
-
-def positive_seconds(environ, var: str, default: float, field: str, example: str) -> float:
-    """A positive, finite number of seconds from ``var`` (``default`` when unset)."""
-    text = environ.get(var, "")
-    value = parse_number(text, float, field, f"e.g. {example}") if text else default
-    if not 0 < value < math.inf:
-        raise ConfigError(field, f"must be a positive number of seconds, got {text!r}", f"e.g. {example}")
-    return value
 
 
 def calibration_timeout_s(environ=os.environ) -> float:

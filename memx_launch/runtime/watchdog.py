@@ -24,7 +24,7 @@ _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 
 def step_timeout_s(predicted_s: float, environ=os.environ) -> float:
     """The limit of one step: MEMX_STEP_TIMEOUT_S, else max(FACTOR x predicted, FLOOR_S)."""
-    from memx_launch.runtime.calibration import positive_seconds
+    from memx_launch.specs.inputs import positive_seconds
 
     return positive_seconds(environ, TIMEOUT_VAR, max(FACTOR * predicted_s, FLOOR_S), TIMEOUT_VAR,
                             f"{TIMEOUT_VAR}=600")

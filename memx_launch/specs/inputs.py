@@ -214,3 +214,12 @@ int_flag = _flag_type(int)
 """argparse's ``type=`` for an integer flag: ``int`` without its non-ASCII digits and unbounded length."""
 float_flag = _flag_type(float)
 """argparse's ``type=`` for a number flag: ``float`` without its non-ASCII digits, NaN and infinities."""
+
+
+def positive_seconds(environ, var: str, default: float, field: str, example: str) -> float:
+    """A positive, finite number of seconds from ``var`` (``default`` when unset)."""
+    text = environ.get(var, "")
+    value = parse_number(text, float, field, f"e.g. {example}") if text else default
+    if not 0 < value < math.inf:
+        raise ConfigError(field, f"must be a positive number of seconds, got {text!r}", f"e.g. {example}")
+    return value
