@@ -1,8 +1,22 @@
-"""Spawning a few real torch.distributed processes for a test and collecting their results."""
+"""Spawning a few real torch.distributed processes for a test and collecting their results.
 
+Ranks start from a fork server (multiprocessing's "forkserver"): one clean process, started once
+per test session, that imports torch, its pipelining and memx's runtime, and forks each rank from
+that state. A rank is still its own process with its own process group; only the imports are
+shared. Spawning instead re-imported them in every rank: four ranks on two cores took 14 s to
+start, more than most of these tests take to train."""
+
+import importlib.util
+import os
 import socket
+import sys
+import tempfile
 
 import torch.multiprocessing as mp
+
+PRELOAD = ["torch", "torch.distributed.pipelining", "memx_launch.runtime.training",
+           "memx_launch.runtime.communication", "memx_launch.models.adapters"]
+OPTIONAL_PRELOAD = ["transformers"]  # the Hugging Face tests' models (the [hf] extra)
 
 
 def free_port() -> int:
@@ -11,17 +25,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_context():
+    """The multiprocessing context that starts ranks (the fork server's modules set on first use)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD + [m for m in OPTIONAL_PRELOAD if importlib.util.find_spec(m)])
+    return ctx
+
+
+def _in_environment(environ, log_path, target, *args):
+    # The fork server's environment and output are those it started with: a rank gets the test's
+    # own environment, as a spawned process would, and writes to a log the test prints.
+    os.environ.clear()
+    os.environ.update(environ)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    target(*args)
+
+
 def spawn_ranks(target, world_size: int, *args, timeout: float = 120) -> dict:
-    """Run ``target(rank, port, *args, queue)`` in ``world_size`` spawned processes; each puts
-    one ``(rank, result)`` on the queue. Returns ``{rank: result}`` once every process exited 0."""
-    ctx = mp.get_context("spawn")
+    """Run ``target(rank, port, *args, queue)`` in ``world_size`` processes; each puts one
+    ``(rank, result)`` on the queue. Returns ``{rank: result}`` once every process exited 0; what
+    the ranks printed goes to the test's stderr (pytest shows it when the test fails)."""
+    ctx = rank_context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, port, *args, queue)) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    with tempfile.NamedTemporaryFile("r", prefix="ranks-", suffix=".log") as log:
+        procs = [ctx.Process(target=_in_environment, args=(dict(os.environ), log.name, target, rank, port, *args, queue))
+                 for rank in range(world_size)]
+        try:
+            for p in procs:
+                p.start()
+            results = dict(queue.get(timeout=timeout) for _ in procs)
+            for p in procs:
+                p.join(timeout=60)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            sys.stderr.write(log.read())
     assert all(p.exitcode == 0 for p in procs), results
     return results
