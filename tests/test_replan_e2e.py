@@ -3,11 +3,13 @@ a fixed plan, ballast on one rank -> the monitor's agreed event (or an emulated 
 -> checkpoint -> the elastic agent's restart in place -> the script resumes from the checkpoint
 under the new plan. The losses must match an uninterrupted run with the final plan."""
 
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -24,6 +26,7 @@ BALLAST = f"rank=2,step={FAULT_STEP},gib=0.137"
 # fp32 on CPU: another split or recompute level only reorders sums (~1e-7, printed to 1e-6); a
 # lost or repeated optimizer step, or a missing optimizer state, moves the loss by 1e-3 and more.
 LOSS_ATOL = 1e-5
+REFERENCE_STEPS = 8  # the longest run of these tests and test_signals.py's: one reference for all
 LEVELS = ("none", "selective", "full")
 
 
@@ -55,6 +58,31 @@ def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=300):
     proc = subprocess.run(argv, cwd=tmp_path, env={**full_env, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+@functools.cache
+def one_process_losses() -> dict[int, float]:
+    """examples/train.py's losses in one process, every layer on one CPU stage: the same model,
+    data and optimizer steps as under any plan of the drill (fp32: a split or a recompute level
+    only reorders sums), so the reference of every memx-run test here and in test_signals.py."""
+    from memx_launch.planning.plan import Objective, StagePlan
+    from memx_launch.specs.model import get_model
+    from ranks import free_port
+
+    spec = get_model("llama-tiny")
+    plan = Plan("llama-tiny", spec, "test", 1, 1, 1, 1, 4, 64, "1f1b", 1,
+                [StagePlan("cpu", [0], spec.num_layers, "none", 0.0, 0.0)], 0.0, Objective(1.0, "default", (0.4, 0.2, 0.4)))
+    with tempfile.TemporaryDirectory() as tmp:
+        plan.save(os.path.join(tmp, "plan.json"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+        env.update(MEMX_PLAN=os.path.join(tmp, "plan.json"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), MEMX_STEP_TIMEOUT_S="600")
+        run = subprocess.run([sys.executable, TRAIN, "--model", "llama-tiny", "--steps", str(REFERENCE_STEPS), "--synthetic"],
+                             cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = dict(losses(run.stdout))
+    assert sorted(reference) == list(range(1, REFERENCE_STEPS + 1)), run.stdout[-2000:]
+    return reference
 
 
 def losses(stdout):
@@ -93,13 +121,8 @@ def test_ballast_replans_restarts_and_resumes_with_nothing_lost(ballast_run):
     # every step exactly once: none lost, none repeated
     assert [s for s, _ in losses(out)] == list(range(1, STEPS + 1)), out
 
-    # an uninterrupted run with the final plan gives the same losses
-    final = tmp / "final-plan.json"
-    final.write_text((run / "plan.json").read_text())
-    rc, ref_out, ref_err = memx_run(tmp, tmp / "reference", final)
-    assert rc == 0, ref_err[-4000:]
-    reference = dict(losses(ref_out))
-    assert sorted(reference) == list(range(1, STEPS + 1))
+    # the losses of an uninterrupted run in one process
+    reference = one_process_losses()
     for step, loss in losses(out):
         assert loss == pytest.approx(reference[step], abs=LOSS_ATOL), step
 
@@ -172,11 +195,7 @@ def test_out_of_memory_replans_and_reruns_the_steps_after_the_last_checkpoint(tm
     assert [s for s, _ in printed] == [1, 2, 3, 3, 4, 5, 6], out
     # periodic checkpoints replace each other: the last one (step 4; step 6's checks never run)
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["latest.json", "step-00000004"]
-    final = tmp_path / "final-plan.json"
-    final.write_text((tmp_path / "run" / "plan.json").read_text())
-    rc, ref_out, ref_err = memx_run(tmp_path, tmp_path / "reference", final)
-    assert rc == 0, ref_err[-4000:]
-    reference = dict(losses(ref_out))
+    reference = one_process_losses()
     for step, loss in printed:
         assert loss == pytest.approx(reference[step], abs=LOSS_ATOL), step
 

@@ -186,8 +186,9 @@ EQUIVALENCE_CASES = {
 
 @pytest.mark.slow
 def test_pipelines_match_the_single_process_reference():
-    # DDP rebuilds its buckets at step 2 (it failed there once with several micro-batches): run past it
-    cases = [(plan, dp, 3 if dp == "ddp" else 1) for plan, dp in EQUIVALENCE_CASES.values()]
+    # DDP rebuilds its buckets at step 2 (it failed there once with several micro-batches): run past
+    # it; TP x PP trains three steps on DTensor weights, and on one repeated batch the loss must fall
+    cases = [(plan, dp, 3 if dp == "ddp" or (plan.tp > 1 and plan.pp > 1) else 1) for plan, dp in EQUIVALENCE_CASES.values()]
     results = spawn_ranks(_worker, 4, cases, timeout=300)
     for i, (name, (plan, _)) in enumerate(EQUIVALENCE_CASES.items()):
         ref_loss, ref_grads = _reference(plan)
@@ -195,23 +196,13 @@ def test_pipelines_match_the_single_process_reference():
         for rank in range(4):
             losses, stage_peaks, grads = results[rank][i]
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank)
-            assert len(losses) == cases[i][2] and losses[-1] <= losses[0], (name, rank)
-            assert all(peak > 0 for peak in stage_peaks), name
+            assert len(losses) == cases[i][2] and (len(losses) == 1 or losses[-1] < losses[0] - 0.1), (name, rank)
+            assert len(stage_peaks) == plan.pp and all(0 < peak < 1.0 for peak in stage_peaks), name
             for param, grad in grads.items():
                 diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
                 assert diff < GRAD_ATOL, (name, rank, param, diff)
                 covered.add(param)
         assert covered == set(ref_grads), name  # every parameter lives on some rank
-
-
-@pytest.mark.slow
-def test_tp2_pp2_trains():
-    plan = make_plan([((0, 1), 5, "full"), ((2, 3), 3, "none")], tp=2, micro_batch_size=2, global_batch_size=8)
-    results = spawn_ranks(_worker, 4, [(plan, "fsdp", 8)], timeout=300)
-    losses, stage_peaks, _ = results[0][0]
-    assert all(results[r][0][0] == pytest.approx(losses) for r in range(4))  # every rank reports the same
-    assert losses[-1] < losses[0] - 0.5  # one repeated batch: the loss must fall clearly
-    assert len(stage_peaks) == 2 and all(0 < p < 1.0 for p in stage_peaks)
 
 
 def test_a_plan_with_fewer_micro_batches_than_stages_stops_before_training():

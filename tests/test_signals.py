@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_replan_e2e import CLUSTER, LOSS_ATOL, TRAIN, _plan_file, losses
+from test_replan_e2e import CLUSTER, LOSS_ATOL, TRAIN, _plan_file, losses, one_process_losses
 
 STEPS = 8
 
@@ -66,10 +66,7 @@ def test_sigint_checkpoints_every_completed_step_and_the_same_command_continues(
     after = losses(resumed.stdout)
     assert [s for s, _ in after] == list(range(printed[-1] + 1, STEPS + 1))  # none lost, none repeated
 
-    reference = subprocess.run(_argv(tmp_path, tmp_path / "reference", plan), cwd=tmp_path, env=_env(),
-                               capture_output=True, text=True, timeout=150)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = dict(losses(reference.stdout))
+    expected = one_process_losses()
     for step, loss in losses(out) + after:
         assert loss == pytest.approx(expected[step], abs=LOSS_ATOL), step
 
@@ -121,8 +118,7 @@ def test_after_kill_9_of_a_rank_resume_reruns_the_steps_after_the_last_checkpoin
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = losses(resumed.stdout)
     assert [s for s, _ in after] == list(range(latest + 1, STEPS + 1))
-    reference = dict(losses(subprocess.run(_argv(tmp_path, tmp_path / "reference", plan), cwd=tmp_path, env=env,
-                                           capture_output=True, text=True, timeout=300).stdout))
+    reference = one_process_losses()
     for step, loss in after:
         assert loss == pytest.approx(reference[step], abs=LOSS_ATOL), step
 
