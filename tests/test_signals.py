@@ -43,48 +43,39 @@ def _run_until(argv, tmp_path, name, step, signum):
     return rc, out_path.read_text(), err_path.read_text()
 
 
-def _stopped_run(tmp_path, signum, after_step=2, run_dir="run"):
-    plan = _plan_file(tmp_path)
-    argv = _argv(tmp_path, run_dir and tmp_path / run_dir, plan, steps=1000)
-    return plan, *_run_until(argv, tmp_path, "first", after_step, signum)
-
-
 @pytest.mark.slow
-def test_sigint_checkpoints_every_completed_step_and_the_same_command_continues(tmp_path):
-    plan, rc, out, err = _stopped_run(tmp_path, signal.SIGINT)
+def test_sigint_then_sigterm_checkpoint_the_completed_steps_and_the_same_command_continues(tmp_path):
+    """Stopped by SIGINT (130), the very same command (memx-run's default run directory) continues
+    the run and is stopped by SIGTERM (143), then --run-dir continues it to the end: every step
+    once, with the losses of an uninterrupted run."""
+    plan = _plan_file(tmp_path)
+    argv = _argv(tmp_path, None, plan, steps=1000)
+    rc, out, err = _run_until(argv, tmp_path, "first", 2, signal.SIGINT)
     assert rc == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     stop_lines = [line for line in err.splitlines() if "memx-run:" in line and "SIGINT" in line]
     assert len(stop_lines) == 1 and "--resume" in stop_lines[0], err[-3000:]
-    printed = [s for s, _ in losses(out)]
-    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
-    assert latest["step"] == printed[-1]  # the step in flight finished and was kept
+    [run_dir] = (tmp_path / "runs").iterdir()  # memx-run's default run directory
+    first = losses(out)
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+    assert latest == first[-1][0]  # the step in flight finished and was kept
 
-    resumed = subprocess.run(_argv(tmp_path, tmp_path / "run", plan), cwd=tmp_path, env=_env(),
+    rc, out, err = _run_until(argv, tmp_path, "second", latest + 1, signal.SIGTERM)
+    assert rc == 143 and "Traceback" not in err, err[-3000:]
+    second = losses(out)
+    assert second[0][0] == latest + 1 and f"resumed after step {latest}" in err
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+    assert latest == second[-1][0]
+
+    resumed = subprocess.run(_argv(tmp_path, run_dir, plan), cwd=tmp_path, env=_env(),
                              capture_output=True, text=True, timeout=150)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = losses(resumed.stdout)
-    assert [s for s, _ in after] == list(range(printed[-1] + 1, STEPS + 1))  # none lost, none repeated
-
+    steps = first + second + losses(resumed.stdout)
+    assert [s for s, _ in steps] == list(range(1, STEPS + 1))  # none lost, none repeated
     expected = one_process_losses()
-    for step, loss in losses(out) + after:
+    for step, loss in steps:
         assert loss == pytest.approx(expected[step], abs=LOSS_ATOL), step
-
-
-@pytest.mark.slow
-def test_sigterm_stops_with_143_and_the_same_command_continues_the_run(tmp_path):
-    plan, rc, out, err = _stopped_run(tmp_path, signal.SIGTERM, run_dir=None)
-    assert rc == 143, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    [run_dir] = (tmp_path / "runs").iterdir()  # memx-run's default run directory
-    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
-    assert latest["step"] == losses(out)[-1][0]
-    # the very same command line: continues that run at the next step, then stops again
-    rc, out, err = _run_until(_argv(tmp_path, None, plan, steps=1000), tmp_path, "second", latest["step"] + 1,
-                              signal.SIGTERM)
-    assert rc == 143, err[-3000:]
-    assert losses(out)[0][0] == latest["step"] + 1 and f"resumed after step {latest['step']}" in err
-    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
 
 
 @pytest.mark.slow
