@@ -393,6 +393,7 @@ LAUNCHER_CASES = [
     ("env-calibration-timeout-text", {"MEMX_CALIBRATION_TIMEOUT_S": "abc"}, {}, RUN + SCRIPT),
     ("env-calibration-timeout-nan", {"MEMX_CALIBRATION_TIMEOUT_S": "nan"}, {}, RUN + SCRIPT),
     ("env-step-timeout-zero", {"MEMX_STEP_TIMEOUT_S": "0"}, {}, RUN + SCRIPT),
+    ("env-strict-domains-true", {"MEMX_STRICT_DOMAINS": "true"}, {}, RUN + SCRIPT),
     ("env-max-replans-negative", {"MEMX_MAX_REPLANS": "-1"}, {}, RUN + SCRIPT),
     ("env-checkpoint-every-text", {"MEMX_CHECKPOINT_EVERY": "often"}, {}, RUN + SCRIPT),
     ("env-checkpoint-every-superscript", {"MEMX_CHECKPOINT_EVERY": "\u00b2"}, {}, RUN + SCRIPT),

@@ -49,8 +49,12 @@ def bridge_backend(cluster) -> str:
 
 
 def strict_mode(emulated: bool, environ=os.environ) -> bool:
-    value = environ.get(STRICT_VAR)
-    return emulated if value in (None, "") else value == "1"
+    """MEMX_STRICT_DOMAINS: 1 on, 0 off, unset: on for emulated clusters (memx-run checks it up front)."""
+    value = environ.get(STRICT_VAR, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(STRICT_VAR, f"must be 0 or 1, got {value!r}", f"{STRICT_VAR}=1 refuses groups and "
+                          "transfers that would break between vendors' libraries, 0 allows them")
+    return emulated if value == "" else value == "1"
 
 
 def job_cluster(environ=os.environ):

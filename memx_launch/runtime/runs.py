@@ -77,6 +77,7 @@ def check_environment(environ=os.environ) -> None:
     """Every MEMX_* variable the workers read, parsed here: a bad one is one line before any
     worker starts, not a traceback in each."""
     from memx_launch.runtime.calibration import calibration_timeout_s
+    from memx_launch.runtime.communication import strict_mode
     from memx_launch.runtime.faults import Faults
     from memx_launch.runtime.monitor import MonitorConfig
     from memx_launch.runtime.supervisor import checkpoint_every
@@ -87,4 +88,5 @@ def check_environment(environ=os.environ) -> None:
     MonitorConfig.from_env(environ)
     Faults.from_env(environ)
     calibration_timeout_s(environ)
+    strict_mode(False, environ)
     step_timeout_s(0.0, environ)
