@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from memx_launch.errors import ConfigError
 
-STRICT_VAR = "MEMX_STRICT_DOMAINS"
+STRICT_VAR = "MEMX_STRICT_DOMAINS"  # 1 on, 0 off, unset: on for emulated clusters (memx-run checks it first)
 # Gradients summed across domains travel in flat buckets of this size (the last one smaller).
 BUCKET_BYTES = 2**20
 # Each torch build names its vendor's library by the device it drives (ROCm's torch calls RCCL "nccl").
@@ -49,7 +49,6 @@ def bridge_backend(cluster) -> str:
 
 
 def strict_mode(emulated: bool, environ=os.environ) -> bool:
-    """MEMX_STRICT_DOMAINS: 1 on, 0 off, unset: on for emulated clusters (memx-run checks it up front)."""
     value = environ.get(STRICT_VAR, "")
     if value not in ("", "0", "1"):
         raise ConfigError(STRICT_VAR, f"must be 0 or 1, got {value!r}", f"{STRICT_VAR}=1 refuses groups and "
