@@ -25,6 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_rank_env(plan_path) -> dict:
+    """The environment of a script run as a job of one rank under ``plan_path`` (what memx-run
+    would set), without the MEMX_* variables of the test's own environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    # MEMX_STEP_TIMEOUT_S: test plans predict no time (the watchdog's floor); a loaded machine is slow, not hung
+    env.update(MEMX_PLAN=str(plan_path), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), MEMX_STEP_TIMEOUT_S="600")
+    return env
+
+
 def rank_context():
     """The multiprocessing context that starts ranks (the fork server's modules set on first use)."""
     ctx = mp.get_context("forkserver")

@@ -114,7 +114,7 @@ def test_the_padded_fine_tuning_example_trains_as_its_one_process_reference(tmp_
     import sys
 
     pytest.importorskip("transformers")
-    from ranks import free_port
+    from ranks import one_rank_env
     from memx_launch.specs.model import get_model
     from test_adapters import make_plan
     from toy_models import EXAMPLES
@@ -127,13 +127,10 @@ def test_the_padded_fine_tuning_example_trains_as_its_one_process_reference(tmp_
     plan = make_plan(spec, [((0,), 2, "none")], micro_batch_size=2, global_batch_size=4, seq_len=spec.seq_len)
     plan.save(str(tmp_path / "plan.json"))
     script = os.path.join(EXAMPLES, "finetune_padded.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
-    env["MEMX_STEP_TIMEOUT_S"] = "600"  # the plan predicts no time; a loaded machine is slow, not hung
+    env = one_rank_env(tmp_path / "plan.json")  # --reference trains alone and ignores it
     runs = [subprocess.run([sys.executable, script, "--model", str(tmp_path / "tiny"), "--steps", "2",
-                            "--global-batch-size", "4", *extra], env={
-        **env, **job}, capture_output=True, text=True, timeout=600) for extra, job in (
-        ([], dict(MEMX_PLAN=str(tmp_path / "plan.json"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))), (["--reference"], {}))]
+                            "--global-batch-size", "4", *extra], env=env, capture_output=True, text=True, timeout=600)
+            for extra in ([], ["--reference"])]
     got, want = ([float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", run.stdout, re.M)] for run in runs)
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
     assert len(got) == len(want) == 2 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)

@@ -242,10 +242,11 @@ def test_a_huge_checkpoint_metadata_file_is_refused_before_it_is_read(tmp_path, 
         load_checkpoint(str(tmp_path / "ckpt"), [model], optimizer)
 
 
-@pytest.mark.parametrize("failing", ["save_file", "replace"])
+@pytest.mark.parametrize("failing", ["makedirs", "save_file", "replace"])
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, one_rank,
                                                                                   monkeypatch, failing):
-    """The tensors' file (every rank) or the folder's completion (rank 0) meets ENOSPC."""
+    """The step's folder (rank 0), the tensors' file (every rank) or the folder's completion
+    (rank 0: write_json_atomic's own error) meets ENOSPC."""
     import errno
 
     from memx_launch.errors import ConfigError
@@ -256,7 +257,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(*((checkpoint, "save_file") if failing == "save_file" else (os, "replace")), disk_full)
+    monkeypatch.setattr(checkpoint if failing == "save_file" else os, failing, disk_full)
     with pytest.raises(ConfigError, match=r"^checkpoint: step 2 was not saved under .*No space left on device.*"
                                           r"step-00000001 is intact; free space") as exc:
         checkpoint.save_checkpoint(str(tmp_path / "ckpt"), [model], optimizer, step=2)

@@ -65,20 +65,17 @@ def one_process_losses() -> dict[int, float]:
     """examples/train.py's losses in one process, every layer on one CPU stage: the same model,
     data and optimizer steps as under any plan of the drill (fp32: a split or a recompute level
     only reorders sums), so the reference of every memx-run test here and in test_signals.py."""
-    from memx_launch.planning.plan import Objective, StagePlan
     from memx_launch.specs.model import get_model
-    from ranks import free_port
+    from ranks import one_rank_env
+    from test_adapters import make_plan
 
     spec = get_model("llama-tiny")
-    plan = Plan("llama-tiny", spec, "test", 1, 1, 1, 1, 4, 64, "1f1b", 1,
-                [StagePlan("cpu", [0], spec.num_layers, "none", 0.0, 0.0)], 0.0, Objective(1.0, "default", (0.4, 0.2, 0.4)))
+    plan = make_plan(spec, [((0,), spec.num_layers, "none")], global_batch_size=4, seq_len=64)
     with tempfile.TemporaryDirectory() as tmp:
         plan.save(os.path.join(tmp, "plan.json"))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
-        env.update(MEMX_PLAN=os.path.join(tmp, "plan.json"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), MEMX_STEP_TIMEOUT_S="600")
-        run = subprocess.run([sys.executable, TRAIN, "--model", "llama-tiny", "--steps", str(REFERENCE_STEPS), "--synthetic"],
-                             cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+        run = subprocess.run([sys.executable, TRAIN, "--model", "llama-tiny", "--steps", str(REFERENCE_STEPS),
+                              "--synthetic"], cwd=tmp, env=one_rank_env(os.path.join(tmp, "plan.json")),
+                             capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     reference = dict(losses(run.stdout))
     assert sorted(reference) == list(range(1, REFERENCE_STEPS + 1)), run.stdout[-2000:]

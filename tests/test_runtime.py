@@ -188,7 +188,8 @@ EQUIVALENCE_CASES = {
 def test_pipelines_match_the_single_process_reference():
     # DDP rebuilds its buckets at step 2 (it failed there once with several micro-batches): run past
     # it; TP x PP trains three steps on DTensor weights, and on one repeated batch the loss must fall
-    cases = [(plan, dp, 3 if dp == "ddp" or (plan.tp > 1 and plan.pp > 1) else 1) for plan, dp in EQUIVALENCE_CASES.values()]
+    cases = [(plan, dp, 3 if dp == "ddp" or (plan.tp > 1 and plan.pp > 1) else 1)
+             for plan, dp in EQUIVALENCE_CASES.values()]
     results = spawn_ranks(_worker, 4, cases, timeout=300)
     for i, (name, (plan, _)) in enumerate(EQUIVALENCE_CASES.items()):
         ref_loss, ref_grads = _reference(plan)

@@ -156,20 +156,21 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _write_failure(rank: int, exc: OSError) -> str:
-    return f"rank {rank} could not write it ({exc.strerror or exc})"
+def _write_failure(rank: int, exc: OSError | ConfigError) -> str:
+    # write_json_atomic reports its failed write as its own ConfigError line
+    return f"rank {rank} could not write it ({exc.problem if isinstance(exc, ConfigError) else exc.strerror or exc})"
 
 
-def _agree(failure: str | None, directory: str, step: int, tmp: str) -> None:
-    """Every rank learns whether any rank's write failed (a full disk, a quota): then rank 0
-    removes the half-written folder and every rank raises the same one line, instead of the
-    failed rank dying alone while the others wait at the next collective."""
-    failures = [f for f in all_gather_json(failure) if f]
+def _agree(failures: list, directory: str, step: int, tmp: str) -> None:
+    """Raise, on every rank, the first write failure any rank had (a full disk, a quota), once
+    rank 0 removed the half-written folder: otherwise the failed rank dies alone while the others
+    wait at the next collective. ``failures``: every rank's, gathered (None where it wrote)."""
+    failures = [f for f in failures if f]
     if not failures:
         return
     if dist.get_rank() == 0:
         _remove(tmp)
-    latest = latest_checkpoint(directory) if os.path.exists(os.path.join(directory, LATEST)) else None
+    latest = latest_checkpoint(directory)
     kept = f"{os.path.basename(latest)} is intact" if latest else "no earlier checkpoint exists"
     raise ConfigError("checkpoint", f"step {step} was not saved under {directory}: {failures[0]}; {kept}",
                       "free space on that disk (or give --run-dir on one with room) and resume the run")
@@ -192,8 +193,6 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
             os.makedirs(tmp)
         except OSError as exc:
             failure = _write_failure(rank, exc)
-    # Also the barrier that makes tmp exist for every rank.
-    _agree(failure, directory, step, tmp)
     model_state, optim_state, _ = _global_names(_Parts(model_parts), optimizer)
     tensors, values = {}, {}
     for prefix, state in (("model", model_state), ("optimizer", optim_state)):
@@ -206,7 +205,9 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
     values.update(_rng_values(rank))
     mine = [[name, offset, list(local.shape), global_shape]
             for name, (local, global_shape, offset) in tensors.items() if local.numel()]
-    everyone = all_gather_json({"pieces": mine, "values": values})
+    # Also the barrier that makes tmp exist for every rank (or tells them rank 0 could not make it).
+    everyone = all_gather_json({"pieces": mine, "values": values, "failure": failure})
+    _agree([sent["failure"] for sent in everyone], directory, step, tmp)
     # Each distinct piece once: written by the lowest rank that holds it (DP replicas hold copies).
     writer: dict[tuple, tuple[int, list]] = {}
     for r, sent in enumerate(everyone):
@@ -218,15 +219,13 @@ def save_checkpoint(directory: str, model_parts: list[torch.nn.Module], optimize
                   os.path.join(tmp, f"rank{rank:05d}.safetensors"))
     except OSError as exc:
         failure = _write_failure(rank, exc)
-    _agree(failure, directory, step, tmp)
+    _agree(all_gather_json(failure), directory, step, tmp)
     if rank == 0:
         try:
             _complete(directory, final, tmp, step, data_state, plan, everyone, writer, keep)
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:
             failure = _write_failure(rank, exc)
-        except ConfigError as exc:  # write_json_atomic's own one line for a failed write
-            failure = f"rank 0 could not complete it ({exc.problem})"
-    _agree(failure, directory, step, tmp)
+    _agree(all_gather_json(failure), directory, step, tmp)
     return final
 
 

@@ -129,9 +129,7 @@ class EmulatedDevice(TorchDispatchMode):
         for ref, key in list(self._tensors.values()):
             t, entry = ref(), self._storages.get(key)
             if t is not None and entry is not None:
-                nbytes = t.untyped_storage().nbytes()
-                self.live_bytes += nbytes - entry[1]
-                entry[1] = nbytes
+                self._resize(entry, t.untyped_storage().nbytes())
 
     def _release(self, tid: int, key: int) -> None:
         self._tensors.pop(tid, None)
