@@ -152,6 +152,18 @@ def test_emulated_vendor_types_hold_no_communicator_buffers():
             == [s.predicted_peak_memory_gib for s in estimate(as_cpu, **layout).stages])
 
 
+def test_emulated_vendor_types_compute_as_the_cpus_they_are():
+    # The vendor picks an emulated type's domain; its layers run on a CPU: no GPU tiles, waves
+    # or kernel launches (they once made llama-tiny's stages 40x slower than the emulation runs).
+    cpu_types = {n: {**s, "vendor": "cpu"} for n, s in TWO_VENDORS["device_types"].items()}
+    one_type = [{"name": "localhost", "devices": {"nv-small": 4}, "intra_node_gbps": 2}]  # one domain
+    as_cpu = ClusterSpec.from_dict({**copy.deepcopy(TWO_VENDORS), "device_types": cpu_types, "nodes": one_type})
+    as_vendors = two_vendors(nodes=one_type)
+    layout = dict(pp=2, dp=2, micro_batch_size=4, stage_devices=["nv-small", "nv-small"])
+    assert estimate(as_vendors, **layout).predicted_iteration_time_s == \
+        pytest.approx(estimate(as_cpu, **layout).predicted_iteration_time_s, rel=1e-9)
+
+
 def test_plans_with_crossings_round_trip(tmp_path):
     plan = estimate(two_vendors(), pp=2, dp=2, stage_devices=["nv-small", "amd-big"])
     path = str(tmp_path / "plan.json")

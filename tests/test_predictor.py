@@ -14,7 +14,7 @@ from memx_launch.profiling.features import FEATURE_NAMES
 from memx_launch.profiling.predictor import PREDICTOR_FORMAT, LearnedCostModel, Predictor, fit_predictor, sidecar_path
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
 from memx_launch.specs.model import MODEL_CATALOG
-from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
+from memx_launch.specs.cluster import ClusterSpec, DeviceType, Emulation, Node
 from memx_launch.specs.training import TrainingSpec
 
 SPEC = MODEL_CATALOG["llama-tiny"]
@@ -107,6 +107,20 @@ def test_adding_device_types_never_moves_a_profiled_types_predictions(tmp_path):
     names, models = ["dev", "other", "new", "dev"], [SPEC.signature()] * 4
     assert np.allclose(loaded.predict_log_ratios(X, names, models), together.predict_log_ratios(X, names, models))
     assert sorted(os.listdir(tmp_path)) == ["p.type0.ubj", "p.type1.ubj", "p.ubj", "p.ubj.meta.json"]
+
+
+def test_emulated_samples_are_learned_against_the_estimate_the_plan_uses():
+    # A CPU stand-in named for a GPU vendor, at its CPU's own speed (slowdown 1): its plans are
+    # estimated as a CPU's (no tiles, waves or launches), so its samples must be learned so too.
+    emulated = ClusterSpec("e", (DEVICE,), (Node("n", (("dev", 4),), 100.0),), float("inf"), Emulation((("dev", 1.0),)))
+    cost = AnalyticalCostModel(SPEC, emulated, TRAINING)
+    records = [replace(r, emulated=True, time_s=2.0 * float(cost.layer_costs(
+        [0], [1], [r.micro_batch_size], [r.seq_len], [LEVELS.index(r.recompute)]).time_s[0]))
+        for r in synthetic_records(mbs_values=(1, 4, 16), seqs=(32, 128))]
+    learned = LearnedCostModel(SPEC, emulated, TRAINING, fit_predictor(records, trials=1))
+    mbs = np.array([2, 8])
+    assert np.allclose(learned.layer_costs(0, 1, mbs, 64, 0).time_s, 2.0 * cost.layer_costs(0, 1, mbs, 64, 0).time_s,
+                       rtol=0.15)
 
 
 def test_unseen_device_type_warns_and_still_predicts(fitted):

@@ -207,6 +207,9 @@ def test_calibration_kernel_measures_time_and_memory_on_cpu():
     assert none.peak_reserved_bytes is None and none.context_bytes is None  # no caching allocator, no CUDA context
     (slow,) = calibrate(SPEC, CPU, samples[:1], repeats=1, emulation_slowdown=4.0)
     assert slow.emulated and slow.emulation_slowdown == 4.0
+    # An emulated type at its CPU's own speed is still a stand-in (learned against a CPU's estimate).
+    (as_fast,) = calibrate(SPEC, CPU, samples[:1], repeats=1, emulation_slowdown=1.0)
+    assert as_fast.emulated and as_fast.emulation_slowdown == 1.0
 
 
 def _has_cuda() -> bool:

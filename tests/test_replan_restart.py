@@ -146,3 +146,58 @@ def test_ballast_replan_restart_resume(tmp_path):
     assert cluster.crosses_domains
     for step in range(1, STEPS + 1):
         assert faulted[step] == pytest.approx(reference[step], abs=LOSS_ATOL), step
+
+
+class _LeavingSupervisor:
+    """What a rank's supervisor does when a step fails, reduced to reporting the path taken and
+    leaving (a planned restart ends the process)."""
+
+    signal_received = stop_signal = 0
+
+    def __init__(self, rank, queue):
+        self.rank, self.queue = rank, queue
+
+    def before_step(self, step):
+        pass
+
+    def _leave(self, how):
+        self.queue.put((self.rank, how))
+        self.queue.close()
+        self.queue.join_thread()  # delivered before the process ends
+        os._exit(0)
+
+    def on_out_of_memory(self, error):
+        self._leave("out of memory, re-planned")
+
+    def on_peer_failure(self, error):
+        self._leave(f"peer failure: {type(error).__name__}")
+
+
+def _optimizer_oom_worker(rank, port, queue):
+    import torch.distributed as dist
+    from memx_launch.runtime.training import Runtime
+    from test_runtime import _batch as runtime_batch
+    from test_runtime import make_plan
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    plan = make_plan([((0,), 4, "none"), ((1,), 4, "none")])
+    runtime = Runtime(plan, rank)
+    runtime.supervisor = _LeavingSupervisor(rank, queue)
+    if rank == 1:  # the last stage runs out of memory in its optimizer step (Adam's states are lazy)
+        def step(*args, **kwargs):
+            raise torch.OutOfMemoryError("emulated: no room for the optimizer states")
+        runtime.optimizer.step = step
+    tokens, targets = runtime_batch(plan)
+    runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets))
+    queue.put((rank, "finished the step"))
+
+
+@pytest.mark.slow
+def test_a_peer_leaving_after_its_backward_restarts_the_rank_waiting_for_its_step_statistics():
+    # Stage 0 finished its step and waits in the gather of every rank's statistics when stage 1
+    # leaves for a re-plan: that failure takes the peer-failure path (a quiet planned restart),
+    # not a traceback that would fail the job.
+    results = spawn_ranks(_optimizer_oom_worker, 2, timeout=60)
+    assert results == {0: "peer failure: RuntimeError", 1: "out of memory, re-planned"}

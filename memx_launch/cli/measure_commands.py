@@ -108,12 +108,12 @@ def run_profile(args) -> int:
     model = get_model(args.model)
     ProfileDB(args.out).check_appendable("--out")  # before measuring, not after
     device = measuring_device(args.device)
-    slowdown, link = 1.0, None
+    slowdown, link = None, None  # a slowdown: the cluster file emulates this type
     if args.cluster:
         cluster = ClusterSpec.from_yaml(args.cluster)
         device_type = _cluster_device_type(cluster, args.device_type)
         name = device_type.name
-        slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else 1.0
+        slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else None
         link = tp_link_gbps(cluster, name)
     else:
         device_type = detect_device_type(device, args.device_type)
@@ -127,7 +127,7 @@ def run_profile(args) -> int:
         if not 1 <= s <= 2**20:
             raise ConfigError("--seq-lens", f"{s} is not a sequence length", "e.g. --seq-lens 1024,2048")
     space = default_space(model, max_micro_batch=args.max_micro_batch, seq_lens=args.seq_lens)
-    emulated = " (emulated: measured time x {:g})".format(slowdown) if slowdown != 1.0 else ""
+    emulated = " (emulated: measured time x {:g})".format(slowdown) if slowdown is not None else ""
     print(f"profiling {model.name} on {device_type.name} ({device}, {dtype}){emulated}; "
           f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
     result = profile_model(model, device_type, space, device=device, budget=args.budget, dtype=dtype,

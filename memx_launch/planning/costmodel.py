@@ -271,7 +271,10 @@ class AnalyticalCostModel:
         self._tflops = np.array([training_tflops(d, training) for d in self.device_types])
         # The linear layers' GEMMs: each at its shape's share of the rate large training GEMMs sustain.
         self._best_flops = self._tflops * 1e12
-        self._sms = np.array([streaming_multiprocessors(d.vendor, d.compute_capability, d.sm_count)
+        # Emulated devices are CPU processes whatever vendor they stand in for (the vendor picks
+        # their communication domain): no tiles nor waves, no kernel launches.
+        stand_in = cluster.emulation is not None
+        self._sms = np.array([0 if stand_in else streaming_multiprocessors(d.vendor, d.compute_capability, d.sm_count)
                               for d in self.device_types])
         self._hbm = np.array([hbm_gbps(d) for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
@@ -279,7 +282,7 @@ class AnalyticalCostModel:
                                                                 d.compute_capability) for d in self.device_types])
         # Accelerators launch kernels from the host and talk through NCCL/RCCL; CPU stand-ins
         # (emulation, profiling on a CPU) run their ops inline and are timed without these.
-        accelerator = np.array([d.vendor != "cpu" for d in self.device_types])
+        accelerator = np.array([d.vendor != "cpu" and not stand_in for d in self.device_types])
         self._launch_s = np.where(accelerator, KERNELS_PER_LAYER * KERNEL_LAUNCH_S, 0.0)
         self._accelerator = accelerator
         self._head_cache: dict = {}

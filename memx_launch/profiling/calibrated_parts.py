@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import warnings
 from dataclasses import replace
 
@@ -33,8 +32,9 @@ import numpy as np
 
 from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
+from memx_launch.profiling.features import profiled_cluster, setup_key
 from memx_launch.profiling.profiledb import Measurement
-from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType, Emulation, Node
+from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType
 from memx_launch.specs.training import TrainingSpec
 
 PARTS = ("embedding", "head")
@@ -49,19 +49,15 @@ def _analytical(first: Measurement, efficiency: float | None = None) -> Analytic
     device = DeviceType(name=first.device_type, **first.device)
     if efficiency is not None:
         device = replace(device, efficiency=efficiency)
-    emulation = Emulation(((device.name, first.emulation_slowdown),)) if first.emulation_slowdown != 1.0 else None
-    cluster = ClusterSpec("profiled", (device,), (Node("profiled", ((device.name, 1),),
-                                                       float(first.tp_link_gbps or 1.0)),), math.inf, emulation)
-    return AnalyticalCostModel(first.shape_spec(), cluster, TrainingSpec(dtype=first.dtype, **first.run_options))
+    return AnalyticalCostModel(first.shape_spec(), profiled_cluster(first, device),
+                               TrainingSpec(dtype=first.dtype, **first.run_options))
 
 
 def _same_setup_groups(records) -> dict[tuple, list[Measurement]]:
     """Records by what their analytical estimate depends on besides the configuration."""
     groups: dict[tuple, list[Measurement]] = {}
     for r in records:
-        key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-               r.dtype, r.tp_link_gbps, r.emulation_slowdown, json.dumps(r.run_options, sort_keys=True))
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(setup_key(r), []).append(r)
     return groups
 
 

@@ -53,10 +53,20 @@ def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute)
     return X, base
 
 
-def _single_device_cluster(device: DeviceType, tp_link: float | None, slowdown: float) -> ClusterSpec:
-    # The link is what the profiled TP group reached (already through the host on a PCIe node).
-    node = Node("profiled", ((device.name, 1),), float(tp_link or 1.0), gpu_link="direct")
-    emulation = Emulation(((device.name, slowdown),)) if slowdown != 1.0 else None
+def setup_key(r: Measurement) -> tuple:
+    """What a record's analytical estimate depends on besides its configuration."""
+    return (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
+            r.dtype, r.tp_link_gbps, r.emulation_slowdown, r.emulated, json.dumps(r.run_options, sort_keys=True))
+
+
+def profiled_cluster(first: Measurement, device: DeviceType) -> ClusterSpec:
+    """The one-device cluster ``first`` was measured on. The link is what the profiled TP group
+    reached (already through the host on a PCIe node). An emulated record's cluster is emulated
+    too: its device computed as the CPU it is, whatever vendor it stood in for, and the plan's
+    emulated cluster is estimated so (a ratio learned against another estimate would not carry)."""
+    node = Node("profiled", ((device.name, 1),), float(first.tp_link_gbps or 1.0), gpu_link="direct")
+    emulated = first.emulated or first.emulation_slowdown != 1.0
+    emulation = Emulation(((device.name, first.emulation_slowdown),)) if emulated else None
     return ClusterSpec("profiled", (device,), (node,), math.inf, emulation)
 
 
@@ -83,9 +93,7 @@ def training_rows(records: list[Measurement]) -> TrainingSet:
     groups: dict[tuple, list[Measurement]] = {}
     for r in records:
         if r.feasible and r.time_s and r.time_s > 0:
-            key = (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-                   r.dtype, r.tp_link_gbps, r.emulation_slowdown, json.dumps(r.run_options, sort_keys=True))
-            groups.setdefault(key, []).append(r)
+            groups.setdefault(setup_key(r), []).append(r)
     if not groups:
         raise ConfigError("profile", "no feasible measurement to learn from",
                           "profile configurations that fit in memory (memx profile)")
@@ -93,8 +101,7 @@ def training_rows(records: list[Measurement]) -> TrainingSet:
     for rows in groups.values():
         first = rows[0]
         device = DeviceType(name=first.device_type, **first.device)
-        cost = AnalyticalCostModel(first.shape_spec(),
-                                   _single_device_cluster(device, first.tp_link_gbps, first.emulation_slowdown),
+        cost = AnalyticalCostModel(first.shape_spec(), profiled_cluster(first, device),
                                    TrainingSpec(dtype=first.dtype, **first.run_options))
         X, base = physics_features(cost, np.zeros(len(rows), dtype=np.int64), [r.tp for r in rows],
                                    [r.micro_batch_size for r in rows], [r.seq_len for r in rows],

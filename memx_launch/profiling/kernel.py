@@ -107,14 +107,15 @@ def _is_oom(exc: BaseException) -> bool:
 
 def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample], *, device: str = "cpu",
               tp_group=None, dtype: str = "fp32", num_blocks: int = 2, warmup: int = 1, repeats: int = 5,
-              emulation_slowdown: float = 1.0, tp_link_gbps: float | None = None,
+              emulation_slowdown: float | None = None, tp_link_gbps: float | None = None,
               progress: Callable[[Sample], None] | None = None, block_factory=None) -> list[Measurement]:
     """Measure forward + backward of ``num_blocks`` blocks for each sample, on this rank.
 
     ``tp_group`` is a process group of same-type ranks for samples with tp > 1 (every rank of
     the group calls this with the same samples); samples whose TP does not match the group
-    size are an error. ``emulation_slowdown`` multiplies measured time (CPU stand-ins for
-    slower devices) and labels the records emulated. Out-of-memory samples come back with
+    size are an error. ``emulation_slowdown``: None on a real device; on a CPU stand-in for an
+    emulated device its slowdown (1 or more), which multiplies measured time; the records are
+    labelled emulated. Out-of-memory samples come back with
     ``feasible=False``; so do samples whose peak exceeds an emulated device's capacity.
     ``block_factory``: recompute level -> one block of the user's model ([b, s, hidden] in and out,
     e.g. models/adapters.py's ModelParts.block_probe); default memx's LLaMA block of the shape. TP = 1 only.
@@ -144,7 +145,8 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             feasible = False
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
-        emulated = emulation_slowdown != 1.0
+        emulated = emulation_slowdown is not None
+        factor = emulation_slowdown if emulated else 1.0
         if feasible and emulated and peak > device_type.memory_bytes:
             feasible = False
         out.append(Measurement(
@@ -154,12 +156,12 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             block_shape=shape.to_dict(),
             tp=s.tp, micro_batch_size=s.micro_batch_size, seq_len=s.seq_len, recompute=s.recompute,
             dtype=dtype, num_blocks=num_blocks, feasible=feasible,
-            time_s=None if time_s is None else time_s * emulation_slowdown,
-            time_spread_s=None if spread_s is None else spread_s * emulation_slowdown,
+            time_s=None if time_s is None else time_s * factor,
+            time_spread_s=None if spread_s is None else spread_s * factor,
             peak_memory_bytes=peak, peak_reserved_bytes=reserved,
             context_bytes=_context_bytes(torch.device(device)) if feasible else None,
             tp_link_gbps=tp_link_gbps if s.tp > 1 else None,
-            emulation_slowdown=emulation_slowdown, emulated=emulated, software=software))
+            emulation_slowdown=factor, emulated=emulated, software=software))
         if progress is not None:
             progress(s)
     return out
@@ -265,7 +267,7 @@ def _peak_memory_bytes(step: Callable[[], None], dev) -> tuple[float, float | No
 
 def profile_model(spec: ModelSpec, device_type: DeviceType, space: ProfileSpace, *, device: str = "cpu",
                   budget: int | None = None, dtype: str = "fp32", num_blocks: int = 2, repeats: int = 5,
-                  emulation_slowdown: float = 1.0, tp_link_gbps: float | None = None,
+                  emulation_slowdown: float | None = None, tp_link_gbps: float | None = None,
                   refine_budget: int | None = None, show_progress: bool = True) -> MinimalSet:
     """The minimal-set profile of one device type on this process's device (TP 1), with a
     progress bar per phase on stderr."""

@@ -49,8 +49,9 @@ from memx_launch.specs.training import TrainingSpec
 from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, physics_features, training_rows
 
 
-PREDICTOR_FORMAT = 5
-"""5: per-type trees in files of their own, each with its sha256 in the sidecar."""
+PREDICTOR_FORMAT = 6
+"""5: per-type trees in files of their own, each with its sha256 in the sidecar; 6: emulated
+samples are learned against the estimate of the CPU they ran on (their vendor's GPU before)."""
 MIN_OWN_RECORDS = 8
 """Measured feasible samples from which a device type gets trees of its own (a three-point
 design over micro-batch and TP holds 9; the new-type design's 5 lean on the fleet)."""

@@ -103,7 +103,7 @@ class TypeCalibration:
     """One rank's part in calibrating its device type."""
 
     def __init__(self, model: ModelSpec, device_type: DeviceType, groups: TypeGroups, db: ProfileDB,
-                 stored: list[Measurement], *, device: str, dtype: str, slowdown: float, tp_link_gbps,
+                 stored: list[Measurement], *, device: str, dtype: str, slowdown: float | None, tp_link_gbps,
                  describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print, block_factory=None):
         """``block_factory``: the user's block to measure instead of memx's (kernel.calibrate; TP = 1)."""
         self.model, self.device_type, self.groups, self.db = model, device_type, groups, db

@@ -298,7 +298,14 @@ class Runtime:
             self.supervisor.on_peer_failure(exc)
         step_time = time.perf_counter() - start
         self.step_count += 1
-        return self._gather_stats(losses, step_time)
+        try:
+            return self._gather_stats(losses, step_time)
+        except Exception as exc:
+            # A peer that ran out of memory in its optimizer step left for a re-plan while this
+            # rank, done with its own step, waited for the peer's statistics.
+            if self.supervisor is None:
+                raise
+            self.supervisor.on_peer_failure(exc)
 
     def _gather_stats(self, losses: list[torch.Tensor], step_time: float) -> StepStats:
         # One loss per pipeline: the last stage's TP rank 0 of each DP replica contributes it.
