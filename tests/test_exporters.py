@@ -413,3 +413,13 @@ def test_memx_export_to_torchtitan_prints_the_toml_and_notes_on_stderr(tmp_path,
     out, err = capsys.readouterr()
     assert tomllib.loads(out)["parallelism"]["pipeline_parallel_split_points"] == ["layers.8"]
     assert "note: set [model] name and flavor" in err
+
+
+def test_a_gpt_style_model_exports_layer_norm_biases_and_its_learned_position_table():
+    plan = make_plan(model="opt-350m", layers=(12, 12), recompute=("full", "none"))
+    args = megatron_args(plan).args
+    assert (_flag(args, "--position-embedding-type"), _flag(args, "--max-position-embeddings"),
+            _flag(args, "--normalization")) == ("learned_absolute", "2050", "LayerNorm")
+    assert "--disable-bias-linear" not in args and "--rotary-base" not in args and "--swiglu" not in args
+    config = _megatron_config(plan, args)
+    assert config.add_bias_linear and config.normalization == "LayerNorm"

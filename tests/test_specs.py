@@ -13,6 +13,7 @@ from memx_launch.specs.model import ModelSpec, get_model
 from memx_launch.specs.training import TrainingSpec
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
+EXAMPLE_MODELS = os.path.join(os.path.dirname(__file__), "..", "examples", "models")
 
 GOOD = """
 version: 1
@@ -103,6 +104,37 @@ def test_hf_configs_of_other_families(tmp_path, cfg, expected):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = get_model(str(tmp_path))
     assert {k: getattr(m, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("folder, family", [("hf-gpt2-tiny", "GPT2"), ("hf-llama-tiny", "Llama")])
+def test_parameter_count_is_the_hugging_face_models(folder, family):
+    # GPT-2: LayerNorm biases, a bias on every linear layer, the learned position table; Llama: none.
+    transformers = pytest.importorskip("transformers")
+    path = os.path.join(EXAMPLE_MODELS, folder, "config.json")
+    with open(path) as f:
+        config = getattr(transformers, f"{family}Config")(**{k: v for k, v in json.load(f).items()
+                                                             if k not in ("architectures", "_name_or_path")})
+    model = getattr(transformers, f"{family}ForCausalLM" if family == "Llama" else f"{family}LMHeadModel")(config)
+    assert get_model(path).total_params == sum(p.numel() for p in model.parameters())
+    opt = transformers.OPTConfig(num_hidden_layers=2, hidden_size=64, ffn_dim=256, num_attention_heads=4,
+                                 vocab_size=300, max_position_embeddings=128, word_embed_proj_dim=64)
+    assert ModelSpec.from_hf_dict(opt.to_dict(), "opt").total_params == \
+        sum(p.numel() for p in transformers.OPTForCausalLM(opt).parameters())
+
+
+def test_fields_added_at_their_defaults_keep_a_models_signature():
+    # Profiles and predictors are keyed by the signature: a LLaMA's must not move when fields
+    # that it does not use (LayerNorm, biases, a position table) are added to the shape.
+    import dataclasses
+    import hashlib
+
+    llama = get_model("llama2-7b")
+    before = {k: v for k, v in dataclasses.asdict(llama).items()
+              if k not in ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks", "layer_norm",
+                           "linear_biases", "position_embeddings")}
+    assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
+    gpt_style = dataclasses.replace(llama, layer_norm=True, linear_biases=True, position_embeddings=4096)
+    assert gpt_style.signature() != llama.signature() and gpt_style.total_params > llama.total_params
 
 
 def test_a_head_dim_memx_cannot_model_is_refused(tmp_path):

@@ -196,7 +196,7 @@ def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None) 
 def last_stage_params(model: ModelSpec, pp: int) -> int:
     """Final norm and output layer; with tied embeddings and PP > 1 the last stage keeps its
     own copy of the word embeddings (Megatron syncs their gradients with the first stage)."""
-    tied_copy = model.embedding_params if model.tie_embeddings and pp > 1 else 0
+    tied_copy = model.word_embedding_params if model.tie_embeddings and pp > 1 else 0
     return model.head_params + tied_copy
 
 

@@ -89,4 +89,4 @@ def tied_gradient_bytes(model: ModelSpec, pp: int, first_tp: int, training: Trai
     without tied embeddings or with one stage, which holds the one weight)."""
     if not model.tie_embeddings or pp == 1:
         return 0.0
-    return model.embedding_params / first_tp * training.precision_bytes("grad_dtype")
+    return model.word_embedding_params / first_tp * training.precision_bytes("grad_dtype")

@@ -93,24 +93,31 @@ def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
 
 def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     """The model's shape in Megatron-LM's words: a LLaMA-style decoder (no biases, RMSNorm, RoPE,
-    SwiGLU unless the model has a plain MLP) with grouped-query attention when KV heads are fewer,
-    its RoPE base and norm epsilon (Megatron's defaults, 10000 and 1e-5, are not every model's)."""
+    SwiGLU unless the model has a plain MLP) or a GPT-2 style one (LayerNorm, biases, a learned
+    position table) with grouped-query attention when KV heads are fewer, its RoPE base and norm
+    epsilon (Megatron's defaults, 10000 and 1e-5, are not every model's)."""
     spec = plan.model_spec
     notes = []
     args = ["--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden_size),
             "--ffn-hidden-size", str(spec.ffn_hidden_size), "--num-attention-heads", str(spec.num_heads)]
     if spec.num_kv_heads != spec.num_heads:
         args += ["--group-query-attention", "--num-query-groups", str(spec.num_kv_heads)]
-    args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings", str(max(plan.seq_len, spec.seq_len)),
-             "--vocab-size", str(spec.vocab_size), "--position-embedding-type", "rope",
-             "--normalization", "RMSNorm", "--disable-bias-linear"]
+    learned = spec.position_embeddings > 0
+    args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
+             str(spec.position_embeddings if learned else max(plan.seq_len, spec.seq_len)),
+             "--vocab-size", str(spec.vocab_size),
+             "--position-embedding-type", "learned_absolute" if learned else "rope",
+             "--normalization", "LayerNorm" if spec.layer_norm else "RMSNorm"]
+    if not spec.linear_biases:
+        args.append("--disable-bias-linear")
     if spec.gated_mlp:
         args.append("--swiglu")
     if not spec.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
-    # Megatron-LM reads --rotary-base as an integer.
-    args += ["--rotary-base", str(round(spec.rope_theta)), "--norm-epsilon", f"{spec.norm_eps:g}"]
-    if spec.rope_theta != round(spec.rope_theta):
+    if not learned:  # Megatron-LM reads --rotary-base as an integer.
+        args += ["--rotary-base", str(round(spec.rope_theta))]
+    args += ["--norm-epsilon", f"{spec.norm_eps:g}"]
+    if not learned and spec.rope_theta != round(spec.rope_theta):
         notes.append(f"the model's RoPE base {spec.rope_theta:g} is not an integer; Megatron-LM's --rotary-base "
                      f"takes one ({round(spec.rope_theta)} here)")
     return args, notes

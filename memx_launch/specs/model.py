@@ -21,6 +21,11 @@ MAX_DIMENSION = 2**24
 
 # Fields that change no time or memory: a model's profiles and plans stay its own whatever they hold.
 _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
+# Fields added after profiles were keyed by the shape: at these defaults a shape keeps the
+# signature it had, so the profiles and predictors of LLaMA-style models stay valid.
+_KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0}
+# Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
+GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
 # Model types whose config class ties the head to the embedding unless told otherwise.
@@ -49,6 +54,12 @@ class ModelSpec:
     """RoPE base (Llama 3: 500000). Neither it nor ``norm_eps`` changes time or memory: they are
     kept so that exports state them (Megatron-LM's --rotary-base, --norm-epsilon)."""
     norm_eps: float = 1e-5
+    layer_norm: bool = False
+    """LayerNorm (a weight and a bias per norm), else RMSNorm (a weight)."""
+    linear_biases: bool = False
+    """A bias on every linear layer of the blocks (GPT-2, OPT, Phi)."""
+    position_embeddings: int = 0
+    """Rows of a learned position table beside the word embeddings (GPT-2: n_positions); 0: rotary."""
     tensor_parallel_blocks: bool = True
     """memx's runtime splits these blocks by TP (its LLaMA, the Hugging Face Llama family);
     memx-run plans TP 1 otherwise (a plan for another framework may still use TP)."""
@@ -61,6 +72,10 @@ class ModelSpec:
         require_name(self.name, "model.name")
         require_type(self.gated_mlp, bool, "model.gated_mlp")
         require_type(self.tie_embeddings, bool, "model.tie_embeddings")
+        require_type(self.layer_norm, bool, "model.layer_norm")
+        require_type(self.linear_biases, bool, "model.linear_biases")
+        require_number(self.position_embeddings, "model.position_embeddings", lo=0, hi=MAX_DIMENSION, integer=True,
+                       fix="the learned position table's rows, or 0 for rotary positions")
         require_type(self.tensor_parallel_blocks, bool, "model.tensor_parallel_blocks")
         require_number(self.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
         require_number(self.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
@@ -90,18 +105,36 @@ class ModelSpec:
         return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
 
     @property
+    def norm_params(self) -> int:
+        return (2 if self.layer_norm else 1) * self.hidden_size
+
+    @property
+    def bias_params(self) -> int:
+        """The biases of one block's linear layers (QKV, output, MLP)."""
+        if not self.linear_biases:
+            return 0
+        mlp = (2 if self.gated_mlp else 1) * self.ffn_hidden_size + self.hidden_size
+        return 2 * self.hidden_size + 2 * self.kv_hidden_size + mlp
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one transformer block, two norms included."""
-        return self.attention_params + self.mlp_params + 2 * self.hidden_size
+        """Parameters of one transformer block, two norms and the biases included."""
+        return self.attention_params + self.mlp_params + self.bias_params + 2 * self.norm_params
+
+    @property
+    def word_embedding_params(self) -> int:
+        """The token embedding: the weight tied to the head when ``tie_embeddings``."""
+        return self.vocab_size * self.hidden_size
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        """What the first stage holds before the blocks: the token and position embeddings."""
+        return self.word_embedding_params + self.position_embeddings * self.hidden_size
 
     @property
     def head_params(self) -> int:
         """Final norm plus the output projection (zero extra when tied)."""
-        return self.hidden_size + (0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
+        return self.norm_params + (0 if self.tie_embeddings else self.word_embedding_params)
 
     @property
     def total_params(self) -> int:
@@ -109,7 +142,9 @@ class ModelSpec:
 
     def signature(self) -> str:
         """Short stable hash of the shape; keys profiles, caches and predictors."""
-        payload = json.dumps({k: v for k, v in asdict(self).items() if k not in _NOT_SHAPE}, sort_keys=True)
+        shape = {k: v for k, v in asdict(self).items()
+                 if k not in _NOT_SHAPE and not (k in _KEYED_UNLESS_DEFAULT and v == _KEYED_UNLESS_DEFAULT[k])}
+        payload = json.dumps(shape, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -173,6 +208,12 @@ class ModelSpec:
                               f"hidden_size {cfg['hidden_size']}: memx models attention as hidden_size wide",
                               "use a model whose head_dim is hidden_size / num_attention_heads")
         tied = cfg.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)
+        gpt_style = model_type in GPT_STYLE
+        # Learned position tables: GPT-2's n_positions rows, OPT's max_position_embeddings + 2 (its offset).
+        positions = {"gpt2": cfg.get("max_position_embeddings") or 1024,
+                     "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
+        if cfg.get("enable_bias") is not None:
+            require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
         return cls(
             name=name,
             num_layers=cfg["num_hidden_layers"],
@@ -184,6 +225,9 @@ class ModelSpec:
             seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
             gated_mlp=act in ("silu", "swiglu", "swish") or model_type in GATED_GELU,
             tie_embeddings=bool(tied),
+            layer_norm=gpt_style,
+            linear_biases=gpt_style and cfg.get("enable_bias", True),
+            position_embeddings=positions,
             tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
             **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
                                                   ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
@@ -193,6 +237,11 @@ class ModelSpec:
 
 def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=10000.0) -> ModelSpec:
     return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=rope_theta)
+
+
+def _gpt_style(name, layers, hidden, heads, ffn, vocab, seq, positions) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, heads, ffn, vocab, seq, gated_mlp=False, tie_embeddings=True,
+                     layer_norm=True, linear_biases=True, position_embeddings=positions)
 
 
 # Paper Table 4 plus the published FFN and KV-head sizes; the small flavors run on a CPU.
@@ -205,10 +254,11 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
     _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
     _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),  # TinyLlama-1.1B's shape: benchmarks/gpu_check.py
-    # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, fp32 there).
-    ModelSpec("opt-350m", 24, 1024, 16, 16, 4096, 50272, 2048, gated_mlp=False, tie_embeddings=True),
-    ModelSpec("gpt-neo-2.7b", 32, 2560, 20, 20, 10240, 50257, 2048, gated_mlp=False, tie_embeddings=True),
-    ModelSpec("opt-30b", 48, 7168, 56, 56, 28672, 50272, 2048, gated_mlp=False, tie_embeddings=True),
+    # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, LayerNorm, biases,
+    # learned positions: OPT's table has 2 rows more than its context; fp32 there).
+    _gpt_style("opt-350m", 24, 1024, 16, 4096, 50272, 2048, positions=2050),
+    _gpt_style("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, positions=2048),
+    _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050),
 )}
 
 
