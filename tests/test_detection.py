@@ -96,3 +96,33 @@ def test_a_single_process_without_a_process_group_describes_itself_alone():
     data, note = detect_cluster(detect_rank_device(None, 0, 0), 0, 1)
     cluster = ClusterSpec.from_dict(data)
     assert cluster.world_size == 1 and cluster.rank_device_types() == ["cpu"] and "one device" in note
+
+
+def _two_vendor_worker(rank, port, queue):
+    from memx_launch.runtime.communication import init_distributed
+    from memx_launch.runtime.detection import detect_cluster
+    from memx_launch.runtime.devices import RankDevice
+    from memx_launch.specs.cluster import DeviceType
+
+    # Node 0: two "NVIDIA" ranks; node 1: one "AMD" rank (CPU processes reporting those vendors).
+    node, vendor = (0, "nvidia") if rank < 2 else (1, "amd")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
+                      GROUP_RANK=str(node))
+    init_distributed(across_domains=True)
+    device = RankDevice(DeviceType(name=f"{vendor}-gpu", vendor=vendor, memory_gib=1.0, peak_tflops=1.0), None, vendor)
+    data, note = detect_cluster(device, rank % 2 if node == 0 else 0, 2 if node == 0 else 1)
+    queue.put((rank, (data, note)))
+
+
+@pytest.mark.slow
+def test_detection_across_vendors_probes_each_domain_natively_and_the_bridge_between():
+    from ranks import spawn_ranks
+
+    results = spawn_ranks(_two_vendor_worker, 3, timeout=120)
+    data, note = results[0]
+    assert all(results[r][0] == data for r in (1, 2))
+    cluster = ClusterSpec.from_dict(data)
+    assert cluster.crosses_domains and cluster.rank_domains() == ["nccl", "nccl", "rccl"]
+    assert cluster.nodes[0].intra_node_gbps > 0 and cluster.bridge.gbps > 0
+    # no two nodes share a domain: the nodes' network is what the bridge reached
+    assert cluster.inter_node_gbps > 0 and "bridge (gloo, host memory) between domains" in note

@@ -65,12 +65,12 @@ def job_cluster(environ=os.environ):
     return ClusterSpec.from_yaml(path) if path else None
 
 
-def init_distributed(plan=None, cluster=None) -> None:
+def init_distributed(plan=None, cluster=None, *, across_domains: bool = False) -> None:
     """Join the job's process group from torchrun's variables, under a per-generation key prefix:
     after an in-place restart the agent's store still holds the previous generation's keys. With a
     plan, this device takes its stage-major process rank (layout.process_rank). The job-wide group
     is native when every rank shares a domain and the bridge when they do not (``cluster``: the
-    job's ClusterSpec; default: its cluster file)."""
+    job's ClusterSpec, default its cluster file; ``across_domains``: cluster detection's job)."""
     from memx_launch.runtime.layout import process_rank
     from memx_launch.runtime.restarts import restart_generation
 
@@ -92,8 +92,8 @@ def init_distributed(plan=None, cluster=None) -> None:
         process = psutil.Process()
         cores = len(process.cpu_affinity()) if hasattr(process, "cpu_affinity") else psutil.cpu_count()
         torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    backend = bridge_backend(cluster) if cluster is not None and cluster.crosses_domains \
-        else NATIVE_BACKEND_BY_DEVICE[device.type]
+    crosses = across_domains or (cluster is not None and cluster.crosses_domains)
+    backend = bridge_backend(cluster) if crosses else NATIVE_BACKEND_BY_DEVICE[device.type]
     dist.init_process_group(backend, store=dist.PrefixStore(f"memx/generation{restart_generation()}", store),
                             rank=rank if plan is None else process_rank(plan, rank), world_size=world)
 

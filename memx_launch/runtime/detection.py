@@ -2,11 +2,14 @@
 
 Every rank reports its host, vendor, device name, memory and the local devices it reaches over
 NVLink (NVML) or peer-to-peer (torch.cuda); the ranks of one torchrun agent form a node
-(torchrun numbers them consecutively). Then short probes measure the links: on each node with two
-or more ranks, an all-reduce over its ranks and a point-to-point transfer between its first two;
-across nodes, the same between the nodes' first ranks. Rank 0 builds the cluster description
-(intra- and inter-node bandwidth from the all-reduce's bus bandwidth, the figure the cost model
-uses for collectives) and every node's first local rank writes it as a cluster YAML.
+(torchrun numbers them consecutively). The nodes may run different vendors' torch builds: the job
+joins over the bridge (gloo, in every build), and each probe runs where its library exists. On each
+node with two or more ranks, an all-reduce over its ranks and a point-to-point transfer between its
+first two, on the node's native library; across the nodes of one communication domain, the same
+between their first ranks; across domains, the same over the bridge between the first ranks of the
+first two domains, host tensors. Rank 0 builds the cluster description (intra- and inter-node
+bandwidth from the all-reduce's bus bandwidth, the figure the cost model uses for collectives; the
+bridge's from its transfer) and every node's first local rank writes it as a cluster YAML.
 
 On a machine without GPUs each rank is a CPU "device" (gloo), so all of this runs in the tests.
 ``memx cluster detect`` runs :func:`main` under torchrun.
@@ -25,10 +28,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from memx_launch.runtime.communication import new_group
+from memx_launch.runtime.communication import NATIVE_BACKEND_BY_DEVICE, local_device, new_group
 from memx_launch.runtime.messages import all_gather_json
 from memx_launch.files import write_text_atomic
 from memx_launch.runtime.devices import RankDevice
+from memx_launch.specs.cluster import DeviceType
 
 PROBE_BYTES = {"cuda": 64 * 2**20, "cpu": 8 * 2**20}
 PROBE_REPEATS = 3
@@ -92,9 +96,9 @@ def _probe(ranks: list[int], group, device) -> dict:
     seconds = _timed(lambda: dist.all_reduce(buffer, group=group), device)
     allreduce = 2 * (n - 1) / n * nbytes / seconds / 1e9
     if me == ranks[0]:
-        p2p = nbytes / _timed(lambda: dist.send(buffer, ranks[1]), device) / 1e9
+        p2p = nbytes / _timed(lambda: dist.send(buffer, ranks[1], group=group), device) / 1e9
     elif me == ranks[1]:
-        _timed(lambda: dist.recv(buffer, ranks[0]), device)
+        _timed(lambda: dist.recv(buffer, ranks[0], group=group), device)
         p2p = None
     else:
         p2p = None
@@ -112,6 +116,11 @@ def nodes_of(reports: list[dict]) -> list[list[int]]:
     return nodes
 
 
+def domains_of(reports: list[dict]) -> list[str]:
+    """Each rank's communication domain, from the device type it reported."""
+    return [DeviceType(**r["type"]).communication_domain for r in reports]
+
+
 def detect_cluster(rank_device: RankDevice, local_rank: int, local_count: int) -> tuple[dict, str]:
     """Every rank: report, probe the links; returns the cluster description (a dict for
     ClusterSpec.from_dict) and comment lines with what was measured, on every rank. A single
@@ -120,21 +129,31 @@ def detect_cluster(rank_device: RankDevice, local_rank: int, local_count: int) -
     nodes = nodes_of(reports)
     if not dist.is_initialized():  # a single process (Lightning on one device): no link to probe
         return describe(reports, nodes, [{}]), probe_note(reports, nodes, [{}])
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    # Every rank creates every group, in the same order, on the default group's backend (a
-    # detected job is one domain: runtime/communication.py).
-    backend = dist.get_backend()
-    node_groups = [new_group(ranks, backend) if len(ranks) > 1 else None for ranks in nodes]
-    leaders = [ranks[0] for ranks in nodes]
-    leader_group = new_group(leaders, backend) if len(leaders) > 1 else None
+    device = local_device()
+    native = NATIVE_BACKEND_BY_DEVICE[device.type]
+    domains = domains_of(reports)
+    # Every rank creates every group, in the same order; only the members build the backend
+    # (runtime/communication.py), so a native group exists only where its library does. A node's
+    # ranks share one torch build: one domain.
+    node_groups = [new_group(ranks, native) if len(ranks) > 1 else None for ranks in nodes]
+    leaders_by_domain: dict[str, list[int]] = {}
+    for ranks in nodes:
+        leaders_by_domain.setdefault(domains[ranks[0]], []).append(ranks[0])
+    leader_groups = {d: new_group(leaders, native) for d, leaders in leaders_by_domain.items() if len(leaders) > 1}
+    firsts = [leaders[0] for leaders in leaders_by_domain.values()][:2]
+    bridge_group = new_group(firsts, dist.get_backend()) if len(firsts) > 1 else None
     me = dist.get_rank()
     measured: dict = {}
     for ranks, group in zip(nodes, node_groups):
         if group is not None and me in ranks:
             measured["intra"] = _probe(ranks, group, device)
-    dist.barrier()  # the inter-node probe runs alone on the links
-    if leader_group is not None and me in leaders:
-        measured["inter"] = _probe(leaders, leader_group, device)
+    dist.barrier()  # the inter-node probes run alone on the links
+    for d, group in leader_groups.items():
+        if me in leaders_by_domain[d]:
+            measured["inter"] = _probe(leaders_by_domain[d], group, device)
+    dist.barrier()
+    if bridge_group is not None and me in firsts:
+        measured["bridge"] = _probe(firsts, bridge_group, torch.device("cpu"))
     results = all_gather_json(measured)
     return describe(reports, nodes, results), probe_note(reports, nodes, results)
 
@@ -157,9 +176,12 @@ def describe(reports: list[dict], nodes: list[list[int]], results: list[dict]) -
     # The probes measured bus bandwidth: what collectives reach, nothing to discount.
     data = {"version": 1, "name": "detected", "device_types": device_types, "nodes": node_entries,
             "link_efficiency": 1.0}
-    inter = results[nodes[0][0]].get("inter")
-    if inter:
-        data["inter_node_gbps"] = round(inter["allreduce_gbps"], 3)
+    inter = next((r["inter"] for r in results if r.get("inter", {}).get("p2p_gbps")), None)
+    bridge = next((r["bridge"] for r in results if r.get("bridge", {}).get("p2p_gbps")), None)
+    if inter or bridge:  # no two nodes of one domain: the nodes' network as the bridge reached it
+        data["inter_node_gbps"] = round((inter or bridge)["allreduce_gbps"], 3)
+    if bridge:
+        data["bridge"] = {"backend": "gloo", "gbps": round(bridge["p2p_gbps"], 3)}
     return data
 
 
@@ -178,9 +200,15 @@ def probe_note(reports: list[dict], nodes: list[list[int]], results: list[dict])
         nvlink = {r - ranks[0]: reports[r]["nvlink_peers"] for r in ranks if reports[r]["nvlink_peers"]}
         lines.append(f"# node{index} ({reports[ranks[0]]['host']}): {links}"
                      + (f"; NVLink peers by local rank {nvlink}" if nvlink else ""))
-    inter = results[nodes[0][0]].get("inter")
-    if inter:
-        lines.append(f"# across nodes: all-reduce {inter['allreduce_gbps']:.2f} GB/s, p2p {inter['p2p_gbps']:.2f} GB/s")
+    domains = domains_of(reports)
+    for rank, result in enumerate(results):
+        if (result.get("inter") or {}).get("p2p_gbps"):  # the probe's first rank: both figures
+            lines.append(f"# across the {domains[rank]} nodes: all-reduce {result['inter']['allreduce_gbps']:.2f} GB/s, "
+                         f"p2p {result['inter']['p2p_gbps']:.2f} GB/s")
+        if (result.get("bridge") or {}).get("p2p_gbps"):
+            lines.append(f"# bridge (gloo, host memory) between domains: all-reduce "
+                         f"{result['bridge']['allreduce_gbps']:.2f} GB/s, p2p {result['bridge']['p2p_gbps']:.2f} GB/s")
+    if any("inter" in r or "bridge" in r for r in results):
         lines.append("# inter_node_gbps is one rail (one rank per node probed); NICs were not counted, so each "
                      "node is taken to have one per device: add nics: N to a node with fewer")
     return "\n".join(lines) + "\n"
@@ -229,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     code = 0
     try:
-        init_distributed()
+        init_distributed(across_domains=True)  # the nodes may run different vendors' libraries
         rank_device = detect_rank_device(None, dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")))
         data = write_detected(rank_device, args.out, overwrite=True)  # memx cluster detect checked --out
         if dist.get_rank() == 0:
