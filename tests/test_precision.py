@@ -67,3 +67,19 @@ def test_bf16_and_fp16_train_on_cpu_close_to_fp32():
         # 5.24 bf16 went 6.264, 6.184, 6.270), so the trajectory is held to fp32's above instead.
         assert r[dtype][1] < r[dtype][0], (dtype, r[dtype])
         assert results[1][dtype] == r[dtype]  # every rank reports the same loss
+
+
+def test_a_plan_that_assumed_tf32_runs_fp32_matmuls_as_tf32_on_a_gpu():
+    from memx_launch.runtime.precision import Precision
+
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    try:
+        matmul.fp32_precision = conv.fp32_precision = "ieee"
+        Precision("fp32", torch.device("cpu"), tf32=True)  # a CPU has no TF32
+        Precision("fp32", torch.device("cuda"), tf32=False)  # the plan did not assume it: the user's setting stays
+        assert (matmul.fp32_precision, conv.fp32_precision) == ("ieee", "ieee")
+        Precision("fp32", torch.device("cuda"), tf32=True)  # constructing touches no device
+        assert (matmul.fp32_precision, conv.fp32_precision) == ("tf32", "tf32")
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = before

@@ -5,8 +5,9 @@ and optimizer state stay fp32 (the master copy), matrix products run in the low 
 cast weights live in autocast's cache for the step. Calibration measures blocks the same way
 (profiling/kernel.py), so the plan's memory is that of this training. fp16 also scales the loss
 (dynamic, as torch.amp.GradScaler does; the scale is agreed by all ranks, since one pipeline
-stage's overflow must skip every stage's step). fp32 changes nothing. CPUs support bf16 autocast,
-which is how the tests cover this path without a GPU.
+stage's overflow must skip every stage's step). fp32 changes nothing, unless the plan assumed TF32
+(``memx plan --tf32``): then a GPU's fp32 matmuls and convolutions run as TF32, as predicted. CPUs
+support bf16 autocast, which is how the tests cover this path without a GPU.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ GROWTH_INTERVAL = 2000
 
 
 class Precision:
-    def __init__(self, dtype: str, device: torch.device):
+    def __init__(self, dtype: str, device: torch.device, tf32: bool = False):
         if dtype not in TORCH_DTYPES:
             raise ConfigError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(TORCH_DTYPES)}")
+        if tf32 and dtype == "fp32" and device.type == "cuda":  # without the plan's word, the user's setting stays
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            torch.backends.cudnn.conv.fp32_precision = "tf32"
         self.dtype = dtype
         self.device = device
         self.loss_scale = INITIAL_LOSS_SCALE if dtype == "fp16" else 1.0

@@ -115,7 +115,8 @@ class Runtime:
         stages = [DomainPipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=self.pp_group,
                                       communicator=self.comm, links=self.links)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
-        self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device)
+        self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device,
+                                   tf32=plan.training.get("tf32", False))
         self.loss = BatchLoss(loss_fn)
         user_loss = self.precision.scaled(self.loss)
         if plan.virtual_stages == 1:
