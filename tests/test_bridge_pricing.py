@@ -76,6 +76,9 @@ def test_cross_domain_dp_group_costs_exactly_the_hierarchical_sync():
     assert (group.kind, group.stages, group.domains) == ("data_parallel", [0], ["nccl", "rccl"])
     assert group.seconds_per_step == pytest.approx(hierarchical) and group.bytes_per_step == pytest.approx(shard)
     assert native.crossings == []
+    from memx_launch.planning.report import crossing_lines  # memx estimate and memx plan print them
+
+    assert crossing_lines(crossing, two_vendors())[1].startswith("  DP sync of stage 0 (nccl | rccl):")
 
 
 def test_domains_of_different_sizes_all_reduce_then_broadcast():

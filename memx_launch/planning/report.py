@@ -163,9 +163,11 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
         return []
     lines = [f"crossing communication domains over the bridge ({cluster.bridge.backend}, staged through host memory):"]
     for c in plan.crossings:
-        what = {"pipeline": f"pipeline stage {c.stages[0]} -> {c.stages[1]}",
-                "data_parallel": f"DP sync of stage {c.stages[0]}",
-                "tied_embeddings": f"tied embeddings of stages {c.stages[0]} and {c.stages[1]}"}[c.kind]
+        if c.kind == "data_parallel":  # one stage
+            what = f"DP sync of stage {c.stages[0]}"
+        else:
+            what = (f"pipeline stage {c.stages[0]} -> {c.stages[1]}" if c.kind == "pipeline"
+                    else f"tied embeddings of stages {c.stages[0]} and {c.stages[1]}")
         lines.append(f"  {what} ({' | '.join(c.domains)}): {format_gib(c.bytes_per_step / 2**30)} per rank, "
                      f"{c.seconds_per_step:.3g} s per step")
     return lines
