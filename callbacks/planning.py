@@ -112,7 +112,7 @@ def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, 
         def measure(samples):
             return calibrate(spec, rank_device.device_type, samples, device=device, dtype=training.dtype,
                              num_blocks=2, repeats=2, block_factory=probe,
-                             emulation_slowdown=emulated.slowdown if emulated is not None else 1.0)
+                             emulation_slowdown=emulated.slowdown if emulated is not None else None)
 
         result = minimal_sample_set(space, measure, budget=CALIBRATION_BUDGET)
         lines = [m.to_json() for m in result.measurements]

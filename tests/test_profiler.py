@@ -197,6 +197,31 @@ def test_an_infeasible_refinement_point_counts_and_is_not_retried():
     assert len(tp2) == 3 and sum(not m.feasible for m in tp2) == 1 and result.measured_count == 12
 
 
+def test_a_default_that_does_not_fit_recentres_the_design_on_the_heaviest_sample_that_does():
+    # A small device: micro-batches of 4 and more run out of memory, the default (4) among them.
+    space = tp_mbs_space(tp=(1, 2), mbs=(1, 2, 4, 8, 16))
+    too_big = {s for tp in (1, 2) for b in (4, 8, 16) for s in [replace(space.default, tp=tp, micro_batch_size=b)]}
+    result = minimal_sample_set(space, physical_measure(lambda s: 1.0, infeasible=too_big))
+    # Re-centred on (TP 2, micro-batch 1), the only ablation sample that fit; its TP line measured too.
+    assert {(m.tp, m.micro_batch_size) for m in result.measurements if m.feasible} == {(1, 1), (2, 1)}
+    assert result.impact and result.measured_count == len(result.measurements)
+
+
+def test_a_device_that_holds_no_configuration_says_how_much_is_short():
+    from memx_launch.errors import ConfigError, NoFeasiblePlanError
+    from memx_launch.profiling.design import nothing_fits
+
+    space = tp_mbs_space(tp=(1,), mbs=(1, 2))
+    with pytest.raises(ConfigError, match="does not fit cpu: every profiled configuration"):  # real OOMs: no peak
+        minimal_sample_set(space, physical_measure(lambda s: 1.0, infeasible={
+            replace(space.default, micro_batch_size=b) for b in (1, 2)}))
+    # An emulated device measured its peak over the capacity: the shortfall is said, as the planner says it.
+    unit = physical_measure(lambda s: 1.0)([space.default])[0]
+    over = replace(unit, feasible=False, peak_memory_bytes=8.5 * 2**30)
+    error = nothing_fits([over, replace(over, peak_memory_bytes=9 * 2**30)])
+    assert isinstance(error, NoFeasiblePlanError) and "cpu short 512.0 MiB per device" in str(error)
+
+
 def test_calibration_kernel_measures_time_and_memory_on_cpu():
     samples = [Sample(1, 1, 16, level, SPEC.num_kv_heads) for level in ("none", "selective", "full")]
     none, selective, full = calibrate(SPEC, CPU, samples, repeats=3)

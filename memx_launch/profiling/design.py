@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 
 
 from memx_launch.profiling.interpolation import APPROX_LINEAR_R2, REFINE_ERROR
-from memx_launch.errors import ConfigError
+from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.profiling.refinement import Refinement, refine_design
 from memx_launch.profiling.space import PARAMETERS, ProfileSpace, Sample
@@ -190,6 +190,32 @@ def new_type_design(candidates: Sequence[C], budget: int, *, levels: Callable[[C
     return chosen
 
 
+def nothing_fits(measurements: list[Measurement]) -> MemxError:
+    """Every ablation sample, the leanest (smallest micro-batch, full recompute) included, ran out
+    of memory: the device cannot hold the model at all, said as the planner says it (how much
+    is short, when an emulated device measured its peak)."""
+    leanest = min(measurements, key=lambda m: m.peak_memory_bytes or math.inf)
+    capacity = (leanest.device.get("memory_gib") or 0) * 2**30
+    what = f"{leanest.model} does not fit {leanest.device_type}"
+    if leanest.peak_memory_bytes is None or not capacity:
+        return ConfigError("profile", f"{what}: every profiled configuration of its block ran out of memory",
+                           "use devices with more memory or a smaller model")
+    return NoFeasiblePlanError(
+        f"{what}: its leanest profiled configuration ({leanest.num_blocks} block(s), micro-batch "
+        f"{leanest.micro_batch_size}, recompute {leanest.recompute}) peaked at {leanest.peak_memory_bytes / 2**20:.1f} "
+        f"MiB of {capacity / 2**20:.1f} MiB: {leanest.device_type} short "
+        f"{(leanest.peak_memory_bytes - capacity) / 2**20:.1f} MiB per device; use devices with more memory or a "
+        "smaller model")
+
+
+def recentred(space: ProfileSpace, measured: dict[Sample, Measurement]) -> ProfileSpace:
+    """``space`` around the heaviest measured sample that fits, when its default did not."""
+    fitting = [s for s, m in measured.items() if m.feasible]
+    if not fitting:
+        raise nothing_fits(list(measured.values()))
+    return replace(space, default=max(fitting, key=lambda s: measured[s].peak_memory_bytes or 0.0))
+
+
 def minimal_sample_set(space: ProfileSpace, measure: Callable[[list[Sample]], list[Measurement]], *,
                        budget: int | None = None, threshold: float = IMPACT_THRESHOLD,
                        refine_budget: int | None = None) -> MinimalSet:
@@ -215,8 +241,13 @@ def minimal_sample_set(space: ProfileSpace, measure: Callable[[list[Sample]], li
         return MinimalSet(measured, impact=[], design_parameters=[], ablation_count=0, design_count=len(few),
                           measured_count=len(few), full_grid_size=space.full_grid_size, few_sample=True)
     measured = dict(zip(ablation, measure(ablation)))
+    if not measured[space.default].feasible:  # a small device: centre the design on what fits
+        space = recentred(space, measured)
+        ablation = ablation_samples(space)
+        new = [s for s in ablation if s not in measured]
+        measured.update(zip(new, measure(new)))
     impact = classify_impact(space, measured, threshold)
-    design_budget = None if budget is None else budget - len(ablation)
+    design_budget = None if budget is None else budget - len(measured)
     # Design points already measured in the ablation do not count against the budget.
     samples, names, dropped = three_point_design(space, impact, None)
     while design_budget is not None and len([s for s in samples if s not in measured]) > design_budget:
