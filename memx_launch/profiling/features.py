@@ -65,8 +65,7 @@ def profiled_cluster(first: Measurement, device: DeviceType) -> ClusterSpec:
     too: its device computed as the CPU it is, whatever vendor it stood in for, and the plan's
     emulated cluster is estimated so (a ratio learned against another estimate would not carry)."""
     node = Node("profiled", ((device.name, 1),), float(first.tp_link_gbps or 1.0), gpu_link="direct")
-    emulated = first.emulated or first.emulation_slowdown != 1.0
-    emulation = Emulation(((device.name, first.emulation_slowdown),)) if emulated else None
+    emulation = Emulation(((device.name, first.emulation_slowdown),)) if first.emulated else None
     return ClusterSpec("profiled", (device,), (node,), math.inf, emulation)
 
 

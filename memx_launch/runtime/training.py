@@ -290,23 +290,18 @@ class Runtime:
                     self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+            step_time = time.perf_counter() - start
+            self.step_count += 1
+            # Inside the handler too: a peer that ran out of memory in its optimizer step leaves
+            # for a re-plan while this rank, done with its step, waits here for its statistics.
+            return self._gather_stats(losses, step_time)
         except Exception as exc:
             if self.supervisor is None:
                 raise
             oom = _out_of_memory(exc)
             if oom is not None:
                 self.supervisor.on_out_of_memory(oom)
-            self.supervisor.on_peer_failure(exc)
-        step_time = time.perf_counter() - start
-        self.step_count += 1
-        try:
-            return self._gather_stats(losses, step_time)
-        except Exception as exc:
-            # A peer that ran out of memory in its optimizer step left for a re-plan while this
-            # rank, done with its own step, waited for the peer's statistics.
-            if self.supervisor is None:
-                raise
-            self.supervisor.on_peer_failure(exc)
+            self.supervisor.on_peer_failure(exc)  # a planned restart, or the error raised again
 
     def _gather_stats(self, losses: list[torch.Tensor], step_time: float) -> StepStats:
         # One loss per pipeline: the last stage's TP rank 0 of each DP replica contributes it.
