@@ -51,7 +51,7 @@ def _modules():
 
 
 # Entry modules of commands: run by a launcher or console script, imported by nothing.
-ENTRY_MODULES = {"memx_launch.runtime.worker"}
+ENTRY_MODULES = {"memx_launch.runtime.launcher"}
 
 
 def _package(module: str) -> str:

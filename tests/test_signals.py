@@ -92,10 +92,9 @@ def test_after_kill_9_of_a_rank_resume_reruns_the_steps_after_the_last_checkpoin
         while "step 5 |" not in out_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
             time.sleep(0.2)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "memx_launch.runtime.worker" in " ".join(p.cmdline())]
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("memx-rank")]
         assert len(workers) == 4
-        killed = int(workers[-1].environ()["RANK"])
+        killed = int(workers[-1].name().removeprefix("memx-rank"))
         workers[-1].kill()  # SIGKILL: nothing can be saved at that moment
         assert proc.wait(timeout=120) == 137  # as torchrun reports it, not its peers' failures
     assert err_path.read_text().strip().splitlines()[-1] == (
@@ -154,8 +153,7 @@ def test_workers_stop_with_a_checkpoint_when_memx_run_is_killed_and_sighup_stops
         while "step 2 |" not in out_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
             time.sleep(0.2)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "memx_launch.runtime.worker" in " ".join(p.cmdline())]
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("memx-rank")]
         assert len(workers) == 2
         proc.kill()
         proc.wait()

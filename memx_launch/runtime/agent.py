@@ -10,17 +10,25 @@ When the job fails, memx-run says it in one line: the error a worker wrote to it
 the same, or how the first rank to fail ended. The job's exit code is that rank's, as a shell
 reports it (137 for a rank killed by SIGKILL). torchrun's root-cause table and its log lines about
 the failure are shown with ``--verbose``.
+
+The workers run memx's worker function, started by multiprocessing (torchrun's --start-method;
+memx-run's default is a fork server): the fork server imports torch and its pipelining once and
+forks every worker of every start from that state, where a new interpreter per worker imported
+them again (about 5 s of CPU each, paid again at each planned restart). A worker is still its own
+process with its own process groups.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import time
 
-from memx_launch.runtime.restarts import GENERATION_VAR, PLANNED_RESTART_EXIT_CODE
+from memx_launch.runtime.restarts import PLANNED_RESTART_EXIT_CODE
 from memx_launch.runtime.watchdog import STEP_TIMEOUT_EXIT_CODE
 
 
@@ -29,17 +37,43 @@ def _agent_class():
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class MemxAgent(LocalElasticAgent):
-        generation = 0
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.generation = 0
+            self.ended_at: dict[int, int] = {}  # when each worker (by pid) was seen ended, to a monitor interval
 
         def _monitor_workers(self, worker_group):
+            for process in self._pcontext._pc.processes:
+                if process.exitcode is not None:
+                    self.ended_at.setdefault(process.pid, int(time.time()))
             result = super()._monitor_workers(worker_group)
-            if result.state == WorkerState.FAILED and _planned(result.failures):
-                self._remaining_restarts += 1  # the agent takes one off for every restart it makes
+            if result.state == WorkerState.FAILED:
+                result.failures = self._failures(worker_group)
+                if _planned(result.failures):
+                    self._remaining_restarts += 1  # the agent takes one off for every restart it makes
             return result
+
+        def _failures(self, worker_group) -> dict:
+            """Every worker that did not end with 0, by global rank, each at the time it ended.
+            Multiprocessing reports the first failure it saw, after it stopped the others: a
+            planned restart is one when every rank ended so, the one line names each rank that
+            failed the same way, and the root cause is the rank that failed first."""
+            from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+            failures = {}
+            for local_rank, process in enumerate(self._pcontext._pc.processes):
+                if process.exitcode in (0, None):
+                    continue
+                failure = ProcessFailure(local_rank, process.pid, process.exitcode,
+                                         self._pcontext.error_files[local_rank])
+                if not os.path.isfile(failure.error_file):  # no time of its own: when the agent saw it end
+                    failure.timestamp = self.ended_at.get(process.pid, failure.timestamp)
+                failures[worker_group.workers[local_rank].global_rank] = failure
+            return failures
 
         def _restart_workers(self, worker_group):
             self.generation += 1
-            os.environ[GENERATION_VAR] = str(self.generation)  # the workers inherit the agent's environment
+            worker_group.spec.args = (str(self.generation), *worker_group.spec.args[1:])
             super()._restart_workers(worker_group)
 
     return MemxAgent
@@ -103,29 +137,55 @@ def failure_line(failures) -> str:
     return f"memx-run: error: worker rank {rank} failed with exit code {code}"
 
 
-def run_agent(args, verbose: bool = False) -> int:
-    """torch.distributed.run.run(args) with memx's agent; the job's exit code. ``verbose``: also
-    torchrun's root-cause table and its log line about the failure."""
-    import torch.distributed.launcher.api as launcher_api
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
+WORKER_PRELOAD = ("torch", "torch.distributed.pipelining", "memx_launch.runtime.training")
+"""What the fork server imports before it forks workers: what every worker imports to train."""
 
-    os.environ[GENERATION_VAR] = "0"
+
+def run_agent(args, worker, worker_args: list[str], verbose: bool = False) -> int:
+    """torch.distributed.run.run(args) with memx's agent, each worker process running
+    ``worker(generation, *worker_args)``; the job's exit code. ``verbose``: also torchrun's
+    root-cause table and its log line about the failure."""
+    import torch.distributed.launcher.api as launcher_api
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_hide_signal_shutdown)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         _hide_planned_restart if verbose else _hide_failure_logs)
-    # launch_agent builds the agent by this module-level name; memx-run's process is the only user.
-    original = launcher_api.LocalElasticAgent
+    if not verbose:  # multiprocessing stops the other workers once one ended: memx-run says why
+        logging.getLogger("torch.multiprocessing.spawn").addFilter(_hide_failure_logs)
+    # torchrun's run() builds the agent and the launch by these module-level names (memx-run's
+    # process is their only user): memx's agent, and the worker function instead of a command.
+    originals = launcher_api.LocalElasticAgent, torchrun.elastic_launch
     launcher_api.LocalElasticAgent = _agent_class()
+    torchrun.elastic_launch = functools.partial(_launch_worker, worker, worker_args)
     try:
-        run(args)
+        torchrun.run(args)
     except ChildFailedError as exc:
         if verbose:
             print(str(exc), file=sys.stderr)  # torchrun's root-cause table
         print(failure_line(exc.failures), file=sys.stderr)
         return exit_code(root_cause(exc.failures)[1].exitcode)
     finally:
-        launcher_api.LocalElasticAgent = original
+        launcher_api.LocalElasticAgent, torchrun.elastic_launch = originals
     return 0
+
+
+def _launch_worker(worker, worker_args, config, entrypoint):
+    """torchrun's ``elastic_launch(config, entrypoint)(*command_args)``, launching the worker
+    function of the first generation instead of the command torchrun built."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    return lambda *command_args: elastic_launch(config=config, entrypoint=worker)("0", *worker_args)
+
+
+def _hide_signal_shutdown(record: logging.LogRecord) -> bool:
+    """The agent's own lines about a stop signal: memx-run says it once, with how to resume."""
+    message = record.getMessage()
+    return not any(line in message for line in ("death signal, shutting down workers", "closing signal",
+                                                "Closing process"))
 
 
 def _hide_planned_restart(record: logging.LogRecord) -> bool:
@@ -135,4 +195,4 @@ def _hide_planned_restart(record: logging.LogRecord) -> bool:
 
 def _hide_failure_logs(record: logging.LogRecord) -> bool:
     """Without --verbose: none of the agent's lines about failed workers (memx-run says it once)."""
-    return not record.getMessage().startswith("failed (exitcode:")
+    return not record.getMessage().startswith(("failed (exitcode:", "Terminating process"))

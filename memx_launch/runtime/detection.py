@@ -224,7 +224,7 @@ def write_detected(rank_device: RankDevice, path: str, *, overwrite: bool) -> di
 
 
 def run_detect(args) -> int:
-    """``memx cluster detect``: a torchrun job of this module's :func:`main` on this node."""
+    """``memx cluster detect``: a torchrun job of :func:`detection_worker` on this node."""
     from torch.distributed.run import get_args_parser
 
     from memx_launch.errors import ConfigError
@@ -236,25 +236,28 @@ def run_detect(args) -> int:
     if nnodes != "1" and not args.master_addr:
         raise ConfigError("--master-addr", f"needed with --nnodes {args.nnodes}", "give node rank 0's address")
     nproc = args.nproc_per_node or str(torch.cuda.device_count() if torch.cuda.is_available() else 1)
-    torchrun = ["--nnodes", str(args.nnodes), "--nproc-per-node", nproc, "--max-restarts", "0"]
+    torchrun = ["--nnodes", str(args.nnodes), "--nproc-per-node", nproc, "--max-restarts", "0",
+                "--start-method", "forkserver"]
     if nnodes == "1" and not args.master_addr:
         torchrun.append("--standalone")
     else:
         torchrun += ["--node-rank", str(args.node_rank), "--rdzv-backend", "static", "--master-addr",
                      args.master_addr, "--master-port", str(args.master_port)]
-    return run_agent(get_args_parser().parse_args(
-        [*torchrun, "--module", "memx_launch.runtime.detection", "--out", os.path.abspath(args.out)]))
+    # torchrun's parser wants a script: the agent runs detection_worker in its place
+    return run_agent(get_args_parser().parse_args([*torchrun, "memx-cluster-detect"]), detection_worker,
+                     ["--out", os.path.abspath(args.out)])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``memx cluster detect``'s worker: detect and write --out."""
+def detection_worker(generation: str, *argv: str) -> None:
+    """Each rank of ``memx cluster detect`` (its agent starts it): detect and write --out; an
+    error exits the process with its code."""
     from memx_launch.errors import MemxError
     from memx_launch.runtime.devices import detect_rank_device
     from memx_launch.runtime.communication import init_distributed
 
     parser = argparse.ArgumentParser(prog="memx cluster detect (worker)")
     parser.add_argument("--out", required=True, help="written by each node's first local rank")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(list(argv))
     code = 0
     try:
         init_distributed(across_domains=True)  # the nodes may run different vendors' libraries
@@ -269,8 +272,5 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if code:
+        sys.exit(code)

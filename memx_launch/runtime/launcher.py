@@ -7,7 +7,7 @@ Everything is checked before any worker starts (the script too: :mod:`script_che
 input is one error line and a non-zero exit, and nothing is overwritten.
 
 Then either ``--dry-run`` (plan here, print the plan and the torchrun line, exit) or the job:
-the workers run :mod:`memx_launch.runtime.worker`, which plans in the job (unless --plan is
+the workers run :func:`memx_launch.runtime.worker.run_worker`, which plans in the job (unless --plan is
 given) and restarts in place with the plan through the elastic agent.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import os
 import sys
@@ -49,10 +48,14 @@ def build_parser():
     parser = get_args_parser()
     parser.prog = "memx-run"
     parser.error = lambda message: one_line_error(parser, message, "memx-run")  # not torchrun's usage dump
-    # None: not given; this node's count then comes from the cluster file or its GPUs.
-    parser.set_defaults(nproc_per_node=os.environ.get("PET_NPROC_PER_NODE"))
+    # nproc None: not given; this node's count then comes from the cluster file or its GPUs.
+    parser.set_defaults(nproc_per_node=os.environ.get("PET_NPROC_PER_NODE"),
+                        start_method=os.environ.get("PET_START_METHOD", "forkserver"))
     for action in parser._actions:
-        if action.dest == "nproc_per_node":
+        if action.dest == "start_method":
+            action.help = ("how workers start (default forkserver: one process imports torch once and forks "
+                           "every worker of every start from it; spawn: a new interpreter per worker)")
+        elif action.dest == "nproc_per_node":
             action.help = ("processes on this node: a number, or gpu/auto (default: this node's devices in "
                            "--cluster, the entry at --node-rank; without a cluster file one per GPU, 1 on a "
                            "CPU machine). Nodes may start different numbers")
@@ -371,6 +374,7 @@ def launch(args, resolved) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from memx_launch.runtime.agent import run_agent
+    from memx_launch.runtime.worker import run_worker
 
     run_dir = resolved["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
@@ -403,28 +407,18 @@ def launch(args, resolved) -> int:
     # The workers run memx's worker, which runs the script. Planned restarts (the initial plan,
     # each re-plan) go through the agent too; memx's agent does not count them (agent.py).
     worker_args = (["--module"] if args.module else []) + [args.training_script, *resolved["script_args"]]
-    args.module, args.no_python = True, False
-    args.training_script, args.training_script_args = "memx_launch.runtime.worker", worker_args
     rendezvous.configure(args)  # a one-node job on loopback; a secret run id; no pickle from the store
     rendezvous.check_endpoint(args)  # another program on the store's port: one line, not minutes of silence
-    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
-        logging.getLogger(name).addFilter(_hide_signal_shutdown)
     stopped = os.path.join(run_dir, STOPPED_FILE)
     if os.path.exists(stopped):  # continued now: a later same command starts a new run
         os.remove(stopped)
     try:
-        return run_agent(args, verbose=args.verbose)
+        return run_agent(args, run_worker, worker_args, verbose=args.verbose)
     except SignalException as exc:  # the workers checkpointed and said so (supervisor.stop_at_signal)
         record_stopped(run_dir, resolved["argv"], exc.sigval.name)
         print(f"memx-run: stopped by {exc.sigval.name}: {stopped_state(run_dir, resolved['profile_db'])}",
               file=sys.stderr)
         return 128 + int(exc.sigval)
-
-
-def _hide_signal_shutdown(record: logging.LogRecord) -> bool:
-    """The agent's own lines about a stop signal: memx-run says it once, with how to resume."""
-    message = record.getMessage()
-    return "death signal, shutting down workers" not in message and "closing signal" not in message
 
 
 def main(argv: list[str] | None = None) -> int:

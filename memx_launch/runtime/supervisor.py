@@ -142,14 +142,26 @@ class Supervisor:
                 signal.signal(signum, self._note_signal)
 
     def _watch_launcher(self) -> None:
-        """Without memx-run nobody restarts, re-plans or stops the job: when its process is gone
-        (this process's parent changes), stop at the next step boundary with a checkpoint."""
+        """Without memx-run nobody restarts, re-plans or stops the job: when its process is gone,
+        stop at the next step boundary with a checkpoint. (Not this process's parent: that is the
+        fork server, which lives on while any worker does.)"""
+        import psutil
+
         pid = self.environ.get(LAUNCHER_PID_VAR, "")
         if not pid.isdigit():
             return
+        def running(launcher) -> bool:  # is_running() tells a reused pid apart; a killed one may be a zombie
+            try:
+                return launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
 
         def watch():
-            while os.getppid() == int(pid):
+            try:
+                launcher = psutil.Process(int(pid))
+            except psutil.NoSuchProcess:
+                launcher = None
+            while launcher is not None and running(launcher):
                 time.sleep(LAUNCHER_POLL_S)
             self.launcher_gone = True
             self._note_signal(signal.SIGHUP)

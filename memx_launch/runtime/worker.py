@@ -1,5 +1,6 @@
-"""What every memx-run worker process runs: plan in the job when there is no plan yet, then
-run the user's script with the plan in its environment.
+"""What every memx-run worker process runs (:func:`run_worker`, started by the elastic agent):
+plan in the job when there is no plan yet, then run the user's script with the plan in its
+environment.
 
 Planning generation (no plan file yet): every rank detects its device (and, without a cluster
 file, the job its cluster: runtime/detection.py), ranks of each device type calibrate the
@@ -15,8 +16,7 @@ of the plan's, then the script runs as ``__main__``.
 Launcher -> worker contract (environment): MEMX_RUN_DIR, MEMX_PLAN, MEMX_MODEL, MEMX_CLUSTER
 (optional), MEMX_PROFILE_DB, MEMX_TRAINING (TrainingSpec JSON), MEMX_OBJECTIVE, MEMX_WEIGHTS,
 MEMX_SEARCH_BUDGET_S, MEMX_SEARCH_RESTRICTIONS (JSON), MEMX_CALIBRATION_BUDGET_S, MEMX_REPRODUCE (the script and its arguments),
-MEMX_GENERATION (how many times the workers were started before, planned restarts included; the
-agent sets it), MEMX_MODEL_BUILDER (optional: [file, function, model] that builds the script's model,
+MEMX_MODEL_BUILDER (optional: [file, function, model] that builds the script's model,
 whose block is calibrated). Without MEMX_CLUSTER the job detects its cluster into <run dir>/cluster.yaml.
 """
 
@@ -28,7 +28,8 @@ import runpy
 import sys
 
 from memx_launch.runtime.agent import EXCEPTION, MEMX_ERROR, error_record
-from memx_launch.runtime.restarts import PLANNED_RESTART_EXIT_CODE, record_planned_restart, restart_generation
+from memx_launch.runtime.restarts import (GENERATION_VAR, PLANNED_RESTART_EXIT_CODE, record_planned_restart,
+                                          restart_generation)
 from memx_launch.runtime.worker_env import detected_cluster_path, reproduce_command, search_restrictions
 
 
@@ -242,17 +243,24 @@ def run_script(argv: list[str]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
-def main() -> None:
+def run_worker(generation: str, *argv: str) -> None:
+    """One worker process: ``generation`` is how many times the agent started the workers before
+    (planned restarts included), ``argv`` the script (or ``--module`` and a module) and its
+    arguments. Returns when the script ended well; any other end exits the process with its code."""
     import atexit
 
     from memx_launch.errors import MemxError
 
     env = os.environ
+    env[GENERATION_VAR] = generation
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(write_through=True)  # as `python -u`: the ranks' lines show as printed
+    _name_process(f"memx-rank{env['RANK']}")
     code = 0
     try:
         if not os.path.exists(env["MEMX_PLAN"]):
             plan_in_job(env)
-        run_script(sys.argv[1:])
+        run_script(list(argv))
     except MemxError as exc:
         _report(f"{exc}", MEMX_ERROR)
         code = exc.exit_code
@@ -268,14 +276,22 @@ def main() -> None:
         traceback.print_exc()
         _report(f"{type(exc).__name__}: {exc}".splitlines()[0], EXCEPTION)
         code = 1
-    # Leave without interpreter finalization: gloo's threads may still hold tensors then and abort
+    # The process ends without interpreter finalization (multiprocessing ends a forked worker with
+    # os._exit once the agent has its result): gloo's threads may still hold tensors then and abort
     # the process (SIGABRT) after a clean run, which the agent takes for a crash (seen about once
     # in ten 4-rank runs; pytorch/pytorch#179291). The script's exit handlers still run.
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    if code:
+        os._exit(code)
 
 
-if __name__ == "__main__":
-    main()
+def _name_process(name: str) -> None:
+    """What ps -o comm, top and psutil call this process: the workers share the fork server's
+    command line. Linux only; elsewhere the name stays."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name)
+    except OSError:
+        pass
