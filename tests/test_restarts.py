@@ -17,10 +17,10 @@ nodes:
 emulation:
   slowdown: {cpu-a: 1}
 """
-# Counts its runs in a file next to it, then exits with the code it is given.
+# Counts its runs (rank:generation) in a file next to it, then exits with the code it is given.
 EXITING_SCRIPT = """import os, sys
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "attempts"), "a") as f:
-    f.write(os.environ["RANK"] + "\\n")
+    f.write(os.environ["RANK"] + ":" + os.environ["MEMX_GENERATION"] + "\\n")
 sys.exit(int(sys.argv[sys.argv.index("--code") + 1]))
 """
 
@@ -50,14 +50,14 @@ def _attempts(job):
     return path.read_text().split() if path.exists() else []
 
 
-@pytest.mark.parametrize("max_restarts, verbose", [(0, False), (1, True)])
-def test_exit_code_and_attempts_are_the_crashing_rank_s(job, max_restarts, verbose):
+@pytest.mark.parametrize("max_restarts, verbose, start", [(0, False, "forkserver"), (1, True, "spawn")])
+def test_exit_code_and_attempts_are_the_crashing_rank_s(job, max_restarts, verbose, start):
     plan = _plan(job)
     proc = _memx_run(["--nproc-per-node", "1", "--cluster", "cluster.yaml", "--plan", plan, *["--verbose"] * verbose,
-                      "--max-restarts", str(max_restarts), "--run-dir", "run", "exit.py", "--model", "llama-tiny",
-                      "--code", "7"], job)
+                      "--max-restarts", str(max_restarts), "--start-method", start, "--run-dir", "run", "exit.py",
+                      "--model", "llama-tiny", "--code", "7"], job)
     assert proc.returncode == 7, proc.stderr
-    assert len(_attempts(job)) == max_restarts + 1
+    assert _attempts(job) == [f"0:{generation}" for generation in range(max_restarts + 1)]
     # torchrun's summary and its log line only with --verbose
     assert ("Root Cause (first observed failure)" in proc.stderr) == verbose
     assert ("failed (exitcode: 7)" in proc.stderr) == verbose
@@ -76,7 +76,7 @@ def test_planning_restart_is_not_a_crash(job):
                       "--profile-db", "profiles.jsonl", "--run-dir", "run", "exit.py", "--model", "llama-tiny",
                       "--code", "7"], job, timeout=900)
     assert proc.returncode == 7, proc.stderr[-3000:]
-    assert _attempts(job) == ["0"]
+    assert _attempts(job) == ["0:1"]  # the workers' second start, after the planned restart
     assert "planned restart" in proc.stderr
 
 
