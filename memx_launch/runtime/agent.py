@@ -20,6 +20,7 @@ process with its own process groups.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -170,7 +171,20 @@ def run_agent(args, worker, worker_args: list[str], verbose: bool = False) -> in
         return exit_code(root_cause(exc.failures)[1].exitcode)
     finally:
         launcher_api.LocalElasticAgent, torchrun.elastic_launch = originals
+        _stop_fork_server()
     return 0
+
+
+def _stop_fork_server() -> None:
+    """Once the workers are gone: the fork server would tear down its interpreter, torch and all
+    (about 1 s), after memx-run is gone and holding memx-run's output open till then. It holds
+    nothing to save."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # None: never started
+    if pid:  # not reaped here: a later start in this process reaps it and starts another
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _launch_worker(worker, worker_args, config, entrypoint):
