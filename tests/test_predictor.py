@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from memx_launch.profiling.interpolation import augment_measurements, classify_trend
+from memx_launch.profiling.interpolation import augment_measurements, classify_trend, monotone_in_micro_batch
 from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.errors import ConfigError
 from memx_launch.profiling.prediction_cache import CachedCostModel, PredictionCache, pack_keys, unpack_keys
@@ -272,3 +272,18 @@ def test_offsets_follow_each_measured_tp_degree_and_interpolate_between():
     # measured gets the global median.
     assert np.allclose(got[:4], [1.2, (1.2 * 4.8) ** 0.5, 4.8, 4.8], rtol=1e-6)
     assert got[4] == pytest.approx(np.exp(offsets.overall[0]))
+
+
+def test_a_time_above_a_larger_micro_batch_s_is_capped_before_learning():
+    """More samples through the same block are no less work: a micro-batch timed above a larger
+    one on its line (a warm-up) is capped at the least larger time, embedding and head alike;
+    another line (TP 2) and times that grow are untouched, and the fit counts the caps."""
+    line = [r for r in synthetic_records(mbs_values=(1, 2, 4), seqs=(64,)) if r.recompute == "none"]
+    warm = [replace(r, time_s=block, embedding_time_s=embedding, head_time_s=head)
+            for r, (block, embedding, head) in zip(line, [(3.0, 0.1, 0.5), (2.0, 0.2, 0.2), (4.0, 0.3, 0.3)])]
+    other = [replace(r, tp=2, time_s=float(r.micro_batch_size)) for r in line]
+    capped, count = monotone_in_micro_batch(warm + other)
+    assert count == 2  # micro-batch 1's block and head times; its embedding time grew with the batch
+    assert (capped[0].time_s, capped[0].embedding_time_s, capped[0].head_time_s) == (2.0, 0.1, 0.2)
+    assert capped[1:] == (warm + other)[1:]
+    assert fit_predictor(warm + other, trials=2).meta["rows"]["times_capped"] == 2

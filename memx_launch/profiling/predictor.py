@@ -41,6 +41,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, write_json_atomic
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
                                                     one_descriptor_set, part_terms, with_type_fields)
+from memx_launch.profiling.interpolation import monotone_in_micro_batch
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.inputs import load_json, read_bytes
@@ -274,8 +275,10 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
                   seed: int = 0) -> Predictor:
     """Fit the two-output model on measured (plus augmented) records, tuning by CV."""
     signature = training_signature(records)
+    # Physics before learning: no time falls as the micro-batch grows (measured and interpolated alike).
+    monotone, capped = monotone_in_micro_batch(list(records) + list(augmented))
     # One analytical base per device type: what the learned model predicts on.
-    consistent, descriptors = one_descriptor_set(list(records) + list(augmented))
+    consistent, descriptors = one_descriptor_set(monotone)
     records, augmented = consistent[:len(records)], consistent[len(records):]
     ts = training_rows(records + augmented)
     if len(ts.X) < 4:
@@ -302,7 +305,7 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         "targets": ["log(measured_time / analytical_time)", "log(measured_memory / analytical_memory)"],
         "training": signature,
         "rows": {"measured": len(records), "augmented": len(augmented), "used": int(len(ts.X)),
-                 "with_memory": int(ts.has_memory.sum())},
+                 "with_memory": int(ts.has_memory.sum()), "times_capped": capped},
         "offsets": asdict(offsets),
         "part_levels": part_levels(records),
         "memory_overhead_gib": measured_overhead_gib(records),
