@@ -111,9 +111,10 @@ def monotone_in_micro_batch(records: Sequence[Measurement]) -> tuple[list[Measur
         if r.feasible and r.time_s:
             lines.setdefault(_line_key(r, "micro_batch_size"), []).append(i)
     for line in lines.values():
+        line.sort(key=lambda i: -out[i].micro_batch_size)  # from the largest micro-batch down
         for metric in MONOTONE_TIMES:
             least = float("inf")
-            for i in sorted(line, key=lambda i: -out[i].micro_batch_size):
+            for i in line:
                 value = getattr(out[i], metric)
                 if value is None:
                     continue

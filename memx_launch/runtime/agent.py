@@ -14,7 +14,7 @@ the failure are shown with ``--verbose``.
 The workers run memx's worker function, started by multiprocessing (torchrun's --start-method;
 memx-run's default is a fork server): the fork server imports torch and its pipelining once and
 forks every worker of every start from that state, where a new interpreter per worker imported
-them again (about 5 s of CPU each, paid again at each planned restart). A worker is still its own
+them again (seconds of CPU each, paid again at each planned restart). A worker is still its own
 process with its own process groups.
 """
 

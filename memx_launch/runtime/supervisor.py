@@ -150,19 +150,13 @@ class Supervisor:
         pid = self.environ.get(LAUNCHER_PID_VAR, "")
         if not pid.isdigit():
             return
-        def running(launcher) -> bool:  # is_running() tells a reused pid apart; a killed one may be a zombie
-            try:
-                return launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return False
 
         def watch():
-            try:
+            # is_running() tells a reused pid apart; a memx-run killed but not yet reaped is a zombie
+            with contextlib.suppress(psutil.NoSuchProcess):
                 launcher = psutil.Process(int(pid))
-            except psutil.NoSuchProcess:
-                launcher = None
-            while launcher is not None and running(launcher):
-                time.sleep(LAUNCHER_POLL_S)
+                while launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:
+                    time.sleep(LAUNCHER_POLL_S)
             self.launcher_gone = True
             self._note_signal(signal.SIGHUP)
 
