@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from memx_launch.profiling.interpolation import augment_measurements
-from memx_launch.planning.costmodel import AnalyticalCostModel
+from memx_launch.planning.costmodel import AnalyticalCostModel, tp_link_gbps
 from memx_launch.profiling.metrics import error_summary, ranking_summary
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic
@@ -77,6 +77,13 @@ MAX_NEW_TYPE_SAMPLES = 5
 # --------------------------------------------------------------------------- (a) sailor
 
 
+def bench_cluster(device: DeviceType) -> ClusterSpec:
+    """A node of 8 GPUs of one sailor type joined by its datasheet link (NVLink, or PCIe
+    through the host): the cluster the profile was measured on and its points are predicted on."""
+    link = float(SAILOR_DEVICES[device.name]["link"])
+    return ClusterSpec("bench", (device,), (Node("n", ((device.name, 8),), link),), float("inf"))
+
+
 def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, source: str,
                  embedding_time_s: float | None = None, head_time_s: float | None = None) -> Measurement:
     """One public block timing (fp32, forward + backward) as a ProfileDB record (time only),
@@ -84,9 +91,14 @@ def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, sou
     spec = MODEL_CATALOG[SAILOR_MODELS[model_dir]]
     spec = type(spec)(**{**spec.to_dict(), "seq_len": SAILOR_SEQ[model_dir]})
     desc = dict(SAILOR_DEVICES[gpu])
-    link = desc.pop("link")
+    desc.pop("link")
+    device = {"vendor": "nvidia", **desc, "efficiency": None, "flash_attention": False}
+    # The link as memx's profiler records it: what the TP group reaches on the cluster it ran
+    # on (costmodel.tp_link_gbps: through the host on a PCIe node), the figure the learned
+    # ratio's analytical base is taken at (features.profiled_cluster).
+    link = tp_link_gbps(bench_cluster(DeviceType(name=gpu, **device)), gpu, tp)
     return Measurement(
-        device_type=gpu, device={"vendor": "nvidia", **desc, "efficiency": None, "flash_attention": False},
+        device_type=gpu, device=device,
         model=spec.name, model_signature=spec.signature(), block_shape=spec.to_dict(),
         tp=tp, micro_batch_size=mbs, seq_len=spec.seq_len, recompute="none", dtype="fp32",
         num_blocks=1, feasible=True, time_s=time_s, tp_link_gbps=float(link),
@@ -243,8 +255,7 @@ def predict_records(predictor, records: list[Measurement]) -> np.ndarray:
         groups.setdefault((r.device_type, r.model), []).append(i)
     for (gpu, _), idx in groups.items():
         r0 = records[idx[0]]
-        device = DeviceType(name=gpu, **r0.device)
-        cluster = ClusterSpec("bench", (device,), (Node("n", ((gpu, 8),), r0.tp_link_gbps or 1.0),), float("inf"))
+        cluster = bench_cluster(DeviceType(name=gpu, **r0.device))
         cost = LearnedCostModel(r0.shape_spec(), cluster, TrainingSpec(dtype=r0.dtype, seq_len=r0.seq_len),
                                 predictor)
         rows = [records[i] for i in idx]
@@ -258,10 +269,8 @@ def predict_records(predictor, records: list[Measurement]) -> np.ndarray:
 def analytical_records(records: list[Measurement]) -> np.ndarray:
     out = np.zeros(len(records))
     for i, r in enumerate(records):
-        device = DeviceType(name=r.device_type, **r.device)
-        cluster = ClusterSpec("bench", (device,), (Node("n", ((r.device_type, 8),), r.tp_link_gbps or 1.0),),
-                              float("inf"))
-        cost = AnalyticalCostModel(r.shape_spec(), cluster, TrainingSpec(dtype=r.dtype, seq_len=r.seq_len))
+        cost = AnalyticalCostModel(r.shape_spec(), bench_cluster(DeviceType(name=r.device_type, **r.device)),
+                                   TrainingSpec(dtype=r.dtype, seq_len=r.seq_len))
         out[i] = cost.layer_costs([0], [r.tp], [r.micro_batch_size], [r.seq_len], [0]).time_s[0]
     return out
 
