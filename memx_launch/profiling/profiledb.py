@@ -80,7 +80,9 @@ class Measurement:
     the analytical model at these options, so a plan at other options keeps the physics of
     the difference."""
     tp_link_gbps: float | None = None
-    """Bandwidth of the TP group's link (None for tp=1)."""
+    """Bandwidth the TP group reached on the cluster it ran on (``costmodel.tp_link_gbps``: on a
+    PCIe node, staged through the host), the figure the learned ratio's base is taken at
+    (None for tp=1)."""
     emulation_slowdown: float = 1.0
     emulated: bool = False
     software: dict = field(default_factory=dict)
