@@ -61,7 +61,7 @@ def _error_line(stderr):
     return lines[0]
 
 
-def _tiny_plan(tmp_path, world_ranks=(0, 1, 2, 3)):
+def _tiny_plan(tmp_path):
     """A valid 4-rank llama-tiny plan from the dry run."""
     path = tmp_path / "tiny-plan.json"
     assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(path),

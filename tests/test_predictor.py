@@ -287,3 +287,5 @@ def test_a_time_above_a_larger_micro_batch_s_is_capped_before_learning():
     assert (capped[0].time_s, capped[0].embedding_time_s, capped[0].head_time_s) == (2.0, 0.1, 0.2)
     assert capped[1:] == (warm + other)[1:]
     assert fit_predictor(warm + other, trials=2).meta["rows"]["times_capped"] == 2
+    repeat = replace(warm[1], time_s=2.5)  # micro-batch 2 measured again, slower: no larger one to cap it
+    assert monotone_in_micro_batch(warm + [repeat])[0][-1].time_s == 2.5

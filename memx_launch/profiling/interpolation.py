@@ -111,17 +111,18 @@ def monotone_in_micro_batch(records: Sequence[Measurement]) -> tuple[list[Measur
         if r.feasible and r.time_s:
             lines.setdefault(_line_key(r, "micro_batch_size"), []).append(i)
     for line in lines.values():
-        line.sort(key=lambda i: -out[i].micro_batch_size)  # from the largest micro-batch down
+        by_size: dict[int, list[int]] = {}
+        for i in line:
+            by_size.setdefault(out[i].micro_batch_size, []).append(i)
         for metric in MONOTONE_TIMES:
-            least = float("inf")
-            for i in line:
-                value = getattr(out[i], metric)
-                if value is None:
-                    continue
-                if value > least:
-                    out[i] = replace(out[i], **{metric: least})
-                    capped += 1
-                least = min(least, value)
+            least = float("inf")  # over strictly larger micro-batches: repeats of one are not capped by each other
+            for size in sorted(by_size, reverse=True):
+                values = [(i, getattr(out[i], metric)) for i in by_size[size]]
+                for i, value in values:
+                    if value is not None and value > least:
+                        out[i] = replace(out[i], **{metric: least})
+                        capped += 1
+                least = min([least] + [v for _, v in values if v is not None])
     return out, capped
 
 

@@ -277,9 +277,10 @@ def run_worker(generation: str, *argv: str) -> None:
         _report(f"{type(exc).__name__}: {exc}".splitlines()[0], EXCEPTION)
         code = 1
     # The process ends without interpreter finalization (multiprocessing ends a forked worker with
-    # os._exit once the agent has its result; not under --start-method spawn): gloo's threads may still hold tensors then and abort
-    # the process (SIGABRT) after a clean run, which the agent takes for a crash (seen about once
-    # in ten 4-rank runs; pytorch/pytorch#179291). The script's exit handlers still run.
+    # os._exit once the agent has its result; not under --start-method spawn): gloo's threads may
+    # still hold tensors then and abort the process (SIGABRT) after a clean run, which the agent
+    # takes for a crash (seen about once in ten 4-rank runs; pytorch/pytorch#179291). The script's
+    # exit handlers still run.
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
