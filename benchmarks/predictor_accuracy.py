@@ -39,7 +39,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from memx_launch.profiling.interpolation import augment_measurements
-from memx_launch.planning.costmodel import AnalyticalCostModel, tp_link_gbps
+from memx_launch.planning.costmodel import AnalyticalCostModel
+from memx_launch.planning.tp_links import tp_link
 from memx_launch.profiling.metrics import error_summary, ranking_summary
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic
@@ -94,14 +95,15 @@ def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, sou
     desc.pop("link")
     device = {"vendor": "nvidia", **desc, "efficiency": None, "flash_attention": False}
     # The link as memx's profiler records it: what the TP group reaches on the cluster it ran
-    # on (costmodel.tp_link_gbps: through the host on a PCIe node), the figure the learned
-    # ratio's analytical base is taken at (features.profiled_cluster).
-    link = tp_link_gbps(bench_cluster(DeviceType(name=gpu, **device)), gpu, tp)
+    # on (tp_links.tp_link: through the host on a PCIe node), the link the learned ratio's
+    # analytical base is taken at (features.profiled_cluster).
+    link = tp_link(bench_cluster(DeviceType(name=gpu, **device)), gpu, tp)
     return Measurement(
         device_type=gpu, device=device,
         model=spec.name, model_signature=spec.signature(), block_shape=spec.to_dict(),
         tp=tp, micro_batch_size=mbs, seq_len=spec.seq_len, recompute="none", dtype="fp32",
-        num_blocks=1, feasible=True, time_s=time_s, tp_link_gbps=float(link),
+        num_blocks=1, feasible=True, time_s=time_s, tp_link_gbps=float(link.gbps),
+        tp_over_pcie=link.over_pcie,
         embedding_time_s=embedding_time_s, head_time_s=head_time_s,
         software={"framework": f"Megatron-DeepSpeed (sailor cf2c8e3, {source})"}, source=source)
 

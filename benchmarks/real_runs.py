@@ -201,7 +201,7 @@ def sailor_calibrated(shared: str, trials: int = 10, fleet: bool = False) -> tup
     from dataclasses import replace
 
     from benchmarks.predictor_accuracy import sailor_records
-    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.planning.tp_links import tp_link
     from memx_launch.profiling.interpolation import augment_measurements
     from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
 
@@ -210,7 +210,8 @@ def sailor_calibrated(shared: str, trials: int = 10, fleet: bool = False) -> tup
     # torch's softmax (SAILOR_RUN_OPTIONS), so the learned ratio applies to the same analytical base.
     node = gh200_cluster(1)
     profiles = sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
-    records = [replace(r, tp_link_gbps=tp_link_gbps(node, "GH-96", r.tp) if r.tp > 1 else None,
+    links = {r.tp: tp_link(node, "GH-96", r.tp) for r in profiles}
+    records = [replace(r, tp_link_gbps=links[r.tp].gbps if r.tp > 1 else None, tp_over_pcie=r.tp > 1 and links[r.tp].over_pcie,
                        run_options=SAILOR_RUN_OPTIONS)
                for r in profiles if r.device_type == "GH-96" and r.model == "opt-350m"]
     if fleet:

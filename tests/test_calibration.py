@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
+from memx_launch.planning.tp_links import TpLink
 from memx_launch.runtime.faults import Faults
 from memx_launch.profiling.profiledb import ProfileDB
 from memx_launch.runtime.calibration import CalibrationTimeout, TypeCalibration, TypeGroups, make_groups
@@ -30,7 +31,7 @@ def test_a_rank_that_never_reports_is_named_with_its_device(tmp_path):
         groups = TypeGroups([0, 1], None)
         calibration = TypeCalibration(model, cluster.device_type("fast-small"), groups,
                                       ProfileDB(str(tmp_path / "p.jsonl")), [], device="cpu", dtype="fp32",
-                                      slowdown=1.0, tp_link_gbps=lambda tp: 2.0,
+                                      slowdown=1.0, tp_link=lambda tp: TpLink(2.0, False),
                                       describe_rank=lambda r: f"fast-small (emulated) #{r}", faults=Faults(),
                                       timeout_s=0.3)
         with pytest.raises(CalibrationTimeout, match=r"rank 1 \(fast-small \(emulated\) #1\) did not report"):

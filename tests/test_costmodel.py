@@ -5,6 +5,7 @@ import pytest
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import schedules
+from memx_launch.planning.tp_links import tp_link_gbps
 from memx_launch.specs.model import ModelSpec, get_model
 from memx_launch.specs.training import TrainingSpec
 
@@ -102,7 +103,7 @@ def test_tp_link_depends_on_the_group_size_through_numa_domains():
                                                 "cross_numa_gbps": 12}]})
     # PCIe-class links: collectives stage through the host (PCIE_STAGED_SHARE of each link).
     from memx_launch.specs.node import PCIE_STAGED_SHARE
-    assert [cm.tp_link_gbps(cluster, "gpu", t) for t in (2, 4, 8)] == pytest.approx(
+    assert [tp_link_gbps(cluster, "gpu", t) for t in (2, 4, 8)] == pytest.approx(
         [17 * PCIE_STAGED_SHARE, 17 * PCIE_STAGED_SHARE, 12 * PCIE_STAGED_SHARE])
     model = cm.AnalyticalCostModel(get_model("llama2-7b"), cluster, TrainingSpec())
     t4, t8 = model.layer_costs(np.zeros(2, int), np.array([4, 8]), np.ones(2), np.full(2, 4096), np.zeros(2)).time_s

@@ -123,6 +123,27 @@ def test_emulated_samples_are_learned_against_the_estimate_the_plan_uses():
                        rtol=0.15)
 
 
+@pytest.mark.parametrize("link_gbps", [16.0, 300.0], ids=["pcie", "nvlink"])
+def test_a_tp_record_is_learned_against_the_base_its_plan_is_priced_on(link_gbps):
+    # The record carries the link its TP group ran over (tp_links.tp_link); the one-device
+    # cluster it is learned on must price TP as the plan's node does, PCIe's staging through the
+    # host and its per-step latencies included, or the learned ratio multiplies another base.
+    from memx_launch.planning.tp_links import tp_link
+    from memx_launch.profiling.features import profiled_cluster
+
+    plan = ClusterSpec("p", (DEVICE,), (Node("n", (("dev", 8),), link_gbps, numa_domains=2, cross_numa_gbps=link_gbps / 2),),
+                       float("inf"))
+    planned = AnalyticalCostModel(SPEC, plan, TRAINING)
+    for tp in (2, 4, 8):
+        link = tp_link(plan, "dev", tp)
+        assert link.over_pcie == (link_gbps == 16.0)
+        record = replace(synthetic_records(mbs_values=(2,), seqs=(64,))[0], tp=tp, tp_link_gbps=link.gbps,
+                         tp_over_pcie=link.over_pcie)
+        learned_on = AnalyticalCostModel(SPEC, profiled_cluster(record, DEVICE), TRAINING)
+        base = learned_on.layer_costs([0], [tp], [2], [64], [0]).time_s[0]
+        assert base == pytest.approx(planned.layer_costs([0], [tp], [2], [64], [0]).time_s[0], rel=1e-12), tp
+
+
 def test_unseen_device_type_warns_and_still_predicts(fitted):
     other = DeviceType(name="other", vendor="amd", memory_gib=64, peak_tflops=100)
     cluster = ClusterSpec("c", (DEVICE, other), (Node("n", (("dev", 2), ("other", 2)), 100.0),), float("inf"))

@@ -7,6 +7,7 @@ import pytest
 
 from memx_launch.cli import main
 from memx_launch.errors import ConfigError
+from memx_launch.planning.tp_links import TpLink
 from memx_launch.profiling.profile_import import TABLE_COLUMNS, import_profile
 from memx_launch.profiling.profiledb import ProfileDB
 from memx_launch.specs.cluster import ClusterSpec
@@ -32,7 +33,7 @@ def _sailor(tmp_path):
 
 def test_sailor_profile_gives_block_embedding_and_head_times(tmp_path):
     records = import_profile(str(_sailor(tmp_path)), "sailor", MODEL, _device(), dtype="fp32",
-                             tp_link_gbps=lambda tp: 450.0)
+                             tp_link=lambda tp: TpLink(450.0, False))
     by_config = {(r.micro_batch_size, r.tp): r for r in records}
     assert set(by_config) == {(1, 1), (1, 2), (2, 1)}
     r = by_config[(1, 2)]

@@ -22,6 +22,19 @@ def test_append_and_read_round_trip(tmp_path):
     assert [r.micro_batch_size for r in db.read()] == [1, 2, 4]
 
 
+def test_the_tp_link_a_record_ran_over_round_trips_and_a_bad_one_is_corrupt(tmp_path):
+    from dataclasses import replace
+
+    path = tmp_path / "p.jsonl"
+    db = ProfileDB(str(path))
+    db.append([replace(record(mbs=1), tp=2, tp_link_gbps=16.0, tp_over_pcie=True)])
+    with open(path, "a") as f:
+        f.write(json.dumps({**json.loads(record(mbs=2).to_json()), "tp_over_pcie": "yes"}) + "\n")
+    with pytest.warns(ProfileWarning, match="p.jsonl:2: skipped a corrupt profile record"):
+        [r] = db.read()
+    assert (r.tp_link_gbps, r.tp_over_pcie) == (16.0, True)
+
+
 def test_corrupt_line_is_skipped_with_a_warning(tmp_path):
     path = tmp_path / "p.jsonl"
     db = ProfileDB(str(path))

@@ -4,6 +4,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from memx_launch.planning.tp_links import TpLink
 from memx_launch.profiling import design, kernel
 from memx_launch.errors import ConfigError
 from memx_launch.profiling.profiledb import Measurement
@@ -326,8 +327,9 @@ def _tp_calibration_worker(rank, port, queue):
     torch.set_num_threads(1)
     try:
         samples = [Sample(2, 1, 16, "none", SPEC.num_kv_heads), Sample(2, 1, 16, "full", SPEC.num_kv_heads)]
-        out = calibrate(SPEC, CPU, samples, tp_group=dist.group.WORLD, repeats=2, tp_link_gbps=2.0)
-        queue.put((rank, [(m.tp, m.feasible, m.time_s, m.peak_memory_bytes, m.tp_link_gbps) for m in out]))
+        out = calibrate(SPEC, CPU, samples, tp_group=dist.group.WORLD, repeats=2, tp_link=TpLink(2.0, True))
+        queue.put((rank, [(m.tp, m.feasible, m.time_s, m.peak_memory_bytes, m.tp_link_gbps, m.tp_over_pcie)
+                               for m in out]))
     finally:
         dist.destroy_process_group()
 
@@ -338,8 +340,8 @@ def test_calibration_kernel_runs_tensor_parallel_over_a_group():
 
     results = spawn_ranks(_tp_calibration_worker, 2)
     for rank in (0, 1):
-        (tp, feasible, time_s, peak, link), (_, _, _, full_peak, _) = results[rank]
-        assert tp == 2 and feasible and time_s > 0 and link == 2.0
+        (tp, feasible, time_s, peak, link, over_pcie), (_, _, _, full_peak, _, _) = results[rank]
+        assert tp == 2 and feasible and time_s > 0 and link == 2.0 and over_pcie
         assert full_peak < peak
 
 

@@ -65,7 +65,7 @@ def add_profile_import_command(sub) -> None:
 
 
 def run_profile_import(args) -> int:
-    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.planning.tp_links import tp_link
     from memx_launch.profiling.profile_import import import_profile
     from memx_launch.profiling.profiledb import ProfileDB
 
@@ -76,7 +76,7 @@ def run_profile_import(args) -> int:
     if args.seq_len is not None and not 1 <= args.seq_len <= 2**20:
         raise ConfigError("--seq-len", f"{args.seq_len} is not a sequence length", "e.g. --seq-len 2048")
     records = import_profile(args.table, args.format, model, device_type, dtype=args.dtype, seq_len=args.seq_len,
-                             tp_link_gbps=lambda tp: tp_link_gbps(cluster, device_type.name, tp),
+                             tp_link=lambda tp: tp_link(cluster, device_type.name, tp),
                              run_options={"tf32": True} if args.tf32 else None)
     ProfileDB(args.out).append(records)
     oom = sum(not r.feasible for r in records)
@@ -98,7 +98,7 @@ def _cluster_device_type(cluster: ClusterSpec, name: str | None):
 
 def run_profile(args) -> int:
     from memx_launch.profiling.interpolation import augment_measurements
-    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.planning.tp_links import tp_link
     from memx_launch.profiling.profiledb import ProfileDB
     from memx_launch.profiling.space import default_space
     from memx_launch.profiling.kernel import detect_device_type, measuring_device, profile_model
@@ -114,7 +114,7 @@ def run_profile(args) -> int:
         device_type = _cluster_device_type(cluster, args.device_type)
         name = device_type.name
         slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else None
-        link = tp_link_gbps(cluster, name)
+        link = tp_link(cluster, name)
     else:
         device_type = detect_device_type(device, args.device_type)
     for flag, value, lo, hi in (("--budget", args.budget, 1, 10_000), ("--num-blocks", args.num_blocks, 1, 64),
@@ -132,7 +132,7 @@ def run_profile(args) -> int:
           f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
     result = profile_model(model, device_type, space, device=device, budget=args.budget, dtype=dtype,
                            num_blocks=args.num_blocks, repeats=args.repeats, emulation_slowdown=slowdown,
-                           tp_link_gbps=link, refine_budget=args.refine_budget, show_progress=not args.quiet)
+                           tp_link=link, refine_budget=args.refine_budget, show_progress=not args.quiet)
     print(result.summary())
     infeasible = sum(not m.feasible for m in result.measurements)
     if infeasible:

@@ -29,6 +29,7 @@ from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,
                                                model_state_bytes_per_param, trained_parameters)
 from memx_launch.planning.peaks import training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
+from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
 from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
                                        default_efficiency, hopper_or_later)
 from memx_launch.specs.model import ModelSpec
@@ -403,42 +404,6 @@ class AnalyticalCostModel:
 
 
 TP_DEGREES = (1, 2, 4, 8, 16)
-
-
-def tp_link_gbps(cluster: ClusterSpec, device_type: str, tp: int = 2) -> float:
-    """Slowest link inside a TP group of ``tp`` consecutive devices of one type, in the node
-    holding the most of them: TP 4 inside a NUMA domain runs at its link, TP 8 across two
-    domains at the cross-NUMA link. A node with fewer such devices (a profile of one device)
-    gives its intra-node link (through the host on a PCIe node)."""
-    node, ranks = _tp_group(cluster, device_type, tp)
-    if node is None:
-        return cluster.inter_node_gbps
-    if ranks is None:
-        return node.peer_gbps(node.intra_node_gbps, cluster.datasheet_links)
-    return cluster.group_gbps(ranks)
-
-
-def tp_over_pcie(cluster: ClusterSpec, device_type: str, tp: int = 2) -> bool:
-    """Whether a TP group of ``tp`` devices of one type talks over PCIe through the host."""
-    node, _ = _tp_group(cluster, device_type, tp)
-    return node is not None and node.over_pcie
-
-
-def _tp_group(cluster: ClusterSpec, device_type: str, tp: int):
-    """(node, ranks) of a TP group of ``tp`` consecutive devices of one type in the node holding
-    the most of them; ranks None where that node has fewer (or tp < 2); node None: no such type."""
-    best_node, best_count, best_start = None, 0, 0
-    start = 0
-    for node in cluster.nodes:
-        count = sum(n for t, n in node.devices if t == device_type)
-        if count > best_count:
-            best_node, best_count, best_start = node, count, start
-        start += node.num_devices
-    if best_node is None or best_count < tp or tp < 2:
-        return best_node, None
-    types = cluster.rank_device_types()
-    return best_node, [r for r in range(best_start, best_start + best_node.num_devices)
-                       if types[r] == device_type][:tp]
 
 
 def hbm_gbps(device: DeviceType) -> float:

@@ -15,6 +15,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import ClusterSpec, DeviceType, Emulation, Node
+from memx_launch.specs.node import PCIE_STAGED_SHARE
 from memx_launch.specs.training import TrainingSpec
 
 
@@ -56,15 +57,18 @@ def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute)
 def setup_key(r: Measurement) -> tuple:
     """What a record's analytical estimate depends on besides its configuration."""
     return (json.dumps(r.device, sort_keys=True), r.device_type, json.dumps(r.block_shape, sort_keys=True),
-            r.dtype, r.tp_link_gbps, r.emulation_slowdown, r.emulated, json.dumps(r.run_options, sort_keys=True))
+            r.dtype, r.tp_link_gbps, r.tp_over_pcie, r.emulation_slowdown, r.emulated, json.dumps(r.run_options, sort_keys=True))
 
 
 def profiled_cluster(first: Measurement, device: DeviceType) -> ClusterSpec:
-    """The one-device cluster ``first`` was measured on. The link is what the profiled TP group
-    reached (already through the host on a PCIe node). An emulated record's cluster is emulated
+    """The one-device cluster ``first`` was measured on. Its TP group reaches the link the record
+    carries, over PCIe through the host where the record says so (the node's link is then the one
+    that staging through the host brings down to it). An emulated record's cluster is emulated
     too: its device computed as the CPU it is, whatever vendor it stood in for, and the plan's
     emulated cluster is estimated so (a ratio learned against another estimate would not carry)."""
-    node = Node("profiled", ((device.name, 1),), float(first.tp_link_gbps or 1.0), gpu_link="direct")
+    reached = float(first.tp_link_gbps or 1.0)
+    node = Node("profiled", ((device.name, 1),), reached / PCIE_STAGED_SHARE, gpu_link="pcie") \
+        if first.tp_over_pcie else Node("profiled", ((device.name, 1),), reached, gpu_link="direct")
     emulation = Emulation(((device.name, first.emulation_slowdown),)) if first.emulated else None
     return ClusterSpec("profiled", (device,), (node,), math.inf, emulation)
 

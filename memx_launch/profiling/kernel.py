@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 import psutil
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.tp_links import TpLink
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.training import DTYPE_BYTES
 from memx_launch.specs.cluster import TRAINING_SHARE_OF_BEST_MATMUL, DeviceType
@@ -107,7 +108,7 @@ def _is_oom(exc: BaseException) -> bool:
 
 def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample], *, device: str = "cpu",
               tp_group=None, dtype: str = "fp32", num_blocks: int = 2, warmup: int = 1, repeats: int = 5,
-              emulation_slowdown: float | None = None, tp_link_gbps: float | None = None,
+              emulation_slowdown: float | None = None, tp_link: TpLink | None = None,
               progress: Callable[[Sample], None] | None = None, block_factory=None) -> list[Measurement]:
     """Measure forward + backward of ``num_blocks`` blocks for each sample, on this rank.
 
@@ -115,7 +116,8 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     the group calls this with the same samples); samples whose TP does not match the group
     size are an error. ``emulation_slowdown``: None on a real device; on a CPU stand-in for an
     emulated device its slowdown (1 or more), which multiplies measured time; the records are
-    labelled emulated. Out-of-memory samples come back with
+    labelled emulated. ``tp_link``: the link TP > 1 samples' group talks over (tp_links.tp_link),
+    kept in their records. Out-of-memory samples come back with
     ``feasible=False``; so do samples whose peak exceeds an emulated device's capacity.
     ``block_factory``: recompute level -> one block of the user's model ([b, s, hidden] in and out,
     e.g. models/adapters.py's ModelParts.block_probe); default memx's LLaMA block of the shape. TP = 1 only.
@@ -160,7 +162,8 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             time_spread_s=None if spread_s is None else spread_s * factor,
             peak_memory_bytes=peak, peak_reserved_bytes=reserved,
             context_bytes=_context_bytes(torch.device(device)) if feasible else None,
-            tp_link_gbps=tp_link_gbps if s.tp > 1 else None,
+            tp_link_gbps=tp_link.gbps if s.tp > 1 and tp_link else None,
+            tp_over_pcie=bool(s.tp > 1 and tp_link and tp_link.over_pcie),
             emulation_slowdown=factor, emulated=emulated, software=software))
         if progress is not None:
             progress(s)
@@ -267,7 +270,7 @@ def _peak_memory_bytes(step: Callable[[], None], dev) -> tuple[float, float | No
 
 def profile_model(spec: ModelSpec, device_type: DeviceType, space: ProfileSpace, *, device: str = "cpu",
                   budget: int | None = None, dtype: str = "fp32", num_blocks: int = 2, repeats: int = 5,
-                  emulation_slowdown: float | None = None, tp_link_gbps: float | None = None,
+                  emulation_slowdown: float | None = None, tp_link: TpLink | None = None,
                   refine_budget: int | None = None, show_progress: bool = True) -> MinimalSet:
     """The minimal-set profile of one device type on this process's device (TP 1), with a
     progress bar per phase on stderr."""
@@ -279,7 +282,7 @@ def profile_model(spec: ModelSpec, device_type: DeviceType, space: ProfileSpace,
         with tqdm(total=len(samples), desc=f"memx profile {next(phases)}", unit="config", file=sys.stderr,
                   disable=not show_progress or not samples, leave=False) as bar:
             return calibrate(spec, device_type, samples, device=device, dtype=dtype, num_blocks=num_blocks,
-                             repeats=repeats, emulation_slowdown=emulation_slowdown, tp_link_gbps=tp_link_gbps,
+                             repeats=repeats, emulation_slowdown=emulation_slowdown, tp_link=tp_link,
                              progress=lambda _sample: bar.update())
 
     return minimal_sample_set(space, measure, budget=budget, refine_budget=refine_budget)

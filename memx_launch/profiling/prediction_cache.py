@@ -16,7 +16,8 @@ from dataclasses import asdict
 
 import numpy as np
 
-from memx_launch.planning.costmodel import TP_DEGREES, LayerCost, tp_link_gbps
+from memx_launch.planning.costmodel import TP_DEGREES, LayerCost
+from memx_launch.planning.tp_links import tp_link_gbps
 from memx_launch.errors import ConfigError
 
 # Bit widths of the packed row signature: device | tp | micro-batch | seq len | recompute.

@@ -55,10 +55,10 @@ _ACESO_DEFAULT_KERNELS = "0"
 
 
 def import_profile(path: str, fmt: str, model: ModelSpec, device: DeviceType, *, dtype: str | None,
-                   seq_len: int | None = None, tp_link_gbps=lambda tp: None,
+                   seq_len: int | None = None, tp_link=lambda tp: None,
                    run_options: dict | None = None) -> list[Measurement]:
     """Records of the table at ``path`` in format ``fmt``, measured on ``device`` for ``model``.
-    ``tp_link_gbps(tp)`` gives the TP group's link of a record; ``run_options`` the TrainingSpec
+    ``tp_link(tp)`` gives the link of a record's TP group (tp_links.tp_link); ``run_options`` the TrainingSpec
     options the blocks ran with (e.g. ``{"tf32": True}``). A bad cell is a one-line error naming
     its row and column."""
     if fmt not in FORMATS:
@@ -77,12 +77,12 @@ def import_profile(path: str, fmt: str, model: ModelSpec, device: DeviceType, *,
         if row_dtype is None:
             raise ConfigError(f"{where}: dtype", "the table does not say the precision it measured",
                               "pass --dtype (Sailor's and Aceso's profiles are fp32)")
-        record = _record(where, row, model, device, row_dtype, seq, tp_link_gbps, software, f"import:{fmt}")
+        record = _record(where, row, model, device, row_dtype, seq, tp_link, software, f"import:{fmt}")
         out.append(replace(record, run_options=dict(run_options or {})))
     return out
 
 
-def _record(where, row, model, device, dtype, seq, tp_link_gbps, software, source) -> Measurement:
+def _record(where, row, model, device, dtype, seq, tp_link, software, source) -> Measurement:
     tp = _integer(row, "tp", where)
     feasible = _boolean(row.get("feasible", True), f"{where}: feasible")
     time_s = _seconds(row, "time_s", where)
@@ -101,6 +101,7 @@ def _record(where, row, model, device, dtype, seq, tp_link_gbps, software, sourc
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"{where}: dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
     seq_len = _integer(row, "seq_len", where) if row.get("seq_len") not in (None, "") else seq
+    link = tp_link(tp) if tp > 1 else None
     return Measurement(
         device_type=device.name, device={k: v for k, v in asdict(device).items() if k != "name"},
         model=model.name, model_signature=model.signature(), block_shape={**model.to_dict(), "seq_len": seq_len},
@@ -111,7 +112,8 @@ def _record(where, row, model, device, dtype, seq, tp_link_gbps, software, sourc
         peak_reserved_bytes=_seconds(row, "peak_reserved_bytes", where) if feasible else None,
         embedding_time_s=_seconds(row, "embedding_time_s", where),
         head_time_s=_seconds(row, "head_time_s", where),
-        tp_link_gbps=tp_link_gbps(tp) if tp > 1 else None, software=software, source=source)
+        tp_link_gbps=link.gbps if link else None, tp_over_pcie=bool(link and link.over_pcie),
+        software=software, source=source)
 
 
 def _integer(row: dict, column: str, where: str) -> int:

@@ -80,9 +80,12 @@ class Measurement:
     the analytical model at these options, so a plan at other options keeps the physics of
     the difference."""
     tp_link_gbps: float | None = None
-    """Bandwidth the TP group reached on the cluster it ran on (``costmodel.tp_link_gbps``: on a
+    """Bandwidth the TP group reached on the cluster it ran on (``tp_links.tp_link_gbps``: on a
     PCIe node, staged through the host), the figure the learned ratio's base is taken at
     (None for tp=1)."""
+    tp_over_pcie: bool = False
+    """The TP group talked over PCIe through the host (``tp_links.tp_over_pcie``): the base is
+    taken with PCIe's per-step latencies, as the plan's prediction is."""
     emulation_slowdown: float = 1.0
     emulated: bool = False
     software: dict = field(default_factory=dict)
@@ -134,6 +137,7 @@ def _check_record(data: dict) -> None:
     for key in ("tp", "micro_batch_size", "seq_len", "num_blocks"):
         require_number(data[key], key, lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
     require_type(data["feasible"], bool, "feasible")
+    require_type(data.get("tp_over_pcie", False), bool, "tp_over_pcie")
     for key in ("time_s", "time_spread_s", "peak_memory_bytes", "peak_reserved_bytes", "tp_link_gbps",
                 "emulation_slowdown", "context_bytes", "embedding_time_s", "head_time_s"):
         if data.get(key) is not None:

@@ -103,11 +103,11 @@ class TypeCalibration:
     """One rank's part in calibrating its device type."""
 
     def __init__(self, model: ModelSpec, device_type: DeviceType, groups: TypeGroups, db: ProfileDB,
-                 stored: list[Measurement], *, device: str, dtype: str, slowdown: float | None, tp_link_gbps,
+                 stored: list[Measurement], *, device: str, dtype: str, slowdown: float | None, tp_link,
                  describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print, block_factory=None):
         """``block_factory``: the user's block to measure instead of memx's (kernel.calibrate; TP = 1)."""
         self.model, self.device_type, self.groups, self.db = model, device_type, groups, db
-        self.device, self.dtype, self.slowdown, self.tp_link_gbps = device, dtype, slowdown, tp_link_gbps
+        self.device, self.dtype, self.slowdown, self.tp_link = device, dtype, slowdown, tp_link
         self.describe_rank, self.faults, self.timeout_s, self.log = describe_rank, faults, timeout_s, log
         self.block_factory = block_factory
         self.stored = {measurement_key(m): m for m in stored}
@@ -180,7 +180,7 @@ class TypeCalibration:
                 [m] = calibrate(self.model, self.device_type, [s], device=self.device, tp_group=group,
                                 dtype=self.dtype, num_blocks=1, repeats=CALIBRATION_REPEATS,
                                 emulation_slowdown=self.slowdown, block_factory=self.block_factory,
-                                tp_link_gbps=self.tp_link_gbps(s.tp) if s.tp > 1 else None)
+                                tp_link=self.tp_link(s.tp) if s.tp > 1 else None)
             out.append(m)
             if leader:  # stored at once: a rank that dies later loses nothing measured
                 self.db.append([m])

@@ -81,7 +81,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
     ``block_factory``: the script's own block (TP = 1 only)."""
     import torch.distributed as dist
 
-    from memx_launch.planning.costmodel import tp_link_gbps
+    from memx_launch.planning.tp_links import tp_link
     from memx_launch.runtime.faults import Faults
     from memx_launch.runtime.calibration import TypeCalibration, calibration_timeout_s, make_groups
     from memx_launch.planning.layouts import tp_degrees
@@ -92,7 +92,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
     calibration = TypeCalibration(
         model, rank_device.device_type, groups[name], db, stored, device="cpu" if emulated else "cuda",
         dtype=training.dtype,
-        slowdown=rank_device.emulated.slowdown if emulated else None, tp_link_gbps=lambda tp: tp_link_gbps(cluster, name, tp),
+        slowdown=rank_device.emulated.slowdown if emulated else None, tp_link=lambda tp: tp_link(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
         log=_log, block_factory=block_factory)
     measurements = calibration.run([1] if block_factory is not None else tp_degrees(model, cluster), *budget)
