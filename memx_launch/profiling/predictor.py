@@ -72,6 +72,11 @@ _SEARCH_SPACE = (
 
 # Boosting rounds scale with 1/learning rate so every trial reaches a similar total step.
 _ROUNDS_X_RATE = 15.0
+XGBOOST_THREADS = 1
+"""Threads per boosting round. A profile holds hundreds of rows, too few to split: a second
+thread adds a synchronisation per round, which waits out a time slice whenever another process
+holds the core (memx-run's other ranks, a busy host). One thread fits 2.5-4x faster beside one
+busy process and no slower on a quiet machine (benchmarks/results/predictor_fit_speed.json)."""
 
 
 @dataclass
@@ -185,7 +190,7 @@ def _booster_params(params: dict, seed: int) -> dict:
     return {"tree_method": "hist", "multi_strategy": "multi_output_tree", "objective": "reg:squarederror",
             "max_depth": int(params["max_depth"]), "eta": params["learning_rate"],
             "subsample": params["subsample"], "min_child_weight": params["min_child_weight"],
-            "lambda": params["reg_lambda"], "seed": seed, "nthread": 2, "verbosity": 0}
+            "lambda": params["reg_lambda"], "seed": seed, "nthread": XGBOOST_THREADS, "verbosity": 0}
 
 
 def _train(ts: TrainingSet, offsets: Offsets, params: dict, seed: int):
