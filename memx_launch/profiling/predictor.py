@@ -75,8 +75,8 @@ _ROUNDS_X_RATE = 15.0
 XGBOOST_THREADS = 1
 """Threads per boosting round. A profile holds hundreds of rows, too few to split: a second
 thread adds a synchronisation per round, which waits out a time slice whenever another process
-holds the core (memx-run's other ranks, a busy host). One thread fits 2.5-4x faster beside one
-busy process and no slower on a quiet machine (benchmarks/results/predictor_fit_speed.json)."""
+holds the core (a shared host, a test suite). One thread fits 2.5-3.9x faster beside one busy
+process and no slower on a quiet machine (benchmarks/results/predictor_fit_speed.json)."""
 
 
 @dataclass
