@@ -72,6 +72,14 @@ def _agent_class():
                 failures[worker_group.workers[local_rank].global_rank] = failure
             return failures
 
+        def _set_local_rank_env(self, worker_env, local_rank, spec):
+            # What memx-run set for the job (MEMX_RUN_DIR, MEMX_PLAN, ...): a worker forked from a
+            # fork server started before memx-run set them would not inherit them, as a spawned
+            # one does; torchrun's own variables take precedence.
+            super()._set_local_rank_env(worker_env, local_rank, spec)
+            for name, value in os.environ.items():
+                worker_env.setdefault(name, value)
+
         def _restart_workers(self, worker_group):
             self.generation += 1
             worker_group.spec.args = (str(self.generation), *worker_group.spec.args[1:])
@@ -142,6 +150,26 @@ WORKER_PRELOAD = ("torch", "torch.distributed.pipelining", "memx_launch.runtime.
 """What the fork server imports before it forks workers: what every worker imports to train."""
 
 
+# memx-run's flags after which it starts no worker (a script's flag of the same name only leaves
+# the fork server to start with the workers).
+_NO_WORKERS = {"-h", "--help", "--version", "--dry-run", "--dry_run", "--print-config", "--print_config"}
+
+
+def start_fork_server(argv: list[str]) -> bool:
+    """Start the fork server now if memx-run's command line ``argv`` forks workers from one, so
+    that its imports run while memx-run imports torch and checks its input (seconds each, on two
+    cores at once); whether it started. The workers get memx-run's environment from the agent
+    whenever the server started."""
+    from multiprocessing import forkserver
+
+    if (_NO_WORKERS.intersection(argv) or os.environ.get("PET_START_METHOD", "forkserver") != "forkserver"
+            or any(a.startswith(("--start-method", "--start_method")) for a in argv)):
+        return False
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    forkserver.ensure_running()
+    return True
+
+
 def run_agent(args, worker, worker_args: list[str], verbose: bool = False) -> int:
     """torch.distributed.run.run(args) with memx's agent, each worker process running
     ``worker(generation, *worker_args)``; the job's exit code. ``verbose``: also torchrun's
@@ -171,11 +199,11 @@ def run_agent(args, worker, worker_args: list[str], verbose: bool = False) -> in
         return exit_code(root_cause(exc.failures)[1].exitcode)
     finally:
         launcher_api.LocalElasticAgent, torchrun.elastic_launch = originals
-        _stop_fork_server()
+        stop_fork_server()
     return 0
 
 
-def _stop_fork_server() -> None:
+def stop_fork_server() -> None:
     """Once the workers are gone: the fork server would tear down its interpreter, torch and all
     (about 1 s), after memx-run is gone and holding memx-run's output open till then. It holds
     nothing to save."""

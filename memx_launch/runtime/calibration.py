@@ -35,9 +35,9 @@ from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.inputs import positive_seconds
 from memx_launch.specs.model import ModelSpec
 
-DEFAULT_CALIBRATION_BUDGET_S = 600.0  # per device type
 CALIBRATION_BUDGET = 20
 CALIBRATION_REPEATS = 3
+DEFAULT_CALIBRATION_BUDGET_S = 600.0  # per device type
 DEFAULT_TIMEOUT_S = 600.0
 # Fewer samples than this cannot fit the predictor's time and memory lines.
 MIN_CALIBRATION_SAMPLES = 3

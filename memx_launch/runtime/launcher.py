@@ -26,17 +26,16 @@ from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, par
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import SearchSpace, add_restriction_args, check_space, restrictions_from_args
 from memx_launch.runtime import rendezvous
+from memx_launch.runtime.agent import start_fork_server, stop_fork_server
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
-from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S
-from memx_launch.runtime.supervisor import (CHECKPOINT_DIR, COMMAND_VAR, LAUNCHER_PID_VAR, STOPPED_FILE, max_replans,
-                                            record_stopped)
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precision
 from memx_launch.specs.inputs import float_flag, int_flag
 from memx_launch.specs.model import get_model
-from memx_launch.runtime.runs import (DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR, check_environment, check_profile_db,
-                                      previous_run, stopped_run_of, stopped_state)
+from memx_launch.runtime.runs import (CHECKPOINT_DIR, COMMAND_VAR, DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR,
+                                      LAUNCHER_PID_VAR, STOPPED_FILE, check_environment, check_profile_db,
+                                      max_replans, previous_run, record_stopped, stopped_run_of, stopped_state)
 
 
 EMULATED_GLOBAL_BATCH_SIZE = 16  # emulated devices are CPU stand-ins: a batch they train in seconds, in fp32
@@ -174,6 +173,8 @@ class Settings:
 
 def resolve(args) -> dict:
     """Check every input and resolve every setting; raises ConfigError before anything runs."""
+    from memx_launch.runtime.calibration import DEFAULT_CALIBRATION_BUDGET_S  # torch: not before main
+
     settings = Settings()
     check_environment()
     if args.max_restarts < 0:
@@ -422,8 +423,10 @@ def launch(args, resolved) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    """memx-run on ``argv`` (default: the command line, whose fork server starts first)."""
+    early = argv is None and start_fork_server(sys.argv[1:])
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     try:
         args = parse_with_config(parser, argv)
         args.argv = argv
@@ -438,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     except MemxError as exc:
         print(f"memx-run: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    finally:
+        if early:  # a job stopped it already; after bad input nothing will fork
+            stop_fork_server()
 
 
 if __name__ == "__main__":

@@ -9,13 +9,47 @@ import glob
 import os
 
 from memx_launch.errors import ConfigError
+from memx_launch.files import write_json_atomic
 from memx_launch.planning.plan import Plan
-from memx_launch.runtime.supervisor import CHECKPOINT_DIR, STOPPED_FILE, max_replans
-from memx_launch.specs.inputs import load_json
+from memx_launch.specs.inputs import load_json, parse_number
 
 
 DEFAULT_RUNS_DIR = "runs"
 DEFAULT_PROFILE_DB = os.path.join(DEFAULT_RUNS_DIR, "profiles.jsonl")
+CHECKPOINT_DIR = "checkpoints"
+STOPPED_FILE = "stopped.json"
+LAUNCHER_PID_VAR = "MEMX_LAUNCHER_PID"
+"""memx-run's process id, given to its workers: they stop when it is gone."""
+COMMAND_VAR = "MEMX_COMMAND"
+"""memx-run's command line (JSON), given to its workers for ``stopped.json``."""
+DEFAULT_MAX_REPLANS = 3
+DEFAULT_CHECKPOINT_EVERY = 10
+
+
+def _env_int(environ, var: str, default: int) -> int:
+    text = environ.get(var, "")
+    if not text:
+        return default
+    value = parse_number(text, int, var, f"e.g. {var}={default}")
+    if value < 0:
+        raise ConfigError(var, f"must be a non-negative integer, got {text!r}", f"e.g. {var}={default}")
+    return value
+
+
+def max_replans(environ=os.environ) -> int:
+    """Re-plans with a restart allowed per run (MEMX_MAX_REPLANS)."""
+    return _env_int(environ, "MEMX_MAX_REPLANS", DEFAULT_MAX_REPLANS)
+
+
+def checkpoint_every(environ=os.environ) -> int:
+    """Steps between periodic checkpoints (MEMX_CHECKPOINT_EVERY; 0: none)."""
+    return _env_int(environ, "MEMX_CHECKPOINT_EVERY", DEFAULT_CHECKPOINT_EVERY)
+
+
+def record_stopped(run_dir: str, argv: list[str] | None, cause: str) -> None:
+    """The run a signal stopped (or its workers, memx-run gone): the same command line continues
+    it (runs.stopped_run_of)."""
+    write_json_atomic(os.path.join(run_dir, STOPPED_FILE), {"argv": argv, "signal": cause}, overwrite=True)
 
 
 def check_profile_db(path: str) -> None:
@@ -80,7 +114,6 @@ def check_environment(environ=os.environ) -> None:
     from memx_launch.runtime.communication import strict_mode
     from memx_launch.runtime.faults import Faults
     from memx_launch.runtime.monitor import MonitorConfig
-    from memx_launch.runtime.supervisor import checkpoint_every
     from memx_launch.runtime.watchdog import step_timeout_s
 
     max_replans(environ)

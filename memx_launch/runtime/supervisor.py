@@ -33,52 +33,20 @@ import torch.distributed as dist
 
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.faults import Faults
+from memx_launch.runtime.runs import (CHECKPOINT_DIR, COMMAND_VAR, LAUNCHER_PID_VAR, checkpoint_every, max_replans,
+                                      record_stopped)
 from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader, oom_event
 from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.planning.replan import ReplanEvent
-from memx_launch.specs.inputs import load_json, parse_number
+from memx_launch.specs.inputs import load_json
 
-CHECKPOINT_DIR = "checkpoints"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-LAUNCHER_PID_VAR = "MEMX_LAUNCHER_PID"
-"""memx-run's process id, given to its workers: they stop when it is gone."""
-COMMAND_VAR = "MEMX_COMMAND"
-"""memx-run's command line (JSON), given to its workers for ``stopped.json``."""
 LAUNCHER_POLL_S = 1.0
-STOPPED_FILE = "stopped.json"
 REPLANS_FILE = "replans.json"
-DEFAULT_MAX_REPLANS = 3
-DEFAULT_CHECKPOINT_EVERY = 10
 # Only the latest is resumed from (a step folder is complete before latest.json points at it).
 KEEP_CHECKPOINTS = 1
 log = logging.getLogger("memx")
-
-
-def _env_int(environ, var: str, default: int) -> int:
-    text = environ.get(var, "")
-    if not text:
-        return default
-    value = parse_number(text, int, var, f"e.g. {var}={default}")
-    if value < 0:
-        raise ConfigError(var, f"must be a non-negative integer, got {text!r}", f"e.g. {var}={default}")
-    return value
-
-
-def max_replans(environ=os.environ) -> int:
-    """Re-plans with a restart allowed per run (MEMX_MAX_REPLANS)."""
-    return _env_int(environ, "MEMX_MAX_REPLANS", DEFAULT_MAX_REPLANS)
-
-
-def checkpoint_every(environ=os.environ) -> int:
-    """Steps between periodic checkpoints (MEMX_CHECKPOINT_EVERY; 0: none)."""
-    return _env_int(environ, "MEMX_CHECKPOINT_EVERY", DEFAULT_CHECKPOINT_EVERY)
-
-
-def record_stopped(run_dir: str, argv: list[str] | None, cause: str) -> None:
-    """The run a signal stopped (or its workers, memx-run gone): the same command line continues
-    it (runs.stopped_run_of)."""
-    write_json_atomic(os.path.join(run_dir, STOPPED_FILE), {"argv": argv, "signal": cause}, overwrite=True)
 
 
 def _show_logs() -> None:

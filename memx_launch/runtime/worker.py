@@ -249,10 +249,14 @@ def run_worker(generation: str, *argv: str) -> None:
     arguments. Returns when the script ended well; any other end exits the process with its code."""
     import atexit
 
+    import torch
+
     from memx_launch.errors import MemxError
 
     env = os.environ
     env[GENERATION_VAR] = generation
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # the fork server loaded torch before torchrun chose it
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(write_through=True)  # as `python -u`: the ranks' lines show as printed
     _name_process(f"memx-rank{env['RANK']}")
