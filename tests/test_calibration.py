@@ -15,6 +15,7 @@ from memx_launch.profiling.profiledb import ProfileDB
 from memx_launch.runtime.calibration import CalibrationTimeout, TypeCalibration, TypeGroups, make_groups
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import get_model
+from test_replan_e2e import at_cpu_speed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
@@ -57,7 +58,8 @@ def test_rank_killed_during_calibration_job_finishes_and_samples_are_not_measure
     env = dict(os.environ, MEMX_FAULT_KILL_CALIBRATION="rank=2,after=3", MEMX_FAULT_MARKER_DIR=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "1",
-         "--cluster", CPU_CLUSTER, "--run-dir", str(run_dir), "--profile-db", str(tmp_path / "profile.jsonl"),
+         "--cluster", at_cpu_speed(tmp_path), "--run-dir", str(run_dir), "--profile-db",
+         str(tmp_path / "profile.jsonl"),
          TRAIN, "--model", "llama-tiny", "--steps", "3", "--synthetic"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr

@@ -14,6 +14,7 @@ from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
+from test_replan_e2e import at_cpu_speed
 
 pytest.importorskip("transformers")
 
@@ -56,7 +57,7 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
     plan.save(str(tmp_path / "plan.json"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
-                          "--cluster", CLUSTER, "--plan", str(tmp_path / "plan.json"), "--run-dir",
+                          "--cluster", at_cpu_speed(tmp_path), "--plan", str(tmp_path / "plan.json"), "--run-dir",
                           str(tmp_path / "run"), "--profile-db", str(tmp_path / "none.jsonl"), script,
                           "--model", model, "--steps", str(STEPS)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -78,7 +79,8 @@ def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path):
     model = os.path.join(EXAMPLES, "models", "own-gpt-tiny")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
-                          "--cluster", CLUSTER, "--global-batch-size", str(BATCH), "--run-dir", str(tmp_path / "run"),
+                          "--cluster", at_cpu_speed(tmp_path), "--global-batch-size", str(BATCH), "--run-dir",
+                          str(tmp_path / "run"),
                           "--model-builder", f"{script}:build", script, "--model", model, "--steps", str(STEPS)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
     assert run.returncode == 0, run.stderr[-4000:]

@@ -41,6 +41,19 @@ DRILL_RUN = ["--cluster", "examples/clusters/cpu-emulated.yaml", "--plan", DRILL
              "examples/train.py", "--model", "llama-tiny", "--steps", str(STEPS), "--synthetic"]
 
 
+def at_cpu_speed(tmp_path) -> str:
+    """CLUSTER with every type at the CPU's own speed: for the runs that check steps, losses and
+    files, not time (slow-big's x4 sleeps are most of each step, and of its calibration)."""
+    import yaml
+
+    with open(CLUSTER) as f:
+        data = yaml.safe_load(f)
+    data["emulation"]["slowdown"] = dict.fromkeys(data["emulation"]["slowdown"], 1)
+    path = tmp_path / "cpu-emulated-at-cpu-speed.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
 def _plan_file(tmp_path):
     from memx_launch.cli.main import main
 
@@ -49,9 +62,10 @@ def _plan_file(tmp_path):
     return tmp_path / "plan0.json"
 
 
-def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=300):
-    drill = [os.path.join(REPO, a) if a.startswith("examples/") else str(plan) if a == DRILL_PLAN else a
-             for a in DRILL_RUN]
+def memx_run(tmp_path, run_dir, plan, env=None, flags=(), timeout=300, cluster=CLUSTER):
+    """The README's drill (with ``cluster`` for its cluster file) under ``env``."""
+    drill = [cluster if a == "examples/clusters/cpu-emulated.yaml" else os.path.join(REPO, a)
+             if a.startswith("examples/") else str(plan) if a == DRILL_PLAN else a for a in DRILL_RUN]
     argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
             "--run-dir", str(run_dir), "--profile-db", str(tmp_path / "no-profile.jsonl"), *flags, *drill]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
@@ -164,7 +178,8 @@ def test_a_planned_restart_does_not_use_max_restarts(ballast_run):
 def test_more_replans_than_the_limit_is_an_error_naming_it(tmp_path):
     plan0 = _plan_file(tmp_path)
     rc, out, err = memx_run(tmp_path, tmp_path / "run", plan0, {"MEMX_FAULT_BALLAST": BALLAST,
-                                                                "MEMX_MONITOR_INTERVAL": "1", "MEMX_MAX_REPLANS": "0"})
+                                                                "MEMX_MONITOR_INTERVAL": "1", "MEMX_MAX_REPLANS": "0"},
+                            cluster=at_cpu_speed(tmp_path))
     assert rc != 0
     assert re.search(r"memx-run: error: re-plan: MEMX_MAX_REPLANS: .* over the limit of 0", err), err[-4000:]
     assert Plan.load(str(tmp_path / "run" / "plan.json")).to_dict() == Plan.load(str(plan0)).to_dict()
@@ -181,7 +196,7 @@ def test_out_of_memory_replans_and_reruns_the_steps_after_the_last_checkpoint(tm
     # more than the whole stage). The monitor is off (interval > steps): only the OOM re-plans.
     env = {"MEMX_FAULT_BALLAST": "rank=2,step=4,gib=0.1504", "MEMX_MIN_HEADROOM": "0.02",
            "MEMX_MONITOR_INTERVAL": "1000", "MEMX_CHECKPOINT_EVERY": "2"}
-    rc, out, err = memx_run(tmp_path, tmp_path / "run", plan0, env)
+    rc, out, err = memx_run(tmp_path, tmp_path / "run", plan0, env, cluster=at_cpu_speed(tmp_path))
     assert rc == 0, err[-4000:]
     assert "out of memory on rank 2 in step 4" in err and "resumed after step 2" in err, err[-4000:]
     assert (tmp_path / "run" / "oom-event.gen0.rank2.json").exists()
@@ -201,7 +216,8 @@ def test_out_of_memory_replans_and_reruns_the_steps_after_the_last_checkpoint(tm
 def test_no_replan_monitors_and_logs_but_keeps_the_plan(tmp_path):
     plan0 = _plan_file(tmp_path)
     rc, out, err = memx_run(tmp_path, tmp_path / "run", plan0, {"MEMX_FAULT_BALLAST": BALLAST,
-                                                                "MEMX_MONITOR_INTERVAL": "1"}, flags=["--no-replan"])
+                                                                "MEMX_MONITOR_INTERVAL": "1"}, flags=["--no-replan"],
+                            cluster=at_cpu_speed(tmp_path))
     assert rc == 0, err[-4000:]
     assert f"re-plan at step {FAULT_STEP}: peak" in err and "re-planning is off (--no-replan)" in err
     assert not (tmp_path / "run" / "replans.json").exists() and "resumed after" not in err
@@ -219,9 +235,9 @@ def test_an_edited_plan_that_runs_out_of_memory_is_re_planned_and_runs_to_the_en
     plan["seq_len"] = 160
     (tmp_path / "edited.json").write_text(json.dumps(plan))
     argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
-            "--cluster", CLUSTER, "--plan", str(tmp_path / "edited.json"), "--run-dir", str(tmp_path / "run"),
-            "--profile-db", str(tmp_path / "no-profile.jsonl"), TRAIN, "--model", "llama-tiny", "--steps", "3",
-            "--synthetic"]
+            "--cluster", at_cpu_speed(tmp_path), "--plan", str(tmp_path / "edited.json"), "--run-dir",
+            str(tmp_path / "run"), "--profile-db", str(tmp_path / "no-profile.jsonl"), TRAIN, "--model", "llama-tiny",
+            "--steps", "3", "--synthetic"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

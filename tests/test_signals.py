@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_replan_e2e import CLUSTER, LOSS_ATOL, TRAIN, _plan_file, losses, one_process_losses
+from test_replan_e2e import LOSS_ATOL, TRAIN, _plan_file, at_cpu_speed, losses, one_process_losses
 
 STEPS = 8
 
@@ -20,7 +20,7 @@ STEPS = 8
 def _argv(tmp_path, run_dir, plan, steps=STEPS):
     """memx-run's command line; run_dir None: memx-run's default (runs/<model>-<time>-<pid>)."""
     return [sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4", "--max-restarts", "0",
-            "--cluster", CLUSTER, "--plan", str(plan), "--global-batch-size", "4",
+            "--cluster", at_cpu_speed(tmp_path), "--plan", str(plan), "--global-batch-size", "4",
             *(["--run-dir", str(run_dir)] if run_dir else []), "--profile-db", str(tmp_path / "no-profile.jsonl"),
             TRAIN, "--model", "llama-tiny", "--steps", str(steps), "--synthetic"]
 
@@ -144,7 +144,7 @@ def test_workers_stop_with_a_checkpoint_when_memx_run_is_killed_and_sighup_stops
                     layers_per_stage=[4, 4], recompute=["none"] * 2, references=(1, 1, 1)).save(str(plan))
     argv = [*_argv(tmp_path, tmp_path / "run", plan, steps=1000)]
     argv[argv.index("4")] = "2"  # --nproc-per-node
-    argv[argv.index(CLUSTER)] = str(cluster)
+    argv[argv.index("--cluster") + 1] = str(cluster)
     argv[argv.index("--global-batch-size") + 1] = "2"
     out_path, err_path = tmp_path / "first.out", tmp_path / "first.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
