@@ -1,11 +1,13 @@
 """memx-run: flag parsing, bad input caught before anything runs, --dry-run output."""
 
+import contextlib
 import json
 import re
 import os
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -98,6 +100,37 @@ def test_bad_input_is_one_line_and_nothing_starts(tmp_path, case, monkeypatch, c
     assert field in _error_line(err)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no run directory, no new files
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == snapshot
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["bad input", "dry run"])
+def test_the_fork_server_started_first_is_stopped_after_bad_input_and_a_dry_run_starts_none(tmp_path, dry_run):
+    """memx-run starts its workers' fork server before it imports torch (agent.start_fork_server):
+    bad input stops it again, and a dry run, which starts no worker, never starts one."""
+    import uuid
+
+    import psutil
+
+    mark = uuid.uuid4().hex  # the fork server inherits memx-run's environment, this variable too
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, *(["--dry-run"] if dry_run else []), TRAIN, "--model",
+            "llama-tiny" if dry_run else "llama-huge"]
+    proc = subprocess.Popen([sys.executable, "-m", "memx_launch.runtime.launcher", *argv], cwd=tmp_path,
+                            env={**os.environ, "MEMX_TEST_MARK": mark}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    seen = set()
+    while proc.poll() is None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seen.update(" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children())
+        time.sleep(0.05)
+    assert (proc.returncode == 0) == dry_run
+    assert any("forkserver" in c for c in seen) != dry_run, seen
+    left = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get("MEMX_TEST_MARK") == mark and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+    assert not [p.cmdline() for p in left if "forkserver" in " ".join(p.cmdline())]
+    # multiprocessing's resource tracker ends by itself once the last of its users is gone
+    assert not psutil.wait_procs(left, timeout=10)[1]
 
 
 def test_export_plan_never_overwrites(tmp_path):
