@@ -4,6 +4,7 @@ blocks checkpointed.
 
     python examples/lightning_train.py                  # plan, train, log memory vs prediction
     python examples/lightning_train.py --resume --steps 12   # continue from last.ckpt with the same plan
+    python examples/lightning_train.py --strategy ddp_fork   # processes forked from this one, not started anew
 
 At fit start MemxCallback calibrates a copy of the model's own block on each device type, decides
 how many blocks recompute their activations and the micro-batch size, and applies it; every
@@ -74,6 +75,9 @@ def main() -> int:
     p.add_argument("--root", default="runs/lightning-example", help="logs, checkpoints, profile and plan")
     p.add_argument("--resume", action="store_true", help="continue from ROOT/checkpoints/last.ckpt")
     p.add_argument("--cluster", default=CLUSTER, help="cluster file: one process per device it declares")
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "ddp_fork"),
+                   help="Lightning's DDP launch: ddp runs this script again for each other process (default), "
+                   "ddp_fork forks this one (no second import of Lightning: seconds here)")
     args = p.parse_args()
     torch.set_num_threads(1)
     ckpt = os.path.join(args.root, "checkpoints", "last.ckpt")
@@ -82,7 +86,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     trainer = L.Trainer(
-        accelerator="cpu", devices=ClusterSpec.from_yaml(args.cluster).world_size, strategy="ddp", max_steps=args.steps, default_root_dir=args.root,
+        accelerator="cpu", devices=ClusterSpec.from_yaml(args.cluster).world_size, strategy=args.strategy,
+        max_steps=args.steps, default_root_dir=args.root,
         # version=None: each run (a resume too) logs to the next logs/version_N; CSVLogger deletes
         # the metrics.csv of a version it is given again
         logger=CSVLogger(args.root, name="logs", version=None), enable_progress_bar=False, log_every_n_steps=1,

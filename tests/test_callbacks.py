@@ -200,8 +200,10 @@ def test_lightning_example_plans_trains_logs_and_resumes_with_its_plan(tmp_path)
         peak, predicted = float(r["memx/stage0/peak_gib"]), float(r["memx/stage0/predicted_gib"])
         assert 0 < peak < 0.0234 and abs(peak / predicted - 1) < 0.25
     assert losses[-1] < losses[0]
-    again = subprocess.run([sys.executable, str(script), "--root", str(tmp_path), "--steps", "6", "--resume"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # The resume forks its second process (Lightning's ddp_fork): the callback is the same in it, and
+    # the first run above started it anew, as users run DDP.
+    again = subprocess.run([sys.executable, str(script), "--root", str(tmp_path), "--steps", "6", "--resume",
+                            "--strategy", "ddp_fork"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"memx: resumed plan kept: {plan[1]}" in again.stdout
     assert "calibrated" not in again.stdout
@@ -256,7 +258,8 @@ def test_lightning_ddp_across_two_vendors_sums_gradients_over_the_bridge(tmp_pat
     cluster.write_text(TWO_VENDORS_DDP)
     script = ROOT / "examples" / "lightning_train.py"
     run = subprocess.run([sys.executable, str(script), "--root", str(tmp_path), "--steps", "4", "--cluster",
-                          str(cluster)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          str(cluster), "--strategy", "ddp_fork"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "memx: gradients cross domains ['nccl', 'rccl']: summed natively inside each, over the bridge" in run.stdout
     with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
