@@ -280,13 +280,16 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
     results = spawn_ranks(_worker, 4, cases, timeout=480)
     for i, (name, (kind, plan, _, cluster)) in enumerate(CASES.items()):
         ref = _reference(kind, plan)
+        # One batch every step must train to a lower loss; the padded cases step through the README's
+        # lines, whose next batch may be harder (which ones moves with every edit of the README).
+        falls = kind != "hf-padded"
         for rank in range(4):
             got, bridge_messages = results[rank][i]
             atol = BF16_LOSS_ATOL if plan.training.get("dtype") == "bf16" else LOSS_ATOL
             assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, ref)) < atol, (name, rank, got, ref)
-            assert got[-1] < got[0], (name, rank, got)
+            assert not falls or got[-1] < got[0], (name, rank, got)
             assert (bridge_messages > 0) == (cluster is not None), (name, rank)
-        assert ref[-1] < ref[0], name
+        assert not falls or ref[-1] < ref[0], name
     first = next(iter(_padded(CASES[PADDED][1])))  # where the padding mask changes the loss
     model = hf_llama()
     assert abs(model(**first).loss - model(input_ids=first["input_ids"], labels=first["labels"]).loss) > 1e-3
