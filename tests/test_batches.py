@@ -104,12 +104,13 @@ def test_an_iterable_of_global_batches_gives_each_replica_its_rows():
 
 
 @pytest.mark.slow
-def test_the_padded_fine_tuning_example_trains_as_its_one_process_reference(tmp_path):
+def test_the_padded_fine_tuning_example_trains_as_its_one_process_reference(tmp_path, monkeypatch, capsys):
     """examples/finetune_padded.py's own loop (prepare with its DataLoader, job.data) in one process
     under a plan with 2 micro-batches, against --reference; tests/test_adapters.py runs its batches
     with PP 2 x DP 2."""
     import json
     import re
+    import runpy
     import subprocess
     import sys
 
@@ -127,10 +128,17 @@ def test_the_padded_fine_tuning_example_trains_as_its_one_process_reference(tmp_
     plan = make_plan(spec, [((0,), 2, "none")], micro_batch_size=2, global_batch_size=4, seq_len=spec.seq_len)
     plan.save(str(tmp_path / "plan.json"))
     script = os.path.join(EXAMPLES, "finetune_padded.py")
-    env = one_rank_env(tmp_path / "plan.json")  # --reference trains alone and ignores it
-    runs = [subprocess.run([sys.executable, script, "--model", str(tmp_path / "tiny"), "--steps", "2",
-                            "--global-batch-size", "4", *extra], env=env, capture_output=True, text=True, timeout=600)
-            for extra in ([], ["--reference"])]
-    got, want = ([float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", run.stdout, re.M)] for run in runs)
-    assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
+    argv = [script, "--model", str(tmp_path / "tiny"), "--steps", "2", "--global-batch-size", "4"]
+    run = subprocess.run([sys.executable, *argv], env=one_rank_env(tmp_path / "plan.json"), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # --reference trains alone: in this process, whose imports it shares (the random state it seeds restored)
+    monkeypatch.setattr(sys, "argv", [*argv, "--reference"])
+    monkeypatch.syspath_prepend(EXAMPLES)
+    capsys.readouterr()
+    with torch.random.fork_rng(devices=[]), pytest.raises(SystemExit) as exited:
+        runpy.run_path(script, run_name="__main__")
+    assert exited.value.code in (0, None)
+    got, want = ([float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", out, re.M)]
+                 for out in (run.stdout, capsys.readouterr().out))
     assert len(got) == len(want) == 2 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)

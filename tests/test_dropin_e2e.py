@@ -33,12 +33,22 @@ CASES = {
 def _losses(stdout):
     return [float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", stdout, re.M)]
 
-def _assert_losses_match_the_reference(stdout: str, script: str, model: str, env: dict) -> None:
-    """The memx-run losses against the same script run in one process (--reference)."""
-    ref = subprocess.run([sys.executable, script, "--reference", "--model", model, "--steps", str(STEPS),
-                          "--global-batch-size", str(BATCH)],
-                         env=env, capture_output=True, text=True, timeout=300, check=True)
-    got, want = _losses(stdout), _losses(ref.stdout)
+def _assert_losses_match_the_reference(stdout: str, script: str, model: str, monkeypatch, capsys) -> None:
+    """The memx-run losses against the same script run alone (--reference), in this process: its
+    imports are this process's already (a new interpreter spent 4-8 s on them). The global random
+    state it seeds is restored after it."""
+    import runpy
+
+    import torch
+
+    monkeypatch.setattr(sys, "argv", [script, "--reference", "--model", model, "--steps", str(STEPS),
+                                      "--global-batch-size", str(BATCH)])
+    monkeypatch.syspath_prepend(EXAMPLES)  # the examples import each other
+    capsys.readouterr()
+    with torch.random.fork_rng(devices=[]), pytest.raises(SystemExit) as exited:
+        runpy.run_path(script, run_name="__main__")
+    assert exited.value.code in (0, None)
+    got, want = _losses(stdout), _losses(capsys.readouterr().out)
     assert len(got) == len(want) == STEPS
     assert max(abs(a - b) for a, b in zip(got, want)) < LOSS_ATOL, (got, want)
 
@@ -46,7 +56,7 @@ def _assert_losses_match_the_reference(stdout: str, script: str, model: str, env
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
-def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, case):
+def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, case, monkeypatch, capsys):
     script, model, (pp, dp), layers, recompute = CASES[case]
     script, model = os.path.join(EXAMPLES, script), os.path.join(EXAMPLES, "models", model)
     spec = get_model(model)
@@ -63,7 +73,7 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert f"pp={pp} dp={dp} fp32; layers {layers}, recompute {recompute}" in run.stdout
-    _assert_losses_match_the_reference(run.stdout, script, model, env)
+    _assert_losses_match_the_reference(run.stdout, script, model, monkeypatch, capsys)
     # memx-run's metrics file, written without the script asking: the printed steps, every stage measured
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
@@ -74,7 +84,7 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
 
 
 @pytest.mark.slow
-def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path):
+def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path, monkeypatch, capsys):
     script = os.path.join(EXAMPLES, "train_own_model.py")
     model = os.path.join(EXAMPLES, "models", "own-gpt-tiny")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
@@ -88,4 +98,4 @@ def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path):
     records = [json.loads(line) for line in db.read_text().splitlines()]
     assert records and all(r["tp"] == 1 for r in records)
     assert "tp=1 " in run.stdout
-    _assert_losses_match_the_reference(run.stdout, script, model, env)
+    _assert_losses_match_the_reference(run.stdout, script, model, monkeypatch, capsys)
