@@ -21,6 +21,12 @@ def tp_link(cluster: ClusterSpec, device_type: str, tp: int = 2) -> TpLink:
     return TpLink(tp_link_gbps(cluster, device_type, tp), tp_over_pcie(cluster, device_type, tp))
 
 
+def record_fields(link: TpLink | None, tp: int) -> dict:
+    """A profile record's link fields (Measurement.tp_link_gbps, .tp_over_pcie) for TP ``tp``:
+    none at TP 1, where no TP traffic flows."""
+    return {"tp_link_gbps": link.gbps, "tp_over_pcie": link.over_pcie} if tp > 1 and link else {}
+
+
 def tp_link_gbps(cluster: ClusterSpec, device_type: str, tp: int = 2) -> float:
     """Slowest link inside a TP group of ``tp`` consecutive devices of one type, in the node
     holding the most of them: TP 4 inside a NUMA domain runs at its link, TP 8 across two

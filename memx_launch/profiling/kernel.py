@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import psutil
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.tp_links import TpLink
+from memx_launch.planning.tp_links import TpLink, record_fields
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.training import DTYPE_BYTES
 from memx_launch.specs.cluster import TRAINING_SHARE_OF_BEST_MATMUL, DeviceType
@@ -162,8 +162,7 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             time_spread_s=None if spread_s is None else spread_s * factor,
             peak_memory_bytes=peak, peak_reserved_bytes=reserved,
             context_bytes=_context_bytes(torch.device(device)) if feasible else None,
-            tp_link_gbps=tp_link.gbps if s.tp > 1 and tp_link else None,
-            tp_over_pcie=bool(s.tp > 1 and tp_link and tp_link.over_pcie),
+            **record_fields(tp_link, s.tp),
             emulation_slowdown=factor, emulated=emulated, software=software))
         if progress is not None:
             progress(s)

@@ -26,6 +26,7 @@ from dataclasses import asdict, replace
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
+from memx_launch.planning.tp_links import record_fields
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import DeviceType
 from memx_launch.specs.inputs import parse_json, read_text
@@ -101,7 +102,6 @@ def _record(where, row, model, device, dtype, seq, tp_link, software, source) ->
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"{where}: dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
     seq_len = _integer(row, "seq_len", where) if row.get("seq_len") not in (None, "") else seq
-    link = tp_link(tp) if tp > 1 else None
     return Measurement(
         device_type=device.name, device={k: v for k, v in asdict(device).items() if k != "name"},
         model=model.name, model_signature=model.signature(), block_shape={**model.to_dict(), "seq_len": seq_len},
@@ -112,8 +112,7 @@ def _record(where, row, model, device, dtype, seq, tp_link, software, source) ->
         peak_reserved_bytes=_seconds(row, "peak_reserved_bytes", where) if feasible else None,
         embedding_time_s=_seconds(row, "embedding_time_s", where),
         head_time_s=_seconds(row, "head_time_s", where),
-        tp_link_gbps=link.gbps if link else None, tp_over_pcie=bool(link and link.over_pcie),
-        software=software, source=source)
+        **record_fields(tp_link(tp) if tp > 1 else None, tp), software=software, source=source)
 
 
 def _integer(row: dict, column: str, where: str) -> int:
