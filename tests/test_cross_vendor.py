@@ -157,6 +157,12 @@ def _communicator_worker(rank, port, queue):
                     dist.all_reduce(on_device, group=bridge)
                 except DomainViolation as exc:
                     out["unstaged"] = str(exc)
+            emulated.collective_check = comm.strict_check().check  # as the Runtime checks on an emulated device
+            with emulated:
+                try:
+                    dist.all_reduce(on_device, group=bridge)
+                except DomainViolation as exc:
+                    out["unstaged in the device's mode"] = str(exc)
                 staged = comm.stage(on_device)
                 dist.all_reduce(staged, group=bridge)
                 out["staged"] = staged.tolist()
@@ -174,6 +180,7 @@ def test_communicator_sums_across_domains_and_strict_mode_refuses_what_would_bre
     assert all("native group [1, 2] spans domains ['nccl', 'rccl']" in results[r]["native"] for r in range(4))
     for r in (1, 2):
         assert "device tensor (4,) over the bridge unstaged" in results[r]["unstaged"]
+        assert "device tensor (4,) over the bridge unstaged" in results[r]["unstaged in the device's mode"]
         assert results[r]["staged"] == [2.0] * 4
 
 

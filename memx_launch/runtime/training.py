@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -217,11 +217,13 @@ class Runtime:
         return module
 
     def _measured(self):
-        """The emulated device's guard (and strict mode's bridge check inside it) around rank work."""
+        """The emulated device's guard around rank work, and strict mode's bridge check: on an
+        emulated device, inside the device's own dispatch mode (one Python layer per operator)."""
         strict = self.comm.strict_check()
         if self.emulated is None:
             return strict or nullcontext()
-        return _stacked(self.emulated, strict) if strict is not None else self.emulated
+        self.emulated.collective_check = strict.check if strict is not None else None
+        return self.emulated
 
     def _sum_over_stages(self, value: torch.Tensor) -> None:
         """Sum (in place) a quantity every rank of a stage holds alike over the stages: one
@@ -370,12 +372,6 @@ class Runtime:
     # ---- reporting
     def progress_line(self, stats: StepStats) -> str:
         return progress_line(stats, self.plan)
-
-
-@contextmanager
-def _stacked(outer, inner):
-    with outer, inner:
-        yield
 
 
 def _out_of_memory(exc: BaseException | None) -> torch.OutOfMemoryError | None:
