@@ -163,8 +163,10 @@ def _pending_collectives(args, kwargs):
     """The unfinished collective results among an operator's inputs (a DTensor's local shard can
     be one): their waits would otherwise run inside the operator's timed dispatch. Operator
     arguments nest tensors one list deep at most; a pytree walk here doubled the mode's overhead."""
-    for arg in (*args, *(kwargs or {}).values()):
+    for arg in (*args, *kwargs.values()) if kwargs else args:
         for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if type(t) is torch.Tensor or not isinstance(t, torch.Tensor):  # most arguments: nothing to wait for
+                continue
             local = getattr(t, "_local_tensor", t)
             if isinstance(local, AsyncCollectiveTensor) and not local.completed:
                 yield local
