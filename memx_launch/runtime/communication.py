@@ -418,12 +418,10 @@ class StrictBridgeCheck(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def check(self, func, args) -> None:
-        """Raise DomainViolation if operator ``func`` would carry a device tensor over the bridge."""
         if func.namespace == "c10d" and any(self.communicator.is_bridge(group) for group in _process_groups(args)):
-            for t in _tensors(args):
-                if self._device_tensor(t):
-                    raise DomainViolation(f"{func} sends a device tensor {tuple(t.shape)} over the bridge "
-                                          "unstaged (Communicator.stage copies it to host first)")
+            for t in filter(self._device_tensor, _tensors(args)):
+                raise DomainViolation(f"{func} sends a device tensor {tuple(t.shape)} over the bridge unstaged "
+                                      "(Communicator.stage copies it to host first)")
 
     def _device_tensor(self, t: torch.Tensor) -> bool:
         emulated = self.communicator.emulated
