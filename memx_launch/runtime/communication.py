@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memx_launch.errors import ConfigError
+from memx_launch.runtime.emulation import tensors_in
 
 STRICT_VAR = "MEMX_STRICT_DOMAINS"  # 1 on, 0 off, unset: on for emulated clusters (memx-run checks it first)
 # Gradients summed across domains travel in flat buckets of this size (the last one smaller).
@@ -418,10 +419,12 @@ class StrictBridgeCheck(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def check(self, func, args) -> None:
+        """Raise DomainViolation if operator ``func`` would carry a device tensor over the bridge."""
         if func.namespace == "c10d" and any(self.communicator.is_bridge(group) for group in _process_groups(args)):
-            for t in filter(self._device_tensor, _tensors(args)):
-                raise DomainViolation(f"{func} sends a device tensor {tuple(t.shape)} over the bridge unstaged "
-                                      "(Communicator.stage copies it to host first)")
+            for t in tensors_in(args):
+                if self._device_tensor(t):
+                    raise DomainViolation(f"{func} sends a device tensor {tuple(t.shape)} over the bridge "
+                                          "unstaged (Communicator.stage copies it to host first)")
 
     def _device_tensor(self, t: torch.Tensor) -> bool:
         emulated = self.communicator.emulated
@@ -441,11 +444,3 @@ def _process_groups(args):
 def _equal_sizes(by_domain: dict) -> bool:
     """Whether every domain holds as many of the ranks: then each sums one shard across domains."""
     return len({len(members) for members in by_domain.values()}) == 1
-
-
-def _tensors(args):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from _tensors(a)

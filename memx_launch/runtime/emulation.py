@@ -90,7 +90,7 @@ class EmulatedDevice(TorchDispatchMode):
                 time.sleep(self._owed_s)
                 self.slept_s += self._owed_s
                 self._owed_s = 0.0
-        for t in _output_tensors(out):
+        for t in tensors_in(out):
             self._track(t)
         return out
 
@@ -172,14 +172,14 @@ def _pending_collectives(args, kwargs):
                 yield local
 
 
-def _output_tensors(out):
-    """The tensors an operator returned (one, or a tuple or list that may nest one level more):
-    a pytree walk here was a tenth of the mode's overhead."""
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (list, tuple)):
-        for item in out:
-            yield from _output_tensors(item)
+def tensors_in(value):
+    """The tensors in an operator's arguments or outputs (a tensor, or lists and tuples of them):
+    a pytree walk of the outputs was a tenth of the emulated device's overhead."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
 
 
 def device_for_rank(cluster, rank: int) -> EmulatedDevice:
