@@ -76,3 +76,14 @@ def test_documented_commands_run_as_written(document, tmp_path, monkeypatch, cap
         assert code == 0 or (code == 3 and argv[0] == "estimate" and "OOM" in out), (document, " ".join(argv),
                                                                                     err[-2000:])
         assert "Traceback" not in err, (document, " ".join(argv), err[-2000:])
+
+
+def test_the_readme_names_the_test_command_ci_runs():
+    """`.ci/run`'s pytest line is what the README says CI runs and what benchmarks/ci_duration.py times."""
+    from benchmarks.ci_duration import ci_pytest_args
+
+    args = ci_pytest_args()
+    assert args[0] == "-q" and "loadfile" in args
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    assert f"runs `pytest {' '.join(args)}`" in readme
