@@ -95,6 +95,7 @@ class Supervisor:
         """The largest signal any rank saw by the last completed step: every rank agrees on it."""
         self.launcher_gone = False
         """memx-run's process is gone (killed with SIGKILL): this rank stops as after a SIGHUP."""
+        self._launcher = None  # memx-run's process (psutil.Process), where it started this rank
         self._catch_stop_signals()
         self._watch_launcher()
         _show_logs()
@@ -118,17 +119,32 @@ class Supervisor:
         pid = self.environ.get(LAUNCHER_PID_VAR, "")
         if not pid.isdigit():
             return
+        try:
+            self._launcher = psutil.Process(int(pid))
+        except psutil.NoSuchProcess:  # gone before this rank started
+            self.launcher_gone = True
+            self._note_signal(signal.SIGHUP)
+            return
 
         def watch():
-            # is_running() tells a reused pid apart; a memx-run killed but not yet reaped is a zombie
-            with contextlib.suppress(psutil.NoSuchProcess):
-                launcher = psutil.Process(int(pid))
-                while launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:
-                    time.sleep(LAUNCHER_POLL_S)
+            while not self._launcher_is_gone():
+                time.sleep(LAUNCHER_POLL_S)
             self.launcher_gone = True
             self._note_signal(signal.SIGHUP)
 
         threading.Thread(target=watch, name="memx-launcher-watch", daemon=True).start()
+
+    def _launcher_is_gone(self) -> bool:
+        """memx-run's process has ended (False for a rank not started by it). is_running() tells a
+        reused pid apart; a memx-run killed but not yet reaped is a zombie."""
+        import psutil
+
+        if self._launcher is None:
+            return False
+        try:
+            return not self._launcher.is_running() or self._launcher.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
 
     def stop_at_signal(self) -> None:
         """Every rank, before a step, when a rank saw a signal by the last one: checkpoint the
@@ -138,7 +154,8 @@ class Supervisor:
         if step and not self._checkpoint_saved(step):
             self.runtime.save_checkpoint(self.checkpoint_dir, keep=KEEP_CHECKPOINTS)
         dist.barrier()
-        if self.launcher_gone and dist.get_rank() == 0:
+        # Another rank's watcher may have seen memx-run gone first: rank 0 looks for itself.
+        if dist.get_rank() == 0 and (self.launcher_gone or self._launcher_is_gone()):
             command = self.environ.get(COMMAND_VAR)
             record_stopped(self.run_dir, json.loads(command) if command else None, "memx-run gone")
             log.warning("memx-run (pid %s) is gone: stopped after step %d with its checkpoint; to continue, run "
