@@ -8,6 +8,7 @@ start, more than most of these tests take to train."""
 
 import importlib.util
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -23,9 +24,28 @@ OPTIONAL_PRELOAD = ["transformers", "transformers.models.llama.modeling_llama", 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, below the kernel's ephemeral range. A port the kernel hands out
+    (a bind to port 0, any outgoing connection) can be handed out again, to the ranks of the other
+    test process, before this test's rank 0 binds it; one it never hands out cannot."""
+    low = _ephemeral_ports_start()
+    draw = random.Random()  # not the tests' seeded global generator
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 20000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: draw again
+                continue
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def one_rank_env(plan_path) -> dict:

@@ -3,7 +3,6 @@ ClusterSpec reads, `memx cluster detect` on one and on two "nodes" (CPU devices,
 re-planning finds the detected file."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import yaml
 from memx_launch.runtime.detection import describe, nodes_of
 from memx_launch.runtime.worker_env import cluster_path
 from memx_launch.specs.cluster import ClusterSpec
+from ranks import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = {"name": "NVIDIA-H200", "vendor": "nvidia", "memory_gib": 139.8, "peak_tflops": 700.0, "efficiency": 1.0,
@@ -62,9 +62,7 @@ def test_memx_cluster_detect_on_one_node(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_memx_cluster_detect_on_two_nodes(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     procs = []
     for node, nproc in ((0, "1"), (1, "2")):
         (tmp_path / f"n{node}").mkdir()

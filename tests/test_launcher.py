@@ -12,6 +12,7 @@ import time
 import pytest
 
 from memx_launch.runtime.launcher import build_parser, main, script_flag
+from ranks import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
@@ -378,10 +379,7 @@ def test_a_silent_listener_on_the_store_port_is_one_line_not_minutes_of_silence(
             check_endpoint(args, answer_s=0.5)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
     assert store_answers("127.0.0.1", store.port, "--rdzv-endpoint")  # a store answers its ping
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        unused = free.getsockname()[1]
-    assert not store_answers("127.0.0.1", unused, "--rdzv-endpoint")  # nothing there yet: torch waits for it
+    assert not store_answers("127.0.0.1", free_port(), "--rdzv-endpoint")  # nothing there yet: torch waits for it
 
 
 def test_a_given_plan_keeps_its_batch_for_the_job_and_its_re_plans(tmp_path):

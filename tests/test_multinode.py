@@ -5,11 +5,12 @@ plan for 4 ranks and train."""
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from ranks import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
@@ -28,16 +29,10 @@ emulation:
 STEPS = 3
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_of_one_and_three_processes_plan_and_train(tmp_path):
     (tmp_path / "cluster.yaml").write_text(TWO_NODES)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMX_", "PET_"))}
     env["PYTHONPATH"] = REPO
     procs = []
