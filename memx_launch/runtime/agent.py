@@ -41,12 +41,19 @@ def _agent_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.generation = 0
-            self.ended_at: dict[int, int] = {}  # when each worker (by pid) was seen ended, to a monitor interval
+            self.alive_at: dict[int, int] = {}  # when each worker (by pid) was last seen running
+            self.ended_at: dict[int, int] = {}  # when each worker ended, at the earliest
 
         def _monitor_workers(self, worker_group):
+            # A worker seen ended ended after it was last seen running (a monitor interval, 0.1 s,
+            # before): that time, not the later one the agent saw it at, so that a peer failing
+            # because of it never has an earlier whole second than it.
+            now = int(time.time())
             for process in self._pcontext._pc.processes:
-                if process.exitcode is not None:
-                    self.ended_at.setdefault(process.pid, int(time.time()))
+                if process.exitcode is None:
+                    self.alive_at[process.pid] = now
+                else:
+                    self.ended_at.setdefault(process.pid, self.alive_at.get(process.pid, now))
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
                 result.failures = self._failures(worker_group)
