@@ -74,7 +74,7 @@ def _worker(rank, port, cases, queue):
             stats += [runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets))
                       for _ in range(steps - 1)]
             results.append(([s.loss for s in stats], stats[0].bridge_messages, stats[0].bridge_bytes, grads,
-                            list(unpickled)))
+                            list(unpickled), runtime.emulated.collective_check is not None))
             dist.destroy_process_group()
     finally:
         queue.put((rank, results))
@@ -110,8 +110,9 @@ def test_cross_domain_plans_match_the_single_process_reference():
         covered = set()
         crossed = 0
         for rank in range(4):
-            losses, messages, nbytes, grads, unpickled = results[rank][i]
+            losses, messages, nbytes, grads, unpickled, bridge_checked = results[rank][i]
             assert unpickled == [], (name, rank, unpickled)
+            assert bridge_checked, (name, rank)  # strict mode (the emulated default) checks inside the device
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
             assert losses[1] < losses[0], (name, rank)  # the optimizer stepped on synced gradients
             for param, grad in grads.items():
@@ -217,7 +218,7 @@ def test_stages_of_different_tp_degrees_match_the_reference():
             ref_grads = {k: g * min(1.0, clip / (norm + 1e-6)) for k, g in ref_grads.items()}
         covered = set()
         for rank in range(3):
-            losses, messages, _, grads, unpickled = results[rank][i]
+            losses, messages, _, grads, unpickled, _ = results[rank][i]
             assert unpickled == [], (name, rank, unpickled)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
             assert losses[1] < losses[0], (name, rank)

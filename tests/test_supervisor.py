@@ -2,10 +2,18 @@
 stop because memx-run is gone is said by rank 0 whichever rank saw it first."""
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
 
+import psutil
+import pytest
+
+from memx_launch.runtime import supervisor as supervisor_module
+from memx_launch.runtime.runs import COMMAND_VAR, LAUNCHER_PID_VAR, STOPPED_FILE
 from memx_launch.runtime.supervisor import REPLANS_FILE, Supervisor, _replan_lock
 
 
@@ -40,17 +48,7 @@ def test_a_second_rank_out_of_memory_takes_the_first_ranks_replan(tmp_path):
 def test_rank_0_says_memx_run_is_gone_when_another_rank_saw_it_first(tmp_path, monkeypatch, caplog):
     """The stop is agreed from every rank's watcher: when another rank saw memx-run gone first,
     rank 0 (whose own watcher has not looked again yet) still says so and records the stop."""
-    import signal
-    import subprocess
-    import sys
-
-    import psutil
-    import pytest
-
-    from memx_launch.runtime import supervisor as module
-    from memx_launch.runtime.runs import COMMAND_VAR, LAUNCHER_PID_VAR, STOPPED_FILE
-
-    monkeypatch.setattr(module, "dist", SimpleNamespace(barrier=lambda: None, get_rank=lambda: 0,
+    monkeypatch.setattr(supervisor_module, "dist", SimpleNamespace(barrier=lambda: None, get_rank=lambda: 0,
                                                         destroy_process_group=lambda: None))
 
     def stop(launcher):

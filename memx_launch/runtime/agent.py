@@ -45,9 +45,9 @@ def _agent_class():
             self.ended_at: dict[int, int] = {}  # when each worker ended, at the earliest
 
         def _monitor_workers(self, worker_group):
-            # A worker seen ended ended after it was last seen running (a monitor interval, 0.1 s,
-            # before): that time, not the later one the agent saw it at, so that a peer failing
-            # because of it never has an earlier whole second than it.
+            # A worker found ended is timed when it was last seen running (one monitor interval,
+            # 0.1 s, earlier), not when found: a peer failing because of it then never has an
+            # earlier whole second than it.
             now = int(time.time())
             for process in self._pcontext._pc.processes:
                 if process.exitcode is None:

@@ -87,6 +87,9 @@ class Runtime:
         """memx-run's monitor, fault injection and re-planning around each step (from_env sets it)."""
         self.comm = Communicator(process_domains(plan, cluster), self.device, strict=strict_mode(emulated is not None),
                                  emulated=emulated, bridge_backend=bridge_backend(cluster))
+        if emulated is not None:  # strict mode's check inside the device's own dispatch mode: one Python layer
+            strict = self.comm.strict_check()
+            emulated.collective_check = strict.check if strict is not None else None
         self._make_groups()
         self.tp = len(self._tp_ranks)
         """This stage's TP degree (the plan's stage_tp may give each stage its own)."""
@@ -217,13 +220,11 @@ class Runtime:
         return module
 
     def _measured(self):
-        """The emulated device's guard around rank work, and strict mode's bridge check: on an
-        emulated device, inside the device's own dispatch mode (one Python layer per operator)."""
-        strict = self.comm.strict_check()
-        if self.emulated is None:
-            return strict or nullcontext()
-        self.emulated.collective_check = strict.check if strict is not None else None
-        return self.emulated
+        """The emulated device's guard around rank work (strict mode's bridge check runs inside it),
+        or strict mode's check alone."""
+        if self.emulated is not None:
+            return self.emulated
+        return self.comm.strict_check() or nullcontext()
 
     def _sum_over_stages(self, value: torch.Tensor) -> None:
         """Sum (in place) a quantity every rank of a stage holds alike over the stages: one
