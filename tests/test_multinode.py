@@ -5,8 +5,10 @@ plan for 4 ranks and train."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,27 +37,12 @@ def test_two_nodes_of_one_and_three_processes_plan_and_train(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMX_", "PET_"))}
     env["PYTHONPATH"] = REPO
-    procs = []
-    for node in (0, 1):
-        cwd = tmp_path / f"node{node}"
-        cwd.mkdir()
-        argv = [sys.executable, "-m", "memx_launch.runtime.launcher", "--nnodes", "2", "--node-rank", str(node),
-                "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "--max-restarts", "0", "--cluster", str(tmp_path / "cluster.yaml"), "--global-batch-size", "4",
-                "--seq-len", "64", "--run-dir", "run", "--profile-db", "profiles.jsonl",
-                TRAIN, "--model", "llama-tiny", "--steps", str(STEPS), "--synthetic"]
-        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=900))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-4000:]
+    argvs = [[sys.executable, "-m", "memx_launch.runtime.launcher", "--nnodes", "2", "--node-rank", str(node),
+              "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--max-restarts", "0", "--cluster", str(tmp_path / "cluster.yaml"), "--global-batch-size", "4",
+              "--seq-len", "64", "--run-dir", "run", "--profile-db", "profiles.jsonl",
+              TRAIN, "--model", "llama-tiny", "--steps", str(STEPS), "--synthetic"] for node in (0, 1)]
+    outputs = run_nodes(argvs, [tmp_path / f"node{node}" for node in (0, 1)], env)
     (out0, err0), (out1, err1) = outputs
     assert "processes on this node  1  (file: node 0, one)" in out0
     assert "processes on this node  3  (file: node 1, three)" in out1
@@ -68,3 +55,31 @@ def test_two_nodes_of_one_and_three_processes_plan_and_train(tmp_path):
     steps = [int(m) for m in re.findall(r"^step (\d+) \|", printed, re.M)]
     assert steps == list(range(1, STEPS + 1)), printed[-3000:]
     assert f"done: {STEPS} steps" in printed
+
+
+def run_nodes(argvs, cwds, env, timeout_s=900) -> list[tuple[str, str]]:
+    """Each node's memx-run in its own folder, its output in files there; (stdout, stderr) of each
+    once all ended with 0. A node that fails ends the test at once, with every node's output:
+    its peer would wait for it in a collective until that timed out."""
+    procs = []
+    for argv, cwd in zip(argvs, cwds):
+        cwd.mkdir()
+        with open(cwd / "stdout", "w") as out, open(cwd / "stderr", "w") as err:
+            procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # memx-run and its workers
+                proc.wait()
+    outputs = [((cwd / "stdout").read_text(), (cwd / "stderr").read_text()) for cwd in cwds]
+    ends = ", ".join(f"node {i}: exit {p.returncode}" for i, p in enumerate(procs))
+    assert all(p.returncode == 0 for p in procs), ends + "".join(
+        f"\n--- node {i} stdout ---\n{out[-3000:]}\n--- node {i} stderr ---\n{err[-3000:]}"
+        for i, (out, err) in enumerate(outputs))
+    return outputs
