@@ -33,7 +33,10 @@ Data (development sets of issue 10, in shared/peer-data):
   Megatron-DeepSpeed: fp32 (fp32 matmuls at the fp32 peak: PyTorch leaves TF32 off), Adam state
   whole, hidden dropout on and attention dropout off (OPT's training configuration), no fused
   attention in fp32 and torch's softmax (Megatron's fused softmax kernel takes only 16-bit
-  inputs: ``--no-fused-softmax``), the plan's layer split.
+  inputs: ``--no-fused-softmax``), the plan's layer split. The measured peak is the device's
+  used memory as nvidia-smi reports it after the step's last instruction, the largest over the
+  ranks (Sailor's ``get_total_used_mem`` in ``deepspeed/pipe_engine.py``): context,
+  communicator buffers and the allocator's reserve included, as memx's peak counts them.
 
 Calibrated: the Sailor plans again with the learned model fitted on the public Sailor profile
 of their GPU type and model (block, embedding and head times; no memory in that profile).

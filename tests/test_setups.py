@@ -105,9 +105,9 @@ def test_estimate_counts_the_overhead_and_the_setup():
 
 def test_every_communicator_a_rank_joins_holds_its_buffers():
     assert cm.communicators_per_rank(1, 1, 1) == 0
-    assert cm.communicators_per_rank(1, 1, 8) == 1        # DP is the world group
-    assert cm.communicators_per_rank(8, 1, 1) == 1        # so is TP
-    assert cm.communicators_per_rank(2, 2, 16) == 4       # world, DP, TP, PP
+    assert cm.communicators_per_rank(1, 1, 8) == 1        # DP alone syncs on the world group
+    assert cm.communicators_per_rank(8, 1, 1) == 3        # world, TP, model-parallel: same ranks, own buffers
+    assert cm.communicators_per_rank(2, 2, 16) == 5       # world, TP, DP, PP, model-parallel
     model = get_model("llama2-13b")
     training = TrainingSpec(global_batch_size=64, seq_len=2048, setup="zero3")
 
@@ -119,9 +119,9 @@ def test_every_communicator_a_rank_joins_holds_its_buffers():
         "vendor": "cpu", "memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}}})
     bare = evaluate_layout(model, no_buffers, training, tp=2, pp=2, dp=2, micro_batch_size=1,
                            references=(1.0, 1.0, 1.0))
-    # world, DP, TP and PP groups: 4 x 0.6 GiB, plus the 1.25 GiB process overhead, per stage.
+    # world, TP, DP, PP and model-parallel groups: 5 x 0.6 GiB, plus the 1.25 GiB process overhead, per stage.
     assert [a - b.predicted_peak_memory_gib for a, b in zip(peaks(2, 2, 2), bare.stages)] == \
-        pytest.approx([4 * 0.6 + 1.25] * 2)
+        pytest.approx([5 * 0.6 + 1.25] * 2)
 
 
 def _cluster_dict():

@@ -187,11 +187,17 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
 
 
 def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None) -> int:
-    """Distinct communicators a rank joins: the world group, and its DP, TP and PP groups where
-    they have more than one member and are not the world itself (``world``: tp x pp x dp
-    unless the stages' TP degrees differ)."""
+    """Communicators whose buffers a rank holds (``world``: tp x pp x dp unless the stages' TP
+    degrees differ). Torch gives every process group its own NCCL/RCCL communicator, even one
+    whose ranks are another group's. Data parallelism alone syncs gradients on the world group
+    (DDP, FSDP, ZeRO): one. With TP or PP, Megatron-style frameworks make each group with
+    ``new_group`` and run collectives on the world (barriers), TP, DP and PP groups and on the
+    model-parallel group (TP x PP ranks: the gradient norm's all-reduce), each where it has
+    more than one member."""
     world = tp * pp * dp if world is None else world
-    return int(world > 1) + sum(1 < n < world for n in (tp, pp, dp))
+    if tp == pp == 1:
+        return int(world > 1)
+    return int(world > 1) + sum(n > 1 for n in (tp, dp, pp, tp * pp))
 
 
 def last_stage_params(model: ModelSpec, pp: int) -> int:

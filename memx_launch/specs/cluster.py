@@ -163,7 +163,8 @@ DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 1.25, "amd": 1.25, "cpu": 0.0, "unknown
 
 # Buffers one communicator holds per GPU at NCCL's default sizes: 544-688 MB measured per
 # process group on 4 x A100 over NVLink (github.com/NVIDIA/nccl/issues/964); every communicator
-# a rank joins (world, DP, TP, PP) holds its own (nccl#864, #986). RCCL is built alike.
+# a rank joins holds its own (nccl#864, #986; which ones: costmodel.communicators_per_rank).
+# RCCL is built alike.
 COMMUNICATOR_GIB = {"nvidia": 0.6, "amd": 0.6}
 
 @dataclass(frozen=True)
