@@ -20,8 +20,10 @@ from toy_models import TOY_SPEC, NoBlocks, ToyModel, hf_example, hf_llama
 pytest.importorskip("transformers")
 
 LOSS_ATOL = 1e-5  # fp32 on CPU: splits only reorder sums (test_runtime.py explains the margin)
-BF16_LOSS_ATOL = 0.03  # bf16 autocast against the fp32 reference: 8 mantissa bits in every matmul
-LR, CLIP = 1e-2, 0.5
+BF16_LOSS_ATOL = 0.03  # bf16 autocast, its TP partial sums rounded apart: 8 mantissa bits in every matmul
+# At 1e-2 Adam's first, sign-sized steps grew bf16's rounding into a loss 0.4 apart by step 3 on
+# some batches (which ones moves with the README the padded cases read); at 3e-3 it stays near 1e-3.
+LR, CLIP = 3e-3, 0.5
 
 
 def _split_forward(parts, x, layers, recompute):
@@ -256,12 +258,16 @@ def _reference(kind, plan):
         batches = [(batch, None) for _, batch in zip(range(STEPS), _padded(plan))]
     else:
         batches = _batches(plan, plan.model_spec.vocab_size)
+    # A bf16 plan's forward runs under bf16 autocast in memx's runtime: the reference does too, so
+    # that Adam's large early steps do not amplify the 8-bit mantissa's rounding into the comparison.
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.training.get("dtype") == "bf16")
     for x, y in batches:
-        if y is None:
-            loss = model(**x).loss
-        else:
-            out = model(x)
-            loss = default_loss(getattr(out, "logits", out), y)
+        with autocast:
+            if y is None:
+                loss = model(**x).loss
+            else:
+                out = model(x)
+                loss = default_loss(getattr(out, "logits", out), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
