@@ -8,7 +8,7 @@ import pytest
 from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.search import SearchSpace, search
-from memx_launch.planning.scoring import balance_layers
+from memx_launch.planning.layer_split import balance_layers
 from memx_launch.planning.baselines import compare_baselines, proportional_split
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.objective import WEIGHT_PROFILES, parse_slowdown, parse_weights

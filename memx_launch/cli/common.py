@@ -12,7 +12,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
 from memx_launch.specs.config_file import one_line_error
 from memx_launch.specs.inputs import float_flag, int_flag
-from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, OPTION_DEFAULTS, SETUPS, TrainingSpec
+from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, FP8_RECIPES, OPTION_DEFAULTS, SETUPS, TrainingSpec
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,6 +73,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--lora-rank", "--lora_rank", type=int, metavar="R",
                    help="fine-tuning with LoRA adapters of rank R on every linear of each block, base frozen "
                         "(default 0: none)")
+    p.add_argument("--fp8", choices=FP8_RECIPES, default=None,
+                   help="FP8 linear layers (Transformer Engine) with delayed or current scaling: their GEMMs at "
+                        "the FP8 peak, FP8 inputs kept, FP8 weight copies (default off)")
     p.add_argument("--optimizer-offload", "--optimizer_offload", action=argparse.BooleanOptionalAction,
                    default=None, help="optimizer on the host (ZeRO-Offload): no master weights or moments on the "
                    "GPU, gradients and weights over PCIe each step (default off)")
@@ -95,8 +98,8 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
                         **{name: getattr(args, name, None) for name in SETUP_FLAGS})
 
 
-# Flags of what is trained and where (fine-tuning, TF32, the optimizer's place); no setup presets them.
-RUN_FLAGS = ("tf32", "frozen_fraction", "lora_rank", "optimizer_offload")
+# Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
+RUN_FLAGS = ("tf32", "frozen_fraction", "lora_rank", "fp8", "optimizer_offload")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag
 

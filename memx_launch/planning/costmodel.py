@@ -27,7 +27,7 @@ from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,
                                                fine_tuning_flops, fully_sharded_working_bytes,
                                                fully_sharded_working_parts, model_state_bytes_by_part,
                                                model_state_bytes_per_param, trained_parameters)
-from memx_launch.planning.peaks import training_tflops
+from memx_launch.planning.peaks import linear_tflops, training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
 from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
@@ -116,7 +116,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      flash_attention=True, sequence_parallel: bool = False,
                      dropout: bool = False, fused_norm: bool = True,
                      attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
-                     fused_softmax: bool = True, softmax_in_fp32: bool = False) -> LayerCost:
+                     fused_softmax: bool = True, softmax_in_fp32: bool = False, fp8: bool = False) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -134,6 +134,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
         by the weight multiply; the 16-bit input is not kept: 2(4 + d) bytes for the two norms
       SwiGLU: gate and up outputs, silu(gate), product: 8f/h over t (GELU MLP: 4f/h)
+      FP8 linears (Transformer Engine): the inputs they keep for the backward are FP8, 1 byte:
+        the two normed tensors, the attention output and the MLP's down-projection input
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
     Full recompute keeps the block input only; its working set is one block recomputed.
@@ -153,10 +155,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     sbh = seq * mbs * h * scale
     # Two norms: a fused kernel keeps its input (d bytes); torch ops the fp32 copy and the result.
     norms = 4.0 if fused_norm else 4.0 * (4.0 + dtype_bytes) / dtype_bytes
-    linear_inputs = 4.0 / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
+    fp8_share = 1.0 / dtype_bytes if fp8 else 1.0  # a linear's kept input in FP8: 1 byte per element
+    linear_inputs = 4.0 * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     qkv = (2.0 + 4.0 * kv / h) / tp
-    attn_out = 2.0 / tp
+    attn_out = 2.0 * fp8_share / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
     # Bytes kept per score (in units of 2 bytes x scale): the softmax output, in fp32 plus its
     # 16-bit copy when torch's softmax upcasts (a fused kernel reads and writes 16 bits).
@@ -167,9 +170,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
     if model.gated_mlp:
-        mlp_kept, mlp_elementwise = 6.0 * f / h / tp, 2.0 * f / h / tp
+        mlp_kept, mlp_elementwise = 6.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
-        mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * f / h / tp
+        mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
     none = replicated + qkv + attn_out + lse + scores + mlp_kept + mlp_elementwise
     selective = replicated + qkv + attn_out + mlp_kept
     full = np.broadcast_to(2.0 / (tp if sequence_parallel else 1.0), none.shape)
@@ -278,6 +281,9 @@ class AnalyticalCostModel:
         self._tflops = np.array([training_tflops(d, training) for d in self.device_types])
         # The linear layers' GEMMs: each at its shape's share of the rate large training GEMMs sustain.
         self._best_flops = self._tflops * 1e12
+        # An FP8 run's block linears: the FP8 rate, 1-byte operands (the 16-bit output counted so too).
+        self._linear_flops = np.array([linear_tflops(d, training) for d in self.device_types]) * 1e12
+        self._linear_bytes = 1 if training.fp8 else training.dtype_bytes
         # Emulated devices are CPU processes whatever vendor they stand in for (the vendor picks
         # their communication domain): no tiles nor waves, no kernel launches.
         stand_in = cluster.emulation is not None
@@ -309,14 +315,14 @@ class AnalyticalCostModel:
         act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
-                               tr.softmax_in_fp32)
+                               tr.softmax_in_fp32, tr.fp8 is not None)
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), and
         # again forward where the whole block is recomputed.
         tokens = mbs_a * seq_a
         shapes = linear_shapes(self.model, tr, tp)
-        gemm = (self._best_flops[device], self._hbm[device] * 1e9, self._sms[device], tr.dtype_bytes)
+        gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
         linear_s = forward_backward_seconds(tokens, shapes, *gemm)
         linear_forward_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in shapes)
         linear_s = linear_s + np.where(recompute == FULL, linear_forward_s, 0.0)

@@ -64,6 +64,17 @@ SCORE_BYTES = {True: (4.0, 7.0), False: (8.0, 9.0)}
 SOFTMAX_FP32_EXTRA_BYTES = 36.0
 
 
+def fp8_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
+    """Elements an FP8 block quantizes, forward and backward: Transformer Engine reads each 16-bit
+    tensor and writes it in FP8 and transposed in FP8 (d + 2 bytes per element). Forward: the
+    attention output (the norms and the MLP's activation write their FP8 outputs themselves);
+    backward: every linear's output gradient. ``hidden``: tokens x h, over TP with sequence
+    parallelism. The weights' casts, once per step, are not counted."""
+    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    up = (2.0 if model.gated_mlp else 1.0) * f
+    return tokens * h / tp, tokens * (h + 2.0 * kv + up) / tp + 2.0 * hidden
+
+
 def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
                               flash_attention=True) -> np.ndarray:
     """HBM bytes the element-wise ops of one block move for one micro-batch: forward, backward
@@ -75,7 +86,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     (over TP only with sequence parallelism), hidden dropout's masks and products, rotary
     embedding on q and k (LLaMA-style models), the MLP's activation on its width; without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
-    passes and attention dropout.
+    passes and attention dropout; with FP8 linears their casts (:func:`fp8_cast_elements`).
     """
     d = float(training.dtype_bytes)
     tp = np.asarray(tp, dtype=np.float64)
@@ -101,9 +112,11 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     if training.attention_dropout:
         score = [b + extra for b, extra in zip(score, dropout_bytes(training.dtype_bytes))]
 
+    cast = fp8_cast_elements(model, tokens, hidden, tp) if training.fp8 else (0.0, 0.0)
+
     def passes(i):  # 0: forward, 1: backward
-        """(the residual adds, norms and dropouts; what selective recompute runs again)."""
-        blockwide = hidden * 2.0 * (RESIDUAL_BYTES[i] * d + norm[i] + dropout[i])
+        """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again)."""
+        blockwide = hidden * 2.0 * (RESIDUAL_BYTES[i] * d + norm[i] + dropout[i]) + cast[i] * (d + 2.0)
         core = tokens * ((h + kv) / tp * rope[i] + f / tp * mlp[i]) * d + scores * score[i]
         return blockwide, core
 

@@ -123,6 +123,9 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     return args, notes
 
 
+MEGATRON_FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise"}
+
+
 def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
     """Megatron-LM training arguments: the model's shape, precision, dropout, attention kernel and
     optimizer sharding the plan's predictions assumed, the plan's parallel layout, batch and
@@ -184,6 +187,8 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
         args.append("--overlap-grad-reduce")
     if tr.get("fused_loss"):
         args.append("--cross-entropy-loss-fusion")
+    if tr.get("fp8"):  # E4M3 forward, E5M2 gradients; current scaling is Megatron's "tensorwise"
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", MEGATRON_FP8_RECIPES[tr["fp8"]]]
     if not tr:
         notes.append("the plan does not record its precision and optimizer (made before memx stored them): "
                      "add --bf16 or --fp16 and --use-distributed-optimizer as trained")

@@ -1,6 +1,6 @@
 """Model states in memory: weights, gradients and optimizer states per parameter on one rank,
 by how the training setup shards them and which parameters it trains (fine-tuning: frozen
-weights, LoRA adapters), and what a fully sharded run gathers per layer.
+weights, LoRA adapters), what a fully sharded run gathers per layer, and what FP8 linears keep.
 
 Read through :mod:`~memx_launch.planning.costmodel` (``cm.model_state_bytes_per_param``). No torch import.
 """
@@ -111,3 +111,21 @@ def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp) ->
         return 0.0, 0.0
     layer = model.layer_params / np.asarray(tp, dtype=np.float64)
     return layer * (2.0 * training.dtype_bytes), layer * training.precision_bytes("grad_dtype")
+
+
+# Transformer Engine's delayed scaling keeps an amax history of this length (its default) for
+# each FP8 tensor of a linear (its input, weight and output gradient), in fp32.
+FP8_AMAX_HISTORY = 1024
+
+
+def fp8_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
+    """(kept per block, working) bytes an FP8 run adds on one rank: the FP8 copy of each linear
+    weight and its transpose for the backward (2 bytes per block parameter, over TP) and, with
+    delayed scaling, the amax histories. A fully sharded run casts the gathered layer's weights
+    only: its copies are working memory, one layer at a time."""
+    if training.fp8 is None:
+        return 0.0, 0.0
+    copies = 2.0 * model.layer_params / np.asarray(tp, dtype=np.float64)
+    linears = 4 + (model.gated_mlp and not training.fused_gate_up)
+    amax = 3 * linears * FP8_AMAX_HISTORY * 4.0 if training.fp8 == "delayed" else 0.0
+    return (amax, copies) if training.fully_sharded else (copies + amax, 0.0)

@@ -1,13 +1,18 @@
 """The matmul rate a device type sustains for a training setup: its peak for the dtype (TF32
-where fp32 runs on tensor cores) at its efficiency. No torch import."""
+where fp32 runs on tensor cores, FP8 for the linear layers of an FP8 run) at its efficiency.
+No torch import."""
 
 from __future__ import annotations
 
+from memx_launch.errors import ConfigError
 from memx_launch.specs.cluster import DeviceType
 from memx_launch.specs.training import TrainingSpec
 
 # NVIDIA Ampere (A100, A10, A40; Ada's L4 and L40S are 8.9): the first with TF32 tensor cores.
 AMPERE_COMPUTE_CAPABILITY = 8.0
+# NVIDIA Ada (L4, L40S) and Hopper: the first with FP8 tensor cores, at twice the dense 16-bit
+# rate (H100 SXM 1,979 of 989 TFLOPS; L4 242 of 121).
+FP8_COMPUTE_CAPABILITY = 8.9
 
 
 def has_tf32(device: DeviceType) -> bool:
@@ -23,3 +28,26 @@ def training_tflops(device: DeviceType, training: TrainingSpec) -> float:
     if training.dtype == "fp32" and training.tf32 and has_tf32(device):
         return device.effective_tflops / 2.0
     return device.effective_tflops_for(training.dtype)
+
+
+def fp8_peak_tflops(device: DeviceType) -> float | None:
+    """The dense FP8 matmul peak: ``peak_tflops_fp8`` when given, else twice the 16-bit peak on
+    NVIDIA compute capability 8.9 and later; None for a device without FP8 matmuls."""
+    if device.peak_tflops_fp8 is not None:
+        return device.peak_tflops_fp8
+    capable = device.compute_capability is not None and device.compute_capability >= FP8_COMPUTE_CAPABILITY
+    return 2.0 * device.peak_tflops if device.vendor == "nvidia" and capable else None
+
+
+def linear_tflops(device: DeviceType, training: TrainingSpec) -> float:
+    """Sustained TFLOPS of the blocks' linear layers: with ``fp8``, the FP8 peak at the 16-bit
+    efficiency (a device without FP8 is refused); else :func:`training_tflops`."""
+    if training.fp8 is None:
+        return training_tflops(device, training)
+    peak = fp8_peak_tflops(device)
+    if peak is None:
+        capability = f"compute capability {device.compute_capability:g}" if device.compute_capability else \
+            "no compute_capability given"
+        raise ConfigError("--fp8", f"device type {device.name} ({device.vendor}, {capability}) has no FP8 matmuls",
+                          "drop --fp8, or give the type's compute_capability (8.9 or later) or peak_tflops_fp8")
+    return peak * device.effective_tflops / device.peak_tflops

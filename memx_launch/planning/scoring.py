@@ -19,10 +19,11 @@ from memx_launch.planning.plan import Crossing, recompute_text
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
+from memx_launch.planning.layer_split import balance_layers
+from memx_launch.planning.model_states import fp8_state_bytes
 from memx_launch.planning.layouts import Layout
 
 
-_BISECTION_STEPS = 30
 # What a stage's predicted peak holds, in the order reports list it (Evaluator.memory_parts).
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations", "logits_loss", "pipeline_buffers",
                 "communicator_buffers", "fixed_overhead")
@@ -137,13 +138,14 @@ class Evaluator:
         t_layer, act, work = self.table.lookup(dev, tp, mbs, seq, levels)
         bpp = cm.model_state_bytes_per_param(tr, dp, self.trained)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
-        per_layer = m.layer_params / tp * bpp + inflight * act
+        fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
+        per_layer = m.layer_params / tp * bpp + fp8_kept + inflight * act
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
-        # weights of a fully sharded run, and what the process and its communicators hold above
-        # the tensors.
+        # weights of a fully sharded run (and their FP8 copies), and what the process and its
+        # communicators hold above the tensors.
         fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
                  + kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
-                 + cm.fully_sharded_working_bytes(m, tr, tp) + self.overhead[device]
+                 + cm.fully_sharded_working_bytes(m, tr, tp) + fp8_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device])
         return per_layer, fixed, t_layer, self._edge_time(layout, device, mbs, seq), g
 
@@ -243,7 +245,7 @@ class Evaluator:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the
         device type it is on; they add up to it (to float rounding). The terms are
         :meth:`split_inputs`' own, told apart: parameters (with the layer a fully sharded run
-        gathers), gradients (with its unsharded layer), optimizer states (fp32 master + moments),
+        gathers and FP8 weight copies), gradients (with its unsharded layer), optimizer states (fp32 master + moments),
         activations (kept layers in flight, the embedding output, the backward's working set),
         the last stage's logits for the loss, the pipeline engine's kept outputs, communicator
         buffers and the fixed per-process overhead."""
@@ -258,6 +260,7 @@ class Evaluator:
         params = parameters_per_rank(m, layout, layers)[0]
         weights, grads, optim = cm.model_state_bytes_by_part(tr, dp, self.trained)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
+        fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
         embedding_out[0] = inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
         logits = np.zeros(pp)
@@ -276,7 +279,8 @@ class Evaluator:
                 kept = r * inflight * act + (layers[0] - r) * inflight * act_none
                 work = np.where(r > 0, work, work_none)
             by_replica.append({
-                "parameters": params * weights + gathered, "gradients": params * grads + unsharded_grad,
+                "parameters": params * weights + gathered + layers[0] * fp8_kept + fp8_working,
+                "gradients": params * grads + unsharded_grad,
                 "optimizer_states": params * optim, "activations": kept + embedding_out + work,
                 "logits_loss": logits, "pipeline_buffers": pipeline,
                 "communicator_buffers": np.broadcast_to(layout.communicators * self.communicator_bytes[device], pp),
@@ -409,41 +413,3 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
         out.append(Crossing("tied_embeddings", [0, layout.pp - 1], sorted({d for p in edge.domain_pairs for d in p}),
                             tied_bytes, result.tied_sync_s))
     return out
-
-
-def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1):
-    """Uneven split minimising the slowest stage under each stage's memory limit.
-
-    Bisection on the bottleneck time T: stage i can take min(max_layers_i, (T - edge_i)/t_i)
-    layers; the smallest T whose capacities add up to ``num_layers`` wins, then the surplus
-    is taken back from the slowest stages. Rows are independent candidates.
-    Returns (layers (C, P) int, feasible (C,) bool).
-    """
-    max_layers = np.minimum(np.maximum(max_layers, 0), num_layers)
-    feasible = (max_layers >= min_layers).all(axis=1) & (max_layers.sum(axis=1) >= num_layers)
-    inv_t = 1.0 / t_layer
-    offset = edge_t * inv_t
-    upper = np.maximum(max_layers, min_layers)
-    lo = np.zeros((t_layer.shape[0], 1))
-    hi = (num_layers * t_layer + edge_t).max(axis=1, keepdims=True) + 1e-12
-    for _ in range(_BISECTION_STEPS):
-        mid = (lo + hi) * 0.5
-        take = np.minimum(np.maximum(np.floor(mid * inv_t - offset), min_layers), upper)
-        enough = take.sum(axis=1, keepdims=True) >= num_layers
-        hi = np.where(enough, mid, hi)
-        lo = np.where(enough, lo, mid)
-    layers = np.minimum(np.maximum(np.floor(hi * inv_t - offset), min_layers), upper)
-    surplus = layers.sum(axis=1) - num_layers
-    rows = np.arange(len(layers))
-    while (surplus > 0).any():
-        active = surplus > 0
-        time_now = np.where(layers > min_layers, layers * t_layer + edge_t, -np.inf)
-        worst = time_now.argmax(axis=1)
-        layers[rows[active], worst[active]] -= 1
-        surplus = surplus - active
-    # Infeasible rows: spread the layers by memory room, so the shortfall can be reported.
-    room = np.maximum(max_layers, 0) + 1e-9
-    spread = np.floor(room / room.sum(axis=1, keepdims=True) * num_layers)
-    spread[:, 0] += num_layers - spread.sum(axis=1)
-    layers = np.where(feasible[:, None], layers, np.maximum(spread, min_layers))
-    return layers.astype(np.int64), feasible

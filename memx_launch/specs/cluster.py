@@ -40,6 +40,10 @@ class DeviceType:
     peak_tflops_fp32: float | None = None
     """Dense fp32 matmul peak on CUDA cores, for fp32 training (``peak_tflops`` serves every dtype
     without it); with TF32 on, :func:`~memx_launch.planning.peaks.training_tflops` decides."""
+    peak_tflops_fp8: float | None = None
+    """Dense FP8 matmul peak, for ``--fp8`` training. Unset: twice ``peak_tflops`` on NVIDIA
+    compute capability 8.9 and later (Ada, Hopper, Blackwell), none elsewhere
+    (:func:`~memx_launch.planning.peaks.fp8_peak_tflops`)."""
     compute_capability: float | None = None
     """NVIDIA compute capability (8.0 A100, 8.9 L4, 9.0 H100/H200/GH200): on 9.0 and later the
     fused attention kernels written for Ampere (FlashAttention 1 and 2) reach a smaller share
@@ -71,6 +75,8 @@ class DeviceType:
         require_type(self.flash_attention, bool, f"{where}.flash_attention", "true or false")
         if self.peak_tflops_fp32 is not None:
             require_positive(self.peak_tflops_fp32, f"{where}.peak_tflops_fp32", "give the fp32/TF32 peak")
+        if self.peak_tflops_fp8 is not None:
+            require_positive(self.peak_tflops_fp8, f"{where}.peak_tflops_fp8", "give the dense FP8 peak")
         if self.compute_capability is not None:
             require_number(self.compute_capability, f"{where}.compute_capability", lo=0, lo_open=True, hi=100,
                            fix="give major.minor, e.g. 9.0 for H100")
@@ -337,7 +343,7 @@ class ClusterSpec:
                               "map each device type name to its memory_gib and peak_tflops")
         types = []
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
-                   "flash_attention", "peak_tflops_fp32", "memory_overhead_gib", "compute_capability",
+                   "flash_attention", "peak_tflops_fp32", "peak_tflops_fp8", "memory_overhead_gib", "compute_capability",
                    "domain", "sm_count"}
         for tname, spec in raw_types.items():
             require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")

@@ -40,6 +40,9 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 OPTIMIZERS = ("adam", "sgd")
+# Transformer Engine's FP8 recipes: delayed scaling (scales from an amax history) and current
+# (per-tensor, just-in-time) scaling; Megatron's --fp8-recipe delayed / tensorwise.
+FP8_RECIPES = ("delayed", "current")
 FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 
 
@@ -172,6 +175,11 @@ class TrainingSpec:
     """LoRA adapters of this rank on every linear of each block (PEFT's ``all-linear``):
     r x (inputs + outputs) trained parameters per linear, with their gradients and optimizer
     states; the base weights they adapt are frozen (``frozen_fraction`` 1 unless given)."""
+    fp8: str | None = None
+    """FP8 training of the blocks' linear layers (Transformer Engine, 16-bit everywhere else):
+    ``delayed`` or ``current`` scaling. Their GEMMs run at the FP8 peak; each linear keeps its
+    input for the backward in FP8 and FP8 copies of its weight (and its transpose); delayed
+    scaling also keeps an amax history per tensor. None: off."""
     optimizer_offload: bool = False
     """The optimizer runs on the host (DeepSpeed ZeRO-Offload, ``offload_optimizer: cpu``): master
     weights and moments leave the GPU; each step the gradients go to the host and the updated
@@ -206,6 +214,11 @@ class TrainingSpec:
                               f"use one of {', '.join(map(str, FLASH_ATTENTION_VERSIONS))}")
         require_type(self.tf32, bool, "--tf32", "true or false")
         require_type(self.optimizer_offload, bool, "--optimizer-offload", "true or false")
+        if self.fp8 is not None:
+            if self.fp8 not in FP8_RECIPES:
+                raise ConfigError("--fp8", f"unknown recipe {self.fp8!r}", f"use one of {', '.join(FP8_RECIPES)}")
+            if self.dtype == "fp32":
+                raise ConfigError("--fp8", "FP8 linears run inside 16-bit training, not fp32", "use --dtype bf16")
         require_number(self.lora_rank, "--lora-rank", lo=0, hi=MAX_DIMENSION, integer=True)
         require_number(self.frozen_fraction, "--frozen-fraction", lo=0, hi=1,
                        fix="give the share of parameters frozen, e.g. 0.5")

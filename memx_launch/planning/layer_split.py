@@ -1,0 +1,46 @@
+"""The uneven layer split of a pipeline: as many layers per stage as its memory holds, the
+slowest stage as fast as it can be. No torch import."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_BISECTION_STEPS = 30
+
+
+def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1):
+    """Uneven split minimising the slowest stage under each stage's memory limit.
+
+    Bisection on the bottleneck time T: stage i can take min(max_layers_i, (T - edge_i)/t_i)
+    layers; the smallest T whose capacities add up to ``num_layers`` wins, then the surplus
+    is taken back from the slowest stages. Rows are independent candidates.
+    Returns (layers (C, P) int, feasible (C,) bool).
+    """
+    max_layers = np.minimum(np.maximum(max_layers, 0), num_layers)
+    feasible = (max_layers >= min_layers).all(axis=1) & (max_layers.sum(axis=1) >= num_layers)
+    inv_t = 1.0 / t_layer
+    offset = edge_t * inv_t
+    upper = np.maximum(max_layers, min_layers)
+    lo = np.zeros((t_layer.shape[0], 1))
+    hi = (num_layers * t_layer + edge_t).max(axis=1, keepdims=True) + 1e-12
+    for _ in range(_BISECTION_STEPS):
+        mid = (lo + hi) * 0.5
+        take = np.minimum(np.maximum(np.floor(mid * inv_t - offset), min_layers), upper)
+        enough = take.sum(axis=1, keepdims=True) >= num_layers
+        hi = np.where(enough, mid, hi)
+        lo = np.where(enough, lo, mid)
+    layers = np.minimum(np.maximum(np.floor(hi * inv_t - offset), min_layers), upper)
+    surplus = layers.sum(axis=1) - num_layers
+    rows = np.arange(len(layers))
+    while (surplus > 0).any():
+        active = surplus > 0
+        time_now = np.where(layers > min_layers, layers * t_layer + edge_t, -np.inf)
+        worst = time_now.argmax(axis=1)
+        layers[rows[active], worst[active]] -= 1
+        surplus = surplus - active
+    # Infeasible rows: spread the layers by memory room, so the shortfall can be reported.
+    room = np.maximum(max_layers, 0) + 1e-9
+    spread = np.floor(room / room.sum(axis=1, keepdims=True) * num_layers)
+    spread[:, 0] += num_layers - spread.sum(axis=1)
+    layers = np.where(feasible[:, None], layers, np.maximum(spread, min_layers))
+    return layers.astype(np.int64), feasible

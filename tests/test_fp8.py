@@ -1,0 +1,113 @@
+"""FP8 training (Transformer Engine's linears, delayed or current scaling): the FP8 peak for the
+blocks' linear GEMMs, FP8 inputs kept for the backward, FP8 weight copies and amax histories,
+the devices that have it, the flag, the --cases column and the Megatron export. No torch."""
+
+import json
+
+import pytest
+
+from memx_launch.cli import main
+from memx_launch.errors import ConfigError
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.exporters import megatron_args
+from memx_launch.planning.matmuls import linear_shapes
+from memx_launch.planning.model_states import FP8_AMAX_HISTORY
+from memx_launch.planning.peaks import fp8_peak_tflops
+from memx_launch.planning.plan import Plan
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+MODEL = get_model("llama2-7b")
+H100 = dict(vendor="nvidia", memory_gib=80, peak_tflops=989, memory_bandwidth_gbps=3350, compute_capability=9.0)
+GIB = 2**30
+
+
+def _cluster(**device):
+    return ClusterSpec.from_dict({"version": 1, "device_types": {"gpu": {**H100, **device}},
+                                  "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 450}]})
+
+
+def _training(fp8=None, **kw):
+    return TrainingSpec(global_batch_size=64, seq_len=4096, setup="megatron", fp8=fp8, **kw)
+
+
+def _estimate(training, cluster=None, **layout):
+    return evaluate_layout(MODEL, cluster or _cluster(), training,
+                           **{"tp": 2, "pp": 1, "dp": 4, "micro_batch_size": 1, "references": (1, 1, 1), **layout})
+
+
+def test_fp8_peak_is_given_or_twice_the_16_bit_peak_from_ada_on():
+    assert fp8_peak_tflops(DeviceType(name="h", **H100)) == 2 * 989
+    assert fp8_peak_tflops(DeviceType(name="l4", **{**H100, "peak_tflops": 121, "compute_capability": 8.9})) == 242
+    assert fp8_peak_tflops(DeviceType(name="a", **{**H100, "compute_capability": 8.0})) is None
+    assert fp8_peak_tflops(DeviceType(name="m", vendor="amd", memory_gib=192, peak_tflops=1307)) is None
+    assert fp8_peak_tflops(DeviceType(name="m", vendor="amd", memory_gib=192, peak_tflops=1307,
+                                      peak_tflops_fp8=2615)) == 2615
+
+
+def test_a_device_without_fp8_or_fp32_training_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"--fp8: device type gpu .*no FP8 matmuls.*peak_tflops_fp8"):
+        _estimate(_training("delayed"), _cluster(compute_capability=8.0))
+    _estimate(_training("delayed"), _cluster(compute_capability=8.0, peak_tflops_fp8=624))  # stated: taken
+    with pytest.raises(ConfigError, match="--fp8: FP8 linears run inside 16-bit training"):
+        TrainingSpec(dtype="fp32", fp8="current")
+    with pytest.raises(ConfigError, match="--fp8: unknown recipe 'e4m3'"):
+        TrainingSpec(fp8="e4m3")
+
+
+def test_fp8_speeds_the_linears_up_to_their_peak_and_nothing_else():
+    mbs, seq, tp = 1, 4096, 2
+    bf16, fp8 = (cm.AnalyticalCostModel(MODEL, _cluster(), _training(f)).layer_costs(0, tp, mbs, seq, cm.NONE)
+                 for f in (None, "delayed"))
+    # Faster, but less than 2x: the attention core, element-wise work and TP communication stay
+    # 16-bit, and FP8 adds its casts.
+    assert bf16.time_s / 2 < fp8.time_s < bf16.time_s
+    # Never faster than the linears' FLOPs at the FP8 peak (forward and both backward GEMMs).
+    tokens = mbs * seq
+    linear_flops = sum(3 * 2 * tokens * n * k for n, k in linear_shapes(MODEL, _training("delayed"), tp))
+    assert fp8.time_s >= linear_flops / (2 * 989e12)
+
+
+def test_fp8_keeps_linear_inputs_in_one_byte_and_fp8_weight_copies():
+    bf16, delayed, current = (_estimate(_training(f)).stages[0].memory_parts_gib for f in (None, "delayed", "current"))
+    layer = MODEL.layer_params / 2  # over TP 2
+    copies = MODEL.num_layers * 2 * layer / GIB  # the FP8 weight and its transpose
+    amax = MODEL.num_layers * 3 * 4 * FP8_AMAX_HISTORY * 4 / GIB  # 4 linears x 3 tensors, fp32
+    assert current["parameters"] - bf16["parameters"] == pytest.approx(copies)
+    assert delayed["parameters"] - current["parameters"] == pytest.approx(amax)
+    # Sequence parallel at TP 2: the two normed inputs and the attention output and the MLP's
+    # down-projection input (h / 2 and f / 2 per token over TP) go from 2 bytes to 1.
+    h, f, s = MODEL.hidden_size, MODEL.ffn_hidden_size, 4096
+    saved_per_layer = s * (2 * h / 2 + h / 2 + f / 2) * (2 - 1)
+    assert bf16["activations"] - current["activations"] == pytest.approx(MODEL.num_layers * saved_per_layer / GIB,
+                                                                         rel=0.05)
+    assert bf16["gradients"] == current["gradients"] and bf16["optimizer_states"] == current["optimizer_states"]
+
+
+def test_a_fully_sharded_run_makes_fp8_copies_of_the_gathered_layer_only():
+    zero3 = dict(setup="zero3")
+    bf16, fp8 = (_estimate(TrainingSpec(global_batch_size=64, seq_len=4096, fp8=f, **zero3), tp=1, dp=8)
+                 .stages[0].memory_parts_gib for f in (None, "current"))
+    assert fp8["parameters"] - bf16["parameters"] == pytest.approx(2 * MODEL.layer_params / GIB)
+
+
+def test_flag_cases_column_and_megatron_export(tmp_path, capsys):
+    cluster = tmp_path / "h100.yaml"
+    cluster.write_text(json.dumps({"version": 1, "name": "h100x8", "device_types": {"h100": H100},
+                                   "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]}))
+    base = ["--model", "llama2-7b", "--cluster", str(cluster), "--global-batch-size", "64", "--seq-len", "4096",
+            "--setup", "megatron"]
+    assert main(["plan", *base, "--fp8", "current", "--quiet", "--json", str(tmp_path / "plan.json")]) == 0
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert plan.training["fp8"] == "current"
+    args = megatron_args(plan).args
+    assert args[args.index("--fp8-format") + 1] == "hybrid" and args[args.index("--fp8-recipe") + 1] == "tensorwise"
+    cases = tmp_path / "cases.csv"
+    cases.write_text("id,tp,pp,dp,micro_batch_size,fp8\nbf16,2,1,4,1,\nfp8,2,1,4,1,delayed\n")
+    capsys.readouterr()
+    assert main(["estimate", *base, "--cases", str(cases)]) == 0
+    rows = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["fp8"]["iteration_time_s"] < rows["bf16"]["iteration_time_s"]
