@@ -63,7 +63,11 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
                         "(default on; --setup scaling: off)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
-                       ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input")):
+                       ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input"),
+                       ("partitioned-sends", "DeepSpeed's pipeline sends: 1/TP per rank, all-gathered over TP on "
+                        "receipt (default off)"),
+                       ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32 "
+                        "(default off)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,

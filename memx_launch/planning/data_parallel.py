@@ -11,6 +11,12 @@ from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
 
+def wire_gradient_bytes(training: TrainingSpec) -> int:
+    """Bytes per gradient the DP reduction moves: the gradients' dtype, or fp32 where 16-bit
+    gradients are cast for it (DeepSpeed's ``fp32_allreduce``)."""
+    return 4 if training.fp32_allreduce else training.precision_bytes("grad_dtype")
+
+
 def gradient_bucket_params(training: TrainingSpec, dp) -> np.ndarray:
     """Parameters per gradient bucket, each bucket its own collective: Megatron's default,
     max(40M, 1M x DP) where gradients are reduced as the backward runs (overlap_grad_reduce),
@@ -35,7 +41,7 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
     """
     params = np.asarray(stage_params, dtype=np.float64)
     bucket = gradient_bucket_params(training, dp)
-    grad = training.precision_bytes("grad_dtype") * trained.share
+    grad = wire_gradient_bytes(training) * trained.share
     if not (training.fully_sharded or training.distributed_optimizer):
         return bucketed_seconds("all_reduce", params * grad, bucket * grad, dp, gbps, nodes, hop)
     gathered = 2.0 * training.dtype_bytes * (1.0 + trained.adapters) if training.fully_sharded \
@@ -57,8 +63,8 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
 
     def unit_seconds(params):
         gather = collective_seconds("all_gather", params * training.dtype_bytes, dp, gbps, nodes, hop)
-        return gather, 2.0 * gather + collective_seconds("reduce_scatter", params * training.precision_bytes(
-            "grad_dtype"), dp, gbps, nodes, hop)
+        return gather, 2.0 * gather + collective_seconds("reduce_scatter", params * wire_gradient_bytes(training),
+                                                         dp, gbps, nodes, hop)
 
     first_gather, per_layer = unit_seconds(np.asarray(layer_params, dtype=np.float64))
     per_microbatch = layers * per_layer + unit_seconds(rest)[1]
@@ -67,7 +73,7 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
 
 def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParameters) -> float:
     """Bytes per parameter a sharded setup's reduce-scatters and all-gathers move through the ring."""
-    grad = training.precision_bytes("grad_dtype") * trained.share
+    grad = wire_gradient_bytes(training) * trained.share
     if training.fully_sharded:
         return 2.0 * training.dtype_bytes * (1.0 + trained.adapters) + grad
     return grad + training.precision_bytes("weights_dtype") * trained.share
@@ -80,7 +86,7 @@ def sync_allreduce_bytes(stage_params, training: TrainingSpec,
     its buffer twice). What a cross-domain DP group syncs hierarchically."""
     params = np.asarray(stage_params, dtype=np.float64)
     if not (training.fully_sharded or training.distributed_optimizer):
-        return params * trained.share * training.precision_bytes("grad_dtype")
+        return params * trained.share * wire_gradient_bytes(training)
     return params * _sharded_sync_bytes_per_param(training, trained) / 2.0
 
 

@@ -21,6 +21,7 @@ from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
 from memx_launch.planning.model_states import fp8_state_bytes
+from memx_launch.planning.pipeline_sends import stage_send_seconds
 from memx_launch.planning.layouts import Layout
 
 
@@ -336,7 +337,9 @@ class Evaluator:
         # resharding sender, as Sailor's), as it does between equal TP groups here.
         hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
         efficiency = self.cluster.link_efficiency
-        transfer = cm.p2p_time(hidden_bytes, layout.next_stage_gbps * efficiency)
+        receivers = [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
+        transfer = stage_send_seconds(self.cluster, tr, hidden_bytes, layout.next_stage_gbps, receivers,
+                                      layout.tp if layout.uniform_tp else None)
         if layout.edge_crossings:
             transfer = transfer.copy()
             for edge in layout.edge_crossings:

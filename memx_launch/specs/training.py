@@ -79,7 +79,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
-                       fused_loss=False)
+                       fused_loss=False, partitioned_sends=False, fp32_allreduce=False)
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,13 @@ class TrainingSpec:
     sequence) input for the backward, as when the norm gathers its output and autograd saves
     it. Off: Megatron keeps the 1/TP shard and gathers it again in the backward (Korthikanti's
     34/t). Default off."""
+    partitioned_sends: bool | None = None
+    """DeepSpeed's pipeline sends (``pipeline.pipe_partitioned`` and ``grad_partitioned``, on by
+    default there with TP): each TP rank sends 1/TP of the stage's activation or gradient and
+    the receiving stage all-gathers it over TP. Off: the whole tensor crosses once. Default off."""
+    fp32_allreduce: bool | None = None
+    """DeepSpeed's ``fp32_allreduce``: 16-bit gradients are cast to fp32 for the data-parallel
+    reduction, 4 bytes per gradient on the wire. Default off."""
     tf32: bool = False
     """fp32 training's matmuls run as TF32 on NVIDIA Ampere and later (NGC containers turn it
     on; PyTorch's ``torch.backends.cuda.matmul.allow_tf32``): at the TF32 peak, half the dense

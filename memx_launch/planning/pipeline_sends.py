@@ -1,0 +1,32 @@
+"""What one pipeline edge costs per micro-batch and direction: the stage boundary's activation
+(or its gradient) sent to the next stage, whole, or partitioned over the TP ranks as DeepSpeed's
+pipeline engine sends it (``pipe_partitioned`` / ``grad_partitioned``, on by default with TP):
+each TP rank sends 1/TP of it and the receiving stage all-gathers it over its TP group. No torch
+import."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
+from memx_launch.planning.costmodel import p2p_time
+from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+
+
+def stage_send_seconds(cluster: ClusterSpec, training: TrainingSpec, nbytes, next_stage_gbps, receiver_types,
+                       tp: int | None) -> np.ndarray:
+    """(P,) seconds of one send from each stage to the next (``next_stage_gbps``, inf for none).
+    ``receiver_types``: the device type name of each stage's next stage; ``tp``: the TP degree
+    of every stage, None where stages differ (the whole tensor crosses once: a resharding
+    sender). Partitioned sends (``training.partitioned_sends``) with TP > 1: 1/TP of the bytes
+    over the link, then the receiver's TP all-gather of the whole."""
+    gbps = np.asarray(next_stage_gbps, dtype=np.float64) * cluster.link_efficiency
+    if not training.partitioned_sends or tp is None or tp == 1:
+        return p2p_time(nbytes, gbps)
+    gather = np.array([collective_seconds("all_gather", nbytes, tp, tp_link_gbps(cluster, name, tp)
+                                          * cluster.link_efficiency, 1,
+                                          PCI if tp_over_pcie(cluster, name, tp) else NVLINK)
+                       for name in receiver_types])
+    return p2p_time(nbytes / tp, gbps) + np.where(np.isinf(gbps), 0.0, gather)

@@ -1,0 +1,80 @@
+"""DeepSpeed's pipeline-send and fp32 all-reduce options: partitioned sends (1/TP per rank over
+the link, the receiver's TP all-gather) and gradients reduced over DP in fp32. No torch."""
+
+import json
+
+import numpy as np
+import pytest
+
+from memx_launch.cli import main
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.data_parallel import data_parallel_sync_time, sync_allreduce_bytes
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.pipeline_sends import stage_send_seconds
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+MODEL = get_model("llama2-7b")
+# Two nodes of 4 GPUs over one slow NIC each: a pipeline edge between them is the slow link.
+CLUSTER_DICT = {"version": 1, "name": "two-nodes",
+                "device_types": {"gpu": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312,
+                                         "memory_bandwidth_gbps": 2039, "compute_capability": 8.0}},
+                "nodes": [{"devices": {"gpu": 4}, "intra_node_gbps": 300}] * 2, "inter_node_gbps": 12.5}
+CLUSTER = ClusterSpec.from_dict(CLUSTER_DICT)
+
+
+def test_partitioned_sends_cross_the_slow_link_in_tp_pieces_and_gather_over_the_fast_one():
+    nbytes = 2 * 4096 * MODEL.hidden_size * 2
+    link = np.array([12.5, np.inf])  # stage 0 -> 1 between the nodes; the last stage sends nothing
+    whole, split = (stage_send_seconds(CLUSTER, TrainingSpec(partitioned_sends=p), nbytes, link, ["gpu", "gpu"], 4)
+                    for p in (False, True))
+    assert whole[0] == pytest.approx(cm.p2p_time(nbytes, 12.5 * CLUSTER.link_efficiency))
+    # A quarter over the network, then an all-gather over NVLink: faster, never below the quarter.
+    assert cm.p2p_time(nbytes / 4, 12.5 * CLUSTER.link_efficiency) < split[0] < whole[0] / 2
+    assert whole[1] == split[1] == 0.0
+    # TP 1, or stages of different TP (None): nothing to partition.
+    for tp in (1, None):
+        assert stage_send_seconds(CLUSTER, TrainingSpec(partitioned_sends=True), nbytes, link, ["gpu", "gpu"],
+                                  tp)[0] == whole[0]
+
+
+def test_partitioned_sends_shorten_a_pipeline_across_nodes():
+    def step(partitioned):
+        training = TrainingSpec(global_batch_size=64, seq_len=4096, partitioned_sends=partitioned)
+        return evaluate_layout(MODEL, CLUSTER, training, tp=4, pp=2, dp=1, micro_batch_size=1,
+                               references=(1, 1, 1)).predicted_iteration_time_s
+    assert step(True) < step(False)
+
+
+def test_fp32_allreduce_sends_4_bytes_per_16_bit_gradient():
+    zero1 = dict(setup="zero1", dtype="bf16")  # bf16 gradients
+    plain, fp32 = TrainingSpec(**zero1), TrainingSpec(fp32_allreduce=True, **zero1)
+    params = np.array(1e9)
+    # A sharded setup moves gradients (reduce-scatter) and weights (all-gather): 2 + 2 -> 4 + 2.
+    assert sync_allreduce_bytes(params, fp32) / sync_allreduce_bytes(params, plain) == pytest.approx(6 / 4)
+    assert data_parallel_sync_time(params, fp32, 8, 100.0) > data_parallel_sync_time(params, plain, 8, 100.0)
+    ddp = dict(setup="ddp")  # fp32 gradients already: nothing changes
+    assert sync_allreduce_bytes(params, TrainingSpec(fp32_allreduce=True, **ddp)) == \
+        sync_allreduce_bytes(params, TrainingSpec(**ddp))
+
+
+def test_both_are_flags_and_cases_columns(tmp_path, capsys):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(CLUSTER_DICT))
+    base = ["--model", "llama2-7b", "--cluster", str(path), "--global-batch-size", "64", "--seq-len", "4096"]
+    layout = ["--tp", "4", "--pp", "2", "--dp", "1", "--micro-batch-size", "1"]
+    out = {}
+    for name, flags in (("plain", []), ("sends", ["--partitioned-sends"])):
+        assert main(["estimate", *base, *layout, *flags, "--json", str(tmp_path / f"{name}.json")]) == 0
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert out["sends"]["training"]["partitioned_sends"] is True
+    assert out["sends"]["predicted_iteration_time_s"] < out["plain"]["predicted_iteration_time_s"]
+    cases = tmp_path / "cases.csv"
+    cases.write_text("id,tp,pp,dp,micro_batch_size,setup,partitioned_sends,fp32_allreduce\n"
+                     "plain,4,1,2,1,zero1,,\nfp32,4,1,2,1,zero1,,true\nsends,4,2,1,1,,true,\n")
+    capsys.readouterr()
+    assert main(["estimate", *base, "--cases", str(cases)]) == 0
+    rows = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["fp32"]["iteration_time_s"] > rows["plain"]["iteration_time_s"]
