@@ -24,6 +24,9 @@ class Parser(argparse.ArgumentParser):
 
 def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required, help="catalog name (e.g. llama2-7b) or a Hugging Face config.json")
+    p.add_argument("--parallel-blocks", "--parallel_blocks", action=argparse.BooleanOptionalAction, default=None,
+                   help="attention and MLP side by side on one normed input (GPT-J, GPT-NeoX, Falcon); "
+                        "default: what the model says")
     p.add_argument("--cluster", required=required, help="cluster YAML file (see examples/clusters/)")
     p.add_argument("--global-batch-size", "--global_batch_size", type=int_flag, help="sequences per iteration")
     p.add_argument("--seq-len", "--seq_len", type=int_flag, help="tokens per sequence (default: the model's)")
@@ -150,3 +153,13 @@ def progress_from_args(args):
     return progress_to_stderr
 
 
+
+
+def model_from_args(args):
+    """``--model`` (a catalog name or a config.json), with ``--parallel-blocks`` when given."""
+    from dataclasses import replace
+
+    from memx_launch.specs.model import get_model
+
+    model = get_model(args.model)
+    return model if args.parallel_blocks is None else replace(model, parallel_blocks=args.parallel_blocks)

@@ -13,8 +13,7 @@ from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.config_file import add_config_args
 from memx_launch.specs.inputs import float_flag, int_flag
-from memx_launch.specs.model import get_model
-from memx_launch.cli.common import add_cost_args, add_output_args, add_target_args, check_finite, check_headroom, check_new_file, cost_model_from_args, progress_from_args, training_from_args
+from memx_launch.cli.common import add_cost_args, add_output_args, add_target_args, check_finite, check_headroom, check_new_file, cost_model_from_args, model_from_args, progress_from_args, training_from_args
 from memx_launch.specs.checks import list_of
 
 
@@ -74,7 +73,7 @@ def run_plan(args) -> int:
     check_new_file(args.json, "--json", args.force)
     check_new_file(args.plot, "--plot", args.force)
     check_distinct_outputs({"--json": args.json, "--plot": args.plot})
-    model = get_model(args.model)
+    model = model_from_args(args)
     cluster = ClusterSpec.from_yaml(args.cluster)
     training, precision = device_precision(cluster, training_from_args(args, model), args.dtype is not None)
     weights = parse_weights(args.weights) if args.weights else None
@@ -170,7 +169,7 @@ def run_estimate(args) -> int:
         if missing:
             raise ConfigError(missing[0], "missing", "give --model, --tp (or --stage-tp), --pp, --dp and "
                               "--micro-batch-size, or --plan FILE")
-        model = get_model(args.model)
+        model = model_from_args(args)
         training = training_from_args(args, model)
         split_note = "" if args.layers_per_stage else "no --layers-per-stage: even split, remainder on the first stages"
         plan = evaluate_layout(model, cluster, training, tp=args.tp, stage_tp=args.stage_tp, pp=args.pp, dp=args.dp,

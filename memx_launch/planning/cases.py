@@ -36,9 +36,11 @@ from memx_launch.specs.training import TrainingSpec
 LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "dp", "micro_batch_size", "layers_per_stage", "stage_devices",
                   "stage_tp", "recompute", "schedule", "virtual_stages")
 ECHO_COLUMNS = ("id",)
+# Columns that override a field of the row's model (ModelSpec).
+MODEL_COLUMNS = ("parallel_blocks",)
 # memx estimate flags that fill empty cells (paths relative to the working directory).
 FLAG_DEFAULTS = ("model", "cluster", "global_batch_size", "seq_len", "dtype", "optimizer", "distributed_optimizer",
-                 "fully_sharded")
+                 "fully_sharded", "parallel_blocks")
 _LIST_SEPARATORS = ("/", "|", ",")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -143,7 +145,7 @@ class CaseRunner:
         values = {**self.defaults, **{k: v for k, v in row.items() if not _absent(v)}}
         # Every column memx cannot express, named at once: a row asking for several features
         # should not be fixed and re-run one column at a time.
-        unknown = [c for c in values if c not in LAYOUT_COLUMNS and c not in ECHO_COLUMNS
+        unknown = [c for c in values if c not in LAYOUT_COLUMNS and c not in ECHO_COLUMNS and c not in MODEL_COLUMNS
                    and c not in self._training_fields]
         if unknown:
             raise ConfigError(", ".join(unknown), "unknown column" + "s" * (len(unknown) > 1),
@@ -153,7 +155,8 @@ class CaseRunner:
         for column in ("model", "cluster"):
             if column not in values:
                 raise ConfigError(column, "missing", f"give a {column} column or --{column}")
-        model = self._model(str(values["model"]))
+        model = self._model(str(values["model"]), tuple((c, _convert(c, values[c], bool))
+                                                         for c in MODEL_COLUMNS if c in values))
         cluster = self._cluster(str(values["cluster"]))
         training_key = (model.seq_len, *sorted(training_kwargs.items()))
         if training_key not in self._trainings:  # a spec per distinct setup, not per row
@@ -197,14 +200,17 @@ class CaseRunner:
             out["phi"] = _number(layout_objective(result, self._references[key], self.weights).phi)
         return out
 
-    def _model(self, value: str):
-        if value not in self._models:
-            path = os.path.join(self.base_dir, value)
-            try:
-                self._models[value] = get_model(path if os.path.exists(path) else value)
-            except ConfigError as exc:
-                raise ConfigError("model", exc.problem, exc.fix) from None
-        return self._models[value]
+    def _model(self, value: str, overrides: tuple = ()):
+        """The row's model, with its MODEL_COLUMNS overrides; cached, so that its id keys the scorers."""
+        if (value, overrides) not in self._models:
+            if value not in self._models:
+                path = os.path.join(self.base_dir, value)
+                try:
+                    self._models[value] = get_model(path if os.path.exists(path) else value)
+                except ConfigError as exc:
+                    raise ConfigError("model", exc.problem, exc.fix) from None
+            self._models[value, overrides] = dataclasses.replace(self._models[value], **dict(overrides))
+        return self._models[value, overrides]
 
     def _cluster(self, value: str) -> ClusterSpec:
         if value not in self._cluster_paths:

@@ -121,7 +121,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
       two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP;
-        with SP a framework whose linears keep the all-gathered input keeps those 4 whole)
+        with SP a framework whose linears keep the all-gathered input keeps those 4 whole);
+        parallel blocks: one norm input and one normed tensor, 4
       Q + K + V saved by attention: 2 + 4*kv/h, over t
       attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
@@ -154,9 +155,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
     # Two norms: a fused kernel keeps its input (d bytes); torch ops the fp32 copy and the result.
-    norms = 4.0 if fused_norm else 4.0 * (4.0 + dtype_bytes) / dtype_bytes
+    # Parallel blocks: one norm, whose output both attention and MLP read.
+    sides = 1.0 if model.parallel_blocks else 2.0
+    norms = 2.0 * sides if fused_norm else 2.0 * sides * (4.0 + dtype_bytes) / dtype_bytes
     fp8_share = 1.0 / dtype_bytes if fp8 else 1.0  # a linear's kept input in FP8: 1 byte per element
-    linear_inputs = 4.0 * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
+    linear_inputs = 2.0 * sides * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     qkv = (2.0 + 4.0 * kv / h) / tp
     attn_out = 2.0 * fp8_share / tp
@@ -348,10 +351,14 @@ class AnalyticalCostModel:
         memory_s = traffic / (self._hbm[device] * 1e9)
         # Two all-reduces of the block output forward, two of the input gradients of the
         # column-parallel linears backward (three with separate gate and up linears), two more
-        # when the full block is recomputed.
+        # when the full block is recomputed. Parallel blocks sum attention's and the MLP's before
+        # one all-reduce each way (their column-parallel linears share one input).
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         separate_gate_up = self.model.gated_mlp and not tr.fused_gate_up
-        n_allreduce = np.where(recompute == FULL, 6.0, 4.0) + (1.0 if separate_gate_up else 0.0)
+        if self.model.parallel_blocks:
+            n_allreduce = np.where(recompute == FULL, 3.0, 2.0)
+        else:
+            n_allreduce = np.where(recompute == FULL, 6.0, 4.0) + (1.0 if separate_gate_up else 0.0)
         comm_s = n_allreduce * self.tp_allreduce_time(hidden_bytes, device, tp)
         launch_s = self._launch_s[device] * np.where(recompute == FULL, 1.5, 1.0)
         time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s

@@ -113,10 +113,11 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         score = [b + extra for b, extra in zip(score, dropout_bytes(training.dtype_bytes))]
 
     cast = fp8_cast_elements(model, tokens, hidden, tp) if training.fp8 else (0.0, 0.0)
+    norms = 1.0 if model.parallel_blocks else 2.0  # parallel blocks: one norm feeds attention and MLP
 
     def passes(i):  # 0: forward, 1: backward
         """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again)."""
-        blockwide = hidden * 2.0 * (RESIDUAL_BYTES[i] * d + norm[i] + dropout[i]) + cast[i] * (d + 2.0)
+        blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * (d + 2.0)
         core = tokens * ((h + kv) / tp * rope[i] + f / tp * mlp[i]) * d + scores * score[i]
         return blockwide, core
 

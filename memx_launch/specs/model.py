@@ -23,7 +23,8 @@ MAX_DIMENSION = 2**24
 _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
 # Fields added after profiles were keyed by the shape: at these defaults a shape keeps the
 # signature it had, so the profiles and predictors of LLaMA-style models stay valid.
-_KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0}
+_KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
+                         "parallel_blocks": False}
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
@@ -32,6 +33,9 @@ TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
 TIED_BY_DEFAULT = ("gpt2", "opt", "gemma")
 # Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU).
 GATED_GELU = ("gemma",)
+# Model types whose attention and MLP read one normed input side by side, and the config key
+# that turns it off (GPT-J always; GPT-NeoX's use_parallel_residual, Falcon's parallel_attn).
+PARALLEL_BLOCK_KEYS = {"gptj": None, "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,10 @@ class ModelSpec:
     """A bias on every linear layer of the blocks (GPT-2, OPT, Phi)."""
     position_embeddings: int = 0
     """Rows of a learned position table beside the word embeddings (GPT-2: n_positions); 0: rotary."""
+    parallel_blocks: bool = False
+    """Attention and MLP side by side (GPT-J, GPT-NeoX/Pythia, Falcon, PaLM): both read one normed
+    input and their outputs join the residual together, so a block keeps one norm input and one
+    normed tensor, and TP reduces the two outputs (and the two input gradients) in one all-reduce."""
     tensor_parallel_blocks: bool = True
     """memx's runtime splits these blocks by TP (its LLaMA, the Hugging Face Llama family);
     memx-run plans TP 1 otherwise (a plan for another framework may still use TP)."""
@@ -76,6 +84,7 @@ class ModelSpec:
         require_type(self.linear_biases, bool, "model.linear_biases")
         require_number(self.position_embeddings, "model.position_embeddings", lo=0, hi=MAX_DIMENSION, integer=True,
                        fix="the learned position table's rows, or 0 for rotary positions")
+        require_type(self.parallel_blocks, bool, "model.parallel_blocks")
         require_type(self.tensor_parallel_blocks, bool, "model.tensor_parallel_blocks")
         require_number(self.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
         require_number(self.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
@@ -118,8 +127,10 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one transformer block, two norms and the biases included."""
-        return self.attention_params + self.mlp_params + self.bias_params + 2 * self.norm_params
+        """Parameters of one transformer block, its norms (one with parallel blocks, else two) and
+        the biases included."""
+        norms = 1 if self.parallel_blocks else 2
+        return self.attention_params + self.mlp_params + self.bias_params + norms * self.norm_params
 
     @property
     def word_embedding_params(self) -> int:
@@ -214,6 +225,11 @@ class ModelSpec:
                      "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
         if cfg.get("enable_bias") is not None:
             require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
+        parallel = False
+        if model_type in PARALLEL_BLOCK_KEYS:
+            key = PARALLEL_BLOCK_KEYS[model_type]
+            parallel = True if key is None else cfg.get(key, True)
+            require_type(parallel, bool, f"model ({where}).{key}")
         return cls(
             name=name,
             num_layers=cfg["num_hidden_layers"],
@@ -228,6 +244,7 @@ class ModelSpec:
             layer_norm=gpt_style,
             linear_biases=gpt_style and cfg.get("enable_bias", True),
             position_embeddings=positions,
+            parallel_blocks=parallel,
             tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
             **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
                                                   ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
@@ -257,6 +274,9 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, LayerNorm, biases,
     # learned positions: OPT's table has 2 rows more than its context; fp32 there).
     _gpt_style("opt-350m", 24, 1024, 16, 4096, 50272, 2048, positions=2050),
+    # GPT-J-6B (EleutherAI): attention and MLP side by side, rotary positions, an untied head.
+    ModelSpec("gpt-j-6b", 28, 4096, 16, 16, 16384, 50400, 2048, gated_mlp=False, layer_norm=True,
+              linear_biases=True, parallel_blocks=True),
     _gpt_style("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, positions=2048),
     _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050),
 )}
