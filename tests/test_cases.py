@@ -156,12 +156,12 @@ def test_many_rows_reuse_parsed_inputs_and_search_for_phi_only_when_asked(tmp_pa
 
 
 def test_a_row_names_every_column_memx_cannot_express(tmp_path, capsys):
-    path = _cases(tmp_path, "id,tp,pp,dp,tp_comm_overlap,context_parallel,recompute,lora-rank\n"
+    path = _cases(tmp_path, "id,tp,pp,dp,cp_comm_type,context_parallel,recompute,lora-rank\n"
                             "a,1,2,8,true,2,full,16\n"
                             "b,1,2,8,,,full,\n")
     code, rows, err = _run(capsys, "estimate", "--cases", str(path), "--model", "llama2-7b", "--cluster", TABLE1)
     assert code == 0, err
-    assert rows[0] == {"row": 1, "id": "a", "error": "tp_comm_overlap, context_parallel, lora-rank: unknown columns; "
+    assert rows[0] == {"row": 1, "id": "a", "error": "cp_comm_type, context_parallel, lora-rank: unknown columns; "
                                                       "use the columns listed in docs/estimate.md"}
     assert "error" not in rows[1]  # empty cells ask for nothing
     # --phi scores Phi; --weights without --phi would change nothing, and --phi needs --cases.

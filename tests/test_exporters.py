@@ -67,6 +67,7 @@ MEGATRON_LM_ARGUMENTS = {
     "--use-megatron-fsdp": dict(action="store_true"),
     "--data-parallel-sharding-strategy": dict(choices=["no_shard", "optim", "optim_grads", "optim_grads_params"]),
     "--sequence-parallel": dict(action="store_true"), "--overlap-grad-reduce": dict(action="store_true"),
+    "--tp-comm-overlap": dict(action="store_true"),
     "--fp8-format": dict(choices=["e4m3", "hybrid"]),
     "--fp8-recipe": dict(choices=["tensorwise", "delayed", "mxfp8", "blockwise"]),
     # data, tokenizer
@@ -107,6 +108,7 @@ def _megatron_config(plan, args):
                   masked_softmax_fusion=a.masked_softmax_fusion, attention_softmax_in_fp32=a.attention_softmax_in_fp32,
                   bf16=a.bf16, fp16=a.fp16, fp8=a.fp8_format, fp8_recipe=a.fp8_recipe or "delayed",
                   tensor_model_parallel_size=a.tensor_model_parallel_size,
+                  sequence_parallel=a.sequence_parallel, tp_comm_overlap=a.tp_comm_overlap,
                   pipeline_model_parallel_size=a.pipeline_model_parallel_size,
                   pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
                   recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
@@ -177,6 +179,8 @@ def test_megatron_flags_state_the_training_setup_of_the_plan():
     assert "--use-distributed-optimizer" not in export.args and "--sequence-parallel" not in export.args
     assert any("--setup zero3" in n for n in export.notes)
     _megatron_config(plan, export.args)
+    plan.training = TrainingSpec(setup="megatron", tp_comm_overlap=True).plan_fields()
+    assert _megatron_config(plan, megatron_args(plan).args).tp_comm_overlap  # TP 2, sequence parallel
     for recipe, megatron_recipe in (("delayed", "delayed"), ("current", "tensorwise")):
         plan.training = TrainingSpec(setup="megatron", fp8=recipe).plan_fields()
         config = _megatron_config(plan, megatron_args(plan).args)

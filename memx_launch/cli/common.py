@@ -67,6 +67,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "(default on; --setup scaling: off)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
                        ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input"),
+                       ("tp-comm-overlap", "Megatron's TP communication overlap (userbuffers, needs sequence "
+                        "parallelism): TP collectives in chunks behind the linear GEMMs (default off)"),
                        ("partitioned-sends", "DeepSpeed's pipeline sends: 1/TP per rank, all-gathered over TP on "
                         "receipt (default off)"),
                        ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32 "

@@ -360,6 +360,10 @@ class AnalyticalCostModel:
         else:
             n_allreduce = np.where(recompute == FULL, 6.0, 4.0) + (1.0 if separate_gate_up else 0.0)
         comm_s = n_allreduce * self.tp_allreduce_time(hidden_bytes, device, tp)
+        if tr.tp_comm_overlap:
+            # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
+            # follows: the first chunk waits, and whatever the GEMMs cannot cover.
+            comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
         launch_s = self._launch_s[device] * np.where(recompute == FULL, 1.5, 1.0)
         time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)

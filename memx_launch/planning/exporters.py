@@ -189,6 +189,8 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
         args.append("--sequence-parallel")
     if tr.get("overlap_grad_reduce"):
         args.append("--overlap-grad-reduce")
+    if tr.get("tp_comm_overlap") and plan.tp > 1:
+        args.append("--tp-comm-overlap")
     if tr.get("fused_loss"):
         args.append("--cross-entropy-loss-fusion")
     if tr.get("fp8"):  # E4M3 forward, E5M2 gradients; current scaling is Megatron's "tensorwise"

@@ -79,7 +79,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
-                       fused_loss=False, partitioned_sends=False, fp32_allreduce=False)
+                       fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False)
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,10 @@ class TrainingSpec:
     sequence) input for the backward, as when the norm gathers its output and autograd saves
     it. Off: Megatron keeps the 1/TP shard and gathers it again in the backward (Korthikanti's
     34/t). Default off."""
+    tp_comm_overlap: bool | None = None
+    """Megatron's ``--tp-comm-overlap`` (Transformer Engine's userbuffers, with sequence
+    parallelism): each TP all-gather and reduce-scatter runs in TP chunks behind the linear GEMM
+    it feeds or follows. Default off."""
     partitioned_sends: bool | None = None
     """DeepSpeed's pipeline sends (``pipeline.pipe_partitioned`` and ``grad_partitioned``, on by
     default there with TP): each TP rank sends 1/TP of the stage's activation or gradient and
@@ -234,6 +238,9 @@ class TrainingSpec:
                 raise ConfigError("--frozen-fraction", f"{self.frozen_fraction} with LoRA adapters, whose base "
                                   "weights are all frozen", "drop --frozen-fraction (LoRA freezes the base)")
             object.__setattr__(self, "frozen_fraction", 1.0)
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ConfigError("--tp-comm-overlap", "overlaps sequence parallelism's all-gathers and reduce-scatters",
+                              "add --sequence-parallel (or use --setup megatron)")
         if self.sharded_gradients and not self.distributed_optimizer and not self.fully_sharded:
             raise ConfigError("--sharded-gradients", "needs the optimizer state sharded as well",
                               "use --setup zero2 or add --distributed-optimizer")

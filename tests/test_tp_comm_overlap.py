@@ -1,0 +1,46 @@
+"""TP communication overlap (Megatron's --tp-comm-overlap): the TP collectives in chunks behind
+the linear GEMMs; it needs sequence parallelism. No torch."""
+
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.matmuls import forward_backward_seconds, linear_shapes
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import get_model
+from memx_launch.specs.training import TrainingSpec
+
+MODEL = get_model("llama2-7b")
+
+
+def _cluster(intra_node_gbps):
+    return ClusterSpec.from_dict({"version": 1, "name": "a100x8", "device_types": {"gpu": {
+        "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039,
+        "compute_capability": 8.0}}, "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": intra_node_gbps}]})
+
+
+def _layer(cluster, overlap, tp=8):
+    training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="megatron", tp_comm_overlap=overlap)
+    return cm.AnalyticalCostModel(MODEL, cluster, training).layer_costs(0, tp, 1, 4096, cm.NONE).time_s
+
+
+def test_overlap_hides_tp_collectives_behind_the_gemms_but_never_the_first_chunk():
+    fast = _cluster(300)
+    plain, overlapped = _layer(fast, False), _layer(fast, True)
+    training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="megatron")
+    model = cm.AnalyticalCostModel(MODEL, fast, training)
+    comm = 4 * float(model.tp_allreduce_time(4096 * MODEL.hidden_size * 2, 0, 8))
+    # Over NVLink the GEMMs cover all but the first of 8 chunks.
+    assert plain - overlapped == pytest.approx(comm * 7 / 8, rel=1e-6)
+    # Over a slow link the GEMMs cannot cover it: what exceeds them stays.
+    slow = _cluster(5)
+    linear = float(forward_backward_seconds(4096, linear_shapes(MODEL, training, 8), 312e12 * 0.75, 2039e9, 108, 2))
+    slow_plain, slow_overlapped = _layer(slow, False), _layer(slow, True)
+    assert slow_plain - slow_overlapped == pytest.approx(linear, rel=1e-6)
+    assert _layer(fast, True, tp=1) == _layer(fast, False, tp=1)  # no TP, nothing to hide
+
+
+def test_overlap_needs_sequence_parallelism():
+    with pytest.raises(ConfigError, match="--tp-comm-overlap: overlaps sequence parallelism.*--sequence-parallel"):
+        TrainingSpec(tp_comm_overlap=True)
+    TrainingSpec(tp_comm_overlap=True, sequence_parallel=True)
