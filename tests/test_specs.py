@@ -131,11 +131,12 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
     llama = get_model("llama2-7b")
     before = {k: v for k, v in dataclasses.asdict(llama).items()
               if k not in ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks", "layer_norm",
-                           "linear_biases", "position_embeddings", "parallel_blocks")}
+                           "linear_biases", "position_embeddings", "parallel_blocks", "lm_head")}
     assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     gpt_style = dataclasses.replace(llama, layer_norm=True, linear_biases=True, position_embeddings=4096)
     assert gpt_style.signature() != llama.signature() and gpt_style.total_params > llama.total_params
     assert dataclasses.replace(llama, parallel_blocks=True).signature() != llama.signature()
+    assert dataclasses.replace(llama, lm_head=False).signature() != llama.signature()
 
 
 def test_a_head_dim_memx_cannot_model_is_refused(tmp_path):

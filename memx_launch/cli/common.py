@@ -27,6 +27,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--parallel-blocks", "--parallel_blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="attention and MLP side by side on one normed input (GPT-J, GPT-NeoX, Falcon); "
                         "default: what the model says")
+    p.add_argument("--lm-head", "--lm_head", action=argparse.BooleanOptionalAction, default=None,
+                   help="an output layer and loss over the vocabulary on the last stage; --no-lm-head: a reward, "
+                        "value or classifier model (default: what the model says)")
     p.add_argument("--cluster", required=required, help="cluster YAML file (see examples/clusters/)")
     p.add_argument("--global-batch-size", "--global_batch_size", type=int_flag, help="sequences per iteration")
     p.add_argument("--seq-len", "--seq_len", type=int_flag, help="tokens per sequence (default: the model's)")
@@ -158,10 +161,12 @@ def progress_from_args(args):
 
 
 def model_from_args(args):
-    """``--model`` (a catalog name or a config.json), with ``--parallel-blocks`` when given."""
+    """``--model`` (a catalog name or a config.json), with the flags that override a field of it
+    given (the --cases columns of the same names: ``MODEL_COLUMNS``)."""
     from dataclasses import replace
 
+    from memx_launch.planning.cases import MODEL_COLUMNS
     from memx_launch.specs.model import get_model
 
-    model = get_model(args.model)
-    return model if args.parallel_blocks is None else replace(model, parallel_blocks=args.parallel_blocks)
+    return replace(get_model(args.model), **{name: getattr(args, name) for name in MODEL_COLUMNS
+                                             if getattr(args, name) is not None})

@@ -37,10 +37,10 @@ LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "dp", "micro_batch_size", "lay
                   "stage_tp", "recompute", "schedule", "virtual_stages")
 ECHO_COLUMNS = ("id",)
 # Columns that override a field of the row's model (ModelSpec).
-MODEL_COLUMNS = ("parallel_blocks",)
+MODEL_COLUMNS = ("parallel_blocks", "lm_head")
 # memx estimate flags that fill empty cells (paths relative to the working directory).
 FLAG_DEFAULTS = ("model", "cluster", "global_batch_size", "seq_len", "dtype", "optimizer", "distributed_optimizer",
-                 "fully_sharded", "parallel_blocks")
+                 "fully_sharded", "parallel_blocks", "lm_head")
 _LIST_SEPARATORS = ("/", "|", ",")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 

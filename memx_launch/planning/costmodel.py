@@ -209,7 +209,7 @@ def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None) 
 def last_stage_params(model: ModelSpec, pp: int) -> int:
     """Final norm and output layer; with tied embeddings and PP > 1 the last stage keeps its
     own copy of the word embeddings (Megatron syncs their gradients with the first stage)."""
-    tied_copy = model.word_embedding_params if model.tie_embeddings and pp > 1 else 0
+    tied_copy = model.word_embedding_params if model.ties_head and pp > 1 else 0
     return model.head_params + tied_copy
 
 
@@ -233,7 +233,7 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
         per_logit = 8.0 if tr.loss_dtype == "fp32" else 2.0 * d
     else:
         per_logit = (d + 12.0 if d < 4 else 12.0) if tr.loss_dtype == "fp32" else 3.0 * d
-    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.vocab_size / share
+    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share
 
 
 # --------------------------------------------------------------------------- time
@@ -376,7 +376,7 @@ class AnalyticalCostModel:
         if key in self._head_cache:
             return self._head_cache[key]
         tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
-        seconds = forward_backward_seconds(tokens, [(self.model.vocab_size / tp, self.model.hidden_size)],
+        seconds = forward_backward_seconds(tokens, [(self.model.output_vocab / tp, self.model.hidden_size)],
                                            self._best_flops[device], self._hbm[device] * 1e9, self._sms[device],
                                            self.training.dtype_bytes)
         if scalar:
@@ -413,7 +413,7 @@ class AnalyticalCostModel:
         Without a vocab-parallel loss the logits are first all-gathered over TP and every rank
         runs the loss on the whole vocabulary."""
         tp, device = np.asarray(tp, dtype=np.float64), np.asarray(device)
-        logits = np.asarray(mbs) * np.asarray(seq) * self.model.vocab_size
+        logits = np.asarray(mbs) * np.asarray(seq) * self.model.output_vocab
         held = logits / tp if self.training.vocab_parallel_loss else logits
         # A fused cross entropy reads the 16-bit logits forward and again backward, writing the gradient.
         per_logit = 3.0 * self.training.dtype_bytes if self.training.fused_loss else LOSS_BYTES_PER_LOGIT

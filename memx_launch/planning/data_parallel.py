@@ -93,6 +93,6 @@ def sync_allreduce_bytes(stage_params, training: TrainingSpec,
 def tied_gradient_bytes(model: ModelSpec, pp: int, first_tp: int, training: TrainingSpec) -> float:
     """Bytes of the tied embedding's gradient the first and the last stage sum every step (none
     without tied embeddings or with one stage, which holds the one weight)."""
-    if not model.tie_embeddings or pp == 1:
+    if not model.ties_head or pp == 1:
         return 0.0
     return model.word_embedding_params / first_tp * training.precision_bytes("grad_dtype")

@@ -120,6 +120,9 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     if not learned and spec.rope_theta != round(spec.rope_theta):
         notes.append(f"the model's RoPE base {spec.rope_theta:g} is not an integer; Megatron-LM's --rotary-base "
                      f"takes one ({round(spec.rope_theta)} here)")
+    if not spec.lm_head:
+        notes.append("the model has no LM head; Megatron-LM's GPT builds one on the last stage (its output "
+                     "layer, logits and loss), which the plan did not count")
     if spec.parallel_blocks:
         notes.append("the model's attention and MLP run side by side (parallel blocks); Megatron-LM builds them "
                      "one after the other: two norms and four TP all-reduces per layer where the plan counted one "

@@ -29,5 +29,5 @@ def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, 
     hidden = mbs * seq * model.hidden_size * tr.dtype_bytes / (tp if tr.sequence_parallel else np.ones_like(tp))
     out[:-1] = inflight[:-1] * hidden[:-1]
     if num_microbatches > 1:
-        out[-1] = tr.dtype_bytes * mbs * seq * model.vocab_size / (tp[-1] if tr.vocab_parallel_loss else 1)
+        out[-1] = tr.dtype_bytes * mbs * seq * model.output_vocab / (tp[-1] if tr.vocab_parallel_loss else 1)
     return out

@@ -24,7 +24,7 @@ _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
 # Fields added after profiles were keyed by the shape: at these defaults a shape keeps the
 # signature it had, so the profiles and predictors of LLaMA-style models stay valid.
 _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
-                         "parallel_blocks": False}
+                         "parallel_blocks": False, "lm_head": True}
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
@@ -68,6 +68,10 @@ class ModelSpec:
     """Attention and MLP side by side (GPT-J, GPT-NeoX/Pythia, Falcon, PaLM): both read one normed
     input and their outputs join the residual together, so a block keeps one norm input and one
     normed tensor, and TP reduces the two outputs (and the two input gradients) in one all-reduce."""
+    lm_head: bool = True
+    """An output layer over the vocabulary, with its loss, on the last stage. Off: a model
+    without one (a reward or value model, a classifier, a base model feeding another): no output
+    projection, logits or loss, and no tied copy of the embeddings."""
     tensor_parallel_blocks: bool = True
     """memx's runtime splits these blocks by TP (its LLaMA, the Hugging Face Llama family);
     memx-run plans TP 1 otherwise (a plan for another framework may still use TP)."""
@@ -85,6 +89,7 @@ class ModelSpec:
         require_number(self.position_embeddings, "model.position_embeddings", lo=0, hi=MAX_DIMENSION, integer=True,
                        fix="the learned position table's rows, or 0 for rotary positions")
         require_type(self.parallel_blocks, bool, "model.parallel_blocks")
+        require_type(self.lm_head, bool, "model.lm_head")
         require_type(self.tensor_parallel_blocks, bool, "model.tensor_parallel_blocks")
         require_number(self.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
         require_number(self.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
@@ -143,9 +148,19 @@ class ModelSpec:
         return self.word_embedding_params + self.position_embeddings * self.hidden_size
 
     @property
+    def output_vocab(self) -> int:
+        """Logits per token the last stage computes: the vocabulary, none without an LM head."""
+        return self.vocab_size if self.lm_head else 0
+
+    @property
+    def ties_head(self) -> bool:
+        """The output projection is the token embedding's weight."""
+        return self.tie_embeddings and self.lm_head
+
+    @property
     def head_params(self) -> int:
-        """Final norm plus the output projection (zero extra when tied)."""
-        return self.norm_params + (0 if self.tie_embeddings else self.word_embedding_params)
+        """Final norm plus the output projection (zero extra when tied or without an LM head)."""
+        return self.norm_params + (0 if self.ties_head else self.output_vocab * self.hidden_size)
 
     @property
     def total_params(self) -> int:
@@ -185,6 +200,10 @@ class ModelSpec:
         Llama-style keys, GPT-2's (``n_layer``, ...) or OPT's (``ffn_dim``)."""
         model_type = cfg.get("model_type", "gpt2" if "n_layer" in cfg else "llama")
         require_type(model_type, str, f"model ({where}).model_type")
+        # A config naming its architectures names its head: only causal-LM classes have an LM head.
+        architectures = cfg.get("architectures") or []
+        require_type(architectures, list, f"model ({where}).architectures")
+        lm_head = not architectures or any("CausalLM" in str(a) or "LMHead" in str(a) for a in architectures)
         if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
             cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
         if "n_layer" in cfg:  # GPT-2 style names (GPT-2, GPT-J, ...): GELU MLP, 4x width unless n_inner, tied
@@ -245,6 +264,7 @@ class ModelSpec:
             linear_biases=gpt_style and cfg.get("enable_bias", True),
             position_embeddings=positions,
             parallel_blocks=parallel,
+            lm_head=lm_head,
             tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
             **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
                                                   ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))

@@ -1,0 +1,71 @@
+"""A model without an LM head (reward, value and classifier models, a base model feeding
+another): no output projection, logits, loss or tied copy on the last stage; read from a Hugging
+Face config's architectures, a flag and a --cases column. No torch."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from memx_launch.cli import main
+from memx_launch.planning.data_parallel import tied_gradient_bytes
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.exporters import megatron_args
+from memx_launch.planning.plan import Plan
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.training import TrainingSpec
+
+LLAMA = get_model("llama2-7b")
+CLUSTER_DICT = {"version": 1, "name": "a100x4",
+                "device_types": {"gpu": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312,
+                                         "memory_bandwidth_gbps": 2039, "compute_capability": 8.0}},
+                "nodes": [{"devices": {"gpu": 4}, "intra_node_gbps": 300}]}
+CLUSTER = ClusterSpec.from_dict(CLUSTER_DICT)
+GIB = 2**30
+
+
+def test_hugging_face_architectures_name_the_head():
+    base = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "intermediate_size": 172, "vocab_size": 100}
+    heads = [ModelSpec.from_hf_dict({**base, **extra}, "m").lm_head for extra in (
+        {}, {"architectures": ["LlamaForCausalLM"]}, {"architectures": ["LlamaForSequenceClassification"]},
+        {"architectures": ["LlamaModel"]})]
+    assert heads == [True, True, False, False]
+    gpt2 = ModelSpec.from_hf_dict({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100,
+                                   "architectures": ["GPT2LMHeadModel"]}, "g")
+    assert gpt2.lm_head
+
+
+def test_the_last_stage_keeps_no_head_logits_or_tied_copy():
+    training = TrainingSpec(global_batch_size=16, seq_len=4096)
+    layout = dict(tp=1, pp=2, dp=2, micro_batch_size=1, references=(1, 1, 1))
+    with_head, without = (evaluate_layout(m, CLUSTER, training, **layout) for m in (LLAMA, replace(LLAMA,
+                                                                                              lm_head=False)))
+    head, bare = with_head.stages[-1].memory_parts_gib, without.stages[-1].memory_parts_gib
+    assert head["logits_loss"] > 0 and bare["logits_loss"] == 0
+    per_param = (head["parameters"] + head["gradients"] + head["optimizer_states"]
+                 - bare["parameters"] - bare["gradients"] - bare["optimizer_states"]) * GIB
+    assert per_param == pytest.approx(18 * LLAMA.vocab_size * LLAMA.hidden_size, rel=1e-6)  # the output layer
+    assert without.stages[0].memory_parts_gib == with_head.stages[0].memory_parts_gib  # the first stage: same
+    assert without.stages[-1].predicted_stage_time_s < with_head.stages[-1].predicted_stage_time_s
+    tied = get_model("opt-350m")
+    assert tied_gradient_bytes(tied, 2, 1, training) > 0 == tied_gradient_bytes(replace(tied, lm_head=False), 2, 1,
+                                                                                training)
+
+
+def test_flag_cases_column_and_export_note(tmp_path, capsys):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(CLUSTER_DICT))
+    base = ["--model", "llama2-7b", "--cluster", str(path), "--global-batch-size", "16", "--seq-len", "4096"]
+    layout = ["--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch-size", "1"]
+    assert main(["estimate", *base, *layout, "--no-lm-head", "--json", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["model_spec"]["lm_head"] is False
+    assert any("no LM head" in n for n in megatron_args(Plan.load(str(tmp_path / "plan.json"))).notes)
+    cases = tmp_path / "cases.csv"
+    cases.write_text("id,tp,pp,dp,micro_batch_size,lm_head\nhead,1,2,2,1,\nbare,1,2,2,1,false\n")
+    capsys.readouterr()
+    assert main(["estimate", *base, "--cases", str(cases)]) == 0
+    rows = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["bare"]["iteration_time_s"] < rows["head"]["iteration_time_s"]
