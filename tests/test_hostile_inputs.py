@@ -257,7 +257,9 @@ CASES = [
     ("estimate-virtual-without-interleaved", {}, ESTIMATE + LAYOUT + ["--virtual-stages", "2"], 2),
     ("estimate-layers-huge", {}, ESTIMATE + LAYOUT + ["--layers-per-stage", "99999999999999999999,1"], 2),
     ("estimate-layers-text", {}, ESTIMATE + LAYOUT + ["--layers-per-stage", "a,b"], 2),
-    ("estimate-layers-zero", {}, ESTIMATE + LAYOUT + ["--layers-per-stage", "0,8"], 2),
+    # The first or last stage may hold no layers (an embedding-only stage); a middle one may not.
+    ("estimate-layers-zero-middle", {}, ESTIMATE + ["--tp", "1", "--pp", "4", "--dp", "1", "--micro-batch-size", "1",
+                                                    "--layers-per-stage", "2,0,3,3"], 2),
     ("estimate-tp-negative", {}, ESTIMATE + ["--tp", "-1", "--pp", "2", "--dp", "2", "--micro-batch-size", "1"], 2),
     ("estimate-pp-zero", {}, ESTIMATE + ["--tp", "1", "--pp", "0", "--dp", "2", "--micro-batch-size", "1"], 2),
     ("estimate-pp-too-many", {}, ESTIMATE + ["--tp", "1", "--pp", "99", "--dp", "1", "--micro-batch-size", "1"], 2),

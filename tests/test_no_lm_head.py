@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from one_node import A100, one_node
 
 from memx_launch.cli import main
 from memx_launch.planning.data_parallel import tied_gradient_bytes
@@ -17,10 +18,7 @@ from memx_launch.specs.model import ModelSpec, get_model
 from memx_launch.specs.training import TrainingSpec
 
 LLAMA = get_model("llama2-7b")
-CLUSTER_DICT = {"version": 1, "name": "a100x4",
-                "device_types": {"gpu": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312,
-                                         "memory_bandwidth_gbps": 2039, "compute_capability": 8.0}},
-                "nodes": [{"devices": {"gpu": 4}, "intra_node_gbps": 300}]}
+CLUSTER_DICT = one_node(A100, 4, 300)
 CLUSTER = ClusterSpec.from_dict(CLUSTER_DICT)
 GIB = 2**30
 

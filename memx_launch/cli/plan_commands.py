@@ -122,7 +122,8 @@ def add_estimate_command(sub) -> None:
     p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none; full:K "
                    "recomputes a stage's first K layers (Megatron's block method)")
     p.add_argument("--layers-per-stage", "--layers_per_stage", type=list_of(int),
-                   help="layers per stage, kept as given, e.g. 8,24 (default: even, remainder first)")
+                   help="layers per stage, kept as given, e.g. 8,24; the first or last of several may be 0, an "
+                        "embedding-only or head-only stage (default: even, remainder first)")
     p.add_argument("--stage-devices", "--stage_devices", type=list_of(str),
                    help="device type per stage, e.g. a,b; a+b spreads a stage's DP replicas evenly over both "
                         "types, a*3+b*1 gives the replicas per type")

@@ -12,7 +12,7 @@ import numpy as np
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import Objective, Plan, parse_recompute
+from memx_launch.planning.plan import Objective, Plan, may_be_empty, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -98,9 +98,11 @@ class LayoutScorer:
                                   "use fewer stages")
             layers_per_stage = even_split(model.num_layers, pp)
         layers = np.array([list(layers_per_stage)], dtype=np.int64)
-        if layers.shape[1] != pp or layers.sum() != model.num_layers or (layers < v).any():
+        short = [i for i, n in enumerate(layers[0]) if n < v and not (n == 0 and may_be_empty(i, pp, v))]
+        if layers.shape[1] != pp or layers.sum() != model.num_layers or short:
             raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
-                              f"least {v} layer(s) adding up to {model.num_layers}", "fix the split")
+                              f"least {v} layer(s) adding up to {model.num_layers} (the first or last of several "
+                              "may hold none)", "fix the split")
         levels, recompute_layers = recompute_rows(recompute, layers)
         partial = recompute_layers < layers
         result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers,
@@ -218,6 +220,6 @@ def _check_layout_numbers(model, cluster, stage_tps, pp, dp, mbs, schedule, virt
         raise ConfigError("--virtual-stages", f"pp*virtual_stages={pp * virtual_stages} chunks for "
                           f"{model.num_layers} layers", "every chunk needs at least one layer")
     for n in layers_per_stage or ():
-        if not isinstance(n, int) or not 1 <= n <= model.num_layers:
-            raise ConfigError("--layers-per-stage", f"{n} is not a layer count between 1 and {model.num_layers}",
+        if not isinstance(n, int) or not 0 <= n <= model.num_layers:
+            raise ConfigError("--layers-per-stage", f"{n} is not a layer count between 0 and {model.num_layers}",
                               "fix the split")

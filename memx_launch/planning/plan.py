@@ -58,6 +58,12 @@ def recompute_text(level: str, count: int, num_layers: int) -> str:
     return f"full:{count}" if count else "none"
 
 
+def may_be_empty(stage: int, pp: int, virtual_stages: int) -> bool:
+    """Whether a stage may hold no layers: the first or the last of several, not interleaved (an
+    embedding-only first stage, a head-only last one: Megatron's layouts ``E|...`` and ``...|L``)."""
+    return virtual_stages == 1 and pp > 1 and stage in (0, pp - 1)
+
+
 def layer_recompute_levels(text: str, num_layers: int) -> list[str]:
     """The level of each of a stage's layers: ``full:K`` is full for the first K, none after."""
     level, count = parse_recompute(text, num_layers)
@@ -257,9 +263,12 @@ class Plan:
                 raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*dp={tp * self.dp} ranks")
             if len(set(s.ranks)) != len(s.ranks):
                 raise ConfigError(f"{source}.stages[{i}].ranks", "lists a rank twice")
-            if s.num_layers < self.virtual_stages:
+            if s.num_layers < self.virtual_stages and not (s.num_layers == 0 and
+                                                           may_be_empty(i, self.pp, self.virtual_stages)):
                 raise ConfigError(f"{source}.stages[{i}].num_layers",
-                                  f"{s.num_layers} layers cannot form {self.virtual_stages} virtual stages")
+                                  f"{s.num_layers} layers cannot form {self.virtual_stages} virtual stages"
+                                  + (" (only the first or last of several stages may hold none)"
+                                     if s.num_layers == 0 else ""))
         if self.global_batch_size % (self.dp * self.micro_batch_size):
             raise ConfigError(f"{source}.global_batch_size", f"{self.global_batch_size} is not divisible by "
                               f"dp*micro_batch_size={self.dp * self.micro_batch_size}")
@@ -333,7 +342,7 @@ def _check_types(data: dict, source: str) -> None:
         require_type(stage, dict, where, fix)
         require_type(stage.get("device_type"), str, f"{where}.device_type", fix)
         require_name(stage["device_type"], f"{where}.device_type")
-        require_number(stage.get("num_layers"), f"{where}.num_layers", lo=0, lo_open=True, hi=MAX_DIMENSION,
+        require_number(stage.get("num_layers"), f"{where}.num_layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix=fix)
         if not isinstance(stage.get("ranks"), list) or not stage["ranks"]:
             raise ConfigError(f"{where}.ranks", "must be a non-empty list of ranks", fix)

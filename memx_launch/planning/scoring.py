@@ -218,6 +218,10 @@ class Evaluator:
                 r = np.minimum(recompute_layers, layers)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
+            if (layers == 0).any():  # an embedding- or head-only stage runs no block backward
+                memory = memory - (layers == 0) * self.table.lookup(
+                    np.broadcast_to(layout.replica_device[k], levels.shape), layout.tp if layout.uniform_tp
+                    else layout.stage_tp, mbs, seq, levels)[2]
             memories.append(memory)
             times.append(stage_time)
             fits.append(memory <= self.usable(layout.replica_capacity[k]))
@@ -282,7 +286,7 @@ class Evaluator:
             by_replica.append({
                 "parameters": params * weights + gathered + layers[0] * fp8_kept + fp8_working,
                 "gradients": params * grads + unsharded_grad,
-                "optimizer_states": params * optim, "activations": kept + embedding_out + work,
+                "optimizer_states": params * optim, "activations": kept + embedding_out + work * (layers[0] > 0),
                 "logits_loss": logits, "pipeline_buffers": pipeline,
                 "communicator_buffers": np.broadcast_to(layout.communicators * self.communicator_bytes[device], pp),
                 "fixed_overhead": self.overhead[device]})

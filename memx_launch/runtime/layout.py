@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Plan
 
 
@@ -92,6 +93,11 @@ def chunks_by_stage(plan: Plan) -> list[list[Chunk]]:
 
 
 def rank_layout(plan: Plan, rank: int) -> RankLayout:
+    empty = [i for i, s in enumerate(plan.stages) if s.num_layers == 0]
+    if empty:  # memx's stages are built around their blocks (models/adapters.py)
+        raise ConfigError("--plan", f"stage {empty[0]} holds no layers (an embedding-only or head-only stage), "
+                          "which memx's runtime does not run", "give every stage a layer, or run the plan with "
+                          "Megatron-LM (memx export)")
     stage, dp_index, tp_index = plan.stage_of_rank(rank)
     grid = mesh_ranks(plan)
     return RankLayout(
