@@ -1,12 +1,10 @@
 """DeepSpeed's pipeline-send and fp32 all-reduce options: partitioned sends (1/TP per rank over
 the link, the receiver's TP all-gather) and gradients reduced over DP in fp32. No torch."""
 
-import json
-
 import numpy as np
 import pytest
+from estimates import cases_rows, cluster_file, estimated_plan
 
-from memx_launch.cli import main
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning.data_parallel import data_parallel_sync_time, sync_allreduce_bytes
 from memx_launch.planning.estimate import evaluate_layout
@@ -27,15 +25,17 @@ CLUSTER = ClusterSpec.from_dict(CLUSTER_DICT)
 def test_partitioned_sends_cross_the_slow_link_in_tp_pieces_and_gather_over_the_fast_one():
     nbytes = 2 * 4096 * MODEL.hidden_size * 2
     link = np.array([12.5, np.inf])  # stage 0 -> 1 between the nodes; the last stage sends nothing
-    whole, split = (stage_send_seconds(CLUSTER, TrainingSpec(partitioned_sends=p), nbytes, link, ["gpu", "gpu"], 4)
+    whole, split = (stage_send_seconds(CLUSTER, TrainingSpec(partitioned_sends=p), nbytes, link, lambda: ["gpu", "gpu"], 4)
                     for p in (False, True))
     assert whole[0] == pytest.approx(cm.p2p_time(nbytes, 12.5 * CLUSTER.link_efficiency))
     # A quarter over the network, then an all-gather over NVLink: faster, never below the quarter.
     assert cm.p2p_time(nbytes / 4, 12.5 * CLUSTER.link_efficiency) < split[0] < whole[0] / 2
     assert whole[1] == split[1] == 0.0
+    # The receivers' device types are asked for only when the sends are partitioned (the search's hot path).
+    assert stage_send_seconds(CLUSTER, TrainingSpec(), nbytes, link, lambda: 1 / 0, 4)[0] == whole[0]
     # TP 1, or stages of different TP (None): nothing to partition.
     for tp in (1, None):
-        assert stage_send_seconds(CLUSTER, TrainingSpec(partitioned_sends=True), nbytes, link, ["gpu", "gpu"],
+        assert stage_send_seconds(CLUSTER, TrainingSpec(partitioned_sends=True), nbytes, link, lambda: ["gpu", "gpu"],
                                   tp)[0] == whole[0]
 
 
@@ -60,21 +60,14 @@ def test_fp32_allreduce_sends_4_bytes_per_16_bit_gradient():
 
 
 def test_both_are_flags_and_cases_columns(tmp_path, capsys):
-    path = tmp_path / "cluster.json"
-    path.write_text(json.dumps(CLUSTER_DICT))
-    base = ["--model", "llama2-7b", "--cluster", str(path), "--global-batch-size", "64", "--seq-len", "4096"]
+    base = ["--model", "llama2-7b", "--cluster", cluster_file(tmp_path, CLUSTER_DICT), "--global-batch-size", "64",
+            "--seq-len", "4096"]
     layout = ["--tp", "4", "--pp", "2", "--dp", "1", "--micro-batch-size", "1"]
-    out = {}
-    for name, flags in (("plain", []), ("sends", ["--partitioned-sends"])):
-        assert main(["estimate", *base, *layout, *flags, "--json", str(tmp_path / f"{name}.json")]) == 0
-        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    assert out["sends"]["training"]["partitioned_sends"] is True
-    assert out["sends"]["predicted_iteration_time_s"] < out["plain"]["predicted_iteration_time_s"]
-    cases = tmp_path / "cases.csv"
-    cases.write_text("id,tp,pp,dp,micro_batch_size,setup,partitioned_sends,fp32_allreduce\n"
-                     "plain,4,1,2,1,zero1,,\nfp32,4,1,2,1,zero1,,true\nsends,4,2,1,1,,true,\n")
-    capsys.readouterr()
-    assert main(["estimate", *base, "--cases", str(cases)]) == 0
-    rows = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert all("error" not in r for r in rows.values()), rows
+    plain = estimated_plan(tmp_path, "plain", [*base, *layout])
+    sends = estimated_plan(tmp_path, "sends", [*base, *layout, "--partitioned-sends"])
+    assert sends["training"]["partitioned_sends"] is True
+    assert sends["predicted_iteration_time_s"] < plain["predicted_iteration_time_s"]
+    rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,setup,partitioned_sends,fp32_allreduce\n"
+                      "plain,4,1,2,1,zero1,,\nfp32,4,1,2,1,zero1,,true\nsends,4,2,1,1,,true,\n", base)
     assert rows["fp32"]["iteration_time_s"] > rows["plain"]["iteration_time_s"]
+    assert rows["sends"]["iteration_time_s"] == pytest.approx(sends["predicted_iteration_time_s"])

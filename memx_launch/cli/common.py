@@ -158,8 +158,6 @@ def progress_from_args(args):
     return progress_to_stderr
 
 
-
-
 def model_from_args(args):
     """``--model`` (a catalog name or a config.json), with the flags that override a field of it
     given (the --cases columns of the same names: ``MODEL_COLUMNS``)."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import Objective, Plan, may_be_empty, parse_recompute
+from memx_launch.planning.plan import Objective, Plan, parse_recompute, short_stages
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -98,8 +98,7 @@ class LayoutScorer:
                                   "use fewer stages")
             layers_per_stage = even_split(model.num_layers, pp)
         layers = np.array([list(layers_per_stage)], dtype=np.int64)
-        short = [i for i, n in enumerate(layers[0]) if n < v and not (n == 0 and may_be_empty(i, pp, v))]
-        if layers.shape[1] != pp or layers.sum() != model.num_layers or short:
+        if layers.shape[1] != pp or layers.sum() != model.num_layers or short_stages(layers[0], v):
             raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
                               f"least {v} layer(s) adding up to {model.num_layers} (the first or last of several "
                               "may hold none)", "fix the split")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -126,6 +127,6 @@ def fp8_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
     if training.fp8 is None:
         return 0.0, 0.0
     copies = 2.0 * model.layer_params / np.asarray(tp, dtype=np.float64)
-    linears = 4 + (model.gated_mlp and not training.fused_gate_up)
+    linears = len(linear_shapes(model, training, 1))
     amax = 3 * linears * FP8_AMAX_HISTORY * 4.0 if training.fp8 == "delayed" else 0.0
     return (amax, copies) if training.fully_sharded else (copies + amax, 0.0)

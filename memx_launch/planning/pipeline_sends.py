@@ -15,18 +15,19 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
 
 
-def stage_send_seconds(cluster: ClusterSpec, training: TrainingSpec, nbytes, next_stage_gbps, receiver_types,
+def stage_send_seconds(cluster: ClusterSpec, training: TrainingSpec, nbytes, next_stage_gbps, receivers,
                        tp: int | None) -> np.ndarray:
     """(P,) seconds of one send from each stage to the next (``next_stage_gbps``, inf for none).
-    ``receiver_types``: the device type name of each stage's next stage; ``tp``: the TP degree
-    of every stage, None where stages differ (the whole tensor crosses once: a resharding
-    sender). Partitioned sends (``training.partitioned_sends``) with TP > 1: 1/TP of the bytes
-    over the link, then the receiver's TP all-gather of the whole."""
+    ``receivers()``: the device type name of each stage's next stage, asked only for partitioned
+    sends (the search's hot path needs none); ``tp``: the TP degree of every stage, None where
+    stages differ (the whole tensor crosses once: a resharding sender). Partitioned sends
+    (``training.partitioned_sends``) with TP > 1: 1/TP of the bytes over the link, then the
+    receiver's TP all-gather of the whole."""
     gbps = np.asarray(next_stage_gbps, dtype=np.float64) * cluster.link_efficiency
     if not training.partitioned_sends or tp is None or tp == 1:
         return p2p_time(nbytes, gbps)
     gather = np.array([collective_seconds("all_gather", nbytes, tp, tp_link_gbps(cluster, name, tp)
                                           * cluster.link_efficiency, 1,
                                           PCI if tp_over_pcie(cluster, name, tp) else NVLINK)
-                       for name in receiver_types])
+                       for name in receivers()])
     return p2p_time(nbytes / tp, gbps) + np.where(np.isinf(gbps), 0.0, gather)

@@ -58,10 +58,12 @@ def recompute_text(level: str, count: int, num_layers: int) -> str:
     return f"full:{count}" if count else "none"
 
 
-def may_be_empty(stage: int, pp: int, virtual_stages: int) -> bool:
-    """Whether a stage may hold no layers: the first or the last of several, not interleaved (an
-    embedding-only first stage, a head-only last one: Megatron's layouts ``E|...`` and ``...|L``)."""
-    return virtual_stages == 1 and pp > 1 and stage in (0, pp - 1)
+def short_stages(layers, virtual_stages: int) -> list[int]:
+    """The stages holding fewer layers than their ``virtual_stages`` chunks need. The first or the
+    last of several stages may hold none when not interleaved: an embedding-only first stage, a
+    head-only last one (Megatron's layouts ``E|...`` and ``...|L``)."""
+    ends = (0, len(layers) - 1) if virtual_stages == 1 and len(layers) > 1 else ()
+    return [i for i, n in enumerate(layers) if n < virtual_stages and not (n == 0 and i in ends)]
 
 
 def layer_recompute_levels(text: str, num_layers: int) -> list[str]:
@@ -263,12 +265,12 @@ class Plan:
                 raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*dp={tp * self.dp} ranks")
             if len(set(s.ranks)) != len(s.ranks):
                 raise ConfigError(f"{source}.stages[{i}].ranks", "lists a rank twice")
-            if s.num_layers < self.virtual_stages and not (s.num_layers == 0 and
-                                                           may_be_empty(i, self.pp, self.virtual_stages)):
-                raise ConfigError(f"{source}.stages[{i}].num_layers",
-                                  f"{s.num_layers} layers cannot form {self.virtual_stages} virtual stages"
-                                  + (" (only the first or last of several stages may hold none)"
-                                     if s.num_layers == 0 else ""))
+        short = short_stages([s.num_layers for s in self.stages], self.virtual_stages)
+        if short:
+            i, n = short[0], self.stages[short[0]].num_layers
+            raise ConfigError(f"{source}.stages[{i}].num_layers",
+                              f"{n} layers cannot form {self.virtual_stages} virtual stages"
+                              + (" (only the first or last of several stages may hold none)" if n == 0 else ""))
         if self.global_batch_size % (self.dp * self.micro_batch_size):
             raise ConfigError(f"{source}.global_batch_size", f"{self.global_batch_size} is not divisible by "
                               f"dp*micro_batch_size={self.dp * self.micro_batch_size}")

@@ -128,8 +128,9 @@ class Evaluator:
         return capacity * (1.0 - self.memory_headroom)
 
     def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0):
-        """Per-stage per-layer bytes, fixed bytes, layer time and fixed time for each row, on the
-        device types of row ``replica`` of the layout's ``replica_device``."""
+        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the
+        block's backward working set (part of the fixed bytes: a stage without blocks has none)
+        for each row, on the device types of row ``replica`` of the layout's ``replica_device``."""
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
         tp = layout.tp if layout.uniform_tp else layout.stage_tp  # a scalar where it can: the search's hot path
@@ -148,7 +149,7 @@ class Evaluator:
                  + kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + fp8_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device])
-        return per_layer, fixed, t_layer, self._edge_time(layout, device, mbs, seq), g
+        return per_layer, fixed, t_layer, self._edge_time(layout, device, mbs, seq), g, work
 
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
         m, tr = self.model, self.training
@@ -209,19 +210,17 @@ class Evaluator:
                 recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
         memories, times, fits = [], [], []
         for k in replicas:
-            per_layer, fixed, t_layer, edge_t, g = self.split_inputs(layout, mbs, seq, v, levels, k)
+            per_layer, fixed, t_layer, edge_t, g, work = self.split_inputs(layout, mbs, seq, v, levels, k)
             memory = layers * per_layer + fixed
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
                 # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
-                none_layer, none_fixed, none_t, _, _ = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
+                none_layer, none_fixed, none_t, _, _, none_work = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
                 r = np.minimum(recompute_layers, layers)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
-            if (layers == 0).any():  # an embedding- or head-only stage runs no block backward
-                memory = memory - (layers == 0) * self.table.lookup(
-                    np.broadcast_to(layout.replica_device[k], levels.shape), layout.tp if layout.uniform_tp
-                    else layout.stage_tp, mbs, seq, levels)[2]
+                work = np.where(r > 0, work, none_work)
+            memory = memory - (layers == 0) * work  # an embedding- or head-only stage runs no block backward
             memories.append(memory)
             times.append(stage_time)
             fits.append(memory <= self.usable(layout.replica_capacity[k]))
@@ -341,7 +340,8 @@ class Evaluator:
         # resharding sender, as Sailor's), as it does between equal TP groups here.
         hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
         efficiency = self.cluster.link_efficiency
-        receivers = [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
+        def receivers():
+            return [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
         transfer = stage_send_seconds(self.cluster, tr, hidden_bytes, layout.next_stage_gbps, receivers,
                                       layout.tp if layout.uniform_tp else None)
         if layout.edge_crossings:
