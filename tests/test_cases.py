@@ -228,3 +228,15 @@ def test_interleaved_rows_need_whole_rounds_of_micro_batches(tmp_path):
         "global_batch_size: 1 micro-batches for the interleaved schedule on pp=2")
     assert runner.estimate({k: v for k, v in row.items() if k != "virtual_stages"})["error"].startswith(
         "virtual_stages: missing")
+
+
+def test_training_flags_fill_the_empty_cells_of_every_row(tmp_path, capsys):
+    # Every training flag, as the README says (--setup here), not only the batch size and the dtype.
+    path = _cases(tmp_path, "id,tp,pp,dp,micro_batch_size,setup\n"
+                            "flag,1,2,8,1,\ncolumn,1,2,8,1,zero3\nown,1,2,8,1,ddp\n")
+    code, rows, err = _run(capsys, "estimate", "--cases", str(path), "--model", "llama2-7b", "--cluster", TABLE1,
+                           "--global-batch-size", "64", "--setup", "zero3")
+    assert code == 0, err
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["flag"] == {**by_id["column"], "id": "flag", "row": 1}  # the flag filled the empty cell
+    assert by_id["own"]["peak_memory_gib"] != by_id["flag"]["peak_memory_gib"]  # a cell wins over the flag

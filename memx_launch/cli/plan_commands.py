@@ -203,7 +203,7 @@ def _run_cases(args) -> int:
     check_new_file(args.out, "--out", args.force)
     if args.profile_db and not os.path.exists(args.profile_db):
         raise ConfigError("--profile-db", f"{args.profile_db} does not exist", "run memx profile first")
-    print(run_cases(args.cases, args.out, overwrite=args.force, defaults={k: getattr(args, k) for k in FLAG_DEFAULTS},
+    print(run_cases(args.cases, args.out, overwrite=args.force, defaults={k: getattr(args, k, None) for k in FLAG_DEFAULTS},
                     memory_headroom=args.memory_headroom, weights=parse_weights(args.weights) if args.weights else None,
                     phi=args.phi,
                     cost_model_for=(lambda m, c, t: cost_model_from_args(args, m, c, t)) if args.profile_db else None),

@@ -38,9 +38,9 @@ LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "dp", "micro_batch_size", "lay
 ECHO_COLUMNS = ("id",)
 # Columns that override a field of the row's model (ModelSpec).
 MODEL_COLUMNS = ("parallel_blocks", "lm_head")
-# memx estimate flags that fill empty cells (paths relative to the working directory).
-FLAG_DEFAULTS = ("model", "cluster", "global_batch_size", "seq_len", "dtype", "optimizer", "distributed_optimizer",
-                 "fully_sharded", "parallel_blocks", "lm_head")
+# memx estimate flags that fill empty cells (paths relative to the working directory): the model,
+# the cluster, the model's overrides and every training flag (a TrainingSpec field by its name).
+FLAG_DEFAULTS = ("model", "cluster", *MODEL_COLUMNS, *(f.name for f in dataclasses.fields(TrainingSpec)))
 _LIST_SEPARATORS = ("/", "|", ",")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
