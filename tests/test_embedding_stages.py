@@ -6,10 +6,10 @@ processes."""
 import json
 
 import pytest
+from estimates import cases_rows, cluster_file
 from one_node import H100, one_node
 from test_exporters import _megatron_config
 
-from memx_launch.cli import main
 from memx_launch.errors import ConfigError
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.exporters import megatron_args, pipeline_layout
@@ -71,11 +71,8 @@ def test_a_saved_plan_reloads_and_memx_runtime_refuses_it_by_name(tmp_path):
 
 
 def test_a_cases_row_states_it(tmp_path, capsys):
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps(CLUSTER_DICT))
-    cases = tmp_path / "cases.csv"
-    cases.write_text("id,tp,pp,dp,micro_batch_size,layers_per_stage\nempty,2,4,1,1,0/10/11/11\n")
-    assert main(["estimate", "--cases", str(cases), "--model", "llama2-7b", "--cluster", str(cluster),
-                 "--global-batch-size", "64", "--seq-len", "4096", "--setup", "megatron"]) == 0
-    [row] = map(json.loads, capsys.readouterr().out.splitlines())
-    assert "error" not in row and row["fits"]
+    rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,layers_per_stage\nempty,2,4,1,1,0/10/11/11\n",
+                      ["--model", "llama2-7b", "--cluster", cluster_file(tmp_path, CLUSTER_DICT),
+                       "--global-batch-size", "64", "--seq-len", "4096", "--setup", "megatron"])
+    assert rows["empty"]["fits"]
+    assert rows["empty"]["iteration_time_s"] == pytest.approx(_estimate([0, 10, 11, 11]).predicted_iteration_time_s)

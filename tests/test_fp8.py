@@ -2,9 +2,9 @@
 blocks' linear GEMMs, FP8 inputs kept for the backward, FP8 weight copies and amax histories,
 the devices that have it, the flag, the --cases column and the Megatron export. No torch."""
 
-import json
-
 import pytest
+from estimates import cases_rows, cluster_file
+from one_node import H100, one_node
 
 from memx_launch.cli import main
 from memx_launch.errors import ConfigError
@@ -20,13 +20,11 @@ from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")
-H100 = dict(vendor="nvidia", memory_gib=80, peak_tflops=989, memory_bandwidth_gbps=3350, compute_capability=9.0)
 GIB = 2**30
 
 
 def _cluster(**device):
-    return ClusterSpec.from_dict({"version": 1, "device_types": {"gpu": {**H100, **device}},
-                                  "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 450}]})
+    return ClusterSpec.from_dict(one_node({**H100, **device}, 8, 450))
 
 
 def _training(fp8=None, **kw):
@@ -94,20 +92,13 @@ def test_a_fully_sharded_run_makes_fp8_copies_of_the_gathered_layer_only():
 
 
 def test_flag_cases_column_and_megatron_export(tmp_path, capsys):
-    cluster = tmp_path / "h100.yaml"
-    cluster.write_text(json.dumps({"version": 1, "name": "h100x8", "device_types": {"h100": H100},
-                                   "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]}))
-    base = ["--model", "llama2-7b", "--cluster", str(cluster), "--global-batch-size", "64", "--seq-len", "4096",
-            "--setup", "megatron"]
+    base = ["--model", "llama2-7b", "--cluster", cluster_file(tmp_path, one_node(H100, 8, 450)), "--global-batch-size",
+            "64", "--seq-len", "4096", "--setup", "megatron"]
     assert main(["plan", *base, "--fp8", "current", "--quiet", "--json", str(tmp_path / "plan.json")]) == 0
     plan = Plan.load(str(tmp_path / "plan.json"))
     assert plan.training["fp8"] == "current"
     args = megatron_args(plan).args
     assert args[args.index("--fp8-format") + 1] == "hybrid" and args[args.index("--fp8-recipe") + 1] == "tensorwise"
-    cases = tmp_path / "cases.csv"
-    cases.write_text("id,tp,pp,dp,micro_batch_size,fp8\nbf16,2,1,4,1,\nfp8,2,1,4,1,delayed\n")
-    capsys.readouterr()
-    assert main(["estimate", *base, "--cases", str(cases)]) == 0
-    rows = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert all("error" not in r for r in rows.values()), rows
+    rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,fp8\nbf16,2,1,4,1,\nfp8,2,1,4,1,delayed\n",
+                      base)
     assert rows["fp8"]["iteration_time_s"] < rows["bf16"]["iteration_time_s"]

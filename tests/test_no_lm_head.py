@@ -2,13 +2,12 @@
 another): no output projection, logits, loss or tied copy on the last stage; read from a Hugging
 Face config's architectures, a flag and a --cases column. No torch."""
 
-import json
 from dataclasses import replace
 
 import pytest
+from estimates import cases_rows, cluster_file, estimated_plan
 from one_node import A100, one_node
 
-from memx_launch.cli import main
 from memx_launch.planning.data_parallel import tied_gradient_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.exporters import megatron_args
@@ -48,22 +47,18 @@ def test_the_last_stage_keeps_no_head_logits_or_tied_copy():
     assert without.stages[0].memory_parts_gib == with_head.stages[0].memory_parts_gib  # the first stage: same
     assert without.stages[-1].predicted_stage_time_s < with_head.stages[-1].predicted_stage_time_s
     tied = get_model("opt-350m")
-    assert tied_gradient_bytes(tied, 2, 1, training) > 0 == tied_gradient_bytes(replace(tied, lm_head=False), 2, 1,
-                                                                                training)
+    assert tied_gradient_bytes(tied, 2, 1, training) > 0  # OPT ties its head: the two ends sum its gradient
+    assert tied_gradient_bytes(replace(tied, lm_head=False), 2, 1, training) == 0
 
 
 def test_flag_cases_column_and_export_note(tmp_path, capsys):
-    path = tmp_path / "cluster.json"
-    path.write_text(json.dumps(CLUSTER_DICT))
-    base = ["--model", "llama2-7b", "--cluster", str(path), "--global-batch-size", "16", "--seq-len", "4096"]
-    layout = ["--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch-size", "1"]
-    assert main(["estimate", *base, *layout, "--no-lm-head", "--json", str(tmp_path / "plan.json")]) == 0
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    base = ["--model", "llama2-7b", "--cluster", cluster_file(tmp_path, CLUSTER_DICT), "--global-batch-size", "16",
+            "--seq-len", "4096"]
+    plan = estimated_plan(tmp_path, "plan", [*base, "--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch-size", "1",
+                                             "--no-lm-head"])
     assert plan["model_spec"]["lm_head"] is False
     assert any("no LM head" in n for n in megatron_args(Plan.load(str(tmp_path / "plan.json"))).notes)
-    cases = tmp_path / "cases.csv"
-    cases.write_text("id,tp,pp,dp,micro_batch_size,lm_head\nhead,1,2,2,1,\nbare,1,2,2,1,false\n")
-    capsys.readouterr()
-    assert main(["estimate", *base, "--cases", str(cases)]) == 0
-    rows = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,lm_head\nhead,1,2,2,1,\nbare,1,2,2,1,false\n",
+                      base)
+    assert rows["bare"]["iteration_time_s"] == pytest.approx(plan["predicted_iteration_time_s"])
     assert rows["bare"]["iteration_time_s"] < rows["head"]["iteration_time_s"]

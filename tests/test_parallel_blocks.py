@@ -2,12 +2,12 @@
 both read, one TP all-reduce each way; read from Hugging Face configs, a flag and a --cases
 column. No torch."""
 
-import json
 from dataclasses import replace
 
 import pytest
+from estimates import cases_rows, cluster_file, estimated_plan
+from one_node import A100, one_node
 
-from memx_launch.cli import main
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.exporters import megatron_args
@@ -18,10 +18,7 @@ from memx_launch.specs.training import TrainingSpec
 
 GPTJ = get_model("gpt-j-6b")
 SEQUENTIAL = replace(GPTJ, parallel_blocks=False)
-CLUSTER_DICT = {"version": 1, "name": "a100x8",
-                "device_types": {"gpu": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312,
-                                         "memory_bandwidth_gbps": 2039, "compute_capability": 8.0}},
-                "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 300}]}
+CLUSTER_DICT = one_node(A100, 8, 300)
 CLUSTER = ClusterSpec.from_dict(CLUSTER_DICT)
 
 
@@ -63,23 +60,16 @@ def test_one_norm_one_all_reduce_each_way_and_the_same_flops():
 
 
 def test_flag_and_cases_column(tmp_path, capsys):
-    path = tmp_path / "cluster.json"
-    path.write_text(json.dumps(CLUSTER_DICT))
-    base = ["--model", "gpt-j-6b", "--cluster", str(path), "--global-batch-size", "64", "--seq-len", "2048"]
+    base = ["--model", "gpt-j-6b", "--cluster", cluster_file(tmp_path, CLUSTER_DICT), "--global-batch-size", "64",
+            "--seq-len", "2048"]
     layout = ["--tp", "4", "--pp", "1", "--dp", "2", "--micro-batch-size", "1"]
-    times = {}
-    for name, flag in (("parallel", []), ("sequential", ["--no-parallel-blocks"])):
-        assert main(["estimate", *base, *layout, *flag, "--json", str(tmp_path / f"{name}.json")]) == 0
-        plan = json.loads((tmp_path / f"{name}.json").read_text())
-        times[name] = plan["predicted_iteration_time_s"]
-        assert plan["model_spec"]["parallel_blocks"] == (name == "parallel")
-    assert times["parallel"] < times["sequential"]
+    parallel = estimated_plan(tmp_path, "parallel", [*base, *layout])
+    sequential = estimated_plan(tmp_path, "sequential", [*base, *layout, "--no-parallel-blocks"])
+    assert parallel["model_spec"]["parallel_blocks"] and not sequential["model_spec"]["parallel_blocks"]
+    assert parallel["predicted_iteration_time_s"] < sequential["predicted_iteration_time_s"]
     assert any("parallel blocks" in n for n in megatron_args(Plan.load(str(tmp_path / "parallel.json"))).notes)
     assert not any("parallel blocks" in n for n in megatron_args(Plan.load(str(tmp_path / "sequential.json"))).notes)
-    cases = tmp_path / "cases.csv"
-    cases.write_text("id,tp,pp,dp,micro_batch_size,parallel_blocks\np,4,1,2,1,\ns,4,1,2,1,false\n")
-    capsys.readouterr()
-    assert main(["estimate", *base, "--cases", str(cases)]) == 0
-    rows = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert rows["p"]["iteration_time_s"] == pytest.approx(times["parallel"])
-    assert rows["s"]["iteration_time_s"] == pytest.approx(times["sequential"])
+    rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,parallel_blocks\np,4,1,2,1,\ns,4,1,2,1,false\n",
+                      base)
+    assert rows["p"]["iteration_time_s"] == pytest.approx(parallel["predicted_iteration_time_s"])
+    assert rows["s"]["iteration_time_s"] == pytest.approx(sequential["predicted_iteration_time_s"])

@@ -2,6 +2,7 @@
 the linear GEMMs; it needs sequence parallelism. No torch."""
 
 import pytest
+from one_node import A100, one_node
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
@@ -14,9 +15,7 @@ MODEL = get_model("llama2-7b")
 
 
 def _cluster(intra_node_gbps):
-    return ClusterSpec.from_dict({"version": 1, "name": "a100x8", "device_types": {"gpu": {
-        "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039,
-        "compute_capability": 8.0}}, "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": intra_node_gbps}]})
+    return ClusterSpec.from_dict(one_node(A100, 8, intra_node_gbps))
 
 
 def _layer(cluster, overlap, tp=8):
