@@ -37,15 +37,18 @@ def dgx_cluster(gpu: str, world: int) -> ClusterSpec:
         "inter_node_gbps": INTER_NODE_GBPS[gpu]})
 
 
-def predicted(row: dict, model, cluster, training, **layout) -> dict:
-    """``row`` with memx's estimate of the layout: fits, peak GiB and iteration time, or the error."""
+def predicted(row: dict, model, cluster, training, parts: bool = False, **layout) -> dict:
+    """``row`` with memx's estimate of the layout: fits, peak GiB and iteration time, or the error;
+    with ``parts``, the fullest stage's peak by part (``parts_gib``)."""
     try:
         plan = evaluate_layout(model, cluster, training, references=(1.0, 1.0, 1.0), **layout)
     except ConfigError as exc:
         return {**row, "error": str(exc)}
+    fullest = max(plan.stages, key=lambda s: s.predicted_peak_memory_gib)
     return {**row, "fits": all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages),
-            "peak_gib": round(max(s.predicted_peak_memory_gib for s in plan.stages), 2),
-            "time_s": plan.predicted_iteration_time_s}
+            "peak_gib": round(fullest.predicted_peak_memory_gib, 2),
+            "time_s": plan.predicted_iteration_time_s,
+            **({"parts_gib": {k: round(v, 3) for k, v in fullest.memory_parts_gib.items()}} if parts else {})}
 
 
 def spearman(a, b) -> float:
