@@ -63,6 +63,7 @@ MEGATRON_LM_ARGUMENTS = {
     "--accumulate-allreduce-grads-in-fp32": dict(action="store_true"),
     # distributed
     "--tensor-model-parallel-size": dict(type=int), "--pipeline-model-parallel-size": dict(type=int),
+    "--context-parallel-size": dict(type=int, default=1),
     "--pipeline-model-parallel-layout": dict(type=str), "--use-distributed-optimizer": dict(action="store_true"),
     "--use-megatron-fsdp": dict(action="store_true"),
     "--data-parallel-sharding-strategy": dict(choices=["no_shard", "optim", "optim_grads", "optim_grads_params"]),
@@ -110,6 +111,7 @@ def _megatron_config(plan, args):
                   tensor_model_parallel_size=a.tensor_model_parallel_size,
                   sequence_parallel=a.sequence_parallel, tp_comm_overlap=a.tp_comm_overlap,
                   pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+                  context_parallel_size=a.context_parallel_size,
                   pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
                   recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
                   pipeline_dtype=torch.bfloat16)
@@ -185,6 +187,18 @@ def test_megatron_flags_state_the_training_setup_of_the_plan():
         plan.training = TrainingSpec(setup="megatron", fp8=recipe).plan_fields()
         config = _megatron_config(plan, megatron_args(plan).args)
         assert (config.fp8, config.fp8_recipe) == ("hybrid", megatron_recipe)
+
+
+def test_a_context_parallel_plan_builds_in_megatron_core():
+    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.specs.training import TrainingSpec
+
+    cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    training = TrainingSpec(global_batch_size=64, seq_len=16384, setup="megatron")
+    plan = evaluate_layout(get_model("llama2-7b"), cluster, training, tp=2, pp=2, dp=1, cp=4, micro_batch_size=1,
+                           references=(1.0, 1.0, 1.0))
+    config = _megatron_config(plan, megatron_args(plan).args)
+    assert (config.context_parallel_size, config.tensor_model_parallel_size) == (4, 2)
 
 
 def test_torchrun_commands_parse_and_keep_rank_order():

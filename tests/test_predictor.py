@@ -62,6 +62,17 @@ def test_learned_model_recovers_the_residual_and_extrapolates(fitted):
     assert fitted.meta["feature_importance"] and fitted.meta["hyperparameters"]
 
 
+def test_learned_attention_is_scaled_as_the_learned_block(fitted):
+    """Context parallelism prices its ring with the attention kernel's time: the learned model's is
+    the analytical one at the block's learned ratio."""
+    model = CachedCostModel(LearnedCostModel(SPEC, CLUSTER, TRAINING, fitted), PredictionCache())
+    base = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+    ratio = model.layer_costs(0, 1, 4, 64, 0).time_s / base.layer_costs(0, 1, 4, 64, 0).time_s
+    for learned, analytical in zip(model.attention_seconds(0, 1, 4, 64), base.attention_seconds(0, 1, 4, 64)):
+        assert learned == pytest.approx(ratio * analytical, rel=1e-9)
+    assert ratio == pytest.approx(true_ratio(4)[0], rel=0.15)
+
+
 def test_saved_predictor_loads_and_predicts_the_same(tmp_path, fitted):
     path = str(tmp_path / "p.ubj")
     fitted.save(path)

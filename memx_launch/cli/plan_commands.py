@@ -19,7 +19,8 @@ from memx_launch.specs.checks import list_of
 
 def add_plan_command(sub) -> None:
     from memx_launch.planning.objective import add_slowdown_arg
-    from memx_launch.planning.search import add_restriction_args
+    from memx_launch.planning.context_parallel import MIN_TOKENS_PER_RANK
+    from memx_launch.planning.search_space import add_restriction_args
 
     p = sub.add_parser("plan", help="search the best parallel layout for a model on a cluster",
                        description="Search TP x PP x DP layouts, uneven layer splits, per-stage recompute and "
@@ -39,6 +40,9 @@ def add_plan_command(sub) -> None:
     p.add_argument("--search-budget-s", "--search_budget_s", type=float_flag, metavar="S",
                    help="stop the search after S seconds and report the best found")
     add_restriction_args(p)
+    p.add_argument("--cp", type=list_of(int), metavar="A,B",
+                   help="search only these context-parallel degrees (default: 1, and the powers of two that leave "
+                        f"each rank at least {MIN_TOKENS_PER_RANK} tokens of a sequence; memx-run runs CP 1 only)")
     p.add_argument("--recompute-some-layers", "--recompute_some_layers", action=argparse.BooleanOptionalAction,
                    default=True, help="a stage that needs full recompute recomputes only its first K layers "
                    "(full:K, Megatron's block method) (default on)")
@@ -56,7 +60,8 @@ def add_plan_command(sub) -> None:
 
 def run_plan(args) -> int:
     from memx_launch.planning import report
-    from memx_launch.planning.search import SearchSpace, restrictions_from_args, search
+    from memx_launch.planning.search import search
+    from memx_launch.planning.search_space import SearchSpace, restrictions_from_args
     from memx_launch.specs.training import device_precision
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_slowdown, parse_weights
@@ -81,7 +86,8 @@ def run_plan(args) -> int:
 
     space = SearchSpace(memory_headroom=args.memory_headroom,
                         max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
-                        per_type_tp=args.per_type_tp, mixed_stages=args.mixed_stages, **restrictions_from_args(args))
+                        per_type_tp=args.per_type_tp, mixed_stages=args.mixed_stages,
+                        cp_degrees=tuple(args.cp) if args.cp else None, **restrictions_from_args(args))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))
@@ -102,7 +108,7 @@ def run_plan(args) -> int:
     return 0
 
 
-_LAYOUT_FLAGS = ("tp", "stage_tp", "pp", "dp", "micro_batch_size", "recompute", "layers_per_stage",
+_LAYOUT_FLAGS = ("tp", "stage_tp", "pp", "cp", "dp", "micro_batch_size", "recompute", "layers_per_stage",
                  "stage_devices", "schedule", "virtual_stages", "model", "global_batch_size", "seq_len")
 
 
@@ -117,6 +123,8 @@ def add_estimate_command(sub) -> None:
     p.add_argument("--stage-tp", "--stage_tp", type=list_of(int),
                    help="one TP degree per stage instead of --tp, e.g. 4,2 (each stage has tp_i x dp devices)")
     p.add_argument("--pp", type=int_flag)
+    p.add_argument("--cp", type=int_flag, help="context-parallel degree: each DP replica is cp TP groups, each "
+                   "holding 1/cp of every sequence (default 1; needs fused attention, 2*cp dividing --seq-len)")
     p.add_argument("--dp", type=int_flag)
     p.add_argument("--micro-batch-size", "--micro_batch_size", type=int_flag)
     p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none; full:K "
@@ -174,11 +182,10 @@ def run_estimate(args) -> int:
         training = training_from_args(args, model)
         split_note = "" if args.layers_per_stage else "no --layers-per-stage: even split, remainder on the first stages"
         plan = evaluate_layout(model, cluster, training, tp=args.tp, stage_tp=args.stage_tp, pp=args.pp, dp=args.dp,
-                               micro_batch_size=args.micro_batch_size,
+                               cp=1 if args.cp is None else args.cp, micro_batch_size=args.micro_batch_size,
                                layers_per_stage=args.layers_per_stage,
                                recompute=args.recompute, stage_devices=args.stage_devices,
                                schedule=args.schedule or "1f1b", virtual_stages=1 if args.virtual_stages is None else args.virtual_stages,
-                              
                                weights=weights, cost_model=cost_model_from_args(args, model, cluster, training),
                                memory_headroom=args.memory_headroom)
     print(report.estimate_report(plan, cluster, args.memory_headroom, split_note))
@@ -229,6 +236,7 @@ def add_export_command(sub) -> None:
 
 def run_export(args) -> int:
     from memx_launch.planning import exporters
+    from memx_launch.runtime.layout import check_runnable
 
     if not 1 <= args.master_port <= 65535:
         raise ConfigError("--master-port", f"{args.master_port} is not a TCP port", "e.g. --master-port 29500")
@@ -250,8 +258,13 @@ def run_export(args) -> int:
     print("\n# environment for the training script")
     print("\n".join(exporters.env_lines(exporters.plan_env(plan, os.path.abspath(args.plan)))))
     if cluster is not None:
-        for title, for_megatron in (("memx's runtime (the plan's rank order)", False),
-                                    ("Megatron-LM (stages on consecutive ranks)", True)):
+        targets = [("memx's runtime (the plan's rank order)", False), ("Megatron-LM (stages on consecutive ranks)", True)]
+        try:
+            check_runnable(plan)
+        except ConfigError as refusal:
+            print(f"\n# no torchrun lines for memx's runtime: {refusal.problem}")
+            targets = targets[1:]
+        for title, for_megatron in targets:
             print(f"\n# torchrun for {title}, one line per node")
             for cmd in exporters.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
                                                    master_port=args.master_port, for_megatron=for_megatron):

@@ -33,7 +33,7 @@ from memx_launch.specs.inputs import parse_json, parse_number, read_text
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
 
-LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "dp", "micro_batch_size", "layers_per_stage", "stage_devices",
+LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "cp", "dp", "micro_batch_size", "layers_per_stage", "stage_devices",
                   "stage_tp", "recompute", "schedule", "virtual_stages")
 ECHO_COLUMNS = ("id",)
 # Columns that override a field of the row's model (ModelSpec).
@@ -170,7 +170,8 @@ class CaseRunner:
         given_pp = [len(x) for x in (layers, stage_devices, stage_tp) if x is not None]
         pp = _int(values, "pp", given_pp[0] if given_pp else 1)
         tp = _int(values, "tp", 1) if stage_tp is None or "tp" in values else None
-        dp = _int(values, "dp", max(1, cluster.world_size // (sum(stage_tp) if stage_tp else tp * pp)))
+        cp = _int(values, "cp", 1)
+        dp = _int(values, "dp", max(1, cluster.world_size // ((sum(stage_tp) if stage_tp else tp * pp) * cp)))
         schedule = str(values.get("schedule", "1f1b"))
         v = _int(values, "virtual_stages", 1)
         if schedule == "interleaved" and "virtual_stages" not in values:
@@ -182,7 +183,7 @@ class CaseRunner:
             self._scorers[key] = LayoutScorer(model, cluster, training, cost_model, self.memory_headroom,
                                               self._layouts.setdefault(id(cluster), {}))
         scorer = self._scorers[key]
-        result, _ = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp,
+        result, _ = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, cp=cp,
                                  micro_batch_size=_int(values, "micro_batch_size", 1), layers_per_stage=layers,
                                  recompute=recompute, stage_devices=stage_devices, schedule=schedule,
                                  virtual_stages=v)

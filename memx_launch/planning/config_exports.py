@@ -67,6 +67,9 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
     if level == "selective":
         notes.append("selective maps to torchtitan's op-level SAC (selective_ac_option = \"op\"), which keeps "
                      "some matmul outputs memx's selective level recomputes: more memory than planned")
+    if plan.cp > 1 and not sharded:
+        notes.append("torchtitan shards the weights over context parallelism with FSDP (its dp_shard_cp mesh) "
+                     "even without data_parallel_shard_degree: less memory than planned, and gathers it did not time")
     if len({s.device_type for s in plan.stages}) > 1:
         notes.append("stages run on different device types: torchtitan puts pipeline stages on consecutive "
                      "ranks, so start it with memx export's torchrun lines for Megatron-LM")
@@ -83,7 +86,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         f"data_parallel_shard_degree = {plan.dp if sharded else 1}",
         f"tensor_parallel_degree = {tp}",
         f"pipeline_parallel_degree = {plan.pp}",
-    ]
+    ] + ([f"context_parallel_degree = {plan.cp}"] if plan.cp > 1 else [])
     if plan.pp > 1:
         lines += [f'pipeline_parallel_schedule = "{TORCHTITAN_SCHEDULES[plan.schedule]}"',
                   f"pipeline_parallel_microbatch_size = {plan.micro_batch_size}",
@@ -97,10 +100,10 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
 def deepspeed_json(plan: Plan) -> ConfigText:
     """The plan as a DeepSpeed config (``accelerate launch --use_deepspeed --deepspeed_config_file``):
     batch, precision and ZeRO stage of a data-parallel plan."""
-    if plan.pp > 1 or max(plan.stage_tps) > 1:
-        raise ConfigError("plan", f"pp={plan.pp}, tp={plan.tp or plan.stage_tp}: a DeepSpeed config holds data "
-                          "parallelism only (its pipeline and TP are set in code)",
-                          "export to Megatron-LM or torchtitan, or plan with --pp 1 --tp 1")
+    if plan.pp > 1 or max(plan.stage_tps) > 1 or plan.cp > 1:
+        raise ConfigError("plan", f"pp={plan.pp}, tp={plan.tp or plan.stage_tp}, cp={plan.cp}: a DeepSpeed config "
+                          "holds data parallelism only (its pipeline and TP are set in code; it has no context "
+                          "parallelism)", "export to Megatron-LM or torchtitan, or plan with --pp 1 --tp 1 --cp 1")
     tr = plan.training
     dtype = tr.get("dtype", "bf16")
     stage = 3 if tr.get("fully_sharded") else 2 if tr.get("sharded_gradients") else \

@@ -192,18 +192,18 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
-def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None) -> int:
-    """Communicators whose buffers a rank holds (``world``: tp x pp x dp unless the stages' TP
-    degrees differ). Torch gives every process group its own NCCL/RCCL communicator, even one
+def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None, cp: int = 1) -> int:
+    """Communicators whose buffers a rank holds (``world``: tp x cp x pp x dp unless the stages'
+    TP degrees differ). Torch gives every process group its own NCCL/RCCL communicator, even one
     whose ranks are another group's. Data parallelism alone syncs gradients on the world group
-    (DDP, FSDP, ZeRO): one. With TP or PP, Megatron-style frameworks make each group with
-    ``new_group`` and run collectives on the world (barriers), TP, DP and PP groups and on the
-    model-parallel group (TP x PP ranks: the gradient norm's all-reduce), each where it has
-    more than one member."""
-    world = tp * pp * dp if world is None else world
-    if tp == pp == 1:
+    (DDP, FSDP, ZeRO): one. With TP, CP or PP, Megatron-style frameworks make each group with
+    ``new_group`` and run collectives on the world (barriers), TP, DP (x CP: the gradients) and
+    PP groups, on the model-parallel group (TP x PP ranks: the gradient norm's all-reduce) and
+    on the CP group (attention's ring), each where it has more than one member."""
+    world = tp * cp * pp * dp if world is None else world
+    if tp == pp == cp == 1:
         return int(world > 1)
-    return int(world > 1) + sum(n > 1 for n in (tp, dp, pp, tp * pp))
+    return int(world > 1) + sum(n > 1 for n in (tp, dp * cp, pp, tp * pp, cp))
 
 
 def last_stage_params(model: ModelSpec, pp: int) -> int:
@@ -367,6 +367,16 @@ class AnalyticalCostModel:
         launch_s = self._launch_s[device] * np.where(recompute == FULL, 1.5, 1.0)
         time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
+
+    def attention_seconds(self, device, tp, mbs, seq) -> tuple[np.ndarray, np.ndarray]:
+        """The fused attention kernel's forward and backward seconds on one micro-batch of
+        ``seq`` tokens (causal; the backward recomputes the scores: 2.5 x the forward's FLOPs);
+        the device's emulation slowdown included. Context parallelism prices its ring with it."""
+        device = np.asarray(device, dtype=np.int64)
+        flops = 2.0 * np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64) ** 2 \
+            * self.model.hidden_size / np.asarray(tp, dtype=np.float64)
+        forward = flops / (self._attention_speed[device] * self._tflops[device] * 1e12) * self._slowdown[device]
+        return forward, 2.5 * forward
 
     def _head_projection_time(self, device, tp, mbs, seq) -> np.ndarray:
         """The LM head's GEMMs forward and backward; kept per scalar query (the search asks the

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from memx_launch.planning import costmodel as cm
+from memx_launch.planning import context_parallel, costmodel as cm
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Objective, Plan, parse_recompute, short_stages
 from memx_launch.specs.cluster import ClusterSpec
@@ -52,22 +52,23 @@ class LayoutScorer:
         self.model, self.cluster, self.training = model, cluster, training
         self.cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
         self.memory_headroom = memory_headroom
-        self._evaluators: dict[int, Evaluator] = {}
+        self._evaluators: dict[tuple, Evaluator] = {}
         self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
         heads = math.gcd(model.num_heads, model.num_kv_heads)
         self._degrees = [t for t in range(1, min(heads, cluster.world_size) + 1) if heads % t == 0]
 
     def score(self, *, tp: int | None, pp: int, dp: int, micro_batch_size: int, layers_per_stage=None,
               recompute=None, stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
-              stage_tp=None) -> tuple[GroupResult, Evaluator]:
+              stage_tp=None, cp: int = 1) -> tuple[GroupResult, Evaluator]:
         """The layout scored as one row, and the evaluator that scored it (see
         :func:`evaluate_layout` for the arguments)."""
         model, cluster, training = self.model, self.cluster, self.training
         if schedule not in ("1f1b", "interleaved"):
             raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
         stage_tps = _stage_tps(tp, stage_tp, pp)
+        context_parallel.check_degree(cp, training.seq_len, training.flash_attention)
         _check_layout_numbers(model, cluster, stage_tps, pp, dp, micro_batch_size, schedule, virtual_stages,
-                              layers_per_stage)
+                              layers_per_stage, cp)
         v = virtual_stages if schedule == "interleaved" else 1
         if training.global_batch_size % (dp * micro_batch_size):
             raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
@@ -83,15 +84,15 @@ class LayoutScorer:
                                   f"{model.num_heads} heads and {model.num_kv_heads} KV heads", "use a divisor of both")
         tp_arg = stage_tps[0] if len(degrees) == 1 else tuple(stage_tps)
         names = tuple(self.cost_model.device_names)
-        key = (names, tp_arg, pp, dp, None if stage_devices is None else tuple(stage_devices))
+        key = (names, tp_arg, pp, cp, dp, None if stage_devices is None else tuple(stage_devices))
         if key not in self._layouts:
-            self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp, stage_devices)
+            self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp, stage_devices, cp)
         layout = self._layouts[key]
-        evaluator = self._evaluators.get(micro_batch_size)
+        evaluator = self._evaluators.get((micro_batch_size, cp))
         if evaluator is None:  # per-layer costs are element-wise: a wider table holds the same numbers
-            table = CostTable(self.cost_model, len(names), self._degrees, [micro_batch_size], [training.seq_len])
+            table = CostTable(self.cost_model, len(names), self._degrees, [micro_batch_size], [training.seq_len // cp])
             evaluator = Evaluator(model, cluster, training, self.cost_model, table, self.memory_headroom)
-            self._evaluators[micro_batch_size] = evaluator
+            self._evaluators[micro_batch_size, cp] = evaluator
         if layers_per_stage is None:
             if model.num_layers < pp * v:
                 raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",
@@ -121,11 +122,12 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                     stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
                     cost_model: cm.LayerCostModel | None = None, weights=None,
                     references: tuple[float, float, float] | None = None,
-                    memory_headroom: float = 0.0, stage_tp=None) -> Plan:
+                    memory_headroom: float = 0.0, stage_tp=None, cp: int = 1) -> Plan:
     """Predict one given layout (``memx estimate``). The plan may not fit: its stages then
     show predicted memory above capacity (less ``memory_headroom``, see :func:`stage_short_gib`).
     ``stage_tp``: one TP degree per stage instead of ``tp`` for all (the DP degree is every
-    stage's). ``stage_devices``: a device type per stage, or several joined by ``+`` for a
+    stage's). ``cp``: the context-parallel degree (each DP replica is ``cp`` TP groups).
+    ``stage_devices``: a device type per stage, or several joined by ``+`` for a
     stage whose replicas sit on several (:func:`~memx_launch.planning.layouts.parse_stage_devices`).
     No ``layers_per_stage``: an :func:`even_split`. Fewer micro-batches than stages is allowed
     (Megatron-LM runs it; 1F1B then fills the pipeline only partly). Phi uses ``references``
@@ -134,7 +136,8 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     scorer = LayoutScorer(model, cluster, training, cost_model, memory_headroom)
     result, evaluator = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
                                      layers_per_stage=layers_per_stage, recompute=recompute,
-                                     stage_devices=stage_devices, schedule=schedule, virtual_stages=virtual_stages)
+                                     stage_devices=stage_devices, schedule=schedule, virtual_stages=virtual_stages,
+                                     cp=cp)
     if references is None:
         references = default_references(model, cluster, training, scorer.cost_model)
     plan = to_plan(result, 0, model, cluster, training, layout_objective(result, references, weights))
@@ -155,7 +158,7 @@ def evaluate_plan(handed: Plan, cluster: ClusterSpec, training: TrainingSpec, *,
     o = handed.objective
     references = tuple(o.terms[k] for k in ("T_ref", "M_ref", "V_ref")) if "T_ref" in o.terms else None
     plan = evaluate_layout(handed.model_spec, cluster, training, tp=handed.tp, stage_tp=handed.stage_tp,
-                           pp=handed.pp, dp=handed.dp,
+                           pp=handed.pp, dp=handed.dp, cp=handed.cp,
                            micro_batch_size=handed.micro_batch_size,
                            layers_per_stage=[s.num_layers for s in handed.stages],
                            recompute=[s.recompute for s in handed.stages],
@@ -197,8 +200,9 @@ def _stage_tps(tp, stage_tp, pp) -> list:
     return stage_tp
 
 
-def _check_layout_numbers(model, cluster, stage_tps, pp, dp, mbs, schedule, virtual_stages, layers_per_stage) -> None:
-    """Integers in range before any array is built from them."""
+def _check_layout_numbers(model, cluster, stage_tps, pp, dp, mbs, schedule, virtual_stages, layers_per_stage,
+                          cp: int = 1) -> None:
+    """Integers in range before any array is built from them (``cp``: checked already)."""
     for flag, value in (*(("--stage-tp" if len(set(stage_tps)) > 1 else "--tp", t) for t in stage_tps),
                         ("--pp", pp), ("--dp", dp), ("--micro-batch-size", mbs), ("--virtual-stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -207,6 +211,8 @@ def _check_layout_numbers(model, cluster, stage_tps, pp, dp, mbs, schedule, virt
         flag, used, total = "--tp", "tp*pp*dp", stage_tps[0] * pp * dp
     else:
         flag, used, total = "--stage-tp", "sum(stage_tp)*dp", sum(stage_tps) * dp
+    if cp > 1:
+        used, total = used.replace("*dp", "*cp*dp"), total * cp
     if total > cluster.world_size:
         raise ConfigError(flag, f"{used}={total} is more than the cluster's {cluster.world_size} devices",
                           "use a layout that fits the cluster")

@@ -148,6 +148,8 @@ def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
     args += training_args
     notes += training_notes
     args += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(plan.pp)]
+    if plan.cp > 1:  # Megatron's rank order (tp-cp-dp-pp) is the plan's; its default exchange is the p2p ring
+        args += ["--context-parallel-size", str(plan.cp)]
     if plan.pp > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan)]
         if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp:
@@ -243,7 +245,7 @@ def _megatron_attention(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[s
 def megatron_node_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
     """Node indices in the order Megatron needs them.
 
-    Megatron gives pipeline rank ``r // (tp * dp)`` to global rank ``r``, so stage 0's
+    Megatron gives pipeline rank ``r // (tp * cp * dp)`` to global rank ``r``, so stage 0's
     devices must come first. Nodes are reordered (their ranks keep their order inside the
     node) so that the stages' ranks, listed stage by stage, become 0..world_size-1.
     """
@@ -277,7 +279,7 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, script: str, script_args
     """
     if cluster.world_size != plan.world_size:
         raise ConfigError("--cluster", f"{cluster.name} has {cluster.world_size} devices but the "
-                          f"plan needs tp*pp*dp={plan.world_size}", "pass the cluster the plan was made for")
+                          f"plan needs tp*pp*cp*dp={plan.world_size}", "pass the cluster the plan was made for")
     ranks = cluster.rank_device_types()
     for i, stage in enumerate(plan.stages):
         # A stage on several types names them a+b or a*3+b*1 (planning.layouts); a whole
@@ -317,6 +319,7 @@ def plan_env(plan: Plan, plan_path: str | None = None) -> dict[str, str]:
         "MEMX_MODEL": plan.model,
         "MEMX_TP": str(plan.uniform_tp("MEMX_TP (one degree)")),
         "MEMX_PP": str(plan.pp),
+        "MEMX_CP": str(plan.cp),
         "MEMX_DP": str(plan.dp),
         "MEMX_MICRO_BATCH_SIZE": str(plan.micro_batch_size),
         "MEMX_GLOBAL_BATCH_SIZE": str(plan.global_batch_size),

@@ -1,7 +1,8 @@
-"""Pipeline layouts: which ranks form each stage, each stage's TP degree, a DP degree and an
-order of device types along the pipeline. TP groups stay inside one device type; the search
-keeps every stage on one type, a user-given stage may spread its DP replicas over several
-(``A100+V100``, :func:`parse_stage_devices`).
+"""Pipeline layouts: which ranks form each stage, each stage's TP degree, a CP and a DP degree
+and an order of device types along the pipeline. TP groups stay inside one device type; the
+search keeps every stage on one type, a user-given stage may spread its DP replicas over
+several (``A100+V100``, :func:`parse_stage_devices`). A stage's ranks are in Megatron's order:
+TP fastest, then CP, then DP (a DP replica is ``cp`` consecutive TP groups).
 """
 
 from __future__ import annotations
@@ -52,16 +53,27 @@ class Layout:
     """The link between the first and the last stage (tied embeddings' gradient sum)."""
     ends_crossing: EdgeCrossing | None = None
     """That sum, when the first and the last stage sit in different domains."""
+    cp: int = 1
+    """Context-parallel degree: each DP replica's micro-batch is split along the sequence over
+    ``cp`` TP groups (``planning/context_parallel.py``)."""
+    cp_gbps: np.ndarray | None = None
+    """(P,) what each transfer of the stage's CP rings gets, all rings at once; None without CP."""
 
     @property
     def pp(self) -> int:
         return len(self.stage_ranks)
 
+    @property
+    def dp_cp(self) -> int:
+        """Ranks of a stage holding the same parameters (DP x CP): its gradients sync and its
+        sharded states spread over them."""
+        return self.dp * self.cp
+
     @functools.cached_property
     def communicators(self) -> np.ndarray:
         """(P,) communicators a rank of each stage joins (their buffers count in its memory)."""
         world = sum(len(ranks) for ranks in self.stage_ranks)
-        return np.array([communicators_per_rank(int(tp), self.pp, self.dp, world) for tp in self.stage_tp])
+        return np.array([communicators_per_rank(int(tp), self.pp, self.dp, world, self.cp) for tp in self.stage_tp])
 
     @functools.cached_property
     def uniform_tp(self) -> bool:
@@ -107,9 +119,10 @@ def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 
 def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tuple[str, ...],
                       tps: list[int] | None = None, max_orders: int = 24, per_type_tp: bool = False,
-                      mixed_stages: bool = False) -> list[Layout]:
-    """Every (TP, DP, device-type order) layout: one DP degree for all stages, a type's stages on
-    its own ranks, tp x dp dividing the type's count. ``per_type_tp``: each device type may
+                      mixed_stages: bool = False, cps: tuple[int, ...] = (1,)) -> list[Layout]:
+    """Every (TP, CP, DP, device-type order) layout: one CP and one DP degree for all stages, a
+    type's stages on its own ranks, tp x cp x dp dividing the type's count (``cps``: the CP
+    degrees to take; the layouts of CP 1 first). ``per_type_tp``: each device type may
     take its own TP degree from ``tps`` (layouts of one degree come first, in the same order).
     ``mixed_stages``: also the layouts whose tp x dp divides the world but not every type's
     count, the stage at a boundary between types taking its replicas from both (after the
@@ -122,20 +135,20 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tupl
     if per_type_tp and len(counts) > 1:
         combos += [c for c in itertools.product(degrees, repeat=len(counts)) if len(set(c)) > 1]
     layouts = []
-    for combo in combos:
+    for cp, combo in itertools.product(sorted(cps), combos):
         tp_of = dict(zip(counts, combo))
-        for dp in range(1, min(counts[t] // tp_of[t] for t in counts) + 1):
-            if any(counts[t] % (tp_of[t] * dp) for t in counts):
+        for dp in range(1, min(counts[t] // (tp_of[t] * cp) for t in counts) + 1):
+            if any(counts[t] % (tp_of[t] * cp * dp) for t in counts):
                 continue
-            if sum(counts[t] // (tp_of[t] * dp) for t in counts) > model.num_layers:
+            if sum(counts[t] // (tp_of[t] * cp * dp) for t in counts) > model.num_layers:
                 continue
             for order in itertools.islice(itertools.permutations(counts), max_orders):
                 stage_ranks, stage_tp = [], []
                 for t in order:
-                    group = tp_of[t] * dp
+                    group = tp_of[t] * cp * dp
                     stage_ranks += [ranks_of[t][i:i + group] for i in range(0, counts[t], group)]
                     stage_tp += [tp_of[t]] * (counts[t] // group)
-                layouts.append(make_layout(cluster, device_names, stage_tp, dp, order, stage_ranks))
+                layouts.append(make_layout(cluster, device_names, stage_tp, dp, order, stage_ranks, cp))
     if mixed_stages:
         layouts += _spanning_layouts(model, cluster, device_names, degrees, max_orders)
     return layouts
@@ -170,9 +183,10 @@ def tp_text(stage_tp) -> str:
     return str(degrees[0]) if len(set(degrees)) == 1 else "|".join(map(str, degrees))
 
 
-def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
+def make_layout(cluster, device_names, tp, dp, order, stage_ranks, cp: int = 1) -> Layout:
     """``tp``: one degree for every stage or one per stage. A stage's ranks are its DP replicas
-    in order, ``tp`` consecutive ranks each; they may be of several device types."""
+    in order, ``tp x cp`` consecutive ranks each (its CP group's TP groups in order); they may
+    be of several device types."""
     rank_types = cluster.rank_device_types()
     stage_tp = np.broadcast_to(np.asarray(tp, dtype=np.int64), (len(stage_ranks),)).copy()
     types = [list(dict.fromkeys(rank_types[r] for r in ranks)) for ranks in stage_ranks]
@@ -180,11 +194,13 @@ def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
     rows = [[t[min(j, len(t) - 1)] for t in types] for j in range(k)]
     next_gbps = [cluster.transfers_gbps(zip(cur, nxt))
                  for cur, nxt in zip(stage_ranks, stage_ranks[1:])] + [math.inf]
-    # A DP group is every tp-th rank of the stage; the slowest group decides (ClusterSpec.group_gbps:
-    # links inside a node, each node's share of its NICs between nodes).
+    # A DP (x CP) group is every tp-th rank of the stage; the slowest group decides
+    # (ClusterSpec.group_gbps: links inside a node, each node's share of its NICs between nodes).
     dp_gbps = [min([cluster.group_gbps(ranks[j::t]) for j in range(t)]) for ranks, t in zip(stage_ranks, stage_tp)]
     dp_nodes = [max(cluster.nodes_spanned(ranks[j::t]) for j in range(t)) for ranks, t in zip(stage_ranks, stage_tp)]
     dp_hop = [PCI if cluster.intra_hop_over_pcie(ranks) else NVLINK for ranks in stage_ranks]
+    cp_gbps = np.array([cluster.transfers_gbps(cp_ring_pairs(ranks, t, cp)) for ranks, t in zip(stage_ranks, stage_tp)],
+                       dtype=float) if cp > 1 else None
     return Layout(stage_tp, dp, tuple(order), np.array([[device_names.index(t) for t in row] for row in rows]),
                   [list(r) for r in stage_ranks],
                   np.array([[cluster.device_type(t).memory_bytes for t in row] for row in rows], dtype=float),
@@ -192,7 +208,18 @@ def make_layout(cluster, device_names, tp, dp, order, stage_ranks) -> Layout:
                   np.array(dp_nodes, dtype=float), np.array(dp_hop),
                   *layout_crossings(cluster, [list(r) for r in stage_ranks], stage_tp),
                   cluster.transfers_gbps(zip(stage_ranks[0], stage_ranks[-1])) if len(stage_ranks) > 1 else math.inf,
-                  tied_crossing(cluster, [list(r) for r in stage_ranks]))
+                  tied_crossing(cluster, [list(r) for r in stage_ranks]), cp, cp_gbps)
+
+
+def cp_ring_pairs(ranks: list[int], tp: int, cp: int) -> list[tuple[int, int]]:
+    """The (sender, receiver) pairs of a stage's CP rings, all running at once: in each DP
+    replica (``tp x cp`` consecutive ranks), one ring per TP rank through its ``cp`` peers."""
+    pairs = []
+    for start in range(0, len(ranks), tp * cp):
+        for j in range(tp):
+            ring = ranks[start + j:start + tp * cp:tp]
+            pairs += list(zip(ring, ring[1:] + ring[:1]))
+    return pairs
 
 
 def parse_stage_devices(text: str, known, dp: int, field: str) -> list[tuple[str, int]]:
@@ -233,9 +260,10 @@ def stage_device_types(text: str) -> list[str]:
     return [part.rpartition(REPLICAS_MARK)[0] or part for part in text.split(MIXED_SEPARATOR)]
 
 
-def stage_device_text(cluster: ClusterSpec, ranks: list[int], tp: int) -> str:
+def stage_device_text(cluster: ClusterSpec, ranks: list[int], width: int) -> str:
     """A stage's device type as plans and ``--stage-devices`` write it: ``a``, ``a+b`` when its
-    replicas split evenly over several types, else ``a*3+b*1`` (replicas per type)."""
+    replicas (``width`` ranks each: TP x CP) split evenly over several types, else ``a*3+b*1``
+    (replicas per type)."""
     rank_types = cluster.rank_device_types()
     counts: dict[str, int] = {}
     for r in ranks:
@@ -244,26 +272,28 @@ def stage_device_text(cluster: ClusterSpec, ranks: list[int], tp: int) -> str:
         return next(iter(counts))
     if len(set(counts.values())) == 1:
         return MIXED_SEPARATOR.join(counts)
-    return MIXED_SEPARATOR.join(f"{t}{REPLICAS_MARK}{n // tp}" for t, n in counts.items())
+    return MIXED_SEPARATOR.join(f"{t}{REPLICAS_MARK}{n // width}" for t, n in counts.items())
 
 
-def layout_from_stage_devices(model, cluster, device_names, tp, pp, dp, stage_devices) -> Layout:
-    """A user-given layout: stage i's replicas on the next free ranks of ``stage_devices[i]``
-    (one type, or several: :func:`parse_stage_devices`). ``tp``: one degree or one per stage."""
+def layout_from_stage_devices(model, cluster, device_names, tp, pp, dp, stage_devices, cp: int = 1) -> Layout:
+    """A user-given layout: stage i's replicas (``tp x cp`` ranks each) on the next free ranks of
+    ``stage_devices[i]`` (one type, or several: :func:`parse_stage_devices`). ``tp``: one
+    degree or one per stage."""
     stage_tp = [int(tp)] * pp if np.ndim(tp) == 0 else [int(t) for t in tp]
     if len(stage_tp) != pp:
         raise ConfigError("--stage-tp", f"{len(stage_tp)} degrees for pp={pp}", "give one TP degree per stage")
-    if sum(stage_tp) * dp != cluster.world_size:
+    if sum(stage_tp) * cp * dp != cluster.world_size:
         uniform = np.ndim(tp) == 0
         flag, used = (("--tp/--pp/--dp", "tp*pp*dp") if uniform
                       else ("--stage-tp/--dp", "sum(stage_tp)*dp"))
-        raise ConfigError(flag, f"{used} = {sum(stage_tp) * dp} but the cluster has {cluster.world_size} devices",
+        flag, used = (flag.replace("/--dp", "/--cp/--dp"), used.replace("*dp", "*cp*dp")) if cp > 1 else (flag, used)
+        raise ConfigError(flag, f"{used} = {sum(stage_tp) * cp * dp} but the cluster has {cluster.world_size} devices",
                           "choose degrees whose product is the world size" if uniform
                           else "choose stage TP degrees that, times dp, add up to the world size")
     rank_types = cluster.rank_device_types()
     free = {t: [r for r, rt in enumerate(rank_types) if rt == t] for t in cluster.type_counts()}
     if stage_devices is None:
-        starts = np.cumsum([0] + [t * dp for t in stage_tp])
+        starts = np.cumsum([0] + [t * cp * dp for t in stage_tp])
         stage_devices = [rank_types[s] for s in starts[:-1]]
     if len(stage_devices) != pp:
         raise ConfigError("--stage-devices", f"{len(stage_devices)} entries for pp={pp}", "give one device type per stage")
@@ -272,11 +302,13 @@ def layout_from_stage_devices(model, cluster, device_names, tp, pp, dp, stage_de
         field = f"--stage-devices[{i}]"
         ranks = []
         for name, replicas in parse_stage_devices(text, free, dp, field):
-            if len(free[name]) < t * replicas:
+            width = t * cp
+            if len(free[name]) < width * replicas:
                 raise ConfigError(field, f"not enough {name} devices left for {replicas} replica(s) of "
-                                  f"tp={t}", "assign stages to device types by their counts")
-            ranks += free[name][:t * replicas]
-            free[name] = free[name][t * replicas:]
+                                  f"tp={t}" + (f" x cp={cp}" if cp > 1 else ""),
+                                  "assign stages to device types by their counts")
+            ranks += free[name][:width * replicas]
+            free[name] = free[name][width * replicas:]
             order.append(name)
         stage_ranks.append(ranks)
-    return make_layout(cluster, device_names, stage_tp, dp, tuple(dict.fromkeys(order)), stage_ranks)
+    return make_layout(cluster, device_names, stage_tp, dp, tuple(dict.fromkeys(order)), stage_ranks, cp)

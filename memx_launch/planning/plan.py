@@ -21,7 +21,7 @@ from memx_launch.files import write_json_atomic
 
 
 PLAN_VERSION = 1
-PLAN_KEYS = ("version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "dp", "micro_batch_size",
+PLAN_KEYS = ("version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "cp", "dp", "micro_batch_size",
              "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages", "predicted_iteration_time_s",
              "predicted_peak_memory_fraction", "predicted_memory_variance", "objective", "emulated", "training",
              "crossings", "model_spec")
@@ -145,6 +145,9 @@ class Plan:
     """One TP degree per stage when they differ (``tp`` is then None); None: every stage at ``tp``."""
     crossings: list[Crossing] = field(default_factory=list)
     """Pipeline edges and DP groups that cross communication domains (empty on one domain)."""
+    cp: int = 1
+    """Context-parallel degree: a DP replica of a stage is ``cp`` TP groups, each holding 1/cp of
+    every sequence (``planning/context_parallel.py``)."""
 
     # ---- derived
     @property
@@ -161,14 +164,15 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return sum(self.stage_tps) * self.dp
+        return sum(self.stage_tps) * self.cp * self.dp
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
     def stage_of_rank(self, rank: int) -> tuple[int, int, int]:
-        """(stage index, data-parallel index, tensor-parallel index) of a global rank."""
+        """(stage index, data-parallel index, tensor-parallel index) of a global rank (a plan
+        without context parallelism: memx's runtime runs none)."""
         for i, stage in enumerate(self.stages):
             if rank in stage.ranks:
                 j = stage.ranks.index(rank)
@@ -216,7 +220,7 @@ class Plan:
                 predicted_memory_variance=data.get("predicted_memory_variance", 0.0),
                 emulated=data.get("emulated", False), training=dict(data.get("training", {})),
                 version=version, stage_tp=data.get("stage_tp"),
-                crossings=[Crossing(**c) for c in data.get("crossings", [])])
+                crossings=[Crossing(**c) for c in data.get("crossings", [])], cp=data.get("cp", 1))
         except KeyError as exc:
             raise ConfigError(f"{source}.{exc.args[0]}", "missing",
                               "pass a complete plan written by memx plan --json") from None
@@ -228,12 +232,12 @@ class Plan:
                               f"use {', '.join(PLAN_TRAINING_KEYS)}")
         plan.validate(source)
         if "world_size" in data and data["world_size"] != plan.world_size:
-            raise ConfigError(f"{source}.world_size", f"{data['world_size']!r}, but its layout (tp*pp*dp) has "
+            raise ConfigError(f"{source}.world_size", f"{data['world_size']!r}, but its layout (tp*pp*cp*dp) has "
                               f"{plan.world_size} ranks", "correct world_size, or the layout")
         return plan
 
     def validate(self, source: str = "plan") -> None:
-        for key in ("pp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
+        for key in ("pp", "cp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
             require_number(getattr(self, key), f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
         if self.stage_tp is None:
             require_number(self.tp, f"{source}.tp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
@@ -261,8 +265,8 @@ class Plan:
         for i, s in enumerate(self.stages):
             parse_recompute(s.recompute, s.num_layers, f"{source}.stages[{i}].recompute")
             tp = self.stage_tps[i]
-            if len(s.ranks) != tp * self.dp:
-                raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*dp={tp * self.dp} ranks")
+            if len(s.ranks) != tp * self.cp * self.dp:
+                raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*cp*dp={tp * self.cp * self.dp} ranks")
             if len(set(s.ranks)) != len(s.ranks):
                 raise ConfigError(f"{source}.stages[{i}].ranks", "lists a rank twice")
         short = short_stages([s.num_layers for s in self.stages], self.virtual_stages)
@@ -290,7 +294,7 @@ MAX_WORLD_SIZE = 2**20
 def _check_types(data: dict, source: str) -> None:
     """Types and ranges of a plan read from a file or a peer, before anything uses it."""
     fix = "pass a plan written by memx plan --json"
-    for key in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
+    for key in ("tp", "pp", "cp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
         if key in data and not (key == "tp" and data[key] is None and data.get("stage_tp") is not None):
             require_number(data[key], f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
     stage_tp = data.get("stage_tp")
@@ -301,8 +305,8 @@ def _check_types(data: dict, source: str) -> None:
             require_number(t, f"{source}.stage_tp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
     if all(k in data for k in ("tp", "pp", "dp")):
         tps = stage_tp if stage_tp is not None else [data["tp"]] * data["pp"]
-        if sum(tps) * data["dp"] > MAX_WORLD_SIZE:
-            raise ConfigError(f"{source}.world_size", f"tp*pp*dp over the limit of {MAX_WORLD_SIZE} ranks", fix)
+        if sum(tps) * data.get("cp", 1) * data["dp"] > MAX_WORLD_SIZE:
+            raise ConfigError(f"{source}.world_size", f"tp*pp*cp*dp over the limit of {MAX_WORLD_SIZE} ranks", fix)
     for key in ("model", "cluster", "schedule"):
         if key in data:
             require_type(data[key], str, f"{source}.{key}", fix)

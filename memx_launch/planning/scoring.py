@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import costmodel as cm, data_parallel, schedules
+from memx_launch.planning import context_parallel, costmodel as cm, data_parallel, schedules
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
@@ -122,6 +122,7 @@ class Evaluator:
         # A learned model brings the bridges calibration measured (else the cluster file's).
         self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
+        self._attention: dict = {}
 
     def usable(self, capacity: np.ndarray) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -130,31 +131,50 @@ class Evaluator:
     def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0):
         """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the
         block's backward working set (part of the fixed bytes: a stage without blocks has none)
-        for each row, on the device types of row ``replica`` of the layout's ``replica_device``."""
+        for each row, on the device types of row ``replica`` of the layout's ``replica_device``.
+        With context parallelism a rank sees ``seq / cp`` tokens of each sequence."""
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
         tp = layout.tp if layout.uniform_tp else layout.stage_tp  # a scalar where it can: the search's hot path
         device = layout.replica_device[replica]
         g = tr.global_batch_size // (dp * mbs)
-        dev = np.broadcast_to(device, levels.shape)
-        t_layer, act, work = self.table.lookup(dev, tp, mbs, seq, levels)
-        bpp = cm.model_state_bytes_per_param(tr, dp, self.trained)
+        seq_rank = seq // layout.cp
+        t_layer, act, work = self.layer_costs(layout, device, tp, mbs, seq, levels)
+        bpp = cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
         per_layer = m.layer_params / tp * bpp + fp8_kept + inflight * act
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
-        fixed = (work + self._edge_bytes(layout, mbs, seq, inflight)
-                 + kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
+        fixed = (work + self._edge_bytes(layout, mbs, seq_rank, inflight)
+                 + kept_stage_output_bytes(m, tr, mbs, seq_rank, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + fp8_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device])
-        return per_layer, fixed, t_layer, self._edge_time(layout, device, mbs, seq), g, work
+        return per_layer, fixed, t_layer, self._edge_time(layout, device, mbs, seq_rank), g, work
+
+    def layer_costs(self, layout, device, tp, mbs, seq, levels):
+        """(time, kept activations, backward working set) of one layer on each stage of
+        ``device`` (P,) at ``levels`` (C, P). A CP layer is a ``seq / cp`` one plus the
+        attention of the other chunks of keys, the ring's exposed transfers and its buffers
+        (:mod:`context_parallel`)."""
+        cp = layout.cp
+        t_layer, act, work = self.table.lookup(np.broadcast_to(device, np.shape(levels)), tp, mbs, seq // cp, levels)
+        if cp == 1:
+            return t_layer, act, work
+        key = (tuple(device.tolist()), tp if np.ndim(tp) == 0 else tuple(tp.tolist()), mbs, seq // cp)
+        if key not in self._attention:
+            self._attention[key] = self.cost_model.attention_seconds(device, tp, mbs, seq // cp)
+        forward, backward = self._attention[key]
+        chunk = context_parallel.kv_chunk_bytes(self.model, self.training, mbs, seq, tp, cp)
+        transfer = cm.p2p_time(chunk, layout.cp_gbps * self.cluster.link_efficiency)
+        extra = context_parallel.layer_seconds(forward, backward, transfer, cp, levels)
+        return t_layer + extra, act, work + context_parallel.ring_working_bytes(chunk)
 
     def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
         m, tr = self.model, self.training
         (first, last), pp = layout.end_tp, layout.pp
-        bpp = cm.model_state_bytes_per_param(tr, layout.dp, self.trained)
+        bpp = cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained)
         out = np.zeros(pp)
         out[0] += m.embedding_params / first * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
         out[-1] += cm.last_stage_params(m, pp) / last * bpp + cm.logits_bytes(m, mbs, seq, last, tr)
@@ -256,29 +276,30 @@ class Evaluator:
         layout, mbs, seq, v = result.layout, result.mbs, result.seq, result.v
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
+        seq_rank = seq // layout.cp
         tp = layout.tp if layout.uniform_tp else layout.stage_tp
         last = layout.end_tp[1]
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         params = parameters_per_rank(m, layout, layers)[0]
-        weights, grads, optim = cm.model_state_bytes_by_part(tr, dp, self.trained)
+        weights, grads, optim = cm.model_state_bytes_by_part(tr, layout.dp_cp, self.trained)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
         fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
-        embedding_out[0] = inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
+        embedding_out[0] = inflight[0] * mbs * seq_rank * m.hidden_size * tr.dtype_bytes
         logits = np.zeros(pp)
-        logits[-1] = cm.logits_bytes(m, mbs, seq, last, tr)
-        pipeline = kept_stage_output_bytes(m, tr, mbs, seq, tp, inflight, g)
+        logits[-1] = cm.logits_bytes(m, mbs, seq_rank, last, tr)
+        pipeline = kept_stage_output_bytes(m, tr, mbs, seq_rank, tp, inflight, g)
         replica = (np.zeros(pp, dtype=np.int64) if result.memory_replica is None
                    else result.memory_replica[row])
         by_replica = []
         for k, device in enumerate(layout.replica_device):
-            _, act, work = (x[0] for x in self.table.lookup(np.broadcast_to(device, levels.shape), tp, mbs, seq,
-                                                            levels))
+            _, act, work = (x[0] for x in self.layer_costs(layout, device, tp, mbs, seq, levels))
             kept = layers[0] * inflight * act
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
-                _, act_none, work_none = self.table.lookup(device, tp, mbs, seq, cm.NONE)
+                _, act_none, work_none = (x[0] for x in self.layer_costs(layout, device, tp, mbs, seq,
+                                                                         np.full((1, pp), cm.NONE)))
                 r = np.minimum(result.recompute_layers[row], layers[0])
                 kept = r * inflight * act + (layers[0] - r) * inflight * act_none
                 work = np.where(r > 0, work, work_none)
@@ -337,8 +358,9 @@ class Evaluator:
         seconds of each stage's gradient sync before any overlap with the backward."""
         m, tr = self.model, self.training
         # Between stages of different TP the whole tensor crosses once per pipeline (a
-        # resharding sender, as Sailor's), as it does between equal TP groups here.
-        hidden_bytes = mbs * seq * m.hidden_size * tr.dtype_bytes
+        # resharding sender, as Sailor's), as it does between equal TP groups here; a CP rank
+        # sends its seq / cp tokens.
+        hidden_bytes = mbs * (seq // layout.cp) * m.hidden_size * tr.dtype_bytes
         efficiency = self.cluster.link_efficiency
         def receivers():
             return [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
@@ -353,7 +375,7 @@ class Evaluator:
                     share = (v - 1) / v if wrap else 1.0
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(hidden_bytes)
         stage_params = parameters_per_rank(m, layout, layers)
-        dp_link = (layout.dp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
+        dp_link = (layout.dp_cp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
         if tr.fully_sharded:
             # Gathered and reduce-scattered layer by layer every micro-batch, behind its compute.
             tp = layout.tp if layout.uniform_tp else layout.stage_tp
@@ -373,7 +395,7 @@ class Evaluator:
         t_dp = (t_dp + self.tied_sync_time(layout) * ends).max(axis=1)
         # The optimizer step of every stage on each of its device types, at once.
         step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
-                                         layout.dp, self.trained, self.host_gbps)
+                                         layout.dp_cp, self.trained, self.host_gbps)
         t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
             T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
@@ -400,7 +422,7 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
     if result.transfer is None:
         return []
     g = training.global_batch_size // (layout.dp * result.mbs)
-    hidden_bytes = result.mbs * result.seq * model.hidden_size * training.dtype_bytes
+    hidden_bytes = result.mbs * (result.seq // layout.cp) * model.hidden_size * training.dtype_bytes
     out = []
     for edge in layout.edge_crossings:
         wrap = edge.stage == layout.pp - 1

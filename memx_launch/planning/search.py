@@ -23,15 +23,15 @@ from typing import Callable
 
 import numpy as np
 
-from memx_launch.planning import costmodel as cm
+from memx_launch.planning import context_parallel, costmodel as cm
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Objective, Plan, StagePlan
-from memx_launch.specs.checks import list_of
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
-from memx_launch.planning.objective import DEFAULT_MAX_SLOWDOWN, WEIGHT_PROFILES, choose_profile, phi
+from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
+from memx_launch.planning.search_space import SearchSpace
 from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult, crossings_of
 
 
@@ -39,88 +39,6 @@ INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B
 
 
 SELECTIVE_MIN_SAVING = 0.10   # selective must save this share of what full saves, else binary
-
-
-# Command-line restrictions of the space (memx plan and memx-run): flag, SearchSpace field,
-# element type, what the values are.
-RESTRICTIONS = (("tp", "tp_degrees", int, "TP degrees"), ("pp", "pipeline_degrees", int, "pipeline degrees"),
-                ("micro_batch_sizes", "micro_batch_sizes", int, "micro-batch sizes (default 1,2,4,8)"),
-                ("schedules", "schedules", str, "schedules: 1f1b,interleaved"),
-                ("recompute_levels", "recompute_levels", str, "recompute levels: none,selective,full"))
-
-
-def add_restriction_args(parser) -> None:
-    """``--tp``, ``--pp``, ``--micro-batch-sizes``, ``--schedules``, ``--recompute-levels``."""
-    for flag, _, kind, what in RESTRICTIONS:
-        parser.add_argument("--" + flag.replace("_", "-"), type=list_of(kind), metavar="A,B",
-                            help=f"search only these {what}")
-
-
-def restrictions_from_args(args) -> dict:
-    """The SearchSpace fields the restriction flags gave (tuples)."""
-    return {field: tuple(getattr(args, flag)) for flag, field, _, _ in RESTRICTIONS
-            if getattr(args, flag, None) is not None}
-
-
-@dataclass
-class SearchSpace:
-    """What may vary. ``None`` means derived from the model, cluster and training spec."""
-
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    seq_lens: tuple[int, ...] | None = None
-    tp_degrees: tuple[int, ...] | None = None
-    pipeline_degrees: tuple[int, ...] | None = None
-    schedules: tuple[str, ...] = ("1f1b", "interleaved")
-    virtual_stages: tuple[int, ...] = (2, 4)
-    recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS
-    time_prune_factor: float = 2.0
-    """Skip a group whose iteration-time lower bound exceeds this multiple of the best time."""
-    memory_headroom: float = 0.0
-    """Share of every device's memory a plan must leave free (memx-run: the monitor's threshold)."""
-    fewer_microbatches_than_stages: bool = True
-    """Allow G < P micro-batches per iteration: Megatron-LM runs it (the pipeline never fills);
-    torch's Schedule1F1B refuses it, so memx-run's own searches turn it off."""
-    recompute_some_layers: bool = True
-    """Where a stage needs full recompute, recompute only as many of its first layers as it
-    needs to fit (``full:K``, Megatron's block method, 1F1B only)."""
-    per_type_tp: bool = False
-    """On clusters of several device types, let each type take its own TP degree (one DP degree
-    for all stages; ``memx plan --per-type-tp``). Off by default: it multiplies the layouts by
-    up to (TP degrees)^(types - 1), and memx-run's runtime runs one degree for all stages."""
-    mixed_stages: bool = False
-    """Also layouts whose stage at a boundary between device types takes its DP replicas from
-    both (Sailor's plans; ``memx plan --mixed-stages``): where tp x dp divides the world but not
-    every type's count. The slowest type sets such a stage's pace and it must fit on each.
-    memx-run's runtime runs one device type per stage."""
-    max_slowdown: float | None = None
-    """The winner may be predicted at most this share slower than the fastest feasible plan
-    (``--max-slowdown``). None: 5% (DEFAULT_MAX_SLOWDOWN) for the profile memx chooses; no bound
-    for one given with ``objective`` or ``weights``, which keep the paper's Phi as it ranks."""
-
-    def bound(self, objective, weights) -> float | None:
-        """The slowdown the winner may have against the fastest plan (None: any)."""
-        if self.max_slowdown is not None:
-            return self.max_slowdown
-        return DEFAULT_MAX_SLOWDOWN if objective is None and weights is None else None
-
-    def check(self, model: ModelSpec) -> None:
-        """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""
-        for flag, values, known in (("--schedules", self.schedules, ("1f1b", "interleaved")),
-                                    ("--recompute-levels", self.recompute_levels, cm.RECOMPUTE_LEVELS)):
-            if not values or set(values) - set(known):
-                raise ConfigError(flag, f"expected some of {', '.join(known)}, got {','.join(values)!r}",
-                                  f"e.g. {flag} {known[0]}")
-        for flag, values in (("--tp", self.tp_degrees), ("--pp", self.pipeline_degrees),
-                             ("--micro-batch-sizes", self.micro_batch_sizes)):
-            if values is not None and (not values or min(values) < 1):
-                raise ConfigError(flag, f"expected positive integers, got {list(values)}", f"e.g. {flag} 1,2")
-        if self.max_slowdown is not None and not 0 <= self.max_slowdown < math.inf:
-            raise ConfigError("--max-slowdown", f"must be a share of 0 or more, got {self.max_slowdown}",
-                              "e.g. --max-slowdown 5%")
-        bad = [t for t in self.tp_degrees or () if model.num_heads % t or model.num_kv_heads % t]
-        if bad:
-            raise ConfigError("--tp", f"{bad[0]} does not divide the model's {model.num_heads} heads and "
-                              f"{model.num_kv_heads} KV heads", "use a divisor of both")
 
 
 @dataclass
@@ -183,10 +101,12 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     space.check(model)
     seqs = tuple(space.seq_lens or (training.seq_len,))
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
-    layouts = _layouts(model, cluster, tuple(cost_model.device_names), space)
+    cps = context_parallel.degrees_to_try(space.cp_degrees, seqs, training)
+    layouts = _layouts(model, cluster, tuple(cost_model.device_names), space, cps)
     check_batch(layouts, space, training)
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
-    table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, seqs)
+    rank_seqs = sorted({s // cp for s in seqs for cp in cps[s]})
+    table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, rank_seqs)
     evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
                           space.recompute_levels, space.recompute_some_layers)
     stats = SearchStats()
@@ -200,6 +120,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     for layout in layouts:
         policies = _policy_rows(layout, level_options)
         for mbs, seq in itertools.product(space.micro_batch_sizes, seqs):
+            if layout.cp not in cps[seq]:
+                continue
             for schedule, v in schedules:
                 stats.enumerated += len(policies)
                 if training.global_batch_size % (layout.dp * mbs):
@@ -267,9 +189,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     return SearchResult(plans, pareto, stats, profile, chosen, reason, fastest, unbounded, bound)
 
 
-def _layouts(model, cluster, device_names, space: SearchSpace) -> list[Layout]:
+def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict | None = None) -> list[Layout]:
+    degrees = tuple(sorted({cp for options in (cps or {0: (1,)}).values() for cp in options}))
     layouts = enumerate_layouts(model, cluster, device_names, list(space.tp_degrees or []) or None,
-                                per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages)
+                                per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages, cps=degrees)
     if space.pipeline_degrees:
         layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
         if not layouts:
@@ -339,7 +262,8 @@ def _policy_rows(layout: Layout, level_options) -> np.ndarray:
 def _time_lower_bound(table: CostTable, layout: Layout, mbs, seq, g, num_layers) -> float:
     """All layers of every micro-batch on perfectly balanced stages of the fastest device."""
     tp_index = [table.tps.index(t) for t in layout.stage_tp.tolist()]
-    t_min = table.time[layout.stage_device, tp_index, table.mbss.index(mbs), table.seqs.index(seq), cm.NONE].min()
+    seq_index = table.seqs.index(seq // layout.cp)
+    t_min = table.time[layout.stage_device, tp_index, table.mbss.index(mbs), seq_index, cm.NONE].min()
     return g * num_layers * t_min / layout.pp
 
 
@@ -347,7 +271,8 @@ def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
     over = (result.memory[0] - result.capacity[0]) / cm.GIB
     lay = result.layout
     parts = [f"{device_names[d]} short {o:.1f} GiB" for d, o in zip(lay.stage_device, over) if o > 0]
-    text = (f"tp={tp_text(lay.stage_tp)} pp={lay.pp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
+    cp = f" cp={lay.cp}" if lay.cp > 1 else ""
+    text = (f"tp={tp_text(lay.stage_tp)} pp={lay.pp}{cp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
             f"{cm.RECOMPUTE_LEVELS[int(result.levels[0].max())]} recompute: "
             + ", ".join(dict.fromkeys(parts)))
     return float(over.max()), text
@@ -408,13 +333,13 @@ def _rank(results, cluster, model, training, objective, weights, bound, top_k):
 
 def _plan_key(result: GroupResult, row: int):
     lay = result.layout
-    return (tuple(lay.stage_tp), lay.dp, lay.order, result.mbs, result.seq, result.schedule, result.v,
+    return (tuple(lay.stage_tp), lay.cp, lay.dp, lay.order, result.mbs, result.seq, result.schedule, result.v,
             tuple(result.levels[row]), tuple(result.layers[row]))
 
 
 def to_plan(result: GroupResult, row: int, model, cluster, training, objective: Objective) -> Plan:
     lay = result.layout
-    stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i])), ranks=list(ranks),
+    stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i]) * lay.cp), ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
                         recompute=result.stage_recompute(row, i),
                         predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 6),
@@ -430,7 +355,7 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
                 predicted_peak_memory_fraction=float(result.M[row]),
                 predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
                 training=training.plan_fields(), stage_tp=None if uniform else lay.stage_tp.tolist(),
-                crossings=crossings_of(result, row, model, training))
+                crossings=crossings_of(result, row, model, training), cp=lay.cp)
 
 
 def progress_to_stderr(message: str) -> None:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy.stats import norm
 
-from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
+from memx_launch.planning.costmodel import NONE, AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, write_json_atomic
 from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
@@ -376,6 +376,12 @@ class LearnedCostModel:
         return LayerCost(time_s=(base.time_s * ratio[:, 0]).reshape(shape),
                          activation_bytes=(base.activation_bytes * ratio[:, 1]).reshape(shape),
                          working_bytes=(base.working_bytes * ratio[:, 1]).reshape(shape))
+
+    def attention_seconds(self, device, tp, mbs, seq) -> tuple[np.ndarray, np.ndarray]:
+        """The analytical attention kernel's seconds, scaled as the block's time is learned to be."""
+        learned = self.layer_costs(device, tp, mbs, seq, NONE).time_s
+        ratio = learned / self.analytical.layer_costs(device, tp, mbs, seq, NONE).time_s
+        return tuple(ratio * t for t in self.analytical.attention_seconds(device, tp, mbs, seq))
 
     def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
         scale, fixed = (t[np.asarray(device)] for t in self._embedding_terms)

@@ -6,9 +6,8 @@ script. The script's own ``--model NAME`` is read (not taken away) when memx-run
 Everything is checked before any worker starts (the script too: :mod:`script_check`): a bad
 input is one error line and a non-zero exit, and nothing is overwritten.
 
-Then either ``--dry-run`` (plan here, print the plan and the torchrun line, exit) or the job:
-the workers run :func:`memx_launch.runtime.worker.run_worker`, which plans in the job (unless --plan is
-given) and restarts in place with the plan through the elastic agent.
+Then either ``--dry-run`` (plan here, print the plan and the torchrun line, exit) or the job: the workers
+run :func:`memx_launch.runtime.worker.run_worker`, which plans (unless --plan) and restarts in place with it.
 """
 
 from __future__ import annotations
@@ -24,9 +23,11 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, path_component
 from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.search import SearchSpace, add_restriction_args, check_space, restrictions_from_args
+from memx_launch.planning.search import check_space
+from memx_launch.planning.search_space import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.agent import start_fork_server, stop_fork_server
+from memx_launch.runtime.layout import check_runnable
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
@@ -236,7 +237,7 @@ def resolve(args) -> dict:
                               f"pass --nproc-per-node {plan.world_size}")
         settings.add("plan", f"{run_dir}/plan.json (continuing that run from its latest checkpoint)", "flag")
     elif args.plan:
-        plan = Plan.load(args.plan)
+        plan = check_runnable(Plan.load(args.plan))
         if plan.model_spec.signature() != model.signature():
             raise ConfigError("--plan", f"{args.plan} is a plan for {plan.model}, not {model.name}",
                               f"pass a plan made for {model.name} or drop --plan to plan in the job")
@@ -255,8 +256,7 @@ def resolve(args) -> dict:
             raise ConfigError(f"--{field.replace('_', '-')}", f"{given}, but the plan trains {getattr(plan, field)}", "drop it")
     gbs = args.global_batch_size or getattr(plan, "global_batch_size", None) or (
         EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
-    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and gradients with
-    # autocast, torch's cross entropy over the whole vocabulary.
+    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and grads, autocast, torch's loss.
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
                             dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32",
                             grad_dtype="fp32", vocab_parallel_loss=False)

@@ -92,12 +92,21 @@ def chunks_by_stage(plan: Plan) -> list[list[Chunk]]:
     return out
 
 
-def rank_layout(plan: Plan, rank: int) -> RankLayout:
+def check_runnable(plan: Plan) -> Plan:
+    """``plan`` where memx's runtime can run it; a one-line refusal otherwise."""
     empty = [i for i, s in enumerate(plan.stages) if s.num_layers == 0]
     if empty:  # memx's stages are built around their blocks (models/adapters.py)
         raise ConfigError("--plan", f"stage {empty[0]} holds no layers (an embedding-only or head-only stage), "
                           "which memx's runtime does not run", "give every stage a layer, or run the plan with "
                           "Megatron-LM (memx export)")
+    if plan.cp > 1:
+        raise ConfigError("--plan", f"cp={plan.cp}: memx's runtime has no context parallelism",
+                          "plan with --cp 1, or run the plan with Megatron-LM (memx export)")
+    return plan
+
+
+def rank_layout(plan: Plan, rank: int) -> RankLayout:
+    check_runnable(plan)
     stage, dp_index, tp_index = plan.stage_of_rank(rank)
     grid = mesh_ranks(plan)
     return RankLayout(

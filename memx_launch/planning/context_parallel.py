@@ -1,0 +1,88 @@
+"""Context parallelism (Megatron's ``--context-parallel-size``, torchtitan's
+``context_parallel_degree``): the ``cp`` TP groups of a DP replica each hold 1/cp of every
+sequence of the micro-batch, two chunks from opposite ends so that causal attention's work
+splits evenly (Megatron's load balancing: the sequence is cut into 2 x cp chunks).
+
+Per rank, every part of a step sees seq/cp tokens (linears, norms, activations, logits,
+pipeline sends; the number of micro-batches stays the global batch over DP x micro-batch),
+except attention: the rank's queries attend to the whole sequence's keys, cp times the
+attention of a seq/cp sequence. The keys and values go round a ring (Transformer Engine's
+``p2p`` exchange): cp - 1 steps, each sending one chunk of K and V on while the attention of
+the chunk in hand runs; the backward sends K and V again and their gradients beside them
+(twice the bytes). A step waits for what its transfer takes beyond that chunk's attention.
+Recomputing a layer (selective or full) runs its attention, and the ring, again. The weights
+are replicated over CP: gradients sync and sharded states spread over DP x CP ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning.plan import NONE
+
+# The shortest per-rank sequence the search gives a CP degree: below it a ring step's
+# attention is too short to hide the transfer of its keys and values (Megatron's guidance is
+# CP for sequences of 8K and more; NeMo's 8K recipes use CP 2).
+MIN_TOKENS_PER_RANK = 4096
+MAX_DEGREE = 16
+
+
+def search_degrees(seq_len: int) -> tuple[int, ...]:
+    """The CP degrees the search tries on sequences of ``seq_len``: 1, and powers of two that
+    split it into 2 x cp chunks of at least ``MIN_TOKENS_PER_RANK`` tokens per rank."""
+    degrees, cp = [1], 2
+    while cp <= MAX_DEGREE and seq_len % (2 * cp) == 0 and seq_len // cp >= MIN_TOKENS_PER_RANK:
+        degrees.append(cp)
+        cp *= 2
+    return tuple(degrees)
+
+
+def degrees_to_try(given: tuple[int, ...] | None, seqs, training) -> dict[int, tuple[int, ...]]:
+    """Per sequence length, the CP degrees a search tries: ``given`` (each checked against the
+    training's sequence) where 2 x cp divides the length, or None: those the length suits."""
+    if given is None:
+        return {s: search_degrees(s) if training.flash_attention else (1,) for s in seqs}
+    for cp in given:
+        check_degree(cp, training.seq_len, training.flash_attention)
+    return {s: tuple(cp for cp in given if cp == 1 or s % (2 * cp) == 0) for s in seqs}
+
+
+def check_degree(cp, seq_len: int, flash_attention: bool, field: str = "--cp") -> None:
+    """A CP degree the cost model can price: a positive integer, 2 x cp dividing the sequence,
+    fused attention (Transformer Engine's CP attention is its fused kernel)."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ConfigError(field, f"must be a positive integer, got {cp!r}", f"e.g. {field} 2")
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
+        raise ConfigError(field, f"cp={cp} needs a sequence length divisible by 2*cp={2 * cp}, got {seq_len}",
+                          "load balancing cuts each sequence into 2*cp chunks; choose a divisor")
+    if not flash_attention:
+        raise ConfigError(field, f"cp={cp} needs fused attention", "drop --no-flash-attention, or use --cp 1")
+
+
+def kv_chunk_bytes(model, training, mbs: int, seq_len: int, tp, cp: int):
+    """Bytes of one ring transfer: the keys and values of one rank's seq/cp tokens, its TP
+    share of the KV heads."""
+    return 2.0 * mbs * (seq_len // cp) * model.kv_hidden_size / np.asarray(tp, dtype=np.float64) * training.dtype_bytes
+
+
+def ring_working_bytes(chunk_bytes):
+    """The ring's buffers alive in a layer's backward: K and V in flight both ways, their
+    gradients both ways."""
+    return 4.0 * chunk_bytes
+
+
+def layer_seconds(attention_forward, attention_backward, transfer_s, cp: int, levels):
+    """What context parallelism adds to one layer's micro-batch beyond a seq/cp sequence:
+    the attention of the other cp - 1 chunks of keys (``attention_*``: the seconds on one
+    seq/cp chunk), and what each ring step's transfer (``transfer_s``: one chunk of K and V)
+    takes beyond the attention it hides behind, forward, again where the layer recomputes, and
+    backward with twice the bytes."""
+    again = (np.asarray(levels) != NONE).astype(np.float64)
+    others = cp - 1.0
+    compute = others * (attention_forward * (1.0 + again) + attention_backward)
+    exposed = others * (np.maximum(transfer_s - attention_forward, 0.0) * (1.0 + again)
+                        + np.maximum(2.0 * transfer_s - attention_backward, 0.0))
+    return compute + exposed
