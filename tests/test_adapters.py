@@ -26,16 +26,18 @@ BF16_LOSS_ATOL = 0.03  # bf16 autocast, its TP partial sums rounded apart: 8 man
 LR, CLIP = 3e-3, 0.5
 
 
-def _split_forward(parts, x, layers, recompute):
+def _split_forward(parts, x, layers, recompute, policy="attention"):
     offset, h = 0, x
     for i, (n, level) in enumerate(zip(layers, recompute)):
-        h = parts.stage(offset, n, first=i == 0, last=i == len(layers) - 1, recompute=level)(h)
+        h = parts.stage(offset, n, first=i == 0, last=i == len(layers) - 1, recompute=level,
+                        selective_policy=policy)(h)
         offset += n
     return h
 
 
+@pytest.mark.parametrize("policy", ["attention", "op"])
 @pytest.mark.parametrize("make", [hf_llama, ToyModel], ids=["hf-llama", "own-block"])
-def test_uneven_stages_with_mixed_recompute_reproduce_the_model(make):
+def test_uneven_stages_with_mixed_recompute_reproduce_the_model(make, policy):
     model = make()
     x = torch.randint(0, 128, (2, 16))
     ref = model(x)
@@ -45,7 +47,7 @@ def test_uneven_stages_with_mixed_recompute_reproduce_the_model(make):
     model.zero_grad()
     parts = ModelParts(model)
     n = parts.num_layers
-    out = _split_forward(parts, x, [n // 2 + 1, 1, n - n // 2 - 2], ["full", "selective", "none"])
+    out = _split_forward(parts, x, [n // 2 + 1, 1, n - n // 2 - 2], ["full", "selective", "none"], policy)
     assert torch.allclose(out, ref, atol=1e-6, rtol=0)
     out.sum().backward()
     for name, p in model.named_parameters():

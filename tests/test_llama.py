@@ -68,6 +68,18 @@ def test_recompute_gives_the_same_loss_and_gradients(level):
         assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name
 
 
+def test_op_level_selective_recompute_reproduces_the_model():
+    """torchtitan's op-level policy on memx's blocks: the same loss and gradients as keeping all."""
+    tokens = _tokens()
+    base = LlamaStage.full(SPEC)
+    _loss(base, tokens).backward()
+    model = LlamaStage.full(SPEC, recompute="selective", selective_policy="op")
+    _loss(model, tokens).backward()
+    grads = dict(base.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name
+
+
 def test_recompute_levels_really_drop_saved_activations():
     """Bytes saved for backward by one block fall from none to selective to full."""
     x = torch.randn(4, 64, SPEC.hidden_size, requires_grad=True)

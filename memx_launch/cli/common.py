@@ -12,7 +12,8 @@ from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
 from memx_launch.specs.config_file import one_line_error
 from memx_launch.specs.inputs import float_flag, int_flag
-from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, FP8_RECIPES, OPTION_DEFAULTS, SETUPS, TrainingSpec
+from memx_launch.specs.training import (FLASH_ATTENTION_VERSIONS, FP8_RECIPES, OPTION_DEFAULTS, SELECTIVE_POLICIES, SETUPS,
+                                        TrainingSpec)
 
 
 class Parser(argparse.ArgumentParser):
@@ -78,6 +79,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "(default off)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
+    p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
+                   help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
+                        "(torchtitan's op-level policy: all but the attention output and every other matmul's)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                    help="fp32 matmuls as TF32 on NVIDIA Ampere and later: half the 16-bit peak (default off)")
     p.add_argument("--frozen-fraction", "--frozen_fraction", type=float, metavar="F",

@@ -27,7 +27,9 @@ another plan.
 
 Block kinds memx knows (:data:`KNOWN_KINDS`) get selective recompute of their attention core and
 tensor parallelism; any other block trains with TP = 1, and "selective" recomputes the whole block
-(the same as "full") because memx cannot see inside it.
+(the same as "full") because memx cannot see inside it. A plan whose selective level is
+torchtitan's op-level policy runs it on every kind of block: the policy reads the block's ops,
+not its structure (:mod:`memx_launch.models.checkpointing`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memx_launch.errors import ConfigError
+from memx_launch.models.checkpointing import op_level_checkpoint
 from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel, per_layer
 
 log = logging.getLogger("memx")
@@ -169,8 +172,9 @@ class ModelParts:
         return []
 
     def stage(self, layer_offset: int, num_layers: int, *, first: bool, last: bool,
-              recompute: str | list[str]) -> "StageModule":
-        return StageModule(self, layer_offset, num_layers, first=first, last=last, recompute=recompute)
+              recompute: str | list[str], selective_policy: str = "attention") -> "StageModule":
+        return StageModule(self, layer_offset, num_layers, first=first, last=last, recompute=recompute,
+                           selective_policy=selective_policy)
 
     def block_probe(self, recompute: str) -> "StageModule":
         """A copy of the first block (own weights) run as a middle stage: [b, s, hidden] in and out,
@@ -232,10 +236,12 @@ def _around(model: nn.Module, path: str) -> tuple[list, list]:
 
 class StageModule(nn.Module):
     """Layers [layer_offset, layer_offset + num_layers) of a ModelParts, with the parts before
-    them on the first stage and after them on the last; ``recompute`` as in the plan."""
+    them on the first stage and after them on the last; ``recompute`` as in the plan, its
+    "selective" under ``selective_policy`` (the plan's: "attention", or "op", torchtitan's
+    op-level policy, which needs no knowledge of the block and applies to any)."""
 
     def __init__(self, parts: ModelParts, layer_offset: int, num_layers: int, *, first: bool, last: bool,
-                 recompute: str | list[str]):
+                 recompute: str | list[str], selective_policy: str = "attention"):
         super().__init__()
         self.kind = parts.kind
         self.before = nn.ModuleDict({_key(n): m for n, m in parts.before}) if first else nn.ModuleDict()
@@ -246,15 +252,17 @@ class StageModule(nn.Module):
         self.hf = parts.hf
         self.config = getattr(parts, "config", None)  # a Hugging Face model's, for its mask
         self.levels = per_layer(recompute, num_layers)
-        if "selective" in self.levels and not self.kind.knows_attention and self.kind.name not in _WARNED:
+        self.op_level = selective_policy == "op"
+        if "selective" in self.levels and not self.op_level and not self.kind.knows_attention \
+                and self.kind.name not in _WARNED:
             _WARNED.add(self.kind.name)  # once per process and block type
             log.warning("memx: selective recompute on %s blocks recomputes the whole block (memx cannot "
                         "reach their attention core); the plan's prediction assumed less", self.kind.name)
         for block, level in zip(self.blocks.values(), self.levels):
             if self.kind is MEMX_KIND:
-                block.recompute = level
+                block.recompute, block.selective_policy = level, selective_policy
             elif self.kind is HF_KIND:
-                _hf_selective(block, level == "selective")
+                _hf_selective(block, level == "selective" and not self.op_level)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``attention_mask``: [batch, seq], 0 at padding (Hugging Face Llama family only)."""
@@ -264,7 +272,11 @@ class StageModule(nn.Module):
         call = self._block_call(h, attention_mask)
         for block, level in zip(self.blocks.values(), self.levels):
             whole = level == "full" or (level == "selective" and not self.kind.knows_attention)
-            if whole and self.kind is not MEMX_KIND:
+            if self.kind is MEMX_KIND:  # its blocks recompute as their level and policy say
+                h = call(block, h)
+            elif level == "selective" and self.op_level:
+                h = op_level_checkpoint(call, block, h)
+            elif whole:
                 h = checkpoint(call, block, h, use_reentrant=False)
             else:
                 h = call(block, h)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memx_launch.errors import ConfigError
+from memx_launch.models.checkpointing import op_level_checkpoint
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, layer_recompute_levels
 from memx_launch.specs.model import ModelSpec
 
@@ -106,10 +107,12 @@ class TransformerBlock(nn.Module):
     """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual.
 
     ``recompute``: "none" keeps every activation; "selective" recomputes the attention core
-    and the SwiGLU element-wise product in the backward pass; "full" keeps only the block input.
+    and the SwiGLU element-wise product in the backward pass (``selective_policy`` "op":
+    torchtitan's op-level policy instead, :mod:`memx_launch.models.checkpointing`); "full"
+    keeps only the block input.
     """
 
-    def __init__(self, spec: ModelSpec, recompute: str = "none"):
+    def __init__(self, spec: ModelSpec, recompute: str = "none", selective_policy: str = "attention"):
         super().__init__()
         if not spec.gated_mlp:
             raise ConfigError("model.gated_mlp", f"{spec.name} uses a GELU MLP",
@@ -119,6 +122,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS)
         self.feed_forward = FeedForward(spec)
         self.recompute = recompute
+        self.selective_policy = selective_policy
 
     @property
     def recompute(self) -> str:
@@ -131,13 +135,15 @@ class TransformerBlock(nn.Module):
         self._recompute = level
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
-        selective = self._recompute == "selective"
+        selective = self._recompute == "selective" and self.selective_policy == "attention"
         h = x + self.attention(self.attention_norm(x), selective)
         return h + self.feed_forward(self.ffn_norm(h), selective)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._recompute == "full":
             return checkpoint(self._block, x, use_reentrant=False)
+        if self._recompute == "selective" and self.selective_policy == "op":
+            return op_level_checkpoint(self._block, x)
         return self._block(x)
 
     @torch.no_grad()
@@ -162,7 +168,8 @@ class LlamaStage(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, num_layers: int, *, first: bool, last: bool,
-                 recompute: str | list[str] = "none", layer_offset: int = 0, seed: int = 0):
+                 recompute: str | list[str] = "none", layer_offset: int = 0, seed: int = 0,
+                 selective_policy: str = "attention"):
         super().__init__()
         if num_layers < 0 or layer_offset < 0 or layer_offset + num_layers > spec.num_layers:
             raise ConfigError("num_layers", f"layers [{layer_offset}, {layer_offset + num_layers}) "
@@ -173,16 +180,18 @@ class LlamaStage(nn.Module):
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size) if first else None
         # Keyed by global layer index, so checkpoints keep their names under any split.
         levels = per_layer(recompute, num_layers)
-        self.layers = nn.ModuleDict({str(layer_offset + i): TransformerBlock(spec, levels[i])
+        self.layers = nn.ModuleDict({str(layer_offset + i): TransformerBlock(spec, levels[i], selective_policy)
                                      for i in range(num_layers)})
         self.norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS) if last else None
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
         self.reset_parameters(seed)
 
     @classmethod
-    def full(cls, spec: ModelSpec, recompute: str | list[str] = "none", seed: int = 0) -> "LlamaStage":
+    def full(cls, spec: ModelSpec, recompute: str | list[str] = "none", seed: int = 0,
+             selective_policy: str = "attention") -> "LlamaStage":
         """The whole model in one module: the single-process reference."""
-        return cls(spec, spec.num_layers, first=True, last=True, recompute=recompute, seed=seed)
+        return cls(spec, spec.num_layers, first=True, last=True, recompute=recompute, seed=seed,
+                   selective_policy=selective_policy)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:

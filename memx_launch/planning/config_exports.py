@@ -64,9 +64,10 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
                      "optimizer state per rank is more memory than the plan's")
     level, recompute_notes = _strongest_recompute(plan, "torchtitan")
     notes += recompute_notes
-    if level == "selective":
+    if level == "selective" and tr.get("selective_recompute") != "op":
         notes.append("selective maps to torchtitan's op-level SAC (selective_ac_option = \"op\"), which keeps "
-                     "some matmul outputs memx's selective level recomputes: more memory than planned")
+                     "less and recomputes more than the planned attention-core recompute: plan with "
+                     "--selective-recompute op to predict it")
     if plan.cp > 1 and not sharded:
         notes.append("torchtitan shards the weights over context parallelism with FSDP (its dp_shard_cp mesh) "
                      "even without data_parallel_shard_degree: less memory than planned, and gathers it did not time")

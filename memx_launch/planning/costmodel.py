@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from memx_launch.planning import op_checkpointing
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.matmuls import forward_backward_seconds, gemm_seconds, linear_shapes, streaming_multiprocessors
@@ -97,26 +98,12 @@ class LayerCostModel(Protocol):
 # --------------------------------------------------------------------------- memory
 
 
-def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, recompute="none"):
-    """The paper's per-layer activation bytes for a GPT block (fp16, dropout, GELU 4h MLP).
-
-    none: sbh(10 + 24/t + 5as/(ht)); with sequence parallel: (sbh/t)(34 + 5as/h);
-    selective drops the 5as/h attention term; full keeps only the 2sbh layer input.
-    """
-    sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
-    attn = 0 if recompute == "selective" else 5 * a * s / h
-    if sequence_parallel:
-        return sbh / t * (34 + attn)
-    return sbh * (10 + 24 / t + attn / t)
-
-
 def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
                      flash_attention=True, sequence_parallel: bool = False,
                      dropout: bool = False, fused_norm: bool = True,
                      attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
-                     fused_softmax: bool = True, softmax_in_fp32: bool = False, fp8: bool = False) -> LayerCost:
+                     fused_softmax: bool = True, softmax_in_fp32: bool = False, fp8: bool = False,
+                     op_selective: bool = False) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -139,6 +126,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         the two normed tensors, the attention output and the MLP's down-projection input
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
+    ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
     Full recompute keeps the block input only; its working set is one block recomputed.
     Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
     probabilities: one more s x s tensor per head in the training dtype when a fused softmax
@@ -177,12 +165,13 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
         mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
     none = replicated + qkv + attn_out + lse + scores + mlp_kept + mlp_elementwise
-    selective = replicated + qkv + attn_out + mlp_kept
+    selective, only_op = (op_checkpointing.kept_units(model, tp, sequence_parallel, flash, lse) if op_selective
+                          else (replicated + qkv + attn_out + mlp_kept, 0.0))
     full = np.broadcast_to(2.0 / (tp if sequence_parallel else 1.0), none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of
     # the size of the block input and output.
-    recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective], none)
+    recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective + only_op], none)
     # Score gradients alive beside the kept scores in the backward, per score in units of the
     # training dtype: the fused kernel's in place (one), torch's softmax a new one (two); in fp32
     # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
@@ -315,10 +304,11 @@ class AnalyticalCostModel:
         tp = np.asarray(tp, dtype=np.float64)
         recompute = np.asarray(recompute)
         tr = self.training
+        op_level = (recompute == SELECTIVE) & (tr.selective_recompute == "op")
         act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
-                               tr.softmax_in_fp32, tr.fp8 is not None)
+                               tr.softmax_in_fp32, tr.fp8 is not None, tr.selective_recompute == "op")
         mbs_a = np.asarray(mbs, dtype=np.float64)
         seq_a = np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), and
@@ -328,11 +318,16 @@ class AnalyticalCostModel:
         gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
         linear_s = forward_backward_seconds(tokens, shapes, *gemm)
         linear_forward_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in shapes)
-        linear_s = linear_s + np.where(recompute == FULL, linear_forward_s, 0.0)
+        # Op-level selective recompute runs every other projection again (op_checkpointing.py).
+        op_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in op_checkpointing.recomputed_projections(
+            self.model, tp)) if tr.selective_recompute == "op" else 0.0
+        linear_s = linear_s + np.select([recompute == FULL, op_level], [linear_forward_s, op_again_s], 0.0)
         # The attention core (QK^T and AV, causal half): what the selective and the full
         # recompute both run again.
         attn_core_flops = 2.0 * mbs_a * seq_a * seq_a * self.model.hidden_size / tp
-        recompute_flops = np.where(recompute == NONE, 0.0, attn_core_flops)
+        # The op-level policy keeps the fused kernel's output: it runs attention again only unfused.
+        again = (recompute != NONE) & ~(op_level & self._flash[device])
+        recompute_flops = np.where(again, attn_core_flops, 0.0)
         # Unfused attention computes the whole s x s square (no causal skipping); its scores'
         # traffic is in the element-wise bytes.
         unfused = ~self._flash[device]
@@ -341,7 +336,7 @@ class AnalyticalCostModel:
         # forward's two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
         flash_backward_flops = np.where(unfused, 0.0, 0.5 * attn_core_flops)
         # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
-        kernel_flops = np.where(unfused, 0.0, (3.0 + (recompute != NONE)) * attn_core_flops + flash_backward_flops)
+        kernel_flops = np.where(unfused, 0.0, (3.0 + again) * attn_core_flops + flash_backward_flops)
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
         # Fine-tuning's saved weight-gradient GEMMs and its adapters' FLOPs at the sustained rate.
         compute_s = linear_s + (3.0 * attn_core_flops + flash_backward_flops + recompute_flops
@@ -355,16 +350,19 @@ class AnalyticalCostModel:
         # one all-reduce each way (their column-parallel linears share one input).
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         separate_gate_up = self.model.gated_mlp and not tr.fused_gate_up
+        # Op-level recompute gathers the sequence-parallel inputs again (half an all-reduce each;
+        # the reduce-scatters' outputs are kept), or without SP runs the forward all-reduces again.
+        forward_again = np.select([recompute == FULL, op_level], [1.0, 0.5 if tr.sequence_parallel else 1.0], 0.0)
         if self.model.parallel_blocks:
-            n_allreduce = np.where(recompute == FULL, 3.0, 2.0)
+            n_allreduce = 2.0 + forward_again
         else:
-            n_allreduce = np.where(recompute == FULL, 6.0, 4.0) + (1.0 if separate_gate_up else 0.0)
+            n_allreduce = 4.0 + 2.0 * forward_again + (1.0 if separate_gate_up else 0.0)
         comm_s = n_allreduce * self.tp_allreduce_time(hidden_bytes, device, tp)
         if tr.tp_comm_overlap:
             # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
             # follows: the first chunk waits, and whatever the GEMMs cannot cover.
             comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
-        launch_s = self._launch_s[device] * np.where(recompute == FULL, 1.5, 1.0)
+        launch_s = self._launch_s[device] * np.where((recompute == FULL) | op_level, 1.5, 1.0)
         time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 

@@ -78,8 +78,9 @@ def fp8_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
 def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
                               flash_attention=True) -> np.ndarray:
     """HBM bytes the element-wise ops of one block move for one micro-batch: forward, backward
-    and the forward that recomputation runs again (everything under full recompute; rotary
-    embedding, the MLP's activation and the scores under selective). Matmuls and the fused
+    and the forward that recomputation runs again (everything under full recompute and under
+    the op-level selective policy; rotary embedding, the MLP's activation and the scores under
+    the attention-core one). Matmuls and the fused
     attention kernel are timed by their FLOPs instead.
 
     Per token, over TP where the tensors are split: residual adds and norms on the hidden size
@@ -123,5 +124,6 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
 
     (block_forward, core_forward), (block_backward, core_backward) = passes(0), passes(1)
     forward = block_forward + core_forward
-    again = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * forward, core_forward], forward)
+    selective_again = forward if training.selective_recompute == "op" else core_forward
+    again = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * forward, selective_again], forward)
     return forward + block_backward + core_backward + again

@@ -85,6 +85,9 @@ def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
     if strongest == "selective":
         notes.append("selective recompute maps to Megatron's default recompute module (core_attn); "
                      "memx's selective level also recomputes the SwiGLU activation")
+        if plan.training.get("selective_recompute") == "op":
+            notes.append("the plan's selective level is torchtitan's op-level policy, which Megatron-LM does not "
+                         "have: its core_attn recompute keeps more memory and recomputes less than planned")
         return ["--recompute-granularity", "selective"], notes
     # Uniform with one layer per unit checkpoints every layer's input: memx's "full".
     return ["--recompute-granularity", "full", "--recompute-method", "uniform",

@@ -185,12 +185,13 @@ class Runtime:
         levels = layer_recompute_levels(self.stage_plan.recompute, self.stage_plan.num_layers)
         start = sum(c.num_layers for c in self.layout.chunks[:index])
         recompute = levels[start:start + chunk.num_layers]
+        policy = self.plan.training.get("selective_recompute") or "attention"  # what "selective" runs again
         if self.parts is None:
             module = LlamaStage(self.plan.model_spec, chunk.num_layers, first=chunk.first, last=chunk.last,
-                                recompute=recompute, layer_offset=chunk.layer_offset, seed=seed)
+                                recompute=recompute, layer_offset=chunk.layer_offset, seed=seed, selective_policy=policy)
         else:
             module = self.parts.stage(chunk.layer_offset, chunk.num_layers, first=chunk.first, last=chunk.last,
-                                      recompute=recompute)
+                                      recompute=recompute, selective_policy=policy)
             original.update({id(p): f"{index}.{name}" for name, p in module.named_parameters()})
             if self.plan.pp > 1:
                 tied_names += [f"{index}.{name}" for name in self.parts.tied_names(module)]

@@ -44,6 +44,9 @@ OPTIMIZERS = ("adam", "sgd")
 # (per-tensor, just-in-time) scaling; Megatron's --fp8-recipe delayed / tensorwise.
 FP8_RECIPES = ("delayed", "current")
 FLASH_ATTENTION_VERSIONS = (1, 2, 3)
+# What the selective recompute level runs again: Megatron's attention core, or torchtitan's
+# op-level policy (planning/op_checkpointing.py).
+SELECTIVE_POLICIES = ("attention", "op")
 
 
 SETUPS: dict[str, dict] = {
@@ -79,7 +82,8 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
-                       fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False)
+                       fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
+                       selective_recompute="attention")
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,11 @@ class TrainingSpec:
     fp32_allreduce: bool | None = None
     """DeepSpeed's ``fp32_allreduce``: 16-bit gradients are cast to fp32 for the data-parallel
     reduction, 4 bytes per gradient on the wire. Default off."""
+    selective_recompute: str | None = None
+    """What the selective recompute level runs again: ``attention`` (Megatron's
+    ``--recompute-granularity selective``: the attention core and the MLP's activation) or
+    ``op`` (torchtitan's op-level policy: everything but the fused attention kernel's output and
+    every other matmul's). Default attention."""
     tf32: bool = False
     """fp32 training's matmuls run as TF32 on NVIDIA Ampere and later (NGC containers turn it
     on; PyTorch's ``torch.backends.cuda.matmul.allow_tf32``): at the TF32 peak, half the dense
@@ -223,6 +232,9 @@ class TrainingSpec:
         if isinstance(self.flash_attention_version, bool) or self.flash_attention_version not in FLASH_ATTENTION_VERSIONS:
             raise ConfigError("--flash-attention-version", f"unknown version {self.flash_attention_version!r}",
                               f"use one of {', '.join(map(str, FLASH_ATTENTION_VERSIONS))}")
+        if self.selective_recompute not in SELECTIVE_POLICIES:
+            raise ConfigError("--selective-recompute", f"unknown policy {self.selective_recompute!r}",
+                              f"use one of {', '.join(SELECTIVE_POLICIES)}")
         require_type(self.tf32, bool, "--tf32", "true or false")
         require_type(self.optimizer_offload, bool, "--optimizer-offload", "true or false")
         if self.fp8 is not None:
