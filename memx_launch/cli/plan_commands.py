@@ -108,7 +108,7 @@ def run_plan(args) -> int:
     return 0
 
 
-_LAYOUT_FLAGS = ("tp", "stage_tp", "pp", "cp", "dp", "micro_batch_size", "recompute", "layers_per_stage",
+_LAYOUT_FLAGS = ("tp", "stage_tp", "pp", "cp", "dp", "stage_dp", "micro_batch_size", "recompute", "layers_per_stage",
                  "stage_devices", "schedule", "virtual_stages", "model", "global_batch_size", "seq_len")
 
 
@@ -126,6 +126,9 @@ def add_estimate_command(sub) -> None:
     p.add_argument("--cp", type=int_flag, help="context-parallel degree: each DP replica is cp TP groups, each "
                    "holding 1/cp of every sequence (default 1; needs fused attention, 2*cp dividing --seq-len)")
     p.add_argument("--dp", type=int_flag)
+    p.add_argument("--stage-dp", "--stage_dp", type=list_of(int),
+                   help="one DP degree per stage instead of --dp, e.g. 4,2: a pipeline micro-batch of the largest "
+                        "degree x --micro-batch-size sequences, split over each stage's replicas (Sailor's plans)")
     p.add_argument("--micro-batch-size", "--micro_batch_size", type=int_flag)
     p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none; full:K "
                    "recomputes a stage's first K layers (Megatron's block method)")
@@ -174,15 +177,16 @@ def run_estimate(args) -> int:
                              cost_model=cost_model_from_args(args, model, cluster, training))
     else:
         missing = [f"--{f.replace('_', '-')}" for f in ("model", "tp", "pp", "dp", "micro_batch_size")
-                   if getattr(args, f) is None and not (f == "tp" and args.stage_tp)]
+                   if getattr(args, f) is None and not (f == "tp" and args.stage_tp) and not (f == "dp" and args.stage_dp)]
         if missing:
-            raise ConfigError(missing[0], "missing", "give --model, --tp (or --stage-tp), --pp, --dp and "
-                              "--micro-batch-size, or --plan FILE")
+            raise ConfigError(missing[0], "missing", "give --model, --tp (or --stage-tp), --pp, --dp (or --stage-dp) "
+                              "and --micro-batch-size, or --plan FILE")
         model = model_from_args(args)
         training = training_from_args(args, model)
         split_note = "" if args.layers_per_stage else "no --layers-per-stage: even split, remainder on the first stages"
         plan = evaluate_layout(model, cluster, training, tp=args.tp, stage_tp=args.stage_tp, pp=args.pp, dp=args.dp,
-                               cp=1 if args.cp is None else args.cp, micro_batch_size=args.micro_batch_size,
+                               cp=1 if args.cp is None else args.cp, stage_dp=args.stage_dp,
+                               micro_batch_size=args.micro_batch_size,
                                layers_per_stage=args.layers_per_stage,
                                recompute=args.recompute, stage_devices=args.stage_devices,
                                schedule=args.schedule or "1f1b", virtual_stages=1 if args.virtual_stages is None else args.virtual_stages,

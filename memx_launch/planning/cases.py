@@ -34,7 +34,7 @@ from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
 
 LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "cp", "dp", "micro_batch_size", "layers_per_stage", "stage_devices",
-                  "stage_tp", "recompute", "schedule", "virtual_stages")
+                  "stage_tp", "stage_dp", "recompute", "schedule", "virtual_stages")
 ECHO_COLUMNS = ("id",)
 # Columns that override a field of the row's model (ModelSpec).
 MODEL_COLUMNS = ("parallel_blocks", "lm_head")
@@ -167,11 +167,13 @@ class CaseRunner:
         layers = _list(values, "layers_per_stage", int)
         recompute = _list(values, "recompute", str)
         stage_tp = _list(values, "stage_tp", int)
-        given_pp = [len(x) for x in (layers, stage_devices, stage_tp) if x is not None]
+        stage_dp = _list(values, "stage_dp", int)
+        given_pp = [len(x) for x in (layers, stage_devices, stage_tp, stage_dp) if x is not None]
         pp = _int(values, "pp", given_pp[0] if given_pp else 1)
         tp = _int(values, "tp", 1) if stage_tp is None or "tp" in values else None
         cp = _int(values, "cp", 1)
-        dp = _int(values, "dp", max(1, cluster.world_size // ((sum(stage_tp) if stage_tp else tp * pp) * cp)))
+        dp = (_int(values, "dp", max(1, cluster.world_size // ((sum(stage_tp) if stage_tp else tp * pp) * cp)))
+              if stage_dp is None or "dp" in values else None)
         schedule = str(values.get("schedule", "1f1b"))
         v = _int(values, "virtual_stages", 1)
         if schedule == "interleaved" and "virtual_stages" not in values:
@@ -183,7 +185,7 @@ class CaseRunner:
             self._scorers[key] = LayoutScorer(model, cluster, training, cost_model, self.memory_headroom,
                                               self._layouts.setdefault(id(cluster), {}))
         scorer = self._scorers[key]
-        result, _ = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, cp=cp,
+        result, _ = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, cp=cp, stage_dp=stage_dp,
                                  micro_batch_size=_int(values, "micro_batch_size", 1), layers_per_stage=layers,
                                  recompute=recompute, stage_devices=stage_devices, schedule=schedule,
                                  virtual_stages=v)
@@ -194,7 +196,7 @@ class CaseRunner:
                "short_gib": [round(x, 6) for x in short], "iteration_time_s": _number(float(result.T[0])),
                "layers_per_stage": [int(n) for n in result.layers[0]],
                "split": "given" if layers is not None else "even",
-               "num_microbatches": training.global_batch_size // (dp * result.mbs)}
+               "num_microbatches": training.global_batch_size // (result.layout.dp * result.mbs)}
         if self.phi:
             if key not in self._references:
                 self._references[key] = default_references(model, cluster, training, scorer.cost_model)

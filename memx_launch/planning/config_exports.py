@@ -51,6 +51,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
     """The plan as torchtitan's job config (``[training]``, ``[parallelism]``,
     ``[activation_checkpoint]``; each key is also its ``--section.key`` flag)."""
     tp = plan.uniform_tp("torchtitan (one tensor_parallel_degree for all stages)")
+    plan.uniform_dp("torchtitan (one data-parallel degree for all stages)")
     tr = plan.training
     notes = [f"set [model] name and flavor to {plan.model}'s (torchtitan names its models; memx planned "
              f"{plan.model_spec.num_layers} layers of hidden size {plan.model_spec.hidden_size})"]
@@ -101,7 +102,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
 def deepspeed_json(plan: Plan) -> ConfigText:
     """The plan as a DeepSpeed config (``accelerate launch --use_deepspeed --deepspeed_config_file``):
     batch, precision and ZeRO stage of a data-parallel plan."""
-    if plan.pp > 1 or max(plan.stage_tps) > 1 or plan.cp > 1:
+    if plan.pp > 1 or max(plan.stage_tps) > 1 or plan.cp > 1:  # (so one DP degree)
         raise ConfigError("plan", f"pp={plan.pp}, tp={plan.tp or plan.stage_tp}, cp={plan.cp}: a DeepSpeed config "
                           "holds data parallelism only (its pipeline and TP are set in code; it has no context "
                           "parallelism)", "export to Megatron-LM or torchtitan, or plan with --pp 1 --tp 1 --cp 1")

@@ -57,9 +57,9 @@ class LayoutScorer:
         heads = math.gcd(model.num_heads, model.num_kv_heads)
         self._degrees = [t for t in range(1, min(heads, cluster.world_size) + 1) if heads % t == 0]
 
-    def score(self, *, tp: int | None, pp: int, dp: int, micro_batch_size: int, layers_per_stage=None,
+    def score(self, *, tp: int | None, pp: int, dp: int | None, micro_batch_size: int, layers_per_stage=None,
               recompute=None, stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
-              stage_tp=None, cp: int = 1) -> tuple[GroupResult, Evaluator]:
+              stage_tp=None, cp: int = 1, stage_dp=None) -> tuple[GroupResult, Evaluator]:
         """The layout scored as one row, and the evaluator that scored it (see
         :func:`evaluate_layout` for the arguments)."""
         model, cluster, training = self.model, self.cluster, self.training
@@ -67,8 +67,11 @@ class LayoutScorer:
             raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
         stage_tps = _stage_tps(tp, stage_tp, pp)
         context_parallel.check_degree(cp, training.seq_len, training.flash_attention)
-        _check_layout_numbers(model, cluster, stage_tps, pp, dp, micro_batch_size, schedule, virtual_stages,
+        stage_dps = _stage_dps(dp, stage_dp, pp)
+        _check_layout_numbers(model, cluster, stage_tps, pp, stage_dps, micro_batch_size, schedule, virtual_stages,
                               layers_per_stage, cp)
+        dp = max(stage_dps)
+        local_mbss = sorted({micro_batch_size * dp // d for d in stage_dps})
         v = virtual_stages if schedule == "interleaved" else 1
         if training.global_batch_size % (dp * micro_batch_size):
             raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
@@ -84,15 +87,16 @@ class LayoutScorer:
                                   f"{model.num_heads} heads and {model.num_kv_heads} KV heads", "use a divisor of both")
         tp_arg = stage_tps[0] if len(degrees) == 1 else tuple(stage_tps)
         names = tuple(self.cost_model.device_names)
-        key = (names, tp_arg, pp, cp, dp, None if stage_devices is None else tuple(stage_devices))
+        dp_arg = dp if len(set(stage_dps)) == 1 else tuple(stage_dps)
+        key = (names, tp_arg, pp, cp, dp_arg, None if stage_devices is None else tuple(stage_devices))
         if key not in self._layouts:
-            self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp, stage_devices, cp)
+            self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp_arg, stage_devices, cp)
         layout = self._layouts[key]
-        evaluator = self._evaluators.get((micro_batch_size, cp))
+        evaluator = self._evaluators.get((tuple(local_mbss), cp))
         if evaluator is None:  # per-layer costs are element-wise: a wider table holds the same numbers
-            table = CostTable(self.cost_model, len(names), self._degrees, [micro_batch_size], [training.seq_len // cp])
+            table = CostTable(self.cost_model, len(names), self._degrees, local_mbss, [training.seq_len // cp])
             evaluator = Evaluator(model, cluster, training, self.cost_model, table, self.memory_headroom)
-            self._evaluators[micro_batch_size, cp] = evaluator
+            self._evaluators[tuple(local_mbss), cp] = evaluator
         if layers_per_stage is None:
             if model.num_layers < pp * v:
                 raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",
@@ -118,15 +122,17 @@ def layout_objective(result: GroupResult, references, weights=None) -> Objective
 
 
 def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int | None, pp: int,
-                    dp: int, micro_batch_size: int, layers_per_stage=None, recompute=None,
+                    dp: int | None, micro_batch_size: int, layers_per_stage=None, recompute=None,
                     stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
                     cost_model: cm.LayerCostModel | None = None, weights=None,
                     references: tuple[float, float, float] | None = None,
-                    memory_headroom: float = 0.0, stage_tp=None, cp: int = 1) -> Plan:
+                    memory_headroom: float = 0.0, stage_tp=None, cp: int = 1, stage_dp=None) -> Plan:
     """Predict one given layout (``memx estimate``). The plan may not fit: its stages then
     show predicted memory above capacity (less ``memory_headroom``, see :func:`stage_short_gib`).
     ``stage_tp``: one TP degree per stage instead of ``tp`` for all (the DP degree is every
-    stage's). ``cp``: the context-parallel degree (each DP replica is ``cp`` TP groups).
+    stage's). ``stage_dp``: one DP degree per stage instead of ``dp`` (a pipeline micro-batch is
+    the largest degree x ``micro_batch_size`` sequences, split over each stage's replicas).
+    ``cp``: the context-parallel degree (each DP replica is ``cp`` TP groups).
     ``stage_devices``: a device type per stage, or several joined by ``+`` for a
     stage whose replicas sit on several (:func:`~memx_launch.planning.layouts.parse_stage_devices`).
     No ``layers_per_stage``: an :func:`even_split`. Fewer micro-batches than stages is allowed
@@ -137,7 +143,7 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     result, evaluator = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
                                      layers_per_stage=layers_per_stage, recompute=recompute,
                                      stage_devices=stage_devices, schedule=schedule, virtual_stages=virtual_stages,
-                                     cp=cp)
+                                     cp=cp, stage_dp=stage_dp)
     if references is None:
         references = default_references(model, cluster, training, scorer.cost_model)
     plan = to_plan(result, 0, model, cluster, training, layout_objective(result, references, weights))
@@ -158,7 +164,7 @@ def evaluate_plan(handed: Plan, cluster: ClusterSpec, training: TrainingSpec, *,
     o = handed.objective
     references = tuple(o.terms[k] for k in ("T_ref", "M_ref", "V_ref")) if "T_ref" in o.terms else None
     plan = evaluate_layout(handed.model_spec, cluster, training, tp=handed.tp, stage_tp=handed.stage_tp,
-                           pp=handed.pp, dp=handed.dp, cp=handed.cp,
+                           pp=handed.pp, dp=handed.dp, cp=handed.cp, stage_dp=handed.stage_dp,
                            micro_batch_size=handed.micro_batch_size,
                            layers_per_stage=[s.num_layers for s in handed.stages],
                            recompute=[s.recompute for s in handed.stages],
@@ -200,14 +206,37 @@ def _stage_tps(tp, stage_tp, pp) -> list:
     return stage_tp
 
 
-def _check_layout_numbers(model, cluster, stage_tps, pp, dp, mbs, schedule, virtual_stages, layers_per_stage,
+def _stage_dps(dp, stage_dp, pp) -> list:
+    """One DP degree per stage, from ``dp`` or ``stage_dp`` (checked as integers later)."""
+    if stage_dp is None:
+        if dp is None:
+            raise ConfigError("--dp", "missing", "give --dp, or --stage-dp with one degree per stage")
+        return [dp] * pp if isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 else [dp]
+    stage_dp = list(stage_dp)
+    if len(stage_dp) != pp:
+        raise ConfigError("--stage-dp", f"{len(stage_dp)} degrees for pp={pp}", "give one DP degree per stage")
+    if dp is not None and dp != max(stage_dp):
+        raise ConfigError("--dp", f"{dp} is not the largest of the per-stage degrees {stage_dp}", "give one of them")
+    return stage_dp
+
+
+def _check_layout_numbers(model, cluster, stage_tps, pp, stage_dps, mbs, schedule, virtual_stages, layers_per_stage,
                           cp: int = 1) -> None:
     """Integers in range before any array is built from them (``cp``: checked already)."""
+    per_stage_dp = len(set(stage_dps)) > 1
     for flag, value in (*(("--stage-tp" if len(set(stage_tps)) > 1 else "--tp", t) for t in stage_tps),
-                        ("--pp", pp), ("--dp", dp), ("--micro-batch-size", mbs), ("--virtual-stages", virtual_stages)):
+                        *(("--stage-dp" if per_stage_dp else "--dp", d) for d in stage_dps),
+                        ("--pp", pp), ("--micro-batch-size", mbs), ("--virtual-stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(flag, f"must be a positive integer, got {value!r}")
-    if len(set(stage_tps)) == 1:
+    dp = stage_dps[0]
+    if per_stage_dp:
+        flag, used, total = "--stage-dp", "sum(stage_tp*stage_dp)", sum(t * d for t, d in zip(stage_tps, stage_dps))
+        split = [d for d in stage_dps if max(stage_dps) * mbs % d]
+        if split:
+            raise ConfigError("--stage-dp", f"{split[0]} replicas cannot split a pipeline micro-batch of "
+                              f"{max(stage_dps)} x {mbs} sequences", "give DP degrees that divide it")
+    elif len(set(stage_tps)) == 1:
         flag, used, total = "--tp", "tp*pp*dp", stage_tps[0] * pp * dp
     else:
         flag, used, total = "--stage-tp", "sum(stage_tp)*dp", sum(stage_tps) * dp

@@ -146,6 +146,7 @@ def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
     ``--num-layers-per-virtual-pipeline-stage`` is never given alongside it.
     """
     tp = plan.uniform_tp("Megatron-LM (one --tensor-model-parallel-size for all stages)")
+    plan.uniform_dp("Megatron-LM (one data-parallel degree for all stages)")
     args, notes = _megatron_model(plan)
     training_args, training_notes = _megatron_training(plan, cluster)
     args += training_args
@@ -323,7 +324,7 @@ def plan_env(plan: Plan, plan_path: str | None = None) -> dict[str, str]:
         "MEMX_TP": str(plan.uniform_tp("MEMX_TP (one degree)")),
         "MEMX_PP": str(plan.pp),
         "MEMX_CP": str(plan.cp),
-        "MEMX_DP": str(plan.dp),
+        "MEMX_DP": str(plan.uniform_dp("MEMX_DP (one degree)")),
         "MEMX_MICRO_BATCH_SIZE": str(plan.micro_batch_size),
         "MEMX_GLOBAL_BATCH_SIZE": str(plan.global_batch_size),
         "MEMX_NUM_MICROBATCHES": str(plan.num_microbatches),

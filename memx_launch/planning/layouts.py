@@ -58,22 +58,39 @@ class Layout:
     ``cp`` TP groups (``planning/context_parallel.py``)."""
     cp_gbps: np.ndarray | None = None
     """(P,) what each transfer of the stage's CP rings gets, all rings at once; None without CP."""
+    stage_dp: np.ndarray | None = None
+    """(P,) each stage's DP degree where they differ (Sailor's plans); None: every stage at
+    ``dp``, which is otherwise the largest. A pipeline micro-batch is ``dp x micro-batch``
+    sequences on every stage: a stage of fewer replicas runs larger local micro-batches
+    (:meth:`local_micro_batch`)."""
 
     @property
     def pp(self) -> int:
         return len(self.stage_ranks)
 
     @property
-    def dp_cp(self) -> int:
+    def stage_dps(self) -> np.ndarray:
+        """(P,) the DP degree of each stage."""
+        return np.full(self.pp, self.dp) if self.stage_dp is None else self.stage_dp
+
+    @property
+    def dp_cp(self):
         """Ranks of a stage holding the same parameters (DP x CP): its gradients sync and its
-        sharded states spread over them."""
-        return self.dp * self.cp
+        sharded states spread over them; (P,) where the stages' DP degrees differ."""
+        return self.dp * self.cp if self.stage_dp is None else self.stage_dp * self.cp
+
+    def local_micro_batch(self, mbs: int):
+        """Sequences a replica of each stage runs per micro-batch: ``mbs``, or (P,) where the
+        stages' DP degrees differ (a pipeline micro-batch of ``dp x mbs`` split over each
+        stage's replicas)."""
+        return mbs if self.stage_dp is None else mbs * self.dp // self.stage_dp
 
     @functools.cached_property
     def communicators(self) -> np.ndarray:
         """(P,) communicators a rank of each stage joins (their buffers count in its memory)."""
         world = sum(len(ranks) for ranks in self.stage_ranks)
-        return np.array([communicators_per_rank(int(tp), self.pp, self.dp, world, self.cp) for tp in self.stage_tp])
+        return np.array([communicators_per_rank(int(tp), self.pp, int(dp), world, self.cp)
+                         for tp, dp in zip(self.stage_tp, self.stage_dps)])
 
     @functools.cached_property
     def uniform_tp(self) -> bool:
@@ -178,7 +195,7 @@ def _spanning_layouts(model, cluster, device_names, degrees, max_orders) -> list
 
 
 def tp_text(stage_tp) -> str:
-    """``4``, or ``4|2|2`` when the stages' degrees differ."""
+    """A per-stage degree (TP, DP) as plans print it: ``4``, or ``4|2|2`` when the stages' differ."""
     degrees = [int(t) for t in stage_tp]
     return str(degrees[0]) if len(set(degrees)) == 1 else "|".join(map(str, degrees))
 
@@ -186,9 +203,11 @@ def tp_text(stage_tp) -> str:
 def make_layout(cluster, device_names, tp, dp, order, stage_ranks, cp: int = 1) -> Layout:
     """``tp``: one degree for every stage or one per stage. A stage's ranks are its DP replicas
     in order, ``tp x cp`` consecutive ranks each (its CP group's TP groups in order); they may
-    be of several device types."""
+    be of several device types. ``dp``: one degree, or one per stage."""
     rank_types = cluster.rank_device_types()
     stage_tp = np.broadcast_to(np.asarray(tp, dtype=np.int64), (len(stage_ranks),)).copy()
+    stage_dp = np.broadcast_to(np.asarray(dp, dtype=np.int64), (len(stage_ranks),)).copy()
+    dp, stage_dp = int(stage_dp.max()), (stage_dp if len(set(stage_dp.tolist())) > 1 else None)
     types = [list(dict.fromkeys(rank_types[r] for r in ranks)) for ranks in stage_ranks]
     k = max(len(t) for t in types)
     rows = [[t[min(j, len(t) - 1)] for t in types] for j in range(k)]
@@ -208,7 +227,7 @@ def make_layout(cluster, device_names, tp, dp, order, stage_ranks, cp: int = 1) 
                   np.array(dp_nodes, dtype=float), np.array(dp_hop),
                   *layout_crossings(cluster, [list(r) for r in stage_ranks], stage_tp),
                   cluster.transfers_gbps(zip(stage_ranks[0], stage_ranks[-1])) if len(stage_ranks) > 1 else math.inf,
-                  tied_crossing(cluster, [list(r) for r in stage_ranks]), cp, cp_gbps)
+                  tied_crossing(cluster, [list(r) for r in stage_ranks]), cp, cp_gbps, stage_dp)
 
 
 def cp_ring_pairs(ranks: list[int], tp: int, cp: int) -> list[tuple[int, int]]:
@@ -277,31 +296,38 @@ def stage_device_text(cluster: ClusterSpec, ranks: list[int], width: int) -> str
 
 def layout_from_stage_devices(model, cluster, device_names, tp, pp, dp, stage_devices, cp: int = 1) -> Layout:
     """A user-given layout: stage i's replicas (``tp x cp`` ranks each) on the next free ranks of
-    ``stage_devices[i]`` (one type, or several: :func:`parse_stage_devices`). ``tp``: one
-    degree or one per stage."""
+    ``stage_devices[i]`` (one type, or several: :func:`parse_stage_devices`). ``tp`` and ``dp``:
+    one degree each, or one per stage."""
     stage_tp = [int(tp)] * pp if np.ndim(tp) == 0 else [int(t) for t in tp]
     if len(stage_tp) != pp:
         raise ConfigError("--stage-tp", f"{len(stage_tp)} degrees for pp={pp}", "give one TP degree per stage")
-    if sum(stage_tp) * cp * dp != cluster.world_size:
-        uniform = np.ndim(tp) == 0
-        flag, used = (("--tp/--pp/--dp", "tp*pp*dp") if uniform
-                      else ("--stage-tp/--dp", "sum(stage_tp)*dp"))
-        flag, used = (flag.replace("/--dp", "/--cp/--dp"), used.replace("*dp", "*cp*dp")) if cp > 1 else (flag, used)
-        raise ConfigError(flag, f"{used} = {sum(stage_tp) * cp * dp} but the cluster has {cluster.world_size} devices",
-                          "choose degrees whose product is the world size" if uniform
-                          else "choose stage TP degrees that, times dp, add up to the world size")
+    stage_dp = [int(dp)] * pp if np.ndim(dp) == 0 else [int(d) for d in dp]
+    if len(stage_dp) != pp:
+        raise ConfigError("--stage-dp", f"{len(stage_dp)} degrees for pp={pp}", "give one DP degree per stage")
+    devices = sum(t * d for t, d in zip(stage_tp, stage_dp)) * cp
+    if devices != cluster.world_size:
+        if np.ndim(dp):
+            flag, used = "--stage-dp", "sum(tp*stage_dp)" if np.ndim(tp) == 0 else "sum(stage_tp*stage_dp)"
+        elif np.ndim(tp) == 0:
+            flag, used = "--tp/--pp/--dp", "tp*pp*dp"
+        else:
+            flag, used = "--stage-tp/--dp", "sum(stage_tp)*dp"
+        if cp > 1:
+            flag, used = flag.replace("--dp", "--cp/--dp"), f"{used}*cp"
+        raise ConfigError(flag, f"{used} = {devices} but the cluster has {cluster.world_size} devices",
+                          "choose degrees whose devices add up to the world size")
     rank_types = cluster.rank_device_types()
     free = {t: [r for r, rt in enumerate(rank_types) if rt == t] for t in cluster.type_counts()}
     if stage_devices is None:
-        starts = np.cumsum([0] + [t * cp * dp for t in stage_tp])
+        starts = np.cumsum([0] + [t * cp * d for t, d in zip(stage_tp, stage_dp)])
         stage_devices = [rank_types[s] for s in starts[:-1]]
     if len(stage_devices) != pp:
         raise ConfigError("--stage-devices", f"{len(stage_devices)} entries for pp={pp}", "give one device type per stage")
     stage_ranks, order = [], []
-    for i, (text, t) in enumerate(zip(stage_devices, stage_tp)):
+    for i, (text, t, d) in enumerate(zip(stage_devices, stage_tp, stage_dp)):
         field = f"--stage-devices[{i}]"
         ranks = []
-        for name, replicas in parse_stage_devices(text, free, dp, field):
+        for name, replicas in parse_stage_devices(text, free, d, field):
             width = t * cp
             if len(free[name]) < width * replicas:
                 raise ConfigError(field, f"not enough {name} devices left for {replicas} replica(s) of "
@@ -311,4 +337,4 @@ def layout_from_stage_devices(model, cluster, device_names, tp, pp, dp, stage_de
             free[name] = free[name][width * replicas:]
             order.append(name)
         stage_ranks.append(ranks)
-    return make_layout(cluster, device_names, stage_tp, dp, tuple(dict.fromkeys(order)), stage_ranks, cp)
+    return make_layout(cluster, device_names, stage_tp, stage_dp, tuple(dict.fromkeys(order)), stage_ranks, cp)

@@ -17,7 +17,8 @@ from memx_launch.specs.training import TrainingSpec
 
 def stage_send_seconds(cluster: ClusterSpec, training: TrainingSpec, nbytes, next_stage_gbps, receivers,
                        tp: int | None) -> np.ndarray:
-    """(P,) seconds of one send from each stage to the next (``next_stage_gbps``, inf for none).
+    """(P,) seconds of one send of ``nbytes`` (one value, or one per edge) from each stage to the
+    next (``next_stage_gbps``, inf for none).
     ``receivers()``: the device type name of each stage's next stage, asked only for partitioned
     sends (the search's hot path needs none); ``tp``: the TP degree of every stage, None where
     stages differ (the whole tensor crosses once: a resharding sender). Partitioned sends
@@ -26,8 +27,8 @@ def stage_send_seconds(cluster: ClusterSpec, training: TrainingSpec, nbytes, nex
     gbps = np.asarray(next_stage_gbps, dtype=np.float64) * cluster.link_efficiency
     if not training.partitioned_sends or tp is None or tp == 1:
         return p2p_time(nbytes, gbps)
-    gather = np.array([collective_seconds("all_gather", nbytes, tp, tp_link_gbps(cluster, name, tp)
+    gather = np.array([collective_seconds("all_gather", edge_bytes, tp, tp_link_gbps(cluster, name, tp)
                                           * cluster.link_efficiency, 1,
                                           PCI if tp_over_pcie(cluster, name, tp) else NVLINK)
-                       for name in receivers()])
+                       for edge_bytes, name in zip(np.broadcast_to(nbytes, gbps.shape), receivers())])
     return p2p_time(nbytes / tp, gbps) + np.where(np.isinf(gbps), 0.0, gather)

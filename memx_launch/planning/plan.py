@@ -21,7 +21,7 @@ from memx_launch.files import write_json_atomic
 
 
 PLAN_VERSION = 1
-PLAN_KEYS = ("version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "cp", "dp", "micro_batch_size",
+PLAN_KEYS = ("version", "model", "cluster", "world_size", "tp", "stage_tp", "pp", "cp", "dp", "stage_dp", "micro_batch_size",
              "global_batch_size", "seq_len", "schedule", "virtual_stages", "stages", "predicted_iteration_time_s",
              "predicted_peak_memory_fraction", "predicted_memory_variance", "objective", "emulated", "training",
              "crossings", "model_spec")
@@ -148,6 +148,10 @@ class Plan:
     cp: int = 1
     """Context-parallel degree: a DP replica of a stage is ``cp`` TP groups, each holding 1/cp of
     every sequence (``planning/context_parallel.py``)."""
+    stage_dp: list[int] | None = None
+    """One DP degree per stage where they differ (``dp`` is then the largest: a pipeline
+    micro-batch is ``dp x micro_batch_size`` sequences on every stage, a stage of fewer replicas
+    runs larger local micro-batches); None: every stage at ``dp``."""
 
     # ---- derived
     @property
@@ -163,8 +167,20 @@ class Plan:
         return self.tp
 
     @property
+    def stage_dps(self) -> list[int]:
+        """The DP degree of each stage."""
+        return list(self.stage_dp) if self.stage_dp is not None else [self.dp] * self.pp
+
+    def uniform_dp(self, consumer: str) -> int:
+        """The one DP degree of every stage; a one-line refusal naming ``consumer`` otherwise."""
+        if self.stage_dp is not None:
+            raise ConfigError("plan.stage_dp", f"stages have different DP degrees {self.stage_dp}, which "
+                              f"{consumer} cannot run", "estimate one DP degree for every stage (--dp)")
+        return self.dp
+
+    @property
     def world_size(self) -> int:
-        return sum(self.stage_tps) * self.cp * self.dp
+        return sum(t * d for t, d in zip(self.stage_tps, self.stage_dps)) * self.cp
 
     @property
     def num_microbatches(self) -> int:
@@ -220,7 +236,8 @@ class Plan:
                 predicted_memory_variance=data.get("predicted_memory_variance", 0.0),
                 emulated=data.get("emulated", False), training=dict(data.get("training", {})),
                 version=version, stage_tp=data.get("stage_tp"),
-                crossings=[Crossing(**c) for c in data.get("crossings", [])], cp=data.get("cp", 1))
+                crossings=[Crossing(**c) for c in data.get("crossings", [])], cp=data.get("cp", 1),
+                stage_dp=data.get("stage_dp"))
         except KeyError as exc:
             raise ConfigError(f"{source}.{exc.args[0]}", "missing",
                               "pass a complete plan written by memx plan --json") from None
@@ -232,7 +249,7 @@ class Plan:
                               f"use {', '.join(PLAN_TRAINING_KEYS)}")
         plan.validate(source)
         if "world_size" in data and data["world_size"] != plan.world_size:
-            raise ConfigError(f"{source}.world_size", f"{data['world_size']!r}, but its layout (tp*pp*cp*dp) has "
+            raise ConfigError(f"{source}.world_size", f"{data['world_size']!r}, but its layout (tp x pp x cp x dp) has "
                               f"{plan.world_size} ranks", "correct world_size, or the layout")
         return plan
 
@@ -251,6 +268,19 @@ class Plan:
             if len(set(self.stage_tp)) == 1:
                 raise ConfigError(f"{source}.stage_tp", "every stage has the same degree",
                                   f"give tp: {self.stage_tp[0]} and no stage_tp")
+        if self.stage_dp is not None:
+            if not isinstance(self.stage_dp, list) or len(self.stage_dp) != self.pp:
+                raise ConfigError(f"{source}.stage_dp", f"must list one DP degree for each of pp={self.pp} stages")
+            for d in self.stage_dp:
+                require_number(d, f"{source}.stage_dp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
+            if len(set(self.stage_dp)) == 1 or max(self.stage_dp) != self.dp:
+                raise ConfigError(f"{source}.stage_dp", f"{self.stage_dp} with dp={self.dp}",
+                                  "give degrees that differ, the largest as dp; or dp alone")
+            short = [d for d in self.stage_dp if self.dp * self.micro_batch_size % d]
+            if short:
+                raise ConfigError(f"{source}.stage_dp", f"{short[0]} replicas cannot split a pipeline micro-batch of "
+                                  f"dp*micro_batch_size={self.dp * self.micro_batch_size} sequences",
+                                  "give DP degrees that divide it")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"{source}.schedule", f"unknown schedule {self.schedule!r}",
                               f"use one of {', '.join(SCHEDULES)}")
@@ -264,9 +294,9 @@ class Plan:
             raise ConfigError(f"{source}.stages", "ranks must cover 0..world_size-1 exactly once")
         for i, s in enumerate(self.stages):
             parse_recompute(s.recompute, s.num_layers, f"{source}.stages[{i}].recompute")
-            tp = self.stage_tps[i]
-            if len(s.ranks) != tp * self.cp * self.dp:
-                raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*cp*dp={tp * self.cp * self.dp} ranks")
+            tp, dp = self.stage_tps[i], self.stage_dps[i]
+            if len(s.ranks) != tp * self.cp * dp:
+                raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*cp*dp={tp * self.cp * dp} ranks")
             if len(set(s.ranks)) != len(s.ranks):
                 raise ConfigError(f"{source}.stages[{i}].ranks", "lists a rank twice")
         short = short_stages([s.num_layers for s in self.stages], self.virtual_stages)
@@ -303,9 +333,16 @@ def _check_types(data: dict, source: str) -> None:
             raise ConfigError(f"{source}.stage_tp", "must be a list of TP degrees, one per stage", fix)
         for t in stage_tp:
             require_number(t, f"{source}.stage_tp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
+    stage_dp = data.get("stage_dp")
+    if stage_dp is not None:
+        if not isinstance(stage_dp, list) or not stage_dp:
+            raise ConfigError(f"{source}.stage_dp", "must be a list of DP degrees, one per stage", fix)
+        for d in stage_dp:
+            require_number(d, f"{source}.stage_dp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
     if all(k in data for k in ("tp", "pp", "dp")):
         tps = stage_tp if stage_tp is not None else [data["tp"]] * data["pp"]
-        if sum(tps) * data.get("cp", 1) * data["dp"] > MAX_WORLD_SIZE:
+        dps = stage_dp if stage_dp is not None else [data["dp"]] * len(tps)
+        if sum(t * d for t, d in zip(tps, dps)) * data.get("cp", 1) > MAX_WORLD_SIZE:
             raise ConfigError(f"{source}.world_size", f"tp*pp*cp*dp over the limit of {MAX_WORLD_SIZE} ranks", fix)
     for key in ("model", "cluster", "schedule"):
         if key in data:

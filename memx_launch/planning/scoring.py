@@ -15,7 +15,7 @@ from memx_launch.planning import context_parallel, costmodel as cm, data_paralle
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
-from memx_launch.planning.plan import Crossing, recompute_text
+from memx_launch.planning.plan import recompute_text
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -45,14 +45,19 @@ class CostTable:
         self.hits = 0
 
     def lookup(self, device, tp, mbs, seq, level):
-        """Index arrays broadcast together (``tp`` a degree or an array of them); counts every
-        element served as a hit."""
-        tp_index = (self.tps.index(tp) if np.ndim(tp) == 0
-                    else np.array([self.tps.index(t) for t in np.ravel(tp)]).reshape(np.shape(tp)))
-        key = (device, tp_index, self.mbss.index(mbs), self.seqs.index(seq), level)
+        """Index arrays broadcast together (``tp`` and ``mbs`` a value or an array of them);
+        counts every element served as a hit."""
+        key = (device, _index(self.tps, tp), _index(self.mbss, mbs), self.seqs.index(seq), level)
         t, a, w = self.time[key], self.act[key], self.work[key]
         self.hits += np.size(t)
         return t, a, w
+
+
+def _index(values: list, wanted):
+    """Where ``wanted`` (a value or an array of them) sits in ``values``."""
+    if np.ndim(wanted) == 0:
+        return values.index(wanted)
+    return np.array([values.index(w) for w in np.ravel(wanted)]).reshape(np.shape(wanted))
 
 
 @dataclass
@@ -132,14 +137,15 @@ class Evaluator:
         """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the
         block's backward working set (part of the fixed bytes: a stage without blocks has none)
         for each row, on the device types of row ``replica`` of the layout's ``replica_device``.
-        With context parallelism a rank sees ``seq / cp`` tokens of each sequence."""
+        With context parallelism a rank sees ``seq / cp`` tokens of each sequence; with a DP degree
+        per stage a stage of fewer replicas runs larger local micro-batches."""
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
         tp = layout.tp if layout.uniform_tp else layout.stage_tp  # a scalar where it can: the search's hot path
         device = layout.replica_device[replica]
         g = tr.global_batch_size // (dp * mbs)
-        seq_rank = seq // layout.cp
-        t_layer, act, work = self.layer_costs(layout, device, tp, mbs, seq, levels)
+        seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
+        t_layer, act, work = self.layer_costs(layout, device, tp, local, seq, levels)
         bpp = cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
@@ -147,11 +153,11 @@ class Evaluator:
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
-        fixed = (work + self._edge_bytes(layout, mbs, seq_rank, inflight)
-                 + kept_stage_output_bytes(m, tr, mbs, seq_rank, tp, inflight, g)
+        fixed = (work + self._edge_bytes(layout, local, seq_rank, inflight)
+                 + kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + fp8_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device])
-        return per_layer, fixed, t_layer, self._edge_time(layout, device, mbs, seq_rank), g, work
+        return per_layer, fixed, t_layer, self._edge_time(layout, device, local, seq_rank), g, work
 
     def layer_costs(self, layout, device, tp, mbs, seq, levels):
         """(time, kept activations, backward working set) of one layer on each stage of
@@ -162,7 +168,7 @@ class Evaluator:
         t_layer, act, work = self.table.lookup(np.broadcast_to(device, np.shape(levels)), tp, mbs, seq // cp, levels)
         if cp == 1:
             return t_layer, act, work
-        key = (tuple(device.tolist()), tp if np.ndim(tp) == 0 else tuple(tp.tolist()), mbs, seq // cp)
+        key = (tuple(device.tolist()), *(x if np.ndim(x) == 0 else tuple(x.tolist()) for x in (tp, mbs)), seq // cp)
         if key not in self._attention:
             self._attention[key] = self.cost_model.attention_seconds(device, tp, mbs, seq // cp)
         forward, backward = self._attention[key]
@@ -171,20 +177,21 @@ class Evaluator:
         extra = context_parallel.layer_seconds(forward, backward, transfer, cp, levels)
         return t_layer + extra, act, work + context_parallel.ring_working_bytes(chunk)
 
-    def _edge_bytes(self, layout, mbs, seq, inflight) -> np.ndarray:
+    def _edge_bytes(self, layout, local, seq, inflight) -> np.ndarray:
         m, tr = self.model, self.training
         (first, last), pp = layout.end_tp, layout.pp
-        bpp = cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained)
+        bpp = np.broadcast_to(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained), (pp,))
+        first_mbs, last_mbs = _ends(local, pp)
         out = np.zeros(pp)
-        out[0] += m.embedding_params / first * bpp + inflight[0] * mbs * seq * m.hidden_size * tr.dtype_bytes
-        out[-1] += cm.last_stage_params(m, pp) / last * bpp + cm.logits_bytes(m, mbs, seq, last, tr)
+        out[0] += m.embedding_params / first * bpp[0] + inflight[0] * first_mbs * seq * m.hidden_size * tr.dtype_bytes
+        out[-1] += cm.last_stage_params(m, pp) / last * bpp[-1] + cm.logits_bytes(m, last_mbs, seq, last, tr)
         return out
 
-    def _edge_time(self, layout, device, mbs, seq) -> np.ndarray:
+    def _edge_time(self, layout, device, local, seq) -> np.ndarray:
         out = np.zeros(layout.pp)
-        first, last = layout.end_tp
-        out[0] += self.cost_model.embedding_time(device[0], first, mbs, seq)
-        out[-1] += self.cost_model.head_time(device[-1], last, mbs, seq)
+        (first, last), (first_mbs, last_mbs) = layout.end_tp, _ends(local, layout.pp)
+        out[0] += self.cost_model.embedding_time(device[0], first, first_mbs, seq)
+        out[-1] += self.cost_model.head_time(device[-1], last, last_mbs, seq)
         return out
 
     def replica_inputs(self, layout, mbs, seq, v, levels) -> list[tuple]:
@@ -276,7 +283,8 @@ class Evaluator:
         layout, mbs, seq, v = result.layout, result.mbs, result.seq, result.v
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
-        seq_rank = seq // layout.cp
+        seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
+        first_mbs, last_mbs = _ends(local, pp)
         tp = layout.tp if layout.uniform_tp else layout.stage_tp
         last = layout.end_tp[1]
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
@@ -287,18 +295,18 @@ class Evaluator:
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
         fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
-        embedding_out[0] = inflight[0] * mbs * seq_rank * m.hidden_size * tr.dtype_bytes
+        embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.dtype_bytes
         logits = np.zeros(pp)
-        logits[-1] = cm.logits_bytes(m, mbs, seq_rank, last, tr)
-        pipeline = kept_stage_output_bytes(m, tr, mbs, seq_rank, tp, inflight, g)
+        logits[-1] = cm.logits_bytes(m, last_mbs, seq_rank, last, tr)
+        pipeline = kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
         replica = (np.zeros(pp, dtype=np.int64) if result.memory_replica is None
                    else result.memory_replica[row])
         by_replica = []
         for k, device in enumerate(layout.replica_device):
-            _, act, work = (x[0] for x in self.layer_costs(layout, device, tp, mbs, seq, levels))
+            _, act, work = (x[0] for x in self.layer_costs(layout, device, tp, local, seq, levels))
             kept = layers[0] * inflight * act
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
-                _, act_none, work_none = (x[0] for x in self.layer_costs(layout, device, tp, mbs, seq,
+                _, act_none, work_none = (x[0] for x in self.layer_costs(layout, device, tp, local, seq,
                                                                          np.full((1, pp), cm.NONE)))
                 r = np.minimum(result.recompute_layers[row], layers[0])
                 kept = r * inflight * act + (layers[0] - r) * inflight * act_none
@@ -360,7 +368,7 @@ class Evaluator:
         # Between stages of different TP the whole tensor crosses once per pipeline (a
         # resharding sender, as Sailor's), as it does between equal TP groups here; a CP rank
         # sends its seq / cp tokens.
-        hidden_bytes = mbs * (seq // layout.cp) * m.hidden_size * tr.dtype_bytes
+        hidden_bytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * m.hidden_size * tr.dtype_bytes
         efficiency = self.cluster.link_efficiency
         def receivers():
             return [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
@@ -373,7 +381,8 @@ class Evaluator:
                 if not wrap or v > 1:
                     # The wrap-around carries v - 1 of each micro-batch's v passes; the schedule charges v.
                     share = (v - 1) / v if wrap else 1.0
-                    transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(hidden_bytes)
+                    transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(
+                        np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
         stage_params = parameters_per_rank(m, layout, layers)
         dp_link = (layout.dp_cp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
         if tr.fully_sharded:
@@ -404,6 +413,23 @@ class Evaluator:
         return T, transfer, sync
 
 
+def _ends(local, pp: int) -> tuple:
+    """The first and the last stage's local micro-batch."""
+    local = np.broadcast_to(local, (pp,))
+    return local[0], local[-1]
+
+
+def edge_micro_batch(layout: Layout, mbs: int):
+    """Sequences one rank sends or receives per micro-batch over each pipeline edge (the last:
+    the wrap-around): ``mbs``, or (P,) the larger side's local micro-batch where the stages' DP
+    degrees differ (a sender's share goes whole to one receiver, or a receiver gathers its
+    share from several senders)."""
+    if layout.stage_dp is None:
+        return mbs
+    local = layout.local_micro_batch(mbs)
+    return np.maximum(local, np.roll(local, -1))
+
+
 def parameters_per_rank(model: ModelSpec, layout: Layout, layers: np.ndarray) -> np.ndarray:
     """(C, P) parameters a rank of each stage holds: its layers over TP, the embedding on the
     first stage, the head on the last."""
@@ -413,32 +439,3 @@ def parameters_per_rank(model: ModelSpec, layout: Layout, layers: np.ndarray) ->
     params[:, 0] += model.embedding_params / first
     params[:, -1] += cm.last_stage_params(model, layout.pp) / last
     return params
-
-
-def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: TrainingSpec) -> list[Crossing]:
-    """What one step of a scored row sends between communication domains, per crossing
-    pipeline edge (forward and backward, every micro-batch) and DP group, with its seconds."""
-    layout = result.layout
-    if result.transfer is None:
-        return []
-    g = training.global_batch_size // (layout.dp * result.mbs)
-    hidden_bytes = result.mbs * (result.seq // layout.cp) * model.hidden_size * training.dtype_bytes
-    out = []
-    for edge in layout.edge_crossings:
-        wrap = edge.stage == layout.pp - 1
-        passes = result.v - 1 if wrap else result.v  # per micro-batch and direction
-        if passes:
-            out.append(Crossing("pipeline", [edge.stage, (edge.stage + 1) % layout.pp],
-                                sorted({d for p in edge.domain_pairs for d in p}), 2.0 * g * passes * hidden_bytes,
-                                float(2.0 * g * result.v * result.transfer[edge.stage])))
-    params = parameters_per_rank(model, layout, result.layers[row:row + 1])[0]
-    for group in layout.group_crossings:
-        synced = data_parallel.sync_allreduce_bytes(params[group.stage], training, cm.trained_parameters(model, training))
-        out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
-                            float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
-    tied_bytes = data_parallel.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)
-    if tied_bytes and layout.ends_crossing is not None:
-        edge = layout.ends_crossing
-        out.append(Crossing("tied_embeddings", [0, layout.pp - 1], sorted({d for p in edge.domain_pairs for d in p}),
-                            tied_bytes, result.tied_sync_s))
-    return out

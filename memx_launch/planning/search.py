@@ -32,7 +32,8 @@ from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.search_space import SearchSpace
-from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult, crossings_of
+from memx_launch.planning.crossings import crossings_of
+from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
 
 
 INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B
@@ -355,7 +356,8 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
                 predicted_peak_memory_fraction=float(result.M[row]),
                 predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
                 training=training.plan_fields(), stage_tp=None if uniform else lay.stage_tp.tolist(),
-                crossings=crossings_of(result, row, model, training), cp=lay.cp)
+                crossings=crossings_of(result, row, model, training), cp=lay.cp,
+                stage_dp=None if lay.stage_dp is None else lay.stage_dp.tolist())
 
 
 def progress_to_stderr(message: str) -> None:

@@ -102,6 +102,7 @@ def check_runnable(plan: Plan) -> Plan:
     if plan.cp > 1:
         raise ConfigError("--plan", f"cp={plan.cp}: memx's runtime has no context parallelism",
                           "plan with --cp 1, or run the plan with Megatron-LM (memx export)")
+    plan.uniform_dp("memx's runtime (one DP degree for all stages)")
     return plan
 
 

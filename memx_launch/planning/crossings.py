@@ -1,0 +1,42 @@
+"""What one step of a scored plan sends between communication domains (plans' ``crossings``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memx_launch.planning import costmodel as cm, data_parallel
+from memx_launch.planning.plan import Crossing
+from memx_launch.planning.scoring import GroupResult, edge_micro_batch, parameters_per_rank
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+
+
+def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: TrainingSpec) -> list[Crossing]:
+    """What one step of a scored row sends between communication domains, per crossing
+    pipeline edge (forward and backward, every micro-batch) and DP group, with its seconds."""
+    layout = result.layout
+    if result.transfer is None:
+        return []
+    g = training.global_batch_size // (layout.dp * result.mbs)
+    hidden_bytes = np.broadcast_to(edge_micro_batch(layout, result.mbs) * (result.seq // layout.cp)
+                                   * model.hidden_size * training.dtype_bytes, (layout.pp,))
+    out = []
+    for edge in layout.edge_crossings:
+        wrap = edge.stage == layout.pp - 1
+        passes = result.v - 1 if wrap else result.v  # per micro-batch and direction
+        if passes:
+            out.append(Crossing("pipeline", [edge.stage, (edge.stage + 1) % layout.pp],
+                                sorted({d for p in edge.domain_pairs for d in p}),
+                                float(2.0 * g * passes * hidden_bytes[edge.stage]),
+                                float(2.0 * g * result.v * result.transfer[edge.stage])))
+    params = parameters_per_rank(model, layout, result.layers[row:row + 1])[0]
+    for group in layout.group_crossings:
+        synced = data_parallel.sync_allreduce_bytes(params[group.stage], training, cm.trained_parameters(model, training))
+        out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
+                            float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
+    tied_bytes = data_parallel.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)
+    if tied_bytes and layout.ends_crossing is not None:
+        edge = layout.ends_crossing
+        out.append(Crossing("tied_embeddings", [0, layout.pp - 1], sorted({d for p in edge.domain_pairs for d in p}),
+                            tied_bytes, result.tied_sync_s))
+    return out
