@@ -65,9 +65,9 @@ class LayoutScorer:
         model, cluster, training = self.model, self.cluster, self.training
         if schedule not in ("1f1b", "interleaved"):
             raise ConfigError("--schedule", f"unknown schedule {schedule!r}", "use 1f1b or interleaved")
-        stage_tps = _stage_tps(tp, stage_tp, pp)
+        stage_tps = _stage_degrees("tp", tp, stage_tp, pp, lambda d: d[0] if len(set(d)) == 1 else None)
         context_parallel.check_degree(cp, training.seq_len, training.flash_attention)
-        stage_dps = _stage_dps(dp, stage_dp, pp)
+        stage_dps = _stage_degrees("dp", dp, stage_dp, pp, max)
         _check_layout_numbers(model, cluster, stage_tps, pp, stage_dps, micro_batch_size, schedule, virtual_stages,
                               layers_per_stage, cp)
         dp = max(stage_dps)
@@ -192,32 +192,22 @@ def short_gib(peaks_gib, capacities_gib, memory_headroom: float = 0.0) -> list[f
     return [max(0.0, peak - cap * (1.0 - memory_headroom)) for peak, cap in zip(peaks_gib, capacities_gib)]
 
 
-def _stage_tps(tp, stage_tp, pp) -> list:
-    """One TP degree per stage, from ``tp`` or ``stage_tp`` (checked as integers later)."""
-    if stage_tp is None:
-        if tp is None:
-            raise ConfigError("--tp", "missing", "give --tp, or --stage-tp with one degree per stage")
-        return [tp] * pp if isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 else [tp]
-    stage_tp = list(stage_tp)
-    if len(stage_tp) != pp:
-        raise ConfigError("--stage-tp", f"{len(stage_tp)} degrees for pp={pp}", "give one TP degree per stage")
-    if tp is not None and any(t != tp for t in stage_tp):
-        raise ConfigError("--tp", f"{tp} differs from the per-stage degrees {stage_tp}", "give one of them")
-    return stage_tp
-
-
-def _stage_dps(dp, stage_dp, pp) -> list:
-    """One DP degree per stage, from ``dp`` or ``stage_dp`` (checked as integers later)."""
-    if stage_dp is None:
-        if dp is None:
-            raise ConfigError("--dp", "missing", "give --dp, or --stage-dp with one degree per stage")
-        return [dp] * pp if isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 else [dp]
-    stage_dp = list(stage_dp)
-    if len(stage_dp) != pp:
-        raise ConfigError("--stage-dp", f"{len(stage_dp)} degrees for pp={pp}", "give one DP degree per stage")
-    if dp is not None and dp != max(stage_dp):
-        raise ConfigError("--dp", f"{dp} is not the largest of the per-stage degrees {stage_dp}", "give one of them")
-    return stage_dp
+def _stage_degrees(name: str, degree, per_stage, pp, stated) -> list:
+    """One ``name`` (tp, dp) degree per stage, from ``degree`` or ``per_stage`` (checked as
+    integers later); ``stated(per_stage)``: the one degree they amount to (a TP degree for all:
+    each of them; DP: the largest)."""
+    if per_stage is None:
+        if degree is None:
+            raise ConfigError(f"--{name}", "missing", f"give --{name}, or --stage-{name} with one degree per stage")
+        return [degree] * pp if isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 else [degree]
+    per_stage = list(per_stage)
+    if len(per_stage) != pp:
+        raise ConfigError(f"--stage-{name}", f"{len(per_stage)} degrees for pp={pp}",
+                          f"give one {name.upper()} degree per stage")
+    if degree is not None and degree != stated(per_stage):
+        raise ConfigError(f"--{name}", f"{degree} does not agree with the per-stage degrees {per_stage}",
+                          "give one of them")
+    return per_stage
 
 
 def _check_layout_numbers(model, cluster, stage_tps, pp, stage_dps, mbs, schedule, virtual_stages, layers_per_stage,

@@ -159,24 +159,18 @@ class Plan:
         """The TP degree of each stage."""
         return list(self.stage_tp) if self.stage_tp is not None else [self.tp] * self.pp
 
-    def uniform_tp(self, consumer: str) -> int:
-        """The one TP degree of every stage; a one-line refusal naming ``consumer`` otherwise."""
-        if self.stage_tp is not None:
-            raise ConfigError("plan.stage_tp", f"stages have different TP degrees {self.stage_tp}, which "
-                              f"{consumer} cannot run", "plan or estimate one TP degree for every stage (--tp)")
-        return self.tp
-
     @property
     def stage_dps(self) -> list[int]:
         """The DP degree of each stage."""
         return list(self.stage_dp) if self.stage_dp is not None else [self.dp] * self.pp
 
+    def uniform_tp(self, consumer: str) -> int:
+        """The one TP degree of every stage; a one-line refusal naming ``consumer`` otherwise."""
+        return _uniform("tp", self.tp, self.stage_tp, consumer)
+
     def uniform_dp(self, consumer: str) -> int:
         """The one DP degree of every stage; a one-line refusal naming ``consumer`` otherwise."""
-        if self.stage_dp is not None:
-            raise ConfigError("plan.stage_dp", f"stages have different DP degrees {self.stage_dp}, which "
-                              f"{consumer} cannot run", "estimate one DP degree for every stage (--dp)")
-        return self.dp
+        return _uniform("dp", self.dp, self.stage_dp, consumer)
 
     @property
     def world_size(self) -> int:
@@ -321,24 +315,29 @@ class Plan:
 MAX_WORLD_SIZE = 2**20
 
 
+def _uniform(name: str, degree, per_stage, consumer: str):
+    """``degree`` where no per-stage degrees are given; else a one-line refusal naming ``consumer``."""
+    if per_stage is not None:
+        raise ConfigError(f"plan.stage_{name}", f"stages have different {name.upper()} degrees {per_stage}, which "
+                          f"{consumer} cannot run", f"plan or estimate one {name.upper()} degree for every stage "
+                          f"(--{name})")
+    return degree
+
+
 def _check_types(data: dict, source: str) -> None:
     """Types and ranges of a plan read from a file or a peer, before anything uses it."""
     fix = "pass a plan written by memx plan --json"
     for key in ("tp", "pp", "cp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
         if key in data and not (key == "tp" and data[key] is None and data.get("stage_tp") is not None):
             require_number(data[key], f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
-    stage_tp = data.get("stage_tp")
-    if stage_tp is not None:
-        if not isinstance(stage_tp, list) or not stage_tp:
-            raise ConfigError(f"{source}.stage_tp", "must be a list of TP degrees, one per stage", fix)
-        for t in stage_tp:
-            require_number(t, f"{source}.stage_tp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
-    stage_dp = data.get("stage_dp")
-    if stage_dp is not None:
-        if not isinstance(stage_dp, list) or not stage_dp:
-            raise ConfigError(f"{source}.stage_dp", "must be a list of DP degrees, one per stage", fix)
-        for d in stage_dp:
-            require_number(d, f"{source}.stage_dp", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
+    for name in ("tp", "dp"):
+        degrees = data.get(f"stage_{name}")
+        if degrees is not None:
+            if not isinstance(degrees, list) or not degrees:
+                raise ConfigError(f"{source}.stage_{name}", f"must be a list of {name.upper()} degrees, one per stage", fix)
+            for d in degrees:
+                require_number(d, f"{source}.stage_{name}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
+    stage_tp, stage_dp = data.get("stage_tp"), data.get("stage_dp")
     if all(k in data for k in ("tp", "pp", "dp")):
         tps = stage_tp if stage_tp is not None else [data["tp"]] * data["pp"]
         dps = stage_dp if stage_dp is not None else [data["dp"]] * len(tps)
