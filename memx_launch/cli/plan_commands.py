@@ -23,7 +23,7 @@ def add_plan_command(sub) -> None:
     from memx_launch.planning.search_space import add_restriction_args
 
     p = sub.add_parser("plan", help="search the best parallel layout for a model on a cluster",
-                       description="Search TP x PP x DP layouts, uneven layer splits, per-stage recompute and "
+                       description="Search TP x PP x DP layouts (x CP on long sequences), uneven layer splits, per-stage recompute and "
                                    "schedules; rank them by the memory-aware objective Phi.")
     add_target_args(p)
     p.add_argument("--objective", choices=("default", "safety", "throughput"),

@@ -1,7 +1,8 @@
 """Memory-aware search over parallel layouts (paper section 3.1).
 
-The space: TP x PP x DP = world size with TP and DP groups inside one stage and one device
-type, the order of device types along the pipeline, micro-batch size, sequence length,
+The space: TP x PP x CP x DP = world size (CP 1 unless asked, :mod:`context_parallel`) with
+TP, CP and DP groups inside one stage and one device type, the order of device types along
+the pipeline, micro-batch size, sequence length,
 schedule (1F1B, interleaved with v virtual stages) and a recompute level per device type.
 Each candidate gets an uneven layer split that balances predicted stage time under every
 stage's memory, then a per-stage hard rule (the lowest recompute level that fits the layers
