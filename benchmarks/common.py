@@ -21,8 +21,10 @@ GPUS = {
     "a100_80gb": ({**AMPERE, "memory_gib": 79.3, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}, 300),
     "a100_40gb": ({**AMPERE, "memory_gib": 39.4, "peak_tflops": 312, "memory_bandwidth_gbps": 1555}, 300),
     "h100_80gb": ({**HOPPER, "memory_gib": 79.1, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}, 450),
+    # Meta's Grand Teton hosts (torchtitan's H100 tables): 96 GB of HBM2e at 2.4 TB/s.
+    "h100_96gb": ({**HOPPER, "memory_gib": 95.0, "peak_tflops": 989, "memory_bandwidth_gbps": 2400}, 450),
 }
-INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50}  # per GPU
+INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50, "h100_96gb": 50}  # per GPU
 
 
 @functools.lru_cache(maxsize=None)

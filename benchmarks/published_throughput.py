@@ -33,6 +33,15 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
 - The same README's H100 FP8 table (mpt_llm_foundry_fp8.csv): Composer's ``amp_fp8``, Transformer
   Engine's linears with delayed scaling, asked with ``--fp8 delayed``. Five of its layouts ran in
   BF16 too: the BF16 / FP8 step-time ratio, measured and predicted, is compared per pair.
+- torchtitan's performance tables (torchtitan_performance.csv): Llama 3 / 3.1 and Llama 2 with
+  FSDP2 (``--setup fsdp2``, torch's cross entropy) on 8 H100-96GB and 64 A100-80GB, no gradient
+  accumulation (the micro-batch is the local batch, the global batch local x FSDP ranks). Their
+  options through memx's: selective op checkpointing is ``--selective-recompute op``, selective
+  layer checkpointing (every other block) is ``full:K`` with K half the layers, Float8 is
+  ``--fp8 current`` (tensorwise dynamic scaling), context parallelism is ``--cp``. memx has no
+  torch.compile: a compiled row is asked with a fused norm only, so its other fusions count as
+  unfused. Ratios of two rows of one table (the policy, Float8, CP's time per token) are compared
+  measured against predicted, as the FP8 pairs.
 
 Every published run ran, so every row is also a fit check: memx should say each layout fits.
 
@@ -161,6 +170,62 @@ def fp8_speedups(bf16_rows: list[dict], fp8_rows: list[dict]) -> dict:
     return {"pairs": pairs, "speedup_mape_pct": round(sum(errors) / len(errors), 1) if errors else None}
 
 
+# --------------------------------------------------------------------------- torchtitan
+
+
+def torchtitan() -> list[dict]:
+    """The rows of torchtitan_performance.csv with memx's estimate of each."""
+    import dataclasses
+
+    from memx_launch.specs.model import get_model
+
+    rows = []
+    with open(os.path.join(DATA, "torchtitan_performance.csv")) as f:
+        for d in csv.DictReader(f):
+            seq, gpus, cp, local = int(d["seq_len"]), int(d["gpus"]), int(d["cp"]), int(d["local_batch_size"])
+            model = dataclasses.replace(get_model(d["model"]), seq_len=seq)
+            dp, policy = gpus // cp, d["activation_checkpointing"]
+            compiled = d["compile"] == "True"
+            training = TrainingSpec(global_batch_size=local * dp, seq_len=seq, setup="fsdp2", fused_norm=compiled,
+                                    fp8="current" if d["float8"] == "True" else None,
+                                    selective_recompute="op" if policy == "selective_op" else "attention")
+            recompute = {"none": "none", "full": "full", "selective_op": "selective",
+                         "selective_layer": f"full:{model.num_layers // 2}"}[policy]
+            row = {"group": d["table"], "gpu": d["gpu"], "real": "ok", "model": d["model"], "seq_len": seq,
+                   "gpus": gpus, "tokens": local * dp * seq,
+                   "real_time_s": local * dp * seq / (float(d["tokens_per_s_per_gpu"]) * gpus),
+                   "real_memory_gib": float(d["memory_gib"]) if d["memory_gib"] else None,
+                   "layout": f"{d['model']} s{seq} {gpus}x{d['gpu']} fsdp{dp} cp{cp} b{local} {policy}"
+                             + " compile" * compiled + " float8" * (d["float8"] == "True")}
+            rows.append(predicted(row, model, dgx_cluster(d["gpu"], gpus), training, tp=1, pp=1, dp=dp, cp=cp,
+                                  micro_batch_size=local, recompute=recompute))
+    return rows
+
+
+def torchtitan_ratios(rows: list[dict]) -> list[dict]:
+    """Step-time ratios of two rows of one table (per token where the batches differ), measured
+    and predicted: what each option changes, which a device's common bias cancels out of."""
+    def row(group, *words):
+        return next(r for r in rows if r["group"] == group and all(f" {w}" in r["layout"] + " " for w in words))
+
+    def per_token(r, key):
+        return r[key] / r["tokens"]
+
+    llama2, llama3, h100 = "a100-llama2", "a100-llama3", "h100-1"
+    pairs = [(row(llama2, "selective_op"), row(llama2, "none"), "llama2-13b A100: op-level over no checkpointing"),
+             (row(llama2, "b2 selective_layer"), row(llama2, "none"), "llama2-13b A100: every other layer over none"),
+             (row(llama3, "selective_op"), row(llama3, "selective_layer"),
+              "llama3-8b A100: op-level over every other layer"),
+             (row(h100, "float8"), row(h100, "compile"), "llama3-8b H100: compile + Float8 over compile"),
+             (row(h100, "compile"), row(h100, "selective_op"), "llama3-8b H100: compile over eager (not modelled)")]
+    pairs += [(row("h100-2", f"cp{cp}"), row("h100-2", "cp1"),
+               f"llama3-8b H100: per token, CP {cp} at {row('h100-2', f'cp{cp}')['seq_len']} over CP 1 at 32768")
+              for cp in (2, 4, 8)]
+    return [{"what": what, "measured": round(per_token(a, "real_time_s") / per_token(b, "real_time_s"), 3),
+             "predicted": round(per_token(a, "time_s") / per_token(b, "time_s"), 3)}
+            for a, b, what in pairs if "time_s" in a and "time_s" in b]
+
+
 # --------------------------------------------------------------------------- summary and plot
 
 
@@ -208,13 +273,22 @@ def main() -> None:
               "all": run_summary(n + m)}
     fp8 = mpt(table="mpt_llm_foundry_fp8.csv")
     result["mpt_llm_foundry_fp8"] = {**run_summary(fp8), "fp8_over_bf16": fp8_speedups(m, fp8), "rows": fp8}
+    titan = torchtitan()
+    result["torchtitan"] = {**run_summary(titan), "by_table": by(titan, lambda r: r["group"]),
+                            "by_gpu": by(titan, lambda r: r["gpu"]),
+                            "ratios": torchtitan_ratios(titan), "rows": titan}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(n, m, PLOT)
     for key in ("narayanan2021_table1", "mpt_llm_foundry", "mpt_llm_foundry_with_torch_cross_entropy", "all",
-                "mpt_llm_foundry_fp8"):
+                "mpt_llm_foundry_fp8", "torchtitan"):
         print(key, result[key]["time"], result[key]["fit"]["confusion"])
     print("  FP8 over BF16", result["mpt_llm_foundry_fp8"]["fp8_over_bf16"])
+    for part in ("by_table", "by_gpu"):
+        for name, summary in result["torchtitan"][part].items():
+            print("  torchtitan", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
+    for ratio in result["torchtitan"]["ratios"]:
+        print("  ", ratio)
     for gpu, s in result["mpt_llm_foundry"]["by_gpu"].items():
         print(" ", gpu, s["time"])
     for seq, s in result["mpt_llm_foundry"]["by_seq_len"].items():

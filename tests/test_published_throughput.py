@@ -31,6 +31,21 @@ def test_every_published_row_gets_a_prediction_and_the_layouts_are_consistent():
     assert len(narayanan) == 10 and all(r["time_s"] > 0 and r["fits"] for r in narayanan)
 
 
+def test_torchtitan_rows_are_asked_as_they_ran():
+    rows = pt.torchtitan()
+    assert len(rows) == 15 and not [r for r in rows if "error" in r]
+    # Tokens per step: the local batch on every FSDP rank (a CP group shares one), no accumulation.
+    cp8 = next(r for r in rows if "cp8" in r["layout"])
+    assert (cp8["tokens"], cp8["seq_len"]) == (262144, 262144)
+    ratios = {r["what"]: r for r in pt.torchtitan_ratios(rows)}
+    assert len(ratios) == 8 and all(r["predicted"] > 0 for r in ratios.values())
+    # Never faster than 6 FLOPs per parameter and token at the peak (FP8's, twice it, for Float8 rows).
+    from memx_launch.specs.model import get_model
+    for r in rows:
+        peak = GPUS[r["gpu"]][0]["peak_tflops"] * 1e12 * (2 if "float8" in r["layout"] else 1)
+        assert r["time_s"] >= 6 * get_model(r["model"]).total_params * r["tokens"] / (r["gpus"] * peak)
+
+
 def test_no_prediction_beats_the_peak_flops_of_the_layout():
     # 6 FLOPs per parameter and token (8 with recomputation) at the datasheet peak bound the step time.
     for r in pt.mpt():
