@@ -145,7 +145,7 @@ class Evaluator:
         device = layout.replica_device[replica]
         g = tr.global_batch_size // (dp * mbs)
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
-        t_layer, act, work = self.layer_costs(layout, device, tp, local, seq, levels)
+        t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
         bpp = cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
@@ -159,7 +159,7 @@ class Evaluator:
                  + layout.communicators * self.communicator_bytes[device])
         return per_layer, fixed, t_layer, self._edge_time(layout, device, local, seq_rank), g, work
 
-    def layer_costs(self, layout, device, tp, mbs, seq, levels):
+    def stage_layer_costs(self, layout, device, tp, mbs, seq, levels):
         """(time, kept activations, backward working set) of one layer on each stage of
         ``device`` (P,) at ``levels`` (C, P). A CP layer is a ``seq / cp`` one plus the
         attention of the other chunks of keys, the ring's exposed transfers and its buffers
@@ -303,11 +303,11 @@ class Evaluator:
                    else result.memory_replica[row])
         by_replica = []
         for k, device in enumerate(layout.replica_device):
-            _, act, work = (x[0] for x in self.layer_costs(layout, device, tp, local, seq, levels))
+            _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, levels))
             kept = layers[0] * inflight * act
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
-                _, act_none, work_none = (x[0] for x in self.layer_costs(layout, device, tp, local, seq,
-                                                                         np.full((1, pp), cm.NONE)))
+                none = np.full((1, pp), cm.NONE)
+                _, act_none, work_none = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, none))
                 r = np.minimum(result.recompute_layers[row], layers[0])
                 kept = r * inflight * act + (layers[0] - r) * inflight * act_none
                 work = np.where(r > 0, work, work_none)
