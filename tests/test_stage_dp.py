@@ -111,3 +111,22 @@ def test_cli_flag_cases_column_and_refusals(tmp_path, capsys):
         assert main(["estimate", *flags, *args, *bad]) != 0
         err = capsys.readouterr().err
         assert problem in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_search_gives_each_device_type_its_own_dp_degree_when_asked():
+    from memx_launch.planning.search import search
+    from memx_launch.planning.search_space import SearchSpace
+
+    cluster = ClusterSpec.from_dict({**MIXED, "nodes": [*MIXED["nodes"], MIXED["nodes"][1]]})  # 8 H100, 16 A100
+    plain = search(MODEL, cluster, TRAINING, top_k=5)
+    per_type = search(MODEL, cluster, TRAINING, space=SearchSpace(per_type_dp=True), top_k=200)
+    assert per_type.stats.enumerated > plain.stats.enumerated
+    assert all(p.stage_dp is None for p in plain.plans)
+    unequal = [p for p in per_type.plans if p.stage_dp is not None]
+    assert unequal and all(max(p.stage_dp) % d == 0 for p in unequal for d in p.stage_dp)
+    # A superset of the layouts: never a slower fastest plan.
+    assert per_type.fastest.predicted_iteration_time_s <= plain.fastest.predicted_iteration_time_s
+    # Its plans are what memx estimate predicts for them again.
+    from memx_launch.planning.estimate import evaluate_plan
+    again = evaluate_plan(unequal[0], cluster, TRAINING)
+    assert again.predicted_iteration_time_s == pytest.approx(unequal[0].predicted_iteration_time_s, rel=1e-9)

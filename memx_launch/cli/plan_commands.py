@@ -49,6 +49,10 @@ def add_plan_command(sub) -> None:
     p.add_argument("--mixed-stages", "--mixed_stages", action="store_true",
                    help="also layouts whose stages take DP replicas from two device types where the "
                         "counts do not divide; memx-run and memx export cannot run such plans, memx estimate can")
+    p.add_argument("--per-type-dp", "--per_type_dp", action="store_true",
+                   help="let each device type take its own DP degree, each dividing the largest (a type of fewer "
+                        "replicas runs larger local micro-batches); memx-run and memx export cannot run such plans, "
+                        "memx estimate can")
     p.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
                    help="let each device type take its own TP degree (from --tp when given); several times "
                         "the search time; memx-run and memx export cannot run such plans, memx estimate can")
@@ -86,7 +90,7 @@ def run_plan(args) -> int:
 
     space = SearchSpace(memory_headroom=args.memory_headroom,
                         max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
-                        per_type_tp=args.per_type_tp, mixed_stages=args.mixed_stages,
+                        per_type_tp=args.per_type_tp, per_type_dp=args.per_type_dp, mixed_stages=args.mixed_stages,
                         cp_degrees=tuple(args.cp) if args.cp else None, **restrictions_from_args(args))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))

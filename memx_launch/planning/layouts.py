@@ -136,11 +136,13 @@ def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 
 def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tuple[str, ...],
                       tps: list[int] | None = None, max_orders: int = 24, per_type_tp: bool = False,
-                      mixed_stages: bool = False, cps: tuple[int, ...] = (1,)) -> list[Layout]:
+                      mixed_stages: bool = False, cps: tuple[int, ...] = (1,), per_type_dp: bool = False) -> list[Layout]:
     """Every (TP, CP, DP, device-type order) layout: one CP and one DP degree for all stages, a
     type's stages on its own ranks, tp x cp x dp dividing the type's count (``cps``: the CP
     degrees to take; the layouts of CP 1 first). ``per_type_tp``: each device type may
     take its own TP degree from ``tps`` (layouts of one degree come first, in the same order).
+    ``per_type_dp``: each device type may take its own DP degree, each dividing the largest (a
+    type of fewer replicas runs larger local micro-batches; after the one-degree layouts).
     ``mixed_stages``: also the layouts whose tp x dp divides the world but not every type's
     count, the stage at a boundary between types taking its replicas from both (after the
     others)."""
@@ -154,21 +156,33 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tupl
     layouts = []
     for cp, combo in itertools.product(sorted(cps), combos):
         tp_of = dict(zip(counts, combo))
-        for dp in range(1, min(counts[t] // (tp_of[t] * cp) for t in counts) + 1):
-            if any(counts[t] % (tp_of[t] * cp * dp) for t in counts):
-                continue
-            if sum(counts[t] // (tp_of[t] * cp * dp) for t in counts) > model.num_layers:
+        for dp_of in _dp_choices(counts, tp_of, cp, per_type_dp):
+            if sum(counts[t] // (tp_of[t] * cp * dp_of[t]) for t in counts) > model.num_layers:
                 continue
             for order in itertools.islice(itertools.permutations(counts), max_orders):
-                stage_ranks, stage_tp = [], []
+                stage_ranks, stage_tp, stage_dp = [], [], []
                 for t in order:
-                    group = tp_of[t] * cp * dp
+                    group = tp_of[t] * cp * dp_of[t]
                     stage_ranks += [ranks_of[t][i:i + group] for i in range(0, counts[t], group)]
                     stage_tp += [tp_of[t]] * (counts[t] // group)
-                layouts.append(make_layout(cluster, device_names, stage_tp, dp, order, stage_ranks, cp))
+                    stage_dp += [dp_of[t]] * (counts[t] // group)
+                layouts.append(make_layout(cluster, device_names, stage_tp, stage_dp, order, stage_ranks, cp))
     if mixed_stages:
         layouts += _spanning_layouts(model, cluster, device_names, degrees, max_orders)
     return layouts
+
+
+def _dp_choices(counts: dict, tp_of: dict, cp: int, per_type_dp: bool) -> list[dict]:
+    """DP degree of each device type: one for all that divides every type's replica groups, then
+    with ``per_type_dp`` (several types) one per type, each dividing the largest."""
+    options = {t: [dp for dp in range(1, counts[t] // (tp_of[t] * cp) + 1) if counts[t] % (tp_of[t] * cp * dp) == 0]
+               for t in counts}
+    shared = sorted(set.intersection(*(set(o) for o in options.values())))
+    choices = [{t: dp for t in counts} for dp in shared]
+    if per_type_dp and len(counts) > 1:
+        choices += [dict(zip(counts, dps)) for dps in itertools.product(*options.values())
+                    if len(set(dps)) > 1 and not any(max(dps) % d for d in dps)]
+    return choices
 
 
 def _spanning_layouts(model, cluster, device_names, degrees, max_orders) -> list[Layout]:

@@ -108,7 +108,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     check_batch(layouts, space, training)
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
     rank_seqs = sorted({s // cp for s in seqs for cp in cps[s]})
-    table = CostTable(cost_model, len(cost_model.device_names), tps, space.micro_batch_sizes, rank_seqs)
+    # Stages of fewer replicas than the layout's largest DP degree run larger local micro-batches.
+    local_mbss = sorted({m * lay.dp // int(d) for lay in layouts for d in set(lay.stage_dps.tolist())
+                         for m in space.micro_batch_sizes})
+    table = CostTable(cost_model, len(cost_model.device_names), tps, local_mbss, rank_seqs)
     evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
                           space.recompute_levels, space.recompute_some_layers)
     stats = SearchStats()
@@ -194,7 +197,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
 def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict | None = None) -> list[Layout]:
     degrees = tuple(sorted({cp for options in (cps or {0: (1,)}).values() for cp in options}))
     layouts = enumerate_layouts(model, cluster, device_names, list(space.tp_degrees or []) or None,
-                                per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages, cps=degrees)
+                                per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages, cps=degrees,
+                                per_type_dp=space.per_type_dp)
     if space.pipeline_degrees:
         layouts = [lay for lay in layouts if lay.pp in space.pipeline_degrees]
         if not layouts:
@@ -265,7 +269,8 @@ def _time_lower_bound(table: CostTable, layout: Layout, mbs, seq, g, num_layers)
     """All layers of every micro-batch on perfectly balanced stages of the fastest device."""
     tp_index = [table.tps.index(t) for t in layout.stage_tp.tolist()]
     seq_index = table.seqs.index(seq // layout.cp)
-    t_min = table.time[layout.stage_device, tp_index, table.mbss.index(mbs), seq_index, cm.NONE].min()
+    mbs_index = [table.mbss.index(int(m)) for m in np.broadcast_to(layout.local_micro_batch(mbs), (layout.pp,))]
+    t_min = table.time[layout.stage_device, tp_index, mbs_index, seq_index, cm.NONE].min()
     return g * num_layers * t_min / layout.pp
 
 
@@ -335,7 +340,7 @@ def _rank(results, cluster, model, training, objective, weights, bound, top_k):
 
 def _plan_key(result: GroupResult, row: int):
     lay = result.layout
-    return (tuple(lay.stage_tp), lay.cp, lay.dp, lay.order, result.mbs, result.seq, result.schedule, result.v,
+    return (tuple(lay.stage_tp), lay.cp, tuple(lay.stage_dps), lay.order, result.mbs, result.seq, result.schedule, result.v,
             tuple(result.levels[row]), tuple(result.layers[row]))
 
 

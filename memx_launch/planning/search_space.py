@@ -58,6 +58,11 @@ class SearchSpace:
     """On clusters of several device types, let each type take its own TP degree (one DP degree
     for all stages; ``memx plan --per-type-tp``). Off by default: it multiplies the layouts by
     up to (TP degrees)^(types - 1), and memx-run's runtime runs one degree for all stages."""
+    per_type_dp: bool = False
+    """On clusters of several device types, let each type take its own DP degree, each dividing
+    the largest (``memx plan --per-type-dp``): a type of fewer replicas runs larger local
+    micro-batches. Off by default: it multiplies the layouts, and memx-run's runtime runs one DP
+    degree for all stages."""
     mixed_stages: bool = False
     """Also layouts whose stage at a boundary between device types takes its DP replicas from
     both (Sailor's plans; ``memx plan --mixed-stages``): where tp x dp divides the world but not
