@@ -233,7 +233,7 @@ def by(rows, key) -> dict:
     return {name: run_summary(members) for name, members in grouped(rows, key).items()}
 
 
-def plot(narayanan_rows, mpt_rows, path: str) -> None:
+def plot(narayanan_rows, mpt_rows, titan_rows, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,21 +241,23 @@ def plot(narayanan_rows, mpt_rows, path: str) -> None:
 
     from memx_launch.planning.report import save_png_atomic
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 5))
     left.scatter([r["real_time_s"] for r in narayanan_rows], [r["time_s"] for r in narayanan_rows], s=24)
     for r in narayanan_rows:
         left.annotate(r["model"].replace("gpt-", ""), (r["real_time_s"], r["time_s"]), fontsize=7)
     identity_axes(left, [r[k] for r in narayanan_rows for k in ("real_time_s", "time_s")], "published step time (s)",
               "memx (s)", f"Megatron-LM GPT on A100 (Narayanan 2021): MAPE "
               f"{time_mape(narayanan_rows):.1f}%")
-    done = [r for r in mpt_rows if "time_s" in r]
-    for colour, gpu in zip(plt.cm.tab10.colors, sorted({r["group"] for r in done})):
-        members = [r for r in done if r["group"] == gpu]
-        right.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=12, color=colour,
-                      label=f"{gpu}: MAPE {time_mape(members):.1f}%")
-    identity_axes(right, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)", "memx (s)",
-              f"MPT with FSDP (MosaicML): {len(done)} runs")
-    right.legend(fontsize=8, loc="upper left")
+    for axis, rows, title in ((middle, mpt_rows, "MPT with FSDP (MosaicML)"),
+                              (right, titan_rows, "torchtitan with FSDP2 (Meta)")):
+        done = [r for r in rows if "time_s" in r]
+        for colour, group in zip(plt.cm.tab10.colors, sorted({r["group"] for r in done})):
+            members = [r for r in done if r["group"] == group]
+            axis.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=12, color=colour,
+                         label=f"{group}: MAPE {time_mape(members):.1f}%")
+        identity_axes(axis, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)",
+                      "memx (s)", f"{title}: {len(done)} runs")
+        axis.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)
 
@@ -279,7 +281,7 @@ def main() -> None:
                             "ratios": torchtitan_ratios(titan), "rows": titan}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
-    plot(n, m, PLOT)
+    plot(n, m, titan, PLOT)
     for key in ("narayanan2021_table1", "mpt_llm_foundry", "mpt_llm_foundry_with_torch_cross_entropy", "all",
                 "mpt_llm_foundry_fp8", "torchtitan"):
         print(key, result[key]["time"], result[key]["fit"]["confusion"])
