@@ -238,6 +238,9 @@ def _worker(rank, port, cases, queue):
                               cluster=cluster)
             except ConfigError as exc:
                 results.append(str(exc))
+                # Every rank refuses at once; wait for the last one's rendezvous before rank 0,
+                # which holds the store, can exit (a slow rank 3 once failed to connect).
+                dist.barrier()
                 dist.destroy_process_group()
                 continue
             batches = job.data if padded else [job.local_batch(pair)

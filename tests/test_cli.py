@@ -151,8 +151,8 @@ def test_estimate_setup_flags_reach_the_plan(tmp_path, capsys):
     peaks = {}
     for setup, extra in (("ddp", []), ("megatron", ["--no-sequence-parallel", "--grad-dtype", "bf16"])):
         out_json = tmp_path / f"{setup}.json"
-        code, _, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "2", "--pp", "2",
-                         "--dp", "4", "--micro-batch-size", "1", "--global-batch-size", "64", "--recompute", "full",
+        code, _, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", TABLE1, "--tp", "2", "--pp", "4",
+                         "--dp", "2", "--micro-batch-size", "1", "--global-batch-size", "64", "--recompute", "full",
                          "--setup", setup, *extra, "--json", str(out_json))
         assert code == 0
         plan = Plan.load(str(out_json))

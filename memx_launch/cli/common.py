@@ -76,7 +76,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("partitioned-sends", "DeepSpeed's pipeline sends: 1/TP per rank, all-gathered over TP on "
                         "receipt (default off)"),
                        ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32 "
-                        "(default off)")):
+                        "(default off)"),
+                       ("ddp-bucket-copy", "torch DDP without gradient_as_bucket_view: its buckets hold a second copy "
+                        "of the gradients (default off; --setup ddp: on)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,

@@ -66,7 +66,8 @@ def model_state_bytes_per_param(training: TrainingSpec, dp,
     moments 8 = 18; the distributed optimizer shards the 12 over DP (Megatron's
     ``theoretical_memory_usage.py``: 6 + 12/DP). ZeRO-1 keeps bf16 grads (4 + 12/DP), ZeRO-2
     shards them too (2 + 14/DP); full sharding divides everything by DP. fp32 weights
-    (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16.
+    (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16, and
+    20 under torch's DDP, whose buckets copy the gradients (``ddp_bucket_copy``).
     By part: :func:`model_state_bytes_by_part`.
     """
     if training.fully_sharded:  # the whole divided once: the parts' quotients would round apart
@@ -86,6 +87,8 @@ def model_state_bytes_by_part(training: TrainingSpec, dp, trained: TrainedParame
         optim = optim / dp
     if training.sharded_gradients:
         grad = grad / dp
+    elif training.ddp_bucket_copy:  # DDP's buckets hold a second copy once there are replicas
+        grad = grad * np.where(dp > 1, 2.0, 1.0)
     return weight, grad, optim
 
 

@@ -61,7 +61,8 @@ SETUPS: dict[str, dict] = {
                   vocab_parallel_loss=False, overlap_grad_reduce=True),
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
                   overlap_grad_reduce=True),
-    "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True),
+    "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
+                ddp_bucket_copy=True),
     # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
     # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
@@ -83,7 +84,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
-                       selective_recompute="attention")
+                       selective_recompute="attention", ddp_bucket_copy=False)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,10 @@ class TrainingSpec:
     fp32_allreduce: bool | None = None
     """DeepSpeed's ``fp32_allreduce``: 16-bit gradients are cast to fp32 for the data-parallel
     reduction, 4 bytes per gradient on the wire. Default off."""
+    ddp_bucket_copy: bool | None = None
+    """torch's DistributedDataParallel without ``gradient_as_bucket_view`` (its default, and
+    Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
+    second copy of the gradients on each replica (with more than one). Default off (``ddp``: on)."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
