@@ -52,6 +52,7 @@ Run: .venv/bin/python benchmarks/published_throughput.py   (a few seconds)
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import sys
 import time
@@ -63,7 +64,7 @@ from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.common import (dgx_cluster, grouped, identity_axes, no_nan, predicted, run_summary,  # noqa: E402
                                time_mape)
 from memx_launch.files import write_json_atomic  # noqa: E402
-from memx_launch.specs.model import ModelSpec  # noqa: E402
+from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "benchmarks", "data")
@@ -175,10 +176,6 @@ def fp8_speedups(bf16_rows: list[dict], fp8_rows: list[dict]) -> dict:
 
 def torchtitan() -> list[dict]:
     """The rows of torchtitan_performance.csv with memx's estimate of each."""
-    import dataclasses
-
-    from memx_launch.specs.model import get_model
-
     rows = []
     with open(os.path.join(DATA, "torchtitan_performance.csv")) as f:
         for d in csv.DictReader(f):

@@ -228,14 +228,22 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
 # --------------------------------------------------------------------------- time
 
 
+# Fused attention's backward recomputes the scores: five s x s matmuls against the forward's
+# two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
+FUSED_ATTENTION_BACKWARD = 2.5
+
+
+def causal_attention_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
+    """Forward FLOPs of one block's attention core on a rank: QK^T and AV, the causal half of 4bs^2h, over TP."""
+    mbs, seq = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
+    return 2.0 * mbs * seq * seq * model.hidden_size / np.asarray(tp, dtype=np.float64)
+
+
 def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
     """Forward FLOPs of one block: 2 per multiply-add of the matmuls, causal attention halved."""
-    mbs = np.asarray(mbs, dtype=np.float64)
-    seq = np.asarray(seq, dtype=np.float64)
-    tokens = mbs * seq
+    tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
     matmul = 2.0 * tokens * (model.attention_params + model.mlp_params)
-    attention = 2.0 * mbs * seq * seq * model.hidden_size  # QK^T and AV, causal half of 4bs^2h
-    return (matmul + attention) / np.asarray(tp, dtype=np.float64)
+    return matmul / np.asarray(tp, dtype=np.float64) + causal_attention_flops(model, mbs, seq, tp)
 
 
 def allreduce_time(nbytes, group_size, gbps, nodes=1, hop=NVLINK) -> np.ndarray:
@@ -324,7 +332,7 @@ class AnalyticalCostModel:
         linear_s = linear_s + np.select([recompute == FULL, op_level], [linear_forward_s, op_again_s], 0.0)
         # The attention core (QK^T and AV, causal half): what the selective and the full
         # recompute both run again.
-        attn_core_flops = 2.0 * mbs_a * seq_a * seq_a * self.model.hidden_size / tp
+        attn_core_flops = causal_attention_flops(self.model, mbs_a, seq_a, tp)
         # The op-level policy keeps the fused kernel's output: it runs attention again only unfused.
         again = (recompute != NONE) & ~(op_level & self._flash[device])
         recompute_flops = np.where(again, attn_core_flops, 0.0)
@@ -332,9 +340,8 @@ class AnalyticalCostModel:
         # traffic is in the element-wise bytes.
         unfused = ~self._flash[device]
         attn_core_flops = np.where(unfused, 2.0, 1.0) * attn_core_flops
-        # Fused attention's backward recomputes the scores: five s x s matmuls against the
-        # forward's two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
-        flash_backward_flops = np.where(unfused, 0.0, 0.5 * attn_core_flops)
+        # Fused attention's backward recomputes the scores (FUSED_ATTENTION_BACKWARD x the forward).
+        flash_backward_flops = np.where(unfused, 0.0, (FUSED_ATTENTION_BACKWARD - 2.0) * attn_core_flops)
         # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
         kernel_flops = np.where(unfused, 0.0, (3.0 + again) * attn_core_flops + flash_backward_flops)
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
@@ -368,13 +375,12 @@ class AnalyticalCostModel:
 
     def attention_seconds(self, device, tp, mbs, seq) -> tuple[np.ndarray, np.ndarray]:
         """The fused attention kernel's forward and backward seconds on one micro-batch of
-        ``seq`` tokens (causal; the backward recomputes the scores: 2.5 x the forward's FLOPs);
-        the device's emulation slowdown included. Context parallelism prices its ring with it."""
+        ``seq`` tokens (causal; the backward recomputes the scores); the device's emulation
+        slowdown included. Context parallelism prices its ring with it."""
         device = np.asarray(device, dtype=np.int64)
-        flops = 2.0 * np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64) ** 2 \
-            * self.model.hidden_size / np.asarray(tp, dtype=np.float64)
+        flops = causal_attention_flops(self.model, mbs, seq, tp)
         forward = flops / (self._attention_speed[device] * self._tflops[device] * 1e12) * self._slowdown[device]
-        return forward, 2.5 * forward
+        return forward, FUSED_ATTENTION_BACKWARD * forward
 
     def _head_projection_time(self, device, tp, mbs, seq) -> np.ndarray:
         """The LM head's GEMMs forward and backward; kept per scalar query (the search asks the
