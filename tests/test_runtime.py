@@ -90,6 +90,29 @@ def test_emulated_guard_fails_like_a_gpu_oom():
     assert isinstance(info.value, EmulatedOutOfMemoryError)
 
 
+def test_emulated_device_counts_ddp_buckets_its_reducer_keeps(tmp_path):
+    """DDP's C++ reducer allocates gradient buckets that no operator returns to Python: without
+    bucket views they copy every gradient (4 bytes per fp32 parameter), and the guard holds them."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from memx_launch.runtime.emulation import ddp_bucket_bytes
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
+        params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        ddp = DistributedDataParallel(model)
+        assert ddp_bucket_bytes(ddp) == params_bytes
+        device = EmulatedDevice("small", memory_gib=(2 * params_bytes - 1) / GIB)
+        device.track(model.parameters())
+        with pytest.raises(EmulatedOutOfMemoryError):
+            device.hold(ddp_bucket_bytes(ddp))  # weights + a copy of their size pass the capacity
+        assert device.live_bytes == 2 * params_bytes
+    finally:
+        dist.destroy_process_group()
+
+
 def test_emulated_device_follows_a_storage_resized_in_place():
     """FSDP2 frees an unsharded parameter's storage to 0 bytes after its forward and regrows it:
     the guard counts its bytes as they are now, and host memory that reuses its old address is
