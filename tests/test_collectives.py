@@ -126,6 +126,31 @@ def test_zero3_gathers_hide_behind_compute_until_they_outlast_it():
     assert first < short_small < short_large
 
 
+def test_collectives_beside_compute_slow_it_by_the_sms_they_hold():
+    """A collective holds COLLECTIVE_CTAS SMs: compute beside it loses that share for as long as
+    both run; what outlasts the compute is exposed whole. A CPU has no SMs to lose."""
+    share = co.collective_sm_share([132, 108, 0])
+    assert share == pytest.approx([24 / 132, 24 / 108, 0.0])
+    hidden = co.overlapped_exposed_seconds(0.2, 1.0, share[0])
+    assert hidden == pytest.approx(0.2 * 24 / 132)
+    assert co.overlapped_exposed_seconds(3.0, 1.0, share[0]) == pytest.approx(2.0)
+    assert co.overlapped_exposed_seconds(0.2, 1.0, 0.0) == 0.0
+    comm, compute = np.linspace(0, 3, 31)[:, None], np.linspace(0.1, 3, 30)[None, :]
+    exposed = co.overlapped_exposed_seconds(comm, compute, share[1])
+    assert (exposed >= np.maximum(comm - compute, 0.0)).all() and (exposed <= comm).all()
+
+
+def test_zero3_gathers_cost_what_their_sms_take_from_the_compute_they_hide_behind():
+    from memx_launch.planning.data_parallel import fully_sharded_exposed_time
+    training = TrainingSpec(setup="zero3")
+    layer = 200e6
+    args = (32 * layer, layer, 32, 10.0, training, 64, 160.0, 8)
+    free, held = (float(fully_sharded_exposed_time(*args, sm_share=s)) for s in (0.0, 0.25))
+    gathers = float(32 * (2 * co.collective_seconds("all_gather", layer * 2, 64, 160.0, 8)
+                          + co.collective_seconds("reduce_scatter", layer * 2, 64, 160.0, 8)))
+    assert gathers < 10.0 and held - free == pytest.approx(0.25 * gathers, rel=0.05)
+
+
 def test_sm_count_is_read_and_checked():
     from memx_launch.errors import ConfigError
     spec = {"version": 1, "nodes": [{"devices": {"g": 1}, "intra_node_gbps": 450}]}

@@ -44,6 +44,10 @@ _TREE_LL_SHARE = 1.0 / 3.8
 _RING_PLATEAU = 1.9
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+# Thread blocks (one per channel, each on an SM) an NCCL collective holds while it runs: 24 for
+# an all-gather on H100s over NVLink, which made a GEMM running beside it nearly twice as slow
+# (an nsys trace: forums.developer.nvidia.com/t/337991). The compute beside it runs on the rest.
+COLLECTIVE_CTAS = 24
 
 
 def collective_seconds(op: str, nbytes, ranks, busbw_gbps, nodes=1, intra_hop=NVLINK) -> np.ndarray:
@@ -137,3 +141,18 @@ def bucketed_seconds(op: str, total_bytes, bucket_bytes, ranks, busbw_gbps, node
     rest = total - full * bucket
     return (full * collective_seconds(op, bucket, ranks, busbw_gbps, nodes, intra_hop)
             + collective_seconds(op, rest, ranks, busbw_gbps, nodes, intra_hop))
+
+
+def collective_sm_share(sms) -> np.ndarray:
+    """Share of a device's ``sms`` streaming multiprocessors a collective holds while compute runs
+    beside it (:data:`COLLECTIVE_CTAS`); 0 for a CPU or a stand-in (``sms`` 0: no SMs to share)."""
+    sms = np.asarray(sms, dtype=np.float64)
+    return np.where(sms > 0, np.minimum(COLLECTIVE_CTAS / np.maximum(sms, 1.0), 1.0), 0.0)
+
+
+def overlapped_exposed_seconds(comm, compute, sm_share) -> np.ndarray:
+    """Seconds collectives of ``comm`` seconds add to the ``compute`` seconds they run beside:
+    what exceeds the compute, or what the compute loses while they hold ``sm_share`` of the SMs,
+    whichever is more."""
+    comm, compute = np.asarray(comm, dtype=np.float64), np.asarray(compute, dtype=np.float64)
+    return np.maximum(comm - compute, np.asarray(sm_share) * np.minimum(comm, compute))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds
+from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds, overlapped_exposed_seconds
 from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -51,13 +51,14 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
 
 
 def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
-                               nodes=1, hop=NVLINK) -> np.ndarray:
+                               nodes=1, hop=NVLINK, sm_share=0.0) -> np.ndarray:
     """Seconds per micro-batch a fully sharded stage waits on its DP group beyond its compute.
     Each layer (one FSDP unit of ``layer_params`` on a rank), and the stage's other parameters
     (embedding, head: one unit), all-gathers its weights for the forward and again for the
     backward and reduce-scatters its gradients, every micro-batch; the next unit's gather is
     prefetched while this one computes, so the collectives hide behind ``stage_time`` (one
-    micro-batch's forward and backward) except what exceeds it and the first unit's gather."""
+    micro-batch's forward and backward) except what exceeds it, the first unit's gather, and
+    what the compute loses to the ``sm_share`` of the SMs they hold (collectives.py)."""
     layers = np.asarray(layers, dtype=np.float64)
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64) - layers * layer_params, 0.0)
 
@@ -68,7 +69,7 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
 
     first_gather, per_layer = unit_seconds(np.asarray(layer_params, dtype=np.float64))
     per_microbatch = layers * per_layer + unit_seconds(rest)[1]
-    return np.maximum(per_microbatch - np.asarray(stage_time), 0.0) + first_gather
+    return overlapped_exposed_seconds(per_microbatch, stage_time, sm_share) + first_gather
 
 
 def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParameters) -> float:

@@ -14,6 +14,8 @@ import numpy as np
 from memx_launch.planning import context_parallel, costmodel as cm, data_parallel, schedules
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.bridge import BridgePricing
+from memx_launch.planning.collectives import collective_sm_share, overlapped_exposed_seconds
+from memx_launch.planning.matmuls import streaming_multiprocessors
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.planning.plan import recompute_text
 from memx_launch.specs.cluster import ClusterSpec
@@ -115,6 +117,9 @@ class Evaluator:
         self.cost_model, self.table = cost_model, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
         self.hbm_gbps = np.array([cm.hbm_gbps(d) for d in self.device_types])
+        # What compute loses beside an overlapped collective; CPU stand-ins run gloo inline.
+        self.collective_sm_share = collective_sm_share([0 if cluster.is_emulated else streaming_multiprocessors(
+            d.vendor, d.compute_capability, d.sm_count) for d in self.device_types])
         # Fine-tuning trains only part of the parameters; an offloaded optimizer's PCIe copies.
         self.trained = cm.trained_parameters(model, training)
         self.host_gbps = cluster.bridge.staging_gbps(cluster.is_emulated)
@@ -385,11 +390,12 @@ class Evaluator:
                         np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
         stage_params = parameters_per_rank(m, layout, layers)
         dp_link = (layout.dp_cp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
+        sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         if tr.fully_sharded:
             # Gathered and reduce-scattered layer by layer every micro-batch, behind its compute.
             tp = layout.tp if layout.uniform_tp else layout.stage_tp
             stage_time = stage_time + data_parallel.fully_sharded_exposed_time(stage_params, m.layer_params / tp, layers,
-                                                                    stage_time, tr, *dp_link)
+                                                                    stage_time, tr, *dp_link, sm_share)
             sync = np.zeros_like(stage_params)
         else:
             sync = data_parallel.data_parallel_sync_time(stage_params, tr, *dp_link, trained=self.trained)
@@ -399,7 +405,7 @@ class Evaluator:
         t_dp = sync
         if tr.overlap_grad_reduce:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
-            t_dp = np.maximum(t_dp - 2.0 / 3.0 * stage_time, 0.0)
+            t_dp = overlapped_exposed_seconds(t_dp, 2.0 / 3.0 * stage_time, sm_share)
         ends = np.isin(np.arange(layout.pp), (0, layout.pp - 1))  # after their DP sync they sum tied gradients
         t_dp = (t_dp + self.tied_sync_time(layout) * ends).max(axis=1)
         # The optimizer step of every stage on each of its device types, at once.
