@@ -10,7 +10,8 @@ import pytest
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.runtime.devices import capability_hint, check_declared
-from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
 
@@ -150,9 +151,11 @@ def test_a_gpu_whose_compute_capability_the_file_leaves_out_is_named_in_the_sett
     assert capability_hint(h100_with(compute_capability=9.0), 9.0) == "" and capability_hint(h100, None) == ""
 
 
-def test_hopper_s_default_efficiency_is_the_same_share_of_its_lower_best_matmul_rate():
+def test_default_efficiency_is_a_training_share_of_each_device_s_best_matmul_rate():
     """A100's best bf16 matmul reaches 85.9% of its datasheet peak, H100's 80.1%, MI300X's 60.1%
-    (MAMF): with no efficiency in the file, each sustains the same share of its best rate as A100."""
+    (MAMF). With no efficiency in the file, A100's training sustains 0.75 of its peak; Hopper's
+    sustains 0.58 of H100's (MPT's A100/H100 pairs), a lower share of its best rate, and MI300X
+    the same share of its own best rate as Hopper."""
     a100 = {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "compute_capability": 8.0}
     types = {"a100": a100, "h100": {**H100, "compute_capability": 9.0}, "h100-stated": {**H100, "efficiency": 0.6},
              "h100-unknown": H100, "mi300x": {"vendor": "amd", "memory_gib": 192, "peak_tflops": 1307}}
@@ -160,8 +163,9 @@ def test_hopper_s_default_efficiency_is_the_same_share_of_its_lower_best_matmul_
                                      "nodes": [{"devices": {t: 1 for t in types}, "intra_node_gbps": 300}]})
     share = {t: cluster.device_type(t).effective_tflops / cluster.device_type(t).peak_tflops for t in types}
     assert share["a100"] == share["h100-unknown"] == DEFAULT_EFFICIENCY
-    # 0.75 x 0.801 / 0.859 and 0.75 x 0.601 / 0.859.
-    assert share["h100"] == pytest.approx(0.699, abs=1e-3) and share["mi300x"] == pytest.approx(0.525, abs=1e-3)
+    # 0.58 and 0.58 x 0.601 / 0.801.
+    assert share["h100"] == pytest.approx(0.58) and share["mi300x"] == pytest.approx(0.435, abs=1e-3)
+    assert share["h100"] / 0.801 < DEFAULT_EFFICIENCY / 0.859
     # An MI300X (1,307 TFLOPS on paper) is no longer taken for 1.4 H100s: they compare as their
     # measured best matmuls do (781.9 and 792.1 TFLOPS).
     ratio = cluster.device_type("mi300x").effective_tflops / cluster.device_type("h100").effective_tflops

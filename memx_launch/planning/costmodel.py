@@ -31,8 +31,9 @@ from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,
 from memx_launch.planning.peaks import linear_tflops, training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
-from memx_launch.specs.cluster import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, ClusterSpec, DeviceType,
-                                       default_efficiency, hopper_or_later)
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.efficiency import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, default_efficiency,
+                                          hopper_or_later)
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 

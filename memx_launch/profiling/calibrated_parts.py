@@ -34,7 +34,8 @@ from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.profiling.features import profiled_cluster, setup_key
 from memx_launch.profiling.profiledb import Measurement
-from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY
 from memx_launch.specs.training import TrainingSpec
 
 PARTS = ("embedding", "head")

@@ -22,7 +22,8 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.tp_links import TpLink, record_fields
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.training import DTYPE_BYTES
-from memx_launch.specs.cluster import TRAINING_SHARE_OF_BEST_MATMUL, DeviceType
+from memx_launch.specs.cluster import DeviceType
+from memx_launch.specs.efficiency import training_share_of_best_matmul
 from memx_launch.specs.model import ModelSpec
 from memx_launch.profiling.design import MinimalSet, minimal_sample_set
 from memx_launch.profiling.space import ProfileSpace, Sample
@@ -73,7 +74,7 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
     bandwidth = 2 * src.numel() * 4 / min(seconds[1:]) / 1e9
     # A GPU's large square matmul runs at about its best matmul rate, of which a training step's
     # matmuls sustain the share the datasheet default assumes; a CPU's rate is taken as it is.
-    efficiency = 1.0 if dev.type == "cpu" else round(TRAINING_SHARE_OF_BEST_MATMUL, 3)
+    efficiency = 1.0 if dev.type == "cpu" else round(training_share_of_best_matmul(vendor, capability), 3)
     # Two significant digits, so reruns on the same machine give the same descriptors.
     return DeviceType(name=name or default_name, vendor=vendor, memory_gib=_round2(memory_gib),
                       peak_tflops=_round2(max(rates[1:])), efficiency=efficiency,

@@ -1,6 +1,7 @@
 """What is trained (model), on what (cluster) and how (training): validated specs, no torch."""
 
-from memx_launch.specs.cluster import DEFAULT_EFFICIENCY, ClusterSpec, DeviceType, Emulation, Node, default_efficiency
+from memx_launch.specs.cluster import ClusterSpec, DeviceType, Emulation, Node
+from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY, default_efficiency
 from memx_launch.specs.model import MODEL_CATALOG, ModelSpec, get_model
 from memx_launch.specs.training import DTYPE_BYTES, OPTIMIZERS, TrainingSpec
 

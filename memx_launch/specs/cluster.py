@@ -13,6 +13,7 @@ from typing import Any
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.bridge import DOMAIN_BY_VENDOR, Bridge, bridge_from
+from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY, default_efficiency
 from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_positive, require_type
 from memx_launch.specs.inputs import load_yaml
 from memx_launch.specs.node import GPU_LINKS, Node
@@ -124,41 +125,6 @@ class DeviceType:
     def communicator_bytes(self) -> float:
         """GPU memory one NCCL/RCCL communicator holds on this device (:data:`COMMUNICATOR_GIB`)."""
         return COMMUNICATOR_GIB.get(self.vendor, 0.0) * 2**30
-
-
-# Share of the datasheet peak that a training step's 16-bit matmuls sustain on A100 (and on any
-# device memx knows no better of). The cost model times memory-bound work, launches and
-# communication separately, so this is the matmul share, not an end-to-end MFU; calibration
-# replaces it per device type.
-DEFAULT_EFFICIENCY = 0.75
-# The best-shaped bf16 matmul's share of the datasheet peak, found by a brute-force search over
-# shapes (Maximum Achievable Matmul FLOPS; github.com/stas00/ml-engineering,
-# compute/accelerator/README.md): A100 SXM 85.9% and H100 SXM 80.1% (CUDA 12.1), MI300X 60.1%
-# (ROCm 6.2; MI250X 76.7%). The newer datasheet peaks sit further above what the clocks sustain
-# under the power limit.
-BEST_MATMUL_SHARE = {"ampere": 0.859, "hopper": 0.801, "amd": 0.601}
-# What training's matmuls sustain of the device's best matmul rate: DEFAULT_EFFICIENCY of A100's
-# peak, where it reproduces Megatron's published A100 throughput (benchmarks/published_throughput.py).
-TRAINING_SHARE_OF_BEST_MATMUL = DEFAULT_EFFICIENCY / BEST_MATMUL_SHARE["ampere"]
-# NVIDIA compute capability of Hopper (H100, H200, GH200); later ones are taken as Hopper until measured.
-HOPPER_COMPUTE_CAPABILITY = 9.0
-
-
-def hopper_or_later(compute_capability: float | None) -> bool:
-    """An NVIDIA compute capability of Hopper or later (unset: taken as Ampere)."""
-    return compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY
-
-
-def default_efficiency(vendor: str, compute_capability: float | None) -> float:
-    """Share of the datasheet peak a device type's 16-bit training matmuls sustain when its file
-    gives no ``efficiency``: the same share of the device's best matmul rate as on A100
-    (DEFAULT_EFFICIENCY), so about 0.70 on NVIDIA Hopper and 0.52 on AMD (MI300X's share; an
-    MI250X is nearer 0.67). Any other device: DEFAULT_EFFICIENCY."""
-    if vendor == "nvidia" and hopper_or_later(compute_capability):
-        return TRAINING_SHARE_OF_BEST_MATMUL * BEST_MATMUL_SHARE["hopper"]
-    if vendor == "amd":
-        return TRAINING_SHARE_OF_BEST_MATMUL * BEST_MATMUL_SHARE["amd"]
-    return DEFAULT_EFFICIENCY
 
 
 # Unmeasured memory above the tensors, per vendor. NVIDIA/AMD: the CUDA/HIP context with the

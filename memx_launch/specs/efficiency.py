@@ -1,0 +1,55 @@
+"""How fast a device's training matmuls run when its cluster file gives no ``efficiency``: the
+share of its datasheet peak, by vendor and NVIDIA compute capability. No torch import."""
+
+from __future__ import annotations
+
+# Share of the datasheet peak that a training step's 16-bit matmuls sustain on A100 (and on any
+# device memx knows no better of). The cost model times memory-bound work, launches and
+# communication separately, so this is the matmul share, not an end-to-end MFU; calibration
+# replaces it per device type.
+DEFAULT_EFFICIENCY = 0.75
+# The best-shaped bf16 matmul's share of the datasheet peak, found by a brute-force search over
+# shapes (Maximum Achievable Matmul FLOPS; github.com/stas00/ml-engineering,
+# compute/accelerator/README.md): A100 SXM 85.9% and H100 SXM 80.1% (CUDA 12.1), MI300X 60.1%
+# (ROCm 6.2; MI250X 76.7%). The newer datasheet peaks sit further above what the clocks sustain
+# under the power limit.
+BEST_MATMUL_SHARE = {"ampere": 0.859, "hopper": 0.801, "amd": 0.601}
+# NVIDIA compute capability of Hopper (H100, H200, GH200); later ones are taken as Hopper until measured.
+HOPPER_COMPUTE_CAPABILITY = 9.0
+# What training's matmuls sustain of the device's best matmul rate. Ampere: DEFAULT_EFFICIENCY of
+# A100's peak, where it reproduces Megatron's published A100 throughput. Hopper sustains less of
+# its own: MosaicML's MPT tables, the one public table of the same layouts run on A100 and H100,
+# give a median A100/H100 step time of 2.26 over the 17 layouts of at most 4,096 tokens
+# (matmul-bound), which memx reproduces at 0.58 of H100's peak, 72% of its best matmul where
+# A100's training reaches 87% (benchmarks/published_throughput.py, docs/setups.md). Why is not
+# measured here (the power limit under sustained load, per-kernel costs of a 3x faster chip are
+# candidates). AMD's MI300X, H100's contemporary and with no such table, is taken at Hopper's
+# share of its own best rate: the two compare as their best matmuls do.
+TRAINING_SHARE_OF_BEST_MATMUL = {"ampere": DEFAULT_EFFICIENCY / BEST_MATMUL_SHARE["ampere"],
+                                 "hopper": 0.58 / BEST_MATMUL_SHARE["hopper"]}
+
+
+def hopper_or_later(compute_capability: float | None) -> bool:
+    """An NVIDIA compute capability of Hopper or later (unset: taken as Ampere)."""
+    return compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY
+
+
+def training_share_of_best_matmul(vendor: str, compute_capability: float | None) -> float:
+    """Share of a device's best matmul rate (a large square matmul's) that its training matmuls
+    sustain (:data:`TRAINING_SHARE_OF_BEST_MATMUL`): Hopper's on NVIDIA Hopper or later and on
+    AMD, Ampere's elsewhere."""
+    current = vendor == "amd" or (vendor == "nvidia" and hopper_or_later(compute_capability))
+    return TRAINING_SHARE_OF_BEST_MATMUL["hopper" if current else "ampere"]
+
+
+def default_efficiency(vendor: str, compute_capability: float | None) -> float:
+    """Share of the datasheet peak a device type's 16-bit training matmuls sustain when its file
+    gives no ``efficiency``: its training share of its best matmul rate
+    (:func:`training_share_of_best_matmul`), 0.58 on NVIDIA Hopper and 0.44 on AMD (MI300X's best
+    rate; an MI250X, A100's contemporary, takes A100's share: 0.67). Any other device:
+    DEFAULT_EFFICIENCY."""
+    if vendor == "nvidia" and hopper_or_later(compute_capability):
+        return training_share_of_best_matmul(vendor, compute_capability) * BEST_MATMUL_SHARE["hopper"]
+    if vendor == "amd":
+        return training_share_of_best_matmul(vendor, compute_capability) * BEST_MATMUL_SHARE["amd"]
+    return DEFAULT_EFFICIENCY
