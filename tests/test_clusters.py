@@ -166,6 +166,11 @@ def test_default_efficiency_is_a_training_share_of_each_device_s_best_matmul_rat
     # 0.58 and 0.58 x 0.601 / 0.801.
     assert share["h100"] == pytest.approx(0.58) and share["mi300x"] == pytest.approx(0.435, abs=1e-3)
     assert share["h100"] / 0.801 < DEFAULT_EFFICIENCY / 0.859
+    # A detected device's large matmul measures its best rate: its training share follows its generation.
+    from memx_launch.specs.efficiency import training_share_of_best_matmul
+    assert training_share_of_best_matmul("nvidia", 8.0) == pytest.approx(DEFAULT_EFFICIENCY / 0.859)
+    assert training_share_of_best_matmul("nvidia", 9.0) == training_share_of_best_matmul("amd", None) \
+        == pytest.approx(0.58 / 0.801)
     # An MI300X (1,307 TFLOPS on paper) is no longer taken for 1.4 H100s: they compare as their
     # measured best matmuls do (781.9 and 792.1 TFLOPS).
     ratio = cluster.device_type("mi300x").effective_tflops / cluster.device_type("h100").effective_tflops
