@@ -202,6 +202,7 @@ def device_for_rank(cluster, rank: int) -> EmulatedDevice:
     slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else 1.0
     return EmulatedDevice(name, cluster.device_type(name).memory_gib, slowdown)
 
+
 def ddp_bucket_bytes(module) -> int:
     """Bytes of a DistributedDataParallel module's gradient buckets (its logging data's sizes)."""
     sizes = module._get_ddp_logging_data().get("bucket_sizes", "")
