@@ -44,7 +44,7 @@ FORMS = {
                 stage_devices=["slow-big", "slow-big", "fast-small", "fast-small"],
                 layers_per_stage=[1, 1, 3, 3], recompute=["none", "none", "full", "full"]),
     "dp2 x pp2": dict(tp=1, pp=2, dp=2, micro_batch_size=4, stage_devices=["slow-big", "fast-small"],
-                      layers_per_stage=[4, 4], recompute=["none", "full"]),
+                      layers_per_stage=[3, 5], recompute=["none", "full"]),
     "interleaved pp4 v2": dict(tp=1, pp=4, dp=1, micro_batch_size=4, schedule="interleaved", virtual_stages=2,
                                stage_devices=["slow-big", "slow-big", "fast-small", "fast-small"],
                                layers_per_stage=[2, 2, 2, 2], recompute=["none", "none", "full", "full"]),

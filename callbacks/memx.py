@@ -29,7 +29,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from memx_callbacks.planning import Decision, calibrate_blocks, decide
@@ -40,7 +39,6 @@ from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
 from memx_launch.runtime.detection import detect_cluster
 from memx_launch.runtime.messages import broadcast_json
 from memx_launch.runtime.devices import detect_rank_device
-from memx_launch.runtime.emulation import ddp_bucket_bytes
 from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec, get_model
@@ -114,8 +112,6 @@ class MemxCallback(pl.Callback):
                                                                       device=pl_module.device), self.config)
         if self._emulated is not None:  # weights and DDP buffers were made before the guard was on
             self._emulated.track(pl_module.parameters())
-            if isinstance(trainer.strategy.model, DistributedDataParallel):  # its buckets copy the gradients
-                self._emulated.hold(ddp_bucket_bytes(trainer.strategy.model))
 
     def _bridge_gradients(self, trainer, cluster) -> None:
         """Ranks of several vendors: DDP's gradient all-reduce becomes memx's hierarchical sum,

@@ -90,25 +90,31 @@ def test_emulated_guard_fails_like_a_gpu_oom():
     assert isinstance(info.value, EmulatedOutOfMemoryError)
 
 
-def test_emulated_device_counts_ddp_buckets_its_reducer_keeps(tmp_path):
-    """DDP's C++ reducer allocates gradient buckets that no operator returns to Python: without
-    bucket views they copy every gradient (4 bytes per fp32 parameter), and the guard holds them."""
+@pytest.mark.parametrize("wrapped_under_guard", [True, False])
+def test_emulated_device_counts_the_gradient_copy_in_ddp_s_buckets(tmp_path, wrapped_under_guard):
+    """Without bucket views DDP copies every gradient into its flat buckets, which memx-run's and
+    Lightning's plans count (``ddp_bucket_copy``). The guard counts them too: the reducer's
+    buckets reach it when DDP is built under it (memx-run) and through the backward's copies into
+    them when it is not (Lightning): weights, gradients and buckets, 3 x the weights' bytes."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-
-    from memx_launch.runtime.emulation import ddp_bucket_bytes
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
-        params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        ddp = DistributedDataParallel(model)
-        assert ddp_bucket_bytes(ddp) == params_bytes
-        device = EmulatedDevice("small", memory_gib=(2 * params_bytes - 1) / GIB)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        device = EmulatedDevice("small", memory_gib=1.0)
         device.track(model.parameters())
-        with pytest.raises(EmulatedOutOfMemoryError):
-            device.hold(ddp_bucket_bytes(ddp))  # weights + a copy of their size pass the capacity
-        assert device.live_bytes == 2 * params_bytes
+        if wrapped_under_guard:
+            with device:
+                ddp = DistributedDataParallel(model)
+            assert device.live_bytes == 2 * weights
+        else:
+            ddp = DistributedDataParallel(model)
+        for _ in range(2):
+            with device:
+                ddp(torch.randn(8, 64)).sum().backward()
+            assert device.live_bytes == 3 * weights
     finally:
         dist.destroy_process_group()
 

@@ -61,14 +61,6 @@ class EmulatedDevice(TorchDispatchMode):
         for t in tensors:
             self._track(t)
 
-    def hold(self, nbytes: int) -> None:
-        """Count bytes a library holds where no operator returns them to Python: DDP's C++ reducer
-        allocates its gradient buckets and keeps them, so their tensors never reach the guard."""
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        if self.live_bytes > self.capacity_bytes:
-            self._raise_oom(nbytes)
-
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in this device's memory (a tensor its guard counts)."""
         local = getattr(t, "_local_tensor", None)
@@ -201,9 +193,3 @@ def device_for_rank(cluster, rank: int) -> EmulatedDevice:
     name = types[rank]
     slowdown = cluster.emulation.slowdown_of(name) if cluster.emulation else 1.0
     return EmulatedDevice(name, cluster.device_type(name).memory_gib, slowdown)
-
-
-def ddp_bucket_bytes(module) -> int:
-    """Bytes of a DistributedDataParallel module's gradient buckets (its logging data's sizes)."""
-    sizes = module._get_ddp_logging_data().get("bucket_sizes", "")
-    return sum(int(size) for size in str(sizes).split(",") if size.strip())

@@ -27,7 +27,7 @@ from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
 from memx_launch.runtime.batches import BatchLoss, StepBatch, replica_rows, step_batch
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
-from memx_launch.runtime.emulation import GIB, EmulatedDevice, ddp_bucket_bytes
+from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_domains, process_grid, process_rank, rank_layout
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
@@ -218,8 +218,6 @@ class Runtime:
                 # (find_unused_parameters skipped it too, but searched every step and warned per rank).
                 module.reducer._push_all_rebuilt_params()
                 module.reducer._rebuild_buckets()
-                if self.emulated is not None:  # without bucket views the buckets copy every gradient
-                    self.emulated.hold(ddp_bucket_bytes(module))
         return module
 
     def _measured(self):
