@@ -106,7 +106,7 @@ def main(build_model=build, doc: str = __doc__, default_model: str = DEFAULT_MOD
     plan = job.plan
     if dist.get_rank() == 0:
         print(f"training {type(model).__name__} ({args.model}) with tp={plan.tp} pp={plan.pp} dp={plan.dp} "
-              f"{plan.training.get('dtype', 'fp32')}; layers {[s.num_layers for s in plan.stages]}, recompute "
+              f"mbs={plan.micro_batch_size} {plan.training.get('dtype', 'fp32')}; layers {[s.num_layers for s in plan.stages]}, recompute "
               f"{[s.recompute for s in plan.stages]}", flush=True)
     while job.step_count < args.steps:
         tokens, targets = batch(job.step_count, plan.global_batch_size, plan.seq_len, shape.vocab_size)

@@ -126,3 +126,31 @@ def test_tp_link_depends_on_the_group_size_through_numa_domains():
     assert model.tp_gbps(np.zeros(2, int), np.array([4, 8])).tolist() == pytest.approx(
         [17 * 0.8 * PCIE_STAGED_SHARE, 12 * 0.8 * PCIE_STAGED_SHARE])
     assert t8 > t4 / 2
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_torch_cross_entropy_peak_per_logit_is_what_the_guard_measures(dtype):
+    """memx-run's loss (torch's cross entropy on the whole vocabulary) at its peak, in the
+    log-softmax's backward: the logits, the log-softmax, and both gradients of the backward;
+    the emulated guard counts live tensor bytes exactly."""
+    import torch
+
+    from memx_launch.runtime.batches import default_loss
+    from memx_launch.runtime.emulation import EmulatedDevice
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = ModelSpec("head-only", 1, 64, 4, 4, 128, 4096, 64)
+    training = TrainingSpec(dtype=dtype, vocab_parallel_loss=False)
+    mbs, seq = 4, 64
+    head = torch.nn.Linear(model.hidden_size, model.vocab_size, bias=False).to(torch_dtype)
+    hidden = torch.randn(mbs, seq, model.hidden_size, dtype=torch_dtype)
+    targets = torch.randint(0, model.vocab_size, (mbs, seq))
+    device = EmulatedDevice("x", 1.0)
+    device.track([*head.parameters(), hidden, targets])
+    device.reset_peak()
+    before = device.live_bytes
+    with device:
+        logits = head(hidden)  # the pipeline keeps a stage's output until its backward
+        default_loss(logits, targets).backward()
+    measured = device.peak_bytes - before
+    assert measured == pytest.approx(float(cm.logits_bytes(model, mbs, seq, 1, training)), rel=0.01)

@@ -72,7 +72,7 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
                           "--model", model, "--steps", str(STEPS)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert f"pp={pp} dp={dp} fp32; layers {layers}, recompute {recompute}" in run.stdout
+    assert f"pp={pp} dp={dp} mbs=1 fp32; layers {layers}, recompute {recompute}" in run.stdout
     _assert_losses_match_the_reference(run.stdout, script, model, monkeypatch, capsys)
     # memx-run's metrics file, written without the script asking: the printed steps, every stage measured
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

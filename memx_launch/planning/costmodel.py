@@ -209,10 +209,11 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     Vocab-parallel (Megatron), per logit of the rank's 1/TP: fp32 loss 8 bytes (16-bit
     logits, the fp32 copy its softmax is computed in place in, the 16-bit gradient), loss in
     the training dtype 2 x its bytes. Torch's cross entropy on gathered logits (every TP rank
-    holds the whole vocabulary): the logits, the fp32 copy (``.float()``), the log-softmax
-    kept for the backward and its gradient: 2 + 4 + 4 + 4 = 14 bytes for a 16-bit model, or
-    3 x the training dtype when the loss runs in it. A fused cross entropy kernel keeps the
-    16-bit logits and their gradient only: 2 x the training dtype.
+    holds the whole vocabulary): the logits, the fp32 log-softmax kept for the backward, and in
+    the backward the gradient nll_loss writes and the one log_softmax's backward writes from it
+    (the ``.float()`` copy is freed after the forward): d + 12, 14 bytes in 16 bits, 16 in fp32
+    (as measured, tests/test_costmodel.py), or 3 x the training dtype when the loss runs in it.
+    A fused cross entropy kernel keeps the 16-bit logits and their gradient: 2 x the dtype.
     """
     tr = training or TrainingSpec()
     d = tr.dtype_bytes
@@ -222,7 +223,7 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     elif tr.vocab_parallel_loss:
         per_logit = 8.0 if tr.loss_dtype == "fp32" else 2.0 * d
     else:
-        per_logit = (d + 12.0 if d < 4 else 12.0) if tr.loss_dtype == "fp32" else 3.0 * d
+        per_logit = d + 12.0 if tr.loss_dtype == "fp32" else 3.0 * d
     return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share
 
 
