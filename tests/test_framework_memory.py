@@ -13,6 +13,7 @@ from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.efficiency import default_efficiency
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, TrainingSpec
 
@@ -481,5 +482,8 @@ def test_ampere_attention_kernels_reach_a_smaller_share_of_hopper_s_peak():
     for version in (1, 2):
         assert layer_time(9.0, version) > layer_time(8.0, version) == layer_time(None, version)
         assert cm.fused_attention_speed(version, 9.0) < cm.FLASH_ATTENTION_SPEED[version]
-    assert layer_time(9.0, 3) == layer_time(8.0, 3)
-    assert cm.fused_attention_speed(3, 9.0) == cm.FLASH_ATTENTION_SPEED[3]
+    assert layer_time(9.0, 3) < layer_time(9.0, 2)
+    # At Hopper's default efficiency the kernels reach their published shares of H100's peak.
+    hopper = default_efficiency("nvidia", 9.0)
+    assert cm.fused_attention_speed(2, 9.0) * hopper == pytest.approx(0.35)
+    assert cm.fused_attention_speed(3, 9.0) * hopper == pytest.approx(0.6)

@@ -32,8 +32,7 @@ from memx_launch.planning.peaks import linear_tflops, training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
-from memx_launch.specs.efficiency import (DEFAULT_EFFICIENCY, HOPPER_COMPUTE_CAPABILITY, default_efficiency,
-                                          hopper_or_later)
+from memx_launch.specs.efficiency import HOPPER_COMPUTE_CAPABILITY, default_efficiency, hopper_or_later
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -56,21 +55,22 @@ LOSS_BYTES_PER_LOGIT = 48.0
 # Speed of the fused attention kernel against the device's matmuls, by FlashAttention version.
 # On A100 FlashAttention reaches 25-40% of peak and FlashAttention-2 50-73% (Dao 2023, abstract),
 # where large matmuls sustain DEFAULT_EFFICIENCY (0.75): about 0.33 / 0.75 and 0.6 / 0.75 for the
-# forward and backward together. FlashAttention-3 on H100 is taken at FlashAttention-2's share on A100.
+# forward and backward together. FlashAttention-3 (Hopper only) is taken at FlashAttention-2's.
 FLASH_ATTENTION_SPEED = {1: 0.45, 2: 0.8, 3: 0.8}
-# FlashAttention 1 and 2 are written for Ampere's mma instructions. On Hopper (compute capability
-# 9.0) and later, FlashAttention-2 reaches about 35% of the peak (Shah et al. 2024,
-# FlashAttention-3, abstract), against about 60% on A100; against each device's matmul rate
-# (default_efficiency) that is its speed on Hopper. FlashAttention-3 is written for Hopper.
-AMPERE_KERNEL_ON_HOPPER = (0.35 / default_efficiency("nvidia", HOPPER_COMPUTE_CAPABILITY)) / (0.6 / DEFAULT_EFFICIENCY)
+# On Hopper (compute capability 9.0) and later, each kernel's share of the peak, forward and 2.5x
+# backward together at head dim 128 (Shah et al. 2024, FlashAttention-3, figures on H100 SXM5):
+# FlashAttention-2, written for Ampere's mma instructions, about 35% (370 and 322 TFLOPS),
+# FlashAttention 1 in proportion; FlashAttention-3, written for Hopper, about 60% (646 and 559).
+HOPPER_ATTENTION_SHARE = {1: 0.35 * FLASH_ATTENTION_SPEED[1] / FLASH_ATTENTION_SPEED[2], 2: 0.35, 3: 0.6}
 
 
 def fused_attention_speed(version: int, compute_capability: float | None) -> float:
-    """Speed of the fused attention kernel against the device's matmuls."""
-    speed = FLASH_ATTENTION_SPEED[version]
-    if version < 3 and hopper_or_later(compute_capability):
-        speed *= AMPERE_KERNEL_ON_HOPPER
-    return speed
+    """Speed of the fused attention kernel against the device's matmuls: on Hopper its share of
+    the peak against Hopper's default matmul share (the MPT table's long-sequence A100/H100 pairs,
+    attention-bound, are predicted within 1-6% so)."""
+    if hopper_or_later(compute_capability):
+        return HOPPER_ATTENTION_SHARE[version] / default_efficiency("nvidia", HOPPER_COMPUTE_CAPABILITY)
+    return FLASH_ATTENTION_SPEED[version]
 
 
 @dataclass(frozen=True)
