@@ -124,3 +124,6 @@ def identity_axes(ax, values, xlabel, ylabel, title) -> None:
     ax.plot([lo, hi], [lo, hi], color="0.3", lw=1)
     ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="0.9", zorder=0)
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel=xlabel, ylabel=ylabel, title=title)
+    from matplotlib.ticker import NullFormatter  # a span under a decade labels every minor tick, overlapping
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_formatter(NullFormatter())
