@@ -180,9 +180,8 @@ def a100_over_h100(rows: list[dict], seq_lens: tuple[int, int] = (0, 4096)) -> d
     ratio within one table that its software cancels out of. At most 4,096 tokens the matmuls
     are most of the step, and Hopper's default efficiency is what matches them; from 16,384 on
     attention is, at its kernels' published shares of the peak."""
-    def layout(r):
-        words = r["layout"].split()
-        return (*words[:2], words[2].split("x")[0], *words[3:])
+    def layout(r):  # the row's layout without its GPU type
+        return r["layout"].replace(r["group"], "")
     low, high = seq_lens
     h100 = {layout(r): r for r in rows if r["group"] == "h100_80gb" and "time_s" in r and low <= r["seq_len"] <= high}
     pairs = [(r["real_time_s"] / h100[layout(r)]["real_time_s"], r["time_s"] / h100[layout(r)]["time_s"])

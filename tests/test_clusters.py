@@ -165,7 +165,6 @@ def test_default_efficiency_is_a_training_share_of_each_device_s_best_matmul_rat
     assert share["a100"] == share["h100-unknown"] == DEFAULT_EFFICIENCY
     # 0.58 and 0.58 x 0.601 / 0.801.
     assert share["h100"] == pytest.approx(0.58) and share["mi300x"] == pytest.approx(0.435, abs=1e-3)
-    assert share["h100"] / 0.801 < DEFAULT_EFFICIENCY / 0.859
     # A detected device's large matmul measures its best rate: its training share follows its generation.
     from memx_launch.specs.efficiency import training_share_of_best_matmul
     assert training_share_of_best_matmul("nvidia", 8.0) == pytest.approx(DEFAULT_EFFICIENCY / 0.859)

@@ -51,13 +51,14 @@ def test_a_rank_holds_a_cp_th_of_each_sequence():
 
 
 def test_attention_work_is_conserved_over_the_ring():
+    """A rank's attention in its layer time (its own chunk's, and the ring's other cp - 1 steps,
+    transfers hidden) over the cp ranks is the whole sequence's attention."""
     cost = cm.AnalyticalCostModel(MODEL, ClusterSpec.from_dict(NODE), TrainingSpec())
+    whole = sum(cost.attention_seconds(0, 1, 1, 32768))
     for cp in (2, 4, 8):
-        whole = cost.attention_seconds(0, 1, 1, 32768)
-        chunk = cost.attention_seconds(0, 1, 1, 32768 // cp)
-        # Each of cp ranks runs cp chunks of keys for its queries: together the whole sequence's attention.
-        for w, c in zip(whole, chunk):
-            assert cp * cp * float(c) == pytest.approx(float(w), rel=1e-12)
+        forward, backward = cost.attention_seconds(0, 1, 1, 32768 // cp)
+        ring = context_parallel.layer_seconds(forward, backward, 0.0, cp, np.array([cm.NONE]))
+        assert cp * float(forward + backward + ring[0]) == pytest.approx(float(whole), rel=1e-12)
 
 
 def test_ring_transfers_hide_behind_attention_until_they_outlast_it():
@@ -76,9 +77,8 @@ def test_a_ring_across_nodes_is_slower_than_one_inside_a_node():
     cluster = ClusterSpec.from_dict(TWO_NODES)
     assert cluster.transfers_gbps(cp_ring_pairs(list(range(16)), 1, 16)) < cluster.transfers_gbps(
         cp_ring_pairs(list(range(8)), 1, 8))
-    # Per sequence token the ring over the network costs more, never less.
-    assert across.predicted_iteration_time_s * across.num_microbatches >= \
-        inside.predicted_iteration_time_s * inside.num_microbatches / 2
+    # The same global batch on the same 16 GPUs: the step whose ring crosses the network is slower.
+    assert across.predicted_iteration_time_s > 1.5 * inside.predicted_iteration_time_s
 
 
 def test_short_chunks_leave_the_ring_exposed():
@@ -157,7 +157,9 @@ def test_estimate_flag_and_cases_column_agree(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, problem", [(["--cp", "3"], "divisible by 2*cp=6"),
                                             (["--cp", "2", "--no-flash-attention"], "needs fused attention"),
-                                            (["--cp", "2", "--dp", "8"], "tp*pp*cp*dp=16")])
+                                            (["--cp", "2", "--dp", "8"], "tp*pp*dp*cp=16"),
+                                            (["--cp", "2", "--pp", "2", "--dp", "4", "--stage-dp", "4,2"],
+                                             "sum(stage_tp*stage_dp)*cp=12")])
 def test_estimate_refuses_a_cp_it_cannot_price(tmp_path, capsys, extra, problem):
     path = cluster_file(tmp_path, NODE)
     args = ["estimate", "--model", "llama2-7b", "--cluster", path, "--seq-len", "4096", "--tp", "1", "--pp", "1",

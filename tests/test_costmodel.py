@@ -36,8 +36,16 @@ def korthikanti_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, recom
     (8, True, "full", 2 / 8),
 ])
 def test_korthikanti_reference_values(t, sp, recompute, per_sbh):
-    got = korthikanti_activation_bytes(S, B, H, A, t, sp, recompute)
-    assert got == pytest.approx(per_sbh * S * B * H)
+    """The paper's Table 2 values, from its formula and from memx's model of the GPT block. memx's
+    selective level also recomputes the MLP's GELU (Megatron's selective granularity today), so
+    it keeps the GELU's input, 8 sbh / t, less than the paper's."""
+    assert korthikanti_activation_bytes(S, B, H, A, t, sp, recompute) == pytest.approx(per_sbh * S * B * H)
+    gpt = ModelSpec("gpt", 1, H, A, A, 4 * H, 50000, S, gated_mlp=False)
+    level = {"none": cm.NONE, "selective": cm.SELECTIVE, "full": cm.FULL}[recompute]
+    memx = cm.activation_bytes(gpt, B, S, t, level, flash_attention=False, sequence_parallel=sp, dropout=True,
+                               attention_dropout=True).activation_bytes
+    gelu_input = 8 / t if recompute == "selective" else 0.0
+    assert float(memx) == pytest.approx((per_sbh - gelu_input) * S * B * H)
 
 
 def test_llama_formula_reduces_to_korthikanti_for_a_gpt_block():

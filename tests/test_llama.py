@@ -72,9 +72,18 @@ def test_op_level_selective_recompute_reproduces_the_model():
     """torchtitan's op-level policy on memx's blocks: the same loss and gradients as keeping all."""
     tokens = _tokens()
     base = LlamaStage.full(SPEC)
-    _loss(base, tokens).backward()
+    base_loss = _loss(base, tokens)
+    base_loss.backward()
     model = LlamaStage.full(SPEC, recompute="selective", selective_policy="op")
-    _loss(model, tokens).backward()
+    loss = _loss(model, tokens)
+    loss.backward()
+    assert torch.allclose(loss, base_loss, atol=ATOL)
+    # The policy reaches the blocks: they keep other tensors than the attention-core policy does.
+    x = torch.randn(4, 64, SPEC.hidden_size, requires_grad=True)
+    kept = {policy: saved_storage_bytes(lambda p=policy: TransformerBlock(SPEC, "selective", p)(x))
+            for policy in ("attention", "op")}
+    assert kept["op"] != kept["attention"]
+    assert [block.selective_policy for block in model.layers.values()] == ["op"] * SPEC.num_layers
     grads = dict(base.named_parameters())
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, grads[name].grad, atol=ATOL), name

@@ -271,12 +271,11 @@ class StageModule(nn.Module):
             h = module(h)
         call = self._block_call(h, attention_mask)
         for block, level in zip(self.blocks.values(), self.levels):
-            whole = level == "full" or (level == "selective" and not self.kind.knows_attention)
             if self.kind is MEMX_KIND:  # its blocks recompute as their level and policy say
                 h = call(block, h)
             elif level == "selective" and self.op_level:
                 h = op_level_checkpoint(call, block, h)
-            elif whole:
+            elif level == "full" or (level == "selective" and not self.kind.knows_attention):
                 h = checkpoint(call, block, h, use_reentrant=False)
             else:
                 h = call(block, h)

@@ -48,18 +48,18 @@ def degrees_to_try(given: tuple[int, ...] | None, seqs, training) -> dict[int, t
     return {s: tuple(cp for cp in given if cp == 1 or s % (2 * cp) == 0) for s in seqs}
 
 
-def check_degree(cp, seq_len: int, flash_attention: bool, field: str = "--cp") -> None:
+def check_degree(cp, seq_len: int, flash_attention: bool) -> None:
     """A CP degree the cost model can price: a positive integer, 2 x cp dividing the sequence,
     fused attention (Transformer Engine's CP attention is its fused kernel)."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ConfigError(field, f"must be a positive integer, got {cp!r}", f"e.g. {field} 2")
+        raise ConfigError("--cp", f"must be a positive integer, got {cp!r}", "e.g. --cp 2")
     if cp == 1:
         return
     if seq_len % (2 * cp):
-        raise ConfigError(field, f"cp={cp} needs a sequence length divisible by 2*cp={2 * cp}, got {seq_len}",
+        raise ConfigError("--cp", f"cp={cp} needs a sequence length divisible by 2*cp={2 * cp}, got {seq_len}",
                           "load balancing cuts each sequence into 2*cp chunks; choose a divisor")
     if not flash_attention:
-        raise ConfigError(field, f"cp={cp} needs fused attention", "drop --no-flash-attention, or use --cp 1")
+        raise ConfigError("--cp", f"cp={cp} needs fused attention", "drop --no-flash-attention, or use --cp 1")
 
 
 def kv_chunk_bytes(model, training, mbs: int, seq_len: int, tp, cp: int):

@@ -23,7 +23,7 @@ import numpy as np
 from memx_launch.planning import op_checkpointing
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
-from memx_launch.planning.matmuls import forward_backward_seconds, gemm_seconds, linear_shapes, streaming_multiprocessors
+from memx_launch.planning.matmuls import device_sms, forward_backward_seconds, gemm_seconds, linear_shapes
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,  # noqa: F401
                                                fine_tuning_flops, fully_sharded_working_bytes,
                                                fully_sharded_working_parts, model_state_bytes_by_part,
@@ -166,9 +166,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
         mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
     none = replicated + qkv + attn_out + lse + scores + mlp_kept + mlp_elementwise
-    selective, only_op = (op_checkpointing.kept_units(model, tp, sequence_parallel, flash, lse) if op_selective
-                          else (replicated + qkv + attn_out + mlp_kept, 0.0))
-    full = np.broadcast_to(2.0 / (tp if sequence_parallel else 1.0), none.shape)
+    block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
+    selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
+                          if op_selective else (replicated + qkv + attn_out + mlp_kept, 0.0))
+    full = np.broadcast_to(block_input, none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of
     # the size of the block input and output.
@@ -288,9 +289,8 @@ class AnalyticalCostModel:
         self._linear_bytes = 1 if training.fp8 else training.dtype_bytes
         # Emulated devices are CPU processes whatever vendor they stand in for (the vendor picks
         # their communication domain): no tiles nor waves, no kernel launches.
-        stand_in = cluster.emulation is not None
-        self._sms = np.array([0 if stand_in else streaming_multiprocessors(d.vendor, d.compute_capability, d.sm_count)
-                              for d in self.device_types])
+        stand_in = cluster.is_emulated
+        self._sms = device_sms(self.device_types, stand_in)
         self._hbm = np.array([hbm_gbps(d) for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
         self._attention_speed = np.array([fused_attention_speed(training.flash_attention_version,
@@ -314,15 +314,14 @@ class AnalyticalCostModel:
         tp = np.asarray(tp, dtype=np.float64)
         recompute = np.asarray(recompute)
         tr = self.training
-        op_level = (recompute == SELECTIVE) & (tr.selective_recompute == "op")
+        op_policy = tr.selective_recompute == "op"
+        op_level = (recompute == SELECTIVE) & op_policy
         act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
-                               tr.softmax_in_fp32, tr.fp8 is not None, tr.selective_recompute == "op")
-        mbs_a = np.asarray(mbs, dtype=np.float64)
-        seq_a = np.asarray(seq, dtype=np.float64)
-        # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), and
-        # again forward where the whole block is recomputed.
+                               tr.softmax_in_fp32, tr.fp8 is not None, op_policy)
+        mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
+        # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
         tokens = mbs_a * seq_a
         shapes = linear_shapes(self.model, tr, tp)
         gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
@@ -330,7 +329,7 @@ class AnalyticalCostModel:
         linear_forward_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in shapes)
         # Op-level selective recompute runs every other projection again (op_checkpointing.py).
         op_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in op_checkpointing.recomputed_projections(
-            self.model, tp)) if tr.selective_recompute == "op" else 0.0
+            self.model, tp)) if op_level.any() else 0.0
         linear_s = linear_s + np.select([recompute == FULL, op_level], [linear_forward_s, op_again_s], 0.0)
         # The attention core (QK^T and AV, causal half): what the selective and the full
         # recompute both run again.

@@ -231,7 +231,7 @@ def _check_layout_numbers(model, cluster, stage_tps, pp, stage_dps, mbs, schedul
     else:
         flag, used, total = "--stage-tp", "sum(stage_tp)*dp", sum(stage_tps) * dp
     if cp > 1:
-        used, total = used.replace("*dp", "*cp*dp"), total * cp
+        used, total = f"{used}*cp", total * cp  # as layouts.layout_from_stage_devices says it
     if total > cluster.world_size:
         raise ConfigError(flag, f"{used}={total} is more than the cluster's {cluster.world_size} devices",
                           "use a layout that fits the cluster")

@@ -47,6 +47,13 @@ def streaming_multiprocessors(vendor: str, compute_capability: float | None, giv
     return DEFAULT_SMS.get(vendor, DEFAULT_SMS["nvidia"])
 
 
+def device_sms(device_types, emulated: bool) -> np.ndarray:
+    """SMs of each device type (:func:`streaming_multiprocessors`); 0 on an emulated cluster,
+    whose devices are CPU processes whatever vendor they stand in for (no tiles nor waves)."""
+    return np.array([0 if emulated else streaming_multiprocessors(d.vendor, d.compute_capability, d.sm_count)
+                     for d in device_types])
+
+
 def shape_efficiency(m, n, k, sms) -> np.ndarray:
     """Share of the best matmul rate a GEMM of output M x N and depth K reaches (arrays broadcast),
     with the best of :data:`TILES`. 1 means the best rate; never above it. ``sms`` 0: a CPU, 1."""

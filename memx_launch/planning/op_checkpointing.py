@@ -33,17 +33,16 @@ def recomputed_projections(model, tp) -> list[tuple]:
     return projections(model, tp)[1::2]
 
 
-def kept_units(model, tp, sequence_parallel: bool, flash, lse):
+def kept_units(model, tp, block_input, sequence_parallel: bool, flash, lse):
     """(what a block keeps, the part of it a block without recompute does not keep), in units
     of ``s b h`` elements of the training dtype x 2 (the unit of
-    :func:`~memx_launch.planning.costmodel.activation_bytes`): its input (over TP with sequence
-    parallelism), the saved projections' outputs, the fused attention kernel's output and
+    :func:`~memx_launch.planning.costmodel.activation_bytes`): its input (``block_input``, what
+    full recompute keeps), the saved projections' outputs, the fused attention kernel's output and
     ``lse`` (its logsumexp, in the same unit), and the two reduce-scatters' outputs under
     sequence parallelism. Autograd alone keeps neither the down projection's output nor the
     reduce-scatters' (their backward needs no input)."""
     tp = np.asarray(tp, dtype=np.float64)
     h = model.hidden_size
-    block_input = 2.0 / (tp if sequence_parallel else 1.0)
     saved = [2.0 * n / h for n, _ in saved_projections(model, tp)]
     attention = np.where(flash, 2.0 / tp + lse, 0.0)
     reduce_scattered = np.where(tp > 1, 2.0 * 2.0 / tp, 0.0) if sequence_parallel else 0.0

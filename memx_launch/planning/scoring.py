@@ -15,7 +15,7 @@ from memx_launch.planning import context_parallel, costmodel as cm, data_paralle
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.collectives import collective_sm_share, overlapped_exposed_seconds
-from memx_launch.planning.matmuls import streaming_multiprocessors
+from memx_launch.planning.matmuls import device_sms
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.planning.plan import recompute_text
 from memx_launch.specs.cluster import ClusterSpec
@@ -118,8 +118,7 @@ class Evaluator:
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
         self.hbm_gbps = np.array([cm.hbm_gbps(d) for d in self.device_types])
         # What compute loses beside an overlapped collective; CPU stand-ins run gloo inline.
-        self.collective_sm_share = collective_sm_share([0 if cluster.is_emulated else streaming_multiprocessors(
-            d.vendor, d.compute_capability, d.sm_count) for d in self.device_types])
+        self.collective_sm_share = collective_sm_share(device_sms(self.device_types, cluster.is_emulated))
         # Fine-tuning trains only part of the parameters; an offloaded optimizer's PCIe copies.
         self.trained = cm.trained_parameters(model, training)
         self.host_gbps = cluster.bridge.staging_gbps(cluster.is_emulated)
@@ -185,11 +184,12 @@ class Evaluator:
     def _edge_bytes(self, layout, local, seq, inflight) -> np.ndarray:
         m, tr = self.model, self.training
         (first, last), pp = layout.end_tp, layout.pp
-        bpp = np.broadcast_to(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained), (pp,))
+        first_bpp, last_bpp = _ends(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained), pp)
         first_mbs, last_mbs = _ends(local, pp)
         out = np.zeros(pp)
-        out[0] += m.embedding_params / first * bpp[0] + inflight[0] * first_mbs * seq * m.hidden_size * tr.dtype_bytes
-        out[-1] += cm.last_stage_params(m, pp) / last * bpp[-1] + cm.logits_bytes(m, last_mbs, seq, last, tr)
+        out[0] += (m.embedding_params / first * first_bpp
+                   + inflight[0] * first_mbs * seq * m.hidden_size * tr.dtype_bytes)
+        out[-1] += cm.last_stage_params(m, pp) / last * last_bpp + cm.logits_bytes(m, last_mbs, seq, last, tr)
         return out
 
     def _edge_time(self, layout, device, local, seq) -> np.ndarray:
@@ -420,7 +420,9 @@ class Evaluator:
 
 
 def _ends(local, pp: int) -> tuple:
-    """The first and the last stage's local micro-batch."""
+    """The first and the last stage's ``local`` (one value, or one per stage)."""
+    if np.ndim(local) == 0:  # the search's hot path: one DP degree
+        return local, local
     local = np.broadcast_to(local, (pp,))
     return local[0], local[-1]
 

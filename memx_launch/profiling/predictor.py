@@ -368,20 +368,24 @@ class LearnedCostModel:
         self.calibrated_cluster = with_type_fields(
             base, {name: {"efficiency": e} for name, e in predictor.meta.get("efficiency", {}).items()})
 
-    def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
+    def _learned(self, device, tp, mbs, seq, recompute):
+        """(analytical costs, learned (time, memory) ratios, the queries' shape)."""
         shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape
         X, base = physics_features(self.analytical, device, tp, mbs, seq, recompute)
         names = np.asarray(self.device_names)[np.broadcast_to(np.asarray(device, dtype=np.int64), shape).reshape(-1)]
         ratio = np.exp(self.predictor.predict_log_ratios(X, names, np.full(len(names), self._model_signature)))
+        return base, ratio, shape
+
+    def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
+        base, ratio, shape = self._learned(device, tp, mbs, seq, recompute)
         return LayerCost(time_s=(base.time_s * ratio[:, 0]).reshape(shape),
                          activation_bytes=(base.activation_bytes * ratio[:, 1]).reshape(shape),
                          working_bytes=(base.working_bytes * ratio[:, 1]).reshape(shape))
 
     def attention_seconds(self, device, tp, mbs, seq) -> tuple[np.ndarray, np.ndarray]:
         """The analytical attention kernel's seconds, scaled as the block's time is learned to be."""
-        learned = self.layer_costs(device, tp, mbs, seq, NONE).time_s
-        ratio = learned / self.analytical.layer_costs(device, tp, mbs, seq, NONE).time_s
-        return tuple(ratio * t for t in self.analytical.attention_seconds(device, tp, mbs, seq))
+        ratio, shape = self._learned(device, tp, mbs, seq, NONE)[1:]
+        return tuple(ratio[:, 0].reshape(shape) * t for t in self.analytical.attention_seconds(device, tp, mbs, seq))
 
     def embedding_time(self, device, tp, mbs, seq) -> np.ndarray:
         scale, fixed = (t[np.asarray(device)] for t in self._embedding_terms)

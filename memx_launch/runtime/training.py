@@ -36,6 +36,7 @@ from memx_launch.runtime.run_record import RunRecord
 from memx_launch.runtime.step_stats import StepStats, progress_line
 from memx_launch.runtime.tied_weights import TiedGradients
 from memx_launch.runtime.watchdog import StepWatchdog
+from memx_launch.specs.training import TrainingSpec
 
 
 DEFAULT_LR = 3e-4
@@ -185,7 +186,7 @@ class Runtime:
         levels = layer_recompute_levels(self.stage_plan.recompute, self.stage_plan.num_layers)
         start = sum(c.num_layers for c in self.layout.chunks[:index])
         recompute = levels[start:start + chunk.num_layers]
-        policy = self.plan.training.get("selective_recompute") or "attention"  # what "selective" runs again
+        policy = TrainingSpec(**self.plan.training).selective_recompute  # what "selective" runs again
         if self.parts is None:
             module = LlamaStage(self.plan.model_spec, chunk.num_layers, first=chunk.first, last=chunk.last,
                                 recompute=recompute, layer_offset=chunk.layer_offset, seed=seed, selective_policy=policy)

@@ -25,8 +25,9 @@ HOPPER_COMPUTE_CAPABILITY = 9.0
 # measured here (the power limit under sustained load, per-kernel costs of a 3x faster chip are
 # candidates). AMD's MI300X, H100's contemporary and with no such table, is taken at Hopper's
 # share of its own best rate: the two compare as their best matmuls do.
+_HOPPER_SHARE = 0.58 / BEST_MATMUL_SHARE["hopper"]
 TRAINING_SHARE_OF_BEST_MATMUL = {"ampere": DEFAULT_EFFICIENCY / BEST_MATMUL_SHARE["ampere"],
-                                 "hopper": 0.58 / BEST_MATMUL_SHARE["hopper"]}
+                                 "hopper": _HOPPER_SHARE, "amd": _HOPPER_SHARE}
 
 
 def hopper_or_later(compute_capability: float | None) -> bool:
@@ -34,22 +35,23 @@ def hopper_or_later(compute_capability: float | None) -> bool:
     return compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY
 
 
+def _generation(vendor: str, compute_capability: float | None) -> str:
+    """The key of the tables above: NVIDIA Hopper or later, AMD, else Ampere (any other device)."""
+    if vendor == "amd":
+        return "amd"
+    return "hopper" if vendor == "nvidia" and hopper_or_later(compute_capability) else "ampere"
+
+
 def training_share_of_best_matmul(vendor: str, compute_capability: float | None) -> float:
     """Share of a device's best matmul rate (a large square matmul's) that its training matmuls
-    sustain (:data:`TRAINING_SHARE_OF_BEST_MATMUL`): Hopper's on NVIDIA Hopper or later and on
-    AMD, Ampere's elsewhere."""
-    current = vendor == "amd" or (vendor == "nvidia" and hopper_or_later(compute_capability))
-    return TRAINING_SHARE_OF_BEST_MATMUL["hopper" if current else "ampere"]
+    sustain (:data:`TRAINING_SHARE_OF_BEST_MATMUL`)."""
+    return TRAINING_SHARE_OF_BEST_MATMUL[_generation(vendor, compute_capability)]
 
 
 def default_efficiency(vendor: str, compute_capability: float | None) -> float:
     """Share of the datasheet peak a device type's 16-bit training matmuls sustain when its file
-    gives no ``efficiency``: its training share of its best matmul rate
-    (:func:`training_share_of_best_matmul`), 0.58 on NVIDIA Hopper and 0.44 on AMD (MI300X's best
-    rate; an MI250X, A100's contemporary, takes A100's share: 0.67). Any other device:
-    DEFAULT_EFFICIENCY."""
-    if vendor == "nvidia" and hopper_or_later(compute_capability):
-        return training_share_of_best_matmul(vendor, compute_capability) * BEST_MATMUL_SHARE["hopper"]
-    if vendor == "amd":
-        return training_share_of_best_matmul(vendor, compute_capability) * BEST_MATMUL_SHARE["amd"]
-    return DEFAULT_EFFICIENCY
+    gives no ``efficiency``: its training share of its generation's best matmul rate, 0.58 on
+    NVIDIA Hopper and 0.44 on AMD (MI300X's best rate; an MI250X, A100's contemporary, takes
+    A100's share: 0.67). Any other device: DEFAULT_EFFICIENCY."""
+    generation = _generation(vendor, compute_capability)
+    return TRAINING_SHARE_OF_BEST_MATMUL[generation] * BEST_MATMUL_SHARE[generation]
