@@ -47,8 +47,8 @@ def test_rows_match_single_estimates_and_bad_rows_stay_alone(tmp_path, capsys):
     assert [r["row"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
     assert [r["id"] for r in rows] == ["fit", "ok", "oom", "bad", "few", "het", "mixed"]
     assert rows[0]["error"].startswith("cluster: cannot read")
-    assert rows[3]["error"] == ("stage_tp: sum(stage_tp)*dp=24 is more than the cluster's 16 devices; "
-                                "use a layout that fits the cluster")
+    assert rows[3]["error"] == ("stage_tp/dp: sum(stage_tp)*dp = 24 but the cluster has 16 devices; "
+                                "choose degrees whose devices add up to the world size")
     assert "7 rows: 3 fit, 2 do not fit, 2 error" in err
 
     cluster = ClusterSpec.from_yaml(TABLE1)

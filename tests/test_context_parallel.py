@@ -22,7 +22,7 @@ from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.runtime.layout import check_runnable
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.model import ModelSpec, get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")
@@ -122,6 +122,21 @@ def test_the_search_tries_cp_where_the_sequence_is_long():
     assert all(len(s.ranks) == best.stage_tps[i] * best.cp * best.dp for i, s in enumerate(best.stages))
 
 
+def test_the_checks_before_the_search_count_cp_layouts():
+    """memx-run checks the space before calibrating: a batch only CP layouts can split (their DP is
+    smaller) passes the check as it passes the search."""
+    from memx_launch.planning.search import check_space
+
+    one_head = ModelSpec("one-head", 1, 64, 1, 1, 176, 128, 128)  # TP 1 and PP 1 only
+    cluster = ClusterSpec.from_dict(one_node(H100, 2, 450))
+    training = TrainingSpec(global_batch_size=1, seq_len=128)
+    cp_only = SearchSpace(cp_degrees=(2,), micro_batch_sizes=(1,))
+    check_space(one_head, cluster, training, cp_only)
+    assert search(one_head, cluster, training, space=cp_only, top_k=1).best.cp == 2
+    with pytest.raises(ConfigError, match="not divisible by DP x micro-batch"):
+        check_space(one_head, cluster, training, SearchSpace(micro_batch_sizes=(1,)))
+
+
 def test_the_papers_cluster_at_32k_tokens_picks_cp_2():
     """What docs/setups.md says `memx plan` picks there."""
     cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
@@ -157,9 +172,9 @@ def test_estimate_flag_and_cases_column_agree(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, problem", [(["--cp", "3"], "divisible by 2*cp=6"),
                                             (["--cp", "2", "--no-flash-attention"], "needs fused attention"),
-                                            (["--cp", "2", "--dp", "8"], "tp*pp*dp*cp=16"),
+                                            (["--cp", "2", "--dp", "8"], "tp*pp*dp*cp = 16"),
                                             (["--cp", "2", "--pp", "2", "--dp", "4", "--stage-dp", "4,2"],
-                                             "sum(stage_tp*stage_dp)*cp=12")])
+                                             "sum(tp*stage_dp)*cp = 12")])
 def test_estimate_refuses_a_cp_it_cannot_price(tmp_path, capsys, extra, problem):
     path = cluster_file(tmp_path, NODE)
     args = ["estimate", "--model", "llama2-7b", "--cluster", path, "--seq-len", "4096", "--tp", "1", "--pp", "1",

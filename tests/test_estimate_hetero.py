@@ -70,7 +70,7 @@ def test_each_stage_is_costed_at_its_own_tp():
 
 
 def test_stage_tp_that_does_not_use_the_cluster_is_one_line():
-    with pytest.raises(ConfigError, match=r"--stage-tp: sum\(stage_tp\)\*dp=24 is more than"):
+    with pytest.raises(ConfigError, match=r"--stage-tp/--dp: sum\(stage_tp\)\*dp = 24 but the cluster has 16"):
         estimate(cluster(8, 8), tp=None, stage_tp=[4, 2], pp=2, dp=4)
     with pytest.raises(ConfigError, match="--stage-tp: 3 degrees for pp=2"):
         estimate(cluster(8, 8), tp=None, stage_tp=[4, 2, 2], pp=2, dp=2)
@@ -170,7 +170,7 @@ def test_plan_files_state_per_stage_tp_and_old_files_load(tmp_path, capsys):
 
 def test_cost_table_looks_up_one_degree_per_stage():
     from memx_launch.planning import costmodel as cm
-    from memx_launch.planning.scoring import CostTable
+    from memx_launch.planning.cost_table import CostTable
     c = cluster(8, 8)
     model = cm.AnalyticalCostModel(MODEL, c, TrainingSpec())
     table = CostTable(model, 2, [1, 2, 4], [1], [4096])

@@ -124,3 +124,26 @@ def test_cases_column_is_the_flag(tmp_path, capsys):
                       "op,8,2,selective,op\nattention,8,2,selective,\n", flags)
     assert rows["op"]["iteration_time_s"] == pytest.approx(plan["predicted_iteration_time_s"], rel=1e-12)
     assert rows["attention"]["iteration_time_s"] < rows["op"]["iteration_time_s"]
+
+
+def test_calibration_times_selective_blocks_under_the_plans_policy():
+    """memx-run calibrates under the plan's policy: an op-level record says so (its learned ratio
+    is then taken against the op policy's analytical cost) and is never reused for the other."""
+    from memx_launch.profiling.kernel import calibrate
+    from memx_launch.profiling.space import Sample
+    from memx_launch.runtime.calibration import measurement_key, sample_key
+    from memx_launch.specs.cluster import DeviceType
+
+    spec = ModelSpec("tiny", 2, 64, 4, 4, 176, 128, 64)
+    cpu = DeviceType("cpu", "cpu", 8.0, 1.0, efficiency=1.0, memory_bandwidth_gbps=10)
+    selective, full = Sample(1, 2, 64, "selective", 4), Sample(1, 2, 64, "full", 4)
+    attention, = calibrate(spec, cpu, [selective], num_blocks=2, repeats=1)
+    op, op_full = calibrate(spec, cpu, [selective, full], num_blocks=2, repeats=1, selective_policy="op")
+    assert attention.run_options == {} and op.run_options == {"selective_recompute": "op"}
+    assert op_full.run_options == {}  # the policy changes nothing else: full records stay shared
+    # Measured: the op policy keeps every other projection's output, not the attention core's.
+    assert op.peak_memory_bytes != attention.peak_memory_bytes
+    assert measurement_key(op) == sample_key("cpu", spec, selective, "fp32", "op")
+    assert measurement_key(attention) == sample_key("cpu", spec, selective, "fp32")
+    assert measurement_key(op) != measurement_key(attention)
+    assert measurement_key(op_full) == sample_key("cpu", spec, full, "fp32", "op")

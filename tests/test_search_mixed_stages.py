@@ -9,7 +9,7 @@ from memx_launch.planning.estimate import evaluate_plan, plan_training
 from memx_launch.planning.layouts import MIXED_SEPARATOR, enumerate_layouts
 from memx_launch.planning.search import SearchSpace, search
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.model import ModelSpec, get_model
 from memx_launch.specs.training import TrainingSpec
 
 # Six fast, small devices and two slow, big ones: dp = 4 fits neither count alone.
@@ -66,3 +66,30 @@ def test_memx_plan_flag(tmp_path, capsys):
     out = capsys.readouterr().out
     # TP 2 x DP 2 stages on six fast and two big devices: one stage must take replicas of both.
     assert code == 0 and ("fast+big" in out or "big+fast" in out), out
+
+
+def test_spanning_layouts_take_cp_degrees_with_each_replica_inside_a_type():
+    names = tuple(d.name for d in CLUSTER.device_types)
+    both = enumerate_layouts(MODEL, CLUSTER, names, mixed_stages=True, cps=(1, 2))
+    spanning = [lay for lay in both if lay.mixed]
+    assert {lay.cp for lay in spanning} == {1, 2}
+    types = CLUSTER.rank_device_types()
+    for lay in (lay for lay in spanning if lay.cp == 2):
+        for stage in lay.stage_ranks:
+            width = lay.tp * lay.cp
+            assert len(stage) == width * lay.dp
+            assert all(len({types[r] for r in stage[j:j + width]}) == 1 for j in range(0, len(stage), width))
+
+
+def test_search_finds_mixed_cp_plans_that_estimate_again_to_the_same_numbers():
+    # tp x cp must divide both counts (six and two): CP 2 at TP 1, so a model that fits there.
+    small = ModelSpec("llama-1b", 16, 2048, 16, 16, 5504, 32000, 2048)
+    space = SearchSpace(mixed_stages=True, micro_batch_sizes=(1,), schedules=("1f1b",), cp_degrees=(2,))
+    result = search(small, CLUSTER, TRAINING, space=space, top_k=200, objective="default")
+    mixed = [p for p in result.plans if any(MIXED_SEPARATOR in s.device_type for s in p.stages)]
+    assert mixed and all(p.cp == 2 for p in result.plans)
+    for plan in mixed[:2]:
+        again = evaluate_plan(plan, CLUSTER, plan_training(plan))
+        assert again.predicted_iteration_time_s == pytest.approx(plan.predicted_iteration_time_s, rel=1e-9)
+        assert [s.predicted_peak_memory_gib for s in again.stages] == pytest.approx(
+            [s.predicted_peak_memory_gib for s in plan.stages], rel=1e-6)

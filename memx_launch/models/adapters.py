@@ -176,12 +176,14 @@ class ModelParts:
         return StageModule(self, layer_offset, num_layers, first=first, last=last, recompute=recompute,
                            selective_policy=selective_policy)
 
-    def block_probe(self, recompute: str) -> "StageModule":
+    def block_probe(self, recompute: str, selective_policy: str = "attention") -> "StageModule":
         """A copy of the first block (own weights) run as a middle stage: [b, s, hidden] in and out,
-        at ``recompute``. What calibration measures (profiling/kernel.py's block_factory)."""
+        at ``recompute`` under ``selective_policy``. What calibration measures (profiling/kernel.py's
+        block_factory)."""
         probe = copy.copy(self)
         probe.blocks, probe.before, probe.after = [copy.deepcopy(self.blocks[0])], [], []
-        return StageModule(probe, 0, 1, first=False, last=False, recompute=recompute)
+        return StageModule(probe, 0, 1, first=False, last=False, recompute=recompute,
+                           selective_policy=selective_policy)
 
     @torch.no_grad()
     def verify(self, example: torch.Tensor | None = None, atol: float = 1e-5) -> None:

@@ -13,7 +13,8 @@ from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import enumerate_layouts, tp_degrees
 from memx_launch.planning.objective import objective_for
-from memx_launch.planning.scoring import CostTable, Evaluator
+from memx_launch.planning.cost_table import CostTable
+from memx_launch.planning.scoring import Evaluator
 from memx_launch.planning.search import SearchResult, SearchSpace, search, to_plan
 
 

@@ -134,7 +134,8 @@ class CaseRunner:
                 raise row
             return {**out, **self._estimate(row)}
         except ConfigError as exc:  # flag names become the column names a row uses
-            field = exc.field.removeprefix("--").replace("-", "_") if exc.field.startswith("--") else exc.field
+            field = "/".join(f.removeprefix("--").replace("-", "_") for f in exc.field.split("/")) \
+                if exc.field.startswith("--") else exc.field
             return {**out, "error": str(ConfigError(field, exc.problem, exc.fix))}
         except MemxError as exc:
             return {**out, "error": str(exc)}

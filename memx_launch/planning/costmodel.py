@@ -352,20 +352,8 @@ class AnalyticalCostModel:
                                 + fine_tuning_flops(self.model, tr, mbs_a, seq_a, tp)) / (self._tflops[device] * 1e12)
         traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device])
         memory_s = traffic / (self._hbm[device] * 1e9)
-        # Two all-reduces of the block output forward, two of the input gradients of the
-        # column-parallel linears backward (three with separate gate and up linears), two more
-        # when the full block is recomputed. Parallel blocks sum attention's and the MLP's before
-        # one all-reduce each way (their column-parallel linears share one input).
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
-        separate_gate_up = self.model.gated_mlp and not tr.fused_gate_up
-        # Op-level recompute gathers the sequence-parallel inputs again (half an all-reduce each;
-        # the reduce-scatters' outputs are kept), or without SP runs the forward all-reduces again.
-        forward_again = np.select([recompute == FULL, op_level], [1.0, 0.5 if tr.sequence_parallel else 1.0], 0.0)
-        if self.model.parallel_blocks:
-            n_allreduce = 2.0 + forward_again
-        else:
-            n_allreduce = 4.0 + 2.0 * forward_again + (1.0 if separate_gate_up else 0.0)
-        comm_s = n_allreduce * self.tp_allreduce_time(hidden_bytes, device, tp)
+        comm_s = self.tp_allreduces(recompute) * self.tp_allreduce_time(hidden_bytes, device, tp)
         if tr.tp_comm_overlap:
             # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
             # follows: the first chunk waits, and whatever the GEMMs cannot cover.
@@ -404,6 +392,19 @@ class AnalyticalCostModel:
     def tp_gbps(self, device, tp) -> np.ndarray:
         """Bandwidth TP groups of ``tp`` devices of each queried type reach (link x link_efficiency)."""
         return self._tp_gbps[np.asarray(device), self._tp_column(tp)]
+
+    def tp_allreduces(self, recompute) -> np.ndarray:
+        """All-reduces of a block's hidden states over TP per micro-batch: two of its output forward,
+        two of the column-parallel linears' input gradients backward (three with separate gate
+        and up linears), two more when the full block is recomputed; op-level recompute gathers
+        the SP inputs again (half an all-reduce each) or without SP runs the forward ones again.
+        Parallel blocks sum attention's and the MLP's before one each way (one shared input)."""
+        tr, recompute = self.training, np.asarray(recompute)
+        op_level = (recompute == SELECTIVE) & (tr.selective_recompute == "op")
+        again = np.select([recompute == FULL, op_level], [1.0, 0.5 if tr.sequence_parallel else 1.0], 0.0)
+        if self.model.parallel_blocks:
+            return 2.0 + again
+        return 4.0 + 2.0 * again + (1.0 if self.model.gated_mlp and not tr.fused_gate_up else 0.0)
 
     def tp_allreduce_time(self, nbytes, device, tp) -> np.ndarray:
         """One all-reduce over a TP group of each queried type (its link and hop; collectives.py).

@@ -6,7 +6,7 @@ import numpy as np
 
 from memx_launch.planning import costmodel as cm, data_parallel
 from memx_launch.planning.plan import Crossing
-from memx_launch.planning.scoring import GroupResult, edge_micro_batch, parameters_per_rank
+from memx_launch.planning.scoring import GroupResult, edge_hidden_bytes, parameters_per_rank
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -18,8 +18,7 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
     if result.transfer is None:
         return []
     g = training.global_batch_size // (layout.dp * result.mbs)
-    hidden_bytes = np.broadcast_to(edge_micro_batch(layout, result.mbs) * (result.seq // layout.cp)
-                                   * model.hidden_size * training.dtype_bytes, (layout.pp,))
+    hidden_bytes = np.broadcast_to(edge_hidden_bytes(model, training, layout, result.mbs, result.seq), (layout.pp,))
     out = []
     for edge in layout.edge_crossings:
         wrap = edge.stage == layout.pp - 1

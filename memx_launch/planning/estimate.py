@@ -12,13 +12,14 @@ import numpy as np
 
 from memx_launch.planning import context_parallel, costmodel as cm
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import Objective, Plan, parse_recompute, short_stages
+from memx_launch.planning.plan import Objective, Plan, check_stage_dp_split, parse_recompute, short_stages
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, layout_from_stage_devices
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
-from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
+from memx_launch.planning.cost_table import CostTable
+from memx_launch.planning.scoring import Evaluator, GroupResult
 from memx_launch.planning.search import default_references, to_plan
 
 
@@ -68,10 +69,9 @@ class LayoutScorer:
         stage_tps = _stage_degrees("tp", tp, stage_tp, pp, lambda d: d[0] if len(set(d)) == 1 else None)
         context_parallel.check_degree(cp, training.seq_len, training.flash_attention)
         stage_dps = _stage_degrees("dp", dp, stage_dp, pp, max)
-        _check_layout_numbers(model, cluster, stage_tps, pp, stage_dps, micro_batch_size, schedule, virtual_stages,
-                              layers_per_stage, cp)
+        _check_layout_numbers(model, stage_tps, pp, stage_dps, micro_batch_size, schedule, virtual_stages,
+                              layers_per_stage)
         dp = max(stage_dps)
-        local_mbss = sorted({micro_batch_size * dp // d for d in stage_dps})
         v = virtual_stages if schedule == "interleaved" else 1
         if training.global_batch_size % (dp * micro_batch_size):
             raise ConfigError("--global-batch-size", f"{training.global_batch_size} is not divisible by "
@@ -92,6 +92,7 @@ class LayoutScorer:
         if key not in self._layouts:
             self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp_arg, stage_devices, cp)
         layout = self._layouts[key]
+        local_mbss = sorted({int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))})
         evaluator = self._evaluators.get((tuple(local_mbss), cp))
         if evaluator is None:  # per-layer costs are element-wise: a wider table holds the same numbers
             table = CostTable(self.cost_model, len(names), self._degrees, local_mbss, [training.seq_len // cp])
@@ -210,31 +211,17 @@ def _stage_degrees(name: str, degree, per_stage, pp, stated) -> list:
     return per_stage
 
 
-def _check_layout_numbers(model, cluster, stage_tps, pp, stage_dps, mbs, schedule, virtual_stages, layers_per_stage,
-                          cp: int = 1) -> None:
-    """Integers in range before any array is built from them (``cp``: checked already)."""
+def _check_layout_numbers(model, stage_tps, pp, stage_dps, mbs, schedule, virtual_stages, layers_per_stage) -> None:
+    """Integers in range before any array is built from them (the world size: by the layout,
+    ``layouts.layout_from_stage_devices``)."""
     per_stage_dp = len(set(stage_dps)) > 1
     for flag, value in (*(("--stage-tp" if len(set(stage_tps)) > 1 else "--tp", t) for t in stage_tps),
                         *(("--stage-dp" if per_stage_dp else "--dp", d) for d in stage_dps),
                         ("--pp", pp), ("--micro-batch-size", mbs), ("--virtual-stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(flag, f"must be a positive integer, got {value!r}")
-    dp = stage_dps[0]
     if per_stage_dp:
-        flag, used, total = "--stage-dp", "sum(stage_tp*stage_dp)", sum(t * d for t, d in zip(stage_tps, stage_dps))
-        split = [d for d in stage_dps if max(stage_dps) * mbs % d]
-        if split:
-            raise ConfigError("--stage-dp", f"{split[0]} replicas cannot split a pipeline micro-batch of "
-                              f"{max(stage_dps)} x {mbs} sequences", "give DP degrees that divide it")
-    elif len(set(stage_tps)) == 1:
-        flag, used, total = "--tp", "tp*pp*dp", stage_tps[0] * pp * dp
-    else:
-        flag, used, total = "--stage-tp", "sum(stage_tp)*dp", sum(stage_tps) * dp
-    if cp > 1:
-        used, total = f"{used}*cp", total * cp  # as layouts.layout_from_stage_devices says it
-    if total > cluster.world_size:
-        raise ConfigError(flag, f"{used}={total} is more than the cluster's {cluster.world_size} devices",
-                          "use a layout that fits the cluster")
+        check_stage_dp_split(stage_dps, max(stage_dps), mbs, "--stage-dp")
     if pp > model.num_layers:
         raise ConfigError("--pp", f"{pp} stages for {model.num_layers} layers", "use at most one stage per layer")
     if virtual_stages > 1 and schedule != "interleaved":

@@ -168,7 +168,7 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, device_names: tupl
                     stage_dp += [dp_of[t]] * (counts[t] // group)
                 layouts.append(make_layout(cluster, device_names, stage_tp, stage_dp, order, stage_ranks, cp))
     if mixed_stages:
-        layouts += _spanning_layouts(model, cluster, device_names, degrees, max_orders)
+        layouts += _spanning_layouts(model, cluster, device_names, degrees, max_orders, cps)
     return layouts
 
 
@@ -185,26 +185,28 @@ def _dp_choices(counts: dict, tp_of: dict, cp: int, per_type_dp: bool) -> list[d
     return choices
 
 
-def _spanning_layouts(model, cluster, device_names, degrees, max_orders) -> list[Layout]:
-    """Layouts of one TP degree whose stages cut the ranks, taken type after type, into groups
-    of tp x dp where that does not divide some type's count: a stage across a boundary has
-    replicas of both types (each TP group inside one type, so tp divides every count)."""
+def _spanning_layouts(model, cluster, device_names, degrees, max_orders, cps) -> list[Layout]:
+    """Layouts of one TP and one CP degree whose stages cut the ranks, taken type after type, into
+    groups of tp x cp x dp where that does not divide some type's count: a stage across a
+    boundary has replicas of both types (each replica, its TP groups and CP ring, inside one
+    type, so tp x cp divides every count)."""
     rank_types = cluster.rank_device_types()
     counts = cluster.type_counts()
     ranks_of = {t: [r for r, rt in enumerate(rank_types) if rt == t] for t in counts}
     out = []
-    for tp in degrees:
-        if any(n % tp for n in counts.values()):
+    for cp, tp in itertools.product(sorted(cps), degrees):
+        width = tp * cp
+        if any(n % width for n in counts.values()):
             continue
-        for dp in range(1, cluster.world_size // tp + 1):
-            group = tp * dp
+        for dp in range(1, cluster.world_size // width + 1):
+            group = width * dp
             if cluster.world_size % group or all(n % group == 0 for n in counts.values()) \
                     or cluster.world_size // group > model.num_layers:
                 continue
             for order in itertools.islice(itertools.permutations(counts), max_orders):
                 ranks = [r for t in order for r in ranks_of[t]]
                 stage_ranks = [ranks[i:i + group] for i in range(0, len(ranks), group)]
-                out.append(make_layout(cluster, device_names, tp, dp, order, stage_ranks))
+                out.append(make_layout(cluster, device_names, tp, dp, order, stage_ranks, cp))
     return out
 
 

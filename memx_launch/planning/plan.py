@@ -66,6 +66,15 @@ def short_stages(layers, virtual_stages: int) -> list[int]:
     return [i for i, n in enumerate(layers) if n < virtual_stages and not (n == 0 and i in ends)]
 
 
+def check_stage_dp_split(stage_dp, dp: int, micro_batch_size: int, field: str) -> None:
+    """Every stage's replicas must split a pipeline micro-batch of ``dp x micro_batch_size``
+    sequences evenly (a DP degree per stage)."""
+    short = [d for d in stage_dp if dp * micro_batch_size % d]
+    if short:
+        raise ConfigError(field, f"{short[0]} replicas cannot split a pipeline micro-batch of "
+                          f"dp*micro_batch_size={dp * micro_batch_size} sequences", "give DP degrees that divide it")
+
+
 def layer_recompute_levels(text: str, num_layers: int) -> list[str]:
     """The level of each of a stage's layers: ``full:K`` is full for the first K, none after."""
     level, count = parse_recompute(text, num_layers)
@@ -270,11 +279,7 @@ class Plan:
             if len(set(self.stage_dp)) == 1 or max(self.stage_dp) != self.dp:
                 raise ConfigError(f"{source}.stage_dp", f"{self.stage_dp} with dp={self.dp}",
                                   "give degrees that differ, the largest as dp; or dp alone")
-            short = [d for d in self.stage_dp if self.dp * self.micro_batch_size % d]
-            if short:
-                raise ConfigError(f"{source}.stage_dp", f"{short[0]} replicas cannot split a pipeline micro-batch of "
-                                  f"dp*micro_batch_size={self.dp * self.micro_batch_size} sequences",
-                                  "give DP degrees that divide it")
+            check_stage_dp_split(self.stage_dp, self.dp, self.micro_batch_size, f"{source}.stage_dp")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"{source}.schedule", f"unknown schedule {self.schedule!r}",
                               f"use one of {', '.join(SCHEDULES)}")

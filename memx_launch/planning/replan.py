@@ -31,7 +31,8 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
-from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
+from memx_launch.planning.cost_table import CostTable
+from memx_launch.planning.scoring import Evaluator, GroupResult
 from memx_launch.planning.estimate import recompute_rows
 from memx_launch.planning.layouts import make_layout
 from memx_launch.planning.objective import DEFAULT_MAX_SLOWDOWN

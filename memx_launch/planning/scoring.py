@@ -1,5 +1,5 @@
-"""Scoring candidates: per-layer costs of the whole space in one table, the uneven layer split
-under each stage's memory, the per-stage recompute hard rule and the iteration time.
+"""Scoring candidates: the uneven layer split under each stage's memory (per-layer costs from the
+space's cost table, ``cost_table.py``), the per-stage recompute hard rule and the iteration time.
 
 Candidates are scored a group at a time: one group shares a layout and hyper-parameters and
 holds every recompute policy as rows of numpy arrays.
@@ -14,6 +14,7 @@ import numpy as np
 from memx_launch.planning import context_parallel, costmodel as cm, data_parallel, schedules
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.bridge import BridgePricing
+from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.collectives import collective_sm_share, overlapped_exposed_seconds
 from memx_launch.planning.matmuls import device_sms
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
@@ -30,36 +31,6 @@ from memx_launch.planning.layouts import Layout
 # What a stage's predicted peak holds, in the order reports list it (Evaluator.memory_parts).
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations", "logits_loss", "pipeline_buffers",
                 "communicator_buffers", "fixed_overhead")
-
-
-class CostTable:
-    """Per-layer costs of every signature in the space, from one cost-model call."""
-
-    def __init__(self, cost_model: cm.LayerCostModel, n_devices: int, tps, mbss, seqs):
-        self.tps, self.mbss, self.seqs = list(tps), list(mbss), list(seqs)
-        grid = np.meshgrid(np.arange(n_devices), self.tps, self.mbss, self.seqs, [0, 1, 2], indexing="ij")
-        shape = grid[0].shape
-        cost = cost_model.layer_costs(*(g.ravel() for g in grid))
-        self.time = np.asarray(cost.time_s, dtype=float).reshape(shape)
-        self.act = np.asarray(cost.activation_bytes, dtype=float).reshape(shape)
-        self.work = np.asarray(cost.working_bytes, dtype=float).reshape(shape)
-        self.misses = self.time.size
-        self.hits = 0
-
-    def lookup(self, device, tp, mbs, seq, level):
-        """Index arrays broadcast together (``tp`` and ``mbs`` a value or an array of them);
-        counts every element served as a hit."""
-        key = (device, _index(self.tps, tp), _index(self.mbss, mbs), self.seqs.index(seq), level)
-        t, a, w = self.time[key], self.act[key], self.work[key]
-        self.hits += np.size(t)
-        return t, a, w
-
-
-def _index(values: list, wanted):
-    """Where ``wanted`` (a value or an array of them) sits in ``values``."""
-    if np.ndim(wanted) == 0:
-        return values.index(wanted)
-    return np.array([values.index(w) for w in np.ravel(wanted)]).reshape(np.shape(wanted))
 
 
 @dataclass
@@ -131,7 +102,6 @@ class Evaluator:
         # A learned model brings the bridges calibration measured (else the cluster file's).
         self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
-        self._attention: dict = {}
 
     def usable(self, capacity: np.ndarray) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -172,10 +142,7 @@ class Evaluator:
         t_layer, act, work = self.table.lookup(np.broadcast_to(device, np.shape(levels)), tp, mbs, seq // cp, levels)
         if cp == 1:
             return t_layer, act, work
-        key = (tuple(device.tolist()), *(x if np.ndim(x) == 0 else tuple(x.tolist()) for x in (tp, mbs)), seq // cp)
-        if key not in self._attention:
-            self._attention[key] = self.cost_model.attention_seconds(device, tp, mbs, seq // cp)
-        forward, backward = self._attention[key]
+        forward, backward = self.table.attention(device, tp, mbs, seq // cp)
         chunk = context_parallel.kv_chunk_bytes(self.model, self.training, mbs, seq, tp, cp)
         transfer = cm.p2p_time(chunk, layout.cp_gbps * self.cluster.link_efficiency)
         extra = context_parallel.layer_seconds(forward, backward, transfer, cp, levels)
@@ -370,10 +337,7 @@ class Evaluator:
         from each stage to the next (the last: interleaving's wrap-around), and the (C, P)
         seconds of each stage's gradient sync before any overlap with the backward."""
         m, tr = self.model, self.training
-        # Between stages of different TP the whole tensor crosses once per pipeline (a
-        # resharding sender, as Sailor's), as it does between equal TP groups here; a CP rank
-        # sends its seq / cp tokens.
-        hidden_bytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * m.hidden_size * tr.dtype_bytes
+        hidden_bytes = edge_hidden_bytes(m, tr, layout, mbs, seq)
         efficiency = self.cluster.link_efficiency
         def receivers():
             return [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
@@ -428,14 +392,18 @@ def _ends(local, pp: int) -> tuple:
 
 
 def edge_micro_batch(layout: Layout, mbs: int):
-    """Sequences one rank sends or receives per micro-batch over each pipeline edge (the last:
-    the wrap-around): ``mbs``, or (P,) the larger side's local micro-batch where the stages' DP
-    degrees differ (a sender's share goes whole to one receiver, or a receiver gathers its
-    share from several senders)."""
+    """Sequences a rank sends or receives per micro-batch over each pipeline edge (the last: the
+    wrap-around): ``mbs``, or (P,) the larger side's local micro-batch where stages' DP differ."""
     if layout.stage_dp is None:
         return mbs
     local = layout.local_micro_batch(mbs)
     return np.maximum(local, np.roll(local, -1))
+
+
+def edge_hidden_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, mbs: int, seq: int):
+    """Hidden-state bytes a rank sends per micro-batch over each edge (:func:`edge_micro_batch`), whole
+    between stages of different TP (a resharding sender, as Sailor's); a CP rank's seq / cp tokens."""
+    return edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.dtype_bytes
 
 
 def parameters_per_rank(model: ModelSpec, layout: Layout, layers: np.ndarray) -> np.ndarray:

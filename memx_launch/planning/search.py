@@ -34,7 +34,8 @@ from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.planning.crossings import crossings_of
-from memx_launch.planning.scoring import CostTable, Evaluator, GroupResult
+from memx_launch.planning.cost_table import CostTable
+from memx_launch.planning.scoring import Evaluator, GroupResult
 
 
 INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B
@@ -109,8 +110,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
     rank_seqs = sorted({s // cp for s in seqs for cp in cps[s]})
     # Stages of fewer replicas than the layout's largest DP degree run larger local micro-batches.
-    local_mbss = sorted({m * lay.dp // int(d) for lay in layouts for d in set(lay.stage_dps.tolist())
-                         for m in space.micro_batch_sizes})
+    local_mbss = sorted({int(local) for lay in layouts for m in space.micro_batch_sizes
+                         for local in np.atleast_1d(lay.local_micro_batch(m))})
     table = CostTable(cost_model, len(cost_model.device_names), tps, local_mbss, rank_seqs)
     evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
                           space.recompute_levels, space.recompute_some_layers)
@@ -194,8 +195,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     return SearchResult(plans, pareto, stats, profile, chosen, reason, fastest, unbounded, bound)
 
 
-def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict | None = None) -> list[Layout]:
-    degrees = tuple(sorted({cp for options in (cps or {0: (1,)}).values() for cp in options}))
+def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict) -> list[Layout]:
+    """The space's layouts at the CP degrees ``cps`` gives per sequence length."""
+    degrees = tuple(sorted({cp for options in cps.values() for cp in options}))
     layouts = enumerate_layouts(model, cluster, device_names, list(space.tp_degrees or []) or None,
                                 per_type_tp=space.per_type_tp, mixed_stages=space.mixed_stages, cps=degrees,
                                 per_type_dp=space.per_type_dp)
@@ -234,7 +236,8 @@ def check_space(model: ModelSpec, cluster: ClusterSpec | None, training: Trainin
     worker calibrates."""
     space.check(model)
     if cluster is not None:
-        check_batch(_layouts(model, cluster, tuple(d.name for d in cluster.device_types), space), space, training)
+        cps = context_parallel.degrees_to_try(space.cp_degrees, tuple(space.seq_lens or (training.seq_len,)), training)
+        check_batch(_layouts(model, cluster, tuple(d.name for d in cluster.device_types), space, cps), space, training)
 
 
 def recompute_options(table: CostTable, device_names, space: SearchSpace) -> tuple[list[list[int]], list[str]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning.costmodel import FULL, AnalyticalCostModel, LayerCost
+from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.profiling.profiledb import Measurement
@@ -41,7 +41,7 @@ def physics_features(cost: AnalyticalCostModel, device, tp, mbs, seq, recompute)
     base = cost.layer_costs(device, tp, mbs, seq, recompute)
     model = cost.model
     hidden_bytes = mbs * seq * model.hidden_size * cost.training.dtype_bytes
-    comm = np.where(recompute == FULL, 6.0, 4.0) * cost.tp_allreduce_time(hidden_bytes, device, tp)
+    comm = cost.tp_allreduces(recompute) * cost.tp_allreduce_time(hidden_bytes, device, tp)
     memory = base.activation_bytes + base.working_bytes
     n = device.shape[0]
     shape = np.broadcast_to([model.hidden_size, model.num_heads, model.num_kv_heads, model.ffn_hidden_size,

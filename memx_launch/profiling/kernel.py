@@ -110,7 +110,8 @@ def _is_oom(exc: BaseException) -> bool:
 def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample], *, device: str = "cpu",
               tp_group=None, dtype: str = "fp32", num_blocks: int = 2, warmup: int = 1, repeats: int = 5,
               emulation_slowdown: float | None = None, tp_link: TpLink | None = None,
-              progress: Callable[[Sample], None] | None = None, block_factory=None) -> list[Measurement]:
+              progress: Callable[[Sample], None] | None = None, block_factory=None,
+              selective_policy: str = "attention") -> list[Measurement]:
     """Measure forward + backward of ``num_blocks`` blocks for each sample, on this rank.
 
     ``tp_group`` is a process group of same-type ranks for samples with tp > 1 (every rank of
@@ -120,8 +121,11 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     labelled emulated. ``tp_link``: the link TP > 1 samples' group talks over (tp_links.tp_link),
     kept in their records. Out-of-memory samples come back with
     ``feasible=False``; so do samples whose peak exceeds an emulated device's capacity.
-    ``block_factory``: recompute level -> one block of the user's model ([b, s, hidden] in and out,
-    e.g. models/adapters.py's ModelParts.block_probe); default memx's LLaMA block of the shape. TP = 1 only.
+    ``block_factory``: (recompute level, selective policy) -> one block of the user's model ([b, s,
+    hidden] in and out, e.g. models/adapters.py's ModelParts.block_probe); default memx's LLaMA
+    block of the shape. TP = 1 only. ``selective_policy``: what "selective" samples run again
+    ("attention", or torchtitan's "op"); an op-level record says so in its ``run_options``, so
+    that its learned ratio is taken against the analytical model of that policy.
     """
     import torch
 
@@ -139,7 +143,7 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
         shape = replace(spec, num_kv_heads=s.num_kv_heads)
         try:
             time_s, spread_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
-                                                           num_blocks, warmup, repeats, block_factory)
+                                                           num_blocks, warmup, repeats, block_factory, selective_policy)
             feasible = True
         except (RuntimeError, MemoryError) as exc:
             if not _is_oom(exc):
@@ -164,14 +168,21 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             peak_memory_bytes=peak, peak_reserved_bytes=reserved,
             context_bytes=_context_bytes(torch.device(device)) if feasible else None,
             **record_fields(tp_link, s.tp),
-            emulation_slowdown=factor, emulated=emulated, software=software))
+            emulation_slowdown=factor, emulated=emulated, software=software,
+            run_options=record_run_options(s.recompute, selective_policy)))
         if progress is not None:
             progress(s)
     return out
 
 
+def record_run_options(recompute: str, selective_policy: str) -> dict:
+    """A calibration record's ``run_options``: the op-level policy where it changed what ran."""
+    return {"selective_recompute": "op"} if recompute == "selective" and selective_policy == "op" else {}
+
+
 def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
-                repeats: int, block_factory=None) -> tuple[float, float, float, float | None]:
+                repeats: int, block_factory=None,
+                selective_policy: str = "attention") -> tuple[float, float, float, float | None]:
     """(median seconds per block, interquartile range per block, peak bytes above resting,
     peak bytes the caching allocator reserved above resting (GPUs; None on CPUs))."""
     import torch
@@ -183,8 +194,9 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
     torch.manual_seed(0)  # identical weights and input on every rank of a TP group
     if block_factory is not None and s.tp > 1:
         raise ConfigError("tp", "calibrating the user's own block is for TP = 1 samples", "calibrate with tp=1")
-    blocks = torch.nn.Sequential(*[block_factory(s.recompute) if block_factory is not None
-                                   else TransformerBlock(shape, s.recompute) for _ in range(num_blocks)])
+    blocks = torch.nn.Sequential(*[block_factory(s.recompute, selective_policy) if block_factory is not None
+                                   else TransformerBlock(shape, s.recompute, selective_policy)
+                                   for _ in range(num_blocks)])
     # As the runtime trains (runtime/precision.py): fp32 weights and residual stream, low-precision
     # matrix products under autocast.
     blocks = blocks.to(device=dev)

@@ -50,7 +50,7 @@ from memx_launch.specs.training import TrainingSpec
 from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, physics_features, training_rows
 
 
-PREDICTOR_FORMAT = 6
+PREDICTOR_FORMAT = 7
 """5: per-type trees in files of their own, each with its sha256 in the sidecar; 6: emulated
 samples are learned against the estimate of the CPU they ran on (their vendor's GPU before)."""
 MIN_OWN_RECORDS = 8

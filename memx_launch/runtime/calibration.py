@@ -27,7 +27,7 @@ from memx_launch.runtime.faults import Faults
 from memx_launch.runtime.messages import all_gather_json
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
 from memx_launch.profiling.space import Sample, default_space
-from memx_launch.profiling.kernel import calibrate
+from memx_launch.profiling.kernel import calibrate, record_run_options
 from memx_launch.profiling.design import minimal_sample_set
 from memx_launch.planning.costmodel import layer_forward_flops
 from memx_launch.planning.layouts import tp_degrees
@@ -90,13 +90,15 @@ def make_groups(cluster: ClusterSpec, model: ModelSpec) -> dict[str, TypeGroups]
     return out
 
 
-def sample_key(device_type: str, model: ModelSpec, s: Sample, dtype: str) -> tuple:
-    return (device_type, model.signature(), s.tp, s.micro_batch_size, s.seq_len, s.recompute, s.num_kv_heads, dtype)
+def sample_key(device_type: str, model: ModelSpec, s: Sample, dtype: str, selective_policy: str = "attention") -> tuple:
+    return (device_type, model.signature(), s.tp, s.micro_batch_size, s.seq_len, s.recompute, s.num_kv_heads, dtype,
+            json.dumps(record_run_options(s.recompute, selective_policy), sort_keys=True))
 
 
 def measurement_key(m: Measurement) -> tuple:
+    """As :func:`sample_key`: a selective record of one policy is never reused for the other."""
     return (m.device_type, m.model_signature, m.tp, m.micro_batch_size, m.seq_len, m.recompute,
-            m.block_shape["num_kv_heads"], m.dtype)
+            m.block_shape["num_kv_heads"], m.dtype, json.dumps(m.run_options, sort_keys=True))
 
 
 class TypeCalibration:
@@ -104,12 +106,14 @@ class TypeCalibration:
 
     def __init__(self, model: ModelSpec, device_type: DeviceType, groups: TypeGroups, db: ProfileDB,
                  stored: list[Measurement], *, device: str, dtype: str, slowdown: float | None, tp_link,
-                 describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print, block_factory=None):
-        """``block_factory``: the user's block to measure instead of memx's (kernel.calibrate; TP = 1)."""
+                 describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print, block_factory=None,
+                 selective_policy: str = "attention"):
+        """``block_factory``: the user's block to measure instead of memx's (kernel.calibrate; TP = 1);
+        ``selective_policy``: the plan's (TrainingSpec.selective_recompute)."""
         self.model, self.device_type, self.groups, self.db = model, device_type, groups, db
         self.device, self.dtype, self.slowdown, self.tp_link = device, dtype, slowdown, tp_link
         self.describe_rank, self.faults, self.timeout_s, self.log = describe_rank, faults, timeout_s, log
-        self.block_factory = block_factory
+        self.block_factory, self.selective_policy = block_factory, selective_policy
         self.stored = {measurement_key(m): m for m in stored}
         self.host_lock = os.path.join(tempfile.gettempdir(),
                                       f"memx-calibration-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}.lock")
@@ -180,6 +184,7 @@ class TypeCalibration:
                 [m] = calibrate(self.model, self.device_type, [s], device=self.device, tp_group=group,
                                 dtype=self.dtype, num_blocks=1, repeats=CALIBRATION_REPEATS,
                                 emulation_slowdown=self.slowdown, block_factory=self.block_factory,
+                                selective_policy=self.selective_policy,
                                 tp_link=self.tp_link(s.tp) if s.tp > 1 else None)
             out.append(m)
             if leader:  # stored at once: a rank that dies later loses nothing measured
@@ -221,7 +226,7 @@ class TypeCalibration:
                 time.sleep(0.05)
 
     def _key(self, s: Sample) -> tuple:
-        return sample_key(self.device_type.name, self.model, s, self.dtype)
+        return sample_key(self.device_type.name, self.model, s, self.dtype, self.selective_policy)
 
 
 def calibration_timeout_s(environ=os.environ) -> float:

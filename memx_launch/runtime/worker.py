@@ -94,7 +94,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
         dtype=training.dtype,
         slowdown=rank_device.emulated.slowdown if emulated else None, tp_link=lambda tp: tp_link(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
-        log=_log, block_factory=block_factory)
+        log=_log, block_factory=block_factory, selective_policy=training.selective_recompute)
     measurements = calibration.run([1] if block_factory is not None else tp_degrees(model, cluster), *budget)
     return measurements if groups[name].ranks[0] == dist.get_rank() else []
 
