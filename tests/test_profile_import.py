@@ -97,3 +97,44 @@ def test_cli_appends_records_a_predictor_reads(tmp_path, capsys):
     assert all(r.run_options == {"tf32": True} for r in records)
     assert main(argv + ["--device-type", "H100"]) == 2
     assert "--device-type: 'H100' is not a device type" in capsys.readouterr().err
+
+
+def test_a_block_faster_than_its_matmuls_allow_is_refused_with_the_likely_cause(tmp_path):
+    """Several public Sailor profiles time fp32 blocks faster than the fp32 peak allows (their
+    matmuls ran as TF32): never faster than compute allows, so the import asks for --tf32."""
+    path = tmp_path / "mine.csv"
+    # OPT-350's block at 8 x 2,048 tokens: 1.44 TFLOP forward and backward, 21.5 ms at 67 TFLOPS.
+    path.write_text("tp,micro_batch_size,time_s\n1,8,0.010\n")
+    with pytest.raises(ConfigError, match=r"row 1: time_s: 10 ms is faster than the block's matmuls allow at "
+                                          r"GH-96's fp32 peak of 67 TFLOPS \(at least 21.5 ms\); pass --tf32"):
+        import_profile(str(path), "table", MODEL, _device(), dtype="fp32")
+    (record,) = import_profile(str(path), "table", MODEL, _device(), dtype="fp32", run_options={"tf32": True})
+    assert record.time_s == 0.010 and record.run_options == {"tf32": True}  # 2.9 ms at TF32's 494.5 TFLOPS
+    path.write_text("tp,micro_batch_size,time_s\n1,8,0.002\n")
+    with pytest.raises(ConfigError, match=r"fp32 \(TF32\) peak of 494.5 TFLOPS \(at least 2.9\d* ms\); check --dtype"):
+        import_profile(str(path), "table", MODEL, _device(), dtype="fp32", run_options={"tf32": True})
+
+
+def test_the_public_profiles_refused_as_fp32_are_those_the_results_file_names():
+    """benchmarks/peer_profile_bounds.py on the peers' tables, where shared/peer-data is present."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import peer_profile_bounds, real_runs
+
+    try:
+        peer = os.path.join(real_runs.shared_dir(), "peer-data", "sailor")
+    except SystemExit:
+        pytest.skip("shared/peer-data is not beside this checkout")
+    with open(peer_profile_bounds.OUT) as f:
+        committed = json.load(f)
+    refused = {r["table"]: r for r in committed["tables"] if r["fp32_import"] != "ok"}
+    assert "sailor GPT-Neo-2.7/A100-40" in refused and "sailor OPT-350/GH-96" not in refused
+    for table in ("sailor GPT-Neo-2.7/A100-40", "sailor OPT-350/GH-96"):
+        fmt, rest = table.split(" ")
+        model_dir, gpu = rest.split("/")
+        again = peer_profile_bounds.table_bounds(os.path.join(peer, "profiles", model_dir, gpu, "profile.json"),
+                                                 fmt, model_dir, gpu)
+        assert again == next(r for r in committed["tables"] if r["table"] == table)
+    assert all(r["tf32_import"] == "ok" for r in refused.values())

@@ -25,13 +25,15 @@ import os
 from dataclasses import asdict, replace
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.costmodel import layer_forward_flops
+from memx_launch.planning.peaks import has_tf32, matmul_peak_tflops
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.planning.tp_links import record_fields
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.cluster import DeviceType
 from memx_launch.specs.inputs import parse_json, read_text
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
-from memx_launch.specs.training import DTYPE_BYTES
+from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 
 FORMATS = ("table", "sailor", "aceso")
 
@@ -78,9 +80,40 @@ def import_profile(path: str, fmt: str, model: ModelSpec, device: DeviceType, *,
         if row_dtype is None:
             raise ConfigError(f"{where}: dtype", "the table does not say the precision it measured",
                               "pass --dtype (Sailor's and Aceso's profiles are fp32)")
-        record = _record(where, row, model, device, row_dtype, seq, tp_link, software, f"import:{fmt}")
-        out.append(replace(record, run_options=dict(run_options or {})))
+        record = replace(_record(where, row, model, device, row_dtype, seq, tp_link, software, f"import:{fmt}"),
+                         run_options=dict(run_options or {}))
+        _check_not_faster_than_the_peak(where, record, device)
+        out.append(record)
     return out
+
+
+def matmul_floor_seconds(record: Measurement, device: DeviceType, training: TrainingSpec | None = None) -> float:
+    """The least forward + backward seconds ``record``'s block can take on ``device``: its matmul
+    FLOPs (a recomputed forward included) at the peak of the precision it ran in (``training``;
+    default the record's dtype and run options)."""
+    training = training or TrainingSpec(dtype=record.dtype, **record.run_options)
+    forwards = 4.0 if record.recompute == "full" else 3.0  # forward, the backward's two, a recomputed one
+    flops = forwards * float(layer_forward_flops(record.shape_spec(), record.micro_batch_size, record.seq_len,
+                                                 record.tp))
+    return flops / (matmul_peak_tflops(device, training) * 1e12)
+
+
+def _check_not_faster_than_the_peak(where: str, record: Measurement, device: DeviceType) -> None:
+    """A block timed faster than :func:`matmul_floor_seconds` was not run as the import says:
+    typically fp32 matmuls run as TF32 (NGC containers and some frameworks turn it on), or a
+    16-bit table imported as fp32."""
+    if record.time_s is None:
+        return
+    training = TrainingSpec(dtype=record.dtype, **record.run_options)
+    floor_s = matmul_floor_seconds(record, device, training)
+    if record.time_s < floor_s:
+        fix = "check --dtype and the device type's peak in --cluster"
+        if training.dtype == "fp32" and not training.tf32:
+            fix = f"pass --tf32 if its fp32 matmuls ran as TF32; else {fix}"
+        raise ConfigError(f"{where}: time_s", f"{record.time_s * 1e3:.3g} ms is faster than the block's matmuls "
+                          f"allow at {device.name}'s {record.dtype}"
+                          f"{' (TF32)' if training.tf32 and has_tf32(device) else ''} peak of "
+                          f"{matmul_peak_tflops(device, training):g} TFLOPS (at least {floor_s * 1e3:.3g} ms)", fix)
 
 
 def _record(where, row, model, device, dtype, seq, tp_link, software, source) -> Measurement:
