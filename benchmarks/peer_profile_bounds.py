@@ -7,10 +7,8 @@ A block cannot run faster than its matmul FLOPs at the peak of the precision it 
 Per table: its records, the largest share of the fp32 peak a row would have reached (over 1: not
 fp32), what the fp32 import says, and whether the TF32 import takes it.
 
-Peaks (vendor datasheets, dense): A100 312 (16-bit) and 19.5 (fp32) TFLOPS, compute capability
-8.0; GH200 989 and 67, 9.0; V100 125 and 15.7, 7.0; RTX 2080 40.3 (16-bit with fp32
-accumulation) and 10.1, 7.5; RTX 3090 71 and 35.6, 8.6; Titan RTX 130 and 16.3, 7.5. TF32 is half
-the 16-bit peak on compute capability 8.0 and later; the others have none.
+Peaks: the vendor datasheets' of ``predictor_accuracy.SAILOR_DEVICES`` (TF32 is half the 16-bit
+peak on compute capability 8.0 and later; the others have none).
 
 Writes benchmarks/results/peer_profile_bounds.json. Run: .venv/bin/python benchmarks/peer_profile_bounds.py
 (a few seconds).
@@ -27,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.predictor_accuracy import SAILOR_MODELS, SAILOR_SEQ  # noqa: E402
+from benchmarks.predictor_accuracy import SAILOR_DEVICES, SAILOR_MODELS, SAILOR_SEQ  # noqa: E402
 from benchmarks.real_runs import shared_dir  # noqa: E402
 from memx_launch.errors import ConfigError  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
@@ -37,16 +35,11 @@ from memx_launch.specs.model import get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "peer_profile_bounds.json")
-# name: (16-bit peak, fp32 peak, compute capability, memory GiB)
-PEAKS = {"A100-40": (312, 19.5, 8.0, 40), "A100-80": (312, 19.5, 8.0, 80), "GH-96": (989, 67, 9.0, 96),
-         "V100-16": (125, 15.7, 7.0, 16), "RTX-2080": (40.3, 10.1, 7.5, 8), "RTX-3090": (71, 35.6, 8.6, 24),
-         "Titan-RTX": (130, 16.3, 7.5, 24)}
 FP32 = TrainingSpec(dtype="fp32")
 
 
 def device(name: str) -> DeviceType:
-    peak, fp32, capability, memory = PEAKS[name]
-    return DeviceType(name, "nvidia", memory, peak, peak_tflops_fp32=fp32, compute_capability=capability)
+    return DeviceType(name, "nvidia", **{k: v for k, v in SAILOR_DEVICES[name].items() if k != "link"})
 
 
 def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:

@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from memx_launch.profiling.interpolation import augment_measurements
 from memx_launch.planning.costmodel import AnalyticalCostModel
+from memx_launch.planning.peaks import has_tf32
 from memx_launch.planning.tp_links import tp_link
 from memx_launch.profiling.metrics import error_summary, ranking_summary
 from benchmarks.machine import machine_info  # noqa: E402
@@ -47,6 +48,7 @@ from memx_launch.files import write_json_atomic
 from memx_launch.profiling.prediction_cache import CachedCostModel
 from memx_launch.planning.report import save_png_atomic
 from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor
+from memx_launch.profiling.profile_import import matmul_floor_seconds
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.profiling.space import ProfileSpace, Sample
 from memx_launch.profiling.design import minimal_sample_set, new_type_design
@@ -61,16 +63,25 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results", "predictor_accuracy.json")
 PLOT = os.path.join(ROOT, "benchmarks", "results", "predictor_accuracy.png")
 SAILOR_MODELS = {"OPT-350": "opt-350m", "GPT-Neo-2.7": "gpt-neo-2.7b", "OPT-30": "opt-30b", "LLAMA-3-8": "llama3-8b"}
 SAILOR_SEQ = {"OPT-350": 2048, "GPT-Neo-2.7": 2048, "OPT-30": 2048, "LLAMA-3-8": 8192}
-# Vendor datasheets: fp32 (non-tensor-core) TFLOPS since the profiles are fp32, HBM GB/s,
-# and the per-direction bandwidth of the link a TP group of that type uses (NVLink or PCIe).
+# Vendor datasheets (dense): the 16-bit tensor-core peak (GeForce: with fp32 accumulation), the
+# fp32 CUDA-core peak the fp32 profiles run at, compute capability (TF32 from 8.0: half the
+# 16-bit peak), SMs, HBM GB/s, and the per-direction bandwidth of the link a TP group of that type
+# uses (NVLink or PCIe).
 SAILOR_DEVICES = {
-    "A100-40": dict(memory_gib=40, peak_tflops=19.5, memory_bandwidth_gbps=1555, link=300),
-    "A100-80": dict(memory_gib=80, peak_tflops=19.5, memory_bandwidth_gbps=2039, link=300),
-    "GH-96": dict(memory_gib=96, peak_tflops=67.0, memory_bandwidth_gbps=4000, link=150),
-    "V100-16": dict(memory_gib=16, peak_tflops=15.7, memory_bandwidth_gbps=900, link=150),
-    "RTX-2080": dict(memory_gib=8, peak_tflops=10.1, memory_bandwidth_gbps=448, link=16),
-    "RTX-3090": dict(memory_gib=24, peak_tflops=35.6, memory_bandwidth_gbps=936, link=25),
-    "Titan-RTX": dict(memory_gib=24, peak_tflops=16.3, memory_bandwidth_gbps=672, link=16),
+    "A100-40": dict(memory_gib=40, peak_tflops=312, peak_tflops_fp32=19.5, compute_capability=8.0, sm_count=108,
+                    memory_bandwidth_gbps=1555, link=300),
+    "A100-80": dict(memory_gib=80, peak_tflops=312, peak_tflops_fp32=19.5, compute_capability=8.0, sm_count=108,
+                    memory_bandwidth_gbps=2039, link=300),
+    "GH-96": dict(memory_gib=96, peak_tflops=989, peak_tflops_fp32=67.0, compute_capability=9.0, sm_count=132,
+                  memory_bandwidth_gbps=4000, link=150),
+    "V100-16": dict(memory_gib=16, peak_tflops=125, peak_tflops_fp32=15.7, compute_capability=7.0, sm_count=80,
+                    memory_bandwidth_gbps=900, link=150),
+    "RTX-2080": dict(memory_gib=8, peak_tflops=40.3, peak_tflops_fp32=10.1, compute_capability=7.5, sm_count=46,
+                     memory_bandwidth_gbps=448, link=16),
+    "RTX-3090": dict(memory_gib=24, peak_tflops=71, peak_tflops_fp32=35.6, compute_capability=8.6, sm_count=82,
+                     memory_bandwidth_gbps=936, link=25),
+    "Titan-RTX": dict(memory_gib=24, peak_tflops=130, peak_tflops_fp32=16.3, compute_capability=7.5, sm_count=72,
+                      memory_bandwidth_gbps=672, link=16),
 }
 MAX_NEW_TYPE_SAMPLES = 5
 
@@ -88,7 +99,8 @@ def bench_cluster(device: DeviceType) -> ClusterSpec:
 def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, source: str,
                  embedding_time_s: float | None = None, head_time_s: float | None = None) -> Measurement:
     """One public block timing (fp32, forward + backward) as a ProfileDB record (time only),
-    with the embedding's and the head's where the profile timed them."""
+    with the embedding's and the head's where the profile timed them; :func:`as_run` marks the
+    tables whose matmuls ran as TF32."""
     spec = MODEL_CATALOG[SAILOR_MODELS[model_dir]]
     spec = type(spec)(**{**spec.to_dict(), "seq_len": SAILOR_SEQ[model_dir]})
     desc = dict(SAILOR_DEVICES[gpu])
@@ -115,12 +127,14 @@ def sailor_records(profiles: str = SAILOR) -> list[Measurement]:
         model_dir, gpu = path.split(os.sep)[-3:-1]
         with open(path) as f:
             profile = json.load(f)
+        table = []
         for mbs, by_tp in profile.items():
             for tp, units in by_tp.items():
                 fwd, bwd = units["1"][:2]  # unit 1 is a transformer block
                 # Unit 0 is the embedding, the last one final norm + LM head + loss.
                 embedding, head = (sum(units[u][:2]) for u in ("0", str(max(int(k) for k in units))))
-                out.append(block_record(gpu, model_dir, int(tp), int(mbs), fwd + bwd, "sailor", embedding, head))
+                table.append(block_record(gpu, model_dir, int(tp), int(mbs), fwd + bwd, "sailor", embedding, head))
+        out += as_run(table)
     return out
 
 
@@ -131,9 +145,19 @@ def aceso_records() -> list[Measurement]:
         gpu = os.path.splitext(os.path.basename(path))[0]
         with open(path) as f:
             rows = list(csv.DictReader(f))
-        out += [block_record(gpu, "OPT-350", int(r["tp"]), int(r["mbs"]), float(r["fwd+bwd"]), "aceso")
-                for r in rows if r["algo"] == "0"]
+        out += as_run([block_record(gpu, "OPT-350", int(r["tp"]), int(r["mbs"]), float(r["fwd+bwd"]), "aceso")
+                       for r in rows if r["algo"] == "0"])
     return out
+
+
+def as_run(table: list[Measurement]) -> list[Measurement]:
+    """One table's records, marked TF32 where a block beats the fp32 peak (its matmuls cannot
+    have run in fp32; ``memx profile import`` asks for ``--tf32`` there: peer_profile_bounds.py)."""
+    device = DeviceType(name=table[0].device_type, **table[0].device)
+    fp32 = TrainingSpec(dtype="fp32")
+    if any(r.time_s < matmul_floor_seconds(r, device, fp32) for r in table) and has_tf32(device):
+        return [replace(r, run_options={"tf32": True}) for r in table]
+    return table
 
 
 def new_type_samples(own: list[Measurement], budget: int = MAX_NEW_TYPE_SAMPLES) -> list[Measurement]:
@@ -258,8 +282,8 @@ def predict_records(predictor, records: list[Measurement]) -> np.ndarray:
     for (gpu, _), idx in groups.items():
         r0 = records[idx[0]]
         cluster = bench_cluster(DeviceType(name=gpu, **r0.device))
-        cost = LearnedCostModel(r0.shape_spec(), cluster, TrainingSpec(dtype=r0.dtype, seq_len=r0.seq_len),
-                                predictor)
+        cost = LearnedCostModel(r0.shape_spec(), cluster, TrainingSpec(dtype=r0.dtype, seq_len=r0.seq_len,
+                                                                        **r0.run_options), predictor)
         rows = [records[i] for i in idx]
         pred = cost.layer_costs(np.zeros(len(rows), dtype=int), [r.tp for r in rows],
                                 [r.micro_batch_size for r in rows], [r.seq_len for r in rows],
@@ -272,7 +296,7 @@ def analytical_records(records: list[Measurement]) -> np.ndarray:
     out = np.zeros(len(records))
     for i, r in enumerate(records):
         cost = AnalyticalCostModel(r.shape_spec(), bench_cluster(DeviceType(name=r.device_type, **r.device)),
-                                   TrainingSpec(dtype=r.dtype, seq_len=r.seq_len))
+                                   TrainingSpec(dtype=r.dtype, seq_len=r.seq_len, **r.run_options))
         out[i] = cost.layer_costs([0], [r.tp], [r.micro_batch_size], [r.seq_len], [0]).time_s[0]
     return out
 
@@ -473,9 +497,8 @@ def cache_benchmark(trials: int) -> dict:
     records = sailor_records()
     predictor = fit_predictor(records, trials=trials)
     names = ("A100-40", "V100-16", "RTX-3090")
-    types = tuple(DeviceType(name=n, vendor="nvidia", memory_gib=SAILOR_DEVICES[n]["memory_gib"],
-                             peak_tflops=SAILOR_DEVICES[n]["peak_tflops"],
-                             memory_bandwidth_gbps=SAILOR_DEVICES[n]["memory_bandwidth_gbps"]) for n in names)
+    types = tuple(DeviceType(name=n, vendor="nvidia", **{k: v for k, v in SAILOR_DEVICES[n].items() if k != "link"})
+                  for n in names)
     cluster = ClusterSpec("bench", types, tuple(Node(f"n{i}", ((n, 8),), 300.0) for i, n in enumerate(names)), 25.0)
     inner = LearnedCostModel(MODEL_CATALOG["llama3-8b"], cluster, TrainingSpec(), predictor)
     cached = CachedCostModel(inner)
