@@ -8,7 +8,10 @@
 3. The cross-vendor path: two processes on this GPU as two communication domains (each its own
    native group), a CUDA tensor summed between them over the bridge (staged to pinned host
    memory and back), and strict mode refusing a CUDA tensor sent over the bridge unstaged.
-4. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
+4. The matmul rates memx's defaults assume: an 8,192-cube GEMM's TFLOPS in bf16, in fp32 with TF32
+   off and in fp32 as TF32 (``BEST_MATMUL_SHARE``, ``FP32_MATMUL_SHARE``, TF32 at half the 16-bit
+   peak).
+5. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
    calibration in the job, the plan, 10 training steps; predicted against measured peak memory
    and step time, from the script's per-step lines.
 
@@ -77,6 +80,35 @@ def calibration_check() -> list[dict]:
             "analytical_activation_plus_working_gib": round(
                 float(analytical.activation_bytes + analytical.working_bytes) / 2**30, 3)})
     return rows
+
+
+def matmul_rates(device: str = "cuda", n: int = 8192, repeats: int = 10) -> dict:
+    """TFLOPS of an n x n x n GEMM in bf16, in fp32 with TF32 off and in fp32 as TF32: what
+    memx's defaults assume of this GPU (the best bf16 matmul's share of the peak,
+    ``BEST_MATMUL_SHARE``; fp32 CUDA-core GEMMs at ``FP32_MATMUL_SHARE`` of the fp32 peak; TF32
+    at half the 16-bit peak), measured."""
+    import torch
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    out = {}
+    try:
+        for name, dtype, tf32 in (("bf16", torch.bfloat16, False), ("fp32", torch.float32, False),
+                                  ("tf32", torch.float32, True)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+            for _ in range(2):
+                a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            out[name] = round(2.0 * n ** 3 * repeats / (time.perf_counter() - started) / 1e12, 3)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    return out
 
 
 def nvml_check() -> dict:
@@ -221,6 +253,8 @@ def main() -> int:
     print(f"nvml vs torch: {result['nvml_vs_torch']}", flush=True)
     result["bridge"] = bridge_check()
     print(f"bridge: {result['bridge']}", flush=True)
+    result["matmul_tflops"] = matmul_rates()
+    print(f"matmul TFLOPS: {result['matmul_tflops']}", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         result["memx_run"] = memx_run_check(workdir)
     print(f"memx-run: exit {result['memx_run']['exit_code']}, {len(result['memx_run']['steps'])} steps", flush=True)

@@ -13,6 +13,7 @@ from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.optimizer_step import HOST_ADAM_S_PER_PARAM, optimizer_step_seconds
 from memx_launch.planning.peaks import training_tflops
 from memx_launch.specs.bridge import HOST_COPY_GBPS
+from memx_launch.specs.efficiency import FP32_MATMUL_SHARE
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.model import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -35,7 +36,7 @@ def _estimate(training, **layout):
 def test_tf32_runs_fp32_matmuls_at_half_the_16_bit_peak_on_ampere_and_later_only():
     a100 = DeviceType(name="a", **A100)
     fp32, tf32 = TrainingSpec(dtype="fp32"), TrainingSpec(dtype="fp32", tf32=True)
-    assert training_tflops(a100, fp32) == pytest.approx(19.5 * 0.75)
+    assert training_tflops(a100, fp32) == pytest.approx(19.5 * FP32_MATMUL_SHARE)  # CUDA-core GEMMs
     assert training_tflops(a100, tf32) == pytest.approx(312 / 2 * 0.75)
     assert training_tflops(a100, TrainingSpec(tf32=True)) == training_tflops(a100, TrainingSpec())  # bf16
     for old in (dict(compute_capability=7.0), dict(vendor="amd")):  # V100, an AMD GPU: no TF32

@@ -30,3 +30,12 @@ def test_step_lines_are_read():
             "2960.4/3049.6 MiB, mb 849.3/408.9 ms  (measured/predicted)")
     [match] = STEP.findall(line)
     assert match == ("3", "6.253072", "0.980", "0.419", "2960.4", "3049.6", "849.3", "408.9")
+
+
+def test_matmul_rates_time_the_three_precisions():
+    from benchmarks.gpu_check import matmul_rates
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    rates = matmul_rates(device="cpu", n=128, repeats=2)
+    assert set(rates) == {"bf16", "fp32", "tf32"} and all(r > 0 for r in rates.values())
+    assert torch.backends.cuda.matmul.allow_tf32 == before  # the process's setting is restored

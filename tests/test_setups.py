@@ -8,6 +8,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.planning.data_parallel import data_parallel_sync_time
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
+from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY, FP32_MATMUL_SHARE
 from memx_launch.specs.model import ModelSpec, get_model
 from memx_launch.specs.training import SETUPS, TrainingSpec
 
@@ -79,7 +80,7 @@ def test_overhead_and_fp32_peak_of_a_device_type():
     assert nvidia.communicator_bytes == 0.6 * 2**30
     assert DeviceType("cpu", "cpu", 8, 1).overhead_bytes == 0
     assert DeviceType("a", "nvidia", 80, 312, memory_overhead_gib=5).overhead_bytes == 5 * 2**30
-    assert nvidia.effective_tflops_for("fp32") == pytest.approx(nvidia.effective_tflops / 2)
+    assert nvidia.effective_tflops_for("fp32") == pytest.approx(156 * FP32_MATMUL_SHARE)  # its own peak and share
     assert nvidia.effective_tflops_for("bf16") == nvidia.effective_tflops
     with pytest.raises(ConfigError, match="memory_overhead_gib"):
         DeviceType("a", "nvidia", 80, 312, memory_overhead_gib=90)
@@ -185,7 +186,9 @@ def test_small_layers_are_launch_bound_and_fp32_uses_its_peak():
     args = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 4096), np.zeros(1))
     bf16 = float(cm.AnalyticalCostModel(model, cluster, TrainingSpec()).layer_costs(*args).time_s[0])
     fp32 = float(cm.AnalyticalCostModel(model, cluster, TrainingSpec(dtype="fp32")).layer_costs(*args).time_s[0])
-    assert fp32 / bf16 > 0.8 * 312 / 19.5  # compute bound: the peak ratio, less the memory-bound share
+    # Compute bound: the ratio of the sustained rates (tensor cores' and CUDA cores' shares of their
+    # peaks), less the memory-bound share.
+    assert fp32 / bf16 > 0.8 * (312 * DEFAULT_EFFICIENCY) / (19.5 * FP32_MATMUL_SHARE)
 
 
 def test_fp32_dropout_scores_are_two_fp32_tensors_and_a_byte_mask():

@@ -13,7 +13,7 @@ from typing import Any
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.bridge import DOMAIN_BY_VENDOR, Bridge, bridge_from
-from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY, default_efficiency
+from memx_launch.specs.efficiency import FP32_MATMUL_SHARE, default_efficiency
 from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_positive, require_type
 from memx_launch.specs.inputs import load_yaml
 from memx_launch.specs.node import GPU_LINKS, Node
@@ -109,9 +109,9 @@ class DeviceType:
 
     def effective_tflops_for(self, dtype: str) -> float:
         """Sustained TFLOPS for training in ``dtype``: the fp32 peak for fp32 when given, at the
-        type's efficiency or DEFAULT_EFFICIENCY (the measured Hopper share is of 16-bit matmuls)."""
+        type's efficiency or FP32_MATMUL_SHARE (CUDA-core GEMMs; the 16-bit shares are tensor cores')."""
         if dtype == "fp32" and self.peak_tflops_fp32 is not None:
-            return self.peak_tflops_fp32 * (self.efficiency if self.efficiency is not None else DEFAULT_EFFICIENCY)
+            return self.peak_tflops_fp32 * (self.efficiency if self.efficiency is not None else FP32_MATMUL_SHARE)
         return self.effective_tflops
 
     @property
