@@ -42,6 +42,11 @@ def device(name: str) -> DeviceType:
     return DeviceType(name, "nvidia", **{k: v for k, v in SAILOR_DEVICES[name].items() if k != "link"})
 
 
+def _message(exc: ConfigError) -> str:
+    """The import's error with the table's path from shared/ on, wherever shared/ lies."""
+    return str(exc).replace(shared_dir(), "shared")
+
+
 def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
     model = get_model(SAILOR_MODELS[model_dir])
     dev = device(gpu)
@@ -51,12 +56,12 @@ def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
         records = import_profile(path, fmt, model, dev, **kwargs)
         entry["fp32_import"] = "ok"
     except ConfigError as exc:
-        entry["fp32_import"] = str(exc)
+        entry["fp32_import"] = _message(exc)
         try:
             records = import_profile(path, fmt, model, dev, run_options={"tf32": True}, **kwargs)
             entry["tf32_import"] = "ok"
         except ConfigError as tf32_exc:
-            entry["tf32_import"] = str(tf32_exc)
+            entry["tf32_import"] = _message(tf32_exc)
             return entry
     timed = [r for r in records if r.time_s]
     shares = [matmul_floor_seconds(r, dev, FP32) / r.time_s for r in timed]
