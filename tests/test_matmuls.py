@@ -79,3 +79,15 @@ def test_thin_layers_reach_a_smaller_share_of_peak():
     assert max(achieved.values()) < best
     assert achieved[1024, 1] < achieved[1024, 8] < achieved[8192, 8]
     assert achieved[1024, 1] < 0.5 * achieved[8192, 8]
+
+
+def test_fp8_backward_gemms_pay_for_their_precise_accumulation():
+    """Training promotes the FP8 backward GEMMs' partial sums to fp32 (torchao, Transformer
+    Engine); the forward keeps the tensor cores' fast accumulation."""
+    tokens, shapes = 8192.0, [(4096.0, 4096.0), (11008.0, 4096.0)]
+    args = (1000e12, 3.35e12, 132, 1)
+    plain = mm.forward_backward_seconds(tokens, shapes, *args)
+    fp8 = mm.forward_backward_seconds(tokens, shapes, *args, fp8=True)
+    forward = sum(mm.gemm_seconds(tokens, n, k, *args) for n, k in shapes)
+    assert fp8 - forward == pytest.approx(mm.FP8_PRECISE_ACCUMULATION_SLOWDOWN * (plain - forward))
+    assert 1.1 <= mm.FP8_PRECISE_ACCUMULATION_SLOWDOWN <= 1.2  # pytorch/ao#2377's measured range

@@ -325,7 +325,7 @@ class AnalyticalCostModel:
         tokens = mbs_a * seq_a
         shapes = linear_shapes(self.model, tr, tp)
         gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
-        linear_s = forward_backward_seconds(tokens, shapes, *gemm)
+        linear_s = forward_backward_seconds(tokens, shapes, *gemm, fp8=tr.fp8 is not None)
         linear_forward_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in shapes)
         # Op-level selective recompute runs every other projection again (op_checkpointing.py).
         op_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in op_checkpointing.recomputed_projections(

@@ -28,6 +28,11 @@ _TILE_SIDES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 6
 TILES = tuple((float(a), float(b), min(1.0, a * b / (a + b) / 64.0)) for a, b in _TILE_SIDES)
 # K of pipeline fill and epilogue per output tile (a few 32-64 deep K steps).
 K_FILL = 128.0
+# FP8 tensor cores (Ada, Hopper) accumulate at reduced precision. Training runs the forward GEMM
+# with that fast accumulation and promotes the backward's two GEMMs' partial sums to fp32
+# (torchao's Float8Linear: use_fast_accum for the output only; Transformer Engine: the split
+# accumulator for dgrad and wgrad), which costs them 1.1-1.2x (pytorch/ao#2377): 1.15 here.
+FP8_PRECISE_ACCUMULATION_SLOWDOWN = 1.15
 # Streaming multiprocessors by NVIDIA compute capability, the datacenter part of each
 # generation (V100, T4, A100, A10G, L4, H100/H200/GH200); AMD: MI300X's compute units.
 SMS_BY_COMPUTE_CAPABILITY = {7.0: 80, 7.5: 40, 8.0: 108, 8.6: 80, 8.9: 58, 9.0: 132}
@@ -79,15 +84,18 @@ def gemm_seconds(m, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> np.n
     return np.maximum(compute, memory)
 
 
-def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> np.ndarray:
+def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes,
+                             fp8: bool = False) -> np.ndarray:
     """One layer's linear layers forward and backward: for each weight of ``shapes`` ((N, K):
     output and input features, per TP rank), the forward M x N x K, the input gradient M x K x N
-    and the weight gradient N x K x M, with M the tokens of the micro-batch."""
+    and the weight gradient N x K x M, with M the tokens of the micro-batch; in ``fp8`` the two
+    backward GEMMs at their precise accumulation's cost (FP8_PRECISE_ACCUMULATION_SLOWDOWN)."""
+    backward_slowdown = FP8_PRECISE_ACCUMULATION_SLOWDOWN if fp8 else 1.0
     total = 0.0
     for n, k in shapes:
         total = total + (gemm_seconds(tokens, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
-                         + gemm_seconds(tokens, k, n, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
-                         + gemm_seconds(n, k, tokens, best_flops, hbm_bytes_per_s, sms, dtype_bytes))
+                         + backward_slowdown * (gemm_seconds(tokens, k, n, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
+                                                + gemm_seconds(n, k, tokens, best_flops, hbm_bytes_per_s, sms, dtype_bytes)))
     return total
 
 
