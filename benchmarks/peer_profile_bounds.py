@@ -5,7 +5,8 @@ fp32 on its GPU's datasheet peaks, and again with ``--tf32`` where the fp32 impo
 A block cannot run faster than its matmul FLOPs at the peak of the precision it ran in
 (``profile_import.matmul_floor_seconds``); the import refuses such a row and names ``--tf32``.
 Per table: its records, the largest share of the fp32 peak a row would have reached (over 1: not
-fp32), what the fp32 import says, and whether the TF32 import takes it.
+fp32), what the fp32 import says, whether the TF32 import takes it, and its fastest block
+(forward and backward): where a framework's host time per layer shows.
 
 Peaks: the vendor datasheets' of ``predictor_accuracy.SAILOR_DEVICES`` (TF32 is half the 16-bit
 peak on compute capability 8.0 and later; the others have none).
@@ -66,7 +67,8 @@ def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
     timed = [r for r in records if r.time_s]
     shares = [matmul_floor_seconds(r, dev, FP32) / r.time_s for r in timed]
     entry.update(records=len(timed), max_share_of_fp32_peak=round(max(shares), 3),
-                 rows_over_the_fp32_peak=sum(s > 1 for s in shares))
+                 rows_over_the_fp32_peak=sum(s > 1 for s in shares),
+                 fastest_block_ms=round(1e3 * min(r.time_s for r in timed), 2))
     return entry
 
 
