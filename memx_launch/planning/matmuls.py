@@ -90,12 +90,12 @@ def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, d
     output and input features, per TP rank), the forward M x N x K, the input gradient M x K x N
     and the weight gradient N x K x M, with M the tokens of the micro-batch; in ``fp8`` the two
     backward GEMMs at their precise accumulation's cost (FP8_PRECISE_ACCUMULATION_SLOWDOWN)."""
+    rate = (best_flops, hbm_bytes_per_s, sms, dtype_bytes)
     backward_slowdown = FP8_PRECISE_ACCUMULATION_SLOWDOWN if fp8 else 1.0
     total = 0.0
     for n, k in shapes:
-        total = total + (gemm_seconds(tokens, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
-                         + backward_slowdown * (gemm_seconds(tokens, k, n, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
-                                                + gemm_seconds(n, k, tokens, best_flops, hbm_bytes_per_s, sms, dtype_bytes)))
+        backward = gemm_seconds(tokens, k, n, *rate) + gemm_seconds(n, k, tokens, *rate)
+        total = total + gemm_seconds(tokens, n, k, *rate) + backward_slowdown * backward
     return total
 
 
