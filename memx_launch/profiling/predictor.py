@@ -52,7 +52,9 @@ from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, 
 
 PREDICTOR_FORMAT = 7
 """5: per-type trees in files of their own, each with its sha256 in the sidecar; 6: emulated
-samples are learned against the estimate of the CPU they ran on (their vendor's GPU before)."""
+samples are learned against the estimate of the CPU they ran on (their vendor's GPU before);
+7: the comm_share feature counts a block's TP all-reduces as the cost model does (separate gate
+and up linears, parallel blocks, op-level recompute)."""
 MIN_OWN_RECORDS = 8
 """Measured feasible samples from which a device type gets trees of its own (a three-point
 design over micro-batch and TP holds 9; the new-type design's 5 lean on the fleet)."""
