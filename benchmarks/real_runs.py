@@ -38,6 +38,10 @@ Data (development sets of issue 10, in shared/peer-data):
   ranks (Sailor's ``get_total_used_mem`` in ``deepspeed/pipe_engine.py``): context,
   communicator buffers and the allocator's reserve included, as memx's peak counts them.
 
+Host time: the Sailor plans again with ``--host-ms-per-layer`` at the fastest block of Sailor's
+OPT-350 profile on GH-96 (an eager framework issues a layer no faster; memx's default is a
+fused block's).
+
 Calibrated: the Sailor plans again with the learned model fitted on the public Sailor profile
 of their GPU type and model (block, embedding and head times; no memory in that profile).
 
@@ -53,6 +57,7 @@ Sailor section fits the learned model once)
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import sys
@@ -161,10 +166,12 @@ def gh200_cluster(nodes: int, efficiency: float | None = None) -> ClusterSpec:
         "inter_node_gbps": 25})
 
 
-def sailor(shared: str, cost_model=None, efficiency: float | None = None) -> list[dict]:
+def sailor(shared: str, cost_model=None, efficiency: float | None = None,
+           host_ms_per_layer: float | None = None) -> list[dict]:
     """The 15 plans predicted through ``memx estimate``'s path; ``cost_model(model, cluster,
     training)`` gives the cost model of each plan's cluster (None: the analytical one, at
-    ``efficiency`` of the GH-96 peak, or the default)."""
+    ``efficiency`` of the GH-96 peak, or the default); ``host_ms_per_layer``: the framework's
+    host time per layer (``--host-ms-per-layer``; None: memx's default)."""
     rows = []
     model = get_model("opt-350m")
     with open(os.path.join(shared, "peer-data", "sailor-plans-dev", "opt350_gh96_plans.csv")) as f:
@@ -186,12 +193,21 @@ def sailor(shared: str, cost_model=None, efficiency: float | None = None) -> lis
             rows.append(row)
             continue
         dp, tp = dps.pop(), tps.pop()
-        training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32", **SAILOR_RUN_OPTIONS)
+        training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
+                                host_ms_per_layer=host_ms_per_layer, **SAILOR_RUN_OPTIONS)
         cluster = gh200_cluster(nodes, efficiency)
         rows.append(predicted(row, model, cluster, training, parts=True, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
                               layers_per_stage=layers, recompute=d["recompute"],
                               cost_model=cost_model(model, cluster, training) if cost_model else None))
     return rows
+
+
+def fastest_profiled_block_ms(shared: str) -> float:
+    """The fastest block (forward and backward) of Sailor's OPT-350 profile on GH-96: the host
+    time per layer of its eager framework, where no device work hides it."""
+    with open(os.path.join(shared, "peer-data", "sailor", "profiles", "OPT-350", "GH-96", "profile.json")) as f:
+        profile = json.load(f)
+    return round(1e3 * min(sum(units["1"][:2]) for by_tp in profile.values() for units in by_tp.values()), 2)
 
 
 def sailor_calibrated(shared: str, trials: int = 10, fleet: bool = False) -> tuple[list[dict], dict]:
@@ -328,6 +344,12 @@ def main() -> None:
     result["sailor_opt350_gh200_calibrated"] = {
         "cost_model": "learned (XGBoost over the analytical model), fitted on the plans' GPU type and model",
         **fitted, **sailor_summary(calibrated), "rows": calibrated}
+    host_ms = fastest_profiled_block_ms(shared)
+    hosted = sailor(shared, host_ms_per_layer=host_ms)
+    result["sailor_opt350_gh200_host_time"] = {
+        "cost_model": f"analytical with --host-ms-per-layer {host_ms}: the fastest block of Sailor's OPT-350 profile "
+                      "on GH-96 (its eager framework's host time per layer)",
+        "host_ms_per_layer": host_ms, **sailor_summary(hosted), "rows": hosted}
     fleet_rows, fleet_fitted = sailor_calibrated(shared, fleet=True)
     result["sailor_opt350_gh200_calibrated_fleet_db"] = {
         "cost_model": "learned, fitted on a DB holding the plans' GPU type and model and every other GPU type's "
@@ -341,7 +363,8 @@ def main() -> None:
     print("hagemann", brief)
     for name, g in groups.items():
         print(" ", name, {k: v for k, v in g.items() if k in ("time_mape_pct", "spearman", "regret_pct")})
-    for key in ("sailor_opt350_gh200", "sailor_opt350_gh200_calibrated", "sailor_opt350_gh200_calibrated_fleet_db"):
+    for key in ("sailor_opt350_gh200", "sailor_opt350_gh200_host_time", "sailor_opt350_gh200_calibrated",
+                "sailor_opt350_gh200_calibrated_fleet_db"):
         print(key, {k: result[key][k] for k in ("time", "memory_mape_pct", "spearman_all_plans")})
     print(f"{result['seconds']} s")
 

@@ -212,3 +212,30 @@ def test_a_fused_cross_entropy_keeps_the_16_bit_logits_and_their_gradient_only()
     assert float(cm.logits_bytes(model, mbs, seq, 4, TrainingSpec(fused_loss=True))) == logits  # vocab-parallel: 1/TP
     torch_loss = TrainingSpec(vocab_parallel_loss=False)
     assert float(cm.logits_bytes(model, mbs, seq, 4, torch_loss)) == 14 * logits
+
+
+def test_a_frameworks_host_time_is_the_least_a_layer_takes(tmp_path, capsys):
+    """--host-ms-per-layer: an eager framework's host time per layer bounds small layers from
+    below, their TP collectives hidden behind it; a layer whose device work is longer is unchanged."""
+    from estimates import cases_rows, cluster_file
+
+    from memx_launch.cli import main
+
+    tiny = get_model("llama-tiny")
+    small = (np.zeros(1, int), np.full(1, 2.0), np.ones(1), np.full(1, 64), np.zeros(1))  # TP 2
+    fused = cm.AnalyticalCostModel(tiny, _cluster(), TrainingSpec()).layer_costs(*small).time_s[0]
+    eager = cm.AnalyticalCostModel(tiny, _cluster(), TrainingSpec(host_ms_per_layer=3.0)).layer_costs(*small).time_s[0]
+    assert fused == pytest.approx(cm.KERNELS_PER_LAYER * cm.KERNEL_LAUNCH_S) and eager == pytest.approx(3e-3)
+    big = (np.zeros(1, int), np.ones(1), np.full(1, 4.0), np.full(1, 4096), np.zeros(1))
+    times = [cm.AnalyticalCostModel(get_model("llama2-7b"), _cluster(), TrainingSpec(host_ms_per_layer=ms))
+             .layer_costs(*big).time_s[0] for ms in (None, 3.0)]
+    assert times[0] > 3e-3 and times[0] == times[1]
+    setup = ["--model", "llama-tiny", "--cluster", cluster_file(tmp_path, _cluster_dict()),
+             "--global-batch-size", "8", "--seq-len", "64"]
+    rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,host_ms_per_layer\n"
+                      "fused,1,1,8,1,\neager,1,1,8,1,3\n", setup)
+    assert rows["eager"]["iteration_time_s"] > 10 * rows["fused"]["iteration_time_s"]
+    layout = ["--tp", "1", "--pp", "1", "--dp", "8", "--micro-batch-size", "1"]
+    assert main(["estimate", *setup, *layout, "--host-ms-per-layer", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--host-ms-per-layer" in err and "positive" in err

@@ -44,8 +44,8 @@ _DEFAULT_FLOPS_PER_BYTE = 150.0
 # Latency of one collective step or point-to-point message (NCCL over NVLink or InfiniBand:
 # a few microseconds of launch and protocol per hop), the alpha of the alpha-beta model.
 LINK_LATENCY_S = 10e-6
-# Host time to launch one CUDA kernel; a block's forward + backward runs about 40 kernels
-# (norms, linears, attention, activations, their backward), so a small block is launch bound.
+# Host time to launch one kernel of a fused block's ~40 forward and backward (Megatron-LM with
+# Transformer Engine): a small block is host bound. ``--host-ms-per-layer`` replaces the product.
 KERNEL_LAUNCH_S = 5e-6
 KERNELS_PER_LAYER = 40
 # HBM bytes the cross entropy moves per logit, forward and backward: the fp32 cast (read 2,
@@ -295,11 +295,11 @@ class AnalyticalCostModel:
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
         self._attention_speed = np.array([fused_attention_speed(training.flash_attention_version,
                                                                 d.compute_capability) for d in self.device_types])
-        # Accelerators launch kernels from the host and talk through NCCL/RCCL; CPU stand-ins
-        # (emulation, profiling on a CPU) run their ops inline and are timed without these.
+        # Accelerators run behind the host's launches and talk through NCCL/RCCL; CPU stand-ins
+        # (emulation, profiling on a CPU) run their ops inline, timed without either.
         accelerator = np.array([d.vendor != "cpu" and not stand_in for d in self.device_types])
-        self._launch_s = np.where(accelerator, KERNELS_PER_LAYER * KERNEL_LAUNCH_S, 0.0)
-        self._accelerator = accelerator
+        host_s = (training.host_ms_per_layer or 1e3 * KERNELS_PER_LAYER * KERNEL_LAUNCH_S) / 1e3
+        self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
@@ -359,7 +359,7 @@ class AnalyticalCostModel:
             # follows: the first chunk waits, and whatever the GEMMs cannot cover.
             comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
         launch_s = self._launch_s[device] * np.where((recompute == FULL) | op_level, 1.5, 1.0)
-        time_s = np.maximum(compute_s + memory_s, launch_s) * self._slowdown[device] + comm_s
+        time_s = np.maximum((compute_s + memory_s) * self._slowdown[device] + comm_s, launch_s)  # behind the host
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 
     def attention_seconds(self, device, tp, mbs, seq) -> tuple[np.ndarray, np.ndarray]:

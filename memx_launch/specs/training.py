@@ -192,6 +192,11 @@ class TrainingSpec:
     """fp32 training's matmuls run as TF32 on NVIDIA Ampere and later (NGC containers turn it
     on; PyTorch's ``torch.backends.cuda.matmul.allow_tf32``): at the TF32 peak, half the dense
     16-bit ``peak_tflops``, instead of ``peak_tflops_fp32``. Other devices ignore it."""
+    host_ms_per_layer: float | None = None
+    """Host time in ms the framework takes to issue one layer's forward and backward on an
+    accelerator: no layer takes less (the device runs behind the host). Unset: a fused block's
+    (Megatron-LM, Transformer Engine), 40 ops of 5 us. Eager frameworks take far longer: Sailor's
+    Megatron-DeepSpeed profiles bottom out at 3.13-3.60 ms per OPT-350 layer."""
     frozen_fraction: float = 0.0
     """Fine-tuning: the share of the model's parameters that is frozen (no gradients, no
     optimizer states, no weight-gradient GEMMs; their weights are still kept, gathered and
@@ -241,6 +246,9 @@ class TrainingSpec:
             raise ConfigError("--selective-recompute", f"unknown policy {self.selective_recompute!r}",
                               f"use one of {', '.join(SELECTIVE_POLICIES)}")
         require_type(self.tf32, bool, "--tf32", "true or false")
+        if self.host_ms_per_layer is not None:
+            require_number(self.host_ms_per_layer, "--host-ms-per-layer", lo=0, lo_open=True, hi=1000.0,
+                           fix="give the milliseconds one layer's forward and backward take to issue, e.g. 3")
         require_type(self.optimizer_offload, bool, "--optimizer-offload", "true or false")
         if self.fp8 is not None:
             if self.fp8 not in FP8_RECIPES:
