@@ -26,21 +26,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.predictor_accuracy import SAILOR_DEVICES, SAILOR_MODELS, SAILOR_SEQ  # noqa: E402
+from benchmarks.predictor_accuracy import SAILOR_MODELS, SAILOR_SEQ, sailor_device  # noqa: E402
 from benchmarks.real_runs import shared_dir  # noqa: E402
 from memx_launch.errors import ConfigError  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.profiling.profile_import import import_profile, matmul_floor_seconds  # noqa: E402
-from memx_launch.specs.cluster import DeviceType  # noqa: E402
 from memx_launch.specs.model import get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "peer_profile_bounds.json")
 FP32 = TrainingSpec(dtype="fp32")
-
-
-def device(name: str) -> DeviceType:
-    return DeviceType(name, "nvidia", **{k: v for k, v in SAILOR_DEVICES[name].items() if k != "link"})
 
 
 def _message(exc: ConfigError) -> str:
@@ -50,7 +45,7 @@ def _message(exc: ConfigError) -> str:
 
 def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
     model = get_model(SAILOR_MODELS[model_dir])
-    dev = device(gpu)
+    dev = sailor_device(gpu)
     kwargs = dict(dtype="fp32", seq_len=SAILOR_SEQ[model_dir])
     entry = {"table": f"{fmt} {model_dir}/{gpu}"}
     try:

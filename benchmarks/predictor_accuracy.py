@@ -32,7 +32,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -67,22 +67,23 @@ SAILOR_SEQ = {"OPT-350": 2048, "GPT-Neo-2.7": 2048, "OPT-30": 2048, "LLAMA-3-8":
 # fp32 CUDA-core peak the fp32 profiles run at, compute capability (TF32 from 8.0: half the
 # 16-bit peak), SMs, HBM GB/s, and the per-direction bandwidth of the link a TP group of that type
 # uses (NVLink or PCIe).
-SAILOR_DEVICES = {
-    "A100-40": dict(memory_gib=40, peak_tflops=312, peak_tflops_fp32=19.5, compute_capability=8.0, sm_count=108,
-                    memory_bandwidth_gbps=1555, link=300),
-    "A100-80": dict(memory_gib=80, peak_tflops=312, peak_tflops_fp32=19.5, compute_capability=8.0, sm_count=108,
-                    memory_bandwidth_gbps=2039, link=300),
-    "GH-96": dict(memory_gib=96, peak_tflops=989, peak_tflops_fp32=67.0, compute_capability=9.0, sm_count=132,
-                  memory_bandwidth_gbps=4000, link=150),
-    "V100-16": dict(memory_gib=16, peak_tflops=125, peak_tflops_fp32=15.7, compute_capability=7.0, sm_count=80,
-                    memory_bandwidth_gbps=900, link=150),
-    "RTX-2080": dict(memory_gib=8, peak_tflops=40.3, peak_tflops_fp32=10.1, compute_capability=7.5, sm_count=46,
-                     memory_bandwidth_gbps=448, link=16),
-    "RTX-3090": dict(memory_gib=24, peak_tflops=71, peak_tflops_fp32=35.6, compute_capability=8.6, sm_count=82,
-                     memory_bandwidth_gbps=936, link=25),
-    "Titan-RTX": dict(memory_gib=24, peak_tflops=130, peak_tflops_fp32=16.3, compute_capability=7.5, sm_count=72,
-                      memory_bandwidth_gbps=672, link=16),
-}
+_DATASHEET = ("memory_gib", "peak_tflops", "peak_tflops_fp32", "compute_capability", "sm_count",
+              "memory_bandwidth_gbps", "link")
+SAILOR_DEVICES = {name: dict(zip(_DATASHEET, row)) for name, row in {
+    "A100-40": (40, 312, 19.5, 8.0, 108, 1555, 300),
+    "A100-80": (80, 312, 19.5, 8.0, 108, 2039, 300),
+    "GH-96": (96, 989, 67.0, 9.0, 132, 4000, 150),
+    "V100-16": (16, 125, 15.7, 7.0, 80, 900, 150),
+    "RTX-2080": (8, 40.3, 10.1, 7.5, 46, 448, 16),
+    "RTX-3090": (24, 71, 35.6, 8.6, 82, 936, 25),
+    "Titan-RTX": (24, 130, 16.3, 7.5, 72, 672, 16),
+}.items()}
+
+
+def sailor_device(gpu: str, **fields) -> DeviceType:
+    """A Sailor GPU type as its datasheet describes it (``fields``: more DeviceType fields)."""
+    return DeviceType(name=gpu, vendor="nvidia", **{k: v for k, v in SAILOR_DEVICES[gpu].items() if k != "link"},
+                      **fields)
 MAX_NEW_TYPE_SAMPLES = 5
 
 
@@ -103,15 +104,13 @@ def block_record(gpu: str, model_dir: str, tp: int, mbs: int, time_s: float, sou
     tables whose matmuls ran as TF32."""
     spec = MODEL_CATALOG[SAILOR_MODELS[model_dir]]
     spec = type(spec)(**{**spec.to_dict(), "seq_len": SAILOR_SEQ[model_dir]})
-    desc = dict(SAILOR_DEVICES[gpu])
-    desc.pop("link")
-    device = {"vendor": "nvidia", **desc, "efficiency": None, "flash_attention": False}
+    device = sailor_device(gpu, flash_attention=False)
     # The link as memx's profiler records it: what the TP group reaches on the cluster it ran
     # on (tp_links.tp_link: through the host on a PCIe node), the link the learned ratio's
     # analytical base is taken at (features.profiled_cluster).
-    link = tp_link(bench_cluster(DeviceType(name=gpu, **device)), gpu, tp)
+    link = tp_link(bench_cluster(device), gpu, tp)
     return Measurement(
-        device_type=gpu, device=device,
+        device_type=gpu, device={k: v for k, v in asdict(device).items() if k != "name"},
         model=spec.name, model_signature=spec.signature(), block_shape=spec.to_dict(),
         tp=tp, micro_batch_size=mbs, seq_len=spec.seq_len, recompute="none", dtype="fp32",
         num_blocks=1, feasible=True, time_s=time_s, tp_link_gbps=float(link.gbps),
@@ -497,8 +496,7 @@ def cache_benchmark(trials: int) -> dict:
     records = sailor_records()
     predictor = fit_predictor(records, trials=trials)
     names = ("A100-40", "V100-16", "RTX-3090")
-    types = tuple(DeviceType(name=n, vendor="nvidia", **{k: v for k, v in SAILOR_DEVICES[n].items() if k != "link"})
-                  for n in names)
+    types = tuple(sailor_device(n) for n in names)
     cluster = ClusterSpec("bench", types, tuple(Node(f"n{i}", ((n, 8),), 300.0) for i, n in enumerate(names)), 25.0)
     inner = LearnedCostModel(MODEL_CATALOG["llama3-8b"], cluster, TrainingSpec(), predictor)
     cached = CachedCostModel(inner)

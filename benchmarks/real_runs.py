@@ -57,7 +57,6 @@ Sailor section fits the learned model once)
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import sys
@@ -205,9 +204,10 @@ def sailor(shared: str, cost_model=None, efficiency: float | None = None,
 def fastest_profiled_block_ms(shared: str) -> float:
     """The fastest block (forward and backward) of Sailor's OPT-350 profile on GH-96: the host
     time per layer of its eager framework, where no device work hides it."""
-    with open(os.path.join(shared, "peer-data", "sailor", "profiles", "OPT-350", "GH-96", "profile.json")) as f:
-        profile = json.load(f)
-    return round(1e3 * min(sum(units["1"][:2]) for by_tp in profile.values() for units in by_tp.values()), 2)
+    from benchmarks.predictor_accuracy import sailor_records
+
+    records = sailor_records(os.path.join(shared, "peer-data", "sailor", "profiles"))
+    return round(1e3 * min(r.time_s for r in records if r.device_type == "GH-96" and r.model == "opt-350m"), 2)
 
 
 def sailor_calibrated(shared: str, trials: int = 10, fleet: bool = False) -> tuple[list[dict], dict]:

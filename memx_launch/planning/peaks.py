@@ -21,11 +21,16 @@ def has_tf32(device: DeviceType) -> bool:
                                           or device.compute_capability >= AMPERE_COMPUTE_CAPABILITY)
 
 
+def runs_as_tf32(device: DeviceType, training: TrainingSpec) -> bool:
+    """``training``'s fp32 matmuls run on ``device``'s TF32 tensor cores (``--tf32`` on a TF32 device)."""
+    return training.dtype == "fp32" and training.tf32 and has_tf32(device)
+
+
 def matmul_peak_tflops(device: DeviceType, training: TrainingSpec) -> float:
     """The datasheet peak of ``training``'s block matmuls: TF32's (half the dense 16-bit peak) where
     fp32 runs on TF32 tensor cores, the fp32 peak for fp32 where the file gives it, else the
     16-bit peak. No timing of a block can beat its FLOPs at this rate."""
-    if training.dtype == "fp32" and training.tf32 and has_tf32(device):
+    if runs_as_tf32(device, training):
         return device.peak_tflops / 2.0
     if training.dtype == "fp32" and device.peak_tflops_fp32 is not None:
         return device.peak_tflops_fp32
@@ -36,7 +41,7 @@ def training_tflops(device: DeviceType, training: TrainingSpec) -> float:
     """Sustained TFLOPS of ``device``'s matmuls in ``training``: with ``tf32`` on a TF32 device,
     fp32 at the TF32 tensor-core peak, half the dense 16-bit peak (A100 156 of 312, H100 SXM 495
     of 989), at the 16-bit efficiency; else :meth:`DeviceType.effective_tflops_for`."""
-    if training.dtype == "fp32" and training.tf32 and has_tf32(device):
+    if runs_as_tf32(device, training):
         return device.effective_tflops / 2.0
     return device.effective_tflops_for(training.dtype)
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, replace
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.costmodel import layer_forward_flops
-from memx_launch.planning.peaks import has_tf32, matmul_peak_tflops
+from memx_launch.planning.peaks import matmul_peak_tflops, runs_as_tf32
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.planning.tp_links import record_fields
 from memx_launch.profiling.profiledb import Measurement
@@ -112,7 +112,7 @@ def _check_not_faster_than_the_peak(where: str, record: Measurement, device: Dev
             fix = f"pass --tf32 if its fp32 matmuls ran as TF32; else {fix}"
         raise ConfigError(f"{where}: time_s", f"{record.time_s * 1e3:.3g} ms is faster than the block's matmuls "
                           f"allow at {device.name}'s {record.dtype}"
-                          f"{' (TF32)' if training.tf32 and has_tf32(device) else ''} peak of "
+                          f"{' (TF32)' if runs_as_tf32(device, training) else ''} peak of "
                           f"{matmul_peak_tflops(device, training):g} TFLOPS (at least {floor_s * 1e3:.3g} ms)", fix)
 
 
