@@ -2,8 +2,9 @@
 
     python benchmarks/gpu_check.py            # writes benchmarks/results/gpu_check.json
 
-1. Calibration of llama2-7b blocks in bf16 with memx's real kernel (CUDA-event timing, allocated
-   and reserved peaks), against the analytical model's time and activation memory.
+1. Calibration of llama2-7b blocks in bf16 with memx's real kernel (CUDA-event timing, the
+   host's time to issue a block, allocated and reserved peaks), against the analytical model's
+   time and activation memory.
 2. The memory monitor's NVML reading against torch.cuda's (device total, this process's use).
 3. The cross-vendor path: two processes on this GPU as two communication domains (each its own
    native group), a CUDA tensor summed between them over the bridge (staged to pinned host
@@ -74,6 +75,7 @@ def calibration_check() -> list[dict]:
             "micro_batch_size": s.micro_batch_size, "seq_len": s.seq_len, "recompute": s.recompute,
             "feasible": m.feasible, "time_ms": None if m.time_s is None else round(m.time_s * 1e3, 3),
             "time_spread_ms": None if m.time_spread_s is None else round(m.time_spread_s * 1e3, 3),
+            "host_ms": None if m.host_time_s is None else round(m.host_time_s * 1e3, 3),
             "peak_allocated_gib": None if m.peak_memory_bytes is None else round(m.peak_memory_bytes / 2**30, 3),
             "peak_reserved_gib": None if m.peak_reserved_bytes is None else round(m.peak_reserved_bytes / 2**30, 3),
             "analytical_time_ms": round(float(analytical.time_s) * 1e3, 3),

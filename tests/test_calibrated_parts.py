@@ -9,13 +9,13 @@ import pytest
 
 from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, part_levels,
-                                                    with_type_fields)
+from memx_launch.profiling.calibrated_parts import (measured_efficiency, measured_overhead_gib, one_descriptor_set,
+                                                    part_levels, with_type_fields)
 from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor, training_signature
 from memx_launch.specs.cluster import ClusterSpec, Node
 from memx_launch.specs.model import MODEL_CATALOG
 from memx_launch.specs.training import TrainingSpec
-from tests.test_predictor import CLUSTER, DEVICE, SPEC, TRAINING, synthetic_records
+from tests.test_predictor import CLUSTER, DEVICE, LEVELS, SPEC, TRAINING, synthetic_records
 
 GIB = 2**30
 
@@ -184,3 +184,62 @@ def test_records_state_the_run_options_their_blocks_ran_with():
     with pytest.raises(ValueError, match="unknown run option"):
         Measurement.from_dict({**json.loads(records[0].to_json()), "run_options": {"turbo": True}})
     assert Measurement.from_dict(json.loads(records[0].to_json())) == records[0]
+
+
+def eager_gpu_records(host_s=1e-3, device_ratio=1.2):
+    """An eager framework's GPU: a block takes the longer of the host's time to issue it (half as
+    much again under full recompute) and the device's work (1.2 x the analytical); each record
+    measured the host's share of the plain step too."""
+    out = []
+    for r in synthetic_records(mbs_values=(1, 2, 4, 8, 16, 32), seqs=(64, 128, 256, 512)):
+        device_s = eager_truth([1], [r.micro_batch_size], [r.seq_len], [LEVELS.index(r.recompute)], host_s, device_ratio)
+        out.append(replace(r, time_s=float(device_s[0]), host_time_s=host_s))
+    return out
+
+
+def eager_truth(tp, mbs, seq, recompute, host_s=1e-3, device_ratio=1.2):
+    device_s = AnalyticalCostModel(SPEC, CLUSTER, TRAINING).layer_costs(np.zeros(len(tp), int), tp, mbs, seq, recompute)
+    return np.maximum(device_ratio * device_s.time_s, host_s * np.where(np.asarray(recompute) == 2, 1.5, 1.0))
+
+
+def test_a_types_measured_host_time_is_its_floor_and_the_trees_learn_the_work_above_it():
+    """The median host time of a type's records becomes its profiled host_ms_per_layer: the base
+    of its learned ratios, so a block no record measured is host-bound where the framework is,
+    and a large one keeps the device's ratio. (With the default floor the trees carry the small
+    blocks' ratio of 5 to TP 8 blocks no record measured: 3.4x too slow there.)"""
+    records = eager_gpu_records()
+    consistent, descriptors = one_descriptor_set(records)
+    assert descriptors["dev"]["host_ms_per_layer"] == pytest.approx(1.0)
+    assert all(r.device["host_ms_per_layer"] == pytest.approx(1.0) for r in consistent)
+    fitted = fit_predictor(records, trials=2)
+    assert fitted.meta["device_descriptors"]["dev"]["host_ms_per_layer"] == pytest.approx(1.0)
+    learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, fitted)
+    truth = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
+    # Unmeasured (the records are TP 1): TP 2 and TP 8, an odd micro-batch, a sequence between
+    # the sampled ones, one far beyond them.
+    query = (np.zeros(5, int), np.array([2, 8, 1, 1, 1]), np.array([2, 16, 3, 12, 64]),
+             np.array([128, 128, 96, 192, 1024]), np.zeros(5))
+    expected = eager_truth(*query[1:])
+    assert expected[0] == expected[1] == expected[2] == 1e-3 and expected[4] > 10e-3
+    assert np.allclose(learned.layer_costs(*query).time_s, expected, rtol=0.2)
+    unmeasured = fit_predictor([replace(r, host_time_s=None) for r in records], trials=2)
+    assert LearnedCostModel(SPEC, CLUSTER, TRAINING, unmeasured).layer_costs(*query).time_s[1] > 2 * expected[1]
+
+
+def test_the_host_time_flag_speaks_for_the_types_the_profile_did_not_measure():
+    """--host-ms-per-layer overrides every type's host time in the analytical model; the learned
+    model keeps a profiled type's base as it was fitted and gives the flag to the others."""
+    other = replace(DEVICE, name="other")
+    stated = replace(DEVICE, host_ms_per_layer=2.0)
+    small = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 64), np.zeros(1))
+    on_file = ClusterSpec("c", (stated,), CLUSTER.nodes, float("inf"))
+    assert AnalyticalCostModel(SPEC, on_file, TRAINING).layer_costs(*small).time_s[0] == pytest.approx(2e-3)
+    flagged = replace(TRAINING, host_ms_per_layer=5.0)
+    assert AnalyticalCostModel(SPEC, on_file, flagged).layer_costs(*small).time_s[0] == pytest.approx(5e-3)
+    fitted = fit_predictor(eager_gpu_records(), trials=2)
+    cluster = ClusterSpec("c", (DEVICE, other), (Node("n", (("dev", 1), ("other", 1)), 100.0),), float("inf"))
+    with pytest.warns(UserWarning, match="other"):
+        learned = LearnedCostModel(SPEC, cluster, flagged, fitted)
+    assert learned.analytical.cluster.device_type("dev").host_ms_per_layer == pytest.approx(1.0)
+    assert learned.analytical.cluster.device_type("other").host_ms_per_layer == 5.0
+    assert learned.layer_costs(*small).time_s[0] == pytest.approx(1e-3, rel=0.15)

@@ -120,3 +120,17 @@ def test_an_append_never_follows_a_link_into_another_file(tmp_path):
     with pytest.raises(OSError):  # the append itself refuses the link too (O_NOFOLLOW)
         ProfileDB(str(tmp_path / "p.jsonl")).append([record()])
     assert victim.read_text() == "mine\n"
+
+
+def test_the_host_time_a_gpu_record_measured_round_trips_and_a_negative_one_is_corrupt(tmp_path):
+    from dataclasses import replace
+
+    path = tmp_path / "p.jsonl"
+    db = ProfileDB(str(path))
+    db.append([replace(record(mbs=1), host_time_s=3e-3)])
+    with open(path, "a") as f:
+        f.write(json.dumps({**json.loads(record(mbs=2).to_json()), "host_time_s": -1.0}) + "\n")
+    with pytest.warns(ProfileWarning, match="p.jsonl:2: skipped a corrupt profile record"):
+        [r] = db.read()
+    assert r.host_time_s == 3e-3
+    assert record().host_time_s is None  # a record written before the field reads as unmeasured

@@ -231,6 +231,7 @@ def test_calibration_kernel_measures_time_and_memory_on_cpu():
     # Full recompute keeps only the block inputs: the least memory.
     assert full.peak_memory_bytes < selective.peak_memory_bytes <= none.peak_memory_bytes
     assert none.peak_reserved_bytes is None and none.context_bytes is None  # no caching allocator, no CUDA context
+    assert none.host_time_s is None  # ops run inline: the host's time is the step's
     (slow,) = calibrate(SPEC, CPU, samples[:1], repeats=1, emulation_slowdown=4.0)
     assert slow.emulated and slow.emulation_slowdown == 4.0
     # An emulated type at its CPU's own speed is still a stand-in (learned against a CPU's estimate).
@@ -255,6 +256,9 @@ def test_gpu_calibration_times_with_events_and_reads_both_allocator_peaks():
     assert m.feasible and m.time_s > 0
     assert 0 < m.peak_memory_bytes <= m.peak_reserved_bytes
     assert m.context_bytes > 0  # the CUDA context at least (untested here: no GPU in development)
+    # The host issues a tiny block's kernels in about the time the device runs them (it waits at
+    # most for a full launch queue, far beyond one block's kernels).
+    assert 0 < m.host_time_s < 10 * m.time_s
 
 
 def test_out_of_memory_is_stored_as_an_infeasible_point(monkeypatch):

@@ -239,3 +239,9 @@ def test_a_frameworks_host_time_is_the_least_a_layer_takes(tmp_path, capsys):
     assert main(["estimate", *setup, *layout, "--host-ms-per-layer", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--host-ms-per-layer" in err and "positive" in err
+    # A cluster file states a type's host time (its nodes' CPUs), checked as the flag is.
+    gpu = _cluster_dict()["device_types"]["gpu"]
+    on_file = ClusterSpec.from_dict({**_cluster_dict(), "device_types": {"gpu": {**gpu, "host_ms_per_layer": 3.0}}})
+    assert cm.AnalyticalCostModel(tiny, on_file, TrainingSpec()).layer_costs(*small).time_s[0] == pytest.approx(3e-3)
+    with pytest.raises(ConfigError, match="device_types.gpu.host_ms_per_layer.*positive"):
+        ClusterSpec.from_dict({**_cluster_dict(), "device_types": {"gpu": {**gpu, "host_ms_per_layer": -1}}})

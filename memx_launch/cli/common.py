@@ -88,7 +88,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="fp32 matmuls as TF32 on NVIDIA Ampere and later: half the 16-bit peak (default off)")
     p.add_argument("--host-ms-per-layer", "--host_ms_per_layer", type=float, metavar="MS",
                    help="host time the framework takes to issue one layer's forward and backward; no layer takes "
-                        "less (default: a fused block's 0.2 ms; eager frameworks about 3)")
+                        "less (default: the device type's host_ms_per_layer, measured by calibration on GPUs, "
+                        "else a fused block's 0.2 ms; eager frameworks about 3)")
     p.add_argument("--frozen-fraction", "--frozen_fraction", type=float, metavar="F",
                    help="fine-tuning: share of the parameters frozen, no gradients or optimizer states (default 0)")
     p.add_argument("--lora-rank", "--lora_rank", type=int, metavar="R",

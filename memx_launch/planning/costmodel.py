@@ -2,10 +2,9 @@
 
 No torch import: the search runs anywhere, on whole numpy arrays of configurations.
 
-Everything per layer goes through :class:`LayerCostModel`, one call for arrays of
-(device type, TP, micro-batch, sequence length, recompute level). The analytical model
-here is one implementation; the learned predictor (profiler issue) wraps it and scales
-its outputs by learned ratios, so the search never changes when the predictor does.
+Everything per layer goes through :class:`LayerCostModel`, one call for arrays of (device
+type, TP, micro-batch, sequence length, recompute level). The learned predictor wraps this
+analytical model and scales its outputs by learned ratios: the search never changes with it.
 
 Memory follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"), adapted to LLaMA blocks (GQA, SwiGLU, RMSNorm, fused attention).
@@ -38,14 +37,13 @@ from memx_launch.specs.training import TrainingSpec
 
 GIB = 2**30
 
-# FLOPs per byte a device sustains before element-wise work becomes memory bound,
-# used when a device type gives no memory bandwidth.
+# FLOPs per byte before element-wise work is memory bound, for a type without a memory bandwidth.
 _DEFAULT_FLOPS_PER_BYTE = 150.0
 # Latency of one collective step or point-to-point message (NCCL over NVLink or InfiniBand:
 # a few microseconds of launch and protocol per hop), the alpha of the alpha-beta model.
 LINK_LATENCY_S = 10e-6
 # Host time to launch one kernel of a fused block's ~40 forward and backward (Megatron-LM with
-# Transformer Engine): a small block is host bound. ``--host-ms-per-layer`` replaces the product.
+# Transformer Engine): a small block is host bound. A host time per layer replaces the product.
 KERNEL_LAUNCH_S = 5e-6
 KERNELS_PER_LAYER = 40
 # HBM bytes the cross entropy moves per logit, forward and backward: the fp32 cast (read 2,
@@ -298,7 +296,9 @@ class AnalyticalCostModel:
         # Accelerators run behind the host's launches and talk through NCCL/RCCL; CPU stand-ins
         # (emulation, profiling on a CPU) run their ops inline, timed without either.
         accelerator = np.array([d.vendor != "cpu" and not stand_in for d in self.device_types])
-        host_s = (training.host_ms_per_layer or 1e3 * KERNELS_PER_LAYER * KERNEL_LAUNCH_S) / 1e3
+        # Host time per layer: the run's flag, else the type's (cluster file or calibration), else a fused block's.
+        host_s = np.array([training.host_ms_per_layer or d.host_ms_per_layer or 1e3 * KERNELS_PER_LAYER
+                           * KERNEL_LAUNCH_S for d in self.device_types]) / 1e3
         self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)

@@ -10,10 +10,12 @@ The efficiency per device type (the share of peak the blocks sustained) is what 
 model of a calibrated type takes in place of the default.
 
 The compute descriptors a type was profiled with (vendor, peak, efficiency, HBM bandwidth,
-compute capability) are the analytical base its learned ratios were fitted against; the learned
-model predicts on that base whatever a cluster file says of the type's compute. A profile whose
-records of one type carry different descriptors (a re-detected peak, an older memx) is fitted on
-one set, that of most of them.
+compute capability, host time per layer) are the analytical base its learned ratios were fitted
+against; the learned model predicts on that base whatever a cluster file says of the type's
+compute. A profile whose records of one type carry different descriptors (a re-detected peak, an
+older memx) is fitted on one set, that of most of them. The host time per layer is the median of
+what the type's records measured (GPUs), so a small block's floor is the framework's own and the
+trees learn the device's work above it.
 
 The fixed memory overhead (DeviceType.memory_overhead_gib) is the caching allocator's reserve
 over allocated at the peak (peak_reserved - peak_allocated) plus the memory the process holds
@@ -43,7 +45,7 @@ PARTS = ("embedding", "head")
 # default efficiency, launches and link latency). Capacity and memory overhead do not enter
 # them, and fused attention is what the cluster file says the run may use.
 COMPUTE_DESCRIPTORS = ("vendor", "peak_tflops", "peak_tflops_fp32", "efficiency", "memory_bandwidth_gbps",
-                       "compute_capability")
+                       "compute_capability", "host_ms_per_layer")
 
 
 def _analytical(first: Measurement, efficiency: float | None = None) -> AnalyticalCostModel:
@@ -146,12 +148,19 @@ def one_descriptor_set(records: list[Measurement]) -> tuple[list[Measurement], d
     {device type: its compute descriptors (:data:`COMPUTE_DESCRIPTORS`)}: the base of its learned
     ratios."""
     sets: dict[str, collections.Counter] = {}
+    host_s: dict[str, list[float]] = {}
     for r in records:
-        sets.setdefault(r.device_type, collections.Counter())[json.dumps(r.device, sort_keys=True)] += 1
+        # An unset field and one a newer memx writes as null describe the same device.
+        described = {k: v for k, v in r.device.items() if v is not None}
+        sets.setdefault(r.device_type, collections.Counter())[json.dumps(described, sort_keys=True)] += 1
+        if r.host_time_s:
+            host_s.setdefault(r.device_type, []).append(r.host_time_s)
     chosen, descriptors = {}, {}
     for name, counter in sets.items():
         top = max(counter.values())
         chosen[name] = json.loads([key for key in counter if counter[key] == top][-1])
+        if name in host_s:  # measured beats what the cluster file said when the profile was taken
+            chosen[name]["host_ms_per_layer"] = round(1e3 * float(np.median(host_s[name])), 4)
         if len(counter) > 1:
             warnings.warn(f"the profile's records of device type {name} carry {len(counter)} different device "
                           f"descriptions; fitted on the one {top} of {sum(counter.values())} carry: {chosen[name]}",

@@ -142,13 +142,14 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     for s in samples:
         shape = replace(spec, num_kv_heads=s.num_kv_heads)
         try:
-            time_s, spread_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
-                                                           num_blocks, warmup, repeats, block_factory, selective_policy)
+            time_s, spread_s, host_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
+                                                                   num_blocks, warmup, repeats, block_factory,
+                                                                   selective_policy)
             feasible = True
         except (RuntimeError, MemoryError) as exc:
             if not _is_oom(exc):
                 raise
-            time_s = spread_s = peak = reserved = None
+            time_s = spread_s = host_s = peak = reserved = None
             feasible = False
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -164,7 +165,7 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             tp=s.tp, micro_batch_size=s.micro_batch_size, seq_len=s.seq_len, recompute=s.recompute,
             dtype=dtype, num_blocks=num_blocks, feasible=feasible,
             time_s=None if time_s is None else time_s * factor,
-            time_spread_s=None if spread_s is None else spread_s * factor,
+            time_spread_s=None if spread_s is None else spread_s * factor, host_time_s=host_s,
             peak_memory_bytes=peak, peak_reserved_bytes=reserved,
             context_bytes=_context_bytes(torch.device(device)) if feasible else None,
             **record_fields(tp_link, s.tp),
@@ -182,9 +183,10 @@ def record_run_options(recompute: str, selective_policy: str) -> dict:
 
 def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
                 repeats: int, block_factory=None,
-                selective_policy: str = "attention") -> tuple[float, float, float, float | None]:
-    """(median seconds per block, interquartile range per block, peak bytes above resting,
-    peak bytes the caching allocator reserved above resting (GPUs; None on CPUs))."""
+                selective_policy: str = "attention") -> tuple[float, float, float | None, float, float | None]:
+    """(median seconds per block, interquartile range per block, median seconds the host took
+    to issue a block (GPUs; None on CPUs), peak bytes above resting, peak bytes the caching
+    allocator reserved above resting (GPUs; None on CPUs))."""
     import torch
 
     from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
@@ -216,12 +218,15 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
     # Warm-up also allocates the gradients, which stay: they belong to the resting state.
     for _ in range(max(1, warmup)):
         step()
-    times = []
+    times, host_times = [], []
     for _ in range(repeats):
         if dev.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            # The calls return once their kernels are queued: the host's share of the step.
+            t0 = time.perf_counter()
             step()
+            host_times.append(time.perf_counter() - t0)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
@@ -231,7 +236,8 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
             times.append(time.perf_counter() - t0)
     peak, reserved = _peak_memory_bytes(step, dev)
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return statistics.median(times) / num_blocks, (quartiles[2] - quartiles[0]) / num_blocks, peak, reserved
+    host = statistics.median(host_times) / num_blocks if host_times else None
+    return statistics.median(times) / num_blocks, (quartiles[2] - quartiles[0]) / num_blocks, host, peak, reserved
 
 
 def _context_bytes(dev) -> float | None:

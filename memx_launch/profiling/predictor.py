@@ -31,7 +31,7 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 from scipy.stats import norm
@@ -50,11 +50,12 @@ from memx_launch.specs.training import TrainingSpec
 from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, physics_features, training_rows
 
 
-PREDICTOR_FORMAT = 7
+PREDICTOR_FORMAT = 8
 """5: per-type trees in files of their own, each with its sha256 in the sidecar; 6: emulated
 samples are learned against the estimate of the CPU they ran on (their vendor's GPU before);
 7: the comm_share feature counts a block's TP all-reduces as the cost model does (separate gate
-and up linears, parallel blocks, op-level recompute)."""
+and up linears, parallel blocks, op-level recompute); 8: a type's base takes the host time per
+layer its records measured."""
 MIN_OWN_RECORDS = 8
 """Measured feasible samples from which a device type gets trees of its own (a three-point
 design over micro-batch and TP holds 9; the new-type design's 5 lean on the fleet)."""
@@ -342,9 +343,14 @@ class LearnedCostModel:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, predictor: Predictor,
                  measured_bridges: dict | None = None):
         # The ratios scale the analytical model of the profiled types as they were profiled,
-        # not as the cluster file declares them.
-        base = with_type_fields(cluster, predictor.meta.get("device_descriptors", {}))
-        self.analytical = AnalyticalCostModel(model, base, training)
+        # not as the cluster file declares them, their measured host time included: a
+        # --host-ms-per-layer speaks for the types the profile did not measure.
+        profiled = predictor.meta.get("device_descriptors", {})
+        base = with_type_fields(cluster, profiled)
+        if training.host_ms_per_layer:
+            base = with_type_fields(base, {d.name: {"host_ms_per_layer": training.host_ms_per_layer}
+                                           for d in base.device_types if d.name not in profiled})
+        self.analytical = AnalyticalCostModel(model, base, replace(training, host_ms_per_layer=None))
         self.model, self.cluster, self.training = model, cluster, training
         self.device_names = self.analytical.device_names
         self.device_types = self.analytical.device_types

@@ -61,6 +61,9 @@ class Measurement:
     """Median seconds of forward + backward of one block (emulated slowdown applied)."""
     time_spread_s: float | None = None
     """Interquartile range of the per-block repeats."""
+    host_time_s: float | None = None
+    """GPUs: median seconds the host took to issue one block's forward + backward (the calls
+    return before the device finishes); None on CPUs, where ops run inline."""
     peak_memory_bytes: float | None = None
     """Peak bytes allocated above the resting state (weights, grads, input) over the
     forward + backward of all ``num_blocks`` blocks."""
@@ -138,7 +141,7 @@ def _check_record(data: dict) -> None:
         require_number(data[key], key, lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
     require_type(data["feasible"], bool, "feasible")
     require_type(data.get("tp_over_pcie", False), bool, "tp_over_pcie")
-    for key in ("time_s", "time_spread_s", "peak_memory_bytes", "peak_reserved_bytes", "tp_link_gbps",
+    for key in ("time_s", "time_spread_s", "host_time_s", "peak_memory_bytes", "peak_reserved_bytes", "tp_link_gbps",
                 "emulation_slowdown", "context_bytes", "embedding_time_s", "head_time_s"):
         if data.get(key) is not None:
             require_number(data[key], key, lo=0)

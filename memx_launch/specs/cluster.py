@@ -62,6 +62,11 @@ class DeviceType:
     """Communication domain: the collective library this type's ranks share. Ranks of one domain
     form native groups (NCCL among NVIDIA GPUs); traffic between domains takes the bridge.
     Unset: the vendor's (:data:`DOMAIN_BY_VENDOR`)."""
+    host_ms_per_layer: float | None = None
+    """Host time the training framework takes on this type's nodes to issue one layer's forward
+    and backward: no layer runs faster (the device runs behind the host). Calibration measures
+    it for memx's runtime (:func:`~memx_launch.profiling.calibrated_parts.one_descriptor_set`);
+    ``--host-ms-per-layer`` overrides it for every type. Unset: a fused block's launches."""
 
     def __post_init__(self):
         where = f"device_types.{self.name}"
@@ -86,6 +91,9 @@ class DeviceType:
                            fix="give reserved minus allocated memory in GiB")
         if self.domain is not None:
             require_name(self.domain, f"{where}.domain")
+        if self.host_ms_per_layer is not None:
+            require_number(self.host_ms_per_layer, f"{where}.host_ms_per_layer", lo=0, lo_open=True, hi=1000.0,
+                           fix="give the milliseconds one layer's forward and backward take to issue, e.g. 3")
         if self.sm_count is not None:
             require_number(self.sm_count, f"{where}.sm_count", lo=0, lo_open=True, hi=100000, integer=True,
                            fix="give the device's streaming multiprocessors, e.g. 132 for H100 SXM")
@@ -310,7 +318,7 @@ class ClusterSpec:
         types = []
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
                    "flash_attention", "peak_tflops_fp32", "peak_tflops_fp8", "memory_overhead_gib", "compute_capability",
-                   "domain", "sm_count"}
+                   "domain", "sm_count", "host_ms_per_layer"}
         for tname, spec in raw_types.items():
             require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")
             require_name(tname, f"cluster.device_types.{tname}")
