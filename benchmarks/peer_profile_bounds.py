@@ -3,7 +3,8 @@ shared/peer-data/sailor imported through ``memx profile import``'s path (``impor
 fp32 on its GPU's datasheet peaks, and again with ``--tf32`` where the fp32 import refuses a row.
 
 A block cannot run faster than its matmul FLOPs at the peak of the precision it ran in
-(``profile_import.matmul_floor_seconds``); the import refuses such a row and names ``--tf32``.
+(``profile_import.matmul_floor_seconds``; these fp32 blocks ran attention unfused, over the whole
+s x s square); the import refuses such a row and names ``--tf32``.
 Per table: its records, the largest share of the fp32 peak a row would have reached (over 1: not
 fp32), what the fp32 import says, whether the TF32 import takes it, and its fastest block
 (forward and backward): where a framework's host time per layer shows.
@@ -35,7 +36,10 @@ from memx_launch.specs.model import get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "peer_profile_bounds.json")
-FP32 = TrainingSpec(dtype="fp32")
+# How the tables' blocks ran (``memx profile import --no-flash-attention``): fp32 attention unfused
+# (FlashAttention kernels take 16-bit inputs only), its QK^T and AV over the whole s x s square.
+UNFUSED = {"flash_attention": False}
+FP32 = TrainingSpec(dtype="fp32", **UNFUSED)
 
 
 def _message(exc: ConfigError) -> str:
@@ -49,12 +53,12 @@ def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
     kwargs = dict(dtype="fp32", seq_len=SAILOR_SEQ[model_dir])
     entry = {"table": f"{fmt} {model_dir}/{gpu}"}
     try:
-        records = import_profile(path, fmt, model, dev, **kwargs)
+        records = import_profile(path, fmt, model, dev, run_options=UNFUSED, **kwargs)
         entry["fp32_import"] = "ok"
     except ConfigError as exc:
         entry["fp32_import"] = _message(exc)
         try:
-            records = import_profile(path, fmt, model, dev, run_options={"tf32": True}, **kwargs)
+            records = import_profile(path, fmt, model, dev, run_options={"tf32": True, **UNFUSED}, **kwargs)
             entry["tf32_import"] = "ok"
         except ConfigError as tf32_exc:
             entry["tf32_import"] = _message(tf32_exc)

@@ -177,7 +177,7 @@ def test_default_efficiency_is_a_training_share_of_each_device_s_best_matmul_rat
     assert ratio == pytest.approx(781.9 / 792.1, rel=0.01)
     assert share["h100-stated"] == 0.6
     # The Hopper share is of bf16 matmuls on tensor cores: fp32 on its own peak takes the CUDA-core
-    # GEMMs' share, at least the 0.90 that public fp32 blocks reach of it over the whole block.
+    # GEMMs' share, at least the 0.95 that public fp32 blocks reach of it over the whole block.
     gh200 = DeviceType("gh200", "nvidia", 96, 989, peak_tflops_fp32=67, compute_capability=9.0)
     assert gh200.effective_tflops_for("fp32") == pytest.approx(67 * FP32_MATMUL_SHARE)
     with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "peer_profile_bounds.json")) as f:

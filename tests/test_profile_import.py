@@ -95,6 +95,12 @@ def test_cli_appends_records_a_predictor_reads(tmp_path, capsys):
     assert len(records) == 3 and {r.source for r in records} == {"import:sailor"}
     assert {r.tp_link_gbps for r in records if r.tp == 2} == {450.0}
     assert all(r.run_options == {"tf32": True} for r in records)
+    # How the blocks ran goes with them: their learned ratios are taken against it.
+    assert main(argv + ["--out", str(tmp_path / "ran.jsonl"), "--tf32", "--no-flash-attention", "--no-fused-softmax",
+                        "--dropout"]) == 0
+    ran = ProfileDB(str(tmp_path / "ran.jsonl")).read()
+    assert all(r.run_options == {"tf32": True, "flash_attention": False, "fused_softmax": False, "dropout": True}
+               for r in ran)
     assert main(argv + ["--device-type", "H100"]) == 2
     assert "--device-type: 'H100' is not a device type" in capsys.readouterr().err
 
@@ -113,6 +119,18 @@ def test_a_block_faster_than_its_matmuls_allow_is_refused_with_the_likely_cause(
     path.write_text("tp,micro_batch_size,time_s\n1,8,0.002\n")
     with pytest.raises(ConfigError, match=r"fp32 \(TF32\) peak of 494.5 TFLOPS \(at least 2.9\d* ms\); check --dtype"):
         import_profile(str(path), "table", MODEL, _device(), dtype="fp32", run_options={"tf32": True})
+    # Unfused attention multiplies the whole s x s square: 0.21 TFLOP more, 24.6 ms at least.
+    path.write_text("tp,micro_batch_size,time_s\n1,8,0.023\n")
+    (fused,) = import_profile(str(path), "table", MODEL, _device(), dtype="fp32")
+    with pytest.raises(ConfigError, match=r"at least 24.6 ms"):
+        import_profile(str(path), "table", MODEL, _device(), dtype="fp32", run_options={"flash_attention": False})
+
+
+def test_a_table_says_the_hosts_time_to_issue_a_block(tmp_path):
+    path = tmp_path / "mine.csv"
+    path.write_text("tp,micro_batch_size,time_s,host_time_s\n1,1,0.004,0.003\n")
+    (record,) = import_profile(str(path), "table", MODEL, _device(), dtype="bf16")
+    assert record.host_time_s == 0.003
 
 
 def test_the_public_profiles_refused_as_fp32_are_those_the_results_file_names():

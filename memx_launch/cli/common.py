@@ -44,8 +44,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="the training framework's memory setup (docs/setups.md); explicit flags win")
     p.add_argument("--sequence-parallel", "--sequence_parallel", action=argparse.BooleanOptionalAction,
                    default=None, help="Megatron sequence parallelism (default: on for --setup megatron)")
-    p.add_argument("--flash-attention", "--flash_attention", action=argparse.BooleanOptionalAction,
-                   default=None, help="fused attention, no s x s scores kept (default on)")
+    add_block_option_args(p)
     p.add_argument("--flash-attention-version", "--flash_attention_version", type=int_flag,
                    choices=FLASH_ATTENTION_VERSIONS, help="FlashAttention generation of the fused attention kernel: "
                    "its speed against the matmuls (default 2)")
@@ -53,20 +52,12 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="gradient precision (default fp32; bf16/fp16 = the training dtype)")
     p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
                    help="precision of the logits for the loss (default fp32)")
-    p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
-                   help="hidden dropout on: its masks are kept for the backward (default off)")
-    p.add_argument("--attention-dropout", "--attention_dropout", action=argparse.BooleanOptionalAction,
-                   default=None, help="dropout on the attention probabilities (default off)")
-    p.add_argument("--fused-norm", "--fused_norm", action=argparse.BooleanOptionalAction, default=None,
-                   help="fused RMSNorm/LayerNorm kernel (default on)")
     p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
                    default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
                    "(default on)")
     p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
-    for flag, text in (("fused-softmax", "without flash attention: fused softmax, in-place backward (default on)"),
-                       ("softmax-in-fp32", "torch's softmax on an fp32 copy of the scores (default off)"),
-                       ("fused-loss", "one-kernel cross entropy: 16-bit logits and gradient only (default off)"),
+    for flag, text in (("fused-loss", "one-kernel cross entropy: 16-bit logits and gradient only (default off)"),
                        ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
                         "(default on; --setup scaling: off)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
@@ -106,6 +97,23 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (atomically)")
     p.add_argument("--force", action="store_true", help="overwrite existing output files")
+
+
+# How a block runs that changes its time and memory: what a profile's records ran with too.
+BLOCK_OPTIONS = {
+    "flash_attention": "fused attention, no s x s scores kept (default on)",
+    "fused_softmax": "without flash attention: fused softmax, in-place backward (default on)",
+    "softmax_in_fp32": "torch's softmax on an fp32 copy of the scores (default off)",
+    "dropout": "hidden dropout on: its masks are kept for the backward (default off)",
+    "attention_dropout": "dropout on the attention probabilities (default off)",
+    "fused_norm": "fused RMSNorm/LayerNorm kernel (default on)",
+}
+
+
+def add_block_option_args(p: argparse.ArgumentParser) -> None:
+    for name, text in BLOCK_OPTIONS.items():
+        spellings = dict.fromkeys((f"--{name.replace('_', '-')}", f"--{name}"))  # "--dropout" once
+        p.add_argument(*spellings, action=argparse.BooleanOptionalAction, default=None, help=text)
 
 
 def training_from_args(args, model, defaults: TrainingSpec | None = None) -> TrainingSpec:

@@ -12,7 +12,7 @@ from memx_launch.files import write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.inputs import int_flag
 from memx_launch.specs.model import get_model
-from memx_launch.cli.common import Parser, check_new_file
+from memx_launch.cli.common import BLOCK_OPTIONS, Parser, add_block_option_args, check_new_file
 from memx_launch.specs.checks import list_of
 
 
@@ -60,6 +60,7 @@ def add_profile_import_command(sub) -> None:
     p.add_argument("--seq-len", "--seq_len", type=int, help="tokens per sequence the table measured "
                    "(default: the model's; table rows may say)")
     p.add_argument("--tf32", action="store_true", help="the table's fp32 matmuls ran as TF32")
+    add_block_option_args(p)  # how the table's blocks ran: their learned ratios are taken against it
     p.add_argument("--out", default="profile.jsonl", help="profile database to append to (default profile.jsonl)")
     p.set_defaults(handler=run_profile_import)
 
@@ -77,7 +78,9 @@ def run_profile_import(args) -> int:
         raise ConfigError("--seq-len", f"{args.seq_len} is not a sequence length", "e.g. --seq-len 2048")
     records = import_profile(args.table, args.format, model, device_type, dtype=args.dtype, seq_len=args.seq_len,
                              tp_link=lambda tp: tp_link(cluster, device_type.name, tp),
-                             run_options={"tf32": True} if args.tf32 else None)
+                             run_options={**({"tf32": True} if args.tf32 else {}),
+                                          **{name: getattr(args, name) for name in BLOCK_OPTIONS
+                                             if getattr(args, name) is not None}})
     ProfileDB(args.out).append(records)
     oom = sum(not r.feasible for r in records)
     print(f"appended {len(records)} measurements of {model.name} on {device_type.name} ({args.format}: "

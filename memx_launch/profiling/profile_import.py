@@ -25,7 +25,7 @@ import os
 from dataclasses import asdict, replace
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.costmodel import layer_forward_flops
+from memx_launch.planning.costmodel import causal_attention_flops, layer_forward_flops
 from memx_launch.planning.peaks import matmul_peak_tflops, runs_as_tf32
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.planning.tp_links import record_fields
@@ -53,6 +53,7 @@ TABLE_COLUMNS = {
     "peak_reserved_bytes": "the caching allocator's peak reserve over the same step (optional)",
     "embedding_time_s": "forward + backward of the embedding at this configuration (optional)",
     "head_time_s": "forward + backward of final norm, output layer and loss (optional)",
+    "host_time_s": "seconds the host took to issue the block's forward + backward (optional)",
 }
 _ACESO_DEFAULT_KERNELS = "0"
 
@@ -90,11 +91,13 @@ def import_profile(path: str, fmt: str, model: ModelSpec, device: DeviceType, *,
 def matmul_floor_seconds(record: Measurement, device: DeviceType, training: TrainingSpec | None = None) -> float:
     """The least forward + backward seconds ``record``'s block can take on ``device``: its matmul
     FLOPs (a recomputed forward included) at the peak of the precision it ran in (``training``;
-    default the record's dtype and run options)."""
+    default the record's dtype and run options). Unfused attention multiplies the whole s x s
+    square: no causal half skipped."""
     training = training or TrainingSpec(dtype=record.dtype, **record.run_options)
     forwards = 4.0 if record.recompute == "full" else 3.0  # forward, the backward's two, a recomputed one
-    flops = forwards * float(layer_forward_flops(record.shape_spec(), record.micro_batch_size, record.seq_len,
-                                                 record.tp))
+    shape = (record.shape_spec(), record.micro_batch_size, record.seq_len, record.tp)
+    unfused = not (training.flash_attention and device.flash_attention)
+    flops = forwards * float(layer_forward_flops(*shape) + (causal_attention_flops(*shape) if unfused else 0.0))
     return flops / (matmul_peak_tflops(device, training) * 1e12)
 
 
@@ -144,7 +147,7 @@ def _record(where, row, model, device, dtype, seq, tp_link, software, source) ->
         peak_memory_bytes=_seconds(row, "peak_memory_bytes", where) if feasible else None,
         peak_reserved_bytes=_seconds(row, "peak_reserved_bytes", where) if feasible else None,
         embedding_time_s=_seconds(row, "embedding_time_s", where),
-        head_time_s=_seconds(row, "head_time_s", where),
+        head_time_s=_seconds(row, "head_time_s", where), host_time_s=_seconds(row, "host_time_s", where),
         **record_fields(tp_link(tp) if tp > 1 else None, tp), software=software, source=source)
 
 

@@ -14,12 +14,13 @@ DEFAULT_EFFICIENCY = 0.75
 # (ROCm 6.2; MI250X 76.7%). The newer datasheet peaks sit further above what the clocks sustain
 # under the power limit.
 BEST_MATMUL_SHARE = {"ampere": 0.859, "hopper": 0.801, "amd": 0.601}
-# fp32 matmuls on CUDA cores (TF32 off): whole fp32 blocks of the public Sailor profiles reach up
-# to 0.90 of the fp32 peak in matmul FLOPs per second (OPT-30 on A100-40,
+# fp32 matmuls on CUDA cores (TF32 off): whole fp32 blocks of the public Sailor and Aceso profiles
+# reach up to 0.95 of the fp32 peak in matmul FLOPs per second (Aceso's OPT-350 on GH-96; Sailor's
+# OPT-30 on A100-40 0.92; their unfused attention over the whole s x s square,
 # benchmarks/results/peer_profile_bounds.json), their element-wise work included, so their GEMMs
 # sustain at least that: CUDA cores 8-16x slower than the tensor cores beside them are far easier
-# to keep fed. The 16-bit training share (above) would time them 1.2x too slow.
-FP32_MATMUL_SHARE = 0.90
+# to keep fed. The 16-bit training share (above) would time them 1.27x too slow.
+FP32_MATMUL_SHARE = 0.95
 # NVIDIA compute capability of Hopper (H100, H200, GH200); later ones are taken as Hopper until measured.
 HOPPER_COMPUTE_CAPABILITY = 9.0
 # What training's matmuls sustain of the device's best matmul rate. Ampere: DEFAULT_EFFICIENCY of
