@@ -206,24 +206,24 @@ def test_a_types_measured_host_time_is_its_floor_and_the_trees_learn_the_work_ab
     """The median host time of a type's records becomes its profiled host_ms_per_layer: the base
     of its learned ratios, so a block no record measured is host-bound where the framework is,
     and a large one keeps the device's ratio. (With the default floor the trees carry the small
-    blocks' ratio of 5 to TP 8 blocks no record measured: 3.4x too slow there.)"""
+    blocks' ratio of 5 to TP 2-8 blocks no record measured: up to 3.5x too slow there.)"""
+    import itertools
+
     records = eager_gpu_records()
     consistent, descriptors = one_descriptor_set(records)
     assert descriptors["dev"]["host_ms_per_layer"] == pytest.approx(1.0)
     assert all(r.device["host_ms_per_layer"] == pytest.approx(1.0) for r in consistent)
     fitted = fit_predictor(records, trials=2)
     assert fitted.meta["device_descriptors"]["dev"]["host_ms_per_layer"] == pytest.approx(1.0)
-    learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, fitted)
-    truth = AnalyticalCostModel(SPEC, CLUSTER, TRAINING)
-    # Unmeasured (the records are TP 1): TP 2 and TP 8, an odd micro-batch, a sequence between
-    # the sampled ones, one far beyond them.
-    query = (np.zeros(5, int), np.array([2, 8, 1, 1, 1]), np.array([2, 16, 3, 12, 64]),
-             np.array([128, 128, 96, 192, 1024]), np.zeros(5))
+    # The records are TP 1, micro-batch 1-32, sequences 64-512: the grid reaches beyond on every axis.
+    grid = np.array(list(itertools.product((1, 2, 4, 8), (1, 3, 8, 64), (64, 96, 1024, 2048), (0, 1, 2))), float)
+    query = (np.zeros(len(grid), int), *grid.T)
     expected = eager_truth(*query[1:])
-    assert expected[0] == expected[1] == expected[2] == 1e-3 and expected[4] > 10e-3
-    assert np.allclose(learned.layer_costs(*query).time_s, expected, rtol=0.2)
+    assert (expected == 1e-3).any() and expected.max() > 10e-3
+    ratio = LearnedCostModel(SPEC, CLUSTER, TRAINING, fitted).layer_costs(*query).time_s / expected
+    assert np.all(np.abs(ratio - 1) < 0.2)
     unmeasured = fit_predictor([replace(r, host_time_s=None) for r in records], trials=2)
-    assert LearnedCostModel(SPEC, CLUSTER, TRAINING, unmeasured).layer_costs(*query).time_s[1] > 2 * expected[1]
+    assert (LearnedCostModel(SPEC, CLUSTER, TRAINING, unmeasured).layer_costs(*query).time_s / expected).max() > 2
 
 
 def test_the_host_time_flag_speaks_for_the_types_the_profile_did_not_measure():

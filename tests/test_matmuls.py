@@ -43,6 +43,23 @@ def test_thin_gemms_are_slow_for_their_shape():
     assert float(mm.shape_efficiency(512, 1024, 1024, 40)) > thin  # the same GEMM fills a T4 better
 
 
+def test_a_weight_gradient_splits_its_deep_k_to_fill_the_sms():
+    """A weight gradient's output is the weight (1,024 x 256: 16 tiles of 128 x 128 on 132 SMs)
+    and its depth the micro-batch's tokens: split-K slices fill the SMs, and the fp32 partials
+    cost their bytes. Never faster than the best rate; a GEMM whose output fills the SMs is
+    not split."""
+    best, hbm, sms = 60e12, 4e12, 132
+    m, n, k = 1024, 256, 16384
+    unsplit = 2.0 * m * n * k / (best * float(mm.shape_efficiency(m, n, k, sms)))
+    split = float(mm.gemm_seconds(m, n, k, best, hbm, sms, 4))
+    assert 2.0 * m * n * k / best < split < 0.5 * unsplit
+    assert split > mm.SPLIT_K_PARTIAL_BYTES * 8 * m * n / hbm  # 8 slices' partials at least
+    big = (16384, 4096, 4096)
+    assert float(mm.gemm_seconds(*big, best, hbm, sms, 4)) == pytest.approx(
+        2.0 * np.prod(big) / (best * float(mm.shape_efficiency(*big, sms))))
+    assert float(mm.gemm_seconds(m, n, k, best, hbm, 0, 4)) == pytest.approx(2.0 * m * n * k / best)  # a CPU
+
+
 def test_memory_bound_side():
     """M = 1: a matrix-vector product is bound by reading the weights."""
     t = float(mm.gemm_seconds(1, 8192, 8192, 700e12, 2e12, 132, 2))

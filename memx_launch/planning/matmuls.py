@@ -12,6 +12,11 @@ is what a large, well-shaped GEMM sustains; a GEMM of another shape reaches a sh
   and 64 x 64 reach 0.8, 2/3 and 1/2 of the rate (operand feed bound in proportion to reuse);
 - the K loop: each tile fills and drains a software pipeline of a few K steps and writes its
   output once, about K_FILL of K's worth of time, so a GEMM reaches K / (K + K_FILL) of its rate;
+- split-K: a GEMM whose output has too few tiles to fill the SMs but a deep K (a weight
+  gradient: the weight's N x K out, the micro-batch's tokens deep) splits its K loop into slices
+  that run as tiles of their own, each writing an fp32 partial that a reduction kernel sums
+  (CUTLASS's GemmSplitKParallel; cuBLAS picks split-K or stream-K kernels by shape); the partials'
+  bytes cost their HBM time;
 - the memory side: no faster than reading A and B and writing C once at HBM bandwidth.
 
 cuBLAS picks the tile per shape; memx takes the tile that gives the shortest time. A micro-batch
@@ -28,6 +33,10 @@ _TILE_SIDES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 6
 TILES = tuple((float(a), float(b), min(1.0, a * b / (a + b) / 64.0)) for a, b in _TILE_SIDES)
 # K of pipeline fill and epilogue per output tile (a few 32-64 deep K steps).
 K_FILL = 128.0
+# Most slices a split-K GEMM cuts its K loop into.
+MAX_SPLIT_K = 16
+# Bytes per output element and slice of a split-K GEMM's partials: written and read back in fp32.
+SPLIT_K_PARTIAL_BYTES = 8.0
 # FP8 tensor cores (Ada, Hopper) accumulate at reduced precision. Training runs the forward GEMM
 # with that fast accumulation and promotes the backward's two GEMMs' partial sums to fp32
 # (torchao's Float8Linear: use_fast_accum for the output only; Transformer Engine: the split
@@ -59,28 +68,44 @@ def device_sms(device_types, emulated: bool) -> np.ndarray:
                      for d in device_types])
 
 
-def shape_efficiency(m, n, k, sms) -> np.ndarray:
-    """Share of the best matmul rate a GEMM of output M x N and depth K reaches (arrays broadcast),
-    with the best of :data:`TILES`. 1 means the best rate; never above it. ``sms`` 0: a CPU, 1."""
+def shape_efficiency(m, n, k, sms, split=1) -> np.ndarray:
+    """Share of the best matmul rate a GEMM of output M x N and depth K reaches (arrays broadcast,
+    ``split`` too), with the best of :data:`TILES`, its K loop cut into ``split`` slices. 1 means
+    the best rate; never above it. ``sms`` 0: a CPU, 1."""
     m, n, k = (np.maximum(np.asarray(x, dtype=np.float64), 1.0) for x in (m, n, k))
     tiled = np.asarray(sms, dtype=np.float64) > 0
     sms = np.maximum(np.asarray(sms, dtype=np.float64), 1.0)
     best = np.zeros(np.broadcast(m, n, k, sms).shape)
     for tm, tn, feed in TILES:
         tiles_m, tiles_n = np.ceil(m / tm), np.ceil(n / tn)
-        tiles = tiles_m * tiles_n
-        padding = (m * n) / (tiles * tm * tn)
+        tiles = tiles_m * tiles_n * split
+        padding = (m * n) / (tiles_m * tiles_n * tm * tn)
         waves = tiles / (np.ceil(tiles / sms) * sms)
         best = np.maximum(best, feed * padding * waves)
-    return np.where(tiled, best * k / (k + K_FILL), 1.0)
+    depth = k / split
+    return np.where(tiled, best * depth / (depth + K_FILL), 1.0)
 
 
 def gemm_seconds(m, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> np.ndarray:
-    """Seconds of one GEMM: its FLOPs at the shape's share of the best rate, or reading A and B
-    and writing C at HBM bandwidth, whichever is longer."""
-    m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
-    compute = 2.0 * m * n * k / (np.asarray(best_flops) * shape_efficiency(m, n, k, sms))
-    memory = (m * k + k * n + m * n) * dtype_bytes / np.asarray(hbm_bytes_per_s)
+    """Seconds of one GEMM: its FLOPs at the shape's share of the best rate (split-K where that
+    is faster, its fp32 partials' traffic included), or reading A and B and writing C at HBM
+    bandwidth, whichever is longer."""
+    m, n, k, sms, rate, hbm = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (
+        m, n, k, sms, best_flops, hbm_bytes_per_s)))
+    flops = 2.0 * m * n * k
+    compute = flops / (rate * shape_efficiency(m, n, k, sms))
+    # Split-K: as many slices (a power of two) as fill one wave of 128 x 128 output tiles, each
+    # slice at least K_FILL deep; taken where it beats the unsplit kernel, partials included.
+    free = np.maximum(sms, 1.0) / (np.ceil(np.maximum(m, 1.0) / 128.0) * np.ceil(np.maximum(n, 1.0) / 128.0))
+    split = np.clip(2.0 ** np.floor(np.log2(np.maximum(np.minimum(free, k / K_FILL), 1.0))), 1.0, MAX_SPLIT_K)
+    cut = (sms > 0) & (split > 1)  # a CPU's measured rate has no tiles to split
+    if cut.any():
+        compute = np.array(compute)  # writable, 0-d included
+        m_, n_, k_, s_ = m[cut], n[cut], k[cut], split[cut]
+        sliced = flops[cut] / (rate[cut] * shape_efficiency(m_, n_, k_, sms[cut], s_)) \
+            + SPLIT_K_PARTIAL_BYTES * s_ * m_ * n_ / hbm[cut]
+        compute[cut] = np.minimum(compute[cut], sliced)
+    memory = (m * k + k * n + m * n) * dtype_bytes / hbm
     return np.maximum(compute, memory)
 
 
