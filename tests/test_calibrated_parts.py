@@ -190,11 +190,10 @@ def eager_gpu_records(host_s=1e-3, device_ratio=1.2):
     """An eager framework's GPU: a block takes the longer of the host's time to issue it (half as
     much again under full recompute) and the device's work (1.2 x the analytical); each record
     measured the host's share of the plain step too."""
-    out = []
-    for r in synthetic_records(mbs_values=(1, 2, 4, 8, 16, 32), seqs=(64, 128, 256, 512)):
-        device_s = eager_truth([1], [r.micro_batch_size], [r.seq_len], [LEVELS.index(r.recompute)], host_s, device_ratio)
-        out.append(replace(r, time_s=float(device_s[0]), host_time_s=host_s))
-    return out
+    records = synthetic_records(mbs_values=(1, 2, 4, 8, 16, 32), seqs=(64, 128, 256, 512))
+    times = eager_truth(np.ones(len(records)), [r.micro_batch_size for r in records], [r.seq_len for r in records],
+                        [LEVELS.index(r.recompute) for r in records], host_s, device_ratio)
+    return [replace(r, time_s=float(t), host_time_s=host_s) for r, t in zip(records, times)]
 
 
 def eager_truth(tp, mbs, seq, recompute, host_s=1e-3, device_ratio=1.2):

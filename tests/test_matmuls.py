@@ -53,6 +53,9 @@ def test_a_weight_gradient_splits_its_deep_k_to_fill_the_sms():
     unsplit = 2.0 * m * n * k / (best * float(mm.shape_efficiency(m, n, k, sms)))
     split = float(mm.gemm_seconds(m, n, k, best, hbm, sms, 4))
     assert 2.0 * m * n * k / best < split < 0.5 * unsplit
+    # Unsplit, the best tile is 64 x 64: 64 tiles on 132 SMs, half-fed. Split 8 ways: 128 tiles of 2,048 deep.
+    assert float(mm.shape_efficiency(m, n, k, sms)) == pytest.approx(0.24, abs=0.01)
+    assert float(mm.shape_efficiency(m, n, k, sms, 8)) == pytest.approx(0.91, abs=0.01)
     assert split > mm.SPLIT_K_PARTIAL_BYTES * 8 * m * n / hbm  # 8 slices' partials at least
     big = (16384, 4096, 4096)
     assert float(mm.gemm_seconds(*big, best, hbm, sms, 4)) == pytest.approx(

@@ -76,12 +76,12 @@ def shape_efficiency(m, n, k, sms, split=1) -> np.ndarray:
     tiled = np.asarray(sms, dtype=np.float64) > 0
     sms = np.maximum(np.asarray(sms, dtype=np.float64), 1.0)
     best = np.zeros(np.broadcast(m, n, k, sms).shape)
+    output = m * n
     for tm, tn, feed in TILES:
-        tiles_m, tiles_n = np.ceil(m / tm), np.ceil(n / tn)
-        tiles = tiles_m * tiles_n * split
-        padding = (m * n) / (tiles_m * tiles_n * tm * tn)
+        grid = np.ceil(m / tm) * np.ceil(n / tn)
+        tiles = grid * split
         waves = tiles / (np.ceil(tiles / sms) * sms)
-        best = np.maximum(best, feed * padding * waves)
+        best = np.maximum(best, feed * output / (grid * tm * tn) * waves)
     depth = k / split
     return np.where(tiled, best * depth / (depth + K_FILL), 1.0)
 
@@ -90,23 +90,31 @@ def gemm_seconds(m, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> np.n
     """Seconds of one GEMM: its FLOPs at the shape's share of the best rate (split-K where that
     is faster, its fp32 partials' traffic included), or reading A and B and writing C at HBM
     bandwidth, whichever is longer."""
-    m, n, k, sms, rate, hbm = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (
-        m, n, k, sms, best_flops, hbm_bytes_per_s)))
-    flops = 2.0 * m * n * k
-    compute = flops / (rate * shape_efficiency(m, n, k, sms))
-    # Split-K: as many slices (a power of two) as fill one wave of 128 x 128 output tiles, each
-    # slice at least K_FILL deep; taken where it beats the unsplit kernel, partials included.
-    free = np.maximum(sms, 1.0) / (np.ceil(np.maximum(m, 1.0) / 128.0) * np.ceil(np.maximum(n, 1.0) / 128.0))
-    split = np.clip(2.0 ** np.floor(np.log2(np.maximum(np.minimum(free, k / K_FILL), 1.0))), 1.0, MAX_SPLIT_K)
-    cut = (sms > 0) & (split > 1)  # a CPU's measured rate has no tiles to split
+    m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
+    rate, hbm = np.asarray(best_flops), np.asarray(hbm_bytes_per_s)
+    compute = 2.0 * m * n * k / (rate * shape_efficiency(m, n, k, sms))
+    # Split-K where at least two slices fit: one wave of 128 x 128 output tiles holds two copies
+    # of the output, and K two slices of K_FILL (a CPU, 0 SMs, never). Most GEMMs are not: the
+    # check is all they pay.
+    tiles = np.ceil(np.maximum(m, 1.0) / 128.0) * np.ceil(np.maximum(n, 1.0) / 128.0)
+    cut = (np.asarray(sms) >= 2.0 * tiles) & (k >= 2.0 * K_FILL)
     if cut.any():
-        compute = np.array(compute)  # writable, 0-d included
-        m_, n_, k_, s_ = m[cut], n[cut], k[cut], split[cut]
-        sliced = flops[cut] / (rate[cut] * shape_efficiency(m_, n_, k_, sms[cut], s_)) \
-            + SPLIT_K_PARTIAL_BYTES * s_ * m_ * n_ / hbm[cut]
-        compute[cut] = np.minimum(compute[cut], sliced)
-    memory = (m * k + k * n + m * n) * dtype_bytes / hbm
-    return np.maximum(compute, memory)
+        compute = _split_k_seconds(compute, cut, tiles, m, n, k, rate, hbm, sms)
+    return np.maximum(compute, (m * k + k * n + m * n) * dtype_bytes / hbm)
+
+
+def _split_k_seconds(compute, cut, tiles, m, n, k, rate, hbm, sms) -> np.ndarray:
+    """``compute`` with the GEMMs of ``cut`` split: as many slices (a power of two, at most
+    MAX_SPLIT_K) as fill one wave of 128 x 128 tiles, each at least K_FILL deep, where that beats
+    the unsplit kernel, their partials' bytes included."""
+    compute, tiles, m, n, k, rate, hbm, sms = (np.array(np.broadcast_to(x, cut.shape), dtype=np.float64)
+                                               for x in (compute, tiles, m, n, k, rate, hbm, sms))
+    m, n, k, rate, hbm, sms, tiles = (x[cut] for x in (m, n, k, rate, hbm, sms, tiles))
+    split = np.minimum(2.0 ** np.floor(np.log2(np.minimum(sms / tiles, k / K_FILL))), MAX_SPLIT_K)
+    partials = SPLIT_K_PARTIAL_BYTES * split * m * n / hbm
+    sliced = 2.0 * m * n * k / (rate * shape_efficiency(m, n, k, sms, split)) + partials
+    compute[cut] = np.minimum(compute[cut], sliced)
+    return compute
 
 
 def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes,
