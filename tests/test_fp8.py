@@ -91,6 +91,34 @@ def test_a_fully_sharded_run_makes_fp8_copies_of_the_gathered_layer_only():
     assert fp8["parameters"] - bf16["parameters"] == pytest.approx(2 * MODEL.layer_params / GIB)
 
 
+def test_fp8_weights_replace_the_16_bit_ones_and_gather_in_one_byte():
+    # --fp8-params (Megatron's --fp8-param-gather): the FP8 weight and its transpose take the
+    # 16-bit weight's two bytes, so the copies --fp8 adds are gone; the master stays fp32.
+    bf16, current, kept = (_estimate(_training(f, **kw)).stages[0].memory_parts_gib
+                           for f, kw in ((None, {}), ("current", {}), ("current", {"fp8_params": True})))
+    layer = MODEL.layer_params / 2
+    assert kept["parameters"] == pytest.approx(bf16["parameters"])
+    assert current["parameters"] - kept["parameters"] == pytest.approx(MODEL.num_layers * 2 * layer / GIB)
+    assert kept["optimizer_states"] == bf16["optimizer_states"]
+    # Fully sharded: each layer is gathered (and prefetched) in FP8 and transposed, 3 bytes a
+    # parameter against 4 for its 16-bit gathers and 2 more for their FP8 copies.
+    zero3 = dict(global_batch_size=64, seq_len=4096, setup="zero3", fp8="current")
+    plain, fp8_weights = (_estimate(TrainingSpec(**zero3, fp8_params=p), tp=1, dp=8).stages[0].memory_parts_gib
+                          for p in (False, True))
+    assert plain["parameters"] - fp8_weights["parameters"] == pytest.approx(3 * MODEL.layer_params / GIB)
+    # The distributed optimizer's all-gather of the updated weights moves one byte per weight.
+    from memx_launch.planning.collectives import bucketed_seconds
+    from memx_launch.planning.data_parallel import data_parallel_sync_time, gradient_bucket_params
+    params, dp, gbps = 1e9, 8, 50.0
+    training = _training("current", fp8_params=True)
+    bucket = gradient_bucket_params(training, dp)
+    assert float(data_parallel_sync_time(params, training, dp, gbps)) == pytest.approx(
+        float(bucketed_seconds("reduce_scatter", params * 4, bucket * 4, dp, gbps)
+              + bucketed_seconds("all_gather", params * 1, bucket * 1, dp, gbps)))
+    with pytest.raises(ConfigError, match="--fp8-params: keeps the weights of FP8 linears.*add --fp8"):
+        TrainingSpec(fp8_params=True)
+
+
 def test_flag_cases_column_and_megatron_export(tmp_path, capsys):
     base = ["--model", "llama2-7b", "--cluster", cluster_file(tmp_path, one_node(H100, 8, 450)), "--global-batch-size",
             "64", "--seq-len", "4096", "--setup", "megatron"]
@@ -99,6 +127,17 @@ def test_flag_cases_column_and_megatron_export(tmp_path, capsys):
     assert plan.training["fp8"] == "current"
     args = megatron_args(plan).args
     assert args[args.index("--fp8-format") + 1] == "hybrid" and args[args.index("--fp8-recipe") + 1] == "tensorwise"
+    assert "--fp8-param-gather" not in args
+    assert main(["plan", *base, "--fp8", "current", "--fp8-params", "--optimizer-dtype", "bf16", "--quiet",
+                 "--json", str(tmp_path / "kept.json")]) == 0
+    kept = Plan.load(str(tmp_path / "kept.json"))
+    assert kept.training["fp8_params"] and kept.training["optimizer_dtype"] == "training"
+    args = megatron_args(kept).args
+    assert "--fp8-param-gather" in args and "--use-precision-aware-optimizer" in args
+    assert args[args.index("--exp-avg-dtype") + 1] == "bf16"
     rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,fp8\nbf16,2,1,4,1,\nfp8,2,1,4,1,delayed\n",
                       base)
     assert rows["fp8"]["iteration_time_s"] < rows["bf16"]["iteration_time_s"]
+    rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,fp8,fp8_params\n"
+                      "copies,2,1,4,1,current,false\nkept,2,1,4,1,current,true\n", base)
+    assert rows["kept"]["peak_memory_gib"] < rows["copies"]["peak_memory_gib"]

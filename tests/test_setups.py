@@ -39,6 +39,19 @@ def test_explicit_fields_win_over_the_preset():
     assert set(SETUPS) == {"megatron", "fsdp2", "zero1", "zero2", "zero3", "ddp", "scaling"}
 
 
+def test_a_16_bit_optimizer_keeps_master_weights_and_moments_in_6_bytes():
+    # Apex's DistributedFusedAdam with dtype bf16 (NeMo's 340B and SFT recipes): a 16-bit remainder
+    # of each fp32 master weight and 16-bit moments, 6 bytes against 12, sharded as before.
+    for dp in (1, 8):
+        spec = TrainingSpec(setup="megatron", optimizer_dtype="bf16")
+        assert spec.optimizer_dtype == "training"
+        assert float(cm.model_state_bytes_per_param(spec, dp)) == pytest.approx(2 + 4 + 6 / dp)
+    # fp32 weights are their own master: only the moments shrink.
+    assert float(cm.model_state_bytes_per_param(TrainingSpec(setup="fsdp2", optimizer_dtype="bf16"), 1)) == 4 + 4 + 4
+    with pytest.raises(ConfigError, match="--optimizer-dtype: unknown precision 'fp8'"):
+        TrainingSpec(optimizer_dtype="fp8")
+
+
 def test_flash_attention_is_a_run_option():
     model = get_model("llama2-7b")
     cluster = _cluster()

@@ -52,6 +52,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="gradient precision (default fp32; bf16/fp16 = the training dtype)")
     p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
                    help="precision of the logits for the loss (default fp32)")
+    p.add_argument("--optimizer-dtype", "--optimizer_dtype", choices=("fp32", "bf16", "fp16"),
+                   help="precision of the optimizer's master weights and moments (default fp32; bf16/fp16 = the "
+                        "training dtype, 6 bytes per parameter with Adam)")
     p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
                    default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
                    "(default on)")
@@ -89,6 +92,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--fp8", choices=FP8_RECIPES, default=None,
                    help="FP8 linear layers (Transformer Engine) with delayed or current scaling: their GEMMs at "
                         "the FP8 peak, FP8 inputs kept, FP8 weight copies (default off)")
+    p.add_argument("--fp8-params", "--fp8_params", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --fp8: the linear weights kept in FP8 only (Megatron's --fp8-param-gather): no "
+                        "16-bit copy, gathered over DP in one byte (default off)")
     p.add_argument("--optimizer-offload", "--optimizer_offload", action=argparse.BooleanOptionalAction,
                    default=None, help="optimizer on the host (ZeRO-Offload): no master weights or moments on the "
                    "GPU, gradients and weights over PCIe each step (default off)")
@@ -129,7 +135,8 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
 
 # Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
-RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "optimizer_offload")
+RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp8_params",
+             "optimizer_offload")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag
 

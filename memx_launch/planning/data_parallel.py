@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds, overlapped_exposed_seconds
-from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters
+from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters, compute_weight_bytes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -15,6 +15,12 @@ def wire_gradient_bytes(training: TrainingSpec) -> int:
     """Bytes per gradient the DP reduction moves: the gradients' dtype, or fp32 where 16-bit
     gradients are cast for it (DeepSpeed's ``fp32_allreduce``)."""
     return 4 if training.fp32_allreduce else training.precision_bytes("grad_dtype")
+
+
+def updated_weight_bytes(training: TrainingSpec) -> int:
+    """Bytes per weight a sharded optimizer all-gathers after its step: the weights' dtype, one
+    with ``fp8_params`` (Megatron's ``--fp8-param-gather``)."""
+    return 1 if training.fp8_params else training.precision_bytes("weights_dtype")
 
 
 def gradient_bucket_params(training: TrainingSpec, dp) -> np.ndarray:
@@ -44,8 +50,8 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
     grad = wire_gradient_bytes(training) * trained.share
     if not (training.fully_sharded or training.distributed_optimizer):
         return bucketed_seconds("all_reduce", params * grad, bucket * grad, dp, gbps, nodes, hop)
-    gathered = 2.0 * training.dtype_bytes * (1.0 + trained.adapters) if training.fully_sharded \
-        else training.precision_bytes("weights_dtype") * trained.share
+    gathered = 2.0 * compute_weight_bytes(training) * (1.0 + trained.adapters) if training.fully_sharded \
+        else updated_weight_bytes(training) * trained.share
     return (bucketed_seconds("reduce_scatter", params * grad, bucket * grad, dp, gbps, nodes, hop)
             + bucketed_seconds("all_gather", params * gathered, bucket * gathered, dp, gbps, nodes, hop))
 
@@ -63,7 +69,7 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64) - layers * layer_params, 0.0)
 
     def unit_seconds(params):
-        gather = collective_seconds("all_gather", params * training.dtype_bytes, dp, gbps, nodes, hop)
+        gather = collective_seconds("all_gather", params * compute_weight_bytes(training), dp, gbps, nodes, hop)
         return gather, 2.0 * gather + collective_seconds("reduce_scatter", params * wire_gradient_bytes(training),
                                                          dp, gbps, nodes, hop)
 
@@ -76,8 +82,9 @@ def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParame
     """Bytes per parameter a sharded setup's reduce-scatters and all-gathers move through the ring."""
     grad = wire_gradient_bytes(training) * trained.share
     if training.fully_sharded:
-        return 2.0 * training.dtype_bytes * (1.0 + trained.adapters) + grad
-    return grad + training.precision_bytes("weights_dtype") * trained.share
+        return 2.0 * compute_weight_bytes(training) * (1.0 + trained.adapters) + grad
+    return grad + updated_weight_bytes(training) * trained.share
+
 
 
 def sync_allreduce_bytes(stage_params, training: TrainingSpec,

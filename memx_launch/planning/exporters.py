@@ -204,6 +204,12 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
         args.append("--cross-entropy-loss-fusion")
     if tr.get("fp8"):  # E4M3 forward, E5M2 gradients; current scaling is Megatron's "tensorwise"
         args += ["--fp8-format", "hybrid", "--fp8-recipe", MEGATRON_FP8_RECIPES[tr["fp8"]]]
+    if tr.get("fp8_params"):
+        args.append("--fp8-param-gather")
+    if tr.get("optimizer_dtype") == "training":  # Megatron's 16-bit main parameters are fp16 only
+        moments = "fp16" if dtype == "fp16" else "bf16"
+        args += ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16", "--exp-avg-dtype", moments,
+                 "--exp-avg-sq-dtype", moments]
     if not tr:
         notes.append("the plan does not record its precision and optimizer (made before memx stored them): "
                      "add --bf16 or --fp16 and --use-distributed-optimizer as trained")

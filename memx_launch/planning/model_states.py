@@ -97,8 +97,9 @@ def _unsharded_state_bytes(training: TrainingSpec, trained: TrainedParameters) -
     weight (frozen ones too) and the adapters; gradients and optimizer states of the trained."""
     weight = float(training.precision_bytes("weights_dtype"))
     grad = float(training.precision_bytes("grad_dtype"))
-    master = 4.0 if weight < 4 else 0.0
-    moments = 8.0 if training.optimizer == "adam" else 4.0  # Adam m and v; SGD momentum
+    state = float(training.precision_bytes("optimizer_dtype"))
+    master = state if weight < 4 else 0.0
+    moments = (2.0 if training.optimizer == "adam" else 1.0) * state  # Adam m and v; SGD momentum
     optim = 0.0 if training.optimizer_offload else master + moments
     return weight * (1.0 + trained.adapters), grad * trained.share, optim * trained.share
 
@@ -114,7 +115,13 @@ def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp) ->
     if not training.fully_sharded:
         return 0.0, 0.0
     layer = model.layer_params / np.asarray(tp, dtype=np.float64)
-    return layer * (2.0 * training.dtype_bytes), layer * training.precision_bytes("grad_dtype")
+    return layer * (2.0 * compute_weight_bytes(training)), layer * training.precision_bytes("grad_dtype")
+
+
+def compute_weight_bytes(training: TrainingSpec) -> int:
+    """Bytes per block weight as the linears read it, and as a fully sharded run gathers it: one
+    with ``fp8_params``, else the training dtype's."""
+    return 1 if training.fp8_params else training.dtype_bytes
 
 
 # Transformer Engine's delayed scaling keeps an amax history of this length (its default) for
@@ -126,10 +133,16 @@ def fp8_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
     """(kept per block, working) bytes an FP8 run adds on one rank: the FP8 copy of each linear
     weight and its transpose for the backward (2 bytes per block parameter, over TP) and, with
     delayed scaling, the amax histories. A fully sharded run casts the gathered layer's weights
-    only: its copies are working memory, one layer at a time."""
+    only: its copies are working memory, one layer at a time. With ``fp8_params`` the FP8 weight
+    is the weight (counted as the 16-bit one it replaces: 2 - d bytes more, none in bf16) and
+    only its transpose is added; a fully sharded run gathers it in FP8 and transposes it."""
     if training.fp8 is None:
         return 0.0, 0.0
-    copies = 2.0 * model.layer_params / np.asarray(tp, dtype=np.float64)
+    layer = model.layer_params / np.asarray(tp, dtype=np.float64)
+    if training.fp8_params:
+        copies = layer * (1.0 if training.fully_sharded else 2.0 - training.dtype_bytes)
+    else:
+        copies = 2.0 * layer
     linears = len(linear_shapes(model, training, 1))
     amax = 3 * linears * FP8_AMAX_HISTORY * 4.0 if training.fp8 == "delayed" else 0.0
     return (amax, copies) if training.fully_sharded else (copies + amax, 0.0)

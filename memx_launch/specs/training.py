@@ -80,7 +80,7 @@ _PRECISIONS = ("fp32", "training")
 # What an option left unset (None) takes when the setup does not set it either.
 OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
-                       loss_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
+                       loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
@@ -122,6 +122,11 @@ class TrainingSpec:
     loss_dtype: str | None = None
     """"fp32" (logits cast to fp32 for the loss, Megatron's cross entropy) or "training"
     (logits and their gradient in the training dtype). Default fp32."""
+    optimizer_dtype: str | None = None
+    """"fp32" (Adam's master weights and moments, 12 bytes per trained parameter) or "training"
+    (all three in the training dtype, 6 bytes: Apex's DistributedFusedAdam with ``dtype: bf16``,
+    which keeps a 16-bit remainder of each fp32 master weight; Megatron's precision-aware
+    optimizer with bf16 main parameters and moments). Default fp32."""
     dropout: bool | None = None
     """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. LLaMA
     trains without; default off."""
@@ -210,6 +215,11 @@ class TrainingSpec:
     ``delayed`` or ``current`` scaling. Their GEMMs run at the FP8 peak; each linear keeps its
     input for the backward in FP8 and FP8 copies of its weight (and its transpose); delayed
     scaling also keeps an amax history per tensor. None: off."""
+    fp8_params: bool = False
+    """With ``fp8``: the blocks' linear weights are kept in FP8 only (Megatron's
+    ``--fp8-param-gather``, NeMo's ``fp8_params``, Transformer Engine's ``fp8_model_init``): no
+    16-bit copy beside the FP8 weight and its transpose, and the updated weights are all-gathered
+    over DP in one byte. The optimizer's fp32 master weights stay."""
     optimizer_offload: bool = False
     """The optimizer runs on the host (DeepSpeed ZeRO-Offload, ``offload_optimizer: cpu``): master
     weights and moments leave the GPU; each step the gradients go to the host and the updated
@@ -232,7 +242,7 @@ class TrainingSpec:
         if self.weights_dtype is None:
             object.__setattr__(self, "weights_dtype",
                                preset.get("weights_dtype", "fp32" if self.fully_sharded else "training"))
-        for name in ("weights_dtype", "grad_dtype", "loss_dtype"):
+        for name in ("weights_dtype", "grad_dtype", "loss_dtype", "optimizer_dtype"):
             value = getattr(self, name)
             if value in ("bf16", "fp16"):  # a 16-bit name means the training dtype
                 object.__setattr__(self, name, "training")
@@ -255,6 +265,10 @@ class TrainingSpec:
                 raise ConfigError("--fp8", f"unknown recipe {self.fp8!r}", f"use one of {', '.join(FP8_RECIPES)}")
             if self.dtype == "fp32":
                 raise ConfigError("--fp8", "FP8 linears run inside 16-bit training, not fp32", "use --dtype bf16")
+        require_type(self.fp8_params, bool, "--fp8-params", "true or false")
+        if self.fp8_params and self.fp8 is None:
+            raise ConfigError("--fp8-params", "keeps the weights of FP8 linears, and the run has none",
+                              "add --fp8 delayed or --fp8 current")
         require_number(self.lora_rank, "--lora-rank", lo=0, hi=MAX_DIMENSION, integer=True)
         require_number(self.frozen_fraction, "--frozen-fraction", lo=0, hi=1,
                        fix="give the share of parameters frozen, e.g. 0.5")
