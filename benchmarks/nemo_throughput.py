@@ -1,0 +1,192 @@
+"""memx's iteration time against NVIDIA's published NeMo / Megatron-Bridge throughput on DGX-H100
+(uncalibrated, datasheet peaks): FP8 training, interleaved pipelines, context parallelism,
+Megatron FSDP, full fine-tuning and LoRA, from 8 to 1,024 GPUs.
+
+Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/data/README.md):
+
+- NeMo 24.07's performance summary (``nemo-24.07``): GPT-3 5B-175B, Llama 2 7B-70B, Nemotron 8B-340B
+  and Llama 3 8B/70B pre-training, and Llama 2 SFT and LoRA fine-tuning (SQuAD packed to 4,096
+  tokens), all FP8 on DGX-H100 (80 GB, NVLink 4, 8 x 400 Gb/s NICs per node).
+- Megatron-Bridge's performance summary (``bridge-25.11``, ``bridge-26.02``): the dense DGX-H100
+  rows (Llama 3 8B with Megatron FSDP, Llama 3 70B, Llama 3.1 405B on 1,024 GPUs), FP8 with
+  current scaling ("FP8-CS"; 26.02's H100 rows say "FP8", the same recipe of its H100 configs).
+
+Each row gives GPUs, global and micro-batch, sequence length and TP/PP/CP/VP: the layout is fully
+given; the step time is global batch x sequence / (tokens per second per GPU x GPUs). How each
+recipe runs, read from its public configuration (columns of the CSV, per row): Megatron-Core with
+Transformer Engine (memx's ``--setup megatron``: distributed optimizer, overlapped gradient
+reduce), bf16 gradients (NeMo's ``grad_sync_dtype: bf16``, Megatron-Bridge's
+``grad_reduce_in_fp32=False``), ``--fp8 delayed`` (NeMo 24.07's ``fp8_hybrid`` recipe) or
+``--fp8 current``, FP8 weights where the recipe keeps them (``fp8_params``,
+``fp8_param_gather``), 16-bit optimizer states where it says ``dtype: bf16``, the plain
+(non-distributed) Adam of its LoRA scripts, sequence parallelism and TP communication overlap
+where it turns them on, its activation recompute (none in these recipes), cuDNN fused attention
+(Transformer Engine's backend on Hopper, timed as FlashAttention-3: written for Hopper), the fused
+vocab-parallel cross entropy where it fuses it, LoRA of rank 32 (NeMo adapts the fused QKV
+projection only, memx every linear: 1.9% of a frozen Llama 2 7B block's FLOPs against 0.4%). The layers of
+an interleaved pipeline are split as Megatron splits them: evenly, or with the embedding and the
+loss counted as a layer each where the recipe says so. The same rows without the recipes'
+memory settings (fp32 gradients and optimizer states, 16-bit weights) are summarised too.
+
+The published "Model TFLOP/s per GPU" column checks the transcribed model shapes: the table's
+FLOPs per token (TFLOP/s over tokens/s) against 6 x the matmul parameters plus the full s x s
+attention (the formula NeMo's tables count), per model.
+
+Every published run ran: each row is also a fit check (memx should say it fits in 80 GB).
+
+Writes benchmarks/results/nemo_throughput.json and the plot nemo_throughput.png.
+Run: .venv/bin/python benchmarks/nemo_throughput.py   (a few seconds)
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.common import dgx_cluster, grouped, identity_axes, no_nan, predicted, run_summary, time_mape  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
+from memx_launch.specs.training import TrainingSpec  # noqa: E402
+
+DATA = os.path.join(ROOT, "benchmarks", "data", "nemo_performance.csv")
+OUT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.json")
+PLOT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.png")
+
+# The recipes' models that memx's catalog lacks (layers, hidden, heads, KV heads, FFN, vocabulary),
+# from NeMo's model configurations. GPT-3: GELU MLP, LayerNorm and biases, learned positions, tied
+# embeddings, GPT-2's vocabulary. Nemotron: squared-ReLU MLP (two matrices), LayerNorm, no biases,
+# rotary positions, untied embeddings.
+GPT3 = {"gpt3-5b": (24, 4096, 32, 16384), "gpt3-20b": (44, 6144, 48, 24576), "gpt3-175b": (96, 12288, 96, 49152)}
+NEMOTRON = {"nemotron-8b": (32, 4096, 32, 32, 16384), "nemotron-22b": (40, 6144, 48, 48, 24576),
+            "nemotron-340b": (96, 18432, 96, 8, 73728)}
+LLAMA31_405B = ModelSpec("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192, rope_theta=500000.0)
+
+
+def nemo_model(name: str, seq: int) -> ModelSpec:
+    if name in GPT3:
+        layers, hidden, heads, ffn = GPT3[name]
+        return ModelSpec(name, layers, hidden, heads, heads, ffn, 50257, seq, gated_mlp=False, tie_embeddings=True,
+                         layer_norm=True, linear_biases=True, position_embeddings=seq)
+    if name in NEMOTRON:
+        layers, hidden, heads, kv, ffn = NEMOTRON[name]
+        return ModelSpec(name, layers, hidden, heads, kv, ffn, 256000, seq, gated_mlp=False, layer_norm=True)
+    base = LLAMA31_405B if name == LLAMA31_405B.name else get_model(name)
+    return dataclasses.replace(base, seq_len=seq)
+
+
+def flops_per_token(model: ModelSpec, seq: int) -> float:
+    """Training FLOPs per token as NeMo's tables count them: 6 x the matmul parameters (blocks and
+    output layer) plus the whole s x s attention (QK^T and AV, forward and backward)."""
+    return 6.0 * (model.num_layers * model.layer_params + model.head_params) \
+        + 12.0 * model.num_layers * seq * model.hidden_size
+
+
+def stage_layers(model: ModelSpec, pp: int, vp: int, with_ends: bool) -> list[int] | None:
+    """Megatron's split over ``pp`` stages of ``vp`` chunks: even (None), or with the embedding and
+    the loss counted as a layer each (``account_for_embedding/loss_in_pipeline_split``): the
+    first and last chunks hold one layer less."""
+    if not with_ends:
+        return None
+    per_chunk = (model.num_layers + 2) // (pp * vp)
+    layers = [per_chunk * vp] * pp
+    layers[0] -= 1
+    layers[-1] -= 1
+    return layers
+
+
+def nemo_rows(recipe_memory: bool = True) -> list[dict]:
+    """Every row with memx's estimate; ``recipe_memory=False`` asks without the recipes' memory
+    settings (16-bit gradients, FP8 weights, 16-bit optimizer states): what they are worth."""
+    rows = []
+    with open(DATA) as f:
+        for d in csv.DictReader(f):
+            gpus, seq, batch, mbs = (int(d[k]) for k in ("gpus", "seq_len", "global_batch_size", "micro_batch_size"))
+            tp, pp, cp, vp = (int(d[k]) for k in ("tp", "pp", "cp", "vp"))
+            model = nemo_model(d["model"], seq)
+            dp = gpus // (tp * pp * cp)
+            flag = {k: d[k] == "True" for k in ("sequence_parallel", "tp_comm_overlap", "fused_loss", "fp8_params",
+                                                 "distributed_optimizer")}
+            memory = dict(grad_dtype="training", optimizer_dtype=d["optimizer_dtype"]) if recipe_memory \
+                else dict(grad_dtype="fp32", optimizer_dtype="fp32", fp8_params=False)
+            training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="megatron",
+                                    fully_sharded=d["fsdp"] == "1", flash_attention_version=3,
+                                    fp8="delayed" if d["precision"] == "fp8" else "current",
+                                    lora_rank=int(d["lora_rank"]), **{**flag, **memory})
+            tokens = batch * seq
+            row = {"group": d["table"], "real": "ok", "model": d["model"], "task": d["task"], "gpus": gpus,
+                   "seq_len": seq, "tokens": tokens,
+                   "real_time_s": tokens / (float(d["tokens_per_s_per_gpu"]) * gpus),
+                   "table_flops_per_token": float(d["model_tflops_per_gpu"]) * 1e12 / float(d["tokens_per_s_per_gpu"]),
+                   "shape_flops_per_token": flops_per_token(model, seq),
+                   "layout": f"{d['model']} {d['task']} {gpus}xh100 tp{tp} pp{pp} cp{cp} vp{vp} dp{dp} mbs{mbs}"
+                             f" {d['precision']} {d['recompute']}" + " fsdp" * (d["fsdp"] == "1")}
+            rows.append(predicted(row, model, dgx_cluster("h100_80gb", gpus), training, tp=tp, pp=pp, dp=dp, cp=cp,
+                                  micro_batch_size=mbs, recompute=d["recompute"],
+                                  schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp,
+                                  layers_per_stage=stage_layers(model, pp, vp, d["embedding_in_split"] == "True")))
+    return rows
+
+
+def shape_check(rows: list[dict]) -> dict:
+    """Per model: the table's FLOPs per token over the transcribed shape's (1.0: the shape and the
+    table's count agree)."""
+    return {name: round(members[0]["table_flops_per_token"] / members[0]["shape_flops_per_token"], 3)
+            for name, members in grouped(rows, lambda r: r["model"]).items()}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memx_launch.planning.report import save_png_atomic
+
+    done = [r for r in rows if "time_s" in r]
+    fig, axis = plt.subplots(figsize=(7, 6))
+    for colour, group in zip(plt.cm.tab10.colors, sorted({r["group"] for r in done})):
+        members = [r for r in done if r["group"] == group]
+        axis.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=18, color=colour,
+                     label=f"{group}: MAPE {time_mape(members):.1f}%")
+        for r in members:
+            axis.annotate(f"{r['model']} {r['task']}", (r["real_time_s"], r["time_s"]), fontsize=6)
+    identity_axes(axis, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)",
+                  "memx (s)", f"NeMo / Megatron-Bridge on DGX-H100, FP8: {len(done)} runs")
+    axis.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    save_png_atomic(fig, path, dpi=100)
+
+
+def main() -> None:
+    started = time.perf_counter()
+    rows = nemo_rows()
+    result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency",
+              **run_summary(rows),
+              "by_table": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["group"]).items()},
+              "by_task": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["task"]).items()},
+              "table_over_shape_flops": shape_check(rows),
+              "without_recipe_memory_settings": run_summary(nemo_rows(recipe_memory=False)), "rows": rows}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    write_json_atomic(OUT, no_nan(result), overwrite=True)
+    plot(rows, PLOT)
+    print("all", result["time"], result["fit"]["confusion"], "errors", result["errors"])
+    for part in ("by_table", "by_task"):
+        for name, summary in result[part].items():
+            print(" ", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
+    print("  table / shape FLOPs per token", result["table_over_shape_flops"])
+    print("  without the recipes' memory settings", result["without_recipe_memory_settings"]["fit"]["confusion"])
+    for r in rows:
+        print(f"  {r['layout']:75s} {r['real_time_s']:7.2f} s", f"{r['time_s']:7.2f} s" if "time_s" in r else r["error"],
+              f"{r.get('peak_gib', '')} GiB")
+    print(f"{result['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
