@@ -105,11 +105,21 @@ def test_iteration_time_equations():
     # Equation 3 plus the blocking sends of the bottleneck stage on every other micro-batch:
     # e = t + x_prev + x_next = (1.1, 2.2, 1.6).
     assert schedules.iteration_time_1f1b(t, pp, 8, 0.5, 0.25)[0] == pytest.approx(7 * 2.2 + 4.9 + 0.75)
-    # Interleaving divides only the bubble; the transfers happen v times.
+    # Interleaving divides only the bubble; the transfers happen v times, each behind the next
+    # chunk's compute (0.2 s of sends against chunks of 0.5-1 s: all hidden) ...
     v = 2
+    assert schedules.iteration_time_interleaved(t, pp, 8, v, 0.5, 0.25)[0] == pytest.approx(
+        8 * 2.0 + (4.5 - 2.0) / v + 0.75)
+    # ... unless an edge blocks (a bridge between domains): its sends are paid whole, v times.
     e = np.array([1.2, 2.4, 1.7])
-    expected = 8 * 2.4 + (e.sum() - 2.4) / v + 0.75
-    assert schedules.iteration_time_interleaved(t, pp, 8, v, 0.5, 0.25)[0] == pytest.approx(expected)
+    blocking = np.ones(3, dtype=bool)
+    assert schedules.iteration_time_interleaved(t, pp, 8, v, 0.5, 0.25, blocking)[0] == pytest.approx(
+        8 * 2.4 + (e.sum() - 2.4) / v + 0.75)
+    # Sends longer than a chunk's compute show beyond it: stage 1's 0.6 + 0.6 s against 1 s.
+    slow = np.array([[0.6, 0.6, 0.0]])
+    e = np.array([1.0 + 2 * max(0.6 - 0.5, 0), 2.0 + 2 * (1.2 - 1.0), 1.5 + 2 * max(0.6 - 0.75, 0)])
+    assert schedules.iteration_time_interleaved(t, slow, 8, v)[0] == pytest.approx(
+        8 * e.max() + (e.sum() - e.max()) / v)
 
 
 def _one_device_cluster():

@@ -109,3 +109,23 @@ def test_interleaving_on_8_h100_stays_within_compute():
     assert times[2] < times[1]  # half the bubble saved, more than the extra transfers cost
     for v in (2, 4):
         assert times[1] / times[v] < 1 + 7 / 512  # at most the whole bubble saved
+
+
+def test_overlapped_interleaved_sends_hide_behind_the_next_chunk_unless_told_they_block(tmp_path):
+    """Megatron-LM's interleaved schedule overlaps its sends by default (--overlap-p2p-communication);
+    its 2021 schedule, and a plan told --no-overlap-p2p-comm, waits on each. One layer a chunk at
+    TP 4 on two nodes: 80 sends a micro-batch, each hidden behind a layer's compute."""
+    from memx_launch.planning.exporters import megatron_args
+
+    model, cluster = get_model("llama2-70b"), _cluster(16)
+    plans = {}
+    for overlap in (True, False):
+        training = TrainingSpec(global_batch_size=128, seq_len=4096, setup="megatron", overlap_p2p_comm=overlap)
+        plans[overlap] = evaluate_layout(model, cluster, training, tp=4, pp=4, dp=1, micro_batch_size=1,
+                                         schedule="interleaved", virtual_stages=20, references=(1.0, 1.0, 1.0))
+    hidden, blocking = plans[True], plans[False]
+    assert hidden.predicted_iteration_time_s < blocking.predicted_iteration_time_s
+    compute = hidden.num_microbatches * max(s.predicted_stage_time_s for s in hidden.stages)
+    assert compute <= hidden.predicted_iteration_time_s < compute * (1 + 3 / (20 * hidden.num_microbatches) + 0.02)
+    assert "--no-overlap-p2p-communication" in megatron_args(blocking).args
+    assert "--no-overlap-p2p-communication" not in megatron_args(hidden).args

@@ -52,6 +52,19 @@ def test_a_16_bit_optimizer_keeps_master_weights_and_moments_in_6_bytes():
         TrainingSpec(optimizer_dtype="fp8")
 
 
+def test_with_sequence_parallelism_each_tp_rank_sends_its_shard_to_the_next_stage():
+    # Megatron's pipeline tensor shape under sequence parallelism is seq / TP: each TP rank sends
+    # its own shard to its peer, so a stage boundary moves 1/TP of the hidden state per rank.
+    from memx_launch.planning.layouts import make_layout
+    from memx_launch.planning.scoring import edge_hidden_bytes
+
+    model, cluster = get_model("llama2-7b"), _cluster()
+    layout = make_layout(cluster, ("gpu",), 4, 1, ("gpu",), [[0, 1, 2, 3], [4, 5, 6, 7]])
+    whole = edge_hidden_bytes(model, TrainingSpec(), layout, 1, 2048)
+    shard = edge_hidden_bytes(model, TrainingSpec(setup="megatron"), layout, 1, 2048)
+    assert whole == 2048 * model.hidden_size * 2 and shard == whole / 4
+
+
 def test_flash_attention_is_a_run_option():
     model = get_model("llama2-7b")
     cluster = _cluster()

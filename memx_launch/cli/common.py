@@ -71,6 +71,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "receipt (default off)"),
                        ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32 "
                         "(default off)"),
+                       ("overlap-p2p-comm", "an interleaved pipeline's sends overlap the next chunk's compute "
+                        "(Megatron-LM's --overlap-p2p-communication, torch's interleaved schedule); off: each blocks "
+                        "(default on)"),
                        ("ddp-bucket-copy", "torch DDP without gradient_as_bucket_view: its buckets hold a second copy "
                         "of the gradients (default off; --setup ddp: on)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,

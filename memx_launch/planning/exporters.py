@@ -200,6 +200,8 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
         args.append("--overlap-grad-reduce")
     if tr.get("tp_comm_overlap") and plan.tp > 1:
         args.append("--tp-comm-overlap")
+    if tr.get("overlap_p2p_comm") is False and plan.schedule == "interleaved":
+        args.append("--no-overlap-p2p-communication")
     if tr.get("fused_loss"):
         args.append("--cross-entropy-loss-fusion")
     if tr.get("fp8"):  # E4M3 forward, E5M2 gradients; current scaling is Megatron's "tensorwise"

@@ -31,19 +31,25 @@ def iteration_time_1f1b(stage_times, transfer_times, num_microbatches, t_fix=0.0
 
 
 def iteration_time_interleaved(stage_times, transfer_times, num_microbatches, virtual_stages,
-                               t_fix=0.0, t_dp=0.0):
+                               t_fix=0.0, t_dp=0.0, blocking=None):
     """Interleaved 1F1B with ``v`` model chunks per device; see :func:`pipeline_iteration_time`.
 
     Not the paper's printed equation 4, which divides the steady-state term by v: interleaving
     shrinks only the bubble (Narayanan et al. 2021, section 2.2.2), every micro-batch still
-    costs its whole stage compute.
+    costs its whole stage compute. Its sends overlap the next chunk's compute: Megatron-LM's
+    interleaved schedule posts them asynchronously (``--overlap-p2p-communication``, on by
+    default there and forced off for plain 1F1B), as torch's ``ScheduleInterleaved1F1B`` does.
+    ``blocking``: (P,) edges whose sends cannot overlap (a bridge between communication domains,
+    whose host copies run on the host's thread); None: none.
     """
+    edges = np.shape(transfer_times)[-1]
+    overlapped = np.ones(edges, dtype=bool) if blocking is None else ~np.asarray(blocking, dtype=bool)
     return pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages,
-                                   t_fix, t_dp)
+                                   t_fix, t_dp, overlapped)
 
 
 def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages=1,
-                            t_fix=0.0, t_dp=0.0):
+                            t_fix=0.0, t_dp=0.0, overlapped=None):
     """Iteration time of a synchronous 1F1B pipeline, arrays whose last axis is the stage.
 
     ``stage_times[i]``: forward + backward of one micro-batch on stage i (all its chunks);
@@ -51,7 +57,10 @@ def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtu
     last: from the last stage to the first (interleaving's wrap-around; 0 where unpriced).
     Each micro-batch pays the blocking sends of its stage: forward to the next stage and
     backward to the previous one, each link full duplex, v times with v chunks (Narayanan
-    2021: point-to-point traffic grows v times). With ``e_i = t_i + v (x_{i-1} + x_i)``:
+    2021: point-to-point traffic grows v times). ``overlapped``: (P,) edges whose sends run while
+    the stage computes its next chunk (None: none); a stage waits only for what its overlapped
+    sends take beyond one chunk's compute, ``v max(0, x_{i-1} + x_i - t_i / v)`` in place of
+    ``v (x_{i-1} + x_i)``, and for its blocking ones whole. With ``e_i = t_i + v (x_{i-1} + x_i)``:
 
         T = G max_i e_i + (sum_i e_i - max_i e_i) / v + t_fix + t_dp
 
@@ -64,7 +73,13 @@ def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtu
     v = np.asarray(virtual_stages, dtype=np.float64)
     t = np.asarray(stage_times, dtype=np.float64)
     x = np.asarray(transfer_times, dtype=np.float64)
-    x_prev = np.concatenate([x[..., -1:], x[..., :-1]], axis=-1)
-    e = t + np.expand_dims(v, -1) * (x + x_prev)
+    chunks = np.expand_dims(v, -1)
+    hidden = np.zeros(x.shape[-1], dtype=bool) if overlapped is None else np.asarray(overlapped, dtype=bool)
+    hidden_x, blocking_x = np.where(hidden, x, 0.0), np.where(hidden, 0.0, x)
+
+    def with_previous(edges):  # a stage sends over its own edge and the one before it
+        return edges + np.concatenate([edges[..., -1:], edges[..., :-1]], axis=-1)
+
+    e = t + chunks * (np.maximum(with_previous(hidden_x) - t / chunks, 0.0) + with_previous(blocking_x))
     slowest = e.max(axis=-1)
     return g * slowest + (e.sum(axis=-1) - slowest) / v + t_fix + t_dp

@@ -377,7 +377,9 @@ class Evaluator:
                                          layout.dp_cp, self.trained, self.host_gbps)
         t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
-            T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp)
+            blocking = np.isin(np.arange(layout.pp), [edge.stage for edge in layout.edge_crossings]) \
+                | (not tr.overlap_p2p_comm)
+            T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp, blocking)
         else:
             T = schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
         return T, transfer, sync
@@ -402,8 +404,11 @@ def edge_micro_batch(layout: Layout, mbs: int):
 
 def edge_hidden_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, mbs: int, seq: int):
     """Hidden-state bytes a rank sends per micro-batch over each edge (:func:`edge_micro_batch`), whole
-    between stages of different TP (a resharding sender, as Sailor's); a CP rank's seq / cp tokens."""
-    return edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.dtype_bytes
+    between stages of different TP (a resharding sender, as Sailor's); a CP rank's seq / cp tokens.
+    With sequence parallelism each TP rank sends its own 1/TP of the sequence to its peer of the
+    next stage (Megatron's pipeline tensor shapes: ``seq_length // tp``)."""
+    nbytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.dtype_bytes
+    return nbytes / layout.tp if training.sequence_parallel and layout.uniform_tp else nbytes
 
 
 def parameters_per_rank(model: ModelSpec, layout: Layout, layers: np.ndarray) -> np.ndarray:

@@ -84,7 +84,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
-                       selective_recompute="attention", ddp_bucket_copy=False)
+                       selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True)
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,11 @@ class TrainingSpec:
     """torch's DistributedDataParallel without ``gradient_as_bucket_view`` (its default, and
     Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
     second copy of the gradients on each replica (with more than one). Default off (``ddp``: on)."""
+    overlap_p2p_comm: bool | None = None
+    """An interleaved pipeline's sends run while the stage computes its next chunk (Megatron-LM's
+    ``--overlap-p2p-communication``, on by default there since 2023; torch's
+    ``ScheduleInterleaved1F1B``). Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's
+    sends always block. Default on."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
