@@ -426,6 +426,24 @@ def test_deepspeed_config_of_a_data_parallel_plan_and_its_refusal_of_pp():
         deepspeed_json(make_plan())
 
 
+def test_fp8_and_16_bit_optimizer_states_come_back_as_notes_where_the_config_cannot_set_them():
+    import json
+
+    from memx_launch.planning.config_exports import deepspeed_json
+
+    plan = make_plan(layers=(32,), devices=("vendor-x-32gb",), dp=8, mbs=2, gbs=64)
+    plan.training = {"dtype": "bf16", "fp8": "current", "fp8_params": True, "optimizer_dtype": "training"}
+    _, notes = _torchtitan(plan)
+    assert any("FP8 (--fp8 current, weights kept in FP8)" in n and "Float8" in n for n in notes)
+    assert any("16 bits" in n and "torchtitan's optimizer" in n for n in notes)
+    config = deepspeed_json(plan)
+    assert json.loads(config.text)["bf16"]["enabled"]
+    assert any("Transformer Engine" in n for n in config.notes) and any("DeepSpeed's optimizer" in n
+                                                                       for n in config.notes)
+    plan.training = {"dtype": "bf16"}
+    assert not [n for n in _torchtitan(plan)[1] if "FP8" in n or "16 bits" in n]
+
+
 def test_memx_export_to_torchtitan_prints_the_toml_and_notes_on_stderr(tmp_path, capsys):
     import tomllib
 

@@ -38,6 +38,22 @@ def _strongest_recompute(plan: Plan, target: str) -> tuple[str, list[str]]:
     return strongest, notes
 
 
+def _precision_notes(plan: Plan, target: str) -> list[str]:
+    """What the plan's FP8 linears, FP8 weights and 16-bit optimizer states need in ``target``,
+    whose config file this writes does not set them."""
+    tr, notes = plan.training, []
+    if tr.get("fp8"):
+        fp8 = f"the plan's linears run in FP8 (--fp8 {tr['fp8']}"
+        fp8 += ", weights kept in FP8)" if tr.get("fp8_params") else ")"
+        notes.append(fp8 + (": turn on torchtitan's Float8 linears (tensorwise scaling; its FSDP float8 "
+                            "all-gather for FP8 weights)" if target == "torchtitan" else
+                            f": {target}'s config does not; swap the model's linears for Transformer Engine's"))
+    if tr.get("optimizer_dtype") == "training":
+        notes.append(f"the plan keeps Adam's master weights and moments in 16 bits; {target}'s optimizer keeps "
+                     "them in fp32: more memory than planned")
+    return notes
+
+
 def torchtitan_split_points(plan: Plan) -> list[str]:
     """``parallelism.pipeline_parallel_split_points``: the first layer of every (virtual) stage but
     the first. Chunks follow in model order virtual-stage major, chunk k on pipeline rank k mod pp
@@ -64,7 +80,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         notes.append("torchtitan has no sharded-optimizer-only mode (ZeRO-1): this runs DDP, whose whole "
                      "optimizer state per rank is more memory than the plan's")
     level, recompute_notes = _strongest_recompute(plan, "torchtitan")
-    notes += recompute_notes
+    notes += recompute_notes + _precision_notes(plan, "torchtitan")
     if level == "selective" and tr.get("selective_recompute") != "op":
         notes.append("selective maps to torchtitan's op-level SAC (selective_ac_option = \"op\"), which keeps "
                      "less and recomputes more than the planned attention-core recompute: plan with "
@@ -117,7 +133,7 @@ def deepspeed_json(plan: Plan) -> ConfigText:
               "zero_optimization": {"stage": stage}}
     notes = []
     level, recompute_notes = _strongest_recompute(plan, "DeepSpeed")
-    notes += recompute_notes
+    notes += recompute_notes + _precision_notes(plan, "DeepSpeed")
     if level != "none":
         notes.append(f"the plan recomputes ({level}): turn on activation checkpointing in the model "
                      "(Hugging Face: model.gradient_checkpointing_enable()); DeepSpeed's config does not")
