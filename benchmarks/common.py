@@ -127,3 +127,18 @@ def identity_axes(ax, values, xlabel, ylabel, title) -> None:
     from matplotlib.ticker import NullFormatter  # a span under a decade labels every minor tick, overlapping
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_minor_formatter(NullFormatter())
+
+
+def step_time_by_group(ax, rows, title, colors, size=12, label=None) -> None:
+    """Published against predicted step time of the rows that got a prediction, one colour per
+    group with its MAPE, on :func:`identity_axes`; ``label(row)`` annotates each point."""
+    done = [r for r in rows if "time_s" in r]
+    for colour, group in zip(colors, sorted({r["group"] for r in done})):
+        members = [r for r in done if r["group"] == group]
+        ax.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=size, color=colour,
+                   label=f"{group}: MAPE {time_mape(members):.1f}%")
+        for r in members if label else ():
+            ax.annotate(label(r), (r["real_time_s"], r["time_s"]), fontsize=6)
+    identity_axes(ax, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)",
+                  "memx (s)", f"{title}: {len(done)} runs")
+    ax.legend(fontsize=8, loc="upper left")

@@ -49,7 +49,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import dgx_cluster, grouped, identity_axes, no_nan, predicted, run_summary, time_mape  # noqa: E402
+from benchmarks.common import dgx_cluster, grouped, no_nan, predicted, run_summary, step_time_by_group  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
@@ -149,17 +149,9 @@ def plot(rows: list[dict], path: str) -> None:
 
     from memx_launch.planning.report import save_png_atomic
 
-    done = [r for r in rows if "time_s" in r]
     fig, axis = plt.subplots(figsize=(7, 6))
-    for colour, group in zip(plt.cm.tab10.colors, sorted({r["group"] for r in done})):
-        members = [r for r in done if r["group"] == group]
-        axis.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=18, color=colour,
-                     label=f"{group}: MAPE {time_mape(members):.1f}%")
-        for r in members:
-            axis.annotate(f"{r['model']} {r['task']}", (r["real_time_s"], r["time_s"]), fontsize=6)
-    identity_axes(axis, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)",
-                  "memx (s)", f"NeMo / Megatron-Bridge on DGX-H100, FP8: {len(done)} runs")
-    axis.legend(fontsize=8, loc="upper left")
+    step_time_by_group(axis, rows, "NeMo / Megatron-Bridge on DGX-H100, FP8", plt.cm.tab10.colors, size=18,
+                       label=lambda r: f"{r['model']} {r['task']}")
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)
 

@@ -65,7 +65,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.common import (dgx_cluster, grouped, identity_axes, no_nan, predicted, run_summary,  # noqa: E402
-                               time_mape)
+                               step_time_by_group, time_mape)
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
@@ -269,14 +269,7 @@ def plot(narayanan_rows, mpt_rows, titan_rows, path: str) -> None:
               f"{time_mape(narayanan_rows):.1f}%")
     for axis, rows, title in ((middle, mpt_rows, "MPT with FSDP (MosaicML)"),
                               (right, titan_rows, "torchtitan with FSDP2 (Meta)")):
-        done = [r for r in rows if "time_s" in r]
-        for colour, group in zip(plt.cm.tab10.colors, sorted({r["group"] for r in done})):
-            members = [r for r in done if r["group"] == group]
-            axis.scatter([r["real_time_s"] for r in members], [r["time_s"] for r in members], s=12, color=colour,
-                         label=f"{group}: MAPE {time_mape(members):.1f}%")
-        identity_axes(axis, [r[k] for r in done for k in ("real_time_s", "time_s")], "published step time (s)",
-                      "memx (s)", f"{title}: {len(done)} runs")
-        axis.legend(fontsize=8, loc="upper left")
+        step_time_by_group(axis, rows, title, plt.cm.tab10.colors)
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)
 
