@@ -74,12 +74,15 @@ def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtu
     t = np.asarray(stage_times, dtype=np.float64)
     x = np.asarray(transfer_times, dtype=np.float64)
     chunks = np.expand_dims(v, -1)
-    hidden = np.zeros(x.shape[-1], dtype=bool) if overlapped is None else np.asarray(overlapped, dtype=bool)
-    hidden_x, blocking_x = np.where(hidden, x, 0.0), np.where(hidden, 0.0, x)
 
     def with_previous(edges):  # a stage sends over its own edge and the one before it
         return edges + np.concatenate([edges[..., -1:], edges[..., :-1]], axis=-1)
 
-    e = t + chunks * (np.maximum(with_previous(hidden_x) - t / chunks, 0.0) + with_previous(blocking_x))
+    if overlapped is None:  # the search's hot path: every send blocks
+        e = t + chunks * with_previous(x)
+    else:
+        hidden = np.asarray(overlapped, dtype=bool)
+        hidden_x, blocking_x = np.where(hidden, x, 0.0), np.where(hidden, 0.0, x)
+        e = t + chunks * (np.maximum(with_previous(hidden_x) - t / chunks, 0.0) + with_previous(blocking_x))
     slowest = e.max(axis=-1)
     return g * slowest + (e.sum(axis=-1) - slowest) / v + t_fix + t_dp

@@ -377,8 +377,8 @@ class Evaluator:
                                          layout.dp_cp, self.trained, self.host_gbps)
         t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
-            blocking = np.isin(np.arange(layout.pp), [edge.stage for edge in layout.edge_crossings]) \
-                | (not tr.overlap_p2p_comm)
+            blocking = np.full(layout.pp, not tr.overlap_p2p_comm)
+            blocking[[edge.stage for edge in layout.edge_crossings]] = True
             T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp, blocking)
         else:
             T = schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
