@@ -86,7 +86,6 @@ def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParame
     return grad + updated_weight_bytes(training) * trained.share
 
 
-
 def sync_allreduce_bytes(stage_params, training: TrainingSpec,
                          trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
     """The all-reduce whose ring traffic equals one iteration's gradient sync: the gradients for

@@ -78,7 +78,7 @@ def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtu
     def with_previous(edges):  # a stage sends over its own edge and the one before it
         return edges + np.concatenate([edges[..., -1:], edges[..., :-1]], axis=-1)
 
-    if overlapped is None:  # the search's hot path: every send blocks
+    if overlapped is None:  # plain 1F1B, most layouts scored: every send blocks
         e = t + chunks * with_previous(x)
     else:
         hidden = np.asarray(overlapped, dtype=bool)
