@@ -14,7 +14,9 @@ Data (development sets of issue 10, in shared/peer-data):
   ``keep_stage_outputs``); with sequence parallelism the RMSNorm all-gathers its output and
   the next linear keeps it whole (``norm/rms_norm.py``: ``sp_keeps_gathered_input``); its
   SwiGLU has separate gate and up linears, each all-reducing its input gradient over TP
-  (``core/nn/mlp.py``: ``fused_gate_up`` off).
+  (``core/nn/mlp.py``: ``fused_gate_up`` off); its optimizer all-reduces the whole gradients over
+  DP, cast to fp32, after the backward, then all-gathers each shard's updated bf16 weights
+  (``core/optimizer/allreduce.py``: ``full_gradient_allreduce``, ``fp32_allreduce``).
   Per row: LLaMA without dropout; flash attention when the kernel is flash_attention* (its
   version from the name: flash_attentionv1.0.8 is FlashAttention 1), the
   s x s scores kept for "torch" (torch's softmax: ``--no-fused-softmax``) and "fused"

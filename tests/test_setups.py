@@ -188,6 +188,24 @@ def test_data_parallel_volume_follows_the_setup():
     assert fsdp == pytest.approx(1.5 * zero1, rel=1e-3)
 
 
+def test_scaling_all_reduces_its_whole_gradients_in_fp32_and_gathers_its_16_bit_weights():
+    # Aleph Alpha's optimizer (core/optimizer/allreduce.py: allreduce_tensor_in_float32) all-reduces
+    # every gradient over DP, cast to fp32, then all-gathers the updated bf16 weights of each shard.
+    from memx_launch.planning.collectives import bucketed_seconds
+
+    params, dp, gbps = 1e9, 8, 25.0
+    scaling = TrainingSpec(setup="scaling")
+    assert scaling.fp32_allreduce and scaling.full_gradient_allreduce and not scaling.overlap_grad_reduce
+    one = np.inf  # one bucket
+    assert float(data_parallel_sync_time(params, scaling, dp, gbps)) == pytest.approx(
+        float(bucketed_seconds("all_reduce", params * 4, one, dp, gbps)
+              + bucketed_seconds("all_gather", params * 2, one, dp, gbps)))
+    # Without the sharded optimizer the flag changes nothing: plain DP all-reduces anyway.
+    plain = TrainingSpec(full_gradient_allreduce=True, overlap_grad_reduce=False)
+    assert float(data_parallel_sync_time(params, plain, dp, gbps)) == pytest.approx(
+        float(bucketed_seconds("all_reduce", params * 4, one, dp, gbps)))
+
+
 def test_overlapped_gradient_reduction_hides_behind_the_last_backward():
     model, cluster = get_model("llama2-7b"), _cluster()
     times = {}

@@ -69,8 +69,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "parallelism): TP collectives in chunks behind the linear GEMMs (default off)"),
                        ("partitioned-sends", "DeepSpeed's pipeline sends: 1/TP per rank, all-gathered over TP on "
                         "receipt (default off)"),
-                       ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32 "
-                        "(default off)"),
+                       ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32"),
+                       ("full-gradient-allreduce", "a sharded optimizer all-reduces the whole gradients over "
+                        "DP instead of reduce-scattering them (Aleph Alpha's scaling)"),
                        ("overlap-p2p-comm", "an interleaved pipeline's sends overlap the next chunk's compute "
                         "(Megatron-LM's --overlap-p2p-communication, torch's interleaved schedule); off: each blocks "
                         "(default on)"),

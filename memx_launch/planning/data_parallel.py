@@ -52,8 +52,15 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
         return bucketed_seconds("all_reduce", params * grad, bucket * grad, dp, gbps, nodes, hop)
     gathered = 2.0 * compute_weight_bytes(training) * (1.0 + trained.adapters) if training.fully_sharded \
         else updated_weight_bytes(training) * trained.share
-    return (bucketed_seconds("reduce_scatter", params * grad, bucket * grad, dp, gbps, nodes, hop)
+    reduce = "all_reduce" if whole_gradients(training) else "reduce_scatter"
+    return (bucketed_seconds(reduce, params * grad, bucket * grad, dp, gbps, nodes, hop)
             + bucketed_seconds("all_gather", params * gathered, bucket * gathered, dp, gbps, nodes, hop))
+
+
+def whole_gradients(training: TrainingSpec) -> bool:
+    """A sharded optimizer that all-reduces the whole gradients (``full_gradient_allreduce``)
+    where it would reduce-scatter them; a fully sharded run always reduce-scatters."""
+    return training.full_gradient_allreduce and training.distributed_optimizer and not training.fully_sharded
 
 
 def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
@@ -83,7 +90,8 @@ def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParame
     grad = wire_gradient_bytes(training) * trained.share
     if training.fully_sharded:
         return 2.0 * compute_weight_bytes(training) * (1.0 + trained.adapters) + grad
-    return grad + updated_weight_bytes(training) * trained.share
+    # An all-reduce moves its buffer twice through the ring, a reduce-scatter once.
+    return grad * (2.0 if whole_gradients(training) else 1.0) + updated_weight_bytes(training) * trained.share
 
 
 def sync_allreduce_bytes(stage_params, training: TrainingSpec,

@@ -19,7 +19,8 @@ ddp        fp32 params under autocast, fp32 grads, fp32 moments     16
 scaling    as zero1, in Aleph Alpha's Megatron-derived codebase      4 + 12/DP
            (Hagemann et al. 2023): logits gathered over TP, stage
            outputs kept, sequence parallel keeps gathered inputs,
-           separate SwiGLU gate and up linears
+           separate SwiGLU gate and up linears, whole gradients
+           all-reduced in fp32
 =========  =======================================================  =====================
 
 No setup keeps the defaults memx always had: 16-bit weights, fp32 grads, fp32 master and
@@ -67,10 +68,11 @@ SETUPS: dict[str, dict] = {
     # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
     # last stage the previous micro-batch's logits; its RMSNorm all-gathers the sequence-parallel
-    # output, which the next linear then keeps whole; its SwiGLU has separate gate and up linears.
+    # output, which the next linear then keeps whole; its SwiGLU has separate gate and up linears;
+    # its optimizer all-reduces the whole gradients over DP, cast to fp32, after the backward.
     "scaling": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
                     vocab_parallel_loss=False, keep_stage_outputs=True, sp_keeps_gathered_input=True,
-                    fused_gate_up=False),
+                    fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
@@ -84,6 +86,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
+                       full_gradient_allreduce=False,
                        selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True)
 
 
@@ -183,7 +186,11 @@ class TrainingSpec:
     the receiving stage all-gathers it over TP. Off: the whole tensor crosses once. Default off."""
     fp32_allreduce: bool | None = None
     """DeepSpeed's ``fp32_allreduce``: 16-bit gradients are cast to fp32 for the data-parallel
-    reduction, 4 bytes per gradient on the wire. Default off."""
+    reduction, 4 bytes per gradient on the wire. Default off (``scaling``: on)."""
+    full_gradient_allreduce: bool | None = None
+    """A sharded optimizer all-reduces the whole gradients over DP (every rank receives all of
+    them and updates its shard) instead of reduce-scattering them: twice the gradient traffic
+    (Aleph Alpha's scaling, ``core/optimizer/allreduce.py``). Default off (``scaling``: on)."""
     ddp_bucket_copy: bool | None = None
     """torch's DistributedDataParallel without ``gradient_as_bucket_view`` (its default, and
     Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
