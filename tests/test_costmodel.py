@@ -112,8 +112,7 @@ def test_iteration_time_equations():
         8 * 2.0 + (4.5 - 2.0) / v + 0.75)
     # ... unless an edge blocks (a bridge between domains): its sends are paid whole, v times.
     e = np.array([1.2, 2.4, 1.7])
-    blocking = np.ones(3, dtype=bool)
-    assert schedules.iteration_time_interleaved(t, pp, 8, v, 0.5, 0.25, blocking)[0] == pytest.approx(
+    assert schedules.iteration_time_interleaved(t, pp, 8, v, 0.5, 0.25, overlapped=False)[0] == pytest.approx(
         8 * 2.4 + (e.sum() - 2.4) / v + 0.75)
     # Sends longer than a chunk's compute show beyond it: stage 1's 0.6 + 0.6 s against 1 s.
     slow = np.array([[0.6, 0.6, 0.0]])

@@ -58,9 +58,10 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
 
 
 def whole_gradients(training: TrainingSpec) -> bool:
-    """A sharded optimizer that all-reduces the whole gradients (``full_gradient_allreduce``)
-    where it would reduce-scatter them; a fully sharded run always reduce-scatters."""
-    return training.full_gradient_allreduce and training.distributed_optimizer and not training.fully_sharded
+    """A sharded setup (its callers' branch) that all-reduces the whole gradients
+    (``full_gradient_allreduce``) where it would reduce-scatter them; a fully sharded run always
+    reduce-scatters."""
+    return training.full_gradient_allreduce and not training.fully_sharded
 
 
 def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,

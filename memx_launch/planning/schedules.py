@@ -31,7 +31,7 @@ def iteration_time_1f1b(stage_times, transfer_times, num_microbatches, t_fix=0.0
 
 
 def iteration_time_interleaved(stage_times, transfer_times, num_microbatches, virtual_stages,
-                               t_fix=0.0, t_dp=0.0, blocking=None):
+                               t_fix=0.0, t_dp=0.0, overlapped=True):
     """Interleaved 1F1B with ``v`` model chunks per device; see :func:`pipeline_iteration_time`.
 
     Not the paper's printed equation 4, which divides the steady-state term by v: interleaving
@@ -39,17 +39,15 @@ def iteration_time_interleaved(stage_times, transfer_times, num_microbatches, vi
     costs its whole stage compute. Its sends overlap the next chunk's compute: Megatron-LM's
     interleaved schedule posts them asynchronously (``--overlap-p2p-communication``, on by
     default there and forced off for plain 1F1B), as torch's ``ScheduleInterleaved1F1B`` does.
-    ``blocking``: (P,) edges whose sends cannot overlap (a bridge between communication domains,
-    whose host copies run on the host's thread); None: none.
+    ``overlapped``: False where an edge's sends block (``--no-overlap-p2p-comm``; a bridge between
+    communication domains, whose host copies run on the host's thread), one value or (P,).
     """
-    edges = np.shape(transfer_times)[-1]
-    overlapped = np.ones(edges, dtype=bool) if blocking is None else ~np.asarray(blocking, dtype=bool)
     return pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages,
                                    t_fix, t_dp, overlapped)
 
 
 def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtual_stages=1,
-                            t_fix=0.0, t_dp=0.0, overlapped=None):
+                            t_fix=0.0, t_dp=0.0, overlapped=False):
     """Iteration time of a synchronous 1F1B pipeline, arrays whose last axis is the stage.
 
     ``stage_times[i]``: forward + backward of one micro-batch on stage i (all its chunks);
@@ -57,8 +55,8 @@ def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtu
     last: from the last stage to the first (interleaving's wrap-around; 0 where unpriced).
     Each micro-batch pays the blocking sends of its stage: forward to the next stage and
     backward to the previous one, each link full duplex, v times with v chunks (Narayanan
-    2021: point-to-point traffic grows v times). ``overlapped``: (P,) edges whose sends run while
-    the stage computes its next chunk (None: none); a stage waits only for what its overlapped
+    2021: point-to-point traffic grows v times). ``overlapped`` (one value or (P,)): the edges
+    whose sends run while the stage computes its next chunk; a stage waits only for what its overlapped
     sends take beyond one chunk's compute, ``v max(0, x_{i-1} + x_i - t_i / v)`` in place of
     ``v (x_{i-1} + x_i)``, and for its blocking ones whole. With ``e_i = t_i + v (x_{i-1} + x_i)``:
 
@@ -78,11 +76,10 @@ def pipeline_iteration_time(stage_times, transfer_times, num_microbatches, virtu
     def with_previous(edges):  # a stage sends over its own edge and the one before it
         return edges + np.concatenate([edges[..., -1:], edges[..., :-1]], axis=-1)
 
-    if overlapped is None:  # plain 1F1B, most layouts scored: every send blocks
+    if not np.any(overlapped):  # plain 1F1B, most layouts scored: every send blocks
         e = t + chunks * with_previous(x)
     else:
-        hidden = np.asarray(overlapped, dtype=bool)
-        hidden_x, blocking_x = np.where(hidden, x, 0.0), np.where(hidden, 0.0, x)
+        hidden_x, blocking_x = np.where(overlapped, x, 0.0), np.where(overlapped, 0.0, x)
         e = t + chunks * (np.maximum(with_previous(hidden_x) - t / chunks, 0.0) + with_previous(blocking_x))
     slowest = e.max(axis=-1)
     return g * slowest + (e.sum(axis=-1) - slowest) / v + t_fix + t_dp

@@ -377,9 +377,9 @@ class Evaluator:
                                          layout.dp_cp, self.trained, self.host_gbps)
         t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
-            blocking = np.full(layout.pp, not tr.overlap_p2p_comm)
-            blocking[[edge.stage for edge in layout.edge_crossings]] = True
-            T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp, blocking)
+            overlapped = np.full(layout.pp, tr.overlap_p2p_comm)
+            overlapped[[edge.stage for edge in layout.edge_crossings]] = False
+            T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp, overlapped)
         else:
             T = schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
         return T, transfer, sync
