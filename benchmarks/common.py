@@ -13,29 +13,52 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.profiling.metrics import error_summary, ranking_summary
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.efficiency import TRAINING_SHARE_OF_BEST_MATMUL
 
 # Datasheet numbers (dense 16-bit peak, HBM bandwidth, NVLink per direction, compute capability). The capacity is
 # what CUDA reports of the marketing size, the most a run can fill.
 AMPERE, HOPPER = {"vendor": "nvidia", "compute_capability": 8.0}, {"vendor": "nvidia", "compute_capability": 9.0}
+# Blackwell: B200 and GB200 are compute capability 10.0, GB300 (Blackwell Ultra) 10.3 (NVIDIA's CUDA GPU
+# list). HBM capacity as nvidia-smi reports it (183,359, 189,471 and 284,208 MiB); dense BF16 2,250 (B200)
+# and 2,500 TFLOPS (GB200, GB300), 8 TB/s, NVLink 5 at 900 GB/s per direction; their FP8 and FP4 peaks are
+# memx's defaults (2x; 4x, and 6x on Blackwell Ultra). The host link: PCIe Gen5 on DGX B200; NVLink-C2C to
+# the Grace CPU on GB200 and GB300, about 200 GB/s per GPU and direction (Azure's ND GB200 v6 measured
+# 193 and 201: github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_GB200_v6_results.md).
+BLACKWELL, BLACKWELL_ULTRA = ({"vendor": "nvidia", "compute_capability": 10.0, "memory_bandwidth_gbps": 8000},
+                              {"vendor": "nvidia", "compute_capability": 10.3, "memory_bandwidth_gbps": 8000})
 GPUS = {
     "a100_80gb": ({**AMPERE, "memory_gib": 79.3, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}, 300),
     "a100_40gb": ({**AMPERE, "memory_gib": 39.4, "peak_tflops": 312, "memory_bandwidth_gbps": 1555}, 300),
     "h100_80gb": ({**HOPPER, "memory_gib": 79.1, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}, 450),
     # Meta's Grand Teton hosts (torchtitan's H100 tables): 96 GB of HBM2e at 2.4 TB/s.
     "h100_96gb": ({**HOPPER, "memory_gib": 95.0, "peak_tflops": 989, "memory_bandwidth_gbps": 2400}, 450),
+    "b200": ({**BLACKWELL, "memory_gib": 179.0, "peak_tflops": 2250, "host_link_gbps": 50}, 900),
+    # GB200's own best matmul, 72.9% of its peak (B200's 77.6% is the generation's default), at Blackwell's
+    # training share of it.
+    "gb200": ({**BLACKWELL, "memory_gib": 185.0, "peak_tflops": 2500, "host_link_gbps": 200,
+               "efficiency": TRAINING_SHARE_OF_BEST_MATMUL["blackwell"] * 0.729}, 900),
+    "gb300": ({**BLACKWELL_ULTRA, "memory_gib": 277.5, "peak_tflops": 2500, "host_link_gbps": 200}, 900),
 }
-INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50, "h100_96gb": 50}  # per GPU
+# Per GPU: one 400 Gb/s NIC (ConnectX-7), 800 Gb/s on GB300 (ConnectX-8).
+INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50, "h100_96gb": 50, "b200": 50, "gb200": 50,
+                   "gb300": 100}
+# GPUs one NVLink domain holds: 8 in a DGX or HGX node; an NVL72 rack's NVLink switches join 72, of which
+# a job of 64-GPU multiples is taken to use 64 (16 of its 18 compute trays).
+NVLINK_DOMAIN = {"gb200": 64, "gb300": 64}
 
 
 @functools.lru_cache(maxsize=None)
 def dgx_cluster(gpu: str, world: int) -> ClusterSpec:
-    """``world`` GPUs of one type in nodes of 8 (fewer in one node), at the datasheet numbers."""
-    if world > 8 and world % 8:
-        raise ValueError(f"{world} {gpu} GPUs do not fill nodes of 8")
+    """``world`` GPUs of one type in NVLink domains of 8 (:data:`NVLINK_DOMAIN` where larger; fewer
+    GPUs in one), at the datasheet numbers."""
+    domain = NVLINK_DOMAIN.get(gpu, 8)
+    if world > domain and world % domain:
+        raise ValueError(f"{world} {gpu} GPUs do not fill NVLink domains of {domain}")
     device, nvlink = GPUS[gpu]
     return ClusterSpec.from_dict({
         "version": 1, "name": f"{gpu}-{world}", "device_types": {gpu: device},
-        "nodes": [{"devices": {gpu: min(8, world)}, "intra_node_gbps": nvlink} for _ in range(max(world // 8, 1))],
+        "nodes": [{"devices": {gpu: min(domain, world)}, "intra_node_gbps": nvlink}
+                  for _ in range(max(world // domain, 1))],
         "inter_node_gbps": INTER_NODE_GBPS[gpu]})
 
 

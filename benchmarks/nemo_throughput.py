@@ -1,6 +1,7 @@
-"""memx's iteration time against NVIDIA's published NeMo / Megatron-Bridge throughput on DGX-H100
-(uncalibrated, datasheet peaks): FP8 training, interleaved pipelines, context parallelism,
-Megatron FSDP, full fine-tuning and LoRA, from 8 to 1,024 GPUs.
+"""memx's iteration time against NVIDIA's published NeMo / Megatron-Bridge throughput on DGX-H100 and
+on Blackwell (DGX-B200, GB200 and GB300 NVL72; uncalibrated, datasheet peaks): FP8 and FP4
+training, interleaved pipelines, context parallelism, Megatron FSDP, activation offloading, full
+fine-tuning and LoRA, from 8 to 1,024 GPUs.
 
 Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/data/README.md):
 
@@ -9,16 +10,26 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
   tokens), all FP8 on DGX-H100 (80 GB, NVLink 4, 8 x 400 Gb/s NICs per node).
 - Megatron-Bridge's performance summary (``bridge-25.11``, ``bridge-26.02``): the dense DGX-H100
   rows (Llama 3 8B with Megatron FSDP, Llama 3 70B, Llama 3.1 405B on 1,024 GPUs), FP8 with
-  current scaling ("FP8-CS"; 26.02's H100 rows say "FP8", the same recipe of its H100 configs).
+  current scaling ("FP8-CS"; 26.02's H100 rows say "FP8", the same recipe of its H100 configs);
+  and the dense Blackwell rows: Llama 3 8B on 8 GPUs, Llama 3 70B on 64 (Megatron FSDP with 20
+  or 40 layers' activations offloaded to the Grace CPU, or an interleaved pipeline) and Llama
+  3.1 405B on 128-256, in FP8-CS, MXFP8 ("FP8-MX": ``--fp8 mxfp8``) and NVFP4 (``--fp4
+  nvfp4``). The systems (``benchmarks/common.GPUS``): B200 in nodes of 8 over PCIe Gen5 to the
+  host; GB200 and GB300 in NVLink domains of 64 (an NVL72 rack's 72, of which a job of 64-GPU
+  multiples is taken to use 64) over NVLink-C2C to the host, GB300 with 800 Gb/s NICs; GB200 at
+  its own best matmul (72.9% of its peak), the others at the generation's default. The 8B
+  recipes capture the whole iteration in a CUDA graph, which memx does not model (its host time
+  per layer for a fused block, 0.2 ms, is small beside these layers').
 
 Each row gives GPUs, global and micro-batch, sequence length and TP/PP/CP/VP: the layout is fully
 given; the step time is global batch x sequence / (tokens per second per GPU x GPUs). How each
 recipe runs, read from its public configuration (columns of the CSV, per row): Megatron-Core with
 Transformer Engine (memx's ``--setup megatron``: distributed optimizer, overlapped gradient
-reduce), bf16 gradients (NeMo's ``grad_sync_dtype: bf16``, Megatron-Bridge's
-``grad_reduce_in_fp32=False``), ``--fp8 delayed`` (NeMo 24.07's ``fp8_hybrid`` recipe) or
-``--fp8 current``, FP8 weights where the recipe keeps them (``fp8_params``,
-``fp8_param_gather``), 16-bit optimizer states where it says ``dtype: bf16``, the plain
+reduce, fused SwiGLU), bf16 gradients (NeMo's ``grad_sync_dtype: bf16``, Megatron-Bridge's
+``grad_reduce_in_fp32=False``), ``--fp8 delayed`` (NeMo 24.07's ``fp8_hybrid`` recipe),
+``--fp8 current``, ``--fp8 mxfp8`` or ``--fp4 nvfp4``, FP8 weights where the recipe keeps them
+(``fp8_params``, ``fp8_param_gather``: not with NVFP4), activation offloading where it offloads
+(``cpu_offloading_num_layers``), 16-bit optimizer states where it says ``dtype: bf16``, the plain
 (non-distributed) Adam of its LoRA scripts, sequence parallelism and TP communication overlap
 where it turns them on, its activation recompute (none in these recipes), cuDNN fused attention
 (Transformer Engine's backend on Hopper, timed as FlashAttention-3: written for Hopper), the fused
@@ -32,7 +43,7 @@ The published "Model TFLOP/s per GPU" column checks the transcribed model shapes
 FLOPs per token (TFLOP/s over tokens/s) against 6 x the matmul parameters plus the full s x s
 attention (the formula NeMo's tables count), per model.
 
-Every published run ran: each row is also a fit check (memx should say it fits in 80 GB).
+Every published run ran: each row is also a fit check (memx should say it fits on its GPU).
 
 Writes benchmarks/results/nemo_throughput.json and the plot nemo_throughput.png.
 Run: .venv/bin/python benchmarks/nemo_throughput.py   (a few seconds)
@@ -69,6 +80,13 @@ NEMOTRON = {"nemotron-8b": (32, 4096, 32, 32, 16384), "nemotron-22b": (40, 6144,
 LLAMA31_405B = ModelSpec("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192, rope_theta=500000.0)
 
 
+# The tables' precisions: NeMo 24.07's FP8 hybrid (delayed scaling), Megatron-Bridge's FP8 with current
+# scaling ("FP8-CS"), MXFP8 ("FP8-MX") and NVFP4.
+PRECISIONS = {"fp8": {"fp8": "delayed"}, "fp8-cs": {"fp8": "current"}, "fp8-mx": {"fp8": "mxfp8"},
+              "nvfp4": {"fp4": "nvfp4"}}
+SYSTEMS = {"dgx-h100": "h100_80gb", "dgx-b200": "b200", "dgx-gb200": "gb200", "dgx-gb300": "gb300"}
+
+
 def nemo_model(name: str, seq: int) -> ModelSpec:
     if name in GPT3:
         layers, hidden, heads, ffn = GPT3[name]
@@ -103,7 +121,8 @@ def stage_layers(model: ModelSpec, pp: int, vp: int, with_ends: bool) -> list[in
 
 def nemo_rows(recipe_memory: bool = True) -> list[dict]:
     """Every row with memx's estimate; ``recipe_memory=False`` asks without the recipes' memory
-    settings (16-bit gradients, FP8 weights, 16-bit optimizer states): what they are worth."""
+    settings (16-bit gradients, FP8 weights, 16-bit optimizer states, offloaded activations): what
+    they are worth."""
     rows = []
     with open(DATA) as f:
         for d in csv.DictReader(f):
@@ -113,21 +132,24 @@ def nemo_rows(recipe_memory: bool = True) -> list[dict]:
             dp = gpus // (tp * pp * cp)
             flag = {k: d[k] == "True" for k in ("sequence_parallel", "tp_comm_overlap", "fused_loss", "fp8_params",
                                                  "distributed_optimizer")}
-            memory = dict(grad_dtype="training", optimizer_dtype=d["optimizer_dtype"]) if recipe_memory \
+            memory = dict(grad_dtype="training", optimizer_dtype=d["optimizer_dtype"],
+                          activation_offload_layers=int(d["activation_offload_layers"])) if recipe_memory \
                 else dict(grad_dtype="fp32", optimizer_dtype="fp32", fp8_params=False)
             training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="megatron",
                                     fully_sharded=d["fsdp"] == "1", flash_attention_version=3,
-                                    fp8="delayed" if d["precision"] == "fp8" else "current",
-                                    lora_rank=int(d["lora_rank"]), **{**flag, **memory})
+                                    **PRECISIONS[d["precision"]], lora_rank=int(d["lora_rank"]), **{**flag, **memory})
+            gpu = SYSTEMS[d["system"]]
             tokens = batch * seq
-            row = {"group": d["table"], "real": "ok", "model": d["model"], "task": d["task"], "gpus": gpus,
+            row = {"group": d["table"], "system": d["system"], "precision": d["precision"], "real": "ok",
+                   "model": d["model"], "task": d["task"], "gpus": gpus,
                    "seq_len": seq, "tokens": tokens,
                    "real_time_s": tokens / (float(d["tokens_per_s_per_gpu"]) * gpus),
                    "table_flops_per_token": float(d["model_tflops_per_gpu"]) * 1e12 / float(d["tokens_per_s_per_gpu"]),
                    "shape_flops_per_token": flops_per_token(model, seq),
-                   "layout": f"{d['model']} {d['task']} {gpus}xh100 tp{tp} pp{pp} cp{cp} vp{vp} dp{dp} mbs{mbs}"
-                             f" {d['precision']} {d['recompute']}" + " fsdp" * (d["fsdp"] == "1")}
-            rows.append(predicted(row, model, dgx_cluster("h100_80gb", gpus), training, tp=tp, pp=pp, dp=dp, cp=cp,
+                   "layout": f"{d['model']} {d['task']} {gpus}x{gpu.split('_')[0]} tp{tp} pp{pp} cp{cp} vp{vp} dp{dp}"
+                             f" mbs{mbs} {d['precision']} {d['recompute']}" + " fsdp" * (d["fsdp"] == "1")
+                             + f" offload{d['activation_offload_layers']}" * (d["activation_offload_layers"] != "0")}
+            rows.append(predicted(row, model, dgx_cluster(gpu, gpus), training, tp=tp, pp=pp, dp=dp, cp=cp,
                                   micro_batch_size=mbs, recompute=d["recompute"],
                                   schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp,
                                   layers_per_stage=stage_layers(model, pp, vp, d["embedding_in_split"] == "True")))
@@ -149,9 +171,12 @@ def plot(rows: list[dict], path: str) -> None:
 
     from memx_launch.planning.report import save_png_atomic
 
-    fig, axis = plt.subplots(figsize=(7, 6))
-    step_time_by_group(axis, rows, "NeMo / Megatron-Bridge on DGX-H100, FP8", plt.cm.tab10.colors, size=18,
-                       label=lambda r: f"{r['model']} {r['task']}")
+    fig, (hopper, blackwell) = plt.subplots(1, 2, figsize=(13, 6))
+    step_time_by_group(hopper, [r for r in rows if r["system"] == "dgx-h100"], "NeMo / Megatron-Bridge on DGX-H100",
+                       plt.cm.tab10.colors, size=18, label=lambda r: f"{r['model']} {r['task']}")
+    step_time_by_group(blackwell, [{**r, "group": r["system"]} for r in rows if r["system"] != "dgx-h100"],
+                       "Megatron-Bridge on Blackwell", plt.cm.tab10.colors, size=18,
+                       label=lambda r: f"{r['model']} {r['precision']}")
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)
 
@@ -163,13 +188,18 @@ def main() -> None:
               **run_summary(rows),
               "by_table": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["group"]).items()},
               "by_task": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["task"]).items()},
+              "by_system": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["system"]).items()},
+              "blackwell": run_summary([r for r in rows if r["system"] != "dgx-h100"]),
+              "by_precision": {name: run_summary(members)
+                               for name, members in grouped(rows, lambda r: r["precision"]).items()},
               "table_over_shape_flops": shape_check(rows),
               "without_recipe_memory_settings": run_summary(nemo_rows(recipe_memory=False)), "rows": rows}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(rows, PLOT)
     print("all", result["time"], result["fit"]["confusion"], "errors", result["errors"])
-    for part in ("by_table", "by_task"):
+    print("blackwell", result["blackwell"]["time"])
+    for part in ("by_table", "by_task", "by_system", "by_precision"):
         for name, summary in result[part].items():
             print(" ", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
     print("  table / shape FLOPs per token", result["table_over_shape_flops"])

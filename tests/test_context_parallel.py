@@ -137,13 +137,13 @@ def test_the_checks_before_the_search_count_cp_layouts():
         check_space(one_head, cluster, training, SearchSpace(micro_batch_sizes=(1,)))
 
 
-def test_the_papers_cluster_at_32k_tokens_picks_cp_2():
+def test_the_papers_cluster_at_32k_tokens_picks_cp_4():
     """What docs/setups.md says `memx plan` picks there."""
     cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
                                                  "paper-20gpu.yaml"))
     training = TrainingSpec(global_batch_size=16, seq_len=32768, setup="megatron")
     best = search(MODEL, cluster, training, space=SearchSpace(cp_degrees=None), top_k=1).best
-    assert (best.cp, best.tp, best.pp) == (2, 2, 5)
+    assert (best.cp, best.tp, best.pp) == (4, 1, 5)
 
 
 def test_plan_cli_restricts_and_refuses_cp_degrees(tmp_path, capsys):

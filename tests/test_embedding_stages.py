@@ -1,6 +1,7 @@
 """Embedding-only and head-only stages: with several stages and no interleaving, the first
 stage may hold only the embedding and the last only the head (Megatron's layouts ``E|...`` and
-``...|L``). memx estimates, saves, reloads and exports them; memx's runtime refuses them. No
+``...|L``); interleaved, their first or last chunk may (the first or last stage one layer short of
+its chunks). memx estimates, saves, reloads and exports them; memx's runtime refuses them. No
 processes."""
 
 import json
@@ -8,7 +9,7 @@ import json
 import pytest
 from estimates import cases_rows, cluster_file
 from one_node import H100, one_node
-from test_exporters import _megatron_config
+from test_exporters import _built, _megatron_config
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.estimate import evaluate_layout
@@ -49,11 +50,24 @@ def test_an_embedding_only_first_stage_holds_the_embedding_and_its_in_flight_out
 
 
 def test_only_the_ends_of_a_plain_pipeline_may_be_empty():
-    with pytest.raises(ConfigError, match=r"--layers-per-stage: \[10, 0, 11, 11\] .*may hold none"):
+    with pytest.raises(ConfigError, match=r"--layers-per-stage: \[10, 0, 11, 11\] .*may hold one less"):
         _estimate([10, 0, 11, 11])
     with pytest.raises(ConfigError, match="--layers-per-stage"):
         _estimate([0, 10, 12, 10], schedule="interleaved", virtual_stages=2)
     assert [s.num_layers for s in _estimate([0, 32], pp=2, tp=4).stages] == [0, 32]  # two stages: either end
+
+
+def test_an_interleaved_pipeline_may_give_the_embedding_and_the_head_a_chunk_of_their_own():
+    # Megatron's account_for_embedding/loss_in_pipeline_split at one layer a chunk (Llama 3.1 405B
+    # on 16 stages of 8 chunks): the first stage's first chunk holds the embedding alone.
+    plan = _estimate([1, 10, 10, 11], schedule="interleaved", virtual_stages=2)
+    assert pipeline_layout(plan) == "E|t*5|t*5|t*6|t|t*5|t*5|t*5L"
+    config = _megatron_config(plan, megatron_args(plan).args)
+    assert _built(config) == [[0, 1], [5, 5], [5, 5], [6, 5]]
+    with pytest.raises(ConfigError, match="--plan: stage 0 holds fewer layers than its 2 chunks.*memx export"):
+        rank_layout(plan, 0)
+    with pytest.raises(ConfigError, match="--layers-per-stage"):  # two short of its chunks
+        _estimate([0, 11, 10, 11], schedule="interleaved", virtual_stages=2)
 
 
 def test_a_saved_plan_reloads_and_memx_runtime_refuses_it_by_name(tmp_path):

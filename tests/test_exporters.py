@@ -36,7 +36,8 @@ def _flag(args, name):
 # Megatron-LM's arguments as megatron/training/arguments.py declares them (that file is not part
 # of the megatron-core package; read at commit 000c4ac24f61159c138b0975def722c65245983c), by the
 # function that adds them: _add_network_size_args, _add_training_args, _add_mixed_precision_args,
-# _add_distributed_args, _add_regularization_args, _add_data_args, _add_tokenizer_args.
+# _add_distributed_args, _add_regularization_args, _add_data_args, _add_tokenizer_args (the FP4 and
+# CPU-offloading flags as public Megatron-LM training scripts pass them).
 # flag -> argparse keywords: its type (int/float/choices) or its action.
 MEGATRON_LM_ARGUMENTS = {
     # network size
@@ -71,6 +72,9 @@ MEGATRON_LM_ARGUMENTS = {
     "--tp-comm-overlap": dict(action="store_true"),
     "--fp8-format": dict(choices=["e4m3", "hybrid"]),
     "--fp8-recipe": dict(choices=["tensorwise", "delayed", "mxfp8", "blockwise"]),
+    "--fp4-format": dict(choices=["e2m1"]), "--fp4-recipe": dict(choices=["nvfp4", "custom"]),
+    "--fp8-param-gather": dict(action="store_true"),
+    "--cpu-offloading": dict(action="store_true"), "--cpu-offloading-num-layers": dict(type=int, default=0),
     # data, tokenizer
     "--seq-length": dict(type=int), "--vocab-size": dict(type=int),
 }
@@ -108,6 +112,8 @@ def _megatron_config(plan, args):
                   attention_dropout=a.attention_dropout, attention_backend=AttnBackend[a.attention_backend],
                   masked_softmax_fusion=a.masked_softmax_fusion, attention_softmax_in_fp32=a.attention_softmax_in_fp32,
                   bf16=a.bf16, fp16=a.fp16, fp8=a.fp8_format, fp8_recipe=a.fp8_recipe or "delayed",
+                  fp4=a.fp4_format, fp4_recipe=a.fp4_recipe or "nvfp4", fp8_param=a.fp8_param_gather,
+                  cpu_offloading=a.cpu_offloading, cpu_offloading_num_layers=a.cpu_offloading_num_layers,
                   tensor_model_parallel_size=a.tensor_model_parallel_size,
                   sequence_parallel=a.sequence_parallel, tp_comm_overlap=a.tp_comm_overlap,
                   pipeline_model_parallel_size=a.pipeline_model_parallel_size,
@@ -118,6 +124,14 @@ def _megatron_config(plan, args):
     if a.recompute_num_layers:
         kwargs["recompute_num_layers"] = a.recompute_num_layers
     return tc.TransformerConfig(**kwargs)
+
+
+def _built(config):
+    """Decoder layers per pipeline rank and chunk of Megatron's parsed layout (its
+    get_num_layers_to_build reads the chunk from parallel state, which a test does not set up)."""
+    from megatron.core.transformer.enums import LayerType
+
+    return [[chunk.count(LayerType.decoder) for chunk in rank] for rank in config.pipeline_model_parallel_layout.layout]
 
 
 def test_uneven_layout_is_what_megatron_builds():
@@ -142,9 +156,7 @@ def test_interleaved_layout_gives_each_stage_its_layers_in_chunks():
     assert layout_str == "Et*5|t*3|t*8|t*5|t*3|t*8L"
     config = _megatron_config(plan, export.args)
     assert config.virtual_pipeline_model_parallel_size == 2
-    layout = config.pipeline_model_parallel_layout
-    built = [sum(layout.get_num_layers_to_build(pp_rank=r, vp_stage=v) for v in range(2)) for r in range(3)]
-    assert built == [10, 6, 16]
+    assert _built(config) == [[5, 5], [3, 3], [8, 8]]
     assert "--num-layers-per-virtual-pipeline-stage" not in export.args
     assert "--recompute-granularity" not in export.args
 
@@ -183,10 +195,31 @@ def test_megatron_flags_state_the_training_setup_of_the_plan():
     _megatron_config(plan, export.args)
     plan.training = TrainingSpec(setup="megatron", tp_comm_overlap=True).plan_fields()
     assert _megatron_config(plan, megatron_args(plan).args).tp_comm_overlap  # TP 2, sequence parallel
-    for recipe, megatron_recipe in (("delayed", "delayed"), ("current", "tensorwise")):
+    for recipe, megatron in (("delayed", ("hybrid", "delayed")), ("current", ("hybrid", "tensorwise")),
+                             ("mxfp8", ("e4m3", "mxfp8"))):
         plan.training = TrainingSpec(setup="megatron", fp8=recipe).plan_fields()
         config = _megatron_config(plan, megatron_args(plan).args)
-        assert (config.fp8, config.fp8_recipe) == ("hybrid", megatron_recipe)
+        assert (config.fp8, config.fp8_recipe) == megatron
+    plan.training = TrainingSpec(setup="megatron", fp4="nvfp4").plan_fields()
+    config = _megatron_config(plan, megatron_args(plan).args)
+    assert (config.fp8, config.fp4, config.fp4_recipe) == (None, "e2m1", "nvfp4")
+
+
+def test_activation_offloading_exports_megatron_s_cpu_offloading_where_megatron_core_takes_it():
+    from memx_launch.specs.training import TrainingSpec
+
+    one_stage = make_plan(layers=(32,), recompute=("none",), devices=("vendor-y-64gb",))
+    one_stage.training = TrainingSpec(setup="megatron", activation_offload_layers=8).plan_fields()
+    export = megatron_args(one_stage)
+    config = _megatron_config(one_stage, export.args)
+    assert (config.cpu_offloading, config.cpu_offloading_num_layers) == (True, 8)
+    assert not any("offload" in n for n in export.notes)
+    two_stages = make_plan(recompute=("none", "none"))
+    two_stages.training = one_stage.training
+    export = megatron_args(two_stages)
+    assert any("only without pipeline parallelism" in n for n in export.notes)
+    with pytest.raises(ValueError, match="Pipeline parallelism with CPU offloading"):
+        _megatron_config(two_stages, export.args)
 
 
 def test_a_context_parallel_plan_builds_in_megatron_core():

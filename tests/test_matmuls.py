@@ -5,7 +5,8 @@ import pytest
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import matmuls as mm
-from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.planning import quantization
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -101,12 +102,19 @@ def test_thin_layers_reach_a_smaller_share_of_peak():
     assert achieved[1024, 1] < 0.5 * achieved[8192, 8]
 
 
-def test_fp8_backward_gemms_pay_for_their_precise_accumulation():
+def test_fp8_backward_gemms_pay_for_their_precise_accumulation_before_blackwell():
     """Training promotes the FP8 backward GEMMs' partial sums to fp32 (torchao, Transformer
-    Engine); the forward keeps the tensor cores' fast accumulation."""
+    Engine) on Ada and Hopper; the forward keeps the tensor cores' fast accumulation. Blackwell
+    accumulates in fp32, and no recipe pays on it, nor FP4 anywhere."""
+    h100 = DeviceType("h100", "nvidia", 80, 989, compute_capability=9.0)
+    b200 = DeviceType("b200", "nvidia", 180, 2250, compute_capability=10.0)
+    slowdown = quantization.backward_gemm_slowdown
+    assert slowdown(h100, TrainingSpec(fp8="current")) == quantization.FP8_PRECISE_ACCUMULATION_SLOWDOWN
+    assert slowdown(h100, TrainingSpec()) == slowdown(b200, TrainingSpec(fp8="current")) == 1.0
+    assert slowdown(b200, TrainingSpec(fp8="mxfp8")) == slowdown(b200, TrainingSpec(fp4="nvfp4")) == 1.0
     tokens, shapes = 8192.0, [(4096.0, 4096.0), (11008.0, 4096.0)]
     args = (1000e12, 3.35e12, 132, 1)
     plain = mm.forward_backward_seconds(tokens, shapes, *args)
-    fp8 = mm.forward_backward_seconds(tokens, shapes, *args, fp8=True)
+    fp8 = mm.forward_backward_seconds(tokens, shapes, *args, quantization.FP8_PRECISE_ACCUMULATION_SLOWDOWN)
     forward = sum(mm.gemm_seconds(tokens, n, k, *args) for n, k in shapes)
-    assert fp8 - forward == pytest.approx(mm.FP8_PRECISE_ACCUMULATION_SLOWDOWN * (plain - forward))
+    assert fp8 - forward == pytest.approx(quantization.FP8_PRECISE_ACCUMULATION_SLOWDOWN * (plain - forward))

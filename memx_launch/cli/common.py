@@ -12,8 +12,8 @@ from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
 from memx_launch.specs.config_file import one_line_error
 from memx_launch.specs.inputs import float_flag, int_flag
-from memx_launch.specs.training import (FLASH_ATTENTION_VERSIONS, FP8_RECIPES, OPTION_DEFAULTS, SELECTIVE_POLICIES, SETUPS,
-                                        TrainingSpec)
+from memx_launch.specs.training import (FLASH_ATTENTION_VERSIONS, FP4_RECIPES, FP8_RECIPES, OPTION_DEFAULTS,
+                                        SELECTIVE_POLICIES, SETUPS, TrainingSpec)
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,6 +63,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     for flag, text in (("fused-loss", "one-kernel cross entropy: 16-bit logits and gradient only (default off)"),
                        ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
                         "(default on; --setup scaling: off)"),
+                       ("fused-activation", "the MLP's activation as one kernel keeping only its input: SwiGLU's "
+                        "silu(gate) not kept (Megatron's fusion; default off; --setup megatron: on)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
                        ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input"),
                        ("tp-comm-overlap", "Megatron's TP communication overlap (userbuffers, needs sequence "
@@ -94,14 +96,20 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="fine-tuning with LoRA adapters of rank R on every linear of each block, base frozen "
                         "(default 0: none)")
     p.add_argument("--fp8", choices=FP8_RECIPES, default=None,
-                   help="FP8 linear layers (Transformer Engine) with delayed or current scaling: their GEMMs at "
-                        "the FP8 peak, FP8 inputs kept, FP8 weight copies (default off)")
+                   help="FP8 linear layers (Transformer Engine) with delayed, current or MXFP8 block scaling "
+                        "(Blackwell): their GEMMs at the FP8 peak, FP8 inputs kept, FP8 weight copies (default off)")
+    p.add_argument("--fp4", choices=FP4_RECIPES, default=None,
+                   help="FP4 linear layers with Transformer Engine's NVFP4 recipe (Blackwell): their GEMMs at the "
+                        "FP4 peak, NVFP4 inputs and weight copies kept (default off)")
     p.add_argument("--fp8-params", "--fp8_params", action=argparse.BooleanOptionalAction, default=None,
                    help="with --fp8: the linear weights kept in FP8 only (Megatron's --fp8-param-gather): no "
                         "16-bit copy, gathered over DP in one byte (default off)")
     p.add_argument("--optimizer-offload", "--optimizer_offload", action=argparse.BooleanOptionalAction,
                    default=None, help="optimizer on the host (ZeRO-Offload): no master weights or moments on the "
                    "GPU, gradients and weights over PCIe each step (default off)")
+    p.add_argument("--activation-offload-layers", "--activation_offload_layers", type=int, metavar="N",
+                   help="the activations of up to N layers per stage kept in host memory between forward and "
+                        "backward (Megatron's --cpu-offloading-num-layers; default 0)")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -139,8 +147,8 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
 
 # Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
-RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp8_params",
-             "optimizer_offload")
+RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp4", "fp8_params",
+             "optimizer_offload", "activation_offload_layers")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag
 

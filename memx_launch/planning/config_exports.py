@@ -39,15 +39,21 @@ def _strongest_recompute(plan: Plan, target: str) -> tuple[str, list[str]]:
 
 
 def _precision_notes(plan: Plan, target: str) -> list[str]:
-    """What the plan's FP8 linears, FP8 weights and 16-bit optimizer states need in ``target``,
-    whose config file this writes does not set them."""
+    """What the plan's FP8 or FP4 linears, FP8 weights, 16-bit optimizer states and offloaded
+    activations need in ``target``, whose config file this writes does not set them."""
     tr, notes = plan.training, []
-    if tr.get("fp8"):
-        fp8 = f"the plan's linears run in FP8 (--fp8 {tr['fp8']}"
-        fp8 += ", weights kept in FP8)" if tr.get("fp8_params") else ")"
-        notes.append(fp8 + (": turn on torchtitan's Float8 linears (tensorwise scaling; its FSDP float8 "
-                            "all-gather for FP8 weights)" if target == "torchtitan" else
-                            f": {target}'s config does not; swap the model's linears for Transformer Engine's"))
+    if tr.get("fp8") or tr.get("fp4"):
+        kind, flag = ("FP8", f"--fp8 {tr['fp8']}") if tr.get("fp8") else ("FP4", f"--fp4 {tr['fp4']}")
+        quantized = f"the plan's linears run in {kind} ({flag}"
+        quantized += ", weights kept in FP8)" if tr.get("fp8_params") else ")"
+        float8 = "Float8 linears (tensorwise scaling; its FSDP float8 all-gather for FP8 weights)"
+        titan = {"delayed": float8, "current": float8, "mxfp8": "MX linears (mxfp8, Blackwell)"}.get(tr.get("fp8"))
+        notes.append(quantized + (f": turn on torchtitan's {titan}"
+                                  if target == "torchtitan" and titan else
+                                  f": {target}'s config does not; swap the model's linears for Transformer Engine's"))
+    if tr.get("activation_offload_layers"):
+        notes.append(f"the plan keeps {tr['activation_offload_layers']} layers' activations per stage on the host; "
+                     f"{target}'s config does not: more memory than planned")
     if tr.get("optimizer_dtype") == "training":
         notes.append(f"the plan keeps Adam's master weights and moments in 16 bits; {target}'s optimizer keeps "
                      "them in fp32: more memory than planned")
@@ -58,7 +64,8 @@ def torchtitan_split_points(plan: Plan) -> list[str]:
     """``parallelism.pipeline_parallel_split_points``: the first layer of every (virtual) stage but
     the first. Chunks follow in model order virtual-stage major, chunk k on pipeline rank k mod pp
     (torchtitan's looped schedules, Megatron's layout): a stage's chunks are not adjacent layers."""
-    per_stage = [stage_chunks(s.num_layers, plan.virtual_stages) for s in plan.stages]
+    per_stage = [stage_chunks(s.num_layers, plan.virtual_stages, first=i == 0 < plan.pp - 1)
+                 for i, s in enumerate(plan.stages)]
     sizes = [per_stage[pp_rank][vpp] for vpp in range(plan.virtual_stages) for pp_rank in range(plan.pp)]
     return [f"layers.{sum(sizes[:k])}" for k in range(1, len(sizes))]
 

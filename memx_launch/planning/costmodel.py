@@ -6,20 +6,19 @@ Everything per layer goes through :class:`LayerCostModel`, one call for arrays o
 type, TP, micro-batch, sequence length, recompute level). The learned predictor wraps this
 analytical model and scales its outputs by learned ratios: the search never changes with it.
 
-Memory follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models"), adapted to LLaMA blocks (GQA, SwiGLU, RMSNorm, fused attention).
+Memory follows Korthikanti et al. 2022 (:mod:`activations`), adapted to LLaMA blocks.
 Time counts FLOPs at each device's effective TFLOPS, element-wise traffic at its memory
 bandwidth and tensor-parallel all-reduces at the TP group's link bandwidth.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from memx_launch.planning import op_checkpointing
+from memx_launch.planning import op_checkpointing, quantization
+from memx_launch.planning.activations import LayerCost, activation_bytes  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.matmuls import device_sms, forward_backward_seconds, gemm_seconds, linear_shapes
@@ -71,18 +70,6 @@ def fused_attention_speed(version: int, compute_capability: float | None) -> flo
     return FLASH_ATTENTION_SPEED[version]
 
 
-@dataclass(frozen=True)
-class LayerCost:
-    """Costs of one transformer layer for one micro-batch (arrays, one entry per query)."""
-
-    time_s: np.ndarray
-    """Forward + backward seconds, recomputation included."""
-    activation_bytes: np.ndarray
-    """Bytes kept alive from the forward until the backward of this micro-batch."""
-    working_bytes: np.ndarray
-    """Extra transient bytes while this layer's backward runs (recomputed activations, grads)."""
-
-
 class LayerCostModel(Protocol):
     """Per-layer costs for arrays of configurations; what the search calls."""
 
@@ -95,90 +82,6 @@ class LayerCostModel(Protocol):
 
 
 # --------------------------------------------------------------------------- memory
-
-
-def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
-                     flash_attention=True, sequence_parallel: bool = False,
-                     dropout: bool = False, fused_norm: bool = True,
-                     attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
-                     fused_softmax: bool = True, softmax_in_fp32: bool = False, fp8: bool = False,
-                     op_selective: bool = False) -> LayerCost:
-    """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
-
-    Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
-      two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP;
-        with SP a framework whose linears keep the all-gathered input keeps those 4 whole);
-        parallel blocks: one norm input and one normed tensor, 4
-      Q + K + V saved by attention: 2 + 4*kv/h, over t
-      attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
-      unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
-        softmax in fp32 (torch's softmax on an fp32 copy of 16-bit scores, Megatron's
-        --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h;
-        with attention dropout also its 1-byte mask and the dropped-out probabilities: 5as/h
-        over t, the Korthikanti s^2 term (fused attention regenerates its mask: nothing kept)
-      hidden dropout on: 1-byte masks after attention and after the MLP: 2 (replicated unless SP)
-      unfused norms (torch ops, Hugging Face's LlamaRMSNorm): ``x.float()`` is kept by the pow
-        and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
-        by the weight multiply; the 16-bit input is not kept: 2(4 + d) bytes for the two norms
-      SwiGLU: gate and up outputs, silu(gate), product: 8f/h over t (GELU MLP: 4f/h)
-      FP8 linears (Transformer Engine): the inputs they keep for the backward are FP8, 1 byte:
-        the two normed tensors, the attention output and the MLP's down-projection input
-    Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
-    it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
-    ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
-    Full recompute keeps the block input only; its working set is one block recomputed.
-    Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
-    probabilities: one more s x s tensor per head in the training dtype when a fused softmax
-    (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
-    backward writes a new tensor (its forward holds as many: scores, masked copy, probabilities).
-    """
-    mbs = np.asarray(mbs, dtype=np.float64)
-    seq = np.asarray(seq, dtype=np.float64)
-    tp = np.asarray(tp, dtype=np.float64)
-    recompute = np.asarray(recompute)
-    flash = np.asarray(flash_attention, dtype=bool)
-    h, a = model.hidden_size, model.num_heads
-    f, kv = model.ffn_hidden_size, model.kv_hidden_size
-    scale = dtype_bytes / 2.0
-    sbh = seq * mbs * h * scale
-    # Two norms: a fused kernel keeps its input (d bytes); torch ops the fp32 copy and the result.
-    # Parallel blocks: one norm, whose output both attention and MLP read.
-    sides = 1.0 if model.parallel_blocks else 2.0
-    norms = 2.0 * sides if fused_norm else 2.0 * sides * (4.0 + dtype_bytes) / dtype_bytes
-    fp8_share = 1.0 / dtype_bytes if fp8 else 1.0  # a linear's kept input in FP8: 1 byte per element
-    linear_inputs = 2.0 * sides * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
-    replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
-    qkv = (2.0 + 4.0 * kv / h) / tp
-    attn_out = 2.0 * fp8_share / tp
-    lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
-    # Bytes kept per score (in units of 2 bytes x scale): the softmax output, in fp32 plus its
-    # 16-bit copy when torch's softmax upcasts (a fused kernel reads and writes 16 bits).
-    fp32_probs = softmax_in_fp32 and not fused_softmax and dtype_bytes < 4
-    probs = (4.0 + dtype_bytes) / dtype_bytes * 2.0 if fp32_probs else 2.0
-    score_bytes = probs + (2.0 + 1.0 / scale if attention_dropout else 0.0)  # (+ mask, dropout out)
-    scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
-    if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
-        replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
-    if model.gated_mlp:
-        mlp_kept, mlp_elementwise = 6.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
-    else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
-        mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
-    none = replicated + qkv + attn_out + lse + scores + mlp_kept + mlp_elementwise
-    block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
-    selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
-                          if op_selective else (replicated + qkv + attn_out + mlp_kept, 0.0))
-    full = np.broadcast_to(block_input, none.shape)
-    stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
-    # Backward of one block: its recomputed part is alive again, plus gradient buffers of
-    # the size of the block input and output.
-    recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective + only_op], none)
-    # Score gradients alive beside the kept scores in the backward, per score in units of the
-    # training dtype: the fused kernel's in place (one), torch's softmax a new one (two); in fp32
-    # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
-    # 16-bit copy of the probabilities.
-    score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
-    working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
-    return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
 def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None, cp: int = 1) -> int:
@@ -282,9 +185,12 @@ class AnalyticalCostModel:
         self._tflops = np.array([training_tflops(d, training) for d in self.device_types])
         # The linear layers' GEMMs: each at its shape's share of the rate large training GEMMs sustain.
         self._best_flops = self._tflops * 1e12
-        # An FP8 run's block linears: the FP8 rate, 1-byte operands (the 16-bit output counted so too).
+        # Quantized block linears: the FP8 or FP4 rate, quantized operands (the 16-bit output counted
+        # so too), the backward's GEMMs at their accumulation's cost.
         self._linear_flops = np.array([linear_tflops(d, training) for d in self.device_types]) * 1e12
-        self._linear_bytes = 1 if training.fp8 else training.dtype_bytes
+        self._linear_bytes = quantization.element_bytes(training)
+        self._backward_slowdown = np.array([quantization.backward_gemm_slowdown(d, training)
+                                            for d in self.device_types])
         # Emulated devices are CPU processes whatever vendor they stand in for (the vendor picks
         # their communication domain): no tiles nor waves, no kernel launches.
         stand_in = cluster.is_emulated
@@ -319,13 +225,14 @@ class AnalyticalCostModel:
         act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
-                               tr.softmax_in_fp32, tr.fp8 is not None, op_policy)
+                               tr.softmax_in_fp32, tr.quantized_linears and self._linear_bytes, op_policy,
+                               tr.fused_activation)
         mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
         tokens = mbs_a * seq_a
         shapes = linear_shapes(self.model, tr, tp)
         gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
-        linear_s = forward_backward_seconds(tokens, shapes, *gemm, fp8=tr.fp8 is not None)
+        linear_s = forward_backward_seconds(tokens, shapes, *gemm, self._backward_slowdown[device])
         linear_forward_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in shapes)
         # Op-level selective recompute runs every other projection again (op_checkpointing.py).
         op_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in op_checkpointing.recomputed_projections(

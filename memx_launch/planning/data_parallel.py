@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds, overlapped_exposed_seconds
+from memx_launch.planning import quantization
 from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters, compute_weight_bytes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -17,10 +18,10 @@ def wire_gradient_bytes(training: TrainingSpec) -> int:
     return 4 if training.fp32_allreduce else training.precision_bytes("grad_dtype")
 
 
-def updated_weight_bytes(training: TrainingSpec) -> int:
-    """Bytes per weight a sharded optimizer all-gathers after its step: the weights' dtype, one
-    with ``fp8_params`` (Megatron's ``--fp8-param-gather``)."""
-    return 1 if training.fp8_params else training.precision_bytes("weights_dtype")
+def updated_weight_bytes(training: TrainingSpec) -> float:
+    """Bytes per weight a sharded optimizer all-gathers after its step: the weights' dtype, the
+    FP8 recipe's with ``fp8_params`` (Megatron's ``--fp8-param-gather``)."""
+    return quantization.element_bytes(training) if training.fp8_params else training.precision_bytes("weights_dtype")
 
 
 def gradient_bucket_params(training: TrainingSpec, dp) -> np.ndarray:

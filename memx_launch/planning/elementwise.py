@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from memx_launch.planning import quantization
 from memx_launch.planning.plan import NONE, SELECTIVE
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -64,9 +65,10 @@ SCORE_BYTES = {True: (4.0, 7.0), False: (8.0, 9.0)}
 SOFTMAX_FP32_EXTRA_BYTES = 36.0
 
 
-def fp8_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
-    """Elements an FP8 block quantizes, forward and backward: Transformer Engine reads each 16-bit
-    tensor and writes it in FP8 and transposed in FP8 (d + 2 bytes per element). Forward: the
+def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
+    """Elements a block of quantized linears quantizes, forward and backward: Transformer Engine
+    reads each 16-bit tensor and writes it quantized along both axes (d + 2q bytes per element, q
+    the recipe's: :func:`~memx_launch.planning.quantization.element_bytes`). Forward: the
     attention output (the norms and the MLP's activation write their FP8 outputs themselves);
     backward: every linear's output gradient. ``hidden``: tokens x h, over TP with sequence
     parallelism. The weights' casts, once per step, are not counted."""
@@ -87,7 +89,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     (over TP only with sequence parallelism), hidden dropout's masks and products, rotary
     embedding on q and k (LLaMA-style models), the MLP's activation on its width; without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
-    passes and attention dropout; with FP8 linears their casts (:func:`fp8_cast_elements`).
+    passes and attention dropout; with quantized linears their casts (:func:`quantized_cast_elements`).
     """
     d = float(training.dtype_bytes)
     tp = np.asarray(tp, dtype=np.float64)
@@ -113,12 +115,13 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     if training.attention_dropout:
         score = [b + extra for b, extra in zip(score, dropout_bytes(training.dtype_bytes))]
 
-    cast = fp8_cast_elements(model, tokens, hidden, tp) if training.fp8 else (0.0, 0.0)
+    cast = quantized_cast_elements(model, tokens, hidden, tp) if training.quantized_linears else (0.0, 0.0)
+    cast_bytes = d + 2.0 * quantization.element_bytes(training)
     norms = 1.0 if model.parallel_blocks else 2.0  # parallel blocks: one norm feeds attention and MLP
 
     def passes(i):  # 0: forward, 1: backward
         """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again)."""
-        blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * (d + 2.0)
+        blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * cast_bytes
         core = tokens * ((h + kv) / tp * rope[i] + f / tp * mlp[i]) * d + scores * score[i]
         return blockwide, core
 

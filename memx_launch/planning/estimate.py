@@ -107,7 +107,12 @@ class LayoutScorer:
         if layers.shape[1] != pp or layers.sum() != model.num_layers or short_stages(layers[0], v):
             raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
                               f"least {v} layer(s) adding up to {model.num_layers} (the first or last of several "
-                              "may hold none)", "fix the split")
+                              "may hold one less)", "fix the split")
+        offloaded = training.activation_offload_layers
+        if offloaded and layers.min() <= offloaded:
+            raise ConfigError("--activation-offload-layers", f"{offloaded}, but a stage of the split "
+                              f"{list(layers_per_stage)} holds {layers.min()} layers (its last keeps its activations)",
+                              f"offload at most {max(layers.min() - 1, 0)} layers per stage")
         levels, recompute_layers = recompute_rows(recompute, layers)
         partial = recompute_layers < layers
         result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers,
@@ -227,9 +232,10 @@ def _check_layout_numbers(model, stage_tps, pp, stage_dps, mbs, schedule, virtua
     if virtual_stages > 1 and schedule != "interleaved":
         raise ConfigError("--virtual-stages", f"{virtual_stages} needs --schedule interleaved",
                           "pass --schedule interleaved, or drop --virtual-stages")
-    if pp * virtual_stages > model.num_layers:
+    ends = 2 if pp > 1 else 0  # a chunk of the embedding alone, one of the head alone
+    if pp * virtual_stages > model.num_layers + ends:
         raise ConfigError("--virtual-stages", f"pp*virtual_stages={pp * virtual_stages} chunks for "
-                          f"{model.num_layers} layers", "every chunk needs at least one layer")
+                          f"{model.num_layers} layers", "every chunk but an embedding's or a head's needs a layer")
     for n in layers_per_stage or ():
         if not isinstance(n, int) or not 0 <= n <= model.num_layers:
             raise ConfigError("--layers-per-stage", f"{n} is not a layer count between 0 and {model.num_layers}",

@@ -32,10 +32,14 @@ class Export:
 # --------------------------------------------------------------------------- Megatron-LM
 
 
-def stage_chunks(num_layers: int, virtual_stages: int) -> list[int]:
-    """Layers of each virtual chunk of one stage: as even as possible, larger chunks first."""
+def stage_chunks(num_layers: int, virtual_stages: int, first: bool = False) -> list[int]:
+    """Layers of each virtual chunk of one stage: as even as possible, larger chunks first; on the
+    ``first`` of several stages smaller ones first, as the embedding takes a layer's place in its
+    first chunk (Megatron's ``account_for_embedding_in_pipeline_split``; a chunk of the embedding
+    alone where the stage holds one layer less than its chunks)."""
     base, extra = divmod(num_layers, virtual_stages)
-    return [base + (1 if c < extra else 0) for c in range(virtual_stages)]
+    chunks = [base + (1 if c < extra else 0) for c in range(virtual_stages)]
+    return chunks[::-1] if first else chunks
 
 
 def pipeline_layout(plan: Plan) -> str:
@@ -46,7 +50,7 @@ def pipeline_layout(plan: Plan) -> str:
     head: 8 then 24 layers over two stages read ``Et*8|t*24L``.
     """
     v = plan.virtual_stages
-    per_stage = [stage_chunks(s.num_layers, v) for s in plan.stages]
+    per_stage = [stage_chunks(s.num_layers, v, first=i == 0 < plan.pp - 1) for i, s in enumerate(plan.stages)]
     chunks = []
     for vpp in range(v):
         for pp_rank in range(plan.pp):
@@ -133,7 +137,10 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     return args, notes
 
 
-MEGATRON_FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise"}
+# memx's FP8 recipe: Megatron's --fp8-format (E4M3 forward and E5M2 gradients, or E4M3 for all,
+# as its MXFP8 runs) and --fp8-recipe (current scaling is "tensorwise").
+MEGATRON_FP8_RECIPES = {"delayed": ("hybrid", "delayed"), "current": ("hybrid", "tensorwise"),
+                        "mxfp8": ("e4m3", "mxfp8")}
 
 
 def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
@@ -204,10 +211,19 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
         args.append("--no-overlap-p2p-communication")
     if tr.get("fused_loss"):
         args.append("--cross-entropy-loss-fusion")
-    if tr.get("fp8"):  # E4M3 forward, E5M2 gradients; current scaling is Megatron's "tensorwise"
-        args += ["--fp8-format", "hybrid", "--fp8-recipe", MEGATRON_FP8_RECIPES[tr["fp8"]]]
+    if tr.get("fp8"):
+        fp8_format, recipe = MEGATRON_FP8_RECIPES[tr["fp8"]]
+        args += ["--fp8-format", fp8_format, "--fp8-recipe", recipe]
+    if tr.get("fp4"):
+        args += ["--fp4-format", "e2m1", "--fp4-recipe", tr["fp4"]]
     if tr.get("fp8_params"):
         args.append("--fp8-param-gather")
+    if tr.get("activation_offload_layers"):
+        args += ["--cpu-offloading", "--cpu-offloading-num-layers", str(tr["activation_offload_layers"])]
+        if plan.pp > 1 or any(s.recompute != "none" for s in plan.stages):
+            notes.append("Megatron-LM offloads activations only without pipeline parallelism and without "
+                         "recompute: plan with --pp 1 and --recompute-levels none, or run without "
+                         "--cpu-offloading (the plan counted the offloaded layers' activations on the host)")
     if tr.get("optimizer_dtype") == "training":  # Megatron's 16-bit main parameters are fp16 only
         moments = "fp16" if dtype == "fp16" else "bf16"
         args += ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16", "--exp-avg-dtype", moments,

@@ -37,14 +37,9 @@ K_FILL = 128.0
 MAX_SPLIT_K = 16
 # Bytes per output element and slice of a split-K GEMM's partials: written and read back in fp32.
 SPLIT_K_PARTIAL_BYTES = 8.0
-# FP8 tensor cores (Ada, Hopper) accumulate at reduced precision. Training runs the forward GEMM
-# with that fast accumulation and promotes the backward's two GEMMs' partial sums to fp32
-# (torchao's Float8Linear: use_fast_accum for the output only; Transformer Engine: the split
-# accumulator for dgrad and wgrad), which costs them 1.1-1.2x (pytorch/ao#2377): 1.15 here.
-FP8_PRECISE_ACCUMULATION_SLOWDOWN = 1.15
 # Streaming multiprocessors by NVIDIA compute capability, the datacenter part of each
-# generation (V100, T4, A100, A10G, L4, H100/H200/GH200); AMD: MI300X's compute units.
-SMS_BY_COMPUTE_CAPABILITY = {7.0: 80, 7.5: 40, 8.0: 108, 8.6: 80, 8.9: 58, 9.0: 132}
+# generation (V100, T4, A100, A10G, L4, H100/H200/GH200, B200, B300); AMD: MI300X's compute units.
+SMS_BY_COMPUTE_CAPABILITY = {7.0: 80, 7.5: 40, 8.0: 108, 8.6: 80, 8.9: 58, 9.0: 132, 10.0: 148, 10.3: 148}
 DEFAULT_SMS = {"nvidia": 108, "amd": 304}
 
 
@@ -118,13 +113,13 @@ def _split_k_seconds(compute, cut, tiles, m, n, k, rate, hbm, sms) -> np.ndarray
 
 
 def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes,
-                             fp8: bool = False) -> np.ndarray:
+                             backward_slowdown=1.0) -> np.ndarray:
     """One layer's linear layers forward and backward: for each weight of ``shapes`` ((N, K):
     output and input features, per TP rank), the forward M x N x K, the input gradient M x K x N
-    and the weight gradient N x K x M, with M the tokens of the micro-batch; in ``fp8`` the two
-    backward GEMMs at their precise accumulation's cost (FP8_PRECISE_ACCUMULATION_SLOWDOWN)."""
+    and the weight gradient N x K x M, with M the tokens of the micro-batch; the two backward
+    GEMMs ``backward_slowdown`` times slower (FP8's precise accumulation:
+    :func:`~memx_launch.planning.quantization.backward_gemm_slowdown`)."""
     rate = (best_flops, hbm_bytes_per_s, sms, dtype_bytes)
-    backward_slowdown = FP8_PRECISE_ACCUMULATION_SLOWDOWN if fp8 else 1.0
     total = 0.0
     for n, k in shapes:
         backward = gemm_seconds(tokens, k, n, *rate) + gemm_seconds(n, k, tokens, *rate)

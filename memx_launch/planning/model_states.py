@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memx_launch.planning import quantization
 from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -118,10 +119,10 @@ def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp) ->
     return layer * (2.0 * compute_weight_bytes(training)), layer * training.precision_bytes("grad_dtype")
 
 
-def compute_weight_bytes(training: TrainingSpec) -> int:
-    """Bytes per block weight as the linears read it, and as a fully sharded run gathers it: one
-    with ``fp8_params``, else the training dtype's."""
-    return 1 if training.fp8_params else training.dtype_bytes
+def compute_weight_bytes(training: TrainingSpec) -> float:
+    """Bytes per block weight as the linears read it, and as a fully sharded run gathers it: the
+    FP8 recipe's with ``fp8_params``, else the training dtype's."""
+    return quantization.element_bytes(training) if training.fp8_params else training.dtype_bytes
 
 
 # Transformer Engine's delayed scaling keeps an amax history of this length (its default) for
@@ -129,20 +130,22 @@ def compute_weight_bytes(training: TrainingSpec) -> int:
 FP8_AMAX_HISTORY = 1024
 
 
-def fp8_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
-    """(kept per block, working) bytes an FP8 run adds on one rank: the FP8 copy of each linear
-    weight and its transpose for the backward (2 bytes per block parameter, over TP) and, with
-    delayed scaling, the amax histories. A fully sharded run casts the gathered layer's weights
-    only: its copies are working memory, one layer at a time. With ``fp8_params`` the FP8 weight
-    is the weight (counted as the 16-bit one it replaces: 2 - d bytes more, none in bf16) and
-    only its transpose is added; a fully sharded run gathers it in FP8 and transposes it."""
-    if training.fp8 is None:
+def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
+    """(kept per block, working) bytes quantized linears add on one rank: the quantized copies of
+    each linear weight along both axes for the forward and the backward (2 x the recipe's bytes per
+    block parameter, over TP) and, with delayed scaling, the amax histories. A fully sharded run
+    quantizes the gathered layer's weights only: its copies are working memory, one layer at a
+    time. With ``fp8_params`` the FP8 weight is the weight (counted as the 16-bit one it
+    replaces) and only its other copy is added; a fully sharded run gathers it in FP8 and
+    transposes it."""
+    if training.quantized_linears is None:
         return 0.0, 0.0
     layer = model.layer_params / np.asarray(tp, dtype=np.float64)
+    q = quantization.element_bytes(training)
     if training.fp8_params:
-        copies = layer * (1.0 if training.fully_sharded else 2.0 - training.dtype_bytes)
+        copies = layer * (q if training.fully_sharded else 2.0 * q - training.dtype_bytes)
     else:
-        copies = 2.0 * layer
+        copies = 2.0 * q * layer
     linears = len(linear_shapes(model, training, 1))
     amax = 3 * linears * FP8_AMAX_HISTORY * 4.0 if training.fp8 == "delayed" else 0.0
     return (amax, copies) if training.fully_sharded else (copies + amax, 0.0)

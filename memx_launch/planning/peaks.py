@@ -1,13 +1,16 @@
 """The matmul rate a device type sustains for a training setup: its peak for the dtype (TF32
-where fp32 runs on tensor cores, FP8 for the linear layers of an FP8 run) at its efficiency.
+where fp32 runs on tensor cores, FP8 or FP4 for the linear layers of an FP8 or FP4 run) at its efficiency.
 No torch import."""
 
 from __future__ import annotations
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.cluster import DeviceType
+from memx_launch.specs.efficiency import blackwell_or_later
 from memx_launch.specs.training import TrainingSpec
 
+# Blackwell Ultra (B300, GB300): FP4 tensor cores at 1.5 times Blackwell's rate.
+BLACKWELL_ULTRA_COMPUTE_CAPABILITY = 10.3
 # NVIDIA Ampere (A100, A10, A40; Ada's L4 and L40S are 8.9): the first with TF32 tensor cores.
 AMPERE_COMPUTE_CAPABILITY = 8.0
 # NVIDIA Ada (L4, L40S) and Hopper: the first with FP8 tensor cores, at twice the dense 16-bit
@@ -55,15 +58,34 @@ def fp8_peak_tflops(device: DeviceType) -> float | None:
     return 2.0 * device.peak_tflops if device.vendor == "nvidia" and capable else None
 
 
+def fp4_peak_tflops(device: DeviceType) -> float | None:
+    """The dense FP4 matmul peak: ``peak_tflops_fp4`` when given, else on NVIDIA Blackwell four
+    times the 16-bit peak (B200 9,000 of 2,250 TFLOPS, GB200 10,000 of 2,500) and six times on
+    Blackwell Ultra, compute capability 10.3 (GB300 15,000 of 2,500); None before Blackwell."""
+    if device.peak_tflops_fp4 is not None:
+        return device.peak_tflops_fp4
+    if device.vendor != "nvidia" or not blackwell_or_later(device.compute_capability):
+        return None
+    return (6.0 if device.compute_capability >= BLACKWELL_ULTRA_COMPUTE_CAPABILITY else 4.0) * device.peak_tflops
+
+
 def linear_tflops(device: DeviceType, training: TrainingSpec) -> float:
-    """Sustained TFLOPS of the blocks' linear layers: with ``fp8``, the FP8 peak at the 16-bit
-    efficiency (a device without FP8 is refused); else :func:`training_tflops`."""
-    if training.fp8 is None:
+    """Sustained TFLOPS of the blocks' linear layers: with ``fp8`` the FP8 peak, with ``fp4`` the
+    FP4 peak, at the 16-bit efficiency (a device without them is refused, and MXFP8 before
+    Blackwell); else :func:`training_tflops`."""
+    if training.quantized_linears is None:
         return training_tflops(device, training)
-    peak = fp8_peak_tflops(device)
+    flag = "--fp8" if training.fp8 else "--fp4"
+    capability = f"compute capability {device.compute_capability:g}" if device.compute_capability else \
+        "no compute_capability given"
+    peak = fp8_peak_tflops(device) if training.fp8 else fp4_peak_tflops(device)
     if peak is None:
-        capability = f"compute capability {device.compute_capability:g}" if device.compute_capability else \
-            "no compute_capability given"
-        raise ConfigError("--fp8", f"device type {device.name} ({device.vendor}, {capability}) has no FP8 matmuls",
-                          "drop --fp8, or give the type's compute_capability (8.9 or later) or peak_tflops_fp8")
+        field, since = ("peak_tflops_fp8", "8.9") if training.fp8 else ("peak_tflops_fp4", "10.0")
+        raise ConfigError(flag, f"device type {device.name} ({device.vendor}, {capability}) has no "
+                          f"{flag[2:].upper()} matmuls",
+                          f"drop {flag}, or give the type's compute_capability ({since} or later) or {field}")
+    if training.fp8 == "mxfp8" and device.vendor == "nvidia" and not blackwell_or_later(device.compute_capability):
+        raise ConfigError(flag, f"device type {device.name} ({capability}) has no block-scaled FP8 matmuls "
+                          "(MXFP8: NVIDIA Blackwell, compute capability 10.0 or later)",
+                          "use --fp8 current, or give the type's compute_capability")
     return peak * device.effective_tflops / device.peak_tflops

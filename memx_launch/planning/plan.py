@@ -60,10 +60,10 @@ def recompute_text(level: str, count: int, num_layers: int) -> str:
 
 def short_stages(layers, virtual_stages: int) -> list[int]:
     """The stages holding fewer layers than their ``virtual_stages`` chunks need. The first or the
-    last of several stages may hold none when not interleaved: an embedding-only first stage, a
-    head-only last one (Megatron's layouts ``E|...`` and ``...|L``)."""
-    ends = (0, len(layers) - 1) if virtual_stages == 1 and len(layers) > 1 else ()
-    return [i for i, n in enumerate(layers) if n < virtual_stages and not (n == 0 and i in ends)]
+    last of several stages may hold one layer less: a chunk of the embedding alone, or of the
+    head alone (Megatron's layouts ``E|...`` and ``...|L``; not interleaved: a stage of its own)."""
+    ends = (0, len(layers) - 1) if len(layers) > 1 else ()
+    return [i for i, n in enumerate(layers) if n < virtual_stages and not (n == virtual_stages - 1 and i in ends)]
 
 
 def check_stage_dp_split(stage_dp, dp: int, micro_batch_size: int, field: str) -> None:
@@ -303,7 +303,8 @@ class Plan:
             i, n = short[0], self.stages[short[0]].num_layers
             raise ConfigError(f"{source}.stages[{i}].num_layers",
                               f"{n} layers cannot form {self.virtual_stages} virtual stages"
-                              + (" (only the first or last of several stages may hold none)" if n == 0 else ""))
+                              + (" (only the first or last of several stages may hold one layer less)"
+                                 if n == self.virtual_stages - 1 else ""))
         if self.global_batch_size % (self.dp * self.micro_batch_size):
             raise ConfigError(f"{source}.global_batch_size", f"{self.global_batch_size} is not divisible by "
                               f"dp*micro_batch_size={self.dp * self.micro_batch_size}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import context_parallel, costmodel as cm, data_parallel, schedules
+from memx_launch.planning import activation_offload, context_parallel, costmodel as cm, data_parallel, schedules
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.cost_table import CostTable
@@ -23,7 +23,7 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
-from memx_launch.planning.model_states import fp8_state_bytes
+from memx_launch.planning.model_states import quantized_state_bytes
 from memx_launch.planning.pipeline_sends import stage_send_seconds
 from memx_launch.planning.layouts import Layout
 
@@ -90,9 +90,10 @@ class Evaluator:
         self.hbm_gbps = np.array([cm.hbm_gbps(d) for d in self.device_types])
         # What compute loses beside an overlapped collective; CPU stand-ins run gloo inline.
         self.collective_sm_share = collective_sm_share(device_sms(self.device_types, cluster.is_emulated))
-        # Fine-tuning trains only part of the parameters; an offloaded optimizer's PCIe copies.
+        # Fine-tuning trains only part of the parameters; the offloads' copies to the host.
         self.trained = cm.trained_parameters(model, training)
-        self.host_gbps = cluster.bridge.staging_gbps(cluster.is_emulated)
+        staging = cluster.bridge.staging_gbps(cluster.is_emulated)
+        self.host_gbps = np.array([d.host_link_gbps or staging for d in self.device_types])
         # A learned model brings the overhead calibration measured for a type (else the default).
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
@@ -122,16 +123,31 @@ class Evaluator:
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
         bpp = cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
-        fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
-        per_layer = m.layer_params / tp * bpp + fp8_kept + inflight * act
+        quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
+        per_layer = m.layer_params / tp * bpp + quantized_kept + inflight * act
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
         fixed = (work + self._edge_bytes(layout, local, seq_rank, inflight)
                  + kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
-                 + cm.fully_sharded_working_bytes(m, tr, tp) + fp8_working + self.overhead[device]
+                 + cm.fully_sharded_working_bytes(m, tr, tp) + quantized_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device])
-        return per_layer, fixed, t_layer, self._edge_time(layout, device, local, seq_rank), g, work
+        offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
+        return per_layer, fixed - offloaded, t_layer, self._edge_time(layout, device, local, seq_rank) + copy_s, g, work
+
+    def _offload(self, kept, act, t_layer, device) -> tuple:
+        """(bytes off, seconds added per micro-batch) of each stage's activation offloading: a
+        stage holds more layers than it offloads (:meth:`min_layers`), so it offloads all it asks."""
+        n = self.training.activation_offload_layers
+        if not n:
+            return 0.0, 0.0
+        return (activation_offload.offloaded_bytes(n, kept, act),
+                n * activation_offload.exposed_copy_seconds(act, t_layer, self.host_gbps[device]))
+
+    def min_layers(self, schedule: str, v: int) -> int:
+        """Fewest layers a stage holds: one per chunk of an interleaved pipeline, and one more than
+        activation offloading takes to the host (Megatron: fewer than the layers)."""
+        return max(v if schedule == "interleaved" else 1, self.training.activation_offload_layers + 1)
 
     def stage_layer_costs(self, layout, device, tp, mbs, seq, levels):
         """(time, kept activations, backward working set) of one layer on each stage of
@@ -197,7 +213,7 @@ class Evaluator:
         and fits only if it fits on each type; its memory is that of the type nearest (or
         furthest over) its capacity."""
         L = self.model.num_layers
-        min_layers = v if schedule == "interleaved" else 1
+        min_layers = self.min_layers(schedule, v)
         replicas = range(len(layout.replica_device))
         if layers is None:
             inputs = self.replica_inputs(layout, mbs, seq, v, levels)
@@ -265,7 +281,7 @@ class Evaluator:
         params = parameters_per_rank(m, layout, layers)[0]
         weights, grads, optim = cm.model_state_bytes_by_part(tr, layout.dp_cp, self.trained)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
-        fp8_kept, fp8_working = fp8_state_bytes(m, tr, tp)
+        quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
         embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.dtype_bytes
         logits = np.zeros(pp)
@@ -284,9 +300,10 @@ class Evaluator:
                 kept = r * inflight * act + (layers[0] - r) * inflight * act_none
                 work = np.where(r > 0, work, work_none)
             by_replica.append({
-                "parameters": params * weights + gathered + layers[0] * fp8_kept + fp8_working,
+                "parameters": params * weights + gathered + layers[0] * quantized_kept + quantized_working,
                 "gradients": params * grads + unsharded_grad,
-                "optimizer_states": params * optim, "activations": kept + embedding_out + work * (layers[0] > 0),
+                "optimizer_states": params * optim, "activations": kept + embedding_out + work * (layers[0] > 0)
+                - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),
                 "logits_loss": logits, "pipeline_buffers": pipeline,
                 "communicator_buffers": np.broadcast_to(layout.communicators * self.communicator_bytes[device], pp),
                 "fixed_overhead": self.overhead[device]})
@@ -296,8 +313,7 @@ class Evaluator:
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
         max_layers = self._max_layers(layout, self.uniform_inputs(layout, mbs, seq, v, self.allowed_levels[-1]))
-        min_layers = v if schedule == "interleaved" else 1
-        return bool((max_layers >= min_layers).all() and max_layers.sum() >= self.model.num_layers)
+        return bool((max_layers >= self.min_layers(schedule, v)).all() and max_layers.sum() >= self.model.num_layers)
 
     def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
         """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
@@ -374,7 +390,7 @@ class Evaluator:
         t_dp = (t_dp + self.tied_sync_time(layout) * ends).max(axis=1)
         # The optimizer step of every stage on each of its device types, at once.
         step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
-                                         layout.dp_cp, self.trained, self.host_gbps)
+                                         layout.dp_cp, self.trained, self.host_gbps[layout.replica_device][:, None])
         t_fix = step.max(axis=(0, 2))
         if schedule == "interleaved":
             overlapped = np.full(layout.pp, tr.overlap_p2p_comm)

@@ -99,6 +99,11 @@ def check_runnable(plan: Plan) -> Plan:
         raise ConfigError("--plan", f"stage {empty[0]} holds no layers (an embedding-only or head-only stage), "
                           "which memx's runtime does not run", "give every stage a layer, or run the plan with "
                           "Megatron-LM (memx export)")
+    short = [i for i, s in enumerate(plan.stages) if s.num_layers < plan.virtual_stages]
+    if short:  # an interleaved end stage with a chunk of the embedding or the head alone
+        raise ConfigError("--plan", f"stage {short[0]} holds fewer layers than its {plan.virtual_stages} chunks, "
+                          "which memx's runtime does not run", "give every chunk a layer, or run the plan with "
+                          "Megatron-LM (memx export)")
     if plan.cp > 1:
         raise ConfigError("--plan", f"cp={plan.cp}: memx's runtime has no context parallelism",
                           "plan with --cp 1, or run the plan with Megatron-LM (memx export)")

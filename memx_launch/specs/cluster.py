@@ -45,6 +45,10 @@ class DeviceType:
     """Dense FP8 matmul peak, for ``--fp8`` training. Unset: twice ``peak_tflops`` on NVIDIA
     compute capability 8.9 and later (Ada, Hopper, Blackwell), none elsewhere
     (:func:`~memx_launch.planning.peaks.fp8_peak_tflops`)."""
+    peak_tflops_fp4: float | None = None
+    """Dense FP4 matmul peak, for ``--fp4`` training. Unset: four times ``peak_tflops`` on NVIDIA
+    Blackwell, six on Blackwell Ultra (compute capability 10.3), none elsewhere
+    (:func:`~memx_launch.planning.peaks.fp4_peak_tflops`)."""
     compute_capability: float | None = None
     """NVIDIA compute capability (8.0 A100, 8.9 L4, 9.0 H100/H200/GH200): on 9.0 and later the
     fused attention kernels written for Ampere (FlashAttention 1 and 2) reach a smaller share
@@ -67,6 +71,10 @@ class DeviceType:
     and backward: no layer runs faster (the device runs behind the host). Calibration measures
     it for memx's runtime (:func:`~memx_launch.profiling.calibrated_parts.one_descriptor_set`);
     ``--host-ms-per-layer`` overrides it for every type. Unset: a fused block's launches."""
+    host_link_gbps: float | None = None
+    """Bandwidth of a device<->host copy in GB/s, per direction and device, as the offloads use it
+    (``--activation-offload-layers``, ``--optimizer-offload``): about 25 on PCIe Gen4 x16, 50 on
+    Gen5, far more over NVLink-C2C to a Grace CPU. Unset: :data:`~memx_launch.specs.bridge.HOST_COPY_GBPS`."""
 
     def __post_init__(self):
         where = f"device_types.{self.name}"
@@ -83,6 +91,8 @@ class DeviceType:
             require_positive(self.peak_tflops_fp32, f"{where}.peak_tflops_fp32", "give the fp32/TF32 peak")
         if self.peak_tflops_fp8 is not None:
             require_positive(self.peak_tflops_fp8, f"{where}.peak_tflops_fp8", "give the dense FP8 peak")
+        if self.peak_tflops_fp4 is not None:
+            require_positive(self.peak_tflops_fp4, f"{where}.peak_tflops_fp4", "give the dense FP4 peak")
         if self.compute_capability is not None:
             require_number(self.compute_capability, f"{where}.compute_capability", lo=0, lo_open=True, hi=100,
                            fix="give major.minor, e.g. 9.0 for H100")
@@ -94,6 +104,9 @@ class DeviceType:
         if self.host_ms_per_layer is not None:
             require_number(self.host_ms_per_layer, f"{where}.host_ms_per_layer", lo=0, lo_open=True, hi=1000.0,
                            fix="give the milliseconds one layer's forward and backward take to issue, e.g. 3")
+        if self.host_link_gbps is not None:
+            require_positive(self.host_link_gbps, f"{where}.host_link_gbps",
+                             "give the device<->host copy bandwidth in GB/s per direction, e.g. 50 for PCIe Gen5")
         if self.sm_count is not None:
             require_number(self.sm_count, f"{where}.sm_count", lo=0, lo_open=True, hi=100000, integer=True,
                            fix="give the device's streaming multiprocessors, e.g. 132 for H100 SXM")
@@ -316,9 +329,9 @@ class ClusterSpec:
             raise ConfigError("cluster.device_types", "missing or empty",
                               "map each device type name to its memory_gib and peak_tflops")
         types = []
-        allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps",
-                   "flash_attention", "peak_tflops_fp32", "peak_tflops_fp8", "memory_overhead_gib", "compute_capability",
-                   "domain", "sm_count", "host_ms_per_layer"}
+        allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps", "flash_attention",
+                   "peak_tflops_fp32", "peak_tflops_fp8", "peak_tflops_fp4", "memory_overhead_gib", "compute_capability",
+                   "domain", "sm_count", "host_ms_per_layer", "host_link_gbps"}
         for tname, spec in raw_types.items():
             require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")
             require_name(tname, f"cluster.device_types.{tname}")

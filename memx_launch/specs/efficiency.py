@@ -11,9 +11,10 @@ DEFAULT_EFFICIENCY = 0.75
 # The best-shaped bf16 matmul's share of the datasheet peak, found by a brute-force search over
 # shapes (Maximum Achievable Matmul FLOPS; github.com/stas00/ml-engineering,
 # compute/accelerator/README.md): A100 SXM 85.9% and H100 SXM 80.1% (CUDA 12.1), MI300X 60.1%
-# (ROCm 6.2; MI250X 76.7%). The newer datasheet peaks sit further above what the clocks sustain
-# under the power limit.
-BEST_MATMUL_SHARE = {"ampere": 0.859, "hopper": 0.801, "amd": 0.601}
+# (ROCm 6.2; MI250X 76.7%), B200 77.6% (1,745 of 2,250 TFLOPS, torch 2.7.1 with CUDA 12.8; B300
+# 78.6%, GB200 72.9% of its 2,500). The newer datasheet peaks sit further above what the clocks
+# sustain under the power limit.
+BEST_MATMUL_SHARE = {"ampere": 0.859, "hopper": 0.801, "blackwell": 0.776, "amd": 0.601}
 # fp32 matmuls on CUDA cores (TF32 off): whole fp32 blocks of the public Sailor and Aceso profiles
 # reach up to 0.95 of the fp32 peak in matmul FLOPs per second (Aceso's OPT-350 on GH-96; Sailor's
 # OPT-30 on A100-40 0.92; their unfused attention over the whole s x s square,
@@ -21,8 +22,10 @@ BEST_MATMUL_SHARE = {"ampere": 0.859, "hopper": 0.801, "amd": 0.601}
 # sustain at least that: CUDA cores 8-16x slower than the tensor cores beside them are far easier
 # to keep fed. The 16-bit training share (above) would time them 1.27x too slow.
 FP32_MATMUL_SHARE = 0.95
-# NVIDIA compute capability of Hopper (H100, H200, GH200); later ones are taken as Hopper until measured.
+# NVIDIA compute capabilities of Hopper (H100, H200, GH200) and Blackwell (B200, GB200; B300 and
+# GB300 are 10.3).
 HOPPER_COMPUTE_CAPABILITY = 9.0
+BLACKWELL_COMPUTE_CAPABILITY = 10.0
 # What training's matmuls sustain of the device's best matmul rate. Ampere: DEFAULT_EFFICIENCY of
 # A100's peak, where it reproduces Megatron's published A100 throughput. Hopper sustains less of
 # its own: MosaicML's MPT tables, the one public table of the same layouts run on A100 and H100,
@@ -30,11 +33,12 @@ HOPPER_COMPUTE_CAPABILITY = 9.0
 # (matmul-bound), which memx reproduces at 0.58 of H100's peak, 72% of its best matmul where
 # A100's training reaches 87% (benchmarks/published_throughput.py, docs/setups.md). Why is not
 # measured here (the power limit under sustained load, per-kernel costs of a 3x faster chip are
-# candidates). AMD's MI300X, H100's contemporary and with no such table, is taken at Hopper's
-# share of its own best rate: the two compare as their best matmuls do.
+# candidates). AMD's MI300X, H100's contemporary and with no such table, and Blackwell, with no
+# public table of the same layouts on it and on an older GPU, are taken at Hopper's share of
+# their own best rate.
 _HOPPER_SHARE = 0.58 / BEST_MATMUL_SHARE["hopper"]
 TRAINING_SHARE_OF_BEST_MATMUL = {"ampere": DEFAULT_EFFICIENCY / BEST_MATMUL_SHARE["ampere"],
-                                 "hopper": _HOPPER_SHARE, "amd": _HOPPER_SHARE}
+                                 "hopper": _HOPPER_SHARE, "blackwell": _HOPPER_SHARE, "amd": _HOPPER_SHARE}
 
 
 def hopper_or_later(compute_capability: float | None) -> bool:
@@ -42,11 +46,18 @@ def hopper_or_later(compute_capability: float | None) -> bool:
     return compute_capability is not None and compute_capability >= HOPPER_COMPUTE_CAPABILITY
 
 
+def blackwell_or_later(compute_capability: float | None) -> bool:
+    """An NVIDIA compute capability of Blackwell or later."""
+    return compute_capability is not None and compute_capability >= BLACKWELL_COMPUTE_CAPABILITY
+
+
 def _generation(vendor: str, compute_capability: float | None) -> str:
-    """The key of the tables above: NVIDIA Hopper or later, AMD, else Ampere (any other device)."""
+    """The key of the tables above: NVIDIA Blackwell, Hopper, AMD, else Ampere (any other device)."""
     if vendor == "amd":
         return "amd"
-    return "hopper" if vendor == "nvidia" and hopper_or_later(compute_capability) else "ampere"
+    if vendor != "nvidia" or not hopper_or_later(compute_capability):
+        return "ampere"
+    return "blackwell" if blackwell_or_later(compute_capability) else "hopper"
 
 
 def training_share_of_best_matmul(vendor: str, compute_capability: float | None) -> float:
@@ -58,7 +69,7 @@ def training_share_of_best_matmul(vendor: str, compute_capability: float | None)
 def default_efficiency(vendor: str, compute_capability: float | None) -> float:
     """Share of the datasheet peak a device type's 16-bit training matmuls sustain when its file
     gives no ``efficiency``: its training share of its generation's best matmul rate, 0.58 on
-    NVIDIA Hopper and 0.44 on AMD (MI300X's best rate; an MI250X, A100's contemporary, takes
+    NVIDIA Hopper, 0.56 on Blackwell and 0.44 on AMD (MI300X's best rate; an MI250X, A100's contemporary, takes
     A100's share: 0.67). Any other device: DEFAULT_EFFICIENCY."""
     generation = _generation(vendor, compute_capability)
     return TRAINING_SHARE_OF_BEST_MATMUL[generation] * BEST_MATMUL_SHARE[generation]

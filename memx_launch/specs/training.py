@@ -41,9 +41,11 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 OPTIMIZERS = ("adam", "sgd")
-# Transformer Engine's FP8 recipes: delayed scaling (scales from an amax history) and current
-# (per-tensor, just-in-time) scaling; Megatron's --fp8-recipe delayed / tensorwise.
-FP8_RECIPES = ("delayed", "current")
+# Transformer Engine's FP8 recipes: delayed scaling (scales from an amax history), current
+# (per-tensor, just-in-time) scaling and MXFP8 (a scale per 32 elements, Blackwell); Megatron's
+# --fp8-recipe delayed / tensorwise / mxfp8. Its FP4 recipe: NVFP4 (Megatron's --fp4-recipe nvfp4).
+FP8_RECIPES = ("delayed", "current", "mxfp8")
+FP4_RECIPES = ("nvfp4",)
 FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 # What the selective recompute level runs again: Megatron's attention core, or torchtitan's
 # op-level policy (planning/op_checkpointing.py).
@@ -53,7 +55,7 @@ SELECTIVE_POLICIES = ("attention", "op")
 SETUPS: dict[str, dict] = {
     "megatron": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="fp32",
                      sequence_parallel=True, flash_attention=True, loss_dtype="fp32",
-                     vocab_parallel_loss=True, overlap_grad_reduce=True),
+                     vocab_parallel_loss=True, overlap_grad_reduce=True, fused_activation=True),
     "zero1": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
                   vocab_parallel_loss=False),
     "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
@@ -86,7 +88,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
-                       full_gradient_allreduce=False,
+                       full_gradient_allreduce=False, fused_activation=False,
                        selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True)
 
 
@@ -161,6 +163,11 @@ class TrainingSpec:
     one all-reduce of their input gradient over TP in the backward. Off: two linears (Aleph
     Alpha's scaling), each all-reducing it: five TP all-reduces per layer instead of four.
     Default on."""
+    fused_activation: bool | None = None
+    """The MLP's activation runs as one kernel that keeps only its input for the backward
+    (Megatron's ``bias_swiglu`` / ``bias_gelu`` fusions, ``--bias-swiglu-fusion``): SwiGLU's
+    silu(gate) is recomputed there, not kept. Off: torch's ops (torchtitan, Hugging Face), which
+    keep silu(gate) as well. Default off (``megatron``: on)."""
     softmax_in_fp32: bool | None = None
     """With torch's softmax (no flash attention, no fused softmax) on 16-bit scores, the softmax
     runs on an fp32 copy (Megatron's ``--attention-softmax-in-fp32``): the fp32 probabilities and
@@ -224,9 +231,14 @@ class TrainingSpec:
     states; the base weights they adapt are frozen (``frozen_fraction`` 1 unless given)."""
     fp8: str | None = None
     """FP8 training of the blocks' linear layers (Transformer Engine, 16-bit everywhere else):
-    ``delayed`` or ``current`` scaling. Their GEMMs run at the FP8 peak; each linear keeps its
-    input for the backward in FP8 and FP8 copies of its weight (and its transpose); delayed
-    scaling also keeps an amax history per tensor. None: off."""
+    ``delayed`` or ``current`` per-tensor scaling, or ``mxfp8`` (a scale per 32 elements;
+    Blackwell). Their GEMMs run at the FP8 peak; each linear keeps its input for the backward in
+    FP8 and FP8 copies of its weight (and its transpose); delayed scaling also keeps an amax
+    history per tensor. None: off."""
+    fp4: str | None = None
+    """FP4 training of the blocks' linear layers: ``nvfp4`` (Transformer Engine's NVFP4 recipe,
+    Megatron's ``--fp4-recipe nvfp4``; Blackwell): their three GEMMs run at the FP4 peak, each
+    linear keeps its input in NVFP4 and NVFP4 copies of its weight. None: off."""
     fp8_params: bool = False
     """With ``fp8``: the blocks' linear weights are kept in FP8 only (Megatron's
     ``--fp8-param-gather``, NeMo's ``fp8_params``, Transformer Engine's ``fp8_model_init``): no
@@ -236,6 +248,12 @@ class TrainingSpec:
     """The optimizer runs on the host (DeepSpeed ZeRO-Offload, ``offload_optimizer: cpu``): master
     weights and moments leave the GPU; each step the gradients go to the host and the updated
     weights come back over PCIe, and the host runs Adam."""
+    activation_offload_layers: int = 0
+    """Activation offloading (Megatron's ``--cpu-offloading-num-layers`` with activations, NeMo's
+    ``cpu_offloading_num_layers``): the kept activations of up to this many of each stage's
+    layers (its first ones; never its last, whose backward starts at once) go to host memory
+    after their forward and come back before their backward, over the device type's
+    ``host_link_gbps`` behind the neighbouring layers' compute. 0: none."""
 
     def __post_init__(self):
         require_number(self.global_batch_size, "--global-batch-size", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
@@ -272,15 +290,22 @@ class TrainingSpec:
             require_number(self.host_ms_per_layer, "--host-ms-per-layer", lo=0, lo_open=True, hi=1000.0,
                            fix="give the milliseconds one layer's forward and backward take to issue, e.g. 3")
         require_type(self.optimizer_offload, bool, "--optimizer-offload", "true or false")
-        if self.fp8 is not None:
-            if self.fp8 not in FP8_RECIPES:
-                raise ConfigError("--fp8", f"unknown recipe {self.fp8!r}", f"use one of {', '.join(FP8_RECIPES)}")
+        require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
+                       integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
+        for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):
+            if recipe is None:
+                continue
+            if recipe not in recipes:
+                raise ConfigError(flag, f"unknown recipe {recipe!r}", f"use one of {', '.join(recipes)}")
             if self.dtype == "fp32":
-                raise ConfigError("--fp8", "FP8 linears run inside 16-bit training, not fp32", "use --dtype bf16")
+                raise ConfigError(flag, f"{flag[2:].upper()} linears run inside 16-bit training, not fp32",
+                                  "use --dtype bf16")
+        if self.fp8 is not None and self.fp4 is not None:
+            raise ConfigError("--fp4", "the linears run in FP8 or in FP4, not both", "drop --fp8 or --fp4")
         require_type(self.fp8_params, bool, "--fp8-params", "true or false")
         if self.fp8_params and self.fp8 is None:
             raise ConfigError("--fp8-params", "keeps the weights of FP8 linears, and the run has none",
-                              "add --fp8 delayed or --fp8 current")
+                              "add --fp8 current (or delayed, mxfp8)")
         require_number(self.lora_rank, "--lora-rank", lo=0, hi=MAX_DIMENSION, integer=True)
         require_number(self.frozen_fraction, "--frozen-fraction", lo=0, hi=1,
                        fix="give the share of parameters frozen, e.g. 0.5")
@@ -295,6 +320,11 @@ class TrainingSpec:
         if self.sharded_gradients and not self.distributed_optimizer and not self.fully_sharded:
             raise ConfigError("--sharded-gradients", "needs the optimizer state sharded as well",
                               "use --setup zero2 or add --distributed-optimizer")
+
+    @property
+    def quantized_linears(self) -> str | None:
+        """The recipe of the blocks' quantized linears (``fp8``'s or ``fp4``'s), None without."""
+        return self.fp8 or self.fp4
 
     @property
     def dtype_bytes(self) -> int:

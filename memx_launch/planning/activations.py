@@ -1,0 +1,111 @@
+"""What one transformer block keeps for its backward, and the transient bytes its backward adds:
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), adapted
+to LLaMA blocks (GQA, SwiGLU, RMSNorm, fused attention) and to how frameworks run them. No torch
+import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memx_launch.planning import op_checkpointing
+from memx_launch.planning.plan import FULL, NONE, SELECTIVE
+from memx_launch.specs.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Costs of one transformer layer for one micro-batch (arrays, one entry per query)."""
+
+    time_s: np.ndarray
+    """Forward + backward seconds, recomputation included."""
+    activation_bytes: np.ndarray
+    """Bytes kept alive from the forward until the backward of this micro-batch."""
+    working_bytes: np.ndarray
+    """Extra transient bytes while this layer's backward runs (recomputed activations, grads)."""
+
+
+def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
+                     flash_attention=True, sequence_parallel: bool = False,
+                     dropout: bool = False, fused_norm: bool = True,
+                     attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
+                     fused_softmax: bool = True, softmax_in_fp32: bool = False, quantized_bytes=None,
+                     op_selective: bool = False, fused_activation: bool = False) -> LayerCost:
+    """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
+
+    Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
+      two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP;
+        with SP a framework whose linears keep the all-gathered input keeps those 4 whole);
+        parallel blocks: one norm input and one normed tensor, 4
+      Q + K + V saved by attention: 2 + 4*kv/h, over t
+      attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
+      unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
+        softmax in fp32 (torch's softmax on an fp32 copy of 16-bit scores, Megatron's
+        --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h;
+        with attention dropout also its 1-byte mask and the dropped-out probabilities: 5as/h
+        over t, the Korthikanti s^2 term (fused attention regenerates its mask: nothing kept)
+      hidden dropout on: 1-byte masks after attention and after the MLP: 2 (replicated unless SP)
+      unfused norms (torch ops, Hugging Face's LlamaRMSNorm): ``x.float()`` is kept by the pow
+        and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
+        by the weight multiply; the 16-bit input is not kept: 2(4 + d) bytes for the two norms
+      SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h)
+      quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
+        take ``quantized_bytes`` per element: the two normed tensors, the attention output and
+        the MLP's down-projection input
+    Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
+    it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
+    ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
+    Full recompute keeps the block input only; its working set is one block recomputed.
+    Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
+    probabilities: one more s x s tensor per head in the training dtype when a fused softmax
+    (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
+    backward writes a new tensor (its forward holds as many: scores, masked copy, probabilities).
+    """
+    mbs = np.asarray(mbs, dtype=np.float64)
+    seq = np.asarray(seq, dtype=np.float64)
+    tp = np.asarray(tp, dtype=np.float64)
+    recompute = np.asarray(recompute)
+    flash = np.asarray(flash_attention, dtype=bool)
+    h, a = model.hidden_size, model.num_heads
+    f, kv = model.ffn_hidden_size, model.kv_hidden_size
+    scale = dtype_bytes / 2.0
+    sbh = seq * mbs * h * scale
+    # Two norms: a fused kernel keeps its input (d bytes); torch ops the fp32 copy and the result.
+    # Parallel blocks: one norm, whose output both attention and MLP read.
+    sides = 1.0 if model.parallel_blocks else 2.0
+    norms = 2.0 * sides if fused_norm else 2.0 * sides * (4.0 + dtype_bytes) / dtype_bytes
+    fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
+    linear_inputs = 2.0 * sides * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
+    replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
+    qkv = (2.0 + 4.0 * kv / h) / tp
+    attn_out = 2.0 * fp8_share / tp
+    lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
+    # Bytes kept per score (in units of 2 bytes x scale): the softmax output, in fp32 plus its
+    # 16-bit copy when torch's softmax upcasts (a fused kernel reads and writes 16 bits).
+    fp32_probs = softmax_in_fp32 and not fused_softmax and dtype_bytes < 4
+    probs = (4.0 + dtype_bytes) / dtype_bytes * 2.0 if fp32_probs else 2.0
+    score_bytes = probs + (2.0 + 1.0 / scale if attention_dropout else 0.0)  # (+ mask, dropout out)
+    scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
+    if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
+        replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
+    if model.gated_mlp:
+        mlp_kept, mlp_elementwise = (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
+    else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
+        mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
+    none = replicated + qkv + attn_out + lse + scores + mlp_kept + mlp_elementwise
+    block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
+    selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
+                          if op_selective else (replicated + qkv + attn_out + mlp_kept, 0.0))
+    full = np.broadcast_to(block_input, none.shape)
+    stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
+    # Backward of one block: its recomputed part is alive again, plus gradient buffers of
+    # the size of the block input and output.
+    recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective + only_op], none)
+    # Score gradients alive beside the kept scores in the backward, per score in units of the
+    # training dtype: the fused kernel's in place (one), torch's softmax a new one (two); in fp32
+    # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
+    # 16-bit copy of the probabilities.
+    score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
+    working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
+    return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
