@@ -171,3 +171,19 @@ def test_torch_cross_entropy_peak_per_logit_is_what_the_guard_measures(dtype):
         default_loss(logits, targets).backward()
     measured = device.peak_bytes - before
     assert measured == pytest.approx(float(cm.logits_bytes(model, mbs, seq, 1, training)), rel=0.01)
+
+
+def test_heads_wider_than_hidden_over_heads_widen_attention_not_the_residual_stream():
+    # Gemma-7B's shape: 16 heads of 256 on a 3,072-wide residual stream (queries 4,096 wide).
+    import dataclasses
+
+    narrow = ModelSpec("g", 28, 3072, 16, 16, 24576, 256000, 4096)
+    wide = dataclasses.replace(narrow, attention_head_dim=256)
+    ratio = wide.q_hidden_size / narrow.q_hidden_size
+    assert float(cm.causal_attention_flops(wide, 1, 4096, 1)) == pytest.approx(
+        ratio * float(cm.causal_attention_flops(narrow, 1, 4096, 1)))
+    assert wide.attention_params == pytest.approx(ratio * narrow.attention_params)
+    # Q, the attention output, K and V (16 KV heads) are kept 1,024 wider each, 2 bytes a value;
+    # the norms' inputs and the MLP's are not.
+    kept = [float(cm.activation_bytes(m, 1, 4096, 1, cm.NONE).activation_bytes) for m in (narrow, wide)]
+    assert kept[1] - kept[0] == pytest.approx(4096 * 2 * (1 + 1 + 2) * (4096 - 3072), rel=1e-9)

@@ -72,6 +72,7 @@ MEGATRON_LM_ARGUMENTS = {
     "--tp-comm-overlap": dict(action="store_true"),
     "--fp8-format": dict(choices=["e4m3", "hybrid"]),
     "--fp8-recipe": dict(choices=["tensorwise", "delayed", "mxfp8", "blockwise"]),
+    "--kv-channels": dict(type=int),
     "--fp4-format": dict(choices=["e2m1"]), "--fp4-recipe": dict(choices=["nvfp4", "custom"]),
     "--fp8-param-gather": dict(action="store_true"),
     "--cpu-offloading": dict(action="store_true"), "--cpu-offloading-num-layers": dict(type=int, default=0),
@@ -123,6 +124,8 @@ def _megatron_config(plan, args):
                   pipeline_dtype=torch.bfloat16)
     if a.recompute_num_layers:
         kwargs["recompute_num_layers"] = a.recompute_num_layers
+    if a.kv_channels:
+        kwargs["kv_channels"] = a.kv_channels
     return tc.TransformerConfig(**kwargs)
 
 
@@ -203,6 +206,18 @@ def test_megatron_flags_state_the_training_setup_of_the_plan():
     plan.training = TrainingSpec(setup="megatron", fp4="nvfp4").plan_fields()
     config = _megatron_config(plan, megatron_args(plan).args)
     assert (config.fp8, config.fp4, config.fp4_recipe) == (None, "e2m1", "nvfp4")
+
+
+def test_heads_wider_than_hidden_over_heads_export_their_kv_channels(tmp_path):
+    import json
+
+    cfg = {"model_type": "qwen3", "num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
+           "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    plan = make_plan(layers=(2, 2), recompute=("none", "none"), model=str(tmp_path))
+    config = _megatron_config(plan, megatron_args(plan).args)
+    assert (config.kv_channels, config.num_attention_heads, config.hidden_size) == (128, 16, 1024)
+    assert "--kv-channels" not in megatron_args(make_plan()).args  # llama2-7b: 4096 / 32 heads
 
 
 def test_activation_offloading_exports_megatron_s_cpu_offloading_where_megatron_core_takes_it():

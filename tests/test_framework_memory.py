@@ -375,7 +375,8 @@ def test_flash_attention_1_runs_its_flops_slower_and_keeps_the_same_memory():
             TrainingSpec(flash_attention_version=bad)
 
 
-def test_what_autograd_saves_for_memx_block_is_the_activation_model():
+@pytest.mark.parametrize("head_dim", [0, 128])  # 0: 512 / 8 heads; 128: heads wider than h / a (Qwen3, Gemma)
+def test_what_autograd_saves_for_memx_block_is_the_activation_model(head_dim):
     """memx's own LLaMA block (GQA, SwiGLU) in bf16 on CPU, every tensor autograd saves counted
     once by storage, against ``activation_bytes`` with torch-op norms. Two differences are this
     CPU run's, named here: torch's ``nn.RMSNorm`` keeps its normalised tensor in fp32 (2 bytes
@@ -388,10 +389,10 @@ def test_what_autograd_saves_for_memx_block_is_the_activation_model():
     from memx_launch.specs.model import ModelSpec
 
     h, seq = 512, 256
-    spec = ModelSpec("t", 1, h, 8, 2, 1376, 1000, seq)
+    spec = ModelSpec("t", 1, h, 8, 2, 1376, 1000, seq, attention_head_dim=head_dim)
     elements = seq * h
     rope_tables = 2 * seq * spec.head_dim // 2 * 2  # cos and sin, kept by the rotary multiplies
-    for level, cpu_extra in (("none", 2 * 2 * elements + 2 * elements + rope_tables),
+    for level, cpu_extra in (("none", 2 * 2 * elements + 2 * seq * spec.q_hidden_size + rope_tables),
                              ("selective", 2 * 2 * elements), ("full", -2 * elements)):
         block = TransformerBlock(spec, recompute=level).to(torch.bfloat16)
         x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)

@@ -131,7 +131,8 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
     llama = get_model("llama2-7b")
     before = {k: v for k, v in dataclasses.asdict(llama).items()
               if k not in ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks", "layer_norm",
-                           "linear_biases", "position_embeddings", "parallel_blocks", "lm_head")}
+                           "linear_biases", "position_embeddings", "parallel_blocks", "lm_head",
+                           "attention_head_dim")}
     assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     gpt_style = dataclasses.replace(llama, layer_norm=True, linear_biases=True, position_embeddings=4096)
     assert gpt_style.signature() != llama.signature() and gpt_style.total_params > llama.total_params
@@ -139,12 +140,28 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
     assert dataclasses.replace(llama, lm_head=False).signature() != llama.signature()
 
 
-def test_a_head_dim_memx_cannot_model_is_refused(tmp_path):
+def test_heads_wider_than_hidden_size_over_heads_are_modelled(tmp_path):
+    import dataclasses
+
     cfg = {"model_type": "gemma", "num_hidden_layers": 28, "hidden_size": 3072, "num_attention_heads": 16,
            "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000}  # Gemma-7B: 16 x 256 != 3072
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"head_dim: 256 x 16 heads is not hidden_size 3072.*hidden_size / num_"):
-        get_model(str(tmp_path))
+    gemma = get_model(str(tmp_path))
+    assert (gemma.head_dim, gemma.q_hidden_size, gemma.kv_hidden_size) == (256, 4096, 4096)
+    assert gemma.total_params == pytest.approx(8.54e9, rel=0.001)  # Gemma-7B's published 8.54B
+    qwen3 = ModelSpec.from_hf_dict({"num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 64,
+                                    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 25600,
+                                    "vocab_size": 151936}, "qwen3-32b")
+    assert qwen3.total_params == pytest.approx(32.76e9, rel=0.001)  # Qwen3-32B's 32.8B, q/k norms aside
+    # A head_dim that is hidden_size / num_heads is the default: the shape keeps its signature.
+    llama = get_model("llama2-7b")
+    assert ModelSpec.from_hf_dict({**{"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                                      "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096},
+                                   "head_dim": 128}, "llama2-7b").signature() == llama.signature()
+    assert dataclasses.replace(llama, attention_head_dim=256).signature() != llama.signature()
+    with pytest.raises(ConfigError, match="model.hidden_size: 100 is not divisible by num_heads=8.*attention_head_dim"):
+        ModelSpec("m", 2, 100, 8, 8, 256, 1000, 64)
+    assert ModelSpec("m", 2, 100, 8, 8, 256, 1000, 64, attention_head_dim=16).q_hidden_size == 128
 
 
 def test_every_example_cluster_loads():

@@ -61,10 +61,10 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.head_dim = spec.head_dim
-        self.wq = nn.Linear(spec.hidden_size, spec.hidden_size, bias=False)
+        self.wq = nn.Linear(spec.hidden_size, spec.q_hidden_size, bias=False)
         self.wk = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=False)
         self.wv = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=False)
-        self.wo = nn.Linear(spec.hidden_size, spec.hidden_size, bias=False)
+        self.wo = nn.Linear(spec.q_hidden_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, selective: bool) -> torch.Tensor:
         b, s, _ = x.shape

@@ -38,8 +38,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       two RMSNorm inputs and the two normed tensors fed to linears: 8 (replicated unless SP;
         with SP a framework whose linears keep the all-gathered input keeps those 4 whole);
         parallel blocks: one norm input and one normed tensor, 4
-      Q + K + V saved by attention: 2 + 4*kv/h, over t
-      attention output (input of Wo): 2/t; fused kernels add a fp32 logsumexp per head
+      Q + K + V saved by attention: 2q/h + 4kv/h, over t (q: the queries' width, h unless the
+        model's heads are wider or narrower than h / a)
+      attention output (input of Wo): 2q/h over t; fused kernels add a fp32 logsumexp per head
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
         softmax in fp32 (torch's softmax on an fp32 copy of 16-bit scores, Megatron's
         --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h;
@@ -67,7 +68,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     tp = np.asarray(tp, dtype=np.float64)
     recompute = np.asarray(recompute)
     flash = np.asarray(flash_attention, dtype=bool)
-    h, a = model.hidden_size, model.num_heads
+    h, a, q = model.hidden_size, model.num_heads, model.q_hidden_size
     f, kv = model.ffn_hidden_size, model.kv_hidden_size
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
@@ -78,8 +79,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
     linear_inputs = 2.0 * sides * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
-    qkv = (2.0 + 4.0 * kv / h) / tp
-    attn_out = 2.0 * fp8_share / tp
+    qkv = (2.0 * q + 4.0 * kv) / h / tp
+    attn_out = 2.0 * fp8_share * q / h / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
     # Bytes kept per score (in units of 2 bytes x scale): the softmax output, in fp32 plus its
     # 16-bit copy when torch's softmax upcasts (a fused kernel reads and writes 16 bits).

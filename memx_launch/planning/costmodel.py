@@ -138,9 +138,10 @@ FUSED_ATTENTION_BACKWARD = 2.5
 
 
 def causal_attention_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
-    """Forward FLOPs of one block's attention core on a rank: QK^T and AV, the causal half of 4bs^2h, over TP."""
+    """Forward FLOPs of one block's attention core on a rank: QK^T and AV, the causal half of 4bs^2
+    x the queries' width, over TP."""
     mbs, seq = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
-    return 2.0 * mbs * seq * seq * model.hidden_size / np.asarray(tp, dtype=np.float64)
+    return 2.0 * mbs * seq * seq * model.q_hidden_size / np.asarray(tp, dtype=np.float64)
 
 
 def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:

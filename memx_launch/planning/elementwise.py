@@ -72,9 +72,9 @@ def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
     attention output (the norms and the MLP's activation write their FP8 outputs themselves);
     backward: every linear's output gradient. ``hidden``: tokens x h, over TP with sequence
     parallelism. The weights' casts, once per step, are not counted."""
-    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    q, kv, f = model.q_hidden_size, model.kv_hidden_size, model.ffn_hidden_size
     up = (2.0 if model.gated_mlp else 1.0) * f
-    return tokens * h / tp, tokens * (h + 2.0 * kv + up) / tp + 2.0 * hidden
+    return tokens * q / tp, tokens * (q + 2.0 * kv + up) / tp + 2.0 * hidden
 
 
 def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
@@ -122,7 +122,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     def passes(i):  # 0: forward, 1: backward
         """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again)."""
         blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * cast_bytes
-        core = tokens * ((h + kv) / tp * rope[i] + f / tp * mlp[i]) * d + scores * score[i]
+        core = tokens * ((model.q_hidden_size + kv) / tp * rope[i] + f / tp * mlp[i]) * d + scores * score[i]
         return blockwide, core
 
     (block_forward, core_forward), (block_backward, core_backward) = passes(0), passes(1)

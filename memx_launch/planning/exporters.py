@@ -109,6 +109,8 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
             "--ffn-hidden-size", str(spec.ffn_hidden_size), "--num-attention-heads", str(spec.num_heads)]
     if spec.num_kv_heads != spec.num_heads:
         args += ["--group-query-attention", "--num-query-groups", str(spec.num_kv_heads)]
+    if spec.attention_head_dim:  # heads not hidden_size / num_heads wide
+        args += ["--kv-channels", str(spec.attention_head_dim)]
     learned = spec.position_embeddings > 0
     args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
              str(spec.position_embeddings if learned else max(plan.seq_len, spec.seq_len)),

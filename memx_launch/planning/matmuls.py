@@ -138,4 +138,5 @@ def linear_shapes(model, training, tp) -> list[tuple]:
         up = [(2.0 * ffn / tp, h)]
     else:
         up = [(ffn / tp, h), (ffn / tp, h)]
-    return [((h + 2.0 * model.kv_hidden_size) / tp, h), (h, h / tp), *up, (h, ffn / tp)]
+    q = float(model.q_hidden_size)
+    return [((q + 2.0 * model.kv_hidden_size) / tp, h), (h, q / tp), *up, (h, ffn / tp)]

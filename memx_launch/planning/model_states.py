@@ -45,9 +45,9 @@ def trained_parameters(model: ModelSpec, training: TrainingSpec) -> TrainedParam
 def lora_width(model: ModelSpec) -> int:
     """Inputs + outputs of every linear of one block (Wq, Wk, Wv, Wo and the MLP's): a LoRA
     adapter of rank r holds r x this many parameters."""
-    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    h, q, kv, f = model.hidden_size, model.q_hidden_size, model.kv_hidden_size, model.ffn_hidden_size
     mlp = (2 if model.gated_mlp else 1) * (h + f) + (f + h)
-    return (h + h) + 2 * (h + kv) + (h + h) + mlp
+    return (h + q) + 2 * (h + kv) + (q + h) + mlp
 
 
 def fine_tuning_flops(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndarray:

@@ -19,8 +19,8 @@ import numpy as np
 
 def projections(model, tp) -> list[tuple]:
     """(output width, input width) of each projection of a block, in the order its matmuls run."""
-    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
-    attention = [(h / tp, h), (kv / tp, h), (kv / tp, h), (h, h / tp)]
+    h, q, kv, f = model.hidden_size, model.q_hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    attention = [(q / tp, h), (kv / tp, h), (kv / tp, h), (h, q / tp)]
     mlp = [(f / tp, h), (f / tp, h), (h, f / tp)] if model.gated_mlp else [(f / tp, h), (h, f / tp)]
     return attention + mlp
 
@@ -44,7 +44,7 @@ def kept_units(model, tp, block_input, sequence_parallel: bool, flash, lse):
     tp = np.asarray(tp, dtype=np.float64)
     h = model.hidden_size
     saved = [2.0 * n / h for n, _ in saved_projections(model, tp)]
-    attention = np.where(flash, 2.0 / tp + lse, 0.0)
+    attention = np.where(flash, 2.0 * model.q_hidden_size / h / tp + lse, 0.0)
     reduce_scattered = np.where(tp > 1, 2.0 * 2.0 / tp, 0.0) if sequence_parallel else 0.0
     only_here = saved[-1] + reduce_scattered if model.gated_mlp else reduce_scattered
     return block_input + sum(saved) + attention + reduce_scattered, only_here

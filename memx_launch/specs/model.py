@@ -24,7 +24,7 @@ _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
 # Fields added after profiles were keyed by the shape: at these defaults a shape keeps the
 # signature it had, so the profiles and predictors of LLaMA-style models stay valid.
 _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
-                         "parallel_blocks": False, "lm_head": True}
+                         "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0}
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
@@ -75,6 +75,10 @@ class ModelSpec:
     tensor_parallel_blocks: bool = True
     """memx's runtime splits these blocks by TP (its LLaMA, the Hugging Face Llama family);
     memx-run plans TP 1 otherwise (a plan for another framework may still use TP)."""
+    attention_head_dim: int = 0
+    """Width of one attention head where it is not ``hidden_size / num_heads`` (Qwen3, Gemma,
+    GPT-OSS: Hugging Face's ``head_dim``); the queries and the attention output are then
+    ``num_heads x attention_head_dim`` wide. 0: ``hidden_size / num_heads``."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -93,16 +97,23 @@ class ModelSpec:
         require_type(self.tensor_parallel_blocks, bool, "model.tensor_parallel_blocks")
         require_number(self.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
         require_number(self.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
-        if self.hidden_size % self.num_heads:
+        require_number(self.attention_head_dim, "model.attention_head_dim", lo=0, hi=MAX_DIMENSION, integer=True,
+                       fix="give one head's width, or 0 for hidden_size / num_heads")
+        if not self.attention_head_dim and self.hidden_size % self.num_heads:
             raise ConfigError("model.hidden_size", f"{self.hidden_size} is not divisible by "
-                              f"num_heads={self.num_heads}", "use a multiple of num_heads")
+                              f"num_heads={self.num_heads}", "use a multiple of num_heads, or give attention_head_dim")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} does not divide "
                               f"num_heads={self.num_heads}", "use a divisor of num_heads")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attention_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_hidden_size(self) -> int:
+        """Width of the queries and of the attention output (``hidden_size`` unless ``attention_head_dim``)."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_hidden_size(self) -> int:
@@ -111,8 +122,7 @@ class ModelSpec:
     @property
     def attention_params(self) -> int:
         """Wq, Wk, Wv, Wo (no biases)."""
-        h = self.hidden_size
-        return 2 * h * h + 2 * h * self.kv_hidden_size
+        return 2 * self.hidden_size * (self.q_hidden_size + self.kv_hidden_size)
 
     @property
     def mlp_params(self) -> int:
@@ -128,7 +138,7 @@ class ModelSpec:
         if not self.linear_biases:
             return 0
         mlp = (2 if self.gated_mlp else 1) * self.ffn_hidden_size + self.hidden_size
-        return 2 * self.hidden_size + 2 * self.kv_hidden_size + mlp
+        return self.q_hidden_size + self.hidden_size + 2 * self.kv_hidden_size + mlp
 
     @property
     def layer_params(self) -> int:
@@ -233,10 +243,11 @@ class ModelSpec:
             require_type(cfg["tie_word_embeddings"], bool, f"model ({where}).tie_word_embeddings")
         act = str(cfg.get("hidden_act", "silu"))
         heads = cfg["num_attention_heads"]
-        if cfg.get("head_dim") is not None and cfg["head_dim"] * heads != cfg["hidden_size"]:
-            raise ConfigError(f"model ({where}).head_dim", f"{cfg['head_dim']} x {heads} heads is not "
-                              f"hidden_size {cfg['hidden_size']}: memx models attention as hidden_size wide",
-                              "use a model whose head_dim is hidden_size / num_attention_heads")
+        head_dim = 0
+        if cfg.get("head_dim") is not None:
+            require_number(cfg["head_dim"], f"model ({where}).head_dim", lo=0, lo_open=True, hi=MAX_DIMENSION,
+                           integer=True, fix="config.json must give it as a positive integer")
+            head_dim = 0 if cfg["head_dim"] * heads == cfg["hidden_size"] else cfg["head_dim"]
         tied = cfg.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)
         gpt_style = model_type in GPT_STYLE
         # Learned position tables: GPT-2's n_positions rows, OPT's max_position_embeddings + 2 (its offset).
@@ -266,6 +277,7 @@ class ModelSpec:
             parallel_blocks=parallel,
             lm_head=lm_head,
             tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
+            attention_head_dim=head_dim,
             **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
                                                   ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
                if cfg.get(key) is not None},
