@@ -38,10 +38,12 @@ GPUS = {
     "gb200": ({**BLACKWELL, "memory_gib": 185.0, "peak_tflops": 2500, "host_link_gbps": 200,
                "efficiency": TRAINING_SHARE_OF_BEST_MATMUL["blackwell"] * 0.729}, 900),
     "gb300": ({**BLACKWELL_ULTRA, "memory_gib": 277.5, "peak_tflops": 2500, "host_link_gbps": 200}, 900),
+    # DGX B300: 275,040 MiB, 2,250 TFLOPS dense BF16, PCIe Gen6 to the host.
+    "b300": ({**BLACKWELL_ULTRA, "memory_gib": 268.6, "peak_tflops": 2250, "host_link_gbps": 100}, 900),
 }
-# Per GPU: one 400 Gb/s NIC (ConnectX-7), 800 Gb/s on GB300 (ConnectX-8).
+# Per GPU: one 400 Gb/s NIC (ConnectX-7), 800 Gb/s on GB300 and B300 (ConnectX-8).
 INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50, "h100_96gb": 50, "b200": 50, "gb200": 50,
-                   "gb300": 100}
+                   "gb300": 100, "b300": 100}
 # GPUs one NVLink domain holds: 8 in a DGX or HGX node; an NVL72 rack's NVLink switches join 72, of which
 # a job of 64-GPU multiples is taken to use 64 (16 of its 18 compute trays).
 NVLINK_DOMAIN = {"gb200": 64, "gb300": 64}

@@ -1,7 +1,7 @@
 """memx's iteration time against NVIDIA's published NeMo / Megatron-Bridge throughput on DGX-H100 and
-on Blackwell (DGX-B200, GB200 and GB300 NVL72; uncalibrated, datasheet peaks): FP8 and FP4
+on Blackwell (DGX-B200 and B300, GB200 and GB300 NVL72; uncalibrated, datasheet peaks): FP8 and FP4
 training, interleaved pipelines, context parallelism, Megatron FSDP, activation offloading, full
-fine-tuning and LoRA, from 8 to 1,024 GPUs.
+fine-tuning and LoRA, mixtures of experts with expert parallelism, from 8 to 1,024 GPUs.
 
 Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/data/README.md):
 
@@ -20,6 +20,13 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
   its own best matmul (72.9% of its peak), the others at the generation's default. The 8B
   recipes capture the whole iteration in a CUDA graph, which memx does not model (its host time
   per layer for a fused block, 0.2 ms, is small beside these layers').
+- Megatron-Bridge's Qwen3-30B-A3B and Qwen3-235B-A22B rows (mixtures of 128 experts, top-8, heads
+  128 wide) on every system, FP8-CS, MXFP8 and BF16, with their expert-parallel degree (``ep``)
+  and, where the recipe overlaps them, the all-to-alls behind another micro-batch's compute
+  (``overlap_expert_comm``). Their recipes also pick a dispatcher (all-to-all, or the flex
+  dispatcher with HybridEP on the NVL72 systems) and capture the router and the dispatch's
+  preprocessing in CUDA graphs, neither of which memx models. Megatron-Bridge counts their
+  attention FLOPs causal (half), which ``flops_per_token`` follows for mixtures of experts.
 
 Each row gives GPUs, global and micro-batch, sequence length and TP/PP/CP/VP: the layout is fully
 given; the step time is global batch x sequence / (tokens per second per GPU x GPUs). How each
@@ -82,9 +89,9 @@ LLAMA31_405B = ModelSpec("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, 819
 
 # The tables' precisions: NeMo 24.07's FP8 hybrid (delayed scaling), Megatron-Bridge's FP8 with current
 # scaling ("FP8-CS"), MXFP8 ("FP8-MX") and NVFP4.
-PRECISIONS = {"fp8": {"fp8": "delayed"}, "fp8-cs": {"fp8": "current"}, "fp8-mx": {"fp8": "mxfp8"},
+PRECISIONS = {"bf16": {}, "fp8": {"fp8": "delayed"}, "fp8-cs": {"fp8": "current"}, "fp8-mx": {"fp8": "mxfp8"},
               "nvfp4": {"fp4": "nvfp4"}}
-SYSTEMS = {"dgx-h100": "h100_80gb", "dgx-b200": "b200", "dgx-gb200": "gb200", "dgx-gb300": "gb300"}
+SYSTEMS = {"dgx-h100": "h100_80gb", "dgx-b200": "b200", "dgx-b300": "b300", "dgx-gb200": "gb200", "dgx-gb300": "gb300"}
 
 
 def nemo_model(name: str, seq: int) -> ModelSpec:
@@ -100,10 +107,12 @@ def nemo_model(name: str, seq: int) -> ModelSpec:
 
 
 def flops_per_token(model: ModelSpec, seq: int) -> float:
-    """Training FLOPs per token as NeMo's tables count them: 6 x the matmul parameters (blocks and
-    output layer) plus the whole s x s attention (QK^T and AV, forward and backward)."""
-    return 6.0 * (model.num_layers * model.layer_params + model.head_params) \
-        + 12.0 * model.num_layers * seq * model.hidden_size
+    """Training FLOPs per token as NeMo's tables count them: 6 x the matmul parameters a token
+    runs through (blocks, a mixture's top-k experts, the output layer) plus the whole s x s
+    attention (QK^T and AV, forward and backward); Megatron-Bridge counts its mixtures of experts'
+    attention causal, half of it."""
+    attention = (6.0 if model.num_experts else 12.0) * model.num_layers * seq * model.q_hidden_size
+    return 6.0 * (model.num_layers * (model.attention_params + model.active_mlp_params) + model.head_params) + attention
 
 
 def stage_layers(model: ModelSpec, pp: int, vp: int, with_ends: bool) -> list[int] | None:
@@ -131,23 +140,26 @@ def nemo_rows(recipe_memory: bool = True) -> list[dict]:
             model = nemo_model(d["model"], seq)
             dp = gpus // (tp * pp * cp)
             flag = {k: d[k] == "True" for k in ("sequence_parallel", "tp_comm_overlap", "fused_loss", "fp8_params",
-                                                 "distributed_optimizer")}
+                                                 "distributed_optimizer", "overlap_expert_comm")}
             memory = dict(grad_dtype="training", optimizer_dtype=d["optimizer_dtype"],
                           activation_offload_layers=int(d["activation_offload_layers"])) if recipe_memory \
                 else dict(grad_dtype="fp32", optimizer_dtype="fp32", fp8_params=False)
             training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="megatron",
                                     fully_sharded=d["fsdp"] == "1", flash_attention_version=3,
-                                    **PRECISIONS[d["precision"]], lora_rank=int(d["lora_rank"]), **{**flag, **memory})
+                                    **PRECISIONS[d["precision"]], lora_rank=int(d["lora_rank"]),
+                                    expert_parallel=int(d["ep"]), **{**flag, **memory})
             gpu = SYSTEMS[d["system"]]
             tokens = batch * seq
             row = {"group": d["table"], "system": d["system"], "precision": d["precision"], "real": "ok",
+                   "kind": "moe" if model.num_experts else "dense",
                    "model": d["model"], "task": d["task"], "gpus": gpus,
                    "seq_len": seq, "tokens": tokens,
                    "real_time_s": tokens / (float(d["tokens_per_s_per_gpu"]) * gpus),
                    "table_flops_per_token": float(d["model_tflops_per_gpu"]) * 1e12 / float(d["tokens_per_s_per_gpu"]),
                    "shape_flops_per_token": flops_per_token(model, seq),
                    "layout": f"{d['model']} {d['task']} {gpus}x{gpu.split('_')[0]} tp{tp} pp{pp} cp{cp} vp{vp} dp{dp}"
-                             f" mbs{mbs} {d['precision']} {d['recompute']}" + " fsdp" * (d["fsdp"] == "1")
+                             + f" ep{d['ep']}" * (d["ep"] != "1")
+                             + f" mbs{mbs} {d['precision']} {d['recompute']}" + " fsdp" * (d["fsdp"] == "1")
                              + f" offload{d['activation_offload_layers']}" * (d["activation_offload_layers"] != "0")}
             rows.append(predicted(row, model, dgx_cluster(gpu, gpus), training, tp=tp, pp=pp, dp=dp, cp=cp,
                                   micro_batch_size=mbs, recompute=d["recompute"],
@@ -171,12 +183,16 @@ def plot(rows: list[dict], path: str) -> None:
 
     from memx_launch.planning.report import save_png_atomic
 
-    fig, (hopper, blackwell) = plt.subplots(1, 2, figsize=(13, 6))
-    step_time_by_group(hopper, [r for r in rows if r["system"] == "dgx-h100"], "NeMo / Megatron-Bridge on DGX-H100",
+    dense = [r for r in rows if r["kind"] == "dense"]
+    fig, (hopper, blackwell, moe) = plt.subplots(1, 3, figsize=(19, 6))
+    step_time_by_group(hopper, [r for r in dense if r["system"] == "dgx-h100"], "NeMo / Megatron-Bridge on DGX-H100",
                        plt.cm.tab10.colors, size=18, label=lambda r: f"{r['model']} {r['task']}")
-    step_time_by_group(blackwell, [{**r, "group": r["system"]} for r in rows if r["system"] != "dgx-h100"],
+    step_time_by_group(blackwell, [{**r, "group": r["system"]} for r in dense if r["system"] != "dgx-h100"],
                        "Megatron-Bridge on Blackwell", plt.cm.tab10.colors, size=18,
                        label=lambda r: f"{r['model']} {r['precision']}")
+    step_time_by_group(moe, [{**r, "group": r["system"]} for r in rows if r["kind"] == "moe"],
+                       "Megatron-Bridge, Qwen3 mixtures of experts", plt.cm.tab10.colors, size=18,
+                       label=lambda r: f"{r['model'].split('-')[1]} mbs{r['layout'].split('mbs')[1].split()[0]}")
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)
 
@@ -184,22 +200,27 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     started = time.perf_counter()
     rows = nemo_rows()
+    dense = [r for r in rows if r["kind"] == "dense"]  # by system and precision: the mixtures apart
     result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency",
               **run_summary(rows),
               "by_table": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["group"]).items()},
               "by_task": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["task"]).items()},
-              "by_system": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["system"]).items()},
-              "blackwell": run_summary([r for r in rows if r["system"] != "dgx-h100"]),
+              "by_system": {name: run_summary(members) for name, members in grouped(dense, lambda r: r["system"]).items()},
+              "moe_by_system": {name: run_summary(members) for name, members in grouped(
+                  [r for r in rows if r["kind"] == "moe"], lambda r: r["system"]).items()},
+              "by_kind": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["kind"]).items()},
+              "dense_h100": run_summary([r for r in rows if r["system"] == "dgx-h100" and r["kind"] == "dense"]),
+              "dense_blackwell": run_summary([r for r in rows if r["system"] != "dgx-h100" and r["kind"] == "dense"]),
               "by_precision": {name: run_summary(members)
-                               for name, members in grouped(rows, lambda r: r["precision"]).items()},
+                               for name, members in grouped(dense, lambda r: r["precision"]).items()},
               "table_over_shape_flops": shape_check(rows),
               "without_recipe_memory_settings": run_summary(nemo_rows(recipe_memory=False)), "rows": rows}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(rows, PLOT)
     print("all", result["time"], result["fit"]["confusion"], "errors", result["errors"])
-    print("blackwell", result["blackwell"]["time"])
-    for part in ("by_table", "by_task", "by_system", "by_precision"):
+    print("dense H100", result["dense_h100"]["time"], "dense Blackwell", result["dense_blackwell"]["time"])
+    for part in ("by_table", "by_task", "by_system", "by_precision", "by_kind", "moe_by_system"):
         for name, summary in result[part].items():
             print(" ", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
     print("  table / shape FLOPs per token", result["table_over_shape_flops"])

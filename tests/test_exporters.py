@@ -73,6 +73,12 @@ MEGATRON_LM_ARGUMENTS = {
     "--fp8-format": dict(choices=["e4m3", "hybrid"]),
     "--fp8-recipe": dict(choices=["tensorwise", "delayed", "mxfp8", "blockwise"]),
     "--kv-channels": dict(type=int),
+    "--num-experts": dict(type=int), "--moe-router-topk": dict(type=int), "--moe-ffn-hidden-size": dict(type=int),
+    "--moe-grouped-gemm": dict(action="store_true"),
+    "--moe-token-dispatcher-type": dict(choices=["allgather", "alltoall", "flex"]),
+    "--expert-model-parallel-size": dict(type=int, default=1),
+    "--moe-shared-expert-intermediate-size": dict(type=int),
+    "--overlap-moe-expert-parallel-comm": dict(action="store_true"), "--delay-wgrad-compute": dict(action="store_true"),
     "--fp4-format": dict(choices=["e2m1"]), "--fp4-recipe": dict(choices=["nvfp4", "custom"]),
     "--fp8-param-gather": dict(action="store_true"),
     "--cpu-offloading": dict(action="store_true"), "--cpu-offloading-num-layers": dict(type=int, default=0),
@@ -126,6 +132,14 @@ def _megatron_config(plan, args):
         kwargs["recompute_num_layers"] = a.recompute_num_layers
     if a.kv_channels:
         kwargs["kv_channels"] = a.kv_channels
+    if a.num_experts:
+        kwargs.update(num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+                      moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_grouped_gemm=a.moe_grouped_gemm,
+                      moe_token_dispatcher_type=a.moe_token_dispatcher_type,
+                      expert_model_parallel_size=a.expert_model_parallel_size,
+                      moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
+                      overlap_moe_expert_parallel_comm=a.overlap_moe_expert_parallel_comm,
+                      delay_wgrad_compute=a.delay_wgrad_compute)
     return tc.TransformerConfig(**kwargs)
 
 

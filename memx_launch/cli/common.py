@@ -63,6 +63,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     for flag, text in (("fused-loss", "one-kernel cross entropy: 16-bit logits and gradient only (default off)"),
                        ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
                         "(default on; --setup scaling: off)"),
+                       ("overlap-expert-comm", "a mixture of experts' all-to-alls behind another micro-batch's "
+                        "compute (Megatron's --overlap-moe-expert-parallel-comm; default off)"),
                        ("fused-activation", "the MLP's activation as one kernel keeping only its input: SwiGLU's "
                         "silu(gate) not kept (Megatron's fusion; default off; --setup megatron: on)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
@@ -107,6 +109,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--optimizer-offload", "--optimizer_offload", action=argparse.BooleanOptionalAction,
                    default=None, help="optimizer on the host (ZeRO-Offload): no master weights or moments on the "
                    "GPU, gradients and weights over PCIe each step (default off)")
+    p.add_argument("--expert-parallel", "--expert_parallel", type=int, metavar="EP",
+                   help="a mixture-of-experts model's experts split over EP ranks of each stage, tokens exchanged "
+                        "by all-to-all (Megatron's --expert-model-parallel-size; default 1; the search keeps it)")
     p.add_argument("--activation-offload-layers", "--activation_offload_layers", type=int, metavar="N",
                    help="the activations of up to N layers per stage kept in host memory between forward and "
                         "backward (Megatron's --cpu-offloading-num-layers; default 0)")
@@ -148,7 +153,7 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
 # Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
 RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp4", "fp8_params",
-             "optimizer_offload", "activation_offload_layers")
+             "optimizer_offload", "activation_offload_layers", "expert_parallel")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag
 

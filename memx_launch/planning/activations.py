@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import op_checkpointing
+from memx_launch.planning import experts, op_checkpointing
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.specs.model import ModelSpec
 
@@ -50,7 +50,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       unfused norms (torch ops, Hugging Face's LlamaRMSNorm): ``x.float()`` is kept by the pow
         and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
         by the weight multiply; the 16-bit input is not kept: 2(4 + d) bytes for the two norms
-      SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h)
+      SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h);
+        a mixture of experts: :func:`~memx_launch.planning.experts.kept_units`
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
         take ``quantized_bytes`` per element: the two normed tensors, the attention output and
         the MLP's down-projection input
@@ -90,7 +91,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
-    if model.gated_mlp:
+    if model.num_experts:
+        mlp_kept, mlp_elementwise = experts.kept_units(model, tp, fp8_share, fused_activation)
+    elif model.gated_mlp:
         mlp_kept, mlp_elementwise = (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
         mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp

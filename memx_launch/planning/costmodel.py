@@ -17,15 +17,16 @@ from typing import Protocol
 
 import numpy as np
 
-from memx_launch.planning import op_checkpointing, quantization
+from memx_launch.planning import experts, op_checkpointing, quantization
 from memx_launch.planning.activations import LayerCost, activation_bytes  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.matmuls import device_sms, forward_backward_seconds, gemm_seconds, linear_shapes
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,  # noqa: F401
-                                               fine_tuning_flops, fully_sharded_working_bytes,
-                                               fully_sharded_working_parts, model_state_bytes_by_part,
-                                               model_state_bytes_per_param, trained_parameters)
+                                               fine_tuning_flops, fully_sharded_working_bytes, last_stage_params,
+                                               fully_sharded_working_parts, layer_state_bytes, model_state_bytes_by_part,
+                                               model_state_bytes_per_param, parameters_per_rank,
+                                               stage_state_bytes_by_part, trained_parameters)
 from memx_launch.planning.peaks import linear_tflops, training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
@@ -98,13 +99,6 @@ def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None, 
     return int(world > 1) + sum(n > 1 for n in (tp, dp * cp, pp, tp * pp, cp))
 
 
-def last_stage_params(model: ModelSpec, pp: int) -> int:
-    """Final norm and output layer; with tied embeddings and PP > 1 the last stage keeps its
-    own copy of the word embeddings (Megatron syncs their gradients with the first stage)."""
-    tied_copy = model.word_embedding_params if model.ties_head and pp > 1 else 0
-    return model.head_params + tied_copy
-
-
 def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None = None) -> np.ndarray:
     """The last stage's logits for the loss at their peak, in the backward of the loss.
 
@@ -147,7 +141,7 @@ def causal_attention_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
 def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
     """Forward FLOPs of one block: 2 per multiply-add of the matmuls, causal attention halved."""
     tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
-    matmul = 2.0 * tokens * (model.attention_params + model.mlp_params)
+    matmul = 2.0 * tokens * (model.attention_params + model.active_mlp_params)
     return matmul / np.asarray(tp, dtype=np.float64) + causal_attention_flops(model, mbs, seq, tp)
 
 
@@ -212,6 +206,9 @@ class AnalyticalCostModel:
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
                                   for d in self.device_types]) * cluster.link_efficiency
+        # A mixture of experts' all-to-alls: over the node's links, or the network beyond one node.
+        self._ep_gbps = np.array([experts.ep_link_gbps(cluster, d.name, training.expert_parallel)
+                                  for d in self.device_types]) * cluster.link_efficiency if model.num_experts else None
         # The hop between a TP group's ranks: NVLink, or PCIe through the host.
         self._tp_hop = np.array([[PCI if tp_over_pcie(cluster, d.name, t) else NVLINK for t in TP_DEGREES]
                                  for d in self.device_types])
@@ -235,6 +232,9 @@ class AnalyticalCostModel:
         gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
         linear_s = forward_backward_seconds(tokens, shapes, *gemm, self._backward_slowdown[device])
         linear_forward_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in shapes)
+        if self.model.num_experts:  # the routed experts' grouped GEMMs (a backward slowdown of 0: the forward)
+            linear_s = linear_s + experts.expert_seconds(self.model, tr, tokens, tp, *gemm, self._backward_slowdown[device])
+            linear_forward_s = linear_forward_s + experts.expert_seconds(self.model, tr, tokens, tp, *gemm, 0.0)
         # Op-level selective recompute runs every other projection again (op_checkpointing.py).
         op_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in op_checkpointing.recomputed_projections(
             self.model, tp)) if op_level.any() else 0.0
@@ -262,6 +262,12 @@ class AnalyticalCostModel:
         memory_s = traffic / (self._hbm[device] * 1e9)
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         comm_s = self.tp_allreduces(recompute) * self.tp_allreduce_time(hidden_bytes, device, tp)
+        if self.model.num_experts:  # dispatch and combine; a fully recomputed forward runs its two again
+            exchange_s = experts.all_to_all_seconds(self.model, tr, tokens, tp, self._ep_gbps[device]) \
+                * np.where(recompute == FULL, 1.5, 1.0)
+            if tr.overlap_expert_comm:  # behind another micro-batch's compute
+                exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)
+            comm_s = comm_s + exchange_s
         if tr.tp_comm_overlap:
             # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
             # follows: the first chunk waits, and whatever the GEMMs cannot cover.

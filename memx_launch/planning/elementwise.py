@@ -72,9 +72,10 @@ def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
     attention output (the norms and the MLP's activation write their FP8 outputs themselves);
     backward: every linear's output gradient. ``hidden``: tokens x h, over TP with sequence
     parallelism. The weights' casts, once per step, are not counted."""
-    q, kv, f = model.q_hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    q, kv, f = model.q_hidden_size, model.kv_hidden_size, model.active_ffn_hidden_size
     up = (2.0 if model.gated_mlp else 1.0) * f
-    return tokens * q / tp, tokens * (q + 2.0 * kv + up) / tp + 2.0 * hidden
+    routed = tokens * model.experts_per_token * model.hidden_size / tp  # experts' inputs, and outputs' gradients
+    return tokens * q / tp + routed, tokens * (q + 2.0 * kv + up) / tp + 2.0 * hidden + routed
 
 
 def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
@@ -95,8 +96,10 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     tp = np.asarray(tp, dtype=np.float64)
     recompute = np.asarray(recompute)
     tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
-    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    h, kv, f = model.hidden_size, model.kv_hidden_size, model.active_ffn_hidden_size
     hidden = tokens * h / (tp if training.sequence_parallel else 1.0)
+    # A mixture of experts copies each token to its top-k experts and back (permute, unpermute).
+    permuted = tokens / tp * 2.0 * (model.experts_per_token + 1) * h * d if model.num_experts else 0.0
     if training.fused_norm:
         norm = (FUSED_NORM_BYTES[0] * d, FUSED_NORM_BYTES[1] * d)
     else:
@@ -121,7 +124,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
 
     def passes(i):  # 0: forward, 1: backward
         """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again)."""
-        blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * cast_bytes
+        blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * cast_bytes \
+            + permuted
         core = tokens * ((model.q_hidden_size + kv) / tp * rope[i] + f / tp * mlp[i]) * d + scores * score[i]
         return blockwide, core
 

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from memx_launch.planning import context_parallel, costmodel as cm
+from memx_launch.planning import context_parallel, costmodel as cm, experts
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Objective, Plan, check_stage_dp_split, parse_recompute, short_stages
 from memx_launch.specs.cluster import ClusterSpec
@@ -71,6 +71,7 @@ class LayoutScorer:
         stage_dps = _stage_degrees("dp", dp, stage_dp, pp, max)
         _check_layout_numbers(model, stage_tps, pp, stage_dps, micro_batch_size, schedule, virtual_stages,
                               layers_per_stage)
+        experts.check(model, training, [t * cp * d for t, d in zip(stage_tps, stage_dps)])
         dp = max(stage_dps)
         v = virtual_stages if schedule == "interleaved" else 1
         if training.global_batch_size % (dp * micro_batch_size):

@@ -126,6 +126,15 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     if not learned:  # Megatron-LM reads --rotary-base as an integer.
         args += ["--rotary-base", str(round(spec.rope_theta))]
     args += ["--norm-epsilon", f"{spec.norm_eps:g}"]
+    if spec.num_experts:  # grouped GEMMs and the all-to-all dispatcher, as the plan times them
+        args += ["--num-experts", str(spec.num_experts), "--moe-router-topk", str(spec.experts_per_token),
+                 "--moe-ffn-hidden-size", str(spec.moe_ffn_hidden_size), "--moe-grouped-gemm",
+                 "--moe-token-dispatcher-type", "alltoall",
+                 "--expert-model-parallel-size", str(plan.training.get("expert_parallel", 1))]
+        if spec.shared_expert_ffn_hidden_size:
+            args += ["--moe-shared-expert-intermediate-size", str(spec.shared_expert_ffn_hidden_size)]
+        if plan.training.get("overlap_expert_comm"):
+            args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
     if not learned and spec.rope_theta != round(spec.rope_theta):
         notes.append(f"the model's RoPE base {spec.rope_theta:g} is not an integer; Megatron-LM's --rotary-base "
                      f"takes one ({round(spec.rope_theta)} here)")

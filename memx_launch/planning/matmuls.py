@@ -129,14 +129,19 @@ def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, d
 
 def linear_shapes(model, training, tp) -> list[tuple]:
     """(N, K) of each linear layer's weight of a block on one TP rank: the fused QKV, the output
-    projection, the MLP's up (and gate: fused, or its own GEMM) and down projections."""
+    projection, the MLP's up (and gate: fused, or its own GEMM) and down projections. A mixture
+    of experts has its shared expert's MLP here, if any (its routed experts: ``planning/experts.py``)."""
     tp = np.asarray(tp, dtype=np.float64)
-    h, ffn = float(model.hidden_size), float(model.ffn_hidden_size)
+    h, ffn = float(model.hidden_size), float(model.shared_expert_ffn_hidden_size if model.num_experts
+                                                  else model.ffn_hidden_size)
+    q = float(model.q_hidden_size)
+    attention = [((q + 2.0 * model.kv_hidden_size) / tp, h), (h, q / tp)]
+    if not ffn:
+        return attention
     if not model.gated_mlp:
         up = [(ffn / tp, h)]
     elif training.fused_gate_up:
         up = [(2.0 * ffn / tp, h)]
     else:
         up = [(ffn / tp, h), (ffn / tp, h)]
-    q = float(model.q_hidden_size)
-    return [((q + 2.0 * model.kv_hidden_size) / tp, h), (h, q / tp), *up, (h, ffn / tp)]
+    return [*attention, *up, (h, ffn / tp)]

@@ -56,7 +56,7 @@ def fine_tuning_flops(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) ->
     LoRA adapters run their forward (2 per multiply-add, over TP) and twice that backward."""
     tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64) / np.asarray(tp, dtype=np.float64)
     adapters = 2.0 * tokens * training.lora_rank * lora_width(model)
-    return 3.0 * adapters - training.frozen_fraction * 2.0 * tokens * (model.attention_params + model.mlp_params)
+    return 3.0 * adapters - training.frozen_fraction * 2.0 * tokens * (model.attention_params + model.active_mlp_params)
 
 
 def model_state_bytes_per_param(training: TrainingSpec, dp,
@@ -140,7 +140,7 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple
     transposes it."""
     if training.quantized_linears is None:
         return 0.0, 0.0
-    layer = model.layer_params / np.asarray(tp, dtype=np.float64)
+    layer = sum(rank_layer_params(model, training, tp))
     q = quantization.element_bytes(training)
     if training.fp8_params:
         copies = layer * (q if training.fully_sharded else 2.0 * q - training.dtype_bytes)
@@ -149,3 +149,60 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple
     linears = len(linear_shapes(model, training, 1))
     amax = 3 * linears * FP8_AMAX_HISTORY * 4.0 if training.fp8 == "delayed" else 0.0
     return (amax, copies) if training.fully_sharded else (copies + amax, 0.0)
+
+
+def last_stage_params(model: ModelSpec, pp: int) -> int:
+    """Final norm and output layer; with tied embeddings and PP > 1 the last stage keeps its
+    own copy of the word embeddings (Megatron syncs their gradients with the first stage)."""
+    tied_copy = model.word_embedding_params if model.ties_head and pp > 1 else 0
+    return model.head_params + tied_copy
+
+
+def rank_layer_params(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
+    """(dense, routed-expert) parameters of one block on a rank: the dense ones over TP, the
+    routed experts over the expert-parallel ranks (``expert_parallel``)."""
+    dense = (model.layer_params - model.expert_params) / np.asarray(tp, dtype=np.float64)
+    return dense, model.expert_params / training.expert_parallel
+
+
+def expert_data_parallel(training: TrainingSpec, tp, dp_cp):
+    """Ranks a routed expert's gradients and optimizer states are sharded over: a stage's
+    TP x CP x DP ranks over the expert-parallel degree (Megatron's expert data parallel group)."""
+    return np.asarray(tp, dtype=np.float64) * np.asarray(dp_cp, dtype=np.float64) / training.expert_parallel
+
+
+def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, trained: TrainedParameters = FULL_TRAINING):
+    """Model-state bytes of one block on a rank: its dense parameters sharded over DP x CP, its
+    routed experts' over the expert data parallel ranks."""
+    dense, expert = rank_layer_params(model, training, tp)
+    nbytes = dense * model_state_bytes_per_param(training, dp_cp, trained)
+    if not model.num_experts:
+        return nbytes
+    return nbytes + expert * model_state_bytes_per_param(training, expert_data_parallel(training, tp, dp_cp), trained)
+
+
+def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray) -> np.ndarray:
+    """(C, P) parameters a rank of each stage holds: its layers (over TP, routed experts over EP),
+    the embedding on the first stage, the head on the last."""
+    tp = layout.tp if layout.uniform_tp else layout.stage_tp
+    first, last = layout.end_tp
+    params = layers * sum(rank_layer_params(model, training, tp))
+    params[:, 0] += model.embedding_params / first
+    params[:, -1] += last_stage_params(model, layout.pp) / last
+    return params
+
+
+def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray,
+                              trained: TrainedParameters = FULL_TRAINING) -> tuple:
+    """(weights, gradients, optimizer states) bytes of each stage's rank (row 0 of ``layers``):
+    its parameters at :func:`model_state_bytes_by_part` over DP x CP, the routed experts' over
+    the expert data parallel ranks."""
+    params = parameters_per_rank(model, training, layout, layers)[0]
+    parts = [params * b for b in model_state_bytes_by_part(training, layout.dp_cp, trained)]
+    if model.num_experts:
+        tp = layout.tp if layout.uniform_tp else layout.stage_tp
+        experts = layers[0] * rank_layer_params(model, training, tp)[1]
+        edp = expert_data_parallel(training, tp, layout.dp_cp)
+        parts = [p + experts * (e - d) for p, e, d in zip(parts, model_state_bytes_by_part(training, edp, trained),
+                                                          model_state_bytes_by_part(training, layout.dp_cp, trained))]
+    return tuple(parts)

@@ -121,10 +121,9 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
-        bpp = cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
-        per_layer = m.layer_params / tp * bpp + quantized_kept + inflight * act
+        per_layer = cm.layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained) + quantized_kept + inflight * act
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
@@ -278,8 +277,7 @@ class Evaluator:
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
-        params = parameters_per_rank(m, layout, layers)[0]
-        weights, grads, optim = cm.model_state_bytes_by_part(tr, layout.dp_cp, self.trained)
+        weights, grads, optim = cm.stage_state_bytes_by_part(m, tr, layout, layers, self.trained)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
@@ -300,9 +298,9 @@ class Evaluator:
                 kept = r * inflight * act + (layers[0] - r) * inflight * act_none
                 work = np.where(r > 0, work, work_none)
             by_replica.append({
-                "parameters": params * weights + gathered + layers[0] * quantized_kept + quantized_working,
-                "gradients": params * grads + unsharded_grad,
-                "optimizer_states": params * optim, "activations": kept + embedding_out + work * (layers[0] > 0)
+                "parameters": weights + gathered + layers[0] * quantized_kept + quantized_working,
+                "gradients": grads + unsharded_grad,
+                "optimizer_states": optim, "activations": kept + embedding_out + work * (layers[0] > 0)
                 - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),
                 "logits_loss": logits, "pipeline_buffers": pipeline,
                 "communicator_buffers": np.broadcast_to(layout.communicators * self.communicator_bytes[device], pp),
@@ -368,7 +366,7 @@ class Evaluator:
                     share = (v - 1) / v if wrap else 1.0
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(
                         np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
-        stage_params = parameters_per_rank(m, layout, layers)
+        stage_params = cm.parameters_per_rank(m, tr, layout, layers)
         dp_link = (layout.dp_cp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         if tr.fully_sharded:
@@ -425,14 +423,3 @@ def edge_hidden_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
     next stage (Megatron's pipeline tensor shapes: ``seq_length // tp``)."""
     nbytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.dtype_bytes
     return nbytes / layout.tp if training.sequence_parallel and layout.uniform_tp else nbytes
-
-
-def parameters_per_rank(model: ModelSpec, layout: Layout, layers: np.ndarray) -> np.ndarray:
-    """(C, P) parameters a rank of each stage holds: its layers over TP, the embedding on the
-    first stage, the head on the last."""
-    tp = layout.tp if layout.uniform_tp else layout.stage_tp
-    first, last = layout.end_tp
-    params = layers * model.layer_params / tp
-    params[:, 0] += model.embedding_params / first
-    params[:, -1] += cm.last_stage_params(model, layout.pp) / last
-    return params

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from memx_launch.planning import context_parallel, costmodel as cm
+from memx_launch.planning import context_parallel, costmodel as cm, experts
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
@@ -105,7 +105,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     seqs = tuple(space.seq_lens or (training.seq_len,))
     cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
     cps = context_parallel.degrees_to_try(space.cp_degrees, seqs, training)
-    layouts = _layouts(model, cluster, tuple(cost_model.device_names), space, cps)
+    layouts = _expert_layouts(_layouts(model, cluster, tuple(cost_model.device_names), space, cps), model, training)
     check_batch(layouts, space, training)
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
     rank_seqs = sorted({s // cp for s in seqs for cp in cps[s]})
@@ -214,6 +214,16 @@ def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict) -> lis
     return layouts
 
 
+def _expert_layouts(layouts: list[Layout], model: ModelSpec, training: TrainingSpec) -> list[Layout]:
+    """The layouts whose stages split into whole expert-parallel groups (all of a dense model's)."""
+    experts.check(model, training)
+    kept = [lay for lay in layouts if experts.divides(lay, training)]
+    if not kept:
+        raise ConfigError("--expert-parallel", f"{training.expert_parallel} divides no layout's TP x CP x DP ranks "
+                          "per stage", "use a smaller expert-parallel degree")
+    return kept
+
+
 def check_batch(layouts: list[Layout], space: SearchSpace, training: TrainingSpec) -> None:
     """Some layout and micro-batch size must split the global batch (into at least one micro-batch
     per stage where the space asks for it), or no candidate can ever be scored."""
@@ -237,7 +247,8 @@ def check_space(model: ModelSpec, cluster: ClusterSpec | None, training: Trainin
     space.check(model)
     if cluster is not None:
         cps = context_parallel.degrees_to_try(space.cp_degrees, tuple(space.seq_lens or (training.seq_len,)), training)
-        check_batch(_layouts(model, cluster, tuple(d.name for d in cluster.device_types), space, cps), space, training)
+        check_batch(_expert_layouts(_layouts(model, cluster, tuple(d.name for d in cluster.device_types), space, cps),
+                                    model, training), space, training)
 
 
 def recompute_options(table: CostTable, device_names, space: SearchSpace) -> tuple[list[list[int]], list[str]]:

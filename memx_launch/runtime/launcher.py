@@ -27,7 +27,7 @@ from memx_launch.planning.search import check_space
 from memx_launch.planning.search_space import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.agent import start_fork_server, stop_fork_server
-from memx_launch.runtime.layout import check_runnable
+from memx_launch.runtime.layout import check_runnable, runnable_model
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
@@ -197,7 +197,7 @@ def resolve(args) -> dict:
         model_name, source = script_flag(script_args, "--model"), "flag, the script's --model"
     if model_name is None:
         raise ConfigError("--model", "not given", "pass --model NAME to memx-run or to the script")
-    model = get_model(model_name)
+    model = runnable_model(get_model(model_name))
     # What the workers read back with get_model: a config.json's path (absolute), else the catalog name.
     model_arg = os.path.abspath(model_name) if os.path.exists(model_name) else model.name
     settings.add("model", model.name, source)

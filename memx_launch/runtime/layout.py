@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Plan
+from memx_launch.specs.model import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,14 @@ def chunks_by_stage(plan: Plan) -> list[list[Chunk]]:
     return out
 
 
+def runnable_model(model: ModelSpec, field: str = "--model") -> ModelSpec:
+    """``model`` where memx's runtime can train it: not a mixture of experts (it has no experts)."""
+    if model.num_experts:
+        raise ConfigError(field, f"{model.name} is a mixture of experts, which memx's runtime does not run",
+                          "plan it with memx plan --expert-parallel and run it with Megatron-LM (memx export)")
+    return model
+
+
 def check_runnable(plan: Plan) -> Plan:
     """``plan`` where memx's runtime can run it; a one-line refusal otherwise."""
     empty = [i for i, s in enumerate(plan.stages) if s.num_layers == 0]
@@ -99,6 +108,7 @@ def check_runnable(plan: Plan) -> Plan:
         raise ConfigError("--plan", f"stage {empty[0]} holds no layers (an embedding-only or head-only stage), "
                           "which memx's runtime does not run", "give every stage a layer, or run the plan with "
                           "Megatron-LM (memx export)")
+    runnable_model(plan.model_spec, "--plan")
     short = [i for i, s in enumerate(plan.stages) if s.num_layers < plan.virtual_stages]
     if short:  # an interleaved end stage with a chunk of the embedding or the head alone
         raise ConfigError("--plan", f"stage {short[0]} holds fewer layers than its {plan.virtual_stages} chunks, "

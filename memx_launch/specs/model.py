@@ -24,7 +24,8 @@ _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
 # Fields added after profiles were keyed by the shape: at these defaults a shape keeps the
 # signature it had, so the profiles and predictors of LLaMA-style models stay valid.
 _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
-                         "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0}
+                         "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
+                         "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0}
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
@@ -79,6 +80,15 @@ class ModelSpec:
     """Width of one attention head where it is not ``hidden_size / num_heads`` (Qwen3, Gemma,
     GPT-OSS: Hugging Face's ``head_dim``); the queries and the attention output are then
     ``num_heads x attention_head_dim`` wide. 0: ``hidden_size / num_heads``."""
+    num_experts: int = 0
+    """Routed experts of every block's MLP (a mixture of experts: Mixtral, Qwen3-MoE, GPT-OSS);
+    0: a dense MLP of ``ffn_hidden_size``."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k), with ``num_experts``."""
+    expert_ffn_hidden_size: int = 0
+    """Each expert's MLP width (Hugging Face's ``moe_intermediate_size``); 0: ``ffn_hidden_size``."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the MLP every token also runs through beside its routed experts (a shared expert); 0: none."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -102,6 +112,13 @@ class ModelSpec:
         if not self.attention_head_dim and self.hidden_size % self.num_heads:
             raise ConfigError("model.hidden_size", f"{self.hidden_size} is not divisible by "
                               f"num_heads={self.num_heads}", "use a multiple of num_heads, or give attention_head_dim")
+        for name in ("num_experts", "experts_per_token", "expert_ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+            require_number(getattr(self, name), f"model.{name}", lo=0, hi=MAX_DIMENSION, integer=True)
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError("model.experts_per_token", f"{self.experts_per_token} of {self.num_experts} experts",
+                              "give the experts each token is routed to (top-k), at least 1")
+        if self.experts_per_token and not self.num_experts:
+            raise ConfigError("model.experts_per_token", "set without num_experts", "give num_experts, or drop it")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} does not divide "
                               f"num_heads={self.num_heads}", "use a divisor of num_heads")
@@ -125,8 +142,39 @@ class ModelSpec:
         return 2 * self.hidden_size * (self.q_hidden_size + self.kv_hidden_size)
 
     @property
+    def moe_ffn_hidden_size(self) -> int:
+        """One routed expert's MLP width."""
+        return self.expert_ffn_hidden_size or self.ffn_hidden_size
+
+    def _mlp_of(self, width: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * width
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' parameters of one block (none in a dense model)."""
+        return self.num_experts * self._mlp_of(self.moe_ffn_hidden_size)
+
+    @property
     def mlp_params(self) -> int:
-        return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+        """One block's MLP: a dense MLP, or the router, the shared expert and every routed expert."""
+        if not self.num_experts:
+            return self._mlp_of(self.ffn_hidden_size)
+        return self.hidden_size * self.num_experts + self._mlp_of(self.shared_expert_ffn_hidden_size) + self.expert_params
+
+    @property
+    def active_ffn_hidden_size(self) -> int:
+        """The MLP width one token runs through: ``ffn_hidden_size``, or its top-k experts' and
+        the shared expert's together."""
+        if not self.num_experts:
+            return self.ffn_hidden_size
+        return self.experts_per_token * self.moe_ffn_hidden_size + self.shared_expert_ffn_hidden_size
+
+    @property
+    def active_mlp_params(self) -> int:
+        """The MLP parameters one token's matmuls read: the router, the shared expert and its top-k experts."""
+        if not self.num_experts:
+            return self.mlp_params
+        return self.mlp_params - self.expert_params + self.experts_per_token * self._mlp_of(self.moe_ffn_hidden_size)
 
     @property
     def norm_params(self) -> int:
@@ -255,6 +303,7 @@ class ModelSpec:
                      "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
         if cfg.get("enable_bias") is not None:
             require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
+        experts = _experts_of(cfg, where)
         parallel = False
         if model_type in PARALLEL_BLOCK_KEYS:
             key = PARALLEL_BLOCK_KEYS[model_type]
@@ -278,10 +327,33 @@ class ModelSpec:
             lm_head=lm_head,
             tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
             attention_head_dim=head_dim,
+            **experts,
             **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
                                                   ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
                if cfg.get(key) is not None},
         )
+
+
+def _experts_of(cfg: Mapping[str, Any], where: str) -> dict:
+    """The mixture-of-experts fields of a Hugging Face config: Mixtral's and GPT-OSS's
+    ``num_local_experts``, Qwen's ``num_experts`` and ``moe_intermediate_size`` (Qwen2-MoE's shared
+    expert), DeepSeek's ``n_routed_experts`` and ``n_shared_experts``; none in a dense config."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    if not experts:
+        return {}
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key) is not None:
+            require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
+                           fix="config.json must give it as a non-negative integer")
+    dense = cfg.get("first_k_dense_replace") or cfg.get("mlp_only_layers") or (cfg.get("decoder_sparse_step") or 1) > 1
+    if dense:
+        raise ConfigError(f"model ({where})", "some of its blocks have a dense MLP beside the expert ones",
+                          "memx models every block as a mixture of experts: use a model whose blocks all are")
+    expert_ffn = cfg.get("moe_intermediate_size") or 0
+    shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert_ffn
+    return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
+            or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared}
 
 
 def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=10000.0) -> ModelSpec:
@@ -311,6 +383,14 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
               linear_biases=True, parallel_blocks=True),
     _gpt_style("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, positions=2048),
     _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050),
+    # Mixtures of experts (their Hugging Face configs): Mixtral-8x7B; Qwen3-30B-A3B and
+    # Qwen3-235B-A22B, whose 128-wide heads are wider than hidden / heads.
+    ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, rope_theta=1e6, num_experts=8,
+              experts_per_token=2),
+    ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
+              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=768),
+    ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
+              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=1536),
 )}
 
 

@@ -88,7 +88,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
-                       full_gradient_allreduce=False, fused_activation=False,
+                       full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True)
 
 
@@ -163,6 +163,11 @@ class TrainingSpec:
     one all-reduce of their input gradient over TP in the backward. Off: two linears (Aleph
     Alpha's scaling), each all-reducing it: five TP all-reduces per layer instead of four.
     Default on."""
+    overlap_expert_comm: bool | None = None
+    """A mixture of experts' all-to-alls run while another micro-batch computes (Megatron's
+    ``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``: one micro-batch's
+    forward and another's backward interleaved): a block waits only for what they take beyond
+    its compute. Default off."""
     fused_activation: bool | None = None
     """The MLP's activation runs as one kernel that keeps only its input for the backward
     (Megatron's ``bias_swiglu`` / ``bias_gelu`` fusions, ``--bias-swiglu-fusion``): SwiGLU's
@@ -248,6 +253,12 @@ class TrainingSpec:
     """The optimizer runs on the host (DeepSpeed ZeRO-Offload, ``offload_optimizer: cpu``): master
     weights and moments leave the GPU; each step the gradients go to the host and the updated
     weights come back over PCIe, and the host runs Adam."""
+    expert_parallel: int = 1
+    """Expert parallelism of a mixture-of-experts model (Megatron's ``--expert-model-parallel-size``,
+    with one expert-tensor-parallel rank): each block's routed experts are split over this many
+    ranks of a stage's TP x CP x DP ranks (it must divide both), which exchange their tokens by
+    all-to-all; the experts' gradients and optimizer states are sharded over the rest of those
+    ranks. The search keeps it as given. 1: every rank holds every expert."""
     activation_offload_layers: int = 0
     """Activation offloading (Megatron's ``--cpu-offloading-num-layers`` with activations, NeMo's
     ``cpu_offloading_num_layers``): the kept activations of up to this many of each stage's
@@ -290,6 +301,8 @@ class TrainingSpec:
             require_number(self.host_ms_per_layer, "--host-ms-per-layer", lo=0, lo_open=True, hi=1000.0,
                            fix="give the milliseconds one layer's forward and backward take to issue, e.g. 3")
         require_type(self.optimizer_offload, bool, "--optimizer-offload", "true or false")
+        require_number(self.expert_parallel, "--expert-parallel", lo=1, hi=MAX_DIMENSION, integer=True,
+                       fix="give the ranks each block's experts are split over, e.g. 8")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
         for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):

@@ -1,0 +1,116 @@
+"""Mixture-of-experts blocks as Megatron-Core runs them (``--num-experts``, the all-to-all token
+dispatcher, grouped GEMMs, one expert-tensor-parallel rank): what a block's routed experts cost a
+rank in time and memory, and the layouts they allow. No torch import.
+
+With TP > 1 the block's tokens reach the MLP split over TP (sequence parallelism, which Megatron
+requires with experts), so each rank routes its ``tokens / TP``. Each token goes to its top-k
+experts; an expert-parallel rank holds ``E / EP`` of them and receives, routing being balanced
+(as NVIDIA's published MoE benchmarks force it), ``k`` tokens per token it sends: its experts run
+grouped GEMMs of ``tokens x k x EP / E`` rows each. Dispatch and combine are all-to-alls over the
+EP ranks, forward and backward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning.matmuls import forward_backward_seconds
+from memx_launch.planning.tp_links import tp_link_gbps
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+
+# Latency of one all-to-all: NCCL's grouped sends to every peer at once, about its Simple
+# protocol's base and one network hop (src/graph/tuning.cc: 8.4 and 9.6 us).
+ALL_TO_ALL_LATENCY_S = 18e-6
+# All-to-alls per block, forward and backward: dispatch and combine, and their gradients.
+ALL_TO_ALLS = 4
+
+
+def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> None:
+    """What memx refuses of an expert-parallel run: experts on a dense model, a degree that does
+    not divide the experts (or, given, a stage's TP x CP x DP ranks), and what it does not model
+    with experts (full sharding, LoRA, torchtitan's op-level recompute)."""
+    ep = training.expert_parallel
+    if not model.num_experts:
+        if ep > 1:
+            raise ConfigError("--expert-parallel", f"{ep}, but {model.name} has no experts", "drop --expert-parallel")
+        return
+    if model.num_experts % ep:
+        raise ConfigError("--expert-parallel", f"{ep} does not divide the model's {model.num_experts} experts",
+                          "use a divisor of num_experts")
+    for ranks in () if ranks_per_stage is None else np.atleast_1d(ranks_per_stage):
+        if int(ranks) % ep:
+            raise ConfigError("--expert-parallel", f"{ep} does not divide a stage's TP x CP x DP = {int(ranks)} ranks",
+                              "use a divisor of every stage's TP x CP x DP")
+    unmodelled = [flag for flag, on in (("--fully-sharded", training.fully_sharded), ("--lora-rank", training.lora_rank),
+                                        ("--selective-recompute op", training.selective_recompute == "op")) if on]
+    if unmodelled:
+        raise ConfigError(unmodelled[0], f"not modelled for the experts of {model.name}",
+                          "use the distributed optimizer, full fine-tuning or Megatron's selective recompute")
+
+
+def divides(layout, training: TrainingSpec) -> bool:
+    """Every stage's TP x CP x DP ranks split into whole expert-parallel groups."""
+    ranks = np.asarray(layout.stage_tp) * np.asarray(layout.dp_cp)
+    return bool((ranks % training.expert_parallel == 0).all())
+
+
+def ep_link_gbps(cluster: ClusterSpec, device_type: str, ep: int) -> float:
+    """What an all-to-all of an expert-parallel group of ``ep`` consecutive ranks of one type moves
+    per second of what leaves a rank, (EP - 1) / EP of its bytes: the node's links (as a TP group's)
+    where one node holds the group; beyond, the share to the other nodes goes over the rank's
+    network link while the share to its node's peers goes over the node's links at once."""
+    per_node = max(n for node in cluster.nodes for t, n in node.devices if t == device_type)
+    inside = tp_link_gbps(cluster, device_type, min(ep, per_node))
+    if ep <= per_node:
+        return inside
+    slowest = max((per_node - 1) / inside, (ep - per_node) / cluster.inter_node_gbps)
+    return (ep - 1) / slowest
+
+
+def routed_tokens(model: ModelSpec, tokens, tp):
+    """Token-expert pairs a rank's experts process per micro-batch: its ``tokens / TP`` times top-k."""
+    return np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.experts_per_token
+
+
+def expert_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, best_flops, hbm_bytes_per_s, sms,
+                   dtype_bytes, backward_slowdown=1.0) -> np.ndarray:
+    """One block's routed experts on a rank, forward and backward: its ``E / EP`` experts' grouped
+    GEMMs (gate and up fused, then down), each of ``tokens x k x EP / E`` rows."""
+    ep = training.expert_parallel
+    rows = routed_tokens(model, tokens, tp) * ep / model.num_experts
+    f, h = float(model.moe_ffn_hidden_size), float(model.hidden_size)
+    shapes = [((2.0 if model.gated_mlp else 1.0) * f, h), (h, f)]
+    per_expert = forward_backward_seconds(rows, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes,
+                                          backward_slowdown)
+    return model.num_experts / ep * per_expert
+
+
+def all_to_all_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, gbps) -> np.ndarray:
+    """One block's dispatch and combine all-to-alls, forward and backward: each moves a rank's
+    routed tokens' hidden states, of which (EP - 1) / EP leave it, at ``gbps`` (its link to the
+    other EP ranks: the node's inside one, the network's beyond)."""
+    ep = training.expert_parallel
+    if ep == 1:
+        return np.zeros(np.shape(tokens))
+    nbytes = routed_tokens(model, tokens, tp) * model.hidden_size * training.dtype_bytes
+    return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * (ep - 1) / ep / (np.asarray(gbps) * 1e9))
+
+
+def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool) -> tuple:
+    """(kept, down-projection input) of a block's MLP of experts per token, in the unit of
+    :func:`~memx_launch.planning.activations.activation_bytes` (2 bytes per hidden element):
+    the router's fp32 logits, and per routed copy the dispatched token (the gate-and-up input,
+    at ``input_share`` of 2 bytes), the gate and up outputs (and silu(gate) unless fused) and
+    the expert output the weighted combine keeps; the down projection's input apart; and a
+    shared expert's dense MLP. Over TP: each rank routes its share of the tokens."""
+    h, f, k = model.hidden_size, model.moe_ffn_hidden_size, model.experts_per_token
+    gated = 4.0 if fused_activation else 6.0
+    up = (gated if model.gated_mlp else 2.0) * f / h
+    shared = model.shared_expert_ffn_hidden_size / h
+    kept = 4.0 * model.num_experts / h + k * (2.0 * input_share + up + 2.0) + (gated if model.gated_mlp else 2.0) * shared
+    down = 2.0 * input_share * (k * f / h + shared)
+    tp = np.asarray(tp, dtype=np.float64)
+    return kept / tp, down / tp

@@ -1,0 +1,154 @@
+"""Mixtures of experts (``num_experts``, ``--expert-parallel``): the models' parameters as
+published, Hugging Face configs, what a rank holds and shards, the experts' GEMMs and
+all-to-alls, the layouts expert parallelism allows, what is refused, and the Megatron export.
+No processes."""
+
+import dataclasses
+import json
+
+import pytest
+from one_node import H100, one_node
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning import experts
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.search import search
+from memx_launch.planning.search_space import SearchSpace
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.training import TrainingSpec
+
+GIB = 2**30
+MIXTRAL = get_model("mixtral-8x7b")
+QWEN3 = dataclasses.replace(get_model("qwen3-30b-a3b"), seq_len=4096)
+NODE = ClusterSpec.from_dict(one_node(H100, 8, 450))
+TWO_NODES = ClusterSpec.from_dict({"version": 1, "name": "two", "device_types": {"gpu": H100},
+                                   "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 450}] * 2,
+                                   "inter_node_gbps": 50})
+
+
+def _training(**kw):
+    return TrainingSpec(**{"global_batch_size": 64, "seq_len": 4096, "setup": "megatron", **kw})
+
+
+def _estimate(model, training, cluster=NODE, **layout):
+    return evaluate_layout(model, cluster, training, references=(1, 1, 1),
+                           **{"tp": 1, "pp": 1, "dp": 8, "micro_batch_size": 1, "recompute": "none", **layout})
+
+
+def _active(model):
+    return model.num_layers * (model.attention_params + model.active_mlp_params + 2 * model.norm_params) \
+        + model.embedding_params + model.head_params
+
+
+@pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.7e9, 12.9e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                               ("qwen3-235b-a22b", 235e9, 22e9)])
+def test_the_catalog_s_mixtures_have_their_published_parameters(name, total, active):
+    model = get_model(name)
+    assert model.total_params == pytest.approx(total, rel=0.01)
+    assert _active(model) == pytest.approx(active, rel=0.03)
+
+
+def test_hugging_face_configs_of_mixtures_of_experts():
+    mixtral = ModelSpec.from_hf_dict({"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096,
+                                      "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                                      "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2}, "m")
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.moe_ffn_hidden_size) == (8, 2, 14336)
+    assert mixtral.total_params == MIXTRAL.total_params
+    qwen2 = ModelSpec.from_hf_dict({"model_type": "qwen2_moe", "num_hidden_layers": 24, "hidden_size": 2048,
+                                    "num_attention_heads": 16, "intermediate_size": 5632, "vocab_size": 151936,
+                                    "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                                    "shared_expert_intermediate_size": 5632}, "q")
+    assert (qwen2.moe_ffn_hidden_size, qwen2.shared_expert_ffn_hidden_size) == (1408, 5632)
+    with pytest.raises(ConfigError, match="dense MLP beside the expert ones"):
+        ModelSpec.from_hf_dict({"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+                                "intermediate_size": 18432, "vocab_size": 129280, "n_routed_experts": 256,
+                                "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3},
+                               "deepseek")
+    with pytest.raises(ConfigError, match="model.experts_per_token: 0 of 8 experts"):
+        dataclasses.replace(MIXTRAL, experts_per_token=0)
+
+
+def test_a_rank_holds_its_share_of_the_experts_and_shards_their_state_over_the_rest():
+    one, eight = (_estimate(QWEN3, _training(expert_parallel=ep)).stages[0].memory_parts_gib for ep in (1, 8))
+    experts_gib = QWEN3.num_layers * QWEN3.expert_params / GIB
+    # bf16 weights and fp32 main grads: 2 + 4 bytes, 7/8 of the experts gone from each rank.
+    assert one["parameters"] - eight["parameters"] == pytest.approx(2 * experts_gib * 7 / 8)
+    assert one["gradients"] - eight["gradients"] == pytest.approx(4 * experts_gib * 7 / 8)
+    # The distributed optimizer shards 12 bytes a parameter over DP 8 at EP 1; at EP 8 each
+    # expert lives on one rank of the eight: its states are not sharded.
+    assert one["optimizer_states"] - eight["optimizer_states"] == pytest.approx(
+        12 * experts_gib / 8 - 12 * experts_gib / 8)
+    sixteen = _estimate(QWEN3, _training(expert_parallel=8), TWO_NODES, dp=16).stages[0].memory_parts_gib
+    assert eight["optimizer_states"] - sixteen["optimizer_states"] == pytest.approx(
+        12 * experts_gib / 8 / 2 + 12 * (QWEN3.num_layers * (QWEN3.layer_params - QWEN3.expert_params)
+                                        + QWEN3.embedding_params + QWEN3.head_params) / GIB * (1 / 8 - 1 / 16))
+
+
+def test_experts_run_their_tokens_routed_and_exchange_them_by_all_to_all():
+    alone, spread = (cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=ep)).layer_costs(
+        0, 1, 1, 4096, cm.NONE).time_s for ep in (1, 8))
+    # A rank's 4,096 tokens x top-8 over 128 experts: the same FLOPs either way, in 256 rows per
+    # expert on one rank, in 2,048 per expert over eight; the thin GEMMs reach less of the peak.
+    gemm = (H100["peak_tflops"] * 0.58e12, H100["memory_bandwidth_gbps"] * 1e9, 132, 2)
+    thin, wide = (float(experts.expert_seconds(QWEN3, _training(expert_parallel=ep), 4096, 1, *gemm))
+                  for ep in (1, 8))
+    assert thin > 1.5 * wide
+    link = 450 * NODE.link_efficiency
+    exchanged = float(experts.all_to_all_seconds(QWEN3, _training(expert_parallel=8), 4096, 1, link))
+    assert exchanged == pytest.approx(4 * (experts.ALL_TO_ALL_LATENCY_S + 4096 * 8 * 2048 * 2 * 7 / 8 / (link * 1e9)))
+    assert float(alone - spread) == pytest.approx(thin - wide - exchanged, rel=1e-6)
+    assert float(experts.all_to_all_seconds(QWEN3, _training(), 4096, 1, 1.0)) == 0.0
+    # Beyond a node the share to the other node crosses the network: the group of 16 is slower.
+    assert experts.ep_link_gbps(TWO_NODES, "gpu", 16) < experts.ep_link_gbps(TWO_NODES, "gpu", 8)
+    # Never faster than the active matmuls at the peak (forward and backward: 3 x the forward).
+    flops = 3 * float(cm.layer_forward_flops(QWEN3, 1, 4096, 1))
+    assert float(alone) >= flops / (H100["peak_tflops"] * 1e12)
+
+
+def test_overlapped_all_to_alls_cost_only_what_the_compute_does_not_hide():
+    plain, hidden = (cm.AnalyticalCostModel(QWEN3, TWO_NODES, _training(expert_parallel=16, overlap_expert_comm=o))
+                     .layer_costs(0, 1, 1, 4096, cm.NONE).time_s for o in (False, True))
+    exchange = float(experts.all_to_all_seconds(QWEN3, _training(expert_parallel=16), 4096, 1,
+                                                experts.ep_link_gbps(TWO_NODES, "gpu", 16) * TWO_NODES.link_efficiency))
+    compute = float(plain) - exchange
+    assert float(hidden) == pytest.approx(compute + max(exchange - compute, 0.0))
+    assert float(hidden) < float(plain)
+
+
+def test_expert_parallelism_is_checked_and_the_search_keeps_it():
+    with pytest.raises(ConfigError, match="--expert-parallel: 2, but llama2-7b has no experts"):
+        _estimate(get_model("llama2-7b"), _training(expert_parallel=2))
+    with pytest.raises(ConfigError, match="--expert-parallel: 3 does not divide the model's 128 experts"):
+        _estimate(QWEN3, _training(expert_parallel=3), tp=1, dp=8)
+    with pytest.raises(ConfigError, match="--expert-parallel: 8 does not divide a stage's TP x CP x DP = 4 ranks"):
+        _estimate(QWEN3, _training(expert_parallel=8), pp=2, dp=4)
+    with pytest.raises(ConfigError, match="--fully-sharded: not modelled for the experts"):
+        _estimate(QWEN3, _training(expert_parallel=8, setup="zero3"))
+    best = search(QWEN3, TWO_NODES, _training(expert_parallel=8, global_batch_size=128), top_k=5,
+                  space=SearchSpace(micro_batch_sizes=(1, 2))).plans
+    assert best and all(p.tp * p.dp % 8 == 0 for p in best)
+    assert all(p.training["expert_parallel"] == 8 for p in best)
+
+
+def test_the_megatron_export_builds_the_experts_in_megatron_core(tmp_path):
+    from test_exporters import _megatron_config
+
+    from memx_launch.planning.exporters import megatron_args
+    from memx_launch.runtime.layout import rank_layout
+
+    small = dataclasses.replace(QWEN3, num_layers=4, name="qwen3-moe-small")
+    plan = _estimate(small, _training(expert_parallel=4, overlap_expert_comm=True), tp=2, dp=4)
+    args = megatron_args(plan).args
+    assert args[args.index("--expert-model-parallel-size") + 1] == "4"
+    config = _megatron_config(plan, args)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (128, 8, 768)
+    assert config.overlap_moe_expert_parallel_comm and config.delay_wgrad_compute
+    with pytest.raises(ConfigError, match="--plan: qwen3-moe-small is a mixture of experts.*memx export"):
+        rank_layout(plan, 0)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64,
+                                                      "num_attention_heads": 4, "intermediate_size": 128,
+                                                      "vocab_size": 100, "num_local_experts": 4,
+                                                      "num_experts_per_tok": 1}))
+    assert get_model(str(tmp_path)).num_experts == 4
