@@ -27,6 +27,8 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
   dispatcher with HybridEP on the NVL72 systems) and capture the router and the dispatch's
   preprocessing in CUDA graphs, neither of which memx models. Megatron-Bridge counts their
   attention FLOPs causal (half), which ``flops_per_token`` follows for mixtures of experts.
+- Megatron-Bridge 26.02's GPT-OSS-120B rows (BF16, 64 GPUs, EP 64; half its blocks attend within
+  128 tokens).
 
 Each row gives GPUs, global and micro-batch, sequence length and TP/PP/CP/VP: the layout is fully
 given; the step time is global batch x sequence / (tokens per second per GPU x GPUs). How each
@@ -191,8 +193,8 @@ def plot(rows: list[dict], path: str) -> None:
                        "Megatron-Bridge on Blackwell", plt.cm.tab10.colors, size=18,
                        label=lambda r: f"{r['model']} {r['precision']}")
     step_time_by_group(moe, [{**r, "group": r["system"]} for r in rows if r["kind"] == "moe"],
-                       "Megatron-Bridge, Qwen3 mixtures of experts", plt.cm.tab10.colors, size=18,
-                       label=lambda r: f"{r['model'].split('-')[1]} mbs{r['layout'].split('mbs')[1].split()[0]}")
+                       "Megatron-Bridge, mixtures of experts", plt.cm.tab10.colors, size=18,
+                       label=lambda r: f"{r['model']} mbs{r['layout'].split(' mbs')[1].split()[0]}")
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)
 

@@ -152,3 +152,25 @@ def test_the_megatron_export_builds_the_experts_in_megatron_core(tmp_path):
                                                       "vocab_size": 100, "num_local_experts": 4,
                                                       "num_experts_per_tok": 1}))
     assert get_model(str(tmp_path)).num_experts == 4
+
+
+def test_sliding_windows_shrink_the_attention_of_the_blocks_that_have_them():
+    gpt_oss = get_model("gpt-oss-120b")
+    assert gpt_oss.total_params == pytest.approx(116.8e9, rel=0.001)  # published: 116.8B, 5.1B active
+    assert _active(gpt_oss) - gpt_oss.embedding_params == pytest.approx(5.13e9, rel=0.01)
+    # Half the blocks attend within 128 of 4,096 tokens: 2 w/s - (w/s)^2 of the causal half.
+    w = 128 / 4096
+    assert cm.attended_share(gpt_oss, 4096) == pytest.approx(0.5 + 0.5 * (2 * w - w * w))
+    full = dataclasses.replace(gpt_oss, sliding_window=0, full_attention_layers=0)
+    assert float(cm.causal_attention_flops(gpt_oss, 1, 4096, 1)) == pytest.approx(
+        cm.attended_share(gpt_oss, 4096) * float(cm.causal_attention_flops(full, 1, 4096, 1)))
+    assert cm.attended_share(dataclasses.replace(gpt_oss, sliding_window=8192), 4096) == 1.0  # wider than seq
+    base = {"num_hidden_layers": 12, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 512,
+            "vocab_size": 1000, "sliding_window": 128}
+    read = {name: ModelSpec.from_hf_dict({**base, **extra}, name) for name, extra in (
+        ("types", {"layer_types": ["sliding_attention", "full_attention"] * 6}),
+        ("gemma3", {"model_type": "gemma3_text", "sliding_window_pattern": 6}),
+        ("gemma2", {"model_type": "gemma2"}), ("mistral", {"model_type": "mistral"}),
+        ("qwen2", {"model_type": "qwen2", "use_sliding_window": False}))}
+    assert {n: (m.sliding_window, m.full_attention_layers) for n, m in read.items()} == {
+        "types": (128, 6), "gemma3": (128, 2), "gemma2": (128, 6), "mistral": (128, 0), "qwen2": (0, 0)}

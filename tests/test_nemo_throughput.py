@@ -20,13 +20,13 @@ def rows():
 
 
 def test_every_row_is_expressible_and_fits(rows):
-    assert len(rows) == 65 and not [r for r in rows if "error" in r]
+    assert len(rows) == 70 and not [r for r in rows if "error" in r]
     # Every published run ran: memx says each fits on its GPU.
     assert all(r["fits"] for r in rows)
     assert {r["task"] for r in rows} == {"pretrain", "sft", "lora"}
     assert {r["system"] for r in rows} == {"dgx-h100", "dgx-b200", "dgx-b300", "dgx-gb200", "dgx-gb300"}
     assert {r["precision"] for r in rows} == {"bf16", "fp8", "fp8-cs", "fp8-mx", "nvfp4"}
-    assert sum(r["kind"] == "moe" for r in rows) == 18
+    assert sum(r["kind"] == "moe" for r in rows) == 23
 
 
 def test_the_grace_blackwell_fsdp_rows_fit_by_offloading_activations():
@@ -48,8 +48,11 @@ def test_the_grace_blackwell_fsdp_rows_fit_by_offloading_activations():
 def test_transcribed_shapes_give_the_table_s_flops_per_token(rows):
     # The table's TFLOP/s over tokens/s against 6 x the matmul parameters plus the full s x s
     # attention of the shape memx is asked with: a wrong layer count or width would be far off.
+    # GPT-OSS-120B is left out: its published TFLOP/s are 0.79 of its FLOPs per token by any count
+    # tried (Megatron-Bridge's current formula among them); its shape is held to its published
+    # parameters instead (tests/test_experts.py), and the step time comes from its tokens/s.
     for model, ratio in nt.shape_check(rows).items():
-        assert 0.95 <= ratio <= 1.05, model
+        assert 0.95 <= ratio <= 1.05 or model == "gpt-oss-120b", model
 
 
 def test_no_row_is_faster_than_its_matmuls_at_their_low_precision_peak(rows):

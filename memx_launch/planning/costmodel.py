@@ -133,9 +133,20 @@ FUSED_ATTENTION_BACKWARD = 2.5
 
 def causal_attention_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
     """Forward FLOPs of one block's attention core on a rank: QK^T and AV, the causal half of 4bs^2
-    x the queries' width, over TP."""
+    x the queries' width, over TP; with sliding windows, the blocks' mean of what they attend
+    (:func:`attended_share`)."""
     mbs, seq = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
-    return 2.0 * mbs * seq * seq * model.q_hidden_size / np.asarray(tp, dtype=np.float64)
+    return 2.0 * mbs * seq * seq * model.q_hidden_size / np.asarray(tp, dtype=np.float64) * attended_share(model, seq)
+
+
+def attended_share(model: ModelSpec, seq):
+    """Share of the causal half of the s x s scores a block computes, averaged over the blocks: 1,
+    or for a block attending within a window of w keys (s w - w^2 / 2 of s^2 / 2) 2 w/s - (w/s)^2."""
+    if not model.sliding_window:
+        return 1.0
+    w = np.minimum(model.sliding_window, seq) / np.asarray(seq, dtype=np.float64)
+    windowed = (model.num_layers - model.full_attention_layers) / model.num_layers
+    return 1.0 - windowed + windowed * (2.0 * w - w * w)
 
 
 def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:

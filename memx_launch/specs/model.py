@@ -25,7 +25,8 @@ _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
 # signature it had, so the profiles and predictors of LLaMA-style models stay valid.
 _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
                          "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
-                         "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0}
+                         "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
+                         "sliding_window": 0, "full_attention_layers": 0}
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
@@ -89,6 +90,12 @@ class ModelSpec:
     """Each expert's MLP width (Hugging Face's ``moe_intermediate_size``); 0: ``ffn_hidden_size``."""
     shared_expert_ffn_hidden_size: int = 0
     """Width of the MLP every token also runs through beside its routed experts (a shared expert); 0: none."""
+    sliding_window: int = 0
+    """Keys each query attends back to in a block with sliding-window attention (Mistral-7B v0.1,
+    Gemma 2 and 3, GPT-OSS); 0: every block attends to the whole (causal) sequence."""
+    full_attention_layers: int = 0
+    """With ``sliding_window``: the blocks that attend to the whole sequence all the same (GPT-OSS
+    every other one, Gemma 3 one in six); the others attend within the window."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -117,6 +124,9 @@ class ModelSpec:
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise ConfigError("model.experts_per_token", f"{self.experts_per_token} of {self.num_experts} experts",
                               "give the experts each token is routed to (top-k), at least 1")
+        require_number(self.sliding_window, "model.sliding_window", lo=0, hi=MAX_DIMENSION, integer=True)
+        require_number(self.full_attention_layers, "model.full_attention_layers", lo=0, hi=self.num_layers,
+                       integer=True, fix=f"give how many of the {self.num_layers} blocks attend to the whole sequence")
         if self.experts_per_token and not self.num_experts:
             raise ConfigError("model.experts_per_token", "set without num_experts", "give num_experts, or drop it")
         if self.num_heads % self.num_kv_heads:
@@ -303,7 +313,7 @@ class ModelSpec:
                      "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
         if cfg.get("enable_bias") is not None:
             require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
-        experts = _experts_of(cfg, where)
+        experts = {**_experts_of(cfg, where), **_window_of(cfg, model_type, where)}
         parallel = False
         if model_type in PARALLEL_BLOCK_KEYS:
             key = PARALLEL_BLOCK_KEYS[model_type]
@@ -332,6 +342,31 @@ class ModelSpec:
                                                   ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
                if cfg.get(key) is not None},
         )
+
+
+def _window_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """The sliding-window fields of a Hugging Face config: ``sliding_window`` (unless
+    ``use_sliding_window`` is off), and which blocks attend to the whole sequence: its
+    ``layer_types``, Gemma 3's ``sliding_window_pattern`` (one in that many), Gemma 2's every other
+    block; else none (Mistral-7B v0.1)."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return {}
+    require_number(window, f"model ({where}).sliding_window", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
+                   fix="config.json must give it as a positive integer, or null")
+    layers, types = cfg["num_hidden_layers"], cfg.get("layer_types")
+    if types is not None:
+        require_type(types, list, f"model ({where}).layer_types")
+        if "sliding_attention" not in types:
+            return {}
+        full = sum(t != "sliding_attention" for t in types)
+    elif cfg.get("sliding_window_pattern"):
+        require_number(cfg["sliding_window_pattern"], f"model ({where}).sliding_window_pattern", lo=1,
+                       hi=MAX_DIMENSION, integer=True)
+        full = layers // cfg["sliding_window_pattern"]
+    else:
+        full = layers // 2 if model_type == "gemma2" else 0
+    return {"sliding_window": window, "full_attention_layers": full}
 
 
 def _experts_of(cfg: Mapping[str, Any], where: str) -> dict:
@@ -391,6 +426,10 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
               num_experts=128, experts_per_token=8, expert_ffn_hidden_size=768),
     ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
               num_experts=128, experts_per_token=8, expert_ffn_hidden_size=1536),
+    # GPT-OSS-120B: every other block attends within 128 tokens (its attention sinks and the
+    # biases of its attention and experts, 0.01% of its parameters, are not counted).
+    ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
+              num_experts=128, experts_per_token=4, sliding_window=128, full_attention_layers=18),
 )}
 
 
