@@ -132,6 +132,30 @@ def test_expert_parallelism_is_checked_and_the_search_keeps_it():
     assert all(p.training["expert_parallel"] == 8 for p in best)
 
 
+def test_memx_plan_chooses_the_expert_parallel_degree_unless_given(tmp_path, capsys):
+    from estimates import cluster_file
+
+    from memx_launch.cli import main
+    from memx_launch.planning.plan import Plan
+
+    assert experts.search_degrees(QWEN3, 16) == (1, 2, 4, 8, 16) and experts.search_degrees(MIXTRAL, 64) == (1, 2, 4, 8)
+    assert experts.search_degrees(get_model("llama2-7b"), 16) == ()
+    result = search(QWEN3, TWO_NODES, _training(global_batch_size=128), top_k=20,
+                    space=SearchSpace(micro_batch_sizes=(1, 2), expert_degrees=(1, 2, 4, 8, 16)))
+    degrees = {p.training["expert_parallel"] for p in result.plans}
+    assert len(degrees) > 1 and all(p.tp * p.dp % p.training["expert_parallel"] == 0 for p in result.plans)
+    path = cluster_file(tmp_path, {"version": 1, "name": "two", "device_types": {"gpu": H100},
+                                   "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 450}] * 2,
+                                   "inter_node_gbps": 50})
+    args = ["plan", "--model", "qwen3-30b-a3b", "--cluster", path, "--global-batch-size", "128", "--seq-len", "4096",
+            "--setup", "megatron", "--micro-batch-sizes", "1,2", "--quiet"]
+    assert main([*args, "--json", str(tmp_path / "chosen.json")]) == 0
+    chosen = Plan.load(str(tmp_path / "chosen.json"))
+    assert chosen.training["expert_parallel"] > 1 and f"ep={chosen.training['expert_parallel']}" in capsys.readouterr().out
+    assert main([*args, "--expert-parallel", "2", "--json", str(tmp_path / "given.json")]) == 0
+    assert Plan.load(str(tmp_path / "given.json")).training["expert_parallel"] == 2
+
+
 def test_the_megatron_export_builds_the_experts_in_megatron_core(tmp_path):
     from test_exporters import _megatron_config
 

@@ -111,7 +111,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    "GPU, gradients and weights over PCIe each step (default off)")
     p.add_argument("--expert-parallel", "--expert_parallel", type=int, metavar="EP",
                    help="a mixture-of-experts model's experts split over EP ranks of each stage, tokens exchanged "
-                        "by all-to-all (Megatron's --expert-model-parallel-size; default 1; the search keeps it)")
+                        "by all-to-all (Megatron's --expert-model-parallel-size; default 1; memx plan without it tries "
+                        "the powers of two dividing the experts)")
     p.add_argument("--activation-offload-layers", "--activation_offload_layers", type=int, metavar="N",
                    help="the activations of up to N layers per stage kept in host memory between forward and "
                         "backward (Megatron's --cpu-offloading-num-layers; default 0)")

@@ -63,7 +63,7 @@ def add_plan_command(sub) -> None:
 
 
 def run_plan(args) -> int:
-    from memx_launch.planning import report
+    from memx_launch.planning import experts, report
     from memx_launch.planning.search import search
     from memx_launch.planning.search_space import SearchSpace, restrictions_from_args
     from memx_launch.specs.training import device_precision
@@ -91,7 +91,9 @@ def run_plan(args) -> int:
     space = SearchSpace(memory_headroom=args.memory_headroom,
                         max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
                         per_type_tp=args.per_type_tp, per_type_dp=args.per_type_dp, mixed_stages=args.mixed_stages,
-                        cp_degrees=tuple(args.cp) if args.cp else None, **restrictions_from_args(args))
+                        cp_degrees=tuple(args.cp) if args.cp else None, **restrictions_from_args(args),
+                        # A mixture of experts without --expert-parallel: the search tries the degrees.
+                        expert_degrees=None if args.expert_parallel else experts.search_degrees(model, cluster.world_size))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))
@@ -157,7 +159,7 @@ def add_estimate_command(sub) -> None:
 
 
 def run_estimate(args) -> int:
-    from memx_launch.planning import report
+    from memx_launch.planning import experts, report
     from memx_launch.planning.estimate import evaluate_layout, evaluate_plan, plan_training, stage_short_gib
     from memx_launch.planning.objective import parse_weights
 

@@ -51,6 +51,14 @@ def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> Non
                           "use the distributed optimizer, full fine-tuning or Megatron's selective recompute")
 
 
+def search_degrees(model: ModelSpec, world: int) -> tuple[int, ...]:
+    """The expert-parallel degrees ``memx plan`` tries for a mixture of experts on ``world``
+    devices: the powers of two dividing its experts, up to the world (none for a dense model)."""
+    if not model.num_experts:
+        return ()
+    return tuple(ep for ep in (2 ** k for k in range(int(np.log2(world)) + 1)) if model.num_experts % ep == 0)
+
+
 def divides(layout, training: TrainingSpec) -> bool:
     """Every stage's TP x CP x DP ranks split into whole expert-parallel groups."""
     ranks = np.asarray(layout.stage_tp) * np.asarray(layout.dp_cp)

@@ -19,6 +19,7 @@ import itertools
 import math
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -103,27 +104,33 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     space = space or SearchSpace()
     space.check(model)
     seqs = tuple(space.seq_lens or (training.seq_len,))
-    cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
+    # A mixture of experts is searched at each expert-parallel degree of the space, each with its
+    # own analytical cost model (a given cost model keeps the training's degree).
+    trainings = [dataclasses.replace(training, expert_parallel=ep) for ep in space.expert_degrees] \
+        if space.expert_degrees and cost_model is None else [training]
+    cost_models = [cost_model or cm.AnalyticalCostModel(model, cluster, tr) for tr in trainings]
+    names = tuple(cost_models[0].device_names)
     cps = context_parallel.degrees_to_try(space.cp_degrees, seqs, training)
-    layouts = _expert_layouts(_layouts(model, cluster, tuple(cost_model.device_names), space, cps), model, training)
+    layouts_of = _expert_layouts(_layouts(model, cluster, names, space, cps), model, trainings)
+    layouts = [lay for lays in layouts_of for lay in lays]
     check_batch(layouts, space, training)
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
     rank_seqs = sorted({s // cp for s in seqs for cp in cps[s]})
     # Stages of fewer replicas than the layout's largest DP degree run larger local micro-batches.
     local_mbss = sorted({int(local) for lay in layouts for m in space.micro_batch_sizes
                          for local in np.atleast_1d(lay.local_micro_batch(m))})
-    table = CostTable(cost_model, len(cost_model.device_names), tps, local_mbss, rank_seqs)
-    evaluator = Evaluator(model, cluster, training, cost_model, table, space.memory_headroom,
-                          space.recompute_levels, space.recompute_some_layers)
+    tables = [CostTable(cmod, len(names), tps, local_mbss, rank_seqs) for cmod in cost_models]
+    evaluators = [Evaluator(model, cluster, tr, cmod, table, space.memory_headroom, space.recompute_levels,
+                            space.recompute_some_layers) for tr, cmod, table in zip(trainings, cost_models, tables)]
     stats = SearchStats()
-    level_options, stats.binary_recompute_types = recompute_options(table, cost_model.device_names, space)
+    level_options, stats.binary_recompute_types = recompute_options(tables[0], names, space)
     stats.interleaving_allowed = cluster.heterogeneity_index() <= INTERLEAVE_MAX_HETEROGENEITY
     schedules = [("1f1b", 1)] + [("interleaved", v) for v in space.virtual_stages if "interleaved" in space.schedules]
     if "1f1b" not in space.schedules:
         schedules = schedules[1:]
 
     groups = []
-    for layout in layouts:
+    for k, layout in ((k, layout) for k, lays in enumerate(layouts_of) for layout in lays):
         policies = _policy_rows(layout, level_options)
         for mbs, seq in itertools.product(space.micro_batch_sizes, seqs):
             if layout.cp not in cps[seq]:
@@ -142,19 +149,19 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                                                   or layout.pp * v > model.num_layers or layout.pp < 2):
                     stats.pruned_schedule += len(policies)
                     continue
-                groups.append((_time_lower_bound(table, layout, mbs, seq, g, model.num_layers),
-                               layout, mbs, seq, schedule, v, policies))
+                groups.append((_time_lower_bound(tables[k], layout, mbs, seq, g, model.num_layers),
+                               layout, mbs, seq, schedule, v, policies, evaluators[k]))
     groups.sort(key=lambda item: item[0])
 
     results: list[GroupResult] = []
     closest: list[tuple[float, str]] = []
     best_time = math.inf
     report_every = max(1, len(groups) // 10)
-    for i, (lower_bound, layout, mbs, seq, schedule, v, policies) in enumerate(groups):
+    for i, (lower_bound, layout, mbs, seq, schedule, v, policies, evaluator) in enumerate(groups):
         # The budget counts from the start (layouts, the cost table); one group is always scored.
         if time_budget_s is not None and i and time.perf_counter() - start > time_budget_s:
             stats.budget_exhausted = True
-            stats.pruned_time += sum(len(item[-1]) for item in groups[i:])
+            stats.pruned_time += sum(len(item[-2]) for item in groups[i:])
             break
         if lower_bound > space.time_prune_factor * best_time:
             stats.pruned_time += len(policies)
@@ -163,7 +170,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         if not evaluator.fits_with_full_recompute(layout, mbs, seq, schedule, v):
             stats.pruned_memory += len(policies)
             full = np.full((1, layout.pp), evaluator.allowed_levels[-1])
-            closest.append(_shortfall(evaluator.score(layout, mbs, seq, schedule, v, full), cost_model.device_names))
+            closest.append(_shortfall(evaluator.score(layout, mbs, seq, schedule, v, full), names))
             continue
         result = evaluator.score(layout, mbs, seq, schedule, v, policies)
         stats.evaluated += len(policies)
@@ -174,7 +181,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         if progress and (i + 1) % report_every == 0:
             progress(f"search: {i + 1}/{len(groups)} groups, {stats.feasible} feasible, "
                      f"{time.perf_counter() - start:.1f}s")
-    stats.cache_hits, stats.cache_misses = table.hits, table.misses
+    stats.cache_hits, stats.cache_misses = sum(t.hits for t in tables), sum(t.misses for t in tables)
 
     if not results:
         closest.sort()
@@ -214,13 +221,16 @@ def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict) -> lis
     return layouts
 
 
-def _expert_layouts(layouts: list[Layout], model: ModelSpec, training: TrainingSpec) -> list[Layout]:
-    """The layouts whose stages split into whole expert-parallel groups (all of a dense model's)."""
-    experts.check(model, training)
-    kept = [lay for lay in layouts if experts.divides(lay, training)]
-    if not kept:
-        raise ConfigError("--expert-parallel", f"{training.expert_parallel} divides no layout's TP x CP x DP ranks "
-                          "per stage", "use a smaller expert-parallel degree")
+def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[TrainingSpec]) -> list[list[Layout]]:
+    """For each training (an expert-parallel degree), the layouts whose stages split into whole
+    expert-parallel groups (all of a dense model's)."""
+    for training in trainings:
+        experts.check(model, training)
+    kept = [[lay for lay in layouts if experts.divides(lay, training)] for training in trainings]
+    if not any(kept):
+        degrees = ",".join(str(t.expert_parallel) for t in trainings)
+        raise ConfigError("--expert-parallel", f"{degrees} divides no layout's TP x CP x DP ranks per stage",
+                          "use a smaller expert-parallel degree")
     return kept
 
 
@@ -247,8 +257,8 @@ def check_space(model: ModelSpec, cluster: ClusterSpec | None, training: Trainin
     space.check(model)
     if cluster is not None:
         cps = context_parallel.degrees_to_try(space.cp_degrees, tuple(space.seq_lens or (training.seq_len,)), training)
-        check_batch(_expert_layouts(_layouts(model, cluster, tuple(d.name for d in cluster.device_types), space, cps),
-                                    model, training), space, training)
+        layouts = _layouts(model, cluster, tuple(d.name for d in cluster.device_types), space, cps)
+        check_batch([lay for lays in _expert_layouts(layouts, model, [training]) for lay in lays], space, training)
 
 
 def recompute_options(table: CostTable, device_names, space: SearchSpace) -> tuple[list[list[int]], list[str]]:
@@ -293,6 +303,7 @@ def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
     lay = result.layout
     parts = [f"{device_names[d]} short {o:.1f} GiB" for d, o in zip(lay.stage_device, over) if o > 0]
     cp = f" cp={lay.cp}" if lay.cp > 1 else ""
+    cp += f" ep={result.expert_parallel}" if result.expert_parallel > 1 else ""
     text = (f"tp={tp_text(lay.stage_tp)} pp={lay.pp}{cp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
             f"{cm.RECOMPUTE_LEVELS[int(result.levels[0].max())]} recompute: "
             + ", ".join(dict.fromkeys(parts)))
@@ -360,6 +371,8 @@ def _plan_key(result: GroupResult, row: int):
 
 def to_plan(result: GroupResult, row: int, model, cluster, training, objective: Objective) -> Plan:
     lay = result.layout
+    if result.expert_parallel != training.expert_parallel:  # scored at a degree the search chose
+        training = dataclasses.replace(training, expert_parallel=result.expert_parallel)
     stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i]) * lay.cp), ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
                         recompute=result.stage_recompute(row, i),

@@ -72,6 +72,10 @@ class SearchSpace:
     """Context-parallel degrees to try; None: those the sequence length suits
     (:func:`context_parallel.search_degrees`; ``memx plan``'s default, ``--cp`` restricts).
     memx-run's runtime runs no context parallelism, so its searches keep (1,)."""
+    expert_degrees: tuple[int, ...] | None = None
+    """Expert-parallel degrees a mixture of experts is searched at, each with the layouts it
+    divides (``memx plan`` without ``--expert-parallel``: the powers of two dividing its experts,
+    :func:`~memx_launch.planning.experts.search_degrees`). None: the training's ``expert_parallel``."""
     max_slowdown: float | None = None
     """The winner may be predicted at most this share slower than the fastest feasible plan
     (``--max-slowdown``). None: 5% (DEFAULT_MAX_SLOWDOWN) for the profile memx chooses; no bound

@@ -258,7 +258,8 @@ class TrainingSpec:
     with one expert-tensor-parallel rank): each block's routed experts are split over this many
     ranks of a stage's TP x CP x DP ranks (it must divide both), which exchange their tokens by
     all-to-all; the experts' gradients and optimizer states are sharded over the rest of those
-    ranks. The search keeps it as given. 1: every rank holds every expert."""
+    ranks. ``memx plan`` without it searches the degree (``SearchSpace.expert_degrees``). 1: every
+    rank holds every expert."""
     activation_offload_layers: int = 0
     """Activation offloading (Megatron's ``--cpu-offloading-num-layers`` with activations, NeMo's
     ``cpu_offloading_num_layers``): the kept activations of up to this many of each stage's
