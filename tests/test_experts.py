@@ -198,3 +198,12 @@ def test_sliding_windows_shrink_the_attention_of_the_blocks_that_have_them():
         ("qwen2", {"model_type": "qwen2", "use_sliding_window": False}))}
     assert {n: (m.sliding_window, m.full_attention_layers) for n, m in read.items()} == {
         "types": (128, 6), "gemma3": (128, 2), "gemma2": (128, 6), "mistral": (128, 0), "qwen2": (0, 0)}
+
+
+def test_the_other_exports_refuse_or_name_expert_parallelism():
+    from memx_launch.planning.config_exports import deepspeed_json, torchtitan_toml
+
+    plan = _estimate(QWEN3, _training(expert_parallel=8, setup="zero1"))
+    with pytest.raises(ConfigError, match="plan: expert_parallel=8: torchtitan carves expert parallelism.*Megatron-LM"):
+        torchtitan_toml(plan)
+    assert any("8 expert-parallel ranks" in n for n in deepspeed_json(plan).notes)

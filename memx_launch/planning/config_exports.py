@@ -51,6 +51,9 @@ def _precision_notes(plan: Plan, target: str) -> list[str]:
         notes.append(quantized + (f": turn on torchtitan's {titan}"
                                   if target == "torchtitan" and titan else
                                   f": {target}'s config does not; swap the model's linears for Transformer Engine's"))
+    if plan.model_spec.num_experts and tr.get("expert_parallel", 1) > 1:
+        notes.append(f"the plan splits the experts over {tr['expert_parallel']} expert-parallel ranks with the "
+                     f"all-to-all dispatcher: set {target}'s expert parallelism so")
     if tr.get("activation_offload_layers"):
         notes.append(f"the plan keeps {tr['activation_offload_layers']} layers' activations per stage on the host; "
                      f"{target}'s config does not: more memory than planned")
@@ -76,6 +79,9 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
     tp = plan.uniform_tp("torchtitan (one tensor_parallel_degree for all stages)")
     plan.uniform_dp("torchtitan (one data-parallel degree for all stages)")
     tr = plan.training
+    if tr.get("expert_parallel", 1) > 1:
+        raise ConfigError("plan", f"expert_parallel={tr['expert_parallel']}: torchtitan carves expert parallelism out "
+                          "of its FSDP ranks, which memx does not model with experts", "export to Megatron-LM")
     notes = [f"set [model] name and flavor to {plan.model}'s (torchtitan names its models; memx planned "
              f"{plan.model_spec.num_layers} layers of hidden size {plan.model_spec.hidden_size})"]
     dtype = tr.get("dtype", "bf16")
