@@ -21,12 +21,11 @@ from memx_launch.planning import experts, op_checkpointing, quantization
 from memx_launch.planning.activations import LayerCost, activation_bytes  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
-from memx_launch.planning.matmuls import device_sms, forward_backward_seconds, gemm_seconds, linear_shapes
+from memx_launch.planning.matmuls import device_sms, forward_backward_seconds, gemm_seconds, linear_seconds, linear_shapes
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,  # noqa: F401
                                                fine_tuning_flops, fully_sharded_working_bytes, last_stage_params,
-                                               fully_sharded_working_parts, layer_state_bytes, model_state_bytes_by_part,
-                                               model_state_bytes_per_param, parameters_per_rank,
-                                               stage_state_bytes_by_part, trained_parameters)
+                                               fully_sharded_working_parts, model_state_bytes_by_part,
+                                               model_state_bytes_per_param, trained_parameters)
 from memx_launch.planning.peaks import linear_tflops, training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
@@ -241,11 +240,11 @@ class AnalyticalCostModel:
         tokens = mbs_a * seq_a
         shapes = linear_shapes(self.model, tr, tp)
         gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
-        linear_s = forward_backward_seconds(tokens, shapes, *gemm, self._backward_slowdown[device])
-        linear_forward_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in shapes)
-        if self.model.num_experts:  # the routed experts' grouped GEMMs (a backward slowdown of 0: the forward)
-            linear_s = linear_s + experts.expert_seconds(self.model, tr, tokens, tp, *gemm, self._backward_slowdown[device])
-            linear_forward_s = linear_forward_s + experts.expert_seconds(self.model, tr, tokens, tp, *gemm, 0.0)
+        linear_forward_s, linear_backward_s = linear_seconds(tokens, shapes, *gemm)
+        if self.model.num_experts:  # the routed experts' grouped GEMMs
+            expert_forward_s, expert_backward_s = experts.expert_seconds(self.model, tr, tokens, tp, *gemm)
+            linear_forward_s, linear_backward_s = linear_forward_s + expert_forward_s, linear_backward_s + expert_backward_s
+        linear_s = linear_forward_s + self._backward_slowdown[device] * linear_backward_s
         # Op-level selective recompute runs every other projection again (op_checkpointing.py).
         op_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in op_checkpointing.recomputed_projections(
             self.model, tp)) if op_level.any() else 0.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.matmuls import forward_backward_seconds
+from memx_launch.planning.matmuls import linear_seconds
 from memx_launch.planning.tp_links import tp_link_gbps
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -84,16 +84,16 @@ def routed_tokens(model: ModelSpec, tokens, tp):
 
 
 def expert_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, best_flops, hbm_bytes_per_s, sms,
-                   dtype_bytes, backward_slowdown=1.0) -> np.ndarray:
-    """One block's routed experts on a rank, forward and backward: its ``E / EP`` experts' grouped
-    GEMMs (gate and up fused, then down), each of ``tokens x k x EP / E`` rows."""
+                   dtype_bytes) -> tuple:
+    """(forward, backward) seconds of one block's routed experts on a rank: its ``E / EP``
+    experts' grouped GEMMs (gate and up fused, then down), each of ``tokens x k x EP / E`` rows."""
     ep = training.expert_parallel
     rows = routed_tokens(model, tokens, tp) * ep / model.num_experts
     f, h = float(model.moe_ffn_hidden_size), float(model.hidden_size)
     shapes = [((2.0 if model.gated_mlp else 1.0) * f, h), (h, f)]
-    per_expert = forward_backward_seconds(rows, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes,
-                                          backward_slowdown)
-    return model.num_experts / ep * per_expert
+    forward, backward = linear_seconds(rows, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
+    experts_here = model.num_experts / ep
+    return experts_here * forward, experts_here * backward
 
 
 def all_to_all_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, gbps) -> np.ndarray:

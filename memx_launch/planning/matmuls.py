@@ -114,17 +114,23 @@ def _split_k_seconds(compute, cut, tiles, m, n, k, rate, hbm, sms) -> np.ndarray
 
 def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes,
                              backward_slowdown=1.0) -> np.ndarray:
-    """One layer's linear layers forward and backward: for each weight of ``shapes`` ((N, K):
-    output and input features, per TP rank), the forward M x N x K, the input gradient M x K x N
-    and the weight gradient N x K x M, with M the tokens of the micro-batch; the two backward
+    """One layer's linear layers forward and backward (:func:`linear_seconds`), the two backward
     GEMMs ``backward_slowdown`` times slower (FP8's precise accumulation:
     :func:`~memx_launch.planning.quantization.backward_gemm_slowdown`)."""
+    forward, backward = linear_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
+    return forward + backward_slowdown * backward
+
+
+def linear_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> tuple:
+    """(forward, backward) seconds of one layer's linear layers: for each weight of ``shapes``
+    ((N, K): output and input features, per TP rank), the forward M x N x K, and the input
+    gradient M x K x N and the weight gradient N x K x M, with M the tokens of the micro-batch."""
     rate = (best_flops, hbm_bytes_per_s, sms, dtype_bytes)
-    total = 0.0
+    forward = backward = 0.0
     for n, k in shapes:
-        backward = gemm_seconds(tokens, k, n, *rate) + gemm_seconds(n, k, tokens, *rate)
-        total = total + gemm_seconds(tokens, n, k, *rate) + backward_slowdown * backward
-    return total
+        forward = forward + gemm_seconds(tokens, n, k, *rate)
+        backward = backward + gemm_seconds(tokens, k, n, *rate) + gemm_seconds(n, k, tokens, *rate)
+    return forward, backward
 
 
 def linear_shapes(model, training, tp) -> list[tuple]:

@@ -198,11 +198,10 @@ def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, 
     its parameters at :func:`model_state_bytes_by_part` over DP x CP, the routed experts' over
     the expert data parallel ranks."""
     params = parameters_per_rank(model, training, layout, layers)[0]
-    parts = [params * b for b in model_state_bytes_by_part(training, layout.dp_cp, trained)]
-    if model.num_experts:
-        tp = layout.tp if layout.uniform_tp else layout.stage_tp
-        experts = layers[0] * rank_layer_params(model, training, tp)[1]
-        edp = expert_data_parallel(training, tp, layout.dp_cp)
-        parts = [p + experts * (e - d) for p, e, d in zip(parts, model_state_bytes_by_part(training, edp, trained),
-                                                          model_state_bytes_by_part(training, layout.dp_cp, trained))]
-    return tuple(parts)
+    dense = model_state_bytes_by_part(training, layout.dp_cp, trained)
+    if not model.num_experts:
+        return tuple(params * d for d in dense)
+    tp = layout.tp if layout.uniform_tp else layout.stage_tp
+    experts = layers[0] * rank_layer_params(model, training, tp)[1]
+    routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained)
+    return tuple((params - experts) * d + experts * e for d, e in zip(dense, routed))

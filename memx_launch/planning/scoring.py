@@ -23,7 +23,8 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
-from memx_launch.planning.model_states import quantized_state_bytes
+from memx_launch.planning.model_states import (layer_state_bytes, parameters_per_rank, quantized_state_bytes,
+                                               stage_state_bytes_by_part)
 from memx_launch.planning.pipeline_sends import stage_send_seconds
 from memx_launch.planning.layouts import Layout
 
@@ -125,7 +126,7 @@ class Evaluator:
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
-        per_layer = cm.layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained) + quantized_kept + inflight * act
+        per_layer = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained) + quantized_kept + inflight * act
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
@@ -279,7 +280,7 @@ class Evaluator:
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
-        weights, grads, optim = cm.stage_state_bytes_by_part(m, tr, layout, layers, self.trained)
+        weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
@@ -368,7 +369,7 @@ class Evaluator:
                     share = (v - 1) / v if wrap else 1.0
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(
                         np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
-        stage_params = cm.parameters_per_rank(m, tr, layout, layers)
+        stage_params = parameters_per_rank(m, tr, layout, layers)
         dp_link = (layout.dp_cp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         if tr.fully_sharded:
