@@ -65,7 +65,7 @@ def form_plans() -> dict:
     (memx-run's defaults for llama-tiny)."""
     from memx_launch.planning.estimate import evaluate_layout
     from memx_launch.specs.cluster import ClusterSpec
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
     from memx_launch.specs.training import TrainingSpec
 
     training = TrainingSpec(global_batch_size=16, seq_len=64, dtype="fp32")

@@ -52,7 +52,7 @@ def calibration_check() -> list[dict]:
     from memx_launch.profiling.kernel import calibrate, compute_capability
     from memx_launch.profiling.space import Sample
     from memx_launch.specs.cluster import ClusterSpec
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
     from memx_launch.specs.training import TrainingSpec
 
     model = get_model("llama2-7b")

@@ -32,7 +32,7 @@ from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.planning import costmodel as cm
 from memx_launch.files import write_json_atomic
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 DATA = os.path.join(ROOT, "..", "shared", "peer-data", "galvatron", "galvatron", "models", "gpt", "configs",
                     "memory_profiling_bf16_llama2-7b_all.json")

@@ -29,7 +29,7 @@ from memx_launch.runtime.monitor import MonitorConfig
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.files import write_json_atomic
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "monitor_overhead.json")
 MODEL = "llama-tiny"

@@ -52,7 +52,7 @@ from memx_launch.profiling.profile_import import matmul_floor_seconds
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.profiling.space import ProfileSpace, Sample
 from memx_launch.profiling.design import minimal_sample_set, new_type_design
-from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.catalog import MODEL_CATALOG
 from memx_launch.specs.cluster import ClusterSpec, DeviceType, Node
 from memx_launch.specs.training import TrainingSpec
 

@@ -28,7 +28,7 @@ from memx_launch.files import write_json_atomic
 from memx_launch.planning.search import SearchSpace, search
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 CLUSTERS = os.path.join(os.path.dirname(HERE), "examples", "clusters")
 PAPER_SPACE = SearchSpace(micro_batch_sizes=(1, 2, 4, 8, 16), seq_lens=(1024, 2048, 4096),

@@ -41,7 +41,9 @@ from memx_launch.runtime.messages import broadcast_json
 from memx_launch.runtime.devices import detect_rank_device
 from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.hf_config import model_from_hf_dict
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
@@ -141,7 +143,7 @@ class MemxCallback(pl.Callback):
             if config is None:
                 raise ConfigError("model", f"memx cannot read the shape of {type(pl_module).__name__}",
                                   "pass MemxCallback(model='path/config.json') or a ModelSpec")
-            spec = ModelSpec.from_hf_dict(config.to_dict(), getattr(config, "name_or_path", "") or "module")
+            spec = model_from_hf_dict(config.to_dict(), getattr(config, "name_or_path", "") or "module")
         if spec.num_layers != len(self._blocks):
             raise ConfigError("model", f"{spec.name} has {spec.num_layers} layers but the module has "
                               f"{len(self._blocks)} blocks", "pass the model's own config, or blocks='path'")

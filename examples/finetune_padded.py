@@ -65,7 +65,7 @@ def reference(model, args, seq_len: int) -> int:
 
 
 def main() -> int:
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="folder of the model's config.json (memx-run plans for it)")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import memx_launch.runtime
 from memx_launch.errors import ConfigError, MemxError
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -74,7 +74,7 @@ def reference_step(step: int, loss: torch.Tensor, model, optimizer, scheduler, m
 
 def main(build_model=build, doc: str = __doc__, default_model: str = DEFAULT_MODEL) -> int:
     """Parse the arguments, build the model, train it with memx (or alone with --reference)."""
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_model, help="folder of the model's config.json (memx-run plans for it)")

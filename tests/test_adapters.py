@@ -12,7 +12,7 @@ from memx_launch.models.adapters import ModelParts, find_blocks
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.runtime.emulation import EmulatedDevice
 from memx_launch.runtime.batches import default_loss
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks
 from test_cross_vendor import TWO_VENDORS
 from toy_models import TOY_SPEC, NoBlocks, ToyModel, hf_example, hf_llama

@@ -116,7 +116,7 @@ def test_the_padded_fine_tuning_example_trains_as_its_one_process_reference(tmp_
 
     pytest.importorskip("transformers")
     from ranks import one_rank_env
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
     from test_adapters import make_plan
     from toy_models import EXAMPLES
 

@@ -14,7 +14,7 @@ from memx_launch.planning.matmuls import linear_shapes, streaming_multiprocessor
 from memx_launch.planning.peaks import fp4_peak_tflops, linear_tflops
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import default_efficiency
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")

@@ -15,7 +15,7 @@ from memx_launch.profiling.profiledb import BridgeMeasurement, ProfileDB, Profil
 from memx_launch.planning import collectives as co
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.node import PCIE_STAGED_SHARE
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 from tests.test_profiledb import record

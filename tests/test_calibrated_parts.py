@@ -13,7 +13,7 @@ from memx_launch.profiling.calibrated_parts import (measured_efficiency, measure
                                                     part_levels, with_type_fields)
 from memx_launch.profiling.predictor import LearnedCostModel, fit_predictor, training_signature
 from memx_launch.specs.cluster import ClusterSpec, Node
-from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.catalog import MODEL_CATALOG
 from memx_launch.specs.training import TrainingSpec
 from tests.test_predictor import CLUSTER, DEVICE, LEVELS, SPEC, TRAINING, synthetic_records
 

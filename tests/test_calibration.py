@@ -14,7 +14,7 @@ from memx_launch.runtime.faults import Faults
 from memx_launch.profiling.profiledb import ProfileDB
 from memx_launch.runtime.calibration import CalibrationTimeout, TypeCalibration, TypeGroups, make_groups
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from test_replan_e2e import at_cpu_speed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

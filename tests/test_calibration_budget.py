@@ -11,7 +11,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.runtime.calibration import (CALIBRATION_BUDGET, MIN_CALIBRATION_SAMPLES, sample_budget,
                                              seconds_per_sample)
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

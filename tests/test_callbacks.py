@@ -65,7 +65,7 @@ def test_the_fewest_checkpointed_blocks_that_fit():
 def test_the_peaks_are_memx_s_estimate_of_checkpointing_the_first_k_blocks():
     from memx_launch.planning.estimate import evaluate_layout
     from memx_launch.specs.cluster import ClusterSpec
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
     from memx_launch.specs.training import TrainingSpec
 
     spec = get_model("llama-tiny")

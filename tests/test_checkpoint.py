@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memx_launch.planning.plan import Objective, Plan, StagePlan
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")

@@ -13,7 +13,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.runtime.devices import capability_hint, check_declared
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY, FP32_MATMUL_SHARE
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")

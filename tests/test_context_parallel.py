@@ -22,7 +22,8 @@ from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.runtime.layout import check_runnable
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")

@@ -6,7 +6,8 @@ import pytest
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import schedules
 from memx_launch.planning.tp_links import tp_link_gbps
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 S, B, H, A = 2048, 1, 12288, 96  # GPT-3 175B, the case of Korthikanti et al. Table 2

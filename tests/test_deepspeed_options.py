@@ -10,7 +10,7 @@ from memx_launch.planning.data_parallel import data_parallel_sync_time, sync_all
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_sends import stage_send_seconds
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")

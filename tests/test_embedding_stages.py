@@ -17,7 +17,7 @@ from memx_launch.planning.exporters import megatron_args, pipeline_layout
 from memx_launch.planning.plan import Plan
 from memx_launch.runtime.layout import rank_layout
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")

@@ -16,7 +16,9 @@ from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.hf_config import model_from_hf_dict
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 GIB = 2**30
@@ -51,18 +53,18 @@ def test_the_catalog_s_mixtures_have_their_published_parameters(name, total, act
 
 
 def test_hugging_face_configs_of_mixtures_of_experts():
-    mixtral = ModelSpec.from_hf_dict({"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096,
+    mixtral = model_from_hf_dict({"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096,
                                       "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
                                       "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2}, "m")
     assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.moe_ffn_hidden_size) == (8, 2, 14336)
     assert mixtral.total_params == MIXTRAL.total_params
-    qwen2 = ModelSpec.from_hf_dict({"model_type": "qwen2_moe", "num_hidden_layers": 24, "hidden_size": 2048,
+    qwen2 = model_from_hf_dict({"model_type": "qwen2_moe", "num_hidden_layers": 24, "hidden_size": 2048,
                                     "num_attention_heads": 16, "intermediate_size": 5632, "vocab_size": 151936,
                                     "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                                     "shared_expert_intermediate_size": 5632}, "q")
     assert (qwen2.moe_ffn_hidden_size, qwen2.shared_expert_ffn_hidden_size) == (1408, 5632)
     with pytest.raises(ConfigError, match="dense MLP beside the expert ones"):
-        ModelSpec.from_hf_dict({"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+        model_from_hf_dict({"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
                                 "intermediate_size": 18432, "vocab_size": 129280, "n_routed_experts": 256,
                                 "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3},
                                "deepseek")
@@ -193,7 +195,7 @@ def test_sliding_windows_shrink_the_attention_of_the_blocks_that_have_them():
     assert cm.attended_share(dataclasses.replace(gpt_oss, sliding_window=8192), 4096) == 1.0  # wider than seq
     base = {"num_hidden_layers": 12, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 512,
             "vocab_size": 1000, "sliding_window": 128}
-    read = {name: ModelSpec.from_hf_dict({**base, **extra}, name) for name, extra in (
+    read = {name: model_from_hf_dict({**base, **extra}, name) for name, extra in (
         ("types", {"layer_types": ["sliding_attention", "full_attention"] * 6}),
         ("gemma3", {"model_type": "gemma3_text", "sliding_window_pattern": 6}),
         ("gemma2", {"model_type": "gemma2"}), ("mistral", {"model_type": "mistral"}),

@@ -8,7 +8,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.exporters import megatron_args, pipeline_layout, plan_env, torchrun_commands
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
 

@@ -15,7 +15,7 @@ from memx_launch.planning.peaks import training_tflops
 from memx_launch.specs.bridge import HOST_COPY_GBPS
 from memx_launch.specs.efficiency import FP32_MATMUL_SHARE
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")

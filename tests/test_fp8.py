@@ -16,7 +16,7 @@ from memx_launch.planning.model_states import FP8_AMAX_HISTORY
 from memx_launch.planning.peaks import fp8_peak_tflops
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")

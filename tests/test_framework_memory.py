@@ -13,7 +13,7 @@ from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, TrainingSpec
 
 S, H, T = 8192, 5120, 4

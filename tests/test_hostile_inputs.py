@@ -17,7 +17,7 @@ import yaml
 from memx_launch.cli import main
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 CLUSTER = """version: 1

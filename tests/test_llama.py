@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from memx_launch.errors import ConfigError
 from memx_launch.models.llama import LlamaStage, TransformerBlock, apply_tensor_parallel
 from memx_launch.planning.plan import layer_recompute_levels
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks
 from tests.test_framework_memory import saved_storage_bytes
 

@@ -12,7 +12,7 @@ from memx_launch.planning.layouts import layout_from_stage_devices
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.scoring import MEMORY_PARTS
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")

@@ -10,7 +10,7 @@ import torch
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.monitor import GIB, MemoryMonitor, MonitorConfig, oom_event
 from memx_launch.planning.plan import Objective, Plan, StagePlan
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")

@@ -13,7 +13,9 @@ from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.exporters import megatron_args
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.hf_config import model_from_hf_dict
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 LLAMA = get_model("llama2-7b")
@@ -25,11 +27,11 @@ GIB = 2**30
 def test_hugging_face_architectures_name_the_head():
     base = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
             "intermediate_size": 172, "vocab_size": 100}
-    heads = [ModelSpec.from_hf_dict({**base, **extra}, "m").lm_head for extra in (
+    heads = [model_from_hf_dict({**base, **extra}, "m").lm_head for extra in (
         {}, {"architectures": ["LlamaForCausalLM"]}, {"architectures": ["LlamaForSequenceClassification"]},
         {"architectures": ["LlamaModel"]})]
     assert heads == [True, True, False, False]
-    gpt2 = ModelSpec.from_hf_dict({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100,
+    gpt2 = model_from_hf_dict({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100,
                                    "architectures": ["GPT2LMHeadModel"]}, "g")
     assert gpt2.lm_head
 

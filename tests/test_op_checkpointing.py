@@ -13,7 +13,8 @@ from memx_launch.planning.config_exports import torchtitan_toml
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.exporters import megatron_args
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")

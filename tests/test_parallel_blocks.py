@@ -13,7 +13,9 @@ from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.exporters import megatron_args
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.hf_config import model_from_hf_dict
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 GPTJ = get_model("gpt-j-6b")
@@ -26,11 +28,11 @@ def test_the_catalog_and_hugging_face_configs_say_which_blocks_are_parallel():
     assert GPTJ.parallel_blocks and GPTJ.total_params == pytest.approx(6.05e9, rel=0.01)  # GPT-J-6B
     base = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256,
             "vocab_size": 100, "hidden_act": "gelu"}
-    neox = ModelSpec.from_hf_dict({**base, "model_type": "gpt_neox", "use_parallel_residual": True}, "n")
-    serial_neox = ModelSpec.from_hf_dict({**base, "model_type": "gpt_neox", "use_parallel_residual": False}, "s")
-    falcon = ModelSpec.from_hf_dict({**base, "model_type": "falcon"}, "f")  # parallel_attn defaults on
-    llama = ModelSpec.from_hf_dict({**base, "model_type": "llama", "hidden_act": "silu"}, "l")
-    gptj = ModelSpec.from_hf_dict({"model_type": "gptj", "n_layer": 2, "n_embd": 64, "n_head": 4,
+    neox = model_from_hf_dict({**base, "model_type": "gpt_neox", "use_parallel_residual": True}, "n")
+    serial_neox = model_from_hf_dict({**base, "model_type": "gpt_neox", "use_parallel_residual": False}, "s")
+    falcon = model_from_hf_dict({**base, "model_type": "falcon"}, "f")  # parallel_attn defaults on
+    llama = model_from_hf_dict({**base, "model_type": "llama", "hidden_act": "silu"}, "l")
+    gptj = model_from_hf_dict({"model_type": "gptj", "n_layer": 2, "n_embd": 64, "n_head": 4,
                                    "vocab_size": 100}, "j")
     assert [m.parallel_blocks for m in (neox, serial_neox, falcon, llama, gptj)] == [True, False, True, False, True]
     # One norm per block, not two.

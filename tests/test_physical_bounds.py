@@ -12,7 +12,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.peaks import fp4_peak_tflops, fp8_peak_tflops
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 B200 = {"vendor": "nvidia", "memory_gib": 179, "peak_tflops": 2250, "memory_bandwidth_gbps": 8000,

@@ -9,7 +9,7 @@ from memx_launch.profiling.space import Sample
 from memx_launch.profiling.kernel import calibrate
 from memx_launch.runtime.batches import default_loss
 from memx_launch.specs.cluster import DeviceType
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")

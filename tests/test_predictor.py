@@ -13,7 +13,7 @@ from memx_launch.profiling.prediction_cache import CachedCostModel, PredictionCa
 from memx_launch.profiling.features import FEATURE_NAMES
 from memx_launch.profiling.predictor import PREDICTOR_FORMAT, LearnedCostModel, Predictor, fit_predictor, sidecar_path
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
-from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.catalog import MODEL_CATALOG
 from memx_launch.specs.cluster import ClusterSpec, DeviceType, Emulation, Node
 from memx_launch.specs.training import TrainingSpec
 

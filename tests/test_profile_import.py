@@ -11,7 +11,7 @@ from memx_launch.planning.tp_links import TpLink
 from memx_launch.profiling.profile_import import TABLE_COLUMNS, import_profile
 from memx_launch.profiling.profiledb import ProfileDB
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 MODEL = get_model("opt-350m")
 CLUSTER = {"version": 1, "device_types": {"GH-96": {"vendor": "nvidia", "memory_gib": 96, "peak_tflops": 989,

@@ -4,7 +4,7 @@ import pytest
 
 from memx_launch.errors import ConfigError
 from memx_launch.profiling.profiledb import Measurement, ProfileDB, ProfileWarning, merge_profiles
-from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.catalog import MODEL_CATALOG
 
 
 def record(model="llama-tiny", mbs=1, time_s=0.01, rank_software="2.13"):

@@ -12,7 +12,7 @@ from memx_launch.profiling.space import PARAMETERS, ProfileSpace, Sample
 from memx_launch.profiling.design import ablation_samples, minimal_sample_set, three_point_design
 from memx_launch.profiling.refinement import analytical_log_ratios
 from memx_launch.profiling.kernel import calibrate
-from memx_launch.specs.model import MODEL_CATALOG
+from memx_launch.specs.catalog import MODEL_CATALOG
 from memx_launch.specs.cluster import DeviceType
 
 SPEC = MODEL_CATALOG["llama-tiny"]

@@ -52,7 +52,7 @@ def test_torchtitan_rows_are_asked_as_they_ran():
     ratios = {r["what"]: r for r in pt.torchtitan_ratios(rows)}
     assert len(ratios) == 8 and all(r["predicted"] > 0 for r in ratios.values())
     # Never faster than 6 FLOPs per parameter and token at the peak (FP8's, twice it, for Float8 rows).
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
     for r in rows:
         peak = GPUS[r["gpu"]][0]["peak_tflops"] * 1e12 * (2 if "float8" in r["layout"] else 1)
         assert r["time_s"] >= 6 * get_model(r["model"]).total_params * r["tokens"] / (r["gpus"] * peak)

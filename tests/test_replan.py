@@ -9,7 +9,7 @@ from memx_launch.planning.replan import GIB, ReplanEvent, memory_correction, rep
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 MODEL = get_model("llama-tiny")
 TRAINING = TrainingSpec(global_batch_size=8, seq_len=64, dtype="fp32")

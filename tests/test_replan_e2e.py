@@ -79,7 +79,7 @@ def one_process_losses() -> dict[int, float]:
     """examples/train.py's losses in one process, every layer on one CPU stage: the same model,
     data and optimizer steps as under any plan of the drill (fp32: a split or a recompute level
     only reorders sums), so the reference of every memx-run test here and in test_signals.py."""
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
     from ranks import one_rank_env
     from test_adapters import make_plan
 

@@ -16,7 +16,7 @@ import torch
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks
 
 MODEL = get_model("llama-tiny")

@@ -13,7 +13,7 @@ from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.optimizer_step import optimizer_step_time
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 

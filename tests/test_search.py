@@ -14,7 +14,7 @@ from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.objective import WEIGHT_PROFILES, parse_slowdown, parse_weights
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
 

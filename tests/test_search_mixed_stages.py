@@ -9,7 +9,8 @@ from memx_launch.planning.estimate import evaluate_plan, plan_training
 from memx_launch.planning.layouts import MIXED_SEPARATOR, enumerate_layouts
 from memx_launch.planning.search import SearchSpace, search
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 # Six fast, small devices and two slow, big ones: dp = 4 fits neither count alone.

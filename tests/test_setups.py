@@ -9,7 +9,8 @@ from memx_launch.planning.data_parallel import data_parallel_sync_time
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY, FP32_MATMUL_SHARE
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import SETUPS, TrainingSpec
 
 

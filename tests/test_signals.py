@@ -133,7 +133,7 @@ def test_workers_stop_with_a_checkpoint_when_memx_run_is_killed_and_sighup_stops
 
     from memx_launch.planning.estimate import evaluate_layout
     from memx_launch.specs.cluster import ClusterSpec
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
     from memx_launch.specs.training import TrainingSpec
 
     cluster = tmp_path / "two.yaml"

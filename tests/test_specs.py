@@ -9,7 +9,9 @@ import pytest
 from memx_launch.errors import ConfigError
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.node import PCIE_STAGED_SHARE
-from memx_launch.specs.model import ModelSpec, get_model
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.hf_config import model_from_hf_dict
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
@@ -118,7 +120,7 @@ def test_parameter_count_is_the_hugging_face_models(folder, family):
     assert get_model(path).total_params == sum(p.numel() for p in model.parameters())
     opt = transformers.OPTConfig(num_hidden_layers=2, hidden_size=64, ffn_dim=256, num_attention_heads=4,
                                  vocab_size=300, max_position_embeddings=128, word_embed_proj_dim=64)
-    assert ModelSpec.from_hf_dict(opt.to_dict(), "opt").total_params == \
+    assert model_from_hf_dict(opt.to_dict(), "opt").total_params == \
         sum(p.numel() for p in transformers.OPTForCausalLM(opt).parameters())
 
 
@@ -150,13 +152,13 @@ def test_heads_wider_than_hidden_size_over_heads_are_modelled(tmp_path):
     gemma = get_model(str(tmp_path))
     assert (gemma.head_dim, gemma.q_hidden_size, gemma.kv_hidden_size) == (256, 4096, 4096)
     assert gemma.total_params == pytest.approx(8.54e9, rel=0.001)  # Gemma-7B's published 8.54B
-    qwen3 = ModelSpec.from_hf_dict({"num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 64,
+    qwen3 = model_from_hf_dict({"num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 64,
                                     "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 25600,
                                     "vocab_size": 151936}, "qwen3-32b")
     assert qwen3.total_params == pytest.approx(32.76e9, rel=0.001)  # Qwen3-32B's 32.8B, q/k norms aside
     # A head_dim that is hidden_size / num_heads is the default: the shape keeps its signature.
     llama = get_model("llama2-7b")
-    assert ModelSpec.from_hf_dict({**{"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+    assert model_from_hf_dict({**{"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
                                       "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096},
                                    "head_dim": 128}, "llama2-7b").signature() == llama.signature()
     assert dataclasses.replace(llama, attention_head_dim=256).signature() != llama.signature()

@@ -8,7 +8,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning.matmuls import forward_backward_seconds, linear_shapes
 from memx_launch.specs.cluster import ClusterSpec
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 MODEL = get_model("llama2-7b")

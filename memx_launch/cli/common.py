@@ -207,7 +207,7 @@ def model_from_args(args):
     from dataclasses import replace
 
     from memx_launch.planning.cases import MODEL_COLUMNS
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
 
     return replace(get_model(args.model), **{name: getattr(args, name) for name in MODEL_COLUMNS
                                              if getattr(args, name) is not None})

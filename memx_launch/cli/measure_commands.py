@@ -11,7 +11,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.inputs import int_flag
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.cli.common import BLOCK_OPTIONS, Parser, add_block_option_args, check_new_file
 from memx_launch.specs.checks import list_of
 

@@ -30,7 +30,7 @@ from memx_launch.planning.estimate import LayoutScorer, layout_objective, short_
 from memx_launch.planning.search import default_references
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.inputs import parse_json, parse_number, read_text
-from memx_launch.specs.model import get_model
+from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 
 LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "cp", "dp", "micro_batch_size", "layers_per_stage", "stage_devices",

@@ -71,7 +71,7 @@ def user_block_factory(environ=os.environ):
 
 def _hf_block_factory(model_arg: str):
     from memx_launch.models.adapters import ModelParts
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
 
     folder = model_arg if os.path.isdir(model_arg) else os.path.dirname(model_arg)
     if not os.path.isfile(os.path.join(folder, "config.json")) or get_model(model_arg).gated_mlp:

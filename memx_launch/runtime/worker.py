@@ -116,7 +116,7 @@ def plan_in_job(env) -> None:
     from memx_launch.planning.objective import parse_weights
     from memx_launch.specs.cluster import ClusterSpec
     from memx_launch.specs.training import TrainingSpec
-    from memx_launch.specs.model import get_model
+    from memx_launch.specs.catalog import get_model
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,19 +1,16 @@
-"""What is trained: ModelSpec (a transformer's shape) and the catalog of named models.
-"""
+"""What is trained: ModelSpec, a transformer's shape (the catalog: ``catalog.py``; Hugging Face
+configs: ``hf_config.py``)."""
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_type
-from memx_launch.specs.inputs import load_json
 
 MAX_DIMENSION = 2**24
 """Bound on every size of a model (layers, hidden, heads, vocabulary, sequence)."""
@@ -27,17 +24,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
                          "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
                          "sliding_window": 0, "full_attention_layers": 0}
-# Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
-GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
-# Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
-# Model types whose config class ties the head to the embedding unless told otherwise.
-TIED_BY_DEFAULT = ("gpt2", "opt", "gemma")
-# Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU).
-GATED_GELU = ("gemma",)
-# Model types whose attention and MLP read one normed input side by side, and the config key
-# that turns it off (GPT-J always; GPT-NeoX's use_parallel_residual, Falcon's parallel_attn).
-PARALLEL_BLOCK_KEYS = {"gptj": None, "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
+
 
 
 @dataclass(frozen=True)
@@ -250,199 +237,3 @@ class ModelSpec:
             raise ConfigError(where, "must be a mapping of the model's sizes")
         reject_unknown(data, {f for f in cls.__dataclass_fields__}, where)
         return cls(**data)
-
-    @classmethod
-    def from_hf_config(cls, path: str, name: str | None = None) -> "ModelSpec":
-        """Read a Hugging Face style ``config.json`` (LLaMA, Mistral, Qwen2 families; GPT-2 style keys)."""
-        cfg = load_json(path, "--model", fix="pass a Hugging Face config.json")
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"model ({path})", "config.json must be a JSON object", "pass a Hugging Face config.json")
-        if cfg.get("_name_or_path") is not None:
-            require_type(cfg["_name_or_path"], str, f"model ({path})._name_or_path")
-        return cls.from_hf_dict(cfg, name or cfg.get("_name_or_path")
-                                or os.path.basename(os.path.dirname(os.path.abspath(path))), where=path)
-
-    @classmethod
-    def from_hf_dict(cls, cfg: Mapping[str, Any], name: str, where: str = "config") -> "ModelSpec":
-        """The shape in a Hugging Face config's dict (``model.config.to_dict()``, or a config.json):
-        Llama-style keys, GPT-2's (``n_layer``, ...) or OPT's (``ffn_dim``)."""
-        model_type = cfg.get("model_type", "gpt2" if "n_layer" in cfg else "llama")
-        require_type(model_type, str, f"model ({where}).model_type")
-        # A config naming its architectures names its head: only causal-LM classes have an LM head.
-        architectures = cfg.get("architectures") or []
-        require_type(architectures, list, f"model ({where}).architectures")
-        lm_head = not architectures or any("CausalLM" in str(a) or "LMHead" in str(a) for a in architectures)
-        if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
-            cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
-        if "n_layer" in cfg:  # GPT-2 style names (GPT-2, GPT-J, ...): GELU MLP, 4x width unless n_inner, tied
-            require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
-                           integer=True, fix="config.json must give it as a positive integer")
-            cfg = {"num_hidden_layers": cfg["n_layer"], "hidden_size": cfg.get("n_embd"),
-                   "num_attention_heads": cfg.get("n_head"),
-                   "intermediate_size": cfg.get("n_inner") or 4 * int(cfg.get("n_embd") or 0),
-                   "vocab_size": cfg.get("vocab_size"), "hidden_act": cfg.get("activation_function", "gelu"),
-                   "max_position_embeddings": cfg.get("n_positions") or cfg.get("n_ctx") or 1024,
-                   "tie_word_embeddings": cfg.get("tie_word_embeddings"),
-                   "layer_norm_epsilon": cfg.get("layer_norm_epsilon")}
-            cfg = {k: v for k, v in cfg.items() if v is not None}
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                               "intermediate_size", "vocab_size") if k not in cfg]
-        if missing:
-            raise ConfigError(f"model ({where})", f"config.json lacks {', '.join(missing)}",
-                              "use a decoder-only config with these keys (or GPT-2's n_layer, n_embd, n_head)")
-        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
-                    "num_key_value_heads", "max_position_embeddings"):
-            if cfg.get(key) is not None:
-                require_number(cfg[key], f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
-                               fix="config.json must give it as a positive integer")
-        if cfg.get("hidden_act") is not None:
-            require_type(cfg["hidden_act"], str, f"model ({where}).hidden_act")
-        if cfg.get("tie_word_embeddings") is not None:
-            require_type(cfg["tie_word_embeddings"], bool, f"model ({where}).tie_word_embeddings")
-        act = str(cfg.get("hidden_act", "silu"))
-        heads = cfg["num_attention_heads"]
-        head_dim = 0
-        if cfg.get("head_dim") is not None:
-            require_number(cfg["head_dim"], f"model ({where}).head_dim", lo=0, lo_open=True, hi=MAX_DIMENSION,
-                           integer=True, fix="config.json must give it as a positive integer")
-            head_dim = 0 if cfg["head_dim"] * heads == cfg["hidden_size"] else cfg["head_dim"]
-        tied = cfg.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)
-        gpt_style = model_type in GPT_STYLE
-        # Learned position tables: GPT-2's n_positions rows, OPT's max_position_embeddings + 2 (its offset).
-        positions = {"gpt2": cfg.get("max_position_embeddings") or 1024,
-                     "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
-        if cfg.get("enable_bias") is not None:
-            require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
-        experts = {**_experts_of(cfg, where), **_window_of(cfg, model_type, where)}
-        parallel = False
-        if model_type in PARALLEL_BLOCK_KEYS:
-            key = PARALLEL_BLOCK_KEYS[model_type]
-            parallel = True if key is None else cfg.get(key, True)
-            require_type(parallel, bool, f"model ({where}).{key}")
-        return cls(
-            name=name,
-            num_layers=cfg["num_hidden_layers"],
-            hidden_size=cfg["hidden_size"],
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            ffn_hidden_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
-            gated_mlp=act in ("silu", "swiglu", "swish") or model_type in GATED_GELU,
-            tie_embeddings=bool(tied),
-            layer_norm=gpt_style,
-            linear_biases=gpt_style and cfg.get("enable_bias", True),
-            position_embeddings=positions,
-            parallel_blocks=parallel,
-            lm_head=lm_head,
-            tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
-            attention_head_dim=head_dim,
-            **experts,
-            **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
-                                                  ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
-               if cfg.get(key) is not None},
-        )
-
-
-def _window_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """The sliding-window fields of a Hugging Face config: ``sliding_window`` (unless
-    ``use_sliding_window`` is off), and which blocks attend to the whole sequence: its
-    ``layer_types``, Gemma 3's ``sliding_window_pattern`` (one in that many), Gemma 2's every other
-    block; else none (Mistral-7B v0.1)."""
-    window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
-        return {}
-    require_number(window, f"model ({where}).sliding_window", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
-                   fix="config.json must give it as a positive integer, or null")
-    layers, types = cfg["num_hidden_layers"], cfg.get("layer_types")
-    if types is not None:
-        require_type(types, list, f"model ({where}).layer_types")
-        if "sliding_attention" not in types:
-            return {}
-        full = sum(t != "sliding_attention" for t in types)
-    elif cfg.get("sliding_window_pattern"):
-        require_number(cfg["sliding_window_pattern"], f"model ({where}).sliding_window_pattern", lo=1,
-                       hi=MAX_DIMENSION, integer=True)
-        full = layers // cfg["sliding_window_pattern"]
-    else:
-        full = layers // 2 if model_type == "gemma2" else 0
-    return {"sliding_window": window, "full_attention_layers": full}
-
-
-def _experts_of(cfg: Mapping[str, Any], where: str) -> dict:
-    """The mixture-of-experts fields of a Hugging Face config: Mixtral's and GPT-OSS's
-    ``num_local_experts``, Qwen's ``num_experts`` and ``moe_intermediate_size`` (Qwen2-MoE's shared
-    expert), DeepSeek's ``n_routed_experts`` and ``n_shared_experts``; none in a dense config."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
-    if not experts:
-        return {}
-    for key in ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
-                "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts"):
-        if cfg.get(key) is not None:
-            require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
-                           fix="config.json must give it as a non-negative integer")
-    dense = cfg.get("first_k_dense_replace") or cfg.get("mlp_only_layers") or (cfg.get("decoder_sparse_step") or 1) > 1
-    if dense:
-        raise ConfigError(f"model ({where})", "some of its blocks have a dense MLP beside the expert ones",
-                          "memx models every block as a mixture of experts: use a model whose blocks all are")
-    expert_ffn = cfg.get("moe_intermediate_size") or 0
-    shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert_ffn
-    return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
-            or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared}
-
-
-def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=10000.0) -> ModelSpec:
-    return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=rope_theta)
-
-
-def _gpt_style(name, layers, hidden, heads, ffn, vocab, seq, positions) -> ModelSpec:
-    return ModelSpec(name, layers, hidden, heads, heads, ffn, vocab, seq, gated_mlp=False, tie_embeddings=True,
-                     layer_norm=True, linear_biases=True, position_embeddings=positions)
-
-
-# Paper Table 4 plus the published FFN and KV-head sizes; the small flavors run on a CPU.
-MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
-    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
-    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
-    _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0),
-    _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
-    _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
-    _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),  # TinyLlama-1.1B's shape: benchmarks/gpu_check.py
-    # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, LayerNorm, biases,
-    # learned positions: OPT's table has 2 rows more than its context; fp32 there).
-    _gpt_style("opt-350m", 24, 1024, 16, 4096, 50272, 2048, positions=2050),
-    # GPT-J-6B (EleutherAI): attention and MLP side by side, rotary positions, an untied head.
-    ModelSpec("gpt-j-6b", 28, 4096, 16, 16, 16384, 50400, 2048, gated_mlp=False, layer_norm=True,
-              linear_biases=True, parallel_blocks=True),
-    _gpt_style("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, positions=2048),
-    _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050),
-    # Mixtures of experts (their Hugging Face configs): Mixtral-8x7B; Qwen3-30B-A3B and
-    # Qwen3-235B-A22B, whose 128-wide heads are wider than hidden / heads.
-    ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, rope_theta=1e6, num_experts=8,
-              experts_per_token=2),
-    ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
-              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=768),
-    ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
-              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=1536),
-    # GPT-OSS-120B: every other block attends within 128 tokens (its attention sinks and the
-    # biases of its attention and experts, 0.01% of its parameters, are not counted).
-    ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
-              num_experts=128, experts_per_token=4, sliding_window=128, full_attention_layers=18),
-)}
-
-
-def get_model(name_or_path: str) -> ModelSpec:
-    """A catalog name, or the path of a Hugging Face ``config.json`` (or its folder)."""
-    if name_or_path in MODEL_CATALOG:
-        return MODEL_CATALOG[name_or_path]
-    candidate = name_or_path
-    if os.path.isdir(candidate):
-        candidate = os.path.join(candidate, "config.json")
-    if candidate.endswith(".json") and os.path.exists(candidate):
-        return ModelSpec.from_hf_config(candidate)
-    close = difflib.get_close_matches(name_or_path, MODEL_CATALOG, n=3, cutoff=0.4)
-    hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(MODEL_CATALOG)}"
-    raise ConfigError("--model", f"unknown model {name_or_path!r}",
-                      f"{hint} (or pass a Hugging Face config.json)")

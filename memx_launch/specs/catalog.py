@@ -1,0 +1,67 @@
+"""The catalog of named models, and :func:`get_model`: a catalog name or a Hugging Face config."""
+
+from __future__ import annotations
+
+import difflib
+import os
+
+from memx_launch.errors import ConfigError
+from memx_launch.specs.hf_config import model_from_hf_config
+from memx_launch.specs.model import ModelSpec
+
+
+def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=10000.0) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=rope_theta)
+
+
+def _gpt_style(name, layers, hidden, heads, ffn, vocab, seq, positions) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, heads, ffn, vocab, seq, gated_mlp=False, tie_embeddings=True,
+                     layer_norm=True, linear_biases=True, position_embeddings=positions)
+
+
+# Paper Table 4 plus the published FFN and KV-head sizes; the small flavors run on a CPU.
+MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
+    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0),
+    _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
+    _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
+    _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),  # TinyLlama-1.1B's shape: benchmarks/gpu_check.py
+    # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, LayerNorm, biases,
+    # learned positions: OPT's table has 2 rows more than its context; fp32 there).
+    _gpt_style("opt-350m", 24, 1024, 16, 4096, 50272, 2048, positions=2050),
+    # GPT-J-6B (EleutherAI): attention and MLP side by side, rotary positions, an untied head.
+    ModelSpec("gpt-j-6b", 28, 4096, 16, 16, 16384, 50400, 2048, gated_mlp=False, layer_norm=True,
+              linear_biases=True, parallel_blocks=True),
+    _gpt_style("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, positions=2048),
+    _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050),
+    # Mixtures of experts (their Hugging Face configs): Mixtral-8x7B; Qwen3-30B-A3B and
+    # Qwen3-235B-A22B, whose 128-wide heads are wider than hidden / heads.
+    ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, rope_theta=1e6, num_experts=8,
+              experts_per_token=2),
+    ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
+              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=768),
+    ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
+              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=1536),
+    # GPT-OSS-120B: every other block attends within 128 tokens (its attention sinks and the
+    # biases of its attention and experts, 0.01% of its parameters, are not counted).
+    ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
+              num_experts=128, experts_per_token=4, sliding_window=128, full_attention_layers=18),
+)}
+
+
+def get_model(name_or_path: str) -> ModelSpec:
+    """A catalog name, or the path of a Hugging Face ``config.json`` (or its folder)."""
+    if name_or_path in MODEL_CATALOG:
+        return MODEL_CATALOG[name_or_path]
+    candidate = name_or_path
+    if os.path.isdir(candidate):
+        candidate = os.path.join(candidate, "config.json")
+    if candidate.endswith(".json") and os.path.exists(candidate):
+        return model_from_hf_config(candidate)
+    close = difflib.get_close_matches(name_or_path, MODEL_CATALOG, n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(MODEL_CATALOG)}"
+    raise ConfigError("--model", f"unknown model {name_or_path!r}",
+                      f"{hint} (or pass a Hugging Face config.json)")
