@@ -41,7 +41,7 @@ from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.planning.costmodel import RECOMPUTE_LEVELS, AnalyticalCostModel  # noqa: E402
 from memx_launch.profiling.profiledb import Measurement, ProfileDB  # noqa: E402
 from memx_launch.specs.cluster import ClusterSpec  # noqa: E402
-from memx_launch.specs.model import get_model  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 CLUSTERS = os.path.join(os.path.dirname(HERE), "examples", "clusters")

@@ -72,7 +72,8 @@ sys.path.insert(0, ROOT)
 from benchmarks.common import dgx_cluster, grouped, no_nan, predicted, run_summary, step_time_by_group  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
-from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
+from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "benchmarks", "data", "nemo_performance.csv")

@@ -32,7 +32,7 @@ from benchmarks.real_runs import shared_dir  # noqa: E402
 from memx_launch.errors import ConfigError  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.profiling.profile_import import import_profile, matmul_floor_seconds  # noqa: E402
-from memx_launch.specs.model import get_model  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "peer_profile_bounds.json")

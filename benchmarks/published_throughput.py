@@ -67,7 +67,8 @@ from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.common import (dgx_cluster, grouped, identity_axes, no_nan, predicted, run_summary,  # noqa: E402
                                step_time_by_group, time_mape)
 from memx_launch.files import write_json_atomic  # noqa: E402
-from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
+from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "benchmarks", "data")

@@ -74,7 +74,8 @@ from benchmarks.common import (GPUS, dgx_cluster, fit_summary, grouped, identity
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.specs.cluster import ClusterSpec  # noqa: E402
-from memx_launch.specs.model import ModelSpec, get_model  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
+from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "real_runs.json")
