@@ -105,23 +105,36 @@ def nemo_model(name: str, seq: int) -> ModelSpec:
     if name in NEMOTRON:
         layers, hidden, heads, kv, ffn = NEMOTRON[name]
         return ModelSpec(name, layers, hidden, heads, kv, ffn, 256000, seq, gated_mlp=False, layer_norm=True)
+    if name == "deepseek-v3-no-mtp":  # the rows Megatron-Bridge ran without multi-token prediction
+        return dataclasses.replace(get_model("deepseek-v3"), name=name, mtp_layers=0, seq_len=seq)
     base = LLAMA31_405B if name == LLAMA31_405B.name else get_model(name)
     return dataclasses.replace(base, seq_len=seq)
 
 
 def flops_per_token(model: ModelSpec, seq: int) -> float:
     """Training FLOPs per token as NeMo's tables count them: 6 x the matmul parameters a token
-    runs through (blocks, a mixture's top-k experts, the output layer) plus the whole s x s
-    attention (QK^T and AV, forward and backward); Megatron-Bridge counts its mixtures of experts'
-    attention causal, half of it."""
-    attention = (6.0 if model.num_experts else 12.0) * model.num_layers * seq * model.q_hidden_size
-    return 6.0 * (model.num_layers * (model.attention_params + model.active_mlp_params) + model.head_params) + attention
+    runs through (blocks, a mixture's top-k experts or its dense first blocks' MLP, each
+    multi-token prediction module's block, projection and output layer, the output layer) plus
+    the whole s x s attention (QK^T at the queries' width and AV at the values', forward and
+    backward); Megatron-Bridge counts its mixtures of experts' attention causal, half of it."""
+    blocks = model.num_layers + model.mtp_layers
+    attention = (3.0 if model.num_experts else 6.0) * blocks * seq * (model.q_hidden_size + model.value_hidden_size)
+    dense = model.dense_layers * (model.dense_block.mlp_params - model.active_mlp_params) if model.dense_layers else 0
+    matmuls = (blocks * (model.attention_params + model.active_mlp_params) + dense
+               + model.mtp_layers * 2 * model.hidden_size ** 2 + (1 + model.mtp_layers) * model.head_params)
+    return 6.0 * matmuls + attention
+
+
+# Megatron-Bridge's DeepSeek-V3 layout for 16 chunks (PP 16, PP 4 x VP 4, PP 2 x VP 8): Et*4|(t*4|)*14tmL.
+DEEPSEEK_V3_CHUNKS = [4] * 15 + [1]
 
 
 def stage_layers(model: ModelSpec, pp: int, vp: int, with_ends: bool) -> list[int] | None:
     """Megatron's split over ``pp`` stages of ``vp`` chunks: even (None), or with the embedding and
     the loss counted as a layer each (``account_for_embedding/loss_in_pipeline_split``): the
-    first and last chunks hold one layer less."""
+    first and last chunks hold one layer less; DeepSeek-V3's layout of 16 chunks where it has one."""
+    if model.name.startswith("deepseek-v3") and pp * vp == len(DEEPSEEK_V3_CHUNKS):
+        return [sum(DEEPSEEK_V3_CHUNKS[s::pp]) for s in range(pp)]
     if not with_ends:
         return None
     per_chunk = (model.num_layers + 2) // (pp * vp)
@@ -211,6 +224,8 @@ def main() -> None:
               "by_system": {name: run_summary(members) for name, members in grouped(dense, lambda r: r["system"]).items()},
               "moe_by_system": {name: run_summary(members) for name, members in grouped(
                   [r for r in rows if r["kind"] == "moe"], lambda r: r["system"]).items()},
+              "moe_by_model": {name: run_summary(members) for name, members in grouped(
+                  [r for r in rows if r["kind"] == "moe"], lambda r: r["model"].removesuffix("-no-mtp")).items()},
               "by_kind": {name: run_summary(members) for name, members in grouped(rows, lambda r: r["kind"]).items()},
               "dense_h100": run_summary([r for r in rows if r["system"] == "dgx-h100" and r["kind"] == "dense"]),
               "dense_blackwell": run_summary([r for r in rows if r["system"] != "dgx-h100" and r["kind"] == "dense"]),
@@ -223,7 +238,7 @@ def main() -> None:
     plot(rows, PLOT)
     print("all", result["time"], result["fit"]["confusion"], "errors", result["errors"])
     print("dense H100", result["dense_h100"]["time"], "dense Blackwell", result["dense_blackwell"]["time"])
-    for part in ("by_table", "by_task", "by_system", "by_precision", "by_kind", "moe_by_system"):
+    for part in ("by_table", "by_task", "by_system", "by_precision", "by_kind", "moe_by_system", "moe_by_model"):
         for name, summary in result[part].items():
             print(" ", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
     print("  table / shape FLOPs per token", result["table_over_shape_flops"])

@@ -1,6 +1,7 @@
 """Exporters: Megatron-LM arguments checked by megatron-core, torchrun lines by torch's parser."""
 
 import os
+import re
 
 import pytest
 
@@ -82,6 +83,10 @@ MEGATRON_LM_ARGUMENTS = {
     "--fp4-format": dict(choices=["e2m1"]), "--fp4-recipe": dict(choices=["nvfp4", "custom"]),
     "--fp8-param-gather": dict(action="store_true"),
     "--cpu-offloading": dict(action="store_true"), "--cpu-offloading-num-layers": dict(type=int, default=0),
+    "--multi-latent-attention": dict(action="store_true"), "--q-lora-rank": dict(type=int),
+    "--kv-lora-rank": dict(type=int), "--qk-head-dim": dict(type=int), "--qk-pos-emb-head-dim": dict(type=int),
+    "--v-head-dim": dict(type=int), "--mtp-num-layers": dict(type=int), "--moe-layer-freq": dict(type=str),
+    "--recompute-modules": dict(nargs="*"),
     # data, tokenizer
     "--seq-length": dict(type=int), "--vocab-size": dict(type=int),
 }
@@ -140,6 +145,17 @@ def _megatron_config(plan, args):
                       moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
                       overlap_moe_expert_parallel_comm=a.overlap_moe_expert_parallel_comm,
                       delay_wgrad_compute=a.delay_wgrad_compute)
+    if a.moe_layer_freq:  # Megatron-LM evaluates the list expression: ([0]*3+[1]*58)
+        kwargs["moe_layer_freq"] = [int(v) for v, n in re.findall(r"\[(\d)\]\*(\d+)", a.moe_layer_freq)
+                                    for _ in range(int(n))]
+    if a.mtp_num_layers:
+        kwargs["mtp_num_layers"] = a.mtp_num_layers
+    if a.recompute_modules:
+        kwargs["recompute_modules"] = a.recompute_modules
+    if a.multi_latent_attention:
+        return tc.MLATransformerConfig(**kwargs, multi_latent_attention=True, q_lora_rank=a.q_lora_rank,
+                                       kv_lora_rank=a.kv_lora_rank, qk_head_dim=a.qk_head_dim,
+                                       qk_pos_emb_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim)
     return tc.TransformerConfig(**kwargs)
 
 

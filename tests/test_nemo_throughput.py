@@ -20,13 +20,14 @@ def rows():
 
 
 def test_every_row_is_expressible_and_fits(rows):
-    assert len(rows) == 70 and not [r for r in rows if "error" in r]
+    assert len(rows) == 79 and not [r for r in rows if "error" in r]
     # Every published run ran: memx says each fits on its GPU.
     assert all(r["fits"] for r in rows)
     assert {r["task"] for r in rows} == {"pretrain", "sft", "lora"}
     assert {r["system"] for r in rows} == {"dgx-h100", "dgx-b200", "dgx-b300", "dgx-gb200", "dgx-gb300"}
     assert {r["precision"] for r in rows} == {"bf16", "fp8", "fp8-cs", "fp8-mx", "nvfp4"}
-    assert sum(r["kind"] == "moe" for r in rows) == 23
+    assert sum(r["kind"] == "moe" for r in rows) == 32
+    assert sum(r["model"].startswith("deepseek-v3") for r in rows) == 9
 
 
 def test_the_grace_blackwell_fsdp_rows_fit_by_offloading_activations():
@@ -68,3 +69,12 @@ def test_the_405b_split_counts_the_embedding_and_the_loss_as_layers():
     # 126 layers + 2 over 8 stages of 8 chunks: 2 layers a chunk, one less on the first and last.
     assert nt.stage_layers(model, 8, 8, True) == [15, 16, 16, 16, 16, 16, 16, 15]
     assert nt.stage_layers(model, 8, 8, False) is None
+
+
+def test_deepseek_v3_rows_take_megatron_bridge_s_layout_of_sixteen_chunks():
+    model = nt.nemo_model("deepseek-v3", 4096)
+    # Et*4|(t*4|)*14tmL: chunk k on stage k mod PP; the last chunk one block, the module and the loss.
+    assert nt.stage_layers(model, 16, 1, False) == [4] * 15 + [1]
+    assert nt.stage_layers(model, 2, 8, False) == [32, 29]
+    assert nt.stage_layers(model, 8, 4, False) is None  # no recipe: memx's even split
+    assert nt.nemo_model("deepseek-v3-no-mtp", 4096).mtp_layers == 0 and model.mtp_layers == 1

@@ -1,5 +1,6 @@
 """Physical bounds over random layouts of every kind of model and precision memx expresses (dense,
-wide heads, sliding windows, experts; bf16, FP8, MXFP8, NVFP4; recompute, offloading): no
+wide heads, sliding windows, experts, latent attention with dense first blocks and multi-token
+prediction; bf16, FP8, MXFP8, NVFP4; recompute, offloading): no
 iteration is faster than its matmul FLOPs at the device's peak for its precision, and every stage's
 memory is its parts, none negative. Seeded, no processes."""
 
@@ -22,6 +23,7 @@ CLUSTER = ClusterSpec.from_dict({"version": 1, "name": "b200x16", "device_types"
                                  "inter_node_gbps": 50})
 MODELS = [dataclasses.replace(get_model(n), num_layers=8, full_attention_layers=4 if get_model(n).sliding_window else 0)
           for n in ("llama3-8b", "qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b", "llama2-7b")]
+MODELS.append(dataclasses.replace(get_model("deepseek-v3"), num_layers=8, dense_layers=1))
 PRECISIONS = [{}, {"fp8": "current"}, {"fp8": "mxfp8", "fp8_params": True}, {"fp4": "nvfp4"}]
 
 
@@ -48,7 +50,9 @@ def test_no_layout_beats_its_flops_at_the_peak_and_its_memory_is_its_parts(seed)
     tokens = training.global_batch_size * seq
     # Every block's forward, input-gradient and weight-gradient matmuls (3 x the forward) over the
     # world's peak for the precision (the linears' at most: attention runs in 16 bits).
-    flops = 3.0 * model.num_layers * float(cm.layer_forward_flops(model, 1, seq, 1)) * tokens / seq
+    dense = model.dense_layers * float(cm.layer_forward_flops(model.dense_block, 1, seq, 1)) if model.dense_layers else 0
+    blocks = (model.num_layers - model.dense_layers) * float(cm.layer_forward_flops(model, 1, seq, 1)) + dense
+    flops = 3.0 * blocks * tokens / seq
     assert plan.predicted_iteration_time_s >= flops / (16 * _peak_flops(training)), plan.stages
     for stage in plan.stages:
         parts = stage.memory_parts_gib

@@ -52,9 +52,11 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="gradient precision (default fp32; bf16/fp16 = the training dtype)")
     p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
                    help="precision of the logits for the loss (default fp32)")
-    p.add_argument("--optimizer-dtype", "--optimizer_dtype", choices=("fp32", "bf16", "fp16"),
+    p.add_argument("--optimizer-dtype", "--optimizer_dtype", choices=("fp32", "bf16", "fp16", "bf16-moments",
+                                                                       "fp16-moments"),
                    help="precision of the optimizer's master weights and moments (default fp32; bf16/fp16 = the "
-                        "training dtype, 6 bytes per parameter with Adam)")
+                        "training dtype, 6 bytes per parameter with Adam; bf16-moments/fp16-moments: fp32 master "
+                        "weights and 16-bit moments, 8 bytes)")
     p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
                    default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
                    "(default on)")

@@ -40,7 +40,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         parallel blocks: one norm input and one normed tensor, 4
       Q + K + V saved by attention: 2q/h + 4kv/h, over t (q: the queries' width, h unless the
         model's heads are wider or narrower than h / a)
-      attention output (input of Wo): 2q/h over t; fused kernels add a fp32 logsumexp per head
+      attention output (input of Wo): 2q/h over t (latent attention: its values' width); fused
+        kernels add a fp32 logsumexp per head
+      latent attention's down projections (whole on every TP rank): the query and key-value
+        latents, each its norm's input and the normed tensor its up projection reads, and the
+        shared rotary key: 2(2 q_lora + 2 kv_lora + rope)/h
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
         softmax in fp32 (torch's softmax on an fp32 copy of 16-bit scores, Megatron's
         --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h;
@@ -56,7 +60,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         take ``quantized_bytes`` per element: the two normed tensors, the attention output and
         the MLP's down-projection input
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
-    it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate).
+    it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate). In latent
+    attention it is Megatron's ``mla_up_proj``: the up projections and RoPE run again from the
+    kept latents, dropping Q, K and V.
     ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
     Full recompute keeps the block input only; its working set is one block recomputed.
     Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
@@ -80,8 +86,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
     linear_inputs = 2.0 * sides * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
-    qkv = (2.0 * q + 4.0 * kv) / h / tp
-    attn_out = 2.0 * fp8_share * q / h / tp
+    heads_qkv = (2.0 * q + 4.0 * kv) / h / tp
+    latent = 2.0 * (2.0 * model.q_lora_rank + 2.0 * model.kv_lora_rank + model.rope_head_dim) / h
+    qkv = heads_qkv + latent if model.kv_lora_rank else heads_qkv
+    attn_out = 2.0 * fp8_share * model.value_hidden_size / h / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
     # Bytes kept per score (in units of 2 bytes x scale): the softmax output, in fp32 plus its
     # 16-bit copy when torch's softmax upcasts (a fused kernel reads and writes 16 bits).
@@ -101,6 +109,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
                           if op_selective else (replicated + qkv + attn_out + mlp_kept, 0.0))
+    if model.kv_lora_rank and not op_selective:
+        selective = none - heads_qkv
     full = np.broadcast_to(block_input, none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of

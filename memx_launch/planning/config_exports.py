@@ -51,14 +51,18 @@ def _precision_notes(plan: Plan, target: str) -> list[str]:
         notes.append(quantized + (f": turn on torchtitan's {titan}"
                                   if target == "torchtitan" and titan else
                                   f": {target}'s config does not; swap the model's linears for Transformer Engine's"))
+    if plan.model_spec.mtp_layers:
+        notes.append(f"the plan counts {plan.model_spec.mtp_layers} multi-token prediction module(s) on the last "
+                     f"stage: build them in {target}'s model, or plan the model without them")
     if plan.model_spec.num_experts and tr.get("expert_parallel", 1) > 1:
         notes.append(f"the plan splits the experts over {tr['expert_parallel']} expert-parallel ranks with the "
                      f"all-to-all dispatcher: set {target}'s expert parallelism so")
     if tr.get("activation_offload_layers"):
         notes.append(f"the plan keeps {tr['activation_offload_layers']} layers' activations per stage on the host; "
                      f"{target}'s config does not: more memory than planned")
-    if tr.get("optimizer_dtype") == "training":
-        notes.append(f"the plan keeps Adam's master weights and moments in 16 bits; {target}'s optimizer keeps "
+    if tr.get("optimizer_dtype") in ("training", "training_moments"):
+        kept = "master weights and moments" if tr["optimizer_dtype"] == "training" else "moments"
+        notes.append(f"the plan keeps Adam's {kept} in 16 bits; {target}'s optimizer keeps "
                      "them in fp32: more memory than planned")
     return notes
 

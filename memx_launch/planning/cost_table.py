@@ -22,6 +22,9 @@ class CostTable:
         self.work = np.asarray(cost.working_bytes, dtype=float).reshape(shape)
         self.misses = self.time.size
         self.hits = 0
+        # A mixture of experts' dense first blocks: their own costs, on the same grid.
+        dense = getattr(cost_model, "dense_blocks", None)
+        self.dense = CostTable(dense, n_devices, tps, mbss, seqs) if dense is not None else None
 
     def lookup(self, device, tp, mbs, seq, level):
         """Index arrays broadcast together (``tp`` and ``mbs`` a value or an array of them);

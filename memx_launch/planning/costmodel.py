@@ -21,7 +21,8 @@ from memx_launch.planning import experts, op_checkpointing, quantization
 from memx_launch.planning.activations import LayerCost, activation_bytes  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
-from memx_launch.planning.matmuls import device_sms, forward_backward_seconds, gemm_seconds, linear_seconds, linear_shapes
+from memx_launch.planning.matmuls import (device_sms, forward_backward_seconds, gemm_seconds, latent_up_shapes,
+                                          linear_seconds, linear_shapes)
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,  # noqa: F401
                                                fine_tuning_flops, fully_sharded_working_bytes, last_stage_params,
                                                fully_sharded_working_parts, model_state_bytes_by_part,
@@ -109,6 +110,7 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     (the ``.float()`` copy is freed after the forward): d + 12, 14 bytes in 16 bits, 16 in fp32
     (as measured, tests/test_costmodel.py), or 3 x the training dtype when the loss runs in it.
     A fused cross entropy kernel keeps the 16-bit logits and their gradient: 2 x the dtype.
+    Each multi-token prediction module keeps logits of its own for its loss.
     """
     tr = training or TrainingSpec()
     d = tr.dtype_bytes
@@ -119,7 +121,7 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
         per_logit = 8.0 if tr.loss_dtype == "fp32" else 2.0 * d
     else:
         per_logit = d + 12.0 if tr.loss_dtype == "fp32" else 3.0 * d
-    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share
+    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share * (1 + model.mtp_layers)
 
 
 # --------------------------------------------------------------------------- time
@@ -131,11 +133,12 @@ FUSED_ATTENTION_BACKWARD = 2.5
 
 
 def causal_attention_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
-    """Forward FLOPs of one block's attention core on a rank: QK^T and AV, the causal half of 4bs^2
-    x the queries' width, over TP; with sliding windows, the blocks' mean of what they attend
-    (:func:`attended_share`)."""
+    """Forward FLOPs of one block's attention core on a rank: QK^T and AV, the causal half of 2bs^2
+    x the queries' width and 2bs^2 x the values' (the same but in latent attention), over TP; with
+    sliding windows, the blocks' mean of what they attend (:func:`attended_share`)."""
     mbs, seq = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
-    return 2.0 * mbs * seq * seq * model.q_hidden_size / np.asarray(tp, dtype=np.float64) * attended_share(model, seq)
+    width = model.q_hidden_size + model.value_hidden_size
+    return mbs * seq * seq * width / np.asarray(tp, dtype=np.float64) * attended_share(model, seq)
 
 
 def attended_share(model: ModelSpec, seq):
@@ -212,6 +215,8 @@ class AnalyticalCostModel:
                            * KERNEL_LAUNCH_S for d in self.device_types]) / 1e3
         self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
+        # A mixture of experts' dense first blocks are priced as a dense model's blocks.
+        self.dense_blocks = AnalyticalCostModel(model.dense_block, cluster, training) if model.dense_layers else None
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
@@ -248,12 +253,17 @@ class AnalyticalCostModel:
         # Op-level selective recompute runs every other projection again (op_checkpointing.py).
         op_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in op_checkpointing.recomputed_projections(
             self.model, tp)) if op_level.any() else 0.0
-        linear_s = linear_s + np.select([recompute == FULL, op_level], [linear_forward_s, op_again_s], 0.0)
+        # Latent attention's selective recompute runs its up projections again (Megatron's mla_up_proj).
+        latent_level = (recompute == SELECTIVE) & (bool(self.model.kv_lora_rank) and not op_policy)
+        up_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in latent_up_shapes(self.model, tp)) \
+            if latent_level.any() else 0.0
+        linear_s = linear_s + np.select([recompute == FULL, op_level, latent_level],
+                                        [linear_forward_s, op_again_s, up_again_s], 0.0)
         # The attention core (QK^T and AV, causal half): what the selective and the full
         # recompute both run again.
         attn_core_flops = causal_attention_flops(self.model, mbs_a, seq_a, tp)
         # The op-level policy keeps the fused kernel's output: it runs attention again only unfused.
-        again = (recompute != NONE) & ~(op_level & self._flash[device])
+        again = (recompute != NONE) & ~(op_level & self._flash[device]) & ~latent_level
         recompute_flops = np.where(again, attn_core_flops, 0.0)
         # Unfused attention computes the whole s x s square (no causal skipping); its scores'
         # traffic is in the element-wise bytes.
@@ -351,17 +361,27 @@ class AnalyticalCostModel:
         the cross entropy's passes over the logits the rank holds, at HBM speed (LOSS_BYTES_PER_LOGIT,
         or 3 x the training dtype for a fused cross entropy).
         Without a vocab-parallel loss the logits are first all-gathered over TP and every rank
-        runs the loss on the whole vocabulary."""
+        runs the loss on the whole vocabulary. Each multi-token prediction module runs a head and
+        loss of its own, after its embedding lookup and its 2h x h projection (its block is the
+        evaluator's)."""
         tp, device = np.asarray(tp, dtype=np.float64), np.asarray(device)
         logits = np.asarray(mbs) * np.asarray(seq) * self.model.output_vocab
         held = logits / tp if self.training.vocab_parallel_loss else logits
         # A fused cross entropy reads the 16-bit logits forward and again backward, writing the gradient.
         per_logit = 3.0 * self.training.dtype_bytes if self.training.fused_loss else LOSS_BYTES_PER_LOGIT
-        projection = self._head_projection_time(device, tp, mbs, seq)
-        compute = (projection + per_logit * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
+        heads = 1 + self.model.mtp_layers
+        projection = heads * self._head_projection_time(device, tp, mbs, seq)
+        compute = (projection + heads * per_logit * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
+        if self.model.mtp_layers:
+            h, tokens = self.model.hidden_size, np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
+            mtp_projection = forward_backward_seconds(tokens, [(h / tp, 2.0 * h)], self._best_flops[device],
+                                                      self._hbm[device] * 1e9, self._sms[device],
+                                                      self.training.dtype_bytes)
+            compute = compute + self.model.mtp_layers * (mtp_projection * self._slowdown[device]
+                                                         + self.embedding_time(device, tp, mbs, seq))
         if self.training.vocab_parallel_loss:
             return compute
-        gathered = logits * self.training.dtype_bytes
+        gathered = heads * logits * self.training.dtype_bytes
         hop = self._tp_hop[device, self._tp_column(tp)]
         return compute + collective_time(gathered, tp, self.tp_gbps(device, tp), 1, hop)
 

@@ -108,8 +108,8 @@ def sync_allreduce_bytes(stage_params, training: TrainingSpec,
 
 
 def tied_gradient_bytes(model: ModelSpec, pp: int, first_tp: int, training: TrainingSpec) -> float:
-    """Bytes of the tied embedding's gradient the first and the last stage sum every step (none
-    without tied embeddings or with one stage, which holds the one weight)."""
-    if not model.ties_head or pp == 1:
+    """Bytes of the embedding's gradient the first and the last stage sum every step (none unless
+    the last stage reads the embedding, nor with one stage, which holds the one weight)."""
+    if not model.last_stage_reads_embedding or pp == 1:
         return 0.0
     return model.word_embedding_params / first_tp * training.precision_bytes("grad_dtype")

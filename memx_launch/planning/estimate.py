@@ -19,6 +19,7 @@ from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, layout_from_stage_devices
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
 from memx_launch.planning.cost_table import CostTable
+from memx_launch.planning.extra_blocks import first_stage_min_layers
 from memx_launch.planning.scoring import Evaluator, GroupResult
 from memx_launch.planning.search import default_references, to_plan
 
@@ -109,6 +110,11 @@ class LayoutScorer:
             raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} must give pp={pp} stages of at "
                               f"least {v} layer(s) adding up to {model.num_layers} (the first or last of several "
                               "may hold one less)", "fix the split")
+        first_fewest = first_stage_min_layers(model, v)
+        if layers[0, 0] < first_fewest:
+            raise ConfigError("--layers-per-stage", f"{list(layers_per_stage)} puts {layers[0, 0]} layers on the "
+                              f"first stage; the model's {model.dense_layers} dense first blocks go in its first chunk",
+                              f"give the first stage at least {first_fewest} layers")
         offloaded = training.activation_offload_layers
         if offloaded and layers.min() <= offloaded:
             raise ConfigError("--activation-offload-layers", f"{offloaded}, but a stage of the split "

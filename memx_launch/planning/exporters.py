@@ -32,14 +32,20 @@ class Export:
 # --------------------------------------------------------------------------- Megatron-LM
 
 
-def stage_chunks(num_layers: int, virtual_stages: int, first: bool = False) -> list[int]:
+def stage_chunks(num_layers: int, virtual_stages: int, first: bool = False, first_chunk_at_least: int = 0) -> list[int]:
     """Layers of each virtual chunk of one stage: as even as possible, larger chunks first; on the
     ``first`` of several stages smaller ones first, as the embedding takes a layer's place in its
     first chunk (Megatron's ``account_for_embedding_in_pipeline_split``; a chunk of the embedding
-    alone where the stage holds one layer less than its chunks)."""
+    alone where the stage holds one layer less than its chunks). ``first_chunk_at_least``: the
+    first chunk takes layers from the largest others until it holds that many (a mixture of
+    experts' dense first blocks, all in the first stage's first chunk)."""
     base, extra = divmod(num_layers, virtual_stages)
     chunks = [base + (1 if c < extra else 0) for c in range(virtual_stages)]
-    return chunks[::-1] if first else chunks
+    chunks = chunks[::-1] if first else chunks
+    while chunks[0] < first_chunk_at_least:
+        donor = max(range(1, virtual_stages), key=chunks.__getitem__)
+        chunks[donor], chunks[0] = chunks[donor] - 1, chunks[0] + 1
+    return chunks
 
 
 def pipeline_layout(plan: Plan) -> str:
@@ -47,17 +53,20 @@ def pipeline_layout(plan: Plan) -> str:
 
     The string lists pp * v chunks separated by ``|``, virtual-stage major (chunk k sits on
     pipeline rank k mod pp), ``E`` the embedding, ``t*N`` N decoder layers, ``L`` the loss
-    head: 8 then 24 layers over two stages read ``Et*8|t*24L``.
+    head: 8 then 24 layers over two stages read ``Et*8|t*24L``; ``m`` a multi-token prediction
+    module, before the loss.
     """
     v = plan.virtual_stages
-    per_stage = [stage_chunks(s.num_layers, v, first=i == 0 < plan.pp - 1) for i, s in enumerate(plan.stages)]
+    per_stage = [stage_chunks(s.num_layers, v, first=i == 0 < plan.pp - 1,
+                              first_chunk_at_least=plan.model_spec.dense_layers if i == 0 else 0)
+                 for i, s in enumerate(plan.stages)]
     chunks = []
     for vpp in range(v):
         for pp_rank in range(plan.pp):
             n = per_stage[pp_rank][vpp]
             chunks.append(f"t*{n}" if n > 1 else "t" * n)
     chunks[0] = "E" + chunks[0]
-    chunks[-1] = chunks[-1] + "L"
+    chunks[-1] = chunks[-1] + "m" * plan.model_spec.mtp_layers + "L"
     return "|".join(chunks)
 
 
@@ -86,6 +95,8 @@ def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
             "plan predicts (memx-run applies the per-stage levels)")
     if strongest == "none":
         return [], notes
+    if strongest == "selective" and plan.model_spec.kv_lora_rank and plan.training.get("selective_recompute") != "op":
+        return ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], notes
     if strongest == "selective":
         notes.append("selective recompute maps to Megatron's default recompute module (core_attn); "
                      "memx's selective level also recomputes the SwiGLU activation")
@@ -111,6 +122,13 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
         args += ["--group-query-attention", "--num-query-groups", str(spec.num_kv_heads)]
     if spec.attention_head_dim:  # heads not hidden_size / num_heads wide
         args += ["--kv-channels", str(spec.attention_head_dim)]
+    if spec.kv_lora_rank:
+        args += ["--multi-latent-attention", "--kv-lora-rank", str(spec.kv_lora_rank), "--qk-head-dim",
+                 str(spec.head_dim), "--qk-pos-emb-head-dim", str(spec.rope_head_dim),
+                 "--v-head-dim", str(spec.v_head_dim or spec.head_dim)]
+        args += ["--q-lora-rank", str(spec.q_lora_rank)] if spec.q_lora_rank else []
+    if spec.mtp_layers:
+        args += ["--mtp-num-layers", str(spec.mtp_layers)]
     learned = spec.position_embeddings > 0
     args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
              str(spec.position_embeddings if learned else max(plan.seq_len, spec.seq_len)),
@@ -133,6 +151,8 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
                  "--expert-model-parallel-size", str(plan.training.get("expert_parallel", 1))]
         if spec.shared_expert_ffn_hidden_size:
             args += ["--moe-shared-expert-intermediate-size", str(spec.shared_expert_ffn_hidden_size)]
+        if spec.dense_layers:  # the first blocks dense, of --ffn-hidden-size
+            args += ["--moe-layer-freq", f"([0]*{spec.dense_layers}+[1]*{spec.num_layers - spec.dense_layers})"]
         if plan.training.get("overlap_expert_comm"):
             args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
     if spec.sliding_window:
@@ -239,9 +259,11 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
             notes.append("Megatron-LM offloads activations only without pipeline parallelism and without "
                          "recompute: plan with --pp 1 and --recompute-levels none, or run without "
                          "--cpu-offloading (the plan counted the offloaded layers' activations on the host)")
-    if tr.get("optimizer_dtype") == "training":  # Megatron's 16-bit main parameters are fp16 only
+    if tr.get("optimizer_dtype") in ("training", "training_moments"):
         moments = "fp16" if dtype == "fp16" else "bf16"
-        args += ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16", "--exp-avg-dtype", moments,
+        # Megatron's 16-bit main parameters are fp16 only.
+        main = "fp16" if tr["optimizer_dtype"] == "training" else "fp32"
+        args += ["--use-precision-aware-optimizer", "--main-params-dtype", main, "--exp-avg-dtype", moments,
                  "--exp-avg-sq-dtype", moments]
     if not tr:
         notes.append("the plan does not record its precision and optimizer (made before memx stored them): "

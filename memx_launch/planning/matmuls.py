@@ -133,15 +133,29 @@ def linear_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes
     return forward, backward
 
 
+def latent_up_shapes(model, tp) -> list[tuple]:
+    """(N, K) of latent attention's up projections on one TP rank (queries, then keys and values):
+    what its selective recompute runs again."""
+    tp = np.asarray(tp, dtype=np.float64)
+    value = model.num_heads * (model.v_head_dim or model.head_dim)
+    queries = [(model.q_hidden_size / tp, float(model.q_lora_rank))] if model.q_lora_rank else []
+    return [*queries, ((model.num_heads * model.head_dim + value) / tp, float(model.kv_lora_rank))]
+
+
 def linear_shapes(model, training, tp) -> list[tuple]:
-    """(N, K) of each linear layer's weight of a block on one TP rank: the fused QKV, the output
-    projection, the MLP's up (and gate: fused, or its own GEMM) and down projections. A mixture
-    of experts has its shared expert's MLP here, if any (its routed experts: ``planning/experts.py``)."""
+    """(N, K) of each linear layer's weight of a block on one TP rank: the fused QKV (latent
+    attention: its down and up projections), the output projection, the MLP's up (and gate:
+    fused, or its own GEMM) and down projections. A mixture of experts has its shared expert's
+    MLP here, if any (its routed experts: ``planning/experts.py``)."""
     tp = np.asarray(tp, dtype=np.float64)
     h, ffn = float(model.hidden_size), float(model.shared_expert_ffn_hidden_size if model.num_experts
                                                   else model.ffn_hidden_size)
-    q = float(model.q_hidden_size)
-    attention = [((q + 2.0 * model.kv_hidden_size) / tp, h), (h, q / tp)]
+    q, value = float(model.q_hidden_size), float(model.value_hidden_size)
+    attention = [((q + 2.0 * model.kv_hidden_size) / tp, h), (h, value / tp)]
+    if model.kv_lora_rank:  # latent attention: whole down projections on every TP rank, heads' up projections split
+        q_rank, kv_rank = float(model.q_lora_rank), float(model.kv_lora_rank)
+        downs = [(q_rank, h)] if q_rank else [(q / tp, h)]
+        attention = [*downs, (kv_rank + model.rope_head_dim, h), *latent_up_shapes(model, tp), (h, value / tp)]
     if not ffn:
         return attention
     if not model.gated_mlp:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import quantization
+from memx_launch.planning.extra_blocks import stage_block_counts
 from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -99,7 +100,7 @@ def _unsharded_state_bytes(training: TrainingSpec, trained: TrainedParameters) -
     weight = float(training.precision_bytes("weights_dtype"))
     grad = float(training.precision_bytes("grad_dtype"))
     state = float(training.precision_bytes("optimizer_dtype"))
-    master = state if weight < 4 else 0.0
+    master = (4.0 if training.optimizer_dtype == "training_moments" else state) if weight < 4 else 0.0
     moments = (2.0 if training.optimizer == "adam" else 1.0) * state  # Adam m and v; SGD momentum
     optim = 0.0 if training.optimizer_offload else master + moments
     return weight * (1.0 + trained.adapters), grad * trained.share, optim * trained.share
@@ -152,16 +153,20 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple
 
 
 def last_stage_params(model: ModelSpec, pp: int) -> int:
-    """Final norm and output layer; with tied embeddings and PP > 1 the last stage keeps its
+    """Final norm and output layer, and the multi-token prediction modules' parameters beside their
+    blocks; with tied embeddings or multi-token prediction and PP > 1 the last stage keeps its
     own copy of the word embeddings (Megatron syncs their gradients with the first stage)."""
-    tied_copy = model.word_embedding_params if model.ties_head and pp > 1 else 0
-    return model.head_params + tied_copy
+    tied_copy = model.word_embedding_params if model.last_stage_reads_embedding and pp > 1 else 0
+    mtp_beside_blocks = model.mtp_params - model.mtp_layers * model.layer_params if model.mtp_layers else 0
+    return model.head_params + tied_copy + mtp_beside_blocks
 
 
 def rank_layer_params(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
-    """(dense, routed-expert) parameters of one block on a rank: the dense ones over TP, the
-    routed experts over the expert-parallel ranks (``expert_parallel``)."""
-    dense = (model.layer_params - model.expert_params) / np.asarray(tp, dtype=np.float64)
+    """(dense, routed-expert) parameters of one block on a rank: the dense ones over TP (but latent
+    attention's down projections, whole on every rank), the routed experts over the
+    expert-parallel ranks (``expert_parallel``)."""
+    whole = model.latent_attention_params
+    dense = (model.layer_params - model.expert_params - whole) / np.asarray(tp, dtype=np.float64) + whole
     return dense, model.expert_params / training.expert_parallel
 
 
@@ -182,11 +187,15 @@ def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, train
 
 
 def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray) -> np.ndarray:
-    """(C, P) parameters a rank of each stage holds: its layers (over TP, routed experts over EP),
-    the embedding on the first stage, the head on the last."""
+    """(C, P) parameters a rank of each stage holds: its blocks (over TP, routed experts over EP;
+    :func:`~memx_launch.planning.extra_blocks.stage_block_counts`), the embedding on the first
+    stage, the head on the last."""
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
     first, last = layout.end_tp
-    params = layers * sum(rank_layer_params(model, training, tp))
+    dense_first, repeated = stage_block_counts(model, layers)
+    params = repeated * sum(rank_layer_params(model, training, tp))
+    if model.dense_layers:
+        params = params + dense_first * rank_layer_params(model.dense_block, training, tp)[0]
     params[:, 0] += model.embedding_params / first
     params[:, -1] += last_stage_params(model, layout.pp) / last
     return params
@@ -202,6 +211,6 @@ def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, 
     if not model.num_experts:
         return tuple(params * d for d in dense)
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
-    experts = layers[0] * rank_layer_params(model, training, tp)[1]
+    experts = stage_block_counts(model, layers[0])[1] * rank_layer_params(model, training, tp)[1]
     routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained)
     return tuple((params - experts) * d + experts * e for d, e in zip(dense, routed))

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import activation_offload, context_parallel, costmodel as cm, data_parallel, schedules
+from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, extra_blocks,
+                                  schedules)
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.cost_table import CostTable
@@ -127,15 +128,22 @@ class Evaluator:
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         per_layer = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained) + quantized_kept + inflight * act
+        dense_t = dense_layer = None
+        if m.dense_layers:  # a dense first block's costs, for the first stage
+            dense_t, dense_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, self.table.dense)
+            dense_layer = (layer_state_bytes(m.dense_block, tr, tp, layout.dp_cp, self.trained)
+                           + quantized_state_bytes(m.dense_block, tr, tp)[0] + inflight * dense_act)
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
         fixed = (work + self._edge_bytes(layout, local, seq_rank, inflight)
                  + kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + quantized_working + self.overhead[device]
-                 + layout.communicators * self.communicator_bytes[device])
+                 + layout.communicators * self.communicator_bytes[device]
+                 + extra_blocks.beside_repeated(m, per_layer, dense_layer))
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
-        return per_layer, fixed - offloaded, t_layer, self._edge_time(layout, device, local, seq_rank) + copy_s, g, work
+        edge_t = self._edge_time(layout, device, local, seq_rank) + extra_blocks.beside_repeated(m, t_layer, dense_t)
+        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work
 
     def _offload(self, kept, act, t_layer, device) -> tuple:
         """(bytes off, seconds added per micro-batch) of each stage's activation offloading: a
@@ -151,16 +159,23 @@ class Evaluator:
         activation offloading takes to the host (Megatron: fewer than the layers)."""
         return max(v if schedule == "interleaved" else 1, self.training.activation_offload_layers + 1)
 
-    def stage_layer_costs(self, layout, device, tp, mbs, seq, levels):
+    def stage_min_layers(self, pp: int, schedule: str, v: int) -> np.ndarray:
+        """(P,) :meth:`min_layers`, the first stage holding every dense first block in its first chunk."""
+        fewest = np.full(pp, self.min_layers(schedule, v))
+        chunks = v if schedule == "interleaved" else 1
+        fewest[0] = max(fewest[0], extra_blocks.first_stage_min_layers(self.model, chunks))
+        return fewest
+
+    def stage_layer_costs(self, layout, device, tp, mbs, seq, levels, table=None):
         """(time, kept activations, backward working set) of one layer on each stage of
-        ``device`` (P,) at ``levels`` (C, P). A CP layer is a ``seq / cp`` one plus the
-        attention of the other chunks of keys, the ring's exposed transfers and its buffers
-        (:mod:`context_parallel`)."""
-        cp = layout.cp
-        t_layer, act, work = self.table.lookup(np.broadcast_to(device, np.shape(levels)), tp, mbs, seq // cp, levels)
+        ``device`` (P,) at ``levels`` (C, P), from ``table`` (the space's; its ``dense``: a dense
+        first block). A CP layer is a ``seq / cp`` one plus the attention of the other chunks of
+        keys, the ring's exposed transfers and its buffers (:mod:`context_parallel`)."""
+        cp, table = layout.cp, table or self.table
+        t_layer, act, work = table.lookup(np.broadcast_to(device, np.shape(levels)), tp, mbs, seq // cp, levels)
         if cp == 1:
             return t_layer, act, work
-        forward, backward = self.table.attention(device, tp, mbs, seq // cp)
+        forward, backward = table.attention(device, tp, mbs, seq // cp)
         chunk = context_parallel.kv_chunk_bytes(self.model, self.training, mbs, seq, tp, cp)
         transfer = cm.p2p_time(chunk, layout.cp_gbps * self.cluster.link_efficiency)
         extra = context_parallel.layer_seconds(forward, backward, transfer, cp, levels)
@@ -174,7 +189,8 @@ class Evaluator:
         out = np.zeros(pp)
         out[0] += (m.embedding_params / first * first_bpp
                    + inflight[0] * first_mbs * seq * m.hidden_size * tr.dtype_bytes)
-        out[-1] += cm.last_stage_params(m, pp) / last * last_bpp + cm.logits_bytes(m, last_mbs, seq, last, tr)
+        out[-1] += (cm.last_stage_params(m, pp) / last * last_bpp + cm.logits_bytes(m, last_mbs, seq, last, tr)
+                    + extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq))
         return out
 
     def _edge_time(self, layout, device, local, seq) -> np.ndarray:
@@ -215,7 +231,7 @@ class Evaluator:
         and fits only if it fits on each type; its memory is that of the type nearest (or
         furthest over) its capacity."""
         L = self.model.num_layers
-        min_layers = self.min_layers(schedule, v)
+        min_layers = self.stage_min_layers(layout.pp, schedule, v)
         replicas = range(len(layout.replica_device))
         if layers is None:
             inputs = self.replica_inputs(layout, mbs, seq, v, levels)
@@ -285,23 +301,30 @@ class Evaluator:
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
         embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.dtype_bytes
+        embedding_out[-1] += extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq_rank)
         logits = np.zeros(pp)
         logits[-1] = cm.logits_bytes(m, last_mbs, seq_rank, last, tr)
         pipeline = kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
-        replica = (np.zeros(pp, dtype=np.int64) if result.memory_replica is None
-                   else result.memory_replica[row])
+        replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
         by_replica = []
+        dense_quantized = quantized_state_bytes(m.dense_block, tr, tp)[0] if m.dense_layers else None
+        quantized_blocks = layers[0] * quantized_kept + extra_blocks.beside_repeated(
+            m, np.broadcast_to(quantized_kept, pp), dense_quantized)
         for k, device in enumerate(layout.replica_device):
-            _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, levels))
-            kept = layers[0] * inflight * act
+            def kept_activations(at):  # the stage's blocks' at levels ``at``: (kept, per block, working set)
+                _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, at))
+                dense = (self.stage_layer_costs(layout, device, tp, local, seq, at, self.table.dense)[1][0]
+                         if m.dense_layers else None)
+                return inflight * (layers[0] * act + extra_blocks.beside_repeated(m, act, dense)), act, work
+            kept, act, work = kept_activations(levels)
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
-                none = np.full((1, pp), cm.NONE)
-                _, act_none, work_none = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, none))
+                kept_none, act_none, work_none = kept_activations(np.full((1, pp), cm.NONE))
                 r = np.minimum(result.recompute_layers[row], layers[0])
-                kept = r * inflight * act + (layers[0] - r) * inflight * act_none
+                kept = r * inflight * act + (layers[0] - r) * inflight * act_none + np.where(
+                    r > 0, kept - layers[0] * inflight * act, kept_none - layers[0] * inflight * act_none)
                 work = np.where(r > 0, work, work_none)
             by_replica.append({
-                "parameters": weights + gathered + layers[0] * quantized_kept + quantized_working,
+                "parameters": weights + gathered + quantized_blocks + quantized_working,
                 "gradients": grads + unsharded_grad,
                 "optimizer_states": optim, "activations": kept + embedding_out + work * (layers[0] > 0)
                 - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),
@@ -314,7 +337,8 @@ class Evaluator:
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
         max_layers = self._max_layers(layout, self.uniform_inputs(layout, mbs, seq, v, self.allowed_levels[-1]))
-        return bool((max_layers >= self.min_layers(schedule, v)).all() and max_layers.sum() >= self.model.num_layers)
+        return bool((max_layers >= self.stage_min_layers(layout.pp, schedule, v)).all()
+                    and max_layers.sum() >= self.model.num_layers)
 
     def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
         """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
@@ -345,9 +369,6 @@ class Evaluator:
         """Seconds the first and the last stage sum their tied gradients, after the DP sync."""
         return self.bridges.ends_sum_time(layout, data_parallel.tied_gradient_bytes(
             self.model, layout.pp, layout.end_tp[0], self.training))
-
-    def iteration_time(self, layout, mbs, seq, schedule, v, g, stage_time, layers) -> np.ndarray:
-        return self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)[0]
 
     def iteration_parts(self, layout, mbs, seq, schedule, v, g, stage_time, layers):
         """(T, transfer, sync): the iteration time of each row, the (P,) seconds of one transfer

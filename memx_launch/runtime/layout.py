@@ -94,10 +94,14 @@ def chunks_by_stage(plan: Plan) -> list[list[Chunk]]:
 
 
 def runnable_model(model: ModelSpec, field: str = "--model") -> ModelSpec:
-    """``model`` where memx's runtime can train it: not a mixture of experts (it has no experts)."""
-    if model.num_experts:
-        raise ConfigError(field, f"{model.name} is a mixture of experts, which memx's runtime does not run",
-                          "plan it with memx plan --expert-parallel and run it with Megatron-LM (memx export)")
+    """``model`` where memx's runtime can train it: not a mixture of experts, latent attention
+    nor multi-token prediction (its blocks have none of them)."""
+    unsupported = [what for what, present in (("a mixture of experts", model.num_experts),
+                                               ("latent attention", model.kv_lora_rank),
+                                               ("multi-token prediction", model.mtp_layers)) if present]
+    if unsupported:
+        raise ConfigError(field, f"{model.name} has {' and '.join(unsupported)}, which memx's runtime does not run",
+                          "plan it with memx plan and run it with Megatron-LM (memx export)")
     return model
 
 

@@ -87,6 +87,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     if cfg.get("enable_bias") is not None:
         require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
     experts = {**_experts_of(cfg, where), **_window_of(cfg, model_type, where)}
+    latent = _latent_attention_of(cfg, where)
+    head_dim = latent.pop("attention_head_dim", head_dim)
     parallel = False
     if model_type in PARALLEL_BLOCK_KEYS:
         key = PARALLEL_BLOCK_KEYS[model_type]
@@ -111,6 +113,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
         **experts,
+        **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
                                               ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
            if cfg.get(key) is not None},
@@ -154,11 +157,32 @@ def _experts_of(cfg: Mapping[str, Any], where: str) -> dict:
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
-    dense = cfg.get("first_k_dense_replace") or cfg.get("mlp_only_layers") or (cfg.get("decoder_sparse_step") or 1) > 1
-    if dense:
-        raise ConfigError(f"model ({where})", "some of its blocks have a dense MLP beside the expert ones",
-                          "memx models every block as a mixture of experts: use a model whose blocks all are")
+    for key in ("first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step"):
+        if cfg.get(key) is not None:
+            require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
+                           fix="config.json must give it as a non-negative integer")
+    if cfg.get("mlp_only_layers") or max(cfg.get("decoder_sparse_step") or 1, cfg.get("moe_layer_freq") or 1) > 1:
+        raise ConfigError(f"model ({where})", "dense MLP blocks among the expert ones",
+                          "memx models a mixture of experts' dense blocks as its first ones only "
+                          "(first_k_dense_replace)")
     expert_ffn = cfg.get("moe_intermediate_size") or 0
     shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert_ffn
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
-            or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared}
+            or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
+            "dense_layers": cfg.get("first_k_dense_replace") or 0}
+
+
+def _latent_attention_of(cfg: Mapping[str, Any], where: str) -> dict:
+    """DeepSeek's multi-head latent attention (``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``,
+    ``qk_rope_head_dim``, ``v_head_dim``) and multi-token prediction (``num_nextn_predict_layers``)."""
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "num_nextn_predict_layers"):
+        if cfg.get(key) is not None:
+            require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
+                           fix="config.json must give it as a non-negative integer, or null")
+    mtp = {"mtp_layers": cfg["num_nextn_predict_layers"]} if cfg.get("num_nextn_predict_layers") else {}
+    if not cfg.get("kv_lora_rank"):
+        return mtp
+    return {**mtp, "kv_lora_rank": cfg["kv_lora_rank"], "q_lora_rank": cfg.get("q_lora_rank") or 0,
+            "attention_head_dim": cfg.get("qk_nope_head_dim") or 0, "rope_head_dim": cfg.get("qk_rope_head_dim") or 0,
+            "v_head_dim": cfg.get("v_head_dim") or 0}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from typing import Any, Mapping
 
 
@@ -23,7 +24,8 @@ _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
 _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
                          "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
                          "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
-                         "sliding_window": 0, "full_attention_layers": 0}
+                         "sliding_window": 0, "full_attention_layers": 0, "kv_lora_rank": 0, "q_lora_rank": 0,
+                         "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0, "mtp_layers": 0}
 
 
 
@@ -83,6 +85,23 @@ class ModelSpec:
     full_attention_layers: int = 0
     """With ``sliding_window``: the blocks that attend to the whole sequence all the same (GPT-OSS
     every other one, Gemma 3 one in six); the others attend within the window."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2 and V3): keys and values come up from a shared
+    latent of this width (Hugging Face's ``kv_lora_rank``); ``attention_head_dim`` is then a head's
+    part without positions (``qk_nope_head_dim``). 0: ordinary attention."""
+    q_lora_rank: int = 0
+    """With ``kv_lora_rank``: the queries' latent width (0: queries projected from the hidden state)."""
+    rope_head_dim: int = 0
+    """With ``kv_lora_rank``: the rotary part of a query and key head (``qk_rope_head_dim``), one
+    rotary key shared by every head."""
+    v_head_dim: int = 0
+    """With ``kv_lora_rank``: one value head's width; 0: ``head_dim``."""
+    dense_layers: int = 0
+    """With ``num_experts``: the first blocks run a dense MLP of ``ffn_hidden_size`` instead of
+    experts (DeepSeek's ``first_k_dense_replace``)."""
+    mtp_layers: int = 0
+    """Multi-token prediction modules after the last block (DeepSeek-V3's ``num_nextn_predict_layers``):
+    each one more block, a projection of 2h to h and a loss of its own over the shared head."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -114,6 +133,15 @@ class ModelSpec:
         require_number(self.sliding_window, "model.sliding_window", lo=0, hi=MAX_DIMENSION, integer=True)
         require_number(self.full_attention_layers, "model.full_attention_layers", lo=0, hi=self.num_layers,
                        integer=True, fix=f"give how many of the {self.num_layers} blocks attend to the whole sequence")
+        for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim", "mtp_layers"):
+            require_number(getattr(self, name), f"model.{name}", lo=0, hi=MAX_DIMENSION, integer=True)
+        if not self.kv_lora_rank and (self.q_lora_rank or self.rope_head_dim or self.v_head_dim):
+            raise ConfigError("model.kv_lora_rank", "0, but q_lora_rank, rope_head_dim or v_head_dim is set",
+                              "give the latent attention's kv_lora_rank, or drop the others")
+        require_number(self.dense_layers, "model.dense_layers", lo=0, hi=self.num_layers - 1, integer=True,
+                       fix="give how many first blocks have a dense MLP, fewer than the blocks")
+        if self.dense_layers and not self.num_experts:
+            raise ConfigError("model.dense_layers", "set on a model without experts", "give num_experts, or drop it")
         if self.experts_per_token and not self.num_experts:
             raise ConfigError("model.experts_per_token", "set without num_experts", "give num_experts, or drop it")
         if self.num_heads % self.num_kv_heads:
@@ -125,18 +153,46 @@ class ModelSpec:
         return self.attention_head_dim or self.hidden_size // self.num_heads
 
     @property
+    def qk_head_dim(self) -> int:
+        """Width of one query and key head: ``head_dim``, and latent attention's rotary part."""
+        return self.head_dim + self.rope_head_dim
+
+    @property
     def q_hidden_size(self) -> int:
-        """Width of the queries and of the attention output (``hidden_size`` unless ``attention_head_dim``)."""
-        return self.num_heads * self.head_dim
+        """Width of the queries (``hidden_size`` unless ``attention_head_dim`` or latent attention)."""
+        return self.num_heads * self.qk_head_dim
+
+    @property
+    def value_hidden_size(self) -> int:
+        """Width of the attention output, the output projection's input (``q_hidden_size`` but
+        with latent attention's ``v_head_dim``)."""
+        return self.num_heads * (self.v_head_dim or self.head_dim) if self.kv_lora_rank else self.q_hidden_size
 
     @property
     def kv_hidden_size(self) -> int:
+        """Width of the keys and of the values each; latent attention (every head its own key and
+        value, of different widths): their mean, so that keys and values together are twice it."""
+        if self.kv_lora_rank:
+            return (self.q_hidden_size + self.value_hidden_size) // 2
         return self.num_kv_heads * self.head_dim
 
     @property
+    def latent_attention_params(self) -> int:
+        """Latent attention's down projections and their norms, which Megatron keeps whole on every
+        TP rank (none in ordinary attention)."""
+        if not self.kv_lora_rank:
+            return 0
+        h, q_rank, kv_rank = self.hidden_size, self.q_lora_rank, self.kv_lora_rank
+        return (h * q_rank + q_rank if q_rank else 0) + h * (kv_rank + self.rope_head_dim) + kv_rank
+
+    @cached_property  # the search asks the sizes of a block thousands of times
     def attention_params(self) -> int:
-        """Wq, Wk, Wv, Wo (no biases)."""
-        return 2 * self.hidden_size * (self.q_hidden_size + self.kv_hidden_size)
+        """Wq, Wk, Wv, Wo (no biases); latent attention's down and up projections and norms."""
+        h, q, value = self.hidden_size, self.q_hidden_size, self.value_hidden_size
+        if not self.kv_lora_rank:
+            return h * (q + 2 * self.kv_hidden_size) + value * h
+        keys_values_up = self.kv_lora_rank * self.num_heads * (self.head_dim + (self.v_head_dim or self.head_dim))
+        return self.latent_attention_params + (self.q_lora_rank or h) * q + keys_values_up + value * h
 
     @property
     def moe_ffn_hidden_size(self) -> int:
@@ -185,7 +241,7 @@ class ModelSpec:
         mlp = (2 if self.gated_mlp else 1) * self.ffn_hidden_size + self.hidden_size
         return self.q_hidden_size + self.hidden_size + 2 * self.kv_hidden_size + mlp
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         """Parameters of one transformer block, its norms (one with parallel blocks, else two) and
         the biases included."""
@@ -213,13 +269,35 @@ class ModelSpec:
         return self.tie_embeddings and self.lm_head
 
     @property
+    def last_stage_reads_embedding(self) -> bool:
+        """The last stage needs the word embeddings too: a tied head, or multi-token prediction's
+        lookups (Megatron keeps a copy there and sums its gradient with the first stage's)."""
+        return self.ties_head or self.mtp_layers > 0
+
+    @property
     def head_params(self) -> int:
         """Final norm plus the output projection (zero extra when tied or without an LM head)."""
         return self.norm_params + (0 if self.ties_head else self.output_vocab * self.hidden_size)
 
     @property
+    def dense_block(self) -> "ModelSpec":
+        """The shape of a dense first block (``dense_layers``): experts replaced by a dense MLP of
+        ``ffn_hidden_size``, every block so."""
+        return replace(self, num_experts=0, experts_per_token=0, expert_ffn_hidden_size=0,
+                       shared_expert_ffn_hidden_size=0, dense_layers=0, mtp_layers=0)
+
+    @property
+    def mtp_params(self) -> int:
+        """The multi-token prediction modules: each a block, its two input norms and 2h x h
+        projection, and its final norm (the embedding and the head are the model's)."""
+        return self.mtp_layers * (self.layer_params + 2 * self.hidden_size ** 2 + 3 * self.norm_params)
+
+    @property
     def total_params(self) -> int:
-        return self.num_layers * self.layer_params + self.embedding_params + self.head_params
+        """The model's parameters as published: its blocks, embedding and head (not the
+        multi-token prediction modules, which training adds: ``mtp_params``)."""
+        dense = self.dense_layers * (self.dense_block.layer_params - self.layer_params) if self.dense_layers else 0
+        return self.num_layers * self.layer_params + dense + self.embedding_params + self.head_params
 
     def signature(self) -> str:
         """Short stable hash of the shape; keys profiles, caches and predictors."""

@@ -131,7 +131,9 @@ class TrainingSpec:
     """"fp32" (Adam's master weights and moments, 12 bytes per trained parameter) or "training"
     (all three in the training dtype, 6 bytes: Apex's DistributedFusedAdam with ``dtype: bf16``,
     which keeps a 16-bit remainder of each fp32 master weight; Megatron's precision-aware
-    optimizer with bf16 main parameters and moments). Default fp32."""
+    optimizer with bf16 main parameters and moments), or "training_moments" (fp32 master weights,
+    moments in the training dtype, 8 bytes: Megatron's precision-aware optimizer as NVIDIA's
+    DeepSeek-V3 recipes run it; ``bf16-moments`` or ``fp16-moments``). Default fp32."""
     dropout: bool | None = None
     """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. LLaMA
     trains without; default off."""
@@ -288,6 +290,8 @@ class TrainingSpec:
             value = getattr(self, name)
             if value in ("bf16", "fp16"):  # a 16-bit name means the training dtype
                 object.__setattr__(self, name, "training")
+            elif name == "optimizer_dtype" and value in ("bf16-moments", "fp16-moments", "training_moments"):
+                object.__setattr__(self, name, "training_moments")
             elif value not in _PRECISIONS:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"unknown precision {value!r}",
                                   "use fp32 or the training dtype")
