@@ -29,6 +29,10 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
   attention FLOPs causal (half), which ``flops_per_token`` follows for mixtures of experts.
 - Megatron-Bridge 26.02's GPT-OSS-120B rows (BF16, 64 GPUs, EP 64; half its blocks attend within
   128 tokens).
+- Megatron-Bridge's DeepSeek-V3 rows of 25.11 and 26.02 (256 GPUs, EP 8-64, MXFP8 and BF16;
+  latent attention, three dense first blocks, the multi-token prediction module where the row
+  runs it), in the recipes' layout of 16 chunks where it has one, with selective recompute
+  (Megatron's ``mla_up_proj``) and fp32 master weights beside bf16 moments.
 
 Each row gives GPUs, global and micro-batch, sequence length and TP/PP/CP/VP: the layout is fully
 given; the step time is global batch x sequence / (tokens per second per GPU x GPUs). How each

@@ -1,0 +1,68 @@
+"""memx's expert-parallel all-to-all against Megatron-Core's measured ones: the dispatch and
+combine latencies of DeepSeek-V3's MoE layer (hidden 7,168, 4,096 tokens a rank, top-8 of 256
+experts) on DGX-H100 (8 GPUs a node, NVLink 4 inside, 400 Gb/s a GPU between nodes) and GB200
+NVL72 (one NVLink 5 domain) at EP 8-64, from Table 7 of NVIDIA's "Scalable Training of
+Mixture-of-Experts Models with Megatron Core" (arXiv 2603.07685), copied into
+benchmarks/data/mcore_moe_all_to_all.csv. memx times the all-to-all dispatcher
+(``experts.all_to_all_seconds``, a quarter of it: one of a block's four), uncalibrated, at the
+datasheet links of ``benchmarks.common``, in bf16; the table's HybridEP column, a dispatcher memx
+does not model, is kept beside it. Writes benchmarks/results/all_to_all_latency.json.
+Run: .venv/bin/python benchmarks/all_to_all_latency.py   (under a second)
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.common import dgx_cluster, mape  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.planning import experts  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
+from memx_launch.specs.training import TrainingSpec  # noqa: E402
+
+DATA = os.path.join(HERE, "data", "mcore_moe_all_to_all.csv")
+OUT = os.path.join(HERE, "results", "all_to_all_latency.json")
+SYSTEMS = {"dgx-h100": "h100_80gb", "dgx-gb200": "gb200"}
+TOKENS = 4096
+
+
+def predicted_us(system: str, ep: int) -> float:
+    """memx's one all-to-all of DeepSeek-V3's routed tokens over ``ep`` ranks, in microseconds."""
+    gpu = SYSTEMS[system]
+    cluster = dgx_cluster(gpu, 64 if gpu == "gb200" else max(ep, 8))
+    training = TrainingSpec(global_batch_size=64, seq_len=TOKENS, setup="megatron", expert_parallel=ep)
+    gbps = experts.ep_link_gbps(cluster, gpu, ep) * cluster.link_efficiency
+    seconds = float(experts.all_to_all_seconds(get_model("deepseek-v3"), training, TOKENS, 1, gbps))
+    return seconds / experts.ALL_TO_ALLS * 1e6
+
+
+def main() -> None:
+    with open(DATA) as f:
+        rows = [{**r, "ep": int(r["ep"]), "all_to_all_us": float(r["all_to_all_us"]),
+                 "hybridep_us": float(r["hybridep_us"])} for r in csv.DictReader(f)]
+    for r in rows:
+        r["predicted_us"] = round(predicted_us(r["system"], r["ep"]), 1)
+        r["predicted_over_measured"] = round(r["predicted_us"] / r["all_to_all_us"], 3)
+    summary = {system: {"rows": len(members), "mape_pct": round(mape([r["predicted_us"] for r in members],
+                                                                           [r["all_to_all_us"] for r in members]), 1),
+                        "ratio_range": [min(r["predicted_over_measured"] for r in members),
+                                        max(r["predicted_over_measured"] for r in members)]}
+               for system in SYSTEMS for members in [[r for r in rows if r["system"] == system]]}
+    summary["all"] = {"rows": len(rows), "mape_pct": round(mape([r["predicted_us"] for r in rows],
+                                                                      [r["all_to_all_us"] for r in rows]), 1)}
+    write_json_atomic(OUT, {"machine": machine_info(), "source": "arXiv 2603.07685, Table 7", "summary": summary,
+                            "rows": rows}, overwrite=True)
+    for r in rows:
+        print(f"{r['system']:10s} {r['op']:8s} EP {r['ep']:3d}  measured {r['all_to_all_us']:7.0f} us"
+              f"  memx {r['predicted_us']:7.0f} us  ({r['predicted_over_measured']:.2f})")
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
