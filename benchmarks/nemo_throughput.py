@@ -23,9 +23,9 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
 - Megatron-Bridge's Qwen3-30B-A3B and Qwen3-235B-A22B rows (mixtures of 128 experts, top-8, heads
   128 wide) on every system, FP8-CS, MXFP8 and BF16, with their expert-parallel degree (``ep``)
   and, where the recipe overlaps them, the all-to-alls behind another micro-batch's compute
-  (``overlap_expert_comm``). Their recipes also pick a dispatcher (all-to-all, or the flex
-  dispatcher with HybridEP on the NVL72 systems) and capture the router and the dispatch's
-  preprocessing in CUDA graphs, neither of which memx models. Megatron-Bridge counts their
+  (``overlap_expert_comm``), and its token dispatcher (``dispatcher``: the all-to-all, or the flex
+  dispatcher with HybridEP on 26.02's NVL72 systems). Their recipes also capture the router and
+  the dispatch's preprocessing in CUDA graphs, which memx does not model. Megatron-Bridge counts their
   attention FLOPs causal (half), which ``flops_per_token`` follows for mixtures of experts.
 - Megatron-Bridge 26.02's GPT-OSS-120B rows (BF16, 64 GPUs, EP 64; half its blocks attend within
   128 tokens).
@@ -167,7 +167,8 @@ def nemo_rows(recipe_memory: bool = True) -> list[dict]:
             training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="megatron",
                                     fully_sharded=d["fsdp"] == "1", flash_attention_version=3,
                                     **PRECISIONS[d["precision"]], lora_rank=int(d["lora_rank"]),
-                                    expert_parallel=int(d["ep"]), **{**flag, **memory})
+                                    expert_parallel=int(d["ep"]), expert_dispatcher=d["dispatcher"],
+                                    **{**flag, **memory})
             gpu = SYSTEMS[d["system"]]
             tokens = batch * seq
             row = {"group": d["table"], "system": d["system"], "precision": d["precision"], "real": "ok",

@@ -6,7 +6,6 @@ processes."""
 
 import dataclasses
 
-import numpy as np
 import pytest
 from one_node import H100, one_node
 
@@ -28,8 +27,8 @@ V3 = get_model("deepseek-v3")
 HF_CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
              "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
              "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-             "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512,
-             "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+             "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
+             "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
              "vocab_size": 129280, "max_position_embeddings": 4096, "num_nextn_predict_layers": 1,
              "tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-6}
 # DeepSeek-V3's kinds of blocks at a size a test plans in a moment.
@@ -143,15 +142,16 @@ def test_the_search_keeps_the_dense_blocks_on_the_first_stage_and_the_export_bui
     plans = search(SMALL, NODE, _training(expert_parallel=4), top_k=5,
                    space=SearchSpace(micro_batch_sizes=(1, 2), pipeline_degrees=(2, 4))).plans
     assert plans and all(p.stages[0].num_layers >= SMALL.dense_layers + p.virtual_stages - 1 for p in plans)
-    plan = _estimate(SMALL, _training(expert_parallel=4), schedule="interleaved", virtual_stages=2,
-                     layers_per_stage=[4, 4])
+    plan = _estimate(SMALL, _training(expert_parallel=4, expert_dispatcher="flex"), schedule="interleaved",
+                     virtual_stages=2, layers_per_stage=[4, 4])
     assert pipeline_layout(plan) == "Et*3|t*2|t|t*2mL"  # the first chunk holds the three dense blocks
     args = megatron_args(plan).args
     config = _megatron_config(plan, args)
     assert config.multi_latent_attention and (config.q_lora_rank, config.kv_lora_rank) == (256, 128)
     assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (64, 32, 64)
     assert config.moe_layer_freq == [0] * 3 + [1] * 5 and config.mtp_num_layers == 1
-    assert np.all(np.array(config.moe_layer_freq[:3]) == 0)
+    assert (config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend) == ("flex", "hybridep")
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (8, 4)
 
 
 def test_memx_s_runtime_refuses_deepseek_by_name():

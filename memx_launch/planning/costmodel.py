@@ -224,6 +224,9 @@ class AnalyticalCostModel:
         # A mixture of experts' all-to-alls: over the node's links, or the network beyond one node.
         self._ep_gbps = np.array([experts.ep_link_gbps(cluster, d.name, training.expert_parallel)
                                   for d in self.device_types]) * cluster.link_efficiency if model.num_experts else None
+        flex = model.num_experts and training.expert_dispatcher == "flex"
+        self._flex_seconds_per_byte = np.array([experts.flex_seconds_per_byte(model, training, cluster, d.name)
+                                                for d in self.device_types]) if flex else None
         # The hop between a TP group's ranks: NVLink, or PCIe through the host.
         self._tp_hop = np.array([[PCI if tp_over_pcie(cluster, d.name, t) else NVLINK for t in TP_DEGREES]
                                  for d in self.device_types])
@@ -283,7 +286,9 @@ class AnalyticalCostModel:
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         comm_s = self.tp_allreduces(recompute) * self.tp_allreduce_time(hidden_bytes, device, tp)
         if self.model.num_experts:  # dispatch and combine; a fully recomputed forward runs its two again
-            exchange_s = experts.all_to_all_seconds(self.model, tr, tokens, tp, self._ep_gbps[device]) \
+            exchange_s = (experts.all_to_all_seconds(self.model, tr, tokens, tp, self._ep_gbps[device])
+                          if self._flex_seconds_per_byte is None else experts.flex_all_to_all_seconds(
+                              self.model, tr, tokens, tp, self._flex_seconds_per_byte[device])) \
                 * np.where(recompute == FULL, 1.5, 1.0)
             if tr.overlap_expert_comm:  # behind another micro-batch's compute
                 exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)

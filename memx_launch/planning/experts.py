@@ -12,6 +12,8 @@ EP ranks, forward and backward.
 
 from __future__ import annotations
 
+from math import comb
+
 import numpy as np
 
 from memx_launch.errors import ConfigError
@@ -105,6 +107,51 @@ def all_to_all_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, gbp
         return np.zeros(np.shape(tokens))
     nbytes = routed_tokens(model, tokens, tp) * model.hidden_size * training.dtype_bytes
     return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * (ep - 1) / ep / (np.asarray(gbps) * 1e9))
+
+
+def _missed_share(model: ModelSpec, units: int) -> float:
+    """Chance that none of a token's top-k experts is on a given one of ``units`` equal shares of
+    the experts (its EP ranks, or their nodes), routing balanced: the k drawn among the experts of
+    the groups a token may use (DeepSeek's group-limited routing: ``expert_groups_per_token`` of
+    ``expert_groups``), else among all of them."""
+    experts, k = model.num_experts, model.experts_per_token
+    groups, chosen = (model.expert_groups, model.expert_groups_per_token) if model.expert_groups else (1, 1)
+    per_group = experts // groups
+    pool = chosen * per_group
+    if groups >= units:  # a unit holds groups / units groups, of which j are chosen
+        held = groups // units
+        return sum(comb(held, j) * comb(groups - held, chosen - j) / comb(groups, chosen)
+                   * comb(pool - j * per_group, k) / comb(pool, k) for j in range(min(held, chosen) + 1))
+    picked = chosen / groups  # a group spans several units: the unit's group is chosen or not
+    return 1.0 - picked + picked * comb(pool - experts // units, k) / comb(pool, k)
+
+
+def flex_seconds_per_byte(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, device_type: str) -> float:
+    """Seconds one flex-dispatcher exchange (DeepEP, HybridEP) takes per byte of a rank's tokens
+    at the cluster's link figures (``link_efficiency`` applied): a token goes once to each other
+    rank of its NVLink domain holding one of its experts, and, beyond the domain, once to each
+    other node holding one over the rank's network link (that node forwards it inside), the two
+    at once."""
+    ep = training.expert_parallel
+    per_node = max(n for node in cluster.nodes for t, n in node.devices if t == device_type)
+    inside, nodes = min(ep, per_node), max(ep // per_node, 1)
+    efficiency = cluster.link_efficiency
+    seconds = (inside - 1) * (1.0 - _missed_share(model, ep)) / (tp_link_gbps(cluster, device_type, inside)
+                                                                  * efficiency * 1e9)
+    if nodes > 1:
+        seconds = max(seconds, (nodes - 1) * (1.0 - _missed_share(model, nodes))
+                      / (cluster.inter_node_gbps * efficiency * 1e9))
+    return seconds
+
+
+def flex_all_to_all_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, seconds_per_byte) -> np.ndarray:
+    """One block's dispatch and combine by the flex dispatcher, forward and backward: a rank's
+    tokens' hidden states at ``seconds_per_byte`` (:func:`flex_seconds_per_byte`)."""
+    if training.expert_parallel == 1:
+        return np.zeros(np.shape(tokens))
+    nbytes = np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.hidden_size \
+        * training.dtype_bytes
+    return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * np.asarray(seconds_per_byte))
 
 
 def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool) -> tuple:

@@ -144,11 +144,16 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     if not learned:  # Megatron-LM reads --rotary-base as an integer.
         args += ["--rotary-base", str(round(spec.rope_theta))]
     args += ["--norm-epsilon", f"{spec.norm_eps:g}"]
-    if spec.num_experts:  # grouped GEMMs and the all-to-all dispatcher, as the plan times them
+    if spec.num_experts:  # grouped GEMMs and the dispatcher the plan times (flex: HybridEP, which spans NVL72)
+        flex = plan.training.get("expert_dispatcher") == "flex"
         args += ["--num-experts", str(spec.num_experts), "--moe-router-topk", str(spec.experts_per_token),
                  "--moe-ffn-hidden-size", str(spec.moe_ffn_hidden_size), "--moe-grouped-gemm",
-                 "--moe-token-dispatcher-type", "alltoall",
+                 "--moe-token-dispatcher-type", "flex" if flex else "alltoall",
+                 *(["--moe-flex-dispatcher-backend", "hybridep"] if flex else []),
                  "--expert-model-parallel-size", str(plan.training.get("expert_parallel", 1))]
+        if spec.expert_groups:
+            args += ["--moe-router-num-groups", str(spec.expert_groups),
+                     "--moe-router-group-topk", str(spec.expert_groups_per_token)]
         if spec.shared_expert_ffn_hidden_size:
             args += ["--moe-shared-expert-intermediate-size", str(spec.shared_expert_ffn_hidden_size)]
         if spec.dense_layers:  # the first blocks dense, of --ffn-hidden-size

@@ -50,10 +50,11 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
               num_experts=128, experts_per_token=4, sliding_window=128, full_attention_layers=18),
     # DeepSeek-V3 (671B, 37B active): latent attention, three dense first blocks, one shared and
-    # 256 routed experts, one multi-token prediction module.
+    # 256 routed experts in 8 groups (a token's top-8 from 4 of them), one multi-token prediction module.
     ModelSpec("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, norm_eps=1e-6, attention_head_dim=128,
               num_experts=256, experts_per_token=8, expert_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048,
-              kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128, dense_layers=3, mtp_layers=1),
+              kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128, dense_layers=3, mtp_layers=1,
+              expert_groups=8, expert_groups_per_token=4),
 )}
 
 

@@ -157,7 +157,7 @@ def _experts_of(cfg: Mapping[str, Any], where: str) -> dict:
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
-    for key in ("first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step"):
+    for key in ("first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step", "n_group", "topk_group"):
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
@@ -169,7 +169,9 @@ def _experts_of(cfg: Mapping[str, Any], where: str) -> dict:
     shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert_ffn
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
-            "dense_layers": cfg.get("first_k_dense_replace") or 0}
+            "dense_layers": cfg.get("first_k_dense_replace") or 0,
+            **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}
+               if (cfg.get("n_group") or 1) > 1 else {})}
 
 
 def _latent_attention_of(cfg: Mapping[str, Any], where: str) -> dict:

@@ -25,7 +25,8 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
                          "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
                          "sliding_window": 0, "full_attention_layers": 0, "kv_lora_rank": 0, "q_lora_rank": 0,
-                         "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0, "mtp_layers": 0}
+                         "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0, "mtp_layers": 0, "expert_groups": 0,
+                         "expert_groups_per_token": 0}
 
 
 
@@ -99,6 +100,11 @@ class ModelSpec:
     dense_layers: int = 0
     """With ``num_experts``: the first blocks run a dense MLP of ``ffn_hidden_size`` instead of
     experts (DeepSeek's ``first_k_dense_replace``)."""
+    expert_groups: int = 0
+    """With ``num_experts``: group-limited routing (DeepSeek's ``n_group``): the experts fall in this
+    many equal groups, and a token's top-k come from ``expert_groups_per_token`` of them. 0: any."""
+    expert_groups_per_token: int = 0
+    """With ``expert_groups``: the groups a token's experts come from (DeepSeek's ``topk_group``)."""
     mtp_layers: int = 0
     """Multi-token prediction modules after the last block (DeepSeek-V3's ``num_nextn_predict_layers``):
     each one more block, a projection of 2h to h and a loss of its own over the shared head."""
@@ -142,6 +148,14 @@ class ModelSpec:
                        fix="give how many first blocks have a dense MLP, fewer than the blocks")
         if self.dense_layers and not self.num_experts:
             raise ConfigError("model.dense_layers", "set on a model without experts", "give num_experts, or drop it")
+        require_number(self.expert_groups, "model.expert_groups", lo=0, hi=MAX_DIMENSION, integer=True)
+        if self.expert_groups and (not self.num_experts or self.num_experts % self.expert_groups
+                                   or not 1 <= self.expert_groups_per_token <= self.expert_groups
+                                   or self.experts_per_token > self.expert_groups_per_token
+                                   * (self.num_experts // self.expert_groups)):
+            raise ConfigError("model.expert_groups", f"{self.expert_groups} groups, {self.expert_groups_per_token} a "
+                              f"token, for {self.num_experts} experts and top-{self.experts_per_token}",
+                              "give groups dividing the experts, and per token at least one and enough for top-k")
         if self.experts_per_token and not self.num_experts:
             raise ConfigError("model.experts_per_token", "set without num_experts", "give num_experts, or drop it")
         if self.num_heads % self.num_kv_heads:
@@ -284,7 +298,8 @@ class ModelSpec:
         """The shape of a dense first block (``dense_layers``): experts replaced by a dense MLP of
         ``ffn_hidden_size``, every block so."""
         return replace(self, num_experts=0, experts_per_token=0, expert_ffn_hidden_size=0,
-                       shared_expert_ffn_hidden_size=0, dense_layers=0, mtp_layers=0)
+                       shared_expert_ffn_hidden_size=0, dense_layers=0, mtp_layers=0, expert_groups=0,
+                       expert_groups_per_token=0)
 
     @property
     def mtp_params(self) -> int:

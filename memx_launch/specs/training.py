@@ -45,6 +45,8 @@ OPTIMIZERS = ("adam", "sgd")
 # (per-tensor, just-in-time) scaling and MXFP8 (a scale per 32 elements, Blackwell); Megatron's
 # --fp8-recipe delayed / tensorwise / mxfp8. Its FP4 recipe: NVFP4 (Megatron's --fp4-recipe nvfp4).
 FP8_RECIPES = ("delayed", "current", "mxfp8")
+# A mixture of experts' token dispatchers (Megatron's --moe-token-dispatcher-type alltoall / flex).
+EXPERT_DISPATCHERS = ("alltoall", "flex")
 FP4_RECIPES = ("nvfp4",)
 FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 # What the selective recompute level runs again: Megatron's attention core, or torchtitan's
@@ -262,6 +264,11 @@ class TrainingSpec:
     all-to-all; the experts' gradients and optimizer states are sharded over the rest of those
     ranks. ``memx plan`` without it searches the degree (``SearchSpace.expert_degrees``). 1: every
     rank holds every expert."""
+    expert_dispatcher: str = "alltoall"
+    """How a mixture of experts' tokens reach their experts' ranks: ``alltoall`` (Megatron's
+    all-to-all dispatcher: every routed copy of a token sent) or ``flex`` (Megatron's flex
+    dispatcher, DeepEP or HybridEP: a token sent once to each rank holding one of its experts,
+    and beyond an NVLink domain once to each node, which forwards it inside)."""
     activation_offload_layers: int = 0
     """Activation offloading (Megatron's ``--cpu-offloading-num-layers`` with activations, NeMo's
     ``cpu_offloading_num_layers``): the kept activations of up to this many of each stage's
@@ -308,6 +315,9 @@ class TrainingSpec:
         require_type(self.optimizer_offload, bool, "--optimizer-offload", "true or false")
         require_number(self.expert_parallel, "--expert-parallel", lo=1, hi=MAX_DIMENSION, integer=True,
                        fix="give the ranks each block's experts are split over, e.g. 8")
+        if self.expert_dispatcher not in EXPERT_DISPATCHERS:
+            raise ConfigError("--expert-dispatcher", f"unknown dispatcher {self.expert_dispatcher!r}",
+                              f"use one of {', '.join(EXPERT_DISPATCHERS)}")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
         for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):
