@@ -44,8 +44,9 @@ reduce, fused SwiGLU), bf16 gradients (NeMo's ``grad_sync_dtype: bf16``, Megatro
 (``fp8_params``, ``fp8_param_gather``: not with NVFP4), activation offloading where it offloads
 (``cpu_offloading_num_layers``), 16-bit optimizer states where it says ``dtype: bf16``, the plain
 (non-distributed) Adam of its LoRA scripts, sequence parallelism and TP communication overlap
-where it turns them on, its activation recompute (none in these recipes), cuDNN fused attention
-(Transformer Engine's backend on Hopper, timed as FlashAttention-3: written for Hopper), the fused
+where it turns them on, its activation recompute (none in the dense recipes; the MoE recipes'
+selective modules, ``recompute_modules``), cuDNN fused attention (Transformer Engine's backend
+on Hopper, timed as FlashAttention-3: written for Hopper), the fused
 vocab-parallel cross entropy where it fuses it, LoRA of rank 32 (NeMo adapts the fused QKV
 projection only, memx every linear: 1.9% of a frozen Llama 2 7B block's FLOPs against 0.4%). The layers of
 an interleaved pipeline are split as Megatron splits them: evenly, or with the embedding and the
@@ -168,6 +169,7 @@ def nemo_rows(recipe_memory: bool = True) -> list[dict]:
                                     fully_sharded=d["fsdp"] == "1", flash_attention_version=3,
                                     **PRECISIONS[d["precision"]], lora_rank=int(d["lora_rank"]),
                                     expert_parallel=int(d["ep"]), expert_dispatcher=d["dispatcher"],
+                                    recompute_modules=tuple(d["recompute_modules"].split()) or None,
                                     **{**flag, **memory})
             gpu = SYSTEMS[d["system"]]
             tokens = batch * seq

@@ -31,7 +31,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      dropout: bool = False, fused_norm: bool = True,
                      attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
                      fused_softmax: bool = True, softmax_in_fp32: bool = False, quantized_bytes=None,
-                     op_selective: bool = False, fused_activation: bool = False) -> LayerCost:
+                     op_selective: bool = False, fused_activation: bool = False,
+                     recompute_modules: tuple[str, ...] | None = None) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -62,7 +63,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate). In latent
     attention it is Megatron's ``mla_up_proj``: the up projections and RoPE run again from the
-    kept latents, dropping Q, K and V.
+    kept latents, dropping Q, K and V. ``recompute_modules`` (Megatron's names) instead: each drops
+    what it recomputes (:func:`dropped_by_module`).
     ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
     Full recompute keeps the block input only; its working set is one block recomputed.
     Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
@@ -111,6 +113,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                           if op_selective else (replicated + qkv + attn_out + mlp_kept, 0.0))
     if model.kv_lora_rank and not op_selective:
         selective = none - heads_qkv
+    if recompute_modules is not None:
+        dropped = dropped_by_module(model, tp, lse + scores, heads_qkv, 0.0 if quantized_bytes else linear_inputs,
+                                    mlp_kept, mlp_elementwise, fp8_share)
+        selective = none - sum(dropped[name] for name in recompute_modules)
     full = np.broadcast_to(block_input, none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of
@@ -123,3 +129,23 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
     working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
+
+
+def selective_modules(model: ModelSpec, training) -> tuple[str, ...]:
+    """What the selective level runs again, in Megatron's module names: the training's
+    ``recompute_modules``, else latent attention's up projections, else the attention core
+    (memx's selective, which also drops the MLP's activation: ``activation_bytes``)."""
+    if training.recompute_modules is not None:
+        return training.recompute_modules
+    return ("mla_up_proj",) if model.kv_lora_rank else ("core_attn",)
+
+
+def dropped_by_module(model: ModelSpec, tp, attention_core, heads_qkv, normed, mlp_kept, mlp_input, input_share) -> dict:
+    """What each of Megatron's recompute modules keeps no more, in :func:`activation_bytes`' units:
+    ``core_attn`` the softmax's statistics or probabilities, ``mla_up_proj`` latent attention's
+    Q, K and V, ``layernorm`` the 16-bit normed tensors the linears keep (not quantized ones),
+    ``moe_act`` the routed experts' down-projection inputs, ``mlp`` a dense MLP's kept tensors."""
+    routed = (2.0 * input_share * model.experts_per_token * model.moe_ffn_hidden_size / model.hidden_size
+              / np.asarray(tp, dtype=np.float64)) if model.num_experts else 0.0
+    return {"core_attn": attention_core, "mla_up_proj": heads_qkv if model.kv_lora_rank else 0.0, "layernorm": normed,
+            "moe_act": routed, "mlp": 0.0 if model.num_experts else mlp_kept + mlp_input}

@@ -18,11 +18,11 @@ from typing import Protocol
 import numpy as np
 
 from memx_launch.planning import experts, op_checkpointing, quantization
-from memx_launch.planning.activations import LayerCost, activation_bytes  # noqa: F401 (callers read cm.*)
+from memx_launch.planning.activations import LayerCost, activation_bytes, selective_modules  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.matmuls import (device_sms, forward_backward_seconds, gemm_seconds, latent_up_shapes,
-                                          linear_seconds, linear_shapes)
+                                          linear_seconds, linear_shapes, mlp_shapes)
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,  # noqa: F401
                                                fine_tuning_flops, fully_sharded_working_bytes, last_stage_params,
                                                fully_sharded_working_parts, model_state_bytes_by_part,
@@ -242,7 +242,7 @@ class AnalyticalCostModel:
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
                                tr.softmax_in_fp32, tr.quantized_linears and self._linear_bytes, op_policy,
-                               tr.fused_activation)
+                               tr.fused_activation, tr.recompute_modules)
         mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
         tokens = mbs_a * seq_a
@@ -256,17 +256,23 @@ class AnalyticalCostModel:
         # Op-level selective recompute runs every other projection again (op_checkpointing.py).
         op_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in op_checkpointing.recomputed_projections(
             self.model, tp)) if op_level.any() else 0.0
-        # Latent attention's selective recompute runs its up projections again (Megatron's mla_up_proj).
-        latent_level = (recompute == SELECTIVE) & (bool(self.model.kv_lora_rank) and not op_policy)
-        up_again_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in latent_up_shapes(self.model, tp)) \
-            if latent_level.any() else 0.0
-        linear_s = linear_s + np.select([recompute == FULL, op_level, latent_level],
-                                        [linear_forward_s, op_again_s, up_again_s], 0.0)
-        # The attention core (QK^T and AV, causal half): what the selective and the full
-        # recompute both run again.
+        # Megatron's selective level by module: latent attention's up projections (mla_up_proj, its
+        # default), a dense MLP's GEMMs (mlp), the attention core (core_attn, memx's default).
+        modules = selective_modules(self.model, tr)
+        selective_linear_s = 0.0
+        if "mla_up_proj" in modules and self.model.kv_lora_rank:
+            selective_linear_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in latent_up_shapes(self.model, tp))
+        if "mlp" in modules and not self.model.num_experts:
+            selective_linear_s = selective_linear_s + sum(gemm_seconds(tokens, n, k, *gemm)
+                                                          for n, k in mlp_shapes(self.model, tr, tp))
+        linear_s = linear_s + np.select([recompute == FULL, op_level, recompute == SELECTIVE],
+                                        [linear_forward_s, op_again_s, selective_linear_s], 0.0)
+        # The attention core (QK^T and AV, causal half): what the full recompute and the selective
+        # one with it run again.
         attn_core_flops = causal_attention_flops(self.model, mbs_a, seq_a, tp)
         # The op-level policy keeps the fused kernel's output: it runs attention again only unfused.
-        again = (recompute != NONE) & ~(op_level & self._flash[device]) & ~latent_level
+        again = (recompute == FULL) | ((recompute == SELECTIVE) & (~self._flash[device] if op_policy
+                                                                   else "core_attn" in modules))
         recompute_flops = np.where(again, attn_core_flops, 0.0)
         # Unfused attention computes the whole s x s square (no causal skipping); its scores'
         # traffic is in the element-wise bytes.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning import quantization
+from memx_launch.planning.activations import selective_modules
 from memx_launch.planning.plan import NONE, SELECTIVE
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -123,14 +124,25 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     norms = 1.0 if model.parallel_blocks else 2.0  # parallel blocks: one norm feeds attention and MLP
 
     def passes(i):  # 0: forward, 1: backward
-        """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again)."""
+        """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again:
+        rotary embedding, the MLP's activation, the scores)."""
         blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * cast_bytes \
             + permuted
-        core = tokens * ((model.q_hidden_size + kv) / tp * rope[i] + f / tp * mlp[i]) * d + scores * score[i]
+        core = (tokens * (model.q_hidden_size + kv) / tp * rope[i] * d, tokens * f / tp * mlp[i] * d, scores * score[i])
         return blockwide, core
 
     (block_forward, core_forward), (block_backward, core_backward) = passes(0), passes(1)
-    forward = block_forward + core_forward
-    selective_again = forward if training.selective_recompute == "op" else core_forward
+    forward = block_forward + sum(core_forward)
+    if training.selective_recompute == "op":
+        selective_again = forward
+    elif training.recompute_modules is None and not model.kv_lora_rank:
+        selective_again = sum(core_forward)
+    else:  # Megatron's modules, each its passes: rotary embedding and scores, norms, activation
+        rotary, activation, scored = core_forward
+        modules = selective_modules(model, training)
+        selective_again = (("core_attn" in modules) * (rotary + scored) + ("mla_up_proj" in modules) * rotary
+                           + ("layernorm" in modules) * hidden * norms * norm[0]
+                           + ("moe_act" in modules or "mlp" in modules) * activation)
+    core_backward = sum(core_backward)
     again = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * forward, selective_again], forward)
     return forward + block_backward + core_backward + again

@@ -95,8 +95,10 @@ def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
             "plan predicts (memx-run applies the per-stage levels)")
     if strongest == "none":
         return [], notes
-    if strongest == "selective" and plan.model_spec.kv_lora_rank and plan.training.get("selective_recompute") != "op":
-        return ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], notes
+    modules = plan.training.get("recompute_modules")
+    if strongest == "selective" and (modules or plan.model_spec.kv_lora_rank) and \
+            plan.training.get("selective_recompute") != "op":
+        return ["--recompute-granularity", "selective", "--recompute-modules", *(modules or ["mla_up_proj"])], notes
     if strongest == "selective":
         notes.append("selective recompute maps to Megatron's default recompute module (core_attn); "
                      "memx's selective level also recomputes the SwiGLU activation")

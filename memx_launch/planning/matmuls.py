@@ -148,20 +148,28 @@ def linear_shapes(model, training, tp) -> list[tuple]:
     fused, or its own GEMM) and down projections. A mixture of experts has its shared expert's
     MLP here, if any (its routed experts: ``planning/experts.py``)."""
     tp = np.asarray(tp, dtype=np.float64)
-    h, ffn = float(model.hidden_size), float(model.shared_expert_ffn_hidden_size if model.num_experts
-                                                  else model.ffn_hidden_size)
+    h = float(model.hidden_size)
     q, value = float(model.q_hidden_size), float(model.value_hidden_size)
     attention = [((q + 2.0 * model.kv_hidden_size) / tp, h), (h, value / tp)]
     if model.kv_lora_rank:  # latent attention: whole down projections on every TP rank, heads' up projections split
         q_rank, kv_rank = float(model.q_lora_rank), float(model.kv_lora_rank)
         downs = [(q_rank, h)] if q_rank else [(q / tp, h)]
         attention = [*downs, (kv_rank + model.rope_head_dim, h), *latent_up_shapes(model, tp), (h, value / tp)]
+    return [*attention, *mlp_shapes(model, training, tp)]
+
+
+def mlp_shapes(model, training, tp) -> list[tuple]:
+    """(N, K) of the dense MLP's linears on one TP rank (a mixture of experts': its shared
+    expert's; none without one): up (and gate: fused, or its own GEMM), then down."""
+    tp = np.asarray(tp, dtype=np.float64)
+    h = float(model.hidden_size)
+    ffn = float(model.shared_expert_ffn_hidden_size if model.num_experts else model.ffn_hidden_size)
     if not ffn:
-        return attention
+        return []
     if not model.gated_mlp:
         up = [(ffn / tp, h)]
     elif training.fused_gate_up:
         up = [(2.0 * ffn / tp, h)]
     else:
         up = [(ffn / tp, h), (ffn / tp, h)]
-    return [*attention, *up, (h, ffn / tp)]
+    return [*up, (h, ffn / tp)]

@@ -52,6 +52,8 @@ FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 # What the selective recompute level runs again: Megatron's attention core, or torchtitan's
 # op-level policy (planning/op_checkpointing.py).
 SELECTIVE_POLICIES = ("attention", "op")
+# Megatron's --recompute-modules that memx prices (its selective level with them).
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp")
 
 
 SETUPS: dict[str, dict] = {
@@ -221,6 +223,13 @@ class TrainingSpec:
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
     ``op`` (torchtitan's op-level policy: everything but the fused attention kernel's output and
     every other matmul's). Default attention."""
+    recompute_modules: tuple[str, ...] | None = None
+    """What the selective level runs again, in Megatron's words (``--recompute-modules``, NVIDIA's
+    MoE recipes): ``core_attn`` (the attention core), ``mla_up_proj`` (latent attention's up
+    projections), ``layernorm`` (the norms, whose 16-bit outputs the linears then do not keep),
+    ``moe_act`` (the routed experts' activation) and ``mlp`` (a dense MLP). A module the block
+    lacks recomputes nothing. None: ``selective_recompute``'s (with latent attention,
+    ``mla_up_proj``)."""
     tf32: bool = False
     """fp32 training's matmuls run as TF32 on NVIDIA Ampere and later (NGC containers turn it
     on; PyTorch's ``torch.backends.cuda.matmul.allow_tf32``): at the TF32 peak, half the dense
@@ -305,6 +314,17 @@ class TrainingSpec:
         if isinstance(self.flash_attention_version, bool) or self.flash_attention_version not in FLASH_ATTENTION_VERSIONS:
             raise ConfigError("--flash-attention-version", f"unknown version {self.flash_attention_version!r}",
                               f"use one of {', '.join(map(str, FLASH_ATTENTION_VERSIONS))}")
+        if self.recompute_modules is not None:
+            modules = self.recompute_modules
+            modules = tuple(m.strip() for m in modules.split(",")) if isinstance(modules, str) else tuple(modules)
+            unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+            if unknown or not modules:
+                raise ConfigError("--recompute-modules", f"unknown module {unknown[0] if unknown else ''!r}",
+                                  f"use some of {', '.join(RECOMPUTE_MODULES)}, comma-separated")
+            object.__setattr__(self, "recompute_modules", modules)
+            if self.selective_recompute == "op":
+                raise ConfigError("--recompute-modules", "with --selective-recompute op, torchtitan's policy",
+                                  "drop one of them")
         if self.selective_recompute not in SELECTIVE_POLICIES:
             raise ConfigError("--selective-recompute", f"unknown policy {self.selective_recompute!r}",
                               f"use one of {', '.join(SELECTIVE_POLICIES)}")
