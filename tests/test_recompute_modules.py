@@ -78,3 +78,10 @@ def test_modules_are_checked_recorded_and_exported():
                                                                 "--recompute-modules", "layernorm", "moe_act"]
     restored = TrainingSpec(**{**dataclasses.asdict(_training()), **plan.training})
     assert restored.recompute_modules == ("layernorm", "moe_act")
+    assert _training(recompute_modules="layernorm moe_act").recompute_modules == ("layernorm", "moe_act")
+    from memx_launch.runtime.layout import check_runnable
+
+    dense = evaluate_layout(LLAMA, NODE, _training(recompute_modules="layernorm"), tp=1, pp=1, dp=8,
+                            micro_batch_size=1, recompute="selective", references=(1, 1, 1))
+    with pytest.raises(ConfigError, match="--plan: recompute_modules=layernorm: memx's runtime recomputes its own"):
+        check_runnable(dense)

@@ -118,6 +118,10 @@ def check_runnable(plan: Plan) -> Plan:
         raise ConfigError("--plan", f"stage {short[0]} holds fewer layers than its {plan.virtual_stages} chunks, "
                           "which memx's runtime does not run", "give every chunk a layer, or run the plan with "
                           "Megatron-LM (memx export)")
+    if plan.training.get("recompute_modules"):
+        raise ConfigError("--plan", f"recompute_modules={','.join(plan.training['recompute_modules'])}: memx's "
+                          "runtime recomputes its own selective level", "plan without --recompute-modules, or run "
+                          "the plan with Megatron-LM (memx export)")
     if plan.cp > 1:
         raise ConfigError("--plan", f"cp={plan.cp}: memx's runtime has no context parallelism",
                           "plan with --cp 1, or run the plan with Megatron-LM (memx export)")

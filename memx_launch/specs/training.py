@@ -316,11 +316,11 @@ class TrainingSpec:
                               f"use one of {', '.join(map(str, FLASH_ATTENTION_VERSIONS))}")
         if self.recompute_modules is not None:
             modules = self.recompute_modules
-            modules = tuple(m.strip() for m in modules.split(",")) if isinstance(modules, str) else tuple(modules)
+            modules = tuple(modules.replace(",", " ").split()) if isinstance(modules, str) else tuple(modules)
             unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
             if unknown or not modules:
                 raise ConfigError("--recompute-modules", f"unknown module {unknown[0] if unknown else ''!r}",
-                                  f"use some of {', '.join(RECOMPUTE_MODULES)}, comma-separated")
+                                  f"use some of {', '.join(RECOMPUTE_MODULES)}, separated by commas or spaces")
             object.__setattr__(self, "recompute_modules", modules)
             if self.selective_recompute == "op":
                 raise ConfigError("--recompute-modules", "with --selective-recompute op, torchtitan's policy",
