@@ -68,9 +68,9 @@ def test_block_scaled_recipes_run_on_blackwell_only_and_one_at_a_time():
 def test_each_recipe_keeps_its_quantized_bytes_with_their_scales():
     parts = {name: _estimate(_training(**kw)).stages[0].memory_parts_gib
              for name, kw in (("bf16", {}), ("current", {"fp8": "current"}), ("mxfp8", {"fp8": "mxfp8"}),
-                              ("nvfp4", {"fp4": "nvfp4"}))}
+                              ("blockwise", {"fp8": "blockwise"}), ("nvfp4", {"fp4": "nvfp4"}))}
     layer = MODEL.layer_params / 2  # over TP 2
-    for name, q in (("current", 1.0), ("mxfp8", 1 + 1 / 32), ("nvfp4", 0.5 + 1 / 16)):
+    for name, q in (("current", 1.0), ("mxfp8", 1 + 1 / 32), ("blockwise", 1 + 4 / 128), ("nvfp4", 0.5 + 1 / 16)):
         # Two quantized copies of each weight (forward; backward), no amax history but delayed scaling's.
         assert parts[name]["parameters"] - parts["bf16"]["parameters"] == pytest.approx(
             MODEL.num_layers * 2 * q * layer / GIB)
@@ -78,7 +78,7 @@ def test_each_recipe_keeps_its_quantized_bytes_with_their_scales():
     # inputs, the attention output and the down projection's input, h/2, h/2, h/2 and f/2 per token).
     h, f, s = MODEL.hidden_size, MODEL.ffn_hidden_size, 4096
     inputs = MODEL.num_layers * s * (3 * h / 2 + f / 2) / GIB
-    for name, q in (("mxfp8", 1 + 1 / 32), ("nvfp4", 0.5 + 1 / 16)):
+    for name, q in (("mxfp8", 1 + 1 / 32), ("blockwise", 1 + 4 / 128), ("nvfp4", 0.5 + 1 / 16)):
         assert parts["current"]["activations"] - parts[name]["activations"] == pytest.approx((q - 1) * -inputs,
                                                                                               rel=1e-6)
 

@@ -141,3 +141,15 @@ def test_flag_cases_column_and_megatron_export(tmp_path, capsys):
     rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,fp8,fp8_params\n"
                       "copies,2,1,4,1,current,false\nkept,2,1,4,1,current,true\n", base)
     assert rows["kept"]["peak_memory_gib"] < rows["copies"]["peak_memory_gib"]
+
+
+def test_blockwise_fp8_runs_on_hopper_and_exports_megatron_s_recipe():
+    from test_exporters import _megatron_config
+
+    current, blockwise = (_estimate(_training(fp8=r)) for r in ("current", "blockwise"))
+    # Per-tensor FP8's bytes and an fp32 scale per 128 elements: a little more memory, about the same time.
+    assert blockwise.stages[0].predicted_peak_memory_gib > current.stages[0].predicted_peak_memory_gib
+    assert blockwise.predicted_iteration_time_s == pytest.approx(current.predicted_iteration_time_s, rel=0.02)
+    args = megatron_args(blockwise).args
+    assert args[args.index("--fp8-format") + 1] == "e4m3" and args[args.index("--fp8-recipe") + 1] == "blockwise"
+    assert _megatron_config(blockwise, args).fp8_recipe == "blockwise"

@@ -100,8 +100,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="fine-tuning with LoRA adapters of rank R on every linear of each block, base frozen "
                         "(default 0: none)")
     p.add_argument("--fp8", choices=FP8_RECIPES, default=None,
-                   help="FP8 linear layers (Transformer Engine) with delayed, current or MXFP8 block scaling "
-                        "(Blackwell): their GEMMs at the FP8 peak, FP8 inputs kept, FP8 weight copies (default off)")
+                   help="FP8 linear layers (Transformer Engine) with delayed, current, MXFP8 (Blackwell) or "
+                        "blockwise (DeepSeek-V3's) scaling: their GEMMs at the FP8 peak, FP8 inputs kept, FP8 weight "
+                        "copies (default off)")
     p.add_argument("--fp4", choices=FP4_RECIPES, default=None,
                    help="FP4 linear layers with Transformer Engine's NVFP4 recipe (Blackwell): their GEMMs at the "
                         "FP4 peak, NVFP4 inputs and weight copies kept (default off)")

@@ -182,7 +182,7 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
 # memx's FP8 recipe: Megatron's --fp8-format (E4M3 forward and E5M2 gradients, or E4M3 for all,
 # as its MXFP8 runs) and --fp8-recipe (current scaling is "tensorwise").
 MEGATRON_FP8_RECIPES = {"delayed": ("hybrid", "delayed"), "current": ("hybrid", "tensorwise"),
-                        "mxfp8": ("e4m3", "mxfp8")}
+                        "mxfp8": ("e4m3", "mxfp8"), "blockwise": ("e4m3", "blockwise")}
 
 
 def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:

@@ -13,9 +13,11 @@ from memx_launch.specs.efficiency import blackwell_or_later
 from memx_launch.specs.training import TrainingSpec
 
 # Bytes per element of a quantized tensor, its scales included: per-tensor FP8 (``delayed``,
-# ``current``); MXFP8, E4M3 with an E8M0 scale per 32 elements; NVFP4, E2M1 with an E4M3 scale per
-# 16 elements (and one fp32 scale per tensor).
-ELEMENT_BYTES = {"delayed": 1.0, "current": 1.0, "mxfp8": 1.0 + 1.0 / 32.0, "nvfp4": 0.5 + 1.0 / 16.0}
+# ``current``); MXFP8, E4M3 with an E8M0 scale per 32 elements; blockwise FP8, E4M3 with an fp32
+# scale per 128 elements (a weight's per 128 x 128, counted alike); NVFP4, E2M1 with an E4M3 scale
+# per 16 elements (and one fp32 scale per tensor).
+ELEMENT_BYTES = {"delayed": 1.0, "current": 1.0, "mxfp8": 1.0 + 1.0 / 32.0, "blockwise": 1.0 + 4.0 / 128.0,
+                 "nvfp4": 0.5 + 1.0 / 16.0}
 # FP8 tensor cores of Ada and Hopper accumulate at reduced precision. Training runs the forward GEMM
 # with that fast accumulation and promotes the backward's two GEMMs' partial sums to fp32
 # (torchao's Float8Linear: use_fast_accum for the output only; Transformer Engine: the split

@@ -43,8 +43,8 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZERS = ("adam", "sgd")
 # Transformer Engine's FP8 recipes: delayed scaling (scales from an amax history), current
 # (per-tensor, just-in-time) scaling and MXFP8 (a scale per 32 elements, Blackwell); Megatron's
-# --fp8-recipe delayed / tensorwise / mxfp8. Its FP4 recipe: NVFP4 (Megatron's --fp4-recipe nvfp4).
-FP8_RECIPES = ("delayed", "current", "mxfp8")
+# --fp8-recipe delayed / tensorwise / mxfp8 / blockwise. Its FP4 recipe: NVFP4 (Megatron's --fp4-recipe nvfp4).
+FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise")
 # A mixture of experts' token dispatchers (Megatron's --moe-token-dispatcher-type alltoall / flex).
 EXPERT_DISPATCHERS = ("alltoall", "flex")
 FP4_RECIPES = ("nvfp4",)
@@ -249,8 +249,9 @@ class TrainingSpec:
     states; the base weights they adapt are frozen (``frozen_fraction`` 1 unless given)."""
     fp8: str | None = None
     """FP8 training of the blocks' linear layers (Transformer Engine, 16-bit everywhere else):
-    ``delayed`` or ``current`` per-tensor scaling, or ``mxfp8`` (a scale per 32 elements;
-    Blackwell). Their GEMMs run at the FP8 peak; each linear keeps its input for the backward in
+    ``delayed`` or ``current`` per-tensor scaling, ``mxfp8`` (a scale per 32 elements;
+    Blackwell) or ``blockwise`` (DeepSeek-V3's: an fp32 scale per 128 elements of an input or
+    gradient, per 128 x 128 of a weight; Megatron's ``--fp8-recipe blockwise``). Their GEMMs run at the FP8 peak; each linear keeps its input for the backward in
     FP8 and FP8 copies of its weight (and its transpose); delayed scaling also keeps an amax
     history per tensor. None: off."""
     fp4: str | None = None
@@ -353,7 +354,7 @@ class TrainingSpec:
         require_type(self.fp8_params, bool, "--fp8-params", "true or false")
         if self.fp8_params and self.fp8 is None:
             raise ConfigError("--fp8-params", "keeps the weights of FP8 linears, and the run has none",
-                              "add --fp8 current (or delayed, mxfp8)")
+                              "add --fp8 current (or delayed, mxfp8, blockwise)")
         require_number(self.lora_rank, "--lora-rank", lo=0, hi=MAX_DIMENSION, integer=True)
         require_number(self.frozen_fraction, "--frozen-fraction", lo=0, hi=1,
                        fix="give the share of parameters frozen, e.g. 0.5")
