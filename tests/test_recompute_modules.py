@@ -49,6 +49,30 @@ def test_each_module_drops_what_it_recomputes():
     assert _kept(QWEN3, ("mlp",)) == pytest.approx(qwen_none)  # Megatron's mlp is the dense MLP
 
 
+def test_a_mixture_s_whole_mlp_or_its_shared_expert():
+    from memx_launch.planning import experts
+
+    shared = dataclasses.replace(QWEN3, shared_expert_ffn_hidden_size=768)
+    sbh = 4096 * shared.hidden_size
+    none = float(activation_bytes(shared, 1, 4096, 1, cm.NONE).activation_bytes)
+    kept, down = experts.kept_units(shared, 1, 1.0, False)
+    # moe keeps only the MLP's input: the router's logits and every routed and shared tensor go.
+    assert none - _kept(shared, ("moe",)) == pytest.approx((kept + down) * sbh)
+    # shared_experts: its gate and up outputs, silu(gate) and product, (6 + 2) x 768 / h.
+    assert none - _kept(shared, ("shared_experts",)) == pytest.approx(8 * 768 / shared.hidden_size * sbh)
+    assert _kept(LLAMA, ("moe",)) == _kept(LLAMA, ("shared_experts",)) == pytest.approx(
+        float(activation_bytes(LLAMA, 1, 4096, 1, cm.NONE).activation_bytes))
+
+    def seconds(modules):
+        return float(cm.AnalyticalCostModel(shared, NODE, _training(recompute_modules=modules, expert_parallel=8))
+                     .layer_costs(0, 1, 1, 4096, cm.SELECTIVE).time_s)
+    # The whole MLP again: its experts' GEMMs and its two exchanges, more than its activation or shared expert.
+    plain = float(cm.AnalyticalCostModel(shared, NODE, _training(expert_parallel=8)).layer_costs(
+        0, 1, 1, 4096, cm.NONE).time_s)
+    assert seconds(("moe",)) > max(seconds(("shared_experts",)), seconds(("moe_act",)))
+    assert min(seconds(("shared_experts",)), seconds(("moe_act",))) > plain
+
+
 def test_each_module_runs_its_part_again():
     def seconds(model, level, modules=None):
         return float(cm.AnalyticalCostModel(model, NODE, _training(recompute_modules=modules))
@@ -67,8 +91,8 @@ def test_each_module_runs_its_part_again():
 
 def test_modules_are_checked_recorded_and_exported():
     assert _training(recompute_modules="layernorm, moe_act").recompute_modules == ("layernorm", "moe_act")
-    with pytest.raises(ConfigError, match="--recompute-modules: unknown module 'moe'; use some of core_attn"):
-        _training(recompute_modules="moe")
+    with pytest.raises(ConfigError, match="--recompute-modules: unknown module 'moe_preprocess'; use some of core_attn"):
+        _training(recompute_modules="moe_preprocess")
     with pytest.raises(ConfigError, match="--recompute-modules: with --selective-recompute op"):
         _training(recompute_modules="core_attn", selective_recompute="op")
     plan = evaluate_layout(QWEN3, NODE, _training(recompute_modules=["layernorm", "moe_act"], expert_parallel=8),

@@ -122,8 +122,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "domain (Megatron's --moe-token-dispatcher-type; default alltoall)")
     p.add_argument("--recompute-modules", "--recompute_modules", metavar="M[,M...]",
                    help="what the selective recompute level runs again, in Megatron's --recompute-modules: "
-                        "core_attn, mla_up_proj, layernorm, moe_act, mlp (default: the attention core and the "
-                        "MLP's activation; latent attention's up projections)")
+                        "core_attn, mla_up_proj, layernorm, moe_act, mlp, moe, shared_experts (default: the "
+                        "attention core and the MLP's activation; latent attention's up projections)")
     p.add_argument("--activation-offload-layers", "--activation_offload_layers", type=int, metavar="N",
                    help="the activations of up to N layers per stage kept in host memory between forward and "
                         "backward (Megatron's --cpu-offloading-num-layers; default 0)")

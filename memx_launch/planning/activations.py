@@ -115,7 +115,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         selective = none - heads_qkv
     if recompute_modules is not None:
         dropped = dropped_by_module(model, tp, lse + scores, heads_qkv, 0.0 if quantized_bytes else linear_inputs,
-                                    mlp_kept, mlp_elementwise, fp8_share)
+                                    mlp_kept, mlp_elementwise, fp8_share, fused_activation)
         selective = none - sum(dropped[name] for name in recompute_modules)
     full = np.broadcast_to(block_input, none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
@@ -140,12 +140,17 @@ def selective_modules(model: ModelSpec, training) -> tuple[str, ...]:
     return ("mla_up_proj",) if model.kv_lora_rank else ("core_attn",)
 
 
-def dropped_by_module(model: ModelSpec, tp, attention_core, heads_qkv, normed, mlp_kept, mlp_input, input_share) -> dict:
+def dropped_by_module(model: ModelSpec, tp, attention_core, heads_qkv, normed, mlp_kept, mlp_input, input_share,
+                      fused_activation: bool) -> dict:
     """What each of Megatron's recompute modules keeps no more, in :func:`activation_bytes`' units:
     ``core_attn`` the softmax's statistics or probabilities, ``mla_up_proj`` latent attention's
     Q, K and V, ``layernorm`` the 16-bit normed tensors the linears keep (not quantized ones),
-    ``moe_act`` the routed experts' down-projection inputs, ``mlp`` a dense MLP's kept tensors."""
+    ``moe_act`` the routed experts' down-projection inputs, ``mlp`` a dense MLP's kept tensors,
+    ``moe`` everything a mixture of experts' MLP keeps, ``shared_experts`` its shared expert's."""
+    experts_on = bool(model.num_experts)
     routed = (2.0 * input_share * model.experts_per_token * model.moe_ffn_hidden_size / model.hidden_size
-              / np.asarray(tp, dtype=np.float64)) if model.num_experts else 0.0
+              / np.asarray(tp, dtype=np.float64)) if experts_on else 0.0
+    shared = experts.shared_expert_units(model, tp, input_share, fused_activation) if experts_on else 0.0
     return {"core_attn": attention_core, "mla_up_proj": heads_qkv if model.kv_lora_rank else 0.0, "layernorm": normed,
-            "moe_act": routed, "mlp": 0.0 if model.num_experts else mlp_kept + mlp_input}
+            "moe_act": routed, "mlp": 0.0 if experts_on else mlp_kept + mlp_input,
+            "moe": mlp_kept + mlp_input if experts_on else 0.0, "shared_experts": shared}

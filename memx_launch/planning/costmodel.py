@@ -249,6 +249,7 @@ class AnalyticalCostModel:
         shapes = linear_shapes(self.model, tr, tp)
         gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
         linear_forward_s, linear_backward_s = linear_seconds(tokens, shapes, *gemm)
+        expert_forward_s = 0.0
         if self.model.num_experts:  # the routed experts' grouped GEMMs
             expert_forward_s, expert_backward_s = experts.expert_seconds(self.model, tr, tokens, tp, *gemm)
             linear_forward_s, linear_backward_s = linear_forward_s + expert_forward_s, linear_backward_s + expert_backward_s
@@ -262,9 +263,13 @@ class AnalyticalCostModel:
         selective_linear_s = 0.0
         if "mla_up_proj" in modules and self.model.kv_lora_rank:
             selective_linear_s = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in latent_up_shapes(self.model, tp))
-        if "mlp" in modules and not self.model.num_experts:
+        # A dense MLP (mlp), or a mixture's shared expert (shared_experts, moe) and its experts (moe).
+        dense_mlp = "mlp" in modules if not self.model.num_experts else bool({"shared_experts", "moe"} & set(modules))
+        if dense_mlp:
             selective_linear_s = selective_linear_s + sum(gemm_seconds(tokens, n, k, *gemm)
                                                           for n, k in mlp_shapes(self.model, tr, tp))
+        whole_moe = "moe" in modules and bool(self.model.num_experts)
+        selective_linear_s = selective_linear_s + (expert_forward_s if whole_moe else 0.0)
         linear_s = linear_s + np.select([recompute == FULL, op_level, recompute == SELECTIVE],
                                         [linear_forward_s, op_again_s, selective_linear_s], 0.0)
         # The attention core (QK^T and AV, causal half): what the full recompute and the selective
@@ -295,7 +300,7 @@ class AnalyticalCostModel:
             exchange_s = (experts.all_to_all_seconds(self.model, tr, tokens, tp, self._ep_gbps[device])
                           if self._flex_seconds_per_byte is None else experts.flex_all_to_all_seconds(
                               self.model, tr, tokens, tp, self._flex_seconds_per_byte[device])) \
-                * np.where(recompute == FULL, 1.5, 1.0)
+                * np.where((recompute == FULL) | ((recompute == SELECTIVE) & whole_moe), 1.5, 1.0)
             if tr.overlap_expert_comm:  # behind another micro-batch's compute
                 exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)
             comm_s = comm_s + exchange_s

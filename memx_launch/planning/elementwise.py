@@ -142,7 +142,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         modules = selective_modules(model, training)
         selective_again = (("core_attn" in modules) * (rotary + scored) + ("mla_up_proj" in modules) * rotary
                            + ("layernorm" in modules) * hidden * norms * norm[0]
-                           + ("moe_act" in modules or "mlp" in modules) * activation)
+                           + bool({"moe_act", "mlp", "moe"} & set(modules)) * activation
+                           + ("moe" in modules) * permuted)
     core_backward = sum(core_backward)
     again = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * forward, selective_again], forward)
     return forward + block_backward + core_backward + again

@@ -154,6 +154,13 @@ def flex_all_to_all_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp
     return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * np.asarray(seconds_per_byte))
 
 
+def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: bool):
+    """A shared expert's kept tensors per token in :func:`kept_units`' units: a dense MLP of its width."""
+    gated = 4.0 if fused_activation else 6.0
+    shared = model.shared_expert_ffn_hidden_size / model.hidden_size
+    return ((gated if model.gated_mlp else 2.0) * shared + 2.0 * input_share * shared) / np.asarray(tp, dtype=np.float64)
+
+
 def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool) -> tuple:
     """(kept, down-projection input) of a block's MLP of experts per token, in the unit of
     :func:`~memx_launch.planning.activations.activation_bytes` (2 bytes per hidden element):

@@ -53,7 +53,7 @@ FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 # op-level policy (planning/op_checkpointing.py).
 SELECTIVE_POLICIES = ("attention", "op")
 # Megatron's --recompute-modules that memx prices (its selective level with them).
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp")
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
 
 
 SETUPS: dict[str, dict] = {
@@ -227,8 +227,9 @@ class TrainingSpec:
     """What the selective level runs again, in Megatron's words (``--recompute-modules``, NVIDIA's
     MoE recipes): ``core_attn`` (the attention core), ``mla_up_proj`` (latent attention's up
     projections), ``layernorm`` (the norms, whose 16-bit outputs the linears then do not keep),
-    ``moe_act`` (the routed experts' activation) and ``mlp`` (a dense MLP). A module the block
-    lacks recomputes nothing. None: ``selective_recompute``'s (with latent attention,
+    ``moe_act`` (the routed experts' activation), ``mlp`` (a dense MLP), ``moe`` (a mixture of
+    experts' whole MLP: router, exchanges, experts) and ``shared_experts`` (its shared expert). A
+    module the block lacks recomputes nothing. None: ``selective_recompute``'s (with latent attention,
     ``mla_up_proj``)."""
     tf32: bool = False
     """fp32 training's matmuls run as TF32 on NVIDIA Ampere and later (NGC containers turn it
