@@ -5,10 +5,9 @@ NVL72 (one NVLink 5 domain) at EP 8-64, from Table 7 of NVIDIA's "Scalable Train
 Mixture-of-Experts Models with Megatron Core" (arXiv 2603.07685), copied into
 benchmarks/data/mcore_moe_all_to_all.csv. memx times each of the table's dispatchers, uncalibrated,
 at the datasheet links of ``benchmarks.common``, in bf16, with DeepSeek-V3's group-limited routing
-(top-8 from 4 of 8 groups): the all-to-all dispatcher (``experts.all_to_all_seconds``), every
-routed copy sent, and HybridEP as the flex dispatcher (``experts.flex_all_to_all_seconds``), a
-token sent once to each rank, and across nodes once to each node; a quarter of each (one of a
-block's four exchanges). Writes benchmarks/results/all_to_all_latency.json.
+(top-8 from 4 of 8 groups; ``experts.exchange_seconds``): the all-to-all dispatcher, every
+routed copy sent, and HybridEP as the flex dispatcher, a token sent once to each rank, and
+across nodes once to each node; a quarter of each (one of a block's four exchanges). Writes benchmarks/results/all_to_all_latency.json.
 Run: .venv/bin/python benchmarks/all_to_all_latency.py   (under a second)
 """
 
@@ -41,12 +40,8 @@ def predicted_us(system: str, ep: int, dispatcher: str = "alltoall") -> float:
     cluster = dgx_cluster(gpu, 64 if gpu == "gb200" else max(ep, 8))
     training = TrainingSpec(global_batch_size=64, seq_len=TOKENS, setup="megatron", expert_parallel=ep,
                             expert_dispatcher=dispatcher)
-    if dispatcher == "flex":
-        per_byte = experts.flex_seconds_per_byte(model, training, cluster, gpu)
-        seconds = float(experts.flex_all_to_all_seconds(model, training, TOKENS, 1, per_byte))
-    else:
-        gbps = experts.ep_link_gbps(cluster, gpu, ep) * cluster.link_efficiency
-        seconds = float(experts.all_to_all_seconds(model, training, TOKENS, 1, gbps))
+    per_byte = experts.exchange_seconds_per_byte(model, training, cluster, gpu)
+    seconds = float(experts.exchange_seconds(model, training, TOKENS, 1, per_byte))
     return seconds / experts.ALL_TO_ALLS * 1e6
 
 

@@ -100,10 +100,11 @@ def test_experts_run_their_tokens_routed_and_exchange_them_by_all_to_all():
                   for ep in (1, 8))
     assert thin > 1.5 * wide
     link = 450 * NODE.link_efficiency
-    exchanged = float(experts.all_to_all_seconds(QWEN3, _training(expert_parallel=8), 4096, 1, link))
+    per_byte = experts.exchange_seconds_per_byte(QWEN3, _training(expert_parallel=8), NODE, "gpu")
+    exchanged = float(experts.exchange_seconds(QWEN3, _training(expert_parallel=8), 4096, 1, per_byte))
     assert exchanged == pytest.approx(4 * (experts.ALL_TO_ALL_LATENCY_S + 4096 * 8 * 2048 * 2 * 7 / 8 / (link * 1e9)))
     assert float(alone - spread) == pytest.approx(thin - wide - exchanged, rel=1e-6)
-    assert float(experts.all_to_all_seconds(QWEN3, _training(), 4096, 1, 1.0)) == 0.0
+    assert float(experts.exchange_seconds(QWEN3, _training(), 4096, 1, 1.0)) == 0.0
     # Beyond a node the share to the other node crosses the network: the group of 16 is slower.
     assert experts.ep_link_gbps(TWO_NODES, "gpu", 16) < experts.ep_link_gbps(TWO_NODES, "gpu", 8)
     # Never faster than the active matmuls at the peak (forward and backward: 3 x the forward).
@@ -114,8 +115,9 @@ def test_experts_run_their_tokens_routed_and_exchange_them_by_all_to_all():
 def test_overlapped_all_to_alls_cost_only_what_the_compute_does_not_hide():
     plain, hidden = (cm.AnalyticalCostModel(QWEN3, TWO_NODES, _training(expert_parallel=16, overlap_expert_comm=o))
                      .layer_costs(0, 1, 1, 4096, cm.NONE).time_s for o in (False, True))
-    exchange = float(experts.all_to_all_seconds(QWEN3, _training(expert_parallel=16), 4096, 1,
-                                                experts.ep_link_gbps(TWO_NODES, "gpu", 16) * TWO_NODES.link_efficiency))
+    sixteen = _training(expert_parallel=16)
+    exchange = float(experts.exchange_seconds(QWEN3, sixteen, 4096, 1,
+                                              experts.exchange_seconds_per_byte(QWEN3, sixteen, TWO_NODES, "gpu")))
     compute = float(plain) - exchange
     assert float(hidden) == pytest.approx(compute + max(exchange - compute, 0.0))
     assert float(hidden) < float(plain)
@@ -246,7 +248,7 @@ def test_the_flex_dispatcher_sends_a_token_once_per_rank_and_once_per_node():
     assert experts._missed_share(get_model("deepseek-v3"), 8) == pytest.approx(
         0.5 + 0.5 * math.comb(96, 8) / math.comb(128, 8))
     flex, every_copy = (_training(expert_parallel=8, expert_dispatcher=d) for d in ("flex", "alltoall"))
-    per_byte = experts.flex_seconds_per_byte(QWEN3, flex, NODE, "gpu")
+    per_byte = experts.exchange_seconds_per_byte(QWEN3, flex, NODE, "gpu")
     link = 450 * NODE.link_efficiency * 1e9
     assert per_byte == pytest.approx(7 * (1 - experts._missed_share(QWEN3, 8)) / link)
     sent, sent_every = (float(cm.AnalyticalCostModel(QWEN3, NODE, tr).layer_costs(0, 1, 1, 4096, cm.NONE).time_s)

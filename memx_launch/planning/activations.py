@@ -111,12 +111,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
                           if op_selective else (replicated + qkv + attn_out + mlp_kept, 0.0))
-    if model.kv_lora_rank and not op_selective:
-        selective = none - heads_qkv
-    if recompute_modules is not None:
+    # Megatron's named modules (latent attention's default: mla_up_proj) instead of memx's selective.
+    modules = recompute_modules if recompute_modules is not None else ("mla_up_proj",) if model.kv_lora_rank else None
+    if modules is not None and not op_selective:
         dropped = dropped_by_module(model, tp, lse + scores, heads_qkv, 0.0 if quantized_bytes else linear_inputs,
                                     mlp_kept, mlp_elementwise, fp8_share, fused_activation)
-        selective = none - sum(dropped[name] for name in recompute_modules)
+        selective = none - sum(dropped[name] for name in modules)
     full = np.broadcast_to(block_input, none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
     # Backward of one block: its recomputed part is alive again, plus gradient buffers of
@@ -150,7 +150,7 @@ def dropped_by_module(model: ModelSpec, tp, attention_core, heads_qkv, normed, m
     experts_on = bool(model.num_experts)
     routed = (2.0 * input_share * model.experts_per_token * model.moe_ffn_hidden_size / model.hidden_size
               / np.asarray(tp, dtype=np.float64)) if experts_on else 0.0
-    shared = experts.shared_expert_units(model, tp, input_share, fused_activation) if experts_on else 0.0
+    shared = sum(experts.shared_expert_units(model, tp, input_share, fused_activation)) if experts_on else 0.0
     return {"core_attn": attention_core, "mla_up_proj": heads_qkv if model.kv_lora_rank else 0.0, "layernorm": normed,
             "moe_act": routed, "mlp": 0.0 if experts_on else mlp_kept + mlp_input,
             "moe": mlp_kept + mlp_input if experts_on else 0.0, "shared_experts": shared}

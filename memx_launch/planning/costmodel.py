@@ -221,12 +221,10 @@ class AnalyticalCostModel:
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
                                   for d in self.device_types]) * cluster.link_efficiency
-        # A mixture of experts' all-to-alls: over the node's links, or the network beyond one node.
-        self._ep_gbps = np.array([experts.ep_link_gbps(cluster, d.name, training.expert_parallel)
-                                  for d in self.device_types]) * cluster.link_efficiency if model.num_experts else None
-        flex = model.num_experts and training.expert_dispatcher == "flex"
-        self._flex_seconds_per_byte = np.array([experts.flex_seconds_per_byte(model, training, cluster, d.name)
-                                                for d in self.device_types]) if flex else None
+        # A mixture of experts' exchanges, by its dispatcher: over the node's links, the network beyond.
+        self._exchange_seconds_per_byte = np.array([
+            experts.exchange_seconds_per_byte(model, training, cluster, d.name) for d in self.device_types]) \
+            if model.num_experts else None
         # The hop between a TP group's ranks: NVLink, or PCIe through the host.
         self._tp_hop = np.array([[PCI if tp_over_pcie(cluster, d.name, t) else NVLINK for t in TP_DEGREES]
                                  for d in self.device_types])
@@ -297,9 +295,7 @@ class AnalyticalCostModel:
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         comm_s = self.tp_allreduces(recompute) * self.tp_allreduce_time(hidden_bytes, device, tp)
         if self.model.num_experts:  # dispatch and combine; a fully recomputed forward runs its two again
-            exchange_s = (experts.all_to_all_seconds(self.model, tr, tokens, tp, self._ep_gbps[device])
-                          if self._flex_seconds_per_byte is None else experts.flex_all_to_all_seconds(
-                              self.model, tr, tokens, tp, self._flex_seconds_per_byte[device])) \
+            exchange_s = experts.exchange_seconds(self.model, tr, tokens, tp, self._exchange_seconds_per_byte[device]) \
                 * np.where((recompute == FULL) | ((recompute == SELECTIVE) & whole_moe), 1.5, 1.0)
             if tr.overlap_expert_comm:  # behind another micro-batch's compute
                 exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)
@@ -322,16 +318,19 @@ class AnalyticalCostModel:
         return forward, FUSED_ATTENTION_BACKWARD * forward
 
     def _head_projection_time(self, device, tp, mbs, seq) -> np.ndarray:
-        """The LM head's GEMMs forward and backward; kept per scalar query (the search asks the
-        same stage ends again and again)."""
+        """The LM head's GEMMs forward and backward, and each multi-token prediction module's head
+        and 2h x h projection; kept per scalar query (the search asks the same stage ends again
+        and again)."""
         scalar = all(np.ndim(x) == 0 for x in (device, tp, mbs, seq))
         key = (int(device), float(tp), float(mbs), float(seq)) if scalar else None
         if key in self._head_cache:
             return self._head_cache[key]
         tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
-        seconds = forward_backward_seconds(tokens, [(self.model.output_vocab / tp, self.model.hidden_size)],
-                                           self._best_flops[device], self._hbm[device] * 1e9, self._sms[device],
-                                           self.training.dtype_bytes)
+        h, mtp = self.model.hidden_size, self.model.mtp_layers
+        rate = (self._best_flops[device], self._hbm[device] * 1e9, self._sms[device], self.training.dtype_bytes)
+        seconds = (1 + mtp) * forward_backward_seconds(tokens, [(self.model.output_vocab / tp, h)], *rate)
+        if mtp:
+            seconds = seconds + mtp * forward_backward_seconds(tokens, [(h / tp, 2.0 * h)], *rate)
         if scalar:
             self._head_cache[key] = seconds
         return seconds
@@ -386,15 +385,10 @@ class AnalyticalCostModel:
         # A fused cross entropy reads the 16-bit logits forward and again backward, writing the gradient.
         per_logit = 3.0 * self.training.dtype_bytes if self.training.fused_loss else LOSS_BYTES_PER_LOGIT
         heads = 1 + self.model.mtp_layers
-        projection = heads * self._head_projection_time(device, tp, mbs, seq)
+        projection = self._head_projection_time(device, tp, mbs, seq)
         compute = (projection + heads * per_logit * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
-        if self.model.mtp_layers:
-            h, tokens = self.model.hidden_size, np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
-            mtp_projection = forward_backward_seconds(tokens, [(h / tp, 2.0 * h)], self._best_flops[device],
-                                                      self._hbm[device] * 1e9, self._sms[device],
-                                                      self.training.dtype_bytes)
-            compute = compute + self.model.mtp_layers * (mtp_projection * self._slowdown[device]
-                                                         + self.embedding_time(device, tp, mbs, seq))
+        if self.model.mtp_layers:  # each module's embedding lookup
+            compute = compute + self.model.mtp_layers * self.embedding_time(device, tp, mbs, seq)
         if self.training.vocab_parallel_loss:
             return compute
         gathered = heads * logits * self.training.dtype_bytes

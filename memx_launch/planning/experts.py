@@ -67,12 +67,17 @@ def divides(layout, training: TrainingSpec) -> bool:
     return bool((ranks % training.expert_parallel == 0).all())
 
 
+def _ranks_per_node(cluster: ClusterSpec, device_type: str) -> int:
+    """Devices of ``device_type`` a node holds at most: an expert-parallel group's NVLink domain."""
+    return max(n for node in cluster.nodes for t, n in node.devices if t == device_type)
+
+
 def ep_link_gbps(cluster: ClusterSpec, device_type: str, ep: int) -> float:
     """What an all-to-all of an expert-parallel group of ``ep`` consecutive ranks of one type moves
     per second of what leaves a rank, (EP - 1) / EP of its bytes: the node's links (as a TP group's)
     where one node holds the group; beyond, the share to the other nodes goes over the rank's
     network link while the share to its node's peers goes over the node's links at once."""
-    per_node = max(n for node in cluster.nodes for t, n in node.devices if t == device_type)
+    per_node = _ranks_per_node(cluster, device_type)
     inside = tp_link_gbps(cluster, device_type, min(ep, per_node))
     if ep <= per_node:
         return inside
@@ -98,15 +103,35 @@ def expert_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, best_fl
     return experts_here * forward, experts_here * backward
 
 
-def all_to_all_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, gbps) -> np.ndarray:
-    """One block's dispatch and combine all-to-alls, forward and backward: each moves a rank's
-    routed tokens' hidden states, of which (EP - 1) / EP leave it, at ``gbps`` (its link to the
-    other EP ranks: the node's inside one, the network's beyond)."""
-    ep = training.expert_parallel
-    if ep == 1:
+def exchange_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, seconds_per_byte) -> np.ndarray:
+    """One block's dispatch and combine, forward and backward: four exchanges of a rank's tokens'
+    hidden states at ``seconds_per_byte`` (:func:`exchange_seconds_per_byte`), each after its latency."""
+    if training.expert_parallel == 1:
         return np.zeros(np.shape(tokens))
-    nbytes = routed_tokens(model, tokens, tp) * model.hidden_size * training.dtype_bytes
-    return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * (ep - 1) / ep / (np.asarray(gbps) * 1e9))
+    nbytes = np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.hidden_size \
+        * training.dtype_bytes
+    return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * np.asarray(seconds_per_byte))
+
+
+def exchange_seconds_per_byte(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+                              device_type: str) -> float:
+    """Seconds one exchange takes per byte of a rank's tokens, by the training's dispatcher, at the
+    cluster's link figures (``link_efficiency`` applied). The all-to-all sends every routed copy,
+    (EP - 1) / EP of them leaving the rank (:func:`ep_link_gbps`); the flex dispatcher
+    (DeepEP, HybridEP) a token once to each other rank of its NVLink domain holding one of its
+    experts, and, beyond the domain, once to each other node holding one over the rank's network
+    link (that node forwards it inside), the two at once."""
+    ep, efficiency = training.expert_parallel, cluster.link_efficiency
+    if training.expert_dispatcher != "flex":
+        return model.experts_per_token * (ep - 1) / ep / (ep_link_gbps(cluster, device_type, ep) * efficiency * 1e9)
+    per_node = _ranks_per_node(cluster, device_type)
+    inside, nodes = min(ep, per_node), max(ep // per_node, 1)
+    seconds = (inside - 1) * (1.0 - _missed_share(model, ep)) / (tp_link_gbps(cluster, device_type, inside)
+                                                                  * efficiency * 1e9)
+    if nodes > 1:
+        seconds = max(seconds, (nodes - 1) * (1.0 - _missed_share(model, nodes))
+                      / (cluster.inter_node_gbps * efficiency * 1e9))
+    return seconds
 
 
 def _missed_share(model: ModelSpec, units: int) -> float:
@@ -126,39 +151,11 @@ def _missed_share(model: ModelSpec, units: int) -> float:
     return 1.0 - picked + picked * comb(pool - experts // units, k) / comb(pool, k)
 
 
-def flex_seconds_per_byte(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, device_type: str) -> float:
-    """Seconds one flex-dispatcher exchange (DeepEP, HybridEP) takes per byte of a rank's tokens
-    at the cluster's link figures (``link_efficiency`` applied): a token goes once to each other
-    rank of its NVLink domain holding one of its experts, and, beyond the domain, once to each
-    other node holding one over the rank's network link (that node forwards it inside), the two
-    at once."""
-    ep = training.expert_parallel
-    per_node = max(n for node in cluster.nodes for t, n in node.devices if t == device_type)
-    inside, nodes = min(ep, per_node), max(ep // per_node, 1)
-    efficiency = cluster.link_efficiency
-    seconds = (inside - 1) * (1.0 - _missed_share(model, ep)) / (tp_link_gbps(cluster, device_type, inside)
-                                                                  * efficiency * 1e9)
-    if nodes > 1:
-        seconds = max(seconds, (nodes - 1) * (1.0 - _missed_share(model, nodes))
-                      / (cluster.inter_node_gbps * efficiency * 1e9))
-    return seconds
-
-
-def flex_all_to_all_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, seconds_per_byte) -> np.ndarray:
-    """One block's dispatch and combine by the flex dispatcher, forward and backward: a rank's
-    tokens' hidden states at ``seconds_per_byte`` (:func:`flex_seconds_per_byte`)."""
-    if training.expert_parallel == 1:
-        return np.zeros(np.shape(tokens))
-    nbytes = np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.hidden_size \
-        * training.dtype_bytes
-    return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * np.asarray(seconds_per_byte))
-
-
-def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: bool):
-    """A shared expert's kept tensors per token in :func:`kept_units`' units: a dense MLP of its width."""
-    gated = 4.0 if fused_activation else 6.0
-    shared = model.shared_expert_ffn_hidden_size / model.hidden_size
-    return ((gated if model.gated_mlp else 2.0) * shared + 2.0 * input_share * shared) / np.asarray(tp, dtype=np.float64)
+def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: bool) -> tuple:
+    """(kept, down-projection input) of a shared expert per token in :func:`kept_units`' units: a
+    dense MLP of its width (gate and up outputs, silu(gate) unless fused; the product)."""
+    shared = model.shared_expert_ffn_hidden_size / model.hidden_size / np.asarray(tp, dtype=np.float64)
+    return ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * shared, 2.0 * input_share * shared
 
 
 def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool) -> tuple:
@@ -169,10 +166,8 @@ def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool) -> tup
     the expert output the weighted combine keeps; the down projection's input apart; and a
     shared expert's dense MLP. Over TP: each rank routes its share of the tokens."""
     h, f, k = model.hidden_size, model.moe_ffn_hidden_size, model.experts_per_token
-    gated = 4.0 if fused_activation else 6.0
-    up = (gated if model.gated_mlp else 2.0) * f / h
-    shared = model.shared_expert_ffn_hidden_size / h
-    kept = 4.0 * model.num_experts / h + k * (2.0 * input_share + up + 2.0) + (gated if model.gated_mlp else 2.0) * shared
-    down = 2.0 * input_share * (k * f / h + shared)
+    up = ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * f / h
     tp = np.asarray(tp, dtype=np.float64)
-    return kept / tp, down / tp
+    shared_kept, shared_down = shared_expert_units(model, tp, input_share, fused_activation)
+    routed_kept = (4.0 * model.num_experts / h + k * (2.0 * input_share + up + 2.0)) / tp
+    return routed_kept + shared_kept, 2.0 * input_share * k * f / h / tp + shared_down

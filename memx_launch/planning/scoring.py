@@ -311,17 +311,17 @@ class Evaluator:
         quantized_blocks = layers[0] * quantized_kept + extra_blocks.beside_repeated(
             m, np.broadcast_to(quantized_kept, pp), dense_quantized)
         for k, device in enumerate(layout.replica_device):
-            def kept_activations(at):  # the stage's blocks' at levels ``at``: (kept, per block, working set)
+            def block_activations(at):  # at levels ``at``: (per block, beside the repeated blocks, working set)
                 _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, at))
                 dense = (self.stage_layer_costs(layout, device, tp, local, seq, at, self.table.dense)[1][0]
                          if m.dense_layers else None)
-                return inflight * (layers[0] * act + extra_blocks.beside_repeated(m, act, dense)), act, work
-            kept, act, work = kept_activations(levels)
+                return act, inflight * extra_blocks.beside_repeated(m, act, dense), work
+            act, beside, work = block_activations(levels)
+            kept = layers[0] * inflight * act + beside
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
-                kept_none, act_none, work_none = kept_activations(np.full((1, pp), cm.NONE))
+                act_none, beside_none, work_none = block_activations(np.full((1, pp), cm.NONE))
                 r = np.minimum(result.recompute_layers[row], layers[0])
-                kept = r * inflight * act + (layers[0] - r) * inflight * act_none + np.where(
-                    r > 0, kept - layers[0] * inflight * act, kept_none - layers[0] * inflight * act_none)
+                kept = (r * act + (layers[0] - r) * act_none) * inflight + np.where(r > 0, beside, beside_none)
                 work = np.where(r > 0, work, work_none)
             by_replica.append({
                 "parameters": weights + gathered + quantized_blocks + quantized_working,

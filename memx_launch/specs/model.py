@@ -293,7 +293,7 @@ class ModelSpec:
         """Final norm plus the output projection (zero extra when tied or without an LM head)."""
         return self.norm_params + (0 if self.ties_head else self.output_vocab * self.hidden_size)
 
-    @property
+    @cached_property  # scoring asks it for every group of a search
     def dense_block(self) -> "ModelSpec":
         """The shape of a dense first block (``dense_layers``): experts replaced by a dense MLP of
         ``ffn_hidden_size``, every block so."""
