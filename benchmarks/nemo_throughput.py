@@ -192,10 +192,18 @@ def nemo_rows(recipe_memory: bool = True) -> list[dict]:
 
 
 def shape_check(rows: list[dict]) -> dict:
-    """Per model: the table's FLOPs per token over the transcribed shape's (1.0: the shape and the
-    table's count agree)."""
+    """Per model: the table's FLOPs per token over the transcribed shape's, its first row's (1.0:
+    the shape and the table's count agree)."""
     return {name: round(members[0]["table_flops_per_token"] / members[0]["shape_flops_per_token"], 3)
             for name, members in grouped(rows, lambda r: r["model"]).items()}
+
+
+def rows_off_shape(rows: list[dict]) -> dict:
+    """The rows whose published TFLOP/s and tokens/s disagree with the shape by more than 5%
+    (``group system layout``: the ratio): a table's two columns disagreeing with each other, or a
+    transcription slip."""
+    ratios = {f"{r['group']} {r['layout']}": r["table_flops_per_token"] / r["shape_flops_per_token"] for r in rows}
+    return {key: round(ratio, 3) for key, ratio in ratios.items() if not 0.95 <= ratio <= 1.05}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -222,7 +230,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     started = time.perf_counter()
-    rows = nemo_rows()
+    rows, without = nemo_rows(), nemo_rows(recipe_memory=False)
     dense = [r for r in rows if r["kind"] == "dense"]  # by system and precision: the mixtures apart
     result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency",
               **run_summary(rows),
@@ -239,7 +247,10 @@ def main() -> None:
               "by_precision": {name: run_summary(members)
                                for name, members in grouped(dense, lambda r: r["precision"]).items()},
               "table_over_shape_flops": shape_check(rows),
-              "without_recipe_memory_settings": run_summary(nemo_rows(recipe_memory=False)), "rows": rows}
+              "table_flops_off_shape": rows_off_shape(rows),
+              "without_recipe_memory_settings": run_summary(without),
+              "without_recipe_memory_settings_dense_h100": run_summary(
+                  [r for r in without if r["system"] == "dgx-h100" and r["kind"] == "dense"]), "rows": rows}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(rows, PLOT)

@@ -54,6 +54,14 @@ def test_transcribed_shapes_give_the_table_s_flops_per_token(rows):
     # parameters instead (tests/test_experts.py), and the step time comes from its tokens/s.
     for model, ratio in nt.shape_check(rows).items():
         assert 0.95 <= ratio <= 1.05 or model == "gpt-oss-120b", model
+    # Row by row, the rows off by more than 5% are those whose table counts otherwise: Megatron-Bridge
+    # counts Llama 3's attention causal (0.88-0.94), NeMo's fine-tuning rows their packed sequences,
+    # GPT-OSS 0.79; and one row whose published tokens/s and TFLOP/s disagree with each other by 2x.
+    for key, ratio in nt.rows_off_shape(rows).items():
+        assert (("bridge" in key and "llama3" in key and 0.88 <= ratio <= 0.94)
+                or (key.startswith("nemo-24.07") and (" sft " in key or " lora " in key))
+                or ("gpt-oss" in key and 0.78 <= ratio <= 0.80)
+                or (key.startswith("bridge-26.02 qwen3-30b-a3b pretrain 16xh100") and 1.95 <= ratio <= 2.05)), key
 
 
 def test_no_row_is_faster_than_its_matmuls_at_their_low_precision_peak(rows):
