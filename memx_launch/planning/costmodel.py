@@ -142,13 +142,22 @@ def causal_attention_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
 
 
 def attended_share(model: ModelSpec, seq):
-    """Share of the causal half of the s x s scores a block computes, averaged over the blocks: 1,
-    or for a block attending within a window of w keys (s w - w^2 / 2 of s^2 / 2) 2 w/s - (w/s)^2."""
-    if not model.sliding_window:
+    """Share of the causal half of the s x s scores a block computes, averaged over the blocks: 1;
+    for a block attending within a window of w keys (s w - w^2 / 2 of s^2 / 2) 2 w/s - (w/s)^2;
+    for one attending within chunks of c tokens, n = s // c whole ones and r = s - n c left, each
+    its own causal square, (n c^2 + r^2) / s^2."""
+    if not (model.sliding_window or model.attention_chunk_size):
         return 1.0
-    w = np.minimum(model.sliding_window, seq) / np.asarray(seq, dtype=np.float64)
-    windowed = (model.num_layers - model.full_attention_layers) / model.num_layers
-    return 1.0 - windowed + windowed * (2.0 * w - w * w)
+    seq = np.asarray(seq, dtype=np.float64)
+    if model.sliding_window:
+        w = np.minimum(model.sliding_window, seq) / seq
+        share = 2.0 * w - w * w
+    else:
+        c = float(model.attention_chunk_size)
+        whole = np.floor(seq / c)
+        share = (whole * c * c + (seq - whole * c) ** 2) / (seq * seq)
+    local = (model.num_layers - model.full_attention_layers) / model.num_layers
+    return 1.0 - local + local * share
 
 
 def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:

@@ -162,10 +162,12 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
             args += ["--moe-layer-freq", f"([0]*{spec.dense_layers}+[1]*{spec.num_layers - spec.dense_layers})"]
         if plan.training.get("overlap_expert_comm"):
             args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
-    if spec.sliding_window:
-        windowed = spec.num_layers - spec.full_attention_layers
-        notes.append(f"{windowed} of the model's {spec.num_layers} blocks attend within {spec.sliding_window} tokens, "
-                     "as the plan timed them; these arguments do not say so: add your Megatron-LM's window options")
+    if spec.sliding_window or spec.attention_chunk_size:
+        local = spec.num_layers - spec.full_attention_layers
+        within = (f"{spec.sliding_window} tokens" if spec.sliding_window
+                  else f"chunks of {spec.attention_chunk_size} tokens")
+        notes.append(f"{local} of the model's {spec.num_layers} blocks attend within {within}, as the plan timed "
+                     "them; these arguments do not say so: add your Megatron-LM's options for them")
     if not learned and spec.rope_theta != round(spec.rope_theta):
         notes.append(f"the model's RoPE base {spec.rope_theta:g} is not an integer; Megatron-LM's --rotary-base "
                      f"takes one ({round(spec.rope_theta)} here)")

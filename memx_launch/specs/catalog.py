@@ -49,6 +49,12 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     # biases of its attention and experts, 0.01% of its parameters, are not counted).
     ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
               num_experts=128, experts_per_token=4, sliding_window=128, full_attention_layers=18),
+    # Llama-4-Scout-17B-16E's language model (Meta's text_config): 16 routed experts, top-1, and a
+    # shared expert in every block; three blocks in four attend within chunks of 8,192 tokens, the
+    # fourth (no rotary positions) to the whole sequence.
+    ModelSpec("llama4-scout", 48, 5120, 40, 8, 8192, 202048, 8192, rope_theta=500000.0, num_experts=16,
+              experts_per_token=1, shared_expert_ffn_hidden_size=8192, attention_chunk_size=8192,
+              full_attention_layers=12),
     # DeepSeek-V3 (671B, 37B active): latent attention, three dense first blocks, one shared and
     # 256 routed experts in 8 groups (a token's top-8 from 4 of them), one multi-token prediction module.
     ModelSpec("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, norm_eps=1e-6, attention_head_dim=128,

@@ -1,6 +1,8 @@
 """Reading a model's shape from a Hugging Face config (a ``config.json``, or a loaded model's
-``config.to_dict()``): the Llama, Mistral, Qwen, Gemma, Mixtral, DeepSeek and GPT-OSS families, and
-GPT-2 style keys."""
+``config.to_dict()``): the Llama (4 included), Mistral, Qwen, Gemma, Mixtral, DeepSeek, GLM and GPT-OSS
+families, GPT-2 style keys, and the language model of a multimodal config (its ``text_config``).
+Hybrid and recurrent families (linear attention, Mamba) are refused by name: memx models blocks of
+softmax attention only."""
 
 from __future__ import annotations
 
@@ -16,13 +18,23 @@ from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
-# Model types whose config class ties the head to the embedding unless told otherwise.
+# Model types whose config class ties the head to the embedding unless told otherwise (by prefix:
+# Gemma 2 and Gemma 3's text model are gemma2 and gemma3_text).
 TIED_BY_DEFAULT = ("gpt2", "opt", "gemma")
-# Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU).
+# Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU), by prefix.
 GATED_GELU = ("gemma",)
 # Model types whose attention and MLP read one normed input side by side, and the config key
 # that turns it off (GPT-J always; GPT-NeoX's use_parallel_residual, Falcon's parallel_attn).
 PARALLEL_BLOCK_KEYS = {"gptj": None, "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
+# Families with blocks other than softmax attention's (linear attention, Mamba, RWKV's recurrence),
+# which memx does not model: by model type, and by the key naming such blocks in a config.
+OTHER_BLOCK_TYPES = ("qwen3_next", "kimi_linear", "minimax", "minimax_m1", "nemotron_h", "jamba", "bamba", "zamba",
+                     "zamba2", "falcon_h1", "granitemoehybrid", "lfm2", "mamba", "mamba2", "falcon_mamba", "rwkv",
+                     "recurrent_gemma")
+OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_list", "hybrid_override_pattern",
+                    "attn_layer_period", "mamba_d_ssm", "ssm_cfg")
+# Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def model_from_hf_config(path: str, name: str | None = None) -> ModelSpec:
@@ -38,13 +50,21 @@ def model_from_hf_config(path: str, name: str | None = None) -> ModelSpec:
 
 def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config") -> ModelSpec:
     """The shape in a Hugging Face config's dict (``model.config.to_dict()``, or a config.json):
-    Llama-style keys, GPT-2's (``n_layer``, ...) or OPT's (``ffn_dim``)."""
-    model_type = cfg.get("model_type", "gpt2" if "n_layer" in cfg else "llama")
-    require_type(model_type, str, f"model ({where}).model_type")
-    # A config naming its architectures names its head: only causal-LM classes have an LM head.
+    Llama-style keys, GPT-2's (``n_layer``, ...) or OPT's (``ffn_dim``); in a multimodal config
+    (Llama 4, Gemma 3, Mistral 3), its language model's ``text_config`` (the vision encoder is not
+    planned)."""
+    # A config naming its architectures names its head: causal-LM and generation classes have an LM head.
     architectures = cfg.get("architectures") or []
     require_type(architectures, list, f"model ({where}).architectures")
-    lm_head = not architectures or any("CausalLM" in str(a) or "LMHead" in str(a) for a in architectures)
+    lm_head = not architectures or any(k in str(a) for a in architectures
+                                       for k in ("CausalLM", "LMHead", "ForConditionalGeneration"))
+    if "num_hidden_layers" not in cfg and "n_layer" not in cfg and isinstance(cfg.get("text_config"), dict):
+        # The wrapper may say whether the head is tied (Llama 4's does); its text_config then need not.
+        tied = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+        cfg, where = {**tied, **cfg["text_config"]}, f"{where}.text_config"
+    model_type = cfg.get("model_type", "gpt2" if "n_layer" in cfg else "llama")
+    require_type(model_type, str, f"model ({where}).model_type")
+    _refuse_other_blocks(cfg, model_type, where)
     if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
         cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
     if "n_layer" in cfg:  # GPT-2 style names (GPT-2, GPT-J, ...): GELU MLP, 4x width unless n_inner, tied
@@ -79,14 +99,14 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         require_number(cfg["head_dim"], f"model ({where}).head_dim", lo=0, lo_open=True, hi=MAX_DIMENSION,
                        integer=True, fix="config.json must give it as a positive integer")
         head_dim = 0 if cfg["head_dim"] * heads == cfg["hidden_size"] else cfg["head_dim"]
-    tied = cfg.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)
+    tied = cfg.get("tie_word_embeddings", model_type.startswith(TIED_BY_DEFAULT))
     gpt_style = model_type in GPT_STYLE
     # Learned position tables: GPT-2's n_positions rows, OPT's max_position_embeddings + 2 (its offset).
     positions = {"gpt2": cfg.get("max_position_embeddings") or 1024,
                  "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
     if cfg.get("enable_bias") is not None:
         require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
-    experts = {**_experts_of(cfg, where), **_window_of(cfg, model_type, where)}
+    experts = {**_experts_of(cfg, model_type, where), **_local_attention_of(cfg, model_type, where)}
     latent = _latent_attention_of(cfg, where)
     head_dim = latent.pop("attention_head_dim", head_dim)
     parallel = False
@@ -103,7 +123,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         ffn_hidden_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
         seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
-        gated_mlp=act in ("silu", "swiglu", "swish") or model_type in GATED_GELU,
+        gated_mlp=act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU),
         tie_embeddings=bool(tied),
         layer_norm=gpt_style,
         linear_biases=gpt_style and cfg.get("enable_bias", True),
@@ -120,19 +140,57 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     )
 
 
-def _window_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """The sliding-window fields of a Hugging Face config: ``sliding_window`` (unless
-    ``use_sliding_window`` is off), and which blocks attend to the whole sequence: its
-    ``layer_types``, Gemma 3's ``sliding_window_pattern`` (one in that many), Gemma 2's every other
-    block; else none (Mistral-7B v0.1)."""
+def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) -> None:
+    """Refuse a hybrid or recurrent family (:data:`OTHER_BLOCK_TYPES`, :data:`OTHER_BLOCK_KEYS`,
+    ``layer_types`` beyond :data:`ATTENTION_LAYER_TYPES`): planned as attention, its time and
+    memory would be wrong without a word."""
+    fix = "memx models blocks of softmax attention (whole, sliding-window or chunked); plan such a model"
+    if model_type in OTHER_BLOCK_TYPES:
+        raise ConfigError(f"model ({where}).model_type", f"{model_type} has blocks other than softmax attention "
+                          "(linear attention, Mamba or recurrent ones)", fix)
+    for key in OTHER_BLOCK_KEYS:
+        if cfg.get(key) is not None:
+            raise ConfigError(f"model ({where}).{key}", "names blocks other than softmax attention "
+                              "(linear attention, Mamba or recurrent ones)", fix)
+    types = cfg.get("layer_types")
+    if types is not None:
+        require_type(types, list, f"model ({where}).layer_types")
+        other = sorted({str(t) for t in types} - set(ATTENTION_LAYER_TYPES))
+        if other:
+            raise ConfigError(f"model ({where}).layer_types", f"{', '.join(other)} blocks are not modelled", fix)
+
+
+def _local_attention_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """The blocks attending within a window or a chunk, and how many attend to the whole sequence.
+
+    A ``sliding_window`` (unless ``use_sliding_window`` is off) applies to the blocks its
+    ``layer_types`` mark ``sliding_attention``, one in Gemma 3's ``sliding_window_pattern`` attending
+    to the whole sequence, Gemma 2's every other one, else every block (Mistral-7B v0.1). Llama 4's
+    ``attention_chunk_size`` applies to the blocks ``layer_types`` mark ``chunked_attention``, else
+    to those with rotary positions (``no_rope_layers`` 1; by default all but every
+    ``no_rope_layer_interval``-th, 4)."""
+    layers, types = cfg["num_hidden_layers"], cfg.get("layer_types")
+    chunk = cfg.get("attention_chunk_size")
+    if chunk:
+        require_number(chunk, f"model ({where}).attention_chunk_size", lo=0, lo_open=True, hi=MAX_DIMENSION,
+                       integer=True, fix="config.json must give it as a positive integer, or null")
+        if types is not None:
+            chunked = sum(t == "chunked_attention" for t in types)
+        elif cfg.get("no_rope_layers"):
+            rope = cfg["no_rope_layers"]
+            require_type(rope, list, f"model ({where}).no_rope_layers")
+            chunked = sum(bool(r) for r in rope)
+        else:
+            interval = cfg.get("no_rope_layer_interval") or 4
+            require_number(interval, f"model ({where}).no_rope_layer_interval", lo=1, hi=MAX_DIMENSION, integer=True)
+            chunked = layers - layers // interval
+        return {"attention_chunk_size": chunk, "full_attention_layers": layers - chunked} if chunked else {}
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
         return {}
     require_number(window, f"model ({where}).sliding_window", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
                    fix="config.json must give it as a positive integer, or null")
-    layers, types = cfg["num_hidden_layers"], cfg.get("layer_types")
     if types is not None:
-        require_type(types, list, f"model ({where}).layer_types")
         if "sliding_attention" not in types:
             return {}
         full = sum(t != "sliding_attention" for t in types)
@@ -145,10 +203,11 @@ def _window_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     return {"sliding_window": window, "full_attention_layers": full}
 
 
-def _experts_of(cfg: Mapping[str, Any], where: str) -> dict:
+def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     """The mixture-of-experts fields of a Hugging Face config: Mixtral's and GPT-OSS's
     ``num_local_experts``, Qwen's ``num_experts`` and ``moe_intermediate_size`` (Qwen2-MoE's shared
-    expert), DeepSeek's ``n_routed_experts`` and ``n_shared_experts``; none in a dense config."""
+    expert), DeepSeek's ``n_routed_experts`` and ``n_shared_experts``, Llama 4's shared expert of its
+    experts' width; none in a dense config."""
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return {}
@@ -157,16 +216,19 @@ def _experts_of(cfg: Mapping[str, Any], where: str) -> dict:
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
-    for key in ("first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step", "n_group", "topk_group"):
+    interleaved = ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step")
+    for key in ("first_k_dense_replace", "n_group", "topk_group") + interleaved:
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
-    if cfg.get("mlp_only_layers") or max(cfg.get("decoder_sparse_step") or 1, cfg.get("moe_layer_freq") or 1) > 1:
+    if cfg.get("mlp_only_layers") or max(cfg.get(key) or 1 for key in interleaved) > 1:
         raise ConfigError(f"model ({where})", "dense MLP blocks among the expert ones",
                           "memx models a mixture of experts' dense blocks as its first ones only "
                           "(first_k_dense_replace)")
     expert_ffn = cfg.get("moe_intermediate_size") or 0
     shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert_ffn
+    if model_type.startswith("llama4"):  # every MoE block's shared expert, of the experts' width
+        shared = cfg["intermediate_size"]
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
             "dense_layers": cfg.get("first_k_dense_replace") or 0,

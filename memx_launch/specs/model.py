@@ -24,9 +24,9 @@ _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
 _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
                          "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
                          "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
-                         "sliding_window": 0, "full_attention_layers": 0, "kv_lora_rank": 0, "q_lora_rank": 0,
-                         "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0, "mtp_layers": 0, "expert_groups": 0,
-                         "expert_groups_per_token": 0}
+                         "sliding_window": 0, "full_attention_layers": 0, "attention_chunk_size": 0,
+                         "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
+                         "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0}
 
 
 
@@ -84,8 +84,12 @@ class ModelSpec:
     """Keys each query attends back to in a block with sliding-window attention (Mistral-7B v0.1,
     Gemma 2 and 3, GPT-OSS); 0: every block attends to the whole (causal) sequence."""
     full_attention_layers: int = 0
-    """With ``sliding_window``: the blocks that attend to the whole sequence all the same (GPT-OSS
-    every other one, Gemma 3 one in six); the others attend within the window."""
+    """With ``sliding_window`` or ``attention_chunk_size``: the blocks that attend to the whole
+    sequence all the same (GPT-OSS every other one, Gemma 3 one in six, Llama 4 one in four); the
+    others attend within the window or the chunk."""
+    attention_chunk_size: int = 0
+    """Tokens of a chunk in a block with chunked attention (Llama 4): the sequence is cut into
+    chunks of this many tokens and each query attends causally within its own chunk. 0: none."""
     kv_lora_rank: int = 0
     """Multi-head latent attention (DeepSeek-V2 and V3): keys and values come up from a shared
     latent of this width (Hugging Face's ``kv_lora_rank``); ``attention_head_dim`` is then a head's
@@ -139,6 +143,10 @@ class ModelSpec:
         require_number(self.sliding_window, "model.sliding_window", lo=0, hi=MAX_DIMENSION, integer=True)
         require_number(self.full_attention_layers, "model.full_attention_layers", lo=0, hi=self.num_layers,
                        integer=True, fix=f"give how many of the {self.num_layers} blocks attend to the whole sequence")
+        require_number(self.attention_chunk_size, "model.attention_chunk_size", lo=0, hi=MAX_DIMENSION, integer=True)
+        if self.attention_chunk_size and self.sliding_window:
+            raise ConfigError("model.attention_chunk_size", "set beside sliding_window",
+                              "give the local blocks a window or chunks, not both")
         for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim", "mtp_layers"):
             require_number(getattr(self, name), f"model.{name}", lo=0, hi=MAX_DIMENSION, integer=True)
         if not self.kv_lora_rank and (self.q_lora_rank or self.rope_head_dim or self.v_head_dim):

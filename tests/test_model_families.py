@@ -1,0 +1,120 @@
+"""The Hugging Face configs of 2025-26 model families: Llama 4's chunked attention, shared expert
+and multimodal wrapper read as they are; the hybrid and recurrent families (linear attention,
+Mamba) refused by the field that names their other blocks, never planned as attention."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning import costmodel as cm
+from memx_launch.specs.catalog import get_model
+from memx_launch.specs.hf_config import model_from_hf_dict
+
+# Llama-4-Scout-17B-16E's config.json as Meta publishes it (the vision part cut to its type).
+SCOUT = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "tie_word_embeddings": False,
+         "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 1408, "num_hidden_layers": 34},
+         "text_config": {"model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48,
+                         "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+                         "intermediate_size": 8192, "intermediate_size_mlp": 16384, "vocab_size": 202048,
+                         "max_position_embeddings": 10485760, "num_local_experts": 16, "num_experts_per_tok": 1,
+                         "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "no_rope_layers": [],
+                         "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "use_qk_norm": True}}
+SMALL = {"num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 512,
+         "vocab_size": 1000}
+
+
+def _active(model):
+    return model.num_layers * (model.attention_params + model.active_mlp_params + 2 * model.norm_params) \
+        + model.embedding_params + model.head_params
+
+
+def test_llama4_is_read_from_its_multimodal_config_as_the_catalog_holds_it():
+    scout = model_from_hf_dict(SCOUT, "llama4-scout")
+    # memx-run has no Llama 4 blocks of its own: read from a config, they plan TP = 1 under it.
+    assert dataclasses.replace(scout, seq_len=8192, tensor_parallel_blocks=True) == get_model("llama4-scout")
+    # The language model's share of the published 109B (17B active): the vision encoder is not planned.
+    assert scout.total_params == pytest.approx(107.8e9, rel=0.005) and scout.total_params < 109e9
+    assert _active(scout) == pytest.approx(17e9, rel=0.03)
+    assert scout.lm_head and not scout.tie_embeddings
+    assert (scout.shared_expert_ffn_hidden_size, scout.moe_ffn_hidden_size) == (8192, 8192)
+    # Three blocks in four attend within chunks, the NoPE fourth to the whole sequence, however the config says it.
+    assert (scout.attention_chunk_size, scout.full_attention_layers) == (8192, 12)
+    text = SCOUT["text_config"]
+    for extra in ({"no_rope_layers": [1, 1, 1, 0] * 12}, {"layer_types": ["chunked_attention"] * 3 * 12 + [
+            "full_attention"] * 12}, {"no_rope_layer_interval": 4}):
+        assert model_from_hf_dict({**text, **extra}, "t").full_attention_layers == 12
+    with pytest.raises(ConfigError, match="text_config.*dense MLP blocks among the expert ones"):
+        model_from_hf_dict({**SCOUT, "text_config": {**text, "num_local_experts": 128,
+                                                     "interleave_moe_layer_step": 2}}, "maverick")
+
+
+def test_chunked_attention_computes_each_chunk_s_causal_square():
+    scout = get_model("llama4-scout")
+    assert cm.attended_share(scout, 8192) == 1.0 and cm.attended_share(scout, 4096) == 1.0  # one chunk
+    # 32k tokens: four chunks' causal squares, a quarter of the whole one, in 36 of 48 blocks.
+    assert cm.attended_share(scout, 32768) == pytest.approx(0.25 + 0.75 * 0.25)
+    # A last partial chunk: 2 whole chunks of 8192 and 4096 left of 20480.
+    assert cm.attended_share(scout, 20480) == pytest.approx(0.25 + 0.75 * (2 * 8192**2 + 4096**2) / 20480**2)
+    seqs = np.array([1024, 8192, 8193, 16384, 65536, 262144])
+    share = cm.attended_share(scout, seqs)
+    assert np.all(share <= 1.0) and np.all(np.diff(share) <= 0) and share[-1] >= 0.25
+    full = dataclasses.replace(scout, attention_chunk_size=0, full_attention_layers=0)
+    assert float(cm.causal_attention_flops(scout, 1, 65536, 1)) == pytest.approx(
+        float(cm.attended_share(scout, 65536)) * float(cm.causal_attention_flops(full, 1, 65536, 1)))
+    with pytest.raises(ConfigError, match="model.attention_chunk_size: set beside sliding_window"):
+        dataclasses.replace(scout, sliding_window=4096)
+
+
+def test_a_plan_times_the_chunks_and_its_megatron_export_says_them():
+    from one_node import H100, one_node
+
+    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.planning.exporters import megatron_args
+    from memx_launch.specs.cluster import ClusterSpec
+    from memx_launch.specs.training import TrainingSpec
+
+    small = dataclasses.replace(get_model("llama4-scout"), num_layers=4, full_attention_layers=1, name="scout-small")
+    whole = dataclasses.replace(small, attention_chunk_size=0, full_attention_layers=0, name="scout-whole")
+    node = ClusterSpec.from_dict(one_node(H100, 8, 450))
+    training = TrainingSpec(global_batch_size=8, seq_len=65536, setup="megatron", expert_parallel=8)
+    plans = [evaluate_layout(m, node, training, references=(1, 1, 1), tp=1, pp=1, dp=8, micro_batch_size=1,
+                             recompute="full") for m in (small, whole)]
+    # Three blocks of four compute an eighth of their scores: the step is shorter by far.
+    assert plans[0].predicted_iteration_time_s < 0.8 * plans[1].predicted_iteration_time_s
+    notes = " ".join(megatron_args(plans[0]).notes)
+    assert "3 of the model's 4 blocks attend within chunks of 8192 tokens" in notes
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"model_type": "qwen3_next", "full_attention_interval": 4}, "model_type"),
+    ({"model_type": "llama", "layer_types": ["linear_attention", "full_attention"] * 4}, "layer_types"),
+    ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-M*-"}, "model_type"),
+    ({"model_type": "llama", "hybrid_override_pattern": "M-M-M*-"}, "hybrid_override_pattern"),
+    ({"model_type": "jamba", "attn_layer_period": 8}, "model_type"),
+    ({"model_type": "mamba2"}, "model_type"),
+    ({"model_type": "kimi_linear", "linear_attn_config": {"kda_layers": [1, 2, 3]}}, "model_type"),
+    ({"model_type": "minimax", "attn_type_list": [0, 0, 0, 1] * 2}, "model_type")])
+def test_hybrid_and_recurrent_families_are_refused_by_the_field_that_names_them(config, field):
+    with pytest.raises(ConfigError, match=rf"model \(config\)\.{field}: .*(other than softmax attention|not modelled)"
+                                          r".*memx models blocks of softmax attention"):
+        model_from_hf_dict({**SMALL, **config}, "hybrid")
+    # Refused before the keys an attention model needs are asked for (Mamba has no heads).
+    if config["model_type"] == "mamba2":
+        with pytest.raises(ConfigError, match="mamba2 has blocks other than softmax attention"):
+            model_from_hf_dict({"model_type": "mamba2", "num_hidden_layers": 64, "hidden_size": 2560}, "mamba")
+
+
+def test_gemma3_s_text_model_keeps_its_family_s_tied_head_and_gated_gelu(tmp_path):
+    text = {**SMALL, "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 64,
+            "sliding_window_pattern": 4}
+    wrapped = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text}
+    (tmp_path / "config.json").write_text(json.dumps(wrapped))
+    gemma = get_model(str(tmp_path))
+    assert gemma.tie_embeddings and gemma.gated_mlp and gemma.lm_head
+    assert (gemma.sliding_window, gemma.full_attention_layers) == (64, 2)
+    with pytest.raises(ConfigError, match=r"model \(.*config.json.text_config\)\.num_hidden_layers"):
+        (tmp_path / "config.json").write_text(json.dumps({**wrapped, "text_config": {**text, "num_hidden_layers": 0}}))
+        get_model(str(tmp_path))
