@@ -73,7 +73,7 @@ MEGATRON_LM_ARGUMENTS = {
     "--tp-comm-overlap": dict(action="store_true"),
     "--fp8-format": dict(choices=["e4m3", "hybrid"]),
     "--fp8-recipe": dict(choices=["tensorwise", "delayed", "mxfp8", "blockwise"]),
-    "--kv-channels": dict(type=int),
+    "--kv-channels": dict(type=int), "--qk-layernorm": dict(action="store_true"),
     "--num-experts": dict(type=int), "--moe-router-topk": dict(type=int), "--moe-ffn-hidden-size": dict(type=int),
     "--moe-grouped-gemm": dict(action="store_true"),
     "--moe-token-dispatcher-type": dict(choices=["allgather", "alltoall", "flex"]),
@@ -139,6 +139,8 @@ def _megatron_config(plan, args):
         kwargs["recompute_num_layers"] = a.recompute_num_layers
     if a.kv_channels:
         kwargs["kv_channels"] = a.kv_channels
+    if a.qk_layernorm:
+        kwargs["qk_layernorm"] = True
     if a.num_experts:
         kwargs.update(num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
                       moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_grouped_gemm=a.moe_grouped_gemm,

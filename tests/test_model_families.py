@@ -118,3 +118,76 @@ def test_gemma3_s_text_model_keeps_its_family_s_tied_head_and_gated_gelu(tmp_pat
     with pytest.raises(ConfigError, match=r"model \(.*config.json.text_config\)\.num_hidden_layers"):
         (tmp_path / "config.json").write_text(json.dumps({**wrapped, "text_config": {**text, "num_hidden_layers": 0}}))
         get_model(str(tmp_path))
+
+
+def test_query_and_key_head_norms_are_read_counted_and_exported():
+    from test_exporters import _megatron_config
+
+    from memx_launch.planning.elementwise import FUSED_NORM_BYTES, elementwise_traffic_bytes
+    from memx_launch.specs.training import TrainingSpec
+
+    read = {name: model_from_hf_dict({**SMALL, **extra}, name).qk_norm for name, extra in (
+        ("qwen3", {"model_type": "qwen3"}), ("qwen3_moe", {"model_type": "qwen3_moe", "num_experts": 4,
+                                                           "num_experts_per_tok": 2}),
+        ("gemma3", {"model_type": "gemma3_text"}), ("olmo2", {"model_type": "olmo2"}),
+        ("glm", {"model_type": "glm4_moe", "use_qk_norm": True}), ("qwen2", {"model_type": "qwen2"}),
+        ("llama4_off", {"model_type": "llama4_text", "use_qk_norm": False}))}
+    assert read == {"qwen3": True, "qwen3_moe": True, "gemma3": True, "olmo2": True, "glm": True, "qwen2": False,
+                    "llama4_off": False}
+    assert model_from_hf_dict(SCOUT, "scout").qk_norm and get_model("qwen3-235b-a22b").qk_norm
+    with pytest.raises(ConfigError, match=r"use_qk_norm"):
+        model_from_hf_dict({**SMALL, "use_qk_norm": "yes"}, "bad")
+
+    qwen = dataclasses.replace(get_model("qwen3-30b-a3b"), num_layers=2)
+    plain = dataclasses.replace(qwen, qk_norm=False)
+    assert qwen.layer_params - plain.layer_params == 2 * 128  # one weight of a head's width each
+    widths = qwen.q_hidden_size + qwen.kv_hidden_size  # 4,096 queries and 512 keys
+    tp, seq = 2, 4096
+    for level, fused, per_element in ((cm.NONE, True, 2), (cm.SELECTIVE, True, 2), (cm.FULL, True, 0),
+                                      (cm.NONE, False, 4 + 2)):
+        kept = [float(cm.activation_bytes(m, 1, seq, tp, level, 2, True, fused_norm=fused).activation_bytes)
+                for m in (qwen, plain)]
+        assert kept[0] - kept[1] == pytest.approx(seq * widths / tp * per_element), (level, fused)
+    training = TrainingSpec(seq_len=seq)
+    traffic = [float(elementwise_traffic_bytes(m, training, 1, seq, tp, cm.NONE)) for m in (qwen, plain)]
+    assert traffic[0] - traffic[1] == pytest.approx(seq * widths / tp * 2 * sum(FUSED_NORM_BYTES))
+
+    from one_node import H100, one_node
+
+    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.planning.exporters import megatron_args
+    from memx_launch.specs.cluster import ClusterSpec
+
+    plan = evaluate_layout(qwen, ClusterSpec.from_dict(one_node(H100, 8, 450)),
+                           TrainingSpec(global_batch_size=8, seq_len=seq, setup="megatron", expert_parallel=8),
+                           references=(1, 1, 1), tp=1, pp=1, dp=8, micro_batch_size=1, recompute="none")
+    args = megatron_args(plan).args
+    assert "--qk-layernorm" in args and _megatron_config(plan, args).qk_layernorm
+
+
+def test_what_autograd_saves_for_hugging_face_s_query_and_key_norms_is_the_model():
+    """Qwen3's attention in bf16 on CPU with its per-head RMSNorms and with them taken out: the
+    difference autograd saves is what ``activation_bytes`` counts for them with torch-op norms
+    (the fp32 copy and the normalised tensor: 4 + 2 bytes per query and key element)."""
+    torch = pytest.importorskip("torch")
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    from transformers import Qwen3Config
+    from test_framework_memory import saved_storage_bytes
+
+    seq, config = 128, Qwen3Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                   intermediate_size=512, num_hidden_layers=1, vocab_size=100,
+                                   attn_implementation="sdpa")
+    rotary = qwen3.Qwen3RotaryEmbedding(config)
+    kept = []
+    for normed in (True, False):
+        attention = qwen3.Qwen3Attention(config, layer_idx=0).to(torch.bfloat16)
+        if not normed:
+            attention.q_norm, attention.k_norm = torch.nn.Identity(), torch.nn.Identity()
+        x = torch.randn(1, seq, 256, dtype=torch.bfloat16, requires_grad=True)
+        position = rotary(x, torch.arange(seq)[None])
+        kept.append(saved_storage_bytes(lambda: attention(x, position, None),
+                                        owned=(*attention.parameters(), x, *position)))
+    spec = model_from_hf_dict(config.to_dict(), "qwen3-tiny")
+    model = [float(cm.activation_bytes(dataclasses.replace(spec, qk_norm=q), 1, seq, 1, cm.NONE, 2, True,
+                                       fused_norm=False).activation_bytes) for q in (True, False)]
+    assert spec.qk_norm and kept[0] - kept[1] == pytest.approx(model[0] - model[1], rel=0.02)

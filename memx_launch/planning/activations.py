@@ -55,6 +55,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       unfused norms (torch ops, Hugging Face's LlamaRMSNorm): ``x.float()`` is kept by the pow
         and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
         by the weight multiply; the 16-bit input is not kept: 2(4 + d) bytes for the two norms
+      query and key head norms (``qk_norm``): their inputs as the block's norms keep theirs,
+        2(q + kv)/h over t fused (torch ops: (4 + d)(q + kv)/h); kept under selective recompute,
+        run again from the projections' outputs under the op-level policy
       SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h);
         a mixture of experts: :func:`~memx_launch.planning.experts.kept_units`
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
@@ -107,10 +110,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         mlp_kept, mlp_elementwise = (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
         mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
-    none = replicated + qkv + attn_out + lse + scores + mlp_kept + mlp_elementwise
+    # Query and key head norms keep their inputs, as the block's norms do (fused: the 16-bit q and k).
+    qk_norms = (q + kv) / h / tp * norms / sides if model.qk_norm else 0.0
+    none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise
     block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
-                          if op_selective else (replicated + qkv + attn_out + mlp_kept, 0.0))
+                          if op_selective else (replicated + qkv + qk_norms + attn_out + mlp_kept, 0.0))
     # Megatron's named modules (latent attention's default: mla_up_proj) instead of memx's selective.
     modules = recompute_modules if recompute_modules is not None else ("mla_up_proj",) if model.kv_lora_rank else None
     if modules is not None and not op_selective:

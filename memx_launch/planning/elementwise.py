@@ -88,8 +88,9 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     attention kernel are timed by their FLOPs instead.
 
     Per token, over TP where the tensors are split: residual adds and norms on the hidden size
-    (over TP only with sequence parallelism), hidden dropout's masks and products, rotary
-    embedding on q and k (LLaMA-style models), the MLP's activation on its width; without flash
+    (over TP only with sequence parallelism), the query and key head norms (``qk_norm``), hidden
+    dropout's masks and products, rotary embedding on q and k (LLaMA-style models), the MLP's
+    activation on its width; without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
     passes and attention dropout; with quantized linears their casts (:func:`quantized_cast_elements`).
     """
@@ -122,12 +123,13 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     cast = quantized_cast_elements(model, tokens, hidden, tp) if training.quantized_linears else (0.0, 0.0)
     cast_bytes = d + 2.0 * quantization.element_bytes(training)
     norms = 1.0 if model.parallel_blocks else 2.0  # parallel blocks: one norm feeds attention and MLP
+    qk_normed = tokens * (model.q_hidden_size + kv) / tp if model.qk_norm else 0.0  # query and key head norms
 
     def passes(i):  # 0: forward, 1: backward
         """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again:
         rotary embedding, the MLP's activation, the scores)."""
         blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * cast_bytes \
-            + permuted
+            + permuted + qk_normed * norm[i]
         core = (tokens * (model.q_hidden_size + kv) / tp * rope[i] * d, tokens * f / tp * mlp[i] * d, scores * score[i])
         return blockwide, core
 

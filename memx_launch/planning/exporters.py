@@ -124,6 +124,8 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
         args += ["--group-query-attention", "--num-query-groups", str(spec.num_kv_heads)]
     if spec.attention_head_dim:  # heads not hidden_size / num_heads wide
         args += ["--kv-channels", str(spec.attention_head_dim)]
+    if spec.qk_norm:
+        args += ["--qk-layernorm"]
     if spec.kv_lora_rank:
         args += ["--multi-latent-attention", "--kv-lora-rank", str(spec.kv_lora_rank), "--qk-head-dim",
                  str(spec.head_dim), "--qk-pos-emb-head-dim", str(spec.rope_head_dim),

@@ -38,23 +38,23 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     _gpt_style("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, positions=2048),
     _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050),
     # Mixtures of experts (their Hugging Face configs): Mixtral-8x7B; Qwen3-30B-A3B and
-    # Qwen3-235B-A22B, whose 128-wide heads are wider than hidden / heads.
+    # Qwen3-235B-A22B, whose 128-wide heads are wider than hidden / heads, each normalised.
     ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, rope_theta=1e6, num_experts=8,
               experts_per_token=2),
     ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
-              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=768),
+              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=768, qk_norm=True),
     ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
-              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=1536),
+              num_experts=128, experts_per_token=8, expert_ffn_hidden_size=1536, qk_norm=True),
     # GPT-OSS-120B: every other block attends within 128 tokens (its attention sinks and the
     # biases of its attention and experts, 0.01% of its parameters, are not counted).
     ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
               num_experts=128, experts_per_token=4, sliding_window=128, full_attention_layers=18),
     # Llama-4-Scout-17B-16E's language model (Meta's text_config): 16 routed experts, top-1, and a
     # shared expert in every block; three blocks in four attend within chunks of 8,192 tokens, the
-    # fourth (no rotary positions) to the whole sequence.
+    # fourth (no rotary positions) to the whole sequence; its query and key heads are normalised.
     ModelSpec("llama4-scout", 48, 5120, 40, 8, 8192, 202048, 8192, rope_theta=500000.0, num_experts=16,
               experts_per_token=1, shared_expert_ffn_hidden_size=8192, attention_chunk_size=8192,
-              full_attention_layers=12),
+              full_attention_layers=12, qk_norm=True),
     # DeepSeek-V3 (671B, 37B active): latent attention, three dense first blocks, one shared and
     # 256 routed experts in 8 groups (a token's top-8 from 4 of them), one multi-token prediction module.
     ModelSpec("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, norm_eps=1e-6, attention_head_dim=128,

@@ -33,6 +33,8 @@ OTHER_BLOCK_TYPES = ("qwen3_next", "kimi_linear", "minimax", "minimax_m1", "nemo
                      "recurrent_gemma")
 OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_list", "hybrid_override_pattern",
                     "attn_layer_period", "mamba_d_ssm", "ssm_cfg")
+# Families that normalise every query and key head with no config key saying so (by prefix).
+QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -132,6 +134,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         lm_head=lm_head,
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
+        qk_norm=_qk_norm_of(cfg, model_type, where),
         **experts,
         **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
@@ -158,6 +161,16 @@ def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) ->
         other = sorted({str(t) for t in types} - set(ATTENTION_LAYER_TYPES))
         if other:
             raise ConfigError(f"model ({where}).layer_types", f"{', '.join(other)} blocks are not modelled", fix)
+
+
+def _qk_norm_of(cfg: Mapping[str, Any], model_type: str, where: str) -> bool:
+    """A norm on every query and key head: the config's ``use_qk_norm`` (GLM-4.5, Llama 4, Cohere),
+    ``qk_layernorm`` (Persimmon) or ``qk_norm``, else its family's (:data:`QK_NORM_TYPES`)."""
+    for key in ("use_qk_norm", "qk_layernorm", "qk_norm"):
+        if cfg.get(key) is not None:
+            require_type(cfg[key], bool, f"model ({where}).{key}")
+            return cfg[key]
+    return model_type.startswith(QK_NORM_TYPES)
 
 
 def _local_attention_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
