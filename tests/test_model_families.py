@@ -26,6 +26,24 @@ SMALL = {"num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "
          "vocab_size": 1000}
 
 
+def _kept_as_built_and_stripped(build, strip, position_of, seq, hidden) -> list:
+    """Bytes autograd saves for a Hugging Face module's forward in bf16 on CPU (its parameters,
+    input and position tables not counted): as ``build()`` makes it, and with ``strip(module)``
+    having taken some of its norms out."""
+    import torch
+    from test_framework_memory import saved_storage_bytes
+
+    kept = []
+    for stripped in (False, True):
+        module = build().to(torch.bfloat16)
+        if stripped:
+            strip(module)
+        x = torch.randn(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
+        position = position_of(x)
+        kept.append(saved_storage_bytes(lambda: module(x, position, None), owned=(*module.parameters(), x, *position)))
+    return kept
+
+
 def _active(model):
     return model.num_layers * (model.attention_params + model.active_mlp_params + 2 * model.norm_params) \
         + model.embedding_params + model.head_params
@@ -172,22 +190,77 @@ def test_what_autograd_saves_for_hugging_face_s_query_and_key_norms_is_the_model
     torch = pytest.importorskip("torch")
     qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
     from transformers import Qwen3Config
-    from test_framework_memory import saved_storage_bytes
 
     seq, config = 128, Qwen3Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                                    intermediate_size=512, num_hidden_layers=1, vocab_size=100,
                                    attn_implementation="sdpa")
     rotary = qwen3.Qwen3RotaryEmbedding(config)
-    kept = []
-    for normed in (True, False):
-        attention = qwen3.Qwen3Attention(config, layer_idx=0).to(torch.bfloat16)
-        if not normed:
-            attention.q_norm, attention.k_norm = torch.nn.Identity(), torch.nn.Identity()
-        x = torch.randn(1, seq, 256, dtype=torch.bfloat16, requires_grad=True)
-        position = rotary(x, torch.arange(seq)[None])
-        kept.append(saved_storage_bytes(lambda: attention(x, position, None),
-                                        owned=(*attention.parameters(), x, *position)))
+
+    def strip(attention):
+        attention.q_norm, attention.k_norm = torch.nn.Identity(), torch.nn.Identity()
+    kept = _kept_as_built_and_stripped(lambda: qwen3.Qwen3Attention(config, layer_idx=0), strip,
+                                       lambda x: rotary(x, torch.arange(seq)[None]), seq, 256)
     spec = model_from_hf_dict(config.to_dict(), "qwen3-tiny")
     model = [float(cm.activation_bytes(dataclasses.replace(spec, qk_norm=q), 1, seq, 1, cm.NONE, 2, True,
                                        fused_norm=False).activation_bytes) for q in (True, False)]
     assert spec.qk_norm and kept[0] - kept[1] == pytest.approx(model[0] - model[1], rel=0.02)
+
+
+def test_gemma_s_sandwich_norms_are_read_counted_and_named_in_the_export():
+    from one_node import H100, one_node
+
+    from memx_launch.planning.elementwise import FUSED_NORM_BYTES, elementwise_traffic_bytes
+    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.planning.exporters import megatron_args
+    from memx_launch.specs.cluster import ClusterSpec
+    from memx_launch.specs.training import TrainingSpec
+
+    read = {t: model_from_hf_dict({**SMALL, "model_type": t}, t).post_norms for t in ("gemma", "gemma2", "gemma3_text",
+                                                                                       "llama", "olmo2")}
+    assert read == {"gemma": False, "gemma2": True, "gemma3_text": True, "llama": False, "olmo2": False}
+    gemma = model_from_hf_dict({**SMALL, "model_type": "gemma3_text", "num_key_value_heads": 2}, "g")
+    plain = dataclasses.replace(gemma, post_norms=False)
+    assert gemma.norms_per_block == 4 and gemma.layer_params - plain.layer_params == 2 * gemma.hidden_size
+    with pytest.raises(ConfigError, match="model.post_norms: set with parallel_blocks"):
+        dataclasses.replace(gemma, parallel_blocks=True)
+    h, seq, tp = gemma.hidden_size, 1024, 2
+    # Two more norm inputs of the hidden size: replicated over TP unless sequence parallel, dropped by full recompute.
+    for level, fused, sp, per_element in ((cm.NONE, True, False, 2 * 2), (cm.SELECTIVE, True, True, 2 * 2 / tp),
+                                          (cm.FULL, True, False, 0), (cm.NONE, False, False, 2 * (4 + 2))):
+        kept = [float(cm.activation_bytes(m, 1, seq, tp, level, 2, True, sequence_parallel=sp,
+                                          fused_norm=fused).activation_bytes) for m in (gemma, plain)]
+        assert kept[0] - kept[1] == pytest.approx(seq * h * per_element), (level, fused, sp)
+    traffic = [float(elementwise_traffic_bytes(m, TrainingSpec(seq_len=seq), 1, seq, tp, cm.NONE))
+               for m in (gemma, plain)]
+    assert traffic[0] - traffic[1] == pytest.approx(seq * h * 2 * 2 * sum(FUSED_NORM_BYTES))
+    plan = evaluate_layout(gemma, ClusterSpec.from_dict(one_node(H100, 8, 450)),
+                           TrainingSpec(global_batch_size=8, seq_len=seq, setup="megatron"), references=(1, 1, 1),
+                           tp=1, pp=1, dp=8, micro_batch_size=1, recompute="none")
+    assert "normalise their attention's and MLP's outputs too" in " ".join(megatron_args(plan).notes)
+
+
+def test_what_autograd_saves_for_gemma3_s_post_norms_is_the_model_and_its_fp32_product():
+    """Gemma 3's block in bf16 on CPU with its post-attention and post-MLP norms and without: the
+    difference autograd saves is two norms as ``activation_bytes`` counts torch-op norms (the fp32
+    copy and the 16-bit normalised tensor, 4 + 2 bytes per element) and 2 bytes more per element
+    each, named here: Hugging Face's Gemma norm multiplies its weight in fp32 and keeps that fp32
+    product where Llama's casts first."""
+    torch = pytest.importorskip("torch")
+    gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    from transformers import Gemma3TextConfig
+
+    seq, h = 128, 256
+    config = Gemma3TextConfig(hidden_size=h, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              intermediate_size=512, num_hidden_layers=1, vocab_size=100, sliding_window=512,
+                              attn_implementation="sdpa")
+    rotary = gemma3.Gemma3RotaryEmbedding(config)
+
+    def strip(layer):
+        layer.post_attention_layernorm = layer.post_feedforward_layernorm = torch.nn.Identity()
+    kept = _kept_as_built_and_stripped(lambda: gemma3.Gemma3DecoderLayer(config, layer_idx=0), strip,
+                                       lambda x: rotary(x, torch.arange(seq)[None], config.layer_types[0]), seq, h)
+    spec = model_from_hf_dict(config.to_dict(), "gemma3-tiny")
+    model = [float(cm.activation_bytes(dataclasses.replace(spec, post_norms=p), 1, seq, 1, cm.NONE, 2, True,
+                                       fused_norm=False).activation_bytes) for p in (True, False)]
+    fp32_products = 2 * 2 * seq * h
+    assert spec.post_norms and kept[0] - kept[1] == pytest.approx(model[0] - model[1] + fp32_products, rel=0.02)

@@ -55,6 +55,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       unfused norms (torch ops, Hugging Face's LlamaRMSNorm): ``x.float()`` is kept by the pow
         and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
         by the weight multiply; the 16-bit input is not kept: 2(4 + d) bytes for the two norms
+      sandwich norms (``post_norms``, Gemma 2 and 3): the norms on the attention's and the MLP's
+        outputs keep theirs too, two more norms' worth (replicated unless SP)
       query and key head norms (``qk_norm``): their inputs as the block's norms keep theirs,
         2(q + kv)/h over t fused (torch ops: (4 + d)(q + kv)/h); kept under selective recompute,
         run again from the projections' outputs under the op-level policy
@@ -84,10 +86,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     f, kv = model.ffn_hidden_size, model.kv_hidden_size
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
-    # Two norms: a fused kernel keeps its input (d bytes); torch ops the fp32 copy and the result.
-    # Parallel blocks: one norm, whose output both attention and MLP read.
+    # Each norm keeps what its backward reads: a fused kernel its input (d bytes), torch ops the fp32
+    # copy and the result. Parallel blocks: one norm, whose output both attention and MLP read;
+    # sandwich norms (post_norms): two more, on the attention's and the MLP's outputs.
     sides = 1.0 if model.parallel_blocks else 2.0
-    norms = 2.0 * sides if fused_norm else 2.0 * sides * (4.0 + dtype_bytes) / dtype_bytes
+    per_norm = 2.0 if fused_norm else 2.0 * (4.0 + dtype_bytes) / dtype_bytes
+    norms = per_norm * model.norms_per_block
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
     linear_inputs = 2.0 * sides * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
@@ -111,7 +115,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
         mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
     # Query and key head norms keep their inputs, as the block's norms do (fused: the 16-bit q and k).
-    qk_norms = (q + kv) / h / tp * norms / sides if model.qk_norm else 0.0
+    qk_norms = (q + kv) / h / tp * per_norm if model.qk_norm else 0.0
     none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise
     block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)

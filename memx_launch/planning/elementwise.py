@@ -122,7 +122,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
 
     cast = quantized_cast_elements(model, tokens, hidden, tp) if training.quantized_linears else (0.0, 0.0)
     cast_bytes = d + 2.0 * quantization.element_bytes(training)
-    norms = 1.0 if model.parallel_blocks else 2.0  # parallel blocks: one norm feeds attention and MLP
+    norms = float(model.norms_per_block)  # parallel blocks one, sandwich norms four
     qk_normed = tokens * (model.q_hidden_size + kv) / tp if model.qk_norm else 0.0  # query and key head norms
 
     def passes(i):  # 0: forward, 1: backward
@@ -143,7 +143,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         rotary, activation, scored = core_forward
         modules = selective_modules(model, training)
         selective_again = (("core_attn" in modules) * (rotary + scored) + ("mla_up_proj" in modules) * rotary
-                           + ("layernorm" in modules) * hidden * norms * norm[0]
+                           + ("layernorm" in modules) * hidden * min(norms, 2.0) * norm[0]  # the pre-norms
                            + bool({"moe_act", "mlp", "moe"} & set(modules)) * activation
                            + ("moe" in modules) * permuted)
     core_backward = sum(core_backward)

@@ -176,6 +176,9 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     if not spec.lm_head:
         notes.append("the model has no LM head; Megatron-LM's GPT builds one on the last stage (its output "
                      "layer, logits and loss), which the plan did not count")
+    if spec.post_norms:
+        notes.append("the model's blocks normalise their attention's and MLP's outputs too (Gemma's sandwich "
+                     "norms), which the plan counted; Megatron-LM's GPT has no such norms: add your build's")
     if spec.parallel_blocks:
         notes.append("the model's attention and MLP run side by side (parallel blocks); Megatron-LM builds them "
                      "one after the other: two norms and four TP all-reduces per layer where the plan counted one "

@@ -33,6 +33,8 @@ OTHER_BLOCK_TYPES = ("qwen3_next", "kimi_linear", "minimax", "minimax_m1", "nemo
                      "recurrent_gemma")
 OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_list", "hybrid_override_pattern",
                     "attn_layer_period", "mamba_d_ssm", "ssm_cfg")
+# Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich).
+POST_NORM_TYPES = ("gemma2", "gemma3")
 # Families that normalise every query and key head with no config key saying so (by prefix).
 QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
@@ -135,6 +137,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
+        post_norms=model_type.startswith(POST_NORM_TYPES),
         **experts,
         **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),

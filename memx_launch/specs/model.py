@@ -25,6 +25,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
                          "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
                          "sliding_window": 0, "full_attention_layers": 0, "attention_chunk_size": 0, "qk_norm": False,
+                         "post_norms": False,
                          "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
                          "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0}
 
@@ -90,6 +91,9 @@ class ModelSpec:
     attention_chunk_size: int = 0
     """Tokens of a chunk in a block with chunked attention (Llama 4): the sequence is cut into
     chunks of this many tokens and each query attends causally within its own chunk. 0: none."""
+    post_norms: bool = False
+    """A norm on the attention's and on the MLP's output too, before each joins the residual
+    stream (Gemma 2 and 3's sandwich: four norms a block)."""
     qk_norm: bool = False
     """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and
     Llama 4's ``use_qk_norm``; Megatron's ``--qk-layernorm``): its weights, a head's width each, and
@@ -149,6 +153,9 @@ class ModelSpec:
                        integer=True, fix=f"give how many of the {self.num_layers} blocks attend to the whole sequence")
         require_number(self.attention_chunk_size, "model.attention_chunk_size", lo=0, hi=MAX_DIMENSION, integer=True)
         require_type(self.qk_norm, bool, "model.qk_norm")
+        require_type(self.post_norms, bool, "model.post_norms")
+        if self.post_norms and self.parallel_blocks:
+            raise ConfigError("model.post_norms", "set with parallel_blocks", "give a block one of them")
         if self.attention_chunk_size and self.sliding_window:
             raise ConfigError("model.attention_chunk_size", "set beside sliding_window",
                               "give the local blocks a window or chunks, not both")
@@ -270,11 +277,17 @@ class ModelSpec:
 
     @cached_property
     def layer_params(self) -> int:
-        """Parameters of one transformer block, its norms (one with parallel blocks, else two; the
-        query and key heads' with ``qk_norm``) and the biases included."""
-        norms = 1 if self.parallel_blocks else 2
+        """Parameters of one transformer block, its norms (one with parallel blocks, else two, four
+        with ``post_norms``; the query and key heads' with ``qk_norm``) and the biases included."""
+        norms = self.norms_per_block
         qk_norms = 2 * self.qk_head_dim if self.qk_norm else 0
         return self.attention_params + self.mlp_params + self.bias_params + norms * self.norm_params + qk_norms
+
+    @property
+    def norms_per_block(self) -> int:
+        """Norms over the hidden size in one block: one feeding parallel attention and MLP, else one
+        before each, and with ``post_norms`` one after each as well."""
+        return 1 if self.parallel_blocks else 4 if self.post_norms else 2
 
     @property
     def word_embedding_params(self) -> int:
