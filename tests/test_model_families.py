@@ -215,9 +215,10 @@ def test_gemma_s_sandwich_norms_are_read_counted_and_named_in_the_export():
     from memx_launch.specs.cluster import ClusterSpec
     from memx_launch.specs.training import TrainingSpec
 
-    read = {t: model_from_hf_dict({**SMALL, "model_type": t}, t).post_norms for t in ("gemma", "gemma2", "gemma3_text",
-                                                                                       "llama", "olmo2")}
-    assert read == {"gemma": False, "gemma2": True, "gemma3_text": True, "llama": False, "olmo2": False}
+    read = {t: (m.post_norms, m.norm_weight_in_fp32) for t in ("gemma", "gemma2", "gemma3_text", "llama", "olmo2")
+            for m in [model_from_hf_dict({**SMALL, "model_type": t}, t)]}
+    assert read == {"gemma": (False, True), "gemma2": (True, True), "gemma3_text": (True, True),
+                    "llama": (False, False), "olmo2": (False, False)}
     gemma = model_from_hf_dict({**SMALL, "model_type": "gemma3_text", "num_key_value_heads": 2}, "g")
     plain = dataclasses.replace(gemma, post_norms=False)
     assert gemma.norms_per_block == 4 and gemma.layer_params - plain.layer_params == 2 * gemma.hidden_size
@@ -226,7 +227,7 @@ def test_gemma_s_sandwich_norms_are_read_counted_and_named_in_the_export():
     h, seq, tp = gemma.hidden_size, 1024, 2
     # Two more norm inputs of the hidden size: replicated over TP unless sequence parallel, dropped by full recompute.
     for level, fused, sp, per_element in ((cm.NONE, True, False, 2 * 2), (cm.SELECTIVE, True, True, 2 * 2 / tp),
-                                          (cm.FULL, True, False, 0), (cm.NONE, False, False, 2 * (4 + 2))):
+                                          (cm.FULL, True, False, 0), (cm.NONE, False, False, 2 * (4 + 4))):
         kept = [float(cm.activation_bytes(m, 1, seq, tp, level, 2, True, sequence_parallel=sp,
                                           fused_norm=fused).activation_bytes) for m in (gemma, plain)]
         assert kept[0] - kept[1] == pytest.approx(seq * h * per_element), (level, fused, sp)
@@ -239,12 +240,11 @@ def test_gemma_s_sandwich_norms_are_read_counted_and_named_in_the_export():
     assert "normalise their attention's and MLP's outputs too" in " ".join(megatron_args(plan).notes)
 
 
-def test_what_autograd_saves_for_gemma3_s_post_norms_is_the_model_and_its_fp32_product():
+def test_what_autograd_saves_for_gemma3_s_post_norms_is_the_model():
     """Gemma 3's block in bf16 on CPU with its post-attention and post-MLP norms and without: the
-    difference autograd saves is two norms as ``activation_bytes`` counts torch-op norms (the fp32
-    copy and the 16-bit normalised tensor, 4 + 2 bytes per element) and 2 bytes more per element
-    each, named here: Hugging Face's Gemma norm multiplies its weight in fp32 and keeps that fp32
-    product where Llama's casts first."""
+    difference autograd saves is two norms as ``activation_bytes`` counts Gemma's torch-op norms
+    (the fp32 copy and the fp32 product of the weight multiply, 4 + 4 bytes per element: Hugging
+    Face's Gemma norm multiplies in fp32, where Llama's casts first and keeps 4 + 2)."""
     torch = pytest.importorskip("torch")
     gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
     from transformers import Gemma3TextConfig
@@ -262,5 +262,6 @@ def test_what_autograd_saves_for_gemma3_s_post_norms_is_the_model_and_its_fp32_p
     spec = model_from_hf_dict(config.to_dict(), "gemma3-tiny")
     model = [float(cm.activation_bytes(dataclasses.replace(spec, post_norms=p), 1, seq, 1, cm.NONE, 2, True,
                                        fused_norm=False).activation_bytes) for p in (True, False)]
-    fp32_products = 2 * 2 * seq * h
-    assert spec.post_norms and kept[0] - kept[1] == pytest.approx(model[0] - model[1] + fp32_products, rel=0.02)
+    assert spec.post_norms and spec.norm_weight_in_fp32
+    assert kept[0] - kept[1] == pytest.approx(model[0] - model[1], rel=0.02)
+    assert model[0] - model[1] == 2 * (4 + 4) * seq * h

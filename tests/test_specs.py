@@ -137,6 +137,7 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
                            "attention_head_dim", "num_experts", "experts_per_token", "expert_ffn_hidden_size",
                            "shared_expert_ffn_hidden_size", "sliding_window", "full_attention_layers",
                            "attention_chunk_size", "qk_norm", "post_norms",
+                           "norm_weight_in_fp32",
                            "kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim", "dense_layers",
                            "mtp_layers", "expert_groups", "expert_groups_per_token")}
     assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]

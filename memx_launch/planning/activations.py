@@ -55,6 +55,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       unfused norms (torch ops, Hugging Face's LlamaRMSNorm): ``x.float()`` is kept by the pow
         and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
         by the weight multiply; the 16-bit input is not kept: 2(4 + d) bytes for the two norms
+      Gemma's torch-op norms (``norm_weight_in_fp32``) keep their fp32 product: 4 + 4 bytes an element
       sandwich norms (``post_norms``, Gemma 2 and 3): the norms on the attention's and the MLP's
         outputs keep theirs too, two more norms' worth (replicated unless SP)
       query and key head norms (``qk_norm``): their inputs as the block's norms keep theirs,
@@ -90,7 +91,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # copy and the result. Parallel blocks: one norm, whose output both attention and MLP read;
     # sandwich norms (post_norms): two more, on the attention's and the MLP's outputs.
     sides = 1.0 if model.parallel_blocks else 2.0
-    per_norm = 2.0 if fused_norm else 2.0 * (4.0 + dtype_bytes) / dtype_bytes
+    normalised = 4.0 if model.norm_weight_in_fp32 else dtype_bytes  # the torch-op norm's kept product
+    per_norm = 2.0 if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
     norms = per_norm * model.norms_per_block
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
     linear_inputs = 2.0 * sides * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)

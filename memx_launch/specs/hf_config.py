@@ -138,6 +138,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
         post_norms=model_type.startswith(POST_NORM_TYPES),
+        norm_weight_in_fp32=model_type.startswith(GATED_GELU),  # Gemma's norms: (x * (1 + w)).to(dtype)
         **experts,
         **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),

@@ -25,7 +25,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
                          "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
                          "sliding_window": 0, "full_attention_layers": 0, "attention_chunk_size": 0, "qk_norm": False,
-                         "post_norms": False,
+                         "post_norms": False, "norm_weight_in_fp32": False,
                          "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
                          "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0}
 
@@ -94,6 +94,10 @@ class ModelSpec:
     post_norms: bool = False
     """A norm on the attention's and on the MLP's output too, before each joins the residual
     stream (Gemma 2 and 3's sandwich: four norms a block)."""
+    norm_weight_in_fp32: bool = False
+    """Run as torch ops (unfused), a norm multiplies its weight in fp32 and keeps that fp32 product
+    for the backward, casting after (Hugging Face's Gemma norms, ``x * (1 + w)``), where Llama's
+    casts first and keeps the 16-bit tensor: 4 bytes an element instead of the training dtype's."""
     qk_norm: bool = False
     """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and
     Llama 4's ``use_qk_norm``; Megatron's ``--qk-layernorm``): its weights, a head's width each, and
@@ -154,6 +158,7 @@ class ModelSpec:
         require_number(self.attention_chunk_size, "model.attention_chunk_size", lo=0, hi=MAX_DIMENSION, integer=True)
         require_type(self.qk_norm, bool, "model.qk_norm")
         require_type(self.post_norms, bool, "model.post_norms")
+        require_type(self.norm_weight_in_fp32, bool, "model.norm_weight_in_fp32")
         if self.post_norms and self.parallel_blocks:
             raise ConfigError("model.post_norms", "set with parallel_blocks", "give a block one of them")
         if self.attention_chunk_size and self.sliding_window:
