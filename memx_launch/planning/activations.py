@@ -59,8 +59,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       sandwich norms (``post_norms``, Gemma 2 and 3): the norms on the attention's and the MLP's
         outputs keep theirs too, two more norms' worth (replicated unless SP)
       query and key head norms (``qk_norm``): their inputs as the block's norms keep theirs,
-        2(q + kv)/h over t fused (torch ops: (4 + d)(q + kv)/h); kept under selective recompute,
-        run again from the projections' outputs under the op-level policy
+        2(q + kv)/h over t fused (torch ops: (4 + d)(q + kv)/h, Gemma's (4 + 4)); kept under
+        selective recompute, run again from the projections' outputs under the op-level policy
       SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h);
         a mixture of experts: :func:`~memx_launch.planning.experts.kept_units`
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
@@ -90,12 +90,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # Each norm keeps what its backward reads: a fused kernel its input (d bytes), torch ops the fp32
     # copy and the result. Parallel blocks: one norm, whose output both attention and MLP read;
     # sandwich norms (post_norms): two more, on the attention's and the MLP's outputs.
-    sides = 1.0 if model.parallel_blocks else 2.0
     normalised = 4.0 if model.norm_weight_in_fp32 else dtype_bytes  # the torch-op norm's kept product
     per_norm = 2.0 if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
     norms = per_norm * model.norms_per_block
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
-    linear_inputs = 2.0 * sides * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
+    linear_inputs = 2.0 * model.pre_norms_per_block * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     heads_qkv = (2.0 * q + 4.0 * kv) / h / tp
     latent = 2.0 * (2.0 * model.q_lora_rank + 2.0 * model.kv_lora_rank + model.rope_head_dim) / h

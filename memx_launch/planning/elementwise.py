@@ -143,7 +143,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         rotary, activation, scored = core_forward
         modules = selective_modules(model, training)
         selective_again = (("core_attn" in modules) * (rotary + scored) + ("mla_up_proj" in modules) * rotary
-                           + ("layernorm" in modules) * hidden * min(norms, 2.0) * norm[0]  # the pre-norms
+                           + ("layernorm" in modules) * hidden * model.pre_norms_per_block * norm[0]
                            + bool({"moe_act", "mlp", "moe"} & set(modules)) * activation
                            + ("moe" in modules) * permuted)
     core_backward = sum(core_backward)

@@ -284,15 +284,21 @@ class ModelSpec:
     def layer_params(self) -> int:
         """Parameters of one transformer block, its norms (one with parallel blocks, else two, four
         with ``post_norms``; the query and key heads' with ``qk_norm``) and the biases included."""
-        norms = self.norms_per_block
         qk_norms = 2 * self.qk_head_dim if self.qk_norm else 0
-        return self.attention_params + self.mlp_params + self.bias_params + norms * self.norm_params + qk_norms
+        return (self.attention_params + self.mlp_params + self.bias_params + self.norms_per_block * self.norm_params
+                + qk_norms)
+
+    @property
+    def pre_norms_per_block(self) -> int:
+        """Norms whose output a block's linears read: one feeding parallel attention and MLP, else
+        one before each (what Megatron's ``layernorm`` recompute module runs again)."""
+        return 1 if self.parallel_blocks else 2
 
     @property
     def norms_per_block(self) -> int:
-        """Norms over the hidden size in one block: one feeding parallel attention and MLP, else one
-        before each, and with ``post_norms`` one after each as well."""
-        return 1 if self.parallel_blocks else 4 if self.post_norms else 2
+        """Norms over the hidden size in one block: the pre-norms, and with ``post_norms`` one after
+        attention and one after the MLP as well."""
+        return self.pre_norms_per_block + (2 if self.post_norms else 0)
 
     @property
     def word_embedding_params(self) -> int:
