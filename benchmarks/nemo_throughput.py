@@ -29,6 +29,12 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
   attention FLOPs causal (half), which ``flops_per_token`` follows for mixtures of experts.
 - Megatron-Bridge 26.02's GPT-OSS-120B rows (BF16, 64 GPUs, EP 64; half its blocks attend within
   128 tokens).
+- Apart (``llama4_maverick_dgxc``, from benchmarks/data/dgxc_llama4_maverick.csv): NVIDIA's DGX
+  Cloud Benchmarking recipe for Llama 4 Maverick on GB200 (NeMo 25.04.01: 128-512 GPUs, BF16 and
+  FP8 with delayed scaling, TP 1, PP 2 x VP 12, EP 64, micro-batch 1 at 8,192 tokens): every
+  other block runs the experts, the others a dense MLP, so each of its 24 chunks holds one of
+  each. Its H100 rows run the experts over 4 tensor-parallel ranks each (ETP 4), which memx does
+  not model, and are left out.
 - Megatron-Bridge's DeepSeek-V3 rows of 25.11 and 26.02 (256 GPUs, EP 8-64, MXFP8 and BF16;
   latent attention, three dense first blocks, the multi-token prediction module where the row
   runs it), in the recipes' layout of 16 chunks where it has one, with selective recompute
@@ -82,6 +88,7 @@ from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "benchmarks", "data", "nemo_performance.csv")
+MAVERICK_DATA = os.path.join(ROOT, "benchmarks", "data", "dgxc_llama4_maverick.csv")
 OUT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.json")
 PLOT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.png")
 
@@ -124,7 +131,7 @@ def flops_per_token(model: ModelSpec, seq: int) -> float:
     backward); Megatron-Bridge counts its mixtures of experts' attention causal, half of it."""
     blocks = model.num_layers + model.mtp_layers
     attention = (3.0 if model.num_experts else 6.0) * blocks * seq * (model.q_hidden_size + model.value_hidden_size)
-    dense = model.dense_layers * (model.dense_block.mlp_params - model.active_mlp_params) if model.dense_layers else 0
+    dense = model.dense_block_count * (model.dense_block.mlp_params - model.active_mlp_params)
     matmuls = (blocks * (model.attention_params + model.active_mlp_params) + dense
                + model.mtp_layers * 2 * model.hidden_size ** 2 + (1 + model.mtp_layers) * model.head_params)
     return 6.0 * matmuls + attention
@@ -149,12 +156,12 @@ def stage_layers(model: ModelSpec, pp: int, vp: int, with_ends: bool) -> list[in
     return layers
 
 
-def nemo_rows(recipe_memory: bool = True) -> list[dict]:
-    """Every row with memx's estimate; ``recipe_memory=False`` asks without the recipes' memory
-    settings (16-bit gradients, FP8 weights, 16-bit optimizer states, offloaded activations): what
-    they are worth."""
+def nemo_rows(recipe_memory: bool = True, path: str = DATA) -> list[dict]:
+    """Every row of ``path`` with memx's estimate; ``recipe_memory=False`` asks without the recipes'
+    memory settings (16-bit gradients, FP8 weights, 16-bit optimizer states, offloaded
+    activations): what they are worth."""
     rows = []
-    with open(DATA) as f:
+    with open(path) as f:
         for d in csv.DictReader(f):
             gpus, seq, batch, mbs = (int(d[k]) for k in ("gpus", "seq_len", "global_batch_size", "micro_batch_size"))
             tp, pp, cp, vp = (int(d[k]) for k in ("tp", "pp", "cp", "vp"))
@@ -251,6 +258,10 @@ def main() -> None:
               "without_recipe_memory_settings": run_summary(without),
               "without_recipe_memory_settings_dense_h100": run_summary(
                   [r for r in without if r["system"] == "dgx-h100" and r["kind"] == "dense"]), "rows": rows}
+    maverick = nemo_rows(path=MAVERICK_DATA)
+    result["llama4_maverick_dgxc"] = {**run_summary(maverick), "by_precision": {
+        name: run_summary(members) for name, members in grouped(maverick, lambda r: r["precision"]).items()},
+        "table_over_shape_flops": shape_check(maverick), "rows": maverick}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(rows, PLOT)
@@ -261,7 +272,10 @@ def main() -> None:
             print(" ", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
     print("  table / shape FLOPs per token", result["table_over_shape_flops"])
     print("  without the recipes' memory settings", result["without_recipe_memory_settings"]["fit"]["confusion"])
-    for r in rows:
+    apart = result["llama4_maverick_dgxc"]
+    print("Llama 4 Maverick (DGX Cloud recipe)", apart["time"], apart["fit"]["confusion"], apart["table_over_shape_flops"],
+          {name: s["time"]["time_mape_pct"] for name, s in apart["by_precision"].items()})
+    for r in rows + maverick:
         print(f"  {r['layout']:75s} {r['real_time_s']:7.2f} s", f"{r['time_s']:7.2f} s" if "time_s" in r else r["error"],
               f"{r.get('peak_gib', '')} GiB")
     print(f"{result['seconds']} s")

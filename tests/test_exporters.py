@@ -1,7 +1,6 @@
 """Exporters: Megatron-LM arguments checked by megatron-core, torchrun lines by torch's parser."""
 
 import os
-import re
 
 import pytest
 
@@ -79,6 +78,7 @@ MEGATRON_LM_ARGUMENTS = {
     "--moe-token-dispatcher-type": dict(choices=["allgather", "alltoall", "flex"]),
     "--moe-flex-dispatcher-backend": dict(choices=["deepep", "hybridep"], default="deepep"),
     "--moe-router-num-groups": dict(type=int), "--moe-router-group-topk": dict(type=int),
+    "--moe-router-pre-softmax": dict(action="store_true"),
     "--expert-model-parallel-size": dict(type=int, default=1),
     "--moe-shared-expert-intermediate-size": dict(type=int),
     "--overlap-moe-expert-parallel-comm": dict(action="store_true"), "--delay-wgrad-compute": dict(action="store_true"),
@@ -147,13 +147,13 @@ def _megatron_config(plan, args):
                       moe_token_dispatcher_type=a.moe_token_dispatcher_type,
                       moe_flex_dispatcher_backend=a.moe_flex_dispatcher_backend,
                       moe_router_num_groups=a.moe_router_num_groups, moe_router_group_topk=a.moe_router_group_topk,
+                      moe_router_pre_softmax=a.moe_router_pre_softmax,
                       expert_model_parallel_size=a.expert_model_parallel_size,
                       moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
                       overlap_moe_expert_parallel_comm=a.overlap_moe_expert_parallel_comm,
                       delay_wgrad_compute=a.delay_wgrad_compute)
-    if a.moe_layer_freq:  # Megatron-LM evaluates the list expression: ([0]*3+[1]*58)
-        kwargs["moe_layer_freq"] = [int(v) for v, n in re.findall(r"\[(\d)\]\*(\d+)", a.moe_layer_freq)
-                                    for _ in range(int(n))]
+    if a.moe_layer_freq:  # Megatron-LM evaluates the list expression (moe_freq_type): ([0]*3+[1]*58)
+        kwargs["moe_layer_freq"] = list(eval(a.moe_layer_freq, {"__builtins__": {}}))
     if a.mtp_num_layers:
         kwargs["mtp_num_layers"] = a.mtp_num_layers
     if a.recompute_modules:

@@ -30,6 +30,14 @@ def test_every_row_is_expressible_and_fits(rows):
     assert sum(r["model"].startswith("deepseek-v3") for r in rows) == 9
 
 
+def test_the_llama4_maverick_recipe_rows_are_expressible_fit_and_give_its_flops():
+    rows = nt.nemo_rows(path=nt.MAVERICK_DATA)
+    assert len(rows) == 6 and all(r["fits"] for r in rows) and not [r for r in rows if "error" in r]
+    # The recipe's FLOPs per sequence (dense and expert blocks alike at 1.5 x 16,384 wide) are
+    # memx's count of its blocks, half of each kind, within 1%.
+    assert nt.shape_check(rows)["llama4-maverick"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_the_grace_blackwell_fsdp_rows_fit_by_offloading_activations():
     # Llama 3 70B with Megatron FSDP at micro-batch 2: its 80 layers' activations do not fit in
     # GB200's 185 or GB300's 277.5 GiB; the recipes offload 40 and 20 of them to the Grace CPU.

@@ -23,7 +23,7 @@ CLUSTER = ClusterSpec.from_dict({"version": 1, "name": "b200x16", "device_types"
                                  "inter_node_gbps": 50})
 MODELS = [dataclasses.replace(m, num_layers=8, full_attention_layers=m.full_attention_layers * 8 // m.num_layers)
           for m in map(get_model, ("llama3-8b", "qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b", "llama2-7b",
-                                   "llama4-scout"))]
+                                   "llama4-scout", "llama4-maverick"))]
 MODELS.append(dataclasses.replace(get_model("deepseek-v3"), num_layers=8, dense_layers=1))
 PRECISIONS = [{}, {"fp8": "current"}, {"fp8": "mxfp8", "fp8_params": True}, {"fp4": "nvfp4"}]
 

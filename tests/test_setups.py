@@ -57,7 +57,7 @@ def test_with_sequence_parallelism_each_tp_rank_sends_its_shard_to_the_next_stag
     # Megatron's pipeline tensor shape under sequence parallelism is seq / TP: each TP rank sends
     # its own shard to its peer, so a stage boundary moves 1/TP of the hidden state per rank.
     from memx_launch.planning.layouts import make_layout
-    from memx_launch.planning.scoring import edge_hidden_bytes
+    from memx_launch.planning.pipeline_sends import edge_hidden_bytes
 
     model, cluster = get_model("llama2-7b"), _cluster()
     layout = make_layout(cluster, ("gpu",), 4, 1, ("gpu",), [[0, 1, 2, 3], [4, 5, 6, 7]])

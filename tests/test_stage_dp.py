@@ -64,7 +64,7 @@ def test_equal_degrees_are_the_uniform_layout():
 
 def test_sends_carry_the_larger_sides_share():
     """Stage 0's replicas send 1 sequence each, stage 1's receive 2: the edge carries 2 per rank."""
-    from memx_launch.planning.scoring import edge_micro_batch
+    from memx_launch.planning.pipeline_sends import edge_micro_batch
     from memx_launch.planning.layouts import layout_from_stage_devices
 
     spec = ClusterSpec.from_dict(MIXED)

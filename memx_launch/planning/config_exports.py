@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.exporters import stage_chunks
+from memx_launch.planning.layer_split import chunk_layers
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan
 
 TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
@@ -71,8 +71,7 @@ def torchtitan_split_points(plan: Plan) -> list[str]:
     """``parallelism.pipeline_parallel_split_points``: the first layer of every (virtual) stage but
     the first. Chunks follow in model order virtual-stage major, chunk k on pipeline rank k mod pp
     (torchtitan's looped schedules, Megatron's layout): a stage's chunks are not adjacent layers."""
-    per_stage = [stage_chunks(s.num_layers, plan.virtual_stages, first=i == 0 < plan.pp - 1)
-                 for i, s in enumerate(plan.stages)]
+    per_stage = chunk_layers([s.num_layers for s in plan.stages], plan.virtual_stages).tolist()
     sizes = [per_stage[pp_rank][vpp] for vpp in range(plan.virtual_stages) for pp_rank in range(plan.pp)]
     return [f"layers.{sum(sizes[:k])}" for k in range(1, len(sizes))]
 

@@ -22,7 +22,7 @@ class CostTable:
         self.work = np.asarray(cost.working_bytes, dtype=float).reshape(shape)
         self.misses = self.time.size
         self.hits = 0
-        # A mixture of experts' dense first blocks: their own costs, on the same grid.
+        # A mixture of experts' dense blocks: their own costs, on the same grid.
         dense = getattr(cost_model, "dense_blocks", None)
         self.dense = CostTable(dense, n_devices, tps, mbss, seqs) if dense is not None else None
 

@@ -224,8 +224,9 @@ class AnalyticalCostModel:
                            * KERNEL_LAUNCH_S for d in self.device_types]) / 1e3
         self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
-        # A mixture of experts' dense first blocks are priced as a dense model's blocks.
-        self.dense_blocks = AnalyticalCostModel(model.dense_block, cluster, training) if model.dense_layers else None
+        # A mixture of experts' dense blocks are priced as a dense model's blocks.
+        self.dense_blocks = (AnalyticalCostModel(model.dense_block, cluster, training) if model.dense_block_count
+                             else None)
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]

@@ -7,7 +7,8 @@ import numpy as np
 from memx_launch.planning import costmodel as cm, data_parallel
 from memx_launch.planning.model_states import parameters_per_rank
 from memx_launch.planning.plan import Crossing
-from memx_launch.planning.scoring import GroupResult, edge_hidden_bytes
+from memx_launch.planning.pipeline_sends import edge_hidden_bytes
+from memx_launch.planning.scoring import GroupResult
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -29,7 +30,7 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
                                 sorted({d for p in edge.domain_pairs for d in p}),
                                 float(2.0 * g * passes * hidden_bytes[edge.stage]),
                                 float(2.0 * g * result.v * result.transfer[edge.stage])))
-    params = parameters_per_rank(model, training, layout, result.layers[row:row + 1])[0]
+    params = parameters_per_rank(model, training, layout, result.layers[row:row + 1], result.v)[0]
     for group in layout.group_crossings:
         synced = data_parallel.sync_allreduce_bytes(params[group.stage], training, cm.trained_parameters(model, training))
         out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),

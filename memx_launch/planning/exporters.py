@@ -11,6 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.layer_split import chunk_layers
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
@@ -32,18 +33,13 @@ class Export:
 # --------------------------------------------------------------------------- Megatron-LM
 
 
-def stage_chunks(num_layers: int, virtual_stages: int, first: bool = False, first_chunk_at_least: int = 0) -> list[int]:
-    """Layers of each virtual chunk of one stage: as even as possible, larger chunks first; on the
-    ``first`` of several stages smaller ones first, as the embedding takes a layer's place in its
-    first chunk (Megatron's ``account_for_embedding_in_pipeline_split``; a chunk of the embedding
-    alone where the stage holds one layer less than its chunks). ``first_chunk_at_least``: the
-    first chunk takes layers from the largest others until it holds that many (a mixture of
-    experts' dense first blocks, all in the first stage's first chunk)."""
-    base, extra = divmod(num_layers, virtual_stages)
-    chunks = [base + (1 if c < extra else 0) for c in range(virtual_stages)]
-    chunks = chunks[::-1] if first else chunks
-    while chunks[0] < first_chunk_at_least:
-        donor = max(range(1, virtual_stages), key=chunks.__getitem__)
+def first_chunk_at_least(chunks: list[int], n: int) -> list[int]:
+    """``chunks`` (one stage's, :func:`~memx_launch.planning.layer_split.chunk_layers`) with the
+    first taking layers from the largest others until it holds ``n`` (a mixture of experts'
+    dense first blocks, all in the first stage's first chunk)."""
+    chunks = list(chunks)
+    while chunks[0] < n:
+        donor = max(range(1, len(chunks)), key=chunks.__getitem__)
         chunks[donor], chunks[0] = chunks[donor] - 1, chunks[0] + 1
     return chunks
 
@@ -57,9 +53,8 @@ def pipeline_layout(plan: Plan) -> str:
     module, before the loss.
     """
     v = plan.virtual_stages
-    per_stage = [stage_chunks(s.num_layers, v, first=i == 0 < plan.pp - 1,
-                              first_chunk_at_least=plan.model_spec.dense_layers if i == 0 else 0)
-                 for i, s in enumerate(plan.stages)]
+    per_stage = chunk_layers([s.num_layers for s in plan.stages], v).tolist()
+    per_stage[0] = first_chunk_at_least(per_stage[0], plan.model_spec.dense_layers)
     chunks = []
     for vpp in range(v):
         for pp_rank in range(plan.pp):
@@ -154,7 +149,9 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
                  "--moe-ffn-hidden-size", str(spec.moe_ffn_hidden_size), "--moe-grouped-gemm",
                  "--moe-token-dispatcher-type", "flex" if flex else "alltoall",
                  *(["--moe-flex-dispatcher-backend", "hybridep"] if flex else []),
-                 "--expert-model-parallel-size", str(plan.training.get("expert_parallel", 1))]
+                 "--expert-model-parallel-size", str(plan.training.get("expert_parallel", 1)),
+                 # Megatron's softmax router over one chosen expert has no gradient: it asks for pre-softmax.
+                 *(["--moe-router-pre-softmax"] if spec.experts_per_token == 1 else [])]
         if spec.expert_groups:
             args += ["--moe-router-num-groups", str(spec.expert_groups),
                      "--moe-router-group-topk", str(spec.expert_groups_per_token)]
@@ -162,6 +159,10 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
             args += ["--moe-shared-expert-intermediate-size", str(spec.shared_expert_ffn_hidden_size)]
         if spec.dense_layers:  # the first blocks dense, of --ffn-hidden-size
             args += ["--moe-layer-freq", f"([0]*{spec.dense_layers}+[1]*{spec.num_layers - spec.dense_layers})"]
+        elif spec.moe_layer_step > 1:  # dense blocks of --ffn-hidden-size between the expert ones
+            step, rest = spec.moe_layer_step, spec.num_layers % spec.moe_layer_step
+            pattern = f"([0]*{step - 1}+[1])*{spec.num_layers // step}" + f"+[0]*{rest}" * bool(rest)
+            args += ["--moe-layer-freq", pattern]
         if plan.training.get("overlap_expert_comm"):
             args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
     if spec.sliding_window or spec.attention_chunk_size:

@@ -1,43 +1,80 @@
-"""Blocks beside a model's repeated block: a mixture of experts' dense first blocks (DeepSeek's
-``first_k_dense_replace``), which the first stage holds, and the multi-token prediction modules'
-blocks, which the last stage runs after the head. A split counts the model's blocks, dense
-first ones included; a stage's bytes and seconds are its layers at the repeated block's cost
-plus :func:`beside_repeated`. No torch import."""
+"""Blocks beside a model's repeated block: a mixture of experts' dense blocks, the first ones
+(DeepSeek's ``first_k_dense_replace``), which the first stage holds, or those between its
+expert blocks (Llama 4 Maverick's ``interleave_moe_layer_step``), wherever the split puts them;
+and the multi-token prediction modules' blocks, which the last stage runs after the head. A
+split counts the model's blocks, dense ones included; a stage's bytes and seconds are its
+layers at the repeated block's cost plus :func:`beside_repeated`. No torch import."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from memx_launch.planning.layer_split import chunk_layers
 from memx_launch.specs.model import ModelSpec
 
 
 def first_stage_min_layers(model: ModelSpec, v: int) -> int:
     """Blocks the first stage must hold for every dense first block to be in its first chunk
     (Megatron builds the blocks in order, chunk by chunk), its other chunks a block each (the
-    export puts them there: ``exporters.stage_chunks``)."""
+    export puts them there: ``exporters.first_chunk_at_least``)."""
     return model.dense_layers + v - 1 if model.dense_layers else 0
 
 
-def stage_block_counts(model: ModelSpec, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(dense first, repeated) blocks of each stage of ``layers`` (..., P): the first stage's
-    dense ones, and every other block with the last stage's multi-token prediction blocks."""
-    first = np.zeros(np.shape(layers))
-    first[..., 0] = model.dense_layers
-    repeated = layers - first
+def interleaved_dense_counts(model: ModelSpec, layers, v: int) -> np.ndarray:
+    """(..., P) dense blocks among each stage's ``layers`` (..., P) where they sit between the
+    expert ones (``moe_layer_step``): its chunks (:func:`chunk_layers`) hold blocks in model
+    order, virtual-stage major (chunk k on stage k mod P), and block ``i`` is an expert one where
+    ``(i + 1) % step`` is 0."""
+    chunks = chunk_layers(layers, v)                   # (..., P, v)
+    ordered = np.swapaxes(chunks, -1, -2)              # (..., v, P): model order once flattened
+    flat = ordered.reshape(*ordered.shape[:-2], -1)
+    end = np.cumsum(flat, axis=-1)
+    experts = end // model.moe_layer_step - (end - flat) // model.moe_layer_step
+    return (flat - experts).reshape(ordered.shape).sum(axis=-2)
+
+
+def stage_block_counts(model: ModelSpec, layers, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, repeated) blocks of each stage of ``layers`` (..., P) in ``v`` chunks each: the
+    first stage's dense first blocks or every stage's interleaved ones, and every other block
+    with the last stage's multi-token prediction blocks."""
+    if model.moe_layer_step > 1:
+        dense = interleaved_dense_counts(model, layers, v).astype(np.float64)
+    else:
+        dense = np.zeros(np.shape(layers))
+        dense[..., 0] = model.dense_layers
+    repeated = layers - dense
     repeated[..., -1] += model.mtp_layers
-    return first, repeated
+    return dense, repeated
 
 
-def beside_repeated(model: ModelSpec, repeated_cost, dense_cost):
-    """What a stage's blocks cost beyond ``layers x repeated_cost``: on the first stage its dense
-    blocks' difference (``dense_cost`` a dense block's), on the last the multi-token prediction
-    blocks. Per-block costs broadcast to (..., P): bytes or seconds. 0 for a model without either."""
-    if not (model.dense_layers or model.mtp_layers):
+def dense_before_split(model: ModelSpec, pp: int) -> np.ndarray:
+    """(P,) the dense blocks of each stage that no split moves: the first stage's dense first
+    blocks. Interleaved ones follow the split; until it is known :func:`mean_block` prices them."""
+    dense = np.zeros(pp)
+    dense[0] = model.dense_layers
+    return dense
+
+
+def mean_block(model: ModelSpec, repeated_cost, dense_cost):
+    """A block's cost on average over a model whose dense blocks sit between its expert ones: what
+    a split weighs each block at before it knows which of a stage's blocks are dense."""
+    if model.moe_layer_step == 1:
+        return repeated_cost
+    share = model.dense_block_count / model.num_layers
+    return repeated_cost + share * (np.asarray(dense_cost) - repeated_cost)
+
+
+def beside_repeated(model: ModelSpec, repeated_cost, dense_cost, dense_blocks):
+    """What a stage's blocks cost beyond ``layers x repeated_cost``: its ``dense_blocks`` (..., P)
+    at their difference (``dense_cost`` a dense block's), and on the last stage the multi-token
+    prediction blocks. Per-block costs broadcast to (..., P): bytes or seconds. 0 for a model
+    without either."""
+    if not (model.dense_block_count or model.mtp_layers):
         return 0.0
-    dense = np.asarray(dense_cost if model.dense_layers else 0.0, dtype=np.float64)
-    repeated, dense = np.broadcast_arrays(np.asarray(repeated_cost, dtype=np.float64), dense)
-    out = np.zeros(repeated.shape)
-    out[..., 0] += model.dense_layers * (dense[..., 0] - repeated[..., 0])
+    repeated = np.asarray(repeated_cost, dtype=np.float64)
+    out = np.zeros(np.broadcast_shapes(repeated.shape, np.shape(dense_blocks)))
+    if model.dense_block_count:
+        out += dense_blocks * (np.asarray(dense_cost, dtype=np.float64) - repeated)
     out[..., -1] += model.mtp_layers * repeated[..., -1]
     return out
 

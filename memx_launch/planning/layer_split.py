@@ -44,3 +44,17 @@ def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1):
     spread[:, 0] += num_layers - spread.sum(axis=1)
     layers = np.where(feasible[:, None], layers, np.maximum(spread, min_layers))
     return layers.astype(np.int64), feasible
+
+
+def chunk_layers(layers, v: int) -> np.ndarray:
+    """(..., P, v) the layers of each virtual chunk of each stage of ``layers`` (..., P): as even
+    as possible, larger chunks first; on the first of several stages smaller ones first, as the
+    embedding takes a layer's place in its first chunk (Megatron's
+    ``account_for_embedding_in_pipeline_split``; a chunk of the embedding alone where the stage
+    holds one layer less than its chunks). The split the exports write and scoring counts by."""
+    layers = np.asarray(layers, dtype=np.int64)
+    base, extra = np.divmod(layers[..., None], v)
+    chunks = base + (np.arange(v) < extra)
+    if layers.shape[-1] > 1:
+        chunks[..., 0, :] = chunks[..., 0, ::-1].copy()
+    return chunks

@@ -186,31 +186,31 @@ def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, train
     return nbytes + expert * model_state_bytes_per_param(training, expert_data_parallel(training, tp, dp_cp), trained)
 
 
-def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray) -> np.ndarray:
-    """(C, P) parameters a rank of each stage holds: its blocks (over TP, routed experts over EP;
-    :func:`~memx_launch.planning.extra_blocks.stage_block_counts`), the embedding on the first
-    stage, the head on the last."""
+def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray, v: int = 1) -> np.ndarray:
+    """(C, P) parameters a rank of each stage holds: its blocks in ``v`` chunks each (over TP,
+    routed experts over EP; :func:`~memx_launch.planning.extra_blocks.stage_block_counts`), the
+    embedding on the first stage, the head on the last."""
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
     first, last = layout.end_tp
-    dense_first, repeated = stage_block_counts(model, layers)
+    dense, repeated = stage_block_counts(model, layers, v)
     params = repeated * sum(rank_layer_params(model, training, tp))
-    if model.dense_layers:
-        params = params + dense_first * rank_layer_params(model.dense_block, training, tp)[0]
+    if model.dense_block_count:
+        params = params + dense * rank_layer_params(model.dense_block, training, tp)[0]
     params[:, 0] += model.embedding_params / first
     params[:, -1] += last_stage_params(model, layout.pp) / last
     return params
 
 
 def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray,
-                              trained: TrainedParameters = FULL_TRAINING) -> tuple:
-    """(weights, gradients, optimizer states) bytes of each stage's rank (row 0 of ``layers``):
-    its parameters at :func:`model_state_bytes_by_part` over DP x CP, the routed experts' over
-    the expert data parallel ranks."""
-    params = parameters_per_rank(model, training, layout, layers)[0]
+                              trained: TrainedParameters = FULL_TRAINING, v: int = 1) -> tuple:
+    """(weights, gradients, optimizer states) bytes of each stage's rank (row 0 of ``layers``, in
+    ``v`` chunks each): its parameters at :func:`model_state_bytes_by_part` over DP x CP, the
+    routed experts' over the expert data parallel ranks."""
+    params = parameters_per_rank(model, training, layout, layers, v)[0]
     dense = model_state_bytes_by_part(training, layout.dp_cp, trained)
     if not model.num_experts:
         return tuple(params * d for d in dense)
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
-    experts = stage_block_counts(model, layers[0])[1] * rank_layer_params(model, training, tp)[1]
+    experts = stage_block_counts(model, layers[0], v)[1] * rank_layer_params(model, training, tp)[1]
     routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained)
     return tuple((params - experts) * d + experts * e for d, e in zip(dense, routed))

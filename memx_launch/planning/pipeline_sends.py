@@ -11,7 +11,9 @@ import numpy as np
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.costmodel import p2p_time
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
+from memx_launch.planning.layouts import Layout
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
 
@@ -32,3 +34,21 @@ def stage_send_seconds(cluster: ClusterSpec, training: TrainingSpec, nbytes, nex
                                           PCI if tp_over_pcie(cluster, name, tp) else NVLINK)
                        for edge_bytes, name in zip(np.broadcast_to(nbytes, gbps.shape), receivers())])
     return p2p_time(nbytes / tp, gbps) + np.where(np.isinf(gbps), 0.0, gather)
+
+
+def edge_micro_batch(layout: Layout, mbs: int):
+    """Sequences a rank sends or receives per micro-batch over each pipeline edge (the last: the
+    wrap-around): ``mbs``, or (P,) the larger side's local micro-batch where stages' DP differ."""
+    if layout.stage_dp is None:
+        return mbs
+    local = layout.local_micro_batch(mbs)
+    return np.maximum(local, np.roll(local, -1))
+
+
+def edge_hidden_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, mbs: int, seq: int):
+    """Hidden-state bytes a rank sends per micro-batch over each edge (:func:`edge_micro_batch`), whole
+    between stages of different TP (a resharding sender, as Sailor's); a CP rank's seq / cp tokens.
+    With sequence parallelism each TP rank sends its own 1/TP of the sequence to its peer of the
+    next stage (Megatron's pipeline tensor shapes: ``seq_length // tp``)."""
+    nbytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.dtype_bytes
+    return nbytes / layout.tp if training.sequence_parallel and layout.uniform_tp else nbytes

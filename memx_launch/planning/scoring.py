@@ -26,7 +26,7 @@ from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
 from memx_launch.planning.model_states import (layer_state_bytes, parameters_per_rank, quantized_state_bytes,
                                                stage_state_bytes_by_part)
-from memx_launch.planning.pipeline_sends import stage_send_seconds
+from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
 from memx_launch.planning.layouts import Layout
 
 
@@ -112,12 +112,15 @@ class Evaluator:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
         return capacity * (1.0 - self.memory_headroom)
 
-    def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0):
+    def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0,
+                     layers: np.ndarray | None = None):
         """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the
         block's backward working set (part of the fixed bytes: a stage without blocks has none)
         for each row, on the device types of row ``replica`` of the layout's ``replica_device``.
         With context parallelism a rank sees ``seq / cp`` tokens of each sequence; with a DP degree
-        per stage a stage of fewer replicas runs larger local micro-batches."""
+        per stage a stage of fewer replicas runs larger local micro-batches. Dense blocks between
+        a mixture of experts' expert ones are counted where ``layers`` (the split) puts them;
+        without it a layer costs their mean (:func:`extra_blocks.mean_block`)."""
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
         tp = layout.tp if layout.uniform_tp else layout.stage_tp  # a scalar where it can: the search's hot path
@@ -129,10 +132,12 @@ class Evaluator:
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         per_layer = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained) + quantized_kept + inflight * act
         dense_t = dense_layer = None
-        if m.dense_layers:  # a dense first block's costs, for the first stage
+        if m.dense_block_count:  # a mixture of experts' dense block's costs
             dense_t, dense_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, self.table.dense)
             dense_layer = (layer_state_bytes(m.dense_block, tr, tp, layout.dp_cp, self.trained)
                            + quantized_state_bytes(m.dense_block, tr, tp)[0] + inflight * dense_act)
+        dense_blocks = (extra_blocks.dense_before_split(m, pp) if layers is None
+                        else extra_blocks.stage_block_counts(m, layers, v)[0])
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
@@ -140,9 +145,13 @@ class Evaluator:
                  + kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + quantized_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device]
-                 + extra_blocks.beside_repeated(m, per_layer, dense_layer))
+                 + extra_blocks.beside_repeated(m, per_layer, dense_layer, dense_blocks))
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
-        edge_t = self._edge_time(layout, device, local, seq_rank) + extra_blocks.beside_repeated(m, t_layer, dense_t)
+        edge_t = (self._edge_time(layout, device, local, seq_rank)
+                  + extra_blocks.beside_repeated(m, t_layer, dense_t, dense_blocks))
+        if layers is None:
+            per_layer, t_layer = (extra_blocks.mean_block(m, per_layer, dense_layer),
+                                  extra_blocks.mean_block(m, t_layer, dense_t))
         return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work
 
     def _offload(self, kept, act, t_layer, device) -> tuple:
@@ -243,12 +252,14 @@ class Evaluator:
                 recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
         memories, times, fits = [], [], []
         for k in replicas:
-            per_layer, fixed, t_layer, edge_t, g, work = self.split_inputs(layout, mbs, seq, v, levels, k)
+            per_layer, fixed, t_layer, edge_t, g, work = self.split_inputs(layout, mbs, seq, v, levels, k, layers)
             memory = layers * per_layer + fixed
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
                 # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
-                none_layer, none_fixed, none_t, _, _, none_work = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
+                none_layer, none_fixed, none_t, _, _, none_work = (
+                    self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.NONE), k, layers)
+                    if self.model.moe_layer_step > 1 else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
                 r = np.minimum(recompute_layers, layers)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
@@ -296,7 +307,7 @@ class Evaluator:
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
-        weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained)
+        weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
@@ -307,15 +318,16 @@ class Evaluator:
         pipeline = kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
         replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
         by_replica = []
-        dense_quantized = quantized_state_bytes(m.dense_block, tr, tp)[0] if m.dense_layers else None
+        dense_blocks = extra_blocks.stage_block_counts(m, layers[0], v)[0]
+        dense_quantized = quantized_state_bytes(m.dense_block, tr, tp)[0] if m.dense_block_count else None
         quantized_blocks = layers[0] * quantized_kept + extra_blocks.beside_repeated(
-            m, np.broadcast_to(quantized_kept, pp), dense_quantized)
+            m, np.broadcast_to(quantized_kept, pp), dense_quantized, dense_blocks)
         for k, device in enumerate(layout.replica_device):
             def block_activations(at):  # at levels ``at``: (per block, beside the repeated blocks, working set)
                 _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, at))
                 dense = (self.stage_layer_costs(layout, device, tp, local, seq, at, self.table.dense)[1][0]
-                         if m.dense_layers else None)
-                return act, inflight * extra_blocks.beside_repeated(m, act, dense), work
+                         if m.dense_block_count else None)
+                return act, inflight * extra_blocks.beside_repeated(m, act, dense, dense_blocks), work
             act, beside, work = block_activations(levels)
             kept = layers[0] * inflight * act + beside
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
@@ -390,7 +402,7 @@ class Evaluator:
                     share = (v - 1) / v if wrap else 1.0
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(
                         np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
-        stage_params = parameters_per_rank(m, tr, layout, layers)
+        stage_params = parameters_per_rank(m, tr, layout, layers, v)
         dp_link = (layout.dp_cp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         if tr.fully_sharded:
@@ -429,21 +441,3 @@ def _ends(local, pp: int) -> tuple:
         return local, local
     local = np.broadcast_to(local, (pp,))
     return local[0], local[-1]
-
-
-def edge_micro_batch(layout: Layout, mbs: int):
-    """Sequences a rank sends or receives per micro-batch over each pipeline edge (the last: the
-    wrap-around): ``mbs``, or (P,) the larger side's local micro-batch where stages' DP differ."""
-    if layout.stage_dp is None:
-        return mbs
-    local = layout.local_micro_batch(mbs)
-    return np.maximum(local, np.roll(local, -1))
-
-
-def edge_hidden_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, mbs: int, seq: int):
-    """Hidden-state bytes a rank sends per micro-batch over each edge (:func:`edge_micro_batch`), whole
-    between stages of different TP (a resharding sender, as Sailor's); a CP rank's seq / cp tokens.
-    With sequence parallelism each TP rank sends its own 1/TP of the sequence to its peer of the
-    next stage (Megatron's pipeline tensor shapes: ``seq_length // tp``)."""
-    nbytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.dtype_bytes
-    return nbytes / layout.tp if training.sequence_parallel and layout.uniform_tp else nbytes

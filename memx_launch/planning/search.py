@@ -290,11 +290,13 @@ def _policy_rows(layout: Layout, level_options) -> np.ndarray:
 
 
 def _time_lower_bound(table: CostTable, layout: Layout, mbs, seq, g, num_layers) -> float:
-    """All layers of every micro-batch on perfectly balanced stages of the fastest device."""
+    """All layers of every micro-batch on perfectly balanced stages of the fastest device, each
+    layer at the faster of a mixture of experts' blocks (the expert or the dense one)."""
     tp_index = [table.tps.index(t) for t in layout.stage_tp.tolist()]
     seq_index = table.seqs.index(seq // layout.cp)
     mbs_index = [table.mbss.index(int(m)) for m in np.broadcast_to(layout.local_micro_batch(mbs), (layout.pp,))]
-    t_min = table.time[layout.stage_device, tp_index, mbs_index, seq_index, cm.NONE].min()
+    t_min = min(t.time[layout.stage_device, tp_index, mbs_index, seq_index, cm.NONE].min()
+                for t in (table, table.dense) if t is not None)
     return g * num_layers * t_min / layout.pp
 
 

@@ -110,7 +110,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
                  "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
     if cfg.get("enable_bias") is not None:
         require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
-    experts = {**_experts_of(cfg, model_type, where), **_local_attention_of(cfg, model_type, where)}
+    experts = {"ffn_hidden_size": cfg["intermediate_size"], **_experts_of(cfg, model_type, where),
+               **_local_attention_of(cfg, model_type, where)}
     latent = _latent_attention_of(cfg, where)
     head_dim = latent.pop("attention_head_dim", head_dim)
     parallel = False
@@ -124,7 +125,6 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         hidden_size=cfg["hidden_size"],
         num_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        ffn_hidden_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
         seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
         gated_mlp=act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU),
@@ -238,17 +238,29 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
-    if cfg.get("mlp_only_layers") or max(cfg.get(key) or 1 for key in interleaved) > 1:
-        raise ConfigError(f"model ({where})", "dense MLP blocks among the expert ones",
-                          "memx models a mixture of experts' dense blocks as its first ones only "
-                          "(first_k_dense_replace)")
+    # Every step-th block runs the experts (Hugging Face's (i + 1) % step == 0); DeepSeek's
+    # moe_layer_freq counts from the first block instead, and mlp_only_layers names any blocks.
+    step = cfg.get("interleave_moe_layer_step") or cfg.get("decoder_sparse_step") or 1
+    layers = cfg.get("num_hidden_layers") or 0
+    listed = cfg.get("moe_layers")  # Llama 4's own list, where the config gives one
+    if (cfg.get("mlp_only_layers") or (cfg.get("moe_layer_freq") or 1) > 1
+            or (listed is not None and list(listed) != list(range(step - 1, layers, step)))):
+        raise ConfigError(f"model ({where})", "dense MLP blocks among the expert ones at places memx does not model",
+                          "memx models a mixture of experts' dense blocks as its first ones (first_k_dense_replace) "
+                          "or as all but every n-th block (interleave_moe_layer_step, decoder_sparse_step)")
     expert_ffn = cfg.get("moe_intermediate_size") or 0
     shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert_ffn
+    dense_ffn = {}
     if model_type.startswith("llama4"):  # every MoE block's shared expert, of the experts' width
         shared = cfg["intermediate_size"]
+        if step > 1:  # Maverick: its dense blocks' MLP is wider than an expert
+            require_number(cfg.get("intermediate_size_mlp"), f"model ({where}).intermediate_size_mlp", lo=0,
+                           lo_open=True, hi=MAX_DIMENSION, integer=True,
+                           fix="config.json must give the dense blocks' MLP width as a positive integer")
+            expert_ffn, dense_ffn = cfg["intermediate_size"], {"ffn_hidden_size": cfg["intermediate_size_mlp"]}
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
-            "dense_layers": cfg.get("first_k_dense_replace") or 0,
+            "dense_layers": cfg.get("first_k_dense_replace") or 0, "moe_layer_step": step, **dense_ffn,
             **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}
                if (cfg.get("n_group") or 1) > 1 else {})}
 

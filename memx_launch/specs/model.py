@@ -27,7 +27,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "sliding_window": 0, "full_attention_layers": 0, "attention_chunk_size": 0, "qk_norm": False,
                          "post_norms": False, "norm_weight_in_fp32": False,
                          "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
-                         "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0}
+                         "moe_layer_step": 1, "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0}
 
 
 
@@ -116,6 +116,10 @@ class ModelSpec:
     dense_layers: int = 0
     """With ``num_experts``: the first blocks run a dense MLP of ``ffn_hidden_size`` instead of
     experts (DeepSeek's ``first_k_dense_replace``)."""
+    moe_layer_step: int = 1
+    """With ``num_experts``: block ``i`` (from 0) runs the experts where ``(i + 1) % moe_layer_step``
+    is 0, the others a dense MLP of ``ffn_hidden_size`` (Llama 4 Maverick's
+    ``interleave_moe_layer_step``, Qwen's ``decoder_sparse_step``). 1: every block."""
     expert_groups: int = 0
     """With ``num_experts``: group-limited routing (DeepSeek's ``n_group``): the experts fall in this
     many equal groups, and a token's top-k come from ``expert_groups_per_token`` of them. 0: any."""
@@ -173,6 +177,13 @@ class ModelSpec:
                        fix="give how many first blocks have a dense MLP, fewer than the blocks")
         if self.dense_layers and not self.num_experts:
             raise ConfigError("model.dense_layers", "set on a model without experts", "give num_experts, or drop it")
+        require_number(self.moe_layer_step, "model.moe_layer_step", lo=1, hi=self.num_layers, integer=True,
+                       fix="give every how many blocks one runs the experts, at most the blocks (1: every one)")
+        if self.moe_layer_step > 1 and not self.num_experts:
+            raise ConfigError("model.moe_layer_step", "set on a model without experts", "give num_experts, or drop it")
+        if self.moe_layer_step > 1 and self.dense_layers:
+            raise ConfigError("model.moe_layer_step", "set beside dense_layers",
+                              "give a mixture of experts dense first blocks or interleaved ones, not both")
         require_number(self.expert_groups, "model.expert_groups", lo=0, hi=MAX_DIMENSION, integer=True)
         if self.expert_groups and (not self.num_experts or self.num_experts % self.expert_groups
                                    or not 1 <= self.expert_groups_per_token <= self.expert_groups
@@ -331,13 +342,19 @@ class ModelSpec:
         """Final norm plus the output projection (zero extra when tied or without an LM head)."""
         return self.norm_params + (0 if self.ties_head else self.output_vocab * self.hidden_size)
 
+    @property
+    def dense_block_count(self) -> int:
+        """A mixture of experts' blocks with a dense MLP: its first ones (``dense_layers``) or those
+        between its expert ones (``moe_layer_step``); 0 for a dense model."""
+        return self.dense_layers + self.num_layers - self.num_layers // self.moe_layer_step
+
     @cached_property  # scoring asks it for every group of a search
     def dense_block(self) -> "ModelSpec":
-        """The shape of a dense first block (``dense_layers``): experts replaced by a dense MLP of
-        ``ffn_hidden_size``, every block so."""
+        """The shape of a mixture of experts' dense block (:attr:`dense_block_count`): experts replaced
+        by a dense MLP of ``ffn_hidden_size``, every block so."""
         return replace(self, num_experts=0, experts_per_token=0, expert_ffn_hidden_size=0,
-                       shared_expert_ffn_hidden_size=0, dense_layers=0, mtp_layers=0, expert_groups=0,
-                       expert_groups_per_token=0)
+                       shared_expert_ffn_hidden_size=0, dense_layers=0, moe_layer_step=1, mtp_layers=0,
+                       expert_groups=0, expert_groups_per_token=0)
 
     @property
     def mtp_params(self) -> int:
@@ -349,7 +366,7 @@ class ModelSpec:
     def total_params(self) -> int:
         """The model's parameters as published: its blocks, embedding and head (not the
         multi-token prediction modules, which training adds: ``mtp_params``)."""
-        dense = self.dense_layers * (self.dense_block.layer_params - self.layer_params) if self.dense_layers else 0
+        dense = self.dense_block_count * (self.dense_block.layer_params - self.layer_params)
         return self.num_layers * self.layer_params + dense + self.embedding_params + self.head_params
 
     def signature(self) -> str:
