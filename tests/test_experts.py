@@ -175,6 +175,8 @@ def test_the_megatron_export_builds_the_experts_in_megatron_core(tmp_path):
     config = _megatron_config(plan, args)
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (128, 8, 768)
     assert config.overlap_moe_expert_parallel_comm and config.delay_wgrad_compute
+    # Each expert whole on one rank, as memx prices it: Megatron-Core's default would split it over TP 2.
+    assert config.expert_tensor_parallel_size == 1 and config.tensor_model_parallel_size == 2
     with pytest.raises(ConfigError, match="--plan: qwen3-moe-small has a mixture of experts.*memx export"):
         rank_layout(plan, 0)
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64,

@@ -79,7 +79,7 @@ MEGATRON_LM_ARGUMENTS = {
     "--moe-flex-dispatcher-backend": dict(choices=["deepep", "hybridep"], default="deepep"),
     "--moe-router-num-groups": dict(type=int), "--moe-router-group-topk": dict(type=int),
     "--moe-router-pre-softmax": dict(action="store_true"),
-    "--expert-model-parallel-size": dict(type=int, default=1),
+    "--expert-model-parallel-size": dict(type=int, default=1), "--expert-tensor-parallel-size": dict(type=int),
     "--moe-shared-expert-intermediate-size": dict(type=int),
     "--overlap-moe-expert-parallel-comm": dict(action="store_true"), "--delay-wgrad-compute": dict(action="store_true"),
     "--fp4-format": dict(choices=["e2m1"]), "--fp4-recipe": dict(choices=["nvfp4", "custom"]),
@@ -149,6 +149,7 @@ def _megatron_config(plan, args):
                       moe_router_num_groups=a.moe_router_num_groups, moe_router_group_topk=a.moe_router_group_topk,
                       moe_router_pre_softmax=a.moe_router_pre_softmax,
                       expert_model_parallel_size=a.expert_model_parallel_size,
+                      expert_tensor_parallel_size=a.expert_tensor_parallel_size,
                       moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
                       overlap_moe_expert_parallel_comm=a.overlap_moe_expert_parallel_comm,
                       delay_wgrad_compute=a.delay_wgrad_compute)
