@@ -30,11 +30,12 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
 - Megatron-Bridge 26.02's GPT-OSS-120B rows (BF16, 64 GPUs, EP 64; half its blocks attend within
   128 tokens).
 - Apart (``llama4_maverick_dgxc``, from benchmarks/data/dgxc_llama4_maverick.csv): NVIDIA's DGX
-  Cloud Benchmarking recipe for Llama 4 Maverick on GB200 (NeMo 25.04.01: 128-512 GPUs, BF16 and
-  FP8 with delayed scaling, TP 1, PP 2 x VP 12, EP 64, micro-batch 1 at 8,192 tokens): every
-  other block runs the experts, the others a dense MLP, so each of its 24 chunks holds one of
-  each. Its H100 rows run the experts over 4 tensor-parallel ranks each (ETP 4), which memx does
-  not model, and are left out.
+  Cloud Benchmarking recipe for Llama 4 Maverick (NeMo 25.04.01, BF16 and FP8 with delayed
+  scaling, micro-batch 1 at 8,192 tokens) on 128-512 GB200s (TP 1, PP 2 x VP 12, EP 64: every
+  other block runs the experts, the others a dense MLP, so each of the 24 chunks holds one of
+  each) and on 512 H100s (TP 4 with sequence parallelism and TP overlap, EP 128, each expert
+  over 4 ranks: ``etp``, ``--expert-tensor-parallel 4``; its FP8 run captures CUDA graphs,
+  which memx does not model).
 - Megatron-Bridge's DeepSeek-V3 rows of 25.11 and 26.02 (256 GPUs, EP 8-64, MXFP8 and BF16;
   latent attention, three dense first blocks, the multi-token prediction module where the row
   runs it), in the recipes' layout of 16 chunks where it has one, with selective recompute
@@ -175,7 +176,8 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA) -> list[dict]:
             training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="megatron",
                                     fully_sharded=d["fsdp"] == "1", flash_attention_version=3,
                                     **PRECISIONS[d["precision"]], lora_rank=int(d["lora_rank"]),
-                                    expert_parallel=int(d["ep"]), expert_dispatcher=d["dispatcher"],
+                                    expert_parallel=int(d["ep"]), expert_tensor_parallel=int(d.get("etp") or 1),
+                                    expert_dispatcher=d["dispatcher"],
                                     recompute_modules=tuple(d["recompute_modules"].split()) or None,
                                     **{**flag, **memory})
             gpu = SYSTEMS[d["system"]]
@@ -188,7 +190,7 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA) -> list[dict]:
                    "table_flops_per_token": float(d["model_tflops_per_gpu"]) * 1e12 / float(d["tokens_per_s_per_gpu"]),
                    "shape_flops_per_token": flops_per_token(model, seq),
                    "layout": f"{d['model']} {d['task']} {gpus}x{gpu.split('_')[0]} tp{tp} pp{pp} cp{cp} vp{vp} dp{dp}"
-                             + f" ep{d['ep']}" * (d["ep"] != "1")
+                             + f" ep{d['ep']}" * (d["ep"] != "1") + f" etp{d.get('etp')}" * (d.get("etp", "1") != "1")
                              + f" mbs{mbs} {d['precision']} {d['recompute']}" + " fsdp" * (d["fsdp"] == "1")
                              + f" offload{d['activation_offload_layers']}" * (d["activation_offload_layers"] != "0")}
             rows.append(predicted(row, model, dgx_cluster(gpu, gpus), training, tp=tp, pp=pp, dp=dp, cp=cp,

@@ -116,6 +116,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="a mixture-of-experts model's experts split over EP ranks of each stage, tokens exchanged "
                         "by all-to-all (Megatron's --expert-model-parallel-size; default 1; memx plan without it tries "
                         "the powers of two dividing the experts)")
+    p.add_argument("--expert-tensor-parallel", "--expert_tensor_parallel", type=int, metavar="ETP",
+                   help="each routed expert's MLP split over ETP ranks, which gather their tokens before it and "
+                        "reduce-scatter its output (Megatron's --expert-tensor-parallel-size; default 1)")
     p.add_argument("--expert-dispatcher", "--expert_dispatcher", choices=("alltoall", "flex"),
                    help="how a mixture of experts' tokens reach their experts: alltoall sends every routed copy; "
                         "flex (DeepEP, HybridEP) sends a token once per rank, and once per node beyond an NVLink "
@@ -165,7 +168,8 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
 # Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
 RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp4", "fp8_params",
-             "optimizer_offload", "activation_offload_layers", "expert_parallel", "expert_dispatcher",
+             "optimizer_offload", "activation_offload_layers", "expert_parallel", "expert_tensor_parallel",
+             "expert_dispatcher",
              "recompute_modules")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag

@@ -32,7 +32,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
                      fused_softmax: bool = True, softmax_in_fp32: bool = False, quantized_bytes=None,
                      op_selective: bool = False, fused_activation: bool = False,
-                     recompute_modules: tuple[str, ...] | None = None) -> LayerCost:
+                     recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -110,7 +110,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
     if model.num_experts:
-        mlp_kept, mlp_elementwise = experts.kept_units(model, tp, fp8_share, fused_activation)
+        mlp_kept, mlp_elementwise = experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp)
     elif model.gated_mlp:
         mlp_kept, mlp_elementwise = (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
     else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)

@@ -54,9 +54,10 @@ def _precision_notes(plan: Plan, target: str) -> list[str]:
     if plan.model_spec.mtp_layers:
         notes.append(f"the plan counts {plan.model_spec.mtp_layers} multi-token prediction module(s) on the last "
                      f"stage: build them in {target}'s model, or plan the model without them")
-    if plan.model_spec.num_experts and tr.get("expert_parallel", 1) > 1:
-        notes.append(f"the plan splits the experts over {tr['expert_parallel']} expert-parallel ranks with the "
-                     f"all-to-all dispatcher: set {target}'s expert parallelism so")
+    if plan.model_spec.num_experts and tr.get("expert_parallel", 1) * tr.get("expert_tensor_parallel", 1) > 1:
+        notes.append(f"the plan splits the experts over {tr.get('expert_parallel', 1)} expert-parallel ranks, each "
+                     f"expert over {tr.get('expert_tensor_parallel', 1)}, with the all-to-all dispatcher: set "
+                     f"{target}'s expert parallelism so")
     if tr.get("activation_offload_layers"):
         notes.append(f"the plan keeps {tr['activation_offload_layers']} layers' activations per stage on the host; "
                      f"{target}'s config does not: more memory than planned")
@@ -82,9 +83,10 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
     tp = plan.uniform_tp("torchtitan (one tensor_parallel_degree for all stages)")
     plan.uniform_dp("torchtitan (one data-parallel degree for all stages)")
     tr = plan.training
-    if tr.get("expert_parallel", 1) > 1:
-        raise ConfigError("plan", f"expert_parallel={tr['expert_parallel']}: torchtitan carves expert parallelism out "
-                          "of its FSDP ranks, which memx does not model with experts", "export to Megatron-LM")
+    for field in ("expert_parallel", "expert_tensor_parallel"):
+        if tr.get(field, 1) > 1:
+            raise ConfigError("plan", f"{field}={tr[field]}: torchtitan carves expert parallelism out of its FSDP "
+                              "ranks, which memx does not model with experts", "export to Megatron-LM")
     notes = [f"set [model] name and flavor to {plan.model}'s (torchtitan names its models; memx planned "
              f"{plan.model_spec.num_layers} layers of hidden size {plan.model_spec.hidden_size})"]
     dtype = tr.get("dtype", "bf16")

@@ -235,6 +235,12 @@ class AnalyticalCostModel:
         self._exchange_seconds_per_byte = np.array([
             experts.exchange_seconds_per_byte(model, training, cluster, d.name) for d in self.device_types]) \
             if model.num_experts else None
+        # Expert tensor parallelism's gathers and reduce-scatters: over an ETP group's links, as a TP group's.
+        etp = training.expert_tensor_parallel
+        self._expert_tp_gbps = np.array([tp_link_gbps(cluster, d.name, etp) for d in self.device_types]) \
+            * cluster.link_efficiency
+        self._expert_tp_hop = np.array([PCI if tp_over_pcie(cluster, d.name, etp) else NVLINK
+                                        for d in self.device_types])
         # The hop between a TP group's ranks: NVLink, or PCIe through the host.
         self._tp_hop = np.array([[PCI if tp_over_pcie(cluster, d.name, t) else NVLINK for t in TP_DEGREES]
                                  for d in self.device_types])
@@ -250,7 +256,7 @@ class AnalyticalCostModel:
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
                                tr.softmax_in_fp32, tr.quantized_linears and self._linear_bytes, op_policy,
-                               tr.fused_activation, tr.recompute_modules)
+                               tr.fused_activation, tr.recompute_modules, tr.expert_tensor_parallel)
         mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
         tokens = mbs_a * seq_a
@@ -304,16 +310,20 @@ class AnalyticalCostModel:
         memory_s = traffic / (self._hbm[device] * 1e9)
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         comm_s = self.tp_allreduces(recompute) * self.tp_allreduce_time(hidden_bytes, device, tp)
+        expert_tp_s = 0.0
         if self.model.num_experts:  # dispatch and combine; a fully recomputed forward runs its two again
+            again_moe = np.where((recompute == FULL) | ((recompute == SELECTIVE) & whole_moe), 1.5, 1.0)
             exchange_s = experts.exchange_seconds(self.model, tr, tokens, tp, self._exchange_seconds_per_byte[device]) \
-                * np.where((recompute == FULL) | ((recompute == SELECTIVE) & whole_moe), 1.5, 1.0)
+                * again_moe
             if tr.overlap_expert_comm:  # behind another micro-batch's compute
                 exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)
             comm_s = comm_s + exchange_s
+            expert_tp_s = self.expert_tp_seconds(tokens, tp, device) * again_moe
         if tr.tp_comm_overlap:
             # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
             # follows: the first chunk waits, and whatever the GEMMs cannot cover.
             comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
+        comm_s = comm_s + expert_tp_s  # the experts' own gathers: no userbuffers, nothing overlaps them
         launch_s = self._launch_s[device] * np.where((recompute == FULL) | op_level, 1.5, 1.0)
         time_s = np.maximum((compute_s + memory_s) * self._slowdown[device] + comm_s, launch_s)  # behind the host
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
@@ -364,6 +374,17 @@ class AnalyticalCostModel:
         if self.model.parallel_blocks:
             return 2.0 + again
         return 4.0 + 2.0 * again + (1.0 if self.model.gated_mlp and not tr.fused_gate_up else 0.0)
+
+    def expert_tp_seconds(self, tokens, tp, device) -> np.ndarray:
+        """A block's expert-tensor-parallel collectives on each queried rank: forward the gather of
+        its routed tokens and the reduce-scatter of the experts' output over the ETP group's links,
+        backward the two again (0 at ETP 1)."""
+        etp = self.training.expert_tensor_parallel
+        nbytes = experts.expert_tp_bytes(self.model, self.training, tokens, tp)
+        if etp == 1:
+            return nbytes
+        link = (etp, self._expert_tp_gbps[np.asarray(device)], 1, self._expert_tp_hop[np.asarray(device)])
+        return 2.0 * sum(collective_seconds(op, nbytes, *link) for op in ("all_gather", "reduce_scatter"))
 
     def tp_allreduce_time(self, nbytes, device, tp) -> np.ndarray:
         """One all-reduce over a TP group of each queried type (its link and hop; collectives.py).

@@ -1,13 +1,15 @@
 """Mixture-of-experts blocks as Megatron-Core runs them (``--num-experts``, the all-to-all token
-dispatcher, grouped GEMMs, one expert-tensor-parallel rank): what a block's routed experts cost a
-rank in time and memory, and the layouts they allow. No torch import.
+dispatcher, grouped GEMMs): what a block's routed experts cost a rank in time and memory, and the
+layouts they allow. No torch import.
 
 With TP > 1 the block's tokens reach the MLP split over TP (sequence parallelism, which Megatron
 requires with experts), so each rank routes its ``tokens / TP``. Each token goes to its top-k
 experts; an expert-parallel rank holds ``E / EP`` of them and receives, routing being balanced
 (as NVIDIA's published MoE benchmarks force it), ``k`` tokens per token it sends: its experts run
 grouped GEMMs of ``tokens x k x EP / E`` rows each. Dispatch and combine are all-to-alls over the
-EP ranks, forward and backward.
+EP ranks, forward and backward. With expert tensor parallelism (ETP > 1) each expert's MLP is
+split over ETP ranks, which all-gather their dispatched tokens before it (ETP x the rows, 1/ETP
+of the width: the same FLOPs) and reduce-scatter its output after; backward, the reverse.
 """
 
 from __future__ import annotations
@@ -32,20 +34,26 @@ ALL_TO_ALLS = 4
 
 def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> None:
     """What memx refuses of an expert-parallel run: experts on a dense model, a degree that does
-    not divide the experts (or, given, a stage's TP x CP x DP ranks), and what it does not model
-    with experts (full sharding, LoRA, torchtitan's op-level recompute)."""
-    ep = training.expert_parallel
+    not divide the experts (nor ETP their width; given, EP x ETP a stage's TP x CP x DP ranks),
+    and what it does not model with experts (full sharding, LoRA, torchtitan's op-level recompute)."""
+    ep, etp = training.expert_parallel, training.expert_tensor_parallel
     if not model.num_experts:
-        if ep > 1:
-            raise ConfigError("--expert-parallel", f"{ep}, but {model.name} has no experts", "drop --expert-parallel")
+        for flag, degree in (("--expert-parallel", ep), ("--expert-tensor-parallel", etp)):
+            if degree > 1:
+                raise ConfigError(flag, f"{degree}, but {model.name} has no experts", f"drop {flag}")
         return
     if model.num_experts % ep:
         raise ConfigError("--expert-parallel", f"{ep} does not divide the model's {model.num_experts} experts",
                           "use a divisor of num_experts")
+    if model.moe_ffn_hidden_size % etp:
+        raise ConfigError("--expert-tensor-parallel", f"{etp} does not divide an expert's width "
+                          f"{model.moe_ffn_hidden_size}", "use a divisor of the experts' MLP width")
+    degrees = f"{ep} x --expert-tensor-parallel {etp}" if etp > 1 else str(ep)
     for ranks in () if ranks_per_stage is None else np.atleast_1d(ranks_per_stage):
-        if int(ranks) % ep:
-            raise ConfigError("--expert-parallel", f"{ep} does not divide a stage's TP x CP x DP = {int(ranks)} ranks",
-                              "use a divisor of every stage's TP x CP x DP")
+        if int(ranks) % (ep * etp):
+            raise ConfigError("--expert-parallel", f"{degrees} does not divide a stage's TP x CP x DP = {int(ranks)} "
+                              "ranks", f"use {'degrees whose product divides' if etp > 1 else 'a divisor of'} every "
+                              "stage's TP x CP x DP")
     unmodelled = [flag for flag, on in (("--fully-sharded", training.fully_sharded), ("--lora-rank", training.lora_rank),
                                         ("--selective-recompute op", training.selective_recompute == "op")) if on]
     if unmodelled:
@@ -62,9 +70,9 @@ def search_degrees(model: ModelSpec, world: int) -> tuple[int, ...]:
 
 
 def divides(layout, training: TrainingSpec) -> bool:
-    """Every stage's TP x CP x DP ranks split into whole expert-parallel groups."""
+    """Every stage's TP x CP x DP ranks split into whole expert-parallel (x expert-tensor-parallel) groups."""
     ranks = np.asarray(layout.stage_tp) * np.asarray(layout.dp_cp)
-    return bool((ranks % training.expert_parallel == 0).all())
+    return bool((ranks % (training.expert_parallel * training.expert_tensor_parallel) == 0).all())
 
 
 def _ranks_per_node(cluster: ClusterSpec, device_type: str) -> int:
@@ -93,10 +101,11 @@ def routed_tokens(model: ModelSpec, tokens, tp):
 def expert_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, best_flops, hbm_bytes_per_s, sms,
                    dtype_bytes) -> tuple:
     """(forward, backward) seconds of one block's routed experts on a rank: its ``E / EP``
-    experts' grouped GEMMs (gate and up fused, then down), each of ``tokens x k x EP / E`` rows."""
-    ep = training.expert_parallel
-    rows = routed_tokens(model, tokens, tp) * ep / model.num_experts
-    f, h = float(model.moe_ffn_hidden_size), float(model.hidden_size)
+    experts' grouped GEMMs (gate and up fused, then down), each of ``tokens x k x EP / E`` rows,
+    or with ETP its gathered ``ETP x`` those rows at ``1 / ETP`` of the width."""
+    ep, etp = training.expert_parallel, training.expert_tensor_parallel
+    rows = routed_tokens(model, tokens, tp) * ep / model.num_experts * etp
+    f, h = float(model.moe_ffn_hidden_size) / etp, float(model.hidden_size)
     shapes = [((2.0 if model.gated_mlp else 1.0) * f, h), (h, f)]
     forward, backward = linear_seconds(rows, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
     experts_here = model.num_experts / ep
@@ -111,6 +120,16 @@ def exchange_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, secon
     nbytes = np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.hidden_size \
         * training.dtype_bytes
     return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * np.asarray(seconds_per_byte))
+
+
+def expert_tp_bytes(model: ModelSpec, training: TrainingSpec, tokens, tp) -> np.ndarray:
+    """Bytes one of a block's expert-tensor-parallel collectives gathers on a rank (the all-gather
+    of the dispatched tokens before the experts, the reduce-scatter of their output after, and
+    the two again backward): its routed copies, ETP ranks' worth. 0 at ETP 1."""
+    etp = training.expert_tensor_parallel
+    if etp == 1:
+        return np.zeros(np.shape(tokens))
+    return routed_tokens(model, tokens, tp) * etp * model.hidden_size * training.dtype_bytes
 
 
 def exchange_seconds_per_byte(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
@@ -158,16 +177,17 @@ def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: boo
     return ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * shared, 2.0 * input_share * shared
 
 
-def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool) -> tuple:
+def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: int = 1) -> tuple:
     """(kept, down-projection input) of a block's MLP of experts per token, in the unit of
     :func:`~memx_launch.planning.activations.activation_bytes` (2 bytes per hidden element):
     the router's fp32 logits, and per routed copy the dispatched token (the gate-and-up input,
-    at ``input_share`` of 2 bytes), the gate and up outputs (and silu(gate) unless fused) and
-    the expert output the weighted combine keeps; the down projection's input apart; and a
-    shared expert's dense MLP. Over TP: each rank routes its share of the tokens."""
+    at ``input_share`` of 2 bytes; gathered from ``etp`` ranks with expert tensor parallelism),
+    the gate and up outputs (and silu(gate) unless fused) and the expert output the weighted
+    combine keeps; the down projection's input apart; and a shared expert's dense MLP. Over TP:
+    each rank routes its share of the tokens."""
     h, f, k = model.hidden_size, model.moe_ffn_hidden_size, model.experts_per_token
     up = ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * f / h
     tp = np.asarray(tp, dtype=np.float64)
     shared_kept, shared_down = shared_expert_units(model, tp, input_share, fused_activation)
-    routed_kept = (4.0 * model.num_experts / h + k * (2.0 * input_share + up + 2.0)) / tp
+    routed_kept = (4.0 * model.num_experts / h + k * (2.0 * input_share * etp + up + 2.0)) / tp
     return routed_kept + shared_kept, 2.0 * input_share * k * f / h / tp + shared_down

@@ -150,8 +150,8 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
                  "--moe-token-dispatcher-type", "flex" if flex else "alltoall",
                  *(["--moe-flex-dispatcher-backend", "hybridep"] if flex else []),
                  "--expert-model-parallel-size", str(plan.training.get("expert_parallel", 1)),
-                 # Each expert whole on its rank, as planned: Megatron-Core would split it over TP.
-                 "--expert-tensor-parallel-size", "1",
+                 # Megatron-Core's default would split each expert over TP: the planned degree, 1 unless given.
+                 "--expert-tensor-parallel-size", str(plan.training.get("expert_tensor_parallel", 1)),
                  # Megatron's softmax router over one chosen expert has no gradient: it asks for pre-softmax.
                  *(["--moe-router-pre-softmax"] if spec.experts_per_token == 1 else [])]
         if spec.expert_groups:

@@ -164,16 +164,19 @@ def last_stage_params(model: ModelSpec, pp: int) -> int:
 def rank_layer_params(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
     """(dense, routed-expert) parameters of one block on a rank: the dense ones over TP (but latent
     attention's down projections, whole on every rank), the routed experts over the
-    expert-parallel ranks (``expert_parallel``)."""
+    expert-parallel ranks, each split over the expert-tensor-parallel ones (``expert_parallel``,
+    ``expert_tensor_parallel``)."""
     whole = model.latent_attention_params
     dense = (model.layer_params - model.expert_params - whole) / np.asarray(tp, dtype=np.float64) + whole
-    return dense, model.expert_params / training.expert_parallel
+    return dense, model.expert_params / (training.expert_parallel * training.expert_tensor_parallel)
 
 
 def expert_data_parallel(training: TrainingSpec, tp, dp_cp):
     """Ranks a routed expert's gradients and optimizer states are sharded over: a stage's
-    TP x CP x DP ranks over the expert-parallel degree (Megatron's expert data parallel group)."""
-    return np.asarray(tp, dtype=np.float64) * np.asarray(dp_cp, dtype=np.float64) / training.expert_parallel
+    TP x CP x DP ranks over the expert-parallel and expert-tensor-parallel degrees (Megatron's
+    expert data parallel group)."""
+    return (np.asarray(tp, dtype=np.float64) * np.asarray(dp_cp, dtype=np.float64)
+            / (training.expert_parallel * training.expert_tensor_parallel))
 
 
 def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, trained: TrainedParameters = FULL_TRAINING):

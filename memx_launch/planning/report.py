@@ -42,7 +42,9 @@ def rank_ranges(ranks: list[int]) -> str:
 def layout_summary(plan: Plan) -> str:
     sched = plan.schedule if plan.schedule == "1f1b" else f"{plan.schedule} v={plan.virtual_stages}"
     cp = f" cp={plan.cp}" if plan.cp > 1 else ""
-    ep = f" ep={plan.training.get('expert_parallel', 1)}" if plan.model_spec.num_experts else ""
+    etp = plan.training.get("expert_tensor_parallel", 1)
+    ep = (f" ep={plan.training.get('expert_parallel', 1)}" + f" etp={etp}" * (etp > 1)) if plan.model_spec.num_experts \
+        else ""
     return (f"tp={tp_text(plan.stage_tps)} pp={plan.pp}{cp} dp={tp_text(plan.stage_dps)}{ep} "
             f"mbs={plan.micro_batch_size} seq={plan.seq_len} {sched}")
 

@@ -269,12 +269,16 @@ class TrainingSpec:
     weights and moments leave the GPU; each step the gradients go to the host and the updated
     weights come back over PCIe, and the host runs Adam."""
     expert_parallel: int = 1
-    """Expert parallelism of a mixture-of-experts model (Megatron's ``--expert-model-parallel-size``,
-    with one expert-tensor-parallel rank): each block's routed experts are split over this many
-    ranks of a stage's TP x CP x DP ranks (it must divide both), which exchange their tokens by
+    """Expert parallelism of a mixture-of-experts model (Megatron's ``--expert-model-parallel-size``):
+    each block's routed experts are split over this many ranks of a stage's TP x CP x DP ranks
+    (with ``expert_tensor_parallel``, EP x ETP must divide them), which exchange their tokens by
     all-to-all; the experts' gradients and optimizer states are sharded over the rest of those
     ranks. ``memx plan`` without it searches the degree (``SearchSpace.expert_degrees``). 1: every
     rank holds every expert."""
+    expert_tensor_parallel: int = 1
+    """Expert tensor parallelism (Megatron's ``--expert-tensor-parallel-size``): each routed expert's
+    MLP split over this many ranks, which gather their dispatched tokens before it and
+    reduce-scatter its output after. 1: each expert whole on its rank."""
     expert_dispatcher: str = "alltoall"
     """How a mixture of experts' tokens reach their experts' ranks: ``alltoall`` (Megatron's
     all-to-all dispatcher: every routed copy of a token sent) or ``flex`` (Megatron's flex
@@ -337,6 +341,8 @@ class TrainingSpec:
         require_type(self.optimizer_offload, bool, "--optimizer-offload", "true or false")
         require_number(self.expert_parallel, "--expert-parallel", lo=1, hi=MAX_DIMENSION, integer=True,
                        fix="give the ranks each block's experts are split over, e.g. 8")
+        require_number(self.expert_tensor_parallel, "--expert-tensor-parallel", lo=1, hi=MAX_DIMENSION, integer=True,
+                       fix="give the ranks each routed expert's MLP is split over, e.g. 4")
         if self.expert_dispatcher not in EXPERT_DISPATCHERS:
             raise ConfigError("--expert-dispatcher", f"unknown dispatcher {self.expert_dispatcher!r}",
                               f"use one of {', '.join(EXPERT_DISPATCHERS)}")

@@ -1,0 +1,72 @@
+"""Expert tensor parallelism (``--expert-tensor-parallel``, Megatron's
+``--expert-tensor-parallel-size``): each routed expert's MLP split over ETP ranks, what a rank
+holds and shards, the gathered tokens it keeps, its collectives, what is refused and the
+Megatron export. No processes."""
+
+import dataclasses
+
+import pytest
+from one_node import H100
+from test_experts import NODE, QWEN3, _estimate, _training
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning import experts
+from memx_launch.planning.activations import activation_bytes
+from memx_launch.planning.collectives import NVLINK, collective_seconds
+
+GIB = 2**30
+
+
+def test_a_rank_holds_its_share_of_each_expert_and_shards_the_state_over_the_rest():
+    plain, split, spread = (_estimate(QWEN3, _training(expert_parallel=ep, expert_tensor_parallel=etp))
+                            .stages[0].memory_parts_gib for ep, etp in ((4, 1), (4, 2), (8, 1)))
+    experts_gib = QWEN3.num_layers * QWEN3.expert_params / GIB
+    # bf16 weights and fp32 main grads: a quarter of the experts at EP 4, half of each of them at ETP 2.
+    assert plain["parameters"] - split["parameters"] == pytest.approx(2 * experts_gib / 8)
+    assert plain["gradients"] - split["gradients"] == pytest.approx(4 * experts_gib / 8)
+    # EP 4 x ETP 2 holds as many expert bytes as EP 8, and shards their Adam states over the same one rank.
+    for part in ("parameters", "gradients", "optimizer_states"):
+        assert split[part] == pytest.approx(spread[part])
+
+
+def test_the_gathered_tokens_are_kept_and_their_collectives_timed():
+    tokens, k, h = 4096, QWEN3.experts_per_token, QWEN3.hidden_size
+    kept = [float(activation_bytes(QWEN3, 1, tokens, 1, cm.NONE, expert_tp=etp).activation_bytes) for etp in (1, 2)]
+    # Each routed copy's dispatched token, gathered from the other rank of the pair: 2 bytes x h more.
+    assert kept[1] - kept[0] == pytest.approx(tokens * k * h * 2 * (2 - 1))
+    split = _training(expert_parallel=4, expert_tensor_parallel=2)
+    model = cm.AnalyticalCostModel(QWEN3, NODE, split)
+    gathered = tokens * k * 2 * h * 2
+    link = (2, 450 * NODE.link_efficiency, 1, NVLINK)
+    assert float(model.expert_tp_seconds(tokens, 1, 0)) == pytest.approx(
+        2 * float(collective_seconds("all_gather", gathered, *link) + collective_seconds("reduce_scatter", gathered,
+                                                                                           *link)))
+    assert float(cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=8)).expert_tp_seconds(tokens, 1, 0)) == 0
+    # Beside EP 4 alone: the experts' GEMMs at ETP x the rows and 1 / ETP of the width, and the collectives.
+    whole = _training(expert_parallel=4)
+    gemm = (H100["peak_tflops"] * 0.58e12, H100["memory_bandwidth_gbps"] * 1e9, 132, 2)
+    split_s, whole_s = (float(cm.AnalyticalCostModel(QWEN3, NODE, t).layer_costs(0, 1, 1, tokens, cm.NONE).time_s)
+                        for t in (split, whole))
+    gemms = [float(sum(experts.expert_seconds(QWEN3, t, tokens, 1, *gemm))) for t in (split, whole)]
+    assert split_s - whole_s == pytest.approx(gemms[0] - gemms[1] + float(model.expert_tp_seconds(tokens, 1, 0)),
+                                              rel=1e-6)
+
+
+def test_what_expert_tensor_parallelism_refuses_and_the_export_builds():
+    from test_exporters import _megatron_config
+
+    from memx_launch.planning.exporters import megatron_args
+
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel: 2, but llama2-7b has no experts"):
+        experts.check(dataclasses.replace(QWEN3, name="llama2-7b", num_experts=0, experts_per_token=0,
+                                          expert_ffn_hidden_size=0), _training(expert_tensor_parallel=2))
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel: 5 does not divide an expert's width 768"):
+        experts.check(QWEN3, _training(expert_tensor_parallel=5))
+    with pytest.raises(ConfigError, match="--expert-parallel: 8 x --expert-tensor-parallel 2 does not divide a "
+                                          "stage's TP x CP x DP = 8 ranks"):
+        _estimate(QWEN3, _training(expert_parallel=8, expert_tensor_parallel=2))
+    plan = _estimate(dataclasses.replace(QWEN3, num_layers=4, name="qwen3-moe-small"),
+                     _training(expert_parallel=2, expert_tensor_parallel=2), tp=2, dp=4)
+    config = _megatron_config(plan, megatron_args(plan).args)
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (2, 2)
