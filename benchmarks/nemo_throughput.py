@@ -29,13 +29,14 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
   attention FLOPs causal (half), which ``flops_per_token`` follows for mixtures of experts.
 - Megatron-Bridge 26.02's GPT-OSS-120B rows (BF16, 64 GPUs, EP 64; half its blocks attend within
   128 tokens).
-- Apart (``llama4_maverick_dgxc``, from benchmarks/data/dgxc_llama4_maverick.csv): NVIDIA's DGX
-  Cloud Benchmarking recipe for Llama 4 Maverick (NeMo 25.04.01, BF16 and FP8 with delayed
-  scaling, micro-batch 1 at 8,192 tokens) on 128-512 GB200s (TP 1, PP 2 x VP 12, EP 64: every
-  other block runs the experts, the others a dense MLP, so each of the 24 chunks holds one of
-  each) and on 512 H100s (TP 4 with sequence parallelism and TP overlap, EP 128, each expert
-  over 4 ranks: ``etp``, ``--expert-tensor-parallel 4``; its FP8 run captures CUDA graphs,
-  which memx does not model).
+- Apart (``dgxc``, from benchmarks/data/dgxc_performance.csv): NVIDIA's DGX Cloud Benchmarking
+  recipes (NeMo 25.04, BF16 and FP8 with delayed scaling, micro-batch 1 at 8,192 tokens) for
+  Llama 4 Maverick on 128-512 GB200s (TP 1, PP 2 x VP 12, EP 64: every other block runs the
+  experts, the others a dense MLP, so each of the 24 chunks holds one of each) and on 512 H100s
+  (TP 4 with sequence parallelism and TP overlap, EP 128, each expert over 4 ranks: ``etp``,
+  ``--expert-tensor-parallel 4``), and for Grok-1 (314B, 8 experts of 32,768, top-2) on 128-512
+  GB200s (TP 4, EP 8, ETP 4) and on 512 H100s (TP 4, PP 8 x VP 8, CP 2, EP 8). Where a run
+  captures CUDA graphs (the GB200 Grok-1 runs, Maverick's H100 FP8 run) memx does not model them.
 - Megatron-Bridge's DeepSeek-V3 rows of 25.11 and 26.02 (256 GPUs, EP 8-64, MXFP8 and BF16;
   latent attention, three dense first blocks, the multi-token prediction module where the row
   runs it), in the recipes' layout of 16 chunks where it has one, with selective recompute
@@ -89,7 +90,7 @@ from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "benchmarks", "data", "nemo_performance.csv")
-MAVERICK_DATA = os.path.join(ROOT, "benchmarks", "data", "dgxc_llama4_maverick.csv")
+DGXC_DATA = os.path.join(ROOT, "benchmarks", "data", "dgxc_performance.csv")
 OUT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.json")
 PLOT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.png")
 
@@ -101,6 +102,8 @@ GPT3 = {"gpt3-5b": (24, 4096, 32, 16384), "gpt3-20b": (44, 6144, 48, 24576), "gp
 NEMOTRON = {"nemotron-8b": (32, 4096, 32, 32, 16384), "nemotron-22b": (40, 6144, 48, 48, 24576),
             "nemotron-340b": (96, 18432, 96, 8, 73728)}
 LLAMA31_405B = ModelSpec("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192, rope_theta=500000.0)
+# Grok-1 as NVIDIA's recipe runs it: 8 experts of 32,768 (gated), top-2, Llama 3's tokenizer as a proxy.
+GROK1 = ModelSpec("grok-1-314b", 64, 6144, 48, 8, 32768, 128256, 8192, num_experts=8, experts_per_token=2)
 
 
 # The tables' precisions: NeMo 24.07's FP8 hybrid (delayed scaling), Megatron-Bridge's FP8 with current
@@ -120,7 +123,7 @@ def nemo_model(name: str, seq: int) -> ModelSpec:
         return ModelSpec(name, layers, hidden, heads, kv, ffn, 256000, seq, gated_mlp=False, layer_norm=True)
     if name == "deepseek-v3-no-mtp":  # the rows Megatron-Bridge ran without multi-token prediction
         return dataclasses.replace(get_model("deepseek-v3"), name=name, mtp_layers=0, seq_len=seq)
-    base = LLAMA31_405B if name == LLAMA31_405B.name else get_model(name)
+    base = {LLAMA31_405B.name: LLAMA31_405B, GROK1.name: GROK1}.get(name) or get_model(name)
     return dataclasses.replace(base, seq_len=seq)
 
 
@@ -260,10 +263,10 @@ def main() -> None:
               "without_recipe_memory_settings": run_summary(without),
               "without_recipe_memory_settings_dense_h100": run_summary(
                   [r for r in without if r["system"] == "dgx-h100" and r["kind"] == "dense"]), "rows": rows}
-    maverick = nemo_rows(path=MAVERICK_DATA)
-    result["llama4_maverick_dgxc"] = {**run_summary(maverick), "by_precision": {
-        name: run_summary(members) for name, members in grouped(maverick, lambda r: r["precision"]).items()},
-        "table_over_shape_flops": shape_check(maverick), "rows": maverick}
+    dgxc = nemo_rows(path=DGXC_DATA)
+    result["dgxc"] = {**run_summary(dgxc), **{f"by_{key}": {
+        name: run_summary(members) for name, members in grouped(dgxc, lambda r: r[key]).items()}
+        for key in ("model", "precision", "system")}, "table_over_shape_flops": shape_check(dgxc), "rows": dgxc}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(rows, PLOT)
@@ -274,10 +277,11 @@ def main() -> None:
             print(" ", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
     print("  table / shape FLOPs per token", result["table_over_shape_flops"])
     print("  without the recipes' memory settings", result["without_recipe_memory_settings"]["fit"]["confusion"])
-    apart = result["llama4_maverick_dgxc"]
-    print("Llama 4 Maverick (DGX Cloud recipe)", apart["time"], apart["fit"]["confusion"], apart["table_over_shape_flops"],
-          {name: s["time"]["time_mape_pct"] for name, s in apart["by_precision"].items()})
-    for r in rows + maverick:
+    apart = result["dgxc"]
+    print("DGX Cloud recipes", apart["time"], apart["fit"]["confusion"], apart["table_over_shape_flops"],
+          *({name: s["time"]["time_mape_pct"] for name, s in apart[f"by_{key}"].items()}
+            for key in ("model", "precision", "system")))
+    for r in rows + dgxc:
         print(f"  {r['layout']:75s} {r['real_time_s']:7.2f} s", f"{r['time_s']:7.2f} s" if "time_s" in r else r["error"],
               f"{r.get('peak_gib', '')} GiB")
     print(f"{result['seconds']} s")

@@ -110,8 +110,9 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
                  "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
     if cfg.get("enable_bias") is not None:
         require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
-    experts = {"ffn_hidden_size": cfg["intermediate_size"], **_experts_of(cfg, model_type, where),
-               **_local_attention_of(cfg, model_type, where)}
+    # The MLP width (a mixture's dense blocks may set their own), the experts and local attention.
+    blocks = {"ffn_hidden_size": cfg["intermediate_size"], **_experts_of(cfg, model_type, where),
+              **_local_attention_of(cfg, model_type, where)}
     latent = _latent_attention_of(cfg, where)
     head_dim = latent.pop("attention_head_dim", head_dim)
     parallel = False
@@ -139,7 +140,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         qk_norm=_qk_norm_of(cfg, model_type, where),
         post_norms=model_type.startswith(POST_NORM_TYPES),
         norm_weight_in_fp32=model_type.startswith(GATED_GELU),  # Gemma's norms: (x * (1 + w)).to(dtype)
-        **experts,
+        **blocks,
         **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
                                               ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
@@ -224,7 +225,8 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     """The mixture-of-experts fields of a Hugging Face config: Mixtral's and GPT-OSS's
     ``num_local_experts``, Qwen's ``num_experts`` and ``moe_intermediate_size`` (Qwen2-MoE's shared
     expert), DeepSeek's ``n_routed_experts`` and ``n_shared_experts``, Llama 4's shared expert of its
-    experts' width; none in a dense config."""
+    experts' width, and where the dense blocks are (DeepSeek's first ones, or all but every n-th:
+    Llama 4's ``interleave_moe_layer_step``, Qwen's ``decoder_sparse_step``); none in a dense config."""
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return {}
