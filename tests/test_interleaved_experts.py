@@ -77,6 +77,11 @@ def test_dense_blocks_elsewhere_are_refused_by_name(extra):
     config = {**SMALL_CONFIG, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, **extra}
     with pytest.raises(ConfigError, match="dense MLP blocks among the expert ones at places memx does not model"):
         model_from_hf_dict(config, "m")
+
+
+def test_a_malformed_list_or_both_kinds_of_dense_blocks_are_refused():
+    with pytest.raises(ConfigError, match=r"model \(config\)\.moe_layers: must be a list of block indices, got 2"):
+        model_from_hf_dict({**SMALL_CONFIG, "num_local_experts": 4, "num_experts_per_tok": 1, "moe_layers": 2}, "m")
     with pytest.raises(ConfigError, match="model.moe_layer_step: set beside dense_layers"):
         dataclasses.replace(SMALL, dense_layers=1)
 

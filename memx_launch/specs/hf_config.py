@@ -245,6 +245,9 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     step = cfg.get("interleave_moe_layer_step") or cfg.get("decoder_sparse_step") or 1
     layers = cfg.get("num_hidden_layers") or 0
     listed = cfg.get("moe_layers")  # Llama 4's own list, where the config gives one
+    if listed is not None and not isinstance(listed, list):
+        raise ConfigError(f"model ({where}).moe_layers", f"must be a list of block indices, got {listed!r}",
+                          "give the indices of the blocks that run the experts, or drop the key")
     if (cfg.get("mlp_only_layers") or (cfg.get("moe_layer_freq") or 1) > 1
             or (listed is not None and list(listed) != list(range(step - 1, layers, step)))):
         raise ConfigError(f"model ({where})", "dense MLP blocks among the expert ones at places memx does not model",
