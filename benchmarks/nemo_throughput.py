@@ -218,7 +218,7 @@ def rows_off_shape(rows: list[dict]) -> dict:
     return {key: round(ratio, 3) for key, ratio in ratios.items() if not 0.95 <= ratio <= 1.05}
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], dgxc: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,7 +227,7 @@ def plot(rows: list[dict], path: str) -> None:
     from memx_launch.planning.report import save_png_atomic
 
     dense = [r for r in rows if r["kind"] == "dense"]
-    fig, (hopper, blackwell, moe) = plt.subplots(1, 3, figsize=(19, 6))
+    fig, (hopper, blackwell, moe, recipes) = plt.subplots(1, 4, figsize=(25, 6))
     step_time_by_group(hopper, [r for r in dense if r["system"] == "dgx-h100"], "NeMo / Megatron-Bridge on DGX-H100",
                        plt.cm.tab10.colors, size=18, label=lambda r: f"{r['model']} {r['task']}")
     step_time_by_group(blackwell, [{**r, "group": r["system"]} for r in dense if r["system"] != "dgx-h100"],
@@ -236,6 +236,9 @@ def plot(rows: list[dict], path: str) -> None:
     step_time_by_group(moe, [{**r, "group": r["system"]} for r in rows if r["kind"] == "moe"],
                        "Megatron-Bridge, mixtures of experts", plt.cm.tab10.colors, size=18,
                        label=lambda r: f"{r['model']} mbs{r['layout'].split(' mbs')[1].split()[0]}")
+    step_time_by_group(recipes, [{**r, "group": f"{r['model']} {r['system']}"} for r in dgxc],
+                       "DGX Cloud recipes, mixtures of experts", plt.cm.tab10.colors, size=18,
+                       label=lambda r: f"{r['gpus']} {r['precision']}")
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)
 
@@ -269,7 +272,7 @@ def main() -> None:
         for key in ("model", "precision", "system")}, "table_over_shape_flops": shape_check(dgxc), "rows": dgxc}
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
-    plot(rows, PLOT)
+    plot(rows, dgxc, PLOT)
     print("all", result["time"], result["fit"]["confusion"], "errors", result["errors"])
     print("dense H100", result["dense_h100"]["time"], "dense Blackwell", result["dense_blackwell"]["time"])
     for part in ("by_table", "by_task", "by_system", "by_precision", "by_kind", "moe_by_system", "moe_by_model"):
