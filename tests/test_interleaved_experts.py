@@ -136,3 +136,24 @@ def test_the_search_s_plans_are_what_estimate_predicts_and_the_export_builds_the
     config = _megatron_config(plan, megatron_args(plan).args)
     assert config.moe_layer_freq == [0, 1] * 4 and config.ffn_hidden_size == 2048
     assert config.moe_ffn_hidden_size == 1024
+
+
+def test_a_stage_that_recomputes_some_of_its_blocks_is_scored_on_its_own_blocks():
+    # 6 GiB devices: the search fully recomputes the first blocks of the fullest stage only
+    # (Megatron's block method), the path that prices every stage's blocks at no recompute too.
+    from memx_launch.planning.estimate import evaluate_plan
+
+    small = ClusterSpec.from_dict(one_node({**H100, "memory_gib": 6}, 8, 450))
+    model = dataclasses.replace(SMALL, num_layers=16, hidden_size=1024, num_heads=16, num_kv_heads=4,
+                                ffn_hidden_size=4096, expert_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048)
+    training = TrainingSpec(global_batch_size=32, seq_len=4096, setup="megatron", expert_parallel=2)
+    plans = search(model, small, training, top_k=5,
+                   space=SearchSpace(micro_batch_sizes=(1, 2), pipeline_degrees=(2, 4))).plans
+    partial = [p for p in plans if any(s.recompute.startswith("full:") for s in p.stages)]
+    assert partial
+    for plan in partial:
+        again = evaluate_plan(plan, small, training)
+        assert again.predicted_iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
+        assert [s.predicted_peak_memory_gib for s in again.stages] == pytest.approx(
+            [s.predicted_peak_memory_gib for s in plan.stages])
+        assert all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in plan.stages)
