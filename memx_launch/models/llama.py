@@ -45,12 +45,32 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return rotated.flatten(-2)
 
 
-def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """RoPE plus causal scaled-dot-product attention on [b, heads, s, d]; the part that
-    selective recompute drops (it holds the s^2-sized intermediates)."""
+def local_attention_mask(seq_len: int, window: int, chunk: int, device) -> torch.Tensor:
+    """[s, s] True where query i may attend key j: causally, within the ``window`` last tokens
+    (Mistral's and Gemma's sliding windows: i - j < window) or within its chunk of ``chunk``
+    tokens (Llama 4's chunked attention)."""
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    allowed = j <= i
+    if window:
+        allowed &= i - j < window
+    if chunk:
+        allowed &= i // chunk == j // chunk
+    return allowed
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0) -> torch.Tensor:
+    """RoPE plus causal scaled-dot-product attention on [b, heads, s, d], within a window or a
+    chunk where given; the part that selective recompute drops (it holds the s^2-sized
+    intermediates)."""
     cos, sin = _rope_tables(q.shape[2], q.shape[3], q.device, q.dtype)
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    s = q.shape[2]
+    if (window and window < s) or (chunk and chunk < s):
+        mask = local_attention_mask(s, window, chunk, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -58,9 +78,12 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """Causal self-attention; ``local``: within the model's sliding window or chunk."""
+
+    def __init__(self, spec: ModelSpec, local: bool = False):
         super().__init__()
         self.head_dim = spec.head_dim
+        self.window, self.chunk = (spec.sliding_window, spec.attention_chunk_size) if local else (0, 0)
         self.wq = nn.Linear(spec.hidden_size, spec.q_hidden_size, bias=False)
         self.wk = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=False)
         self.wv = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=False)
@@ -74,9 +97,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if selective:
-            out = checkpoint(_attention_core, q, k, v, use_reentrant=False)
+            out = checkpoint(_attention_core, q, k, v, self.window, self.chunk, use_reentrant=False)
         else:
-            out = _attention_core(q, k, v)
+            out = _attention_core(q, k, v, self.window, self.chunk)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -109,16 +132,18 @@ class TransformerBlock(nn.Module):
     ``recompute``: "none" keeps every activation; "selective" recomputes the attention core
     and the SwiGLU element-wise product in the backward pass (``selective_policy`` "op":
     torchtitan's op-level policy instead, :mod:`memx_launch.models.checkpointing`); "full"
-    keeps only the block input.
+    keeps only the block input. ``local_attention``: the block attends within the model's
+    window or chunk (:meth:`~memx_launch.specs.model.ModelSpec.attends_locally`).
     """
 
-    def __init__(self, spec: ModelSpec, recompute: str = "none", selective_policy: str = "attention"):
+    def __init__(self, spec: ModelSpec, recompute: str = "none", selective_policy: str = "attention",
+                 local_attention: bool = False):
         super().__init__()
         if not spec.gated_mlp:
             raise ConfigError("model.gated_mlp", f"{spec.name} uses a GELU MLP",
                               "the torch-native runtime builds LLaMA (SwiGLU) models only")
         self.attention_norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS)
-        self.attention = Attention(spec)
+        self.attention = Attention(spec, local_attention)
         self.ffn_norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS)
         self.feed_forward = FeedForward(spec)
         self.recompute = recompute
@@ -180,8 +205,8 @@ class LlamaStage(nn.Module):
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size) if first else None
         # Keyed by global layer index, so checkpoints keep their names under any split.
         levels = per_layer(recompute, num_layers)
-        self.layers = nn.ModuleDict({str(layer_offset + i): TransformerBlock(spec, levels[i], selective_policy)
-                                     for i in range(num_layers)})
+        self.layers = nn.ModuleDict({str(layer_offset + i): TransformerBlock(
+            spec, levels[i], selective_policy, spec.attends_locally(layer_offset + i)) for i in range(num_layers)})
         self.norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS) if last else None
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
         self.reset_parameters(seed)

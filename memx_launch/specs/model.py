@@ -342,6 +342,18 @@ class ModelSpec:
         """Final norm plus the output projection (zero extra when tied or without an LM head)."""
         return self.norm_params + (0 if self.ties_head else self.output_vocab * self.hidden_size)
 
+    def attends_locally(self, layer: int) -> bool:
+        """Whether block ``layer`` (from 0) attends within its window or chunk: all but
+        ``full_attention_layers`` of the blocks, the full ones evenly spaced as the families place
+        them, where ``(layer + 1) % (num_layers // full_attention_layers)`` is 0 (Gemma 2 and GPT-OSS
+        every other block from the second, Gemma 3 every sixth, Llama 4 every fourth)."""
+        if not (self.sliding_window or self.attention_chunk_size):
+            return False
+        if not self.full_attention_layers:
+            return True
+        period = self.num_layers // self.full_attention_layers
+        return (layer + 1) % period != 0 or (layer + 1) // period > self.full_attention_layers
+
     @property
     def dense_block_count(self) -> int:
         """A mixture of experts' blocks with a dense MLP: its first ones (``dense_layers``) or those
