@@ -60,3 +60,27 @@ def test_a_stage_of_a_windowed_model_runs_its_blocks_as_the_whole_model_does():
         h = stage(h)
     assert torch.equal(h, whole(tokens))
     assert not torch.allclose(whole(tokens), LlamaStage.full(TINY)(tokens))
+
+
+def test_calibration_times_the_model_s_share_of_local_blocks(monkeypatch):
+    from memx_launch.models import llama
+    from memx_launch.profiling import kernel
+    from memx_launch.profiling.space import Sample
+
+    alternate = dataclasses.replace(TINY, sliding_window=8, full_attention_layers=4)  # half local
+    assert kernel.local_blocks(alternate, 2) == [True, False]
+    assert kernel.local_blocks(alternate, 4) == [True, True, False, False]
+    assert kernel.local_blocks(dataclasses.replace(TINY, sliding_window=8), 2) == [True, True]
+    assert kernel.local_blocks(TINY, 2) == [False, False]
+    built = []
+    original = llama.TransformerBlock
+
+    def recording(*args, **kwargs):
+        block = original(*args, **kwargs)
+        built.append(block.attention.window)
+        return block
+
+    monkeypatch.setattr(llama, "TransformerBlock", recording)
+    sample = Sample(tp=1, micro_batch_size=1, seq_len=16, recompute="none", num_kv_heads=alternate.num_kv_heads)
+    seconds = kernel._run_sample(alternate, sample, torch.device("cpu"), None, "fp32", 2, 1, 1)[0]
+    assert built == [8, 0] and seconds > 0

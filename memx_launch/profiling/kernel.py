@@ -181,6 +181,15 @@ def record_run_options(recompute: str, selective_policy: str) -> dict:
     return {"selective_recompute": "op"} if recompute == "selective" and selective_policy == "op" else {}
 
 
+def local_blocks(shape: ModelSpec, num_blocks: int) -> list[bool]:
+    """Which of ``num_blocks`` timed blocks attend within the model's window or chunk: the model's
+    share of local blocks (:meth:`~memx_launch.specs.model.ModelSpec.attends_locally`), rounded,
+    so that their mean is near the model's mean block, as the runtime trains them."""
+    share = sum(shape.attends_locally(i) for i in range(shape.num_layers)) / shape.num_layers
+    local = round(num_blocks * share)
+    return [j < local for j in range(num_blocks)]
+
+
 def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
                 repeats: int, block_factory=None,
                 selective_policy: str = "attention") -> tuple[float, float, float | None, float, float | None]:
@@ -197,8 +206,8 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
     if block_factory is not None and s.tp > 1:
         raise ConfigError("tp", "calibrating the user's own block is for TP = 1 samples", "calibrate with tp=1")
     blocks = torch.nn.Sequential(*[block_factory(s.recompute, selective_policy) if block_factory is not None
-                                   else TransformerBlock(shape, s.recompute, selective_policy)
-                                   for _ in range(num_blocks)])
+                                   else TransformerBlock(shape, s.recompute, selective_policy, local)
+                                   for local in local_blocks(shape, num_blocks)])
     # As the runtime trains (runtime/precision.py): fp32 weights and residual stream, low-precision
     # matrix products under autocast.
     blocks = blocks.to(device=dev)
