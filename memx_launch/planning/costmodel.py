@@ -156,7 +156,7 @@ def attended_share(model: ModelSpec, seq):
         c = float(model.attention_chunk_size)
         whole = np.floor(seq / c)
         share = (whole * c * c + (seq - whole * c) ** 2) / (seq * seq)
-    local = (model.num_layers - model.full_attention_layers) / model.num_layers
+    local = model.local_attention_share
     return 1.0 - local + local * share
 
 
@@ -380,9 +380,9 @@ class AnalyticalCostModel:
         its routed tokens and the reduce-scatter of the experts' output over the ETP group's links,
         backward the two again (0 at ETP 1)."""
         etp = self.training.expert_tensor_parallel
-        nbytes = experts.expert_tp_bytes(self.model, self.training, tokens, tp)
         if etp == 1:
-            return nbytes
+            return 0.0
+        nbytes = experts.expert_tp_bytes(self.model, self.training, tokens, tp)
         link = (etp, self._expert_tp_gbps[np.asarray(device)], 1, self._expert_tp_hop[np.asarray(device)])
         return 2.0 * sum(collective_seconds(op, nbytes, *link) for op in ("all_gather", "reduce_scatter"))
 

@@ -125,10 +125,8 @@ def exchange_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, secon
 def expert_tp_bytes(model: ModelSpec, training: TrainingSpec, tokens, tp) -> np.ndarray:
     """Bytes one of a block's expert-tensor-parallel collectives gathers on a rank (the all-gather
     of the dispatched tokens before the experts, the reduce-scatter of their output after, and
-    the two again backward): its routed copies, ETP ranks' worth. 0 at ETP 1."""
+    the two again backward): its routed copies, ETP ranks' worth."""
     etp = training.expert_tensor_parallel
-    if etp == 1:
-        return np.zeros(np.shape(tokens))
     return routed_tokens(model, tokens, tp) * etp * model.hidden_size * training.dtype_bytes
 
 

@@ -33,26 +33,26 @@ def interleaved_dense_counts(model: ModelSpec, layers, v: int) -> np.ndarray:
     return (flat - experts).reshape(ordered.shape).sum(axis=-2)
 
 
-def stage_block_counts(model: ModelSpec, layers, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(dense, repeated) blocks of each stage of ``layers`` (..., P) in ``v`` chunks each: the
-    first stage's dense first blocks or every stage's interleaved ones, and every other block
-    with the last stage's multi-token prediction blocks."""
-    if model.moe_layer_step > 1:
-        dense = interleaved_dense_counts(model, layers, v).astype(np.float64)
-    else:
-        dense = np.zeros(np.shape(layers))
-        dense[..., 0] = model.dense_layers
-    repeated = layers - dense
-    repeated[..., -1] += model.mtp_layers
-    return dense, repeated
-
-
-def dense_before_split(model: ModelSpec, pp: int) -> np.ndarray:
-    """(P,) the dense blocks of each stage that no split moves: the first stage's dense first
-    blocks. Interleaved ones follow the split; until it is known :func:`mean_block` prices them."""
+def dense_blocks_per_stage(model: ModelSpec, pp: int, layers=None, v: int = 1) -> np.ndarray:
+    """Each stage's dense blocks: (P,) the first stage's dense first blocks, which no split moves,
+    or (..., P) the interleaved ones the split ``layers`` (..., P) in ``v`` chunks gives each
+    stage. Before the split is known (``layers`` None) interleaved ones count 0 here:
+    :func:`mean_block` prices them."""
+    if model.moe_layer_step > 1 and layers is not None:
+        return interleaved_dense_counts(model, layers, v).astype(np.float64)
     dense = np.zeros(pp)
     dense[0] = model.dense_layers
     return dense
+
+
+def stage_block_counts(model: ModelSpec, layers, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, repeated) blocks of each stage of ``layers`` (..., P) in ``v`` chunks each
+    (:func:`dense_blocks_per_stage`), every other block the repeated one, with the last stage's
+    multi-token prediction blocks."""
+    dense = dense_blocks_per_stage(model, np.shape(layers)[-1], layers, v)
+    repeated = layers - dense
+    repeated[..., -1] += model.mtp_layers
+    return dense, repeated
 
 
 def mean_block(model: ModelSpec, repeated_cost, dense_cost):

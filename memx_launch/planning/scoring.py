@@ -136,8 +136,7 @@ class Evaluator:
             dense_t, dense_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, self.table.dense)
             dense_layer = (layer_state_bytes(m.dense_block, tr, tp, layout.dp_cp, self.trained)
                            + quantized_state_bytes(m.dense_block, tr, tp)[0] + inflight * dense_act)
-        dense_blocks = (extra_blocks.dense_before_split(m, pp) if layers is None
-                        else extra_blocks.stage_block_counts(m, layers, v)[0])
+        dense_blocks = extra_blocks.dense_blocks_per_stage(m, pp, layers, v)
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
@@ -318,7 +317,7 @@ class Evaluator:
         pipeline = kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
         replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
         by_replica = []
-        dense_blocks = extra_blocks.stage_block_counts(m, layers[0], v)[0]
+        dense_blocks = extra_blocks.dense_blocks_per_stage(m, pp, layers[0], v)
         dense_quantized = quantized_state_bytes(m.dense_block, tr, tp)[0] if m.dense_block_count else None
         quantized_blocks = layers[0] * quantized_kept + extra_blocks.beside_repeated(
             m, np.broadcast_to(quantized_kept, pp), dense_quantized, dense_blocks)

@@ -183,10 +183,9 @@ def record_run_options(recompute: str, selective_policy: str) -> dict:
 
 def local_blocks(shape: ModelSpec, num_blocks: int) -> list[bool]:
     """Which of ``num_blocks`` timed blocks attend within the model's window or chunk: the model's
-    share of local blocks (:meth:`~memx_launch.specs.model.ModelSpec.attends_locally`), rounded,
+    share of local blocks (:attr:`~memx_launch.specs.model.ModelSpec.local_attention_share`), rounded,
     so that their mean is near the model's mean block, as the runtime trains them."""
-    share = sum(shape.attends_locally(i) for i in range(shape.num_layers)) / shape.num_layers
-    local = round(num_blocks * share)
+    local = round(num_blocks * shape.local_attention_share)
     return [j < local for j in range(num_blocks)]
 
 

@@ -249,7 +249,7 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
         raise ConfigError(f"model ({where}).moe_layers", f"must be a list of block indices, got {listed!r}",
                           "give the indices of the blocks that run the experts, or drop the key")
     if (cfg.get("mlp_only_layers") or (cfg.get("moe_layer_freq") or 1) > 1
-            or (listed is not None and list(listed) != list(range(step - 1, layers, step)))):
+            or (listed is not None and listed != list(range(step - 1, layers, step)))):
         raise ConfigError(f"model ({where})", "dense MLP blocks among the expert ones at places memx does not model",
                           "memx models a mixture of experts' dense blocks as its first ones (first_k_dense_replace) "
                           "or as all but every n-th block (interleave_moe_layer_step, decoder_sparse_step)")

@@ -342,6 +342,14 @@ class ModelSpec:
         """Final norm plus the output projection (zero extra when tied or without an LM head)."""
         return self.norm_params + (0 if self.ties_head else self.output_vocab * self.hidden_size)
 
+    @property
+    def local_attention_share(self) -> float:
+        """Share of the blocks attending within a window or chunk (:meth:`attends_locally`): all but
+        ``full_attention_layers`` where the model has windows or chunks, else none."""
+        if not (self.sliding_window or self.attention_chunk_size):
+            return 0.0
+        return (self.num_layers - self.full_attention_layers) / self.num_layers
+
     def attends_locally(self, layer: int) -> bool:
         """Whether block ``layer`` (from 0) attends within its window or chunk: all but
         ``full_attention_layers`` of the blocks, the full ones evenly spaced as the families place
@@ -378,7 +386,7 @@ class ModelSpec:
     def total_params(self) -> int:
         """The model's parameters as published: its blocks, embedding and head (not the
         multi-token prediction modules, which training adds: ``mtp_params``)."""
-        dense = self.dense_block_count * (self.dense_block.layer_params - self.layer_params)
+        dense = self.dense_block_count * (self.dense_block.layer_params - self.layer_params) if self.num_experts else 0
         return self.num_layers * self.layer_params + dense + self.embedding_params + self.head_params
 
     def signature(self) -> str:
