@@ -85,6 +85,8 @@ sys.path.insert(0, ROOT)
 from benchmarks.common import dgx_cluster, grouped, no_nan, predicted, run_summary, step_time_by_group  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.planning import mamba  # noqa: E402
+from memx_launch.planning.matmuls import linear_shapes  # noqa: E402
 from memx_launch.specs.catalog import get_model  # noqa: E402
 from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
@@ -132,7 +134,14 @@ def flops_per_token(model: ModelSpec, seq: int) -> float:
     runs through (blocks, a mixture's top-k experts or its dense first blocks' MLP, each
     multi-token prediction module's block, projection and output layer, the output layer) plus
     the whole s x s attention (QK^T at the queries' width and AV at the values', forward and
-    backward); Megatron-Bridge counts its mixtures of experts' attention causal, half of it."""
+    backward); Megatron-Bridge counts its mixtures of experts' attention causal, half of it. A hybrid
+    model's layers (Nemotron-H, as its recipe's notes count them): each kind's linears and whole
+    attention, and the Mamba layers' chunked scans (forward and backward: 3 x its forward FLOPs)."""
+    if model.hybrid_pattern:
+        return float(sum(count * (6.0 * sum(n * k for n, k in linear_shapes(kind, TrainingSpec(), 1))
+                                  + 6.0 * seq * (kind.q_hidden_size + kind.value_hidden_size)
+                                  + 3.0 * float(mamba.scan_flops(kind, 1, 1)))
+                         for kind, count in model.layer_kinds) + 6.0 * model.head_params)
     blocks = model.num_layers + model.mtp_layers
     attention = (3.0 if model.num_experts else 6.0) * blocks * seq * (model.q_hidden_size + model.value_hidden_size)
     dense = model.dense_block_count * (model.dense_block.mlp_params - model.active_mlp_params)

@@ -32,13 +32,16 @@ def test_every_row_is_expressible_and_fits(rows):
 
 def test_the_dgx_cloud_recipe_rows_are_expressible_fit_and_give_their_flops():
     rows = nt.nemo_rows(path=nt.DGXC_DATA)
-    assert len(rows) == 16 and all(r["fits"] for r in rows) and not [r for r in rows if "error" in r]
+    assert len(rows) == 25 and all(r["fits"] for r in rows) and not [r for r in rows if "error" in r]
     # Maverick on H100 and Grok-1 on GB200 split each expert over 4 ranks (the recipes' ETP 4): asked so.
     assert sum(" etp4 " in r["layout"] for r in rows) == 8
+    assert sum(r["model"] == "nemotron-h-56b" for r in rows) == 9  # the hybrid: 54 Mamba, 10 attention, 54 MLP layers
     # The recipes' FLOPs per sequence (Maverick's dense and expert blocks alike at 1.5 x 16,384
-    # wide: memx's count of its blocks, half of each kind) within 1%.
+    # wide: memx's count of its blocks, half of each kind; Nemotron-H's layers, its scans' chunk
+    # 256 where Megatron's is 128) within 1%.
     assert nt.shape_check(rows) == {"llama4-maverick": pytest.approx(1.0, abs=0.01),
-                                    "grok-1-314b": pytest.approx(1.0, abs=0.01)}
+                                    "grok-1-314b": pytest.approx(1.0, abs=0.01),
+                                    "nemotron-h-56b": pytest.approx(1.0, abs=0.01)}
 
 
 def test_the_grace_blackwell_fsdp_rows_fit_by_offloading_activations():

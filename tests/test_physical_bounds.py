@@ -1,6 +1,6 @@
 """Physical bounds over random layouts of every kind of model and precision memx expresses (dense,
 wide heads, sliding windows, experts, latent attention with dense first blocks and multi-token
-prediction; bf16, FP8, MXFP8, NVFP4; recompute, offloading): no
+prediction, a hybrid of Mamba, attention and MLP layers; bf16, FP8, MXFP8, NVFP4; recompute, offloading): no
 iteration is faster than its matmul FLOPs at the device's peak for its precision, and every stage's
 memory is its parts, none negative. Seeded, no processes."""
 
@@ -25,6 +25,7 @@ MODELS = [dataclasses.replace(m, num_layers=8, full_attention_layers=m.full_atte
           for m in map(get_model, ("llama3-8b", "qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b", "llama2-7b",
                                    "llama4-scout", "llama4-maverick"))]
 MODELS.append(dataclasses.replace(get_model("deepseek-v3"), num_layers=8, dense_layers=1))
+MODELS.append(dataclasses.replace(get_model("nemotron-h-56b"), num_layers=8, hybrid_pattern="M-M*M-M-"))
 PRECISIONS = [{}, {"fp8": "current"}, {"fp8": "mxfp8", "fp8_params": True}, {"fp4": "nvfp4"}]
 
 

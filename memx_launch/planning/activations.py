@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import experts, op_checkpointing
+from memx_launch.planning import experts, mamba, op_checkpointing
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.specs.model import ModelSpec
 
@@ -61,6 +61,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       query and key head norms (``qk_norm``): their inputs as the block's norms keep theirs,
         2(q + kv)/h over t fused (torch ops: (4 + d)(q + kv)/h, Gemma's (4 + 4)); kept under
         selective recompute, run again from the projections' outputs under the op-level policy
+      a hybrid model's layer: one norm and one residual dropout, attention's or the MLP's
+        tensors alone, or a Mamba layer's (:func:`~memx_launch.planning.mamba.kept_units`)
       SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h);
         a mixture of experts: :func:`~memx_launch.planning.experts.kept_units`
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
@@ -83,8 +85,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     tp = np.asarray(tp, dtype=np.float64)
     recompute = np.asarray(recompute)
     flash = np.asarray(flash_attention, dtype=bool)
-    h, a, q = model.hidden_size, model.num_heads, model.q_hidden_size
-    f, kv = model.ffn_hidden_size, model.kv_hidden_size
+    h, q, kv = model.hidden_size, model.q_hidden_size, model.kv_hidden_size
+    a = model.num_heads if model.has_attention else 0
+    f = model.ffn_hidden_size if model.has_mlp else 0
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
     # Each norm keeps what its backward reads: a fused kernel its input (d bytes), torch ops the fp32
@@ -108,7 +111,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     score_bytes = probs + (2.0 + 1.0 / scale if attention_dropout else 0.0)  # (+ mask, dropout out)
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
-        replicated = replicated + 2.0 / scale / (tp if sequence_parallel else 1.0)
+        replicated = replicated + model.residual_adds / scale / (tp if sequence_parallel else 1.0)
     if model.num_experts:
         mlp_kept, mlp_elementwise = experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp)
     elif model.gated_mlp:
@@ -117,10 +120,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
     # Query and key head norms keep their inputs, as the block's norms do (fused: the 16-bit q and k).
     qk_norms = (q + kv) / h / tp * per_norm if model.qk_norm else 0.0
-    none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise
+    mixer = mamba.kept_units(model, tp, fp8_share)  # a hybrid model's Mamba layer: no selective module drops it
+    none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise + mixer
     block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
-                          if op_selective else (replicated + qkv + qk_norms + attn_out + mlp_kept, 0.0))
+                          if op_selective else (replicated + qkv + qk_norms + attn_out + mlp_kept + mixer, 0.0))
     # Megatron's named modules (latent attention's default: mla_up_proj) instead of memx's selective.
     modules = recompute_modules if recompute_modules is not None else ("mla_up_proj",) if model.kv_lora_rank else None
     if modules is not None and not op_selective:
@@ -137,7 +141,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
     # 16-bit copy of the probabilities.
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
-    working = recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
+    working = (recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
+               + mamba.working_units(model, tp, dtype_bytes))
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 

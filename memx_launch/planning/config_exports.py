@@ -83,6 +83,9 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
     tp = plan.uniform_tp("torchtitan (one tensor_parallel_degree for all stages)")
     plan.uniform_dp("torchtitan (one data-parallel degree for all stages)")
     tr = plan.training
+    if plan.model_spec.hybrid_pattern:
+        raise ConfigError("plan", f"{plan.model} is a hybrid model (Mamba layers), which torchtitan does not build",
+                          "export to Megatron-LM (pretrain_mamba.py)")
     for field in ("expert_parallel", "expert_tensor_parallel"):
         if tr.get(field, 1) > 1:
             raise ConfigError("plan", f"{field}={tr[field]}: torchtitan carves expert parallelism out of its FSDP "

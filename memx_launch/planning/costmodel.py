@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from memx_launch.planning import experts, op_checkpointing, quantization
+from memx_launch.planning import experts, mamba, op_checkpointing, quantization
 from memx_launch.planning.activations import LayerCost, activation_bytes, selective_modules  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
@@ -32,6 +32,7 @@ from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  #
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import HOPPER_COMPUTE_CAPABILITY, default_efficiency, hopper_or_later
+from memx_launch.specs.hybrid import mamba_params
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -161,10 +162,14 @@ def attended_share(model: ModelSpec, seq):
 
 
 def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
-    """Forward FLOPs of one block: 2 per multiply-add of the matmuls, causal attention halved."""
+    """Forward FLOPs of one block: 2 per multiply-add of the matmuls, causal attention halved; a
+    hybrid model's layer their mean over its layers (a Mamba layer: its weights' and its scan's)."""
+    if model.layer_kinds:
+        return sum(n * layer_forward_flops(kind, mbs, seq, tp) for kind, n in model.layer_kinds) / model.num_layers
     tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
-    matmul = 2.0 * tokens * (model.attention_params + model.active_mlp_params)
-    return matmul / np.asarray(tp, dtype=np.float64) + causal_attention_flops(model, mbs, seq, tp)
+    matmul = 2.0 * tokens * (model.attention_params + model.active_mlp_params + mamba_params(model))
+    return (matmul / np.asarray(tp, dtype=np.float64) + causal_attention_flops(model, mbs, seq, tp)
+            + mamba.scan_flops(model, tokens, tp))
 
 
 def allreduce_time(nbytes, group_size, gbps, nodes=1, hop=NVLINK) -> np.ndarray:
@@ -227,6 +232,8 @@ class AnalyticalCostModel:
         # A mixture of experts' dense blocks are priced as a dense model's blocks.
         self.dense_blocks = (AnalyticalCostModel(model.dense_block, cluster, training) if model.dense_block_count
                              else None)
+        # A hybrid model's layers: each kind priced as its own, at its share of the layers.
+        self._kinds = [(n / model.num_layers, AnalyticalCostModel(kind, cluster, training)) for kind, n in model.layer_kinds]
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
@@ -246,6 +253,10 @@ class AnalyticalCostModel:
                                  for d in self.device_types])
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
+        if self._kinds:  # a hybrid model's mean layer; the backward's working set of its largest
+            costs = [(share, kind.layer_costs(device, tp, mbs, seq, recompute)) for share, kind in self._kinds]
+            mean = [sum(share * getattr(c, part) for share, c in costs) for part in ("time_s", "activation_bytes")]
+            return LayerCost(*mean, np.max([c.working_bytes for _, c in costs], axis=0))
         device = np.asarray(device, dtype=np.int64)
         tp = np.asarray(tp, dtype=np.float64)
         recompute = np.asarray(recompute)
@@ -303,8 +314,10 @@ class AnalyticalCostModel:
         kernel_flops = np.where(unfused, 0.0, (3.0 + again) * attn_core_flops + flash_backward_flops)
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
         # Fine-tuning's saved weight-gradient GEMMs and its adapters' FLOPs at the sustained rate.
+        # A Mamba layer's chunked scan: forward, twice that backward, again where recomputed, at the fused kernels' speed.
+        scan_flops = (3.0 + (recompute == FULL)) * mamba.scan_flops(self.model, tokens, tp)
         compute_s = linear_s + (3.0 * attn_core_flops + flash_backward_flops + recompute_flops
-                                + kernel_slowdown * kernel_flops
+                                + kernel_slowdown * kernel_flops + scan_flops / self._attention_speed[device]
                                 + fine_tuning_flops(self.model, tr, mbs_a, seq_a, tp)) / (self._tflops[device] * 1e12)
         traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device])
         memory_s = traffic / (self._hbm[device] * 1e9)
@@ -367,11 +380,12 @@ class AnalyticalCostModel:
         two of the column-parallel linears' input gradients backward (three with separate gate
         and up linears), two more when the full block is recomputed; op-level recompute gathers
         the SP inputs again (half an all-reduce each) or without SP runs the forward ones again.
-        Parallel blocks sum attention's and the MLP's before one each way (one shared input)."""
+        Parallel blocks sum attention's and the MLP's before one each way (one shared input), as a
+        hybrid model's layer (attention, MLP or Mamba) has one each way."""
         tr, recompute = self.training, np.asarray(recompute)
         op_level = (recompute == SELECTIVE) & (tr.selective_recompute == "op")
         again = np.select([recompute == FULL, op_level], [1.0, 0.5 if tr.sequence_parallel else 1.0], 0.0)
-        if self.model.parallel_blocks:
+        if self.model.parallel_blocks or self.model.layer_kind:  # one all-reduce each way
             return 2.0 + again
         return 4.0 + 2.0 * again + (1.0 if self.model.gated_mlp and not tr.fused_gate_up else 0.0)
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning import quantization
+from memx_launch.planning import mamba, quantization
 from memx_launch.planning.activations import selective_modules
 from memx_launch.planning.plan import NONE, SELECTIVE
+from memx_launch.specs.hybrid import conv_channels
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -73,6 +74,9 @@ def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
     attention output (the norms and the MLP's activation write their FP8 outputs themselves);
     backward: every linear's output gradient. ``hidden``: tokens x h, over TP with sequence
     parallelism. The weights' casts, once per step, are not counted."""
+    if model.layer_kind == "mamba":  # the output projection's input; the input projection's output gradient
+        inner = model.mamba_inner_size
+        return tokens * inner / tp, tokens * (inner + conv_channels(model) + model.mamba_heads) / tp + 2.0 * hidden
     q, kv, f = model.q_hidden_size, model.kv_hidden_size, model.active_ffn_hidden_size
     up = (2.0 if model.gated_mlp else 1.0) * f
     routed = tokens * model.experts_per_token * model.hidden_size / tp  # experts' inputs, and outputs' gradients
@@ -92,7 +96,9 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     dropout's masks and products, rotary embedding on q and k (LLaMA-style models), the MLP's
     activation on its width; without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
-    passes and attention dropout; with quantized linears their casts (:func:`quantized_cast_elements`).
+    passes and attention dropout; with quantized linears their casts (:func:`quantized_cast_elements`);
+    a hybrid model's layer one residual add and one norm, and a Mamba layer's kernels
+    (:func:`~memx_launch.planning.mamba.traffic_bytes`).
     """
     d = float(training.dtype_bytes)
     tp = np.asarray(tp, dtype=np.float64)
@@ -112,7 +118,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     # LLaMA-style (gated MLP) models rotate q and k in every block; GPT-style ones add learned
     # positions once, at the embedding.
     rope = ROPE_BYTES if model.gated_mlp else (0.0, 0.0)
-    scores = np.where(flash_attention, 0.0, np.asarray(mbs, dtype=np.float64) * model.num_heads / tp
+    heads = model.num_heads if model.has_attention else 0
+    scores = np.where(flash_attention, 0.0, np.asarray(mbs, dtype=np.float64) * heads / tp
                       * np.asarray(seq, dtype=np.float64) ** 2)
     score = [SCORE_BYTES[training.fused_softmax][i] * d for i in (0, 1)]
     if training.softmax_in_fp32 and not training.fused_softmax and training.dtype_bytes < 4:
@@ -123,13 +130,14 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     cast = quantized_cast_elements(model, tokens, hidden, tp) if training.quantized_linears else (0.0, 0.0)
     cast_bytes = d + 2.0 * quantization.element_bytes(training)
     norms = float(model.norms_per_block)  # parallel blocks one, sandwich norms four
+    mixer = mamba.traffic_bytes(model, tokens, tp, d)  # a hybrid model's Mamba layer: never recomputed selectively
     qk_normed = tokens * (model.q_hidden_size + kv) / tp if model.qk_norm else 0.0  # query and key head norms
 
     def passes(i):  # 0: forward, 1: backward
         """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again:
         rotary embedding, the MLP's activation, the scores)."""
-        blockwide = hidden * (2.0 * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) + cast[i] * cast_bytes \
-            + permuted + qk_normed * norm[i]
+        blockwide = hidden * (model.residual_adds * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) \
+            + cast[i] * cast_bytes + permuted + qk_normed * norm[i] + mixer[i]
         core = (tokens * (model.q_hidden_size + kv) / tp * rope[i] * d, tokens * f / tp * mlp[i] * d, scores * score[i])
         return blockwide, core
 

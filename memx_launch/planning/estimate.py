@@ -6,11 +6,9 @@ first stages), as Megatron-LM's ``--num-layers`` divided by the pipeline degree 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from memx_launch.planning import context_parallel, costmodel as cm, experts
+from memx_launch.planning import context_parallel, costmodel as cm, experts, mamba
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Objective, Plan, check_stage_dp_split, parse_recompute, short_stages
 from memx_launch.specs.cluster import ClusterSpec
@@ -56,8 +54,7 @@ class LayoutScorer:
         self.memory_headroom = memory_headroom
         self._evaluators: dict[tuple, Evaluator] = {}
         self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
-        heads = math.gcd(model.num_heads, model.num_kv_heads)
-        self._degrees = [t for t in range(1, min(heads, cluster.world_size) + 1) if heads % t == 0]
+        self._degrees = [t for t in range(1, min(model.num_heads, cluster.world_size) + 1) if model.splits_over_tp(t)]
 
     def score(self, *, tp: int | None, pp: int, dp: int | None, micro_batch_size: int, layers_per_stage=None,
               recompute=None, stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
@@ -73,6 +70,7 @@ class LayoutScorer:
         _check_layout_numbers(model, stage_tps, pp, stage_dps, micro_batch_size, schedule, virtual_stages,
                               layers_per_stage)
         experts.check(model, training, [t * cp * d for t, d in zip(stage_tps, stage_dps)])
+        mamba.check(model, training, (cp,))
         dp = max(stage_dps)
         v = virtual_stages if schedule == "interleaved" else 1
         if training.global_batch_size % (dp * micro_batch_size):
@@ -84,9 +82,9 @@ class LayoutScorer:
                               "interleaving needs a multiple of pp micro-batches (Megatron-LM's rule); or use 1f1b")
         degrees = tuple(sorted(set(stage_tps)))
         for t in degrees:
-            if model.num_heads % t or model.num_kv_heads % t:
+            if not model.splits_over_tp(t):
                 raise ConfigError("--tp" if stage_tp is None else "--stage-tp", f"{t} does not divide the model's "
-                                  f"{model.num_heads} heads and {model.num_kv_heads} KV heads", "use a divisor of both")
+                                  f"{model.tp_units}", "use a divisor of each")
         tp_arg = stage_tps[0] if len(degrees) == 1 else tuple(stage_tps)
         names = tuple(self.cost_model.device_names)
         dp_arg = dp if len(set(stage_dps)) == 1 else tuple(stage_dps)

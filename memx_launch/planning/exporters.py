@@ -7,6 +7,7 @@ note next to the arguments instead of being dropped silently.
 
 from __future__ import annotations
 
+import itertools
 import shlex
 from dataclasses import dataclass, field
 
@@ -63,6 +64,23 @@ def pipeline_layout(plan: Plan) -> str:
     chunks[0] = "E" + chunks[0]
     chunks[-1] = chunks[-1] + "m" * plan.model_spec.mtp_layers + "L"
     return "|".join(chunks)
+
+
+def _hybrid_split_notes(plan: Plan) -> list[str]:
+    """What a hybrid model's split needs that the arguments cannot say: Megatron-LM's hybrid stack
+    splits the pattern's layers evenly over the stages; another split (or chunks) is the pattern
+    cut into its pp x v segments, virtual-stage major, which only builds whose pattern takes ``|``
+    between pipeline segments read."""
+    per_stage = chunk_layers([s.num_layers for s in plan.stages], plan.virtual_stages).tolist()
+    sizes = [per_stage[p][c] for c in range(plan.virtual_stages) for p in range(plan.pp)]
+    if len(set(sizes)) == 1 and plan.virtual_stages == 1:
+        return []
+    ends = [0, *itertools.accumulate(sizes)]
+    pattern = plan.model_spec.hybrid_pattern
+    segments = "|".join(pattern[a:b] for a, b in zip(ends[:-1], ends[1:]))
+    return [f"Megatron-LM's hybrid stack splits the {len(pattern)} layers evenly over the {plan.pp} stages, "
+            f"not in the plan's {plan.pp * plan.virtual_stages} chunks of {sizes}; a build whose "
+            f"--hybrid-override-pattern takes '|' between pipeline segments runs the plan's split as {segments}"]
 
 
 def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
@@ -132,7 +150,7 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
              str(spec.position_embeddings if learned else max(plan.seq_len, spec.seq_len)),
              "--vocab-size", str(spec.vocab_size),
-             "--position-embedding-type", "learned_absolute" if learned else "rope",
+             "--position-embedding-type", "learned_absolute" if learned else "none" if spec.hybrid_pattern else "rope",
              "--normalization", "LayerNorm" if spec.layer_norm else "RMSNorm"]
     if not spec.linear_biases:
         args.append("--disable-bias-linear")
@@ -140,7 +158,15 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--swiglu")
     if not spec.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
-    if not learned:  # Megatron-LM reads --rotary-base as an integer.
+    if spec.hybrid_pattern:  # pretrain_mamba.py's hybrid stack; Nemotron-H's attention has no positions
+        args += ["--hybrid-override-pattern", spec.hybrid_pattern, "--mamba-num-heads", str(spec.mamba_heads),
+                 "--mamba-head-dim", str(spec.mamba_head_dim), "--mamba-state-dim", str(spec.mamba_state_size),
+                 "--mamba-num-groups", str(spec.mamba_groups),
+                 "--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+        notes.append("a hybrid model: run these arguments with Megatron-LM's pretrain_mamba.py; its MLP layers' "
+                     "activation is Megatron's default (GELU) unless you add yours (Nemotron-H: --squared-relu), "
+                     f"and its scans take Megatron's chunk size where the plan priced {spec.mamba_chunk_size}")
+    elif not learned:  # Megatron-LM reads --rotary-base as an integer.
         args += ["--rotary-base", str(round(spec.rope_theta))]
     args += ["--norm-epsilon", f"{spec.norm_eps:g}"]
     if spec.num_experts:  # grouped GEMMs and the dispatcher the plan times (flex: HybridEP, which spans NVL72)
@@ -213,7 +239,9 @@ def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
     args += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(plan.pp)]
     if plan.cp > 1:  # Megatron's rank order (tp-cp-dp-pp) is the plan's; its default exchange is the p2p ring
         args += ["--context-parallel-size", str(plan.cp)]
-    if plan.pp > 1:
+    if plan.pp > 1 and plan.model_spec.hybrid_pattern:
+        notes += _hybrid_split_notes(plan)
+    elif plan.pp > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan)]
         if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp:
             notes.append(f"{plan.num_microbatches} micro-batches is not a multiple of pp={plan.pp}; "

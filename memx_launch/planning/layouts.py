@@ -124,11 +124,11 @@ class Layout:
 
 
 def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
-    """Powers of two that divide the heads and fit inside one node for every device type."""
+    """Powers of two that divide the heads (and Mamba groups) and fit inside one node for every device type."""
     per_node = min(n for node in cluster.nodes for _, n in node.devices)
     out, tp = [], 1
     while tp <= min(8, per_node):
-        if model.num_heads % tp == 0 and model.num_kv_heads % tp == 0:
+        if model.splits_over_tp(tp):
             out.append(tp)
         tp *= 2
     return out

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from memx_launch.planning import context_parallel, costmodel as cm, experts
+from memx_launch.planning import context_parallel, costmodel as cm, experts, mamba
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
@@ -110,7 +110,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         if space.expert_degrees and cost_model is None else [training]
     cost_models = [cost_model or cm.AnalyticalCostModel(model, cluster, tr) for tr in trainings]
     names = tuple(cost_models[0].device_names)
-    cps = context_parallel.degrees_to_try(space.cp_degrees, seqs, training)
+    cps = context_parallel.degrees_to_try(mamba.cp_degrees(model, space.cp_degrees), seqs, training)
+    mamba.check(model, training, [cp for degrees in cps.values() for cp in degrees])
     layouts_of = _expert_layouts(_layouts(model, cluster, names, space, cps), model, trainings)
     layouts = [lay for lays in layouts_of for lay in lays]
     check_batch(layouts, space, training)
@@ -256,7 +257,9 @@ def check_space(model: ModelSpec, cluster: ClusterSpec | None, training: Trainin
     worker calibrates."""
     space.check(model)
     if cluster is not None:
-        cps = context_parallel.degrees_to_try(space.cp_degrees, tuple(space.seq_lens or (training.seq_len,)), training)
+        cps = context_parallel.degrees_to_try(mamba.cp_degrees(model, space.cp_degrees),
+                                              tuple(space.seq_lens or (training.seq_len,)), training)
+        mamba.check(model, training, [cp for degrees in cps.values() for cp in degrees])
         layouts = _layouts(model, cluster, tuple(d.name for d in cluster.device_types), space, cps)
         check_batch([lay for lays in _expert_layouts(layouts, model, [training]) for lay in lays], space, training)
 

@@ -101,7 +101,6 @@ class SearchSpace:
         if self.max_slowdown is not None and not 0 <= self.max_slowdown < math.inf:
             raise ConfigError("--max-slowdown", f"must be a share of 0 or more, got {self.max_slowdown}",
                               "e.g. --max-slowdown 5%")
-        bad = [t for t in self.tp_degrees or () if model.num_heads % t or model.num_kv_heads % t]
+        bad = [t for t in self.tp_degrees or () if not model.splits_over_tp(t)]
         if bad:
-            raise ConfigError("--tp", f"{bad[0]} does not divide the model's {model.num_heads} heads and "
-                              f"{model.num_kv_heads} KV heads", "use a divisor of both")
+            raise ConfigError("--tp", f"{bad[0]} does not divide the model's {model.tp_units}", "use a divisor of each")

@@ -10,6 +10,9 @@ from memx_launch.specs.hf_config import model_from_hf_config
 from memx_launch.specs.model import ModelSpec
 
 
+NEMOTRON_H_56B_PATTERN = "M-M-M-M*-" + "M-M-M-M-M*-" * 9 + "M-M-M-M-M-"
+
+
 def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=10000.0) -> ModelSpec:
     return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=rope_theta)
 
@@ -67,6 +70,11 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
               num_experts=256, experts_per_token=8, expert_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048,
               kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128, dense_layers=3, mtp_layers=1,
               expert_groups=8, expert_groups_per_token=4),
+    # Nemotron-H 56B: 54 Mamba-2 layers, 54 MLP layers (squared ReLU: an ungated MLP) and 10 attention
+    # layers without positions (NeMo's NemotronHConfig56B); Megatron's MambaMixer scans chunks of 128.
+    ModelSpec("nemotron-h-56b", 118, 8192, 64, 8, 32768, 131072, 8192, gated_mlp=False,
+              hybrid_pattern=NEMOTRON_H_56B_PATTERN, mamba_heads=256, mamba_head_dim=64, mamba_state_size=256,
+              mamba_groups=8, mamba_chunk_size=128),
 )}
 
 

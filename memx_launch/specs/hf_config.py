@@ -1,8 +1,8 @@
 """Reading a model's shape from a Hugging Face config (a ``config.json``, or a loaded model's
 ``config.to_dict()``): the Llama (4 included), Mistral, Qwen, Gemma, Mixtral, DeepSeek, GLM and GPT-OSS
-families, GPT-2 style keys, and the language model of a multimodal config (its ``text_config``).
-Hybrid and recurrent families (linear attention, Mamba) are refused by name: memx models blocks of
-softmax attention only."""
+families, GPT-2 style keys, the language model of a multimodal config (its ``text_config``) and
+Nemotron-H's hybrid of Mamba-2, attention and MLP layers. Other hybrid and recurrent families
+(linear attention, other Mamba hybrids, RWKV) are refused by name."""
 
 from __future__ import annotations
 
@@ -28,11 +28,16 @@ GATED_GELU = ("gemma",)
 PARALLEL_BLOCK_KEYS = {"gptj": None, "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
 # Families with blocks other than softmax attention's (linear attention, Mamba, RWKV's recurrence),
 # which memx does not model: by model type, and by the key naming such blocks in a config.
-OTHER_BLOCK_TYPES = ("qwen3_next", "kimi_linear", "minimax", "minimax_m1", "nemotron_h", "jamba", "bamba", "zamba",
+OTHER_BLOCK_TYPES = ("qwen3_next", "kimi_linear", "minimax", "minimax_m1", "jamba", "bamba", "zamba",
                      "zamba2", "falcon_h1", "granitemoehybrid", "lfm2", "mamba", "mamba2", "falcon_mamba", "rwkv",
                      "recurrent_gemma")
 OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_list", "hybrid_override_pattern",
                     "attn_layer_period", "mamba_d_ssm", "ssm_cfg")
+# Hybrid families memx models (Nemotron-H: Mamba-2, attention and MLP layers in hybrid_override_pattern).
+HYBRID_TYPES = ("nemotron_h",)
+# A hybrid config's Mamba keys, by ModelSpec field.
+MAMBA_KEYS = {"mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim", "mamba_state_size": "ssm_state_size",
+              "mamba_groups": "n_groups", "mamba_conv_kernel": "conv_kernel", "mamba_chunk_size": "chunk_size"}
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich).
 POST_NORM_TYPES = ("gemma2", "gemma3")
 # Families that normalise every query and key head with no config key saying so (by prefix).
@@ -96,7 +101,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         require_type(cfg["hidden_act"], str, f"model ({where}).hidden_act")
     if cfg.get("tie_word_embeddings") is not None:
         require_type(cfg["tie_word_embeddings"], bool, f"model ({where}).tie_word_embeddings")
-    act = str(cfg.get("hidden_act", "silu"))
+    act = str(cfg.get("hidden_act", cfg.get("mlp_hidden_act", "silu")))  # Nemotron-H: mlp_hidden_act relu2
     heads = cfg["num_attention_heads"]
     head_dim = 0
     if cfg.get("head_dim") is not None:
@@ -112,7 +117,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
     # The MLP width (a mixture's dense blocks may set their own), the experts and local attention.
     blocks = {"ffn_hidden_size": cfg["intermediate_size"], **_experts_of(cfg, model_type, where),
-              **_local_attention_of(cfg, model_type, where)}
+              **_local_attention_of(cfg, model_type, where), **_hybrid_of(cfg, model_type, where)}
     latent = _latent_attention_of(cfg, where)
     head_dim = latent.pop("attention_head_dim", head_dim)
     parallel = False
@@ -148,6 +153,21 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     )
 
 
+def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """A hybrid family's layers (:data:`HYBRID_TYPES`): its pattern and the Mamba layers' sizes
+    (:data:`MAMBA_KEYS`; Hugging Face's defaults where a config leaves one out)."""
+    if model_type not in HYBRID_TYPES:
+        return {}
+    pattern = cfg.get("hybrid_override_pattern")
+    require_type(pattern, str, f"model ({where}).hybrid_override_pattern")
+    sizes = {field: cfg[key] for field, key in MAMBA_KEYS.items() if cfg.get(key) is not None}
+    for field, key in MAMBA_KEYS.items():
+        if field in sizes:
+            require_number(sizes[field], f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
+                           fix="config.json must give it as a positive integer")
+    return {"hybrid_pattern": pattern, **sizes}
+
+
 def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) -> None:
     """Refuse a hybrid or recurrent family (:data:`OTHER_BLOCK_TYPES`, :data:`OTHER_BLOCK_KEYS`,
     ``layer_types`` beyond :data:`ATTENTION_LAYER_TYPES`): planned as attention, its time and
@@ -157,7 +177,7 @@ def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) ->
         raise ConfigError(f"model ({where}).model_type", f"{model_type} has blocks other than softmax attention "
                           "(linear attention, Mamba or recurrent ones)", fix)
     for key in OTHER_BLOCK_KEYS:
-        if cfg.get(key) is not None:
+        if cfg.get(key) is not None and not (model_type in HYBRID_TYPES and key == "hybrid_override_pattern"):
             raise ConfigError(f"model ({where}).{key}", "names blocks other than softmax attention "
                               "(linear attention, Mamba or recurrent ones)", fix)
     types = cfg.get("layer_types")

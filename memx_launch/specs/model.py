@@ -11,10 +11,9 @@ from typing import Any, Mapping
 
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_type
-
-MAX_DIMENSION = 2**24
-"""Bound on every size of a model (layers, hidden, heads, vocabulary, sequence)."""
+from memx_launch.specs.checks import reject_unknown
+from memx_launch.specs.hybrid import HYBRID_LAYER_KINDS, mamba_params
+from memx_launch.specs.model_checks import MAX_DIMENSION, check_shape  # noqa: F401 (callers import MAX_DIMENSION here)
 
 
 # Fields that change no time or memory: a model's profiles and plans stay its own whatever they hold.
@@ -27,7 +26,9 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "sliding_window": 0, "full_attention_layers": 0, "attention_chunk_size": 0, "qk_norm": False,
                          "post_norms": False, "norm_weight_in_fp32": False,
                          "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
-                         "moe_layer_step": 1, "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0}
+                         "moe_layer_step": 1, "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0,
+                         "hybrid_pattern": "", "mamba_heads": 0, "mamba_head_dim": 64, "mamba_state_size": 128,
+                         "mamba_groups": 8, "mamba_conv_kernel": 4, "mamba_chunk_size": 256, "layer_kind": ""}
 
 
 
@@ -128,75 +129,60 @@ class ModelSpec:
     mtp_layers: int = 0
     """Multi-token prediction modules after the last block (DeepSeek-V3's ``num_nextn_predict_layers``):
     each one more block, a projection of 2h to h and a loss of its own over the shared head."""
+    hybrid_pattern: str = ""
+    """A hybrid model's layers, one character each (Megatron's ``--hybrid-override-pattern``, Hugging
+    Face's ``hybrid_override_pattern``: Nemotron-H): ``M`` a Mamba-2 mixer, ``*`` attention, ``-`` an
+    MLP, each a layer of its own behind one pre-norm and a residual add. '': every layer a block of
+    attention and MLP."""
+    mamba_heads: int = 0
+    """With ``M`` layers: the Mamba-2 mixer's heads (its inner width is ``mamba_heads x mamba_head_dim``)."""
+    mamba_head_dim: int = 64
+    mamba_state_size: int = 128
+    """The state each head keeps per channel (Mamba-2's d_state, Hugging Face's ``ssm_state_size``)."""
+    mamba_groups: int = 8
+    """Groups sharing one B and C projection (Hugging Face's ``n_groups``)."""
+    mamba_conv_kernel: int = 4
+    mamba_chunk_size: int = 256
+    """Tokens of a chunk of the chunked scan (SSD): quadratic within a chunk, a state passed between them."""
+    layer_kind: str = ""
+    """One layer of a hybrid model (:attr:`layer_kinds` sets it): ``mamba``, ``attention`` or ``mlp``;
+    '' a block of attention and MLP."""
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                     "ffn_hidden_size", "vocab_size", "seq_len"):
-            require_number(getattr(self, name), f"model.{name}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True)
-        require_type(self.name, str, "model.name")
-        require_name(self.name, "model.name")
-        require_type(self.gated_mlp, bool, "model.gated_mlp")
-        require_type(self.tie_embeddings, bool, "model.tie_embeddings")
-        require_type(self.layer_norm, bool, "model.layer_norm")
-        require_type(self.linear_biases, bool, "model.linear_biases")
-        require_number(self.position_embeddings, "model.position_embeddings", lo=0, hi=MAX_DIMENSION, integer=True,
-                       fix="the learned position table's rows, or 0 for rotary positions")
-        require_type(self.parallel_blocks, bool, "model.parallel_blocks")
-        require_type(self.lm_head, bool, "model.lm_head")
-        require_type(self.tensor_parallel_blocks, bool, "model.tensor_parallel_blocks")
-        require_number(self.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
-        require_number(self.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
-        require_number(self.attention_head_dim, "model.attention_head_dim", lo=0, hi=MAX_DIMENSION, integer=True,
-                       fix="give one head's width, or 0 for hidden_size / num_heads")
-        if not self.attention_head_dim and self.hidden_size % self.num_heads:
-            raise ConfigError("model.hidden_size", f"{self.hidden_size} is not divisible by "
-                              f"num_heads={self.num_heads}", "use a multiple of num_heads, or give attention_head_dim")
-        for name in ("num_experts", "experts_per_token", "expert_ffn_hidden_size", "shared_expert_ffn_hidden_size"):
-            require_number(getattr(self, name), f"model.{name}", lo=0, hi=MAX_DIMENSION, integer=True)
-        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
-            raise ConfigError("model.experts_per_token", f"{self.experts_per_token} of {self.num_experts} experts",
-                              "give the experts each token is routed to (top-k), at least 1")
-        require_number(self.sliding_window, "model.sliding_window", lo=0, hi=MAX_DIMENSION, integer=True)
-        require_number(self.full_attention_layers, "model.full_attention_layers", lo=0, hi=self.num_layers,
-                       integer=True, fix=f"give how many of the {self.num_layers} blocks attend to the whole sequence")
-        require_number(self.attention_chunk_size, "model.attention_chunk_size", lo=0, hi=MAX_DIMENSION, integer=True)
-        require_type(self.qk_norm, bool, "model.qk_norm")
-        require_type(self.post_norms, bool, "model.post_norms")
-        require_type(self.norm_weight_in_fp32, bool, "model.norm_weight_in_fp32")
-        if self.post_norms and self.parallel_blocks:
-            raise ConfigError("model.post_norms", "set with parallel_blocks", "give a block one of them")
-        if self.attention_chunk_size and self.sliding_window:
-            raise ConfigError("model.attention_chunk_size", "set beside sliding_window",
-                              "give the local blocks a window or chunks, not both")
-        for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim", "mtp_layers"):
-            require_number(getattr(self, name), f"model.{name}", lo=0, hi=MAX_DIMENSION, integer=True)
-        if not self.kv_lora_rank and (self.q_lora_rank or self.rope_head_dim or self.v_head_dim):
-            raise ConfigError("model.kv_lora_rank", "0, but q_lora_rank, rope_head_dim or v_head_dim is set",
-                              "give the latent attention's kv_lora_rank, or drop the others")
-        require_number(self.dense_layers, "model.dense_layers", lo=0, hi=self.num_layers - 1, integer=True,
-                       fix="give how many first blocks have a dense MLP, fewer than the blocks")
-        if self.dense_layers and not self.num_experts:
-            raise ConfigError("model.dense_layers", "set on a model without experts", "give num_experts, or drop it")
-        require_number(self.moe_layer_step, "model.moe_layer_step", lo=1, hi=self.num_layers, integer=True,
-                       fix="give every how many blocks one runs the experts, at most the blocks (1: every one)")
-        if self.moe_layer_step > 1 and not self.num_experts:
-            raise ConfigError("model.moe_layer_step", "set on a model without experts", "give num_experts, or drop it")
-        if self.moe_layer_step > 1 and self.dense_layers:
-            raise ConfigError("model.moe_layer_step", "set beside dense_layers",
-                              "give a mixture of experts dense first blocks or interleaved ones, not both")
-        require_number(self.expert_groups, "model.expert_groups", lo=0, hi=MAX_DIMENSION, integer=True)
-        if self.expert_groups and (not self.num_experts or self.num_experts % self.expert_groups
-                                   or not 1 <= self.expert_groups_per_token <= self.expert_groups
-                                   or self.experts_per_token > self.expert_groups_per_token
-                                   * (self.num_experts // self.expert_groups)):
-            raise ConfigError("model.expert_groups", f"{self.expert_groups} groups, {self.expert_groups_per_token} a "
-                              f"token, for {self.num_experts} experts and top-{self.experts_per_token}",
-                              "give groups dividing the experts, and per token at least one and enough for top-k")
-        if self.experts_per_token and not self.num_experts:
-            raise ConfigError("model.experts_per_token", "set without num_experts", "give num_experts, or drop it")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError("model.num_kv_heads", f"{self.num_kv_heads} does not divide "
-                              f"num_heads={self.num_heads}", "use a divisor of num_heads")
+        check_shape(self)
+
+    @property
+    def has_attention(self) -> bool:
+        """A block or layer with attention: every one but a hybrid model's Mamba and MLP layers."""
+        return self.layer_kind in ("", "attention")
+
+    @property
+    def has_mlp(self) -> bool:
+        """A block or layer with an MLP: every one but a hybrid model's Mamba and attention layers."""
+        return self.layer_kind in ("", "mlp")
+
+    @cached_property  # the cost model builds one per kind
+    def layer_kinds(self) -> tuple[tuple["ModelSpec", int], ...]:
+        """A hybrid model's kinds of layers, each with how many of its layers are of that kind
+        (Mamba, attention, MLP where the pattern has them); none for a transformer."""
+        return tuple((replace(self, hybrid_pattern="", layer_kind=kind), self.hybrid_pattern.count(char))
+                     for char, kind in HYBRID_LAYER_KINDS.items() if char in self.hybrid_pattern)
+
+    def splits_over_tp(self, tp: int) -> bool:
+        """Whether TP ``tp`` divides the heads, the KV heads and a hybrid model's Mamba groups."""
+        groups = self.mamba_groups if "M" in self.hybrid_pattern else tp
+        return not (self.num_heads % tp or self.num_kv_heads % tp or groups % tp)
+
+    @property
+    def tp_units(self) -> str:
+        """What TP splits, in words (:meth:`splits_over_tp`)."""
+        groups = f" and {self.mamba_groups} Mamba groups" if "M" in self.hybrid_pattern else ""
+        return f"{self.num_heads} heads, {self.num_kv_heads} KV heads{groups}"
+
+    @property
+    def mamba_inner_size(self) -> int:
+        """A Mamba layer's inner width: its heads x their width (Mamba-2's d_inner)."""
+        return self.mamba_heads * self.mamba_head_dim
 
     @property
     def head_dim(self) -> int:
@@ -209,8 +195,9 @@ class ModelSpec:
 
     @property
     def q_hidden_size(self) -> int:
-        """Width of the queries (``hidden_size`` unless ``attention_head_dim`` or latent attention)."""
-        return self.num_heads * self.qk_head_dim
+        """Width of the queries (``hidden_size`` unless ``attention_head_dim`` or latent attention);
+        0 in a layer without attention."""
+        return self.num_heads * self.qk_head_dim if self.has_attention else 0
 
     @property
     def value_hidden_size(self) -> int:
@@ -224,7 +211,7 @@ class ModelSpec:
         value, of different widths): their mean, so that keys and values together are twice it."""
         if self.kv_lora_rank:
             return (self.q_hidden_size + self.value_hidden_size) // 2
-        return self.num_kv_heads * self.head_dim
+        return self.num_kv_heads * self.head_dim if self.has_attention else 0
 
     @property
     def latent_attention_params(self) -> int:
@@ -260,6 +247,8 @@ class ModelSpec:
     @property
     def mlp_params(self) -> int:
         """One block's MLP: a dense MLP, or the router, the shared expert and every routed expert."""
+        if not self.has_mlp:
+            return 0
         if not self.num_experts:
             return self._mlp_of(self.ffn_hidden_size)
         return self.hidden_size * self.num_experts + self._mlp_of(self.shared_expert_ffn_hidden_size) + self.expert_params
@@ -268,6 +257,8 @@ class ModelSpec:
     def active_ffn_hidden_size(self) -> int:
         """The MLP width one token runs through: ``ffn_hidden_size``, or its top-k experts' and
         the shared expert's together."""
+        if not self.has_mlp:
+            return 0
         if not self.num_experts:
             return self.ffn_hidden_size
         return self.experts_per_token * self.moe_ffn_hidden_size + self.shared_expert_ffn_hidden_size
@@ -292,18 +283,36 @@ class ModelSpec:
         return self.q_hidden_size + self.hidden_size + 2 * self.kv_hidden_size + mlp
 
     @cached_property
-    def layer_params(self) -> int:
+    def layer_params(self) -> float:
         """Parameters of one transformer block, its norms (one with parallel blocks, else two, four
-        with ``post_norms``; the query and key heads' with ``qk_norm``) and the biases included."""
-        qk_norms = 2 * self.qk_head_dim if self.qk_norm else 0
-        return (self.attention_params + self.mlp_params + self.bias_params + self.norms_per_block * self.norm_params
-                + qk_norms)
+        with ``post_norms``; the query and key heads' with ``qk_norm``) and the biases included; a
+        hybrid model's layer: the mean of its layers' (:attr:`block_params`)."""
+        if self.hybrid_pattern:
+            return self.block_params / self.num_layers
+        qk_norms = 2 * self.qk_head_dim if self.qk_norm and self.has_attention else 0
+        return (self.attention_params + self.mlp_params + mamba_params(self) + self.bias_params
+                + self.norms_per_block * self.norm_params + qk_norms)
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of all the blocks (or a hybrid model's layers), a mixture of experts' dense ones included."""
+        if self.hybrid_pattern:
+            return sum(count * kind.layer_params for kind, count in self.layer_kinds)
+        dense = self.dense_block_count * (self.dense_block.layer_params - self.layer_params) if self.num_experts else 0
+        return self.num_layers * self.layer_params + dense
 
     @property
     def pre_norms_per_block(self) -> int:
-        """Norms whose output a block's linears read: one feeding parallel attention and MLP, else
-        one before each (what Megatron's ``layernorm`` recompute module runs again)."""
-        return 1 if self.parallel_blocks else 2
+        """Norms whose output a block's linears read: one feeding parallel attention and MLP, or a
+        hybrid model's layer, else one before each (what Megatron's ``layernorm`` recompute module
+        runs again)."""
+        return 1 if self.parallel_blocks or self.layer_kind else 2
+
+    @property
+    def residual_adds(self) -> int:
+        """Adds into the residual stream per block: one after attention, one after the MLP; one in
+        a hybrid model's layer."""
+        return 1 if self.layer_kind else 2
 
     @property
     def norms_per_block(self) -> int:
@@ -386,8 +395,7 @@ class ModelSpec:
     def total_params(self) -> int:
         """The model's parameters as published: its blocks, embedding and head (not the
         multi-token prediction modules, which training adds: ``mtp_params``)."""
-        dense = self.dense_block_count * (self.dense_block.layer_params - self.layer_params) if self.num_experts else 0
-        return self.num_layers * self.layer_params + dense + self.embedding_params + self.head_params
+        return self.block_params + self.embedding_params + self.head_params
 
     def signature(self) -> str:
         """Short stable hash of the shape; keys profiles, caches and predictors."""
