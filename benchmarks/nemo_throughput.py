@@ -246,7 +246,7 @@ def plot(rows: list[dict], dgxc: list[dict], path: str) -> None:
                        "Megatron-Bridge, mixtures of experts", plt.cm.tab10.colors, size=18,
                        label=lambda r: f"{r['model']} mbs{r['layout'].split(' mbs')[1].split()[0]}")
     step_time_by_group(recipes, [{**r, "group": f"{r['model']} {r['system']}"} for r in dgxc],
-                       "DGX Cloud recipes, mixtures of experts", plt.cm.tab10.colors, size=18,
+                       "DGX Cloud recipes: mixtures of experts, Nemotron-H", plt.cm.tab10.colors, size=18,
                        label=lambda r: f"{r['gpus']} {r['precision']}")
     fig.tight_layout()
     save_png_atomic(fig, path, dpi=100)

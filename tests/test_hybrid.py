@@ -147,3 +147,18 @@ def test_megatron_splits_a_hybrid_model_evenly_and_the_export_says_when_the_plan
     uneven = megatron_args(_estimate(pp=2, dp=4, layers_per_stage=[5, 3]))
     assert "--pipeline-model-parallel-layout" not in uneven.args
     assert any("splits the 8 layers evenly" in n and "as M-M*M|-M-" in n for n in uneven.notes), uneven.notes
+
+
+def test_each_stage_holds_the_kinds_the_split_gives_it():
+    # Four Mamba layers then four MLP layers over two stages: each stage is one kind, priced as it.
+    model = dataclasses.replace(SMALL, hybrid_pattern="MMMM----")
+    plan = _estimate(model, pp=2, dp=4, layers_per_stage=[4, 4])
+    mamba, mlp = (cm.AnalyticalCostModel(kind, NODE, TRAINING) for kind, _ in model.layer_kinds)
+    edges = cm.AnalyticalCostModel(model, NODE, TRAINING)
+    first = 4 * mamba.layer_costs(0, 1, 1, 2048, 0).time_s + edges.embedding_time(0, 1, 1, 2048)
+    last = 4 * mlp.layer_costs(0, 1, 1, 2048, 0).time_s + edges.head_time(0, 1, 1, 2048)
+    assert [s.predicted_stage_time_s for s in plan.stages] == pytest.approx([float(first), float(last)], rel=1e-6)
+    weights = [s.memory_parts_gib["parameters"] * 2**30 for s in plan.stages]
+    assert weights[0] - model.embedding_params * 2 == pytest.approx(4 * mamba.model.layer_params * 2, rel=1e-6)
+    for stage in plan.stages:  # the parts still add up to the stage's peak
+        assert sum(stage.memory_parts_gib.values()) == pytest.approx(stage.predicted_peak_memory_gib, abs=1e-5)

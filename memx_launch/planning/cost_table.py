@@ -22,9 +22,8 @@ class CostTable:
         self.work = np.asarray(cost.working_bytes, dtype=float).reshape(shape)
         self.misses = self.time.size
         self.hits = 0
-        # A mixture of experts' dense blocks: their own costs, on the same grid.
-        dense = getattr(cost_model, "dense_blocks", None)
-        self.dense = CostTable(dense, n_devices, tps, mbss, seqs) if dense is not None else None
+        # Layers priced beside the repeated one (a mixture's dense blocks, a hybrid model's kinds): their own costs.
+        self.kinds = [CostTable(other, n_devices, tps, mbss, seqs) for other in getattr(cost_model, "other_kinds", [])]
 
     def lookup(self, device, tp, mbs, seq, level):
         """Index arrays broadcast together (``tp`` and ``mbs`` a value or an array of them);

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from memx_launch.planning import experts, mamba, op_checkpointing, quantization
+from memx_launch.planning import experts, extra_blocks, mamba, op_checkpointing, quantization
 from memx_launch.planning.activations import LayerCost, activation_bytes, selective_modules  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
@@ -229,11 +229,11 @@ class AnalyticalCostModel:
                            * KERNEL_LAUNCH_S for d in self.device_types]) / 1e3
         self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
-        # A mixture of experts' dense blocks are priced as a dense model's blocks.
-        self.dense_blocks = (AnalyticalCostModel(model.dense_block, cluster, training) if model.dense_block_count
-                             else None)
         # A hybrid model's layers: each kind priced as its own, at its share of the layers.
         self._kinds = [(n / model.num_layers, AnalyticalCostModel(kind, cluster, training)) for kind, n in model.layer_kinds]
+        # Priced beside the repeated layer (extra_blocks.other_kinds): a mixture's dense block, a hybrid model's kinds.
+        self.other_kinds = [kind for _, kind in self._kinds] or [
+            AnalyticalCostModel(other, cluster, training) for other in extra_blocks.other_kinds(model)]
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]

@@ -1,15 +1,18 @@
-"""Blocks beside a model's repeated block: a mixture of experts' dense blocks, the first ones
+"""Layers beside a model's repeated one: a mixture of experts' dense blocks, the first ones
 (DeepSeek's ``first_k_dense_replace``), which the first stage holds, or those between its
 expert blocks (Llama 4 Maverick's ``interleave_moe_layer_step``), wherever the split puts them;
-and the multi-token prediction modules' blocks, which the last stage runs after the head. A
-split counts the model's blocks, dense ones included; a stage's bytes and seconds are its
-layers at the repeated block's cost plus :func:`beside_repeated`. No torch import."""
+a hybrid model's kinds of layers (Mamba, attention, MLP: :attr:`ModelSpec.layer_kinds`), whose
+repeated layer is their mean, wherever the split puts them; and the multi-token prediction
+modules' blocks, which the last stage runs after the head. A split counts the model's layers; a
+stage's bytes and seconds are its layers at the repeated layer's cost plus :func:`beside_repeated`.
+No torch import."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from memx_launch.planning.layer_split import chunk_layers
+from memx_launch.specs.hybrid import HYBRID_LAYER_KINDS
 from memx_launch.specs.model import ModelSpec
 
 
@@ -20,61 +23,89 @@ def first_stage_min_layers(model: ModelSpec, v: int) -> int:
     return model.dense_layers + v - 1 if model.dense_layers else 0
 
 
-def interleaved_dense_counts(model: ModelSpec, layers, v: int) -> np.ndarray:
-    """(..., P) dense blocks among each stage's ``layers`` (..., P) where they sit between the
-    expert ones (``moe_layer_step``): its chunks (:func:`chunk_layers`) hold blocks in model
-    order, virtual-stage major (chunk k on stage k mod P), and block ``i`` is an expert one where
-    ``(i + 1) % step`` is 0."""
+def other_kinds(model: ModelSpec) -> list[ModelSpec]:
+    """The shapes priced beside the repeated layer: a mixture of experts' dense block, or each of
+    a hybrid model's kinds; none for a transformer of one kind of block."""
+    if model.layer_kinds:
+        return [kind for kind, _ in model.layer_kinds]
+    return [model.dense_block] if model.dense_block_count else []
+
+
+def split_places_kinds(model: ModelSpec) -> bool:
+    """Whether the split decides which kind each stage's layers are (interleaved dense blocks, a
+    hybrid model's pattern), not the model alone (dense first blocks on the first stage)."""
+    return model.moe_layer_step > 1 or bool(model.layer_kinds)
+
+
+def layers_where(is_kind: np.ndarray, layers, v: int) -> np.ndarray:
+    """(..., P) layers of each stage of ``layers`` (..., P) in ``v`` chunks that ``is_kind`` (one
+    boolean a layer, in model order) marks: the chunks hold layers in model order, virtual-stage
+    major (chunk k on stage k mod P)."""
     chunks = chunk_layers(layers, v)                   # (..., P, v)
     ordered = np.swapaxes(chunks, -1, -2)              # (..., v, P): model order once flattened
     flat = ordered.reshape(*ordered.shape[:-2], -1)
     end = np.cumsum(flat, axis=-1)
-    experts = end // model.moe_layer_step - (end - flat) // model.moe_layer_step
-    return (flat - experts).reshape(ordered.shape).sum(axis=-2)
+    marked = np.concatenate([[0], np.cumsum(is_kind)])
+    top = len(is_kind)  # a row splitting more layers than the model has is infeasible: counted to its end
+    return (marked[np.minimum(end, top)] - marked[np.minimum(end - flat, top)]).reshape(ordered.shape).sum(axis=-2)
 
 
-def dense_blocks_per_stage(model: ModelSpec, pp: int, layers=None, v: int = 1) -> np.ndarray:
-    """Each stage's dense blocks: (P,) the first stage's dense first blocks, which no split moves,
-    or (..., P) the interleaved ones the split ``layers`` (..., P) in ``v`` chunks gives each
-    stage. Before the split is known (``layers`` None) interleaved ones count 0 here:
-    :func:`mean_block` prices them."""
+def interleaved_dense_counts(model: ModelSpec, layers, v: int) -> np.ndarray:
+    """(..., P) dense blocks among each stage's ``layers`` (..., P) where they sit between the
+    expert ones (``moe_layer_step``): block ``i`` is an expert one where ``(i + 1) % step`` is 0."""
+    return layers_where((np.arange(1, model.num_layers + 1) % model.moe_layer_step) != 0, layers, v)
+
+
+def kind_counts(model: ModelSpec, pp: int, layers=None, v: int = 1) -> list[np.ndarray]:
+    """Each of :func:`other_kinds`' layers on each stage: a mixture's dense first blocks (P,) on
+    the first stage, or (..., P) the interleaved ones or a hybrid model's kinds the split ``layers``
+    (..., P) in ``v`` chunks gives each stage. Before the split is known (``layers`` None) those
+    count 0 here: the repeated layer's cost (:func:`mean_block`, a hybrid model's mean) prices them."""
+    if model.layer_kinds:
+        if layers is None:
+            return [np.zeros(pp) for _ in model.layer_kinds]
+        chars = np.array(list(model.hybrid_pattern))
+        return [layers_where(chars == char, layers, v).astype(np.float64)
+                for char in HYBRID_LAYER_KINDS if char in model.hybrid_pattern]
+    if not model.dense_block_count:
+        return []
     if model.moe_layer_step > 1 and layers is not None:
-        return interleaved_dense_counts(model, layers, v).astype(np.float64)
+        return [interleaved_dense_counts(model, layers, v).astype(np.float64)]
     dense = np.zeros(pp)
     dense[0] = model.dense_layers
-    return dense
+    return [dense]
 
 
-def stage_block_counts(model: ModelSpec, layers, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(dense, repeated) blocks of each stage of ``layers`` (..., P) in ``v`` chunks each
-    (:func:`dense_blocks_per_stage`), every other block the repeated one, with the last stage's
-    multi-token prediction blocks."""
-    dense = dense_blocks_per_stage(model, np.shape(layers)[-1], layers, v)
-    repeated = layers - dense
+def stage_block_counts(model: ModelSpec, layers, v: int = 1) -> tuple[list[np.ndarray], np.ndarray]:
+    """(each other kind's, repeated) layers of each stage of ``layers`` (..., P) in ``v`` chunks
+    (:func:`kind_counts`), every other layer the repeated one, with the last stage's multi-token
+    prediction blocks."""
+    counts = kind_counts(model, np.shape(layers)[-1], layers, v)
+    repeated = layers - sum(counts)
     repeated[..., -1] += model.mtp_layers
-    return dense, repeated
+    return counts, repeated
 
 
-def mean_block(model: ModelSpec, repeated_cost, dense_cost):
+def mean_block(model: ModelSpec, repeated_cost, kind_costs):
     """A block's cost on average over a model whose dense blocks sit between its expert ones: what
     a split weighs each block at before it knows which of a stage's blocks are dense."""
     if model.moe_layer_step == 1:
         return repeated_cost
     share = model.dense_block_count / model.num_layers
-    return repeated_cost + share * (np.asarray(dense_cost) - repeated_cost)
+    return repeated_cost + share * (np.asarray(kind_costs[0]) - repeated_cost)
 
 
-def beside_repeated(model: ModelSpec, repeated_cost, dense_cost, dense_blocks):
-    """What a stage's blocks cost beyond ``layers x repeated_cost``: its ``dense_blocks`` (..., P)
-    at their difference (``dense_cost`` a dense block's), and on the last stage the multi-token
-    prediction blocks. Per-block costs broadcast to (..., P): bytes or seconds. 0 for a model
-    without either."""
-    if not (model.dense_block_count or model.mtp_layers):
+def beside_repeated(model: ModelSpec, repeated_cost, kind_costs, counts):
+    """What a stage's layers cost beyond ``layers x repeated_cost``: each other kind's ``counts``
+    (..., P) at its cost's difference (``kind_costs``, one a kind), and on the last stage the
+    multi-token prediction blocks. Per-layer costs broadcast to (..., P): bytes or seconds. 0 for
+    a model without either."""
+    if not (counts or model.mtp_layers):
         return 0.0
     repeated = np.asarray(repeated_cost, dtype=np.float64)
-    out = np.zeros(np.broadcast_shapes(repeated.shape, np.shape(dense_blocks)))
-    if model.dense_block_count:
-        out += dense_blocks * (np.asarray(dense_cost, dtype=np.float64) - repeated)
+    out = np.zeros(np.broadcast_shapes(repeated.shape, *(np.shape(n) for n in counts)))
+    for cost, n in zip(kind_costs, counts):
+        out += n * (np.asarray(cost, dtype=np.float64) - repeated)
     out[..., -1] += model.mtp_layers * repeated[..., -1]
     return out
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import quantization
-from memx_launch.planning.extra_blocks import stage_block_counts
+from memx_launch.planning.extra_blocks import other_kinds, stage_block_counts
 from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -190,15 +190,15 @@ def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, train
 
 
 def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray, v: int = 1) -> np.ndarray:
-    """(C, P) parameters a rank of each stage holds: its blocks in ``v`` chunks each (over TP,
-    routed experts over EP; :func:`~memx_launch.planning.extra_blocks.stage_block_counts`), the
-    embedding on the first stage, the head on the last."""
+    """(C, P) parameters a rank of each stage holds: its blocks in ``v`` chunks each, each kind's
+    (over TP, routed experts over EP; :func:`~memx_launch.planning.extra_blocks.stage_block_counts`),
+    the embedding on the first stage, the head on the last."""
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
     first, last = layout.end_tp
-    dense, repeated = stage_block_counts(model, layers, v)
+    counts, repeated = stage_block_counts(model, layers, v)
     params = repeated * sum(rank_layer_params(model, training, tp))
-    if model.dense_block_count:
-        params = params + dense * rank_layer_params(model.dense_block, training, tp)[0]
+    for kind, n in zip(other_kinds(model), counts):
+        params = params + n * sum(rank_layer_params(kind, training, tp))
     params[:, 0] += model.embedding_params / first
     params[:, -1] += last_stage_params(model, layout.pp) / last
     return params

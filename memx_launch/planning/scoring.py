@@ -119,8 +119,9 @@ class Evaluator:
         for each row, on the device types of row ``replica`` of the layout's ``replica_device``.
         With context parallelism a rank sees ``seq / cp`` tokens of each sequence; with a DP degree
         per stage a stage of fewer replicas runs larger local micro-batches. Dense blocks between
-        a mixture of experts' expert ones are counted where ``layers`` (the split) puts them;
-        without it a layer costs their mean (:func:`extra_blocks.mean_block`)."""
+        a mixture of experts' expert ones, and a hybrid model's kinds of layers, are counted where
+        ``layers`` (the split) puts them; without it a layer costs their mean
+        (:func:`extra_blocks.mean_block`; a hybrid model's table is its mean layer's)."""
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
         tp = layout.tp if layout.uniform_tp else layout.stage_tp  # a scalar where it can: the search's hot path
@@ -131,12 +132,13 @@ class Evaluator:
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         per_layer = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained) + quantized_kept + inflight * act
-        dense_t = dense_layer = None
-        if m.dense_block_count:  # a mixture of experts' dense block's costs
-            dense_t, dense_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, self.table.dense)
-            dense_layer = (layer_state_bytes(m.dense_block, tr, tp, layout.dp_cp, self.trained)
-                           + quantized_state_bytes(m.dense_block, tr, tp)[0] + inflight * dense_act)
-        dense_blocks = extra_blocks.dense_blocks_per_stage(m, pp, layers, v)
+        kind_t, kind_layer = [], []  # each kind of layer beside the repeated one (extra_blocks.other_kinds)
+        for kind, table in zip(extra_blocks.other_kinds(m), self.table.kinds):
+            t, kind_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, table)
+            kind_t.append(t)
+            kind_layer.append(layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained)
+                              + quantized_state_bytes(kind, tr, tp)[0] + inflight * kind_act)
+        counts = extra_blocks.kind_counts(m, pp, layers, v)
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
@@ -144,13 +146,13 @@ class Evaluator:
                  + kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
                  + cm.fully_sharded_working_bytes(m, tr, tp) + quantized_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device]
-                 + extra_blocks.beside_repeated(m, per_layer, dense_layer, dense_blocks))
+                 + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts))
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
         edge_t = (self._edge_time(layout, device, local, seq_rank)
-                  + extra_blocks.beside_repeated(m, t_layer, dense_t, dense_blocks))
+                  + extra_blocks.beside_repeated(m, t_layer, kind_t, counts))
         if layers is None:
-            per_layer, t_layer = (extra_blocks.mean_block(m, per_layer, dense_layer),
-                                  extra_blocks.mean_block(m, t_layer, dense_t))
+            per_layer, t_layer = (extra_blocks.mean_block(m, per_layer, kind_layer),
+                                  extra_blocks.mean_block(m, t_layer, kind_t))
         return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work
 
     def _offload(self, kept, act, t_layer, device) -> tuple:
@@ -258,7 +260,8 @@ class Evaluator:
                 # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
                 none_layer, none_fixed, none_t, _, _, none_work = (
                     self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.NONE), k, layers)
-                    if self.model.moe_layer_step > 1 else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
+                    if extra_blocks.split_places_kinds(self.model)
+                    else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
                 r = np.minimum(recompute_layers, layers)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
@@ -317,16 +320,15 @@ class Evaluator:
         pipeline = kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
         replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
         by_replica = []
-        dense_blocks = extra_blocks.dense_blocks_per_stage(m, pp, layers[0], v)
-        dense_quantized = quantized_state_bytes(m.dense_block, tr, tp)[0] if m.dense_block_count else None
+        kinds, counts = extra_blocks.other_kinds(m), extra_blocks.kind_counts(m, pp, layers[0], v)
         quantized_blocks = layers[0] * quantized_kept + extra_blocks.beside_repeated(
-            m, np.broadcast_to(quantized_kept, pp), dense_quantized, dense_blocks)
+            m, np.broadcast_to(quantized_kept, pp), [quantized_state_bytes(kind, tr, tp)[0] for kind in kinds], counts)
         for k, device in enumerate(layout.replica_device):
             def block_activations(at):  # at levels ``at``: (per block, beside the repeated blocks, working set)
                 _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, at))
-                dense = (self.stage_layer_costs(layout, device, tp, local, seq, at, self.table.dense)[1][0]
-                         if m.dense_block_count else None)
-                return act, inflight * extra_blocks.beside_repeated(m, act, dense, dense_blocks), work
+                kind_acts = [self.stage_layer_costs(layout, device, tp, local, seq, at, table)[1][0]
+                             for table in self.table.kinds]
+                return act, inflight * extra_blocks.beside_repeated(m, act, kind_acts, counts), work
             act, beside, work = block_activations(levels)
             kept = layers[0] * inflight * act + beside
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none

@@ -294,12 +294,12 @@ def _policy_rows(layout: Layout, level_options) -> np.ndarray:
 
 def _time_lower_bound(table: CostTable, layout: Layout, mbs, seq, g, num_layers) -> float:
     """All layers of every micro-batch on perfectly balanced stages of the fastest device, each
-    layer at the faster of a mixture of experts' blocks (the expert or the dense one)."""
+    layer at the fastest of its kinds (a mixture's expert or dense block, a hybrid model's kinds)."""
     tp_index = [table.tps.index(t) for t in layout.stage_tp.tolist()]
     seq_index = table.seqs.index(seq // layout.cp)
     mbs_index = [table.mbss.index(int(m)) for m in np.broadcast_to(layout.local_micro_batch(mbs), (layout.pp,))]
     t_min = min(t.time[layout.stage_device, tp_index, mbs_index, seq_index, cm.NONE].min()
-                for t in (table, table.dense) if t is not None)
+                for t in (table, *table.kinds))
     return g * num_layers * t_min / layout.pp
 
 

@@ -351,8 +351,8 @@ class LearnedCostModel:
             base = with_type_fields(base, {d.name: {"host_ms_per_layer": training.host_ms_per_layer}
                                            for d in base.device_types if d.name not in profiled})
         self.analytical = AnalyticalCostModel(model, base, replace(training, host_ms_per_layer=None))
-        # Profiles time the repeated block: a mixture of experts' dense first blocks stay analytical.
-        self.dense_blocks = self.analytical.dense_blocks
+        # Profiles time the repeated block: a mixture of experts' dense blocks stay analytical.
+        self.other_kinds = self.analytical.other_kinds
         self.model, self.cluster, self.training = model, cluster, training
         self.device_names = self.analytical.device_names
         self.device_types = self.analytical.device_types
