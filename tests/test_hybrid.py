@@ -62,7 +62,7 @@ def test_a_mamba_layer_holds_megatrons_parameters_and_each_kind_only_its_own():
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"hybrid_pattern": "M-M*M-ME"}, "model.hybrid_pattern"),   # Nemotron 3's expert layers
+    ({"hybrid_pattern": "M-M*M-ME"}, "model.num_experts"),      # expert layers without experts
     ({"hybrid_pattern": "M-M*M-M"}, "model.hybrid_pattern"),    # a character short
     ({"hybrid_pattern": "M-M*M-MX"}, "model.hybrid_pattern"),
     ({"num_experts": 8, "experts_per_token": 2}, "model.num_experts"),
@@ -162,3 +162,41 @@ def test_each_stage_holds_the_kinds_the_split_gives_it():
     assert weights[0] - model.embedding_params * 2 == pytest.approx(4 * mamba.model.layer_params * 2, rel=1e-6)
     for stage in plan.stages:  # the parts still add up to the stage's peak
         assert sum(stage.memory_parts_gib.values()) == pytest.approx(stage.predicted_peak_memory_gib, abs=1e-5)
+
+
+# Nemotron 3 Nano's config.json (its model-specific keys; Megatron-Bridge's Nemotron3NanoProvider agrees).
+NEMOTRON_3_NANO = {**NEMOTRON_H_56B, "num_hidden_layers": 52, "hidden_size": 2688, "intermediate_size": 1856,
+                   "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+                   "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+                   "mamba_num_heads": 64, "ssm_state_size": 128, "n_routed_experts": 128, "num_experts_per_tok": 6,
+                   "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_shared_experts": 1,
+                   "n_group": 1, "topk_group": 1, "max_position_embeddings": 262144}
+# Expert layers among the others, at a size a test plans in a moment.
+SMALL_MOE = dataclasses.replace(SMALL, hybrid_pattern="MEM*EMEM", num_experts=8, experts_per_token=2,
+                                expert_ffn_hidden_size=1024, shared_expert_ffn_hidden_size=1024)
+
+
+def test_nemotron_3_nano_is_read_from_its_config_with_its_published_parameters():
+    model = model_from_hf_dict(NEMOTRON_3_NANO, "nemotron-3-nano-30b-a3b")
+    assert dataclasses.replace(model, tensor_parallel_blocks=True) == get_model("nemotron-3-nano-30b-a3b")
+    assert {kind.layer_kind: n for kind, n in model.layer_kinds} == {"mamba": 23, "attention": 6, "moe": 23}
+    assert model.total_params == pytest.approx(31.6e9, rel=0.005)  # "31.6B total"
+    experts = {kind.layer_kind: kind.num_experts for kind, _ in model.layer_kinds}
+    assert experts == {"mamba": 0, "attention": 0, "moe": 128}  # only the E layers hold experts
+
+
+def test_expert_layers_of_a_hybrid_model_hold_their_states_where_the_split_puts_them():
+    training = dataclasses.replace(TRAINING, expert_parallel=2)
+    plan = _estimate(SMALL_MOE, training, pp=2, dp=4, layers_per_stage=[4, 4])  # MEM* | EMEM
+    mamba, attention, moe = (kind for kind, _ in SMALL_MOE.layer_kinds)
+    states = [s.memory_parts_gib["optimizer_states"] * 2**30 for s in plan.stages]
+    # fp32 master weights and Adam's moments (12 bytes a parameter) over DP 4, the experts' over 4 / EP 2.
+    dense_moe = moe.layer_params - moe.expert_params
+    first = (2 * mamba.layer_params + attention.layer_params + dense_moe + SMALL_MOE.embedding_params) * 12 / 4
+    assert states[0] == pytest.approx(first + moe.expert_params * 12 / 2 / 2, rel=1e-6)
+    exchange = cm.AnalyticalCostModel(moe, NODE, training).layer_costs(0, 1, 1, 2048, 0).time_s
+    assert plan.stages[1].predicted_stage_time_s > 2 * float(exchange)  # its two expert layers and their all-to-alls
+    for stage in plan.stages:
+        assert sum(stage.memory_parts_gib.values()) == pytest.approx(stage.predicted_peak_memory_gib, abs=1e-5)
+    args = megatron_args(plan).args
+    assert args[args.index("--num-experts") + 1] == "8" and "MEM*EMEM" in args

@@ -1,6 +1,6 @@
 """Physical bounds over random layouts of every kind of model and precision memx expresses (dense,
 wide heads, sliding windows, experts, latent attention with dense first blocks and multi-token
-prediction, a hybrid of Mamba, attention and MLP layers; bf16, FP8, MXFP8, NVFP4; recompute, offloading): no
+prediction, hybrids of Mamba, attention, MLP and expert layers; bf16, FP8, MXFP8, NVFP4; recompute, offloading): no
 iteration is faster than its matmul FLOPs at the device's peak for its precision, and every stage's
 memory is its parts, none negative. Seeded, no processes."""
 
@@ -26,6 +26,8 @@ MODELS = [dataclasses.replace(m, num_layers=8, full_attention_layers=m.full_atte
                                    "llama4-scout", "llama4-maverick"))]
 MODELS.append(dataclasses.replace(get_model("deepseek-v3"), num_layers=8, dense_layers=1))
 MODELS.append(dataclasses.replace(get_model("nemotron-h-56b"), num_layers=8, hybrid_pattern="M-M*M-M-"))
+MODELS.append(dataclasses.replace(get_model("nemotron-3-nano-30b-a3b"), num_layers=8, hybrid_pattern="MEM*EMEM",
+                                  num_kv_heads=8))  # TP 4 splits its KV heads
 PRECISIONS = [{}, {"fp8": "current"}, {"fp8": "mxfp8", "fp8_params": True}, {"fp4": "nvfp4"}]
 
 

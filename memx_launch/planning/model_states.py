@@ -165,7 +165,10 @@ def rank_layer_params(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
     """(dense, routed-expert) parameters of one block on a rank: the dense ones over TP (but latent
     attention's down projections, whole on every rank), the routed experts over the
     expert-parallel ranks, each split over the expert-tensor-parallel ones (``expert_parallel``,
-    ``expert_tensor_parallel``)."""
+    ``expert_tensor_parallel``); a hybrid model's layer: the mean of its layers'."""
+    if model.layer_kinds:
+        parts = [(n, rank_layer_params(kind, training, tp)) for kind, n in model.layer_kinds]
+        return tuple(sum(n * part[i] for n, part in parts) / model.num_layers for i in (0, 1))
     whole = model.latent_attention_params
     dense = (model.layer_params - model.expert_params - whole) / np.asarray(tp, dtype=np.float64) + whole
     return dense, model.expert_params / (training.expert_parallel * training.expert_tensor_parallel)
@@ -214,6 +217,8 @@ def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, 
     if not model.num_experts:
         return tuple(params * d for d in dense)
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
-    experts = stage_block_counts(model, layers[0], v)[1] * rank_layer_params(model, training, tp)[1]
+    counts, repeated = stage_block_counts(model, layers[0], v)
+    experts = repeated * rank_layer_params(model, training, tp)[1] + sum(
+        n * rank_layer_params(kind, training, tp)[1] for kind, n in zip(other_kinds(model), counts))
     routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained)
     return tuple((params - experts) * d + experts * e for d, e in zip(dense, routed))

@@ -244,14 +244,16 @@ def _local_attention_of(cfg: Mapping[str, Any], model_type: str, where: str) -> 
 def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     """The mixture-of-experts fields of a Hugging Face config: Mixtral's and GPT-OSS's
     ``num_local_experts``, Qwen's ``num_experts`` and ``moe_intermediate_size`` (Qwen2-MoE's shared
-    expert), DeepSeek's ``n_routed_experts`` and ``n_shared_experts``, Llama 4's shared expert of its
+    expert), DeepSeek's ``n_routed_experts`` and ``n_shared_experts`` (Nemotron 3's of
+    ``moe_shared_expert_intermediate_size``), Llama 4's shared expert of its
     experts' width, and where the dense blocks are (DeepSeek's first ones, or all but every n-th:
     Llama 4's ``interleave_moe_layer_step``, Qwen's ``decoder_sparse_step``); none in a dense config."""
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return {}
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
-                "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts"):
+                "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts",
+                "moe_shared_expert_intermediate_size"):
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
@@ -274,7 +276,8 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
                           "memx models a mixture of experts' dense blocks as its first ones (first_k_dense_replace) "
                           "or as all but every n-th block (interleave_moe_layer_step, decoder_sparse_step)")
     expert_ffn = cfg.get("moe_intermediate_size") or 0
-    shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert_ffn
+    shared = (cfg.get("shared_expert_intermediate_size")  # Nemotron 3: each shared expert's own width
+              or (cfg.get("n_shared_experts") or 0) * (cfg.get("moe_shared_expert_intermediate_size") or expert_ffn))
     dense_ffn = {}
     if model_type.startswith("llama4"):  # every MoE block's shared expert, of the experts' width
         shared = cfg["intermediate_size"]

@@ -1,11 +1,14 @@
-"""Hybrid models (Nemotron-H): layers of Mamba-2 mixers, attention and MLPs in a pattern of their
-own, each behind one pre-norm and a residual add. The pattern's kinds and a Mamba layer's sizes;
+"""Hybrid models (Nemotron-H, Nemotron 3): layers of Mamba-2 mixers, attention, MLPs and mixtures
+of experts in a pattern of their own, each behind one pre-norm and a residual add. The pattern's kinds and a Mamba layer's sizes;
 ``ModelSpec.layer_kinds`` gives each kind's shape to price, ``model_checks`` what a pattern may hold."""
 
 from __future__ import annotations
 
 # A hybrid model's layer kinds by their character in Megatron's --hybrid-override-pattern.
-HYBRID_LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
+HYBRID_LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# What a hybrid model's layers other than its expert ones (E) hold none of.
+NO_EXPERTS = {"num_experts": 0, "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
+              "expert_groups": 0, "expert_groups_per_token": 0}
 
 
 def mamba_params(model) -> int:

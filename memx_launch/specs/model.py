@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import reject_unknown
-from memx_launch.specs.hybrid import HYBRID_LAYER_KINDS, mamba_params
+from memx_launch.specs.hybrid import HYBRID_LAYER_KINDS, NO_EXPERTS, mamba_params
 from memx_launch.specs.model_checks import MAX_DIMENSION, check_shape  # noqa: F401 (callers import MAX_DIMENSION here)
 
 
@@ -158,14 +158,16 @@ class ModelSpec:
 
     @property
     def has_mlp(self) -> bool:
-        """A block or layer with an MLP: every one but a hybrid model's Mamba and attention layers."""
-        return self.layer_kind in ("", "mlp")
+        """A block or layer with an MLP (or experts): every one but a hybrid model's Mamba and attention layers."""
+        return self.layer_kind in ("", "mlp", "moe")
 
     @cached_property  # the cost model builds one per kind
     def layer_kinds(self) -> tuple[tuple["ModelSpec", int], ...]:
         """A hybrid model's kinds of layers, each with how many of its layers are of that kind
-        (Mamba, attention, MLP where the pattern has them); none for a transformer."""
-        return tuple((replace(self, hybrid_pattern="", layer_kind=kind), self.hybrid_pattern.count(char))
+        (Mamba, attention, MLP, experts where the pattern has them; only the expert layers keep the
+        experts); none for a transformer."""
+        return tuple((replace(self, hybrid_pattern="", layer_kind=kind, **({} if kind == "moe" else NO_EXPERTS)),
+                      self.hybrid_pattern.count(char))
                      for char, kind in HYBRID_LAYER_KINDS.items() if char in self.hybrid_pattern)
 
     def splits_over_tp(self, tp: int) -> bool:

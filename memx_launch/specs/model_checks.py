@@ -86,7 +86,7 @@ def check_shape(model) -> None:
 MAMBA_FIELDS = ("mamba_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups", "mamba_conv_kernel",
                 "mamba_chunk_size")
 # What a hybrid model cannot have beside its pattern: memx prices none of these in one (field, what).
-_NOT_IN_HYBRID = (("num_experts", "mixture-of-experts layers"), ("kv_lora_rank", "latent attention"),
+_NOT_IN_HYBRID = (("dense_layers", "dense first blocks"), ("kv_lora_rank", "latent attention"),
                   ("parallel_blocks", "parallel blocks"), ("linear_biases", "linear biases"),
                   ("post_norms", "sandwich norms"), ("sliding_window", "sliding-window attention"),
                   ("attention_chunk_size", "chunked attention"), ("mtp_layers", "multi-token prediction"))
@@ -94,7 +94,8 @@ _NOT_IN_HYBRID = (("num_experts", "mixture-of-experts layers"), ("kv_lora_rank",
 
 def check_hybrid(model) -> None:
     """Refuse a pattern memx does not price: another length than the layers, characters other
-    than M, * and -, and a hybrid model with any of :data:`_NOT_IN_HYBRID`."""
+    than M, *, - and E, experts without E layers (or E layers without experts), interleaved
+    expert blocks, and a hybrid model with any of :data:`_NOT_IN_HYBRID`."""
     require_type(model.hybrid_pattern, str, "model.hybrid_pattern")
     if model.layer_kind not in ("", *HYBRID_LAYER_KINDS.values()):
         raise ConfigError("model.layer_kind", repr(model.layer_kind), "leave it out: hybrid_pattern sets it")
@@ -103,13 +104,17 @@ def check_hybrid(model) -> None:
     pattern = model.hybrid_pattern
     if not pattern:
         return
-    if "E" in pattern:
-        raise ConfigError("model.hybrid_pattern", "has mixture-of-experts layers (E, Nemotron 3), which memx "
-                          "does not model in a hybrid model yet", "plan a pattern of M, * and - layers")
+    if ("E" in pattern) != bool(model.num_experts):
+        raise ConfigError("model.num_experts", f"{model.num_experts}, for a pattern with"
+                          + "out" * ("E" not in pattern) + " expert layers (E)",
+                          "give the E layers' experts, and experts only with E layers")
     other = "".join(sorted(set(pattern) - set(HYBRID_LAYER_KINDS)))
     if other or len(pattern) != model.num_layers:
         raise ConfigError("model.hybrid_pattern", f"{len(pattern)} characters" + f", {other!r} among them" * bool(other),
-                          f"give num_layers={model.num_layers} characters of M (Mamba), * (attention) and - (MLP)")
+                          f"give num_layers={model.num_layers} characters of M (Mamba), * (attention), - (MLP) "
+                          "and E (experts)")
+    if model.moe_layer_step > 1:  # the pattern places the expert layers
+        raise ConfigError("model.moe_layer_step", "set on a hybrid model", "drop it: E in hybrid_pattern places experts")
     for field, what in _NOT_IN_HYBRID:
         if getattr(model, field):
             raise ConfigError(f"model.{field}", f"set on a hybrid model: memx prices no {what} in one",
