@@ -9,6 +9,7 @@ import pytest
 from one_node import H100, one_node
 
 from memx_launch.errors import ConfigError
+from memx_launch.models.llama import TransformerBlock
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning.config_exports import torchtitan_toml
 from memx_launch.planning.estimate import evaluate_layout
@@ -109,10 +110,16 @@ def test_a_hybrid_model_plans_and_its_whole_step_counts_every_layer():
 
 
 def test_tp_must_divide_the_mamba_groups():
-    with pytest.raises(ConfigError, match="2 Mamba groups"):
-        _estimate(tp=4, dp=2)
-    space = SearchSpace(micro_batch_sizes=(1,))
-    assert {p.tp for p in search(SMALL, NODE, TRAINING, space=space).plans} <= {1, 2}
+    # Heads and KV heads split over TP 4; the two Mamba groups do not.
+    model = dataclasses.replace(SMALL, num_kv_heads=4)
+    _estimate(dataclasses.replace(model, hybrid_pattern="-**--*--"), tp=4, dp=2)  # no Mamba layer: TP 4 runs
+    with pytest.raises(ConfigError, match="4 does not divide .* and 2 Mamba groups"):
+        _estimate(model, tp=4, dp=2)
+    space = SearchSpace(micro_batch_sizes=(1,), tp_degrees=(1, 2, 4))
+    with pytest.raises(ConfigError, match="--tp: 4 does not divide"):
+        search(model, NODE, TRAINING, space=space)
+    space = SearchSpace(micro_batch_sizes=(1,))  # the search's own degrees: TP 4 and 8 left out
+    assert {p.tp for p in search(model, NODE, TRAINING, space=space).plans} <= {1, 2}
 
 
 @pytest.mark.parametrize("training, layout, flag", [
@@ -129,6 +136,8 @@ def test_what_memx_does_not_price_in_a_hybrid_model_is_refused(training, layout,
 def test_memx_run_and_torchtitan_refuse_a_hybrid_model_and_megatron_builds_its_stack():
     with pytest.raises(ConfigError, match="Mamba"):
         runnable_model(SMALL)
+    with pytest.raises(ConfigError, match="model.hybrid_pattern: .* is a hybrid model"):  # nor do calibration's blocks
+        TransformerBlock(dataclasses.replace(SMALL, gated_mlp=True))
     plan = _estimate(tp=2, dp=4)
     args = megatron_args(plan).args
     assert args[args.index("--hybrid-override-pattern") + 1] == "M-M*M-M-"

@@ -142,6 +142,10 @@ class TransformerBlock(nn.Module):
         if not spec.gated_mlp:
             raise ConfigError("model.gated_mlp", f"{spec.name} uses a GELU MLP",
                               "the torch-native runtime builds LLaMA (SwiGLU) models only")
+        if spec.hybrid_pattern:  # its layers are Mamba, attention, MLP or experts alone, not blocks
+            raise ConfigError("model.hybrid_pattern", f"{spec.name} is a hybrid model",
+                              "the torch-native runtime builds LLaMA blocks only: plan it with memx plan and "
+                              "run it with Megatron-LM (memx export)")
         self.attention_norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS)
         self.attention = Attention(spec, local_attention)
         self.ffn_norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS)

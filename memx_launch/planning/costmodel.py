@@ -229,11 +229,9 @@ class AnalyticalCostModel:
                            * KERNEL_LAUNCH_S for d in self.device_types]) / 1e3
         self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
-        # A hybrid model's layers: each kind priced as its own, at its share of the layers.
-        self._kinds = [(n / model.num_layers, AnalyticalCostModel(kind, cluster, training)) for kind, n in model.layer_kinds]
-        # Priced beside the repeated layer (extra_blocks.other_kinds): a mixture's dense block, a hybrid model's kinds.
-        self.other_kinds = [kind for _, kind in self._kinds] or [
-            AnalyticalCostModel(other, cluster, training) for other in extra_blocks.other_kinds(model)]
+        # Priced beside the repeated layer (extra_blocks.other_kinds): a mixture's dense block, or a
+        # hybrid model's kinds, whose mean its layer is.
+        self.other_kinds = [AnalyticalCostModel(kind, cluster, training) for kind in extra_blocks.other_kinds(model)]
         slow = cluster.emulation.slowdown_of if cluster.emulation else (lambda _name: 1.0)
         self._slowdown = np.array([slow(d.name) for d in self.device_types])
         self._tp_gbps = np.array([[tp_link_gbps(cluster, d.name, t) for t in TP_DEGREES]
@@ -253,8 +251,9 @@ class AnalyticalCostModel:
                                  for d in self.device_types])
 
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
-        if self._kinds:  # a hybrid model's mean layer; the backward's working set of its largest
-            costs = [(share, kind.layer_costs(device, tp, mbs, seq, recompute)) for share, kind in self._kinds]
+        if self.model.layer_kinds:  # a hybrid model's mean layer; the backward's working set of its largest
+            costs = [(n / self.model.num_layers, kind.layer_costs(device, tp, mbs, seq, recompute))
+                     for (_, n), kind in zip(self.model.layer_kinds, self.other_kinds)]
             mean = [sum(share * getattr(c, part) for share, c in costs) for part in ("time_s", "activation_bytes")]
             return LayerCost(*mean, np.max([c.working_bytes for _, c in costs], axis=0))
         device = np.asarray(device, dtype=np.int64)

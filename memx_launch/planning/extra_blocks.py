@@ -9,6 +9,8 @@ No torch import."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from memx_launch.planning.layer_split import chunk_layers
@@ -37,23 +39,37 @@ def split_places_kinds(model: ModelSpec) -> bool:
     return model.moe_layer_step > 1 or bool(model.layer_kinds)
 
 
-def layers_where(is_kind: np.ndarray, layers, v: int) -> np.ndarray:
-    """(..., P) layers of each stage of ``layers`` (..., P) in ``v`` chunks that ``is_kind`` (one
-    boolean a layer, in model order) marks: the chunks hold layers in model order, virtual-stage
-    major (chunk k on stage k mod P)."""
+@functools.lru_cache(maxsize=None)
+def _running_counts(pattern: str, chars: str) -> tuple[np.ndarray, ...]:
+    """For each of ``chars``, (L + 1,): how many of ``pattern``'s first i layers are of it. Kept:
+    every scored split asks again."""
+    return tuple(np.concatenate([[0], np.cumsum([c == char for c in pattern])]) for char in chars)
+
+
+@functools.lru_cache(maxsize=None)
+def _interleaved_pattern(num_layers: int, step: int) -> str:
+    """Interleaved experts as a pattern: block ``i`` an expert one (E) where ``(i + 1) % step`` is 0, else dense (-)."""
+    return "".join("-" if (i + 1) % step else "E" for i in range(num_layers))
+
+
+def layers_of_kinds(pattern: str, chars: str, layers, v: int) -> list[np.ndarray]:
+    """For each of ``chars``, (..., P) the layers of that character of ``pattern`` (one a layer, in
+    model order) on each stage of ``layers`` (..., P) in ``v`` chunks: the chunks hold layers in
+    model order, virtual-stage major (chunk k on stage k mod P)."""
     chunks = chunk_layers(layers, v)                   # (..., P, v)
     ordered = np.swapaxes(chunks, -1, -2)              # (..., v, P): model order once flattened
     flat = ordered.reshape(*ordered.shape[:-2], -1)
     end = np.cumsum(flat, axis=-1)
-    marked = np.concatenate([[0], np.cumsum(is_kind)])
-    top = len(is_kind)  # a row splitting more layers than the model has is infeasible: counted to its end
-    return (marked[np.minimum(end, top)] - marked[np.minimum(end - flat, top)]).reshape(ordered.shape).sum(axis=-2)
+    # A row splitting more layers than the model has is infeasible: counted to its end.
+    hi, lo = np.minimum(end, len(pattern)), np.minimum(end - flat, len(pattern))
+    return [(running[hi] - running[lo]).reshape(ordered.shape).sum(axis=-2)
+            for running in _running_counts(pattern, chars)]
 
 
 def interleaved_dense_counts(model: ModelSpec, layers, v: int) -> np.ndarray:
     """(..., P) dense blocks among each stage's ``layers`` (..., P) where they sit between the
     expert ones (``moe_layer_step``): block ``i`` is an expert one where ``(i + 1) % step`` is 0."""
-    return layers_where((np.arange(1, model.num_layers + 1) % model.moe_layer_step) != 0, layers, v)
+    return layers_of_kinds(_interleaved_pattern(model.num_layers, model.moe_layer_step), "-", layers, v)[0]
 
 
 def kind_counts(model: ModelSpec, pp: int, layers=None, v: int = 1) -> list[np.ndarray]:
@@ -64,9 +80,8 @@ def kind_counts(model: ModelSpec, pp: int, layers=None, v: int = 1) -> list[np.n
     if model.layer_kinds:
         if layers is None:
             return [np.zeros(pp) for _ in model.layer_kinds]
-        chars = np.array(list(model.hybrid_pattern))
-        return [layers_where(chars == char, layers, v).astype(np.float64)
-                for char in HYBRID_LAYER_KINDS if char in model.hybrid_pattern]
+        chars = "".join(char for char in HYBRID_LAYER_KINDS if char in model.hybrid_pattern)  # layer_kinds' order
+        return [n.astype(np.float64) for n in layers_of_kinds(model.hybrid_pattern, chars, layers, v)]
     if not model.dense_block_count:
         return []
     if model.moe_layer_step > 1 and layers is not None:

@@ -110,8 +110,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         if space.expert_degrees and cost_model is None else [training]
     cost_models = [cost_model or cm.AnalyticalCostModel(model, cluster, tr) for tr in trainings]
     names = tuple(cost_models[0].device_names)
-    cps = context_parallel.degrees_to_try(mamba.cp_degrees(model, space.cp_degrees), seqs, training)
-    mamba.check(model, training, [cp for degrees in cps.values() for cp in degrees])
+    cps = _cp_degrees(model, training, space, seqs)
     layouts_of = _expert_layouts(_layouts(model, cluster, names, space, cps), model, trainings)
     layouts = [lay for lays in layouts_of for lay in lays]
     check_batch(layouts, space, training)
@@ -257,11 +256,16 @@ def check_space(model: ModelSpec, cluster: ClusterSpec | None, training: Trainin
     worker calibrates."""
     space.check(model)
     if cluster is not None:
-        cps = context_parallel.degrees_to_try(mamba.cp_degrees(model, space.cp_degrees),
-                                              tuple(space.seq_lens or (training.seq_len,)), training)
-        mamba.check(model, training, [cp for degrees in cps.values() for cp in degrees])
+        cps = _cp_degrees(model, training, space, tuple(space.seq_lens or (training.seq_len,)))
         layouts = _layouts(model, cluster, tuple(d.name for d in cluster.device_types), space, cps)
         check_batch([lay for lays in _expert_layouts(layouts, model, [training]) for lay in lays], space, training)
+
+
+def _cp_degrees(model: ModelSpec, training: TrainingSpec, space: SearchSpace, seqs) -> dict[int, tuple[int, ...]]:
+    """Per sequence length, the CP degrees the search tries (a hybrid model's: CP 1), checked."""
+    cps = context_parallel.degrees_to_try(mamba.cp_degrees(model, space.cp_degrees), seqs, training)
+    mamba.check(model, training, [cp for degrees in cps.values() for cp in degrees])
+    return cps
 
 
 def recompute_options(table: CostTable, device_names, space: SearchSpace) -> tuple[list[list[int]], list[str]]:

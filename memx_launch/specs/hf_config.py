@@ -155,17 +155,17 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
 
 def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     """A hybrid family's layers (:data:`HYBRID_TYPES`): its pattern and the Mamba layers' sizes
-    (:data:`MAMBA_KEYS`; Hugging Face's defaults where a config leaves one out)."""
+    (:data:`MAMBA_KEYS`; where a config leaves one out, ModelSpec's default: Megatron-Core's)."""
     if model_type not in HYBRID_TYPES:
         return {}
-    pattern = cfg.get("hybrid_override_pattern")
-    require_type(pattern, str, f"model ({where}).hybrid_override_pattern")
-    sizes = {field: cfg[key] for field, key in MAMBA_KEYS.items() if cfg.get(key) is not None}
+    require_type(cfg.get("hybrid_override_pattern"), str, f"model ({where}).hybrid_override_pattern")
+    sizes = {"hybrid_pattern": cfg["hybrid_override_pattern"]}
     for field, key in MAMBA_KEYS.items():
-        if field in sizes:
-            require_number(sizes[field], f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
+        if cfg.get(key) is not None:
+            require_number(cfg[key], f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a positive integer")
-    return {"hybrid_pattern": pattern, **sizes}
+            sizes[field] = cfg[key]
+    return sizes
 
 
 def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) -> None:

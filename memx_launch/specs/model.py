@@ -28,7 +28,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
                          "moe_layer_step": 1, "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0,
                          "hybrid_pattern": "", "mamba_heads": 0, "mamba_head_dim": 64, "mamba_state_size": 128,
-                         "mamba_groups": 8, "mamba_conv_kernel": 4, "mamba_chunk_size": 256, "layer_kind": ""}
+                         "mamba_groups": 8, "mamba_conv_kernel": 4, "mamba_chunk_size": 128, "layer_kind": ""}
 
 
 
@@ -142,8 +142,9 @@ class ModelSpec:
     mamba_groups: int = 8
     """Groups sharing one B and C projection (Hugging Face's ``n_groups``)."""
     mamba_conv_kernel: int = 4
-    mamba_chunk_size: int = 256
-    """Tokens of a chunk of the chunked scan (SSD): quadratic within a chunk, a state passed between them."""
+    mamba_chunk_size: int = 128
+    """Tokens of a chunk of the chunked scan (SSD): quadratic within a chunk, a state passed between
+    them (Megatron-Core's MambaMixer: 128)."""
     layer_kind: str = ""
     """One layer of a hybrid model (:attr:`layer_kinds` sets it): ``mamba``, ``attention`` or ``mlp``;
     '' a block of attention and MLP."""
@@ -172,8 +173,8 @@ class ModelSpec:
 
     def splits_over_tp(self, tp: int) -> bool:
         """Whether TP ``tp`` divides the heads, the KV heads and a hybrid model's Mamba groups."""
-        groups = self.mamba_groups if "M" in self.hybrid_pattern else tp
-        return not (self.num_heads % tp or self.num_kv_heads % tp or groups % tp)
+        mamba_groups_split = "M" not in self.hybrid_pattern or self.mamba_groups % tp == 0
+        return self.num_heads % tp == 0 and self.num_kv_heads % tp == 0 and mamba_groups_split
 
     @property
     def tp_units(self) -> str:
