@@ -6,6 +6,9 @@ No processes."""
 import dataclasses
 import json
 import math
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 from one_node import H100, one_node
@@ -91,8 +94,9 @@ def test_a_rank_holds_its_share_of_the_experts_and_shards_their_state_over_the_r
 
 
 def test_experts_run_their_tokens_routed_and_exchange_them_by_all_to_all():
-    alone, spread = (cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=ep)).layer_costs(
-        0, 1, 1, 4096, cm.NONE).time_s for ep in (1, 8))
+    # The device's time: a host that issues the 128 local experts' ops faster than they run.
+    alone, spread = (cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=ep, host_ms_per_layer=0.01))
+                     .layer_costs(0, 1, 1, 4096, cm.NONE).time_s for ep in (1, 8))
     # A rank's 4,096 tokens x top-8 over 128 experts: the same FLOPs either way, in 256 rows per
     # expert on one rank, in 2,048 per expert over eight; the thin GEMMs reach less of the peak.
     gemm = (H100["peak_tflops"] * 0.58e12, H100["memory_bandwidth_gbps"] * 1e9, 132, 2)
@@ -258,3 +262,37 @@ def test_the_flex_dispatcher_sends_a_token_once_per_rank_and_once_per_node():
     assert sent < sent_every
     with pytest.raises(ConfigError, match="--expert-dispatcher: unknown dispatcher 'deepep'; use one of alltoall, flex"):
         _training(expert_dispatcher="deepep")
+
+
+def _moe_layer_seconds(training, recompute=cm.NONE, seq=16):
+    """One Qwen3-30B MoE layer on an H100 at a few tokens: host bound."""
+    one = np.ones(1)
+    return float(cm.AnalyticalCostModel(QWEN3, NODE, training).layer_costs(
+        np.zeros(1, int), one, one, np.full(1, seq), np.full(1, recompute)).time_s[0])
+
+
+def test_a_mixture_layer_takes_the_host_time_of_its_router_dispatch_and_each_local_expert():
+    per_op = cm.KERNEL_LAUNCH_S
+    for ep in (1, 8):
+        local = QWEN3.num_experts / ep
+        ops = sum(per_layer + per_expert * local for per_layer, per_expert in experts.MOE_HOST_OPS.values())
+        assert _moe_layer_seconds(_training(expert_parallel=ep)) == pytest.approx((cm.KERNELS_PER_LAYER + ops) * per_op)
+    # Recomputing the forward issues its ops again; a bigger host time per block scales them.
+    forward = experts.MOE_HOST_OPS["forward"][0] + experts.MOE_HOST_OPS["forward"][1] * QWEN3.num_experts / 8
+    assert _moe_layer_seconds(_training(expert_parallel=8), cm.FULL) - _moe_layer_seconds(_training(expert_parallel=8)) \
+        == pytest.approx((0.5 * cm.KERNELS_PER_LAYER + forward) * per_op)
+    slow_host = _training(expert_parallel=8, host_ms_per_layer=1e3 * cm.KERNELS_PER_LAYER * per_op * 3)
+    assert _moe_layer_seconds(slow_host) == pytest.approx(3 * _moe_layer_seconds(_training(expert_parallel=8)))
+    # At a real micro-batch the device, not the host, sets the time.
+    big = _moe_layer_seconds(_training(expert_parallel=8), seq=4096)
+    assert big > (cm.KERNELS_PER_LAYER + experts.host_ops(QWEN3, _training(expert_parallel=8))) * per_op
+
+
+def test_the_mixture_host_ops_are_the_ones_counted_in_megatron_core():
+    """The constants are benchmarks/moe_host_ops.py's counts of Megatron-Core's MoE layer."""
+    counted = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "moe_host_ops.json").read_text())
+    for direction, (per_layer, per_expert) in experts.MOE_HOST_OPS.items():
+        fit = counted[direction]
+        assert (fit["per_layer"], fit["per_local_expert"], fit["largest_miss"]) == (per_layer, per_expert, 0)
+    assert all(row[f"{d}_ops"] == experts.MOE_HOST_OPS[d][0] + experts.MOE_HOST_OPS[d][1] * row["local_experts"]
+               for row in counted["rows"] for d in ("forward", "backward"))

@@ -146,7 +146,8 @@ def test_a_stage_that_recomputes_some_of_its_blocks_is_scored_on_its_own_blocks(
     small = ClusterSpec.from_dict(one_node({**H100, "memory_gib": 6}, 8, 450))
     model = dataclasses.replace(SMALL, num_layers=16, hidden_size=1024, num_heads=16, num_kv_heads=4,
                                 ffn_hidden_size=4096, expert_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048)
-    training = TrainingSpec(global_batch_size=32, seq_len=4096, setup="megatron", expert_parallel=2)
+    training = TrainingSpec(global_batch_size=32, seq_len=4096, setup="megatron", expert_parallel=2,
+                            host_ms_per_layer=0.01)  # device bound, as at a real size
     plans = search(model, small, training, top_k=5,
                    space=SearchSpace(micro_batch_sizes=(1, 2), pipeline_degrees=(2, 4))).plans
     partial = [p for p in plans if any(s.recompute.startswith("full:") for s in p.stages)]

@@ -322,21 +322,23 @@ class AnalyticalCostModel:
         memory_s = traffic / (self._hbm[device] * 1e9)
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         comm_s = self.tp_allreduces(recompute) * self.tp_allreduce_time(hidden_bytes, device, tp)
+        launch_s = self._launch_s[device] * np.where((recompute == FULL) | op_level, 1.5, 1.0)
         expert_tp_s = 0.0
         if self.model.num_experts:  # dispatch and combine; a fully recomputed forward runs its two again
-            again_moe = np.where((recompute == FULL) | ((recompute == SELECTIVE) & whole_moe), 1.5, 1.0)
+            moe_again = (recompute == FULL) | ((recompute == SELECTIVE) & whole_moe)
             exchange_s = experts.exchange_seconds(self.model, tr, tokens, tp, self._exchange_seconds_per_byte[device]) \
-                * again_moe
+                * (1.0 + 0.5 * moe_again)
             if tr.overlap_expert_comm:  # behind another micro-batch's compute
                 exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)
             comm_s = comm_s + exchange_s
-            expert_tp_s = self.expert_tp_seconds(tokens, tp, device) * again_moe
+            expert_tp_s = self.expert_tp_seconds(tokens, tp, device) * (1.0 + 0.5 * moe_again)
+            # The MoE layer's own ops (router, dispatch, each local expert's) at the block's host time per op.
+            launch_s = launch_s + experts.host_ops(self.model, tr, moe_again) * self._launch_s[device] / KERNELS_PER_LAYER
         if tr.tp_comm_overlap:
             # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
             # follows: the first chunk waits, and whatever the GEMMs cannot cover.
             comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
         comm_s = comm_s + expert_tp_s  # the experts' own gathers: no userbuffers, nothing overlaps them
-        launch_s = self._launch_s[device] * np.where((recompute == FULL) | op_level, 1.5, 1.0)
         time_s = np.maximum((compute_s + memory_s) * self._slowdown[device] + comm_s, launch_s)  # behind the host
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 

@@ -30,6 +30,10 @@ from memx_launch.specs.training import TrainingSpec
 ALL_TO_ALL_LATENCY_S = 18e-6
 # All-to-alls per block, forward and backward: dispatch and combine, and their gradients.
 ALL_TO_ALLS = 4
+# The ATen ops Megatron-Core's MoE layer dispatches beyond its block's attention and norms, as
+# (per layer: router, dispatch, combine, permutes; per local expert: its linears and activation),
+# forward and backward (counted in benchmarks/results/moe_host_ops.json).
+MOE_HOST_OPS = {"forward": (64, 12), "backward": (45, 20)}
 
 
 def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> None:
@@ -120,6 +124,16 @@ def exchange_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, secon
     nbytes = np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.hidden_size \
         * training.dtype_bytes
     return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * np.asarray(seconds_per_byte))
+
+
+def host_ops(model: ModelSpec, training: TrainingSpec, forward_again=False) -> np.ndarray:
+    """The ops a rank's MoE layer issues from the host, forward and backward, its forward again
+    where ``forward_again`` (recomputed): each of its ``num_experts / EP`` local experts runs its
+    own linears, so the host's work grows with them where the device's does not."""
+    local = model.num_experts / training.expert_parallel
+    forward, backward = ((per_layer + per_expert * local) for per_layer, per_expert in
+                         (MOE_HOST_OPS["forward"], MOE_HOST_OPS["backward"]))
+    return forward * (1.0 + np.asarray(forward_again, dtype=np.float64)) + backward
 
 
 def expert_tp_bytes(model: ModelSpec, training: TrainingSpec, tokens, tp) -> np.ndarray:

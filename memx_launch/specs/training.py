@@ -238,8 +238,10 @@ class TrainingSpec:
     host_ms_per_layer: float | None = None
     """Host time in ms the framework takes to issue one layer's forward and backward on an
     accelerator: no layer takes less (the device runs behind the host). Unset: a fused block's
-    (Megatron-LM, Transformer Engine), 40 ops of 5 us. Eager frameworks take far longer: Sailor's
-    Megatron-DeepSpeed profiles bottom out at 3.13-3.60 ms per OPT-350 layer."""
+    (Megatron-LM, Transformer Engine), 40 ops of 5 us. A mixture-of-experts layer adds the ops of
+    Megatron-Core's MoE layer (router, dispatch, each local expert's linears) at this time per 40
+    ops. Eager frameworks take far longer: Sailor's Megatron-DeepSpeed profiles bottom out at
+    3.13-3.60 ms per OPT-350 layer."""
     frozen_fraction: float = 0.0
     """Fine-tuning: the share of the model's parameters that is frozen (no gradients, no
     optimizer states, no weight-gradient GEMMs; their weights are still kept, gathered and

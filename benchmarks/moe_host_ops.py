@@ -1,0 +1,168 @@
+"""How much host work a mixture-of-experts layer issues: Megatron-Core's MoELayer (the installed
+megatron-core, its top-k softmax router with the auxiliary loss, the all-to-all token dispatcher
+and one SwiGLU MLP per local expert) run forward and backward on this CPU, every ATen op it
+dispatches counted (a TorchDispatchMode), for 2 to 32 local experts. The counts are linear in the
+local experts: a per-layer part (router, dispatch and combine, permutes) and a per-expert part
+(each expert's linears and activation, forward, data and weight gradients).
+``memx_launch.planning.experts`` prices a MoE layer's host time from these counts (its
+``MOE_HOST_OPS``); a test holds the constants to this file. Also written, for reference only: the
+host seconds per op this CPU took (eager PyTorch on CPU tensors, Python module code included),
+which memx does not use (its time per op is a fused block's, ``costmodel.KERNEL_LAUNCH_S``).
+
+The dispatcher creates CUDA streams and the router places its weight on the current CUDA device;
+on this CPU-only torch both are stood in (a stream that does nothing, the CPU as the device), and
+megatron-core 0.16.1 names ``te_general_gemm`` without Transformer Engine installed, so it is set
+to None as its own import fallback intends. Writes benchmarks/results/moe_host_ops.json.
+Run: .venv/bin/python benchmarks/moe_host_ops.py   (about 20 s)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import statistics
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+
+OUT = os.path.join(HERE, "results", "moe_host_ops.json")
+LOCAL_EXPERTS = (2, 4, 8, 16, 32)
+TIMED_STEPS = 20
+
+
+class _NoStream:
+    """A CUDA stream or event that does nothing: the CPU runs every op inline."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: _NoStream()
+
+
+def _stand_in_cuda() -> None:
+    torch.cuda.Stream = torch.cuda.Event = _NoStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def moe_layer(local_experts: int):
+    """Megatron-Core's MoELayer with ``local_experts`` experts on one rank (EP 1), small widths:
+    the op count does not depend on them."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe_utils.te_general_gemm = None
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=32,
+                               num_moe_experts=local_experts, moe_router_topk=2, moe_ffn_hidden_size=32,
+                               moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+                               moe_aux_loss_coeff=1e-3, gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                               use_cpu_initialization=True, params_dtype=torch.float32)
+    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                       linear_fc2=RowParallelLinear))
+    return MoELayer(config, submodules=MoESubmodules(experts=experts))
+
+
+def count_ops(layer) -> tuple[int, int]:
+    """ATen ops one forward and one backward of ``layer`` dispatch (after a warm-up step)."""
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    counts = []
+    for _ in range(2):
+        with _OpCounter() as forward:
+            out, _bias = layer(x)
+        with _OpCounter() as backward:
+            out.sum().backward()
+        counts = [sum(forward.ops.values()), sum(backward.ops.values())]
+    return counts[0], counts[1]
+
+
+def host_seconds(layer) -> float:
+    """Median seconds of one forward and backward of ``layer`` on a few tokens: host work only."""
+    x = torch.randn(8, 1, 64, requires_grad=True)
+    times = []
+    for _ in range(TIMED_STEPS + 3):
+        start = time.perf_counter()
+        out, _bias = layer(x)
+        out.sum().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:])
+
+
+def linear_fit(xs, ys) -> dict:
+    """Least-squares line through (xs, ys), rounded to whole ops, with its largest miss."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    per_expert, per_layer = round(slope), round(my - slope * mx)
+    miss = max(abs(y - (per_layer + per_expert * x)) for x, y in zip(xs, ys))
+    return {"per_layer": per_layer, "per_local_expert": per_expert, "largest_miss": miss}
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    _stand_in_cuda()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import __version__ as megatron_version
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    started = time.perf_counter()
+    rows = []
+    for local in LOCAL_EXPERTS:
+        torch.manual_seed(0)
+        layer = moe_layer(local)
+        forward, backward = count_ops(layer)
+        seconds = host_seconds(layer)
+        rows.append({"local_experts": local, "forward_ops": forward, "backward_ops": backward,
+                     "host_ms_this_cpu": round(seconds * 1e3, 3),
+                     "host_us_per_op_this_cpu": round(seconds * 1e6 / (forward + backward), 1)})
+        print(f"{local:3d} local experts: {forward} forward + {backward} backward ops, "
+              f"{seconds * 1e3:.2f} ms on this CPU", flush=True)
+    dist.destroy_process_group()
+    xs = [r["local_experts"] for r in rows]
+    result = {
+        "machine": machine_info(),
+        "megatron_core": megatron_version,
+        "torch": torch.__version__,
+        "layer": "MoELayer: TopKRouter (softmax, top-2, aux loss), MoEAlltoAllTokenDispatcher, SequentialMLP "
+                 "of SwiGLU experts, EP 1, fp32 on CPU",
+        "forward": linear_fit(xs, [r["forward_ops"] for r in rows]),
+        "backward": linear_fit(xs, [r["backward_ops"] for r in rows]),
+        "rows": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    write_json_atomic(OUT, result)
+    print(f"forward {result['forward']}, backward {result['backward']} -> {OUT}")
+
+
+if __name__ == "__main__":
+    main()
