@@ -70,3 +70,39 @@ def test_what_expert_tensor_parallelism_refuses_and_the_export_builds():
                      _training(expert_parallel=2, expert_tensor_parallel=2), tp=2, dp=4)
     config = _megatron_config(plan, megatron_args(plan).args)
     assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (2, 2)
+
+
+def test_memx_plan_searches_the_expert_tensor_parallel_degree_unless_given(tmp_path, capsys):
+    from estimates import cluster_file
+    from test_experts import MIXTRAL, TWO_NODES
+
+    from memx_launch.cli import main
+    from memx_launch.planning.plan import Plan
+    from memx_launch.planning.search import search
+    from memx_launch.planning.search_space import SearchSpace
+    from memx_launch.specs.catalog import get_model
+
+    # Powers of two dividing an expert's width, inside the smallest node (8 devices here).
+    assert experts.search_tensor_degrees(MIXTRAL, TWO_NODES) == (1, 2, 4, 8)
+    odd = dataclasses.replace(QWEN3, expert_ffn_hidden_size=4 * 193)
+    assert experts.search_tensor_degrees(odd, TWO_NODES) == (1, 2, 4)
+    assert experts.search_tensor_degrees(get_model("llama2-7b"), TWO_NODES) == ()
+    # Each EP x ETP pair scored on the layouts it divides; at EP 8 on 16 devices, ETP 2 opens TP 2 x DP 8.
+    result = search(MIXTRAL, TWO_NODES, _training(global_batch_size=128), top_k=30,
+                    space=SearchSpace(micro_batch_sizes=(1,), expert_degrees=(8,), expert_tensor_degrees=(1, 2)))
+    pairs = {(p.training["expert_parallel"], p.training["expert_tensor_parallel"]) for p in result.plans}
+    assert pairs == {(8, 1), (8, 2)}
+    assert all(p.tp * p.dp % (ep * etp) == 0 for p in result.plans
+               for ep, etp in [(p.training["expert_parallel"], p.training["expert_tensor_parallel"])])
+    path = cluster_file(tmp_path, {"version": 1, "name": "two", "device_types": {"gpu": H100},
+                                   "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 450}] * 2,
+                                   "inter_node_gbps": 50})
+    args = ["plan", "--model", "mixtral-8x7b", "--cluster", path, "--global-batch-size", "128", "--seq-len", "4096",
+            "--setup", "megatron", "--micro-batch-sizes", "1", "--expert-parallel", "8", "--quiet", "--top", "20"]
+    assert main([*args, "--json", str(tmp_path / "searched.json")]) == 0
+    out = capsys.readouterr().out
+    searched = Plan.load(str(tmp_path / "searched.json")).training["expert_tensor_parallel"]
+    assert " etp=" in out and (searched == 1 or f"etp={searched}" in out)
+    assert main([*args, "--expert-tensor-parallel", "1", "--json", str(tmp_path / "given.json")]) == 0
+    assert " etp=" not in capsys.readouterr().out
+    assert Plan.load(str(tmp_path / "given.json")).training["expert_tensor_parallel"] == 1

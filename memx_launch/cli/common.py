@@ -118,7 +118,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "the powers of two dividing the experts)")
     p.add_argument("--expert-tensor-parallel", "--expert_tensor_parallel", type=int, metavar="ETP",
                    help="each routed expert's MLP split over ETP ranks, which gather their tokens before it and "
-                        "reduce-scatter its output (Megatron's --expert-tensor-parallel-size; default 1)")
+                        "reduce-scatter its output (Megatron's --expert-tensor-parallel-size; default 1; memx plan "
+                        "without it tries the powers of two dividing an expert's width, up to a node's devices)")
     p.add_argument("--expert-dispatcher", "--expert_dispatcher", choices=("alltoall", "flex"),
                    help="how a mixture of experts' tokens reach their experts: alltoall sends every routed copy; "
                         "flex (DeepEP, HybridEP) sends a token once per rank, and once per node beyond an NVLink "

@@ -92,8 +92,11 @@ def run_plan(args) -> int:
                         max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
                         per_type_tp=args.per_type_tp, per_type_dp=args.per_type_dp, mixed_stages=args.mixed_stages,
                         cp_degrees=tuple(args.cp) if args.cp else None, **restrictions_from_args(args),
-                        # A mixture of experts without --expert-parallel: the search tries the degrees.
-                        expert_degrees=None if args.expert_parallel else experts.search_degrees(model, cluster.world_size))
+                        # A mixture of experts without --expert-parallel / --expert-tensor-parallel: the
+                        # search tries the degrees.
+                        expert_degrees=None if args.expert_parallel else experts.search_degrees(model, cluster.world_size),
+                        expert_tensor_degrees=None if args.expert_tensor_parallel
+                        else experts.search_tensor_degrees(model, cluster))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))

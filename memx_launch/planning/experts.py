@@ -73,6 +73,17 @@ def search_degrees(model: ModelSpec, world: int) -> tuple[int, ...]:
     return tuple(ep for ep in (2 ** k for k in range(int(np.log2(world)) + 1)) if model.num_experts % ep == 0)
 
 
+def search_tensor_degrees(model: ModelSpec, cluster: ClusterSpec) -> tuple[int, ...]:
+    """The expert-tensor-parallel degrees ``memx plan`` tries for a mixture of experts: the powers
+    of two dividing an expert's width, up to the smallest node's devices (an ETP group gathers
+    and scatters every dispatched token each way, as a TP group does: inside a node)."""
+    if not model.num_experts:
+        return ()
+    per_node = min(sum(n for _, n in node.devices) for node in cluster.nodes)
+    return tuple(etp for etp in (2 ** k for k in range(int(np.log2(per_node)) + 1))
+                 if model.moe_ffn_hidden_size % etp == 0)
+
+
 def divides(layout, training: TrainingSpec) -> bool:
     """Every stage's TP x CP x DP ranks split into whole expert-parallel (x expert-tensor-parallel) groups."""
     ranks = np.asarray(layout.stage_tp) * np.asarray(layout.dp_cp)

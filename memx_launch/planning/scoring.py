@@ -66,8 +66,9 @@ class GroupResult:
     replicas sit on several device types; None: the first (the only one)."""
     tied_sync_s: float = 0.0
     """Seconds the first and the last stage sum their tied gradients (:meth:`Evaluator.tied_sync_time`)."""
-    expert_parallel: int = 1
-    """The expert-parallel degree the group was scored at (a mixture of experts' search tries several)."""
+    experts: tuple[int, int] = (1, 1)
+    """The expert-parallel and expert-tensor-parallel degrees the group was scored at (a mixture of
+    experts' search tries several)."""
 
     def stage_recompute(self, row: int, stage: int) -> str:
         """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""
@@ -289,7 +290,8 @@ class Evaluator:
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
                            T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible, cap,
                            recompute_layers, transfer if crosses else None, sync if crosses else None, replica,
-                           self.tied_sync_time(layout), self.training.expert_parallel)
+                           self.tied_sync_time(layout),
+                           (self.training.expert_parallel, self.training.expert_tensor_parallel))
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the

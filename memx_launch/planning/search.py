@@ -104,10 +104,13 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     space = space or SearchSpace()
     space.check(model)
     seqs = tuple(space.seq_lens or (training.seq_len,))
-    # A mixture of experts is searched at each expert-parallel degree of the space, each with its
-    # own analytical cost model (a given cost model keeps the training's degree).
-    trainings = [dataclasses.replace(training, expert_parallel=ep) for ep in space.expert_degrees] \
-        if space.expert_degrees and cost_model is None else [training]
+    # A mixture of experts is searched at each expert-parallel and expert-tensor-parallel degree of
+    # the space, each pair with its own analytical cost model (a given cost model keeps the training's).
+    searched = (space.expert_degrees or space.expert_tensor_degrees) and cost_model is None
+    trainings = [dataclasses.replace(training, expert_parallel=ep, expert_tensor_parallel=etp)
+                 for ep in space.expert_degrees or (training.expert_parallel,)
+                 for etp in space.expert_tensor_degrees or (training.expert_tensor_parallel,)] \
+        if searched else [training]
     cost_models = [cost_model or cm.AnalyticalCostModel(model, cluster, tr) for tr in trainings]
     names = tuple(cost_models[0].device_names)
     cps = _cp_degrees(model, training, space, seqs)
@@ -222,13 +225,14 @@ def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict) -> lis
 
 
 def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[TrainingSpec]) -> list[list[Layout]]:
-    """For each training (an expert-parallel degree), the layouts whose stages split into whole
-    expert-parallel groups (all of a dense model's)."""
+    """For each training (expert-parallel and expert-tensor-parallel degrees), the layouts whose
+    stages split into whole EP x ETP groups (all of a dense model's)."""
     for training in trainings:
         experts.check(model, training)
     kept = [[lay for lay in layouts if experts.divides(lay, training)] for training in trainings]
     if not any(kept):
-        degrees = ",".join(str(t.expert_parallel) for t in trainings)
+        degrees = ",".join(str(t.expert_parallel) + f" x ETP {t.expert_tensor_parallel}" * (t.expert_tensor_parallel > 1)
+                           for t in trainings)
         raise ConfigError("--expert-parallel", f"{degrees} divides no layout's TP x CP x DP ranks per stage",
                           "use a smaller expert-parallel degree")
     return kept
@@ -312,7 +316,8 @@ def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
     lay = result.layout
     parts = [f"{device_names[d]} short {o:.1f} GiB" for d, o in zip(lay.stage_device, over) if o > 0]
     cp = f" cp={lay.cp}" if lay.cp > 1 else ""
-    cp += f" ep={result.expert_parallel}" if result.expert_parallel > 1 else ""
+    ep, etp = result.experts
+    cp += (f" ep={ep}" if ep > 1 else "") + (f" etp={etp}" if etp > 1 else "")
     text = (f"tp={tp_text(lay.stage_tp)} pp={lay.pp}{cp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
             f"{cm.RECOMPUTE_LEVELS[int(result.levels[0].max())]} recompute: "
             + ", ".join(dict.fromkeys(parts)))
@@ -380,8 +385,9 @@ def _plan_key(result: GroupResult, row: int):
 
 def to_plan(result: GroupResult, row: int, model, cluster, training, objective: Objective) -> Plan:
     lay = result.layout
-    if result.expert_parallel != training.expert_parallel:  # scored at a degree the search chose
-        training = dataclasses.replace(training, expert_parallel=result.expert_parallel)
+    if result.experts != (training.expert_parallel, training.expert_tensor_parallel):  # degrees the search chose
+        training = dataclasses.replace(training, expert_parallel=result.experts[0],
+                                       expert_tensor_parallel=result.experts[1])
     stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i]) * lay.cp), ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
                         recompute=result.stage_recompute(row, i),

@@ -76,6 +76,10 @@ class SearchSpace:
     """Expert-parallel degrees a mixture of experts is searched at, each with the layouts it
     divides (``memx plan`` without ``--expert-parallel``: the powers of two dividing its experts,
     :func:`~memx_launch.planning.experts.search_degrees`). None: the training's ``expert_parallel``."""
+    expert_tensor_degrees: tuple[int, ...] | None = None
+    """Expert-tensor-parallel degrees tried with each expert-parallel one (``memx plan`` without
+    ``--expert-tensor-parallel``: :func:`~memx_launch.planning.experts.search_tensor_degrees`).
+    None: the training's ``expert_tensor_parallel``."""
     max_slowdown: float | None = None
     """The winner may be predicted at most this share slower than the fastest feasible plan
     (``--max-slowdown``). None: 5% (DEFAULT_MAX_SLOWDOWN) for the profile memx chooses; no bound
