@@ -106,3 +106,16 @@ def test_memx_plan_searches_the_expert_tensor_parallel_degree_unless_given(tmp_p
     assert main([*args, "--expert-tensor-parallel", "1", "--json", str(tmp_path / "given.json")]) == 0
     assert " etp=" not in capsys.readouterr().out
     assert Plan.load(str(tmp_path / "given.json")).training["expert_tensor_parallel"] == 1
+
+
+def test_plans_that_differ_only_in_their_expert_degrees_are_different_plans():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from memx_launch.planning.search import _plan_key
+
+    layout = SimpleNamespace(stage_tp=np.array([1]), cp=1, stage_dps=np.array([16]), order=(0,))
+    keys = {_plan_key(SimpleNamespace(layout=layout, mbs=1, seq=4096, schedule="1f1b", v=1, levels=np.zeros((1, 1)),
+                                      layers=np.full((1, 1), 4), experts=pair), 0) for pair in ((8, 1), (8, 2), (16, 1))}
+    assert len(keys) == 3  # the top-k list keeps each, where it had kept the best of them alone

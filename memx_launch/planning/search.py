@@ -234,7 +234,7 @@ def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[Tra
         degrees = ",".join(str(t.expert_parallel) + f" x ETP {t.expert_tensor_parallel}" * (t.expert_tensor_parallel > 1)
                            for t in trainings)
         raise ConfigError("--expert-parallel", f"{degrees} divides no layout's TP x CP x DP ranks per stage",
-                          "use a smaller expert-parallel degree")
+                          "use smaller expert-parallel (x expert-tensor-parallel) degrees")
     return kept
 
 
@@ -380,7 +380,7 @@ def _rank(results, cluster, model, training, objective, weights, bound, top_k):
 def _plan_key(result: GroupResult, row: int):
     lay = result.layout
     return (tuple(lay.stage_tp), lay.cp, tuple(lay.stage_dps), lay.order, result.mbs, result.seq, result.schedule, result.v,
-            tuple(result.levels[row]), tuple(result.layers[row]))
+            tuple(result.levels[row]), tuple(result.layers[row]), result.experts)
 
 
 def to_plan(result: GroupResult, row: int, model, cluster, training, objective: Objective) -> Plan:
