@@ -12,6 +12,7 @@ run :func:`memx_launch.runtime.worker.run_worker`, which plans (unless --plan) a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
@@ -424,6 +425,20 @@ def launch(args, resolved) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """memx-run on ``argv`` (default: the command line, whose fork server starts first)."""
+    code = _main(argv)
+    if argv is None and code > 128:
+        # Stopped by a signal, with its checkpoint and message done: torch.distributed's threads
+        # in this process may still run and abort interpreter finalization (SIGABRT, "terminate
+        # called without an active exception", seen once in five stops on 2 cores). End as the
+        # workers do (worker.py): exit handlers run, no finalization.
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     early = argv is None and start_fork_server(sys.argv[1:])
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
