@@ -12,7 +12,6 @@ run :func:`memx_launch.runtime.worker.run_worker`, which plans (unless --plan) a
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import math
@@ -28,6 +27,8 @@ from memx_launch.planning.search import check_space
 from memx_launch.planning.search_space import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.agent import start_fork_server, stop_fork_server
+from memx_launch.runtime.dry_run import dry_run
+from memx_launch.runtime.process_exit import end_process
 from memx_launch.runtime.layout import check_runnable, runnable_model
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
@@ -339,39 +340,6 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def dry_run(args, resolved) -> int:
-    from memx_launch.planning import report
-    from memx_launch.runtime.worker_env import reproduce_command
-    from memx_launch.planning.search import search
-
-    cluster, model, training = resolved["cluster"], resolved["model"], resolved["training"]
-    if cluster is None:
-        raise ConfigError("--cluster", "--dry-run plans without starting workers, so it cannot detect devices",
-                          "pass --cluster FILE")
-    plan = resolved["plan"]
-    if plan is None:
-        cost_model = None
-        if args.profile_db:
-            from memx_launch.profiling.predictor import load_cost_model
-            cost_model = load_cost_model(args.profile_db, model, cluster, training)
-        result = search(model, cluster, training, cost_model=cost_model, objective=args.objective,
-                        space=SearchSpace(fewer_microbatches_than_stages=False, **resolved["restrictions"]),  # as the workers
-                        weights=parse_weights(args.weights) if args.weights else None,
-                        time_budget_s=args.search_budget_s)
-        print(report.plan_report(result, cluster))
-        plan = result.best
-    else:
-        print(report.estimate_report(plan, cluster))
-    plan_path = args.export_plan or args.plan or "PLAN.json"
-    if args.export_plan:
-        plan.save(args.export_plan)
-        print(f"plan written to {args.export_plan}")
-    env = {"MEMX_PLAN": plan_path, "MEMX_CLUSTER": args.cluster,
-           "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]])}
-    print("torchrun command for this plan (no search):\n  " + reproduce_command(plan, cluster, env))
-    return 0
-
-
 def launch(args, resolved) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -424,17 +392,11 @@ def launch(args, resolved) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """memx-run on ``argv`` (default: the command line, whose fork server starts first)."""
+    """memx-run on ``argv`` (default: the command line, whose fork server starts first). Stopped by
+    a signal, the command line's process ends without interpreter finalization (:func:`end_process`)."""
     code = _main(argv)
     if argv is None and code > 128:
-        # Stopped by a signal, with its checkpoint and message done: torch.distributed's threads
-        # in this process may still run and abort interpreter finalization (SIGABRT, "terminate
-        # called without an active exception", seen once in five stops on 2 cores). End as the
-        # workers do (worker.py): exit handlers run, no finalization.
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        end_process(code)
     return code
 
 
