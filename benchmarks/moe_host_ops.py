@@ -13,7 +13,7 @@ The dispatcher creates CUDA streams and the router places its weight on the curr
 on this CPU-only torch both are stood in (a stream that does nothing, the CPU as the device), and
 megatron-core 0.16.1 names ``te_general_gemm`` without Transformer Engine installed, so it is set
 to None as its own import fallback intends. Writes benchmarks/results/moe_host_ops.json.
-Run: .venv/bin/python benchmarks/moe_host_ops.py   (about 10 s)
+Run: .venv/bin/python benchmarks/moe_host_ops.py   (seconds, after megatron-core's import)
 """
 
 from __future__ import annotations

@@ -68,9 +68,7 @@ def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> Non
 def search_degrees(model: ModelSpec, world: int) -> tuple[int, ...]:
     """The expert-parallel degrees ``memx plan`` tries for a mixture of experts on ``world``
     devices: the powers of two dividing its experts, up to the world (none for a dense model)."""
-    if not model.num_experts:
-        return ()
-    return tuple(ep for ep in (2 ** k for k in range(int(np.log2(world)) + 1)) if model.num_experts % ep == 0)
+    return _powers_of_two_dividing(model.num_experts, world) if model.num_experts else ()
 
 
 def search_tensor_degrees(model: ModelSpec, cluster: ClusterSpec) -> tuple[int, ...]:
@@ -79,9 +77,12 @@ def search_tensor_degrees(model: ModelSpec, cluster: ClusterSpec) -> tuple[int, 
     and scatters every dispatched token each way, as a TP group does: inside a node)."""
     if not model.num_experts:
         return ()
-    per_node = min(sum(n for _, n in node.devices) for node in cluster.nodes)
-    return tuple(etp for etp in (2 ** k for k in range(int(np.log2(per_node)) + 1))
-                 if model.moe_ffn_hidden_size % etp == 0)
+    return _powers_of_two_dividing(model.moe_ffn_hidden_size, min(sum(n for _, n in node.devices)
+                                                                   for node in cluster.nodes))
+
+
+def _powers_of_two_dividing(value: int, up_to: int) -> tuple[int, ...]:
+    return tuple(d for d in (2 ** k for k in range(int(np.log2(up_to)) + 1)) if value % d == 0)
 
 
 def divides(layout, training: TrainingSpec) -> bool:
@@ -142,8 +143,7 @@ def host_ops(model: ModelSpec, training: TrainingSpec, forward_again=False) -> n
     where ``forward_again`` (recomputed): each of its ``num_experts / EP`` local experts runs its
     own linears, so the host's work grows with them where the device's does not."""
     local = model.num_experts / training.expert_parallel
-    forward, backward = ((per_layer + per_expert * local) for per_layer, per_expert in
-                         (MOE_HOST_OPS["forward"], MOE_HOST_OPS["backward"]))
+    forward, backward = (per_layer + per_expert * local for per_layer, per_expert in MOE_HOST_OPS.values())
     return forward * (1.0 + np.asarray(forward_again, dtype=np.float64)) + backward
 
 

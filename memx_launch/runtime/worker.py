@@ -28,6 +28,7 @@ import runpy
 import sys
 
 from memx_launch.runtime.agent import EXCEPTION, MEMX_ERROR, error_record
+from memx_launch.runtime.process_exit import end_process, run_exit_handlers
 from memx_launch.runtime.restarts import (GENERATION_VAR, PLANNED_RESTART_EXIT_CODE, record_planned_restart,
                                           restart_generation)
 from memx_launch.runtime.worker_env import detected_cluster_path, reproduce_command, search_restrictions
@@ -247,8 +248,6 @@ def run_worker(generation: str, *argv: str) -> None:
     """One worker process: ``generation`` is how many times the agent started the workers before
     (planned restarts included), ``argv`` the script (or ``--module`` and a module) and its
     arguments. Returns when the script ended well; any other end exits the process with its code."""
-    import atexit
-
     import torch
 
     from memx_launch.errors import MemxError
@@ -280,16 +279,12 @@ def run_worker(generation: str, *argv: str) -> None:
         traceback.print_exc()
         _report(f"{type(exc).__name__}: {exc}".splitlines()[0], EXCEPTION)
         code = 1
-    # The process ends without interpreter finalization (multiprocessing ends a forked worker with
-    # os._exit once the agent has its result; not under --start-method spawn): gloo's threads may
-    # still hold tensors then and abort the process (SIGABRT) after a clean run, which the agent
-    # takes for a crash (seen about once in ten 4-rank runs; pytorch/pytorch#179291). The script's
-    # exit handlers still run.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # No interpreter finalization (process_exit.end_process): a failed run exits here, a clean one
+    # returns to multiprocessing, which ends a forked worker with os._exit once the agent has its
+    # result (not under --start-method spawn). The script's exit handlers run either way.
     if code:
-        os._exit(code)
+        end_process(code)
+    run_exit_handlers()
 
 
 def _name_process(name: str) -> None:
