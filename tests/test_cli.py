@@ -273,7 +273,8 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--max-slowdown", "5"], "--max-slowdown: expected a share"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--topp", "3"], "--topp 3; did you mean --top? (see"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--plot", "p.svg"], "--plot: p.svg is not a .png"),
-    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--dp", "2"], "unrecognized arguments: --dp 2"),
+    (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--dp", "2"],  # estimate's flag, named so, not a typo
+     "unrecognized arguments: --dp 2; --dp is a flag of memx estimate (see"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--tp", "3"], "--tp: 3 does not divide"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--schedules", "gpipe"], "--schedules: expected some of"),
     (["plan", "--model", "llama2-7b", "--cluster", PAPER, "--pp", "3"], "--pp: no layout of 20 devices has pp"),

@@ -88,7 +88,11 @@ MEGATRON_LM_ARGUMENTS = {
     "--multi-latent-attention": dict(action="store_true"), "--q-lora-rank": dict(type=int),
     "--kv-lora-rank": dict(type=int), "--qk-head-dim": dict(type=int), "--qk-pos-emb-head-dim": dict(type=int),
     "--v-head-dim": dict(type=int), "--mtp-num-layers": dict(type=int), "--moe-layer-freq": dict(type=str),
-    "--recompute-modules": dict(nargs="*"),
+    "--recompute-modules": dict(nargs="*"), "--attention-output-gate": dict(action="store_true"),
+    "--experimental-attention-variant": dict(choices=["gated_delta_net", "dsa"]),
+    "--linear-attention-freq": dict(type=str), "--linear-num-key-heads": dict(type=int),
+    "--linear-num-value-heads": dict(type=int), "--linear-key-head-dim": dict(type=int),
+    "--linear-value-head-dim": dict(type=int), "--linear-conv-kernel-dim": dict(type=int),
     # data, tokenizer
     "--seq-length": dict(type=int), "--vocab-size": dict(type=int),
 }
@@ -159,6 +163,15 @@ def _megatron_config(plan, args):
         kwargs["mtp_num_layers"] = a.mtp_num_layers
     if a.recompute_modules:
         kwargs["recompute_modules"] = a.recompute_modules
+    if a.attention_output_gate:
+        kwargs["attention_output_gate"] = True
+    if a.experimental_attention_variant:  # an integer period or a list expression, as moe_layer_freq
+        freq = a.linear_attention_freq
+        kwargs.update(experimental_attention_variant=a.experimental_attention_variant,
+                      linear_attention_freq=int(freq) if freq.isdigit() else list(eval(freq, {"__builtins__": {}})),
+                      linear_num_key_heads=a.linear_num_key_heads, linear_num_value_heads=a.linear_num_value_heads,
+                      linear_key_head_dim=a.linear_key_head_dim, linear_value_head_dim=a.linear_value_head_dim,
+                      linear_conv_kernel_dim=a.linear_conv_kernel_dim)
     if a.multi_latent_attention:
         return tc.MLATransformerConfig(**kwargs, multi_latent_attention=True, q_lora_rank=a.q_lora_rank,
                                        kv_lora_rank=a.kv_lora_rank, qk_head_dim=a.qk_head_dim,

@@ -104,7 +104,7 @@ def test_a_plan_times_the_chunks_and_its_megatron_export_says_them():
 
 
 @pytest.mark.parametrize("config,field", [
-    ({"model_type": "qwen3_next", "full_attention_interval": 4}, "model_type"),
+    ({"model_type": "llama", "full_attention_interval": 4}, "full_attention_interval"),
     ({"model_type": "llama", "layer_types": ["linear_attention", "full_attention"] * 4}, "layer_types"),
     ({"model_type": "falcon_h1", "mamba_d_ssm": 1024}, "model_type"),
     ({"model_type": "llama", "hybrid_override_pattern": "M-M-M*-"}, "hybrid_override_pattern"),

@@ -141,7 +141,9 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
                            "kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim", "dense_layers",
                            "moe_layer_step", "mtp_layers", "expert_groups", "expert_groups_per_token",
                            "hybrid_pattern", "mamba_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups",
-                           "mamba_conv_kernel", "mamba_chunk_size", "layer_kind")}
+                           "mamba_conv_kernel", "mamba_chunk_size", "layer_kind", "linear_key_heads",
+                           "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel",
+                           "linear_chunk_size", "attention_output_gate")}
     assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     gpt_style = dataclasses.replace(llama, layer_norm=True, linear_biases=True, position_embeddings=4096)
     assert gpt_style.signature() != llama.signature() and gpt_style.total_params > llama.total_params

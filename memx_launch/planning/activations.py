@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import experts, mamba, op_checkpointing
+from memx_launch.planning import experts, gated_deltanet, mamba, op_checkpointing
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.specs.model import ModelSpec
 
@@ -42,7 +42,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       Q + K + V saved by attention: 2q/h + 4kv/h, over t (q: the queries' width, h unless the
         model's heads are wider or narrower than h / a)
       attention output (input of Wo): 2q/h over t (latent attention: its values' width); fused
-        kernels add a fp32 logsumexp per head
+        kernels add a fp32 logsumexp per head; an output gate (``attention_output_gate``) adds
+        the core's output and the sigmoid of the gate its multiply keeps, 4q/h over t
       latent attention's down projections (whole on every TP rank): the query and key-value
         latents, each its norm's input and the normed tensor its up projection reads, and the
         shared rotary key: 2(2 q_lora + 2 kv_lora + rope)/h
@@ -62,7 +63,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         2(q + kv)/h over t fused (torch ops: (4 + d)(q + kv)/h, Gemma's (4 + 4)); kept under
         selective recompute, run again from the projections' outputs under the op-level policy
       a hybrid model's layer: one norm and one residual dropout, attention's or the MLP's
-        tensors alone, or a Mamba layer's (:func:`~memx_launch.planning.mamba.kept_units`)
+        tensors alone, or a Mamba or Gated DeltaNet layer's (:func:`~memx_launch.planning.mamba.kept_units`,
+        :func:`~memx_launch.planning.gated_deltanet.kept_units`)
       SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h);
         a mixture of experts: :func:`~memx_launch.planning.experts.kept_units`
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
@@ -103,6 +105,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     latent = 2.0 * (2.0 * model.q_lora_rank + 2.0 * model.kv_lora_rank + model.rope_head_dim) / h
     qkv = heads_qkv + latent if model.kv_lora_rank else heads_qkv
     attn_out = 2.0 * fp8_share * model.value_hidden_size / h / tp
+    if model.attention_output_gate and model.has_attention:  # its multiply keeps the core's output and sigmoid(gate)
+        attn_out = attn_out + 4.0 * q / h / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
     # Bytes kept per score (in units of 2 bytes x scale): the softmax output, in fp32 plus its
     # 16-bit copy when torch's softmax upcasts (a fused kernel reads and writes 16 bits).
@@ -120,7 +124,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
     # Query and key head norms keep their inputs, as the block's norms do (fused: the 16-bit q and k).
     qk_norms = (q + kv) / h / tp * per_norm if model.qk_norm else 0.0
-    mixer = mamba.kept_units(model, tp, fp8_share)  # a hybrid model's Mamba layer: no selective module drops it
+    # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
+    mixer = mamba.kept_units(model, tp, fp8_share) + gated_deltanet.kept_units(model, tp, fp8_share)
     none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise + mixer
     block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
@@ -142,7 +147,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # 16-bit copy of the probabilities.
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
     working = (recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
-               + mamba.working_units(model, tp, dtype_bytes))
+               + mamba.working_units(model, tp, dtype_bytes) + gated_deltanet.working_units(model, tp, dtype_bytes))
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 

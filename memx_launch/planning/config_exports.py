@@ -84,8 +84,8 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
     plan.uniform_dp("torchtitan (one data-parallel degree for all stages)")
     tr = plan.training
     if plan.model_spec.hybrid_pattern:
-        raise ConfigError("plan", f"{plan.model} is a hybrid model (Mamba layers), which torchtitan does not build",
-                          "export to Megatron-LM (pretrain_mamba.py)")
+        raise ConfigError("plan", f"{plan.model} is a hybrid model (Mamba or Gated DeltaNet layers), which torchtitan "
+                          "does not build", "export to Megatron-LM (memx export)")
     for field in ("expert_parallel", "expert_tensor_parallel"):
         if tr.get(field, 1) > 1:
             raise ConfigError("plan", f"{field}={tr[field]}: torchtitan carves expert parallelism out of its FSDP "

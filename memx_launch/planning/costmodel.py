@@ -17,22 +17,21 @@ from typing import Protocol
 
 import numpy as np
 
-from memx_launch.planning import experts, extra_blocks, mamba, op_checkpointing, quantization
+from memx_launch.planning import experts, extra_blocks, gated_deltanet, mamba, op_checkpointing, quantization
 from memx_launch.planning.activations import LayerCost, activation_bytes, selective_modules  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.matmuls import (device_sms, forward_backward_seconds, gemm_seconds, latent_up_shapes,
                                           linear_seconds, linear_shapes, mlp_shapes)
-from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters,  # noqa: F401
-                                               fine_tuning_flops, fully_sharded_working_bytes, last_stage_params,
-                                               fully_sharded_working_parts, model_state_bytes_by_part,
-                                               model_state_bytes_per_param, trained_parameters)
+from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, fine_tuning_flops,  # noqa: F401
+                                               fully_sharded_working_bytes, fully_sharded_working_parts, last_stage_params,
+                                               model_state_bytes_by_part, model_state_bytes_per_param, trained_parameters)
 from memx_launch.planning.peaks import linear_tflops, training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import HOPPER_COMPUTE_CAPABILITY, default_efficiency, hopper_or_later
-from memx_launch.specs.hybrid import mamba_params
+from memx_launch.specs.hybrid import deltanet_params, mamba_params
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -163,13 +162,13 @@ def attended_share(model: ModelSpec, seq):
 
 def layer_forward_flops(model: ModelSpec, mbs, seq, tp) -> np.ndarray:
     """Forward FLOPs of one block: 2 per multiply-add of the matmuls, causal attention halved; a
-    hybrid model's layer their mean over its layers (a Mamba layer: its weights' and its scan's)."""
+    hybrid model's layer their mean over its layers (a Mamba or Gated DeltaNet layer: its weights' and its scan's)."""
     if model.layer_kinds:
         return sum(n * layer_forward_flops(kind, mbs, seq, tp) for kind, n in model.layer_kinds) / model.num_layers
     tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
-    matmul = 2.0 * tokens * (model.attention_params + model.active_mlp_params + mamba_params(model))
+    matmul = 2.0 * tokens * (model.attention_params + model.active_mlp_params + mamba_params(model) + deltanet_params(model))
     return (matmul / np.asarray(tp, dtype=np.float64) + causal_attention_flops(model, mbs, seq, tp)
-            + mamba.scan_flops(model, tokens, tp))
+            + mamba.scan_flops(model, tokens, tp) + gated_deltanet.scan_flops(model, tokens, tp))
 
 
 def allreduce_time(nbytes, group_size, gbps, nodes=1, hop=NVLINK) -> np.ndarray:
@@ -312,9 +311,10 @@ class AnalyticalCostModel:
         # The fused kernel's FLOPs (forward, backward, a recomputed forward) run at its own speed.
         kernel_flops = np.where(unfused, 0.0, (3.0 + again) * attn_core_flops + flash_backward_flops)
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
-        # Fine-tuning's saved weight-gradient GEMMs and its adapters' FLOPs at the sustained rate.
-        # A Mamba layer's chunked scan: forward, twice that backward, again where recomputed, at the fused kernels' speed.
-        scan_flops = (3.0 + (recompute == FULL)) * mamba.scan_flops(self.model, tokens, tp)
+        # A Mamba or Gated DeltaNet layer's chunked scan (forward, backward, again where recomputed) runs at
+        # the fused kernels' speed; fine-tuning's weight-gradient GEMMs and adapters' FLOPs at the sustained rate.
+        scan_flops = ((3.0 + (recompute == FULL)) * mamba.scan_flops(self.model, tokens, tp)
+                      + gated_deltanet.step_scan_flops(self.model, tokens, tp, recompute == FULL))
         compute_s = linear_s + (3.0 * attn_core_flops + flash_backward_flops + recompute_flops
                                 + kernel_slowdown * kernel_flops + scan_flops / self._attention_speed[device]
                                 + fine_tuning_flops(self.model, tr, mbs_a, seq_a, tp)) / (self._tflops[device] * 1e12)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning import mamba, quantization
+from memx_launch.planning import gated_deltanet, mamba, quantization
 from memx_launch.planning.activations import selective_modules
 from memx_launch.planning.plan import NONE, SELECTIVE
-from memx_launch.specs.hybrid import conv_channels
+from memx_launch.specs.hybrid import mixer_projections
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -74,9 +74,9 @@ def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
     attention output (the norms and the MLP's activation write their FP8 outputs themselves);
     backward: every linear's output gradient. ``hidden``: tokens x h, over TP with sequence
     parallelism. The weights' casts, once per step, are not counted."""
-    if model.layer_kind == "mamba":  # the output projection's input; the input projection's output gradient
-        inner = model.mamba_inner_size
-        return tokens * inner / tp, tokens * (inner + conv_channels(model) + model.mamba_heads) / tp + 2.0 * hidden
+    mixer = mixer_projections(model)
+    if mixer:  # the output projection's input; the input projection's output gradient
+        return tokens * mixer[1] / tp, tokens * mixer[0] / tp + 2.0 * hidden
     q, kv, f = model.q_hidden_size, model.kv_hidden_size, model.active_ffn_hidden_size
     up = (2.0 if model.gated_mlp else 1.0) * f
     routed = tokens * model.experts_per_token * model.hidden_size / tp  # experts' inputs, and outputs' gradients
@@ -97,8 +97,9 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     activation on its width; without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
     passes and attention dropout; with quantized linears their casts (:func:`quantized_cast_elements`);
-    a hybrid model's layer one residual add and one norm, and a Mamba layer's kernels
-    (:func:`~memx_launch.planning.mamba.traffic_bytes`).
+    a hybrid model's layer one residual add and one norm, and a Mamba or Gated DeltaNet layer's
+    kernels (:func:`~memx_launch.planning.mamba.traffic_bytes`,
+    :func:`~memx_launch.planning.gated_deltanet.traffic_bytes`); an attention output gate's.
     """
     d = float(training.dtype_bytes)
     tp = np.asarray(tp, dtype=np.float64)
@@ -130,7 +131,12 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     cast = quantized_cast_elements(model, tokens, hidden, tp) if training.quantized_linears else (0.0, 0.0)
     cast_bytes = d + 2.0 * quantization.element_bytes(training)
     norms = float(model.norms_per_block)  # parallel blocks one, sandwich norms four
-    mixer = mamba.traffic_bytes(model, tokens, tp, d)  # a hybrid model's Mamba layer: never recomputed selectively
+    # A hybrid model's Mamba or Gated DeltaNet layer (never recomputed selectively); an attention
+    # output gate's sigmoid and multiply (forward 5 passes over q's width, backward 8).
+    mixer = [a + b for a, b in zip(mamba.traffic_bytes(model, tokens, tp, d),
+                                   gated_deltanet.traffic_bytes(model, tokens, tp, d))]
+    if model.attention_output_gate and model.has_attention:
+        mixer = [m + tokens * model.q_hidden_size / tp * passes * d for m, passes in zip(mixer, (5.0, 8.0))]
     qk_normed = tokens * (model.q_hidden_size + kv) / tp if model.qk_norm else 0.0  # query and key head norms
 
     def passes(i):  # 0: forward, 1: backward

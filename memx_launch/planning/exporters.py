@@ -7,15 +7,16 @@ note next to the arguments instead of being dropped silently.
 
 from __future__ import annotations
 
-import itertools
 import shlex
 from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.hybrid_export import deltanet_args, mamba_stack_args, megatron_blocks, split_args
 from memx_launch.planning.layer_split import chunk_layers
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.hybrid import layers_per_block
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -66,29 +67,12 @@ def pipeline_layout(plan: Plan) -> str:
     return "|".join(chunks)
 
 
-def _hybrid_split_notes(plan: Plan) -> list[str]:
-    """What a hybrid model's split needs that the arguments cannot say: Megatron-LM's hybrid stack
-    splits the pattern's layers evenly over the stages; another split (or chunks) is the pattern
-    cut into its pp x v segments, virtual-stage major, which only builds whose pattern takes ``|``
-    between pipeline segments read."""
-    per_stage = chunk_layers([s.num_layers for s in plan.stages], plan.virtual_stages).tolist()
-    sizes = [per_stage[p][c] for c in range(plan.virtual_stages) for p in range(plan.pp)]
-    if len(set(sizes)) == 1 and plan.virtual_stages == 1:
-        return []
-    ends = [0, *itertools.accumulate(sizes)]
-    pattern = plan.model_spec.hybrid_pattern
-    segments = "|".join(pattern[a:b] for a, b in zip(ends[:-1], ends[1:]))
-    return [f"Megatron-LM's hybrid stack splits the {len(pattern)} layers evenly over the {plan.pp} stages, "
-            f"not in the plan's {plan.pp * plan.virtual_stages} chunks of {sizes}; a build whose "
-            f"--hybrid-override-pattern takes '|' between pipeline segments runs the plan's split as {segments}"]
-
-
 def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
     levels = [s.recompute for s in plan.stages]
     partial = [parse_recompute(s.recompute, s.num_layers) for s in plan.stages if s.recompute.startswith("full:")]
     if partial and all(s.recompute.startswith("full:") or s.recompute == "none" for s in plan.stages):
         # Block method: the first K layers of every pipeline stage recompute fully, one K for all.
-        k = max(count for _, count in partial)
+        k = -(-max(count for _, count in partial) // layers_per_block(plan.model_spec))  # Megatron counts blocks
         notes = [] if len(set(levels)) == 1 else [
             "per-stage recompute (" + ", ".join(f"stage {i}: {lvl}" for i, lvl in enumerate(levels))
             + f") cannot be expressed in Megatron-LM, which recomputes the first K layers of every "
@@ -129,7 +113,7 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     SwiGLU unless the model has a plain MLP) or a GPT-2 style one (LayerNorm, biases, a learned
     position table) with grouped-query attention when KV heads are fewer, its RoPE base and norm
     epsilon (Megatron's defaults, 10000 and 1e-5, are not every model's)."""
-    spec = plan.model_spec
+    spec = megatron_blocks(plan.model_spec)
     notes = []
     args = ["--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden_size),
             "--ffn-hidden-size", str(spec.ffn_hidden_size), "--num-attention-heads", str(spec.num_heads)]
@@ -158,15 +142,17 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--swiglu")
     if not spec.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
+    if spec.attention_output_gate:
+        args.append("--attention-output-gate")
     if spec.hybrid_pattern:  # pretrain_mamba.py's hybrid stack; Nemotron-H's attention has no positions
-        args += ["--hybrid-override-pattern", spec.hybrid_pattern, "--mamba-num-heads", str(spec.mamba_heads),
-                 "--mamba-head-dim", str(spec.mamba_head_dim), "--mamba-state-dim", str(spec.mamba_state_size),
-                 "--mamba-num-groups", str(spec.mamba_groups),
-                 "--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
-        notes.append("a hybrid model: run these arguments with Megatron-LM's pretrain_mamba.py; its MLP layers' "
-                     "activation is Megatron's default (GELU) unless you add yours (Nemotron-H: --squared-relu), "
-                     f"and its scans take Megatron's chunk size where the plan priced {spec.mamba_chunk_size}")
-    elif not learned:  # Megatron-LM reads --rotary-base as an integer.
+        hybrid_args, hybrid_notes = mamba_stack_args(spec)
+    elif spec is not plan.model_spec:  # Gated DeltaNet blocks
+        hybrid_args, hybrid_notes = deltanet_args(plan.model_spec)
+    else:
+        hybrid_args, hybrid_notes = [], []
+    args += hybrid_args
+    notes += hybrid_notes
+    if not (learned or spec.hybrid_pattern):  # Megatron-LM reads --rotary-base as an integer.
         args += ["--rotary-base", str(round(spec.rope_theta))]
     args += ["--norm-epsilon", f"{spec.norm_eps:g}"]
     if spec.num_experts:  # grouped GEMMs and the dispatcher the plan times (flex: HybridEP, which spans NVL72)
@@ -240,7 +226,9 @@ def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
     if plan.cp > 1:  # Megatron's rank order (tp-cp-dp-pp) is the plan's; its default exchange is the p2p ring
         args += ["--context-parallel-size", str(plan.cp)]
     if plan.pp > 1 and plan.model_spec.hybrid_pattern:
-        notes += _hybrid_split_notes(plan)
+        split = split_args(plan)
+        args += split[0]
+        notes += split[1]
     elif plan.pp > 1:
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan)]
         if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.specs.hybrid import conv_channels
+from memx_launch.specs.hybrid import mixer_projections
 
 # Output tiles cuBLAS/CUTLASS kernels use, each (tm, tn, share of the best rate): its operand
 # reuse tm tn / (tm + tn) against 128 x 128's, at most 1.
@@ -146,17 +146,19 @@ def latent_up_shapes(model, tp) -> list[tuple]:
 
 def linear_shapes(model, training, tp) -> list[tuple]:
     """(N, K) of each linear layer's weight of a block on one TP rank: the fused QKV (latent
-    attention: its down and up projections), the output projection, the MLP's up (and gate:
-    fused, or its own GEMM) and down projections. A mixture of experts has its shared expert's
-    MLP here, if any (its routed experts: ``planning/experts.py``); a hybrid model's layer its
-    attention's or its MLP's, a Mamba layer its input and output projections."""
+    attention: its down and up projections; with an output gate, its query part twice), the
+    output projection, the MLP's up (and gate: fused, or its own GEMM) and down projections. A
+    mixture of experts has its shared expert's MLP here, if any (its routed experts:
+    ``planning/experts.py``); a hybrid model's layer its attention's or its MLP's, a Mamba or
+    Gated DeltaNet layer its input and output projections."""
     tp = np.asarray(tp, dtype=np.float64)
     h = float(model.hidden_size)
-    if model.layer_kind == "mamba":  # the input projection (to z, x, B, C, dt) and the output one
-        inner = float(model.mamba_inner_size)
-        return [((inner + conv_channels(model) + model.mamba_heads) / tp, h), (h, inner / tp)]
+    mixer = mixer_projections(model)
+    if mixer:  # a Mamba or Gated DeltaNet layer: its input projection and its output one
+        return [(mixer[0] / tp, h), (h, mixer[1] / tp)]
     q, value = float(model.q_hidden_size), float(model.value_hidden_size)
-    attention = [((q + 2.0 * model.kv_hidden_size) / tp, h), (h, value / tp)] if model.has_attention else []
+    gated_q = 2.0 * q if model.attention_output_gate else q  # the query projection computes the output gate too
+    attention = [((gated_q + 2.0 * model.kv_hidden_size) / tp, h), (h, value / tp)] if model.has_attention else []
     if model.kv_lora_rank:  # latent attention: whole down projections on every TP rank, heads' up projections split
         q_rank, kv_rank = float(model.q_lora_rank), float(model.kv_lora_rank)
         downs = [(q_rank, h)] if q_rank else [(q / tp, h)]

@@ -21,6 +21,7 @@ from memx_launch.planning.matmuls import device_sms
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.planning.plan import recompute_text
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
@@ -248,7 +249,10 @@ class Evaluator:
             inputs = self.replica_inputs(layout, mbs, seq, v, levels)
             t_layer, edge_t = (np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)) \
                 if layout.mixed else inputs[0][2:4]
-            layers, feasible = balance_layers(t_layer, edge_t, self._max_layers(layout, inputs), L, min_layers)
+            unit = layers_per_block(self.model)  # a Gated DeltaNet model's blocks stay whole (Megatron's GPT stack)
+            layers, feasible = balance_layers(t_layer * unit, edge_t, self._max_layers(layout, inputs) // unit, L // unit,
+                                              -(-min_layers // unit))
+            layers = layers * unit
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
             if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any() and cm.NONE in self.allowed_levels:
                 recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)

@@ -95,11 +95,13 @@ def chunks_by_stage(plan: Plan) -> list[list[Chunk]]:
 
 def runnable_model(model: ModelSpec, field: str = "--model") -> ModelSpec:
     """``model`` where memx's runtime can train it: not a mixture of experts, latent attention,
-    multi-token prediction nor a hybrid model (its blocks have none of them)."""
+    multi-token prediction, an attention output gate nor a hybrid model (its blocks have none of them)."""
     unsupported = [what for what, present in (("a mixture of experts", model.num_experts),
                                                ("latent attention", model.kv_lora_rank),
                                                ("multi-token prediction", model.mtp_layers),
-                                               ("Mamba and lone attention or MLP layers", model.hybrid_pattern))
+                                               ("Mamba, Gated DeltaNet and lone attention or MLP layers",
+                                                model.hybrid_pattern),
+                                               ("an attention output gate", model.attention_output_gate))
                    if present]
     if unsupported:
         raise ConfigError(field, f"{model.name} has {' and '.join(unsupported)}, which memx's runtime does not run",

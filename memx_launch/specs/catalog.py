@@ -82,6 +82,14 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
               attention_head_dim=128, hybrid_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
               mamba_heads=64, mamba_head_dim=64, mamba_state_size=128, mamba_groups=8,
               num_experts=128, experts_per_token=6, expert_ffn_hidden_size=1856, shared_expert_ffn_hidden_size=3712),
+    # Qwen3-Next-80B-A3B: 48 blocks, three of Gated DeltaNet (16 key and 32 value heads) to one of
+    # gated attention (16 heads of 256, 2 KV heads, query/key norms), each with 512 experts of 512
+    # (top-10) and a shared one of 512 (the model's config.json); memx counts a block's mixer and
+    # its experts as two hybrid layers (G or *, then E).
+    ModelSpec("qwen3-next-80b-a3b", 96, 2048, 16, 2, 5120, 151936, 8192, rope_theta=10000000.0, norm_eps=1e-6,
+              attention_head_dim=256, qk_norm=True, hybrid_pattern="GEGEGE*E" * 12, linear_key_heads=16,
+              linear_value_heads=32, attention_output_gate=True, num_experts=512, experts_per_token=10,
+              expert_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512),
 )}
 
 

@@ -73,9 +73,14 @@ def _flag_suggestion(parser, message: str) -> str:
     if not message.startswith("unrecognized arguments:"):
         return ""
     typed = next((word.split("=")[0] for word in message.split()[2:] if word.startswith("--")), None)
-    known = sorted({flag for p in _parsers(parser) for action in p._actions for flag in action.option_strings
-                    if flag.startswith("--")})
-    close = difflib.get_close_matches(typed, known, n=1) if typed else []
+    owners = {}  # flag -> the commands that take it
+    for p in _parsers(parser):
+        for action in p._actions:
+            for flag in action.option_strings:
+                owners.setdefault(flag, []).append(p.prog)
+    if typed in owners:  # another command's flag, not a typo
+        return f"; {typed} is a flag of {', '.join(sorted(set(owners[typed])))}"
+    close = difflib.get_close_matches(typed, sorted(f for f in owners if f.startswith("--")), n=1) if typed else []
     return f"; did you mean {close[0]}?" if close else ""
 
 

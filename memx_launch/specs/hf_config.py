@@ -28,16 +28,22 @@ GATED_GELU = ("gemma",)
 PARALLEL_BLOCK_KEYS = {"gptj": None, "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
 # Families with blocks other than softmax attention's (linear attention, Mamba, RWKV's recurrence),
 # which memx does not model: by model type, and by the key naming such blocks in a config.
-OTHER_BLOCK_TYPES = ("qwen3_next", "kimi_linear", "minimax", "minimax_m1", "jamba", "bamba", "zamba",
+OTHER_BLOCK_TYPES = ("kimi_linear", "minimax", "minimax_m1", "jamba", "bamba", "zamba",
                      "zamba2", "falcon_h1", "granitemoehybrid", "lfm2", "mamba", "mamba2", "falcon_mamba", "rwkv",
                      "recurrent_gemma")
 OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_list", "hybrid_override_pattern",
                     "attn_layer_period", "mamba_d_ssm", "ssm_cfg")
-# Hybrid families memx models (Nemotron-H: Mamba-2, attention and MLP layers in hybrid_override_pattern).
-HYBRID_TYPES = ("nemotron_h",)
-# A hybrid config's Mamba keys, by ModelSpec field.
+# Hybrid families memx models: Nemotron-H (Mamba-2, attention and MLP layers in hybrid_override_pattern)
+# and Qwen3-Next (blocks of Gated DeltaNet or gated attention, each with its experts: layer_types).
+HYBRID_TYPES = ("nemotron_h", "qwen3_next")
+# A hybrid config's Mamba and Gated DeltaNet keys, by ModelSpec field.
 MAMBA_KEYS = {"mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim", "mamba_state_size": "ssm_state_size",
               "mamba_groups": "n_groups", "mamba_conv_kernel": "conv_kernel", "mamba_chunk_size": "chunk_size"}
+DELTANET_KEYS = {"linear_key_heads": "linear_num_key_heads", "linear_value_heads": "linear_num_value_heads",
+                 "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim",
+                 "linear_conv_kernel": "linear_conv_kernel_dim"}
+# Qwen3-Next's layer_types: its Gated DeltaNet blocks beside whole-sequence attention ones.
+LINEAR_ATTENTION = "linear_attention"
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich).
 POST_NORM_TYPES = ("gemma2", "gemma3")
 # Families that normalise every query and key head with no config key saying so (by prefix).
@@ -127,7 +133,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         require_type(parallel, bool, f"model ({where}).{key}")
     return ModelSpec(
         name=name,
-        num_layers=cfg["num_hidden_layers"],
+        num_layers=blocks.pop("num_layers", cfg["num_hidden_layers"]),
         hidden_size=cfg["hidden_size"],
         num_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
@@ -154,18 +160,44 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
 
 
 def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """A hybrid family's layers (:data:`HYBRID_TYPES`): its pattern and the Mamba layers' sizes
-    (:data:`MAMBA_KEYS`; where a config leaves one out, ModelSpec's default: Megatron-Core's)."""
+    """A hybrid family's layers (:data:`HYBRID_TYPES`): its pattern and the Mamba or Gated
+    DeltaNet layers' sizes (:data:`MAMBA_KEYS`, :data:`DELTANET_KEYS`; where a config leaves one
+    out, ModelSpec's default: Megatron-Core's)."""
     if model_type not in HYBRID_TYPES:
         return {}
-    require_type(cfg.get("hybrid_override_pattern"), str, f"model ({where}).hybrid_override_pattern")
-    sizes = {"hybrid_pattern": cfg["hybrid_override_pattern"]}
-    for field, key in MAMBA_KEYS.items():
+    if model_type == "qwen3_next":
+        sizes, keys = _deltanet_blocks_of(cfg, where), DELTANET_KEYS
+    else:
+        require_type(cfg.get("hybrid_override_pattern"), str, f"model ({where}).hybrid_override_pattern")
+        sizes, keys = {"hybrid_pattern": cfg["hybrid_override_pattern"]}, MAMBA_KEYS
+    for field, key in keys.items():
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a positive integer")
             sizes[field] = cfg[key]
     return sizes
+
+
+def _deltanet_blocks_of(cfg: Mapping[str, Any], where: str) -> dict:
+    """Qwen3-Next's blocks as hybrid layers: each block a Gated DeltaNet mixer (G) or gated
+    attention (*), then its experts (E; a dense MLP, -, without experts), so twice as many layers
+    as blocks. A block attends where ``layer_types`` says ``full_attention``, else every
+    ``full_attention_interval``-th block (Hugging Face's default: 4)."""
+    blocks = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        require_number(interval, f"model ({where}).full_attention_interval", lo=1, hi=MAX_DIMENSION, integer=True,
+                       fix="config.json must give it as a positive integer")
+        types = [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(blocks)]
+    if len(types) != blocks:
+        raise ConfigError(f"model ({where}).layer_types", f"{len(types)} entries for {blocks} blocks",
+                          "give one per block (num_hidden_layers)")
+    mlp = "E" if cfg.get("num_experts") else "-"
+    pattern = "".join(("G" if kind == LINEAR_ATTENTION else "*") + mlp for kind in types)
+    # Hugging Face's Qwen3NextConfig defaults where a config leaves the heads out (the widths: ModelSpec's).
+    return {"hybrid_pattern": pattern, "num_layers": len(pattern), "attention_output_gate": True,
+            "linear_key_heads": 16, "linear_value_heads": 32}
 
 
 def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) -> None:
@@ -176,14 +208,16 @@ def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) ->
     if model_type in OTHER_BLOCK_TYPES:
         raise ConfigError(f"model ({where}).model_type", f"{model_type} has blocks other than softmax attention "
                           "(linear attention, Mamba or recurrent ones)", fix)
+    own = {"nemotron_h": "hybrid_override_pattern", "qwen3_next": "full_attention_interval"}.get(model_type)
     for key in OTHER_BLOCK_KEYS:
-        if cfg.get(key) is not None and not (model_type in HYBRID_TYPES and key == "hybrid_override_pattern"):
+        if cfg.get(key) is not None and key != own:
             raise ConfigError(f"model ({where}).{key}", "names blocks other than softmax attention "
                               "(linear attention, Mamba or recurrent ones)", fix)
     types = cfg.get("layer_types")
     if types is not None:
         require_type(types, list, f"model ({where}).layer_types")
-        other = sorted({str(t) for t in types} - set(ATTENTION_LAYER_TYPES))
+        known = ATTENTION_LAYER_TYPES + ((LINEAR_ATTENTION,) if model_type == "qwen3_next" else ())
+        other = sorted({str(t) for t in types} - set(known))
         if other:
             raise ConfigError(f"model ({where}).layer_types", f"{', '.join(other)} blocks are not modelled", fix)
 

@@ -1,11 +1,16 @@
-"""Hybrid models (Nemotron-H, Nemotron 3): layers of Mamba-2 mixers, attention, MLPs and mixtures
-of experts in a pattern of their own, each behind one pre-norm and a residual add. The pattern's kinds and a Mamba layer's sizes;
-``ModelSpec.layer_kinds`` gives each kind's shape to price, ``model_checks`` what a pattern may hold."""
+"""Hybrid models (Nemotron-H, Nemotron 3, Qwen3-Next): layers of Mamba-2 mixers, Gated DeltaNet
+mixers, attention, MLPs and mixtures of experts in a pattern of their own, each behind one pre-norm
+and a residual add. The pattern's kinds and the mixers' sizes; ``ModelSpec.layer_kinds`` gives each
+kind's shape to price, ``model_checks`` what a pattern may hold."""
 
 from __future__ import annotations
 
-# A hybrid model's layer kinds by their character in Megatron's --hybrid-override-pattern.
-HYBRID_LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# A hybrid model's layer kinds by their character in Megatron's --hybrid-override-pattern, and G,
+# memx's own for a Gated DeltaNet mixer (Megatron runs those in GPT models' blocks instead:
+# --experimental-attention-variant gated_delta_net, a G and the MLP after it one block).
+HYBRID_LAYER_KINDS = {"M": "mamba", "G": "gated_deltanet", "*": "attention", "-": "mlp", "E": "moe"}
+# A Gated DeltaNet model's layers as Megatron-LM's GPT blocks: each a mixer, then its MLP.
+BLOCK_MIXERS, BLOCK_MLPS = "G*", "E-"
 # What a hybrid model's layers other than its expert ones (E) hold none of.
 NO_EXPERTS = {"num_experts": 0, "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
               "expert_groups": 0, "expert_groups_per_token": 0}
@@ -26,3 +31,41 @@ def mamba_params(model) -> int:
 def conv_channels(model) -> int:
     """Channels of a Mamba layer's convolution: x (d_inner), B and C (groups x d_state each)."""
     return model.mamba_inner_size + 2 * model.mamba_groups * model.mamba_state_size
+
+
+def deltanet_params(model) -> int:
+    """A Gated DeltaNet mixer's parameters (Megatron-Core's GatedDeltaNet, Qwen3-Next's linear
+    attention): the input projection to q, k, v, the output gate z, beta and alpha (2 keys' width
+    + 2 values' width + 2 per value head), the depthwise convolution over q, k and v (no bias),
+    A and dt's bias per value head, the output norm (one value head wide) and the output
+    projection; none in another layer."""
+    if model.layer_kind != "gated_deltanet":
+        return 0
+    keys, values, heads = model.deltanet_key_size, model.deltanet_value_size, model.linear_value_heads
+    return (model.hidden_size * (2 * keys + 2 * values + 2 * heads) + deltanet_conv_channels(model) * model.linear_conv_kernel
+            + 2 * heads + model.linear_value_head_dim + values * model.hidden_size)
+
+
+def deltanet_conv_channels(model) -> int:
+    """Channels of a Gated DeltaNet layer's convolution: q and k (the keys' width each) and v."""
+    return 2 * model.deltanet_key_size + model.deltanet_value_size
+
+
+def mixer_projections(model) -> tuple[int, int] | None:
+    """(the input projection's output width, the output projection's input width) of a Mamba or
+    Gated DeltaNet layer, whole (TP splits both); None in another layer."""
+    if model.layer_kind == "mamba":  # z, x, B, C and dt; y
+        return model.mamba_inner_size + conv_channels(model) + model.mamba_heads, model.mamba_inner_size
+    if model.layer_kind == "gated_deltanet":  # q, k, v, z, beta and alpha; the gated output
+        values = model.deltanet_value_size
+        return deltanet_conv_channels(model) + values + 2 * model.linear_value_heads, values
+    return None
+
+
+def layers_per_block(model) -> int:
+    """Layers a split keeps together: 2 where the pattern is Gated DeltaNet blocks (pairs of a
+    mixer, G or *, and its MLP, E or -: what Megatron-LM's GPT stack builds), else 1."""
+    pattern = model.hybrid_pattern
+    pairs = len(pattern) % 2 == 0 and all(pattern[i] in BLOCK_MIXERS and pattern[i + 1] in BLOCK_MLPS
+                                          for i in range(0, len(pattern), 2))
+    return 2 if "G" in pattern and pairs else 1

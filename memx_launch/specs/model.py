@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import reject_unknown
-from memx_launch.specs.hybrid import HYBRID_LAYER_KINDS, NO_EXPERTS, mamba_params
+from memx_launch.specs.hybrid import HYBRID_LAYER_KINDS, NO_EXPERTS, deltanet_params, mamba_params
 from memx_launch.specs.model_checks import MAX_DIMENSION, check_shape  # noqa: F401 (callers import MAX_DIMENSION here)
 
 
@@ -28,7 +28,10 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
                          "moe_layer_step": 1, "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0,
                          "hybrid_pattern": "", "mamba_heads": 0, "mamba_head_dim": 64, "mamba_state_size": 128,
-                         "mamba_groups": 8, "mamba_conv_kernel": 4, "mamba_chunk_size": 128, "layer_kind": ""}
+                         "mamba_groups": 8, "mamba_conv_kernel": 4, "mamba_chunk_size": 128, "layer_kind": "",
+                         "linear_key_heads": 0, "linear_value_heads": 0, "linear_key_head_dim": 128,
+                         "linear_value_head_dim": 128, "linear_conv_kernel": 4, "linear_chunk_size": 64,
+                         "attention_output_gate": False}
 
 
 
@@ -145,9 +148,22 @@ class ModelSpec:
     mamba_chunk_size: int = 128
     """Tokens of a chunk of the chunked scan (SSD): quadratic within a chunk, a state passed between
     them (Megatron-Core's MambaMixer: 128)."""
+    linear_key_heads: int = 0
+    """With ``G`` layers (Gated DeltaNet, Qwen3-Next's linear attention): its query and key heads;
+    its value heads ``linear_value_heads`` (a multiple), each head's widths ``linear_key_head_dim``
+    and ``linear_value_head_dim``, its convolution's kernel and the chunk of its chunked delta rule
+    (the FLA kernels Megatron-Core runs: 64 tokens)."""
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel: int = 4
+    linear_chunk_size: int = 64
+    attention_output_gate: bool = False
+    """Attention multiplies its output by a sigmoid gate its query projection also computes
+    (Qwen3-Next; Megatron's ``--attention-output-gate``): that projection is twice as wide."""
     layer_kind: str = ""
-    """One layer of a hybrid model (:attr:`layer_kinds` sets it): ``mamba``, ``attention`` or ``mlp``;
-    '' a block of attention and MLP."""
+    """One layer of a hybrid model (:attr:`layer_kinds` sets it): ``mamba``, ``gated_deltanet``,
+    ``attention``, ``mlp`` or ``moe``; '' a block of attention and MLP."""
 
     def __post_init__(self):
         check_shape(self)
@@ -172,20 +188,34 @@ class ModelSpec:
                      for char, kind in HYBRID_LAYER_KINDS.items() if char in self.hybrid_pattern)
 
     def splits_over_tp(self, tp: int) -> bool:
-        """Whether TP ``tp`` divides the heads, the KV heads and a hybrid model's Mamba groups."""
+        """Whether TP ``tp`` divides the heads, the KV heads, a hybrid model's Mamba groups and its
+        Gated DeltaNet key heads (which the value heads are a multiple of)."""
         mamba_groups_split = "M" not in self.hybrid_pattern or self.mamba_groups % tp == 0
-        return self.num_heads % tp == 0 and self.num_kv_heads % tp == 0 and mamba_groups_split
+        deltanet_split = "G" not in self.hybrid_pattern or self.linear_key_heads % tp == 0
+        return self.num_heads % tp == 0 and self.num_kv_heads % tp == 0 and mamba_groups_split and deltanet_split
 
     @property
     def tp_units(self) -> str:
         """What TP splits, in words (:meth:`splits_over_tp`)."""
-        groups = f" and {self.mamba_groups} Mamba groups" if "M" in self.hybrid_pattern else ""
-        return f"{self.num_heads} heads, {self.num_kv_heads} KV heads{groups}"
+        units = [f"{self.num_heads} heads", f"{self.num_kv_heads} KV heads"]
+        units += [f"{self.mamba_groups} Mamba groups"] * ("M" in self.hybrid_pattern)
+        units += [f"{self.linear_key_heads} Gated DeltaNet key heads"] * ("G" in self.hybrid_pattern)
+        return ", ".join(units[:-1]) + (" and " if len(units) > 2 else ", ") + units[-1]
 
     @property
     def mamba_inner_size(self) -> int:
         """A Mamba layer's inner width: its heads x their width (Mamba-2's d_inner)."""
         return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def deltanet_key_size(self) -> int:
+        """A Gated DeltaNet layer's query (and key) width: its key heads x their width."""
+        return self.linear_key_heads * self.linear_key_head_dim
+
+    @property
+    def deltanet_value_size(self) -> int:
+        """A Gated DeltaNet layer's value (and output gate) width: its value heads x their width."""
+        return self.linear_value_heads * self.linear_value_head_dim
 
     @property
     def head_dim(self) -> int:
@@ -229,8 +259,8 @@ class ModelSpec:
     def attention_params(self) -> int:
         """Wq, Wk, Wv, Wo (no biases); latent attention's down and up projections and norms."""
         h, q, value = self.hidden_size, self.q_hidden_size, self.value_hidden_size
-        if not self.kv_lora_rank:
-            return h * (q + 2 * self.kv_hidden_size) + value * h
+        if not self.kv_lora_rank:  # an output gate: the query projection computes it too
+            return h * ((2 if self.attention_output_gate else 1) * q + 2 * self.kv_hidden_size) + value * h
         keys_values_up = self.kv_lora_rank * self.num_heads * (self.head_dim + (self.v_head_dim or self.head_dim))
         return self.latent_attention_params + (self.q_lora_rank or h) * q + keys_values_up + value * h
 
@@ -293,7 +323,7 @@ class ModelSpec:
         if self.hybrid_pattern:
             return self.block_params / self.num_layers
         qk_norms = 2 * self.qk_head_dim if self.qk_norm and self.has_attention else 0
-        return (self.attention_params + self.mlp_params + mamba_params(self) + self.bias_params
+        return (self.attention_params + self.mlp_params + mamba_params(self) + deltanet_params(self) + self.bias_params
                 + self.norms_per_block * self.norm_params + qk_norms)
 
     @property

@@ -85,6 +85,8 @@ def check_shape(model) -> None:
 
 MAMBA_FIELDS = ("mamba_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups", "mamba_conv_kernel",
                 "mamba_chunk_size")
+DELTANET_FIELDS = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                   "linear_conv_kernel", "linear_chunk_size")
 # What a hybrid model cannot have beside its pattern: memx prices none of these in one (field, what).
 _NOT_IN_HYBRID = (("dense_layers", "dense first blocks"), ("kv_lora_rank", "latent attention"),
                   ("parallel_blocks", "parallel blocks"), ("linear_biases", "linear biases"),
@@ -94,13 +96,18 @@ _NOT_IN_HYBRID = (("dense_layers", "dense first blocks"), ("kv_lora_rank", "late
 
 def check_hybrid(model) -> None:
     """Refuse a pattern memx does not price: another length than the layers, characters other
-    than M, *, - and E, experts without E layers (or E layers without experts), interleaved
-    expert blocks, and a hybrid model with any of :data:`_NOT_IN_HYBRID`."""
+    than M, G, *, - and E, experts without E layers (or E layers without experts), interleaved
+    expert blocks, a hybrid model with any of :data:`_NOT_IN_HYBRID`, and Mamba or Gated DeltaNet
+    layers without their sizes; an output gate on latent attention."""
     require_type(model.hybrid_pattern, str, "model.hybrid_pattern")
     if model.layer_kind not in ("", *HYBRID_LAYER_KINDS.values()):
         raise ConfigError("model.layer_kind", repr(model.layer_kind), "leave it out: hybrid_pattern sets it")
-    for name in MAMBA_FIELDS:
+    for name in MAMBA_FIELDS + DELTANET_FIELDS:
         require_number(getattr(model, name), f"model.{name}", lo=0, hi=MAX_DIMENSION, integer=True)
+    require_type(model.attention_output_gate, bool, "model.attention_output_gate")
+    if model.attention_output_gate and model.kv_lora_rank:
+        raise ConfigError("model.attention_output_gate", "set with latent attention, whose gate memx does not price",
+                          "drop attention_output_gate, or kv_lora_rank")
     pattern = model.hybrid_pattern
     if not pattern:
         return
@@ -111,8 +118,8 @@ def check_hybrid(model) -> None:
     other = "".join(sorted(set(pattern) - set(HYBRID_LAYER_KINDS)))
     if other or len(pattern) != model.num_layers:
         raise ConfigError("model.hybrid_pattern", f"{len(pattern)} characters" + f", {other!r} among them" * bool(other),
-                          f"give num_layers={model.num_layers} characters of M (Mamba), * (attention), - (MLP) "
-                          "and E (experts)")
+                          f"give num_layers={model.num_layers} characters of M (Mamba), G (Gated DeltaNet), "
+                          "* (attention), - (MLP) and E (experts)")
     if model.moe_layer_step > 1:  # the pattern places the expert layers
         raise ConfigError("model.moe_layer_step", "set on a hybrid model", "drop it: E in hybrid_pattern places experts")
     for field, what in _NOT_IN_HYBRID:
@@ -123,3 +130,8 @@ def check_hybrid(model) -> None:
                                and model.mamba_heads % model.mamba_groups == 0):
         raise ConfigError("model.mamba_heads", f"{model.mamba_heads} heads in {model.mamba_groups} groups",
                           "give the Mamba layers' heads (a multiple of mamba_groups) and non-zero sizes")
+    if "G" in pattern and not (all(getattr(model, name) for name in DELTANET_FIELDS)
+                               and model.linear_value_heads % model.linear_key_heads == 0):
+        raise ConfigError("model.linear_value_heads", f"{model.linear_value_heads} value heads over "
+                          f"{model.linear_key_heads} key heads", "give the Gated DeltaNet layers' key heads, value "
+                          "heads (a multiple of them) and non-zero sizes")
