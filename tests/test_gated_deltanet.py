@@ -1,4 +1,4 @@
-"""Gated DeltaNet hybrids (Qwen3-Next): blocks of a Gated DeltaNet or gated-attention mixer and
+"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): blocks of a Gated DeltaNet or gated-attention mixer and
 experts, read from Hugging Face's config with its parameters, each kind priced for its own parts,
 the checks memx makes of them and the Megatron export of their blocks. No processes."""
 
@@ -59,15 +59,27 @@ def test_qwen3_next_is_read_from_its_config_with_its_published_parameters():
     assert model_from_hf_dict({**spelled, "layer_types": types * 12}, "qwen3-next-80b-a3b") == model
 
 
-def test_each_layer_holds_hugging_faces_parameters():
-    torch = pytest.importorskip("torch")
-    modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+# Qwen3.5's language models (Qwen3.5-35B-A3B's experts, Qwen3.5-27B's dense MLP) at TINY's sizes:
+# Hugging Face's config classes name no interval or sparse step, and the dense one no experts.
+QWEN3_5 = {k: v for k, v in TINY.items() if k not in ("architectures", "model_type", "full_attention_interval",
+                                                      "decoder_sparse_step", "mlp_only_layers", "intermediate_size")}
+QWEN3_5_DENSE = {**{k: v for k, v in QWEN3_5.items() if not k.startswith(("num_experts", "moe_", "shared_expert"))},
+                 "intermediate_size": 512}
 
-    config = Qwen3NextConfig(**{k: v for k, v in TINY.items() if k not in ("architectures", "model_type")})
+
+@pytest.mark.parametrize("family, module, config, sizes", [
+    ("qwen3_next", "qwen3_next", "Qwen3NextConfig", TINY),
+    ("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeTextConfig", QWEN3_5),
+    ("qwen3_5", "qwen3_5", "Qwen3_5TextConfig", QWEN3_5_DENSE)])
+def test_each_layer_holds_hugging_faces_parameters(family, module, config, sizes):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    hf_config = getattr(transformers, config)(**{k: v for k, v in sizes.items() if k not in ("architectures", "model_type")})
+    causal_lm = next(getattr(modeling, name) for name in dir(modeling) if name.endswith("ForCausalLM"))
     with torch.device("meta"):
-        hf = modeling.Qwen3NextForCausalLM(config)
-    model = model_from_hf_dict(TINY, "tiny")
+        hf = causal_lm(hf_config)
+    model = model_from_hf_dict({**hf_config.to_dict(), "architectures": [causal_lm.__name__]}, "tiny")
     kinds = {kind.layer_kind: kind for kind, _ in model.layer_kinds}
 
     def count(*modules):
@@ -76,8 +88,9 @@ def test_each_layer_holds_hugging_faces_parameters():
     deltanet, attention = hf.model.layers[0], hf.model.layers[3]
     assert kinds["gated_deltanet"].layer_params == count(deltanet.linear_attn, deltanet.input_layernorm)
     assert kinds["attention"].layer_params == count(attention.self_attn, attention.input_layernorm)
-    gate = count(deltanet.mlp.shared_expert_gate)  # the shared expert's sigmoid gate: h a block, not counted
-    assert kinds["moe"].layer_params == count(deltanet.mlp, deltanet.post_attention_layernorm) - gate
+    gate = count(deltanet.mlp.shared_expert_gate) if model.num_experts else 0  # h a block, not counted
+    assert kinds["moe" if model.num_experts else "mlp"].layer_params == \
+        count(deltanet.mlp, deltanet.post_attention_layernorm) - gate
     assert model.total_params == count(hf) - 4 * gate
 
 
@@ -163,3 +176,11 @@ def test_megatron_builds_its_blocks_with_the_plans_split_in_blocks():
     assert any("cut blocks between their mixer and their MLP" in n for n in cut.notes), cut.notes
     with pytest.raises(ConfigError, match="model.hybrid_pattern: .* only in blocks"):  # two mixers in a row
         megatron_args(_estimate(dataclasses.replace(model, hybrid_pattern="GGE*EEGE")))
+
+
+def test_qwen3_5s_multimodal_config_is_read_as_its_language_model():
+    transformers = pytest.importorskip("transformers")
+    wrapped = transformers.Qwen3_5MoeConfig(text_config=QWEN3_5).to_dict()  # its vision encoder is not planned
+    model = model_from_hf_dict({**wrapped, "architectures": ["Qwen3_5MoeForConditionalGeneration"]}, "qwen3.5")
+    assert (model.hybrid_pattern, model.num_experts, model.attention_output_gate) == ("GEGEGE*E", 8, True)
+    assert model.rope_theta == 10000000 and model.lm_head  # its rope_parameters' base; a generation class's head

@@ -65,6 +65,10 @@ def test_hf_config_json(tmp_path):
     assert (m.rope_theta, m.norm_eps) == (500000.0, 1e-6) and get_model("llama3-8b").rope_theta == 500000.0
     # Neither changes time or memory: the profiles and plans of the shape stay its own.
     assert m.signature() == get_model("llama3-8b").signature()
+    # Transformers 5 writes the base inside rope_parameters (a model's config.to_dict(), its saved config.json).
+    del cfg["rope_theta"]
+    path.write_text(json.dumps({**cfg, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}))
+    assert get_model(str(tmp_path)).rope_theta == 500000.0
     cfg.update(rope_theta="big")
     path.write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="rope_theta"):

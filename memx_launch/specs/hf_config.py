@@ -33,16 +33,18 @@ OTHER_BLOCK_TYPES = ("kimi_linear", "minimax", "minimax_m1", "jamba", "bamba", "
                      "recurrent_gemma")
 OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_list", "hybrid_override_pattern",
                     "attn_layer_period", "mamba_d_ssm", "ssm_cfg")
-# Hybrid families memx models: Nemotron-H (Mamba-2, attention and MLP layers in hybrid_override_pattern)
-# and Qwen3-Next (blocks of Gated DeltaNet or gated attention, each with its experts: layer_types).
-HYBRID_TYPES = ("nemotron_h", "qwen3_next")
+# Hybrid families memx models: Nemotron-H (Mamba-2, attention and MLP layers in hybrid_override_pattern),
+# and Qwen3-Next and Qwen3.5 (blocks of Gated DeltaNet or gated attention, each with its MLP or
+# experts: layer_types; Qwen3.5's language model, the text_config of its multimodal config).
+DELTANET_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+HYBRID_TYPES = ("nemotron_h", *DELTANET_TYPES)
 # A hybrid config's Mamba and Gated DeltaNet keys, by ModelSpec field.
 MAMBA_KEYS = {"mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim", "mamba_state_size": "ssm_state_size",
               "mamba_groups": "n_groups", "mamba_conv_kernel": "conv_kernel", "mamba_chunk_size": "chunk_size"}
 DELTANET_KEYS = {"linear_key_heads": "linear_num_key_heads", "linear_value_heads": "linear_num_value_heads",
                  "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim",
                  "linear_conv_kernel": "linear_conv_kernel_dim"}
-# Qwen3-Next's layer_types: its Gated DeltaNet blocks beside whole-sequence attention ones.
+# Qwen3-Next's and Qwen3.5's layer_types: their Gated DeltaNet blocks beside whole-sequence attention ones.
 LINEAR_ATTENTION = "linear_attention"
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich).
 POST_NORM_TYPES = ("gemma2", "gemma3")
@@ -80,6 +82,11 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     model_type = cfg.get("model_type", "gpt2" if "n_layer" in cfg else "llama")
     require_type(model_type, str, f"model ({where}).model_type")
     _refuse_other_blocks(cfg, model_type, where)
+    rope = cfg.get("rope_parameters")  # Transformers 5 keeps the RoPE base there (model.config.to_dict())
+    if cfg.get("rope_theta") is None and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        cfg = {**cfg, "rope_theta": rope["rope_theta"]}
+    if "intermediate_size" not in cfg and cfg.get("moe_intermediate_size"):  # experts in every block (Qwen3.5 MoE)
+        cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
     if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
         cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
     if "n_layer" in cfg:  # GPT-2 style names (GPT-2, GPT-J, ...): GELU MLP, 4x width unless n_inner, tied
@@ -165,7 +172,7 @@ def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     out, ModelSpec's default: Megatron-Core's)."""
     if model_type not in HYBRID_TYPES:
         return {}
-    if model_type == "qwen3_next":
+    if model_type in DELTANET_TYPES:
         sizes, keys = _deltanet_blocks_of(cfg, where), DELTANET_KEYS
     else:
         require_type(cfg.get("hybrid_override_pattern"), str, f"model ({where}).hybrid_override_pattern")
@@ -179,7 +186,7 @@ def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
 
 
 def _deltanet_blocks_of(cfg: Mapping[str, Any], where: str) -> dict:
-    """Qwen3-Next's blocks as hybrid layers: each block a Gated DeltaNet mixer (G) or gated
+    """Qwen3-Next's and Qwen3.5's blocks as hybrid layers: each block a Gated DeltaNet mixer (G) or gated
     attention (*), then its experts (E; a dense MLP, -, without experts), so twice as many layers
     as blocks. A block attends where ``layer_types`` says ``full_attention``, else every
     ``full_attention_interval``-th block (Hugging Face's default: 4)."""
@@ -195,7 +202,7 @@ def _deltanet_blocks_of(cfg: Mapping[str, Any], where: str) -> dict:
                           "give one per block (num_hidden_layers)")
     mlp = "E" if cfg.get("num_experts") else "-"
     pattern = "".join(("G" if kind == LINEAR_ATTENTION else "*") + mlp for kind in types)
-    # Hugging Face's Qwen3NextConfig defaults where a config leaves the heads out (the widths: ModelSpec's).
+    # Hugging Face's defaults (Qwen3NextConfig's, Qwen3.5's) where a config leaves the heads out (the widths: ModelSpec's).
     return {"hybrid_pattern": pattern, "num_layers": len(pattern), "attention_output_gate": True,
             "linear_key_heads": 16, "linear_value_heads": 32}
 
@@ -208,7 +215,8 @@ def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) ->
     if model_type in OTHER_BLOCK_TYPES:
         raise ConfigError(f"model ({where}).model_type", f"{model_type} has blocks other than softmax attention "
                           "(linear attention, Mamba or recurrent ones)", fix)
-    own = {"nemotron_h": "hybrid_override_pattern", "qwen3_next": "full_attention_interval"}.get(model_type)
+    own = {"nemotron_h": "hybrid_override_pattern", **dict.fromkeys(DELTANET_TYPES, "full_attention_interval")}.get(
+        model_type)
     for key in OTHER_BLOCK_KEYS:
         if cfg.get(key) is not None and key != own:
             raise ConfigError(f"model ({where}).{key}", "names blocks other than softmax attention "
@@ -216,7 +224,7 @@ def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) ->
     types = cfg.get("layer_types")
     if types is not None:
         require_type(types, list, f"model ({where}).layer_types")
-        known = ATTENTION_LAYER_TYPES + ((LINEAR_ATTENTION,) if model_type == "qwen3_next" else ())
+        known = ATTENTION_LAYER_TYPES + ((LINEAR_ATTENTION,) if model_type in DELTANET_TYPES else ())
         other = sorted({str(t) for t in types} - set(known))
         if other:
             raise ConfigError(f"model ({where}).layer_types", f"{', '.join(other)} blocks are not modelled", fix)
