@@ -5,6 +5,8 @@ kind's shape to price, ``model_checks`` what a pattern may hold."""
 
 from __future__ import annotations
 
+import functools
+
 # A hybrid model's layer kinds by their character in Megatron's --hybrid-override-pattern, and G,
 # memx's own for a Gated DeltaNet mixer (Megatron runs those in GPT models' blocks instead:
 # --experimental-attention-variant gated_delta_net, a G and the MLP after it one block).
@@ -65,7 +67,11 @@ def mixer_projections(model) -> tuple[int, int] | None:
 def layers_per_block(model) -> int:
     """Layers a split keeps together: 2 where the pattern is Gated DeltaNet blocks (pairs of a
     mixer, G or *, and its MLP, E or -: what Megatron-LM's GPT stack builds), else 1."""
-    pattern = model.hybrid_pattern
+    return _pattern_block(model.hybrid_pattern)
+
+
+@functools.lru_cache(maxsize=64)  # the search asks it of every group it scores
+def _pattern_block(pattern: str) -> int:
     pairs = len(pattern) % 2 == 0 and all(pattern[i] in BLOCK_MIXERS and pattern[i + 1] in BLOCK_MLPS
                                           for i in range(0, len(pattern), 2))
     return 2 if "G" in pattern and pairs else 1
