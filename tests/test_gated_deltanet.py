@@ -174,6 +174,9 @@ def test_megatron_builds_its_blocks_with_the_plans_split_in_blocks():
     cut = megatron_args(_estimate(model, pp=2, dp=4, layers_per_stage=[5, 3]))
     assert "--pipeline-model-parallel-layout" not in cut.args
     assert any("cut blocks between their mixer and their MLP" in n for n in cut.notes), cut.notes
+    # Three of each stage's four layers recompute: Megatron's block method counts blocks, two (rounded up).
+    partial = megatron_args(_estimate(model, pp=2, dp=4, layers_per_stage=[4, 4], recompute=["full:3", "full:3"]))
+    assert partial.args[partial.args.index("--recompute-num-layers") + 1] == "2"
     with pytest.raises(ConfigError, match="model.hybrid_pattern: .* only in blocks"):  # two mixers in a row
         megatron_args(_estimate(dataclasses.replace(model, hybrid_pattern="GGE*EEGE")))
 
