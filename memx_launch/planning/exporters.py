@@ -146,7 +146,7 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--attention-output-gate")
     if spec.hybrid_pattern:  # pretrain_mamba.py's hybrid stack; Nemotron-H's attention has no positions
         hybrid_args, hybrid_notes = mamba_stack_args(spec)
-    elif spec is not plan.model_spec:  # Gated DeltaNet blocks
+    elif "G" in plan.model_spec.hybrid_pattern:  # Gated DeltaNet blocks (megatron_blocks made them GPT blocks)
         hybrid_args, hybrid_notes = deltanet_args(plan.model_spec)
     else:
         hybrid_args, hybrid_notes = [], []
