@@ -38,6 +38,11 @@ TINY = {**QWEN3_NEXT, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_
         "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
         "linear_value_head_dim": 48, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 96, "vocab_size": 1000}
+# Qwen3.5-35B-A3B's language model (Hugging Face's Qwen3_5MoeTextConfig defaults), 24 of its 40 blocks.
+QWEN3_5_MOE_24 = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "num_hidden_layers": 24,
+                  "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                  "vocab_size": 248320, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 256,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
 NODE = ClusterSpec.from_dict(one_node(H100, 8, 450))
 PAPER = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "paper-20gpu.yaml")
 TRAINING = TrainingSpec(global_batch_size=32, seq_len=2048, setup="megatron")
@@ -150,6 +155,15 @@ def test_a_qwen3_next_model_plans_with_its_blocks_whole_and_memx_run_refuses_it(
     space = SearchSpace(micro_batch_sizes=(1,), schedules=("1f1b",), pipeline_degrees=(2, 4, 5))
     plans = search(twelve, ClusterSpec.from_yaml(PAPER), TRAINING, space=space).plans
     assert plans and all(s.num_layers % 2 == 0 for p in plans for s in p.stages)
+    # Qwen3.5-35B-A3B's language model cut to 24 blocks, tight on the paper's 32 GiB devices: the
+    # stages that recompute some of their layers recompute whole blocks (layer by layer: full:5).
+    tight = model_from_hf_dict(QWEN3_5_MOE_24, "qwen3.5")
+    space = SearchSpace(micro_batch_sizes=(1,), schedules=("1f1b",), tp_degrees=(1,))
+    training = TrainingSpec(global_batch_size=16, seq_len=4096, setup="megatron")
+    levels = {s.recompute for p in search(tight, ClusterSpec.from_yaml(PAPER), training, space=space).plans
+              for s in p.stages}
+    partial = [int(level[len("full:"):]) for level in levels if level.startswith("full:")]
+    assert partial and all(n % 2 == 0 for n in partial), levels
     with pytest.raises(ConfigError, match="Gated DeltaNet"):
         runnable_model(model)
     with pytest.raises(ConfigError) as refused:

@@ -8,14 +8,19 @@ import numpy as np
 _BISECTION_STEPS = 30
 
 
-def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1):
+def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1, unit=1):
     """Uneven split minimising the slowest stage under each stage's memory limit.
 
     Bisection on the bottleneck time T: stage i can take min(max_layers_i, (T - edge_i)/t_i)
     layers; the smallest T whose capacities add up to ``num_layers`` wins, then the surplus
-    is taken back from the slowest stages. Rows are independent candidates.
+    is taken back from the slowest stages. Rows are independent candidates. ``unit``: layers
+    that stay on one stage together (a Gated DeltaNet model's blocks, 2), each stage a multiple.
     Returns (layers (C, P) int, feasible (C,) bool).
     """
+    if unit > 1:
+        layers, feasible = balance_layers(t_layer * unit, edge_t, max_layers // unit, num_layers // unit,
+                                          -(-min_layers // unit))
+        return layers * unit, feasible
     max_layers = np.minimum(np.maximum(max_layers, 0), num_layers)
     feasible = (max_layers >= min_layers).all(axis=1) & (max_layers.sum(axis=1) >= num_layers)
     inv_t = 1.0 / t_layer

@@ -249,10 +249,8 @@ class Evaluator:
             inputs = self.replica_inputs(layout, mbs, seq, v, levels)
             t_layer, edge_t = (np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)) \
                 if layout.mixed else inputs[0][2:4]
-            unit = layers_per_block(self.model)  # a Gated DeltaNet model's blocks stay whole (Megatron's GPT stack)
-            layers, feasible = balance_layers(t_layer * unit, edge_t, self._max_layers(layout, inputs) // unit, L // unit,
-                                              -(-min_layers // unit))
-            layers = layers * unit
+            layers, feasible = balance_layers(t_layer, edge_t, self._max_layers(layout, inputs), L, min_layers,
+                                              layers_per_block(self.model))  # Gated DeltaNet blocks stay whole
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
             if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any() and cm.NONE in self.allowed_levels:
                 recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
@@ -382,7 +380,8 @@ class Evaluator:
             # k full layers and n - k kept: k (full - none) + n none + fixed <= usable.
             saved = np.maximum(none_layer - full_layer, 1.0)
             fewest = np.maximum(fewest, np.ceil((layers * none_layer + full_fixed - self.usable(capacity)) / saved))
-        return np.where(levels == cm.FULL, np.clip(fewest, 1, layers).astype(np.int64), layers)
+        unit = layers_per_block(self.model)  # whole blocks, as Megatron's block method recomputes them
+        return np.where(levels == cm.FULL, np.clip(np.ceil(fewest / unit) * unit, 1, layers).astype(np.int64), layers)
 
     def tied_sync_time(self, layout) -> float:
         """Seconds the first and the last stage sum their tied gradients, after the DP sync."""
