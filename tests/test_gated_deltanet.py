@@ -74,6 +74,7 @@ QWEN3_5_DENSE = {**{k: v for k, v in QWEN3_5.items() if not k.startswith(("num_e
 
 @pytest.mark.parametrize("family, module, config, sizes", [
     ("qwen3_next", "qwen3_next", "Qwen3NextConfig", TINY),
+    ("qwen3_next", "qwen3_next", "Qwen3NextConfig", {**TINY, "mlp_only_layers": [1]}),  # block 1: a dense MLP
     ("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeTextConfig", QWEN3_5),
     ("qwen3_5", "qwen3_5", "Qwen3_5TextConfig", QWEN3_5_DENSE)])
 def test_each_layer_holds_hugging_faces_parameters(family, module, config, sizes):
@@ -96,7 +97,13 @@ def test_each_layer_holds_hugging_faces_parameters(family, module, config, sizes
     gate = count(deltanet.mlp.shared_expert_gate) if model.num_experts else 0  # h a block, not counted
     assert kinds["moe" if model.num_experts else "mlp"].layer_params == \
         count(deltanet.mlp, deltanet.post_attention_layernorm) - gate
-    assert model.total_params == count(hf) - 4 * gate
+    dense = [i for i, layer in enumerate(hf.model.layers) if not hasattr(layer.mlp, "shared_expert_gate")]
+    assert model.hybrid_pattern[1::2] == "".join("-" if i in dense else "E" if model.num_experts else "-"
+                                                 for i in range(4))
+    if model.num_experts and dense:  # Qwen3-Next's dense blocks among the expert ones
+        layer = hf.model.layers[dense[0]]
+        assert kinds["mlp"].layer_params == count(layer.mlp, layer.post_attention_layernorm)
+    assert model.total_params == count(hf) - (4 - len(dense)) * gate
 
 
 def test_tp_must_divide_the_deltanet_key_heads():

@@ -187,9 +187,10 @@ def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
 
 def _deltanet_blocks_of(cfg: Mapping[str, Any], where: str) -> dict:
     """Qwen3-Next's and Qwen3.5's blocks as hybrid layers: each block a Gated DeltaNet mixer (G) or gated
-    attention (*), then its experts (E; a dense MLP, -, without experts), so twice as many layers
-    as blocks. A block attends where ``layer_types`` says ``full_attention``, else every
-    ``full_attention_interval``-th block (Hugging Face's default: 4)."""
+    attention (*), then its experts (E) or a dense MLP (-: without experts, in the blocks
+    ``mlp_only_layers`` names, and between every ``decoder_sparse_step``-th, as Hugging Face
+    places them), so twice as many layers as blocks. A block attends where ``layer_types`` says
+    ``full_attention``, else every ``full_attention_interval``-th block (Hugging Face's default: 4)."""
     blocks = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:
@@ -200,8 +201,14 @@ def _deltanet_blocks_of(cfg: Mapping[str, Any], where: str) -> dict:
     if len(types) != blocks:
         raise ConfigError(f"model ({where}).layer_types", f"{len(types)} entries for {blocks} blocks",
                           "give one per block (num_hidden_layers)")
-    mlp = "E" if cfg.get("num_experts") else "-"
-    pattern = "".join(("G" if kind == LINEAR_ATTENTION else "*") + mlp for kind in types)
+    dense = cfg.get("mlp_only_layers") or []
+    if not (isinstance(dense, list) and all(isinstance(i, int) for i in dense)):
+        raise ConfigError(f"model ({where}).mlp_only_layers", f"must be a list of block indices, got {dense!r}",
+                          "give the indices of the blocks with a dense MLP, or drop the key")
+    step = cfg.get("decoder_sparse_step") or 1
+    experts = [bool(cfg.get("num_experts")) and i not in dense and (i + 1) % step == 0 for i in range(blocks)]
+    pattern = "".join(("G" if kind == LINEAR_ATTENTION else "*") + ("E" if moe else "-")
+                      for kind, moe in zip(types, experts))
     # Hugging Face's defaults (Qwen3NextConfig's, Qwen3.5's) where a config leaves the heads out (the widths: ModelSpec's).
     return {"hybrid_pattern": pattern, "num_layers": len(pattern), "attention_output_gate": True,
             "linear_key_heads": 16, "linear_value_heads": 32}
@@ -312,7 +319,9 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     if listed is not None and not isinstance(listed, list):
         raise ConfigError(f"model ({where}).moe_layers", f"must be a list of block indices, got {listed!r}",
                           "give the indices of the blocks that run the experts, or drop the key")
-    if (cfg.get("mlp_only_layers") or (cfg.get("moe_layer_freq") or 1) > 1
+    if model_type in DELTANET_TYPES:  # their hybrid pattern places the dense blocks (_deltanet_blocks_of)
+        step = 1
+    elif (cfg.get("mlp_only_layers") or (cfg.get("moe_layer_freq") or 1) > 1
             or (listed is not None and listed != list(range(step - 1, layers, step)))):
         raise ConfigError(f"model ({where})", "dense MLP blocks among the expert ones at places memx does not model",
                           "memx models a mixture of experts' dense blocks as its first ones (first_k_dense_replace) "
