@@ -105,6 +105,8 @@ def test_a_plan_times_the_chunks_and_its_megatron_export_says_them():
 
 @pytest.mark.parametrize("config,field", [
     ({"model_type": "llama", "full_attention_interval": 4}, "full_attention_interval"),
+    ({"model_type": "deepseek_v32", "layer_types": ["indexed_attention"] * 8}, "layer_types"),  # and GLM-5's
+    ({"model_type": "deepseek_v4", "layer_types": ["compressed_sparse_attention"] * 8}, "layer_types"),
     ({"model_type": "llama", "layer_types": ["linear_attention", "full_attention"] * 4}, "layer_types"),
     ({"model_type": "falcon_h1", "mamba_d_ssm": 1024}, "model_type"),
     ({"model_type": "llama", "hybrid_override_pattern": "M-M-M*-"}, "hybrid_override_pattern"),

@@ -72,9 +72,10 @@ def cp_degrees(model: ModelSpec, given):
 
 
 def check(model: ModelSpec, training, cp_degrees=(1,)) -> None:
-    """What memx refuses of a hybrid model's run, not priced for its layers: context parallelism
-    (a Mamba layer's scan passes its state along the whole sequence, not a ring of key chunks),
-    LoRA and torchtitan's op-level recompute."""
+    """What memx refuses of a hybrid model's run (Mamba or Gated DeltaNet layers), not priced for
+    its layers: context parallelism (a Mamba scan or a delta rule passes its state along the whole
+    sequence, not a ring of key chunks; Megatron-Core 0.16 runs neither under CP), LoRA and
+    torchtitan's op-level recompute."""
     if not model.hybrid_pattern:
         return
     if any(cp > 1 for cp in cp_degrees):
