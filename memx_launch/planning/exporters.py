@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.hybrid_export import deltanet_args, mamba_stack_args, megatron_blocks, split_args
+from memx_launch.planning.hybrid_export import deltanet_args, mamba_stack_args, megatron_blocks, split_notes_of
 from memx_launch.planning.layer_split import chunk_layers
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan, parse_recompute
@@ -52,10 +52,11 @@ def pipeline_layout(plan: Plan) -> str:
     The string lists pp * v chunks separated by ``|``, virtual-stage major (chunk k sits on
     pipeline rank k mod pp), ``E`` the embedding, ``t*N`` N decoder layers, ``L`` the loss
     head: 8 then 24 layers over two stages read ``Et*8|t*24L``; ``m`` a multi-token prediction
-    module, before the loss.
+    module, before the loss. A Gated DeltaNet model's layers count in its blocks (two a block).
     """
     v = plan.virtual_stages
-    per_stage = chunk_layers([s.num_layers for s in plan.stages], v).tolist()
+    unit = layers_per_block(plan.model_spec)
+    per_stage = (chunk_layers([s.num_layers for s in plan.stages], v) // unit).tolist()
     per_stage[0] = first_chunk_at_least(per_stage[0], plan.model_spec.dense_layers)
     chunks = []
     for vpp in range(v):
@@ -225,11 +226,11 @@ def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
     args += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(plan.pp)]
     if plan.cp > 1:  # Megatron's rank order (tp-cp-dp-pp) is the plan's; its default exchange is the p2p ring
         args += ["--context-parallel-size", str(plan.cp)]
-    if plan.pp > 1 and plan.model_spec.hybrid_pattern:
-        split = split_args(plan)
-        args += split[0]
-        notes += split[1]
-    elif plan.pp > 1:
+    # pretrain_mamba.py's hybrid stack splits evenly, and Gated DeltaNet blocks cannot be cut: said, not given.
+    split_notes = split_notes_of(plan) if plan.pp > 1 else []
+    notes += split_notes
+    mamba_stack = plan.model_spec.hybrid_pattern and "G" not in plan.model_spec.hybrid_pattern
+    if plan.pp > 1 and not (split_notes or mamba_stack):
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan)]
         if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp:
             notes.append(f"{plan.num_microbatches} micro-batches is not a multiple of pp={plan.pp}; "

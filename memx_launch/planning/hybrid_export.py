@@ -52,30 +52,28 @@ def deltanet_args(spec: ModelSpec) -> tuple[list[str], list[str]]:
                   "(--moe-shared-expert-gate) and zero-centred norms (--apply-layernorm-1p)"]
 
 
-def split_args(plan: Plan) -> tuple[list[str], list[str]]:
-    """A hybrid model's split with more than one stage. A Gated DeltaNet model's GPT blocks take
-    ``--pipeline-model-parallel-layout`` in blocks (chunks virtual-stage major, the embedding E
-    first, the loss L last), unless the plan cuts a block between its mixer and its MLP, which
-    Megatron-LM cannot run. Megatron-LM's hybrid stack splits its layers evenly over the stages;
-    another split (or chunks) is the pattern cut into its pp x v segments, which only builds whose
-    pattern takes ``|`` between pipeline segments read: a note."""
+def split_notes_of(plan: Plan) -> list[str]:
+    """What a hybrid model's split with more than one stage needs that the arguments cannot say.
+    A Gated DeltaNet model's GPT blocks take the split in blocks (``exporters.pipeline_layout``),
+    unless the plan cuts a block between its mixer and its MLP, which Megatron-LM cannot run.
+    Megatron-LM's hybrid stack splits its layers evenly over the stages; another split (or
+    chunks) is the pattern cut into its pp x v segments, which only builds whose pattern takes
+    ``|`` between pipeline segments read. Nothing for a transformer."""
+    pattern = plan.model_spec.hybrid_pattern
     per_stage = chunk_layers([s.num_layers for s in plan.stages], plan.virtual_stages).tolist()
     sizes = [per_stage[p][c] for c in range(plan.virtual_stages) for p in range(plan.pp)]
     ends = [0, *itertools.accumulate(sizes)]
-    pattern = plan.model_spec.hybrid_pattern
     segments = "|".join(pattern[a:b] for a, b in zip(ends[:-1], ends[1:]))
+    if not pattern or ("G" in pattern and not any(n % 2 for n in sizes)):
+        return []
     if "G" in pattern:
-        if any(n % 2 for n in sizes):
-            return [], [f"the plan's chunks of {sizes} layers ({segments}) cut blocks between their mixer and their "
-                        "MLP, which Megatron-LM's GPT stack cannot run: give layers_per_stage in pairs"]
-        chunks = [f"t*{n // 2}" if n > 2 else "t" * (n // 2) for n in sizes]
-        return ["--pipeline-model-parallel-layout", "|".join(["E" + chunks[0], *chunks[1:-1], chunks[-1] + "L"]
-                                                              if len(chunks) > 1 else ["E" + chunks[0] + "L"])], []
+        return [f"the plan's chunks of {sizes} layers ({segments}) cut blocks between their mixer and their MLP, "
+                "which Megatron-LM's GPT stack cannot run: give layers_per_stage in pairs"]
     if len(set(sizes)) == 1 and plan.virtual_stages == 1:
-        return [], []
-    return [], [f"Megatron-LM's hybrid stack splits the {len(pattern)} layers evenly over the {plan.pp} stages, "
-                f"not in the plan's {plan.pp * plan.virtual_stages} chunks of {sizes}; a build whose "
-                f"--hybrid-override-pattern takes '|' between pipeline segments runs the plan's split as {segments}"]
+        return []
+    return [f"Megatron-LM's hybrid stack splits the {len(pattern)} layers evenly over the {plan.pp} stages, "
+            f"not in the plan's {plan.pp * plan.virtual_stages} chunks of {sizes}; a build whose "
+            f"--hybrid-override-pattern takes '|' between pipeline segments runs the plan's split as {segments}"]
 
 
 def mamba_stack_args(spec: ModelSpec) -> tuple[list[str], list[str]]:
