@@ -59,6 +59,7 @@ def test_qwen3_next_is_read_from_its_config_with_its_published_parameters():
     assert model.hybrid_pattern == "GEGEGE*E" * 12 and model.num_layers == 96  # a block's mixer, then its experts
     assert {kind.layer_kind: n for kind, n in model.layer_kinds} == {"gated_deltanet": 36, "attention": 12, "moe": 48}
     assert model.total_params == pytest.approx(80e9, rel=0.01)  # "Qwen3-Next-80B"
+    assert round(model.total_params / 1e9, 1) == 79.7  # as docs/setups.md gives it
     types = ["linear_attention"] * 3 + ["full_attention"]
     spelled = {k: v for k, v in QWEN3_NEXT.items() if k != "full_attention_interval"}
     assert model_from_hf_dict({**spelled, "layer_types": types * 12}, "qwen3-next-80b-a3b") == model

@@ -313,7 +313,7 @@ class AnalyticalCostModel:
         kernel_slowdown = 1.0 / self._attention_speed[device] - 1.0
         # A Mamba or Gated DeltaNet layer's chunked scan (forward, backward, again where recomputed) runs at
         # the fused kernels' speed; fine-tuning's weight-gradient GEMMs and adapters' FLOPs at the sustained rate.
-        scan_flops = ((3.0 + (recompute == FULL)) * mamba.scan_flops(self.model, tokens, tp)
+        scan_flops = (mamba.step_scan_flops(self.model, tokens, tp, recompute == FULL)
                       + gated_deltanet.step_scan_flops(self.model, tokens, tp, recompute == FULL))
         compute_s = linear_s + (3.0 * attn_core_flops + flash_backward_flops + recompute_flops
                                 + kernel_slowdown * kernel_flops + scan_flops / self._attention_speed[device]

@@ -29,6 +29,12 @@ def scan_flops(model: ModelSpec, tokens, tp) -> np.ndarray:
     return 2.0 * np.asarray(tokens, dtype=np.float64) * per_token / np.asarray(tp, dtype=np.float64)
 
 
+def step_scan_flops(model: ModelSpec, tokens, tp, recomputed) -> np.ndarray:
+    """The chunked scan's FLOPs in a step of one micro-batch: forward, twice that backward, and
+    the forward again where ``recomputed``."""
+    return (3.0 + np.asarray(recomputed, dtype=np.float64)) * scan_flops(model, tokens, tp)
+
+
 def traffic_bytes(model: ModelSpec, tokens, tp, dtype_bytes: float) -> tuple:
     """(forward, backward) HBM bytes of a Mamba layer's element-wise kernels on a rank (0 in
     another layer): the convolution reads x, B, C and writes them convolved and activated; the
