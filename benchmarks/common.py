@@ -30,8 +30,10 @@ GPUS = {
     "a100_80gb": ({**AMPERE, "memory_gib": 79.3, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}, 300),
     "a100_40gb": ({**AMPERE, "memory_gib": 39.4, "peak_tflops": 312, "memory_bandwidth_gbps": 1555}, 300),
     "h100_80gb": ({**HOPPER, "memory_gib": 79.1, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}, 450),
-    # Meta's Grand Teton hosts (torchtitan's H100 tables): 96 GB of HBM2e at 2.4 TB/s.
-    "h100_96gb": ({**HOPPER, "memory_gib": 95.0, "peak_tflops": 989, "memory_bandwidth_gbps": 2400}, 450),
+    # Meta's Grand Teton hosts (torchtitan's H100 tables): 96 GB of HBM2e at 2.4 TB/s, "the default
+    # 500W power limit" of the 700 W board (torchtitan's docs/performance.md).
+    "h100_96gb": ({**HOPPER, "memory_gib": 95.0, "peak_tflops": 989, "memory_bandwidth_gbps": 2400,
+                   "power_limit_w": 500, "rated_power_w": 700}, 450),
     "b200": ({**BLACKWELL, "memory_gib": 179.0, "peak_tflops": 2250, "host_link_gbps": 50}, 900),
     # GB200's own best matmul, 72.9% of its peak (B200's 77.6% is the generation's default), at Blackwell's
     # training share of it.

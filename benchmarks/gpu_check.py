@@ -11,7 +11,9 @@
    memory and back), and strict mode refusing a CUDA tensor sent over the bridge unstaged.
 4. The matmul rates memx's defaults assume: an 8,192-cube GEMM's TFLOPS in bf16, in fp32 with TF32
    off and in fp32 as TF32 (``BEST_MATMUL_SHARE``, ``FP32_MATMUL_SHARE``, TF32 at half the 16-bit
-   peak).
+   peak); then 10 s of bf16 GEMMs back to back with NVML's SM clock and board power: whether a
+   large matmul settles at the power limit, as memx's power-limit model takes it
+   (``power_limited_clock_share``), and the clock and rate it settles at.
 5. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
    calibration in the job, the plan, 10 training steps; predicted against measured peak memory
    and step time, from the script's per-step lines.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,6 +114,36 @@ def matmul_rates(device: str = "cuda", n: int = 8192, repeats: int = 10) -> dict
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     return out
+
+
+def sustained_matmul(seconds: float = 10.0, n: int = 8192) -> dict:
+    """bf16 GEMMs back to back for ``seconds``, NVML's SM clock and board power sampled after each
+    batch: whether a large matmul settles at the power limit (what memx's power-limit model takes,
+    ``power_limited_clock_share``), the clock it settles at and the rate it keeps there against
+    the first batch's."""
+    import pynvml
+    import torch
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(0).uuid}")
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    rates, clocks, watts = [], [], []
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        torch.cuda.synchronize()
+        rates.append(2.0 * n ** 3 * 20 / (time.perf_counter() - t0) / 1e12)
+        clocks.append(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+        watts.append(pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
+    tail = slice(len(rates) // 2, None)  # the settled second half
+    return {"power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3,
+            "max_power_limit_w": pynvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)[1] / 1e3,
+            "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            "first_tflops": round(rates[0], 1), "settled_tflops": round(statistics.median(rates[tail]), 1),
+            "settled_sm_clock_mhz": statistics.median(clocks[tail]),
+            "settled_power_w": round(statistics.median(watts[tail]), 1), "batches": len(rates)}
 
 
 def nvml_check() -> dict:
@@ -257,6 +290,8 @@ def main() -> int:
     print(f"bridge: {result['bridge']}", flush=True)
     result["matmul_tflops"] = matmul_rates()
     print(f"matmul TFLOPS: {result['matmul_tflops']}", flush=True)
+    result["sustained_matmul"] = sustained_matmul()
+    print(f"sustained matmul: {result['sustained_matmul']}", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         result["memx_run"] = memx_run_check(workdir)
     print(f"memx-run: exit {result['memx_run']['exit_code']}, {len(result['memx_run']['steps'])} steps", flush=True)

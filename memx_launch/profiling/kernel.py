@@ -23,7 +23,7 @@ from memx_launch.planning.tp_links import TpLink, record_fields
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.training import DTYPE_BYTES
 from memx_launch.specs.cluster import DeviceType
-from memx_launch.specs.efficiency import training_share_of_best_matmul
+from memx_launch.specs.efficiency import power_limited_clock_share, training_share_of_best_matmul
 from memx_launch.specs.model import ModelSpec
 from memx_launch.profiling.design import MinimalSet, minimal_sample_set
 from memx_launch.profiling.space import ProfileSpace, Sample
@@ -73,13 +73,34 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
         seconds.append(time.perf_counter() - t0)
     bandwidth = 2 * src.numel() * 4 / min(seconds[1:]) / 1e9
     # A GPU's large square matmul runs at about its best matmul rate, of which a training step's
-    # matmuls sustain the share the datasheet default assumes; a CPU's rate is taken as it is.
-    efficiency = 1.0 if dev.type == "cpu" else round(training_share_of_best_matmul(vendor, capability), 3)
+    # matmuls sustain the share the datasheet default assumes, at the clock the power limit
+    # leaves them (a burst this short finishes before the limit bites); a CPU's rate is taken as it is.
+    if dev.type == "cpu":
+        efficiency = 1.0
+    else:
+        limits = nvml_power_limits(dev.index if dev.index is not None else torch.cuda.current_device())
+        share = power_limited_clock_share(*limits) if limits else 1.0
+        efficiency = round(training_share_of_best_matmul(vendor, capability) * share, 3)
     # Two significant digits, so reruns on the same machine give the same descriptors.
     return DeviceType(name=name or default_name, vendor=vendor, memory_gib=_round2(memory_gib),
                       peak_tflops=_round2(max(rates[1:])), efficiency=efficiency,
                       memory_bandwidth_gbps=_round2(bandwidth), flash_attention=True,
                       compute_capability=capability)
+
+
+def nvml_power_limits(index: int) -> tuple[float, float] | None:
+    """A CUDA device's enforced board power limit and the highest its board takes, in W (the rated
+    power the datasheet shares assume), through NVML; None without NVML or power management."""
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(index).uuid}")
+        enforced = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
+        return enforced, max(enforced, pynvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)[1] / 1e3)
+    except Exception:  # noqa: BLE001 - ROCm, containers without the driver library, boards without power management
+        return None
 
 
 def compute_capability(props) -> float | None:

@@ -31,7 +31,8 @@ from memx_launch.runtime.dry_run import dry_run
 from memx_launch.runtime.process_exit import end_process
 from memx_launch.runtime.layout import check_runnable, runnable_model
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
-from memx_launch.specs.cluster import MAX_DEVICES, MAX_DEVICES_PER_NODE, ClusterSpec
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.node import MAX_DEVICES, MAX_DEVICES_PER_NODE
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precision
 from memx_launch.specs.inputs import float_flag, int_flag

@@ -13,16 +13,13 @@ from typing import Any
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.bridge import DOMAIN_BY_VENDOR, Bridge, bridge_from
-from memx_launch.specs.efficiency import FP32_MATMUL_SHARE, default_efficiency
+from memx_launch.specs.efficiency import (FP32_MATMUL_SHARE, IDLE_POWER_SHARE, default_efficiency,
+                                          power_limited_clock_share)
 from memx_launch.specs.checks import reject_unknown, require_name, require_number, require_positive, require_type
 from memx_launch.specs.inputs import load_yaml
-from memx_launch.specs.node import GPU_LINKS, Node
+from memx_launch.specs.node import Node, nodes_from
 
 CLUSTER_FILE_VERSION = 1
-MAX_DEVICES_PER_NODE = 4096
-# Nodes given with a count are expanded: a bound keeps a typo (count: 10000000) from filling memory.
-MAX_DEVICES = 1_000_000
-"""Bounds on the device counts a cluster file may declare (memx keeps a table per rank)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +73,14 @@ class DeviceType:
     (``--activation-offload-layers``, ``--optimizer-offload``): about 25 on PCIe Gen4 x16, 50 on
     Gen5, far more over NVLink-C2C to a Grace CPU. Unset: :data:`~memx_launch.specs.bridge.HOST_COPY_GBPS`."""
 
+    power_limit_w: float | None = None
+    """The board power limit the type's GPUs run under (``nvidia-smi -q -d POWER``), with
+    ``rated_power_w``, the board's rated power (TDP) that the default ``efficiency`` assumes: below
+    it the default is scaled by the clock the limit leaves
+    (:func:`~memx_launch.specs.efficiency.power_limited_clock_share`). A given ``efficiency`` is
+    taken as measured under the limit."""
+    rated_power_w: float | None = None
+
     def __post_init__(self):
         where = f"device_types.{self.name}"
         for attr in ("memory_gib", "peak_tflops"):
@@ -107,6 +112,14 @@ class DeviceType:
         if self.host_link_gbps is not None:
             require_positive(self.host_link_gbps, f"{where}.host_link_gbps",
                              "give the device<->host copy bandwidth in GB/s per direction, e.g. 50 for PCIe Gen5")
+        if (self.power_limit_w is None) != (self.rated_power_w is None):
+            raise ConfigError(f"{where}.power_limit_w", "needs rated_power_w beside it, and rated_power_w needs it",
+                              "give both, e.g. power_limit_w: 500 and rated_power_w: 700 for a capped H100 SXM")
+        if self.rated_power_w is not None:
+            require_positive(self.rated_power_w, f"{where}.rated_power_w", "give the board's rated power (TDP) in W")
+            require_number(self.power_limit_w, f"{where}.power_limit_w", lo=IDLE_POWER_SHARE * self.rated_power_w,
+                           lo_open=True, hi=self.rated_power_w,
+                           fix="give the enforced board power limit in W, at most rated_power_w")
         if self.sm_count is not None:
             require_number(self.sm_count, f"{where}.sm_count", lo=0, lo_open=True, hi=100000, integer=True,
                            fix="give the device's streaming multiprocessors, e.g. 132 for H100 SXM")
@@ -123,17 +136,26 @@ class DeviceType:
 
     @property
     def effective_tflops(self) -> float:
-        """Sustained 16-bit matmul TFLOPS: ``efficiency`` (or :func:`default_efficiency`) x peak."""
-        efficiency = self.efficiency if self.efficiency is not None else default_efficiency(self.vendor,
-                                                                                            self.compute_capability)
-        return self.peak_tflops * efficiency
+        """Sustained 16-bit matmul TFLOPS: ``efficiency`` (or :func:`default_efficiency` at the
+        clock the power limit leaves) x peak."""
+        if self.efficiency is not None:
+            return self.peak_tflops * self.efficiency
+        return self.peak_tflops * default_efficiency(self.vendor, self.compute_capability) * self.clock_share
 
     def effective_tflops_for(self, dtype: str) -> float:
         """Sustained TFLOPS for training in ``dtype``: the fp32 peak for fp32 when given, at the
         type's efficiency or FP32_MATMUL_SHARE (CUDA-core GEMMs; the 16-bit shares are tensor cores')."""
         if dtype == "fp32" and self.peak_tflops_fp32 is not None:
-            return self.peak_tflops_fp32 * (self.efficiency if self.efficiency is not None else FP32_MATMUL_SHARE)
+            return self.peak_tflops_fp32 * (self.efficiency if self.efficiency is not None
+                                            else FP32_MATMUL_SHARE * self.clock_share)
         return self.effective_tflops
+
+    @property
+    def clock_share(self) -> float:
+        """The clock compute-bound work keeps under ``power_limit_w`` (1 without one)."""
+        if self.power_limit_w is None:
+            return 1.0
+        return power_limited_clock_share(self.power_limit_w, self.rated_power_w)
 
     @property
     def overhead_bytes(self) -> float:
@@ -331,7 +353,7 @@ class ClusterSpec:
         types = []
         allowed = {"vendor", "memory_gib", "peak_tflops", "efficiency", "memory_bandwidth_gbps", "flash_attention",
                    "peak_tflops_fp32", "peak_tflops_fp8", "peak_tflops_fp4", "memory_overhead_gib", "compute_capability",
-                   "domain", "sm_count", "host_ms_per_layer", "host_link_gbps"}
+                   "domain", "sm_count", "host_ms_per_layer", "host_link_gbps", "power_limit_w", "rated_power_w"}
         for tname, spec in raw_types.items():
             require_type(tname, str, f"cluster.device_types.{tname}", "name device types with text")
             require_name(tname, f"cluster.device_types.{tname}")
@@ -346,58 +368,7 @@ class ClusterSpec:
             types.append(DeviceType(name=str(tname), vendor=str(spec.get("vendor", "unknown")),
                                     **{k: v for k, v in spec.items() if k != "vendor"}))
         known = {t.name for t in types}
-        raw_nodes = data.get("nodes")
-        if not isinstance(raw_nodes, list) or not raw_nodes:
-            raise ConfigError("cluster.nodes", "missing or empty", "list the nodes with their devices")
-        nodes, devices_in_file = [], 0
-        for i, raw in enumerate(raw_nodes):
-            where = f"cluster.nodes[{i}]"
-            if not isinstance(raw, dict):
-                raise ConfigError(where, "must be a mapping")
-            reject_unknown(raw, {"name", "devices", "intra_node_gbps", "numa_domains",
-                                  "cross_numa_gbps", "host", "count", "nics", "gpu_link"}, where)
-            devices = raw.get("devices")
-            if not isinstance(devices, dict) or not devices:
-                raise ConfigError(f"{where}.devices", "missing or empty", "e.g. devices: {a100: 8}")
-            for tname, count in devices.items():
-                if tname not in known:
-                    raise ConfigError(f"{where}.devices.{tname}", "unknown device type",
-                                      f"declare it under device_types (known: {', '.join(sorted(known))})")
-                require_number(count, f"{where}.devices.{tname}", lo=0, lo_open=True, hi=MAX_DEVICES_PER_NODE,
-                               integer=True, fix="the number of such devices in this node")
-            intra = raw.get("intra_node_gbps")
-            require_positive(intra, f"{where}.intra_node_gbps")
-            numa = raw.get("numa_domains", 1)
-            require_number(numa, f"{where}.numa_domains", lo=0, lo_open=True, hi=MAX_DEVICES_PER_NODE, integer=True)
-            require_name(raw.get("name", f"node{i}"), f"{where}.name")
-            cross = raw.get("cross_numa_gbps")
-            if cross is not None:
-                require_positive(cross, f"{where}.cross_numa_gbps")
-            nics = raw.get("nics")
-            if nics is not None:
-                require_number(nics, f"{where}.nics", lo=0, lo_open=True, hi=MAX_DEVICES_PER_NODE, integer=True,
-                               fix="the number of network interfaces the node's devices share")
-            gpu_link = raw.get("gpu_link")
-            if gpu_link is not None and gpu_link not in GPU_LINKS:
-                raise ConfigError(f"{where}.gpu_link", f"unknown link {gpu_link!r}",
-                                  "direct (NVLink, xGMI, HCCS) or pcie (through the host)")
-            count = raw.get("count", 1)
-            if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-                raise ConfigError(f"{where}.count", f"must be a positive integer, got {count!r}",
-                                  "the number of identical nodes this entry stands for")
-            host = raw.get("host")
-            if host is not None:
-                require_name(host, f"{where}.host")
-            if host is not None and (not isinstance(host, str) or count > 1):
-                raise ConfigError(f"{where}.host", "must be one address, on an entry without count",
-                                  "list nodes with their own host one by one")
-            devices_in_file += count * sum(devices.values())
-            if devices_in_file > MAX_DEVICES:
-                raise ConfigError(f"{where}.count", f"the file declares more than {MAX_DEVICES:,} devices",
-                                  "split the job, or check the counts")
-            name = str(raw.get("name", f"node{i}"))
-            nodes += [Node(name if count == 1 else f"{name}-{k}", tuple(devices.items()), float(intra), numa,
-                           None if cross is None else float(cross), host, nics, gpu_link) for k in range(count)]
+        nodes = nodes_from(data.get("nodes"), known)
         inter = data.get("inter_node_gbps")
         if len(nodes) > 1 or inter is not None:
             require_positive(inter, "cluster.inter_node_gbps")

@@ -73,3 +73,19 @@ def default_efficiency(vendor: str, compute_capability: float | None) -> float:
     A100's share: 0.67). Any other device: DEFAULT_EFFICIENCY."""
     generation = _generation(vendor, compute_capability)
     return TRAINING_SHARE_OF_BEST_MATMUL[generation] * BEST_MATMUL_SHARE[generation]
+
+
+# A GPU's idle board power as a share of its rated power (H100 SXM about 70 of 700 W, A100 SXM
+# about 50 of 400): the part of a power limit that lowering the clock cannot give back.
+IDLE_POWER_SHARE = 0.1
+
+
+def power_limited_clock_share(power_limit_w: float, rated_power_w: float) -> float:
+    """Share of its clock a GPU keeps on compute-bound work under a power limit below its rated
+    power. Dynamic power is C V^2 f, and over the range the driver moves the clock in the voltage
+    follows the clock, so the power above idle grows as f^3. Large matmuls and fused attention
+    draw the rated power on the GPUs whose shares are above (their clocks already settle there),
+    so under a limit P their clock is ((P - idle) / (rated - idle))^(1/3) of the one those shares
+    assume: 0.88 at 500 of H100's 700 W. HBM and links keep their own clocks."""
+    idle = IDLE_POWER_SHARE * rated_power_w
+    return min(1.0, max(power_limit_w - idle, 0.0) / (rated_power_w - idle)) ** (1.0 / 3.0)
