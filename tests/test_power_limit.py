@@ -76,3 +76,13 @@ def test_the_settings_line_names_a_power_limit_the_file_leaves_out():
     # Said in the file, or an efficiency measured under it: nothing to add.
     assert power_hint(_cluster(power_limit_w=500, rated_power_w=700).device_type("h100"), (500.0, 700.0)) == ""
     assert power_hint(_cluster(efficiency=0.5).device_type("h100"), (500.0, 700.0)) == ""
+
+
+def test_the_plan_header_says_what_the_power_limit_counted():
+    from memx_launch.planning.report import header
+
+    assert len(header(_cluster(), "llama2-7b")) == 1
+    [_, line] = header(_cluster(power_limit_w=500, rated_power_w=700), "llama2-7b")
+    assert line == "h100: power limit 500 of 700 W, compute at 0.88 of the rated clock"
+    [_, line] = header(_cluster(power_limit_w=500, rated_power_w=700, efficiency=0.5), "llama2-7b")
+    assert "given efficiency taken as measured under it" in line

@@ -54,6 +54,11 @@ def header(cluster: ClusterSpec, model: str) -> list[str]:
     lines = [f"model {model} on {cluster.name}: {cluster.world_size} devices ({counts})"]
     if cluster.is_emulated:
         lines.append(EMULATION_NOTE)
+    for t in cluster.device_types:
+        if t.clock_share < 1.0:
+            counted = ("its given efficiency taken as measured under it" if t.efficiency is not None
+                       else f"compute at {t.clock_share:.2f} of the rated clock")
+            lines.append(f"{t.name}: power limit {t.power_limit_w:g} of {t.rated_power_w:g} W, {counted}")
     return lines
 
 
