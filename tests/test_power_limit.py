@@ -86,3 +86,13 @@ def test_the_plan_header_says_what_the_power_limit_counted():
     assert line == "h100: power limit 500 of 700 W, compute at 0.88 of the rated clock"
     [_, line] = header(_cluster(power_limit_w=500, rated_power_w=700, efficiency=0.5), "llama2-7b")
     assert "given efficiency taken as measured under it" in line
+
+
+def test_a_detected_gpu_type_folds_its_power_limit_into_the_efficiency_it_is_written_with():
+    from memx_launch.profiling.kernel import detected_efficiency
+    from memx_launch.specs.efficiency import training_share_of_best_matmul
+
+    full = detected_efficiency("nvidia", 9.0, None)
+    assert full == round(training_share_of_best_matmul("nvidia", 9.0), 3)
+    assert detected_efficiency("nvidia", 9.0, (700.0, 700.0)) == full
+    assert detected_efficiency("nvidia", 9.0, (500.0, 700.0)) == pytest.approx(full * 0.88, abs=0.002)

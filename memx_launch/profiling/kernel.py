@@ -75,17 +75,21 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
     # A GPU's large square matmul runs at about its best matmul rate, of which a training step's
     # matmuls sustain the share the datasheet default assumes, at the clock the power limit
     # leaves them (a burst this short finishes before the limit bites); a CPU's rate is taken as it is.
-    if dev.type == "cpu":
-        efficiency = 1.0
-    else:
-        limits = nvml_power_limits(dev.index if dev.index is not None else torch.cuda.current_device())
-        share = power_limited_clock_share(*limits) if limits else 1.0
-        efficiency = round(training_share_of_best_matmul(vendor, capability) * share, 3)
+    efficiency = 1.0 if dev.type == "cpu" else detected_efficiency(
+        vendor, capability, nvml_power_limits(dev.index if dev.index is not None else torch.cuda.current_device()))
     # Two significant digits, so reruns on the same machine give the same descriptors.
     return DeviceType(name=name or default_name, vendor=vendor, memory_gib=_round2(memory_gib),
                       peak_tflops=_round2(max(rates[1:])), efficiency=efficiency,
                       memory_bandwidth_gbps=_round2(bandwidth), flash_attention=True,
                       compute_capability=capability)
+
+
+def detected_efficiency(vendor: str, capability: float | None, power_limits: tuple[float, float] | None) -> float:
+    """The efficiency a detected GPU type is written with, of its measured burst matmul rate: the
+    training share of the best matmul, at the clock its power limit (enforced, board's highest)
+    leaves it."""
+    share = power_limited_clock_share(*power_limits) if power_limits else 1.0
+    return round(training_share_of_best_matmul(vendor, capability) * share, 3)
 
 
 def nvml_power_limits(index: int) -> tuple[float, float] | None:
