@@ -84,8 +84,9 @@ def power_limited_clock_share(power_limit_w: float, rated_power_w: float) -> flo
     """Share of its clock a GPU keeps on compute-bound work under a power limit below its rated
     power. Dynamic power is C V^2 f, and over the range the driver moves the clock in the voltage
     follows the clock, so the power above idle grows as f^3. Large matmuls and fused attention
-    draw the rated power on the GPUs whose shares are above (their clocks already settle there),
-    so under a limit P their clock is ((P - idle) / (rated - idle))^(1/3) of the one those shares
-    assume: 0.88 at 500 of H100's 700 W. HBM and links keep their own clocks."""
+    draw the rated power at the rated limit (H100 SXM's clock settles there, under its top), so
+    under a limit P their clock is ((P - idle) / (rated - idle))^(1/3) of the one the default
+    shares assume: 0.88 at 500 of H100's 700 W. A GPU whose matmuls stay under the rated power at
+    its top clock (A100) loses less (docs/clusters.md). HBM and links keep their own clocks."""
     idle = IDLE_POWER_SHARE * rated_power_w
     return min(1.0, max(power_limit_w - idle, 0.0) / (rated_power_w - idle)) ** (1.0 / 3.0)
