@@ -96,3 +96,23 @@ def test_a_detected_gpu_type_folds_its_power_limit_into_the_efficiency_it_is_wri
     assert full == round(training_share_of_best_matmul("nvidia", 9.0), 3)
     assert detected_efficiency("nvidia", 9.0, (700.0, 700.0)) == full
     assert detected_efficiency("nvidia", 9.0, (500.0, 700.0)) == pytest.approx(full * 0.88, abs=0.002)
+
+
+def test_an_amd_gpu_s_power_cap_is_read_from_the_amdgpu_driver_s_hwmon_files(tmp_path):
+    from memx_launch.profiling.kernel import amdgpu_power_limits
+
+    address = "0000:0c:00.0"
+    hwmon = tmp_path / address / "hwmon" / "hwmon3"
+    hwmon.mkdir(parents=True)
+    (hwmon / "power1_cap").write_text("600000000\n")
+    (hwmon / "power1_cap_max").write_text("750000000\n")
+    assert amdgpu_power_limits(address, str(tmp_path)) == (600.0, 750.0)
+    assert amdgpu_power_limits("0000:0d:00.0", str(tmp_path)) is None  # another GPU: no files
+    (hwmon / "power1_cap_max").write_text("n/a\n")
+    assert amdgpu_power_limits(address, str(tmp_path)) is None
+
+
+def test_without_a_gpu_no_power_limit_is_read():
+    from memx_launch.profiling.kernel import power_limits
+
+    assert power_limits(0) is None

@@ -7,6 +7,7 @@ torch is imported lazily inside the kernel, so the sampling plan stays importabl
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import statistics
@@ -76,7 +77,7 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
     # matmuls sustain the share the datasheet default assumes, at the clock the power limit
     # leaves them (a burst this short finishes before the limit bites); a CPU's rate is taken as it is.
     efficiency = 1.0 if dev.type == "cpu" else detected_efficiency(
-        vendor, capability, nvml_power_limits(dev.index if dev.index is not None else torch.cuda.current_device()))
+        vendor, capability, power_limits(dev.index if dev.index is not None else torch.cuda.current_device()))
     # Two significant digits, so reruns on the same machine give the same descriptors.
     return DeviceType(name=name or default_name, vendor=vendor, memory_gib=_round2(memory_gib),
                       peak_tflops=_round2(max(rates[1:])), efficiency=efficiency,
@@ -92,19 +93,41 @@ def detected_efficiency(vendor: str, capability: float | None, power_limits: tup
     return round(training_share_of_best_matmul(vendor, capability) * share, 3)
 
 
-def nvml_power_limits(index: int) -> tuple[float, float] | None:
-    """A CUDA device's enforced board power limit and the highest its board takes, in W (the rated
-    power the datasheet shares assume), through NVML; None without NVML or power management."""
+def power_limits(index: int) -> tuple[float, float] | None:
+    """A GPU's enforced board power limit and the highest its board takes, in W (the rated power
+    the datasheet shares assume): through NVML on NVIDIA, the amdgpu driver's hwmon files on
+    ROCm; None where neither answers (containers without the driver's files, no power management)."""
+    import torch
+
     try:
+        props = torch.cuda.get_device_properties(index)
+        if torch.version.hip:
+            return amdgpu_power_limits(f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0")
         import pynvml
-        import torch
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(index).uuid}")
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")
         enforced = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
         return enforced, max(enforced, pynvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)[1] / 1e3)
-    except Exception:  # noqa: BLE001 - ROCm, containers without the driver library, boards without power management
+    except Exception:  # noqa: BLE001 - no NVML, an older torch without PCI ids: no limit known
         return None
+
+
+def amdgpu_power_limits(pci_address: str, devices_dir: str = "/sys/bus/pci/devices") -> tuple[float, float] | None:
+    """The amdgpu driver's power cap of the GPU at ``pci_address`` and the highest it takes, in W
+    (hwmon's ``power1_cap`` and ``power1_cap_max``, in microwatts)."""
+    def watts(path: str) -> float:
+        with open(path) as f:
+            return int(f.read()) / 1e6
+
+    for hwmon in sorted(glob.glob(os.path.join(devices_dir, pci_address, "hwmon", "hwmon*"))):
+        try:
+            cap, top = watts(os.path.join(hwmon, "power1_cap")), watts(os.path.join(hwmon, "power1_cap_max"))
+        except (OSError, ValueError):
+            continue
+        if cap > 0:
+            return cap, max(cap, top)
+    return None
 
 
 def compute_capability(props) -> float | None:

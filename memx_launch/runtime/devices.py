@@ -61,7 +61,7 @@ def capability_hint(declared: DeviceType, capability: float | None) -> str:
 
 def power_hint(declared: DeviceType, limits: tuple[float, float] | None) -> str:
     """What the settings line adds when the GPU runs under a power limit below its board's highest
-    (``limits``: :func:`~memx_launch.profiling.kernel.nvml_power_limits`) and the file says
+    (``limits``: :func:`~memx_launch.profiling.kernel.power_limits`) and the file says
     neither the limit nor a measured efficiency: its default efficiency assumes the rated power."""
     if limits is None or declared.efficiency is not None or declared.power_limit_w is not None:
         return ""
@@ -82,10 +82,10 @@ def detect_rank_device(cluster: ClusterSpec | None, rank: int, local_rank: int) 
         if cluster is not None:
             declared = cluster.device_type(cluster.rank_device_types()[rank])
             check_declared(declared, rank, name, vendor, props.total_memory)
-            from memx_launch.profiling.kernel import compute_capability, nvml_power_limits
+            from memx_launch.profiling.kernel import compute_capability, power_limits
             return RankDevice(declared, None, f"{name} (cluster file type {declared.name})"
                               + capability_hint(declared, compute_capability(props))
-                              + power_hint(declared, nvml_power_limits(local_rank) if vendor == "nvidia" else None))
+                              + power_hint(declared, power_limits(local_rank)))
         from memx_launch.profiling.kernel import detect_device_type
         return RankDevice(detect_device_type(f"cuda:{local_rank}", name.replace(" ", "-")), None, name)
     if cluster is not None:
