@@ -58,6 +58,16 @@ def test_torchtitan_rows_are_asked_as_they_ran():
         assert r["time_s"] >= 6 * get_model(r["model"]).total_params * r["tokens"] / (r["gpus"] * peak)
 
 
+def test_the_h100_rows_power_limit_slows_them_by_at_most_the_clock_it_takes():
+    from memx_launch.specs.efficiency import power_limited_clock_share
+
+    capped = {r["layout"]: r["time_s"] for r in pt.torchtitan() if r["gpu"] == "h100_96gb"}
+    rated = {r["layout"]: r["time_s"] for r in pt.torchtitan(rated_power=True) if r["gpu"] == "h100_96gb"}
+    assert len(capped) == 7 and capped.keys() == rated.keys()
+    for layout, seconds in capped.items():  # compute slows by the clock; HBM, links and the host do not
+        assert 1.02 < seconds / rated[layout] <= 1 / power_limited_clock_share(500, 700) + 1e-9
+
+
 def test_no_prediction_beats_the_peak_flops_of_the_layout():
     # 6 FLOPs per parameter and token (8 with recomputation) at the datasheet peak bound the step time.
     for r in pt.mpt():
