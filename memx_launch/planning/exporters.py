@@ -229,7 +229,7 @@ def megatron_args(plan: Plan, cluster: ClusterSpec | None = None) -> Export:
     # pretrain_mamba.py's hybrid stack splits evenly, and Gated DeltaNet blocks cannot be cut: said, not given.
     split_notes = split_notes_of(plan) if plan.pp > 1 else []
     notes += split_notes
-    mamba_stack = plan.model_spec.hybrid_pattern and "G" not in plan.model_spec.hybrid_pattern
+    mamba_stack = megatron_blocks(plan.model_spec).hybrid_pattern  # what _megatron_model exported
     if plan.pp > 1 and not (split_notes or mamba_stack):
         args += ["--pipeline-model-parallel-layout", pipeline_layout(plan)]
         if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp:

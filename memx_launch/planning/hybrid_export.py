@@ -60,13 +60,15 @@ def split_notes_of(plan: Plan) -> list[str]:
     chunks) is the pattern cut into its pp x v segments, which only builds whose pattern takes
     ``|`` between pipeline segments read. Nothing for a transformer."""
     pattern = plan.model_spec.hybrid_pattern
+    if not pattern:
+        return []
     per_stage = chunk_layers([s.num_layers for s in plan.stages], plan.virtual_stages).tolist()
     sizes = [per_stage[p][c] for c in range(plan.virtual_stages) for p in range(plan.pp)]
     ends = [0, *itertools.accumulate(sizes)]
     segments = "|".join(pattern[a:b] for a, b in zip(ends[:-1], ends[1:]))
-    if not pattern or ("G" in pattern and not any(n % 2 for n in sizes)):
-        return []
     if "G" in pattern:
+        if not any(n % 2 for n in sizes):
+            return []
         return [f"the plan's chunks of {sizes} layers ({segments}) cut blocks between their mixer and their MLP, "
                 "which Megatron-LM's GPT stack cannot run: give layers_per_stage in pairs"]
     if len(set(sizes)) == 1 and plan.virtual_stages == 1:
