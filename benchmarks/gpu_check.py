@@ -121,11 +121,11 @@ def sustained_matmul(seconds: float = 10.0, n: int = 8192) -> dict:
     batch: whether a large matmul settles at the power limit (what memx's power-limit model takes,
     ``power_limited_clock_share``), the clock it settles at and the rate it keeps there against
     the first batch's."""
-    import pynvml
     import torch
 
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(0).uuid}")
+    from memx_launch.profiling.kernel import nvml_device
+
+    pynvml, handle = nvml_device(0)
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     rates, clocks, watts = [], [], []
     started = time.perf_counter()
@@ -147,9 +147,9 @@ def sustained_matmul(seconds: float = 10.0, n: int = 8192) -> dict:
 
 
 def nvml_check() -> dict:
-    import pynvml
     import torch
 
+    from memx_launch.profiling.kernel import nvml_device
     from memx_launch.runtime.monitor import memory_reader
 
     device = torch.device("cuda", 0)
@@ -157,8 +157,7 @@ def nvml_check() -> dict:
     torch.cuda.synchronize(device)
     reader = memory_reader(device=device)
     reading = reader.read()
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    pynvml, handle = nvml_device(0)
     info = pynvml.nvmlDeviceGetMemoryInfo(handle)
     mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
     free, total = torch.cuda.mem_get_info(device)

@@ -112,7 +112,23 @@ def test_an_amd_gpu_s_power_cap_is_read_from_the_amdgpu_driver_s_hwmon_files(tmp
     assert amdgpu_power_limits(address, str(tmp_path)) is None
 
 
-def test_without_a_gpu_no_power_limit_is_read():
+def test_an_nvidia_gpu_s_power_limits_come_from_nvml_for_the_gpu_of_its_cuda_uuid(monkeypatch):
+    import sys
+    import types
+
+    import torch
+
     from memx_launch.profiling.kernel import power_limits
 
+    # NVML numbers every GPU of the machine; CUDA index 0 of this process is the one of uuid "b".
+    limits = {"GPU-a": (700_000, 700_000), "GPU-b": (500_000, 700_000)}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+        nvmlDeviceGetEnforcedPowerLimit=lambda handle: limits[handle][0],
+        nvmlDeviceGetPowerManagementLimitConstraints=lambda handle: (200_000, limits[handle][1]))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="b"))
+    assert power_limits(0) == (500.0, 700.0)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no nvidia-ml-py: no limit known, no error
     assert power_limits(0) is None

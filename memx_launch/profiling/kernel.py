@@ -85,11 +85,11 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
                       compute_capability=capability)
 
 
-def detected_efficiency(vendor: str, capability: float | None, power_limits: tuple[float, float] | None) -> float:
+def detected_efficiency(vendor: str, capability: float | None, limits: tuple[float, float] | None) -> float:
     """The efficiency a detected GPU type is written with, of its measured burst matmul rate: the
-    training share of the best matmul, at the clock its power limit (enforced, board's highest)
-    leaves it."""
-    share = power_limited_clock_share(*power_limits) if power_limits else 1.0
+    training share of the best matmul, at the clock its power ``limits`` (enforced, the board's
+    highest: :func:`power_limits`) leave it."""
+    share = power_limited_clock_share(*limits) if limits else 1.0
     return round(training_share_of_best_matmul(vendor, capability) * share, 3)
 
 
@@ -100,17 +100,24 @@ def power_limits(index: int) -> tuple[float, float] | None:
     import torch
 
     try:
-        props = torch.cuda.get_device_properties(index)
         if torch.version.hip:
+            props = torch.cuda.get_device_properties(index)
             return amdgpu_power_limits(f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0")
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")
+        pynvml, handle = nvml_device(index)
         enforced = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
         return enforced, max(enforced, pynvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)[1] / 1e3)
     except Exception:  # noqa: BLE001 - no NVML, an older torch without PCI ids: no limit known
         return None
+
+
+def nvml_device(index: int):
+    """pynvml and its handle of CUDA device ``index``, found by UUID: NVML numbers the machine's
+    GPUs whatever CUDA_VISIBLE_DEVICES shows this process. Raises where NVML is not there."""
+    import pynvml
+    import torch
+
+    pynvml.nvmlInit()
+    return pynvml, pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(index).uuid}")
 
 
 def amdgpu_power_limits(pci_address: str, devices_dir: str = "/sys/bus/pci/devices") -> tuple[float, float] | None:

@@ -39,18 +39,14 @@ PROBE_REPEATS = 3
 
 
 def _nvlink_peers(local_rank: int, local_count: int) -> list[int]:
-    """Local ranks this GPU reaches over NVLink (NVML, by NVML index = local rank)."""
+    """Local ranks this GPU reaches over NVLink (NVML, each GPU found by its CUDA index's UUID)."""
     try:
-        import pynvml
-        pynvml.nvmlInit()
-        me = pynvml.nvmlDeviceGetHandleByIndex(local_rank)
-        peers = []
-        for j in range(min(local_count, pynvml.nvmlDeviceGetCount())):
-            if j != local_rank and pynvml.nvmlDeviceGetP2PStatus(
-                    me, pynvml.nvmlDeviceGetHandleByIndex(j), pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == \
-                    pynvml.NVML_P2P_STATUS_OK:
-                peers.append(j)
-        return peers
+        from memx_launch.profiling.kernel import nvml_device
+
+        pynvml, me = nvml_device(local_rank)
+        return [j for j in range(min(local_count, torch.cuda.device_count())) if j != local_rank
+                and pynvml.nvmlDeviceGetP2PStatus(me, nvml_device(j)[1], pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                == pynvml.NVML_P2P_STATUS_OK]
     except Exception:  # no NVML (ROCm, CPU, containers without the driver library)
         return []
 

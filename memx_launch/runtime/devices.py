@@ -24,9 +24,10 @@ class RankDevice:
 
 def _nvml_name(index: int) -> str | None:
     try:
-        import pynvml
-        pynvml.nvmlInit()
-        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+        from memx_launch.profiling.kernel import nvml_device
+
+        pynvml, handle = nvml_device(index)
+        name = pynvml.nvmlDeviceGetName(handle)
         return name.decode() if isinstance(name, bytes) else name
     except Exception:  # no NVML on this machine (ROCm, CPU, containers without the driver library)
         return None

@@ -108,12 +108,9 @@ class CudaMemory:
         self.device = device
         self._nvml = None
         try:
-            import pynvml
+            from memx_launch.profiling.kernel import nvml_device
 
-            pynvml.nvmlInit()
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            uuid = torch.cuda.get_device_properties(index).uuid
-            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}"))
+            self._nvml = nvml_device(device.index if device.index is not None else torch.cuda.current_device())
         except Exception as exc:  # noqa: BLE001 - no NVML (other vendors, containers): torch's view only
             log.warning("nvidia-ml-py unavailable (%s): other processes' memory is read as total - free - ours", exc)
 
