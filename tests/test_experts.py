@@ -93,6 +93,30 @@ def test_a_rank_holds_its_share_of_the_experts_and_shards_their_state_over_the_r
                                         + QWEN3.embedding_params + QWEN3.head_params) / GIB * (1 / 8 - 1 / 16))
 
 
+def test_fully_sharded_experts_are_gathered_over_their_expert_data_parallel_group_only():
+    from memx_launch.planning.data_parallel import fully_sharded_exposed_time
+    from memx_launch.planning.model_states import fully_sharded_layer_params, rank_layer_params
+    training = _training(expert_parallel=8, setup="zero3")
+    dense, experts = rank_layer_params(QWEN3, training, 1)
+    assert experts == pytest.approx(QWEN3.expert_params / 8)
+    # EP 8 over DP 8: each rank's experts are whole on it, nothing of theirs is gathered; over DP 16
+    # two ranks share each expert and gather it.
+    assert fully_sharded_layer_params(QWEN3, training, 1, 8) == (dense, 0.0)
+    assert fully_sharded_layer_params(QWEN3, training, 1, 16) == (dense, pytest.approx(experts))
+    args = (30 * (dense + experts), dense + experts, 30, 1e-3, training, 16, 160.0, 2)
+    alone, shared = (float(fully_sharded_exposed_time(*args, expert_params=experts, expert_dp=n)) for n in (1, 2))
+    dense_only = float(fully_sharded_exposed_time(30 * dense, dense, 30, 1e-3, training, 16, 160.0, 2))
+    assert alone == pytest.approx(dense_only) and shared > alone
+    # The estimate holds each part: at DP 16 a rank keeps half the experts' weights it keeps at
+    # DP 8 (bf16, 2 bytes) but gathers a layer of them (two layers' buffers while prefetching).
+    eight = _estimate(QWEN3, training).stages[0].memory_parts_gib
+    sixteen = _estimate(QWEN3, training, TWO_NODES, dp=16).stages[0].memory_parts_gib
+    experts_gib, dense_gib = QWEN3.num_layers * experts / GIB, (QWEN3.num_layers * dense + QWEN3.embedding_params
+                                                                  + QWEN3.head_params) / GIB
+    assert eight["parameters"] - sixteen["parameters"] == pytest.approx(
+        2 * (experts_gib / 2 + dense_gib / 16) - 2 * 2 * experts / GIB, rel=1e-6)
+
+
 def test_experts_run_their_tokens_routed_and_exchange_them_by_all_to_all():
     # The device's time: a host that issues the 128 local experts' ops faster than they run.
     alone, spread = (cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=ep, host_ms_per_layer=0.01))
@@ -134,8 +158,8 @@ def test_expert_parallelism_is_checked_and_the_search_keeps_it():
         _estimate(QWEN3, _training(expert_parallel=3), tp=1, dp=8)
     with pytest.raises(ConfigError, match="--expert-parallel: 8 does not divide a stage's TP x CP x DP = 4 ranks"):
         _estimate(QWEN3, _training(expert_parallel=8), pp=2, dp=4)
-    with pytest.raises(ConfigError, match="--fully-sharded: not modelled for the experts"):
-        _estimate(QWEN3, _training(expert_parallel=8, setup="zero3"))
+    with pytest.raises(ConfigError, match="--lora-rank: not modelled for the experts"):
+        _estimate(QWEN3, _training(expert_parallel=8, lora_rank=16))
     best = search(QWEN3, TWO_NODES, _training(expert_parallel=8, global_batch_size=128), top_k=5,
                   space=SearchSpace(micro_batch_sizes=(1, 2))).plans
     assert best and all(p.tp * p.dp % 8 == 0 for p in best)

@@ -74,3 +74,24 @@ def test_no_prediction_beats_the_peak_flops_of_the_layout():
         layers, hidden, _ = pt.MPT_SHAPES[r["model"].removeprefix("mpt-")]
         flops = (8 if r["recompute"] == "full" else 6) * 12 * layers * hidden ** 2 * r["tokens"]
         assert r["time_s"] >= flops / (r["gpus"] * GPUS[r["group"]][0]["peak_tflops"] * 1e12)
+
+
+def test_automodel_rows_are_transcribed_consistently_and_all_expressible():
+    import csv
+
+    from benchmarks import automodel_throughput as at
+    with open(at.DATA) as f:
+        table = list(csv.DictReader(f))
+    for d in table:
+        # The published step time, tokens per second per GPU and global batch agree (the rounding's 0.5%),
+        # and the local batch is micro-batches of the FSDP ranks' accumulation.
+        tokens = int(d["global_batch_size"]) * int(d["seq_len"])
+        assert tokens / (float(d["step_time_s"]) * int(d["gpus"])) == pytest.approx(float(d["tokens_per_s_per_gpu"]),
+                                                                                     rel=0.005)
+        assert int(d["global_batch_size"]) % (int(d["fsdp"]) * int(d["local_batch_size"])) == 0
+    rows = at.automodel_rows()
+    assert len(rows) == len(table) and not [r for r in rows if "error" in r]
+    # Only DeepSeek-V3 on 1,024 GPUs shards its experts (EP 64 of a stage's 256 ranks); elsewhere EP is
+    # as wide as the stage and each expert is whole on its rank.
+    assert [r["expert_data_parallel"] for r in rows] == [4 if r["gpus"] == 1024 else 1 for r in rows]
+    assert at.even_split(61, 4) == [16, 15, 15, 15] and at.even_split(61, 8) == [8] * 5 + [7] * 3

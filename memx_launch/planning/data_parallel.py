@@ -66,25 +66,31 @@ def whole_gradients(training: TrainingSpec) -> bool:
 
 
 def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
-                               nodes=1, hop=NVLINK, sm_share=0.0) -> np.ndarray:
+                               nodes=1, hop=NVLINK, sm_share=0.0, expert_params=0.0, expert_dp=1) -> np.ndarray:
     """Seconds per micro-batch a fully sharded stage waits on its DP group beyond its compute.
     Each layer (one FSDP unit of ``layer_params`` on a rank), and the stage's other parameters
     (embedding, head: one unit), all-gathers its weights for the forward and again for the
     backward and reduce-scatters its gradients, every micro-batch; the next unit's gather is
     prefetched while this one computes, so the collectives hide behind ``stage_time`` (one
     micro-batch's forward and backward) except what exceeds it, the first unit's gather, and
-    what the compute loses to the ``sm_share`` of the SMs they hold (collectives.py)."""
+    what the compute loses to the ``sm_share`` of the SMs they hold (collectives.py). A mixture's
+    routed experts (``expert_params`` of a layer's) are gathered and reduced over their expert
+    data parallel group of ``expert_dp`` ranks instead, on the same links, spread over as many
+    nodes as it has ranks up to the DP group's (EP is the inner dimension of the rank order)."""
     layers = np.asarray(layers, dtype=np.float64)
+    layer_params = np.asarray(layer_params, dtype=np.float64)
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64) - layers * layer_params, 0.0)
 
-    def unit_seconds(params):
-        gather = collective_seconds("all_gather", params * compute_weight_bytes(training), dp, gbps, nodes, hop)
+    def unit_seconds(params, ranks, spanned):
+        gather = collective_seconds("all_gather", params * compute_weight_bytes(training), ranks, gbps, spanned, hop)
         return gather, 2.0 * gather + collective_seconds("reduce_scatter", params * wire_gradient_bytes(training),
-                                                         dp, gbps, nodes, hop)
+                                                         ranks, gbps, spanned, hop)
 
-    first_gather, per_layer = unit_seconds(np.asarray(layer_params, dtype=np.float64))
-    per_microbatch = layers * per_layer + unit_seconds(rest)[1]
-    return overlapped_exposed_seconds(per_microbatch, stage_time, sm_share) + first_gather
+    dense_gather, per_dense_layer = unit_seconds(layer_params - expert_params, dp, nodes)
+    expert_gather, per_expert_layer = unit_seconds(np.asarray(expert_params, dtype=np.float64), expert_dp,
+                                                   np.minimum(expert_dp, nodes))
+    per_microbatch = layers * (per_dense_layer + per_expert_layer) + unit_seconds(rest, dp, nodes)[1]
+    return overlapped_exposed_seconds(per_microbatch, stage_time, sm_share) + dense_gather + expert_gather
 
 
 def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParameters) -> float:

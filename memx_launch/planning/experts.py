@@ -39,7 +39,7 @@ MOE_HOST_OPS = {"forward": (64, 12), "backward": (45, 20)}
 def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> None:
     """What memx refuses of an expert-parallel run: experts on a dense model, a degree that does
     not divide the experts (nor ETP their width; given, EP x ETP a stage's TP x CP x DP ranks),
-    and what it does not model with experts (full sharding, LoRA, torchtitan's op-level recompute)."""
+    and what it does not model with experts (LoRA, torchtitan's op-level recompute)."""
     ep, etp = training.expert_parallel, training.expert_tensor_parallel
     if not model.num_experts:
         for flag, degree in (("--expert-parallel", ep), ("--expert-tensor-parallel", etp)):
@@ -58,11 +58,11 @@ def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> Non
             raise ConfigError("--expert-parallel", f"{degrees} does not divide a stage's TP x CP x DP = {int(ranks)} "
                               "ranks", f"use {'degrees whose product divides' if etp > 1 else 'a divisor of'} every "
                               "stage's TP x CP x DP")
-    unmodelled = [flag for flag, on in (("--fully-sharded", training.fully_sharded), ("--lora-rank", training.lora_rank),
+    unmodelled = [flag for flag, on in (("--lora-rank", training.lora_rank),
                                         ("--selective-recompute op", training.selective_recompute == "op")) if on]
     if unmodelled:
         raise ConfigError(unmodelled[0], f"not modelled for the experts of {model.name}",
-                          "use the distributed optimizer, full fine-tuning or Megatron's selective recompute")
+                          "use full fine-tuning or Megatron's selective recompute")
 
 
 def search_degrees(model: ModelSpec, world: int) -> tuple[int, ...]:

@@ -106,18 +106,29 @@ def _unsharded_state_bytes(training: TrainingSpec, trained: TrainedParameters) -
     return weight * (1.0 + trained.adapters), grad * trained.share, optim * trained.share
 
 
-def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp) -> float:
+def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp) -> float:
     """FSDP / ZeRO-3: one layer's weights gathered in the compute dtype while the next is
     prefetched, and one layer's unsharded gradient before its reduce-scatter."""
-    return sum(fully_sharded_working_parts(model, training, tp))
+    return sum(fully_sharded_working_parts(model, training, tp, dp_cp))
 
 
-def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
+def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp, dp_cp) -> tuple:
     """(gathered weights, unsharded gradient) bytes of :func:`fully_sharded_working_bytes`."""
     if not training.fully_sharded:
         return 0.0, 0.0
-    layer = model.layer_params / np.asarray(tp, dtype=np.float64)
+    layer = sum(fully_sharded_layer_params(model, training, tp, dp_cp))
     return layer * (2.0 * compute_weight_bytes(training)), layer * training.precision_bytes("grad_dtype")
+
+
+def fully_sharded_layer_params(model: ModelSpec, training: TrainingSpec, tp, dp_cp) -> tuple:
+    """(dense, routed-expert) parameters of one block a fully sharded rank gathers (FSDP2 with
+    expert parallelism, as torchtitan and NeMo AutoModel run it): its dense ones, sharded over
+    DP x CP, and its local experts, sharded over their expert data parallel group; none of them
+    where that group is the rank alone (experts spread one EP group over the stage are whole)."""
+    dense, expert = rank_layer_params(model, training, tp)
+    if not model.num_experts:
+        return dense, 0.0
+    return dense, np.where(expert_data_parallel(training, tp, dp_cp) > 1, expert, 0.0)
 
 
 def compute_weight_bytes(training: TrainingSpec) -> float:

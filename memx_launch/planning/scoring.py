@@ -25,8 +25,8 @@ from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
-from memx_launch.planning.model_states import (layer_state_bytes, parameters_per_rank, quantized_state_bytes,
-                                               stage_state_bytes_by_part)
+from memx_launch.planning.model_states import (expert_data_parallel, layer_state_bytes, parameters_per_rank,
+                                               quantized_state_bytes, rank_layer_params, stage_state_bytes_by_part)
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
 from memx_launch.planning.layouts import Layout
 
@@ -146,7 +146,7 @@ class Evaluator:
         # communicators hold above the tensors.
         fixed = (work + self._edge_bytes(layout, local, seq_rank, inflight)
                  + kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
-                 + cm.fully_sharded_working_bytes(m, tr, tp) + quantized_working + self.overhead[device]
+                 + cm.fully_sharded_working_bytes(m, tr, tp, layout.dp_cp) + quantized_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device]
                  + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts))
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
@@ -314,7 +314,7 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v)
-        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp)
+        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, layout.dp_cp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
         embedding_out = np.zeros(pp)
         embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.dtype_bytes
@@ -414,8 +414,9 @@ class Evaluator:
         if tr.fully_sharded:
             # Gathered and reduce-scattered layer by layer every micro-batch, behind its compute.
             tp = layout.tp if layout.uniform_tp else layout.stage_tp
-            stage_time = stage_time + data_parallel.fully_sharded_exposed_time(stage_params, m.layer_params / tp, layers,
-                                                                    stage_time, tr, *dp_link, sm_share)
+            dense, experts = rank_layer_params(m, tr, tp)
+            stage_time = stage_time + data_parallel.fully_sharded_exposed_time(stage_params, dense + experts, layers,
+                stage_time, tr, *dp_link, sm_share, experts, expert_data_parallel(tr, tp, layout.dp_cp))
             sync = np.zeros_like(stage_params)
         else:
             sync = data_parallel.data_parallel_sync_time(stage_params, tr, *dp_link, trained=self.trained)

@@ -52,6 +52,8 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     # biases of its attention and experts, 0.01% of its parameters, are not counted).
     ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
               num_experts=128, experts_per_token=4, sliding_window=128, full_attention_layers=18),
+    ModelSpec("gpt-oss-20b", 24, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
+              num_experts=32, experts_per_token=4, sliding_window=128, full_attention_layers=12),
     # Llama-4-Scout-17B-16E's language model (Meta's text_config): 16 routed experts, top-1, and a
     # shared expert in every block; three blocks in four attend within chunks of 8,192 tokens, the
     # fourth (no rotary positions) to the whole sequence; its query and key heads are normalised.
@@ -70,6 +72,11 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
               num_experts=256, experts_per_token=8, expert_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048,
               kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128, dense_layers=3, mtp_layers=1,
               expert_groups=8, expert_groups_per_token=4),
+    # Kimi K2 (1.04T, 32B active): DeepSeek-V3's blocks with 64 heads, 384 routed experts (top-8, no
+    # groups), one dense first block and no multi-token prediction (moonshotai/Kimi-K2-Base config.json).
+    ModelSpec("kimi-k2", 61, 7168, 64, 64, 18432, 163840, 4096, norm_eps=1e-6, attention_head_dim=128,
+              num_experts=384, experts_per_token=8, expert_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048,
+              kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128, dense_layers=1),
     # Nemotron-H 56B: 54 Mamba-2 layers, 54 MLP layers (squared ReLU: an ungated MLP) and 10 attention
     # layers without positions (NeMo's NemotronHConfig56B).
     ModelSpec("nemotron-h-56b", 118, 8192, 64, 8, 32768, 131072, 8192, gated_mlp=False,

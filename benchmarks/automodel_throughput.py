@@ -1,0 +1,94 @@
+"""memx's iteration time against NVIDIA NeMo AutoModel's published pre-training throughput: mixtures
+of experts trained with PyTorch's FSDP2 and expert parallelism on DGX-H100 (uncalibrated, datasheet
+peaks), the PyTorch-native stack beside the Megatron-Core rows of ``nemo_throughput.py``.
+
+Table (copied into benchmarks/data/automodel_performance.csv, source in benchmarks/data/README.md):
+NeMo AutoModel's ``docs/performance-summary.md`` (github.com/NVIDIA-NeMo/Automodel, "Last Updated
+2025-10-02"), "System: DGX-H100, Precision: BF16": DeepSeek-V3 on 256 and 1,024 GPUs, Kimi K2 on
+256, Qwen3-30B-A3B and GPT-OSS-20B on 8, GPT-OSS-120B on 64. Each row gives GPUs, global, local
+and micro-batch, sequence length and TP/PP/CP/EP/VP/FSDP degrees; the step time is the table's.
+
+How the rows run, read from their configurations (``examples/benchmark/configs/*_te_deepep*.yaml``):
+FSDP2 over every rank of a pipeline stage (``dp_shard``: the stage's ranks), each expert on one
+rank of an EP group and sharded over the stage's ranks beyond it (the expert data parallel group:
+one rank, so never gathered, but for DeepSeek-V3 on 1,024 GPUs: four), bf16 compute, gradients
+reduced in fp32 (FSDP2's ``MixedPrecisionPolicy`` of the recipe, memx's ``--setup fsdp2``), Adam
+states and master weights sharded in fp32, Transformer Engine linears and attention (GPT-OSS:
+PyTorch's FlexAttention), DeepEP's dispatcher (memx's ``--expert-dispatcher flex``), balanced
+routing forced (``fake_balanced_gate``, as memx assumes), the cross entropy on the bf16 logits
+(``fp32_upcast: false``: ``--loss-dtype training``), full activation checkpointing where
+``activation_checkpointing: true`` (DeepSeek-V3, Kimi K2, Qwen3) and none for GPT-OSS; pipelines
+with torch's interleaved 1F1B over ``vp`` chunks per stage, the layers split as evenly as they go.
+The table's layouts are used where a configuration stored today differs (DeepSeek-V3 on 1,024
+GPUs: 4 layers per chunk there, VP 8 in the table).
+
+Writes benchmarks/results/automodel_throughput.json.
+Run: .venv/bin/python benchmarks/automodel_throughput.py   (a few seconds)
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.common import dgx_cluster, no_nan, predicted, run_summary  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.planning.model_states import expert_data_parallel  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
+from memx_launch.specs.training import TrainingSpec  # noqa: E402
+
+DATA = os.path.join(ROOT, "benchmarks", "data", "automodel_performance.csv")
+OUT = os.path.join(ROOT, "benchmarks", "results", "automodel_throughput.json")
+
+
+def even_split(layers: int, pp: int) -> list[int]:
+    """``layers`` over ``pp`` stages, the first stages one more where they do not divide."""
+    return [layers // pp + (s < layers % pp) for s in range(pp)]
+
+
+def automodel_rows(path: str = DATA) -> list[dict]:
+    """Every row of ``path`` with memx's estimate of it."""
+    rows = []
+    with open(path) as f:
+        for d in csv.DictReader(f):
+            gpus, seq, batch, mbs = (int(d[k]) for k in ("gpus", "seq_len", "global_batch_size", "micro_batch_size"))
+            tp, pp, cp, ep, vp = (int(d[k]) for k in ("tp", "pp", "cp", "ep", "vp"))
+            model = dataclasses.replace(get_model(d["model"]), seq_len=seq)
+            dp = gpus // (tp * pp * cp)
+            training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="fsdp2", expert_parallel=ep,
+                                    expert_dispatcher="flex", flash_attention_version=3, loss_dtype="training")
+            recompute = "full" if d["activation_checkpointing"] == "True" else "none"
+            row = {"group": d["table"], "model": d["model"], "gpus": gpus, "seq_len": seq, "real": "ok",
+                   "tokens": batch * seq, "real_time_s": float(d["step_time_s"]),
+                   "expert_data_parallel": int(expert_data_parallel(training, tp, dp * cp)),
+                   "layout": f"{d['model']} {gpus}x{d['gpu'].split('_')[0]} tp{tp} pp{pp} cp{cp} vp{vp} fsdp{dp}"
+                             f" ep{ep} mbs{mbs} {recompute}"}
+            rows.append(predicted(row, model, dgx_cluster(d["gpu"], gpus), training, parts=True, tp=tp, pp=pp,
+                                  dp=dp, cp=cp, micro_batch_size=mbs, recompute=recompute,
+                                  schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp,
+                                  layers_per_stage=even_split(model.num_layers, pp) if pp > 1 else None))
+    return rows
+
+
+def main() -> None:
+    started = time.perf_counter()
+    rows = automodel_rows()
+    result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency",
+              "automodel_dgx_h100_bf16": {**run_summary(rows), "rows": rows},
+              "seconds": round(time.perf_counter() - started, 1)}
+    write_json_atomic(OUT, no_nan(result), overwrite=True)
+    print("automodel", {k: v for k, v in result["automodel_dgx_h100_bf16"].items() if k != "rows"})
+    for r in rows:
+        ratio = f"{r['time_s'] / r['real_time_s']:.2f}" if "time_s" in r else r.get("error")
+        print(f"  {r['layout']}: {ratio}")
+
+
+if __name__ == "__main__":
+    main()
