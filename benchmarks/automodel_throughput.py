@@ -13,14 +13,18 @@ FSDP2 over every rank of a pipeline stage (``dp_shard``: the stage's ranks), eac
 rank of an EP group and sharded over the stage's ranks beyond it (the expert data parallel group:
 one rank, so never gathered, but for DeepSeek-V3 on 1,024 GPUs: four), bf16 compute, gradients
 reduced in fp32 (FSDP2's ``MixedPrecisionPolicy`` of the recipe, memx's ``--setup fsdp2``), Adam
-states and master weights sharded in fp32, Transformer Engine linears and attention (GPT-OSS:
-PyTorch's FlexAttention), DeepEP's dispatcher (memx's ``--expert-dispatcher flex``), balanced
-routing forced (``fake_balanced_gate``, as memx assumes), the cross entropy on the bf16 logits
-(``fp32_upcast: false``: ``--loss-dtype training``), full activation checkpointing where
-``activation_checkpointing: true`` (DeepSeek-V3, Kimi K2, Qwen3) and none for GPT-OSS; pipelines
-with torch's interleaved 1F1B over ``vp`` chunks per stage, the layers split as evenly as they go.
-The table's layouts are used where a configuration stored today differs (DeepSeek-V3 on 1,024
-GPUs: 4 layers per chunk there, VP 8 in the table).
+states and master weights sharded in fp32, Transformer Engine linears and attention (cuDNN's
+fused attention on Hopper, timed as FlashAttention-3; GPT-OSS: PyTorch's FlexAttention, a Triton
+kernel its authors hold against FlashAttention-2, timed as that), DeepEP's dispatcher (memx's
+``--expert-dispatcher flex``), balanced routing forced by ``fake_balanced_gate``, which sends
+token t to experts t*k to t*k + k - 1 (``--expert-routing consecutive``: its k experts on one or
+two ranks of one node, where random top-k routing reaches 3-7 ranks), the cross entropy on the
+bf16 logits (``fp32_upcast: false``: ``--loss-dtype bf16``), full activation checkpointing
+where ``activation_checkpointing: true`` (DeepSeek-V3, Kimi K2, Qwen3) and none for GPT-OSS;
+pipelines with torch's interleaved 1F1B over ``vp`` chunks per stage, the layers split as evenly
+as they go. AutoModel's DeepSeek-V3 has no multi-token prediction module (the table's FLOPs per
+token are the model's without it). The table's layouts are used where a configuration stored
+today differs (DeepSeek-V3 on 1,024 GPUs: 4 layers per chunk there, VP 8 in the table).
 
 Writes benchmarks/results/automodel_throughput.json.
 Run: .venv/bin/python benchmarks/automodel_throughput.py   (a few seconds)
@@ -53,20 +57,25 @@ def even_split(layers: int, pp: int) -> list[int]:
     return [layers // pp + (s < layers % pp) for s in range(pp)]
 
 
-def automodel_rows(path: str = DATA) -> list[dict]:
-    """Every row of ``path`` with memx's estimate of it."""
+def automodel_rows(path: str = DATA, routing: str = "consecutive") -> list[dict]:
+    """Every row of ``path`` with memx's estimate of it, its tokens routed as ``routing`` says
+    (``consecutive``: as the runs routed them)."""
     rows = []
     with open(path) as f:
         for d in csv.DictReader(f):
             gpus, seq, batch, mbs = (int(d[k]) for k in ("gpus", "seq_len", "global_batch_size", "micro_batch_size"))
             tp, pp, cp, ep, vp = (int(d[k]) for k in ("tp", "pp", "cp", "ep", "vp"))
-            model = dataclasses.replace(get_model(d["model"]), seq_len=seq)
+            # AutoModel's DeepSeek-V3 builds no multi-token prediction module (the table's FLOPs per token
+            # are the model's without it).
+            model = dataclasses.replace(get_model(d["model"]), seq_len=seq, mtp_layers=0)
             dp = gpus // (tp * pp * cp)
             training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="fsdp2", expert_parallel=ep,
-                                    expert_dispatcher="flex", flash_attention_version=3, loss_dtype="training")
+                                    expert_dispatcher="flex", expert_routing=routing, loss_dtype="training",
+                                    flash_attention_version=2 if d["attention"] == "flex" else 3)
             recompute = "full" if d["activation_checkpointing"] == "True" else "none"
             row = {"group": d["table"], "model": d["model"], "gpus": gpus, "seq_len": seq, "real": "ok",
                    "tokens": batch * seq, "real_time_s": float(d["step_time_s"]),
+                   "table_flops_per_token": float(d["model_tflops_per_gpu"]) * 1e12 / float(d["tokens_per_s_per_gpu"]),
                    "expert_data_parallel": int(expert_data_parallel(training, tp, dp * cp)),
                    "layout": f"{d['model']} {gpus}x{d['gpu'].split('_')[0]} tp{tp} pp{pp} cp{cp} vp{vp} fsdp{dp}"
                              f" ep{ep} mbs{mbs} {recompute}"}
@@ -79,9 +88,12 @@ def automodel_rows(path: str = DATA) -> list[dict]:
 
 def main() -> None:
     started = time.perf_counter()
-    rows = automodel_rows()
+    rows, random = automodel_rows(), automodel_rows(routing="random")
     result = {"machine": machine_info(), "cost_model": "analytical, datasheet peaks, default efficiency",
               "automodel_dgx_h100_bf16": {**run_summary(rows), "rows": rows},
+              # The same rows asked with memx's default routing (random top-k), not how they ran.
+              "with_random_routing": {**run_summary(random), "predicted_over_measured": [
+                  round(r["time_s"] / r["real_time_s"], 3) for r in random]},
               "seconds": round(time.perf_counter() - started, 1)}
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     print("automodel", {k: v for k, v in result["automodel_dgx_h100_bf16"].items() if k != "rows"})

@@ -288,6 +288,28 @@ def test_the_flex_dispatcher_sends_a_token_once_per_rank_and_once_per_node():
         _training(expert_dispatcher="deepep")
 
 
+def test_consecutive_routing_sends_a_token_to_the_ranks_of_its_k_neighbouring_experts():
+    # NeMo AutoModel's fake balanced gate: token t to experts 8t .. 8t + 7. Qwen3's 128 experts over
+    # EP 8 (16 a rank): one rank; DeepSeek-V3's 256 over EP 64 (4 a rank): two, on one node of 8;
+    # Kimi K2's 384 over EP 32 (12 a rank): one rank for two tokens in three, two for the third.
+    reached = {name: units * (1 - experts._consecutive_missed_share(get_model(name), units))
+               for name, units in (("qwen3-30b-a3b", 8), ("deepseek-v3", 64), ("kimi-k2", 32))}
+    assert reached == pytest.approx({"qwen3-30b-a3b": 1.0, "deepseek-v3": 2.0, "kimi-k2": 4 / 3})
+    assert experts._consecutive_missed_share(get_model("deepseek-v3"), 8) == pytest.approx(7 / 8)
+    random, consecutive = (_training(expert_parallel=8, expert_dispatcher="flex", expert_routing=r)
+                           for r in ("random", "consecutive"))
+    link = 450 * NODE.link_efficiency * 1e9
+    assert experts.exchange_seconds_per_byte(QWEN3, consecutive, NODE, "gpu") == pytest.approx(7 * (1 / 8) / link)
+    assert experts.exchange_seconds_per_byte(QWEN3, consecutive, NODE, "gpu") < \
+        experts.exchange_seconds_per_byte(QWEN3, random, NODE, "gpu")
+    # The all-to-all dispatcher sends every routed copy whichever experts they are.
+    every_copy = [_training(expert_parallel=8, expert_routing=r) for r in ("random", "consecutive")]
+    assert experts.exchange_seconds_per_byte(QWEN3, every_copy[0], NODE, "gpu") == \
+        experts.exchange_seconds_per_byte(QWEN3, every_copy[1], NODE, "gpu")
+    with pytest.raises(ConfigError, match="--expert-routing: unknown routing 'greedy'; use one of random, consecutive"):
+        _training(expert_routing="greedy")
+
+
 def _moe_layer_seconds(training, recompute=cm.NONE, seq=16):
     """One Qwen3-30B MoE layer on an H100 at a few tokens: host bound."""
     one = np.ones(1)

@@ -124,6 +124,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="how a mixture of experts' tokens reach their experts: alltoall sends every routed copy; "
                         "flex (DeepEP, HybridEP) sends a token once per rank, and once per node beyond an NVLink "
                         "domain (Megatron's --moe-token-dispatcher-type; default alltoall)")
+    p.add_argument("--expert-routing", "--expert_routing", choices=("random", "consecutive"),
+                   help="which experts balanced routing picks for a token, which decides how many ranks and nodes "
+                        "flex sends it to: random (Megatron's forced load balancing) or consecutive (token t to "
+                        "experts t*k..t*k+k-1: NeMo AutoModel's fake_balanced_gate; default random)")
     p.add_argument("--recompute-modules", "--recompute_modules", metavar="M[,M...]",
                    help="what the selective recompute level runs again, in Megatron's --recompute-modules: "
                         "core_attn, mla_up_proj, layernorm, moe_act, mlp, moe, shared_experts (default: the "
@@ -170,7 +174,7 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 # Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
 RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp4", "fp8_params",
              "optimizer_offload", "activation_offload_layers", "expert_parallel", "expert_tensor_parallel",
-             "expert_dispatcher", "recompute_modules")
+             "expert_dispatcher", "expert_routing", "recompute_modules")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag
 

@@ -14,7 +14,7 @@ of the width: the same FLOPs) and reduce-scatter its output after; backward, the
 
 from __future__ import annotations
 
-from math import comb
+from math import comb, gcd
 
 import numpy as np
 
@@ -168,12 +168,24 @@ def exchange_seconds_per_byte(model: ModelSpec, training: TrainingSpec, cluster:
         return model.experts_per_token * (ep - 1) / ep / (ep_link_gbps(cluster, device_type, ep) * efficiency * 1e9)
     per_node = _ranks_per_node(cluster, device_type)
     inside, nodes = min(ep, per_node), max(ep // per_node, 1)
-    seconds = (inside - 1) * (1.0 - _missed_share(model, ep)) / (tp_link_gbps(cluster, device_type, inside)
-                                                                  * efficiency * 1e9)
+    missed = _consecutive_missed_share if training.expert_routing == "consecutive" else _missed_share
+    seconds = (inside - 1) * (1.0 - missed(model, ep)) / (tp_link_gbps(cluster, device_type, inside)
+                                                          * efficiency * 1e9)
     if nodes > 1:
-        seconds = max(seconds, (nodes - 1) * (1.0 - _missed_share(model, nodes))
+        seconds = max(seconds, (nodes - 1) * (1.0 - missed(model, nodes))
                       / (cluster.inter_node_gbps * efficiency * 1e9))
     return seconds
+
+
+def _consecutive_missed_share(model: ModelSpec, units: int) -> float:
+    """:func:`_missed_share` where token t goes to experts t*k to t*k + k - 1 (modulo the experts):
+    each unit is as often among a token's as any other, so a given one misses it with the chance
+    one less the units a token reaches on average (over the period of t*k modulo the experts)."""
+    experts, k = model.num_experts, model.experts_per_token
+    per_unit = experts // units
+    starts = range(0, experts * k // gcd(experts, k), k)
+    reached = sum(len({(s + j) % experts // per_unit for j in range(k)}) for s in starts) / len(starts)
+    return 1.0 - reached / units
 
 
 def _missed_share(model: ModelSpec, units: int) -> float:

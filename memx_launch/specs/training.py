@@ -47,6 +47,9 @@ OPTIMIZERS = ("adam", "sgd")
 FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise")
 # A mixture of experts' token dispatchers (Megatron's --moe-token-dispatcher-type alltoall / flex).
 EXPERT_DISPATCHERS = ("alltoall", "flex")
+# How balanced routing picks a token's experts: at random (Megatron's --moe-router-force-load-balancing),
+# or consecutively, token t to experts t*k .. t*k + k - 1 (NeMo AutoModel's fake_balanced_gate).
+EXPERT_ROUTINGS = ("random", "consecutive")
 FP4_RECIPES = ("nvfp4",)
 FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 # What the selective recompute level runs again: Megatron's attention core, or torchtitan's
@@ -286,6 +289,12 @@ class TrainingSpec:
     all-to-all dispatcher: every routed copy of a token sent) or ``flex`` (Megatron's flex
     dispatcher, DeepEP or HybridEP: a token sent once to each rank holding one of its experts,
     and beyond an NVLink domain once to each node, which forwards it inside)."""
+    expert_routing: str = "random"
+    """Which experts balanced routing sends a token to, which decides how many ranks and nodes the
+    flex dispatcher sends it to: ``random`` (top-k drawn among the experts, within the groups a
+    token may use: Megatron's forced load balancing, and what a trained router's spread is taken
+    as) or ``consecutive`` (token t to experts t*k to t*k + k - 1: NeMo AutoModel's
+    ``fake_balanced_gate``, whose k experts sit on one or two ranks)."""
     activation_offload_layers: int = 0
     """Activation offloading (Megatron's ``--cpu-offloading-num-layers`` with activations, NeMo's
     ``cpu_offloading_num_layers``): the kept activations of up to this many of each stage's
@@ -348,6 +357,9 @@ class TrainingSpec:
         if self.expert_dispatcher not in EXPERT_DISPATCHERS:
             raise ConfigError("--expert-dispatcher", f"unknown dispatcher {self.expert_dispatcher!r}",
                               f"use one of {', '.join(EXPERT_DISPATCHERS)}")
+        if self.expert_routing not in EXPERT_ROUTINGS:
+            raise ConfigError("--expert-routing", f"unknown routing {self.expert_routing!r}",
+                              f"use one of {', '.join(EXPERT_ROUTINGS)}")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
         for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):
