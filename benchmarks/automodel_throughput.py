@@ -19,7 +19,10 @@ kernel its authors hold against FlashAttention-2, timed as that), DeepEP's dispa
 ``--expert-dispatcher flex``), balanced routing forced by ``fake_balanced_gate``, which sends
 token t to experts t*k to t*k + k - 1 (``--expert-routing consecutive``: its k experts on one or
 two ranks of one node, where random top-k routing reaches 3-7 ranks), the cross entropy on the
-bf16 logits (``fp32_upcast: false``: ``--loss-dtype bf16``), full activation checkpointing
+bf16 logits (``fp32_upcast: false``: ``--loss-dtype bf16``), the routing weights applied inside
+the experts' activation, a custom autograd function keeping its input and the weights only
+(``WeightedSwiGLUFunction``; GPT-OSS's clamped variant taken as the same: ``--fused-activation``,
+which the dense MLPs, eager there, do not have), full activation checkpointing
 where ``activation_checkpointing: true`` (DeepSeek-V3, Kimi K2, Qwen3) and none for GPT-OSS;
 pipelines with torch's interleaved 1F1B over ``vp`` chunks per stage, the layers split as evenly
 as they go. AutoModel's DeepSeek-V3 has no multi-token prediction module (the table's FLOPs per
@@ -70,7 +73,7 @@ def automodel_rows(path: str = DATA, routing: str = "consecutive") -> list[dict]
             model = dataclasses.replace(get_model(d["model"]), seq_len=seq, mtp_layers=0)
             dp = gpus // (tp * pp * cp)
             training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="fsdp2", expert_parallel=ep,
-                                    expert_dispatcher="flex", expert_routing=routing, loss_dtype="training",
+                                    expert_dispatcher="flex", expert_routing=routing, loss_dtype="training", fused_activation=True,
                                     flash_attention_version=2 if d["attention"] == "flex" else 3)
             recompute = "full" if d["activation_checkpointing"] == "True" else "none"
             row = {"group": d["table"], "model": d["model"], "gpus": gpus, "seq_len": seq, "real": "ok",

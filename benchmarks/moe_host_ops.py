@@ -3,7 +3,10 @@ megatron-core, its top-k softmax router with the auxiliary loss, the all-to-all 
 and one SwiGLU MLP per local expert) run forward and backward on this CPU, every ATen op it
 dispatches counted (a TorchDispatchMode), for 2 to 32 local experts. The counts are linear in the
 local experts: a per-layer part (router, dispatch and combine, permutes) and a per-expert part
-(each expert's linears and activation, forward, data and weight gradients).
+(each expert's linears and activation, forward, data and weight gradients). Also measured: the
+elements autograd keeps for the backward per routed copy of a token inside the experts (saved-
+tensor hooks while they run), which memx's activation memory of the experts follows
+(``experts.ROUTED_ACTIVATION_KEPT``, unfused).
 ``memx_launch.planning.experts`` prices a MoE layer's host time from these counts (its
 ``MOE_HOST_OPS``); a test holds the constants to this file. Also written, for reference only: the
 host seconds per op this CPU took (eager PyTorch on CPU tensors, Python module code included),
@@ -104,6 +107,30 @@ def count_ops(layer) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+def expert_saved_bytes(layer, tokens: int) -> int:
+    """Bytes of the tensors autograd keeps for the backward while ``layer``'s experts run forward
+    on ``tokens`` tokens (each storage once, the parameters not counted): the dispatched tokens and
+    what each expert's linears and activation keep, not the router's nor the permutation's."""
+    inside, kept = [False], {}
+    hooks = [layer.experts.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True)),
+             layer.experts.register_forward_hook(lambda *a: inside.__setitem__(0, False))]
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if inside[0] and storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(tokens, 1, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _bias = layer(x)
+    out.sum().backward()
+    for hook in hooks:
+        hook.remove()
+    return sum(kept.values())
+
+
 def host_seconds(layer) -> float:
     """Median seconds of one forward and backward of ``layer`` on a few tokens: host work only."""
     x = torch.randn(8, 1, 64, requires_grad=True)
@@ -142,7 +169,10 @@ def main() -> None:
         layer = moe_layer(local)
         forward, backward = count_ops(layer)
         seconds = host_seconds(layer)
+        # fp32 elements kept per routed copy (top-2): the slope over the tokens, which cancels what does not grow with them.
+        per_copy = (expert_saved_bytes(layer, 512) - expert_saved_bytes(layer, 256)) / 256 / 4 / 2
         rows.append({"local_experts": local, "forward_ops": forward, "backward_ops": backward,
+                     "kept_elements_per_routed_copy": per_copy,
                      "host_ms_this_cpu": round(seconds * 1e3, 3),
                      "host_us_per_op_this_cpu": round(seconds * 1e6 / (forward + backward), 1)})
         print(f"{local:3d} local experts: {forward} forward + {backward} backward ops, "
@@ -154,13 +184,14 @@ def main() -> None:
         "megatron_core": megatron_version,
         "torch": torch.__version__,
         "layer": "MoELayer: TopKRouter (softmax, top-2, aux loss), MoEAlltoAllTokenDispatcher, SequentialMLP "
-                 "of SwiGLU experts, EP 1, fp32 on CPU",
+                 "of SwiGLU experts (hidden 64, width 32, unfused activation), EP 1, fp32 on CPU",
+        "expert_width": 32, "hidden_size": 64,
         "forward": linear_fit(xs, [r["forward_ops"] for r in rows]),
         "backward": linear_fit(xs, [r["backward_ops"] for r in rows]),
         "rows": rows,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    write_json_atomic(OUT, result)
+    write_json_atomic(OUT, result, overwrite=True)
     print(f"forward {result['forward']}, backward {result['backward']} -> {OUT}")
 
 

@@ -342,3 +342,20 @@ def test_the_mixture_host_ops_are_the_ones_counted_in_megatron_core():
         assert (fit["per_layer"], fit["per_local_expert"], fit["largest_miss"]) == (per_layer, per_expert, 0)
     assert all(row[f"{d}_ops"] == experts.MOE_HOST_OPS[d][0] + experts.MOE_HOST_OPS[d][1] * row["local_experts"]
                for row in counted["rows"] for d in ("forward", "backward"))
+
+
+def test_a_routed_copy_keeps_what_megatron_core_s_experts_keep():
+    """benchmarks/moe_host_ops.py measured megatron-core's unfused experts keeping, per routed copy,
+    the dispatched token (hidden 64), the gate-and-up output, silu(gate), the linear half plus its
+    offset, the product the routing weights multiply and the down projection's input (6 x width
+    32), and the weight itself; memx counts the same tensors (units: 2 bytes per hidden element)."""
+    counted = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "moe_host_ops.json").read_text())
+    h, f = counted["hidden_size"], counted["expert_width"]
+    assert {row["kept_elements_per_routed_copy"] for row in counted["rows"]} == {h + 6 * f + 1}
+    toy = ModelSpec("toy-moe", 1, h, 4, 4, 32, 256, 16, num_experts=4, experts_per_token=2, expert_ffn_hidden_size=f)
+    kept, down = experts.kept_units(toy, 1, 1.0, False)
+    router = 4.0 * toy.num_experts / h
+    assert (kept - router + down) * h / 2 / toy.experts_per_token == pytest.approx(h + 6 * f)
+    # Fused (Megatron's weighted SwiGLU keeps its input and the weights): the gate-and-up output only.
+    fused, fused_down = experts.kept_units(toy, 1, 1.0, True)
+    assert (fused - router + fused_down) * h / 2 / toy.experts_per_token == pytest.approx(h + 3 * f)

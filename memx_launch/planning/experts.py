@@ -34,6 +34,13 @@ ALL_TO_ALLS = 4
 # (per layer: router, dispatch, combine, permutes; per local expert: its linears and activation),
 # forward and backward (counted in benchmarks/results/moe_host_ops.json).
 MOE_HOST_OPS = {"forward": (64, 12), "backward": (45, 20)}
+# What a routed copy's activation keeps, in 2 bytes per element of the expert's width, by (fused,
+# gated): fused (Megatron's weighted_bias_swiglu, AutoModel's WeightedSwiGLUFunction) only its
+# input, the gate-and-up output (2 x the width; ungated 1); unfused (megatron-core 0.16.1's
+# eager path, measured in benchmarks/results/moe_host_ops.json) that output for silu, silu(gate),
+# the linear half plus its offset (a new tensor), and the product the routing weights multiply:
+# 5 x the width (ungated: the activation's output and that product, 2).
+ROUTED_ACTIVATION_KEPT = {True: {True: 4.0, False: 2.0}, False: {True: 10.0, False: 4.0}}
 
 
 def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> None:
@@ -216,13 +223,14 @@ def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: i
     """(kept, down-projection input) of a block's MLP of experts per token, in the unit of
     :func:`~memx_launch.planning.activations.activation_bytes` (2 bytes per hidden element):
     the router's fp32 logits, and per routed copy the dispatched token (the gate-and-up input,
-    at ``input_share`` of 2 bytes; gathered from ``etp`` ranks with expert tensor parallelism),
-    the gate and up outputs (and silu(gate) unless fused) and the expert output the weighted
-    combine keeps; the down projection's input apart; and a shared expert's dense MLP. Over TP:
-    each rank routes its share of the tokens."""
+    at ``input_share`` of 2 bytes; gathered from ``etp`` ranks with expert tensor parallelism)
+    and what its activation keeps (:data:`ROUTED_ACTIVATION_KEPT`); the down projection's input
+    apart; and a shared expert's dense MLP. The routing weights multiply the activation's output
+    inside the experts (Megatron-Core's ``activation_func_with_probs``, NeMo AutoModel's weighted
+    SwiGLU), so the combine keeps nothing. Over TP: each rank routes its share of the tokens."""
     h, f, k = model.hidden_size, model.moe_ffn_hidden_size, model.experts_per_token
-    up = ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * f / h
+    up = ROUTED_ACTIVATION_KEPT[bool(fused_activation)][bool(model.gated_mlp)] * f / h
     tp = np.asarray(tp, dtype=np.float64)
     shared_kept, shared_down = shared_expert_units(model, tp, input_share, fused_activation)
-    routed_kept = (4.0 * model.num_experts / h + k * (2.0 * input_share * etp + up + 2.0)) / tp
+    routed_kept = (4.0 * model.num_experts / h + k * (2.0 * input_share * etp + up)) / tp
     return routed_kept + shared_kept, 2.0 * input_share * k * f / h / tp + shared_down
