@@ -12,8 +12,8 @@ from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
 from memx_launch.specs.config_file import one_line_error
 from memx_launch.specs.inputs import float_flag, int_flag
-from memx_launch.specs.training import (FLASH_ATTENTION_VERSIONS, FP4_RECIPES, FP8_RECIPES, OPTION_DEFAULTS,
-                                        SELECTIVE_POLICIES, SETUPS, TrainingSpec)
+from memx_launch.specs.training import (EXPERT_DISPATCHERS, EXPERT_ROUTINGS, FLASH_ATTENTION_VERSIONS, FP4_RECIPES,
+                                        FP8_RECIPES, OPTION_DEFAULTS, SELECTIVE_POLICIES, SETUPS, TrainingSpec)
 
 
 class Parser(argparse.ArgumentParser):
@@ -120,11 +120,11 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="each routed expert's MLP split over ETP ranks, which gather their tokens before it and "
                         "reduce-scatter its output (Megatron's --expert-tensor-parallel-size; default 1; memx plan "
                         "without it tries the powers of two dividing an expert's width, up to a node's devices)")
-    p.add_argument("--expert-dispatcher", "--expert_dispatcher", choices=("alltoall", "flex"),
+    p.add_argument("--expert-dispatcher", "--expert_dispatcher", choices=EXPERT_DISPATCHERS,
                    help="how a mixture of experts' tokens reach their experts: alltoall sends every routed copy; "
                         "flex (DeepEP, HybridEP) sends a token once per rank, and once per node beyond an NVLink "
                         "domain (Megatron's --moe-token-dispatcher-type; default alltoall)")
-    p.add_argument("--expert-routing", "--expert_routing", choices=("random", "consecutive"),
+    p.add_argument("--expert-routing", "--expert_routing", choices=EXPERT_ROUTINGS,
                    help="which experts balanced routing picks for a token, which decides how many ranks and nodes "
                         "flex sends it to: random (Megatron's forced load balancing) or consecutive (token t to "
                         "experts t*k..t*k+k-1: NeMo AutoModel's fake_balanced_gate; default random)")

@@ -72,8 +72,9 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
               num_experts=256, experts_per_token=8, expert_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048,
               kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128, dense_layers=3, mtp_layers=1,
               expert_groups=8, expert_groups_per_token=4),
-    # Kimi K2 (1.04T, 32B active): DeepSeek-V3's blocks with 64 heads, 384 routed experts (top-8, no
-    # groups), one dense first block and no multi-token prediction (moonshotai/Kimi-K2-Base config.json).
+    # Kimi K2 (1.03T, 33B active as counted here; "1T, 32B" published): DeepSeek-V3's blocks with 64
+    # heads, 384 routed experts (top-8, no groups), one dense first block and no multi-token
+    # prediction (moonshotai/Kimi-K2-Base config.json).
     ModelSpec("kimi-k2", 61, 7168, 64, 64, 18432, 163840, 4096, norm_eps=1e-6, attention_head_dim=128,
               num_experts=384, experts_per_token=8, expert_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048,
               kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128, dense_layers=1),
