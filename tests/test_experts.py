@@ -164,6 +164,17 @@ def test_expert_parallelism_is_checked_and_the_search_keeps_it():
                   space=SearchSpace(micro_batch_sizes=(1, 2))).plans
     assert best and all(p.tp * p.dp % 8 == 0 for p in best)
     assert all(p.training["expert_parallel"] == 8 for p in best)
+    # Fully sharded too (FSDP2 with EP): the search prices each layout's expert group as the estimate does.
+    sharded = search(QWEN3, TWO_NODES, _training(expert_parallel=8, setup="fsdp2", global_batch_size=128), top_k=3,
+                     space=SearchSpace(micro_batch_sizes=(1,))).plans
+    assert sharded and all(p.training["fully_sharded"] and p.training["expert_parallel"] == 8 for p in sharded)
+    for plan in sharded[:1]:
+        again = evaluate_layout(QWEN3, TWO_NODES, _training(expert_parallel=8, setup="fsdp2", global_batch_size=128),
+                                references=(1, 1, 1), tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch_size=1,
+                                layers_per_stage=[s.num_layers for s in plan.stages],
+                                recompute=[s.recompute for s in plan.stages], schedule=plan.schedule,
+                                virtual_stages=plan.virtual_stages)
+        assert again.predicted_iteration_time_s == pytest.approx(plan.predicted_iteration_time_s, rel=1e-6)
 
 
 def test_memx_plan_chooses_the_expert_parallel_degree_unless_given(tmp_path, capsys):
