@@ -183,7 +183,11 @@ def _worker(rank, port, cases, queue):
                     grads[name.removeprefix("module.")] = g.numpy()  # numpy travels by value
             for _ in range(steps - 1):
                 stats.append(runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets)))
-            results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads))
+            # Sharded data parallelism shards block by block (FSDP2 units), as the cost model counts.
+            from torch.distributed.fsdp import FSDPModule
+            units = [isinstance(block, FSDPModule) for module in runtime.chunks
+                     for block in getattr(module, "module", module).layers.values()]  # DDP wraps its module
+            results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads, units))
     finally:
         queue.put((rank, results))
         dist.destroy_process_group()
@@ -230,7 +234,9 @@ def test_pipelines_match_the_single_process_reference():
         ref_loss, ref_grads = _reference(plan)
         covered = set()
         for rank in range(4):
-            losses, stage_peaks, grads = results[rank][i]
+            losses, stage_peaks, grads, units = results[rank][i]
+            sharded = plan.dp > 1 and (cases[i][1] == "fsdp" or (cases[i][1] == "auto" and plan.tp > 1))
+            assert units and all(units) == sharded and any(units) == sharded, (name, rank)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank)
             assert len(losses) == cases[i][2] and (len(losses) == 1 or losses[-1] < losses[0] - 0.1), (name, rank)
             assert len(stage_peaks) == plan.pp and all(0 < peak < 1.0 for peak in stage_peaks), name

@@ -210,6 +210,10 @@ class Runtime:
             sharded = self.plan.training.get("fully_sharded", False) or self.tp > 1
             if data_parallel == "fsdp" or (data_parallel == "auto" and sharded):
                 from torch.distributed.fsdp import fully_shard
+                # A unit per block, then the stage's rest: one block's weights gathered while it runs
+                # (and the next prefetched), as the cost model counts, not the whole stage's at once.
+                for block in _blocks(module):
+                    fully_shard(block, mesh=self.dp_mesh)
                 fully_shard(module, mesh=self.dp_mesh)
             else:
                 from torch.nn.parallel import DistributedDataParallel
@@ -375,6 +379,15 @@ class Runtime:
     # ---- reporting
     def progress_line(self, stats: StepStats) -> str:
         return progress_line(stats, self.plan)
+
+
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a stage module: memx's LlamaStage's ``layers``, a drop-in model's
+    StageModule's ``blocks``."""
+    blocks = getattr(module, "layers", None)
+    if blocks is None:
+        blocks = module.blocks
+    return list(blocks.values())
 
 
 def _out_of_memory(exc: BaseException | None) -> torch.OutOfMemoryError | None:
