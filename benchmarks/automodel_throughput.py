@@ -18,7 +18,7 @@ fused attention on Hopper, timed as FlashAttention-3; GPT-OSS: PyTorch's FlexAtt
 kernel its authors hold against FlashAttention-2, timed as that), DeepEP's dispatcher (memx's
 ``--expert-dispatcher flex``), balanced routing forced by ``fake_balanced_gate``, which sends
 token t to experts t*k to t*k + k - 1 (``--expert-routing consecutive``: its k experts on one or
-two ranks of one node, where random top-k routing reaches 3-7 ranks), the cross entropy on the
+two ranks of one node, where random top-k routing reaches 3.4-7.4), the cross entropy on the
 bf16 logits (``fp32_upcast: false``: ``--loss-dtype bf16``), the routing weights applied inside
 the experts' activation, a custom autograd function keeping its input and the weights only
 (``WeightedSwiGLUFunction``; GPT-OSS's clamped variant taken as the same: ``--fused-activation``,
@@ -47,6 +47,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.common import dgx_cluster, no_nan, predicted, run_summary  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.planning import experts  # noqa: E402
 from memx_launch.planning.model_states import expert_data_parallel  # noqa: E402
 from memx_launch.specs.catalog import get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
@@ -73,13 +74,17 @@ def automodel_rows(path: str = DATA, routing: str = "consecutive") -> list[dict]
             model = dataclasses.replace(get_model(d["model"]), seq_len=seq, mtp_layers=0)
             dp = gpus // (tp * pp * cp)
             training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="fsdp2", expert_parallel=ep,
-                                    expert_dispatcher="flex", expert_routing=routing, loss_dtype="training", fused_activation=True,
-                                    flash_attention_version=2 if d["attention"] == "flex" else 3)
+                                    expert_dispatcher="flex", expert_routing=routing, loss_dtype="training",
+                                    fused_activation=True, flash_attention_version=2 if d["attention"] == "flex" else 3)
             recompute = "full" if d["activation_checkpointing"] == "True" else "none"
             row = {"group": d["table"], "model": d["model"], "gpus": gpus, "seq_len": seq, "real": "ok",
                    "tokens": batch * seq, "real_time_s": float(d["step_time_s"]),
                    "table_flops_per_token": float(d["model_tflops_per_gpu"]) * 1e12 / float(d["tokens_per_s_per_gpu"]),
                    "expert_data_parallel": int(expert_data_parallel(training, tp, dp * cp)),
+                   # EP ranks (and nodes of 8) a token's experts sit on: as the run routed, at random.
+                   **{f"{units}_per_token": {r: round(n * experts.hit_share(model, dataclasses.replace(
+                       training, expert_routing=r), n), 2) for r in ("consecutive", "random")}
+                      for units, n in (("ranks", ep), ("nodes", max(ep // 8, 1)))},
                    "layout": f"{d['model']} {gpus}x{d['gpu'].split('_')[0]} tp{tp} pp{pp} cp{cp} vp{vp} fsdp{dp}"
                              f" ep{ep} mbs{mbs} {recompute}"}
             rows.append(predicted(row, model, dgx_cluster(d["gpu"], gpus), training, parts=True, tp=tp, pp=pp,

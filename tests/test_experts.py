@@ -303,10 +303,13 @@ def test_consecutive_routing_sends_a_token_to_the_ranks_of_its_k_neighbouring_ex
     # NeMo AutoModel's fake balanced gate: token t to experts 8t .. 8t + 7. Qwen3's 128 experts over
     # EP 8 (16 a rank): one rank; DeepSeek-V3's 256 over EP 64 (4 a rank): two, on one node of 8;
     # Kimi K2's 384 over EP 32 (12 a rank): one rank for two tokens in three, two for the third.
-    reached = {name: units * (1 - experts._consecutive_missed_share(get_model(name), units))
+    neighbours = _training(expert_routing="consecutive")
+    reached = {name: units * experts.hit_share(get_model(name), neighbours, units)
                for name, units in (("qwen3-30b-a3b", 8), ("deepseek-v3", 64), ("kimi-k2", 32))}
     assert reached == pytest.approx({"qwen3-30b-a3b": 1.0, "deepseek-v3": 2.0, "kimi-k2": 4 / 3})
-    assert experts._consecutive_missed_share(get_model("deepseek-v3"), 8) == pytest.approx(7 / 8)
+    assert experts.hit_share(get_model("deepseek-v3"), neighbours, 8) == pytest.approx(1 / 8)  # one node of 8
+    # At random a token reaches more of them: DeepSeek-V3's top-8 over EP 64, 7.4 ranks (groups limit it).
+    assert 64 * experts.hit_share(get_model("deepseek-v3"), _training(), 64) == pytest.approx(7.36, abs=0.01)
     random, consecutive = (_training(expert_parallel=8, expert_dispatcher="flex", expert_routing=r)
                            for r in ("random", "consecutive"))
     link = 450 * NODE.link_efficiency * 1e9

@@ -94,4 +94,7 @@ def test_automodel_rows_are_transcribed_consistently_and_all_expressible():
     # Only DeepSeek-V3 on 1,024 GPUs shards its experts (EP 64 of a stage's 256 ranks); elsewhere EP is
     # as wide as the stage and each expert is whole on its rank.
     assert [r["expert_data_parallel"] for r in rows] == [4 if r["gpus"] == 1024 else 1 for r in rows]
+    # The runs' consecutive routing never sends a token to more ranks or nodes than random routing would.
+    assert all(r[f"{units}_per_token"]["consecutive"] <= r[f"{units}_per_token"]["random"]
+               for r in rows for units in ("ranks", "nodes"))
     assert at.even_split(61, 4) == [16, 15, 15, 15] and at.even_split(61, 8) == [8] * 5 + [7] * 3

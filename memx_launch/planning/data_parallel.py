@@ -87,8 +87,10 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
                                                          ranks, gbps, spanned, hop)
 
     dense_gather, per_dense_layer = unit_seconds(layer_params - expert_params, dp, nodes)
-    expert_gather, per_expert_layer = unit_seconds(np.asarray(expert_params, dtype=np.float64), expert_dp,
-                                                   np.minimum(expert_dp, nodes))
+    expert_gather = per_expert_layer = 0.0
+    if np.any(expert_params):  # a dense model's search (the hot path) prices no second group
+        expert_gather, per_expert_layer = unit_seconds(np.asarray(expert_params, dtype=np.float64), expert_dp,
+                                                       np.minimum(expert_dp, nodes))
     per_microbatch = layers * (per_dense_layer + per_expert_layer) + unit_seconds(rest, dp, nodes)[1]
     return overlapped_exposed_seconds(per_microbatch, stage_time, sm_share) + dense_gather + expert_gather
 

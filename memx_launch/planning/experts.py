@@ -175,13 +175,20 @@ def exchange_seconds_per_byte(model: ModelSpec, training: TrainingSpec, cluster:
         return model.experts_per_token * (ep - 1) / ep / (ep_link_gbps(cluster, device_type, ep) * efficiency * 1e9)
     per_node = _ranks_per_node(cluster, device_type)
     inside, nodes = min(ep, per_node), max(ep // per_node, 1)
-    missed = _consecutive_missed_share if training.expert_routing == "consecutive" else _missed_share
-    seconds = (inside - 1) * (1.0 - missed(model, ep)) / (tp_link_gbps(cluster, device_type, inside)
-                                                          * efficiency * 1e9)
+    seconds = (inside - 1) * hit_share(model, training, ep) / (tp_link_gbps(cluster, device_type, inside)
+                                                               * efficiency * 1e9)
     if nodes > 1:
-        seconds = max(seconds, (nodes - 1) * (1.0 - missed(model, nodes))
+        seconds = max(seconds, (nodes - 1) * hit_share(model, training, nodes)
                       / (cluster.inter_node_gbps * efficiency * 1e9))
     return seconds
+
+
+def hit_share(model: ModelSpec, training: TrainingSpec, units: int) -> float:
+    """Chance that a given one of ``units`` equal shares of the experts (EP ranks, or their nodes)
+    holds one of a token's, routed as ``training.expert_routing`` routes; ``units`` times it is
+    the units a token reaches."""
+    missed = _consecutive_missed_share if training.expert_routing == "consecutive" else _missed_share
+    return 1.0 - missed(model, units)
 
 
 def _consecutive_missed_share(model: ModelSpec, units: int) -> float:
