@@ -44,6 +44,7 @@ LAYOUTS = {
 }
 SETUPS = {"plain": {}, "distributed optimizer": dict(distributed_optimizer=True), "megatron": dict(setup="megatron"),
           "zero2": dict(setup="zero2"), "fully sharded": dict(fully_sharded=True, keep_stage_outputs=True),
+          "fully sharded, gathered every micro-batch": dict(fully_sharded=True, hold_gathered="never"),
           "fp32 sgd": dict(dtype="fp32", optimizer="sgd")}
 
 
@@ -98,11 +99,22 @@ def test_each_part_moves_the_way_its_setting_moves_it():
     # Interleaving keeps more micro-batches in flight on the first stage.
     interleaved = estimate(tp=1, pp=5, dp=4, schedule="interleaved", virtual_stages=2)
     assert parts(interleaved, 0)["activations"] > parts(base, 0)["activations"]
-    # Full sharding: model states over DP, plus one gathered layer of weights and its gradient.
-    sharded = estimate(training=TrainingSpec(global_batch_size=BATCH, seq_len=MODEL.seq_len, fully_sharded=True),
-                       tp=1, pp=5, dp=4)
+    # Full sharding, gathered every micro-batch: model states over DP, plus two gathered layers of
+    # weights (one prefetched) and one layer's gradient.
+    sharded = estimate(training=TrainingSpec(global_batch_size=BATCH, seq_len=MODEL.seq_len, fully_sharded=True,
+                                             hold_gathered="never"), tp=1, pp=5, dp=4)
     gathered = MODEL.layer_params * 2 * 2 / gib
     assert parts(sharded, 1)["parameters"] > gathered and parts(sharded, 1)["parameters"] < parts(base, 1)["parameters"]
+    # Held through the step, as torch's pipelining runs FSDP2: every layer's weights gathered in bf16
+    # and its gradient unsharded in fp32, none per layer in flight but a fresh bf16 gradient.
+    held = estimate(training=TrainingSpec(global_batch_size=BATCH, seq_len=MODEL.seq_len, fully_sharded=True),
+                    tp=1, pp=5, dp=4)
+    layers, layer = held.stages[1].num_layers, MODEL.layer_params / gib
+    assert sharded.stages[1].num_layers == layers
+    assert parts(held, 1)["parameters"] - parts(sharded, 1)["parameters"] == pytest.approx((layers - 2) * layer * 2)
+    assert parts(held, 1)["gradients"] - parts(sharded, 1)["gradients"] == pytest.approx(layers * layer * 4
+                                                                                          - layer * 4 + layer * 2)
+    assert parts(held, 1)["optimizer_states"] == pytest.approx(parts(sharded, 1)["optimizer_states"])
 
 
 def test_the_plan_file_and_the_report_carry_the_parts(tmp_path, capsys):

@@ -183,10 +183,13 @@ def _worker(rank, port, cases, queue):
                     grads[name.removeprefix("module.")] = g.numpy()  # numpy travels by value
             for _ in range(steps - 1):
                 stats.append(runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets)))
-            # Sharded data parallelism shards block by block (FSDP2 units), as the cost model counts.
+            # Sharded data parallelism shards block by block (FSDP2 units), as the cost model counts,
+            # each unit keeping its weights after the forward (FSDP2's post-forward mesh unset).
             from torch.distributed.fsdp import FSDPModule
-            units = [isinstance(block, FSDPModule) for module in runtime.chunks
-                     for block in getattr(module, "module", module).layers.values()]  # DDP wraps its module
+            blocks = [block for module in runtime.chunks for block in getattr(module, "module", module).layers.values()]
+            units = [isinstance(block, FSDPModule) for block in blocks]  # DDP wraps its module
+            assert all(block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
+                       for block in blocks if isinstance(block, FSDPModule))
             results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads, units))
     finally:
         queue.put((rank, results))
@@ -262,3 +265,13 @@ def test_a_plan_with_fewer_micro_batches_than_stages_stops_before_training():
     assert plan.num_microbatches == 2 < plan.pp
     with pytest.raises(ConfigError, match="2 micro-batches for 4 stages: torch's Schedule1F1B"):
         Runtime(plan, 0)
+
+
+def test_fsdp_gathers_16_bit_training_s_weights_in_16_bits_and_reduces_in_fp32():
+    from memx_launch.runtime.training import fsdp_mixed_precision
+
+    bf16 = fsdp_mixed_precision("bf16")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert fsdp_mixed_precision("fp16").param_dtype == torch.float16
+    fp32 = fsdp_mixed_precision("fp32")
+    assert (fp32.param_dtype, fp32.reduce_dtype) == (None, None)

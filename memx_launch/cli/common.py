@@ -13,7 +13,8 @@ from memx_launch.files import check_output_path
 from memx_launch.specs.config_file import one_line_error
 from memx_launch.specs.inputs import float_flag, int_flag
 from memx_launch.specs.training import (EXPERT_DISPATCHERS, EXPERT_ROUTINGS, FLASH_ATTENTION_VERSIONS, FP4_RECIPES,
-                                        FP8_RECIPES, OPTION_DEFAULTS, SELECTIVE_POLICIES, SETUPS, TrainingSpec)
+                                        FP8_RECIPES, HOLD_GATHERED, OPTION_DEFAULTS, SELECTIVE_POLICIES, SETUPS,
+                                        TrainingSpec)
 
 
 class Parser(argparse.ArgumentParser):
@@ -85,6 +86,12 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "of the gradients (default off; --setup ddp: on)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
+    p.add_argument("--hold-gathered", "--hold_gathered", choices=HOLD_GATHERED,
+                   help="when a fully sharded run keeps its weights gathered and its gradients unsharded through "
+                        "the step, reduce-scattering once at its end: pipelined (on the stages of a pipeline, as "
+                        "FSDP2 runs under torch's pipelining: torchtitan, AutoModel; default), always (memx-run) "
+                        "or never (each micro-batch gathers and reduce-scatters: ZeRO-3, Megatron-FSDP; "
+                        "--setup zero3)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
                    help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
                         "(torchtitan's op-level policy: all but the attention output and every other matmul's)")

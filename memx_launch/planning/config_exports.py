@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.layer_split import chunk_layers
+from memx_launch.planning.model_states import keeps_gathered
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan
+from memx_launch.specs.training import TrainingSpec
 
 TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 
@@ -106,6 +108,10 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         notes.append("selective maps to torchtitan's op-level SAC (selective_ac_option = \"op\"), which keeps "
                      "less and recomputes more than the planned attention-core recompute: plan with "
                      "--selective-recompute op to predict it")
+    if sharded and plan.dp > 1 and keeps_gathered(TrainingSpec(**tr), plan.pp) != (plan.pp > 1):
+        notes.append("torchtitan holds a fully sharded stage's gathered weights and unsharded gradients through "
+                     "the step under PP only (its pipeline schedules), which the plan's hold_gathered="
+                     f"{tr.get('hold_gathered')} does not say: plan with --hold-gathered pipelined to predict it")
     if plan.cp > 1 and not sharded:
         notes.append("torchtitan shards the weights over context parallelism with FSDP (its dp_shard_cp mesh) "
                      "even without data_parallel_shard_degree: less memory than planned, and gathers it did not time")

@@ -1,5 +1,6 @@
 """Data-parallel synchronisation: what a stage's DP group sends each iteration (or, fully sharded,
-each micro-batch), bucket by bucket, as NCCL runs it (collectives.py). No torch import."""
+each micro-batch, or once a step where a pipeline stage keeps its weights gathered), bucket by
+bucket, as NCCL runs it (collectives.py). No torch import."""
 
 from __future__ import annotations
 
@@ -77,22 +78,46 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     routed experts (``expert_params`` of a layer's) are gathered and reduced over their expert
     data parallel group of ``expert_dp`` ranks instead, on the same links, spread over as many
     nodes as it has ranks up to the DP group's (EP is the inner dimension of the rank order)."""
+    dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
+                                            expert_params, expert_dp)
+    def per_unit(gather, reduce_scatter):
+        return 2.0 * gather + reduce_scatter
+    per_microbatch = np.asarray(layers, dtype=np.float64) * (per_unit(*dense) + per_unit(*expert)) + per_unit(*rest)
+    return overlapped_exposed_seconds(per_microbatch, stage_time, sm_share) + dense[0] + expert[0]
+
+
+def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
+                                 nodes=1, hop=NVLINK, sm_share=0.0, expert_params=0.0, expert_dp=1) -> np.ndarray:
+    """Seconds per step a fully sharded pipeline stage that keeps its weights gathered through
+    the step (model_states.keeps_gathered) waits on its DP group: each unit of
+    :func:`fully_sharded_exposed_time` is gathered once, at the step's first forward, the next
+    prefetched while one computes (exposed: the first unit's gather and what the first
+    micro-batch's forward, a third of ``stage_time``, cannot hide), and its accumulated gradients
+    are reduce-scattered once after the step's last backward, with no compute left to hide them."""
+    dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
+                                            expert_params, expert_dp)
     layers = np.asarray(layers, dtype=np.float64)
+    gathers, reduces = (layers * (dense[i] + expert[i]) + rest[i] for i in (0, 1))
+    return overlapped_exposed_seconds(gathers, stage_time / 3.0, sm_share) + dense[0] + expert[0] + reduces
+
+
+def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec, dp, gbps, nodes, hop,
+                      expert_params, expert_dp) -> tuple:
+    """(all-gather, reduce-scatter) seconds of a layer's dense unit, of its routed experts' and
+    of the stage's other parameters (the units of :func:`fully_sharded_exposed_time`)."""
     layer_params = np.asarray(layer_params, dtype=np.float64)
-    rest = np.maximum(np.asarray(stage_params, dtype=np.float64) - layers * layer_params, 0.0)
+    rest = np.maximum(np.asarray(stage_params, dtype=np.float64)
+                      - np.asarray(layers, dtype=np.float64) * layer_params, 0.0)
 
     def unit_seconds(params, ranks, spanned):
-        gather = collective_seconds("all_gather", params * compute_weight_bytes(training), ranks, gbps, spanned, hop)
-        return gather, 2.0 * gather + collective_seconds("reduce_scatter", params * wire_gradient_bytes(training),
-                                                         ranks, gbps, spanned, hop)
+        return (collective_seconds("all_gather", params * compute_weight_bytes(training), ranks, gbps, spanned, hop),
+                collective_seconds("reduce_scatter", params * wire_gradient_bytes(training), ranks, gbps, spanned,
+                                   hop))
 
-    dense_gather, per_dense_layer = unit_seconds(layer_params - expert_params, dp, nodes)
-    expert_gather = per_expert_layer = 0.0
+    expert = (0.0, 0.0)
     if np.any(expert_params):  # a dense model's search (the hot path) prices no second group
-        expert_gather, per_expert_layer = unit_seconds(np.asarray(expert_params, dtype=np.float64), expert_dp,
-                                                       np.minimum(expert_dp, nodes))
-    per_microbatch = layers * (per_dense_layer + per_expert_layer) + unit_seconds(rest, dp, nodes)[1]
-    return overlapped_exposed_seconds(per_microbatch, stage_time, sm_share) + dense_gather + expert_gather
+        expert = unit_seconds(np.asarray(expert_params, dtype=np.float64), expert_dp, np.minimum(expert_dp, nodes))
+    return unit_seconds(layer_params - expert_params, dp, nodes), expert, unit_seconds(rest, dp, nodes)
 
 
 def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParameters) -> float:

@@ -61,7 +61,7 @@ def fine_tuning_flops(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) ->
 
 
 def model_state_bytes_per_param(training: TrainingSpec, dp,
-                                trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
+                                trained: TrainedParameters = FULL_TRAINING, pp: int = 1) -> np.ndarray:
     """Bytes of weights + gradients + master weights + optimizer moments per parameter on one rank.
 
     Megatron mixed precision with Adam: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 and
@@ -69,22 +69,26 @@ def model_state_bytes_per_param(training: TrainingSpec, dp,
     ``theoretical_memory_usage.py``: 6 + 12/DP). ZeRO-1 keeps bf16 grads (4 + 12/DP), ZeRO-2
     shards them too (2 + 14/DP); full sharding divides everything by DP. fp32 weights
     (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16, and
-    20 under torch's DDP, whose buckets copy the gradients (``ddp_bucket_copy``).
-    By part: :func:`model_state_bytes_by_part`.
+    20 under torch's DDP, whose buckets copy the gradients (``ddp_bucket_copy``). A fully sharded
+    pipeline stage of ``pp`` > 1 holds its gathered weights and unsharded gradients besides
+    (:func:`held_gathered_bytes`). By part: :func:`model_state_bytes_by_part`.
     """
     if training.fully_sharded:  # the whole divided once: the parts' quotients would round apart
-        return sum(_unsharded_state_bytes(training, trained)) / np.asarray(dp, dtype=np.float64)
+        sharded = sum(_unsharded_state_bytes(training, trained)) / np.asarray(dp, dtype=np.float64)
+        return sharded + sum(held_gathered_bytes(training, dp, trained, pp))
     return sum(model_state_bytes_by_part(training, dp, trained))
 
 
-def model_state_bytes_by_part(training: TrainingSpec, dp, trained: TrainedParameters = FULL_TRAINING) -> tuple:
+def model_state_bytes_by_part(training: TrainingSpec, dp, trained: TrainedParameters = FULL_TRAINING,
+                              pp: int = 1) -> tuple:
     """(weights, gradients, optimizer states) bytes per parameter on one rank, the parts of
     :func:`model_state_bytes_per_param`; optimizer states are the fp32 master copy of 16-bit
     weights and the moments (none on the GPU with ``optimizer_offload``)."""
     dp = np.asarray(dp, dtype=np.float64)
     weight, grad, optim = _unsharded_state_bytes(training, trained)
     if training.fully_sharded:
-        return weight / dp, grad / dp, optim / dp
+        gathered, unsharded = held_gathered_bytes(training, dp, trained, pp)
+        return weight / dp + gathered, grad / dp + unsharded, optim / dp
     if training.distributed_optimizer:
         optim = optim / dp
     if training.sharded_gradients:
@@ -106,17 +110,47 @@ def _unsharded_state_bytes(training: TrainingSpec, trained: TrainedParameters) -
     return weight * (1.0 + trained.adapters), grad * trained.share, optim * trained.share
 
 
-def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp) -> float:
+def keeps_gathered(training: TrainingSpec, pp: int) -> bool:
+    """Whether a fully sharded stage of ``pp`` holds its weights gathered and its gradients
+    unsharded from the step's first micro-batch to its last (``hold_gathered``)."""
+    hold = training.hold_gathered
+    return bool(training.fully_sharded and (hold == "always" or (hold == "pipelined" and pp > 1)))
+
+
+def held_gathered_bytes(training: TrainingSpec, dp, trained: TrainedParameters = FULL_TRAINING,
+                        pp: int = 1) -> tuple:
+    """(gathered weight, unsharded gradient) bytes per parameter a fully sharded stage that
+    keeps them through the step (:func:`keeps_gathered`) holds besides its shards, for
+    parameters sharded over ``dp`` ranks (none where that is one rank: nothing to gather).
+    torch's pipelining runs every micro-batch's backward with FSDP2's resharding and gradient
+    sync off (``PipelineStage.backward_maybe_with_nosync``), so each gradient accumulates
+    unsharded, upcast to the reduction's dtype (``FSDPParam.to_accumulated_grad_if_needed``),
+    and the weights stay gathered (torchtitan, NeMo AutoModel and memx-run do not reshard them
+    after the forward either under PP)."""
+    if not keeps_gathered(training, pp):
+        return 0.0, 0.0
+    several = np.asarray(dp, dtype=np.float64) > 1
+    return (np.where(several, compute_weight_bytes(training) * (1.0 + trained.adapters), 0.0),
+            np.where(several, training.precision_bytes("grad_dtype") * trained.share, 0.0))
+
+
+def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, pp: int = 1) -> float:
     """FSDP / ZeRO-3: one layer's weights gathered in the compute dtype while the next is
-    prefetched, and one layer's unsharded gradient before its reduce-scatter."""
-    return sum(fully_sharded_working_parts(model, training, tp, dp_cp))
+    prefetched, and one layer's unsharded gradient before its reduce-scatter. A stage that keeps
+    its weights gathered (:func:`keeps_gathered`, counted in its model states) gathers nothing
+    more; where its gradients accumulate in another dtype than the weights', a layer's fresh
+    gradient waits in the weights' dtype to be added."""
+    return sum(fully_sharded_working_parts(model, training, tp, dp_cp, pp))
 
 
-def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp, dp_cp) -> tuple:
+def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp, dp_cp, pp: int = 1) -> tuple:
     """(gathered weights, unsharded gradient) bytes of :func:`fully_sharded_working_bytes`."""
     if not training.fully_sharded:
         return 0.0, 0.0
     layer = sum(fully_sharded_layer_params(model, training, tp, dp_cp))
+    if keeps_gathered(training, pp):
+        fresh = compute_weight_bytes(training)
+        return 0.0, layer * (fresh if fresh != training.precision_bytes("grad_dtype") else 0.0)
     return layer * (2.0 * compute_weight_bytes(training)), layer * training.precision_bytes("grad_dtype")
 
 
@@ -142,14 +176,15 @@ def compute_weight_bytes(training: TrainingSpec) -> float:
 FP8_AMAX_HISTORY = 1024
 
 
-def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
+def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp, pp: int = 1) -> tuple:
     """(kept per block, working) bytes quantized linears add on one rank: the quantized copies of
     each linear weight along both axes for the forward and the backward (2 x the recipe's bytes per
     block parameter, over TP) and, with delayed scaling, the amax histories. A fully sharded run
     quantizes the gathered layer's weights only: its copies are working memory, one layer at a
     time. With ``fp8_params`` the FP8 weight is the weight (counted as the 16-bit one it
     replaces) and only its other copy is added; a fully sharded run gathers it in FP8 and
-    transposes it."""
+    transposes it. A stage that keeps its weights gathered (:func:`keeps_gathered`) keeps every
+    layer's copies."""
     if training.quantized_linears is None:
         return 0.0, 0.0
     layer = sum(rank_layer_params(model, training, tp))
@@ -160,7 +195,8 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp) -> tuple
         copies = 2.0 * q * layer
     linears = len(linear_shapes(model, training, 1))
     amax = 3 * linears * FP8_AMAX_HISTORY * 4.0 if training.fp8 == "delayed" else 0.0
-    return (amax, copies) if training.fully_sharded else (copies + amax, 0.0)
+    working = training.fully_sharded and not keeps_gathered(training, pp)
+    return (amax, copies) if working else (copies + amax, 0.0)
 
 
 def last_stage_params(model: ModelSpec, pp: int) -> int:
@@ -193,14 +229,16 @@ def expert_data_parallel(training: TrainingSpec, tp, dp_cp):
             / (training.expert_parallel * training.expert_tensor_parallel))
 
 
-def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, trained: TrainedParameters = FULL_TRAINING):
-    """Model-state bytes of one block on a rank: its dense parameters sharded over DP x CP, its
-    routed experts' over the expert data parallel ranks."""
+def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, trained: TrainedParameters = FULL_TRAINING,
+                      pp: int = 1):
+    """Model-state bytes of one block on a rank of one of ``pp`` stages: its dense parameters
+    sharded over DP x CP, its routed experts' over the expert data parallel ranks."""
     dense, expert = rank_layer_params(model, training, tp)
-    nbytes = dense * model_state_bytes_per_param(training, dp_cp, trained)
+    nbytes = dense * model_state_bytes_per_param(training, dp_cp, trained, pp)
     if not model.num_experts:
         return nbytes
-    return nbytes + expert * model_state_bytes_per_param(training, expert_data_parallel(training, tp, dp_cp), trained)
+    return nbytes + expert * model_state_bytes_per_param(training, expert_data_parallel(training, tp, dp_cp),
+                                                         trained, pp)
 
 
 def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray, v: int = 1) -> np.ndarray:
@@ -224,12 +262,12 @@ def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, 
     ``v`` chunks each): its parameters at :func:`model_state_bytes_by_part` over DP x CP, the
     routed experts' over the expert data parallel ranks."""
     params = parameters_per_rank(model, training, layout, layers, v)[0]
-    dense = model_state_bytes_by_part(training, layout.dp_cp, trained)
+    dense = model_state_bytes_by_part(training, layout.dp_cp, trained, layout.pp)
     if not model.num_experts:
         return tuple(params * d for d in dense)
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
     counts, repeated = stage_block_counts(model, layers[0], v)
     experts = repeated * rank_layer_params(model, training, tp)[1] + sum(
         n * rank_layer_params(kind, training, tp)[1] for kind, n in zip(other_kinds(model), counts))
-    routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained)
+    routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained, layout.pp)
     return tuple((params - experts) * d + experts * e for d, e in zip(dense, routed))

@@ -25,8 +25,9 @@ from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
-from memx_launch.planning.model_states import (expert_data_parallel, layer_state_bytes, parameters_per_rank,
-                                               quantized_state_bytes, rank_layer_params, stage_state_bytes_by_part)
+from memx_launch.planning.model_states import (expert_data_parallel, keeps_gathered, layer_state_bytes,
+                                               parameters_per_rank, quantized_state_bytes, rank_layer_params,
+                                               stage_state_bytes_by_part)
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
 from memx_launch.planning.layouts import Layout
 
@@ -132,21 +133,21 @@ class Evaluator:
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
-        quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
-        per_layer = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained) + quantized_kept + inflight * act
+        quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
+        per_layer = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained, pp) + quantized_kept + inflight * act
         kind_t, kind_layer = [], []  # each kind of layer beside the repeated one (extra_blocks.other_kinds)
         for kind, table in zip(extra_blocks.other_kinds(m), self.table.kinds):
             t, kind_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, table)
             kind_t.append(t)
-            kind_layer.append(layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained)
-                              + quantized_state_bytes(kind, tr, tp)[0] + inflight * kind_act)
+            kind_layer.append(layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained, pp)
+                              + quantized_state_bytes(kind, tr, tp, pp)[0] + inflight * kind_act)
         counts = extra_blocks.kind_counts(m, pp, layers, v)
         # Fixed per stage: the backward working set, embedding / head / logits, the gathered
         # weights of a fully sharded run (and their FP8 copies), and what the process and its
         # communicators hold above the tensors.
         fixed = (work + self._edge_bytes(layout, local, seq_rank, inflight)
                  + kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
-                 + cm.fully_sharded_working_bytes(m, tr, tp, layout.dp_cp) + quantized_working + self.overhead[device]
+                 + cm.fully_sharded_working_bytes(m, tr, tp, layout.dp_cp, pp) + quantized_working + self.overhead[device]
                  + layout.communicators * self.communicator_bytes[device]
                  + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts))
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
@@ -194,9 +195,8 @@ class Evaluator:
         return t_layer + extra, act, work + context_parallel.ring_working_bytes(chunk)
 
     def _edge_bytes(self, layout, local, seq, inflight) -> np.ndarray:
-        m, tr = self.model, self.training
-        (first, last), pp = layout.end_tp, layout.pp
-        first_bpp, last_bpp = _ends(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained), pp)
+        m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
+        first_bpp, last_bpp = _ends(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained, pp), pp)
         first_mbs, last_mbs = _ends(local, pp)
         out = np.zeros(pp)
         out[0] += (m.embedding_params / first * first_bpp
@@ -298,8 +298,8 @@ class Evaluator:
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the
         device type it is on; they add up to it (to float rounding). The terms are
-        :meth:`split_inputs`' own, told apart: parameters (with the layer a fully sharded run
-        gathers and FP8 weight copies), gradients (with its unsharded layer), optimizer states (fp32 master + moments),
+        :meth:`split_inputs`' own, told apart: parameters (with what a fully sharded run
+        gathers and FP8 weight copies), gradients (with its unsharded ones), optimizer states (fp32 master + moments),
         activations (kept layers in flight, the embedding output, the backward's working set),
         the last stage's logits for the loss, the pipeline engine's kept outputs, communicator
         buffers and the fixed per-process overhead."""
@@ -314,8 +314,8 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
         weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v)
-        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, layout.dp_cp)
-        quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp)
+        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, layout.dp_cp, pp)
+        quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
         embedding_out = np.zeros(pp)
         embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.dtype_bytes
         embedding_out[-1] += extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq_rank)
@@ -326,7 +326,7 @@ class Evaluator:
         by_replica = []
         kinds, counts = extra_blocks.other_kinds(m), extra_blocks.kind_counts(m, pp, layers[0], v)
         quantized_blocks = layers[0] * quantized_kept + extra_blocks.beside_repeated(
-            m, np.broadcast_to(quantized_kept, pp), [quantized_state_bytes(kind, tr, tp)[0] for kind in kinds], counts)
+            m, np.broadcast_to(quantized_kept, pp), [quantized_state_bytes(kind, tr, tp, pp)[0] for kind in kinds], counts)
         for k, device in enumerate(layout.replica_device):
             def block_activations(at):  # at levels ``at``: (per block, beside the repeated blocks, working set)
                 _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, at))
@@ -394,7 +394,6 @@ class Evaluator:
         seconds of each stage's gradient sync before any overlap with the backward."""
         m, tr = self.model, self.training
         hidden_bytes = edge_hidden_bytes(m, tr, layout, mbs, seq)
-        efficiency = self.cluster.link_efficiency
         def receivers():
             return [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
         transfer = stage_send_seconds(self.cluster, tr, hidden_bytes, layout.next_stage_gbps, receivers,
@@ -409,22 +408,23 @@ class Evaluator:
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(
                         np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
         stage_params = parameters_per_rank(m, tr, layout, layers, v)
-        dp_link = (layout.dp_cp, layout.dp_gbps * efficiency, layout.dp_nodes, layout.dp_hop)
+        dp_link = (layout.dp_cp, layout.dp_gbps * self.cluster.link_efficiency, layout.dp_nodes, layout.dp_hop)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
-        if tr.fully_sharded:
-            # Gathered and reduce-scattered layer by layer every micro-batch, behind its compute.
+        held = keeps_gathered(tr, layout.pp)  # gathered once a step and reduced after the last backward
+        if tr.fully_sharded:  # else gathered and reduce-scattered layer by layer every micro-batch
             tp = layout.tp if layout.uniform_tp else layout.stage_tp
             dense, experts = rank_layer_params(m, tr, tp)
-            stage_time = stage_time + data_parallel.fully_sharded_exposed_time(stage_params, dense + experts, layers,
-                stage_time, tr, *dp_link, sm_share, experts, expert_data_parallel(tr, tp, layout.dp_cp))
-            sync = np.zeros_like(stage_params)
+            units = (stage_params, dense + experts, layers, stage_time, tr, *dp_link, sm_share, experts,
+                     expert_data_parallel(tr, tp, layout.dp_cp))
+            sync = data_parallel.held_fully_sharded_step_time(*units) if held else np.zeros_like(stage_params)
+            stage_time = stage_time if held else stage_time + data_parallel.fully_sharded_exposed_time(*units)
         else:
             sync = data_parallel.data_parallel_sync_time(stage_params, tr, *dp_link, trained=self.trained)
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
                 group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))
         t_dp = sync
-        if tr.overlap_grad_reduce:
+        if tr.overlap_grad_reduce and not held:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = overlapped_exposed_seconds(t_dp, 2.0 / 3.0 * stage_time, sm_share)
         ends = np.isin(np.arange(layout.pp), (0, layout.pp - 1))  # after their DP sync they sum tied gradients

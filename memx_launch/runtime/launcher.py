@@ -259,10 +259,11 @@ def resolve(args) -> dict:
             raise ConfigError(f"--{field.replace('_', '-')}", f"{given}, but the plan trains {getattr(plan, field)}", "drop it")
     gbs = args.global_batch_size or getattr(plan, "global_batch_size", None) or (
         EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
-    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and grads, autocast, torch's loss, DDP.
+    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and grads, autocast, torch's loss,
+    # DDP; FSDP2 (with TP) under torch's pipeline schedules, which hold the gathered weights through the step.
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
                             dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32",
-                            grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True)
+                            grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True, hold_gathered="always")
     for name, field in (("global batch size", "global_batch_size"), ("sequence length", "seq_len")):
         settings.add(name, getattr(training, field), "flag" if batch[field] else "plan" if plan else "default")
     training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")

@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.model_states import keeps_gathered
 from memx_launch.planning.plan import Plan
 from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,12 @@ def check_runnable(plan: Plan) -> Plan:
     if plan.cp > 1:
         raise ConfigError("--plan", f"cp={plan.cp}: memx's runtime has no context parallelism",
                           "plan with --cp 1, or run the plan with Megatron-LM (memx export)")
+    training = TrainingSpec(**plan.training)
+    if training.fully_sharded and plan.dp > 1 and not keeps_gathered(training, plan.pp):
+        raise ConfigError("--plan", f"hold_gathered={training.hold_gathered} with {plan.pp} stage(s): memx's runtime "
+                          "keeps a fully sharded stage's weights gathered and its gradients unsharded through the "
+                          "step (torch's pipeline schedules), more memory than the plan counts",
+                          "plan with --hold-gathered always, or run the plan with Megatron-LM (memx export)")
     plan.uniform_dp("memx's runtime (one DP degree for all stages)")
     return plan
 

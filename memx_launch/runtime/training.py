@@ -31,7 +31,7 @@ from memx_launch.runtime.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_domains, process_grid, process_rank, rank_layout
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
-from memx_launch.runtime.precision import Precision
+from memx_launch.runtime.precision import TORCH_DTYPES, Precision
 from memx_launch.runtime.run_record import RunRecord
 from memx_launch.runtime.step_stats import StepStats, progress_line
 from memx_launch.runtime.tied_weights import TiedGradients
@@ -105,6 +105,8 @@ class Runtime:
         elif plan.dp > 1 and not self.dp_crosses_domains:
             self.dp_mesh = DeviceMesh.from_group(self.comm.native(self._dp_ranks), self.device.type,
                                                  mesh=list(self._dp_ranks), mesh_dim_names=("dp",))
+        self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device,
+                                   tf32=plan.training.get("tf32", False))
         self.parts = None if model is None else self._model_parts(model, blocks)
         self.tied = TiedGradients(self.comm, plan, bool(self.parts and self.parts.tied))
         original = {}  # id of the user's parameter -> its rank-local name (wrapping replaces the objects)
@@ -119,8 +121,6 @@ class Runtime:
         stages = [DomainPipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=self.pp_group,
                                       communicator=self.comm, links=self.links)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
-        self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device,
-                                   tf32=plan.training.get("tf32", False))
         self.loss = BatchLoss(loss_fn)
         user_loss = self.precision.scaled(self.loss)
         if plan.virtual_stages == 1:
@@ -210,11 +210,14 @@ class Runtime:
             sharded = self.plan.training.get("fully_sharded", False) or self.tp > 1
             if data_parallel == "fsdp" or (data_parallel == "auto" and sharded):
                 from torch.distributed.fsdp import fully_shard
-                # A unit per block, then the stage's rest: one block's weights gathered while it runs
-                # (and the next prefetched), as the cost model counts, not the whole stage's at once.
+                # A unit per block, then the stage's rest. torch's pipeline schedules keep a stage's
+                # weights gathered and its gradients unsharded from its first backward to the step's
+                # end, so the forward keeps them too (one gather a step, as torchtitan under PP): the
+                # cost model's hold_gathered "always". Gathered in the compute dtype, reduced in fp32.
+                policy = fsdp_mixed_precision(self.precision.dtype)
                 for block in _blocks(module):
-                    fully_shard(block, mesh=self.dp_mesh)
-                fully_shard(module, mesh=self.dp_mesh)
+                    fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+                fully_shard(module, mesh=self.dp_mesh, reshard_after_forward=False, mp_policy=policy)
             else:
                 from torch.nn.parallel import DistributedDataParallel
                 module = DistributedDataParallel(module, process_group=self.comm.native(self._dp_ranks))
@@ -379,6 +382,15 @@ class Runtime:
     # ---- reporting
     def progress_line(self, stats: StepStats) -> str:
         return progress_line(stats, self.plan)
+
+
+def fsdp_mixed_precision(dtype: str):
+    """FSDP2's policy for a run in ``dtype``: 16-bit training gathers the weights in 16 bits and
+    reduces the gradients in fp32 (the plan's compute weight and grad dtype); fp32 casts nothing."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if dtype == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[dtype], reduce_dtype=torch.float32)
 
 
 def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:

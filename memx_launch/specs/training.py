@@ -13,8 +13,8 @@ megatron   bf16 / fp32 main grads / fp32, sharded over DP (dist.    6 + 12/DP
 zero1      bf16 / bf16 / fp32 sharded (DeepSpeed ZeRO-1)            4 + 12/DP
 zero2      bf16 / bf16 sharded / fp32 sharded (ZeRO-2)              2 + 14/DP
 zero3      all sharded (ZeRO-3)                                     16/DP
-fsdp2      fp32 sharded params, bf16 compute, fp32 reduce (torch-   16/DP
-           titan MixedPrecisionPolicy)
+fsdp2      fp32 sharded params, bf16 compute, fp32 reduce (torch-   16/DP (+ 6 held on
+           titan MixedPrecisionPolicy)                              a pipeline's stages)
 ddp        fp32 params under autocast, fp32 grads, fp32 moments     16
 scaling    as zero1, in Aleph Alpha's Megatron-derived codebase      4 + 12/DP
            (Hagemann et al. 2023): logits gathered over TP, stage
@@ -51,6 +51,8 @@ EXPERT_DISPATCHERS = ("alltoall", "flex")
 # or consecutively, token t to experts t*k .. t*k + k - 1 (NeMo AutoModel's fake_balanced_gate).
 EXPERT_ROUTINGS = ("random", "consecutive")
 FP4_RECIPES = ("nvfp4",)
+# When a fully sharded run holds its weights gathered through a step (TrainingSpec.hold_gathered).
+HOLD_GATHERED = ("never", "pipelined", "always")
 FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 # What the selective recompute level runs again: Megatron's attention core, or torchtitan's
 # op-level policy (planning/op_checkpointing.py).
@@ -68,9 +70,9 @@ SETUPS: dict[str, dict] = {
     "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
                   grad_dtype="training", vocab_parallel_loss=False),
     "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
-                  vocab_parallel_loss=False, overlap_grad_reduce=True),
+                  vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never"),
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
-                  overlap_grad_reduce=True),
+                  overlap_grad_reduce=True, hold_gathered="pipelined"),
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
                 ddp_bucket_copy=True),
     # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
@@ -96,7 +98,8 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
-                       selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True)
+                       selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,
+                       hold_gathered="pipelined")
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,14 @@ class TrainingSpec:
     ``--overlap-p2p-communication``, on by default there since 2023; torch's
     ``ScheduleInterleaved1F1B``). Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's
     sends always block. Default on."""
+    hold_gathered: str | None = None
+    """When a fully sharded run keeps its weights gathered and its gradients unsharded (in
+    ``grad_dtype``) from a step's first micro-batch to its last, reduce-scattering them once
+    after the last backward: ``pipelined`` on the stages of a pipeline, as FSDP2 runs under
+    torch's pipelining, whose stages defer resharding and the gradient sync to the step's end
+    (torchtitan, NeMo AutoModel); ``always``, one stage too (memx-run, which runs every plan
+    through torch's pipeline schedules); ``never``: every micro-batch gathers and
+    reduce-scatters each layer (ZeRO-3, Megatron-FSDP). Default pipelined (``zero3``: never)."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
@@ -360,6 +371,9 @@ class TrainingSpec:
         if self.expert_routing not in EXPERT_ROUTINGS:
             raise ConfigError("--expert-routing", f"unknown routing {self.expert_routing!r}",
                               f"use one of {', '.join(EXPERT_ROUTINGS)}")
+        if self.hold_gathered not in HOLD_GATHERED:
+            raise ConfigError("--hold-gathered", f"unknown value {self.hold_gathered!r}",
+                              f"use one of {', '.join(HOLD_GATHERED)}")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
         for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):
