@@ -1,0 +1,85 @@
+"""What a fully sharded pipeline stage holds under memx-run, measured against what memx counts.
+
+memx-run runs FSDP2 under torch's pipeline schedules, which keep each stage's gathered weights and
+unsharded gradients from its first backward to the step's end (``--hold-gathered``, docs/setups.md).
+This runs llama-tiny on ``examples/clusters/cpu-emulated.yaml`` (4 CPU processes, gloo; memory is
+the emulated guard's count of live tensor bytes on each rank) with one layout, PP 2 x DP 2, fully
+sharded, in fp32 and in bf16 (autocast, FSDP2 gathering in bf16 and reducing in fp32), and holds
+each stage's measured peak of the last step against the plan's prediction as memx-run runs it
+(``always``) and as memx counted every fully sharded stage before (``never``: a layer gathered at
+a time, its gradients reduce-scattered every micro-batch). Uncalibrated: the plans are
+``memx estimate``'s analytical ones.
+
+    python benchmarks/fsdp_pipeline_memory.py [--steps 3]
+
+Writes benchmarks/results/fsdp_pipeline_memory.json (about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.dropin import STAGE  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(REPO, "benchmarks", "results", "fsdp_pipeline_memory.json")
+CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
+LAYOUT = ["--model", "llama-tiny", "--cluster", CLUSTER, "--fully-sharded", "--tp", "1", "--pp", "2", "--dp", "2",
+          "--micro-batch-size", "1", "--global-batch-size", "16", "--seq-len", "64"]
+
+
+def estimate(tmp: str, dtype: str, hold: str) -> tuple[str, list[float]]:
+    """The plan file of the layout and its stages' predicted peaks in MiB."""
+    path = os.path.join(tmp, f"{dtype}-{hold}.json")
+    subprocess.run([sys.executable, "-m", "memx_launch.cli", "estimate", *LAYOUT, "--dtype", dtype,
+                    "--hold-gathered", hold, "--json", path], capture_output=True, text=True, timeout=300,
+                   check=True)
+    with open(path) as f:
+        return path, [s["predicted_peak_memory_gib"] * 1024 for s in json.load(f)["stages"]]
+
+
+def measure(dtype: str, steps: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan, held = estimate(tmp, dtype, "always")
+        _, per_microbatch = estimate(tmp, dtype, "never")
+        run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
+                              "--cluster", CLUSTER, "--plan", plan, os.path.join(REPO, "examples", "train.py"),
+                              "--model", "llama-tiny", "--steps", str(steps)],
+                             cwd=tmp, env=env, capture_output=True, text=True, timeout=900, check=True)
+    last = [line for line in run.stdout.splitlines() if line.startswith(f"step {steps} |")][-1]
+    stages = []
+    for (stage, device, measured, predicted), never in zip(STAGE.findall(last), per_microbatch):
+        stages.append({"stage": int(stage), "device": device, "measured_mib": float(measured),
+                       "predicted_mib": round(held[int(stage)], 2), "predicted_mib_gathered_every_microbatch":
+                       round(never, 2), "measured_over_predicted": round(float(measured) / held[int(stage)], 3),
+                       "measured_over_predicted_gathered_every_microbatch": round(float(measured) / never, 3)})
+        assert abs(float(predicted) - held[int(stage)]) < 0.06, (predicted, held)  # the run's plan is the estimate's
+    return {"last_step": last, "stages": stages}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    result = {"machine": machine_info(), "steps": args.steps, "layout": " ".join(LAYOUT[4:]),
+              **{dtype: measure(dtype, args.steps) for dtype in ("fp32", "bf16")}}
+    write_json_atomic(OUT, result, overwrite=True)
+    for dtype in ("fp32", "bf16"):
+        print(dtype, [(s["measured_over_predicted"], s["measured_over_predicted_gathered_every_microbatch"])
+                      for s in result[dtype]["stages"]])
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
