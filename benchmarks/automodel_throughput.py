@@ -11,9 +11,13 @@ and micro-batch, sequence length and TP/PP/CP/EP/VP/FSDP degrees; the step time 
 How the rows run, read from their configurations (``examples/benchmark/configs/*_te_deepep*.yaml``):
 FSDP2 over every rank of a pipeline stage (``dp_shard``: the stage's ranks), each expert on one
 rank of an EP group and sharded over the stage's ranks beyond it (the expert data parallel group:
-one rank, so never gathered, but for DeepSeek-V3 on 1,024 GPUs: four), bf16 compute, gradients
-reduced in fp32 (FSDP2's ``MixedPrecisionPolicy`` of the recipe, memx's ``--setup fsdp2``), Adam
-states and master weights sharded in fp32, Transformer Engine linears and attention (cuDNN's
+one rank, so never gathered, but for DeepSeek-V3 on 1,024 GPUs: four), gradients reduced in fp32
+(FSDP2's ``MixedPrecisionPolicy`` of the recipe, memx's ``--setup fsdp2``), the model in bf16
+throughout: its experts are built in bf16 (``MoEConfig.dtype``) and ``initialize_weights`` casts
+the rest, so FSDP2 shards bf16 weights, keeps bf16 gradient shards, and the recipe's
+``torch.optim.Adam`` updates them in place with bf16 moments, no fp32 master copy
+(``--optimizer-dtype bf16-no-master --grad-dtype bf16``, the reduction in fp32: ``--fp32-allreduce``,
+in which a held stage's unsharded gradients accumulate), Transformer Engine linears and attention (cuDNN's
 fused attention on Hopper, timed as FlashAttention-3; GPT-OSS: PyTorch's FlexAttention, a Triton
 kernel its authors hold against FlashAttention-2, timed as that), DeepEP's dispatcher (memx's
 ``--expert-dispatcher flex``), balanced routing forced by ``fake_balanced_gate``, which sends
@@ -80,7 +84,8 @@ def automodel_rows(path: str = DATA, routing: str = "consecutive", hold: str = "
             # are the model's without it).
             model = dataclasses.replace(get_model(d["model"]), seq_len=seq, mtp_layers=0)
             dp = gpus // (tp * pp * cp)
-            training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="fsdp2", expert_parallel=ep,
+            training = TrainingSpec(global_batch_size=batch, seq_len=seq, setup="fsdp2", optimizer_dtype="bf16-no-master",
+                                    grad_dtype="bf16", fp32_allreduce=True, expert_parallel=ep,
                                     expert_dispatcher="flex", expert_routing=routing, loss_dtype="training",
                                     fused_activation=True, flash_attention_version=2 if d["attention"] == "flex" else 3,
                                     hold_gathered=hold)

@@ -162,13 +162,23 @@ def test_memx_s_runtime_refuses_deepseek_by_name():
         runnable_model(V3)
 
 
-def test_sixteen_bit_moments_beside_fp32_master_weights_take_eight_bytes():
+def test_sixteen_bit_moments_take_eight_bytes_beside_fp32_master_weights_and_four_without_them():
     from memx_launch.planning.exporters import megatron_args
 
-    plans = {d: _estimate(SMALL, _training(optimizer_dtype=d)) for d in ("fp32", "bf16-moments", "bf16")}
+    plans = {d: _estimate(SMALL, _training(optimizer_dtype=d))
+             for d in ("fp32", "bf16-moments", "bf16", "bf16-no-master")}
     states = {d: p.stages[1].memory_parts_gib["optimizer_states"] for d, p in plans.items()}
     assert states["bf16-moments"] == pytest.approx(states["fp32"] * 8 / 12)  # 4 + 2 + 2 bytes of 4 + 4 + 4
     assert states["bf16"] == pytest.approx(states["fp32"] * 6 / 12)
+    # torch's Adam on bf16 weights: its two bf16 moments, no master copy, the weights as before.
+    assert states["bf16-no-master"] == pytest.approx(states["fp32"] * 4 / 12)
+    assert plans["bf16-no-master"].stages[1].memory_parts_gib["parameters"] == pytest.approx(
+        plans["fp32"].stages[1].memory_parts_gib["parameters"])
+    assert any("no master copy" in n for n in megatron_args(plans["bf16-no-master"]).notes)
+    # Fully sharded as FSDP2 runs it, the 16-bit weights are what it shards.
+    assert TrainingSpec(setup="fsdp2", optimizer_dtype="bf16-no-master").weights_dtype == "training"
+    with pytest.raises(ConfigError, match="--optimizer-dtype: bf16-no-master updates 16-bit weights"):
+        TrainingSpec(weights_dtype="fp32", optimizer_dtype="bf16-no-master")
     assert plans["bf16-moments"].training["optimizer_dtype"] == "training_moments"
     args = megatron_args(plans["bf16-moments"]).args
     assert args[args.index("--use-precision-aware-optimizer") + 1:][:6] == [

@@ -41,6 +41,9 @@ def test_a_held_stage_keeps_a_bf16_weight_and_an_fp32_gradient_per_parameter_it_
     assert held_gathered_bytes(held, np.array([1, 2]), pp=4)[0].tolist() == [0.0, 2.0]  # one rank gathers nothing
     zero3 = TrainingSpec(setup="zero3", hold_gathered="pipelined")
     assert sum(held_gathered_bytes(zero3, 8, pp=2)) == 2 + 2  # bf16 weights and gradients
+    # Reduced in fp32 (FSDP2's reduce_dtype over bf16 weights), they accumulate upcast to fp32.
+    assert held_gathered_bytes(TrainingSpec(setup="zero3", hold_gathered="pipelined", fp32_allreduce=True), 8,
+                               pp=2)[1] == 4
 
 
 def _plan(hold, pp=4, dp=8, **layout):

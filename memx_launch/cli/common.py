@@ -54,10 +54,12 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--loss-dtype", "--loss_dtype", choices=("fp32", "bf16", "fp16"),
                    help="precision of the logits for the loss (default fp32)")
     p.add_argument("--optimizer-dtype", "--optimizer_dtype", choices=("fp32", "bf16", "fp16", "bf16-moments",
-                                                                       "fp16-moments"),
+                                                                       "fp16-moments", "bf16-no-master",
+                                                                       "fp16-no-master"),
                    help="precision of the optimizer's master weights and moments (default fp32; bf16/fp16 = the "
                         "training dtype, 6 bytes per parameter with Adam; bf16-moments/fp16-moments: fp32 master "
-                        "weights and 16-bit moments, 8 bytes)")
+                        "weights and 16-bit moments, 8 bytes; bf16-no-master/fp16-no-master: 16-bit weights "
+                        "updated in place, 16-bit moments, 4 bytes)")
     p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
                    default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
                    "(default on)")

@@ -63,8 +63,9 @@ def _precision_notes(plan: Plan, target: str) -> list[str]:
     if tr.get("activation_offload_layers"):
         notes.append(f"the plan keeps {tr['activation_offload_layers']} layers' activations per stage on the host; "
                      f"{target}'s config does not: more memory than planned")
-    if tr.get("optimizer_dtype") in ("training", "training_moments"):
-        kept = "master weights and moments" if tr["optimizer_dtype"] == "training" else "moments"
+    if tr.get("optimizer_dtype") in ("training", "training_moments", "training_no_master"):
+        kept = {"training": "master weights and moments", "training_moments": "moments",
+                "training_no_master": "moments without master weights"}[tr["optimizer_dtype"]]
         notes.append(f"the plan keeps Adam's {kept} in 16 bits; {target}'s optimizer keeps "
                      "them in fp32: more memory than planned")
     return notes

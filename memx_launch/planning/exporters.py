@@ -299,6 +299,9 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
             notes.append("Megatron-LM offloads activations only without pipeline parallelism and without "
                          "recompute: plan with --pp 1 and --recompute-levels none, or run without "
                          "--cpu-offloading (the plan counted the offloaded layers' activations on the host)")
+    if tr.get("optimizer_dtype") == "training_no_master":
+        notes.append("the plan keeps no master copy of the weights (16-bit weights updated in place); Megatron-LM "
+                     "keeps one: more memory than planned")
     if tr.get("optimizer_dtype") in ("training", "training_moments"):
         moments = "fp16" if dtype == "fp16" else "bf16"
         # Megatron's 16-bit main parameters are fp16 only.

@@ -104,7 +104,8 @@ def _unsharded_state_bytes(training: TrainingSpec, trained: TrainedParameters) -
     weight = float(training.precision_bytes("weights_dtype"))
     grad = float(training.precision_bytes("grad_dtype"))
     state = float(training.precision_bytes("optimizer_dtype"))
-    master = (4.0 if training.optimizer_dtype == "training_moments" else state) if weight < 4 else 0.0
+    master = {"training_moments": 4.0, "training_no_master": 0.0}.get(training.optimizer_dtype, state) \
+        if weight < 4 else 0.0
     moments = (2.0 if training.optimizer == "adam" else 1.0) * state  # Adam m and v; SGD momentum
     optim = 0.0 if training.optimizer_offload else master + moments
     return weight * (1.0 + trained.adapters), grad * trained.share, optim * trained.share
@@ -131,7 +132,13 @@ def held_gathered_bytes(training: TrainingSpec, dp, trained: TrainedParameters =
         return 0.0, 0.0
     several = np.asarray(dp, dtype=np.float64) > 1
     return (np.where(several, compute_weight_bytes(training) * (1.0 + trained.adapters), 0.0),
-            np.where(several, training.precision_bytes("grad_dtype") * trained.share, 0.0))
+            np.where(several, accumulated_gradient_bytes(training) * trained.share, 0.0))
+
+
+def accumulated_gradient_bytes(training: TrainingSpec) -> int:
+    """Bytes per unsharded gradient a held stage accumulates: the reduction's dtype, fp32 where
+    16-bit gradients are reduced in fp32 (``fp32_allreduce``; FSDP2's ``reduce_dtype``)."""
+    return 4 if training.fp32_allreduce else training.precision_bytes("grad_dtype")
 
 
 def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, pp: int = 1) -> float:
@@ -150,7 +157,7 @@ def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp, dp
     layer = sum(fully_sharded_layer_params(model, training, tp, dp_cp))
     if keeps_gathered(training, pp):
         fresh = compute_weight_bytes(training)
-        return 0.0, layer * (fresh if fresh != training.precision_bytes("grad_dtype") else 0.0)
+        return 0.0, layer * (fresh if fresh != accumulated_gradient_bytes(training) else 0.0)
     return layer * (2.0 * compute_weight_bytes(training)), layer * training.precision_bytes("grad_dtype")
 
 

@@ -143,7 +143,10 @@ class TrainingSpec:
     which keeps a 16-bit remainder of each fp32 master weight; Megatron's precision-aware
     optimizer with bf16 main parameters and moments), or "training_moments" (fp32 master weights,
     moments in the training dtype, 8 bytes: Megatron's precision-aware optimizer as NVIDIA's
-    DeepSeek-V3 recipes run it; ``bf16-moments`` or ``fp16-moments``). Default fp32."""
+    DeepSeek-V3 recipes run it; ``bf16-moments`` or ``fp16-moments``), or "training_no_master" (no
+    master copy: the optimizer updates 16-bit weights in place and keeps its moments in the
+    training dtype, 4 bytes: torch's Adam on bf16 parameters, as NeMo AutoModel's mixtures of
+    experts train; ``bf16-no-master`` or ``fp16-no-master``). Default fp32."""
     dropout: bool | None = None
     """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. LLaMA
     trains without; default off."""
@@ -209,8 +212,8 @@ class TrainingSpec:
     default there with TP): each TP rank sends 1/TP of the stage's activation or gradient and
     the receiving stage all-gathers it over TP. Off: the whole tensor crosses once. Default off."""
     fp32_allreduce: bool | None = None
-    """DeepSpeed's ``fp32_allreduce``: 16-bit gradients are cast to fp32 for the data-parallel
-    reduction, 4 bytes per gradient on the wire. Default off (``scaling``: on)."""
+    """DeepSpeed's ``fp32_allreduce``, FSDP2's fp32 ``reduce_dtype`` over 16-bit weights: gradients
+    reduced (and held, ``hold_gathered``) in fp32, 4 bytes each on the wire. Default off (``scaling``: on)."""
     full_gradient_allreduce: bool | None = None
     """A sharded optimizer all-reduces the whole gradients over DP (every rank receives all of
     them and updates its shard) instead of reduce-scattering them: twice the gradient traffic
@@ -225,13 +228,11 @@ class TrainingSpec:
     ``ScheduleInterleaved1F1B``). Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's
     sends always block. Default on."""
     hold_gathered: str | None = None
-    """When a fully sharded run keeps its weights gathered and its gradients unsharded (in
-    ``grad_dtype``) from a step's first micro-batch to its last, reduce-scattering them once
-    after the last backward: ``pipelined`` on the stages of a pipeline, as FSDP2 runs under
-    torch's pipelining, whose stages defer resharding and the gradient sync to the step's end
-    (torchtitan, NeMo AutoModel); ``always``, one stage too (memx-run, which runs every plan
-    through torch's pipeline schedules); ``never``: every micro-batch gathers and
-    reduce-scatters each layer (ZeRO-3, Megatron-FSDP). Default pipelined (``zero3``: never)."""
+    """When a fully sharded run keeps its weights gathered and its gradients unsharded from a
+    step's first micro-batch to its last, reduce-scattering once after the last backward:
+    ``pipelined`` on a pipeline's stages (FSDP2 under torch's pipelining: torchtitan, NeMo
+    AutoModel), ``always`` (memx-run, whose one stage runs through torch's schedules too), or
+    ``never`` (ZeRO-3, Megatron-FSDP: each layer every micro-batch). Default pipelined (``zero3``: never)."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
@@ -327,8 +328,12 @@ class TrainingSpec:
         for name, default in OPTION_DEFAULTS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))
-        if self.weights_dtype is None:
-            object.__setattr__(self, "weights_dtype",
+        no_master = self.optimizer_dtype in ("bf16-no-master", "fp16-no-master", "training_no_master")
+        if no_master and self.weights_dtype == "fp32":
+            raise ConfigError("--optimizer-dtype", f"{self.optimizer_dtype} updates 16-bit weights, and weights_dtype "
+                              "is fp32", "drop weights_dtype, or use bf16-moments")
+        if self.weights_dtype is None:  # without a master copy the weights are the 16-bit ones it updates
+            object.__setattr__(self, "weights_dtype", "training" if no_master else
                                preset.get("weights_dtype", "fp32" if self.fully_sharded else "training"))
         for name in ("weights_dtype", "grad_dtype", "loss_dtype", "optimizer_dtype"):
             value = getattr(self, name)
@@ -336,6 +341,8 @@ class TrainingSpec:
                 object.__setattr__(self, name, "training")
             elif name == "optimizer_dtype" and value in ("bf16-moments", "fp16-moments", "training_moments"):
                 object.__setattr__(self, name, "training_moments")
+            elif name == "optimizer_dtype" and no_master:
+                object.__setattr__(self, name, "training_no_master")
             elif value not in _PRECISIONS:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"unknown precision {value!r}",
                                   "use fp32 or the training dtype")
