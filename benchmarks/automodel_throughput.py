@@ -29,13 +29,13 @@ the experts' activation, a custom autograd function keeping its input and the we
 which the dense MLPs, eager there, do not have), full activation checkpointing
 where ``activation_checkpointing: true`` (DeepSeek-V3, Kimi K2, Qwen3) and none for GPT-OSS;
 pipelines with torch's interleaved 1F1B over ``vp`` chunks per stage, the layers split as evenly
-as they go, each stage holding its gathered weights and unsharded gradients through the step as
-FSDP2 runs under torch's pipelining (``--hold-gathered pipelined``). AutoModel departs from that
-in part: it does not reshard after the forward (``reshard_after_forward: false``), and its patch of
-the stage's backward (``fsdp_mixin.py``, the outer model not wrapped) defers the gradient sync of
-the experts, embedding and head only, so its blocks' dense gradients are reduce-scattered every
-micro-batch: each pipelined row's truth lies between its peak and the one with every layer
-gathered and reduced each micro-batch (``pipelined_rows_gathered_every_microbatch``). AutoModel's DeepSeek-V3 has no multi-token prediction module (the table's FLOPs per
+as they go. Each block keeps its gathered weights from the forward to the backward
+(``reshard_after_forward: false``; ``--hold-gathered weights``) and reduce-scatters its gradients
+every micro-batch: AutoModel's patch of the stage's backward (``fsdp_mixin.py``, the outer model
+not wrapped) defers the gradient sync of the experts, embedding and head only, not of the blocks
+as torch's own pipelining would (``--hold-gathered pipelined``: ``pipelined_rows_held_through_step``,
+an upper bound for the pipelined rows, whose deferred experts, embedding and head memx does not
+hold otherwise). AutoModel's DeepSeek-V3 has no multi-token prediction module (the table's FLOPs per
 token are the model's without it). The table's layouts are used where a configuration stored
 today differs (DeepSeek-V3 on 1,024 GPUs: 4 layers per chunk there, VP 8 in the table).
 
@@ -71,10 +71,10 @@ def even_split(layers: int, pp: int) -> list[int]:
     return [layers // pp + (s < layers % pp) for s in range(pp)]
 
 
-def automodel_rows(path: str = DATA, routing: str = "consecutive", hold: str = "pipelined") -> list[dict]:
+def automodel_rows(path: str = DATA, routing: str = "consecutive", hold: str = "weights") -> list[dict]:
     """Every row of ``path`` with memx's estimate of it, its tokens routed as ``routing`` says
-    (``consecutive``: as the runs routed them), its pipeline stages holding their gathered weights
-    and unsharded gradients through the step as ``hold`` says (``pipelined``: torch's pipelining)."""
+    (``consecutive``: as the runs routed them), what it gathers held as ``hold`` says (``weights``:
+    as the runs hold their blocks' weights)."""
     rows = []
     with open(path) as f:
         for d in csv.DictReader(f):
@@ -115,11 +115,11 @@ def main() -> None:
               # The same rows asked with memx's default routing (random top-k), not how they ran.
               "with_random_routing": {**run_summary(random), "predicted_over_measured": [
                   round(r["time_s"] / r["real_time_s"], 3) for r in random]},
-              # The pipelined rows with every block gathered and reduced every micro-batch instead: AutoModel's
-              # own deferral (fsdp_mixin.py) holds its experts', embedding's and head's gradients, not its blocks'.
-              "pipelined_rows_gathered_every_microbatch": {
+              # The pipelined rows holding every unsharded gradient through the step too, as torch's own
+              # pipelining would: AutoModel's (fsdp_mixin.py) holds its experts', embedding's and head's only.
+              "pipelined_rows_held_through_step": {
                   r["layout"]: {k: r[k] for k in ("fits", "peak_gib", "time_s")}
-                  for r in automodel_rows(hold="never") if " pp1 " not in r["layout"]},
+                  for r in automodel_rows(hold="pipelined") if " pp1 " not in r["layout"]},
               "seconds": round(time.perf_counter() - started, 1)}
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     print("automodel", {k: v for k, v in result["automodel_dgx_h100_bf16"].items() if k != "rows"})

@@ -9,7 +9,8 @@ from benchmarks.common import dgx_cluster
 from memx_launch.errors import ConfigError
 from memx_launch.planning import data_parallel
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.planning.model_states import held_gathered_bytes, keeps_gathered, model_state_bytes_per_param
+from memx_launch.planning.model_states import (held_gathered_bytes, holds_weights, keeps_gathered,
+                                               model_state_bytes_per_param)
 from memx_launch.runtime.layout import check_runnable
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -25,9 +26,11 @@ def training(**options):
 def test_which_stages_hold_their_gathered_weights():
     assert TrainingSpec(fully_sharded=True).hold_gathered == "pipelined"
     assert TrainingSpec(setup="zero3").hold_gathered == "never"
-    for hold, one_stage, pipeline in (("never", False, False), ("pipelined", False, True), ("always", True, True)):
+    for hold, one_stage, pipeline in (("never", False, False), ("weights", False, False), ("pipelined", False, True),
+                                      ("always", True, True)):
         assert (keeps_gathered(training(hold_gathered=hold), 1), keeps_gathered(training(hold_gathered=hold), 4)) \
             == (one_stage, pipeline), hold
+        assert holds_weights(training(hold_gathered=hold), 1) == (hold in ("weights", "always")), hold
     assert not keeps_gathered(TrainingSpec(hold_gathered="always"), 4)  # nothing is sharded
     with pytest.raises(ConfigError, match="--hold-gathered"):
         TrainingSpec(hold_gathered="sometimes")
@@ -39,6 +42,9 @@ def test_a_held_stage_keeps_a_bf16_weight_and_an_fp32_gradient_per_parameter_it_
     assert model_state_bytes_per_param(held, 8, pp=4) == pytest.approx(16 / 8 + 2 + 4)
     assert model_state_bytes_per_param(held, 8, pp=1) == pytest.approx(16 / 8)
     assert held_gathered_bytes(held, np.array([1, 2]), pp=4)[0].tolist() == [0.0, 2.0]  # one rank gathers nothing
+    # Held from the forward to the backward only: the weights, whatever the pipeline.
+    for pp in (1, 4):
+        assert model_state_bytes_per_param(training(hold_gathered="weights"), 8, pp=pp) == pytest.approx(16 / 8 + 2)
     zero3 = TrainingSpec(setup="zero3", hold_gathered="pipelined")
     assert sum(held_gathered_bytes(zero3, 8, pp=2)) == 2 + 2  # bf16 weights and gradients
     # Reduced in fp32 (FSDP2's reduce_dtype over bf16 weights), they accumulate upcast to fp32.
@@ -63,6 +69,14 @@ def test_a_held_pipeline_stage_counts_its_whole_weights_and_gradients_and_one_re
     # One gather and one reduce-scatter a step instead of three collectives every micro-batch: it
     # waits for the reduce-scatter at the end, which hides nowhere, but never more than per micro-batch.
     assert 0 < held.predicted_iteration_time_s < never.predicted_iteration_time_s
+    # Weights held from each forward to its backward: every layer's weights, no gradient, no layer
+    # gathered in flight; one gather a micro-batch instead of two.
+    weights = _plan("weights")
+    for a, c in zip(never.stages[1:-1], weights.stages[1:-1]):  # the middle stages: blocks only
+        layer = MODEL.layer_params / 2**30
+        assert c.memory_parts_gib["parameters"] - a.memory_parts_gib["parameters"] == pytest.approx(
+            (c.num_layers - 2) * layer * 2, rel=1e-3)
+        assert c.memory_parts_gib["gradients"] == pytest.approx(a.memory_parts_gib["gradients"])
 
 
 def test_a_held_step_waits_for_its_whole_reduce_scatter_and_only_the_first_gather():
@@ -79,9 +93,13 @@ def test_a_held_step_waits_for_its_whole_reduce_scatter_and_only_the_first_gathe
     reduce_scatter = (layers * data_parallel.collective_seconds("reduce_scatter", layer * 4, 8, 200.0)
                       + data_parallel.collective_seconds("reduce_scatter", (params - layers * layer) * 4, 8, 200.0))
     assert held == pytest.approx(first_gather + reduce_scatter, rel=1e-6)
-    # No compute: held, every gather once plus the reduce-scatter; per micro-batch, every gather twice.
-    assert data_parallel.held_fully_sharded_step_time(*args, 0.0, *link) \
-        < data_parallel.fully_sharded_exposed_time(*args, 0.0, *link)
+    # No compute: held, every gather once plus the reduce-scatter; per micro-batch, every gather twice,
+    # or once where the weights are held from the forward to the backward.
+    twice = data_parallel.fully_sharded_exposed_time(*args, 0.0, *link)
+    once = data_parallel.fully_sharded_exposed_time(*args, 0.0, training(hold_gathered="weights"), 8, 200.0)
+    assert data_parallel.held_fully_sharded_step_time(*args, 0.0, *link) < twice
+    assert twice - once == pytest.approx(data_parallel.held_fully_sharded_step_time(*args, 0.0, *link)
+                                         - reduce_scatter - first_gather, rel=1e-9)
 
 
 def test_memx_run_refuses_a_fully_sharded_plan_that_counts_less_than_its_runtime_holds():
@@ -101,3 +119,9 @@ def test_exports_say_where_the_framework_holds_less_than_the_plan():
     assert not any("Megatron-FSDP" in n for n in megatron_args(_plan("never")).notes)
     assert not any("torchtitan holds" in n for n in torchtitan_toml(held).notes)
     assert any("torchtitan holds" in n for n in torchtitan_toml(_plan("always", pp=1, dp=32)).notes)
+    # One stage holding its weights from the forward to the backward is torchtitan's "never" resharding.
+    weights = torchtitan_toml(_plan("weights", pp=1, dp=32))
+    assert 'fsdp_reshard_after_forward = "never"' in weights.text
+    assert not any("torchtitan holds" in n for n in weights.notes)
+    assert "fsdp_reshard_after_forward" not in torchtitan_toml(held).text
+    assert any("Megatron-FSDP" in n for n in megatron_args(_plan("weights", pp=1, dp=32)).notes)

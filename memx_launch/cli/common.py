@@ -89,11 +89,11 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
     p.add_argument("--hold-gathered", "--hold_gathered", choices=HOLD_GATHERED,
-                   help="when a fully sharded run keeps its weights gathered and its gradients unsharded through "
-                        "the step, reduce-scattering once at its end: pipelined (on the stages of a pipeline, as "
-                        "FSDP2 runs under torch's pipelining: torchtitan, AutoModel; default), always (memx-run) "
-                        "or never (each micro-batch gathers and reduce-scatters: ZeRO-3, Megatron-FSDP; "
-                        "--setup zero3)")
+                   help="what a fully sharded run keeps gathered: never (each layer gathered and reduce-scattered "
+                        "every micro-batch: ZeRO-3, Megatron-FSDP; --setup zero3), weights (from a micro-batch's "
+                        "forward to its backward: FSDP2's reshard_after_forward=False), pipelined (weights and "
+                        "unsharded gradients through the step on a pipeline's stages, as FSDP2 runs under torch's "
+                        "pipelining: torchtitan, AutoModel; default) or always (one stage too: memx-run)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
                    help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
                         "(torchtitan's op-level policy: all but the attention output and every other matmul's)")

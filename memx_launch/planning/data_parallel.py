@@ -77,11 +77,14 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     what the compute loses to the ``sm_share`` of the SMs they hold (collectives.py). A mixture's
     routed experts (``expert_params`` of a layer's) are gathered and reduced over their expert
     data parallel group of ``expert_dp`` ranks instead, on the same links, spread over as many
-    nodes as it has ranks up to the DP group's (EP is the inner dimension of the rank order)."""
+    nodes as it has ranks up to the DP group's (EP is the inner dimension of the rank order).
+    Weights held from the forward to the backward (``hold_gathered`` weights) are gathered once."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
                                             expert_params, expert_dp)
+    gathers = 1.0 if training.hold_gathered == "weights" else 2.0
+
     def per_unit(gather, reduce_scatter):
-        return 2.0 * gather + reduce_scatter
+        return gathers * gather + reduce_scatter
     per_microbatch = np.asarray(layers, dtype=np.float64) * (per_unit(*dense) + per_unit(*expert)) + per_unit(*rest)
     return overlapped_exposed_seconds(per_microbatch, stage_time, sm_share) + dense[0] + expert[0]
 

@@ -14,7 +14,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.hybrid_export import deltanet_args, mamba_stack_args, megatron_blocks, split_notes_of
 from memx_launch.planning.layer_split import chunk_layers
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types
-from memx_launch.planning.model_states import keeps_gathered
+from memx_launch.planning.model_states import holds_weights
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan, parse_recompute
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.hybrid import layers_per_block
@@ -270,10 +270,11 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
         args += ["--optimizer", tr["optimizer"]]
     if tr.get("fully_sharded"):
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
-        if plan.dp > 1 and keeps_gathered(TrainingSpec(**tr), plan.pp):
-            notes.append("Megatron-FSDP gathers and reduce-scatters every micro-batch, where the plan holds the "
-                         "gathered weights and unsharded gradients through the step: less memory and more gathers "
-                         "than predicted; plan with --hold-gathered never to predict it")
+        spec = TrainingSpec(**tr)
+        if plan.dp > 1 and holds_weights(spec, plan.pp):
+            notes.append("Megatron-FSDP gathers and reduce-scatters every micro-batch, where the plan holds "
+                         f"what it gathers (hold_gathered={spec.hold_gathered}): less memory and more gathers than "
+                         "predicted; plan with --hold-gathered never to predict it")
     elif tr.get("distributed_optimizer"):
         args.append("--use-distributed-optimizer")
     if tr.get("sequence_parallel") and plan.tp > 1:

@@ -70,7 +70,7 @@ def model_state_bytes_per_param(training: TrainingSpec, dp,
     shards them too (2 + 14/DP); full sharding divides everything by DP. fp32 weights
     (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16, and
     20 under torch's DDP, whose buckets copy the gradients (``ddp_bucket_copy``). A fully sharded
-    pipeline stage of ``pp`` > 1 holds its gathered weights and unsharded gradients besides
+    stage of ``pp`` may hold gathered weights and unsharded gradients besides
     (:func:`held_gathered_bytes`). By part: :func:`model_state_bytes_by_part`.
     """
     if training.fully_sharded:  # the whole divided once: the parts' quotients would round apart
@@ -118,21 +118,30 @@ def keeps_gathered(training: TrainingSpec, pp: int) -> bool:
     return bool(training.fully_sharded and (hold == "always" or (hold == "pipelined" and pp > 1)))
 
 
+def holds_weights(training: TrainingSpec, pp: int) -> bool:
+    """Whether a fully sharded stage of ``pp`` keeps its gathered weights from a micro-batch's
+    forward to its backward at least (``hold_gathered`` weights, or through the step)."""
+    return bool(training.fully_sharded and training.hold_gathered == "weights") or keeps_gathered(training, pp)
+
+
 def held_gathered_bytes(training: TrainingSpec, dp, trained: TrainedParameters = FULL_TRAINING,
                         pp: int = 1) -> tuple:
-    """(gathered weight, unsharded gradient) bytes per parameter a fully sharded stage that
-    keeps them through the step (:func:`keeps_gathered`) holds besides its shards, for
-    parameters sharded over ``dp`` ranks (none where that is one rank: nothing to gather).
+    """(gathered weight, unsharded gradient) bytes per parameter a fully sharded stage holds
+    besides its shards: its weights where it holds them (:func:`holds_weights`; all are gathered
+    at the end of a micro-batch's forward, the peak), its gradients too where it keeps them
+    through the step (:func:`keeps_gathered`), for parameters sharded over ``dp`` ranks (none
+    where that is one rank: nothing to gather).
     torch's pipelining runs every micro-batch's backward with FSDP2's resharding and gradient
     sync off (``PipelineStage.backward_maybe_with_nosync``), so each gradient accumulates
     unsharded, upcast to the reduction's dtype (``FSDPParam.to_accumulated_grad_if_needed``),
     and the weights stay gathered (torchtitan, NeMo AutoModel and memx-run do not reshard them
     after the forward either under PP)."""
-    if not keeps_gathered(training, pp):
+    if not holds_weights(training, pp):
         return 0.0, 0.0
     several = np.asarray(dp, dtype=np.float64) > 1
+    gradients = accumulated_gradient_bytes(training) * trained.share if keeps_gathered(training, pp) else 0.0
     return (np.where(several, compute_weight_bytes(training) * (1.0 + trained.adapters), 0.0),
-            np.where(several, accumulated_gradient_bytes(training) * trained.share, 0.0))
+            np.where(several, gradients, 0.0))
 
 
 def accumulated_gradient_bytes(training: TrainingSpec) -> int:
@@ -143,10 +152,10 @@ def accumulated_gradient_bytes(training: TrainingSpec) -> int:
 
 def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, pp: int = 1) -> float:
     """FSDP / ZeRO-3: one layer's weights gathered in the compute dtype while the next is
-    prefetched, and one layer's unsharded gradient before its reduce-scatter. A stage that keeps
-    its weights gathered (:func:`keeps_gathered`, counted in its model states) gathers nothing
-    more; where its gradients accumulate in another dtype than the weights', a layer's fresh
-    gradient waits in the weights' dtype to be added."""
+    prefetched, and one layer's unsharded gradient before its reduce-scatter. A stage that holds
+    its gathered weights (:func:`holds_weights`, counted in its model states) gathers nothing
+    more; one that keeps its gradients through the step (:func:`keeps_gathered`) has a layer's
+    fresh gradient wait in the weights' dtype to be added, where they accumulate in another."""
     return sum(fully_sharded_working_parts(model, training, tp, dp_cp, pp))
 
 
@@ -158,7 +167,8 @@ def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp, dp
     if keeps_gathered(training, pp):
         fresh = compute_weight_bytes(training)
         return 0.0, layer * (fresh if fresh != accumulated_gradient_bytes(training) else 0.0)
-    return layer * (2.0 * compute_weight_bytes(training)), layer * training.precision_bytes("grad_dtype")
+    gathered = 0.0 if holds_weights(training, pp) else layer * (2.0 * compute_weight_bytes(training))
+    return gathered, layer * training.precision_bytes("grad_dtype")
 
 
 def fully_sharded_layer_params(model: ModelSpec, training: TrainingSpec, tp, dp_cp) -> tuple:
@@ -190,7 +200,7 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp, pp: int 
     quantizes the gathered layer's weights only: its copies are working memory, one layer at a
     time. With ``fp8_params`` the FP8 weight is the weight (counted as the 16-bit one it
     replaces) and only its other copy is added; a fully sharded run gathers it in FP8 and
-    transposes it. A stage that keeps its weights gathered (:func:`keeps_gathered`) keeps every
+    transposes it. A stage that holds its gathered weights (:func:`holds_weights`) keeps every
     layer's copies."""
     if training.quantized_linears is None:
         return 0.0, 0.0
@@ -202,7 +212,7 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp, pp: int 
         copies = 2.0 * q * layer
     linears = len(linear_shapes(model, training, 1))
     amax = 3 * linears * FP8_AMAX_HISTORY * 4.0 if training.fp8 == "delayed" else 0.0
-    working = training.fully_sharded and not keeps_gathered(training, pp)
+    working = training.fully_sharded and not holds_weights(training, pp)
     return (amax, copies) if working else (copies + amax, 0.0)
 
 

@@ -52,7 +52,7 @@ EXPERT_DISPATCHERS = ("alltoall", "flex")
 EXPERT_ROUTINGS = ("random", "consecutive")
 FP4_RECIPES = ("nvfp4",)
 # When a fully sharded run holds its weights gathered through a step (TrainingSpec.hold_gathered).
-HOLD_GATHERED = ("never", "pipelined", "always")
+HOLD_GATHERED = ("never", "weights", "pipelined", "always")
 FLASH_ATTENTION_VERSIONS = (1, 2, 3)
 # What the selective recompute level runs again: Megatron's attention core, or torchtitan's
 # op-level policy (planning/op_checkpointing.py).
@@ -228,11 +228,11 @@ class TrainingSpec:
     ``ScheduleInterleaved1F1B``). Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's
     sends always block. Default on."""
     hold_gathered: str | None = None
-    """When a fully sharded run keeps its weights gathered and its gradients unsharded from a
-    step's first micro-batch to its last, reduce-scattering once after the last backward:
-    ``pipelined`` on a pipeline's stages (FSDP2 under torch's pipelining: torchtitan, NeMo
-    AutoModel), ``always`` (memx-run, whose one stage runs through torch's schedules too), or
-    ``never`` (ZeRO-3, Megatron-FSDP: each layer every micro-batch). Default pipelined (``zero3``: never)."""
+    """What a fully sharded run keeps gathered: ``never`` (ZeRO-3, Megatron-FSDP: each layer every micro-batch),
+    ``weights`` (from a micro-batch's forward to its backward: FSDP2's ``reshard_after_forward=False``),
+    ``pipelined`` (weights and unsharded gradients from a step's first micro-batch to its last on a pipeline's
+    stages, reduced after the last backward: FSDP2 under torch's pipelining) or ``always`` (one stage too:
+    memx-run). Default pipelined (``zero3``: never)."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
