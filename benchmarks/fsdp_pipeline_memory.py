@@ -8,11 +8,12 @@ sharded, in fp32 and in bf16 (autocast, FSDP2 gathering in bf16 and reducing in 
 each stage's measured peak of the last step against the plan's prediction as memx-run runs it
 (``always``) and as memx counted every fully sharded stage before (``never``: a layer gathered at
 a time, its gradients reduce-scattered every micro-batch). Uncalibrated: the plans are
-``memx estimate``'s analytical ones.
+``memx estimate``'s analytical ones. Then ``memx-run --fully-sharded --tp 1 --pp 2`` plans the same
+job itself, after calibrating each device type in the job (fp32, ``in_job``).
 
     python benchmarks/fsdp_pipeline_memory.py [--steps 3]
 
-Writes benchmarks/results/fsdp_pipeline_memory.json (about a minute on 2 cores).
+Writes benchmarks/results/fsdp_pipeline_memory.json (about two minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -67,16 +68,35 @@ def measure(dtype: str, steps: int) -> dict:
     return {"last_step": last, "stages": stages}
 
 
+def planned_in_job(steps: int) -> dict:
+    """memx-run's own fully sharded plan (calibrated in the job), its stages' last-step peaks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
+                              "--cluster", CLUSTER, "--fully-sharded", "--tp", "1", "--pp", "2",
+                              os.path.join(REPO, "examples", "train.py"), "--model", "llama-tiny", "--steps",
+                              str(steps)], cwd=tmp, env=env, capture_output=True, text=True, timeout=900, check=True)
+    last = [line for line in run.stdout.splitlines() if line.startswith(f"step {steps} |")][-1]
+    stages = []
+    for stage, device, measured, predicted in STAGE.findall(last):
+        ratio = round(float(measured) / float(predicted), 3)
+        stages.append({"stage": int(stage), "device": device, "measured_mib": float(measured),
+                       "predicted_mib": float(predicted), "measured_over_predicted": ratio})
+    plan = [line for line in run.stdout.splitlines() if line.startswith("training ")][-1]
+    return {"plan": plan, "last_step": last, "stages": stages}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     result = {"machine": machine_info(), "steps": args.steps, "layout": " ".join(LAYOUT[4:]),
-              **{dtype: measure(dtype, args.steps) for dtype in ("fp32", "bf16")}}
+              **{dtype: measure(dtype, args.steps) for dtype in ("fp32", "bf16")}, "in_job": planned_in_job(args.steps)}
     write_json_atomic(OUT, result, overwrite=True)
     for dtype in ("fp32", "bf16"):
         print(dtype, [(s["measured_over_predicted"], s["measured_over_predicted_gathered_every_microbatch"])
                       for s in result[dtype]["stages"]])
+    print("in_job", [s["measured_over_predicted"] for s in result["in_job"]["stages"]])
     print(f"wrote {OUT}")
     return 0
 

@@ -404,3 +404,25 @@ def test_a_given_plan_keeps_its_batch_for_the_job_and_its_re_plans(tmp_path):
     assert re.search(r"global batch size +4 +\(plan\)", resolved["settings"].render())
     with pytest.raises(ConfigError, match="--global-batch-size: 16, but the plan trains 4"):
         resolve(build_parser().parse_args([*base, "--global-batch-size", "16", TRAIN, "--model", "llama-tiny"]))
+
+
+def test_fully_sharded_plans_in_the_job_and_a_given_one_stays_so_in_its_re_plans(tmp_path, capsys):
+    """--fully-sharded searches FSDP2 plans counted as the runtime holds them (hold_gathered always);
+    a given fully sharded plan's re-plans keep it, and one counted for less is refused."""
+    from memx_launch.runtime.launcher import resolve
+
+    target = tmp_path / "plan.json"
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run"]
+    assert main([*argv, "--fully-sharded", "--tp", "1", "--pp", "2", "--export-plan", str(target),
+                 TRAIN, "--model", "llama-tiny"]) == 0
+    plan = json.loads(target.read_text())
+    assert (plan["dp"], plan["training"]["fully_sharded"], plan["training"]["hold_gathered"]) == (2, True, "always")
+    assert re.search(r"data parallel +fully sharded \(FSDP2\)  \(flag\)", capsys.readouterr().out)
+    resolved = resolve(build_parser().parse_args([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]))
+    assert resolved["training"].fully_sharded and resolved["training"].hold_gathered == "always"
+    assert "fully sharded (FSDP2)  (plan)" in resolved["settings"].render()
+    assert not resolve(build_parser().parse_args([*argv, TRAIN, "--model", "llama-tiny"]))["training"].fully_sharded
+    plan["training"]["hold_gathered"] = "never"
+    target.write_text(json.dumps(plan))
+    assert main([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]) == 2
+    assert "plan with --hold-gathered always" in capsys.readouterr().err

@@ -86,6 +86,10 @@ def build_parser():
     g.add_argument("--calibration-budget-s", "--calibration_budget_s", type=float_flag, metavar="S",
                    help="time each device type may spend calibrating (default 600): fewer samples when the "
                         "estimate is over it, and a refusal up front when not even a few fit")
+    g.add_argument("--fully-sharded", "--fully_sharded", action="store_true",
+                   help="shard weights, gradients and optimizer states over each stage's DP ranks (FSDP2, block by "
+                        "block), planned as torch's pipeline schedules run it: a stage holds its gathered weights "
+                        "and unsharded gradients through the step (default: a given plan's, else DDP)")
     g.add_argument("--no-replan", "--no_replan", action="store_true",
                    help="never re-plan during training (passed to the workers as MEMX_NO_REPLAN=1)")
     g.add_argument("--profile-db", "--profile_db", metavar="FILE",
@@ -260,10 +264,15 @@ def resolve(args) -> dict:
     gbs = args.global_batch_size or getattr(plan, "global_batch_size", None) or (
         EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
     # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and grads, autocast, torch's loss,
-    # DDP; FSDP2 (with TP) under torch's pipeline schedules, which hold the gathered weights through the step.
+    # DDP or FSDP2 (with TP, or fully sharded: a given plan's re-plans stay so) under torch's pipeline schedules,
+    # which hold the gathered weights and unsharded gradients through the step.
+    sharded = args.fully_sharded or bool(plan is not None and plan.training.get("fully_sharded"))
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
                             dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32",
-                            grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True, hold_gathered="always")
+                            grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True, hold_gathered="always",
+                            fully_sharded=sharded or None)
+    settings.add("data parallel", "fully sharded (FSDP2)" if sharded else "DDP (FSDP2 with TP)",
+                 "flag" if args.fully_sharded else "plan" if sharded else "default")
     for name, field in (("global batch size", "global_batch_size"), ("sequence length", "seq_len")):
         settings.add(name, getattr(training, field), "flag" if batch[field] else "plan" if plan else "default")
     training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
