@@ -48,16 +48,24 @@ def estimate(tmp: str, dtype: str, hold: str) -> tuple[str, list[float]]:
         return path, [s["predicted_peak_memory_gib"] * 1024 for s in json.load(f)["stages"]]
 
 
-def measure(dtype: str, steps: int) -> dict:
+def memx_run(tmp: str, flags: list[str], steps: int) -> tuple[str, str]:
+    """memx-run's 4 ranks training llama-tiny with ``flags``: its plan line and its last step's line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
+                          "--cluster", CLUSTER, *flags, os.path.join(REPO, "examples", "train.py"),
+                          "--model", "llama-tiny", "--steps", str(steps)],
+                         cwd=tmp, env=env, capture_output=True, text=True, timeout=900, check=True)
+    lines = run.stdout.splitlines()
+    return ([line for line in lines if line.startswith("training ")][-1],
+            [line for line in lines if line.startswith(f"step {steps} |")][-1])
+
+
+def measure(dtype: str, steps: int) -> dict:
+    """The estimate's plan run: its stages' last-step peaks against both counts."""
     with tempfile.TemporaryDirectory() as tmp:
         plan, held = estimate(tmp, dtype, "always")
         _, per_microbatch = estimate(tmp, dtype, "never")
-        run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
-                              "--cluster", CLUSTER, "--plan", plan, os.path.join(REPO, "examples", "train.py"),
-                              "--model", "llama-tiny", "--steps", str(steps)],
-                             cwd=tmp, env=env, capture_output=True, text=True, timeout=900, check=True)
-    last = [line for line in run.stdout.splitlines() if line.startswith(f"step {steps} |")][-1]
+        _, last = memx_run(tmp, ["--plan", plan], steps)
     stages = []
     for (stage, device, measured, predicted), never in zip(STAGE.findall(last), per_microbatch):
         stages.append({"stage": int(stage), "device": device, "measured_mib": float(measured),
@@ -70,19 +78,13 @@ def measure(dtype: str, steps: int) -> dict:
 
 def planned_in_job(steps: int) -> dict:
     """memx-run's own fully sharded plan (calibrated in the job), its stages' last-step peaks."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     with tempfile.TemporaryDirectory() as tmp:
-        run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
-                              "--cluster", CLUSTER, "--fully-sharded", "--tp", "1", "--pp", "2",
-                              os.path.join(REPO, "examples", "train.py"), "--model", "llama-tiny", "--steps",
-                              str(steps)], cwd=tmp, env=env, capture_output=True, text=True, timeout=900, check=True)
-    last = [line for line in run.stdout.splitlines() if line.startswith(f"step {steps} |")][-1]
+        plan, last = memx_run(tmp, ["--fully-sharded", "--tp", "1", "--pp", "2"], steps)
     stages = []
     for stage, device, measured, predicted in STAGE.findall(last):
         ratio = round(float(measured) / float(predicted), 3)
         stages.append({"stage": int(stage), "device": device, "measured_mib": float(measured),
                        "predicted_mib": float(predicted), "measured_over_predicted": ratio})
-    plan = [line for line in run.stdout.splitlines() if line.startswith("training ")][-1]
     return {"plan": plan, "last_step": last, "stages": stages}
 
 

@@ -109,11 +109,12 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         notes.append("selective maps to torchtitan's op-level SAC (selective_ac_option = \"op\"), which keeps "
                      "less and recomputes more than the planned attention-core recompute: plan with "
                      "--selective-recompute op to predict it")
-    hold = TrainingSpec(**tr).hold_gathered
-    if sharded and plan.dp > 1 and keeps_gathered(TrainingSpec(**tr), plan.pp) != (plan.pp > 1):
+    spec = TrainingSpec(**tr)
+    if sharded and plan.dp > 1 and keeps_gathered(spec, plan.pp) != (plan.pp > 1):
         notes.append("torchtitan holds a fully sharded stage's gathered weights and unsharded gradients through "
-                     f"the step under PP only (its pipeline schedules), which the plan's hold_gathered={hold} "
-                     "does not say: plan with --hold-gathered pipelined to predict it")
+                     f"the step under PP only (its pipeline schedules), which the plan's "
+                     f"hold_gathered={spec.hold_gathered} does not say: plan with --hold-gathered pipelined to "
+                     "predict it")
     if plan.cp > 1 and not sharded:
         notes.append("torchtitan shards the weights over context parallelism with FSDP (its dp_shard_cp mesh) "
                      "even without data_parallel_shard_degree: less memory than planned, and gathers it did not time")
@@ -131,7 +132,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         "[parallelism]",
         f"data_parallel_replicate_degree = {1 if sharded else plan.dp}",
         f"data_parallel_shard_degree = {plan.dp if sharded else 1}",
-    ] + (['fsdp_reshard_after_forward = "never"'] if sharded and hold == "weights" else []) + [
+    ] + (['fsdp_reshard_after_forward = "never"'] if sharded and spec.hold_gathered == "weights" else []) + [
         f"tensor_parallel_degree = {tp}",
         f"pipeline_parallel_degree = {plan.pp}",
     ] + ([f"context_parallel_degree = {plan.cp}"] if plan.cp > 1 else [])

@@ -8,15 +8,10 @@ import numpy as np
 
 from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds, overlapped_exposed_seconds
 from memx_launch.planning import quantization
-from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters, compute_weight_bytes
+from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, compute_weight_bytes,
+                                               reduced_gradient_bytes)
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
-
-
-def wire_gradient_bytes(training: TrainingSpec) -> int:
-    """Bytes per gradient the DP reduction moves: the gradients' dtype, or fp32 where 16-bit
-    gradients are cast for it (DeepSpeed's ``fp32_allreduce``)."""
-    return 4 if training.fp32_allreduce else training.precision_bytes("grad_dtype")
 
 
 def updated_weight_bytes(training: TrainingSpec) -> float:
@@ -49,7 +44,7 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
     """
     params = np.asarray(stage_params, dtype=np.float64)
     bucket = gradient_bucket_params(training, dp)
-    grad = wire_gradient_bytes(training) * trained.share
+    grad = reduced_gradient_bytes(training) * trained.share
     if not (training.fully_sharded or training.distributed_optimizer):
         return bucketed_seconds("all_reduce", params * grad, bucket * grad, dp, gbps, nodes, hop)
     gathered = 2.0 * compute_weight_bytes(training) * (1.0 + trained.adapters) if training.fully_sharded \
@@ -114,7 +109,7 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
 
     def unit_seconds(params, ranks, spanned):
         return (collective_seconds("all_gather", params * compute_weight_bytes(training), ranks, gbps, spanned, hop),
-                collective_seconds("reduce_scatter", params * wire_gradient_bytes(training), ranks, gbps, spanned,
+                collective_seconds("reduce_scatter", params * reduced_gradient_bytes(training), ranks, gbps, spanned,
                                    hop))
 
     expert = (0.0, 0.0)
@@ -125,7 +120,7 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
 
 def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParameters) -> float:
     """Bytes per parameter a sharded setup's reduce-scatters and all-gathers move through the ring."""
-    grad = wire_gradient_bytes(training) * trained.share
+    grad = reduced_gradient_bytes(training) * trained.share
     if training.fully_sharded:
         return 2.0 * compute_weight_bytes(training) * (1.0 + trained.adapters) + grad
     # An all-reduce moves its buffer twice through the ring, a reduce-scatter once.
@@ -139,7 +134,7 @@ def sync_allreduce_bytes(stage_params, training: TrainingSpec,
     its buffer twice). What a cross-domain DP group syncs hierarchically."""
     params = np.asarray(stage_params, dtype=np.float64)
     if not (training.fully_sharded or training.distributed_optimizer):
-        return params * trained.share * wire_gradient_bytes(training)
+        return params * trained.share * reduced_gradient_bytes(training)
     return params * _sharded_sync_bytes_per_param(training, trained) / 2.0
 
 

@@ -139,14 +139,15 @@ def held_gathered_bytes(training: TrainingSpec, dp, trained: TrainedParameters =
     if not holds_weights(training, pp):
         return 0.0, 0.0
     several = np.asarray(dp, dtype=np.float64) > 1
-    gradients = accumulated_gradient_bytes(training) * trained.share if keeps_gathered(training, pp) else 0.0
+    gradients = reduced_gradient_bytes(training) * trained.share if keeps_gathered(training, pp) else 0.0
     return (np.where(several, compute_weight_bytes(training) * (1.0 + trained.adapters), 0.0),
             np.where(several, gradients, 0.0))
 
 
-def accumulated_gradient_bytes(training: TrainingSpec) -> int:
-    """Bytes per unsharded gradient a held stage accumulates: the reduction's dtype, fp32 where
-    16-bit gradients are reduced in fp32 (``fp32_allreduce``; FSDP2's ``reduce_dtype``)."""
+def reduced_gradient_bytes(training: TrainingSpec) -> int:
+    """Bytes per gradient the DP reduction moves, and a held stage accumulates its unsharded
+    gradients in: the gradients' dtype, or fp32 where 16-bit gradients are cast for it
+    (DeepSpeed's ``fp32_allreduce``; FSDP2's ``reduce_dtype``)."""
     return 4 if training.fp32_allreduce else training.precision_bytes("grad_dtype")
 
 
@@ -166,7 +167,7 @@ def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp, dp
     layer = sum(fully_sharded_layer_params(model, training, tp, dp_cp))
     if keeps_gathered(training, pp):
         fresh = compute_weight_bytes(training)
-        return 0.0, layer * (fresh if fresh != accumulated_gradient_bytes(training) else 0.0)
+        return 0.0, layer * (fresh if fresh != reduced_gradient_bytes(training) else 0.0)
     gathered = 0.0 if holds_weights(training, pp) else layer * (2.0 * compute_weight_bytes(training))
     return gathered, layer * training.precision_bytes("grad_dtype")
 
