@@ -185,7 +185,9 @@ def test_memx_plan_chooses_the_expert_parallel_degree_unless_given(tmp_path, cap
 
     assert experts.search_degrees(QWEN3, 16) == (1, 2, 4, 8, 16) and experts.search_degrees(MIXTRAL, 64) == (1, 2, 4, 8)
     assert experts.search_degrees(get_model("llama2-7b"), 16) == ()
-    result = search(QWEN3, TWO_NODES, _training(global_batch_size=128), top_k=20,
+    # A host that issues the MoE layer's ops faster than its device runs them: at EP 1-4 the
+    # host's time for 32-128 local experts would rank every other degree after EP 8-16.
+    result = search(QWEN3, TWO_NODES, _training(global_batch_size=128, host_ms_per_layer=0.01), top_k=20,
                     space=SearchSpace(micro_batch_sizes=(1, 2), expert_degrees=(1, 2, 4, 8, 16)))
     degrees = {p.training["expert_parallel"] for p in result.plans}
     assert len(degrees) > 1 and all(p.tp * p.dp % p.training["expert_parallel"] == 0 for p in result.plans)
@@ -288,7 +290,9 @@ def test_the_flex_dispatcher_sends_a_token_once_per_rank_and_once_per_node():
     # none of the 8 drawn from the chosen groups' 128 experts with chance C(96, 8) / C(128, 8).
     assert experts._missed_share(get_model("deepseek-v3"), 8) == pytest.approx(
         0.5 + 0.5 * math.comb(96, 8) / math.comb(128, 8))
-    flex, every_copy = (_training(expert_parallel=8, expert_dispatcher=d) for d in ("flex", "alltoall"))
+    # A host fast enough that the exchanges, not the host's ops, tell the dispatchers apart.
+    flex, every_copy = (_training(expert_parallel=8, expert_dispatcher=d, host_ms_per_layer=0.01)
+                        for d in ("flex", "alltoall"))
     per_byte = experts.exchange_seconds_per_byte(QWEN3, flex, NODE, "gpu")
     link = 450 * NODE.link_efficiency * 1e9
     assert per_byte == pytest.approx(7 * (1 - experts._missed_share(QWEN3, 8)) / link)
@@ -332,20 +336,22 @@ def _moe_layer_seconds(training, recompute=cm.NONE, seq=16):
 
 
 def test_a_mixture_layer_takes_the_host_time_of_its_router_dispatch_and_each_local_expert():
-    per_op = cm.KERNEL_LAUNCH_S
+    # The block's fused kernels at a launch each; the MoE layer's eager ops at what one took measured.
+    block, per_op = cm.KERNELS_PER_LAYER * cm.KERNEL_LAUNCH_S, experts.MOE_HOST_S_PER_OP
+    assert per_op > 2 * cm.KERNEL_LAUNCH_S
     for ep in (1, 8):
         local = QWEN3.num_experts / ep
         ops = sum(per_layer + per_expert * local for per_layer, per_expert in experts.MOE_HOST_OPS.values())
-        assert _moe_layer_seconds(_training(expert_parallel=ep)) == pytest.approx((cm.KERNELS_PER_LAYER + ops) * per_op)
+        assert _moe_layer_seconds(_training(expert_parallel=ep)) == pytest.approx(block + ops * per_op)
     # Recomputing the forward issues its ops again; a bigger host time per block scales them.
     forward = experts.MOE_HOST_OPS["forward"][0] + experts.MOE_HOST_OPS["forward"][1] * QWEN3.num_experts / 8
     assert _moe_layer_seconds(_training(expert_parallel=8), cm.FULL) - _moe_layer_seconds(_training(expert_parallel=8)) \
-        == pytest.approx((0.5 * cm.KERNELS_PER_LAYER + forward) * per_op)
-    slow_host = _training(expert_parallel=8, host_ms_per_layer=1e3 * cm.KERNELS_PER_LAYER * per_op * 3)
+        == pytest.approx(0.5 * block + forward * per_op)
+    slow_host = _training(expert_parallel=8, host_ms_per_layer=1e3 * block * 3)
     assert _moe_layer_seconds(slow_host) == pytest.approx(3 * _moe_layer_seconds(_training(expert_parallel=8)))
-    # At a real micro-batch the device, not the host, sets the time.
-    big = _moe_layer_seconds(_training(expert_parallel=8), seq=4096)
-    assert big > (cm.KERNELS_PER_LAYER + experts.host_ops(QWEN3, _training(expert_parallel=8))) * per_op
+    # At 16,384 tokens a micro-batch the device, not the host, sets the time (at 4,096 the host does).
+    big = _moe_layer_seconds(_training(expert_parallel=8), seq=16384)
+    assert big > block + float(experts.host_seconds(QWEN3, _training(expert_parallel=8)))
 
 
 def test_the_mixture_host_ops_are_the_ones_counted_in_megatron_core():
@@ -356,6 +362,8 @@ def test_the_mixture_host_ops_are_the_ones_counted_in_megatron_core():
         assert (fit["per_layer"], fit["per_local_expert"], fit["largest_miss"]) == (per_layer, per_expert, 0)
     assert all(row[f"{d}_ops"] == experts.MOE_HOST_OPS[d][0] + experts.MOE_HOST_OPS[d][1] * row["local_experts"]
                for row in counted["rows"] for d in ("forward", "backward"))
+    # The host time per op is the file's measurement, within its run-to-run spread on that host.
+    assert experts.MOE_HOST_S_PER_OP * 1e6 == pytest.approx(counted["host_us_per_op"], rel=0.1)
 
 
 def test_a_routed_copy_keeps_what_megatron_core_s_experts_keep():

@@ -295,8 +295,7 @@ class AnalyticalCostModel:
         selective_linear_s = selective_linear_s + (expert_forward_s if whole_moe else 0.0)
         linear_s = linear_s + np.select([recompute == FULL, op_level, recompute == SELECTIVE],
                                         [linear_forward_s, op_again_s, selective_linear_s], 0.0)
-        # The attention core (QK^T and AV, causal half): what the full recompute and the selective
-        # one with it run again.
+        # The attention core (QK^T and AV, causal half): what full recompute, and a selective one of it, run again.
         attn_core_flops = causal_attention_flops(self.model, mbs_a, seq_a, tp)
         # The op-level policy keeps the fused kernel's output: it runs attention again only unfused.
         again = (recompute == FULL) | ((recompute == SELECTIVE) & (~self._flash[device] if op_policy
@@ -332,8 +331,9 @@ class AnalyticalCostModel:
                 exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)
             comm_s = comm_s + exchange_s
             expert_tp_s = self.expert_tp_seconds(tokens, tp, device) * (1.0 + 0.5 * moe_again)
-            # The MoE layer's own ops (router, dispatch, each local expert's) at the block's host time per op.
-            launch_s = launch_s + experts.host_ops(self.model, tr, moe_again) * self._launch_s[device] / KERNELS_PER_LAYER
+            # The MoE layer's own eager ops (experts.host_seconds), slower or faster as the block's host time is.
+            host_scale = self._launch_s[device] / (KERNELS_PER_LAYER * KERNEL_LAUNCH_S)
+            launch_s = launch_s + experts.host_seconds(self.model, tr, moe_again) * host_scale
         if tr.tp_comm_overlap:
             # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
             # follows: the first chunk waits, and whatever the GEMMs cannot cover.
