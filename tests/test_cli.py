@@ -376,6 +376,10 @@ def test_estimate_with_a_profile_db_uses_its_cost_model(tmp_path, capsys, monkey
     analytical, learned = Plan.load(str(tmp_path / "a.json")), Plan.load(str(tmp_path / "l.json"))
     ratio = learned.stages[0].predicted_stage_time_s / analytical.stages[0].predicted_stage_time_s
     assert 1.9 < ratio <= 2.0  # the layers' time doubles; the embedding stays analytical
+    # Which stages the host sets is the analytical model's word: a profile DB's ratios carry the host.
+    slow_host = [*base, "--host-ms-per-layer", "900"]
+    assert "host bound: stage 0" in run(capsys, *slow_host)[1]
+    assert "host bound" not in run(capsys, *slow_host, "--profile-db", str(db))[1]
 
 
 def test_every_setup_and_run_flag_is_documented_in_the_readme_and_docs_setups():

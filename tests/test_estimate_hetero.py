@@ -147,6 +147,13 @@ def test_plan_files_state_per_stage_tp_and_old_files_load(tmp_path, capsys):
                  "--stage-devices", "x*2+y*1,x*2+y*1"]) == 0
     out = capsys.readouterr().out
     assert "x*2+y*1" in out and "stage 0: replicas on x, y; memory shown on x (nearest its capacity" in out
+    # Behind a slow host, each type of a mixed stage is named where the host sets its layers' time.
+    assert main(["estimate", "--model", "llama2-7b", "--cluster", str(path), "--tp", "2", "--pp", "2", "--dp", "3",
+                 "--micro-batch-size", "1", "--global-batch-size", "63", "--recompute", "full",
+                 "--stage-devices", "x*2+y*1,x*2+y*1", "--host-ms-per-layer", "900"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"host bound: stage {i} ({t}): 16 of its 16 layers take the host 1350.0 ms" in out
+               for i in (0, 1) for t in "xy")
     assert main(["export", "--plan", str(plan_path)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err == ["memx: error: plan.stage_tp: stages have different TP degrees [4, 2], which Megatron-LM (one "

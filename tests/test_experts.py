@@ -354,6 +354,41 @@ def test_a_mixture_layer_takes_the_host_time_of_its_router_dispatch_and_each_loc
     assert big > block + float(experts.host_seconds(QWEN3, _training(expert_parallel=8)))
 
 
+def test_estimate_names_the_stages_whose_layers_the_host_sets(tmp_path, capsys):
+    from estimates import cluster_file
+
+    from memx_launch.cli import main
+    from memx_launch.planning.estimate import host_bound_stages
+
+    # Qwen3-30B at EP 8 on H100s: 16 local experts' ops take the host longer than 4,096 tokens take
+    # the device, not 4 x 4,096; a dense block's 40 launches bind neither.
+    for mbs, bound in ((1, True), (4, False)):
+        plan = evaluate_layout(QWEN3, NODE, _training(expert_parallel=8), references=(1, 1, 1), tp=1, pp=1, dp=8,
+                               micro_batch_size=mbs)
+        found = host_bound_stages(plan, NODE, _training(expert_parallel=8))
+        assert bool(found) == bound and all(b.host_s > b.device_s for b in found)
+        if bound:
+            one = cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=8))
+            assert [(b.stage, b.device_type, b.layers) for b in found] == [(0, "gpu", 48)]
+            assert found[0].host_s == pytest.approx(float(one.layer_host_seconds(0, cm.NONE)))
+            assert found[0].device_s < float(one.layer_costs(0, 1, 1, 4096, cm.NONE).time_s) == found[0].host_s
+    dense = get_model("llama2-7b")
+    plan = evaluate_layout(dense, NODE, _training(), references=(1, 1, 1), tp=1, pp=1, dp=8, micro_batch_size=1)
+    assert host_bound_stages(plan, NODE, _training()) == []
+    path = cluster_file(tmp_path, one_node({**H100, "memory_gib": 200}, 8, 450))  # room for micro-batch 4
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", path, "--global-batch-size", "64", "--seq-len", "4096",
+            "--setup", "megatron", "--tp", "1", "--pp", "1", "--dp", "8", "--expert-parallel", "8"]
+    assert main([*args, "--micro-batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "host bound: stage 0 (gpu): 48 of its 48 layers take the host" in out and "16 local experts" in out
+    assert main([*args, "--micro-batch-size", "4"]) == 0 and "host bound" not in capsys.readouterr().out
+    # A dense model behind a slow host: the block's host time, and no word of experts.
+    assert main(["estimate", "--model", "llama2-7b", "--cluster", path, "--global-batch-size", "64", "--tp", "1",
+                 "--pp", "1", "--dp", "8", "--micro-batch-size", "1", "--host-ms-per-layer", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "host bound: stage 0 (gpu): 32 of its 32 layers take the host 100.0 ms each" in out and "experts" not in out
+
+
 def test_the_mixture_host_ops_are_the_ones_counted_in_megatron_core():
     """The constants are benchmarks/moe_host_ops.py's counts of Megatron-Core's MoE layer."""
     counted = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "moe_host_ops.json").read_text())

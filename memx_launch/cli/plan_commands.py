@@ -163,7 +163,8 @@ def add_estimate_command(sub) -> None:
 
 def run_estimate(args) -> int:
     from memx_launch.planning import experts, report
-    from memx_launch.planning.estimate import evaluate_layout, evaluate_plan, plan_training, stage_short_gib
+    from memx_launch.planning.estimate import (evaluate_layout, evaluate_plan, host_bound_stages, plan_training,
+                                               stage_short_gib)
     from memx_launch.planning.objective import parse_weights
 
     check_headroom(args)
@@ -201,7 +202,9 @@ def run_estimate(args) -> int:
                                schedule=args.schedule or "1f1b", virtual_stages=1 if args.virtual_stages is None else args.virtual_stages,
                                weights=weights, cost_model=cost_model_from_args(args, model, cluster, training),
                                memory_headroom=args.memory_headroom)
-    print(report.estimate_report(plan, cluster, args.memory_headroom, split_note))
+    # The host's share is the analytical model's: a profile DB's learned ratios hold their own.
+    host_bound = [] if args.profile_db else host_bound_stages(plan, cluster, training)
+    print(report.estimate_report(plan, cluster, args.memory_headroom, split_note, host_bound))
     if args.json:
         plan.save(args.json, overwrite=args.force, flag="--json")
         print(f"estimate written to {args.json}", file=sys.stderr)

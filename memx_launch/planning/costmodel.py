@@ -21,6 +21,8 @@ from memx_launch.planning import experts, extra_blocks, gated_deltanet, mamba, o
 from memx_launch.planning.activations import LayerCost, activation_bytes, selective_modules  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
+from memx_launch.planning.host_time import KERNEL_LAUNCH_S, KERNELS_PER_LAYER, block_host_seconds  # noqa: F401
+from memx_launch.planning.host_time import layer_host_seconds, moe_forward_again
 from memx_launch.planning.matmuls import (device_sms, forward_backward_seconds, gemm_seconds, latent_up_shapes,
                                           linear_seconds, linear_shapes, mlp_shapes)
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, fine_tuning_flops,  # noqa: F401
@@ -42,10 +44,6 @@ _DEFAULT_FLOPS_PER_BYTE = 150.0
 # Latency of one collective step or point-to-point message (NCCL over NVLink or InfiniBand:
 # a few microseconds of launch and protocol per hop), the alpha of the alpha-beta model.
 LINK_LATENCY_S = 10e-6
-# Host time to launch one kernel of a fused block's ~40 forward and backward (Megatron-LM with
-# Transformer Engine): a small block is host bound. A host time per layer replaces the product.
-KERNEL_LAUNCH_S = 5e-6
-KERNELS_PER_LAYER = 40
 # HBM bytes the cross entropy moves per logit, forward and backward: the fp32 cast (read 2,
 # write 4), log-softmax (two reads and a write of 4), the argmax/target read (4), its backward
 # (zero-filled gradient 4; read gradient and output, write 4 each) and the cast back (4 + 2).
@@ -223,9 +221,7 @@ class AnalyticalCostModel:
         # Accelerators run behind the host's launches and talk through NCCL/RCCL; CPU stand-ins
         # (emulation, profiling on a CPU) run their ops inline, timed without either.
         accelerator = np.array([d.vendor != "cpu" and not stand_in for d in self.device_types])
-        # Host time per layer: the run's flag, else the type's (cluster file or calibration), else a fused block's.
-        host_s = np.array([training.host_ms_per_layer or d.host_ms_per_layer or 1e3 * KERNELS_PER_LAYER
-                           * KERNEL_LAUNCH_S for d in self.device_types]) / 1e3
+        host_s = np.array([block_host_seconds(d, training) for d in self.device_types])
         self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
         # Priced beside the repeated layer (extra_blocks.other_kinds): a mixture's dense block, or a
@@ -321,26 +317,28 @@ class AnalyticalCostModel:
         memory_s = traffic / (self._hbm[device] * 1e9)
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         comm_s = self.tp_allreduces(recompute) * self.tp_allreduce_time(hidden_bytes, device, tp)
-        launch_s = self._launch_s[device] * np.where((recompute == FULL) | op_level, 1.5, 1.0)
         expert_tp_s = 0.0
         if self.model.num_experts:  # dispatch and combine; a fully recomputed forward runs its two again
-            moe_again = (recompute == FULL) | ((recompute == SELECTIVE) & whole_moe)
+            moe_again = moe_forward_again(self.model, tr, recompute)
             exchange_s = experts.exchange_seconds(self.model, tr, tokens, tp, self._exchange_seconds_per_byte[device]) \
                 * (1.0 + 0.5 * moe_again)
             if tr.overlap_expert_comm:  # behind another micro-batch's compute
                 exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)
             comm_s = comm_s + exchange_s
             expert_tp_s = self.expert_tp_seconds(tokens, tp, device) * (1.0 + 0.5 * moe_again)
-            # The MoE layer's own eager ops (experts.host_seconds), slower or faster as the block's host time is.
-            host_scale = self._launch_s[device] / (KERNELS_PER_LAYER * KERNEL_LAUNCH_S)
-            launch_s = launch_s + experts.host_seconds(self.model, tr, moe_again) * host_scale
         if tr.tp_comm_overlap:
             # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
             # follows: the first chunk waits, and whatever the GEMMs cannot cover.
             comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
         comm_s = comm_s + expert_tp_s  # the experts' own gathers: no userbuffers, nothing overlaps them
-        time_s = np.maximum((compute_s + memory_s) * self._slowdown[device] + comm_s, launch_s)  # behind the host
+        device_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
+        time_s = np.maximum(device_s, self.layer_host_seconds(device, recompute))  # behind the host
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
+
+    def layer_host_seconds(self, device, recompute) -> np.ndarray:
+        """The host's time to issue one layer on each queried type (:mod:`host_time`; none on CPU
+        stand-ins, which run their ops inline): no layer takes less."""
+        return layer_host_seconds(self.model, self.training, self._launch_s[np.asarray(device)], recompute)
 
     def attention_seconds(self, device, tp, mbs, seq) -> tuple[np.ndarray, np.ndarray]:
         """The fused attention kernel's forward and backward seconds on one micro-batch of

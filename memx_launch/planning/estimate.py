@@ -6,15 +6,18 @@ first stages), as Megatron-LM's ``--num-layers`` divided by the pipeline degree 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import numpy as np
 
 from memx_launch.planning import context_parallel, costmodel as cm, experts, mamba
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import Objective, Plan, check_stage_dp_split, parse_recompute, short_stages
+from memx_launch.planning.plan import (RECOMPUTE_LEVELS, Objective, Plan, check_stage_dp_split, layer_recompute_levels,
+                                       parse_recompute, short_stages)
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.planning.layouts import Layout, layout_from_stage_devices
+from memx_launch.planning.layouts import Layout, layout_from_stage_devices, stage_device_types
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.extra_blocks import first_stage_min_layers
@@ -190,6 +193,43 @@ def even_split(num_layers: int, pp: int) -> list[int]:
     """``num_layers`` over ``pp`` stages as evenly as possible, the remainder on the first stages."""
     base, extra = divmod(num_layers, pp)
     return [base + (i < extra) for i in range(pp)]
+
+
+@dataclass
+class HostBound:
+    """A stage whose layers the host issues slower than its device runs them (one layer's
+    forward and backward; the first such layer's times)."""
+
+    stage: int
+    device_type: str
+    layers: int
+    host_s: float
+    device_s: float
+
+
+def host_bound_stages(plan: Plan, cluster: ClusterSpec, training: TrainingSpec) -> list[HostBound]:
+    """The stages (and device types of each) whose layers the analytical model prices at the
+    host's time to issue them (:mod:`host_time`) above the device's time to run them, which it
+    gets with a host that takes none. Left out: a hybrid model's mean layer and context
+    parallelism, whose ring adds device time per layer beside the layer priced here."""
+    model = plan.model_spec
+    if model.layer_kinds or plan.cp > 1:
+        return []
+    priced = cm.AnalyticalCostModel(model, cluster, training)
+    device_only = cm.AnalyticalCostModel(model, cluster, replace(training, host_ms_per_layer=1e-9))
+    bound = []
+    for i, (stage, tp, dp) in enumerate(zip(plan.stages, plan.stage_tps, plan.stage_dps)):
+        levels = np.array([RECOMPUTE_LEVELS.index(level) for level in layer_recompute_levels(stage.recompute,
+                                                                                             stage.num_layers)])
+        mbs = plan.micro_batch_size * plan.dp // dp
+        for name in stage_device_types(stage.device_type):
+            query = (np.full(len(levels), priced.device_names.index(name)), np.full(len(levels), tp),
+                     np.full(len(levels), mbs), np.full(len(levels), plan.seq_len), levels)
+            host, device = priced.layer_host_seconds(query[0], levels), device_only.layer_costs(*query).time_s
+            over = np.flatnonzero(host > device)
+            if over.size:
+                bound.append(HostBound(i, name, int(over.size), float(host[over[0]]), float(device[over[0]])))
+    return bound
 
 
 def stage_short_gib(plan: Plan, memory_headroom: float = 0.0) -> list[float]:

@@ -36,7 +36,7 @@ ALL_TO_ALLS = 4
 MOE_HOST_OPS = {"forward": (64, 12), "backward": (45, 20)}
 # Host seconds each of them takes: an eager op issued from the layer's Python (module code,
 # dispatcher, autograd), as benchmarks/results/moe_host_ops.json measures the layer (14 us per op
-# on a 2.45 GHz EPYC core), not a fused block's kernel launch (costmodel.KERNEL_LAUNCH_S, 5 us).
+# on a 2.45 GHz EPYC core), not a fused block's kernel launch (host_time.KERNEL_LAUNCH_S, 5 us).
 MOE_HOST_S_PER_OP = 14e-6
 # What a routed copy's activation keeps, in 2 bytes per element of the expert's width, by (fused,
 # gated): fused (Megatron's weighted_bias_swiglu, AutoModel's WeightedSwiGLUFunction) only its

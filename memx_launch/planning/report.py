@@ -209,9 +209,11 @@ def compare_table(baselines: dict[str, Plan | None]) -> str:
                  rows, right={1, 2, 3})
 
 
-def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0.0, split_note: str = "") -> str:
+def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0.0, split_note: str = "",
+                    host_bound=()) -> str:
     """``memx estimate``: will it fit (under each capacity less ``memory_headroom``), how long
-    does it take, what is its Phi."""
+    does it take (and which stages' layers the host sets, ``host_bound``:
+    :func:`~memx_launch.planning.estimate.host_bound_stages`), what is its Phi."""
     lines = header(cluster, plan.model)
     short = [(i, gib) for i, gib in enumerate(stage_short_gib(plan, memory_headroom)) if gib > 0]
     limit = "its capacity" + (f" less {memory_headroom:.0%} headroom" if memory_headroom else "")
@@ -224,7 +226,7 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
     lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches{pipeline}"
               + (f"; {split_note}" if split_note else ""),
               stage_table(plan), *_mixed_stage_notes(plan, cluster), *crossing_lines(plan, cluster),
-              *memory_parts_lines(plan), "",
+              *host_bound_lines(plan, host_bound), *memory_parts_lines(plan), "",
               f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
               f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "
               f"{plan.predicted_memory_variance:.3g} GiB^2",
@@ -232,6 +234,19 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
               f"V {o.terms.get('V', float('nan')):.3f}; weights {','.join(f'{w:.2f}' for w in o.weights)})",
               verdict]
     return "\n".join(lines)
+
+
+def host_bound_lines(plan: Plan, host_bound) -> list[str]:
+    """One line per stage (and device type) whose layers the host issues slower than the device
+    runs them, with what shortens the host's share."""
+    num_experts = plan.model_spec.num_experts
+    local = num_experts / plan.training.get("expert_parallel", 1) if num_experts else 0
+    cause = (f"its MoE layer's ops grow with its {local:g} local experts: a larger micro-batch, more expert "
+             "parallelism or CUDA graphs (not modelled)" if num_experts else "a larger micro-batch or CUDA graphs "
+             "(not modelled)")
+    return [f"host bound: stage {b.stage} ({b.device_type}): {b.layers} of its {plan.stages[b.stage].num_layers} "
+            f"layers take the host {b.host_s * 1e3:.1f} ms each to issue, the device {b.device_s * 1e3:.1f} ms to run; "
+            f"{cause} would shorten what the host adds" for b in host_bound]
 
 
 # Short headers of the parts of a stage's peak (StagePlan.memory_parts_gib), in MEMORY_PARTS order.
