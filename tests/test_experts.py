@@ -365,7 +365,7 @@ def test_estimate_names_the_stages_whose_layers_the_host_sets(tmp_path, capsys):
     for mbs, bound in ((1, True), (4, False)):
         plan = evaluate_layout(QWEN3, NODE, _training(expert_parallel=8), references=(1, 1, 1), tp=1, pp=1, dp=8,
                                micro_batch_size=mbs)
-        found = host_bound_stages(plan, NODE, _training(expert_parallel=8))
+        found = host_bound_stages(plan, NODE)
         assert bool(found) == bound and all(b.host_s > b.device_s for b in found)
         if bound:
             one = cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=8))
@@ -374,7 +374,7 @@ def test_estimate_names_the_stages_whose_layers_the_host_sets(tmp_path, capsys):
             assert found[0].device_s < float(one.layer_costs(0, 1, 1, 4096, cm.NONE).time_s) == found[0].host_s
     dense = get_model("llama2-7b")
     plan = evaluate_layout(dense, NODE, _training(), references=(1, 1, 1), tp=1, pp=1, dp=8, micro_batch_size=1)
-    assert host_bound_stages(plan, NODE, _training()) == []
+    assert host_bound_stages(plan, NODE) == []
     path = cluster_file(tmp_path, one_node({**H100, "memory_gib": 200}, 8, 450))  # room for micro-batch 4
     args = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", path, "--global-batch-size", "64", "--seq-len", "4096",
             "--setup", "megatron", "--tp", "1", "--pp", "1", "--dp", "8", "--expert-parallel", "8"]
@@ -382,6 +382,10 @@ def test_estimate_names_the_stages_whose_layers_the_host_sets(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "host bound: stage 0 (gpu): 48 of its 48 layers take the host" in out and "16 local experts" in out
     assert main([*args, "--micro-batch-size", "4"]) == 0 and "host bound" not in capsys.readouterr().out
+    # memx plan says it of its winner.
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--cluster", path, "--global-batch-size", "64", "--seq-len", "4096",
+                 "--setup", "megatron", "--expert-parallel", "8", "--micro-batch-sizes", "1", "--quiet"]) == 0
+    assert "host bound: stage 0 (gpu)" in capsys.readouterr().out
     # A dense model behind a slow host: the block's host time, and no word of experts.
     assert main(["estimate", "--model", "llama2-7b", "--cluster", path, "--global-batch-size", "64", "--tp", "1",
                  "--pp", "1", "--dp", "8", "--micro-batch-size", "1", "--host-ms-per-layer", "100"]) == 0

@@ -64,6 +64,7 @@ def add_plan_command(sub) -> None:
 
 def run_plan(args) -> int:
     from memx_launch.planning import experts, report
+    from memx_launch.planning.estimate import host_bound_stages
     from memx_launch.planning.search import search
     from memx_launch.planning.search_space import SearchSpace, restrictions_from_args
     from memx_launch.specs.training import device_precision
@@ -100,6 +101,9 @@ def run_plan(args) -> int:
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
     print(report.plan_report(result, cluster))
+    if not args.profile_db:  # the winner's host-bound stages: the analytical model's word, as memx estimate's
+        for line in report.host_bound_lines(result.best, host_bound_stages(result.best, cluster)):
+            print(line)
     if precision:
         print(f"precision: {precision}")
     print(report.search_stats_line(result.stats), file=sys.stderr)
@@ -124,8 +128,9 @@ _LAYOUT_FLAGS = ("tp", "stage_tp", "pp", "cp", "dp", "stage_dp", "micro_batch_si
 def add_estimate_command(sub) -> None:
     p = sub.add_parser("estimate", help="predict memory and time of a layout you already have",
                        description="Will it fit? Predicted memory per stage against capacity, stage and "
-                                   "iteration time, and Phi, for a given layout or a plan file (exit code 3 when "
-                                   "a stage does not fit), or for every row of a --cases file.")
+                                   "iteration time (and which stages the host sets), and Phi, for a given layout "
+                                   "or a plan file (exit code 3 when a stage does not fit), or for every row of a "
+                                   "--cases file.")
     add_target_args(p, required=False)
     p.add_argument("--plan", metavar="FILE", help="a plan JSON (from memx plan --json) instead of layout flags")
     p.add_argument("--tp", type=int_flag)
@@ -203,7 +208,7 @@ def run_estimate(args) -> int:
                                weights=weights, cost_model=cost_model_from_args(args, model, cluster, training),
                                memory_headroom=args.memory_headroom)
     # The host's share is the analytical model's: a profile DB's learned ratios hold their own.
-    host_bound = [] if args.profile_db else host_bound_stages(plan, cluster, training)
+    host_bound = [] if args.profile_db else host_bound_stages(plan, cluster)
     print(report.estimate_report(plan, cluster, args.memory_headroom, split_note, host_bound))
     if args.json:
         plan.save(args.json, overwrite=args.force, flag="--json")

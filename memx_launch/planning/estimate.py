@@ -207,12 +207,12 @@ class HostBound:
     device_s: float
 
 
-def host_bound_stages(plan: Plan, cluster: ClusterSpec, training: TrainingSpec) -> list[HostBound]:
+def host_bound_stages(plan: Plan, cluster: ClusterSpec) -> list[HostBound]:
     """The stages (and device types of each) whose layers the analytical model prices at the
     host's time to issue them (:mod:`host_time`) above the device's time to run them, which it
     gets with a host that takes none. Left out: a hybrid model's mean layer and context
     parallelism, whose ring adds device time per layer beside the layer priced here."""
-    model = plan.model_spec
+    model, training = plan.model_spec, plan_training(plan)
     if model.layer_kinds or plan.cp > 1:
         return []
     priced = cm.AnalyticalCostModel(model, cluster, training)
