@@ -5,6 +5,7 @@ import pytest
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning import host_time
 from memx_launch.planning.data_parallel import data_parallel_sync_time
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
@@ -226,7 +227,7 @@ def test_small_layers_are_launch_bound_and_fp32_uses_its_peak():
     tiny = get_model("llama-tiny")
     cost = cm.AnalyticalCostModel(tiny, cluster, TrainingSpec()).layer_costs(
         np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 64), np.zeros(1))
-    assert float(cost.time_s[0]) == pytest.approx(cm.KERNELS_PER_LAYER * cm.KERNEL_LAUNCH_S)
+    assert float(cost.time_s[0]) == pytest.approx(host_time.FUSED_BLOCK_HOST_S)
     model = get_model("llama2-7b")
     args = (np.zeros(1, int), np.ones(1), np.ones(1), np.full(1, 4096), np.zeros(1))
     bf16 = float(cm.AnalyticalCostModel(model, cluster, TrainingSpec()).layer_costs(*args).time_s[0])
@@ -270,7 +271,7 @@ def test_a_frameworks_host_time_is_the_least_a_layer_takes(tmp_path, capsys):
     small = (np.zeros(1, int), np.full(1, 2.0), np.ones(1), np.full(1, 64), np.zeros(1))  # TP 2
     fused = cm.AnalyticalCostModel(tiny, _cluster(), TrainingSpec()).layer_costs(*small).time_s[0]
     eager = cm.AnalyticalCostModel(tiny, _cluster(), TrainingSpec(host_ms_per_layer=3.0)).layer_costs(*small).time_s[0]
-    assert fused == pytest.approx(cm.KERNELS_PER_LAYER * cm.KERNEL_LAUNCH_S) and eager == pytest.approx(3e-3)
+    assert fused == pytest.approx(host_time.FUSED_BLOCK_HOST_S) and eager == pytest.approx(3e-3)
     big = (np.zeros(1, int), np.ones(1), np.full(1, 4.0), np.full(1, 4096), np.zeros(1))
     times = [cm.AnalyticalCostModel(get_model("llama2-7b"), _cluster(), TrainingSpec(host_ms_per_layer=ms))
              .layer_costs(*big).time_s[0] for ms in (None, 3.0)]

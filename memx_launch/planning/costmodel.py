@@ -17,12 +17,10 @@ from typing import Protocol
 
 import numpy as np
 
-from memx_launch.planning import experts, extra_blocks, gated_deltanet, mamba, op_checkpointing, quantization
+from memx_launch.planning import experts, extra_blocks, gated_deltanet, host_time, mamba, op_checkpointing, quantization
 from memx_launch.planning.activations import LayerCost, activation_bytes, selective_modules  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
-from memx_launch.planning.host_time import KERNEL_LAUNCH_S, KERNELS_PER_LAYER, block_host_seconds  # noqa: F401
-from memx_launch.planning.host_time import layer_host_seconds, moe_forward_again
 from memx_launch.planning.matmuls import (device_sms, forward_backward_seconds, gemm_seconds, latent_up_shapes,
                                           linear_seconds, linear_shapes, mlp_shapes)
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, fine_tuning_flops,  # noqa: F401
@@ -221,7 +219,7 @@ class AnalyticalCostModel:
         # Accelerators run behind the host's launches and talk through NCCL/RCCL; CPU stand-ins
         # (emulation, profiling on a CPU) run their ops inline, timed without either.
         accelerator = np.array([d.vendor != "cpu" and not stand_in for d in self.device_types])
-        host_s = np.array([block_host_seconds(d, training) for d in self.device_types])
+        host_s = np.array([host_time.block_host_seconds(d, training) for d in self.device_types])
         self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
         # Priced beside the repeated layer (extra_blocks.other_kinds): a mixture's dense block, or a
@@ -319,7 +317,7 @@ class AnalyticalCostModel:
         comm_s = self.tp_allreduces(recompute) * self.tp_allreduce_time(hidden_bytes, device, tp)
         expert_tp_s = 0.0
         if self.model.num_experts:  # dispatch and combine; a fully recomputed forward runs its two again
-            moe_again = moe_forward_again(self.model, tr, recompute)
+            moe_again = host_time.moe_forward_again(self.model, tr, recompute)
             exchange_s = experts.exchange_seconds(self.model, tr, tokens, tp, self._exchange_seconds_per_byte[device]) \
                 * (1.0 + 0.5 * moe_again)
             if tr.overlap_expert_comm:  # behind another micro-batch's compute
@@ -338,7 +336,7 @@ class AnalyticalCostModel:
     def layer_host_seconds(self, device, recompute) -> np.ndarray:
         """The host's time to issue one layer on each queried type (:mod:`host_time`; none on CPU
         stand-ins, which run their ops inline): no layer takes less."""
-        return layer_host_seconds(self.model, self.training, self._launch_s[np.asarray(device)], recompute)
+        return host_time.layer_host_seconds(self.model, self.training, self._launch_s[np.asarray(device)], recompute)
 
     def attention_seconds(self, device, tp, mbs, seq) -> tuple[np.ndarray, np.ndarray]:
         """The fused attention kernel's forward and backward seconds on one micro-batch of
