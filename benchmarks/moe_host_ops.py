@@ -11,7 +11,7 @@ tensor hooks while they run), which memx's activation memory of the experts foll
 ``MOE_HOST_OPS``); a test holds the constants to this file. Also timed: the host seconds per op
 (eager PyTorch on CPU tensors of a few tokens, the layer's Python included), the least of several
 steps of each layer, taken in turns; their median is what memx prices each op at
-(``experts.MOE_HOST_S_PER_OP``, held to ``host_us_per_op`` within 10% by a test).
+(``host_time.EAGER_OP_HOST_S``, held to ``host_us_per_op`` within 10% by a test).
 
 The dispatcher creates CUDA streams and the router places its weight on the current CUDA device;
 on this CPU-only torch both are stood in (a stream that does nothing, the CPU as the device), and
@@ -158,16 +158,22 @@ def linear_fit(xs, ys) -> dict:
     return {"per_layer": per_layer, "per_local_expert": per_expert, "largest_miss": miss}
 
 
-def main() -> None:
+def start_megatron_on_cpu(port: int) -> str:
+    """megatron-core on this CPU-only torch: its CUDA streams stood in, one gloo rank, TP, PP and
+    EP 1. Its version."""
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
+    os.environ.setdefault("MASTER_PORT", str(port))
     _stand_in_cuda()
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import __version__ as megatron_version
-    from megatron.core import parallel_state
+    from megatron.core import __version__, parallel_state
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    return __version__
+
+
+def main() -> None:
+    megatron_version = start_megatron_on_cpu(29561)
     started = time.perf_counter()
     layers, counts = [], []
     for local in LOCAL_EXPERTS:
@@ -196,7 +202,7 @@ def main() -> None:
         "forward": linear_fit(xs, [r["forward_ops"] for r in rows]),
         "backward": linear_fit(xs, [r["backward_ops"] for r in rows]),
         "rows": rows,
-        # What the cost model prices each of a MoE layer's ops at (experts.MOE_HOST_S_PER_OP).
+        # What the cost model prices each of a MoE layer's ops at (host_time.EAGER_OP_HOST_S).
         "host_us_per_op": round(statistics.median(r["host_us_per_op_this_cpu"] for r in rows), 1),
         "seconds": round(time.perf_counter() - started, 1),
     }

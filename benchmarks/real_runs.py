@@ -35,14 +35,15 @@ Data (development sets of issue 10, in shared/peer-data):
   Megatron-DeepSpeed: fp32 (fp32 matmuls at the fp32 peak: PyTorch leaves TF32 off), Adam state
   whole, hidden dropout on and attention dropout off (OPT's training configuration), no fused
   attention in fp32 and torch's softmax (Megatron's fused softmax kernel takes only 16-bit
-  inputs: ``--no-fused-softmax``), the plan's layer split. The measured peak is the device's
+  inputs: ``--no-fused-softmax``), blocks issued as eager PyTorch ops (``--eager-block``), the plan's
+  layer split. The measured peak is the device's
   used memory as nvidia-smi reports it after the step's last instruction, the largest over the
   ranks (Sailor's ``get_total_used_mem`` in ``deepspeed/pipe_engine.py``): context,
   communicator buffers and the allocator's reserve included, as memx's peak counts them.
 
 Host time: the Sailor plans again with ``--host-ms-per-layer`` at the fastest block of Sailor's
-OPT-350 profile on GH-96 (an eager framework issues a layer no faster; memx's default is a
-fused block's).
+OPT-350 profile on GH-96 (the framework issues a layer no faster), where ``--eager-block`` counts
+the block's ops.
 
 Calibrated: the Sailor plans again with the learned model fitted on the public Sailor profile
 of their GPU type and model (block, embedding and head times; no memory in that profile).
@@ -154,8 +155,9 @@ def hagemann(shared: str) -> list[dict]:
 # --------------------------------------------------------------------------- Sailor plans (OPT-350, GH200)
 
 
-# Megatron-DeepSpeed's OPT runs in fp32: no fused attention, torch's softmax, hidden dropout on.
-SAILOR_RUN_OPTIONS = {"flash_attention": False, "fused_softmax": False, "dropout": True}
+# Megatron-DeepSpeed's OPT runs in fp32: no fused attention, torch's softmax, hidden dropout on, its
+# blocks issued as eager PyTorch ops.
+SAILOR_RUN_OPTIONS = {"flash_attention": False, "fused_softmax": False, "dropout": True, "eager_block": True}
 
 
 def gh200_cluster(nodes: int, efficiency: float | None = None) -> ClusterSpec:

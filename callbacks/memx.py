@@ -154,9 +154,10 @@ class MemxCallback(pl.Callback):
 
         batch = self._user_batch_size(pl_module)
         accumulation = trainer.accumulate_grad_batches
-        # Lightning's DDP keeps torch's default gradient_as_bucket_view=False: a copy of the gradients.
+        # Lightning's DDP keeps torch's default gradient_as_bucket_view=False: a copy of the gradients;
+        # the user's module runs as eager ops.
         training = TrainingSpec(global_batch_size=batch * accumulation * trainer.world_size, seq_len=spec.seq_len,
-                                dtype=self.dtype, ddp_bucket_copy=True)
+                                dtype=self.dtype, ddp_bucket_copy=True, eager_block=True)
         root = trainer.default_root_dir
         db = self.profile_db or os.path.join(root, "memx-profiles.jsonl")
         if os.path.exists(db) and dist.is_initialized():  # every rank must agree: a fresh profile per fit

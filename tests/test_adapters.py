@@ -301,9 +301,10 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
             assert not falls or got[-1] < got[0], (name, rank, got)
             assert (bridge_messages > 0) == (cluster is not None), (name, rank)
         assert not falls or ref[-1] < ref[0], name
-    first = next(iter(_padded(CASES[PADDED][1])))  # where the padding mask changes the loss
+    # The padding mask moves the loss far beyond what the ranks are held to, so they must apply it.
+    first = next(iter(_padded(CASES[PADDED][1])))
     model = hf_llama()
-    assert abs(model(**first).loss - model(input_ids=first["input_ids"], labels=first["labels"]).loss) > 1e-3
+    assert abs(model(**first).loss - model(input_ids=first["input_ids"], labels=first["labels"]).loss) > 10 * LOSS_ATOL
     for rank in range(4):  # TP on a block type memx does not know: every rank names the fix
         assert "no tensor-parallel plan for OwnBlock" in results[rank][-1] and "tp=1" in results[rank][-1]
 

@@ -337,7 +337,7 @@ def _moe_layer_seconds(training, recompute=cm.NONE, seq=16):
 
 def test_a_mixture_layer_takes_the_host_time_of_its_router_dispatch_and_each_local_expert():
     # The block's fused kernels at a launch each; the MoE layer's eager ops at what one took measured.
-    block, per_op = host_time.FUSED_BLOCK_HOST_S, experts.MOE_HOST_S_PER_OP
+    block, per_op = host_time.FUSED_BLOCK_HOST_S, host_time.EAGER_OP_HOST_S
     for ep in (1, 8):
         local = QWEN3.num_experts / ep
         ops = sum(per_layer + per_expert * local for per_layer, per_expert in experts.MOE_HOST_OPS.values())
@@ -350,7 +350,7 @@ def test_a_mixture_layer_takes_the_host_time_of_its_router_dispatch_and_each_loc
     assert _moe_layer_seconds(slow_host) == pytest.approx(3 * _moe_layer_seconds(_training(expert_parallel=8)))
     # At 16,384 tokens a micro-batch the device, not the host, sets the time (at 4,096 the host does).
     big = _moe_layer_seconds(_training(expert_parallel=8), seq=16384)
-    assert big > block + float(experts.host_seconds(QWEN3, _training(expert_parallel=8)))
+    assert big > block + float(experts.host_ops(QWEN3, _training(expert_parallel=8))) * per_op
 
 
 def test_estimate_names_the_stages_whose_layers_the_host_sets(tmp_path, capsys):
@@ -401,7 +401,7 @@ def test_the_mixture_host_ops_are_the_ones_counted_in_megatron_core():
     assert all(row[f"{d}_ops"] == experts.MOE_HOST_OPS[d][0] + experts.MOE_HOST_OPS[d][1] * row["local_experts"]
                for row in counted["rows"] for d in ("forward", "backward"))
     # The host time per op is the file's measurement, within its run-to-run spread on that host.
-    assert experts.MOE_HOST_S_PER_OP * 1e6 == pytest.approx(counted["host_us_per_op"], rel=0.1)
+    assert host_time.EAGER_OP_HOST_S * 1e6 == pytest.approx(counted["host_us_per_op"], rel=0.1)
 
 
 def test_a_routed_copy_keeps_what_megatron_core_s_experts_keep():

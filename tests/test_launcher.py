@@ -182,6 +182,15 @@ def test_nodes_take_their_own_process_count_from_the_cluster_file(capsys):
         assert "world size              20  (file)" in rendered
 
 
+def test_memx_run_prices_its_blocks_as_the_eager_ops_they_run():
+    """memx's runtime runs the user's (or memx's) blocks as eager PyTorch ops: planned with their host time."""
+    from memx_launch.runtime.launcher import resolve
+
+    args = build_parser().parse_args(["--nnodes", "3", "--node-rank", "0", "--cluster", PAPER_CLUSTER, TRAIN,
+                                      "--model", "llama2-7b"])
+    assert resolve(args)["training"].eager_block is True
+
+
 @pytest.mark.parametrize("argv, field", [
     (["--nnodes", "3", "--node-rank", "1", "--nproc-per-node", "4"], "--nproc-per-node"),
     (["--nnodes", "3", "--node-rank", "3"], "--node-rank"),

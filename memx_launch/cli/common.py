@@ -85,7 +85,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "(Megatron-LM's --overlap-p2p-communication, torch's interleaved schedule); off: each blocks "
                         "(default on)"),
                        ("ddp-bucket-copy", "torch DDP without gradient_as_bucket_view: its buckets hold a second copy "
-                        "of the gradients (default off; --setup ddp: on)")):
+                        "of the gradients (default off; --setup ddp: on)"),
+                       ("eager-block", "each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, "
+                        "torchtitan uncompiled): the host's time per layer is their count at 14 us each, not a fused "
+                        "block's 0.2 ms (default off)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
     p.add_argument("--hold-gathered", "--hold_gathered", choices=HOLD_GATHERED,
@@ -102,7 +105,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--host-ms-per-layer", "--host_ms_per_layer", type=float, metavar="MS",
                    help="host time the framework takes to issue one layer's forward and backward; no layer takes "
                         "less (default: the device type's host_ms_per_layer, measured by calibration on GPUs, "
-                        "else a fused block's 0.2 ms; eager frameworks about 3)")
+                        "else --eager-block's ops at 14 us each, or a fused block's 0.2 ms)")
     p.add_argument("--frozen-fraction", "--frozen_fraction", type=float, metavar="F",
                    help="fine-tuning: share of the parameters frozen, no gradients or optimizer states (default 0)")
     p.add_argument("--lora-rank", "--lora_rank", type=int, metavar="R",

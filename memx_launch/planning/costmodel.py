@@ -219,7 +219,7 @@ class AnalyticalCostModel:
         # Accelerators run behind the host's launches and talk through NCCL/RCCL; CPU stand-ins
         # (emulation, profiling on a CPU) run their ops inline, timed without either.
         accelerator = np.array([d.vendor != "cpu" and not stand_in for d in self.device_types])
-        host_s = np.array([host_time.block_host_seconds(d, training) for d in self.device_types])
+        host_s = np.array([host_time.block_host_seconds(d, model, training) for d in self.device_types])
         self._launch_s, self._accelerator = np.where(accelerator, host_s, 0.0), accelerator
         self._head_cache: dict = {}
         # Priced beside the repeated layer (extra_blocks.other_kinds): a mixture's dense block, or a

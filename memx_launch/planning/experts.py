@@ -32,12 +32,9 @@ ALL_TO_ALL_LATENCY_S = 18e-6
 ALL_TO_ALLS = 4
 # The ATen ops Megatron-Core's MoE layer dispatches beyond its block's attention and norms, as
 # (per layer: router, dispatch, combine, permutes; per local expert: its linears and activation),
-# forward and backward (counted in benchmarks/results/moe_host_ops.json).
+# forward and backward (counted in benchmarks/results/moe_host_ops.json), each an eager op's
+# host time (host_time.EAGER_OP_HOST_S).
 MOE_HOST_OPS = {"forward": (64, 12), "backward": (45, 20)}
-# Host seconds each of them takes: an eager op issued from the layer's Python (module code,
-# dispatcher, autograd), as benchmarks/results/moe_host_ops.json measures the layer (14 us per op
-# on a 2.45 GHz EPYC core), not a fused block's kernel launch (host_time.KERNEL_LAUNCH_S, 5 us).
-MOE_HOST_S_PER_OP = 14e-6
 # What a routed copy's activation keeps, in 2 bytes per element of the expert's width, by (fused,
 # gated): fused (Megatron's weighted_bias_swiglu, AutoModel's WeightedSwiGLUFunction) only its
 # input, the gate-and-up output (2 x the width; ungated 1); unfused (megatron-core 0.16.1's
@@ -156,11 +153,6 @@ def host_ops(model: ModelSpec, training: TrainingSpec, forward_again=False) -> n
     local = model.num_experts / training.expert_parallel
     forward, backward = (per_layer + per_expert * local for per_layer, per_expert in MOE_HOST_OPS.values())
     return forward * (1.0 + np.asarray(forward_again, dtype=np.float64)) + backward
-
-
-def host_seconds(model: ModelSpec, training: TrainingSpec, forward_again=False) -> np.ndarray:
-    """Seconds the host takes to issue :func:`host_ops`, at :data:`MOE_HOST_S_PER_OP` each."""
-    return host_ops(model, training, forward_again) * MOE_HOST_S_PER_OP
 
 
 def expert_tp_bytes(model: ModelSpec, training: TrainingSpec, tokens, tp) -> np.ndarray:

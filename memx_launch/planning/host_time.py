@@ -19,13 +19,50 @@ from memx_launch.specs.training import TrainingSpec
 KERNEL_LAUNCH_S = 5e-6
 KERNELS_PER_LAYER = 40
 FUSED_BLOCK_HOST_S = KERNELS_PER_LAYER * KERNEL_LAUNCH_S
+# Host seconds of one op issued from eager PyTorch (module code, dispatcher, autograd, launch), as
+# measured on a 2.45 GHz EPYC core: 14 us an op of Megatron-Core's MoE layer
+# (benchmarks/results/moe_host_ops.json), 16-17 of its eager dense block (block_host_ops.json).
+EAGER_OP_HOST_S = 14e-6
+# The ATen ops (forward, backward) of Megatron-Core's eager dense block (its local spec: GPT's
+# fused LayerNorm, biased linears, GELU, unfused attention with torch's masked softmax, no
+# dropout), and what each option adds, counted in benchmarks/results/block_host_ops.json; the
+# attention dropout and the fp32 softmax only without fused attention.
+EAGER_BLOCK_OPS = {"base": (52, 94), "hidden_dropout": (8, 2), "attention_dropout": (4, 1),
+                   "softmax_in_fp32": (2, -6), "rotary": (30, 22), "gated": (3, 3), "no_biases": (-4, -11),
+                   "flash_attention": (-13, -26), "torch_norm": (16, 34)}
+# The MLP's own ops by (gated, biased): a mixture of experts issues its MoE layer's instead.
+EAGER_MLP_OPS = {(False, True): (12, 30), (False, False): (11, 23), (True, True): (15, 33), (True, False): (14, 26)}
 
 
-def block_host_seconds(device_type: DeviceType, training: TrainingSpec) -> float:
+def eager_block_ops(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
+    """(forward, backward) ATen ops an eager block issues, by the options that change them; a
+    mixture's without its MLP (its MoE layer's ops are :func:`experts.host_ops`)."""
+    added = ["hidden_dropout"] * bool(training.dropout) + ["torch_norm"] * (not training.fused_norm)
+    if training.flash_attention:
+        added.append("flash_attention")
+    else:
+        added += ["attention_dropout"] * bool(training.attention_dropout) \
+            + ["softmax_in_fp32"] * bool(training.softmax_in_fp32 and training.dtype_bytes < 4)
+    added += ["rotary"] * (not model.position_embeddings) + ["gated"] * model.gated_mlp \
+        + ["no_biases"] * (not model.linear_biases)
+    forward, backward = (sum(EAGER_BLOCK_OPS[name][i] for name in ["base", *added]) for i in (0, 1))
+    if model.num_experts:
+        mlp = EAGER_MLP_OPS[(model.gated_mlp, model.linear_biases)]
+        forward, backward = forward - mlp[0], backward - mlp[1]
+    return forward, backward
+
+
+def default_block_host_seconds(model: ModelSpec, training: TrainingSpec) -> float:
+    """A block's host time where nothing measured it: an eager block's ops at an eager op's
+    host time (``--eager-block``), else a fused block's launches."""
+    return sum(eager_block_ops(model, training)) * EAGER_OP_HOST_S if training.eager_block else FUSED_BLOCK_HOST_S
+
+
+def block_host_seconds(device_type: DeviceType, model: ModelSpec, training: TrainingSpec) -> float:
     """A block's host time on ``device_type``: the run's flag, else the type's (cluster file or
-    calibration), else a fused block's."""
+    calibration), else :func:`default_block_host_seconds`."""
     ms = training.host_ms_per_layer or device_type.host_ms_per_layer
-    return ms / 1e3 if ms else FUSED_BLOCK_HOST_S
+    return ms / 1e3 if ms else default_block_host_seconds(model, training)
 
 
 def moe_forward_again(model: ModelSpec, training: TrainingSpec, recompute) -> np.ndarray:
@@ -38,13 +75,17 @@ def moe_forward_again(model: ModelSpec, training: TrainingSpec, recompute) -> np
 
 def layer_host_seconds(model: ModelSpec, training: TrainingSpec, block_s, recompute) -> np.ndarray:
     """Seconds the host takes to issue one layer at each ``recompute`` level, its block taking
-    ``block_s`` (half again where the forward runs again: full or op-level recompute) and a
-    mixture's MoE layer its own eager ops (:func:`experts.host_seconds`), slower or faster as
-    ``block_s`` is against a fused block's."""
+    ``block_s`` (its forward's share again where the forward runs again: full or op-level
+    recompute; half of a fused block's) and a mixture's MoE layer its own eager ops
+    (:func:`experts.host_ops`), slower or faster as ``block_s`` is against
+    :func:`default_block_host_seconds`."""
     recompute = np.asarray(recompute)
     op_level = (recompute == SELECTIVE) & (training.selective_recompute == "op")
-    seconds = block_s * np.where((recompute == FULL) | op_level, 1.5, 1.0)
+    forward, backward = eager_block_ops(model, training)
+    forward_share = forward / (forward + backward) if training.eager_block else 0.5
+    seconds = block_s * np.where((recompute == FULL) | op_level, 1.0 + forward_share, 1.0)
     if model.num_experts:
         again = moe_forward_again(model, training, recompute)
-        seconds = seconds + experts.host_seconds(model, training, again) * block_s / FUSED_BLOCK_HOST_S
+        host_scale = block_s / default_block_host_seconds(model, training)
+        seconds = seconds + experts.host_ops(model, training, again) * EAGER_OP_HOST_S * host_scale
     return seconds

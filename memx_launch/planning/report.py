@@ -239,11 +239,13 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
 def host_bound_lines(plan: Plan, host_bound) -> list[str]:
     """One line per stage (and device type) whose layers the host issues slower than the device
     runs them, with what shortens the host's share."""
-    num_experts = plan.model_spec.num_experts
+    num_experts, eager = plan.model_spec.num_experts, plan.training.get("eager_block")
     local = num_experts / plan.training.get("expert_parallel", 1) if num_experts else 0
-    cause = (f"its MoE layer's ops grow with its {local:g} local experts: a larger micro-batch, more expert "
-             "parallelism or CUDA graphs (not modelled)" if num_experts else "a larger micro-batch or CUDA graphs "
-             "(not modelled)")
+    why = [f"its MoE layer's ops grow with its {local:g} local experts"] * bool(num_experts) \
+        + ["its block runs as eager ops"] * bool(eager)
+    shorter = ["a larger micro-batch"] + ["more expert parallelism"] * bool(num_experts) \
+        + ["fused kernels (torch.compile, Transformer Engine)"] * bool(eager) + ["CUDA graphs (not modelled)"]
+    cause = " and ".join(why) + ": " * bool(why) + ", ".join(shorter[:-1]) + " or " + shorter[-1]
     return [f"host bound: stage {b.stage} ({b.device_type}): {b.layers} of its {plan.stages[b.stage].num_layers} "
             f"layers take the host {b.host_s * 1e3:.1f} ms each to issue, the device {b.device_s * 1e3:.1f} ms to run; "
             f"{cause} would shorten what the host adds" for b in host_bound]

@@ -80,10 +80,11 @@ SETUPS: dict[str, dict] = {
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
     # last stage the previous micro-batch's logits; its RMSNorm all-gathers the sequence-parallel
     # output, which the next linear then keeps whole; its SwiGLU has separate gate and up linears;
-    # its optimizer all-reduces the whole gradients over DP, cast to fp32, after the backward.
+    # its optimizer all-reduces the whole gradients over DP, cast to fp32, after the backward; its
+    # blocks run as eager ops.
     "scaling": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
                     vocab_parallel_loss=False, keep_stage_outputs=True, sp_keeps_gathered_input=True,
-                    fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True),
+                    fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True, eager_block=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
@@ -99,7 +100,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,
-                       hold_gathered="pipelined")
+                       hold_gathered="pipelined", eager_block=False)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,9 @@ class TrainingSpec:
     """torch's DistributedDataParallel without ``gradient_as_bucket_view`` (its default, and
     Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
     second copy of the gradients on each replica (with more than one). Default off (``ddp``: on)."""
+    eager_block: bool | None = None
+    """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host
+    time is their count at an eager op's 14 us, not a fused block's 40 launches of 5 us. Default off."""
     overlap_p2p_comm: bool | None = None
     """An interleaved pipeline's sends run while the stage computes its next chunk (Megatron-LM's
     ``--overlap-p2p-communication``, on by default there since 2023; torch's
@@ -252,11 +256,8 @@ class TrainingSpec:
     16-bit ``peak_tflops``, instead of ``peak_tflops_fp32``. Other devices ignore it."""
     host_ms_per_layer: float | None = None
     """Host time in ms the framework takes to issue one layer's forward and backward on an
-    accelerator: no layer takes less (the device runs behind the host). Unset: a fused block's
-    (Megatron-LM, Transformer Engine), 40 ops of 5 us. A mixture-of-experts layer adds the ops of
-    Megatron-Core's MoE layer (router, dispatch, each local expert's linears) at this time per 40
-    ops. Eager frameworks take far longer: Sailor's Megatron-DeepSpeed profiles bottom out at
-    3.13-3.60 ms per OPT-350 layer."""
+    accelerator: no layer takes less (the device runs behind the host). Unset: the device type's,
+    else ``eager_block``'s count (planning/host_time.py); a MoE layer's ops scale with it."""
     frozen_fraction: float = 0.0
     """Fine-tuning: the share of the model's parameters that is frozen (no gradients, no
     optimizer states, no weight-gradient GEMMs; their weights are still kept, gathered and
