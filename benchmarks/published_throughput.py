@@ -217,6 +217,7 @@ def torchtitan(rated_power: bool = False) -> list[dict]:
             dp, policy = gpus // cp, d["activation_checkpointing"]
             compiled = d["compile"] == "True"
             training = TrainingSpec(global_batch_size=local * dp, seq_len=seq, setup="fsdp2", fused_norm=compiled,
+                                    eager_block=not compiled,
                                     fp8="current" if d["float8"] == "True" else None,
                                     selective_recompute="op" if policy == "selective_op" else "attention")
             recompute = {"none": "none", "full": "full", "selective_op": "selective",

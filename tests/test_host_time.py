@@ -95,9 +95,13 @@ def test_an_eager_mixture_prices_its_moe_ops_at_the_eager_op_time():
     assert _layer(mixture, slower, seq=4096, tp=1)[1] == pytest.approx(2 * host)
 
 
-def test_the_scaling_setup_runs_eager_blocks():
-    """Aleph Alpha's codebase issues its blocks as torch ops (and flash-attn calls); Megatron-LM fuses."""
-    assert TrainingSpec(setup="scaling").eager_block and not TrainingSpec(setup="megatron").eager_block
+def test_every_setup_but_megatron_runs_eager_blocks():
+    """DeepSpeed, FSDP, DDP and Aleph Alpha's codebase issue their blocks as torch ops; Megatron-LM
+    with Transformer Engine fuses them, and a setup's word yields to the flag (a compiled run)."""
+    from memx_launch.specs.training import SETUPS
+
+    assert {name for name in SETUPS if TrainingSpec(setup=name).eager_block} == set(SETUPS) - {"megatron"}
+    assert not TrainingSpec().eager_block and not TrainingSpec(setup="fsdp2", eager_block=False).eager_block
 
 
 def test_estimate_and_cases_take_the_eager_block(tmp_path, capsys):

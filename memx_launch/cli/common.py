@@ -88,7 +88,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "of the gradients (default off; --setup ddp: on)"),
                        ("eager-block", "each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, "
                         "torchtitan uncompiled): the host's time per layer is their count at 14 us each, not a fused "
-                        "block's 0.2 ms (default off)")):
+                        "block's 0.2 ms (default off; on in every --setup but megatron)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
     p.add_argument("--hold-gathered", "--hold_gathered", choices=HOLD_GATHERED,

@@ -66,15 +66,15 @@ SETUPS: dict[str, dict] = {
                      sequence_parallel=True, flash_attention=True, loss_dtype="fp32",
                      vocab_parallel_loss=True, overlap_grad_reduce=True, fused_activation=True),
     "zero1": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
-                  vocab_parallel_loss=False),
+                  vocab_parallel_loss=False, eager_block=True),
     "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
-                  grad_dtype="training", vocab_parallel_loss=False),
+                  grad_dtype="training", vocab_parallel_loss=False, eager_block=True),
     "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
-                  vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never"),
+                  vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True),
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
-                  overlap_grad_reduce=True, hold_gathered="pipelined"),
+                  overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
-                ddp_bucket_copy=True),
+                ddp_bucket_copy=True, eager_block=True),
     # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
     # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
@@ -224,8 +224,8 @@ class TrainingSpec:
     Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
     second copy of the gradients on each replica (with more than one). Default off (``ddp``: on)."""
     eager_block: bool | None = None
-    """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host
-    time is their count at an eager op's 14 us, not a fused block's 40 launches of 5 us. Default off."""
+    """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host time
+    is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
     overlap_p2p_comm: bool | None = None
     """An interleaved pipeline's sends run while the stage computes its next chunk (Megatron-LM's
     ``--overlap-p2p-communication``, on by default there since 2023; torch's
