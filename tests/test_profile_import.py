@@ -97,10 +97,10 @@ def test_cli_appends_records_a_predictor_reads(tmp_path, capsys):
     assert all(r.run_options == {"tf32": True} for r in records)
     # How the blocks ran goes with them: their learned ratios are taken against it.
     assert main(argv + ["--out", str(tmp_path / "ran.jsonl"), "--tf32", "--no-flash-attention", "--no-fused-softmax",
-                        "--dropout"]) == 0
+                        "--dropout", "--eager-block"]) == 0
     ran = ProfileDB(str(tmp_path / "ran.jsonl")).read()
-    assert all(r.run_options == {"tf32": True, "flash_attention": False, "fused_softmax": False, "dropout": True}
-               for r in ran)
+    assert all(r.run_options == {"tf32": True, "flash_attention": False, "fused_softmax": False, "dropout": True,
+                                 "eager_block": True} for r in ran)
     assert main(argv + ["--device-type", "H100"]) == 2
     assert "--device-type: 'H100' is not a device type" in capsys.readouterr().err
 

@@ -85,10 +85,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "(Megatron-LM's --overlap-p2p-communication, torch's interleaved schedule); off: each blocks "
                         "(default on)"),
                        ("ddp-bucket-copy", "torch DDP without gradient_as_bucket_view: its buckets hold a second copy "
-                        "of the gradients (default off; --setup ddp: on)"),
-                       ("eager-block", "each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, "
-                        "torchtitan uncompiled): the host's time per layer is their count at 14 us each, not a fused "
-                        "block's 0.2 ms (default off; on in every --setup but megatron)")):
+                        "of the gradients (default off; --setup ddp: on)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
     p.add_argument("--hold-gathered", "--hold_gathered", choices=HOLD_GATHERED,
@@ -162,6 +159,9 @@ BLOCK_OPTIONS = {
     "dropout": "hidden dropout on: its masks are kept for the backward (default off)",
     "attention_dropout": "dropout on the attention probabilities (default off)",
     "fused_norm": "fused RMSNorm/LayerNorm kernel (default on)",
+    "eager_block": "each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): "
+                   "the host's time per layer is their count at 14 us each, not a fused block's 0.2 ms (default off; "
+                   "on in every --setup but megatron)",
 }
 
 

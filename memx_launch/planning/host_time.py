@@ -21,7 +21,7 @@ KERNELS_PER_LAYER = 40
 FUSED_BLOCK_HOST_S = KERNELS_PER_LAYER * KERNEL_LAUNCH_S
 # Host seconds of one op issued from eager PyTorch (module code, dispatcher, autograd, launch), as
 # measured on a 2.45 GHz EPYC core: 14 us an op of Megatron-Core's MoE layer
-# (benchmarks/results/moe_host_ops.json), 16-17 of its eager dense block (block_host_ops.json).
+# (benchmarks/results/moe_host_ops.json), about as much of its eager dense block (block_host_ops.json).
 EAGER_OP_HOST_S = 14e-6
 # The ATen ops (forward, backward) of Megatron-Core's eager dense block (its local spec: GPT's
 # fused LayerNorm, biased linears, GELU, unfused attention with torch's masked softmax, no
