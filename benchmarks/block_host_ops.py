@@ -15,7 +15,8 @@ adds (checked additive: every option at once is the base plus the sum):
   (memx ``fused_norm`` off).
 
 The MLP's own ops are counted too (GELU or SwiGLU, biased or not): a mixture of experts replaces
-them by its MoE layer's (``benchmarks/moe_host_ops.py``). Also timed: the host seconds per op of the
+them by its MoE layer's (``benchmarks/moe_host_ops.py``). Another framework's block as a check:
+Hugging Face's LlamaDecoderLayer (SDPA or eager attention) against the sum of its options' counts. Also timed: the host seconds per op of the
 base and of a LLaMA-style block (least of several steps, taking turns), beside the MoE layer's 14 us.
 ``memx_launch.planning.host_time`` prices an eager block (``--eager-block``) from these counts
 (``EAGER_BLOCK_OPS``); a test holds the constants to this file. Not counted: the TP collectives
@@ -135,6 +136,34 @@ def count_ops(module, rotary: bool, mlp_only: bool = False) -> tuple[int, int]:
     return counts
 
 
+def hugging_face_llama_ops(attention: str) -> tuple[int, int]:
+    """ATen ops one forward and backward of Hugging Face's LlamaDecoderLayer dispatch (bf16, its
+    torch-op RMSNorm, rotary embeddings, SwiGLU, no biases) with ``attention`` "sdpa" (one fused
+    kernel) or "eager" (matmuls and an fp32 softmax): another framework's block, against what the
+    options' counts add up to."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_attention_heads=HEADS,
+                         num_key_value_heads=HEADS, num_hidden_layers=1)
+    config._attn_implementation = attention
+    layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+    causal = torch.triu(torch.full((SEQ, SEQ), float("-inf"), dtype=torch.bfloat16), 1)[None, None]
+    kwargs = dict(position_embeddings=LlamaRotaryEmbedding(config)(x, positions), position_ids=positions,
+                  attention_mask=causal.expand(BATCH, 1, SEQ, SEQ) if attention == "eager" else None)
+    counts = (0, 0)
+    for _ in range(2):
+        with _OpCounter() as forward:
+            out = layer(x, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+        with _OpCounter() as backward:
+            out.float().sum().backward()
+        counts = (sum(forward.ops.values()), sum(backward.ops.values()))
+    return counts
+
+
 def host_seconds(modules) -> list[float]:
     """Fewest seconds one forward and backward of each of ``(module, rotary)`` took, taking turns
     over several rounds (a shared host's other work only ever adds to a step)."""
@@ -189,6 +218,15 @@ def main() -> None:
                 (out if bias is None else out + bias).float().sum().backward()
             mlp[f"{'swiglu' if gated else 'gelu'}{'' if biases else ' no biases'}"] = [
                 sum(forward.ops.values()), sum(backward.ops.values())]
+    # Hugging Face's LLaMA block against the counts' sum for its options (torch-op norms, rotary,
+    # SwiGLU, no biases; SDPA's fused kernel, or eager attention with its fp32 softmax).
+    hugging_face = {}
+    for attention, options in (("sdpa", ("flash_attention",)), ("eager", ("softmax_in_fp32",))):
+        summed = [base[i] + sum(added[name][i] for name in ("torch_norm", "rotary", "gated", "no_biases", *options))
+                  for i in (0, 1)]
+        counted = list(hugging_face_llama_ops(attention))
+        hugging_face[attention] = {"counted": counted, "options_sum": summed,
+                                   "counted_over_sum": round(sum(counted) / sum(summed), 3)}
     llama_fields = dict(add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu)
     llama = block(llama_fields, True, False)
     llama_ops = count_ops(llama, True)
@@ -210,13 +248,15 @@ def main() -> None:
         "every_option_as_sum": as_sum,
         "mlp": mlp,
         "llama_block": {"ops": list(llama_ops), "options": "rotary, SwiGLU, no biases, fused attention, fused norms"},
+        "hugging_face_llama": hugging_face,
         # What the base and the LLaMA-style block cost the host per op on this CPU (least of several steps).
         "host_us_per_op": per_op,
         "host_ms_this_cpu": {"gpt": round(timed[0] * 1e3, 3), "llama": round(timed[1] * 1e3, 3)},
         "seconds": round(time.perf_counter() - started, 1),
     }
     write_json_atomic(OUT, result, overwrite=True)
-    print(f"base {base}, every option {every} (sum {as_sum}), MLP {mlp}, host us per op {per_op} -> {OUT}")
+    print(f"base {base}, every option {every} (sum {as_sum}), MLP {mlp}, Hugging Face {hugging_face}, "
+          f"host us per op {per_op} -> {OUT}")
 
 
 if __name__ == "__main__":

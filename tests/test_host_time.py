@@ -124,3 +124,15 @@ def test_estimate_and_cases_take_the_eager_block(tmp_path, capsys):
     table = "id,eager_block,tp,pp,dp,micro_batch_size\neager,true,4,1,2,1\nfused,false,4,1,2,1\n"
     rows = cases_rows(capsys, tmp_path, table, args[:-8])
     assert rows["eager"]["iteration_time_s"] > rows["fused"]["iteration_time_s"]
+
+
+def test_another_frameworks_block_issues_about_what_its_options_add_up_to():
+    """Hugging Face's LlamaDecoderLayer, counted as the Megatron-Core block was, against the sum of
+    its options' counts (torch-op norms, rotary, SwiGLU, no biases; SDPA or eager attention with its
+    fp32 softmax): memx's eager count for those options is that sum, within 15% of the count."""
+    llama = get_model("llama2-7b")
+    for attention, flash in (("sdpa", True), ("eager", False)):
+        training = TrainingSpec(flash_attention=flash, softmax_in_fp32=not flash, fused_norm=False, eager_block=True)
+        checked = COUNTED["hugging_face_llama"][attention]
+        assert list(host_time.eager_block_ops(llama, training)) == checked["options_sum"]
+        assert sum(checked["counted"]) == pytest.approx(sum(checked["options_sum"]), rel=0.15)
