@@ -129,14 +129,21 @@ def test_pressure_with_every_block_checkpointed_stops_with_a_smaller_micro_batch
                             "peak_none_gib": 0.02, "peak_full_gib": 0.01, "capacity_gib": 0.025})
 
 
-def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp_path, capsys):
+def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp_path, capsys, monkeypatch):
     """MemxCallback(cluster=None) under Lightning's SingleDeviceStrategy (no process group): the
-    process describes its own device, calibrates the module's block, trains with the plan and
-    samples its memory (every step here; the default's first sample, step 10, crashed once)."""
+    process describes its own device, calibrates the module's block (as the eager ops a
+    LightningModule runs), trains with the plan and samples its memory (every step here; the
+    default's first sample, step 10, crashed once)."""
     import lightning as L
     import toy_models  # noqa: F401  (puts examples/ on the path: the examples import each other)
 
     import lightning_train as example
+    from memx_callbacks import memx as callback_module
+
+    calibrated = []
+    calibrate = callback_module.calibrate_blocks
+    monkeypatch.setattr(callback_module, "calibrate_blocks",
+                        lambda *args, **kwargs: calibrated.append(args[4]) or calibrate(*args, **kwargs))
     callback = MemxCallback(None, model=example.MODEL, log_every_n_steps=1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, default_root_dir=str(tmp_path), logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, callbacks=[callback])
@@ -144,6 +151,7 @@ def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp
     assert type(trainer.strategy).__name__ == "SingleDeviceStrategy" and trainer.global_step == 2
     assert callback._monitor.last_table is not None and callback._monitor.last_table.shape == (1, 4)
     assert "memx: plan for" in capsys.readouterr().out and (tmp_path / "memx-profiles.jsonl").exists()
+    assert [training.eager_block for training in calibrated] == [True]
 
 
 @pytest.mark.parametrize("value", ["abc", True, 2.5, 0, None])
