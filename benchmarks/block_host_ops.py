@@ -190,8 +190,7 @@ def main() -> None:
     tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: _NoRngTracker()
     started = time.perf_counter()
     torch.manual_seed(0)
-    base_block = block({}, False, False)
-    base = count_ops(base_block, False)
+    base = count_ops(block({}, False, False), False)
     added = {}
     for name, (fields, rotary, flash, torch_norm) in VARIANTS.items():
         forward, backward = count_ops(block(fields, flash, torch_norm), rotary)
