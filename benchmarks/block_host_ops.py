@@ -21,7 +21,7 @@ base and of a LLaMA-style block (least of several steps, taking turns), beside t
 ``memx_launch.planning.host_time`` prices an eager block (``--eager-block``) from these counts
 (``EAGER_BLOCK_OPS``); a test holds the constants to this file. Not counted: the TP collectives
 (four c10d calls per layer where TP > 1), Megatron's fused scale-mask-softmax kernel (counted as
-torch's path), query/key norms and parallel blocks.
+torch's path), separate gate and up linears, query/key norms and parallel blocks.
 
 Writes benchmarks/results/block_host_ops.json.
 Run: .venv/bin/python benchmarks/block_host_ops.py   (seconds, after megatron-core's import)
@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.moe_host_ops import _OpCounter, start_megatron_on_cpu  # noqa: E402
+from benchmarks.moe_host_ops import forward_backward_ops, start_megatron_on_cpu  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "block_host_ops.json")
@@ -121,19 +121,15 @@ def _step(module, x, kwargs):
     return out
 
 
-def count_ops(module, rotary: bool, mlp_only: bool = False) -> tuple[int, int]:
-    """ATen ops one forward and one backward dispatch (after a warm-up step)."""
+def _with_bias(out, bias):
+    """A Megatron linear's output with its returned bias added (the layer adds it after)."""
+    return out if bias is None else out + bias
+
+
+def count_ops(module, rotary: bool) -> tuple[int, int]:
+    """ATen ops one forward and one backward of a block dispatch."""
     x, kwargs = _inputs(rotary)
-    if mlp_only:
-        kwargs = {}
-    counts = (0, 0)
-    for _ in range(2):
-        with _OpCounter() as forward:
-            out = _step(module, x, kwargs)
-        with _OpCounter() as backward:
-            out.float().sum().backward()
-        counts = (sum(forward.ops.values()), sum(backward.ops.values()))
-    return counts
+    return forward_backward_ops(lambda: _step(module, x, kwargs))
 
 
 def hugging_face_llama_ops(attention: str) -> tuple[int, int]:
@@ -153,15 +149,7 @@ def hugging_face_llama_ops(attention: str) -> tuple[int, int]:
     causal = torch.triu(torch.full((SEQ, SEQ), float("-inf"), dtype=torch.bfloat16), 1)[None, None]
     kwargs = dict(position_embeddings=LlamaRotaryEmbedding(config)(x, positions), position_ids=positions,
                   attention_mask=causal.expand(BATCH, 1, SEQ, SEQ) if attention == "eager" else None)
-    counts = (0, 0)
-    for _ in range(2):
-        with _OpCounter() as forward:
-            out = layer(x, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-        with _OpCounter() as backward:
-            out.float().sum().backward()
-        counts = (sum(forward.ops.values()), sum(backward.ops.values()))
-    return counts
+    return forward_backward_ops(lambda: _step(layer, x, kwargs))
 
 
 def host_seconds(modules) -> list[float]:
@@ -209,14 +197,10 @@ def main() -> None:
     for gated in (False, True):
         for biases in (True, False):
             fields = dict(add_bias_linear=biases, **(dict(gated_linear_unit=True, activation_func=F.silu) if gated else {}))
-            layer = block(fields, False, False)
+            mlp_of_block = block(fields, False, False).mlp
             x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
-            with _OpCounter() as forward:
-                out, bias = layer.mlp(x)
-            with _OpCounter() as backward:
-                (out if bias is None else out + bias).float().sum().backward()
-            mlp[f"{'swiglu' if gated else 'gelu'}{'' if biases else ' no biases'}"] = [
-                sum(forward.ops.values()), sum(backward.ops.values())]
+            mlp[f"{'swiglu' if gated else 'gelu'}{'' if biases else ' no biases'}"] = list(
+                forward_backward_ops(lambda: _with_bias(*mlp_of_block(x))))
     # Hugging Face's LLaMA block against the counts' sum for its options (torch-op norms, rotary,
     # SwiGLU, no biases; SDPA's fused kernel, or eager attention with its fp32 softmax).
     hugging_face = {}

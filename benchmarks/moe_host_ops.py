@@ -95,17 +95,21 @@ def moe_layer(local_experts: int):
     return MoELayer(config, submodules=MoESubmodules(experts=experts))
 
 
-def count_ops(layer) -> tuple[int, int]:
-    """ATen ops one forward and one backward of ``layer`` dispatch (after a warm-up step)."""
-    x = torch.randn(16, 2, 64, requires_grad=True)
-    counts = []
+def forward_backward_ops(forward_step) -> tuple[int, int]:
+    """ATen ops ``forward_step()`` (returning the output) dispatches, and the backward from its
+    sum, after a warm-up step."""
     for _ in range(2):
         with _OpCounter() as forward:
-            out, _bias = layer(x)
+            out = forward_step()
         with _OpCounter() as backward:
-            out.sum().backward()
-        counts = [sum(forward.ops.values()), sum(backward.ops.values())]
-    return counts[0], counts[1]
+            out.float().sum().backward()
+    return sum(forward.ops.values()), sum(backward.ops.values())
+
+
+def count_ops(layer) -> tuple[int, int]:
+    """ATen ops one forward and one backward of ``layer`` dispatch."""
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    return forward_backward_ops(lambda: layer(x)[0])
 
 
 def expert_saved_bytes(layer, tokens: int) -> int:

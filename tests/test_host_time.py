@@ -73,6 +73,9 @@ def test_an_eager_block_holds_a_small_layer_to_its_host_time():
     eager_time, eager_host = _layer(OPT, eager)
     assert fused_host == host_time.FUSED_BLOCK_HOST_S < fused_time
     assert eager_host == pytest.approx(156 * host_time.EAGER_OP_HOST_S) and eager_time == eager_host > fused_time
+    # The device's time alone (what memx estimate holds the host's against) is the fused block's layer time.
+    device = float(cm.AnalyticalCostModel(OPT, NODE, eager).layer_costs(0, 4, 1, 2048, cm.NONE, host=False).time_s)
+    assert device == fused_time < eager_host
     big_time, big_host = _layer(OPT, eager, mbs=64)
     assert big_time > big_host == eager_host
     told = dataclasses.replace(eager, host_ms_per_layer=5.0)

@@ -64,21 +64,19 @@ def test_a_mixture_s_whole_mlp_or_its_shared_expert():
         float(activation_bytes(LLAMA, 1, 4096, 1, cm.NONE).activation_bytes))
 
     def seconds(modules):
-        return float(cm.AnalyticalCostModel(shared, NODE, _training(recompute_modules=modules, expert_parallel=8,
-                                                                    host_ms_per_layer=0.01))
-                     .layer_costs(0, 1, 1, 4096, cm.SELECTIVE).time_s)
+        return float(cm.AnalyticalCostModel(shared, NODE, _training(recompute_modules=modules, expert_parallel=8))
+                     .layer_costs(0, 1, 1, 4096, cm.SELECTIVE, host=False).time_s)
     # The whole MLP again: its experts' GEMMs and its two exchanges, more than its activation or shared expert.
-    # A host fast enough for the device's time to show.
-    plain = float(cm.AnalyticalCostModel(shared, NODE, _training(expert_parallel=8, host_ms_per_layer=0.01)).layer_costs(
-        0, 1, 1, 4096, cm.NONE).time_s)
+    plain = float(cm.AnalyticalCostModel(shared, NODE, _training(expert_parallel=8)).layer_costs(
+        0, 1, 1, 4096, cm.NONE, host=False).time_s)
     assert seconds(("moe",)) > max(seconds(("shared_experts",)), seconds(("moe_act",)))
     assert min(seconds(("shared_experts",)), seconds(("moe_act",))) > plain
 
 
 def test_each_module_runs_its_part_again():
-    def seconds(model, level, modules=None):  # the device's: a host faster than Qwen3's 128 local experts' ops
-        return float(cm.AnalyticalCostModel(model, NODE, _training(recompute_modules=modules, host_ms_per_layer=0.01))
-                     .layer_costs(0, 1, 1, 4096, level).time_s)
+    def seconds(model, level, modules=None):  # the device's: the host's for Qwen3's 128 local experts' ops would hide it
+        return float(cm.AnalyticalCostModel(model, NODE, _training(recompute_modules=modules))
+                     .layer_costs(0, 1, 1, 4096, level, host=False).time_s)
 
     none = seconds(LLAMA, cm.NONE)
     # The dense MLP's GEMMs forward again, and its activation's passes.

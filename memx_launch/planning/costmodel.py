@@ -243,9 +243,11 @@ class AnalyticalCostModel:
         self._tp_hop = np.array([[PCI if tp_over_pcie(cluster, d.name, t) else NVLINK for t in TP_DEGREES]
                                  for d in self.device_types])
 
-    def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
+    def layer_costs(self, device, tp, mbs, seq, recompute, host: bool = True) -> LayerCost:
+        """One layer's costs per query; ``host``: no layer runs faster than the host issues it
+        (False: the device's time alone)."""
         if self.model.layer_kinds:  # a hybrid model's mean layer; the backward's working set of its largest
-            costs = [(n / self.model.num_layers, kind.layer_costs(device, tp, mbs, seq, recompute))
+            costs = [(n / self.model.num_layers, kind.layer_costs(device, tp, mbs, seq, recompute, host))
                      for (_, n), kind in zip(self.model.layer_kinds, self.other_kinds)]
             mean = [sum(share * getattr(c, part) for share, c in costs) for part in ("time_s", "activation_bytes")]
             return LayerCost(*mean, np.max([c.working_bytes for _, c in costs], axis=0))
@@ -330,7 +332,7 @@ class AnalyticalCostModel:
             comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
         comm_s = comm_s + expert_tp_s  # the experts' own gathers: no userbuffers, nothing overlaps them
         device_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
-        time_s = np.maximum(device_s, self.layer_host_seconds(device, recompute))  # behind the host
+        time_s = np.maximum(device_s, self.layer_host_seconds(device, recompute)) if host else device_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 
     def layer_host_seconds(self, device, recompute) -> np.ndarray:

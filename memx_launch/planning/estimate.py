@@ -6,7 +6,7 @@ first stages), as Megatron-LM's ``--num-layers`` divided by the pipeline degree 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -209,14 +209,12 @@ class HostBound:
 
 def host_bound_stages(plan: Plan, cluster: ClusterSpec) -> list[HostBound]:
     """The stages (and device types of each) whose layers the analytical model prices at the
-    host's time to issue them (:mod:`host_time`) above the device's time to run them, which it
-    gets with a host that takes none. Left out: a hybrid model's mean layer and context
+    host's time to issue them (:mod:`host_time`) above the device's time to run them. Left out: a hybrid model's mean layer and context
     parallelism, whose ring adds device time per layer beside the layer priced here."""
     model, training = plan.model_spec, plan_training(plan)
     if model.layer_kinds or plan.cp > 1:
         return []
     priced = cm.AnalyticalCostModel(model, cluster, training)
-    device_only = cm.AnalyticalCostModel(model, cluster, replace(training, host_ms_per_layer=1e-9))
     bound = []
     for i, (stage, tp, dp) in enumerate(zip(plan.stages, plan.stage_tps, plan.stage_dps)):
         levels = np.array([RECOMPUTE_LEVELS.index(level) for level in layer_recompute_levels(stage.recompute,
@@ -225,7 +223,7 @@ def host_bound_stages(plan: Plan, cluster: ClusterSpec) -> list[HostBound]:
         for name in stage_device_types(stage.device_type):
             query = (np.full(len(levels), priced.device_names.index(name)), np.full(len(levels), tp),
                      np.full(len(levels), mbs), np.full(len(levels), plan.seq_len), levels)
-            host, device = priced.layer_host_seconds(query[0], levels), device_only.layer_costs(*query).time_s
+            host, device = priced.layer_host_seconds(query[0], levels), priced.layer_costs(*query, host=False).time_s
             over = np.flatnonzero(host > device)
             if over.size:
                 bound.append(HostBound(i, name, int(over.size), float(host[over[0]]), float(device[over[0]])))

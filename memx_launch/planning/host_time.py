@@ -31,7 +31,7 @@ EAGER_BLOCK_OPS = {"base": (52, 94), "hidden_dropout": (8, 2), "attention_dropou
                    "softmax_in_fp32": (2, -6), "rotary": (30, 22), "gated": (3, 3), "no_biases": (-4, -11),
                    "flash_attention": (-13, -26), "torch_norm": (16, 34)}
 # The MLP's own ops by (gated, biased): a mixture of experts issues its MoE layer's instead.
-EAGER_MLP_OPS = {(False, True): (12, 30), (False, False): (11, 23), (True, True): (15, 33), (True, False): (14, 26)}
+EAGER_MLP_OPS = {(False, True): (13, 29), (False, False): (11, 23), (True, True): (16, 32), (True, False): (14, 26)}
 
 
 def eager_block_ops(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
@@ -81,8 +81,10 @@ def layer_host_seconds(model: ModelSpec, training: TrainingSpec, block_s, recomp
     :func:`default_block_host_seconds`."""
     recompute = np.asarray(recompute)
     op_level = (recompute == SELECTIVE) & (training.selective_recompute == "op")
-    forward, backward = eager_block_ops(model, training)
-    forward_share = forward / (forward + backward) if training.eager_block else 0.5
+    forward_share = 0.5
+    if training.eager_block:
+        forward, backward = eager_block_ops(model, training)
+        forward_share = forward / (forward + backward)
     seconds = block_s * np.where((recompute == FULL) | op_level, 1.0 + forward_share, 1.0)
     if model.num_experts:
         again = moe_forward_again(model, training, recompute)
