@@ -59,36 +59,53 @@ def collective_seconds(op: str, nbytes, ranks, busbw_gbps, nodes=1, intra_hop=NV
         raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
     group = [np.asarray(x, dtype=np.float64) for x in (ranks, nodes, busbw_gbps, intra_hop)]
     group_shape = np.broadcast_shapes(*(g.shape for g in group))
-    shape = np.broadcast_shapes(np.shape(nbytes), group_shape)
-    nbytes = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), shape)
-    # Few distinct groups (a stage's, a device type's): each group's candidates are computed once.
-    combos: dict = {}
-    for k, key in enumerate(zip(*(np.broadcast_to(g, group_shape).ravel() for g in group))):
-        combos.setdefault(key, []).append(k)
-    if len(combos) == 1:
-        return _seconds(op, nbytes.ravel(), *next(iter(combos))).reshape(shape)
-    code = np.empty(int(np.prod(group_shape)), dtype=np.int64)
-    for c, members in enumerate(combos.values()):
-        code[members] = c
-    which = np.broadcast_to(code.reshape(group_shape), shape)
-    out = np.empty(shape)
-    for c, key in enumerate(combos):
-        members = which == c
-        out[members] = _seconds(op, nbytes[members], *key)
-    return out
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    shape = np.broadcast_shapes(nbytes.shape, group_shape)
+    # Few distinct groups (a stage's, a device type's): each group's candidates are built once,
+    # then every element takes its group's row of them and the fastest is one vectorised min.
+    keys = tuple(zip(*(np.broadcast_to(g, group_shape).ravel().tolist() for g in group)))
+    if not keys:  # no elements
+        return np.zeros(shape)
+    # A layout's few stages (memx estimate's rows) repeat whole: their table is looked up at once.
+    table = _group_rows(op, keys) if len(keys) <= _CACHED_GROUP_SIZE else _gather_rows(op, keys)
+    latency, per_byte, plateau = (part.reshape(*group_shape, _CANDIDATES) for part in table)
+    nbytes = nbytes[..., None]
+    latency = np.where(nbytes >= plateau, latency * _RING_PLATEAU, latency)
+    return np.where(nbytes[..., 0] > 0, (latency + per_byte * nbytes).min(axis=-1), 0.0)
 
 
-def _seconds(op, nbytes, n, nodes, busbw_gbps, hop) -> np.ndarray:
+# Candidates per group: up to three ring protocols and three tree ones.
+_CANDIDATES = 6
+# Groups of up to this many elements have their whole table cached.
+_CACHED_GROUP_SIZE = 64
+
+
+def _gather_rows(op, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(latency, seconds per byte, plateau bytes) of each element's group, one row of
+    ``_CANDIDATES`` per element of ``keys`` ((ranks, nodes, bus bandwidth, hop) each)."""
+    index: dict = {}
+    code = np.fromiter((index.setdefault(key, len(index)) for key in keys), dtype=np.int64, count=len(keys))
+    table = [_candidate_rows(op, *key) for key in index]
+    return tuple(np.stack([rows[i] for rows in table])[code] for i in range(3))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_rows(op, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _gather_rows(op, keys)
+
+
+@functools.lru_cache(maxsize=65536)
+def _candidate_rows(op, n, nodes, busbw_gbps, hop):
+    """:func:`_candidates` of one group as rows of ``_CANDIDATES`` (latency s, seconds per
+    byte, bytes from which the ring plateau applies): unused slots never the fastest, a group of
+    one rank all zeros."""
     latency, per_byte, plateau = _candidates(op, float(n), float(nodes), float(busbw_gbps), int(hop))
-    if latency.size == 0:
-        return np.zeros_like(nbytes)
-    lat = np.broadcast_to(latency[:, None], (latency.size, nbytes.size))
-    if plateau is not None:  # the multi-node ring all-reduce's plateau on large buffers
-        index, threshold = plateau
-        lat = lat.copy()
-        lat[index] = np.where(nbytes >= threshold, lat[index] * _RING_PLATEAU, lat[index])
-    best = (lat + per_byte[:, None] * nbytes[None, :]).min(axis=0)
-    return np.where(nbytes > 0, best, 0.0)
+    pad = _CANDIDATES - latency.size
+    rows = (np.concatenate([latency, np.full(pad, 0.0 if latency.size == 0 else np.inf)]),
+            np.concatenate([per_byte, np.zeros(pad)]), np.full(_CANDIDATES, np.inf))
+    if plateau is not None:
+        rows[2][plateau[0]] = plateau[1]
+    return rows
 
 
 @functools.lru_cache(maxsize=65536)
@@ -138,9 +155,11 @@ def bucketed_seconds(op: str, total_bytes, bucket_bytes, ranks, busbw_gbps, node
     total = np.asarray(total_bytes, dtype=np.float64)
     bucket = np.minimum(np.asarray(bucket_bytes, dtype=np.float64), np.maximum(total, 1.0))
     full = np.floor(total / bucket)
-    rest = total - full * bucket
-    return (full * collective_seconds(op, bucket, ranks, busbw_gbps, nodes, intra_hop)
-            + collective_seconds(op, rest, ranks, busbw_gbps, nodes, intra_hop))
+    # The full buckets' and the last one's collectives in one call: each shaped as the result.
+    shape = np.broadcast_shapes(full.shape, *(np.shape(x) for x in (ranks, busbw_gbps, nodes, intra_hop)))
+    sizes = np.stack([np.broadcast_to(bucket, shape), np.broadcast_to(total - full * bucket, shape)])
+    seconds = collective_seconds(op, sizes, ranks, busbw_gbps, nodes, intra_hop)
+    return full * seconds[0] + seconds[1]
 
 
 def collective_sm_share(sms) -> np.ndarray:

@@ -24,6 +24,10 @@ from memx_launch.planning.extra_blocks import first_stage_min_layers
 from memx_launch.planning.scoring import Evaluator, GroupResult
 from memx_launch.planning.search import default_references, to_plan
 
+# Micro-batch sizes a scorer's first cost table prices beside those asked: a cases file's rows
+# ask a few of them, and one cost-model call prices many as fast as one.
+USUAL_MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
 
 def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") -> tuple[np.ndarray, np.ndarray]:
     """Per stage of ``layers`` (1, P): the level index and how many of its layers recompute at it
@@ -44,8 +48,8 @@ def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") ->
 
 class LayoutScorer:
     """Scores given layouts of one model, cluster and training on one cost model, keeping what
-    layouts share: one cost table per micro-batch size (every TP degree the model's heads
-    allow on the cluster) and each parsed layout (``memx estimate --cases`` asks thousands of
+    layouts share: one cost table per CP degree (every TP degree the model's heads allow on the
+    cluster, every micro-batch size asked and :data:`USUAL_MICRO_BATCH_SIZES`) and each parsed layout (``memx estimate --cases`` asks thousands of
     layouts of a few setups). ``layouts``: a cache of parsed layouts to share with the scorers
     of other setups on the same cluster."""
 
@@ -55,7 +59,7 @@ class LayoutScorer:
         self.model, self.cluster, self.training = model, cluster, training
         self.cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
         self.memory_headroom = memory_headroom
-        self._evaluators: dict[tuple, Evaluator] = {}
+        self._evaluators: dict[int, Evaluator] = {}  # by CP degree
         self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
         self._degrees = [t for t in range(1, min(model.num_heads, cluster.world_size) + 1) if model.splits_over_tp(t)]
 
@@ -95,12 +99,15 @@ class LayoutScorer:
         if key not in self._layouts:
             self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp_arg, stage_devices, cp)
         layout = self._layouts[key]
-        local_mbss = sorted({int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))})
-        evaluator = self._evaluators.get((tuple(local_mbss), cp))
-        if evaluator is None:  # per-layer costs are element-wise: a wider table holds the same numbers
-            table = CostTable(self.cost_model, len(names), self._degrees, local_mbss, [training.seq_len // cp])
+        local_mbss = {int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))}
+        evaluator = self._evaluators.get(cp)
+        if evaluator is None or not local_mbss <= set(evaluator.table.mbss):
+            # Per-layer costs are element-wise, so a wider table holds the same numbers: one table
+            # (one cost-model call) for every micro-batch size asked so far and the usual ones.
+            wanted = local_mbss | set(evaluator.table.mbss if evaluator else USUAL_MICRO_BATCH_SIZES)
+            table = CostTable(self.cost_model, len(names), self._degrees, sorted(wanted), [training.seq_len // cp])
             evaluator = Evaluator(model, cluster, training, self.cost_model, table, self.memory_headroom)
-            self._evaluators[tuple(local_mbss), cp] = evaluator
+            self._evaluators[cp] = evaluator
         if layers_per_stage is None:
             if model.num_layers < pp * v:
                 raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",

@@ -427,7 +427,8 @@ class Evaluator:
         if tr.overlap_grad_reduce and not held:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             t_dp = overlapped_exposed_seconds(t_dp, 2.0 / 3.0 * stage_time, sm_share)
-        ends = np.isin(np.arange(layout.pp), (0, layout.pp - 1))  # after their DP sync they sum tied gradients
+        ends = np.zeros(layout.pp, dtype=bool)  # after their DP sync they sum tied gradients
+        ends[[0, -1]] = True
         t_dp = (t_dp + self.tied_sync_time(layout) * ends).max(axis=1)
         # The optimizer step of every stage on each of its device types, at once.
         step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
