@@ -8,7 +8,7 @@ from memx_launch.planning import costmodel as cm, data_parallel
 from memx_launch.planning.model_states import parameters_per_rank
 from memx_launch.planning.plan import Crossing
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes
-from memx_launch.planning.scoring import GroupResult
+from memx_launch.planning.group_result import GroupResult
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 

@@ -21,7 +21,8 @@ from memx_launch.planning.layouts import Layout, layout_from_stage_devices, stag
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.extra_blocks import first_stage_min_layers
-from memx_launch.planning.scoring import Evaluator, GroupResult
+from memx_launch.planning.group_result import GroupResult
+from memx_launch.planning.scoring import Evaluator
 from memx_launch.planning.search import default_references, to_plan
 
 # Micro-batch sizes a scorer's first cost table prices beside those asked: a cases file's rows

@@ -32,7 +32,8 @@ from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Plan
 from memx_launch.files import write_json_atomic
 from memx_launch.planning.cost_table import CostTable
-from memx_launch.planning.scoring import Evaluator, GroupResult
+from memx_launch.planning.group_result import GroupResult
+from memx_launch.planning.scoring import Evaluator
 from memx_launch.planning.estimate import recompute_rows
 from memx_launch.planning.layouts import make_layout
 from memx_launch.planning.objective import DEFAULT_MAX_SLOWDOWN

@@ -6,6 +6,8 @@ model chunks per device. No torch import.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -22,6 +24,15 @@ def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.n
     base = np.minimum(pp - stage, g)
     interleave = np.where(v > 1, 1.0 + (pp - 1 - stage) / (pp * v), 1.0)
     return np.minimum(base * interleave, np.maximum(g, 1.0))
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_inflight_microbatches(pp: int, num_microbatches: int, virtual_stages: int = 1) -> np.ndarray:
+    """(P,) :func:`inflight_microbatches` of every stage of a pipeline, read-only: cached, as the
+    search asks the same few pipelines for every group it scores."""
+    inflight = inflight_microbatches(np.arange(pp), pp, num_microbatches, virtual_stages)
+    inflight.flags.writeable = False
+    return inflight
 
 
 def iteration_time_1f1b(stage_times, transfer_times, num_microbatches, t_fix=0.0, t_dp=0.0):

@@ -7,8 +7,6 @@ holds every recompute policy as rows of numpy arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, extra_blocks,
@@ -19,7 +17,6 @@ from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.collectives import collective_sm_share, overlapped_exposed_seconds
 from memx_launch.planning.matmuls import device_sms
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
-from memx_launch.planning.plan import recompute_text
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
@@ -29,55 +26,13 @@ from memx_launch.planning.model_states import (expert_data_parallel, keeps_gathe
                                                parameters_per_rank, quantized_state_bytes, rank_layer_params,
                                                stage_state_bytes_by_part)
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
+from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layouts import Layout
 
 
 # What a stage's predicted peak holds, in the order reports list it (Evaluator.memory_parts).
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations", "logits_loss", "pipeline_buffers",
                 "communicator_buffers", "fixed_overhead")
-
-
-@dataclass
-class GroupResult:
-    """All recompute policies of one (layout, micro-batch, seq, schedule, v): rows are policies."""
-
-    layout: Layout
-    mbs: int
-    seq: int
-    schedule: str
-    v: int
-    levels: np.ndarray      # (C, P) recompute level per stage
-    layers: np.ndarray      # (C, P)
-    memory: np.ndarray      # (C, P) bytes, on the stage's device type nearest its capacity
-    stage_time: np.ndarray  # (C, P) seconds per micro-batch
-    T: np.ndarray           # (C,)
-    M: np.ndarray           # (C,) max memory fraction
-    V: np.ndarray           # (C,) variance of per-device memory, GiB^2
-    feasible: np.ndarray    # (C,)
-    capacity: np.ndarray    # (C, P) bytes of the device type ``memory`` is on
-    recompute_layers: np.ndarray | None = None
-    """(C, P) layers of each stage recomputing at its level, the first ones (the rest keep
-    everything); None: all of them."""
-    transfer: np.ndarray | None = None
-    """(P,) seconds of one transfer to the next stage (:meth:`Evaluator.iteration_parts`);
-    kept where the layout crosses communication domains."""
-    sync: np.ndarray | None = None
-    """(C, P) seconds of each stage's gradient sync; kept where the layout crosses domains."""
-    memory_replica: np.ndarray | None = None
-    """(C, P) the row of the layout's ``replica_device`` that ``memory`` is on, where a stage's
-    replicas sit on several device types; None: the first (the only one)."""
-    tied_sync_s: float = 0.0
-    """Seconds the first and the last stage sum their tied gradients (:meth:`Evaluator.tied_sync_time`)."""
-    experts: tuple[int, int] = (1, 1)
-    """The expert-parallel and expert-tensor-parallel degrees the group was scored at (a mixture of
-    experts' search tries several)."""
-
-    def stage_recompute(self, row: int, stage: int) -> str:
-        """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""
-        level = cm.RECOMPUTE_LEVELS[int(self.levels[row, stage])]
-        if self.recompute_layers is None:
-            return level
-        return recompute_text(level, int(self.recompute_layers[row, stage]), int(self.layers[row, stage]))
 
 
 class Evaluator:
@@ -110,6 +65,7 @@ class Evaluator:
         # A learned model brings the bridges calibration measured (else the cluster file's).
         self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
+        self._edge_times: dict[tuple, np.ndarray] = {}
 
     def usable(self, capacity: np.ndarray) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -132,7 +88,7 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
-        inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
+        inflight = schedules.stage_inflight_microbatches(pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
         per_layer = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained, pp) + quantized_kept + inflight * act
         kind_t, kind_layer = [], []  # each kind of layer beside the repeated one (extra_blocks.other_kinds)
@@ -206,11 +162,17 @@ class Evaluator:
         return out
 
     def _edge_time(self, layout, device, local, seq) -> np.ndarray:
-        out = np.zeros(layout.pp)
+        """(P,) seconds of the embedding on the first stage and the head on the last, read-only:
+        kept per query, as the search asks the same ends for group after group."""
         (first, last), (first_mbs, last_mbs) = layout.end_tp, _ends(local, layout.pp)
-        out[0] += self.cost_model.embedding_time(device[0], first, first_mbs, seq)
-        out[-1] += self.cost_model.head_time(device[-1], last, last_mbs, seq)
-        return out
+        key = (layout.pp, int(device[0]), int(device[-1]), first, last, float(first_mbs), float(last_mbs), seq)
+        if key not in self._edge_times:
+            out = np.zeros(layout.pp)
+            out[0] += self.cost_model.embedding_time(device[0], first, first_mbs, seq)
+            out[-1] += self.cost_model.head_time(device[-1], last, last_mbs, seq)
+            out.flags.writeable = False
+            self._edge_times[key] = out
+        return self._edge_times[key]
 
     def replica_inputs(self, layout, mbs, seq, v, levels) -> list[tuple]:
         """:meth:`split_inputs` on each row of the layout's device types."""
@@ -312,7 +274,7 @@ class Evaluator:
         last = layout.end_tp[1]
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
-        inflight = schedules.inflight_microbatches(np.arange(pp), pp, g, v)
+        inflight = schedules.stage_inflight_microbatches(pp, g, v)
         weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, layout.dp_cp, pp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)

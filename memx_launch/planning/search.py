@@ -36,7 +36,8 @@ from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.planning.crossings import crossings_of
 from memx_launch.planning.cost_table import CostTable
-from memx_launch.planning.scoring import Evaluator, GroupResult
+from memx_launch.planning.group_result import GroupResult
+from memx_launch.planning.scoring import Evaluator
 
 
 INTERLEAVE_MAX_HETEROGENEITY = 0.25  # strong heterogeneity enforces 1F1B

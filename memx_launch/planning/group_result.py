@@ -1,0 +1,55 @@
+"""One scored group of candidates: a layout and its hyper-parameters with every recompute policy
+as rows of numpy arrays (``scoring.Evaluator.score``'s result). No torch import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memx_launch.planning import costmodel as cm
+from memx_launch.planning.layouts import Layout
+from memx_launch.planning.plan import recompute_text
+
+
+@dataclass
+class GroupResult:
+    """All recompute policies of one (layout, micro-batch, seq, schedule, v): rows are policies."""
+
+    layout: Layout
+    mbs: int
+    seq: int
+    schedule: str
+    v: int
+    levels: np.ndarray      # (C, P) recompute level per stage
+    layers: np.ndarray      # (C, P)
+    memory: np.ndarray      # (C, P) bytes, on the stage's device type nearest its capacity
+    stage_time: np.ndarray  # (C, P) seconds per micro-batch
+    T: np.ndarray           # (C,)
+    M: np.ndarray           # (C,) max memory fraction
+    V: np.ndarray           # (C,) variance of per-device memory, GiB^2
+    feasible: np.ndarray    # (C,)
+    capacity: np.ndarray    # (C, P) bytes of the device type ``memory`` is on
+    recompute_layers: np.ndarray | None = None
+    """(C, P) layers of each stage recomputing at its level, the first ones (the rest keep
+    everything); None: all of them."""
+    transfer: np.ndarray | None = None
+    """(P,) seconds of one transfer to the next stage (:meth:`Evaluator.iteration_parts`);
+    kept where the layout crosses communication domains."""
+    sync: np.ndarray | None = None
+    """(C, P) seconds of each stage's gradient sync; kept where the layout crosses domains."""
+    memory_replica: np.ndarray | None = None
+    """(C, P) the row of the layout's ``replica_device`` that ``memory`` is on, where a stage's
+    replicas sit on several device types; None: the first (the only one)."""
+    tied_sync_s: float = 0.0
+    """Seconds the first and the last stage sum their tied gradients (:meth:`Evaluator.tied_sync_time`)."""
+    experts: tuple[int, int] = (1, 1)
+    """The expert-parallel and expert-tensor-parallel degrees the group was scored at (a mixture of
+    experts' search tries several)."""
+
+    def stage_recompute(self, row: int, stage: int) -> str:
+        """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""
+        level = cm.RECOMPUTE_LEVELS[int(self.levels[row, stage])]
+        if self.recompute_layers is None:
+            return level
+        return recompute_text(level, int(self.recompute_layers[row, stage]), int(self.layers[row, stage]))
