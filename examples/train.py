@@ -34,6 +34,9 @@ def corpus_tokens(vocab_size: int) -> torch.Tensor:
     data = b"".join(open(p, "rb").read() for p in paths)
     if vocab_size < 256:
         raise ConfigError("--model", f"vocab_size {vocab_size} is below 256 bytes", "use --synthetic")
+    if not data:  # the script copied out of the repository
+        raise ConfigError("--synthetic", f"no text to train on (README.md, docs/*.md, memx_launch/*.py) under {REPO}",
+                          "run the script from the memx repository, or pass --synthetic")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
@@ -68,11 +71,11 @@ def main() -> int:
         # step_count > 0: memx-run already resumed this restarted job from its own checkpoint
         if args.resume and runtime.step_count == 0 and runtime.load_checkpoint(args.checkpoint_dir) is None:
             raise ConfigError("--resume", f"no checkpoint in {args.checkpoint_dir}", "check --checkpoint-dir")
+        corpus = None if args.synthetic else corpus_tokens(plan.model_spec.vocab_size)
     except MemxError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return exc.exit_code
     rank0 = dist.get_rank() == 0
-    corpus = None if args.synthetic else corpus_tokens(plan.model_spec.vocab_size)
     if rank0:
         print(f"training {plan.model} with {plan.tp=} {plan.pp=} {plan.dp=} {plan.schedule} "
               f"{plan.num_microbatches} micro-batches of {plan.micro_batch_size}; layers "
