@@ -7,7 +7,10 @@ A block cannot run faster than its matmul FLOPs at the peak of the precision it 
 s x s square); the import refuses such a row and names ``--tf32``.
 Per table: its records, the largest share of the fp32 peak a row would have reached (over 1: not
 fp32), what the fp32 import says, whether the TF32 import takes it, and its fastest block
-(forward and backward): where a framework's host time per layer shows.
+(forward and backward): where a framework's host time per layer shows. Also the largest share
+the forward alone and the backward alone reach as the table splits the block (a third and two
+thirds of its matmul FLOPs): over 1 in one part only, either the split moves work from one part
+to the other or the matmuls ran (partly) as TF32.
 
 Peaks: the vendor datasheets' of ``predictor_accuracy.SAILOR_DEVICES`` (TF32 is half the 16-bit
 peak on compute capability 8.0 and later; the others have none).
@@ -18,7 +21,9 @@ Writes benchmarks/results/peer_profile_bounds.json. Run: .venv/bin/python benchm
 
 from __future__ import annotations
 
+import csv
 import glob
+import json
 import os
 import sys
 import time
@@ -47,6 +52,17 @@ def _message(exc: ConfigError) -> str:
     return str(exc).replace(shared_dir(), "shared")
 
 
+def part_seconds(path: str, fmt: str) -> dict[tuple[int, int], tuple[float, float]]:
+    """(forward, backward) seconds of a block per (micro-batch, TP), as the table splits them
+    (Aceso's: its default kernels, as the import takes them)."""
+    with open(path) as f:
+        if fmt == "sailor":
+            return {(int(mbs), int(tp)): tuple(units["1"][:2])
+                    for mbs, by_tp in json.load(f).items() for tp, units in by_tp.items()}
+        return {(int(r["mbs"]), int(r["tp"])): (float(r["fwd"]), float(r["bwd"]))
+                for r in csv.DictReader(f) if r["algo"].strip() == "0"}
+
+
 def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
     model = get_model(SAILOR_MODELS[model_dir])
     dev = sailor_device(gpu)
@@ -65,8 +81,12 @@ def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
             return entry
     timed = [r for r in records if r.time_s]
     shares = [matmul_floor_seconds(r, dev, FP32) / r.time_s for r in timed]
+    parts = part_seconds(path, fmt)
+    split = [(matmul_floor_seconds(r, dev, FP32), parts[r.micro_batch_size, r.tp]) for r in timed]
     entry.update(records=len(timed), max_share_of_fp32_peak=round(max(shares), 3),
                  rows_over_the_fp32_peak=sum(s > 1 for s in shares),
+                 max_share_forward=round(max(floor / 3.0 / fwd for floor, (fwd, _) in split), 3),
+                 max_share_backward=round(max(2.0 * floor / 3.0 / bwd for floor, (_, bwd) in split), 3),
                  fastest_block_ms=round(1e3 * min(r.time_s for r in timed), 2))
     return entry
 
