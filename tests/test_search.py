@@ -152,6 +152,30 @@ def test_balance_layers_respects_memory_and_balances_time():
     assert not ok[0]
 
 
+def test_balance_layers_finds_the_fastest_split_that_fits():
+    """Against every split of a few layers over a few stages (each between its minimum and its
+    memory limit): the slowest stage of the chosen split is the least any fitting split reaches,
+    ties between stages of equal speed included."""
+    import itertools
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        pp, layers = int(rng.integers(1, 4)), int(rng.integers(3, 9))
+        t_layer = rng.choice([0.5, 1.0, 1.5], size=(1, pp)) * rng.choice([1.0, rng.uniform(0.8, 1.2)], size=(1, pp))
+        edge_t = rng.choice([0.0, 0.75], size=pp)
+        max_layers = rng.integers(0, layers + 1, size=(1, pp)).astype(float)
+        fewest = int(rng.integers(1, 3))
+        split, ok = balance_layers(t_layer, edge_t, max_layers, layers, fewest)
+        fitting = [c for c in itertools.product(range(fewest, layers + 1), repeat=pp)
+                   if sum(c) == layers and all(n <= m for n, m in zip(c, max_layers[0]))]
+        assert ok[0] == bool(fitting), (t_layer, edge_t, max_layers, layers, fewest, split)
+        if fitting:
+            def slowest(c):
+                return max(n * t + e for n, t, e in zip(c, t_layer[0], edge_t))
+            assert split[0].sum() == layers and all(fewest <= n <= m for n, m in zip(split[0], max_layers[0]))
+            assert slowest(split[0]) == pytest.approx(min(slowest(c) for c in fitting))
+
+
 def test_proportional_split_adds_up():
     assert proportional_split(np.array([70.0, 86.0]), 32).tolist() == [14, 18]
     assert proportional_split(np.array([32.0, 64.0]), 32).sum() == 32

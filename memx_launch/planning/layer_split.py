@@ -5,38 +5,41 @@ from __future__ import annotations
 
 import numpy as np
 
-_BISECTION_STEPS = 30
-
 
 def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1, unit=1):
     """Uneven split minimising the slowest stage under each stage's memory limit.
 
-    Bisection on the bottleneck time T: stage i can take min(max_layers_i, (T - edge_i)/t_i)
-    layers; the smallest T whose capacities add up to ``num_layers`` wins, then the surplus
-    is taken back from the slowest stages. Rows are independent candidates. ``unit``: layers
-    that stay on one stage together (a Gated DeltaNet model's blocks, 2), each stage a multiple.
-    Returns (layers (C, P) int, feasible (C,) bool).
+    Stage i can hold its k-th layer once the bottleneck time T reaches k t_i + edge_i; the least
+    T at which the stages, each between its minimum and its memory limit, hold ``num_layers``
+    is the smallest of these times that counts them all, and any surplus (stages whose times
+    tie there) is taken back from the slowest stages. Rows are independent candidates.
+    ``unit``: layers that stay on one stage together (a Gated DeltaNet model's blocks, 2), each
+    stage a multiple. Returns (layers (C, P) int, feasible (C,) bool).
     """
     if unit > 1:
         layers, feasible = balance_layers(t_layer * unit, edge_t, max_layers // unit, num_layers // unit,
                                           -(-min_layers // unit))
         return layers * unit, feasible
     max_layers = np.minimum(np.maximum(max_layers, 0), num_layers)
-    feasible = (max_layers >= min_layers).all(axis=1) & (max_layers.sum(axis=1) >= num_layers)
-    inv_t = 1.0 / t_layer
-    offset = edge_t * inv_t
-    upper = np.maximum(max_layers, min_layers)
-    lo = np.zeros((t_layer.shape[0], 1))
-    hi = (num_layers * t_layer + edge_t).max(axis=1, keepdims=True) + 1e-12
-    for _ in range(_BISECTION_STEPS):
-        mid = (lo + hi) * 0.5
-        take = np.minimum(np.maximum(np.floor(mid * inv_t - offset), min_layers), upper)
-        enough = take.sum(axis=1, keepdims=True) >= num_layers
-        hi = np.where(enough, mid, hi)
-        lo = np.where(enough, lo, mid)
-    layers = np.minimum(np.maximum(np.floor(hi * inv_t - offset), min_layers), upper)
+    lower = np.broadcast_to(np.asarray(min_layers, dtype=np.float64), max_layers.shape)
+    # Each stage's minimum fits, the limits hold every layer, the minimums do not exceed them.
+    feasible = ((max_layers >= lower).all(axis=1) & (max_layers.sum(axis=1) >= num_layers)
+                & (lower.sum(axis=1) <= num_layers))
+    upper = np.maximum(max_layers, lower)
+    # When each stage could take each layer count above its minimum, up to its limit: the
+    # (num_layers - minimums)-th soonest of them all is the bottleneck time (inf: never).
+    counts = np.arange(1.0, num_layers + 1.0)
+    when = counts * t_layer[..., None] + np.broadcast_to(edge_t, t_layer.shape)[..., None]
+    allowed = (counts > lower[..., None]) & (counts <= upper[..., None])
+    when = np.where(allowed, when, np.inf)
+    rows = np.arange(len(when))
+    need = num_layers - lower.sum(axis=1)
+    ordered = np.sort(when.reshape(len(when), -1), axis=1)
+    bottleneck = np.where(need > 0, ordered[rows, np.clip(need - 1, 0, ordered.shape[1] - 1).astype(np.int64)],
+                          -np.inf)
+    layers = lower + (when <= bottleneck[:, None, None]).sum(axis=2)
+    layers = np.where(np.isinf(bottleneck)[:, None] & (need > 0)[:, None], upper, layers)
     surplus = layers.sum(axis=1) - num_layers
-    rows = np.arange(len(layers))
     while (surplus > 0).any():
         active = surplus > 0
         time_now = np.where(layers > min_layers, layers * t_layer + edge_t, -np.inf)
