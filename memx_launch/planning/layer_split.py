@@ -28,15 +28,16 @@ def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1, unit=1
     upper = np.maximum(max_layers, lower)
     # When each stage could take each layer count above its minimum, up to its limit: the
     # (num_layers - minimums)-th soonest of them all is the bottleneck time (inf: never).
-    counts = np.arange(1.0, num_layers + 1.0)
+    counts = np.arange(lower.min() + 1.0, upper.max() + 1.0) if upper.size else np.zeros(0)
     when = counts * t_layer[..., None] + np.broadcast_to(edge_t, t_layer.shape)[..., None]
     allowed = (counts > lower[..., None]) & (counts <= upper[..., None])
     when = np.where(allowed, when, np.inf)
     rows = np.arange(len(when))
     need = num_layers - lower.sum(axis=1)
     ordered = np.sort(when.reshape(len(when), -1), axis=1)
-    bottleneck = np.where(need > 0, ordered[rows, np.clip(need - 1, 0, ordered.shape[1] - 1).astype(np.int64)],
-                          -np.inf)
+    ordered = np.concatenate([ordered, np.full((len(when), 1), np.inf)], axis=1)  # past the last: never
+    pick = np.clip(need - 1, 0, ordered.shape[1] - 1).astype(np.int64)
+    bottleneck = np.where(need > 0, ordered[rows, pick], -np.inf)
     layers = lower + (when <= bottleneck[:, None, None]).sum(axis=2)
     layers = np.where(np.isinf(bottleneck)[:, None] & (need > 0)[:, None], upper, layers)
     surplus = layers.sum(axis=1) - num_layers
