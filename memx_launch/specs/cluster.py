@@ -287,12 +287,12 @@ class ClusterSpec:
         """Bandwidth each of these concurrent point-to-point transfers gets (the slowest): inside
         a node its link; between nodes a NIC each while the node has as many as transfers leave
         or enter it, else they share its NICs."""
-        crossing = collections.Counter()
+        crossing: dict[int, int] = {}  # transfers in or out of each node
         slowest = math.inf
         for a, b in pairs:
             na, nb = self._rank_locations[a][0], self._rank_locations[b][0]
             if na != nb:
-                crossing.update((na, nb))
+                crossing[na], crossing[nb] = crossing.get(na, 0) + 1, crossing.get(nb, 0) + 1
             else:
                 slowest = min(slowest, self.link_gbps(a, b))
         for n, k in crossing.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -44,8 +45,8 @@ class Node:
     or ``pcie`` (through the host: PCIe GPUs such as A10G, T4, L4). None: ``pcie`` where
     ``intra_node_gbps`` is at most :data:`PCIE_MAX_GBPS`, else ``direct``."""
 
-    @property
-    def num_devices(self) -> int:
+    @functools.cached_property
+    def num_devices(self) -> int:  # cached: layouts of large clusters ask it for every group
         return sum(n for _, n in self.devices)
 
     @property
