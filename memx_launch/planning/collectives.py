@@ -91,6 +91,7 @@ def _gather_rows(op, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=4096)
 def _group_rows(op, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_gather_rows` of a small group, kept: its callers never write to the arrays."""
     return _gather_rows(op, keys)
 
 

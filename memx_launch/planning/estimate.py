@@ -50,9 +50,9 @@ def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") ->
 class LayoutScorer:
     """Scores given layouts of one model, cluster and training on one cost model, keeping what
     layouts share: one cost table per CP degree (every TP degree the model's heads allow on the
-    cluster, every micro-batch size asked and :data:`USUAL_MICRO_BATCH_SIZES`) and each parsed layout (``memx estimate --cases`` asks thousands of
-    layouts of a few setups). ``layouts``: a cache of parsed layouts to share with the scorers
-    of other setups on the same cluster."""
+    cluster, every micro-batch size asked and :data:`USUAL_MICRO_BATCH_SIZES`) and each parsed
+    layout (``memx estimate --cases`` asks thousands of layouts of a few setups). ``layouts``: a
+    cache of parsed layouts to share with the scorers of other setups on the same cluster."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  cost_model: cm.LayerCostModel | None = None, memory_headroom: float = 0.0,
