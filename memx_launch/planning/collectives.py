@@ -85,7 +85,7 @@ def _gather_rows(op, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ``_CANDIDATES`` per element of ``keys`` ((ranks, nodes, bus bandwidth, hop) each)."""
     index: dict = {}
     code = np.fromiter((index.setdefault(key, len(index)) for key in keys), dtype=np.int64, count=len(keys))
-    table = [_candidate_rows(op, *key) for key in index]
+    table = [_candidates(op, *key) for key in index]
     return tuple(np.stack([rows[i] for rows in table])[code] for i in range(3))
 
 
@@ -96,25 +96,12 @@ def _group_rows(op, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=65536)
-def _candidate_rows(op, n, nodes, busbw_gbps, hop):
-    """:func:`_candidates` of one group as rows of ``_CANDIDATES`` (latency s, seconds per
-    byte, bytes from which the ring plateau applies): unused slots never the fastest, a group of
-    one rank all zeros."""
-    latency, per_byte, plateau = _candidates(op, float(n), float(nodes), float(busbw_gbps), int(hop))
-    pad = _CANDIDATES - latency.size
-    rows = (np.concatenate([latency, np.full(pad, 0.0 if latency.size == 0 else np.inf)]),
-            np.concatenate([per_byte, np.zeros(pad)]), np.full(_CANDIDATES, np.inf))
-    if plateau is not None:
-        rows[2][plateau[0]] = plateau[1]
-    return rows
-
-
-@functools.lru_cache(maxsize=65536)
-def _candidates(op, n, nodes, busbw_gbps, hop):
-    """(latency s, seconds per byte) of each enabled (algorithm, protocol) pair of one group, and
-    (index, threshold) of the candidate with the ring plateau (None: none)."""
+def _candidates(op, n, nodes, busbw_gbps, hop) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of ``_CANDIDATES`` of one group, one entry per enabled (algorithm, protocol) pair:
+    latency (s), seconds per byte and the bytes from which the ring plateau applies (inf: never).
+    Unused entries are never the fastest; a group of one rank costs nothing."""
     if n <= 1:
-        return np.zeros(0), np.zeros(0), None
+        return np.zeros(_CANDIDATES), np.zeros(_CANDIDATES), np.full(_CANDIDATES, np.inf)
     nodes = min(max(nodes, 1.0), n)
     busbw = min(busbw_gbps, 1e18) * 1e9  # an unbounded link (ranks of one device) stays finite
     per_node, multi_node = n / nodes, nodes > 1
@@ -123,7 +110,7 @@ def _candidates(op, n, nodes, busbw_gbps, hop):
     else:  # reduce-scatter, all-gather; a broadcast pipelines every hop once
         steps, inter = n - 1, nodes - 1
     moved = 1.0 if op == "broadcast" else steps / n
-    latency, per_byte, plateau = [], [], None
+    latency, per_byte, plateau = [], [], np.full(_CANDIDATES, np.inf)
     for proto in (LL, LL128, SIMPLE):
         if proto == LL:
             share = _LL_SHARE_ALLREDUCE if multi_node or op == "all_reduce" else _LL_SHARE_OTHER
@@ -137,7 +124,7 @@ def _candidates(op, n, nodes, busbw_gbps, hop):
                             + inter * _HOP_US["ring"][NET][proto]) * 1e-6)
             per_byte.append(moved / (busbw * share))
             if op == "all_reduce" and proto == SIMPLE and multi_node:
-                plateau = (len(latency) - 1, n / 16.0 * 65536)
+                plateau[len(latency) - 1] = n / 16.0 * 65536
         if op == "all_reduce":
             tree = _TREE_SHARE * (_TREE_LL_SHARE if proto == LL else 1.0)
             if proto == LL128:
@@ -147,7 +134,8 @@ def _candidates(op, n, nodes, busbw_gbps, hop):
                                                                  + math.log2(nodes) * _HOP_US["tree"][NET][proto]))
                                * 1e-6)
                 per_byte.append(1.0 / (busbw * tree * 0.5))
-    return np.array(latency), np.array(per_byte), plateau
+    unused = _CANDIDATES - len(latency)
+    return np.array(latency + [np.inf] * unused), np.array(per_byte + [0.0] * unused), plateau
 
 
 def bucketed_seconds(op: str, total_bytes, bucket_bytes, ranks, busbw_gbps, nodes=1, intra_hop=NVLINK) -> np.ndarray:

@@ -38,8 +38,7 @@ def balance_layers(t_layer, edge_t, max_layers, num_layers, min_layers=1, unit=1
     ordered = np.concatenate([ordered, np.full((len(when), 1), np.inf)], axis=1)  # past the last: never
     pick = np.clip(need - 1, 0, ordered.shape[1] - 1).astype(np.int64)
     bottleneck = np.where(need > 0, ordered[rows, pick], -np.inf)
-    layers = lower + (when <= bottleneck[:, None, None]).sum(axis=2)
-    layers = np.where(np.isinf(bottleneck)[:, None] & (need > 0)[:, None], upper, layers)
+    layers = lower + (allowed & (when <= bottleneck[:, None, None])).sum(axis=2)  # no time: every allowed
     surplus = layers.sum(axis=1) - num_layers
     while (surplus > 0).any():
         active = surplus > 0
