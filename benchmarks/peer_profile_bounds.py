@@ -21,9 +21,7 @@ Writes benchmarks/results/peer_profile_bounds.json. Run: .venv/bin/python benchm
 
 from __future__ import annotations
 
-import csv
 import glob
-import json
 import os
 import sys
 import time
@@ -36,7 +34,7 @@ from benchmarks.predictor_accuracy import SAILOR_MODELS, SAILOR_SEQ, sailor_devi
 from benchmarks.real_runs import shared_dir  # noqa: E402
 from memx_launch.errors import ConfigError  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
-from memx_launch.profiling.profile_import import import_profile, matmul_floor_seconds  # noqa: E402
+from memx_launch.profiling.profile_import import import_profile, matmul_floor_seconds, table_rows  # noqa: E402
 from memx_launch.specs.catalog import get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
@@ -50,17 +48,6 @@ FP32 = TrainingSpec(dtype="fp32", **UNFUSED)
 def _message(exc: ConfigError) -> str:
     """The import's error with the table's path from shared/ on, wherever shared/ lies."""
     return str(exc).replace(shared_dir(), "shared")
-
-
-def part_seconds(path: str, fmt: str) -> dict[tuple[int, int], tuple[float, float]]:
-    """(forward, backward) seconds of a block per (micro-batch, TP), as the table splits them
-    (Aceso's: its default kernels, as the import takes them)."""
-    with open(path) as f:
-        if fmt == "sailor":
-            return {(int(mbs), int(tp)): tuple(units["1"][:2])
-                    for mbs, by_tp in json.load(f).items() for tp, units in by_tp.items()}
-        return {(int(r["mbs"]), int(r["tp"])): (float(r["fwd"]), float(r["bwd"]))
-                for r in csv.DictReader(f) if r["algo"].strip() == "0"}
 
 
 def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
@@ -81,7 +68,9 @@ def table_bounds(path: str, fmt: str, model_dir: str, gpu: str) -> dict:
             return entry
     timed = [r for r in records if r.time_s]
     shares = [matmul_floor_seconds(r, dev, FP32) / r.time_s for r in timed]
-    parts = part_seconds(path, fmt)
+    # The block's forward and backward as the table splits them (the import sums them).
+    parts = {(int(row["micro_batch_size"]), int(row["tp"])): (float(row["forward_s"]), float(row["backward_s"]))
+             for _, row in table_rows(path, fmt)}
     split = [(matmul_floor_seconds(r, dev, FP32), parts[r.micro_batch_size, r.tp]) for r in timed]
     entry.update(records=len(timed), max_share_of_fp32_peak=round(max(shares), 3),
                  rows_over_the_fp32_peak=sum(s > 1 for s in shares),

@@ -70,10 +70,7 @@ def import_profile(path: str, fmt: str, model: ModelSpec, device: DeviceType, *,
     if dtype is not None and dtype not in DTYPE_BYTES:
         raise ConfigError("--dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
     seq = seq_len or model.seq_len
-    text = read_text(path, "--table", fix="pass the profile table to import")
-    rows = {"table": _table_rows, "sailor": _sailor_rows, "aceso": _aceso_rows}[fmt](text, path)
-    if not rows:
-        raise ConfigError(path, "holds no measurement", f"check that it is a {fmt} table")
+    rows = table_rows(path, fmt)
     software = {"imported": f"{fmt}:{os.path.basename(path)}"}
     out = []
     for where, row in rows:
@@ -117,6 +114,16 @@ def _check_not_faster_than_the_peak(where: str, record: Measurement, device: Dev
                           f"allow at {device.name}'s {record.dtype}"
                           f"{' (TF32)' if runs_as_tf32(device, training) else ''} peak of "
                           f"{matmul_peak_tflops(device, training):g} TFLOPS (at least {floor_s * 1e3:.3g} ms)", fix)
+
+
+def table_rows(path: str, fmt: str) -> list[tuple[str, dict]]:
+    """(where, the row's cells) of each measurement of the table at ``path`` in format ``fmt``, as
+    the import reads them (Sailor's and Aceso's blocks as ``forward_s`` and ``backward_s``)."""
+    text = read_text(path, "--table", fix="pass the profile table to import")
+    rows = {"table": _table_rows, "sailor": _sailor_rows, "aceso": _aceso_rows}[fmt](text, path)
+    if not rows:
+        raise ConfigError(path, "holds no measurement", f"check that it is a {fmt} table")
+    return rows
 
 
 def _record(where, row, model, device, dtype, seq, tp_link, software, source) -> Measurement:
@@ -210,7 +217,7 @@ def _table_rows(text: str, path: str) -> list[tuple[str, dict]]:
 
 
 def _sailor_rows(text: str, path: str) -> list[tuple[str, dict]]:
-    """One row per (micro-batch, TP) of Sailor's profile: unit 1's forward + backward, the
+    """One row per (micro-batch, TP) of Sailor's profile: unit 1's forward and backward, the
     embedding (unit 0) and the head (the last unit)."""
     profile = parse_json(text, "profile", path, "a Sailor profile.json")
     if not isinstance(profile, dict):
@@ -221,11 +228,12 @@ def _sailor_rows(text: str, path: str) -> list[tuple[str, dict]]:
             where = f"{path} [{mbs}][{tp}]"
             try:
                 last = str(max(int(k) for k in units))
-                embedding, block, head = (sum(float(x) for x in units[u][:2]) for u in ("0", "1", last))
+                embedding, head = (sum(float(x) for x in units[u][:2]) for u in ("0", last))
+                forward, backward = (float(x) for x in units["1"][:2])
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise ConfigError(where, "is not a list of [forward_s, backward_s, optimizer_s] per layer unit "
                                   "0 (embedding), 1 (a block), ... (head)", "pass a Sailor profile.json") from None
-            rows.append((where, {"tp": tp, "micro_batch_size": mbs, "time_s": block,
+            rows.append((where, {"tp": tp, "micro_batch_size": mbs, "forward_s": forward, "backward_s": backward,
                                  "embedding_time_s": embedding, "head_time_s": head}))
     return rows
 
