@@ -10,6 +10,7 @@ import os
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import check_output_path
+from memx_launch.planning.host_time import EAGER_OP_HOST_S, FUSED_BLOCK_HOST_S
 from memx_launch.specs.config_file import one_line_error
 from memx_launch.specs.inputs import float_flag, int_flag
 from memx_launch.specs.training import (EXPERT_DISPATCHERS, EXPERT_ROUTINGS, FLASH_ATTENTION_VERSIONS, FP4_RECIPES,
@@ -102,7 +103,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--host-ms-per-layer", "--host_ms_per_layer", type=float, metavar="MS",
                    help="host time the framework takes to issue one layer's forward and backward; no layer takes "
                         "less (default: the device type's host_ms_per_layer, measured by calibration on GPUs, "
-                        "else --eager-block's ops at 14 us each, or a fused block's 0.2 ms)")
+                        f"else --eager-block's ops at {EAGER_OP_HOST_S * 1e6:g} us each, or a fused block's "
+                        f"{FUSED_BLOCK_HOST_S * 1e3:g} ms)")
     p.add_argument("--frozen-fraction", "--frozen_fraction", type=float, metavar="F",
                    help="fine-tuning: share of the parameters frozen, no gradients or optimizer states (default 0)")
     p.add_argument("--lora-rank", "--lora_rank", type=int, metavar="R",
@@ -160,8 +162,8 @@ BLOCK_OPTIONS = {
     "attention_dropout": "dropout on the attention probabilities (default off)",
     "fused_norm": "fused RMSNorm/LayerNorm kernel (default on)",
     "eager_block": "each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): "
-                   "the host's time per layer is their count at 14 us each, not a fused block's 0.2 ms (default off; "
-                   "on in every --setup but megatron)",
+                   f"the host's time per layer is their count at {EAGER_OP_HOST_S * 1e6:g} us each, not a fused "
+                   f"block's {FUSED_BLOCK_HOST_S * 1e3:g} ms (default off; on in every --setup but megatron)",
 }
 
 
