@@ -4,11 +4,12 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from memx_launch.cli import main
 from memx_launch.planning.cases import CaseRunner, read_cases
-from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.estimate import LayoutScorer, evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -125,6 +126,26 @@ def test_training_columns_follow_trainingspec_fields(tmp_path):
     tp2 = {**layout, "tp": "2", "dp": "4"}
     assert runner.estimate({**tp2, "sequence_parallel": "true"})["stage_peak_memory_gib"][0] < \
         runner.estimate(tp2)["stage_peak_memory_gib"][0]
+
+
+def test_what_one_scorer_keeps_between_rows_never_changes_a_row():
+    """A scorer keeps a layout's level-free inputs, cost tables and collectives' candidates from
+    row to row; rows asked in any order, alternating layouts, micro-batches and a stage spread
+    over two device types, give what a fresh scorer gives each alone, to the last bit."""
+    model, cluster = get_model("llama2-7b"), ClusterSpec.from_yaml(TABLE1)
+    training = TrainingSpec(global_batch_size=64, seq_len=model.seq_len, distributed_optimizer=True)
+    rows = [dict(tp=1, pp=2, dp=8, micro_batch_size=1, recompute="none"),
+            dict(tp=1, pp=2, dp=8, micro_batch_size=2, recompute="full"),
+            dict(tp=2, pp=2, dp=4, micro_batch_size=2, recompute="full", layers_per_stage=[20, 12]),
+            dict(tp=2, pp=2, dp=4, micro_batch_size=1, recompute="none", layers_per_stage=[12, 20]),
+            dict(tp=4, pp=2, dp=2, micro_batch_size=1, recompute="selective",
+                 stage_devices=["vendor-y-64gb+vendor-x-32gb", "vendor-x-32gb+vendor-y-64gb"])]
+    shared = LayoutScorer(model, cluster, training)
+    for row in rows + rows[::-1]:
+        kept, _ = shared.score(**row)
+        alone, _ = LayoutScorer(model, cluster, training).score(**row)
+        assert np.array_equal(kept.memory, alone.memory) and np.array_equal(kept.T, alone.T)
+        assert np.array_equal(kept.stage_time, alone.stage_time) and np.array_equal(kept.layers, alone.layers)
 
 
 def test_many_rows_reuse_parsed_inputs_and_search_for_phi_only_when_asked(tmp_path, monkeypatch):

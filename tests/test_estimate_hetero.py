@@ -95,6 +95,10 @@ def test_a_stage_on_two_device_types_runs_at_the_slower_and_fits_only_on_both():
     assert mixed.predicted_iteration_time_s >= max(on_x.predicted_iteration_time_s, on_y.predicted_iteration_time_s)
     layout = layout_from_stage_devices(MODEL, c, ("x", "y"), 4, 2, 2, both)
     assert layout.mixed and list(layout.dp_gbps) == [25, 25]
+    # The order its replicas are listed in changes nothing: each is costed on its own type.
+    flipped = estimate(c, tp=4, pp=2, dp=2, stage_devices=["y+x", "x+y"])
+    for i in range(2):
+        assert stage_numbers(flipped, i) == pytest.approx(stage_numbers(mixed, i), rel=1e-12)
 
     # Large micro-batches without recompute: stage 0 fits the 64 GiB type only; spread, it does not fit.
     big = dict(tp=4, pp=2, dp=2, mbs=4, recompute="none")

@@ -58,16 +58,19 @@ def collective_seconds(op: str, nbytes, ranks, busbw_gbps, nodes=1, intra_hop=NV
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
     group = [np.asarray(x, dtype=np.float64) for x in (ranks, nodes, busbw_gbps, intra_hop)]
-    group_shape = np.broadcast_shapes(*(g.shape for g in group))
+    group_shape = np.broadcast(*group).shape
     nbytes = np.asarray(nbytes, dtype=np.float64)
-    shape = np.broadcast_shapes(nbytes.shape, group_shape)
+    shape = np.broadcast(nbytes, np.empty(group_shape)).shape
+    if not math.prod(group_shape):  # no elements
+        return np.zeros(shape)
     # Few distinct groups (a stage's, a device type's): each group's candidates are built once,
     # then every element takes its group's row of them and the fastest is one vectorised min.
-    keys = tuple(zip(*(np.broadcast_to(g, group_shape).ravel().tolist() for g in group)))
-    if not keys:  # no elements
-        return np.zeros(shape)
+    keys = np.empty((len(group), *group_shape))
+    for i, values in enumerate(group):
+        keys[i] = values
     # A layout's few stages (memx estimate's rows) repeat whole: their table is looked up at once.
-    table = _group_rows(op, keys) if len(keys) <= _CACHED_GROUP_SIZE else _gather_rows(op, keys)
+    table = (_group_rows(op, keys.tobytes()) if keys[0].size <= _CACHED_GROUP_SIZE
+             else _gather_rows(op, keys.reshape(len(group), -1)))
     latency, per_byte, plateau = (part.reshape(*group_shape, _CANDIDATES) for part in table)
     nbytes = nbytes[..., None]
     latency = np.where(nbytes >= plateau, latency * _RING_PLATEAU, latency)
@@ -80,19 +83,21 @@ _CANDIDATES = 6
 _CACHED_GROUP_SIZE = 64
 
 
-def _gather_rows(op, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _gather_rows(op, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(latency, seconds per byte, plateau bytes) of each element's group, one row of
-    ``_CANDIDATES`` per element of ``keys`` ((ranks, nodes, bus bandwidth, hop) each)."""
+    ``_CANDIDATES`` per column of ``keys`` (4, elements: ranks, nodes, bus bandwidth, hop)."""
     index: dict = {}
-    code = np.fromiter((index.setdefault(key, len(index)) for key in keys), dtype=np.int64, count=len(keys))
+    columns = list(zip(*keys.tolist()))
+    code = np.fromiter((index.setdefault(key, len(index)) for key in columns), dtype=np.int64, count=len(columns))
     table = [_candidates(op, *key) for key in index]
     return tuple(np.stack([rows[i] for rows in table])[code] for i in range(3))
 
 
 @functools.lru_cache(maxsize=4096)
-def _group_rows(op, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_gather_rows` of a small group, kept: its callers never write to the arrays."""
-    return _gather_rows(op, keys)
+def _group_rows(op, keys: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_gather_rows` of a small group (its keys' float64 bytes), kept: its callers never
+    write to the arrays."""
+    return _gather_rows(op, np.frombuffer(keys).reshape(4, -1))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -145,8 +150,8 @@ def bucketed_seconds(op: str, total_bytes, bucket_bytes, ranks, busbw_gbps, node
     bucket = np.minimum(np.asarray(bucket_bytes, dtype=np.float64), np.maximum(total, 1.0))
     full = np.floor(total / bucket)
     # The full buckets' and the last one's collectives in one call: each shaped as the result.
-    shape = np.broadcast_shapes(full.shape, *(np.shape(x) for x in (ranks, busbw_gbps, nodes, intra_hop)))
-    sizes = np.stack([np.broadcast_to(bucket, shape), np.broadcast_to(total - full * bucket, shape)])
+    sizes = np.empty((2, *np.broadcast(full, ranks, busbw_gbps, nodes, intra_hop).shape))
+    sizes[0], sizes[1] = bucket, total - full * bucket
     seconds = collective_seconds(op, sizes, ranks, busbw_gbps, nodes, intra_hop)
     return full * seconds[0] + seconds[1]
 

@@ -33,6 +33,7 @@ from memx_launch.specs.hybrid import mixer_projections
 # reuse tm tn / (tm + tn) against 128 x 128's, at most 1.
 _TILE_SIDES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
 TILES = tuple((float(a), float(b), min(1.0, a * b / (a + b) / 64.0)) for a, b in _TILE_SIDES)
+_TILE_M, _TILE_N, _TILE_FEED = (np.array(side) for side in zip(*TILES))
 # K of pipeline fill and epilogue per output tile (a few 32-64 deep K steps).
 K_FILL = 128.0
 # Most slices a split-K GEMM cuts its K loop into.
@@ -71,14 +72,12 @@ def shape_efficiency(m, n, k, sms, split=1) -> np.ndarray:
     the best rate; never above it. ``sms`` 0: a CPU, 1."""
     m, n, k = (np.maximum(np.asarray(x, dtype=np.float64), 1.0) for x in (m, n, k))
     tiled = np.asarray(sms, dtype=np.float64) > 0
-    sms = np.maximum(np.asarray(sms, dtype=np.float64), 1.0)
-    best = np.zeros(np.broadcast(m, n, k, sms).shape)
-    output = m * n
-    for tm, tn, feed in TILES:
-        grid = np.ceil(m / tm) * np.ceil(n / tn)
-        tiles = grid * split
-        waves = tiles / (np.ceil(tiles / sms) * sms)
-        best = np.maximum(best, feed * output / (grid * tm * tn) * waves)
+    sms = np.maximum(np.asarray(sms, dtype=np.float64), 1.0)[..., None]
+    m, n = m[..., None], n[..., None]  # every tile at once, along a last axis
+    grid = np.ceil(m / _TILE_M) * np.ceil(n / _TILE_N)
+    tiles = grid * np.asarray(split)[..., None]
+    waves = tiles / (np.ceil(tiles / sms) * sms)
+    best = (_TILE_FEED * (m * n) / (grid * _TILE_M * _TILE_N) * waves).max(axis=-1)
     depth = k / split
     return np.where(tiled, best * depth / (depth + K_FILL), 1.0)
 

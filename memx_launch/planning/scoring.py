@@ -66,6 +66,7 @@ class Evaluator:
         self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
         self._edge_times: dict[tuple, np.ndarray] = {}
+        self._level_free_layout, self._level_free = None, {}
 
     def usable(self, capacity: np.ndarray) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -81,38 +82,59 @@ class Evaluator:
         a mixture of experts' expert ones, and a hybrid model's kinds of layers, are counted where
         ``layers`` (the split) puts them; without it a layer costs their mean
         (:func:`extra_blocks.mean_block`; a hybrid model's table is its mean layer's)."""
+        m = self.model
+        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, g = self._level_free_inputs(
+            layout, mbs, seq, v, replica)
+        t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
+        per_layer = state + inflight * act
+        kind_t, kind_layer = [], []  # each kind of layer beside the repeated one (extra_blocks.other_kinds)
+        for kind_state, table in zip(kind_states, self.table.kinds):
+            t, kind_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, table)
+            kind_t.append(t)
+            kind_layer.append(kind_state + inflight * kind_act)
+        counts = extra_blocks.kind_counts(m, layout.pp, layers, v)
+        fixed = work
+        for part in fixed_parts:  # added one by one, in their order: the same sums whatever is kept
+            fixed = fixed + part
+        fixed = fixed + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts)
+        offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
+        edge_t = edge_t + extra_blocks.beside_repeated(m, t_layer, kind_t, counts)
+        if layers is None:
+            per_layer, t_layer = (extra_blocks.mean_block(m, per_layer, kind_layer),
+                                  extra_blocks.mean_block(m, t_layer, kind_t))
+        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work
+
+    def _level_free_inputs(self, layout: Layout, mbs: int, seq: int, v: int, replica: int) -> tuple:
+        """What :meth:`split_inputs` needs that no recompute level changes, kept for the latest
+        layout (the search asks each of its groups at several levels): the stages' TP degree,
+        device types, local micro-batch and in-flight micro-batches, a block's model states (and
+        each other kind's), the fixed bytes beside the block's working set (the embedding, head
+        and logits, the pipeline engine's kept outputs, a fully sharded run's gathered weights
+        and their FP8 copies, what the process and its communicators hold above the tensors),
+        the embedding's and the head's seconds, and the micro-batches per step."""
+        key = (mbs, seq, v, replica)
+        if self._level_free_layout is not layout:
+            self._level_free_layout, self._level_free = layout, {}
+        if key in self._level_free:
+            return self._level_free[key]
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
         tp = layout.tp if layout.uniform_tp else layout.stage_tp  # a scalar where it can: the search's hot path
         device = layout.replica_device[replica]
         g = tr.global_batch_size // (dp * mbs)
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
-        t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
-        per_layer = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained, pp) + quantized_kept + inflight * act
-        kind_t, kind_layer = [], []  # each kind of layer beside the repeated one (extra_blocks.other_kinds)
-        for kind, table in zip(extra_blocks.other_kinds(m), self.table.kinds):
-            t, kind_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, table)
-            kind_t.append(t)
-            kind_layer.append(layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained, pp)
-                              + quantized_state_bytes(kind, tr, tp, pp)[0] + inflight * kind_act)
-        counts = extra_blocks.kind_counts(m, pp, layers, v)
-        # Fixed per stage: the backward working set, embedding / head / logits, the gathered
-        # weights of a fully sharded run (and their FP8 copies), and what the process and its
-        # communicators hold above the tensors.
-        fixed = (work + self._edge_bytes(layout, local, seq_rank, inflight)
-                 + kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
-                 + cm.fully_sharded_working_bytes(m, tr, tp, layout.dp_cp, pp) + quantized_working + self.overhead[device]
-                 + layout.communicators * self.communicator_bytes[device]
-                 + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts))
-        offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
-        edge_t = (self._edge_time(layout, device, local, seq_rank)
-                  + extra_blocks.beside_repeated(m, t_layer, kind_t, counts))
-        if layers is None:
-            per_layer, t_layer = (extra_blocks.mean_block(m, per_layer, kind_layer),
-                                  extra_blocks.mean_block(m, t_layer, kind_t))
-        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work
+        state = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained, pp) + quantized_kept
+        kind_states = [layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained, pp)
+                       + quantized_state_bytes(kind, tr, tp, pp)[0] for kind in extra_blocks.other_kinds(m)]
+        fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight),
+                       kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g),
+                       cm.fully_sharded_working_bytes(m, tr, tp, layout.dp_cp, pp), quantized_working,
+                       self.overhead[device], layout.communicators * self.communicator_bytes[device])
+        edge_t = self._edge_time(layout, device, local, seq_rank)
+        self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, g)
+        return self._level_free[key]
 
     def _offload(self, kept, act, t_layer, device) -> tuple:
         """(bytes off, seconds added per micro-batch) of each stage's activation offloading: a
