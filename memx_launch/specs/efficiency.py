@@ -69,8 +69,9 @@ def training_share_of_best_matmul(vendor: str, compute_capability: float | None)
 def default_efficiency(vendor: str, compute_capability: float | None) -> float:
     """Share of the datasheet peak a device type's 16-bit training matmuls sustain when its file
     gives no ``efficiency``: its training share of its generation's best matmul rate, 0.58 on
-    NVIDIA Hopper, 0.56 on Blackwell and 0.44 on AMD (MI300X's best rate; an MI250X, A100's contemporary, takes
-    A100's share: 0.67). Any other device: DEFAULT_EFFICIENCY."""
+    NVIDIA Hopper, 0.56 on Blackwell and 0.44 on AMD (MI300X's best rate; an MI250X, A100's
+    contemporary, is better given A100's share in its file: ``efficiency: 0.67``, docs/clusters.md).
+    Any other device: DEFAULT_EFFICIENCY."""
     generation = _generation(vendor, compute_capability)
     return TRAINING_SHARE_OF_BEST_MATMUL[generation] * BEST_MATMUL_SHARE[generation]
 
