@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.predictor_accuracy import sailor_records  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
-from memx_launch.profiling import predictor  # noqa: E402
+from memx_launch.profiling import predictor, tree_tuning  # noqa: E402
 
 
 def _spin(stop) -> None:
@@ -31,7 +31,7 @@ def _spin(stop) -> None:
 
 
 def _fit_seconds(records, threads: int, repeats: int) -> list[float]:
-    predictor.XGBOOST_THREADS = threads
+    tree_tuning.XGBOOST_THREADS = threads
     out = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -45,7 +45,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(HERE, "results", "predictor_fit_speed.json"))
     args = p.parse_args()
-    machine, shipped = machine_info(), predictor.XGBOOST_THREADS
+    machine, shipped = machine_info(), tree_tuning.XGBOOST_THREADS
     profiles = sailor_records()
     gh = [r for r in profiles if r.device_type == "GH-96"]
     cases = {"one type, 9 records (a calibration)": gh[:9], "one type, 42 records": gh,

@@ -197,7 +197,8 @@ def test_a_row_names_every_column_memx_cannot_express(tmp_path, capsys):
 
 def test_a_profile_of_several_models_is_fitted_once(tmp_path, capsys, monkeypatch):
     """Rows of two models on a profile DB holding both: one predictor fit for the file (not one
-    per model, each overwriting the other's cache), and none on the next run."""
+    per model, each overwriting the other's cache), and none on the next run; the file is read
+    once per run, however many setups its rows ask."""
     from memx_launch.profiling import predictor
     from memx_launch.profiling.profiledb import ProfileDB
     from tests.test_predictor import synthetic_records
@@ -213,13 +214,16 @@ def test_a_profile_of_several_models_is_fitted_once(tmp_path, capsys, monkeypatc
                             "llama-tiny,1,2,2,1,64,fp32\nllama-small,1,2,2,1,64,fp32\nllama-tiny,2,2,1,2,64,fp32\n")
     fits, fit = [], predictor.fit_predictor
     monkeypatch.setattr(predictor, "fit_predictor", lambda *a, **k: fits.append(1) or fit(*a, **{**k, "trials": 2}))
+    reads, read = [], ProfileDB.read
+    monkeypatch.setattr(ProfileDB, "read", lambda self: reads.append(1) or read(self))
     argv = ["estimate", "--cases", str(path), "--cluster", str(tmp_path / "c.yaml"), "--global-batch-size", "8",
             "--profile-db", db]
     code, rows, err = _run(capsys, *argv)
     assert code == 0 and fits == [1] and not [r for r in rows if "error" in r], (rows, err)
     assert rows[0]["stage_peak_memory_gib"] != rows[1]["stage_peak_memory_gib"]  # each model its own
+    assert reads == [1]  # two setups (the models), one read
     code, again, _ = _run(capsys, *argv)
-    assert code == 0 and fits == [1] and again == rows
+    assert code == 0 and fits == [1] and again == rows and reads == [1, 1]
 
 
 def test_csv_with_too_many_cells_is_that_rows_error(tmp_path):

@@ -227,6 +227,21 @@ def cost_model_from_args(args, model, cluster, training):
     return load_cost_model(args.profile_db, model, cluster, training)
 
 
+def profile_cost_models(profile_db: str):
+    """``cost_model_for(model, cluster, training)`` of ``memx estimate --cases``: every setup's
+    cost model on the one profile DB, read and fitted at the first setup, not once per setup.
+    A profile that cannot be read is each asking row's error."""
+    from memx_launch.profiling.predictor import FittedProfile, load_cost_model
+
+    profiles = []
+
+    def cost_model_for(model, cluster, training):
+        if not profiles:
+            profiles.append(FittedProfile(profile_db))
+        return load_cost_model(profile_db, model, cluster, training, profile=profiles[0])
+    return cost_model_for
+
+
 def progress_from_args(args):
     if args.quiet:
         return None

@@ -13,7 +13,7 @@ from memx_launch.planning.plan import Plan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.config_file import add_config_args
 from memx_launch.specs.inputs import float_flag, int_flag
-from memx_launch.cli.common import add_cost_args, add_output_args, add_target_args, check_finite, check_headroom, check_new_file, cost_model_from_args, model_from_args, progress_from_args, training_from_args
+from memx_launch.cli.common import add_cost_args, add_output_args, add_target_args, check_finite, check_headroom, check_new_file, cost_model_from_args, model_from_args, profile_cost_models, progress_from_args, training_from_args
 from memx_launch.specs.checks import list_of
 
 
@@ -234,7 +234,7 @@ def _run_cases(args) -> int:
     print(run_cases(args.cases, args.out, overwrite=args.force, defaults={k: getattr(args, k, None) for k in FLAG_DEFAULTS},
                     memory_headroom=args.memory_headroom, weights=parse_weights(args.weights) if args.weights else None,
                     phi=args.phi,
-                    cost_model_for=(lambda m, c, t: cost_model_from_args(args, m, c, t)) if args.profile_db else None),
+                    cost_model_for=profile_cost_models(args.profile_db) if args.profile_db else None),
           file=sys.stderr)
     return 0
 

@@ -25,16 +25,15 @@ No torch import here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import math
 import os
 import sys
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
-from scipy.stats import norm
 
 from memx_launch.planning.costmodel import NONE, AnalyticalCostModel, LayerCost
 from memx_launch.errors import ConfigError
@@ -47,7 +46,8 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.inputs import load_json, read_bytes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.profiling.features import FEATURE_NAMES, Offsets, TrainingSet, physics_features, training_rows
+from memx_launch.profiling.features import FEATURE_NAMES, Offsets, physics_features, training_rows
+from memx_launch.profiling.tree_tuning import train_trees, tune_hyperparameters
 
 
 PREDICTOR_FORMAT = 8
@@ -61,25 +61,6 @@ MIN_OWN_RECORDS = 8
 design over micro-batch and TP holds 9; the new-type design's 5 lean on the fleet)."""
 MAX_MODEL_BYTES = 64 * 2**20
 """A predictor of a few thousand records is well under 1 MB."""
-
-
-# Bounds of the tuned hyper-parameters; (name, low, high, log scale, integer).
-_SEARCH_SPACE = (
-    ("max_depth", 2, 6, False, True),
-    ("learning_rate", 0.08, 0.3, True, False),
-    ("subsample", 0.6, 1.0, False, False),
-    ("min_child_weight", 0.5, 8.0, True, False),
-    ("reg_lambda", 0.1, 10.0, True, False),
-)
-
-
-# Boosting rounds scale with 1/learning rate so every trial reaches a similar total step.
-_ROUNDS_X_RATE = 15.0
-XGBOOST_THREADS = 1
-"""Threads per boosting round. A profile holds hundreds of rows, too few to split: a second
-thread adds a synchronisation per round, which waits out a time slice whenever another process
-holds the core (a shared host, a test suite). One thread fits 2.5-3.9x faster beside one busy
-process and no slower on a quiet machine (benchmarks/results/predictor_fit_speed.json)."""
 
 
 @dataclass
@@ -189,96 +170,6 @@ def training_signature(records: list[Measurement]) -> dict:
     }
 
 
-def _booster_params(params: dict, seed: int) -> dict:
-    return {"tree_method": "hist", "multi_strategy": "multi_output_tree", "objective": "reg:squarederror",
-            "max_depth": int(params["max_depth"]), "eta": params["learning_rate"],
-            "subsample": params["subsample"], "min_child_weight": params["min_child_weight"],
-            "lambda": params["reg_lambda"], "seed": seed, "nthread": XGBOOST_THREADS, "verbosity": 0}
-
-
-def _train(ts: TrainingSet, offsets: Offsets, params: dict, seed: int):
-    import xgboost as xgb
-
-    rounds = int(round(_ROUNDS_X_RATE / params["learning_rate"]))
-    data = xgb.DMatrix(ts.X, label=ts.Y, base_margin=offsets.margin(ts.X, ts.device_types, ts.models))
-    return xgb.train(_booster_params(params, seed), data, num_boost_round=rounds)
-
-
-def ratio_mape(pred_log: np.ndarray, true_log: np.ndarray) -> float:
-    """MAPE of exp(pred) against exp(true): the error of the scaled physical estimate."""
-    if pred_log.size == 0:
-        return 0.0
-    return float(np.mean(np.abs(np.exp(pred_log - true_log) - 1.0)))
-
-
-def _cv_error(ts: TrainingSet, params, folds, seed) -> float:
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(ts.X))
-    errors = []
-    for k in range(folds):
-        test = ts.subset(order[k::folds])
-        train = ts.subset(np.setdiff1d(order, order[k::folds]))
-        offsets = Offsets.fit(train)  # from the training fold only
-        booster = _train(train, offsets, params, seed)
-        margin = offsets.margin(test.X, test.device_types, test.models)
-        pred = np.asarray(booster.inplace_predict(test.X, base_margin=margin)).reshape(-1, 2)
-        mem = test.has_memory
-        errors.append(ratio_mape(pred[:, 0], test.Y[:, 0]) + ratio_mape(pred[mem, 1], test.Y[mem, 1]))
-    return float(np.mean(errors))
-
-
-def _decode(u: np.ndarray) -> dict:
-    out = {}
-    for value, (name, low, high, log, integer) in zip(u, _SEARCH_SPACE):
-        x = math.exp(math.log(low) + value * (math.log(high) - math.log(low))) if log else low + value * (high - low)
-        out[name] = int(round(x)) if integer else float(x)
-    return out
-
-
-def _gp_posterior(U: np.ndarray, y: np.ndarray, candidates: np.ndarray):
-    """Zero-mean GP with an RBF kernel; length scale by maximum marginal likelihood on a grid."""
-    best = None
-    for length in (0.15, 0.3, 0.6, 1.2):
-        K = np.exp(-0.5 * ((U[:, None] - U[None]) ** 2).sum(-1) / length**2) + 1e-4 * np.eye(len(U))
-        L = np.linalg.cholesky(K)
-        alpha = np.linalg.solve(L.T, np.linalg.solve(L, y))
-        loglik = -0.5 * y @ alpha - np.log(np.diag(L)).sum()
-        if best is None or loglik > best[0]:
-            best = (loglik, length, L, alpha)
-    _, length, L, alpha = best
-    Ks = np.exp(-0.5 * ((candidates[:, None] - U[None]) ** 2).sum(-1) / length**2)
-    mean = Ks @ alpha
-    v = np.linalg.solve(L, Ks.T)
-    std = np.sqrt(np.maximum(1.0 - (v**2).sum(0), 1e-12))
-    return mean, std
-
-
-def tune_hyperparameters(ts: TrainingSet, *, trials: int = 10, initial: int = 4, folds: int = 3,
-                         seed: int = 0) -> tuple[dict, float, list[dict]]:
-    """Bayesian optimisation (GP + expected improvement) of the k-fold CV error."""
-    rng = np.random.default_rng(seed)
-    folds = max(2, min(folds, len(ts.X)))
-    U, scores, history = [], [], []
-    for i in range(trials):
-        if i < initial:
-            u = rng.random(len(_SEARCH_SPACE))
-        else:
-            Ua, s = np.array(U), np.array(scores)
-            y = (s - s.mean()) / (s.std() + 1e-12)
-            candidates = rng.random((512, len(_SEARCH_SPACE)))
-            mean, std = _gp_posterior(Ua, y, candidates)
-            z = (y.min() - mean) / std
-            ei = (y.min() - mean) * norm.cdf(z) + std * norm.pdf(z)
-            u = candidates[int(np.argmax(ei))]
-        params = _decode(u)
-        score = _cv_error(ts, params, folds, seed)
-        U.append(u)
-        scores.append(score)
-        history.append({**params, "cv_error": score})
-    best = int(np.argmin(scores))
-    return _decode(U[best]), scores[best], history
-
-
 def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = (), trials: int = 10,
                   seed: int = 0) -> Predictor:
     """Fit the two-output model on measured (plus augmented) records, tuning by CV."""
@@ -294,7 +185,7 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
                           "profile at least 4 configurations (memx profile --budget)")
     params, cv_error, history = tune_hyperparameters(ts, trials=trials, seed=seed)
     offsets = Offsets.fit(ts)
-    booster = _train(ts, offsets, params, seed)
+    booster = train_trees(ts, offsets, params, seed)
     own_boosters, own_models = {}, {}
     # A profile of one type: the fleet's trees are that type's own, fitted the same way.
     for name in sorted(own_model_types(records)) if len(set(ts.device_types)) > 1 else ():
@@ -302,7 +193,7 @@ def fit_predictor(records: list[Measurement], *, augmented: list[Measurement] = 
         # (its offsets, fitted on its own rows, are those of the fleet's margin).
         own = ts.subset(ts.device_types == name)
         own_params, own_error, _ = tune_hyperparameters(own, trials=trials, seed=seed)
-        own_boosters[name] = _train(own, Offsets.fit(own), own_params, seed)
+        own_boosters[name] = train_trees(own, Offsets.fit(own), own_params, seed)
         own_models[name] = {"rows": int(len(own.X)), "hyperparameters": own_params, "cv_error": own_error}
     gain = booster.get_score(importance_type="gain")
     total = sum(gain.values()) or 1.0
@@ -406,43 +297,52 @@ class LearnedCostModel:
         return fixed + scale * self.analytical.head_time(device, tp, mbs, seq)
 
 
-def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                    *, trials: int = 10):
-    """The planner's cost model from a profile: fitted once, saved next to the profile, cached.
-
-    One predictor per profile, fitted on every model's records in it (its offsets and trees
+class FittedProfile:
+    """A profile DB's records and the one predictor fitted on all of them (its offsets and trees
     tell models apart by their shape signature), so that the models of one file share one fit
-    and one cache file instead of refitting over each other. A saved predictor is reused when
-    its sidecar's training signature matches the profile's records; otherwise (new records,
-    other version) it is re-fitted and saved again. Bridge measurements of the cluster's
-    backend replace its bridge defaults per pair of domains.
-    """
-    from memx_launch.profiling.interpolation import augment_measurements
-    from memx_launch.profiling.prediction_cache import CachedCostModel
-    from memx_launch.profiling.profiledb import ProfileDB, fitted_bridges
+    and one cache file instead of refitting over each other; read once, fitted at first use.
+    A saved predictor next to the profile is reused when its sidecar's training signature
+    matches the records; otherwise (new records, other version) it is re-fitted and saved."""
 
-    db = ProfileDB(profile_db_path)
-    records = db.read()
-    db.for_model(model, records)  # a profile without this model is a one-line error, not a guess
-    bridges = fitted_bridges(db.bridge_measurements(), cluster.bridge.backend) if cluster.crosses_domains else {}
-    path = os.path.splitext(profile_db_path)[0] + ".predictor.ubj"
-    predictor = None
-    if os.path.exists(path):
-        try:
-            predictor = Predictor.load(path)
-            if predictor.meta.get("training") != training_signature(records):
-                predictor = None
-        except Exception as exc:  # noqa: BLE001 (a cache: whatever is wrong with it, fit again)
-            print(f"memx: warning: the cached predictor is not used ({exc}); fitting it again", file=sys.stderr)
-            predictor = None
-    if predictor is None:
-        augmented = augment_measurements(records).points
-        predictor = fit_predictor(records, augmented=augmented, trials=trials)
+    def __init__(self, profile_db_path: str, *, trials: int = 10):
+        from memx_launch.profiling.profiledb import ProfileDB
+
+        self.db, self.trials = ProfileDB(profile_db_path), trials
+        self.records = self.db.read()
+
+    @functools.cached_property
+    def predictor(self) -> Predictor:
+        from memx_launch.profiling.interpolation import augment_measurements
+
+        path, records = os.path.splitext(self.db.path)[0] + ".predictor.ubj", self.records
+        if os.path.exists(path):
+            try:
+                predictor = Predictor.load(path)
+                if predictor.meta.get("training") == training_signature(records):
+                    return predictor
+            except Exception as exc:  # noqa: BLE001 (a cache: whatever is wrong with it, fit again)
+                print(f"memx: warning: the cached predictor is not used ({exc}); fitting it again", file=sys.stderr)
+        predictor = fit_predictor(records, augmented=augment_measurements(records).points, trials=self.trials)
         # A cache of the fit, next to the profile when memx may write there; said either way.
         try:
             predictor.save(path)
-            print(f"memx: fitted the predictor on {len(records)} records of {profile_db_path}; cached as {path} "
+            print(f"memx: fitted the predictor on {len(records)} records of {self.db.path}; cached as {path} "
                   "(refitted when the profile changes)", file=sys.stderr)
         except (ConfigError, OSError) as exc:
             print(f"memx: fitted the predictor on {len(records)} records; not cached ({exc})", file=sys.stderr)
-    return CachedCostModel(LearnedCostModel(model, cluster, training, predictor, bridges))
+        return predictor
+
+
+def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                    *, trials: int = 10, profile: FittedProfile | None = None):
+    """The planner's cost model from a profile (:class:`FittedProfile`; ``profile``: one the
+    caller read already, as ``memx estimate --cases`` shares one across its setups). Bridge
+    measurements of the cluster's backend replace its bridge defaults per pair of domains."""
+    from memx_launch.profiling.prediction_cache import CachedCostModel
+    from memx_launch.profiling.profiledb import fitted_bridges
+
+    profile = profile or FittedProfile(profile_db_path, trials=trials)
+    profile.db.for_model(model, profile.records)  # a profile without this model is a one-line error, not a fit
+    bridges = (fitted_bridges(profile.db.bridge_measurements(), cluster.bridge.backend)
+               if cluster.crosses_domains else {})
+    return CachedCostModel(LearnedCostModel(model, cluster, training, profile.predictor, bridges))
