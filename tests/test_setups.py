@@ -151,6 +151,15 @@ def test_every_communicator_a_rank_joins_holds_its_buffers():
     # world, TP, DP, PP and model-parallel groups: 5 x 0.6 GiB, plus the 1.25 GiB process overhead, per stage.
     assert [a - b.predicted_peak_memory_gib for a, b in zip(peaks(2, 2, 2), bare.stages)] == \
         pytest.approx([5 * 0.6 + 1.25] * 2)
+    # PCIe GPUs (through the host, as L4s and A10Gs): NCCL runs 2 channels where NVLink runs 24,
+    # and its buffers are per channel: the same five communicators hold 2/24 of it.
+    for link in ({"intra_node_gbps": 32}, {"intra_node_gbps": 300, "gpu_link": "pcie"}):
+        pcie = ClusterSpec.from_dict({**_cluster_dict(), "nodes": [{"devices": {"gpu": 8}, **link}]})
+        assert pcie.communicator_bytes("gpu") == pytest.approx(0.6 * 2**30 * 2 / 24)
+        plan = evaluate_layout(model, pcie, training, tp=2, pp=2, dp=2, micro_batch_size=1, references=(1.0, 1.0, 1.0))
+        assert [a.predicted_peak_memory_gib - b.predicted_peak_memory_gib for a, b in zip(plan.stages, bare.stages)] \
+            == pytest.approx([5 * 0.6 * 2 / 24 + 1.25] * 2)
+    assert _cluster().communicator_bytes("gpu") == 0.6 * 2**30  # NVLink: the measured size
 
 
 def _cluster_dict():

@@ -60,7 +60,7 @@ class Evaluator:
         measured = getattr(cost_model, "measured_overhead_bytes", {})
         self.overhead = np.array([measured.get(d.name, d.overhead_bytes) for d in self.device_types])
         # An emulated cluster's communicators are gloo's, in host memory the guard does not count.
-        self.communicator_bytes = np.array([0.0 if cluster.is_emulated else d.communicator_bytes
+        self.communicator_bytes = np.array([0.0 if cluster.is_emulated else cluster.communicator_bytes(d.name)
                                             for d in self.device_types])
         # A learned model brings the bridges calibration measured (else the cluster file's).
         self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))

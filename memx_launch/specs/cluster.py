@@ -181,6 +181,11 @@ DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 1.25, "amd": 1.25, "cpu": 0.0, "unknown
 # a rank joins holds its own (nccl#864, #986; which ones: costmodel.communicators_per_rank).
 # RCCL is built alike.
 COMMUNICATOR_GIB = {"nvidia": 0.6, "amd": 0.6}
+# Those buffers are per channel: "the memory usage is linearly tied to the number of channels"
+# (NCCL's maintainer, github.com/NVIDIA/nccl/issues/986, who names PCIe as needing less than
+# NVLink). NCCL runs 24 channels over NVLink and NVSwitch boards (its logs' "Channel 00/24" on
+# A100 and H100 nodes), 2 among GPUs that reach each other through the host ("Channel 00/02").
+DIRECT_LINK_CHANNELS, PCIE_CHANNELS = 24, 2
 
 @dataclass(frozen=True)
 class Emulation:
@@ -234,6 +239,15 @@ class ClusterSpec:
     def master_address(self) -> str | None:
         """The rendezvous address: ``master_addr``, else the first node's ``host`` (None: not given)."""
         return self.master_addr or self.nodes[0].host
+
+    def communicator_bytes(self, device_type: str) -> float:
+        """GPU memory one NCCL/RCCL communicator holds on a device of ``device_type``: its
+        vendor's size (:attr:`DeviceType.communicator_bytes`, at :data:`DIRECT_LINK_CHANNELS`), or
+        :data:`PCIE_CHANNELS` of those channels' worth where every node holding the type links its
+        devices through the host (:attr:`Node.over_pcie`)."""
+        nodes = [n for n in self.nodes if any(name == device_type for name, _ in n.devices)]
+        share = PCIE_CHANNELS / DIRECT_LINK_CHANNELS if nodes and all(n.over_pcie for n in nodes) else 1.0
+        return self.device_type(device_type).communicator_bytes * share
 
     def rank_device_types(self) -> list[str]:
         """Device type of each global rank: nodes in order, types in listed order."""
