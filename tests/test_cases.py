@@ -224,6 +224,10 @@ def test_a_profile_of_several_models_is_fitted_once(tmp_path, capsys, monkeypatc
     assert reads == [1]  # two setups (the models), one read
     code, again, _ = _run(capsys, *argv)
     assert code == 0 and fits == [1] and again == rows and reads == [1, 1]
+    # A model the profile holds no record of is its rows' error; the other rows still run.
+    (tmp_path / "more.csv").write_text(path.read_text() + "tinyllama-1.1b,1,2,2,1,64,fp32\n")
+    code, more, _ = _run(capsys, *argv[:2], str(tmp_path / "more.csv"), *argv[3:])
+    assert code == 0 and more[:3] == rows and "holds measurements of" in more[3]["error"]
 
 
 def test_csv_with_too_many_cells_is_that_rows_error(tmp_path):

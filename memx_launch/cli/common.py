@@ -5,6 +5,7 @@ cluster and training flags, and the checks made before any work starts.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 
@@ -233,13 +234,8 @@ def profile_cost_models(profile_db: str):
     A profile that cannot be read is each asking row's error."""
     from memx_launch.profiling.predictor import FittedProfile, load_cost_model
 
-    profiles = []
-
-    def cost_model_for(model, cluster, training):
-        if not profiles:
-            profiles.append(FittedProfile(profile_db))
-        return load_cost_model(profile_db, model, cluster, training, profile=profiles[0])
-    return cost_model_for
+    fitted = functools.cache(lambda: FittedProfile(profile_db))  # an error is not kept: the next row tries again
+    return lambda model, cluster, training: load_cost_model(profile_db, model, cluster, training, profile=fitted())
 
 
 def progress_from_args(args):
