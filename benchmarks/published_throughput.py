@@ -45,6 +45,10 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
   measured against predicted, as the FP8 pairs. The H100 hosts ran at "the default 500W power
   limit" of their 700 W boards (the tables' text; ``benchmarks/common.py``); their rows are also
   predicted at the rated power (``h100_at_rated_power``), what counting the limit changed.
+  Memory: the H100 tables give the memory torchtitan logs, the caching allocator's peak reserve
+  (its ``DeviceMemoryMonitor``: ``reserved_bytes.all.peak``, without NCCL's buffers and the CUDA
+  context); ``reserved_memory`` holds memx's peak less the communicators' buffers and the context
+  (``CONTEXT_GIB``) against it.
 
 Every published run ran, so every row is also a fit check: memx should say each layout fits.
 
@@ -66,9 +70,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.common import (dgx_cluster, grouped, identity_axes, no_nan, predicted, run_summary,  # noqa: E402
+from benchmarks.common import (dgx_cluster, grouped, identity_axes, mape, no_nan, predicted, run_summary,  # noqa: E402
                                step_time_by_group, time_mape)
 from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.specs.cluster import CONTEXT_GIB  # noqa: E402
 from memx_launch.specs.catalog import get_model  # noqa: E402
 from memx_launch.specs.model import ModelSpec  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
@@ -229,9 +234,24 @@ def torchtitan(rated_power: bool = False) -> list[dict]:
                    "layout": f"{d['model']} s{seq} {gpus}x{d['gpu']} fsdp{dp} cp{cp} b{local} {policy}"
                              + " compile" * compiled + " float8" * (d["float8"] == "True")}
             cluster = dgx_cluster(d["gpu"], gpus)
-            rows.append(predicted(row, model, at_rated_power(cluster) if rated_power else cluster, training,
-                                  tp=1, pp=1, dp=dp, cp=cp, micro_batch_size=local, recompute=recompute))
+            row = predicted(row, model, at_rated_power(cluster) if rated_power else cluster, training, parts=True,
+                            tp=1, pp=1, dp=dp, cp=cp, micro_batch_size=local, recompute=recompute)
+            # torchtitan logs the caching allocator's peak reserve (its DeviceMemoryMonitor:
+            # reserved_bytes.all.peak), which holds neither NCCL's buffers nor the CUDA context.
+            parts = row.pop("parts_gib", None)
+            if parts:
+                row["reserved_gib"] = round(row["peak_gib"] - parts["communicator_buffers"] - CONTEXT_GIB, 2)
+            rows.append(row)
     return rows
+
+
+def reserved_summary(rows: list[dict]) -> dict:
+    """memx's allocator reserve (its peak less NCCL's buffers and the CUDA context) against the
+    reserve the runs logged."""
+    logged = [r for r in rows if r.get("real_memory_gib") and "reserved_gib" in r]
+    return {"runs": len(logged), "mape_pct": round(mape([r["reserved_gib"] for r in logged],
+                                                        [r["real_memory_gib"] for r in logged]), 1),
+            "predicted_over_measured": [round(r["reserved_gib"] / r["real_memory_gib"], 3) for r in logged]}
 
 
 def torchtitan_ratios(rows: list[dict]) -> list[dict]:
@@ -305,7 +325,7 @@ def main() -> None:
     titan = torchtitan()
     result["torchtitan"] = {**run_summary(titan), "by_table": by(titan, lambda r: r["group"]),
                             "by_gpu": by(titan, lambda r: r["gpu"]),
-                            "ratios": torchtitan_ratios(titan), "rows": titan}
+                            "ratios": torchtitan_ratios(titan), "reserved_memory": reserved_summary(titan), "rows": titan}
     # What counting the H100 runs' 500 W power limit changed: the same rows at the rated 700 W.
     rated = [r for r in torchtitan(rated_power=True) if r["gpu"] == "h100_96gb"]
     result["torchtitan"]["h100_at_rated_power"] = {**run_summary(rated), "by_table": by(rated, lambda r: r["group"]),
@@ -323,6 +343,7 @@ def main() -> None:
     for part in ("by_table", "by_gpu"):
         for name, summary in result["torchtitan"][part].items():
             print("  torchtitan", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
+    print("  torchtitan reserved memory", result["torchtitan"]["reserved_memory"])
     for ratio in result["torchtitan"]["ratios"]:
         print("  ", ratio)
     for gpu, s in result["mpt_llm_foundry"]["by_gpu"].items():

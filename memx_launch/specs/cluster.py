@@ -171,10 +171,12 @@ class DeviceType:
 
 
 # Unmeasured memory above the tensors, per vendor. NVIDIA/AMD: the CUDA/HIP context with the
-# BLAS and attention-kernel modules loaded (~0.75 GiB) and the caching allocator's reserve over
-# allocated (~0.5 GiB of partly used 2 MiB / 20 MiB blocks). CPU emulation: a guard counts the
+# BLAS and attention-kernel modules loaded (outside the caching allocator) and the allocator's
+# reserve over allocated (partly used 2 MiB / 20 MiB blocks). CPU emulation: a guard counts the
 # tensors only. A measured value in the cluster YAML (memory_overhead_gib) replaces these.
-DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": 1.25, "amd": 1.25, "cpu": 0.0, "unknown": 0.0}
+CONTEXT_GIB, ALLOCATOR_RESERVE_GIB = 0.75, 0.5
+DEFAULT_MEMORY_OVERHEAD_GIB = {"nvidia": CONTEXT_GIB + ALLOCATOR_RESERVE_GIB, "amd": CONTEXT_GIB + ALLOCATOR_RESERVE_GIB,
+                               "cpu": 0.0, "unknown": 0.0}
 
 # Buffers one communicator holds per GPU at NCCL's default sizes: 544-688 MB measured per
 # process group on 4 x A100 over NVLink (github.com/NVIDIA/nccl/issues/964); every communicator
