@@ -435,3 +435,26 @@ def test_fully_sharded_plans_in_the_job_and_a_given_one_stays_so_in_its_re_plans
     target.write_text(json.dumps(plan))
     assert main([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]) == 2
     assert "plan with --hold-gathered always" in capsys.readouterr().err
+
+
+def test_the_workers_run_pytorch_s_allocator_in_expandable_segments_unless_the_user_set_it(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """memx-run hands its workers PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the small
+    allocator reserve memx counts) and says so; a user's own setting is kept and named."""
+    from memx_launch.runtime import agent, launcher
+
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--run-dir", str(tmp_path / "run"), TRAIN,
+            "--model", "llama-tiny"]
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # launch() exports the job's variables
+    seen = []
+    monkeypatch.setattr(agent, "run_agent", lambda *a, **k: seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")) or 0)
+    for given in (None, "max_split_size_mb:128"):
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if given:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = given
+        args = build_parser().parse_args(argv)
+        resolved = launcher.resolve(args)
+        assert ("CUDA allocator", given or "expandable_segments:True",
+                given and "PYTORCH_CUDA_ALLOC_CONF" or "default") in resolved["settings"].rows
+        assert launcher.launch(args, resolved) == 0
+    assert seen == ["expandable_segments:True", "max_split_size_mb:128"]
