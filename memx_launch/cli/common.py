@@ -232,10 +232,10 @@ def profile_cost_models(profile_db: str):
     """``cost_model_for(model, cluster, training)`` of ``memx estimate --cases``: every setup's
     cost model on the one profile DB, read and fitted at the first setup, not once per setup.
     A profile that cannot be read is each asking row's error."""
-    from memx_launch.profiling.predictor import FittedProfile, load_cost_model
+    from memx_launch.profiling.predictor import FittedProfile
 
     fitted = functools.cache(lambda: FittedProfile(profile_db))  # an error is not kept: the next row tries again
-    return lambda model, cluster, training: load_cost_model(profile_db, model, cluster, training, profile=fitted())
+    return lambda model, cluster, training: fitted().cost_model(model, cluster, training)
 
 
 def progress_from_args(args):

@@ -93,10 +93,8 @@ class Evaluator:
             kind_t.append(t)
             kind_layer.append(kind_state + inflight * kind_act)
         counts = extra_blocks.kind_counts(m, layout.pp, layers, v)
-        fixed = work
-        for part in fixed_parts:  # added one by one, in their order: the same sums whatever is kept
-            fixed = fixed + part
-        fixed = fixed + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts)
+        # The kept parts added in their order after the working set (sum goes left to right).
+        fixed = sum(fixed_parts, work) + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts)
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
         edge_t = edge_t + extra_blocks.beside_repeated(m, t_layer, kind_t, counts)
         if layers is None:

@@ -333,16 +333,19 @@ class FittedProfile:
         return predictor
 
 
-def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                    *, trials: int = 10, profile: FittedProfile | None = None):
-    """The planner's cost model from a profile (:class:`FittedProfile`; ``profile``: one the
-    caller read already, as ``memx estimate --cases`` shares one across its setups). Bridge
-    measurements of the cluster's backend replace its bridge defaults per pair of domains."""
-    from memx_launch.profiling.prediction_cache import CachedCostModel
-    from memx_launch.profiling.profiledb import fitted_bridges
+    def cost_model(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec):
+        """The planner's cost model of ``model`` on this profile (``memx estimate --cases`` asks one
+        per setup of one profile). Bridge measurements of the cluster's backend replace its bridge
+        defaults per pair of domains."""
+        from memx_launch.profiling.prediction_cache import CachedCostModel
+        from memx_launch.profiling.profiledb import fitted_bridges
 
-    profile = profile or FittedProfile(profile_db_path, trials=trials)
-    profile.db.for_model(model, profile.records)  # a profile without this model is a one-line error, not a fit
-    bridges = (fitted_bridges(profile.db.bridge_measurements(), cluster.bridge.backend)
-               if cluster.crosses_domains else {})
-    return CachedCostModel(LearnedCostModel(model, cluster, training, profile.predictor, bridges))
+        self.db.for_model(model, self.records)  # a profile without this model is a one-line error, not a fit
+        bridges = fitted_bridges(self.db.bridge_measurements(), cluster.bridge.backend) if cluster.crosses_domains else {}
+        return CachedCostModel(LearnedCostModel(model, cluster, training, self.predictor, bridges))
+
+
+def load_cost_model(profile_db_path: str, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                    *, trials: int = 10):
+    """The planner's cost model from a profile: :meth:`FittedProfile.cost_model`."""
+    return FittedProfile(profile_db_path, trials=trials).cost_model(model, cluster, training)

@@ -342,15 +342,16 @@ def resolve(args) -> dict:
                  "the stopped run of this command" if previous is not None else "default")
     settings.add("max restarts", f"{args.max_restarts} for crashes (planned restarts not counted)",
                  "flag" if args.max_restarts else "default")
-    settings.add("CUDA allocator", os.environ.get(ALLOCATOR_CONF_VAR) or ALLOCATOR_CONF,
-                 ALLOCATOR_CONF_VAR if os.environ.get(ALLOCATOR_CONF_VAR) else "default")
+    allocator_conf = os.environ.get(ALLOCATOR_CONF_VAR) or ALLOCATOR_CONF
+    settings.add("CUDA allocator", allocator_conf, ALLOCATOR_CONF_VAR if os.environ.get(ALLOCATOR_CONF_VAR) else "default")
     replans = max_replans()
     settings.add("replan during training", "off" if args.no_replan else f"monitor decides, at most {replans} "
                  "re-plans", "flag" if args.no_replan else "MEMX_MAX_REPLANS" if os.environ.get("MEMX_MAX_REPLANS")
                  else "default")
     return dict(settings=settings, model=model, cluster=cluster, training=training, plan=plan,
                 profile_db=profile_db, run_dir=run_dir, script_args=script_args, builder=builder,
-                model_arg=model_arg, resumed=previous is not None, argv=args.argv, restrictions=restrictions)
+                model_arg=model_arg, resumed=previous is not None, argv=args.argv, restrictions=restrictions,
+                allocator_conf=allocator_conf)
 
 
 def _has_gpu() -> bool:
@@ -391,8 +392,7 @@ def launch(args, resolved) -> int:
         env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
     if resolved["builder"] is not None:
         env["MEMX_MODEL_BUILDER"] = json.dumps(resolved["builder"])
-    if not os.environ.get(ALLOCATOR_CONF_VAR):
-        env[ALLOCATOR_CONF_VAR] = ALLOCATOR_CONF
+    env[ALLOCATOR_CONF_VAR] = resolved["allocator_conf"]  # the user's own, else expandable segments
     os.environ.update(env)
     # The workers run memx's worker, which runs the script. Planned restarts (the initial plan,
     # each re-plan) go through the agent too; memx's agent does not count them (agent.py).
