@@ -169,10 +169,11 @@ def stage_layers(model: ModelSpec, pp: int, vp: int, with_ends: bool) -> list[in
     return layers
 
 
-def nemo_rows(recipe_memory: bool = True, path: str = DATA) -> list[dict]:
+def nemo_rows(recipe_memory: bool = True, path: str = DATA, predict=predicted) -> list[dict]:
     """Every row of ``path`` with memx's estimate; ``recipe_memory=False`` asks without the recipes'
     memory settings (16-bit gradients, FP8 weights, 16-bit optimizer states, offloaded
-    activations): what they are worth."""
+    activations): what they are worth. ``predict(row, model, cluster, training, **layout)``:
+    :func:`~benchmarks.common.predicted`, memx's estimate."""
     rows = []
     with open(path) as f:
         for d in csv.DictReader(f):
@@ -205,10 +206,10 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA) -> list[dict]:
                              + f" ep{d['ep']}" * (d["ep"] != "1") + f" etp{d.get('etp')}" * (d.get("etp", "1") != "1")
                              + f" mbs{mbs} {d['precision']} {d['recompute']}" + " fsdp" * (d["fsdp"] == "1")
                              + f" offload{d['activation_offload_layers']}" * (d["activation_offload_layers"] != "0")}
-            rows.append(predicted(row, model, dgx_cluster(gpu, gpus), training, tp=tp, pp=pp, dp=dp, cp=cp,
-                                  micro_batch_size=mbs, recompute=d["recompute"],
-                                  schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp,
-                                  layers_per_stage=stage_layers(model, pp, vp, d["embedding_in_split"] == "True")))
+            rows.append(predict(row, model, dgx_cluster(gpu, gpus), training, tp=tp, pp=pp, dp=dp, cp=cp,
+                                micro_batch_size=mbs, recompute=d["recompute"],
+                                schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp,
+                                layers_per_stage=stage_layers(model, pp, vp, d["embedding_in_split"] == "True")))
     return rows
 
 

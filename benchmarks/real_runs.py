@@ -120,7 +120,9 @@ def group_summary(rows, key) -> dict:
 # --------------------------------------------------------------------------- Hagemann et al. (LLaMA-13B, A100)
 
 
-def hagemann(shared: str) -> list[dict]:
+def hagemann(shared: str, predict=predicted) -> list[dict]:
+    """The 422 runs, each through ``predict(row, model, cluster, training, **layout)``
+    (:func:`~benchmarks.common.predicted`: memx's estimate of it)."""
     rows = []
     with open(os.path.join(shared, "peer-data", "hagemann-dev", "llama13b_runs.csv")) as f:
         data = list(csv.DictReader(f))
@@ -146,9 +148,9 @@ def hagemann(shared: str) -> list[dict]:
                "real_time_s": float(d["avg_step_time_s"]) if d["avg_step_time_s"] else None,
                "layout": f"tp{tp} pp{pp} dp{dp} mbs{mbs} {recompute} {d['kernel']}{' sp' if sp else ''}",
                "kernel": d["kernel"], "seq_len": seq}
-        rows.append(predicted(row, model, dgx_cluster("a100_80gb", world), training, tp=tp, pp=pp, dp=dp,
-                              micro_batch_size=mbs, layers_per_stage=[model.num_layers // pp] * pp,
-                              recompute=recompute))
+        rows.append(predict(row, model, dgx_cluster("a100_80gb", world), training, tp=tp, pp=pp, dp=dp,
+                            micro_batch_size=mbs, layers_per_stage=[model.num_layers // pp] * pp,
+                            recompute=recompute))
     return rows
 
 
@@ -171,11 +173,12 @@ def gh200_cluster(nodes: int, efficiency: float | None = None) -> ClusterSpec:
 
 
 def sailor(shared: str, cost_model=None, efficiency: float | None = None,
-           host_ms_per_layer: float | None = None) -> list[dict]:
+           host_ms_per_layer: float | None = None, predict=predicted) -> list[dict]:
     """The 15 plans predicted through ``memx estimate``'s path; ``cost_model(model, cluster,
     training)`` gives the cost model of each plan's cluster (None: the analytical one, at
     ``efficiency`` of the GH-96 peak, or the default); ``host_ms_per_layer``: the framework's
-    host time per layer (``--host-ms-per-layer``; None: memx's default)."""
+    host time per layer (``--host-ms-per-layer``; None: memx's default); ``predict`` as
+    :func:`hagemann`'s."""
     rows = []
     model = get_model("opt-350m")
     with open(os.path.join(shared, "peer-data", "sailor-plans-dev", "opt350_gh96_plans.csv")) as f:
@@ -200,9 +203,9 @@ def sailor(shared: str, cost_model=None, efficiency: float | None = None,
         training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
                                 host_ms_per_layer=host_ms_per_layer, **SAILOR_RUN_OPTIONS)
         cluster = gh200_cluster(nodes, efficiency)
-        rows.append(predicted(row, model, cluster, training, parts=True, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
-                              layers_per_stage=layers, recompute=d["recompute"],
-                              cost_model=cost_model(model, cluster, training) if cost_model else None))
+        rows.append(predict(row, model, cluster, training, parts=True, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+                            layers_per_stage=layers, recompute=d["recompute"],
+                            cost_model=cost_model(model, cluster, training) if cost_model else None))
     return rows
 
 

@@ -1,6 +1,6 @@
-"""``memx profile``, ``memx profile import``, ``memx evaluate`` and ``memx cluster detect``:
-measurements on this machine, measurements from elsewhere, and their accuracy (torch only
-inside the commands).
+"""``memx profile``, ``memx profile import``, ``memx evaluate``, ``memx cluster detect`` and
+``memx cluster fit``: measurements on this machine, measurements from elsewhere, their accuracy,
+and a cluster file fitted to them (torch only inside the commands).
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import statistics
 
 from memx_launch.errors import ConfigError
-from memx_launch.files import write_json_atomic
+from memx_launch.files import write_json_atomic, write_text_atomic
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.inputs import int_flag
 from memx_launch.specs.catalog import get_model
-from memx_launch.cli.common import BLOCK_OPTIONS, Parser, add_block_option_args, check_new_file
+from memx_launch.cli.common import BLOCK_OPTIONS, Parser, add_block_option_args, add_target_args, check_new_file
 from memx_launch.specs.checks import list_of
 
 
@@ -174,7 +174,18 @@ def run_evaluate(args) -> int:
 
 def add_cluster_command(sub) -> None:
     p = sub.add_parser("cluster", help="the cluster this machine belongs to")
-    d = p.add_subparsers(dest="cluster_command", required=True, parser_class=Parser).add_parser(
+    commands = p.add_subparsers(dest="cluster_command", required=True, parser_class=Parser)
+    f = commands.add_parser(
+        "fit", help="fit a cluster YAML to measured runs: each device type's efficiency and memory overhead",
+        description="Each device type's matmul efficiency from measured iteration times and its memory overhead "
+                    "from measured peaks, over the rows of a memx estimate --cases file that carry "
+                    "measured_time_s and/or measured_peak_memory_gib (docs/estimate.md).")
+    f.add_argument("--cases", required=True, metavar="FILE", help="CSV or JSONL of measured layouts, one per row")
+    add_target_args(f, required=False)
+    f.add_argument("--out", required=True, metavar="FILE", help="the fitted cluster YAML to write")
+    f.add_argument("--force", action="store_true", help="overwrite --out")
+    f.set_defaults(handler=run_cluster_fit)
+    d = commands.add_parser(
         "detect", help="detect devices, hosts and links (a short torchrun job) and write a cluster YAML",
         description="Run on every node with the same --nnodes/--master-addr; node rank 0 measures across nodes.")
     d.add_argument("--out", default="cluster.yaml", help="cluster YAML to write (default cluster.yaml)")
@@ -185,3 +196,22 @@ def add_cluster_command(sub) -> None:
     d.add_argument("--master-addr", help="node rank 0's address (needed with --nnodes > 1)")
     d.add_argument("--master-port", type=int_flag, default=29500)
     d.set_defaults(handler=lambda args: __import__("memx_launch.runtime.detection", fromlist=["x"]).run_detect(args))
+
+
+def run_cluster_fit(args) -> int:
+    from memx_launch.planning.cases import FLAG_DEFAULTS
+    from memx_launch.planning.run_fit import fit_cluster
+
+    if not args.cluster:
+        raise ConfigError("--cluster", "missing", "give the cluster YAML the measured runs ran on")
+    check_new_file(args.out, "--out", args.force)
+    fit = fit_cluster(args.cases, args.cluster, {k: getattr(args, k, None) for k in FLAG_DEFAULTS})
+    print(f"{'device type':<16} {'time rows':>9}  {'efficiency':<16} {'memory rows':>11}  overhead GiB")
+    for t in fit.types:
+        efficiency = f"{t.efficiency_before:.3f} -> {t.efficiency:.3f}" if t.time_rows else "-"
+        overhead = f"{t.overhead_before_gib:.2f} -> {t.overhead_gib:.2f}" if t.memory_rows else "-"
+        print(f"{t.device_type:<16} {t.time_rows:>9}  {efficiency:<16} {t.memory_rows:>11}  {overhead}")
+    print(fit.errors())
+    write_text_atomic(args.out, fit.yaml_text(args.cases), overwrite=args.force, flag="--out")
+    print(f"fitted cluster written to {args.out}")
+    return 0

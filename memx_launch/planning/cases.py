@@ -27,6 +27,7 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import write_text_atomic
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning.estimate import LayoutScorer, layout_objective, short_gib
+from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.search import default_references
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.inputs import parse_json, parse_number, read_text
@@ -35,7 +36,9 @@ from memx_launch.specs.training import TrainingSpec
 
 LAYOUT_COLUMNS = ("model", "cluster", "tp", "pp", "cp", "dp", "micro_batch_size", "layers_per_stage", "stage_devices",
                   "stage_tp", "stage_dp", "recompute", "schedule", "virtual_stages")
-ECHO_COLUMNS = ("id",)
+# Echoed back as given: a row's name, and what a real run of the layout measured (``memx cluster
+# fit`` fits a cluster file to them; beside the prediction they are what ``memx evaluate`` compares).
+ECHO_COLUMNS = ("id", "measured_time_s", "measured_peak_memory_gib")
 # Columns that override a field of the row's model (ModelSpec).
 MODEL_COLUMNS = ("parallel_blocks", "lm_head")
 # memx estimate flags that fill empty cells (paths relative to the working directory): the model,
@@ -106,12 +109,13 @@ class CaseRunner:
     ``model`` and ``cluster`` cells are relative to ``base_dir`` (the cases file's folder).
     ``cost_model_for(model, cluster, training)`` gives the learned cost model (``--profile-db``);
     None: the analytical model. ``phi``: also score Phi, against the medians of one default
-    search per model, cluster and training (``--phi``); without it no search runs.
+    search per model, cluster and training (``--phi``); without it no search runs. ``cluster``:
+    every row's cluster, whatever its cell names (``memx cluster fit`` scores its candidates so).
     """
 
     def __init__(self, base_dir: str = ".", defaults: dict | None = None, memory_headroom: float = 0.0,
                  weights: tuple[float, float, float] | None = None,
-                 cost_model_for: Callable | None = None, phi: bool = False):
+                 cost_model_for: Callable | None = None, phi: bool = False, cluster: ClusterSpec | None = None):
         self.base_dir = base_dir
         # Defaults come from the command line: their paths are relative to the working directory.
         self.defaults = {k: os.path.abspath(v) if k in ("model", "cluster") and os.path.exists(v) else v
@@ -120,6 +124,7 @@ class CaseRunner:
         self.weights = weights
         self.cost_model_for = cost_model_for
         self.phi = phi
+        self.cluster = cluster
         self._cluster_paths: dict[str, str] = {}
         self._training_types = typing.get_type_hints(TrainingSpec)
         self._training_fields = {f.name for f in dataclasses.fields(TrainingSpec)}
@@ -128,7 +133,7 @@ class CaseRunner:
 
     def estimate(self, row: dict | ConfigError) -> dict:
         """The row's estimate, or ``{"error": one line}``; never raises for a bad row."""
-        out = {"id": row.get("id")} if isinstance(row, dict) and not _absent(row.get("id")) else {}
+        out = {c: row[c] for c in ECHO_COLUMNS if not _absent(row.get(c))} if isinstance(row, dict) else {}
         try:
             if isinstance(row, ConfigError):
                 raise row
@@ -142,7 +147,9 @@ class CaseRunner:
         except Exception as exc:  # a bug, said as such, must not stop the other rows either
             return {**out, "error": f"internal error: {type(exc).__name__}: {exc}"}
 
-    def _estimate(self, row: dict) -> dict:
+    def score(self, row: dict) -> tuple[GroupResult, LayoutScorer]:
+        """The row's layout scored (one policy row), and the scorer of its model, cluster and
+        training; a bad row raises its :class:`~memx_launch.errors.ConfigError`."""
         values = {**self.defaults, **{k: v for k, v in row.items() if not _absent(v)}}
         # Every column memx cannot express, named at once: a row asking for several features
         # should not be fixed and re-run one column at a time.
@@ -153,12 +160,12 @@ class CaseRunner:
                               "use the columns listed in docs/estimate.md")
         training_kwargs = {c: _convert(c, v, self._training_types[c]) for c, v in values.items()
                            if c in self._training_fields}
-        for column in ("model", "cluster"):
+        for column in ("model",) if self.cluster else ("model", "cluster"):
             if column not in values:
                 raise ConfigError(column, "missing", f"give a {column} column or --{column}")
         model = self._model(str(values["model"]), tuple((c, _convert(c, values[c], bool))
                                                          for c in MODEL_COLUMNS if c in values))
-        cluster = self._cluster(str(values["cluster"]))
+        cluster = self._cluster(str(values.get("cluster")))
         training_key = (model.seq_len, *sorted(training_kwargs.items()))
         if training_key not in self._trainings:  # a spec per distinct setup, not per row
             self._trainings[training_key] = TrainingSpec(**{"seq_len": model.seq_len, **training_kwargs})
@@ -190,18 +197,24 @@ class CaseRunner:
                                  micro_batch_size=_int(values, "micro_batch_size", 1), layers_per_stage=layers,
                                  recompute=recompute, stage_devices=stage_devices, schedule=schedule,
                                  virtual_stages=v)
+        return result, scorer
+
+    def _estimate(self, row: dict) -> dict:
+        result, scorer = self.score(row)
+        training = scorer.training
         # Read off the scored arrays as to_plan would write them: no plan object per row.
         peaks = [round(float(x) / cm.GIB, 6) for x in result.memory[0]]
         short = short_gib(peaks, [float(x) / cm.GIB for x in result.capacity[0]], self.memory_headroom)
         out = {"fits": not any(short), "stage_peak_memory_gib": peaks, "peak_memory_gib": max(peaks),
                "short_gib": [round(x, 6) for x in short], "iteration_time_s": _number(float(result.T[0])),
                "layers_per_stage": [int(n) for n in result.layers[0]],
-               "split": "given" if layers is not None else "even",
+               "split": "even" if _absent(row.get("layers_per_stage")) else "given",
                "num_microbatches": training.global_batch_size // (result.layout.dp * result.mbs)}
         if self.phi:
-            if key not in self._references:
-                self._references[key] = default_references(model, cluster, training, scorer.cost_model)
-            out["phi"] = _number(layout_objective(result, self._references[key], self.weights).phi)
+            if scorer not in self._references:
+                self._references[scorer] = default_references(scorer.model, scorer.cluster, training,
+                                                              scorer.cost_model)
+            out["phi"] = _number(layout_objective(result, self._references[scorer], self.weights).phi)
         return out
 
     def _model(self, value: str, overrides: tuple = ()):
@@ -217,6 +230,8 @@ class CaseRunner:
         return self._models[value, overrides]
 
     def _cluster(self, value: str) -> ClusterSpec:
+        if self.cluster is not None:
+            return self.cluster
         if value not in self._cluster_paths:
             self._cluster_paths[value] = os.path.normpath(os.path.join(self.base_dir, value))
         path = self._cluster_paths[value]
