@@ -18,7 +18,8 @@ And each set's every other run against the rest: a fit whose rows span the layou
 Per split: the fitted efficiency, the fitted part's MAPE before and after (in-sample), the
 held-out part's MAPE and Spearman before and after.
 
-Writes benchmarks/results/cluster_fit.json.
+Writes benchmarks/results/cluster_fit.json and the plot cluster_fit.png (each set's held-out runs
+of its first split, predicted with the default and the fitted cluster).
 Run: .venv/bin/python benchmarks/cluster_fit.py   (about a minute on 2 shared CPU cores)
 """
 
@@ -34,7 +35,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import no_nan, spearman  # noqa: E402
+from benchmarks.common import identity_axes, no_nan, spearman  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.nemo_throughput import nemo_rows  # noqa: E402
 from benchmarks.real_runs import hagemann, sailor, shared_dir  # noqa: E402
@@ -45,6 +46,9 @@ from memx_launch.planning.estimate import LayoutScorer  # noqa: E402
 from memx_launch.planning.run_fit import fit_efficiencies, fitted_overhead_gib, mape_pct  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "cluster_fit.json")
+PLOT = os.path.join(ROOT, "benchmarks", "results", "cluster_fit.png")
+TITLES = {"hagemann_llama13b_a100": "LLaMA-13B on A100 (Hagemann)", "sailor_opt350_gh200": "OPT-350 on GH200 (Sailor)",
+          "nvidia_dense_h100": "NVIDIA's dense H100 rows"}
 
 
 class Case:
@@ -122,6 +126,10 @@ def split_result(fit_part: list[Case], held_out: list[Case], memory: bool) -> di
             peaks = np.array([c.row["real_peak_gib"] for c in part])
             entry.update(memory_mape_pct_default=round(mape_pct(default[:, 1], peaks), 1),
                          memory_mape_pct_fitted=round(mape_pct(after[:, 1], peaks), 1))
+        if name == "held_out":
+            entry["runs"] = [{"layout": c.row["layout"], "measured_s": round(float(m), 5),
+                              "default_s": round(float(d), 5), "fitted_s": round(float(f), 5)}
+                             for c, m, d, f in zip(part, real, default[:, 0], after[:, 0])]
         out[name] = entry
     return out
 
@@ -133,6 +141,34 @@ def both_ways(name_a: str, part_a: list[Case], name_b: str, part_b: list[Case], 
     return {f"fit {name_a}, predict {name_b}": split_result(part_a, part_b, memory),
             f"fit {name_b}, predict {name_a}": split_result(part_b, part_a, memory),
             "fit every other run, predict the rest": split_result(cases[::2], cases[1::2], memory)}
+
+
+def plot(result: dict, path: str) -> None:
+    """One panel per set: its held-out runs of the first split, measured against predicted with
+    the default cluster and with the fitted one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memx_launch.planning.report import save_png_atomic
+
+    fig, axes = plt.subplots(1, len(TITLES), figsize=(16, 5.5))
+    for ax, (dataset, title) in zip(axes, TITLES.items()):
+        split, entry = next(iter(result[dataset].items()))
+        held = entry["held_out"]
+        runs = held["runs"]
+        for key, marker, colour, name in (("default_s", "o", "0.55", f"default efficiency {entry['efficiency_default']}"),
+                                          ("fitted_s", "^", "tab:blue", f"fitted {entry['efficiency_fitted']}")):
+            mape = held[f"time_mape_pct_{key.removesuffix('_s')}"]
+            ax.scatter([r["measured_s"] for r in runs], [r[key] for r in runs], marker=marker, s=16, color=colour,
+                       label=f"{name}: MAPE {mape}%")
+        identity_axes(ax, [r[k] for r in runs for k in ("measured_s", "default_s", "fitted_s")],
+                      "measured iteration time (s)", "memx (s)",
+                      f"{title}\n" + split.replace(", predict", ",\npredict") + f" ({len(runs)} runs)")
+        ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    save_png_atomic(fig, path, dpi=100)
 
 
 def main() -> None:
@@ -157,6 +193,7 @@ def main() -> None:
                                             [c for c in dense if c.row["group"] != "nemo-24.07"], dense)
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
+    plot(result, PLOT)
     for dataset in ("hagemann_llama13b_a100", "sailor_opt350_gh200", "nvidia_dense_h100"):
         for split, entry in result[dataset].items():
             held = entry["held_out"]
