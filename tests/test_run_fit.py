@@ -1,6 +1,7 @@
 """`memx cluster fit`: each device type's efficiency and memory overhead fitted to measured runs."""
 
 import csv
+import json
 import os
 import shutil
 
@@ -12,6 +13,7 @@ from memx_launch.cli import main
 from memx_launch.errors import ConfigError
 from memx_launch.planning.cases import CaseRunner, read_cases
 from memx_launch.planning.run_fit import fit_cluster, fit_efficiencies, fitted_overhead_gib, golden_minimum
+from memx_launch.profiling.metrics import load_measurements
 from memx_launch.specs.cluster import CONTEXT_GIB, ClusterSpec
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
@@ -162,3 +164,27 @@ def test_a_fit_of_nothing_is_refused(tmp_path):
     runs.write_text("model,tp,measured_time_s\n")
     with pytest.raises(ConfigError, match="holds no rows"):
         fit_cluster(str(runs), _write(tmp_path / "h100.yaml", H100))
+
+
+def test_evaluate_reads_the_estimate_of_measured_rows(tmp_path, capsys):
+    """memx estimate --cases on measured rows, then memx evaluate on its output: the estimate's
+    values against the measured ones it echoes; a row that errs or measured nothing is counted out."""
+    runs = _measured(tmp_path, _truth(0.5, 2.0))
+    with open(runs, "a") as f:
+        f.write("llama2-7b,64,3,1,1,none,,\n")  # tp 3: an error, and no measurement
+    cluster = _write(tmp_path / "h100.yaml", H100)
+    estimates = tmp_path / "estimates.jsonl"
+    assert main(["estimate", "--cases", runs, "--cluster", cluster, "--out", str(estimates)]) == 0
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="1 rows without measured_time_s or with an error left out"):
+        columns = load_measurements(str(estimates))
+    assert list(columns["config"]) == ["row 1", "row 2", "row 3", "row 4"]
+    rows = [json.loads(line) for line in estimates.read_text().splitlines()][:4]
+    assert columns["predicted_time_s"] == pytest.approx([r["iteration_time_s"] for r in rows])
+    assert columns["measured_time_s"] == pytest.approx([float(r["measured_time_s"]) for r in rows])
+    assert columns["measured_memory_bytes"] == pytest.approx([float(r["measured_peak_memory_gib"]) * 2**30 for r in rows])
+    assert main(["evaluate", "--measurements", str(estimates)]) == 0
+    out, err = capsys.readouterr()
+    assert "1 rows without measured_time_s or with an error left out" in err
+    time_line = next(line for line in out.splitlines() if line.startswith("time"))
+    assert float(time_line.split()[2]) > 5  # Hopper's default against runs at efficiency 0.5

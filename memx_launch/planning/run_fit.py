@@ -6,9 +6,10 @@ The analytical model takes one number per device type that no datasheet gives: t
 the peak its training matmuls sustain (``efficiency``). The rest it derives: memory-bound work,
 collectives, the pipeline's bubbles, the host's issue time. A few measured steps of any layouts
 on the user's own cluster pin that number: per device type, the efficiency that minimises the
-squared log error of the predicted iteration times against the measured ones (a golden-section
-search over the log of :data:`EFFICIENCY_RANGE`, the types in turn until none moves). A type
-whose rows' times do not move with it (host- or link-bound rows) keeps its efficiency.
+squared log error of the predicted iteration times against the measured ones, with a weak pull
+towards the file's value (:func:`fit_efficiencies`). A type whose rows' times do not move with
+it (host- or link-bound rows) keeps its efficiency. The fit is the analytical model's: a type
+planned with a profile DB computes as it was profiled.
 
 Memory: a type's ``memory_overhead_gib`` (context and allocator reserve above the tensors)
 moves by the median of measured minus predicted peak over the rows whose fullest stage runs on

@@ -10,6 +10,11 @@ of row objects, or ``{"rows": [...]}``), one row per configuration:
 | ``predicted_memory_bytes``, ``measured_memory_bytes`` | no | peak memory |
 | ``predicted_phi``, ``measured_phi`` | no | objective value (lower is better) |
 
+``memx estimate --cases``'s output (``.jsonl``) is read too: each row's ``iteration_time_s``,
+``peak_memory_gib`` and ``phi`` against the ``measured_time_s`` and ``measured_peak_memory_gib``
+it echoes, named by its ``id`` (else its row number); rows without a measured time or with an
+error are left out, with a warning that counts them.
+
 A top-k hit rate is 1 when the configuration that is best by measurement is among the k best
 by prediction (lower time or Phi is better), else 0. No torch import here.
 """
@@ -18,17 +23,19 @@ from __future__ import annotations
 
 import csv
 import io
+import warnings
 
 import numpy as np
 from scipy.stats import kendalltau, spearmanr
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.inputs import MAX_NUMBER_CHARS, parse_json, read_text
+from memx_launch.specs.inputs import MAX_NUMBER_CHARS, parse_json, parse_number, read_text
 
 PAIRS = {"time": ("predicted_time_s", "measured_time_s"),
          "memory": ("predicted_memory_bytes", "measured_memory_bytes"),
          "phi": ("predicted_phi", "measured_phi")}
 TOP_K = (1, 3, 5, 10)
+GIB = 2**30
 
 
 def percentage_errors(predicted, measured) -> np.ndarray:
@@ -80,7 +87,9 @@ def load_measurements(path: str) -> dict[str, np.ndarray]:
     """Read a measurements file (format in this module's docstring) into numeric columns."""
     fix = "pass a CSV or JSON file of predicted vs measured values"
     text = read_text(path, "--measurements", fix=fix)
-    if path.endswith(".json"):
+    if path.endswith(".jsonl"):
+        rows = _estimate_rows(text, path, fix)
+    elif path.endswith(".json"):
         data = parse_json(text, "--measurements", path, fix)
         rows = data.get("rows") if isinstance(data, dict) else data
     else:
@@ -113,6 +122,35 @@ def load_measurements(path: str) -> dict[str, np.ndarray]:
     if np.any(columns["measured_time_s"] <= 0):
         raise ConfigError(f"--measurements {path}: measured_time_s", "must be positive in every row")
     return columns
+
+
+def _estimate_rows(text: str, path: str, fix: str) -> list[dict]:
+    """``memx estimate --cases`` output as measurement rows: the estimate's values against the
+    measured ones each row echoes."""
+    rows, left_out = [], 0
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        estimate = parse_json(line, "--measurements", f"{path} line {n}", fix)
+        if not isinstance(estimate, dict):
+            raise ConfigError("--measurements", f"{path} line {n} is not a JSON object", fix)
+        if "error" in estimate or estimate.get("measured_time_s") in (None, ""):
+            left_out += 1
+            continue
+        row = {"config": str(estimate.get("id", f"row {estimate.get('row', n)}")),
+               "predicted_time_s": estimate.get("iteration_time_s"), "measured_time_s": estimate["measured_time_s"],
+               "predicted_phi": estimate.get("phi")}
+        measured_gib = estimate.get("measured_peak_memory_gib")
+        if measured_gib not in (None, ""):
+            if isinstance(measured_gib, str):
+                measured_gib = parse_number(measured_gib.strip(), float, f"--measurements {path} line {n}",
+                                            "give measured_peak_memory_gib as a number")
+            row["measured_memory_bytes"] = float(measured_gib) * GIB
+            row["predicted_memory_bytes"] = float(estimate["peak_memory_gib"]) * GIB
+        rows.append(row)
+    if left_out:
+        warnings.warn(f"{path}: {left_out} rows without measured_time_s or with an error left out")
+    return rows
 
 
 def format_report(report: dict) -> str:
