@@ -77,6 +77,10 @@ LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch-size", "1"]
 HF = ["plan", "--model", "{d}/config.json", "--cluster", "{d}/cluster.yaml", "--quiet"]
 EVALUATE = ["evaluate", "--measurements", "{d}/m.csv"]
 EVALUATE_JSON = ["evaluate", "--measurements", "{d}/m.json"]
+EVALUATE_ESTIMATES = ["evaluate", "--measurements", "{d}/m.jsonl"]
+FIT = ["cluster", "fit", "--cases", "{d}/runs.csv", "--cluster", "{d}/cluster.yaml", "--out", "{d}/fitted.yaml",
+       "--model", "llama-tiny", "--global-batch-size", "8"]
+RUNS_HEAD = "tp,pp,dp,measured_time_s\n"
 PROFILE = ["profile", "--model", "llama-tiny", "--device", "cpu", "--quiet", "--out", "{d}/p.jsonl"]
 BINARY = bytes(range(256)) * 8
 NESTED = "[" * 5000 + "]" * 5000
@@ -319,6 +323,24 @@ CASES = [
     ("cases-no-column", {"m.csv": "config,x\na,1\n"}, EVALUATE, 2),
     ("cases-rows-text", {"m.json": "{\"rows\": \"many\"}"}, EVALUATE_JSON, 2),
     ("cases-directory", {"m.csv/x": "x"}, EVALUATE, 2),
+    # ---- memx estimate --cases output read by memx evaluate
+    ("estimates-binary", {"m.jsonl": BINARY}, EVALUATE_ESTIMATES, 2),
+    ("estimates-not-object", {"m.jsonl": "[1, 2]\n"}, EVALUATE_ESTIMATES, 2),
+    ("estimates-broken-line", {"m.jsonl": '{"iteration_time_s": 1, "measured_time_s": 1}\n{"a":\n'},
+     EVALUATE_ESTIMATES, 2),
+    ("estimates-nan-measured", {"m.jsonl": '{"iteration_time_s": 1, "measured_time_s": "nan"}\n'}, EVALUATE_ESTIMATES, 2),
+    ("estimates-unicode-peak", {"m.jsonl": json.dumps({"iteration_time_s": 1, "measured_time_s": 1, "peak_memory_gib": 1,
+                                                        "measured_peak_memory_gib": "\uff11.5"}) + "\n"},
+     EVALUATE_ESTIMATES, 2),
+    ("estimates-only-errors", {"m.jsonl": '{"row": 1, "error": "tp: bad", "measured_time_s": 1}\n'},
+     EVALUATE_ESTIMATES, 2),
+    # ---- measured runs of memx cluster fit
+    ("fit-binary", {"runs.csv": BINARY}, FIT, 2),
+    ("fit-nan-time", {"runs.csv": RUNS_HEAD + "1,2,2,nan\n"}, FIT, 2),
+    ("fit-huge-digits", {"runs.csv": RUNS_HEAD + "1,2,2," + "9" * 5000 + "\n"}, FIT, 2),
+    ("fit-no-measurement", {"runs.csv": RUNS_HEAD + "1,2,2,\n"}, FIT, 2),
+    ("fit-out-proc", {"runs.csv": RUNS_HEAD + "1,2,2,1.5\n"}, FIT[:-5] + ["/proc/x.yaml"] + FIT[-4:], 2),
+    ("fit-out-is-cluster", {"runs.csv": RUNS_HEAD + "1,2,2,1.5\n"}, FIT[:-5] + ["{d}/cluster.yaml"] + FIT[-4:], 2),
     # ---- nothing fits: exit 3 with the closest candidates
     ("nothing-fits", {}, ["plan", "--model", "llama2-70b", "--cluster", "{d}/cluster.yaml", "--quiet"], 3),
 ]

@@ -188,3 +188,19 @@ def test_evaluate_reads_the_estimate_of_measured_rows(tmp_path, capsys):
     assert "1 rows without measured_time_s or with an error left out" in err
     time_line = next(line for line in out.splitlines() if line.startswith("time"))
     assert float(time_line.split()[2]) > 5  # Hopper's default against runs at efficiency 0.5
+
+
+def test_an_efficiency_run_to_the_end_of_its_range_is_said(tmp_path):
+    """Runs slower than memx's model of them allows at any efficiency (options the rows do not
+    say, a slow host): the fit ends at its bound and warns instead of passing it off as a fit."""
+    runs = _measured(tmp_path, _truth(0.45))
+    rows = list(csv.DictReader(open(runs)))
+    for row in rows:
+        row["measured_time_s"] = str(float(row["measured_time_s"]) * 100)
+    with open(runs, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with pytest.warns(UserWarning, match="h100: efficiency 0.020 at the end of its range: the rows ran slower"):
+        fit = fit_cluster(runs, _write(tmp_path / "h100.yaml", H100))
+    assert fit.types[0].efficiency == pytest.approx(0.02, rel=0.01)

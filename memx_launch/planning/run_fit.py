@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -186,6 +187,12 @@ def fit_cluster(cases_path: str, cluster_path: str, defaults: dict | None = None
     fp32 = bool(timed) and _on_cuda_cores(timed[0][2].training)
     start = {name: _share_of_peak(cluster.device_type(name), fp32) for name in used}
     efficiencies = fit_efficiencies(predict, [row[MEASURED_TIME] for _, row, _ in timed], start) if timed else start
+    for name, efficiency in efficiencies.items():
+        for bound, ran in zip(EFFICIENCY_RANGE, ("slower", "faster")):
+            if efficiency != start[name] and abs(math.log(efficiency / bound)) < 0.01:
+                warnings.warn(f"{name}: efficiency {efficiency:.3f} at the end of its range: the rows ran {ran} "
+                              "than memx's model of them allows at any efficiency; check their options (dtype, "
+                              "tf32, flash_attention, recompute, ...) against what the runs did")
 
     residuals: dict[str, list[float]] = {name: [] for name in used}
     for _, row, result, _ in scored:
@@ -252,7 +259,8 @@ def _positive(value, where: str, column: str) -> float:
         except ConfigError:
             number = None
     if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < math.inf:
-        raise ConfigError(where, f"{column} {value!r} is not a positive number",
+        shown = repr(value) if len(str(value)) <= 40 else repr(str(value)[:40]) + "..."
+        raise ConfigError(where, f"{column} {shown} is not a positive number",
                           "give seconds per iteration and GiB per device")
     return float(number)
 
