@@ -204,3 +204,20 @@ def test_an_efficiency_run_to_the_end_of_its_range_is_said(tmp_path):
     with pytest.warns(UserWarning, match="h100: efficiency 0.020 at the end of its range: the rows ran slower"):
         fit = fit_cluster(runs, _write(tmp_path / "h100.yaml", H100))
     assert fit.types[0].efficiency == pytest.approx(0.02, rel=0.01)
+
+
+def test_the_rows_still_furthest_off_are_named(tmp_path, capsys):
+    """A run whose options the row does not say (here: measured 1.5x slower) is the first the
+    command names after the fit, with its id."""
+    runs = _measured(tmp_path, _truth(0.45))
+    rows = list(csv.DictReader(open(runs)))
+    rows[2]["measured_time_s"] = str(float(rows[2]["measured_time_s"]) * 1.5)
+    rows[2]["id"] = "slow"
+    with open(runs, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["id"])
+        writer.writeheader()
+        writer.writerows(rows)
+    cluster = _write(tmp_path / "h100.yaml", H100)
+    assert main(["cluster", "fit", "--cases", runs, "--cluster", cluster, "--out", str(tmp_path / "f.yaml")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("furthest off after the fit"))
+    assert line.split(": ", 1)[1].startswith("row 3 (slow) 0.")  # predicted well under its measured time

@@ -214,6 +214,8 @@ def run_cluster_fit(args) -> int:
         overhead = f"{t.overhead_before_gib:.2f} -> {t.overhead_gib:.2f}" if t.memory_rows else "-"
         print(f"{t.device_type:<16} {t.time_rows:>9}  {efficiency:<16} {t.memory_rows:>11}  {overhead}")
     print(fit.errors())
+    if fit.furthest_rows:
+        print(fit.furthest())
     write_text_atomic(args.out, fit.yaml_text(args.cases), overwrite=args.force, flag="--out")
     print(f"fitted cluster written to {args.out}")
     return 0

@@ -48,6 +48,8 @@ SENSITIVE = 1e-3
 # seldom the slowest), it stays near the value it had; where they do, it moves (every row 1% off
 # weighs as much as a move by a third, e^0.32).
 PRIOR_WEIGHT = 1e-3
+# Rows the command names as still furthest off after the fit.
+WORST_ROWS = 3
 
 
 def golden_minimum(f: Callable[[float], float], lo: float, hi: float, steps: int = GOLDEN_STEPS) -> float:
@@ -140,6 +142,8 @@ class ClusterFit:
     data: dict
     types: tuple[TypeFit, ...]
     rows: int
+    furthest_rows: tuple[tuple[int, str | None, float], ...]
+    """(row number, its id, predicted over measured time after the fit) of the rows still furthest off."""
     time_mape_pct: tuple[float, float]
     memory_mape_pct: tuple[float, float]
 
@@ -149,6 +153,12 @@ class ClusterFit:
                  (("iteration time", self.time_mape_pct), ("peak memory", self.memory_mape_pct))
                  if not math.isnan(before)]
         return f"in-sample MAPE over {self.rows} rows: " + ", ".join(parts)
+
+    def furthest(self) -> str:
+        """The rows the fitted model still misses most, predicted over measured time."""
+        return "furthest off after the fit (predicted / measured time): " + ", ".join(
+            f"row {n}{f' ({row_id})' if row_id not in (None, '') else ''} {ratio:.2f}x"
+            for n, row_id, ratio in self.furthest_rows)
 
     def yaml_text(self, cases_path: str) -> str:
         header = (f"# Fitted by memx cluster fit to {self.rows} measured runs ({os.path.basename(cases_path)}): "
@@ -217,11 +227,13 @@ def fit_cluster(cases_path: str, cluster_path: str, defaults: dict | None = None
     fitted = ClusterSpec.from_dict(out, default_name=cluster.name)
     after = CaseRunner(base_dir, defaults, cluster=fitted)
     rescored = [after.score(row)[0] for _, row, _, _ in scored]
-    time_pairs = [(float(s[2].T[0]), float(r.T[0]), s[1][MEASURED_TIME])
+    time_pairs = [(float(s[2].T[0]), float(r.T[0]), s[1][MEASURED_TIME], s[0], s[1].get("id"))
                   for s, r in zip(scored, rescored) if MEASURED_TIME in s[1]]
+    # The rows the fitted model still misses most: where a row's options may not be the run's.
+    furthest = sorted(time_pairs, key=lambda p: -abs(math.log(p[1] / p[2])))[:WORST_ROWS]
     peak_pairs = [(float(s[2].memory[0].max()) / cm.GIB, float(r.memory[0].max()) / cm.GIB, s[1][MEASURED_PEAK])
                   for s, r in zip(scored, rescored) if MEASURED_PEAK in s[1]]
-    return ClusterFit(out, types, len(rows),
+    return ClusterFit(out, types, len(rows), tuple((n, row_id, after / measured) for _, after, measured, n, row_id in furthest),
                       tuple(mape_pct([p[i] for p in time_pairs], [p[2] for p in time_pairs]) for i in (0, 1)),
                       tuple(mape_pct([p[i] for p in peak_pairs], [p[2] for p in peak_pairs]) for i in (0, 1)))
 
