@@ -221,3 +221,18 @@ def test_the_rows_still_furthest_off_are_named(tmp_path, capsys):
     assert main(["cluster", "fit", "--cases", runs, "--cluster", cluster, "--out", str(tmp_path / "f.yaml")]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("furthest off after the fit"))
     assert line.split(": ", 1)[1].startswith("row 3 (slow) 0.")  # predicted well under its measured time
+
+
+def test_a_jsonl_file_of_runs_fits_as_its_csv_does(tmp_path):
+    """The runs as JSON lines (numbers as numbers) give the CSV's fit; a boolean is no measurement."""
+    cluster = _write(tmp_path / "h100.yaml", H100)
+    runs = _measured(tmp_path, _truth(0.5, 2.0))
+    lines = [{k: (float(v) if k.startswith("measured_") else v) for k, v in row.items()}
+             for row in csv.DictReader(open(runs))]
+    jsonl = tmp_path / "runs.jsonl"
+    jsonl.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    from_csv, from_jsonl = fit_cluster(runs, cluster), fit_cluster(str(jsonl), cluster)
+    assert from_jsonl.types == from_csv.types and from_jsonl.data == from_csv.data
+    jsonl.write_text(json.dumps({**lines[0], "measured_time_s": True}) + "\n")
+    with pytest.raises(ConfigError, match="measured_time_s True is not a positive number"):
+        fit_cluster(str(jsonl), cluster)
