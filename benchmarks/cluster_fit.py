@@ -35,7 +35,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import identity_axes, no_nan, spearman  # noqa: E402
+from benchmarks.common import identity_axes, mape, no_nan, spearman  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.nemo_throughput import nemo_rows  # noqa: E402
 from benchmarks.real_runs import hagemann, sailor, shared_dir  # noqa: E402
@@ -43,7 +43,7 @@ from memx_launch.errors import ConfigError  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.planning import costmodel as cm  # noqa: E402
 from memx_launch.planning.estimate import LayoutScorer  # noqa: E402
-from memx_launch.planning.run_fit import fit_efficiencies, fitted_overhead_gib, mape_pct  # noqa: E402
+from memx_launch.planning.run_fit import fit_efficiencies, fitted_overhead_gib, share_of_peak  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "cluster_fit.json")
 PLOT = os.path.join(ROOT, "benchmarks", "results", "cluster_fit.png")
@@ -90,17 +90,11 @@ def scoreable(cases: list[Case]) -> list[Case]:
     return kept
 
 
-def default_efficiency(case: Case) -> float:
-    """The efficiency the case's device type predicts with now (the datasheet share by default)."""
-    (device,) = case.cluster.device_types
-    if case.training.dtype == "fp32" and not case.training.tf32 and device.peak_tflops_fp32:
-        return device.effective_tflops_for("fp32") / device.peak_tflops_fp32
-    return device.effective_tflops / device.peak_tflops
-
-
 def split_result(fit_part: list[Case], held_out: list[Case], memory: bool) -> dict:
     """Fit on ``fit_part``, predict ``held_out``: the efficiency, and both parts' errors before and after."""
-    start = default_efficiency(fit_part[0])
+    (device,) = fit_part[0].cluster.device_types
+    start = share_of_peak(device, fit_part[0].training)
+    defaults = {id(part): predictions(part) for part in (fit_part, held_out)}
     measured = np.array([c.row["real_time_s"] for c in fit_part])
     fitted = fit_efficiencies(lambda e: predictions(fit_part, next(iter(e.values())))[:, 0], measured,
                               {"device": start})["device"]
@@ -108,15 +102,14 @@ def split_result(fit_part: list[Case], held_out: list[Case], memory: bool) -> di
     out = {"runs_fitted": len(fit_part), "runs_held_out": len(held_out),
            "efficiency_default": round(start, 4), "efficiency_fitted": round(fitted, 4)}
     if memory:
-        (device,) = fit_part[0].cluster.device_types
-        residuals = [c.row["real_peak_gib"] - p for c, p in zip(fit_part, predictions(fit_part)[:, 1])]
+        residuals = [c.row["real_peak_gib"] - p for c, p in zip(fit_part, defaults[id(fit_part)][:, 1])]
         overhead = fitted_overhead_gib(device, residuals)
         out.update(overhead_default_gib=round(device.overhead_bytes / cm.GIB, 3), overhead_fitted_gib=round(overhead, 3))
     for name, part in (("fitted", fit_part), ("held_out", held_out)):
         real = np.array([c.row["real_time_s"] for c in part])
-        default, after = predictions(part), predictions(part, fitted, overhead)
-        entry = {"time_mape_pct_default": round(mape_pct(default[:, 0], real), 1),
-                 "time_mape_pct_fitted": round(mape_pct(after[:, 0], real), 1),
+        default, after = defaults[id(part)], predictions(part, fitted, overhead)
+        entry = {"time_mape_pct_default": round(mape(default[:, 0], real), 1),
+                 "time_mape_pct_fitted": round(mape(after[:, 0], real), 1),
                  "predicted_over_measured_median_default": round(float(np.median(default[:, 0] / real)), 3),
                  "predicted_over_measured_median_fitted": round(float(np.median(after[:, 0] / real)), 3)}
         if len(part) >= 3:
@@ -124,8 +117,8 @@ def split_result(fit_part: list[Case], held_out: list[Case], memory: bool) -> di
                          spearman_fitted=round(spearman(list(after[:, 0]), list(real)), 3))
         if memory:
             peaks = np.array([c.row["real_peak_gib"] for c in part])
-            entry.update(memory_mape_pct_default=round(mape_pct(default[:, 1], peaks), 1),
-                         memory_mape_pct_fitted=round(mape_pct(after[:, 1], peaks), 1))
+            entry.update(memory_mape_pct_default=round(mape(default[:, 1], peaks), 1),
+                         memory_mape_pct_fitted=round(mape(after[:, 1], peaks), 1))
         if name == "held_out":
             entry["runs"] = [{"layout": c.row["layout"], "measured_s": round(float(m), 5),
                               "default_s": round(float(d), 5), "fitted_s": round(float(f), 5)}

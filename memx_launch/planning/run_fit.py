@@ -31,6 +31,7 @@ import yaml
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning.cases import CaseRunner, read_cases
+from memx_launch.planning.peaks import matmul_peak_tflops, training_tflops
 from memx_launch.specs.cluster import CONTEXT_GIB, DEFAULT_MEMORY_OVERHEAD_GIB, ClusterSpec, DeviceType
 from memx_launch.specs.inputs import load_yaml, parse_number
 
@@ -80,6 +81,11 @@ def fit_efficiencies(predict: Callable[[dict], np.ndarray], measured, start: dic
     what frees a pipeline whose stages on two types are both its slowest: one type alone
     cannot speed it up.
     """
+    def times_move(name: str) -> bool:
+        ends = [np.asarray(predict({**start, name: e}), dtype=np.float64) for e in EFFICIENCY_RANGE]
+        return bool(np.any(np.abs(ends[0] / ends[1] - 1.0) > SENSITIVE))
+
+    free = [name for name in start if times_move(name)]
     log_measured = np.log(np.asarray(measured, dtype=np.float64))
     log_start = {name: math.log(e) for name, e in start.items()}
     fitted = dict(start)
@@ -89,11 +95,6 @@ def fit_efficiencies(predict: Callable[[dict], np.ndarray], measured, start: dic
         return float(np.mean((np.log(predicted) - log_measured) ** 2)
                      + PRIOR_WEIGHT * sum((math.log(efficiencies[n]) - log_start[n]) ** 2 for n in free))
 
-    def times_move(name: str) -> bool:
-        ends = [np.asarray(predict({**start, name: e}), dtype=np.float64) for e in EFFICIENCY_RANGE]
-        return bool(np.any(np.abs(ends[0] / ends[1] - 1.0) > SENSITIVE))
-
-    free = [name for name in start if times_move(name)]
     directions = ([free] if len(free) > 1 else []) + [[name] for name in free]
     for _ in range(MAX_SWEEPS):
         moved = False
@@ -109,6 +110,12 @@ def fit_efficiencies(predict: Callable[[dict], np.ndarray], measured, start: dic
     return fitted
 
 
+def share_of_peak(device: DeviceType, training) -> float:
+    """The efficiency ``device``'s predictions of ``training`` use now (given, or the default at
+    its clock), as a share of the peak its matmuls run at (:mod:`~memx_launch.planning.peaks`)."""
+    return training_tflops(device, training) / matmul_peak_tflops(device, training)
+
+
 def fitted_overhead_gib(device: DeviceType, residuals_gib) -> float:
     """``device``'s fixed memory overhead moved by the median of its rows' measured minus
     predicted peaks; never below the context an accelerator's process always holds
@@ -118,7 +125,7 @@ def fitted_overhead_gib(device: DeviceType, residuals_gib) -> float:
     return float(min(max(moved, floor), device.memory_gib))
 
 
-def mape_pct(predicted, measured) -> float:
+def _mape_pct(predicted, measured) -> float:
     predicted, measured = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
     return float(100.0 * np.mean(np.abs(predicted / measured - 1.0))) if len(measured) else math.nan
 
@@ -194,8 +201,8 @@ def fit_cluster(cases_path: str, cluster_path: str, defaults: dict | None = None
 
     row_types = [{names[i] for i in np.unique(result.layout.replica_device)} for _, _, result, _ in scored]
     used = sorted(set().union(*row_types))
-    fp32 = bool(timed) and _on_cuda_cores(timed[0][2].training)
-    start = {name: _share_of_peak(cluster.device_type(name), fp32) for name in used}
+    training = (timed[0][2] if timed else scored[0][3]).training  # the timed rows' efficiency is one kind
+    start = {name: share_of_peak(cluster.device_type(name), training) for name in used}
     efficiencies = fit_efficiencies(predict, [row[MEASURED_TIME] for _, row, _ in timed], start) if timed else start
     for name, efficiency in efficiencies.items():
         for bound, ran in zip(EFFICIENCY_RANGE, ("slower", "faster")):
@@ -234,8 +241,8 @@ def fit_cluster(cases_path: str, cluster_path: str, defaults: dict | None = None
     peak_pairs = [(float(s[2].memory[0].max()) / cm.GIB, float(r.memory[0].max()) / cm.GIB, s[1][MEASURED_PEAK])
                   for s, r in zip(scored, rescored) if MEASURED_PEAK in s[1]]
     return ClusterFit(out, types, len(rows), tuple((n, row_id, after / measured) for _, after, measured, n, row_id in furthest),
-                      tuple(mape_pct([p[i] for p in time_pairs], [p[2] for p in time_pairs]) for i in (0, 1)),
-                      tuple(mape_pct([p[i] for p in peak_pairs], [p[2] for p in peak_pairs]) for i in (0, 1)))
+                      tuple(_mape_pct([p[i] for p in time_pairs], [p[2] for p in time_pairs]) for i in (0, 1)),
+                      tuple(_mape_pct([p[i] for p in peak_pairs], [p[2] for p in peak_pairs]) for i in (0, 1)))
 
 
 def _measured_rows(cases_path: str, cluster_path: str, base_dir: str) -> list[tuple[int, dict]]:
@@ -287,13 +294,6 @@ def _scored(runner: CaseRunner, n: int, row: dict):
 def _on_cuda_cores(training) -> bool:
     """fp32 matmuls on CUDA cores, whose efficiency is a share of the fp32 peak."""
     return training.dtype == "fp32" and not training.tf32
-
-
-def _share_of_peak(device, fp32: bool) -> float:
-    """The efficiency the type's predictions use now: given, or the default at its clock."""
-    if fp32 and device.peak_tflops_fp32 is not None:
-        return device.effective_tflops_for("fp32") / device.peak_tflops_fp32
-    return device.effective_tflops / device.peak_tflops
 
 
 def _fullest_type(result, names: list[str]) -> str | None:

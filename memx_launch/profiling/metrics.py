@@ -29,13 +29,13 @@ import numpy as np
 from scipy.stats import kendalltau, spearmanr
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.costmodel import GIB
 from memx_launch.specs.inputs import MAX_NUMBER_CHARS, parse_json, parse_number, read_text
 
 PAIRS = {"time": ("predicted_time_s", "measured_time_s"),
          "memory": ("predicted_memory_bytes", "measured_memory_bytes"),
          "phi": ("predicted_phi", "measured_phi")}
 TOP_K = (1, 3, 5, 10)
-GIB = 2**30
 
 
 def percentage_errors(predicted, measured) -> np.ndarray:

@@ -332,7 +332,6 @@ class FittedProfile:
             print(f"memx: fitted the predictor on {len(records)} records; not cached ({exc})", file=sys.stderr)
         return predictor
 
-
     def cost_model(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec):
         """The planner's cost model of ``model`` on this profile (``memx estimate --cases`` asks one
         per setup of one profile). Bridge measurements of the cluster's backend replace its bridge

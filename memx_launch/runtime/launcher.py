@@ -342,8 +342,9 @@ def resolve(args) -> dict:
                  "the stopped run of this command" if previous is not None else "default")
     settings.add("max restarts", f"{args.max_restarts} for crashes (planned restarts not counted)",
                  "flag" if args.max_restarts else "default")
-    allocator_conf = os.environ.get(ALLOCATOR_CONF_VAR) or ALLOCATOR_CONF
-    settings.add("CUDA allocator", allocator_conf, ALLOCATOR_CONF_VAR if os.environ.get(ALLOCATOR_CONF_VAR) else "default")
+    users_conf = os.environ.get(ALLOCATOR_CONF_VAR)
+    allocator_conf = users_conf or ALLOCATOR_CONF
+    settings.add("CUDA allocator", allocator_conf, ALLOCATOR_CONF_VAR if users_conf else "default")
     replans = max_replans()
     settings.add("replan during training", "off" if args.no_replan else f"monitor decides, at most {replans} "
                  "re-plans", "flag" if args.no_replan else "MEMX_MAX_REPLANS" if os.environ.get("MEMX_MAX_REPLANS")
