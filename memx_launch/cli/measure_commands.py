@@ -155,9 +155,10 @@ def add_evaluate_command(sub) -> None:
     p = sub.add_parser("evaluate", help="accuracy of predictions against measurements",
                        description="MAPE, error shares, max error, Spearman, Kendall and top-k hits for time, "
                                    "memory and Phi (format: docs/profiler.md).")
-    p.add_argument("--measurements", required=True, metavar="FILE",
-                   help="CSV or JSON of predicted vs measured, or memx estimate --cases output (.jsonl) of rows "
-                        "with measured_time_s")
+    p.add_argument("--measurements", required=True, metavar="PATH",
+                   help="CSV or JSON of predicted vs measured, memx estimate --cases output (.jsonl) of rows "
+                        "with measured_time_s, or memx-run's metrics: a run directory, its metrics.jsonl, or a "
+                        "directory of run directories (a row per plan generation)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     p.set_defaults(handler=run_evaluate)

@@ -1,6 +1,6 @@
 """Accuracy of predictions against measurements: errors and ranking agreement.
 
-Measurements file (``memx evaluate --measurements FILE``), CSV with a header or JSON (a list
+Measurements file (``memx evaluate --measurements PATH``), CSV with a header or JSON (a list
 of row objects, or ``{"rows": [...]}``), one row per configuration:
 
 | column | required | meaning |
@@ -15,6 +15,12 @@ of row objects, or ``{"rows": [...]}``), one row per configuration:
 it echoes, named by its ``id`` (else its row number); rows without a measured time or with an
 error are left out, with a warning that counts them.
 
+So is memx-run's ``metrics.jsonl``, or a run directory holding one, or a directory of run
+directories: a row per generation of each run (the plan it ran under), its median step time
+after the generation's first step (which allocates, connects and warms up) against the plan's,
+and its fullest stage's measured peak against the plan's fullest (where every stage measured
+one), named ``<run> gen N``.
+
 A top-k hit rate is 1 when the configuration that is best by measurement is among the k best
 by prediction (lower time or Phi is better), else 0. No torch import here.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import warnings
 
 import numpy as np
@@ -30,6 +37,7 @@ from scipy.stats import kendalltau, spearmanr
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning.costmodel import GIB
+from memx_launch.profiling.run_metrics import is_run_metrics, run_directory_rows, run_rows
 from memx_launch.specs.inputs import MAX_NUMBER_CHARS, parse_json, parse_number, read_text
 
 PAIRS = {"time": ("predicted_time_s", "measured_time_s"),
@@ -85,18 +93,8 @@ def evaluate(columns: dict[str, np.ndarray]) -> dict:
 
 def load_measurements(path: str) -> dict[str, np.ndarray]:
     """Read a measurements file (format in this module's docstring) into numeric columns."""
-    fix = "pass a CSV or JSON file of predicted vs measured values"
-    text = read_text(path, "--measurements", fix=fix)
-    if path.endswith(".jsonl"):
-        rows = _estimate_rows(text, path, fix)
-    elif path.endswith(".json"):
-        data = parse_json(text, "--measurements", path, fix)
-        rows = data.get("rows") if isinstance(data, dict) else data
-    else:
-        try:
-            rows = list(csv.DictReader(io.StringIO(text, newline="")))
-        except csv.Error as exc:
-            raise ConfigError("--measurements", f"{path} is not valid CSV ({exc})", fix) from None
+    fix = "pass a CSV or JSON file of predicted vs measured values, or memx-run's run directories"
+    rows = run_directory_rows(path, fix) if os.path.isdir(path) else _file_rows(path, fix)
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise ConfigError("--measurements", f"{path} holds no rows",
                           "give one row per configuration with predicted_time_s and measured_time_s")
@@ -122,6 +120,21 @@ def load_measurements(path: str) -> dict[str, np.ndarray]:
     if np.any(columns["measured_time_s"] <= 0):
         raise ConfigError(f"--measurements {path}: measured_time_s", "must be positive in every row")
     return columns
+
+
+def _file_rows(path: str, fix: str):
+    text = read_text(path, "--measurements", fix=fix)
+    if path.endswith(".jsonl") and is_run_metrics(text):
+        return run_rows(text, path, os.path.basename(os.path.dirname(os.path.abspath(path))), fix)
+    if path.endswith(".jsonl"):
+        return _estimate_rows(text, path, fix)
+    if path.endswith(".json"):
+        data = parse_json(text, "--measurements", path, fix)
+        return data.get("rows") if isinstance(data, dict) else data
+    try:
+        return list(csv.DictReader(io.StringIO(text, newline="")))
+    except csv.Error as exc:
+        raise ConfigError("--measurements", f"{path} is not valid CSV ({exc})", fix) from None
 
 
 def _estimate_rows(text: str, path: str, fix: str) -> list[dict]:

@@ -16,7 +16,7 @@ import math
 import os
 import time
 
-METRICS_FILE = "metrics.jsonl"
+from memx_launch.profiling.run_metrics import METRICS_FILE
 
 
 def _number(value: float) -> float | None:

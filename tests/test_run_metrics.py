@@ -1,0 +1,102 @@
+"""memx evaluate reads memx-run's own metrics: a run directory, its metrics.jsonl, or a directory
+of runs, each generation against the plan it ran under (profiling/run_metrics.py)."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from memx_launch.cli import main
+from memx_launch.errors import ConfigError
+from memx_launch.profiling.metrics import load_measurements
+from memx_launch.runtime.metrics_file import METRICS_FILE, MetricsFile
+from memx_launch.runtime.step_stats import StepStats
+
+GIB = 2**30
+
+
+def _plan(step_s, peaks_gib):
+    return SimpleNamespace(predicted_iteration_time_s=step_s, stages=[
+        SimpleNamespace(device_type=f"t{i}", predicted_peak_memory_gib=p, predicted_stage_time_s=0.1)
+        for i, p in enumerate(peaks_gib)])
+
+
+def _run(run_dir, generations):
+    """``generations``: (generation, plan, [(step, step seconds, [peak GiB per stage])])."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for generation, plan, steps in generations:
+        metrics = MetricsFile(str(run_dir), generation)
+        for step, seconds, peaks in steps:
+            metrics.append(StepStats(step, 2.0, seconds, 1000.0, peaks, [0.1] * len(peaks)), plan)
+    return run_dir
+
+
+def _two_generations(run_dir):
+    return _run(run_dir, [
+        (1, _plan(1.0, [3.0, 2.0]), [(1, 9.0, [3.1, 2.0]), (2, 1.2, [3.3, 2.1]), (3, 1.1, [3.2, 2.2]),
+                                     (4, 1.3, [3.3, 2.0])]),
+        (2, _plan(2.0, [1.5, 1.75]), [(4, 5.0, [1.5, 1.9]), (5, 2.5, [1.6, 1.8])])])
+
+
+def test_a_run_directory_gives_a_row_per_generation(tmp_path):
+    run = _two_generations(tmp_path / "llama-2026")
+    columns = load_measurements(str(run))
+    assert list(columns["config"]) == ["llama-2026 gen 1", "llama-2026 gen 2"]
+    assert columns["predicted_time_s"] == pytest.approx([1.0, 2.0])
+    # The first step of each generation (allocation, warm-up) is left out; the median of the rest.
+    assert columns["measured_time_s"] == pytest.approx([1.2, 2.5])
+    # The fullest stage of any step against the plan's fullest stage.
+    assert columns["measured_memory_bytes"] == pytest.approx([3.3 * GIB, 1.9 * GIB])
+    assert columns["predicted_memory_bytes"] == pytest.approx([3.0 * GIB, 1.75 * GIB])
+    same = load_measurements(str(run / METRICS_FILE))
+    assert all(np.array_equal(same[k], columns[k]) for k in columns)
+
+
+def test_a_directory_of_runs_names_each_run(tmp_path):
+    _two_generations(tmp_path / "runs" / "b")
+    _run(tmp_path / "runs" / "a", [(1, _plan(0.5, [1.0]), [(1, 0.6, [1.1])])])  # one step: kept
+    (tmp_path / "runs" / "notes").mkdir()
+    columns = load_measurements(str(tmp_path / "runs"))
+    assert list(columns["config"]) == ["a gen 1", "b gen 1", "b gen 2"]
+    assert columns["measured_time_s"][0] == pytest.approx(0.6)
+
+
+def test_memory_is_left_out_where_a_generation_measured_none(tmp_path):
+    run = _run(tmp_path / "cpu", [(1, _plan(1.0, [3.0]), [(1, 2.0, [float("nan")]), (2, 1.5, [float("nan")])]),
+                                  (2, _plan(1.0, [3.0]), [(3, 1.4, [3.5])])])
+    with pytest.warns(UserWarning, match="memory left out: 1 of 2 generations measured none"):
+        columns = load_measurements(str(run))
+    assert "measured_memory_bytes" not in columns
+    assert columns["measured_time_s"] == pytest.approx([1.5, 1.4])
+
+
+def test_memx_evaluate_scores_the_run(tmp_path, capsys):
+    run = _two_generations(tmp_path / "run")
+    assert main(["evaluate", "--measurements", str(run), "--json", str(tmp_path / "report.json")]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    # |1.0 - 1.2| / 1.2 and |2.0 - 2.5| / 2.5: 18.3%; memory |3.0 - 3.3| / 3.3 and |1.75 - 1.9| / 1.9.
+    assert report["time"]["mape_pct"] == pytest.approx(100 * (0.2 / 1.2 + 0.5 / 2.5) / 2)
+    assert report["memory"]["mape_pct"] == pytest.approx(100 * (0.3 / 3.3 + 0.15 / 1.9) / 2)
+    assert "time" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: {**r, "step_time_s": "1.5"}, "line 2: a field is missing or not a number"),
+    (lambda r: {**r, "generation": True}, "line 2: a field is missing or not a number"),
+    (lambda r: {k: v for k, v in r.items() if k != "stages"}, "line 2 is not a memx-run metrics record"),
+    (lambda r: {**r, "stages": [{"peak_memory_gib": 1.0}]}, "line 2: a field is missing or not a number"),
+])
+def test_an_edited_metrics_line_is_named(tmp_path, edit, says):
+    run = _two_generations(tmp_path / "run")
+    path = run / METRICS_FILE
+    lines = path.read_text().splitlines()
+    lines[1] = json.dumps(edit(json.loads(lines[1])))
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=says):
+        load_measurements(str(run))
+
+
+def test_a_directory_without_runs_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="holds no metrics.jsonl"):
+        load_measurements(str(tmp_path))
