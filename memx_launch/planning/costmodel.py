@@ -106,7 +106,9 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     (the ``.float()`` copy is freed after the forward): d + 12, 14 bytes in 16 bits, 16 in fp32
     (as measured, tests/test_costmodel.py), or 3 x the training dtype when the loss runs in it.
     A fused cross entropy kernel keeps the 16-bit logits and their gradient: 2 x the dtype.
-    Each multi-token prediction module keeps logits of its own for its loss.
+    Each multi-token prediction module keeps logits of its own for its loss. Counted beside a
+    block's backward working set: they take turns in allocated memory, but the measured runs'
+    peaks keep both (docs/setups.md, "The loss beside the blocks' working set").
     """
     tr = training or TrainingSpec()
     d = tr.dtype_bytes
