@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.profiling.metrics import load_measurements
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -80,6 +81,11 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
     assert [round(m["loss"], 6) for m in lines] == _losses(run.stdout)
     assert all(len(m["stages"]) == pp and m["tokens_per_s"] > 0 for m in lines)
     assert all(0 < s["peak_memory_gib"] and 0 < s["predicted_peak_memory_gib"] for m in lines for s in m["stages"])
+    # ... which memx evaluate reads back: the one plan generation, its fullest stage against the plan's
+    columns = load_measurements(str(tmp_path / "run"))
+    assert len(columns["config"]) == 1 and columns["predicted_time_s"][0] == lines[0]["predicted_step_time_s"]
+    assert columns["measured_memory_bytes"][0] == pytest.approx(
+        max(s["peak_memory_gib"] for m in lines for s in m["stages"]) * 2**30)
     assert "find_unused_parameters" not in run.stderr  # DDP (dp=2) says nothing per rank
 
 
