@@ -78,6 +78,9 @@ HF = ["plan", "--model", "{d}/config.json", "--cluster", "{d}/cluster.yaml", "--
 EVALUATE = ["evaluate", "--measurements", "{d}/m.csv"]
 EVALUATE_JSON = ["evaluate", "--measurements", "{d}/m.json"]
 EVALUATE_ESTIMATES = ["evaluate", "--measurements", "{d}/m.jsonl"]
+EVALUATE_RUN = ["evaluate", "--measurements", "{d}/run"]
+STEP = {"step": 1, "generation": 1, "step_time_s": 1.0, "predicted_step_time_s": 1.0,
+        "stages": [{"peak_memory_gib": 1.0, "predicted_peak_memory_gib": 1.0}]}
 FIT = ["cluster", "fit", "--cases", "{d}/runs.csv", "--cluster", "{d}/cluster.yaml", "--out", "{d}/fitted.yaml",
        "--model", "llama-tiny", "--global-batch-size", "8"]
 RUNS_HEAD = "tp,pp,dp,measured_time_s\n"
@@ -334,6 +337,20 @@ CASES = [
      EVALUATE_ESTIMATES, 2),
     ("estimates-only-errors", {"m.jsonl": '{"row": 1, "error": "tp: bad", "measured_time_s": 1}\n'},
      EVALUATE_ESTIMATES, 2),
+    # ---- memx-run's metrics read by memx evaluate
+    ("run-metrics-binary", {"run/metrics.jsonl": BINARY}, EVALUATE_RUN, 2),
+    ("run-metrics-broken-line", {"run/metrics.jsonl": json.dumps(STEP) + '\n{"step":\n'}, EVALUATE_RUN, 2),
+    ("run-metrics-nan-time", {"run/metrics.jsonl": json.dumps(STEP).replace("1.0,", "NaN,", 1) + "\n"},
+     EVALUATE_RUN, 2),
+    ("run-metrics-overflow", {"run/metrics.jsonl": json.dumps(STEP).replace("1.0,", "1e400,", 1) + "\n"},
+     EVALUATE_RUN, 2),
+    ("run-metrics-text-generation", {"run/metrics.jsonl": json.dumps({**STEP, "generation": "1"}) + "\n"},
+     EVALUATE_RUN, 2),
+    ("run-metrics-no-stages", {"run/metrics.jsonl": json.dumps({**STEP, "stages": []}) + "\n"}, EVALUATE_RUN, 2),
+    ("run-metrics-never-measured", {"run/metrics.jsonl": json.dumps({**STEP, "step_time_s": None}) + "\n"},
+     EVALUATE_RUN, 2),
+    ("run-metrics-a-directory", {"run/metrics.jsonl/x": "x"}, EVALUATE_RUN, 2),
+    ("run-without-metrics", {"run/plan.json": "{}"}, EVALUATE_RUN, 2),
     # ---- measured runs of memx cluster fit
     ("fit-binary", {"runs.csv": BINARY}, FIT, 2),
     ("fit-nan-time", {"runs.csv": RUNS_HEAD + "1,2,2,nan\n"}, FIT, 2),
