@@ -188,7 +188,7 @@ def rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class Block:
+class TransformerBlock:
     """One transformer block's weights on a TP rank and its forward in Megatron's [s, b, h] layout."""
 
     def __init__(self, model, tp: int):
@@ -239,7 +239,7 @@ def stage_trace(model, training, tp: int, pp: int, dp: int, stage: int, layers: 
     local_seq = seq // tp if sp else seq
     trace = AllocationTrace()
     with trace:
-        blocks = [Block(model, tp) for _ in range(layers)]
+        blocks = [TransformerBlock(model, tp) for _ in range(layers)]
         embedding = empty(vocab // tp, h, grad=True) if first else None
         final_norm, head = (empty(h, grad=True), empty(vocab // tp, h, grad=True)) if last else (None, None)
         params = [p for block in blocks for p in block.weights.values()] + \

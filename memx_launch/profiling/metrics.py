@@ -123,6 +123,7 @@ def load_measurements(path: str) -> dict[str, np.ndarray]:
 
 
 def _file_rows(path: str, fix: str):
+    """The rows of one file, by its kind: memx-run's metrics, estimate output, JSON or CSV."""
     text = read_text(path, "--measurements", fix=fix)
     if path.endswith(".jsonl") and is_run_metrics(text):
         return run_rows(text, path, os.path.basename(os.path.dirname(os.path.abspath(path))), fix)

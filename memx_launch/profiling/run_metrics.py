@@ -41,18 +41,27 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _measured(value) -> bool:
+    """A measurement: a number, or null where memx-run could not measure it."""
+    return value is None or _number(value)
+
+
+def _well_formed(record: dict) -> bool:
+    generation, stages = record["generation"], record["stages"]
+    return (_number(record["predicted_step_time_s"]) and record["predicted_step_time_s"] > 0
+            and isinstance(generation, int) and not isinstance(generation, bool)
+            and _measured(record["step_time_s"])
+            and isinstance(stages, list) and len(stages) > 0
+            and all(isinstance(s, dict) and _number(s.get("predicted_peak_memory_gib"))
+                    and _measured(s.get("peak_memory_gib")) for s in stages))
+
+
 def _record(line: str, where: str, fix: str) -> dict:
     record = parse_json(line, "--measurements", where, fix)
     if not isinstance(record, dict) or any(key not in record for key in RECORD_KEYS):
         raise ConfigError("--measurements", f"{where} is not a memx-run metrics record "
                           f"(it needs {', '.join(RECORD_KEYS)})", fix)
-    stages = record["stages"]
-    if (not _number(record["predicted_step_time_s"]) or record["predicted_step_time_s"] <= 0
-            or not isinstance(record["generation"], int) or isinstance(record["generation"], bool)
-            or not (record["step_time_s"] is None or _number(record["step_time_s"]))
-            or not isinstance(stages, list) or not stages or not all(
-                isinstance(s, dict) and _number(s.get("predicted_peak_memory_gib"))
-                and (s.get("peak_memory_gib") is None or _number(s["peak_memory_gib"])) for s in stages)):
+    if not _well_formed(record):
         raise ConfigError("--measurements", f"{where}: a field is missing or not a number",
                           "pass the metrics.jsonl memx-run wrote, unedited")
     return record
