@@ -286,24 +286,30 @@ def stage_trace(model, training, tp: int, pp: int, dp: int, stage: int, layers: 
 
 
 def _optimizer_step(params, shard: int) -> None:
-    """scaling's step: gradients all-reduced over DP in fp32 buckets (a flat 16-bit copy, its fp32
-    cast), the shard's fp32 gradient, the updated weights all-gathered in buckets, then the
-    gradients set to None."""
+    """scaling's step (``allreduce_no_retain``): gradients all-reduced over DP in fp32 buckets of
+    :data:`BUCKET_ELEMENTS`, the shard's fp32 gradient, the updated weights all-gathered in
+    buckets, then the gradients set to None."""
     bucket, elements = [], 0
-    for p in params + [None]:
-        if p is not None:
-            bucket.append(p.grad)
-            elements += p.numel()
-        if bucket and (p is None or elements > BUCKET_ELEMENTS):
-            flat = torch._utils._flatten_dense_tensors(bucket)
-            cast = flat.to(torch.float32)
-            del flat, cast
+    for p in params:
+        bucket.append(p.grad)
+        elements += p.numel()
+        if elements > BUCKET_ELEMENTS:
+            _all_reduce_in_fp32(bucket)
             bucket, elements = [], 0
+    if bucket:
+        _all_reduce_in_fp32(bucket)
     shard_gradient = empty(shard, dtype=torch.float32)
     gathered = empty(min(shard * 2, BUCKET_ELEMENTS))  # one all-gather bucket of updated bf16 weights
     del shard_gradient, gathered
     for p in params:
         p.grad = None
+
+
+def _all_reduce_in_fp32(bucket) -> None:
+    """The bucket's temporaries: its flat 16-bit copy and that copy cast to fp32."""
+    flat = torch._utils._flatten_dense_tensors(bucket)
+    cast = flat.to(torch.float32)
+    del flat, cast
 
 
 def replayed(row: dict, model, cluster, training, **layout) -> dict:

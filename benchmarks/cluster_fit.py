@@ -153,9 +153,9 @@ def plot(result: dict, path: str) -> None:
         runs = held["runs"]
         for key, marker, colour, name in (("default_s", "o", "0.55", f"default efficiency {entry['efficiency_default']}"),
                                           ("fitted_s", "^", "tab:blue", f"fitted {entry['efficiency_fitted']}")):
-            mape = held[f"time_mape_pct_{key.removesuffix('_s')}"]
+            held_mape = held[f"time_mape_pct_{key.removesuffix('_s')}"]
             ax.scatter([r["measured_s"] for r in runs], [r[key] for r in runs], marker=marker, s=16, color=colour,
-                       label=f"{name}: MAPE {mape}%")
+                       label=f"{name}: MAPE {held_mape}%")
         identity_axes(ax, [r[k] for r in runs for k in ("measured_s", "default_s", "fitted_s")],
                       "measured iteration time (s)", "memx (s)",
                       f"{title}\n" + split.replace(", predict", ",\npredict") + f" ({len(runs)} runs)")

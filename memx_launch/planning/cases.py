@@ -165,7 +165,7 @@ class CaseRunner:
                 raise ConfigError(column, "missing", f"give a {column} column or --{column}")
         model = self._model(str(values["model"]), tuple((c, _convert(c, values[c], bool))
                                                          for c in MODEL_COLUMNS if c in values))
-        cluster = self._cluster(str(values.get("cluster")))
+        cluster = self.cluster if self.cluster is not None else self._cluster(str(values["cluster"]))
         training_key = (model.seq_len, *sorted(training_kwargs.items()))
         if training_key not in self._trainings:  # a spec per distinct setup, not per row
             self._trainings[training_key] = TrainingSpec(**{"seq_len": model.seq_len, **training_kwargs})
@@ -230,8 +230,6 @@ class CaseRunner:
         return self._models[value, overrides]
 
     def _cluster(self, value: str) -> ClusterSpec:
-        if self.cluster is not None:
-            return self.cluster
         if value not in self._cluster_paths:
             self._cluster_paths[value] = os.path.normpath(os.path.join(self.base_dir, value))
         path = self._cluster_paths[value]
