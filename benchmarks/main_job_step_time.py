@@ -1,0 +1,86 @@
+"""The README's main job, measured against its own plan: memx-run calibrates the emulated devices in
+the job, plans from what it measured and trains; how far is the step time it predicted from the one
+its steps take, and each stage's compute per micro-batch from its prediction?
+
+    python benchmarks/main_job_step_time.py [--runs 3] [--steps 30]
+
+Each run is the README's command (``memx-run --nproc-per-node 4 --cluster
+examples/clusters/cpu-emulated.yaml examples/train.py --model llama-tiny``) in a fresh directory,
+so that it calibrates afresh; the numbers are read from the run's ``metrics.jsonl`` (the median
+of steps 2 and later: the first allocates and warms up). Emulated devices share this machine's
+cores, so run it on an otherwise idle machine. Writes benchmarks/results/main_job_step_time.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(REPO, "benchmarks", "results", "main_job_step_time.json")
+CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
+SCRIPT = os.path.join(REPO, "examples", "train.py")
+
+
+def main_job(steps: int) -> dict:
+    """One run of the main job in a fresh directory: its plan and its measured against predicted times."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
+                        "--cluster", CLUSTER, SCRIPT, "--model", "llama-tiny", "--steps", str(steps)],
+                       cwd=tmp, env=env, capture_output=True, text=True, timeout=900, check=True)
+        [metrics] = glob.glob(os.path.join(tmp, "runs", "*", "metrics.jsonl"))
+        with open(os.path.join(os.path.dirname(metrics), "plan.json")) as f:
+            plan = json.load(f)
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f if line.strip()][1:]  # the first step warms up
+    predicted = records[-1]["predicted_step_time_s"]
+    median = statistics.median(r["step_time_s"] for r in records)
+    stages = []
+    for i, stage in enumerate(plan["stages"]):
+        measured = statistics.median(r["stages"][i]["microbatch_compute_s"] for r in records)
+        wanted = records[-1]["stages"][i]["predicted_microbatch_s"]
+        stages.append({"device": stage["device_type"], "layers": stage["num_layers"], "recompute": stage["recompute"],
+                       "microbatch_ms": round(1e3 * measured, 1), "predicted_microbatch_ms": round(1e3 * wanted, 1),
+                       "measured_over_predicted": round(measured / wanted, 2)})
+    return {"layout": f"tp={plan['tp']} pp={plan['pp']} dp={plan['dp']} mbs={plan['micro_batch_size']} "
+                      f"{plan['schedule']}",
+            "predicted_step_s": round(predicted, 4), "median_step_s": round(median, 4),
+            "measured_over_predicted": round(median / predicted, 2), "stages": stages}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3, help="runs of the main job, each calibrating afresh (default 3)")
+    p.add_argument("--steps", type=int, default=30, help="training steps per run, as the README's command (default 30)")
+    args = p.parse_args()
+    if args.runs < 1 or args.steps < 2:
+        p.error("--runs must be at least 1 and --steps at least 2 (the first step is left out)")
+    machine = machine_info()
+    runs = []
+    for n in range(args.runs):
+        runs.append(main_job(args.steps))
+        r = runs[-1]
+        print(f"run {n + 1}: {r['layout']}: median {r['median_step_s']:.3f} s, predicted {r['predicted_step_s']:.3f} s, "
+              f"{r['measured_over_predicted']:.2f}x", flush=True)
+    result = {"machine": machine, "command": "memx-run --nproc-per-node 4 --cluster examples/clusters/cpu-emulated.yaml "
+              f"examples/train.py --model llama-tiny --steps {args.steps}", "runs": runs,
+              "measured_over_predicted_median": statistics.median(r["measured_over_predicted"] for r in runs),
+              "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
+    write_json_atomic(OUT, result, overwrite=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
