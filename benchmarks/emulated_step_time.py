@@ -84,7 +84,7 @@ def train_forms(rank: int, port: int, steps: int, queue) -> None:
     import torch.distributed as dist
     from memx_launch.planning.report import layout_summary
     from memx_launch.runtime.communication import init_distributed
-    from memx_launch.runtime.emulation import device_for_rank
+    from memx_launch.profiling.emulation import device_for_rank
     from memx_launch.runtime.training import Runtime
 
     # As memx-run starts a rank: 4 on this machine's cores, strict domains (the emulated default).

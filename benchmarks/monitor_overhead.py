@@ -48,7 +48,7 @@ def _worker(rank, port, steps, block, queue):
     import torch.distributed as dist
     from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
     from memx_launch.runtime.training import Runtime
-    from memx_launch.runtime.emulation import EmulatedDevice
+    from memx_launch.profiling.emulation import EmulatedDevice
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

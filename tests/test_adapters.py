@@ -10,7 +10,7 @@ from torch import nn
 from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts, find_blocks
 from memx_launch.planning.plan import Objective, Plan, StagePlan
-from memx_launch.runtime.emulation import EmulatedDevice
+from memx_launch.profiling.emulation import EmulatedDevice
 from memx_launch.runtime.batches import default_loss
 from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks

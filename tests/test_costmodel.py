@@ -154,7 +154,7 @@ def test_torch_cross_entropy_peak_per_logit_is_what_the_guard_measures(dtype):
     import torch
 
     from memx_launch.runtime.batches import default_loss
-    from memx_launch.runtime.emulation import EmulatedDevice
+    from memx_launch.profiling.emulation import EmulatedDevice
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = ModelSpec("head-only", 1, 64, 4, 4, 128, 4096, 64)

@@ -50,7 +50,7 @@ def _worker(rank, port, cases, queue):
     import torch.distributed as dist
 
     from memx_launch.runtime.communication import init_distributed
-    from memx_launch.runtime.emulation import device_for_rank
+    from memx_launch.profiling.emulation import device_for_rank
     from memx_launch.runtime.training import Runtime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cases[0][1].world_size),
@@ -128,7 +128,7 @@ def _communicator_worker(rank, port, queue):
     import torch.distributed as dist
 
     from memx_launch.runtime.communication import Communicator
-    from memx_launch.runtime.emulation import EmulatedDevice
+    from memx_launch.profiling.emulation import EmulatedDevice
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)

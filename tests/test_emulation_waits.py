@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from memx_launch.runtime.emulation import EmulatedDevice
+from memx_launch.profiling.emulation import EmulatedDevice
 from ranks import spawn_ranks
 
 PEER_DELAY_S = 1.0

@@ -10,7 +10,7 @@ import torch
 
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.faults import BallastFault, Faults, KillCalibrationFault
-from memx_launch.runtime.emulation import GIB, EmulatedDevice
+from memx_launch.profiling.emulation import GIB, EmulatedDevice
 
 
 def test_faults_from_env():

@@ -84,7 +84,7 @@ def _worker(rank, port, queue):
     import torch.distributed as dist
     from memx_launch.runtime.faults import BallastFault
     from memx_launch.runtime.monitor import memory_reader
-    from memx_launch.runtime.emulation import EmulatedDevice
+    from memx_launch.profiling.emulation import EmulatedDevice
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

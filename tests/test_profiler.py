@@ -239,6 +239,34 @@ def test_calibration_kernel_measures_time_and_memory_on_cpu():
     assert as_fast.emulated and as_fast.emulation_slowdown == 1.0
 
 
+def test_emulated_calibration_times_the_block_under_the_emulated_device(monkeypatch):
+    """Training runs an emulated rank under its device's guard, which keeps books on every operator
+    and sleeps the slowdown: calibration times the block under the same guard, not a bare block's
+    time multiplied."""
+    from memx_launch.profiling import emulation
+
+    guards = []
+
+    class Recorded(emulation.EmulatedDevice):
+        def __enter__(self):
+            guards.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(emulation, "EmulatedDevice", Recorded)
+    sample = Sample(1, 2, 16, "none", SPEC.num_kv_heads)
+    (slow,) = calibrate(SPEC, CPU, [sample], repeats=3, emulation_slowdown=3.0)
+    (guard,) = guards
+    assert guard.slowdown == 3.0 and guard.compute_s > 0
+    # The slowdown is slept, (3 - 1) x the operators' time less what is still owed (under 2 ms) ...
+    assert guard.slept_s == pytest.approx(2.0 * guard.compute_s, abs=emulation.MIN_SLEEP_S)
+    # ... and the record is the timed runs' own median (a step is its operators, their sleeps and
+    # the guard's books): about a third of the three runs' time, nothing multiplied on top.
+    timed = guard.compute_s + guard.slept_s
+    assert 0.5 * timed <= 3 * slow.time_s * slow.num_blocks <= 2.0 * timed
+    (bare,) = calibrate(SPEC, CPU, [sample], repeats=1)
+    assert len(guards) == 1 and not bare.emulated  # a real device's timing runs unguarded
+
+
 def _has_cuda() -> bool:
     import torch
 

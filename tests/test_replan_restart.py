@@ -51,7 +51,7 @@ def _worker(rank, port, directory, queue):
     from memx_launch.planning.plan import Plan
     from memx_launch.planning.replan import replan
     from memx_launch.runtime.training import Runtime
-    from memx_launch.runtime.emulation import device_for_rank
+    from memx_launch.profiling.emulation import device_for_rank
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEMX_STRICT_DOMAINS="1")
     dist.init_process_group("gloo", rank=rank, world_size=4)

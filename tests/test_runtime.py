@@ -10,7 +10,7 @@ import torch
 from memx_launch.models.llama import LlamaStage
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.runtime.batches import default_loss as loss_fn
-from memx_launch.runtime.emulation import GIB, EmulatedDevice, EmulatedOutOfMemoryError
+from memx_launch.profiling.emulation import GIB, EmulatedDevice, EmulatedOutOfMemoryError
 from memx_launch.runtime.layout import chunks_by_stage, rank_layout
 from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks

@@ -46,7 +46,7 @@ def test_steps_within_their_limit_pass_and_each_step_rearms():
 def _blocked_worker(rank, port, limit_s):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from memx_launch.runtime.emulation import EmulatedDevice
+    from memx_launch.profiling.emulation import EmulatedDevice
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -130,7 +130,7 @@ def run_profile(args) -> int:
         if not 1 <= s <= 2**20:
             raise ConfigError("--seq-lens", f"{s} is not a sequence length", "e.g. --seq-lens 1024,2048")
     space = default_space(model, max_micro_batch=args.max_micro_batch, seq_lens=args.seq_lens)
-    emulated = " (emulated: measured time x {:g})".format(slowdown) if slowdown is not None else ""
+    emulated = f" (emulated: timed under the emulated device, slowdown x{slowdown:g})" if slowdown is not None else ""
     print(f"profiling {model.name} on {device_type.name} ({device}, {dtype}){emulated}; "
           f"space: " + ", ".join(f"{k}={list(v)}" for k, v in space.values.items()))
     result = profile_model(model, device_type, space, device=device, budget=args.budget, dtype=dtype,

@@ -172,9 +172,10 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     ``tp_group`` is a process group of same-type ranks for samples with tp > 1 (every rank of
     the group calls this with the same samples); samples whose TP does not match the group
     size are an error. ``emulation_slowdown``: None on a real device; on a CPU stand-in for an
-    emulated device its slowdown (1 or more), which multiplies measured time; the records are
-    labelled emulated. ``tp_link``: the link TP > 1 samples' group talks over (tp_links.tp_link),
-    kept in their records. Out-of-memory samples come back with
+    emulated device its slowdown (1 or more): the timed steps run under that emulated device
+    (profiling/emulation.py), its guard's bookkeeping and sleeps included, as training runs them;
+    the records are labelled emulated, with the slowdown. ``tp_link``: the link TP > 1 samples'
+    group talks over (tp_links.tp_link), kept in their records. Out-of-memory samples come back with
     ``feasible=False``; so do samples whose peak exceeds an emulated device's capacity.
     ``block_factory``: (recompute level, selective policy) -> one block of the user's model ([b, s,
     hidden] in and out, e.g. models/adapters.py's ModelParts.block_probe); default memx's LLaMA
@@ -193,13 +194,14 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             raise ConfigError("tp", f"sample tp={s.tp} but this rank's TP group has {group_size} rank(s)",
                               "calibrate TP>1 samples inside a group of that many same-type ranks")
     software = software_versions()
+    emulated = emulation_slowdown is not None
     out = []
     for s in samples:
         shape = replace(spec, num_kv_heads=s.num_kv_heads)
         try:
             time_s, spread_s, host_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
                                                                    num_blocks, warmup, repeats, block_factory,
-                                                                   selective_policy)
+                                                                   selective_policy, emulation_slowdown)
             feasible = True
         except (RuntimeError, MemoryError) as exc:
             if not _is_oom(exc):
@@ -208,8 +210,6 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             feasible = False
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
-        emulated = emulation_slowdown is not None
-        factor = emulation_slowdown if emulated else 1.0
         if feasible and emulated and peak > device_type.memory_bytes:
             feasible = False
         out.append(Measurement(
@@ -219,12 +219,11 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             block_shape=shape.to_dict(),
             tp=s.tp, micro_batch_size=s.micro_batch_size, seq_len=s.seq_len, recompute=s.recompute,
             dtype=dtype, num_blocks=num_blocks, feasible=feasible,
-            time_s=None if time_s is None else time_s * factor,
-            time_spread_s=None if spread_s is None else spread_s * factor, host_time_s=host_s,
+            time_s=time_s, time_spread_s=spread_s, host_time_s=host_s,
             peak_memory_bytes=peak, peak_reserved_bytes=reserved,
             context_bytes=_context_bytes(torch.device(device)) if feasible else None,
             **record_fields(tp_link, s.tp),
-            emulation_slowdown=factor, emulated=emulated, software=software,
+            emulation_slowdown=emulation_slowdown if emulated else 1.0, emulated=emulated, software=software,
             run_options=record_run_options(s.recompute, selective_policy)))
         if progress is not None:
             progress(s)
@@ -245,14 +244,18 @@ def local_blocks(shape: ModelSpec, num_blocks: int) -> list[bool]:
 
 
 def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
-                repeats: int, block_factory=None,
-                selective_policy: str = "attention") -> tuple[float, float, float | None, float, float | None]:
+                repeats: int, block_factory=None, selective_policy: str = "attention",
+                emulation_slowdown: float | None = None) -> tuple[float, float, float | None, float, float | None]:
     """(median seconds per block, interquartile range per block, median seconds the host took
     to issue a block (GPUs; None on CPUs), peak bytes above resting, peak bytes the caching
-    allocator reserved above resting (GPUs; None on CPUs))."""
+    allocator reserved above resting (GPUs; None on CPUs)). With ``emulation_slowdown`` the
+    timed steps run under an emulated device of that slowdown; the memory pass stays outside it."""
+    import math
+
     import torch
 
     from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
+    from memx_launch.profiling.emulation import EmulatedDevice
 
     from contextlib import nullcontext
 
@@ -282,21 +285,25 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
     for _ in range(max(1, warmup)):
         step()
     times, host_times = [], []
-    for _ in range(repeats):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            # The calls return once their kernels are queued: the host's share of the step.
-            t0 = time.perf_counter()
-            step()
-            host_times.append(time.perf_counter() - t0)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+    # Only the time: whether the sample fits is the memory pass's to say, against the capacity.
+    emulated = EmulatedDevice("calibration", math.inf, emulation_slowdown) if emulation_slowdown is not None \
+        else nullcontext()
+    with emulated:
+        for _ in range(repeats):
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                # The calls return once their kernels are queued: the host's share of the step.
+                t0 = time.perf_counter()
+                step()
+                host_times.append(time.perf_counter() - t0)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
     peak, reserved = _peak_memory_bytes(step, dev)
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     host = statistics.median(host_times) / num_blocks if host_times else None

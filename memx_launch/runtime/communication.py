@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memx_launch.errors import ConfigError
-from memx_launch.runtime.emulation import tensors_in
+from memx_launch.profiling.emulation import tensors_in
 
 STRICT_VAR = "MEMX_STRICT_DOMAINS"  # 1 on, 0 off, unset: on for emulated clusters (memx-run checks it first)
 # Gradients summed across domains travel in flat buckets of this size (the last one smaller).

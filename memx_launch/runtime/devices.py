@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from memx_launch.errors import ConfigError
-from memx_launch.runtime.emulation import EmulatedDevice, device_for_rank
+from memx_launch.profiling.emulation import EmulatedDevice, device_for_rank
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import hopper_or_later
 

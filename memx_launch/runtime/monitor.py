@@ -9,7 +9,7 @@ What is read:
 - GPUs: ``torch.cuda.max_memory_allocated`` (tensor bytes, what the cost model predicts),
   ``max_memory_reserved`` (what the caching allocator holds, what runs out), and nvidia-ml-py for
   the device total and the memory of other processes on the device.
-- Emulated CPU devices (runtime/emulation.py): the emulation's exact live-tensor count against
+- Emulated CPU devices (profiling/emulation.py): the emulation's exact live-tensor count against
   its capacity. Plain CPU without emulation has no capacity to watch and is not supported
   (process RSS misses freed-but-mapped blocks, and the profiler's memory events cost a step).
 
@@ -88,7 +88,7 @@ class MemoryReading:
 
 
 class EmulatedMemory:
-    """Reads an emulated device (runtime/emulation.py); its guard's count is exact."""
+    """Reads an emulated device (profiling/emulation.py); its guard's count is exact."""
 
     def __init__(self, device):
         self.device = device

@@ -27,7 +27,7 @@ from memx_launch.models.llama import LlamaStage, apply_tensor_parallel
 from memx_launch.planning.plan import Plan, layer_recompute_levels
 from memx_launch.runtime.batches import BatchLoss, StepBatch, replica_rows, step_batch
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
-from memx_launch.runtime.emulation import GIB, EmulatedDevice
+from memx_launch.profiling.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_domains, process_grid, process_rank, rank_layout
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names

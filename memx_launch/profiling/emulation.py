@@ -8,6 +8,10 @@ slower in its compute and not in its waits on communication: collectives are not
 operator whose input is a functional collective's pending result (an AsyncCollectiveTensor, as
 DTensor's tensor parallel returns) first waits for it, untimed. Timing that wait as compute
 made TP ranks sleep in proportion to each other's waits, a loop that grew every step.
+
+The emulated device is the mode as a whole: training runs under it (runtime/training.py) and so
+does calibration (profiling/kernel.py), whose timed blocks pay its bookkeeping per operator (about
+as much as a small model's operators take themselves) and its sleeps, as the steps will.
 """
 
 from __future__ import annotations
