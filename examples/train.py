@@ -2,8 +2,9 @@
 
     memx-run --nproc-per-node 4 --cluster examples/clusters/cpu-emulated.yaml examples/train.py --model llama-tiny
 
-Data: byte-level tokens of this repository's own text (README, docs, sources), a small corpus
-shipped with it, or ``--synthetic`` random tokens. Every rank draws the same global batch per
+Data: byte-level tokens of memx's own text (the README and docs beside this script in the
+repository, and memx's sources wherever it is installed, so a copy of the script trains too), or
+``--synthetic`` random tokens. Every rank draws the same global batch per
 step from a step-seeded generator and takes its data-parallel share. Rank 0 prints one line per
 step: loss, step time, tokens/s and per-stage peak memory and compute time, measured against
 the plan's predictions. Under memx-run, ``runtime.step`` also watches memory and re-plans when
@@ -25,18 +26,17 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.specs.catalog import get_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = os.path.dirname(os.path.abspath(memx_launch.__file__))
 
 
 def corpus_tokens(vocab_size: int) -> torch.Tensor:
-    """This repository's text as bytes (vocab >= 256 needed)."""
-    paths = sorted(glob.glob(os.path.join(REPO, "*.md")) + glob.glob(os.path.join(REPO, "docs", "*.md"))
-                   + glob.glob(os.path.join(REPO, "memx_launch", "*.py")))
-    data = b"".join(open(p, "rb").read() for p in paths)
+    """memx's text as bytes (vocab >= 256 needed): the repository's README and docs, where the
+    script sits in it, and the installed package's sources, which are always there."""
     if vocab_size < 256:
         raise ConfigError("--model", f"vocab_size {vocab_size} is below 256 bytes", "use --synthetic")
-    if not data:  # the script copied out of the repository
-        raise ConfigError("--synthetic", f"no text to train on (README.md, docs/*.md, memx_launch/*.py) under {REPO}",
-                          "run the script from the memx repository, or pass --synthetic")
+    paths = sorted(glob.glob(os.path.join(REPO, "*.md")) + glob.glob(os.path.join(REPO, "docs", "*.md"))) \
+        + sorted(glob.glob(os.path.join(SOURCES, "*.py")))
+    data = b"".join(open(p, "rb").read() for p in paths)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
