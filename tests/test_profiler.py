@@ -257,8 +257,9 @@ def test_emulated_calibration_times_the_block_under_the_emulated_device(monkeypa
     (slow,) = calibrate(SPEC, CPU, [sample], repeats=3, emulation_slowdown=3.0)
     (guard,) = guards
     assert guard.slowdown == 3.0 and guard.compute_s > 0
-    # The slowdown is slept, (3 - 1) x the operators' time less what is still owed (under 2 ms) ...
-    assert guard.slept_s == pytest.approx(2.0 * guard.compute_s, abs=emulation.MIN_SLEEP_S)
+    # The slowdown is slept: up to (3 - 1) x the operators' time, less where a busy host stretched
+    # them (each takes 3 x its own CPU time in all) and less what is still owed (under 2 ms) ...
+    assert 0.5 * guard.compute_s <= guard.slept_s <= 2.0 * guard.compute_s + emulation.MIN_SLEEP_S
     # ... and the record is the timed runs' own median (a step is its operators, their sleeps and
     # the guard's books): about a third of the three runs' time, nothing multiplied on top.
     timed = guard.compute_s + guard.slept_s

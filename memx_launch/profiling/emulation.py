@@ -3,7 +3,8 @@
 A TorchDispatchMode sees every tensor an operator creates (forward, backward, recompute,
 optimizer, pipeline receive buffers), so it counts live tensor bytes exactly, by storage,
 where process RSS would mix in the interpreter and allocator slack. The same mode times
-each compute operator and sleeps (slowdown - 1) times as long, so a slower device type is
+each compute operator and sleeps until it has taken slowdown times the operator's own CPU time
+(slowdown - 1 times as long, where the rank has a core to itself), so a slower device type is
 slower in its compute and not in its waits on communication: collectives are not timed, and an
 operator whose input is a functional collective's pending result (an AsyncCollectiveTensor, as
 DTensor's tensor parallel returns) first waits for it, untimed. Timing that wait as compute
@@ -84,12 +85,19 @@ class EmulatedDevice(TorchDispatchMode):
             if self.collective_check is not None:
                 self.collective_check(func, args)
             out = func(*args, **(kwargs or {}))
-        else:
+        elif self.slowdown == 1:
             start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            self.compute_s += time.perf_counter() - start
+        else:
+            start, own_start = time.perf_counter(), time.thread_time()
             out = func(*args, **(kwargs or {}))
             elapsed = time.perf_counter() - start
             self.compute_s += elapsed
-            self._owed_s += (self.slowdown - 1) * elapsed
+            # The device takes slowdown x the operator's own CPU time. Ranks sharing the host's
+            # cores stretch the operator's wall time; the sleep takes that stretch in, instead of
+            # multiplying it (calibration times one rank at a time, unstretched).
+            self._owed_s += max(0.0, self.slowdown * (time.thread_time() - own_start) - elapsed)
             if self._owed_s >= MIN_SLEEP_S:
                 time.sleep(self._owed_s)
                 self.slept_s += self._owed_s
