@@ -286,9 +286,9 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
         step()
     times, host_times = [], []
     # Only the time: whether the sample fits is the memory pass's to say, against the capacity.
-    emulated = EmulatedDevice("calibration", math.inf, emulation_slowdown) if emulation_slowdown is not None \
+    guard = EmulatedDevice("calibration", math.inf, emulation_slowdown) if emulation_slowdown is not None \
         else nullcontext()
-    with emulated:
+    with guard:
         for _ in range(repeats):
             if dev.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
