@@ -10,7 +10,8 @@ later ones; the fit sees one part, the other is predicted, then the reverse:
 - Hagemann et al.: LLaMA-13B on A100-80GB, the 165 runs that ran: the 2,048-token groups
   against the 8,192-token ones (sequence length, world size and layouts all change).
 - Sailor: OPT-350 on GH200 in fp32, 15 whole plans: the plans of 1-4 nodes against those of
-  8-32 (scale); memory too (their measured peaks).
+  8-32 (scale); memory too (their measured peaks). Again with their fp32 matmuls as TF32
+  (``--tf32``), as the NGC container Sailor's Dockerfile builds on may have run them.
 - NVIDIA's dense H100 rows: NeMo 24.07's table against Megatron-Bridge's (25.11, 26.02): other
   models, other software.
 
@@ -127,6 +128,11 @@ def split_result(fit_part: list[Case], held_out: list[Case], memory: bool) -> di
     return out
 
 
+def nodes(case: Case) -> int:
+    """The GH200 nodes a Sailor plan ran on (its group: ``N<nodes> gbs<batch>``)."""
+    return int(case.row["group"].split()[0][1:])
+
+
 def both_ways(name_a: str, part_a: list[Case], name_b: str, part_b: list[Case], cases: list[Case],
               memory: bool = False) -> dict:
     """Fit on a, predict b; the reverse; and fit on every other case (the fit's rows spanning
@@ -175,10 +181,14 @@ def main() -> None:
                   "2,048-token runs", [c for c in runs if c.row["seq_len"] == 2048],
                   "8,192-token runs", [c for c in runs if c.row["seq_len"] == 8192], runs)}
     plans = scoreable(sailor(shared, predict=Case))
-    nodes = {c: int(c.row["group"].split()[0][1:]) for c in plans}
-    result["sailor_opt350_gh200"] = both_ways("plans on 1-4 nodes", [c for c in plans if nodes[c] <= 4],
-                                              "plans on 8-32 nodes", [c for c in plans if nodes[c] > 4], plans,
+    result["sailor_opt350_gh200"] = both_ways("plans on 1-4 nodes", [c for c in plans if nodes(c) <= 4],
+                                              "plans on 8-32 nodes", [c for c in plans if nodes(c) > 4], plans,
                                               memory=True)
+    # The same plans read as their NGC container may have run them: fp32 matmuls as TF32.
+    as_tf32 = scoreable(sailor(shared, predict=Case, tf32=True))
+    result["sailor_opt350_gh200_tf32"] = both_ways("plans on 1-4 nodes", [c for c in as_tf32 if nodes(c) <= 4],
+                                                   "plans on 8-32 nodes", [c for c in as_tf32 if nodes(c) > 4],
+                                                   as_tf32, memory=True)
     dense = [c for c in scoreable(nemo_rows(predict=Case))
              if c.row["system"] == "dgx-h100" and c.row["kind"] == "dense"]
     result["nvidia_dense_h100"] = both_ways("NeMo 24.07", [c for c in dense if c.row["group"] == "nemo-24.07"],
@@ -187,7 +197,7 @@ def main() -> None:
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(result, PLOT)
-    for dataset in ("hagemann_llama13b_a100", "sailor_opt350_gh200", "nvidia_dense_h100"):
+    for dataset in ("hagemann_llama13b_a100", "sailor_opt350_gh200", "sailor_opt350_gh200_tf32", "nvidia_dense_h100"):
         for split, entry in result[dataset].items():
             held = entry["held_out"]
             print(f"{dataset}: {split}: efficiency {entry['efficiency_default']} -> {entry['efficiency_fitted']}, "

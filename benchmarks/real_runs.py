@@ -41,6 +41,9 @@ Data (development sets of issue 10, in shared/peer-data):
   ranks (Sailor's ``get_total_used_mem`` in ``deepspeed/pipe_engine.py``): context,
   communicator buffers and the allocator's reserve included, as memx's peak counts them.
 
+TF32: the Sailor plans again with ``--tf32``: Sailor's Dockerfile builds on NVIDIA's NGC container
+(nvcr.io/nvidia/pytorch:24.10-py3), whose PyTorch may have run the fp32 matmuls as TF32.
+
 Host time: the Sailor plans again with ``--host-ms-per-layer`` at the fastest block of Sailor's
 OPT-350 profile on GH-96 (the framework issues a layer no faster), where ``--eager-block`` counts
 the block's ops.
@@ -173,12 +176,12 @@ def gh200_cluster(nodes: int, efficiency: float | None = None) -> ClusterSpec:
 
 
 def sailor(shared: str, cost_model=None, efficiency: float | None = None,
-           host_ms_per_layer: float | None = None, predict=predicted) -> list[dict]:
+           host_ms_per_layer: float | None = None, predict=predicted, tf32: bool = False) -> list[dict]:
     """The 15 plans predicted through ``memx estimate``'s path; ``cost_model(model, cluster,
     training)`` gives the cost model of each plan's cluster (None: the analytical one, at
     ``efficiency`` of the GH-96 peak, or the default); ``host_ms_per_layer``: the framework's
     host time per layer (``--host-ms-per-layer``; None: memx's default); ``predict`` as
-    :func:`hagemann`'s."""
+    :func:`hagemann`'s; ``tf32``: the fp32 matmuls as TF32 (``--tf32``)."""
     rows = []
     model = get_model("opt-350m")
     with open(os.path.join(shared, "peer-data", "sailor-plans-dev", "opt350_gh96_plans.csv")) as f:
@@ -201,7 +204,7 @@ def sailor(shared: str, cost_model=None, efficiency: float | None = None,
             continue
         dp, tp = dps.pop(), tps.pop()
         training = TrainingSpec(global_batch_size=gbs, seq_len=int(d["seq_len"]), dtype="fp32",
-                                host_ms_per_layer=host_ms_per_layer, **SAILOR_RUN_OPTIONS)
+                                host_ms_per_layer=host_ms_per_layer, tf32=tf32, **SAILOR_RUN_OPTIONS)
         cluster = gh200_cluster(nodes, efficiency)
         rows.append(predict(row, model, cluster, training, parts=True, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
                             layers_per_stage=layers, recompute=d["recompute"],
@@ -358,6 +361,12 @@ def main() -> None:
         "cost_model": f"analytical with --host-ms-per-layer {host_ms}: the fastest block of Sailor's OPT-350 profile "
                       "on GH-96 (its eager framework's host time per layer)",
         "host_ms_per_layer": host_ms, **sailor_summary(hosted), "rows": hosted}
+    as_tf32 = sailor(shared, tf32=True)
+    result["sailor_opt350_gh200_tf32"] = {
+        "cost_model": "analytical with --tf32: the plans' fp32 matmuls at the TF32 peak. Sailor's Dockerfile builds "
+                      "on nvcr.io/nvidia/pytorch:24.10-py3, an NGC container; the plans above take PyTorch's default "
+                      "(TF32 off), this reading the container's",
+        **sailor_summary(as_tf32), "rows": as_tf32}
     fleet_rows, fleet_fitted = sailor_calibrated(shared, fleet=True)
     result["sailor_opt350_gh200_calibrated_fleet_db"] = {
         "cost_model": "learned, fitted on a DB holding the plans' GPU type and model and every other GPU type's "
@@ -371,8 +380,8 @@ def main() -> None:
     print("hagemann", brief)
     for name, g in groups.items():
         print(" ", name, {k: v for k, v in g.items() if k in ("time_mape_pct", "spearman", "regret_pct")})
-    for key in ("sailor_opt350_gh200", "sailor_opt350_gh200_host_time", "sailor_opt350_gh200_calibrated",
-                "sailor_opt350_gh200_calibrated_fleet_db"):
+    for key in ("sailor_opt350_gh200", "sailor_opt350_gh200_host_time", "sailor_opt350_gh200_tf32",
+                "sailor_opt350_gh200_calibrated", "sailor_opt350_gh200_calibrated_fleet_db"):
         print(key, {k: result[key][k] for k in ("time", "memory_mape_pct", "spearman_all_plans")})
     print(f"{result['seconds']} s")
 
