@@ -86,6 +86,10 @@ def test_user_model_under_memx_run_matches_the_one_process_reference(tmp_path, c
     assert len(columns["config"]) == 1 and columns["predicted_time_s"][0] == lines[0]["predicted_step_time_s"]
     assert columns["measured_memory_bytes"][0] == pytest.approx(
         max(s["peak_memory_gib"] for m in lines for s in m["stages"]) * 2**30)
+    # ... and memx-run's last line says the same
+    ratio = columns["measured_time_s"][0] / columns["predicted_time_s"][0]
+    assert re.search(rf"memx-run: measured against the plan: gen \d+: step \S+ s against \S+ s predicted "
+                     rf"\({ratio:.2f}x\), fullest stage's peak \d\.\d\dx \(memx evaluate", run.stderr), run.stderr[-2000:]
     assert "find_unused_parameters" not in run.stderr  # DDP (dp=2) says nothing per rank
 
 

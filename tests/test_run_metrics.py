@@ -100,3 +100,16 @@ def test_an_edited_metrics_line_is_named(tmp_path, edit, says):
 def test_a_directory_without_runs_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="holds no metrics.jsonl"):
         load_measurements(str(tmp_path))
+
+
+def test_memx_run_ends_a_run_with_how_its_plans_held(tmp_path):
+    """memx-run's last line after a run that ended well: evaluate's rows of its run directory."""
+    from memx_launch.runtime.runs import prediction_summary
+
+    run = _two_generations(tmp_path / "llama-2026")
+    assert prediction_summary(str(run)) == (
+        "measured against the plan: gen 1: step 1.2 s against 1 s predicted (1.20x), fullest stage's peak 1.10x; "
+        f"gen 2: step 2.5 s against 2 s predicted (1.25x), fullest stage's peak 1.09x (memx evaluate --measurements {run})")
+    assert prediction_summary(str(tmp_path / "no-steps")) is None  # the script never stepped through memx
+    (run / METRICS_FILE).write_text('{"step":\n')
+    assert prediction_summary(str(run)) is None  # not whole: memx evaluate names the line, the job's end does not

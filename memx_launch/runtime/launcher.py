@@ -38,8 +38,8 @@ from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precisi
 from memx_launch.specs.inputs import float_flag, int_flag
 from memx_launch.specs.catalog import get_model
 from memx_launch.runtime.runs import (CHECKPOINT_DIR, COMMAND_VAR, DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR,
-                                      LAUNCHER_PID_VAR, STOPPED_FILE, check_environment, check_profile_db,
-                                      max_replans, previous_run, record_stopped, stopped_run_of, stopped_state)
+                                      LAUNCHER_PID_VAR, STOPPED_FILE, check_environment, check_profile_db, max_replans,
+                                      prediction_summary, previous_run, record_stopped, stopped_run_of, stopped_state)
 
 
 EMULATED_GLOBAL_BATCH_SIZE = 16  # emulated devices are CPU stand-ins: a batch they train in seconds, in fp32
@@ -400,11 +400,13 @@ def launch(args, resolved) -> int:
     worker_args = (["--module"] if args.module else []) + [args.training_script, *resolved["script_args"]]
     rendezvous.configure(args)  # a one-node job on loopback; a secret run id; no pickle from the store
     rendezvous.check_endpoint(args)  # another program on the store's port: one line, not minutes of silence
-    stopped = os.path.join(run_dir, STOPPED_FILE)
-    if os.path.exists(stopped):  # continued now: a later same command starts a new run
-        os.remove(stopped)
+    with contextlib.suppress(FileNotFoundError):  # continued now: a later same command starts a new run
+        os.remove(os.path.join(run_dir, STOPPED_FILE))
     try:
-        return run_agent(args, run_worker, worker_args, verbose=args.verbose)
+        code = run_agent(args, run_worker, worker_args, verbose=args.verbose)
+        if code == 0 and (summary := prediction_summary(run_dir)):
+            print(f"memx-run: {summary}", file=sys.stderr)
+        return code
     except SignalException as exc:  # the workers checkpointed and said so (supervisor.stop_at_signal)
         record_stopped(run_dir, resolved["argv"], exc.sigval.name)
         print(f"memx-run: stopped by {exc.sigval.name}: {stopped_state(run_dir, resolved['profile_db'])}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import write_json_atomic
@@ -54,8 +55,6 @@ def record_stopped(run_dir: str, argv: list[str] | None, cause: str) -> None:
 
 def check_profile_db(path: str) -> None:
     """The workers append calibration samples to it and read it back: both checked here."""
-    import warnings
-
     from memx_launch.profiling.profiledb import ProfileDB
 
     db = ProfileDB(path)
@@ -123,3 +122,28 @@ def check_environment(environ=os.environ) -> None:
     calibration_timeout_s(environ)
     strict_mode(False, environ)
     step_timeout_s(0.0, environ)
+
+
+def prediction_summary(run_dir: str) -> str | None:
+    """How the run's plans held, the rows ``memx evaluate --measurements run_dir`` gives: per plan
+    generation its median step against the plan's predicted step and its fullest stage's measured
+    peak against the plan's; None where no step went through memx (no metrics file)."""
+    from memx_launch.errors import MemxError
+    from memx_launch.profiling.run_metrics import METRICS_FILE, run_directory_rows
+
+    if not os.path.isfile(os.path.join(run_dir, METRICS_FILE)):
+        return None
+    try:
+        with warnings.catch_warnings():  # a generation that measured no step or memory is left out
+            warnings.simplefilter("ignore")
+            rows = run_directory_rows(run_dir, fix="memx evaluate --measurements reads it too")
+    except MemxError:  # a file the job did not leave whole: evaluate names the line
+        return None
+    parts = []
+    for row in rows:
+        part = (f"gen {row['config'].rsplit(' gen ', 1)[1]}: step {row['measured_time_s']:.3g} s against "
+                f"{row['predicted_time_s']:.3g} s predicted ({row['measured_time_s'] / row['predicted_time_s']:.2f}x)")
+        if "measured_memory_bytes" in row:
+            part += f", fullest stage's peak {row['measured_memory_bytes'] / row['predicted_memory_bytes']:.2f}x"
+        parts.append(part)
+    return f"measured against the plan: {'; '.join(parts)} (memx evaluate --measurements {run_dir})" if parts else None
