@@ -11,8 +11,9 @@ DTensor's tensor parallel returns) first waits for it, untimed. Timing that wait
 made TP ranks sleep in proportion to each other's waits, a loop that grew every step.
 
 The emulated device is the mode as a whole: training runs under it (runtime/training.py) and so
-does calibration (profiling/kernel.py), whose timed blocks pay its bookkeeping per operator (about
-as much as a small model's operators take themselves) and its sleeps, as the steps will.
+does calibration (profiling/kernel.py), whose timed blocks pay the mode's call and bookkeeping per
+operator (llama-tiny's block: 3.96 ms bare, 10.84 ms under it, benchmarks/results/
+main_job_step_time.json) and its sleeps, as the steps will.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def _generation_rows(text: str, path: str, name: str, fix: str) -> list[dict]:
         if not times:
             unmeasured += 1
             continue
-        row = {"config": f"{name} gen {generation}", "predicted_time_s": records[-1]["predicted_step_time_s"],
-               "measured_time_s": float(np.median(times))}
+        row = {"config": f"{name} gen {generation}", "generation": generation,
+               "predicted_time_s": records[-1]["predicted_step_time_s"], "measured_time_s": float(np.median(times))}
         measured = [s["peak_memory_gib"] for r in records for s in r["stages"]]
         if all(m is not None for m in measured):
             row["measured_memory_bytes"] = max(measured) * GIB

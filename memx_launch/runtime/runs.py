@@ -127,22 +127,23 @@ def check_environment(environ=os.environ) -> None:
 def prediction_summary(run_dir: str) -> str | None:
     """How the run's plans held, the rows ``memx evaluate --measurements run_dir`` gives: per plan
     generation its median step against the plan's predicted step and its fullest stage's measured
-    peak against the plan's; None where no step went through memx (no metrics file)."""
+    peak against the plan's; None where no step went through memx (no metrics file) or the file is
+    not whole (evaluate names the line)."""
     from memx_launch.errors import MemxError
-    from memx_launch.profiling.run_metrics import METRICS_FILE, run_directory_rows
+    from memx_launch.profiling.run_metrics import METRICS_FILE, run_rows
+    from memx_launch.specs.inputs import read_text
 
-    if not os.path.isfile(os.path.join(run_dir, METRICS_FILE)):
-        return None
+    path, fix = os.path.join(run_dir, METRICS_FILE), "memx evaluate --measurements reads it too"
     try:
         with warnings.catch_warnings():  # a generation that measured no step or memory is left out
             warnings.simplefilter("ignore")
-            rows = run_directory_rows(run_dir, fix="memx evaluate --measurements reads it too")
-    except MemxError:  # a file the job did not leave whole: evaluate names the line
+            rows = run_rows(read_text(path, "--measurements", fix=fix), path, os.path.basename(run_dir), fix)
+    except MemxError:
         return None
     parts = []
     for row in rows:
-        part = (f"gen {row['config'].rsplit(' gen ', 1)[1]}: step {row['measured_time_s']:.3g} s against "
-                f"{row['predicted_time_s']:.3g} s predicted ({row['measured_time_s'] / row['predicted_time_s']:.2f}x)")
+        part = (f"gen {row['generation']}: step {row['measured_time_s']:.3g} s against {row['predicted_time_s']:.3g} s "
+                f"predicted ({row['measured_time_s'] / row['predicted_time_s']:.2f}x)")
         if "measured_memory_bytes" in row:
             part += f", fullest stage's peak {row['measured_memory_bytes'] / row['predicted_memory_bytes']:.2f}x"
         parts.append(part)
