@@ -112,6 +112,18 @@ def test_hf_configs_of_other_families(tmp_path, cfg, expected):
     assert {k: getattr(m, k) for k in expected} == expected
 
 
+def test_an_hf_config_is_named_by_its_folder_or_its_own_file_name(tmp_path):
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 100}
+    (tmp_path / "tiny-llama").mkdir()
+    (tmp_path / "tiny-llama" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "gemma2-9b.json").write_text(json.dumps(cfg))
+    (tmp_path / "named.json").write_text(json.dumps({**cfg, "_name_or_path": "org/model"}))
+    assert get_model(str(tmp_path / "tiny-llama")).name == "tiny-llama"
+    assert get_model(str(tmp_path / "gemma2-9b.json")).name == "gemma2-9b"
+    assert get_model(str(tmp_path / "named.json")).name == "org/model"
+
+
 @pytest.mark.parametrize("folder, family", [("hf-gpt2-tiny", "GPT2"), ("hf-llama-tiny", "Llama")])
 def test_parameter_count_is_the_hugging_face_models(folder, family):
     # GPT-2: LayerNorm biases, a bias on every linear layer, the learned position table; Llama: none.

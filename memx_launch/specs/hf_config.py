@@ -61,8 +61,14 @@ def model_from_hf_config(path: str, name: str | None = None) -> ModelSpec:
         raise ConfigError(f"model ({path})", "config.json must be a JSON object", "pass a Hugging Face config.json")
     if cfg.get("_name_or_path") is not None:
         require_type(cfg["_name_or_path"], str, f"model ({path})._name_or_path")
-    return model_from_hf_dict(cfg, name or cfg.get("_name_or_path")
-                            or os.path.basename(os.path.dirname(os.path.abspath(path))), where=path)
+    return model_from_hf_dict(cfg, name or cfg.get("_name_or_path") or _name_from_path(path), where=path)
+
+
+def _name_from_path(path: str) -> str:
+    """A config's model name where it names none: its folder's for a ``config.json`` (a Hugging
+    Face checkpoint's layout), else the file's own (``gemma2-9b.json`` is ``gemma2-9b``)."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
 
 
 def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config") -> ModelSpec:
