@@ -193,7 +193,8 @@ def _worker(rank, port, cases, queue):
             units = [isinstance(block, FSDPModule) for block in blocks]  # DDP wraps its module
             assert all(block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
                        for block in blocks if isinstance(block, FSDPModule))
-            results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads, units))
+            compute = [c * plan.num_microbatches / stats[0].step_time_s for c in stats[0].stage_compute_s]
+            results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads, units, compute))
     finally:
         queue.put((rank, results))
         dist.destroy_process_group()
@@ -240,12 +241,13 @@ def test_pipelines_match_the_single_process_reference():
         ref_loss, ref_grads = _reference(plan)
         covered = set()
         for rank in range(4):
-            losses, stage_peaks, grads, units = results[rank][i]
+            losses, stage_peaks, grads, units, compute = results[rank][i]
             sharded = plan.dp > 1 and (cases[i][1] == "fsdp" or (cases[i][1] == "auto" and plan.tp > 1))
             assert units and all(units) == sharded and any(units) == sharded, (name, rank)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank)
             assert len(losses) == cases[i][2] and (len(losses) == 1 or losses[-1] < losses[0] - 0.1), (name, rank)
             assert len(stage_peaks) == plan.pp and all(0 < peak < 1.0 for peak in stage_peaks), name
+            assert all(0 < share < 1 for share in compute), (name, compute)  # each stage computes within its step
             for param, grad in grads.items():
                 diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
                 assert diff < GRAD_ATOL, (name, rank, param, diff)

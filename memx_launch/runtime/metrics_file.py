@@ -5,8 +5,9 @@ Each line: ``step``, ``generation`` (the workers' start: a step run again after 
 restart appears again with the next generation), ``time`` (Unix seconds), ``loss``,
 ``step_time_s``, ``predicted_step_time_s``, ``tokens_per_s`` and ``stages``, per pipeline stage
 its ``device_type``, ``peak_memory_gib`` measured (max over the stage's ranks) and
-``predicted_peak_memory_gib``, and ``microbatch_compute_s`` with ``predicted_microbatch_s``. A
-value memx could not measure (memory on a CPU that is not emulated) is ``null``.
+``predicted_peak_memory_gib``, and ``microbatch_compute_s`` (the stage's chunks and loss as its
+device ran them, runtime/stage_clock.py) with ``predicted_microbatch_s``. A value memx could not
+measure (memory on a CPU that is not emulated) is ``null``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """torch's PipelineStage with memx's links between stages: stages of different TP degree, and
 stages on different communication domains (each transfer between domains takes the bridge,
-staged through host memory: runtime/communication.py)."""
+staged through host memory: runtime/communication.py); its forward and backward chunks timed
+(runtime/stage_clock.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.distributed.pipelining.stage import InferenceMode
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.communication import Communicator
 from memx_launch.runtime.messages import recv_json, send_json
+from memx_launch.runtime.stage_clock import StageClock
 
 MAX_META_TENSORS = 64
 MAX_META_DIMS = 16
@@ -51,15 +53,29 @@ class DomainPipelineStage(PipelineStage):
     native group inside a domain, over the bridge (host copies) between domains. ``group`` (this
     rank's lane: one rank per stage) only numbers the stages for torch; the warm-up vote needs no
     exchange (memx builds every stage alike) and shape metadata goes over the links as JSON
-(:func:`encode_meta`), never pickled as torch's ``send_object_list`` would."""
+(:func:`encode_meta`), never pickled as torch's ``send_object_list`` would. Each chunk's
+forward and backward run inside a span of ``clock``."""
 
-    def __init__(self, *args, communicator: Communicator, links: PipelineLinks, **kwargs):
+    def __init__(self, *args, communicator: Communicator, links: PipelineLinks, clock: StageClock, **kwargs):
         super().__init__(*args, **kwargs)
         self.communicator = communicator
         self.links = links
+        self.clock = clock
         self._staged_recvs: dict[int, torch.Tensor] = {}  # id of a recv buffer -> the host copy filled for it
         self._staged_sends: list[torch.Tensor] = []  # host copies alive until the step ends
         self._vote: torch.Tensor | None = None
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.clock.span():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.clock.span():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        with self.clock.span():
+            return super().backward_weight_one_chunk(*args, **kwargs)
 
     def _op(self, op: dist.P2POp, peer: int, receiving: bool) -> dist.P2POp:
         comm = self.communicator

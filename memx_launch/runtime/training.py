@@ -33,6 +33,7 @@ from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLink
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import TORCH_DTYPES, Precision
 from memx_launch.runtime.run_record import RunRecord
+from memx_launch.runtime.stage_clock import StageClock
 from memx_launch.runtime.step_stats import StepStats, progress_line
 from memx_launch.runtime.tied_weights import TiedGradients
 from memx_launch.runtime.watchdog import StepWatchdog
@@ -118,11 +119,12 @@ class Runtime:
         if self.parts is not None and emulated is not None:  # created before the guard was on
             emulated.track(p for m in self.chunks for p in m.parameters())
         num_virtual = plan.pp * plan.virtual_stages
+        self.stage_clock = StageClock(self.device, emulated)
         stages = [DomainPipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=self.pp_group,
-                                      communicator=self.comm, links=self.links)
+                                      communicator=self.comm, links=self.links, clock=self.stage_clock)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
         self.loss = BatchLoss(loss_fn)
-        user_loss = self.precision.scaled(self.loss)
+        user_loss = self.stage_clock.timed(self.precision.scaled(self.loss))
         if plan.virtual_stages == 1:
             self.schedule = Schedule1F1B(stages[0], plan.num_microbatches, loss_fn=user_loss)
         else:
@@ -275,6 +277,7 @@ class Runtime:
         try:
             if self.supervisor is not None:
                 self.supervisor.before_step(self.step_count + 1)
+            self.stage_clock.reset()
             if self.emulated is not None:
                 self.emulated.reset_peak()
             elif self.device.type == "cuda":
@@ -320,13 +323,11 @@ class Runtime:
         contributes = self.layout.is_last_stage and self.layout.tp_index == 0
         local_loss = torch.stack([l.detach().float() for l in losses]).mean().item() / self.precision.step_scale \
             if contributes else 0.0
+        compute = self.stage_clock.read() / self.plan.num_microbatches
         if self.emulated is not None:
             peak = self.emulated.peak_bytes / GIB
-            compute = (self.emulated.compute_s + self.emulated.slept_s) / self.plan.num_microbatches
-        elif self.device.type == "cuda":
-            peak, compute = torch.cuda.max_memory_allocated() / GIB, float("nan")
         else:
-            peak = compute = float("nan")
+            peak = torch.cuda.max_memory_allocated() / GIB if self.device.type == "cuda" else float("nan")
         # The last column: a stop signal this rank saw, so that every rank stops at the same step.
         signal_seen = self.supervisor.signal_received if self.supervisor is not None else 0
         traffic = self.comm.traffic
