@@ -167,7 +167,7 @@ def nvml_check() -> dict:
         "nvml_this_process_gib": round(mine[0] / 2**30, 3) if mine and mine[0] else None,
         "torch_reserved_gib": round(torch.cuda.memory_reserved(device) / 2**30, 3),
         "monitor_capacity_gib": round(reading.capacity_bytes / 2**30, 3),
-        "monitor_current_gib": round(reading.current_bytes / 2**30, 3),
+        "monitor_peak_gib": round(reading.peak_bytes / 2**30, 3),
     }
     if result["nvml_this_process_gib"] is not None:  # the CUDA context and libraries, outside the allocator
         result["context_overhead_gib"] = round(result["nvml_this_process_gib"] - result["torch_reserved_gib"], 3)

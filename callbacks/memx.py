@@ -253,7 +253,7 @@ class MemxCallback(pl.Callback):
         gib = 2**30
         metrics = {"memx/stage0/peak_gib": float(table[:, 0].max()) / gib,
                    "memx/stage0/predicted_gib": self.decision.predicted_peak_gib,
-                   "memx/stage0/free_fraction": float((1 - table[:, 1] / table[:, 3]).min()),
+                   "memx/stage0/free_fraction": float((1 - table[:, 0] / table[:, 1]).min()),
                    "memx/recompute_blocks": float(self.decision.recompute_blocks)}
         if self._comm is not None:  # what this rank sent and received across domains so far
             metrics["memx/bridge_mib"] = self._comm.traffic.bytes / 2**20

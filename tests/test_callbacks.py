@@ -149,7 +149,7 @@ def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp
                         enable_progress_bar=False, enable_checkpointing=False, callbacks=[callback])
     trainer.fit(example.LitGPT())
     assert type(trainer.strategy).__name__ == "SingleDeviceStrategy" and trainer.global_step == 2
-    assert callback._monitor.last_table is not None and callback._monitor.last_table.shape == (1, 4)
+    assert callback._monitor.last_table is not None and callback._monitor.last_table.shape == (1, 2)
     assert "memx: plan for" in capsys.readouterr().out and (tmp_path / "memx-profiles.jsonl").exists()
     assert [training.eager_block for training in calibrated] == [True]
 

@@ -25,7 +25,7 @@ def make_plan(predicted=(0.01, 0.01), capacity=0.05):
 
 
 def table(peaks_gib, capacity_gib=0.05):
-    return torch.tensor([[p * GIB, p * GIB, p * GIB, capacity_gib * GIB] for p in peaks_gib], dtype=torch.float64)
+    return torch.tensor([[p * GIB, capacity_gib * GIB] for p in peaks_gib], dtype=torch.float64)
 
 
 def test_headroom_must_stay_low_for_k_samples():
@@ -69,7 +69,7 @@ def test_oom_event_knows_only_its_own_rank():
     class Reader:
         def read(self):
             from memx_launch.runtime.monitor import MemoryReading
-            return MemoryReading(0.03 * GIB, 0.03 * GIB, 0.03 * GIB, 0.05 * GIB)
+            return MemoryReading(0.03 * GIB, 0.05 * GIB)
 
     event = oom_event(make_plan(), 1, 7, torch.OutOfMemoryError("CUDA out of memory. Tried\nmore"), Reader())
     assert (event.reason, event.rank, event.stage, event.step) == ("oom", 1, 1, 7)
@@ -115,3 +115,41 @@ def test_ranks_agree_on_the_event_of_a_ballast_on_one_rank():
     assert step == 6  # ballast before step 5, two samples in a row under 25% free
     assert (event["reason"], event["rank"], event["stage"]) == ("headroom", 1, 1)
     assert event["observed_gib"][1] == pytest.approx(0.04, rel=1e-3)
+
+
+class _Process:
+    def __init__(self, pid, used):
+        self.pid, self.usedGpuMemory = pid, used
+
+
+def _cuda_reading(monkeypatch, processes):
+    """A CudaMemory read from a faked 80 GiB device: 50 GiB used on it, 40 of them this process's
+    allocator reserve now (44 at the step's peak); ``processes``: what NVML lists (None: no NVML)."""
+    from memx_launch.profiling import kernel
+    from memx_launch.runtime.monitor import CudaMemory
+
+    class NVML:
+        @staticmethod
+        def nvmlDeviceGetComputeRunningProcesses(handle):
+            return processes
+
+    if processes is None:
+        monkeypatch.setattr(kernel, "nvml_device", lambda index: (_ for _ in ()).throw(RuntimeError("no NVML")))
+    else:
+        monkeypatch.setattr(kernel, "nvml_device", lambda index: (NVML, "handle"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 40 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 44 * GIB)
+    reading = CudaMemory(torch.device("cuda", 0)).read()
+    return reading.peak_bytes / GIB, reading.capacity_bytes / GIB
+
+
+def test_a_gpu_s_peak_is_the_device_memory_the_plan_predicts(monkeypatch):
+    # The peak holds the allocator's peak reserve and what the process holds outside the allocator
+    # (context, NCCL's buffers), as a stage's predicted peak counts them; another process's 6 GiB
+    # is neither this process's peak nor its capacity.
+    me = os.getpid()
+    assert _cuda_reading(monkeypatch, [_Process(me, 44 * GIB), _Process(me + 1, 6 * GIB)]) == (48.0, 74.0)
+    # NVML lists host PIDs inside a container: no entry is known to be another's, none is subtracted.
+    assert _cuda_reading(monkeypatch, [_Process(me + 7, 44 * GIB), _Process(me + 8, 6 * GIB)]) == (54.0, 80.0)
+    assert _cuda_reading(monkeypatch, None) == (54.0, 80.0)  # no NVML (ROCm): the same

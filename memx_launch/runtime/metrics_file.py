@@ -4,7 +4,9 @@ memx-run's rank 0 appends to (Runtime.step) whatever the script prints.
 Each line: ``step``, ``generation`` (the workers' start: a step run again after an out-of-memory
 restart appears again with the next generation), ``time`` (Unix seconds), ``loss``,
 ``step_time_s``, ``predicted_step_time_s``, ``tokens_per_s`` and ``stages``, per pipeline stage
-its ``device_type``, ``peak_memory_gib`` measured (max over the stage's ranks) and
+its ``device_type``, ``peak_memory_gib`` measured (max over the stage's ranks; on a GPU the device
+memory the process held at its peak, context and NCCL's buffers too, as the monitor reads it and
+the plan predicts it: runtime/monitor.py) and
 ``predicted_peak_memory_gib``, and ``microbatch_compute_s`` (the stage's chunks and loss as its
 device ran them, runtime/stage_clock.py) with ``predicted_microbatch_s``. A value memx could not
 measure (memory on a CPU that is not emulated) is ``null``.

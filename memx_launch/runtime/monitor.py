@@ -1,17 +1,24 @@
 """Memory monitor: per rank peak and current memory every N steps, predicted against observed per
 stage, and a re-plan event that every rank agrees on.
 
-Every sampled step each rank reads its memory and the ranks all-gather one row of four numbers,
-so every rank holds the same table and runs the same decision on it: the event (or None) is
-identical everywhere without a second collective. Steps between samples cost nothing.
+Every sampled step each rank reads its memory and the ranks all-gather one row of two numbers
+(its peak and its capacity), so every rank holds the same table and runs the same decision on
+it: the event (or None) is identical everywhere without a second collective. Steps between
+samples cost nothing.
 
-What is read:
-- GPUs: ``torch.cuda.max_memory_allocated`` (tensor bytes, what the cost model predicts),
-  ``max_memory_reserved`` (what the caching allocator holds, what runs out), and nvidia-ml-py for
-  the device total and the memory of other processes on the device.
+What is read, the peak as the plan predicts it (a stage's predicted peak holds its tensors, the
+allocator's slack, the runtime's context and the communicators' buffers):
+- GPUs: the device memory the process held at its peak, as ``nvidia-smi`` counts it: the caching
+  allocator's peak reserve (``torch.cuda.max_memory_reserved``) and what the process holds
+  outside the allocator (the CUDA/HIP context, NCCL's buffers: the device's used memory less the
+  allocator's current reserve and other processes'). Other processes' memory comes from
+  nvidia-ml-py where it lists this process; inside a container's PID namespace it lists the host's
+  PIDs, so no entry can be told to be another's, and none is subtracted (memx runs one rank per
+  device). The capacity is the device total less other processes' memory.
 - Emulated CPU devices (profiling/emulation.py): the emulation's exact live-tensor count against
-  its capacity. Plain CPU without emulation has no capacity to watch and is not supported
-  (process RSS misses freed-but-mapped blocks, and the profiler's memory events cost a step).
+  its capacity (an emulated type's plan counts nothing else). Plain CPU without emulation has no
+  capacity to watch and is not supported (process RSS misses freed-but-mapped blocks, and the
+  profiler's memory events cost a step).
 
 An out-of-memory error cannot be agreed on by a collective: the other pipeline ranks are
 blocked on the failed rank. The rank that saw it saves the event (:func:`oom_event` then
@@ -79,10 +86,7 @@ class MonitorConfig:
 @dataclass
 class MemoryReading:
     peak_bytes: float
-    """Most tensor bytes alive at once since the last reset (what the cost model predicts)."""
-    reserved_bytes: float
-    """Most bytes the allocator held since the last reset (what runs out first)."""
-    current_bytes: float
+    """Most device memory the process held since the last reset, as the plan predicts it."""
     capacity_bytes: float
     """What this process may use: the device total less other processes' memory."""
 
@@ -94,8 +98,7 @@ class EmulatedMemory:
         self.device = device
 
     def read(self) -> MemoryReading:
-        d = self.device
-        return MemoryReading(float(d.peak_bytes), float(d.peak_bytes), float(d.live_bytes), float(d.capacity_bytes))
+        return MemoryReading(float(self.device.peak_bytes), float(self.device.capacity_bytes))
 
     def reset(self) -> None:
         self.device.reset_peak()
@@ -115,19 +118,20 @@ class CudaMemory:
             log.warning("nvidia-ml-py unavailable (%s): other processes' memory is read as total - free - ours", exc)
 
     def read(self) -> MemoryReading:
-        reserved_now = torch.cuda.memory_reserved(self.device)
-        if self._nvml is not None:
-            pynvml, handle = self._nvml
-            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
-            pid = os.getpid()
-            others = sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                         if p.pid != pid)
-        else:
-            free, total = torch.cuda.mem_get_info(self.device)
-            others = max(0, total - free - reserved_now)
-        return MemoryReading(float(torch.cuda.max_memory_allocated(self.device)),
-                             float(torch.cuda.max_memory_reserved(self.device)),
-                             float(torch.cuda.memory_allocated(self.device)), float(total - others))
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = self._others_bytes()
+        outside = max(0, total - free - others - torch.cuda.memory_reserved(self.device))  # context, NCCL
+        return MemoryReading(float(torch.cuda.max_memory_reserved(self.device) + outside), float(total - others))
+
+    def _others_bytes(self) -> int:
+        """Other processes' memory on the device, where NVML lists this process beside them."""
+        if self._nvml is None:
+            return 0
+        pynvml, handle = self._nvml
+        processes, pid = pynvml.nvmlDeviceGetComputeRunningProcesses(handle), os.getpid()
+        if all(p.pid != pid for p in processes):  # another PID namespace: whose is whose is unknown
+            return 0
+        return sum(p.usedGpuMemory or 0 for p in processes if p.pid != pid)
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -147,7 +151,7 @@ def memory_reader(emulated=None, device: torch.device | None = None):
 class MemoryMonitor:
     """Call :meth:`after_step` on every rank after every optimizer step."""
 
-    COLUMNS = 4  # peak, reserved, current, capacity
+    COLUMNS = 2  # peak, capacity
 
     def __init__(self, plan: Plan, rank: int, reader, config: MonitorConfig | None = None, group=None):
         """``rank``: this device's rank in the plan; rank 0 logs."""
@@ -158,7 +162,7 @@ class MemoryMonitor:
         self.group = group
         self.low_samples = 0
         self.last_table: torch.Tensor | None = None
-        """[world, 4] bytes of the latest sample (identical on every rank)."""
+        """[world, 2] bytes of the latest sample (identical on every rank)."""
         self._stage_of = {r: i for i, s in enumerate(plan.stages) for r in s.ranks}
         # Rows arrive in process-rank order (stage-major, runtime/layout.py); the table and the
         # event speak of the plan's (device) ranks.
@@ -170,8 +174,7 @@ class MemoryMonitor:
             return None
         reading = self.reader.read()
         self.reader.reset()
-        row = torch.tensor([reading.peak_bytes, reading.reserved_bytes, reading.current_bytes,
-                            reading.capacity_bytes], dtype=torch.float64)
+        row = torch.tensor([reading.peak_bytes, reading.capacity_bytes], dtype=torch.float64)
         if not dist.is_initialized():  # one process without a process group (Lightning on one device)
             rows = [row]
         else:
@@ -190,13 +193,13 @@ class MemoryMonitor:
 
     def _decide(self, step: int, table: torch.Tensor) -> ReplanEvent | None:
         c = self.config
-        peak, reserved, capacity = table[:, 0], table[:, 1], table[:, 3]
-        headroom = 1 - reserved / capacity
+        peak, capacity = table[:, 0], table[:, 1]
+        headroom = 1 - peak / capacity
         worst = int(headroom.argmin())
         self.low_samples = self.low_samples + 1 if headroom[worst] < c.min_headroom else 0
         if self.low_samples >= c.consecutive:
             return self._event(step, "headroom", worst, table, (
-                f"{headroom[worst]:.1%} free ({reserved[worst] / GIB:.4f} of {capacity[worst] / GIB:.4f} GiB) "
+                f"{headroom[worst]:.1%} free ({peak[worst] / GIB:.4f} of {capacity[worst] / GIB:.4f} GiB) "
                 f"< {c.min_headroom:.0%} for {self.low_samples} samples in a row"))
         predicted = torch.tensor([self.plan.stages[self._stage_of[r]].predicted_peak_memory_gib * GIB
                                   for r in range(len(table))], dtype=torch.float64)
@@ -211,14 +214,14 @@ class MemoryMonitor:
     def _event(self, step: int, reason: str, rank: int, table: torch.Tensor, message: str) -> ReplanEvent:
         stage = self._stage_of[rank]
         return ReplanEvent(step, reason, rank, stage, self.plan.stages[stage].device_type, message,
-                           (table[:, 0] / GIB).tolist(), (table[:, 3] / GIB).tolist())
+                           (table[:, 0] / GIB).tolist(), (table[:, 1] / GIB).tolist())
 
     def describe(self, step: int, table: torch.Tensor) -> str:
         """One line: per stage observed peak against predicted, and the least free share."""
         parts = []
         for i, stage in enumerate(self.plan.stages):
             peak = max(float(table[r, 0]) for r in stage.ranks) / GIB
-            free = min(1 - float(table[r, 1] / table[r, 3]) for r in stage.ranks)
+            free = min(1 - float(table[r, 0] / table[r, 1]) for r in stage.ranks)
             pred = stage.predicted_peak_memory_gib
             vs = f" (x{peak / pred:.2f})" if pred > 0 else ""
             parts.append(f"stage {i} {stage.device_type}: {peak:.4f}/{pred:.4f} GiB{vs}, {free:.0%} free")
@@ -233,7 +236,7 @@ def oom_event(plan: Plan, rank: int, step: int, error: BaseException, reader) ->
     observed = [math.nan] * plan.world_size
     capacity = [math.nan] * plan.world_size
     # The failed allocation would have passed the capacity: the peak is at least that.
-    observed[rank] = max(reading.reserved_bytes, reading.capacity_bytes) / GIB
+    observed[rank] = max(reading.peak_bytes, reading.capacity_bytes) / GIB
     capacity[rank] = reading.capacity_bytes / GIB
     first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
     return ReplanEvent(step, "oom", rank, stage, plan.stages[stage].device_type,

@@ -29,6 +29,7 @@ from memx_launch.runtime.batches import BatchLoss, StepBatch, replica_rows, step
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.profiling.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_domains, process_grid, process_rank, rank_layout
+from memx_launch.runtime.monitor import memory_reader
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import TORCH_DTYPES, Precision
@@ -120,6 +121,7 @@ class Runtime:
             emulated.track(p for m in self.chunks for p in m.parameters())
         num_virtual = plan.pp * plan.virtual_stages
         self.stage_clock = StageClock(self.device, emulated)
+        self.memory = memory_reader(emulated, self.device) if emulated is not None or self.device.type == "cuda" else None
         stages = [DomainPipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=self.pp_group,
                                       communicator=self.comm, links=self.links, clock=self.stage_clock)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
@@ -278,10 +280,8 @@ class Runtime:
             if self.supervisor is not None:
                 self.supervisor.before_step(self.step_count + 1)
             self.stage_clock.reset()
-            if self.emulated is not None:
-                self.emulated.reset_peak()
-            elif self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+            if self.memory is not None:
+                self.memory.reset()
             start = time.perf_counter()
             with self._measured():
                 self.optimizer.zero_grad(set_to_none=True)
@@ -324,10 +324,7 @@ class Runtime:
         local_loss = torch.stack([l.detach().float() for l in losses]).mean().item() / self.precision.step_scale \
             if contributes else 0.0
         compute = self.stage_clock.read() / self.plan.num_microbatches
-        if self.emulated is not None:
-            peak = self.emulated.peak_bytes / GIB
-        else:
-            peak = torch.cuda.max_memory_allocated() / GIB if self.device.type == "cuda" else float("nan")
+        peak = self.memory.read().peak_bytes / GIB if self.memory is not None else float("nan")
         # The last column: a stop signal this rank saw, so that every rank stops at the same step.
         signal_seen = self.supervisor.signal_received if self.supervisor is not None else 0
         traffic = self.comm.traffic
