@@ -115,7 +115,7 @@ class CudaMemory:
 
             self._nvml = nvml_device(device.index if device.index is not None else torch.cuda.current_device())
         except Exception as exc:  # noqa: BLE001 - no NVML (other vendors, containers): torch's view only
-            log.warning("nvidia-ml-py unavailable (%s): other processes' memory is read as total - free - ours", exc)
+            log.warning("nvidia-ml-py unavailable (%s): other processes' memory on the device is not subtracted", exc)
 
     def read(self) -> MemoryReading:
         free, total = torch.cuda.mem_get_info(self.device)
