@@ -1,4 +1,4 @@
-"""Memory monitor: per rank peak and current memory every N steps, predicted against observed per
+"""Memory monitor: per rank peak memory and capacity every N steps, predicted against observed per
 stage, and a re-plan event that every rank agrees on.
 
 Every sampled step each rank reads its memory and the ranks all-gather one row of two numbers
