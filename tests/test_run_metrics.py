@@ -18,17 +18,18 @@ GIB = 2**30
 
 def _plan(step_s, peaks_gib):
     return SimpleNamespace(predicted_iteration_time_s=step_s, stages=[
-        SimpleNamespace(device_type=f"t{i}", predicted_peak_memory_gib=p, predicted_stage_time_s=0.1)
+        SimpleNamespace(device_type=f"t{i}", predicted_peak_memory_gib=p, predicted_stage_time_s=0.1 * (i + 1))
         for i, p in enumerate(peaks_gib)])
 
 
-def _run(run_dir, generations):
-    """``generations``: (generation, plan, [(step, step seconds, [peak GiB per stage])])."""
+def _run(run_dir, generations, compute_s=0.1):
+    """``generations``: (generation, plan, [(step, step seconds, [peak GiB per stage])]); every
+    stage computes ``compute_s`` per micro-batch (stage i's plan predicts 0.1 x (i + 1) s)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for generation, plan, steps in generations:
         metrics = MetricsFile(str(run_dir), generation)
         for step, seconds, peaks in steps:
-            metrics.append(StepStats(step, 2.0, seconds, 1000.0, peaks, [0.1] * len(peaks)), plan)
+            metrics.append(StepStats(step, 2.0, seconds, 1000.0, peaks, [compute_s] * len(peaks)), plan)
     return run_dir
 
 
@@ -51,6 +52,21 @@ def test_a_run_directory_gives_a_row_per_generation(tmp_path):
     assert columns["predicted_memory_bytes"] == pytest.approx([3.0 * GIB, 1.75 * GIB])
     same = load_measurements(str(run / METRICS_FILE))
     assert all(np.array_equal(same[k], columns[k]) for k in columns)
+
+
+def test_each_stage_s_compute_is_held_against_its_plan_where_every_step_measured_it(tmp_path):
+    from memx_launch.profiling.run_metrics import run_rows
+
+    def rows(run):
+        path = run / METRICS_FILE
+        return run_rows(path.read_text(), str(path), run.name, "")
+
+    measured = _run(tmp_path / "gpu", [(1, _plan(1.0, [3.0, 2.0]), [(1, 9.0, [3.1, 2.0]), (2, 1.2, [3.3, 2.1])])],
+                    compute_s=0.15)
+    assert rows(measured)[0]["stage_compute_over_predicted"] == pytest.approx([1.5, 0.75])
+    unmeasured = _run(tmp_path / "cpu", [(1, _plan(1.0, [3.0]), [(1, 9.0, [3.1]), (2, 1.2, [3.3])])],
+                      compute_s=float("nan"))  # written as null
+    assert "stage_compute_over_predicted" not in rows(unmeasured)[0]
 
 
 def test_a_directory_of_runs_names_each_run(tmp_path):
@@ -108,8 +124,9 @@ def test_memx_run_ends_a_run_with_how_its_plans_held(tmp_path):
 
     run = _two_generations(tmp_path / "llama-2026")
     assert prediction_summary(str(run)) == (
-        "measured against the plan: gen 1: step 1.2 s against 1 s predicted (1.20x), fullest stage's peak 1.10x; "
-        f"gen 2: step 2.5 s against 2 s predicted (1.25x), fullest stage's peak 1.09x (memx evaluate --measurements {run})")
+        "measured against the plan: gen 1: step 1.2 s against 1 s predicted (1.20x), fullest stage's peak 1.10x, "
+        "stages' compute 0.50-1.00x; gen 2: step 2.5 s against 2 s predicted (1.25x), fullest stage's peak 1.09x, "
+        f"stages' compute 0.50-1.00x (memx evaluate --measurements {run})")
     assert prediction_summary(str(tmp_path / "no-steps")) is None  # the script never stepped through memx
     (run / METRICS_FILE).write_text('{"step":\n')
     assert prediction_summary(str(run)) is None  # not whole: memx evaluate names the line, the job's end does not

@@ -6,8 +6,10 @@ line per step: its ``generation`` (the plan it ran under), ``step_time_s`` and t
 ``predicted_step_time_s``, and per stage the measured ``peak_memory_gib`` and the plan's
 ``predicted_peak_memory_gib`` (null where not measured). A generation becomes one row: the median
 step time after its first step (which allocates, connects and warms up; a generation of one step
-keeps it) against the plan's, and the fullest stage's measured peak against the plan's fullest,
-where every stage of every step measured one.
+keeps it) against the plan's, the fullest stage's measured peak against the plan's fullest,
+where every stage of every step measured one, and each stage's median compute per micro-batch
+over those steps against the plan's (``stage_compute_over_predicted``), where every one measured
+it (``microbatch_compute_s``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ def _generation_rows(text: str, path: str, name: str, fix: str) -> list[dict]:
         if all(m is not None for m in measured):
             row["measured_memory_bytes"] = max(measured) * GIB
             row["predicted_memory_bytes"] = max(s["predicted_peak_memory_gib"] for s in records[-1]["stages"]) * GIB
+        computed = [[s.get("microbatch_compute_s") for s in r["stages"]] for r in steps]
+        planned = [s.get("predicted_microbatch_s") for s in records[-1]["stages"]]
+        if all(_number(c) for c in sum(computed, planned)) and all(p > 0 for p in planned):
+            row["stage_compute_over_predicted"] = [float(np.median(column)) / p for column, p in zip(zip(*computed), planned)]
         rows.append(row)
     if unmeasured:
         warnings.warn(f"{path}: {unmeasured} generations without a measured step time left out")

@@ -126,9 +126,10 @@ def check_environment(environ=os.environ) -> None:
 
 def prediction_summary(run_dir: str) -> str | None:
     """How the run's plans held, the rows ``memx evaluate --measurements run_dir`` gives: per plan
-    generation its median step against the plan's predicted step and its fullest stage's measured
-    peak against the plan's; None where no step went through memx (no metrics file) or the file is
-    not whole (evaluate names the line)."""
+    generation its median step against the plan's predicted step, its fullest stage's measured
+    peak against the plan's and the range of its stages' compute per micro-batch against the
+    plan's; None where no step went through memx (no metrics file) or the file is not whole
+    (evaluate names the line)."""
     from memx_launch.errors import MemxError
     from memx_launch.profiling.run_metrics import METRICS_FILE, run_rows
     from memx_launch.specs.inputs import read_text
@@ -146,5 +147,8 @@ def prediction_summary(run_dir: str) -> str | None:
                 f"predicted ({row['measured_time_s'] / row['predicted_time_s']:.2f}x)")
         if "measured_memory_bytes" in row:
             part += f", fullest stage's peak {row['measured_memory_bytes'] / row['predicted_memory_bytes']:.2f}x"
+        if "stage_compute_over_predicted" in row:
+            ratios = row["stage_compute_over_predicted"]
+            part += f", stages' compute {min(ratios):.2f}-{max(ratios):.2f}x"
         parts.append(part)
     return f"measured against the plan: {'; '.join(parts)} (memx evaluate --measurements {run_dir})" if parts else None
