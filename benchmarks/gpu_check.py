@@ -16,7 +16,8 @@
    (``power_limited_clock_share``), and the clock and rate it settles at.
 5. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
    calibration in the job, the plan, 10 training steps; predicted against measured peak memory
-   and step time, from the script's per-step lines.
+   (the device memory the process held, runtime/monitor.py), step time and the stage's compute
+   per micro-batch (CUDA events, runtime/stage_clock.py), from the script's per-step lines.
 
 Without a CUDA GPU it stops at once with one line and exit code 1 (nothing is written).
 """
@@ -256,10 +257,14 @@ def memx_run_check(workdir: str) -> dict:
     later = steps[1:] or steps  # the first step includes warm-up
     measured_step = sorted(s["step_s"] for s in later)[len(later) // 2]
     peak = max(s["peak_mib"] for s in steps)
+    microbatch = sorted(s["microbatch_ms"] for s in later)[len(later) // 2]  # stage 0's, CUDA events
     result.update(measured_median_step_s=measured_step, predicted_step_s=steps[0]["predicted_step_s"],
                   step_time_error=round(steps[0]["predicted_step_s"] / measured_step - 1, 4),
                   measured_peak_mib=peak, predicted_peak_mib=steps[0]["predicted_peak_mib"],
-                  peak_memory_error=round(steps[0]["predicted_peak_mib"] / peak - 1, 4))
+                  peak_memory_error=round(steps[0]["predicted_peak_mib"] / peak - 1, 4),
+                  measured_median_microbatch_ms=microbatch,
+                  predicted_microbatch_ms=steps[0]["predicted_microbatch_ms"],
+                  microbatch_time_error=round(steps[0]["predicted_microbatch_ms"] / microbatch - 1, 4))
     return result
 
 
