@@ -88,10 +88,10 @@ def _generation_rows(text: str, path: str, name: str, fix: str) -> list[dict]:
         if all(m is not None for m in measured):
             row["measured_memory_bytes"] = max(measured) * GIB
             row["predicted_memory_bytes"] = max(s["predicted_peak_memory_gib"] for s in records[-1]["stages"]) * GIB
-        computed = [[s.get("microbatch_compute_s") for s in r["stages"]] for r in steps]
+        per_step = [[s.get("microbatch_compute_s") for s in r["stages"]] for r in steps]
         planned = [s.get("predicted_microbatch_s") for s in records[-1]["stages"]]
-        if all(_number(c) for c in sum(computed, planned)) and all(p > 0 for p in planned):
-            row["stage_compute_over_predicted"] = [float(np.median(column)) / p for column, p in zip(zip(*computed), planned)]
+        if all(_number(v) for v in planned + [c for step in per_step for c in step]) and all(p > 0 for p in planned):
+            row["stage_compute_over_predicted"] = [float(np.median(stage)) / p for stage, p in zip(zip(*per_step), planned)]
         rows.append(row)
     if unmeasured:
         warnings.warn(f"{path}: {unmeasured} generations without a measured step time left out")

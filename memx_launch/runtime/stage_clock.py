@@ -5,10 +5,10 @@ neighbour's activations or gradients, the sends, nor the optimizer step.
 
 An accelerator runs behind the host, so its time is read from timing events recorded on its
 current stream and read once at the step's end, when the device has run them: what the stream
-waits for inside a chunk counts, as in the prediction (tensor parallelism's collectives, and the
-gradient reduction the step's last backward holds). An emulated device (profiling/emulation.py)
-reads its own books, its operators' time and sleeps, never a collective. A plain CPU reads the
-host's clock.
+waits for inside a chunk counts, tensor parallelism's collectives as the prediction counts them,
+and the gradient reduction the step's last backward waits for, which the prediction does not
+(spread over the step's micro-batches). An emulated device (profiling/emulation.py) reads its
+own books, its operators' time and sleeps, never a collective. A plain CPU reads the host's clock.
 """
 
 from __future__ import annotations
