@@ -122,15 +122,17 @@ class _Process:
         self.pid, self.usedGpuMemory = pid, used
 
 
-def _cuda_reading(monkeypatch, processes):
-    """A CudaMemory read from a faked 80 GiB device: 50 GiB used on it, 40 of them this process's
-    allocator reserve now (44 at the step's peak); ``processes``: what NVML lists (None: no NVML)."""
+def _cuda_memory(monkeypatch, processes, queries=None):
+    """A CudaMemory of a faked 80 GiB device: 50 GiB used on it, 40 of them this process's
+    allocator reserve now (44 at the step's peak); ``processes``: what NVML lists (None: no NVML),
+    each query appended to ``queries``."""
     from memx_launch.profiling import kernel
     from memx_launch.runtime.monitor import CudaMemory
 
     class NVML:
         @staticmethod
         def nvmlDeviceGetComputeRunningProcesses(handle):
+            (queries if queries is not None else []).append(handle)
             return processes
 
     if processes is None:
@@ -140,7 +142,11 @@ def _cuda_reading(monkeypatch, processes):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 40 * GIB)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 44 * GIB)
-    reading = CudaMemory(torch.device("cuda", 0)).read()
+    return CudaMemory(torch.device("cuda", 0))
+
+
+def _cuda_reading(monkeypatch, processes):
+    reading = _cuda_memory(monkeypatch, processes).read()
     return reading.peak_bytes / GIB, reading.capacity_bytes / GIB
 
 
@@ -153,3 +159,18 @@ def test_a_gpu_s_peak_is_the_device_memory_the_plan_predicts(monkeypatch):
     # NVML lists host PIDs inside a container: no entry is known to be another's, none is subtracted.
     assert _cuda_reading(monkeypatch, [_Process(me + 7, 44 * GIB), _Process(me + 8, 6 * GIB)]) == (54.0, 80.0)
     assert _cuda_reading(monkeypatch, None) == (54.0, 80.0)  # no NVML (ROCm): the same
+
+
+def test_nvml_s_process_list_is_read_at_most_once_a_second(monkeypatch):
+    from memx_launch.runtime import monitor
+
+    clock, queries = [100.0], []
+    monkeypatch.setattr(monitor, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    memory = _cuda_memory(monkeypatch, [_Process(os.getpid(), 44 * GIB)], queries)
+    for _ in range(5):  # the runtime reads every step
+        memory.read()
+        clock[0] += 0.1
+    assert len(queries) == 1
+    clock[0] += monitor.OTHERS_REFRESH_S
+    memory.read()
+    assert len(queries) == 2

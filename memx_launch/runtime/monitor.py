@@ -12,7 +12,7 @@ allocator's slack, the runtime's context and the communicators' buffers):
   allocator's peak reserve (``torch.cuda.max_memory_reserved``) and what the process holds
   outside the allocator (the CUDA/HIP context, NCCL's buffers: the device's used memory less the
   allocator's current reserve and other processes'). Other processes' memory comes from
-  nvidia-ml-py where it lists this process; inside a container's PID namespace the driver lists
+  nvidia-ml-py (its process list, read at most once a second) where it lists this process; inside a container's PID namespace the driver lists
   the host's PIDs (nvidia-docker#1483), so no entry can be told to be another's, and none is
   subtracted (memx runs one rank per device). The capacity is the device total less other processes' memory.
 - Emulated CPU devices (profiling/emulation.py): the emulation's exact live-tensor count against
@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,9 @@ from memx_launch.runtime.layout import process_rank
 from memx_launch.specs.inputs import parse_number
 
 GIB = 2**30
+# NVML's process list is read at most once in this many seconds: the runtime reads the peak every
+# step, and other processes' memory changes far more slowly than a short step.
+OTHERS_REFRESH_S = 1.0
 log = logging.getLogger("memx.monitor")
 
 
@@ -110,6 +114,7 @@ class CudaMemory:
     def __init__(self, device: torch.device):
         self.device = device
         self._nvml = None
+        self._others: tuple[float, int] | None = None  # (when read, bytes)
         try:
             from memx_launch.profiling.kernel import nvml_device
 
@@ -127,11 +132,13 @@ class CudaMemory:
         """Other processes' memory on the device, where NVML lists this process beside them."""
         if self._nvml is None:
             return 0
-        pynvml, handle = self._nvml
-        processes, pid = pynvml.nvmlDeviceGetComputeRunningProcesses(handle), os.getpid()
-        if all(p.pid != pid for p in processes):  # another PID namespace: whose is whose is unknown
-            return 0
-        return sum(p.usedGpuMemory or 0 for p in processes if p.pid != pid)
+        now = time.monotonic()
+        if self._others is None or now - self._others[0] >= OTHERS_REFRESH_S:
+            pynvml, handle = self._nvml
+            processes, pid = pynvml.nvmlDeviceGetComputeRunningProcesses(handle), os.getpid()
+            listed = any(p.pid == pid for p in processes)  # else another PID namespace: whose is whose is unknown
+            self._others = (now, sum(p.usedGpuMemory or 0 for p in processes if p.pid != pid) if listed else 0)
+        return self._others[1]
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
