@@ -50,18 +50,16 @@ def main_job(steps: int) -> dict:
             plan = json.load(f)
         with open(metrics) as f:
             text = f.read()
-    # memx evaluate's reading of the step (the median after the first, which warms up) ...
+    # memx evaluate's reading of the run (the medians after the first step, which warms up): the
+    # step, and each stage's compute per micro-batch against the plan's
     [row] = run_rows(text, metrics, "main job", "benchmarks/main_job_step_time.py")
     predicted, median = row["predicted_time_s"], row["measured_time_s"]
-    # ... and each stage's compute per micro-batch, which evaluate does not read
-    records = [json.loads(line) for line in text.splitlines() if line.strip()][1:]
     stages = []
-    for i, stage in enumerate(plan["stages"]):
-        measured = statistics.median(r["stages"][i]["microbatch_compute_s"] for r in records)
-        wanted = records[-1]["stages"][i]["predicted_microbatch_s"]
+    for stage, ratio in zip(plan["stages"], row["stage_compute_over_predicted"]):
+        wanted = stage["predicted_stage_time_s"]
         stages.append({"device": stage["device_type"], "layers": stage["num_layers"], "recompute": stage["recompute"],
-                       "microbatch_ms": round(1e3 * measured, 1), "predicted_microbatch_ms": round(1e3 * wanted, 1),
-                       "measured_over_predicted": round(measured / wanted, 2)})
+                       "microbatch_ms": round(1e3 * ratio * wanted, 1), "predicted_microbatch_ms": round(1e3 * wanted, 1),
+                       "measured_over_predicted": round(ratio, 2)})
     return {"layout": f"tp={plan['tp']} pp={plan['pp']} dp={plan['dp']} mbs={plan['micro_batch_size']} "
                       f"{plan['schedule']}",
             "predicted_step_s": round(predicted, 4), "median_step_s": round(median, 4),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -250,8 +251,6 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
     to issue a block (GPUs; None on CPUs), peak bytes above resting, peak bytes the caching
     allocator reserved above resting (GPUs; None on CPUs)). With ``emulation_slowdown`` the
     timed steps run under an emulated device of that slowdown; the memory pass stays outside it."""
-    import math
-
     import torch
 
     from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel

@@ -144,15 +144,22 @@ class CudaMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def memory_reader(emulated=None, device: torch.device | None = None):
-    """The reader for this rank: its emulated device when it has one, else its CUDA device."""
+def device_memory(emulated=None, device: torch.device | None = None):
+    """The reader of this rank's memory: its emulated device's when it has one, else its CUDA
+    device's (``device``, or the current one); None on a plain CPU, which has nothing to read."""
     if emulated is not None:
         return EmulatedMemory(emulated)
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
-    if device is None or device.type != "cuda":
+    return CudaMemory(device) if device is not None and device.type == "cuda" else None
+
+
+def memory_reader(emulated=None, device: torch.device | None = None):
+    """:func:`device_memory` for the monitor, which needs one: an error on a plain CPU."""
+    reader = device_memory(emulated, device)
+    if reader is None:
         raise ConfigError("monitor", "no GPU and no emulated device on this rank",
                           "declare emulated devices in the cluster file, or pass --no-replan")
-    return CudaMemory(device)
+    return reader
 
 
 class MemoryMonitor:

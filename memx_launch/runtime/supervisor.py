@@ -84,7 +84,7 @@ class Supervisor:
         self.checkpoint_every = checkpoint_every(environ)
         self.checkpoint_dir = os.path.join(run_dir, CHECKPOINT_DIR)
         self.faults = Faults.from_env(environ)
-        self.reader = runtime.memory if runtime.memory is not None else memory_reader(emulated=runtime.emulated)
+        self.reader = memory_reader(runtime.emulated, runtime.device) if runtime.memory is None else runtime.memory
         self.config = MonitorConfig.from_env(environ)
         self.monitor = MemoryMonitor(runtime.plan, self.rank, self.reader, self.config)
         self.first_step = 1

@@ -29,7 +29,7 @@ from memx_launch.runtime.batches import BatchLoss, StepBatch, replica_rows, step
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.profiling.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import RankLayout, process_domains, process_grid, process_rank, rank_layout
-from memx_launch.runtime.monitor import memory_reader
+from memx_launch.runtime.monitor import device_memory
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
 from memx_launch.runtime.precision import TORCH_DTYPES, Precision
@@ -121,7 +121,7 @@ class Runtime:
             emulated.track(p for m in self.chunks for p in m.parameters())
         num_virtual = plan.pp * plan.virtual_stages
         self.stage_clock = StageClock(self.device, emulated)
-        self.memory = memory_reader(emulated, self.device) if emulated is not None or self.device.type == "cuda" else None
+        self.memory = device_memory(emulated, self.device)
         stages = [DomainPipelineStage(module, chunk.virtual_stage, num_virtual, self.device, group=self.pp_group,
                                       communicator=self.comm, links=self.links, clock=self.stage_clock)
                   for module, chunk in zip(self.chunks, self.layout.chunks)]
