@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 from one_node import H100
-from test_experts import NODE, QWEN3, _estimate, _training
+from test_experts import H100_GEMM, NODE, QWEN3, _estimate, _training
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
@@ -45,11 +45,10 @@ def test_the_gathered_tokens_are_kept_and_their_collectives_timed():
     assert float(cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=8)).expert_tp_seconds(tokens, 1, 0)) == 0
     # Beside EP 4 alone: the experts' GEMMs at ETP x the rows and 1 / ETP of the width, and the collectives.
     whole = _training(expert_parallel=4)
-    gemm = (H100["peak_tflops"] * 0.58e12, H100["memory_bandwidth_gbps"] * 1e9, 132, 2)
     # The device's times (the host's for 32 local experts' ops at EP 4 would hide them).
     split_s, whole_s = (float(cm.AnalyticalCostModel(QWEN3, NODE, t).layer_costs(0, 1, 1, tokens, cm.NONE, host=False)
                               .time_s) for t in (split, whole))
-    gemms = [float(sum(experts.expert_seconds(QWEN3, t, tokens, 1, *gemm))) for t in (split, whole)]
+    gemms = [float(sum(experts.expert_seconds(QWEN3, t, tokens, 1, *H100_GEMM))) for t in (split, whole)]
     assert split_s - whole_s == pytest.approx(gemms[0] - gemms[1] + float(model.expert_tp_seconds(tokens, 1, 0)),
                                               rel=1e-6)
 

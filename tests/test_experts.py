@@ -17,6 +17,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import experts, host_time
 from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.specs.cluster import ClusterSpec
@@ -29,6 +30,8 @@ GIB = 2**30
 MIXTRAL = get_model("mixtral-8x7b")
 QWEN3 = dataclasses.replace(get_model("qwen3-30b-a3b"), seq_len=4096)
 NODE = ClusterSpec.from_dict(one_node(H100, 8, 450))
+# What one of its GEMMs runs at: Hopper's default share of the peak, the sustained HBM rate, its SMs, bf16.
+H100_GEMM = (H100["peak_tflops"] * 0.58e12, hbm_gbps(NODE.device_type("gpu")) * 1e9, 132, 2)
 TWO_NODES = ClusterSpec.from_dict({"version": 1, "name": "two", "device_types": {"gpu": H100},
                                    "nodes": [{"devices": {"gpu": 8}, "intra_node_gbps": 450}] * 2,
                                    "inter_node_gbps": 50})
@@ -123,8 +126,7 @@ def test_experts_run_their_tokens_routed_and_exchange_them_by_all_to_all():
                      .layer_costs(0, 1, 1, 4096, cm.NONE, host=False).time_s for ep in (1, 8))
     # A rank's 4,096 tokens x top-8 over 128 experts: the same FLOPs either way, in 256 rows per
     # expert on one rank, in 2,048 per expert over eight; the thin GEMMs reach less of the peak.
-    gemm = (H100["peak_tflops"] * 0.58e12, H100["memory_bandwidth_gbps"] * 1e9, 132, 2)
-    thin, wide = (float(sum(experts.expert_seconds(QWEN3, _training(expert_parallel=ep), 4096, 1, *gemm)))
+    thin, wide = (float(sum(experts.expert_seconds(QWEN3, _training(expert_parallel=ep), 4096, 1, *H100_GEMM)))
                   for ep in (1, 8))
     assert thin > 1.5 * wide
     link = 450 * NODE.link_efficiency

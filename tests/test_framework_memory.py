@@ -11,6 +11,7 @@ from memx_launch.planning import elementwise
 from memx_launch.planning import matmuls as mm
 from memx_launch.planning import schedules
 from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.peaks import SUSTAINED_HBM_SHARE, hbm_gbps
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
@@ -98,6 +99,10 @@ def saved_storage_bytes(forward, owned=()) -> int:
     return sum(n for ptr, n in saved.items() if ptr not in skip)
 
 
+# What _a100s' element-wise kernels move per second: the datasheet's 2,039 GB/s at NVIDIA's sustained share.
+A100_BYTES_PER_S = 2039e9 * SUSTAINED_HBM_SHARE["nvidia"]
+
+
 def _a100s():
     return ClusterSpec.from_dict({
         "version": 1, "device_types": {"a100": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
@@ -153,7 +158,7 @@ def test_a_gathered_loss_costs_every_tp_rank_the_whole_vocabulary():
                                  for t in (1, 4)}
     assert times[True][1] == pytest.approx(times[False][1])  # one rank: the same work
     logits = S * MODEL.vocab_size
-    passes = cm.LOSS_BYTES_PER_LOGIT * logits * (1 - 1 / 4) / 2039e9
+    passes = cm.LOSS_BYTES_PER_LOGIT * logits * (1 - 1 / 4) / A100_BYTES_PER_S
     gather = cm.collective_time(2.0 * logits, 4, 300.0 * cluster.link_efficiency)
     assert times[False][4] - times[True][4] == pytest.approx(passes + float(gather), rel=1e-6)
 
@@ -165,7 +170,7 @@ def test_torch_softmax_moves_three_more_passes_over_the_scores():
     times = {fused: float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(
         flash_attention=False, fused_softmax=fused)).layer_costs(*args).time_s[0]) for fused in (True, False)}
     scores = MODEL.num_heads / T * S * S
-    assert times[False] - times[True] == pytest.approx(12.0 * scores / 2039e9, rel=1e-6)
+    assert times[False] - times[True] == pytest.approx(12.0 * scores / A100_BYTES_PER_S, rel=1e-6)
 
 
 def test_torch_op_norms_move_more_bytes_than_a_fused_kernel():
@@ -173,14 +178,14 @@ def test_torch_op_norms_move_more_bytes_than_a_fused_kernel():
     def layer_time(recompute=cm.NONE, **options):
         args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.full(1, recompute))
         return float(cm.AnalyticalCostModel(MODEL, cluster, TrainingSpec(**options)).layer_costs(*args).time_s[0])
-    extra = 2 * 120 * S * H / 2039e9  # 32 + 88 bytes per element per norm at 16 bits
+    extra = 2 * 120 * S * H / A100_BYTES_PER_S  # 32 + 88 bytes per element per norm at 16 bits
     assert layer_time(fused_norm=False) - layer_time() == pytest.approx(extra, rel=1e-6)
     # With sequence parallelism each rank normalises its 1/TP of the sequence.
     sp = layer_time(fused_norm=False, sequence_parallel=True) - layer_time(sequence_parallel=True)
     assert sp == pytest.approx(extra / T, rel=1e-6)
     # Full recompute runs the two norms' forward (32 bytes each) again.
     recomputed = layer_time(fused_norm=False, recompute=cm.FULL) - layer_time(recompute=cm.FULL)
-    assert recomputed - (layer_time(fused_norm=False) - layer_time()) == pytest.approx(2 * 32 * S * H / 2039e9)
+    assert recomputed - (layer_time(fused_norm=False) - layer_time()) == pytest.approx(2 * 32 * S * H / A100_BYTES_PER_S)
 
 
 def _traced_bytes(fn, *inputs):
@@ -337,7 +342,7 @@ def test_separate_gate_and_up_linears_all_reduce_once_more_per_layer():
     one = float(cm.allreduce_time(S * H * 2.0, T, model.tp_gbps(np.zeros(1, int), np.full(1, T))[0]))
     # Besides the all-reduce, gate and up run as two GEMMs of half the width: timed by their shape.
     device = cluster.device_types[0]
-    gemm = (device.effective_tflops_for("bf16") * 1e12, cm.hbm_gbps(device) * 1e9,
+    gemm = (device.effective_tflops_for("bf16") * 1e12, hbm_gbps(device) * 1e9,
             mm.streaming_multiprocessors(device.vendor, device.compute_capability), 2)
 
     def split(tp):

@@ -26,7 +26,7 @@ from memx_launch.planning.matmuls import (device_sms, forward_backward_seconds, 
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, fine_tuning_flops,  # noqa: F401
                                                fully_sharded_working_bytes, fully_sharded_working_parts, last_stage_params,
                                                model_state_bytes_by_part, model_state_bytes_per_param, trained_parameters)
-from memx_launch.planning.peaks import linear_tflops, training_tflops
+from memx_launch.planning.peaks import hbm_gbps, linear_tflops, training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
@@ -37,8 +37,6 @@ from memx_launch.specs.training import TrainingSpec
 
 GIB = 2**30
 
-# FLOPs per byte before element-wise work is memory bound, for a type without a memory bandwidth.
-_DEFAULT_FLOPS_PER_BYTE = 150.0
 # Latency of one collective step or point-to-point message (NCCL over NVLink or InfiniBand:
 # a few microseconds of launch and protocol per hop), the alpha of the alpha-beta model.
 LINK_LATENCY_S = 10e-6
@@ -214,7 +212,7 @@ class AnalyticalCostModel:
         # their communication domain): no tiles nor waves, no kernel launches.
         stand_in = cluster.is_emulated
         self._sms = device_sms(self.device_types, stand_in)
-        self._hbm = np.array([hbm_gbps(d) for d in self.device_types])
+        self._hbm = np.array([hbm_gbps(d, stand_in) for d in self.device_types])
         self._flash = np.array([d.flash_attention and training.flash_attention for d in self.device_types])
         self._attention_speed = np.array([fused_attention_speed(training.flash_attention_version,
                                                                 d.compute_capability) for d in self.device_types])
@@ -443,8 +441,3 @@ class AnalyticalCostModel:
 
 
 TP_DEGREES = (1, 2, 4, 8, 16)
-
-
-def hbm_gbps(device: DeviceType) -> float:
-    """The device's memory bandwidth, or what its peak FLOPs suggest when the file gives none."""
-    return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning.costmodel import hbm_gbps
 from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters, model_state_bytes_per_param
+from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.specs.bridge import HOST_COPY_GBPS
 from memx_launch.specs.cluster import DeviceType
 from memx_launch.specs.training import TrainingSpec

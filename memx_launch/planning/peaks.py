@@ -1,5 +1,6 @@
-"""The matmul rate a device type sustains for a training setup: its peak for the dtype (TF32
-where fp32 runs on tensor cores, FP8 or FP4 for the linear layers of an FP8 or FP4 run) at its efficiency.
+"""The rates a device type sustains for a training setup: its matmul peak for the dtype (TF32
+where fp32 runs on tensor cores, FP8 or FP4 for the linear layers of an FP8 or FP4 run) at its
+efficiency, and its memory bandwidth at what streaming kernels reach of the datasheet's.
 No torch import."""
 
 from __future__ import annotations
@@ -16,6 +17,26 @@ AMPERE_COMPUTE_CAPABILITY = 8.0
 # NVIDIA Ada (L4, L40S) and Hopper: the first with FP8 tensor cores, at twice the dense 16-bit
 # rate (H100 SXM 1,979 of 989 TFLOPS; L4 242 of 121).
 FP8_COMPUTE_CAPABILITY = 8.9
+# Share of the datasheet memory bandwidth that streaming kernels sustain, by vendor: the median
+# BabelStream triad over the datasheet figure of the public runs in benchmarks/data/hbm_stream.csv
+# (NVIDIA A100, H100, H200: 0.83-0.89; AMD MI300X: 0.75-0.77). Other vendors: none at hand.
+SUSTAINED_HBM_SHARE = {"nvidia": 0.86, "amd": 0.76}
+# FLOPs per byte before element-wise work is memory bound, for a type without a memory bandwidth.
+_DEFAULT_FLOPS_PER_BYTE = 150.0
+
+
+def hbm_gbps(device: DeviceType, stand_in: bool = False) -> float:
+    """GB/s the device's kernels move to and from its memory: its datasheet ``memory_bandwidth_gbps``
+    (or what its peak FLOPs suggest when the file gives none) at its vendor's
+    :data:`SUSTAINED_HBM_SHARE`; a CPU's, a vendor's without a measured share and a ``stand_in``'s
+    (a CPU process of an emulated cluster) as given."""
+    given = device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+    return given if stand_in else given * SUSTAINED_HBM_SHARE.get(device.vendor, 1.0)
+
+
+def datasheet_hbm_gbps(sustained_gbps: float, vendor: str) -> float:
+    """The datasheet bandwidth a measured copy rate stands for: :func:`hbm_gbps` of it gives it back."""
+    return sustained_gbps / SUSTAINED_HBM_SHARE.get(vendor, 1.0)
 
 
 def has_tf32(device: DeviceType) -> bool:

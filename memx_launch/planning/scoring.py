@@ -12,6 +12,7 @@ import numpy as np
 from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, extra_blocks,
                                   schedules)
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
+from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.collectives import collective_sm_share, overlapped_exposed_seconds
@@ -49,7 +50,7 @@ class Evaluator:
         self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
         self.cost_model, self.table = cost_model, table
         self.device_types = [cluster.device_type(n) for n in cost_model.device_names]
-        self.hbm_gbps = np.array([cm.hbm_gbps(d) for d in self.device_types])
+        self.hbm_gbps = np.array([hbm_gbps(d, cluster.is_emulated) for d in self.device_types])
         # What compute loses beside an overlapped collective; CPU stand-ins run gloo inline.
         self.collective_sm_share = collective_sm_share(device_sms(self.device_types, cluster.is_emulated))
         # Fine-tuning trains only part of the parameters; the offloads' copies to the host.

@@ -32,7 +32,8 @@ class DeviceType:
     peak_tflops: float
     efficiency: float | None = None
     memory_bandwidth_gbps: float | None = None
-    """HBM bandwidth in GB/s; bounds element-wise work in the analytical time model."""
+    """The datasheet HBM bandwidth in GB/s: the analytical time model moves memory-bound work at the
+    vendor's sustained share of it (:func:`~memx_launch.planning.peaks.hbm_gbps`)."""
     flash_attention: bool = True
     """Fused attention kernel available (no s^2 activation term)."""
     peak_tflops_fp32: float | None = None
