@@ -26,9 +26,6 @@ FEATURE_NAMES = (
 )
 
 
-TARGETS = ("time", "memory")
-
-
 TP_COLUMN = FEATURE_NAMES.index("tp")
 
 
