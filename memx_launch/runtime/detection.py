@@ -183,8 +183,9 @@ def describe(reports: list[dict], nodes: list[list[int]], results: list[dict]) -
 
 def cluster_yaml(data: dict, reports_note: str = "") -> str:
     """The description as a commented cluster file."""
-    header = ("# Detected by memx: device types from each rank's device, bandwidths from short all-reduce "
-              "probes (bus bandwidth, GB/s).\n" + reports_note)
+    header = ("# Detected by memx: device types from each rank's device (memory_bandwidth_gbps: a copy's rate "
+              "written as the datasheet figure it stands for, docs/clusters.md), bandwidths from short "
+              "all-reduce probes (bus bandwidth, GB/s).\n" + reports_note)
     return header + yaml.safe_dump(data, sort_keys=False)
 
 
