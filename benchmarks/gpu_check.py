@@ -14,7 +14,10 @@
    peak); then 10 s of bf16 GEMMs back to back with NVML's SM clock and board power: whether a
    large matmul settles at the power limit, as memx's power-limit model takes it
    (``power_limited_clock_share``), and the clock and rate it settles at.
-5. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
+5. The memory bandwidth memx times memory-bound work at: a copy and a STREAM triad over 1 GiB
+   arrays, GB/s, against the datasheet figure of an H100 or H200 at NVIDIA's sustained share
+   (``peaks.SUSTAINED_HBM_SHARE``, from public BabelStream runs).
+6. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
    calibration in the job, the plan, 10 training steps; predicted against measured peak memory
    (the device memory the process held, runtime/monitor.py), step time and the stage's compute
    per micro-batch (CUDA events, runtime/stage_clock.py), from the script's per-step lines.
@@ -114,6 +117,43 @@ def matmul_rates(device: str = "cuda", n: int = 8192, repeats: int = 10) -> dict
             out[name] = round(2.0 * n ** 3 * repeats / (time.perf_counter() - started) / 1e12, 3)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+    return out
+
+
+# Datasheet memory bandwidth (GB/s) of the GPUs this check is lent, by a word of their name.
+DATASHEET_HBM_GBPS = {"H200": 4800, "H100": 3350, "A100-SXM4-80GB": 2039, "A100-SXM4-40GB": 1555}
+
+
+def stream_bandwidth(device: str = "cuda", mib: int = 1024, repeats: int = 10) -> dict:
+    """GB/s of a copy (read one array, write one) and a STREAM triad (a = b + s c: read two, write
+    one) over fp32 arrays of ``mib`` MiB each, the best of ``repeats``; on a GPU of
+    :data:`DATASHEET_HBM_GBPS` also their share of its datasheet figure, against the share memx
+    takes (``SUSTAINED_HBM_SHARE``)."""
+    import torch
+
+    from memx_launch.planning.peaks import SUSTAINED_HBM_SHARE
+
+    n = mib * 2**20 // 4
+    a, b, c = (torch.rand(n, device=device) for _ in range(3))
+
+    def best(kernel, arrays: int) -> float:
+        seconds = []
+        for _ in range(repeats + 1):  # the first also warms up
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            kernel()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - started)
+        return round(arrays * n * 4 / min(seconds[1:]) / 1e9, 1)
+
+    out = {"copy_gbps": best(lambda: a.copy_(b), 2), "triad_gbps": best(lambda: torch.add(b, c, alpha=3.0, out=a), 3)}
+    name = torch.cuda.get_device_properties(0).name if device == "cuda" else ""
+    datasheet = next((gbps for word, gbps in DATASHEET_HBM_GBPS.items() if word in name), None)
+    if datasheet:
+        out.update(datasheet_gbps=datasheet, triad_share=round(out["triad_gbps"] / datasheet, 3),
+                   memx_share=SUSTAINED_HBM_SHARE["nvidia"])
     return out
 
 
@@ -296,6 +336,8 @@ def main() -> int:
     print(f"matmul TFLOPS: {result['matmul_tflops']}", flush=True)
     result["sustained_matmul"] = sustained_matmul()
     print(f"sustained matmul: {result['sustained_matmul']}", flush=True)
+    result["memory_bandwidth"] = stream_bandwidth()
+    print(f"memory bandwidth: {result['memory_bandwidth']}", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         result["memx_run"] = memx_run_check(workdir)
     print(f"memx-run: exit {result['memx_run']['exit_code']}, {len(result['memx_run']['steps'])} steps", flush=True)

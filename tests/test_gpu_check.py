@@ -39,3 +39,10 @@ def test_matmul_rates_time_the_three_precisions():
     rates = matmul_rates(device="cpu", n=128, repeats=2)
     assert set(rates) == {"bf16", "fp32", "tf32"} and all(r > 0 for r in rates.values())
     assert torch.backends.cuda.matmul.allow_tf32 == before  # the process's setting is restored
+
+
+def test_stream_bandwidth_times_a_copy_and_a_triad():
+    from benchmarks.gpu_check import stream_bandwidth
+
+    rates = stream_bandwidth(device="cpu", mib=8, repeats=2)
+    assert set(rates) == {"copy_gbps", "triad_gbps"} and all(r > 0 for r in rates.values())
