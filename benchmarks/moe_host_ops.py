@@ -3,7 +3,11 @@ megatron-core, its top-k softmax router with the auxiliary loss, the all-to-all 
 and one SwiGLU MLP per local expert) run forward and backward on this CPU, every ATen op it
 dispatches counted (a TorchDispatchMode), for 2 to 32 local experts. The counts are linear in the
 local experts: a per-layer part (router, dispatch and combine, permutes) and a per-expert part
-(each expert's linears and activation, forward, data and weight gradients). Also measured: the
+(each expert's linears and activation, forward, data and weight gradients). Also counted: the
+forward's ops before the dispatcher makes the host wait for the device (its
+``_maybe_dtoh_and_synchronize`` at its ``cuda_sync_point``: the token counts the exchange and the
+experts' splits need on the host; at EP 1 without permute fusion, before the second permutation),
+which ``host_time`` takes as what a MoE layer's forward issues before it waits. Also measured: the
 elements autograd keeps for the backward per routed copy of a token inside the experts (saved-
 tensor hooks while they run), which memx's activation memory of the experts follows
 (``experts.ROUTED_ACTIVATION_KEPT``, unfused).
@@ -18,12 +22,15 @@ on this CPU-only torch both are stood in (a stream that does nothing, the CPU as
 megatron-core 0.16.1 names ``te_general_gemm`` without Transformer Engine installed, so it is set
 to None as its own import fallback intends. Writes benchmarks/results/moe_host_ops.json.
 Run: .venv/bin/python benchmarks/moe_host_ops.py   (seconds, after megatron-core's import)
+     .venv/bin/python benchmarks/moe_host_ops.py --counts-only   (the op counts, which do not
+     depend on the machine, into the file's rows; its timing and machine stay the run's that timed)
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -35,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode  # noqa: E402
 
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
@@ -106,10 +113,26 @@ def forward_backward_ops(forward_step) -> tuple[int, int]:
     return sum(forward.ops.values()), sum(backward.ops.values())
 
 
-def count_ops(layer) -> tuple[int, int]:
-    """ATen ops one forward and one backward of ``layer`` dispatch."""
-    x = torch.randn(16, 2, 64, requires_grad=True)
-    return forward_backward_ops(lambda: layer(x)[0])
+def count_ops(layer) -> tuple[int, int, int]:
+    """ATen ops one forward and one backward of ``layer`` dispatch, and the forward's before the
+    host waits for the device (the token dispatcher's synchronisation; the last forward's)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    synchronise = MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
+    before_wait = []
+
+    def counted(dispatcher, point, *args, **kwargs):
+        if point == dispatcher.cuda_sync_point:  # the forward's op counter is the current mode here
+            before_wait.append(sum(_get_current_dispatch_mode().ops.values()))
+        return synchronise(dispatcher, point, *args, **kwargs)
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = counted
+    try:
+        x = torch.randn(16, 2, 64, requires_grad=True)
+        forward, backward = forward_backward_ops(lambda: layer(x)[0])
+    finally:
+        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = synchronise
+    return forward, backward, before_wait[-1]
 
 
 def expert_saved_bytes(layer, tokens: int) -> int:
@@ -176,7 +199,25 @@ def start_megatron_on_cpu(port: int) -> str:
     return __version__
 
 
+def refresh_counts(counts: list[tuple[int, int, int]]) -> None:
+    """The op counts of each number of local experts (and their lines) into the results file,
+    its timed fields left as they are."""
+    with open(OUT) as f:
+        result = json.load(f)
+    for row, (forward, backward, before_wait) in zip(result["rows"], counts):
+        row.update(forward_ops=forward, backward_ops=backward, forward_ops_before_wait=before_wait)
+    xs = [r["local_experts"] for r in result["rows"]]
+    for key, field in (("forward", "forward_ops"), ("backward", "backward_ops"),
+                       ("forward_before_wait", "forward_ops_before_wait")):
+        result[key] = linear_fit(xs, [r[field] for r in result["rows"]])
+    result["counts_from"] = machine_info()["date"]
+    write_json_atomic(OUT, result, overwrite=True)
+    print(f"forward {result['forward']} ({result['forward_before_wait']} before the wait), "
+          f"backward {result['backward']} -> {OUT}")
+
+
 def main() -> None:
+    counts_only = "--counts-only" in sys.argv[1:]
     megatron_version = start_megatron_on_cpu(29561)
     started = time.perf_counter()
     layers, counts = [], []
@@ -184,11 +225,16 @@ def main() -> None:
         torch.manual_seed(0)
         layers.append(moe_layer(local))
         counts.append(count_ops(layers[-1]))
+    if counts_only:
+        dist.destroy_process_group()
+        return refresh_counts(counts)
     rows = []
-    for local, layer, (forward, backward), seconds in zip(LOCAL_EXPERTS, layers, counts, host_seconds(layers)):
+    for local, layer, (forward, backward, before_wait), seconds in zip(LOCAL_EXPERTS, layers, counts,
+                                                                       host_seconds(layers)):
         # fp32 elements kept per routed copy (top-2): the slope over the tokens, which cancels what does not grow with them.
         per_copy = (expert_saved_bytes(layer, 512) - expert_saved_bytes(layer, 256)) / 256 / 4 / 2
-        rows.append({"local_experts": local, "forward_ops": forward, "backward_ops": backward,
+        rows.append({"local_experts": local, "forward_ops": forward, "forward_ops_before_wait": before_wait,
+                     "backward_ops": backward,
                      "kept_elements_per_routed_copy": per_copy,
                      "host_ms_this_cpu": round(seconds * 1e3, 3),
                      "host_us_per_op_this_cpu": round(seconds * 1e6 / (forward + backward), 1)})
@@ -205,6 +251,7 @@ def main() -> None:
         "expert_width": 32, "hidden_size": 64,
         "forward": linear_fit(xs, [r["forward_ops"] for r in rows]),
         "backward": linear_fit(xs, [r["backward_ops"] for r in rows]),
+        "forward_before_wait": linear_fit(xs, [r["forward_ops_before_wait"] for r in rows]),
         "rows": rows,
         # What the cost model prices each of a MoE layer's ops at (host_time.EAGER_OP_HOST_S).
         "host_us_per_op": round(statistics.median(r["host_us_per_op_this_cpu"] for r in rows), 1),

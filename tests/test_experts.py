@@ -144,7 +144,7 @@ def test_experts_run_their_tokens_routed_and_exchange_them_by_all_to_all():
 
 def test_overlapped_all_to_alls_cost_only_what_the_compute_does_not_hide():
     plain, hidden = (cm.AnalyticalCostModel(QWEN3, TWO_NODES, _training(expert_parallel=16, overlap_expert_comm=o))
-                     .layer_costs(0, 1, 1, 4096, cm.NONE).time_s for o in (False, True))
+                     .layer_costs(0, 1, 1, 4096, cm.NONE, host=False).time_s for o in (False, True))
     sixteen = _training(expert_parallel=16)
     exchange = float(experts.exchange_seconds(QWEN3, sixteen, 4096, 1,
                                               experts.exchange_seconds_per_byte(QWEN3, sixteen, TWO_NODES, "gpu")))
@@ -354,6 +354,40 @@ def test_a_mixture_layer_takes_the_host_time_of_its_router_dispatch_and_each_loc
     assert big > block + float(experts.host_ops(QWEN3, _training(expert_parallel=8))) * per_op
 
 
+def test_a_mixture_layer_forward_waits_at_the_dispatcher_for_its_token_counts():
+    """The host issues what follows the dispatcher's wait only once the device has run what precedes
+    it: the two add up in the forward, where a layer without the wait takes the slower of the two."""
+    training, block, per_op = _training(expert_parallel=8), host_time.FUSED_BLOCK_HOST_S, host_time.EAGER_OP_HOST_S
+    (per_layer, per_expert), (before, before_per_expert) = experts.MOE_HOST_OPS["forward"], \
+        experts.MOE_FORWARD_OPS_BEFORE_WAIT
+    local = QWEN3.num_experts / 8
+    after_wait = (per_layer - before + (per_expert - before_per_expert) * local) * per_op
+    host = float(host_time.layer_host_seconds(QWEN3, training, block, cm.NONE))
+
+    def issued(device, moe_forward=0.0, model=QWEN3, block_s=block):
+        return float(host_time.issued_layer_seconds(model, training, block_s, cm.NONE, device, moe_forward))
+
+    # A device three times the host's time, its forward all before the wait: the forward's device
+    # part and the host's issue after the wait add up, the backward stays the device's.
+    assert issued(3 * host) == pytest.approx(3 * host + after_wait)
+    # Its forward all experts and exchanges after the wait: the host's issue of them overlaps them.
+    assert issued(3 * host, moe_forward=host) == pytest.approx(3 * host)
+    # Never faster than the host or the device; a dense layer takes the slower; a CPU stand-in (no
+    # host time) its device's.
+    for device in (0.1 * host, host, 3 * host):
+        assert issued(device) >= max(host, device) - 1e-15
+    dense = get_model("llama2-7b")
+    dense_host = float(host_time.layer_host_seconds(dense, training, block, cm.NONE))
+    assert issued(0.5 * dense_host, model=dense) == pytest.approx(dense_host)
+    assert issued(3 * host, block_s=0.0) == pytest.approx(3 * host)
+    # In the cost model: a layer of 4,096 tokens, host bound over the step, takes longer than either.
+    one = np.ones(1)
+    model = cm.AnalyticalCostModel(QWEN3, NODE, training)
+    query = (np.zeros(1, int), one, one, np.full(1, 4096), np.full(1, cm.NONE))
+    layer, device = (float(model.layer_costs(*query, host=h).time_s[0]) for h in (True, False))
+    assert layer > max(device, float(model.layer_host_seconds(query[0], query[4])[0]))
+
+
 def test_estimate_names_the_stages_whose_layers_the_host_sets(tmp_path, capsys):
     from estimates import cluster_file
 
@@ -371,7 +405,8 @@ def test_estimate_names_the_stages_whose_layers_the_host_sets(tmp_path, capsys):
             one = cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=8))
             assert [(b.stage, b.device_type, b.layers) for b in found] == [(0, "gpu", 48)]
             assert found[0].host_s == pytest.approx(float(one.layer_host_seconds(0, cm.NONE)))
-            assert found[0].device_s < float(one.layer_costs(0, 1, 1, 4096, cm.NONE).time_s) == found[0].host_s
+            # The layer takes the host's time, and more: its forward waits for the device at the dispatcher.
+            assert found[0].device_s < found[0].host_s <= float(one.layer_costs(0, 1, 1, 4096, cm.NONE).time_s)
     dense = get_model("llama2-7b")
     plan = evaluate_layout(dense, NODE, _training(), references=(1, 1, 1), tp=1, pp=1, dp=8, micro_batch_size=1)
     assert host_bound_stages(plan, NODE) == []
@@ -401,6 +436,9 @@ def test_the_mixture_host_ops_are_the_ones_counted_in_megatron_core():
         assert (fit["per_layer"], fit["per_local_expert"], fit["largest_miss"]) == (per_layer, per_expert, 0)
     assert all(row[f"{d}_ops"] == experts.MOE_HOST_OPS[d][0] + experts.MOE_HOST_OPS[d][1] * row["local_experts"]
                for row in counted["rows"] for d in ("forward", "backward"))
+    # Of the forward's, those before the host waits for the token counts (the dispatcher's synchronisation).
+    fit = counted["forward_before_wait"]
+    assert (fit["per_layer"], fit["per_local_expert"], fit["largest_miss"]) == (*experts.MOE_FORWARD_OPS_BEFORE_WAIT, 0)
     # The host time per op is the file's measurement, within its run-to-run spread on that host.
     assert host_time.EAGER_OP_HOST_S * 1e6 == pytest.approx(counted["host_us_per_op"], rel=0.1)
 

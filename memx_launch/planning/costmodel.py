@@ -268,7 +268,7 @@ class AnalyticalCostModel:
         shapes = linear_shapes(self.model, tr, tp)
         gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
         linear_forward_s, linear_backward_s = linear_seconds(tokens, shapes, *gemm)
-        expert_forward_s = 0.0
+        expert_forward_s = exchange_s = 0.0
         if self.model.num_experts:  # the routed experts' grouped GEMMs
             expert_forward_s, expert_backward_s = experts.expert_seconds(self.model, tr, tokens, tp, *gemm)
             linear_forward_s, linear_backward_s = linear_forward_s + expert_forward_s, linear_backward_s + expert_backward_s
@@ -332,7 +332,10 @@ class AnalyticalCostModel:
             comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
         comm_s = comm_s + expert_tp_s  # the experts' own gathers: no userbuffers, nothing overlaps them
         device_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
-        time_s = np.maximum(device_s, self.layer_host_seconds(device, recompute)) if host else device_s
+        # A MoE layer's experts and exchanges forward: what its host issues after waiting for the device.
+        moe_forward_s = expert_forward_s * self._slowdown[device] + exchange_s / 2.0
+        time_s = host_time.issued_layer_seconds(self.model, tr, self._launch_s[device], recompute, device_s,
+                                                moe_forward_s) if host else device_s
         return LayerCost(time_s=time_s, activation_bytes=act.activation_bytes, working_bytes=act.working_bytes)
 
     def layer_host_seconds(self, device, recompute) -> np.ndarray:

@@ -35,6 +35,10 @@ ALL_TO_ALLS = 4
 # forward and backward (counted in benchmarks/results/moe_host_ops.json), each an eager op's
 # host time (host_time.EAGER_OP_HOST_S).
 MOE_HOST_OPS = {"forward": (64, 12), "backward": (45, 20)}
+# Of those forward ops, the ones issued before the host waits for the device: Megatron-Core's token
+# dispatchers copy the token counts to the host and synchronise there, before the exchange (the same
+# file, ``forward_before_wait``: the router and the first permutation, none per local expert).
+MOE_FORWARD_OPS_BEFORE_WAIT = (46, 0)
 # What a routed copy's activation keeps, in 2 bytes per element of the expert's width, by (fused,
 # gated): fused (Megatron's weighted_bias_swiglu, AutoModel's WeightedSwiGLUFunction) only its
 # input, the gate-and-up output (2 x the width; ungated 1); unfused (megatron-core 0.16.1's

@@ -1,6 +1,8 @@
 """The host's time to issue a layer's forward and backward on an accelerator. The device runs
-behind the host, so no layer takes less (the cost model's layer time is the larger of the two),
-and ``memx estimate`` says which stages' layers the host, not the device, sets. No torch import.
+behind the host, so no layer takes less (the cost model's layer time is the larger of the two; a
+mixture's MoE layer, whose forward makes the host wait for the device, more:
+:func:`issued_layer_seconds`), and ``memx estimate`` says which stages' layers the host, not the
+device, sets. No torch import.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ def moe_forward_again(model: ModelSpec, training: TrainingSpec, recompute) -> np
     return (recompute == FULL) | ((recompute == SELECTIVE) & whole_moe)
 
 
+def block_forward_share(model: ModelSpec, training: TrainingSpec) -> float:
+    """Share of a block's host time its forward takes: an eager block's forward ops of all it
+    issues, half of a fused block's."""
+    if not training.eager_block:
+        return 0.5
+    forward, backward = eager_block_ops(model, training)
+    return forward / (forward + backward)
+
+
 def layer_host_seconds(model: ModelSpec, training: TrainingSpec, block_s, recompute) -> np.ndarray:
     """Seconds the host takes to issue one layer at each ``recompute`` level, its block taking
     ``block_s`` (its forward's share again where the forward runs again: full or op-level
@@ -81,13 +92,37 @@ def layer_host_seconds(model: ModelSpec, training: TrainingSpec, block_s, recomp
     :func:`default_block_host_seconds`."""
     recompute = np.asarray(recompute)
     op_level = (recompute == SELECTIVE) & (training.selective_recompute == "op")
-    forward_share = 0.5
-    if training.eager_block:
-        forward, backward = eager_block_ops(model, training)
-        forward_share = forward / (forward + backward)
+    forward_share = block_forward_share(model, training)
     seconds = block_s * np.where((recompute == FULL) | op_level, 1.0 + forward_share, 1.0)
     if model.num_experts:
         again = moe_forward_again(model, training, recompute)
         host_scale = block_s / default_block_host_seconds(model, training)
         seconds = seconds + experts.host_ops(model, training, again) * EAGER_OP_HOST_S * host_scale
     return seconds
+
+
+def issued_layer_seconds(model: ModelSpec, training: TrainingSpec, block_s, recompute, device_s,
+                         moe_forward_device_s=0.0) -> np.ndarray:
+    """A layer's seconds on an accelerator: no less than the host takes to issue it
+    (:func:`layer_host_seconds`) nor the device to run it (``device_s``). A mixture's MoE layer
+    makes its host wait in the forward until the device reaches the token dispatcher
+    (:data:`experts.MOE_FORWARD_OPS_BEFORE_WAIT`), so no lead of the host crosses the wait: the
+    forward takes the slower of the two, and no less than the device's run of what precedes the
+    wait followed by the host's issue of what follows it (the exchange, the experts, the combine),
+    which the device cannot start before; the backward, which does not wait, the slower of the two.
+    The device's forward is a third of its time (one forward GEMM to two backward), of which the
+    experts' forward and exchanges (``moe_forward_device_s``) follow the wait."""
+    host_s = layer_host_seconds(model, training, block_s, recompute)
+    if not model.num_experts:
+        return np.maximum(device_s, host_s)
+    scale = block_s / default_block_host_seconds(model, training)
+    local = model.num_experts / training.expert_parallel
+    op_s = EAGER_OP_HOST_S * scale
+    (per_layer, per_expert), (before, before_per_expert) = experts.MOE_HOST_OPS["forward"], \
+        experts.MOE_FORWARD_OPS_BEFORE_WAIT
+    after_wait = (per_layer - before + (per_expert - before_per_expert) * local) * op_s
+    host_forward = block_forward_share(model, training) * block_s + (per_layer + per_expert * local) * op_s
+    device_forward = device_s / 3.0
+    device_before = device_forward - np.minimum(moe_forward_device_s, device_forward)
+    forward = np.maximum(np.maximum(host_forward, device_forward), device_before + after_wait)
+    return forward + np.maximum(host_s - host_forward, device_s - device_forward)
