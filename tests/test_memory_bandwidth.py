@@ -34,3 +34,22 @@ def test_no_device_moves_more_than_its_datasheet_and_a_measured_rate_comes_back(
     measured = DeviceType("d", vendor, memory_gib=80, peak_tflops=900,
                           memory_bandwidth_gbps=datasheet_hbm_gbps(3000.0, vendor))
     assert hbm_gbps(measured) == pytest.approx(3000.0)
+
+
+def test_estimate_says_what_rates_it_timed_each_device_type_at(tmp_path, capsys):
+    from estimates import cluster_file
+
+    from memx_launch.cli import main
+
+    h100 = {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989, "memory_bandwidth_gbps": 3350,
+            "compute_capability": 9.0}
+    cluster = cluster_file(tmp_path, {"version": 1, "name": "h100x8", "device_types": {"h100": h100},
+                                      "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
+    args = ["estimate", "--model", "llama2-7b", "--cluster", cluster, "--tp", "8", "--pp", "1", "--dp", "1",
+            "--micro-batch-size", "1", "--global-batch-size", "8"]
+    assert main(args) == 0
+    rates = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rates")]
+    # Hopper's default 0.58 of the 16-bit peak; NVIDIA's 0.86 of the datasheet bandwidth.
+    assert rates == ["rates (analytical): h100 matmuls 574 of 989 TFLOPS, memory 2,881 of 3,350 GB/s"]
+    assert main([*args, "--fp8", "current"]) == 0
+    assert "(1,147 in its FP8 linears)" in capsys.readouterr().out

@@ -209,7 +209,8 @@ def run_estimate(args) -> int:
                                memory_headroom=args.memory_headroom)
     # The host's share is the analytical model's: a profile DB's learned ratios hold their own.
     host_bound = [] if args.profile_db else host_bound_stages(plan, cluster)
-    print(report.estimate_report(plan, cluster, args.memory_headroom, split_note, host_bound))
+    rates = [] if args.profile_db else report.rate_lines(cluster, training)
+    print(report.estimate_report(plan, cluster, args.memory_headroom, split_note, host_bound, rates))
     if args.json:
         plan.save(args.json, overwrite=args.force, flag="--json")
         print(f"estimate written to {args.json}", file=sys.stderr)

@@ -25,13 +25,17 @@ SUSTAINED_HBM_SHARE = {"nvidia": 0.86, "amd": 0.76}
 _DEFAULT_FLOPS_PER_BYTE = 150.0
 
 
+def datasheet_hbm(device: DeviceType) -> float:
+    """The device's datasheet memory bandwidth in GB/s, or what its peak FLOPs suggest when the
+    file gives none."""
+    return device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
+
+
 def hbm_gbps(device: DeviceType, stand_in: bool = False) -> float:
-    """GB/s the device's kernels move to and from its memory: its datasheet ``memory_bandwidth_gbps``
-    (or what its peak FLOPs suggest when the file gives none) at its vendor's
-    :data:`SUSTAINED_HBM_SHARE`; a CPU's, a vendor's without a measured share and a ``stand_in``'s
-    (a CPU process of an emulated cluster) as given."""
-    given = device.memory_bandwidth_gbps or device.peak_tflops * 1e3 / _DEFAULT_FLOPS_PER_BYTE
-    return given if stand_in else given * SUSTAINED_HBM_SHARE.get(device.vendor, 1.0)
+    """GB/s the device's kernels move to and from its memory: its :func:`datasheet_hbm` at its
+    vendor's :data:`SUSTAINED_HBM_SHARE`; a CPU's, a vendor's without a measured share and a
+    ``stand_in``'s (a CPU process of an emulated cluster) as given."""
+    return datasheet_hbm(device) * (1.0 if stand_in else SUSTAINED_HBM_SHARE.get(device.vendor, 1.0))
 
 
 def datasheet_hbm_gbps(sustained_gbps: float, vendor: str) -> float:

@@ -8,9 +8,11 @@ from __future__ import annotations
 from memx_launch.files import atomic_output, check_output_path
 from memx_launch.planning.estimate import stage_short_gib
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types, tp_text
+from memx_launch.planning.peaks import datasheet_hbm, hbm_gbps, linear_tflops, matmul_peak_tflops, training_tflops
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.scoring import MEMORY_PARTS
 from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
 
 EMULATION_NOTE = ("EMULATED cluster: devices are CPU processes with a memory guard and a compute "
                   "slowdown, not real GPUs; predictions describe the emulated devices")
@@ -60,6 +62,22 @@ def header(cluster: ClusterSpec, model: str) -> list[str]:
                        else f"compute at {t.clock_share:.2f} of the rated clock")
             lines.append(f"{t.name}: power limit {t.power_limit_w:g} of {t.rated_power_w:g} W, {counted}")
     return lines
+
+
+def rate_lines(cluster: ClusterSpec, training: TrainingSpec) -> list[str]:
+    """The rates the analytical model times each device type at: its matmuls' sustained rate of
+    the peak for ``training``'s precision (and its FP8 or FP4 linears'), and what memory-bound work
+    moves of its datasheet bandwidth. None on an emulated cluster, whose stand-ins are timed by
+    what calibration measured of them."""
+    if cluster.is_emulated:
+        return []
+    parts = []
+    for t in cluster.device_types:
+        quantized = (f" ({linear_tflops(t, training):,.0f} in its {'FP8' if training.fp8 else 'FP4'} linears)"
+                     if training.quantized_linears else "")
+        parts.append(f"{t.name} matmuls {training_tflops(t, training):,.0f} of {matmul_peak_tflops(t, training):,.0f} "
+                     f"TFLOPS{quantized}, memory {hbm_gbps(t):,.0f} of {datasheet_hbm(t):,.0f} GB/s")
+    return ["rates (analytical): " + "; ".join(parts)]
 
 
 def format_gib(gib: float) -> str:
@@ -210,11 +228,12 @@ def compare_table(baselines: dict[str, Plan | None]) -> str:
 
 
 def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0.0, split_note: str = "",
-                    host_bound=()) -> str:
+                    host_bound=(), rates=()) -> str:
     """``memx estimate``: will it fit (under each capacity less ``memory_headroom``), how long
     does it take (and which stages' layers the host sets, ``host_bound``:
-    :func:`~memx_launch.planning.estimate.host_bound_stages`), what is its Phi."""
-    lines = header(cluster, plan.model)
+    :func:`~memx_launch.planning.estimate.host_bound_stages`; at which ``rates``:
+    :func:`rate_lines`), what is its Phi."""
+    lines = header(cluster, plan.model) + list(rates)
     short = [(i, gib) for i, gib in enumerate(stage_short_gib(plan, memory_headroom)) if gib > 0]
     limit = "its capacity" + (f" less {memory_headroom:.0%} headroom" if memory_headroom else "")
     verdict = (f"fits: every stage is under {limit}" if not short else
