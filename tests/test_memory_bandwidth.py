@@ -36,7 +36,7 @@ def test_no_device_moves_more_than_its_datasheet_and_a_measured_rate_comes_back(
     assert hbm_gbps(measured) == pytest.approx(3000.0)
 
 
-def test_estimate_says_what_rates_it_timed_each_device_type_at(tmp_path, capsys):
+def test_estimate_and_plan_say_what_rates_they_timed_each_device_type_at(tmp_path, capsys):
     from estimates import cluster_file
 
     from memx_launch.cli import main
@@ -53,3 +53,6 @@ def test_estimate_says_what_rates_it_timed_each_device_type_at(tmp_path, capsys)
     assert rates == ["rates (analytical): h100 matmuls 574 of 989 TFLOPS, memory 2,881 of 3,350 GB/s"]
     assert main([*args, "--fp8", "current"]) == 0
     assert "(1,147 in its FP8 linears)" in capsys.readouterr().out
+    # memx plan prints the same line for the types it planned on.
+    assert main(["plan", "--model", "llama2-7b", "--cluster", cluster, "--global-batch-size", "8"]) == 0
+    assert rates[0] in capsys.readouterr().out.splitlines()

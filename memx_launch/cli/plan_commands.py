@@ -100,7 +100,7 @@ def run_plan(args) -> int:
                         else experts.search_tensor_degrees(model, cluster))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
-    print(report.plan_report(result, cluster))
+    print(report.plan_report(result, cluster, [] if args.profile_db else report.rate_lines(cluster, training)))
     if not args.profile_db:  # the winner's host-bound stages: the analytical model's word, as memx estimate's
         for line in report.host_bound_lines(result.best, host_bound_stages(result.best, cluster)):
             print(line)

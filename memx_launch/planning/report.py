@@ -165,10 +165,11 @@ def trade_line(best: Plan, fastest: Plan, max_slowdown: float | None) -> str:
             f"{fastest.predicted_iteration_time_s:.2f} s): {trade_text(best, fastest)} ({bound})")
 
 
-def plan_report(result, cluster: ClusterSpec) -> str:
-    """``memx plan`` output: the ranked plans, the winner's stages, why it won."""
+def plan_report(result, cluster: ClusterSpec, rates=()) -> str:
+    """``memx plan`` output: the ranked plans, the winner's stages, why it won (at which ``rates``:
+    :func:`rate_lines`)."""
     best = result.plans[0]
-    lines = header(cluster, best.model)
+    lines = header(cluster, best.model) + list(rates)
     lines += ["", f"top {len(result.plans)} plans (lower phi is better):", plans_table(result.plans), "",
               f"winner: {layout_summary(best)}, predicted iteration {best.predicted_iteration_time_s:.2f} s, "
               f"{best.num_microbatches} micro-batches",
