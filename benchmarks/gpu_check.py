@@ -46,6 +46,15 @@ RUN_TIMEOUT_S = 240
 CALIBRATION_POINTS = [(1, 4096, "none"), (2, 4096, "none"), (1, 4096, "full"), (1, 2048, "selective")]
 
 
+# Datasheet memory bandwidth (GB/s) of the GPUs this check is lent, by a word of their name.
+DATASHEET_HBM_GBPS = {"H200": 4800, "H100": 3350, "A100-SXM4-80GB": 2039, "A100-SXM4-40GB": 1555}
+
+
+def datasheet_gbps(name: str) -> int | None:
+    """The datasheet memory bandwidth of a GPU named ``name`` (:data:`DATASHEET_HBM_GBPS`), or None."""
+    return next((gbps for word, gbps in DATASHEET_HBM_GBPS.items() if word in name), None)
+
+
 def _error(message: str) -> int:
     print(f"gpu_check: error: {message}", file=sys.stderr)
     return 1
@@ -65,10 +74,12 @@ def calibration_check() -> list[dict]:
     model = get_model("llama2-7b")
     props = torch.cuda.get_device_properties(0)
     # The analytical model's view of this GPU: its capacity and compute capability, the peak the
-    # file would declare for an H200/H100 (989 dense bf16 TFLOPS, 4.8 TB/s), the default efficiency.
+    # file would declare for an H200/H100 (989 dense bf16 TFLOPS), its datasheet memory bandwidth
+    # (H200's 4.8 TB/s for a GPU not in the table), the default efficiency.
     cluster = ClusterSpec.from_dict({"version": 1, "name": "this-gpu", "device_types": {"gpu": {
         "vendor": "nvidia", "memory_gib": round(props.total_memory / 2**30, 1), "peak_tflops": 989,
-        "memory_bandwidth_gbps": 4800, "compute_capability": compute_capability(props)}},
+        "memory_bandwidth_gbps": datasheet_gbps(props.name) or DATASHEET_HBM_GBPS["H200"],
+        "compute_capability": compute_capability(props)}},
         "nodes": [{"devices": {"gpu": 1}, "intra_node_gbps": 450}]})
     device_type = cluster.device_type("gpu")
     samples = [Sample(tp=1, micro_batch_size=m, seq_len=s, recompute=r, num_kv_heads=model.num_kv_heads)
@@ -120,10 +131,6 @@ def matmul_rates(device: str = "cuda", n: int = 8192, repeats: int = 10) -> dict
     return out
 
 
-# Datasheet memory bandwidth (GB/s) of the GPUs this check is lent, by a word of their name.
-DATASHEET_HBM_GBPS = {"H200": 4800, "H100": 3350, "A100-SXM4-80GB": 2039, "A100-SXM4-40GB": 1555}
-
-
 def stream_bandwidth(device: str = "cuda", mib: int = 1024, repeats: int = 10) -> dict:
     """GB/s of a copy (read one array, write one) and a STREAM triad (a = b + s c: read two, write
     one) over fp32 arrays of ``mib`` MiB each, the best of ``repeats``; on a GPU of
@@ -149,8 +156,7 @@ def stream_bandwidth(device: str = "cuda", mib: int = 1024, repeats: int = 10) -
         return round(arrays * n * 4 / min(seconds[1:]) / 1e9, 1)
 
     out = {"copy_gbps": best(lambda: a.copy_(b), 2), "triad_gbps": best(lambda: torch.add(b, c, alpha=3.0, out=a), 3)}
-    name = torch.cuda.get_device_properties(0).name if device == "cuda" else ""
-    datasheet = next((gbps for word, gbps in DATASHEET_HBM_GBPS.items() if word in name), None)
+    datasheet = datasheet_gbps(torch.cuda.get_device_properties(0).name) if device == "cuda" else None
     if datasheet:
         out.update(datasheet_gbps=datasheet, triad_share=round(out["triad_gbps"] / datasheet, 3),
                    memx_share=SUSTAINED_HBM_SHARE["nvidia"])

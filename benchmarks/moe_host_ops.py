@@ -199,6 +199,13 @@ def start_megatron_on_cpu(port: int) -> str:
     return __version__
 
 
+def count_lines(rows: list[dict]) -> dict:
+    """The op counts' lines in the local experts: forward, backward and the forward's before the wait."""
+    xs = [r["local_experts"] for r in rows]
+    return {key: linear_fit(xs, [r[field] for r in rows]) for key, field in (
+        ("forward", "forward_ops"), ("backward", "backward_ops"), ("forward_before_wait", "forward_ops_before_wait"))}
+
+
 def refresh_counts(counts: list[tuple[int, int, int]]) -> None:
     """The op counts of each number of local experts (and their lines) into the results file,
     its timed fields left as they are."""
@@ -206,10 +213,7 @@ def refresh_counts(counts: list[tuple[int, int, int]]) -> None:
         result = json.load(f)
     for row, (forward, backward, before_wait) in zip(result["rows"], counts):
         row.update(forward_ops=forward, backward_ops=backward, forward_ops_before_wait=before_wait)
-    xs = [r["local_experts"] for r in result["rows"]]
-    for key, field in (("forward", "forward_ops"), ("backward", "backward_ops"),
-                       ("forward_before_wait", "forward_ops_before_wait")):
-        result[key] = linear_fit(xs, [r[field] for r in result["rows"]])
+    result.update(count_lines(result["rows"]))
     result["counts_from"] = machine_info()["date"]
     write_json_atomic(OUT, result, overwrite=True)
     print(f"forward {result['forward']} ({result['forward_before_wait']} before the wait), "
@@ -241,7 +245,6 @@ def main() -> None:
         print(f"{local:3d} local experts: {forward} forward + {backward} backward ops, "
               f"{seconds * 1e3:.2f} ms on this CPU", flush=True)
     dist.destroy_process_group()
-    xs = [r["local_experts"] for r in rows]
     result = {
         "machine": machine_info(),
         "megatron_core": megatron_version,
@@ -249,9 +252,7 @@ def main() -> None:
         "layer": "MoELayer: TopKRouter (softmax, top-2, aux loss), MoEAlltoAllTokenDispatcher, SequentialMLP "
                  "of SwiGLU experts (hidden 64, width 32, unfused activation), EP 1, fp32 on CPU",
         "expert_width": 32, "hidden_size": 64,
-        "forward": linear_fit(xs, [r["forward_ops"] for r in rows]),
-        "backward": linear_fit(xs, [r["backward_ops"] for r in rows]),
-        "forward_before_wait": linear_fit(xs, [r["forward_ops_before_wait"] for r in rows]),
+        **count_lines(rows),
         "rows": rows,
         # What the cost model prices each of a MoE layer's ops at (host_time.EAGER_OP_HOST_S).
         "host_us_per_op": round(statistics.median(r["host_us_per_op_this_cpu"] for r in rows), 1),

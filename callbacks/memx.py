@@ -39,7 +39,7 @@ from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
 from memx_launch.runtime.detection import detect_cluster
 from memx_launch.runtime.messages import broadcast_json
 from memx_launch.runtime.devices import detect_rank_device
-from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, memory_reader
+from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, free_shares, memory_reader
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.hf_config import model_from_hf_dict
@@ -253,7 +253,7 @@ class MemxCallback(pl.Callback):
         gib = 2**30
         metrics = {"memx/stage0/peak_gib": float(table[:, 0].max()) / gib,
                    "memx/stage0/predicted_gib": self.decision.predicted_peak_gib,
-                   "memx/stage0/free_fraction": float((1 - table[:, 0] / table[:, 1]).min()),
+                   "memx/stage0/free_fraction": float(free_shares(table).min()),
                    "memx/recompute_blocks": float(self.decision.recompute_blocks)}
         if self._comm is not None:  # what this rank sent and received across domains so far
             metrics["memx/bridge_mib"] = self._comm.traffic.bytes / 2**20

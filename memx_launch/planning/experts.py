@@ -150,13 +150,22 @@ def exchange_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, secon
     return ALL_TO_ALLS * (ALL_TO_ALL_LATENCY_S + nbytes * np.asarray(seconds_per_byte))
 
 
-def host_ops(model: ModelSpec, training: TrainingSpec, forward_again=False) -> np.ndarray:
-    """The ops a rank's MoE layer issues from the host, forward and backward, its forward again
-    where ``forward_again`` (recomputed): each of its ``num_experts / EP`` local experts runs its
-    own linears, so the host's work grows with them where the device's does not."""
+def forward_host_ops(model: ModelSpec, training: TrainingSpec) -> tuple[float, float]:
+    """The ops a rank's MoE layer issues from the host in its forward, before the host waits for
+    the device (:data:`MOE_FORWARD_OPS_BEFORE_WAIT`) and after: each of its ``num_experts / EP``
+    local experts runs its own linears, so the host's work grows with them where the device's
+    does not."""
     local = model.num_experts / training.expert_parallel
-    forward, backward = (per_layer + per_expert * local for per_layer, per_expert in MOE_HOST_OPS.values())
-    return forward * (1.0 + np.asarray(forward_again, dtype=np.float64)) + backward
+    (per_layer, per_expert), (before, before_per_expert) = MOE_HOST_OPS["forward"], MOE_FORWARD_OPS_BEFORE_WAIT
+    return before + before_per_expert * local, per_layer - before + (per_expert - before_per_expert) * local
+
+
+def host_ops(model: ModelSpec, training: TrainingSpec, forward_again=False) -> np.ndarray:
+    """The ops a rank's MoE layer issues from the host, forward (:func:`forward_host_ops`) and
+    backward, its forward again where ``forward_again`` (recomputed)."""
+    per_layer, per_expert = MOE_HOST_OPS["backward"]
+    backward = per_layer + per_expert * model.num_experts / training.expert_parallel
+    return sum(forward_host_ops(model, training)) * (1.0 + np.asarray(forward_again, dtype=np.float64)) + backward
 
 
 def expert_tp_bytes(model: ModelSpec, training: TrainingSpec, tokens, tp) -> np.ndarray:

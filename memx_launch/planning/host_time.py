@@ -115,13 +115,9 @@ def issued_layer_seconds(model: ModelSpec, training: TrainingSpec, block_s, reco
     host_s = layer_host_seconds(model, training, block_s, recompute)
     if not model.num_experts:
         return np.maximum(device_s, host_s)
-    scale = block_s / default_block_host_seconds(model, training)
-    local = model.num_experts / training.expert_parallel
-    op_s = EAGER_OP_HOST_S * scale
-    (per_layer, per_expert), (before, before_per_expert) = experts.MOE_HOST_OPS["forward"], \
-        experts.MOE_FORWARD_OPS_BEFORE_WAIT
-    after_wait = (per_layer - before + (per_expert - before_per_expert) * local) * op_s
-    host_forward = block_forward_share(model, training) * block_s + (per_layer + per_expert * local) * op_s
+    op_s = EAGER_OP_HOST_S * block_s / default_block_host_seconds(model, training)
+    before_wait, after_wait = (ops * op_s for ops in experts.forward_host_ops(model, training))
+    host_forward = block_forward_share(model, training) * block_s + before_wait + after_wait
     device_forward = device_s / 3.0
     device_before = device_forward - np.minimum(moe_forward_device_s, device_forward)
     forward = np.maximum(np.maximum(host_forward, device_forward), device_before + after_wait)

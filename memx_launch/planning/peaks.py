@@ -38,7 +38,7 @@ def hbm_gbps(device: DeviceType, stand_in: bool = False) -> float:
     return datasheet_hbm(device) * (1.0 if stand_in else SUSTAINED_HBM_SHARE.get(device.vendor, 1.0))
 
 
-def datasheet_hbm_gbps(sustained_gbps: float, vendor: str) -> float:
+def datasheet_of_sustained_gbps(sustained_gbps: float, vendor: str) -> float:
     """The datasheet bandwidth a measured copy rate stands for: :func:`hbm_gbps` of it gives it back."""
     return sustained_gbps / SUSTAINED_HBM_SHARE.get(vendor, 1.0)
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 import psutil
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.peaks import datasheet_hbm_gbps
+from memx_launch.planning.peaks import datasheet_of_sustained_gbps
 from memx_launch.planning.tp_links import TpLink, record_fields
 from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.training import DTYPE_BYTES
@@ -81,7 +81,7 @@ def detect_device_type(device: str = "cpu", name: str | None = None) -> DeviceTy
     efficiency = 1.0 if dev.type == "cpu" else detected_efficiency(
         vendor, capability, power_limits(dev.index if dev.index is not None else torch.cuda.current_device()))
     # The copy already runs at the sustained rate: written as the datasheet figure it stands for.
-    bandwidth = datasheet_hbm_gbps(bandwidth, vendor)
+    bandwidth = datasheet_of_sustained_gbps(bandwidth, vendor)
     # Two significant digits, so reruns on the same machine give the same descriptors.
     return DeviceType(name=name or default_name, vendor=vendor, memory_gib=_round2(memory_gib),
                       peak_tflops=_round2(max(rates[1:])), efficiency=efficiency,

@@ -162,6 +162,11 @@ def memory_reader(emulated=None, device: torch.device | None = None):
     return reader
 
 
+def free_shares(table: torch.Tensor) -> torch.Tensor:
+    """Per rank of a monitor table (peak, capacity), the share of its capacity its peak left free."""
+    return 1 - table[:, 0] / table[:, 1]
+
+
 class MemoryMonitor:
     """Call :meth:`after_step` on every rank after every optimizer step."""
 
@@ -208,7 +213,7 @@ class MemoryMonitor:
     def _decide(self, step: int, table: torch.Tensor) -> ReplanEvent | None:
         c = self.config
         peak, capacity = table[:, 0], table[:, 1]
-        headroom = 1 - peak / capacity
+        headroom = free_shares(table)
         worst = int(headroom.argmin())
         self.low_samples = self.low_samples + 1 if headroom[worst] < c.min_headroom else 0
         if self.low_samples >= c.consecutive:
@@ -232,10 +237,10 @@ class MemoryMonitor:
 
     def describe(self, step: int, table: torch.Tensor) -> str:
         """One line: per stage observed peak against predicted, and the least free share."""
-        parts = []
+        parts, free_share = [], free_shares(table)
         for i, stage in enumerate(self.plan.stages):
             peak = max(float(table[r, 0]) for r in stage.ranks) / GIB
-            free = min(1 - float(table[r, 0] / table[r, 1]) for r in stage.ranks)
+            free = min(float(free_share[r]) for r in stage.ranks)
             pred = stage.predicted_peak_memory_gib
             vs = f" (x{peak / pred:.2f})" if pred > 0 else ""
             parts.append(f"stage {i} {stage.device_type}: {peak:.4f}/{pred:.4f} GiB{vs}, {free:.0%} free")
