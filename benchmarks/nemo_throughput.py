@@ -103,7 +103,6 @@ PLOT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.png")
 GPT3 = {"gpt3-5b": (24, 4096, 32, 16384), "gpt3-20b": (44, 6144, 48, 24576), "gpt3-175b": (96, 12288, 96, 49152)}
 NEMOTRON = {"nemotron-8b": (32, 4096, 32, 32, 16384), "nemotron-22b": (40, 6144, 48, 48, 24576),
             "nemotron-340b": (96, 18432, 96, 8, 73728)}
-LLAMA31_405B = ModelSpec("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192, rope_theta=500000.0)
 # Grok-1 as NVIDIA's recipe runs it: 8 experts of 32,768 (gated), top-2, Llama 3's tokenizer as a proxy.
 GROK1 = ModelSpec("grok-1-314b", 64, 6144, 48, 8, 32768, 128256, 8192, num_experts=8, experts_per_token=2)
 
@@ -125,7 +124,7 @@ def nemo_model(name: str, seq: int) -> ModelSpec:
         return ModelSpec(name, layers, hidden, heads, kv, ffn, 256000, seq, gated_mlp=False, layer_norm=True)
     if name == "deepseek-v3-no-mtp":  # the rows Megatron-Bridge ran without multi-token prediction
         return dataclasses.replace(get_model("deepseek-v3"), name=name, mtp_layers=0, seq_len=seq)
-    base = {LLAMA31_405B.name: LLAMA31_405B, GROK1.name: GROK1}.get(name) or get_model(name)
+    base = {GROK1.name: GROK1}.get(name) or get_model(name)
     return dataclasses.replace(base, seq_len=seq)
 
 

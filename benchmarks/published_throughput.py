@@ -35,20 +35,32 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
   Engine's linears with delayed scaling, asked with ``--fp8 delayed``. Five of its layouts ran in
   BF16 too: the BF16 / FP8 step-time ratio, measured and predicted, is compared per pair.
 - torchtitan's performance tables (torchtitan_performance.csv): Llama 3 / 3.1 and Llama 2 with
-  FSDP2 (``--setup fsdp2``, torch's cross entropy) on 8 H100-96GB and 64 A100-80GB, no gradient
-  accumulation (the micro-batch is the local batch, the global batch local x FSDP ranks). Their
-  options through memx's: selective op checkpointing is ``--selective-recompute op``, selective
-  layer checkpointing (every other block) is ``full:K`` with K half the layers, Float8 is
-  ``--fp8 current`` (tensorwise dynamic scaling), context parallelism is ``--cp``. memx has no
+  FSDP2 (``--setup fsdp2``, torch's cross entropy) on 64 A100-80GB and 8-512 H100-96GB (the H100
+  rows of its December 2024 benchmark: FSDP on 8 and 128 GPUs, FSDP + CP, FSDP + TP 8 with and
+  without AsyncTP, FSDP + TP 8 + PP 8 with 1F1B and interleaved 1F1B, and with CP), no gradient
+  accumulation outside a pipeline (the micro-batch is the local batch, the global batch local x
+  FSDP ranks). Their options through memx's: selective op checkpointing is
+  ``--selective-recompute op``, selective layer checkpointing (every other block) is ``full:K``
+  with K half the layers, Float8 is ``--fp8 current`` (tensorwise dynamic scaling) with
+  ``--no-fp8-weight-cache`` (torchao's Float8Linear casts the weight at each GEMM), context
+  parallelism is ``--cp``. Its TP (``tensor_parallel_degree``) runs sequence-parallel norms whose
+  gathered output the linears keep (``--sequence-parallel --sp-keeps-gathered-input``) and the loss
+  on the vocabulary shards with torch's loss parallel (``--vocab-parallel-loss
+  --torch-loss-parallel``); AsyncTP is asked as ``--tp-comm-overlap``. Its pipelines split the
+  layers as torchtitan's ``generate_split_points`` does without given split points (two stages a
+  rank for the interleaved schedule) and run as many micro-batches as pipeline ranks. memx has no
   torch.compile: a compiled row is asked with a fused norm only, so its other fusions count as
-  unfused. Ratios of two rows of one table (the policy, Float8, CP's time per token) are compared
-  measured against predicted, as the FP8 pairs. The H100 hosts ran at "the default 500W power
-  limit" of their 700 W boards (the tables' text; ``benchmarks/common.py``); their rows are also
-  predicted at the rated power (``h100_at_rated_power``), what counting the limit changed.
+  unfused. Ratios of two rows of one table (the policy, Float8, AsyncTP, the schedule, CP's time
+  per token) are compared measured against predicted, as the FP8 pairs. The H100 hosts ran at
+  "the default 500W power limit" of their 700 W boards (the tables' text;
+  ``benchmarks/common.py``); their rows are also predicted at the rated power
+  (``h100_at_rated_power``), what counting the limit changed.
   Memory: the H100 tables give the memory torchtitan logs, the caching allocator's peak reserve
   (its ``DeviceMemoryMonitor``: ``reserved_bytes.all.peak``, without NCCL's buffers and the CUDA
-  context); ``reserved_memory`` holds memx's peak less the communicators' buffers and the context
-  (``CONTEXT_GIB``) against it.
+  context; the largest over the ranks); ``reserved_memory`` holds memx's peak less the
+  communicators' buffers and the context (``CONTEXT_GIB``) against it, and
+  ``reserved_memory_as_megatron`` the same with the loss and the FP8 weights counted as Megatron
+  and Transformer Engine keep them.
 
 Every published run ran, so every row is also a fit check: memx should say each layout fits.
 
@@ -211,31 +223,61 @@ def at_rated_power(cluster):
     return dataclasses.replace(cluster, device_types=types)
 
 
-def torchtitan(rated_power: bool = False) -> list[dict]:
+def torchtitan_stage_layers(num_layers: int, pp: int, virtual_stages: int) -> list[int]:
+    """Layers per pipeline rank as torchtitan splits a model without given split points
+    (``generate_split_points`` in ``torchtitan/parallelisms/pipelining_utils.py``, commit 6806473):
+    ``pp x virtual_stages`` stages of ``num_layers // stages`` layers, one more on each middle
+    stage while the remainder lasts; rank r runs stages r, r + pp, ..."""
+    stages = pp * virtual_stages
+    base, extra = divmod(num_layers, stages)
+    sizes = [base] + [base + (i < extra) for i in range(stages - 2)]
+    sizes.append(num_layers - sum(sizes))
+    return [sum(sizes[r::pp]) for r in range(pp)]
+
+
+def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_overlaps: bool = True) -> list[dict]:
     """The rows of torchtitan_performance.csv with memx's estimate of each; with ``rated_power``,
-    as if their GPUs ran at the board's rated power rather than the tables' 500 W limit."""
+    as if their GPUs ran at the board's rated power rather than the tables' 500 W limit; with
+    ``as_megatron``, their loss under TP counted as Megatron's kernel and their FP8 weights as
+    Transformer Engine keeps them (what memx counted before ``--torch-loss-parallel`` and
+    ``--no-fp8-weight-cache``); without ``async_tp_overlaps``, their AsyncTP rows asked without
+    ``--tp-comm-overlap``."""
     rows = []
     with open(os.path.join(DATA, "torchtitan_performance.csv")) as f:
         for d in csv.DictReader(f):
             seq, gpus, cp, local = int(d["seq_len"]), int(d["gpus"]), int(d["cp"]), int(d["local_batch_size"])
+            tp, pp, async_tp = int(d["tp"]), int(d["pp"]), d["async_tp"] == "True"
             model = dataclasses.replace(get_model(d["model"]), seq_len=seq)
-            dp, policy = gpus // cp, d["activation_checkpointing"]
-            compiled = d["compile"] == "True"
+            dp, policy = gpus // (cp * tp * pp), d["activation_checkpointing"]
+            schedule = d["pp_schedule"] or "1f1b"
+            virtual_stages = 2 if schedule == "interleaved" else 1  # torchtitan's default for looped schedules
+            compiled, float8 = d["compile"] == "True", d["float8"] == "True"
+            # torchtitan's TP: sequence parallel norms whose gathered output the linears keep, the loss
+            # on the vocabulary shards (loss parallel), AsyncTP overlapping each gather and scatter.
             training = TrainingSpec(global_batch_size=local * dp, seq_len=seq, setup="fsdp2", fused_norm=compiled,
                                     eager_block=not compiled,
-                                    fp8="current" if d["float8"] == "True" else None,
-                                    selective_recompute="op" if policy == "selective_op" else "attention")
+                                    fp8="current" if float8 else None,
+                                    fp8_weight_cache=as_megatron or not float8,  # torchao casts at each GEMM
+                                    selective_recompute="op" if policy == "selective_op" else "attention",
+                                    sequence_parallel=tp > 1, sp_keeps_gathered_input=tp > 1,
+                                    vocab_parallel_loss=tp > 1, torch_loss_parallel=tp > 1 and not as_megatron,
+                                    tp_comm_overlap=async_tp and async_tp_overlaps)
             recompute = {"none": "none", "full": "full", "selective_op": "selective",
                          "selective_layer": f"full:{model.num_layers // 2}"}[policy]
             row = {"group": d["table"], "gpu": d["gpu"], "real": "ok", "model": d["model"], "seq_len": seq,
                    "gpus": gpus, "tokens": local * dp * seq,
                    "real_time_s": local * dp * seq / (float(d["tokens_per_s_per_gpu"]) * gpus),
                    "real_memory_gib": float(d["memory_gib"]) if d["memory_gib"] else None,
-                   "layout": f"{d['model']} s{seq} {gpus}x{d['gpu']} fsdp{dp} cp{cp} b{local} {policy}"
-                             + " compile" * compiled + " float8" * (d["float8"] == "True")}
+                   "layout": f"{d['model']} s{seq} {gpus}x{d['gpu']} fsdp{dp} cp{cp}"
+                             + f" tp{tp}" * (tp > 1) + f" pp{pp} {schedule}" * (pp > 1) + f" b{local} {policy}"
+                             + " compile" * compiled + " float8" * float8 + " async_tp" * async_tp}
             cluster = dgx_cluster(d["gpu"], gpus)
+            # As many micro-batches as pipeline ranks (torchtitan's default), none without a pipeline.
+            pipeline = dict(micro_batch_size=local // pp, schedule=schedule, virtual_stages=virtual_stages,
+                            layers_per_stage=torchtitan_stage_layers(model.num_layers, pp, virtual_stages)) \
+                if pp > 1 else dict(micro_batch_size=local)
             row = predicted(row, model, at_rated_power(cluster) if rated_power else cluster, training, parts=True,
-                            tp=1, pp=1, dp=dp, cp=cp, micro_batch_size=local, recompute=recompute)
+                            tp=tp, pp=pp, dp=dp, cp=cp, recompute=recompute, **pipeline)
             # torchtitan logs the caching allocator's peak reserve (its DeviceMemoryMonitor:
             # reserved_bytes.all.peak), which holds neither NCCL's buffers nor the CUDA context.
             parts = row.pop("parts_gib", None)
@@ -257,22 +299,30 @@ def reserved_summary(rows: list[dict]) -> dict:
 def torchtitan_ratios(rows: list[dict]) -> list[dict]:
     """Step-time ratios of two rows of one table (per token where the batches differ), measured
     and predicted: what each option changes, which a device's common bias cancels out of."""
-    def row(group, *words):
-        return next(r for r in rows if r["group"] == group and all(f" {w}" in r["layout"] + " " for w in words))
+    def row(group, *words, without=()):
+        return next(r for r in rows if r["group"] == group and all(f" {w} " in r["layout"] + " " for w in words)
+                    and not any(f" {w} " in r["layout"] + " " for w in without))
 
     def per_token(r, key):
-        return r[key] / r["tokens"]
+        return r[key] * r["gpus"] / r["tokens"]  # GPU-seconds per token
 
     llama2, llama3, h100 = "a100-llama2", "a100-llama3", "h100-1"
     pairs = [(row(llama2, "selective_op"), row(llama2, "none"), "llama2-13b A100: op-level over no checkpointing"),
-             (row(llama2, "b2 selective_layer"), row(llama2, "none"), "llama2-13b A100: every other layer over none"),
+             (row(llama2, "b2", "selective_layer"), row(llama2, "none"), "llama2-13b A100: every other layer over none"),
              (row(llama3, "selective_op"), row(llama3, "selective_layer"),
               "llama3-8b A100: op-level over every other layer"),
-             (row(h100, "float8"), row(h100, "compile"), "llama3-8b H100: compile + Float8 over compile"),
-             (row(h100, "compile"), row(h100, "selective_op"), "llama3-8b H100: compile over eager (not modelled)")]
-    pairs += [(row("h100-2", f"cp{cp}"), row("h100-2", "cp1"),
-               f"llama3-8b H100: per token, CP {cp} at {row('h100-2', f'cp{cp}')['seq_len']} over CP 1 at 32768")
-              for cp in (2, 4, 8)]
+             (row(h100, "float8"), row(h100, "compile", without=("float8",)),
+              "llama3-8b H100: compile + Float8 over compile"),
+             (row(h100, "compile", without=("float8",)), row(h100, "selective_op", without=("compile",)),
+              "llama3-8b H100: compile over eager (not modelled)"),
+             (row("h100-3", "selective_op", without=("compile",)), row(h100, "selective_op", without=("compile",)),
+              "llama3-8b H100: per token and GPU, FSDP over 128 GPUs over 8"),
+             (row("h100-4", "async_tp"), row("h100-4", "float8", without=("async_tp",)),
+              "llama3-70b H100: AsyncTP over TP 8"),
+             (row("h100-5", "interleaved"), row("h100-5", "1f1b"), "llama3.1-405b H100: Interleaved 1F1B over 1F1B")]
+    pairs += [(row(group, f"cp{cp}"), row(group, "cp1"), f"{model} H100: per token, CP {cp} at "
+               f"{row(group, f'cp{cp}')['seq_len']} over CP 1 at 32768")
+              for group, model in (("h100-2", "llama3-8b"), ("h100-6", "llama3.1-405b")) for cp in (2, 4, 8)]
     return [{"what": what, "measured": round(per_token(a, "real_time_s") / per_token(b, "real_time_s"), 3),
              "predicted": round(per_token(a, "time_s") / per_token(b, "time_s"), 3)}
             for a, b, what in pairs if "time_s" in a and "time_s" in b]
@@ -331,6 +381,12 @@ def main() -> None:
     result["torchtitan"]["h100_at_rated_power"] = {**run_summary(rated), "by_table": by(rated, lambda r: r["group"]),
                                                    "predicted_over_measured": sorted(
                                                        round(r["time_s"] / r["real_time_s"], 3) for r in rated)}
+    # What --tp-comm-overlap (Megatron's userbuffers) credits torch's AsyncTP with: its rows asked without it.
+    result["torchtitan"]["async_tp_rows_without_overlap"] = {
+        r["layout"]: round(r["time_s"] / r["real_time_s"], 3) for r in torchtitan(async_tp_overlaps=False)
+        if "async_tp" in r["layout"]}
+    # What counting torch's loss parallel and torchao's weight casts changed: the rows counted as Megatron's.
+    result["torchtitan"]["reserved_memory_as_megatron"] = reserved_summary(torchtitan(as_megatron=True))
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(n, m, titan, PLOT)
@@ -344,6 +400,7 @@ def main() -> None:
         for name, summary in result["torchtitan"][part].items():
             print("  torchtitan", name, summary["time"], summary["fit"]["confusion"]["real_ok_pred_oom"], "called OOM")
     print("  torchtitan reserved memory", result["torchtitan"]["reserved_memory"])
+    print("  counted as Megatron's", result["torchtitan"]["reserved_memory_as_megatron"])
     for ratio in result["torchtitan"]["ratios"]:
         print("  ", ratio)
     for gpu, s in result["mpt_llm_foundry"]["by_gpu"].items():

@@ -5,6 +5,7 @@ import pytest
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import schedules
+from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.tp_links import tp_link_gbps
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.catalog import get_model
@@ -171,7 +172,7 @@ def test_torch_cross_entropy_peak_per_logit_is_what_the_guard_measures(dtype):
         logits = head(hidden)  # the pipeline keeps a stage's output until its backward
         default_loss(logits, targets).backward()
     measured = device.peak_bytes - before
-    assert measured == pytest.approx(float(cm.logits_bytes(model, mbs, seq, 1, training)), rel=0.01)
+    assert measured == pytest.approx(float(logits_bytes(model, mbs, seq, 1, training)), rel=0.01)
 
 
 def test_heads_wider_than_hidden_over_heads_widen_attention_not_the_residual_stream():

@@ -460,7 +460,7 @@ def test_fp16_keeps_fp32_gradients_and_an_odd_rope_base_is_named():
 TORCHTITAN_KEYS = {
     "training": {"local_batch_size": int, "global_batch_size": int, "seq_len": int, "mixed_precision_param": str},
     "parallelism": {"data_parallel_replicate_degree": int, "data_parallel_shard_degree": int,
-                    "tensor_parallel_degree": int, "pipeline_parallel_degree": int,
+                    "tensor_parallel_degree": int, "pipeline_parallel_degree": int, "disable_loss_parallel": bool,
                     "pipeline_parallel_schedule": str, "pipeline_parallel_microbatch_size": int,
                     "pipeline_parallel_split_points": list},
     "activation_checkpoint": {"mode": str, "selective_ac_option": str},
@@ -499,6 +499,25 @@ def test_torchtitan_interleaved_split_points_follow_its_looped_stage_order():
     assert parsed["parallelism"]["pipeline_parallel_split_points"] == ["layers.4", "layers.16", "layers.20"]
     assert pipeline_layout(plan) == "Et*4|t*12|t*4|t*12L"
     assert parsed["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"
+
+
+def test_torchtitan_loss_under_tp_is_what_the_plan_counted_or_a_note_says_otherwise():
+    plan = make_plan(tp=2, dp=4)
+    plan.training = {"vocab_parallel_loss": False}  # gathered logits: torchtitan's loss parallel turned off
+    parsed, notes = _torchtitan(plan)
+    assert parsed["parallelism"]["disable_loss_parallel"] is True
+    assert not [n for n in notes if "loss parallel" in n]
+    plan.training = {"vocab_parallel_loss": True, "torch_loss_parallel": True}  # what torchtitan runs by default
+    parsed, notes = _torchtitan(plan)
+    assert "disable_loss_parallel" not in parsed["parallelism"] and not [n for n in notes if "loss parallel" in n]
+    plan.training = {"vocab_parallel_loss": True}  # Megatron's kernel: torchtitan holds twice its 8 bytes per logit
+    assert [n for n in _torchtitan(plan)[1] if "--torch-loss-parallel" in n]
+    plan.training = {"vocab_parallel_loss": True, "fp8": "current"}
+    assert [n for n in _torchtitan(plan)[1] if "--no-fp8-weight-cache" in n]
+    plan.training = {"vocab_parallel_loss": True, "fp8": "current", "fp8_weight_cache": False}
+    assert not [n for n in _torchtitan(plan)[1] if "--no-fp8-weight-cache" in n or "AsyncTP" in n]
+    plan.training = {"sequence_parallel": True, "tp_comm_overlap": True}
+    assert [n for n in _torchtitan(plan)[1] if "AsyncTP" in n]
 
 
 def test_torchtitan_refuses_per_stage_tp():

@@ -91,6 +91,20 @@ def test_a_fully_sharded_run_makes_fp8_copies_of_the_gathered_layer_only():
     assert fp8["parameters"] - bf16["parameters"] == pytest.approx(2 * MODEL.layer_params / GIB)
 
 
+def test_casting_at_each_gemm_keeps_the_copies_of_the_layer_at_work_only():
+    """torchao's Float8Linear (torchtitan) keeps no weight copies between micro-batches: a stage
+    that holds its gathered weights through the step, or a replicated one, adds one layer's
+    copies as working memory where Transformer Engine keeps every layer's."""
+    for kw, tp, dp in ((dict(setup="fsdp2", hold_gathered="always"), 1, 8), (dict(setup="megatron"), 2, 4)):
+        cached, cast = (_estimate(TrainingSpec(global_batch_size=64, seq_len=4096, fp8="current",
+                                               fp8_weight_cache=c, **kw), tp=tp, dp=dp).stages[0].memory_parts_gib
+                        for c in (True, False))
+        layer = MODEL.layer_params / tp
+        assert cached["parameters"] - cast["parameters"] == pytest.approx((MODEL.num_layers - 1) * 2 * layer / GIB)
+    with pytest.raises(ConfigError, match="--no-fp8-weight-cache.*add --fp8"):
+        TrainingSpec(fp8_weight_cache=False)
+
+
 def test_fp8_weights_replace_the_16_bit_ones_and_gather_in_one_byte():
     # --fp8-params (Megatron's --fp8-param-gather): the FP8 weight and its transpose take the
     # 16-bit weight's two bytes, so the copies --fp8 adds are gone; the master stays fp32.

@@ -10,6 +10,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.planning import elementwise
 from memx_launch.planning import matmuls as mm
 from memx_launch.planning import schedules
+from memx_launch.planning.loss import LOSS_BYTES_PER_LOGIT, logits_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.peaks import SUSTAINED_HBM_SHARE, hbm_gbps
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
@@ -158,7 +159,7 @@ def test_a_gathered_loss_costs_every_tp_rank_the_whole_vocabulary():
                                  for t in (1, 4)}
     assert times[True][1] == pytest.approx(times[False][1])  # one rank: the same work
     logits = S * MODEL.vocab_size
-    passes = cm.LOSS_BYTES_PER_LOGIT * logits * (1 - 1 / 4) / A100_BYTES_PER_S
+    passes = LOSS_BYTES_PER_LOGIT * logits * (1 - 1 / 4) / A100_BYTES_PER_S
     gather = cm.collective_time(2.0 * logits, 4, 300.0 * cluster.link_efficiency)
     assert times[False][4] - times[True][4] == pytest.approx(passes + float(gather), rel=1e-6)
 
@@ -467,7 +468,7 @@ def test_the_gathered_losss_live_peak_is_what_the_model_counts():
     peak_per_logit = np.asarray(sizes).sum(axis=1).max() / (tokens * vocab)
     training = TrainingSpec(vocab_parallel_loss=False, loss_dtype="fp32")
     spec = get_model("llama2-7b")
-    modelled = float(cm.logits_bytes(spec, 1, 1, 1, training)) / spec.vocab_size
+    modelled = float(logits_bytes(spec, 1, 1, 1, training)) / spec.vocab_size
     # The gradients of the hidden states and the head weight add 0.14 bytes per logit here.
     assert peak_per_logit == pytest.approx(modelled, abs=0.3)
 

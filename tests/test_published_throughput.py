@@ -45,12 +45,18 @@ def test_hopper_s_default_efficiency_reproduces_mpt_s_a100_over_h100_step_time()
 
 def test_torchtitan_rows_are_asked_as_they_ran():
     rows = pt.torchtitan()
-    assert len(rows) == 15 and not [r for r in rows if "error" in r]
-    # Tokens per step: the local batch on every FSDP rank (a CP group shares one), no accumulation.
+    assert len(rows) == 26 and not [r for r in rows if "error" in r]
+    # Tokens per step: the local batch on every FSDP rank (a CP, TP or PP group shares one), no accumulation.
     cp8 = next(r for r in rows if "cp8" in r["layout"])
     assert (cp8["tokens"], cp8["seq_len"]) == (262144, 262144)
+    pp = next(r for r in rows if "pp8 1f1b b32" in r["layout"])
+    assert "fsdp8 cp1 tp8" in pp["layout"] and pp["tokens"] == 32 * 8 * 8192
     ratios = {r["what"]: r for r in pt.torchtitan_ratios(rows)}
-    assert len(ratios) == 8 and all(r["predicted"] > 0 for r in ratios.values())
+    assert len(ratios) == 14 and all(r["predicted"] > 0 for r in ratios.values())
+    # torchtitan's default split of Llama 3.1 405B's 126 layers: 8 stages of 15-16, or 16 of 7-8 (two a rank).
+    assert pt.torchtitan_stage_layers(126, 8, 1) == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert pt.torchtitan_stage_layers(126, 8, 2) == [7 + 8, 8 + 8, 8 + 8, 8 + 8, 8 + 8, 8 + 8, 8 + 8, 8 + 7]
+    assert pt.torchtitan_stage_layers(32, 4, 1) == [8, 8, 8, 8]
     # Never faster than 6 FLOPs per parameter and token at the peak (FP8's, twice it, for Float8 rows).
     from memx_launch.specs.catalog import get_model
     for r in rows:
@@ -63,7 +69,7 @@ def test_the_h100_rows_power_limit_slows_them_by_at_most_the_clock_it_takes():
 
     capped = {r["layout"]: r["time_s"] for r in pt.torchtitan() if r["gpu"] == "h100_96gb"}
     rated = {r["layout"]: r["time_s"] for r in pt.torchtitan(rated_power=True) if r["gpu"] == "h100_96gb"}
-    assert len(capped) == 7 and capped.keys() == rated.keys()
+    assert len(capped) == 18 and capped.keys() == rated.keys()
     for layout, seconds in capped.items():  # compute slows by the clock; HBM, links and the host do not
         assert 1.02 < seconds / rated[layout] <= 1 / power_limited_clock_share(500, 700) + 1e-9
 

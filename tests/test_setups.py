@@ -6,6 +6,7 @@ import pytest
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import host_time
+from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.data_parallel import data_parallel_sync_time
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
@@ -91,8 +92,8 @@ def test_dropout_masks_and_sequence_parallel():
 
 def test_logits_in_the_training_dtype_halve_the_loss_memory():
     model = get_model("llama3-8b")
-    fp32 = cm.logits_bytes(model, 1, 8192, 1, TrainingSpec(loss_dtype="fp32"))
-    bf16 = cm.logits_bytes(model, 1, 8192, 1, TrainingSpec(loss_dtype="bf16"))
+    fp32 = logits_bytes(model, 1, 8192, 1, TrainingSpec(loss_dtype="fp32"))
+    bf16 = logits_bytes(model, 1, 8192, 1, TrainingSpec(loss_dtype="bf16"))
     assert fp32 == 8 * 8192 * 128256 and bf16 == fp32 / 2
 
 
@@ -263,10 +264,10 @@ def test_a_fused_cross_entropy_keeps_the_16_bit_logits_and_their_gradient_only()
     logits = mbs * seq * model.vocab_size
     for loss_dtype in ("fp32", "bf16"):
         fused = TrainingSpec(fused_loss=True, loss_dtype=loss_dtype, vocab_parallel_loss=False)
-        assert float(cm.logits_bytes(model, mbs, seq, 4, fused)) == 4 * logits
-    assert float(cm.logits_bytes(model, mbs, seq, 4, TrainingSpec(fused_loss=True))) == logits  # vocab-parallel: 1/TP
+        assert float(logits_bytes(model, mbs, seq, 4, fused)) == 4 * logits
+    assert float(logits_bytes(model, mbs, seq, 4, TrainingSpec(fused_loss=True))) == logits  # vocab-parallel: 1/TP
     torch_loss = TrainingSpec(vocab_parallel_loss=False)
-    assert float(cm.logits_bytes(model, mbs, seq, 4, torch_loss)) == 14 * logits
+    assert float(logits_bytes(model, mbs, seq, 4, torch_loss)) == 14 * logits
 
 
 def test_a_frameworks_host_time_is_the_least_a_layer_takes(tmp_path, capsys):

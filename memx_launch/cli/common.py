@@ -68,6 +68,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
     for flag, text in (("fused-loss", "one-kernel cross entropy: 16-bit logits and gradient only (default off)"),
+                       ("torch-loss-parallel", "the vocab-parallel loss in torch's ops (DTensor's loss_parallel(), "
+                        "torchtitan's under TP): 16 bytes per logit where Megatron's holds 8 (default off)"),
                        ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
                         "(default on; --setup scaling: off)"),
                        ("overlap-expert-comm", "a mixture of experts' all-to-alls behind another micro-batch's "
@@ -121,6 +123,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--fp8-params", "--fp8_params", action=argparse.BooleanOptionalAction, default=None,
                    help="with --fp8: the linear weights kept in FP8 only (Megatron's --fp8-param-gather): no "
                         "16-bit copy, gathered over DP in one byte (default off)")
+    p.add_argument("--fp8-weight-cache", "--fp8_weight_cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --fp8/--fp4: each linear keeps its quantized weight copies between micro-batches "
+                        "(Transformer Engine); off: cast at each GEMM (torchao's Float8Linear, torchtitan; default on)")
     p.add_argument("--optimizer-offload", "--optimizer_offload", action=argparse.BooleanOptionalAction,
                    default=None, help="optimizer on the host (ZeRO-Offload): no master weights or moments on the "
                    "GPU, gradients and weights over PCIe each step (default off)")
@@ -188,7 +193,7 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
 # Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
 RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp4", "fp8_params",
-             "optimizer_offload", "activation_offload_layers", "expert_parallel", "expert_tensor_parallel",
+             "fp8_weight_cache", "optimizer_offload", "activation_offload_layers", "expert_parallel", "expert_tensor_parallel",
              "expert_dispatcher", "expert_routing", "recompute_modules")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag

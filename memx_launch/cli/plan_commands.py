@@ -67,7 +67,7 @@ def run_plan(args) -> int:
     from memx_launch.planning.estimate import host_bound_stages
     from memx_launch.planning.search import search
     from memx_launch.planning.search_space import SearchSpace, restrictions_from_args
-    from memx_launch.specs.training import device_precision
+    from memx_launch.specs.precision import device_precision
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_slowdown, parse_weights
 

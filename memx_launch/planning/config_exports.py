@@ -53,6 +53,9 @@ def _precision_notes(plan: Plan, target: str) -> list[str]:
         notes.append(quantized + (f": turn on torchtitan's {titan}"
                                   if target == "torchtitan" and titan else
                                   f": {target}'s config does not; swap the model's linears for Transformer Engine's"))
+        if target == "torchtitan" and tr.get("fp8_weight_cache", True):
+            notes.append("torchtitan's float8 linears cast their weights at each GEMM and keep no copies between "
+                         "micro-batches, which the plan counted: plan with --no-fp8-weight-cache to predict it")
     if plan.model_spec.mtp_layers:
         notes.append(f"the plan counts {plan.model_spec.mtp_layers} multi-token prediction module(s) on the last "
                      f"stage: build them in {target}'s model, or plan the model without them")
@@ -115,6 +118,13 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
                      f"the step under PP only (its pipeline schedules), which the plan's "
                      f"hold_gathered={spec.hold_gathered} does not say: plan with --hold-gathered pipelined to "
                      "predict it")
+    if tp > 1 and spec.tp_comm_overlap:
+        notes.append("the plan hid every TP collective behind the GEMMs, as Megatron's userbuffers do; torchtitan's "
+                     "AsyncTP (enable_async_tensor_parallel, with compile) hides fewer: expect slower steps than "
+                     "planned (docs/setups.md, torchtitan at scale)")
+    if tp > 1 and spec.vocab_parallel_loss and not spec.torch_loss_parallel:
+        notes.append("torchtitan's loss under TP is torch's loss parallel, 16 bytes per logit where the plan counted "
+                     "Megatron's kernel's 8: plan with --torch-loss-parallel to predict it")
     if plan.cp > 1 and not sharded:
         notes.append("torchtitan shards the weights over context parallelism with FSDP (its dp_shard_cp mesh) "
                      "even without data_parallel_shard_degree: less memory than planned, and gathers it did not time")
@@ -134,6 +144,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         f"data_parallel_shard_degree = {plan.dp if sharded else 1}",
     ] + (['fsdp_reshard_after_forward = "never"'] if sharded and spec.hold_gathered == "weights" else []) + [
         f"tensor_parallel_degree = {tp}",
+    ] + (["disable_loss_parallel = true"] if tp > 1 and not spec.vocab_parallel_loss else []) + [
         f"pipeline_parallel_degree = {plan.pp}",
     ] + ([f"context_parallel_degree = {plan.cp}"] if plan.cp > 1 else [])
     if plan.pp > 1:

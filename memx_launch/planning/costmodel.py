@@ -21,6 +21,7 @@ from memx_launch.planning import experts, extra_blocks, gated_deltanet, host_tim
 from memx_launch.planning.activations import LayerCost, activation_bytes, selective_modules  # noqa: F401 (callers read cm.*)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
+from memx_launch.planning.loss import loss_hbm_bytes_per_logit
 from memx_launch.planning.matmuls import (device_sms, forward_backward_seconds, gemm_seconds, latent_up_shapes,
                                           linear_seconds, linear_shapes, mlp_shapes)
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, fine_tuning_flops,  # noqa: F401
@@ -40,10 +41,6 @@ GIB = 2**30
 # Latency of one collective step or point-to-point message (NCCL over NVLink or InfiniBand:
 # a few microseconds of launch and protocol per hop), the alpha of the alpha-beta model.
 LINK_LATENCY_S = 10e-6
-# HBM bytes the cross entropy moves per logit, forward and backward: the fp32 cast (read 2,
-# write 4), log-softmax (two reads and a write of 4), the argmax/target read (4), its backward
-# (zero-filled gradient 4; read gradient and output, write 4 each) and the cast back (4 + 2).
-LOSS_BYTES_PER_LOGIT = 48.0
 # Speed of the fused attention kernel against the device's matmuls, by FlashAttention version.
 # On A100 FlashAttention reaches 25-40% of peak and FlashAttention-2 50-73% (Dao 2023, abstract),
 # where large matmuls sustain DEFAULT_EFFICIENCY (0.75): about 0.33 / 0.75 and 0.6 / 0.75 for the
@@ -91,33 +88,6 @@ def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None, 
     if tp == pp == cp == 1:
         return int(world > 1)
     return int(world > 1) + sum(n > 1 for n in (tp, dp * cp, pp, tp * pp, cp))
-
-
-def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None = None) -> np.ndarray:
-    """The last stage's logits for the loss at their peak, in the backward of the loss.
-
-    Vocab-parallel (Megatron), per logit of the rank's 1/TP: fp32 loss 8 bytes (16-bit
-    logits, the fp32 copy its softmax is computed in place in, the 16-bit gradient), loss in
-    the training dtype 2 x its bytes. Torch's cross entropy on gathered logits (every TP rank
-    holds the whole vocabulary): the logits, the fp32 log-softmax kept for the backward, and in
-    the backward the gradient nll_loss writes and the one log_softmax's backward writes from it
-    (the ``.float()`` copy is freed after the forward): d + 12, 14 bytes in 16 bits, 16 in fp32
-    (as measured, tests/test_costmodel.py), or 3 x the training dtype when the loss runs in it.
-    A fused cross entropy kernel keeps the 16-bit logits and their gradient: 2 x the dtype.
-    Each multi-token prediction module keeps logits of its own for its loss. Counted beside a
-    block's backward working set: they take turns in allocated memory, but the measured runs'
-    peaks keep both (docs/setups.md, "The loss beside the blocks' working set").
-    """
-    tr = training or TrainingSpec()
-    d = tr.dtype_bytes
-    share = np.asarray(tp, dtype=np.float64) if tr.vocab_parallel_loss else 1.0
-    if tr.fused_loss:
-        per_logit = 2.0 * d
-    elif tr.vocab_parallel_loss:
-        per_logit = 8.0 if tr.loss_dtype == "fp32" else 2.0 * d
-    else:
-        per_logit = d + 12.0 if tr.loss_dtype == "fp32" else 3.0 * d
-    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share * (1 + model.mtp_layers)
 
 
 # --------------------------------------------------------------------------- time
@@ -420,8 +390,8 @@ class AnalyticalCostModel:
 
     def head_time(self, device, tp, mbs, seq) -> np.ndarray:
         """Output projection and loss, forward and backward: the projection's FLOPs over TP and
-        the cross entropy's passes over the logits the rank holds, at HBM speed (LOSS_BYTES_PER_LOGIT,
-        or 3 x the training dtype for a fused cross entropy).
+        the cross entropy's passes over the logits the rank holds, at HBM speed
+        (:func:`~memx_launch.planning.loss.loss_hbm_bytes_per_logit`).
         Without a vocab-parallel loss the logits are first all-gathered over TP and every rank
         runs the loss on the whole vocabulary. Each multi-token prediction module runs a head and
         loss of its own, after its embedding lookup and its 2h x h projection (its block is the
@@ -429,8 +399,7 @@ class AnalyticalCostModel:
         tp, device = np.asarray(tp, dtype=np.float64), np.asarray(device)
         logits = np.asarray(mbs) * np.asarray(seq) * self.model.output_vocab
         held = logits / tp if self.training.vocab_parallel_loss else logits
-        # A fused cross entropy reads the 16-bit logits forward and again backward, writing the gradient.
-        per_logit = 3.0 * self.training.dtype_bytes if self.training.fused_loss else LOSS_BYTES_PER_LOGIT
+        per_logit = loss_hbm_bytes_per_logit(self.training)
         heads = 1 + self.model.mtp_layers
         projection = self._head_projection_time(device, tp, mbs, seq)
         compute = (projection + heads * per_logit * held / (self._hbm[device] * 1e9)) * self._slowdown[device]

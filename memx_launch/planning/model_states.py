@@ -202,7 +202,8 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp, pp: int 
     time. With ``fp8_params`` the FP8 weight is the weight (counted as the 16-bit one it
     replaces) and only its other copy is added; a fully sharded run gathers it in FP8 and
     transposes it. A stage that holds its gathered weights (:func:`holds_weights`) keeps every
-    layer's copies."""
+    layer's copies, unless the linears cast their weight at each GEMM (no ``fp8_weight_cache``:
+    torchao's), whose copies are working memory wherever the weights are."""
     if training.quantized_linears is None:
         return 0.0, 0.0
     layer = sum(rank_layer_params(model, training, tp))
@@ -213,7 +214,7 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp, pp: int 
         copies = 2.0 * q * layer
     linears = len(linear_shapes(model, training, 1))
     amax = 3 * linears * FP8_AMAX_HISTORY * 4.0 if training.fp8 == "delayed" else 0.0
-    working = training.fully_sharded and not holds_weights(training, pp)
+    working = (training.fully_sharded and not holds_weights(training, pp)) or not training.fp8_weight_cache
     return (amax, copies) if working else (copies + amax, 0.0)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, extra_blocks,
                                   schedules)
+from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.planning.bridge import BridgePricing
@@ -178,7 +179,7 @@ class Evaluator:
         out = np.zeros(pp)
         out[0] += (m.embedding_params / first * first_bpp
                    + inflight[0] * first_mbs * seq * m.hidden_size * tr.dtype_bytes)
-        out[-1] += (cm.last_stage_params(m, pp) / last * last_bpp + cm.logits_bytes(m, last_mbs, seq, last, tr)
+        out[-1] += (cm.last_stage_params(m, pp) / last * last_bpp + logits_bytes(m, last_mbs, seq, last, tr)
                     + extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq))
         return out
 
@@ -303,7 +304,7 @@ class Evaluator:
         embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.dtype_bytes
         embedding_out[-1] += extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq_rank)
         logits = np.zeros(pp)
-        logits[-1] = cm.logits_bytes(m, last_mbs, seq_rank, last, tr)
+        logits[-1] = logits_bytes(m, last_mbs, seq_rank, last, tr)
         pipeline = kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
         replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
         by_replica = []

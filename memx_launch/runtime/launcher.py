@@ -31,12 +31,11 @@ from memx_launch.runtime.dry_run import dry_run
 from memx_launch.runtime.process_exit import end_process
 from memx_launch.runtime.layout import check_runnable, runnable_model
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
-from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs import DTYPE_BYTES, ClusterSpec, TrainingSpec, get_model
 from memx_launch.specs.node import MAX_DEVICES, MAX_DEVICES_PER_NODE
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
-from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec, device_precision
+from memx_launch.specs.precision import device_precision
 from memx_launch.specs.inputs import float_flag, int_flag
-from memx_launch.specs.catalog import get_model
 from memx_launch.runtime.runs import (CHECKPOINT_DIR, COMMAND_VAR, DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR,
                                       LAUNCHER_PID_VAR, STOPPED_FILE, check_environment, check_profile_db, max_replans,
                                       prediction_summary, previous_run, record_stopped, stopped_run_of, stopped_state)

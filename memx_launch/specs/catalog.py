@@ -29,6 +29,7 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
     _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0),
     _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0),
+    _llama("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192, rope_theta=500000.0),
     _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
     _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
     _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),  # TinyLlama-1.1B's shape: benchmarks/gpu_check.py

@@ -29,7 +29,7 @@ moments, nothing sharded unless ``distributed_optimizer`` / ``fully_sharded`` sa
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 
 from memx_launch.errors import ConfigError
@@ -95,8 +95,9 @@ _PRECISIONS = ("fp32", "training")
 OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
                        loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
-                       overlap_grad_reduce=False, vocab_parallel_loss=True, keep_stage_outputs=False,
-                       sp_keeps_gathered_input=False, fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True,
+                       overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
+                       keep_stage_outputs=False, sp_keeps_gathered_input=False, fused_softmax=True,
+                       softmax_in_fp32=False, fused_gate_up=True,
                        fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,
@@ -165,6 +166,9 @@ class TrainingSpec:
     """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits.
     Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
     vocabulary on every TP rank and the loss keeps a log-softmax of it. Default on."""
+    torch_loss_parallel: bool | None = None
+    """The vocab-parallel loss is torch's loss parallel (DTensor's ``loss_parallel()``, torchtitan's
+    under TP): torch ops that keep their temporaries, 16 bytes per logit where Megatron's holds 8."""
     keep_stage_outputs: bool | None = None
     """The pipeline engine keeps each in-flight micro-batch's stage output until its gradient
     returns, and its last stage keeps the previous micro-batch's logits in its second buffer
@@ -282,6 +286,10 @@ class TrainingSpec:
     ``--fp8-param-gather``, NeMo's ``fp8_params``, Transformer Engine's ``fp8_model_init``): no
     16-bit copy beside the FP8 weight and its transpose, and the updated weights are all-gathered
     over DP in one byte. The optimizer's fp32 master weights stay."""
+    fp8_weight_cache: bool = True
+    """With ``fp8``/``fp4``: each linear keeps its quantized weight copies between micro-batches
+    (Transformer Engine). Off: torchao's Float8Linear (torchtitan) casts the weight at each GEMM,
+    the copies living while their layer runs (its saved cast is not counted)."""
     optimizer_offload: bool = False
     """The optimizer runs on the host (DeepSpeed ZeRO-Offload, ``offload_optimizer: cpu``): master
     weights and moments leave the GPU; each step the gradients go to the host and the updated
@@ -395,6 +403,10 @@ class TrainingSpec:
         if self.fp8 is not None and self.fp4 is not None:
             raise ConfigError("--fp4", "the linears run in FP8 or in FP4, not both", "drop --fp8 or --fp4")
         require_type(self.fp8_params, bool, "--fp8-params", "true or false")
+        require_type(self.fp8_weight_cache, bool, "--fp8-weight-cache", "true or false")
+        if not self.fp8_weight_cache and self.quantized_linears is None:
+            raise ConfigError("--no-fp8-weight-cache", "says how quantized linears keep their weights, and the run "
+                              "has none", "add --fp8 current (or another recipe), or drop the flag")
         if self.fp8_params and self.fp8 is None:
             raise ConfigError("--fp8-params", "keeps the weights of FP8 linears, and the run has none",
                               "add --fp8 current (or delayed, mxfp8, blockwise)")
@@ -406,6 +418,9 @@ class TrainingSpec:
                 raise ConfigError("--frozen-fraction", f"{self.frozen_fraction} with LoRA adapters, whose base "
                                   "weights are all frozen", "drop --frozen-fraction (LoRA freezes the base)")
             object.__setattr__(self, "frozen_fraction", 1.0)
+        if self.torch_loss_parallel and not self.vocab_parallel_loss:
+            raise ConfigError("--torch-loss-parallel", "is a vocab-parallel loss, and vocab_parallel_loss is off",
+                              "drop --no-vocab-parallel-loss (or --torch-loss-parallel)")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("--tp-comm-overlap", "overlaps sequence parallelism's all-gathers and reduce-scatters",
                               "add --sequence-parallel (or use --setup megatron)")
@@ -432,19 +447,3 @@ class TrainingSpec:
 
 
 PLAN_TRAINING_KEYS = tuple(f.name for f in fields(TrainingSpec) if f.name not in ("global_batch_size", "seq_len"))
-
-
-BF16_MIN_COMPUTE_CAPABILITY = 8.0  # NVIDIA Ampere: V100 (7.0) and T4 (7.5) have no bf16
-
-
-def device_precision(cluster, training: TrainingSpec, dtype_given: bool) -> tuple[TrainingSpec, str]:
-    """bf16 on a cluster (a ClusterSpec) with a device type that has none: planned in fp16 when bf16
-    was only the default (the line returned says so), refused when it was asked for."""
-    old = [d for d in cluster.device_types if d.vendor == "nvidia" and d.compute_capability is not None
-           and d.compute_capability < BF16_MIN_COMPUTE_CAPABILITY]
-    if training.dtype != "bf16" or not old:
-        return training, ""
-    names = ", ".join(f"{d.name} (compute capability {d.compute_capability:.1f})" for d in old)
-    if dtype_given:
-        raise ConfigError("--dtype", f"bf16, but there is no bf16 on {names}", "use --dtype fp16")
-    return replace(training, dtype="fp16"), f"fp16, not the default bf16: no bf16 on {names}"

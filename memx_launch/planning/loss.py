@@ -1,0 +1,70 @@
+"""The language-model loss on the last stage: the memory its logits take at their peak and the
+HBM bytes its passes move, by the kernel that runs it.
+
+Four kernels: torch's cross entropy on logits gathered over TP (every rank holds the whole
+vocabulary), Megatron's vocab-parallel cross entropy (each TP rank its 1/TP, softmax in place),
+torch's loss parallel (DTensor's ``loss_parallel()``, torchtitan's default under TP: each rank
+its 1/TP, in torch ops that keep their temporaries) and a fused kernel. No torch import.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+
+# HBM bytes torch's cross entropy moves per logit, forward and backward: the fp32 cast (read 2,
+# write 4), log-softmax (two reads and a write of 4), the argmax/target read (4), its backward
+# (zero-filled gradient 4; read gradient and output, write 4 each) and the cast back (4 + 2).
+LOSS_BYTES_PER_LOGIT = 48.0
+# Torch's loss parallel runs its log-softmax as separate ops (torch/distributed/tensor/parallel/
+# loss.py): forward the fp32 cast (2 + 4), the max (4), the shift (4 + 4), exp (4 + 4), the sum
+# (4) and the shifted log-softmax (4 + 4); backward a zeroed gradient (4), exp of the log-softmax
+# again (4 + 4), their sum (8 + 4), its product with the incoming gradient (4 + 4) and the cast
+# back (4 + 2).
+LOSS_PARALLEL_BYTES_PER_LOGIT = 76.0
+
+
+def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None = None) -> np.ndarray:
+    """The last stage's logits for the loss at their peak, in the backward of the loss.
+
+    Vocab-parallel (Megatron), per logit of the rank's 1/TP: fp32 loss 8 bytes (16-bit
+    logits, the fp32 copy its softmax is computed in place in, the 16-bit gradient), loss in
+    the training dtype 2 x its bytes. Torch's loss parallel, per logit of the rank's 1/TP: 16
+    bytes in fp32 (the log-softmax kept for the backward, and in the backward the zeroed
+    gradient, exp of the log-softmax and their sum at once; tests/test_loss.py measures it), 4 x
+    the training dtype when the loss runs in it. Torch's cross entropy on gathered logits
+    (every TP rank holds the whole vocabulary): the logits, the fp32 log-softmax kept for the
+    backward, and in the backward the gradient nll_loss writes and the one log_softmax's
+    backward writes from it (the ``.float()`` copy is freed after the forward): d + 12, 14 bytes
+    in 16 bits, 16 in fp32 (as measured, tests/test_costmodel.py), or 3 x the training dtype
+    when the loss runs in it. A fused cross entropy kernel keeps the 16-bit logits and their
+    gradient: 2 x the dtype. Each multi-token prediction module keeps logits of its own for its
+    loss. Counted beside a block's backward working set: they take turns in allocated memory,
+    but the measured runs' peaks keep both (docs/setups.md, "The loss beside the blocks'
+    working set").
+    """
+    tr = training or TrainingSpec()
+    d = tr.dtype_bytes
+    fp32 = tr.loss_dtype == "fp32"
+    share = np.asarray(tp, dtype=np.float64) if tr.vocab_parallel_loss else 1.0
+    if tr.fused_loss:
+        per_logit = 2.0 * d
+    elif tr.vocab_parallel_loss and tr.torch_loss_parallel:
+        per_logit = 16.0 if fp32 else 4.0 * d
+    elif tr.vocab_parallel_loss:
+        per_logit = 8.0 if fp32 else 2.0 * d
+    else:
+        per_logit = d + 12.0 if fp32 else 3.0 * d
+    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share * (1 + model.mtp_layers)
+
+
+def loss_hbm_bytes_per_logit(training: TrainingSpec) -> float:
+    """HBM bytes the loss moves per logit the rank holds, forward and backward: a fused kernel
+    reads the 16-bit logits forward and again backward, writing the gradient."""
+    if training.fused_loss:
+        return 3.0 * training.dtype_bytes
+    if training.vocab_parallel_loss and training.torch_loss_parallel:
+        return LOSS_PARALLEL_BYTES_PER_LOGIT
+    return LOSS_BYTES_PER_LOGIT

@@ -1,0 +1,70 @@
+"""The loss on the last stage: torch's loss parallel (DTensor's ``loss_parallel()``) against
+Megatron's vocab-parallel kernel, in memory and in HBM bytes."""
+
+import numpy as np
+import pytest
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning.loss import (LOSS_BYTES_PER_LOGIT, LOSS_PARALLEL_BYTES_PER_LOGIT, logits_bytes,
+                                       loss_hbm_bytes_per_logit)
+from memx_launch.specs.catalog import get_model
+from memx_launch.specs.training import TrainingSpec
+
+
+def test_torch_loss_parallel_peak_per_logit_is_measured_on_cpu():
+    """torchtitan's loss under TP (``.float()`` of the vocabulary-sharded logits, torch's cross
+    entropy inside ``loss_parallel()``, the logits deleted before the backward), forward and
+    backward on a one-rank mesh: the live-tensor peak of the profiler's memory timeline is 16
+    bytes per logit of the rank's shard, what ``logits_bytes`` counts (Megatron's kernel: 8)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    tokens, vocab, width = 1024, 8192, 64
+    hidden = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
+    head = torch.randn(vocab, width, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            logits = DTensor.from_local(hidden @ head.t(), mesh, [Shard(-1)], run_check=False)
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(logits.float(), target)
+                del logits  # torchtitan frees them before the backward
+                loss.backward()
+    finally:
+        dist.destroy_process_group()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    peak_per_logit = np.asarray(sizes).sum(axis=1).max() / (tokens * vocab)
+    spec = get_model("llama2-7b")
+    training = TrainingSpec(vocab_parallel_loss=True, torch_loss_parallel=True)
+    modelled = float(logits_bytes(spec, 1, 1, 1, training)) / spec.vocab_size
+    # The gradients of the hidden states and the head weight add 0.14 bytes per logit here.
+    assert peak_per_logit == pytest.approx(modelled, abs=0.3)
+    assert modelled == 2 * float(logits_bytes(spec, 1, 1, 1, TrainingSpec(vocab_parallel_loss=True))) / spec.vocab_size
+
+
+def test_each_tp_rank_holds_its_share_and_moves_more_bytes_than_megatron_s_kernel():
+    model = get_model("llama3-8b")
+    parallel = TrainingSpec(vocab_parallel_loss=True, torch_loss_parallel=True)
+    logits = 2 * 4096 * model.output_vocab
+    assert float(logits_bytes(model, 2, 4096, 8, parallel)) == 16 * logits / 8
+    assert float(logits_bytes(model, 2, 4096, 8, TrainingSpec(vocab_parallel_loss=True, torch_loss_parallel=True,
+                                                               loss_dtype="bf16"))) == 8 * logits / 8
+    assert loss_hbm_bytes_per_logit(parallel) == LOSS_PARALLEL_BYTES_PER_LOGIT > LOSS_BYTES_PER_LOGIT
+    assert loss_hbm_bytes_per_logit(TrainingSpec(vocab_parallel_loss=True)) == LOSS_BYTES_PER_LOGIT
+    assert loss_hbm_bytes_per_logit(TrainingSpec(fused_loss=True, torch_loss_parallel=True)) == 6.0
+
+
+def test_torch_loss_parallel_needs_a_vocab_parallel_loss():
+    with pytest.raises(ConfigError, match="--torch-loss-parallel"):
+        TrainingSpec(vocab_parallel_loss=False, torch_loss_parallel=True)
+    with pytest.raises(ConfigError, match="--torch-loss-parallel"):
+        TrainingSpec(setup="fsdp2", torch_loss_parallel=True)  # fsdp2 gathers the logits unless told
+    assert TrainingSpec(setup="fsdp2", vocab_parallel_loss=True, torch_loss_parallel=True).torch_loss_parallel
