@@ -293,8 +293,10 @@ class Runtime:
                                 dtype=torch.float64)).item(), self.plan.num_microbatches * self.plan.dp)
                 self.precision.begin_step()
                 with self.precision.autocast():
+                    # return_outputs=False: torch's schedules otherwise keep every micro-batch's logits on
+                    # the last stage until the next step, which no plan counts.
                     self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None,
-                                       **mask)
+                                       return_outputs=False, **mask)
                 if self.plan.dp > 1 and self.dp_crosses_domains:
                     self.comm.all_reduce_mean(self._local_grads(), self._dp_ranks)
                 self.tied.sum_grads(self.layout.tp_index)
