@@ -39,14 +39,13 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
   rows of its December 2024 benchmark: FSDP on 8 and 128 GPUs, FSDP + CP, FSDP + TP 8 with and
   without AsyncTP, FSDP + TP 8 + PP 8 with 1F1B and interleaved 1F1B, and with CP), no gradient
   accumulation outside a pipeline (the micro-batch is the local batch, the global batch local x
-  FSDP ranks). Their options through memx's: selective op checkpointing is
-  ``--selective-recompute op``, selective layer checkpointing (every other block) is ``full:K``
-  with K half the layers, Float8 is ``--fp8 current`` (tensorwise dynamic scaling) with
-  ``--no-fp8-weight-cache`` (torchao's Float8Linear casts the weight at each GEMM), context
-  parallelism is ``--cp``. Its TP (``tensor_parallel_degree``) runs sequence-parallel norms whose
-  gathered output the linears keep (``--sequence-parallel --sp-keeps-gathered-input``) and the loss
-  on the vocabulary shards with torch's loss parallel (``--vocab-parallel-loss
-  --torch-loss-parallel``); AsyncTP is asked as ``--tp-comm-overlap``. Its pipelines split the
+  FSDP ranks). Every row is asked with ``--setup torchtitan``: FSDP2's mixed precision, TP's
+  sequence-parallel norms whose gathered output the linears keep, the loss on the vocabulary
+  shards with torch's loss parallel under TP, op-level selective checkpointing
+  (``--selective-recompute op``) and torchao's Float8 linears, which cast the weight at each GEMM
+  (``--no-fp8-weight-cache``); Float8 is ``--fp8 current`` (tensorwise dynamic scaling), selective
+  layer checkpointing (every other block) is ``full:K`` with K half the layers, context
+  parallelism is ``--cp``, AsyncTP is asked as ``--tp-comm-overlap``. Its pipelines split the
   layers as torchtitan's ``generate_split_points`` does without given split points (two stages a
   rank for the interleaved schedule) and run as many micro-batches as pipeline ranks. memx has no
   torch.compile: a compiled row is asked with a fused norm only, so its other fusions count as
@@ -252,16 +251,11 @@ def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_ov
             schedule = d["pp_schedule"] or "1f1b"
             virtual_stages = 2 if schedule == "interleaved" else 1  # torchtitan's default for looped schedules
             compiled, float8 = d["compile"] == "True", d["float8"] == "True"
-            # torchtitan's TP: sequence parallel norms whose gathered output the linears keep, the loss
-            # on the vocabulary shards (loss parallel), AsyncTP overlapping each gather and scatter.
-            training = TrainingSpec(global_batch_size=local * dp, seq_len=seq, setup="fsdp2", fused_norm=compiled,
-                                    eager_block=not compiled,
-                                    fp8="current" if float8 else None,
-                                    fp8_weight_cache=as_megatron or not float8,  # torchao casts at each GEMM
-                                    selective_recompute="op" if policy == "selective_op" else "attention",
-                                    sequence_parallel=tp > 1, sp_keeps_gathered_input=tp > 1,
-                                    vocab_parallel_loss=tp > 1, torch_loss_parallel=tp > 1 and not as_megatron,
+            training = TrainingSpec(global_batch_size=local * dp, seq_len=seq, setup="torchtitan", fused_norm=compiled,
+                                    eager_block=not compiled, fp8="current" if float8 else None,
                                     tp_comm_overlap=async_tp and async_tp_overlaps)
+            if as_megatron:
+                training = dataclasses.replace(training, torch_loss_parallel=tp == 1, fp8_weight_cache=True)
             recompute = {"none": "none", "full": "full", "selective_op": "selective",
                          "selective_layer": f"full:{model.num_layers // 2}"}[policy]
             row = {"group": d["table"], "gpu": d["gpu"], "real": "ok", "model": d["model"], "seq_len": seq,

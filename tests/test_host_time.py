@@ -101,7 +101,7 @@ def test_an_eager_mixture_prices_its_moe_ops_at_the_eager_op_time():
 def test_every_setup_but_megatron_runs_eager_blocks():
     """DeepSpeed, FSDP, DDP and Aleph Alpha's codebase issue their blocks as torch ops; Megatron-LM
     with Transformer Engine fuses them, and a setup's word yields to the flag (a compiled run)."""
-    from memx_launch.specs.training import SETUPS
+    from memx_launch.specs.setups import SETUPS
 
     assert {name for name in SETUPS if TrainingSpec(setup=name).eager_block} == set(SETUPS) - {"megatron"}
     assert not TrainingSpec().eager_block and not TrainingSpec(setup="fsdp2", eager_block=False).eager_block

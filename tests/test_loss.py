@@ -44,10 +44,10 @@ def test_torch_loss_parallel_peak_per_logit_is_measured_on_cpu():
     peak_per_logit = np.asarray(sizes).sum(axis=1).max() / (tokens * vocab)
     spec = get_model("llama2-7b")
     training = TrainingSpec(vocab_parallel_loss=True, torch_loss_parallel=True)
-    modelled = float(logits_bytes(spec, 1, 1, 1, training)) / spec.vocab_size
+    modelled = float(logits_bytes(spec, 1, 1, 2, training)) * 2 / spec.vocab_size  # per logit of a TP 2 shard
     # The gradients of the hidden states and the head weight add 0.14 bytes per logit here.
     assert peak_per_logit == pytest.approx(modelled, abs=0.3)
-    assert modelled == 2 * float(logits_bytes(spec, 1, 1, 1, TrainingSpec(vocab_parallel_loss=True))) / spec.vocab_size
+    assert modelled == 2 * float(logits_bytes(spec, 1, 1, 2, TrainingSpec(vocab_parallel_loss=True))) * 2 / spec.vocab_size
 
 
 def test_each_tp_rank_holds_its_share_and_moves_more_bytes_than_megatron_s_kernel():
@@ -57,9 +57,13 @@ def test_each_tp_rank_holds_its_share_and_moves_more_bytes_than_megatron_s_kerne
     assert float(logits_bytes(model, 2, 4096, 8, parallel)) == 16 * logits / 8
     assert float(logits_bytes(model, 2, 4096, 8, TrainingSpec(vocab_parallel_loss=True, torch_loss_parallel=True,
                                                                loss_dtype="bf16"))) == 8 * logits / 8
-    assert loss_hbm_bytes_per_logit(parallel) == LOSS_PARALLEL_BYTES_PER_LOGIT > LOSS_BYTES_PER_LOGIT
-    assert loss_hbm_bytes_per_logit(TrainingSpec(vocab_parallel_loss=True)) == LOSS_BYTES_PER_LOGIT
-    assert loss_hbm_bytes_per_logit(TrainingSpec(fused_loss=True, torch_loss_parallel=True)) == 6.0
+    assert loss_hbm_bytes_per_logit(parallel, 8) == LOSS_PARALLEL_BYTES_PER_LOGIT > LOSS_BYTES_PER_LOGIT
+    assert loss_hbm_bytes_per_logit(TrainingSpec(vocab_parallel_loss=True), 8) == LOSS_BYTES_PER_LOGIT
+    assert loss_hbm_bytes_per_logit(TrainingSpec(fused_loss=True, torch_loss_parallel=True), 8) == 6.0
+    # Without a TP group there is nothing to parallelize: torchtitan's loss is torch's cross entropy.
+    gathered = TrainingSpec(vocab_parallel_loss=False)
+    assert float(logits_bytes(model, 2, 4096, 1, parallel)) == float(logits_bytes(model, 2, 4096, 1, gathered))
+    assert loss_hbm_bytes_per_logit(parallel, 1) == LOSS_BYTES_PER_LOGIT
 
 
 def test_torch_loss_parallel_needs_a_vocab_parallel_loss():
@@ -68,3 +72,4 @@ def test_torch_loss_parallel_needs_a_vocab_parallel_loss():
     with pytest.raises(ConfigError, match="--torch-loss-parallel"):
         TrainingSpec(setup="fsdp2", torch_loss_parallel=True)  # fsdp2 gathers the logits unless told
     assert TrainingSpec(setup="fsdp2", vocab_parallel_loss=True, torch_loss_parallel=True).torch_loss_parallel
+    assert TrainingSpec(setup="torchtitan").torch_loss_parallel

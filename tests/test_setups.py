@@ -13,7 +13,8 @@ from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import DEFAULT_EFFICIENCY, FP32_MATMUL_SHARE
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.catalog import get_model
-from memx_launch.specs.training import SETUPS, TrainingSpec
+from memx_launch.specs.setups import SETUPS
+from memx_launch.specs.training import TrainingSpec
 
 
 @pytest.mark.parametrize("setup, per_param", [
@@ -39,7 +40,14 @@ def test_explicit_fields_win_over_the_preset():
         TrainingSpec(setup="deepspeed")
     with pytest.raises(ConfigError, match="--sharded-gradients"):
         TrainingSpec(sharded_gradients=True)
-    assert set(SETUPS) == {"megatron", "fsdp2", "zero1", "zero2", "zero3", "ddp", "scaling"}
+    assert set(SETUPS) == {"megatron", "fsdp2", "torchtitan", "zero1", "zero2", "zero3", "ddp", "scaling"}
+    # torchtitan: fsdp2's states, its TP plan's loss and kept inputs, torchao's casts, op-level SAC.
+    titan, fsdp2 = TrainingSpec(setup="torchtitan", fp8="current"), TrainingSpec(setup="fsdp2", fp8="current")
+    assert cm.model_state_bytes_per_param(titan, 8) == cm.model_state_bytes_per_param(fsdp2, 8)
+    assert (titan.vocab_parallel_loss, titan.torch_loss_parallel, titan.sp_keeps_gathered_input,
+            titan.fp8_weight_cache, titan.selective_recompute) == (True, True, True, False, "op")
+    assert TrainingSpec(**titan.plan_fields()) == titan
+    assert TrainingSpec(**TrainingSpec(setup="torchtitan").plan_fields()).fp8_weight_cache is False
 
 
 def test_a_16_bit_optimizer_keeps_master_weights_and_moments_in_6_bytes():

@@ -14,9 +14,9 @@ from memx_launch.files import check_output_path
 from memx_launch.planning.host_time import EAGER_OP_HOST_S, FUSED_BLOCK_HOST_S
 from memx_launch.specs.config_file import one_line_error
 from memx_launch.specs.inputs import float_flag, int_flag
+from memx_launch.specs.setups import OPTION_DEFAULTS, SETUPS
 from memx_launch.specs.training import (EXPERT_DISPATCHERS, EXPERT_ROUTINGS, FLASH_ATTENTION_VERSIONS, FP4_RECIPES,
-                                        FP8_RECIPES, HOLD_GATHERED, OPTION_DEFAULTS, SELECTIVE_POLICIES, SETUPS,
-                                        TrainingSpec)
+                                        FP8_RECIPES, HOLD_GATHERED, SELECTIVE_POLICIES, TrainingSpec)
 
 
 class Parser(argparse.ArgumentParser):
@@ -46,7 +46,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--setup", choices=tuple(SETUPS),
                    help="the training framework's memory setup (docs/setups.md); explicit flags win")
     p.add_argument("--sequence-parallel", "--sequence_parallel", action=argparse.BooleanOptionalAction,
-                   default=None, help="Megatron sequence parallelism (default: on for --setup megatron)")
+                   default=None, help="Megatron sequence parallelism (default: on for --setup megatron and torchtitan)")
     add_block_option_args(p)
     p.add_argument("--flash-attention-version", "--flash_attention_version", type=int_flag,
                    choices=FLASH_ATTENTION_VERSIONS, help="FlashAttention generation of the fused attention kernel: "
@@ -69,7 +69,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
     for flag, text in (("fused-loss", "one-kernel cross entropy: 16-bit logits and gradient only (default off)"),
                        ("torch-loss-parallel", "the vocab-parallel loss in torch's ops (DTensor's loss_parallel(), "
-                        "torchtitan's under TP): 16 bytes per logit where Megatron's holds 8 (default off)"),
+                        "torchtitan's under TP): 16 bytes per logit where Megatron's holds 8 (default off; --setup "
+                        "torchtitan: on)"),
                        ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
                         "(default on; --setup scaling: off)"),
                        ("overlap-expert-comm", "a mixture of experts' all-to-alls behind another micro-batch's "
@@ -77,7 +78,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("fused-activation", "the MLP's activation as one kernel keeping only its input: SwiGLU's "
                         "silu(gate) not kept (Megatron's fusion; default off; --setup megatron: on)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
-                       ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input"),
+                       ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input (default "
+                        "off; --setup scaling, torchtitan: on)"),
                        ("tp-comm-overlap", "Megatron's TP communication overlap (userbuffers, needs sequence "
                         "parallelism): TP collectives in chunks behind the linear GEMMs (default off)"),
                        ("partitioned-sends", "DeepSpeed's pipeline sends: 1/TP per rank, all-gathered over TP on "
@@ -100,7 +102,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "pipelining: torchtitan, AutoModel; default) or always (one stage too: memx-run)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
                    help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
-                        "(torchtitan's op-level policy: all but the attention output and every other matmul's)")
+                        "(torchtitan's op-level policy: all but the attention output and every other matmul's; "
+                        "--setup torchtitan's default)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                    help="fp32 matmuls as TF32 on NVIDIA Ampere and later: half the 16-bit peak (default off)")
     p.add_argument("--host-ms-per-layer", "--host_ms_per_layer", type=float, metavar="MS",
@@ -125,7 +128,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "16-bit copy, gathered over DP in one byte (default off)")
     p.add_argument("--fp8-weight-cache", "--fp8_weight_cache", action=argparse.BooleanOptionalAction, default=None,
                    help="with --fp8/--fp4: each linear keeps its quantized weight copies between micro-batches "
-                        "(Transformer Engine); off: cast at each GEMM (torchao's Float8Linear, torchtitan; default on)")
+                        "(Transformer Engine); off: cast at each GEMM (torchao's Float8Linear; default on; --setup torchtitan: off)")
     p.add_argument("--optimizer-offload", "--optimizer_offload", action=argparse.BooleanOptionalAction,
                    default=None, help="optimizer on the host (ZeRO-Offload): no master weights or moments on the "
                    "GPU, gradients and weights over PCIe each step (default off)")
@@ -193,7 +196,7 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
 
 # Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
 RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp4", "fp8_params",
-             "fp8_weight_cache", "optimizer_offload", "activation_offload_layers", "expert_parallel", "expert_tensor_parallel",
+             "optimizer_offload", "activation_offload_layers", "expert_parallel", "expert_tensor_parallel",
              "expert_dispatcher", "expert_routing", "recompute_modules")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag

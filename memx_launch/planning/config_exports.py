@@ -55,7 +55,8 @@ def _precision_notes(plan: Plan, target: str) -> list[str]:
                                   f": {target}'s config does not; swap the model's linears for Transformer Engine's"))
         if target == "torchtitan" and tr.get("fp8_weight_cache", True):
             notes.append("torchtitan's float8 linears cast their weights at each GEMM and keep no copies between "
-                         "micro-batches, which the plan counted: plan with --no-fp8-weight-cache to predict it")
+                         "micro-batches, which the plan counted: plan with --setup torchtitan (or --no-fp8-weight-cache) "
+                         "to predict it")
     if plan.model_spec.mtp_layers:
         notes.append(f"the plan counts {plan.model_spec.mtp_layers} multi-token prediction module(s) on the last "
                      f"stage: build them in {target}'s model, or plan the model without them")
@@ -124,7 +125,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
                      "planned (docs/setups.md, torchtitan at scale)")
     if tp > 1 and spec.vocab_parallel_loss and not spec.torch_loss_parallel:
         notes.append("torchtitan's loss under TP is torch's loss parallel, 16 bytes per logit where the plan counted "
-                     "Megatron's kernel's 8: plan with --torch-loss-parallel to predict it")
+                     "Megatron's kernel's 8: plan with --setup torchtitan (or --torch-loss-parallel) to predict it")
     if plan.cp > 1 and not sharded:
         notes.append("torchtitan shards the weights over context parallelism with FSDP (its dp_shard_cp mesh) "
                      "even without data_parallel_shard_degree: less memory than planned, and gathers it did not time")

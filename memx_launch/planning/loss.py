@@ -34,7 +34,8 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     the training dtype 2 x its bytes. Torch's loss parallel, per logit of the rank's 1/TP: 16
     bytes in fp32 (the log-softmax kept for the backward, and in the backward the zeroed
     gradient, exp of the log-softmax and their sum at once; tests/test_loss.py measures it), 4 x
-    the training dtype when the loss runs in it. Torch's cross entropy on gathered logits
+    the training dtype when the loss runs in it; at TP 1 it is torch's cross entropy. Torch's
+    cross entropy on gathered logits
     (every TP rank holds the whole vocabulary): the logits, the fp32 log-softmax kept for the
     backward, and in the backward the gradient nll_loss writes and the one log_softmax's
     backward writes from it (the ``.float()`` copy is freed after the forward): d + 12, 14 bytes
@@ -48,23 +49,24 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     tr = training or TrainingSpec()
     d = tr.dtype_bytes
     fp32 = tr.loss_dtype == "fp32"
-    share = np.asarray(tp, dtype=np.float64) if tr.vocab_parallel_loss else 1.0
+    tp = np.asarray(tp, dtype=np.float64)
+    share = tp if tr.vocab_parallel_loss else 1.0
+    gathered = d + 12.0 if fp32 else 3.0 * d
     if tr.fused_loss:
         per_logit = 2.0 * d
     elif tr.vocab_parallel_loss and tr.torch_loss_parallel:
-        per_logit = 16.0 if fp32 else 4.0 * d
+        per_logit = np.where(tp > 1, 16.0 if fp32 else 4.0 * d, gathered)
     elif tr.vocab_parallel_loss:
         per_logit = 8.0 if fp32 else 2.0 * d
     else:
-        per_logit = d + 12.0 if fp32 else 3.0 * d
+        per_logit = gathered
     return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share * (1 + model.mtp_layers)
 
 
-def loss_hbm_bytes_per_logit(training: TrainingSpec) -> float:
+def loss_hbm_bytes_per_logit(training: TrainingSpec, tp) -> np.ndarray:
     """HBM bytes the loss moves per logit the rank holds, forward and backward: a fused kernel
     reads the 16-bit logits forward and again backward, writing the gradient."""
     if training.fused_loss:
-        return 3.0 * training.dtype_bytes
-    if training.vocab_parallel_loss and training.torch_loss_parallel:
-        return LOSS_PARALLEL_BYTES_PER_LOGIT
-    return LOSS_BYTES_PER_LOGIT
+        return np.full(np.shape(tp), 3.0 * training.dtype_bytes)
+    torch_parallel = training.vocab_parallel_loss and training.torch_loss_parallel
+    return np.where(torch_parallel & (np.asarray(tp) > 1), LOSS_PARALLEL_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT)

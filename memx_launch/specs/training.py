@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, fields
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number, require_type
 from memx_launch.specs.model import MAX_DIMENSION
+from memx_launch.specs.setups import OPTION_DEFAULTS, SETUPS
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -61,47 +62,7 @@ SELECTIVE_POLICIES = ("attention", "op")
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
 
 
-SETUPS: dict[str, dict] = {
-    "megatron": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="fp32",
-                     sequence_parallel=True, flash_attention=True, loss_dtype="fp32",
-                     vocab_parallel_loss=True, overlap_grad_reduce=True, fused_activation=True),
-    "zero1": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
-                  vocab_parallel_loss=False, eager_block=True),
-    "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
-                  grad_dtype="training", vocab_parallel_loss=False, eager_block=True),
-    "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
-                  vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True),
-    "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
-                  overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
-    "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
-                ddp_bucket_copy=True, eager_block=True),
-    # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
-    # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
-    # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
-    # last stage the previous micro-batch's logits; its RMSNorm all-gathers the sequence-parallel
-    # output, which the next linear then keeps whole; its SwiGLU has separate gate and up linears;
-    # its optimizer all-reduces the whole gradients over DP, cast to fp32, after the backward; its
-    # blocks run as eager ops.
-    "scaling": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
-                    vocab_parallel_loss=False, keep_stage_outputs=True, sp_keeps_gathered_input=True,
-                    fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True, eager_block=True),
-}
-"""Explicit field values of each named setup ("training" = the training dtype)."""
-
-
 _PRECISIONS = ("fp32", "training")
-
-# What an option left unset (None) takes when the setup does not set it either.
-OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
-                       grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
-                       loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
-                       overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
-                       keep_stage_outputs=False, sp_keeps_gathered_input=False, fused_softmax=True,
-                       softmax_in_fp32=False, fused_gate_up=True,
-                       fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
-                       full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
-                       selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,
-                       hold_gathered="pipelined", eager_block=False)
 
 
 @dataclass(frozen=True)
@@ -286,10 +247,10 @@ class TrainingSpec:
     ``--fp8-param-gather``, NeMo's ``fp8_params``, Transformer Engine's ``fp8_model_init``): no
     16-bit copy beside the FP8 weight and its transpose, and the updated weights are all-gathered
     over DP in one byte. The optimizer's fp32 master weights stay."""
-    fp8_weight_cache: bool = True
+    fp8_weight_cache: bool | None = None
     """With ``fp8``/``fp4``: each linear keeps its quantized weight copies between micro-batches
     (Transformer Engine). Off: torchao's Float8Linear (torchtitan) casts the weight at each GEMM,
-    the copies living while their layer runs (its saved cast is not counted)."""
+    the copies living while their layer runs (its saved cast is not counted). Default on."""
     optimizer_offload: bool = False
     """The optimizer runs on the host (DeepSpeed ZeRO-Offload, ``offload_optimizer: cpu``): master
     weights and moments leave the GPU; each step the gradients go to the host and the updated
@@ -334,6 +295,9 @@ class TrainingSpec:
         if self.setup is not None and self.setup not in SETUPS:
             raise ConfigError("--setup", f"unknown setup {self.setup!r}", f"use one of {', '.join(SETUPS)}")
         preset = SETUPS.get(self.setup, {})
+        if self.fp8_weight_cache is False and self.quantized_linears is None and preset.get("fp8_weight_cache", True):
+            raise ConfigError("--no-fp8-weight-cache", "says how quantized linears keep their weights, and the run "
+                              "has none", "add --fp8 current (or another recipe), or drop the flag")
         for name, default in OPTION_DEFAULTS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset.get(name, default))
@@ -403,10 +367,6 @@ class TrainingSpec:
         if self.fp8 is not None and self.fp4 is not None:
             raise ConfigError("--fp4", "the linears run in FP8 or in FP4, not both", "drop --fp8 or --fp4")
         require_type(self.fp8_params, bool, "--fp8-params", "true or false")
-        require_type(self.fp8_weight_cache, bool, "--fp8-weight-cache", "true or false")
-        if not self.fp8_weight_cache and self.quantized_linears is None:
-            raise ConfigError("--no-fp8-weight-cache", "says how quantized linears keep their weights, and the run "
-                              "has none", "add --fp8 current (or another recipe), or drop the flag")
         if self.fp8_params and self.fp8 is None:
             raise ConfigError("--fp8-params", "keeps the weights of FP8 linears, and the run has none",
                               "add --fp8 current (or delayed, mxfp8, blockwise)")

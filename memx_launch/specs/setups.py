@@ -1,0 +1,51 @@
+"""What each framework keeps, as presets of the training spec's options (``--setup NAME``), and
+what an option takes when neither the run nor its setup sets it. docs/setups.md says why."""
+
+from __future__ import annotations
+
+SETUPS: dict[str, dict] = {
+    "megatron": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="fp32",
+                     sequence_parallel=True, flash_attention=True, loss_dtype="fp32",
+                     vocab_parallel_loss=True, overlap_grad_reduce=True, fused_activation=True),
+    "zero1": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
+                  vocab_parallel_loss=False, eager_block=True),
+    "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
+                  grad_dtype="training", vocab_parallel_loss=False, eager_block=True),
+    "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
+                  vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True),
+    "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
+                  overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
+    "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
+                ddp_bucket_copy=True, eager_block=True),
+    # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
+    # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing and
+    # torchao's FP8 linears, which cast their weights at each GEMM.
+    "torchtitan": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", sequence_parallel=True,
+                       sp_keeps_gathered_input=True, vocab_parallel_loss=True, torch_loss_parallel=True,
+                       overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True,
+                       selective_recompute="op", fp8_weight_cache=False),
+    # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
+    # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
+    # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
+    # last stage the previous micro-batch's logits; its RMSNorm all-gathers the sequence-parallel
+    # output, which the next linear then keeps whole; its SwiGLU has separate gate and up linears;
+    # its optimizer all-reduces the whole gradients over DP, cast to fp32, after the backward; its
+    # blocks run as eager ops.
+    "scaling": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
+                    vocab_parallel_loss=False, keep_stage_outputs=True, sp_keeps_gathered_input=True,
+                    fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True, eager_block=True),
+}
+"""Explicit field values of each named setup ("training" = the training dtype)."""
+
+
+# What an option left unset (None) takes when the setup does not set it either.
+OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
+                       grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
+                       loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
+                       overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
+                       keep_stage_outputs=False, sp_keeps_gathered_input=False, fused_softmax=True,
+                       softmax_in_fp32=False, fused_gate_up=True,
+                       fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
+                       full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
+                       selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,
+                       hold_gathered="pipelined", eager_block=False, fp8_weight_cache=True)
