@@ -34,6 +34,8 @@ GPUS = {
     # 500W power limit" of the 700 W board (torchtitan's docs/performance.md).
     "h100_96gb": ({**HOPPER, "memory_gib": 95.0, "peak_tflops": 989, "memory_bandwidth_gbps": 2400,
                    "power_limit_w": 500, "rated_power_w": 700}, 450),
+    # H200 SXM: 143,771 MiB as nvidia-smi reports it, H100's dense BF16 peak, 4.8 TB/s.
+    "h200": ({**HOPPER, "memory_gib": 140.4, "peak_tflops": 989, "memory_bandwidth_gbps": 4800}, 450),
     "b200": ({**BLACKWELL, "memory_gib": 179.0, "peak_tflops": 2250, "host_link_gbps": 50}, 900),
     # GB200's own best matmul, 72.9% of its peak (B200's 77.6% is the generation's default), at Blackwell's
     # training share of it.
@@ -44,7 +46,8 @@ GPUS = {
     "b300": ({**BLACKWELL_ULTRA, "memory_gib": 268.6, "peak_tflops": 2250, "host_link_gbps": 100}, 900),
 }
 # Per GPU: one 400 Gb/s NIC (ConnectX-7), 800 Gb/s on GB300 and B300 (ConnectX-8).
-INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50, "h100_96gb": 50, "b200": 50, "gb200": 50,
+INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50, "h100_96gb": 50, "h200": 50, "b200": 50,
+                   "gb200": 50,
                    "gb300": 100, "b300": 100}
 # GPUs one NVLink domain holds: 8 in a DGX or HGX node; an NVL72 rack's NVLink switches join 72, of which
 # a job of 64-GPU multiples is taken to use 64 (16 of its 18 compute trays).

@@ -35,9 +35,11 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
   Engine's linears with delayed scaling, asked with ``--fp8 delayed``. Five of its layouts ran in
   BF16 too: the BF16 / FP8 step-time ratio, measured and predicted, is compared per pair.
 - torchtitan's performance tables (torchtitan_performance.csv): Llama 3 / 3.1 and Llama 2 with
-  FSDP2 (``--setup fsdp2``, torch's cross entropy) on 64 A100-80GB and 8-512 H100-96GB (the H100
-  rows of its December 2024 benchmark: FSDP on 8 and 128 GPUs, FSDP + CP, FSDP + TP 8 with and
-  without AsyncTP, FSDP + TP 8 + PP 8 with 1F1B and interleaved 1F1B, and with CP), no gradient
+  FSDP2 on 64 A100-80GB, 8-512 H100-96GB (the H100 rows of its December 2024 benchmark: FSDP on
+  8 and 128 GPUs, FSDP + CP, FSDP + TP 8 with and without AsyncTP, FSDP + TP 8 + PP 8 with 1F1B
+  and interleaved 1F1B, and with CP) and 32-64 H200 (Trainy's June 2025 runs: FSDP with compile,
+  Float8 and its FP8 all-gather, asked with ``--fp8-params``; that torchtitan compiles the loss
+  with the blocks, asked as a fused loss, ``--fused-loss``), no gradient
   accumulation outside a pipeline (the micro-batch is the local batch, the global batch local x
   FSDP ranks). Every row is asked with ``--setup torchtitan``: FSDP2's mixed precision, TP's
   sequence-parallel norms whose gathered output the linears keep, the loss on the vocabulary
@@ -251,8 +253,12 @@ def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_ov
             schedule = d["pp_schedule"] or "1f1b"
             virtual_stages = 2 if schedule == "interleaved" else 1  # torchtitan's default for looped schedules
             compiled, float8 = d["compile"] == "True", d["float8"] == "True"
+            fp8_gather, compiled_loss = d["float8_all_gather"] == "True", d["compiled_loss"] == "True"
+            # torchao's FSDP float8 all-gather gathers each weight cast to FP8 (--fp8-params); a compiled
+            # loss runs as one fused kernel (--fused-loss).
             training = TrainingSpec(global_batch_size=local * dp, seq_len=seq, setup="torchtitan", fused_norm=compiled,
                                     eager_block=not compiled, fp8="current" if float8 else None,
+                                    fp8_params=fp8_gather, fused_loss=compiled_loss,
                                     tp_comm_overlap=async_tp and async_tp_overlaps)
             if as_megatron:
                 training = dataclasses.replace(training, torch_loss_parallel=tp == 1, fp8_weight_cache=True)
@@ -264,7 +270,8 @@ def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_ov
                    "real_memory_gib": float(d["memory_gib"]) if d["memory_gib"] else None,
                    "layout": f"{d['model']} s{seq} {gpus}x{d['gpu']} fsdp{dp} cp{cp}"
                              + f" tp{tp}" * (tp > 1) + f" pp{pp} {schedule}" * (pp > 1) + f" b{local} {policy}"
-                             + " compile" * compiled + " float8" * float8 + " async_tp" * async_tp}
+                             + " compile" * compiled + " float8" * float8 + " float8_all_gather" * fp8_gather
+                             + " compiled_loss" * compiled_loss + " async_tp" * async_tp}
             cluster = dgx_cluster(d["gpu"], gpus)
             # As many micro-batches as pipeline ranks (torchtitan's default), none without a pipeline.
             pipeline = dict(micro_batch_size=local // pp, schedule=schedule, virtual_stages=virtual_stages,
@@ -313,7 +320,9 @@ def torchtitan_ratios(rows: list[dict]) -> list[dict]:
               "llama3-8b H100: per token and GPU, FSDP over 128 GPUs over 8"),
              (row("h100-4", "async_tp"), row("h100-4", "float8", without=("async_tp",)),
               "llama3-70b H100: AsyncTP over TP 8"),
-             (row("h100-5", "interleaved"), row("h100-5", "1f1b"), "llama3.1-405b H100: Interleaved 1F1B over 1F1B")]
+             (row("h100-5", "interleaved"), row("h100-5", "1f1b"), "llama3.1-405b H100: Interleaved 1F1B over 1F1B"),
+             (row("h200-trainy", "64xh200"), row("h200-trainy", "32xh200"),
+              "llama3-8b H200: per token and GPU, FSDP over 64 GPUs over 32")]
     pairs += [(row(group, f"cp{cp}"), row(group, "cp1"), f"{model} H100: per token, CP {cp} at "
                f"{row(group, f'cp{cp}')['seq_len']} over CP 1 at 32768")
               for group, model in (("h100-2", "llama3-8b"), ("h100-6", "llama3.1-405b")) for cp in (2, 4, 8)]

@@ -45,14 +45,14 @@ def test_hopper_s_default_efficiency_reproduces_mpt_s_a100_over_h100_step_time()
 
 def test_torchtitan_rows_are_asked_as_they_ran():
     rows = pt.torchtitan()
-    assert len(rows) == 26 and not [r for r in rows if "error" in r]
+    assert len(rows) == 28 and not [r for r in rows if "error" in r]
     # Tokens per step: the local batch on every FSDP rank (a CP, TP or PP group shares one), no accumulation.
     cp8 = next(r for r in rows if "cp8" in r["layout"])
     assert (cp8["tokens"], cp8["seq_len"]) == (262144, 262144)
     pp = next(r for r in rows if "pp8 1f1b b32" in r["layout"])
     assert "fsdp8 cp1 tp8" in pp["layout"] and pp["tokens"] == 32 * 8 * 8192
     ratios = {r["what"]: r for r in pt.torchtitan_ratios(rows)}
-    assert len(ratios) == 14 and all(r["predicted"] > 0 for r in ratios.values())
+    assert len(ratios) == 15 and all(r["predicted"] > 0 for r in ratios.values())
     # torchtitan's default split of Llama 3.1 405B's 126 layers: 8 stages of 15-16, or 16 of 7-8 (two a rank).
     assert pt.torchtitan_stage_layers(126, 8, 1) == [15, 16, 16, 16, 16, 16, 16, 15]
     assert pt.torchtitan_stage_layers(126, 8, 2) == [7 + 8, 8 + 8, 8 + 8, 8 + 8, 8 + 8, 8 + 8, 8 + 8, 8 + 7]
