@@ -47,7 +47,7 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
   (``--selective-recompute op``) and torchao's Float8 linears, which cast the weight at each GEMM
   (``--no-fp8-weight-cache``); Float8 is ``--fp8 current`` (tensorwise dynamic scaling), selective
   layer checkpointing (every other block) is ``full:K`` with K half the layers, context
-  parallelism is ``--cp``, AsyncTP is asked as ``--tp-comm-overlap``. Its pipelines split the
+  parallelism is ``--cp``, AsyncTP is ``--async-tp``. Its pipelines split the
   layers as torchtitan's ``generate_split_points`` does without given split points (two stages a
   rank for the interleaved schedule) and run as many micro-batches as pipeline ranks. memx has no
   torch.compile: a compiled row is asked with a fused norm only, so its other fusions count as
@@ -236,13 +236,13 @@ def torchtitan_stage_layers(num_layers: int, pp: int, virtual_stages: int) -> li
     return [sum(sizes[r::pp]) for r in range(pp)]
 
 
-def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_overlaps: bool = True) -> list[dict]:
+def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_as: str = "async_tp") -> list[dict]:
     """The rows of torchtitan_performance.csv with memx's estimate of each; with ``rated_power``,
     as if their GPUs ran at the board's rated power rather than the tables' 500 W limit; with
     ``as_megatron``, their loss under TP counted as Megatron's kernel and their FP8 weights as
     Transformer Engine keeps them (what memx counted before ``--torch-loss-parallel`` and
-    ``--no-fp8-weight-cache``); without ``async_tp_overlaps``, their AsyncTP rows asked without
-    ``--tp-comm-overlap``."""
+    ``--no-fp8-weight-cache``); ``async_tp_as``: their AsyncTP rows asked with ``--async-tp``,
+    ``--tp-comm-overlap`` (``userbuffers``: every TP collective hidden) or neither (``none``)."""
     rows = []
     with open(os.path.join(DATA, "torchtitan_performance.csv")) as f:
         for d in csv.DictReader(f):
@@ -259,7 +259,8 @@ def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_ov
             training = TrainingSpec(global_batch_size=local * dp, seq_len=seq, setup="torchtitan", fused_norm=compiled,
                                     eager_block=not compiled, fp8="current" if float8 else None,
                                     fp8_params=fp8_gather, fused_loss=compiled_loss,
-                                    tp_comm_overlap=async_tp and async_tp_overlaps)
+                                    async_tp=async_tp and async_tp_as == "async_tp",
+                                    tp_comm_overlap=async_tp and async_tp_as == "userbuffers")
             if as_megatron:
                 training = dataclasses.replace(training, torch_loss_parallel=tp == 1, fp8_weight_cache=True)
             recompute = {"none": "none", "full": "full", "selective_op": "selective",
@@ -384,10 +385,11 @@ def main() -> None:
     result["torchtitan"]["h100_at_rated_power"] = {**run_summary(rated), "by_table": by(rated, lambda r: r["group"]),
                                                    "predicted_over_measured": sorted(
                                                        round(r["time_s"] / r["real_time_s"], 3) for r in rated)}
-    # What --tp-comm-overlap (Megatron's userbuffers) credits torch's AsyncTP with: its rows asked without it.
-    result["torchtitan"]["async_tp_rows_without_overlap"] = {
-        r["layout"]: round(r["time_s"] / r["real_time_s"], 3) for r in torchtitan(async_tp_overlaps=False)
-        if "async_tp" in r["layout"]}
+    # What AsyncTP's overlap changes: its rows asked without any, and as Megatron's userbuffers (every pass hidden).
+    for priced in ("none", "userbuffers"):
+        result["torchtitan"][f"async_tp_rows_as_{priced}"] = {
+            r["layout"]: round(r["time_s"] / r["real_time_s"], 3) for r in torchtitan(async_tp_as=priced)
+            if "async_tp" in r["layout"]}
     # What counting torch's loss parallel and torchao's weight casts changed: the rows counted as Megatron's.
     result["torchtitan"]["reserved_memory_as_megatron"] = reserved_summary(torchtitan(as_megatron=True))
     result["seconds"] = round(time.perf_counter() - started, 1)

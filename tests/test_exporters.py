@@ -9,6 +9,7 @@ from memx_launch.planning.exporters import megatron_args, pipeline_layout, plan_
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
+from memx_launch.specs.training import TrainingSpec
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
 
@@ -232,7 +233,6 @@ def test_recompute_of_a_stages_first_k_layers_is_the_block_method():
 
 
 def test_megatron_flags_state_the_training_setup_of_the_plan():
-    from memx_launch.specs.training import TrainingSpec
     plan = make_plan(layers=(8, 24), recompute=("full", "full"), tp=2, dp=4)
     plan.training = TrainingSpec(setup="megatron").plan_fields()
     export = megatron_args(plan)
@@ -271,7 +271,6 @@ def test_heads_wider_than_hidden_over_heads_export_their_kv_channels(tmp_path):
 
 
 def test_activation_offloading_exports_megatron_s_cpu_offloading_where_megatron_core_takes_it():
-    from memx_launch.specs.training import TrainingSpec
 
     one_stage = make_plan(layers=(32,), recompute=("none",), devices=("vendor-y-64gb",))
     one_stage.training = TrainingSpec(setup="megatron", activation_offload_layers=8).plan_fields()
@@ -289,7 +288,6 @@ def test_activation_offloading_exports_megatron_s_cpu_offloading_where_megatron_
 
 def test_a_context_parallel_plan_builds_in_megatron_core():
     from memx_launch.planning.estimate import evaluate_layout
-    from memx_launch.specs.training import TrainingSpec
 
     cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
     training = TrainingSpec(global_batch_size=64, seq_len=16384, setup="megatron")
@@ -354,7 +352,6 @@ def test_megatron_node_order_puts_each_stage_on_consecutive_ranks():
 
 def test_bf16_distributed_optimizer_plan_exports_both_flags_and_the_model_shape():
     from memx_launch.planning.search import search
-    from memx_launch.specs.training import TrainingSpec
 
     model = get_model("llama2-7b")
     cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
@@ -461,6 +458,7 @@ TORCHTITAN_KEYS = {
     "training": {"local_batch_size": int, "global_batch_size": int, "seq_len": int, "mixed_precision_param": str},
     "parallelism": {"data_parallel_replicate_degree": int, "data_parallel_shard_degree": int,
                     "tensor_parallel_degree": int, "pipeline_parallel_degree": int, "disable_loss_parallel": bool,
+                    "enable_async_tensor_parallel": bool,
                     "pipeline_parallel_schedule": str, "pipeline_parallel_microbatch_size": int,
                     "pipeline_parallel_split_points": list},
     "activation_checkpoint": {"mode": str, "selective_ac_option": str},
@@ -518,6 +516,10 @@ def test_torchtitan_loss_under_tp_is_what_the_plan_counted_or_a_note_says_otherw
     assert not [n for n in _torchtitan(plan)[1] if "--no-fp8-weight-cache" in n or "AsyncTP" in n]
     plan.training = {"sequence_parallel": True, "tp_comm_overlap": True}
     assert [n for n in _torchtitan(plan)[1] if "AsyncTP" in n]
+    plan.training = TrainingSpec(setup="torchtitan", async_tp=True).plan_fields()  # what torchtitan runs
+    parsed, notes = _torchtitan(plan)
+    assert parsed["parallelism"]["enable_async_tensor_parallel"] is True
+    assert [n for n in notes if "compile" in n] and not [n for n in notes if "AsyncTP" in n or "loss parallel" in n]
 
 
 def test_torchtitan_refuses_per_stage_tp():

@@ -6,7 +6,7 @@ from one_node import A100, one_node
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
-from memx_launch.planning.matmuls import forward_backward_seconds, linear_shapes
+from memx_launch.planning.matmuls import forward_backward_seconds, linear_seconds, linear_shapes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -43,3 +43,30 @@ def test_overlap_needs_sequence_parallelism():
     with pytest.raises(ConfigError, match="--tp-comm-overlap: overlaps sequence parallelism.*--sequence-parallel"):
         TrainingSpec(tp_comm_overlap=True)
     TrainingSpec(tp_comm_overlap=True, sequence_parallel=True)
+
+
+def _async(cluster, async_tp, recompute=cm.NONE, tp=8):
+    training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="torchtitan", async_tp=async_tp)
+    return cm.AnalyticalCostModel(MODEL, cluster, training).layer_costs(0, tp, 1, 4096, recompute).time_s
+
+
+def test_torch_async_tp_hides_the_first_forward_s_collectives_only():
+    """torch's AsyncTP: the first forward's two all-reduces' worth of gathers and scatters behind its
+    GEMMs (all but the first chunk over NVLink), the backward's and the recompute's whole."""
+    fast = _cluster(300)
+    training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="torchtitan")
+    one = float(cm.AnalyticalCostModel(MODEL, fast, training).tp_allreduce_time(4096 * MODEL.hidden_size * 2, 0, 8))
+    for recompute in (cm.NONE, cm.FULL):  # the recompute's collectives are not hidden
+        assert _async(fast, False, recompute) - _async(fast, True, recompute) == pytest.approx(2 * one * 7 / 8,
+                                                                                               rel=1e-6)
+    # Less than Megatron's userbuffers hide (every pass's), more than nothing.
+    assert _layer(fast, True) < _async(fast, True) < _async(fast, False)
+    # Over a slow link the forward's GEMMs cannot cover it: what exceeds them stays.
+    slow = _cluster(5)
+    forward, _ = linear_seconds(4096, linear_shapes(MODEL, training, 8), 312e12 * 0.75, 2039e9, 108, 2)
+    assert _async(slow, False) - _async(slow, True) == pytest.approx(float(forward), rel=1e-6)
+    assert _async(fast, True, tp=1) == _async(fast, False, tp=1)
+    with pytest.raises(ConfigError, match="--async-tp.*--tp-comm-overlap"):
+        TrainingSpec(setup="torchtitan", async_tp=True, tp_comm_overlap=True)
+    with pytest.raises(ConfigError, match="--async-tp.*--sequence-parallel"):
+        TrainingSpec(async_tp=True)

@@ -82,6 +82,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "off; --setup scaling, torchtitan: on)"),
                        ("tp-comm-overlap", "Megatron's TP communication overlap (userbuffers, needs sequence "
                         "parallelism): TP collectives in chunks behind the linear GEMMs (default off)"),
+                       ("async-tp", "torch's AsyncTP (torchtitan's, needs sequence parallelism and compile): the "
+                        "first forward's TP collectives in chunks behind its GEMMs, the backward's whole (default off)"),
                        ("partitioned-sends", "DeepSpeed's pipeline sends: 1/TP per rank, all-gathered over TP on "
                         "receipt (default off)"),
                        ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32"),

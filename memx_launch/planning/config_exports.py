@@ -119,10 +119,11 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
                      f"the step under PP only (its pipeline schedules), which the plan's "
                      f"hold_gathered={spec.hold_gathered} does not say: plan with --hold-gathered pipelined to "
                      "predict it")
+    if tp > 1 and spec.async_tp:
+        notes.append("enable_async_tensor_parallel needs torchtitan's torch.compile: turn on [compile] enable")
     if tp > 1 and spec.tp_comm_overlap:
         notes.append("the plan hid every TP collective behind the GEMMs, as Megatron's userbuffers do; torchtitan's "
-                     "AsyncTP (enable_async_tensor_parallel, with compile) hides fewer: expect slower steps than "
-                     "planned (docs/setups.md, torchtitan at scale)")
+                     "AsyncTP hides the first forward's only: plan with --async-tp to predict it")
     if tp > 1 and spec.vocab_parallel_loss and not spec.torch_loss_parallel:
         notes.append("torchtitan's loss under TP is torch's loss parallel, 16 bytes per logit where the plan counted "
                      "Megatron's kernel's 8: plan with --setup torchtitan (or --torch-loss-parallel) to predict it")
@@ -145,7 +146,8 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         f"data_parallel_shard_degree = {plan.dp if sharded else 1}",
     ] + (['fsdp_reshard_after_forward = "never"'] if sharded and spec.hold_gathered == "weights" else []) + [
         f"tensor_parallel_degree = {tp}",
-    ] + (["disable_loss_parallel = true"] if tp > 1 and not spec.vocab_parallel_loss else []) + [
+    ] + (["disable_loss_parallel = true"] if tp > 1 and not spec.vocab_parallel_loss else []) + (
+        ["enable_async_tensor_parallel = true"] if tp > 1 and spec.async_tp else []) + [
         f"pipeline_parallel_degree = {plan.pp}",
     ] + ([f"context_parallel_degree = {plan.cp}"] if plan.cp > 1 else [])
     if plan.pp > 1:

@@ -45,7 +45,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
                        keep_stage_outputs=False, sp_keeps_gathered_input=False, fused_softmax=True,
                        softmax_in_fp32=False, fused_gate_up=True,
-                       fused_loss=False, tp_comm_overlap=False, partitioned_sends=False, fp32_allreduce=False,
+                       fused_loss=False, tp_comm_overlap=False, async_tp=False, partitioned_sends=False, fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,
                        hold_gathered="pipelined", eager_block=False, fp8_weight_cache=True)

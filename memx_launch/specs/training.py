@@ -173,6 +173,10 @@ class TrainingSpec:
     """Megatron's ``--tp-comm-overlap`` (Transformer Engine's userbuffers, with sequence
     parallelism): each TP all-gather and reduce-scatter runs in TP chunks behind the linear GEMM
     it feeds or follows. Default off."""
+    async_tp: bool | None = None
+    """torch's AsyncTP (torchtitan's ``enable_async_tensor_parallel``, with sequence parallelism and
+    compile): the first forward's TP all-gathers and reduce-scatters in chunks behind its GEMMs;
+    the backward's and a recompute's stay whole. Default off."""
     partitioned_sends: bool | None = None
     """DeepSpeed's pipeline sends (``pipeline.pipe_partitioned`` and ``grad_partitioned``, on by
     default there with TP): each TP rank sends 1/TP of the stage's activation or gradient and
@@ -381,6 +385,9 @@ class TrainingSpec:
         if self.torch_loss_parallel and not self.vocab_parallel_loss:
             raise ConfigError("--torch-loss-parallel", "is a vocab-parallel loss, and vocab_parallel_loss is off",
                               "drop --no-vocab-parallel-loss (or --torch-loss-parallel)")
+        if self.async_tp and (self.tp_comm_overlap or not self.sequence_parallel):
+            raise ConfigError("--async-tp", "micro-pipelines sequence parallelism's collectives, and --tp-comm-overlap "
+                              "hides them all", "add --sequence-parallel and drop --tp-comm-overlap")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("--tp-comm-overlap", "overlaps sequence parallelism's all-gathers and reduce-scatters",
                               "add --sequence-parallel (or use --setup megatron)")
