@@ -35,30 +35,29 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
   Engine's linears with delayed scaling, asked with ``--fp8 delayed``. Five of its layouts ran in
   BF16 too: the BF16 / FP8 step-time ratio, measured and predicted, is compared per pair.
 - torchtitan's performance tables (torchtitan_performance.csv): Llama 3 / 3.1 and Llama 2 with
-  FSDP2 on 64 A100-80GB, 8-512 H100-96GB (the H100 rows of its December 2024 benchmark: FSDP on
-  8 and 128 GPUs, FSDP + CP, FSDP + TP 8 with and without AsyncTP, FSDP + TP 8 + PP 8 with 1F1B
-  and interleaved 1F1B, and with CP) and 32-64 H200 (Trainy's June 2025 runs: FSDP with compile,
+  FSDP2 on 64 A100-80GB, 8-512 H100-96GB (the H100 rows of its December 2024 benchmark: FSDP on 8
+  and 128 GPUs, FSDP + CP, FSDP + TP 8 with and without AsyncTP, FSDP + TP 8 + PP 8 with 1F1B and
+  interleaved 1F1B, and with CP) and 32-64 H200 (Trainy's June 2025 runs: FSDP with compile,
   Float8 and its FP8 all-gather, asked with ``--fp8-params``; that torchtitan compiles the loss
-  with the blocks, asked as a fused loss, ``--fused-loss``), no gradient
-  accumulation outside a pipeline (the micro-batch is the local batch, the global batch local x
-  FSDP ranks). Every row is asked with ``--setup torchtitan``: FSDP2's mixed precision, TP's
-  sequence-parallel norms whose gathered output the linears keep, the loss on the vocabulary
-  shards with torch's loss parallel under TP, op-level selective checkpointing
-  (``--selective-recompute op``) and torchao's Float8 linears, which cast the weight at each GEMM
-  (``--no-fp8-weight-cache``); Float8 is ``--fp8 current`` (tensorwise dynamic scaling), selective
-  layer checkpointing (every other block) is ``full:K`` with K half the layers, context
-  parallelism is ``--cp``, AsyncTP is ``--async-tp``. Its pipelines split the
-  layers as torchtitan's ``generate_split_points`` does without given split points (two stages a
-  rank for the interleaved schedule) and run as many micro-batches as pipeline ranks. memx has no
-  torch.compile: a compiled row is asked with a fused norm only, so its other fusions count as
-  unfused. Ratios of two rows of one table (the policy, Float8, AsyncTP, the schedule, CP's time
-  per token) are compared measured against predicted, as the FP8 pairs. The H100 hosts ran at
-  "the default 500W power limit" of their 700 W boards (the tables' text;
-  ``benchmarks/common.py``); their rows are also predicted at the rated power
+  with the blocks, asked as a fused loss, ``--fused-loss``), no gradient accumulation outside a
+  pipeline (the micro-batch is the local batch, the global batch local x FSDP ranks). Every row is
+  asked with ``--setup torchtitan``: FSDP2's mixed precision, TP's sequence-parallel norms whose
+  gathered output the linears keep, the loss on the vocabulary shards with torch's loss parallel
+  under TP, op-level selective checkpointing (``--selective-recompute op``) and torchao's Float8
+  linears, which cast the weight at each GEMM (``--no-fp8-weight-cache``); Float8 is
+  ``--fp8 current`` (tensorwise dynamic scaling), selective layer checkpointing (every other block) is
+  ``full:K`` with K half the layers, context parallelism is ``--cp``, AsyncTP is ``--async-tp``.
+  Its pipelines split the layers as torchtitan's ``generate_split_points`` does without given
+  split points (two stages a rank for the interleaved schedule) and run as many micro-batches as
+  pipeline ranks. memx has no torch.compile: a compiled row is asked with a fused norm only, so
+  its other fusions count as unfused. Ratios of two rows of one table (the policy, Float8,
+  AsyncTP, the schedule, CP's time per token) are compared measured against predicted, as the FP8
+  pairs. The H100 hosts ran at "the default 500W power limit" of their 700 W boards (the tables'
+  text; ``benchmarks/common.py``); their rows are also predicted at the rated power
   (``h100_at_rated_power``), what counting the limit changed.
-  Memory: the H100 tables give the memory torchtitan logs, the caching allocator's peak reserve
-  (its ``DeviceMemoryMonitor``: ``reserved_bytes.all.peak``, without NCCL's buffers and the CUDA
-  context; the largest over the ranks); ``reserved_memory`` holds memx's peak less the
+  Memory: the H100 and H200 tables give the memory torchtitan logs, the caching allocator's peak
+  reserve (its ``DeviceMemoryMonitor``: ``reserved_bytes.all.peak``, without NCCL's buffers and
+  the CUDA context; the largest over the ranks); ``reserved_memory`` holds memx's peak less the
   communicators' buffers and the context (``CONTEXT_GIB``) against it, and
   ``reserved_memory_as_megatron`` the same with the loss and the FP8 weights counted as Megatron
   and Transformer Engine keep them.

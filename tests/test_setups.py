@@ -46,6 +46,7 @@ def test_explicit_fields_win_over_the_preset():
     assert cm.model_state_bytes_per_param(titan, 8) == cm.model_state_bytes_per_param(fsdp2, 8)
     assert (titan.vocab_parallel_loss, titan.torch_loss_parallel, titan.sp_keeps_gathered_input,
             titan.fp8_weight_cache, titan.selective_recompute) == (True, True, True, False, "op")
+    assert titan.eager_block and not titan.fused_norm  # torchtitan without torch.compile, its default
     assert TrainingSpec(**titan.plan_fields()) == titan
     assert TrainingSpec(**TrainingSpec(setup="torchtitan").plan_fields()).fp8_weight_cache is False
 

@@ -83,7 +83,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("tp-comm-overlap", "Megatron's TP communication overlap (userbuffers, needs sequence "
                         "parallelism): TP collectives in chunks behind the linear GEMMs (default off)"),
                        ("async-tp", "torch's AsyncTP (torchtitan's, needs sequence parallelism and compile): the "
-                        "first forward's TP collectives in chunks behind its GEMMs, the backward's whole (default off)"),
+                        "first forward's TP collectives in chunks behind its GEMMs, the backward's whole "
+                        "(default off)"),
                        ("partitioned-sends", "DeepSpeed's pipeline sends: 1/TP per rank, all-gathered over TP on "
                         "receipt (default off)"),
                        ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32"),
@@ -130,7 +131,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "16-bit copy, gathered over DP in one byte (default off)")
     p.add_argument("--fp8-weight-cache", "--fp8_weight_cache", action=argparse.BooleanOptionalAction, default=None,
                    help="with --fp8/--fp4: each linear keeps its quantized weight copies between micro-batches "
-                        "(Transformer Engine); off: cast at each GEMM (torchao's Float8Linear; default on; --setup torchtitan: off)")
+                        "(Transformer Engine); off: cast at each GEMM (torchao's Float8Linear; default on; "
+                        "--setup torchtitan: off)")
     p.add_argument("--optimizer-offload", "--optimizer_offload", action=argparse.BooleanOptionalAction,
                    default=None, help="optimizer on the host (ZeRO-Offload): no master weights or moments on the "
                    "GPU, gradients and weights over PCIe each step (default off)")
@@ -171,7 +173,7 @@ BLOCK_OPTIONS = {
     "softmax_in_fp32": "torch's softmax on an fp32 copy of the scores (default off)",
     "dropout": "hidden dropout on: its masks are kept for the backward (default off)",
     "attention_dropout": "dropout on the attention probabilities (default off)",
-    "fused_norm": "fused RMSNorm/LayerNorm kernel (default on)",
+    "fused_norm": "fused RMSNorm/LayerNorm kernel (default on; --setup torchtitan: off)",
     "eager_block": "each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): "
                    f"the host's time per layer is their count at {EAGER_OP_HOST_S * 1e6:g} us each, not a fused "
                    f"block's {FUSED_BLOCK_HOST_S * 1e3:g} ms (default off; on in every --setup but megatron)",

@@ -55,8 +55,8 @@ def _precision_notes(plan: Plan, target: str) -> list[str]:
                                   f": {target}'s config does not; swap the model's linears for Transformer Engine's"))
         if target == "torchtitan" and tr.get("fp8_weight_cache", True):
             notes.append("torchtitan's float8 linears cast their weights at each GEMM and keep no copies between "
-                         "micro-batches, which the plan counted: plan with --setup torchtitan (or --no-fp8-weight-cache) "
-                         "to predict it")
+                         "micro-batches, which the plan counted: plan with --setup torchtitan (or "
+                         "--no-fp8-weight-cache) to predict it")
     if plan.model_spec.mtp_layers:
         notes.append(f"the plan counts {plan.model_spec.mtp_layers} multi-token prediction module(s) on the last "
                      f"stage: build them in {target}'s model, or plan the model without them")

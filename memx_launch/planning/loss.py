@@ -35,16 +35,15 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     bytes in fp32 (the log-softmax kept for the backward, and in the backward the zeroed
     gradient, exp of the log-softmax and their sum at once; tests/test_loss.py measures it), 4 x
     the training dtype when the loss runs in it; at TP 1 it is torch's cross entropy. Torch's
-    cross entropy on gathered logits
-    (every TP rank holds the whole vocabulary): the logits, the fp32 log-softmax kept for the
-    backward, and in the backward the gradient nll_loss writes and the one log_softmax's
-    backward writes from it (the ``.float()`` copy is freed after the forward): d + 12, 14 bytes
-    in 16 bits, 16 in fp32 (as measured, tests/test_costmodel.py), or 3 x the training dtype
-    when the loss runs in it. A fused cross entropy kernel keeps the 16-bit logits and their
-    gradient: 2 x the dtype. Each multi-token prediction module keeps logits of its own for its
-    loss. Counted beside a block's backward working set: they take turns in allocated memory,
-    but the measured runs' peaks keep both (docs/setups.md, "The loss beside the blocks'
-    working set").
+    cross entropy on gathered logits (every TP rank holds the whole vocabulary): the logits, the
+    fp32 log-softmax kept for the backward, and in the backward the gradient nll_loss writes and
+    the one log_softmax's backward writes from it (the ``.float()`` copy is freed after the
+    forward): d + 12, 14 bytes in 16 bits, 16 in fp32 (as measured, tests/test_costmodel.py), or
+    3 x the training dtype when the loss runs in it. A fused cross entropy kernel keeps the
+    16-bit logits and their gradient: 2 x the dtype. Each multi-token prediction module keeps
+    logits of its own for its loss. Counted beside a block's backward working set: they take
+    turns in allocated memory, but the measured runs' peaks keep both (docs/setups.md, "The loss
+    beside the blocks' working set").
     """
     tr = training or TrainingSpec()
     d = tr.dtype_bytes

@@ -385,9 +385,12 @@ class TrainingSpec:
         if self.torch_loss_parallel and not self.vocab_parallel_loss:
             raise ConfigError("--torch-loss-parallel", "is a vocab-parallel loss, and vocab_parallel_loss is off",
                               "drop --no-vocab-parallel-loss (or --torch-loss-parallel)")
-        if self.async_tp and (self.tp_comm_overlap or not self.sequence_parallel):
-            raise ConfigError("--async-tp", "micro-pipelines sequence parallelism's collectives, and --tp-comm-overlap "
-                              "hides them all", "add --sequence-parallel and drop --tp-comm-overlap")
+        if self.async_tp and self.tp_comm_overlap:
+            raise ConfigError("--async-tp", "and --tp-comm-overlap both hide TP collectives",
+                              "keep --async-tp for torch's AsyncTP or --tp-comm-overlap for Megatron's")
+        if self.async_tp and not self.sequence_parallel:
+            raise ConfigError("--async-tp", "micro-pipelines sequence parallelism's gathers and scatters",
+                              "add --sequence-parallel (or use --setup torchtitan)")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("--tp-comm-overlap", "overlaps sequence parallelism's all-gathers and reduce-scatters",
                               "add --sequence-parallel (or use --setup megatron)")
