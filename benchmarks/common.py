@@ -47,8 +47,7 @@ GPUS = {
 }
 # Per GPU: one 400 Gb/s NIC (ConnectX-7), 800 Gb/s on GB300 and B300 (ConnectX-8).
 INTER_NODE_GBPS = {"a100_80gb": 25, "a100_40gb": 25, "h100_80gb": 50, "h100_96gb": 50, "h200": 50, "b200": 50,
-                   "gb200": 50,
-                   "gb300": 100, "b300": 100}
+                   "gb200": 50, "gb300": 100, "b300": 100}
 # GPUs one NVLink domain holds: 8 in a DGX or HGX node; an NVL72 rack's NVLink switches join 72, of which
 # a job of 64-GPU multiples is taken to use 64 (16 of its 18 compute trays).
 NVLINK_DOMAIN = {"gb200": 64, "gb300": 64}

@@ -42,11 +42,9 @@ def test_matmul_rates_time_the_three_precisions():
 
 
 def test_stream_bandwidth_times_a_copy_and_a_triad():
-    from benchmarks.gpu_check import stream_bandwidth
+    from benchmarks.gpu_check import datasheet_gbps, stream_bandwidth
 
     rates = stream_bandwidth(device="cpu", mib=8, repeats=2)
     assert set(rates) == {"copy_gbps", "triad_gbps"} and all(r > 0 for r in rates.values())
-    from benchmarks.gpu_check import datasheet_gbps
-
     assert (datasheet_gbps("NVIDIA H200"), datasheet_gbps("NVIDIA H100 80GB HBM3"), datasheet_gbps("NVIDIA L4")) \
         == (4800, 3350, None)

@@ -93,6 +93,13 @@ def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None, 
 # --------------------------------------------------------------------------- time
 
 
+def chunked_behind(comm_s, gemm_s, tp):
+    """Seconds of TP collectives split into TP chunks that run behind the GEMMs they feed or follow
+    (Megatron's userbuffers, torch's AsyncTP): the first chunk waits, and whatever the GEMMs
+    cannot cover."""
+    return np.maximum(comm_s - gemm_s, comm_s / np.maximum(tp, 1.0))
+
+
 # Fused attention's backward recomputes the scores: five s x s matmuls against the forward's
 # two, 2.5 x its FLOPs where the other matmuls take 2 x (Dao 2023, section 3.2).
 FUSED_ATTENTION_BACKWARD = 2.5
@@ -289,12 +296,11 @@ class AnalyticalCostModel:
         allreduces = self.tp_allreduces(recompute)
         comm_s = allreduces * self.tp_allreduce_time(hidden_bytes, device, tp)
         if tr.async_tp:
-            # torch's AsyncTP micro-pipelines the first forward's gathers and scatters behind its GEMMs, the first
-            # chunk waiting; the backward's and a recompute's stay whole (its authors measured about 20% on the
-            # forward and 8% end to end on Llama 3 70B).
+            # torch's AsyncTP micro-pipelines the first forward's gathers and scatters behind its GEMMs; the
+            # backward's and a recompute's stay whole (its authors measured about 20% on the forward and 8%
+            # end to end on Llama 3 70B).
             forward = comm_s * self._forward_tp_allreduces / allreduces
-            comm_s = comm_s - np.minimum(forward - forward / np.maximum(tp, 1.0),
-                                         linear_forward_s * self._slowdown[device])
+            comm_s = comm_s - forward + chunked_behind(forward, linear_forward_s * self._slowdown[device], tp)
         expert_tp_s = 0.0
         if self.model.num_experts:  # dispatch and combine; a fully recomputed forward runs its two again
             moe_again = host_time.moe_forward_again(self.model, tr, recompute)
@@ -304,10 +310,8 @@ class AnalyticalCostModel:
                 exchange_s = np.maximum(exchange_s - (compute_s + memory_s) * self._slowdown[device], 0.0)
             comm_s = comm_s + exchange_s
             expert_tp_s = self.expert_tp_seconds(tokens, tp, device) * (1.0 + 0.5 * moe_again)
-        if tr.tp_comm_overlap:
-            # Userbuffers split each collective into TP chunks behind the linear GEMMs it feeds or
-            # follows: the first chunk waits, and whatever the GEMMs cannot cover.
-            comm_s = np.maximum(comm_s - linear_s * self._slowdown[device], comm_s / np.maximum(tp, 1.0))
+        if tr.tp_comm_overlap:  # Megatron's userbuffers: every pass's collectives behind its linear GEMMs
+            comm_s = chunked_behind(comm_s, linear_s * self._slowdown[device], tp)
         comm_s = comm_s + expert_tp_s  # the experts' own gathers: no userbuffers, nothing overlaps them
         device_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
         # A MoE layer's experts and exchanges forward: what its host issues after waiting for the device.
@@ -365,13 +369,14 @@ class AnalyticalCostModel:
         tr, recompute = self.training, np.asarray(recompute)
         op_level = (recompute == SELECTIVE) & (tr.selective_recompute == "op")
         again = np.select([recompute == FULL, op_level], [1.0, 0.5 if tr.sequence_parallel else 1.0], 0.0)
-        if self.model.parallel_blocks or self.model.layer_kind:  # one all-reduce each way
-            return 2.0 + again
-        return 4.0 + 2.0 * again + (1.0 if self.model.gated_mlp and not tr.fused_gate_up else 0.0)
+        forward = self._forward_tp_allreduces
+        separate_gate_up = forward == 2.0 and self.model.gated_mlp and not tr.fused_gate_up
+        return forward * (2.0 + again) + (1.0 if separate_gate_up else 0.0)
 
     @property
     def _forward_tp_allreduces(self) -> float:
-        """Of :meth:`tp_allreduces`, the first forward's: one each for attention and the MLP."""
+        """Of :meth:`tp_allreduces`, the first forward's: one each for attention and the MLP, one
+        for parallel blocks (one shared input) and a hybrid model's layer."""
         return 1.0 if self.model.parallel_blocks or self.model.layer_kind else 2.0
 
     def expert_tp_seconds(self, tokens, tp, device) -> np.ndarray:

@@ -84,6 +84,12 @@ def block_forward_share(model: ModelSpec, training: TrainingSpec) -> float:
     return forward / (forward + backward)
 
 
+def moe_op_seconds(model: ModelSpec, training: TrainingSpec, block_s) -> np.ndarray:
+    """The host's seconds per eager op of a MoE layer, at the speed its block's ``block_s`` says
+    the host issues at (:data:`EAGER_OP_HOST_S` where the block takes its default time)."""
+    return EAGER_OP_HOST_S * block_s / default_block_host_seconds(model, training)
+
+
 def layer_host_seconds(model: ModelSpec, training: TrainingSpec, block_s, recompute) -> np.ndarray:
     """Seconds the host takes to issue one layer at each ``recompute`` level, its block taking
     ``block_s`` (its forward's share again where the forward runs again: full or op-level
@@ -96,8 +102,7 @@ def layer_host_seconds(model: ModelSpec, training: TrainingSpec, block_s, recomp
     seconds = block_s * np.where((recompute == FULL) | op_level, 1.0 + forward_share, 1.0)
     if model.num_experts:
         again = moe_forward_again(model, training, recompute)
-        host_scale = block_s / default_block_host_seconds(model, training)
-        seconds = seconds + experts.host_ops(model, training, again) * EAGER_OP_HOST_S * host_scale
+        seconds = seconds + experts.host_ops(model, training, again) * moe_op_seconds(model, training, block_s)
     return seconds
 
 
@@ -115,7 +120,7 @@ def issued_layer_seconds(model: ModelSpec, training: TrainingSpec, block_s, reco
     host_s = layer_host_seconds(model, training, block_s, recompute)
     if not model.num_experts:
         return np.maximum(device_s, host_s)
-    op_s = EAGER_OP_HOST_S * block_s / default_block_host_seconds(model, training)
+    op_s = moe_op_seconds(model, training, block_s)
     before_wait, after_wait = (ops * op_s for ops in experts.forward_host_ops(model, training))
     host_forward = block_forward_share(model, training) * block_s + before_wait + after_wait
     device_forward = device_s / 3.0

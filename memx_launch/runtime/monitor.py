@@ -12,9 +12,10 @@ allocator's slack, the runtime's context and the communicators' buffers):
   allocator's peak reserve (``torch.cuda.max_memory_reserved``) and what the process holds
   outside the allocator (the CUDA/HIP context, NCCL's buffers: the device's used memory less the
   allocator's current reserve and other processes'). Other processes' memory comes from
-  nvidia-ml-py (its process list, read at most once a second) where it lists this process; inside a container's PID namespace the driver lists
-  the host's PIDs (nvidia-docker#1483), so no entry can be told to be another's, and none is
-  subtracted (memx runs one rank per device). The capacity is the device total less other processes' memory.
+  nvidia-ml-py (its process list, read at most once a second) where it lists this process;
+  inside a container's PID namespace the driver lists the host's PIDs (nvidia-docker#1483), so
+  no entry can be told to be another's, and none is subtracted (memx runs one rank per device).
+  The capacity is the device total less other processes' memory.
 - Emulated CPU devices (profiling/emulation.py): the emulation's exact live-tensor count against
   its capacity (an emulated type's plan counts nothing else). Plain CPU without emulation has no
   capacity to watch and is not supported (process RSS misses freed-but-mapped blocks, and the
