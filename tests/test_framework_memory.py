@@ -1,6 +1,6 @@
 """Memory terms of what a framework keeps beyond Korthikanti's per-layer tensors: sequence
 parallelism that keeps gathered inputs, unfused attention's backward working set, pipeline
-buffers that keep stage outputs and the previous micro-batch's logits."""
+buffers that keep stage outputs and the previous micro-batch's logits, torch's receive buffers."""
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from memx_launch.planning import schedules
 from memx_launch.planning.loss import LOSS_BYTES_PER_LOGIT, logits_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.peaks import SUSTAINED_HBM_SHARE, hbm_gbps
-from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
+from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes, torch_receive_buffer_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, TrainingSpec
@@ -63,6 +63,44 @@ def test_kept_stage_outputs_and_the_previous_logits():
     assert vocab_parallel[-1] == kept[-1] / T
     single = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight[:1], 1)
     assert single[-1] == 0  # one micro-batch: no previous logits
+
+
+def test_torch_receive_buffers_beyond_the_inputs_in_flight():
+    b, pp, g = 2, 4, 8
+    boundary = b * S * H * 2
+    torch_stages = TrainingSpec(torch_pipelining=True)
+    inflight = schedules.inflight_microbatches(np.arange(pp), pp, g)  # 4, 3, 2, 1
+    buffers = torch_receive_buffer_bytes(MODEL, torch_stages, b, S, T, inflight, g)
+    # (inputs not in flight + gradient buffers) per stage: the first receives no input, the last no gradient
+    assert list(buffers / boundary) == pytest.approx([0 + 8, 5 + 8, 6 + 8, 7 + 0])
+    # Two chunks a rank: twice the buffers, the first chunk's input and the last chunk's gradient excepted.
+    two = schedules.inflight_microbatches(np.arange(pp), pp, g, 2)
+    chunks = torch_receive_buffer_bytes(MODEL, torch_stages, b, S, T, two, g, 2)
+    idle = 1 - two / g
+    assert list(chunks / boundary) == pytest.approx([8 * idle[0] + 16, 16 * idle[1] + 16, 16 * idle[2] + 16,
+                                                      16 * idle[3] + 8])
+    sequence_parallel = torch_receive_buffer_bytes(MODEL, TrainingSpec(torch_pipelining=True, sequence_parallel=True),
+                                                   b, S, T, inflight, g)
+    assert list(sequence_parallel) == pytest.approx(list(buffers / T))  # each TP rank's 1/T of the sequence
+    assert not torch_receive_buffer_bytes(MODEL, TrainingSpec(), b, S, T, inflight, g).any()
+    assert not torch_receive_buffer_bytes(MODEL, torch_stages, b, S, T, inflight[:1], g).any()  # no pipeline
+
+
+def test_torch_receive_buffers_are_the_estimate_s_pipeline_part():
+    cluster = ClusterSpec.from_dict({
+        "version": 1, "device_types": {"a100": {"vendor": "nvidia", "memory_gib": 79.3, "peak_tflops": 312,
+                                                "memory_bandwidth_gbps": 2039}},
+        "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300}], "inter_node_gbps": 25})
+    plans = {on: evaluate_layout(MODEL, cluster, TrainingSpec(global_batch_size=16, seq_len=4096, torch_pipelining=on),
+                                 tp=2, pp=4, dp=1, micro_batch_size=1) for on in (False, True)}
+    g = plans[True].num_microbatches
+    inflight = schedules.inflight_microbatches(np.arange(4), 4, g)
+    buffers = torch_receive_buffer_bytes(MODEL, TrainingSpec(torch_pipelining=True), 1, 4096, 2, inflight, g)
+    for stage, off, on in zip(range(4), plans[False].stages, plans[True].stages):
+        assert on.memory_parts_gib["pipeline_buffers"] - off.memory_parts_gib["pipeline_buffers"] == pytest.approx(
+            buffers[stage] / 2**30)
+        assert on.predicted_peak_memory_gib - off.predicted_peak_memory_gib == pytest.approx(buffers[stage] / 2**30,
+                                                                                             abs=0.01)
 
 
 def test_the_scaling_setup_turns_a_fit_into_an_oom():

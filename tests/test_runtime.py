@@ -4,15 +4,18 @@ single-process reference."""
 import gc
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from memx_launch.models.llama import LlamaStage
+from memx_launch.planning.pipeline_buffers import torch_receive_buffer_bytes
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.runtime.batches import default_loss as loss_fn
 from memx_launch.profiling.emulation import GIB, MIN_SLEEP_S, EmulatedDevice, EmulatedOutOfMemoryError
 from memx_launch.runtime.layout import chunks_by_stage, rank_layout
 from memx_launch.specs.catalog import get_model
+from memx_launch.specs.training import TrainingSpec
 from ranks import spawn_ranks
 
 SPEC = get_model("llama-tiny")
@@ -197,7 +200,10 @@ def _worker(rank, port, cases, queue):
             # torch's schedules keep the last stage's outputs (the logits) unless told not to.
             stages = getattr(runtime.schedule, "_stages", None) or [runtime.schedule._stage]
             held = sum(len(stage.output_chunks) for stage in stages)
-            results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads, units, compute, held))
+            received = [info.buffer for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
+                        for chunk in table.values() for info in chunk if getattr(info, "buffer", None) is not None]
+            buffers = sum(buffer.numel() * buffer.element_size() for buffer in received)
+            results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads, units, compute, held, buffers))
     finally:
         queue.put((rank, results))
         dist.destroy_process_group()
@@ -244,8 +250,15 @@ def test_pipelines_match_the_single_process_reference():
         ref_loss, ref_grads = _reference(plan)
         covered = set()
         for rank in range(4):
-            losses, stage_peaks, grads, units, compute, held_outputs = results[rank][i]
+            losses, stage_peaks, grads, units, compute, held_outputs, buffer_bytes = results[rank][i]
             assert held_outputs == 0, (name, rank)
+            # torch's stages keep a receive buffer per micro-batch and chunk, as memx counts them
+            # (with no micro-batch in flight: none of them counted among the activations)
+            stage = plan.stage_of_rank(rank)[0]
+            training = TrainingSpec(**{**plan.training, "dtype": "fp32", "torch_pipelining": True})
+            counted = torch_receive_buffer_bytes(SPEC, training, plan.micro_batch_size, plan.seq_len, plan.tp,
+                                                 np.zeros(plan.pp), plan.num_microbatches, plan.virtual_stages)
+            assert buffer_bytes == counted[stage] and (buffer_bytes > 0) == (plan.pp > 1), (name, rank)
             sharded = plan.dp > 1 and (cases[i][1] == "fsdp" or (cases[i][1] == "auto" and plan.tp > 1))
             assert units and all(units) == sharded and any(units) == sharded, (name, rank)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank)

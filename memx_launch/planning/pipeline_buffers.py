@@ -11,10 +11,25 @@ from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
 
+def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight, num_microbatches,
+                          virtual_stages: int = 1) -> np.ndarray:
+    """Per stage, the pipeline engine's buffers beyond the layers: :func:`kept_stage_output_bytes`
+    and :func:`torch_receive_buffer_bytes`."""
+    return (kept_stage_output_bytes(model, training, mbs, seq, tp, inflight, num_microbatches)
+            + torch_receive_buffer_bytes(model, training, mbs, seq, tp, inflight, num_microbatches, virtual_stages))
+
+
+def _boundary_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, shape) -> np.ndarray:
+    """A stage boundary's hidden state (b s h; each TP rank's 1/TP of it with sequence parallelism)."""
+    tp = np.broadcast_to(np.asarray(tp, dtype=np.float64), shape)  # one degree or one per stage
+    mbs = np.broadcast_to(np.asarray(mbs, dtype=np.float64), shape)
+    return mbs * seq * model.hidden_size * training.dtype_bytes / (tp if training.sequence_parallel else 1.0)
+
+
 def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight,
                             num_microbatches) -> np.ndarray:
-    """Per stage (``tp`` and ``mbs``: one value or one per stage): what a pipeline engine that keeps its buffers (``keep_stage_outputs``) holds
-    beyond the layers. Every stage but the last keeps each in-flight micro-batch's output hidden
+    """Per stage (``tp`` and ``mbs``: one value or one per stage): what a pipeline engine that
+    keeps its buffers (``keep_stage_outputs``) holds beyond the layers. Every stage but the last keeps each in-flight micro-batch's output hidden
     state (b s h, over TP with sequence parallelism) until its gradient returns; Megatron frees
     that data once sent (Korthikanti et al. 2022, appendix B). The last stage writes each
     micro-batch's logits into one of two buffers and never empties them, so while one
@@ -25,10 +40,31 @@ def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, 
     out = np.zeros(inflight.shape)
     if not tr.keep_stage_outputs:
         return out
-    tp = np.broadcast_to(np.asarray(tp, dtype=np.float64), inflight.shape)  # one degree or one per stage
-    mbs = np.broadcast_to(np.asarray(mbs, dtype=np.float64), inflight.shape)
-    hidden = mbs * seq * model.hidden_size * tr.dtype_bytes / (tp if tr.sequence_parallel else np.ones_like(tp))
+    hidden = _boundary_bytes(model, tr, mbs, seq, tp, inflight.shape)
     out[:-1] = inflight[:-1] * hidden[:-1]
     if num_microbatches > 1:
-        out[-1] = tr.dtype_bytes * mbs[-1] * seq * model.output_vocab / (tp[-1] if tr.vocab_parallel_loss else 1)
+        last_tp = np.broadcast_to(np.asarray(tp, dtype=np.float64), inflight.shape)[-1]
+        last_mbs = np.broadcast_to(np.asarray(mbs, dtype=np.float64), inflight.shape)[-1]
+        out[-1] = tr.dtype_bytes * last_mbs * seq * model.output_vocab / (last_tp if tr.vocab_parallel_loss else 1)
     return out
+
+
+def torch_receive_buffer_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight, num_microbatches,
+                               virtual_stages: int = 1) -> np.ndarray:
+    """Per stage, what torch's pipeline stages (``torch_pipelining``) allocate beyond the layers:
+    each of a rank's ``virtual_stages`` model chunks allocates, at its first step, one receive
+    buffer per micro-batch for its input (all but the pipeline's first chunk) and one for its
+    output's gradient (all but the last), and keeps them for the job (torch 2.13's
+    ``PipelineStage``: ``args_recv_info`` and ``grad_recv_info``). A received input is the
+    activation its chunk's first layer keeps, counted with the layers while its micro-batch is in
+    flight; the rest of the input buffers and every gradient buffer are counted here."""
+    inflight = np.asarray(inflight, dtype=np.float64)
+    pp, g = inflight.shape[0], float(num_microbatches)
+    if not training.torch_pipelining or pp == 1:
+        return np.zeros(inflight.shape)
+    inputs = np.full(pp, virtual_stages * g)
+    grads = inputs.copy()
+    inputs[0] -= g
+    grads[-1] -= g
+    idle_inputs = inputs * (1.0 - np.minimum(inflight, g) / g)
+    return (idle_inputs + grads) * _boundary_bytes(model, training, mbs, seq, tp, inflight.shape)

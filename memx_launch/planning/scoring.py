@@ -18,7 +18,7 @@ from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.collectives import collective_sm_share, overlapped_exposed_seconds
 from memx_launch.planning.matmuls import device_sms
-from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes
+from memx_launch.planning.pipeline_buffers import pipeline_buffer_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
@@ -129,7 +129,7 @@ class Evaluator:
         kind_states = [layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained, pp)
                        + quantized_state_bytes(kind, tr, tp, pp)[0] for kind in extra_blocks.other_kinds(m)]
         fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight),
-                       kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g),
+                       pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v),
                        cm.fully_sharded_working_bytes(m, tr, tp, layout.dp_cp, pp), quantized_working,
                        self.overhead[device], layout.communicators * self.communicator_bytes[device])
         edge_t = self._edge_time(layout, device, local, seq_rank)
@@ -305,7 +305,7 @@ class Evaluator:
         embedding_out[-1] += extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq_rank)
         logits = np.zeros(pp)
         logits[-1] = logits_bytes(m, last_mbs, seq_rank, last, tr)
-        pipeline = kept_stage_output_bytes(m, tr, local, seq_rank, tp, inflight, g)
+        pipeline = pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v)
         replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
         by_replica = []
         kinds, counts = extra_blocks.other_kinds(m), extra_blocks.kind_counts(m, pp, layers[0], v)

@@ -19,12 +19,12 @@ SETUPS: dict[str, dict] = {
                 ddp_bucket_copy=True, eager_block=True),
     # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
     # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing,
-    # torchao's FP8 linears, which cast their weights at each GEMM, and without torch.compile (its
-    # default) blocks and RMSNorms of eager ops.
+    # torchao's FP8 linears, which cast their weights at each GEMM, without torch.compile (its
+    # default) blocks and RMSNorms of eager ops, and torch's pipeline stages.
     "torchtitan": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", sequence_parallel=True,
                        sp_keeps_gathered_input=True, vocab_parallel_loss=True, torch_loss_parallel=True,
                        overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True, fused_norm=False,
-                       selective_recompute="op", fp8_weight_cache=False),
+                       selective_recompute="op", fp8_weight_cache=False, torch_pipelining=True),
     # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
     # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
@@ -42,12 +42,11 @@ SETUPS: dict[str, dict] = {
 # What an option left unset (None) takes when the setup does not set it either.
 OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
-                       loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False, fused_norm=True,
-                       overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
-                       keep_stage_outputs=False, sp_keeps_gathered_input=False, fused_softmax=True,
-                       softmax_in_fp32=False, fused_gate_up=True,
-                       fused_loss=False, tp_comm_overlap=False, async_tp=False, partitioned_sends=False,
-                       fp32_allreduce=False,
+                       loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False,
+                       fused_norm=True, overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
+                       keep_stage_outputs=False, torch_pipelining=False, sp_keeps_gathered_input=False,
+                       fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True, fused_loss=False,
+                       tp_comm_overlap=False, async_tp=False, partitioned_sends=False, fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,
                        hold_gathered="pipelined", eager_block=False, fp8_weight_cache=True)

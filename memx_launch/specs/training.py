@@ -135,6 +135,11 @@ class TrainingSpec:
     returns, and its last stage keeps the previous micro-batch's logits in its second buffer
     (DeepSpeed-style buffers, Aleph Alpha's scaling). Off: Megatron frees an output's data once
     sent (Korthikanti et al. 2022, appendix B). Default off."""
+    torch_pipelining: bool | None = None
+    """The pipeline runs under ``torch.distributed.pipelining`` (memx-run, torchtitan): each stage
+    allocates once, and keeps for the job, a receive buffer per micro-batch and model chunk for its
+    input (every stage but the first) and for its output's gradient (every stage but the last).
+    Default off (``torchtitan``: on)."""
     fused_softmax: bool | None = None
     """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
     softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
