@@ -157,7 +157,8 @@ class MemxCallback(pl.Callback):
         # Lightning's DDP keeps torch's default gradient_as_bucket_view=False: a copy of the gradients;
         # the user's module runs as eager ops.
         training = TrainingSpec(global_batch_size=batch * accumulation * trainer.world_size, seq_len=spec.seq_len,
-                                dtype=self.dtype, ddp_bucket_copy=True, eager_block=True)
+                                dtype=self.dtype, ddp_bucket_copy=True, eager_block=True,
+                                weights_dtype=_weights_dtype(str(trainer.precision)))
         root = trainer.default_root_dir
         db = self.profile_db or os.path.join(root, "memx-profiles.jsonl")
         if os.path.exists(db) and dist.is_initialized():  # every rank must agree: a fresh profile per fit
@@ -349,6 +350,12 @@ def _checkpointed(block: torch.nn.Module, on: bool) -> None:
                                          block)
     elif not on:
         block.__dict__.pop("forward", None)
+
+
+def _weights_dtype(precision: str) -> str | None:
+    """memx's weights_dtype of a Lightning precision setting: "-mixed" is autocast over fp32
+    weights (None: the training dtype's, "-true")."""
+    return "fp32" if precision.endswith("-mixed") else None
 
 
 def _dtype(precision: str) -> str:

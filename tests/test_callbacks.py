@@ -47,10 +47,14 @@ def _decision(k=2, n=8, mbs=8):
 
 
 def test_the_trainers_precision_is_what_is_planned_for():
-    from memx_callbacks.memx import _dtype
+    from memx_callbacks.memx import _dtype, _weights_dtype
+    from memx_launch.specs.training import TrainingSpec
 
-    assert [_dtype(p) for p in ("bf16-mixed", "bf16-true", "16-mixed", "32-true", "64-true")] == \
-        ["bf16", "bf16", "fp16", "fp32", "fp32"]
+    settings = ("bf16-mixed", "bf16-true", "16-mixed", "32-true", "64-true")
+    assert [_dtype(p) for p in settings] == ["bf16", "bf16", "fp16", "fp32", "fp32"]
+    # "-mixed" is autocast over fp32 weights: fp32 hidden states, a cast kept per linear
+    assert [TrainingSpec(dtype=_dtype(p), weights_dtype=_weights_dtype(p)).autocast for p in settings] == \
+        [True, False, True, False, False]
 
 
 def test_the_fewest_checkpointed_blocks_that_fit():

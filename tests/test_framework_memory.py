@@ -2,6 +2,8 @@
 parallelism that keeps gathered inputs, unfused attention's backward working set, pipeline
 buffers that keep stage outputs and the previous micro-batch's logits, torch's receive buffers."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, TrainingSpec
 
 S, H, T = 8192, 5120, 4
 MODEL = get_model("llama2-13b")
+HF_LLAMA = os.path.join(os.path.dirname(__file__), "..", "examples", "models", "hf-llama-tiny")
 
 
 def test_sequence_parallel_that_keeps_gathered_inputs_splits_only_the_norm_inputs():
@@ -82,6 +85,9 @@ def test_torch_receive_buffers_beyond_the_inputs_in_flight():
     sequence_parallel = torch_receive_buffer_bytes(MODEL, TrainingSpec(torch_pipelining=True, sequence_parallel=True),
                                                    b, S, T, inflight, g)
     assert list(sequence_parallel) == pytest.approx(list(buffers / T))  # each TP rank's 1/T of the sequence
+    autocast = torch_receive_buffer_bytes(MODEL, TrainingSpec(torch_pipelining=True, weights_dtype="fp32"),
+                                          b, S, T, inflight, g)
+    assert list(autocast) == pytest.approx(list(2 * buffers))  # fp32 hidden states over fp32 weights
     assert not torch_receive_buffer_bytes(MODEL, TrainingSpec(), b, S, T, inflight, g).any()
     assert not torch_receive_buffer_bytes(MODEL, torch_stages, b, S, T, inflight[:1], g).any()  # no pipeline
 
@@ -123,14 +129,16 @@ def test_the_scaling_setup_turns_a_fit_into_an_oom():
 # --------------------------------------------------------------------------- recompute of K of n layers
 
 
-def saved_storage_bytes(forward, owned=()) -> int:
+def saved_storage_bytes(forward, owned=(), skip_shapes=()) -> int:
     """Bytes of the storages autograd saves for the backward while ``forward()`` runs, each once,
-    less those of ``owned`` tensors (inputs and parameters the caller holds anyway)."""
+    less those of ``owned`` tensors (inputs and parameters the caller holds anyway) and of saved
+    tensors shaped as one of ``skip_shapes`` (autocast's weight casts)."""
     import torch
 
     saved = {}
     def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if tuple(t.shape) not in skip_shapes:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward()
@@ -444,6 +452,45 @@ def test_what_autograd_saves_for_memx_block_is_the_activation_model(head_dim):
         model = float(cm.activation_bytes(spec, 1, seq, 1, cm.RECOMPUTE_LEVELS.index(level), 2, True,
                                           fused_norm=False).activation_bytes)
         assert kept == pytest.approx(model + cpu_extra, rel=0.01), level
+
+
+def test_autocast_over_fp32_weights_keeps_fp32_norm_inputs_and_a_cast_per_linear():
+    """Hugging Face's LlamaDecoderLayer in bf16 on CPU, under autocast over fp32 weights (DDP's,
+    Lightning's "bf16-mixed", memx-run's) and on bf16 weights, what autograd saves measured with
+    saved-tensor hooks: autocast keeps 10 bytes more per element (each norm's fp32 input and
+    normalised tensor, a 16-bit cast per linear: q, k, v, gate and up), as ``activation_bytes``
+    counts it. Its parameters, their casts and the rotary tables (shared by the layers) aside; the
+    layer's input counts, as the first norm keeps it under autocast."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig.from_pretrained(HF_LLAMA)
+    config._attn_implementation = "sdpa"
+    spec, b, seq = get_model(HF_LLAMA), 2, 256
+    kept = {}
+    for autocast in (False, True):
+        dtype = torch.float32 if autocast else torch.bfloat16
+        layer = LlamaDecoderLayer(config, 0).to(dtype)
+        x = torch.randn(b, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+        weights = {tuple(p.shape[::k]) for p in layer.parameters() for k in (1, -1)}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            rotary = LlamaRotaryEmbedding(config)(x, torch.arange(seq)[None])
+            kept[autocast] = saved_storage_bytes(lambda: layer(x, position_embeddings=rotary, attention_mask=None),
+                                                 owned=(*layer.parameters(), *rotary), skip_shapes=weights)
+    counted = {autocast: float(cm.activation_bytes(spec, b, seq, 1, cm.NONE, 2, True, fused_norm=False,
+                                                   autocast=autocast, fused_gate_up=False).activation_bytes)
+               for autocast in (False, True)}
+    assert kept[True] - kept[False] == counted[True] - counted[False] == 10 * b * seq * config.hidden_size
+    # memx-run's own stages hand on an fp32 hidden state under autocast: its pipeline sends and buffers
+    from memx_launch.models.llama import LlamaStage
+    stage = LlamaStage(get_model("llama-tiny"), 1, first=True, last=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert stage(torch.zeros(1, 8, dtype=torch.long)).dtype == torch.float32
+    runtime = TrainingSpec(dtype="bf16", weights_dtype="fp32")
+    assert runtime.autocast and runtime.residual_bytes == 4
+    assert not TrainingSpec(dtype="bf16", weights_dtype="fp32", fully_sharded=True).autocast  # 16-bit gathers
 
 
 def test_what_autograd_saves_for_torch_softmax_attention_is_the_model():

@@ -78,9 +78,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("fused-activation", "the MLP's activation as one kernel keeping only its input: SwiGLU's "
                         "silu(gate) not kept (Megatron's fusion; default off; --setup megatron: on)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
-                       ("torch-pipelining", "torch.distributed.pipelining's stages: a receive buffer per "
+                       ("torch-pipelining", "torch.distributed.pipelining's own stages: a receive buffer per "
                         "micro-batch for each stage's input and its output's gradient, kept for the job (default "
-                        "off; --setup torchtitan and memx-run: on)"),
+                        "off; --setup torchtitan: on)"),
                        ("sp-keeps-gathered-input", "sequence parallel linears keep their all-gathered input (default "
                         "off; --setup scaling, torchtitan: on)"),
                        ("tp-comm-overlap", "Megatron's TP communication overlap (userbuffers, needs sequence "

@@ -32,7 +32,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      attention_dropout: bool = False, sp_keeps_gathered_input: bool = False,
                      fused_softmax: bool = True, softmax_in_fp32: bool = False, quantized_bytes=None,
                      op_selective: bool = False, fused_activation: bool = False,
-                     recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1) -> LayerCost:
+                     recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1,
+                     autocast: bool = False, fused_gate_up: bool = True) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -70,6 +71,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
         take ``quantized_bytes`` per element: the two normed tensors, the attention output and
         the MLP's down-projection input
+      ``autocast`` (16-bit compute by torch.autocast over fp32 weights: DDP, memx-run): the
+        residual stream stays fp32, so each norm keeps an fp32 input (torch ops: that input and
+        an fp32 normalised tensor, 4 + 4), and every linear that reads a normed tensor keeps its
+        own 16-bit cast of it (:func:`autocast_extra_casts` more than one per norm); full
+        recompute keeps the fp32 block input, and the backward's residual gradients are fp32
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate). In latent
     attention it is Megatron's ``mla_up_proj``: the up projections and RoPE run again from the
@@ -92,14 +98,16 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     f = model.ffn_hidden_size if model.has_mlp else 0
     scale = dtype_bytes / 2.0
     sbh = seq * mbs * h * scale
-    # Each norm keeps what its backward reads: a fused kernel its input (d bytes), torch ops the fp32
-    # copy and the result. Parallel blocks: one norm, whose output both attention and MLP read;
-    # sandwich norms (post_norms): two more, on the attention's and the MLP's outputs.
-    normalised = 4.0 if model.norm_weight_in_fp32 else dtype_bytes  # the torch-op norm's kept product
-    per_norm = 2.0 if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
+    # Each norm keeps what its backward reads: a fused kernel its input (d bytes; fp32 under
+    # autocast), torch ops the fp32 copy and the result. Parallel blocks: one norm, whose output
+    # both attention and MLP read; sandwich norms (post_norms): two more, on the attention's and the MLP's outputs.
+    residual = 4.0 if autocast else dtype_bytes
+    normalised = 4.0 if model.norm_weight_in_fp32 or autocast else dtype_bytes  # the torch-op norm's kept product
+    per_norm = 2.0 * residual / dtype_bytes if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
     norms = per_norm * model.norms_per_block
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
-    linear_inputs = 2.0 * model.pre_norms_per_block * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
+    normed_copies = model.pre_norms_per_block + (autocast_extra_casts(model, fused_gate_up) if autocast else 0)
+    linear_inputs = 2.0 * normed_copies * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     heads_qkv = (2.0 * q + 4.0 * kv) / h / tp
     latent = 2.0 * (2.0 * model.q_lora_rank + 2.0 * model.kv_lora_rank + model.rope_head_dim) / h
@@ -127,7 +135,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
     mixer = mamba.kept_units(model, tp, fp8_share) + gated_deltanet.kept_units(model, tp, fp8_share)
     none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise + mixer
-    block_input = 2.0 / (tp if sequence_parallel else 1.0)  # what full recompute keeps
+    block_input = 2.0 * residual / dtype_bytes / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
                           if op_selective else (replicated + qkv + qk_norms + attn_out + mlp_kept + mixer, 0.0))
     # Megatron's named modules (latent attention's default: mla_up_proj) instead of memx's selective.
@@ -146,9 +154,19 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
     # 16-bit copy of the probabilities.
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
-    working = (recomputed + 4.0 + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
+    working = (recomputed + 4.0 * residual / dtype_bytes + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
                + mamba.working_units(model, tp, dtype_bytes) + gated_deltanet.working_units(model, tp, dtype_bytes))
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
+
+
+def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool) -> int:
+    """Under autocast, the 16-bit casts of normed tensors a block's linears keep beyond one per
+    norm: each linear casts its own input. The attention's q, k and v projections read it as
+    three linears, as Hugging Face's and memx-run's blocks build them (latent attention's two
+    down projections), the MLP's gate and up as two unless fused (GELU's fc1, a mixture's router: one)."""
+    attention = (2 if model.kv_lora_rank else 3) if model.has_attention else 0
+    mlp = (2 if model.gated_mlp and not fused_gate_up and not model.num_experts else 1) if model.has_mlp else 0
+    return max(attention + mlp - model.pre_norms_per_block, 0)
 
 
 def selective_modules(model: ModelSpec, training) -> tuple[str, ...]:

@@ -238,7 +238,8 @@ class AnalyticalCostModel:
                                self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
                                tr.softmax_in_fp32, tr.quantized_linears and self._linear_bytes, op_policy,
-                               tr.fused_activation, tr.recompute_modules, tr.expert_tensor_parallel)
+                               tr.fused_activation, tr.recompute_modules, tr.expert_tensor_parallel,
+                               tr.autocast, tr.fused_gate_up)
         mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
         tokens = mbs_a * seq_a

@@ -20,10 +20,11 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp
 
 
 def _boundary_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, shape) -> np.ndarray:
-    """A stage boundary's hidden state (b s h; each TP rank's 1/TP of it with sequence parallelism)."""
+    """A stage boundary's hidden state (b s h, fp32 under autocast; each TP rank's 1/TP of it with
+    sequence parallelism)."""
     tp = np.broadcast_to(np.asarray(tp, dtype=np.float64), shape)  # one degree or one per stage
     mbs = np.broadcast_to(np.asarray(mbs, dtype=np.float64), shape)
-    return mbs * seq * model.hidden_size * training.dtype_bytes / (tp if training.sequence_parallel else 1.0)
+    return mbs * seq * model.hidden_size * training.residual_bytes / (tp if training.sequence_parallel else 1.0)
 
 
 def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight,

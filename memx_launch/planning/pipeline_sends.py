@@ -46,9 +46,10 @@ def edge_micro_batch(layout: Layout, mbs: int):
 
 
 def edge_hidden_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, mbs: int, seq: int):
-    """Hidden-state bytes a rank sends per micro-batch over each edge (:func:`edge_micro_batch`), whole
-    between stages of different TP (a resharding sender, as Sailor's); a CP rank's seq / cp tokens.
-    With sequence parallelism each TP rank sends its own 1/TP of the sequence to its peer of the
-    next stage (Megatron's pipeline tensor shapes: ``seq_length // tp``)."""
-    nbytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.dtype_bytes
+    """Hidden-state bytes (fp32 under autocast) a rank sends per micro-batch over each edge
+    (:func:`edge_micro_batch`), whole between stages of different TP (a resharding sender, as
+    Sailor's); a CP rank's seq / cp tokens. With sequence parallelism each TP rank sends its own
+    1/TP of the sequence to its peer of the next stage (Megatron's pipeline tensor shapes:
+    ``seq_length // tp``)."""
+    nbytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.residual_bytes
     return nbytes / layout.tp if training.sequence_parallel and layout.uniform_tp else nbytes

@@ -178,7 +178,7 @@ class Evaluator:
         first_mbs, last_mbs = _ends(local, pp)
         out = np.zeros(pp)
         out[0] += (m.embedding_params / first * first_bpp
-                   + inflight[0] * first_mbs * seq * m.hidden_size * tr.dtype_bytes)
+                   + inflight[0] * first_mbs * seq * m.hidden_size * tr.residual_bytes)
         out[-1] += (cm.last_stage_params(m, pp) / last * last_bpp + logits_bytes(m, last_mbs, seq, last, tr)
                     + extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq))
         return out
@@ -301,7 +301,7 @@ class Evaluator:
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, layout.dp_cp, pp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
         embedding_out = np.zeros(pp)
-        embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.dtype_bytes
+        embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.residual_bytes
         embedding_out[-1] += extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq_rank)
         logits = np.zeros(pp)
         logits[-1] = logits_bytes(m, last_mbs, seq_rank, last, tr)

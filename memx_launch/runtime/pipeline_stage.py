@@ -1,7 +1,7 @@
 """torch's PipelineStage with memx's links between stages: stages of different TP degree, and
 stages on different communication domains (each transfer between domains takes the bridge,
 staged through host memory: runtime/communication.py); its forward and backward chunks timed
-(runtime/stage_clock.py)."""
+(runtime/stage_clock.py); its receive buffers held only while their micro-batch needs them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._utils import _DTensorMeta, _StageBackwardMeta, _StageForwardMeta, _TensorMeta
-from torch.distributed.pipelining.stage import InferenceMode
+from torch.distributed.pipelining._utils import (_DTensorMeta, _make_tensor_from_meta, _StageBackwardMeta,
+                                                 _StageForwardMeta, _TensorMeta)
+from torch.distributed.pipelining.stage import InferenceMode, _RecvInfo
 
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.communication import Communicator
@@ -69,9 +70,29 @@ forward and backward run inside a span of ``clock``."""
         with self.clock.span():
             return super().forward_one_chunk(*args, **kwargs)
 
-    def backward_one_chunk(self, *args, **kwargs):
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
         with self.clock.span():
-            return super().backward_one_chunk(*args, **kwargs)
+            result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        for info in (*self.args_recv_info.get(bwd_chunk_id, ()), *self.grad_recv_info.get(bwd_chunk_id, ())):
+            if not info.is_root_arg:
+                info.buffer = None  # the micro-batch is done: its input and gradient go back to the allocator
+        return result
+
+    # ---- receive buffers: torch allocates one per micro-batch for the stage's input and one for its
+    # output's gradient when the schedule first runs, and keeps them all for the job (2 x G stage
+    # boundaries). Here each is allocated when its receive is posted and let go after its backward.
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        super()._setup_forward_recv_info(1, has_backward)  # one micro-batch's, its buffer dropped below
+        self.args_recv_info = {chunk: tuple(_unallocated(info) for info in self.args_recv_info[0])
+                               for chunk in range(num_microbatches)}
+
+    def _create_grad_recv_info(self, act_send_info: dict) -> tuple:
+        return tuple(_unallocated(info) for info in super()._create_grad_recv_info(act_send_info))
+
+    def _allocate(self, recv_infos) -> None:
+        for info in recv_infos:
+            if not info.is_root_arg and info.tensor_meta is not None and info.buffer is None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
 
     def backward_weight_one_chunk(self, *args, **kwargs):
         with self.clock.span():
@@ -91,9 +112,11 @@ forward and backward run inside a span of ``clock``."""
         return dist.P2POp(op.op, host, peer, group)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        self._allocate(self.args_recv_info[fwd_chunk_id])
         return [self._op(op, self.links.fwd_in, True) for op in super().get_fwd_recv_ops(fwd_chunk_id)]
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        self._allocate(self.grad_recv_info[bwd_chunk_id])
         return [self._op(op, self.links.bwd_in, True) for op in super().get_bwd_recv_ops(bwd_chunk_id)]
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
@@ -149,6 +172,13 @@ forward and backward run inside a span of ``clock``."""
         group = self.links.groups[peer]
         with self.communicator.on_host():
             return decode_meta(recv_json(peer, group, self._meta_device(group)), peer)
+
+
+def _unallocated(info: _RecvInfo) -> _RecvInfo:
+    """``info`` without a buffer (a root argument has none)."""
+    if info.is_root_arg:
+        return info
+    return _RecvInfo(info.input_name, info.source, None, info.tensor_meta)
 
 
 def encode_meta(meta) -> dict:

@@ -136,10 +136,10 @@ class TrainingSpec:
     (DeepSpeed-style buffers, Aleph Alpha's scaling). Off: Megatron frees an output's data once
     sent (Korthikanti et al. 2022, appendix B). Default off."""
     torch_pipelining: bool | None = None
-    """The pipeline runs under ``torch.distributed.pipelining`` (memx-run, torchtitan): each stage
-    allocates once, and keeps for the job, a receive buffer per micro-batch and model chunk for its
-    input (every stage but the first) and for its output's gradient (every stage but the last).
-    Default off (``torchtitan``: on)."""
+    """The pipeline runs on torch's own ``PipelineStage`` (torchtitan): each stage allocates once,
+    and keeps for the job, a receive buffer per micro-batch and model chunk for its input (every
+    stage but the first) and for its output's gradient (every stage but the last); memx-run's
+    stages let each go after its micro-batch's backward. Default off (``torchtitan``: on)."""
     fused_softmax: bool | None = None
     """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
     softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
@@ -411,6 +411,18 @@ class TrainingSpec:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def autocast(self) -> bool:
+        """16-bit compute by ``torch.autocast`` over fp32 weights (``weights_dtype`` fp32, not fully
+        sharded: DDP, memx-run; a fully sharded run gathers its weights in 16 bits instead)."""
+        return self.weights_dtype == "fp32" and not self.fully_sharded and self.dtype_bytes < 4
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the hidden state between blocks and stages: fp32 under autocast,
+        where the embedding and the residual adds keep the weights' precision, else the training dtype."""
+        return 4 if self.autocast else self.dtype_bytes
 
     def precision_bytes(self, name: str) -> int:
         """Bytes per element of ``weights_dtype``, ``grad_dtype`` or ``loss_dtype``."""
