@@ -9,6 +9,7 @@ start, more than most of these tests take to train."""
 import importlib.util
 import os
 import random
+import signal
 import socket
 import sys
 import tempfile
@@ -46,6 +47,16 @@ def _ephemeral_ports_start() -> int:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768  # Linux's default
+
+
+def finished(run, last_line: str) -> bool:
+    """Whether a one-rank script run directly (not under memx-run) finished: exit 0, or the abort
+    of pytorch/pytorch#179291 after it printed ``last_line``: torch.distributed's threads may end
+    a process in its C++ teardown, after Python is done ("terminate called without an active
+    exception"), which memx-run's workers avoid by ending with os._exit (runtime/process_exit.py)."""
+    aborted = run.returncode == -signal.SIGABRT and run.stderr.rstrip().endswith(
+        "terminate called without an active exception")
+    return run.returncode == 0 or (aborted and last_line in run.stdout)
 
 
 def one_rank_env(plan_path) -> dict:

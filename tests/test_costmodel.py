@@ -189,3 +189,27 @@ def test_heads_wider_than_hidden_over_heads_widen_attention_not_the_residual_str
     # the norms' inputs and the MLP's are not.
     kept = [float(cm.activation_bytes(m, 1, 4096, 1, cm.NONE).activation_bytes) for m in (narrow, wide)]
     assert kept[1] - kept[0] == pytest.approx(4096 * 2 * (1 + 1 + 2) * (4096 - 3072), rel=1e-9)
+
+
+def test_a_checkpoint_that_stops_early_skips_the_last_linear_and_its_collective():
+    """``checkpoint_early_stop`` (torch's non-reentrant checkpoint): a full recompute skips the
+    block's last linear and the TP collective after it (half an all-reduce with SP, a reduce-
+    scatter); the other levels and a mixture of experts' blocks are as before."""
+    from memx_launch.specs.cluster import ClusterSpec
+
+    cluster = ClusterSpec.from_dict({"version": 1, "device_types": {"h100": {
+        "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989, "memory_bandwidth_gbps": 3350}},
+        "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}]})
+    model = get_model("llama2-7b")
+    levels = np.array([cm.NONE, cm.SELECTIVE, cm.FULL])
+    def costs(spec=model, **options):
+        costed = cm.AnalyticalCostModel(spec, cluster, TrainingSpec(**options))
+        time = costed.layer_costs(np.zeros(3, int), np.full(3, 4), np.ones(3), np.full(3, 4096), levels).time_s
+        return costed.tp_allreduces(levels), time
+    (whole, whole_s), (stops, stops_s) = costs(), costs(checkpoint_early_stop=True)
+    assert list(whole - stops) == [0, 0, 1] and list(whole_s[:2]) == list(stops_s[:2])
+    assert 0 < whole_s[2] - stops_s[2] < whole_s[2] - whole_s[0]  # less than the whole recompute
+    sp_whole, sp_stops = costs(sequence_parallel=True)[0], costs(sequence_parallel=True, checkpoint_early_stop=True)[0]
+    assert list(sp_whole - sp_stops) == [0, 0, 0.5]
+    mixture = get_model("mixtral-8x7b")
+    assert list(costs(mixture)[0]) == list(costs(mixture, checkpoint_early_stop=True)[0])

@@ -480,7 +480,8 @@ def test_autocast_over_fp32_weights_keeps_fp32_norm_inputs_and_a_cast_per_linear
             kept[autocast] = saved_storage_bytes(lambda: layer(x, position_embeddings=rotary, attention_mask=None),
                                                  owned=(*layer.parameters(), *rotary), skip_shapes=weights)
     counted = {autocast: float(cm.activation_bytes(spec, b, seq, 1, cm.NONE, 2, True, fused_norm=False,
-                                                   autocast=autocast, fused_gate_up=False).activation_bytes)
+                                                   autocast=autocast, fused_gate_up=False,
+                                                   fused_qkv=False).activation_bytes)
                for autocast in (False, True)}
     assert kept[True] - kept[False] == counted[True] - counted[False] == 10 * b * seq * config.hidden_size
     # memx-run's own stages hand on an fp32 hidden state under autocast: its pipeline sends and buffers

@@ -97,6 +97,29 @@ def test_recompute_levels_really_drop_saved_activations():
     assert saved["none"] > saved["selective"] > saved["full"]
 
 
+def test_full_recompute_stops_before_the_block_s_last_linear():
+    """torch's non-reentrant checkpoint stops its recompute once the block's last saved tensor is
+    back, the input of its last linear: the matmul FLOPs the backward adds under full recompute
+    are the forward's less that linear's, the last of memx's ``linear_shapes``
+    (``--checkpoint-early-stop``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from memx_launch.planning.matmuls import linear_shapes
+    from memx_launch.specs.training import TrainingSpec
+
+    x = torch.randn(2, 64, SPEC.hidden_size, requires_grad=True)
+    flops = {}
+    for level in ("none", "full"):
+        block = TransformerBlock(SPEC, level)
+        with FlopCounterMode(display=False) as forward:
+            y = block(x)
+        with FlopCounterMode(display=False) as backward:
+            y.sum().backward()
+        flops[level] = (forward.get_total_flops(), backward.get_total_flops())
+    n, k = linear_shapes(SPEC, TrainingSpec(fused_gate_up=False), 1)[-1]
+    assert (n, k) == (SPEC.hidden_size, SPEC.ffn_hidden_size)  # the MLP's down projection
+    assert flops["full"][1] - flops["none"][1] == flops["none"][0] - 2 * x.shape[0] * x.shape[1] * n * k
+
+
 def test_full_k_checkpoints_the_first_k_blocks_and_no_others():
     """A stage's ``full:K`` text: the first K blocks keep only their input, the rest everything.
     Measured: the bytes autograd saves sit exactly K/N of the way from "none" to "full"."""

@@ -80,7 +80,7 @@ def one_process_losses() -> dict[int, float]:
     data and optimizer steps as under any plan of the drill (fp32: a split or a recompute level
     only reorders sums), so the reference of every memx-run test here and in test_signals.py."""
     from memx_launch.specs.catalog import get_model
-    from ranks import one_rank_env
+    from ranks import finished, one_rank_env
     from test_adapters import make_plan
 
     spec = get_model("llama-tiny")
@@ -90,7 +90,7 @@ def one_process_losses() -> dict[int, float]:
         run = subprocess.run([sys.executable, TRAIN, "--model", "llama-tiny", "--steps", str(REFERENCE_STEPS),
                               "--synthetic"], cwd=tmp, env=one_rank_env(os.path.join(tmp, "plan.json")),
                              capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert finished(run, "done: "), run.stderr[-3000:]
     reference = dict(losses(run.stdout))
     assert sorted(reference) == list(range(1, REFERENCE_STEPS + 1)), run.stdout[-2000:]
     return reference

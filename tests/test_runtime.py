@@ -330,3 +330,45 @@ def test_fsdp_gathers_16_bit_training_s_weights_in_16_bits_and_reduces_in_fp32()
     assert fsdp_mixed_precision("fp16").param_dtype == torch.float16
     fp32 = fsdp_mixed_precision("fp32")
     assert (fp32.param_dtype, fp32.reduce_dtype) == (None, None)
+
+
+def _tp_collectives_worker(rank, port, queue):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        mesh, counts = init_device_mesh("cpu", (2,)), {}
+        for level in ("none", "selective", "full"):
+            block = apply_tensor_parallel(TransformerBlock(SPEC, level), mesh)
+            x = torch.randn(1, 16, SPEC.hidden_size, requires_grad=True)
+            with CommDebugMode() as comm:
+                block(x).sum().backward()
+            counts[level] = comm.get_total_counts()
+        queue.put((rank, counts))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_memx_run_s_tp_blocks_all_reduce_as_counted():
+    """memx-run's TP plan (DTensor, a ColwiseParallel for each of q, k, v, gate and up): torch's
+    CommDebugMode counts two all-reduces forward and five backward per block, and one more forward
+    under full recompute, what memx counts as memx-run plans (``--no-fused-qkv --no-fused-gate-up
+    --checkpoint-early-stop``)."""
+    from memx_launch.planning import costmodel as cm
+    from memx_launch.specs.cluster import ClusterSpec
+
+    counts = spawn_ranks(_tp_collectives_worker, 2, timeout=120)[0]
+    cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
+                                                 "cpu-emulated.yaml"))
+    def counted(**options):
+        model = cm.AnalyticalCostModel(SPEC, cluster, TrainingSpec(**options))
+        return [float(model.tp_allreduces(level)) for level in (cm.NONE, cm.SELECTIVE, cm.FULL)]
+    # full recompute: torch's non-reentrant checkpoint stops before the MLP's output all-reduce
+    assert [counts[level] for level in ("none", "selective", "full")] == [7, 7, 8] == counted(
+        fused_qkv=False, fused_gate_up=False, checkpoint_early_stop=True)
+    assert counted() == [4, 4, 6]  # Megatron's fused linear_qkv and linear_fc1, its whole forward again

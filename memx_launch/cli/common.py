@@ -71,13 +71,18 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("torch-loss-parallel", "the vocab-parallel loss in torch's ops (DTensor's loss_parallel(), "
                         "torchtitan's under TP): 16 bytes per logit where Megatron's holds 8 (default off; --setup "
                         "torchtitan: on)"),
-                       ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce "
-                        "(default on; --setup scaling: off)"),
+                       ("fused-gate-up", "SwiGLU gate and up as one TP linear: one backward all-reduce, one "
+                        "autocast cast kept (default on; --setup scaling, ddp and memx-run: off)"),
+                       ("fused-qkv", "q, k and v as one TP linear: one backward all-reduce, one autocast cast kept "
+                        "(default on; --setup ddp and memx-run: off)"),
                        ("overlap-expert-comm", "a mixture of experts' all-to-alls behind another micro-batch's "
                         "compute (Megatron's --overlap-moe-expert-parallel-comm; default off)"),
                        ("fused-activation", "the MLP's activation as one kernel keeping only its input: SwiGLU's "
                         "silu(gate) not kept (Megatron's fusion; default off; --setup megatron: on)"),
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
+                       ("checkpoint-early-stop", "full recompute stops at the block's last saved tensor "
+                        "(torch's non-reentrant checkpoint): its last linear and TP collective not run again "
+                        "(default off; --setup torchtitan and memx-run: on)"),
                        ("torch-pipelining", "torch.distributed.pipelining's own stages: a receive buffer per "
                         "micro-batch for each stage's input and its output's gradient, kept for the job (default "
                         "off; --setup torchtitan: on)"),

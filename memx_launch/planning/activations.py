@@ -33,7 +33,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      fused_softmax: bool = True, softmax_in_fp32: bool = False, quantized_bytes=None,
                      op_selective: bool = False, fused_activation: bool = False,
                      recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1,
-                     autocast: bool = False, fused_gate_up: bool = True) -> LayerCost:
+                     autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -74,7 +74,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       ``autocast`` (16-bit compute by torch.autocast over fp32 weights: DDP, memx-run): the
         residual stream stays fp32, so each norm keeps an fp32 input (torch ops: that input and
         an fp32 normalised tensor, 4 + 4), and every linear that reads a normed tensor keeps its
-        own 16-bit cast of it (:func:`autocast_extra_casts` more than one per norm); full
+        own 16-bit cast of it (:func:`autocast_extra_casts`: more than one per norm with separate
+        q, k and v or gate and up linears); full
         recompute keeps the fp32 block input, and the backward's residual gradients are fp32
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate). In latent
@@ -106,7 +107,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     per_norm = 2.0 * residual / dtype_bytes if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
     norms = per_norm * model.norms_per_block
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
-    normed_copies = model.pre_norms_per_block + (autocast_extra_casts(model, fused_gate_up) if autocast else 0)
+    normed_copies = model.pre_norms_per_block + (autocast_extra_casts(model, fused_gate_up, fused_qkv) if autocast else 0)
     linear_inputs = 2.0 * normed_copies * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     heads_qkv = (2.0 * q + 4.0 * kv) / h / tp
@@ -159,12 +160,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
-def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool) -> int:
+def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool, fused_qkv: bool) -> int:
     """Under autocast, the 16-bit casts of normed tensors a block's linears keep beyond one per
     norm: each linear casts its own input. The attention's q, k and v projections read it as
-    three linears, as Hugging Face's and memx-run's blocks build them (latent attention's two
-    down projections), the MLP's gate and up as two unless fused (GELU's fc1, a mixture's router: one)."""
-    attention = (2 if model.kv_lora_rank else 3) if model.has_attention else 0
+    three linears unless fused (latent attention's two down projections), the MLP's gate and up
+    as two unless fused (GELU's fc1, a mixture's router: one)."""
+    attention = (2 if model.kv_lora_rank else 1 if fused_qkv else 3) if model.has_attention else 0
     mlp = (2 if model.gated_mlp and not fused_gate_up and not model.num_experts else 1) if model.has_mlp else 0
     return max(attention + mlp - model.pre_norms_per_block, 0)
 

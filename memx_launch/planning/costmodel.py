@@ -239,7 +239,7 @@ class AnalyticalCostModel:
                                tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
                                tr.softmax_in_fp32, tr.quantized_linears and self._linear_bytes, op_policy,
                                tr.fused_activation, tr.recompute_modules, tr.expert_tensor_parallel,
-                               tr.autocast, tr.fused_gate_up)
+                               tr.autocast, tr.fused_gate_up, tr.fused_qkv)
         mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
         tokens = mbs_a * seq_a
@@ -267,8 +267,10 @@ class AnalyticalCostModel:
                                                           for n, k in mlp_shapes(self.model, tr, tp))
         whole_moe = "moe" in modules and bool(self.model.num_experts)
         selective_linear_s = selective_linear_s + (expert_forward_s if whole_moe else 0.0)
+        # torch's non-reentrant checkpoint stops a full recompute at the input of the block's last linear.
+        last_s = gemm_seconds(tokens, *shapes[-1], *gemm) if self._early_stop else 0.0
         linear_s = linear_s + np.select([recompute == FULL, op_level, recompute == SELECTIVE],
-                                        [linear_forward_s, op_again_s, selective_linear_s], 0.0)
+                                        [linear_forward_s - last_s, op_again_s, selective_linear_s], 0.0)
         # The attention core (QK^T and AV, causal half): what full recompute, and a selective one of it, run again.
         attn_core_flops = causal_attention_flops(self.model, mbs_a, seq_a, tp)
         # The op-level policy keeps the fused kernel's output: it runs attention again only unfused.
@@ -362,17 +364,28 @@ class AnalyticalCostModel:
 
     def tp_allreduces(self, recompute) -> np.ndarray:
         """All-reduces of a block's hidden states over TP per micro-batch: two of its output forward,
-        two of the column-parallel linears' input gradients backward (three with separate gate
-        and up linears), two more when the full block is recomputed; op-level recompute gathers
-        the SP inputs again (half an all-reduce each) or without SP runs the forward ones again.
+        two of the column-parallel linears' input gradients backward (one more with separate gate
+        and up linears, two more with separate q, k and v), two more when the full block is
+        recomputed (one fewer, half with SP, where torch's checkpoint stops before the last);
+        op-level recompute gathers the SP inputs again (half an all-reduce each) or without SP
+        runs the forward ones again.
         Parallel blocks sum attention's and the MLP's before one each way (one shared input), as a
         hybrid model's layer (attention, MLP or Mamba) has one each way."""
         tr, recompute = self.training, np.asarray(recompute)
         op_level = (recompute == SELECTIVE) & (tr.selective_recompute == "op")
         again = np.select([recompute == FULL, op_level], [1.0, 0.5 if tr.sequence_parallel else 1.0], 0.0)
         forward = self._forward_tp_allreduces
-        separate_gate_up = forward == 2.0 and self.model.gated_mlp and not tr.fused_gate_up
-        return forward * (2.0 + again) + (1.0 if separate_gate_up else 0.0)
+        m, block = self.model, forward == 2.0  # a block's separate column-parallel linears reduce apart
+        separate = (block and m.gated_mlp and not tr.fused_gate_up) + 2.0 * (block and not m.kv_lora_rank
+                                                                             and not tr.fused_qkv)
+        stopped = np.where(recompute == FULL, 0.5 if tr.sequence_parallel else 1.0, 0.0) * self._early_stop
+        return forward * (2.0 + again) + separate - stopped
+
+    @property
+    def _early_stop(self) -> bool:
+        """Whether a full recompute stops before the block's last linear and the TP collective after
+        it (``checkpoint_early_stop``; a mixture's last ops are its experts' combine, not counted so)."""
+        return bool(self.training.checkpoint_early_stop) and not self.model.num_experts
 
     @property
     def _forward_tp_allreduces(self) -> float:

@@ -15,16 +15,19 @@ SETUPS: dict[str, dict] = {
                   vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True),
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
                   overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
+    # ddp: torch's DDP over a Hugging Face model under autocast (Accelerate, Lightning's "-mixed"),
+    # its q, k, v and gate, up projections separate linears.
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
-                ddp_bucket_copy=True, eager_block=True),
+                ddp_bucket_copy=True, eager_block=True, fused_qkv=False, fused_gate_up=False),
     # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
     # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing,
     # torchao's FP8 linears, which cast their weights at each GEMM, without torch.compile (its
-    # default) blocks and RMSNorms of eager ops, and torch's pipeline stages.
+    # default) blocks and RMSNorms of eager ops, torch's pipeline stages and its non-reentrant checkpoint.
     "torchtitan": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", sequence_parallel=True,
                        sp_keeps_gathered_input=True, vocab_parallel_loss=True, torch_loss_parallel=True,
                        overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True, fused_norm=False,
-                       selective_recompute="op", fp8_weight_cache=False, torch_pipelining=True),
+                       selective_recompute="op", fp8_weight_cache=False, torch_pipelining=True,
+                       checkpoint_early_stop=True),
     # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
     # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
@@ -44,8 +47,9 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
                        loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False,
                        fused_norm=True, overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
-                       keep_stage_outputs=False, torch_pipelining=False, sp_keeps_gathered_input=False,
-                       fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True, fused_loss=False,
+                       keep_stage_outputs=False, torch_pipelining=False, checkpoint_early_stop=False,
+                       sp_keeps_gathered_input=False,
+                       fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True, fused_qkv=True, fused_loss=False,
                        tp_comm_overlap=False, async_tp=False, partitioned_sends=False, fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,

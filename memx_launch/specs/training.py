@@ -140,15 +140,25 @@ class TrainingSpec:
     and keeps for the job, a receive buffer per micro-batch and model chunk for its input (every
     stage but the first) and for its output's gradient (every stage but the last); memx-run's
     stages let each go after its micro-batch's backward. Default off (``torchtitan``: on)."""
+    checkpoint_early_stop: bool | None = None
+    """Full recompute runs torch's non-reentrant checkpoint, which stops at the block's last saved
+    tensor (``torch.utils.checkpoint``'s early stop, on by default: memx-run, torchtitan), the input
+    of its last linear: that GEMM and the TP collective after it do not run again. Off: the whole
+    forward again (Megatron's checkpoint, reentrant ones). Default off (``torchtitan``: on)."""
     fused_softmax: bool | None = None
     """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
     softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
     s x s tensor. Default on."""
     fused_gate_up: bool | None = None
     """SwiGLU's gate and up projections as one column-parallel linear (Megatron's linear_fc1):
-    one all-reduce of their input gradient over TP in the backward. Off: two linears (Aleph
-    Alpha's scaling), each all-reducing it: five TP all-reduces per layer instead of four.
-    Default on."""
+    one all-reduce of their input gradient over TP in the backward, one 16-bit cast of the normed
+    input kept under autocast. Off: two linears (Aleph Alpha's scaling, Hugging Face, memx-run),
+    each all-reducing it: five TP all-reduces per layer instead of four. Default on."""
+    fused_qkv: bool | None = None
+    """The attention's q, k and v projections as one column-parallel linear (Megatron's
+    linear_qkv; torchtitan's, whose TP plan prepares the attention's input once): one backward
+    all-reduce of their input gradient over TP, one cast under autocast. Off: three linears that
+    each do both (Hugging Face's blocks, memx-run's under DTensor's per-linear TP plan). Default on."""
     overlap_expert_comm: bool | None = None
     """A mixture of experts' all-to-alls run while another micro-batch computes (Megatron's
     ``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``: one micro-batch's
