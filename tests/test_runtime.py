@@ -266,6 +266,9 @@ def test_pipelines_match_the_single_process_reference():
         assert covered == set(ref_grads), name  # every parameter lives on some rank
 
 
+STOCK_MICROBATCHES = 4
+
+
 def _stock_stage_worker(rank, port, schedule, queue):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
@@ -288,9 +291,6 @@ def _stock_stage_worker(rank, port, schedule, queue):
         queue.put((rank, sum(buffer.numel() * buffer.element_size() for buffer in received)))
     finally:
         dist.destroy_process_group()
-
-
-STOCK_MICROBATCHES = 4
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])

@@ -75,8 +75,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         residual stream stays fp32, so each norm keeps an fp32 input (torch ops: that input and
         an fp32 normalised tensor, 4 + 4), and every linear that reads a normed tensor keeps its
         own 16-bit cast of it (:func:`autocast_extra_casts`: more than one per norm with separate
-        q, k and v or gate and up linears); full
-        recompute keeps the fp32 block input, and the backward's residual gradients are fp32
+        q, k and v or gate and up linears); full recompute keeps the fp32 block input, and the
+        backward's residual gradients are fp32
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate). In latent
     attention it is Megatron's ``mla_up_proj``: the up projections and RoPE run again from the
@@ -101,13 +101,15 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     sbh = seq * mbs * h * scale
     # Each norm keeps what its backward reads: a fused kernel its input (d bytes; fp32 under
     # autocast), torch ops the fp32 copy and the result. Parallel blocks: one norm, whose output
-    # both attention and MLP read; sandwich norms (post_norms): two more, on the attention's and the MLP's outputs.
+    # both attention and MLP read; sandwich norms (post_norms): two more, on the attention's and
+    # the MLP's outputs.
     residual = 4.0 if autocast else dtype_bytes
     normalised = 4.0 if model.norm_weight_in_fp32 or autocast else dtype_bytes  # the torch-op norm's kept product
     per_norm = 2.0 * residual / dtype_bytes if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
     norms = per_norm * model.norms_per_block
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
-    normed_copies = model.pre_norms_per_block + (autocast_extra_casts(model, fused_gate_up, fused_qkv) if autocast else 0)
+    extra_casts = autocast_extra_casts(model, fused_gate_up, fused_qkv) if autocast else 0
+    normed_copies = model.pre_norms_per_block + extra_casts
     linear_inputs = 2.0 * normed_copies * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
     heads_qkv = (2.0 * q + 4.0 * kv) / h / tp

@@ -30,22 +30,20 @@ def _boundary_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, shap
 def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight,
                             num_microbatches) -> np.ndarray:
     """Per stage (``tp`` and ``mbs``: one value or one per stage): what a pipeline engine that
-    keeps its buffers (``keep_stage_outputs``) holds beyond the layers. Every stage but the last keeps each in-flight micro-batch's output hidden
-    state (b s h, over TP with sequence parallelism) until its gradient returns; Megatron frees
-    that data once sent (Korthikanti et al. 2022, appendix B). The last stage writes each
-    micro-batch's logits into one of two buffers and never empties them, so while one
-    micro-batch's loss runs the previous one's 16-bit logits (whole or 1/TP, as the loss
-    holds them) are still there."""
+    keeps its buffers (``keep_stage_outputs``) holds beyond the layers. Every stage but the last
+    keeps each in-flight micro-batch's output hidden state (b s h, over TP with sequence
+    parallelism) until its gradient returns; Megatron frees that data once sent (Korthikanti et
+    al. 2022, appendix B). The last stage writes each micro-batch's logits into one of two
+    buffers and never empties them, so while one micro-batch's loss runs the previous one's
+    16-bit logits (whole or 1/TP, as the loss holds them) are still there."""
     tr = training
     inflight = np.asarray(inflight, dtype=np.float64)
     out = np.zeros(inflight.shape)
     if not tr.keep_stage_outputs:
         return out
-    hidden = _boundary_bytes(model, tr, mbs, seq, tp, inflight.shape)
-    out[:-1] = inflight[:-1] * hidden[:-1]
+    out[:-1] = (inflight * _boundary_bytes(model, tr, mbs, seq, tp, inflight.shape))[:-1]
     if num_microbatches > 1:
-        last_tp = np.broadcast_to(np.asarray(tp, dtype=np.float64), inflight.shape)[-1]
-        last_mbs = np.broadcast_to(np.asarray(mbs, dtype=np.float64), inflight.shape)[-1]
+        last_tp, last_mbs = (np.broadcast_to(np.asarray(x, dtype=np.float64), inflight.shape)[-1] for x in (tp, mbs))
         out[-1] = tr.dtype_bytes * last_mbs * seq * model.output_vocab / (last_tp if tr.vocab_parallel_loss else 1)
     return out
 
