@@ -82,7 +82,7 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
                        ("checkpoint-early-stop", "full recompute stops at the block's last saved tensor "
                         "(torch's non-reentrant checkpoint): its last linear and TP collective not run again "
-                        "(default off; --setup torchtitan and memx-run: on)"),
+                        "(default off; --setup torchtitan, ddp and memx-run: on)"),
                        ("torch-pipelining", "torch.distributed.pipelining's own stages: a receive buffer per "
                         "micro-batch for each stage's input and its output's gradient, kept for the job (default "
                         "off; --setup torchtitan: on)"),

@@ -16,9 +16,11 @@ SETUPS: dict[str, dict] = {
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
                   overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
     # ddp: torch's DDP over a Hugging Face model under autocast (Accelerate, Lightning's "-mixed"),
-    # its q, k, v and gate, up projections separate linears.
+    # its q, k, v and gate, up projections separate linears, checkpointed without reentrance
+    # (transformers' default since its activation_checkpointing_enable).
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
-                ddp_bucket_copy=True, eager_block=True, fused_qkv=False, fused_gate_up=False),
+                ddp_bucket_copy=True, eager_block=True, fused_qkv=False, fused_gate_up=False,
+                checkpoint_early_stop=True),
     # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
     # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing,
     # torchao's FP8 linears, which cast their weights at each GEMM, without torch.compile (its
