@@ -6,10 +6,11 @@ This runs llama-tiny on ``examples/clusters/cpu-emulated.yaml`` (4 CPU processes
 the emulated guard's count of live tensor bytes on each rank) with one layout, PP 2 x DP 2, fully
 sharded, in fp32 and in bf16 (autocast, FSDP2 gathering in bf16 and reducing in fp32), and holds
 each stage's measured peak of the last step against the plan's prediction as memx-run runs it
-(``always``) and as memx counted every fully sharded stage before (``never``: a layer gathered
-at a time, its gradients reduce-scattered every micro-batch). Uncalibrated: the plans are
-``memx estimate``'s analytical ones. Then ``memx-run --fully-sharded --tp 1 --pp 2`` plans the same
-job itself, after calibrating each device type in the job (fp32, ``in_job``).
+(``always``, its stages' in-flight outputs kept: ``--keep-stage-outputs``) and as memx counted
+every fully sharded stage before (``never``: a layer gathered at a time, its gradients
+reduce-scattered every micro-batch). Uncalibrated: the plans are ``memx estimate``'s analytical
+ones. Then ``memx-run --fully-sharded --tp 1 --pp 2`` plans the same job itself, after
+calibrating each device type in the job (fp32, ``in_job``).
 
     python benchmarks/fsdp_pipeline_memory.py [--steps 3]
 
@@ -35,7 +36,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "benchmarks", "results", "fsdp_pipeline_memory.json")
 CLUSTER = os.path.join(REPO, "examples", "clusters", "cpu-emulated.yaml")
 LAYOUT = ["--model", "llama-tiny", "--cluster", CLUSTER, "--fully-sharded", "--tp", "1", "--pp", "2", "--dp", "2",
-          "--micro-batch-size", "1", "--global-batch-size", "16", "--seq-len", "64"]
+          "--micro-batch-size", "1", "--global-batch-size", "16", "--seq-len", "64",
+          "--keep-stage-outputs"]
 
 
 def estimate(tmp: str, dtype: str, hold: str) -> tuple[str, list[float]]:

@@ -99,6 +99,9 @@ def test_inflight_microbatches_1f1b_and_interleaved():
     assert schedules.inflight_microbatches(np.arange(4), 4, 8).tolist() == [4, 3, 2, 1]
     assert schedules.inflight_microbatches(np.arange(4), 4, 2).tolist() == [2, 2, 2, 1]
     assert float(schedules.inflight_microbatches(0, 4, 8, 2)) == pytest.approx(4 * (1 + 3 / 8))
+    # later ranks of an interleaved pipeline: (v-1) P + 2 (P-1-i) + 1 chunks, each 1/v of the stage
+    assert schedules.inflight_microbatches(np.arange(4), 4, 8, 2).tolist() == [5.5, 4.5, 3.5, 2.5]
+    assert schedules.inflight_microbatches(np.arange(4), 4, 4, 2).tolist() == [4, 4, 3.5, 2.5]  # at most G
 
 
 def test_iteration_time_equations():

@@ -60,6 +60,11 @@ def test_kept_stage_outputs_and_the_previous_logits():
     assert not off.any()
     kept = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling"), b, S, T, inflight, 16)
     assert list(kept[:-1]) == pytest.approx([(pp - i) * b * S * H * 2 for i in range(pp - 1)])
+    outputs = kept_stage_output_bytes(MODEL, TrainingSpec(keep_stage_outputs=True), b, S, T, inflight, 16)
+    assert list(outputs) == pytest.approx(list(kept[:-1]) + [0])  # no previous logits without their buffer
+    two = schedules.inflight_microbatches(np.arange(pp), pp, 16, 2)  # two chunks a rank: each chunk micro-batch's
+    chunks = kept_stage_output_bytes(MODEL, TrainingSpec(keep_stage_outputs=True), b, S, T, two, 16, 2)
+    assert list(chunks) == pytest.approx([2 * n * b * S * H * 2 for n in two])
     assert kept[-1] == 2 * b * S * MODEL.vocab_size  # gathered 16-bit logits of the previous micro-batch
     vocab_parallel = kept_stage_output_bytes(MODEL, TrainingSpec(setup="scaling", vocab_parallel_loss=True),
                                                 b, S, T, inflight, 16)

@@ -73,8 +73,8 @@ def test_each_part_moves_the_way_its_setting_moves_it():
     assert parts(base, 0)["communicator_buffers"] == pytest.approx(communicators * a100.communicator_bytes / gib)
     assert [parts(base, i)["logits_loss"] > 0 for i in range(5)] == [False] * 4 + [True]
     assert all(parts(base, i)["pipeline_buffers"] == 0 for i in range(5))
-    kept = estimate(training=TrainingSpec(global_batch_size=BATCH, seq_len=MODEL.seq_len, keep_stage_outputs=True),
-                    tp=1, pp=5, dp=4)
+    kept = estimate(training=TrainingSpec(global_batch_size=BATCH, seq_len=MODEL.seq_len, keep_stage_outputs=True,
+                                          keep_previous_logits=True), tp=1, pp=5, dp=4)
     assert all(parts(kept, i)["pipeline_buffers"] > 0 for i in range(5))
     # Mixed-precision Adam: 2 + 4 + 12 bytes per parameter; the distributed optimizer shards the 12.
     assert parts(base, 1)["gradients"] == pytest.approx(2 * parts(base, 1)["parameters"])

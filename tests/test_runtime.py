@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from memx_launch.models.llama import LlamaStage
-from memx_launch.planning.pipeline_buffers import torch_receive_buffer_bytes
+from memx_launch.planning import schedules
+from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes, torch_receive_buffer_bytes
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.runtime.batches import default_loss as loss_fn
 from memx_launch.profiling.emulation import GIB, MIN_SLEEP_S, EmulatedDevice, EmulatedOutOfMemoryError
@@ -283,12 +284,21 @@ def _stock_stage_worker(rank, port, schedule, queue):
                   for index in range(rank, 2 * chunks, 2)]
         make = ScheduleInterleaved1F1B if chunks > 1 else Schedule1F1B
         pipeline = make(stages if chunks > 1 else stages[0], STOCK_MICROBATCHES, loss_fn=loss_fn)
+        held = [0]  # the bytes of the chunks' outputs in their fwd_cache (the last chunk's: the loss's) at each backward
+        def outputs_held(backward):
+            def recorded(*args, **kwargs):
+                held.append(sum(out.untyped_storage().nbytes() for stage in stages if not stage.is_last
+                                for outputs, _ in stage.fwd_cache.values() for out in outputs))
+                return backward(*args, **kwargs)
+            return recorded
+        for stage in stages:
+            stage.backward_one_chunk = outputs_held(stage.backward_one_chunk)
         tokens, targets = _batch(make_plan([((0,), 4, "none"), ((1,), 4, "none")], global_batch_size=8))
         inputs = (tokens,) if rank == 0 else ()
         pipeline.step(*inputs, target=targets, return_outputs=False)
         received = [info.buffer for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
                     for chunk in table.values() for info in chunk if getattr(info, "buffer", None) is not None]
-        queue.put((rank, sum(buffer.numel() * buffer.element_size() for buffer in received)))
+        queue.put((rank, (sum(buffer.numel() * buffer.element_size() for buffer in received), max(held))))
     finally:
         dist.destroy_process_group()
 
@@ -298,11 +308,15 @@ def test_torch_s_own_stages_keep_a_receive_buffer_per_micro_batch_as_counted(sch
     """torch's PipelineStage as torchtitan runs it allocates a receive buffer per micro-batch and
     chunk, for the input and the output's gradient, and keeps them: ``--torch-pipelining``'s count
     with no micro-batch in flight (none counted among the activations)."""
-    buffers = spawn_ranks(_stock_stage_worker, 2, schedule, timeout=120)
+    results = spawn_ranks(_stock_stage_worker, 2, schedule, timeout=120)
     v = 2 if schedule == "interleaved" else 1
     counted = torch_receive_buffer_bytes(SPEC, TrainingSpec(dtype="fp32", torch_pipelining=True),
                                          8 // STOCK_MICROBATCHES, 32, 1, np.zeros(2), STOCK_MICROBATCHES, v)
-    assert [buffers[0], buffers[1]] == list(counted) and all(counted > 0)
+    assert [results[0][0], results[1][0]] == list(counted) and all(counted > 0)
+    inflight = schedules.stage_inflight_microbatches(2, STOCK_MICROBATCHES, v)
+    outputs = kept_stage_output_bytes(SPEC, TrainingSpec(dtype="fp32", keep_stage_outputs=True),
+                                      8 // STOCK_MICROBATCHES, 32, 1, inflight, STOCK_MICROBATCHES, v)
+    assert [results[0][1], results[1][1]] == list(outputs)  # the outputs the stages' fwd_cache held at their peak
 
 
 def test_a_plan_with_fewer_micro_batches_than_stages_stops_before_training():

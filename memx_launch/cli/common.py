@@ -79,7 +79,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "compute (Megatron's --overlap-moe-expert-parallel-comm; default off)"),
                        ("fused-activation", "the MLP's activation as one kernel keeping only its input: SwiGLU's "
                         "silu(gate) not kept (Megatron's fusion; default off; --setup megatron: on)"),
-                       ("keep-stage-outputs", "pipeline buffers keep stage outputs and the previous logits"),
+                       ("keep-stage-outputs", "the pipeline engine keeps each in-flight micro-batch's stage output "
+                        "until its gradient returns (default off; --setup scaling, torchtitan and memx-run: on)"),
+                       ("keep-previous-logits", "the last stage keeps the previous micro-batch's logits in its "
+                        "second buffer (default off; --setup scaling: on)"),
                        ("checkpoint-early-stop", "full recompute stops at the block's last saved tensor "
                         "(torch's non-reentrant checkpoint): its last linear and TP collective not run again "
                         "(default off; --setup torchtitan, ddp and memx-run: on)"),

@@ -15,7 +15,7 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp
                           virtual_stages: int = 1) -> np.ndarray:
     """Per stage, the pipeline engine's buffers beyond the layers: :func:`kept_stage_output_bytes`
     and :func:`torch_receive_buffer_bytes`."""
-    return (kept_stage_output_bytes(model, training, mbs, seq, tp, inflight, num_microbatches)
+    return (kept_stage_output_bytes(model, training, mbs, seq, tp, inflight, num_microbatches, virtual_stages)
             + torch_receive_buffer_bytes(model, training, mbs, seq, tp, inflight, num_microbatches, virtual_stages))
 
 
@@ -28,23 +28,26 @@ def _boundary_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, shap
 
 
 def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight,
-                            num_microbatches) -> np.ndarray:
-    """Per stage (``tp`` and ``mbs``: one value or one per stage): what a pipeline engine that
-    keeps its buffers (``keep_stage_outputs``) holds beyond the layers. Every stage but the last
-    keeps each in-flight micro-batch's output hidden state (b s h, over TP with sequence
-    parallelism) until its gradient returns; Megatron frees that data once sent (Korthikanti et
-    al. 2022, appendix B). The last stage writes each micro-batch's logits into one of two
-    buffers and never empties them, so while one micro-batch's loss runs the previous one's
-    16-bit logits (whole or 1/TP, as the loss holds them) are still there."""
+                            num_microbatches, virtual_stages: int = 1) -> np.ndarray:
+    """Per stage (``tp`` and ``mbs``: one value or one per stage): the stage outputs a pipeline
+    engine keeps beyond the layers. With ``keep_stage_outputs`` each in-flight micro-batch's
+    output hidden state (b s h, over TP with sequence parallelism) of every chunk micro-batch in
+    flight (the last 1F1B stage's goes to the loss at once), until its gradient returns; Megatron frees that data once sent (Korthikanti
+    et al. 2022, appendix B). With ``keep_previous_logits`` the last stage writes each
+    micro-batch's logits into one of two buffers and never empties them, so while one
+    micro-batch's loss runs the previous one's 16-bit logits (whole or 1/TP, as the loss holds
+    them) are still there."""
     tr = training
     inflight = np.asarray(inflight, dtype=np.float64)
     out = np.zeros(inflight.shape)
-    if not tr.keep_stage_outputs:
-        return out
-    out[:-1] = (inflight * _boundary_bytes(model, tr, mbs, seq, tp, inflight.shape))[:-1]
-    if num_microbatches > 1:
+    if tr.keep_stage_outputs:
+        chunks = np.full(inflight.shape, float(virtual_stages))  # each chunk micro-batch in flight keeps its output
+        if virtual_stages == 1:
+            chunks[-1] = 0.0  # the last stage's goes to the loss at once
+        out += chunks * inflight * _boundary_bytes(model, tr, mbs, seq, tp, inflight.shape)
+    if tr.keep_previous_logits and num_microbatches > 1:
         last_tp, last_mbs = (np.broadcast_to(np.asarray(x, dtype=np.float64), inflight.shape)[-1] for x in (tp, mbs))
-        out[-1] = tr.dtype_bytes * last_mbs * seq * model.output_vocab / (last_tp if tr.vocab_parallel_loss else 1)
+        out[-1] += tr.dtype_bytes * last_mbs * seq * model.output_vocab / (last_tp if tr.vocab_parallel_loss else 1)
     return out
 
 

@@ -12,18 +12,21 @@ import numpy as np
 
 
 def inflight_microbatches(stage, pp, num_microbatches, virtual_stages=1) -> np.ndarray:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak, in whole
+    stages' worth.
 
-    1F1B: min(P - i, G). Interleaving with v chunks multiplies the first stage's count by
-    1 + (P-1)/(P*v) (Narayanan et al. 2021); later stages hold proportionally less.
+    1F1B: min(P - i, G). Interleaved with v model chunks a rank (Megatron-LM's schedule, torch's
+    ``ScheduleInterleaved1F1B``): rank i runs (v-1) P + 2 (P-1-i) chunk forwards before its first
+    backward and holds one more at its peak, each 1/v of its layers: P + (P-1-2i)/v micro-batches'
+    worth, at most G. The first rank's is Narayanan et al.'s P (1 + (P-1)/(P v)); the later ranks
+    hold nearly as much (measured under torch's schedule in tests/test_runtime.py).
     """
     stage = np.asarray(stage, dtype=np.float64)
     pp = np.asarray(pp, dtype=np.float64)
     g = np.asarray(num_microbatches, dtype=np.float64)
     v = np.asarray(virtual_stages, dtype=np.float64)
-    base = np.minimum(pp - stage, g)
-    interleave = np.where(v > 1, 1.0 + (pp - 1 - stage) / (pp * v), 1.0)
-    return np.minimum(base * interleave, np.maximum(g, 1.0))
+    chunks = np.minimum((v - 1.0) * pp + 2.0 * (pp - 1.0 - stage) + 1.0, v * g)
+    return np.where(v > 1, chunks / v, np.minimum(pp - stage, g))
 
 
 @functools.lru_cache(maxsize=4096)

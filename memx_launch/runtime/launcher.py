@@ -274,7 +274,8 @@ def resolve(args) -> dict:
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
                             dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32", grad_dtype="fp32",
                             vocab_parallel_loss=False, ddp_bucket_copy=True, hold_gathered="always", eager_block=True,
-                            fully_sharded=sharded or None, fused_gate_up=False, fused_qkv=False, checkpoint_early_stop=True)
+                            fully_sharded=sharded or None, fused_gate_up=False, fused_qkv=False, checkpoint_early_stop=True,
+                            keep_stage_outputs=True)
     settings.add("data parallel", "fully sharded (FSDP2)" if sharded else "DDP (FSDP2 with TP)",
                  "flag" if args.fully_sharded else "plan" if sharded else "default")
     for name, field in (("global batch size", "global_batch_size"), ("sequence length", "seq_len")):

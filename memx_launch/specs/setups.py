@@ -28,8 +28,8 @@ SETUPS: dict[str, dict] = {
     "torchtitan": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", sequence_parallel=True,
                        sp_keeps_gathered_input=True, vocab_parallel_loss=True, torch_loss_parallel=True,
                        overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True, fused_norm=False,
-                       selective_recompute="op", fp8_weight_cache=False, torch_pipelining=True,
-                       checkpoint_early_stop=True),
+                       selective_recompute="op", fp8_weight_cache=False, keep_stage_outputs=True,
+                       torch_pipelining=True, checkpoint_early_stop=True),
     # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
     # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
@@ -38,7 +38,8 @@ SETUPS: dict[str, dict] = {
     # its optimizer all-reduces the whole gradients over DP, cast to fp32, after the backward; its
     # blocks run as eager ops.
     "scaling": dict(distributed_optimizer=True, weights_dtype="training", grad_dtype="training",
-                    vocab_parallel_loss=False, keep_stage_outputs=True, sp_keeps_gathered_input=True,
+                    vocab_parallel_loss=False, keep_stage_outputs=True, keep_previous_logits=True,
+                    sp_keeps_gathered_input=True,
                     fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True, eager_block=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
@@ -49,7 +50,8 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
                        loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False,
                        fused_norm=True, overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
-                       keep_stage_outputs=False, torch_pipelining=False, checkpoint_early_stop=False,
+                       keep_stage_outputs=False, keep_previous_logits=False, torch_pipelining=False,
+                       checkpoint_early_stop=False,
                        sp_keeps_gathered_input=False,
                        fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True, fused_qkv=True, fused_loss=False,
                        tp_comm_overlap=False, async_tp=False, partitioned_sends=False, fp32_allreduce=False,

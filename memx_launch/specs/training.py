@@ -132,9 +132,13 @@ class TrainingSpec:
     under TP): torch ops that keep their temporaries, 16 bytes per logit where Megatron's holds 8."""
     keep_stage_outputs: bool | None = None
     """The pipeline engine keeps each in-flight micro-batch's stage output until its gradient
-    returns, and its last stage keeps the previous micro-batch's logits in its second buffer
-    (DeepSpeed-style buffers, Aleph Alpha's scaling). Off: Megatron frees an output's data once
-    sent (Korthikanti et al. 2022, appendix B). Default off."""
+    returns (DeepSpeed-style buffers, Aleph Alpha's scaling; torch's ``PipelineStage``, whose
+    ``fwd_cache`` holds it for the backward: torchtitan, memx-run). Off: Megatron frees an
+    output's data once sent (Korthikanti et al. 2022, appendix B). Default off."""
+    keep_previous_logits: bool | None = None
+    """The last stage writes each micro-batch's logits into one of two buffers and never empties
+    them, so the previous micro-batch's are kept while the next one's loss runs (DeepSpeed-style
+    buffers, Aleph Alpha's scaling). Default off."""
     torch_pipelining: bool | None = None
     """The pipeline runs on torch's own ``PipelineStage`` (torchtitan): each stage allocates once,
     and keeps for the job, a receive buffer per micro-batch and model chunk for its input (every
