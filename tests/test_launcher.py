@@ -434,7 +434,7 @@ def test_fully_sharded_plans_in_the_job_and_a_given_one_stays_so_in_its_re_plans
     plan["training"]["hold_gathered"] = "never"
     target.write_text(json.dumps(plan))
     assert main([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]) == 2
-    assert "plan with --hold-gathered always" in capsys.readouterr().err
+    assert "plan with --setup memx-run (or --hold-gathered always)" in capsys.readouterr().err
 
 
 def test_the_workers_run_pytorch_s_allocator_in_expandable_segments_unless_the_user_set_it(tmp_path, monkeypatch,

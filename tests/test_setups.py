@@ -24,6 +24,7 @@ from memx_launch.specs.training import TrainingSpec
     ("zero3", lambda dp: 16 / dp),
     ("fsdp2", lambda dp: 16 / dp),
     ("ddp", lambda dp: 16 if dp == 1 else 20),  # torch DDP's buckets copy the fp32 gradients
+    ("memx-run", lambda dp: 16 if dp == 1 else 20),  # its replicas are DDP's
 ])
 def test_model_state_bytes_per_setup(setup, per_param):
     for dp in (1, 8, 64):
@@ -40,7 +41,7 @@ def test_explicit_fields_win_over_the_preset():
         TrainingSpec(setup="deepspeed")
     with pytest.raises(ConfigError, match="--sharded-gradients"):
         TrainingSpec(sharded_gradients=True)
-    assert set(SETUPS) == {"megatron", "fsdp2", "torchtitan", "zero1", "zero2", "zero3", "ddp", "scaling"}
+    assert set(SETUPS) == {"megatron", "fsdp2", "torchtitan", "zero1", "zero2", "zero3", "ddp", "scaling", "memx-run"}
     # torchtitan: fsdp2's states, its TP plan's loss and kept inputs, torchao's casts, op-level SAC.
     titan, fsdp2 = TrainingSpec(setup="torchtitan", fp8="current"), TrainingSpec(setup="fsdp2", fp8="current")
     assert cm.model_state_bytes_per_param(titan, 8) == cm.model_state_bytes_per_param(fsdp2, 8)

@@ -267,15 +267,11 @@ def resolve(args) -> dict:
             raise ConfigError(f"--{field.replace('_', '-')}", f"{given}, but the plan trains {getattr(plan, field)}", "drop it")
     gbs = args.global_batch_size or getattr(plan, "global_batch_size", None) or (
         EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
-    # What memx's runtime does (runtime/precision.py, training.py): fp32 weights and grads, autocast, torch's loss,
-    # DDP or FSDP2 (with TP, or fully sharded: a given plan's re-plans stay so) under torch's pipeline stages (which
-    # hold the gathered weights and unsharded gradients through the step; runtime/pipeline_stage.py), eager blocks.
+    # What memx's runtime does: --setup memx-run (specs/setups.py); a given fully sharded plan's re-plans stay so.
     sharded = args.fully_sharded or bool(plan is not None and plan.training.get("fully_sharded"))
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
-                            dtype=args.dtype or ("fp32" if emulated else "bf16"), weights_dtype="fp32", grad_dtype="fp32",
-                            vocab_parallel_loss=False, ddp_bucket_copy=True, hold_gathered="always", eager_block=True,
-                            fully_sharded=sharded or None, fused_gate_up=False, fused_qkv=False, checkpoint_early_stop=True,
-                            keep_stage_outputs=True)
+                            dtype=args.dtype or ("fp32" if emulated else "bf16"), setup="memx-run",
+                            fully_sharded=sharded or None)
     settings.add("data parallel", "fully sharded (FSDP2)" if sharded else "DDP (FSDP2 with TP)",
                  "flag" if args.fully_sharded else "plan" if sharded else "default")
     for name, field in (("global batch size", "global_batch_size"), ("sequence length", "seq_len")):

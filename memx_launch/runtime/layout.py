@@ -136,7 +136,8 @@ def check_runnable(plan: Plan) -> Plan:
         raise ConfigError("--plan", f"hold_gathered={training.hold_gathered} with {plan.pp} stage(s): memx's runtime "
                           "keeps a fully sharded stage's weights gathered and its gradients unsharded through the "
                           "step (torch's pipeline schedules), more memory than the plan counts",
-                          "plan with --hold-gathered always, or run the plan with Megatron-LM (memx export)")
+                          "plan with --setup memx-run (or --hold-gathered always), or run it with Megatron-LM "
+                          "(memx export)")
     plan.uniform_dp("memx's runtime (one DP degree for all stages)")
     return plan
 

@@ -41,6 +41,14 @@ SETUPS: dict[str, dict] = {
                     vocab_parallel_loss=False, keep_stage_outputs=True, keep_previous_logits=True,
                     sp_keeps_gathered_input=True,
                     fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True, eager_block=True),
+    # memx-run: what its runtime does (runtime/precision.py, training.py, pipeline_stage.py): fp32 weights
+    # and grads under autocast, torch's loss, DDP with its copy of the gradients (FSDP2 with TP or fully
+    # sharded, a stage's gathered weights and unsharded gradients held through the step), torch's pipeline
+    # stages keeping their in-flight outputs, its blocks of eager ops with q, k, v and gate, up apart,
+    # checkpointed without reentrance.
+    "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
+                     hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False,
+                     checkpoint_early_stop=True, keep_stage_outputs=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
