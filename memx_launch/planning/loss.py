@@ -54,7 +54,7 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     if tr.fused_loss:
         per_logit = 2.0 * d
     elif tr.vocab_parallel_loss and tr.torch_loss_parallel:
-        per_logit = np.where(tp > 1, 16.0 if fp32 else 4.0 * d, gathered)
+        per_logit = np.where(_loss_parallel_runs(tr, tp), 16.0 if fp32 else 4.0 * d, gathered)
     elif tr.vocab_parallel_loss:
         per_logit = 8.0 if fp32 else 2.0 * d
     else:
@@ -67,5 +67,10 @@ def loss_hbm_bytes_per_logit(training: TrainingSpec, tp) -> np.ndarray:
     reads the 16-bit logits forward and again backward, writing the gradient."""
     if training.fused_loss:
         return np.full(np.shape(tp), 3.0 * training.dtype_bytes)
-    torch_parallel = training.vocab_parallel_loss and training.torch_loss_parallel
-    return np.where(torch_parallel & (np.asarray(tp) > 1), LOSS_PARALLEL_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT)
+    return np.where(_loss_parallel_runs(training, tp), LOSS_PARALLEL_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT)
+
+
+def _loss_parallel_runs(training: TrainingSpec, tp) -> np.ndarray:
+    """Where torch's loss parallel runs: asked for, on vocabulary shards (TP > 1); at TP 1 the
+    loss is torch's cross entropy."""
+    return (training.vocab_parallel_loss and training.torch_loss_parallel) & (np.asarray(tp) > 1)

@@ -19,21 +19,25 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp
             + torch_receive_buffer_bytes(model, training, mbs, seq, tp, inflight, num_microbatches, virtual_stages))
 
 
+def _per_stage(x, shape) -> np.ndarray:
+    """``x`` (one value, or one per stage: a TP degree, a local micro-batch) for each stage."""
+    return np.broadcast_to(np.asarray(x, dtype=np.float64), shape)
+
+
 def _boundary_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, shape) -> np.ndarray:
     """A stage boundary's hidden state (b s h, fp32 under autocast; each TP rank's 1/TP of it with
     sequence parallelism)."""
-    tp = np.broadcast_to(np.asarray(tp, dtype=np.float64), shape)  # one degree or one per stage
-    mbs = np.broadcast_to(np.asarray(mbs, dtype=np.float64), shape)
-    return mbs * seq * model.hidden_size * training.residual_bytes / (tp if training.sequence_parallel else 1.0)
+    split = _per_stage(tp, shape) if training.sequence_parallel else 1.0
+    return _per_stage(mbs, shape) * seq * model.hidden_size * training.residual_bytes / split
 
 
 def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, inflight,
                             num_microbatches, virtual_stages: int = 1) -> np.ndarray:
     """Per stage (``tp`` and ``mbs``: one value or one per stage): the stage outputs a pipeline
-    engine keeps beyond the layers. With ``keep_stage_outputs`` each in-flight micro-batch's
-    output hidden state (b s h, over TP with sequence parallelism) of every chunk micro-batch in
-    flight (the last 1F1B stage's goes to the loss at once), until its gradient returns; Megatron frees that data once sent (Korthikanti
-    et al. 2022, appendix B). With ``keep_previous_logits`` the last stage writes each
+    engine keeps beyond the layers. With ``keep_stage_outputs`` the output hidden state (b s h,
+    over TP with sequence parallelism) of every chunk micro-batch in flight until its gradient
+    returns (the last 1F1B stage's goes to the loss at once); Megatron frees that data once sent
+    (Korthikanti et al. 2022, appendix B). With ``keep_previous_logits`` the last stage writes each
     micro-batch's logits into one of two buffers and never empties them, so while one
     micro-batch's loss runs the previous one's 16-bit logits (whole or 1/TP, as the loss holds
     them) are still there."""
@@ -46,7 +50,7 @@ def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, 
             chunks[-1] = 0.0  # the last stage's goes to the loss at once
         out += chunks * inflight * _boundary_bytes(model, tr, mbs, seq, tp, inflight.shape)
     if tr.keep_previous_logits and num_microbatches > 1:
-        last_tp, last_mbs = (np.broadcast_to(np.asarray(x, dtype=np.float64), inflight.shape)[-1] for x in (tp, mbs))
+        last_tp, last_mbs = (_per_stage(x, inflight.shape)[-1] for x in (tp, mbs))
         out[-1] += tr.dtype_bytes * last_mbs * seq * model.output_vocab / (last_tp if tr.vocab_parallel_loss else 1)
     return out
 

@@ -176,11 +176,18 @@ class Evaluator:
         m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
         first_bpp, last_bpp = _ends(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained, pp), pp)
         first_mbs, last_mbs = _ends(local, pp)
-        out = np.zeros(pp)
-        out[0] += (m.embedding_params / first * first_bpp
-                   + inflight[0] * first_mbs * seq * m.hidden_size * tr.residual_bytes)
-        out[-1] += (cm.last_stage_params(m, pp) / last * last_bpp + logits_bytes(m, last_mbs, seq, last, tr)
-                    + extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq))
+        out = self._edge_activations(inflight, first_mbs, last_mbs, seq)
+        out[0] += m.embedding_params / first * first_bpp
+        out[-1] += cm.last_stage_params(m, pp) / last * last_bpp + logits_bytes(m, last_mbs, seq, last, tr)
+        return out
+
+    def _edge_activations(self, inflight, first_mbs, last_mbs, seq) -> np.ndarray:
+        """(P,) what the ends keep per in-flight micro-batch beside the blocks: the embedding's output
+        on the first stage (at the hidden state's precision), multi-token prediction's inputs on the last."""
+        m, tr = self.model, self.training
+        out = np.zeros(len(inflight))
+        out[0] = inflight[0] * first_mbs * seq * m.hidden_size * tr.residual_bytes
+        out[-1] += extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq)
         return out
 
     def _edge_time(self, layout, device, local, seq) -> np.ndarray:
@@ -300,9 +307,7 @@ class Evaluator:
         weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, layout.dp_cp, pp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
-        embedding_out = np.zeros(pp)
-        embedding_out[0] = inflight[0] * first_mbs * seq_rank * m.hidden_size * tr.residual_bytes
-        embedding_out[-1] += extra_blocks.mtp_input_bytes(m, tr, inflight[-1], last_mbs, seq_rank)
+        embedding_out = self._edge_activations(inflight, first_mbs, last_mbs, seq_rank)
         logits = np.zeros(pp)
         logits[-1] = logits_bytes(m, last_mbs, seq_rank, last, tr)
         pipeline = pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v)
