@@ -14,14 +14,16 @@ rng = np.random.default_rng(0)
 
 
 def test_never_above_the_best_rate_nor_peak_compute():
-    """Property: over random shapes and SM counts the share stays in (0, 1], and a GEMM is never
-    timed faster than its FLOPs at the best rate or its bytes at HBM bandwidth."""
+    """Property: over random shapes, SM counts and fills (a rate's :func:`fill_depth`) the share
+    stays in (0, 1], and a GEMM is never timed faster than its FLOPs at the best rate or its
+    bytes at HBM bandwidth."""
     m, n, k = (rng.integers(1, 40000, 2000) for _ in range(3))
     sms = rng.integers(1, 300, 2000)
-    share = mm.shape_efficiency(m, n, k, sms)
+    fill = mm.fill_depth(rng.uniform(0.05, 6.0, 2000), 1.0)
+    share = mm.shape_efficiency(m, n, k, sms, fill_k=fill)
     assert ((share > 0) & (share <= 1)).all()
     best, hbm = 700e12, 3e12
-    t = mm.gemm_seconds(m, n, k, best, hbm, sms, 2)
+    t = mm.gemm_seconds(m, n, k, best, hbm, sms, 2, fill)
     assert (t >= 2.0 * m * n * k / best).all()
     assert (t >= (m * k + k * n + m * n) * 2 / hbm).all()
 
@@ -62,6 +64,22 @@ def test_a_weight_gradient_splits_its_deep_k_to_fill_the_sms():
     assert float(mm.gemm_seconds(*big, best, hbm, sms, 4)) == pytest.approx(
         2.0 * np.prod(big) / (best * float(mm.shape_efficiency(*big, sms))))
     assert float(mm.gemm_seconds(m, n, k, best, hbm, 0, 4)) == pytest.approx(2.0 * m * n * k / best)  # a CPU
+
+
+def test_a_tile_s_fill_costs_the_same_time_at_any_rate():
+    """A tile's fill and epilogue are a fixed time: an FP8 GEMM (twice the 16-bit rate) on a short
+    K pays as many seconds for them as the same GEMM at 16 bits, so it reaches a smaller share of
+    its rate; a compute-bound shape, unsplit."""
+    m, n, k, sms, hbm, sixteen_bit = 16384, 4096, 1024, 132, 2.9e12, 989e12 * 0.75
+    assert float(mm.fill_depth(sixteen_bit, sixteen_bit)) == mm.K_FILL
+    unfilled = float(mm.shape_efficiency(m, n, k, sms, fill_k=0.0))
+    overhead = []
+    for rate, dtype_bytes in ((sixteen_bit, 2), (2.0 * sixteen_bit, 1)):
+        fill = mm.fill_depth(rate, sixteen_bit)
+        t = float(mm.gemm_seconds(m, n, k, rate, hbm, sms, dtype_bytes, fill))
+        overhead.append(t - 2.0 * m * n * k / (rate * unfilled))
+    assert overhead[0] > 0 and overhead[1] == pytest.approx(overhead[0])
+    assert float(mm.shape_efficiency(m, n, k, sms, fill_k=2 * mm.K_FILL)) < float(mm.shape_efficiency(m, n, k, sms))
 
 
 def test_memory_bound_side():
@@ -115,6 +133,6 @@ def test_fp8_backward_gemms_pay_for_their_precise_accumulation_before_blackwell(
     tokens, shapes = 8192.0, [(4096.0, 4096.0), (11008.0, 4096.0)]
     args = (1000e12, 3.35e12, 132, 1)
     plain = mm.forward_backward_seconds(tokens, shapes, *args)
-    fp8 = mm.forward_backward_seconds(tokens, shapes, *args, quantization.FP8_PRECISE_ACCUMULATION_SLOWDOWN)
+    fp8 = mm.forward_backward_seconds(tokens, shapes, *args, backward_slowdown=quantization.FP8_PRECISE_ACCUMULATION_SLOWDOWN)
     forward = sum(mm.gemm_seconds(tokens, n, k, *args) for n, k in shapes)
     assert fp8 - forward == pytest.approx(quantization.FP8_PRECISE_ACCUMULATION_SLOWDOWN * (plain - forward))

@@ -22,7 +22,7 @@ from memx_launch.planning.activations import LayerCost, activation_bytes, select
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.loss import loss_hbm_bytes_per_logit
-from memx_launch.planning.matmuls import (device_sms, forward_backward_seconds, gemm_seconds, latent_up_shapes,
+from memx_launch.planning.matmuls import (device_sms, fill_depth, forward_backward_seconds, gemm_seconds, latent_up_shapes,
                                           linear_seconds, linear_shapes, mlp_shapes)
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, fine_tuning_flops,  # noqa: F401
                                                fully_sharded_working_bytes, fully_sharded_working_parts, last_stage_params,
@@ -183,8 +183,9 @@ class AnalyticalCostModel:
         # so too), the backward's GEMMs at their accumulation's cost.
         self._linear_flops = np.array([linear_tflops(d, training) for d in self.device_types]) * 1e12
         self._linear_bytes = quantization.element_bytes(training)
-        self._backward_slowdown = np.array([quantization.backward_gemm_slowdown(d, training)
-                                            for d in self.device_types])
+        self._backward_slowdown = np.array([quantization.backward_gemm_slowdown(d, training) for d in self.device_types])
+        sixteen_bit = np.array([d.effective_tflops for d in self.device_types]) * 1e12  # a tile's fill, in time
+        self._linear_fill, self._fill = fill_depth(self._linear_flops, sixteen_bit), fill_depth(self._best_flops, sixteen_bit)
         # Emulated devices are CPU processes whatever vendor they stand in for (the vendor picks
         # their communication domain): no tiles nor waves, no kernel launches.
         stand_in = cluster.is_emulated
@@ -244,7 +245,8 @@ class AnalyticalCostModel:
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
         tokens = mbs_a * seq_a
         shapes = linear_shapes(self.model, tr, tp)
-        gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes)
+        gemm = (self._linear_flops[device], self._hbm[device] * 1e9, self._sms[device], self._linear_bytes,
+                self._linear_fill[device])
         linear_forward_s, linear_backward_s = linear_seconds(tokens, shapes, *gemm)
         expert_forward_s = exchange_s = 0.0
         if self.model.num_experts:  # the routed experts' grouped GEMMs
@@ -347,7 +349,8 @@ class AnalyticalCostModel:
             return self._head_cache[key]
         tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
         h, mtp = self.model.hidden_size, self.model.mtp_layers
-        rate = (self._best_flops[device], self._hbm[device] * 1e9, self._sms[device], self.training.dtype_bytes)
+        rate = (self._best_flops[device], self._hbm[device] * 1e9, self._sms[device], self.training.dtype_bytes,
+                self._fill[device])
         seconds = (1 + mtp) * forward_backward_seconds(tokens, [(self.model.output_vocab / tp, h)], *rate)
         if mtp:
             seconds = seconds + mtp * forward_backward_seconds(tokens, [(h / tp, 2.0 * h)], *rate)

@@ -19,7 +19,7 @@ from math import comb, gcd
 import numpy as np
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.matmuls import linear_seconds
+from memx_launch.planning.matmuls import K_FILL, linear_seconds
 from memx_launch.planning.tp_links import tp_link_gbps
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -127,7 +127,7 @@ def routed_tokens(model: ModelSpec, tokens, tp):
 
 
 def expert_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, best_flops, hbm_bytes_per_s, sms,
-                   dtype_bytes) -> tuple:
+                   dtype_bytes, fill_k=K_FILL) -> tuple:
     """(forward, backward) seconds of one block's routed experts on a rank: its ``E / EP``
     experts' grouped GEMMs (gate and up fused, then down), each of ``tokens x k x EP / E`` rows,
     or with ETP its gathered ``ETP x`` those rows at ``1 / ETP`` of the width."""
@@ -135,7 +135,7 @@ def expert_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, best_fl
     rows = routed_tokens(model, tokens, tp) * ep / model.num_experts * etp
     f, h = float(model.moe_ffn_hidden_size) / etp, float(model.hidden_size)
     shapes = [((2.0 if model.gated_mlp else 1.0) * f, h), (h, f)]
-    forward, backward = linear_seconds(rows, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
+    forward, backward = linear_seconds(rows, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes, fill_k)
     experts_here = model.num_experts / ep
     return experts_here * forward, experts_here * backward
 

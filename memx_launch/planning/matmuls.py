@@ -11,7 +11,9 @@ is what a large, well-shaped GEMM sustains; a GEMM of another shape reaches a sh
   reuse is tm tn / (tm + tn); 128 x 128 and larger keep the tensor cores fed, 256 x 64, 128 x 64
   and 64 x 64 reach 0.8, 2/3 and 1/2 of the rate (operand feed bound in proportion to reuse);
 - the K loop: each tile fills and drains a software pipeline of a few K steps and writes its
-  output once, about K_FILL of K's worth of time, so a GEMM reaches K / (K + K_FILL) of its rate;
+  output once, a fixed time: about K_FILL of K's worth at the 16-bit tensor-core rate, so a
+  GEMM reaches K / (K + K_FILL) of its rate; at r times that rate (FP8 2x, FP4 4x, TF32 1/2)
+  the same time is r x K_FILL of K's worth;
 - split-K: a GEMM whose output has too few tiles to fill the SMs but a deep K (a weight
   gradient: the weight's N x K out, the micro-batch's tokens deep) splits its K loop into slices
   that run as tiles of their own, each writing an fp32 partial that a reduction kernel sums
@@ -34,7 +36,7 @@ from memx_launch.specs.hybrid import mixer_projections
 _TILE_SIDES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
 TILES = tuple((float(a), float(b), min(1.0, a * b / (a + b) / 64.0)) for a, b in _TILE_SIDES)
 _TILE_M, _TILE_N, _TILE_FEED = (np.array(side) for side in zip(*TILES))
-# K of pipeline fill and epilogue per output tile (a few 32-64 deep K steps).
+# K of pipeline fill and epilogue per output tile (a few 32-64 deep K steps) at the 16-bit rate.
 K_FILL = 128.0
 # Most slices a split-K GEMM cuts its K loop into.
 MAX_SPLIT_K = 16
@@ -66,10 +68,11 @@ def device_sms(device_types, emulated: bool) -> np.ndarray:
                      for d in device_types])
 
 
-def shape_efficiency(m, n, k, sms, split=1) -> np.ndarray:
+def shape_efficiency(m, n, k, sms, split=1, fill_k=K_FILL) -> np.ndarray:
     """Share of the best matmul rate a GEMM of output M x N and depth K reaches (arrays broadcast,
-    ``split`` too), with the best of :data:`TILES`, its K loop cut into ``split`` slices. 1 means
-    the best rate; never above it. ``sms`` 0: a CPU, 1."""
+    ``split`` too), with the best of :data:`TILES`, its K loop cut into ``split`` slices, each
+    tile's fill and epilogue ``fill_k`` of K's worth (:func:`fill_depth`). 1 means the best rate;
+    never above it. ``sms`` 0: a CPU, 1."""
     m, n, k = (np.maximum(np.asarray(x, dtype=np.float64), 1.0) for x in (m, n, k))
     tiled = np.asarray(sms, dtype=np.float64) > 0
     sms = np.maximum(np.asarray(sms, dtype=np.float64), 1.0)[..., None]
@@ -79,54 +82,60 @@ def shape_efficiency(m, n, k, sms, split=1) -> np.ndarray:
     waves = tiles / (np.ceil(tiles / sms) * sms)
     best = (_TILE_FEED * (m * n) / (grid * _TILE_M * _TILE_N) * waves).max(axis=-1)
     depth = k / split
-    return np.where(tiled, best * depth / (depth + K_FILL), 1.0)
+    return np.where(tiled, best * depth / (depth + fill_k), 1.0)
 
 
-def gemm_seconds(m, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> np.ndarray:
+def fill_depth(rate, sixteen_bit_rate):
+    """K's worth of a tile's fill and epilogue at ``rate``: :data:`K_FILL` at the device's 16-bit
+    rate, in proportion at another (an FP8 GEMM runs twice the K in the same time)."""
+    return K_FILL * np.asarray(rate, dtype=np.float64) / np.asarray(sixteen_bit_rate, dtype=np.float64)
+
+
+def gemm_seconds(m, n, k, best_flops, hbm_bytes_per_s, sms, dtype_bytes, fill_k=K_FILL) -> np.ndarray:
     """Seconds of one GEMM: its FLOPs at the shape's share of the best rate (split-K where that
     is faster, its fp32 partials' traffic included), or reading A and B and writing C at HBM
-    bandwidth, whichever is longer."""
+    bandwidth, whichever is longer. ``fill_k``: :func:`fill_depth` at ``best_flops``."""
     m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
     rate, hbm = np.asarray(best_flops), np.asarray(hbm_bytes_per_s)
-    compute = 2.0 * m * n * k / (rate * shape_efficiency(m, n, k, sms))
+    compute = 2.0 * m * n * k / (rate * shape_efficiency(m, n, k, sms, 1, fill_k))
     # Split-K where at least two slices fit: one wave of 128 x 128 output tiles holds two copies
-    # of the output, and K two slices of K_FILL (a CPU, 0 SMs, never). Most GEMMs are not: the
-    # check is all they pay.
+    # of the output, and K two slices as deep as the fill (a CPU, 0 SMs, never). Most GEMMs are
+    # not: the check is all they pay.
     tiles = np.ceil(np.maximum(m, 1.0) / 128.0) * np.ceil(np.maximum(n, 1.0) / 128.0)
-    cut = (np.asarray(sms) >= 2.0 * tiles) & (k >= 2.0 * K_FILL)
+    cut = (np.asarray(sms) >= 2.0 * tiles) & (k >= 2.0 * np.asarray(fill_k))
     if cut.any():
-        compute = _split_k_seconds(compute, cut, tiles, m, n, k, rate, hbm, sms)
+        compute = _split_k_seconds(compute, cut, tiles, m, n, k, rate, hbm, sms, fill_k)
     return np.maximum(compute, (m * k + k * n + m * n) * dtype_bytes / hbm)
 
 
-def _split_k_seconds(compute, cut, tiles, m, n, k, rate, hbm, sms) -> np.ndarray:
+def _split_k_seconds(compute, cut, tiles, m, n, k, rate, hbm, sms, fill_k) -> np.ndarray:
     """``compute`` with the GEMMs of ``cut`` split: as many slices (a power of two, at most
-    MAX_SPLIT_K) as fill one wave of 128 x 128 tiles, each at least K_FILL deep, where that beats
+    MAX_SPLIT_K) as fill one wave of 128 x 128 tiles, each at least ``fill_k`` deep, where that beats
     the unsplit kernel, their partials' bytes included."""
-    compute, tiles, m, n, k, rate, hbm, sms = (np.array(np.broadcast_to(x, cut.shape), dtype=np.float64)
-                                               for x in (compute, tiles, m, n, k, rate, hbm, sms))
-    m, n, k, rate, hbm, sms, tiles = (x[cut] for x in (m, n, k, rate, hbm, sms, tiles))
-    split = np.minimum(2.0 ** np.floor(np.log2(np.minimum(sms / tiles, k / K_FILL))), MAX_SPLIT_K)
+    compute, tiles, m, n, k, rate, hbm, sms, fill_k = (np.array(np.broadcast_to(x, cut.shape), dtype=np.float64)
+                                                       for x in (compute, tiles, m, n, k, rate, hbm, sms, fill_k))
+    m, n, k, rate, hbm, sms, tiles, fill_k = (x[cut] for x in (m, n, k, rate, hbm, sms, tiles, fill_k))
+    split = np.minimum(2.0 ** np.floor(np.log2(np.minimum(sms / tiles, k / fill_k))), MAX_SPLIT_K)
     partials = SPLIT_K_PARTIAL_BYTES * split * m * n / hbm
-    sliced = 2.0 * m * n * k / (rate * shape_efficiency(m, n, k, sms, split)) + partials
+    sliced = 2.0 * m * n * k / (rate * shape_efficiency(m, n, k, sms, split, fill_k)) + partials
     compute[cut] = np.minimum(compute[cut], sliced)
     return compute
 
 
-def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes,
+def forward_backward_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes, fill_k=K_FILL,
                              backward_slowdown=1.0) -> np.ndarray:
     """One layer's linear layers forward and backward (:func:`linear_seconds`), the two backward
     GEMMs ``backward_slowdown`` times slower (FP8's precise accumulation:
     :func:`~memx_launch.planning.quantization.backward_gemm_slowdown`)."""
-    forward, backward = linear_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes)
+    forward, backward = linear_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes, fill_k)
     return forward + backward_slowdown * backward
 
 
-def linear_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes) -> tuple:
+def linear_seconds(tokens, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes, fill_k=K_FILL) -> tuple:
     """(forward, backward) seconds of one layer's linear layers: for each weight of ``shapes``
     ((N, K): output and input features, per TP rank), the forward M x N x K, and the input
     gradient M x K x N and the weight gradient N x K x M, with M the tokens of the micro-batch."""
-    rate = (best_flops, hbm_bytes_per_s, sms, dtype_bytes)
+    rate = (best_flops, hbm_bytes_per_s, sms, dtype_bytes, fill_k)
     forward = backward = 0.0
     for n, k in shapes:
         forward = forward + gemm_seconds(tokens, n, k, *rate)
