@@ -9,8 +9,8 @@ from benchmarks.common import dgx_cluster
 from memx_launch.errors import ConfigError
 from memx_launch.planning import data_parallel
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.planning.model_states import (held_gathered_bytes, holds_weights, keeps_gathered,
-                                               model_state_bytes_per_param)
+from memx_launch.planning.model_states import (held_gathered_bytes, held_gradient_share, holds_weights,
+                                               keeps_gathered, model_state_bytes_per_param)
 from memx_launch.runtime.layout import check_runnable
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -77,6 +77,51 @@ def test_a_held_pipeline_stage_counts_its_whole_weights_and_gradients_and_one_re
         assert c.memory_parts_gib["parameters"] - a.memory_parts_gib["parameters"] == pytest.approx(
             (c.num_layers - 2) * layer * 2, rel=1e-3)
         assert c.memory_parts_gib["gradients"] == pytest.approx(a.memory_parts_gib["gradients"])
+
+
+def _open_chunks(pp: int, g: int, v: int, rank: int) -> int:
+    """The most chunks of ``rank`` whose unsharded gradients are alive at once under torch's
+    interleaved 1F1B: from a chunk's first backward to its gradient reduction, which torch's
+    pipelining schedules right after the chunk's last backward (``_add_reduce_grad``)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _add_reduce_grad
+    from torch.distributed.pipelining.schedules import _ComputationType as Op
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)  # its order alone, no stages
+    schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = v, pp, g
+    schedule.number_of_rounds = max(1, g // pp)
+    schedule.microbatches_per_round = g // schedule.number_of_rounds
+    alive, most = set(), 0
+    for action in _add_reduce_grad(schedule._calculate_single_rank_operations(rank), g):
+        if action is not None and action.computation_type == Op.FULL_BACKWARD:
+            alive.add(action.stage_index)
+            most = max(most, len(alive))
+        elif action is not None and action.computation_type == Op.REDUCE_GRAD:
+            alive.discard(action.stage_index)
+    return most
+
+
+def test_one_interleaved_round_holds_one_chunk_s_unsharded_gradients_as_torch_s_schedule_does():
+    """With fewer than 2 x P micro-batches torch's interleaved 1F1B runs one round: each chunk's
+    backwards one chunk after another, so a rank holds one chunk's unsharded gradients at a time
+    (torchtitan's default of P micro-batches: its 405B runs, docs/setups.md); with more rounds,
+    every chunk's. memx's count against torch's own schedule, then in a plan's memory."""
+    held = training()
+    for pp, v, g in ((2, 2, 2), (2, 2, 3), (2, 2, 4), (4, 2, 4), (4, 3, 7), (4, 3, 8), (4, 2, 12), (8, 2, 8)):
+        assert max(_open_chunks(pp, g, v, rank) for rank in range(pp)) == held_gradient_share(held, pp, g, v) * v
+    assert held_gradient_share(training(hold_gathered="never"), 4, 4, 2) == 1.0  # nothing kept through the step
+    interleaved = dict(schedule="interleaved", virtual_stages=2)
+
+    def parts(batch):  # 4 or 8 micro-batches on 4 stages of two chunks
+        spec = TrainingSpec(global_batch_size=batch, seq_len=MODEL.seq_len, setup="fsdp2")
+        plan = evaluate_layout(MODEL, A100S, spec, tp=1, pp=4, dp=8, micro_batch_size=1, recompute="full",
+                               references=(1, 1, 1), **interleaved)
+        return [s.memory_parts_gib for s in plan.stages]
+
+    for one_round, two_rounds in zip(parts(32), parts(64)):
+        # The parameters part is an fp32 shard over 8 ranks and a bf16 gathered copy per parameter
+        # (2.5 bytes); two rounds hold every chunk's fp32 gradients (4 bytes), one round half of them.
+        params = one_round["parameters"] / 2.5
+        assert two_rounds["parameters"] == pytest.approx(one_round["parameters"])
+        assert two_rounds["gradients"] - one_round["gradients"] == pytest.approx(params * 4 / 2, rel=1e-6)
 
 
 def test_a_held_step_waits_for_its_whole_reduce_scatter_and_only_the_first_gather():

@@ -60,8 +60,8 @@ def fine_tuning_flops(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) ->
     return 3.0 * adapters - training.frozen_fraction * 2.0 * tokens * (model.attention_params + model.active_mlp_params)
 
 
-def model_state_bytes_per_param(training: TrainingSpec, dp,
-                                trained: TrainedParameters = FULL_TRAINING, pp: int = 1) -> np.ndarray:
+def model_state_bytes_per_param(training: TrainingSpec, dp, trained: TrainedParameters = FULL_TRAINING,
+                                pp: int = 1, gradient_share: float = 1.0) -> np.ndarray:
     """Bytes of weights + gradients + master weights + optimizer moments per parameter on one rank.
 
     Megatron mixed precision with Adam: bf16 weight 2 + fp32 main grad 4 + fp32 master 4 and
@@ -70,24 +70,25 @@ def model_state_bytes_per_param(training: TrainingSpec, dp,
     shards them too (2 + 14/DP); full sharding divides everything by DP. fp32 weights
     (autocast, FSDP2's fp32 shards) are their own master: fp32 training is 4 + 4 + 8 = 16, and
     20 under torch's DDP, whose buckets copy the gradients (``ddp_bucket_copy``). A fully sharded
-    stage of ``pp`` may hold gathered weights and unsharded gradients besides
-    (:func:`held_gathered_bytes`). By part: :func:`model_state_bytes_by_part`.
+    stage of ``pp`` may hold gathered weights and unsharded gradients besides, the latter for
+    ``gradient_share`` of its parameters at once (:func:`held_gathered_bytes`). By part:
+    :func:`model_state_bytes_by_part`.
     """
     if training.fully_sharded:  # the whole divided once: the parts' quotients would round apart
         sharded = sum(_unsharded_state_bytes(training, trained)) / np.asarray(dp, dtype=np.float64)
-        return sharded + sum(held_gathered_bytes(training, dp, trained, pp))
+        return sharded + sum(held_gathered_bytes(training, dp, trained, pp, gradient_share))
     return sum(model_state_bytes_by_part(training, dp, trained))
 
 
 def model_state_bytes_by_part(training: TrainingSpec, dp, trained: TrainedParameters = FULL_TRAINING,
-                              pp: int = 1) -> tuple:
+                              pp: int = 1, gradient_share: float = 1.0) -> tuple:
     """(weights, gradients, optimizer states) bytes per parameter on one rank, the parts of
     :func:`model_state_bytes_per_param`; optimizer states are the fp32 master copy of 16-bit
     weights and the moments (none on the GPU with ``optimizer_offload``)."""
     dp = np.asarray(dp, dtype=np.float64)
     weight, grad, optim = _unsharded_state_bytes(training, trained)
     if training.fully_sharded:
-        gathered, unsharded = held_gathered_bytes(training, dp, trained, pp)
+        gathered, unsharded = held_gathered_bytes(training, dp, trained, pp, gradient_share)
         return weight / dp + gathered, grad / dp + unsharded, optim / dp
     if training.distributed_optimizer:
         optim = optim / dp
@@ -125,7 +126,7 @@ def holds_weights(training: TrainingSpec, pp: int) -> bool:
 
 
 def held_gathered_bytes(training: TrainingSpec, dp, trained: TrainedParameters = FULL_TRAINING,
-                        pp: int = 1) -> tuple:
+                        pp: int = 1, gradient_share: float = 1.0) -> tuple:
     """(gathered weight, unsharded gradient) bytes per parameter a fully sharded stage holds
     besides its shards: its weights where it holds them (:func:`holds_weights`; all are gathered
     at the end of a micro-batch's forward, the peak), its gradients too where it keeps them
@@ -135,13 +136,25 @@ def held_gathered_bytes(training: TrainingSpec, dp, trained: TrainedParameters =
     sync off (``PipelineStage.backward_maybe_with_nosync``), so each gradient accumulates
     unsharded, upcast to the reduction's dtype (``FSDPParam.to_accumulated_grad_if_needed``),
     and the weights stay gathered (torchtitan, NeMo AutoModel and memx-run do not reshard them
-    after the forward either under PP)."""
+    after the forward either under PP). ``gradient_share``: of the parameters, those whose
+    unsharded gradients are alive at once (:func:`held_gradient_share`)."""
     if not holds_weights(training, pp):
         return 0.0, 0.0
     several = np.asarray(dp, dtype=np.float64) > 1
-    gradients = reduced_gradient_bytes(training) * trained.share if keeps_gathered(training, pp) else 0.0
+    gradients = reduced_gradient_bytes(training) * trained.share * gradient_share if keeps_gathered(training, pp) \
+        else 0.0
     return (np.where(several, compute_weight_bytes(training) * (1.0 + trained.adapters), 0.0),
             np.where(several, gradients, 0.0))
+
+
+def held_gradient_share(training: TrainingSpec, pp: int, g: int, v: int) -> float:
+    """Share of a rank's parameters whose unsharded gradients a stage that keeps them through the
+    step (:func:`keeps_gathered`) holds at once, its ``v`` chunks about equal: torch's pipelining
+    reduces a chunk's gradients right after its last backward (``_add_reduce_grad``), and its
+    interleaved 1F1B of one round (``g`` < 2 x ``pp`` micro-batches) runs each chunk's backwards
+    one chunk after another, so one chunk's are alive at a time; with more rounds every chunk's
+    backwards span the step (tests/test_hold_gathered.py holds this against torch's schedule)."""
+    return 1.0 / v if keeps_gathered(training, pp) and v > 1 and g < 2 * pp else 1.0
 
 
 def reduced_gradient_bytes(training: TrainingSpec) -> int:
@@ -249,15 +262,15 @@ def expert_data_parallel(training: TrainingSpec, tp, dp_cp):
 
 
 def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, trained: TrainedParameters = FULL_TRAINING,
-                      pp: int = 1):
+                      pp: int = 1, gradient_share: float = 1.0):
     """Model-state bytes of one block on a rank of one of ``pp`` stages: its dense parameters
     sharded over DP x CP, its routed experts' over the expert data parallel ranks."""
     dense, expert = rank_layer_params(model, training, tp)
-    nbytes = dense * model_state_bytes_per_param(training, dp_cp, trained, pp)
+    nbytes = dense * model_state_bytes_per_param(training, dp_cp, trained, pp, gradient_share)
     if not model.num_experts:
         return nbytes
     return nbytes + expert * model_state_bytes_per_param(training, expert_data_parallel(training, tp, dp_cp),
-                                                         trained, pp)
+                                                         trained, pp, gradient_share)
 
 
 def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray, v: int = 1) -> np.ndarray:
@@ -276,17 +289,18 @@ def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers
 
 
 def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray,
-                              trained: TrainedParameters = FULL_TRAINING, v: int = 1) -> tuple:
+                              trained: TrainedParameters = FULL_TRAINING, v: int = 1, gradient_share: float = 1.0) -> tuple:
     """(weights, gradients, optimizer states) bytes of each stage's rank (row 0 of ``layers``, in
     ``v`` chunks each): its parameters at :func:`model_state_bytes_by_part` over DP x CP, the
     routed experts' over the expert data parallel ranks."""
     params = parameters_per_rank(model, training, layout, layers, v)[0]
-    dense = model_state_bytes_by_part(training, layout.dp_cp, trained, layout.pp)
+    dense = model_state_bytes_by_part(training, layout.dp_cp, trained, layout.pp, gradient_share)
     if not model.num_experts:
         return tuple(params * d for d in dense)
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
     counts, repeated = stage_block_counts(model, layers[0], v)
     experts = repeated * rank_layer_params(model, training, tp)[1] + sum(
         n * rank_layer_params(kind, training, tp)[1] for kind, n in zip(other_kinds(model), counts))
-    routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained, layout.pp)
+    routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained, layout.pp,
+                                       gradient_share)
     return tuple((params - experts) * d + experts * e for d, e in zip(dense, routed))

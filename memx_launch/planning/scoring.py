@@ -24,7 +24,7 @@ from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
-from memx_launch.planning.model_states import (expert_data_parallel, keeps_gathered, layer_state_bytes,
+from memx_launch.planning.model_states import (expert_data_parallel, held_gradient_share, keeps_gathered, layer_state_bytes,
                                                parameters_per_rank, quantized_state_bytes, rank_layer_params,
                                                stage_state_bytes_by_part)
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
@@ -125,10 +125,11 @@ class Evaluator:
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
-        state = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained, pp) + quantized_kept
-        kind_states = [layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained, pp)
+        share = held_gradient_share(tr, pp, g, v)
+        state = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained, pp, share) + quantized_kept
+        kind_states = [layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained, pp, share)
                        + quantized_state_bytes(kind, tr, tp, pp)[0] for kind in extra_blocks.other_kinds(m)]
-        fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight),
+        fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight, share),
                        pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v),
                        cm.fully_sharded_working_bytes(m, tr, tp, layout.dp_cp, pp), quantized_working,
                        self.overhead[device], layout.communicators * self.communicator_bytes[device])
@@ -172,9 +173,9 @@ class Evaluator:
         extra = context_parallel.layer_seconds(forward, backward, transfer, cp, levels)
         return t_layer + extra, act, work + context_parallel.ring_working_bytes(chunk)
 
-    def _edge_bytes(self, layout, local, seq, inflight) -> np.ndarray:
+    def _edge_bytes(self, layout, local, seq, inflight, gradient_share) -> np.ndarray:
         m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
-        first_bpp, last_bpp = _ends(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained, pp), pp)
+        first_bpp, last_bpp = _ends(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained, pp, gradient_share), pp)
         first_mbs, last_mbs = _ends(local, pp)
         out = self._edge_activations(inflight, first_mbs, last_mbs, seq)
         out[0] += m.embedding_params / first * first_bpp
@@ -304,7 +305,8 @@ class Evaluator:
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
-        weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v)
+        weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v,
+                                                          held_gradient_share(tr, pp, g, v))
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, layout.dp_cp, pp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
         embedding_out = self._edge_activations(inflight, first_mbs, last_mbs, seq_rank)
