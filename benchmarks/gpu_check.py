@@ -17,7 +17,11 @@
 5. The memory bandwidth memx times memory-bound work at: a copy and a STREAM triad over 1 GiB
    arrays, GB/s, against the datasheet figure of an H100 or H200 at NVIDIA's sustained share
    (``peaks.SUSTAINED_HBM_SHARE``, from public BabelStream runs).
-6. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
+6. GEMMs by shape: each shape's TFLOPS in bf16 and, on an FP8 GPU, in FP8 (``torch._scaled_mm``)
+   as a share of the same precision's 8,192 cube, against the share memx's roofline by shape
+   gives it (``planning/matmuls.py``: tiles, waves, split-K, a tile's fill of ``K_FILL`` at the
+   16-bit rate and twice that at FP8's) at the measured cube rates, SM count and copy bandwidth.
+7. ``memx-run`` of a 1.1B-parameter LLaMA (TinyLlama's shape, ``tinyllama-1.1b``) on this GPU:
    calibration in the job, the plan, 10 training steps; predicted against measured peak memory
    (the device memory the process held, runtime/monitor.py), step time and the stage's compute
    per micro-batch (CUDA events, runtime/stage_clock.py), from the script's per-step lines.
@@ -129,6 +133,60 @@ def matmul_rates(device: str = "cuda", n: int = 8192, repeats: int = 10) -> dict
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     return out
+
+
+# (M, N, K) of the GEMM-shape check: the cube (each precision's best rate) first; a small model's
+# thin K (hidden 1,024-2,048), a short micro-batch's thin M, a weight gradient's small output with
+# deep K (split-K), a layer's wide MLP GEMM.
+GEMM_SHAPES = ((8192, 8192, 8192), (16384, 4096, 1024), (16384, 4096, 2048), (512, 4096, 4096),
+               (1024, 256, 16384), (8192, 28672, 8192))
+
+
+def gemm_shapes(device: str = "cuda", shapes=GEMM_SHAPES, repeats: int = 10, fp8: bool = True, sms: int = 132,
+                copy_gbps: float = 3000.0) -> list[dict]:
+    """Per precision (bf16; FP8 through ``torch._scaled_mm`` with ``fp8``) and shape, the measured
+    TFLOPS and share of that precision's first shape's rate, beside the share memx's
+    :func:`~memx_launch.planning.matmuls.gemm_seconds` gives the shape at the first shape's
+    measured rate, ``sms`` SMs and ``copy_gbps`` (the fill's depth from the two precisions' rates)."""
+    import torch
+
+    from memx_launch.planning.matmuls import fill_depth, gemm_seconds
+
+    def timed(run) -> float:
+        for _ in range(2):
+            run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - started) / repeats
+
+    def bf16(m, n, k):
+        a, b = torch.randn(m, k, device=device, dtype=torch.bfloat16), torch.randn(k, n, device=device,
+                                                                                  dtype=torch.bfloat16)
+        return timed(lambda: a @ b)
+
+    def float8(m, n, k):  # _scaled_mm takes A row-major and B column-major
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.tensor(1.0, device=device)
+        return timed(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+
+    runs = [("bf16", bf16, 2.0)] + ([("fp8", float8, 1.0)] if fp8 else [])
+    measured = {name: [(m, n, k, 2.0 * m * n * k / run(m, n, k)) for m, n, k in shapes] for name, run, _ in runs}
+    rows = []
+    for name, _, operand_bytes in runs:
+        best = measured[name][0][3]
+        fill = float(fill_depth(best, measured["bf16"][0][3]))
+        for m, n, k, rate in measured[name]:
+            predicted = float(gemm_seconds(m, n, k, best, copy_gbps * 1e9, sms, operand_bytes, fill))
+            rows.append({"dtype": name, "m": m, "n": n, "k": k, "tflops": round(rate / 1e12, 3),
+                         "measured_share": round(rate / best, 3),
+                         "predicted_share": round(2.0 * m * n * k / predicted / best, 3)})
+    return rows
 
 
 def stream_bandwidth(device: str = "cuda", mib: int = 1024, repeats: int = 10) -> dict:
@@ -344,6 +402,9 @@ def main() -> int:
     print(f"sustained matmul: {result['sustained_matmul']}", flush=True)
     result["memory_bandwidth"] = stream_bandwidth()
     print(f"memory bandwidth: {result['memory_bandwidth']}", flush=True)
+    result["gemm_shapes"] = gemm_shapes(fp8=(props.major, props.minor) >= (8, 9), sms=props.multi_processor_count,
+                                        copy_gbps=result["memory_bandwidth"]["copy_gbps"])
+    print(f"GEMM shapes: {result['gemm_shapes']}", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         result["memx_run"] = memx_run_check(workdir)
     print(f"memx-run: exit {result['memx_run']['exit_code']}, {len(result['memx_run']['steps'])} steps", flush=True)
