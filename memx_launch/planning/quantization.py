@@ -25,12 +25,25 @@ ELEMENT_BYTES = {"delayed": 1.0, "current": 1.0, "mxfp8": 1.0 + 1.0 / 32.0, "blo
 # Blackwell's tensor cores accumulate in fp32 (Transformer Engine documents the fast accumulation
 # as Hopper's and Ada's); its FP4 GEMMs never take the split accumulator.
 FP8_PRECISE_ACCUMULATION_SLOWDOWN = 1.15
+# Recipes whose scale comes from the whole tensor's amax, known only after a pass over it: current
+# (tensorwise dynamic) scaling and NVFP4's per-tensor scale read each 16-bit tensor once for its
+# amax, then again to cast it. Delayed scaling casts with the scale of past amaxes and records
+# this one's in the same pass; MXFP8 and blockwise FP8 scale each block as they cast it.
+WHOLE_TENSOR_AMAX = frozenset({"current", "nvfp4"})
 
 
 def element_bytes(training: TrainingSpec) -> float:
     """Bytes per element of a quantized linear's operands (the training dtype's without a recipe)."""
     recipe = training.quantized_linears
     return training.dtype_bytes if recipe is None else ELEMENT_BYTES[recipe]
+
+
+def cast_bytes(training: TrainingSpec) -> float:
+    """HBM bytes per element a quantized linear's operand cast moves: the 16-bit tensor read (twice
+    where the recipe needs its amax first: :data:`WHOLE_TENSOR_AMAX`) and written quantized along
+    both axes."""
+    reads = 2.0 if training.quantized_linears in WHOLE_TENSOR_AMAX else 1.0
+    return reads * training.dtype_bytes + 2.0 * element_bytes(training)
 
 
 def backward_gemm_slowdown(device: DeviceType, training: TrainingSpec) -> float:
