@@ -67,23 +67,35 @@ SCORE_BYTES = {True: (4.0, 7.0), False: (8.0, 9.0)}
 SOFTMAX_FP32_EXTRA_BYTES = 36.0
 
 
-def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp, whole_tensor_amax: bool = False) -> tuple:
+def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
     """Elements a block of quantized linears quantizes, forward and backward: Transformer Engine
     reads each 16-bit tensor and writes it quantized along both axes
     (:func:`~memx_launch.planning.quantization.cast_bytes` per element). Forward: the attention
-    output (the norms and the MLP's activation write their FP8 outputs themselves), and under a
-    recipe that scales by the whole tensor's amax (``whole_tensor_amax``: current scaling, NVFP4)
-    the norms' and the activation's 16-bit outputs too, as their kernels cannot scale what they
-    have not seen whole; backward: every linear's output gradient. ``hidden``: tokens x h, over TP
-    with sequence parallelism. The weights' casts, once per step, are not counted."""
+    output (the norms and the MLP's activation write their quantized outputs themselves, but under
+    a whole-tensor amax: :func:`producer_output_elements`); backward: every linear's output
+    gradient. ``hidden``: tokens x h, over TP with sequence parallelism. The weights' casts (once
+    per step under Transformer Engine's weight cache, at each GEMM without it) are not counted."""
     mixer = mixer_projections(model)
     if mixer:  # the output projection's input; the input projection's output gradient
         return tokens * mixer[1] / tp, tokens * mixer[0] / tp + 2.0 * hidden
     q, kv, f = model.q_hidden_size, model.kv_hidden_size, model.active_ffn_hidden_size
     up = (2.0 if model.gated_mlp else 1.0) * f
     routed = tokens * model.experts_per_token * model.hidden_size / tp  # experts' inputs, and outputs' gradients
-    producers = model.pre_norms_per_block * hidden + tokens * f / tp if whole_tensor_amax else 0.0
-    return tokens * q / tp + routed + producers, tokens * (q + 2.0 * kv + up) / tp + 2.0 * hidden + routed
+    return tokens * q / tp + routed, tokens * (q + 2.0 * kv + up) / tp + 2.0 * hidden + routed
+
+
+def producer_output_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
+    """Where the recipe scales by the whole tensor's amax (current scaling, NVFP4), the elements
+    whose amax the kernel that writes them finds (Transformer Engine's ``FUSED_NORM_AMAX``,
+    ``FUSED_ACTIVATION_AMAX`` and ``FUSED_DACT_AMAX`` paths): forward, the norms' and the MLP
+    activation's outputs, written in 16 bits and cast after (they cannot scale what they have not
+    seen whole), beyond :func:`quantized_cast_elements`; backward, the activation's input gradient,
+    among those it casts."""
+    if mixer_projections(model):
+        return 0.0, 0.0
+    f = model.active_ffn_hidden_size
+    up = (2.0 if model.gated_mlp else 1.0) * f
+    return model.pre_norms_per_block * hidden + tokens * f / tp, tokens * up / tp
 
 
 def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
@@ -131,10 +143,13 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     if training.attention_dropout:
         score = [b + extra for b, extra in zip(score, dropout_bytes(training.dtype_bytes))]
 
-    whole_tensor_amax = training.quantized_linears in quantization.WHOLE_TENSOR_AMAX
-    cast = quantized_cast_elements(model, tokens, hidden, tp, whole_tensor_amax) if training.quantized_linears \
-        else (0.0, 0.0)
-    cast_bytes = quantization.cast_bytes(training)
+    cast = (0.0, 0.0)
+    if training.quantized_linears:
+        full, found = quantization.cast_bytes(training), quantization.cast_bytes(training, amax_found=True)
+        cast = [n * full for n in quantized_cast_elements(model, tokens, hidden, tp)]
+        if training.quantized_linears in quantization.WHOLE_TENSOR_AMAX:
+            produced, dact = producer_output_elements(model, tokens, hidden, tp)
+            cast = [cast[0] + produced * found, cast[1] - dact * (full - found)]
     norms = float(model.norms_per_block)  # parallel blocks one, sandwich norms four
     # A hybrid model's Mamba or Gated DeltaNet layer (never recomputed selectively); an attention
     # output gate's sigmoid and multiply (forward 5 passes over q's width, backward 8).
@@ -148,7 +163,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again:
         rotary embedding, the MLP's activation, the scores)."""
         blockwide = hidden * (model.residual_adds * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) \
-            + cast[i] * cast_bytes + permuted + qk_normed * norm[i] + mixer[i]
+            + cast[i] + permuted + qk_normed * norm[i] + mixer[i]
         core = (tokens * (model.q_hidden_size + kv) / tp * rope[i] * d, tokens * f / tp * mlp[i] * d, scores * score[i])
         return blockwide, core
 
