@@ -92,6 +92,19 @@ def test_a_whole_tensor_amax_reads_each_cast_tensor_once_more_and_casts_the_prod
     assert float(traffic["current"] - traffic["delayed"]) == pytest.approx(2 * (sum(casts) - dact) + 4 * produced)
 
 
+def test_standalone_quantized_linears_cast_the_norms_and_activation_outputs_themselves():
+    """An eager block's quantized linears (te.Linear, torchao's Float8Linear) are not fused with
+    the norms and the activation before them: those write 16 bits and each linear casts its input
+    (read, write quantized along both axes), where Transformer Engine's LayerNormLinear and
+    LayerNormMLP write the quantized output in the producing kernel."""
+    tokens, tp = 4096, 1
+    hidden = tokens * MODEL.hidden_size
+    produced, _ = elementwise.producer_output_elements(MODEL, tokens, hidden, tp)
+    fused, standalone = (elementwise.elementwise_traffic_bytes(MODEL, _training("delayed", eager_block=eager), 1,
+                                                               tokens, tp, cm.NONE) for eager in (False, True))
+    assert float(standalone - fused) == pytest.approx(produced * quantization.cast_bytes(_training("delayed")))
+
+
 def test_fp8_keeps_linear_inputs_in_one_byte_and_fp8_weight_copies():
     bf16, delayed, current = (_estimate(_training(f)).stages[0].memory_parts_gib for f in (None, "delayed", "current"))
     layer = MODEL.layer_params / 2  # over TP 2

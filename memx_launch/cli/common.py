@@ -187,7 +187,8 @@ BLOCK_OPTIONS = {
     "fused_norm": "fused RMSNorm/LayerNorm kernel (default on; --setup torchtitan: off)",
     "eager_block": "each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): "
                    f"the host's time per layer is their count at {EAGER_OP_HOST_S * 1e6:g} us each, not a fused "
-                   f"block's {FUSED_BLOCK_HOST_S * 1e3:g} ms (default off; on in every --setup but megatron)",
+                   f"block's {FUSED_BLOCK_HOST_S * 1e3:g} ms; with --fp8/--fp4 its linears cast their own inputs "
+                   "(default off; on in every --setup but megatron)",
 }
 
 

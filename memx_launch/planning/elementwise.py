@@ -85,12 +85,15 @@ def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
 
 
 def producer_output_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
-    """Where the recipe scales by the whole tensor's amax (current scaling, NVFP4), the elements
-    whose amax the kernel that writes them finds (Transformer Engine's ``FUSED_NORM_AMAX``,
-    ``FUSED_ACTIVATION_AMAX`` and ``FUSED_DACT_AMAX`` paths): forward, the norms' and the MLP
-    activation's outputs, written in 16 bits and cast after (they cannot scale what they have not
-    seen whole), beyond :func:`quantized_cast_elements`; backward, the activation's input gradient,
-    among those it casts."""
+    """(forward, backward) elements whose quantization the kernel that produces them takes part in
+    where the linears are fused with them (Transformer Engine's LayerNormLinear and LayerNormMLP):
+    forward, the norms' and the MLP activation's outputs, which they write quantized themselves
+    (not cast: :func:`quantized_cast_elements`), or, under a recipe that scales by the whole
+    tensor's amax (current scaling, NVFP4), write in 16 bits while finding the amax, a cast
+    following (``FUSED_NORM_AMAX``, ``FUSED_ACTIVATION_AMAX``); backward, the activation's input
+    gradient, whose amax its backward kernel finds (``FUSED_DACT_AMAX``). Standalone quantized
+    linears (an eager block's ``te.Linear`` or torchao ``Float8Linear``) cast the forward ones
+    after they are written, as any other input."""
     if mixer_projections(model):
         return 0.0, 0.0
     f = model.active_ffn_hidden_size
@@ -147,8 +150,10 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     if training.quantized_linears:
         full, found = quantization.cast_bytes(training), quantization.cast_bytes(training, amax_found=True)
         cast = [n * full for n in quantized_cast_elements(model, tokens, hidden, tp)]
-        if training.quantized_linears in quantization.WHOLE_TENSOR_AMAX:
-            produced, dact = producer_output_elements(model, tokens, hidden, tp)
+        produced, dact = producer_output_elements(model, tokens, hidden, tp)
+        if training.eager_block:  # standalone quantized linears: each casts its own input
+            cast[0] = cast[0] + produced * full
+        elif training.quantized_linears in quantization.WHOLE_TENSOR_AMAX:
             cast = [cast[0] + produced * found, cast[1] - dact * (full - found)]
     norms = float(model.norms_per_block)  # parallel blocks one, sandwich norms four
     # A hybrid model's Mamba or Gated DeltaNet layer (never recomputed selectively); an attention
