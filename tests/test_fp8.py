@@ -105,6 +105,20 @@ def test_standalone_quantized_linears_cast_the_norms_and_activation_outputs_them
     assert float(standalone - fused) == pytest.approx(produced * quantization.cast_bytes(_training("delayed")))
 
 
+def test_linears_that_cast_their_weight_at_each_gemm_pay_it_forward_and_backward():
+    """torchao's Float8Linear keeps no FP8 weight between micro-batches (``--no-fp8-weight-cache``):
+    each forward casts the weight, each backward casts it again for the input gradient (current
+    scaling: an amax pass and the cast, one axis each); with FP8 weights (``--fp8-params``) there
+    is nothing to cast."""
+    tokens, tp = 4096, 2
+    weights = sum(n * k for n, k in linear_shapes(MODEL, _training("current"), tp))
+    cached, each_gemm, fp8_weights = (elementwise.elementwise_traffic_bytes(
+        MODEL, _training("current", fp8_weight_cache=cache, fp8_params=params), 1, tokens, tp, cm.NONE)
+        for cache, params in ((True, False), (False, False), (False, True)))
+    assert float(each_gemm - cached) == pytest.approx(2 * weights * (2 + 2 + 1))
+    assert float(fp8_weights) == pytest.approx(float(cached))
+
+
 def test_fp8_keeps_linear_inputs_in_one_byte_and_fp8_weight_copies():
     bf16, delayed, current = (_estimate(_training(f)).stages[0].memory_parts_gib for f in (None, "delayed", "current"))
     layer = MODEL.layer_params / 2  # over TP 2

@@ -13,6 +13,7 @@ import numpy as np
 
 from memx_launch.planning import gated_deltanet, mamba, quantization
 from memx_launch.planning.activations import selective_modules
+from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.planning.plan import NONE, SELECTIVE
 from memx_launch.specs.hybrid import mixer_projections
 from memx_launch.specs.model import ModelSpec
@@ -73,8 +74,9 @@ def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
     (:func:`~memx_launch.planning.quantization.cast_bytes` per element). Forward: the attention
     output (the norms and the MLP's activation write their quantized outputs themselves, but under
     a whole-tensor amax: :func:`producer_output_elements`); backward: every linear's output
-    gradient. ``hidden``: tokens x h, over TP with sequence parallelism. The weights' casts (once
-    per step under Transformer Engine's weight cache, at each GEMM without it) are not counted."""
+    gradient. ``hidden``: tokens x h, over TP with sequence parallelism. The weights' casts: once
+    a step under Transformer Engine's weight cache, not counted; at each GEMM without it, counted
+    by the caller."""
     mixer = mixer_projections(model)
     if mixer:  # the output projection's input; the input projection's output gradient
         return tokens * mixer[1] / tp, tokens * mixer[0] / tp + 2.0 * hidden
@@ -155,6 +157,10 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
             cast[0] = cast[0] + produced * full
         elif training.quantized_linears in quantization.WHOLE_TENSOR_AMAX:
             cast = [cast[0] + produced * found, cast[1] - dact * (full - found)]
+        if not (training.fp8_weight_cache or training.fp8_params):
+            # Each GEMM casts its weight (torchao's Float8Linear): the forward's, the input gradient's transposed.
+            weights = sum(n * k for n, k in linear_shapes(model, training, tp)) * quantization.cast_bytes(training, axes=1)
+            cast = [c + weights for c in cast]
     norms = float(model.norms_per_block)  # parallel blocks one, sandwich norms four
     # A hybrid model's Mamba or Gated DeltaNet layer (never recomputed selectively); an attention
     # output gate's sigmoid and multiply (forward 5 passes over q's width, backward 8).

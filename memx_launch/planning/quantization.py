@@ -38,12 +38,13 @@ def element_bytes(training: TrainingSpec) -> float:
     return training.dtype_bytes if recipe is None else ELEMENT_BYTES[recipe]
 
 
-def cast_bytes(training: TrainingSpec, amax_found: bool = False) -> float:
+def cast_bytes(training: TrainingSpec, amax_found: bool = False, axes: int = 2) -> float:
     """HBM bytes per element a quantized linear's operand cast moves: the 16-bit tensor read (twice
     where the recipe needs its amax first, :data:`WHOLE_TENSOR_AMAX`, unless the kernel that wrote
-    the tensor found it: ``amax_found``) and written quantized along both axes."""
+    the tensor found it: ``amax_found``) and written quantized along ``axes`` axes (both: the
+    forward's copy and the backward's transpose)."""
     reads = 2.0 if training.quantized_linears in WHOLE_TENSOR_AMAX and not amax_found else 1.0
-    return reads * training.dtype_bytes + 2.0 * element_bytes(training)
+    return reads * training.dtype_bytes + axes * element_bytes(training)
 
 
 def backward_gemm_slowdown(device: DeviceType, training: TrainingSpec) -> float:
