@@ -72,11 +72,10 @@ def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
     """Elements a block of quantized linears quantizes, forward and backward: Transformer Engine
     reads each 16-bit tensor and writes it quantized along both axes
     (:func:`~memx_launch.planning.quantization.cast_bytes` per element). Forward: the attention
-    output (the norms and the MLP's activation write their quantized outputs themselves, but under
-    a whole-tensor amax: :func:`producer_output_elements`); backward: every linear's output
-    gradient. ``hidden``: tokens x h, over TP with sequence parallelism. The weights' casts: once
-    a step under Transformer Engine's weight cache, not counted; at each GEMM without it, counted
-    by the caller."""
+    output (the norms' and the MLP activation's outputs: :func:`producer_output_elements`);
+    backward: every linear's output gradient. ``hidden``: tokens x h, over TP with sequence
+    parallelism. The weights' casts: once a step under Transformer Engine's weight cache, not
+    counted; at each GEMM without it, counted by the caller."""
     mixer = mixer_projections(model)
     if mixer:  # the output projection's input; the input projection's output gradient
         return tokens * mixer[1] / tp, tokens * mixer[0] / tp + 2.0 * hidden
