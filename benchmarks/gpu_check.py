@@ -106,6 +106,23 @@ def calibration_check() -> list[dict]:
     return rows
 
 
+def _mean_seconds(run, device: str, repeats: int) -> float:
+    """Mean seconds of ``run()`` over ``repeats`` calls after two warm-up calls, the device
+    synchronised around them."""
+    import torch
+
+    for _ in range(2):
+        run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats
+
+
 def matmul_rates(device: str = "cuda", n: int = 8192, repeats: int = 10) -> dict:
     """TFLOPS of an n x n x n GEMM in bf16, in fp32 with TF32 off and in fp32 as TF32: what
     memx's defaults assume of this GPU (the best bf16 matmul's share of the peak,
@@ -120,16 +137,7 @@ def matmul_rates(device: str = "cuda", n: int = 8192, repeats: int = 10) -> dict
                                   ("tf32", torch.float32, True)):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-            for _ in range(2):
-                a @ b
-            if device == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(repeats):
-                a @ b
-            if device == "cuda":
-                torch.cuda.synchronize()
-            out[name] = round(2.0 * n ** 3 * repeats / (time.perf_counter() - started) / 1e12, 3)
+            out[name] = round(2.0 * n ** 3 / _mean_seconds(lambda: a @ b, device, repeats) / 1e12, 3)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     return out
@@ -152,28 +160,17 @@ def gemm_shapes(device: str = "cuda", shapes=GEMM_SHAPES, repeats: int = 10, fp8
 
     from memx_launch.planning.matmuls import fill_depth, gemm_seconds
 
-    def timed(run) -> float:
-        for _ in range(2):
-            run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - started) / repeats
-
     def bf16(m, n, k):
         a, b = torch.randn(m, k, device=device, dtype=torch.bfloat16), torch.randn(k, n, device=device,
                                                                                   dtype=torch.bfloat16)
-        return timed(lambda: a @ b)
+        return _mean_seconds(lambda: a @ b, device, repeats)
 
     def float8(m, n, k):  # _scaled_mm takes A row-major and B column-major
         a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
         b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
         one = torch.tensor(1.0, device=device)
-        return timed(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        return _mean_seconds(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                             device, repeats)
 
     runs = [("bf16", bf16, 2.0)] + ([("fp8", float8, 1.0)] if fp8 else [])
     measured = {name: [(m, n, k, 2.0 * m * n * k / run(m, n, k)) for m, n, k in shapes] for name, run, _ in runs}

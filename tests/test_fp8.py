@@ -81,15 +81,15 @@ def test_a_whole_tensor_amax_reads_each_cast_tensor_once_more_and_casts_the_prod
     assert quantization.cast_bytes(TrainingSpec(fp4="nvfp4")) == pytest.approx(2 * 2 + 2 * (0.5 + 1 / 16))
     tokens, tp = 4096, 2
     hidden = tokens * MODEL.hidden_size / tp  # sequence parallel
-    produced, dact = elementwise.producer_output_elements(MODEL, tokens, hidden, tp)
-    assert produced == 2 * hidden + tokens * MODEL.ffn_hidden_size / tp  # two norms' outputs, the activation's
-    assert dact == tokens * 2 * MODEL.ffn_hidden_size / tp  # the gated activation's input gradient
+    casts = elementwise.quantized_cast_elements(MODEL, tokens, hidden, tp)
+    assert casts.producer_outputs == 2 * hidden + tokens * MODEL.ffn_hidden_size / tp  # two norms', the activation's
+    assert casts.activation_input_grad == tokens * 2 * MODEL.ffn_hidden_size / tp  # the gated activation's
     traffic = {f: elementwise.elementwise_traffic_bytes(MODEL, _training(f, sequence_parallel=True), 1, tokens, tp,
                                                         cm.NONE) for f in ("delayed", "current")}
-    casts = elementwise.quantized_cast_elements(MODEL, tokens, hidden, tp)
     # Every cast reads once more for its amax but where the writing kernel found it; the
     # producers' outputs are cast besides.
-    assert float(traffic["current"] - traffic["delayed"]) == pytest.approx(2 * (sum(casts) - dact) + 4 * produced)
+    assert float(traffic["current"] - traffic["delayed"]) == pytest.approx(
+        2 * (casts.forward + casts.backward - casts.activation_input_grad) + 4 * casts.producer_outputs)
 
 
 def test_standalone_quantized_linears_cast_the_norms_and_activation_outputs_themselves():
@@ -99,7 +99,7 @@ def test_standalone_quantized_linears_cast_the_norms_and_activation_outputs_them
     LayerNormMLP write the quantized output in the producing kernel."""
     tokens, tp = 4096, 1
     hidden = tokens * MODEL.hidden_size
-    produced, _ = elementwise.producer_output_elements(MODEL, tokens, hidden, tp)
+    produced = elementwise.quantized_cast_elements(MODEL, tokens, hidden, tp).producer_outputs
     fused, standalone = (elementwise.elementwise_traffic_bytes(MODEL, _training("delayed", eager_block=eager), 1,
                                                                tokens, tp, cm.NONE) for eager in (False, True))
     assert float(standalone - fused) == pytest.approx(produced * quantization.cast_bytes(_training("delayed")))

@@ -44,10 +44,13 @@ def test_matmul_rates_time_the_three_precisions():
 def test_gemm_shapes_time_bf16_and_fp8_against_memx_s_shares():
     from benchmarks.gpu_check import gemm_shapes
 
+    from memx_launch.planning.matmuls import shape_efficiency
+
     rows = gemm_shapes(device="cpu", shapes=((256, 256, 256), (512, 128, 64)), repeats=2, sms=132)
     assert [(r["dtype"], r["m"]) for r in rows] == [("bf16", 256), ("bf16", 512), ("fp8", 256), ("fp8", 512)]
     assert all(r["tflops"] > 0 and r["measured_share"] > 0 and 0 < r["predicted_share"] <= 1 for r in rows)
-    assert rows[0]["measured_share"] == rows[2]["measured_share"] == 1.0  # each precision against its first shape
+    # The bf16 rows' prediction is memx's shape model at the 16-bit fill (compute bound at this copy rate).
+    assert rows[1]["predicted_share"] == pytest.approx(float(shape_efficiency(512, 128, 64, 132)), abs=1e-3)
 
 
 def test_stream_bandwidth_times_a_copy_and_a_triad():

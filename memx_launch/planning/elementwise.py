@@ -9,6 +9,8 @@ memx's own block to check the counts. No torch import.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from memx_launch.planning import gated_deltanet, mamba, quantization
@@ -68,38 +70,59 @@ SCORE_BYTES = {True: (4.0, 7.0), False: (8.0, 9.0)}
 SOFTMAX_FP32_EXTRA_BYTES = 36.0
 
 
-def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
-    """Elements a block of quantized linears quantizes, forward and backward: Transformer Engine
-    reads each 16-bit tensor and writes it quantized along both axes
-    (:func:`~memx_launch.planning.quantization.cast_bytes` per element). Forward: the attention
-    output (the norms' and the MLP activation's outputs: :func:`producer_output_elements`);
-    backward: every linear's output gradient. ``hidden``: tokens x h, over TP with sequence
-    parallelism. The weights' casts: once a step under Transformer Engine's weight cache, not
-    counted; at each GEMM without it, counted by the caller."""
+class QuantizedCasts(NamedTuple):
+    """Elements a block of quantized linears quantizes per micro-batch (:func:`quantized_cast_elements`)."""
+
+    forward: float
+    """Cast by a linear forward: the attention output, a mixture's dispatched tokens."""
+    backward: float
+    """Cast by a linear backward: every linear's output gradient."""
+    producer_outputs: float
+    """The norms' and the MLP activation's outputs, which a kernel fused with the linear after it
+    (Transformer Engine's LayerNormLinear and LayerNormMLP) writes quantized itself, or under a
+    whole-tensor amax writes in 16 bits while finding the amax (``FUSED_NORM_AMAX``,
+    ``FUSED_ACTIVATION_AMAX``), a cast following; standalone linears cast them as any input."""
+    activation_input_grad: float
+    """Of ``backward``, the activation's input gradient, whose amax its backward kernel finds
+    (``FUSED_DACT_AMAX``)."""
+
+
+def quantized_cast_elements(model: ModelSpec, tokens, hidden, tp) -> QuantizedCasts:
+    """What a block of quantized linears quantizes (:class:`QuantizedCasts`); each cast reads the
+    16-bit tensor and writes it quantized along both axes (:func:`quantized_cast_bytes`).
+    ``hidden``: tokens x h, over TP with sequence parallelism."""
     mixer = mixer_projections(model)
     if mixer:  # the output projection's input; the input projection's output gradient
-        return tokens * mixer[1] / tp, tokens * mixer[0] / tp + 2.0 * hidden
+        return QuantizedCasts(tokens * mixer[1] / tp, tokens * mixer[0] / tp + 2.0 * hidden, 0.0, 0.0)
     q, kv, f = model.q_hidden_size, model.kv_hidden_size, model.active_ffn_hidden_size
     up = (2.0 if model.gated_mlp else 1.0) * f
     routed = tokens * model.experts_per_token * model.hidden_size / tp  # experts' inputs, and outputs' gradients
-    return tokens * q / tp + routed, tokens * (q + 2.0 * kv + up) / tp + 2.0 * hidden + routed
+    return QuantizedCasts(tokens * q / tp + routed, tokens * (q + 2.0 * kv + up) / tp + 2.0 * hidden + routed,
+                          model.pre_norms_per_block * hidden + tokens * f / tp, tokens * up / tp)
 
 
-def producer_output_elements(model: ModelSpec, tokens, hidden, tp) -> tuple:
-    """(forward, backward) elements whose quantization the kernel that produces them takes part in
-    where the linears are fused with them (Transformer Engine's LayerNormLinear and LayerNormMLP):
-    forward, the norms' and the MLP activation's outputs, which they write quantized themselves
-    (not cast: :func:`quantized_cast_elements`), or, under a recipe that scales by the whole
-    tensor's amax (current scaling, NVFP4), write in 16 bits while finding the amax, a cast
-    following (``FUSED_NORM_AMAX``, ``FUSED_ACTIVATION_AMAX``); backward, the activation's input
-    gradient, whose amax its backward kernel finds (``FUSED_DACT_AMAX``). Standalone quantized
-    linears (an eager block's ``te.Linear`` or torchao ``Float8Linear``) cast the forward ones
-    after they are written, as any other input."""
-    if mixer_projections(model):
-        return 0.0, 0.0
-    f = model.active_ffn_hidden_size
-    up = (2.0 if model.gated_mlp else 1.0) * f
-    return model.pre_norms_per_block * hidden + tokens * f / tp, tokens * up / tp
+def quantized_cast_bytes(model: ModelSpec, training: TrainingSpec, tokens, hidden, tp) -> tuple:
+    """(forward, backward) HBM bytes a block's quantized linears' casts move per micro-batch
+    (:func:`quantized_cast_elements` at :func:`~memx_launch.planning.quantization.cast_bytes`):
+    fused with their producers (Transformer Engine's layers) the producers' outputs cost nothing
+    more under delayed scaling, MXFP8 and blockwise FP8, and a cast after an amax found as they
+    were written under a whole-tensor amax; an eager block's standalone linears (``te.Linear``,
+    torchao's ``Float8Linear``) cast them as any input. Linears without a weight cache
+    (torchao's: no ``fp8_weight_cache``, no ``fp8_params``) cast each weight at each GEMM, forward
+    and for the backward's input gradient; Transformer Engine's cache casts it once a step, not
+    counted."""
+    full, found = quantization.cast_bytes(training), quantization.cast_bytes(training, amax_found=True)
+    casts = quantized_cast_elements(model, tokens, hidden, tp)
+    forward, backward = casts.forward * full, casts.backward * full
+    if training.eager_block:
+        forward = forward + casts.producer_outputs * full
+    elif training.quantized_linears in quantization.WHOLE_TENSOR_AMAX:
+        forward = forward + casts.producer_outputs * found
+        backward = backward - casts.activation_input_grad * (full - found)
+    if not (training.fp8_weight_cache or training.fp8_params):
+        weights = sum(n * k for n, k in linear_shapes(model, training, tp)) * quantization.cast_bytes(training, axes=1)
+        forward, backward = forward + weights, backward + weights
+    return forward, backward
 
 
 def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
@@ -115,7 +138,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     dropout's masks and products, rotary embedding on q and k (LLaMA-style models), the MLP's
     activation on its width; without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
-    passes and attention dropout; with quantized linears their casts (:func:`quantized_cast_elements`);
+    passes and attention dropout; with quantized linears their casts (:func:`quantized_cast_bytes`);
     a hybrid model's layer one residual add and one norm, and a Mamba or Gated DeltaNet layer's
     kernels (:func:`~memx_launch.planning.mamba.traffic_bytes`,
     :func:`~memx_launch.planning.gated_deltanet.traffic_bytes`); an attention output gate's.
@@ -147,19 +170,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     if training.attention_dropout:
         score = [b + extra for b, extra in zip(score, dropout_bytes(training.dtype_bytes))]
 
-    cast = (0.0, 0.0)
-    if training.quantized_linears:
-        full, found = quantization.cast_bytes(training), quantization.cast_bytes(training, amax_found=True)
-        cast = [n * full for n in quantized_cast_elements(model, tokens, hidden, tp)]
-        produced, dact = producer_output_elements(model, tokens, hidden, tp)
-        if training.eager_block:  # standalone quantized linears: each casts its own input
-            cast[0] = cast[0] + produced * full
-        elif training.quantized_linears in quantization.WHOLE_TENSOR_AMAX:
-            cast = [cast[0] + produced * found, cast[1] - dact * (full - found)]
-        if not (training.fp8_weight_cache or training.fp8_params):
-            # Each GEMM casts its weight (torchao's Float8Linear): the forward's, the input gradient's transposed.
-            weights = sum(n * k for n, k in linear_shapes(model, training, tp)) * quantization.cast_bytes(training, axes=1)
-            cast = [c + weights for c in cast]
+    cast = quantized_cast_bytes(model, training, tokens, hidden, tp) if training.quantized_linears else (0.0, 0.0)
     norms = float(model.norms_per_block)  # parallel blocks one, sandwich norms four
     # A hybrid model's Mamba or Gated DeltaNet layer (never recomputed selectively); an attention
     # output gate's sigmoid and multiply (forward 5 passes over q's width, backward 8).
