@@ -148,7 +148,7 @@ class TrainingSpec:
     """Full recompute runs torch's non-reentrant checkpoint, which stops at the block's last saved
     tensor (``torch.utils.checkpoint``'s early stop, on by default: memx-run, torchtitan), the input
     of its last linear: that GEMM and the TP collective after it do not run again. Off: the whole
-    forward again (Megatron's checkpoint, reentrant ones). Default off (``torchtitan``, ``ddp``: on)."""
+    forward again (Megatron's checkpoint, reentrant ones). Default off (torchtitan, ddp, memx-run: on)."""
     fused_softmax: bool | None = None
     """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
     softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
