@@ -67,6 +67,28 @@ def test_llama_formula_reduces_to_korthikanti_for_a_gpt_block():
             assert float(without) == pytest.approx(korthikanti - dropout)
 
 
+def test_a_relu_mlp_keeps_its_output_only():
+    """ReLU's backward needs only its output, which fc2 keeps as its input: one tensor of the MLP's
+    width where GELU keeps its input too; with quantized linears fc2 keeps its own FP8 copy beside
+    it, as it does beside GELU's output. OPT's MLP is ReLU; a gated ReLU is refused."""
+    import dataclasses
+
+    from memx_launch.errors import ConfigError
+
+    gelu = ModelSpec("gpt", 1, H, A, A, 4 * H, 50000, S, gated_mlp=False)
+    relu = dataclasses.replace(gelu, relu_mlp=True)
+    for t, level in ((1, cm.NONE), (4, cm.NONE), (2, cm.SELECTIVE)):
+        kept = [float(cm.activation_bytes(m, B, S, t, level, 2, flash_attention=True).activation_bytes)
+                for m in (gelu, relu)]
+        assert kept[0] - kept[1] == pytest.approx(S * B * 4 * H * 2 / t), (t, level)
+        fp8 = [float(cm.activation_bytes(m, B, S, t, level, 2, flash_attention=True, quantized_bytes=1.0)
+                     .activation_bytes) for m in (gelu, relu)]
+        assert fp8[0] == pytest.approx(fp8[1])
+    assert get_model("opt-350m").relu_mlp and not get_model("gpt-neo-2.7b").relu_mlp
+    with pytest.raises(ConfigError, match="model.relu_mlp: set with gated_mlp"):
+        dataclasses.replace(gelu, gated_mlp=True, relu_mlp=True)
+
+
 def test_recompute_levels_order_memory_and_time():
     model = get_model("llama2-7b")
     act = cm.activation_bytes(model, 1, 4096, 1, np.array([0, 1, 2])).activation_bytes

@@ -578,7 +578,9 @@ def test_memx_export_to_torchtitan_prints_the_toml_and_notes_on_stderr(tmp_path,
 
 def test_a_gpt_style_model_exports_layer_norm_biases_and_its_learned_position_table():
     plan = make_plan(model="opt-350m", layers=(12, 12), recompute=("full", "none"))
-    args = megatron_args(plan).args
+    args, notes = megatron_args(plan).args, megatron_args(plan).notes
+    assert [n for n in notes if "MLP is ReLU" in n]  # Megatron-LM's command line builds GELU
+    assert not [n for n in megatron_args(make_plan(model="gpt-neo-2.7b", layers=(16, 16))).notes if "ReLU" in n]
     assert (_flag(args, "--position-embedding-type"), _flag(args, "--max-position-embeddings"),
             _flag(args, "--normalization")) == ("learned_absolute", "2050", "LayerNorm")
     assert "--disable-bias-linear" not in args and "--rotary-base" not in args and "--swiglu" not in args

@@ -57,6 +57,27 @@ def test_calibrated_sailor_plans_go_through_the_learned_model():
     assert parts["head"]["GH-96"]["fixed_ms"] > 0 and 0 < fitted["efficiency_measured"] <= 1
 
 
+def test_block_activations_against_the_bytes_sailors_blocks_allocated():
+    """benchmarks/layer_activations.py where shared/peer-data is present: GPT-Neo's block keeps
+    what memx counts at every TP degree, and OPT's part that TP splits is its ReLU MLP's (a GELU
+    MLP's count is an f-wide tensor more)."""
+    import json
+
+    from benchmarks import layer_activations
+
+    try:
+        shared = real_runs.shared_dir()
+    except SystemExit:
+        pytest.skip("shared/peer-data is not beside this checkout")
+    with open(os.path.join(shared, "peer-data", "sailor", "llm_info.json")) as f:
+        info = json.load(f)
+    neo = layer_activations.compare("GPT-Neo-2.7", info["GPT-Neo-2.7"])
+    assert [r["memx_over_measured"] == pytest.approx(1.0, abs=0.01) for r in neo["by_tp"]] == [True] * 3
+    for opt in ("OPT-350", "OPT-30"):
+        parts = layer_activations.compare(opt, info[opt])["fp32_sbh_tensors"]
+        assert parts["memx"]["split"] == pytest.approx(parts["measured"]["split"], rel=0.01), opt
+
+
 @pytest.mark.parametrize("gpu", ["RTX-3090", "A100-40"])  # a PCIe type and an NVLink type
 def test_predictor_benchmark_predicts_on_the_base_its_records_are_learned_against(gpu):
     """The learned ratio multiplies the analytical base it was fitted on: the base of a record's

@@ -92,7 +92,7 @@ def test_gpt2_style_config_json(tmp_path):
     # OPT-350m as published: ffn_dim, ReLU, tied by default
     ({"model_type": "opt", "num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "ffn_dim": 4096,
       "vocab_size": 50272, "max_position_embeddings": 2048, "activation_function": "relu"},
-     dict(ffn_hidden_size=4096, gated_mlp=False, tie_embeddings=True, tensor_parallel_blocks=False)),
+     dict(ffn_hidden_size=4096, gated_mlp=False, relu_mlp=True, tie_embeddings=True, tensor_parallel_blocks=False)),
     # Gemma-2B: a gated GELU MLP, tied by default, Llama-family blocks
     ({"model_type": "gemma", "num_hidden_layers": 18, "hidden_size": 2048, "num_attention_heads": 8,
       "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 16384, "vocab_size": 256000,
@@ -104,7 +104,7 @@ def test_gpt2_style_config_json(tmp_path):
      dict(gated_mlp=True, tie_embeddings=True, tensor_parallel_blocks=True)),
     ({"model_type": "phi", "num_hidden_layers": 32, "hidden_size": 2560, "num_attention_heads": 32,
       "intermediate_size": 10240, "vocab_size": 51200, "hidden_act": "gelu_new"},
-     dict(gated_mlp=False, tie_embeddings=False, tensor_parallel_blocks=False)),
+     dict(gated_mlp=False, relu_mlp=False, tie_embeddings=False, tensor_parallel_blocks=False)),
 ], ids=["opt-350m", "gemma-2b", "qwen2-0.5b", "phi-2"])
 def test_hf_configs_of_other_families(tmp_path, cfg, expected):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -159,12 +159,14 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
                            "hybrid_pattern", "mamba_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups",
                            "mamba_conv_kernel", "mamba_chunk_size", "layer_kind", "linear_key_heads",
                            "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel",
-                           "linear_chunk_size", "attention_output_gate")}
+                           "linear_chunk_size", "attention_output_gate", "relu_mlp")}
     assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     gpt_style = dataclasses.replace(llama, layer_norm=True, linear_biases=True, position_embeddings=4096)
     assert gpt_style.signature() != llama.signature() and gpt_style.total_params > llama.total_params
     assert dataclasses.replace(llama, parallel_blocks=True).signature() != llama.signature()
     assert dataclasses.replace(llama, lm_head=False).signature() != llama.signature()
+    assert dataclasses.replace(gpt_style, gated_mlp=False, relu_mlp=True).signature() != \
+        dataclasses.replace(gpt_style, gated_mlp=False).signature()
 
 
 def test_heads_wider_than_hidden_size_over_heads_are_modelled(tmp_path):

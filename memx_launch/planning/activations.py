@@ -66,7 +66,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       a hybrid model's layer: one norm and one residual dropout, attention's or the MLP's
         tensors alone, or a Mamba or Gated DeltaNet layer's (:func:`~memx_launch.planning.mamba.kept_units`,
         :func:`~memx_launch.planning.gated_deltanet.kept_units`)
-      SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h);
+      SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h;
+        ReLU, ``relu_mlp``: 2f/h, its output is its backward's and the down projection's input);
         a mixture of experts: :func:`~memx_launch.planning.experts.kept_units`
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
         take ``quantized_bytes`` per element: the two normed tensors, the attention output and
@@ -131,8 +132,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         mlp_kept, mlp_elementwise = experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp)
     elif model.gated_mlp:
         mlp_kept, mlp_elementwise = (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
-    else:  # GELU: fc1 output (GELU input) and GELU output (fc2 input)
-        mlp_kept, mlp_elementwise = 2.0 * f / h / tp, 2.0 * fp8_share * f / h / tp
+    else:  # GELU: its input (fc1's output) and output (fc2's input); ReLU: its output, also fc2's unless quantized
+        relu_output_is_fc2_input = model.relu_mlp and not quantized_bytes
+        mlp_kept, mlp_elementwise = (0.0 if relu_output_is_fc2_input else 2.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
     # Query and key head norms keep their inputs, as the block's norms do (fused: the 16-bit q and k).
     qk_norms = (q + kv) / h / tp * per_norm if model.qk_norm else 0.0
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.

@@ -116,8 +116,7 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     SwiGLU unless the model has a plain MLP) or a GPT-2 style one (LayerNorm, biases, a learned
     position table) with grouped-query attention when KV heads are fewer, its RoPE base and norm
     epsilon (Megatron's defaults, 10000 and 1e-5, are not every model's)."""
-    spec = megatron_blocks(plan.model_spec)
-    notes = []
+    spec, notes = megatron_blocks(plan.model_spec), []
     args = ["--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden_size),
             "--ffn-hidden-size", str(spec.ffn_hidden_size), "--num-attention-heads", str(spec.num_heads)]
     if spec.num_kv_heads != spec.num_heads:
@@ -197,6 +196,8 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     if spec.post_norms:
         notes.append("the model's blocks normalise their attention's and MLP's outputs too (Gemma's sandwich "
                      "norms), which the plan counted; Megatron-LM's GPT has no such norms: add your build's")
+    if spec.relu_mlp:  # Megatron-LM's command line has no plain ReLU
+        notes.append("the model's MLP is ReLU (OPT), which Megatron-LM builds as GELU: set your build's activation")
     if spec.parallel_blocks:
         notes.append("the model's attention and MLP run side by side (parallel blocks); Megatron-LM builds them "
                      "one after the other: two norms and four TP all-reduces per layer where the plan counted one "

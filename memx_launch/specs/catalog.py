@@ -17,9 +17,9 @@ def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=10000.0)
     return ModelSpec(name, layers, hidden, heads, kv, ffn, vocab, seq, rope_theta=rope_theta)
 
 
-def _gpt_style(name, layers, hidden, heads, ffn, vocab, seq, positions) -> ModelSpec:
-    return ModelSpec(name, layers, hidden, heads, heads, ffn, vocab, seq, gated_mlp=False, tie_embeddings=True,
-                     layer_norm=True, linear_biases=True, position_embeddings=positions)
+def _gpt_style(name, layers, hidden, heads, ffn, vocab, seq, positions, relu=False) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, heads, ffn, vocab, seq, gated_mlp=False, relu_mlp=relu,
+                     tie_embeddings=True, layer_norm=True, linear_biases=True, position_embeddings=positions)
 
 
 # Paper Table 4 plus the published FFN and KV-head sizes; the small flavors run on a CPU.
@@ -33,14 +33,14 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     _llama("llama-tiny", 8, 128, 4, 2, 352, 512, 64),
     _llama("llama-small", 8, 512, 8, 4, 1376, 2048, 256),
     _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),  # TinyLlama-1.1B's shape: benchmarks/gpu_check.py
-    # Models of the public GPU profiles in shared/peer-data/sailor (GELU MLP, LayerNorm, biases,
-    # learned positions: OPT's table has 2 rows more than its context; fp32 there).
-    _gpt_style("opt-350m", 24, 1024, 16, 4096, 50272, 2048, positions=2050),
+    # Models of the public GPU profiles in shared/peer-data/sailor (OPT's ReLU MLP, GPT-Neo's GELU;
+    # LayerNorm, biases, learned positions: OPT's table has 2 rows more than its context; fp32 there).
+    _gpt_style("opt-350m", 24, 1024, 16, 4096, 50272, 2048, positions=2050, relu=True),
     # GPT-J-6B (EleutherAI): attention and MLP side by side, rotary positions, an untied head.
     ModelSpec("gpt-j-6b", 28, 4096, 16, 16, 16384, 50400, 2048, gated_mlp=False, layer_norm=True,
               linear_biases=True, parallel_blocks=True),
     _gpt_style("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, positions=2048),
-    _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050),
+    _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050, relu=True),
     # Mixtures of experts (their Hugging Face configs): Mixtral-8x7B; Qwen3-30B-A3B and
     # Qwen3-235B-A22B, whose 128-wide heads are wider than hidden / heads, each normalised.
     ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, rope_theta=1e6, num_experts=8,

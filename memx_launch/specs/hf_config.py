@@ -121,6 +121,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     if cfg.get("tie_word_embeddings") is not None:
         require_type(cfg["tie_word_embeddings"], bool, f"model ({where}).tie_word_embeddings")
     act = str(cfg.get("hidden_act", cfg.get("mlp_hidden_act", "silu")))  # Nemotron-H: mlp_hidden_act relu2
+    gated = act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU)
     heads = cfg["num_attention_heads"]
     head_dim = 0
     if cfg.get("head_dim") is not None:
@@ -152,7 +153,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
         vocab_size=cfg["vocab_size"],
         seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
-        gated_mlp=act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU),
+        gated_mlp=gated, relu_mlp=act == "relu" and not gated,  # OPT's MLP: ReLU
         tie_embeddings=bool(tied),
         layer_norm=gpt_style,
         linear_biases=gpt_style and cfg.get("enable_bias", True),

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any, Mapping
 
-
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import reject_unknown
 from memx_launch.specs.hybrid import HYBRID_LAYER_KINDS, NO_EXPERTS, deltanet_params, mamba_params
@@ -31,7 +30,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "mamba_groups": 8, "mamba_conv_kernel": 4, "mamba_chunk_size": 128, "layer_kind": "",
                          "linear_key_heads": 0, "linear_value_heads": 0, "linear_key_head_dim": 128,
                          "linear_value_head_dim": 128, "linear_conv_kernel": 4, "linear_chunk_size": 64,
-                         "attention_output_gate": False}
+                         "attention_output_gate": False, "relu_mlp": False}
 
 
 
@@ -49,7 +48,10 @@ class ModelSpec:
     seq_len: int
     """Default training sequence length."""
     gated_mlp: bool = True
-    """SwiGLU (three FFN matrices) when true, GELU MLP (two) when false."""
+    """SwiGLU (three FFN matrices) when true, an MLP of two (GELU unless ``relu_mlp``) when false."""
+    relu_mlp: bool = False
+    """An ungated MLP of ReLU (OPT): its backward needs only the ReLU's output, which the second
+    linear keeps as its input, so the MLP keeps one tensor of its width where GELU keeps two."""
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     """RoPE base (Llama 3: 500000). Neither it nor ``norm_eps`` changes time or memory: they are
@@ -146,8 +148,7 @@ class ModelSpec:
     """Groups sharing one B and C projection (Hugging Face's ``n_groups``)."""
     mamba_conv_kernel: int = 4
     mamba_chunk_size: int = 128
-    """Tokens of a chunk of the chunked scan (SSD): quadratic within a chunk, a state passed between
-    them (Megatron-Core's MambaMixer: 128)."""
+    """Tokens of a chunk of the chunked scan (SSD; Megatron-Core's MambaMixer: 128)."""
     linear_key_heads: int = 0
     """With ``G`` layers (Gated DeltaNet, Qwen3-Next's linear attention): its query and key heads;
     its value heads ``linear_value_heads`` (a multiple), each head's widths ``linear_key_head_dim``

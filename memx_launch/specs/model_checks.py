@@ -19,6 +19,10 @@ def check_shape(model) -> None:
     require_type(model.name, str, "model.name")
     require_name(model.name, "model.name")
     require_type(model.gated_mlp, bool, "model.gated_mlp")
+    require_type(model.relu_mlp, bool, "model.relu_mlp")
+    if model.relu_mlp and model.gated_mlp:
+        raise ConfigError("model.relu_mlp", "set with gated_mlp (a gated ReLU is not modelled)",
+                          "set gated_mlp: false for OPT's ReLU MLP, or drop relu_mlp")
     require_type(model.tie_embeddings, bool, "model.tie_embeddings")
     require_type(model.layer_norm, bool, "model.layer_norm")
     require_type(model.linear_biases, bool, "model.linear_biases")
