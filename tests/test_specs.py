@@ -105,11 +105,39 @@ def test_gpt2_style_config_json(tmp_path):
     ({"model_type": "phi", "num_hidden_layers": 32, "hidden_size": 2560, "num_attention_heads": 32,
       "intermediate_size": 10240, "vocab_size": 51200, "hidden_act": "gelu_new"},
      dict(gated_mlp=False, relu_mlp=False, tie_embeddings=False, tensor_parallel_blocks=False)),
-], ids=["opt-350m", "gemma-2b", "qwen2-0.5b", "phi-2"])
+    # Falcon-7B as published (GPT-2's names in its first configs: n_layer, n_head): one KV head
+    # (multi_query), parallel blocks, LayerNorm, no linear biases, tied; Falcon-40B's KV heads
+    ({"model_type": "falcon", "n_layer": 32, "n_head": 71, "hidden_size": 4544, "multi_query": True,
+      "parallel_attn": True, "bias": False, "vocab_size": 65024},
+     dict(num_layers=32, num_kv_heads=1, ffn_hidden_size=18176, gated_mlp=False, parallel_blocks=True,
+          layer_norm=True, linear_biases=False, tie_embeddings=True)),
+    ({"model_type": "falcon", "num_hidden_layers": 60, "num_attention_heads": 128, "hidden_size": 8192,
+      "new_decoder_architecture": True, "num_kv_heads": 8, "parallel_attn": True, "vocab_size": 65024},
+     dict(num_kv_heads=8, ffn_hidden_size=32768, parallel_blocks=True)),
+    # GPT-Neo-2.7B as published: its own names, its MLP 4x unless intermediate_size, a learned position table
+    ({"model_type": "gpt_neo", "num_layers": 32, "num_heads": 20, "hidden_size": 2560, "intermediate_size": None,
+      "vocab_size": 50257, "max_position_embeddings": 2048, "activation_function": "gelu_new",
+      "attention_types": [[["global", "local"], 16]], "window_size": 256},
+     dict(num_layers=32, num_heads=20, ffn_hidden_size=10240, gated_mlp=False, relu_mlp=False, layer_norm=True,
+          position_embeddings=2048, tie_embeddings=True, sliding_window=0)),
+], ids=["opt-350m", "gemma-2b", "qwen2-0.5b", "phi-2", "falcon-7b", "falcon-40b", "gpt-neo-2.7b"])
 def test_hf_configs_of_other_families(tmp_path, cfg, expected):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = get_model(str(tmp_path))
     assert {k: getattr(m, k) for k in expected} == expected
+
+
+def test_falcon_and_gpt_neo_count_the_hugging_face_models_parameters():
+    """Falcon (parallel blocks, one KV head, no biases) exactly; GPT-Neo within its q, k and v
+    biases, which it lacks and memx's all-or-none linear biases count."""
+    transformers = pytest.importorskip("transformers")
+    falcon = transformers.FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100)
+    assert model_from_hf_dict(falcon.to_dict(), "falcon").total_params == \
+        sum(p.numel() for p in transformers.FalconForCausalLM(falcon).parameters())
+    neo = transformers.GPTNeoConfig(hidden_size=64, num_heads=4, num_layers=2, vocab_size=100,
+                                    max_position_embeddings=128, attention_types=[[["global", "local"], 1]])
+    assert model_from_hf_dict(neo.to_dict(), "neo").total_params - \
+        sum(p.numel() for p in transformers.GPTNeoForCausalLM(neo).parameters()) == 2 * 3 * 64
 
 
 def test_an_hf_config_is_named_by_its_folder_or_its_own_file_name(tmp_path):

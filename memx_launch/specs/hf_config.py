@@ -1,8 +1,8 @@
 """Reading a model's shape from a Hugging Face config (a ``config.json``, or a loaded model's
 ``config.to_dict()``): the Llama (4 included), Mistral, Qwen, Gemma, Mixtral, DeepSeek, GLM and GPT-OSS
-families, GPT-2 style keys, the language model of a multimodal config (its ``text_config``) and
-Nemotron-H's hybrid of Mamba-2, attention and MLP layers. Other hybrid and recurrent families
-(linear attention, other Mamba hybrids, RWKV) are refused by name."""
+families, GPT-2 style keys, OPT's, GPT-Neo's and Falcon's, the language model of a multimodal
+config (its ``text_config``) and Nemotron-H's hybrid of Mamba-2, attention and MLP layers. Other
+hybrid and recurrent families (linear attention, other Mamba hybrids, RWKV) are refused by name."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
 # Model types whose config class ties the head to the embedding unless told otherwise (by prefix:
 # Gemma 2 and Gemma 3's text model are gemma2 and gemma3_text).
-TIED_BY_DEFAULT = ("gpt2", "opt", "gemma")
+TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon")
 # Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU), by prefix.
 GATED_GELU = ("gemma",)
 # Model types whose attention and MLP read one normed input side by side, and the config key
@@ -95,7 +95,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
     if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
         cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
-    if "n_layer" in cfg:  # GPT-2 style names (GPT-2, GPT-J, ...): GELU MLP, 4x width unless n_inner, tied
+    cfg = {**cfg, **_family_keys(cfg, model_type, where)}
+    if "n_layer" in cfg and "num_hidden_layers" not in cfg:  # GPT-2's names (GPT-2, GPT-J): GELU, 4x unless n_inner
         require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
                        integer=True, fix="config.json must give it as a positive integer")
         cfg = {"num_hidden_layers": cfg["n_layer"], "hidden_size": cfg.get("n_embd"),
@@ -130,8 +131,9 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         head_dim = 0 if cfg["head_dim"] * heads == cfg["hidden_size"] else cfg["head_dim"]
     tied = cfg.get("tie_word_embeddings", model_type.startswith(TIED_BY_DEFAULT))
     gpt_style = model_type in GPT_STYLE
-    # Learned position tables: GPT-2's n_positions rows, OPT's max_position_embeddings + 2 (its offset).
+    # Learned position tables: GPT-2's n_positions rows, GPT-Neo's max_position_embeddings, OPT's + 2 (its offset).
     positions = {"gpt2": cfg.get("max_position_embeddings") or 1024,
+                 "gpt_neo": cfg.get("max_position_embeddings") or 2048,
                  "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
     if cfg.get("enable_bias") is not None:
         require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
@@ -155,8 +157,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
         gated_mlp=gated, relu_mlp=act == "relu" and not gated,  # OPT's MLP: ReLU
         tie_embeddings=bool(tied),
-        layer_norm=gpt_style,
-        linear_biases=gpt_style and cfg.get("enable_bias", True),
+        layer_norm=gpt_style or model_type == "falcon",
+        linear_biases=gpt_style and cfg.get("enable_bias", True) or model_type == "falcon" and cfg.get("bias", False),
         position_embeddings=positions,
         parallel_blocks=parallel,
         lm_head=lm_head,
@@ -171,6 +173,34 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
                                               ("norm_eps", "layer_norm_epsilon"), ("norm_eps", "layer_norm_eps"))
            if cfg.get(key) is not None},
     )
+
+
+def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """GPT-Neo's and Falcon's own names for the Llama-style keys: GPT-Neo's ``num_layers`` and
+    ``num_heads``, its MLP four times the width unless ``intermediate_size``; Falcon's layers and
+    heads (GPT-2's names in its first configs), ``ffn_hidden_size`` (4x unless given) and its
+    key-value heads: ``num_kv_heads`` with ``new_decoder_architecture``, else one with
+    ``multi_query`` (its default), else one per head. GPT-Neo's local blocks stay whole-sequence
+    ones, as Hugging Face's GPT-Neo computes every score and masks those out of its window."""
+    if model_type not in ("gpt_neo", "falcon"):
+        return {}
+    hidden = cfg.get("hidden_size")
+    require_number(hidden, f"model ({where}).hidden_size", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
+                   fix="config.json must give it as a positive integer")
+    if model_type == "gpt_neo":
+        return {k: v for k, v in (("num_hidden_layers", cfg.get("num_layers")),
+                                  ("num_attention_heads", cfg.get("num_heads")),
+                                  ("intermediate_size", cfg.get("intermediate_size") or 4 * hidden),
+                                  ("hidden_act", cfg.get("activation_function", "gelu_new"))) if v is not None}
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head")
+    if cfg.get("new_decoder_architecture"):
+        kv_heads = cfg.get("num_kv_heads") or heads
+    else:
+        kv_heads = 1 if cfg.get("multi_query", True) else heads
+    return {k: v for k, v in (("num_hidden_layers", cfg.get("num_hidden_layers") or cfg.get("n_layer")),
+                              ("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                              ("intermediate_size", cfg.get("ffn_hidden_size") or 4 * hidden),
+                              ("hidden_act", cfg.get("activation", "gelu"))) if v is not None}
 
 
 def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
