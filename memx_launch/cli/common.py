@@ -43,6 +43,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="shard optimizer state over data-parallel ranks (Megatron distributed optimizer, ZeRO-1)")
     p.add_argument("--fully-sharded", "--fully_sharded", action="store_true", default=None,
                    help="shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)")
+    p.add_argument("--fully-sharded-with-tp", "--fully_sharded_with_tp", action=argparse.BooleanOptionalAction,
+                   default=None, help="a layout with TP > 1 and DP > 1 runs fully sharded, and is priced so "
+                                      "(memx-run's FSDP2: its DDP cannot hold TP's DTensor parameters; default off; "
+                                      "--setup memx-run: on)")
     p.add_argument("--setup", choices=tuple(SETUPS),
                    help="the training framework's memory setup (docs/setups.md); explicit flags win")
     p.add_argument("--sequence-parallel", "--sequence_parallel", action=argparse.BooleanOptionalAction,

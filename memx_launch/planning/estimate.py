@@ -18,6 +18,7 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, layout_from_stage_devices, stage_device_types
+from memx_launch.planning.layout_training import cost_model_for, layout_training
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.extra_blocks import first_stage_min_layers
@@ -62,6 +63,7 @@ class LayoutScorer:
         self.memory_headroom = memory_headroom
         self._evaluators: dict[int, Evaluator] = {}  # by CP degree
         self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
+        self._fully_sharded: LayoutScorer | None = None  # the layouts layout_training shards
         self._degrees = [t for t in range(1, min(model.num_heads, cluster.world_size) + 1) if model.splits_over_tp(t)]
 
     def score(self, *, tp: int | None, pp: int, dp: int | None, micro_batch_size: int, layers_per_stage=None,
@@ -100,6 +102,15 @@ class LayoutScorer:
         if key not in self._layouts:
             self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp_arg, stage_devices, cp)
         layout = self._layouts[key]
+        runs = layout_training(training, cluster, layout)
+        if runs is not training:  # scored by the scorer of the training it runs
+            if self._fully_sharded is None:
+                twin = cost_model_for(self.cost_model, model, cluster, runs)
+                self._fully_sharded = LayoutScorer(model, cluster, runs, twin, self.memory_headroom, self._layouts)
+            return self._fully_sharded.score(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
+                                             layers_per_stage=layers_per_stage, recompute=recompute,
+                                             stage_devices=stage_devices, schedule=schedule,
+                                             virtual_stages=virtual_stages, stage_tp=stage_tp, cp=cp, stage_dp=stage_dp)
         local_mbss = {int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))}
         evaluator = self._evaluators.get(cp)
         if evaluator is None or not local_mbss <= set(evaluator.table.mbss):

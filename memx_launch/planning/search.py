@@ -32,6 +32,7 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
+from memx_launch.planning.layout_training import cost_model_for, layout_training
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.planning.crossings import crossings_of
@@ -126,6 +127,18 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     tables = [CostTable(cmod, len(names), tps, local_mbss, rank_seqs) for cmod in cost_models]
     evaluators = [Evaluator(model, cluster, tr, cmod, table, space.memory_headroom, space.recompute_levels,
                             space.recompute_some_layers) for tr, cmod, table in zip(trainings, cost_models, tables)]
+    fully_sharded: dict[int, Evaluator] = {}  # by training: where layout_training shards a layout
+
+    def evaluator_for(k: int, layout: Layout) -> Evaluator:
+        runs = layout_training(trainings[k], cluster, layout)
+        if runs is trainings[k]:
+            return evaluators[k]
+        if k not in fully_sharded:
+            cmod = cost_model_for(cost_models[k], model, cluster, runs)
+            table = CostTable(cmod, len(names), tps, local_mbss, rank_seqs)
+            fully_sharded[k] = Evaluator(model, cluster, runs, cmod, table, space.memory_headroom,
+                                         space.recompute_levels, space.recompute_some_layers)
+        return fully_sharded[k]
     stats = SearchStats()
     level_options, stats.binary_recompute_types = recompute_options(tables[0], names, space)
     stats.interleaving_allowed = cluster.heterogeneity_index() <= INTERLEAVE_MAX_HETEROGENEITY
@@ -136,6 +149,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     groups = []
     for k, layout in ((k, layout) for k, lays in enumerate(layouts_of) for layout in lays):
         policies = _policy_rows(layout, level_options)
+        evaluator = evaluator_for(k, layout)
         for mbs, seq in itertools.product(space.micro_batch_sizes, seqs):
             if layout.cp not in cps[seq]:
                 continue
@@ -153,8 +167,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                                                   or layout.pp * v > model.num_layers or layout.pp < 2):
                     stats.pruned_schedule += len(policies)
                     continue
-                groups.append((_time_lower_bound(tables[k], layout, mbs, seq, g, model.num_layers),
-                               layout, mbs, seq, schedule, v, policies, evaluators[k]))
+                groups.append((_time_lower_bound(evaluator.table, layout, mbs, seq, g, model.num_layers),
+                               layout, mbs, seq, schedule, v, policies, evaluator))
     groups.sort(key=lambda item: item[0])
 
     results: list[GroupResult] = []
@@ -185,6 +199,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         if progress and (i + 1) % report_every == 0:
             progress(f"search: {i + 1}/{len(groups)} groups, {stats.feasible} feasible, "
                      f"{time.perf_counter() - start:.1f}s")
+    tables += [e.table for e in fully_sharded.values()]
     stats.cache_hits, stats.cache_misses = sum(t.hits for t in tables), sum(t.misses for t in tables)
 
     if not results:
@@ -389,6 +404,7 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
     if result.experts != (training.expert_parallel, training.expert_tensor_parallel):  # degrees the search chose
         training = dataclasses.replace(training, expert_parallel=result.experts[0],
                                        expert_tensor_parallel=result.experts[1])
+    training = layout_training(training, cluster, lay)  # the plan records what it was priced as
     stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i]) * lay.cp), ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
                         recompute=result.stage_recompute(row, i),

@@ -110,6 +110,10 @@ class CachedCostModel:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    def for_training(self, training) -> "CachedCostModel":
+        """The inner model of ``training``, with a cache of its own."""
+        return CachedCostModel(self.inner.for_training(training))
+
     def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
         arrays = np.broadcast_arrays(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute)))
         shape = arrays[0].shape

@@ -269,6 +269,13 @@ class LearnedCostModel:
         self.calibrated_cluster = with_type_fields(
             base, {name: {"efficiency": e} for name, e in predictor.meta.get("efficiency", {}).items()})
 
+    def for_training(self, training: TrainingSpec) -> "LearnedCostModel":
+        """The same predictor over the analytical model of ``training`` (a layout that runs fully
+        sharded, planning/layout_training.py); the types it has not measured were warned of once."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return LearnedCostModel(self.model, self.cluster, training, self.predictor, self.measured_bridges)
+
     def _learned(self, device, tp, mbs, seq, recompute):
         """(analytical costs, learned (time, memory) ratios, the queries' shape)."""
         shape = np.broadcast(*(np.asarray(a) for a in (device, tp, mbs, seq, recompute))).shape

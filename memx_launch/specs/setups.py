@@ -42,11 +42,12 @@ SETUPS: dict[str, dict] = {
                     sp_keeps_gathered_input=True,
                     fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True, eager_block=True),
     # memx-run: what its runtime does (runtime/precision.py, training.py, pipeline_stage.py): fp32 weights
-    # and grads under autocast, torch's loss, DDP with its copy of the gradients (FSDP2 with TP or fully
-    # sharded, a stage's gathered weights and unsharded gradients held through the step), torch's pipeline
+    # and grads under autocast, torch's loss, DDP with its copy of the gradients (FSDP2 fully sharded or with
+    # TP > 1 and DP > 1, a stage's gathered weights and unsharded gradients held through the step), torch's pipeline
     # stages keeping their in-flight outputs, its blocks of eager ops with q, k, v and gate, up apart,
     # checkpointed without reentrance.
     "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
+                     fully_sharded_with_tp=True,
                      hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False,
                      checkpoint_early_stop=True, keep_stage_outputs=True),
 }
@@ -55,6 +56,7 @@ SETUPS: dict[str, dict] = {
 
 # What an option left unset (None) takes when the setup does not set it either.
 OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, fully_sharded=False,
+                       fully_sharded_with_tp=False,
                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
                        loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False,
                        fused_norm=True, overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,

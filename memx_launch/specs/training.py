@@ -74,19 +74,20 @@ class TrainingSpec:
     setup: str | None = None
     """A named preset of the fields below (see :data:`SETUPS`); explicit fields win."""
     distributed_optimizer: bool | None = None
-    """Shard the master weights and optimizer state over data-parallel ranks (Megatron's
-    distributed optimizer, ZeRO-1)."""
+    """Shard the master weights and optimizer state over DP ranks (Megatron's distributed optimizer, ZeRO-1)."""
     sharded_gradients: bool | None = None
     """Also shard the gradients (ZeRO-2: reduce-scatter into each rank's partition)."""
     fully_sharded: bool | None = None
     """Shard weights, gradients and optimizer state over data-parallel ranks (FSDP, ZeRO-3)."""
+    fully_sharded_with_tp: bool | None = None
+    """A layout with TP > 1 and DP > 1 runs fully sharded (memx-run: DDP cannot hold TP's DTensor
+    parameters, so its FSDP2 shards them), and is priced so. Default off (``memx-run``: on)."""
     weights_dtype: str | None = None
     """"training" (16-bit weights, fp32 master copy in the optimizer) or "fp32" (fp32 weights
     computed in 16 bits by autocast or a mixed-precision policy: no separate master copy).
     Default: fp32 when fully sharded, else the training dtype."""
     grad_dtype: str | None = None
-    """"fp32" (Megatron's main grads, FSDP's fp32 reduce) or "training" (DeepSpeed's bf16
-    grads). Default fp32."""
+    """"fp32" (Megatron's main grads, FSDP's fp32 reduce) or "training" (DeepSpeed's bf16 grads). Default fp32."""
     sequence_parallel: bool | None = None
     """Megatron sequence parallelism: the norm and dropout activations split over TP."""
     flash_attention: bool | None = None
@@ -216,9 +217,8 @@ class TrainingSpec:
     is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
     overlap_p2p_comm: bool | None = None
     """An interleaved pipeline's sends run while the stage computes its next chunk (Megatron-LM's
-    ``--overlap-p2p-communication``, on by default there since 2023; torch's
-    ``ScheduleInterleaved1F1B``). Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's
-    sends always block. Default on."""
+    ``--overlap-p2p-communication``, on by default there since 2023; torch's ``ScheduleInterleaved1F1B``).
+    Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's sends always block. Default on."""
     hold_gathered: str | None = None
     """What a fully sharded run keeps gathered: ``never`` (ZeRO-3, Megatron-FSDP: each layer every micro-batch),
     ``weights`` (from a micro-batch's forward to its backward: FSDP2's ``reshard_after_forward=False``),

@@ -1,0 +1,88 @@
+"""planning/layout_training.py: memx-run runs a layout with TP > 1 and DP > 1 fully sharded (its DDP
+cannot hold TP's DTensor parameters; runtime/training.py), and its plans are priced and recorded so."""
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.planning.layout_training import layout_training
+from memx_launch.planning.search import search
+from memx_launch.planning.search_space import SearchSpace
+from memx_launch.profiling.prediction_cache import CachedCostModel
+from memx_launch.profiling.predictor import LearnedCostModel
+from memx_launch.specs.catalog import get_model
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
+A100S = ClusterSpec.from_dict({"version": 1, "device_types": {"a100": {
+    "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}},
+    "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300}]})
+MODEL = get_model("llama2-7b")
+MEMX_RUN = TrainingSpec(global_batch_size=32, seq_len=2048, setup="memx-run")
+
+
+def _estimate(training, **layout):
+    return evaluate_layout(MODEL, A100S, training, pp=1, micro_batch_size=1, references=(1.0, 1.0, 1.0), **layout)
+
+
+def test_a_tp_by_dp_layout_of_memx_run_is_priced_and_recorded_fully_sharded():
+    sharded = _estimate(MEMX_RUN, tp=2, dp=4)
+    as_ddp = _estimate(replace(MEMX_RUN, fully_sharded_with_tp=False), tp=2, dp=4)
+    assert sharded.training["fully_sharded"] and not as_ddp.training["fully_sharded"]
+    # The plan is what a fully sharded estimate of the layout gives, part by part.
+    explicit = _estimate(replace(MEMX_RUN, fully_sharded=True), tp=2, dp=4)
+    assert sharded.stages[0].memory_parts_gib == explicit.stages[0].memory_parts_gib
+    parts, ddp = sharded.stages[0].memory_parts_gib, as_ddp.stages[0].memory_parts_gib
+    # Adam's moments and the fp32 weights sharded over the 4 replicas; no autocast: 16-bit residual stream.
+    assert parts["optimizer_states"] == pytest.approx(ddp["optimizer_states"] / 4)
+    assert parts["activations"] < ddp["activations"]
+    # TP 1 (DDP) and DP 1 (nothing to shard) keep the training as given.
+    assert not _estimate(MEMX_RUN, tp=1, dp=8).training["fully_sharded"]
+    assert not evaluate_layout(MODEL, A100S, MEMX_RUN, tp=2, pp=4, dp=1, micro_batch_size=1,
+                               references=(1.0, 1.0, 1.0)).training["fully_sharded"]
+    # Other setups run DDP whatever TP is.
+    assert not _estimate(TrainingSpec(global_batch_size=32, seq_len=2048, setup="ddp"), tp=2, dp=4).training["fully_sharded"]
+
+
+def test_the_search_prices_each_layout_as_it_runs():
+    result = search(MODEL, A100S, MEMX_RUN, space=SearchSpace(micro_batch_sizes=(1,), recompute_levels=("none", "full")),
+                    top_k=50)
+    plans = result.plans + result.pareto
+    both = {(p.tp, p.dp) for p in plans}
+    assert any(tp > 1 and dp > 1 for tp, dp in both) and any(tp == 1 for tp, _ in both)
+    for plan in plans:
+        assert plan.training["fully_sharded"] == (plan.tp > 1 and plan.dp > 1), (plan.tp, plan.dp)
+        again = evaluate_layout(MODEL, A100S, MEMX_RUN, tp=plan.tp, pp=plan.pp, dp=plan.dp,
+                                micro_batch_size=plan.micro_batch_size, schedule=plan.schedule,
+                                virtual_stages=plan.virtual_stages, layers_per_stage=[s.num_layers for s in plan.stages],
+                                recompute=",".join(s.recompute for s in plan.stages), references=(1.0, 1.0, 1.0))
+        assert [s.predicted_peak_memory_gib for s in again.stages] == \
+            pytest.approx([s.predicted_peak_memory_gib for s in plan.stages])
+
+
+def test_a_dp_group_across_domains_keeps_its_replicas_whole():
+    """memx-run averages such a group's gradients itself, whole on every replica."""
+    cluster = ClusterSpec.from_yaml(os.path.join(EXAMPLES, "cpu-two-vendors.yaml"))
+    training = TrainingSpec(global_batch_size=8, seq_len=64, dtype="fp32", setup="memx-run")
+    crossing = evaluate_layout(get_model("llama-tiny"), cluster, training, tp=2, pp=1, dp=2, micro_batch_size=1,
+                               stage_devices=["nv-small+amd-big"], references=(1.0, 1.0, 1.0))
+    assert not crossing.training["fully_sharded"] and crossing.crossings
+    within = evaluate_layout(get_model("llama-tiny"), cluster, training, tp=1, pp=2, dp=2, micro_batch_size=1,
+                             stage_devices=["nv-small", "amd-big"], references=(1.0, 1.0, 1.0))
+    assert not within.training["fully_sharded"]  # TP 1: DDP
+
+
+def test_a_learned_cost_model_prices_the_sharded_training_with_its_predictor():
+    from tests.test_predictor import CLUSTER, SPEC, TRAINING, synthetic_records
+    from memx_launch.profiling.predictor import fit_predictor
+
+    learned = LearnedCostModel(SPEC, CLUSTER, TRAINING, fit_predictor(synthetic_records(), trials=2))
+    sharded = replace(TRAINING, fully_sharded=True)
+    twin = CachedCostModel(learned).for_training(sharded)
+    assert twin.inner.predictor is learned.predictor and twin.training is sharded
+    assert twin.inner.analytical.training.fully_sharded and not learned.analytical.training.fully_sharded
+    assert layout_training(TRAINING, CLUSTER, type("L", (), {"dp": 2, "stage_tp": [2], "stage_ranks": [[0, 1, 2, 3]]})) \
+        is TRAINING  # fully_sharded_with_tp off: the training as given
