@@ -127,13 +127,17 @@ def test_hf_configs_of_other_families(tmp_path, cfg, expected):
     assert {k: getattr(m, k) for k in expected} == expected
 
 
-def test_falcon_and_gpt_neo_count_the_hugging_face_models_parameters():
-    """Falcon (parallel blocks, one KV head, no biases) exactly; GPT-Neo within its q, k and v
-    biases, which it lacks and memx's all-or-none linear biases count."""
+def test_falcon_cohere_and_gpt_neo_count_the_hugging_face_models_parameters():
+    """Falcon (parallel blocks, one KV head, no biases) and Cohere (parallel blocks, tied) exactly;
+    GPT-Neo within its q, k and v biases, which it lacks and memx's all-or-none linear biases count."""
     transformers = pytest.importorskip("transformers")
     falcon = transformers.FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100)
-    assert model_from_hf_dict(falcon.to_dict(), "falcon").total_params == \
-        sum(p.numel() for p in transformers.FalconForCausalLM(falcon).parameters())
+    cohere = transformers.CohereConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=100)
+    for config, family in ((falcon, "Falcon"), (cohere, "Cohere")):
+        model = model_from_hf_dict(config.to_dict(), family)
+        assert model.parallel_blocks and model.total_params == \
+            sum(p.numel() for p in getattr(transformers, f"{family}ForCausalLM")(config).parameters())
     neo = transformers.GPTNeoConfig(hidden_size=64, num_heads=4, num_layers=2, vocab_size=100,
                                     max_position_embeddings=128, attention_types=[[["global", "local"], 1]])
     assert model_from_hf_dict(neo.to_dict(), "neo").total_params - \

@@ -18,7 +18,7 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, layout_from_stage_devices, stage_device_types
-from memx_launch.planning.layout_training import cost_model_for, layout_training
+from memx_launch.planning.layout_training import cost_model_of_training, layout_training
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.extra_blocks import first_stage_min_layers
@@ -105,8 +105,8 @@ class LayoutScorer:
         runs = layout_training(training, cluster, layout)
         if runs is not training:  # scored by the scorer of the training it runs
             if self._fully_sharded is None:
-                twin = cost_model_for(self.cost_model, model, cluster, runs)
-                self._fully_sharded = LayoutScorer(model, cluster, runs, twin, self.memory_headroom, self._layouts)
+                sharded_costs = cost_model_of_training(self.cost_model, model, cluster, runs)
+                self._fully_sharded = LayoutScorer(model, cluster, runs, sharded_costs, self.memory_headroom, self._layouts)
             return self._fully_sharded.score(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
                                              layers_per_stage=layers_per_stage, recompute=recompute,
                                              stage_devices=stage_devices, schedule=schedule,

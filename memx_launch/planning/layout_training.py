@@ -28,7 +28,7 @@ def layout_training(training: TrainingSpec, cluster: ClusterSpec, layout) -> Tra
     return dataclasses.replace(training, fully_sharded=True)
 
 
-def cost_model_for(cost_model, model, cluster: ClusterSpec, training: TrainingSpec):
+def cost_model_of_training(cost_model, model, cluster: ClusterSpec, training: TrainingSpec):
     """A cost model of ``training`` like ``cost_model``: the analytical one where none is given or
     the given one is analytical, else the given one's own (a learned model keeps its predictor)."""
     if cost_model is None or isinstance(cost_model, AnalyticalCostModel):

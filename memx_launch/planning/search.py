@@ -32,7 +32,7 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
-from memx_launch.planning.layout_training import cost_model_for, layout_training
+from memx_launch.planning.layout_training import cost_model_of_training, layout_training
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.planning.crossings import crossings_of
@@ -134,7 +134,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         if runs is trainings[k]:
             return evaluators[k]
         if k not in fully_sharded:
-            cmod = cost_model_for(cost_models[k], model, cluster, runs)
+            cmod = cost_model_of_training(cost_models[k], model, cluster, runs)
             table = CostTable(cmod, len(names), tps, local_mbss, rank_seqs)
             fully_sharded[k] = Evaluator(model, cluster, runs, cmod, table, space.memory_headroom,
                                          space.recompute_levels, space.recompute_some_layers)

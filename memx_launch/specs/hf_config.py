@@ -20,12 +20,13 @@ GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
 # Model types whose config class ties the head to the embedding unless told otherwise (by prefix:
 # Gemma 2 and Gemma 3's text model are gemma2 and gemma3_text).
-TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon")
+TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon", "cohere")
 # Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU), by prefix.
 GATED_GELU = ("gemma",)
 # Model types whose attention and MLP read one normed input side by side, and the config key
-# that turns it off (GPT-J always; GPT-NeoX's use_parallel_residual, Falcon's parallel_attn).
-PARALLEL_BLOCK_KEYS = {"gptj": None, "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
+# that turns it off (GPT-J, CodeGen and Cohere always; GPT-NeoX's use_parallel_residual, Falcon's parallel_attn).
+PARALLEL_BLOCK_KEYS = {"gptj": None, "codegen": None, "cohere": None, "cohere2": None,
+                       "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
 # Families with blocks other than softmax attention's (linear attention, Mamba, RWKV's recurrence),
 # which memx does not model: by model type, and by the key naming such blocks in a config.
 OTHER_BLOCK_TYPES = ("kimi_linear", "minimax", "minimax_m1", "jamba", "bamba", "zamba",
@@ -158,7 +159,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         gated_mlp=gated, relu_mlp=act == "relu" and not gated,  # OPT's MLP: ReLU
         tie_embeddings=bool(tied),
         layer_norm=gpt_style or model_type == "falcon",
-        linear_biases=gpt_style and cfg.get("enable_bias", True) or model_type == "falcon" and cfg.get("bias", False),
+        linear_biases=(gpt_style or model_type == "falcon") and cfg.get("enable_bias", True),
         position_embeddings=positions,
         parallel_blocks=parallel,
         lm_head=lm_head,
@@ -178,9 +179,9 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
 def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     """GPT-Neo's and Falcon's own names for the Llama-style keys: GPT-Neo's ``num_layers`` and
     ``num_heads``, its MLP four times the width unless ``intermediate_size``; Falcon's layers and
-    heads (GPT-2's names in its first configs), ``ffn_hidden_size`` (4x unless given) and its
-    key-value heads: ``num_kv_heads`` with ``new_decoder_architecture``, else one with
-    ``multi_query`` (its default), else one per head. GPT-Neo's local blocks stay whole-sequence
+    heads (GPT-2's names in its first configs), ``ffn_hidden_size`` (4x unless given), its linear
+    biases (``bias``, none by default) and its key-value heads: ``num_kv_heads`` with
+    ``new_decoder_architecture``, else one with ``multi_query`` (its default), else one per head. GPT-Neo's local blocks stay whole-sequence
     ones, as Hugging Face's GPT-Neo computes every score and masks those out of its window."""
     if model_type not in ("gpt_neo", "falcon"):
         return {}
@@ -192,6 +193,7 @@ def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
                                   ("num_attention_heads", cfg.get("num_heads")),
                                   ("intermediate_size", cfg.get("intermediate_size") or 4 * hidden),
                                   ("hidden_act", cfg.get("activation_function", "gelu_new"))) if v is not None}
+    require_type(cfg.get("bias", False), bool, f"model ({where}).bias")
     heads = cfg.get("num_attention_heads") or cfg.get("n_head")
     if cfg.get("new_decoder_architecture"):
         kv_heads = cfg.get("num_kv_heads") or heads
@@ -200,7 +202,8 @@ def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     return {k: v for k, v in (("num_hidden_layers", cfg.get("num_hidden_layers") or cfg.get("n_layer")),
                               ("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
                               ("intermediate_size", cfg.get("ffn_hidden_size") or 4 * hidden),
-                              ("hidden_act", cfg.get("activation", "gelu"))) if v is not None}
+                              ("hidden_act", cfg.get("activation", "gelu")), ("enable_bias", cfg.get("bias", False)))
+            if v is not None}
 
 
 def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
