@@ -86,3 +86,14 @@ def test_a_learned_cost_model_prices_the_sharded_training_with_its_predictor():
     assert twin.inner.analytical.training.fully_sharded and not learned.analytical.training.fully_sharded
     assert layout_training(TRAINING, CLUSTER, type("L", (), {"dp": 2, "stage_tp": [2], "stage_ranks": [[0, 1, 2, 3]]})) \
         is TRAINING  # fully_sharded_with_tp off: the training as given
+
+
+def test_memx_estimate_says_a_layout_was_priced_fully_sharded(capsys):
+    from memx_launch.cli import main
+
+    base = ["estimate", "--model", "llama2-7b", "--cluster", os.path.join(EXAMPLES, "table1-2vendor.yaml"),
+            "--setup", "memx-run", "--pp", "2", "--micro-batch-size", "1", "--global-batch-size", "32", "--seq-len", "2048"]
+    assert main([*base, "--tp", "2", "--dp", "4"]) == 0
+    assert "priced fully sharded: TP > 1 with DP > 1 runs FSDP2" in capsys.readouterr().out
+    assert main([*base, "--tp", "1", "--dp", "8"]) in (0, 3)  # DDP: no such line
+    assert "priced fully sharded" not in capsys.readouterr().out

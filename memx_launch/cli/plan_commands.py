@@ -215,6 +215,9 @@ def run_estimate(args) -> int:
                                schedule=args.schedule or "1f1b", virtual_stages=1 if args.virtual_stages is None else args.virtual_stages,
                                weights=weights, cost_model=cost_model_from_args(args, model, cluster, training),
                                memory_headroom=args.memory_headroom)
+    if plan.training.get("fully_sharded") and not training.fully_sharded:  # planning/layout_training.py
+        split_note = "; ".join(filter(None, [split_note, "priced fully sharded: TP > 1 with DP > 1 runs FSDP2 "
+                                                         "(--fully-sharded-with-tp)"]))
     # The host's share is the analytical model's: a profile DB's learned ratios hold their own.
     host_bound = [] if args.profile_db else host_bound_stages(plan, cluster)
     print(report.estimate_report(plan, cluster, args.memory_headroom, split_note, host_bound,
