@@ -120,14 +120,23 @@ def test_gpt2_style_config_json(tmp_path):
       "attention_types": [[["global", "local"], 16]], "window_size": 256},
      dict(num_layers=32, num_heads=20, ffn_hidden_size=10240, gated_mlp=False, relu_mlp=False, layer_norm=True,
           position_embeddings=2048, tie_embeddings=True, sliding_window=0)),
-], ids=["opt-350m", "gemma-2b", "qwen2-0.5b", "phi-2", "falcon-7b", "falcon-40b", "gpt-neo-2.7b"])
+    # BLOOM-560M and MPT-7B as published: their own names, ALiBi (no position table), tied
+    ({"model_type": "bloom", "n_layer": 24, "n_head": 16, "hidden_size": 1024, "vocab_size": 250880},
+     dict(num_layers=24, num_heads=16, ffn_hidden_size=4096, gated_mlp=False, layer_norm=True, linear_biases=True,
+          position_embeddings=0, tie_embeddings=True)),
+    ({"model_type": "mpt", "d_model": 4096, "n_heads": 32, "n_layers": 32, "expansion_ratio": 4, "max_seq_len": 2048,
+      "vocab_size": 50432, "no_bias": True},
+     dict(num_layers=32, hidden_size=4096, ffn_hidden_size=16384, gated_mlp=False, layer_norm=False,
+          linear_biases=False, tie_embeddings=True, seq_len=2048)),
+], ids=["opt-350m", "gemma-2b", "qwen2-0.5b", "phi-2", "falcon-7b", "falcon-40b", "gpt-neo-2.7b", "bloom-560m",
+        "mpt-7b"])
 def test_hf_configs_of_other_families(tmp_path, cfg, expected):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = get_model(str(tmp_path))
     assert {k: getattr(m, k) for k in expected} == expected
 
 
-def test_falcon_cohere_and_gpt_neo_count_the_hugging_face_models_parameters():
+def test_falcon_cohere_mpt_bloom_and_gpt_neo_count_the_hugging_face_models_parameters():
     """Falcon (parallel blocks, one KV head, no biases) and Cohere (parallel blocks, tied) exactly;
     GPT-Neo within its q, k and v biases, which it lacks and memx's all-or-none linear biases count."""
     transformers = pytest.importorskip("transformers")
@@ -138,6 +147,13 @@ def test_falcon_cohere_and_gpt_neo_count_the_hugging_face_models_parameters():
         model = model_from_hf_dict(config.to_dict(), family)
         assert model.parallel_blocks and model.total_params == \
             sum(p.numel() for p in getattr(transformers, f"{family}ForCausalLM")(config).parameters())
+    # MPT (weight-only norms, no biases, ALiBi, tied) exactly; BLOOM but for its embedding's LayerNorm.
+    mpt = transformers.MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=100, max_seq_len=128)
+    assert model_from_hf_dict(mpt.to_dict(), "mpt").total_params == \
+        sum(p.numel() for p in transformers.MptForCausalLM(mpt).parameters())
+    bloom = transformers.BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=100)
+    assert sum(p.numel() for p in transformers.BloomForCausalLM(bloom).parameters()) - \
+        model_from_hf_dict(bloom.to_dict(), "bloom").total_params == 2 * 64
     neo = transformers.GPTNeoConfig(hidden_size=64, num_heads=4, num_layers=2, vocab_size=100,
                                     max_position_embeddings=128, attention_types=[[["global", "local"], 1]])
     assert model_from_hf_dict(neo.to_dict(), "neo").total_params - \

@@ -1,6 +1,6 @@
 """Reading a model's shape from a Hugging Face config (a ``config.json``, or a loaded model's
 ``config.to_dict()``): the Llama (4 included), Mistral, Qwen, Gemma, Mixtral, DeepSeek, GLM and GPT-OSS
-families, GPT-2 style keys, OPT's, GPT-Neo's and Falcon's, the language model of a multimodal
+families, GPT-2 style keys, OPT's, GPT-Neo's, Falcon's, BLOOM's and MPT's, the language model of a multimodal
 config (its ``text_config``) and Nemotron-H's hybrid of Mamba-2, attention and MLP layers. Other
 hybrid and recurrent families (linear attention, other Mamba hybrids, RWKV) are refused by name."""
 
@@ -15,12 +15,12 @@ from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
-GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi")
+GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
 # Model types whose config class ties the head to the embedding unless told otherwise (by prefix:
 # Gemma 2 and Gemma 3's text model are gemma2 and gemma3_text).
-TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon", "cohere")
+TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon", "cohere", "bloom", "mpt")
 # Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU), by prefix.
 GATED_GELU = ("gemma",)
 # Model types whose attention and MLP read one normed input side by side, and the config key
@@ -131,13 +131,11 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
                        integer=True, fix="config.json must give it as a positive integer")
         head_dim = 0 if cfg["head_dim"] * heads == cfg["hidden_size"] else cfg["head_dim"]
     tied = cfg.get("tie_word_embeddings", model_type.startswith(TIED_BY_DEFAULT))
-    gpt_style = model_type in GPT_STYLE
+    layer_norm, linear_biases = _norms_and_biases(cfg, model_type, where)
     # Learned position tables: GPT-2's n_positions rows, GPT-Neo's max_position_embeddings, OPT's + 2 (its offset).
     positions = {"gpt2": cfg.get("max_position_embeddings") or 1024,
                  "gpt_neo": cfg.get("max_position_embeddings") or 2048,
                  "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
-    if cfg.get("enable_bias") is not None:
-        require_type(cfg["enable_bias"], bool, f"model ({where}).enable_bias")
     # The MLP width (a mixture's dense blocks may set their own), the experts and local attention.
     blocks = {"ffn_hidden_size": cfg["intermediate_size"], **_experts_of(cfg, model_type, where),
               **_local_attention_of(cfg, model_type, where), **_hybrid_of(cfg, model_type, where)}
@@ -158,8 +156,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
         gated_mlp=gated, relu_mlp=act == "relu" and not gated,  # OPT's MLP: ReLU
         tie_embeddings=bool(tied),
-        layer_norm=gpt_style or model_type == "falcon",
-        linear_biases=(gpt_style or model_type == "falcon") and cfg.get("enable_bias", True),
+        layer_norm=layer_norm,
+        linear_biases=linear_biases,
         position_embeddings=positions,
         parallel_blocks=parallel,
         lm_head=lm_head,
@@ -177,23 +175,37 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
 
 
 def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """GPT-Neo's and Falcon's own names for the Llama-style keys: GPT-Neo's ``num_layers`` and
-    ``num_heads``, its MLP four times the width unless ``intermediate_size``; Falcon's layers and
-    heads (GPT-2's names in its first configs), ``ffn_hidden_size`` (4x unless given), its linear
-    biases (``bias``, none by default) and its key-value heads: ``num_kv_heads`` with
-    ``new_decoder_architecture``, else one with ``multi_query`` (its default), else one per head. GPT-Neo's local blocks stay whole-sequence
-    ones, as Hugging Face's GPT-Neo computes every score and masks those out of its window."""
-    if model_type not in ("gpt_neo", "falcon"):
+    """GPT-Neo's, Falcon's, BLOOM's and MPT's own names for the Llama-style keys. GPT-Neo:
+    ``num_layers``, ``num_heads``, its MLP 4x wide unless ``intermediate_size``; its local blocks
+    stay whole-sequence ones, as Hugging Face's GPT-Neo computes every score and masks those out of
+    its window. Falcon: its layers and heads (GPT-2's names in its first configs),
+    ``ffn_hidden_size`` (4x unless given) and its key-value heads: ``num_kv_heads`` with
+    ``new_decoder_architecture``, else one with ``multi_query`` (its default), else one per head.
+    BLOOM: ``n_layer``, ``n_head``, a 4x GELU MLP (its embedding's own LayerNorm not counted).
+    MPT: ``d_model``, ``n_layers``, ``n_heads``, an ``expansion_ratio`` x GELU MLP, ``max_seq_len``."""
+    if model_type not in ("gpt_neo", "falcon", "bloom", "mpt"):
         return {}
-    hidden = cfg.get("hidden_size")
-    require_number(hidden, f"model ({where}).hidden_size", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
+    key = {"bloom": "hidden_size" if "hidden_size" in cfg else "n_embed", "mpt": "d_model"}.get(model_type,
+                                                                                                "hidden_size")
+    hidden = cfg.get(key)
+    require_number(hidden, f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
                    fix="config.json must give it as a positive integer")
+    if model_type == "bloom":
+        return {k: v for k, v in (("num_hidden_layers", cfg.get("n_layer")),
+                                  ("num_attention_heads", cfg.get("n_head")), ("hidden_size", hidden),
+                                  ("intermediate_size", 4 * hidden), ("hidden_act", "gelu")) if v is not None}
+    if model_type == "mpt":
+        ratio = cfg.get("expansion_ratio", 4)
+        require_number(ratio, f"model ({where}).expansion_ratio", lo=0, lo_open=True, hi=64, integer=True)
+        return {k: v for k, v in (("num_hidden_layers", cfg.get("n_layers")),
+                                  ("num_attention_heads", cfg.get("n_heads")), ("hidden_size", hidden),
+                                  ("intermediate_size", ratio * hidden), ("hidden_act", "gelu"),
+                                  ("max_position_embeddings", cfg.get("max_seq_len"))) if v is not None}
     if model_type == "gpt_neo":
         return {k: v for k, v in (("num_hidden_layers", cfg.get("num_layers")),
                                   ("num_attention_heads", cfg.get("num_heads")),
                                   ("intermediate_size", cfg.get("intermediate_size") or 4 * hidden),
                                   ("hidden_act", cfg.get("activation_function", "gelu_new"))) if v is not None}
-    require_type(cfg.get("bias", False), bool, f"model ({where}).bias")
     heads = cfg.get("num_attention_heads") or cfg.get("n_head")
     if cfg.get("new_decoder_architecture"):
         kv_heads = cfg.get("num_kv_heads") or heads
@@ -202,8 +214,19 @@ def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     return {k: v for k, v in (("num_hidden_layers", cfg.get("num_hidden_layers") or cfg.get("n_layer")),
                               ("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
                               ("intermediate_size", cfg.get("ffn_hidden_size") or 4 * hidden),
-                              ("hidden_act", cfg.get("activation", "gelu")), ("enable_bias", cfg.get("bias", False)))
-            if v is not None}
+                              ("hidden_act", cfg.get("activation", "gelu"))) if v is not None}
+
+
+def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[bool, bool]:
+    """(LayerNorm with a bias, a bias on every linear layer) of a family's blocks: GPT-2 style ones
+    both (OPT's ``enable_bias`` may drop the biases), Falcon LayerNorm and its ``bias`` key (none by
+    default); the Llama family and MPT neither (Hugging Face's MPT: weight-only norms, counted as
+    RMSNorm's weight, and no linear biases)."""
+    key, default = ("bias", False) if model_type == "falcon" else ("enable_bias", True)
+    flag = cfg.get(key, default)
+    require_type(flag, bool, f"model ({where}).{key}")
+    layer_norm = model_type in GPT_STYLE or model_type == "falcon"
+    return layer_norm, layer_norm and flag
 
 
 def _hybrid_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
