@@ -87,10 +87,15 @@ def compare(model_dir: str, by_tp: dict) -> dict:
                                  (round(v, 2) for v in replicated_and_split(tps, [c / unit for c in counted]))))}}
 
 
+def measured_blocks(shared: str) -> dict:
+    """Sailor's ``llm_info.json``: per model, TP degree and unit, what its blocks allocated."""
+    with open(os.path.join(shared, "peer-data", "sailor", "llm_info.json")) as f:
+        return json.load(f)
+
+
 def main() -> None:
     start = time.time()
-    with open(os.path.join(shared_dir(), "peer-data", "sailor", "llm_info.json")) as f:
-        info = json.load(f)
+    info = measured_blocks(shared_dir())
     models = [compare(model_dir, info[model_dir]) for model_dir in SAILOR_MODELS]
     for m in models:
         print(f"{m['model']:14s}", " ".join(f"tp{r['tp']} {r['memx_over_measured']}" for r in m["by_tp"]),

@@ -61,16 +61,12 @@ def test_block_activations_against_the_bytes_sailors_blocks_allocated():
     """benchmarks/layer_activations.py where shared/peer-data is present: GPT-Neo's block keeps
     what memx counts at every TP degree, and OPT's part that TP splits is its ReLU MLP's (a GELU
     MLP's count is an f-wide tensor more)."""
-    import json
-
     from benchmarks import layer_activations
 
     try:
-        shared = real_runs.shared_dir()
+        info = layer_activations.measured_blocks(real_runs.shared_dir())
     except SystemExit:
         pytest.skip("shared/peer-data is not beside this checkout")
-    with open(os.path.join(shared, "peer-data", "sailor", "llm_info.json")) as f:
-        info = json.load(f)
     neo = layer_activations.compare("GPT-Neo-2.7", info["GPT-Neo-2.7"])
     assert [r["memx_over_measured"] == pytest.approx(1.0, abs=0.01) for r in neo["by_tp"]] == [True] * 3
     for opt in ("OPT-350", "OPT-30"):

@@ -61,9 +61,9 @@ class LayoutScorer:
         self.model, self.cluster, self.training = model, cluster, training
         self.cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
         self.memory_headroom = memory_headroom
-        self._evaluators: dict[int, Evaluator] = {}  # by CP degree
+        self._evaluators: dict[tuple, Evaluator] = {}  # by CP degree, and whether layout_training shards
+        self._cost_models = {False: self.cost_model}  # by whether layout_training shards
         self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
-        self._fully_sharded: LayoutScorer | None = None  # the layouts layout_training shards
         self._degrees = [t for t in range(1, min(model.num_heads, cluster.world_size) + 1) if model.splits_over_tp(t)]
 
     def score(self, *, tp: int | None, pp: int, dp: int | None, micro_batch_size: int, layers_per_stage=None,
@@ -102,24 +102,20 @@ class LayoutScorer:
         if key not in self._layouts:
             self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp_arg, stage_devices, cp)
         layout = self._layouts[key]
-        runs = layout_training(training, cluster, layout)
-        if runs is not training:  # scored by the scorer of the training it runs
-            if self._fully_sharded is None:
-                sharded_costs = cost_model_of_training(self.cost_model, model, cluster, runs)
-                self._fully_sharded = LayoutScorer(model, cluster, runs, sharded_costs, self.memory_headroom, self._layouts)
-            return self._fully_sharded.score(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
-                                             layers_per_stage=layers_per_stage, recompute=recompute,
-                                             stage_devices=stage_devices, schedule=schedule,
-                                             virtual_stages=virtual_stages, stage_tp=stage_tp, cp=cp, stage_dp=stage_dp)
+        runs = layout_training(training, cluster, layout)  # priced as it runs: memx-run's TP x DP fully sharded
+        sharded = runs is not training
+        if sharded not in self._cost_models:
+            self._cost_models[sharded] = cost_model_of_training(self.cost_model, model, cluster, runs)
         local_mbss = {int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))}
-        evaluator = self._evaluators.get(cp)
+        evaluator = self._evaluators.get((cp, sharded))
         if evaluator is None or not local_mbss <= set(evaluator.table.mbss):
             # Per-layer costs are element-wise, so a wider table holds the same numbers: one table
             # (one cost-model call) for every micro-batch size asked so far and the usual ones.
             wanted = local_mbss | set(evaluator.table.mbss if evaluator else USUAL_MICRO_BATCH_SIZES)
-            table = CostTable(self.cost_model, len(names), self._degrees, sorted(wanted), [training.seq_len // cp])
-            evaluator = Evaluator(model, cluster, training, self.cost_model, table, self.memory_headroom)
-            self._evaluators[cp] = evaluator
+            costs = self._cost_models[sharded]
+            table = CostTable(costs, len(names), self._degrees, sorted(wanted), [training.seq_len // cp])
+            evaluator = Evaluator(model, cluster, runs, costs, table, self.memory_headroom)
+            self._evaluators[cp, sharded] = evaluator
         if layers_per_stage is None:
             if model.num_layers < pp * v:
                 raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",

@@ -96,7 +96,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
     if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
         cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
-    cfg = {**cfg, **_family_keys(cfg, model_type, where)}
+    cfg = {**cfg, **{k: v for k, v in _family_keys(cfg, model_type, where).items() if v is not None}}
     if "n_layer" in cfg and "num_hidden_layers" not in cfg:  # GPT-2's names (GPT-2, GPT-J): GELU, 4x unless n_inner
         require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
                        integer=True, fix="config.json must give it as a positive integer")
@@ -175,8 +175,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
 
 
 def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """GPT-Neo's, Falcon's, BLOOM's and MPT's own names for the Llama-style keys. GPT-Neo:
-    ``num_layers``, ``num_heads``, its MLP 4x wide unless ``intermediate_size``; its local blocks
+    """GPT-Neo's, Falcon's, BLOOM's and MPT's own names for the Llama-style keys (None: not given).
+    GPT-Neo: ``num_layers``, ``num_heads``, its MLP 4x wide unless ``intermediate_size``; its local blocks
     stay whole-sequence ones, as Hugging Face's GPT-Neo computes every score and masks those out of
     its window. Falcon: its layers and heads (GPT-2's names in its first configs),
     ``ffn_hidden_size`` (4x unless given) and its key-value heads: ``num_kv_heads`` with
@@ -185,36 +185,32 @@ def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     MPT: ``d_model``, ``n_layers``, ``n_heads``, an ``expansion_ratio`` x GELU MLP, ``max_seq_len``."""
     if model_type not in ("gpt_neo", "falcon", "bloom", "mpt"):
         return {}
-    key = {"bloom": "hidden_size" if "hidden_size" in cfg else "n_embed", "mpt": "d_model"}.get(model_type,
-                                                                                                "hidden_size")
+    key = "d_model" if model_type == "mpt" else "hidden_size" if "hidden_size" in cfg or model_type != "bloom" \
+        else "n_embed"  # BLOOM's first configs
     hidden = cfg.get(key)
     require_number(hidden, f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
                    fix="config.json must give it as a positive integer")
     if model_type == "bloom":
-        return {k: v for k, v in (("num_hidden_layers", cfg.get("n_layer")),
-                                  ("num_attention_heads", cfg.get("n_head")), ("hidden_size", hidden),
-                                  ("intermediate_size", 4 * hidden), ("hidden_act", "gelu")) if v is not None}
+        return {"num_hidden_layers": cfg.get("n_layer"), "num_attention_heads": cfg.get("n_head"),
+                "hidden_size": hidden, "intermediate_size": 4 * hidden, "hidden_act": "gelu"}
     if model_type == "mpt":
         ratio = cfg.get("expansion_ratio", 4)
         require_number(ratio, f"model ({where}).expansion_ratio", lo=0, lo_open=True, hi=64, integer=True)
-        return {k: v for k, v in (("num_hidden_layers", cfg.get("n_layers")),
-                                  ("num_attention_heads", cfg.get("n_heads")), ("hidden_size", hidden),
-                                  ("intermediate_size", ratio * hidden), ("hidden_act", "gelu"),
-                                  ("max_position_embeddings", cfg.get("max_seq_len"))) if v is not None}
+        return {"num_hidden_layers": cfg.get("n_layers"), "num_attention_heads": cfg.get("n_heads"),
+                "hidden_size": hidden, "intermediate_size": ratio * hidden, "hidden_act": "gelu",
+                "max_position_embeddings": cfg.get("max_seq_len")}
     if model_type == "gpt_neo":
-        return {k: v for k, v in (("num_hidden_layers", cfg.get("num_layers")),
-                                  ("num_attention_heads", cfg.get("num_heads")),
-                                  ("intermediate_size", cfg.get("intermediate_size") or 4 * hidden),
-                                  ("hidden_act", cfg.get("activation_function", "gelu_new"))) if v is not None}
+        return {"num_hidden_layers": cfg.get("num_layers"), "num_attention_heads": cfg.get("num_heads"),
+                "intermediate_size": cfg.get("intermediate_size") or 4 * hidden,
+                "hidden_act": cfg.get("activation_function", "gelu_new")}
     heads = cfg.get("num_attention_heads") or cfg.get("n_head")
     if cfg.get("new_decoder_architecture"):
         kv_heads = cfg.get("num_kv_heads") or heads
     else:
         kv_heads = 1 if cfg.get("multi_query", True) else heads
-    return {k: v for k, v in (("num_hidden_layers", cfg.get("num_hidden_layers") or cfg.get("n_layer")),
-                              ("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                              ("intermediate_size", cfg.get("ffn_hidden_size") or 4 * hidden),
-                              ("hidden_act", cfg.get("activation", "gelu"))) if v is not None}
+    return {"num_hidden_layers": cfg.get("num_hidden_layers") or cfg.get("n_layer"), "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "intermediate_size": cfg.get("ffn_hidden_size") or 4 * hidden,
+            "hidden_act": cfg.get("activation", "gelu")}
 
 
 def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[bool, bool]:
