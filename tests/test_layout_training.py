@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.planning.layout_training import layout_training
+from memx_launch.planning.layout_training import layout_training, plan_sharded_stages
 from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.profiling.prediction_cache import CachedCostModel
@@ -22,6 +22,15 @@ A100S = ClusterSpec.from_dict({"version": 1, "device_types": {"a100": {
     "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300}]})
 MODEL = get_model("llama2-7b")
 MEMX_RUN = TrainingSpec(global_batch_size=32, seq_len=2048, setup="memx-run")
+# Two communication domains: six A100s (NCCL) and two MI250s (RCCL).
+TWO_VENDORS = {"version": 1, "device_types": {
+    "a100": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039},
+    "mi250": {"vendor": "amd", "memory_gib": 64, "peak_tflops": 191, "memory_bandwidth_gbps": 1638}},
+    "nodes": [{"devices": {"a100": 6}, "intra_node_gbps": 300}, {"devices": {"mi250": 2}, "intra_node_gbps": 100}],
+    "inter_node_gbps": 25}
+# Stage 0: TP 2 x DP 2 on A100s; stage 1: TP 2 x DP 2 whose DP groups pair an A100 with an MI250.
+ONE_STAGE_CROSSES = dict(tp=2, pp=2, dp=2, micro_batch_size=1, stage_devices=["a100", "a100+mi250"],
+                         references=(1.0, 1.0, 1.0))
 
 
 def _estimate(training, **layout):
@@ -75,6 +84,41 @@ def test_a_dp_group_across_domains_keeps_its_replicas_whole():
     assert not within.training["fully_sharded"]  # TP 1: DDP
 
 
+def test_a_dp_group_across_domains_leaves_the_other_stages_with_tp_fully_sharded():
+    """memx-run runs stage 0 as FSDP2 and averages stage 1's gradients itself, whole: each stage is
+    priced as the training it runs, and the plan records the training as given."""
+    cluster = ClusterSpec.from_dict(TWO_VENDORS)
+    mixed = evaluate_layout(MODEL, cluster, MEMX_RUN, **ONE_STAGE_CROSSES)
+    sharded = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded=True), **ONE_STAGE_CROSSES)
+    whole = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded_with_tp=False), **ONE_STAGE_CROSSES)
+    assert not mixed.training["fully_sharded"] and plan_sharded_stages(MEMX_RUN, mixed) == [0]
+    assert mixed.stages[0].memory_parts_gib == sharded.stages[0].memory_parts_gib
+    assert mixed.stages[1].memory_parts_gib == whole.stages[1].memory_parts_gib
+    assert mixed.stages[0].predicted_peak_memory_gib < whole.stages[0].predicted_peak_memory_gib
+    # Stage 1's gradients cross the bridge whole, as its whole pricing sends them.
+    synced = [[c.seconds_per_step for c in p.crossings if c.kind == "data_parallel"] for p in (mixed, whole)]
+    assert synced[0] == synced[1] and synced[0]
+
+
+def test_the_search_prices_a_layout_of_mixed_stages_as_its_estimate_does():
+    cluster = ClusterSpec.from_dict(TWO_VENDORS)
+    space = SearchSpace(micro_batch_sizes=(1,), recompute_levels=("none", "full"), mixed_stages=True,
+                        pipeline_degrees=(2,), tp_degrees=(2,))
+    result = search(MODEL, cluster, MEMX_RUN, space=space, top_k=20)
+    plans = result.plans + result.pareto
+    assert {tuple(plan_sharded_stages(MEMX_RUN, p)) for p in plans} == {(0,), (1,)}  # the A100-only stage
+    for plan in plans:
+        assert not plan.training["fully_sharded"]
+        again = evaluate_layout(MODEL, cluster, MEMX_RUN, tp=2, pp=2, dp=2, micro_batch_size=1,
+                                layers_per_stage=[s.num_layers for s in plan.stages],
+                                recompute=",".join(s.recompute for s in plan.stages),
+                                stage_devices=[s.device_type for s in plan.stages], references=(1.0, 1.0, 1.0))
+        assert [s.ranks for s in again.stages] == [s.ranks for s in plan.stages]
+        assert [s.predicted_peak_memory_gib for s in again.stages] == \
+            pytest.approx([s.predicted_peak_memory_gib for s in plan.stages])
+        assert again.predicted_iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
+
+
 def test_a_learned_cost_model_prices_the_sharded_training_with_its_predictor():
     from tests.test_predictor import CLUSTER, SPEC, TRAINING, synthetic_records
     from memx_launch.profiling.predictor import fit_predictor
@@ -84,7 +128,7 @@ def test_a_learned_cost_model_prices_the_sharded_training_with_its_predictor():
     twin = CachedCostModel(learned).for_training(sharded)
     assert twin.inner.predictor is learned.predictor and twin.training is sharded
     assert twin.inner.analytical.training.fully_sharded and not learned.analytical.training.fully_sharded
-    assert layout_training(TRAINING, CLUSTER, type("L", (), {"dp": 2, "stage_tp": [2], "stage_ranks": [[0, 1, 2, 3]]})) \
+    assert layout_training(TRAINING, type("L", (), {"dp": 2, "stage_tp": [2], "group_crossings": ()})) \
         is TRAINING  # fully_sharded_with_tp off: the training as given
 
 
@@ -97,3 +141,16 @@ def test_memx_estimate_says_a_layout_was_priced_fully_sharded(capsys):
     assert "priced fully sharded: TP > 1 with DP > 1 runs FSDP2" in capsys.readouterr().out
     assert main([*base, "--tp", "1", "--dp", "8"]) in (0, 3)  # DDP: no such line
     assert "priced fully sharded" not in capsys.readouterr().out
+
+
+def test_memx_estimate_names_the_stages_it_priced_fully_sharded(tmp_path, capsys):
+    import yaml
+
+    from memx_launch.cli import main
+
+    path = tmp_path / "two-vendors.yaml"
+    path.write_text(yaml.safe_dump(TWO_VENDORS))
+    assert main(["estimate", "--model", "llama2-7b", "--cluster", str(path), "--setup", "memx-run", "--tp", "2",
+                 "--pp", "2", "--dp", "2", "--micro-batch-size", "1", "--global-batch-size", "32", "--seq-len", "2048",
+                 "--stage-devices", "a100,a100+mi250"]) == 0
+    assert "stage 0 priced fully sharded: TP > 1 with DP > 1 runs FSDP2" in capsys.readouterr().out

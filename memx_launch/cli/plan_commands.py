@@ -178,6 +178,7 @@ def run_estimate(args) -> int:
     from memx_launch.planning import experts, report
     from memx_launch.planning.estimate import (evaluate_layout, evaluate_plan, host_bound_stages, plan_training,
                                                stage_short_gib)
+    from memx_launch.planning.layout_training import plan_sharded_stages
     from memx_launch.planning.objective import parse_weights
 
     check_headroom(args)
@@ -215,8 +216,10 @@ def run_estimate(args) -> int:
                                schedule=args.schedule or "1f1b", virtual_stages=1 if args.virtual_stages is None else args.virtual_stages,
                                weights=weights, cost_model=cost_model_from_args(args, model, cluster, training),
                                memory_headroom=args.memory_headroom)
-    if plan.training.get("fully_sharded") and not training.fully_sharded:  # planning/layout_training.py
-        split_note = "; ".join(filter(None, [split_note, "priced fully sharded: TP > 1 with DP > 1 runs FSDP2 "
+    sharded = plan_sharded_stages(training, plan)
+    if sharded:  # some stages: a DP group spanning domains averages its gradients whole
+        where = "" if len(sharded) == plan.pp else f"stage{'s' * (len(sharded) > 1)} {', '.join(map(str, sharded))} "
+        split_note = "; ".join(filter(None, [split_note, f"{where}priced fully sharded: TP > 1 with DP > 1 runs FSDP2 "
                                                          "(--fully-sharded-with-tp)"]))
     # The host's share is the analytical model's: a profile DB's learned ratios hold their own.
     host_bound = [] if args.profile_db else host_bound_stages(plan, cluster)

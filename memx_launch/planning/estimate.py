@@ -6,6 +6,7 @@ first stages), as Megatron-LM's ``--num-layers`` divided by the pipeline degree 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,8 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, layout_from_stage_devices, stage_device_types
-from memx_launch.planning.layout_training import cost_model_of_training, layout_training
+from memx_launch.planning.layout_training import cost_model_of_training, layout_sharded_stages
+from memx_launch.planning.mixed_sharding import MixedShardingEvaluator
 from memx_launch.planning.objective import WEIGHT_PROFILES, objective_for
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.extra_blocks import first_stage_min_layers
@@ -66,6 +68,24 @@ class LayoutScorer:
         self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
         self._degrees = [t for t in range(1, min(model.num_heads, cluster.world_size) + 1) if model.splits_over_tp(t)]
 
+    def _evaluator(self, cp: int, sharded: bool, local_mbss: set[int]) -> Evaluator:
+        """The evaluator of the training (fully sharded or as given) at CP degree ``cp``, its table
+        holding the local micro-batch sizes ``local_mbss``."""
+        model, cluster, training = self.model, self.cluster, self.training
+        runs = dataclasses.replace(training, fully_sharded=True) if sharded else training
+        if sharded not in self._cost_models:
+            self._cost_models[sharded] = cost_model_of_training(self.cost_model, model, cluster, runs)
+        evaluator = self._evaluators.get((cp, sharded))
+        if evaluator is None or not local_mbss <= set(evaluator.table.mbss):
+            # Per-layer costs are element-wise, so a wider table holds the same numbers: one table
+            # (one cost-model call) for every micro-batch size asked so far and the usual ones.
+            wanted = local_mbss | set(evaluator.table.mbss if evaluator else USUAL_MICRO_BATCH_SIZES)
+            costs = self._cost_models[sharded]
+            table = CostTable(costs, len(costs.device_names), self._degrees, sorted(wanted), [training.seq_len // cp])
+            evaluator = Evaluator(model, cluster, runs, costs, table, self.memory_headroom)
+            self._evaluators[cp, sharded] = evaluator
+        return evaluator
+
     def score(self, *, tp: int | None, pp: int, dp: int | None, micro_batch_size: int, layers_per_stage=None,
               recompute=None, stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
               stage_tp=None, cp: int = 1, stage_dp=None) -> tuple[GroupResult, Evaluator]:
@@ -102,20 +122,12 @@ class LayoutScorer:
         if key not in self._layouts:
             self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp_arg, stage_devices, cp)
         layout = self._layouts[key]
-        runs = layout_training(training, cluster, layout)  # priced as it runs: memx-run's TP x DP fully sharded
-        sharded = runs is not training
-        if sharded not in self._cost_models:
-            self._cost_models[sharded] = cost_model_of_training(self.cost_model, model, cluster, runs)
+        # Priced as it runs: memx-run's stages with TP > 1 and DP > 1 fully sharded (layout_training.py).
+        stages = layout_sharded_stages(training, layout)
         local_mbss = {int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))}
-        evaluator = self._evaluators.get((cp, sharded))
-        if evaluator is None or not local_mbss <= set(evaluator.table.mbss):
-            # Per-layer costs are element-wise, so a wider table holds the same numbers: one table
-            # (one cost-model call) for every micro-batch size asked so far and the usual ones.
-            wanted = local_mbss | set(evaluator.table.mbss if evaluator else USUAL_MICRO_BATCH_SIZES)
-            costs = self._cost_models[sharded]
-            table = CostTable(costs, len(names), self._degrees, sorted(wanted), [training.seq_len // cp])
-            evaluator = Evaluator(model, cluster, runs, costs, table, self.memory_headroom)
-            self._evaluators[cp, sharded] = evaluator
+        evaluator = self._evaluator(cp, bool(stages.any()), local_mbss)
+        if stages.any() and not stages.all():
+            evaluator = MixedShardingEvaluator(self._evaluator(cp, False, local_mbss), evaluator)
         if layers_per_stage is None:
             if model.num_layers < pp * v:
                 raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",

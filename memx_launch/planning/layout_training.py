@@ -1,9 +1,11 @@
 """The training a layout runs: ``fully_sharded_with_tp`` (memx-run's, whose DDP cannot hold TP's
-DTensor parameters) runs a layout with TP > 1 on a stage and DP > 1 fully sharded, FSDP2 over each
-stage's replicas, so it is priced as ``fully_sharded``: its model states sharded over DP, its
-16-bit gathers and no autocast. memx-run averages the gradients of a DP group that spans
-communication domains itself, whole on every replica (no library spans them): a layout with
-such a group keeps the training as given. No torch import.
+DTensor parameters) runs a stage with TP > 1 and DP > 1 fully sharded, FSDP2 over its replicas,
+so it is priced as ``fully_sharded``: its model states sharded over DP, its 16-bit gathers and no
+autocast. A layout whose DP groups each stay in one communication domain runs every stage so (its
+plan records the training fully sharded). memx-run averages the gradients of a DP group that spans
+domains itself, whole on every replica (no library spans them): in a layout with such a group only
+the other stages with TP > 1 shard, and it is priced stage by stage (``mixed_sharding.py``).
+No torch import.
 """
 
 from __future__ import annotations
@@ -12,20 +14,40 @@ import dataclasses
 
 import numpy as np
 
-from memx_launch.planning.bridge import layout_crossings
 from memx_launch.planning.costmodel import AnalyticalCostModel
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
 
 
-def layout_training(training: TrainingSpec, cluster: ClusterSpec, layout) -> TrainingSpec:
-    """``training``, fully sharded where ``fully_sharded_with_tp`` says ``layout`` runs so."""
-    if not training.fully_sharded_with_tp or training.fully_sharded or layout.dp < 2 \
-            or int(np.max(layout.stage_tp)) < 2:
-        return training
-    if layout_crossings(cluster, layout.stage_ranks, layout.stage_tp)[1]:  # a DP group spans domains
-        return training
-    return dataclasses.replace(training, fully_sharded=True)
+def sharded_stages(training: TrainingSpec, dp: int, stage_tp, crossing_stages) -> np.ndarray:
+    """(P,) which stages run fully sharded where ``training`` does not say so itself: none without
+    ``fully_sharded_with_tp`` or without TP > 1 and DP > 1; every stage when no DP group spans
+    domains (``crossing_stages``: the stages whose DP group does); else the other stages with TP > 1."""
+    stage_tp = np.asarray(stage_tp)
+    if not training.fully_sharded_with_tp or training.fully_sharded or dp < 2 or stage_tp.max() < 2:
+        return np.zeros(len(stage_tp), dtype=bool)
+    sharded = np.full(len(stage_tp), not list(crossing_stages)) | (stage_tp > 1)
+    sharded[list(crossing_stages)] = False
+    return sharded
+
+
+def layout_sharded_stages(training: TrainingSpec, layout) -> np.ndarray:
+    """:func:`sharded_stages` of a layout."""
+    return sharded_stages(training, layout.dp, layout.stage_tp, [group.stage for group in layout.group_crossings])
+
+
+def plan_sharded_stages(training: TrainingSpec, plan) -> list[int]:
+    """The stages of ``plan``, priced with ``training``, that memx-run runs fully sharded where
+    ``training`` does not say so."""
+    crossing = [c.stages[0] for c in plan.crossings if c.kind == "data_parallel"]
+    return np.flatnonzero(sharded_stages(training, plan.dp, plan.stage_tps, crossing)).tolist()
+
+
+def layout_training(training: TrainingSpec, layout) -> TrainingSpec:
+    """``training``, fully sharded where every stage of ``layout`` runs so."""
+    if layout_sharded_stages(training, layout).all():
+        return dataclasses.replace(training, fully_sharded=True)
+    return training
 
 
 def cost_model_of_training(cost_model, model, cluster: ClusterSpec, training: TrainingSpec):

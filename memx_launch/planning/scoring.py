@@ -45,7 +45,7 @@ class Evaluator:
                  memory_headroom: float = 0.0, recompute_levels: tuple[str, ...] = cm.RECOMPUTE_LEVELS,
                  recompute_some_layers: bool = False):
         self.model, self.cluster, self.training = model, cluster, training
-        self.memory_headroom = memory_headroom
+        self.memory_headroom, self.recompute_levels = memory_headroom, recompute_levels
         self.recompute_some_layers = recompute_some_layers
         # The hard rule and the memory bound only use levels the search may use (memx plan --recompute-levels).
         self.allowed_levels = sorted(cm.RECOMPUTE_LEVELS.index(name) for name in recompute_levels)
@@ -69,6 +69,10 @@ class Evaluator:
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
         self._edge_times: dict[tuple, np.ndarray] = {}
         self._level_free_layout, self._level_free = None, {}
+
+    @property
+    def tables(self) -> tuple[CostTable, ...]:  # where its stages' layer times come from (the search's bound)
+        return (self.table,)
 
     def usable(self, capacity: np.ndarray) -> np.ndarray:
         """Bytes a stage may plan for: its capacity less the headroom kept free."""
@@ -379,10 +383,11 @@ class Evaluator:
         return self.bridges.ends_sum_time(layout, data_parallel.tied_gradient_bytes(
             self.model, layout.pp, layout.end_tp[0], self.training))
 
-    def iteration_parts(self, layout, mbs, seq, schedule, v, g, stage_time, layers):
-        """(T, transfer, sync): the iteration time of each row, the (P,) seconds of one transfer
-        from each stage to the next (the last: interleaving's wrap-around), and the (C, P)
-        seconds of each stage's gradient sync before any overlap with the backward."""
+    def stage_step_parts(self, layout, mbs, seq, v, stage_time, layers) -> tuple:
+        """What the schedule combines, per stage: its time with what a fully sharded run leaves
+        exposed, the (P,) seconds of one transfer to the next stage (the last: interleaving's
+        wrap-around), its gradient sync before any overlap with the backward, the part of it the
+        step waits for and its optimizer step on the slowest of its device types (each (C, P))."""
         m, tr = self.model, self.training
         hidden_bytes = edge_hidden_bytes(m, tr, layout, mbs, seq)
         def receivers():
@@ -414,25 +419,28 @@ class Evaluator:
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
                 group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))
-        t_dp = sync
+        exposed = sync
         if tr.overlap_grad_reduce and not held:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
-            t_dp = overlapped_exposed_seconds(t_dp, 2.0 / 3.0 * stage_time, sm_share)
-        ends = np.zeros(layout.pp, dtype=bool)  # after their DP sync they sum tied gradients
-        ends[[0, -1]] = True
-        t_dp = (t_dp + self.tied_sync_time(layout) * ends).max(axis=1)
-        # The optimizer step of every stage on each of its device types, at once.
+            exposed = overlapped_exposed_seconds(exposed, 2.0 / 3.0 * stage_time, sm_share)
         step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
-                                         layout.dp_cp, self.trained, self.host_gbps[layout.replica_device][:, None])
-        t_fix = step.max(axis=(0, 2))
+                                      layout.dp_cp, self.trained, self.host_gbps[layout.replica_device][:, None])
+        return stage_time, transfer, sync, exposed, step.max(axis=0)
+
+    def iteration_parts(self, layout, mbs, seq, schedule, v, g, stage_time, layers):
+        """(T, transfer, sync): the iteration time of each row, and :meth:`stage_step_parts`'
+        transfers and gradient syncs."""
+        stage_time, transfer, sync, exposed, step = self.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
+        ends = np.isin(np.arange(layout.pp), (0, layout.pp - 1))  # after their DP sync they sum tied gradients
+        t_dp = (exposed + self.tied_sync_time(layout) * ends).max(axis=1)
+        t_fix = step.max(axis=1)  # every stage's optimizer step at once
         if schedule == "interleaved":
-            overlapped = np.full(layout.pp, tr.overlap_p2p_comm)
+            overlapped = np.full(layout.pp, self.training.overlap_p2p_comm)
             overlapped[[edge.stage for edge in layout.edge_crossings]] = False
             T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp, overlapped)
         else:
             T = schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
         return T, transfer, sync
-
 
 def _ends(local, pp: int) -> tuple:
     """The first and the last stage's ``local`` (one value, or one per stage)."""

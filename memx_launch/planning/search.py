@@ -32,7 +32,8 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
-from memx_launch.planning.layout_training import cost_model_of_training, layout_training
+from memx_launch.planning.layout_training import cost_model_of_training, layout_sharded_stages, layout_training
+from memx_launch.planning.mixed_sharding import MixedShardingEvaluator
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.search_space import SearchSpace
 from memx_launch.planning.crossings import crossings_of
@@ -127,18 +128,24 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     tables = [CostTable(cmod, len(names), tps, local_mbss, rank_seqs) for cmod in cost_models]
     evaluators = [Evaluator(model, cluster, tr, cmod, table, space.memory_headroom, space.recompute_levels,
                             space.recompute_some_layers) for tr, cmod, table in zip(trainings, cost_models, tables)]
-    fully_sharded: dict[int, Evaluator] = {}  # by training: where layout_training shards a layout
+    fully_sharded: dict[int, Evaluator] = {}  # by training: where layout_training shards stages of a layout
+    mixed: dict[int, MixedShardingEvaluator] = {}  # by training: where it shards some stages only
 
     def evaluator_for(k: int, layout: Layout) -> Evaluator:
-        runs = layout_training(trainings[k], cluster, layout)
-        if runs is trainings[k]:
+        stages = layout_sharded_stages(trainings[k], layout)
+        if not stages.any():
             return evaluators[k]
         if k not in fully_sharded:
+            runs = dataclasses.replace(trainings[k], fully_sharded=True)
             cmod = cost_model_of_training(cost_models[k], model, cluster, runs)
             table = CostTable(cmod, len(names), tps, local_mbss, rank_seqs)
             fully_sharded[k] = Evaluator(model, cluster, runs, cmod, table, space.memory_headroom,
                                          space.recompute_levels, space.recompute_some_layers)
-        return fully_sharded[k]
+        if stages.all():
+            return fully_sharded[k]
+        if k not in mixed:
+            mixed[k] = MixedShardingEvaluator(evaluators[k], fully_sharded[k])
+        return mixed[k]
     stats = SearchStats()
     level_options, stats.binary_recompute_types = recompute_options(tables[0], names, space)
     stats.interleaving_allowed = cluster.heterogeneity_index() <= INTERLEAVE_MAX_HETEROGENEITY
@@ -167,7 +174,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                                                   or layout.pp * v > model.num_layers or layout.pp < 2):
                     stats.pruned_schedule += len(policies)
                     continue
-                groups.append((_time_lower_bound(evaluator.table, layout, mbs, seq, g, model.num_layers),
+                groups.append((min(_time_lower_bound(table, layout, mbs, seq, g, model.num_layers)
+                                   for table in evaluator.tables),
                                layout, mbs, seq, schedule, v, policies, evaluator))
     groups.sort(key=lambda item: item[0])
 
@@ -404,7 +412,7 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
     if result.experts != (training.expert_parallel, training.expert_tensor_parallel):  # degrees the search chose
         training = dataclasses.replace(training, expert_parallel=result.experts[0],
                                        expert_tensor_parallel=result.experts[1])
-    training = layout_training(training, cluster, lay)  # the plan records what it was priced as
+    training = layout_training(training, lay)  # the plan records what it was priced as
     stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i]) * lay.cp), ranks=list(ranks),
                         num_layers=int(result.layers[row, i]),
                         recompute=result.stage_recompute(row, i),
