@@ -217,7 +217,7 @@ def run_estimate(args) -> int:
                                weights=weights, cost_model=cost_model_from_args(args, model, cluster, training),
                                memory_headroom=args.memory_headroom)
     sharded = plan_sharded_stages(training, plan)
-    if sharded:  # some stages: a DP group spanning domains averages its gradients whole
+    if sharded:  # every stage, or those beside a DP group spanning domains (layout_training.py)
         where = "" if len(sharded) == plan.pp else f"stage{'s' * (len(sharded) > 1)} {', '.join(map(str, sharded))} "
         split_note = "; ".join(filter(None, [split_note, f"{where}priced fully sharded: TP > 1 with DP > 1 runs FSDP2 "
                                                          "(--fully-sharded-with-tp)"]))

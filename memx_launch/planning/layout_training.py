@@ -23,11 +23,13 @@ def sharded_stages(training: TrainingSpec, dp: int, stage_tp, crossing_stages) -
     """(P,) which stages run fully sharded where ``training`` does not say so itself: none without
     ``fully_sharded_with_tp`` or without TP > 1 and DP > 1; every stage when no DP group spans
     domains (``crossing_stages``: the stages whose DP group does); else the other stages with TP > 1."""
-    stage_tp = np.asarray(stage_tp)
+    stage_tp, crossing = np.asarray(stage_tp), list(crossing_stages)
     if not training.fully_sharded_with_tp or training.fully_sharded or dp < 2 or stage_tp.max() < 2:
         return np.zeros(len(stage_tp), dtype=bool)
-    sharded = np.full(len(stage_tp), not list(crossing_stages)) | (stage_tp > 1)
-    sharded[list(crossing_stages)] = False
+    if not crossing:
+        return np.ones(len(stage_tp), dtype=bool)
+    sharded = stage_tp > 1
+    sharded[crossing] = False
     return sharded
 
 
