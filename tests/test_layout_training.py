@@ -103,6 +103,24 @@ def test_a_dp_group_across_domains_leaves_the_other_stages_with_tp_fully_sharded
     assert crossing(mixed, "pipeline") == crossing(sharded, "pipeline") != crossing(whole, "pipeline")
 
 
+def test_the_runtime_shards_every_stage_it_was_priced_sharded_and_no_other():
+    from memx_launch.runtime.layout import stage_runs_fully_sharded
+
+    plans = [evaluate_layout(MODEL, ClusterSpec.from_dict(TWO_VENDORS), MEMX_RUN, **ONE_STAGE_CROSSES),
+             _estimate(MEMX_RUN, tp=2, dp=4), _estimate(MEMX_RUN, tp=1, dp=8),
+             evaluate_layout(MODEL, A100S, MEMX_RUN, tp=None, stage_tp=[2, 1, 1], pp=3, dp=2, micro_batch_size=1,
+                             references=(1.0, 1.0, 1.0))]
+    checked = set()
+    for plan in plans:
+        crossing = [c.stages[0] for c in plan.crossings if c.kind == "data_parallel"]
+        priced = set(plan_sharded_stages(MEMX_RUN, plan))
+        for i, tp in enumerate(plan.stage_tps):
+            runs = stage_runs_fully_sharded(plan, tp, i in crossing)
+            assert runs == (i in priced), (plan.stage_tps, crossing, i)
+            checked.add((runs, i in crossing))
+    assert checked == {(True, False), (False, False), (False, True)}
+
+
 def test_the_search_prices_a_layout_of_mixed_stages_as_its_estimate_does():
     cluster = ClusterSpec.from_dict(TWO_VENDORS)
     space = SearchSpace(micro_batch_sizes=(1,), recompute_levels=("none", "full"), mixed_stages=True,

@@ -142,6 +142,17 @@ def check_runnable(plan: Plan) -> Plan:
     return plan
 
 
+def stage_runs_fully_sharded(plan: Plan, tp: int, dp_crosses_domains: bool, data_parallel: str = "auto") -> bool:
+    """Whether a stage of TP degree ``tp`` runs FSDP2 over its replicas: with DP > 1 inside one
+    domain, when asked (``data_parallel`` "fsdp"), when the plan is fully sharded, or with TP > 1,
+    whose DTensor parameters DDP cannot hold. A DP group spanning domains is averaged by memx
+    itself, whole (no library spans it). The planner prices each stage so
+    (``planning/layout_training.py``)."""
+    if plan.dp < 2 or dp_crosses_domains:
+        return False
+    return data_parallel == "fsdp" or (data_parallel == "auto" and (plan.training.get("fully_sharded", False) or tp > 1))
+
+
 def rank_layout(plan: Plan, rank: int) -> RankLayout:
     check_runnable(plan)
     stage, dp_index, tp_index = plan.stage_of_rank(rank)

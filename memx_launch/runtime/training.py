@@ -28,7 +28,8 @@ from memx_launch.planning.plan import Plan, layer_recompute_levels
 from memx_launch.runtime.batches import BatchLoss, StepBatch, replica_rows, step_batch
 from memx_launch.runtime.communication import Communicator, bridge_backend, init_distributed, local_device, strict_mode
 from memx_launch.profiling.emulation import GIB, EmulatedDevice
-from memx_launch.runtime.layout import RankLayout, process_domains, process_grid, process_rank, rank_layout
+from memx_launch.runtime.layout import (RankLayout, process_domains, process_grid, process_rank, rank_layout,
+                                       stage_runs_fully_sharded)
 from memx_launch.runtime.monitor import device_memory
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
@@ -211,8 +212,7 @@ class Runtime:
         if self.plan.dp > 1:
             # DDP keeps whole gradients and optimizer state per replica, as the cost model assumes
             # without a distributed optimizer; DDP cannot hold DTensor parameters, so TP uses FSDP2.
-            sharded = self.plan.training.get("fully_sharded", False) or self.tp > 1
-            if data_parallel == "fsdp" or (data_parallel == "auto" and sharded):
+            if stage_runs_fully_sharded(self.plan, self.tp, self.dp_crosses_domains, data_parallel):
                 from torch.distributed.fsdp import fully_shard
                 # A unit per block, then the stage's rest. torch's pipeline schedules keep a stage's
                 # weights gathered and its gradients unsharded from its first backward to the step's
