@@ -282,9 +282,8 @@ class Evaluator:
         feasible = fits.all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
         T, transfer, sync = self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)
         crosses = bool(layout.edge_crossings or layout.group_crossings or layout.ends_crossing)
-        # M: the fullest device, as a fraction of its capacity (devices of different sizes
-        # compare); V: the variance of the devices' memory use in GiB^2, as the paper's
-        # (its Table 10 reports 9.13e5 MB^2), so that balance means equal use, not equal shares.
+        # M: the fullest device as a fraction of its capacity (devices of different sizes compare); V: the
+        # variance of the devices' memory use in GiB^2, as the paper's (its Table 10: 9.13e5 MB^2): equal use.
         return GroupResult(layout, mbs, seq, schedule, v, levels, layers, memory, stage_time,
                            T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible, cap,
                            recompute_layers, transfer if crosses else None, sync if crosses else None, replica,
@@ -441,6 +440,7 @@ class Evaluator:
         else:
             T = schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
         return T, transfer, sync
+
 
 def _ends(local, pp: int) -> tuple:
     """The first and the last stage's ``local`` (one value, or one per stage)."""
