@@ -120,6 +120,29 @@ def test_fully_sharded_experts_are_gathered_over_their_expert_data_parallel_grou
         2 * (experts_gib / 2 + dense_gib / 16) - 2 * 2 * experts / GIB, rel=1e-6)
 
 
+def test_routed_experts_sync_their_gradients_over_their_expert_data_parallel_group_only():
+    from memx_launch.planning.data_parallel import data_parallel_sync_time, stage_gradient_sync
+    from memx_launch.planning.layouts import layout_from_stage_devices
+    from memx_launch.planning.model_states import expert_parameters_per_rank, parameters_per_rank, rank_layer_params
+    training = _training(expert_parallel=8, overlap_grad_reduce=False)  # Megatron's distributed optimizer
+    dense, experts = rank_layer_params(QWEN3, training, 1)
+    stage = 48 * (dense + experts)
+    over_dp = float(data_parallel_sync_time(stage, training, 16, 160.0, 2))
+    alone, shared = (float(data_parallel_sync_time(stage, training, 16, 160.0, 2, expert_params=48 * experts,
+                                                   expert_dp=n)) for n in (1, 2))
+    dense_only = float(data_parallel_sync_time(48 * dense, training, 16, 160.0, 2))
+    assert alone == pytest.approx(dense_only) and dense_only < shared < over_dp
+    # A stage at EP 8 on DP 8: each rank's experts are its own, only the dense parameters sync.
+    layout = layout_from_stage_devices(QWEN3, NODE, ("gpu",), 1, 1, 8, None, 1)
+    layers = np.array([[QWEN3.num_layers]])
+    params = parameters_per_rank(QWEN3, training, layout, layers)
+    experts_of_stage = expert_parameters_per_rank(QWEN3, training, layout, layers)
+    assert experts_of_stage[0, 0] == pytest.approx(QWEN3.num_layers * experts)
+    _, sync = stage_gradient_sync(QWEN3, training, layout, layers, 1, params, np.zeros_like(params), 450.0, 0.0)
+    assert sync[0, 0] == pytest.approx(float(data_parallel_sync_time(params - experts_of_stage, training, 8, 450.0,
+                                                                     layout.dp_nodes, layout.dp_hop)[0, 0]))
+
+
 def test_experts_run_their_tokens_routed_and_exchange_them_by_all_to_all():
     # The device's time (the host's for 128 local experts' ops would hide it).
     alone, spread = (cm.AnalyticalCostModel(QWEN3, NODE, _training(expert_parallel=ep))

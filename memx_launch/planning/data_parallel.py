@@ -9,7 +9,8 @@ import numpy as np
 from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds, overlapped_exposed_seconds
 from memx_launch.planning import quantization
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, compute_weight_bytes,
-                                               reduced_gradient_bytes)
+                                               expert_data_parallel, expert_parameters_per_rank, keeps_gathered,
+                                               rank_layer_params, reduced_gradient_bytes)
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -29,11 +30,32 @@ def gradient_bucket_params(training: TrainingSpec, dp) -> np.ndarray:
     return np.maximum(40e6, 1e6 * np.asarray(dp, dtype=np.float64))
 
 
+def stage_gradient_sync(model: ModelSpec, training: TrainingSpec, layout, layers, v: int, stage_params, stage_time,
+                        gbps, sm_share, trained: TrainedParameters = FULL_TRAINING) -> tuple:
+    """(stage time, sync) of each stage (C, P): its time with what a fully sharded run waits on
+    every micro-batch, and its gradient synchronisation of one iteration before any overlap with
+    the backward, over its DP x CP group on ``gbps`` links, its routed experts' over their expert
+    data parallel group (:func:`~memx_launch.planning.model_states.expert_data_parallel`)."""
+    tp = layout.tp if layout.uniform_tp else layout.stage_tp
+    link = (layout.dp_cp, gbps, layout.dp_nodes, layout.dp_hop)
+    expert_dp = expert_data_parallel(training, tp, layout.dp_cp)
+    if training.fully_sharded:
+        dense, experts = rank_layer_params(model, training, tp)
+        units = (stage_params, dense + experts, layers, stage_time, training, *link, sm_share, experts, expert_dp)
+        if keeps_gathered(training, layout.pp):  # gathered once a step and reduced after the last backward
+            return stage_time, held_fully_sharded_step_time(*units)
+        return stage_time + fully_sharded_exposed_time(*units), np.zeros_like(stage_params)
+    experts = expert_parameters_per_rank(model, training, layout, layers, v) if model.num_experts else 0.0
+    return stage_time, data_parallel_sync_time(stage_params, training, *link, trained, experts, expert_dp)
+
+
 def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, nodes=1, hop=NVLINK,
-                            trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
+                            trained: TrainedParameters = FULL_TRAINING, expert_params=0.0, expert_dp=1) -> np.ndarray:
     """Gradient synchronisation of one iteration over a stage's DP group of ``dp`` ranks on
     ``nodes`` nodes, bucket by bucket (:func:`gradient_bucket_params`), each bucket a collective
-    as NCCL runs it (collectives.py: its latency grows with the group).
+    as NCCL runs it (collectives.py: its latency grows with the group). The routed experts'
+    ``expert_params`` of them sync over their expert data parallel group of ``expert_dp`` ranks
+    instead, on the same links, spread over as many nodes as it has ranks at most.
 
     Plain data parallel: all-reduce of the gradients (their dtype). Sharded optimizer (ZeRO-1/2,
     Megatron's distributed optimizer): reduce-scatter of the gradients and all-gather of the
@@ -43,6 +65,11 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
     parameters have gradients and updated weights; a fully sharded run gathers frozen ones too.
     """
     params = np.asarray(stage_params, dtype=np.float64)
+    if np.any(expert_params):  # a dense model (the search's hot path) syncs one group
+        experts = np.asarray(expert_params, dtype=np.float64)
+        return (data_parallel_sync_time(params - experts, training, dp, gbps, nodes, hop, trained)
+                + data_parallel_sync_time(experts, training, expert_dp, gbps, np.minimum(expert_dp, nodes), hop,
+                                          trained))
     bucket = gradient_bucket_params(training, dp)
     grad = reduced_gradient_bytes(training) * trained.share
     if not (training.fully_sharded or training.distributed_optimizer):

@@ -277,14 +277,26 @@ def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers
     """(C, P) parameters a rank of each stage holds: its blocks in ``v`` chunks each, each kind's
     (over TP, routed experts over EP; :func:`~memx_launch.planning.extra_blocks.stage_block_counts`),
     the embedding on the first stage, the head on the last."""
-    tp = layout.tp if layout.uniform_tp else layout.stage_tp
     first, last = layout.end_tp
-    counts, repeated = stage_block_counts(model, layers, v)
-    params = repeated * sum(rank_layer_params(model, training, tp))
-    for kind, n in zip(other_kinds(model), counts):
-        params = params + n * sum(rank_layer_params(kind, training, tp))
+    params = _stage_block_params(model, training, layout, layers, v, sum)
     params[:, 0] += model.embedding_params / first
     params[:, -1] += last_stage_params(model, layout.pp) / last
+    return params
+
+
+def expert_parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray,
+                               v: int = 1) -> np.ndarray:
+    """The routed experts' share of :func:`parameters_per_rank`."""
+    return _stage_block_params(model, training, layout, layers, v, lambda parts: parts[1])
+
+
+def _stage_block_params(model: ModelSpec, training: TrainingSpec, layout, layers, v: int, part) -> np.ndarray:
+    """``part`` of :func:`rank_layer_params` summed over each stage's blocks, each kind's."""
+    tp = layout.tp if layout.uniform_tp else layout.stage_tp
+    counts, repeated = stage_block_counts(model, layers, v)
+    params = repeated * part(rank_layer_params(model, training, tp))
+    for kind, n in zip(other_kinds(model), counts):
+        params = params + n * part(rank_layer_params(kind, training, tp))
     return params
 
 
@@ -298,9 +310,7 @@ def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, 
     if not model.num_experts:
         return tuple(params * d for d in dense)
     tp = layout.tp if layout.uniform_tp else layout.stage_tp
-    counts, repeated = stage_block_counts(model, layers[0], v)
-    experts = repeated * rank_layer_params(model, training, tp)[1] + sum(
-        n * rank_layer_params(kind, training, tp)[1] for kind, n in zip(other_kinds(model), counts))
+    experts = expert_parameters_per_rank(model, training, layout, layers, v)[0]
     routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained, layout.pp,
                                        gradient_share)
     return tuple((params - experts) * d + experts * e for d, e in zip(dense, routed))

@@ -24,8 +24,8 @@ from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
-from memx_launch.planning.model_states import (expert_data_parallel, held_gradient_share, keeps_gathered, layer_state_bytes,
-                                               parameters_per_rank, quantized_state_bytes, rank_layer_params,
+from memx_launch.planning.model_states import (held_gradient_share, keeps_gathered, layer_state_bytes,
+                                               parameters_per_rank, quantized_state_bytes,
                                                stage_state_bytes_by_part)
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
 from memx_launch.planning.group_result import GroupResult
@@ -403,23 +403,15 @@ class Evaluator:
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(
                         np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
         stage_params = parameters_per_rank(m, tr, layout, layers, v)
-        dp_link = (layout.dp_cp, layout.dp_gbps * self.cluster.link_efficiency, layout.dp_nodes, layout.dp_hop)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
-        held = keeps_gathered(tr, layout.pp)  # gathered once a step and reduced after the last backward
-        if tr.fully_sharded:  # else gathered and reduce-scattered layer by layer every micro-batch
-            tp = layout.tp if layout.uniform_tp else layout.stage_tp
-            dense, experts = rank_layer_params(m, tr, tp)
-            units = (stage_params, dense + experts, layers, stage_time, tr, *dp_link, sm_share, experts,
-                     expert_data_parallel(tr, tp, layout.dp_cp))
-            sync = data_parallel.held_fully_sharded_step_time(*units) if held else np.zeros_like(stage_params)
-            stage_time = stage_time if held else stage_time + data_parallel.fully_sharded_exposed_time(*units)
-        else:
-            sync = data_parallel.data_parallel_sync_time(stage_params, tr, *dp_link, trained=self.trained)
+        stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,
+                                                            layout.dp_gbps * self.cluster.link_efficiency, sm_share,
+                                                            self.trained)
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
                 group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))
         exposed = sync
-        if tr.overlap_grad_reduce and not held:
+        if tr.overlap_grad_reduce and not keeps_gathered(tr, layout.pp):
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             exposed = overlapped_exposed_seconds(exposed, 2.0 / 3.0 * stage_time, sm_share)
         step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
