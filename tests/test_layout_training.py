@@ -103,6 +103,19 @@ def test_a_dp_group_across_domains_leaves_the_other_stages_with_tp_fully_sharded
     assert crossing(mixed, "pipeline") == crossing(sharded, "pipeline") != crossing(whole, "pipeline")
 
 
+def test_one_scorer_keeps_its_evaluator_of_mixed_stages_between_rows():
+    """``memx estimate --cases`` asks one scorer row after row: a layout of both kinds of stage is
+    scored by one kept evaluator, its rows alike."""
+    from memx_launch.planning.estimate import LayoutScorer
+    from memx_launch.planning.mixed_sharding import MixedShardingEvaluator
+
+    scorer = LayoutScorer(MODEL, ClusterSpec.from_dict(TWO_VENDORS), MEMX_RUN)
+    layout = {k: v for k, v in ONE_STAGE_CROSSES.items() if k != "references"}
+    (first, kept), (again, reused) = (scorer.score(**layout) for _ in range(2))
+    assert isinstance(kept, MixedShardingEvaluator) and reused is kept
+    assert first.T.tolist() == again.T.tolist() and first.memory.tolist() == again.memory.tolist()
+
+
 def test_the_runtime_shards_every_stage_it_was_priced_sharded_and_no_other():
     from memx_launch.runtime.layout import stage_runs_fully_sharded
 

@@ -36,7 +36,7 @@ def stage_gradient_sync(model: ModelSpec, training: TrainingSpec, layout, layers
     every micro-batch, and its gradient synchronisation of one iteration before any overlap with
     the backward, over its DP x CP group on ``gbps`` links, its routed experts' over their expert
     data parallel group (:func:`~memx_launch.planning.model_states.expert_data_parallel`)."""
-    tp = layout.tp if layout.uniform_tp else layout.stage_tp
+    tp = layout.tp_degrees
     link = (layout.dp_cp, gbps, layout.dp_nodes, layout.dp_hop)
     expert_dp = expert_data_parallel(training, tp, layout.dp_cp)
     if training.fully_sharded:

@@ -63,7 +63,7 @@ class LayoutScorer:
         self.model, self.cluster, self.training = model, cluster, training
         self.cost_model = cost_model or cm.AnalyticalCostModel(model, cluster, training)
         self.memory_headroom = memory_headroom
-        self._evaluators: dict[tuple, Evaluator] = {}  # by CP degree, and whether layout_training shards
+        self._evaluators: dict[tuple, Evaluator] = {}  # by CP degree, and whether layout_training shards (or "mixed")
         self._cost_models = {False: self.cost_model}  # by whether layout_training shards
         self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
         self._degrees = [t for t in range(1, min(model.num_heads, cluster.world_size) + 1) if model.splits_over_tp(t)]
@@ -85,6 +85,14 @@ class LayoutScorer:
             evaluator = Evaluator(model, cluster, runs, costs, table, self.memory_headroom)
             self._evaluators[cp, sharded] = evaluator
         return evaluator
+
+    def _mixed(self, cp: int, whole: Evaluator, sharded: Evaluator) -> MixedShardingEvaluator:
+        """The evaluator of layouts of both kinds of stage over ``whole`` and ``sharded``, kept
+        while they are the CP degree's evaluators (rows of ``--cases`` share it)."""
+        mixed = self._evaluators.get((cp, "mixed"))
+        if mixed is None or mixed.whole is not whole or mixed.sharded is not sharded:
+            mixed = self._evaluators[cp, "mixed"] = MixedShardingEvaluator(whole, sharded)
+        return mixed
 
     def score(self, *, tp: int | None, pp: int, dp: int | None, micro_batch_size: int, layers_per_stage=None,
               recompute=None, stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
@@ -127,7 +135,7 @@ class LayoutScorer:
         local_mbss = {int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))}
         evaluator = self._evaluator(cp, bool(stages.any()), local_mbss)
         if stages.any() and not stages.all():
-            evaluator = MixedShardingEvaluator(self._evaluator(cp, False, local_mbss), evaluator)
+            evaluator = self._mixed(cp, self._evaluator(cp, False, local_mbss), evaluator)
         if layers_per_stage is None:
             if model.num_layers < pp * v:
                 raise ConfigError("--pp", f"{model.num_layers} layers cannot give pp={pp} stages {v} layer(s) each",

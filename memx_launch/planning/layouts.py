@@ -108,6 +108,12 @@ class Layout:
             raise ValueError(f"stages have different TP degrees {self.stage_tp.tolist()}")
         return int(self.stage_tp[0])
 
+    @functools.cached_property
+    def tp_degrees(self):
+        """The TP degree as the cost functions take it: one number where every stage has it (a
+        scalar broadcasts: the search's hot path), else one per stage."""
+        return self.tp if self.uniform_tp else self.stage_tp
+
     @property
     def stage_device(self) -> np.ndarray:
         """(P,) each stage's (first) device type."""

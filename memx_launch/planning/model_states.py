@@ -292,7 +292,7 @@ def expert_parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout,
 
 def _stage_block_params(model: ModelSpec, training: TrainingSpec, layout, layers, v: int, part) -> np.ndarray:
     """``part`` of :func:`rank_layer_params` summed over each stage's blocks, each kind's."""
-    tp = layout.tp if layout.uniform_tp else layout.stage_tp
+    tp = layout.tp_degrees
     counts, repeated = stage_block_counts(model, layers, v)
     params = repeated * part(rank_layer_params(model, training, tp))
     for kind, n in zip(other_kinds(model), counts):
@@ -309,7 +309,7 @@ def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, 
     dense = model_state_bytes_by_part(training, layout.dp_cp, trained, layout.pp, gradient_share)
     if not model.num_experts:
         return tuple(params * d for d in dense)
-    tp = layout.tp if layout.uniform_tp else layout.stage_tp
+    tp = layout.tp_degrees
     experts = expert_parameters_per_rank(model, training, layout, layers, v)[0]
     routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained, layout.pp,
                                        gradient_share)

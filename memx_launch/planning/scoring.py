@@ -123,7 +123,7 @@ class Evaluator:
             return self._level_free[key]
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
-        tp = layout.tp if layout.uniform_tp else layout.stage_tp  # a scalar where it can: the search's hot path
+        tp = layout.tp_degrees
         device = layout.replica_device[replica]
         g = tr.global_batch_size // (dp * mbs)
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
@@ -303,7 +303,7 @@ class Evaluator:
         pp, dp = layout.pp, layout.dp
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
         first_mbs, last_mbs = _ends(local, pp)
-        tp = layout.tp if layout.uniform_tp else layout.stage_tp
+        tp = layout.tp_degrees
         last = layout.end_tp[1]
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
