@@ -103,6 +103,44 @@ def test_a_dp_group_across_domains_leaves_the_other_stages_with_tp_fully_sharded
     assert crossing(mixed, "pipeline") == crossing(sharded, "pipeline") != crossing(whole, "pipeline")
 
 
+def test_a_sharded_stage_behind_whole_ones_keeps_their_wider_hidden_states():
+    """Stage 0 (whole, its DP group across vendors) sends fp32 hidden states under autocast; stage 1
+    (FSDP2) casts each to 16 bits for its blocks while torch's pipeline stage holds the received
+    fp32 one until the micro-batch's backward: one in-flight micro-batch on the last 1F1B stage."""
+    cluster = ClusterSpec.from_dict(TWO_VENDORS)
+    layout = dict(ONE_STAGE_CROSSES, stage_devices=["a100+mi250", "a100"])
+    mixed = evaluate_layout(MODEL, cluster, MEMX_RUN, **layout)
+    sharded = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded=True), **layout)
+    whole = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded_with_tp=False), **layout)
+    assert plan_sharded_stages(MEMX_RUN, mixed) == [1]
+    assert mixed.stages[0].memory_parts_gib == whole.stages[0].memory_parts_gib
+    kept_input_gib = 1 * 2048 * MODEL.hidden_size * 4 / 2**30  # micro-batch 1, fp32
+    parts, as_sharded = mixed.stages[1].memory_parts_gib, sharded.stages[1].memory_parts_gib
+    assert parts["pipeline_buffers"] == pytest.approx(as_sharded["pipeline_buffers"] + kept_input_gib)
+    assert {k: v for k, v in parts.items() if k != "pipeline_buffers"} == \
+        {k: v for k, v in as_sharded.items() if k != "pipeline_buffers"}
+    crossing = [c.bytes_per_step for c in mixed.crossings if c.kind == "pipeline"]
+    assert crossing == [c.bytes_per_step for c in whole.crossings if c.kind == "pipeline"] != []
+
+
+def test_a_whole_stage_behind_a_sharded_one_sends_16_bit_hidden_states():
+    """Under autocast a residual add keeps the received dtype: the whole middle stage passes stage
+    0's 16-bit states on, and the sharded stage 2 behind it keeps nothing wider."""
+    cluster = ClusterSpec.from_dict(dict(TWO_VENDORS, nodes=[
+        {"devices": {"a100": 8}, "intra_node_gbps": 300}, {"devices": {"a100": 2}, "intra_node_gbps": 300},
+        {"devices": {"mi250": 2}, "intra_node_gbps": 100}]))
+    layout = dict(ONE_STAGE_CROSSES, pp=3, stage_devices=["a100", "a100+mi250", "a100"])
+    mixed = evaluate_layout(MODEL, cluster, MEMX_RUN, **layout)
+    sharded = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded=True), **layout)
+    whole = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded_with_tp=False), **layout)
+    assert plan_sharded_stages(MEMX_RUN, mixed) == [0, 2]
+    assert mixed.stages[2].memory_parts_gib == sharded.stages[2].memory_parts_gib
+    def pipeline(plan):
+        return [(c.stages, c.bytes_per_step, c.seconds_per_step) for c in plan.crossings if c.kind == "pipeline"]
+    assert [stages for stages, _, _ in pipeline(mixed)] == [[0, 1], [1, 2]]
+    assert pipeline(mixed) == pipeline(sharded) != pipeline(whole)
+
+
 def test_one_scorer_keeps_its_evaluator_of_mixed_stages_between_rows():
     """``memx estimate --cases`` asks one scorer row after row: a layout of both kinds of stage is
     scored by one kept evaluator, its rows alike."""

@@ -11,7 +11,7 @@ from memx_launch.planning.model_states import parameters_per_rank
 from memx_launch.planning.plan import Crossing
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes
 from memx_launch.planning.group_result import GroupResult
-from memx_launch.planning.layout_training import layout_sharded_stages
+from memx_launch.planning.layout_training import training_precision_senders
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -23,11 +23,11 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
     if result.transfer is None:
         return []
     g = training.global_batch_size // (layout.dp * result.mbs)
-    # Each edge sends what its sender keeps: a stage memx-run shards beside whole ones, its 16-bit hidden states.
+    # Each edge sends what its sender holds: from a stage memx-run shards on, 16-bit hidden states.
     sharded = dataclasses.replace(training, fully_sharded=True)
-    hidden_bytes = np.where(layout_sharded_stages(training, layout),
-                            edge_hidden_bytes(model, sharded, layout, result.mbs, result.seq),
-                            edge_hidden_bytes(model, training, layout, result.mbs, result.seq))
+    hidden_bytes = np.where(training_precision_senders(training, layout),
+                            edge_hidden_bytes(model, training, layout, result.mbs, result.seq),
+                            edge_hidden_bytes(model, sharded, layout, result.mbs, result.seq))
     out = []
     for edge in layout.edge_crossings:
         wrap = edge.stage == layout.pp - 1

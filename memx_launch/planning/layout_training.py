@@ -38,6 +38,14 @@ def layout_sharded_stages(training: TrainingSpec, layout) -> np.ndarray:
     return sharded_stages(training, layout.dp, layout.stage_tp, [group.stage for group in layout.group_crossings])
 
 
+def training_precision_senders(training: TrainingSpec, layout) -> np.ndarray:
+    """(P,) the stages that send hidden states at ``training``'s own precision (``residual_bytes``:
+    fp32 under autocast): those before the first stage memx-run shards. A sharded stage sends its
+    16-bit compute precision, and a whole stage behind it passes 16-bit states on (under autocast
+    a residual add keeps the received dtype)."""
+    return np.cumsum(layout_sharded_stages(training, layout)) == 0
+
+
 def plan_sharded_stages(training: TrainingSpec, plan) -> list[int]:
     """The stages of ``plan``, priced with ``training``, that memx-run runs fully sharded where
     ``training`` does not say so."""

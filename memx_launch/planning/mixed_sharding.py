@@ -1,7 +1,8 @@
 """Layouts whose stages run two trainings: memx-run shards a stage with TP > 1 and DP > 1 (FSDP2)
 unless its DP group spans communication domains, whose gradients it averages itself, whole
 (``layout_training.py``). Such a layout is scored stage by stage: each stage's memory, layer and
-stage times, send, gradient sync and optimizer step from the evaluator of the training it runs.
+stage times, gradient sync and optimizer step from the evaluator of the training it runs, its send
+at the precision its hidden states have there (:func:`training_precision_senders`).
 No torch import.
 """
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from memx_launch.planning import schedules
 from memx_launch.planning.group_result import GroupResult
-from memx_launch.planning.layout_training import layout_sharded_stages
+from memx_launch.planning.layout_training import layout_sharded_stages, training_precision_senders
+from memx_launch.planning.pipeline_buffers import boundary_bytes
 from memx_launch.planning.scoring import Evaluator
 
 
@@ -35,13 +38,40 @@ class MixedShardingEvaluator(Evaluator):
         whole = self.whole.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         sharded = self.sharded.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         per_layer, fixed, t_layer, edge_t, work = self._by_stage(layout, whole[:4] + whole[5:], sharded[:4] + sharded[5:])
+        fixed = fixed + self.kept_wide_input_bytes(layout, mbs, seq, v)
         return per_layer, fixed, t_layer, edge_t, whole[4], work  # g: the micro-batches per step, one for both
 
     def stage_step_parts(self, layout, mbs, seq, v, stage_time, layers) -> tuple:
-        return self._by_stage(layout, self.whole.stage_step_parts(layout, mbs, seq, v, stage_time, layers),
-                              self.sharded.stage_step_parts(layout, mbs, seq, v, stage_time, layers))
+        whole = self.whole.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
+        sharded = self.sharded.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
+        stage_time, _, sync, exposed, step = self._by_stage(layout, whole, sharded)
+        transfer = np.where(training_precision_senders(self.training, layout), whole[1], sharded[1])
+        return stage_time, transfer, sync, exposed, step
+
+    def kept_wide_input_bytes(self, layout, mbs, seq, v) -> np.ndarray:
+        """(P,) what the first sharded stage keeps beside its layers when the whole stages before it
+        send it wider hidden states (fp32 under autocast): torch's pipeline stage holds each received
+        input until its micro-batch's backward (``fwd_cache``), beside FSDP2's 16-bit cast of it
+        that the first block keeps with the layers. Interleaved, only its first chunk receives them,
+        at most P micro-batches in flight."""
+        pp = layout.pp
+        senders = training_precision_senders(self.training, layout)
+        receives = np.zeros(pp, dtype=bool)
+        receives[1:] = senders[:-1] & ~senders[1:]
+        if not receives.any() or self.training.residual_bytes <= self.sharded.training.residual_bytes:
+            return np.zeros(pp)
+        g = self.training.global_batch_size // (layout.dp * mbs)
+        inflight = schedules.stage_inflight_microbatches(pp, g, v)
+        first_chunk = inflight if v == 1 else np.minimum(pp, g)
+        return receives * first_chunk * boundary_bytes(self.model, self.training, layout.local_micro_batch(mbs),
+                                                       seq // layout.cp, layout.tp_degrees, (pp,))
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
-        stages = layout_sharded_stages(self.training, result.layout)
-        return [s if shards else w for w, s, shards in zip(self.whole.memory_parts(result, row),
-                                                           self.sharded.memory_parts(result, row), stages)]
+        layout = result.layout
+        stages = layout_sharded_stages(self.training, layout)
+        kept_inputs = self.kept_wide_input_bytes(layout, result.mbs, result.seq, result.v)
+        parts = [dict(s if shards else w) for w, s, shards in zip(self.whole.memory_parts(result, row),
+                                                                  self.sharded.memory_parts(result, row), stages)]
+        for stage, extra in zip(parts, kept_inputs):
+            stage["pipeline_buffers"] += float(extra)
+        return parts

@@ -24,7 +24,7 @@ def _per_stage(x, shape) -> np.ndarray:
     return np.broadcast_to(np.asarray(x, dtype=np.float64), shape)
 
 
-def _boundary_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, shape) -> np.ndarray:
+def boundary_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, shape) -> np.ndarray:
     """A stage boundary's hidden state (b s h, fp32 under autocast; each TP rank's 1/TP of it with
     sequence parallelism)."""
     split = _per_stage(tp, shape) if training.sequence_parallel else 1.0
@@ -48,7 +48,7 @@ def kept_stage_output_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, 
         chunks = np.full(inflight.shape, float(virtual_stages))  # each chunk micro-batch in flight keeps its output
         if virtual_stages == 1:
             chunks[-1] = 0.0  # the last stage's goes to the loss at once
-        out += chunks * inflight * _boundary_bytes(model, tr, mbs, seq, tp, inflight.shape)
+        out += chunks * inflight * boundary_bytes(model, tr, mbs, seq, tp, inflight.shape)
     if tr.keep_previous_logits and num_microbatches > 1:
         last_tp, last_mbs = (_per_stage(x, inflight.shape)[-1] for x in (tp, mbs))
         out[-1] += tr.dtype_bytes * last_mbs * seq * model.output_vocab / (last_tp if tr.vocab_parallel_loss else 1)
@@ -73,4 +73,4 @@ def torch_receive_buffer_bytes(model: ModelSpec, training: TrainingSpec, mbs, se
     inputs[0] -= g
     grads[-1] -= g
     idle_inputs = inputs * (1.0 - np.minimum(inflight, g) / g)
-    return (idle_inputs + grads) * _boundary_bytes(model, training, mbs, seq, tp, inflight.shape)
+    return (idle_inputs + grads) * boundary_bytes(model, training, mbs, seq, tp, inflight.shape)
