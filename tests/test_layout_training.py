@@ -121,6 +121,12 @@ def test_a_sharded_stage_behind_whole_ones_keeps_their_wider_hidden_states():
         {k: v for k, v in as_sharded.items() if k != "pipeline_buffers"}
     crossing = [c.bytes_per_step for c in mixed.crossings if c.kind == "pipeline"]
     assert crossing == [c.bytes_per_step for c in whole.crossings if c.kind == "pipeline"] != []
+    # Interleaved, only stage 1's first chunk receives fp32 inputs: P = 2 of its micro-batches in flight.
+    interleaved = dict(layout, schedule="interleaved", virtual_stages=2)
+    mixed, sharded = (evaluate_layout(MODEL, cluster, training, **interleaved)
+                      for training in (MEMX_RUN, replace(MEMX_RUN, fully_sharded=True)))
+    assert mixed.stages[1].memory_parts_gib["pipeline_buffers"] == \
+        pytest.approx(sharded.stages[1].memory_parts_gib["pipeline_buffers"] + 2 * kept_input_gib)
 
 
 def test_a_whole_stage_behind_a_sharded_one_sends_16_bit_hidden_states():

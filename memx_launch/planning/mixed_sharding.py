@@ -61,8 +61,7 @@ class MixedShardingEvaluator(Evaluator):
         if not receives.any() or self.training.residual_bytes <= self.sharded.training.residual_bytes:
             return np.zeros(pp)
         g = self.training.global_batch_size // (layout.dp * mbs)
-        inflight = schedules.stage_inflight_microbatches(pp, g, v)
-        first_chunk = inflight if v == 1 else np.minimum(pp, g)
+        first_chunk = schedules.stage_inflight_microbatches(pp, g) if v == 1 else min(pp, g)
         return receives * first_chunk * boundary_bytes(self.model, self.training, layout.local_micro_batch(mbs),
                                                        seq // layout.cp, layout.tp_degrees, (pp,))
 
