@@ -78,7 +78,9 @@ def test_cross_domain_dp_group_costs_exactly_the_hierarchical_sync():
     assert native.crossings == []
     from memx_launch.planning.report import crossing_lines  # memx estimate and memx plan print them
 
-    assert crossing_lines(crossing, two_vendors())[1].startswith("  DP sync of stage 0 (nccl | rccl):")
+    lines = crossing_lines(crossing, two_vendors())
+    assert lines[1].startswith("  DP sync of stage 0 (nccl | rccl):")
+    assert lines[-1].startswith("  only memx-run carries these") and crossing_lines(native, two_vendors()) == []
 
 
 def test_domains_of_different_sizes_all_reduce_then_broadcast():

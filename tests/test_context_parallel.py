@@ -15,7 +15,8 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning import context_parallel, costmodel as cm
 from memx_launch.planning.config_exports import deepspeed_json, torchtitan_toml
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.planning.exporters import megatron_args, plan_env
+from memx_launch.planning.exporters import megatron_args
+from memx_launch.planning.launch_lines import plan_env
 from memx_launch.planning.layouts import cp_ring_pairs
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.search import search

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.exporters import megatron_args, pipeline_layout, plan_env, torchrun_commands
+from memx_launch.planning.exporters import megatron_args, pipeline_layout
+from memx_launch.planning.launch_lines import plan_env, torchrun_commands
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
@@ -295,6 +296,33 @@ def test_a_context_parallel_plan_builds_in_megatron_core():
                            references=(1.0, 1.0, 1.0))
     config = _megatron_config(plan, megatron_args(plan).args)
     assert (config.context_parallel_size, config.tensor_model_parallel_size) == (4, 2)
+
+
+def test_a_plan_crossing_communication_domains_is_refused_by_every_other_framework(tmp_path, capsys):
+    """NCCL and RCCL do not join one group: only memx-run's bridge carries what crosses them."""
+    from memx_launch.cli import main
+    from memx_launch.planning import config_exports
+    from memx_launch.planning.plan import Crossing
+
+    plan = make_plan(devices=("vendor-x-32gb+vendor-y-64gb", "vendor-y-64gb"))
+    plan.crossings = [Crossing("data_parallel", [0], ["nccl", "rccl"], 1e6, 0.01),
+                      Crossing("pipeline", [0, 1], ["nccl", "rccl"], 1e6, 0.01)]
+    for export, name in ((megatron_args, "Megatron-LM"), (config_exports.torchtitan_toml, "torchtitan"),
+                         (config_exports.deepspeed_json, "DeepSpeed")):
+        with pytest.raises(ConfigError, match=f"stage 0's DP group and the pipeline edge 0->1 span "
+                                              f"communication domains \\(nccl, rccl\\), and {name}") as refusal:
+            export(plan)
+        assert refusal.value.field == "plan.crossings" and "memx-run --plan" in str(refusal.value)
+    cluster = ClusterSpec.from_yaml(os.path.join(CLUSTERS, "table1-2vendor.yaml"))
+    with pytest.raises(ConfigError, match="and Megatron-LM runs each group on one collective library"):
+        torchrun_commands(plan, cluster, "train.py", for_megatron=True)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert main(["export", "--plan", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "plan.crossings" in err
+    plan.crossings = []
+    assert megatron_args(plan).args  # one domain: exported
 
 
 def test_torchrun_commands_parse_and_keep_rank_order():

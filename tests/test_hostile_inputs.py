@@ -23,8 +23,8 @@ from memx_launch.specs.training import TrainingSpec
 CLUSTER = """version: 1
 name: small
 device_types:
-  big: {vendor: x, memory_gib: 80, peak_tflops: 300, efficiency: 0.5, memory_bandwidth_gbps: 2000}
-  small: {vendor: y, memory_gib: 16, peak_tflops: 60}
+  big: {vendor: x, domain: shared, memory_gib: 80, peak_tflops: 300, efficiency: 0.5, memory_bandwidth_gbps: 2000}
+  small: {vendor: y, domain: shared, memory_gib: 16, peak_tflops: 60}
 nodes:
   - {name: n0, devices: {big: 2}, intra_node_gbps: 100}
   - {name: n1, devices: {small: 2}, intra_node_gbps: 50}

@@ -271,7 +271,7 @@ def add_export_command(sub) -> None:
 
 
 def run_export(args) -> int:
-    from memx_launch.planning import exporters
+    from memx_launch.planning import exporters, launch_lines
     from memx_launch.runtime.layout import check_runnable
 
     if not 1 <= args.master_port <= 65535:
@@ -292,7 +292,7 @@ def run_export(args) -> int:
     for note in megatron.notes:
         print(f"# note: {note}")
     print("\n# environment for the training script")
-    print("\n".join(exporters.env_lines(exporters.plan_env(plan, os.path.abspath(args.plan)))))
+    print("\n".join(launch_lines.env_lines(launch_lines.plan_env(plan, os.path.abspath(args.plan)))))
     if cluster is not None:
         targets = [("memx's runtime (the plan's rank order)", False), ("Megatron-LM (stages on consecutive ranks)", True)]
         try:
@@ -302,7 +302,7 @@ def run_export(args) -> int:
             targets = targets[1:]
         for title, for_megatron in targets:
             print(f"\n# torchrun for {title}, one line per node")
-            for cmd in exporters.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
+            for cmd in launch_lines.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
                                                    master_port=args.master_port, for_megatron=for_megatron):
                 print(f"{cmd.command_line()}" + "".join(f"  # {note}" for note in cmd.notes))
     return 0

@@ -3,7 +3,8 @@ accelerate takes). Pure functions of a :class:`~memx_launch.planning.plan.Plan`,
 
 Like the Megatron-LM arguments (:mod:`~memx_launch.planning.exporters`), what the target cannot
 express comes back as notes beside the file, never dropped silently; a plan the target cannot run
-at all (per-stage TP; PP or TP in a DeepSpeed config) is a one-line refusal.
+at all (per-stage TP; PP or TP in a DeepSpeed config; groups across communication domains) is a
+one-line refusal.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
     ``[activation_checkpoint]``; each key is also its ``--section.key`` flag)."""
     tp = plan.uniform_tp("torchtitan (one tensor_parallel_degree for all stages)")
     plan.uniform_dp("torchtitan (one data-parallel degree for all stages)")
+    plan.within_one_domain("torchtitan")
     tr = plan.training
     if plan.model_spec.hybrid_pattern:
         raise ConfigError("plan", f"{plan.model} is a hybrid model (Mamba or Gated DeltaNet layers), which torchtitan "
@@ -163,6 +165,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
 def deepspeed_json(plan: Plan) -> ConfigText:
     """The plan as a DeepSpeed config (``accelerate launch --use_deepspeed --deepspeed_config_file``):
     batch, precision and ZeRO stage of a data-parallel plan."""
+    plan.within_one_domain("DeepSpeed")
     if plan.pp > 1 or max(plan.stage_tps) > 1 or plan.cp > 1:  # (so one DP degree)
         raise ConfigError("plan", f"pp={plan.pp}, tp={plan.tp or plan.stage_tp}, cp={plan.cp}: a DeepSpeed config "
                           "holds data parallelism only (its pipeline and TP are set in code; it has no context "

@@ -181,6 +181,22 @@ class Plan:
         """The one DP degree of every stage; a one-line refusal naming ``consumer`` otherwise."""
         return _uniform("dp", self.dp, self.stage_dp, consumer)
 
+    def within_one_domain(self, consumer: str) -> None:
+        """A one-line refusal naming ``consumer`` where the plan crosses communication domains:
+        another framework's groups run on one collective library (NCCL or RCCL, not both), and
+        only memx's runtime carries what crosses between them (its bridge)."""
+        if not self.crossings:
+            return
+        names = {"pipeline": "the pipeline edge {}->{}", "data_parallel": "stage {}'s DP group",
+                 "tied_embeddings": "the tied embeddings of stages {} and {}"}
+        what = [names[c.kind].format(*c.stages) for c in self.crossings]
+        what = ", ".join(what[:-1]) + " and " + what[-1] + " span" if len(what) > 1 else what[0] + " spans"
+        domains = ", ".join(sorted({d for c in self.crossings for d in c.domains}))
+        raise ConfigError("plan.crossings", f"{what} communication domains ({domains}), and {consumer} runs "
+                          "each group on one collective library", "run this plan with memx-run --plan, whose "
+                          "bridge carries what crosses, or plan on one domain's devices (a cluster file of one "
+                          "vendor's nodes)")
+
     @property
     def world_size(self) -> int:
         return sum(t * d for t, d in zip(self.stage_tps, self.stage_dps)) * self.cp

@@ -198,7 +198,8 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
                     else f"tied embeddings of stages {c.stages[0]} and {c.stages[1]}")
         lines.append(f"  {what} ({' | '.join(c.domains)}): {format_gib(c.bytes_per_step / 2**30)} per rank, "
                      f"{c.seconds_per_step:.3g} s per step")
-    return lines
+    return lines + ["  only memx-run carries these: Megatron-LM, torchtitan and DeepSpeed run each group on one "
+                    "collective library (memx export refuses this plan)"]
 
 
 def search_stats_line(stats) -> str:

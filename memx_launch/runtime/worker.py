@@ -209,7 +209,7 @@ def plan_in_job(env) -> None:
 
 def rank_env(plan, plan_path: str, rank: int, device_type: str | None = None) -> dict[str, str]:
     """The plan's MEMX_* variables plus this rank's own: stage, layers, recompute, device type."""
-    from memx_launch.planning.exporters import plan_env
+    from memx_launch.planning.launch_lines import plan_env
     from memx_launch.runtime.layout import rank_layout
 
     layout = rank_layout(plan, rank)

@@ -20,7 +20,7 @@ def reproduce_command(plan, cluster, env) -> str:
     """The torchrun line that runs this plan without memx-run (the script builds it from MEMX_PLAN)."""
     import shlex
 
-    from memx_launch.planning.exporters import torchrun_commands
+    from memx_launch.planning.launch_lines import torchrun_commands
 
     script_and_args = json.loads(env["MEMX_REPRODUCE"])
     exports = torchrun_commands(plan, cluster, script_and_args[0], script_and_args[1:],
