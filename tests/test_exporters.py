@@ -321,8 +321,17 @@ def test_a_plan_crossing_communication_domains_is_refused_by_every_other_framewo
     assert main(["export", "--plan", str(path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "plan.crossings" in err
-    plan.crossings = []
+    # memx's runtime, which carries crossings, points a plan it cannot run to one domain's devices first.
+    from memx_launch.runtime.layout import check_runnable
+
+    plan.cp = 2
+    with pytest.raises(ConfigError, match="plan it on one communication domain's devices"):
+        check_runnable(plan)
+    plan.cp, plan.crossings = 1, []
     assert megatron_args(plan).args  # one domain: exported
+    plan.cp = 2
+    with pytest.raises(ConfigError, match=r"plan with --cp 1, or run the plan with Megatron-LM \(memx export\)$"):
+        check_runnable(plan)
 
 
 def test_torchrun_commands_parse_and_keep_rank_order():
