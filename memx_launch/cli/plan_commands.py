@@ -303,6 +303,6 @@ def run_export(args) -> int:
         for title, for_megatron in targets:
             print(f"\n# torchrun for {title}, one line per node")
             for cmd in launch_lines.torchrun_commands(plan, cluster, args.script, master_addr=args.master_addr,
-                                                   master_port=args.master_port, for_megatron=for_megatron):
+                                                      master_port=args.master_port, for_megatron=for_megatron):
                 print(f"{cmd.command_line()}" + "".join(f"  # {note}" for note in cmd.notes))
     return 0

@@ -131,7 +131,8 @@ def check_runnable(plan: Plan) -> Plan:
                           "which memx's runtime does not run", f"give every chunk a layer, or {instead}")
     if plan.training.get("recompute_modules"):
         raise ConfigError("--plan", f"recompute_modules={','.join(plan.training['recompute_modules'])}: memx's "
-                          "runtime recomputes its own selective level", f"plan without --recompute-modules, or {instead}")
+                          "runtime recomputes its own selective level",
+                          f"plan without --recompute-modules, or {instead}")
     if plan.cp > 1:
         raise ConfigError("--plan", f"cp={plan.cp}: memx's runtime has no context parallelism",
                           f"plan with --cp 1, or {instead}")
