@@ -19,9 +19,9 @@ from memx_launch.planning.exporters import megatron_args
 from memx_launch.planning.launch_lines import plan_env
 from memx_launch.planning.layouts import cp_ring_pairs
 from memx_launch.planning.plan import Plan
+from memx_launch.planning.runtime_support import check_runnable
 from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
-from memx_launch.runtime.layout import check_runnable
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.catalog import get_model

@@ -322,11 +322,16 @@ def test_a_plan_crossing_communication_domains_is_refused_by_every_other_framewo
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "plan.crossings" in err
     # memx's runtime, which carries crossings, points a plan it cannot run to one domain's devices first.
-    from memx_launch.runtime.layout import check_runnable
+    from memx_launch.planning.runtime_support import check_runnable
 
     plan.cp = 2
     with pytest.raises(ConfigError, match="plan it on one communication domain's devices"):
         check_runnable(plan)
+    # memx plan and memx estimate say so under the plan's crossings.
+    from memx_launch.planning.report import crossing_lines
+
+    assert crossing_lines(plan, cluster)[-1].startswith("  and memx-run cannot run it (cp=2: memx's runtime has no "
+                                                        "context parallelism): no framework runs this plan")
     plan.cp, plan.crossings = 1, []
     assert megatron_args(plan).args  # one domain: exported
     plan.cp = 2

@@ -16,9 +16,9 @@ from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.exporters import megatron_args
 from memx_launch.planning.gated_deltanet import step_scan_flops
 from memx_launch.planning.matmuls import linear_shapes
+from memx_launch.planning.runtime_support import runnable_model
 from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
-from memx_launch.runtime.layout import runnable_model
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.hf_config import model_from_hf_dict

@@ -11,7 +11,7 @@ from memx_launch.planning import data_parallel
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.model_states import (held_gathered_bytes, held_gradient_share, holds_weights,
                                                keeps_gathered, model_state_bytes_per_param)
-from memx_launch.runtime.layout import check_runnable
+from memx_launch.planning.runtime_support import check_runnable
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
 

@@ -103,7 +103,7 @@ def test_modules_are_checked_recorded_and_exported():
     restored = TrainingSpec(**{**dataclasses.asdict(_training()), **plan.training})
     assert restored.recompute_modules == ("layernorm", "moe_act")
     assert _training(recompute_modules="layernorm moe_act").recompute_modules == ("layernorm", "moe_act")
-    from memx_launch.runtime.layout import check_runnable
+    from memx_launch.planning.runtime_support import check_runnable
 
     dense = evaluate_layout(LLAMA, NODE, _training(recompute_modules="layernorm"), tp=1, pp=1, dp=8,
                             micro_batch_size=1, recompute="selective", references=(1, 1, 1))

@@ -15,7 +15,7 @@ from memx_launch.planning.config_exports import torchtitan_toml
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.exporters import megatron_args
 from memx_launch.planning.plan import Plan
-from memx_launch.runtime.layout import check_runnable
+from memx_launch.planning.runtime_support import check_runnable
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec

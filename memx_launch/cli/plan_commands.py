@@ -272,7 +272,7 @@ def add_export_command(sub) -> None:
 
 def run_export(args) -> int:
     from memx_launch.planning import exporters, launch_lines
-    from memx_launch.runtime.layout import check_runnable
+    from memx_launch.planning.runtime_support import check_runnable
 
     if not 1 <= args.master_port <= 65535:
         raise ConfigError("--master-port", f"{args.master_port} is not a TCP port", "e.g. --master-port 29500")

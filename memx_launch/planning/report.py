@@ -5,11 +5,13 @@ Pareto plot. Text in, text out (the plot is the one file written); no torch impo
 from __future__ import annotations
 
 
+from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, check_output_path
 from memx_launch.planning.estimate import stage_short_gib
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types, tp_text
 from memx_launch.planning.peaks import datasheet_hbm, hbm_gbps, linear_tflops, matmul_peak_tflops, training_tflops
 from memx_launch.planning.plan import Plan
+from memx_launch.planning.runtime_support import check_runnable
 from memx_launch.planning.scoring import MEMORY_PARTS
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
@@ -198,8 +200,14 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
                     else f"tied embeddings of stages {c.stages[0]} and {c.stages[1]}")
         lines.append(f"  {what} ({' | '.join(c.domains)}): {format_gib(c.bytes_per_step / 2**30)} per rank, "
                      f"{c.seconds_per_step:.3g} s per step")
-    return lines + ["  only memx-run carries these: Megatron-LM, torchtitan and DeepSpeed run each group on one "
-                    "collective library (memx export refuses this plan)"]
+    lines.append("  only memx-run carries these: Megatron-LM, torchtitan and DeepSpeed run each group on one "
+                 "collective library (memx export refuses this plan)")
+    try:
+        check_runnable(plan)
+    except ConfigError as refusal:
+        lines.append(f"  and memx-run cannot run it ({refusal.problem}): no framework runs this plan; plan on one "
+                     "communication domain's devices")
+    return lines
 
 
 def search_stats_line(stats) -> str:

@@ -23,13 +23,13 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, path_component
 from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
+from memx_launch.planning.runtime_support import check_runnable, runnable_model
 from memx_launch.planning.search import check_space
 from memx_launch.planning.search_space import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.agent import start_fork_server, stop_fork_server
 from memx_launch.runtime.dry_run import dry_run
 from memx_launch.runtime.process_exit import end_process
-from memx_launch.runtime.layout import check_runnable, runnable_model
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.specs import DTYPE_BYTES, ClusterSpec, TrainingSpec, get_model
 from memx_launch.specs.node import MAX_DEVICES, MAX_DEVICES_PER_NODE

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memx_launch.errors import ConfigError
-from memx_launch.planning.model_states import keeps_gathered
 from memx_launch.planning.plan import Plan
-from memx_launch.specs.model import ModelSpec
-from memx_launch.specs.training import TrainingSpec
+from memx_launch.planning.runtime_support import check_runnable
 
 
 @dataclass(frozen=True)
@@ -93,57 +90,6 @@ def chunks_by_stage(plan: Plan) -> list[list[Chunk]]:
         out[stage].append(Chunk(virtual, offset, n, first=virtual == 0, last=virtual == p * v - 1))
         offset += n
     return out
-
-
-def runnable_model(model: ModelSpec, field: str = "--model",
-                   instead: str = "plan it with memx plan and run it with Megatron-LM (memx export)") -> ModelSpec:
-    """``model`` where memx's runtime can train it: not a mixture of experts, latent attention,
-    multi-token prediction, an attention output gate nor a hybrid model (its blocks have none of them).
-    ``instead``: the refusal's way to run it elsewhere."""
-    unsupported = [what for what, present in (("a mixture of experts", model.num_experts),
-                                               ("latent attention", model.kv_lora_rank),
-                                               ("multi-token prediction", model.mtp_layers),
-                                               ("Mamba, Gated DeltaNet and lone attention or MLP layers",
-                                                model.hybrid_pattern),
-                                               ("an attention output gate", model.attention_output_gate))
-                   if present]
-    if unsupported:
-        raise ConfigError(field, f"{model.name} has {' and '.join(unsupported)}, which memx's runtime does not run",
-                          instead)
-    return model
-
-
-def check_runnable(plan: Plan) -> Plan:
-    """``plan`` where memx's runtime can run it; a one-line refusal otherwise, pointing to
-    Megatron-LM, which cannot run a plan across communication domains: such a plan is sent to
-    one domain's devices first (``Plan.within_one_domain``)."""
-    instead = ("run the plan with Megatron-LM (memx export)" if not plan.crossings else
-               "plan it on one communication domain's devices (it crosses domains) and run it with Megatron-LM "
-               "(memx export)")
-    empty = [i for i, s in enumerate(plan.stages) if s.num_layers == 0]
-    if empty:  # memx's stages are built around their blocks (models/adapters.py)
-        raise ConfigError("--plan", f"stage {empty[0]} holds no layers (an embedding-only or head-only stage), "
-                          "which memx's runtime does not run", f"give every stage a layer, or {instead}")
-    runnable_model(plan.model_spec, "--plan", instead)
-    short = [i for i, s in enumerate(plan.stages) if s.num_layers < plan.virtual_stages]
-    if short:  # an interleaved end stage with a chunk of the embedding or the head alone
-        raise ConfigError("--plan", f"stage {short[0]} holds fewer layers than its {plan.virtual_stages} chunks, "
-                          "which memx's runtime does not run", f"give every chunk a layer, or {instead}")
-    if plan.training.get("recompute_modules"):
-        raise ConfigError("--plan", f"recompute_modules={','.join(plan.training['recompute_modules'])}: memx's "
-                          "runtime recomputes its own selective level",
-                          f"plan without --recompute-modules, or {instead}")
-    if plan.cp > 1:
-        raise ConfigError("--plan", f"cp={plan.cp}: memx's runtime has no context parallelism",
-                          f"plan with --cp 1, or {instead}")
-    training = TrainingSpec(**plan.training)
-    if training.fully_sharded and plan.dp > 1 and not keeps_gathered(training, plan.pp):
-        raise ConfigError("--plan", f"hold_gathered={training.hold_gathered} with {plan.pp} stage(s): memx's runtime "
-                          "keeps a fully sharded stage's weights gathered and its gradients unsharded through the "
-                          "step (torch's pipeline schedules), more memory than the plan counts",
-                          f"plan with --setup memx-run (or --hold-gathered always), or {instead}")
-    plan.uniform_dp("memx's runtime (one DP degree for all stages)")
-    return plan
 
 
 def stage_runs_fully_sharded(plan: Plan, tp: int, dp_crosses_domains: bool, data_parallel: str = "auto") -> bool:
