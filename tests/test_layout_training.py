@@ -130,8 +130,8 @@ def test_a_sharded_stage_behind_whole_ones_keeps_their_wider_hidden_states():
 
 
 def test_a_whole_stage_behind_a_sharded_one_sends_16_bit_hidden_states():
-    """Under autocast a residual add keeps the received dtype: the whole middle stage passes stage
-    0's 16-bit states on, and the sharded stage 2 behind it keeps nothing wider."""
+    """Under autocast a residual add keeps the received dtype: the whole middle stage keeps and
+    passes on stage 0's 16-bit states, and the sharded stage 2 behind it keeps nothing wider."""
     cluster = ClusterSpec.from_dict(dict(TWO_VENDORS, nodes=[
         {"devices": {"a100": 8}, "intra_node_gbps": 300}, {"devices": {"a100": 2}, "intra_node_gbps": 300},
         {"devices": {"mi250": 2}, "intra_node_gbps": 100}]))
@@ -141,6 +141,11 @@ def test_a_whole_stage_behind_a_sharded_one_sends_16_bit_hidden_states():
     whole = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded_with_tp=False), **layout)
     assert plan_sharded_stages(MEMX_RUN, mixed) == [0, 2]
     assert mixed.stages[2].memory_parts_gib == sharded.stages[2].memory_parts_gib
+    # Stage 1 keeps its two in-flight outputs (1F1B, stage 1 of 3) in 16 bits: 2 x 16 MiB less than at fp32.
+    parts, as_whole = mixed.stages[1].memory_parts_gib, whole.stages[1].memory_parts_gib
+    assert parts["pipeline_buffers"] == pytest.approx(as_whole["pipeline_buffers"] - 2 * 2048 * MODEL.hidden_size * 2 / 2**30)
+    assert {k: v for k, v in parts.items() if k != "pipeline_buffers"} == \
+        {k: v for k, v in as_whole.items() if k != "pipeline_buffers"}
     def pipeline(plan):
         return [(c.stages, c.bytes_per_step, c.seconds_per_step) for c in plan.crossings if c.kind == "pipeline"]
     assert [stages for stages, _, _ in pipeline(mixed)] == [[0, 1], [1, 2]]

@@ -2,7 +2,8 @@
 unless its DP group spans communication domains, whose gradients it averages itself, whole
 (``layout_training.py``). Such a layout is scored stage by stage: each stage's memory, layer and
 stage times, gradient sync and optimizer step from the evaluator of the training it runs, its send
-at the precision its hidden states have there (:func:`training_precision_senders`).
+and the hidden states its pipeline engine keeps at the precision they have there
+(:func:`training_precision_senders`, :meth:`MixedShardingEvaluator.hidden_precision_bytes`).
 No torch import.
 """
 
@@ -13,7 +14,7 @@ import numpy as np
 from memx_launch.planning import schedules
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layout_training import layout_sharded_stages, training_precision_senders
-from memx_launch.planning.pipeline_buffers import boundary_bytes
+from memx_launch.planning.pipeline_buffers import boundary_bytes, kept_stage_output_bytes
 from memx_launch.planning.scoring import Evaluator
 
 
@@ -38,7 +39,7 @@ class MixedShardingEvaluator(Evaluator):
         whole = self.whole.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         sharded = self.sharded.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         per_layer, fixed, t_layer, edge_t, work = self._by_stage(layout, whole[:4] + whole[5:], sharded[:4] + sharded[5:])
-        fixed = fixed + self.kept_wide_input_bytes(layout, mbs, seq, v)
+        fixed = fixed + self.hidden_precision_bytes(layout, mbs, seq, v)
         return per_layer, fixed, t_layer, edge_t, whole[4], work  # g: the micro-batches per step, one for both
 
     def stage_step_parts(self, layout, mbs, seq, v, stage_time, layers) -> tuple:
@@ -48,29 +49,37 @@ class MixedShardingEvaluator(Evaluator):
         transfer = np.where(training_precision_senders(self.training, layout), whole[1], sharded[1])
         return stage_time, transfer, sync, exposed, step
 
-    def kept_wide_input_bytes(self, layout, mbs, seq, v) -> np.ndarray:
-        """(P,) what the first sharded stage keeps beside its layers when the whole stages before it
-        send it wider hidden states (fp32 under autocast): torch's pipeline stage holds each received
-        input until its micro-batch's backward (``fwd_cache``), beside FSDP2's 16-bit cast of it
-        that the first block keeps with the layers. Interleaved, only its first chunk receives them,
-        at most P micro-batches in flight."""
-        pp = layout.pp
-        senders = training_precision_senders(self.training, layout)
-        receives = np.zeros(pp, dtype=bool)
-        receives[1:] = senders[:-1] & ~senders[1:]
-        if not receives.any() or self.training.residual_bytes <= self.sharded.training.residual_bytes:
+    def hidden_precision_bytes(self, layout, mbs, seq, v) -> np.ndarray:
+        """(P,) how the pipeline engine's buffers change where hidden states change precision (fp32
+        under autocast, 16 bits from the first sharded stage on). The first sharded stage behind
+        whole ones keeps each received fp32 input until its micro-batch's backward (torch's pipeline
+        stage's ``fwd_cache``) beside FSDP2's 16-bit cast of it, which its first block keeps with the
+        layers; interleaved, only its first chunk receives them, at most P micro-batches in flight.
+        A whole stage behind a sharded one keeps its outputs (``keep_stage_outputs``) in the 16 bits
+        it received, not at the fp32 its own pricing counts: negative."""
+        pp, tr = layout.pp, self.training
+        senders = training_precision_senders(tr, layout)
+        if senders.all() or tr.residual_bytes <= self.sharded.training.residual_bytes:
             return np.zeros(pp)
-        g = self.training.global_batch_size // (layout.dp * mbs)
-        first_chunk = schedules.stage_inflight_microbatches(pp, g) if v == 1 else min(pp, g)
-        return receives * first_chunk * boundary_bytes(self.model, self.training, layout.local_micro_batch(mbs),
-                                                       seq // layout.cp, layout.tp_degrees, (pp,))
+        g = tr.global_batch_size // (layout.dp * mbs)
+        local, seq_rank, tp = layout.local_micro_batch(mbs), seq // layout.cp, layout.tp_degrees
+        inflight = schedules.stage_inflight_microbatches(pp, g, v)
+        whole_kept, sharded_kept = (kept_stage_output_bytes(self.model, training, local, seq_rank, tp, inflight, g, v)
+                                    for training in (tr, self.sharded.training))
+        narrowed = ~senders & ~layout_sharded_stages(tr, layout)
+        out = np.where(narrowed, sharded_kept - whole_kept, 0.0)
+        first = int(np.argmin(senders))  # the first sharded stage
+        if first > 0:
+            first_chunk = schedules.stage_inflight_microbatches(pp, g)[first] if v == 1 else min(pp, g)
+            out[first] += first_chunk * boundary_bytes(self.model, tr, local, seq_rank, tp, (pp,))[first]
+        return out
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         layout = result.layout
         stages = layout_sharded_stages(self.training, layout)
-        kept_inputs = self.kept_wide_input_bytes(layout, result.mbs, result.seq, result.v)
+        change = self.hidden_precision_bytes(layout, result.mbs, result.seq, result.v)
         parts = [dict(s if shards else w) for w, s, shards in zip(self.whole.memory_parts(result, row),
                                                                   self.sharded.memory_parts(result, row), stages)]
-        for stage, extra in zip(parts, kept_inputs):
+        for stage, extra in zip(parts, change):
             stage["pipeline_buffers"] += float(extra)
         return parts
