@@ -309,7 +309,7 @@ def test_a_plan_crossing_communication_domains_is_refused_by_every_other_framewo
                       Crossing("pipeline", [0, 1], ["nccl", "rccl"], 1e6, 0.01)]
     for export, name in ((megatron_args, "Megatron-LM"), (config_exports.torchtitan_toml, "torchtitan"),
                          (config_exports.deepspeed_json, "DeepSpeed")):
-        with pytest.raises(ConfigError, match=f"stage 0's DP group and the pipeline edge 0->1 span "
+        with pytest.raises(ConfigError, match=f"DP sync of stage 0 and pipeline stage 0 -> 1 span "
                                               f"communication domains \\(nccl, rccl\\), and {name}") as refusal:
             export(plan)
         assert refusal.value.field == "plan.crossings" and "memx-run --plan" in str(refusal.value)

@@ -163,6 +163,13 @@ def test_one_scorer_keeps_its_evaluator_of_mixed_stages_between_rows():
     (first, kept), (again, reused) = (scorer.score(**layout) for _ in range(2))
     assert isinstance(kept, MixedShardingEvaluator) and reused is kept
     assert first.T.tolist() == again.T.tolist() and first.memory.tolist() == again.memory.tolist()
+    # What it keeps of a layout follows the micro-batch: the reversed layout at 1 and then 2 equals fresh estimates.
+    reversed_layout = dict(layout, stage_devices=["a100+mi250", "a100"])
+    for mbs in (1, 2):
+        row, _ = scorer.score(**dict(reversed_layout, micro_batch_size=mbs))
+        fresh = evaluate_layout(MODEL, ClusterSpec.from_dict(TWO_VENDORS), MEMX_RUN,
+                                **dict(ONE_STAGE_CROSSES, stage_devices=["a100+mi250", "a100"], micro_batch_size=mbs))
+        assert row.memory[0] / 2**30 == pytest.approx([s.predicted_peak_memory_gib for s in fresh.stages], abs=1e-5)
 
 
 def test_the_runtime_shards_every_stage_it_was_priced_sharded_and_no_other():

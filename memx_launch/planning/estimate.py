@@ -72,11 +72,11 @@ class LayoutScorer:
         """The evaluator of the training (fully sharded or as given) at CP degree ``cp``, its table
         holding the local micro-batch sizes ``local_mbss``."""
         model, cluster, training = self.model, self.cluster, self.training
-        runs = dataclasses.replace(training, fully_sharded=True) if sharded else training
-        if sharded not in self._cost_models:
-            self._cost_models[sharded] = cost_model_of_training(self.cost_model, model, cluster, runs)
         evaluator = self._evaluators.get((cp, sharded))
         if evaluator is None or not local_mbss <= set(evaluator.table.mbss):
+            runs = dataclasses.replace(training, fully_sharded=True) if sharded else training
+            if sharded not in self._cost_models:
+                self._cost_models[sharded] = cost_model_of_training(self.cost_model, model, cluster, runs)
             # Per-layer costs are element-wise, so a wider table holds the same numbers: one table
             # (one cost-model call) for every micro-batch size asked so far and the usual ones.
             wanted = local_mbss | set(evaluator.table.mbss if evaluator else USUAL_MICRO_BATCH_SIZES)

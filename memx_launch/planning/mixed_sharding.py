@@ -26,13 +26,24 @@ class MixedShardingEvaluator(Evaluator):
         super().__init__(whole.model, whole.cluster, whole.training, whole.cost_model, whole.table,
                          whole.memory_headroom, whole.recompute_levels, whole.recompute_some_layers)
         self.whole, self.sharded = whole, sharded
+        self._kinds_layout, self._kinds = None, {}
 
     @property
     def tables(self):
         return self.whole.table, self.sharded.table
 
+    def _stage_kinds(self, layout) -> dict:
+        """The latest layout's sharded stages, its senders at the training's precision and, by
+        (mbs, seq, v), :meth:`hidden_precision_bytes`: kept, as the search asks each of its groups at
+        several recompute levels."""
+        if self._kinds_layout is not layout:
+            self._kinds_layout = layout
+            self._kinds = {"sharded": layout_sharded_stages(self.training, layout),
+                           "senders": training_precision_senders(self.training, layout), "buffers": {}}
+        return self._kinds
+
     def _by_stage(self, layout, whole: tuple, sharded: tuple) -> tuple:
-        stages = layout_sharded_stages(self.training, layout)
+        stages = self._stage_kinds(layout)["sharded"]
         return tuple(np.where(stages, s, w) for w, s in zip(whole, sharded))
 
     def split_inputs(self, layout, mbs, seq, v, levels, replica=0, layers=None):
@@ -46,7 +57,7 @@ class MixedShardingEvaluator(Evaluator):
         whole = self.whole.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
         sharded = self.sharded.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
         stage_time, _, sync, exposed, step = self._by_stage(layout, whole, sharded)
-        transfer = np.where(training_precision_senders(self.training, layout), whole[1], sharded[1])
+        transfer = np.where(self._stage_kinds(layout)["senders"], whole[1], sharded[1])
         return stage_time, transfer, sync, exposed, step
 
     def hidden_precision_bytes(self, layout, mbs, seq, v) -> np.ndarray:
@@ -57,8 +68,15 @@ class MixedShardingEvaluator(Evaluator):
         layers; interleaved, only its first chunk receives them, at most P micro-batches in flight.
         A whole stage behind a sharded one keeps its outputs (``keep_stage_outputs``) in the 16 bits
         it received, not at the fp32 its own pricing counts: negative."""
+        kinds = self._stage_kinds(layout)
+        if (mbs, seq, v) not in kinds["buffers"]:
+            change = self._hidden_precision_bytes(layout, mbs, seq, v, kinds["sharded"], kinds["senders"])
+            change.flags.writeable = False
+            kinds["buffers"][mbs, seq, v] = change
+        return kinds["buffers"][mbs, seq, v]
+
+    def _hidden_precision_bytes(self, layout, mbs, seq, v, stages, senders) -> np.ndarray:
         pp, tr = layout.pp, self.training
-        senders = training_precision_senders(tr, layout)
         if senders.all() or tr.residual_bytes <= self.sharded.training.residual_bytes:
             return np.zeros(pp)
         g = tr.global_batch_size // (layout.dp * mbs)
@@ -66,17 +84,17 @@ class MixedShardingEvaluator(Evaluator):
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
         whole_kept, sharded_kept = (kept_stage_output_bytes(self.model, training, local, seq_rank, tp, inflight, g, v)
                                     for training in (tr, self.sharded.training))
-        narrowed = ~senders & ~layout_sharded_stages(tr, layout)
+        narrowed = ~senders & ~stages
         out = np.where(narrowed, sharded_kept - whole_kept, 0.0)
         first = int(np.argmin(senders))  # the first sharded stage
         if first > 0:
-            first_chunk = schedules.stage_inflight_microbatches(pp, g)[first] if v == 1 else min(pp, g)
+            first_chunk = inflight[first] if v == 1 else min(pp, g)
             out[first] += first_chunk * boundary_bytes(self.model, tr, local, seq_rank, tp, (pp,))[first]
         return out
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         layout = result.layout
-        stages = layout_sharded_stages(self.training, layout)
+        stages = self._stage_kinds(layout)["sharded"]
         change = self.hidden_precision_bytes(layout, result.mbs, result.seq, result.v)
         parts = [dict(s if shards else w) for w, s, shards in zip(self.whole.memory_parts(result, row),
                                                                   self.sharded.memory_parts(result, row), stages)]

@@ -114,6 +114,15 @@ class Crossing:
     """Pipeline: the edge's transfers of one step, staging and latency included; data
     parallel: the stage's whole hierarchical sync."""
 
+    @property
+    def what(self) -> str:
+        """What crosses, in words: a pipeline edge, a stage's DP sync or the tied embeddings' sum."""
+        if self.kind == "data_parallel":
+            return f"DP sync of stage {self.stages[0]}"
+        if self.kind == "pipeline":
+            return f"pipeline stage {self.stages[0]} -> {self.stages[1]}"
+        return f"tied embeddings of stages {self.stages[0]} and {self.stages[1]}"
+
 
 CROSSING_KINDS = ("pipeline", "data_parallel", "tied_embeddings")
 
@@ -187,9 +196,7 @@ class Plan:
         only memx's runtime carries what crosses between them (its bridge)."""
         if not self.crossings:
             return
-        names = {"pipeline": "the pipeline edge {}->{}", "data_parallel": "stage {}'s DP group",
-                 "tied_embeddings": "the tied embeddings of stages {} and {}"}
-        what = [names[c.kind].format(*c.stages) for c in self.crossings]
+        what = [c.what for c in self.crossings]
         what = ", ".join(what[:-1]) + " and " + what[-1] + " span" if len(what) > 1 else what[0] + " spans"
         domains = ", ".join(sorted({d for c in self.crossings for d in c.domains}))
         raise ConfigError("plan.crossings", f"{what} communication domains ({domains}), and {consumer} runs "

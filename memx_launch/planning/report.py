@@ -193,12 +193,7 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
         return []
     lines = [f"crossing communication domains over the bridge ({cluster.bridge.backend}, staged through host memory):"]
     for c in plan.crossings:
-        if c.kind == "data_parallel":  # one stage
-            what = f"DP sync of stage {c.stages[0]}"
-        else:
-            what = (f"pipeline stage {c.stages[0]} -> {c.stages[1]}" if c.kind == "pipeline"
-                    else f"tied embeddings of stages {c.stages[0]} and {c.stages[1]}")
-        lines.append(f"  {what} ({' | '.join(c.domains)}): {format_gib(c.bytes_per_step / 2**30)} per rank, "
+        lines.append(f"  {c.what} ({' | '.join(c.domains)}): {format_gib(c.bytes_per_step / 2**30)} per rank, "
                      f"{c.seconds_per_step:.3g} s per step")
     lines.append("  only memx-run carries these: Megatron-LM, torchtitan and DeepSpeed run each group on one "
                  "collective library (memx export refuses this plan)")
