@@ -93,7 +93,12 @@ def test_a_dp_group_across_domains_leaves_the_other_stages_with_tp_fully_sharded
     whole = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded_with_tp=False), **ONE_STAGE_CROSSES)
     assert not mixed.training["fully_sharded"] and plan_sharded_stages(MEMX_RUN, mixed) == [0]
     assert mixed.stages[0].memory_parts_gib == sharded.stages[0].memory_parts_gib
-    assert mixed.stages[1].memory_parts_gib == whole.stages[1].memory_parts_gib
+    # Stage 1 receives stage 0's 16-bit hidden states: its backward's residual gradients (two
+    # hidden states of micro-batch 1) are 16-bit, 2 x 16 MiB less than its fp32 pricing; the rest equal.
+    parts, as_whole = mixed.stages[1].memory_parts_gib, whole.stages[1].memory_parts_gib
+    assert parts["activations"] == pytest.approx(as_whole["activations"] - 2 * 2048 * MODEL.hidden_size * 2 / 2**30)
+    assert {k: v for k, v in parts.items() if k != "activations"} == \
+        {k: v for k, v in as_whole.items() if k != "activations"}
     assert mixed.stages[0].predicted_peak_memory_gib < whole.stages[0].predicted_peak_memory_gib
     # Stage 1's gradients cross the bridge whole, as its whole pricing sends them; stage 0 sends it
     # 16-bit hidden states (no autocast), as its sharded pricing does.
@@ -129,6 +134,23 @@ def test_a_sharded_stage_behind_whole_ones_keeps_their_wider_hidden_states():
         pytest.approx(sharded.stages[1].memory_parts_gib["pipeline_buffers"] + 2 * kept_input_gib)
 
 
+@pytest.mark.parametrize("recompute", ["full,full", "full,full:10"])
+def test_a_whole_stage_behind_a_sharded_one_keeps_16_bit_block_inputs_under_full_recompute(recompute):
+    """Full recompute keeps each layer's input: the 16 bits stage 1 receives from stage 0 (FSDP2),
+    not its fp32 pricing's; its norms keep fp32 all the same (CUDA's autocast runs them in fp32)."""
+    cluster = ClusterSpec.from_dict(TWO_VENDORS)
+    layout = dict(ONE_STAGE_CROSSES, layers_per_stage=[16, 16], recompute=recompute)
+    mixed = evaluate_layout(MODEL, cluster, MEMX_RUN, **layout)
+    whole = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded_with_tp=False), **layout)
+    hidden_gib = 2048 * MODEL.hidden_size / 2**30  # an element of one micro-batch's hidden state, in GiB
+    recomputed = 10 if ":" in recompute else 16
+    in_flight = 1  # the last of two 1F1B stages
+    narrower = recomputed * in_flight * 2 * hidden_gib + 2 * 2 * hidden_gib  # block inputs, residual gradients
+    parts, as_whole = mixed.stages[1].memory_parts_gib, whole.stages[1].memory_parts_gib
+    assert parts["activations"] == pytest.approx(as_whole["activations"] - narrower)
+    assert mixed.stages[1].predicted_peak_memory_gib == pytest.approx(sum(parts.values()), abs=0.01)
+
+
 def test_a_whole_stage_behind_a_sharded_one_sends_16_bit_hidden_states():
     """Under autocast a residual add keeps the received dtype: the whole middle stage keeps and
     passes on stage 0's 16-bit states, and the sharded stage 2 behind it keeps nothing wider."""
@@ -143,9 +165,12 @@ def test_a_whole_stage_behind_a_sharded_one_sends_16_bit_hidden_states():
     assert mixed.stages[2].memory_parts_gib == sharded.stages[2].memory_parts_gib
     # Stage 1 keeps its two in-flight outputs (1F1B, stage 1 of 3) in 16 bits: 2 x 16 MiB less than at fp32.
     parts, as_whole = mixed.stages[1].memory_parts_gib, whole.stages[1].memory_parts_gib
-    assert parts["pipeline_buffers"] == pytest.approx(as_whole["pipeline_buffers"] - 2 * 2048 * MODEL.hidden_size * 2 / 2**30)
-    assert {k: v for k, v in parts.items() if k != "pipeline_buffers"} == \
-        {k: v for k, v in as_whole.items() if k != "pipeline_buffers"}
+    two_hidden_states_gib = 2 * 2048 * MODEL.hidden_size * 2 / 2**30
+    assert parts["pipeline_buffers"] == pytest.approx(as_whole["pipeline_buffers"] - two_hidden_states_gib)
+    # and its backward's residual gradients in 16 bits: 2 x 16 MiB less
+    assert parts["activations"] == pytest.approx(as_whole["activations"] - two_hidden_states_gib)
+    assert {k: v for k, v in parts.items() if k not in ("pipeline_buffers", "activations")} == \
+        {k: v for k, v in as_whole.items() if k not in ("pipeline_buffers", "activations")}
     def pipeline(plan):
         return [(c.stages, c.bytes_per_step, c.seconds_per_step) for c in plan.crossings if c.kind == "pipeline"]
     assert [stages for stages, _, _ in pipeline(mixed)] == [[0, 1], [1, 2]]

@@ -12,6 +12,7 @@ import numpy as np
 from memx_launch.planning import experts, gated_deltanet, mamba, op_checkpointing
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      fused_softmax: bool = True, softmax_in_fp32: bool = False, quantized_bytes=None,
                      op_selective: bool = False, fused_activation: bool = False,
                      recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1,
-                     autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True) -> LayerCost:
+                     autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True,
+                     stream_bytes: float | None = None) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -78,6 +80,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         own 16-bit cast of it (:func:`autocast_extra_casts`: more than one per norm with separate
         q, k and v or gate and up linears); full recompute keeps the fp32 block input, and the
         backward's residual gradients are fp32
+      ``stream_bytes``: the hidden states a block receives and its residual adds keep are in
+        these bytes instead (a whole stage behind a fully sharded one in memx-run: 16 bits under
+        autocast), which the kept block input and the residual gradients take; the norms keep
+        what they keep under autocast all the same, as CUDA's autocast runs them in fp32
+        (``rms_norm`` and ``layer_norm`` are on its fp32 list: a 16-bit input is cast up)
     Selective recompute checkpoints the attention core (RoPE + attention, whose inputs Q, K, V
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate). In latent
     attention it is Megatron's ``mla_up_proj``: the up projections and RoPE run again from the
@@ -140,7 +147,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
     mixer = mamba.kept_units(model, tp, fp8_share) + gated_deltanet.kept_units(model, tp, fp8_share)
     none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise + mixer
-    block_input = 2.0 * residual / dtype_bytes / (tp if sequence_parallel else 1.0)  # what full recompute keeps
+    stream = residual if stream_bytes is None else stream_bytes
+    block_input = 2.0 * stream / dtype_bytes / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
                           if op_selective else (replicated + qkv + qk_norms + attn_out + mlp_kept + mixer, 0.0))
     # Megatron's named modules (latent attention's default: mla_up_proj) instead of memx's selective.
@@ -159,9 +167,21 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
     # 16-bit copy of the probabilities.
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
-    working = (recomputed + 4.0 * residual / dtype_bytes + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
+    working = (recomputed + 4.0 * stream / dtype_bytes + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
                + mamba.working_units(model, tp, dtype_bytes) + gated_deltanet.working_units(model, tp, dtype_bytes))
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
+
+
+def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
+                              flash_attention=True, linear_bytes=None, stream_bytes: float | None = None) -> LayerCost:
+    """:func:`activation_bytes` of one block as ``training`` runs it on a device whose attention
+    is fused where ``flash_attention`` and whose quantized linears keep ``linear_bytes`` an element."""
+    tr = training
+    return activation_bytes(model, mbs, seq, tp, recompute, tr.dtype_bytes, flash_attention, tr.sequence_parallel,
+                            tr.dropout, tr.fused_norm, tr.attention_dropout, tr.sp_keeps_gathered_input,
+                            tr.fused_softmax, tr.softmax_in_fp32, tr.quantized_linears and linear_bytes,
+                            tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
+                            tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes)
 
 
 def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool, fused_qkv: bool) -> int:

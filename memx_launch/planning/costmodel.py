@@ -18,7 +18,8 @@ from typing import Protocol
 import numpy as np
 
 from memx_launch.planning import experts, extra_blocks, gated_deltanet, host_time, mamba, op_checkpointing, quantization
-from memx_launch.planning.activations import LayerCost, activation_bytes, selective_modules  # noqa: F401 (callers read cm.*)
+from memx_launch.planning.activations import (LayerCost, activation_bytes, selective_modules,  # noqa: F401 (callers read cm.*)
+                                             training_activation_bytes)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.loss import loss_hbm_bytes_per_logit
@@ -235,12 +236,7 @@ class AnalyticalCostModel:
         tr = self.training
         op_policy = tr.selective_recompute == "op"
         op_level = (recompute == SELECTIVE) & op_policy
-        act = activation_bytes(self.model, mbs, seq, tp, recompute, tr.dtype_bytes,
-                               self._flash[device], tr.sequence_parallel, tr.dropout, tr.fused_norm,
-                               tr.attention_dropout, tr.sp_keeps_gathered_input, tr.fused_softmax,
-                               tr.softmax_in_fp32, tr.quantized_linears and self._linear_bytes, op_policy,
-                               tr.fused_activation, tr.recompute_modules, tr.expert_tensor_parallel,
-                               tr.autocast, tr.fused_gate_up, tr.fused_qkv)
+        act = training_activation_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device], self._linear_bytes)
         mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
         tokens = mbs_a * seq_a

@@ -12,9 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning import schedules
+from memx_launch.planning.activations import training_activation_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layout_training import layout_sharded_stages, training_precision_senders
 from memx_launch.planning.pipeline_buffers import boundary_bytes, kept_stage_output_bytes
+from memx_launch.planning.plan import NONE
 from memx_launch.planning.scoring import Evaluator
 
 
@@ -50,8 +52,27 @@ class MixedShardingEvaluator(Evaluator):
         whole = self.whole.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         sharded = self.sharded.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         per_layer, fixed, t_layer, edge_t, work = self._by_stage(layout, whole[:4] + whole[5:], sharded[:4] + sharded[5:])
-        fixed = fixed + self.hidden_precision_bytes(layout, mbs, seq, v)
-        return per_layer, fixed, t_layer, edge_t, whole[4], work  # g: the micro-batches per step, one for both
+        kept, working = self.narrowed_stream_bytes(layout, mbs, seq, v, levels)
+        fixed = fixed + working + self.hidden_precision_bytes(layout, mbs, seq, v)
+        return per_layer + kept, fixed, t_layer, edge_t, whole[4], work + working  # g: one for both
+
+    def narrowed_stream_bytes(self, layout, mbs, seq, v, levels) -> tuple:
+        """((C, P) kept bytes per layer, its in-flight micro-batches' worth, and (C, P) working bytes)
+        that a whole stage behind a sharded one holds apart from its own pricing: its blocks
+        receive and add 16-bit hidden states (:func:`training_precision_senders`), so full
+        recompute keeps a 16-bit block input and the backward's residual gradients are 16-bit
+        (``stream_bytes`` of :func:`~memx_launch.planning.activations.activation_bytes`); zero on
+        the other stages. Time: its residual adds' traffic is still counted at fp32."""
+        kinds, tr, narrow = self._stage_kinds(layout), self.training, self.sharded.training.residual_bytes
+        narrowed = ~kinds["senders"] & ~kinds["sharded"]
+        if not narrowed.any() or tr.residual_bytes <= narrow:
+            return np.zeros(np.shape(levels)), np.zeros(np.shape(levels))
+        g = tr.global_batch_size // (layout.dp * mbs)
+        inflight = schedules.stage_inflight_microbatches(layout.pp, g, v)
+        block = (self.model, tr, layout.local_micro_batch(mbs), seq // layout.cp, layout.tp_degrees, levels)
+        received, priced = training_activation_bytes(*block, stream_bytes=narrow), training_activation_bytes(*block)
+        return (np.where(narrowed, inflight * (received.activation_bytes - priced.activation_bytes), 0.0),
+                np.where(narrowed, received.working_bytes - priced.working_bytes, 0.0))
 
     def stage_step_parts(self, layout, mbs, seq, v, stage_time, layers) -> tuple:
         whole = self.whole.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
@@ -98,6 +119,15 @@ class MixedShardingEvaluator(Evaluator):
         change = self.hidden_precision_bytes(layout, result.mbs, result.seq, result.v)
         parts = [dict(s if shards else w) for w, s, shards in zip(self.whole.memory_parts(result, row),
                                                                   self.sharded.memory_parts(result, row), stages)]
-        for stage, extra in zip(parts, change):
+        layers, levels = result.layers[row], result.levels[row:row + 1]
+        per_layer, working = (x[0] for x in self.narrowed_stream_bytes(layout, result.mbs, result.seq, result.v, levels))
+        kept = layers * per_layer
+        if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
+            none_layer, none_working = (x[0] for x in self.narrowed_stream_bytes(
+                layout, result.mbs, result.seq, result.v, np.full_like(levels, NONE)))
+            r = np.minimum(result.recompute_layers[row], layers)
+            kept, working = r * per_layer + (layers - r) * none_layer, np.where(r > 0, working, none_working)
+        for stage, extra, activations in zip(parts, change, kept + working * (layers > 0)):
             stage["pipeline_buffers"] += float(extra)
+            stage["activations"] += float(activations)
         return parts
