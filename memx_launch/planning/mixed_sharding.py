@@ -62,7 +62,8 @@ class MixedShardingEvaluator(Evaluator):
         receive and add 16-bit hidden states (:func:`training_precision_senders`), so full
         recompute keeps a 16-bit block input and the backward's residual gradients are 16-bit
         (``stream_bytes`` of :func:`~memx_launch.planning.activations.activation_bytes`); zero on
-        the other stages. Time: its residual adds' traffic is still counted at fp32."""
+        the other stages. Its time is its own pricing's, whose element-wise traffic is counted in
+        the training dtype either way."""
         kinds, tr, narrow = self._stage_kinds(layout), self.training, self.sharded.training.residual_bytes
         narrowed = ~kinds["senders"] & ~kinds["sharded"]
         if not narrowed.any() or tr.residual_bytes <= narrow:
