@@ -57,9 +57,11 @@ def test_a_tp_by_dp_layout_of_memx_run_is_priced_and_recorded_fully_sharded():
 
 
 def test_the_search_prices_each_layout_as_it_runs():
-    result = search(MODEL, A100S, MEMX_RUN, space=SearchSpace(micro_batch_sizes=(1,), recompute_levels=("none", "full")),
-                    top_k=50)
-    plans = result.plans + result.pareto
+    plans = []
+    for tp_degrees in ((1,), (2, 4, 8)):  # whole layouts and TP x DP ones, each ranked apart
+        result = search(MODEL, A100S, MEMX_RUN, space=SearchSpace(
+            micro_batch_sizes=(1,), recompute_levels=("none", "full"), tp_degrees=tp_degrees), top_k=50)
+        plans += result.plans + result.pareto
     both = {(p.tp, p.dp) for p in plans}
     assert any(tp > 1 and dp > 1 for tp, dp in both) and any(tp == 1 for tp, _ in both)
     for plan in plans:

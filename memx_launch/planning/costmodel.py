@@ -21,7 +21,7 @@ from memx_launch.planning import experts, extra_blocks, gated_deltanet, host_tim
 from memx_launch.planning.activations import (LayerCost, activation_bytes, selective_modules,  # noqa: F401 (callers read cm.*)
                                              training_activation_bytes)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
-from memx_launch.planning.elementwise import elementwise_traffic_bytes
+from memx_launch.planning.elementwise import autocast_weight_cast_bytes, block_weight_cast_bytes, elementwise_traffic_bytes
 from memx_launch.planning.loss import loss_hbm_bytes_per_logit
 from memx_launch.planning.matmuls import (device_sms, fill_depth, forward_backward_seconds, gemm_seconds, latent_up_shapes,
                                           linear_seconds, linear_shapes, mlp_shapes)
@@ -267,8 +267,9 @@ class AnalyticalCostModel:
         selective_linear_s = selective_linear_s + (expert_forward_s if whole_moe else 0.0)
         # torch's non-reentrant checkpoint stops a full recompute at the input of the block's last linear.
         last_s = gemm_seconds(tokens, *shapes[-1], *gemm) if self._early_stop else 0.0
-        linear_s = linear_s + np.select([recompute == FULL, op_level, recompute == SELECTIVE],
-                                        [linear_forward_s - last_s, op_again_s, selective_linear_s], 0.0)
+        linear_again_s = np.select([recompute == FULL, op_level, recompute == SELECTIVE],
+                                   [linear_forward_s - last_s, op_again_s, selective_linear_s], 0.0)
+        linear_s = linear_s + linear_again_s
         # The attention core (QK^T and AV, causal half): what full recompute, and a selective one of it, run again.
         attn_core_flops = causal_attention_flops(self.model, mbs_a, seq_a, tp)
         # The op-level policy keeps the fused kernel's output: it runs attention again only unfused.
@@ -291,7 +292,8 @@ class AnalyticalCostModel:
         compute_s = linear_s + (3.0 * attn_core_flops + flash_backward_flops + recompute_flops
                                 + kernel_slowdown * kernel_flops + scan_flops / self._attention_speed[device]
                                 + fine_tuning_flops(self.model, tr, mbs_a, seq_a, tp)) / (self._tflops[device] * 1e12)
-        traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device])
+        traffic = elementwise_traffic_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device]) \
+            + block_weight_cast_bytes(self.model, tr, tp, linear_again_s / linear_forward_s)
         memory_s = traffic / (self._hbm[device] * 1e9)
         hidden_bytes = mbs_a * seq_a * self.model.hidden_size * self.training.dtype_bytes
         allreduces = self.tp_allreduces(recompute)
@@ -433,7 +435,9 @@ class AnalyticalCostModel:
         per_logit = loss_hbm_bytes_per_logit(self.training, tp)
         heads = 1 + self.model.mtp_layers
         projection = self._head_projection_time(device, tp, mbs, seq)
-        compute = (projection + heads * per_logit * held / (self._hbm[device] * 1e9)) * self._slowdown[device]
+        head_casts = autocast_weight_cast_bytes(self.model.output_vocab * self.model.hidden_size / tp, self.training) \
+            if self.training.autocast else 0.0
+        compute = (projection + (heads * per_logit * held + head_casts) / (self._hbm[device] * 1e9)) * self._slowdown[device]
         if self.model.mtp_layers:  # each module's embedding lookup
             compute = compute + self.model.mtp_layers * self.embedding_time(device, tp, mbs, seq)
         if self.training.vocab_parallel_loss:

@@ -16,6 +16,7 @@ import numpy as np
 from memx_launch.planning import gated_deltanet, mamba, quantization
 from memx_launch.planning.activations import selective_modules
 from memx_launch.planning.matmuls import linear_shapes
+from memx_launch.planning.model_states import rank_layer_params
 from memx_launch.planning.plan import NONE, SELECTIVE
 from memx_launch.specs.hybrid import mixer_projections
 from memx_launch.specs.model import ModelSpec
@@ -123,6 +124,26 @@ def quantized_cast_bytes(model: ModelSpec, training: TrainingSpec, tokens, hidde
         weights = sum(n * k for n, k in linear_shapes(model, training, tp)) * quantization.cast_bytes(training, axes=1)
         forward, backward = forward + weights, backward + weights
     return forward, backward
+
+
+def autocast_weight_cast_bytes(weights, training: TrainingSpec, forward_again=0.0) -> np.ndarray:
+    """HBM bytes torch.autocast's casts of ``weights`` fp32 weights move in one micro-batch's
+    forward and backward: each linear casts its weight to the training dtype at every forward
+    (autocast's cache lives as long as its region, one forward), reading 4 bytes and writing d, and
+    again in a recomputed forward (``forward_again``: the share of the forward's linear work that
+    runs again); the backward casts the trained weights' 16-bit gradients back to fp32 (d in, 4
+    out). Traced on memx's block under CPU autocast (tests/test_elementwise_casts.py)."""
+    cast = 4.0 + training.dtype_bytes
+    return np.asarray(weights, dtype=np.float64) * cast * (1.0 + np.asarray(forward_again) + 1.0 - training.frozen_fraction)
+
+
+def block_weight_cast_bytes(model: ModelSpec, training: TrainingSpec, tp, forward_again=0.0) -> np.ndarray:
+    """:func:`autocast_weight_cast_bytes` of one block's weights on a rank (its dense ones over
+    TP, its routed experts' over EP); zero without autocast."""
+    if not training.autocast:
+        return np.zeros(np.broadcast_shapes(np.shape(tp), np.shape(forward_again)))
+    dense, experts = rank_layer_params(model, training, tp)
+    return autocast_weight_cast_bytes(dense + experts, training, forward_again)
 
 
 def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
