@@ -155,9 +155,9 @@ class MemxCallback(pl.Callback):
         batch = self._user_batch_size(pl_module)
         accumulation = trainer.accumulate_grad_batches
         # Lightning's DDP keeps torch's default gradient_as_bucket_view=False: a copy of the gradients;
-        # the user's module runs as eager ops.
+        # the user's module runs as eager ops, its gradients accumulated by torch's AccumulateGrad.
         training = TrainingSpec(global_batch_size=batch * accumulation * trainer.world_size, seq_len=spec.seq_len,
-                                dtype=self.dtype, ddp_bucket_copy=True, eager_block=True,
+                                dtype=self.dtype, ddp_bucket_copy=True, eager_block=True, grad_accumulation_pass=True,
                                 weights_dtype=_weights_dtype(str(trainer.precision)))
         root = trainer.default_root_dir
         db = self.profile_db or os.path.join(root, "memx-profiles.jsonl")

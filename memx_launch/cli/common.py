@@ -109,7 +109,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "(Megatron-LM's --overlap-p2p-communication, torch's interleaved schedule); off: each blocks "
                         "(default on)"),
                        ("ddp-bucket-copy", "torch DDP without gradient_as_bucket_view: its buckets hold a second copy "
-                        "of the gradients (default off; --setup ddp: on)")):
+                        "of the gradients (default off; --setup ddp: on)"),
+                       ("grad-accumulation-pass", "each micro-batch after a step's first adds its gradients into the "
+                        "held ones in a pass of its own (torch's AccumulateGrad; default off; --setup ddp and "
+                        "memx-run: on)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
     p.add_argument("--hold-gathered", "--hold_gathered", choices=HOLD_GATHERED,

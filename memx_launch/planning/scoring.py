@@ -13,6 +13,7 @@ from memx_launch.planning import (activation_offload, context_parallel, costmode
                                   schedules)
 from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
+from memx_launch.planning.grad_accumulation import accumulation_seconds
 from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.cost_table import CostTable
@@ -407,6 +408,9 @@ class Evaluator:
         stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,
                                                             layout.dp_gbps * self.cluster.link_efficiency, sm_share,
                                                             self.trained)
+        stage_time = stage_time + accumulation_seconds(  # on the stage's slowest memory
+            stage_params, tr, self.hbm_gbps[layout.replica_device].min(axis=0), layout.dp_cp, layout.pp,
+            tr.global_batch_size // (layout.dp * mbs), self.trained)
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
                 group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))

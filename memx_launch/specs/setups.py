@@ -20,7 +20,7 @@ SETUPS: dict[str, dict] = {
     # (transformers' default since its activation_checkpointing_enable).
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
                 ddp_bucket_copy=True, eager_block=True, fused_qkv=False, fused_gate_up=False,
-                checkpoint_early_stop=True),
+                checkpoint_early_stop=True, grad_accumulation_pass=True),
     # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
     # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing,
     # torchao's FP8 linears, which cast their weights at each GEMM, without torch.compile (its
@@ -49,7 +49,7 @@ SETUPS: dict[str, dict] = {
     "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
                      fully_sharded_with_tp=True,
                      hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False,
-                     checkpoint_early_stop=True, keep_stage_outputs=True),
+                     checkpoint_early_stop=True, keep_stage_outputs=True, grad_accumulation_pass=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
@@ -66,5 +66,6 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True, fused_qkv=True, fused_loss=False,
                        tp_comm_overlap=False, async_tp=False, partitioned_sends=False, fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
-                       selective_recompute="attention", ddp_bucket_copy=False, overlap_p2p_comm=True,
+                       selective_recompute="attention", ddp_bucket_copy=False, grad_accumulation_pass=False,
+                       overlap_p2p_comm=True,
                        hold_gathered="pipelined", eager_block=False, fp8_weight_cache=True)

@@ -112,8 +112,7 @@ class TrainingSpec:
     training dtype, 4 bytes: torch's Adam on bf16 parameters, as NeMo AutoModel's mixtures of
     experts train; ``bf16-no-master`` or ``fp16-no-master``). Default fp32."""
     dropout: bool | None = None
-    """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. LLaMA
-    trains without; default off."""
+    """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. Default off."""
     attention_dropout: bool | None = None
     """Dropout on the attention probabilities: without fused attention its mask and output
     (s x s each) are kept. Default off (OPT trains without it)."""
@@ -121,9 +120,8 @@ class TrainingSpec:
     """The data-parallel gradient reduction runs during the last micro-batch's backward (DDP
     buckets, FSDP, ZeRO-3, Megatron's --overlap-grad-reduce); off: after it. Default off."""
     fused_norm: bool | None = None
-    """Fused RMSNorm/LayerNorm kernel (keeps its 16-bit input). Off: the norm in separate torch
-    ops (Hugging Face's LlamaRMSNorm) keeps the fp32 copy of its input and the normalised tensor
-    before the weight (4 + 2 bytes per element per norm instead of 2). Default on."""
+    """Fused RMSNorm/LayerNorm kernel (keeps its 16-bit input). Off: torch ops (Hugging Face's
+    LlamaRMSNorm) keep the fp32 copy of the input and the normalised tensor (4 + 2 bytes, not 2). Default on."""
     vocab_parallel_loss: bool | None = None
     """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits.
     Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
@@ -182,8 +180,7 @@ class TrainingSpec:
     """The cross entropy runs as one kernel that computes the softmax in fp32 on the fly
     (flash-attn's ``CrossEntropyLoss``, MPT's default; Liger's; Megatron's
     ``--cross-entropy-loss-fusion``): only the 16-bit logits and their 16-bit gradient are held,
-    2 x the training dtype per logit whatever ``loss_dtype`` says, no fp32 copy or
-    log-softmax. Default off."""
+    2 x the training dtype per logit whatever ``loss_dtype`` says. Default off."""
     sp_keeps_gathered_input: bool | None = None
     """With sequence parallelism, the column-parallel linears keep their all-gathered (whole
     sequence) input for the backward, as when the norm gathers its output and autograd saves
@@ -212,6 +209,9 @@ class TrainingSpec:
     """torch's DistributedDataParallel without ``gradient_as_bucket_view`` (its default, and
     Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
     second copy of the gradients on each replica (with more than one). Default off (``ddp``: on)."""
+    grad_accumulation_pass: bool | None = None
+    """Each micro-batch after a step's first adds its gradients into the held ones in a pass of its
+    own (torch's ``AccumulateGrad``; Megatron's fuses it into the GEMM). Default off (ddp, memx-run: on)."""
     eager_block: bool | None = None
     """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host time
     is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
