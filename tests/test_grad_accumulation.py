@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.planning.grad_accumulation import accumulated_gradient_bytes, accumulation_seconds
+from memx_launch.planning.grad_accumulation import accumulation_bytes, accumulation_seconds
 from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.cluster import ClusterSpec
@@ -22,7 +22,7 @@ A100S = ClusterSpec.from_dict({"version": 1, "device_types": {"a100": {
 def test_torch_adds_a_second_micro_batchs_gradients_in_a_pass_of_its_own():
     """Two backwards into the same fp32 weights, traced op by op: the first's gradient becomes the
     weight's ``.grad`` (no copy), the second's is added in place, reading both and writing the sum:
-    3 x 4 bytes per weight, what ``accumulated_gradient_bytes`` x 3 counts for fp32 gradients."""
+    3 x 4 bytes per weight, what ``accumulation_bytes`` counts for a step of two micro-batches."""
     torch = pytest.importorskip("torch")
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -42,18 +42,56 @@ def test_torch_adds_a_second_micro_batchs_gradients_in_a_pass_of_its_own():
         return adds.total
     assert backward() == 0
     training = TrainingSpec(weights_dtype="fp32", grad_dtype="fp32", grad_accumulation_pass=True)
-    assert backward() == 3 * weight.numel() * float(accumulated_gradient_bytes(training, 1, 1))
+    assert backward() == weight.numel() * float(accumulation_bytes(training, 1, 1, g=2))
+
+
+def test_fsdp2_upcasts_the_first_micro_batchs_gradients_and_adds_each_later_one():
+    """torch's FSDP2 with bf16 compute and fp32 reduction, gradient sync off (as under torch's
+    pipelining), three backwards traced on the unsharded weight: the first gradient is upcast
+    (2 bytes read, 4 written), each later one added into the fp32 sum (2 + 4 read, 4 written):
+    ``accumulation_bytes`` of memx-run's held FSDP2 stages, 6 + 2 x 10 bytes a weight a step."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        linear = torch.nn.Linear(512, 256, bias=False)
+        fully_shard(linear, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                    reshard_after_forward=False)
+        linear.set_requires_gradient_sync(False)
+        weights = 512 * 256
+
+        class GradientPasses(TorchDispatchMode):
+            total = 0
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                upcast = func is torch.ops.aten._to_copy.default and args[0].dtype == torch.bfloat16
+                if (upcast or func is torch.ops.aten.add_.Tensor) and args[0].numel() == weights:
+                    tensors = (*args[:2], out) if func is torch.ops.aten.add_.Tensor else (args[0], out)
+                    self.total += sum(t.numel() * t.element_size() for t in tensors)
+                return out
+
+        with GradientPasses() as passes:
+            for _ in range(3):
+                linear(torch.randn(8, 512)).float().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    memx_run = TrainingSpec(setup="memx-run", fully_sharded=True)  # bf16 compute, fp32 gradients held
+    assert passes.total == weights * float(accumulation_bytes(memx_run, 2, 1, g=3)) == weights * (6 + 2 * 10)
 
 
 def test_what_each_training_adds_into():
-    """Whole gradients in their dtype (DDP); a fully sharded stage's unsharded ones where it holds
-    them through the step (memx-run, in the reduction's fp32), else its 1/DP shard (ZeRO-3)."""
+    """Per parameter and step of four micro-batches: whole fp32 gradients (DDP) three adds of 12
+    bytes; a fully sharded stage's unsharded ones where it holds them through the step (memx-run)
+    an upcast and three adds into fp32; reduce-scattered ones (ZeRO-3, bf16) the 1/DP shard's adds."""
     ddp = TrainingSpec(setup="ddp")
-    assert ddp.grad_accumulation_pass and float(accumulated_gradient_bytes(ddp, 8, 1)) == 4.0
+    assert ddp.grad_accumulation_pass and float(accumulation_bytes(ddp, 8, 1, g=4)) == 3 * 12
     memx_run = TrainingSpec(setup="memx-run", fully_sharded=True)
-    assert float(accumulated_gradient_bytes(memx_run, 8, 1)) == 4.0
+    assert float(accumulation_bytes(memx_run, 8, 1, g=4)) == 6 + 3 * 10
     zero3 = TrainingSpec(setup="zero3")
-    assert float(accumulated_gradient_bytes(zero3, 8, 1)) == pytest.approx(2.0 / 8)
+    assert float(accumulation_bytes(zero3, 8, 1, g=4)) == pytest.approx(3 * 6 / 8)
     assert not TrainingSpec(setup="megatron").grad_accumulation_pass  # fused into the weight-gradient GEMM
     assert not accumulation_seconds(np.array([1e9]), ddp, 1000.0, 8, 1, g=1).any()  # one micro-batch: nothing to add
 

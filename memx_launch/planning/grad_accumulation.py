@@ -12,25 +12,33 @@ from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters, 
 from memx_launch.specs.training import TrainingSpec
 
 
-def accumulated_gradient_bytes(training: TrainingSpec, dp, pp: int) -> np.ndarray:
-    """Bytes per parameter of a rank that one accumulation adds into: the gradients it holds
-    whole (DDP, a sharded optimizer's replicas) in their dtype; a fully sharded stage's unsharded
-    ones where it keeps them through the step (:func:`keeps_gathered`: in the reduction's dtype,
-    FSDP2's ``to_accumulated_grad_if_needed``), else its ``1 / dp`` shard of them (reduce-scattered
-    every micro-batch: ZeRO-2, ZeRO-3, FSDP without ``no_sync``)."""
-    grad = float(reduced_gradient_bytes(training) if keeps_gathered(training, pp)
-                 else training.precision_bytes("grad_dtype"))
-    sharded = (training.fully_sharded and not keeps_gathered(training, pp)) or training.sharded_gradients
-    return grad / np.asarray(dp, dtype=np.float64) if sharded else np.full(np.shape(dp), grad)
+def accumulation_bytes(training: TrainingSpec, dp, pp: int, g: int) -> np.ndarray:
+    """HBM bytes per parameter of a rank a step's ``g`` micro-batches move accumulating their
+    gradients, by what the rank holds. Whole gradients (DDP, a sharded optimizer's replicas): each
+    add after the first reads the held and the new gradient and writes the sum, 3 x their dtype.
+    A fully sharded stage that keeps its unsharded gradients through the step
+    (:func:`keeps_gathered`) holds them in the reduction's dtype r while each backward writes the
+    compute dtype d: the first is upcast (d + r), each later one added (d + 2r), as torch 2.13's
+    FSDP2 does (``FSDPParam.to_accumulated_grad_if_needed``, ``accumulate_unsharded_grad_if_needed``).
+    Gradients reduce-scattered every micro-batch (ZeRO-2, ZeRO-3, FSDP without ``no_sync``): the
+    rank's ``1 / dp`` shard, added as whole ones are."""
+    adds = g - 1
+    if keeps_gathered(training, pp):
+        held, new = float(reduced_gradient_bytes(training)), float(training.dtype_bytes)
+        upcast = held + new if held != new else 0.0
+        return np.full(np.shape(dp), adds * (2.0 * held + new) + upcast)
+    whole = adds * 3.0 * training.precision_bytes("grad_dtype")
+    if training.fully_sharded or training.sharded_gradients:
+        return whole / np.asarray(dp, dtype=np.float64)
+    return np.full(np.shape(dp), whole)
 
 
 def accumulation_seconds(params_on_rank, training: TrainingSpec, hbm_gbps, dp, pp: int, g: int,
                          trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
-    """Seconds per micro-batch a rank's accumulation passes take, averaged over a step's ``g``
-    micro-batches (the first adds into nothing): the trained parameters' gradients read twice and
-    written once at ``hbm_gbps``; zero without ``grad_accumulation_pass``."""
+    """Seconds per micro-batch a rank's accumulation takes (:func:`accumulation_bytes` of its
+    trained parameters at ``hbm_gbps``, spread over the step's ``g`` micro-batches); zero without
+    ``grad_accumulation_pass`` or with one micro-batch a step."""
     if not training.grad_accumulation_pass or g <= 1:
         return np.zeros(np.shape(params_on_rank))
-    moved = 3.0 * np.asarray(params_on_rank, dtype=np.float64) * trained.share * accumulated_gradient_bytes(
-        training, dp, pp)
-    return (g - 1) / g * moved / (np.asarray(hbm_gbps, dtype=np.float64) * 1e9)
+    moved = np.asarray(params_on_rank, dtype=np.float64) * trained.share * accumulation_bytes(training, dp, pp, g)
+    return moved / g / (np.asarray(hbm_gbps, dtype=np.float64) * 1e9)
