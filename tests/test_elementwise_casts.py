@@ -75,3 +75,42 @@ def test_autocast_setups_take_longer_by_their_weight_casts_at_hbm_speed():
         assert times[0] - times[1] == pytest.approx(per_weight * weights / hbm, rel=0.02)
     sharded = TrainingSpec(weights_dtype="fp32", fully_sharded=True)
     assert not sharded.autocast and not elementwise.block_weight_cast_bytes(model, sharded, 1).any()
+
+
+def test_autocasts_activation_side_traffic_left_uncounted_is_what_the_docs_say():
+    """What docs/setups.md says memx leaves out: memx's block under CPU autocast over fp32 weights
+    moves 50 bytes per hidden element and token more outside its matmuls, attention and weight
+    casts than the same block in bf16 (each linear's 16-bit copy of its input, the fp32 residual
+    adds; CPU autocast runs the norms in 16 bits, CUDA's in fp32)."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from memx_launch.models.llama import TransformerBlock
+
+    h, seq = 512, 256
+    spec = ModelSpec("t", 1, h, 8, 2, 1376, 1000, seq)
+
+    def elementwise_bytes(autocast):
+        block = TransformerBlock(spec, recompute="none")
+        block = block if autocast else block.to(torch.bfloat16)
+        weights = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
+
+        class Traffic(TorchDispatchMode):
+            total = 0
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = func._schema.name
+                weight_cast = func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in weights
+                if not (func.is_view or weight_cast or "mm" in name or "attention" in name):
+                    tensors = tree_flatten((args, kwargs, out))[0]
+                    self.total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+                return out
+
+        x = torch.randn(1, seq, h, dtype=torch.float32 if autocast else torch.bfloat16, requires_grad=True)
+        with Traffic() as traffic, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = block(x)
+        with Traffic() as backward:
+            out.float().sum().backward()
+        return traffic.total + backward.total
+
+    assert (elementwise_bytes(True) - elementwise_bytes(False)) / (seq * h) == pytest.approx(50, abs=5)
