@@ -6,6 +6,7 @@ import pytest
 
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import elementwise
+from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
@@ -17,27 +18,24 @@ A100 = ClusterSpec.from_dict({"version": 1, "device_types": {"a100": {
     "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300}]})
 
 
-def _weight_cast_bytes(block, x, recompute_again=False):
-    """Bytes of the ``_to_copy`` ops on tensors shaped as one of ``block``'s weights, forward
-    (under CPU autocast) and backward, traced op by op."""
-    torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _traced(block, x, autocast=True, counted=None):
+    """(forward, backward) bytes of ``block`` on ``x`` (its forward under CPU autocast where
+    ``autocast``) that the ops ``counted`` keeps move, traced op by op."""
+    import torch
+    from traced import byte_counter
 
-    shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
-
-    class Casts(TorchDispatchMode):
-        total = 0
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes:
-                self.total += args[0].numel() * (args[0].element_size() + out.element_size())
-            return out
-
-    with Casts() as forward, torch.autocast("cpu", dtype=torch.bfloat16):
+    with byte_counter(counted) as forward, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = block(x)
-    with Casts() as backward:
+    with byte_counter(counted) as backward:
         out.float().sum().backward()
     return forward.total, backward.total
+
+
+def _weight_cast(block):
+    """Whether an op is a cast of a tensor shaped as one of ``block``'s weights (or their gradients)."""
+    import torch
+    shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
+    return lambda func, args, out: func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -53,7 +51,7 @@ def test_memx_block_under_autocast_casts_each_weight_forward_and_its_gradient_ba
     spec = ModelSpec("t", 1, h, 8, 2, 1376, 1000, seq)
     block = TransformerBlock(spec, recompute=recompute)
     x = torch.randn(1, seq, h, requires_grad=True)
-    forward, backward = _weight_cast_bytes(block, x)
+    forward, backward = _traced(block, x, counted=_weight_cast(block))
     again = 1.0 if recompute == "full" else 0.0
     counted = float(elementwise.block_weight_cast_bytes(spec, AUTOCAST, 1, again))
     assert forward + backward == pytest.approx(counted, rel=2e-3)
@@ -62,17 +60,20 @@ def test_memx_block_under_autocast_casts_each_weight_forward_and_its_gradient_ba
 
 
 def test_autocast_setups_take_longer_by_their_weight_casts_at_hbm_speed():
-    """LLaMA-2-7B on an A100, micro-batch 1 of 4,096 tokens: under autocast a block takes its
-    weights' casts longer than the same block on 16-bit weights (memx times the rest of its
-    element-wise traffic in the training dtype either way): 12 bytes per weight at the device's
-    memory bandwidth, 18 under full recompute. Sharded and 16-bit trainings cast nothing."""
+    """LLaMA-2-7B on an A100, micro-batch 1: under autocast a block takes its weights' casts longer
+    than the same block on 16-bit weights (memx times the rest of its element-wise traffic in the
+    training dtype either way): 12 bytes per weight at the device's memory bandwidth, 18 under full
+    recompute; without recompute 10% of the block's time at 2,048 tokens and 5% at 4,096, as
+    docs/setups.md says. Sharded and 16-bit trainings cast nothing."""
     model = get_model("llama2-7b")
-    weights = model.layer_params
-    for level, per_weight in ((cm.NONE, 12.0), (cm.FULL, 18.0)):
-        times = [float(cm.AnalyticalCostModel(model, A100, training).layer_costs(0, 1, 1, 4096, level).time_s)
-                 for training in (AUTOCAST, TrainingSpec())]
-        hbm = float(cm.AnalyticalCostModel(model, A100, AUTOCAST)._hbm[0]) * 1e9
-        assert times[0] - times[1] == pytest.approx(per_weight * weights / hbm, rel=0.02)
+    hbm = hbm_gbps(A100.device_type("a100")) * 1e9
+    for seq, level, per_weight, share in ((2048, cm.NONE, 12.0, 0.10), (4096, cm.NONE, 12.0, 0.05),
+                                          (4096, cm.FULL, 18.0, None)):
+        autocast, bf16 = (float(cm.AnalyticalCostModel(model, A100, training).layer_costs(0, 1, 1, seq, level).time_s)
+                          for training in (AUTOCAST, TrainingSpec()))
+        assert autocast - bf16 == pytest.approx(per_weight * model.layer_params / hbm, rel=0.02)
+        if share:
+            assert (autocast - bf16) / autocast == pytest.approx(share, abs=0.01)
     sharded = TrainingSpec(weights_dtype="fp32", fully_sharded=True)
     assert not sharded.autocast and not elementwise.block_weight_cast_bytes(model, sharded, 1).any()
 
@@ -83,8 +84,6 @@ def test_autocasts_activation_side_traffic_left_uncounted_is_what_the_docs_say()
     casts than the same block in bf16 (each linear's 16-bit copy of its input, the fp32 residual
     adds; CPU autocast runs the norms in 16 bits, CUDA's in fp32)."""
     torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
     from memx_launch.models.llama import TransformerBlock
 
     h, seq = 512, 256
@@ -93,24 +92,10 @@ def test_autocasts_activation_side_traffic_left_uncounted_is_what_the_docs_say()
     def elementwise_bytes(autocast):
         block = TransformerBlock(spec, recompute="none")
         block = block if autocast else block.to(torch.bfloat16)
-        weights = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
-
-        class Traffic(TorchDispatchMode):
-            total = 0
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                name = func._schema.name
-                weight_cast = func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in weights
-                if not (func.is_view or weight_cast or "mm" in name or "attention" in name):
-                    tensors = tree_flatten((args, kwargs, out))[0]
-                    self.total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-                return out
-
+        weight_cast = _weight_cast(block)
+        def elementwise(func, args, out):
+            return not (weight_cast(func, args, out) or "mm" in func._schema.name or "attention" in func._schema.name)
         x = torch.randn(1, seq, h, dtype=torch.float32 if autocast else torch.bfloat16, requires_grad=True)
-        with Traffic() as traffic, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = block(x)
-        with Traffic() as backward:
-            out.float().sum().backward()
-        return traffic.total + backward.total
+        return sum(_traced(block, x, autocast, elementwise))
 
     assert (elementwise_bytes(True) - elementwise_bytes(False)) / (seq * h) == pytest.approx(50, abs=5)

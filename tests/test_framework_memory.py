@@ -244,25 +244,12 @@ def _traced_bytes(fn, *inputs):
     """Bytes eager PyTorch's ops read and write (their tensor inputs and outputs) running
     ``fn`` forward, then backward from a random gradient."""
     torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
+    from traced import byte_counter
 
-    # Views and allocations move no bytes.
-    moves_nothing = {"_unsafe_view", "empty_like"}
-
-    class Traffic(TorchDispatchMode):
-        total = 0
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func.is_view and func._schema.name.split("::")[1] not in moves_nothing:
-                tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-                self.total += sum(t.numel() * t.element_size() for t in tensors)
-            return out
-
-    with Traffic() as forward:
+    with byte_counter() as forward:
         out = fn(*inputs)
     grad = torch.randn_like(out)
-    with Traffic() as backward:
+    with byte_counter() as backward:
         out.backward(grad)
     return forward.total, backward.total
 

@@ -24,20 +24,15 @@ def test_torch_adds_a_second_micro_batchs_gradients_in_a_pass_of_its_own():
     weight's ``.grad`` (no copy), the second's is added in place, reading both and writing the sum:
     3 x 4 bytes per weight, what ``accumulation_bytes`` counts for a step of two micro-batches."""
     torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from traced import byte_counter
 
     weight = torch.nn.Parameter(torch.randn(256, 512))
 
-    class Adds(TorchDispatchMode):
-        total = 0
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor) and args[0].shape == weight.shape:
-                self.total += 3 * args[0].numel() * args[0].element_size()  # two reads and a write
-            return out
+    def adds_into_the_weight(func, args, out):
+        return func in (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor) and args[0].shape == weight.shape
 
     def backward():
-        with Adds() as adds:
+        with byte_counter(adds_into_the_weight) as adds:
             (torch.randn(8, 256) @ weight).sum().backward()
         return adds.total
     assert backward() == 0
@@ -53,7 +48,7 @@ def test_fsdp2_upcasts_the_first_micro_batchs_gradients_and_adds_each_later_one(
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from traced import byte_counter
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -63,17 +58,11 @@ def test_fsdp2_upcasts_the_first_micro_batchs_gradients_and_adds_each_later_one(
         linear.set_requires_gradient_sync(False)
         weights = 512 * 256
 
-        class GradientPasses(TorchDispatchMode):
-            total = 0
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                upcast = func is torch.ops.aten._to_copy.default and args[0].dtype == torch.bfloat16
-                if (upcast or func is torch.ops.aten.add_.Tensor) and args[0].numel() == weights:
-                    tensors = (*args[:2], out) if func is torch.ops.aten.add_.Tensor else (args[0], out)
-                    self.total += sum(t.numel() * t.element_size() for t in tensors)
-                return out
+        def gradient_pass(func, args, out):  # the upcast of a 16-bit gradient, or an add into the sum
+            upcast = func is torch.ops.aten._to_copy.default and args[0].dtype == torch.bfloat16
+            return (upcast or func is torch.ops.aten.add_.Tensor) and args[0].numel() == weights
 
-        with GradientPasses() as passes:
+        with byte_counter(gradient_pass) as passes:
             for _ in range(3):
                 linear(torch.randn(8, 512)).float().sum().backward()
     finally:

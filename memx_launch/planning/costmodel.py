@@ -435,8 +435,7 @@ class AnalyticalCostModel:
         per_logit = loss_hbm_bytes_per_logit(self.training, tp)
         heads = 1 + self.model.mtp_layers
         projection = self._head_projection_time(device, tp, mbs, seq)
-        head_casts = autocast_weight_cast_bytes(self.model.output_vocab * self.model.hidden_size / tp, self.training) \
-            if self.training.autocast else 0.0
+        head_casts = autocast_weight_cast_bytes(self.model.output_vocab * self.model.hidden_size / tp, self.training)
         compute = (projection + (heads * per_logit * held + head_casts) / (self._hbm[device] * 1e9)) * self._slowdown[device]
         if self.model.mtp_layers:  # each module's embedding lookup
             compute = compute + self.model.mtp_layers * self.embedding_time(device, tp, mbs, seq)

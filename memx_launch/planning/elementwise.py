@@ -132,16 +132,17 @@ def autocast_weight_cast_bytes(weights, training: TrainingSpec, forward_again=0.
     (autocast's cache lives as long as its region, one forward), reading 4 bytes and writing d, and
     again in a recomputed forward (``forward_again``: the share of the forward's linear work that
     runs again); the backward casts the trained weights' 16-bit gradients back to fp32 (d in, 4
-    out). Traced on memx's block under CPU autocast (tests/test_elementwise_casts.py)."""
-    cast = 4.0 + training.dtype_bytes
-    return np.asarray(weights, dtype=np.float64) * cast * (1.0 + np.asarray(forward_again) + 1.0 - training.frozen_fraction)
+    out). Zero without autocast. Traced on memx's block under CPU autocast
+    (tests/test_elementwise_casts.py)."""
+    if not training.autocast:
+        return np.zeros(np.broadcast_shapes(np.shape(weights), np.shape(forward_again)))
+    casts = 1.0 + np.asarray(forward_again) + (1.0 - training.frozen_fraction)  # forward (again), backward
+    return np.asarray(weights, dtype=np.float64) * (4.0 + training.dtype_bytes) * casts
 
 
 def block_weight_cast_bytes(model: ModelSpec, training: TrainingSpec, tp, forward_again=0.0) -> np.ndarray:
     """:func:`autocast_weight_cast_bytes` of one block's weights on a rank (its dense ones over
-    TP, its routed experts' over EP); zero without autocast."""
-    if not training.autocast:
-        return np.zeros(np.broadcast_shapes(np.shape(tp), np.shape(forward_again)))
+    TP, its routed experts' over EP)."""
     dense, experts = rank_layer_params(model, training, tp)
     return autocast_weight_cast_bytes(dense + experts, training, forward_again)
 

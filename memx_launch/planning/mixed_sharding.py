@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning import schedules
 from memx_launch.planning.activations import training_activation_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layout_training import layout_sharded_stages, training_precision_senders
@@ -35,14 +34,24 @@ class MixedShardingEvaluator(Evaluator):
         return self.whole.table, self.sharded.table
 
     def _stage_kinds(self, layout) -> dict:
-        """The latest layout's sharded stages, its senders at the training's precision and, by
-        (mbs, seq, v), :meth:`hidden_precision_bytes`: kept, as the search asks each of its groups at
-        several recompute levels."""
+        """The latest layout's sharded stages, its senders at the training's precision, its whole
+        stages that receive narrower hidden states than their own pricing's (``narrowed``: behind a
+        sharded stage, under autocast) and, by (mbs, seq, v), :meth:`hidden_precision_bytes`: kept,
+        as the search asks each of its groups at several recompute levels."""
         if self._kinds_layout is not layout:
+            sharded = layout_sharded_stages(self.training, layout)
+            senders = training_precision_senders(self.training, layout)
+            wider = self.training.residual_bytes > self.sharded.training.residual_bytes
             self._kinds_layout = layout
-            self._kinds = {"sharded": layout_sharded_stages(self.training, layout),
-                           "senders": training_precision_senders(self.training, layout), "buffers": {}}
+            self._kinds = {"sharded": sharded, "senders": senders, "narrowed": ~senders & ~sharded & wider,
+                           "buffers": {}}
         return self._kinds
+
+    def _schedule(self, layout, mbs, seq, v) -> tuple:
+        """(local micro-batch, TP degrees, in-flight micro-batches, micro-batches per step) of the
+        whole training's evaluator, which keeps them for the layout it last priced."""
+        tp, _, local, inflight, *_, g = self.whole._level_free_inputs(layout, mbs, seq, v, 0)
+        return local, tp, inflight, g
 
     def _by_stage(self, layout, whole: tuple, sharded: tuple) -> tuple:
         stages = self._stage_kinds(layout)["sharded"]
@@ -64,14 +73,13 @@ class MixedShardingEvaluator(Evaluator):
         (``stream_bytes`` of :func:`~memx_launch.planning.activations.activation_bytes`); zero on
         the other stages. Its time is its own pricing's, whose element-wise traffic is counted in
         the training dtype either way."""
-        kinds, tr, narrow = self._stage_kinds(layout), self.training, self.sharded.training.residual_bytes
-        narrowed = ~kinds["senders"] & ~kinds["sharded"]
-        if not narrowed.any() or tr.residual_bytes <= narrow:
+        narrowed = self._stage_kinds(layout)["narrowed"]
+        if not narrowed.any():
             return np.zeros(np.shape(levels)), np.zeros(np.shape(levels))
-        g = tr.global_batch_size // (layout.dp * mbs)
-        inflight = schedules.stage_inflight_microbatches(layout.pp, g, v)
-        block = (self.model, tr, layout.local_micro_batch(mbs), seq // layout.cp, layout.tp_degrees, levels)
-        received, priced = training_activation_bytes(*block, stream_bytes=narrow), training_activation_bytes(*block)
+        local, tp, inflight, _ = self._schedule(layout, mbs, seq, v)
+        block = (self.model, self.training, local, seq // layout.cp, tp, levels)
+        received = training_activation_bytes(*block, stream_bytes=self.sharded.training.residual_bytes)
+        priced = training_activation_bytes(*block)
         return (np.where(narrowed, inflight * (received.activation_bytes - priced.activation_bytes), 0.0),
                 np.where(narrowed, received.working_bytes - priced.working_bytes, 0.0))
 
@@ -92,21 +100,19 @@ class MixedShardingEvaluator(Evaluator):
         it received, not at the fp32 its own pricing counts: negative."""
         kinds = self._stage_kinds(layout)
         if (mbs, seq, v) not in kinds["buffers"]:
-            change = self._hidden_precision_bytes(layout, mbs, seq, v, kinds["sharded"], kinds["senders"])
+            change = self._hidden_precision_bytes(layout, mbs, seq, v, kinds["senders"], kinds["narrowed"])
             change.flags.writeable = False
             kinds["buffers"][mbs, seq, v] = change
         return kinds["buffers"][mbs, seq, v]
 
-    def _hidden_precision_bytes(self, layout, mbs, seq, v, stages, senders) -> np.ndarray:
+    def _hidden_precision_bytes(self, layout, mbs, seq, v, senders, narrowed) -> np.ndarray:
         pp, tr = layout.pp, self.training
         if senders.all() or tr.residual_bytes <= self.sharded.training.residual_bytes:
             return np.zeros(pp)
-        g = tr.global_batch_size // (layout.dp * mbs)
-        local, seq_rank, tp = layout.local_micro_batch(mbs), seq // layout.cp, layout.tp_degrees
-        inflight = schedules.stage_inflight_microbatches(pp, g, v)
+        local, tp, inflight, g = self._schedule(layout, mbs, seq, v)
+        seq_rank = seq // layout.cp
         whole_kept, sharded_kept = (kept_stage_output_bytes(self.model, training, local, seq_rank, tp, inflight, g, v)
                                     for training in (tr, self.sharded.training))
-        narrowed = ~senders & ~stages
         out = np.where(narrowed, sharded_kept - whole_kept, 0.0)
         first = int(np.argmin(senders))  # the first sharded stage
         if first > 0:

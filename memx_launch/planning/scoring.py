@@ -408,9 +408,10 @@ class Evaluator:
         stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,
                                                             layout.dp_gbps * self.cluster.link_efficiency, sm_share,
                                                             self.trained)
-        stage_time = stage_time + accumulation_seconds(  # on the stage's slowest memory
-            stage_params, tr, self.hbm_gbps[layout.replica_device].min(axis=0), layout.dp_cp, layout.pp,
-            tr.global_batch_size // (layout.dp * mbs), self.trained)
+        if tr.grad_accumulation_pass:  # each micro-batch's add into the held gradients, on the stage's slowest memory
+            stage_time = stage_time + accumulation_seconds(
+                stage_params, tr, self.hbm_gbps[layout.replica_device].min(axis=0), layout.dp_cp, layout.pp,
+                tr.global_batch_size // (layout.dp * mbs), self.trained)
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
                 group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))
