@@ -45,8 +45,9 @@ def test_a_rank_holds_a_cp_th_of_each_sequence():
     parts, whole_parts = split.stages[0].memory_parts_gib, whole.stages[0].memory_parts_gib
     assert parts["logits_loss"] == pytest.approx(whole_parts["logits_loss"] / 2, rel=1e-9)
     # Kept activations halve; the backward working set grows by the ring's buffers.
-    chunk = float(context_parallel.kv_chunk_bytes(MODEL, TrainingSpec(), 1, 16384, 1, 2)) / cm.GIB
-    assert 0.45 < (parts["activations"] - 4 * chunk) / whole_parts["activations"] < 0.55
+    working = context_parallel.ring_working_bytes(context_parallel.kv_chunk_bytes(MODEL, TrainingSpec(), 1, 16384, 1, 2),
+                                                  2, TrainingSpec())
+    assert 0.45 < (parts["activations"] - float(working) / cm.GIB) / whole_parts["activations"] < 0.55
     # The weights are replicated over CP: the distributed optimizer shards over DP x CP (8 ranks both).
     assert parts["optimizer_states"] == pytest.approx(whole_parts["optimizer_states"], rel=1e-9)
     assert split.cp == 2 and split.world_size == 8
@@ -59,15 +60,16 @@ def test_attention_work_is_conserved_over_the_ring():
     whole = sum(cost.attention_seconds(0, 1, 1, 32768))
     for cp in (2, 4, 8):
         forward, backward = cost.attention_seconds(0, 1, 1, 32768 // cp)
-        ring = context_parallel.layer_seconds(forward, backward, 0.0, cp, np.array([cm.NONE]))
-        assert cp * float(forward + backward + ring[0]) == pytest.approx(float(whole), rel=1e-12)
+        for all_gather in (False, True):  # Transformer Engine's ring, torch's context_parallel
+            ring = context_parallel.layer_seconds(forward, backward, 0.0, 0.0, cp, np.array([cm.NONE]), all_gather)
+            assert cp * float(forward + backward + ring[0]) == pytest.approx(float(whole), rel=1e-12)
 
 
 def test_ring_transfers_hide_behind_attention_until_they_outlast_it():
     forward, backward, levels = 1.0, 2.5, np.array([cm.NONE, cm.FULL])
-    hidden = context_parallel.layer_seconds(forward, backward, 0.5, 4, levels)
+    hidden = context_parallel.layer_seconds(forward, backward, 0.5, 0.5, 4, levels)
     assert hidden.tolist() == pytest.approx([3 * (1.0 + 2.5), 3 * (2.0 + 2.5)])
-    slow = context_parallel.layer_seconds(forward, backward, 3.0, 4, levels)
+    slow = context_parallel.layer_seconds(forward, backward, 3.0, 3.0, 4, levels)
     # Forward steps wait 3 - 1 each (twice when recomputed); backward steps carry K, V and their gradients: 6 - 2.5.
     assert slow.tolist() == pytest.approx([3 * (3.5 + 2.0 + 3.5), 3 * (4.5 + 4.0 + 3.5)])
     assert (slow >= hidden).all()

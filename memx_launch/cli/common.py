@@ -112,7 +112,12 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "of the gradients (default off; --setup ddp: on)"),
                        ("grad-accumulation-pass", "each micro-batch after a step's first adds its gradients into the "
                         "held ones in a pass of its own (torch's AccumulateGrad; default off; --setup ddp and "
-                        "memx-run: on)")):
+                        "memx-run: on)"),
+                       ("cp-all-gather", "context parallelism as torch's context_parallel runs it: each attention "
+                        "pass all-gathers the K and V chunks at once, the backward rings dK and dV in fp32 (default "
+                        "off: Transformer Engine's ring; --setup torchtitan: on)"),
+                       ("repeat-kv", "the attention kernel receives K and V repeated to the query heads, kept and "
+                        "sent over CP at the query width (torchtitan's LLaMA; default off; --setup torchtitan: on)")):
         p.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", action=argparse.BooleanOptionalAction,
                        default=None, help=text if "default" in text else text + " (default off; --setup scaling: on)")
     p.add_argument("--hold-gathered", "--hold_gathered", choices=HOLD_GATHERED,

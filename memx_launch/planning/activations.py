@@ -35,7 +35,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      op_selective: bool = False, fused_activation: bool = False,
                      recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1,
                      autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True,
-                     stream_bytes: float | None = None) -> LayerCost:
+                     stream_bytes: float | None = None, repeat_kv: bool = False) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -43,7 +43,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         with SP a framework whose linears keep the all-gathered input keeps those 4 whole);
         parallel blocks: one norm input and one normed tensor, 4
       Q + K + V saved by attention: 2q/h + 4kv/h, over t (q: the queries' width, h unless the
-        model's heads are wider or narrower than h / a)
+        model's heads are wider or narrower than h / a); K and V repeated to the query heads
+        before the kernel (``repeat_kv``, torchtitan's LLaMA): 6q/h
       attention output (input of Wo): 2q/h over t (latent attention: its values' width); fused
         kernels add a fp32 logsumexp per head; an output gate (``attention_output_gate``) adds
         the core's output and the sigmoid of the gate its multiply keeps, 4q/h over t
@@ -120,7 +121,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     normed_copies = model.pre_norms_per_block + extra_casts
     linear_inputs = 2.0 * normed_copies * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
     replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
-    heads_qkv = (2.0 * q + 4.0 * kv) / h / tp
+    heads_qkv = (2.0 * q + 4.0 * (q if repeat_kv else kv)) / h / tp
     latent = 2.0 * (2.0 * model.q_lora_rank + 2.0 * model.kv_lora_rank + model.rope_head_dim) / h
     qkv = heads_qkv + latent if model.kv_lora_rank else heads_qkv
     attn_out = 2.0 * fp8_share * model.value_hidden_size / h / tp
@@ -181,7 +182,8 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                             tr.dropout, tr.fused_norm, tr.attention_dropout, tr.sp_keeps_gathered_input,
                             tr.fused_softmax, tr.softmax_in_fp32, tr.quantized_linears and linear_bytes,
                             tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
-                            tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes)
+                            tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes,
+                            tr.repeat_kv)
 
 
 def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool, fused_qkv: bool) -> int:

@@ -12,6 +12,16 @@ the chunk in hand runs; the backward sends K and V again and their gradients bes
 (twice the bytes). A step waits for what its transfer takes beyond that chunk's attention.
 Recomputing a layer (selective or full) runs its attention, and the ring, again. The weights
 are replicated over CP: gradients sync and sharded states spread over DP x CP ranks.
+
+torch's ``context_parallel`` (torchtitan; ``cp_all_gather``) moves the same keys otherwise, as
+``_templated_ring_attention`` and its backward run in torch 2.13 (the default rotate method,
+all-gather, and ``convert_to_f32``): each pass (forward, recomputed forward, backward)
+all-gathers every rank's K and V chunk at once and waits for them after the attention of its
+own chunk; the backward then sends the dK and dV it accumulates on round the ring in fp32, one
+hop a step, each waited for a step later, the last one after the loop with nothing left to hide
+it. While a layer's attention runs, the gathered chunks, the rank's own copy it sent, and dK and
+dV three times over (accumulated, sent on, received) are alive. torchtitan's LLaMA repeats K and
+V to the query heads before the kernel (``repeat_kv``), so its chunks are the queries' width.
 """
 
 from __future__ import annotations
@@ -64,25 +74,45 @@ def check_degree(cp, seq_len: int, flash_attention: bool) -> None:
 
 def kv_chunk_bytes(model, training, mbs: int, seq_len: int, tp, cp: int):
     """Bytes of one ring transfer: the keys and values of one rank's seq/cp tokens, its TP
-    share of the KV heads."""
-    return 2.0 * mbs * (seq_len // cp) * model.kv_hidden_size / np.asarray(tp, dtype=np.float64) * training.dtype_bytes
+    share of the KV heads (of the query heads where K and V are repeated to them)."""
+    width = model.q_hidden_size if training.repeat_kv else model.kv_hidden_size
+    return 2.0 * mbs * (seq_len // cp) * width / np.asarray(tp, dtype=np.float64) * training.dtype_bytes
 
 
-def ring_working_bytes(chunk_bytes):
-    """The ring's buffers alive in a layer's backward: K and V in flight both ways, their
-    gradients both ways."""
+def gradient_chunk_share(training) -> float:
+    """Bytes of one chunk of dK and dV as the ring sends them, per byte of K and V: torch's
+    ``context_parallel`` accumulates and sends them in fp32, Transformer Engine in the training dtype."""
+    return 4.0 / training.dtype_bytes if training.cp_all_gather else 1.0
+
+
+def ring_working_bytes(chunk_bytes, cp: int, training):
+    """The ring's buffers alive in a layer's backward: Transformer Engine's K and V in flight
+    both ways and their gradients both ways; torch's the gathered chunks of the whole group, the
+    rank's own copy sent, and dK and dV accumulated, sent on and received."""
+    if training.cp_all_gather:
+        return (cp + 1.0 + 3.0 * gradient_chunk_share(training)) * chunk_bytes
     return 4.0 * chunk_bytes
 
 
-def layer_seconds(attention_forward, attention_backward, transfer_s, cp: int, levels):
-    """What context parallelism adds to one layer's micro-batch beyond a seq/cp sequence:
-    the attention of the other cp - 1 chunks of keys (``attention_*``: the seconds on one
-    seq/cp chunk), and what each ring step's transfer (``transfer_s``: one chunk of K and V)
-    takes beyond the attention it hides behind, forward, again where the layer recomputes, and
-    backward with twice the bytes."""
+def layer_seconds(attention_forward, attention_backward, transfer_s, gradient_s, cp: int, levels,
+                  all_gather: bool = False):
+    """What context parallelism adds to one layer's micro-batch beyond a seq/cp sequence: the
+    attention of the other cp - 1 chunks of keys (``attention_*``: the seconds on one seq/cp
+    chunk, every step's work), and what the transfers take beyond the attention they hide behind
+    (``transfer_s``: one chunk of K and V over a ring hop, ``gradient_s``: one of dK and dV),
+    forward, again where the layer recomputes, and backward. Transformer Engine's ring: every
+    step's chunk behind that step's attention, K, V and their gradients in the backward. torch's
+    (``all_gather``): the gather of the other chunks (cp - 1 hops) behind the first step's
+    attention in each pass; dK and dV one hop a step behind the next step's, the last exposed."""
     again = (np.asarray(levels) != NONE).astype(np.float64)
     others = cp - 1.0
     compute = others * (attention_forward * (1.0 + again) + attention_backward)
-    exposed = others * (np.maximum(transfer_s - attention_forward, 0.0) * (1.0 + again)
-                        + np.maximum(2.0 * transfer_s - attention_backward, 0.0))
+    if all_gather:
+        gather = others * transfer_s
+        exposed = (np.maximum(gather - attention_forward, 0.0) * (1.0 + again)
+                   + np.maximum(gather - attention_backward, 0.0)
+                   + others * np.maximum(gradient_s - attention_backward, 0.0) + gradient_s)
+    else:
+        exposed = others * (np.maximum(transfer_s - attention_forward, 0.0) * (1.0 + again)
+                            + np.maximum(transfer_s + gradient_s - attention_backward, 0.0))
     return compute + exposed

@@ -173,10 +173,12 @@ class Evaluator:
         if cp == 1:
             return t_layer, act, work
         forward, backward = table.attention(device, tp, mbs, seq // cp)
-        chunk = context_parallel.kv_chunk_bytes(self.model, self.training, mbs, seq, tp, cp)
-        transfer = cm.p2p_time(chunk, layout.cp_gbps * self.cluster.link_efficiency)
-        extra = context_parallel.layer_seconds(forward, backward, transfer, cp, levels)
-        return t_layer + extra, act, work + context_parallel.ring_working_bytes(chunk)
+        tr, gbps = self.training, layout.cp_gbps * self.cluster.link_efficiency
+        chunk = context_parallel.kv_chunk_bytes(self.model, tr, mbs, seq, tp, cp)
+        transfer = cm.p2p_time(chunk, gbps)
+        gradients = cm.p2p_time(chunk * context_parallel.gradient_chunk_share(tr), gbps)
+        extra = context_parallel.layer_seconds(forward, backward, transfer, gradients, cp, levels, tr.cp_all_gather)
+        return t_layer + extra, act, work + context_parallel.ring_working_bytes(chunk, cp, tr)
 
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share) -> np.ndarray:
         m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp

@@ -24,12 +24,13 @@ SETUPS: dict[str, dict] = {
     # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
     # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing,
     # torchao's FP8 linears, which cast their weights at each GEMM, without torch.compile (its
-    # default) blocks and RMSNorms of eager ops, torch's pipeline stages and its non-reentrant checkpoint.
+    # default) blocks and RMSNorms of eager ops, torch's pipeline stages and its non-reentrant checkpoint,
+    # torch's context_parallel, K and V repeated to the query heads before SDPA (its LLaMA's repeat_kv).
     "torchtitan": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", sequence_parallel=True,
                        sp_keeps_gathered_input=True, vocab_parallel_loss=True, torch_loss_parallel=True,
                        overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True, fused_norm=False,
                        selective_recompute="op", fp8_weight_cache=False, keep_stage_outputs=True,
-                       torch_pipelining=True, checkpoint_early_stop=True),
+                       torch_pipelining=True, checkpoint_early_stop=True, cp_all_gather=True, repeat_kv=True),
     # github.com/Aleph-Alpha/scaling: a ZeRO-1 optimizer over bf16 weights and grads; the LM head
     # all-gathers its logits (ColumnParallelLinear, parallel_output=False) for torch's cross
     # entropy; its pipeline buffers keep each stage output until its gradient returns, and on the
@@ -67,5 +68,6 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        tp_comm_overlap=False, async_tp=False, partitioned_sends=False, fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, grad_accumulation_pass=False,
+                       cp_all_gather=False, repeat_kv=False,
                        overlap_p2p_comm=True,
                        hold_gathered="pipelined", eager_block=False, fp8_weight_cache=True)

@@ -17,10 +17,7 @@ fsdp2      fp32 sharded params, bf16 compute, fp32 reduce (torch-   16/DP (+ 6 h
            titan MixedPrecisionPolicy)                              a pipeline's stages)
 ddp        fp32 params under autocast, fp32 grads, fp32 moments     16
 scaling    as zero1, in Aleph Alpha's Megatron-derived codebase      4 + 12/DP
-           (Hagemann et al. 2023): logits gathered over TP, stage
-           outputs kept, sequence parallel keeps gathered inputs,
-           separate SwiGLU gate and up linears, whole gradients
-           all-reduced in fp32
+           (Hagemann et al. 2023; its options in setups.py)
 =========  =======================================================  =====================
 
 No setup keeps the defaults memx always had: 16-bit weights, fp32 grads, fp32 master and
@@ -31,7 +28,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number, require_type
 from memx_launch.specs.model import MAX_DIMENSION
@@ -39,7 +35,6 @@ from memx_launch.specs.setups import OPTION_DEFAULTS, SETUPS
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
 
 OPTIMIZERS = ("adam", "sgd")
 # Transformer Engine's FP8 recipes: delayed scaling (scales from an amax history), current
@@ -102,15 +97,12 @@ class TrainingSpec:
     """"fp32" (logits cast to fp32 for the loss, Megatron's cross entropy) or "training"
     (logits and their gradient in the training dtype). Default fp32."""
     optimizer_dtype: str | None = None
-    """"fp32" (Adam's master weights and moments, 12 bytes per trained parameter) or "training"
-    (all three in the training dtype, 6 bytes: Apex's DistributedFusedAdam with ``dtype: bf16``,
-    which keeps a 16-bit remainder of each fp32 master weight; Megatron's precision-aware
-    optimizer with bf16 main parameters and moments), or "training_moments" (fp32 master weights,
-    moments in the training dtype, 8 bytes: Megatron's precision-aware optimizer as NVIDIA's
-    DeepSeek-V3 recipes run it; ``bf16-moments`` or ``fp16-moments``), or "training_no_master" (no
-    master copy: the optimizer updates 16-bit weights in place and keeps its moments in the
-    training dtype, 4 bytes: torch's Adam on bf16 parameters, as NeMo AutoModel's mixtures of
-    experts train; ``bf16-no-master`` or ``fp16-no-master``). Default fp32."""
+    """"fp32" (Adam's master weights and moments, 12 bytes per trained parameter), "training" (all
+    three in the training dtype, 6 bytes: Apex's DistributedFusedAdam with ``dtype: bf16``, which
+    keeps a 16-bit remainder of each master weight; Megatron's precision-aware optimizer in bf16),
+    "training_moments" (fp32 master weights, 16-bit moments, 8 bytes: NVIDIA's DeepSeek-V3 recipes;
+    ``bf16-moments``) or "training_no_master" (16-bit weights updated in place, 16-bit moments, 4
+    bytes: torch's Adam on bf16 parameters, NeMo AutoModel's MoEs; ``bf16-no-master``). Default fp32."""
     dropout: bool | None = None
     """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. Default off."""
     attention_dropout: bool | None = None
@@ -143,6 +135,14 @@ class TrainingSpec:
     and keeps for the job, a receive buffer per micro-batch and model chunk for its input (every
     stage but the first) and for its output's gradient (every stage but the last); memx-run's
     stages let each go after its micro-batch's backward. Default off (``torchtitan``: on)."""
+    cp_all_gather: bool | None = None
+    """Context parallelism as torch's ``context_parallel`` runs it (torchtitan): each attention pass
+    all-gathers the CP group's K and V chunks at once and waits for them after its own chunk's
+    attention; the backward sends dK and dV round the ring in fp32. Off: Transformer Engine's ring,
+    one chunk a step behind the attention. Default off (``torchtitan``: on)."""
+    repeat_kv: bool | None = None
+    """The attention kernel receives K and V repeated to the query heads (torchtitan's LLaMA): it
+    keeps them, and CP moves them, at the query width. Default off (``torchtitan``: on)."""
     checkpoint_early_stop: bool | None = None
     """Full recompute runs torch's non-reentrant checkpoint, which stops at the block's last saved
     tensor (``torch.utils.checkpoint``'s early stop, on by default: memx-run, torchtitan), the input

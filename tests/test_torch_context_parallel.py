@@ -1,0 +1,130 @@
+"""Context parallelism as torch's ``context_parallel`` runs it (torchtitan; ``cp_all_gather``) and
+K and V repeated to the query heads (torchtitan's LLaMA; ``repeat_kv``): torch's ring traced in
+one process on a fake process group, and memx's time and memory of it."""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from one_node import H100, one_node
+from torch.distributed.tensor.experimental._context_parallel import _attention
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memx_launch.planning import context_parallel, costmodel as cm
+from memx_launch.planning.activations import activation_bytes
+from memx_launch.planning.estimate import evaluate_layout
+from memx_launch.specs.catalog import get_model
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+
+LLAMA3 = get_model("llama3-8b")  # 32 query heads, 8 KV heads
+NODE = one_node(H100, 8, 450)
+TWO_NODES = {**NODE, "nodes": [NODE["nodes"][0]] * 2, "inter_node_gbps": 50}
+TORCH_RING = dict(setup="torchtitan")
+TE_RING = dict(setup="torchtitan", cp_all_gather=False, repeat_kv=False)
+
+
+class _RingEvents(TorchDispatchMode):
+    """The ring's collectives and waits, in order, among the attention steps the test's op logs."""
+
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "all_gather" in name:
+            self.events.append(("gather", args[0].dtype, args[0].numel()))
+        elif "all_to_all" in name:
+            self.events.append(("send", args[0].dtype, args[0].numel()))
+        elif "wait_tensor" in name:
+            self.events.append(("wait",))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def cp_group():
+    """Rank 1 of a CP group of 4 on torch's fake backend: its collectives return tensors of the
+    right size and move nothing, which is all the trace needs."""
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_torchs_ring_gathers_the_keys_once_a_pass_and_rings_their_gradients_in_fp32(cp_group):
+    events, (b, heads, s, d) = [], (1, 2, 8, 4)
+    q, k, v = (torch.randn(b, heads, s, d, dtype=torch.bfloat16) for _ in range(3))
+    chunk = k.numel() + v.numel()
+
+    def forward_op(query, key, value, is_causal=False, **_):
+        events.append(("attention",))
+        return torch.zeros_like(query), torch.zeros(query.shape[:-1])
+
+    def backward_op(query, key, value, out, logsumexp, is_causal=False, **_):
+        events.append(("attention",))
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+    with _RingEvents(events):
+        out, lse = _attention._templated_ring_attention(cp_group, 2, forward_op, q, k, v, is_causal=True)[:2]
+    gather, attention, wait = ("gather", torch.bfloat16, chunk), ("attention",), ("wait",)
+    # Forward: one all-gather of the rank's K and V, waited for after its own chunk's attention.
+    assert events == [gather, attention, wait, attention, attention, attention]
+    events.clear()
+    with _RingEvents(events):
+        grads = _attention._templated_ring_attention_backward(cp_group, 2, backward_op, torch.zeros_like(q),
+                                                              "grad_out", q, k, v, out.to(q.dtype), lse, is_causal=True)
+    send = ("send", torch.float32, chunk)  # dK and dV, accumulated and sent in fp32
+    # Backward: the gather again; each step's dK and dV sent on, waited for after the next step's
+    # attention; the last one waited for with nothing after it.
+    assert events == [gather, attention, send, wait, attention, wait, send, attention, wait, send,
+                      attention, wait, send, wait]
+    assert all(g.dtype == torch.bfloat16 for g in grads[:3])
+
+
+def test_torchs_ring_exposes_the_gather_past_the_first_step_and_the_last_gradient_hop():
+    forward, backward, levels = 1.0, 2.5, np.array([cm.NONE, cm.FULL])
+    # cp 4: the gather (3 hops of 0.5) outlasts the first step's forward by 0.5, not its backward;
+    # the fp32 gradient hops (1.0) hide behind each later step's backward but the last.
+    ring = context_parallel.layer_seconds(forward, backward, 0.5, 1.0, 4, levels, all_gather=True)
+    assert ring.tolist() == pytest.approx([3 * 3.5 + 0.5 + 1.0, 3 * 4.5 + 2 * 0.5 + 1.0])
+    # Slow links: the gather outlasts every pass's first step, each gradient hop its step.
+    slow = context_parallel.layer_seconds(forward, backward, 3.0, 6.0, 4, levels, all_gather=True)
+    assert slow.tolist() == pytest.approx([3 * 3.5 + 8.0 + 6.5 + 3 * 3.5 + 6.0, 3 * 4.5 + 2 * 8.0 + 6.5 + 3 * 3.5 + 6.0])
+
+
+def test_the_chunks_carry_the_repeated_heads_and_fp32_gradients():
+    te, torch_ring = TrainingSpec(**TE_RING), TrainingSpec(**TORCH_RING)
+    assert torch_ring.cp_all_gather and torch_ring.repeat_kv and not TrainingSpec(setup="megatron").repeat_kv
+    te_chunk = float(context_parallel.kv_chunk_bytes(LLAMA3, te, 1, 32768, 1, 4))
+    assert te_chunk == 2 * 8192 * 1024 * 2  # K and V of 8,192 tokens, 8 heads of 128, in bf16
+    assert float(context_parallel.kv_chunk_bytes(LLAMA3, torch_ring, 1, 32768, 1, 4)) == 4 * te_chunk
+    assert context_parallel.gradient_chunk_share(torch_ring) == 2.0 and context_parallel.gradient_chunk_share(te) == 1.0
+    # While a layer's attention runs: 4 gathered chunks, the rank's own copy, dK and dV three times in fp32.
+    assert context_parallel.ring_working_bytes(1.0, 4, torch_ring) == 4 + 1 + 3 * 2
+    assert context_parallel.ring_working_bytes(1.0, 4, te) == 4
+
+
+def test_repeated_keys_are_kept_at_the_query_width():
+    seq, tp = 4096, 2
+    kept = [activation_bytes(LLAMA3, 1, seq, tp, cm.NONE, repeat_kv=r).activation_bytes for r in (False, True)]
+    extra = 2 * seq * (LLAMA3.q_hidden_size - LLAMA3.kv_hidden_size) / tp * 2  # K and V at 32 heads, not 8, in bf16
+    assert float(kept[1] - kept[0]) == pytest.approx(extra, rel=1e-12)
+
+
+def _estimate(seq, cp, dp, **training):
+    spec = TrainingSpec(global_batch_size=16, seq_len=seq, **training)
+    return evaluate_layout(LLAMA3, ClusterSpec.from_dict(TWO_NODES), spec, tp=1, pp=1, dp=dp, cp=cp,
+                           micro_batch_size=1, references=(1.0, 1.0, 1.0), recompute="full")
+
+
+def test_torchtitans_ring_is_never_faster_and_holds_more_than_transformer_engines():
+    for seq, cp, dp in ((65536, 2, 8), (131072, 4, 4), (262144, 16, 1)):  # CP 16 spans both nodes
+        torch_ring, te = _estimate(seq, cp, dp, **TORCH_RING), _estimate(seq, cp, dp, **TE_RING)
+        assert torch_ring.predicted_iteration_time_s >= te.predicted_iteration_time_s
+        extra = torch_ring.stages[0].memory_parts_gib["activations"] - te.stages[0].memory_parts_gib["activations"]
+        chunk = float(context_parallel.kv_chunk_bytes(LLAMA3, TrainingSpec(**TE_RING), 1, seq, 1, cp)) / cm.GIB
+        assert extra >= (4 * (cp + 7) - 4) * chunk  # the gathered, repeated chunks and fp32 gradients
+    # Across the nodes the gather outlasts the first step's attention: the step is slower.
+    assert _estimate(262144, 16, 1, **TORCH_RING).predicted_iteration_time_s > \
+        1.05 * _estimate(262144, 16, 1, **TE_RING).predicted_iteration_time_s
