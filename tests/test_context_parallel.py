@@ -33,8 +33,8 @@ TWO_NODES = {**NODE, "nodes": [NODE["nodes"][0]] * 2, "inter_node_gbps": 50}
 REFERENCES = (1.0, 1.0, 1.0)
 
 
-def _estimate(seq, cp, dp, tp=1, cluster=NODE, **training):
-    spec = TrainingSpec(global_batch_size=8, seq_len=seq, setup="megatron", **training)
+def _estimate(seq, cp, dp, tp=1, cluster=NODE, setup_name="megatron", **training):
+    spec = TrainingSpec(global_batch_size=8, seq_len=seq, setup=setup_name, **training)
     return evaluate_layout(MODEL, ClusterSpec.from_dict(cluster), spec, tp=tp, pp=1, dp=dp, cp=cp,
                            micro_batch_size=1, references=REFERENCES)
 
@@ -61,18 +61,29 @@ def test_attention_work_is_conserved_over_the_ring():
     for cp in (2, 4, 8):
         forward, backward = cost.attention_seconds(0, 1, 1, 32768 // cp)
         for all_gather in (False, True):  # Transformer Engine's ring, torch's context_parallel
-            ring = context_parallel.layer_seconds(forward, backward, 0.0, 0.0, cp, np.array([cm.NONE]), all_gather)
+            ring = context_parallel.layer_seconds(forward, backward, 0.0, 0.0, cp, np.array([False]), all_gather)
             assert cp * float(forward + backward + ring[0]) == pytest.approx(float(whole), rel=1e-12)
 
 
 def test_ring_transfers_hide_behind_attention_until_they_outlast_it():
-    forward, backward, levels = 1.0, 2.5, np.array([cm.NONE, cm.FULL])
-    hidden = context_parallel.layer_seconds(forward, backward, 0.5, 0.5, 4, levels)
+    forward, backward, again = 1.0, 2.5, np.array([False, True])  # no recompute, full
+    hidden = context_parallel.layer_seconds(forward, backward, 0.5, 0.5, 4, again)
     assert hidden.tolist() == pytest.approx([3 * (1.0 + 2.5), 3 * (2.0 + 2.5)])
-    slow = context_parallel.layer_seconds(forward, backward, 3.0, 3.0, 4, levels)
+    slow = context_parallel.layer_seconds(forward, backward, 3.0, 3.0, 4, again)
     # Forward steps wait 3 - 1 each (twice when recomputed); backward steps carry K, V and their gradients: 6 - 2.5.
     assert slow.tolist() == pytest.approx([3 * (3.5 + 2.0 + 3.5), 3 * (4.5 + 4.0 + 3.5)])
     assert (slow >= hidden).all()
+
+
+def test_the_ring_runs_again_where_the_recompute_runs_the_attention_again():
+    levels = np.array([cm.NONE, cm.SELECTIVE, cm.FULL])
+    # Megatron's selective level recomputes the attention core; torchtitan's op-level policy keeps
+    # the fused kernel's output; latent attention's default selective module is its up projections.
+    assert cm.attention_recomputed(levels, MODEL, TrainingSpec(setup="megatron")).tolist() == [False, True, True]
+    assert cm.attention_recomputed(levels, MODEL, TrainingSpec(setup="torchtitan")).tolist() == [False, False, True]
+    assert cm.attention_recomputed(levels, get_model("deepseek-v3"), TrainingSpec()).tolist() == [False, False, True]
+    assert cm.attention_recomputed(levels, MODEL, TrainingSpec(setup="torchtitan"), flash=False).tolist() == \
+        [False, True, True]  # unfused attention has no kept kernel output
 
 
 def test_a_ring_across_nodes_is_slower_than_one_inside_a_node():
@@ -195,6 +206,10 @@ def test_exports_state_the_cp_degree_and_memx_run_refuses_it():
     assert args[args.index("--context-parallel-size") + 1] == "2"
     assert "--context-parallel-size" not in megatron_args(_estimate(16384, 1, 8)).args
     assert "context_parallel_degree = 2" in torchtitan_toml(plan).text
+    # Planned with Transformer Engine's ring (megatron); torchtitan runs torch's: the export says so.
+    assert any("--cp-all-gather" in note for note in torchtitan_toml(plan).notes)
+    as_run = _estimate(16384, 2, 4, setup_name="torchtitan")
+    assert not any("--cp-all-gather" in note for note in torchtitan_toml(as_run).notes)
     assert plan_env(plan)["MEMX_CP"] == "2"
     with pytest.raises(ConfigError, match="cp=2"):
         deepspeed_json(plan)

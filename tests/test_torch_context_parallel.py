@@ -83,13 +83,13 @@ def test_torchs_ring_gathers_the_keys_once_a_pass_and_rings_their_gradients_in_f
 
 
 def test_torchs_ring_exposes_the_gather_past_the_first_step_and_the_last_gradient_hop():
-    forward, backward, levels = 1.0, 2.5, np.array([cm.NONE, cm.FULL])
+    forward, backward, again = 1.0, 2.5, np.array([False, True])  # no recompute, full
     # cp 4: the gather (3 hops of 0.5) outlasts the first step's forward by 0.5, not its backward;
     # the fp32 gradient hops (1.0) hide behind each later step's backward but the last.
-    ring = context_parallel.layer_seconds(forward, backward, 0.5, 1.0, 4, levels, all_gather=True)
+    ring = context_parallel.layer_seconds(forward, backward, 0.5, 1.0, 4, again, all_gather=True)
     assert ring.tolist() == pytest.approx([3 * 3.5 + 0.5 + 1.0, 3 * 4.5 + 2 * 0.5 + 1.0])
     # Slow links: the gather outlasts every pass's first step, each gradient hop its step.
-    slow = context_parallel.layer_seconds(forward, backward, 3.0, 6.0, 4, levels, all_gather=True)
+    slow = context_parallel.layer_seconds(forward, backward, 3.0, 6.0, 4, again, all_gather=True)
     assert slow.tolist() == pytest.approx([3 * 3.5 + 8.0 + 6.5 + 3 * 3.5 + 6.0, 3 * 4.5 + 2 * 8.0 + 6.5 + 3 * 3.5 + 6.0])
 
 

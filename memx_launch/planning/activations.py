@@ -205,6 +205,16 @@ def selective_modules(model: ModelSpec, training) -> tuple[str, ...]:
     return ("mla_up_proj",) if model.kv_lora_rank else ("core_attn",)
 
 
+def attention_recomputed(recompute, model: ModelSpec, training, flash=True) -> np.ndarray:
+    """Where a layer's recompute runs its attention core again: full recompute, and a selective
+    level that recomputes it (Megatron's ``core_attn``; torchtitan's op-level policy keeps the
+    fused kernel's output, so it runs only unfused attention again)."""
+    recompute = np.asarray(recompute)
+    selective = (~np.asarray(flash, dtype=bool) if training.selective_recompute == "op"
+                 else "core_attn" in selective_modules(model, training))
+    return (recompute == FULL) | ((recompute == SELECTIVE) & selective)
+
+
 def dropped_by_module(model: ModelSpec, tp, attention_core, heads_qkv, normed, mlp_kept, mlp_input, input_share,
                       fused_activation: bool) -> dict:
     """What each of Megatron's recompute modules keeps no more, in :func:`activation_bytes`' units:

@@ -132,6 +132,10 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
     if plan.cp > 1 and not sharded:
         notes.append("torchtitan shards the weights over context parallelism with FSDP (its dp_shard_cp mesh) "
                      "even without data_parallel_shard_degree: less memory than planned, and gathers it did not time")
+    if plan.cp > 1 and not (spec.cp_all_gather and spec.repeat_kv):
+        notes.append("torchtitan's context parallelism all-gathers K and V, repeated to the query heads, once a pass "
+                     "and rings dK and dV in fp32, which the plan did not time: plan with --setup torchtitan (or "
+                     "--cp-all-gather --repeat-kv) to predict it")
     if len({s.device_type for s in plan.stages}) > 1:
         notes.append("stages run on different device types: torchtitan puts pipeline stages on consecutive "
                      "ranks, so start it with memx export's torchrun lines for Megatron-LM")

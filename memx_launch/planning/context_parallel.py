@@ -10,7 +10,8 @@ attention of a seq/cp sequence. The keys and values go round a ring (Transformer
 ``p2p`` exchange): cp - 1 steps, each sending one chunk of K and V on while the attention of
 the chunk in hand runs; the backward sends K and V again and their gradients beside them
 (twice the bytes). A step waits for what its transfer takes beyond that chunk's attention.
-Recomputing a layer (selective or full) runs its attention, and the ring, again. The weights
+A recompute that runs the layer's attention again (full; selective where it recomputes the
+attention core) runs the ring again. The weights
 are replicated over CP: gradients sync and sharded states spread over DP x CP ranks.
 
 torch's ``context_parallel`` (torchtitan; ``cp_all_gather``) moves the same keys otherwise, as
@@ -29,7 +30,6 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.plan import NONE
 
 # The shortest per-rank sequence the search gives a CP degree: below it a ring step's
 # attention is too short to hide the transfer of its keys and values (Megatron's guidance is
@@ -94,17 +94,19 @@ def ring_working_bytes(chunk_bytes, cp: int, training):
     return 4.0 * chunk_bytes
 
 
-def layer_seconds(attention_forward, attention_backward, transfer_s, gradient_s, cp: int, levels,
+def layer_seconds(attention_forward, attention_backward, transfer_s, gradient_s, cp: int, again,
                   all_gather: bool = False):
     """What context parallelism adds to one layer's micro-batch beyond a seq/cp sequence: the
     attention of the other cp - 1 chunks of keys (``attention_*``: the seconds on one seq/cp
     chunk, every step's work), and what the transfers take beyond the attention they hide behind
     (``transfer_s``: one chunk of K and V over a ring hop, ``gradient_s``: one of dK and dV),
-    forward, again where the layer recomputes, and backward. Transformer Engine's ring: every
-    step's chunk behind that step's attention, K, V and their gradients in the backward. torch's
-    (``all_gather``): the gather of the other chunks (cp - 1 hops) behind the first step's
-    attention in each pass; dK and dV one hop a step behind the next step's, the last exposed."""
-    again = (np.asarray(levels) != NONE).astype(np.float64)
+    forward, again where the layer's recompute runs its attention (``again``, from
+    :func:`~memx_launch.planning.activations.attention_recomputed`), and backward. Transformer
+    Engine's ring: every step's chunk behind that step's attention, K, V and their gradients in
+    the backward. torch's (``all_gather``): the gather of the other chunks (cp - 1 hops) behind
+    the first step's attention in each pass; dK and dV one hop a step behind the next step's,
+    the last exposed."""
+    again = np.asarray(again, dtype=np.float64)
     others = cp - 1.0
     compute = others * (attention_forward * (1.0 + again) + attention_backward)
     if all_gather:

@@ -18,8 +18,8 @@ from typing import Protocol
 import numpy as np
 
 from memx_launch.planning import experts, extra_blocks, gated_deltanet, host_time, mamba, op_checkpointing, quantization
-from memx_launch.planning.activations import (LayerCost, activation_bytes, selective_modules,  # noqa: F401 (callers read cm.*)
-                                             training_activation_bytes)
+from memx_launch.planning.activations import (LayerCost, activation_bytes, attention_recomputed,  # noqa: F401
+                                             selective_modules, training_activation_bytes)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import autocast_weight_cast_bytes, block_weight_cast_bytes, elementwise_traffic_bytes
 from memx_launch.planning.loss import loss_hbm_bytes_per_logit
@@ -234,8 +234,7 @@ class AnalyticalCostModel:
         tp = np.asarray(tp, dtype=np.float64)
         recompute = np.asarray(recompute)
         tr = self.training
-        op_policy = tr.selective_recompute == "op"
-        op_level = (recompute == SELECTIVE) & op_policy
+        op_level = (recompute == SELECTIVE) & (tr.selective_recompute == "op")
         act = training_activation_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device], self._linear_bytes)
         mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)
         # The linear layers: each GEMM forward and backward at its shape's rate (matmuls.py), again where recomputed.
@@ -272,9 +271,7 @@ class AnalyticalCostModel:
         linear_s = linear_s + linear_again_s
         # The attention core (QK^T and AV, causal half): what full recompute, and a selective one of it, run again.
         attn_core_flops = causal_attention_flops(self.model, mbs_a, seq_a, tp)
-        # The op-level policy keeps the fused kernel's output: it runs attention again only unfused.
-        again = (recompute == FULL) | ((recompute == SELECTIVE) & (~self._flash[device] if op_policy
-                                                                   else "core_attn" in modules))
+        again = attention_recomputed(recompute, self.model, tr, self._flash[device])
         recompute_flops = np.where(again, attn_core_flops, 0.0)
         # Unfused attention computes the whole s x s square (no causal skipping); its scores'
         # traffic is in the element-wise bytes.

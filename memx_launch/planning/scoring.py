@@ -177,7 +177,8 @@ class Evaluator:
         chunk = context_parallel.kv_chunk_bytes(self.model, tr, mbs, seq, tp, cp)
         transfer = cm.p2p_time(chunk, gbps)
         gradients = cm.p2p_time(chunk * context_parallel.gradient_chunk_share(tr), gbps)
-        extra = context_parallel.layer_seconds(forward, backward, transfer, gradients, cp, levels, tr.cp_all_gather)
+        again = cm.attention_recomputed(levels, self.model, tr)  # fused attention: CP needs it
+        extra = context_parallel.layer_seconds(forward, backward, transfer, gradients, cp, again, tr.cp_all_gather)
         return t_layer + extra, act, work + context_parallel.ring_working_bytes(chunk, cp, tr)
 
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share) -> np.ndarray:
