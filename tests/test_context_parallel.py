@@ -45,8 +45,7 @@ def test_a_rank_holds_a_cp_th_of_each_sequence():
     parts, whole_parts = split.stages[0].memory_parts_gib, whole.stages[0].memory_parts_gib
     assert parts["logits_loss"] == pytest.approx(whole_parts["logits_loss"] / 2, rel=1e-9)
     # Kept activations halve; the backward working set grows by the ring's buffers.
-    working = context_parallel.ring_working_bytes(context_parallel.kv_chunk_bytes(MODEL, TrainingSpec(), 1, 16384, 1, 2),
-                                                  2, TrainingSpec())
+    working = context_parallel.ring_working_bytes(MODEL, TrainingSpec(), 1, 16384, 1, 2)
     assert 0.45 < (parts["activations"] - float(working) / cm.GIB) / whole_parts["activations"] < 0.55
     # The weights are replicated over CP: the distributed optimizer shards over DP x CP (8 ranks both).
     assert parts["optimizer_states"] == pytest.approx(whole_parts["optimizer_states"], rel=1e-9)

@@ -11,8 +11,8 @@ from torch.distributed.tensor.experimental._context_parallel import _attention
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memx_launch.planning import context_parallel, costmodel as cm
-from memx_launch.planning.activations import activation_bytes
+from memx_launch.planning import context_parallel, costmodel as cm, elementwise
+from memx_launch.planning.activations import activation_bytes, mlp_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.cluster import ClusterSpec
@@ -101,8 +101,22 @@ def test_the_chunks_carry_the_repeated_heads_and_fp32_gradients():
     assert float(context_parallel.kv_chunk_bytes(LLAMA3, torch_ring, 1, 32768, 1, 4)) == 4 * te_chunk
     assert context_parallel.gradient_chunk_share(torch_ring) == 2.0 and context_parallel.gradient_chunk_share(te) == 1.0
     # While a layer's attention runs: 4 gathered chunks, the rank's own copy, dK and dV three times in fp32.
-    assert context_parallel.ring_working_bytes(1.0, 4, torch_ring) == 4 + 1 + 3 * 2
-    assert context_parallel.ring_working_bytes(1.0, 4, te) == 4
+    assert context_parallel.ring_buffer_bytes(1.0, 4, torch_ring) == 4 + 1 + 3 * 2
+    assert context_parallel.ring_buffer_bytes(1.0, 4, te) == 4
+
+
+def test_the_rings_buffers_reuse_what_the_mlps_backward_freed():
+    """A layer's backward runs the MLP's before the attention's: the ring's buffers, alive while
+    the attention runs, add to the working set only what they exceed the MLP's tensors by."""
+    training, tokens = TrainingSpec(**TORCH_RING), 32768  # CP 8 at 262,144 tokens
+    mlp = float(mlp_bytes(LLAMA3, training, 1, tokens, 1))
+    assert mlp == 4 * tokens * LLAMA3.ffn_hidden_size * 2  # SwiGLU's gate, up, silu(gate) and product in bf16
+    buffers = float(context_parallel.ring_buffer_bytes(context_parallel.kv_chunk_bytes(LLAMA3, training, 1, 262144,
+                                                                                      1, 8), 8, training))
+    assert buffers == 15 * 2 * tokens * LLAMA3.q_hidden_size * 2 > mlp
+    assert float(context_parallel.ring_working_bytes(LLAMA3, training, 1, 262144, 1, 8)) == pytest.approx(buffers - mlp)
+    # Transformer Engine's four chunks of 8 KV heads fit in what the MLP freed: nothing added.
+    assert float(context_parallel.ring_working_bytes(LLAMA3, TrainingSpec(**TE_RING), 1, 262144, 1, 8)) == 0.0
 
 
 def test_repeated_keys_are_kept_at_the_query_width():
@@ -123,8 +137,51 @@ def test_torchtitans_ring_is_never_faster_and_holds_more_than_transformer_engine
         torch_ring, te = _estimate(seq, cp, dp, **TORCH_RING), _estimate(seq, cp, dp, **TE_RING)
         assert torch_ring.predicted_iteration_time_s >= te.predicted_iteration_time_s
         extra = torch_ring.stages[0].memory_parts_gib["activations"] - te.stages[0].memory_parts_gib["activations"]
-        chunk = float(context_parallel.kv_chunk_bytes(LLAMA3, TrainingSpec(**TE_RING), 1, seq, 1, cp)) / cm.GIB
-        assert extra >= (4 * (cp + 7) - 4) * chunk  # the gathered, repeated chunks and fp32 gradients
+        added = [float(context_parallel.ring_working_bytes(LLAMA3, TrainingSpec(**t), 1, seq, 1, cp)) / cm.GIB
+                 for t in (TORCH_RING, TE_RING)]
+        assert extra >= added[0] - added[1] > 0  # the gathered, repeated chunks and fp32 gradients
     # Across the nodes the gather outlasts the first step's attention: the step is slower.
     assert _estimate(262144, 16, 1, **TORCH_RING).predicted_iteration_time_s > \
         1.05 * _estimate(262144, 16, 1, **TE_RING).predicted_iteration_time_s
+
+
+def test_repeating_the_keys_moves_what_the_traffic_counts():
+    """torchtitan's ``repeat_kv`` on one of K and V, traced: its copy reads the KV width (the
+    expanded view's storage) and writes the query width; its backward sums the gradient back."""
+    bs, s, kv_heads, n_rep, head_dim = 1, 16, 2, 4, 8
+    k = torch.randn(bs, s, kv_heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
+
+    class Moved(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and func._schema.name != "aten::_unsafe_view":
+                inputs = [a for a in args if isinstance(a, torch.Tensor)]
+                self.total += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in inputs)
+                self.total += out.numel() * out.element_size()
+            return out
+
+    with Moved() as forward:
+        repeated = k.unsqueeze(3).expand(bs, s, kv_heads, n_rep, head_dim).reshape(bs, s, kv_heads * n_rep, head_dim)
+    gradient = torch.ones_like(repeated)
+    with Moved() as backward:
+        torch.autograd.grad(repeated, k, gradient)
+    kv_width, q_width = kv_heads * head_dim, kv_heads * n_rep * head_dim
+    per_pass = s * (kv_width + q_width) * 2  # bf16
+    assert forward.total == per_pass and backward.total == per_pass
+    # memx counts K's and V's, each way: REPEAT_KV_BYTES x (q + kv) x d per token, twice one's.
+    assert elementwise.REPEAT_KV_BYTES == (2 * per_pass / (s * (kv_width + q_width) * 2),) * 2
+
+
+def test_repeated_keys_add_their_copies_to_a_blocks_traffic():
+    seq, tp = 8192, 2
+    traffic = [elementwise.elementwise_traffic_bytes(LLAMA3, TrainingSpec(setup="torchtitan", repeat_kv=r), 1, seq, tp,
+                                                     level) for r in (False, True) for level in (cm.NONE, cm.FULL)]
+    copies = seq * (LLAMA3.q_hidden_size + LLAMA3.kv_hidden_size) / tp * 2.0 * 2  # K and V, bf16
+    assert float(traffic[2] - traffic[0]) == pytest.approx(2 * copies)  # forward and backward
+    assert float(traffic[3] - traffic[1]) == pytest.approx(3 * copies)  # and the recomputed forward
+    mha = get_model("llama2-7b")  # as many KV heads as query heads: torchtitan's repeat_kv returns its input
+    assert float(elementwise.elementwise_traffic_bytes(mha, TrainingSpec(setup="torchtitan"), 1, seq, tp, cm.NONE)) == \
+        float(elementwise.elementwise_traffic_bytes(mha, TrainingSpec(setup="torchtitan", repeat_kv=False), 1, seq, tp,
+                                                    cm.NONE))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import experts, gated_deltanet, mamba, op_checkpointing
+from memx_launch.planning import experts, gated_deltanet, mamba, op_checkpointing, quantization
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -136,13 +136,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + model.residual_adds / scale / (tp if sequence_parallel else 1.0)
-    if model.num_experts:
-        mlp_kept, mlp_elementwise = experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp)
-    elif model.gated_mlp:
-        mlp_kept, mlp_elementwise = (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
-    else:  # GELU: its input (fc1's output) and output (fc2's input); ReLU: its output, also fc2's unless quantized
-        relu_output_is_fc2_input = model.relu_mlp and not quantized_bytes
-        mlp_kept, mlp_elementwise = (0.0 if relu_output_is_fc2_input else 2.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
+    mlp_kept, mlp_elementwise = mlp_units(model, tp, fp8_share, fused_activation, expert_tp, bool(quantized_bytes))
     # Query and key head norms keep their inputs, as the block's norms do (fused: the 16-bit q and k).
     qk_norms = (q + kv) / h / tp * per_norm if model.qk_norm else 0.0
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
@@ -173,6 +167,31 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
+def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool) -> tuple:
+    """(what the MLP's activation keeps, the down projection's kept input) of one block, in
+    :func:`activation_bytes`' units: SwiGLU's gate and up outputs, silu(gate) unless fused, and
+    their product; GELU's input and output; ReLU's output, also the down projection's input
+    unless quantized; a mixture of experts' (:func:`~memx_launch.planning.experts.kept_units`)."""
+    if model.num_experts:
+        return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp)
+    f, h = model.ffn_hidden_size if model.has_mlp else 0, model.hidden_size
+    if model.gated_mlp:
+        return (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
+    relu_output_is_fc2_input = model.relu_mlp and not quantized
+    return (0.0 if relu_output_is_fc2_input else 2.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
+
+
+def mlp_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndarray:
+    """Bytes of one block's MLP tensors (kept, or recomputed), which its backward frees before the
+    attention's backward runs: what buffers alive only while the attention runs can reuse."""
+    quantized = training.quantized_linears
+    fp8_share = quantization.element_bytes(training) / training.dtype_bytes if quantized else 1.0
+    kept, down_input = mlp_units(model, np.asarray(tp, dtype=np.float64), fp8_share, training.fused_activation,
+                                 training.expert_tensor_parallel, bool(quantized))
+    sbh = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64) * model.hidden_size
+    return (kept + down_input) * sbh * training.dtype_bytes / 2.0
+
+
 def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
                               flash_attention=True, linear_bytes=None, stream_bytes: float | None = None) -> LayerCost:
     """:func:`activation_bytes` of one block as ``training`` runs it on a device whose attention
@@ -183,7 +202,7 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                             tr.fused_softmax, tr.softmax_in_fp32, tr.quantized_linears and linear_bytes,
                             tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
                             tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes,
-                            tr.repeat_kv)
+                            kv_repeated(model, tr))
 
 
 def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool, fused_qkv: bool) -> int:
@@ -203,6 +222,14 @@ def selective_modules(model: ModelSpec, training) -> tuple[str, ...]:
     if training.recompute_modules is not None:
         return training.recompute_modules
     return ("mla_up_proj",) if model.kv_lora_rank else ("core_attn",)
+
+
+def kv_repeated(model: ModelSpec, training) -> bool:
+    """K and V reach the attention kernel repeated to the query heads: the training repeats them
+    (``repeat_kv``, torchtitan's LLaMA) and the model has fewer KV heads than query heads
+    (torchtitan's ``repeat_kv`` returns its input when they are as many; latent attention has
+    its own keys and values per head)."""
+    return bool(training.repeat_kv and not model.kv_lora_rank and model.num_kv_heads < model.num_heads)
 
 
 def attention_recomputed(recompute, model: ModelSpec, training, flash=True) -> np.ndarray:

@@ -23,6 +23,10 @@ hop a step, each waited for a step later, the last one after the loop with nothi
 it. While a layer's attention runs, the gathered chunks, the rank's own copy it sent, and dK and
 dV three times over (accumulated, sent on, received) are alive. torchtitan's LLaMA repeats K and
 V to the query heads before the kernel (``repeat_kv``), so its chunks are the queries' width.
+
+Either ring's buffers live while the layer's attention runs; its backward runs after the MLP's,
+which has freed the MLP's tensors: the buffers add to the layer's working set what they exceed
+those by.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.activations import kv_repeated, mlp_bytes
 
 # The shortest per-rank sequence the search gives a CP degree: below it a ring step's
 # attention is too short to hide the transfer of its keys and values (Megatron's guidance is
@@ -75,7 +80,7 @@ def check_degree(cp, seq_len: int, flash_attention: bool) -> None:
 def kv_chunk_bytes(model, training, mbs: int, seq_len: int, tp, cp: int):
     """Bytes of one ring transfer: the keys and values of one rank's seq/cp tokens, its TP
     share of the KV heads (of the query heads where K and V are repeated to them)."""
-    width = model.q_hidden_size if training.repeat_kv else model.kv_hidden_size
+    width = model.q_hidden_size if kv_repeated(model, training) else model.kv_hidden_size
     return 2.0 * mbs * (seq_len // cp) * width / np.asarray(tp, dtype=np.float64) * training.dtype_bytes
 
 
@@ -85,13 +90,20 @@ def gradient_chunk_share(training) -> float:
     return 4.0 / training.dtype_bytes if training.cp_all_gather else 1.0
 
 
-def ring_working_bytes(chunk_bytes, cp: int, training):
-    """The ring's buffers alive in a layer's backward: Transformer Engine's K and V in flight
-    both ways and their gradients both ways; torch's the gathered chunks of the whole group, the
-    rank's own copy sent, and dK and dV accumulated, sent on and received."""
+def ring_buffer_bytes(chunk_bytes, cp: int, training):
+    """The ring's buffers alive while a layer's attention runs its backward: Transformer Engine's
+    K and V in flight both ways and their gradients both ways; torch's the gathered chunks of the
+    whole group, the rank's own copy sent, and dK and dV accumulated, sent on and received."""
     if training.cp_all_gather:
         return (cp + 1.0 + 3.0 * gradient_chunk_share(training)) * chunk_bytes
     return 4.0 * chunk_bytes
+
+
+def ring_working_bytes(model, training, mbs: int, seq_len: int, tp, cp: int):
+    """What the ring adds to a layer's backward working set: its buffers beyond the MLP's
+    tensors, which the layer's backward has freed before the attention's runs."""
+    buffers = ring_buffer_bytes(kv_chunk_bytes(model, training, mbs, seq_len, tp, cp), cp, training)
+    return np.maximum(buffers - mlp_bytes(model, training, mbs, seq_len // cp, tp), 0.0)
 
 
 def layer_seconds(attention_forward, attention_backward, transfer_s, gradient_s, cp: int, again,

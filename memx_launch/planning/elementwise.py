@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memx_launch.planning import gated_deltanet, mamba, quantization
-from memx_launch.planning.activations import selective_modules
+from memx_launch.planning.activations import kv_repeated, selective_modules
 from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.planning.model_states import rank_layer_params
 from memx_launch.planning.plan import NONE, SELECTIVE
@@ -33,6 +33,10 @@ SWIGLU_BYTES = (5.0, 9.0)
 GELU_BYTES = (2.0, 3.0)
 RESIDUAL_BYTES = (3.0, 3.0)
 FUSED_NORM_BYTES = (2.0, 4.0)
+# K and V repeated to the query heads (``repeat_kv``): each copied, read at the KV width and
+# written at the query width; the backward sums the gradient back (read at the query width,
+# written at the KV width): (q + kv) x d per token for each of K and V, each way.
+REPEAT_KV_BYTES = (2.0, 2.0)
 
 
 def dropout_bytes(dtype_bytes: int) -> tuple[float, float]:
@@ -152,7 +156,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     """HBM bytes the element-wise ops of one block move for one micro-batch: forward, backward
     and the forward that recomputation runs again (everything under full recompute and under
     the op-level selective policy; rotary embedding, the MLP's activation and the scores under
-    the attention-core one). Matmuls and the fused
+    the attention-core one; K and V repeated to the query heads with them). Matmuls and the fused
     attention kernel are timed by their FLOPs instead.
 
     Per token, over TP where the tensors are split: residual adds and norms on the hidden size
@@ -183,6 +187,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     # LLaMA-style (gated MLP) models rotate q and k in every block; GPT-style ones add learned
     # positions once, at the embedding.
     rope = ROPE_BYTES if model.gated_mlp else (0.0, 0.0)
+    repeat = REPEAT_KV_BYTES if kv_repeated(model, training) else (0.0, 0.0)
     heads = model.num_heads if model.has_attention else 0
     scores = np.where(flash_attention, 0.0, np.asarray(mbs, dtype=np.float64) * heads / tp
                       * np.asarray(seq, dtype=np.float64) ** 2)
@@ -207,7 +212,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         rotary embedding, the MLP's activation, the scores)."""
         blockwide = hidden * (model.residual_adds * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) \
             + cast[i] + permuted + qk_normed * norm[i] + mixer[i]
-        core = (tokens * (model.q_hidden_size + kv) / tp * rope[i] * d, tokens * f / tp * mlp[i] * d, scores * score[i])
+        core = (tokens * (model.q_hidden_size + kv) / tp * (rope[i] + repeat[i]) * d, tokens * f / tp * mlp[i] * d,
+                scores * score[i])
         return blockwide, core
 
     (block_forward, core_forward), (block_backward, core_backward) = passes(0), passes(1)

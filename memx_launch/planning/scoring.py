@@ -179,7 +179,7 @@ class Evaluator:
         gradients = cm.p2p_time(chunk * context_parallel.gradient_chunk_share(tr), gbps)
         again = cm.attention_recomputed(levels, self.model, tr)  # fused attention: CP needs it
         extra = context_parallel.layer_seconds(forward, backward, transfer, gradients, cp, again, tr.cp_all_gather)
-        return t_layer + extra, act, work + context_parallel.ring_working_bytes(chunk, cp, tr)
+        return t_layer + extra, act, work + context_parallel.ring_working_bytes(self.model, tr, mbs, seq, tp, cp)
 
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share) -> np.ndarray:
         m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
