@@ -10,6 +10,7 @@ from one_node import H100, one_node
 from torch.distributed.tensor.experimental._context_parallel import _attention
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from memx_launch.planning import context_parallel, costmodel as cm, elementwise
 from memx_launch.planning.activations import activation_bytes, mlp_bytes
@@ -185,3 +186,69 @@ def test_repeated_keys_add_their_copies_to_a_blocks_traffic():
     assert float(elementwise.elementwise_traffic_bytes(mha, TrainingSpec(setup="torchtitan"), 1, seq, tp, cm.NONE)) == \
         float(elementwise.elementwise_traffic_bytes(mha, TrainingSpec(setup="torchtitan", repeat_kv=False), 1, seq, tp,
                                                     cm.NONE))
+
+
+def _ring_bytes(cp: int, kv_heads: int) -> tuple[float, float]:
+    """HBM bytes torch's ring moves itself (neither its attention ops nor its collectives) on the
+    last rank of a CP group of ``cp``, forward and backward, per element of the rank's queries:
+    4 query heads of 128 (the per-head log-sum-exp is as small beside them as on a real model)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=cp - 1, world_size=cp)
+    try:
+        q = torch.randn(1, 4, 16, 128, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, kv_heads, 16, 128, dtype=torch.bfloat16) for _ in range(2))
+        in_op = [False]
+
+        def forward_op(query, key, value, is_causal=False, **_):
+            in_op[0] = True
+            out = torch.zeros_like(query), torch.zeros(query.shape[:-1])
+            in_op[0] = False
+            return out
+
+        def backward_op(query, key, value, out, logsumexp, is_causal=False, **_):
+            in_op[0] = True
+            grads = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+            in_op[0] = False
+            return grads
+
+        class Moved(TorchDispatchMode):
+            total = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = str(func)
+                if not (in_op[0] or func.is_view or "c10d" in name or "empty" in name or "_unsafe_view" in name):
+                    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+                    self.total += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in tensors)
+                return out
+
+        group = dist.group.WORLD
+        with Moved() as forward:
+            out, lse = _attention._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True)[:2]
+        with Moved() as backward:
+            _attention._templated_ring_attention_backward(group, 2, backward_op, torch.zeros_like(q), "grad_out",
+                                                          q, k, v, out.to(q.dtype), lse, is_causal=True)
+        return forward.total / q.numel(), backward.total / q.numel()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_rings_own_traffic_is_what_torch_moves(cp):
+    """Traced on the group's last rank, which merges and accumulates the most: the forward's fp32
+    merges and the backward's fp32 accumulators and concatenations, against
+    RING_FORWARD_BYTES and RING_BACKWARD_BYTES, with K and V as wide as the queries and half."""
+    for kv_heads in (4, 2):
+        keys_per_query = kv_heads / 4
+        for traced, table in zip(_ring_bytes(cp, kv_heads), (context_parallel.RING_FORWARD_BYTES,
+                                                             context_parallel.RING_BACKWARD_BYTES)):
+            (first_q, first_k), (step_q, step_k) = table
+            counted = first_q + step_q * (cp - 1) + keys_per_query * (first_k + step_k * (cp - 1))
+            assert counted == pytest.approx(traced, rel=0.01)
+    # memx's count for a layer: the forward's again where the attention recomputes, none for Transformer Engine's.
+    tokens, q, k = 262144 // cp, LLAMA3.q_hidden_size, LLAMA3.q_hidden_size  # torchtitan repeats K and V
+    forward, backward = ((t[0][0] + t[1][0] * (cp - 1)) * q + (t[0][1] + t[1][1] * (cp - 1)) * k
+                         for t in (context_parallel.RING_FORWARD_BYTES, context_parallel.RING_BACKWARD_BYTES))
+    counted = context_parallel.ring_merge_bytes(LLAMA3, TrainingSpec(**TORCH_RING), 1, 262144, 1, cp,
+                                                np.array([False, True]))
+    assert counted.tolist() == pytest.approx([tokens * (forward + backward), tokens * (2 * forward + backward)])
+    assert not context_parallel.ring_merge_bytes(LLAMA3, TrainingSpec(**TE_RING), 1, 262144, 1, cp, True).any()

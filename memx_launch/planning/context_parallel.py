@@ -84,6 +84,34 @@ def kv_chunk_bytes(model, training, mbs: int, seq_len: int, tp, cp: int):
     return 2.0 * mbs * (seq_len // cp) * width / np.asarray(tp, dtype=np.float64) * training.dtype_bytes
 
 
+# HBM bytes torch's ring moves itself, beside the attention kernels and the collectives, on the
+# rank that moves the most (the last of the group), per element of its queries and of its keys
+# (values as many), traced in tests/test_torch_context_parallel.py: a pass's (first step, each
+# later step) x (queries, keys). The forward casts each step's output and log-sum-exp to fp32 and
+# merges them into the running ones; the backward adds each step's dQ, dK and dV into fp32
+# accumulators and concatenates K and V for the gather and dK and dV for each hop.
+RING_FORWARD_BYTES = ((12.0, 0.0), (38.5, 8.0))
+RING_BACKWARD_BYTES = ((26.0, 60.0), (10.0, 50.0))
+
+
+def ring_merge_bytes(model, training, mbs: int, seq_len: int, tp, cp: int, again):
+    """HBM bytes torch's ring (``cp_all_gather``) moves itself in one layer's micro-batch: its
+    forward pass's, again where the recompute runs the attention (``again``), and its
+    backward's (:data:`RING_FORWARD_BYTES`, :data:`RING_BACKWARD_BYTES`); none for Transformer
+    Engine's, whose kernels correct the output as they go."""
+    if not training.cp_all_gather:
+        return np.zeros(np.shape(again))
+    tokens = mbs * (seq_len // cp) / np.asarray(tp, dtype=np.float64)
+    queries = tokens * model.q_hidden_size
+    keys = tokens * (model.q_hidden_size if kv_repeated(model, training) else model.kv_hidden_size)
+
+    def pass_bytes(table):
+        (first_q, first_k), (step_q, step_k) = table
+        return queries * (first_q + step_q * (cp - 1)) + keys * (first_k + step_k * (cp - 1))
+    again = np.asarray(again, dtype=np.float64)
+    return pass_bytes(RING_FORWARD_BYTES) * (1.0 + again) + pass_bytes(RING_BACKWARD_BYTES)
+
+
 def gradient_chunk_share(training) -> float:
     """Bytes of one chunk of dK and dV as the ring sends them, per byte of K and V: torch's
     ``context_parallel`` accumulates and sends them in fp32, Transformer Engine in the training dtype."""

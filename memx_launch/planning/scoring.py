@@ -164,10 +164,9 @@ class Evaluator:
         return fewest
 
     def stage_layer_costs(self, layout, device, tp, mbs, seq, levels, table=None):
-        """(time, kept activations, backward working set) of one layer on each stage of
-        ``device`` (P,) at ``levels`` (C, P), from ``table`` (the space's; its ``dense``: a dense
-        first block). A CP layer is a ``seq / cp`` one plus the attention of the other chunks of
-        keys, the ring's exposed transfers and its buffers (:mod:`context_parallel`)."""
+        """(time, kept activations, backward working set) of a layer on each stage of ``device`` (P,) at
+        ``levels`` (C, P), from ``table`` (the space's, or its dense first block's). A CP layer: a ``seq / cp``
+        one, the other chunks' attention, the ring's exposed transfers, traffic and buffers (:mod:`context_parallel`)."""
         cp, table = layout.cp, table or self.table
         t_layer, act, work = table.lookup(np.broadcast_to(device, np.shape(levels)), tp, mbs, seq // cp, levels)
         if cp == 1:
@@ -178,7 +177,8 @@ class Evaluator:
         transfer = cm.p2p_time(chunk, gbps)
         gradients = cm.p2p_time(chunk * context_parallel.gradient_chunk_share(tr), gbps)
         again = cm.attention_recomputed(levels, self.model, tr)  # fused attention: CP needs it
-        extra = context_parallel.layer_seconds(forward, backward, transfer, gradients, cp, again, tr.cp_all_gather)
+        merge_s = context_parallel.ring_merge_bytes(self.model, tr, mbs, seq, tp, cp, again) / (self.hbm_gbps[device] * 1e9)
+        extra = context_parallel.layer_seconds(forward, backward, transfer, gradients, cp, again, tr.cp_all_gather) + merge_s
         return t_layer + extra, act, work + context_parallel.ring_working_bytes(self.model, tr, mbs, seq, tp, cp)
 
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share) -> np.ndarray:
