@@ -97,8 +97,8 @@ RING_BACKWARD_BYTES = ((26.0, 60.0), (10.0, 50.0))
 def ring_merge_bytes(model, training, mbs: int, seq_len: int, tp, cp: int, again):
     """HBM bytes torch's ring (``cp_all_gather``) moves itself in one layer's micro-batch: its
     forward pass's, again where the recompute runs the attention (``again``), and its
-    backward's (:data:`RING_FORWARD_BYTES`, :data:`RING_BACKWARD_BYTES`); none for Transformer
-    Engine's, whose kernels correct the output as they go."""
+    backward's (:data:`RING_FORWARD_BYTES`, :data:`RING_BACKWARD_BYTES`). Transformer Engine's
+    ring, which corrects its output with kernels of its own not traced here, is left at none."""
     if not training.cp_all_gather:
         return np.zeros(np.shape(again))
     tokens = mbs * (seq_len // cp) / np.asarray(tp, dtype=np.float64)
