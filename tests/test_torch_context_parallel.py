@@ -10,7 +10,6 @@ from one_node import H100, one_node
 from torch.distributed.tensor.experimental._context_parallel import _attention
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from memx_launch.planning import context_parallel, costmodel as cm, elementwise
 from memx_launch.planning.activations import activation_bytes, mlp_bytes
@@ -44,43 +43,59 @@ class _RingEvents(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def cp_group():
-    """Rank 1 of a CP group of 4 on torch's fake backend: its collectives return tensors of the
-    right size and move nothing, which is all the trace needs."""
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+class _AttentionStandIns:
+    """torch's ring's attention ops stood in: outputs of the right shapes, each call logged in
+    ``calls``; while one runs (``inside``), the tensors made are the op's, not the ring's."""
+
+    def __init__(self, calls):
+        self.calls, self.inside = calls, False
+
+    def forward(self, query, key, value, is_causal=False, **_):
+        return self._run(lambda: (torch.zeros_like(query), torch.zeros(query.shape[:-1])))
+
+    def backward(self, query, key, value, out, logsumexp, is_causal=False, **_):
+        return self._run(lambda: (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)))
+
+    def _run(self, make):
+        self.calls.append(("attention",))
+        self.inside = True
+        try:
+            return make()
+        finally:
+            self.inside = False
 
 
-def test_torchs_ring_gathers_the_keys_once_a_pass_and_rings_their_gradients_in_fp32(cp_group):
-    events, (b, heads, s, d) = [], (1, 2, 8, 4)
-    q, k, v = (torch.randn(b, heads, s, d, dtype=torch.bfloat16) for _ in range(3))
+def _ring(cp: int, q, k, v, ops, forward_mode, backward_mode):
+    """torch's ring forward, then backward, under ``forward_mode`` and ``backward_mode``, on the
+    last rank of a CP group of ``cp`` on torch's fake backend, whose collectives return tensors of
+    the right size and move nothing, which is all a trace needs. Returns the gradients."""
+    dist.init_process_group("fake", store=FakeStore(), rank=cp - 1, world_size=cp)
+    try:
+        group = dist.group.WORLD
+        with forward_mode:
+            out, lse = _attention._templated_ring_attention(group, 2, ops.forward, q, k, v, is_causal=True)[:2]
+        with backward_mode:
+            return _attention._templated_ring_attention_backward(group, 2, ops.backward, torch.zeros_like(q),
+                                                                 "grad_out", q, k, v, out.to(q.dtype), lse,
+                                                                 is_causal=True)[:3]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchs_ring_gathers_the_keys_once_a_pass_and_rings_their_gradients_in_fp32():
+    events = []
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.bfloat16) for _ in range(3))
     chunk = k.numel() + v.numel()
-
-    def forward_op(query, key, value, is_causal=False, **_):
-        events.append(("attention",))
-        return torch.zeros_like(query), torch.zeros(query.shape[:-1])
-
-    def backward_op(query, key, value, out, logsumexp, is_causal=False, **_):
-        events.append(("attention",))
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-
-    with _RingEvents(events):
-        out, lse = _attention._templated_ring_attention(cp_group, 2, forward_op, q, k, v, is_causal=True)[:2]
+    grads = _ring(4, q, k, v, _AttentionStandIns(events), _RingEvents(events), _RingEvents(events))
     gather, attention, wait = ("gather", torch.bfloat16, chunk), ("attention",), ("wait",)
-    # Forward: one all-gather of the rank's K and V, waited for after its own chunk's attention.
-    assert events == [gather, attention, wait, attention, attention, attention]
-    events.clear()
-    with _RingEvents(events):
-        grads = _attention._templated_ring_attention_backward(cp_group, 2, backward_op, torch.zeros_like(q),
-                                                              "grad_out", q, k, v, out.to(q.dtype), lse, is_causal=True)
     send = ("send", torch.float32, chunk)  # dK and dV, accumulated and sent in fp32
+    # Forward: one all-gather of the rank's K and V, waited for after its own chunk's attention.
     # Backward: the gather again; each step's dK and dV sent on, waited for after the next step's
     # attention; the last one waited for with nothing after it.
-    assert events == [gather, attention, send, wait, attention, wait, send, attention, wait, send,
+    assert events == [gather, attention, wait, attention, attention, attention,
+                      gather, attention, send, wait, attention, wait, send, attention, wait, send,
                       attention, wait, send, wait]
-    assert all(g.dtype == torch.bfloat16 for g in grads[:3])
+    assert all(g.dtype == torch.bfloat16 for g in grads)
 
 
 def test_torchs_ring_exposes_the_gather_past_the_first_step_and_the_last_gradient_hop():
@@ -149,30 +164,20 @@ def test_torchtitans_ring_is_never_faster_and_holds_more_than_transformer_engine
 def test_repeating_the_keys_moves_what_the_traffic_counts():
     """torchtitan's ``repeat_kv`` on one of K and V, traced: its copy reads the KV width (the
     expanded view's storage) and writes the query width; its backward sums the gradient back."""
-    bs, s, kv_heads, n_rep, head_dim = 1, 16, 2, 4, 8
-    k = torch.randn(bs, s, kv_heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    from traced import byte_counter
 
-    class Moved(TorchDispatchMode):
-        total = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func.is_view and func._schema.name != "aten::_unsafe_view":
-                inputs = [a for a in args if isinstance(a, torch.Tensor)]
-                self.total += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in inputs)
-                self.total += out.numel() * out.element_size()
-            return out
-
-    with Moved() as forward:
-        repeated = k.unsqueeze(3).expand(bs, s, kv_heads, n_rep, head_dim).reshape(bs, s, kv_heads * n_rep, head_dim)
+    tokens, kv_heads, n_rep, head_dim = 16, 2, 4, 8
+    k = torch.randn(1, tokens, kv_heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    with byte_counter(storage=True) as forward:
+        repeated = k.unsqueeze(3).expand(1, tokens, kv_heads, n_rep, head_dim).reshape(1, tokens, kv_heads * n_rep,
+                                                                                         head_dim)
     gradient = torch.ones_like(repeated)
-    with Moved() as backward:
+    with byte_counter(storage=True) as backward:
         torch.autograd.grad(repeated, k, gradient)
     kv_width, q_width = kv_heads * head_dim, kv_heads * n_rep * head_dim
-    per_pass = s * (kv_width + q_width) * 2  # bf16
-    assert forward.total == per_pass and backward.total == per_pass
-    # memx counts K's and V's, each way: REPEAT_KV_BYTES x (q + kv) x d per token, twice one's.
-    assert elementwise.REPEAT_KV_BYTES == (2 * per_pass / (s * (kv_width + q_width) * 2),) * 2
+    # memx counts K's and V's copies, REPEAT_KV_BYTES x (q + kv) x d per token each way: half of it each.
+    counted = [b / 2 * tokens * (q_width + kv_width) * 2 for b in elementwise.REPEAT_KV_BYTES]
+    assert [forward.total, backward.total] == counted
 
 
 def test_repeated_keys_add_their_copies_to_a_blocks_traffic():
@@ -192,44 +197,18 @@ def _ring_bytes(cp: int, kv_heads: int) -> tuple[float, float]:
     """HBM bytes torch's ring moves itself (neither its attention ops nor its collectives) on the
     last rank of a CP group of ``cp``, forward and backward, per element of the rank's queries:
     4 query heads of 128 (the per-head log-sum-exp is as small beside them as on a real model)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=cp - 1, world_size=cp)
-    try:
-        q = torch.randn(1, 4, 16, 128, dtype=torch.bfloat16)
-        k, v = (torch.randn(1, kv_heads, 16, 128, dtype=torch.bfloat16) for _ in range(2))
-        in_op = [False]
+    from traced import byte_counter
 
-        def forward_op(query, key, value, is_causal=False, **_):
-            in_op[0] = True
-            out = torch.zeros_like(query), torch.zeros(query.shape[:-1])
-            in_op[0] = False
-            return out
+    q = torch.randn(1, 4, 16, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, kv_heads, 16, 128, dtype=torch.bfloat16) for _ in range(2))
+    ops = _AttentionStandIns([])
 
-        def backward_op(query, key, value, out, logsumexp, is_causal=False, **_):
-            in_op[0] = True
-            grads = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-            in_op[0] = False
-            return grads
-
-        class Moved(TorchDispatchMode):
-            total = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                name = str(func)
-                if not (in_op[0] or func.is_view or "c10d" in name or "empty" in name or "_unsafe_view" in name):
-                    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-                    self.total += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in tensors)
-                return out
-
-        group = dist.group.WORLD
-        with Moved() as forward:
-            out, lse = _attention._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True)[:2]
-        with Moved() as backward:
-            _attention._templated_ring_attention_backward(group, 2, backward_op, torch.zeros_like(q), "grad_out",
-                                                          q, k, v, out.to(q.dtype), lse, is_causal=True)
-        return forward.total / q.numel(), backward.total / q.numel()
-    finally:
-        dist.destroy_process_group()
+    def the_rings(func, args, out):
+        name = str(func)
+        return not (ops.inside or "c10d" in name or "empty" in name)
+    forward, backward = byte_counter(the_rings, storage=True), byte_counter(the_rings, storage=True)
+    _ring(cp, q, k, v, ops, forward, backward)
+    return forward.total / q.numel(), backward.total / q.numel()
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])

@@ -7,10 +7,11 @@ from __future__ import annotations
 MOVES_NOTHING = {"aten::_unsafe_view", "aten::empty_like"}
 
 
-def byte_counter(counted=None):
+def byte_counter(counted=None, storage: bool = False):
     """A dispatch mode that adds up, in its ``total``, the bytes of every op's tensor arguments and
     outputs (what it reads and writes), of the ops ``counted(func, args, out)`` keeps (all by
-    default), views and allocations aside: ``with byte_counter() as traffic: ...``."""
+    default), views and allocations aside: ``with byte_counter() as traffic: ...``. With
+    ``storage``, a tensor counts at most its storage's bytes: an expanded view reads what it expands."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -23,6 +24,7 @@ def byte_counter(counted=None):
             if not func.is_view and func._schema.name not in MOVES_NOTHING and (
                     counted is None or counted(func, args, out)):
                 tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-                self.total += sum(t.numel() * t.element_size() for t in tensors)
+                self.total += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) if storage
+                                  else t.numel() * t.element_size() for t in tensors)
             return out
     return ByteCounter()

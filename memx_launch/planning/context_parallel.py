@@ -34,7 +34,8 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.activations import kv_repeated, mlp_bytes
+from memx_launch.planning.activations import attention_recomputed, kv_repeated, mlp_bytes
+from memx_launch.planning.costmodel import p2p_time
 
 # The shortest per-rank sequence the search gives a CP degree: below it a ring step's
 # attention is too short to hide the transfer of its keys and values (Megatron's guidance is
@@ -77,11 +78,17 @@ def check_degree(cp, seq_len: int, flash_attention: bool) -> None:
         raise ConfigError("--cp", f"cp={cp} needs fused attention", "drop --no-flash-attention, or use --cp 1")
 
 
+def key_width(model, training) -> int:
+    """Width of the keys (and of the values) the attention kernel receives: the KV heads', the
+    query heads' where K and V are repeated to them (:func:`~memx_launch.planning.activations.kv_repeated`)."""
+    return model.q_hidden_size if kv_repeated(model, training) else model.kv_hidden_size
+
+
 def kv_chunk_bytes(model, training, mbs: int, seq_len: int, tp, cp: int):
     """Bytes of one ring transfer: the keys and values of one rank's seq/cp tokens, its TP
-    share of the KV heads (of the query heads where K and V are repeated to them)."""
-    width = model.q_hidden_size if kv_repeated(model, training) else model.kv_hidden_size
-    return 2.0 * mbs * (seq_len // cp) * width / np.asarray(tp, dtype=np.float64) * training.dtype_bytes
+    share of their heads (:func:`key_width`)."""
+    return 2.0 * mbs * (seq_len // cp) * key_width(model, training) / np.asarray(tp, dtype=np.float64) \
+        * training.dtype_bytes
 
 
 # HBM bytes torch's ring moves itself, beside the attention kernels and the collectives, on the
@@ -103,7 +110,7 @@ def ring_merge_bytes(model, training, mbs: int, seq_len: int, tp, cp: int, again
         return np.zeros(np.shape(again))
     tokens = mbs * (seq_len // cp) / np.asarray(tp, dtype=np.float64)
     queries = tokens * model.q_hidden_size
-    keys = tokens * (model.q_hidden_size if kv_repeated(model, training) else model.kv_hidden_size)
+    keys = tokens * key_width(model, training)
 
     def pass_bytes(table):
         (first_q, first_k), (step_q, step_k) = table
@@ -132,6 +139,22 @@ def ring_working_bytes(model, training, mbs: int, seq_len: int, tp, cp: int):
     tensors, which the layer's backward has freed before the attention's runs."""
     buffers = ring_buffer_bytes(kv_chunk_bytes(model, training, mbs, seq_len, tp, cp), cp, training)
     return np.maximum(buffers - mlp_bytes(model, training, mbs, seq_len // cp, tp), 0.0)
+
+
+def ring_layer_costs(model, training, mbs: int, seq_len: int, tp, cp: int, attention, ring_gbps, hbm_gbps,
+                     levels) -> tuple:
+    """(seconds, working bytes) context parallelism adds to one layer's micro-batch at ``levels``
+    beyond a seq/cp sequence: :func:`layer_seconds` of its ring over hops of ``ring_gbps``
+    (``attention``: the fused kernel's forward and backward seconds on one seq/cp chunk), the
+    ring's own traffic (:func:`ring_merge_bytes`) at the device's ``hbm_gbps``, and
+    :func:`ring_working_bytes`. The attention runs again where the recompute runs it (CP needs
+    the fused kernel)."""
+    chunk = kv_chunk_bytes(model, training, mbs, seq_len, tp, cp)
+    transfer, gradients = (p2p_time(chunk * share, ring_gbps) for share in (1.0, gradient_chunk_share(training)))
+    again = attention_recomputed(levels, model, training)
+    seconds = (layer_seconds(*attention, transfer, gradients, cp, again, training.cp_all_gather)
+               + ring_merge_bytes(model, training, mbs, seq_len, tp, cp, again) / (np.asarray(hbm_gbps) * 1e9))
+    return seconds, ring_working_bytes(model, training, mbs, seq_len, tp, cp)
 
 
 def layer_seconds(attention_forward, attention_backward, transfer_s, gradient_s, cp: int, again,

@@ -171,15 +171,10 @@ class Evaluator:
         t_layer, act, work = table.lookup(np.broadcast_to(device, np.shape(levels)), tp, mbs, seq // cp, levels)
         if cp == 1:
             return t_layer, act, work
-        forward, backward = table.attention(device, tp, mbs, seq // cp)
-        tr, gbps = self.training, layout.cp_gbps * self.cluster.link_efficiency
-        chunk = context_parallel.kv_chunk_bytes(self.model, tr, mbs, seq, tp, cp)
-        transfer = cm.p2p_time(chunk, gbps)
-        gradients = cm.p2p_time(chunk * context_parallel.gradient_chunk_share(tr), gbps)
-        again = cm.attention_recomputed(levels, self.model, tr)  # fused attention: CP needs it
-        merge_s = context_parallel.ring_merge_bytes(self.model, tr, mbs, seq, tp, cp, again) / (self.hbm_gbps[device] * 1e9)
-        extra = context_parallel.layer_seconds(forward, backward, transfer, gradients, cp, again, tr.cp_all_gather) + merge_s
-        return t_layer + extra, act, work + context_parallel.ring_working_bytes(self.model, tr, mbs, seq, tp, cp)
+        ring_s, ring_bytes = context_parallel.ring_layer_costs(
+            self.model, self.training, mbs, seq, tp, cp, table.attention(device, tp, mbs, seq // cp),
+            layout.cp_gbps * self.cluster.link_efficiency, self.hbm_gbps[device], levels)
+        return t_layer + ring_s, act, work + ring_bytes
 
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share) -> np.ndarray:
         m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
