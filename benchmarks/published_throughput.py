@@ -25,7 +25,8 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
   default: ``--fused-loss``), flash attention in Triton (``attn_impl: triton``, counted as
   FlashAttention 1: its forward is as fast as FA1's CUDA kernel and its backward slower),
   activation checkpointing of every block when the row says so. FSDP mixed precision ``PURE``
-  (bf16 weights gathered, bf16 gradients reduced) is memx's ``--setup zero3``; ``DEFAULT``
+  (bf16 weights gathered, bf16 gradients reduced) is memx's ``--setup zero3`` with torch FSDP's
+  units (``--max-live-params 0``: one all-gather per block) and MPT's fused ``Wqkv``; ``DEFAULT``
   (fp32 weights gathered, bf16 gradients) is ``--setup fsdp2``, which gathers in bf16 and
   reduces in fp32: the same bytes on the wire within 20%, overlapped with compute either way.
   Inter-node links: 1,600 Gb/s per A100 node (the table's heading: 25 GB/s per GPU); the H100
@@ -149,7 +150,8 @@ def narayanan() -> list[dict]:
 MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
               "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56),
               "70b": (80, 8192, 64)}
-MPT_SETUP = {"PURE": "zero3", "DEFAULT": "fsdp2"}
+# FSDP's PURE is ZeRO-3's state with torch's FSDP units: one all-gather per block, MPT's fused Wqkv.
+MPT_SETUP = {"PURE": dict(setup="zero3", max_live_params=0.0, fused_qkv=True), "DEFAULT": dict(setup="fsdp2")}
 
 
 def mpt(fused_loss: bool = True, table: str = "mpt_llm_foundry.csv") -> list[dict]:
@@ -165,7 +167,7 @@ def mpt(fused_loss: bool = True, table: str = "mpt_llm_foundry.csv") -> list[dic
             model = ModelSpec(f"mpt-{d['model']}", layers, hidden, heads, heads, 4 * hidden, 50368, seq,
                               gated_mlp=False, tie_embeddings=True)
             training = TrainingSpec(global_batch_size=batch, seq_len=seq, dtype="bf16",
-                                    setup=MPT_SETUP[d["fsdp_mixed_precision"]], flash_attention=True,
+                                    **MPT_SETUP[d["fsdp_mixed_precision"]], flash_attention=True,
                                     flash_attention_version=1, dropout=False, fused_loss=fused_loss,
                                     fp8="delayed" if d["precision"] == "amp_fp8" else None)
             recompute = "full" if d["activation_checkpointing"] == "True" else "none"

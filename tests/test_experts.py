@@ -99,7 +99,7 @@ def test_a_rank_holds_its_share_of_the_experts_and_shards_their_state_over_the_r
 def test_fully_sharded_experts_are_gathered_over_their_expert_data_parallel_group_only():
     from memx_launch.planning.data_parallel import fully_sharded_exposed_time
     from memx_launch.planning.model_states import fully_sharded_layer_params, rank_layer_params
-    training = _training(expert_parallel=8, setup="zero3")
+    training = _training(expert_parallel=8, setup="zero3", max_live_params=0.0)  # FSDP's units, bf16
     dense, experts = rank_layer_params(QWEN3, training, 1)
     assert experts == pytest.approx(QWEN3.expert_params / 8)
     # EP 8 over DP 8: each rank's experts are whole on it, nothing of theirs is gathered; over DP 16

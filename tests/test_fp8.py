@@ -165,9 +165,9 @@ def test_fp8_weights_replace_the_16_bit_ones_and_gather_in_one_byte():
     assert kept["parameters"] == pytest.approx(bf16["parameters"])
     assert current["parameters"] - kept["parameters"] == pytest.approx(MODEL.num_layers * 2 * layer / GIB)
     assert kept["optimizer_states"] == bf16["optimizer_states"]
-    # Fully sharded: each layer is gathered (and prefetched) in FP8 and transposed, 3 bytes a
-    # parameter against 4 for its 16-bit gathers and 2 more for their FP8 copies.
-    zero3 = dict(global_batch_size=64, seq_len=4096, setup="zero3", fp8="current")
+    # Fully sharded in FSDP's units: each layer is gathered (and prefetched) in FP8 and transposed,
+    # 3 bytes a parameter against 4 for its 16-bit gathers and 2 more for their FP8 copies.
+    zero3 = dict(global_batch_size=64, seq_len=4096, setup="zero3", max_live_params=0.0, fp8="current")
     plain, fp8_weights = (_estimate(TrainingSpec(**zero3, fp8_params=p), tp=1, dp=8).stages[0].memory_parts_gib
                           for p in (False, True))
     assert plain["parameters"] - fp8_weights["parameters"] == pytest.approx(3 * MODEL.layer_params / GIB)

@@ -184,6 +184,11 @@ def deepspeed_json(plan: Plan) -> ConfigText:
               "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
               "zero_optimization": {"stage": stage}}
     notes = []
+    if stage == 3 and tr.get("max_live_params"):  # the budget of gathered weights the plan counted
+        config["zero_optimization"]["stage3_max_live_parameters"] = int(tr["max_live_params"])
+    elif stage == 3:
+        notes.append("the plan priced one all-gather per block, as FSDP; DeepSpeed ZeRO-3 fetches each linear "
+                     "on its own: plan with --setup zero3 (--max-live-params 1e9) to predict it")
     level, recompute_notes = _strongest_recompute(plan, "DeepSpeed")
     notes += recompute_notes + _precision_notes(plan, "DeepSpeed")
     if level != "none":

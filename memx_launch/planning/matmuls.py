@@ -174,6 +174,18 @@ def linear_shapes(model, training, tp) -> list[tuple]:
     return [*attention, *mlp_shapes(model, training, tp)]
 
 
+def linear_module_params(model, training, tp) -> list:
+    """Parameters of each linear module of a block on one TP rank, as a framework that fetches
+    weights module by module sees them (DeepSpeed ZeRO-3): those of :func:`linear_shapes`, the
+    fused QKV as three modules where ``fused_qkv`` is off (Hugging Face's q, k and v projections)."""
+    shapes = linear_shapes(model, training, tp)
+    params = [n * k for n, k in shapes]
+    if model.has_attention and not model.kv_lora_rank and not training.fused_qkv and not mixer_projections(model):
+        kv = model.kv_hidden_size * shapes[0][1] / np.asarray(tp, dtype=np.float64)
+        params[:1] = [params[0] - 2.0 * kv, kv, kv]
+    return params
+
+
 def mlp_shapes(model, training, tp) -> list[tuple]:
     """(N, K) of the dense MLP's linears on one TP rank (a mixture of experts': its shared
     expert's; none without one): up (and gate: fused, or its own GEMM), then down."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from memx_launch.planning import quantization
 from memx_launch.planning.extra_blocks import other_kinds, stage_block_counts
-from memx_launch.planning.matmuls import linear_shapes
+from memx_launch.planning.matmuls import linear_module_params, linear_shapes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -165,8 +165,9 @@ def reduced_gradient_bytes(training: TrainingSpec) -> int:
 
 
 def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, pp: int = 1) -> float:
-    """FSDP / ZeRO-3: one layer's weights gathered in the compute dtype while the next is
-    prefetched, and one layer's unsharded gradient before its reduce-scatter. A stage that holds
+    """FSDP: one layer's weights gathered in the compute dtype while the next is prefetched (DeepSpeed
+    ZeRO-3, ``max_live_params``: its budget of gathered parameters, and the linear whose fetch crosses
+    it), and one layer's unsharded gradient before its reduce-scatter. A stage that holds
     its gathered weights (:func:`holds_weights`, counted in its model states) gathers nothing
     more; one that keeps its gradients through the step (:func:`keeps_gathered`) has a layer's
     fresh gradient wait in the weights' dtype to be added, where they accumulate in another."""
@@ -181,7 +182,14 @@ def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp, dp
     if keeps_gathered(training, pp):
         fresh = compute_weight_bytes(training)
         return 0.0, layer * (fresh if fresh != reduced_gradient_bytes(training) else 0.0)
-    gathered = 0.0 if holds_weights(training, pp) else layer * (2.0 * compute_weight_bytes(training))
+    if holds_weights(training, pp):
+        gathered = 0.0
+    elif training.max_live_params:  # DeepSpeed's budget, overshot by the linear that crosses it; at most the stage
+        largest = np.max(np.broadcast_arrays(*linear_module_params(model, training, tp)), axis=0)
+        gathered = np.minimum(training.max_live_params + largest, layer * model.num_layers / pp) \
+            * compute_weight_bytes(training)
+    else:  # one layer gathered while the next is prefetched
+        gathered = layer * (2.0 * compute_weight_bytes(training))
     return gathered, layer * training.precision_bytes("grad_dtype")
 
 

@@ -11,8 +11,11 @@ SETUPS: dict[str, dict] = {
                   vocab_parallel_loss=False, eager_block=True),
     "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
                   grad_dtype="training", vocab_parallel_loss=False, eager_block=True),
+    # zero3: DeepSpeed ZeRO-3 over a Hugging Face model (q, k, v and gate, up separate linears), each
+    # linear's weights fetched by an all-gather of its own, up to its default live budget gathered.
     "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
-                  vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True),
+                  vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True,
+                  max_live_params=1e9, fused_qkv=False, fused_gate_up=False),
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
                   overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
     # ddp: torch's DDP over a Hugging Face model under autocast (Accelerate, Lightning's "-mixed"),
@@ -70,4 +73,4 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        selective_recompute="attention", ddp_bucket_copy=False, grad_accumulation_pass=False,
                        cp_all_gather=False, repeat_kv=False,
                        overlap_p2p_comm=True,
-                       hold_gathered="pipelined", eager_block=False, fp8_weight_cache=True)
+                       hold_gathered="pipelined", max_live_params=0.0, eager_block=False, fp8_weight_cache=True)

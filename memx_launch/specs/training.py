@@ -103,11 +103,9 @@ class TrainingSpec:
     "training_moments" (fp32 master weights, 16-bit moments, 8 bytes: NVIDIA's DeepSeek-V3 recipes;
     ``bf16-moments``) or "training_no_master" (16-bit weights updated in place, 16-bit moments, 4
     bytes: torch's Adam on bf16 parameters, NeMo AutoModel's MoEs; ``bf16-no-master``). Default fp32."""
-    dropout: bool | None = None
-    """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. Default off."""
+    dropout: bool | None = None  # hidden dropout (GPT style): a 1-byte mask after attention and the MLP
     attention_dropout: bool | None = None
-    """Dropout on the attention probabilities: without fused attention its mask and output
-    (s x s each) are kept. Default off (OPT trains without it)."""
+    """Dropout on the attention probabilities: without fused attention its s x s mask and output are kept."""
     overlap_grad_reduce: bool | None = None
     """The data-parallel gradient reduction runs during the last micro-batch's backward (DDP
     buckets, FSDP, ZeRO-3, Megatron's --overlap-grad-reduce); off: after it. Default off."""
@@ -141,8 +139,7 @@ class TrainingSpec:
     attention; the backward sends dK and dV round the ring in fp32. Off: Transformer Engine's ring,
     one chunk a step behind the attention. Default off (``torchtitan``: on)."""
     repeat_kv: bool | None = None
-    """The attention kernel receives K and V repeated to the query heads (torchtitan's LLaMA): it
-    keeps them, and CP moves them, at the query width. Default off (``torchtitan``: on)."""
+    """K and V repeated to the query heads for the kernel (torchtitan's LLaMA), kept and moved by CP at that width."""
     checkpoint_early_stop: bool | None = None
     """Full recompute runs torch's non-reentrant checkpoint, which stops at the block's last saved
     tensor (``torch.utils.checkpoint``'s early stop, on by default: memx-run, torchtitan), the input
@@ -182,10 +179,8 @@ class TrainingSpec:
     ``--cross-entropy-loss-fusion``): only the 16-bit logits and their 16-bit gradient are held,
     2 x the training dtype per logit whatever ``loss_dtype`` says. Default off."""
     sp_keeps_gathered_input: bool | None = None
-    """With sequence parallelism, the column-parallel linears keep their all-gathered (whole
-    sequence) input for the backward, as when the norm gathers its output and autograd saves
-    it. Off: Megatron keeps the 1/TP shard and gathers it again in the backward (Korthikanti's
-    34/t). Default off."""
+    """With sequence parallelism, the column-parallel linears keep their all-gathered (whole sequence) input for
+    the backward. Off: Megatron keeps the 1/TP shard and gathers it again (Korthikanti's 34/t). Default off."""
     tp_comm_overlap: bool | None = None
     """Megatron's ``--tp-comm-overlap`` (Transformer Engine's userbuffers, with sequence
     parallelism): each TP all-gather and reduce-scatter runs in TP chunks behind the linear GEMM
@@ -225,6 +220,9 @@ class TrainingSpec:
     ``pipelined`` (weights and unsharded gradients from a step's first micro-batch to its last on a pipeline's
     stages, reduced after the last backward: FSDP2 under torch's pipelining) or ``always`` (one stage too:
     memx-run). Default pipelined (``zero3``: never)."""
+    max_live_params: float | None = None
+    """A fully sharded run fetches its weights as DeepSpeed ZeRO-3 does: one all-gather per linear, up to
+    this many parameters gathered at once (``stage3_max_live_parameters``). 0: FSDP's one gather per block."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
@@ -377,6 +375,8 @@ class TrainingSpec:
         if self.hold_gathered not in HOLD_GATHERED:
             raise ConfigError("--hold-gathered", f"unknown value {self.hold_gathered!r}",
                               f"use one of {', '.join(HOLD_GATHERED)}")
+        require_number(self.max_live_params, "--max-live-params", lo=0, hi=1e12,
+                       fix="give DeepSpeed's stage3_max_live_parameters, e.g. 1e9 (0: one gather per block)")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
         for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):

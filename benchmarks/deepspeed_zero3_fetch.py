@@ -1,0 +1,218 @@
+"""How DeepSpeed ZeRO-3 fetches a transformer's weights: its all-gathers per block and pass, its
+reduce-scatters and the most parameters it holds gathered at once, traced on this CPU.
+
+A LLaMA-style model of Hugging Face's module structure (RMSNorm, q, k, v and o projections,
+gate, up and down projections: seven linear modules a block) trains four steps under DeepSpeed
+ZeRO-3 on two CPU ranks (gloo, ``DS_ACCELERATOR=cpu``, fp32). A TorchDispatchMode records every
+c10d collective DeepSpeed issues, by pass, and at each one how many parameters are not in their
+partitioned state (gathered or in flight). The last step is read, once the coordinator has its
+trace and prefetches. Each budget runs at 12 and 24 blocks: the difference over 12 is what one
+more block costs, free of the embedding, the head and the step's edges.
+
+The budgets are DeepSpeed's, scaled by the block: ``stage3_prefetch_bucket_size``,
+``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` and ``reduce_bucket_size`` as the
+same multiple of one block's parameters as they are of a real model's block:
+
+- ``llama2_7b_defaults``: DeepSpeed's defaults (5e7, 1e9, 1e9, 5e8) over LLaMA-2 7B's block of
+  202.4M parameters;
+- ``llama2_70b_defaults``: the same over LLaMA-2 70B's block of 855.6M (the budget under 1.2 blocks);
+- ``huggingface_auto``: Hugging Face's ``auto`` values for hidden 4,096 (prefetch 0.9 h^2, reduce
+  bucket h^2) with the live budget of the defaults;
+- ``model_under_budget``: a model smaller than the live budget and the reuse distance (a
+  sub-billion model under the defaults).
+
+memx prices ZeRO-3 from this (``--max-live-params``, ``--setup zero3``): one all-gather per
+linear module a pass, and gathered weights up to the live budget plus the linear whose fetch
+crosses it; ``tests/test_deepspeed_fetch.py`` holds memx's counts to this file.
+
+Writes benchmarks/results/deepspeed_zero3_fetch.json.
+Run (DeepSpeed is not a memx dependency; a virtual environment of its own):
+  python -m venv /tmp/ds && /tmp/ds/bin/pip install torch==2.13.0 numpy psutil
+  DS_BUILD_OPS=0 /tmp/ds/bin/pip install --no-build-isolation deepspeed==0.19.8
+  DS_ACCELERATOR=cpu /tmp/ds/bin/python benchmarks/deepspeed_zero3_fetch.py   (about 3 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+
+OUT = os.path.join(HERE, "results", "deepspeed_zero3_fetch.json")
+HIDDEN, FFN, HEADS, VOCAB, SEQ = 256, 688, 4, 1000, 64  # FFN / HIDDEN as LLaMA-2 7B's 11008 / 4096
+MODULES = {"q_proj": HIDDEN * HIDDEN, "k_proj": HIDDEN * HIDDEN, "v_proj": HIDDEN * HIDDEN,
+           "o_proj": HIDDEN * HIDDEN, "gate_proj": HIDDEN * FFN, "up_proj": HIDDEN * FFN, "down_proj": FFN * HIDDEN}
+BLOCK = sum(MODULES.values()) + 2 * HIDDEN  # and its two norms
+LLAMA2_7B_BLOCK, LLAMA2_70B_BLOCK = 202_383_360, 855_654_400
+# (prefetch bucket, max live parameters, max reuse distance, reduce bucket), in blocks.
+BUDGETS = {
+    "llama2_7b_defaults": tuple(x / LLAMA2_7B_BLOCK for x in (5e7, 1e9, 1e9, 5e8)),
+    "llama2_70b_defaults": tuple(x / LLAMA2_70B_BLOCK for x in (5e7, 1e9, 1e9, 5e8)),
+    "huggingface_auto": tuple(x / LLAMA2_7B_BLOCK for x in (0.9 * 4096**2, 1e9, 1e9, 4096**2)),
+    "model_under_budget": (5e7 / LLAMA2_7B_BLOCK, 50.0, 50.0, 5e8 / LLAMA2_7B_BLOCK),
+}
+LAYERS = (12, 24)
+STEPS = 4
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+                                                              for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, HEADS, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(attention.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = (torch.nn.Linear(HIDDEN, FFN, bias=False) for _ in range(2))
+        self.down_proj = torch.nn.Linear(FFN, HIDDEN, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(torch.nn.Module):
+    """Hugging Face's LlamaDecoderLayer's module tree: its attention and MLP modules, each linear
+    a module of its own (DeepSpeed's hooks fire on every module, and each may prefetch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.self_attn = RMSNorm(), Attention()
+        self.post_attention_layernorm, self.mlp = RMSNorm(), MLP()
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, layers: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(layers))
+        self.norm = RMSNorm()
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(self.head(self.norm(x)).flatten(0, 1), ids.flatten())
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Each c10d collective of the last step, by pass, and the most parameters gathered at one."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.phase, self.counts, self.peak = model, None, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if self.phase and name.startswith("c10d."):
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+            key = f"{self.phase} {name.split('.')[1].strip('_')}"
+            self.counts[key] = self.counts.get(key, 0) + 1
+            gathered = sum(p.ds_numel for p in self.model.parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE)
+            self.peak = max(self.peak, gathered)
+        return func(*args, **(kwargs or {}))
+
+
+def run_rank(rank: int, layers: int, budget: tuple, port: int, out: str) -> None:
+    import deepspeed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    prefetch, live, reuse, reduce = (int(x * BLOCK) for x in budget)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": prefetch, "stage3_max_live_parameters": live,
+                                    "stage3_max_reuse_distance": reuse, "reduce_bucket_size": reduce},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = Model(layers)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    recorder = CollectiveRecorder(model)
+    with recorder:
+        for step in range(STEPS):
+            last = step == STEPS - 1
+            recorder.phase = "forward" if last else None
+            loss = engine(ids)
+            recorder.phase = "backward" if last else None
+            engine.backward(loss)
+            recorder.phase = None
+            engine.step()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"counts": recorder.counts, "peak_gathered_params": recorder.peak}, f)
+    dist.barrier()
+
+
+def trace(layers: int, budget: tuple, port: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "trace.json")
+        mp.spawn(run_rank, args=(layers, budget, port, out), nprocs=2)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    import deepspeed
+    results, port = {}, 29600
+    for name, budget in BUDGETS.items():
+        runs = {}
+        for layers in LAYERS:
+            port += 1
+            runs[layers] = trace(layers, budget, port)
+            print(f"{name} {layers} blocks: {runs[layers]}", flush=True)
+        few, many = (runs[n]["counts"] for n in LAYERS)
+        per_block = {key: (many.get(key, 0) - few.get(key, 0)) / (LAYERS[1] - LAYERS[0]) for key in many}
+        results[name] = {
+            "blocks_of_prefetch_bucket_live_reuse_reduce_bucket": [round(x, 4) for x in budget],
+            "per_block": per_block,
+            "last_step": {str(n): runs[n]["counts"] for n in LAYERS},
+            "peak_gathered_blocks": {str(n): round(runs[n]["peak_gathered_params"] / BLOCK, 4) for n in LAYERS}}
+    write_json_atomic(OUT, {
+        "what": "DeepSpeed ZeRO-3's collectives per block and pass, and its most parameters gathered, traced on CPU",
+        "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+        "model": {"hidden": HIDDEN, "ffn": FFN, "heads": HEADS, "vocab": VOCAB, "seq": SEQ, "block_params": BLOCK,
+                  "linear_modules": MODULES},
+        "budgets": results, "machine": machine_info()})
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""DeepSpeed ZeRO-3's weight fetches as memx prices them (``max_live_params``, ``--setup zero3``),
+held to DeepSpeed's own coordinator traced on CPU (``benchmarks/deepspeed_zero3_fetch.py`` ->
+``benchmarks/results/deepspeed_zero3_fetch.json``): one all-gather per linear module a pass, and
+at most the live budget gathered, with the linear whose fetch crosses it."""
+
+import json
+import os
+
+import pytest
+
+from memx_launch.planning.collectives import collective_seconds
+from memx_launch.planning.data_parallel import fully_sharded_exposed_time
+from memx_launch.planning.matmuls import linear_module_params
+from memx_launch.planning.model_states import fully_sharded_working_parts
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+
+RESULT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "deepspeed_zero3_fetch.json")
+with open(RESULT) as f:
+    TRACE = json.load(f)
+TRACED = TRACE["model"]
+BLOCK = TRACED["block_params"]
+# The budgets under which DeepSpeed releases and fetches again (the model outgrows them).
+BINDING = ("llama2_7b_defaults", "llama2_70b_defaults", "huggingface_auto")
+
+
+def traced_model(layers: int) -> ModelSpec:
+    return ModelSpec("traced", layers, TRACED["hidden"], TRACED["heads"], TRACED["heads"], TRACED["ffn"],
+                     TRACED["vocab"], TRACED["seq"])
+
+
+def test_zero3_counts_the_traced_models_linear_modules_as_hugging_face_builds_them():
+    modules = linear_module_params(traced_model(24), TrainingSpec(setup="zero3"), 1)
+    assert modules == pytest.approx(list(TRACED["linear_modules"].values()))
+    assert len(linear_module_params(traced_model(24), TrainingSpec(setup="megatron"), 1)) == 4  # fused QKV, gate-up
+
+
+@pytest.mark.parametrize("budget", BINDING)
+def test_each_linear_module_is_one_all_gather_a_pass_whatever_the_prefetch_bucket(budget):
+    per_block = TRACE["budgets"][budget]["per_block"]
+    modules = len(linear_module_params(traced_model(24), TrainingSpec(setup="zero3"), 1))
+    assert per_block["forward allgather_base"] == per_block["backward allgather_base"] == modules
+
+
+@pytest.mark.parametrize("budget", BINDING)
+def test_gathered_weights_are_the_live_budget_and_the_linear_that_crosses_it(budget):
+    traced = TRACE["budgets"][budget]
+    live_blocks = traced["blocks_of_prefetch_bucket_live_reuse_reduce_bucket"][1]
+    training = TrainingSpec(setup="zero3", max_live_params=live_blocks * BLOCK)
+    gathered, _ = fully_sharded_working_parts(traced_model(24), training, 1, 2)
+    predicted = float(gathered) / training.dtype_bytes / BLOCK
+    assert predicted == pytest.approx(traced["peak_gathered_blocks"]["24"], rel=0.08)
+    assert predicted > live_blocks
+
+
+def test_a_model_under_the_live_budget_stays_gathered_whole():
+    traced = TRACE["budgets"]["model_under_budget"]
+    assert "backward allgather_base" not in traced["last_step"]["24"]  # kept from the forward to the backward
+    training = TrainingSpec(setup="zero3", max_live_params=50 * BLOCK)
+    gathered, _ = fully_sharded_working_parts(traced_model(24), training, 1, 2)
+    blocks = float(gathered) / training.dtype_bytes / BLOCK
+    assert blocks == pytest.approx(24)  # the blocks; the trace's peak adds the embedding and head
+    assert traced["peak_gathered_blocks"]["24"] == pytest.approx(blocks, rel=0.05)
+
+
+def test_fsdp_units_gather_two_blocks_where_deepspeed_holds_its_budget():
+    fsdp = TrainingSpec(setup="zero3", max_live_params=0.0)
+    gathered, _ = fully_sharded_working_parts(traced_model(24), fsdp, 1, 2)
+    assert float(gathered) / fsdp.dtype_bytes == pytest.approx(2 * traced_model(24).layer_params)
+
+
+def test_per_linear_gathers_pay_a_latency_each_and_more_of_it_on_larger_rings():
+    model, training = ModelSpec("llama-7b-like", 32, 4096, 32, 32, 11008, 32000, 4096), TrainingSpec(setup="zero3")
+    modules = linear_module_params(model, training, 1)
+    layer = model.layer_params
+    args = (32 * layer, layer, 32, 0.0, training)  # no compute to hide behind: every collective shows
+
+    def extra(ranks, nodes):
+        split = float(fully_sharded_exposed_time(*args, ranks, 25.0, nodes, modules=modules))
+        whole = float(fully_sharded_exposed_time(*args, ranks, 25.0, nodes))
+        return split - whole
+
+    small, large = extra(64, 8), extra(1024, 128)
+    assert 0 < small < large
+    # At least six more all-gathers' latency per layer and pass than one gather of the layer.
+    one_step = float(collective_seconds("all_gather", 1.0, 1024, 25.0, 128))
+    assert large > 32 * 2 * 6 * one_step
+
+
+def test_deepspeed_export_writes_the_live_budget_the_plan_counted_and_notes_fsdp_units():
+    from memx_launch.planning.config_exports import deepspeed_json
+    from tests.test_exporters import make_plan
+
+    plan = make_plan(layers=(32,), recompute=("none",), devices=("vendor-x-32gb",), dp=8, mbs=2, gbs=64)
+    plan.training = TrainingSpec(setup="zero3").plan_fields()
+    config = deepspeed_json(plan)
+    zero = json.loads(config.text)["zero_optimization"]
+    assert zero == {"stage": 3, "stage3_max_live_parameters": 1_000_000_000}
+    assert not any("per block" in n for n in config.notes)
+    plan.training = TrainingSpec(setup="zero3", max_live_params=0.0).plan_fields()
+    config = deepspeed_json(plan)
+    assert "stage3_max_live_parameters" not in json.loads(config.text)["zero_optimization"]
+    assert any("one all-gather per block" in n and "--setup zero3" in n for n in config.notes)
