@@ -210,7 +210,7 @@ def main() -> None:
         "deepspeed": deepspeed.__version__, "torch": torch.__version__,
         "model": {"hidden": HIDDEN, "ffn": FFN, "heads": HEADS, "vocab": VOCAB, "seq": SEQ, "block_params": BLOCK,
                   "linear_modules": MODULES},
-        "budgets": results, "machine": machine_info()})
+        "budgets": results, "machine": machine_info()}, overwrite=True)
     print(f"wrote {OUT}")
 
 

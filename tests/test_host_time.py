@@ -139,3 +139,36 @@ def test_another_frameworks_block_issues_about_what_its_options_add_up_to():
         checked = COUNTED["hugging_face_llama"][attention]
         assert list(host_time.eager_block_ops(llama, training)) == checked["options_sum"]
         assert sum(checked["counted"]) == pytest.approx(sum(checked["options_sum"]), rel=0.15)
+
+
+DEEPSPEED = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "deepspeed_zero3_host.json")
+                       .read_text())
+
+
+def test_deepspeed_zero3_hooks_are_the_timed_ones_where_it_fetches_and_only_there():
+    """The constants are the file's: a linear module's hooks and the rest of a block's, forward and
+    backward; a Hugging Face LLaMA block (7 linear modules) and a fused one (4) add what was timed."""
+    for i, part in enumerate(("forward", "backward")):
+        timed = DEEPSPEED["hooks"][part]
+        assert host_time.DEEPSPEED_HOOK_HOST_S["per_linear_module"][i] * 1e6 == pytest.approx(
+            timed["per_linear_module_us"], rel=0.01)
+        assert host_time.DEEPSPEED_HOOK_HOST_S["rest_of_block"][i] * 1e6 == pytest.approx(
+            timed["rest_of_block_us"], rel=0.01)
+    for name, training in (("hf", TrainingSpec(setup="zero3")),
+                           ("fused", TrainingSpec(setup="zero3", fused_qkv=True, fused_gate_up=True))):
+        hooks = np.array(host_time.fetch_hook_seconds(LLAMA, training)) * 1e6
+        timed = DEEPSPEED["blocks"][name]["hook_us_per_block"]
+        assert hooks == pytest.approx([timed["forward"], timed["backward"]], rel=0.01)
+    for fsdp in (TrainingSpec(setup="zero3", max_live_params=0.0), TrainingSpec(setup="fsdp2"), TrainingSpec()):
+        assert host_time.fetch_hook_seconds(LLAMA, fsdp) == (0.0, 0.0)
+
+
+def test_deepspeed_zero3_hooks_add_to_an_eager_blocks_host_time_and_run_again_with_its_forward():
+    zero3, fsdp = TrainingSpec(setup="zero3"), TrainingSpec(setup="zero3", max_live_params=0.0)
+    hooks = host_time.fetch_hook_seconds(LLAMA, zero3)
+    assert host_time.default_block_host_seconds(LLAMA, zero3) - host_time.default_block_host_seconds(LLAMA, fsdp) \
+        == pytest.approx(sum(hooks))
+    block = host_time.default_block_host_seconds(LLAMA, zero3)
+    none, full = (float(host_time.layer_host_seconds(LLAMA, zero3, block, level)) for level in (cm.NONE, cm.FULL))
+    eager_forward = host_time.eager_block_ops(LLAMA, zero3)[0] * host_time.EAGER_OP_HOST_S
+    assert full - none == pytest.approx(eager_forward + hooks[0])  # the recompute's forward fires its hooks again

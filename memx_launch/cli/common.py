@@ -128,8 +128,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "pipelining: torchtitan, AutoModel; default) or always (one stage too: memx-run)")
     p.add_argument("--max-live-params", "--max_live_params", type=float_flag, metavar="N",
                    help="a fully sharded run fetches its weights as DeepSpeed ZeRO-3 does: one all-gather per "
-                        "linear, up to N parameters gathered at once (stage3_max_live_parameters; --setup zero3: "
-                        "1e9); 0: one gather per block, as FSDP (default)")
+                        "linear, up to N parameters gathered at once (stage3_max_live_parameters), its module hooks "
+                        "adding host time (--setup zero3: 1e9); 0: one gather per block, as FSDP (default)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
                    help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
                         "(torchtitan's op-level policy: all but the attention output and every other matmul's; "

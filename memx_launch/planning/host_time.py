@@ -11,6 +11,7 @@ import numpy as np
 
 from memx_launch.planning import experts
 from memx_launch.planning.activations import selective_modules
+from memx_launch.planning.matmuls import linear_module_params
 from memx_launch.planning.plan import FULL, SELECTIVE
 from memx_launch.specs.cluster import DeviceType
 from memx_launch.specs.model import ModelSpec
@@ -34,6 +35,11 @@ EAGER_BLOCK_OPS = {"base": (52, 94), "hidden_dropout": (8, 2), "attention_dropou
                    "flash_attention": (-13, -26), "torch_norm": (16, 34)}
 # The MLP's own ops by (gated, biased): a mixture of experts issues its MoE layer's instead.
 EAGER_MLP_OPS = {(False, True): (13, 29), (False, False): (11, 23), (True, True): (16, 32), (True, False): (14, 26)}
+# Host seconds DeepSpeed ZeRO-3's module hooks add to a block, (forward, backward), on the same kind
+# of core: each linear module's fetch and release, and the rest of the block's hooks (its norms',
+# attention's, MLP's and its own), timed under DeepSpeed 0.19.8 on blocks of 7 and 4 linear modules
+# (benchmarks/results/deepspeed_zero3_host.json).
+DEEPSPEED_HOOK_HOST_S = {"per_linear_module": (211e-6, 186e-6), "rest_of_block": (749e-6, 454e-6)}
 
 
 def eager_block_ops(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
@@ -54,10 +60,32 @@ def eager_block_ops(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]
     return forward, backward
 
 
+def fetch_hook_seconds(model: ModelSpec, training: TrainingSpec) -> tuple[float, float]:
+    """(forward, backward) host seconds DeepSpeed ZeRO-3's module hooks add to a block, where a
+    fully sharded run fetches its weights as it does (``max_live_params``): its linear modules'
+    (:func:`~memx_launch.planning.matmuls.linear_module_params`) and the rest of the block's."""
+    if not (training.fully_sharded and training.max_live_params):
+        return 0.0, 0.0
+    linears = len(linear_module_params(model, training, 1))
+    per, rest = DEEPSPEED_HOOK_HOST_S["per_linear_module"], DEEPSPEED_HOOK_HOST_S["rest_of_block"]
+    return rest[0] + linears * per[0], rest[1] + linears * per[1]
+
+
+def default_block_host_parts(model: ModelSpec, training: TrainingSpec) -> tuple[float, float]:
+    """(forward, backward) host seconds of a block where nothing measured it: an eager block's ops
+    at an eager op's host time (``--eager-block``), else half a fused block's launches each, and
+    DeepSpeed ZeRO-3's hooks where it fetches (:func:`fetch_hook_seconds`)."""
+    if training.eager_block:
+        forward, backward = (ops * EAGER_OP_HOST_S for ops in eager_block_ops(model, training))
+    else:
+        forward = backward = FUSED_BLOCK_HOST_S / 2.0
+    hooks = fetch_hook_seconds(model, training)
+    return forward + hooks[0], backward + hooks[1]
+
+
 def default_block_host_seconds(model: ModelSpec, training: TrainingSpec) -> float:
-    """A block's host time where nothing measured it: an eager block's ops at an eager op's
-    host time (``--eager-block``), else a fused block's launches."""
-    return sum(eager_block_ops(model, training)) * EAGER_OP_HOST_S if training.eager_block else FUSED_BLOCK_HOST_S
+    """A block's host time where nothing measured it (:func:`default_block_host_parts`)."""
+    return sum(default_block_host_parts(model, training))
 
 
 def block_host_seconds(device_type: DeviceType, model: ModelSpec, training: TrainingSpec) -> float:
@@ -76,11 +104,9 @@ def moe_forward_again(model: ModelSpec, training: TrainingSpec, recompute) -> np
 
 
 def block_forward_share(model: ModelSpec, training: TrainingSpec) -> float:
-    """Share of a block's host time its forward takes: an eager block's forward ops of all it
-    issues, half of a fused block's."""
-    if not training.eager_block:
-        return 0.5
-    forward, backward = eager_block_ops(model, training)
+    """Share of a block's host time its forward takes (:func:`default_block_host_parts`): an eager
+    block's forward ops of all it issues, half of a fused block's, with ZeRO-3's forward hooks."""
+    forward, backward = default_block_host_parts(model, training)
     return forward / (forward + backward)
 
 

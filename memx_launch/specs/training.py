@@ -221,8 +221,8 @@ class TrainingSpec:
     stages, reduced after the last backward: FSDP2 under torch's pipelining) or ``always`` (one stage too:
     memx-run). Default pipelined (``zero3``: never)."""
     max_live_params: float | None = None
-    """A fully sharded run fetches its weights as DeepSpeed ZeRO-3 does: one all-gather per linear, up to
-    this many parameters gathered at once (``stage3_max_live_parameters``). 0: FSDP's one gather per block."""
+    """A fully sharded run fetches its weights as DeepSpeed ZeRO-3 does: one all-gather per linear, up to this
+    many parameters gathered at once (``stage3_max_live_parameters``), its module hooks' host time. 0: FSDP's units."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
