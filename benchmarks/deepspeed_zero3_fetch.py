@@ -70,46 +70,65 @@ STEPS = 4
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, hidden: int):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
+def linear(n_in: int, n_out: int) -> torch.nn.Linear:
+    return torch.nn.Linear(n_in, n_out, bias=False)
+
+
 class Attention(torch.nn.Module):
-    def __init__(self):
+    """q, k, v and o projections, each a module; ``fused``: one QKV module."""
+
+    def __init__(self, hidden: int, heads: int, fused: bool):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
-                                                              for _ in range(4))
+        self.heads, self.fused = heads, fused
+        if fused:
+            self.qkv_proj = linear(hidden, 3 * hidden)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (linear(hidden, hidden) for _ in range(3))
+        self.o_proj = linear(hidden, hidden)
 
     def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, HEADS, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        b, s, h = x.shape
+        qkv = self.qkv_proj(x).chunk(3, -1) if self.fused else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in qkv)
         attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(attention.transpose(1, 2).reshape(b, s, HIDDEN))
+        return self.o_proj(attention.transpose(1, 2).reshape(b, s, h))
 
 
 class MLP(torch.nn.Module):
-    def __init__(self):
+    """SwiGLU's gate, up and down projections, each a module, and its activation; ``fused``: one
+    gate-up module."""
+
+    def __init__(self, hidden: int, ffn: int, fused: bool):
         super().__init__()
-        self.gate_proj, self.up_proj = (torch.nn.Linear(HIDDEN, FFN, bias=False) for _ in range(2))
-        self.down_proj = torch.nn.Linear(FFN, HIDDEN, bias=False)
+        self.fused = fused
+        if fused:
+            self.gate_up_proj = linear(hidden, 2 * ffn)
+        else:
+            self.gate_proj, self.up_proj = linear(hidden, ffn), linear(hidden, ffn)
+        self.down_proj = linear(ffn, hidden)
         self.act_fn = torch.nn.SiLU()
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, -1) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class Block(torch.nn.Module):
     """Hugging Face's LlamaDecoderLayer's module tree: its attention and MLP modules, each linear
     a module of its own (DeepSpeed's hooks fire on every module, and each may prefetch)."""
 
-    def __init__(self):
+    def __init__(self, hidden: int, ffn: int, heads: int, fused: bool):
         super().__init__()
-        self.input_layernorm, self.self_attn = RMSNorm(), Attention()
-        self.post_attention_layernorm, self.mlp = RMSNorm(), MLP()
+        self.input_layernorm, self.self_attn = RMSNorm(hidden), Attention(hidden, heads, fused)
+        self.post_attention_layernorm, self.mlp = RMSNorm(hidden), MLP(hidden, ffn, fused)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -117,12 +136,13 @@ class Block(torch.nn.Module):
 
 
 class Model(torch.nn.Module):
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, hidden: int = HIDDEN, ffn: int = FFN, heads: int = HEADS, vocab: int = VOCAB,
+                 fused: bool = False):
         super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.layers = torch.nn.ModuleList(Block() for _ in range(layers))
-        self.norm = RMSNorm()
-        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(Block(hidden, ffn, heads, fused) for _ in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.head = linear(hidden, vocab)
 
     def forward(self, ids):
         x = self.embed(ids)

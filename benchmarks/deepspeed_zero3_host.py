@@ -8,7 +8,9 @@ block or micro-batch the host, not the accelerator, sets the pace.
 A LLaMA block of Hugging Face's module tree (``hf``: q, k, v, o, gate, up and down projections,
 7 linear modules) and the same block with fused QKV and gate-up linears (``fused``: 4) run
 forward and backward under DeepSpeed on one CPU rank (gloo, ``DS_ACCELERATOR=cpu``, one thread,
-shapes so small that the host's work is all there is and no collective waits for another rank):
+shapes so small that the host's work is all there is and no collective waits for another rank;
+DeepSpeed's default budgets as a share of LLaMA-2 7B's block, so that it releases and fetches
+every module as a model larger than its budget does):
 ZeRO stage 1 (no hooks on the modules) and stage 3. Each is timed at 8 and 16 blocks (the least of
 60 steps after warm-up, in two processes); the difference over 8 is one block's host time, forward and backward,
 and ZeRO-3's excess over stage 1 is its hooks'. The two blocks give the hooks' seconds per linear
@@ -43,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.deepspeed_zero3_fetch import BUDGETS, Model  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 
@@ -51,78 +54,9 @@ HIDDEN, FFN, HEADS, VOCAB, SEQ = 32, 86, 2, 64, 8
 LAYERS = (8, 16)
 WARMUP, STEPS, REPEATS = 5, 60, 2
 LINEAR_MODULES = {"hf": 7, "fused": 4}
-
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-def linear(n_in: int, n_out: int) -> torch.nn.Linear:
-    return torch.nn.Linear(n_in, n_out, bias=False)
-
-
-class Attention(torch.nn.Module):
-    def __init__(self, fused: bool):
-        super().__init__()
-        self.fused = fused
-        if fused:
-            self.qkv_proj = linear(HIDDEN, 3 * HIDDEN)
-        else:
-            self.q_proj, self.k_proj, self.v_proj = (linear(HIDDEN, HIDDEN) for _ in range(3))
-        self.o_proj = linear(HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        qkv = self.qkv_proj(x).chunk(3, -1) if self.fused else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q, k, v = (t.reshape(b, s, HEADS, -1).transpose(1, 2) for t in qkv)
-        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(attention.transpose(1, 2).reshape(b, s, HIDDEN))
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, fused: bool):
-        super().__init__()
-        self.fused = fused
-        if fused:
-            self.gate_up_proj = linear(HIDDEN, 2 * FFN)
-        else:
-            self.gate_proj, self.up_proj = linear(HIDDEN, FFN), linear(HIDDEN, FFN)
-        self.down_proj = linear(FFN, HIDDEN)
-        self.act_fn = torch.nn.SiLU()
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, -1) if self.fused else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(self.act_fn(gate) * up)
-
-
-class Block(torch.nn.Module):
-    def __init__(self, fused: bool):
-        super().__init__()
-        self.input_layernorm, self.self_attn = RMSNorm(), Attention(fused)
-        self.post_attention_layernorm, self.mlp = RMSNorm(), MLP(fused)
-
-    def forward(self, x):
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Model(torch.nn.Module):
-    def __init__(self, layers: int, fused: bool):
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.layers = torch.nn.ModuleList(Block(fused) for _ in range(layers))
-        self.head = linear(HIDDEN, VOCAB)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+# DeepSpeed's default budgets over LLaMA-2 7B's block, scaled to this block: it fetches and releases
+# every module's weights, as a model larger than its live budget does.
+BUDGET = BUDGETS["llama2_7b_defaults"]
 
 
 class OpCounter(TorchDispatchMode):
@@ -140,15 +74,19 @@ def run_rank(rank: int, layers: int, fused: bool, stage: int, port: int, out: st
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
+    block = sum(p.numel() for p in Model(1, HIDDEN, FFN, HEADS, VOCAB, fused).layers.parameters())
+    prefetch, live, reuse, reduce = (int(x * block) for x in BUDGET)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": prefetch, "stage3_max_live_parameters": live,
+                                    "stage3_max_reuse_distance": reuse, "reduce_bucket_size": reduce},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
     torch.manual_seed(0)
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = Model(layers, fused)
+            model = Model(layers, HIDDEN, FFN, HEADS, VOCAB, fused)
     else:
-        model = Model(layers, fused)
+        model = Model(layers, HIDDEN, FFN, HEADS, VOCAB, fused)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     ids = torch.randint(0, VOCAB, (1, SEQ))
     forward, backward = [], []

@@ -39,7 +39,7 @@ EAGER_MLP_OPS = {(False, True): (13, 29), (False, False): (11, 23), (True, True)
 # of core: each linear module's fetch and release, and the rest of the block's hooks (its norms',
 # attention's, MLP's and its own), timed under DeepSpeed 0.19.8 on blocks of 7 and 4 linear modules
 # (benchmarks/results/deepspeed_zero3_host.json).
-DEEPSPEED_HOOK_HOST_S = {"per_linear_module": (211e-6, 186e-6), "rest_of_block": (749e-6, 454e-6)}
+DEEPSPEED_HOOK_HOST_S = {"per_linear_module": (166e-6, 98e-6), "rest_of_block": (1352e-6, 1302e-6)}
 
 
 def eager_block_ops(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:

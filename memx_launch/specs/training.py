@@ -375,7 +375,7 @@ class TrainingSpec:
         if self.hold_gathered not in HOLD_GATHERED:
             raise ConfigError("--hold-gathered", f"unknown value {self.hold_gathered!r}",
                               f"use one of {', '.join(HOLD_GATHERED)}")
-        require_number(self.max_live_params, "--max-live-params", lo=0, hi=1e12,
+        require_number(self.max_live_params, "--max-live-params", lo=0, hi=10**12,
                        fix="give DeepSpeed's stage3_max_live_parameters, e.g. 1e9 (0: one gather per block)")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
