@@ -1,0 +1,93 @@
+"""What DeepSpeed ZeRO-3's way of fetching weights costs against FSDP's units, as memx prices them.
+
+Both shard the same state; they differ in how they fetch it (docs/setups.md, ``--max-live-params``):
+FSDP gathers a block in one all-gather with the next one prefetched; DeepSpeed ZeRO-3 gathers each
+linear module in an all-gather of its own, each paying its ring's latency, holds up to its live
+budget gathered, and its module hooks cost the host time of their own
+(``benchmarks/deepspeed_zero3_fetch.py`` and ``deepspeed_zero3_host.py`` measured both under
+DeepSpeed). This script asks ``memx estimate``'s path for LLaMA-2 7B, 13B and 70B on DGX A100 nodes
+(8 HDR NICs a node), pure data parallelism with full recompute, sequence 2,048, one micro-batch a
+step, at 8 to 1,536 GPUs, with ``--setup zero3`` (DeepSpeed) and with ``--setup zero3
+--max-live-params 0`` (FSDP's units): the step times, their ratio and each one's peak memory.
+Predictions, not measurements: no run here checks them.
+
+Writes benchmarks/results/zero3_fetch_cost.json and the plot zero3_fetch_cost.png.
+Run: .venv/bin/python benchmarks/zero3_fetch_cost.py   (seconds)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.common import dgx_cluster  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.planning.estimate import evaluate_layout  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
+from memx_launch.specs.training import TrainingSpec  # noqa: E402
+
+OUT = os.path.join(ROOT, "benchmarks", "results", "zero3_fetch_cost.json")
+PLOT = os.path.join(ROOT, "benchmarks", "results", "zero3_fetch_cost.png")
+MODELS = ("llama2-7b", "llama2-13b", "llama2-70b")
+GPUS = (8, 64, 256, 768, 1536)
+MICRO_BATCHES = (1, 4)
+SEQ = 2048
+
+
+def predicted(model, gpus: int, mbs: int, max_live_params: float) -> dict:
+    training = TrainingSpec(global_batch_size=gpus * mbs, seq_len=SEQ, dtype="bf16", setup="zero3",
+                            max_live_params=max_live_params)
+    plan = evaluate_layout(model, dgx_cluster("a100_80gb", gpus), training, references=(1.0, 1.0, 1.0), tp=1, pp=1,
+                           dp=gpus, micro_batch_size=mbs, layers_per_stage=[model.num_layers], recompute="full")
+    return {"step_s": round(plan.predicted_iteration_time_s, 4),
+            "peak_gib": round(plan.stages[0].predicted_peak_memory_gib, 2)}
+
+
+def main() -> None:
+    rows = []
+    for name in MODELS:
+        model = get_model(name)
+        for mbs in MICRO_BATCHES:
+            for gpus in GPUS:
+                deepspeed, fsdp = predicted(model, gpus, mbs, 1e9), predicted(model, gpus, mbs, 0.0)
+                rows.append({"model": name, "gpus": gpus, "micro_batch": mbs, "deepspeed": deepspeed, "fsdp_units": fsdp,
+                             "step_ratio": round(deepspeed["step_s"] / fsdp["step_s"], 3)})
+                print(rows[-1], flush=True)
+    write_json_atomic(OUT, {"what": "memx's predicted step time and peak of DeepSpeed ZeRO-3's fetching against "
+                                    "FSDP's units (--setup zero3 with --max-live-params 1e9 and 0)",
+                            "setup": {"cluster": "DGX A100 nodes of 8, 8 x 200 Gb/s NICs", "seq_len": SEQ,
+                                      "recompute": "full", "layout": "tp 1, pp 1, dp = GPUs, one micro-batch a step"},
+                            "rows": rows, "machine": machine_info()}, overwrite=True)
+    plot(rows, PLOT)
+    print(f"wrote {OUT} and {PLOT}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """DeepSpeed's step over FSDP's by GPUs, one line per model and micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memx_launch.planning.report import save_png_atomic
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for colour, name in zip(plt.cm.tab10.colors, MODELS):
+        for mbs, style in zip(MICRO_BATCHES, ("-", "--")):
+            line = [r for r in rows if r["model"] == name and r["micro_batch"] == mbs]
+            ax.plot([r["gpus"] for r in line], [r["step_ratio"] for r in line], style, marker="o", color=colour,
+                    label=f"{name}, micro-batch {mbs}")
+    ax.set(xscale="log", xlabel="GPUs (data parallel, A100 DGX nodes)", ylabel="step time, DeepSpeed / FSDP units",
+           title="ZeRO-3: fetched per linear (DeepSpeed) over per block (FSDP), memx")
+    ax.axhline(1.0, color="0.5", lw=1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_png_atomic(fig, path)
+
+
+if __name__ == "__main__":
+    main()
