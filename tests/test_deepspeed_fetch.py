@@ -101,3 +101,20 @@ def test_deepspeed_export_writes_the_live_budget_the_plan_counted_and_notes_fsdp
     config = deepspeed_json(plan)
     assert "stage3_max_live_parameters" not in json.loads(config.text)["zero_optimization"]
     assert any("one all-gather per block" in n and "--setup zero3" in n for n in config.notes)
+
+
+def test_a_search_over_stages_of_different_tp_prices_each_stages_linear_gathers():
+    """The per-linear gathers broadcast over a search's stages (TP per stage, two vendors' nodes),
+    and its fastest plan is no faster than FSDP's units' (more gathers, more host time, and for
+    LLaMA-2 7B more weights gathered, so no layout fits that did not)."""
+    from memx_launch.planning.search import search
+    from memx_launch.specs.catalog import get_model
+    from memx_launch.specs.cluster import ClusterSpec
+
+    cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
+                                                 "table1-2vendor.yaml"))
+    model = get_model("llama2-7b")
+    deepspeed, fsdp = (search(model, cluster, TrainingSpec(global_batch_size=64, seq_len=4096, setup="zero3",
+                                                           max_live_params=live), top_k=1).fastest
+                       for live in (1e9, 0.0))
+    assert deepspeed.predicted_iteration_time_s >= fsdp.predicted_iteration_time_s
