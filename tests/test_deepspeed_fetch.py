@@ -1,15 +1,17 @@
 """DeepSpeed ZeRO-3's weight fetches as memx prices them (``max_live_params``, ``--setup zero3``),
 held to DeepSpeed's own coordinator traced on CPU (``benchmarks/deepspeed_zero3_fetch.py`` ->
-``benchmarks/results/deepspeed_zero3_fetch.json``): one all-gather per linear module a pass, and
-at most the live budget gathered, with the linear whose fetch crosses it."""
+``benchmarks/results/deepspeed_zero3_fetch.json``): one all-gather per linear module a pass, at
+most the live budget gathered, with the linear whose fetch crosses it, and the gradients
+reduce-scattered a bucket at a time."""
 
 import json
 import os
 
+import numpy as np
 import pytest
 
 from memx_launch.planning.collectives import collective_seconds
-from memx_launch.planning.data_parallel import fully_sharded_exposed_time
+from memx_launch.planning.data_parallel import bucketed_reduce_seconds, deepspeed_fetches, fully_sharded_exposed_time
 from memx_launch.planning.matmuls import linear_module_params
 from memx_launch.planning.model_states import fully_sharded_working_parts
 from memx_launch.specs.model import ModelSpec
@@ -53,6 +55,17 @@ def test_gathered_weights_are_the_live_budget_and_the_linear_that_crosses_it(bud
     assert predicted > live_blocks
 
 
+@pytest.mark.parametrize("budget", [*BINDING, "model_under_budget"])
+def test_gradients_are_reduce_scattered_a_bucket_at_a_time_as_traced(budget):
+    traced = TRACE["budgets"][budget]
+    bucket = traced["blocks_of_prefetch_bucket_live_reuse_reduce_bucket"][3] * BLOCK
+    _, gradients = deepspeed_fetches(traced_model(24), TrainingSpec(setup="zero3"), 1)
+    assert sum(gradients) == pytest.approx(BLOCK)
+    flushes = float(bucketed_reduce_seconds(gradients, bucket, lambda n: (np.asarray(n) > 0) * 1.0))
+    # A bucket spans blocks where it holds more than one: the trace's 5 or 11 over 12 or 24 blocks.
+    assert flushes == pytest.approx(traced["per_block"]["backward reduce_scatter_base"], rel=0.04)
+
+
 def test_a_model_under_the_live_budget_stays_gathered_whole():
     traced = TRACE["budgets"]["model_under_budget"]
     assert "backward allgather_base" not in traced["last_step"]["24"]  # kept from the forward to the backward
@@ -71,7 +84,7 @@ def test_fsdp_units_gather_two_blocks_where_deepspeed_holds_its_budget():
 
 def test_per_linear_gathers_pay_a_latency_each_and_more_of_it_on_larger_rings():
     model, training = ModelSpec("llama-7b-like", 32, 4096, 32, 32, 11008, 32000, 4096), TrainingSpec(setup="zero3")
-    modules = linear_module_params(model, training, 1)
+    modules = deepspeed_fetches(model, training, 1)
     layer = model.layer_params
     args = (32 * layer, layer, 32, 0.0, training)  # no compute to hide behind: every collective shows
 
@@ -95,7 +108,9 @@ def test_deepspeed_export_writes_the_live_budget_the_plan_counted_and_notes_fsdp
     plan.training = TrainingSpec(setup="zero3").plan_fields()
     config = deepspeed_json(plan)
     zero = json.loads(config.text)["zero_optimization"]
-    assert zero == {"stage": 3, "stage3_max_live_parameters": 1_000_000_000}
+    assert zero == {"stage": 3, "stage3_max_live_parameters": 1_000_000_000, "reduce_bucket_size": 500_000_000}
+    plan.training = TrainingSpec(setup="zero3", reduce_bucket_params=4096**2).plan_fields()
+    assert json.loads(deepspeed_json(plan).text)["zero_optimization"]["reduce_bucket_size"] == 4096**2
     assert not any("per block" in n for n in config.notes)
     plan.training = TrainingSpec(setup="zero3", max_live_params=0.0).plan_fields()
     config = deepspeed_json(plan)

@@ -130,6 +130,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="a fully sharded run fetches its weights as DeepSpeed ZeRO-3 does: one all-gather per "
                         "linear, up to N parameters gathered at once (stage3_max_live_parameters), its module hooks "
                         "adding host time (--setup zero3: 1e9); 0: one gather per block, as FSDP (default)")
+    p.add_argument("--reduce-bucket-params", "--reduce_bucket_params", type=float_flag, metavar="N",
+                   help="with --max-live-params: the gradients reduce-scattered in buckets of N parameters "
+                        "(DeepSpeed's reduce_bucket_size; default 5e8; Hugging Face's auto: hidden^2)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
                    help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
                         "(torchtitan's op-level policy: all but the attention output and every other matmul's; "

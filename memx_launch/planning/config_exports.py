@@ -184,8 +184,9 @@ def deepspeed_json(plan: Plan) -> ConfigText:
               "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
               "zero_optimization": {"stage": stage}}
     notes = []
-    if stage == 3 and tr.get("max_live_params"):  # the budget of gathered weights the plan counted
-        config["zero_optimization"]["stage3_max_live_parameters"] = int(tr["max_live_params"])
+    if stage == 3 and tr.get("max_live_params"):  # the budget of gathered weights and the buckets the plan counted
+        config["zero_optimization"].update(stage3_max_live_parameters=int(tr["max_live_params"]),
+                                           reduce_bucket_size=int(tr.get("reduce_bucket_params") or 5e8))
     elif stage == 3:
         notes.append("the plan priced one all-gather per block, as FSDP; DeepSpeed ZeRO-3 fetches each linear "
                      "on its own: plan with --setup zero3 (--max-live-params 1e9) to predict it")

@@ -8,7 +8,7 @@ import numpy as np
 
 from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds, overlapped_exposed_seconds
 from memx_launch.planning import quantization
-from memx_launch.planning.matmuls import linear_module_params
+from memx_launch.planning.matmuls import linear_module_params, mlp_shapes
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, compute_weight_bytes,
                                                expert_data_parallel, expert_parameters_per_rank, keeps_gathered,
                                                rank_layer_params, reduced_gradient_bytes)
@@ -42,7 +42,7 @@ def stage_gradient_sync(model: ModelSpec, training: TrainingSpec, layout, layers
     expert_dp = expert_data_parallel(training, tp, layout.dp_cp)
     if training.fully_sharded:
         dense, experts = rank_layer_params(model, training, tp)
-        modules = linear_module_params(model, training, tp) if training.max_live_params else None
+        modules = deepspeed_fetches(model, training, tp) if training.max_live_params else None
         units = (stage_params, dense + experts, layers, stage_time, training, *link, sm_share, experts, expert_dp,
                  modules)
         if keeps_gathered(training, layout.pp):  # gathered once a step and reduced after the last backward
@@ -105,9 +105,9 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     data parallel group of ``expert_dp`` ranks instead, on the same links, spread over as many
     nodes as it has ranks up to the DP group's (EP is the inner dimension of the rank order).
     Weights held from the forward to the backward (``hold_gathered`` weights) are gathered once.
-    DeepSpeed ZeRO-3 gathers a layer's dense weights in one all-gather per linear module, of
-    ``modules`` parameters each (:func:`~memx_launch.planning.matmuls.linear_module_params`), each
-    paying its own latency; None: the layer in one."""
+    DeepSpeed ZeRO-3 (``modules``, :func:`deepspeed_fetches`) gathers a layer's dense weights in one
+    all-gather per linear module, each paying its own latency, and reduce-scatters its gradients in
+    buckets; None: the layer in one of each."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
                                             expert_params, expert_dp, modules)
     gathers = 1.0 if training.hold_gathered == "weights" else 2.0
@@ -134,10 +134,39 @@ def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time,
     return overlapped_exposed_seconds(gathers, stage_time / 3.0, sm_share) + dense[0] + expert[0] + reduces
 
 
+def deepspeed_fetches(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
+    """(linear modules' parameters, gradients in the order the backward reaches them) of a block on
+    a TP rank, as DeepSpeed ZeRO-3 fetches and reduces them: one all-gather per linear module
+    (:func:`~memx_launch.planning.matmuls.linear_module_params`; a norm's rides with a linear's), and
+    each weight's gradient, the norms' too, added to the reduce bucket as its backward ends: the
+    MLP's linears, the second norm, attention's linears, the first norm (traced:
+    ``benchmarks/results/deepspeed_zero3_fetch.json``)."""
+    modules = linear_module_params(model, training, tp)
+    mlp = len(mlp_shapes(model, training, tp))
+    norm = [float(model.norm_params)] * (model.norms_per_block > 1)
+    backward = [*modules[::-1][:mlp], *norm, *modules[::-1][mlp:], float(model.norm_params)]
+    return modules, backward
+
+
+def bucketed_reduce_seconds(gradients, bucket: float, seconds) -> np.ndarray:
+    """Seconds a block's reduce-scatters take where gradients fill buckets of ``bucket`` parameters
+    in ``gradients``' order and a bucket is reduced (``seconds`` of its parameters) before one that
+    would overflow it is added (DeepSpeed's ``__add_grad_to_ipg_bucket``): a block smaller than a
+    bucket pays its share of one full bucket's, a larger one each bucket it fills, its last with it."""
+    gradients = np.broadcast_arrays(*(np.asarray(g, dtype=np.float64) for g in gradients))
+    total = sum(gradients)
+    fill, spent = np.zeros_like(total), np.zeros_like(total)
+    for gradient in gradients:
+        flush = (fill > 0) & (fill + gradient > bucket)
+        spent = spent + np.where(flush, seconds(fill), 0.0)
+        fill = np.where(flush, gradient, fill + gradient)
+    return np.where(total <= bucket, total / bucket * seconds(np.full_like(total, bucket)), spent + seconds(fill))
+
+
 def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec, dp, gbps, nodes, hop,
                       expert_params, expert_dp, modules=None) -> tuple:
-    """(all-gather, reduce-scatter) seconds of a layer's dense unit (gathered in one collective, or
-    one per linear module of ``modules`` parameters), of its routed experts' and of the stage's
+    """(all-gather, reduce-scatter) seconds of a layer's dense unit (one collective of each, or
+    DeepSpeed's, ``modules`` of :func:`deepspeed_fetches`), of its routed experts' and of the stage's
     other parameters (the units of :func:`fully_sharded_exposed_time`)."""
     layer_params = np.asarray(layer_params, dtype=np.float64)
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64)
@@ -146,11 +175,17 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
     def gather_seconds(params, ranks, spanned):
         return collective_seconds("all_gather", params * compute_weight_bytes(training), ranks, gbps, spanned, hop)
 
-    def unit_seconds(params, ranks, spanned, pieces=None):
-        gather = gather_seconds(params, ranks, spanned) if pieces is None \
-            else sum(gather_seconds(piece, ranks, spanned) for piece in pieces)
-        return gather, collective_seconds("reduce_scatter", params * reduced_gradient_bytes(training), ranks, gbps,
-                                          spanned, hop)
+    def reduce_seconds(params, ranks, spanned):
+        return collective_seconds("reduce_scatter", params * reduced_gradient_bytes(training), ranks, gbps, spanned,
+                                  hop)
+
+    def unit_seconds(params, ranks, spanned, fetches=None):
+        if fetches is None:
+            return gather_seconds(params, ranks, spanned), reduce_seconds(params, ranks, spanned)
+        linears, gradients = fetches
+        return (sum(gather_seconds(piece, ranks, spanned) for piece in linears),
+                bucketed_reduce_seconds(gradients, training.reduce_bucket_params,
+                                        lambda n: reduce_seconds(n, ranks, spanned)))
 
     expert = (0.0, 0.0)
     if np.any(expert_params):  # a dense model's search (the hot path) prices no second group

@@ -117,17 +117,14 @@ class TrainingSpec:
     Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
     vocabulary on every TP rank and the loss keeps a log-softmax of it. Default on."""
     torch_loss_parallel: bool | None = None
-    """The vocab-parallel loss is torch's loss parallel (DTensor's ``loss_parallel()``, torchtitan's
-    under TP): torch ops that keep their temporaries, 16 bytes per logit where Megatron's holds 8."""
+    """The vocab-parallel loss in torch's ops (DTensor's ``loss_parallel()``): 16 bytes per logit, Megatron's 8."""
     keep_stage_outputs: bool | None = None
     """The pipeline engine keeps each in-flight micro-batch's stage output until its gradient
     returns (DeepSpeed-style buffers, Aleph Alpha's scaling; torch's ``PipelineStage``, whose
     ``fwd_cache`` holds it for the backward: torchtitan, memx-run). Off: Megatron frees an
     output's data once sent (Korthikanti et al. 2022, appendix B). Default off."""
     keep_previous_logits: bool | None = None
-    """The last stage writes each micro-batch's logits into one of two buffers and never empties
-    them, so the previous micro-batch's are kept while the next one's loss runs (DeepSpeed-style
-    buffers, Aleph Alpha's scaling). Default off."""
+    """The last stage's two logits buffers, never emptied, keep the previous micro-batch's during the next loss."""
     torch_pipelining: bool | None = None
     """The pipeline runs on torch's own ``PipelineStage`` (torchtitan): each stage allocates once,
     and keeps for the job, a receive buffer per micro-batch and model chunk for its input (every
@@ -205,8 +202,7 @@ class TrainingSpec:
     Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
     second copy of the gradients on each replica (with more than one). Default off (``ddp``: on)."""
     grad_accumulation_pass: bool | None = None
-    """Each micro-batch after a step's first adds its gradients into the held ones in a pass of its
-    own (torch's ``AccumulateGrad``; Megatron's fuses it into the GEMM). Default off (ddp, memx-run: on)."""
+    """Later micro-batches add their gradients to the held ones in a pass of their own (torch's AccumulateGrad)."""
     eager_block: bool | None = None
     """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host time
     is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
@@ -223,6 +219,8 @@ class TrainingSpec:
     max_live_params: float | None = None
     """A fully sharded run fetches its weights as DeepSpeed ZeRO-3 does: one all-gather per linear, up to this
     many parameters gathered at once (``stage3_max_live_parameters``), its module hooks' host time. 0: FSDP's units."""
+    reduce_bucket_params: float | None = None
+    """Such a run's gradient buckets (DeepSpeed's ``reduce_bucket_size``): a reduce-scatter per bucket. Default 5e8."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
@@ -377,6 +375,8 @@ class TrainingSpec:
                               f"use one of {', '.join(HOLD_GATHERED)}")
         require_number(self.max_live_params, "--max-live-params", lo=0, hi=10**12,
                        fix="give DeepSpeed's stage3_max_live_parameters, e.g. 1e9 (0: one gather per block)")
+        require_number(self.reduce_bucket_params, "--reduce-bucket-params", lo=0, lo_open=True, hi=10**12,
+                       fix="give DeepSpeed's reduce_bucket_size in parameters, e.g. 5e8")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
         for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):
