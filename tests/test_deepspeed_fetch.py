@@ -84,12 +84,12 @@ def test_fsdp_units_gather_two_blocks_where_deepspeed_holds_its_budget():
 
 def test_per_linear_gathers_pay_a_latency_each_and_more_of_it_on_larger_rings():
     model, training = ModelSpec("llama-7b-like", 32, 4096, 32, 32, 11008, 32000, 4096), TrainingSpec(setup="zero3")
-    modules = deepspeed_fetches(model, training, 1)
+    fetches = deepspeed_fetches(model, training, 1)
     layer = model.layer_params
     args = (32 * layer, layer, 32, 0.0, training)  # no compute to hide behind: every collective shows
 
     def extra(ranks, nodes):
-        split = float(fully_sharded_exposed_time(*args, ranks, 25.0, nodes, modules=modules))
+        split = float(fully_sharded_exposed_time(*args, ranks, 25.0, nodes, fetches=fetches))
         whole = float(fully_sharded_exposed_time(*args, ranks, 25.0, nodes))
         return split - whole
 

@@ -42,9 +42,9 @@ def stage_gradient_sync(model: ModelSpec, training: TrainingSpec, layout, layers
     expert_dp = expert_data_parallel(training, tp, layout.dp_cp)
     if training.fully_sharded:
         dense, experts = rank_layer_params(model, training, tp)
-        modules = deepspeed_fetches(model, training, tp) if training.max_live_params else None
+        fetches = deepspeed_fetches(model, training, tp) if training.max_live_params else None
         units = (stage_params, dense + experts, layers, stage_time, training, *link, sm_share, experts, expert_dp,
-                 modules)
+                 fetches)
         if keeps_gathered(training, layout.pp):  # gathered once a step and reduced after the last backward
             return stage_time, held_fully_sharded_step_time(*units)
         return stage_time + fully_sharded_exposed_time(*units), np.zeros_like(stage_params)
@@ -93,7 +93,7 @@ def whole_gradients(training: TrainingSpec) -> bool:
 
 def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
                                nodes=1, hop=NVLINK, sm_share=0.0, expert_params=0.0, expert_dp=1,
-                               modules=None) -> np.ndarray:
+                               fetches=None) -> np.ndarray:
     """Seconds per micro-batch a fully sharded stage waits on its DP group beyond its compute.
     Each layer (one FSDP unit of ``layer_params`` on a rank), and the stage's other parameters
     (embedding, head: one unit), all-gathers its weights for the forward and again for the
@@ -105,11 +105,11 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     data parallel group of ``expert_dp`` ranks instead, on the same links, spread over as many
     nodes as it has ranks up to the DP group's (EP is the inner dimension of the rank order).
     Weights held from the forward to the backward (``hold_gathered`` weights) are gathered once.
-    DeepSpeed ZeRO-3 (``modules``, :func:`deepspeed_fetches`) gathers a layer's dense weights in one
+    DeepSpeed ZeRO-3 (``fetches``, :func:`deepspeed_fetches`) gathers a layer's dense weights in one
     all-gather per linear module, each paying its own latency, and reduce-scatters its gradients in
     buckets; None: the layer in one of each."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
-                                            expert_params, expert_dp, modules)
+                                            expert_params, expert_dp, fetches)
     gathers = 1.0 if training.hold_gathered == "weights" else 2.0
 
     def per_unit(gather, reduce_scatter):
@@ -120,7 +120,7 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
 
 def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
                                  nodes=1, hop=NVLINK, sm_share=0.0, expert_params=0.0, expert_dp=1,
-                                 modules=None) -> np.ndarray:
+                                 fetches=None) -> np.ndarray:
     """Seconds per step a fully sharded pipeline stage that keeps its weights gathered through
     the step (model_states.keeps_gathered) waits on its DP group: each unit of
     :func:`fully_sharded_exposed_time` is gathered once, at the step's first forward, the next
@@ -128,7 +128,7 @@ def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time,
     micro-batch's forward, a third of ``stage_time``, cannot hide), and its accumulated gradients
     are reduce-scattered once after the step's last backward, with no compute left to hide them."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
-                                            expert_params, expert_dp, modules)
+                                            expert_params, expert_dp, fetches)
     layers = np.asarray(layers, dtype=np.float64)
     gathers, reduces = (layers * (dense[i] + expert[i]) + rest[i] for i in (0, 1))
     return overlapped_exposed_seconds(gathers, stage_time / 3.0, sm_share) + dense[0] + expert[0] + reduces
@@ -164,9 +164,9 @@ def bucketed_reduce_seconds(gradients, bucket: float, seconds) -> np.ndarray:
 
 
 def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec, dp, gbps, nodes, hop,
-                      expert_params, expert_dp, modules=None) -> tuple:
+                      expert_params, expert_dp, fetches=None) -> tuple:
     """(all-gather, reduce-scatter) seconds of a layer's dense unit (one collective of each, or
-    DeepSpeed's, ``modules`` of :func:`deepspeed_fetches`), of its routed experts' and of the stage's
+    DeepSpeed's, ``fetches`` of :func:`deepspeed_fetches`), of its routed experts' and of the stage's
     other parameters (the units of :func:`fully_sharded_exposed_time`)."""
     layer_params = np.asarray(layer_params, dtype=np.float64)
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64)
@@ -179,10 +179,10 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
         return collective_seconds("reduce_scatter", params * reduced_gradient_bytes(training), ranks, gbps, spanned,
                                   hop)
 
-    def unit_seconds(params, ranks, spanned, fetches=None):
-        if fetches is None:
+    def unit_seconds(params, ranks, spanned, pieces=None):
+        if pieces is None:
             return gather_seconds(params, ranks, spanned), reduce_seconds(params, ranks, spanned)
-        linears, gradients = fetches
+        linears, gradients = pieces
         return (sum(gather_seconds(piece, ranks, spanned) for piece in linears),
                 bucketed_reduce_seconds(gradients, training.reduce_bucket_params,
                                         lambda n: reduce_seconds(n, ranks, spanned)))
@@ -190,7 +190,7 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
     expert = (0.0, 0.0)
     if np.any(expert_params):  # a dense model's search (the hot path) prices no second group
         expert = unit_seconds(np.asarray(expert_params, dtype=np.float64), expert_dp, np.minimum(expert_dp, nodes))
-    return unit_seconds(layer_params - expert_params, dp, nodes, modules), expert, unit_seconds(rest, dp, nodes)
+    return unit_seconds(layer_params - expert_params, dp, nodes, fetches), expert, unit_seconds(rest, dp, nodes)
 
 
 def _sharded_sync_bytes_per_param(training: TrainingSpec, trained: TrainedParameters) -> float:
