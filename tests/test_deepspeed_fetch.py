@@ -59,7 +59,7 @@ def test_gathered_weights_are_the_live_budget_and_the_linear_that_crosses_it(bud
 def test_gradients_are_reduce_scattered_a_bucket_at_a_time_as_traced(budget):
     traced = TRACE["budgets"][budget]
     bucket = traced["blocks_of_prefetch_bucket_live_reuse_reduce_bucket"][3] * BLOCK
-    _, gradients = deepspeed_fetches(traced_model(24), TrainingSpec(setup="zero3"), 1)
+    _, gradients, _ = deepspeed_fetches(traced_model(24), TrainingSpec(setup="zero3"), 1)
     assert sum(gradients) == pytest.approx(BLOCK)
     flushes = float(bucketed_reduce_seconds(gradients, bucket, lambda n: (np.asarray(n) > 0) * 1.0))
     # A bucket spans blocks where it holds more than one: the trace's 5 or 11 over 12 or 24 blocks.
@@ -68,7 +68,25 @@ def test_gradients_are_reduce_scattered_a_bucket_at_a_time_as_traced(budget):
 
 def test_a_model_under_the_live_budget_stays_gathered_whole():
     traced = TRACE["budgets"]["model_under_budget"]
-    assert "backward allgather_base" not in traced["last_step"]["24"]  # kept from the forward to the backward
+    # Kept from the forward to the backward: fetched in the forward only, where a model over its
+    # budget fetches in both.
+    passes = {name: 1 + ("backward allgather_base" in budget["last_step"]["24"])
+              for name, budget in TRACE["budgets"].items()}
+    model = traced_model(24)
+    stage = 24 * model.layer_params + 2 * TRACED["vocab"] * TRACED["hidden"] + TRACED["hidden"]
+    for name, budget in TRACE["budgets"].items():
+        live = budget["blocks_of_prefetch_bucket_live_reuse_reduce_bucket"][1] * BLOCK
+        _, _, fetched = deepspeed_fetches(model, TrainingSpec(setup="zero3", max_live_params=live), 1, stage)
+        assert float(fetched) == passes[name]
+    assert passes["model_under_budget"] == 1
+    # Priced so: with nothing to hide them, one pass of all-gathers fewer.
+    training = TrainingSpec(setup="zero3")
+    args = (stage, model.layer_params, 24, 0.0, training, 64, 25.0, 8)
+    kept, refetched = (float(fully_sharded_exposed_time(*args, fetches=deepspeed_fetches(model, training, 1, params)))
+                       for params in (stage, np.inf))
+    gathers = sum(float(collective_seconds("all_gather", 2.0 * p, 64, 25.0, 8))
+                  for p in linear_module_params(model, training, 1))
+    assert refetched - kept == pytest.approx(24 * gathers, rel=0.02)  # and the embedding and head, gathered once fewer
     training = TrainingSpec(setup="zero3", max_live_params=50 * BLOCK)
     gathered, _ = fully_sharded_working_parts(traced_model(24), training, 1, 2)
     blocks = float(gathered) / training.dtype_bytes / BLOCK

@@ -42,7 +42,7 @@ def stage_gradient_sync(model: ModelSpec, training: TrainingSpec, layout, layers
     expert_dp = expert_data_parallel(training, tp, layout.dp_cp)
     if training.fully_sharded:
         dense, experts = rank_layer_params(model, training, tp)
-        fetches = deepspeed_fetches(model, training, tp) if training.max_live_params else None
+        fetches = deepspeed_fetches(model, training, tp, stage_params) if training.max_live_params else None
         units = (stage_params, dense + experts, layers, stage_time, training, *link, sm_share, experts, expert_dp,
                  fetches)
         if keeps_gathered(training, layout.pp):  # gathered once a step and reduced after the last backward
@@ -106,11 +106,11 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     nodes as it has ranks up to the DP group's (EP is the inner dimension of the rank order).
     Weights held from the forward to the backward (``hold_gathered`` weights) are gathered once.
     DeepSpeed ZeRO-3 (``fetches``, :func:`deepspeed_fetches`) gathers a layer's dense weights in one
-    all-gather per linear module, each paying its own latency, and reduce-scatters its gradients in
-    buckets; None: the layer in one of each."""
+    all-gather per linear module, each paying its own latency, in the passes it fetches them, and
+    reduce-scatters its gradients in buckets; None: the layer in one of each."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
                                             expert_params, expert_dp, fetches)
-    gathers = 1.0 if training.hold_gathered == "weights" else 2.0
+    gathers = fetches[2] if fetches is not None else 1.0 if training.hold_gathered == "weights" else 2.0
 
     def per_unit(gather, reduce_scatter):
         return gathers * gather + reduce_scatter
@@ -134,18 +134,20 @@ def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time,
     return overlapped_exposed_seconds(gathers, stage_time / 3.0, sm_share) + dense[0] + expert[0] + reduces
 
 
-def deepspeed_fetches(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
-    """(linear modules' parameters, gradients in the order the backward reaches them) of a block on
-    a TP rank, as DeepSpeed ZeRO-3 fetches and reduces them: one all-gather per linear module
-    (:func:`~memx_launch.planning.matmuls.linear_module_params`; a norm's rides with a linear's), and
-    each weight's gradient, the norms' too, added to the reduce bucket as its backward ends: the
-    MLP's linears, the second norm, attention's linears, the first norm (traced:
-    ``benchmarks/results/deepspeed_zero3_fetch.json``)."""
+def deepspeed_fetches(model: ModelSpec, training: TrainingSpec, tp, stage_params=np.inf) -> tuple:
+    """(linear modules' parameters, gradients in the order the backward reaches them, passes that
+    fetch them) of a block on a TP rank, as DeepSpeed ZeRO-3 fetches and reduces them: one
+    all-gather per linear module (:func:`~memx_launch.planning.matmuls.linear_module_params`; a
+    norm's rides with a linear's) in the forward and again in the backward, but only in the forward
+    where the stage's ``stage_params`` fit its live budget (and reuse distance, the same by default),
+    which keep them gathered in between; each weight's gradient, the norms' too, added to the reduce
+    bucket as its backward ends: the MLP's linears, the second norm, attention's linears, the first
+    norm (traced: ``benchmarks/results/deepspeed_zero3_fetch.json``)."""
     modules = linear_module_params(model, training, tp)
     mlp = len(mlp_shapes(model, training, tp))
     norm = [float(model.norm_params)] * (model.norms_per_block > 1)
     backward = [*modules[::-1][:mlp], *norm, *modules[::-1][mlp:], float(model.norm_params)]
-    return modules, backward
+    return modules, backward, np.where(np.asarray(stage_params) <= training.max_live_params, 1.0, 2.0)
 
 
 def bucketed_reduce_seconds(gradients, bucket: float, seconds) -> np.ndarray:
@@ -182,7 +184,7 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
     def unit_seconds(params, ranks, spanned, pieces=None):
         if pieces is None:
             return gather_seconds(params, ranks, spanned), reduce_seconds(params, ranks, spanned)
-        linears, gradients = pieces
+        linears, gradients, _ = pieces
         return (sum(gather_seconds(piece, ranks, spanned) for piece in linears),
                 bucketed_reduce_seconds(gradients, training.reduce_bucket_params,
                                         lambda n: reduce_seconds(n, ranks, spanned)))
