@@ -143,17 +143,24 @@ def _candidates(op, n, nodes, busbw_gbps, hop) -> tuple[np.ndarray, np.ndarray, 
     return np.array(latency + [np.inf] * unused), np.array(per_byte + [0.0] * unused), plateau
 
 
+def summed_seconds(op: str, sizes, ranks, busbw_gbps, nodes=1, intra_hop=NVLINK, counts=None) -> np.ndarray:
+    """Seconds of several collectives over one group, ``sizes`` bytes each (numpy-broadcast), summed,
+    each taken ``counts`` times (once by default): priced in one call, each paying its own latency."""
+    shape = np.broadcast(*sizes, ranks, busbw_gbps, nodes, intra_hop).shape
+    stacked = np.empty((len(sizes), *shape))  # each collective shaped as the result
+    for i, size in enumerate(sizes):
+        stacked[i] = size
+    seconds = collective_seconds(op, stacked, ranks, busbw_gbps, nodes, intra_hop)
+    return sum(seconds[i] if counts is None else counts[i] * seconds[i] for i in range(len(sizes)))
+
+
 def bucketed_seconds(op: str, total_bytes, bucket_bytes, ranks, busbw_gbps, nodes=1, intra_hop=NVLINK) -> np.ndarray:
     """``total_bytes`` synced as buckets of ``bucket_bytes`` (the last one partial), each its own
     collective that pays its own latency: how DDP, Megatron and ZeRO reduce gradients."""
     total = np.asarray(total_bytes, dtype=np.float64)
     bucket = np.minimum(np.asarray(bucket_bytes, dtype=np.float64), np.maximum(total, 1.0))
     full = np.floor(total / bucket)
-    # The full buckets' and the last one's collectives in one call: each shaped as the result.
-    sizes = np.empty((2, *np.broadcast(full, ranks, busbw_gbps, nodes, intra_hop).shape))
-    sizes[0], sizes[1] = bucket, total - full * bucket
-    seconds = collective_seconds(op, sizes, ranks, busbw_gbps, nodes, intra_hop)
-    return full * seconds[0] + seconds[1]
+    return summed_seconds(op, (bucket, total - full * bucket), ranks, busbw_gbps, nodes, intra_hop, (full, 1.0))
 
 
 def collective_sm_share(sms) -> np.ndarray:

@@ -16,6 +16,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.layer_split import chunk_layers
 from memx_launch.planning.model_states import keeps_gathered
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan
+from memx_launch.specs.setups import OPTION_DEFAULTS
 from memx_launch.specs.training import TrainingSpec
 
 TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
@@ -186,7 +187,8 @@ def deepspeed_json(plan: Plan) -> ConfigText:
     notes = []
     if stage == 3 and tr.get("max_live_params"):  # the budget of gathered weights and the buckets the plan counted
         config["zero_optimization"].update(stage3_max_live_parameters=int(tr["max_live_params"]),
-                                           reduce_bucket_size=int(tr.get("reduce_bucket_params") or 5e8))
+                                           reduce_bucket_size=int(tr.get("reduce_bucket_params")
+                                                                  or OPTION_DEFAULTS["reduce_bucket_params"]))
     elif stage == 3:
         notes.append("the plan priced one all-gather per block, as FSDP; DeepSpeed ZeRO-3 fetches each linear "
                      "on its own: plan with --setup zero3 (--max-live-params 1e9) to predict it")

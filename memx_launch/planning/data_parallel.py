@@ -4,9 +4,12 @@ bucket, as NCCL runs it (collectives.py). No torch import."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-from memx_launch.planning.collectives import NVLINK, bucketed_seconds, collective_seconds, overlapped_exposed_seconds
+from memx_launch.planning.collectives import (NVLINK, bucketed_seconds, collective_seconds, overlapped_exposed_seconds,
+                                              summed_seconds)
 from memx_launch.planning import quantization
 from memx_launch.planning.matmuls import linear_module_params, mlp_shapes
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, compute_weight_bytes,
@@ -110,7 +113,7 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     reduce-scatters its gradients in buckets; None: the layer in one of each."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
                                             expert_params, expert_dp, fetches)
-    gathers = fetches[2] if fetches is not None else 1.0 if training.hold_gathered == "weights" else 2.0
+    gathers = fetches.passes if fetches is not None else 1.0 if training.hold_gathered == "weights" else 2.0
 
     def per_unit(gather, reduce_scatter):
         return gathers * gather + reduce_scatter
@@ -134,39 +137,51 @@ def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time,
     return overlapped_exposed_seconds(gathers, stage_time / 3.0, sm_share) + dense[0] + expert[0] + reduces
 
 
-def deepspeed_fetches(model: ModelSpec, training: TrainingSpec, tp, stage_params=np.inf) -> tuple:
-    """(linear modules' parameters, gradients in the order the backward reaches them, passes that
-    fetch them) of a block on a TP rank, as DeepSpeed ZeRO-3 fetches and reduces them: one
-    all-gather per linear module (:func:`~memx_launch.planning.matmuls.linear_module_params`; a
-    norm's rides with a linear's) in the forward and again in the backward, but only in the forward
-    where the stage's ``stage_params`` fit its live budget (and reuse distance, the same by default),
-    which keep them gathered in between; each weight's gradient, the norms' too, added to the reduce
-    bucket as its backward ends: the MLP's linears, the second norm, attention's linears, the first
-    norm (traced: ``benchmarks/results/deepspeed_zero3_fetch.json``)."""
+class DeepSpeedFetches(NamedTuple):
+    """A block's weights and gradients on a TP rank as DeepSpeed ZeRO-3 moves them (:func:`deepspeed_fetches`)."""
+    linears: list
+    """Parameters of each linear module, one all-gather each."""
+    gradients: list
+    """Each weight's gradient, the norms' too, in the order the backward adds it to the reduce bucket."""
+    passes: np.ndarray
+    """Passes that fetch the weights: 1 where the stage fits the live budget, else 2."""
+
+
+def deepspeed_fetches(model: ModelSpec, training: TrainingSpec, tp, stage_params=np.inf) -> DeepSpeedFetches:
+    """A block as DeepSpeed ZeRO-3 fetches and reduces it: one all-gather per linear module
+    (:func:`~memx_launch.planning.matmuls.linear_module_params`; a norm's rides with a linear's) in
+    the forward and again in the backward, but only in the forward where the stage's
+    ``stage_params`` fit its live budget (and reuse distance, the same by default), which keep them
+    gathered in between; each gradient added to the reduce bucket as its backward ends: the MLP's
+    linears, the second norm, attention's linears, the first norm (traced:
+    ``benchmarks/results/deepspeed_zero3_fetch.json``)."""
     modules = linear_module_params(model, training, tp)
     mlp = len(mlp_shapes(model, training, tp))
     norm = [float(model.norm_params)] * (model.norms_per_block > 1)
     backward = [*modules[::-1][:mlp], *norm, *modules[::-1][mlp:], float(model.norm_params)]
-    return modules, backward, np.where(np.asarray(stage_params) <= training.max_live_params, 1.0, 2.0)
+    return DeepSpeedFetches(modules, backward,
+                            np.where(np.asarray(stage_params) <= training.max_live_params, 1.0, 2.0))
 
 
-def bucketed_reduce_seconds(gradients, bucket: float, seconds) -> np.ndarray:
+def bucketed_reduce_seconds(gradients, bucket: float, price) -> np.ndarray:
     """Seconds a block's reduce-scatters take where gradients fill buckets of ``bucket`` parameters
-    in ``gradients``' order and a bucket is reduced (``seconds`` of its parameters) before one that
-    would overflow it is added (DeepSpeed's ``__add_grad_to_ipg_bucket``): a block smaller than a
-    bucket pays its share of one full bucket's, a larger one each bucket it fills, its last with it."""
+    in ``gradients``' order and a bucket is reduced before one that would overflow it is added
+    (DeepSpeed's ``__add_grad_to_ipg_bucket``): a block smaller than a bucket pays its share of one
+    full bucket's, a larger one each bucket it fills, its last with it. ``price(sizes, counts)``:
+    the seconds of reduce-scatters of ``sizes`` parameters, each taken ``counts`` times."""
     gradients = np.broadcast_arrays(*(np.asarray(g, dtype=np.float64) for g in gradients))
-    total = sum(gradients)
-    fill, spent = np.zeros_like(total), np.zeros_like(total)
+    total, fill, flushed = sum(gradients), np.zeros_like(gradients[0]), []
     for gradient in gradients:
         flush = (fill > 0) & (fill + gradient > bucket)
-        spent = spent + np.where(flush, seconds(fill), 0.0)
+        flushed.append(np.where(flush, fill, 0.0))
         fill = np.where(flush, gradient, fill + gradient)
-    return np.where(total <= bucket, total / bucket * seconds(np.full_like(total, bucket)), spent + seconds(fill))
+    small = total <= bucket
+    sizes = [np.where(small, 0.0, size) for size in flushed] + [np.where(small, bucket, fill)]
+    return price(sizes, [1.0] * len(flushed) + [np.where(small, total / bucket, 1.0)])
 
 
 def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec, dp, gbps, nodes, hop,
-                      expert_params, expert_dp, fetches=None) -> tuple:
+                      expert_params, expert_dp, fetches: DeepSpeedFetches | None = None) -> tuple:
     """(all-gather, reduce-scatter) seconds of a layer's dense unit (one collective of each, or
     DeepSpeed's, ``fetches`` of :func:`deepspeed_fetches`), of its routed experts' and of the stage's
     other parameters (the units of :func:`fully_sharded_exposed_time`)."""
@@ -174,20 +189,17 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64)
                       - np.asarray(layers, dtype=np.float64) * layer_params, 0.0)
 
-    def gather_seconds(params, ranks, spanned):
-        return collective_seconds("all_gather", params * compute_weight_bytes(training), ranks, gbps, spanned, hop)
+    weight, gradient = compute_weight_bytes(training), reduced_gradient_bytes(training)
 
-    def reduce_seconds(params, ranks, spanned):
-        return collective_seconds("reduce_scatter", params * reduced_gradient_bytes(training), ranks, gbps, spanned,
-                                  hop)
+    def unit_seconds(params, ranks, spanned, block: DeepSpeedFetches | None = None):
+        if block is None:
+            return (collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop),
+                    collective_seconds("reduce_scatter", params * gradient, ranks, gbps, spanned, hop))
 
-    def unit_seconds(params, ranks, spanned, pieces=None):
-        if pieces is None:
-            return gather_seconds(params, ranks, spanned), reduce_seconds(params, ranks, spanned)
-        linears, gradients, _ = pieces
-        return (sum(gather_seconds(piece, ranks, spanned) for piece in linears),
-                bucketed_reduce_seconds(gradients, training.reduce_bucket_params,
-                                        lambda n: reduce_seconds(n, ranks, spanned)))
+        def reduce_scatters(sizes, counts):
+            return summed_seconds("reduce_scatter", [n * gradient for n in sizes], ranks, gbps, spanned, hop, counts)
+        return (summed_seconds("all_gather", [n * weight for n in block.linears], ranks, gbps, spanned, hop),
+                bucketed_reduce_seconds(block.gradients, training.reduce_bucket_params, reduce_scatters))
 
     expert = (0.0, 0.0)
     if np.any(expert_params):  # a dense model's search (the hot path) prices no second group
