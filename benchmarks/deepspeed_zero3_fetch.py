@@ -6,8 +6,10 @@ gate, up and down projections: seven linear modules a block) trains four steps u
 ZeRO-3 on two CPU ranks (gloo, ``DS_ACCELERATOR=cpu``, fp32). A TorchDispatchMode records every
 c10d collective DeepSpeed issues, by pass, and at each one how many parameters are not in their
 partitioned state (gathered or in flight). The last step is read, once the coordinator has its
-trace and prefetches. Each budget runs at 12 and 24 blocks: the difference over 12 is what one
-more block costs, free of the embedding, the head and the step's edges.
+trace and prefetches, summed over its micro-batches: one a step, and two (gradient accumulation)
+for a budget the model outgrows and one it fits (each micro-batch fetches and reduces again,
+both). Each budget runs at 12 and 24 blocks: the difference over 12 is what one more block
+costs, free of the embedding, the head and the step's edges.
 
 The budgets are DeepSpeed's, scaled by the block: ``stage3_prefetch_bucket_size``,
 ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` and ``reduce_bucket_size`` as the
@@ -19,11 +21,16 @@ same multiple of one block's parameters as they are of a real model's block:
 - ``huggingface_auto``: Hugging Face's ``auto`` values for hidden 4,096 (prefetch 0.9 h^2, reduce
   bucket h^2) with the live budget of the defaults;
 - ``model_under_budget``: a model smaller than the live budget and the reuse distance (a
-  sub-billion model under the defaults).
+  sub-billion model under the defaults), with the default prefetch bucket over LLaMA-2 7B's block;
+- ``under_budget_huggingface_auto``: the same with Hugging Face's ``auto`` prefetch bucket (under one linear);
+- ``under_budget_small_blocks``: the same with DeepSpeed's defaults over a block of hidden 1,024
+  (12.6M parameters, as OPT-350M's or a 0.4B LLaMA's): a prefetch bucket of four blocks.
 
 memx prices ZeRO-3 from this (``--max-live-params``, ``--setup zero3``): one all-gather per
 linear module a pass, and gathered weights up to the live budget plus the linear whose fetch
-crosses it; ``tests/test_deepspeed_fetch.py`` holds memx's counts to this file.
+crosses it; a model within the budget gathered whole, in the forward only, one all-gather per
+prefetch bucket (``--prefetch-bucket-params``); ``tests/test_deepspeed_fetch.py`` holds memx's
+counts to this file.
 
 Writes benchmarks/results/deepspeed_zero3_fetch.json.
 Run (DeepSpeed is not a memx dependency; a virtual environment of its own):
@@ -58,13 +65,19 @@ MODULES = {"q_proj": HIDDEN * HIDDEN, "k_proj": HIDDEN * HIDDEN, "v_proj": HIDDE
            "o_proj": HIDDEN * HIDDEN, "gate_proj": HIDDEN * FFN, "up_proj": HIDDEN * FFN, "down_proj": FFN * HIDDEN}
 BLOCK = sum(MODULES.values()) + 2 * HIDDEN  # and its two norms
 LLAMA2_7B_BLOCK, LLAMA2_70B_BLOCK = 202_383_360, 855_654_400
+SMALL_BLOCK = 12 * 1024**2 + 4 * 1024  # hidden 1,024, MLP 4,096: four attention and two MLP weights, two norms
 # (prefetch bucket, max live parameters, max reuse distance, reduce bucket), in blocks.
 BUDGETS = {
     "llama2_7b_defaults": tuple(x / LLAMA2_7B_BLOCK for x in (5e7, 1e9, 1e9, 5e8)),
     "llama2_70b_defaults": tuple(x / LLAMA2_70B_BLOCK for x in (5e7, 1e9, 1e9, 5e8)),
     "huggingface_auto": tuple(x / LLAMA2_7B_BLOCK for x in (0.9 * 4096**2, 1e9, 1e9, 4096**2)),
     "model_under_budget": (5e7 / LLAMA2_7B_BLOCK, 50.0, 50.0, 5e8 / LLAMA2_7B_BLOCK),
+    "under_budget_huggingface_auto": (0.9 * 4096**2 / LLAMA2_7B_BLOCK, 50.0, 50.0, 5e8 / LLAMA2_7B_BLOCK),
+    "under_budget_small_blocks": (5e7 / SMALL_BLOCK, 50.0, 50.0, 5e8 / SMALL_BLOCK),
 }
+# Budgets traced again with two micro-batches a step (gradient accumulation): what is fetched
+# once a step, and what each micro-batch.
+TWO_MICRO_BATCHES = ("llama2_7b_defaults", "model_under_budget")
 LAYERS = (12, 24)
 STEPS = 4
 
@@ -169,13 +182,13 @@ class CollectiveRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run_rank(rank: int, layers: int, budget: tuple, port: int, out: str) -> None:
+def run_rank(rank: int, layers: int, budget: tuple, micro_batches: int, port: int, out: str) -> None:
     import deepspeed
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
     prefetch, live, reuse, reduce = (int(x * BLOCK) for x in budget)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "stage3_prefetch_bucket_size": prefetch, "stage3_max_live_parameters": live,
                                     "stage3_max_reuse_distance": reuse, "reduce_bucket_size": reduce},
@@ -189,22 +202,23 @@ def run_rank(rank: int, layers: int, budget: tuple, port: int, out: str) -> None
     with recorder:
         for step in range(STEPS):
             last = step == STEPS - 1
-            recorder.phase = "forward" if last else None
-            loss = engine(ids)
-            recorder.phase = "backward" if last else None
-            engine.backward(loss)
-            recorder.phase = None
-            engine.step()
+            for _ in range(micro_batches):  # the engine steps the optimizer after the last
+                recorder.phase = "forward" if last else None
+                loss = engine(ids)
+                recorder.phase = "backward" if last else None
+                engine.backward(loss)
+                recorder.phase = None
+                engine.step()
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"counts": recorder.counts, "peak_gathered_params": recorder.peak}, f)
     dist.barrier()
 
 
-def trace(layers: int, budget: tuple, port: int) -> dict:
+def trace(layers: int, budget: tuple, micro_batches: int, port: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "trace.json")
-        mp.spawn(run_rank, args=(layers, budget, port, out), nprocs=2)
+        mp.spawn(run_rank, args=(layers, budget, micro_batches, port, out), nprocs=2)
         with open(out) as f:
             return json.load(f)
 
@@ -212,21 +226,25 @@ def trace(layers: int, budget: tuple, port: int) -> dict:
 def main() -> None:
     import deepspeed
     results, port = {}, 29600
-    for name, budget in BUDGETS.items():
+    runs_asked = [(name, budget, 1) for name, budget in BUDGETS.items()]
+    runs_asked += [(name, BUDGETS[name], 2) for name in TWO_MICRO_BATCHES]
+    for name, budget, micro_batches in runs_asked:
         runs = {}
         for layers in LAYERS:
             port += 1
-            runs[layers] = trace(layers, budget, port)
-            print(f"{name} {layers} blocks: {runs[layers]}", flush=True)
+            runs[layers] = trace(layers, budget, micro_batches, port)
+            print(f"{name} {micro_batches} micro-batches {layers} blocks: {runs[layers]}", flush=True)
         few, many = (runs[n]["counts"] for n in LAYERS)
         per_block = {key: (many.get(key, 0) - few.get(key, 0)) / (LAYERS[1] - LAYERS[0]) for key in many}
-        results[name] = {
+        results[name if micro_batches == 1 else f"{name}_two_micro_batches"] = {
             "blocks_of_prefetch_bucket_live_reuse_reduce_bucket": [round(x, 4) for x in budget],
+            "micro_batches_a_step": micro_batches,
             "per_block": per_block,
             "last_step": {str(n): runs[n]["counts"] for n in LAYERS},
             "peak_gathered_blocks": {str(n): round(runs[n]["peak_gathered_params"] / BLOCK, 4) for n in LAYERS}}
     write_json_atomic(OUT, {
-        "what": "DeepSpeed ZeRO-3's collectives per block and pass, and its most parameters gathered, traced on CPU",
+        "what": "DeepSpeed ZeRO-3's collectives per block and pass in the last step (summed over its "
+                "micro-batches), and its most parameters gathered, traced on CPU",
         "deepspeed": deepspeed.__version__, "torch": torch.__version__,
         "model": {"hidden": HIDDEN, "ffn": FFN, "heads": HEADS, "vocab": VOCAB, "seq": SEQ, "block_params": BLOCK,
                   "linear_modules": MODULES},

@@ -5,7 +5,9 @@ FSDP gathers a block in one all-gather with the next one prefetched; DeepSpeed Z
 linear module in an all-gather of its own, each paying its ring's latency, holds up to its live
 budget gathered, and its module hooks cost the host time of their own
 (``benchmarks/deepspeed_zero3_fetch.py`` and ``deepspeed_zero3_host.py`` measured both under
-DeepSpeed). This script asks ``memx estimate``'s path for LLaMA-2 7B, 13B and 70B on DGX A100 nodes
+DeepSpeed; a model within the live budget, OPT-350M here, is gathered whole once a step, a
+prefetch bucket at a time). This script asks ``memx estimate``'s path for LLaMA-2 7B, 13B and 70B
+and OPT-350M on DGX A100 nodes
 (8 HDR NICs a node), pure data parallelism with full recompute, sequence 2,048, one micro-batch a
 step, at 8 to 1,536 GPUs, with ``--setup zero3`` (DeepSpeed) and with ``--setup zero3
 --max-live-params 0`` (FSDP's units): the step times, their ratio and each one's peak memory.
@@ -32,7 +34,7 @@ from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "zero3_fetch_cost.json")
 PLOT = os.path.join(ROOT, "benchmarks", "results", "zero3_fetch_cost.png")
-MODELS = ("llama2-7b", "llama2-13b", "llama2-70b")
+MODELS = ("llama2-7b", "llama2-13b", "llama2-70b", "opt-350m")
 GPUS = (8, 64, 256, 768, 1536)
 MICRO_BATCHES = (1, 4)
 SEQ = 2048
@@ -82,7 +84,7 @@ def plot(rows: list[dict], path: str) -> None:
             ax.plot([r["gpus"] for r in line], [r["step_ratio"] for r in line], style, marker="o", color=colour,
                     label=f"{name}, micro-batch {mbs}")
     ax.set(xscale="log", xlabel="GPUs (data parallel, A100 DGX nodes)", ylabel="step time, DeepSpeed / FSDP units",
-           title="ZeRO-3: fetched per linear (DeepSpeed) over per block (FSDP), memx")
+           title="ZeRO-3 as DeepSpeed fetches it (per linear, or per prefetch bucket within\nits live budget: OPT-350M) over FSDP's units, predicted by memx")
     ax.axhline(1.0, color="0.5", lw=1)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from memx_launch.planning.collectives import collective_seconds
-from memx_launch.planning.data_parallel import bucketed_reduce_seconds, deepspeed_fetches, fully_sharded_exposed_time
+from memx_launch.planning.data_parallel import bucketed_block_seconds, deepspeed_fetches, fully_sharded_exposed_time
 from memx_launch.planning.matmuls import linear_module_params
 from memx_launch.planning.model_states import fully_sharded_working_parts
 from memx_launch.specs.model import ModelSpec
@@ -24,6 +24,13 @@ TRACED = TRACE["model"]
 BLOCK = TRACED["block_params"]
 # The budgets under which DeepSpeed releases and fetches again (the model outgrows them).
 BINDING = ("llama2_7b_defaults", "llama2_70b_defaults", "huggingface_auto")
+# Those the model fits, which keep it gathered from the forward to the backward.
+UNDER_BUDGET = ("model_under_budget", "under_budget_huggingface_auto", "under_budget_small_blocks")
+
+
+def collectives_counted(sizes, counts):
+    """A ``price`` for :func:`bucketed_block_seconds` that counts the collectives instead."""
+    return sum(count * (np.asarray(size) > 0) for size, count in zip(sizes, counts))
 
 
 def traced_model(layers: int) -> ModelSpec:
@@ -60,12 +67,32 @@ def test_gradients_are_reduce_scattered_a_bucket_at_a_time_as_traced(budget):
     bucket = traced["blocks_of_prefetch_bucket_live_reuse_reduce_bucket"][3] * BLOCK
     gradients = deepspeed_fetches(traced_model(24), TrainingSpec(setup="zero3"), 1).gradients
     assert sum(gradients) == pytest.approx(BLOCK)
-
-    def reduce_scatters(sizes, counts):  # each bucket reduced costs one
-        return sum(count * (np.asarray(size) > 0) for size, count in zip(sizes, counts))
-    flushes = float(bucketed_reduce_seconds(gradients, bucket, reduce_scatters))
+    flushes = float(bucketed_block_seconds(gradients, bucket, collectives_counted))
     # A bucket spans blocks where it holds more than one: the trace's 5 or 11 over 12 or 24 blocks.
     assert flushes == pytest.approx(traced["per_block"]["backward reduce_scatter_base"], rel=0.04)
+
+
+@pytest.mark.parametrize("budget", UNDER_BUDGET)
+def test_a_model_under_the_live_budget_is_gathered_a_prefetch_bucket_at_a_time(budget):
+    traced = TRACE["budgets"][budget]
+    bucket = traced["blocks_of_prefetch_bucket_live_reuse_reduce_bucket"][0] * BLOCK
+    forward = deepspeed_fetches(traced_model(24), TrainingSpec(setup="zero3"), 1).gradients[::-1]
+    gathers = float(bucketed_block_seconds(forward, bucket, collectives_counted, fill_past=True))
+    # Under one linear a bucket: each linear its own (7); four blocks a bucket: a quarter a block.
+    assert gathers == pytest.approx(traced["per_block"]["forward allgather_base"], rel=0.08)
+    assert "backward allgather_base" not in traced["per_block"]
+
+
+@pytest.mark.parametrize("budget", ["llama2_7b_defaults", "model_under_budget"])
+def test_each_micro_batch_fetches_and_reduces_again_whether_or_not_the_model_fits_the_budget(budget):
+    one, two = TRACE["budgets"][budget], TRACE["budgets"][f"{budget}_two_micro_batches"]
+    assert two["micro_batches_a_step"] == 2
+    assert two["per_block"] == {key: 2 * count for key, count in one["per_block"].items()}
+    # So memx prices a stage's fetches per micro-batch (fully_sharded_exposed_time), within the budget too.
+    model = traced_model(24)
+    live = one["blocks_of_prefetch_bucket_live_reuse_reduce_bucket"][1] * BLOCK
+    training = TrainingSpec(setup="zero3", max_live_params=live)
+    assert float(deepspeed_fetches(model, training, 1, 24 * model.layer_params).passes) >= 1
 
 
 def test_a_model_under_the_live_budget_stays_gathered_whole():
@@ -86,9 +113,19 @@ def test_a_model_under_the_live_budget_stays_gathered_whole():
     args = (stage, model.layer_params, 24, 0.0, training, 64, 25.0, 8)
     kept, refetched = (float(fully_sharded_exposed_time(*args, fetches=deepspeed_fetches(model, training, 1, params)))
                        for params in (stage, np.inf))
-    gathers = sum(float(collective_seconds("all_gather", 2.0 * p, 64, 25.0, 8))
-                  for p in linear_module_params(model, training, 1))
-    assert refetched - kept == pytest.approx(24 * gathers, rel=0.02)  # and the embedding and head, gathered once fewer
+    per_linear = sum(float(collective_seconds("all_gather", 2.0 * p, 64, 25.0, 8))
+                     for p in linear_module_params(model, training, 1))
+
+    def all_gathers(sizes, counts):
+        return sum(count * collective_seconds("all_gather", 2.0 * np.asarray(size), 64, 25.0, 8)
+                   for size, count in zip(sizes, counts))
+    forward = deepspeed_fetches(model, training, 1).gradients[::-1]
+    bucket = min(training.prefetch_bucket_params, stage)  # a stage smaller than the bucket: one all-gather
+    prefetched = float(bucketed_block_seconds(forward, bucket, all_gathers, fill_past=True))
+    assert 0 < prefetched < per_linear  # fewer, larger all-gathers
+    # Every block's, the first block's exposed ones again, and the embedding and head's, gathered once fewer.
+    rest = float(collective_seconds("all_gather", 2.0 * (stage - 24 * model.layer_params), 64, 25.0, 8))
+    assert refetched - kept == pytest.approx(24 * (2 * per_linear - prefetched) + per_linear - prefetched + rest)
     training = TrainingSpec(setup="zero3", max_live_params=50 * BLOCK)
     gathered, _ = fully_sharded_working_parts(traced_model(24), training, 1, 2)
     blocks = float(gathered) / training.dtype_bytes / BLOCK
@@ -128,9 +165,12 @@ def test_deepspeed_export_writes_the_live_budget_the_plan_counted_and_notes_fsdp
     plan.training = TrainingSpec(setup="zero3").plan_fields()
     config = deepspeed_json(plan)
     zero = json.loads(config.text)["zero_optimization"]
-    assert zero == {"stage": 3, "stage3_max_live_parameters": 1_000_000_000, "reduce_bucket_size": 500_000_000}
-    plan.training = TrainingSpec(setup="zero3", reduce_bucket_params=4096**2).plan_fields()
-    assert json.loads(deepspeed_json(plan).text)["zero_optimization"]["reduce_bucket_size"] == 4096**2
+    assert zero == {"stage": 3, "stage3_max_live_parameters": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                    "reduce_bucket_size": 500_000_000}
+    auto = dict(reduce_bucket_params=4096**2, prefetch_bucket_params=15099494)  # Hugging Face's for hidden 4,096
+    plan.training = TrainingSpec(setup="zero3", **auto).plan_fields()
+    zero = json.loads(deepspeed_json(plan).text)["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (4096**2, 15099494)
     assert not any("per block" in n for n in config.notes)
     plan.training = TrainingSpec(setup="zero3", max_live_params=0.0).plan_fields()
     config = deepspeed_json(plan)

@@ -133,6 +133,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--reduce-bucket-params", "--reduce_bucket_params", type=float_flag, metavar="N",
                    help="with --max-live-params: the gradients reduce-scattered in buckets of N parameters "
                         "(DeepSpeed's reduce_bucket_size; default 5e8; Hugging Face's auto: hidden^2)")
+    p.add_argument("--prefetch-bucket-params", "--prefetch_bucket_params", type=float_flag, metavar="N",
+                   help="with --max-live-params: a stage within the live budget all-gathers its weights in "
+                        "prefetch buckets of N parameters (DeepSpeed's stage3_prefetch_bucket_size; default 5e7; "
+                        "Hugging Face's auto: 0.9 hidden^2)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
                    help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
                         "(torchtitan's op-level policy: all but the attention output and every other matmul's; "

@@ -186,9 +186,11 @@ def deepspeed_json(plan: Plan) -> ConfigText:
               "zero_optimization": {"stage": stage}}
     notes = []
     if stage == 3 and tr.get("max_live_params"):  # the budget of gathered weights and the buckets the plan counted
-        config["zero_optimization"].update(stage3_max_live_parameters=int(tr["max_live_params"]),
-                                           reduce_bucket_size=int(tr.get("reduce_bucket_params")
-                                                                  or OPTION_DEFAULTS["reduce_bucket_params"]))
+        def given(field):
+            return int(tr.get(field) or OPTION_DEFAULTS[field])
+        config["zero_optimization"].update(stage3_max_live_parameters=given("max_live_params"),
+                                           stage3_prefetch_bucket_size=given("prefetch_bucket_params"),
+                                           reduce_bucket_size=given("reduce_bucket_params"))
     elif stage == 3:
         notes.append("the plan priced one all-gather per block, as FSDP; DeepSpeed ZeRO-3 fetches each linear "
                      "on its own: plan with --setup zero3 (--max-live-params 1e9) to predict it")

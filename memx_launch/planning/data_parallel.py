@@ -109,7 +109,8 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     nodes as it has ranks up to the DP group's (EP is the inner dimension of the rank order).
     Weights held from the forward to the backward (``hold_gathered`` weights) are gathered once.
     DeepSpeed ZeRO-3 (``fetches``, :func:`deepspeed_fetches`) gathers a layer's dense weights in one
-    all-gather per linear module, each paying its own latency, in the passes it fetches them, and
+    all-gather per linear module (a stage within its live budget: per prefetch bucket), each paying
+    its own latency, in the passes it fetches them, and
     reduce-scatters its gradients in buckets; None: the layer in one of each."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
                                             expert_params, expert_dp, fetches)
@@ -140,7 +141,7 @@ def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time,
 class DeepSpeedFetches(NamedTuple):
     """A block's weights and gradients on a TP rank as DeepSpeed ZeRO-3 moves them (:func:`deepspeed_fetches`)."""
     linears: list
-    """Parameters of each linear module, one all-gather each."""
+    """Parameters of each linear module, one all-gather each (where the stage outgrows the live budget)."""
     gradients: list
     """Each weight's gradient, the norms' too, in the order the backward adds it to the reduce bucket."""
     passes: np.ndarray
@@ -150,10 +151,11 @@ class DeepSpeedFetches(NamedTuple):
 def deepspeed_fetches(model: ModelSpec, training: TrainingSpec, tp, stage_params=np.inf) -> DeepSpeedFetches:
     """A block as DeepSpeed ZeRO-3 fetches and reduces it: one all-gather per linear module
     (:func:`~memx_launch.planning.matmuls.linear_module_params`; a norm's rides with a linear's) in
-    the forward and again in the backward, but only in the forward where the stage's
-    ``stage_params`` fit its live budget (and reuse distance, the same by default), which keep them
-    gathered in between; each gradient added to the reduce bucket as its backward ends: the MLP's
-    linears, the second norm, attention's linears, the first norm (traced:
+    the forward and again in the backward; where the stage's ``stage_params`` fit its live budget
+    (and reuse distance, the same by default) it keeps them gathered in between and fetches them in
+    the forward only, a prefetch bucket at a time (:func:`bucketed_block_seconds`, in the forward's
+    order, the reverse of the gradients'); each gradient added to the reduce bucket as its backward
+    ends: the MLP's linears, the second norm, attention's linears, the first norm (traced:
     ``benchmarks/results/deepspeed_zero3_fetch.json``)."""
     modules = linear_module_params(model, training, tp)
     mlp = len(mlp_shapes(model, training, tp))
@@ -163,21 +165,29 @@ def deepspeed_fetches(model: ModelSpec, training: TrainingSpec, tp, stage_params
                             np.where(np.asarray(stage_params) <= training.max_live_params, 1.0, 2.0))
 
 
-def bucketed_reduce_seconds(gradients, bucket: float, price) -> np.ndarray:
-    """Seconds a block's reduce-scatters take where gradients fill buckets of ``bucket`` parameters
-    in ``gradients``' order and a bucket is reduced before one that would overflow it is added
-    (DeepSpeed's ``__add_grad_to_ipg_bucket``): a block smaller than a bucket pays its share of one
-    full bucket's, a larger one each bucket it fills, its last with it. ``price(sizes, counts)``:
-    the seconds of reduce-scatters of ``sizes`` parameters, each taken ``counts`` times."""
-    gradients = np.broadcast_arrays(*(np.asarray(g, dtype=np.float64) for g in gradients))
-    total, fill, flushed = sum(gradients), np.zeros_like(gradients[0]), []
-    for gradient in gradients:
-        flush = (fill > 0) & (fill + gradient > bucket)
-        flushed.append(np.where(flush, fill, 0.0))
-        fill = np.where(flush, gradient, fill + gradient)
-    small = total <= bucket
-    sizes = [np.where(small, 0.0, size) for size in flushed] + [np.where(small, bucket, fill)]
-    return price(sizes, [1.0] * len(flushed) + [np.where(small, total / bucket, 1.0)])
+def bucketed_block_seconds(parts, bucket: float, price, fill_past: bool = False) -> np.ndarray:
+    """Seconds a block's collectives take where ``parts`` (parameters) fill buckets of ``bucket`` in
+    order, a collective each: a bucket goes before a part that would overflow it is added
+    (DeepSpeed's gradients, ``__add_grad_to_ipg_bucket``) or, ``fill_past``, with the part that
+    fills it (its prefetch takes parameters while fewer than the bucket are in flight,
+    ``partitioned_param_coordinator.py``). A block smaller than a bucket pays its share of one full
+    bucket's, a larger one each bucket it fills, its last with it. ``price(sizes, counts)``: the
+    seconds of collectives of ``sizes`` parameters, each taken ``counts`` times."""
+    parts = np.broadcast_arrays(*(np.asarray(p, dtype=np.float64) for p in parts))
+    total, fill, done = sum(parts), np.zeros_like(parts[0]), []
+    for part in parts:
+        if fill_past:
+            fill = fill + part
+            close = fill >= bucket
+            done.append(np.where(close, fill, 0.0))
+            fill = np.where(close, 0.0, fill)
+        else:
+            close = (fill > 0) & (fill + part > bucket)
+            done.append(np.where(close, fill, 0.0))
+            fill = np.where(close, part, fill + part)
+    small = total < bucket
+    sizes = [np.where(small, 0.0, size) for size in done] + [np.where(small, bucket, fill)]
+    return price(sizes, [1.0] * len(done) + [np.where(small, total / bucket, 1.0)])
 
 
 def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec, dp, gbps, nodes, hop,
@@ -196,10 +206,18 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
             return (collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop),
                     collective_seconds("reduce_scatter", params * gradient, ranks, gbps, spanned, hop))
 
-        def reduce_scatters(sizes, counts):
-            return summed_seconds("reduce_scatter", [n * gradient for n in sizes], ranks, gbps, spanned, hop, counts)
-        return (summed_seconds("all_gather", [n * weight for n in block.linears], ranks, gbps, spanned, hop),
-                bucketed_reduce_seconds(block.gradients, training.reduce_bucket_params, reduce_scatters))
+        def priced(op, per_param):
+            return lambda sizes, counts: summed_seconds(op, [n * per_param for n in sizes], ranks, gbps, spanned,
+                                                        hop, counts)
+        def bucket(size):  # a stage smaller than a bucket fills one
+            return np.minimum(size, np.maximum(np.asarray(stage_params, dtype=np.float64), 1.0))
+        gathers = priced("all_gather", weight)(block.linears, None)
+        if np.any(block.passes == 1):  # a stage within the live budget prefetches in buckets
+            gathers = np.where(block.passes == 1, bucketed_block_seconds(
+                block.gradients[::-1], bucket(training.prefetch_bucket_params), priced("all_gather", weight),
+                fill_past=True), gathers)
+        return gathers, bucketed_block_seconds(block.gradients, bucket(training.reduce_bucket_params),
+                                               priced("reduce_scatter", gradient))
 
     expert = (0.0, 0.0)
     if np.any(expert_params):  # a dense model's search (the hot path) prices no second group

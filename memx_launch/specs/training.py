@@ -147,9 +147,8 @@ class TrainingSpec:
     softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
     s x s tensor. Default on."""
     fused_gate_up: bool | None = None
-    """SwiGLU's gate and up projections as one column-parallel linear (Megatron's linear_fc1):
-    one all-reduce of their input gradient over TP in the backward, one 16-bit cast of the normed
-    input kept under autocast. Off: two linears (Aleph Alpha's scaling, Hugging Face, memx-run),
+    """SwiGLU's gate and up projections as one column-parallel linear (Megatron's linear_fc1): one backward
+    all-reduce over TP, one 16-bit cast under autocast. Off: two linears (scaling, Hugging Face, memx-run),
     each all-reducing it: five TP all-reduces per layer instead of four. Default on."""
     fused_qkv: bool | None = None
     """The attention's q, k and v projections as one column-parallel linear (Megatron's
@@ -158,9 +157,8 @@ class TrainingSpec:
     each do both (Hugging Face's blocks, memx-run's under DTensor's per-linear TP plan). Default on."""
     overlap_expert_comm: bool | None = None
     """A mixture of experts' all-to-alls run while another micro-batch computes (Megatron's
-    ``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``: one micro-batch's
-    forward and another's backward interleaved): a block waits only for what they take beyond
-    its compute. Default off."""
+    ``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``: one micro-batch's forward and
+    another's backward interleaved): a block waits only for what they take beyond its compute. Default off."""
     fused_activation: bool | None = None
     """The MLP's activation runs as one kernel that keeps only its input for the backward
     (Megatron's ``bias_swiglu`` / ``bias_gelu`` fusions, ``--bias-swiglu-fusion``): SwiGLU's
@@ -171,10 +169,9 @@ class TrainingSpec:
     runs on an fp32 copy (Megatron's ``--attention-softmax-in-fp32``): the fp32 probabilities and
     their 16-bit copy are kept, 6 bytes per score instead of 2. Default off."""
     fused_loss: bool | None = None
-    """The cross entropy runs as one kernel that computes the softmax in fp32 on the fly
-    (flash-attn's ``CrossEntropyLoss``, MPT's default; Liger's; Megatron's
-    ``--cross-entropy-loss-fusion``): only the 16-bit logits and their 16-bit gradient are held,
-    2 x the training dtype per logit whatever ``loss_dtype`` says. Default off."""
+    """The cross entropy runs as one kernel that computes the softmax in fp32 on the fly (flash-attn's
+    ``CrossEntropyLoss``, MPT's; Liger's; Megatron's ``--cross-entropy-loss-fusion``): only the 16-bit logits
+    and their 16-bit gradient are held, 2 x the training dtype per logit whatever ``loss_dtype`` says. Default off."""
     sp_keeps_gathered_input: bool | None = None
     """With sequence parallelism, the column-parallel linears keep their all-gathered (whole sequence) input for
     the backward. Off: Megatron keeps the 1/TP shard and gathers it again (Korthikanti's 34/t). Default off."""
@@ -208,8 +205,7 @@ class TrainingSpec:
     is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
     overlap_p2p_comm: bool | None = None
     """An interleaved pipeline's sends run while the stage computes its next chunk (Megatron-LM's
-    ``--overlap-p2p-communication``, on by default there since 2023; torch's ``ScheduleInterleaved1F1B``).
-    Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's sends always block. Default on."""
+    ``--overlap-p2p-communication``; torch's ``ScheduleInterleaved1F1B``). Off: each send blocks. Default on."""
     hold_gathered: str | None = None
     """What a fully sharded run keeps gathered: ``never`` (ZeRO-3, Megatron-FSDP: each layer every micro-batch),
     ``weights`` (from a micro-batch's forward to its backward: FSDP2's ``reshard_after_forward=False``),
@@ -221,6 +217,8 @@ class TrainingSpec:
     many parameters gathered at once (``stage3_max_live_parameters``), its module hooks' host time. 0: FSDP's units."""
     reduce_bucket_params: float | None = None
     """Such a run's gradient buckets (DeepSpeed's ``reduce_bucket_size``): a reduce-scatter per bucket. Default 5e8."""
+    prefetch_bucket_params: float | None = None
+    """Its prefetch (``stage3_prefetch_bucket_size``): a stage within the live budget, an all-gather per bucket. 5e7."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
@@ -377,6 +375,8 @@ class TrainingSpec:
                        fix="give DeepSpeed's stage3_max_live_parameters, e.g. 1e9 (0: one gather per block)")
         require_number(self.reduce_bucket_params, "--reduce-bucket-params", lo=0, lo_open=True, hi=10**12,
                        fix="give DeepSpeed's reduce_bucket_size in parameters, e.g. 5e8")
+        require_number(self.prefetch_bucket_params, "--prefetch-bucket-params", lo=0, lo_open=True, hi=10**12,
+                       fix="give DeepSpeed's stage3_prefetch_bucket_size in parameters, e.g. 5e7")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
         for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):
