@@ -139,6 +139,29 @@ def test_fsdp_units_gather_two_blocks_where_deepspeed_holds_its_budget():
     assert float(gathered) / fsdp.dtype_bytes == pytest.approx(2 * traced_model(24).layer_params)
 
 
+def test_routed_experts_are_one_all_gather_a_layer_as_deepspeeds_leaf_expert_blocks():
+    """DeepSpeed 0.19.8 makes Hugging Face's Mixtral and Qwen MoE blocks ZeRO-3 leaf modules by
+    default (``DEFAULT_LEAF_MODULE_CLASSES``): one fetch gathers every expert, so memx prices a
+    layer's routed experts as one all-gather a pass and one reduce-scatter, where its attention's
+    linears are one each."""
+    from memx_launch.specs.catalog import get_model
+
+    model, training = get_model("mixtral-8x7b"), TrainingSpec(setup="zero3")
+    dense, experts = model.layer_params - model.expert_params, model.expert_params
+    fetches = deepspeed_fetches(model, training, 1)
+    layers, dp, gbps, nodes = model.num_layers, 64, 25.0, 8
+
+    def exposed(layer, expert):
+        return float(fully_sharded_exposed_time(layers * layer, layer, layers, 0.0, training, dp, gbps, nodes,
+                                                expert_params=expert, expert_dp=dp, fetches=fetches))
+    gather, reduce_scatter = (float(collective_seconds(op, 2.0 * experts, dp, gbps, nodes))
+                              for op in ("all_gather", "reduce_scatter"))
+    # Both passes' gathers and the reduce-scatter each layer, and the first layer's gather exposed.
+    assert exposed(dense + experts, experts) - exposed(dense, 0.0) == pytest.approx(
+        layers * (2 * gather + reduce_scatter) + gather)
+    assert len(fetches.linears) == 4  # the attention's q, k, v and o: the MLP is the experts'
+
+
 def test_per_linear_gathers_pay_a_latency_each_and_more_of_it_on_larger_rings():
     model, training = ModelSpec("llama-7b-like", 32, 4096, 32, 32, 11008, 32000, 4096), TrainingSpec(setup="zero3")
     fetches = deepspeed_fetches(model, training, 1)

@@ -209,6 +209,7 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
         def priced(op, per_param):
             return lambda sizes, counts: summed_seconds(op, [n * per_param for n in sizes], ranks, gbps, spanned,
                                                         hop, counts)
+
         def bucket(size):  # a stage smaller than a bucket fills one
             return np.minimum(size, np.maximum(np.asarray(stage_params, dtype=np.float64), 1.0))
         gathers = priced("all_gather", weight)(block.linears, None)
