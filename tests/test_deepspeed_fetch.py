@@ -201,6 +201,21 @@ def test_deepspeed_export_writes_the_live_budget_the_plan_counted_and_notes_fsdp
     assert any("one all-gather per block" in n and "--setup zero3" in n for n in config.notes)
 
 
+def test_deepspeed_export_refuses_a_pipeline_of_fully_sharded_stages():
+    """DeepSpeed's pipeline engine asserts ZeRO below stage 2 (``runtime/pipe/engine.py``)."""
+    from memx_launch.errors import ConfigError
+    from memx_launch.planning.config_exports import deepspeed_json
+    from tests.test_exporters import make_plan
+
+    plan = make_plan(layers=(16, 16), recompute=("none", "none"), devices=("vendor-x-32gb",) * 2, dp=4)
+    plan.training = TrainingSpec(setup="zero3").plan_fields()
+    with pytest.raises(ConfigError, match="pipeline engine refuses ZeRO-2 and 3"):
+        deepspeed_json(plan)
+    plan.training = TrainingSpec(setup="zero1").plan_fields()
+    with pytest.raises(ConfigError, match="holds data parallelism only"):  # ZeRO-1 pipelines, in code
+        deepspeed_json(plan)
+
+
 def test_a_search_over_stages_of_different_tp_prices_each_stages_linear_gathers():
     """The per-linear gathers broadcast over a search's stages (TP per stage, two vendors' nodes),
     and its fastest plan is no faster than FSDP's units' (more gathers, more host time, and for

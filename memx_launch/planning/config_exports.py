@@ -171,14 +171,17 @@ def deepspeed_json(plan: Plan) -> ConfigText:
     """The plan as a DeepSpeed config (``accelerate launch --use_deepspeed --deepspeed_config_file``):
     batch, precision and ZeRO stage of a data-parallel plan."""
     plan.within_one_domain("DeepSpeed")
+    tr = plan.training
+    stage = 3 if tr.get("fully_sharded") else 2 if tr.get("sharded_gradients") else \
+        1 if tr.get("distributed_optimizer") else 0
+    if plan.pp > 1 and stage >= 2:  # runtime/pipe/engine.py asserts it
+        raise ConfigError("plan", f"pp={plan.pp} with ZeRO-{stage}: DeepSpeed's pipeline engine refuses ZeRO-2 and 3",
+                          "plan with --pp 1, or export to torchtitan (FSDP under torch's pipelining)")
     if plan.pp > 1 or max(plan.stage_tps) > 1 or plan.cp > 1:  # (so one DP degree)
         raise ConfigError("plan", f"pp={plan.pp}, tp={plan.tp or plan.stage_tp}, cp={plan.cp}: a DeepSpeed config "
                           "holds data parallelism only (its pipeline and TP are set in code; it has no context "
                           "parallelism)", "export to Megatron-LM or torchtitan, or plan with --pp 1 --tp 1 --cp 1")
-    tr = plan.training
     dtype = tr.get("dtype", "bf16")
-    stage = 3 if tr.get("fully_sharded") else 2 if tr.get("sharded_gradients") else \
-        1 if tr.get("distributed_optimizer") else 0
     config = {"train_batch_size": plan.global_batch_size,
               "train_micro_batch_size_per_gpu": plan.micro_batch_size,
               "gradient_accumulation_steps": plan.num_microbatches,
