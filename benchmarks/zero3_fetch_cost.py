@@ -10,7 +10,9 @@ prefetch bucket at a time). This script asks ``memx estimate``'s path for LLaMA-
 and OPT-350M on DGX A100 nodes
 (8 HDR NICs a node), pure data parallelism with full recompute, sequence 2,048, one micro-batch a
 step, at 8 to 1,536 GPUs, with ``--setup zero3`` (DeepSpeed) and with ``--setup zero3
---max-live-params 0`` (FSDP's units): the step times, their ratio and each one's peak memory.
+--max-live-params 0`` (FSDP's units): the step times, their ratio and each one's peak memory; and
+DeepSpeed again with the buckets Hugging Face's integration writes for ``auto`` (reduce hidden^2,
+prefetch 0.9 hidden^2), as a Trainer's DeepSpeed config most often asks.
 Predictions, not measurements: no run here checks them.
 
 Writes benchmarks/results/zero3_fetch_cost.json and the plot zero3_fetch_cost.png.
@@ -40,9 +42,15 @@ MICRO_BATCHES = (1, 4)
 SEQ = 2048
 
 
-def predicted(model, gpus: int, mbs: int, max_live_params: float) -> dict:
+def huggingface_auto(model) -> dict:
+    """The buckets Hugging Face's DeepSpeed integration writes for ``auto`` (hidden^2 to reduce,
+    0.9 hidden^2 to prefetch), where DeepSpeed's own defaults are 5e8 and 5e7."""
+    return {"reduce_bucket_params": model.hidden_size**2, "prefetch_bucket_params": 0.9 * model.hidden_size**2}
+
+
+def predicted(model, gpus: int, mbs: int, max_live_params: float, **buckets) -> dict:
     training = TrainingSpec(global_batch_size=gpus * mbs, seq_len=SEQ, dtype="bf16", setup="zero3",
-                            max_live_params=max_live_params)
+                            max_live_params=max_live_params, **buckets)
     plan = evaluate_layout(model, dgx_cluster("a100_80gb", gpus), training, references=(1.0, 1.0, 1.0), tp=1, pp=1,
                            dp=gpus, micro_batch_size=mbs, layers_per_stage=[model.num_layers], recompute="full")
     return {"step_s": round(plan.predicted_iteration_time_s, 4),
@@ -56,11 +64,16 @@ def main() -> None:
         for mbs in MICRO_BATCHES:
             for gpus in GPUS:
                 deepspeed, fsdp = predicted(model, gpus, mbs, 1e9), predicted(model, gpus, mbs, 0.0)
+                auto = predicted(model, gpus, mbs, 1e9, **huggingface_auto(model))
                 rows.append({"model": name, "gpus": gpus, "micro_batch": mbs, "deepspeed": deepspeed, "fsdp_units": fsdp,
-                             "step_ratio": round(deepspeed["step_s"] / fsdp["step_s"], 3)})
+                             "step_ratio": round(deepspeed["step_s"] / fsdp["step_s"], 3),
+                             "deepspeed_huggingface_auto": auto,
+                             "huggingface_auto_step_ratio": round(auto["step_s"] / fsdp["step_s"], 3)})
                 print(rows[-1], flush=True)
     write_json_atomic(OUT, {"what": "memx's predicted step time and peak of DeepSpeed ZeRO-3's fetching against "
-                                    "FSDP's units (--setup zero3 with --max-live-params 1e9 and 0)",
+                                    "FSDP's units (--setup zero3 with --max-live-params 1e9 and 0), and with the "
+                                    "buckets Hugging Face's 'auto' writes (--reduce-bucket-params hidden^2 "
+                                    "--prefetch-bucket-params 0.9 hidden^2)",
                             "setup": {"cluster": "DGX A100 nodes of 8, 8 x 200 Gb/s NICs", "seq_len": SEQ,
                                       "recompute": "full", "layout": "tp 1, pp 1, dp = GPUs, one micro-batch a step"},
                             "rows": rows, "machine": machine_info()}, overwrite=True)
@@ -77,16 +90,19 @@ def plot(rows: list[dict], path: str) -> None:
 
     from memx_launch.planning.report import save_png_atomic
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 5))
     for colour, name in zip(plt.cm.tab10.colors, MODELS):
         for mbs, style in zip(MICRO_BATCHES, ("-", "--")):
             line = [r for r in rows if r["model"] == name and r["micro_batch"] == mbs]
             ax.plot([r["gpus"] for r in line], [r["step_ratio"] for r in line], style, marker="o", color=colour,
                     label=f"{name}, micro-batch {mbs}")
+        line = [r for r in rows if r["model"] == name and r["micro_batch"] == 1]
+        ax.plot([r["gpus"] for r in line], [r["huggingface_auto_step_ratio"] for r in line], ":", marker="x",
+                color=colour, label=f"{name}, micro-batch 1, Hugging Face's auto buckets")
     ax.set(xscale="log", xlabel="GPUs (data parallel, A100 DGX nodes)", ylabel="step time, DeepSpeed / FSDP units",
            title="ZeRO-3 as DeepSpeed fetches it (per linear, or per prefetch bucket within\nits live budget: OPT-350M) over FSDP's units, predicted by memx")
     ax.axhline(1.0, color="0.5", lw=1)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     save_png_atomic(fig, path)
 
