@@ -2,7 +2,8 @@
 held to DeepSpeed's own coordinator traced on CPU (``benchmarks/deepspeed_zero3_fetch.py`` ->
 ``benchmarks/results/deepspeed_zero3_fetch.json``): one all-gather per linear module a pass, at
 most the live budget gathered, with the linear whose fetch crosses it, and the gradients
-reduce-scattered a bucket at a time."""
+reduce-scattered a bucket at a time; a model within the budget gathered whole, in the forward
+only, a prefetch bucket at a time; every micro-batch fetching again."""
 
 import json
 import os
@@ -88,11 +89,24 @@ def test_each_micro_batch_fetches_and_reduces_again_whether_or_not_the_model_fit
     one, two = TRACE["budgets"][budget], TRACE["budgets"][f"{budget}_two_micro_batches"]
     assert two["micro_batches_a_step"] == 2
     assert two["per_block"] == {key: 2 * count for key, count in one["per_block"].items()}
-    # So memx prices a stage's fetches per micro-batch (fully_sharded_exposed_time), within the budget too.
+    # So memx adds a stage's fetches to each micro-batch's time, within the budget too, and nothing once a step.
+    from types import SimpleNamespace
+
+    from memx_launch.planning.collectives import NVLINK
+    from memx_launch.planning.data_parallel import stage_gradient_sync
+
     model = traced_model(24)
     live = one["blocks_of_prefetch_bucket_live_reuse_reduce_bucket"][1] * BLOCK
     training = TrainingSpec(setup="zero3", max_live_params=live)
-    assert float(deepspeed_fetches(model, training, 1, 24 * model.layer_params).passes) >= 1
+    layout = SimpleNamespace(tp_degrees=np.array([1.0]), dp_cp=np.array([64.0]), dp_nodes=np.array([8.0]),
+                             dp_hop=np.array([NVLINK]), pp=1)
+    stage = np.array([24 * model.layer_params + 2 * TRACED["vocab"] * TRACED["hidden"]])
+    per_microbatch, once_a_step = stage_gradient_sync(model, training, layout, np.array([24.0]), 1, stage,
+                                                      np.array([0.0]), 25.0, 0.0)
+    assert once_a_step.tolist() == [0.0]
+    exposed = fully_sharded_exposed_time(stage, model.layer_params, 24, 0.0, training, 64, 25.0, 8,
+                                         fetches=deepspeed_fetches(model, training, 1, stage))
+    assert per_microbatch.tolist() == pytest.approx(exposed.tolist()) and exposed.tolist()[0] > 0
 
 
 def test_a_model_under_the_live_budget_stays_gathered_whole():
