@@ -8,7 +8,8 @@ c10d collective DeepSpeed issues, by pass, and at each one how many parameters a
 partitioned state (gathered or in flight). The last step is read, once the coordinator has its
 trace and prefetches, summed over its micro-batches: one a step, and two (gradient accumulation)
 for a budget the model outgrows and one it fits (each micro-batch fetches and reduces again,
-both). Each budget runs at 12 and 24 blocks: the difference over 12 is what one more block
+both); and on four ranks with ZeRO++'s hpZ (``zero_hpz_partition_size`` 2), each all-gather
+counted by the ranks it spans. Each budget runs at 12 and 24 blocks: the difference over 12 is what one more block
 costs, free of the embedding, the head and the step's edges.
 
 The budgets are DeepSpeed's, scaled by the block: ``stage3_prefetch_bucket_size``,
@@ -78,6 +79,8 @@ BUDGETS = {
 # Budgets traced again with two micro-batches a step (gradient accumulation): what is fetched
 # once a step, and what each micro-batch.
 TWO_MICRO_BATCHES = ("llama2_7b_defaults", "model_under_budget")
+# Traced again on four ranks with ZeRO++'s hpZ second shard over two (zero_hpz_partition_size).
+HPZ = ("llama2_7b_defaults",)
 LAYERS = (12, 24)
 STEPS = 4
 
@@ -165,11 +168,12 @@ class Model(torch.nn.Module):
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """Each c10d collective of the last step, by pass, and the most parameters gathered at one."""
+    """Each c10d collective of the last step, by pass, and by the ranks it spans (an all-gather's
+    output over its input); the most parameters gathered at one, and ZeRO++'s second shard."""
 
     def __init__(self, model):
         super().__init__()
-        self.model, self.phase, self.counts, self.peak = model, None, {}, 0
+        self.model, self.phase, self.counts, self.by_ranks, self.peak, self.secondary = model, None, {}, {}, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
@@ -177,19 +181,27 @@ class CollectiveRecorder(TorchDispatchMode):
             from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
             key = f"{self.phase} {name.split('.')[1].strip('_')}"
             self.counts[key] = self.counts.get(key, 0) + 1
-            gathered = sum(p.ds_numel for p in self.model.parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE)
+            if "allgather" in name:
+                output, source = (a for a in args[:2])
+                spanned = f"{key} over {round(output.numel() / source.numel())}"
+                self.by_ranks[spanned] = self.by_ranks.get(spanned, 0) + 1
+            params = list(self.model.parameters())
+            gathered = sum(p.ds_numel for p in params if p.ds_status != ZeroParamStatus.NOT_AVAILABLE)
             self.peak = max(self.peak, gathered)
+            self.secondary = max(self.secondary, sum(p.ds_secondary_tensor.numel() for p in params
+                                                     if getattr(p, "ds_secondary_tensor", None) is not None))
         return func(*args, **(kwargs or {}))
 
 
-def run_rank(rank: int, layers: int, budget: tuple, micro_batches: int, port: int, out: str) -> None:
+def run_rank(rank: int, layers: int, budget: tuple, micro_batches: int, ranks: int, hpz: int, port: int,
+             out: str) -> None:
     import deepspeed
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
                       LOCAL_RANK=str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
     prefetch, live, reuse, reduce = (int(x * BLOCK) for x in budget)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_hpz_partition_size": hpz,
                                     "stage3_prefetch_bucket_size": prefetch, "stage3_max_live_parameters": live,
                                     "stage3_max_reuse_distance": reuse, "reduce_bucket_size": reduce},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
@@ -211,14 +223,15 @@ def run_rank(rank: int, layers: int, budget: tuple, micro_batches: int, port: in
                 engine.step()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"counts": recorder.counts, "peak_gathered_params": recorder.peak}, f)
+            json.dump({"counts": recorder.counts, "by_ranks": recorder.by_ranks, "peak_gathered_params": recorder.peak,
+                       "second_shard_params": recorder.secondary}, f)
     dist.barrier()
 
 
-def trace(layers: int, budget: tuple, micro_batches: int, port: int) -> dict:
+def trace(layers: int, budget: tuple, micro_batches: int, ranks: int, hpz: int, port: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "trace.json")
-        mp.spawn(run_rank, args=(layers, budget, micro_batches, port, out), nprocs=2)
+        mp.spawn(run_rank, args=(layers, budget, micro_batches, ranks, hpz, port, out), nprocs=ranks)
         with open(out) as f:
             return json.load(f)
 
@@ -226,22 +239,27 @@ def trace(layers: int, budget: tuple, micro_batches: int, port: int) -> dict:
 def main() -> None:
     import deepspeed
     results, port = {}, 29600
-    runs_asked = [(name, budget, 1) for name, budget in BUDGETS.items()]
-    runs_asked += [(name, BUDGETS[name], 2) for name in TWO_MICRO_BATCHES]
-    for name, budget, micro_batches in runs_asked:
+    # (result, budget, micro-batches a step, ranks, ZeRO++'s hpZ shard)
+    runs_asked = [(name, budget, 1, 2, 1) for name, budget in BUDGETS.items()]
+    runs_asked += [(f"{name}_two_micro_batches", BUDGETS[name], 2, 2, 1) for name in TWO_MICRO_BATCHES]
+    runs_asked += [(f"{name}_hpz_2_of_4", BUDGETS[name], 1, 4, 2) for name in HPZ]
+    for result, budget, micro_batches, ranks, hpz in runs_asked:
         runs = {}
         for layers in LAYERS:
             port += 1
-            runs[layers] = trace(layers, budget, micro_batches, port)
-            print(f"{name} {micro_batches} micro-batches {layers} blocks: {runs[layers]}", flush=True)
-        few, many = (runs[n]["counts"] for n in LAYERS)
-        per_block = {key: (many.get(key, 0) - few.get(key, 0)) / (LAYERS[1] - LAYERS[0]) for key in many}
-        results[name if micro_batches == 1 else f"{name}_two_micro_batches"] = {
+            runs[layers] = trace(layers, budget, micro_batches, ranks, hpz, port)
+            print(f"{result} {layers} blocks: {runs[layers]}", flush=True)
+
+        def per_block(key):
+            few, many = (runs[n][key] for n in LAYERS)
+            return {k: (many.get(k, 0) - few.get(k, 0)) / (LAYERS[1] - LAYERS[0]) for k in many}
+        results[result] = {
             "blocks_of_prefetch_bucket_live_reuse_reduce_bucket": [round(x, 4) for x in budget],
-            "micro_batches_a_step": micro_batches,
-            "per_block": per_block,
+            "micro_batches_a_step": micro_batches, "ranks": ranks, "hpz_partition_size": hpz,
+            "per_block": per_block("counts"), "per_block_by_ranks": per_block("by_ranks"),
             "last_step": {str(n): runs[n]["counts"] for n in LAYERS},
-            "peak_gathered_blocks": {str(n): round(runs[n]["peak_gathered_params"] / BLOCK, 4) for n in LAYERS}}
+            "peak_gathered_blocks": {str(n): round(runs[n]["peak_gathered_params"] / BLOCK, 4) for n in LAYERS},
+            "second_shard_blocks": {str(n): round(runs[n]["second_shard_params"] / BLOCK, 4) for n in LAYERS}}
     write_json_atomic(OUT, {
         "what": "DeepSpeed ZeRO-3's collectives per block and pass in the last step (summed over its "
                 "micro-batches), and its most parameters gathered, traced on CPU",

@@ -12,7 +12,8 @@ and OPT-350M on DGX A100 nodes
 step, at 8 to 1,536 GPUs, with ``--setup zero3`` (DeepSpeed) and with ``--setup zero3
 --max-live-params 0`` (FSDP's units): the step times, their ratio and each one's peak memory; and
 DeepSpeed again with the buckets Hugging Face's integration writes for ``auto`` (reduce hidden^2,
-prefetch 0.9 hidden^2), as a Trainer's DeepSpeed config most often asks.
+prefetch 0.9 hidden^2), as a Trainer's DeepSpeed config most often asks, and with ZeRO++'s hpZ
+over a node (``--hpz-partition-size 8``: the backward gathers from a second shard over NVLink).
 Predictions, not measurements: no run here checks them.
 
 Writes benchmarks/results/zero3_fetch_cost.json and the plot zero3_fetch_cost.png.
@@ -40,6 +41,7 @@ MODELS = ("llama2-7b", "llama2-13b", "llama2-70b", "opt-350m")
 GPUS = (8, 64, 256, 768, 1536)
 MICRO_BATCHES = (1, 4)
 SEQ = 2048
+GPUS_PER_NODE = 8  # ZeRO++'s hpZ second shard over a node (zero_hpz_partition_size)
 
 
 def huggingface_auto(model) -> dict:
@@ -65,15 +67,18 @@ def main() -> None:
             for gpus in GPUS:
                 deepspeed, fsdp = predicted(model, gpus, mbs, 1e9), predicted(model, gpus, mbs, 0.0)
                 auto = predicted(model, gpus, mbs, 1e9, **huggingface_auto(model))
+                hpz = predicted(model, gpus, mbs, 1e9, hpz_partition_size=GPUS_PER_NODE)
                 rows.append({"model": name, "gpus": gpus, "micro_batch": mbs, "deepspeed": deepspeed, "fsdp_units": fsdp,
                              "step_ratio": round(deepspeed["step_s"] / fsdp["step_s"], 3),
                              "deepspeed_huggingface_auto": auto,
-                             "huggingface_auto_step_ratio": round(auto["step_s"] / fsdp["step_s"], 3)})
+                             "huggingface_auto_step_ratio": round(auto["step_s"] / fsdp["step_s"], 3),
+                             "deepspeed_hpz_node": hpz, "hpz_node_step_ratio": round(hpz["step_s"] / fsdp["step_s"], 3)})
                 print(rows[-1], flush=True)
     write_json_atomic(OUT, {"what": "memx's predicted step time and peak of DeepSpeed ZeRO-3's fetching against "
                                     "FSDP's units (--setup zero3 with --max-live-params 1e9 and 0), and with the "
                                     "buckets Hugging Face's 'auto' writes (--reduce-bucket-params hidden^2 "
-                                    "--prefetch-bucket-params 0.9 hidden^2)",
+                                    "--prefetch-bucket-params 0.9 hidden^2), and with ZeRO++'s hpZ over a node "
+                                    "(--hpz-partition-size 8)",
                             "setup": {"cluster": "DGX A100 nodes of 8, 8 x 200 Gb/s NICs", "seq_len": SEQ,
                                       "recompute": "full", "layout": "tp 1, pp 1, dp = GPUs, one micro-batch a step"},
                             "rows": rows, "machine": machine_info()}, overwrite=True)
@@ -82,7 +87,8 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """DeepSpeed's step over FSDP's by GPUs, one line per model and micro-batch."""
+    """DeepSpeed's step over FSDP's by GPUs: at its defaults, one line per model and micro-batch
+    (left); at micro-batch 1 with its defaults, Hugging Face's auto buckets and hpZ (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,19 +96,26 @@ def plot(rows: list[dict], path: str) -> None:
 
     from memx_launch.planning.report import save_png_atomic
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, (defaults, options) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for colour, name in zip(plt.cm.tab10.colors, MODELS):
         for mbs, style in zip(MICRO_BATCHES, ("-", "--")):
             line = [r for r in rows if r["model"] == name and r["micro_batch"] == mbs]
-            ax.plot([r["gpus"] for r in line], [r["step_ratio"] for r in line], style, marker="o", color=colour,
-                    label=f"{name}, micro-batch {mbs}")
+            defaults.plot([r["gpus"] for r in line], [r["step_ratio"] for r in line], style, marker="o",
+                          color=colour, label=f"{name}, micro-batch {mbs}")
         line = [r for r in rows if r["model"] == name and r["micro_batch"] == 1]
-        ax.plot([r["gpus"] for r in line], [r["huggingface_auto_step_ratio"] for r in line], ":", marker="x",
-                color=colour, label=f"{name}, micro-batch 1, Hugging Face's auto buckets")
-    ax.set(xscale="log", xlabel="GPUs (data parallel, A100 DGX nodes)", ylabel="step time, DeepSpeed / FSDP units",
-           title="ZeRO-3 as DeepSpeed fetches it (per linear, or per prefetch bucket within\nits live budget: OPT-350M) over FSDP's units, predicted by memx")
-    ax.axhline(1.0, color="0.5", lw=1)
-    ax.legend(fontsize=7)
+        for key, style, marker, what in (("step_ratio", "-", "o", "DeepSpeed's buckets"),
+                                         ("huggingface_auto_step_ratio", ":", "x", "Hugging Face's auto buckets"),
+                                         ("hpz_node_step_ratio", "-.", "s", "hpZ over a node")):
+            options.plot([r["gpus"] for r in line], [r[key] for r in line], style, marker=marker, color=colour,
+                         label=f"{name}, {what}")
+    defaults.set(ylabel="step time, DeepSpeed / FSDP units",
+                 title="DeepSpeed's defaults (per linear; OPT-350M within\nits live budget: per prefetch bucket)")
+    options.set(title="micro-batch 1: DeepSpeed's defaults, Hugging Face's auto\nbuckets, ZeRO++'s hpZ over a node")
+    for ax in (defaults, options):
+        ax.set(xscale="log", xlabel="GPUs (data parallel, A100 DGX nodes)")
+        ax.axhline(1.0, color="0.5", lw=1)
+        ax.legend(fontsize=7)
+    fig.suptitle("ZeRO-3 as DeepSpeed fetches it over FSDP's units, predicted by memx")
     fig.tight_layout()
     save_png_atomic(fig, path)
 

@@ -153,6 +153,47 @@ def test_fsdp_units_gather_two_blocks_where_deepspeed_holds_its_budget():
     assert float(gathered) / fsdp.dtype_bytes == pytest.approx(2 * traced_model(24).layer_params)
 
 
+def test_zero_plus_plus_hpz_gathers_the_backward_from_a_second_shard_within_a_node():
+    traced = TRACE["budgets"]["llama2_7b_defaults_hpz_2_of_4"]
+    assert (traced["ranks"], traced["hpz_partition_size"]) == (4, 2)
+    modules = len(TRACED["linear_modules"])
+    # The forward over every rank, the backward over the shard's two, one linear a gather each
+    # (and one gather over two a step, whatever the blocks).
+    assert {key: n for key, n in traced["per_block_by_ranks"].items() if n} == {
+        "forward allgather_base over 4": modules, "backward allgather_base over 2": modules}
+    model, dp, gbps, nodes = traced_model(24), 64, 25.0, 8
+    stage = 24 * model.layer_params
+    linears = linear_module_params(model, TrainingSpec(setup="zero3"), 1)
+
+    def exposed(hpz):
+        training = TrainingSpec(setup="zero3", hpz_partition_size=hpz)
+        return float(fully_sharded_exposed_time(stage, model.layer_params, 24, 0.0, training, dp, gbps, nodes,
+                                                fetches=deepspeed_fetches(model, training, 1)))
+
+    def gathers(ranks, spanned):
+        return sum(float(collective_seconds("all_gather", 2.0 * p, ranks, gbps, spanned)) for p in linears)
+    # A node's eight ranks over NVLink where the backward gathered over the 64 of eight nodes.
+    assert exposed(8) - exposed(1) == pytest.approx(24 * (gathers(8, 1) - gathers(64, 8)))
+    assert exposed(8) < exposed(1)
+    # Its memory: the second shard, the stage over hpZ's ranks (the trace's holds the embedding and head too).
+    shard = TrainingSpec(setup="zero3", hpz_partition_size=2)
+    with_shard, without = (float(fully_sharded_working_parts(model, t, 1, 4)[0]) / shard.dtype_bytes / BLOCK
+                           for t in (shard, TrainingSpec(setup="zero3")))
+    assert with_shard - without == pytest.approx(12.0)
+    assert traced["second_shard_blocks"]["24"] == pytest.approx(with_shard - without, rel=0.05)
+
+
+@pytest.mark.parametrize("field, value, flag", [("prefetch_bucket_params", 0, "--prefetch-bucket-params"),
+                                                ("reduce_bucket_params", -5e8, "--reduce-bucket-params"),
+                                                ("hpz_partition_size", 0, "--hpz-partition-size"),
+                                                ("hpz_partition_size", 2.5, "--hpz-partition-size")])
+def test_deepspeed_options_out_of_range_name_their_flag(field, value, flag):
+    from memx_launch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{flag}: "):
+        TrainingSpec(setup="zero3", **{field: value})
+
+
 def test_routed_experts_are_one_all_gather_a_layer_as_deepspeeds_leaf_expert_blocks():
     """DeepSpeed 0.19.8 makes Hugging Face's Mixtral and Qwen MoE blocks ZeRO-3 leaf modules by
     default (``DEFAULT_LEAF_MODULE_CLASSES``): one fetch gathers every expert, so memx prices a
@@ -205,9 +246,10 @@ def test_deepspeed_export_writes_the_live_budget_the_plan_counted_and_notes_fsdp
     assert zero == {"stage": 3, "stage3_max_live_parameters": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
                     "reduce_bucket_size": 500_000_000}
     auto = dict(reduce_bucket_params=4096**2, prefetch_bucket_params=15099494)  # Hugging Face's for hidden 4,096
-    plan.training = TrainingSpec(setup="zero3", **auto).plan_fields()
+    plan.training = TrainingSpec(setup="zero3", hpz_partition_size=8, **auto).plan_fields()
     zero = json.loads(deepspeed_json(plan).text)["zero_optimization"]
     assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (4096**2, 15099494)
+    assert zero["zero_hpz_partition_size"] == 8
     assert not any("per block" in n for n in config.notes)
     plan.training = TrainingSpec(setup="zero3", max_live_params=0.0).plan_fields()
     config = deepspeed_json(plan)

@@ -137,6 +137,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="with --max-live-params: a stage within the live budget all-gathers its weights in "
                         "prefetch buckets of N parameters (DeepSpeed's stage3_prefetch_bucket_size; default 5e7; "
                         "Hugging Face's auto: 0.9 hidden^2)")
+    p.add_argument("--hpz-partition-size", "--hpz_partition_size", type=int_flag, metavar="N",
+                   help="with --max-live-params: ZeRO++'s hpZ, a second shard of the weights over N ranks (a node's) "
+                        "that the backward gathers from, at 1/N of the weights more memory "
+                        "(DeepSpeed's zero_hpz_partition_size; default 1: none)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
                    help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
                         "(torchtitan's op-level policy: all but the attention output and every other matmul's; "

@@ -194,6 +194,8 @@ def deepspeed_json(plan: Plan) -> ConfigText:
         config["zero_optimization"].update(stage3_max_live_parameters=given("max_live_params"),
                                            stage3_prefetch_bucket_size=given("prefetch_bucket_params"),
                                            reduce_bucket_size=given("reduce_bucket_params"))
+        if given("hpz_partition_size") > 1:
+            config["zero_optimization"]["zero_hpz_partition_size"] = given("hpz_partition_size")
     elif stage == 3:
         notes.append("the plan priced one all-gather per block, as FSDP; DeepSpeed ZeRO-3 fetches each linear "
                      "on its own: plan with --setup zero3 (--max-live-params 1e9) to predict it")

@@ -111,13 +111,14 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     DeepSpeed ZeRO-3 (``fetches``, :func:`deepspeed_fetches`) gathers a layer's dense weights in one
     all-gather per linear module (a stage within its live budget: per prefetch bucket), each paying
     its own latency, in the passes it fetches them, and
-    reduce-scatters its gradients in buckets; None: the layer in one of each."""
+    reduce-scatters its gradients in buckets; None: the layer in one of each. With ZeRO++'s hpZ
+    (``hpz_partition_size``) its backward gathers each unit from a second shard within that many ranks."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
                                             expert_params, expert_dp, fetches)
-    gathers = fetches.passes if fetches is not None else 1.0 if training.hold_gathered == "weights" else 2.0
+    passes = fetches.passes if fetches is not None else 1.0 if training.hold_gathered == "weights" else 2.0
 
-    def per_unit(gather, reduce_scatter):
-        return gathers * gather + reduce_scatter
+    def per_unit(forward, backward, reduce_scatter):
+        return forward + (passes - 1.0) * backward + reduce_scatter
     per_microbatch = np.asarray(layers, dtype=np.float64) * (per_unit(*dense) + per_unit(*expert)) + per_unit(*rest)
     return overlapped_exposed_seconds(per_microbatch, stage_time, sm_share) + dense[0] + expert[0]
 
@@ -134,7 +135,7 @@ def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time,
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
                                             expert_params, expert_dp, fetches)
     layers = np.asarray(layers, dtype=np.float64)
-    gathers, reduces = (layers * (dense[i] + expert[i]) + rest[i] for i in (0, 1))
+    gathers, reduces = (layers * (dense[i] + expert[i]) + rest[i] for i in (0, 2))
     return overlapped_exposed_seconds(gathers, stage_time / 3.0, sm_share) + dense[0] + expert[0] + reduces
 
 
@@ -192,35 +193,42 @@ def bucketed_block_seconds(parts, bucket: float, price, fill_past: bool = False)
 
 def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec, dp, gbps, nodes, hop,
                       expert_params, expert_dp, fetches: DeepSpeedFetches | None = None) -> tuple:
-    """(all-gather, reduce-scatter) seconds of a layer's dense unit (one collective of each, or
-    DeepSpeed's, ``fetches`` of :func:`deepspeed_fetches`), of its routed experts' and of the stage's
-    other parameters (the units of :func:`fully_sharded_exposed_time`)."""
+    """(forward all-gather, backward all-gather, reduce-scatter) seconds of a layer's dense unit (one
+    collective of each, or DeepSpeed's, ``fetches`` of :func:`deepspeed_fetches`), of its routed
+    experts' and of the stage's other parameters (the units of :func:`fully_sharded_exposed_time`).
+    DeepSpeed's backward gathers from ZeRO++'s second shard where ``hpz_partition_size`` asks for it:
+    over that many ranks of the group, a node's first (traced: ``deepspeed_zero3_fetch.json``)."""
     layer_params = np.asarray(layer_params, dtype=np.float64)
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64)
                       - np.asarray(layers, dtype=np.float64) * layer_params, 0.0)
 
     weight, gradient = compute_weight_bytes(training), reduced_gradient_bytes(training)
+    hpz = training.hpz_partition_size if fetches is not None else 1
 
     def unit_seconds(params, ranks, spanned, block: DeepSpeedFetches | None = None):
-        if block is None:
-            return (collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop),
-                    collective_seconds("reduce_scatter", params * gradient, ranks, gbps, spanned, hop))
-
-        def priced(op, per_param):
-            return lambda sizes, counts: summed_seconds(op, [n * per_param for n in sizes], ranks, gbps, spanned,
+        def priced(op, per_param, group=ranks, group_nodes=spanned):
+            return lambda sizes, counts: summed_seconds(op, [n * per_param for n in sizes], group, gbps, group_nodes,
                                                         hop, counts)
+        secondary = np.minimum(hpz, ranks)  # ZeRO++'s second shard, within a node where it fits
+        backward = priced("all_gather", weight, secondary, np.maximum(1.0, spanned * secondary / ranks))
+        if block is None:
+            forward = collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop)
+            return (forward, forward if hpz == 1 else backward([params], None),
+                    collective_seconds("reduce_scatter", params * gradient, ranks, gbps, spanned, hop))
 
         def bucket(size):  # a stage smaller than a bucket fills one
             return np.minimum(size, np.maximum(np.asarray(stage_params, dtype=np.float64), 1.0))
-        gathers = priced("all_gather", weight)(block.linears, None)
+        per_linear = priced("all_gather", weight)(block.linears, None)
+        forward = per_linear
         if np.any(block.passes == 1):  # a stage within the live budget prefetches in buckets
-            gathers = np.where(block.passes == 1, bucketed_block_seconds(
+            forward = np.where(block.passes == 1, bucketed_block_seconds(
                 block.gradients[::-1], bucket(training.prefetch_bucket_params), priced("all_gather", weight),
-                fill_past=True), gathers)
-        return gathers, bucketed_block_seconds(block.gradients, bucket(training.reduce_bucket_params),
-                                               priced("reduce_scatter", gradient))
+                fill_past=True), per_linear)
+        return (forward, per_linear if hpz == 1 else backward(block.linears, None),
+                bucketed_block_seconds(block.gradients, bucket(training.reduce_bucket_params),
+                                       priced("reduce_scatter", gradient)))
 
-    expert = (0.0, 0.0)
+    expert = (0.0, 0.0, 0.0)
     if np.any(expert_params):  # a dense model's search (the hot path) prices no second group
         expert = unit_seconds(np.asarray(expert_params, dtype=np.float64), expert_dp, np.minimum(expert_dp, nodes))
     return unit_seconds(layer_params - expert_params, dp, nodes, fetches), expert, unit_seconds(rest, dp, nodes)

@@ -167,7 +167,8 @@ def reduced_gradient_bytes(training: TrainingSpec) -> int:
 def fully_sharded_working_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, pp: int = 1) -> float:
     """FSDP: one layer's weights gathered in the compute dtype while the next is prefetched (DeepSpeed
     ZeRO-3, ``max_live_params``: its budget of gathered parameters, and the linear whose fetch crosses
-    it), and one layer's unsharded gradient before its reduce-scatter. A stage that holds
+    it, and with ZeRO++'s hpZ the stage's second shard over ``hpz_partition_size`` ranks), and one
+    layer's unsharded gradient before its reduce-scatter. A stage that holds
     its gathered weights (:func:`holds_weights`, counted in its model states) gathers nothing
     more; one that keeps its gradients through the step (:func:`keeps_gathered`) has a layer's
     fresh gradient wait in the weights' dtype to be added, where they accumulate in another."""
@@ -186,8 +187,9 @@ def fully_sharded_working_parts(model: ModelSpec, training: TrainingSpec, tp, dp
         gathered = 0.0
     elif training.max_live_params:  # DeepSpeed's budget, overshot by the linear that crosses it; at most the stage
         largest = np.max(np.broadcast_arrays(*linear_module_params(model, training, tp)), axis=0)
-        gathered = np.minimum(training.max_live_params + largest, layer * model.num_layers / pp) \
-            * compute_weight_bytes(training)
+        stage = layer * model.num_layers / pp
+        secondary = stage / training.hpz_partition_size if training.hpz_partition_size > 1 else 0.0  # ZeRO++'s hpZ
+        gathered = (np.minimum(training.max_live_params + largest, stage) + secondary) * compute_weight_bytes(training)
     else:  # one layer gathered while the next is prefetched
         gathered = layer * (2.0 * compute_weight_bytes(training))
     return gathered, layer * training.precision_bytes("grad_dtype")

@@ -86,13 +86,11 @@ class TrainingSpec:
     sequence_parallel: bool | None = None
     """Megatron sequence parallelism: the norm and dropout activations split over TP."""
     flash_attention: bool | None = None
-    """Fused attention: no s x s score tensors kept. Default on (a device type without the
-    kernel turns it off for its stages)."""
+    """Fused attention: no s x s score tensors kept. Default on (off on a device type without the kernel)."""
     flash_attention_version: int | None = None
-    """Generation of the fused attention kernel (FlashAttention 1, 2 or 3): how fast it runs
-    against the device's matmuls, slower for 1 and 2 on Hopper and later
-    (:func:`~memx_launch.planning.costmodel.fused_attention_speed`). Memory is the same for all
-    three. Default 2."""
+    """Generation of the fused attention kernel (FlashAttention 1, 2 or 3): how fast it runs against the
+    device's matmuls (:func:`~memx_launch.planning.costmodel.fused_attention_speed`: slower for 1 and 2 on
+    Hopper and later). Memory is the same for all three. Default 2."""
     loss_dtype: str | None = None
     """"fp32" (logits cast to fp32 for the loss, Megatron's cross entropy) or "training"
     (logits and their gradient in the training dtype). Default fp32."""
@@ -113,16 +111,14 @@ class TrainingSpec:
     """Fused RMSNorm/LayerNorm kernel (keeps its 16-bit input). Off: torch ops (Hugging Face's
     LlamaRMSNorm) keep the fp32 copy of the input and the normalised tensor (4 + 2 bytes, not 2). Default on."""
     vocab_parallel_loss: bool | None = None
-    """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits.
-    Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
-    vocabulary on every TP rank and the loss keeps a log-softmax of it. Default on."""
+    """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits. Off (torch's cross
+    entropy, Hugging Face models): the head gathers the whole vocabulary on every TP rank. Default on."""
     torch_loss_parallel: bool | None = None
     """The vocab-parallel loss in torch's ops (DTensor's ``loss_parallel()``): 16 bytes per logit, Megatron's 8."""
     keep_stage_outputs: bool | None = None
-    """The pipeline engine keeps each in-flight micro-batch's stage output until its gradient
-    returns (DeepSpeed-style buffers, Aleph Alpha's scaling; torch's ``PipelineStage``, whose
-    ``fwd_cache`` holds it for the backward: torchtitan, memx-run). Off: Megatron frees an
-    output's data once sent (Korthikanti et al. 2022, appendix B). Default off."""
+    """The pipeline engine keeps each in-flight micro-batch's stage output until its gradient returns
+    (DeepSpeed-style buffers, Aleph Alpha's scaling; torch's ``PipelineStage``'s ``fwd_cache``: torchtitan,
+    memx-run). Off: Megatron frees an output's data once sent (Korthikanti et al. 2022, appendix B)."""
     keep_previous_logits: bool | None = None
     """The last stage's two logits buffers, never emptied, keep the previous micro-batch's during the next loss."""
     torch_pipelining: bool | None = None
@@ -219,6 +215,8 @@ class TrainingSpec:
     """Such a run's gradient buckets (DeepSpeed's ``reduce_bucket_size``): a reduce-scatter per bucket. Default 5e8."""
     prefetch_bucket_params: float | None = None
     """Its prefetch (``stage3_prefetch_bucket_size``): a stage within the live budget, an all-gather per bucket. 5e7."""
+    hpz_partition_size: int | None = None
+    """ZeRO++'s hpZ (``zero_hpz_partition_size``): a second weight shard over N ranks for the backward's gathers."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
@@ -377,6 +375,8 @@ class TrainingSpec:
                        fix="give DeepSpeed's reduce_bucket_size in parameters, e.g. 5e8")
         require_number(self.prefetch_bucket_params, "--prefetch-bucket-params", lo=0, lo_open=True, hi=10**12,
                        fix="give DeepSpeed's stage3_prefetch_bucket_size in parameters, e.g. 5e7")
+        require_number(self.hpz_partition_size, "--hpz-partition-size", lo=1, hi=MAX_DIMENSION, integer=True,
+                       fix="give the ranks of a node, e.g. 8 (1: no secondary shard)")
         require_number(self.activation_offload_layers, "--activation-offload-layers", lo=0, hi=MAX_DIMENSION,
                        integer=True, fix="give how many layers per stage keep their activations on the host, e.g. 8")
         for flag, recipe, recipes in (("--fp8", self.fp8, FP8_RECIPES), ("--fp4", self.fp4, FP4_RECIPES)):
