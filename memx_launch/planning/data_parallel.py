@@ -110,9 +110,9 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     Weights held from the forward to the backward (``hold_gathered`` weights) are gathered once.
     DeepSpeed ZeRO-3 (``fetches``, :func:`deepspeed_fetches`) gathers a layer's dense weights in one
     all-gather per linear module (a stage within its live budget: per prefetch bucket), each paying
-    its own latency, in the passes it fetches them, and
-    reduce-scatters its gradients in buckets; None: the layer in one of each. With ZeRO++'s hpZ
-    (``hpz_partition_size``) its backward gathers each unit from a second shard within that many ranks."""
+    its own latency, in the passes it fetches them, and reduce-scatters its gradients in buckets;
+    None: the layer in one of each. With ZeRO++'s hpZ (``hpz_partition_size``) its backward gathers
+    each unit from a second shard within that many ranks."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
                                             expert_params, expert_dp, fetches)
     passes = fetches.passes if fetches is not None else 1.0 if training.hold_gathered == "weights" else 2.0
@@ -209,11 +209,12 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
         def priced(op, per_param, group=ranks, group_nodes=spanned):
             return lambda sizes, counts: summed_seconds(op, [n * per_param for n in sizes], group, gbps, group_nodes,
                                                         hop, counts)
-        secondary = np.minimum(hpz, ranks)  # ZeRO++'s second shard, within a node where it fits
-        backward = priced("all_gather", weight, secondary, np.maximum(1.0, spanned * secondary / ranks))
+        def backward(sizes):  # ZeRO++'s second shard over hpZ's ranks, within a node where they fit
+            secondary = np.minimum(hpz, ranks)
+            return priced("all_gather", weight, secondary, np.maximum(1.0, spanned * secondary / ranks))(sizes, None)
         if block is None:
             forward = collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop)
-            return (forward, forward if hpz == 1 else backward([params], None),
+            return (forward, forward if hpz == 1 else backward([params]),
                     collective_seconds("reduce_scatter", params * gradient, ranks, gbps, spanned, hop))
 
         def bucket(size):  # a stage smaller than a bucket fills one
@@ -224,7 +225,7 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
             forward = np.where(block.passes == 1, bucketed_block_seconds(
                 block.gradients[::-1], bucket(training.prefetch_bucket_params), priced("all_gather", weight),
                 fill_past=True), per_linear)
-        return (forward, per_linear if hpz == 1 else backward(block.linears, None),
+        return (forward, per_linear if hpz == 1 else backward(block.linears),
                 bucketed_block_seconds(block.gradients, bucket(training.reduce_bucket_params),
                                        priced("reduce_scatter", gradient)))
 
