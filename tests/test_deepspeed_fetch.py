@@ -183,6 +183,34 @@ def test_zero_plus_plus_hpz_gathers_the_backward_from_a_second_shard_within_a_no
     assert traced["second_shard_blocks"]["24"] == pytest.approx(with_shard - without, rel=0.05)
 
 
+def test_zero_plus_plus_qwz_fetches_int8_weights_then_their_scales_two_collectives_each():
+    """``partition_parameters.py``: a quantized fetch all-gathers the int8 weights, then their fp32
+    scales (one per group of up to 8,000); nothing on CPU builds its quantizer, so this is read,
+    not traced."""
+    from memx_launch.planning.data_parallel import QWZ_SCALE_BYTES
+
+    model, dp, gbps, nodes = traced_model(24), 64, 25.0, 8
+    linears = linear_module_params(model, TrainingSpec(setup="zero3"), 1)
+
+    def exposed(**zero_plus_plus):
+        training = TrainingSpec(setup="zero3", **zero_plus_plus)
+        return float(fully_sharded_exposed_time(24 * model.layer_params, model.layer_params, 24, 0.0, training, dp,
+                                                gbps, nodes, fetches=deepspeed_fetches(model, training, 1)))
+
+    def gathers(bytes_per_param, ranks=dp, spanned=nodes):
+        return sum(float(collective_seconds("all_gather", bytes_per_param * p, ranks, gbps, spanned)) for p in linears)
+    quantized = gathers(1.0) + gathers(QWZ_SCALE_BYTES)
+    # Both passes' gathers of 24 blocks and the first block's exposed again: int8 and scales where bf16 was.
+    assert exposed(quantized_weights=True) - exposed() == pytest.approx(49 * (quantized - gathers(2.0)))
+    # Latency-bound at this size: two collectives of half the bytes cost more than one.
+    assert quantized > gathers(2.0)
+    # With hpZ the backward's pair spans the second shard's ranks.
+    both = exposed(quantized_weights=True, hpz_partition_size=8)
+    hpz_only = exposed(hpz_partition_size=8)
+    backward = gathers(1.0, 8, 1) + gathers(QWZ_SCALE_BYTES, 8, 1) - gathers(2.0, 8, 1)
+    assert both - hpz_only == pytest.approx(25 * (quantized - gathers(2.0)) + 24 * backward)
+
+
 @pytest.mark.parametrize("field, value, flag", [("prefetch_bucket_params", 0, "--prefetch-bucket-params"),
                                                 ("reduce_bucket_params", -5e8, "--reduce-bucket-params"),
                                                 ("hpz_partition_size", 0, "--hpz-partition-size"),
@@ -246,10 +274,10 @@ def test_deepspeed_export_writes_the_live_budget_the_plan_counted_and_notes_fsdp
     assert zero == {"stage": 3, "stage3_max_live_parameters": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
                     "reduce_bucket_size": 500_000_000}
     auto = dict(reduce_bucket_params=4096**2, prefetch_bucket_params=15099494)  # Hugging Face's for hidden 4,096
-    plan.training = TrainingSpec(setup="zero3", hpz_partition_size=8, **auto).plan_fields()
+    plan.training = TrainingSpec(setup="zero3", hpz_partition_size=8, quantized_weights=True, **auto).plan_fields()
     zero = json.loads(deepspeed_json(plan).text)["zero_optimization"]
     assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (4096**2, 15099494)
-    assert zero["zero_hpz_partition_size"] == 8
+    assert zero["zero_hpz_partition_size"] == 8 and zero["zero_quantized_weights"] is True
     assert not any("per block" in n for n in config.notes)
     plan.training = TrainingSpec(setup="zero3", max_live_params=0.0).plan_fields()
     config = deepspeed_json(plan)

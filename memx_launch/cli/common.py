@@ -141,6 +141,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="with --max-live-params: ZeRO++'s hpZ, a second shard of the weights over N ranks (a node's) "
                         "that the backward gathers from, at 1/N of the weights more memory "
                         "(DeepSpeed's zero_hpz_partition_size; default 1: none)")
+    p.add_argument("--quantized-weights", "--quantized_weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --max-live-params: ZeRO++'s qwZ, each fetch all-gathers int8 weights and then their "
+                        "fp32 scales, two collectives of half the bytes (DeepSpeed's zero_quantized_weights; "
+                        "default off)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
                    help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
                         "(torchtitan's op-level policy: all but the attention output and every other matmul's; "

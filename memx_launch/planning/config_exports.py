@@ -196,6 +196,8 @@ def deepspeed_json(plan: Plan) -> ConfigText:
                                            reduce_bucket_size=given("reduce_bucket_params"))
         if given("hpz_partition_size") > 1:
             config["zero_optimization"]["zero_hpz_partition_size"] = given("hpz_partition_size")
+        if tr.get("quantized_weights"):
+            config["zero_optimization"]["zero_quantized_weights"] = True
     elif stage == 3:
         notes.append("the plan priced one all-gather per block, as FSDP; DeepSpeed ZeRO-3 fetches each linear "
                      "on its own: plan with --setup zero3 (--max-live-params 1e9) to predict it")

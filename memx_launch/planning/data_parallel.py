@@ -139,6 +139,10 @@ def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time,
     return overlapped_exposed_seconds(gathers, stage_time / 3.0, sm_share) + dense[0] + expert[0] + reduces
 
 
+# ZeRO++'s qwZ sends an fp32 scale per group of up to 8,000 int8 weights (CUDAQuantizer.target_group_size).
+QWZ_SCALE_BYTES = 4.0 / 8000
+
+
 class DeepSpeedFetches(NamedTuple):
     """A block's weights and gradients on a TP rank as DeepSpeed ZeRO-3 moves them (:func:`deepspeed_fetches`)."""
     linears: list
@@ -197,34 +201,46 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
     collective of each, or DeepSpeed's, ``fetches`` of :func:`deepspeed_fetches`), of its routed
     experts' and of the stage's other parameters (the units of :func:`fully_sharded_exposed_time`).
     DeepSpeed's backward gathers from ZeRO++'s second shard where ``hpz_partition_size`` asks for it:
-    over that many ranks of the group, a node's first (traced: ``deepspeed_zero3_fetch.json``)."""
+    over that many ranks of the group, a node's first (traced: ``deepspeed_zero3_fetch.json``); with
+    ZeRO++'s ``quantized_weights`` each fetch all-gathers int8 weights and then their fp32 scales
+    (``partition_parameters.py``: two collectives, each paying its latency)."""
     layer_params = np.asarray(layer_params, dtype=np.float64)
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64)
                       - np.asarray(layers, dtype=np.float64) * layer_params, 0.0)
 
     weight, gradient = compute_weight_bytes(training), reduced_gradient_bytes(training)
     hpz = training.hpz_partition_size if fetches is not None else 1
+    quantized = bool(training.quantized_weights) and fetches is not None
 
     def unit_seconds(params, ranks, spanned, block: DeepSpeedFetches | None = None):
         def priced(op, per_param, group=ranks, group_nodes=spanned):
             return lambda sizes, counts: summed_seconds(op, [n * per_param for n in sizes], group, gbps, group_nodes,
                                                         hop, counts)
+
+        def fetched(group=ranks, group_nodes=spanned):  # all-gathers of weights, with qwZ their scales' after
+            if not quantized:
+                return priced("all_gather", weight, group, group_nodes)
+            return lambda sizes, counts: summed_seconds(
+                "all_gather", [n * per_param for per_param in (1.0, QWZ_SCALE_BYTES) for n in sizes], group, gbps,
+                group_nodes, hop, None if counts is None else [*counts, *counts])
+
         def backward(sizes):  # ZeRO++'s second shard over hpZ's ranks, within a node where they fit
             secondary = np.minimum(hpz, ranks)
-            return priced("all_gather", weight, secondary, np.maximum(1.0, spanned * secondary / ranks))(sizes, None)
+            return fetched(secondary, np.maximum(1.0, spanned * secondary / ranks))(sizes, None)
         if block is None:
-            forward = collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop)
+            forward = fetched()([params], None) if quantized else \
+                collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop)
             return (forward, forward if hpz == 1 else backward([params]),
                     collective_seconds("reduce_scatter", params * gradient, ranks, gbps, spanned, hop))
 
         def bucket(size):  # a stage smaller than a bucket fills one
             return np.minimum(size, np.maximum(np.asarray(stage_params, dtype=np.float64), 1.0))
-        per_linear = priced("all_gather", weight)(block.linears, None)
+        per_linear = fetched()(block.linears, None)
         forward = per_linear
         if np.any(block.passes == 1):  # a stage within the live budget prefetches in buckets
             forward = np.where(block.passes == 1, bucketed_block_seconds(
-                block.gradients[::-1], bucket(training.prefetch_bucket_params), priced("all_gather", weight),
-                fill_past=True), per_linear)
+                block.gradients[::-1], bucket(training.prefetch_bucket_params), fetched(), fill_past=True),
+                per_linear)
         return (forward, per_linear if hpz == 1 else backward(block.linears),
                 bucketed_block_seconds(block.gradients, bucket(training.reduce_bucket_params),
                                        priced("reduce_scatter", gradient)))

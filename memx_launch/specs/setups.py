@@ -73,4 +73,4 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        selective_recompute="attention", ddp_bucket_copy=False, grad_accumulation_pass=False,
                        cp_all_gather=False, repeat_kv=False, overlap_p2p_comm=True, hold_gathered="pipelined",
                        max_live_params=0.0, reduce_bucket_params=5e8, prefetch_bucket_params=5e7, hpz_partition_size=1,
-                       eager_block=False, fp8_weight_cache=True)
+                       quantized_weights=False, eager_block=False, fp8_weight_cache=True)

@@ -139,9 +139,8 @@ class TrainingSpec:
     of its last linear: that GEMM and the TP collective after it do not run again. Off: the whole
     forward again (Megatron's checkpoint, reentrant ones). Default off (torchtitan, ddp, memx-run: on)."""
     fused_softmax: bool | None = None
-    """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
-    softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
-    s x s tensor. Default on."""
+    """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked softmax) whose
+    backward works in place; off: torch's softmax, whose backward holds one more s x s tensor. Default on."""
     fused_gate_up: bool | None = None
     """SwiGLU's gate and up projections as one column-parallel linear (Megatron's linear_fc1): one backward
     all-reduce over TP, one 16-bit cast under autocast. Off: two linears (scaling, Hugging Face, memx-run),
@@ -156,10 +155,9 @@ class TrainingSpec:
     ``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``: one micro-batch's forward and
     another's backward interleaved): a block waits only for what they take beyond its compute. Default off."""
     fused_activation: bool | None = None
-    """The MLP's activation runs as one kernel that keeps only its input for the backward
-    (Megatron's ``bias_swiglu`` / ``bias_gelu`` fusions, ``--bias-swiglu-fusion``): SwiGLU's
-    silu(gate) is recomputed there, not kept. Off: torch's ops (torchtitan, Hugging Face), which
-    keep silu(gate) as well. Default off (``megatron``: on)."""
+    """The MLP's activation runs as one kernel that keeps only its input for the backward (Megatron's
+    ``bias_swiglu`` / ``bias_gelu`` fusions): SwiGLU's silu(gate) is recomputed there, not kept. Off: torch's
+    ops (torchtitan, Hugging Face), which keep silu(gate) as well. Default off (``megatron``: on)."""
     softmax_in_fp32: bool | None = None
     """With torch's softmax (no flash attention, no fused softmax) on 16-bit scores, the softmax
     runs on an fp32 copy (Megatron's ``--attention-softmax-in-fp32``): the fp32 probabilities and
@@ -217,6 +215,8 @@ class TrainingSpec:
     """Its prefetch (``stage3_prefetch_bucket_size``): a stage within the live budget, an all-gather per bucket. 5e7."""
     hpz_partition_size: int | None = None
     """ZeRO++'s hpZ (``zero_hpz_partition_size``): a second weight shard over N ranks for the backward's gathers."""
+    quantized_weights: bool | None = None
+    """ZeRO++'s qwZ (``zero_quantized_weights``): each fetch all-gathers int8 weights, then their fp32 scales."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
