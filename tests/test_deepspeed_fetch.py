@@ -315,3 +315,19 @@ def test_a_search_over_stages_of_different_tp_prices_each_stages_linear_gathers(
                                                            max_live_params=live), top_k=1).fastest
                        for live in (1e9, 0.0))
     assert deepspeed.predicted_iteration_time_s >= fsdp.predicted_iteration_time_s
+
+
+def test_memx_plan_says_when_a_deepspeed_zero3_plan_has_stages_deepspeed_cannot_pipeline():
+    from memx_launch.planning.report import plan_report
+    from memx_launch.planning.search import search
+    from memx_launch.specs.catalog import get_model
+    from memx_launch.specs.cluster import ClusterSpec
+
+    cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
+                                                 "table1-2vendor.yaml"))  # two device types: no one-stage layout
+    model = get_model("llama2-7b")
+    for live, said in ((1e9, True), (0.0, False)):  # DeepSpeed's fetching, or FSDP's units that torch pipelines
+        result = search(model, cluster, TrainingSpec(global_batch_size=64, seq_len=4096, setup="zero3",
+                                                     max_live_params=live), top_k=1)
+        assert result.best.pp > 1
+        assert ("pipeline engine refuses ZeRO-3" in plan_report(result, cluster)) is said

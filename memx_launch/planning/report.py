@@ -180,6 +180,10 @@ def plan_report(result, cluster: ClusterSpec, rates=()) -> str:
     if result.unbounded is not best:
         lines.append(f"without --max-slowdown's bound the profile would pick {layout_summary(result.unbounded)}: "
                      + trade_text(result.unbounded, result.fastest))
+    if best.pp > 1 and best.training.get("fully_sharded") and best.training.get("max_live_params"):
+        lines.append("note: DeepSpeed's pipeline engine refuses ZeRO-3: this plan prices DeepSpeed's fetching in "
+                     "stages another framework must pipeline; a DeepSpeed run is one stage (--pp 1, on devices of "
+                     "one type)")
     if result.stats.pruned_too_few_microbatches:
         lines.append(f"left out: {result.stats.pruned_too_few_microbatches} candidates with fewer micro-batches "
                      "than stages (memx-run's pipeline schedule needs one per stage)")
