@@ -211,22 +211,22 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
     weight, gradient = compute_weight_bytes(training), reduced_gradient_bytes(training)
     hpz = training.hpz_partition_size if fetches is not None else 1
     quantized = bool(training.quantized_weights) and fetches is not None
+    fetched_bytes = (1.0, QWZ_SCALE_BYTES) if quantized else (weight,)  # with qwZ: int8 weights, then their scales
 
     def unit_seconds(params, ranks, spanned, block: DeepSpeedFetches | None = None):
-        def priced(op, per_param, group=ranks, group_nodes=spanned):
-            return lambda sizes, counts: summed_seconds(op, [n * per_param for n in sizes], group, gbps, group_nodes,
-                                                        hop, counts)
-
-        def fetched(group=ranks, group_nodes=spanned):  # all-gathers of weights, with qwZ their scales' after
-            if not quantized:
-                return priced("all_gather", weight, group, group_nodes)
+        def priced(op, bytes_per_param, group=ranks, group_nodes=spanned):
+            """``price(sizes, counts)``: a collective of each size for each of ``bytes_per_param``."""
             return lambda sizes, counts: summed_seconds(
-                "all_gather", [n * per_param for per_param in (1.0, QWZ_SCALE_BYTES) for n in sizes], group, gbps,
-                group_nodes, hop, None if counts is None else [*counts, *counts])
+                op, [n * b for b in bytes_per_param for n in sizes], group, gbps, group_nodes, hop,
+                None if counts is None else list(counts) * len(bytes_per_param))
+
+        def fetched(group=ranks, group_nodes=spanned):
+            return priced("all_gather", fetched_bytes, group, group_nodes)
 
         def backward(sizes):  # ZeRO++'s second shard over hpZ's ranks, within a node where they fit
             secondary = np.minimum(hpz, ranks)
             return fetched(secondary, np.maximum(1.0, spanned * secondary / ranks))(sizes, None)
+
         if block is None:
             forward = fetched()([params], None) if quantized else \
                 collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop)
@@ -243,7 +243,7 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
                 per_linear)
         return (forward, per_linear if hpz == 1 else backward(block.linears),
                 bucketed_block_seconds(block.gradients, bucket(training.reduce_bucket_params),
-                                       priced("reduce_scatter", gradient)))
+                                       priced("reduce_scatter", (gradient,))))
 
     expert = (0.0, 0.0, 0.0)
     if np.any(expert_params):  # a dense model's search (the hot path) prices no second group
