@@ -34,6 +34,11 @@ def collectives_counted(sizes, counts):
     return sum(count * (np.asarray(size) > 0) for size, count in zip(sizes, counts))
 
 
+def linear_gathers(linears, bytes_per_param=2.0, ranks=64, nodes=8, gbps=25.0) -> float:
+    """Seconds of one all-gather per linear module's parameters, each on its own."""
+    return sum(float(collective_seconds("all_gather", bytes_per_param * p, ranks, gbps, nodes)) for p in linears)
+
+
 def traced_model(layers: int) -> ModelSpec:
     return ModelSpec("traced", layers, TRACED["hidden"], TRACED["heads"], TRACED["heads"], TRACED["ffn"],
                      TRACED["vocab"], TRACED["seq"])
@@ -127,8 +132,7 @@ def test_a_model_under_the_live_budget_stays_gathered_whole():
     args = (stage, model.layer_params, 24, 0.0, training, 64, 25.0, 8)
     kept, refetched = (float(fully_sharded_exposed_time(*args, fetches=deepspeed_fetches(model, training, 1, params)))
                        for params in (stage, np.inf))
-    per_linear = sum(float(collective_seconds("all_gather", 2.0 * p, 64, 25.0, 8))
-                     for p in linear_module_params(model, training, 1))
+    per_linear = linear_gathers(linear_module_params(model, training, 1))
 
     def all_gathers(sizes, counts):
         return sum(count * collective_seconds("all_gather", 2.0 * np.asarray(size), 64, 25.0, 8)
@@ -170,10 +174,8 @@ def test_zero_plus_plus_hpz_gathers_the_backward_from_a_second_shard_within_a_no
         return float(fully_sharded_exposed_time(stage, model.layer_params, 24, 0.0, training, dp, gbps, nodes,
                                                 fetches=deepspeed_fetches(model, training, 1)))
 
-    def gathers(ranks, spanned):
-        return sum(float(collective_seconds("all_gather", 2.0 * p, ranks, gbps, spanned)) for p in linears)
     # A node's eight ranks over NVLink where the backward gathered over the 64 of eight nodes.
-    assert exposed(8) - exposed(1) == pytest.approx(24 * (gathers(8, 1) - gathers(64, 8)))
+    assert exposed(8) - exposed(1) == pytest.approx(24 * (linear_gathers(linears, 2.0, 8, 1) - linear_gathers(linears)))
     assert exposed(8) < exposed(1)
     # Its memory: the second shard, the stage over hpZ's ranks (the trace's holds the embedding and head too).
     shard = TrainingSpec(setup="zero3", hpz_partition_size=2)
@@ -197,18 +199,16 @@ def test_zero_plus_plus_qwz_fetches_int8_weights_then_their_scales_two_collectiv
         return float(fully_sharded_exposed_time(24 * model.layer_params, model.layer_params, 24, 0.0, training, dp,
                                                 gbps, nodes, fetches=deepspeed_fetches(model, training, 1)))
 
-    def gathers(bytes_per_param, ranks=dp, spanned=nodes):
-        return sum(float(collective_seconds("all_gather", bytes_per_param * p, ranks, gbps, spanned)) for p in linears)
-    quantized = gathers(1.0) + gathers(QWZ_SCALE_BYTES)
+    def quantized_over_bf16(ranks=dp, spanned=nodes):
+        return sum(linear_gathers(linears, b, ranks, spanned) for b in (1.0, QWZ_SCALE_BYTES)) \
+            - linear_gathers(linears, 2.0, ranks, spanned)
     # Both passes' gathers of 24 blocks and the first block's exposed again: int8 and scales where bf16 was.
-    assert exposed(quantized_weights=True) - exposed() == pytest.approx(49 * (quantized - gathers(2.0)))
+    assert exposed(quantized_weights=True) - exposed() == pytest.approx(49 * quantized_over_bf16())
     # Latency-bound at this size: two collectives of half the bytes cost more than one.
-    assert quantized > gathers(2.0)
+    assert quantized_over_bf16() > 0
     # With hpZ the backward's pair spans the second shard's ranks.
-    both = exposed(quantized_weights=True, hpz_partition_size=8)
-    hpz_only = exposed(hpz_partition_size=8)
-    backward = gathers(1.0, 8, 1) + gathers(QWZ_SCALE_BYTES, 8, 1) - gathers(2.0, 8, 1)
-    assert both - hpz_only == pytest.approx(25 * (quantized - gathers(2.0)) + 24 * backward)
+    both, hpz_only = exposed(quantized_weights=True, hpz_partition_size=8), exposed(hpz_partition_size=8)
+    assert both - hpz_only == pytest.approx(25 * quantized_over_bf16() + 24 * quantized_over_bf16(8, 1))
 
 
 @pytest.mark.parametrize("field, value, flag", [("prefetch_bucket_params", 0, "--prefetch-bucket-params"),
@@ -300,10 +300,13 @@ def test_deepspeed_export_refuses_a_pipeline_of_fully_sharded_stages():
         deepspeed_json(plan)
 
 
-def test_a_search_over_stages_of_different_tp_prices_each_stages_linear_gathers():
-    """The per-linear gathers broadcast over a search's stages (TP per stage, two vendors' nodes),
-    and its fastest plan is no faster than FSDP's units' (more gathers, more host time, and for
-    LLaMA-2 7B more weights gathered, so no layout fits that did not)."""
+def test_a_search_over_stages_of_different_tp_prices_each_stages_linear_gathers_and_says_deepspeed_cannot_run_them():
+    """The per-linear gathers broadcast over a search's stages (TP per stage, two device types, so no
+    one-stage layout), and its fastest plan is no faster than FSDP's units' (more gathers, more host
+    time, and for LLaMA-2 7B more weights gathered, so no layout fits that did not). ``memx plan``
+    says under such a winner that DeepSpeed's pipeline engine refuses ZeRO-3; FSDP's units, which
+    torch pipelines, get no such note."""
+    from memx_launch.planning.report import plan_report
     from memx_launch.planning.search import search
     from memx_launch.specs.catalog import get_model
     from memx_launch.specs.cluster import ClusterSpec
@@ -312,22 +315,8 @@ def test_a_search_over_stages_of_different_tp_prices_each_stages_linear_gathers(
                                                  "table1-2vendor.yaml"))
     model = get_model("llama2-7b")
     deepspeed, fsdp = (search(model, cluster, TrainingSpec(global_batch_size=64, seq_len=4096, setup="zero3",
-                                                           max_live_params=live), top_k=1).fastest
-                       for live in (1e9, 0.0))
-    assert deepspeed.predicted_iteration_time_s >= fsdp.predicted_iteration_time_s
-
-
-def test_memx_plan_says_when_a_deepspeed_zero3_plan_has_stages_deepspeed_cannot_pipeline():
-    from memx_launch.planning.report import plan_report
-    from memx_launch.planning.search import search
-    from memx_launch.specs.catalog import get_model
-    from memx_launch.specs.cluster import ClusterSpec
-
-    cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
-                                                 "table1-2vendor.yaml"))  # two device types: no one-stage layout
-    model = get_model("llama2-7b")
-    for live, said in ((1e9, True), (0.0, False)):  # DeepSpeed's fetching, or FSDP's units that torch pipelines
-        result = search(model, cluster, TrainingSpec(global_batch_size=64, seq_len=4096, setup="zero3",
-                                                     max_live_params=live), top_k=1)
-        assert result.best.pp > 1
-        assert ("pipeline engine refuses ZeRO-3" in plan_report(result, cluster)) is said
+                                                           max_live_params=live), top_k=1) for live in (1e9, 0.0))
+    assert deepspeed.fastest.predicted_iteration_time_s >= fsdp.fastest.predicted_iteration_time_s
+    assert deepspeed.best.pp > 1 and fsdp.best.pp > 1
+    assert "pipeline engine refuses ZeRO-3" in plan_report(deepspeed, cluster)
+    assert "pipeline engine refuses ZeRO-3" not in plan_report(fsdp, cluster)
