@@ -1,5 +1,28 @@
 """What each framework keeps, as presets of the training spec's options (``--setup NAME``), and
-what an option takes when neither the run nor its setup sets it. docs/setups.md says why."""
+what an option takes when neither the run nor its setup sets it. docs/setups.md says why.
+
+A setup is a preset of the explicit fields; a field given explicitly wins over the preset.
+What each setup keeps per parameter (Adam, 16-bit training; Megatron's
+``theoretical_memory_usage.py`` and the ZeRO paper, Rajbhandari et al. 2020):
+
+=========  =======================================================  =====================
+setup      weights / grads / master + moments                       bytes per parameter
+=========  =======================================================  =====================
+megatron   bf16 / fp32 main grads / fp32, sharded over DP (dist.    6 + 12/DP
+           optimizer); sequence parallel on when TP > 1
+zero1      bf16 / bf16 / fp32 sharded (DeepSpeed ZeRO-1)            4 + 12/DP
+zero2      bf16 / bf16 sharded / fp32 sharded (ZeRO-2)              2 + 14/DP
+zero3      all sharded (ZeRO-3)                                     16/DP
+fsdp2      fp32 sharded params, bf16 compute, fp32 reduce (torch-   16/DP (+ 6 held on
+           titan MixedPrecisionPolicy)                              a pipeline's stages)
+ddp        fp32 params under autocast, fp32 grads, fp32 moments     16
+scaling    as zero1, in Aleph Alpha's Megatron-derived codebase      4 + 12/DP
+           (Hagemann et al. 2023; its options below)
+=========  =======================================================  =====================
+
+No setup keeps the defaults memx always had: 16-bit weights, fp32 grads, fp32 master and
+moments, nothing sharded unless ``distributed_optimizer`` / ``fully_sharded`` say so.
+"""
 
 from __future__ import annotations
 

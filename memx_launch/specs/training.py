@@ -1,27 +1,6 @@
 """How it is trained: TrainingSpec (batch, sequence, precision, optimizer, state sharding and the
-memory-relevant options of the framework), and the named setups users run (``--setup``).
-
-A setup is a preset of the explicit fields; a field given explicitly wins over the preset.
-What each setup keeps per parameter (Adam, 16-bit training; Megatron's
-``theoretical_memory_usage.py`` and the ZeRO paper, Rajbhandari et al. 2020):
-
-=========  =======================================================  =====================
-setup      weights / grads / master + moments                       bytes per parameter
-=========  =======================================================  =====================
-megatron   bf16 / fp32 main grads / fp32, sharded over DP (dist.    6 + 12/DP
-           optimizer); sequence parallel on when TP > 1
-zero1      bf16 / bf16 / fp32 sharded (DeepSpeed ZeRO-1)            4 + 12/DP
-zero2      bf16 / bf16 sharded / fp32 sharded (ZeRO-2)              2 + 14/DP
-zero3      all sharded (ZeRO-3)                                     16/DP
-fsdp2      fp32 sharded params, bf16 compute, fp32 reduce (torch-   16/DP (+ 6 held on
-           titan MixedPrecisionPolicy)                              a pipeline's stages)
-ddp        fp32 params under autocast, fp32 grads, fp32 moments     16
-scaling    as zero1, in Aleph Alpha's Megatron-derived codebase      4 + 12/DP
-           (Hagemann et al. 2023; its options in setups.py)
-=========  =======================================================  =====================
-
-No setup keeps the defaults memx always had: 16-bit weights, fp32 grads, fp32 master and
-moments, nothing sharded unless ``distributed_optimizer`` / ``fully_sharded`` say so.
+memory-relevant options of the framework). The named setups users run (``--setup``), presets of
+its fields, and what each keeps per parameter: :mod:`memx_launch.specs.setups`.
 """
 
 from __future__ import annotations
@@ -86,11 +65,13 @@ class TrainingSpec:
     sequence_parallel: bool | None = None
     """Megatron sequence parallelism: the norm and dropout activations split over TP."""
     flash_attention: bool | None = None
-    """Fused attention: no s x s score tensors kept. Default on (off on a device type without the kernel)."""
+    """Fused attention: no s x s score tensors kept. Default on (a device type without the
+    kernel turns it off for its stages)."""
     flash_attention_version: int | None = None
-    """Generation of the fused attention kernel (FlashAttention 1, 2 or 3): how fast it runs against the
-    device's matmuls (:func:`~memx_launch.planning.costmodel.fused_attention_speed`: slower for 1 and 2 on
-    Hopper and later). Memory is the same for all three. Default 2."""
+    """Generation of the fused attention kernel (FlashAttention 1, 2 or 3): how fast it runs
+    against the device's matmuls, slower for 1 and 2 on Hopper and later
+    (:func:`~memx_launch.planning.costmodel.fused_attention_speed`). Memory is the same for all
+    three. Default 2."""
     loss_dtype: str | None = None
     """"fp32" (logits cast to fp32 for the loss, Megatron's cross entropy) or "training"
     (logits and their gradient in the training dtype). Default fp32."""
@@ -101,9 +82,11 @@ class TrainingSpec:
     "training_moments" (fp32 master weights, 16-bit moments, 8 bytes: NVIDIA's DeepSeek-V3 recipes;
     ``bf16-moments``) or "training_no_master" (16-bit weights updated in place, 16-bit moments, 4
     bytes: torch's Adam on bf16 parameters, NeMo AutoModel's MoEs; ``bf16-no-master``). Default fp32."""
-    dropout: bool | None = None  # hidden dropout (GPT style): a 1-byte mask after attention and the MLP
+    dropout: bool | None = None
+    """Hidden dropout on (GPT style): a 1-byte mask after attention and after the MLP. Default off."""
     attention_dropout: bool | None = None
-    """Dropout on the attention probabilities: without fused attention its s x s mask and output are kept."""
+    """Dropout on the attention probabilities: without fused attention its mask and output
+    (s x s each) are kept. Default off (OPT trains without it)."""
     overlap_grad_reduce: bool | None = None
     """The data-parallel gradient reduction runs during the last micro-batch's backward (DDP
     buckets, FSDP, ZeRO-3, Megatron's --overlap-grad-reduce); off: after it. Default off."""
@@ -111,16 +94,21 @@ class TrainingSpec:
     """Fused RMSNorm/LayerNorm kernel (keeps its 16-bit input). Off: torch ops (Hugging Face's
     LlamaRMSNorm) keep the fp32 copy of the input and the normalised tensor (4 + 2 bytes, not 2). Default on."""
     vocab_parallel_loss: bool | None = None
-    """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits. Off (torch's cross
-    entropy, Hugging Face models): the head gathers the whole vocabulary on every TP rank. Default on."""
+    """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits.
+    Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
+    vocabulary on every TP rank and the loss keeps a log-softmax of it. Default on."""
     torch_loss_parallel: bool | None = None
-    """The vocab-parallel loss in torch's ops (DTensor's ``loss_parallel()``): 16 bytes per logit, Megatron's 8."""
+    """The vocab-parallel loss is torch's loss parallel (DTensor's ``loss_parallel()``, torchtitan's
+    under TP): torch ops that keep their temporaries, 16 bytes per logit where Megatron's holds 8."""
     keep_stage_outputs: bool | None = None
-    """The pipeline engine keeps each in-flight micro-batch's stage output until its gradient returns
-    (DeepSpeed-style buffers, Aleph Alpha's scaling; torch's ``PipelineStage``'s ``fwd_cache``: torchtitan,
-    memx-run). Off: Megatron frees an output's data once sent (Korthikanti et al. 2022, appendix B)."""
+    """The pipeline engine keeps each in-flight micro-batch's stage output until its gradient
+    returns (DeepSpeed-style buffers, Aleph Alpha's scaling; torch's ``PipelineStage``, whose
+    ``fwd_cache`` holds it for the backward: torchtitan, memx-run). Off: Megatron frees an
+    output's data once sent (Korthikanti et al. 2022, appendix B). Default off."""
     keep_previous_logits: bool | None = None
-    """The last stage's two logits buffers, never emptied, keep the previous micro-batch's during the next loss."""
+    """The last stage writes each micro-batch's logits into one of two buffers and never empties
+    them, so the previous micro-batch's are kept while the next one's loss runs (DeepSpeed-style
+    buffers, Aleph Alpha's scaling). Default off."""
     torch_pipelining: bool | None = None
     """The pipeline runs on torch's own ``PipelineStage`` (torchtitan): each stage allocates once,
     and keeps for the job, a receive buffer per micro-batch and model chunk for its input (every
@@ -132,18 +120,21 @@ class TrainingSpec:
     attention; the backward sends dK and dV round the ring in fp32. Off: Transformer Engine's ring,
     one chunk a step behind the attention. Default off (``torchtitan``: on)."""
     repeat_kv: bool | None = None
-    """K and V repeated to the query heads for the kernel (torchtitan's LLaMA), kept and moved by CP at that width."""
+    """The attention kernel receives K and V repeated to the query heads (torchtitan's LLaMA): it
+    keeps them, and CP moves them, at the query width. Default off (``torchtitan``: on)."""
     checkpoint_early_stop: bool | None = None
     """Full recompute runs torch's non-reentrant checkpoint, which stops at the block's last saved
     tensor (``torch.utils.checkpoint``'s early stop, on by default: memx-run, torchtitan), the input
     of its last linear: that GEMM and the TP collective after it do not run again. Off: the whole
     forward again (Megatron's checkpoint, reentrant ones). Default off (torchtitan, ddp, memx-run: on)."""
     fused_softmax: bool | None = None
-    """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked softmax) whose
-    backward works in place; off: torch's softmax, whose backward holds one more s x s tensor. Default on."""
+    """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
+    softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
+    s x s tensor. Default on."""
     fused_gate_up: bool | None = None
-    """SwiGLU's gate and up projections as one column-parallel linear (Megatron's linear_fc1): one backward
-    all-reduce over TP, one 16-bit cast under autocast. Off: two linears (scaling, Hugging Face, memx-run),
+    """SwiGLU's gate and up projections as one column-parallel linear (Megatron's linear_fc1):
+    one all-reduce of their input gradient over TP in the backward, one 16-bit cast of the normed
+    input kept under autocast. Off: two linears (Aleph Alpha's scaling, Hugging Face, memx-run),
     each all-reducing it: five TP all-reduces per layer instead of four. Default on."""
     fused_qkv: bool | None = None
     """The attention's q, k and v projections as one column-parallel linear (Megatron's
@@ -152,23 +143,28 @@ class TrainingSpec:
     each do both (Hugging Face's blocks, memx-run's under DTensor's per-linear TP plan). Default on."""
     overlap_expert_comm: bool | None = None
     """A mixture of experts' all-to-alls run while another micro-batch computes (Megatron's
-    ``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``: one micro-batch's forward and
-    another's backward interleaved): a block waits only for what they take beyond its compute. Default off."""
+    ``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``: one micro-batch's
+    forward and another's backward interleaved): a block waits only for what they take beyond
+    its compute. Default off."""
     fused_activation: bool | None = None
-    """The MLP's activation runs as one kernel that keeps only its input for the backward (Megatron's
-    ``bias_swiglu`` / ``bias_gelu`` fusions): SwiGLU's silu(gate) is recomputed there, not kept. Off: torch's
-    ops (torchtitan, Hugging Face), which keep silu(gate) as well. Default off (``megatron``: on)."""
+    """The MLP's activation runs as one kernel that keeps only its input for the backward
+    (Megatron's ``bias_swiglu`` / ``bias_gelu`` fusions, ``--bias-swiglu-fusion``): SwiGLU's
+    silu(gate) is recomputed there, not kept. Off: torch's ops (torchtitan, Hugging Face), which
+    keep silu(gate) as well. Default off (``megatron``: on)."""
     softmax_in_fp32: bool | None = None
     """With torch's softmax (no flash attention, no fused softmax) on 16-bit scores, the softmax
     runs on an fp32 copy (Megatron's ``--attention-softmax-in-fp32``): the fp32 probabilities and
     their 16-bit copy are kept, 6 bytes per score instead of 2. Default off."""
     fused_loss: bool | None = None
-    """The cross entropy runs as one kernel that computes the softmax in fp32 on the fly (flash-attn's
-    ``CrossEntropyLoss``, MPT's; Liger's; Megatron's ``--cross-entropy-loss-fusion``): only the 16-bit logits
-    and their 16-bit gradient are held, 2 x the training dtype per logit whatever ``loss_dtype`` says. Default off."""
+    """The cross entropy runs as one kernel that computes the softmax in fp32 on the fly
+    (flash-attn's ``CrossEntropyLoss``, MPT's default; Liger's; Megatron's
+    ``--cross-entropy-loss-fusion``): only the 16-bit logits and their 16-bit gradient are held,
+    2 x the training dtype per logit whatever ``loss_dtype`` says. Default off."""
     sp_keeps_gathered_input: bool | None = None
-    """With sequence parallelism, the column-parallel linears keep their all-gathered (whole sequence) input for
-    the backward. Off: Megatron keeps the 1/TP shard and gathers it again (Korthikanti's 34/t). Default off."""
+    """With sequence parallelism, the column-parallel linears keep their all-gathered (whole
+    sequence) input for the backward, as when the norm gathers its output and autograd saves
+    it. Off: Megatron keeps the 1/TP shard and gathers it again in the backward (Korthikanti's
+    34/t). Default off."""
     tp_comm_overlap: bool | None = None
     """Megatron's ``--tp-comm-overlap`` (Transformer Engine's userbuffers, with sequence
     parallelism): each TP all-gather and reduce-scatter runs in TP chunks behind the linear GEMM
@@ -193,13 +189,15 @@ class TrainingSpec:
     Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
     second copy of the gradients on each replica (with more than one). Default off (``ddp``: on)."""
     grad_accumulation_pass: bool | None = None
-    """Later micro-batches add their gradients to the held ones in a pass of their own (torch's AccumulateGrad)."""
+    """Each micro-batch after a step's first adds its gradients into the held ones in a pass of its
+    own (torch's ``AccumulateGrad``; Megatron's fuses it into the GEMM). Default off (ddp, memx-run: on)."""
     eager_block: bool | None = None
     """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host time
     is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
     overlap_p2p_comm: bool | None = None
     """An interleaved pipeline's sends run while the stage computes its next chunk (Megatron-LM's
-    ``--overlap-p2p-communication``; torch's ``ScheduleInterleaved1F1B``). Off: each send blocks. Default on."""
+    ``--overlap-p2p-communication``, on by default there since 2023; torch's ``ScheduleInterleaved1F1B``).
+    Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's sends always block. Default on."""
     hold_gathered: str | None = None
     """What a fully sharded run keeps gathered: ``never`` (ZeRO-3, Megatron-FSDP: each layer every micro-batch),
     ``weights`` (from a micro-batch's forward to its backward: FSDP2's ``reshard_after_forward=False``),
