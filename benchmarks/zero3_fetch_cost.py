@@ -14,7 +14,10 @@ step, at 8 to 1,536 GPUs, with ``--setup zero3`` (DeepSpeed) and with ``--setup 
 DeepSpeed again with the buckets Hugging Face's integration writes for ``auto`` (reduce hidden^2,
 prefetch 0.9 hidden^2), as a Trainer's DeepSpeed config most often asks, and with ZeRO++'s hpZ
 over a node (``--hpz-partition-size 8``: the backward gathers from a second shard over NVLink).
-Predictions, not measurements: no run here checks them.
+Last, both with the states sharded over a node instead of the whole group (``--shard-degree 8``:
+PyTorch's HSDP for FSDP's units, DeepSpeed's MiCS), each against itself over the whole group:
+the gathers stay on NVLink, each reduced shard is all-reduced over the nodes, and a rank keeps
+1/8 of the states. Predictions, not measurements: no run here checks them.
 
 Writes benchmarks/results/zero3_fetch_cost.json and the plot zero3_fetch_cost.png.
 Run: .venv/bin/python benchmarks/zero3_fetch_cost.py   (seconds)
@@ -41,7 +44,7 @@ MODELS = ("llama2-7b", "llama2-13b", "llama2-70b", "opt-350m")
 GPUS = (8, 64, 256, 768, 1536)
 MICRO_BATCHES = (1, 4)
 SEQ = 2048
-GPUS_PER_NODE = 8  # ZeRO++'s hpZ second shard over a node (zero_hpz_partition_size)
+GPUS_PER_NODE = 8  # ZeRO++'s hpZ second shard over a node (zero_hpz_partition_size); HSDP's and MiCS's shard group
 
 
 def huggingface_auto(model) -> dict:
@@ -68,17 +71,23 @@ def main() -> None:
                 deepspeed, fsdp = predicted(model, gpus, mbs, 1e9), predicted(model, gpus, mbs, 0.0)
                 auto = predicted(model, gpus, mbs, 1e9, **huggingface_auto(model))
                 hpz = predicted(model, gpus, mbs, 1e9, hpz_partition_size=GPUS_PER_NODE)
+                mics, hsdp = (predicted(model, gpus, mbs, live, shard_degree=GPUS_PER_NODE) for live in (1e9, 0.0))
                 rows.append({"model": name, "gpus": gpus, "micro_batch": mbs, "deepspeed": deepspeed, "fsdp_units": fsdp,
                              "step_ratio": round(deepspeed["step_s"] / fsdp["step_s"], 3),
                              "deepspeed_huggingface_auto": auto,
                              "huggingface_auto_step_ratio": round(auto["step_s"] / fsdp["step_s"], 3),
-                             "deepspeed_hpz_node": hpz, "hpz_node_step_ratio": round(hpz["step_s"] / fsdp["step_s"], 3)})
+                             "deepspeed_hpz_node": hpz, "hpz_node_step_ratio": round(hpz["step_s"] / fsdp["step_s"], 3),
+                             "deepspeed_mics_node": mics, "mics_node_over_deepspeed": round(mics["step_s"]
+                                                                                             / deepspeed["step_s"], 3),
+                             "fsdp_units_hsdp_node": hsdp, "hsdp_node_over_fsdp_units": round(hsdp["step_s"]
+                                                                                             / fsdp["step_s"], 3)})
                 print(rows[-1], flush=True)
     write_json_atomic(OUT, {"what": "memx's predicted step time and peak of DeepSpeed ZeRO-3's fetching against "
                                     "FSDP's units (--setup zero3 with --max-live-params 1e9 and 0), and with the "
                                     "buckets Hugging Face's 'auto' writes (--reduce-bucket-params hidden^2 "
                                     "--prefetch-bucket-params 0.9 hidden^2), and with ZeRO++'s hpZ over a node "
-                                    "(--hpz-partition-size 8)",
+                                    "(--hpz-partition-size 8); and each sharded over a node (--shard-degree 8: "
+                                    "MiCS, HSDP) against itself over the whole group",
                             "setup": {"cluster": "DGX A100 nodes of 8, 8 x 200 Gb/s NICs", "seq_len": SEQ,
                                       "recompute": "full", "layout": "tp 1, pp 1, dp = GPUs, one micro-batch a step"},
                             "rows": rows, "machine": machine_info()}, overwrite=True)
@@ -88,7 +97,8 @@ def main() -> None:
 
 def plot(rows: list[dict], path: str) -> None:
     """DeepSpeed's step over FSDP's by GPUs: at its defaults, one line per model and micro-batch
-    (left); at micro-batch 1 with its defaults, Hugging Face's auto buckets and hpZ (right)."""
+    (left); at micro-batch 1 with its defaults, Hugging Face's auto buckets and hpZ (middle); each
+    sharded over a node over itself over the whole group, micro-batch 1 (right; hollow: over 80 GB)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +106,7 @@ def plot(rows: list[dict], path: str) -> None:
 
     from memx_launch.planning.report import save_png_atomic
 
-    fig, (defaults, options) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    fig, (defaults, options, node) = plt.subplots(1, 3, figsize=(19, 5.5))
     for colour, name in zip(plt.cm.tab10.colors, MODELS):
         for mbs, style in zip(MICRO_BATCHES, ("-", "--")):
             line = [r for r in rows if r["model"] == name and r["micro_batch"] == mbs]
@@ -108,14 +118,25 @@ def plot(rows: list[dict], path: str) -> None:
                                          ("hpz_node_step_ratio", "-.", "s", "hpZ over a node")):
             options.plot([r["gpus"] for r in line], [r[key] for r in line], style, marker=marker, color=colour,
                          label=f"{name}, {what}")
+        for key, sharded, style, what in (("mics_node_over_deepspeed", "deepspeed_mics_node", "--", "DeepSpeed: MiCS"),
+                                          ("hsdp_node_over_fsdp_units", "fsdp_units_hsdp_node", "-", "FSDP: HSDP")):
+            node.plot([r["gpus"] for r in line], [r[key] for r in line], style, color=colour, label=f"{name}, {what}")
+            for r in line:
+                fits = r[sharded]["peak_gib"] <= 80
+                node.plot(r["gpus"], r[key], "o", color=colour, markerfacecolor=colour if fits else "none")
     defaults.set(ylabel="step time, DeepSpeed / FSDP units",
                  title="DeepSpeed's defaults (per linear; OPT-350M within\nits live budget: per prefetch bucket)")
     options.set(title="micro-batch 1: DeepSpeed's defaults, Hugging Face's auto\nbuckets, ZeRO++'s hpZ over a node")
-    for ax in (defaults, options):
+    options.sharey(defaults)
+    node.set(ylabel="step time, sharded over a node / over the whole group",
+             title="micro-batch 1, the states sharded over a node (--shard-degree 8)\n"
+                   "against the whole group (hollow: over an 80 GB A100)")
+    for ax in (defaults, options, node):
         ax.set(xscale="log", xlabel="GPUs (data parallel, A100 DGX nodes)")
         ax.axhline(1.0, color="0.5", lw=1)
         ax.legend(fontsize=7)
-    fig.suptitle("ZeRO-3 as DeepSpeed fetches it over FSDP's units, predicted by memx")
+    fig.suptitle("ZeRO-3 at scale: DeepSpeed's fetching over FSDP's units, and each sharded over a node, "
+                 "predicted by memx")
     fig.tight_layout()
     save_png_atomic(fig, path)
 

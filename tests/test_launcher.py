@@ -417,7 +417,7 @@ def test_a_given_plan_keeps_its_batch_for_the_job_and_its_re_plans(tmp_path):
 
 def test_fully_sharded_plans_in_the_job_and_a_given_one_stays_so_in_its_re_plans(tmp_path, capsys):
     """--fully-sharded searches FSDP2 plans counted as the runtime holds them (hold_gathered always);
-    a given fully sharded plan's re-plans keep it, and one counted for less is refused."""
+    a given fully sharded plan's re-plans keep it (and its shard groups), and one counted for less is refused."""
     from memx_launch.runtime.launcher import resolve
 
     target = tmp_path / "plan.json"
@@ -430,6 +430,11 @@ def test_fully_sharded_plans_in_the_job_and_a_given_one_stays_so_in_its_re_plans
     resolved = resolve(build_parser().parse_args([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]))
     assert resolved["training"].fully_sharded and resolved["training"].hold_gathered == "always"
     assert "fully sharded (FSDP2)  (plan)" in resolved["settings"].render()
+    plan["training"]["shard_degree"] = 1  # HSDP: each replica a shard group of its own, re-planned so too
+    target.write_text(json.dumps(plan))
+    resolved = resolve(build_parser().parse_args([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]))
+    assert resolved["training"].shard_degree == 1
+    assert "HSDP, shard groups of 1 (FSDP2)  (plan)" in resolved["settings"].render()
     assert not resolve(build_parser().parse_args([*argv, TRAIN, "--model", "llama-tiny"]))["training"].fully_sharded
     plan["training"]["hold_gathered"] = "never"
     target.write_text(json.dumps(plan))

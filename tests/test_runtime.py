@@ -204,7 +204,11 @@ def _worker(rank, port, cases, queue):
             received = [info.buffer for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
                         for chunk in table.values() for info in chunk if getattr(info, "buffer", None) is not None]
             buffers = sum(buffer.numel() * buffer.element_size() for buffer in received)
-            results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads, units, compute, held, buffers))
+            # The share of a block's norm weight (not split by TP) a rank keeps: 1/DP under FSDP, 1/N under HSDP.
+            kept = [max(p.to_local().numel() / p.numel() for p in block.parameters())
+                    for block in blocks if isinstance(block, FSDPModule)][:1]
+            results.append(([s.loss for s in stats], stats[0].stage_peak_gib, grads, units, compute, held, buffers,
+                            kept))
     finally:
         queue.put((rank, results))
         dist.destroy_process_group()
@@ -218,6 +222,7 @@ def _reference(plan):
     return loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
+HSDP = {"fully_sharded": True, "hold_gathered": "always", "shard_degree": 2}  # as memx-run --fully-sharded plans it
 EQUIVALENCE_CASES = {
     "1f1b uneven 3/1/2/2, recompute full:2/none/selective/none":
         (make_plan([((0,), 3, "full:2"), ((1,), 1, "none"), ((2,), 2, "selective"), ((3,), 2, "none")],
@@ -237,6 +242,11 @@ EQUIVALENCE_CASES = {
         (make_plan([((0, 1, 2, 3), 8, "selective")], tp=2, dp=2, micro_batch_size=2, global_batch_size=8), "auto"),
     "ddp dp=2 x pp=2":
         (make_plan([((0, 1), 3, "full"), ((2, 3), 5, "none")], dp=2, micro_batch_size=2, global_batch_size=8), "ddp"),
+    "hsdp dp=4 sharded over 2, one stage (FSDP2 on a replicate x shard mesh)":
+        (make_plan([((0, 1, 2, 3), 8, "none")], dp=4, micro_batch_size=1, global_batch_size=8, training=HSDP), "auto"),
+    "hsdp tp=2 x dp=2 sharded over 1 (a replicate x shard x tp mesh)":
+        (make_plan([((0, 1, 2, 3), 8, "none")], tp=2, dp=2, micro_batch_size=2, global_batch_size=8,
+                   training={**HSDP, "shard_degree": 1}), "auto"),
 }
 
 
@@ -251,11 +261,13 @@ def test_pipelines_match_the_single_process_reference():
         ref_loss, ref_grads = _reference(plan)
         covered = set()
         for rank in range(4):
-            losses, stage_peaks, grads, units, compute, held_outputs, buffer_bytes = results[rank][i]
+            losses, stage_peaks, grads, units, compute, held_outputs, buffer_bytes, kept = results[rank][i]
             assert held_outputs == 0, (name, rank)
             assert buffer_bytes == 0, (name, rank)  # memx-run's stages keep no receive buffer past its backward
-            sharded = plan.dp > 1 and (cases[i][1] == "fsdp" or (cases[i][1] == "auto" and plan.tp > 1))
+            sharded = plan.dp > 1 and (cases[i][1] == "fsdp" or (cases[i][1] == "auto" and plan.tp > 1)
+                                       or "shard_degree" in plan.training)
             assert units and all(units) == sharded and any(units) == sharded, (name, rank)
+            assert kept == ([1 / plan.training.get("shard_degree", plan.dp)] if sharded else []), (name, rank, kept)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank)
             assert len(losses) == cases[i][2] and (len(losses) == 1 or losses[-1] < losses[0] - 0.1), (name, rank)
             assert len(stage_peaks) == plan.pp and all(0 < peak < 1.0 for peak in stage_peaks), name

@@ -137,6 +137,12 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="with --max-live-params: a stage within the live budget all-gathers its weights in "
                         "prefetch buckets of N parameters (DeepSpeed's stage3_prefetch_bucket_size; default 5e7; "
                         "Hugging Face's auto: 0.9 hidden^2)")
+    p.add_argument("--shard-degree", "--shard_degree", type=int_flag, metavar="N",
+                   help="hybrid sharding: what the setup shards (--setup fsdp2, zero3, zero1, megatron, torchtitan) "
+                        "spread over N consecutive ranks of each DP group, within a node where they fit, and "
+                        "replicated over the DP/N such groups, which all-reduce the reduced gradients' shards "
+                        "(PyTorch's HSDP, torchtitan's data_parallel_shard_degree, DeepSpeed's MiCS, Megatron's "
+                        "--num-distributed-optimizer-instances DP/N); default: the whole DP group")
     p.add_argument("--hpz-partition-size", "--hpz_partition_size", type=int_flag, metavar="N",
                    help="with --max-live-params: ZeRO++'s hpZ, a second shard of the weights over N ranks (a node's) "
                         "that the backward gathers from, at 1/N of the weights more memory "

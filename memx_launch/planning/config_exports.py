@@ -117,6 +117,7 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
                      "less and recomputes more than the planned attention-core recompute: plan with "
                      "--selective-recompute op to predict it")
     spec = TrainingSpec(**tr)
+    shard = spec.shard_degree or plan.dp  # HSDP: torchtitan's replicate x shard mesh
     if sharded and plan.dp > 1 and keeps_gathered(spec, plan.pp) != (plan.pp > 1):
         notes.append("torchtitan holds a fully sharded stage's gathered weights and unsharded gradients through "
                      f"the step under PP only (its pipeline schedules), which the plan's "
@@ -149,8 +150,8 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         f'mixed_precision_param = "{"float32" if dtype == "fp32" else "bfloat16"}"',
         "",
         "[parallelism]",
-        f"data_parallel_replicate_degree = {1 if sharded else plan.dp}",
-        f"data_parallel_shard_degree = {plan.dp if sharded else 1}",
+        f"data_parallel_replicate_degree = {plan.dp // shard if sharded else plan.dp}",
+        f"data_parallel_shard_degree = {shard if sharded else 1}",
     ] + (['fsdp_reshard_after_forward = "never"'] if sharded and spec.hold_gathered == "weights" else []) + [
         f"tensor_parallel_degree = {tp}",
     ] + (["disable_loss_parallel = true"] if tp > 1 and not spec.vocab_parallel_loss else []) + (
@@ -182,11 +183,16 @@ def deepspeed_json(plan: Plan) -> ConfigText:
                           "holds data parallelism only (its pipeline and TP are set in code; it has no context "
                           "parallelism)", "export to Megatron-LM or torchtitan, or plan with --pp 1 --tp 1 --cp 1")
     dtype = tr.get("dtype", "bf16")
+    if tr.get("shard_degree") and stage < 3:
+        raise ConfigError("plan", f"shard_degree={tr['shard_degree']} with ZeRO-{stage}: DeepSpeed shards part of the DP "
+                          "group with ZeRO-3 only (MiCS)", "export to Megatron-LM (its partial distributed optimizer)")
     config = {"train_batch_size": plan.global_batch_size,
               "train_micro_batch_size_per_gpu": plan.micro_batch_size,
               "gradient_accumulation_steps": plan.num_microbatches,
               "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
               "zero_optimization": {"stage": stage}}
+    if tr.get("shard_degree"):  # MiCS: the states sharded within groups of that many ranks, replicated across them
+        config["zero_optimization"]["mics_shard_size"] = tr["shard_degree"]
     notes = []
     if stage == 3 and tr.get("max_live_params"):  # the budget of gathered weights and the buckets the plan counted
         def given(field):

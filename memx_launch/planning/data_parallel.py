@@ -35,28 +35,33 @@ def gradient_bucket_params(training: TrainingSpec, dp) -> np.ndarray:
 
 
 def stage_gradient_sync(model: ModelSpec, training: TrainingSpec, layout, layers, v: int, stage_params, stage_time,
-                        gbps, sm_share, trained: TrainedParameters = FULL_TRAINING) -> tuple:
+                        gbps, sm_share, trained: TrainedParameters = FULL_TRAINING, shards=None) -> tuple:
     """(stage time, sync) of each stage (C, P): its time with what a fully sharded run waits on
     every micro-batch, and its gradient synchronisation of one iteration before any overlap with
     the backward, over its DP x CP group on ``gbps`` links, its routed experts' over their expert
-    data parallel group (:func:`~memx_launch.planning.model_states.expert_data_parallel`)."""
+    data parallel group (:func:`~memx_launch.planning.model_states.expert_data_parallel`). With
+    hybrid sharding (``shards``, :class:`~memx_launch.planning.hybrid_sharding.ShardGroups`) the
+    sharded collectives run in the shard groups and each reduced shard is all-reduced over its replicas."""
     tp = layout.tp_degrees
-    link = (layout.dp_cp, gbps, layout.dp_nodes, layout.dp_hop)
+    link = (layout.dp_cp, gbps, layout.dp_nodes, layout.dp_hop) if shards is None else \
+        (shards.ranks, shards.gbps, shards.nodes, layout.dp_hop)
+    replicas = None if shards is None else (shards.replicas, shards.replica_gbps, shards.replica_nodes)
     expert_dp = expert_data_parallel(training, tp, layout.dp_cp)
     if training.fully_sharded:
         dense, experts = rank_layer_params(model, training, tp)
         fetches = deepspeed_fetches(model, training, tp, stage_params) if training.max_live_params else None
         units = (stage_params, dense + experts, layers, stage_time, training, *link, sm_share, experts, expert_dp,
-                 fetches)
+                 fetches, replicas)
         if keeps_gathered(training, layout.pp):  # gathered once a step and reduced after the last backward
             return stage_time, held_fully_sharded_step_time(*units)
         return stage_time + fully_sharded_exposed_time(*units), np.zeros_like(stage_params)
     experts = expert_parameters_per_rank(model, training, layout, layers, v) if model.num_experts else 0.0
-    return stage_time, data_parallel_sync_time(stage_params, training, *link, trained, experts, expert_dp)
+    return stage_time, data_parallel_sync_time(stage_params, training, *link, trained, experts, expert_dp, replicas)
 
 
 def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, nodes=1, hop=NVLINK,
-                            trained: TrainedParameters = FULL_TRAINING, expert_params=0.0, expert_dp=1) -> np.ndarray:
+                            trained: TrainedParameters = FULL_TRAINING, expert_params=0.0, expert_dp=1,
+                            replicas=None) -> np.ndarray:
     """Gradient synchronisation of one iteration over a stage's DP group of ``dp`` ranks on
     ``nodes`` nodes, bucket by bucket (:func:`gradient_bucket_params`), each bucket a collective
     as NCCL runs it (collectives.py: its latency grows with the group). The routed experts'
@@ -69,6 +74,8 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
     backward in the compute dtype, and the gradients reduce-scattered (one micro-batch's;
     :func:`fully_sharded_exposed_time` times them per layer and micro-batch). Only ``trained``
     parameters have gradients and updated weights; a fully sharded run gathers frozen ones too.
+    Hybrid sharding (``replicas``: the ranks, links and nodes of a replica group; ``dp`` etc. then
+    a shard group's): each reduced bucket's shard is all-reduced over its replicas besides.
     """
     params = np.asarray(stage_params, dtype=np.float64)
     if np.any(expert_params):  # a dense model (the search's hot path) syncs one group
@@ -83,7 +90,9 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
     gathered = 2.0 * compute_weight_bytes(training) * (1.0 + trained.adapters) if training.fully_sharded \
         else updated_weight_bytes(training) * trained.share
     reduce = "all_reduce" if whole_gradients(training) else "reduce_scatter"
-    return (bucketed_seconds(reduce, params * grad, bucket * grad, dp, gbps, nodes, hop)
+    shard_sync = 0.0 if replicas is None else \
+        bucketed_seconds("all_reduce", params * grad / dp, bucket * grad / dp, *replicas, hop)
+    return (bucketed_seconds(reduce, params * grad, bucket * grad, dp, gbps, nodes, hop) + shard_sync
             + bucketed_seconds("all_gather", params * gathered, bucket * gathered, dp, gbps, nodes, hop))
 
 
@@ -96,7 +105,7 @@ def whole_gradients(training: TrainingSpec) -> bool:
 
 def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
                                nodes=1, hop=NVLINK, sm_share=0.0, expert_params=0.0, expert_dp=1,
-                               fetches=None) -> np.ndarray:
+                               fetches=None, replicas=None) -> np.ndarray:
     """Seconds per micro-batch a fully sharded stage waits on its DP group beyond its compute.
     Each layer (one FSDP unit of ``layer_params`` on a rank), and the stage's other parameters
     (embedding, head: one unit), all-gathers its weights for the forward and again for the
@@ -112,9 +121,10 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
     all-gather per linear module (a stage within its live budget: per prefetch bucket), each paying
     its own latency, in the passes it fetches them, and reduce-scatters its gradients in buckets;
     None: the layer in one of each. With ZeRO++'s hpZ (``hpz_partition_size``) its backward gathers
-    each unit from a second shard within that many ranks."""
+    each unit from a second shard within that many ranks. Hybrid sharding (``replicas``): the
+    collectives run in a shard group, and each unit's reduced shard is all-reduced over its replicas."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
-                                            expert_params, expert_dp, fetches)
+                                            expert_params, expert_dp, fetches, replicas)
     passes = fetches.passes if fetches is not None else 1.0 if training.hold_gathered == "weights" else 2.0
 
     def per_unit(forward, backward, reduce_scatter):
@@ -125,7 +135,7 @@ def fully_sharded_exposed_time(stage_params, layer_params, layers, stage_time, t
 
 def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time, training: TrainingSpec, dp, gbps,
                                  nodes=1, hop=NVLINK, sm_share=0.0, expert_params=0.0, expert_dp=1,
-                                 fetches=None) -> np.ndarray:
+                                 fetches=None, replicas=None) -> np.ndarray:
     """Seconds per step a fully sharded pipeline stage that keeps its weights gathered through
     the step (model_states.keeps_gathered) waits on its DP group: each unit of
     :func:`fully_sharded_exposed_time` is gathered once, at the step's first forward, the next
@@ -133,7 +143,7 @@ def held_fully_sharded_step_time(stage_params, layer_params, layers, stage_time,
     micro-batch's forward, a third of ``stage_time``, cannot hide), and its accumulated gradients
     are reduce-scattered once after the step's last backward, with no compute left to hide them."""
     dense, expert, rest = _unit_collectives(stage_params, layer_params, layers, training, dp, gbps, nodes, hop,
-                                            expert_params, expert_dp, fetches)
+                                            expert_params, expert_dp, fetches, replicas)
     layers = np.asarray(layers, dtype=np.float64)
     gathers, reduces = (layers * (dense[i] + expert[i]) + rest[i] for i in (0, 2))
     return overlapped_exposed_seconds(gathers, stage_time / 3.0, sm_share) + dense[0] + expert[0] + reduces
@@ -196,14 +206,15 @@ def bucketed_block_seconds(parts, bucket: float, price, fill_past: bool = False)
 
 
 def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec, dp, gbps, nodes, hop,
-                      expert_params, expert_dp, fetches: DeepSpeedFetches | None = None) -> tuple:
+                      expert_params, expert_dp, fetches: DeepSpeedFetches | None = None, replicas=None) -> tuple:
     """(forward all-gather, backward all-gather, reduce-scatter) seconds of a layer's dense unit (one
     collective of each, or DeepSpeed's, ``fetches`` of :func:`deepspeed_fetches`), of its routed
     experts' and of the stage's other parameters (the units of :func:`fully_sharded_exposed_time`).
     DeepSpeed's backward gathers from ZeRO++'s second shard where ``hpz_partition_size`` asks for it:
     over that many ranks of the group, a node's first (traced: ``deepspeed_zero3_fetch.json``); with
     ZeRO++'s ``quantized_weights`` each fetch all-gathers int8 weights and then their fp32 scales
-    (``partition_parameters.py``: two collectives, each paying its latency)."""
+    (``partition_parameters.py``: two collectives, each paying its latency). Hybrid sharding's
+    ``replicas`` (ranks, links, nodes) all-reduce each reduce-scatter's shard after it (MiCS's too)."""
     layer_params = np.asarray(layer_params, dtype=np.float64)
     rest = np.maximum(np.asarray(stage_params, dtype=np.float64)
                       - np.asarray(layers, dtype=np.float64) * layer_params, 0.0)
@@ -227,11 +238,16 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
             secondary = np.minimum(hpz, ranks)
             return fetched(secondary, np.maximum(1.0, spanned * secondary / ranks))(sizes, None)
 
+        def replica_sync(sizes, counts):  # hybrid sharding: each reduced shard all-reduced over its replicas
+            return 0.0 if replicas is None else \
+                summed_seconds("all_reduce", [n * gradient / ranks for n in sizes], *replicas, hop, counts)
+
         if block is None:
             forward = fetched()([params], None) if quantized else \
                 collective_seconds("all_gather", params * weight, ranks, gbps, spanned, hop)
             return (forward, forward if hpz == 1 else backward([params]),
-                    collective_seconds("reduce_scatter", params * gradient, ranks, gbps, spanned, hop))
+                    collective_seconds("reduce_scatter", params * gradient, ranks, gbps, spanned, hop)
+                    + replica_sync([params], None))
 
         def bucket(size):  # a stage smaller than a bucket fills one
             return np.minimum(size, np.maximum(np.asarray(stage_params, dtype=np.float64), 1.0))
@@ -241,9 +257,10 @@ def _unit_collectives(stage_params, layer_params, layers, training: TrainingSpec
             forward = np.where(block.passes == 1, bucketed_block_seconds(
                 block.gradients[::-1], bucket(training.prefetch_bucket_params), fetched(), fill_past=True),
                 per_linear)
+        reduce_bucket = bucket(training.reduce_bucket_params)
         return (forward, per_linear if hpz == 1 else backward(block.linears),
-                bucketed_block_seconds(block.gradients, bucket(training.reduce_bucket_params),
-                                       priced("reduce_scatter", (gradient,))))
+                bucketed_block_seconds(block.gradients, reduce_bucket, priced("reduce_scatter", (gradient,)))
+                + (0.0 if replicas is None else bucketed_block_seconds(block.gradients, reduce_bucket, replica_sync)))
 
     expert = (0.0, 0.0, 0.0)
     if np.any(expert_params):  # a dense model's search (the hot path) prices no second group

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import context_parallel, costmodel as cm, experts, mamba
+from memx_launch.planning import context_parallel, costmodel as cm, experts, hybrid_sharding, mamba
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import (RECOMPUTE_LEVELS, Objective, Plan, check_stage_dp_split, layer_recompute_levels,
                                        parse_recompute, short_stages)
@@ -130,6 +130,7 @@ class LayoutScorer:
         if key not in self._layouts:
             self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp_arg, stage_devices, cp)
         layout = self._layouts[key]
+        hybrid_sharding.check_layout(layout, training)
         # Priced as it runs: memx-run's stages with TP > 1 and DP > 1 fully sharded (layout_training.py).
         stages = layout_sharded_stages(training, layout)
         local_mbss = {int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))}

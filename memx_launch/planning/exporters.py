@@ -276,6 +276,8 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
                          "predicted; plan with --hold-gathered never to predict it")
     elif tr.get("distributed_optimizer"):
         args.append("--use-distributed-optimizer")
+    if tr.get("shard_degree") and plan.dp > tr["shard_degree"]:  # HSDP (Megatron-FSDP) or the partial distributed optimizer
+        args += ["--num-distributed-optimizer-instances", str(plan.dp // tr["shard_degree"])]
     if tr.get("sequence_parallel") and plan.tp > 1:
         args.append("--sequence-parallel")
     if tr.get("overlap_grad_reduce"):

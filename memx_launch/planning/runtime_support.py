@@ -58,5 +58,11 @@ def check_runnable(plan: Plan) -> Plan:
                           "keeps a fully sharded stage's weights gathered and its gradients unsharded through the "
                           "step (torch's pipeline schedules), more memory than the plan counts",
                           f"plan with --setup memx-run (or --hold-gathered always), or {instead}")
+    if training.shard_degree is not None and not training.fully_sharded:
+        raise ConfigError("--plan", f"shard_degree={training.shard_degree} with a sharded optimizer: memx's runtime "
+                          "shards with FSDP2 only", f"plan with --fully-sharded (FSDP2's HSDP), or {instead}")
+    if training.shard_degree is not None and any(c.kind == "data_parallel" for c in plan.crossings):
+        raise ConfigError("--plan", f"shard_degree={training.shard_degree} with a DP group across communication "
+                          "domains, whose gradients memx averages itself, whole", "plan without --shard-degree")
     plan.uniform_dp("memx's runtime (one DP degree for all stages)")
     return plan

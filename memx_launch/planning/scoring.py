@@ -30,6 +30,7 @@ from memx_launch.planning.model_states import (held_gradient_share, keeps_gather
                                                stage_state_bytes_by_part)
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
 from memx_launch.planning.group_result import GroupResult
+from memx_launch.planning.hybrid_sharding import ShardLinks, state_shards
 from memx_launch.planning.layouts import Layout
 
 
@@ -67,6 +68,7 @@ class Evaluator:
                                             for d in self.device_types])
         # A learned model brings the bridges calibration measured (else the cluster file's).
         self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))
+        self.shard_links = ShardLinks(cluster, training)  # hybrid sharding's groups of each layout
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
         self._edge_times: dict[tuple, np.ndarray] = {}
         self._level_free_layout, self._level_free = None, {}
@@ -131,12 +133,12 @@ class Evaluator:
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
         share = held_gradient_share(tr, pp, g, v)
-        state = layer_state_bytes(m, tr, tp, layout.dp_cp, self.trained, pp, share) + quantized_kept
-        kind_states = [layer_state_bytes(kind, tr, tp, layout.dp_cp, self.trained, pp, share)
+        state = layer_state_bytes(m, tr, tp, state_shards(tr, layout), self.trained, pp, share) + quantized_kept
+        kind_states = [layer_state_bytes(kind, tr, tp, state_shards(tr, layout), self.trained, pp, share)
                        + quantized_state_bytes(kind, tr, tp, pp)[0] for kind in extra_blocks.other_kinds(m)]
         fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight, share),
                        pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v),
-                       cm.fully_sharded_working_bytes(m, tr, tp, layout.dp_cp, pp), quantized_working,
+                       cm.fully_sharded_working_bytes(m, tr, tp, state_shards(tr, layout), pp), quantized_working,
                        self.overhead[device], layout.communicators * self.communicator_bytes[device])
         edge_t = self._edge_time(layout, device, local, seq_rank)
         self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, g)
@@ -178,7 +180,8 @@ class Evaluator:
 
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share) -> np.ndarray:
         m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
-        first_bpp, last_bpp = _ends(cm.model_state_bytes_per_param(tr, layout.dp_cp, self.trained, pp, gradient_share), pp)
+        per_param = cm.model_state_bytes_per_param(tr, state_shards(tr, layout), self.trained, pp, gradient_share)
+        first_bpp, last_bpp = _ends(per_param, pp)
         first_mbs, last_mbs = _ends(local, pp)
         out = self._edge_activations(inflight, first_mbs, last_mbs, seq)
         out[0] += m.embedding_params / first * first_bpp
@@ -309,7 +312,7 @@ class Evaluator:
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
         weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v,
                                                           held_gradient_share(tr, pp, g, v))
-        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, layout.dp_cp, pp)
+        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, state_shards(tr, layout), pp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
         embedding_out = self._edge_activations(inflight, first_mbs, last_mbs, seq_rank)
         logits = np.zeros(pp)
@@ -405,11 +408,11 @@ class Evaluator:
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,
                                                             layout.dp_gbps * self.cluster.link_efficiency, sm_share,
-                                                            self.trained)
+                                                            self.trained, self.shard_links.of(layout))
         if tr.grad_accumulation_pass:  # each micro-batch's add into the held gradients, on the stage's slowest memory
             stage_time = stage_time + accumulation_seconds(
-                stage_params, tr, self.hbm_gbps[layout.replica_device].min(axis=0), layout.dp_cp, layout.pp,
-                tr.global_batch_size // (layout.dp * mbs), self.trained)
+                stage_params, tr, self.hbm_gbps[layout.replica_device].min(axis=0), state_shards(tr, layout),
+                layout.pp, tr.global_batch_size // (layout.dp * mbs), self.trained)
         for group in layout.group_crossings:
             sync[:, group.stage] = self.bridges.group_sync_time(
                 group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))
@@ -418,7 +421,7 @@ class Evaluator:
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             exposed = overlapped_exposed_seconds(exposed, 2.0 / 3.0 * stage_time, sm_share)
         step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
-                                      layout.dp_cp, self.trained, self.host_gbps[layout.replica_device][:, None])
+                                      state_shards(tr, layout), self.trained, self.host_gbps[layout.replica_device][:, None])
         return stage_time, transfer, sync, exposed, step.max(axis=0)
 
     def iteration_parts(self, layout, mbs, seq, schedule, v, g, stage_time, layers):

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from memx_launch.planning import context_parallel, costmodel as cm, experts, mamba
+from memx_launch.planning import context_parallel, costmodel as cm, experts, hybrid_sharding, mamba
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.specs.cluster import ClusterSpec
@@ -250,7 +250,7 @@ def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict) -> lis
 
 def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[TrainingSpec]) -> list[list[Layout]]:
     """For each training (expert-parallel and expert-tensor-parallel degrees), the layouts whose
-    stages split into whole EP x ETP groups (all of a dense model's)."""
+    stages split into whole EP x ETP groups (all of a dense model's) and hybrid sharding's shard groups."""
     for training in trainings:
         experts.check(model, training)
     kept = [[lay for lay in layouts if experts.divides(lay, training)] for training in trainings]
@@ -259,7 +259,7 @@ def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[Tra
                            for t in trainings)
         raise ConfigError("--expert-parallel", f"{degrees} divides no layout's TP x CP x DP ranks per stage",
                           "use smaller expert-parallel (x expert-tensor-parallel) degrees")
-    return kept
+    return hybrid_sharding.sharded_layouts(kept, trainings)
 
 
 def check_batch(layouts: list[Layout], space: SearchSpace, training: TrainingSpec) -> None:

@@ -267,13 +267,15 @@ def resolve(args) -> dict:
             raise ConfigError(f"--{field.replace('_', '-')}", f"{given}, but the plan trains {getattr(plan, field)}", "drop it")
     gbs = args.global_batch_size or getattr(plan, "global_batch_size", None) or (
         EMULATED_GLOBAL_BATCH_SIZE if emulated else TrainingSpec.global_batch_size)
-    # What memx's runtime does: --setup memx-run (specs/setups.py); a given fully sharded plan's re-plans stay so.
+    # What memx's runtime does: --setup memx-run (specs/setups.py); a given fully sharded plan's re-plans stay so,
+    # over its shard groups too (HSDP).
     sharded = args.fully_sharded or bool(plan is not None and plan.training.get("fully_sharded"))
+    shards = plan.training.get("shard_degree") if sharded and plan is not None else None
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
                             dtype=args.dtype or ("fp32" if emulated else "bf16"), setup="memx-run",
-                            fully_sharded=sharded or None)
-    settings.add("data parallel", "fully sharded (FSDP2)" if sharded else "DDP (FSDP2 with TP)",
-                 "flag" if args.fully_sharded else "plan" if sharded else "default")
+                            fully_sharded=sharded or None, shard_degree=shards)
+    settings.add("data parallel", "DDP (FSDP2 with TP)" if not sharded else f"HSDP, shard groups of {shards} (FSDP2)"
+                 if shards else "fully sharded (FSDP2)", "flag" if args.fully_sharded else "plan" if sharded else "default")
     for name, field in (("global batch size", "global_batch_size"), ("sequence length", "seq_len")):
         settings.add(name, getattr(training, field), "flag" if batch[field] else "plan" if plan else "default")
     training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")

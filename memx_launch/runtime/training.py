@@ -8,7 +8,8 @@ Training scripts use it in three lines::
 
 Per rank: a [pp][dp][tp] DeviceMesh from the plan's stage ranks, the rank's model chunks (memx's
 LlamaStage, or the user's model cut by models/adapters.py, with the stage's uneven layer count and
-recompute level), DTensor tensor parallel inside the stage, DDP (FSDP2 with TP) across the stage's DP replicas, and torch.distributed.pipelining with
+recompute level), DTensor tensor parallel inside the stage, DDP (FSDP2 with TP; HSDP with the plan's
+shard_degree: runtime/meshes.py) across the stage's DP replicas, and torch.distributed.pipelining with
 Schedule1F1B or ScheduleInterleaved1F1B (plan.virtual_stages chunks per rank).
 """
 
@@ -30,6 +31,7 @@ from memx_launch.runtime.communication import Communicator, bridge_backend, init
 from memx_launch.profiling.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import (RankLayout, process_domains, process_grid, process_rank, rank_layout,
                                        stage_runs_fully_sharded)
+from memx_launch.runtime.meshes import stage_meshes
 from memx_launch.runtime.monitor import device_memory
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
@@ -60,7 +62,6 @@ class Runtime:
         fp32, bf16 or fp16 (runtime/precision.py; default: the plan's training dtype, else fp32).
         ``cluster``: the job's ClusterSpec, whose communication domains decide which groups are
         native and which traffic takes the bridge (runtime/communication.py); None: one domain."""
-        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
         if plan.virtual_stages == 1 and plan.num_microbatches < plan.pp:  # memx plan allows it, Megatron runs it
@@ -97,17 +98,9 @@ class Runtime:
         self._make_groups()
         self.tp = len(self._tp_ranks)
         """This stage's TP degree (the plan's stage_tp may give each stage its own)."""
-        self.tp_mesh = self.dp_mesh = None  # FSDP2 over TP needs both from one [dp][tp] mesh of the stage
-        if self.tp > 1 and plan.dp > 1 and not self.dp_crosses_domains:
-            stage_mesh = DeviceMesh.from_group([self.comm.native(self._dp_ranks), self.tp_group], self.device.type,
-                                               mesh=self._stage_grid, mesh_dim_names=("dp", "tp"))
-            self.tp_mesh, self.dp_mesh = stage_mesh["tp"], stage_mesh["dp"]
-        elif self.tp > 1:
-            self.tp_mesh = DeviceMesh.from_group(self.tp_group, self.device.type, mesh=list(self._tp_ranks),
-                                                 mesh_dim_names=("tp",))
-        elif plan.dp > 1 and not self.dp_crosses_domains:
-            self.dp_mesh = DeviceMesh.from_group(self.comm.native(self._dp_ranks), self.device.type,
-                                                 mesh=list(self._dp_ranks), mesh_dim_names=("dp",))
+        self.tp_mesh, self.dp_mesh = stage_meshes(self.comm, process_grid(plan), self._stage_grid, self._dp_ranks,
+                                                  self._tp_ranks, self.tp_group, self.device.type,
+                                                  self.dp_crosses_domains, plan.training.get("shard_degree"))
         self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device,
                                    tf32=plan.training.get("tf32", False))
         self.parts = None if model is None else self._model_parts(model, blocks)

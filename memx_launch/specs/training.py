@@ -11,6 +11,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number, require_type
 from memx_launch.specs.model import MAX_DIMENSION
 from memx_launch.specs.setups import OPTION_DEFAULTS, SETUPS
+from memx_launch.specs.training_checks import check_combinations
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -215,6 +216,9 @@ class TrainingSpec:
     """ZeRO++'s hpZ (``zero_hpz_partition_size``): a second weight shard over N ranks for the backward's gathers."""
     quantized_weights: bool | None = None
     """ZeRO++'s qwZ (``zero_quantized_weights``): each fetch all-gathers int8 weights, then their fp32 scales."""
+    shard_degree: int | None = None
+    """Hybrid sharding (HSDP, DeepSpeed's MiCS, Megatron's partial distributed optimizer): what the setup
+    shards spread over N consecutive ranks of each DP group (x CP), the DP / N groups replicas. None: all."""
     selective_recompute: str | None = None
     """What the selective recompute level runs again: ``attention`` (Megatron's
     ``--recompute-granularity selective``: the attention core and the MLP's activation) or
@@ -399,21 +403,7 @@ class TrainingSpec:
                 raise ConfigError("--frozen-fraction", f"{self.frozen_fraction} with LoRA adapters, whose base "
                                   "weights are all frozen", "drop --frozen-fraction (LoRA freezes the base)")
             object.__setattr__(self, "frozen_fraction", 1.0)
-        if self.torch_loss_parallel and not self.vocab_parallel_loss:
-            raise ConfigError("--torch-loss-parallel", "is a vocab-parallel loss, and vocab_parallel_loss is off",
-                              "drop --no-vocab-parallel-loss (or --torch-loss-parallel)")
-        if self.async_tp and self.tp_comm_overlap:
-            raise ConfigError("--async-tp", "and --tp-comm-overlap both hide TP collectives",
-                              "keep --async-tp for torch's AsyncTP or --tp-comm-overlap for Megatron's")
-        if self.async_tp and not self.sequence_parallel:
-            raise ConfigError("--async-tp", "micro-pipelines sequence parallelism's gathers and scatters",
-                              "add --sequence-parallel (or use --setup torchtitan)")
-        if self.tp_comm_overlap and not self.sequence_parallel:
-            raise ConfigError("--tp-comm-overlap", "overlaps sequence parallelism's all-gathers and reduce-scatters",
-                              "add --sequence-parallel (or use --setup megatron)")
-        if self.sharded_gradients and not self.distributed_optimizer and not self.fully_sharded:
-            raise ConfigError("--sharded-gradients", "needs the optimizer state sharded as well",
-                              "use --setup zero2 or add --distributed-optimizer")
+        check_combinations(self)
 
     @property
     def quantized_linears(self) -> str | None:

@@ -1,0 +1,170 @@
+"""Hybrid sharding (``--shard-degree N``: HSDP, MiCS, Megatron's partial distributed optimizer):
+the states of a shard group of N ranks, its collectives on its own links, each reduced shard
+all-reduced over the DP / N replicas; the search, the estimate, the exports and memx-run's refusals.
+(The runtime's HSDP trains as the single-process reference: tests/test_runtime.py.) No torch."""
+
+import numpy as np
+import pytest
+from estimates import cases_rows, cluster_file
+
+from memx_launch.errors import ConfigError
+from memx_launch.planning import hybrid_sharding
+from memx_launch.planning.collectives import NVLINK, collective_seconds
+from memx_launch.planning.data_parallel import stage_gradient_sync
+from memx_launch.planning.config_exports import deepspeed_json, torchtitan_toml
+from memx_launch.planning.estimate import LayoutScorer, evaluate_layout
+from memx_launch.planning.exporters import megatron_args
+from memx_launch.planning.runtime_support import check_runnable
+from memx_launch.planning.search import search
+from memx_launch.planning.search_space import SearchSpace
+from memx_launch.specs.catalog import get_model
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+
+MODEL = get_model("llama2-7b")
+STATES = ("parameters", "gradients", "optimizer_states")
+
+
+def dgx(nodes: int) -> dict:
+    return {"version": 1, "name": f"dgx-{nodes}",
+            "device_types": {"a100": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312,
+                                      "memory_bandwidth_gbps": 2039, "compute_capability": 8.0}},
+            "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300, "nics": 8}] * nodes, "inter_node_gbps": 25}
+
+
+def plan_of(nodes: int, dp: int, pp: int = 1, **training):
+    options = dict(global_batch_size=2 * dp, seq_len=2048, setup="fsdp2") | training
+    return evaluate_layout(MODEL, ClusterSpec.from_dict(dgx(nodes)), TrainingSpec(**options), tp=1, pp=pp, dp=dp,
+                           micro_batch_size=1, references=(1, 1, 1))
+
+
+def sync_of(nodes: int, dp: int, **training) -> float:
+    """The first of two pipelined stages' gradient sync a step (FSDP2 under torch's pipelining reduces
+    once a step), its gathers fully exposed."""
+    cluster = ClusterSpec.from_dict(dgx(nodes))
+    spec = TrainingSpec(**dict(global_batch_size=8 * dp, seq_len=2048, setup="fsdp2") | training)
+    result, evaluator = LayoutScorer(MODEL, cluster, spec).score(tp=1, pp=2, dp=dp, micro_batch_size=1)
+    layout, params = result.layout, np.full((1, 2), MODEL.total_params / 2)
+    return stage_gradient_sync(MODEL, spec, layout, result.layers[:1], 1, params, np.zeros((1, 2)),
+                               layout.dp_gbps * cluster.link_efficiency, 0.0, shards=evaluator.shard_links.of(layout))[1][0, 0]
+
+
+@pytest.mark.parametrize("setup", ["fsdp2", "zero3", "zero1", "megatron"])
+def test_a_rank_keeps_the_states_of_a_dp_group_as_large_as_its_shard_group(setup):
+    hybrid = plan_of(8, 64, shard_degree=8, setup=setup)  # 8 replicas of a node's shard group
+    alone = plan_of(1, 8, setup=setup)
+    for part in STATES:
+        assert hybrid.stages[0].memory_parts_gib[part] == pytest.approx(alone.stages[0].memory_parts_gib[part])
+    whole = plan_of(8, 64, setup=setup)
+    assert sum(whole.stages[0].memory_parts_gib[p] for p in STATES) < \
+        sum(hybrid.stages[0].memory_parts_gib[p] for p in STATES)
+
+
+def test_a_shard_group_of_the_whole_dp_group_is_plain_full_sharding():
+    for pp in (1, 2):
+        assert plan_of(4, 32 // pp, pp, shard_degree=32 // pp).predicted_iteration_time_s == \
+            pytest.approx(plan_of(4, 32 // pp, pp).predicted_iteration_time_s)
+
+
+def test_each_reduced_shard_is_all_reduced_over_the_replicas_on_their_links():
+    # A stage of 2 pipelined stages (FSDP2 under torch's pipelining) reduces its gradients once a step: its sync.
+    # A stage on two nodes, HSDP over shard groups of 8: each node's gathers and reduce-scatter as on
+    # one node's stage, and the all-reduce of each rank's 1/8 of the fp32 gradients with its peer on
+    # the other node, on its NIC.
+    hybrid, one_node = sync_of(4, 16, shard_degree=8), sync_of(2, 8)
+    cluster = ClusterSpec.from_dict(dgx(4))
+    params = MODEL.total_params / 2 / 8  # the stage's half of the model, a rank's shard of it
+    replica_link = cluster.group_gbps([0, 8]) * cluster.link_efficiency
+    all_reduce = collective_seconds("all_reduce", params * 4, 2, replica_link, 2, NVLINK)
+    assert hybrid > one_node + 0.5 * all_reduce
+    assert hybrid < one_node + 2.0 * all_reduce
+
+
+def test_deepspeed_mics_keeps_its_per_linear_gathers_inside_a_node_at_scale():
+    # At 1,536 ranks each of DeepSpeed's per-linear all-gathers pays a ring's latency over 192 nodes;
+    # MiCS over a node pays 8 ranks' over NVLink, and an all-reduce of the shards once per bucket.
+    def step(**options):
+        return plan_of(192, 1536, **options, setup="zero3", max_live_params=1e9).predicted_iteration_time_s
+    assert step(shard_degree=8) < 0.8 * step()
+
+
+def test_the_flag_refuses_what_it_cannot_mean():
+    for options, says in (({"setup": "ddp"}, "shards none"), ({"setup": "scaling"}, "full_gradient_allreduce"),
+                          ({"setup": "zero3", "max_live_params": 1e9, "hpz_partition_size": 8}, "not both"),
+                          ({"setup": "fsdp2", "shard_degree": 0}, "--shard-degree")):
+        with pytest.raises(ConfigError, match=says) as info:
+            TrainingSpec(**{"shard_degree": 8} | options)
+        assert info.value.field == "--shard-degree"
+    with pytest.raises(ConfigError, match="not a multiple"):
+        plan_of(2, 4, 4, shard_degree=8)
+    with pytest.raises(ConfigError, match="experts"):
+        evaluate_layout(get_model("mixtral-8x7b"), ClusterSpec.from_dict(dgx(2)),
+                        TrainingSpec(global_batch_size=16, seq_len=2048, setup="fsdp2", shard_degree=8),
+                        tp=1, pp=1, dp=16, micro_batch_size=1, references=(1, 1, 1))
+
+
+def test_the_search_keeps_the_layouts_it_divides_and_says_when_none():
+    cluster = ClusterSpec.from_dict(dgx(2))
+    space = SearchSpace(micro_batch_sizes=(1,), recompute_levels=("full",))
+    training = TrainingSpec(global_batch_size=64, seq_len=2048, setup="fsdp2", shard_degree=4)
+    result = search(MODEL, cluster, training, space=space, top_k=50)
+    assert result.plans and all(p.dp % 4 == 0 for p in result.plans)
+    assert all(p.training["shard_degree"] == 4 for p in result.plans)
+    with pytest.raises(ConfigError, match="divides none") as info:
+        search(MODEL, cluster, TrainingSpec(global_batch_size=64, seq_len=2048, setup="fsdp2", shard_degree=3),
+               space=space)
+    assert info.value.field == "--shard-degree"
+
+
+def test_groups_across_communication_domains_are_not_sharded_in_part():
+    two_domains = dgx(2)
+    two_domains["device_types"] = {"nv": {**two_domains["device_types"]["a100"]},
+                                   "amd": {**two_domains["device_types"]["a100"], "vendor": "amd"}}
+    two_domains["nodes"] = [{"devices": {"nv": 8}, "intra_node_gbps": 300}, {"devices": {"amd": 8}, "intra_node_gbps": 300}]
+    cluster = ClusterSpec.from_dict(two_domains)
+    with pytest.raises(ConfigError, match="across communication domains"):
+        evaluate_layout(MODEL, cluster, TrainingSpec(global_batch_size=32, seq_len=2048, setup="fsdp2", shard_degree=8),
+                        tp=1, pp=1, dp=16, micro_batch_size=1, references=(1, 1, 1), stage_devices=["nv+amd"])
+
+
+def test_exports_write_each_framework_s_hybrid_sharding():
+    plan = plan_of(8, 64, shard_degree=8)
+    toml = torchtitan_toml(plan).text
+    assert "data_parallel_replicate_degree = 8" in toml and "data_parallel_shard_degree = 8" in toml
+    assert "data_parallel_shard_degree = 64" in torchtitan_toml(plan_of(8, 64)).text
+    args = megatron_args(plan, None).command_line()
+    assert "--num-distributed-optimizer-instances 8" in args
+    assert "--num-distributed-optimizer-instances" not in megatron_args(plan_of(8, 64), None).command_line()
+    assert "--num-distributed-optimizer-instances 4" in \
+        megatron_args(plan_of(8, 64, setup="megatron", shard_degree=16), None).command_line()
+    mics = plan_of(8, 64, setup="zero3", shard_degree=8)
+    assert '"mics_shard_size": 8' in deepspeed_json(mics).text
+    with pytest.raises(ConfigError, match="ZeRO-3 only"):
+        deepspeed_json(plan_of(8, 64, setup="zero1", shard_degree=8))
+
+
+def test_memx_run_runs_hybrid_sharding_with_fsdp2_only():
+    check_runnable(plan_of(2, 16, setup="memx-run", fully_sharded=True, hold_gathered="always", shard_degree=8))
+    with pytest.raises(ConfigError, match="FSDP2 only"):
+        check_runnable(plan_of(2, 16, setup="zero1", shard_degree=8))
+
+
+def test_it_is_a_cases_column(tmp_path, capsys):
+    base = ["--model", "llama2-7b", "--cluster", cluster_file(tmp_path, dgx(4)), "--global-batch-size", "64",
+            "--seq-len", "2048", "--setup", "fsdp2"]
+    rows = cases_rows(capsys, tmp_path, "id,tp,pp,dp,micro_batch_size,shard_degree\n"
+                      "whole,1,1,32,1,\nnode,1,1,32,1,8\n", base)
+    assert rows["node"]["peak_memory_gib"] > rows["whole"]["peak_memory_gib"]
+    assert rows["node"]["iteration_time_s"] != rows["whole"]["iteration_time_s"]
+
+
+def test_shard_groups_are_consecutive_replicas_and_replica_groups_strided():
+    cluster = ClusterSpec.from_dict(dgx(4))
+    layout = LayoutScorer(MODEL, cluster, TrainingSpec(global_batch_size=64, seq_len=2048))
+    plan = layout.score(tp=2, pp=1, dp=16, micro_batch_size=1)[0].layout
+    groups = hybrid_sharding.shard_groups(cluster, plan, 4)
+    # DP groups are every 2nd rank; 4 consecutive replicas of one (ranks 0, 2, 4, 6) fill a node.
+    assert groups.ranks.tolist() == [4] and groups.replicas.tolist() == [4]
+    assert groups.nodes.tolist() == [1] and groups.replica_nodes.tolist() == [4]
+    assert groups.gbps[0] == cluster.group_gbps([0, 2, 4, 6]) * cluster.link_efficiency
+    assert groups.replica_gbps[0] == cluster.group_gbps([0, 8, 16, 24]) * cluster.link_efficiency
