@@ -10,7 +10,10 @@ each stage's measured peak of the last step against the plan's prediction as mem
 every fully sharded stage before (``never``: a layer gathered at a time, its gradients
 reduce-scattered every micro-batch). Uncalibrated: the plans are ``memx estimate``'s analytical
 ones. Then ``memx-run --fully-sharded --tp 1 --pp 2`` plans the same job itself, after
-calibrating each device type in the job (fp32, ``in_job``).
+calibrating each device type in the job (fp32, ``in_job``). Last, across communication domains
+(``across_domains``, fp32): one stage of DP 4 over ``examples/clusters/cpu-two-vendors.yaml``'s
+two vendors (its small type given 60 MiB, so that the stage fits), fully sharded, which memx-run
+shards within each vendor's two ranks and averages over the bridge (planning/hybrid_sharding.py).
 
     python benchmarks/fsdp_pipeline_memory.py [--steps 3]
 
@@ -40,21 +43,21 @@ LAYOUT = ["--model", "llama-tiny", "--cluster", CLUSTER, "--fully-sharded", "--t
           "--keep-stage-outputs"]
 
 
-def estimate(tmp: str, dtype: str, hold: str) -> tuple[str, list[float]]:
+def estimate(tmp: str, dtype: str, hold: str, layout=tuple(LAYOUT)) -> tuple[str, list[float]]:
     """The plan file of the layout and its stages' predicted peaks in MiB."""
     path = os.path.join(tmp, f"{dtype}-{hold}.json")
-    subprocess.run([sys.executable, "-m", "memx_launch.cli", "estimate", *LAYOUT, "--dtype", dtype,
+    subprocess.run([sys.executable, "-m", "memx_launch.cli", "estimate", *layout, "--dtype", dtype,
                     "--hold-gathered", hold, "--json", path], capture_output=True, text=True, timeout=300,
                    check=True)
     with open(path) as f:
         return path, [s["predicted_peak_memory_gib"] * 1024 for s in json.load(f)["stages"]]
 
 
-def memx_run(tmp: str, flags: list[str], steps: int) -> tuple[str, str]:
+def memx_run(tmp: str, flags: list[str], steps: int, cluster: str = CLUSTER) -> tuple[str, str]:
     """memx-run's 4 ranks training llama-tiny with ``flags``: its plan line and its last step's line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
-                          "--cluster", CLUSTER, *flags, os.path.join(REPO, "examples", "train.py"),
+                          "--cluster", cluster, *flags, os.path.join(REPO, "examples", "train.py"),
                           "--model", "llama-tiny", "--steps", str(steps)],
                          cwd=tmp, env=env, capture_output=True, text=True, timeout=900, check=True)
     lines = run.stdout.splitlines()
@@ -90,17 +93,37 @@ def planned_in_job(steps: int) -> dict:
     return {"plan": plan, "last_step": last, "stages": stages}
 
 
+def across_domains(steps: int) -> dict:
+    """A fully sharded stage whose DP group spans two vendors: its peak against the estimate."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = os.path.join(tmp, "two-vendors.yaml")
+        with open(os.path.join(REPO, "examples", "clusters", "cpu-two-vendors.yaml")) as f:
+            text = f.read()
+        with open(cluster, "w") as f:
+            f.write(text.replace("memory_gib: 0.025 ", "memory_gib: 0.06  "))
+        layout = ["--model", "llama-tiny", "--cluster", cluster, "--fully-sharded", "--tp", "1", "--pp", "1",
+                  "--dp", "4", "--stage-devices", "nv-small+amd-big", "--micro-batch-size", "1",
+                  "--global-batch-size", "16", "--seq-len", "64", "--keep-stage-outputs"]
+        plan, predicted = estimate(tmp, "fp32", "always", layout)
+        _, last = memx_run(tmp, ["--plan", plan], steps, cluster)
+    [(stage, device, measured, _)] = STAGE.findall(last)
+    return {"last_step": last, "layout": " ".join(layout[4:]), "device": device, "measured_mib": float(measured),
+            "predicted_mib": round(predicted[0], 2), "measured_over_predicted": round(float(measured) / predicted[0], 3)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     result = {"machine": machine_info(), "steps": args.steps, "layout": " ".join(LAYOUT[4:]),
-              **{dtype: measure(dtype, args.steps) for dtype in ("fp32", "bf16")}, "in_job": planned_in_job(args.steps)}
+              **{dtype: measure(dtype, args.steps) for dtype in ("fp32", "bf16")}, "in_job": planned_in_job(args.steps),
+              "across_domains": across_domains(args.steps)}
     write_json_atomic(OUT, result, overwrite=True)
     for dtype in ("fp32", "bf16"):
         print(dtype, [(s["measured_over_predicted"], s["measured_over_predicted_gathered_every_microbatch"])
                       for s in result[dtype]["stages"]])
     print("in_job", [s["measured_over_predicted"] for s in result["in_job"]["stages"]])
+    print("across_domains", result["across_domains"]["measured_over_predicted"])
     print(f"wrote {OUT}")
     return 0
 

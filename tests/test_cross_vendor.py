@@ -73,8 +73,9 @@ def _worker(rank, port, cases, queue):
                     grads[name.removeprefix("module.")] = g.numpy()
             stats += [runtime.step(runtime.local_batch(tokens), runtime.local_batch(targets))
                       for _ in range(steps - 1)]
+            mesh = () if runtime.dp_mesh is None else tuple(runtime.dp_mesh.shape)  # FSDP2's over the DP replicas
             results.append(([s.loss for s in stats], stats[0].bridge_messages, stats[0].bridge_bytes, grads,
-                            list(unpickled), runtime.emulated.collective_check is not None))
+                            list(unpickled), runtime.emulated.collective_check is not None, mesh))
             dist.destroy_process_group()
     finally:
         queue.put((rank, results))
@@ -98,6 +99,9 @@ CASES = {
     "tp=2 inside each domain x pp=2 across":
         (make_plan([((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2, global_batch_size=4,
                    device_type="nv-small"), TWO_VENDORS),
+    "fully sharded DP replicas across domains: FSDP2 within each domain, the shards averaged over the bridge":
+        (make_plan([((0, 1, 2, 3), 8, "selective")], dp=4, micro_batch_size=1, global_batch_size=8,
+                   device_type=MIXED, training={"fully_sharded": True, "hold_gathered": "always"}), TWO_VENDORS),
 }
 
 
@@ -110,7 +114,9 @@ def test_cross_domain_plans_match_the_single_process_reference():
         covered = set()
         crossed = 0
         for rank in range(4):
-            losses, messages, nbytes, grads, unpickled, bridge_checked = results[rank][i]
+            losses, messages, nbytes, grads, unpickled, bridge_checked, mesh = results[rank][i]
+            # Sharded within each vendor's two ranks where the plan is fully sharded, else no FSDP2 across domains.
+            assert mesh == ((2,) if plan.training.get("fully_sharded") else ()), (name, rank, mesh)
             assert unpickled == [], (name, rank, unpickled)
             assert bridge_checked, (name, rank)  # strict mode (the emulated default) checks inside the device
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
@@ -218,7 +224,7 @@ def test_stages_of_different_tp_degrees_match_the_reference():
             ref_grads = {k: g * min(1.0, clip / (norm + 1e-6)) for k, g in ref_grads.items()}
         covered = set()
         for rank in range(3):
-            losses, messages, _, grads, unpickled, _ = results[rank][i]
+            losses, messages, _, grads, unpickled, _, _ = results[rank][i]
             assert unpickled == [], (name, rank, unpickled)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
             assert losses[1] < losses[0], (name, rank)

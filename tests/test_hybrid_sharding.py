@@ -116,15 +116,61 @@ def test_the_search_keeps_the_layouts_it_divides_and_says_when_none():
     assert info.value.field == "--shard-degree"
 
 
-def test_groups_across_communication_domains_are_not_sharded_in_part():
-    two_domains = dgx(2)
-    two_domains["device_types"] = {"nv": {**two_domains["device_types"]["a100"]},
-                                   "amd": {**two_domains["device_types"]["a100"], "vendor": "amd"}}
-    two_domains["nodes"] = [{"devices": {"nv": 8}, "intra_node_gbps": 300}, {"devices": {"amd": 8}, "intra_node_gbps": 300}]
-    cluster = ClusterSpec.from_dict(two_domains)
-    with pytest.raises(ConfigError, match="across communication domains"):
-        evaluate_layout(MODEL, cluster, TrainingSpec(global_batch_size=32, seq_len=2048, setup="fsdp2", shard_degree=8),
-                        tp=1, pp=1, dp=16, micro_batch_size=1, references=(1, 1, 1), stage_devices=["nv+amd"])
+def two_vendors(order=("nv", "amd")) -> ClusterSpec:
+    """16 GPUs of two vendors (two communication domains), a node of each type in ``order``."""
+    a100 = dgx(1)["device_types"]["a100"]
+    per_node = 16 // len(order)
+    return ClusterSpec.from_dict({"version": 1, "name": "two-vendors", "inter_node_gbps": 25,
+                                  "device_types": {"nv": a100, "amd": {**a100, "vendor": "amd"}},
+                                  "nodes": [{"devices": {t: per_node}, "intra_node_gbps": 300, "nics": per_node}
+                                            for t in order]})
+
+
+def spanning(cluster, **training):
+    """A stage of 16 replicas over both vendors' nodes (its DP group crosses domains)."""
+    spec = TrainingSpec(**dict(global_batch_size=32, seq_len=2048, setup="fsdp2") | training)
+    return evaluate_layout(MODEL, cluster, spec, tp=1, pp=1, dp=16, micro_batch_size=1, references=(1, 1, 1),
+                           stage_devices=["nv+amd"])
+
+
+def test_a_fully_sharded_dp_group_across_domains_is_sharded_within_each():
+    # No library gathers across NCCL and RCCL: each vendor's 8 replicas shard the states among
+    # themselves, and each rank all-reduces its reduced shard with its peer over the bridge.
+    cluster = two_vendors()
+    across, one_node = spanning(cluster), plan_of(1, 8)
+    for part in STATES:
+        assert across.stages[0].memory_parts_gib[part] == pytest.approx(one_node.stages[0].memory_parts_gib[part])
+    assert spanning(cluster, shard_degree=8).predicted_iteration_time_s == \
+        pytest.approx(across.predicted_iteration_time_s)
+    # A rank's fp32 shard, 1/8 of its gradients, crosses to its one peer: as many bytes as the
+    # hierarchical all-reduce of whole gradients sends (its reduce-scatter leaves each rank 1/8 too).
+    [crossing] = across.crossings
+    assert crossing.kind == "data_parallel"
+    assert crossing.bytes_per_step == pytest.approx(MODEL.total_params * 4 / 8, rel=0.01)
+    assert crossing.bytes_per_step == pytest.approx(spanning(cluster, setup="ddp").crossings[0].bytes_per_step)
+    smaller = spanning(cluster, shard_degree=4)  # two shard groups a vendor: their replicas sum natively first
+    assert smaller.stages[0].memory_parts_gib["optimizer_states"] == pytest.approx(
+        2 * across.stages[0].memory_parts_gib["optimizer_states"])
+    with pytest.raises(ConfigError, match="span communication domains"):
+        spanning(cluster, shard_degree=16)
+    # A group of 7 + 1 ranks has no two consecutive ranks in one domain at every step of two: shard
+    # groups of one, its states whole (memx-run averages it whole), 8 x those sharded within a vendor.
+    def two_stages(*devices):
+        return evaluate_layout(MODEL, cluster, TrainingSpec(global_batch_size=32, seq_len=2048, setup="fsdp2"), tp=1,
+                               pp=2, dp=8, micro_batch_size=1, references=(1, 1, 1), stage_devices=list(devices))
+    seven_one, by_vendor = two_stages("nv*7+amd*1", "nv*1+amd*7"), two_stages("nv", "amd")
+    assert seven_one.stages[0].memory_parts_gib["optimizer_states"] == \
+        pytest.approx(8 * by_vendor.stages[0].memory_parts_gib["optimizer_states"])
+
+
+def test_shard_groups_within_domains_are_the_most_consecutive_replicas_in_one():
+    degree = hybrid_sharding.domain_shard_degree
+    assert degree(["a"] * 8, 8) == 8 and degree(["a"] * 8, 8, given=4) == 4 and degree(["a"] * 8, 8, given=3) == 0
+    assert degree(["a", "a", "b", "b"], 4) == 2 and degree(["a", "a", "a", "a", "b", "b"], 6) == 2
+    assert degree(["a", "b", "a", "b"], 4) == 1 and degree(["a", "b", "a", "b"], 4, given=2) == 0
+    assert degree(["a", "a", "a", "b"], 4) == 1
+    # With CP, a shard group is N replicas' CP ranks: replica after replica, CP rank after CP rank.
+    assert degree(["a", "a", "a", "a", "b", "b", "b", "b"], 4, cp=2) == 2
 
 
 def test_exports_write_each_framework_s_hybrid_sharding():
@@ -162,7 +208,7 @@ def test_shard_groups_are_consecutive_replicas_and_replica_groups_strided():
     cluster = ClusterSpec.from_dict(dgx(4))
     layout = LayoutScorer(MODEL, cluster, TrainingSpec(global_batch_size=64, seq_len=2048))
     plan = layout.score(tp=2, pp=1, dp=16, micro_batch_size=1)[0].layout
-    groups = hybrid_sharding.shard_groups(cluster, plan, 4)
+    groups = hybrid_sharding.shard_groups(cluster, plan, TrainingSpec(setup="fsdp2", shard_degree=4))
     # DP groups are every 2nd rank; 4 consecutive replicas of one (ranks 0, 2, 4, 6) fill a node.
     assert groups.ranks.tolist() == [4] and groups.replicas.tolist() == [4]
     assert groups.nodes.tolist() == [1] and groups.replica_nodes.tolist() == [4]

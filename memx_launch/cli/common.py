@@ -142,7 +142,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "spread over N consecutive ranks of each DP group, within a node where they fit, and "
                         "replicated over the DP/N such groups, which all-reduce the reduced gradients' shards "
                         "(PyTorch's HSDP, torchtitan's data_parallel_shard_degree, DeepSpeed's MiCS, Megatron's "
-                        "--num-distributed-optimizer-instances DP/N); default: the whole DP group")
+                        "--num-distributed-optimizer-instances DP/N); default: the whole DP group, or where a "
+                        "fully sharded one spans communication domains, the most of its ranks in one domain")
     p.add_argument("--hpz-partition-size", "--hpz_partition_size", type=int_flag, metavar="N",
                    help="with --max-live-params: ZeRO++'s hpZ, a second shard of the weights over N ranks (a node's) "
                         "that the backward gathers from, at 1/N of the weights more memory "

@@ -101,27 +101,31 @@ def layout_crossings(cluster: ClusterSpec, stage_ranks, stage_tp) -> tuple[tuple
         pairs = tuple(sorted({pair(domain[a], domain[b]) for a, b in zip(cur, nxt) if domain[a] != domain[b]}))
         if pairs and len(stage_ranks) > 1:
             edges.append(EdgeCrossing(i, pairs, cluster.transfers_gbps(zip(cur, nxt))))
-    groups = []
-    for i, (ranks, tp) in enumerate(zip(stage_ranks, stage_tp)):
-        dp_groups = [ranks[j::int(tp)] for j in range(int(tp))]
-        members = {}
-        for r in dp_groups[0]:
-            members.setdefault(domain[r], []).append(r)
-        if len(members) < 2:
-            continue
-        # Per domain, its members in each of the stage's DP groups (one per TP rank).
-        by_domain = [[[r for r in g if domain[r] == d] for g in dp_groups] for d in members]
-        native = tuple(min(cluster.group_gbps(g) for g in groups_of_d) for groups_of_d in by_domain)
-        sizes = {len(m) for m in members.values()}
-        # The bridge's rings: the ranks holding one shard (the j-th of each domain) when the
-        # domains are of one size, else the domains' first ranks.
-        shards = sizes.pop() if len(sizes) == 1 else 1
-        rings = [[groups_of_d[g][j] for groups_of_d in by_domain] for g in range(len(dp_groups)) for j in range(shards)]
-        hops = tuple(PCI if any(cluster.intra_hop_over_pcie(g) for g in groups_of_d) else NVLINK
-                     for groups_of_d in by_domain)
-        groups.append(GroupCrossing(i, tuple((d, len(m)) for d, m in members.items()), native,
-                                    min(cluster.group_gbps(ring) for ring in rings), hops))
-    return tuple(edges), tuple(groups)
+    groups = [group_crossing(cluster, i, [ranks[j::int(tp)] for j in range(int(tp))], domain)
+              for i, (ranks, tp) in enumerate(zip(stage_ranks, stage_tp))]
+    return tuple(edges), tuple(g for g in groups if g is not None)
+
+
+def group_crossing(cluster: ClusterSpec, stage: int, groups: list[list[int]], domain: list[str]) -> GroupCrossing | None:
+    """The crossing of a stage's ``groups`` (its DP groups, one per TP rank; or hybrid sharding's
+    replica groups), each with as many members in each domain; None where they stay in one."""
+    members = {}
+    for r in groups[0]:
+        members.setdefault(domain[r], []).append(r)
+    if len(members) < 2:
+        return None
+    # Per domain, its members in each of the groups.
+    by_domain = [[[r for r in g if domain[r] == d] for g in groups] for d in members]
+    native = tuple(min(cluster.group_gbps(g) for g in groups_of_d) for groups_of_d in by_domain)
+    sizes = {len(m) for m in members.values()}
+    # The bridge's rings: the ranks holding one shard (the j-th of each domain) when the
+    # domains are of one size, else the domains' first ranks.
+    shards = sizes.pop() if len(sizes) == 1 else 1
+    rings = [[groups_of_d[g][j] for groups_of_d in by_domain] for g in range(len(groups)) for j in range(shards)]
+    hops = tuple(PCI if any(cluster.intra_hop_over_pcie(g) for g in groups_of_d) else NVLINK
+                 for groups_of_d in by_domain)
+    return GroupCrossing(stage, tuple((d, len(m)) for d, m in members.items()), native,
+                         min(cluster.group_gbps(ring) for ring in rings), hops)
 
 
 def tied_crossing(cluster: ClusterSpec, stage_ranks) -> EdgeCrossing | None:

@@ -7,18 +7,22 @@ import dataclasses
 import numpy as np
 
 from memx_launch.planning import costmodel as cm, data_parallel
-from memx_launch.planning.model_states import parameters_per_rank
+from memx_launch.planning.hybrid_sharding import ShardLinks
+from memx_launch.planning.model_states import parameters_per_rank, reduced_gradient_bytes
 from memx_launch.planning.plan import Crossing
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layout_training import training_precision_senders
+from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
 
-def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: TrainingSpec) -> list[Crossing]:
+def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: TrainingSpec,
+                 cluster: ClusterSpec) -> list[Crossing]:
     """What one step of a scored row sends between communication domains, per crossing
-    pipeline edge (forward and backward, every micro-batch) and DP group, with its seconds."""
+    pipeline edge (forward and backward, every micro-batch) and DP group (its gradients, or
+    sharded within its domains, a rank's reduced shard: planning/hybrid_sharding.py), with its seconds."""
     layout = result.layout
     if result.transfer is None:
         return []
@@ -38,10 +42,17 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
                                 float(2.0 * g * passes * hidden_bytes[edge.stage]),
                                 float(2.0 * g * result.v * result.transfer[edge.stage])))
     params = parameters_per_rank(model, training, layout, result.layers[row:row + 1], result.v)[0]
+    trained = cm.trained_parameters(model, training)
+    shards = ShardLinks(cluster, training).of(layout) if layout.group_crossings else None
     for group in layout.group_crossings:
-        synced = data_parallel.sync_allreduce_bytes(params[group.stage], training, cm.trained_parameters(model, training))
+        replicas = shards.bridged.get(group.stage) if shards is not None else None
+        if replicas is None:
+            sent = group.bridge_bytes(data_parallel.sync_allreduce_bytes(params[group.stage], training, trained))
+        else:
+            sent = replicas.bridge_bytes(params[group.stage] * trained.share * reduced_gradient_bytes(training)
+                                         / shards.ranks[group.stage])
         out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
-                            float(group.bridge_bytes(synced)), float(result.sync[row, group.stage])))
+                            float(sent), float(result.sync[row, group.stage])))
     tied_bytes = data_parallel.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)
     if tied_bytes and layout.ends_crossing is not None:
         edge = layout.ends_crossing

@@ -130,7 +130,7 @@ class LayoutScorer:
         if key not in self._layouts:
             self._layouts[key] = layout_from_stage_devices(model, cluster, names, tp_arg, pp, dp_arg, stage_devices, cp)
         layout = self._layouts[key]
-        hybrid_sharding.check_layout(layout, training)
+        hybrid_sharding.check_layout(cluster, layout, training)
         # Priced as it runs: memx-run's stages with TP > 1 and DP > 1 fully sharded (layout_training.py).
         stages = layout_sharded_stages(training, layout)
         local_mbss = {int(m) for m in np.atleast_1d(layout.local_micro_batch(micro_batch_size))}

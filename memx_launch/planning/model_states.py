@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import quantization
-from memx_launch.planning.hybrid_sharding import state_shards
 from memx_launch.planning.extra_blocks import other_kinds, stage_block_counts
 from memx_launch.planning.matmuls import linear_module_params, linear_shapes
 from memx_launch.specs.model import ModelSpec
@@ -312,12 +311,14 @@ def _stage_block_params(model: ModelSpec, training: TrainingSpec, layout, layers
 
 
 def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray,
-                              trained: TrainedParameters = FULL_TRAINING, v: int = 1, gradient_share: float = 1.0) -> tuple:
+                              trained: TrainedParameters = FULL_TRAINING, v: int = 1, gradient_share: float = 1.0,
+                              shards=None) -> tuple:
     """(weights, gradients, optimizer states) bytes of each stage's rank (row 0 of ``layers``, in
-    ``v`` chunks each): its parameters at :func:`model_state_bytes_by_part` over DP x CP (a shard
-    group's ranks with hybrid sharding), the routed experts' over the expert data parallel ranks."""
+    ``v`` chunks each): its parameters at :func:`model_state_bytes_by_part` over DP x CP (``shards``,
+    a shard group's ranks, with hybrid sharding), the routed experts' over the expert data parallel ranks."""
     params = parameters_per_rank(model, training, layout, layers, v)[0]
-    dense = model_state_bytes_by_part(training, state_shards(training, layout), trained, layout.pp, gradient_share)
+    dense = model_state_bytes_by_part(training, layout.dp_cp if shards is None else shards, trained, layout.pp,
+                                      gradient_share)
     if not model.num_experts:
         return tuple(params * d for d in dense)
     tp = layout.tp_degrees

@@ -61,8 +61,5 @@ def check_runnable(plan: Plan) -> Plan:
     if training.shard_degree is not None and not training.fully_sharded:
         raise ConfigError("--plan", f"shard_degree={training.shard_degree} with a sharded optimizer: memx's runtime "
                           "shards with FSDP2 only", f"plan with --fully-sharded (FSDP2's HSDP), or {instead}")
-    if training.shard_degree is not None and any(c.kind == "data_parallel" for c in plan.crossings):
-        raise ConfigError("--plan", f"shard_degree={training.shard_degree} with a DP group across communication "
-                          "domains, whose gradients memx averages itself, whole", "plan without --shard-degree")
     plan.uniform_dp("memx's runtime (one DP degree for all stages)")
     return plan

@@ -30,7 +30,7 @@ from memx_launch.planning.model_states import (held_gradient_share, keeps_gather
                                                stage_state_bytes_by_part)
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
 from memx_launch.planning.group_result import GroupResult
-from memx_launch.planning.hybrid_sharding import ShardLinks, state_shards
+from memx_launch.planning.hybrid_sharding import ShardLinks, bridged_syncs
 from memx_launch.planning.layouts import Layout
 
 
@@ -126,19 +126,19 @@ class Evaluator:
             return self._level_free[key]
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
-        tp = layout.tp_degrees
+        tp, shards = layout.tp_degrees, self.shard_links.state_shards(layout)
         device = layout.replica_device[replica]
         g = tr.global_batch_size // (dp * mbs)
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
         share = held_gradient_share(tr, pp, g, v)
-        state = layer_state_bytes(m, tr, tp, state_shards(tr, layout), self.trained, pp, share) + quantized_kept
-        kind_states = [layer_state_bytes(kind, tr, tp, state_shards(tr, layout), self.trained, pp, share)
+        state = layer_state_bytes(m, tr, tp, shards, self.trained, pp, share) + quantized_kept
+        kind_states = [layer_state_bytes(kind, tr, tp, shards, self.trained, pp, share)
                        + quantized_state_bytes(kind, tr, tp, pp)[0] for kind in extra_blocks.other_kinds(m)]
-        fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight, share),
+        fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight, share, shards),
                        pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v),
-                       cm.fully_sharded_working_bytes(m, tr, tp, state_shards(tr, layout), pp), quantized_working,
+                       cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), quantized_working,
                        self.overhead[device], layout.communicators * self.communicator_bytes[device])
         edge_t = self._edge_time(layout, device, local, seq_rank)
         self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, g)
@@ -178,9 +178,9 @@ class Evaluator:
             layout.cp_gbps * self.cluster.link_efficiency, self.hbm_gbps[device], levels)
         return t_layer + ring_s, act, work + ring_bytes
 
-    def _edge_bytes(self, layout, local, seq, inflight, gradient_share) -> np.ndarray:
+    def _edge_bytes(self, layout, local, seq, inflight, gradient_share, shards) -> np.ndarray:
         m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
-        per_param = cm.model_state_bytes_per_param(tr, state_shards(tr, layout), self.trained, pp, gradient_share)
+        per_param = cm.model_state_bytes_per_param(tr, shards, self.trained, pp, gradient_share)
         first_bpp, last_bpp = _ends(per_param, pp)
         first_mbs, last_mbs = _ends(local, pp)
         out = self._edge_activations(inflight, first_mbs, last_mbs, seq)
@@ -305,14 +305,14 @@ class Evaluator:
         pp, dp = layout.pp, layout.dp
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
         first_mbs, last_mbs = _ends(local, pp)
-        tp = layout.tp_degrees
+        tp, shards = layout.tp_degrees, self.shard_links.state_shards(layout)
         last = layout.end_tp[1]
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
         weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v,
-                                                          held_gradient_share(tr, pp, g, v))
-        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, state_shards(tr, layout), pp)
+                                                          held_gradient_share(tr, pp, g, v), shards)
+        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, shards, pp)
         quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
         embedding_out = self._edge_activations(inflight, first_mbs, last_mbs, seq_rank)
         logits = np.zeros(pp)
@@ -404,24 +404,22 @@ class Evaluator:
                     share = (v - 1) / v if wrap else 1.0
                     transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(
                         np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
-        stage_params = parameters_per_rank(m, tr, layout, layers, v)
+        stage_params, shards = parameters_per_rank(m, tr, layout, layers, v), self.shard_links.state_shards(layout)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,
                                                             layout.dp_gbps * self.cluster.link_efficiency, sm_share,
                                                             self.trained, self.shard_links.of(layout))
         if tr.grad_accumulation_pass:  # each micro-batch's add into the held gradients, on the stage's slowest memory
             stage_time = stage_time + accumulation_seconds(
-                stage_params, tr, self.hbm_gbps[layout.replica_device].min(axis=0), state_shards(tr, layout),
+                stage_params, tr, self.hbm_gbps[layout.replica_device].min(axis=0), shards,
                 layout.pp, tr.global_batch_size // (layout.dp * mbs), self.trained)
-        for group in layout.group_crossings:
-            sync[:, group.stage] = self.bridges.group_sync_time(
-                group, data_parallel.sync_allreduce_bytes(stage_params[:, group.stage], tr, self.trained))
+        sync = bridged_syncs(self.bridges, layout, self.shard_links.of(layout), sync, stage_params, tr, self.trained)
         exposed = sync
         if tr.overlap_grad_reduce and not keeps_gathered(tr, layout.pp):
             # Reduced bucket by bucket during the last micro-batch's backward (2/3 of its time).
             exposed = overlapped_exposed_seconds(exposed, 2.0 / 3.0 * stage_time, sm_share)
         step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
-                                      state_shards(tr, layout), self.trained, self.host_gbps[layout.replica_device][:, None])
+                                      shards, self.trained, self.host_gbps[layout.replica_device][:, None])
         return stage_time, transfer, sync, exposed, step.max(axis=0)
 
     def iteration_parts(self, layout, mbs, seq, schedule, v, g, stage_time, layers):

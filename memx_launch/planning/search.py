@@ -117,7 +117,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     cost_models = [cost_model or cm.AnalyticalCostModel(model, cluster, tr) for tr in trainings]
     names = tuple(cost_models[0].device_names)
     cps = _cp_degrees(model, training, space, seqs)
-    layouts_of = _expert_layouts(_layouts(model, cluster, names, space, cps), model, trainings)
+    layouts_of = _expert_layouts(_layouts(model, cluster, names, space, cps), model, trainings, cluster)
     layouts = [lay for lays in layouts_of for lay in lays]
     check_batch(layouts, space, training)
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
@@ -248,7 +248,8 @@ def _layouts(model, cluster, device_names, space: SearchSpace, cps: dict) -> lis
     return layouts
 
 
-def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[TrainingSpec]) -> list[list[Layout]]:
+def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[TrainingSpec],
+                    cluster: ClusterSpec) -> list[list[Layout]]:
     """For each training (expert-parallel and expert-tensor-parallel degrees), the layouts whose
     stages split into whole EP x ETP groups (all of a dense model's) and hybrid sharding's shard groups."""
     for training in trainings:
@@ -259,7 +260,7 @@ def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[Tra
                            for t in trainings)
         raise ConfigError("--expert-parallel", f"{degrees} divides no layout's TP x CP x DP ranks per stage",
                           "use smaller expert-parallel (x expert-tensor-parallel) degrees")
-    return hybrid_sharding.sharded_layouts(kept, trainings)
+    return hybrid_sharding.sharded_layouts(cluster, kept, trainings)
 
 
 def check_batch(layouts: list[Layout], space: SearchSpace, training: TrainingSpec) -> None:
@@ -286,7 +287,8 @@ def check_space(model: ModelSpec, cluster: ClusterSpec | None, training: Trainin
     if cluster is not None:
         cps = _cp_degrees(model, training, space, tuple(space.seq_lens or (training.seq_len,)))
         layouts = _layouts(model, cluster, tuple(d.name for d in cluster.device_types), space, cps)
-        check_batch([lay for lays in _expert_layouts(layouts, model, [training]) for lay in lays], space, training)
+        check_batch([lay for lays in _expert_layouts(layouts, model, [training], cluster) for lay in lays], space,
+                    training)
 
 
 def _cp_degrees(model: ModelSpec, training: TrainingSpec, space: SearchSpace, seqs) -> dict[int, tuple[int, ...]]:
@@ -429,7 +431,7 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
                 predicted_peak_memory_fraction=float(result.M[row]),
                 predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
                 training=training.plan_fields(), stage_tp=None if uniform else lay.stage_tp.tolist(),
-                crossings=crossings_of(result, row, model, training), cp=lay.cp,
+                crossings=crossings_of(result, row, model, training, cluster), cp=lay.cp,
                 stage_dp=None if lay.stage_dp is None else lay.stage_dp.tolist())
 
 

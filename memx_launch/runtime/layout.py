@@ -95,11 +95,14 @@ def chunks_by_stage(plan: Plan) -> list[list[Chunk]]:
 def stage_runs_fully_sharded(plan: Plan, tp: int, dp_crosses_domains: bool, data_parallel: str = "auto") -> bool:
     """Whether a stage of TP degree ``tp`` runs FSDP2 over its replicas: with DP > 1 inside one
     domain, when asked (``data_parallel`` "fsdp"), when the plan is fully sharded, or with TP > 1,
-    whose DTensor parameters DDP cannot hold. A DP group spanning domains is averaged by memx
-    itself, whole (no library spans it). The planner prices each stage so
-    (``planning/layout_training.py``)."""
-    if plan.dp < 2 or dp_crosses_domains:
+    whose DTensor parameters DDP cannot hold. A DP group spanning domains (no library spans it)
+    is sharded within each domain where the plan is fully sharded, memx averaging the shards over
+    the bridge, else averaged by memx itself, whole. The planner prices each stage so
+    (``planning/layout_training.py``, ``planning/hybrid_sharding.py``)."""
+    if plan.dp < 2:
         return False
+    if dp_crosses_domains:
+        return data_parallel != "ddp" and bool(plan.training.get("fully_sharded"))
     return data_parallel == "fsdp" or (data_parallel == "auto" and (plan.training.get("fully_sharded", False) or tp > 1))
 
 

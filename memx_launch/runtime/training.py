@@ -98,9 +98,12 @@ class Runtime:
         self._make_groups()
         self.tp = len(self._tp_ranks)
         """This stage's TP degree (the plan's stage_tp may give each stage its own)."""
-        self.tp_mesh, self.dp_mesh = stage_meshes(self.comm, process_grid(plan), self._stage_grid, self._dp_ranks,
-                                                  self._tp_ranks, self.tp_group, self.device.type,
-                                                  self.dp_crosses_domains, plan.training.get("shard_degree"))
+        # _averaged_ranks: what memx averages where the DP group spans domains (the group, or a shard's replicas).
+        self.tp_mesh, self.dp_mesh, self._averaged_ranks = stage_meshes(
+            self.comm, process_grid(plan), self._stage_grid, self._dp_ranks, self._tp_ranks, self.tp_group,
+            self.device.type, self.dp_crosses_domains, plan)
+        if self.dp_crosses_domains and not stage_runs_fully_sharded(plan, self.tp, True, data_parallel):
+            self.dp_mesh, self._averaged_ranks = None, self._dp_ranks  # averaged whole (data_parallel "ddp")
         self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device,
                                    tf32=plan.training.get("tf32", False))
         self.parts = None if model is None else self._model_parts(model, blocks)
@@ -200,12 +203,15 @@ class Runtime:
                 apply_tensor_parallel(module, self.tp_mesh)
             else:
                 self.parts.apply_tensor_parallel(module, self.tp_mesh)
-        if self.plan.dp > 1 and self.dp_crosses_domains:
+        # Across domains only where each domain's replicas shard among themselves (runtime/meshes.py).
+        sharded = stage_runs_fully_sharded(self.plan, self.tp, self.dp_crosses_domains, data_parallel) and \
+            (self.dp_mesh is not None or not self.dp_crosses_domains)
+        if self.plan.dp > 1 and self.dp_crosses_domains and not sharded:
             return module  # no library spans the replicas: step() averages the gradients itself
         if self.plan.dp > 1:
             # DDP keeps whole gradients and optimizer state per replica, as the cost model assumes
             # without a distributed optimizer; DDP cannot hold DTensor parameters, so TP uses FSDP2.
-            if stage_runs_fully_sharded(self.plan, self.tp, self.dp_crosses_domains, data_parallel):
+            if sharded:  # across domains over each domain's shard groups, step() averaging the shards
                 from torch.distributed.fsdp import fully_shard
                 # A unit per block, then the stage's rest. torch's pipeline schedules keep a stage's
                 # weights gathered and its gradients unsharded from its first backward to the step's
@@ -291,7 +297,7 @@ class Runtime:
                     self.schedule.step(*args, target=target, losses=losses if self.layout.is_last_stage else None,
                                        return_outputs=False, **mask)
                 if self.plan.dp > 1 and self.dp_crosses_domains:
-                    self.comm.all_reduce_mean(self._local_grads(), self._dp_ranks)
+                    self.comm.all_reduce_mean(self._local_grads(), self._averaged_ranks)
                 self.tied.sum_grads(self.layout.tp_index)
                 if self.precision.unscale((p for m in self.chunks for p in m.parameters()), self.comm.sum_over_job):
                     if self.max_grad_norm is not None:
