@@ -66,10 +66,15 @@ def domain_shard_degree(member_domains: list[str], dp: int, cp: int = 1, given: 
     return 0
 
 
+def shards_in_part(training: TrainingSpec, layout) -> bool:
+    """Whether a stage of ``layout`` may shard over part of its DP group: with ``shard_degree``, or
+    a fully sharded DP group across domains; else every stage that shards does so over the whole."""
+    return training.shard_degree is not None or bool(training.fully_sharded and layout.group_crossings)
+
+
 def stage_shard_degrees(cluster: ClusterSpec, layout, training: TrainingSpec) -> np.ndarray | None:
-    """(P,) each stage's shard degree (0: none will do); None where every stage that shards does so
-    over its whole DP group: no ``shard_degree``, and no fully sharded DP group across domains."""
-    if training.shard_degree is None and not (training.fully_sharded and layout.group_crossings):
+    """(P,) each stage's shard degree (0: none will do); None unless :func:`shards_in_part`."""
+    if not shards_in_part(training, layout):
         return None
     domain = cluster.rank_domains()
     degrees = []
@@ -119,8 +124,8 @@ class ShardLinks:
         self._by_layout: dict[int, tuple] = {}
 
     def of(self, layout) -> ShardGroups | None:
-        """None where every stage shards (if at all) over its whole DP group."""
-        if self.training.shard_degree is None and not (self.training.fully_sharded and layout.group_crossings):
+        """None unless :func:`shards_in_part`."""
+        if not shards_in_part(self.training, layout):
             return None
         kept = self._by_layout.get(id(layout))
         if kept is None or kept[0] is not layout:  # the layout is kept too: its id is not reused meanwhile
