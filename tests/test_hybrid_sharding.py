@@ -14,6 +14,7 @@ from memx_launch.planning.data_parallel import stage_gradient_sync
 from memx_launch.planning.config_exports import deepspeed_json, torchtitan_toml
 from memx_launch.planning.estimate import LayoutScorer, evaluate_layout
 from memx_launch.planning.exporters import megatron_args
+from memx_launch.planning.report import crossing_lines
 from memx_launch.planning.runtime_support import check_runnable
 from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
@@ -162,6 +163,11 @@ def test_a_fully_sharded_dp_group_across_domains_is_sharded_within_each():
     seven_one, by_vendor = two_stages("nv*7+amd*1", "nv*1+amd*7"), two_stages("nv", "amd")
     assert seven_one.stages[0].memory_parts_gib["optimizer_states"] == \
         pytest.approx(8 * by_vendor.stages[0].memory_parts_gib["optimizer_states"])
+    # The estimate's crossing lines say how each group keeps its states.
+    assert "DP sync of stage 0 (nccl | rccl), sharded within each domain over 8 ranks:" in \
+        "\n".join(crossing_lines(across, cluster))
+    assert all(", its states whole:" in line for line in crossing_lines(seven_one, cluster) if "DP sync" in line)
+    assert not any("sharded within" in line for line in crossing_lines(spanning(cluster, setup="ddp"), cluster))
 
 
 def test_shard_groups_within_domains_are_the_most_consecutive_replicas_in_one():
