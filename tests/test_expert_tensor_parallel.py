@@ -108,7 +108,7 @@ def test_memx_plan_searches_the_expert_tensor_parallel_degree_unless_given(tmp_p
     assert Plan.load(str(tmp_path / "given.json")).training["expert_tensor_parallel"] == 1
 
 
-def test_plans_that_differ_only_in_their_expert_degrees_are_different_plans():
+def test_plans_that_differ_only_in_their_expert_or_shard_degrees_are_different_plans():
     from types import SimpleNamespace
 
     import numpy as np
@@ -117,5 +117,6 @@ def test_plans_that_differ_only_in_their_expert_degrees_are_different_plans():
 
     layout = SimpleNamespace(stage_tp=np.array([1]), cp=1, stage_dps=np.array([16]), order=(0,))
     keys = {_plan_key(SimpleNamespace(layout=layout, mbs=1, seq=4096, schedule="1f1b", v=1, levels=np.zeros((1, 1)),
-                                      layers=np.full((1, 1), 4), experts=pair), 0) for pair in ((8, 1), (8, 2), (16, 1))}
-    assert len(keys) == 3  # the top-k list keeps each, where it had kept the best of them alone
+                                      layers=np.full((1, 1), 4), experts=pair, shard_degree=shards), 0)
+            for pair in ((8, 1), (8, 2), (16, 1)) for shards in (None, 8)}
+    assert len(keys) == 6  # the top-k list keeps each, where it had kept the best of them alone

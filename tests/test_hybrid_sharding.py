@@ -221,3 +221,19 @@ def test_shard_groups_are_consecutive_replicas_and_replica_groups_strided():
     assert groups.nodes.tolist() == [1] and groups.replica_nodes.tolist() == [4]
     assert groups.gbps[0] == cluster.group_gbps([0, 2, 4, 6]) * cluster.link_efficiency
     assert groups.replica_gbps[0] == cluster.group_gbps([0, 8, 16, 24]) * cluster.link_efficiency
+
+
+def test_the_search_tries_shard_degrees_beside_the_whole_group_and_keeps_the_chosen_one():
+    # OPT-350M's small blocks on 768 GPUs: FSDP's per-block gathers over 96 nodes are latency-bound,
+    # a node's shard group gathers them over NVLink (zero3_fetch_cost.json: 0.54x the step).
+    model, cluster = get_model("opt-350m"), ClusterSpec.from_dict(dgx(96))
+    training = TrainingSpec(global_batch_size=768, seq_len=2048, setup="zero3", max_live_params=0)
+    space = dict(tp_degrees=(1,), pipeline_degrees=(1,), micro_batch_sizes=(1,), recompute_levels=("full",))
+    whole = search(model, cluster, training, space=SearchSpace(**space), top_k=5)
+    both = search(model, cluster, training, space=SearchSpace(**space, shard_degrees=(8,)), top_k=5)
+    assert whole.fastest.training["shard_degree"] is None
+    assert both.fastest.training["shard_degree"] == 8
+    assert both.fastest.predicted_iteration_time_s < 0.8 * whole.fastest.predicted_iteration_time_s
+    assert both.stats.evaluated == 2 * whole.stats.evaluated  # each layout at both degrees
+    with pytest.raises(ConfigError, match="--shard-degrees"):
+        SearchSpace(shard_degrees=(0,)).check(MODEL)

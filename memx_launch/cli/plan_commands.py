@@ -53,6 +53,9 @@ def add_plan_command(sub) -> None:
                    help="let each device type take its own DP degree, each dividing the largest (a type of fewer "
                         "replicas runs larger local micro-batches); memx-run and memx export cannot run such plans, "
                         "memx estimate can")
+    p.add_argument("--shard-degrees", "--shard_degrees", type=list_of(int), metavar="A,B",
+                   help="also try hybrid sharding (--shard-degree) over A and B ranks of each DP group, e.g. a "
+                        "node's, beside the whole group; several times the search time")
     p.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
                    help="let each device type take its own TP degree (from --tp when given); several times "
                         "the search time; memx-run and memx export cannot run such plans, memx estimate can")
@@ -93,6 +96,7 @@ def run_plan(args) -> int:
                         max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
                         per_type_tp=args.per_type_tp, per_type_dp=args.per_type_dp, mixed_stages=args.mixed_stages,
                         cp_degrees=tuple(args.cp) if args.cp else None, **restrictions_from_args(args),
+                        shard_degrees=tuple(args.shard_degrees) if args.shard_degrees else None,
                         # A mixture of experts without --expert-parallel / --expert-tensor-parallel: the
                         # search tries the degrees.
                         expert_degrees=None if args.expert_parallel else experts.search_degrees(model, cluster.world_size),

@@ -15,7 +15,8 @@ from memx_launch.planning.layouts import enumerate_layouts, tp_degrees
 from memx_launch.planning.objective import objective_for
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.scoring import Evaluator
-from memx_launch.planning.search import SearchResult, SearchSpace, search, to_plan
+from memx_launch.planning.scored_plan import to_plan
+from memx_launch.planning.search import SearchResult, SearchSpace, search
 
 
 def compare_baselines(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

@@ -26,7 +26,8 @@ from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.extra_blocks import first_stage_min_layers
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.scoring import Evaluator
-from memx_launch.planning.search import default_references, to_plan
+from memx_launch.planning.scored_plan import to_plan
+from memx_launch.planning.search import default_references
 
 # Micro-batch sizes a scorer's first cost table prices beside those asked: a cases file's rows
 # ask a few of them, and one cost-model call prices many as fast as one.

@@ -46,6 +46,8 @@ class GroupResult:
     experts: tuple[int, int] = (1, 1)
     """The expert-parallel and expert-tensor-parallel degrees the group was scored at (a mixture of
     experts' search tries several)."""
+    shard_degree: int | None = None
+    """Hybrid sharding's degree the group was scored at (``SearchSpace.shard_degrees`` tries several)."""
 
     def stage_recompute(self, row: int, stage: int) -> str:
         """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""

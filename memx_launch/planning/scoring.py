@@ -290,7 +290,8 @@ class Evaluator:
                            T, (memory / cap).max(axis=1), (memory / cm.GIB).var(axis=1), feasible, cap,
                            recompute_layers, transfer if crosses else None, sync if crosses else None, replica,
                            self.tied_sync_time(layout),
-                           (self.training.expert_parallel, self.training.expert_tensor_parallel))
+                           (self.training.expert_parallel, self.training.expert_tensor_parallel),
+                           self.training.shard_degree)
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the

@@ -27,16 +27,16 @@ import numpy as np
 
 from memx_launch.planning import context_parallel, costmodel as cm, experts, hybrid_sharding, mamba
 from memx_launch.errors import ConfigError, NoFeasiblePlanError
-from memx_launch.planning.plan import Objective, Plan, StagePlan
+from memx_launch.planning.plan import Objective, Plan
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
-from memx_launch.planning.layouts import Layout, enumerate_layouts, stage_device_text, tp_text
-from memx_launch.planning.layout_training import cost_model_of_training, layout_sharded_stages, layout_training
+from memx_launch.planning.layouts import Layout, enumerate_layouts, tp_text
+from memx_launch.planning.layout_training import cost_model_of_training, layout_sharded_stages
 from memx_launch.planning.mixed_sharding import MixedShardingEvaluator
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.search_space import SearchSpace
-from memx_launch.planning.crossings import crossings_of
+from memx_launch.planning.scored_plan import to_plan
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.scoring import Evaluator
@@ -114,6 +114,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  for ep in space.expert_degrees or (training.expert_parallel,)
                  for etp in space.expert_tensor_degrees or (training.expert_tensor_parallel,)] \
         if searched else [training]
+    # Hybrid sharding's degrees (memx plan --shard-degrees) besides the training's own.
+    trainings = [dataclasses.replace(tr, shard_degree=s) for tr in trainings
+                 for s in dict.fromkeys((tr.shard_degree, *(space.shard_degrees or ())))]
     cost_models = [cost_model or cm.AnalyticalCostModel(model, cluster, tr) for tr in trainings]
     names = tuple(cost_models[0].device_names)
     cps = _cp_degrees(model, training, space, seqs)
@@ -344,6 +347,7 @@ def _shortfall(result: GroupResult, device_names) -> tuple[float, str]:
     cp = f" cp={lay.cp}" if lay.cp > 1 else ""
     ep, etp = result.experts
     cp += (f" ep={ep}" if ep > 1 else "") + (f" etp={etp}" if etp > 1 else "")
+    cp += f" shard={result.shard_degree}" if result.shard_degree else ""
     text = (f"tp={tp_text(lay.stage_tp)} pp={lay.pp}{cp} dp={lay.dp} mbs={result.mbs} seq={result.seq} "
             f"{cm.RECOMPUTE_LEVELS[int(result.levels[0].max())]} recompute: "
             + ", ".join(dict.fromkeys(parts)))
@@ -406,33 +410,7 @@ def _rank(results, cluster, model, training, objective, weights, bound, top_k):
 def _plan_key(result: GroupResult, row: int):
     lay = result.layout
     return (tuple(lay.stage_tp), lay.cp, tuple(lay.stage_dps), lay.order, result.mbs, result.seq, result.schedule, result.v,
-            tuple(result.levels[row]), tuple(result.layers[row]), result.experts)
-
-
-def to_plan(result: GroupResult, row: int, model, cluster, training, objective: Objective) -> Plan:
-    lay = result.layout
-    if result.experts != (training.expert_parallel, training.expert_tensor_parallel):  # degrees the search chose
-        training = dataclasses.replace(training, expert_parallel=result.experts[0],
-                                       expert_tensor_parallel=result.experts[1])
-    training = layout_training(training, lay)  # the plan records what it was priced as
-    stages = [StagePlan(device_type=stage_device_text(cluster, ranks, int(lay.stage_tp[i]) * lay.cp), ranks=list(ranks),
-                        num_layers=int(result.layers[row, i]),
-                        recompute=result.stage_recompute(row, i),
-                        predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 6),
-                        predicted_stage_time_s=float(result.stage_time[row, i]),
-                        memory_capacity_gib=float(result.capacity[row, i]) / cm.GIB)
-              for i, ranks in enumerate(lay.stage_ranks)]
-    uniform = lay.uniform_tp
-    return Plan(model=model.name, model_spec=model, cluster=cluster.name, tp=lay.tp if uniform else None,
-                pp=lay.pp, dp=lay.dp,
-                micro_batch_size=result.mbs, global_batch_size=training.global_batch_size,
-                seq_len=result.seq, schedule=result.schedule, virtual_stages=result.v, stages=stages,
-                predicted_iteration_time_s=float(result.T[row]), objective=objective,
-                predicted_peak_memory_fraction=float(result.M[row]),
-                predicted_memory_variance=float(result.V[row]), emulated=cluster.is_emulated,
-                training=training.plan_fields(), stage_tp=None if uniform else lay.stage_tp.tolist(),
-                crossings=crossings_of(result, row, model, training, cluster), cp=lay.cp,
-                stage_dp=None if lay.stage_dp is None else lay.stage_dp.tolist())
+            tuple(result.levels[row]), tuple(result.layers[row]), result.experts, result.shard_degree)
 
 
 def progress_to_stderr(message: str) -> None:

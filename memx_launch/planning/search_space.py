@@ -80,6 +80,9 @@ class SearchSpace:
     """Expert-tensor-parallel degrees tried with each expert-parallel one (``memx plan`` without
     ``--expert-tensor-parallel``: :func:`~memx_launch.planning.experts.search_tensor_degrees`).
     None: the training's ``expert_tensor_parallel``."""
+    shard_degrees: tuple[int, ...] | None = None
+    """Hybrid sharding's shard degrees tried besides the training's ``shard_degree`` (``memx plan
+    --shard-degrees``), each with the layouts it divides. None: the training's only."""
     max_slowdown: float | None = None
     """The winner may be predicted at most this share slower than the fastest feasible plan
     (``--max-slowdown``). None: 5% (DEFAULT_MAX_SLOWDOWN) for the profile memx chooses; no bound
@@ -99,7 +102,7 @@ class SearchSpace:
                 raise ConfigError(flag, f"expected some of {', '.join(known)}, got {','.join(values)!r}",
                                   f"e.g. {flag} {known[0]}")
         for flag, values in (("--tp", self.tp_degrees), ("--pp", self.pipeline_degrees),
-                             ("--micro-batch-sizes", self.micro_batch_sizes)):
+                             ("--micro-batch-sizes", self.micro_batch_sizes), ("--shard-degrees", self.shard_degrees)):
             if values is not None and (not values or min(values) < 1):
                 raise ConfigError(flag, f"expected positive integers, got {list(values)}", f"e.g. {flag} 1,2")
         if self.max_slowdown is not None and not 0 <= self.max_slowdown < math.inf:
