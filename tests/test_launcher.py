@@ -442,6 +442,24 @@ def test_fully_sharded_plans_in_the_job_and_a_given_one_stays_so_in_its_re_plans
     assert "plan with --setup memx-run (or --hold-gathered always)" in capsys.readouterr().err
 
 
+def test_shard_degree_plans_hsdp_in_the_job_and_only_with_full_sharding(tmp_path, capsys):
+    """--fully-sharded --shard-degree N searches plans sharded over N ranks of each DP group (HSDP);
+    without full sharding, or against a given plan's degree, it is refused by name."""
+    target = tmp_path / "plan.json"
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run"]
+    # Two device types of two: stages of DP 2, each replica a shard group of one (the replicate dimension only).
+    assert main([*argv, "--fully-sharded", "--shard-degree", "1", "--tp", "1", "--pp", "2",
+                 "--export-plan", str(target), TRAIN, "--model", "llama-tiny"]) == 0
+    plan = json.loads(target.read_text())
+    assert (plan["dp"], plan["training"]["shard_degree"]) == (2, 1)
+    assert re.search(r"data parallel +HSDP, shard groups of 1 \(FSDP2\)  \(flag\)", capsys.readouterr().out)
+    for flags, says in ((["--shard-degree", "2"], "--shard-degree: 2, but nothing is sharded; add --fully-sharded"),
+                        (["--plan", str(target), "--shard-degree", "2"],
+                         "--shard-degree: 2, but the plan shards over 1; drop it")):
+        assert main([*argv, *flags, TRAIN, "--model", "llama-tiny"]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_the_workers_run_pytorch_s_allocator_in_expandable_segments_unless_the_user_set_it(tmp_path, monkeypatch,
                                                                                            capsys):
     """memx-run hands its workers PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the small

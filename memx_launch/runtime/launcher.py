@@ -29,10 +29,10 @@ from memx_launch.planning.search_space import SearchSpace, add_restriction_args,
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.agent import start_fork_server, stop_fork_server
 from memx_launch.runtime.dry_run import dry_run
+from memx_launch.runtime.node_processes import has_gpu, max_nodes, node_processes
 from memx_launch.runtime.process_exit import end_process
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.specs import DTYPE_BYTES, ClusterSpec, TrainingSpec, get_model
-from memx_launch.specs.node import MAX_DEVICES, MAX_DEVICES_PER_NODE
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
 from memx_launch.specs.precision import device_precision
 from memx_launch.specs.inputs import float_flag, int_flag
@@ -94,6 +94,10 @@ def build_parser():
                    help="shard weights, gradients and optimizer states over each stage's DP ranks (FSDP2, block by "
                         "block), planned as torch's pipeline schedules run it: a stage holds its gathered weights "
                         "and unsharded gradients through the step (default: a given plan's, else DDP)")
+    g.add_argument("--shard-degree", "--shard_degree", type=int_flag, metavar="N",
+                   help="with --fully-sharded: shard over N consecutive ranks of each DP group, e.g. a node's, "
+                        "replicated over the rest (HSDP: FSDP2 on a replicate x shard mesh; default: a given plan's, "
+                        "else the whole group)")
     g.add_argument("--no-replan", "--no_replan", action="store_true",
                    help="never re-plan during training (passed to the workers as MEMX_NO_REPLAN=1)")
     g.add_argument("--profile-db", "--profile_db", metavar="FILE",
@@ -118,55 +122,6 @@ def build_parser():
     add_version_arg(g)
     parser.set_defaults(argv=None)
     return parser
-
-
-def _max_nodes(args) -> int:
-    nnodes = str(args.nnodes).split(":")[-1]
-    if not (nnodes.isascii() and nnodes.isdigit()):
-        raise ConfigError("--nnodes", f"cannot read {args.nnodes!r}", "e.g. --nnodes 1 or 1:2")
-    if not 0 < int(nnodes) <= MAX_DEVICES:
-        raise ConfigError("--nnodes", f"{nnodes} nodes is not a job memx plans for", f"at most {MAX_DEVICES:,}")
-    return int(nnodes)
-
-
-def _process_count(value: str) -> int:
-    """torchrun's --nproc-per-node: a number, or gpu/auto/cpu (this machine's GPUs; auto: CPUs without)."""
-    if value.isascii() and value.isdigit() and 0 < int(value) <= MAX_DEVICES_PER_NODE:
-        return int(value)
-    if value in ("gpu", "auto"):
-        import torch
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-    if value in ("auto", "cpu"):
-        return os.cpu_count() or 1
-    raise ConfigError("--nproc-per-node", f"cannot use {value!r} here",
-                      f"give a number of processes, 1 to {MAX_DEVICES_PER_NODE}, e.g. 4")
-
-
-def node_processes(args, cluster: ClusterSpec | None) -> tuple[int, str]:
-    """How many processes this node starts and where that came from: the flag, this node's
-    entry in the cluster file (--node-rank), or one per GPU (one process on a CPU machine).
-    Nodes may differ: each node's agent reports its own count to the rendezvous."""
-    given = args.nproc_per_node
-    if cluster is not None:
-        if args.node_rank >= len(cluster.nodes):
-            raise ConfigError("--node-rank", f"{args.node_rank} but {args.cluster} lists {len(cluster.nodes)} node(s)",
-                              f"pass --node-rank 0..{len(cluster.nodes) - 1}, this node's place in the file")
-        node = cluster.nodes[args.node_rank]
-        if given is None:
-            return node.num_devices, f"file: node {args.node_rank}, {node.name}"
-        count = _process_count(given)
-        if count != node.num_devices:
-            raise ConfigError("--nproc-per-node", f"{count} process(es), but {args.cluster} gives node {args.node_rank} "
-                              f"({node.name}) {node.num_devices} device(s)",
-                              f"drop --nproc-per-node (the file's count is used) or pass {node.num_devices}")
-        return count, "flag"
-    if given is not None:
-        return _process_count(given), "flag"
-    if _has_gpu():
-        import torch
-        return torch.cuda.device_count(), "default: one per GPU"
-    return 1, "default: no GPU"
 
 
 class Settings:
@@ -214,7 +169,7 @@ def resolve(args) -> dict:
     settings.add("model", model.name, source)
 
     cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else None
-    nodes = _max_nodes(args)
+    nodes = max_nodes(args)
     local, source = node_processes(args, cluster)
     args.nproc_per_node = str(local)
     settings.add("processes on this node", local, source)
@@ -259,7 +214,7 @@ def resolve(args) -> dict:
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
-    emulated = cluster.is_emulated if cluster is not None else not _has_gpu()
+    emulated = cluster.is_emulated if cluster is not None else not has_gpu()
     # A given or continued plan keeps its batch, in its re-plans too: a flag may only repeat it.
     batch = {"global_batch_size": args.global_batch_size, "seq_len": args.seq_len}
     for field, given in batch.items():
@@ -270,12 +225,18 @@ def resolve(args) -> dict:
     # What memx's runtime does: --setup memx-run (specs/setups.py); a given fully sharded plan's re-plans stay so,
     # over its shard groups too (HSDP).
     sharded = args.fully_sharded or bool(plan is not None and plan.training.get("fully_sharded"))
-    shards = plan.training.get("shard_degree") if sharded and plan is not None else None
+    planned = plan.training.get("shard_degree") if plan is not None else None
+    if args.shard_degree is not None and (not sharded or (plan is not None and args.shard_degree != planned)):
+        raise ConfigError("--shard-degree", f"{args.shard_degree}, but " + ("the plan shards over "
+                          f"{planned or 'the whole DP group'}" if sharded else "nothing is sharded"),
+                          "drop it" if sharded else "add --fully-sharded")
+    shards = args.shard_degree or (planned if sharded else None)
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
                             dtype=args.dtype or ("fp32" if emulated else "bf16"), setup="memx-run",
                             fully_sharded=sharded or None, shard_degree=shards)
     settings.add("data parallel", "DDP (FSDP2 with TP)" if not sharded else f"HSDP, shard groups of {shards} (FSDP2)"
-                 if shards else "fully sharded (FSDP2)", "flag" if args.fully_sharded else "plan" if sharded else "default")
+                 if shards else "fully sharded (FSDP2)",
+                 "flag" if args.fully_sharded or args.shard_degree else "plan" if sharded else "default")
     for name, field in (("global batch size", "global_batch_size"), ("sequence length", "seq_len")):
         settings.add(name, getattr(training, field), "flag" if batch[field] else "plan" if plan else "default")
     training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
@@ -351,11 +312,6 @@ def resolve(args) -> dict:
                 profile_db=profile_db, run_dir=run_dir, script_args=script_args, builder=builder,
                 model_arg=model_arg, resumed=previous is not None, argv=args.argv, restrictions=restrictions,
                 allocator_conf=allocator_conf)
-
-
-def _has_gpu() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def launch(args, resolved) -> int:
