@@ -25,7 +25,6 @@ autocast: the one difference). No torch import.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -77,12 +76,9 @@ def stage_shard_degrees(cluster: ClusterSpec, layout, training: TrainingSpec) ->
     if not shards_in_part(training, layout):
         return None
     domain = cluster.rank_domains()
-    degrees = []
-    for ranks, tp, dp in zip(layout.stage_ranks, layout.stage_tp, layout.stage_dps):
-        lanes = [domain_shard_degree([domain[r] for r in ranks[j::int(tp)]], int(dp), layout.cp, training.shard_degree)
-                 for j in range(int(tp))]
-        degrees.append(0 if 0 in lanes else math.gcd(*lanes))
-    return np.array(degrees)
+    # A TP group stays in one device type, so every TP rank's DP group meets the domains alike: the first's.
+    return np.array([domain_shard_degree([domain[r] for r in ranks[::int(tp)]], int(dp), layout.cp, training.shard_degree)
+                     for ranks, tp, dp in zip(layout.stage_ranks, layout.stage_tp, layout.stage_dps)])
 
 
 def divides(cluster: ClusterSpec, layout, training: TrainingSpec) -> bool:
