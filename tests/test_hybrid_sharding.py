@@ -3,6 +3,8 @@ the states of a shard group of N ranks, its collectives on its own links, each r
 all-reduced over the DP / N replicas; the search, the estimate, the exports and memx-run's refusals.
 (The runtime's HSDP trains as the single-process reference: tests/test_runtime.py.) No torch."""
 
+import json
+
 import numpy as np
 import pytest
 from estimates import cases_rows, cluster_file
@@ -14,6 +16,7 @@ from memx_launch.planning.data_parallel import stage_gradient_sync
 from memx_launch.planning.config_exports import deepspeed_json, torchtitan_toml
 from memx_launch.planning.estimate import LayoutScorer, evaluate_layout
 from memx_launch.planning.exporters import megatron_args
+from memx_launch.planning.plan import Plan
 from memx_launch.planning.report import crossing_lines
 from memx_launch.planning.runtime_support import check_runnable
 from memx_launch.planning.search import search
@@ -163,7 +166,11 @@ def test_a_fully_sharded_dp_group_across_domains_is_sharded_within_each():
     seven_one, by_vendor = two_stages("nv*7+amd*1", "nv*1+amd*7"), two_stages("nv", "amd")
     assert seven_one.stages[0].memory_parts_gib["optimizer_states"] == \
         pytest.approx(8 * by_vendor.stages[0].memory_parts_gib["optimizer_states"])
-    # The estimate's crossing lines say how each group keeps its states.
+    # The plan records how each group keeps its states (a file round trip keeps it), and says so.
+    assert crossing.shard_ranks == 8
+    assert {c.shard_ranks for c in seven_one.crossings if c.kind == "data_parallel"} == {1}
+    assert spanning(cluster, setup="ddp").crossings[0].shard_ranks is None
+    assert Plan.from_dict(json.loads(json.dumps(across.to_dict()))).crossings == across.crossings
     assert "DP sync of stage 0 (nccl | rccl), sharded within each domain over 8 ranks:" in \
         "\n".join(crossing_lines(across, cluster))
     assert all(", its states whole:" in line for line in crossing_lines(seven_one, cluster) if "DP sync" in line)

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from memx_launch.planning import costmodel as cm, data_parallel
-from memx_launch.planning.hybrid_sharding import ShardLinks
+from memx_launch.planning.hybrid_sharding import shard_groups, shards_in_part
 from memx_launch.planning.model_states import parameters_per_rank, reduced_gradient_bytes
 from memx_launch.planning.plan import Crossing
 from memx_launch.planning.pipeline_sends import edge_hidden_bytes
@@ -43,7 +43,8 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
                                 float(2.0 * g * result.v * result.transfer[edge.stage])))
     params = parameters_per_rank(model, training, layout, result.layers[row:row + 1], result.v)[0]
     trained = cm.trained_parameters(model, training)
-    shards = ShardLinks(cluster, training).of(layout) if layout.group_crossings else None
+    shards = shard_groups(cluster, layout, training) if layout.group_crossings and shards_in_part(training, layout) \
+        else None
     for group in layout.group_crossings:
         replicas = shards.bridged.get(group.stage) if shards is not None else None
         if replicas is None:
@@ -52,7 +53,8 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
             sent = replicas.bridge_bytes(params[group.stage] * trained.share * reduced_gradient_bytes(training)
                                          / shards.ranks[group.stage])
         out.append(Crossing("data_parallel", [group.stage], sorted(d for d, _ in group.domain_sizes),
-                            float(sent), float(result.sync[row, group.stage])))
+                            float(sent), float(result.sync[row, group.stage]),
+                            None if replicas is None else int(shards.ranks[group.stage])))
     tied_bytes = data_parallel.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)
     if tied_bytes and layout.ends_crossing is not None:
         edge = layout.ends_crossing

@@ -113,6 +113,9 @@ class Crossing:
     seconds_per_step: float
     """Pipeline: the edge's transfers of one step, staging and latency included; data
     parallel: the stage's whole hierarchical sync."""
+    shard_ranks: int | None = None
+    """A DP group a fully sharded plan shards within its domains: the ranks of each shard group
+    (planning/hybrid_sharding.py; 1: its states whole). None: its gradients averaged whole."""
 
     @property
     def what(self) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, check_output_path
 from memx_launch.planning.estimate import stage_short_gib
-from memx_launch.planning.hybrid_sharding import domain_shard_degree
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types, tp_text
 from memx_launch.planning.peaks import datasheet_hbm, hbm_gbps, linear_tflops, matmul_peak_tflops, training_tflops
 from memx_launch.planning.plan import Plan
@@ -198,7 +197,9 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
         return []
     lines = [f"crossing communication domains over the bridge ({cluster.bridge.backend}, staged through host memory):"]
     for c in plan.crossings:
-        lines.append(f"  {c.what} ({' | '.join(c.domains)}){_sharded_within(plan, cluster, c)}: "
+        states = "" if c.shard_ranks is None else ", its states whole" if c.shard_ranks == 1 else \
+            f", sharded within each domain over {c.shard_ranks} ranks"
+        lines.append(f"  {c.what} ({' | '.join(c.domains)}){states}: "
                      f"{format_gib(c.bytes_per_step / 2**30)} per rank, {c.seconds_per_step:.3g} s per step")
     lines.append("  only memx-run carries these: Megatron-LM, torchtitan and DeepSpeed run each group on one "
                  "collective library (memx export refuses this plan)")
@@ -208,17 +209,6 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
         lines.append(f"  and memx-run cannot run it ({refusal.problem}): no framework runs this plan; plan on one "
                      "communication domain's devices")
     return lines
-
-
-def _sharded_within(plan: Plan, cluster: ClusterSpec, crossing) -> str:
-    """How a fully sharded plan's DP group across domains keeps its states (planning/hybrid_sharding.py)."""
-    if crossing.kind != "data_parallel" or not plan.training.get("fully_sharded"):
-        return ""
-    stage, domains = crossing.stages[0], cluster.rank_domains()
-    tp, ranks = plan.stage_tps[stage], plan.stages[stage].ranks
-    degree = domain_shard_degree([domains[r] for r in ranks[::tp]], len(ranks) // (tp * plan.cp), plan.cp,
-                                 plan.training.get("shard_degree"))
-    return f", sharded within each domain over {degree} ranks" if degree > 1 else ", its states whole"
 
 
 def search_stats_line(stats) -> str:
