@@ -102,8 +102,12 @@ class Runtime:
         self.tp_mesh, self.dp_mesh, self._averaged_ranks = stage_meshes(
             self.comm, process_grid(plan), self._stage_grid, self._dp_ranks, self._tp_ranks, self.tp_group,
             self.device.type, self.dp_crosses_domains, plan)
-        if self.dp_crosses_domains and not stage_runs_fully_sharded(plan, self.tp, True, data_parallel):
-            self.dp_mesh, self._averaged_ranks = None, self._dp_ranks  # averaged whole (data_parallel "ddp")
+        # FSDP2 over the replicas (across domains, over a shard group's mesh where there is one), else DDP
+        # or, across domains, memx's average over the whole group.
+        self.sharded = self.dp_mesh is not None and stage_runs_fully_sharded(plan, self.tp, self.dp_crosses_domains,
+                                                                             data_parallel)
+        if self.dp_crosses_domains and not self.sharded:
+            self._averaged_ranks = self._dp_ranks
         self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device,
                                    tf32=plan.training.get("tf32", False))
         self.parts = None if model is None else self._model_parts(model, blocks)
@@ -111,7 +115,7 @@ class Runtime:
         original = {}  # id of the user's parameter -> its rank-local name (wrapping replaces the objects)
         tied_names: list[str] = []
         with self._measured():
-            self.chunks = [self._build_chunk(i, c, seed, data_parallel, original, tied_names)
+            self.chunks = [self._build_chunk(i, c, seed, original, tied_names)
                            for i, c in enumerate(self.layout.chunks)]
         self.tied.parameters = [parameter_names(self.chunks)[name] for name in tied_names]
         if self.parts is not None and emulated is not None:  # created before the guard was on
@@ -181,7 +185,7 @@ class Runtime:
             parts.verify()
         return parts
 
-    def _build_chunk(self, index: int, chunk, seed: int, data_parallel: str, original: dict,
+    def _build_chunk(self, index: int, chunk, seed: int, original: dict,
                      tied_names: list[str]) -> torch.nn.Module:
         # full:K recomputes the stage's first K layers, counted through its chunks in order.
         levels = layer_recompute_levels(self.stage_plan.recompute, self.stage_plan.num_layers)
@@ -203,15 +207,12 @@ class Runtime:
                 apply_tensor_parallel(module, self.tp_mesh)
             else:
                 self.parts.apply_tensor_parallel(module, self.tp_mesh)
-        # Across domains only where each domain's replicas shard among themselves (runtime/meshes.py).
-        sharded = stage_runs_fully_sharded(self.plan, self.tp, self.dp_crosses_domains, data_parallel) and \
-            (self.dp_mesh is not None or not self.dp_crosses_domains)
-        if self.plan.dp > 1 and self.dp_crosses_domains and not sharded:
+        if self.plan.dp > 1 and self.dp_crosses_domains and not self.sharded:
             return module  # no library spans the replicas: step() averages the gradients itself
         if self.plan.dp > 1:
             # DDP keeps whole gradients and optimizer state per replica, as the cost model assumes
             # without a distributed optimizer; DDP cannot hold DTensor parameters, so TP uses FSDP2.
-            if sharded:  # across domains over each domain's shard groups, step() averaging the shards
+            if self.sharded:  # across domains over each domain's shard groups, step() averaging the shards
                 from torch.distributed.fsdp import fully_shard
                 # A unit per block, then the stage's rest. torch's pipeline schedules keep a stage's
                 # weights gathered and its gradients unsharded from its first backward to the step's
