@@ -55,7 +55,7 @@ def add_plan_command(sub) -> None:
                         "memx estimate can")
     p.add_argument("--shard-degrees", "--shard_degrees", type=list_of(int), metavar="A,B",
                    help="also try hybrid sharding (--shard-degree) over A and B ranks of each DP group, e.g. a "
-                        "node's, beside the whole group; several times the search time")
+                        "node's, beside the whole group; each degree scores every layout again")
     p.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
                    help="let each device type take its own TP degree (from --tp when given); several times "
                         "the search time; memx-run and memx export cannot run such plans, memx estimate can")

@@ -117,7 +117,13 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     # Hybrid sharding's degrees (memx plan --shard-degrees) besides the training's own.
     trainings = [dataclasses.replace(tr, shard_degree=s) for tr in trainings
                  for s in dict.fromkeys((tr.shard_degree, *(space.shard_degrees or ())))]
-    cost_models = [cost_model or cm.AnalyticalCostModel(model, cluster, tr) for tr in trainings]
+    # A layer's costs depend on the expert degrees, not on the shard degree: one cost model (and table) per pair.
+    models_of: dict = {}
+    for tr in trainings:
+        if (tr.expert_parallel, tr.expert_tensor_parallel) not in models_of:
+            models_of[tr.expert_parallel, tr.expert_tensor_parallel] = cost_model or cm.AnalyticalCostModel(model,
+                                                                                                        cluster, tr)
+    cost_models = [models_of[tr.expert_parallel, tr.expert_tensor_parallel] for tr in trainings]
     names = tuple(cost_models[0].device_names)
     cps = _cp_degrees(model, training, space, seqs)
     layouts_of = _expert_layouts(_layouts(model, cluster, names, space, cps), model, trainings, cluster)
@@ -128,7 +134,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     # Stages of fewer replicas than the layout's largest DP degree run larger local micro-batches.
     local_mbss = sorted({int(local) for lay in layouts for m in space.micro_batch_sizes
                          for local in np.atleast_1d(lay.local_micro_batch(m))})
-    tables = [CostTable(cmod, len(names), tps, local_mbss, rank_seqs) for cmod in cost_models]
+    tables_of = {id(cmod): CostTable(cmod, len(names), tps, local_mbss, rank_seqs) for cmod in cost_models}
+    tables = [tables_of[id(cmod)] for cmod in cost_models]
     evaluators = [Evaluator(model, cluster, tr, cmod, table, space.memory_headroom, space.recompute_levels,
                             space.recompute_some_layers) for tr, cmod, table in zip(trainings, cost_models, tables)]
     fully_sharded: dict[int, Evaluator] = {}  # by training: where layout_training shards stages of a layout
@@ -210,7 +217,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         if progress and (i + 1) % report_every == 0:
             progress(f"search: {i + 1}/{len(groups)} groups, {stats.feasible} feasible, "
                      f"{time.perf_counter() - start:.1f}s")
-    tables += [e.table for e in fully_sharded.values()]
+    tables = [*tables_of.values(), *(e.table for e in fully_sharded.values())]
     stats.cache_hits, stats.cache_misses = sum(t.hits for t in tables), sum(t.misses for t in tables)
 
     if not results:
