@@ -1,5 +1,6 @@
 """`memx plan`, `memx estimate`, `memx export`: outputs, plan files, and every bad input."""
 
+import argparse
 import glob
 import json
 import os
@@ -161,6 +162,40 @@ def test_estimate_setup_flags_reach_the_plan(tmp_path, capsys):
     assert plan.training["sequence_parallel"] is False and plan.training["grad_dtype"] == "training"
     assert plan.training["distributed_optimizer"] is True
     assert peaks["megatron"] < peaks["ddp"]
+
+
+def test_every_training_flag_of_plan_and_estimate_reaches_the_training_spec():
+    # A flag parsed but not passed on would be ignored without a word (--shard-degree once was).
+    import dataclasses
+
+    from memx_launch.cli.common import RUN_FLAGS, SETUP_FLAGS
+    from memx_launch.cli.main import build_parser
+    from memx_launch.specs.training import TrainingSpec
+
+    fields = {f.name for f in dataclasses.fields(TrainingSpec)}
+    passed = set(RUN_FLAGS) | set(SETUP_FLAGS) | {"global_batch_size", "seq_len", "dtype", "optimizer", "setup"}
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for command in ("plan", "estimate"):
+        parsed = {action.dest for action in commands[command]._actions} & fields
+        assert parsed and parsed <= passed, (command, sorted(parsed - passed))
+
+
+def test_estimate_passes_the_shard_degree_on(tmp_path, capsys):
+    cluster = tmp_path / "two-nodes.yaml"
+    cluster.write_text("version: 1\nname: two-nodes\ninter_node_gbps: 25\ndevice_types:\n"
+                       "  a100: {vendor: nvidia, memory_gib: 80, peak_tflops: 312}\nnodes:\n"
+                       + "  - {devices: {a100: 8}, intra_node_gbps: 300}\n" * 2)
+    peaks = {}
+    for extra in ([], ["--shard-degree", "4"]):
+        out_json = tmp_path / f"{len(extra)}.json"
+        code, _, _ = run(capsys, "estimate", "--model", "llama2-7b", "--cluster", str(cluster), "--tp", "1", "--pp",
+                         "1", "--dp", "16", "--micro-batch-size", "1", "--global-batch-size", "32", "--recompute",
+                         "full", "--setup", "fsdp2", *extra, "--json", str(out_json))
+        assert code == 0
+        plan = Plan.load(str(out_json))
+        assert plan.training.get("shard_degree") == (4 if extra else None)
+        peaks[len(extra)] = max(s.predicted_peak_memory_gib for s in plan.stages)
+    assert peaks[2] > peaks[0]  # a rank keeps a quarter of the states, not a sixteenth
 
 
 def test_estimate_per_stage_recompute_and_devices(capsys):

@@ -248,10 +248,11 @@ def training_from_args(args, model, defaults: TrainingSpec | None = None) -> Tra
                         **{name: getattr(args, name, None) for name in SETUP_FLAGS})
 
 
-# Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place); no setup presets them.
+# Flags of what is trained and where (fine-tuning, TF32, FP8, the optimizer's place, hybrid sharding's
+# degree); no setup presets them.
 RUN_FLAGS = ("tf32", "host_ms_per_layer", "frozen_fraction", "lora_rank", "fp8", "fp4", "fp8_params",
              "optimizer_offload", "activation_offload_layers", "expert_parallel", "expert_tensor_parallel",
-             "expert_dispatcher", "expert_routing", "recompute_modules")
+             "expert_dispatcher", "expert_routing", "recompute_modules", "shard_degree")
 # Flags that override one field of a --setup preset (None: the preset or the default decides).
 SETUP_FLAGS = tuple(name for name in OPTION_DEFAULTS if name != "sharded_gradients")  # zero2 only: no flag
 
