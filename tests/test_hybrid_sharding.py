@@ -102,10 +102,59 @@ def test_the_flag_refuses_what_it_cannot_mean():
         assert info.value.field == "--shard-degree"
     with pytest.raises(ConfigError, match="not a multiple"):
         plan_of(2, 4, 4, shard_degree=8)
-    with pytest.raises(ConfigError, match="experts"):
-        evaluate_layout(get_model("mixtral-8x7b"), ClusterSpec.from_dict(dgx(2)),
-                        TrainingSpec(global_batch_size=16, seq_len=2048, setup="fsdp2", shard_degree=8),
-                        tp=1, pp=1, dp=16, micro_batch_size=1, references=(1, 1, 1))
+    # A shard group of 4 ranks cannot hold whole expert-parallel groups of 8.
+    with pytest.raises(ConfigError, match="whole expert groups") as info:
+        mixtral_plan(2, 16, shard_degree=4)
+    assert info.value.field == "--shard-degree"
+
+
+MIXTRAL = get_model("mixtral-8x7b")
+
+
+def mixtral_plan(nodes: int, dp: int, tp: int = 1, ep: int = 8, **training):
+    options = dict(global_batch_size=2 * dp, seq_len=2048, setup="megatron", distributed_optimizer=True,
+                   expert_parallel=ep) | training
+    return evaluate_layout(MIXTRAL, ClusterSpec.from_dict(dgx(nodes)), TrainingSpec(**options), tp=tp, pp=1, dp=dp,
+                           micro_batch_size=1, references=(1, 1, 1))
+
+
+@pytest.mark.parametrize("setup", ["megatron", "fsdp2"])
+def test_a_mixture_keeps_the_dense_and_expert_states_of_one_shard_group(setup):
+    # Megatron's optimizer instances split the expert data parallel group as they split DP: 64 ranks
+    # in 8 instances of a node keep, dense and routed, what 8 ranks on one node keep (EP 8: a node's
+    # experts sharded over nobody, so both runs keep them whole; EP 4: over the node's 2 EP groups).
+    for ep in (8, 4):
+        hybrid = mixtral_plan(8, 64, ep=ep, setup=setup, shard_degree=8)
+        alone = mixtral_plan(1, 8, ep=ep, setup=setup)
+        for part in STATES:
+            assert hybrid.stages[0].memory_parts_gib[part] == pytest.approx(alone.stages[0].memory_parts_gib[part])
+        whole = mixtral_plan(8, 64, ep=ep, setup=setup)
+        assert sum(whole.stages[0].memory_parts_gib[p] for p in STATES) < \
+            sum(hybrid.stages[0].memory_parts_gib[p] for p in STATES)
+
+
+def test_a_mixture_s_expert_shards_are_all_reduced_over_the_replicas_too():
+    # Two nodes of 8 instances each against one node: the difference is the replicas' all-reduce of
+    # each rank's dense shard (1/8 of the dense gradients) and its expert shard (EP 4: the local
+    # experts' gradients over the node's two EP groups), bucket by bucket.
+    def sync(nodes, dp, **options):
+        cluster = ClusterSpec.from_dict(dgx(nodes))
+        spec = TrainingSpec(global_batch_size=8 * dp, seq_len=2048, setup="megatron", distributed_optimizer=True,
+                            expert_parallel=4, **options)
+        result, evaluator = LayoutScorer(MIXTRAL, cluster, spec).score(tp=1, pp=1, dp=dp, micro_batch_size=1)
+        layout = result.layout
+        params = np.full((1, 1), MIXTRAL.total_params - 3 / 4 * MIXTRAL.num_layers * MIXTRAL.expert_params)
+        return stage_gradient_sync(MIXTRAL, spec, layout, result.layers[:1], 1, params, np.zeros((1, 1)),
+                                   layout.dp_gbps * cluster.link_efficiency, 0.0,
+                                   shards=evaluator.shard_links.of(layout))[1][0, 0]
+    local_experts = MIXTRAL.num_layers * MIXTRAL.expert_params / 4
+    dense = MIXTRAL.total_params - MIXTRAL.num_layers * MIXTRAL.expert_params
+    shard_bytes = (dense / 8 + local_experts / 2) * 4  # fp32 gradients
+    cluster = ClusterSpec.from_dict(dgx(2))
+    replica_link = cluster.group_gbps([0, 8]) * cluster.link_efficiency
+    all_reduce = collective_seconds("all_reduce", shard_bytes, 2, replica_link, 2, NVLINK)
+    added = sync(2, 16, shard_degree=8) - sync(1, 8)
+    assert added == pytest.approx(all_reduce, rel=0.05) and added > all_reduce  # a latency per bucket more
 
 
 def test_the_search_keeps_the_layouts_it_divides_and_says_when_none():
@@ -201,6 +250,12 @@ def test_exports_write_each_framework_s_hybrid_sharding():
     assert '"mics_shard_size": 8' in deepspeed_json(mics).text
     with pytest.raises(ConfigError, match="ZeRO-3 only"):
         deepspeed_json(plan_of(8, 64, setup="zero1", shard_degree=8))
+    experts = mixtral_plan(8, 64, shard_degree=8)
+    assert "--num-distributed-optimizer-instances 8" in megatron_args(experts, None).command_line()
+    with pytest.raises(ConfigError, match="DeepSpeed's MoE layers refuse ZeRO-3"):  # its engine asserts it
+        deepspeed_json(mixtral_plan(8, 64, setup="zero3", shard_degree=8))
+    # Hugging Face's Mixtral under ZeRO-3 has no DeepSpeed MoE layer: its experts whole, MiCS as for a dense model.
+    assert '"mics_shard_size": 8' in deepspeed_json(mixtral_plan(8, 64, ep=1, setup="zero3", shard_degree=8)).text
 
 
 def test_memx_run_runs_hybrid_sharding_with_fsdp2_only():

@@ -46,7 +46,7 @@ def stage_gradient_sync(model: ModelSpec, training: TrainingSpec, layout, layers
     link = (layout.dp_cp, gbps, layout.dp_nodes, layout.dp_hop) if shards is None else \
         (shards.ranks, shards.gbps, shards.nodes, layout.dp_hop)
     replicas = None if shards is None else (shards.replicas, shards.replica_gbps, shards.replica_nodes)
-    expert_dp = expert_data_parallel(training, tp, layout.dp_cp)
+    expert_dp = expert_data_parallel(training, tp, link[0])
     if training.fully_sharded:
         dense, experts = rank_layer_params(model, training, tp)
         fetches = deepspeed_fetches(model, training, tp, stage_params) if training.max_live_params else None
@@ -80,9 +80,9 @@ def data_parallel_sync_time(stage_params, training: TrainingSpec, dp, gbps, node
     params = np.asarray(stage_params, dtype=np.float64)
     if np.any(expert_params):  # a dense model (the search's hot path) syncs one group
         experts = np.asarray(expert_params, dtype=np.float64)
-        return (data_parallel_sync_time(params - experts, training, dp, gbps, nodes, hop, trained)
+        return (data_parallel_sync_time(params - experts, training, dp, gbps, nodes, hop, trained, replicas=replicas)
                 + data_parallel_sync_time(experts, training, expert_dp, gbps, np.minimum(expert_dp, nodes), hop,
-                                          trained))
+                                          trained, replicas=replicas))
     bucket = gradient_bucket_params(training, dp)
     grad = reduced_gradient_bytes(training) * trained.share
     if not (training.fully_sharded or training.distributed_optimizer):

@@ -51,7 +51,7 @@ ROUTED_ACTIVATION_KEPT = {True: {True: 4.0, False: 2.0}, False: {True: 10.0, Fal
 def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> None:
     """What memx refuses of an expert-parallel run: experts on a dense model, a degree that does
     not divide the experts (nor ETP their width; given, EP x ETP a stage's TP x CP x DP ranks),
-    and what it does not model with experts (LoRA, torchtitan's op-level recompute, hybrid sharding)."""
+    and what it does not model with experts (LoRA, torchtitan's op-level recompute)."""
     ep, etp = training.expert_parallel, training.expert_tensor_parallel
     if not model.num_experts:
         for flag, degree in (("--expert-parallel", ep), ("--expert-tensor-parallel", etp)):
@@ -71,12 +71,10 @@ def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> Non
                               "ranks", f"use {'degrees whose product divides' if etp > 1 else 'a divisor of'} every "
                               "stage's TP x CP x DP")
     unmodelled = [flag for flag, on in (("--lora-rank", training.lora_rank),
-                                        ("--selective-recompute op", training.selective_recompute == "op"),
-                                        ("--shard-degree", training.shard_degree is not None)) if on]
+                                        ("--selective-recompute op", training.selective_recompute == "op")) if on]
     if unmodelled:
         raise ConfigError(unmodelled[0], f"not modelled for the experts of {model.name}",
-                          "use full fine-tuning, Megatron's selective recompute or sharding over the whole DP "
-                          "group (no --shard-degree)")
+                          "use full fine-tuning or Megatron's selective recompute")
 
 
 def search_degrees(model: ModelSpec, world: int) -> tuple[int, ...]:

@@ -83,9 +83,19 @@ def stage_shard_degrees(cluster: ClusterSpec, layout, training: TrainingSpec) ->
 
 def divides(cluster: ClusterSpec, layout, training: TrainingSpec) -> bool:
     """Every stage's DP group splits into shard groups of ``shard_degree`` that each stay in one
-    domain (without it, always: shard groups of one do)."""
+    domain (without it, always: shard groups of one do), and a mixture's shard groups (x TP) into
+    whole expert groups (:func:`expert_groups_fit`)."""
     degrees = stage_shard_degrees(cluster, layout, training)
-    return degrees is None or bool(degrees.all())
+    return degrees is None or bool(degrees.all() and expert_groups_fit(layout, training, degrees))
+
+
+def expert_groups_fit(layout, training: TrainingSpec, degrees) -> bool:
+    """A stage's TP x N x CP ranks (its shard groups, one per TP rank) hold whole EP x ETP groups:
+    the routed experts are sharded over those ranks' expert data parallel share, TP x N x CP / (EP x
+    ETP), and replicated over the DP / N replicas (Megatron asserts the expert data parallel degree
+    a multiple of its optimizer instances; torchtitan's experts shard within ``dp_shard``)."""
+    ranks = np.asarray(layout.stage_tp) * np.asarray(degrees) * layout.cp
+    return not (ranks % (training.expert_parallel * training.expert_tensor_parallel)).any()
 
 
 def sharded_layouts(cluster: ClusterSpec, layouts_of: list[list], trainings: list[TrainingSpec]) -> list[list]:
@@ -94,8 +104,10 @@ def sharded_layouts(cluster: ClusterSpec, layouts_of: list[list], trainings: lis
             for layouts, training in zip(layouts_of, trainings)]
     if any(layouts_of) and not any(kept):
         degrees = sorted({int(d) for layouts in layouts_of for lay in layouts for d in lay.stage_dps})
+        experts = " that hold whole expert groups (TP x N x CP a multiple of EP x ETP)" \
+            if any(t.expert_parallel * t.expert_tensor_parallel > 1 for t in trainings) else ""
         raise ConfigError("--shard-degree", f"{trainings[0].shard_degree} divides none of the layouts' DP degrees "
-                          f"({', '.join(map(str, degrees))}) in groups within one communication domain",
+                          f"({', '.join(map(str, degrees))}) in groups within one communication domain{experts}",
                           "use a divisor of the DP degree, e.g. the ranks of a node")
     return kept
 
@@ -108,6 +120,11 @@ def check_layout(cluster: ClusterSpec, layout, training: TrainingSpec) -> None:
     dps = "|".join(str(int(d)) for d in dict.fromkeys(layout.stage_dps.tolist()))
     if np.any(np.asarray(layout.stage_dps) % s):
         raise ConfigError("--shard-degree", f"{s}, but the DP degree {dps} is not a multiple of it", "use a divisor of --dp")
+    degrees = stage_shard_degrees(cluster, layout, training)
+    if degrees.all():
+        raise ConfigError("--shard-degree", f"{s}: a shard group's TP x N x CP ranks do not hold whole expert groups of "
+                          f"EP {training.expert_parallel} x ETP {training.expert_tensor_parallel}",
+                          "use a shard degree whose TP x N x CP is a multiple of EP x ETP")
     raise ConfigError("--shard-degree", f"{s}: a shard group would span communication domains",
                       "use a divisor of each domain's replicas in a DP group")
 

@@ -265,8 +265,9 @@ def rank_layer_params(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
 
 def expert_data_parallel(training: TrainingSpec, tp, dp_cp):
     """Ranks a routed expert's gradients and optimizer states are sharded over: a stage's
-    TP x CP x DP ranks over the expert-parallel and expert-tensor-parallel degrees (Megatron's
-    expert data parallel group)."""
+    TP x CP x DP ranks (``dp_cp``: with hybrid sharding a shard group's N x CP) over the
+    expert-parallel and expert-tensor-parallel degrees (Megatron's expert data parallel group, or
+    its share within one optimizer instance)."""
     return (np.asarray(tp, dtype=np.float64) * np.asarray(dp_cp, dtype=np.float64)
             / (training.expert_parallel * training.expert_tensor_parallel))
 
@@ -315,14 +316,15 @@ def stage_state_bytes_by_part(model: ModelSpec, training: TrainingSpec, layout, 
                               shards=None) -> tuple:
     """(weights, gradients, optimizer states) bytes of each stage's rank (row 0 of ``layers``, in
     ``v`` chunks each): its parameters at :func:`model_state_bytes_by_part` over DP x CP (``shards``,
-    a shard group's ranks, with hybrid sharding), the routed experts' over the expert data parallel ranks."""
+    a shard group's ranks, with hybrid sharding), the routed experts' over their expert data parallel
+    share of those ranks."""
     params = parameters_per_rank(model, training, layout, layers, v)[0]
-    dense = model_state_bytes_by_part(training, layout.dp_cp if shards is None else shards, trained, layout.pp,
-                                      gradient_share)
+    shards = layout.dp_cp if shards is None else shards
+    dense = model_state_bytes_by_part(training, shards, trained, layout.pp, gradient_share)
     if not model.num_experts:
         return tuple(params * d for d in dense)
     tp = layout.tp_degrees
     experts = expert_parameters_per_rank(model, training, layout, layers, v)[0]
-    routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, layout.dp_cp), trained, layout.pp,
+    routed = model_state_bytes_by_part(training, expert_data_parallel(training, tp, shards), trained, layout.pp,
                                        gradient_share)
     return tuple((params - experts) * d + experts * e for d, e in zip(dense, routed))
