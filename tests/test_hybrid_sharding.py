@@ -3,12 +3,15 @@ the states of a shard group of N ranks, its collectives on its own links, each r
 all-reduced over the DP / N replicas; the search, the estimate, the exports and memx-run's refusals.
 (The runtime's HSDP trains as the single-process reference: tests/test_runtime.py.) No torch."""
 
+import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
 from estimates import cases_rows, cluster_file
 
+from memx_launch.cli import main
 from memx_launch.errors import ConfigError
 from memx_launch.planning import hybrid_sharding
 from memx_launch.planning.collectives import NVLINK, collective_seconds
@@ -21,6 +24,7 @@ from memx_launch.planning.report import crossing_lines
 from memx_launch.planning.runtime_support import check_runnable
 from memx_launch.planning.search import search
 from memx_launch.planning.search_space import SearchSpace
+from memx_launch.planning.shard_hint import hybrid_sharding_hint, node_shard_degree
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
@@ -299,3 +303,41 @@ def test_the_search_tries_shard_degrees_beside_the_whole_group_and_keeps_the_cho
     assert both.stats.evaluated == 2 * whole.stats.evaluated  # each layout at both degrees
     with pytest.raises(ConfigError, match="--shard-degrees"):
         SearchSpace(shard_degrees=(0,)).check(MODEL)
+
+
+def test_memx_plan_says_what_hybrid_sharding_over_a_node_would_do_when_it_did_not_search_it(tmp_path, capsys):
+    # OPT-350M's FSDP units over 768 GPUs: latency-bound gathers over 96 nodes, within a node over NVLink.
+    argv = ["plan", "--model", "opt-350m", "--cluster", cluster_file(tmp_path, dgx(96)), "--setup", "zero3",
+            "--max-live-params", "0", "--global-batch-size", "768", "--seq-len", "2048", "--tp", "1", "--pp", "1",
+            "--micro-batch-sizes", "1", "--recompute-levels", "full", "--quiet"]
+    assert main(argv) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hybrid sharding")]
+    assert len(hint) == 1 and "shard groups of 8 replicas" in hint[0] and hint[0].endswith("--shard-degrees 8 searches it")
+    assert -60 < int(re.search(r"s \(([-+]\d+)%\)", hint[0]).group(1)) <= -30
+    assert main(argv + ["--shard-degrees", "8"]) == 0  # searched: the winner says it (shard=8), no hint
+    out = capsys.readouterr().out
+    assert "hybrid sharding was not searched" not in out and "shard=8" in out
+
+
+def test_the_hint_is_said_only_where_it_is_worth_a_line():
+    model, cluster = get_model("opt-350m"), ClusterSpec.from_dict(dgx(96))
+    zero3 = TrainingSpec(global_batch_size=768, seq_len=2048, setup="zero3", max_live_params=0)
+    plan = evaluate_layout(model, cluster, zero3, tp=1, pp=1, dp=768, micro_batch_size=1, recompute="full")
+    assert hybrid_sharding_hint(plan, cluster, zero3) is not None
+    # Not a sharded setup, or sharded in part already: nothing to say.
+    for other in (TrainingSpec(global_batch_size=768, seq_len=2048, setup="ddp"),
+                  dataclasses.replace(zero3, shard_degree=8)):
+        assert hybrid_sharding_hint(plan, cluster, other) is None
+    # LLaMA-2 7B's FSDP units on two nodes: hybrid sharding is not faster (zero3_fetch_cost.json: within 5%).
+    assert hybrid_sharding_hint(plan_of(2, 16), ClusterSpec.from_dict(dgx(2)),
+                                TrainingSpec(global_batch_size=32, seq_len=2048, setup="fsdp2")) is None
+
+
+def test_a_node_s_shard_degree_is_its_replicas_of_each_stage_s_tp_x_cp_ranks():
+    cluster = ClusterSpec.from_dict(dgx(4))
+    assert node_shard_degree(plan_of(4, 32), cluster) == 8
+    tp2 = evaluate_layout(MODEL, cluster, TrainingSpec(global_batch_size=32, seq_len=2048, setup="fsdp2"), tp=2, pp=1,
+                          dp=16, micro_batch_size=1, references=(1, 1, 1))
+    assert node_shard_degree(tp2, cluster) == 4
+    assert node_shard_degree(plan_of(1, 8), ClusterSpec.from_dict(dgx(1))) is None  # the whole group is one node
+    assert node_shard_degree(spanning(two_vendors()), two_vendors()) is None  # a stage over two device types

@@ -55,7 +55,8 @@ def add_plan_command(sub) -> None:
                         "memx estimate can")
     p.add_argument("--shard-degrees", "--shard_degrees", type=list_of(int), metavar="A,B",
                    help="also try hybrid sharding (--shard-degree) over A and B ranks of each DP group, e.g. a "
-                        "node's, beside the whole group; each degree scores every layout again")
+                        "node's, beside the whole group; each degree scores every layout again (without it, "
+                        "one line says where the winner sharded within a node would be faster)")
     p.add_argument("--per-type-tp", "--per_type_tp", action="store_true",
                    help="let each device type take its own TP degree (from --tp when given); several times "
                         "the search time; memx-run and memx export cannot run such plans, memx estimate can")
@@ -73,6 +74,7 @@ def run_plan(args) -> int:
     from memx_launch.specs.precision import device_precision
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_slowdown, parse_weights
+    from memx_launch.planning.shard_hint import hybrid_sharding_hint
 
     if not 1 <= args.top <= 10_000:
         raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
@@ -110,6 +112,10 @@ def run_plan(args) -> int:
             print(line)
     if precision:
         print(f"precision: {precision}")
+    if not args.shard_degrees:
+        hint = hybrid_sharding_hint(result.best, cluster, training, cost_model, args.memory_headroom)
+        if hint:
+            print(hint)
     print(report.search_stats_line(result.stats), file=sys.stderr)
     if args.compare:
         baselines = compare_baselines(model, cluster, training, cost_model=cost_model, space=space,

@@ -99,8 +99,13 @@ def expert_groups_fit(layout, training: TrainingSpec, degrees) -> bool:
 
 
 def sharded_layouts(cluster: ClusterSpec, layouts_of: list[list], trainings: list[TrainingSpec]) -> list[list]:
-    """Each training's layouts that :func:`divides`; a one-line refusal where none is left."""
-    kept = [[lay for lay in layouts if divides(cluster, lay, training)]
+    """Each training's layouts that :func:`divides`; a one-line refusal where none is left. The first
+    training is the one asked for, the others its ``--shard-degrees`` variants: where it shards over
+    the whole group, a variant's layout whose every DP group is one shard group is that same plan,
+    scored once."""
+    whole = trainings[0].shard_degree is None
+    kept = [[lay for lay in layouts if divides(cluster, lay, training)
+             and not (whole and (np.asarray(lay.stage_dps) == training.shard_degree).all())]
             for layouts, training in zip(layouts_of, trainings)]
     if any(layouts_of) and not any(kept):
         degrees = sorted({int(d) for layouts in layouts_of for lay in layouts for d in lay.stage_dps})

@@ -49,7 +49,8 @@ def layout_summary(plan: Plan) -> str:
     etp = plan.training.get("expert_tensor_parallel", 1)
     ep = (f" ep={plan.training.get('expert_parallel', 1)}" + f" etp={etp}" * (etp > 1)) if plan.model_spec.num_experts \
         else ""
-    return (f"tp={tp_text(plan.stage_tps)} pp={plan.pp}{cp} dp={tp_text(plan.stage_dps)}{ep} "
+    shard = f" shard={plan.training['shard_degree']}" if plan.training.get("shard_degree") else ""
+    return (f"tp={tp_text(plan.stage_tps)} pp={plan.pp}{cp} dp={tp_text(plan.stage_dps)}{shard}{ep} "
             f"mbs={plan.micro_batch_size} seq={plan.seq_len} {sched}")
 
 
