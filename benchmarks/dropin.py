@@ -5,7 +5,9 @@ the one-process reference.
    examples/clusters/cpu-emulated.yaml, planned in the job (memx's block calibrated);
 2. examples/train_own_model.py (a block class memx does not know) the same way, with
    --model-builder (its own block calibrated);
-3. examples/lightning_train.py (2-process DDP, MemxCallback on cpu-emulated-ddp.yaml).
+3. examples/lightning_train.py (2-process DDP, MemxCallback on cpu-emulated-ddp.yaml);
+4. examples/train_hf.py with a mixture of experts (transformers MixtralForCausalLM, 4 experts, 2 a
+   token, each whole on every rank) the same way as 1, its own block calibrated.
 
     python benchmarks/dropin.py [--steps 3]
 
@@ -81,7 +83,9 @@ def main() -> int:
                                    os.path.join(EXAMPLES, "models", "hf-llama-tiny"), args.steps, builder=False),
               "own_block": memx_run(os.path.join(EXAMPLES, "train_own_model.py"),
                                     os.path.join(EXAMPLES, "models", "own-gpt-tiny"), args.steps, builder=True),
-              "lightning": lightning(max(4, args.steps))}
+              "lightning": lightning(max(4, args.steps)),
+              "hf_mixtral": memx_run(os.path.join(EXAMPLES, "train_hf.py"),
+                                     os.path.join(EXAMPLES, "models", "hf-mixtral-tiny"), args.steps, builder=False)}
     write_json_atomic(OUT, result, overwrite=True)
     print(f"wrote {OUT}")
     return 0

@@ -108,11 +108,20 @@ def _hf_config(family):
                                            tie_word_embeddings=True),
             "gemma": lambda: T.GemmaConfig(**small, num_key_value_heads=1, head_dim=8, intermediate_size=64,
                                            pad_token_id=0, bos_token_id=0, eos_token_id=0),
-            "phi": lambda: T.PhiConfig(**small, intermediate_size=64)}[family]()
+            "phi": lambda: T.PhiConfig(**small, intermediate_size=64),
+            # Mixtures of experts, each expert whole (transformers 5 keeps a block's experts in 3-D tensors).
+            "mixtral": lambda: T.MixtralConfig(**small, num_key_value_heads=2, intermediate_size=48,
+                                               num_local_experts=4, num_experts_per_tok=2),
+            "qwen3_moe": lambda: T.Qwen3MoeConfig(**small, num_key_value_heads=2, intermediate_size=64, head_dim=8,
+                                                  moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2),
+            "qwen2_moe": lambda: T.Qwen2MoeConfig(**small, num_key_value_heads=2, intermediate_size=64,
+                                                  moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                                                  num_experts=4, num_experts_per_tok=2)}[family]()
 
 
 @pytest.mark.parametrize("family,tied", [("gpt2", True), ("opt", True), ("qwen2", True), ("gemma", True),
-                                         ("phi", False)])
+                                         ("phi", False), ("mixtral", False), ("qwen3_moe", False),
+                                         ("qwen2_moe", False)])
 def test_hugging_face_causal_lms_split_into_stages_reproduce_the_model(family, tied):
     """Learned positions (GPT-2, OPT), embedding scaling (Gemma), a projection after the final norm
     (OPT), parallel blocks (Phi) and tied embeddings: the model's own forward, cut in two."""
@@ -147,6 +156,7 @@ def make_plan(spec, stages, tp=1, dp=1, micro_batch_size=1, global_batch_size=8,
 MODELS = os.path.join(os.path.dirname(__file__), "..", "examples", "models")
 HF_SPEC = get_model(os.path.join(MODELS, "hf-llama-tiny"))
 QWEN2_SPEC = get_model(os.path.join(MODELS, "hf-qwen2-tiny"))  # tied embeddings, TP-able blocks
+MIXTRAL_SPEC = get_model(os.path.join(MODELS, "hf-mixtral-tiny"))  # 4 experts, 2 a token, each whole on a rank
 GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, learned positions
 PADDED = "hf pp=2 x dp=2 (DDP) left-padded dict batches from a DataLoader, memx's token-mean loss"
 
@@ -168,6 +178,12 @@ CASES = {
     "qwen2 tied tp=2 x pp=2 uneven 6/2, the stages on two vendors (tied gradients over the bridge)":
         ("hf-qwen2-tiny", make_plan(QWEN2_SPEC, [((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2,
                                     global_batch_size=4), "auto", TWO_VENDORS),
+    "mixtral pp=2 x dp=2 (FSDP2) uneven 5/3 selective/full":
+        ("hf-mixtral-tiny", make_plan(MIXTRAL_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
+                                      micro_batch_size=2), "fsdp", None),
+    "mixtral pp=2 x dp=2 (DDP) uneven 3/5 none/full, the stages on two vendors":
+        ("hf-mixtral-tiny", make_plan(MIXTRAL_SPEC, [((0, 1), 3, "none"), ((2, 3), 5, "full")], dp=2), "auto",
+         TWO_VENDORS),
     "own block pp=2 x dp=2 uneven 3/1 full/selective":
         ("toy", make_plan(TOY_SPEC, [((0, 1), 3, "full"), ((2, 3), 1, "selective")], dp=2), "auto", None),
     "gpt2 tied pp=2 x dp=2 (FSDP2) uneven 3/5 full/none, the stages on two vendors":
@@ -340,6 +356,43 @@ def test_a_hugging_face_model_inside_a_wrapper_is_found_and_calibrated():
     [m] = calibrate(HF_SPEC, cpu, [Sample(1, 1, 16, "selective", HF_SPEC.num_kv_heads)], num_blocks=1, repeats=1,
                     block_factory=parts.block_probe)
     assert m.feasible and m.peak_memory_bytes > 0
+
+
+def test_a_mixture_of_experts_is_calibrated_with_its_own_hugging_face_block():
+    """memx's LLaMA block has no experts (it refuses to build one): memx-run measures the model's own."""
+    from memx_launch.models.llama import TransformerBlock
+    from memx_launch.profiling.kernel import calibrate
+    from memx_launch.profiling.space import Sample
+    from memx_launch.runtime.prepare import user_block_factory
+    from memx_launch.specs.cluster import DeviceType
+
+    factory = user_block_factory({"MEMX_MODEL": os.path.join(MODELS, "hf-mixtral-tiny")})
+    assert type(next(iter(factory("none").blocks.values()))).__name__ == "MixtralDecoderLayer"
+    cpu = DeviceType("cpu", "cpu", 8.0, 1.0, efficiency=1.0, memory_bandwidth_gbps=10)
+    none, full = calibrate(MIXTRAL_SPEC, cpu, [Sample(1, 2, 32, level, MIXTRAL_SPEC.num_kv_heads)
+                                               for level in ("none", "full")], num_blocks=3, repeats=1,
+                           block_factory=factory)
+    assert none.peak_memory_bytes > full.peak_memory_bytes > 0 and none.time_s > 0
+    with pytest.raises(ConfigError, match="model.num_experts"):
+        TransformerBlock(MIXTRAL_SPEC)
+
+
+def test_memx_s_runtime_takes_a_mixture_of_experts_with_each_expert_whole_on_a_rank():
+    import dataclasses
+
+    from memx_launch.planning.runtime_support import check_runnable, runnable_model
+
+    plan = make_plan(MIXTRAL_SPEC, [((0, 1), 4, "none"), ((2, 3), 4, "full")], dp=2)
+    assert check_runnable(plan) is plan
+    tp2 = make_plan(MIXTRAL_SPEC, [((0, 1), 4, "none"), ((2, 3), 4, "full")], tp=2)
+    with pytest.raises(ConfigError, match=r"TP 1, EP 1\); plan with --tp 1 --expert-parallel 1"):
+        check_runnable(tp2)
+    plan.training = {"expert_parallel": 2}
+    with pytest.raises(ConfigError, match="expert parallelism over 2 rank"):
+        check_runnable(plan)
+    # Calibration measures one block: dense blocks between the expert ones would go unmeasured.
+    with pytest.raises(ConfigError, match="dense blocks among its expert ones"):
+        runnable_model(dataclasses.replace(MIXTRAL_SPEC, moe_layer_step=2))
 
 
 def test_a_gelu_config_is_calibrated_with_its_own_hugging_face_block():

@@ -87,7 +87,7 @@ def test_bad_input_is_one_line_and_nothing_starts(tmp_path, case, monkeypatch, c
         bad = tmp_path / "bad.json"
         bad.write_text('{"version": 1, "model": ')
         argv, field = base + ["--plan", str(bad), TRAIN, "--model", "llama-tiny"], "--plan"
-    elif case == "mixture of experts":  # memx's runtime has no experts: refused before any worker calibrates
+    elif case == "mixture of experts":  # memx's own LLaMA has no experts: a catalog mixture is refused up front
         argv, field = base + [TRAIN, "--model", "mixtral-8x7b"], "--model"
     elif case == "plan for another model":
         plan = _tiny_plan(tmp_path)
@@ -481,3 +481,24 @@ def test_the_workers_run_pytorch_s_allocator_in_expandable_segments_unless_the_u
                 given and "PYTORCH_CUDA_ALLOC_CONF" or "default") in resolved["settings"].rows
         assert launcher.launch(args, resolved) == 0
     assert seen == ["expandable_segments:True", "max_split_size_mb:128"]
+
+
+def test_a_hugging_face_mixture_of_experts_is_planned_with_every_expert_whole_on_a_rank(tmp_path, capsys):
+    """memx-run trains a Hugging Face mixture as the user's module (tests/test_adapters.py): its search
+    keeps TP 1 and no expert parallelism, and a plan that splits the experts is refused."""
+    from memx_launch.planning.plan import Plan
+
+    target = tmp_path / "plan.json"
+    hf_train, mixtral = os.path.join(REPO, "examples", "train_hf.py"), os.path.join(REPO, "examples", "models",
+                                                                                     "hf-mixtral-tiny")
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan", str(target),
+                 hf_train, "--model", mixtral]) == 0
+    plan = Plan.load(str(target))
+    assert plan.model_spec.num_experts == 4 and max(plan.stage_tps) == 1
+    assert plan.training.get("expert_parallel", 1) == 1 and "ep=1" in capsys.readouterr().out
+    data = json.loads(target.read_text())
+    data["training"]["expert_parallel"] = 2
+    target.write_text(json.dumps(data))
+    assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
+                 hf_train, "--model", mixtral]) == 2
+    assert "--expert-parallel 1" in capsys.readouterr().err

@@ -142,6 +142,10 @@ class TransformerBlock(nn.Module):
         if not spec.gated_mlp:
             raise ConfigError("model.gated_mlp", f"{spec.name} uses a GELU MLP",
                               "the torch-native runtime builds LLaMA (SwiGLU) models only")
+        if spec.num_experts:
+            raise ConfigError("model.num_experts", f"{spec.name} is a mixture of experts, which memx's LLaMA block "
+                              "does not build", "train the model's own module (its config.json as --model, "
+                              "memx_launch.prepare in your script), or plan it with memx plan for Megatron-LM")
         if spec.hybrid_pattern:  # its layers are Mamba, attention, MLP or experts alone, not blocks
             raise ConfigError("model.hybrid_pattern", f"{spec.name} is a hybrid model",
                               "the torch-native runtime builds LLaMA blocks only: plan it with memx plan and "

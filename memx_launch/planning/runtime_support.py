@@ -13,10 +13,12 @@ from memx_launch.specs.training import TrainingSpec
 
 def runnable_model(model: ModelSpec, field: str = "--model",
                    instead: str = "plan it with memx plan and run it with Megatron-LM (memx export)") -> ModelSpec:
-    """``model`` where memx's runtime can train it: not a mixture of experts, latent attention,
-    multi-token prediction, an attention output gate nor a hybrid model (its blocks have none of them).
-    ``instead``: the refusal's way to run it elsewhere."""
-    unsupported = [what for what, present in (("a mixture of experts", model.num_experts),
+    """``model`` where memx's runtime can train it: not latent attention, multi-token prediction, an
+    attention output gate nor a hybrid model (its blocks have none of them); a mixture of experts
+    whose every block has them (its own module, each expert whole: :func:`check_runnable`; calibration
+    measures one block). ``instead``: the refusal's way to run it elsewhere."""
+    interleaved = model.num_experts and (model.dense_layers or model.moe_layer_step > 1)
+    unsupported = [what for what, present in (("dense blocks among its expert ones", interleaved),
                                                ("latent attention", model.kv_lora_rank),
                                                ("multi-token prediction", model.mtp_layers),
                                                ("Mamba, Gated DeltaNet and lone attention or MLP layers",
@@ -41,6 +43,11 @@ def check_runnable(plan: Plan) -> Plan:
         raise ConfigError("--plan", f"stage {empty[0]} holds no layers (an embedding-only or head-only stage), "
                           "which memx's runtime does not run", f"give every stage a layer, or {instead}")
     runnable_model(plan.model_spec, "--plan", instead)
+    experts = plan.training.get("expert_parallel", 1) * plan.training.get("expert_tensor_parallel", 1)
+    if plan.model_spec.num_experts and (max(plan.stage_tps) > 1 or experts > 1):
+        raise ConfigError("--plan", f"tp={plan.tp or plan.stage_tp}, expert parallelism over {experts} rank(s): memx's "
+                          "runtime trains a mixture of experts as its own module, every expert whole on each rank "
+                          "(TP 1, EP 1)", f"plan with --tp 1 --expert-parallel 1, or {instead}")
     short = [i for i, s in enumerate(plan.stages) if s.num_layers < plan.virtual_stages]
     if short:  # an interleaved end stage with a chunk of the embedding or the head alone
         raise ConfigError("--plan", f"stage {short[0]} holds fewer layers than its {plan.virtual_stages} chunks, "

@@ -164,6 +164,10 @@ def resolve(args) -> dict:
     if model_name is None:
         raise ConfigError("--model", "not given", "pass --model NAME to memx-run or to the script")
     model = runnable_model(get_model(model_name))
+    if model.num_experts and not os.path.exists(model_name) and not args.model_builder:
+        raise ConfigError("--model", f"{model.name} is a mixture of experts, which memx's own LLaMA does not build",
+                          "give the model's config.json as --model and train its own module (memx_launch.prepare), "
+                          "or plan it with memx plan for Megatron-LM")
     # What the workers read back with get_model: a config.json's path (absolute), else the catalog name.
     model_arg = os.path.abspath(model_name) if os.path.exists(model_name) else model.name
     settings.add("model", model.name, source)

@@ -48,9 +48,9 @@ def prepare(model: nn.Module, optimizer=None, *, data=None, loss_fn: Callable | 
 def user_block_factory(environ=os.environ):
     """memx-run --model-builder FILE:FUNCTION (MEMX_MODEL_BUILDER): FUNCTION(model, seed) from the
     script file builds the model, and calibration measures copies of its first block. Without it,
-    a Hugging Face config.json that memx's LLaMA cannot stand in for (a GELU MLP: GPT-2, OPT, Phi)
-    gives the model's own block, built from the config by transformers; else None (memx's LLaMA
-    block of the shape)."""
+    a Hugging Face config.json that memx's LLaMA cannot stand in for (a GELU MLP: GPT-2, OPT, Phi;
+    a mixture of experts: Mixtral, Qwen-MoE) gives the model's own block, built from the config by
+    transformers; else None (memx's LLaMA block of the shape)."""
     import importlib.util
     import json
     import sys
@@ -74,12 +74,16 @@ def _hf_block_factory(model_arg: str):
     from memx_launch.specs.catalog import get_model
 
     folder = model_arg if os.path.isdir(model_arg) else os.path.dirname(model_arg)
-    if not os.path.isfile(os.path.join(folder, "config.json")) or get_model(model_arg).gated_mlp:
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    spec = get_model(model_arg)
+    if spec.gated_mlp and not spec.num_experts:
         return None
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise ConfigError("--model", f"{model_arg} has a GELU MLP, which memx's own LLaMA block cannot measure "
+        what = "experts" if spec.num_experts else "a GELU MLP"
+        raise ConfigError("--model", f"{model_arg} has {what}, which memx's own LLaMA block cannot measure "
                           "in its place", "pip install -e '.[hf]' so that memx measures the model's own block, "
                           "or pass --model-builder FILE:FUNCTION") from None
     config = AutoConfig.from_pretrained(folder)
