@@ -58,6 +58,7 @@ MEGATRON_LM_ARGUMENTS = {
     "--recompute-granularity": dict(choices=["full", "selective"]),
     "--recompute-method": dict(choices=["uniform", "block"]), "--recompute-num-layers": dict(type=int),
     "--disable-bias-linear": dict(action="store_true"), "--optimizer": dict(choices=["adam", "sgd"]),
+    "--add-qkv-bias": dict(action="store_true"),
     "--cross-entropy-loss-fusion": dict(action="store_true"),
     "--no-masked-softmax-fusion": dict(action="store_false", dest="masked_softmax_fusion"),
     # mixed precision
@@ -82,7 +83,7 @@ MEGATRON_LM_ARGUMENTS = {
     "--moe-router-num-groups": dict(type=int), "--moe-router-group-topk": dict(type=int),
     "--moe-router-pre-softmax": dict(action="store_true"),
     "--expert-model-parallel-size": dict(type=int, default=1), "--expert-tensor-parallel-size": dict(type=int),
-    "--moe-shared-expert-intermediate-size": dict(type=int),
+    "--moe-shared-expert-intermediate-size": dict(type=int), "--moe-shared-expert-gate": dict(action="store_true"),
     "--overlap-moe-expert-parallel-comm": dict(action="store_true"), "--delay-wgrad-compute": dict(action="store_true"),
     "--fp4-format": dict(choices=["e2m1"]), "--fp4-recipe": dict(choices=["nvfp4", "custom"]),
     "--fp8-param-gather": dict(action="store_true"),
@@ -128,6 +129,7 @@ def _megatron_config(plan, args):
                   num_attention_heads=a.num_attention_heads,
                   num_query_groups=a.num_query_groups or a.num_attention_heads,
                   gated_linear_unit=a.swiglu, normalization=a.normalization, add_bias_linear=not a.disable_bias_linear,
+                  add_qkv_bias=a.add_qkv_bias,
                   layernorm_epsilon=a.norm_epsilon, hidden_dropout=a.hidden_dropout,
                   attention_dropout=a.attention_dropout, attention_backend=AttnBackend[a.attention_backend],
                   masked_softmax_fusion=a.masked_softmax_fusion, attention_softmax_in_fp32=a.attention_softmax_in_fp32,
@@ -157,6 +159,7 @@ def _megatron_config(plan, args):
                       expert_model_parallel_size=a.expert_model_parallel_size,
                       expert_tensor_parallel_size=a.expert_tensor_parallel_size,
                       moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
+                      moe_shared_expert_gate=a.moe_shared_expert_gate,
                       overlap_moe_expert_parallel_comm=a.overlap_moe_expert_parallel_comm,
                       delay_wgrad_compute=a.delay_wgrad_compute)
     if a.moe_layer_freq:  # Megatron-LM evaluates the list expression (moe_freq_type): ([0]*3+[1]*58)

@@ -183,6 +183,29 @@ def test_query_and_key_head_norms_are_read_counted_and_exported():
     assert "--qk-layernorm" in args and _megatron_config(plan, args).qk_layernorm
 
 
+def test_qwen2_s_qkv_biases_and_its_mixture_s_shared_expert_gate_are_exported_as_megatron_core_builds_them():
+    from one_node import H100, one_node
+    from test_exporters import _megatron_config
+
+    from memx_launch.planning.estimate import evaluate_layout
+    from memx_launch.planning.exporters import megatron_args
+    from memx_launch.specs.cluster import ClusterSpec
+    from memx_launch.specs.training import TrainingSpec
+
+    moe = {"model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+           "shared_expert_intermediate_size": 128}
+    for extra, gate in (({"model_type": "qwen2"}, False), (moe, True), ({"model_type": "llama"}, False)):
+        model = model_from_hf_dict({**SMALL, **extra}, extra["model_type"])
+        plan = evaluate_layout(model, ClusterSpec.from_dict(one_node(H100, 8, 450)),
+                               TrainingSpec(global_batch_size=8, seq_len=128, setup="megatron"),
+                               references=(1, 1, 1), tp=1, pp=1, dp=8, micro_batch_size=1, recompute="none")
+        args = megatron_args(plan).args
+        config = _megatron_config(plan, args)
+        qkv = extra["model_type"].startswith("qwen2")
+        assert ("--add-qkv-bias" in args) == config.add_qkv_bias == qkv, extra
+        assert config.moe_shared_expert_gate == gate if model.num_experts else "--moe-shared-expert-gate" not in args
+
+
 def test_what_autograd_saves_for_hugging_face_s_query_and_key_norms_is_the_model():
     """Qwen3's attention in bf16 on CPU with its per-head RMSNorms and with them taken out: the
     difference autograd saves is what ``activation_bytes`` counts for them with torch-op norms

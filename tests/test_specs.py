@@ -160,6 +160,25 @@ def test_falcon_cohere_mpt_bloom_and_gpt_neo_count_the_hugging_face_models_param
         sum(p.numel() for p in transformers.GPTNeoForCausalLM(neo).parameters()) == 2 * 3 * 64
 
 
+@pytest.mark.parametrize("folder", ["hf-qwen2-tiny", "hf-mixtral-tiny"])
+def test_qwen2_s_qkv_biases_and_the_mixtures_count_the_hugging_face_models_parameters(folder):
+    """Qwen2's q, k and v biases (and nothing else's), Qwen2-MoE's shared expert and its gate,
+    Qwen3-MoE's query and key norms, Mixtral's experts: each exactly."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    configs = [transformers.AutoConfig.from_pretrained(os.path.join(EXAMPLE_MODELS, folder)),
+               transformers.Qwen2MoeConfig(**small, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                           num_experts_per_tok=2, shared_expert_intermediate_size=96),
+               transformers.Qwen3MoeConfig(**small, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                           num_experts_per_tok=2, head_dim=16)]
+    for config in configs:
+        model = model_from_hf_dict(config.to_dict(), config.model_type)
+        assert model.total_params == \
+            sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()), config.model_type
+        assert model.qkv_bias == config.model_type.startswith("qwen2")
+        assert model.shared_expert_gate == (config.model_type == "qwen2_moe")
+
+
 def test_an_hf_config_is_named_by_its_folder_or_its_own_file_name(tmp_path):
     cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
            "intermediate_size": 128, "vocab_size": 100}
@@ -207,12 +226,15 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
                            "hybrid_pattern", "mamba_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups",
                            "mamba_conv_kernel", "mamba_chunk_size", "layer_kind", "linear_key_heads",
                            "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel",
-                           "linear_chunk_size", "attention_output_gate", "relu_mlp")}
+                           "linear_chunk_size", "attention_output_gate", "relu_mlp", "qkv_bias",
+                           "shared_expert_gate")}
     assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     gpt_style = dataclasses.replace(llama, layer_norm=True, linear_biases=True, position_embeddings=4096)
     assert gpt_style.signature() != llama.signature() and gpt_style.total_params > llama.total_params
     assert dataclasses.replace(llama, parallel_blocks=True).signature() != llama.signature()
     assert dataclasses.replace(llama, lm_head=False).signature() != llama.signature()
+    qwen2 = dataclasses.replace(llama, qkv_bias=True)
+    assert qwen2.signature() != llama.signature() and qwen2.total_params > llama.total_params
     assert dataclasses.replace(gpt_style, gated_mlp=False, relu_mlp=True).signature() != \
         dataclasses.replace(gpt_style, gated_mlp=False).signature()
 

@@ -84,9 +84,9 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = spec.head_dim
         self.window, self.chunk = (spec.sliding_window, spec.attention_chunk_size) if local else (0, 0)
-        self.wq = nn.Linear(spec.hidden_size, spec.q_hidden_size, bias=False)
-        self.wk = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=False)
-        self.wv = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=False)
+        self.wq = nn.Linear(spec.hidden_size, spec.q_hidden_size, bias=spec.qkv_bias)  # Qwen2's biases
+        self.wk = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=spec.qkv_bias)
+        self.wv = nn.Linear(spec.hidden_size, spec.kv_hidden_size, bias=spec.qkv_bias)
         self.wo = nn.Linear(spec.q_hidden_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, selective: bool) -> torch.Tensor:

@@ -136,7 +136,7 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
              "--position-embedding-type", "learned_absolute" if learned else "none" if spec.hybrid_pattern else "rope",
              "--normalization", "LayerNorm" if spec.layer_norm else "RMSNorm"]
     if not spec.linear_biases:
-        args.append("--disable-bias-linear")
+        args += ["--disable-bias-linear", *(["--add-qkv-bias"] if spec.qkv_bias else [])]
     if spec.gated_mlp:
         args.append("--swiglu")
     if not spec.tie_embeddings:
@@ -169,7 +169,8 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
             args += ["--moe-router-num-groups", str(spec.expert_groups),
                      "--moe-router-group-topk", str(spec.expert_groups_per_token)]
         if spec.shared_expert_ffn_hidden_size:
-            args += ["--moe-shared-expert-intermediate-size", str(spec.shared_expert_ffn_hidden_size)]
+            args += ["--moe-shared-expert-intermediate-size", str(spec.shared_expert_ffn_hidden_size),
+                     *(["--moe-shared-expert-gate"] if spec.shared_expert_gate else [])]
         if spec.dense_layers:  # the first blocks dense, of --ffn-hidden-size
             args += ["--moe-layer-freq", f"([0]*{spec.dense_layers}+[1]*{spec.num_layers - spec.dense_layers})"]
         elif spec.moe_layer_step > 1:  # dense blocks of --ffn-hidden-size between the expert ones

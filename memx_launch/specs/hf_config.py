@@ -18,6 +18,8 @@ from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
+# Model types whose q, k and v linears carry biases, the block's other linears none (by prefix: Qwen2, Qwen2-MoE).
+QKV_BIAS = ("qwen2",)
 # Model types whose config class ties the head to the embedding unless told otherwise (by prefix:
 # Gemma 2 and Gemma 3's text model are gemma2 and gemma3_text).
 TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon", "cohere", "bloom", "mpt")
@@ -132,6 +134,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         head_dim = 0 if cfg["head_dim"] * heads == cfg["hidden_size"] else cfg["head_dim"]
     tied = cfg.get("tie_word_embeddings", model_type.startswith(TIED_BY_DEFAULT))
     layer_norm, linear_biases = _norms_and_biases(cfg, model_type, where)
+    qkv_bias = model_type.startswith(QKV_BIAS)
     # Learned position tables: GPT-2's n_positions rows, GPT-Neo's max_position_embeddings, OPT's + 2 (its offset).
     positions = {"gpt2": cfg.get("max_position_embeddings") or 1024,
                  "gpt_neo": cfg.get("max_position_embeddings") or 2048,
@@ -158,6 +161,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         tie_embeddings=bool(tied),
         layer_norm=layer_norm,
         linear_biases=linear_biases,
+        qkv_bias=qkv_bias,
         position_embeddings=positions,
         parallel_blocks=parallel,
         lm_head=lm_head,
@@ -398,6 +402,7 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
             expert_ffn, dense_ffn = cfg["intermediate_size"], {"ffn_hidden_size": cfg["intermediate_size_mlp"]}
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
+            "shared_expert_gate": bool(shared) and model_type.startswith("qwen2_moe"),  # a sigmoid gate of h weights
             "dense_layers": cfg.get("first_k_dense_replace") or 0, "moe_layer_step": step, **dense_ffn,
             **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}
                if (cfg.get("n_group") or 1) > 1 else {})}

@@ -30,7 +30,8 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "mamba_groups": 8, "mamba_conv_kernel": 4, "mamba_chunk_size": 128, "layer_kind": "",
                          "linear_key_heads": 0, "linear_value_heads": 0, "linear_key_head_dim": 128,
                          "linear_value_head_dim": 128, "linear_conv_kernel": 4, "linear_chunk_size": 64,
-                         "attention_output_gate": False, "relu_mlp": False}
+                         "attention_output_gate": False, "relu_mlp": False, "qkv_bias": False,
+                         "shared_expert_gate": False}
 
 
 
@@ -61,6 +62,8 @@ class ModelSpec:
     """LayerNorm (a weight and a bias per norm), else RMSNorm (a weight)."""
     linear_biases: bool = False
     """A bias on every linear layer of the blocks (GPT-2, OPT, Phi)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value linears alone (the Qwen2 family; Megatron's ``--add-qkv-bias``)."""
     position_embeddings: int = 0
     """Rows of a learned position table beside the word embeddings (GPT-2: n_positions); 0: rotary."""
     parallel_blocks: bool = False
@@ -87,6 +90,8 @@ class ModelSpec:
     """Each expert's MLP width (Hugging Face's ``moe_intermediate_size``); 0: ``ffn_hidden_size``."""
     shared_expert_ffn_hidden_size: int = 0
     """Width of the MLP every token also runs through beside its routed experts (a shared expert); 0: none."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate on the shared expert's output, a weight per hidden unit (Qwen2-MoE; ``--moe-shared-expert-gate``)."""
     sliding_window: int = 0
     """Keys each query attends back to in a block with sliding-window attention (Mistral-7B v0.1,
     Gemma 2 and 3, GPT-OSS); 0: every block attends to the whole (causal) sequence."""
@@ -98,8 +103,7 @@ class ModelSpec:
     """Tokens of a chunk in a block with chunked attention (Llama 4): the sequence is cut into
     chunks of this many tokens and each query attends causally within its own chunk. 0: none."""
     post_norms: bool = False
-    """A norm on the attention's and on the MLP's output too, before each joins the residual
-    stream (Gemma 2 and 3's sandwich: four norms a block)."""
+    """A norm on the attention's and the MLP's output before the residual adds (Gemma 2 and 3: four a block)."""
     norm_weight_in_fp32: bool = False
     """Run as torch ops (unfused), a norm multiplies its weight in fp32 and keeps that fp32 product
     for the backward, casting after (Hugging Face's Gemma norms, ``x * (1 + w)``), where Llama's
@@ -112,13 +116,11 @@ class ModelSpec:
     """Multi-head latent attention (DeepSeek-V2 and V3): keys and values come up from a shared
     latent of this width (Hugging Face's ``kv_lora_rank``); ``attention_head_dim`` is then a head's
     part without positions (``qk_nope_head_dim``). 0: ordinary attention."""
-    q_lora_rank: int = 0
-    """With ``kv_lora_rank``: the queries' latent width (0: queries projected from the hidden state)."""
+    q_lora_rank: int = 0  # with kv_lora_rank: the queries' latent width (0: projected from the hidden state)
     rope_head_dim: int = 0
     """With ``kv_lora_rank``: the rotary part of a query and key head (``qk_rope_head_dim``), one
     rotary key shared by every head."""
-    v_head_dim: int = 0
-    """With ``kv_lora_rank``: one value head's width; 0: ``head_dim``."""
+    v_head_dim: int = 0  # with kv_lora_rank: one value head's width; 0: head_dim
     dense_layers: int = 0
     """With ``num_experts``: the first blocks run a dense MLP of ``ffn_hidden_size`` instead of
     experts (DeepSeek's ``first_k_dense_replace``)."""
@@ -144,11 +146,9 @@ class ModelSpec:
     mamba_head_dim: int = 64
     mamba_state_size: int = 128
     """The state each head keeps per channel (Mamba-2's d_state, Hugging Face's ``ssm_state_size``)."""
-    mamba_groups: int = 8
-    """Groups sharing one B and C projection (Hugging Face's ``n_groups``)."""
+    mamba_groups: int = 8  # groups sharing one B and C projection (Hugging Face's n_groups)
     mamba_conv_kernel: int = 4
-    mamba_chunk_size: int = 128
-    """Tokens of a chunk of the chunked scan (SSD; Megatron-Core's MambaMixer: 128)."""
+    mamba_chunk_size: int = 128  # tokens of a chunk of the chunked scan (SSD; Megatron-Core's MambaMixer: 128)
     linear_key_heads: int = 0
     """With ``G`` layers (Gated DeltaNet, Qwen3-Next's linear attention): its query and key heads;
     its value heads ``linear_value_heads`` (a multiple), each head's widths ``linear_key_head_dim``
@@ -285,7 +285,8 @@ class ModelSpec:
             return 0
         if not self.num_experts:
             return self._mlp_of(self.ffn_hidden_size)
-        return self.hidden_size * self.num_experts + self._mlp_of(self.shared_expert_ffn_hidden_size) + self.expert_params
+        return (self.hidden_size * (self.num_experts + self.shared_expert_gate)
+                + self._mlp_of(self.shared_expert_ffn_hidden_size) + self.expert_params)
 
     @property
     def active_ffn_hidden_size(self) -> int:
@@ -312,7 +313,7 @@ class ModelSpec:
     def bias_params(self) -> int:
         """The biases of one block's linear layers (QKV, output, MLP)."""
         if not self.linear_biases:
-            return 0
+            return self.q_hidden_size + 2 * self.kv_hidden_size if self.qkv_bias else 0
         mlp = (2 if self.gated_mlp else 1) * self.ffn_hidden_size + self.hidden_size
         return self.q_hidden_size + self.hidden_size + 2 * self.kv_hidden_size + mlp
 
@@ -416,7 +417,7 @@ class ModelSpec:
         """The shape of a mixture of experts' dense block (:attr:`dense_block_count`): experts replaced
         by a dense MLP of ``ffn_hidden_size``, every block so."""
         return replace(self, num_experts=0, experts_per_token=0, expert_ffn_hidden_size=0,
-                       shared_expert_ffn_hidden_size=0, dense_layers=0, moe_layer_step=1, mtp_layers=0,
+                       shared_expert_ffn_hidden_size=0, shared_expert_gate=False, dense_layers=0, moe_layer_step=1, mtp_layers=0,
                        expert_groups=0, expert_groups_per_token=0)
 
     @property
