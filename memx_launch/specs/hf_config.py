@@ -18,8 +18,11 @@ from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
-# Model types whose q, k and v linears carry biases, the block's other linears none (by prefix: Qwen2, Qwen2-MoE).
+# Model types whose q, k and v linears carry biases, the block's other linears none (by prefix: Qwen2,
+# Qwen2-MoE); others say it with a key: StableLM's use_qkv_bias, the Llama family's attention_bias
+# (Seed-OSS; Llama's own adds the output projection's h biases, which memx does not count).
 QKV_BIAS = ("qwen2",)
+QKV_BIAS_KEYS = ("use_qkv_bias", "attention_bias")
 # Model types whose config class ties the head to the embedding unless told otherwise (by prefix:
 # Gemma 2 and Gemma 3's text model are gemma2 and gemma3_text).
 TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon", "cohere", "bloom", "mpt")
@@ -134,7 +137,10 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         head_dim = 0 if cfg["head_dim"] * heads == cfg["hidden_size"] else cfg["head_dim"]
     tied = cfg.get("tie_word_embeddings", model_type.startswith(TIED_BY_DEFAULT))
     layer_norm, linear_biases = _norms_and_biases(cfg, model_type, where)
-    qkv_bias = model_type.startswith(QKV_BIAS)
+    for key in QKV_BIAS_KEYS:
+        if cfg.get(key) is not None:
+            require_type(cfg[key], bool, f"model ({where}).{key}")
+    qkv_bias = not linear_biases and (model_type.startswith(QKV_BIAS) or any(cfg.get(k) for k in QKV_BIAS_KEYS))
     # Learned position tables: GPT-2's n_positions rows, GPT-Neo's max_position_embeddings, OPT's + 2 (its offset).
     positions = {"gpt2": cfg.get("max_position_embeddings") or 1024,
                  "gpt_neo": cfg.get("max_position_embeddings") or 2048,
@@ -219,13 +225,16 @@ def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
 
 def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[bool, bool]:
     """(LayerNorm with a bias, a bias on every linear layer) of a family's blocks: GPT-2 style ones
-    both (OPT's ``enable_bias`` may drop the biases), Falcon LayerNorm and its ``bias`` key (none by
-    default); the Llama family and MPT neither (Hugging Face's MPT: weight-only norms, counted as
-    RMSNorm's weight, and no linear biases)."""
-    key, default = ("bias", False) if model_type == "falcon" else ("enable_bias", True)
+    both (OPT's ``enable_bias`` may drop the biases), StarCoder2's by its ``use_bias``, Falcon
+    LayerNorm and its ``bias`` key (none by default), StableLM LayerNorm alone; the Llama family
+    and MPT neither (Hugging Face's MPT: weight-only norms, counted as RMSNorm's weight, and no
+    linear biases)."""
+    if model_type == "stablelm":  # its q, k and v biases, if any: use_qkv_bias
+        return True, False
+    key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True)}.get(model_type, ("enable_bias", True))
     flag = cfg.get(key, default)
     require_type(flag, bool, f"model ({where}).{key}")
-    layer_norm = model_type in GPT_STYLE or model_type == "falcon"
+    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2")
     return layer_norm, layer_norm and flag
 
 
