@@ -179,9 +179,10 @@ def test_qwen2_s_qkv_biases_and_the_mixtures_count_the_hugging_face_models_param
         assert model.shared_expert_gate == (config.model_type == "qwen2_moe")
 
 
-def test_starcoder2_stablelm_and_seed_oss_count_their_norms_and_biases():
+def test_starcoder2_stablelm_seed_oss_and_glm4_count_their_norms_and_biases():
     """StarCoder2: LayerNorm and a bias on every linear (use_bias); StableLM: LayerNorm, q, k and v
-    biases with use_qkv_bias; Seed-OSS: q, k and v biases (attention_bias). Each exactly."""
+    biases with use_qkv_bias; Seed-OSS: q, k and v biases (attention_bias); GLM-4 those and its
+    sandwich norms, GLM-4's mixture without them. Each exactly."""
     transformers = pytest.importorskip("transformers")
     small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=100)
@@ -189,11 +190,13 @@ def test_starcoder2_stablelm_and_seed_oss_count_their_norms_and_biases():
                           (transformers.Starcoder2Config(**small, use_bias=False), (True, False, False)),
                           (transformers.StableLmConfig(**small), (True, False, False)),
                           (transformers.StableLmConfig(**small, use_qkv_bias=True), (True, False, True)),
-                          (transformers.SeedOssConfig(**small), (False, False, True))):
+                          (transformers.SeedOssConfig(**small), (False, False, True)),
+                          (transformers.Glm4Config(**small, head_dim=16, pad_token_id=0), (False, False, True))):
         model = model_from_hf_dict(config.to_dict(), config.model_type)
         assert (model.layer_norm, model.linear_biases, model.qkv_bias) == flags, config.model_type
         assert model.total_params == \
             sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()), flags
+        assert model.post_norms == (config.model_type == "glm4")
 
 
 def test_an_hf_config_is_named_by_its_folder_or_its_own_file_name(tmp_path):

@@ -52,8 +52,9 @@ DELTANET_KEYS = {"linear_key_heads": "linear_num_key_heads", "linear_value_heads
                  "linear_conv_kernel": "linear_conv_kernel_dim"}
 # Qwen3-Next's and Qwen3.5's layer_types: their Gated DeltaNet blocks beside whole-sequence attention ones.
 LINEAR_ATTENTION = "linear_attention"
-# Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich).
-POST_NORM_TYPES = ("gemma2", "gemma3")
+# Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich;
+# GLM-4's dense model, not its mixture glm4_moe).
+POST_NORM_TYPES = ("gemma2", "gemma3", "glm4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
 QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
@@ -174,7 +175,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
-        post_norms=model_type.startswith(POST_NORM_TYPES),
+        post_norms=model_type.startswith(POST_NORM_TYPES) and model_type != "glm4_moe",  # GLM-4's dense blocks
         norm_weight_in_fp32=model_type.startswith(GATED_GELU),  # Gemma's norms: (x * (1 + w)).to(dtype)
         **blocks,
         **latent,
