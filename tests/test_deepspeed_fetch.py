@@ -320,3 +320,25 @@ def test_a_search_over_stages_of_different_tp_prices_each_stages_linear_gathers_
     assert deepspeed.best.pp > 1 and fsdp.best.pp > 1
     assert "pipeline engine refuses ZeRO-3" in plan_report(deepspeed, cluster)
     assert "pipeline engine refuses ZeRO-3" not in plan_report(fsdp, cluster)
+
+
+def test_memx_plan_says_deepspeed_does_not_run_zero3_with_the_experts_split():
+    """DeepSpeed's engine asserts no MoE layer under ZeRO-3 (its export refuses such a plan): a
+    searched winner with expert parallelism says so; one that keeps every expert whole does not."""
+    from memx_launch.planning.report import plan_report
+    from memx_launch.planning.search import search
+    from memx_launch.planning.search_space import SearchSpace
+    from memx_launch.specs.catalog import get_model
+    from memx_launch.specs.cluster import ClusterSpec
+
+    a100 = {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 312, "memory_bandwidth_gbps": 2039,
+            "compute_capability": 8.0}
+    cluster = ClusterSpec.from_dict({"version": 1, "name": "two-dgx", "inter_node_gbps": 25, "device_types": {"a100": a100},
+                                     "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300, "nics": 8}] * 2})
+    training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="zero3")
+    space = dict(pipeline_degrees=(1,), micro_batch_sizes=(1,), recompute_levels=("full",))
+    split, whole = (search(get_model("mixtral-8x7b"), cluster, training, top_k=1,
+                           space=SearchSpace(**space, expert_degrees=degrees)) for degrees in ((2,), (1,)))
+    assert split.best.training["expert_parallel"] == 2
+    assert "DeepSpeed's MoE layers refuse ZeRO-3" in plan_report(split, cluster)
+    assert "DeepSpeed's MoE layers refuse ZeRO-3" not in plan_report(whole, cluster)

@@ -184,7 +184,7 @@ def deepspeed_json(plan: Plan) -> ConfigText:
                           "parallelism)", "export to Megatron-LM or torchtitan, or plan with --pp 1 --tp 1 --cp 1")
     dtype = tr.get("dtype", "bf16")
     experts = tr.get("expert_parallel", 1) * tr.get("expert_tensor_parallel", 1)
-    if stage == 3 and plan.model_spec.num_experts and experts > 1:  # runtime/engine.py asserts it of deepspeed.moe layers
+    if stage == 3 and plan.model_spec.num_experts and experts > 1:  # engine.py asserts it of deepspeed.moe layers
         raise ConfigError("plan", f"expert parallelism ({experts} ranks) with ZeRO-3: DeepSpeed's MoE layers refuse "
                           "ZeRO-3 (a Hugging Face mixture runs under it with its experts whole, EP 1)",
                           "plan with --expert-parallel 1, or --setup zero1 or zero2, or export to Megatron-LM")

@@ -185,6 +185,11 @@ def plan_report(result, cluster: ClusterSpec, rates=()) -> str:
         lines.append("note: DeepSpeed's pipeline engine refuses ZeRO-3: this plan prices DeepSpeed's fetching in "
                      "stages another framework must pipeline; a DeepSpeed run is one stage (--pp 1, on devices of "
                      "one type)")
+    experts = best.training.get("expert_parallel", 1) * best.training.get("expert_tensor_parallel", 1)
+    if experts > 1 and best.training.get("fully_sharded") and best.training.get("max_live_params"):
+        lines.append(f"note: DeepSpeed's MoE layers refuse ZeRO-3: this plan prices DeepSpeed's fetching with the "
+                     f"experts split over {experts} ranks, which no DeepSpeed run does; a Hugging Face mixture "
+                     "under ZeRO-3 keeps every expert whole (--expert-parallel 1)")
     if result.stats.pruned_too_few_microbatches:
         lines.append(f"left out: {result.stats.pruned_too_few_microbatches} candidates with fewer micro-batches "
                      "than stages (memx-run's pipeline schedule needs one per stage)")
