@@ -407,3 +407,18 @@ def test_a_gelu_config_is_calibrated_with_its_own_hugging_face_block():
     assert probe(h).shape == h.shape
     assert user_block_factory({"MEMX_MODEL": os.path.join(MODELS, "hf-llama-tiny")}) is None
     assert user_block_factory({"MEMX_MODEL": "llama-tiny"}) is None
+
+
+def test_a_layer_norm_config_is_calibrated_with_its_own_hugging_face_block(tmp_path):
+    """StableLM's block is gated like LLaMA's but normalises with LayerNorm, which memx's LLaMA does not build."""
+    import json
+
+    from memx_launch.runtime.prepare import user_block_factory
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "stablelm", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97, "use_qkv_bias": True}))
+    probe = user_block_factory({"MEMX_MODEL": str(tmp_path)})("none")
+    assert type(next(iter(probe.blocks.values()))).__name__ == "StableLmDecoderLayer"
+    h = torch.randn(2, 8, 32)
+    assert probe(h).shape == h.shape

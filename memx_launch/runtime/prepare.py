@@ -49,8 +49,8 @@ def user_block_factory(environ=os.environ):
     """memx-run --model-builder FILE:FUNCTION (MEMX_MODEL_BUILDER): FUNCTION(model, seed) from the
     script file builds the model, and calibration measures copies of its first block. Without it,
     a Hugging Face config.json that memx's LLaMA cannot stand in for (a GELU MLP: GPT-2, OPT, Phi;
-    a mixture of experts: Mixtral, Qwen-MoE) gives the model's own block, built from the config by
-    transformers; else None (memx's LLaMA block of the shape)."""
+    a mixture of experts: Mixtral, Qwen-MoE; LayerNorm: StableLM) gives the model's own block,
+    built from the config by transformers; else None (memx's LLaMA block of the shape)."""
     import importlib.util
     import json
     import sys
@@ -77,12 +77,12 @@ def _hf_block_factory(model_arg: str):
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return None
     spec = get_model(model_arg)
-    if spec.gated_mlp and not spec.num_experts:
+    if spec.gated_mlp and not spec.num_experts and not spec.layer_norm:
         return None
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        what = "experts" if spec.num_experts else "a GELU MLP"
+        what = "experts" if spec.num_experts else "a GELU MLP" if not spec.gated_mlp else "LayerNorm"
         raise ConfigError("--model", f"{model_arg} has {what}, which memx's own LLaMA block cannot measure "
                           "in its place", "pip install -e '.[hf]' so that memx measures the model's own block, "
                           "or pass --model-builder FILE:FUNCTION") from None
