@@ -427,3 +427,28 @@ def test_every_setup_and_run_flag_is_documented_in_the_readme_and_docs_setups():
         flag = "--" + name.replace("_", "-")
         named = re.compile(re.escape(flag) + r"(?![\w-])")  # --flash-attention is not --flash-attention-version
         assert named.search(readme) and named.search(setups), flag
+
+
+def test_plan_for_memx_run_searches_what_memx_run_runs(tmp_path, capsys):
+    """GPT-2's blocks have no TP plan of memx's and a mixture's experts stay whole under memx-run:
+    memx plan --setup memx-run keeps to TP 1 and EP 1, as memx-run's own search does, so that
+    memx-run --plan takes its plan."""
+    from memx_launch.planning.runtime_support import check_runnable
+
+    cluster = os.path.join(CLUSTERS, "cpu-emulated.yaml")
+    models = os.path.join(ROOT, "examples", "models")
+    for name in ("hf-gpt2-tiny", "hf-mixtral-tiny"):
+        out_json = tmp_path / f"{name}.json"
+        code, _, _ = run(capsys, "plan", "--model", os.path.join(models, name), "--cluster", cluster,
+                         "--setup", "memx-run", "--quiet", "--json", str(out_json))
+        assert code == 0
+        plan = Plan.load(str(out_json))
+        assert max(plan.stage_tps) == 1 and plan.training.get("expert_parallel", 1) == 1
+        assert plan.num_microbatches >= plan.pp
+        check_runnable(plan)
+        # Another setup searches TP (and EP) for other frameworks.
+        code, out, _ = run(capsys, "plan", "--model", os.path.join(models, name), "--cluster", cluster, "--quiet")
+        assert code == 0 and "tp=2" in out
+    code, _, err = run(capsys, "plan", "--model", os.path.join(models, "hf-gpt2-tiny"), "--cluster", cluster,
+                       "--setup", "memx-run", "--tp", "2")
+    assert code == 2 and "leaves out TP 1" in one_error_line(err)

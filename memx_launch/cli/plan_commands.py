@@ -75,6 +75,7 @@ def run_plan(args) -> int:
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_slowdown, parse_weights
     from memx_launch.planning.shard_hint import hybrid_sharding_hint
+    from memx_launch.planning.runtime_support import tp_one_restriction
 
     if not 1 <= args.top <= 10_000:
         raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
@@ -94,15 +95,23 @@ def run_plan(args) -> int:
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = cost_model_from_args(args, model, cluster, training)
 
+    restrictions = restrictions_from_args(args)
+    # --setup memx-run searches what memx-run's own search does: TP 1 for blocks memx has no TP plan
+    # for (a mixture's among them), each expert whole, one micro-batch per stage at least.
+    memx_run = training.setup == "memx-run"
+    if memx_run and not model.tensor_parallel_blocks:
+        restrictions["tp_degrees"] = tp_one_restriction(restrictions.get("tp_degrees"), "--model")
+    searches_experts = not memx_run and not args.expert_parallel
     space = SearchSpace(memory_headroom=args.memory_headroom,
                         max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
                         per_type_tp=args.per_type_tp, per_type_dp=args.per_type_dp, mixed_stages=args.mixed_stages,
-                        cp_degrees=tuple(args.cp) if args.cp else None, **restrictions_from_args(args),
+                        cp_degrees=tuple(args.cp) if args.cp else None, **restrictions,
                         shard_degrees=tuple(args.shard_degrees) if args.shard_degrees else None,
+                        fewer_microbatches_than_stages=not memx_run,
                         # A mixture of experts without --expert-parallel / --expert-tensor-parallel: the
                         # search tries the degrees.
-                        expert_degrees=None if args.expert_parallel else experts.search_degrees(model, cluster.world_size),
-                        expert_tensor_degrees=None if args.expert_tensor_parallel
+                        expert_degrees=experts.search_degrees(model, cluster.world_size) if searches_experts else None,
+                        expert_tensor_degrees=None if args.expert_tensor_parallel or memx_run
                         else experts.search_tensor_degrees(model, cluster))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))

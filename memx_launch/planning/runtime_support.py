@@ -31,6 +31,18 @@ def runnable_model(model: ModelSpec, field: str = "--model",
     return model
 
 
+def tp_one_restriction(tp_degrees, blocks: str | None) -> tuple[int, ...] | None:
+    """The TP degrees memx's runtime searches where ``blocks`` (what names them: ``--model``,
+    ``--model-builder``) have no tensor-parallel plan of memx's: TP 1, which ``tp_degrees`` (the
+    ``--tp`` given, or None) must hold; ``tp_degrees`` unchanged where ``blocks`` is None."""
+    if blocks is None:
+        return tp_degrees
+    if 1 not in (tp_degrees or (1,)):
+        raise ConfigError("--tp", f"{list(tp_degrees)} leaves out TP 1, the only degree the {blocks} blocks train with",
+                          "drop --tp or include 1")
+    return (1,)
+
+
 def check_runnable(plan: Plan) -> Plan:
     """``plan`` where memx's runtime can run it; a one-line refusal otherwise, pointing to
     Megatron-LM, which cannot run a plan across communication domains: such a plan is sent to
