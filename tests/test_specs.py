@@ -162,21 +162,25 @@ def test_falcon_cohere_mpt_bloom_and_gpt_neo_count_the_hugging_face_models_param
 
 @pytest.mark.parametrize("folder", ["hf-qwen2-tiny", "hf-mixtral-tiny"])
 def test_qwen2_s_qkv_biases_and_the_mixtures_count_the_hugging_face_models_parameters(folder):
-    """Qwen2's q, k and v biases (and nothing else's), Qwen2-MoE's shared expert and its gate,
-    Qwen3-MoE's query and key norms, Mixtral's experts: each exactly."""
+    """Qwen2's q, k and v biases (and nothing else's), Qwen2-MoE's and Qwen3-Next's shared expert and
+    its gate, Qwen3-MoE's query and key norms, Mixtral's experts: each exactly."""
     transformers = pytest.importorskip("transformers")
     small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
     configs = [transformers.AutoConfig.from_pretrained(os.path.join(EXAMPLE_MODELS, folder)),
                transformers.Qwen2MoeConfig(**small, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                                            num_experts_per_tok=2, shared_expert_intermediate_size=96),
                transformers.Qwen3MoeConfig(**small, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-                                           num_experts_per_tok=2, head_dim=16)]
+                                           num_experts_per_tok=2, head_dim=16),
+               transformers.Qwen3NextConfig(**small, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                            num_experts_per_tok=2, shared_expert_intermediate_size=32, head_dim=16,
+                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                            linear_value_head_dim=16, full_attention_interval=2)]
     for config in configs:
         model = model_from_hf_dict(config.to_dict(), config.model_type)
         assert model.total_params == \
             sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()), config.model_type
         assert model.qkv_bias == config.model_type.startswith("qwen2")
-        assert model.shared_expert_gate == (config.model_type == "qwen2_moe")
+        assert model.shared_expert_gate == (config.model_type in ("qwen2_moe", "qwen3_next"))
 
 
 def test_starcoder2_stablelm_seed_oss_and_glm4_count_their_norms_and_biases():

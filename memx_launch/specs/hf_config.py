@@ -23,6 +23,8 @@ TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
 # (Seed-OSS; Llama's own adds the output projection's h biases, which memx does not count).
 QKV_BIAS = ("qwen2",)
 QKV_BIAS_KEYS = ("use_qkv_bias", "attention_bias")
+# Model types whose shared expert's output passes a sigmoid gate of h weights (by prefix).
+SHARED_EXPERT_GATE = ("qwen2_moe", "qwen3_next", "qwen3_5_moe")
 # Model types whose config class ties the head to the embedding unless told otherwise (by prefix:
 # Gemma 2 and Gemma 3's text model are gemma2 and gemma3_text).
 TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon", "cohere", "bloom", "mpt")
@@ -412,7 +414,7 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
             expert_ffn, dense_ffn = cfg["intermediate_size"], {"ffn_hidden_size": cfg["intermediate_size_mlp"]}
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
-            "shared_expert_gate": bool(shared) and model_type.startswith("qwen2_moe"),  # a sigmoid gate of h weights
+            "shared_expert_gate": bool(shared) and model_type.startswith(SHARED_EXPERT_GATE),
             "dense_layers": cfg.get("first_k_dense_replace") or 0, "moe_layer_step": step, **dense_ffn,
             **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}
                if (cfg.get("n_group") or 1) > 1 else {})}
