@@ -95,16 +95,16 @@ def test_each_layer_holds_hugging_faces_parameters(family, module, config, sizes
     deltanet, attention = hf.model.layers[0], hf.model.layers[3]
     assert kinds["gated_deltanet"].layer_params == count(deltanet.linear_attn, deltanet.input_layernorm)
     assert kinds["attention"].layer_params == count(attention.self_attn, attention.input_layernorm)
-    gate = count(deltanet.mlp.shared_expert_gate) if model.num_experts else 0  # h a block, not counted
     assert kinds["moe" if model.num_experts else "mlp"].layer_params == \
-        count(deltanet.mlp, deltanet.post_attention_layernorm) - gate
+        count(deltanet.mlp, deltanet.post_attention_layernorm)  # a mixture's shared expert gate counted too
+    assert model.shared_expert_gate == bool(model.num_experts)
     dense = [i for i, layer in enumerate(hf.model.layers) if not hasattr(layer.mlp, "shared_expert_gate")]
     assert model.hybrid_pattern[1::2] == "".join("-" if i in dense else "E" if model.num_experts else "-"
                                                  for i in range(4))
     if model.num_experts and dense:  # Qwen3-Next's dense blocks among the expert ones
         layer = hf.model.layers[dense[0]]
         assert kinds["mlp"].layer_params == count(layer.mlp, layer.post_attention_layernorm)
-    assert model.total_params == count(hf) - (4 - len(dense)) * gate
+    assert model.total_params == count(hf)
 
 
 def test_tp_must_divide_the_deltanet_key_heads():

@@ -48,8 +48,8 @@ def deltanet_args(spec: ModelSpec) -> tuple[list[str], list[str]]:
         args += ["--moe-layer-freq", str(experts).replace(" ", "")]
     return args, ["Gated DeltaNet blocks run FLA's chunked kernels (flash-linear-attention installed), whose chunk "
                   f"is 64 tokens (the plan priced {spec.linear_chunk_size}); add what memx does not count of the "
-                  "model: Qwen3-Next's partial rotary share (--rotary-percent 0.25), its shared expert's gate "
-                  "(--moe-shared-expert-gate) and zero-centred norms (--apply-layernorm-1p)"]
+                  "model: Qwen3-Next's partial rotary share (--rotary-percent 0.25) and zero-centred norms "
+                  "(--apply-layernorm-1p)"]
 
 
 def split_notes_of(plan: Plan) -> list[str]:

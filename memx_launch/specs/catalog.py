@@ -98,7 +98,7 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("qwen3-next-80b-a3b", 96, 2048, 16, 2, 5120, 151936, 8192, rope_theta=10000000.0, norm_eps=1e-6,
               attention_head_dim=256, qk_norm=True, hybrid_pattern="GEGEGE*E" * 12, linear_key_heads=16,
               linear_value_heads=32, attention_output_gate=True, num_experts=512, experts_per_token=10,
-              expert_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512),
+              expert_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512, shared_expert_gate=True),
 )}
 
 
