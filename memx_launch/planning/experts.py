@@ -103,17 +103,12 @@ def divides(layout, training: TrainingSpec) -> bool:
     return bool((ranks % (training.expert_parallel * training.expert_tensor_parallel) == 0).all())
 
 
-def _ranks_per_node(cluster: ClusterSpec, device_type: str) -> int:
-    """Devices of ``device_type`` a node holds at most: an expert-parallel group's NVLink domain."""
-    return max(n for node in cluster.nodes for t, n in node.devices if t == device_type)
-
-
 def ep_link_gbps(cluster: ClusterSpec, device_type: str, ep: int) -> float:
     """What an all-to-all of an expert-parallel group of ``ep`` consecutive ranks of one type moves
     per second of what leaves a rank, (EP - 1) / EP of its bytes: the node's links (as a TP group's)
     where one node holds the group; beyond, the share to the other nodes goes over the rank's
     network link while the share to its node's peers goes over the node's links at once."""
-    per_node = _ranks_per_node(cluster, device_type)
+    per_node = max(cluster.devices_per_node(device_type))  # an expert-parallel group's NVLink domain
     inside = tp_link_gbps(cluster, device_type, min(ep, per_node))
     if ep <= per_node:
         return inside
@@ -187,7 +182,7 @@ def exchange_seconds_per_byte(model: ModelSpec, training: TrainingSpec, cluster:
     ep, efficiency = training.expert_parallel, cluster.link_efficiency
     if training.expert_dispatcher != "flex":
         return model.experts_per_token * (ep - 1) / ep / (ep_link_gbps(cluster, device_type, ep) * efficiency * 1e9)
-    per_node = _ranks_per_node(cluster, device_type)
+    per_node = max(cluster.devices_per_node(device_type))
     inside, nodes = min(ep, per_node), max(ep // per_node, 1)
     seconds = (inside - 1) * hit_share(model, training, ep) / (tp_link_gbps(cluster, device_type, inside)
                                                                * efficiency * 1e9)

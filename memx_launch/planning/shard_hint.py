@@ -30,8 +30,7 @@ def node_shard_degree(plan: Plan, cluster: ClusterSpec) -> int | None:
     for stage, tp in zip(plan.stages, plan.stage_tps):
         if MIXED_SEPARATOR in stage.device_type:
             return None
-        node = min(n for each in cluster.nodes for t, n in each.devices if t == stage.device_type)
-        degrees.append(node // (tp * plan.cp))
+        degrees.append(min(cluster.devices_per_node(stage.device_type)) // (tp * plan.cp))
     degree = math.gcd(*degrees)
     dps = plan.stage_dps
     if degree < 2 or any(dp % degree for dp in dps) or max(dps) == degree:

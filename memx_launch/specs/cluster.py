@@ -270,6 +270,10 @@ class ClusterSpec:
         """Whether the job's ranks use more than one collective library."""
         return len(set(self.rank_domains())) > 1
 
+    def devices_per_node(self, device_type: str) -> list[int]:
+        """Devices of ``device_type`` on each node that holds some."""
+        return [n for node in self.nodes for t, n in node.devices if t == device_type]
+
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {d.name: 0 for d in self.device_types}
         for t in self.rank_device_types():
