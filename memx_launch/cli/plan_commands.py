@@ -75,7 +75,7 @@ def run_plan(args) -> int:
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_slowdown, parse_weights
     from memx_launch.planning.shard_hint import hybrid_sharding_hint
-    from memx_launch.planning.runtime_support import tp_one_restriction
+    from memx_launch.planning.runtime_support import tp_one_blocks, tp_one_restriction
 
     if not 1 <= args.top <= 10_000:
         raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
@@ -99,8 +99,8 @@ def run_plan(args) -> int:
     # --setup memx-run searches what memx-run's own search does: TP 1 for blocks memx has no TP plan
     # for (a mixture's among them), each expert whole, one micro-batch per stage at least.
     memx_run = training.setup == "memx-run"
-    if memx_run and not model.tensor_parallel_blocks:
-        restrictions["tp_degrees"] = tp_one_restriction(restrictions.get("tp_degrees"), "--model")
+    if memx_run:
+        restrictions["tp_degrees"] = tp_one_restriction(restrictions.get("tp_degrees"), tp_one_blocks(model))
     searches_experts = not memx_run and not args.expert_parallel
     space = SearchSpace(memory_headroom=args.memory_headroom,
                         max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,

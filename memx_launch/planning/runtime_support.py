@@ -31,10 +31,17 @@ def runnable_model(model: ModelSpec, field: str = "--model",
     return model
 
 
+def tp_one_blocks(model: ModelSpec, builder: bool = False) -> str | None:
+    """The flag naming blocks memx's runtime has no tensor-parallel plan for, which train with TP 1:
+    ``--model-builder`` (the user's own block), ``--model`` (a family other than Llama's, a
+    mixture's); None where memx splits the blocks by TP."""
+    return "--model-builder" if builder else None if model.tensor_parallel_blocks else "--model"
+
+
 def tp_one_restriction(tp_degrees, blocks: str | None) -> tuple[int, ...] | None:
-    """The TP degrees memx's runtime searches where ``blocks`` (what names them: ``--model``,
-    ``--model-builder``) have no tensor-parallel plan of memx's: TP 1, which ``tp_degrees`` (the
-    ``--tp`` given, or None) must hold; ``tp_degrees`` unchanged where ``blocks`` is None."""
+    """The TP degrees memx's runtime searches where ``blocks`` (:func:`tp_one_blocks`) train with
+    TP 1, which ``tp_degrees`` (the ``--tp`` given, or None) must hold; ``tp_degrees`` unchanged
+    where ``blocks`` is None."""
     if blocks is None:
         return tp_degrees
     if 1 not in (tp_degrees or (1,)):

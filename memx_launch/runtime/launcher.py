@@ -23,7 +23,7 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, path_component
 from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.runtime_support import check_runnable, runnable_model, tp_one_restriction
+from memx_launch.planning.runtime_support import check_runnable, runnable_model, tp_one_blocks, tp_one_restriction
 from memx_launch.planning.search import check_space
 from memx_launch.planning.search_space import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
@@ -271,8 +271,8 @@ def resolve(args) -> dict:
         builder = [os.path.abspath(path), function, model_arg]
         settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
     restrictions = restrictions_from_args(args)  # the job's search and re-plans (or only those) keep to these
-    tp_one = "--model-builder" if builder is not None else None if model.tensor_parallel_blocks else "--model"
-    if tp_one is not None:  # blocks memx has no tensor-parallel plan for train with TP 1
+    tp_one = tp_one_blocks(model, builder is not None)
+    if tp_one is not None:
         restrictions["tp_degrees"] = tp_one_restriction(restrictions.get("tp_degrees"), tp_one)
     restrictions.update({flag: True for flag in ("mixed_stages", "per_type_tp") if getattr(args, flag)})
     check_space(model, cluster if plan is None else None, training,  # what the job would refuse after calibrating
