@@ -43,10 +43,11 @@ def stage_gradient_sync(model: ModelSpec, training: TrainingSpec, layout, layers
     hybrid sharding (``shards``, :class:`~memx_launch.planning.hybrid_sharding.ShardGroups`) the
     sharded collectives run in the shard groups and each reduced shard is all-reduced over its replicas."""
     tp = layout.tp_degrees
-    link = (layout.dp_cp, gbps, layout.dp_nodes, layout.dp_hop) if shards is None else \
-        (shards.ranks, shards.gbps, shards.nodes, layout.dp_hop)
+    ranks = layout.dp_cp if shards is None else shards.ranks  # what the sharded states spread over
+    link = (ranks, gbps, layout.dp_nodes, layout.dp_hop) if shards is None else \
+        (ranks, shards.gbps, shards.nodes, layout.dp_hop)
     replicas = None if shards is None else (shards.replicas, shards.replica_gbps, shards.replica_nodes)
-    expert_dp = expert_data_parallel(training, tp, link[0])
+    expert_dp = expert_data_parallel(training, tp, ranks)
     if training.fully_sharded:
         dense, experts = rank_layer_params(model, training, tp)
         fetches = deepspeed_fetches(model, training, tp, stage_params) if training.max_live_params else None
