@@ -55,9 +55,9 @@ def two_vendors(shared_domain=False, **top):
     return ClusterSpec.from_dict(data)
 
 
-def estimate(cluster, **layout):
+def estimate(cluster, training=TRAINING, **layout):
     layout = {"tp": 1, "micro_batch_size": 1, "references": (1.0, 1.0, 1.0), **layout}
-    return evaluate_layout(MODEL, cluster, TRAINING, **layout)
+    return evaluate_layout(MODEL, cluster, training, **layout)
 
 
 def test_cross_domain_dp_group_costs_exactly_the_hierarchical_sync():
@@ -127,6 +127,27 @@ def test_crossing_pipeline_edge_costs_more_per_micro_batch_both_ways():
     assert (edge.kind, edge.stages) == ("pipeline", [0, 1])
     assert edge.bytes_per_step == 2 * g * hidden_bytes()
     assert edge.seconds_per_step == pytest.approx(2 * g * bridge)
+
+
+def test_a_partitioned_edge_stages_a_tp_th_over_the_bridge_and_gathers_natively():
+    # memx-run's sends (partitioned_sends): each TP rank of the nv-small pair sends its half of
+    # every hidden state to its amd-big peer, whose pair all-gathers the whole over its own link.
+    def plans(cluster, seq_len=TRAINING.seq_len):
+        return [estimate(cluster, tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"],
+                         training=TrainingSpec(**{**TRAINING.__dict__, "partitioned_sends": p, "seq_len": seq_len}))
+                for p in (False, True)]
+    whole, split = plans(two_vendors())
+    h, g = hidden_bytes(), split.num_microbatches
+    half = BRIDGE_LATENCY_S + h / 2 / (BRIDGE_GBPS * 1e9) + 2 * h / 2 / (HOST_COPY_GBPS * 1e9)
+    [edge] = split.crossings
+    assert edge.bytes_per_step == 2 * g * h / 2 == whole.crossings[0].bytes_per_step / 2
+    assert edge.seconds_per_step == pytest.approx(2 * g * (half + native_collective("all_gather", h, 2)), rel=1e-9)
+    # Here the pair's own link (PCIe-class, 1.6 GB/s) is no faster than the bridge: the gather costs what the
+    # half saved. Over a node's NVLink-class link, with hidden states of megabytes, the half is what the edge costs.
+    assert split.predicted_iteration_time_s > whole.predicted_iteration_time_s
+    whole, split = plans(two_vendors(nodes=[{**TWO_VENDORS["nodes"][0], "intra_node_gbps": 100}]), seq_len=4096)
+    assert split.crossings[0].seconds_per_step < 0.6 * whole.crossings[0].seconds_per_step
+    assert split.predicted_iteration_time_s < whole.predicted_iteration_time_s
 
 
 def test_interleaving_crosses_v_times_and_wraps_around():

@@ -96,9 +96,9 @@ CASES = {
     "DP replicas and pipelines both cross domains":
         (make_plan([((0, 1), 4, "none"), ((2, 3), 4, "full")], dp=2, micro_batch_size=1, global_batch_size=4,
                    device_type=MIXED), _cluster(["nv-small", "amd-big", "amd-big", "nv-small"])),
-    "tp=2 inside each domain x pp=2 across":
+    "tp=2 inside each domain x pp=2 across, each TP rank sending its half of every boundary tensor":
         (make_plan([((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2, global_batch_size=4,
-                   device_type="nv-small"), TWO_VENDORS),
+                   device_type="nv-small", training={"partitioned_sends": True}), TWO_VENDORS),
     "fully sharded DP replicas across domains: FSDP2 within each domain, the shards averaged over the bridge":
         (make_plan([((0, 1, 2, 3), 8, "selective")], dp=4, micro_batch_size=1, global_batch_size=8,
                    device_type=MIXED, training={"fully_sharded": True, "hold_gathered": "always"}), TWO_VENDORS),
@@ -126,6 +126,9 @@ def test_cross_domain_plans_match_the_single_process_reference():
                 assert diff < GRAD_ATOL, (name, rank, param, diff)
                 covered.add(param)
             crossed += messages
+            if plan.training.get("partitioned_sends"):  # the job's 4 ranks each stage half of each fp32 tensor
+                boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
+                assert nbytes == 4 * 2 * plan.num_microbatches * boundary // plan.tp, (name, rank, nbytes)
         assert covered == set(ref_grads), name
         assert crossed > 0, f"{name}: nothing took the bridge"
 
@@ -193,12 +196,13 @@ def test_communicator_sums_across_domains_and_strict_mode_refuses_what_would_bre
 
 
 
-def _stage_tp_plan(stages, stage_tp, micro_batch_size=1, global_batch_size=4, schedule="1f1b", virtual_stages=1):
+def _stage_tp_plan(stages, stage_tp, micro_batch_size=1, global_batch_size=4, schedule="1f1b", virtual_stages=1,
+                   training=None):
     """A plan like make_plan's with one TP degree per stage."""
     plan = Plan("llama-tiny", SPEC, "test", None, len(stages), 1, micro_batch_size, global_batch_size, 32, schedule,
                 virtual_stages, [StagePlan("nv-small", list(ranks), layers, recompute, 0.0, 0.0)
                                  for ranks, layers, recompute in stages],
-                0.0, Objective(1.0, "default", (0.4, 0.2, 0.4)), stage_tp=stage_tp)
+                0.0, Objective(1.0, "default", (0.4, 0.2, 0.4)), stage_tp=stage_tp, training=dict(training or {}))
     plan.validate()
     return plan
 
@@ -207,9 +211,10 @@ PER_STAGE_TP = {
     "tp 2|1 in one domain, 1f1b, gradients clipped": (
         _stage_tp_plan([((0, 1), 5, "selective"), ((2,), 3, "none")], [2, 1], micro_batch_size=2,
                        global_batch_size=4), _cluster(["nv-small"] * 3), 0.5),
-    "tp 1|2 across domains, interleaved": (
+    "tp 1|2 across domains, interleaved, a partitioning plan's edges between TP degrees sent whole": (
         _stage_tp_plan([((0,), 4, "none"), ((1, 2), 4, "full")], [1, 2], global_batch_size=4,
-                       schedule="interleaved", virtual_stages=2), _cluster(["nv-small", "amd-big", "amd-big"]), None),
+                       schedule="interleaved", virtual_stages=2, training={"partitioned_sends": True}),
+        _cluster(["nv-small", "amd-big", "amd-big"]), None),
 }
 
 

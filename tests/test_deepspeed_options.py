@@ -8,7 +8,7 @@ from estimates import cases_rows, cluster_file, estimated_plan
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning.data_parallel import data_parallel_sync_time, sync_allreduce_bytes
 from memx_launch.planning.estimate import evaluate_layout
-from memx_launch.planning.pipeline_sends import stage_send_seconds
+from memx_launch.planning.pipeline_sends import StageSends, send_parts
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -25,18 +25,20 @@ CLUSTER = ClusterSpec.from_dict(CLUSTER_DICT)
 def test_partitioned_sends_cross_the_slow_link_in_tp_pieces_and_gather_over_the_fast_one():
     nbytes = 2 * 4096 * MODEL.hidden_size * 2
     link = np.array([12.5, np.inf])  # stage 0 -> 1 between the nodes; the last stage sends nothing
-    whole, split = (stage_send_seconds(CLUSTER, TrainingSpec(partitioned_sends=p), nbytes, link, lambda: ["gpu", "gpu"], 4)
-                    for p in (False, True))
+    sends = StageSends(CLUSTER)
+    whole, split = (sends.seconds(nbytes, link, send_parts(TrainingSpec(partitioned_sends=p), [4, 4]),
+                                  lambda: ["gpu", "gpu"]) for p in (False, True))
     assert whole[0] == pytest.approx(cm.p2p_time(nbytes, 12.5 * CLUSTER.link_efficiency))
     # A quarter over the network, then an all-gather over NVLink: faster, never below the quarter.
     assert cm.p2p_time(nbytes / 4, 12.5 * CLUSTER.link_efficiency) < split[0] < whole[0] / 2
     assert whole[1] == split[1] == 0.0
     # The receivers' device types are asked for only when the sends are partitioned (the search's hot path).
-    assert stage_send_seconds(CLUSTER, TrainingSpec(), nbytes, link, lambda: 1 / 0, 4)[0] == whole[0]
-    # TP 1, or stages of different TP (None): nothing to partition.
-    for tp in (1, None):
-        assert stage_send_seconds(CLUSTER, TrainingSpec(partitioned_sends=True), nbytes, link, lambda: ["gpu", "gpu"],
-                                  tp)[0] == whole[0]
+    assert sends.seconds(nbytes, link, send_parts(TrainingSpec(), [4, 4]), lambda: 1 / 0)[0] == whole[0]
+    # TP 1, stages of different TP, or sequence parallelism's sends (split over TP already): nothing to partition.
+    partitioned = TrainingSpec(partitioned_sends=True)
+    assert send_parts(partitioned, [1, 1]).tolist() == [1, 1]
+    assert send_parts(partitioned, [2, 4, 4]).tolist() == [1, 4, 1]  # the last edge: the wrap-around to TP 2
+    assert send_parts(TrainingSpec(partitioned_sends=True, sequence_parallel=True), [4, 4]).tolist() == [1, 1]
 
 
 def test_partitioned_sends_shorten_a_pipeline_across_nodes():

@@ -235,9 +235,9 @@ EQUIVALENCE_CASES = {
                    micro_batch_size=1, global_batch_size=4, schedule="interleaved", virtual_stages=2), "fsdp"),
     "tp=2 x pp=2 uneven 6/2":
         (make_plan([((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2, global_batch_size=4), "fsdp"),
-    "tp=2 x pp=2 uneven 2/6, torchtitan's op-level selective recompute on DTensor blocks":
+    "tp=2 x pp=2 uneven 2/6, torchtitan's op-level selective recompute on DTensor blocks, sends partitioned over TP":
         (make_plan([((0, 1), 2, "none"), ((2, 3), 6, "selective")], tp=2, global_batch_size=4,
-                   training={"selective_recompute": "op"}), "fsdp"),
+                   training={"selective_recompute": "op", "partitioned_sends": True}), "fsdp"),
     "tp=2 x dp=2, one stage":
         (make_plan([((0, 1, 2, 3), 8, "selective")], tp=2, dp=2, micro_batch_size=2, global_batch_size=8), "auto"),
     "ddp dp=2 x pp=2":

@@ -100,8 +100,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("async-tp", "torch's AsyncTP (torchtitan's, needs sequence parallelism and compile): the "
                         "first forward's TP collectives in chunks behind its GEMMs, the backward's whole "
                         "(default off)"),
-                       ("partitioned-sends", "DeepSpeed's pipeline sends: 1/TP per rank, all-gathered over TP on "
-                        "receipt (default off)"),
+                       ("partitioned-sends", "DeepSpeed's and memx-run's pipeline sends: 1/TP per rank, all-gathered "
+                        "over TP on receipt (default off; setup memx-run: on)"),
                        ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32"),
                        ("full-gradient-allreduce", "a sharded optimizer all-reduces the whole gradients over "
                         "DP instead of reduce-scattering them (Aleph Alpha's scaling)"),

@@ -1,8 +1,8 @@
 """What one pipeline edge costs per micro-batch and direction: the stage boundary's activation
-(or its gradient) sent to the next stage, whole, or partitioned over the TP ranks as DeepSpeed's
-pipeline engine sends it (``pipe_partitioned`` / ``grad_partitioned``, on by default with TP):
-each TP rank sends 1/TP of it and the receiving stage all-gathers it over its TP group. No torch
-import."""
+(or its gradient) sent to the next stage, whole, or partitioned over the TP ranks (DeepSpeed's
+pipeline engine: ``pipe_partitioned`` / ``grad_partitioned``, on by default with TP; memx-run,
+where a partitioned edge between vendors stages a TP-th of the bytes through the host): each TP
+rank sends 1/TP of it and the receiving stage all-gathers it over its TP group. No torch import."""
 
 from __future__ import annotations
 
@@ -10,30 +10,59 @@ import numpy as np
 
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.costmodel import p2p_time
-from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
+from memx_launch.planning.tp_links import tp_link
 from memx_launch.planning.layouts import Layout
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
 
-def stage_send_seconds(cluster: ClusterSpec, training: TrainingSpec, nbytes, next_stage_gbps, receivers,
-                       tp: int | None) -> np.ndarray:
-    """(P,) seconds of one send of ``nbytes`` (one value, or one per edge) from each stage to the
-    next (``next_stage_gbps``, inf for none).
-    ``receivers()``: the device type name of each stage's next stage, asked only for partitioned
-    sends (the search's hot path needs none); ``tp``: the TP degree of every stage, None where
-    stages differ (the whole tensor crosses once: a resharding sender). Partitioned sends
-    (``training.partitioned_sends``) with TP > 1: 1/TP of the bytes over the link, then the
-    receiver's TP all-gather of the whole."""
-    gbps = np.asarray(next_stage_gbps, dtype=np.float64) * cluster.link_efficiency
-    if not training.partitioned_sends or tp is None or tp == 1:
-        return p2p_time(nbytes, gbps)
-    gather = np.array([collective_seconds("all_gather", edge_bytes, tp, tp_link_gbps(cluster, name, tp)
-                                          * cluster.link_efficiency, 1,
-                                          PCI if tp_over_pcie(cluster, name, tp) else NVLINK)
-                       for edge_bytes, name in zip(np.broadcast_to(nbytes, gbps.shape), receivers())])
-    return p2p_time(nbytes / tp, gbps) + np.where(np.isinf(gbps), 0.0, gather)
+def send_parts(training: TrainingSpec, stage_tp) -> np.ndarray:
+    """(P,) the parts each stage's send to the next (the last: the wrap-around) is split into:
+    the TP degree where both ends have it and the setup partitions its sends (``partitioned_sends``),
+    else 1, the whole tensor from every TP rank (a resharding sender between TP degrees; sequence
+    parallelism, whose sends are split over TP already)."""
+    tp = np.asarray(stage_tp, dtype=np.int64)
+    if not training.partitioned_sends or training.sequence_parallel:
+        return np.ones_like(tp)
+    return np.where(tp == np.roll(tp, -1), tp, 1)
+
+
+class StageSends:
+    """The sends between pipeline stages on one cluster. Each receiving TP group's gather is kept
+    once priced: the search asks the same ones again."""
+
+    def __init__(self, cluster: ClusterSpec):
+        self.cluster = cluster
+        self._gathers: dict[tuple[float, str, int], float] = {}
+
+    def gather_seconds(self, nbytes, parts, receivers) -> np.ndarray:
+        """(P,) seconds the next stage's TP ranks take to all-gather each edge's ``parts`` back
+        into the ``nbytes`` whole (0 on an edge sent whole). ``receivers()``: the device type name
+        of each stage's next stage, asked only where some edge is partitioned (the search's hot
+        path needs none)."""
+        parts = np.asarray(parts)
+        if (parts == 1).all():
+            return np.zeros(parts.shape)
+        return np.array([0.0 if k == 1 else self._gather(edge_bytes, name, int(k))
+                         for edge_bytes, k, name in zip(np.broadcast_to(nbytes, parts.shape), parts, receivers())])
+
+    def _gather(self, nbytes: float, device_type: str, tp: int) -> float:
+        key = (float(nbytes), device_type, tp)
+        if key not in self._gathers:
+            link = tp_link(self.cluster, device_type, tp)
+            gbps = link.gbps * self.cluster.link_efficiency
+            self._gathers[key] = float(collective_seconds("all_gather", nbytes, tp, gbps, 1,
+                                                          PCI if link.over_pcie else NVLINK))
+        return self._gathers[key]
+
+    def seconds(self, nbytes, next_stage_gbps, parts, receivers) -> np.ndarray:
+        """(P,) seconds of one send of ``nbytes`` (one value, or one per edge) from each stage to
+        the next (``next_stage_gbps``, inf for none) in :func:`send_parts`' ``parts``: a part over
+        the link, then the receivers' all-gather (:meth:`gather_seconds`)."""
+        gbps = np.asarray(next_stage_gbps, dtype=np.float64) * self.cluster.link_efficiency
+        gather = self.gather_seconds(nbytes, parts, receivers)
+        return p2p_time(np.asarray(nbytes) / parts, gbps) + np.where(np.isinf(gbps), 0.0, gather)
 
 
 def edge_micro_batch(layout: Layout, mbs: int):

@@ -28,7 +28,7 @@ from memx_launch.planning.layer_split import balance_layers
 from memx_launch.planning.model_states import (held_gradient_share, keeps_gathered, layer_state_bytes,
                                                parameters_per_rank, quantized_state_bytes,
                                                stage_state_bytes_by_part)
-from memx_launch.planning.pipeline_sends import edge_hidden_bytes, stage_send_seconds
+from memx_launch.planning.pipeline_sends import StageSends, edge_hidden_bytes, send_parts
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.hybrid_sharding import ShardLinks, bridged_syncs
 from memx_launch.planning.layouts import Layout
@@ -68,6 +68,7 @@ class Evaluator:
                                             for d in self.device_types])
         # A learned model brings the bridges calibration measured (else the cluster file's).
         self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))
+        self.sends = StageSends(cluster)
         self.shard_links = ShardLinks(cluster, training)  # hybrid sharding's groups of each layout
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
         self._edge_times: dict[tuple, np.ndarray] = {}
@@ -394,17 +395,18 @@ class Evaluator:
         hidden_bytes = edge_hidden_bytes(m, tr, layout, mbs, seq)
         def receivers():
             return [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
-        transfer = stage_send_seconds(self.cluster, tr, hidden_bytes, layout.next_stage_gbps, receivers,
-                                      layout.tp if layout.uniform_tp else None)
-        if layout.edge_crossings:
+        parts = send_parts(tr, layout.stage_tp)
+        transfer = self.sends.seconds(hidden_bytes, layout.next_stage_gbps, parts, receivers)
+        if layout.edge_crossings:  # a part staged through host memory over the bridge, gathered natively
             transfer = transfer.copy()
+            whole = np.broadcast_to(hidden_bytes, (layout.pp,))
+            gather = self.sends.gather_seconds(whole, parts, receivers)
             for edge in layout.edge_crossings:
-                wrap = edge.stage == layout.pp - 1
-                if not wrap or v > 1:
+                k = edge.stage
+                if k < layout.pp - 1 or v > 1:
                     # The wrap-around carries v - 1 of each micro-batch's v passes; the schedule charges v.
-                    share = (v - 1) / v if wrap else 1.0
-                    transfer[edge.stage] = share * self.bridges.edge_link(edge).transfer_time(
-                        np.broadcast_to(hidden_bytes, (layout.pp,))[edge.stage])
+                    share = (v - 1) / v if k == layout.pp - 1 else 1.0
+                    transfer[k] = share * (self.bridges.edge_link(edge).transfer_time(whole[k] / parts[k]) + gather[k])
         stage_params, shards = parameters_per_rank(m, tr, layout, layers, v), self.shard_links.state_shards(layout)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,

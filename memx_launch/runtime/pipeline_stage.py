@@ -29,7 +29,9 @@ class PipelineLinks:
     holds the whole activation at a stage boundary, so stage s's TP rank t receives activations
     from the previous stage's rank t mod tp(s-1) and sends its own to each next-stage rank u with
     u mod tp(s) == t; gradients go back by the same rule. Stages are taken modulo the pipeline
-    depth: under interleaving the last stage feeds the first."""
+    depth: under interleaving the last stage feeds the first. Between two stages of one TP degree
+    a partitioned plan (``partitioned_sends``) sends each peer a TP-th of the tensor, which the
+    receiving stage all-gathers over its TP group (planning/pipeline_sends.py prices it so)."""
 
     fwd_in: int
     fwd_out: tuple[int, ...]
@@ -37,16 +39,29 @@ class PipelineLinks:
     bwd_out: tuple[int, ...]
     groups: dict
     """Peer process rank -> the group of that edge (native in one domain, else a bridge)."""
+    prev_parts: int = 1
+    """The parts each transfer with the previous stage is split into (1: whole)."""
+    next_parts: int = 1
+    """The parts each transfer with the next stage is split into (1: whole)."""
+    tp_index: int = 0
+    """This rank's index in its stage's TP group (its rank there: groups number ranks in
+    ascending order, as the grid holds them): the part it sends and receives."""
+    tp_group: dist.ProcessGroup | None = None
+    """This stage's native TP group, which all-gathers what a partitioned edge delivers."""
 
     @classmethod
-    def of(cls, grid, stage: int, replica: int, tp_index: int, groups: dict) -> "PipelineLinks":
-        """``grid``: process ranks [stage][replica][tp index]."""
+    def of(cls, grid, stage: int, replica: int, tp_index: int, groups: dict,
+           tp_group: dist.ProcessGroup | None = None) -> "PipelineLinks":
+        """``grid``: process ranks [stage][replica][tp index]; ``tp_group``: this stage's TP group
+        where the plan partitions its sends, else None (every edge whole)."""
         p = len(grid)
         prev, nxt = grid[(stage - 1) % p][replica], grid[(stage + 1) % p][replica]
         tp = len(grid[stage][replica])
+        def parts(other) -> int:
+            return tp if tp_group is not None and len(other) == tp else 1
         return cls(fwd_in=prev[tp_index % len(prev)], fwd_out=tuple(r for u, r in enumerate(nxt) if u % tp == tp_index),
                    bwd_in=nxt[tp_index % len(nxt)], bwd_out=tuple(r for u, r in enumerate(prev) if u % tp == tp_index),
-                   groups=groups)
+                   groups=groups, prev_parts=parts(prev), next_parts=parts(nxt), tp_index=tp_index, tp_group=tp_group)
 
 
 class DomainPipelineStage(PipelineStage):
@@ -62,15 +77,19 @@ forward and backward run inside a span of ``clock``."""
         self.communicator = communicator
         self.links = links
         self.clock = clock
-        self._staged_recvs: dict[int, torch.Tensor] = {}  # id of a recv buffer -> the host copy filled for it
-        self._staged_sends: list[torch.Tensor] = []  # host copies alive until the step ends
+        self._staged_recvs: dict[int, torch.Tensor] = {}  # id of a recv tensor -> the host copy filled for it
+        self._received_parts: dict[int, torch.Tensor] = {}  # id of a recv buffer -> the part received for it
+        self._staged_sends: list[torch.Tensor] = []  # what a send reads, alive until the step ends
         self._vote: torch.Tensor | None = None
 
-    def forward_one_chunk(self, *args, **kwargs):
+    # Each chunk's receives are completed (unstaged, gathered) before its span: the clock times compute.
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        self._complete(self.args_recv_info[fwd_chunk_id])
         with self.clock.span():
-            return super().forward_one_chunk(*args, **kwargs)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self._complete(self.grad_recv_info.get(bwd_chunk_id, ()))
         with self.clock.span():
             result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         for info in (*self.args_recv_info.get(bwd_chunk_id, ()), *self.grad_recv_info.get(bwd_chunk_id, ())):
@@ -98,48 +117,60 @@ forward and backward run inside a span of ``clock``."""
         with self.clock.span():
             return super().backward_weight_one_chunk(*args, **kwargs)
 
-    def _op(self, op: dist.P2POp, peer: int, receiving: bool) -> dist.P2POp:
+    def _op(self, op: dist.P2POp, peer: int, receiving: bool, parts: int) -> dist.P2POp:
+        """``op`` to ``peer`` over its edge's group: a ``parts``-th of the tensor (this TP rank's)
+        where the edge is partitioned, staged through host memory where the group is a bridge."""
         comm = self.communicator
+        tensor = op.tensor
+        if parts > 1 and tensor.numel() % parts == 0:  # the peer splits by the same rule
+            if receiving:
+                tensor = torch.empty(tensor.numel() // parts, dtype=tensor.dtype, device=tensor.device)
+                self._received_parts[id(op.tensor)] = tensor
+            else:
+                tensor = tensor.detach().reshape(-1).chunk(parts)[self.links.tp_index].contiguous()
+                self._staged_sends.append(tensor)
         group = self.links.groups[peer]
         if not comm.is_bridge(group):
-            return dist.P2POp(op.op, op.tensor, peer, group)
+            return dist.P2POp(op.op, tensor, peer, group)
         if receiving:
-            host = comm.receive_buffer(op.tensor)
-            self._staged_recvs[id(op.tensor)] = host
+            host = comm.receive_buffer(tensor)
+            self._staged_recvs[id(tensor)] = host
         else:
-            host = comm.stage(op.tensor)
+            host = comm.stage(tensor)
             self._staged_sends.append(host)
         return dist.P2POp(op.op, host, peer, group)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
         self._allocate(self.args_recv_info[fwd_chunk_id])
-        return [self._op(op, self.links.fwd_in, True) for op in super().get_fwd_recv_ops(fwd_chunk_id)]
+        return [self._op(op, self.links.fwd_in, True, self.links.prev_parts)
+                for op in super().get_fwd_recv_ops(fwd_chunk_id)]
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int):
         self._allocate(self.grad_recv_info[bwd_chunk_id])
-        return [self._op(op, self.links.bwd_in, True) for op in super().get_bwd_recv_ops(bwd_chunk_id)]
+        return [self._op(op, self.links.bwd_in, True, self.links.next_parts)
+                for op in super().get_bwd_recv_ops(bwd_chunk_id)]
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
-        return [self._op(op, peer, False) for op in super().get_fwd_send_ops(fwd_chunk_id)
+        return [self._op(op, peer, False, self.links.next_parts) for op in super().get_fwd_send_ops(fwd_chunk_id)
                 for peer in self.links.fwd_out]
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
-        return [self._op(op, peer, False) for op in super().get_bwd_send_ops(bwd_chunk_id)
+        return [self._op(op, peer, False, self.links.prev_parts) for op in super().get_bwd_send_ops(bwd_chunk_id)
                 for peer in self.links.bwd_out]
 
-    def _unstage(self, recv_infos) -> None:
+    def _complete(self, recv_infos) -> None:
+        """Fill the buffers of a chunk's finished receives: host copies unstaged, parts all-gathered."""
         for info in recv_infos:
-            host = self._staged_recvs.pop(id(info.buffer), None) if info.buffer is not None else None
+            if info.is_root_arg or info.buffer is None:
+                continue
+            part = self._received_parts.pop(id(info.buffer), None)
+            received = info.buffer if part is None else part
+            host = self._staged_recvs.pop(id(received), None)
             if host is not None:
-                self.communicator.unstage(host, info.buffer)
-
-    def _retrieve_recv_activations(self, fwd_chunk_id: int):
-        self._unstage(self.args_recv_info[fwd_chunk_id])
-        return super()._retrieve_recv_activations(fwd_chunk_id)
-
-    def _retrieve_recv_grads(self, bwd_chunk_id: int):
-        self._unstage(self.grad_recv_info[bwd_chunk_id])
-        return super()._retrieve_recv_grads(bwd_chunk_id)
+                self.communicator.unstage(host, received)
+            if part is not None:
+                with torch.no_grad():
+                    dist.all_gather_single(info.buffer.view(-1), part, group=self.links.tp_group)
 
     def clear_runtime_states(self) -> None:
         super().clear_runtime_states()

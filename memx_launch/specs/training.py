@@ -176,8 +176,9 @@ class TrainingSpec:
     the backward's and a recompute's stay whole. Default off."""
     partitioned_sends: bool | None = None
     """DeepSpeed's pipeline sends (``pipeline.pipe_partitioned`` and ``grad_partitioned``, on by
-    default there with TP): each TP rank sends 1/TP of the stage's activation or gradient and
-    the receiving stage all-gathers it over TP. Off: the whole tensor crosses once. Default off."""
+    default there with TP) and memx-run's: between stages of one TP degree each TP rank sends 1/TP
+    of the stage's activation or gradient and the receiving stage all-gathers it over TP. Off:
+    every TP rank sends the whole tensor to its peer. Default off (``memx-run``: on)."""
     fp32_allreduce: bool | None = None
     """DeepSpeed's ``fp32_allreduce``, FSDP2's fp32 ``reduce_dtype`` over 16-bit weights: gradients
     reduced (and held, ``hold_gathered``) in fp32, 4 bytes each on the wire. Default off (``scaling``: on)."""
