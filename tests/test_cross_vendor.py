@@ -99,6 +99,9 @@ CASES = {
     "tp=2 inside each domain x pp=2 across, each TP rank sending its half of every boundary tensor":
         (make_plan([((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2, global_batch_size=4,
                    device_type="nv-small", training={"partitioned_sends": True}), TWO_VENDORS),
+    "interleaved v=2, tp=2 x pp=2 across, partitioned both ways (the wrap-around edge too)":
+        (make_plan([((0, 1), 5, "none"), ((2, 3), 3, "full")], tp=2, global_batch_size=4, schedule="interleaved",
+                   virtual_stages=2, device_type="nv-small", training={"partitioned_sends": True}), TWO_VENDORS),
     "fully sharded DP replicas across domains: FSDP2 within each domain, the shards averaged over the bridge":
         (make_plan([((0, 1, 2, 3), 8, "selective")], dp=4, micro_batch_size=1, global_batch_size=8,
                    device_type=MIXED, training={"fully_sharded": True, "hold_gathered": "always"}), TWO_VENDORS),
@@ -128,7 +131,8 @@ def test_cross_domain_plans_match_the_single_process_reference():
             crossed += messages
             if plan.training.get("partitioned_sends"):  # the job's 4 ranks each stage half of each fp32 tensor
                 boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
-                assert nbytes == 4 * 2 * plan.num_microbatches * boundary // plan.tp, (name, rank, nbytes)
+                crossings = 2 * plan.virtual_stages - 1  # per micro-batch: the edge v times, the wrap-around v - 1
+                assert nbytes == 4 * 2 * crossings * plan.num_microbatches * boundary // plan.tp, (name, rank, nbytes)
         assert covered == set(ref_grads), name
         assert crossed > 0, f"{name}: nothing took the bridge"
 
