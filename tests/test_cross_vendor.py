@@ -215,7 +215,7 @@ PER_STAGE_TP = {
     "tp 2|1 in one domain, 1f1b, gradients clipped": (
         _stage_tp_plan([((0, 1), 5, "selective"), ((2,), 3, "none")], [2, 1], micro_batch_size=2,
                        global_batch_size=4), _cluster(["nv-small"] * 3), 0.5),
-    "tp 1|2 across domains, interleaved, a partitioning plan's edges between TP degrees sent whole": (
+    "tp 1|2 across domains, interleaved, a partitioning plan's edges between TP degrees sent whole, once a pair": (
         _stage_tp_plan([((0,), 4, "none"), ((1, 2), 4, "full")], [1, 2], global_batch_size=4,
                        schedule="interleaved", virtual_stages=2, training={"partitioned_sends": True}),
         _cluster(["nv-small", "amd-big", "amd-big"]), None),
@@ -233,7 +233,7 @@ def test_stages_of_different_tp_degrees_match_the_reference():
             ref_grads = {k: g * min(1.0, clip / (norm + 1e-6)) for k, g in ref_grads.items()}
         covered = set()
         for rank in range(3):
-            losses, messages, _, grads, unpickled, _, _ = results[rank][i]
+            losses, messages, nbytes, grads, unpickled, _, _ = results[rank][i]
             assert unpickled == [], (name, rank, unpickled)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
             assert losses[1] < losses[0], (name, rank)
@@ -242,4 +242,7 @@ def test_stages_of_different_tp_degrees_match_the_reference():
                 assert diff < GRAD_ATOL, (name, rank, param, diff)
                 covered.add(param)
             assert (messages > 0) == cluster.crosses_domains, name
+            if cluster.crosses_domains:  # each tensor crosses once (staged at both ends), never once per receiver
+                boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
+                assert nbytes == 2 * 2 * (2 * plan.virtual_stages - 1) * plan.num_microbatches * boundary, (name, nbytes)
         assert covered == set(ref_grads), name

@@ -1,11 +1,12 @@
-"""DeepSpeed's pipeline-send and fp32 all-reduce options: partitioned sends (1/TP per rank over
-the link, the receiver's TP all-gather) and gradients reduced over DP in fp32. No torch."""
+"""Pipeline sends (DeepSpeed's and memx-run's partitioned sends: 1/TP per rank over the link, the
+receiver's TP all-gather; an edge between TP degrees: one whole tensor per rank pair, broadcast
+over the larger TP group) and DeepSpeed's fp32 all-reduce over DP. No torch."""
 
 import numpy as np
 import pytest
 from estimates import cases_rows, cluster_file, estimated_plan
 
-from memx_launch.planning import costmodel as cm
+from memx_launch.planning import collectives as co, costmodel as cm
 from memx_launch.planning.data_parallel import data_parallel_sync_time, sync_allreduce_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_sends import StageSends, send_parts
@@ -26,19 +27,30 @@ def test_partitioned_sends_cross_the_slow_link_in_tp_pieces_and_gather_over_the_
     nbytes = 2 * 4096 * MODEL.hidden_size * 2
     link = np.array([12.5, np.inf])  # stage 0 -> 1 between the nodes; the last stage sends nothing
     sends = StageSends(CLUSTER)
-    whole, split = (sends.seconds(nbytes, link, send_parts(TrainingSpec(partitioned_sends=p), [4, 4]),
+    whole, split = (sends.seconds(nbytes, link, [4, 4], send_parts(TrainingSpec(partitioned_sends=p), [4, 4]),
                                   lambda: ["gpu", "gpu"]) for p in (False, True))
     assert whole[0] == pytest.approx(cm.p2p_time(nbytes, 12.5 * CLUSTER.link_efficiency))
     # A quarter over the network, then an all-gather over NVLink: faster, never below the quarter.
     assert cm.p2p_time(nbytes / 4, 12.5 * CLUSTER.link_efficiency) < split[0] < whole[0] / 2
     assert whole[1] == split[1] == 0.0
     # The receivers' device types are asked for only when the sends are partitioned (the search's hot path).
-    assert sends.seconds(nbytes, link, send_parts(TrainingSpec(), [4, 4]), lambda: 1 / 0)[0] == whole[0]
+    assert sends.seconds(nbytes, link, [4, 4], send_parts(TrainingSpec(), [4, 4]), lambda: 1 / 0)[0] == whole[0]
     # TP 1, stages of different TP, or sequence parallelism's sends (split over TP already): nothing to partition.
     partitioned = TrainingSpec(partitioned_sends=True)
     assert send_parts(partitioned, [1, 1]).tolist() == [1, 1]
     assert send_parts(partitioned, [2, 4, 4]).tolist() == [1, 4, 1]  # the last edge: the wrap-around to TP 2
     assert send_parts(TrainingSpec(partitioned_sends=True, sequence_parallel=True), [4, 4]).tolist() == [1, 1]
+
+
+def test_an_edge_between_tp_degrees_crosses_once_a_pair_and_the_larger_group_broadcasts():
+    nbytes = 2 * 4096 * MODEL.hidden_size * 2
+    link = np.array([12.5, 12.5])  # interleaved: the last stage feeds the first
+    sends = StageSends(CLUSTER)
+    seconds = sends.seconds(nbytes, link, [2, 4], [1, 1], lambda: ["gpu", "gpu"])
+    # Only the transfers toward the TP 4 stage broadcast: half its broadcast is charged to each way, on both edges.
+    broadcast = float(co.collective_seconds("broadcast", nbytes, 4, 300 * CLUSTER.link_efficiency, 1, co.NVLINK))
+    assert seconds == pytest.approx(cm.p2p_time(nbytes, 12.5 * CLUSTER.link_efficiency) + broadcast / 2, rel=1e-9)
+    assert sends.receiving_seconds(nbytes, [4, 4], [1, 1], lambda: 1 / 0).tolist() == [0.0, 0.0]
 
 
 def test_partitioned_sends_shorten_a_pipeline_across_nodes():

@@ -29,40 +29,54 @@ def send_parts(training: TrainingSpec, stage_tp) -> np.ndarray:
 
 
 class StageSends:
-    """The sends between pipeline stages on one cluster. Each receiving TP group's gather is kept
-    once priced: the search asks the same ones again."""
+    """The sends between pipeline stages on one cluster (memx-run's, runtime/pipeline_stage.py):
+    TP rank t of a stage sends to TP rank t of the next, for t below the smaller TP degree, a
+    part or the whole, and the receiving stage completes it over its TP group: all-gathers the
+    parts of a partitioned edge, or, over an edge between TP degrees, broadcasts from the ranks
+    that received to the rest. Each receiving group's collective is kept once priced: the search
+    asks the same ones again."""
 
     def __init__(self, cluster: ClusterSpec):
         self.cluster = cluster
-        self._gathers: dict[tuple[float, str, int], float] = {}
+        self._collectives: dict[tuple[str, float, str, int], float] = {}
 
-    def gather_seconds(self, nbytes, parts, receivers) -> np.ndarray:
-        """(P,) seconds the next stage's TP ranks take to all-gather each edge's ``parts`` back
-        into the ``nbytes`` whole (0 on an edge sent whole). ``receivers()``: the device type name
-        of each stage's next stage, asked only where some edge is partitioned (the search's hot
-        path needs none)."""
-        parts = np.asarray(parts)
-        if (parts == 1).all():
-            return np.zeros(parts.shape)
-        return np.array([0.0 if k == 1 else self._gather(edge_bytes, name, int(k))
-                         for edge_bytes, k, name in zip(np.broadcast_to(nbytes, parts.shape), parts, receivers())])
+    def receiving_seconds(self, nbytes, stage_tp, parts, device_types) -> np.ndarray:
+        """(P,) seconds each edge's receiving stage takes to complete one transfer of ``nbytes``
+        (one value, or one per edge) over its TP group: the all-gather of a partitioned edge's
+        ``parts``; on an edge between TP degrees the broadcast over the larger group, which only
+        the transfers toward it run (half of it is charged each way); else 0. ``device_types()``:
+        each stage's device type name, asked only where some edge needs a collective (the
+        search's hot path needs none)."""
+        tp, parts = np.asarray(stage_tp), np.asarray(parts)
+        nxt = np.roll(tp, -1)
+        if (parts == 1).all() and (tp == nxt).all():
+            return np.zeros(tp.shape)
+        names = list(device_types())
+        seconds = np.zeros(tp.shape)
+        for k, edge_bytes in enumerate(np.broadcast_to(nbytes, tp.shape)):
+            if parts[k] > 1:
+                seconds[k] = self._collective("all_gather", edge_bytes, names[(k + 1) % len(names)], int(parts[k]))
+            elif tp[k] != nxt[k]:
+                larger = names[(k + 1) % len(names)] if nxt[k] > tp[k] else names[k]
+                seconds[k] = 0.5 * self._collective("broadcast", edge_bytes, larger, int(max(tp[k], nxt[k])))
+        return seconds
 
-    def _gather(self, nbytes: float, device_type: str, tp: int) -> float:
-        key = (float(nbytes), device_type, tp)
-        if key not in self._gathers:
+    def _collective(self, op: str, nbytes: float, device_type: str, tp: int) -> float:
+        key = (op, float(nbytes), device_type, tp)
+        if key not in self._collectives:
             link = tp_link(self.cluster, device_type, tp)
-            gbps = link.gbps * self.cluster.link_efficiency
-            self._gathers[key] = float(collective_seconds("all_gather", nbytes, tp, gbps, 1,
-                                                          PCI if link.over_pcie else NVLINK))
-        return self._gathers[key]
+            hop = PCI if link.over_pcie else NVLINK
+            self._collectives[key] = float(collective_seconds(op, nbytes, tp, link.gbps * self.cluster.link_efficiency,
+                                                              1, hop))
+        return self._collectives[key]
 
-    def seconds(self, nbytes, next_stage_gbps, parts, receivers) -> np.ndarray:
+    def seconds(self, nbytes, next_stage_gbps, stage_tp, parts, device_types) -> np.ndarray:
         """(P,) seconds of one send of ``nbytes`` (one value, or one per edge) from each stage to
         the next (``next_stage_gbps``, inf for none) in :func:`send_parts`' ``parts``: a part over
-        the link, then the receivers' all-gather (:meth:`gather_seconds`)."""
+        the link, then the receiving stage's collective (:meth:`receiving_seconds`)."""
         gbps = np.asarray(next_stage_gbps, dtype=np.float64) * self.cluster.link_efficiency
-        gather = self.gather_seconds(nbytes, parts, receivers)
-        return p2p_time(np.asarray(nbytes) / parts, gbps) + np.where(np.isinf(gbps), 0.0, gather)
+        receiving = self.receiving_seconds(nbytes, stage_tp, parts, device_types)
+        return p2p_time(np.asarray(nbytes) / parts, gbps) + np.where(np.isinf(gbps), 0.0, receiving)
 
 
 def edge_micro_batch(layout: Layout, mbs: int):

@@ -393,20 +393,21 @@ class Evaluator:
         step waits for and its optimizer step on the slowest of its device types (each (C, P))."""
         m, tr = self.model, self.training
         hidden_bytes = edge_hidden_bytes(m, tr, layout, mbs, seq)
-        def receivers():
-            return [self.device_types[d].name for d in np.roll(layout.replica_device[0], -1)]
+        def device_types():
+            return [self.device_types[d].name for d in layout.replica_device[0]]
         parts = send_parts(tr, layout.stage_tp)
-        transfer = self.sends.seconds(hidden_bytes, layout.next_stage_gbps, parts, receivers)
-        if layout.edge_crossings:  # a part staged through host memory over the bridge, gathered natively
+        transfer = self.sends.seconds(hidden_bytes, layout.next_stage_gbps, layout.stage_tp, parts, device_types)
+        if layout.edge_crossings:  # staged through host memory over the bridge, completed natively
             transfer = transfer.copy()
             whole = np.broadcast_to(hidden_bytes, (layout.pp,))
-            gather = self.sends.gather_seconds(whole, parts, receivers)
+            receiving = self.sends.receiving_seconds(whole, layout.stage_tp, parts, device_types)
             for edge in layout.edge_crossings:
                 k = edge.stage
                 if k < layout.pp - 1 or v > 1:
                     # The wrap-around carries v - 1 of each micro-batch's v passes; the schedule charges v.
                     share = (v - 1) / v if k == layout.pp - 1 else 1.0
-                    transfer[k] = share * (self.bridges.edge_link(edge).transfer_time(whole[k] / parts[k]) + gather[k])
+                    transfer[k] = share * (self.bridges.edge_link(edge).transfer_time(whole[k] / parts[k])
+                                           + receiving[k])
         stage_params, shards = parameters_per_rank(m, tr, layout, layers, v), self.shard_links.state_shards(layout)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,

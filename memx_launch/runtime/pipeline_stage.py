@@ -26,42 +26,62 @@ MAX_META_DIMS = 16
 @dataclass(frozen=True)
 class PipelineLinks:
     """The process ranks one rank exchanges pipeline transfers with. Every TP rank of a stage
-    holds the whole activation at a stage boundary, so stage s's TP rank t receives activations
-    from the previous stage's rank t mod tp(s-1) and sends its own to each next-stage rank u with
-    u mod tp(s) == t; gradients go back by the same rule. Stages are taken modulo the pipeline
-    depth: under interleaving the last stage feeds the first. Between two stages of one TP degree
+    holds the whole activation at a stage boundary. Between adjacent stages TP rank t of one
+    sends to TP rank t of the other, for each t below the smaller TP degree: where the receiving
+    stage has more TP ranks, its rank 0 broadcasts what it received over its TP group (each tensor
+    crosses the link once per pair, never once per receiver). Between two stages of one TP degree
     a partitioned plan (``partitioned_sends``) sends each peer a TP-th of the tensor, which the
-    receiving stage all-gathers over its TP group (planning/pipeline_sends.py prices it so)."""
+    receiving stage all-gathers over its TP group; planning/pipeline_sends.py prices both. Shape
+    metadata, exchanged once, reaches every rank directly: stage s's TP rank t takes it from the
+    previous stage's rank t mod tp(s-1) and gives it to each next-stage rank u with u mod tp(s) == t.
+    Gradients go back by the same rules; stages are taken modulo the pipeline depth (under
+    interleaving the last stage feeds the first)."""
 
-    fwd_in: int
+    fwd_in: int | None
+    """The rank this one receives activations from; None: its TP group's broadcast fills them."""
     fwd_out: tuple[int, ...]
-    bwd_in: int
+    bwd_in: int | None
     bwd_out: tuple[int, ...]
+    meta_fwd_in: int
+    meta_fwd_out: tuple[int, ...]
+    meta_bwd_in: int
+    meta_bwd_out: tuple[int, ...]
     groups: dict
     """Peer process rank -> the group of that edge (native in one domain, else a bridge)."""
     prev_parts: int = 1
     """The parts each transfer with the previous stage is split into (1: whole)."""
     next_parts: int = 1
     """The parts each transfer with the next stage is split into (1: whole)."""
+    prev_broadcast: bool = False
+    """What the previous stage sends is broadcast over this stage's TP group (it has more TP ranks)."""
+    next_broadcast: bool = False
+    """What the next stage sends back is broadcast over this stage's TP group."""
     tp_index: int = 0
     """This rank's index in its stage's TP group (its rank there: groups number ranks in
-    ascending order, as the grid holds them): the part it sends and receives."""
+    ascending order, as the grid holds them): its peer's index, the part it sends and receives."""
     tp_group: dist.ProcessGroup | None = None
-    """This stage's native TP group, which all-gathers what a partitioned edge delivers."""
+    """This stage's native TP group: its all-gathers and broadcasts of what arrives."""
 
     @classmethod
     def of(cls, grid, stage: int, replica: int, tp_index: int, groups: dict,
-           tp_group: dist.ProcessGroup | None = None) -> "PipelineLinks":
+           tp_group: dist.ProcessGroup | None = None, partitioned: bool = False) -> "PipelineLinks":
         """``grid``: process ranks [stage][replica][tp index]; ``tp_group``: this stage's TP group
-        where the plan partitions its sends, else None (every edge whole)."""
+        (None at TP 1); ``partitioned``: the plan partitions its sends."""
         p = len(grid)
         prev, nxt = grid[(stage - 1) % p][replica], grid[(stage + 1) % p][replica]
-        tp = len(grid[stage][replica])
+        tp, t = len(grid[stage][replica]), tp_index
+        def peer(other) -> int | None:
+            return other[t] if t < len(other) else None
+        def meta_out(other) -> tuple[int, ...]:
+            return tuple(r for u, r in enumerate(other) if u % tp == t)
         def parts(other) -> int:
-            return tp if tp_group is not None and len(other) == tp else 1
-        return cls(fwd_in=prev[tp_index % len(prev)], fwd_out=tuple(r for u, r in enumerate(nxt) if u % tp == tp_index),
-                   bwd_in=nxt[tp_index % len(nxt)], bwd_out=tuple(r for u, r in enumerate(prev) if u % tp == tp_index),
-                   groups=groups, prev_parts=parts(prev), next_parts=parts(nxt), tp_index=tp_index, tp_group=tp_group)
+            return tp if partitioned and len(other) == tp else 1
+        return cls(fwd_in=peer(prev), fwd_out=tuple(r for r in (peer(nxt),) if r is not None),
+                   bwd_in=peer(nxt), bwd_out=tuple(r for r in (peer(prev),) if r is not None),
+                   meta_fwd_in=prev[t % len(prev)], meta_fwd_out=meta_out(nxt),
+                   meta_bwd_in=nxt[t % len(nxt)], meta_bwd_out=meta_out(prev), groups=groups,
+                   prev_parts=parts(prev), next_parts=parts(nxt), prev_broadcast=tp > len(prev),
+                   next_broadcast=tp > len(nxt), tp_index=t, tp_group=tp_group)
 
 
 class DomainPipelineStage(PipelineStage):
@@ -84,12 +104,12 @@ forward and backward run inside a span of ``clock``."""
 
     # Each chunk's receives are completed (unstaged, gathered) before its span: the clock times compute.
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        self._complete(self.args_recv_info[fwd_chunk_id])
+        self._complete(self.args_recv_info[fwd_chunk_id], self.links.prev_broadcast)
         with self.clock.span():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        self._complete(self.grad_recv_info.get(bwd_chunk_id, ()))
+        self._complete(self.grad_recv_info.get(bwd_chunk_id, ()), self.links.next_broadcast)
         with self.clock.span():
             result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         for info in (*self.args_recv_info.get(bwd_chunk_id, ()), *self.grad_recv_info.get(bwd_chunk_id, ())):
@@ -142,13 +162,15 @@ forward and backward run inside a span of ``clock``."""
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
         self._allocate(self.args_recv_info[fwd_chunk_id])
-        return [self._op(op, self.links.fwd_in, True, self.links.prev_parts)
-                for op in super().get_fwd_recv_ops(fwd_chunk_id)]
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        peer = self.links.fwd_in
+        return [] if peer is None else [self._op(op, peer, True, self.links.prev_parts) for op in ops]
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int):
         self._allocate(self.grad_recv_info[bwd_chunk_id])
-        return [self._op(op, self.links.bwd_in, True, self.links.next_parts)
-                for op in super().get_bwd_recv_ops(bwd_chunk_id)]
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        peer = self.links.bwd_in
+        return [] if peer is None else [self._op(op, peer, True, self.links.next_parts) for op in ops]
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         return [self._op(op, peer, False, self.links.next_parts) for op in super().get_fwd_send_ops(fwd_chunk_id)
@@ -158,8 +180,9 @@ forward and backward run inside a span of ``clock``."""
         return [self._op(op, peer, False, self.links.prev_parts) for op in super().get_bwd_send_ops(bwd_chunk_id)
                 for peer in self.links.bwd_out]
 
-    def _complete(self, recv_infos) -> None:
-        """Fill the buffers of a chunk's finished receives: host copies unstaged, parts all-gathered."""
+    def _complete(self, recv_infos, broadcast: bool) -> None:
+        """Fill the buffers of a chunk's finished receives: host copies unstaged, parts all-gathered,
+        and where ``broadcast``, TP rank 0's buffer sent to the TP ranks that had no peer."""
         for info in recv_infos:
             if info.is_root_arg or info.buffer is None:
                 continue
@@ -168,9 +191,11 @@ forward and backward run inside a span of ``clock``."""
             host = self._staged_recvs.pop(id(received), None)
             if host is not None:
                 self.communicator.unstage(host, received)
-            if part is not None:
-                with torch.no_grad():
+            with torch.no_grad():
+                if part is not None:
                     dist.all_gather_single(info.buffer.view(-1), part, group=self.links.tp_group)
+                if broadcast:
+                    dist.broadcast(info.buffer, group_src=0, group=self.links.tp_group)
 
     def clear_runtime_states(self) -> None:
         super().clear_runtime_states()
@@ -193,13 +218,13 @@ forward and backward run inside a span of ``clock``."""
 
     def _send_meta(self, meta, dst_stage: int) -> None:
         forward = dst_stage == self.stage_index + 1
-        for peer in self.links.fwd_out if forward else self.links.bwd_out:
+        for peer in self.links.meta_fwd_out if forward else self.links.meta_bwd_out:
             group = self.links.groups[peer]
             with self.communicator.on_host():
                 send_json(encode_meta(meta), peer, group, self._meta_device(group))
 
     def _recv_meta(self, src_stage: int):
-        peer = self.links.fwd_in if src_stage == self.stage_index - 1 else self.links.bwd_in
+        peer = self.links.meta_fwd_in if src_stage == self.stage_index - 1 else self.links.meta_bwd_in
         group = self.links.groups[peer]
         with self.communicator.on_host():
             return decode_meta(recv_json(peer, group, self._meta_device(group)), peer)

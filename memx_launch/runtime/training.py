@@ -173,8 +173,8 @@ class Runtime:
                 group = comm.group([grid[s][d][lane % len(grid[s][d])] for s in range(p.pp)])
                 if d == dp_index and lane == tp_index:
                     self.pp_group = group
-        gather = self.tp_group if TrainingSpec(**p.training).partitioned_sends else None  # partitioned edges' TP gather
-        self.links = PipelineLinks.of(grid, stage, dp_index, tp_index, edge_groups, gather)
+        self.links = PipelineLinks.of(grid, stage, dp_index, tp_index, edge_groups, self.tp_group,
+                                      bool(TrainingSpec(**p.training).partitioned_sends))
 
     def _model_parts(self, model: torch.nn.Module, blocks: str | None) -> ModelParts:
         parts = ModelParts(model, blocks)
