@@ -99,7 +99,6 @@ forward and backward run inside a span of ``clock``."""
         self.clock = clock
         self._staged_recvs: dict[int, torch.Tensor] = {}  # id of a recv tensor -> the host copy filled for it
         self._received_parts: dict[int, torch.Tensor] = {}  # id of a recv buffer -> the part received for it
-        self._staged_sends: list[torch.Tensor] = []  # what a send reads, alive until the step ends
         self._vote: torch.Tensor | None = None
 
     # Each chunk's receives are completed (unstaged, gathered) before its span: the clock times compute.
@@ -139,7 +138,9 @@ forward and backward run inside a span of ``clock``."""
 
     def _op(self, op: dist.P2POp, peer: int, receiving: bool, parts: int) -> dist.P2POp:
         """``op`` to ``peer`` over its edge's group: a ``parts``-th of the tensor (this TP rank's)
-        where the edge is partitioned, staged through host memory where the group is a bridge."""
+        where the edge is partitioned, staged through host memory where the group is a bridge. A
+        send's copy lives in the op, then in the work the schedule waits on (gloo's send work holds
+        its tensor, NCCL stashes it): none outlives its wait, where a step's copies would pile up."""
         comm = self.communicator
         tensor = op.tensor
         if parts > 1 and tensor.numel() % parts == 0:  # the peer splits by the same rule
@@ -148,7 +149,6 @@ forward and backward run inside a span of ``clock``."""
                 self._received_parts[id(op.tensor)] = tensor
             else:
                 tensor = tensor.detach().reshape(-1).chunk(parts)[self.links.tp_index].contiguous()
-                self._staged_sends.append(tensor)
         group = self.links.groups[peer]
         if not comm.is_bridge(group):
             return dist.P2POp(op.op, tensor, peer, group)
@@ -157,7 +157,6 @@ forward and backward run inside a span of ``clock``."""
             self._staged_recvs[id(tensor)] = host
         else:
             host = comm.stage(tensor)
-            self._staged_sends.append(host)
         return dist.P2POp(op.op, host, peer, group)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
@@ -196,10 +195,6 @@ forward and backward run inside a span of ``clock``."""
                     dist.all_gather_single(info.buffer.view(-1), part, group=self.links.tp_group)
                 if broadcast:
                     dist.broadcast(info.buffer, group_src=0, group=self.links.tp_group)
-
-    def clear_runtime_states(self) -> None:
-        super().clear_runtime_states()
-        self._staged_sends.clear()
 
     # ---- torch's control plane
     def _warmup_forward_vote(self, has_backward, received_acc=None):
