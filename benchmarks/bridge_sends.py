@@ -5,8 +5,9 @@ and gradient, and the receiving stage all-gathers the whole over its own TP link
 (``--partitioned-sends``, on in ``--setup memx-run``; docs/setups.md). Over the bridge between
 vendors (gloo over TCP, staged through host memory: docs/clusters.md) that cuts the bytes each
 rank stages and sends by TP. This script runs memx-run's search (``--setup memx-run``) for
-LLaMA-2 13B and LLaMA-3 70B on two HGX H100 nodes and two MI300X nodes (NCCL and RCCL: every
-pipeline edge between them takes the bridge), sequence 4,096, global batch 256, bf16, with
+LLaMA-2 13B and LLaMA-3 70B on two HGX H100 nodes and two MI300X nodes
+(``examples/clusters/h100-mi300x.yaml``; NCCL and RCCL: every pipeline edge between them takes
+the bridge), sequence 4,096, global batch 256, bf16, with
 partitioned sends and with whole ones: each winner's layout, predicted step, peak memory and
 what crosses the bridge per rank and step. Predictions, not measurements: no run here checks them.
 
@@ -22,7 +23,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import GPUS, INTER_NODE_GBPS  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.planning.search import search  # noqa: E402
@@ -32,19 +32,7 @@ from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "bridge_sends.json")
 MODELS = ("llama2-13b", "llama3-70b")
-H100, H100_NVLINK = GPUS["h100_80gb"]
-# AMD Instinct MI300X (AMD's datasheet): 192 GB HBM3 at 5.3 TB/s, 1,307 TFLOPS dense BF16, each GPU
-# joined to the other seven by Infinity Fabric links of 64 GB/s per direction, 448 GB/s in all.
-MI300X = {"vendor": "amd", "memory_gib": 191.5, "peak_tflops": 1307, "memory_bandwidth_gbps": 5300}
-MI300X_FABRIC = 448
-CLUSTER = ClusterSpec.from_dict({
-    "version": 1, "name": "two-h100-two-mi300x-nodes",
-    "device_types": {"h100": H100, "mi300x": MI300X},
-    "nodes": [{"name": f"hgx{i}", "devices": {"h100": 8}, "intra_node_gbps": H100_NVLINK} for i in range(2)]
-    + [{"name": f"mi{i}", "devices": {"mi300x": 8}, "intra_node_gbps": MI300X_FABRIC, "gpu_link": "direct"}
-       for i in range(2)],
-    "inter_node_gbps": INTER_NODE_GBPS["h100_80gb"],  # a 400 Gb/s NIC per GPU
-})
+CLUSTER = ClusterSpec.from_yaml(os.path.join(ROOT, "examples", "clusters", "h100-mi300x.yaml"))
 
 
 def winner(model, partitioned: bool) -> dict:

@@ -298,3 +298,19 @@ def test_tied_embeddings_across_domains_cost_the_bridge_all_reduce_of_their_grad
     assert not [c for c in native.crossings if c.kind == "tied_embeddings"]
     assert crossing.predicted_iteration_time_s - native.predicted_iteration_time_s > bridge - 2 * (
         NATIVE_LATENCY_S + m / (LINK_GBPS * EFFICIENCY * 1e9))
+
+
+def test_two_vendor_example_plans_memx_run_s_partitioned_sends_across_the_bridge():
+    import os
+    cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
+                                                 "h100-mi300x.yaml"))
+    assert {d.name: d for d in cluster.device_types}.keys() == {"h100", "mi300x"} and cluster.crosses_domains
+    model = get_model("llama2-13b")
+    training = TrainingSpec(global_batch_size=256, seq_len=4096, dtype="bf16", setup="memx-run")
+    plan = search(model, cluster, training).best
+    [edge] = [c for c in plan.crossings if c.kind == "pipeline"]
+    assert plan.tp > 1 and set(edge.domains) == {"nccl", "rccl"}
+    # Each rank sends its TP-th of every hidden state forward and receives its TP-th of every gradient:
+    # 16-bit from stages memx-run shards (FSDP2 where TP > 1 and DP > 1), else autocast's fp32.
+    whole = plan.micro_batch_size * 4096 * model.hidden_size * (2 if plan.dp > 1 else 4)
+    assert edge.bytes_per_step == 2 * plan.num_microbatches * whole / plan.tp
