@@ -2,7 +2,9 @@
 (or its gradient) sent to the next stage, whole, or partitioned over the TP ranks (DeepSpeed's
 pipeline engine: ``pipe_partitioned`` / ``grad_partitioned``, on by default with TP; memx-run,
 where a partitioned edge between vendors stages a TP-th of the bytes through the host): each TP
-rank sends 1/TP of it and the receiving stage all-gathers it over its TP group. No torch import."""
+rank sends 1/TP of it and the receiving stage all-gathers it over its TP group. Between stages
+of different TP degrees each rank pair sends the whole once and the larger stage broadcasts it
+over its TP group (memx-run's links, runtime/pipeline_stage.py). No torch import."""
 
 from __future__ import annotations
 
