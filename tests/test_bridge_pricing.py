@@ -125,7 +125,9 @@ def test_crossing_pipeline_edge_costs_more_per_micro_batch_both_ways():
         (g + 1) * (bridge - link), rel=1e-9)
     [edge] = crossing.crossings
     assert (edge.kind, edge.stages) == ("pipeline", [0, 1])
-    assert edge.bytes_per_step == 2 * g * hidden_bytes()
+    # Each of the two DP replicas' rank pairs sends both ways: the first stage's rank its activations,
+    # the second's their gradients, one of each a micro-batch.
+    assert (edge.bytes_per_step, edge.senders) == (g * hidden_bytes(), 4)
     assert edge.seconds_per_step == pytest.approx(2 * g * bridge)
 
 
@@ -140,7 +142,7 @@ def test_a_partitioned_edge_stages_a_tp_th_over_the_bridge_and_gathers_natively(
     h, g = hidden_bytes(), split.num_microbatches
     half = BRIDGE_LATENCY_S + h / 2 / (BRIDGE_GBPS * 1e9) + 2 * h / 2 / (HOST_COPY_GBPS * 1e9)
     [edge] = split.crossings
-    assert edge.bytes_per_step == 2 * g * h / 2 == whole.crossings[0].bytes_per_step / 2
+    assert edge.bytes_per_step == g * h / 2 == whole.crossings[0].bytes_per_step / 2
     assert edge.seconds_per_step == pytest.approx(2 * g * (half + native_collective("all_gather", h, 2)), rel=1e-9)
     # Here the pair's own link (PCIe-class, 1.6 GB/s) is no faster than the bridge: the gather costs what the
     # half saved. Over a node's NVLink-class link, with hidden states of megabytes, the half is what the edge costs.
@@ -310,7 +312,8 @@ def test_two_vendor_example_plans_memx_run_s_partitioned_sends_across_the_bridge
     plan = search(model, cluster, training).best
     [edge] = [c for c in plan.crossings if c.kind == "pipeline"]
     assert plan.tp > 1 and set(edge.domains) == {"nccl", "rccl"}
-    # Each rank sends its TP-th of every hidden state forward and receives its TP-th of every gradient:
-    # 16-bit from stages memx-run shards (FSDP2 where TP > 1 and DP > 1), else autocast's fp32.
+    # Each rank of the first stage sends its TP-th of every hidden state, its peer its TP-th of every
+    # gradient: 16-bit from stages memx-run shards (FSDP2 where TP > 1 and DP > 1), else autocast's fp32.
     whole = plan.micro_batch_size * 4096 * model.hidden_size * (2 if plan.dp > 1 else 4)
-    assert edge.bytes_per_step == 2 * plan.num_microbatches * whole / plan.tp
+    assert edge.bytes_per_step == plan.num_microbatches * whole / plan.tp
+    assert edge.senders == 2 * plan.tp * plan.dp

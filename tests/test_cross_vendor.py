@@ -10,7 +10,10 @@ import os
 import pytest
 import torch
 
+from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.runtime.communication import DomainViolation
+from memx_launch.specs.catalog import get_model
+from memx_launch.specs.training import TrainingSpec
 from memx_launch.specs.cluster import ClusterSpec, Emulation
 from ranks import spawn_ranks
 from memx_launch.planning.plan import Objective, Plan, StagePlan
@@ -129,12 +132,51 @@ def test_cross_domain_plans_match_the_single_process_reference():
                 assert diff < GRAD_ATOL, (name, rank, param, diff)
                 covered.add(param)
             crossed += messages
-            if plan.training.get("partitioned_sends"):  # the job's 4 ranks each stage half of each fp32 tensor
+            if plan.training.get("partitioned_sends"):  # each TP rank sends its half of each fp32 tensor
                 boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
                 crossings = 2 * plan.virtual_stages - 1  # per micro-batch: the edge v times, the wrap-around v - 1
-                assert nbytes == 4 * 2 * crossings * plan.num_microbatches * boundary // plan.tp, (name, rank, nbytes)
+                assert nbytes == 2 * crossings * plan.num_microbatches * plan.tp * boundary // plan.tp, (name, nbytes)
         assert covered == set(ref_grads), name
         assert crossed > 0, f"{name}: nothing took the bridge"
+
+
+def _scored(cluster, training: dict, **layout) -> Plan:
+    """memx estimate's plan of a layout of llama-tiny on ``cluster``, its crossings counted (its
+    stages on ranks in order, as the worker runs them)."""
+    spec = TrainingSpec(**{"global_batch_size": 4, "seq_len": 32, "dtype": "fp32", "setup": "memx-run", **training})
+    return evaluate_layout(get_model("llama-tiny"), cluster, spec, micro_batch_size=1, references=(1.0, 1.0, 1.0),
+                           **layout)
+
+
+PLANNED_BYTES = {
+    "pipeline across, TP 2 partitioned": (
+        _scored(TWO_VENDORS, {}, tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"]), TWO_VENDORS),
+    "DP replicas across vendors, pipelines inside each": (
+        _scored(_cluster(ALTERNATING), {"global_batch_size": 8}, tp=1, pp=2, dp=2,
+                stage_devices=[MIXED, MIXED]), _cluster(ALTERNATING)),
+    "fully sharded within each vendor, the shards summed over the bridge": (
+        _scored(TWO_VENDORS, {"global_batch_size": 8, "fully_sharded": True}, tp=1, pp=1, dp=4,
+                stage_devices=[MIXED]), TWO_VENDORS),
+    "TP 1 | 1 | 2, the edge between vendors and TP degrees sent once and broadcast": (
+        _scored(TWO_VENDORS, {}, tp=None, stage_tp=[1, 1, 2], pp=3, dp=1,
+                stage_devices=["nv-small", "nv-small", "amd-big"]), TWO_VENDORS),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PLANNED_BYTES)
+def test_every_byte_that_crosses_vendors_is_the_plans(name):
+    # What the ranks send over the bridge in a step is what the plan's crossings count: a pipeline
+    # edge's parts, or its whole tensors once per rank pair, a DP group's hierarchical sum, a shard's.
+    # One job per case: several jobs' TP and FSDP2 meshes in one process do not all rebuild.
+    plan, cluster = PLANNED_BYTES[name]
+    assert all(s.ranks == sorted(s.ranks) for s in plan.stages) and plan.stages[0].ranks[0] == 0
+    planned = plan.bridge_bytes_per_step
+    assert planned, plan.crossings
+    results = spawn_ranks(_worker, 4, [(plan, cluster, 1, None)], timeout=300)
+    for rank in range(plan.world_size):
+        sent = results[rank][0][2]  # the job's, as every rank sees it
+        assert sent == pytest.approx(planned, rel=1e-3), (rank, sent, planned, plan.crossings)
 
 
 def _communicator_worker(rank, port, queue):
@@ -242,7 +284,7 @@ def test_stages_of_different_tp_degrees_match_the_reference():
                 assert diff < GRAD_ATOL, (name, rank, param, diff)
                 covered.add(param)
             assert (messages > 0) == cluster.crosses_domains, name
-            if cluster.crosses_domains:  # each tensor crosses once (staged at both ends), never once per receiver
+            if cluster.crosses_domains:  # each tensor crosses once each way, never once per receiver
                 boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
-                assert nbytes == 2 * 2 * (2 * plan.virtual_stages - 1) * plan.num_microbatches * boundary, (name, nbytes)
+                assert nbytes == 2 * (2 * plan.virtual_stages - 1) * plan.num_microbatches * boundary, (name, nbytes)
         assert covered == set(ref_grads), name

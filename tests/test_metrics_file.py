@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from memx_launch.runtime.metrics_file import METRICS_FILE, MetricsFile
 from memx_launch.runtime.step_stats import StepStats
 
-PLAN = SimpleNamespace(predicted_iteration_time_s=1.5, stages=[
+PLAN = SimpleNamespace(predicted_iteration_time_s=1.5, crossings=[], stages=[
     SimpleNamespace(device_type="fast-small", predicted_peak_memory_gib=0.25, predicted_stage_time_s=0.1),
     SimpleNamespace(device_type="slow-big", predicted_peak_memory_gib=0.5, predicted_stage_time_s=0.2)])
 

@@ -16,10 +16,12 @@ from memx_launch.runtime.step_stats import StepStats
 GIB = 2**30
 
 
-def _plan(step_s, peaks_gib):
+def _plan(step_s, peaks_gib, bridge_bytes=None):
+    """A plan's fields the metrics file reads; ``bridge_bytes``: what it plans to send across domains."""
     return SimpleNamespace(predicted_iteration_time_s=step_s, stages=[
         SimpleNamespace(device_type=f"t{i}", predicted_peak_memory_gib=p, predicted_stage_time_s=0.1 * (i + 1))
-        for i, p in enumerate(peaks_gib)])
+        for i, p in enumerate(peaks_gib)], crossings=[] if bridge_bytes is None else ["a crossing"],
+        bridge_bytes_per_step=bridge_bytes)
 
 
 def _run(run_dir, generations, compute_s=0.1):
@@ -130,3 +132,20 @@ def test_memx_run_ends_a_run_with_how_its_plans_held(tmp_path):
     assert prediction_summary(str(tmp_path / "no-steps")) is None  # the script never stepped through memx
     (run / METRICS_FILE).write_text('{"step":\n')
     assert prediction_summary(str(run)) is None  # not whole: memx evaluate names the line, the job's end does not
+
+
+def test_a_run_across_domains_holds_what_crossed_against_the_plan_s_count(tmp_path):
+    from memx_launch.runtime.runs import prediction_summary
+
+    run = tmp_path / "across"
+    run.mkdir()
+    metrics = MetricsFile(str(run), 1)
+    plan = _plan(1.0, [1.0], bridge_bytes=4 * 2**20)
+    for step, sent in ((1, 9 * 2**20), (2, 4 * 2**20), (3, 5 * 2**20), (4, 4 * 2**20)):
+        stats = StepStats(step, 2.0, 1.0, 1000.0, [1.0], [0.1], bridge_messages=8, bridge_bytes=sent)
+        metrics.append(stats, plan)
+    record = json.loads((run / METRICS_FILE).read_text().splitlines()[0])
+    assert (record["bridge_bytes"], record["planned_bridge_bytes"]) == (9 * 2**20, 4 * 2**20)
+    # The median after the first step: 4 MiB of the 4 planned.
+    assert "bytes over the bridge 1.00x" in prediction_summary(str(run))
+    assert "bridge" not in (_two_generations(tmp_path / "one-domain") / METRICS_FILE).read_text()

@@ -109,13 +109,17 @@ class Crossing:
     """The edge's two stages, the DP group's stage, or the first and the last stage."""
     domains: list[str]
     bytes_per_step: float
-    """Bytes one rank sends over the bridge per step."""
+    """Bytes one rank sends over the bridge per step (a pipeline edge's: one direction's, the
+    forward's sender its activations, the other its gradients; a bridge all-reduce of M bytes
+    among D ranks: 2(D-1)/D x M)."""
     seconds_per_step: float
     """Pipeline: the edge's transfers of one step, staging and latency included; data
     parallel: the stage's whole hierarchical sync."""
     shard_ranks: int | None = None
     """A DP group a fully sharded plan shards within its domains: the ranks of each shard group
     (planning/hybrid_sharding.py; 1: its states whole). None: its gradients averaged whole."""
+    senders: int | None = None
+    """The ranks that each send ``bytes_per_step`` (None in plans written before memx counted them)."""
 
     @property
     def what(self) -> str:
@@ -206,6 +210,14 @@ class Plan:
                           "each group on one collective library", "run this plan with memx-run --plan, whose "
                           "bridge carries what crosses, or plan on one domain's devices (a cluster file of one "
                           "vendor's nodes)")
+
+    @property
+    def bridge_bytes_per_step(self) -> float | None:
+        """The bytes all ranks send over the bridge per step, as planned (None: nothing crosses,
+        or a crossing does not count its senders)."""
+        if not self.crossings or any(c.senders is None for c in self.crossings):
+            return None
+        return sum(c.bytes_per_step * c.senders for c in self.crossings)
 
     @property
     def world_size(self) -> int:
@@ -408,6 +420,8 @@ def _check_types(data: dict, source: str) -> None:
             raise ConfigError(f"{where}.kind", f"expected one of {', '.join(CROSSING_KINDS)}, got {c.get('kind')!r}", fix)
         for key in ("bytes_per_step", "seconds_per_step"):
             require_number(c.get(key), f"{where}.{key}", lo=0, fix=fix)
+        if c.get("senders") is not None:
+            require_number(c["senders"], f"{where}.senders", lo=1, hi=MAX_WORLD_SIZE, integer=True, fix=fix)
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ConfigError(f"{source}.stages", "must be a non-empty list of stages", fix)

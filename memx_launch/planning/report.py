@@ -205,8 +205,9 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
     for c in plan.crossings:
         states = "" if c.shard_ranks is None else ", its states whole" if c.shard_ranks == 1 else \
             f", sharded within each domain over {c.shard_ranks} ranks"
+        senders = "per rank" if c.senders is None else f"from each of {c.senders} ranks"
         lines.append(f"  {c.what} ({' | '.join(c.domains)}){states}: "
-                     f"{format_gib(c.bytes_per_step / 2**30)} per rank, {c.seconds_per_step:.3g} s per step")
+                     f"{format_gib(c.bytes_per_step / 2**30)} sent {senders}, {c.seconds_per_step:.3g} s per step")
     lines.append("  only memx-run carries these: Megatron-LM, torchtitan and DeepSpeed run each group on one "
                  "collective library (memx export refuses this plan)")
     try:

@@ -9,7 +9,8 @@ step time after its first step (which allocates, connects and warms up; a genera
 keeps it) against the plan's, the fullest stage's measured peak against the plan's fullest,
 where every stage of every step measured one, and each stage's median compute per micro-batch
 over those steps against the plan's (``stage_compute_over_predicted``), where every one measured
-it (``microbatch_compute_s``).
+it (``microbatch_compute_s``), and in a job across communication domains the median bytes its
+ranks sent over the bridge a step against the plan's count (``bridge_bytes_over_planned``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def _generation_rows(text: str, path: str, name: str, fix: str) -> list[dict]:
         planned = [s.get("predicted_microbatch_s") for s in records[-1]["stages"]]
         if all(_number(v) for v in planned + [c for step in per_step for c in step]) and all(p > 0 for p in planned):
             row["stage_compute_over_predicted"] = [float(np.median(stage)) / p for stage, p in zip(zip(*per_step), planned)]
+        sent, bridge_plan = [r.get("bridge_bytes") for r in steps], records[-1].get("planned_bridge_bytes")
+        if _number(bridge_plan) and bridge_plan > 0 and all(_number(b) for b in sent):
+            row["bridge_bytes_over_planned"] = float(np.median(sent)) / bridge_plan
         rows.append(row)
     if unmeasured:
         warnings.warn(f"{path}: {unmeasured} generations without a measured step time left out")

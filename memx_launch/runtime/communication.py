@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from memx_launch.errors import ConfigError
 from memx_launch.profiling.emulation import tensors_in
+from memx_launch.runtime.bridge_traffic import BridgeTraffic
 
 STRICT_VAR = "MEMX_STRICT_DOMAINS"  # 1 on, 0 off, unset: on for emulated clusters (memx-run checks it first)
 # Gradients summed across domains travel in flat buckets of this size (the last one smaller).
@@ -113,21 +114,6 @@ def local_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-@dataclass
-class BridgeTraffic:
-    """What crossed domains on this rank since :meth:`reset`: messages, bytes, the time spent
-    copying between device and host, and the time inside bridge collectives (waits for slower
-    peers included; pipeline transfers overlap the schedule and are not timed)."""
-
-    messages: int = 0
-    bytes: int = 0
-    staging_s: float = 0.0
-    collective_s: float = 0.0
-
-    def reset(self) -> None:
-        self.messages, self.bytes, self.staging_s, self.collective_s = 0, 0, 0.0, 0.0
 
 
 @dataclass
@@ -280,17 +266,20 @@ class Communicator:
             into.copy_(host)
         self.traffic.staging_s += time.perf_counter() - start
 
+    def send_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """:meth:`stage` for a bridge send, counted as one message of its bytes sent."""
+        host = self.stage(tensor)
+        self.traffic.sent(host.numel() * host.element_size())
+        return host
+
     def receive_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer that a bridge receive fills (then :meth:`unstage` into ``like``)."""
         return self._host_like(like)
 
     def _host_like(self, like: torch.Tensor) -> torch.Tensor:
-        """A host tensor shaped like ``like`` (pinned for a GPU's), counted as one bridge message."""
+        """A host tensor shaped like ``like`` (pinned for a GPU's)."""
         with self.on_host():
-            host = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.device.type == "cuda")
-        self.traffic.messages += 1
-        self.traffic.bytes += host.numel() * host.element_size()
-        return host
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.device.type == "cuda")
 
     # ---- collectives that may cross domains
     def all_reduce_sum(self, tensor: torch.Tensor, ranks) -> None:
@@ -342,6 +331,7 @@ class Communicator:
 
     def _bridge_all_reduce(self, tensor: torch.Tensor, ranks: list[int]) -> None:
         host = self.stage(tensor)
+        self.traffic.sent(2 * (len(ranks) - 1) / len(ranks) * host.numel() * host.element_size())
         start = time.perf_counter()
         dist.all_reduce(host, group=self._made("bridge", ranks))
         self.traffic.collective_s += time.perf_counter() - start

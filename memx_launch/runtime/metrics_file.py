@@ -8,8 +8,10 @@ its ``device_type``, ``peak_memory_gib`` measured (max over the stage's ranks; o
 memory the process held at its peak, context and NCCL's buffers too, as the monitor reads it and
 the plan predicts it: runtime/monitor.py) and
 ``predicted_peak_memory_gib``, and ``microbatch_compute_s`` (the stage's chunks and loss as its
-device ran them, runtime/stage_clock.py) with ``predicted_microbatch_s``. A value memx could not
-measure (memory on a CPU that is not emulated) is ``null``.
+device ran them, runtime/stage_clock.py) with ``predicted_microbatch_s``. A job across
+communication domains adds ``bridge_bytes``, what all its ranks sent over the bridge in the step,
+and ``planned_bridge_bytes``, what the plan's crossings count (null in a plan that does not count
+its senders). A value memx could not measure (memory on a CPU that is not emulated) is ``null``.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ def metrics_record(stats, plan, generation: int) -> dict:
                "microbatch_compute_s": _number(stats.stage_compute_s[i]),
                "predicted_microbatch_s": stage.predicted_stage_time_s}
               for i, stage in enumerate(plan.stages)]
-    return {"step": stats.step, "generation": generation, "time": round(time.time(), 3),
-            "loss": _number(stats.loss), "step_time_s": _number(stats.step_time_s),
-            "predicted_step_time_s": plan.predicted_iteration_time_s, "tokens_per_s": _number(stats.tokens_per_s),
-            "stages": stages}
+    record = {"step": stats.step, "generation": generation, "time": round(time.time(), 3),
+              "loss": _number(stats.loss), "step_time_s": _number(stats.step_time_s),
+              "predicted_step_time_s": plan.predicted_iteration_time_s, "tokens_per_s": _number(stats.tokens_per_s),
+              "stages": stages}
+    if plan.crossings:
+        record.update(bridge_bytes=stats.bridge_bytes, planned_bridge_bytes=plan.bridge_bytes_per_step)
+    return record
 
 
 class MetricsFile:

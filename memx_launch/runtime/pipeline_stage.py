@@ -156,7 +156,7 @@ forward and backward run inside a span of ``clock``."""
             host = comm.receive_buffer(tensor)
             self._staged_recvs[id(tensor)] = host
         else:
-            host = comm.stage(tensor)
+            host = comm.send_copy(tensor)
         return dist.P2POp(op.op, host, peer, group)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int):

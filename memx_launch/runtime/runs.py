@@ -127,8 +127,9 @@ def check_environment(environ=os.environ) -> None:
 def prediction_summary(run_dir: str) -> str | None:
     """How the run's plans held, the rows ``memx evaluate --measurements run_dir`` gives: per plan
     generation its median step against the plan's predicted step, its fullest stage's measured
-    peak against the plan's and the range of its stages' compute per micro-batch against the
-    plan's; None where no step went through memx (no metrics file) or the file is not whole
+    peak against the plan's, the range of its stages' compute per micro-batch against the
+    plan's and, across communication domains, the bytes its ranks sent over the bridge against
+    the plan's count; None where no step went through memx (no metrics file) or the file is not whole
     (evaluate names the line)."""
     from memx_launch.errors import MemxError
     from memx_launch.profiling.run_metrics import METRICS_FILE, run_rows
@@ -150,5 +151,7 @@ def prediction_summary(run_dir: str) -> str | None:
         if "stage_compute_over_predicted" in row:
             ratios = row["stage_compute_over_predicted"]
             part += f", stages' compute {min(ratios):.2f}-{max(ratios):.2f}x"
+        if "bridge_bytes_over_planned" in row:
+            part += f", bytes over the bridge {row['bridge_bytes_over_planned']:.2f}x"
         parts.append(part)
     return f"measured against the plan: {'; '.join(parts)} (memx evaluate --measurements {run_dir})" if parts else None

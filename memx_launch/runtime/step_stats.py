@@ -18,8 +18,9 @@ class StepStats:
     stage_compute_s: list[float] = field(default_factory=list)
     """Measured compute time of one micro-batch per stage (emulated devices only; NaN otherwise)."""
     bridge_messages: int = 0
-    """Transfers that crossed communication domains this step, over all ranks (sends and receives)."""
+    """Sends and bridge all-reduces to other communication domains this step, over all ranks."""
     bridge_bytes: int = 0
+    """The bytes all ranks sent over the bridge this step (what the plan's crossings count)."""
     bridge_staging_s: float = 0.0
     """The most time one rank spent copying bridge traffic between device and host this step."""
     bridge_collective_s: float = 0.0
@@ -38,7 +39,9 @@ def progress_line(stats: StepStats, plan) -> str:
                      f"{stage.predicted_peak_memory_gib * 1024:.1f} MiB, mb "
                      f"{stats.stage_compute_s[i] * 1e3:.1f}/{stage.predicted_stage_time_s * 1e3:.1f} ms")
     if stats.bridge_messages:
-        parts.append(f"bridge {stats.bridge_messages} transfers {stats.bridge_bytes / 2**20:.2f} MiB, "
+        planned = plan.bridge_bytes_per_step
+        parts.append(f"bridge {stats.bridge_messages} transfers {stats.bridge_bytes / 2**20:.2f}"
+                     f"{'' if planned is None else f'/{planned / 2**20:.2f}'} MiB sent, "
                      f"staging {stats.bridge_staging_s * 1e3:.1f} ms, collectives "
                      f"{stats.bridge_collective_s * 1e3:.1f} ms")
     return " | ".join(parts) + "  (measured/predicted)"
