@@ -199,9 +199,17 @@ def test_plans_with_crossings_round_trip(tmp_path):
     path = str(tmp_path / "plan.json")
     plan.save(path)
     assert type(plan).load(path).crossings == plan.crossings
+    assert plan.bridge_bytes_per_step == sum(c.bytes_per_step * c.senders for c in plan.crossings) > 0
     older = plan.to_dict()
     del older["crossings"]
     assert type(plan).from_dict(older).crossings == []
+    # A plan written before memx counted the senders keeps its crossings and plans no total.
+    for crossing in older.setdefault("crossings", plan.to_dict()["crossings"]):
+        del crossing["senders"]
+    assert type(plan).from_dict(older).bridge_bytes_per_step is None
+    older["crossings"][0]["senders"] = 0
+    with pytest.raises(ConfigError, match=r"crossings\[0\]\.senders"):
+        type(plan).from_dict(older)
 
 
 @pytest.mark.parametrize("bridge, field", [
