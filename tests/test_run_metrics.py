@@ -148,4 +148,12 @@ def test_a_run_across_domains_holds_what_crossed_against_the_plan_s_count(tmp_pa
     assert (record["bridge_bytes"], record["planned_bridge_bytes"]) == (9 * 2**20, 4 * 2**20)
     # The median after the first step: 4 MiB of the 4 planned.
     assert "bytes over the bridge 1.00x" in prediction_summary(str(run))
+    columns = load_measurements(str(run))
+    assert (columns["measured_bridge_bytes"], columns["predicted_bridge_bytes"]) == ([4 * 2**20], [4 * 2**20])
+    from memx_launch.profiling.metrics import evaluate
+    assert evaluate(columns)["bridge"]["mape_pct"] == 0.0
+    # A run of one domain beside it: its rows measured no bridge, so the bridge is left out, with a warning.
     assert "bridge" not in (_two_generations(tmp_path / "one-domain") / METRICS_FILE).read_text()
+    with pytest.warns(UserWarning, match="bridge bytes left out: 2 of 3 generations"):
+        both = load_measurements(str(tmp_path))
+    assert "measured_bridge_bytes" not in both and len(both["config"]) == 3

@@ -154,7 +154,8 @@ def run_profile(args) -> int:
 def add_evaluate_command(sub) -> None:
     p = sub.add_parser("evaluate", help="accuracy of predictions against measurements",
                        description="MAPE, error shares, max error, Spearman, Kendall and top-k hits for time, "
-                                   "memory and Phi (format: docs/profiler.md).")
+                                   "memory, Phi and the bytes sent between communication domains (format: "
+                                   "docs/profiler.md).")
     p.add_argument("--measurements", required=True, metavar="PATH",
                    help="CSV or JSON of predicted vs measured, memx estimate --cases output (.jsonl) of rows "
                         "with measured_time_s, or memx-run's metrics: a run directory, its metrics.jsonl, or a "

@@ -9,6 +9,7 @@ of row objects, or ``{"rows": [...]}``), one row per configuration:
 | ``predicted_time_s``, ``measured_time_s`` | yes | iteration (or block) time |
 | ``predicted_memory_bytes``, ``measured_memory_bytes`` | no | peak memory |
 | ``predicted_phi``, ``measured_phi`` | no | objective value (lower is better) |
+| ``predicted_bridge_bytes``, ``measured_bridge_bytes`` | no | bytes sent between communication domains a step |
 
 ``memx estimate --cases``'s output (``.jsonl``) is read too: each row's ``iteration_time_s``,
 ``peak_memory_gib`` and ``phi`` against the ``measured_time_s`` and ``measured_peak_memory_gib``
@@ -18,8 +19,9 @@ error are left out, with a warning that counts them.
 So is memx-run's ``metrics.jsonl``, or a run directory holding one, or a directory of run
 directories: a row per generation of each run (the plan it ran under), its median step time
 after the generation's first step (which allocates, connects and warms up) against the plan's,
-and its fullest stage's measured peak against the plan's fullest (where every stage measured
-one), named ``<run> gen N``.
+its fullest stage's measured peak against the plan's fullest (where every stage measured
+one) and, in a job across domains, the median bytes its ranks sent over the bridge a step
+against the plan's count, named ``<run> gen N``.
 
 A top-k hit rate is 1 when the configuration that is best by measurement is among the k best
 by prediction (lower time or Phi is better), else 0. No torch import here.
@@ -42,7 +44,8 @@ from memx_launch.specs.inputs import MAX_NUMBER_CHARS, parse_json, parse_number,
 
 PAIRS = {"time": ("predicted_time_s", "measured_time_s"),
          "memory": ("predicted_memory_bytes", "measured_memory_bytes"),
-         "phi": ("predicted_phi", "measured_phi")}
+         "phi": ("predicted_phi", "measured_phi"),
+         "bridge": ("predicted_bridge_bytes", "measured_bridge_bytes")}
 TOP_K = (1, 3, 5, 10)
 
 
@@ -85,7 +88,7 @@ def evaluate(columns: dict[str, np.ndarray]) -> dict:
             entry = {}
             if metric != "phi":
                 entry.update(error_summary(columns[pred], columns[meas]))
-            if metric != "memory":
+            if metric in ("time", "phi"):  # what a search ranks by
                 entry["ranking"] = ranking_summary(columns[pred], columns[meas])
             report[metric] = entry
     return report

@@ -10,7 +10,8 @@ keeps it) against the plan's, the fullest stage's measured peak against the plan
 where every stage of every step measured one, and each stage's median compute per micro-batch
 over those steps against the plan's (``stage_compute_over_predicted``), where every one measured
 it (``microbatch_compute_s``), and in a job across communication domains the median bytes its
-ranks sent over the bridge a step against the plan's count (``bridge_bytes_over_planned``).
+ranks sent over the bridge a step against the plan's count (``measured_bridge_bytes``,
+``predicted_bridge_bytes``).
 """
 
 from __future__ import annotations
@@ -95,24 +96,26 @@ def _generation_rows(text: str, path: str, name: str, fix: str) -> list[dict]:
             row["stage_compute_over_predicted"] = [float(np.median(stage)) / p for stage, p in zip(zip(*per_step), planned)]
         sent, bridge_plan = [r.get("bridge_bytes") for r in steps], records[-1].get("planned_bridge_bytes")
         if _number(bridge_plan) and bridge_plan > 0 and all(_number(b) for b in sent):
-            row["bridge_bytes_over_planned"] = float(np.median(sent)) / bridge_plan
+            row["measured_bridge_bytes"], row["predicted_bridge_bytes"] = float(np.median(sent)), float(bridge_plan)
         rows.append(row)
     if unmeasured:
         warnings.warn(f"{path}: {unmeasured} generations without a measured step time left out")
     return rows
 
 
-def _memory_in_every_row_or_none(rows: list[dict], path: str) -> list[dict]:
-    with_memory = sum("measured_memory_bytes" in r for r in rows)
-    if 0 < with_memory < len(rows):
-        warnings.warn(f"{path}: memory left out: {len(rows) - with_memory} of {len(rows)} generations measured none")
-        rows = [{k: v for k, v in r.items() if not k.endswith("_memory_bytes")} for r in rows]
+def _pairs_in_every_row_or_none(rows: list[dict], path: str) -> list[dict]:
+    """Memory and bridge bytes kept where every row measured them, else left out with a warning."""
+    for what, key in (("memory", "_memory_bytes"), ("bridge bytes", "_bridge_bytes")):
+        measured = sum(f"measured{key}" in r for r in rows)
+        if 0 < measured < len(rows):
+            warnings.warn(f"{path}: {what} left out: {len(rows) - measured} of {len(rows)} generations measured none")
+            rows = [{k: v for k, v in r.items() if not k.endswith(key)} for r in rows]
     return rows
 
 
 def run_rows(text: str, path: str, name: str, fix: str) -> list[dict]:
     """The rows of one metrics file ``path`` (its text), each named ``<name> gen N``."""
-    return _memory_in_every_row_or_none(_generation_rows(text, path, name, fix), path)
+    return _pairs_in_every_row_or_none(_generation_rows(text, path, name, fix), path)
 
 
 def run_directory_rows(path: str, fix: str) -> list[dict]:
@@ -130,4 +133,4 @@ def run_directory_rows(path: str, fix: str) -> list[dict]:
         file = os.path.join(run, METRICS_FILE)
         rows += _generation_rows(read_text(file, "--measurements", fix=fix), file,
                                  os.path.basename(os.path.abspath(run)), fix)
-    return _memory_in_every_row_or_none(rows, path)
+    return _pairs_in_every_row_or_none(rows, path)

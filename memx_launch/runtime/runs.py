@@ -151,7 +151,7 @@ def prediction_summary(run_dir: str) -> str | None:
         if "stage_compute_over_predicted" in row:
             ratios = row["stage_compute_over_predicted"]
             part += f", stages' compute {min(ratios):.2f}-{max(ratios):.2f}x"
-        if "bridge_bytes_over_planned" in row:
-            part += f", bytes over the bridge {row['bridge_bytes_over_planned']:.2f}x"
+        if "measured_bridge_bytes" in row:
+            part += f", bytes over the bridge {row['measured_bridge_bytes'] / row['predicted_bridge_bytes']:.2f}x"
         parts.append(part)
     return f"measured against the plan: {'; '.join(parts)} (memx evaluate --measurements {run_dir})" if parts else None
