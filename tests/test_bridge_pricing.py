@@ -81,6 +81,10 @@ def test_cross_domain_dp_group_costs_exactly_the_hierarchical_sync():
     lines = crossing_lines(crossing, two_vendors())
     assert lines[1].startswith("  DP sync of stage 0 (nccl | rccl):")
     assert lines[-1].startswith("  only memx-run carries these") and crossing_lines(native, two_vendors()) == []
+    # Priced as this plan's own setup: the line names the one that prices them as memx-run sends them.
+    assert lines[-1].endswith("; --setup memx-run prices them as it sends them")
+    memx_run = estimate(two_vendors(), TrainingSpec(**{**TRAINING.__dict__, "setup": "memx-run"}), **layout)
+    assert crossing_lines(memx_run, two_vendors())[-1].endswith("(memx export refuses this plan)")
 
 
 def test_domains_of_different_sizes_all_reduce_then_broadcast():

@@ -208,8 +208,10 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
         senders = "per rank" if c.senders is None else f"from each of {c.senders} ranks"
         lines.append(f"  {c.what} ({' | '.join(c.domains)}){states}: "
                      f"{format_gib(c.bytes_per_step / 2**30)} sent {senders}, {c.seconds_per_step:.3g} s per step")
+    # What carries them is memx-run: another setup's plan prices them as that framework would send them.
+    priced = "" if plan.training.get("setup") == "memx-run" else "; --setup memx-run prices them as it sends them"
     lines.append("  only memx-run carries these: Megatron-LM, torchtitan and DeepSpeed run each group on one "
-                 "collective library (memx export refuses this plan)")
+                 f"collective library (memx export refuses this plan){priced}")
     try:
         check_runnable(plan)
     except ConfigError as refusal:
