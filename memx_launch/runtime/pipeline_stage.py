@@ -15,9 +15,11 @@ from torch.distributed.pipelining._utils import (_DTensorMeta, _make_tensor_from
 from torch.distributed.pipelining.stage import InferenceMode, _RecvInfo
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning.pipeline_sends import send_parts
 from memx_launch.runtime.communication import Communicator
 from memx_launch.runtime.messages import recv_json, send_json
 from memx_launch.runtime.stage_clock import StageClock
+from memx_launch.specs.training import TrainingSpec
 
 MAX_META_TENSORS = 64
 MAX_META_DIMS = 16
@@ -37,11 +39,11 @@ class PipelineLinks:
     Gradients go back by the same rules; stages are taken modulo the pipeline depth (under
     interleaving the last stage feeds the first)."""
 
-    fwd_in: int | None
-    """The rank this one receives activations from; None: its TP group's broadcast fills them."""
-    fwd_out: tuple[int, ...]
-    bwd_in: int | None
-    bwd_out: tuple[int, ...]
+    prev_peer: int | None
+    """The previous stage's rank this one receives activations from and sends their gradients to;
+    None: beyond its TP degree, its TP group's broadcast brings them and it sends none back."""
+    next_peer: int | None
+    """The next stage's rank this one sends activations to and receives their gradients from."""
     meta_fwd_in: int
     meta_fwd_out: tuple[int, ...]
     meta_bwd_in: int
@@ -63,25 +65,24 @@ class PipelineLinks:
     """This stage's native TP group: its all-gathers and broadcasts of what arrives."""
 
     @classmethod
-    def of(cls, grid, stage: int, replica: int, tp_index: int, groups: dict,
-           tp_group: dist.ProcessGroup | None = None, partitioned: bool = False) -> "PipelineLinks":
+    def of(cls, grid, stage: int, replica: int, tp_index: int, groups: dict, tp_group: dist.ProcessGroup | None,
+           training: TrainingSpec) -> "PipelineLinks":
         """``grid``: process ranks [stage][replica][tp index]; ``tp_group``: this stage's TP group
-        (None at TP 1); ``partitioned``: the plan partitions its sends."""
+        (None at TP 1); ``training``: the plan's, which says which edges are partitioned as the
+        planner prices them (pipeline_sends.send_parts)."""
         p = len(grid)
         prev, nxt = grid[(stage - 1) % p][replica], grid[(stage + 1) % p][replica]
         tp, t = len(grid[stage][replica]), tp_index
+        parts = send_parts(training, [len(replicas[replica]) for replicas in grid])
         def peer(other) -> int | None:
             return other[t] if t < len(other) else None
         def meta_out(other) -> tuple[int, ...]:
             return tuple(r for u, r in enumerate(other) if u % tp == t)
-        def parts(other) -> int:
-            return tp if partitioned and len(other) == tp else 1
-        return cls(fwd_in=peer(prev), fwd_out=tuple(r for r in (peer(nxt),) if r is not None),
-                   bwd_in=peer(nxt), bwd_out=tuple(r for r in (peer(prev),) if r is not None),
+        return cls(prev_peer=peer(prev), next_peer=peer(nxt),
                    meta_fwd_in=prev[t % len(prev)], meta_fwd_out=meta_out(nxt),
                    meta_bwd_in=nxt[t % len(nxt)], meta_bwd_out=meta_out(prev), groups=groups,
-                   prev_parts=parts(prev), next_parts=parts(nxt), prev_broadcast=tp > len(prev),
-                   next_broadcast=tp > len(nxt), tp_index=t, tp_group=tp_group)
+                   prev_parts=int(parts[(stage - 1) % p]), next_parts=int(parts[stage]),
+                   prev_broadcast=tp > len(prev), next_broadcast=tp > len(nxt), tp_index=t, tp_group=tp_group)
 
 
 class DomainPipelineStage(PipelineStage):
@@ -159,25 +160,22 @@ forward and backward run inside a span of ``clock``."""
             host = comm.send_copy(tensor)
         return dist.P2POp(op.op, host, peer, group)
 
+    def _ops(self, ops, peer: int | None, receiving: bool, parts: int) -> list[dist.P2POp]:
+        return [] if peer is None else [self._op(op, peer, receiving, parts) for op in ops]
+
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
         self._allocate(self.args_recv_info[fwd_chunk_id])
-        ops = super().get_fwd_recv_ops(fwd_chunk_id)
-        peer = self.links.fwd_in
-        return [] if peer is None else [self._op(op, peer, True, self.links.prev_parts) for op in ops]
+        return self._ops(super().get_fwd_recv_ops(fwd_chunk_id), self.links.prev_peer, True, self.links.prev_parts)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int):
         self._allocate(self.grad_recv_info[bwd_chunk_id])
-        ops = super().get_bwd_recv_ops(bwd_chunk_id)
-        peer = self.links.bwd_in
-        return [] if peer is None else [self._op(op, peer, True, self.links.next_parts) for op in ops]
+        return self._ops(super().get_bwd_recv_ops(bwd_chunk_id), self.links.next_peer, True, self.links.next_parts)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
-        return [self._op(op, peer, False, self.links.next_parts) for op in super().get_fwd_send_ops(fwd_chunk_id)
-                for peer in self.links.fwd_out]
+        return self._ops(super().get_fwd_send_ops(fwd_chunk_id), self.links.next_peer, False, self.links.next_parts)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
-        return [self._op(op, peer, False, self.links.prev_parts) for op in super().get_bwd_send_ops(bwd_chunk_id)
-                for peer in self.links.bwd_out]
+        return self._ops(super().get_bwd_send_ops(bwd_chunk_id), self.links.prev_peer, False, self.links.prev_parts)
 
     def _complete(self, recv_infos, broadcast: bool) -> None:
         """Fill the buffers of a chunk's finished receives: host copies unstaged, parts all-gathered,
