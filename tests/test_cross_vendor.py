@@ -288,3 +288,48 @@ def test_stages_of_different_tp_degrees_match_the_reference():
                 boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
                 assert nbytes == 2 * (2 * plan.virtual_stages - 1) * plan.num_microbatches * boundary, (name, nbytes)
         assert covered == set(ref_grads), name
+
+
+def _three_vendors(order: list[str]) -> ClusterSpec:
+    """:func:`_cluster`'s with a third vendor's type (``intel-mid``: xccl on real devices), one
+    device per entry of ``order``."""
+    two = _cluster(["nv-small"])
+    types = (*two.device_types, dataclasses.replace(two.device_types[1], name="intel-mid", vendor="intel"))
+    return ClusterSpec("cpu-three-vendors", types, tuple(
+        type(two.nodes[0])(f"n{i}", ((name, 1),), 2.0) for i, name in enumerate(order)), 2.0, Emulation(()))
+
+
+THREE = _three_vendors(["nv-small", "amd-big", "intel-mid", "intel-mid"])
+NV_AMD, INTEL = "nv-small+amd-big", "intel-mid"
+THREE_DOMAINS = {
+    "pp 4 through three domains, 1f1b": (
+        _scored(THREE, {}, tp=1, pp=4, dp=1, stage_devices=["nv-small", "amd-big", INTEL, INTEL])),
+    "interleaved v=2, the wrap-around from the third domain back to the first": (
+        _scored(THREE, {}, tp=1, pp=4, dp=1, stage_devices=["nv-small", "amd-big", INTEL, INTEL],
+                schedule="interleaved", virtual_stages=2)),
+    "dp 4 over domains of 1, 1 and 2 ranks": (
+        _scored(THREE, {"global_batch_size": 8}, tp=1, pp=1, dp=4, stage_devices=["nv-small*1+amd-big*1+intel-mid*2"])),
+    "pp 2 x dp 2: the first stage's replicas on two domains, both sending to the third": (
+        _scored(THREE, {"global_batch_size": 8}, tp=1, pp=2, dp=2, stage_devices=[NV_AMD, INTEL])),
+}
+
+
+@pytest.mark.slow
+def test_three_domains_train_as_the_reference_and_send_what_the_plan_counts():
+    # A cluster of three vendors (three collective libraries): every crossing is between two of
+    # them or, in a DP sum, among all three, and each is carried over the bridge as priced.
+    cases = [(plan, THREE, 2, None) for plan in THREE_DOMAINS.values()]
+    results = spawn_ranks(_worker, 4, cases, timeout=300)
+    for i, (name, plan) in enumerate(THREE_DOMAINS.items()):
+        assert len({d for c in plan.crossings for d in c.domains}) == 3, (name, plan.crossings)
+        ref_loss, ref_grads = _reference(plan)
+        for rank in range(4):
+            losses, messages, nbytes, grads, unpickled, bridge_checked, _ = results[rank][i]
+            assert unpickled == [] and bridge_checked, (name, rank, unpickled)
+            assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
+            assert losses[1] < losses[0], (name, rank)
+            assert set(grads) == set(ref_grads) or plan.pp > 1, (name, rank)
+            for param, grad in grads.items():
+                diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
+                assert diff < GRAD_ATOL, (name, rank, param, diff)
+            assert nbytes == pytest.approx(plan.bridge_bytes_per_step, rel=1e-3), (name, rank, nbytes, plan.crossings)
