@@ -2,7 +2,8 @@
 
 Between stages of one TP degree each TP rank of memx-run sends its TP-th of every hidden state
 and gradient, and the receiving stage all-gathers the whole over its own TP links
-(``--partitioned-sends``, on in ``--setup memx-run``; docs/setups.md). Over the bridge between
+(``--partitioned-sends``, on in ``--setup memx-run`` on each edge where that is priced faster:
+``--partition-where-faster``, the plan's ``send_parts`` per stage; docs/setups.md). Over the bridge between
 vendors (gloo over TCP, staged through host memory: docs/clusters.md) that cuts the bytes each
 rank stages and sends by TP. This script runs memx-run's search (``--setup memx-run``) for
 LLaMA-2 13B and LLaMA-3 70B on two HGX H100 nodes and two MI300X nodes
@@ -42,6 +43,7 @@ def winner(model, partitioned: bool) -> dict:
     bridge = [c for c in plan.crossings if c.kind == "pipeline"]
     return {"layout": f"tp={plan.tp} pp={plan.pp} dp={plan.dp} mbs={plan.micro_batch_size} {plan.schedule}",
             "stage_devices": [s.device_type for s in plan.stages],
+            "send_parts": [s.send_parts for s in plan.stages],
             "predicted_step_s": plan.predicted_iteration_time_s,
             "peak_gib": max(s.predicted_peak_memory_gib for s in plan.stages),
             "bridge_edges": len(bridge),

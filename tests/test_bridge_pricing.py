@@ -138,11 +138,13 @@ def test_crossing_pipeline_edge_costs_more_per_micro_batch_both_ways():
 def test_a_partitioned_edge_stages_a_tp_th_over_the_bridge_and_gathers_natively():
     # memx-run's sends (partitioned_sends): each TP rank of the nv-small pair sends its half of
     # every hidden state to its amd-big peer, whose pair all-gathers the whole over its own link.
+    # memx-run partitions an edge only where that is faster (partition_where_faster): its plan's choice.
     def plans(cluster, seq_len=TRAINING.seq_len):
         return [estimate(cluster, tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"],
-                         training=TrainingSpec(**{**TRAINING.__dict__, "partitioned_sends": p, "seq_len": seq_len}))
-                for p in (False, True)]
-    whole, split = plans(two_vendors())
+                         training=TrainingSpec(**{**TRAINING.__dict__, "partitioned_sends": p,
+                                                  "partition_where_faster": p == "faster", "seq_len": seq_len}))
+                for p in (False, True, "faster")]
+    whole, split, chosen = plans(two_vendors())
     h, g = hidden_bytes(), split.num_microbatches
     half = BRIDGE_LATENCY_S + h / 2 / (BRIDGE_GBPS * 1e9) + 2 * h / 2 / (HOST_COPY_GBPS * 1e9)
     [edge] = split.crossings
@@ -151,9 +153,42 @@ def test_a_partitioned_edge_stages_a_tp_th_over_the_bridge_and_gathers_natively(
     # Here the pair's own link (PCIe-class, 1.6 GB/s) is no faster than the bridge: the gather costs what the
     # half saved. Over a node's NVLink-class link, with hidden states of megabytes, the half is what the edge costs.
     assert split.predicted_iteration_time_s > whole.predicted_iteration_time_s
-    whole, split = plans(two_vendors(nodes=[{**TWO_VENDORS["nodes"][0], "intra_node_gbps": 100}]), seq_len=4096)
+    assert [st.send_parts for st in split.stages] == [2, 2] and [st.send_parts for st in chosen.stages] == [1, 1]
+    assert chosen.crossings == whole.crossings and chosen.predicted_iteration_time_s == whole.predicted_iteration_time_s
+    whole, split, chosen = plans(two_vendors(nodes=[{**TWO_VENDORS["nodes"][0], "intra_node_gbps": 100}]),
+                                 seq_len=4096)
     assert split.crossings[0].seconds_per_step < 0.6 * whole.crossings[0].seconds_per_step
     assert split.predicted_iteration_time_s < whole.predicted_iteration_time_s
+    assert chosen.crossings == split.crossings and chosen.predicted_iteration_time_s == split.predicted_iteration_time_s
+    assert chosen.stages[0].send_parts == 2
+
+
+def test_a_plan_s_send_parts_round_trip_and_bad_ones_are_refused_by_field(tmp_path):
+    fast_pairs = two_vendors(nodes=[{**TWO_VENDORS["nodes"][0], "intra_node_gbps": 100}])
+    plan = estimate(fast_pairs, tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"],
+                    training=TrainingSpec(**{**TRAINING.__dict__, "seq_len": 4096, "partitioned_sends": True,
+                                             "partition_where_faster": True}))
+    assert plan.stages[0].send_parts == 2
+    from memx_launch.planning.report import crossing_lines
+
+    assert "(nccl | rccl), a TP-th (2 parts) from each rank, all-gathered on receipt: " in crossing_lines(
+        plan, fast_pairs)[1]
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    assert [s.send_parts for s in type(plan).load(path).stages] == [s.send_parts for s in plan.stages]
+    data = plan.to_dict()
+    assert all("send_parts" not in s for s in data["stages"] if s.get("send_parts", 1) == 1)  # whole: not written
+    for parts, problem in ((3, "3 parts at TP 2"), (0, "send_parts"), ("2", "send_parts")):
+        data["stages"][0]["send_parts"] = parts
+        with pytest.raises(ConfigError) as err:
+            type(plan).from_dict(data)
+        assert err.value.field.endswith("stages[0].send_parts") and problem in str(err.value), str(err.value)
+    # Between stages of different TP degrees an edge is sent whole, never in parts.
+    data["stages"][0]["send_parts"] = 2
+    data.update(tp=None, stage_tp=[2, 1], world_size=3)
+    data["stages"][1]["ranks"] = [2]
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.send_parts: 2 parts at TP 2, the next stage at TP 1"):
+        type(plan).from_dict(data)
 
 
 def test_interleaving_crosses_v_times_and_wraps_around():

@@ -22,13 +22,14 @@ from test_runtime import GRAD_ATOL, LOSS_ATOL, SPEC, _batch, _reference, make_pl
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "cpu-two-vendors.yaml")
 
 
-def _cluster(order: list[str]) -> ClusterSpec:
-    """cpu-two-vendors' two types with room for any test plan (1 GiB), one device per node entry
-    in ``order`` (ranks in that order)."""
+def _cluster(order: list[str], per_node: int = 1, intra_node_gbps: float = 2.0) -> ClusterSpec:
+    """cpu-two-vendors' two types with room for any test plan (1 GiB), ``per_node`` devices of one
+    type on each node, in ``order`` (ranks in that order)."""
     base = ClusterSpec.from_yaml(EXAMPLE)
     types = tuple(dataclasses.replace(t, memory_gib=1.0) for t in base.device_types)
     return ClusterSpec(base.name, types, tuple(  # no slowdown: these cases check numbers, not speed
-        type(base.nodes[0])(f"n{i}", ((name, 1),), 2.0) for i, name in enumerate(order)), 2.0, Emulation(()))
+        type(base.nodes[0])(f"n{i}", ((order[i * per_node], per_node),), intra_node_gbps)
+        for i in range(len(order) // per_node)), 2.0, Emulation(()))
 
 
 ALTERNATING = ["nv-small", "amd-big", "nv-small", "amd-big"]
@@ -101,10 +102,10 @@ CASES = {
                    device_type=MIXED), _cluster(["nv-small", "amd-big", "amd-big", "nv-small"])),
     "tp=2 inside each domain x pp=2 across, each TP rank sending its half of every boundary tensor":
         (make_plan([((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2, global_batch_size=4,
-                   device_type="nv-small", training={"partitioned_sends": True}), TWO_VENDORS),
+                   device_type="nv-small", send_parts=2), TWO_VENDORS),
     "interleaved v=2, tp=2 x pp=2 across, partitioned both ways (the wrap-around edge too)":
         (make_plan([((0, 1), 5, "none"), ((2, 3), 3, "full")], tp=2, global_batch_size=4, schedule="interleaved",
-                   virtual_stages=2, device_type="nv-small", training={"partitioned_sends": True}), TWO_VENDORS),
+                   virtual_stages=2, device_type="nv-small", send_parts=2), TWO_VENDORS),
     "fully sharded DP replicas across domains: FSDP2 within each domain, the shards averaged over the bridge":
         (make_plan([((0, 1, 2, 3), 8, "selective")], dp=4, micro_batch_size=1, global_batch_size=8,
                    device_type=MIXED, training={"fully_sharded": True, "hold_gathered": "always"}), TWO_VENDORS),
@@ -132,7 +133,7 @@ def test_cross_domain_plans_match_the_single_process_reference():
                 assert diff < GRAD_ATOL, (name, rank, param, diff)
                 covered.add(param)
             crossed += messages
-            if plan.training.get("partitioned_sends"):  # each TP rank sends its 1/TP of each fp32 tensor, each way
+            if plan.stages[0].send_parts > 1:  # each TP rank sends its 1/TP of each fp32 tensor, each way
                 boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
                 crossings = 2 * plan.virtual_stages - 1  # per micro-batch: the edge v times, the wrap-around v - 1
                 assert nbytes == 2 * crossings * plan.num_microbatches * boundary, (name, nbytes)  # whole: x TP
@@ -148,8 +149,11 @@ def _scored(cluster, training: dict, **layout) -> Plan:
                            **layout)
 
 
+PAIRED = _cluster(["nv-small", "nv-small", "amd-big", "amd-big"], per_node=2, intra_node_gbps=100.0)
 PLANNED_BYTES = {
-    "pipeline across, TP 2 partitioned": (
+    "pipeline across at TP 2, partitioned: each vendor's pair on one node, its link faster than the bridge": (
+        _scored(PAIRED, {"seq_len": 128}, tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"]), PAIRED),
+    "pipeline across at TP 2, whole: the pairs' link no faster than the bridge": (
         _scored(TWO_VENDORS, {}, tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"]), TWO_VENDORS),
     "DP replicas across vendors, pipelines inside each": (
         _scored(_cluster(ALTERNATING), {"global_batch_size": 8}, tp=1, pp=2, dp=2,
@@ -257,9 +261,9 @@ PER_STAGE_TP = {
     "tp 2|1 in one domain, 1f1b, gradients clipped": (
         _stage_tp_plan([((0, 1), 5, "selective"), ((2,), 3, "none")], [2, 1], micro_batch_size=2,
                        global_batch_size=4), _cluster(["nv-small"] * 3), 0.5),
-    "tp 1|2 across domains, interleaved, a partitioning plan's edges between TP degrees sent whole, once a pair": (
+    "tp 1|2 across domains, interleaved, each edge between TP degrees sent whole, once a pair": (
         _stage_tp_plan([((0,), 4, "none"), ((1, 2), 4, "full")], [1, 2], global_batch_size=4,
-                       schedule="interleaved", virtual_stages=2, training={"partitioned_sends": True}),
+                       schedule="interleaved", virtual_stages=2),
         _cluster(["nv-small", "amd-big", "amd-big"]), None),
 }
 

@@ -7,6 +7,7 @@ import pytest
 from estimates import cases_rows, cluster_file, estimated_plan
 
 from memx_launch.planning import collectives as co, costmodel as cm
+from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.data_parallel import data_parallel_sync_time, sync_allreduce_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.pipeline_sends import StageSends, send_parts
@@ -26,7 +27,7 @@ CLUSTER = ClusterSpec.from_dict(CLUSTER_DICT)
 def test_partitioned_sends_cross_the_slow_link_in_tp_pieces_and_gather_over_the_fast_one():
     nbytes = 2 * 4096 * MODEL.hidden_size * 2
     link = np.array([12.5, np.inf])  # stage 0 -> 1 between the nodes; the last stage sends nothing
-    sends = StageSends(CLUSTER)
+    sends = StageSends(CLUSTER, BridgePricing(CLUSTER, {}))
     whole, split = (sends.seconds(nbytes, link, [4, 4], send_parts(TrainingSpec(partitioned_sends=p), [4, 4]),
                                   lambda: ["gpu", "gpu"]) for p in (False, True))
     assert whole[0] == pytest.approx(cm.p2p_time(nbytes, 12.5 * CLUSTER.link_efficiency))
@@ -45,7 +46,7 @@ def test_partitioned_sends_cross_the_slow_link_in_tp_pieces_and_gather_over_the_
 def test_an_edge_between_tp_degrees_crosses_once_a_pair_and_the_larger_group_broadcasts():
     nbytes = 2 * 4096 * MODEL.hidden_size * 2
     link = np.array([12.5, 12.5])  # interleaved: the last stage feeds the first
-    sends = StageSends(CLUSTER)
+    sends = StageSends(CLUSTER, BridgePricing(CLUSTER, {}))
     seconds = sends.seconds(nbytes, link, [2, 4], [1, 1], lambda: ["gpu", "gpu"])
     # Only the transfers toward the TP 4 stage broadcast: half its broadcast is charged to each way, on both edges.
     broadcast = float(co.collective_seconds("broadcast", nbytes, 4, 300 * CLUSTER.link_efficiency, 1, co.NVLINK))

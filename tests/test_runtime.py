@@ -28,8 +28,10 @@ GRAD_ATOL = 1e-6
 
 
 def make_plan(stages, tp=1, dp=1, micro_batch_size=1, global_batch_size=4, schedule="1f1b",
-              virtual_stages=1, seq_len=32, device_type="cpu", training=None):
-    plans = [StagePlan(device_type, list(ranks), layers, recompute, 0.0, 0.0) for ranks, layers, recompute in stages]
+              virtual_stages=1, seq_len=32, device_type="cpu", training=None, send_parts=1):
+    """A plan of ``stages`` ((ranks, layers, recompute) each), every stage's sends in ``send_parts``."""
+    plans = [StagePlan(device_type, list(ranks), layers, recompute, 0.0, 0.0, send_parts=send_parts)
+             for ranks, layers, recompute in stages]
     plan = Plan("llama-tiny", SPEC, "test", tp, len(plans), dp, micro_batch_size, global_batch_size, seq_len,
                 schedule, virtual_stages, plans, 0.0, Objective(1.0, "default", (0.4, 0.2, 0.4)),
                 training=dict(training or {}))
@@ -237,7 +239,7 @@ EQUIVALENCE_CASES = {
         (make_plan([((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2, global_batch_size=4), "fsdp"),
     "tp=2 x pp=2 uneven 2/6, torchtitan's op-level selective recompute on DTensor blocks, sends partitioned over TP":
         (make_plan([((0, 1), 2, "none"), ((2, 3), 6, "selective")], tp=2, global_batch_size=4,
-                   training={"selective_recompute": "op", "partitioned_sends": True}), "fsdp"),
+                   training={"selective_recompute": "op"}, send_parts=2), "fsdp"),
     "tp=2 x dp=2, one stage":
         (make_plan([((0, 1, 2, 3), 8, "selective")], tp=2, dp=2, micro_batch_size=2, global_batch_size=8), "auto"),
     "ddp dp=2 x pp=2":

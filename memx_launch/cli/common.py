@@ -102,6 +102,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "(default off)"),
                        ("partitioned-sends", "DeepSpeed's and memx-run's pipeline sends: 1/TP per rank, all-gathered "
                         "over TP on receipt (default off; setup memx-run: on)"),
+                       ("partition-where-faster", "with --partitioned-sends: only the edges where that is priced "
+                        "faster than whole sends, the plan's send_parts per stage (default off: every edge, as "
+                        "DeepSpeed; --setup memx-run: on)"),
                        ("fp32-allreduce", "DeepSpeed's fp32_allreduce: 16-bit gradients reduced over DP in fp32"),
                        ("full-gradient-allreduce", "a sharded optimizer all-reduces the whole gradients over "
                         "DP instead of reduce-scattering them (Aleph Alpha's scaling)"),

@@ -11,7 +11,7 @@ from memx_launch.planning import costmodel as cm, data_parallel
 from memx_launch.planning.hybrid_sharding import shard_groups, shards_in_part
 from memx_launch.planning.model_states import parameters_per_rank, reduced_gradient_bytes
 from memx_launch.planning.plan import Crossing
-from memx_launch.planning.pipeline_sends import edge_hidden_bytes, send_parts
+from memx_launch.planning.pipeline_sends import edge_hidden_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layout_training import training_precision_senders
 from memx_launch.specs.cluster import ClusterSpec
@@ -29,12 +29,11 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
         return []
     g = training.global_batch_size // (layout.dp * result.mbs)
     # Each edge sends what its sender holds (from a stage memx-run shards on, 16-bit hidden states),
-    # each TP rank a TP-th of it where the edge is partitioned.
+    # each TP rank a TP-th of it where the plan partitions the edge.
     sharded = dataclasses.replace(training, fully_sharded=True)
     hidden_bytes = np.where(training_precision_senders(training, layout),
                             edge_hidden_bytes(model, training, layout, result.mbs, result.seq),
-                            edge_hidden_bytes(model, sharded, layout, result.mbs, result.seq)) \
-        / send_parts(training, layout.stage_tp)
+                            edge_hidden_bytes(model, sharded, layout, result.mbs, result.seq)) / result.send_parts
     out = []
     ranks = [list(r) for r in layout.stage_ranks]
     for edge in layout.edge_crossings:

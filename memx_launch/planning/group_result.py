@@ -48,6 +48,9 @@ class GroupResult:
     experts' search tries several)."""
     shard_degree: int | None = None
     """Hybrid sharding's degree the group was scored at (``SearchSpace.shard_degrees`` tries several)."""
+    send_parts: np.ndarray | None = None
+    """(P,) the parts each stage's transfer to the next is sent in (1: whole), as priced
+    (:meth:`~memx_launch.planning.pipeline_sends.StageSends.transfers`)."""
 
     def stage_recompute(self, row: int, stage: int) -> str:
         """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""

@@ -86,9 +86,10 @@ class MixedShardingEvaluator(Evaluator):
     def stage_step_parts(self, layout, mbs, seq, v, stage_time, layers) -> tuple:
         whole = self.whole.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
         sharded = self.sharded.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
-        stage_time, _, sync, exposed, step = self._by_stage(layout, whole, sharded)
-        transfer = np.where(self._stage_kinds(layout)["senders"], whole[1], sharded[1])
-        return stage_time, transfer, sync, exposed, step
+        stage_time, _, sync, exposed, step, _ = self._by_stage(layout, whole, sharded)
+        senders = self._stage_kinds(layout)["senders"]
+        transfer, parts = (np.where(senders, whole[k], sharded[k]) for k in (1, 5))
+        return stage_time, transfer, sync, exposed, step, parts
 
     def hidden_precision_bytes(self, layout, mbs, seq, v) -> np.ndarray:
         """(P,) how the pipeline engine's buffers change where hidden states change precision (fp32

@@ -4,12 +4,16 @@ pipeline engine: ``pipe_partitioned`` / ``grad_partitioned``, on by default with
 where a partitioned edge between vendors stages a TP-th of the bytes through the host): each TP
 rank sends 1/TP of it and the receiving stage all-gathers it over its TP group. Between stages
 of different TP degrees each rank pair sends the whole once and the larger stage broadcasts it
-over its TP group (memx-run's links, runtime/pipeline_stage.py). No torch import."""
+over its TP group (memx-run's links, runtime/pipeline_stage.py). memx-run partitions only the
+edges where that is priced faster (``partition_where_faster``): where a TP group's own link is no
+faster than the link between stages, the all-gather costs what the smaller send saved. No torch
+import."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.costmodel import p2p_time
 from memx_launch.planning.tp_links import tp_link
@@ -20,7 +24,7 @@ from memx_launch.specs.training import TrainingSpec
 
 
 def send_parts(training: TrainingSpec, stage_tp) -> np.ndarray:
-    """(P,) the parts each stage's send to the next (the last: the wrap-around) is split into:
+    """(P,) the parts each stage's send to the next (the last: the wrap-around) may be split into:
     the TP degree where both ends have it and the setup partitions its sends (``partitioned_sends``),
     else 1, the whole tensor from every TP rank (a resharding sender between TP degrees; sequence
     parallelism, whose sends are split over TP already)."""
@@ -38,8 +42,9 @@ class StageSends:
     that received to the rest. Each receiving group's collective is kept once priced: the search
     asks the same ones again."""
 
-    def __init__(self, cluster: ClusterSpec):
+    def __init__(self, cluster: ClusterSpec, bridges: BridgePricing):
         self.cluster = cluster
+        self.bridges = bridges
         self._collectives: dict[tuple[str, float, str, int], float] = {}
 
     def receiving_seconds(self, nbytes, stage_tp, parts, device_types) -> np.ndarray:
@@ -71,6 +76,35 @@ class StageSends:
             self._collectives[key] = float(collective_seconds(op, nbytes, tp, link.gbps * self.cluster.link_efficiency,
                                                               1, hop))
         return self._collectives[key]
+
+    def transfers(self, layout: Layout, nbytes, v: int, training: TrainingSpec, device_types) -> tuple:
+        """((P,) seconds of one transfer of ``nbytes`` (one value, or one per edge) from each stage
+        to the next (the last: interleaving's wrap-around), (P,) the parts each is sent in): every
+        edge in :func:`send_parts`' parts, or with ``partition_where_faster`` those where that is
+        faster than whole sends."""
+        parts = send_parts(training, layout.stage_tp)
+        split = self._transfers(layout, nbytes, v, parts, device_types)
+        if not training.partition_where_faster or (parts == 1).all():
+            return split, parts
+        whole = self._transfers(layout, nbytes, v, np.ones_like(parts), device_types)
+        faster = split < whole
+        return np.where(faster, split, whole), np.where(faster, parts, 1)
+
+    def _transfers(self, layout: Layout, nbytes, v: int, parts, device_types) -> np.ndarray:
+        """(P,) :meth:`seconds` of each edge, where it crosses domains over the bridge instead: its
+        part staged through host memory and sent, then completed natively."""
+        transfer = self.seconds(nbytes, layout.next_stage_gbps, layout.stage_tp, parts, device_types)
+        if not layout.edge_crossings:
+            return transfer
+        whole = np.broadcast_to(nbytes, (layout.pp,))
+        receiving = self.receiving_seconds(whole, layout.stage_tp, parts, device_types)
+        for edge in layout.edge_crossings:
+            k = edge.stage
+            if k < layout.pp - 1 or v > 1:
+                # The wrap-around carries v - 1 of each micro-batch's v passes; the schedule charges v.
+                share = (v - 1) / v if k == layout.pp - 1 else 1.0
+                transfer[k] = share * (self.bridges.edge_link(edge).transfer_time(whole[k] / parts[k]) + receiving[k])
+        return transfer
 
     def seconds(self, nbytes, next_stage_gbps, stage_tp, parts, device_types) -> np.ndarray:
         """(P,) seconds of one send of ``nbytes`` (one value, or one per edge) from each stage to

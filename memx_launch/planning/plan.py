@@ -13,11 +13,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.checks import require_name, require_number, require_type
+from memx_launch.specs.checks import require_number
 from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 from memx_launch.specs.training import PLAN_TRAINING_KEYS
 from memx_launch.files import write_json_atomic
+from memx_launch.planning.plan_file_checks import check_plan_types
 
 
 PLAN_VERSION = 1
@@ -95,6 +96,10 @@ class StagePlan:
     """``memx estimate``: the peak by part (parameters, gradients, optimizer_states, activations,
     logits_loss, pipeline_buffers, communicator_buffers, fixed_overhead), adding up to it;
     None (and absent from the file) where not computed."""
+    send_parts: int = 1
+    """The parts each of its sends to the next stage (the last stage's: interleaving's wrap-around)
+    is split into, one per TP rank, which the next stage all-gathers (planning/pipeline_sends.py,
+    as memx-run sends them); 1 (absent from the file): whole."""
 
 
 @dataclass
@@ -129,9 +134,6 @@ class Crossing:
         if self.kind == "pipeline":
             return f"pipeline stage {self.stages[0]} -> {self.stages[1]}"
         return f"tied embeddings of stages {self.stages[0]} and {self.stages[1]}"
-
-
-CROSSING_KINDS = ("pipeline", "data_parallel", "tied_embeddings")
 
 
 @dataclass
@@ -247,6 +249,8 @@ class Plan:
         for stage in data["stages"]:
             if stage["memory_parts_gib"] is None:
                 del stage["memory_parts_gib"]
+            if stage["send_parts"] == 1:
+                del stage["send_parts"]
         return {k: data[k] for k in PLAN_KEYS}
 
     @classmethod
@@ -260,7 +264,7 @@ class Plan:
         unknown = [k for k in data if k not in PLAN_KEYS]
         if unknown:
             raise ConfigError(f"{source}.{unknown[0]}", "unknown key", "pass a plan written by memx plan --json")
-        _check_types(data, source)
+        check_plan_types(data, source)
         try:
             stages = [StagePlan(**s) for s in data["stages"]]
             objective = dict(data["objective"])
@@ -336,6 +340,10 @@ class Plan:
                 raise ConfigError(f"{source}.stages[{i}].ranks", f"needs tp*cp*dp={tp * self.cp * dp} ranks")
             if len(set(s.ranks)) != len(s.ranks):
                 raise ConfigError(f"{source}.stages[{i}].ranks", "lists a rank twice")
+            if s.send_parts != 1 and (s.send_parts != tp or self.stage_tps[(i + 1) % self.pp] != tp):
+                raise ConfigError(f"{source}.stages[{i}].send_parts", f"{s.send_parts} parts at TP {tp}, the next "
+                                  f"stage at TP {self.stage_tps[(i + 1) % self.pp]}", "give 1 (whole), or the "
+                                  "stage's TP degree where the next stage has the same")
         short = short_stages([s.num_layers for s in self.stages], self.virtual_stages)
         if short:
             i, n = short[0], self.stages[short[0]].num_layers
@@ -356,9 +364,6 @@ class Plan:
         return cls.from_dict(data, source=f"plan {path}")
 
 
-MAX_WORLD_SIZE = 2**20
-
-
 def _uniform(name: str, degree, per_stage, consumer: str):
     """``degree`` where no per-stage degrees are given; else a one-line refusal naming ``consumer``."""
     if per_stage is not None:
@@ -366,81 +371,3 @@ def _uniform(name: str, degree, per_stage, consumer: str):
                           f"{consumer} cannot run", f"plan or estimate one {name.upper()} degree for every stage "
                           f"(--{name})")
     return degree
-
-
-def _check_types(data: dict, source: str) -> None:
-    """Types and ranges of a plan read from a file or a peer, before anything uses it."""
-    fix = "pass a plan written by memx plan --json"
-    for key in ("tp", "pp", "cp", "dp", "micro_batch_size", "global_batch_size", "seq_len", "virtual_stages"):
-        if key in data and not (key == "tp" and data[key] is None and data.get("stage_tp") is not None):
-            require_number(data[key], f"{source}.{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
-    for name in ("tp", "dp"):
-        degrees = data.get(f"stage_{name}")
-        if degrees is not None:
-            if not isinstance(degrees, list) or not degrees:
-                raise ConfigError(f"{source}.stage_{name}", f"must be a list of {name.upper()} degrees, one per stage", fix)
-            for d in degrees:
-                require_number(d, f"{source}.stage_{name}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True, fix=fix)
-    stage_tp, stage_dp = data.get("stage_tp"), data.get("stage_dp")
-    if all(k in data for k in ("tp", "pp", "dp")):
-        tps = stage_tp if stage_tp is not None else [data["tp"]] * data["pp"]
-        dps = stage_dp if stage_dp is not None else [data["dp"]] * len(tps)
-        if sum(t * d for t, d in zip(tps, dps)) * data.get("cp", 1) > MAX_WORLD_SIZE:
-            raise ConfigError(f"{source}.world_size", f"tp*pp*cp*dp over the limit of {MAX_WORLD_SIZE} ranks", fix)
-    for key in ("model", "cluster", "schedule"):
-        if key in data:
-            require_type(data[key], str, f"{source}.{key}", fix)
-            require_name(data[key], f"{source}.{key}")
-    for key in ("predicted_iteration_time_s", "predicted_peak_memory_fraction", "predicted_memory_variance"):
-        if key in data:
-            require_number(data[key], f"{source}.{key}", lo=0, fix=fix)
-    if "emulated" in data:
-        require_type(data["emulated"], bool, f"{source}.emulated", fix)
-    for key in ("training", "objective", "model_spec"):
-        if key in data:
-            require_type(data[key], dict, f"{source}.{key}", fix)
-    if "objective" in data:
-        o = data["objective"]
-        require_number(o.get("phi"), f"{source}.objective.phi", fix=fix)
-        require_type(o.get("profile"), str, f"{source}.objective.profile", fix)
-        weights = o.get("weights")
-        if not isinstance(weights, list) or len(weights) != 3:
-            raise ConfigError(f"{source}.objective.weights", "must be a list of three numbers", fix)
-        for w in weights:
-            require_number(w, f"{source}.objective.weights", lo=0, fix=fix)
-        require_type(o.get("terms", {}), dict, f"{source}.objective.terms", fix)
-        for k, v in o.get("terms", {}).items():
-            require_number(v, f"{source}.objective.terms.{k}", fix=fix)
-    crossings = data.get("crossings", [])
-    require_type(crossings, list, f"{source}.crossings", fix)
-    for i, c in enumerate(crossings):
-        where = f"{source}.crossings[{i}]"
-        require_type(c, dict, where, fix)
-        if c.get("kind") not in CROSSING_KINDS:
-            raise ConfigError(f"{where}.kind", f"expected one of {', '.join(CROSSING_KINDS)}, got {c.get('kind')!r}", fix)
-        for key in ("bytes_per_step", "seconds_per_step"):
-            require_number(c.get(key), f"{where}.{key}", lo=0, fix=fix)
-        if c.get("senders") is not None:
-            require_number(c["senders"], f"{where}.senders", lo=1, hi=MAX_WORLD_SIZE, integer=True, fix=fix)
-    stages = data.get("stages")
-    if not isinstance(stages, list) or not stages:
-        raise ConfigError(f"{source}.stages", "must be a non-empty list of stages", fix)
-    for i, stage in enumerate(stages):
-        where = f"{source}.stages[{i}]"
-        require_type(stage, dict, where, fix)
-        require_type(stage.get("device_type"), str, f"{where}.device_type", fix)
-        require_name(stage["device_type"], f"{where}.device_type")
-        require_number(stage.get("num_layers"), f"{where}.num_layers", lo=0, hi=MAX_DIMENSION,
-                       integer=True, fix=fix)
-        if not isinstance(stage.get("ranks"), list) or not stage["ranks"]:
-            raise ConfigError(f"{where}.ranks", "must be a non-empty list of ranks", fix)
-        for r in stage["ranks"]:
-            require_number(r, f"{where}.ranks", lo=0, hi=MAX_WORLD_SIZE, integer=True, fix=fix)
-        for key in ("predicted_peak_memory_gib", "predicted_stage_time_s", "memory_capacity_gib"):
-            if key in stage:
-                require_number(stage[key], f"{where}.{key}", lo=0, fix=fix)
-        parts = stage.get("memory_parts_gib")
-        if parts is not None:
-            require_type(parts, dict, f"{where}.memory_parts_gib", fix)
-            for name, gib in parts.items():
-                require_number(gib, f"{where}.memory_parts_gib.{name}", lo=0, fix=fix)

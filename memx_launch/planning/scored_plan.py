@@ -27,7 +27,8 @@ def to_plan(result: GroupResult, row: int, model, cluster, training, objective: 
                         recompute=result.stage_recompute(row, i),
                         predicted_peak_memory_gib=round(float(result.memory[row, i]) / cm.GIB, 6),
                         predicted_stage_time_s=float(result.stage_time[row, i]),
-                        memory_capacity_gib=float(result.capacity[row, i]) / cm.GIB)
+                        memory_capacity_gib=float(result.capacity[row, i]) / cm.GIB,
+                        send_parts=int(result.send_parts[i]))
               for i, ranks in enumerate(lay.stage_ranks)]
     uniform = lay.uniform_tp
     return Plan(model=model.name, model_spec=model, cluster=cluster.name, tp=lay.tp if uniform else None,

@@ -28,7 +28,7 @@ from memx_launch.planning.layer_split import balance_layers
 from memx_launch.planning.model_states import (held_gradient_share, keeps_gathered, layer_state_bytes,
                                                parameters_per_rank, quantized_state_bytes,
                                                stage_state_bytes_by_part)
-from memx_launch.planning.pipeline_sends import StageSends, edge_hidden_bytes, send_parts
+from memx_launch.planning.pipeline_sends import StageSends, edge_hidden_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.hybrid_sharding import ShardLinks, bridged_syncs
 from memx_launch.planning.layouts import Layout
@@ -68,7 +68,7 @@ class Evaluator:
                                             for d in self.device_types])
         # A learned model brings the bridges calibration measured (else the cluster file's).
         self.bridges = BridgePricing(cluster, getattr(cost_model, "measured_bridges", {}))
-        self.sends = StageSends(cluster)
+        self.sends = StageSends(cluster, self.bridges)
         self.shard_links = ShardLinks(cluster, training)  # hybrid sharding's groups of each layout
         self._uniform_layout, self._uniform_group, self._uniform = None, None, {}
         self._edge_times: dict[tuple, np.ndarray] = {}
@@ -283,7 +283,7 @@ class Evaluator:
             memory, stage_time, fits, cap = memories[0], times[0], fits[0], np.broadcast_to(layout.capacity, levels.shape)
             replica = None
         feasible = fits.all(axis=1) & (layers >= min_layers).all(axis=1) & (layers.sum(axis=1) == L)
-        T, transfer, sync = self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)
+        T, transfer, sync, parts = self.iteration_parts(layout, mbs, seq, schedule, v, g, stage_time, layers)
         crosses = bool(layout.edge_crossings or layout.group_crossings or layout.ends_crossing)
         # M: the fullest device as a fraction of its capacity (devices of different sizes compare); V: the
         # variance of the devices' memory use in GiB^2, as the paper's (its Table 10: 9.13e5 MB^2): equal use.
@@ -292,7 +292,7 @@ class Evaluator:
                            recompute_layers, transfer if crosses else None, sync if crosses else None, replica,
                            self.tied_sync_time(layout),
                            (self.training.expert_parallel, self.training.expert_tensor_parallel),
-                           self.training.shard_degree)
+                           self.training.shard_degree, parts)
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the
@@ -390,24 +390,13 @@ class Evaluator:
         """What the schedule combines, per stage: its time with what a fully sharded run leaves
         exposed, the (P,) seconds of one transfer to the next stage (the last: interleaving's
         wrap-around), its gradient sync before any overlap with the backward, the part of it the
-        step waits for and its optimizer step on the slowest of its device types (each (C, P))."""
+        step waits for and its optimizer step on the slowest of its device types (each (C, P)), and
+        the (P,) parts each transfer is sent in (:meth:`StageSends.transfers`)."""
         m, tr = self.model, self.training
         hidden_bytes = edge_hidden_bytes(m, tr, layout, mbs, seq)
         def device_types():
             return [self.device_types[d].name for d in layout.replica_device[0]]
-        parts = send_parts(tr, layout.stage_tp)
-        transfer = self.sends.seconds(hidden_bytes, layout.next_stage_gbps, layout.stage_tp, parts, device_types)
-        if layout.edge_crossings:  # staged through host memory over the bridge, completed natively
-            transfer = transfer.copy()
-            whole = np.broadcast_to(hidden_bytes, (layout.pp,))
-            receiving = self.sends.receiving_seconds(whole, layout.stage_tp, parts, device_types)
-            for edge in layout.edge_crossings:
-                k = edge.stage
-                if k < layout.pp - 1 or v > 1:
-                    # The wrap-around carries v - 1 of each micro-batch's v passes; the schedule charges v.
-                    share = (v - 1) / v if k == layout.pp - 1 else 1.0
-                    transfer[k] = share * (self.bridges.edge_link(edge).transfer_time(whole[k] / parts[k])
-                                           + receiving[k])
+        transfer, parts = self.sends.transfers(layout, hidden_bytes, v, tr, device_types)
         stage_params, shards = parameters_per_rank(m, tr, layout, layers, v), self.shard_links.state_shards(layout)
         sm_share = self.collective_sm_share[layout.replica_device].max(axis=0)
         stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,
@@ -424,12 +413,12 @@ class Evaluator:
             exposed = overlapped_exposed_seconds(exposed, 2.0 / 3.0 * stage_time, sm_share)
         step = optimizer_step_seconds(stage_params[None], tr, self.hbm_gbps[layout.replica_device][:, None],
                                       shards, self.trained, self.host_gbps[layout.replica_device][:, None])
-        return stage_time, transfer, sync, exposed, step.max(axis=0)
+        return stage_time, transfer, sync, exposed, step.max(axis=0), parts
 
     def iteration_parts(self, layout, mbs, seq, schedule, v, g, stage_time, layers):
-        """(T, transfer, sync): the iteration time of each row, and :meth:`stage_step_parts`'
-        transfers and gradient syncs."""
-        stage_time, transfer, sync, exposed, step = self.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
+        """(T, transfer, sync, parts): the iteration time of each row, and :meth:`stage_step_parts`'
+        transfers, gradient syncs and the parts of each transfer."""
+        stage_time, transfer, sync, exposed, step, parts = self.stage_step_parts(layout, mbs, seq, v, stage_time, layers)
         ends = np.isin(np.arange(layout.pp), (0, layout.pp - 1))  # after their DP sync they sum tied gradients
         t_dp = (exposed + self.tied_sync_time(layout) * ends).max(axis=1)
         t_fix = step.max(axis=1)  # every stage's optimizer step at once
@@ -439,7 +428,7 @@ class Evaluator:
             T = schedules.iteration_time_interleaved(stage_time, transfer, g, v, t_fix, t_dp, overlapped)
         else:
             T = schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
-        return T, transfer, sync
+        return T, transfer, sync, parts
 
 
 def _ends(local, pp: int) -> tuple:

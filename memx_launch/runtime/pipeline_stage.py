@@ -15,11 +15,9 @@ from torch.distributed.pipelining._utils import (_DTensorMeta, _make_tensor_from
 from torch.distributed.pipelining.stage import InferenceMode, _RecvInfo
 
 from memx_launch.errors import ConfigError
-from memx_launch.planning.pipeline_sends import send_parts
 from memx_launch.runtime.communication import Communicator
 from memx_launch.runtime.messages import recv_json, send_json
 from memx_launch.runtime.stage_clock import StageClock
-from memx_launch.specs.training import TrainingSpec
 
 MAX_META_TENSORS = 64
 MAX_META_DIMS = 16
@@ -32,8 +30,9 @@ class PipelineLinks:
     sends to TP rank t of the other, for each t below the smaller TP degree: where the receiving
     stage has more TP ranks, its rank 0 broadcasts what it received over its TP group (each tensor
     crosses the link once per pair, never once per receiver). Between two stages of one TP degree
-    a partitioned plan (``partitioned_sends``) sends each peer a TP-th of the tensor, which the
-    receiving stage all-gathers over its TP group; planning/pipeline_sends.py prices both. Shape
+    a plan that partitions the edge (the stage's ``send_parts``) sends each peer a TP-th of the
+    tensor, which the receiving stage all-gathers over its TP group; planning/pipeline_sends.py
+    prices both. Shape
     metadata, exchanged once, reaches every rank directly: stage s's TP rank t takes it from the
     previous stage's rank t mod tp(s-1) and gives it to each next-stage rank u with u mod tp(s) == t.
     Gradients go back by the same rules; stages are taken modulo the pipeline depth (under
@@ -66,14 +65,13 @@ class PipelineLinks:
 
     @classmethod
     def of(cls, grid, stage: int, replica: int, tp_index: int, groups: dict, tp_group: dist.ProcessGroup | None,
-           training: TrainingSpec) -> "PipelineLinks":
+           parts: list[int]) -> "PipelineLinks":
         """``grid``: process ranks [stage][replica][tp index]; ``tp_group``: this stage's TP group
-        (None at TP 1); ``training``: the plan's, which says which edges are partitioned as the
-        planner prices them (pipeline_sends.send_parts)."""
+        (None at TP 1); ``parts``: the parts each stage's sends to the next are split into, as the
+        plan priced them (its stages' ``send_parts``)."""
         p = len(grid)
         prev, nxt = grid[(stage - 1) % p][replica], grid[(stage + 1) % p][replica]
         tp, t = len(grid[stage][replica]), tp_index
-        parts = send_parts(training, [len(replicas[replica]) for replicas in grid])
         def peer(other) -> int | None:
             return other[t] if t < len(other) else None
         def meta_out(other) -> tuple[int, ...]:

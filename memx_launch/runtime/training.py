@@ -174,7 +174,7 @@ class Runtime:
                 if d == dp_index and lane == tp_index:
                     self.pp_group = group
         self.links = PipelineLinks.of(grid, stage, dp_index, tp_index, edge_groups, self.tp_group,
-                                      TrainingSpec(**p.training))
+                                      [planned.send_parts for planned in p.stages])
 
     def _model_parts(self, model: torch.nn.Module, blocks: str | None) -> ModelParts:
         parts = ModelParts(model, blocks)

@@ -72,9 +72,10 @@ SETUPS: dict[str, dict] = {
     # and grads under autocast, torch's loss, DDP with its copy of the gradients (FSDP2 fully sharded or with
     # TP > 1 and DP > 1, a stage's gathered weights and unsharded gradients held through the step), torch's pipeline
     # stages keeping their in-flight outputs and sending a TP-th of each boundary tensor between stages of
-    # one TP degree, its blocks of eager ops with q, k, v and gate, up apart, checkpointed without reentrance.
+    # one TP degree where that is faster, its blocks of eager ops with q, k, v and gate, up apart,
+    # checkpointed without reentrance.
     "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
-                     fully_sharded_with_tp=True, partitioned_sends=True,
+                     fully_sharded_with_tp=True, partitioned_sends=True, partition_where_faster=True,
                      hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False,
                      checkpoint_early_stop=True, keep_stage_outputs=True, grad_accumulation_pass=True),
 }
@@ -91,7 +92,8 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        checkpoint_early_stop=False,
                        sp_keeps_gathered_input=False,
                        fused_softmax=True, softmax_in_fp32=False, fused_gate_up=True, fused_qkv=True, fused_loss=False,
-                       tp_comm_overlap=False, async_tp=False, partitioned_sends=False, fp32_allreduce=False,
+                       tp_comm_overlap=False, async_tp=False, partitioned_sends=False, partition_where_faster=False,
+                       fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, grad_accumulation_pass=False,
                        cp_all_gather=False, repeat_kv=False, overlap_p2p_comm=True, hold_gathered="pipelined",

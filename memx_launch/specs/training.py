@@ -179,6 +179,11 @@ class TrainingSpec:
     default there with TP) and memx-run's: between stages of one TP degree each TP rank sends 1/TP
     of the stage's activation or gradient and the receiving stage all-gathers it over TP. Off:
     every TP rank sends the whole tensor to its peer. Default off (``memx-run``: on)."""
+    partition_where_faster: bool | None = None
+    """With ``partitioned_sends``: only the edges where a TP-th per rank and the receivers'
+    all-gather are priced faster than whole sends are partitioned, the others sent whole, as the
+    plan records per stage (``send_parts``) and memx-run sends. Off: every edge that can be, as
+    DeepSpeed's engine does. Default off (``memx-run``: on)."""
     fp32_allreduce: bool | None = None
     """DeepSpeed's ``fp32_allreduce``, FSDP2's fp32 ``reduce_dtype`` over 16-bit weights: gradients
     reduced (and held, ``hold_gathered``) in fp32, 4 bytes each on the wire. Default off (``scaling``: on)."""
