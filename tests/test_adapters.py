@@ -9,10 +9,12 @@ from torch import nn
 
 from memx_launch.errors import ConfigError
 from memx_launch.models.adapters import ModelParts, find_blocks
+from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.plan import Objective, Plan, StagePlan
 from memx_launch.profiling.emulation import EmulatedDevice
 from memx_launch.runtime.batches import default_loss
 from memx_launch.specs.catalog import get_model
+from memx_launch.specs.training import TrainingSpec
 from ranks import spawn_ranks
 from test_cross_vendor import TWO_VENDORS
 from toy_models import TOY_SPEC, NoBlocks, ToyModel, hf_example, hf_llama
@@ -161,6 +163,16 @@ GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, 
 PADDED = "hf pp=2 x dp=2 (DDP) left-padded dict batches from a DataLoader, memx's token-mean loss"
 
 
+def _across_vendors(spec, layers, recompute, training=None, **layout):
+    """memx estimate's plan of a two-stage layout on two emulated vendors (the first stage's
+    ranks NVIDIA's, the second's AMD's), its crossings counted."""
+    training = TrainingSpec(**{"global_batch_size": 8, "seq_len": 32, "dtype": "fp32", "setup": "memx-run",
+                               **(training or {})})
+    return evaluate_layout(spec, TWO_VENDORS, training, pp=2, micro_batch_size=1, layers_per_stage=layers,
+                           recompute=recompute, stage_devices=["nv-small", "amd-big"], references=(1.0, 1.0, 1.0),
+                           **layout)
+
+
 def _in_bf16(plan):
     plan.training = {"dtype": "bf16"}  # the Runtime's precision follows the plan's training dtype
     return plan
@@ -176,19 +188,19 @@ CASES = {
         ("hf-qwen2-tiny", make_plan(QWEN2_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
                                     micro_batch_size=2), "auto", None),
     "qwen2 tied tp=2 x pp=2 uneven 6/2, the stages on two vendors (tied gradients over the bridge)":
-        ("hf-qwen2-tiny", make_plan(QWEN2_SPEC, [((0, 1), 6, "selective"), ((2, 3), 2, "none")], tp=2,
-                                    global_batch_size=4), "auto", TWO_VENDORS),
+        ("hf-qwen2-tiny", _across_vendors(QWEN2_SPEC, [6, 2], ["selective", "none"], tp=2, dp=1,
+                                          training={"global_batch_size": 4}), "auto", TWO_VENDORS),
     "mixtral pp=2 x dp=2 (FSDP2) uneven 5/3 selective/full":
         ("hf-mixtral-tiny", make_plan(MIXTRAL_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
                                       micro_batch_size=2), "fsdp", None),
     "mixtral pp=2 x dp=2 (DDP) uneven 3/5 none/full, the stages on two vendors":
-        ("hf-mixtral-tiny", make_plan(MIXTRAL_SPEC, [((0, 1), 3, "none"), ((2, 3), 5, "full")], dp=2), "auto",
+        ("hf-mixtral-tiny", _across_vendors(MIXTRAL_SPEC, [3, 5], ["none", "full"], tp=1, dp=2), "auto",
          TWO_VENDORS),
     "own block pp=2 x dp=2 uneven 3/1 full/selective":
         ("toy", make_plan(TOY_SPEC, [((0, 1), 3, "full"), ((2, 3), 1, "selective")], dp=2), "auto", None),
     "gpt2 tied pp=2 x dp=2 (FSDP2) uneven 3/5 full/none, the stages on two vendors":
-        ("hf-gpt2-tiny", make_plan(GPT2_SPEC, [((0, 1), 3, "full"), ((2, 3), 5, "none")], dp=2), "fsdp",
-         TWO_VENDORS),
+        ("hf-gpt2-tiny", _across_vendors(GPT2_SPEC, [3, 5], ["full", "none"], tp=1, dp=2,
+                                         training={"fully_sharded": True}), "fsdp", TWO_VENDORS),
     PADDED:
         ("hf-padded", make_plan(HF_SPEC, [((0, 1), 5, "none"), ((2, 3), 3, "full")], dp=2, micro_batch_size=2),
          "auto", None),
@@ -262,7 +274,7 @@ def _worker(rank, port, cases, queue):
             batches = job.data if padded else [job.local_batch(pair)
                                                for pair in _batches(plan, plan.model_spec.vocab_size)]
             stats = [job.step(batch) for _, batch in zip(range(STEPS), batches)]
-            results.append(([s.loss for s in stats], sum(s.bridge_messages for s in stats)))
+            results.append(([s.loss for s in stats], sum(s.bridge_messages for s in stats), stats[0].bridge_bytes))
             dist.destroy_process_group()
     finally:
         queue.put((rank, results))
@@ -311,11 +323,13 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
         # lines, whose next batch may be harder (which ones moves with every edit of the README).
         falls = kind != "hf-padded"
         for rank in range(4):
-            got, bridge_messages = results[rank][i]
+            got, bridge_messages, bridge_bytes = results[rank][i]
             atol = BF16_LOSS_ATOL if plan.training.get("dtype") == "bf16" else LOSS_ATOL
             assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, ref)) < atol, (name, rank, got, ref)
             assert not falls or got[-1] < got[0], (name, rank, got)
             assert (bridge_messages > 0) == (cluster is not None), (name, rank)
+            if cluster is not None:  # the pipeline's sends and the tied gradients' sum, as the plan counts them
+                assert bridge_bytes == pytest.approx(plan.bridge_bytes_per_step, rel=1e-3), (name, rank, bridge_bytes)
         assert not falls or ref[-1] < ref[0], name
     # The padding mask moves the loss far beyond what the ranks are held to, so they must apply it.
     first = next(iter(_padded(CASES[PADDED][1])))

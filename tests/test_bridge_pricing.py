@@ -347,6 +347,13 @@ def test_tied_embeddings_across_domains_cost_the_bridge_all_reduce_of_their_grad
     assert not [c for c in native.crossings if c.kind == "tied_embeddings"]
     assert crossing.predicted_iteration_time_s - native.predicted_iteration_time_s > bridge - 2 * (
         NATIVE_LATENCY_S + m / (LINK_GBPS * EFFICIENCY * 1e9))
+    # Fully sharded, each rank holds its DP shard of the gradient after the reduce-scatter and sums
+    # that with its peer's (memx-run's FSDP2: tests/test_adapters.py counts the bytes sent).
+    sharded = TrainingSpec(**{**TRAINING.__dict__, "fully_sharded": True})
+    [shards] = [c for c in evaluate_layout(tied, two_vendors(), sharded, **layout).crossings
+                if c.kind == "tied_embeddings"]
+    half = 2 * m / 2 / (HOST_COPY_GBPS * 1e9) + 2 * BRIDGE_LATENCY_S + m / 2 / (BRIDGE_GBPS * 1e9)
+    assert shards.bytes_per_step == m / 2 and shards.seconds_per_step == pytest.approx(half)
 
 
 def test_two_vendor_example_plans_memx_run_s_partitioned_sends_across_the_bridge():

@@ -61,11 +61,10 @@ def crossings_of(result: GroupResult, row: int, model: ModelSpec, training: Trai
                             float(sent), float(result.sync[row, group.stage]), None if replicas is None else shard,
                             sync_senders(cluster.rank_domains(), ranks[group.stage],
                                          int(layout.stage_tp[group.stage]), shard)))
-    tied_bytes = data_parallel.tied_gradient_bytes(model, layout.pp, layout.end_tp[0], training)
-    if tied_bytes and layout.ends_crossing is not None:
+    if result.tied_bytes and layout.ends_crossing is not None:
         edge = layout.ends_crossing
         out.append(Crossing("tied_embeddings", [0, layout.pp - 1], sorted({d for p in edge.domain_pairs for d in p}),
-                            tied_bytes, result.tied_sync_s, senders=2 * min(len(ranks[0]), len(ranks[-1]))))
+                            result.tied_bytes, result.tied_sync_s, senders=2 * min(len(ranks[0]), len(ranks[-1]))))
     return out
 
 

@@ -51,6 +51,8 @@ class GroupResult:
     send_parts: np.ndarray | None = None
     """(P,) the parts each stage's transfer to the next is sent in (1: whole), as priced
     (:meth:`~memx_launch.planning.pipeline_sends.StageSends.transfers`)."""
+    tied_bytes: float = 0.0
+    """Bytes each rank of the first and the last stage sums with the other end (:meth:`Evaluator.tied_sum_bytes`)."""
 
     def stage_recompute(self, row: int, stage: int) -> str:
         """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""

@@ -57,6 +57,12 @@ class MixedShardingEvaluator(Evaluator):
         stages = self._stage_kinds(layout)["sharded"]
         return tuple(np.where(stages, s, w) for w, s in zip(whole, sharded))
 
+    def tied_sum_bytes(self, layout) -> float:
+        """The first stage's training's: a whole first stage sums its whole tied gradient, a sharded
+        one its shard."""
+        ends = self.sharded if self._stage_kinds(layout)["sharded"][0] else self.whole
+        return ends.tied_sum_bytes(layout)
+
     def split_inputs(self, layout, mbs, seq, v, levels, replica=0, layers=None):
         whole = self.whole.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         sharded = self.sharded.split_inputs(layout, mbs, seq, v, levels, replica, layers)

@@ -292,7 +292,7 @@ class Evaluator:
                            recompute_layers, transfer if crosses else None, sync if crosses else None, replica,
                            self.tied_sync_time(layout),
                            (self.training.expert_parallel, self.training.expert_tensor_parallel),
-                           self.training.shard_degree, parts)
+                           self.training.shard_degree, parts, self.tied_sum_bytes(layout))
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the
@@ -381,10 +381,18 @@ class Evaluator:
         unit = layers_per_block(self.model)  # whole blocks, as Megatron's block method recomputes them
         return np.where(levels == cm.FULL, np.clip(np.ceil(fewest / unit) * unit, 1, layers).astype(np.int64), layers)
 
+    def tied_sum_bytes(self, layout) -> float:
+        """Bytes each rank of the first and the last stage sums with the other end every step,
+        after the DP sync: the tied gradient, or where the stages run fully sharded its shard
+        (their reduce-scatter left each rank its own; memx-run's FSDP2 sums the local shards)."""
+        nbytes = data_parallel.tied_gradient_bytes(self.model, layout.pp, layout.end_tp[0], self.training)
+        if not (nbytes and self.training.fully_sharded):
+            return nbytes
+        return nbytes / float(np.atleast_1d(self.shard_links.state_shards(layout))[0])
+
     def tied_sync_time(self, layout) -> float:
         """Seconds the first and the last stage sum their tied gradients, after the DP sync."""
-        return self.bridges.ends_sum_time(layout, data_parallel.tied_gradient_bytes(
-            self.model, layout.pp, layout.end_tp[0], self.training))
+        return self.bridges.ends_sum_time(layout, self.tied_sum_bytes(layout))
 
     def stage_step_parts(self, layout, mbs, seq, v, stage_time, layers) -> tuple:
         """What the schedule combines, per stage: its time with what a fully sharded run leaves
