@@ -62,6 +62,29 @@ def test_rank_layout_groups():
     assert [(c.layer_offset, c.num_layers) for c in layout.chunks] == [(5, 3)]
 
 
+def test_tied_ends_that_would_run_sharded_and_whole_are_refused_in_one_line():
+    # The first and the last stage sum their tied gradients rank by rank: both shards or both whole.
+    from memx_launch.errors import ConfigError
+    from memx_launch.runtime.layout import process_grid
+    from memx_launch.runtime.tied_weights import check_ends_sharded_alike
+
+    per_stage_tp = Plan("llama-tiny", SPEC, "test", None, 2, 2, 1, 4, 32, "1f1b", 1,
+                        [StagePlan("cpu", [0, 1], 4, "none", 0.0, 0.0),
+                         StagePlan("cpu", [2, 3, 4, 5], 4, "none", 0.0, 0.0)],
+                        0.0, Objective(1.0, "default", (0.4, 0.2, 0.4)), stage_tp=[1, 2])
+    per_stage_tp.validate()
+    one_domain = lambda ranks: False  # noqa: E731
+    with pytest.raises(ConfigError) as err:  # TP 2 runs FSDP2 (DDP cannot hold DTensors), TP 1 DDP
+        check_ends_sharded_alike(per_stage_tp, process_grid(per_stage_tp), one_domain, "auto")
+    assert "shard the last (FSDP2) and keep the first's whole" in str(err.value) and "\n" not in str(err.value)
+    check_ends_sharded_alike(per_stage_tp, process_grid(per_stage_tp), one_domain, "fsdp")
+    # The first stage's DP group across domains is averaged whole; the last's, within one, sharded.
+    plan = make_plan([((0, 1), 4, "none"), ((2, 3), 4, "none")], dp=2, global_batch_size=8)
+    with pytest.raises(ConfigError, match="shard the last"):
+        check_ends_sharded_alike(plan, process_grid(plan), lambda ranks: 0 in ranks, "fsdp")
+    check_ends_sharded_alike(plan, process_grid(plan), lambda ranks: True, "fsdp")
+
+
 # --------------------------------------------------------------------------- emulation
 
 

@@ -111,7 +111,7 @@ class Runtime:
         self.precision = Precision(dtype or plan.training.get("dtype", "fp32"), self.device,
                                    tf32=plan.training.get("tf32", False))
         self.parts = None if model is None else self._model_parts(model, blocks)
-        self.tied = TiedGradients(self.comm, plan, bool(self.parts and self.parts.tied))
+        self.tied = TiedGradients(self.comm, plan, bool(self.parts and self.parts.tied), data_parallel)
         original = {}  # id of the user's parameter -> its rank-local name (wrapping replaces the objects)
         tied_names: list[str] = []
         with self._measured():
