@@ -10,7 +10,8 @@ from dataclasses import dataclass
 class BridgeTraffic:
     """What this rank sent to other domains since :meth:`reset`: its sends and bridge all-reduces
     (messages), the bytes it sent (a bridge all-reduce of M bytes among D ranks sends
-    2(D-1)/D x M, as a ring does: what a plan's crossings count), the time spent copying between
+    2(D-1)/D x M, as gloo's ring does, which torch's gloo group runs: it names no algorithm and gloo
+    runs an unnamed one as its ring; what a plan's crossings count), the time spent copying between
     device and host, and the time inside bridge collectives (waits for slower peers included;
     pipeline transfers overlap the schedule and are not timed)."""
 
