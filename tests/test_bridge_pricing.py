@@ -163,10 +163,10 @@ def test_a_partitioned_edge_stages_a_tp_th_over_the_bridge_and_gathers_natively(
     assert chosen.stages[0].send_parts == 2
 
 
-def test_a_plan_s_send_parts_round_trip_and_bad_ones_are_refused_by_field(tmp_path):
+def test_a_plan_s_send_parts_round_trip_and_bad_ones_are_refused_by_field(tmp_path, capsys):
     fast_pairs = two_vendors(nodes=[{**TWO_VENDORS["nodes"][0], "intra_node_gbps": 100}])
     plan = estimate(fast_pairs, tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"],
-                    training=TrainingSpec(**{**TRAINING.__dict__, "seq_len": 4096, "partitioned_sends": True,
+                    training=TrainingSpec(**{**TRAINING.__dict__, "partitioned_sends": True,
                                              "partition_where_faster": True}))
     assert plan.stages[0].send_parts == 2
     from memx_launch.planning.report import crossing_lines
@@ -176,6 +176,16 @@ def test_a_plan_s_send_parts_round_trip_and_bad_ones_are_refused_by_field(tmp_pa
     path = str(tmp_path / "plan.json")
     plan.save(path)
     assert [s.send_parts for s in type(plan).load(path).stages] == [s.send_parts for s in plan.stages]
+    # Predicted again on pairs linked no faster than the bridge, it would be sent whole: the estimate
+    # prices that and says that memx-run --plan sends as the file says.
+    from memx_launch.cli.main import main
+
+    slow_pairs = str(tmp_path / "slow.json")
+    with open(slow_pairs, "w") as f:
+        json.dump(TWO_VENDORS, f)
+    assert main(["estimate", "--plan", path, "--cluster", slow_pairs]) == 0
+    assert f"stage 0's sends priced in 1 part(s) on this cluster, where {path} sends 2: memx-run --plan sends " \
+        "as its file says" in capsys.readouterr().out
     data = plan.to_dict()
     assert all("send_parts" not in s for s in data["stages"] if s.get("send_parts", 1) == 1)  # whole: not written
     for parts, problem in ((3, "3 parts at TP 2"), (0, "send_parts"), ("2", "send_parts")):
