@@ -18,6 +18,7 @@ CLUSTERS = os.path.join(ROOT, "examples", "clusters")
 PAPER = os.path.join(CLUSTERS, "paper-20gpu.yaml")
 TABLE1 = os.path.join(CLUSTERS, "table1-2vendor.yaml")
 MODEL_FOR = {"hetero-1024": "llama3-70b", "cpu-emulated": "llama-tiny", "cpu-two-vendors": "llama-tiny",
+             "cpu-three-vendors": "llama-tiny",
              "cpu-emulated-ddp": os.path.join(os.path.dirname(CLUSTERS), "models", "lightning-gpt")}
 PLAN_FIELDS = {"version", "model", "cluster", "tp", "pp", "dp", "micro_batch_size", "global_batch_size", "seq_len",
                "schedule", "virtual_stages", "stages", "predicted_iteration_time_s", "objective"}

@@ -22,10 +22,10 @@ from test_runtime import GRAD_ATOL, LOSS_ATOL, SPEC, _batch, _reference, make_pl
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "cpu-two-vendors.yaml")
 
 
-def _cluster(order: list[str], per_node: int = 1, intra_node_gbps: float = 2.0) -> ClusterSpec:
-    """cpu-two-vendors' two types with room for any test plan (1 GiB), ``per_node`` devices of one
-    type on each node, in ``order`` (ranks in that order)."""
-    base = ClusterSpec.from_yaml(EXAMPLE)
+def _cluster(order: list[str], per_node: int = 1, intra_node_gbps: float = 2.0, example: str = EXAMPLE) -> ClusterSpec:
+    """``example``'s types (cpu-two-vendors') with room for any test plan (1 GiB), ``per_node``
+    devices of one type on each node, in ``order`` (ranks in that order)."""
+    base = ClusterSpec.from_yaml(example)
     types = tuple(dataclasses.replace(t, memory_gib=1.0) for t in base.device_types)
     return ClusterSpec(base.name, types, tuple(  # no slowdown: these cases check numbers, not speed
         type(base.nodes[0])(f"n{i}", ((order[i * per_node], per_node),), intra_node_gbps)
@@ -294,16 +294,8 @@ def test_stages_of_different_tp_degrees_match_the_reference():
         assert covered == set(ref_grads), name
 
 
-def _three_vendors(order: list[str]) -> ClusterSpec:
-    """:func:`_cluster`'s with a third vendor's type (``intel-mid``: xccl on real devices), one
-    device per entry of ``order``."""
-    two = _cluster(["nv-small"])
-    types = (*two.device_types, dataclasses.replace(two.device_types[1], name="intel-mid", vendor="intel"))
-    return ClusterSpec("cpu-three-vendors", types, tuple(
-        type(two.nodes[0])(f"n{i}", ((name, 1),), 2.0) for i, name in enumerate(order)), 2.0, Emulation(()))
-
-
-THREE = _three_vendors(["nv-small", "amd-big", "intel-mid", "intel-mid"])
+THREE = _cluster(["nv-small", "amd-big", "intel-mid", "intel-mid"],
+                 example=os.path.join(os.path.dirname(EXAMPLE), "cpu-three-vendors.yaml"))  # nccl, rccl, xccl
 NV_AMD, INTEL = "nv-small+amd-big", "intel-mid"
 THREE_DOMAINS = {
     "pp 4 through three domains, 1f1b": (
