@@ -176,16 +176,20 @@ def test_a_plan_s_send_parts_round_trip_and_bad_ones_are_refused_by_field(tmp_pa
     path = str(tmp_path / "plan.json")
     plan.save(path)
     assert [s.send_parts for s in type(plan).load(path).stages] == [s.send_parts for s in plan.stages]
-    # Predicted again on pairs linked no faster than the bridge, it would be sent whole: the estimate
-    # prices that and says that memx-run --plan sends as the file says.
+    # Predicted again on pairs linked no faster than the bridge, where a new plan would send it whole,
+    # the file is priced as memx-run --plan sends it: in its parts.
     from memx_launch.cli.main import main
+    from memx_launch.planning.estimate import evaluate_plan, plan_training
 
+    again = evaluate_plan(plan, two_vendors(), plan_training(plan))
+    assert [s.send_parts for s in again.stages] == [2, 1]
+    assert estimate(two_vendors(), tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"],
+                    training=plan_training(plan)).stages[0].send_parts == 1
     slow_pairs = str(tmp_path / "slow.json")
     with open(slow_pairs, "w") as f:
         json.dump(TWO_VENDORS, f)
     assert main(["estimate", "--plan", path, "--cluster", slow_pairs]) == 0
-    assert f"stage 0's sends priced in 1 part(s) on this cluster, where {path} sends 2: memx-run --plan sends " \
-        "as its file says" in capsys.readouterr().out
+    assert "a TP-th (2 parts) from each rank" in capsys.readouterr().out
     data = plan.to_dict()
     assert all("send_parts" not in s for s in data["stages"] if s.get("send_parts", 1) == 1)  # whole: not written
     for parts, problem in ((3, "3 parts at TP 2"), (0, "send_parts"), ("2", "send_parts")):

@@ -218,11 +218,6 @@ def run_estimate(args) -> int:
         model, training, split_note = handed.model_spec, plan_training(handed), ""
         plan = evaluate_plan(handed, cluster, training, weights=weights, memory_headroom=args.memory_headroom,
                              cost_model=cost_model_from_args(args, model, cluster, training))
-        resent = [i for i, (a, b) in enumerate(zip(handed.stages, plan.stages)) if a.send_parts != b.send_parts]
-        if resent:  # priced here where partitioning pays; memx-run --plan sends as the file says
-            i = resent[0]
-            split_note = (f"stage {i}'s sends priced in {plan.stages[i].send_parts} part(s) on this cluster, where "
-                          f"{args.plan} sends {handed.stages[i].send_parts}: memx-run --plan sends as its file says")
     else:
         missing = [f"--{f.replace('_', '-')}" for f in ("model", "tp", "pp", "dp", "micro_batch_size")
                    if getattr(args, f) is None and not (f == "tp" and args.stage_tp) and not (f == "dp" and args.stage_dp)]

@@ -97,7 +97,7 @@ class LayoutScorer:
 
     def score(self, *, tp: int | None, pp: int, dp: int | None, micro_batch_size: int, layers_per_stage=None,
               recompute=None, stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
-              stage_tp=None, cp: int = 1, stage_dp=None) -> tuple[GroupResult, Evaluator]:
+              stage_tp=None, cp: int = 1, stage_dp=None, send_parts=None) -> tuple[GroupResult, Evaluator]:
         """The layout scored as one row, and the evaluator that scored it (see
         :func:`evaluate_layout` for the arguments)."""
         model, cluster, training = self.model, self.cluster, self.training
@@ -160,6 +160,7 @@ class LayoutScorer:
                               f"offload at most {max(layers.min() - 1, 0)} layers per stage")
         levels, recompute_layers = recompute_rows(recompute, layers)
         partial = recompute_layers < layers
+        evaluator.send_in(send_parts)  # evaluators are kept across rows: set (or reset) on each
         result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers,
                                  recompute_layers if partial.any() else None)
         return result, evaluator
@@ -177,7 +178,7 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                     stage_devices=None, schedule: str = "1f1b", virtual_stages: int = 1,
                     cost_model: cm.LayerCostModel | None = None, weights=None,
                     references: tuple[float, float, float] | None = None,
-                    memory_headroom: float = 0.0, stage_tp=None, cp: int = 1, stage_dp=None) -> Plan:
+                    memory_headroom: float = 0.0, stage_tp=None, cp: int = 1, stage_dp=None, send_parts=None) -> Plan:
     """Predict one given layout (``memx estimate``). The plan may not fit: its stages then
     show predicted memory above capacity (less ``memory_headroom``, see :func:`stage_short_gib`).
     ``stage_tp``: one TP degree per stage instead of ``tp`` for all (the DP degree is every
@@ -189,12 +190,13 @@ def evaluate_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     No ``layers_per_stage``: an :func:`even_split`. Fewer micro-batches than stages is allowed
     (Megatron-LM runs it; 1F1B then fills the pipeline only partly). Phi uses ``references``
     (T, M, V medians) when given, else those of a default search of the same model, cluster and
-    training spec. Each stage carries its memory by part (``memory_parts_gib``)."""
+    training spec. Each stage carries its memory by part (``memory_parts_gib``). ``send_parts``: the
+    parts each stage's pipeline sends are priced in (a plan file's), instead of chosen."""
     scorer = LayoutScorer(model, cluster, training, cost_model, memory_headroom)
     result, evaluator = scorer.score(tp=tp, stage_tp=stage_tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
                                      layers_per_stage=layers_per_stage, recompute=recompute,
                                      stage_devices=stage_devices, schedule=schedule, virtual_stages=virtual_stages,
-                                     cp=cp, stage_dp=stage_dp)
+                                     cp=cp, stage_dp=stage_dp, send_parts=send_parts)
     if references is None:
         references = default_references(model, cluster, training, scorer.cost_model)
     plan = to_plan(result, 0, model, cluster, training, layout_objective(result, references, weights))
@@ -210,8 +212,9 @@ def plan_training(plan: Plan) -> TrainingSpec:
 
 def evaluate_plan(handed: Plan, cluster: ClusterSpec, training: TrainingSpec, *, weights=None,
                   cost_model: cm.LayerCostModel | None = None, memory_headroom: float = 0.0) -> Plan:
-    """A plan file predicted again (``memx estimate --plan``): its layout, split and levels, its
-    Phi references, and its weights unless ``weights`` are given."""
+    """A plan file predicted again (``memx estimate --plan``): its layout, split, levels and pipeline
+    sends' parts (as memx-run sends them), its Phi references, and its weights unless ``weights``
+    are given."""
     o = handed.objective
     references = tuple(o.terms[k] for k in ("T_ref", "M_ref", "V_ref")) if "T_ref" in o.terms else None
     plan = evaluate_layout(handed.model_spec, cluster, training, tp=handed.tp, stage_tp=handed.stage_tp,
@@ -221,7 +224,8 @@ def evaluate_plan(handed: Plan, cluster: ClusterSpec, training: TrainingSpec, *,
                            recompute=[s.recompute for s in handed.stages],
                            stage_devices=[s.device_type for s in handed.stages], schedule=handed.schedule,
                            virtual_stages=handed.virtual_stages, weights=weights or o.weights,
-                           references=references, cost_model=cost_model, memory_headroom=memory_headroom)
+                           references=references, cost_model=cost_model, memory_headroom=memory_headroom,
+                           send_parts=[s.send_parts for s in handed.stages])
     plan.objective.profile = o.profile if weights is None else "custom"
     return plan
 

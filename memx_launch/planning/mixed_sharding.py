@@ -57,6 +57,10 @@ class MixedShardingEvaluator(Evaluator):
         stages = self._stage_kinds(layout)["sharded"]
         return tuple(np.where(stages, s, w) for w, s in zip(whole, sharded))
 
+    def send_in(self, parts) -> None:
+        self.whole.send_in(parts)
+        self.sharded.send_in(parts)
+
     def tied_sum_bytes(self, layout) -> float:
         """The first stage's training's: a whole first stage sums its whole tied gradient, a sharded
         one its shard."""

@@ -45,6 +45,8 @@ class StageSends:
     def __init__(self, cluster: ClusterSpec, bridges: BridgePricing):
         self.cluster = cluster
         self.bridges = bridges
+        self.given_parts: np.ndarray | None = None
+        """(P,) the parts to price each edge's sends in (a plan file's ``send_parts``); None: chosen."""
         self._collectives: dict[tuple[str, float, str, int], float] = {}
 
     def receiving_seconds(self, nbytes, stage_tp, parts, device_types) -> np.ndarray:
@@ -81,7 +83,9 @@ class StageSends:
         """((P,) seconds of one transfer of ``nbytes`` (one value, or one per edge) from each stage
         to the next (the last: interleaving's wrap-around), (P,) the parts each is sent in): every
         edge in :func:`send_parts`' parts, or with ``partition_where_faster`` those where that is
-        faster than whole sends."""
+        faster than whole sends; ``given_parts`` where set."""
+        if self.given_parts is not None:
+            return self._transfers(layout, nbytes, v, self.given_parts, device_types), self.given_parts
         parts = send_parts(training, layout.stage_tp)
         split = self._transfers(layout, nbytes, v, parts, device_types)
         if not training.partition_where_faster or (parts == 1).all():

@@ -381,14 +381,17 @@ class Evaluator:
         unit = layers_per_block(self.model)  # whole blocks, as Megatron's block method recomputes them
         return np.where(levels == cm.FULL, np.clip(np.ceil(fewest / unit) * unit, 1, layers).astype(np.int64), layers)
 
+    def send_in(self, parts) -> None:
+        """Price each pipeline edge's sends in ``parts`` (a plan file's ``send_parts``); None: choose them."""
+        self.sends.given_parts = None if parts is None else np.asarray(parts, dtype=np.int64)
+
     def tied_sum_bytes(self, layout) -> float:
         """Bytes each rank of the first and the last stage sums with the other end every step,
         after the DP sync: the tied gradient, or where the stages run fully sharded its shard
         (their reduce-scatter left each rank its own; memx-run's FSDP2 sums the local shards)."""
         nbytes = data_parallel.tied_gradient_bytes(self.model, layout.pp, layout.end_tp[0], self.training)
-        if not (nbytes and self.training.fully_sharded):
-            return nbytes
-        return nbytes / float(np.atleast_1d(self.shard_links.state_shards(layout))[0])
+        shards = np.atleast_1d(self.shard_links.state_shards(layout))[0] if self.training.fully_sharded else 1
+        return nbytes / float(shards)
 
     def tied_sync_time(self, layout) -> float:
         """Seconds the first and the last stage sum their tied gradients, after the DP sync."""
