@@ -189,7 +189,10 @@ def test_a_plan_s_send_parts_round_trip_and_bad_ones_are_refused_by_field(tmp_pa
     with open(slow_pairs, "w") as f:
         json.dump(TWO_VENDORS, f)
     assert main(["estimate", "--plan", path, "--cluster", slow_pairs]) == 0
-    assert "a TP-th (2 parts) from each rank" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "a TP-th (2 parts) from each rank" in out  # the crossing's line, and the edges' (1F1B: no wrap-around)
+    assert "pipeline sends in TP parts (a TP-th from each rank, all-gathered on receipt) over edges 0 -> 1; the other " \
+        "edges whole" in out
     data = plan.to_dict()
     assert all("send_parts" not in s for s in data["stages"] if s.get("send_parts", 1) == 1)  # whole: not written
     for parts, problem in ((3, "3 parts at TP 2"), (0, "send_parts"), ("2", "send_parts")):

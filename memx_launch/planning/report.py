@@ -176,7 +176,8 @@ def plan_report(result, cluster: ClusterSpec, rates=()) -> str:
     lines += ["", f"top {len(result.plans)} plans (lower phi is better):", plans_table(result.plans), "",
               f"winner: {layout_summary(best)}, predicted iteration {best.predicted_iteration_time_s:.2f} s, "
               f"{best.num_microbatches} micro-batches",
-              stage_table(best), *crossing_lines(best, cluster), "", why_line(best, result.reason),
+              stage_table(best), *split_send_lines(best), *crossing_lines(best, cluster), "",
+              why_line(best, result.reason),
               trade_line(best, result.fastest, result.max_slowdown)]
     if result.unbounded is not best:
         lines.append(f"without --max-slowdown's bound the profile would pick {layout_summary(result.unbounded)}: "
@@ -194,6 +195,14 @@ def plan_report(result, cluster: ClusterSpec, rates=()) -> str:
         lines.append(f"left out: {result.stats.pruned_too_few_microbatches} candidates with fewer micro-batches "
                      "than stages (memx-run's pipeline schedule needs one per stage)")
     return "\n".join(lines)
+
+
+def split_send_lines(plan: Plan) -> list[str]:
+    """The pipeline edges whose sends go in TP parts (the stages' ``send_parts``), if any."""
+    edges = range(plan.pp if plan.schedule == "interleaved" else plan.pp - 1)  # the last: the wrap-around
+    split = [f"{i} -> {(i + 1) % plan.pp}" for i in edges if plan.stages[i].send_parts > 1]
+    return [f"pipeline sends in TP parts (a TP-th from each rank, all-gathered on receipt) over edges {', '.join(split)}; "
+            "the other edges whole"] if split else []
 
 
 def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
@@ -266,7 +275,8 @@ def estimate_report(plan: Plan, cluster: ClusterSpec, memory_headroom: float = 0
                 "never fills" if plan.num_microbatches < plan.pp else "")
     lines += ["", f"layout: {layout_summary(plan)}, {plan.num_microbatches} micro-batches{pipeline}"
               + (f"; {split_note}" if split_note else ""),
-              stage_table(plan), *_mixed_stage_notes(plan, cluster), *crossing_lines(plan, cluster),
+              stage_table(plan), *_mixed_stage_notes(plan, cluster), *split_send_lines(plan),
+              *crossing_lines(plan, cluster),
               *host_bound_lines(plan, host_bound), *memory_parts_lines(plan), "",
               f"predicted iteration time: {plan.predicted_iteration_time_s:.3f} s; peak memory "
               f"{plan.predicted_peak_memory_fraction:.0%} of capacity; memory variance "
