@@ -164,6 +164,12 @@ PLANNED_BYTES = {
     "TP 1 | 1 | 2, the edge between vendors and TP degrees sent once and broadcast": (
         _scored(TWO_VENDORS, {}, tp=None, stage_tp=[1, 1, 2], pp=3, dp=1,
                 stage_devices=["nv-small", "nv-small", "amd-big"]), TWO_VENDORS),
+    "bf16, each vendor's stage fully sharded, the pipeline across: FSDP2's 16-bit hidden states": (
+        _scored(TWO_VENDORS, {"global_batch_size": 8, "fully_sharded": True, "dtype": "bf16"}, tp=1, pp=2, dp=2,
+                stage_devices=["nv-small", "amd-big"]), TWO_VENDORS),
+    "bf16 autocast at TP 2, partitioned across: parts of its fp32 hidden states": (
+        _scored(PAIRED, {"seq_len": 128, "dtype": "bf16"}, tp=2, pp=2, dp=1, stage_devices=["nv-small", "amd-big"]),
+        PAIRED),
 }
 
 
