@@ -97,25 +97,26 @@ class StageSends:
     def _transfers(self, layout: Layout, nbytes, v: int, parts, device_types) -> np.ndarray:
         """(P,) :meth:`seconds` of each edge, where it crosses domains over the bridge instead: its
         part staged through host memory and sent, then completed natively."""
-        transfer = self.seconds(nbytes, layout.next_stage_gbps, layout.stage_tp, parts, device_types)
-        if not layout.edge_crossings:
-            return transfer
-        whole = np.broadcast_to(nbytes, (layout.pp,))
-        receiving = self.receiving_seconds(whole, layout.stage_tp, parts, device_types)
+        nbytes = np.broadcast_to(nbytes, (layout.pp,))
+        receiving = self.receiving_seconds(nbytes, layout.stage_tp, parts, device_types)
+        transfer = self._over_links(nbytes, layout.next_stage_gbps, parts, receiving)
         for edge in layout.edge_crossings:
             k = edge.stage
             if k < layout.pp - 1 or v > 1:
                 # The wrap-around carries v - 1 of each micro-batch's v passes; the schedule charges v.
                 share = (v - 1) / v if k == layout.pp - 1 else 1.0
-                transfer[k] = share * (self.bridges.edge_link(edge).transfer_time(whole[k] / parts[k]) + receiving[k])
+                transfer[k] = share * (self.bridges.edge_link(edge).transfer_time(nbytes[k] / parts[k]) + receiving[k])
         return transfer
 
     def seconds(self, nbytes, next_stage_gbps, stage_tp, parts, device_types) -> np.ndarray:
         """(P,) seconds of one send of ``nbytes`` (one value, or one per edge) from each stage to
         the next (``next_stage_gbps``, inf for none) in :func:`send_parts`' ``parts``: a part over
         the link, then the receiving stage's collective (:meth:`receiving_seconds`)."""
+        return self._over_links(nbytes, next_stage_gbps, parts,
+                                self.receiving_seconds(nbytes, stage_tp, parts, device_types))
+
+    def _over_links(self, nbytes, next_stage_gbps, parts, receiving) -> np.ndarray:
         gbps = np.asarray(next_stage_gbps, dtype=np.float64) * self.cluster.link_efficiency
-        receiving = self.receiving_seconds(nbytes, stage_tp, parts, device_types)
         return p2p_time(np.asarray(nbytes) / parts, gbps) + np.where(np.isinf(gbps), 0.0, receiving)
 
 
