@@ -215,8 +215,6 @@ def crossing_lines(plan: Plan, cluster: ClusterSpec) -> list[str]:
         states = "" if c.shard_ranks is None else ", its states whole" if c.shard_ranks == 1 else \
             f", sharded within each domain over {c.shard_ranks} ranks"
         senders = "per rank" if c.senders is None else f"from each of {c.senders} ranks"
-        parts = plan.stages[c.stages[0]].send_parts if c.kind == "pipeline" else 1
-        states += f", a TP-th ({parts} parts) from each rank, all-gathered on receipt" if parts > 1 else ""
         lines.append(f"  {c.what} ({' | '.join(c.domains)}){states}: "
                      f"{format_gib(c.bytes_per_step / 2**30)} sent {senders}, {c.seconds_per_step:.3g} s per step")
     # What carries them is memx-run: another setup's plan prices them as that framework would send them.
