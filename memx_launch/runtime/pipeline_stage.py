@@ -32,9 +32,9 @@ class PipelineLinks:
     crosses the link once per pair, never once per receiver). Between two stages of one TP degree
     a plan that partitions the edge (the stage's ``send_parts``) sends each peer a TP-th of the
     tensor, which the receiving stage all-gathers over its TP group; planning/pipeline_sends.py
-    prices both. Shape
-    metadata, exchanged once, reaches every rank directly: stage s's TP rank t takes it from the
-    previous stage's rank t mod tp(s-1) and gives it to each next-stage rank u with u mod tp(s) == t.
+    prices both. Shape metadata, exchanged once, reaches every rank directly: stage s's TP rank t
+    takes it from the previous stage's rank t mod tp(s-1) and gives it to each next-stage rank u
+    with u mod tp(s) == t.
     Gradients go back by the same rules; stages are taken modulo the pipeline depth (under
     interleaving the last stage feeds the first)."""
 

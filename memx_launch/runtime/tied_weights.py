@@ -57,4 +57,3 @@ def check_ends_sharded_alike(plan, grid, spans_domains, data_parallel: str) -> N
                           f"memx's runtime would shard the {which[0]} (FSDP2) and keep the {which[1]}'s whole",
                           "plan the two stages alike: one TP degree, their DP groups both within a domain or "
                           "both across (the plan's training fully sharded)")
-
