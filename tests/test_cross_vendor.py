@@ -325,13 +325,15 @@ def test_three_domains_train_as_the_reference_and_send_what_the_plan_counts():
     for i, (name, plan) in enumerate(THREE_DOMAINS.items()):
         assert len({d for c in plan.crossings for d in c.domains}) == 3, (name, plan.crossings)
         ref_loss, ref_grads = _reference(plan)
+        covered = set()
         for rank in range(4):
             losses, messages, nbytes, grads, unpickled, bridge_checked, _ = results[rank][i]
             assert unpickled == [] and bridge_checked, (name, rank, unpickled)
             assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
             assert losses[1] < losses[0], (name, rank)
-            assert set(grads) == set(ref_grads) or plan.pp > 1, (name, rank)
             for param, grad in grads.items():
                 diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
                 assert diff < GRAD_ATOL, (name, rank, param, diff)
+                covered.add(param)
             assert nbytes == pytest.approx(plan.bridge_bytes_per_step, rel=1e-3), (name, rank, nbytes, plan.crossings)
+        assert covered == set(ref_grads), name  # every parameter lives on some rank
