@@ -5,6 +5,7 @@ import os
 from dataclasses import replace
 
 import pytest
+import yaml
 
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.layout_training import layout_training, plan_sharded_stages
@@ -271,3 +272,27 @@ def test_memx_estimate_names_the_stages_it_priced_fully_sharded(tmp_path, capsys
                  "--pp", "2", "--dp", "2", "--micro-batch-size", "1", "--global-batch-size", "32", "--seq-len", "2048",
                  "--stage-devices", "a100,a100+mi250"]) == 0
     assert "stage 0 priced fully sharded: TP > 1 with DP > 1 runs FSDP2" in capsys.readouterr().out
+
+
+def test_memx_runs_search_keeps_only_layouts_whose_tied_ends_it_shards_alike(tmp_path, capsys):
+    from memx_launch.cli import main
+    from memx_launch.errors import ConfigError
+
+    cluster, tied = ClusterSpec.from_dict(TWO_VENDORS), replace(MODEL, tie_embeddings=True)
+    space = dict(micro_batch_sizes=(1,), recompute_levels=("none", "full"), mixed_stages=True, tp_degrees=(2,))
+    # At PP 2 every layout shards one end only (the untied search above ranks such plans).
+    with pytest.raises(ConfigError, match="--mixed-stages: every layout has one end of the tied embeddings"):
+        search(tied, cluster, MEMX_RUN, space=SearchSpace(pipeline_degrees=(2,), **space))
+    result = search(tied, cluster, MEMX_RUN, space=SearchSpace(pipeline_degrees=(2, 4), **space), top_k=20)
+    plans = result.plans + result.pareto
+    assert plans and all((0 in plan_sharded_stages(MEMX_RUN, p)) == (p.pp - 1 in plan_sharded_stages(MEMX_RUN, p))
+                         for p in plans)
+    # memx estimate prices such a layout and says memx-run would not run it.
+    path = tmp_path / "two-vendors.yaml"
+    path.write_text(yaml.safe_dump(TWO_VENDORS))
+    args = ["estimate", "--cluster", str(path), "--setup", "memx-run", "--tp", "2", "--pp", "2", "--dp", "2",
+            "--micro-batch-size", "1", "--global-batch-size", "32", "--seq-len", "2048",
+            "--stage-devices", "a100,a100+mi250"]
+    for model, refused in (("opt-350m", True), ("llama2-7b", False)):
+        main([*args, "--model", model])
+        assert ("memx-run refuses this layout" in capsys.readouterr().out) == refused, model

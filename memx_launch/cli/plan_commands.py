@@ -240,6 +240,9 @@ def run_estimate(args) -> int:
         where = "" if len(sharded) == plan.pp else f"stage{'s' * (len(sharded) > 1)} {', '.join(map(str, sharded))} "
         split_note = "; ".join(filter(None, [split_note, f"{where}priced fully sharded: TP > 1 with DP > 1 runs FSDP2 "
                                                          "(--fully-sharded-with-tp)"]))
+    if model.last_stage_reads_embedding and plan.pp > 1 and (0 in sharded) != (plan.pp - 1 in sharded):
+        split_note = "; ".join(filter(None, [split_note, "memx-run refuses this layout: it would shard one end of "
+                                                         "the tied embeddings and not the other"]))
     # The host's share is the analytical model's: a profile DB's learned ratios hold their own.
     host_bound = [] if args.profile_db else host_bound_stages(plan, cluster)
     print(report.estimate_report(plan, cluster, args.memory_headroom, split_note, host_bound,

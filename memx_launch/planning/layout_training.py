@@ -38,6 +38,16 @@ def layout_sharded_stages(training: TrainingSpec, layout) -> np.ndarray:
     return sharded_stages(training, layout.dp, layout.stage_tp, [group.stage for group in layout.group_crossings])
 
 
+def tied_ends_sharded_alike(model, training: TrainingSpec, layout) -> bool:
+    """Whether memx-run would run the first and the last stage of ``layout`` both fully sharded or
+    both whole where they sum the tied embeddings' gradients: each rank sums what it holds, a shard
+    or the whole gradient, and the two cannot be summed (``runtime/tied_weights.py`` refuses)."""
+    if not model.last_stage_reads_embedding or layout.pp == 1:
+        return True
+    sharded = layout_sharded_stages(training, layout)
+    return bool(sharded[0] == sharded[-1])
+
+
 def training_precision_senders(training: TrainingSpec, layout) -> np.ndarray:
     """(P,) the stages that send hidden states at ``training``'s own precision (``residual_bytes``:
     fp32 under autocast): those before the first stage memx-run shards. A sharded stage sends its

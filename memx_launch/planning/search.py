@@ -32,7 +32,7 @@ from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layouts import Layout, enumerate_layouts, tp_text
-from memx_launch.planning.layout_training import cost_model_of_training, layout_sharded_stages
+from memx_launch.planning.layout_training import cost_model_of_training, layout_sharded_stages, tied_ends_sharded_alike
 from memx_launch.planning.mixed_sharding import MixedShardingEvaluator
 from memx_launch.planning.objective import WEIGHT_PROFILES, choose_profile, phi
 from memx_launch.planning.search_space import SearchSpace
@@ -127,6 +127,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     names = tuple(cost_models[0].device_names)
     cps = _cp_degrees(model, training, space, seqs)
     layouts_of = _expert_layouts(_layouts(model, cluster, names, space, cps), model, trainings, cluster)
+    layouts_of = _tied_ends_alike(layouts_of, model, trainings, space)
     layouts = [lay for lays in layouts_of for lay in lays]
     check_batch(layouts, space, training)
     tps = sorted({int(t) for lay in layouts for t in set(lay.stage_tp.tolist())})
@@ -271,6 +272,20 @@ def _expert_layouts(layouts: list[Layout], model: ModelSpec, trainings: list[Tra
         raise ConfigError("--expert-parallel", f"{degrees} divides no layout's TP x CP x DP ranks per stage",
                           "use smaller expert-parallel (x expert-tensor-parallel) degrees")
     return hybrid_sharding.sharded_layouts(cluster, kept, trainings)
+
+
+def _tied_ends_alike(layouts_of: list[list[Layout]], model: ModelSpec, trainings: list[TrainingSpec],
+                     space: SearchSpace) -> list[list[Layout]]:
+    """The layouts whose first and last stage memx-run would shard alike (or that tie nothing):
+    the others' tied gradients cannot be summed. Only stages of several TP degrees or DP groups
+    both within and across domains shard differently."""
+    kept = [[lay for lay in lays if tied_ends_sharded_alike(model, tr, lay)] for tr, lays in zip(trainings, layouts_of)]
+    if any(layouts_of) and not any(kept):
+        raise ConfigError("--mixed-stages" if space.mixed_stages else "--per-type-tp",
+                          "every layout has one end of the tied embeddings fully sharded and the other whole "
+                          "under memx-run, which cannot sum a shard with a whole gradient",
+                          "allow TP 1 or other pipeline degrees, or drop the flag")
+    return kept
 
 
 def check_batch(layouts: list[Layout], space: SearchSpace, training: TrainingSpec) -> None:
