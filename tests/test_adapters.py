@@ -2,6 +2,7 @@
 block, and 4 gloo processes matching the single-process reference over 3 optimizer steps."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -159,6 +160,8 @@ MODELS = os.path.join(os.path.dirname(__file__), "..", "examples", "models")
 HF_SPEC = get_model(os.path.join(MODELS, "hf-llama-tiny"))
 QWEN2_SPEC = get_model(os.path.join(MODELS, "hf-qwen2-tiny"))  # tied embeddings, TP-able blocks
 MIXTRAL_SPEC = get_model(os.path.join(MODELS, "hf-mixtral-tiny"))  # 4 experts, 2 a token, each whole on a rank
+# Its config with the load-balancing loss on (output_router_logits), its coefficient large enough to tell.
+ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, learned positions
 PADDED = "hf pp=2 x dp=2 (DDP) left-padded dict batches from a DataLoader, memx's token-mean loss"
 
@@ -193,9 +196,9 @@ CASES = {
     "mixtral pp=2 x dp=2 (FSDP2) uneven 5/3 selective/full":
         ("hf-mixtral-tiny", make_plan(MIXTRAL_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
                                       micro_batch_size=2), "fsdp", None),
-    "mixtral pp=2 x dp=2 (DDP) uneven 3/5 none/full, the stages on two vendors":
-        ("hf-mixtral-tiny", _across_vendors(MIXTRAL_SPEC, [3, 5], ["none", "full"], tp=1, dp=2), "auto",
-         TWO_VENDORS),
+    "mixtral with its load-balancing loss pp=2 x dp=2 (DDP) uneven 3/5 none/full, the stages on two vendors":
+        ("hf-mixtral-router-loss", _across_vendors(replace(MIXTRAL_SPEC, router_aux_loss=True), [3, 5],
+                                                   ["none", "full"], tp=1, dp=2), "auto", TWO_VENDORS),
     "own block pp=2 x dp=2 uneven 3/1 full/selective":
         ("toy", make_plan(TOY_SPEC, [((0, 1), 3, "full"), ((2, 3), 1, "selective")], dp=2), "auto", None),
     "gpt2 tied pp=2 x dp=2 (FSDP2) uneven 3/5 full/none, the stages on two vendors":
@@ -212,6 +215,8 @@ STEPS = 3
 
 
 def _model(kind):
+    if kind == "hf-mixtral-router-loss":
+        return hf_example("hf-mixtral-tiny", **ROUTER_LOSS)
     if kind.startswith("hf-") and kind != "hf-padded":
         return hf_example(kind)
     return hf_llama() if kind.startswith("hf") else ToyModel()
@@ -298,6 +303,9 @@ def _reference(kind, plan):
         with autocast:
             if y is None:
                 loss = model(**x).loss
+            elif kind == "hf-mixtral-router-loss":  # the load-balancing loss is each micro-batch's own
+                loss = torch.stack([_with_router_loss(model, *pair) for pair in
+                                    zip(x.split(plan.micro_batch_size), y.split(plan.micro_batch_size))]).mean()
             else:
                 out = model(x)
                 loss = default_loss(getattr(out, "logits", out), y)
@@ -308,6 +316,12 @@ def _reference(kind, plan):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _with_router_loss(model, x, y, router_loss=True):
+    """The loss Transformers' mixture adds up with labels: the tokens' and its load-balancing term."""
+    out = model(x)
+    return default_loss(out.logits, y) + router_loss * model.router_aux_loss_coef * out.aux_loss
 
 
 @pytest.mark.slow
@@ -335,6 +349,11 @@ def test_user_models_match_the_single_process_reference_over_three_steps():
     first = next(iter(_padded(CASES[PADDED][1])))
     model = hf_llama()
     assert abs(model(**first).loss - model(input_ids=first["input_ids"], labels=first["labels"]).loss) > 10 * LOSS_ATOL
+    # So does the load-balancing loss: the ranks must carry it.
+    router_plan = next(plan for kind, plan, *_ in CASES.values() if kind == "hf-mixtral-router-loss")
+    x, y = _batches(router_plan, MIXTRAL_SPEC.vocab_size)[0]
+    mixture = _model("hf-mixtral-router-loss")
+    assert abs(_with_router_loss(mixture, x[:1], y[:1]) - _with_router_loss(mixture, x[:1], y[:1], False)) > 0.1
     for rank in range(4):  # TP on a block type memx does not know: every rank names the fix
         assert "no tensor-parallel plan for OwnBlock" in results[rank][-1] and "tp=1" in results[rank][-1]
 

@@ -23,12 +23,14 @@ def hf_llama(seed: int = 0):
     return LlamaForCausalLM(LlamaConfig.from_pretrained(HF_TINY))
 
 
-def hf_example(name: str, seed: int = 0):
-    """examples/models/<name>'s causal LM (hf-gpt2-tiny, hf-qwen2-tiny: tied embeddings)."""
+def hf_example(name: str, seed: int = 0, **config):
+    """examples/models/<name>'s causal LM (hf-gpt2-tiny, hf-qwen2-tiny: tied embeddings), its
+    config.json's values replaced by ``config``'s."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.join(EXAMPLES, "models", name)))
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.join(EXAMPLES, "models", name),
+                                                                       **config))
 
 
 class ToyModel(OwnModel):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from memx_launch.errors import ConfigError
 from memx_launch.models.checkpointing import op_level_checkpoint
 from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel, per_layer
+from memx_launch.models.router_loss import RouterLoss
 
 log = logging.getLogger("memx")
 
@@ -127,6 +129,8 @@ class ModelParts:
                               "name a list of one block type")
         self.kind = kinds.pop()
         self.rotary: nn.Module | None = None
+        self.router_loss: RouterLoss | None = None
+        """A Hugging Face mixture's load-balancing loss, where its config asks for it."""
         lm = _hf_causal_lm(model, container)
         self.hf = lm is not None
         """A Hugging Face causal LM: blocks take positions (and the rotary table), no mask."""
@@ -156,12 +160,19 @@ class ModelParts:
             [(prefix + head_name, lm.get_output_embeddings())]
         self.rotary = getattr(decoder, "rotary_emb", None)
         self.config = lm.config
+        self.router_loss = RouterLoss.of(lm, self.blocks)
         if self.kind is HF_KIND:
             _use_memx_attention(lm.config)
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
+
+    @property
+    def takes_mask(self) -> bool:
+        """Its stages take the batch's padding mask: blocks that need one, or a load-balancing loss
+        that counts the tokens the mask keeps."""
+        return self.kind.padding_mask or self.router_loss is not None
 
     def tied_names(self, stage: nn.Module) -> list[str]:
         """The names in ``stage`` of the tied parameters it holds while another stage holds them
@@ -182,6 +193,7 @@ class ModelParts:
         block_factory)."""
         probe = copy.copy(self)
         probe.blocks, probe.before, probe.after = [copy.deepcopy(self.blocks[0])], [], []
+        probe.router_loss = None  # [b, s, hidden] out, as calibration times it
         return StageModule(probe, 0, 1, first=False, last=False, recompute=recompute,
                            selective_policy=selective_policy)
 
@@ -251,6 +263,7 @@ class StageModule(nn.Module):
                                      for i in range(num_layers)})
         self.after = nn.ModuleDict({_key(n): m for n, m in parts.after}) if last else nn.ModuleDict()
         self.rotary = parts.rotary
+        self.router_loss, self.last = parts.router_loss, last
         self.hf = parts.hf
         self.config = getattr(parts, "config", None)  # a Hugging Face model's, for its mask
         self.levels = per_layer(recompute, num_layers)
@@ -266,24 +279,32 @@ class StageModule(nn.Module):
             elif self.kind is HF_KIND:
                 _hf_selective(block, level == "selective" and not self.op_level)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``attention_mask``: [batch, seq], 0 at padding (Hugging Face Llama family only)."""
+    def forward(self, x: torch.Tensor, router_sums: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None):
+        """``attention_mask``: [batch, seq], 0 at padding (:attr:`ModelParts.takes_mask`). In training,
+        a model with a load-balancing loss (:class:`RouterLoss`) takes the previous stage's
+        ``router_sums`` and returns (hidden state, sums), its last stage (logits, the loss's term)."""
         h = x
         for module in self.before.values():
             h = module(h)
         call = self._block_call(h, attention_mask)
-        for block, level in zip(self.blocks.values(), self.levels):
-            if self.kind is MEMX_KIND:  # its blocks recompute as their level and policy say
-                h = call(block, h)
-            elif level == "selective" and self.op_level:
-                h = op_level_checkpoint(call, block, h)
-            elif level == "full" or (level == "selective" and not self.kind.knows_attention):
-                h = checkpoint(call, block, h, use_reentrant=False)
-            else:
-                h = call(block, h)
+        carries = self.router_loss is not None and self.training and torch.is_grad_enabled()  # not verify()'s
+        with self.router_loss.recording(self.blocks.values()) if carries else nullcontext() as logits:
+            for block, level in zip(self.blocks.values(), self.levels):
+                if self.kind is MEMX_KIND:  # its blocks recompute as their level and policy say
+                    h = call(block, h)
+                elif level == "selective" and self.op_level:
+                    h = op_level_checkpoint(call, block, h)
+                elif level == "full" or (level == "selective" and not self.kind.knows_attention):
+                    h = checkpoint(call, block, h, use_reentrant=False)
+                else:
+                    h = call(block, h)
         for module in self.after.values():
             h = module(h)
-        return h
+        if not carries:
+            return h
+        sums = self.router_loss.add(router_sums, logits, attention_mask, h.device)
+        return (h, self.router_loss.loss(sums, attention_mask, h.shape[0] * h.shape[1])) if self.last else (h, sums)
 
     def _block_call(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> Callable:
         if self.hf:  # causal, with a padding mask built as the model's own forward builds it

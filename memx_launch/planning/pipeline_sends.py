@@ -134,6 +134,8 @@ def edge_hidden_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
     (:func:`edge_micro_batch`), whole between stages of different TP (a resharding sender, as
     Sailor's); a CP rank's seq / cp tokens. With sequence parallelism each TP rank sends its own
     1/TP of the sequence to its peer of the next stage (Megatron's pipeline tensor shapes:
-    ``seq_length // tp``)."""
+    ``seq_length // tp``). A mixture's load-balancing sums go along (``router_aux_loss``: 2 x
+    experts fp32, whatever the training's precision)."""
     nbytes = edge_micro_batch(layout, mbs) * (seq // layout.cp) * model.hidden_size * training.residual_bytes
-    return nbytes / layout.tp if training.sequence_parallel and layout.uniform_tp else nbytes
+    router_sums = 8.0 * model.num_experts if model.router_aux_loss else 0.0
+    return (nbytes / layout.tp if training.sequence_parallel and layout.uniform_tp else nbytes) + router_sums

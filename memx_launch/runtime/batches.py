@@ -124,7 +124,10 @@ class BatchLoss:
         if batch.labelled and self.loss_fn is None:
             self.scale = shares / max(sum_over_job(float(batch.labelled_tokens())), 1.0)
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits, targets: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, tuple):  # a mixture's load-balancing term beside them (models/router_loss.py)
+            logits, router_loss = logits
+            return self(logits, targets) + router_loss
         if not self.labelled:
             return (self.loss_fn or default_loss)(logits, targets)
         if self.loss_fn is not None:

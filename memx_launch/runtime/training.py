@@ -266,7 +266,7 @@ class Runtime:
         """One optimizer step over plan.num_microbatches micro-batches of this DP replica's
         local_batch_size rows: ``(inputs, targets)`` or a dict (runtime/batches.py), the same on
         every rank of the replica (the first stage reads inputs, the last targets, all the mask)."""
-        takes_mask = self.parts is not None and self.parts.kind.padding_mask
+        takes_mask = self.parts is not None and self.parts.takes_mask
         batch = step_batch(batch, targets, self.local_batch_size, takes_mask)
         with self.watchdog.armed(self.step_count + 1):  # a hang becomes a one-line error (runtime/watchdog.py)
             stats = self._step(batch)

@@ -401,6 +401,8 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
         raise ConfigError(f"model ({where})", "dense MLP blocks among the expert ones at places memx does not model",
                           "memx models a mixture of experts' dense blocks as its first ones (first_k_dense_replace) "
                           "or as all but every n-th block (interleave_moe_layer_step, decoder_sparse_step)")
+    if cfg.get("output_router_logits") is not None:
+        require_type(cfg["output_router_logits"], bool, f"model ({where}).output_router_logits")
     expert_ffn = cfg.get("moe_intermediate_size") or 0
     shared = (cfg.get("shared_expert_intermediate_size")  # Nemotron 3: each shared expert's own width
               or (cfg.get("n_shared_experts") or 0) * (cfg.get("moe_shared_expert_intermediate_size") or expert_ffn))
@@ -416,6 +418,7 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
             "shared_expert_gate": bool(shared) and model_type.startswith(SHARED_EXPERT_GATE),
             "dense_layers": cfg.get("first_k_dense_replace") or 0, "moe_layer_step": step, **dense_ffn,
+            "router_aux_loss": bool(cfg.get("output_router_logits")),
             **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}
                if (cfg.get("n_group") or 1) > 1 else {})}
 

@@ -16,7 +16,7 @@ from memx_launch.specs.model_checks import MAX_DIMENSION, check_shape  # noqa: F
 
 
 # Fields that change no time or memory: a model's profiles and plans stay its own whatever they hold.
-_NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks")
+_NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks", "router_aux_loss")
 # Fields added after profiles were keyed by the shape: at these defaults a shape keeps the
 # signature it had, so the profiles and predictors of LLaMA-style models stay valid.
 _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
@@ -92,6 +92,9 @@ class ModelSpec:
     """Width of the MLP every token also runs through beside its routed experts (a shared expert); 0: none."""
     shared_expert_gate: bool = False
     """A sigmoid gate on the shared expert's output, a weight per hidden unit (Qwen2-MoE; ``--moe-shared-expert-gate``)."""
+    router_aux_loss: bool = False
+    """The routers' load-balancing loss joins the loss (Transformers' ``output_router_logits``): memx-run's
+    stages send its running sums on with the hidden state, 2 x ``num_experts`` fp32 (models/router_loss.py)."""
     sliding_window: int = 0
     """Keys each query attends back to in a block with sliding-window attention (Mistral-7B v0.1,
     Gemma 2 and 3, GPT-OSS); 0: every block attends to the whole (causal) sequence."""
@@ -338,21 +341,18 @@ class ModelSpec:
 
     @property
     def pre_norms_per_block(self) -> int:
-        """Norms whose output a block's linears read: one feeding parallel attention and MLP, or a
-        hybrid model's layer, else one before each (what Megatron's ``layernorm`` recompute module
-        runs again)."""
+        """Norms whose output a block's linears read: one feeding parallel attention and MLP, or a hybrid
+        model's layer, else one before each (what Megatron's ``layernorm`` recompute module runs again)."""
         return 1 if self.parallel_blocks or self.layer_kind else 2
 
     @property
     def residual_adds(self) -> int:
-        """Adds into the residual stream per block: one after attention, one after the MLP; one in
-        a hybrid model's layer."""
+        """Adds into the residual stream per block: after attention and after the MLP; one in a hybrid layer."""
         return 1 if self.layer_kind else 2
 
     @property
     def norms_per_block(self) -> int:
-        """Norms over the hidden size in one block: the pre-norms, and with ``post_norms`` one after
-        attention and one after the MLP as well."""
+        """Norms over the hidden size in one block: the pre-norms, and two more with ``post_norms``."""
         return self.pre_norms_per_block + (2 if self.post_norms else 0)
 
     @property
