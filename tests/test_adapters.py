@@ -111,6 +111,15 @@ def _hf_config(family):
                                            tie_word_embeddings=True),
             "gemma": lambda: T.GemmaConfig(**small, num_key_value_heads=1, head_dim=8, intermediate_size=64,
                                            pad_token_id=0, bos_token_id=0, eos_token_id=0),
+            # Windows shorter than the test's sequence: each block must get its own type's mask.
+            "gemma2": lambda: T.Gemma2Config(**small, num_key_value_heads=1, head_dim=8, intermediate_size=64,
+                                             sliding_window=4, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+            "gemma3": lambda: T.Gemma3TextConfig(**small, num_key_value_heads=1, head_dim=8, intermediate_size=64,
+                                                 sliding_window=4, sliding_window_pattern=2, pad_token_id=0,
+                                                 bos_token_id=0, eos_token_id=0),
+            "mistral": lambda: T.MistralConfig(**small, num_key_value_heads=2, intermediate_size=64, sliding_window=4),
+            "cohere": lambda: T.CohereConfig(**small, intermediate_size=64, logit_scale=0.5, pad_token_id=0),
+            "granite": lambda: T.GraniteConfig(**small, intermediate_size=64, logits_scaling=4.0),
             "phi": lambda: T.PhiConfig(**small, intermediate_size=64),
             # Mixtures of experts, each expert whole (transformers 5 keeps a block's experts in 3-D tensors).
             "mixtral": lambda: T.MixtralConfig(**small, num_key_value_heads=2, intermediate_size=48,
@@ -124,21 +133,30 @@ def _hf_config(family):
 
 @pytest.mark.parametrize("family,tied", [("gpt2", True), ("opt", True), ("qwen2", True), ("gemma", True),
                                          ("phi", False), ("mixtral", False), ("qwen3_moe", False),
-                                         ("qwen2_moe", False)])
+                                         ("qwen2_moe", False), ("gemma2", True), ("gemma3", True),
+                                         ("mistral", False), ("cohere", True), ("granite", False)])
 def test_hugging_face_causal_lms_split_into_stages_reproduce_the_model(family, tied):
     """Learned positions (GPT-2, OPT), embedding scaling (Gemma), a projection after the final norm
-    (OPT), parallel blocks (Phi) and tied embeddings: the model's own forward, cut in two."""
+    (OPT), parallel blocks (Phi), sliding windows (Mistral's on every block, Gemma 2 and 3's on
+    some, Gemma 3's rotary table per attention type), the head's logits soft-capped (Gemma 2 and 3)
+    or scaled (Cohere, Granite) and tied embeddings: the model's own forward, cut in two, with and
+    without a padding mask."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_hf_config(family))
     parts = ModelParts(model)
     parts.verify()
-    x = torch.randint(0, 97, (2, 8))
+    x = torch.randint(1, 97, (2, 8))
     model.eval()
     first = parts.stage(0, 1, first=True, last=False, recompute="none")
     last = parts.stage(1, 2, first=False, last=True, recompute="full")
     assert torch.allclose(last(first(x)), model(x).logits, atol=1e-6, rtol=0)
+    mask = torch.ones_like(x)
+    mask[1, 6:] = 0
+    kept = mask.bool()  # OPT places padding's positions apart; only the tokens' logits are trained
+    assert torch.allclose(last(first(x, attention_mask=mask), attention_mask=mask)[kept],
+                          model(x, attention_mask=mask).logits[kept], atol=1e-6, rtol=0)
     assert len(parts.tied) == tied
     # each end of a split holds its copy of the tied weight; a stage holding both ends holds one
     assert len(parts.tied_names(first)) == len(parts.tied_names(last)) == tied

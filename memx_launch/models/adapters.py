@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memx_launch.errors import ConfigError
 from memx_launch.models.checkpointing import op_level_checkpoint
+from memx_launch.models.hf_decoder import BlockInputs, HFEmbedding, LogitTransform, layer_types
 from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel, per_layer
 from memx_launch.models.router_loss import RouterLoss
 
@@ -158,8 +159,12 @@ class ModelParts:
         self.before = [(decoder_prefix.rstrip("."), HFEmbedding(decoder, blocks_name, finals))]
         self.after = [(decoder_prefix + n, getattr(decoder, n)) for n in finals] + \
             [(prefix + head_name, lm.get_output_embeddings())]
+        transform = LogitTransform.of(lm)
+        self.after += [(prefix + "memx_logit_transform", transform)] if transform is not None else []
         self.rotary = getattr(decoder, "rotary_emb", None)
         self.config = lm.config
+        self.layer_types = layer_types(lm.config, len(self.blocks))
+        """Each block's attention (full, sliding-window, chunked): the mask and rotary table it takes."""
         self.router_loss = RouterLoss.of(lm, self.blocks)
         if self.kind is HF_KIND:
             _use_memx_attention(lm.config)
@@ -265,7 +270,12 @@ class StageModule(nn.Module):
         self.rotary = parts.rotary
         self.router_loss, self.last = parts.router_loss, last
         self.hf = parts.hf
-        self.config = getattr(parts, "config", None)  # a Hugging Face model's, for its mask
+        # A Hugging Face model's blocks take positions, masks and rotary tables by attention type.
+        self.block_inputs = None
+        if self.hf:
+            for i, block in self.blocks.items():
+                block._memx_attention_type = parts.layer_types[int(i)]
+            self.block_inputs = BlockInputs(parts.config, self.rotary, set(parts.layer_types[layer_offset:][:num_layers]))
         self.levels = per_layer(recompute, num_layers)
         self.op_level = selective_policy == "op"
         if "selective" in self.levels and not self.op_level and not self.kind.knows_attention \
@@ -307,15 +317,9 @@ class StageModule(nn.Module):
         return (h, self.router_loss.loss(sums, attention_mask, h.shape[0] * h.shape[1])) if self.last else (h, sums)
 
     def _block_call(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> Callable:
-        if self.hf:  # causal, with a padding mask built as the model's own forward builds it
-            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            extra = {} if self.rotary is None else {"position_embeddings": self.rotary(h, positions)}
-            mask = None
-            if attention_mask is not None:
-                from transformers.masking_utils import create_causal_mask
-                mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
-                                          cache=None, position_ids=positions)
-            return lambda block, x: _first(block(x, attention_mask=mask, position_ids=positions, **extra))
+        if self.hf:  # causal, masked by each block's attention type as the model's own forward masks it
+            by_type = self.block_inputs(h, attention_mask)
+            return lambda block, x: _first(block(x, **by_type[block._memx_attention_type]))
         return lambda block, x: _first(block(x))
 
 
@@ -329,22 +333,6 @@ def _hf_causal_lm(model: nn.Module, container: nn.Module) -> tuple[nn.Module, st
                 and any(child is container for child in get_decoder().children()):
             return module, name + "." if name else ""
     return None
-
-
-class HFEmbedding(nn.Module):
-    """A Hugging Face decoder's forward up to its blocks: the decoder itself (same modules, no
-    copies of weights) with no blocks and no final modules, so that token and position embeddings,
-    scaling and dropout are exactly the model's."""
-
-    def __init__(self, decoder: nn.Module, blocks_name: str, finals: list[str]):
-        super().__init__()
-        shell = copy.copy(decoder)  # the modules dict is replaced below, never the decoder's own
-        shell._modules = {**decoder._modules, blocks_name: nn.ModuleList(),
-                          **{name: nn.Identity() for name in finals}}
-        self.decoder = shell
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.decoder(input_ids=tokens, use_cache=False).last_hidden_state
 
 
 def _shared_parameters(before: list, after: list) -> list[nn.Parameter]:
