@@ -172,19 +172,24 @@ def test_tp_link_depends_on_the_group_size_through_numa_domains():
     assert t8 > t4 / 2
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["logits", "soft-capped logits"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_torch_cross_entropy_peak_per_logit_is_what_the_guard_measures(dtype):
+def test_torch_cross_entropy_peak_per_logit_is_what_the_guard_measures(dtype, softcap):
     """memx-run's loss (torch's cross entropy on the whole vocabulary) at its peak, in the
-    log-softmax's backward: the logits, the log-softmax, and both gradients of the backward;
-    the emulated guard counts live tensor bytes exactly."""
+    log-softmax's backward: the logits, the log-softmax, and both gradients of the backward, and
+    where the logits are soft-capped first (Gemma 2 and 3, models/hf_decoder.py), the tanh's
+    output kept for its backward; the emulated guard counts live tensor bytes exactly."""
     import torch
 
     from memx_launch.runtime.batches import default_loss
     from memx_launch.profiling.emulation import EmulatedDevice
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    model = ModelSpec("head-only", 1, 64, 4, 4, 128, 4096, 64)
+    from memx_launch.models.hf_decoder import LogitTransform
+
+    model = ModelSpec("head-only", 1, 64, 4, 4, 128, 4096, 64, logit_softcapping=softcap is not None)
     training = TrainingSpec(dtype=dtype, vocab_parallel_loss=False)
+    transform = LogitTransform(1.0, 1.0, softcap) if softcap else torch.nn.Identity()
     mbs, seq = 4, 64
     head = torch.nn.Linear(model.hidden_size, model.vocab_size, bias=False).to(torch_dtype)
     hidden = torch.randn(mbs, seq, model.hidden_size, dtype=torch_dtype)
@@ -194,7 +199,7 @@ def test_torch_cross_entropy_peak_per_logit_is_what_the_guard_measures(dtype):
     device.reset_peak()
     before = device.live_bytes
     with device:
-        logits = head(hidden)  # the pipeline keeps a stage's output until its backward
+        logits = transform(head(hidden))  # the pipeline keeps a stage's output until its backward
         default_loss(logits, targets).backward()
     measured = device.peak_bytes - before
     assert measured == pytest.approx(float(logits_bytes(model, mbs, seq, 1, training)), rel=0.01)

@@ -58,13 +58,13 @@ def test_each_tp_rank_holds_its_share_and_moves_more_bytes_than_megatron_s_kerne
     assert float(logits_bytes(model, 2, 4096, 8, parallel)) == 16 * logits / 8
     assert float(logits_bytes(model, 2, 4096, 8, TrainingSpec(vocab_parallel_loss=True, torch_loss_parallel=True,
                                                                loss_dtype="bf16"))) == 8 * logits / 8
-    assert loss_hbm_bytes_per_logit(parallel, 8) == LOSS_PARALLEL_BYTES_PER_LOGIT > LOSS_BYTES_PER_LOGIT
-    assert loss_hbm_bytes_per_logit(TrainingSpec(vocab_parallel_loss=True), 8) == LOSS_BYTES_PER_LOGIT
-    assert loss_hbm_bytes_per_logit(TrainingSpec(fused_loss=True, torch_loss_parallel=True), 8) == 6.0
+    assert loss_hbm_bytes_per_logit(model, parallel, 8) == LOSS_PARALLEL_BYTES_PER_LOGIT > LOSS_BYTES_PER_LOGIT
+    assert loss_hbm_bytes_per_logit(model, TrainingSpec(vocab_parallel_loss=True), 8) == LOSS_BYTES_PER_LOGIT
+    assert loss_hbm_bytes_per_logit(model, TrainingSpec(fused_loss=True, torch_loss_parallel=True), 8) == 6.0
     # Without a TP group there is nothing to parallelize: torchtitan's loss is torch's cross entropy.
     gathered = TrainingSpec(vocab_parallel_loss=False)
     assert float(logits_bytes(model, 2, 4096, 1, parallel)) == float(logits_bytes(model, 2, 4096, 1, gathered))
-    assert loss_hbm_bytes_per_logit(parallel, 1) == LOSS_BYTES_PER_LOGIT
+    assert loss_hbm_bytes_per_logit(model, parallel, 1) == LOSS_BYTES_PER_LOGIT
 
 
 def test_torch_loss_parallel_needs_a_vocab_parallel_loss():

@@ -429,7 +429,7 @@ class AnalyticalCostModel:
         tp, device = np.asarray(tp, dtype=np.float64), np.asarray(device)
         logits = np.asarray(mbs) * np.asarray(seq) * self.model.output_vocab
         held = logits / tp if self.training.vocab_parallel_loss else logits
-        per_logit = loss_hbm_bytes_per_logit(self.training, tp)
+        per_logit = loss_hbm_bytes_per_logit(self.model, self.training, tp)
         heads = 1 + self.model.mtp_layers
         projection = self._head_projection_time(device, tp, mbs, seq)
         head_casts = autocast_weight_cast_bytes(self.model.output_vocab * self.model.hidden_size / tp, self.training)

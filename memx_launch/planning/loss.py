@@ -24,6 +24,10 @@ LOSS_BYTES_PER_LOGIT = 48.0
 # again (4 + 4), their sum (8 + 4), its product with the incoming gradient (4 + 4) and the cast
 # back (4 + 2).
 LOSS_PARALLEL_BYTES_PER_LOGIT = 76.0
+# A soft cap, cap * tanh(logits / cap) in three eager ops: forward each reads and writes the logits
+# (6 passes), backward the product's and the quotient's gradients (2 each) and tanh's from its
+# kept output and the incoming gradient (3): 13 passes of the logits' dtype.
+SOFTCAP_PASSES_PER_LOGIT = 13.0
 
 
 def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None = None) -> np.ndarray:
@@ -40,7 +44,9 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     the one log_softmax's backward writes from it (the ``.float()`` copy is freed after the
     forward): d + 12, 14 bytes in 16 bits, 16 in fp32 (as measured, tests/test_costmodel.py), or
     3 x the training dtype when the loss runs in it. A fused cross entropy kernel keeps the
-    16-bit logits and their gradient: 2 x the dtype. Each multi-token prediction module keeps
+    16-bit logits and their gradient: 2 x the dtype. A soft cap on the logits (Gemma 2 and 3)
+    keeps its tanh's output for the backward, one logit of the dtype more (as measured,
+    tests/test_costmodel.py). Each multi-token prediction module keeps
     logits of its own for its loss. Counted beside a block's backward working set: they take
     turns in allocated memory, but the measured runs' peaks keep both (docs/setups.md, "The loss
     beside the blocks' working set").
@@ -59,15 +65,18 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
         per_logit = 8.0 if fp32 else 2.0 * d
     else:
         per_logit = gathered
+    per_logit = per_logit + (d if model.logit_softcapping else 0.0)
     return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share * (1 + model.mtp_layers)
 
 
-def loss_hbm_bytes_per_logit(training: TrainingSpec, tp) -> np.ndarray:
+def loss_hbm_bytes_per_logit(model: ModelSpec, training: TrainingSpec, tp) -> np.ndarray:
     """HBM bytes the loss moves per logit the rank holds, forward and backward: a fused kernel
-    reads the 16-bit logits forward and again backward, writing the gradient."""
+    reads the 16-bit logits forward and again backward, writing the gradient; a soft cap's passes
+    come before it."""
+    softcap = SOFTCAP_PASSES_PER_LOGIT * training.dtype_bytes if model.logit_softcapping else 0.0
     if training.fused_loss:
-        return np.full(np.shape(tp), 3.0 * training.dtype_bytes)
-    return np.where(_loss_parallel_runs(training, tp), LOSS_PARALLEL_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT)
+        return np.full(np.shape(tp), 3.0 * training.dtype_bytes + softcap)
+    return np.where(_loss_parallel_runs(training, tp), LOSS_PARALLEL_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT) + softcap
 
 
 def _loss_parallel_runs(training: TrainingSpec, tp) -> np.ndarray:

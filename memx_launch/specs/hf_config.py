@@ -130,6 +130,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         require_type(cfg["hidden_act"], str, f"model ({where}).hidden_act")
     if cfg.get("tie_word_embeddings") is not None:
         require_type(cfg["tie_word_embeddings"], bool, f"model ({where}).tie_word_embeddings")
+    if cfg.get("final_logit_softcapping") is not None:  # Gemma 2 and 3
+        require_number(cfg["final_logit_softcapping"], f"model ({where}).final_logit_softcapping", lo=0, lo_open=True)
     act = str(cfg.get("hidden_act", cfg.get("mlp_hidden_act", "silu")))  # Nemotron-H: mlp_hidden_act relu2
     gated = act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU)
     heads = cfg["num_attention_heads"]
@@ -179,6 +181,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         qk_norm=_qk_norm_of(cfg, model_type, where),
         post_norms=model_type.startswith(POST_NORM_TYPES) and model_type != "glm4_moe",  # GLM-4's dense blocks
         norm_weight_in_fp32=model_type.startswith(GATED_GELU),  # Gemma's norms: (x * (1 + w)).to(dtype)
+        logit_softcapping=cfg.get("final_logit_softcapping") is not None,
         **blocks,
         **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),

@@ -31,7 +31,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "linear_key_heads": 0, "linear_value_heads": 0, "linear_key_head_dim": 128,
                          "linear_value_head_dim": 128, "linear_conv_kernel": 4, "linear_chunk_size": 64,
                          "attention_output_gate": False, "relu_mlp": False, "qkv_bias": False,
-                         "shared_expert_gate": False}
+                         "shared_expert_gate": False, "logit_softcapping": False}
 
 
 
@@ -92,6 +92,9 @@ class ModelSpec:
     """Width of the MLP every token also runs through beside its routed experts (a shared expert); 0: none."""
     shared_expert_gate: bool = False
     """A sigmoid gate on the shared expert's output, a weight per hidden unit (Qwen2-MoE; ``--moe-shared-expert-gate``)."""
+    logit_softcapping: bool = False
+    """The head's logits soft-capped, ``cap * tanh(logits / cap)`` (Gemma 2 and 3's ``final_logit_softcapping``):
+    elementwise passes over the logits, and the tanh's output kept for its backward."""
     router_aux_loss: bool = False
     """The routers' load-balancing loss joins the loss (Transformers' ``output_router_logits``): memx-run's
     stages send its running sums on with the hidden state, 2 x ``num_experts`` fp32 (models/router_loss.py)."""
@@ -388,8 +391,7 @@ class ModelSpec:
 
     @property
     def local_attention_share(self) -> float:
-        """Share of the blocks attending within a window or chunk (:meth:`attends_locally`): all but
-        ``full_attention_layers`` where the model has windows or chunks, else none."""
+        """Share of the blocks attending within a window or chunk (:meth:`attends_locally`)."""
         if not (self.sliding_window or self.attention_chunk_size):
             return 0.0
         return (self.num_layers - self.full_attention_layers) / self.num_layers
@@ -422,14 +424,12 @@ class ModelSpec:
 
     @property
     def mtp_params(self) -> int:
-        """The multi-token prediction modules: each a block, its two input norms and 2h x h
-        projection, and its final norm (the embedding and the head are the model's)."""
+        """Multi-token prediction's modules: each a block, two input norms, a 2h x h projection and a final norm."""
         return self.mtp_layers * (self.layer_params + 2 * self.hidden_size ** 2 + 3 * self.norm_params)
 
     @property
     def total_params(self) -> int:
-        """The model's parameters as published: its blocks, embedding and head (not the
-        multi-token prediction modules, which training adds: ``mtp_params``)."""
+        """The model's parameters as published: blocks, embedding and head (not ``mtp_params``, which training adds)."""
         return self.block_params + self.embedding_params + self.head_params
 
     def signature(self) -> str:
