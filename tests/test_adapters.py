@@ -208,6 +208,9 @@ CASES = {
     "qwen2 tied pp=2 x dp=2 (DDP) uneven 5/3 selective/full":
         ("hf-qwen2-tiny", make_plan(QWEN2_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
                                     micro_batch_size=2), "auto", None),
+    "qwen2 tied pp=2 x dp=2 (DDP), its embeddings frozen (fine-tuning): no tied gradient to sum":
+        ("hf-qwen2-tiny-frozen-embeddings", make_plan(QWEN2_SPEC, [((0, 1), 4, "none"), ((2, 3), 4, "none")], dp=2,
+                                                      micro_batch_size=2), "auto", None),
     "qwen2 tied tp=2 x pp=2 uneven 6/2, the stages on two vendors (tied gradients over the bridge)":
         ("hf-qwen2-tiny", _across_vendors(QWEN2_SPEC, [6, 2], ["selective", "none"], tp=2, dp=1,
                                           training={"global_batch_size": 4}), "auto", TWO_VENDORS),
@@ -235,6 +238,10 @@ STEPS = 3
 def _model(kind):
     if kind == "hf-mixtral-router-loss":
         return hf_example("hf-mixtral-tiny", **ROUTER_LOSS)
+    if kind == "hf-qwen2-tiny-frozen-embeddings":
+        model = hf_example("hf-qwen2-tiny")
+        model.get_input_embeddings().weight.requires_grad_(False)  # the head's too: one tied weight
+        return model
     if kind.startswith("hf-") and kind != "hf-padded":
         return hf_example(kind)
     return hf_llama() if kind.startswith("hf") else ToyModel()

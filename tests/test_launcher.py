@@ -502,3 +502,35 @@ def test_a_hugging_face_mixture_of_experts_is_planned_with_every_expert_whole_on
     assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
                  hf_train, "--model", mixtral]) == 2
     assert "--expert-parallel 1" in capsys.readouterr().err
+
+
+def test_frozen_fraction_plans_a_fine_tuning_job_and_a_given_plan_keeps_its_share(tmp_path, capsys):
+    """--frozen-fraction F plans the job's fine-tuning (the share of parameters its script freezes);
+    a given plan brings its share, and a flag naming another is refused by name."""
+    from memx_launch.runtime.launcher import resolve
+
+    target = tmp_path / "plan.json"
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run"]
+    assert main([*argv, "--frozen-fraction", "0.25", "--export-plan", str(target), TRAIN, "--model", "llama-tiny"]) == 0
+    assert json.loads(target.read_text())["training"]["frozen_fraction"] == 0.25
+    assert re.search(r"frozen parameters +25% \(fine-tuning\)  \(flag\)", capsys.readouterr().out)
+    resolved = resolve(build_parser().parse_args([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]))
+    assert resolved["training"].frozen_fraction == 0.25 and "25% (fine-tuning)  (plan)" in resolved["settings"].render()
+    assert resolve(build_parser().parse_args([*argv, TRAIN, "--model", "llama-tiny"]))["training"].frozen_fraction == 0
+    assert main([*argv, "--plan", str(target), "--frozen-fraction", "0.5", TRAIN, "--model", "llama-tiny"]) == 2
+    assert "--frozen-fraction: 0.5, but the plan freezes 0.25; drop it" in capsys.readouterr().err
+
+
+def test_a_model_whose_frozen_share_is_not_the_plans_is_named(caplog):
+    import torch
+
+    from memx_launch.runtime.prepare import check_frozen_share
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 30))  # 110 and 330 parameters
+    model[0].requires_grad_(False)
+    with caplog.at_level("WARNING", logger="memx"):
+        check_frozen_share(model, 0.25)  # the model's 25.0%: as planned
+        assert not caplog.records
+        check_frozen_share(model, 0.0)
+    assert "25.0% of the model's parameters are frozen but the plan priced 0.0%: memx-run --frozen-fraction 0.250" \
+        in caplog.text

@@ -98,6 +98,10 @@ def build_parser():
                    help="with --fully-sharded: shard over N consecutive ranks of each DP group, e.g. a node's, "
                         "replicated over the rest (HSDP: FSDP2 on a replicate x shard mesh; default: a given plan's, "
                         "else the whole group)")
+    g.add_argument("--frozen-fraction", "--frozen_fraction", type=float_flag, metavar="F",
+                   help="fine-tuning: the share of the model's parameters the script freezes (requires_grad off), "
+                        "planned without their gradients, optimizer states and weight-gradient GEMMs (default: a "
+                        "given plan's, else 0; the job says where the model's own share differs)")
     g.add_argument("--no-replan", "--no_replan", action="store_true",
                    help="never re-plan during training (passed to the workers as MEMX_NO_REPLAN=1)")
     g.add_argument("--profile-db", "--profile_db", metavar="FILE",
@@ -235,9 +239,15 @@ def resolve(args) -> dict:
                           f"{planned or 'the whole DP group'}" if sharded else "nothing is sharded"),
                           "drop it" if sharded else "add --fully-sharded")
     shards = args.shard_degree or (planned if sharded else None)
+    frozen = plan.training.get("frozen_fraction", 0.0) if plan is not None else 0.0
+    if args.frozen_fraction is not None and plan is not None and args.frozen_fraction != frozen:
+        raise ConfigError("--frozen-fraction", f"{args.frozen_fraction}, but the plan freezes {frozen}", "drop it")
+    frozen = frozen if args.frozen_fraction is None else args.frozen_fraction
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
                             dtype=args.dtype or ("fp32" if emulated else "bf16"), setup="memx-run",
-                            fully_sharded=sharded or None, shard_degree=shards)
+                            fully_sharded=sharded or None, shard_degree=shards, frozen_fraction=frozen)
+    settings.add("frozen parameters", f"{frozen:.0%} (fine-tuning)" if frozen else "none: every parameter trains",
+                 "flag" if args.frozen_fraction is not None else "plan" if plan is not None and frozen else "default")
     settings.add("data parallel", "DDP (FSDP2 with TP)" if not sharded else f"HSDP, shard groups of {shards} (FSDP2)"
                  if shards else "fully sharded (FSDP2)",
                  "flag" if args.fully_sharded or args.shard_degree else "plan" if sharded else "default")

@@ -36,9 +36,9 @@ class TiedGradients:
     def sum_grads(self, tp_index: int) -> None:
         """Add the other end's gradients to this stage's copies. The TP ranks of a stage hold the
         same gradient (embedding and head are not split): only TP rank 0 contributes."""
-        if not self.parameters:
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.parameters if p.requires_grad]
+        if not grads:  # none, or frozen (fine-tuning): both ends hold the same copy of the user's model
             return
-        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.parameters]
         if tp_index:
             for g in grads:
                 g.zero_()
