@@ -57,6 +57,12 @@ def test_frozen_weights_keep_no_gradients_or_optimizer_states():
     # 16 of 18 bytes per parameter go: the 7B model's gradients and Adam states.
     saved = (full.stages[0].predicted_peak_memory_gib - frozen.stages[0].predicted_peak_memory_gib) * 2**30
     assert saved == pytest.approx(16 * MODEL.total_params, rel=0.01)
+    # Tied embeddings' ends sum the gradient of its trained share only (memx-run skips a frozen one).
+    from memx_launch.planning.data_parallel import tied_gradient_bytes
+
+    tied = get_model("opt-350m")
+    summed = [tied_gradient_bytes(tied, 2, 1, TrainingSpec(frozen_fraction=f)) for f in (0.0, 0.75, 1.0)]
+    assert summed == [tied.word_embedding_params * 4, pytest.approx(0.25 * tied.word_embedding_params * 4), 0.0]
 
 
 def test_lora_trains_adapters_only_and_skips_the_base_weight_gradients():

@@ -14,7 +14,7 @@ from memx_launch.planning import quantization
 from memx_launch.planning.matmuls import linear_module_params, mlp_shapes
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, compute_weight_bytes,
                                                expert_data_parallel, expert_parameters_per_rank, keeps_gathered,
-                                               rank_layer_params, reduced_gradient_bytes)
+                                               rank_layer_params, reduced_gradient_bytes, trained_parameters)
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -291,7 +291,9 @@ def sync_allreduce_bytes(stage_params, training: TrainingSpec,
 
 def tied_gradient_bytes(model: ModelSpec, pp: int, first_tp: int, training: TrainingSpec) -> float:
     """Bytes of the embedding's gradient the first and the last stage sum every step (none unless
-    the last stage reads the embedding, nor with one stage, which holds the one weight)."""
+    the last stage reads the embedding, nor with one stage, which holds the one weight): its
+    trained share (fine-tuning; frozen it has no gradient to sum, as memx-run's runtime skips it)."""
     if not model.last_stage_reads_embedding or pp == 1:
         return 0.0
-    return model.word_embedding_params / first_tp * training.precision_bytes("grad_dtype")
+    trained = trained_parameters(model, training).share
+    return model.word_embedding_params * trained / first_tp * training.precision_bytes("grad_dtype")
