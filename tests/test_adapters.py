@@ -480,3 +480,28 @@ def test_a_layer_norm_config_is_calibrated_with_its_own_hugging_face_block(tmp_p
     assert type(next(iter(probe.blocks.values()))).__name__ == "StableLmDecoderLayer"
     h = torch.randn(2, 8, 32)
     assert probe(h).shape == h.shape
+
+
+def test_the_plan_not_the_model_decides_what_is_recomputed(caplog):
+    """A model with Transformers' gradient checkpointing on recomputes every block whatever the
+    plan says: memx turns it off, and a stage at "none" keeps what the plan counted."""
+    from memx_launch.profiling.emulation import EmulatedDevice
+
+    peaks = []
+    for checkpointed in (False, True):
+        model = hf_llama()
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        with caplog.at_level("WARNING", logger="memx"):
+            parts = ModelParts(model)
+        assert not any(block.gradient_checkpointing for block in parts.blocks)
+        assert ("gradient checkpointing is off" in caplog.text) == checkpointed
+        stage = parts.stage(0, parts.num_layers, first=True, last=True, recompute="none")
+        device = EmulatedDevice("x", 1.0)
+        device.track(list(model.parameters()))
+        device.reset_peak()
+        before = device.live_bytes
+        with device:
+            stage(torch.randint(0, 128, (4, 64))).float().square().mean().backward()
+        peaks.append(device.peak_bytes - before)
+    assert peaks[0] == peaks[1]

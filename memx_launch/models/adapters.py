@@ -129,6 +129,7 @@ class ModelParts:
             raise ConfigError("blocks", f"{self.path} mixes block types ({', '.join(k.name for k in kinds)})",
                               "name a list of one block type")
         self.kind = kinds.pop()
+        _plan_decides_recompute(self.blocks)
         self.rotary: nn.Module | None = None
         self.router_loss: RouterLoss | None = None
         """A Hugging Face mixture's load-balancing loss, where its config asks for it."""
@@ -333,6 +334,17 @@ def _hf_causal_lm(model: nn.Module, container: nn.Module) -> tuple[nn.Module, st
                 and any(child is container for child in get_decoder().children()):
             return module, name + "." if name else ""
     return None
+
+
+def _plan_decides_recompute(blocks: list[nn.Module]) -> None:
+    """Turn off the model's own activation checkpointing (Transformers' ``gradient_checkpointing``
+    on each layer, set by ``gradient_checkpointing_enable``): the plan recomputes stage by stage,
+    and predicted each stage's memory and time so."""
+    if any(getattr(block, "gradient_checkpointing", False) for block in blocks):
+        for block in blocks:
+            block.gradient_checkpointing = False
+        log.warning("memx: the model's gradient checkpointing is off; the plan recomputes each stage as it "
+                    "says (its recompute levels)")
 
 
 def _shared_parameters(before: list, after: list) -> list[nn.Parameter]:
