@@ -214,6 +214,11 @@ CASES = {
     "qwen2 tied tp=2 x pp=2 uneven 6/2, the stages on two vendors (tied gradients over the bridge)":
         ("hf-qwen2-tiny", _across_vendors(QWEN2_SPEC, [6, 2], ["selective", "none"], tp=2, dp=1,
                                           training={"global_batch_size": 4}), "auto", TWO_VENDORS),
+    "qwen2 tied tp=2 x pp=2, its parameters in bf16 (from_pretrained's default), the stages on two vendors":
+        ("hf-qwen2-tiny-bf16", _across_vendors(QWEN2_SPEC, [6, 2], ["selective", "none"], tp=2, dp=1,
+                                               training={"global_batch_size": 4, "dtype": "bf16",
+                                                         "optimizer_dtype": "bf16-no-master", "grad_dtype": "bf16"}),
+         "auto", TWO_VENDORS),
     "mixtral pp=2 x dp=2 (FSDP2) uneven 5/3 selective/full":
         ("hf-mixtral-tiny", make_plan(MIXTRAL_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
                                       micro_batch_size=2), "fsdp", None),
@@ -238,6 +243,8 @@ STEPS = 3
 def _model(kind):
     if kind == "hf-mixtral-router-loss":
         return hf_example("hf-mixtral-tiny", **ROUTER_LOSS)
+    if kind == "hf-qwen2-tiny-bf16":
+        return hf_example("hf-qwen2-tiny").to(torch.bfloat16)
     if kind == "hf-qwen2-tiny-frozen-embeddings":
         model = hf_example("hf-qwen2-tiny")
         model.get_input_embeddings().weight.requires_grad_(False)  # the head's too: one tied weight

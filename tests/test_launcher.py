@@ -534,3 +534,42 @@ def test_a_model_whose_frozen_share_is_not_the_plans_is_named(caplog):
         check_frozen_share(model, 0.0)
     assert "25.0% of the model's parameters are frozen but the plan priced 0.0%: memx-run --frozen-fraction 0.250" \
         in caplog.text
+
+
+def test_param_dtype_plans_a_model_loaded_in_16_bits_without_a_master_copy(tmp_path, capsys):
+    """--param-dtype bf16 (a checkpoint from_pretrained keeps in bf16) plans 16-bit weights,
+    gradients and Adam moments with no fp32 copy, in bf16; a given plan keeps its parameters'
+    dtype, and a flag naming another, or another training dtype, is refused by name."""
+    from memx_launch.runtime.launcher import resolve
+
+    target = tmp_path / "plan.json"
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run"]
+    assert main([*argv, "--param-dtype", "bf16", "--export-plan", str(target), TRAIN, "--model", "llama-tiny"]) == 0
+    planned = json.loads(target.read_text())["training"]
+    assert (planned["dtype"], planned["weights_dtype"], planned["grad_dtype"], planned["optimizer_dtype"]) == \
+        ("bf16", "training", "training", "training_no_master")
+    assert re.search(r"parameters +bf16: no fp32 copy  \(flag\)", capsys.readouterr().out)
+    resolved = resolve(build_parser().parse_args([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]))
+    assert resolved["training"].optimizer_dtype == "training_no_master" and resolved["training"].dtype == "bf16"
+    assert "bf16: no fp32 copy  (plan)" in resolved["settings"].render()
+    default = resolve(build_parser().parse_args([*argv, TRAIN, "--model", "llama-tiny"]))
+    assert default["training"].weights_dtype == "fp32" or default["training"].dtype == "fp32"
+    for flags, says in ((["--plan", str(target), "--param-dtype", "fp32"],
+                         "--param-dtype: fp32, but the plan's parameters are bf16; drop it"),
+                        (["--param-dtype", "bf16", "--dtype", "fp16"],
+                         "--param-dtype: bf16, but the training runs in fp16; use --dtype bf16, or --param-dtype fp32")):
+        assert main([*argv, *flags, TRAIN, "--model", "llama-tiny"]) == 2
+        assert says in capsys.readouterr().err
+
+
+def test_a_model_whose_parameters_are_not_in_the_plans_dtype_is_named(caplog):
+    import torch
+
+    from memx_launch.runtime.prepare import check_param_dtype
+
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="memx"):
+        check_param_dtype(model, "bf16")
+        assert not caplog.records
+        check_param_dtype(model, "fp32")
+    assert "the model's parameters are bf16 but the plan priced fp32: memx-run --param-dtype bf16" in caplog.text

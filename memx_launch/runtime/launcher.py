@@ -34,7 +34,7 @@ from memx_launch.runtime.process_exit import end_process
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
 from memx_launch.specs import DTYPE_BYTES, ClusterSpec, TrainingSpec, get_model
 from memx_launch.specs.config_file import add_config_args, add_version_arg, config_yaml, one_line_error, parse_with_config
-from memx_launch.specs.precision import device_precision
+from memx_launch.specs.precision import device_precision, param_dtype, with_param_dtype
 from memx_launch.specs.inputs import float_flag, int_flag
 from memx_launch.runtime.runs import (CHECKPOINT_DIR, COMMAND_VAR, DEFAULT_PROFILE_DB, DEFAULT_RUNS_DIR,
                                       LAUNCHER_PID_VAR, STOPPED_FILE, check_environment, check_profile_db, max_replans,
@@ -112,6 +112,10 @@ def build_parser():
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
                    help="training precision, also calibrated and planned for (default bf16 on GPUs, fp32 on CPUs); "
                         "bf16/fp16 autocast with fp32 master weights")
+    g.add_argument("--param-dtype", "--param_dtype", choices=sorted(DTYPE_BYTES),
+                   help="the dtype the script builds the model's parameters in: fp32 (default: a given plan's), or "
+                        "--dtype's 16 bits (from_pretrained keeps a checkpoint's dtype): weights, gradients and "
+                        "Adam's moments in 16 bits, no fp32 master copy; sets --dtype unless given")
     g.add_argument("--model-builder", "--model_builder", metavar="FILE:FUNCTION",
                    help="calibrate the script's own block: FUNCTION(model, seed) in FILE builds the nn.Module "
                         "(e.g. examples/train_own_model.py:build); plans then keep TP = 1")
@@ -244,7 +248,9 @@ def resolve(args) -> dict:
         raise ConfigError("--frozen-fraction", f"{args.frozen_fraction}, but the plan freezes {frozen}", "drop it")
     frozen = frozen if args.frozen_fraction is None else args.frozen_fraction
     training = TrainingSpec(global_batch_size=gbs, seq_len=args.seq_len or getattr(plan, "seq_len", None) or model.seq_len,
-                            dtype=args.dtype or ("fp32" if emulated else "bf16"), setup="memx-run",
+                            dtype=args.dtype or (args.param_dtype if args.param_dtype not in (None, "fp32") else None)
+                            or getattr(plan, "training", {}).get("dtype") or ("fp32" if emulated else "bf16"),
+                            setup="memx-run",
                             fully_sharded=sharded or None, shard_degree=shards, frozen_fraction=frozen)
     settings.add("frozen parameters", f"{frozen:.0%} (fine-tuning)" if frozen else "none: every parameter trains",
                  "flag" if args.frozen_fraction is not None else "plan" if plan is not None and frozen else "default")
@@ -255,6 +261,13 @@ def resolve(args) -> dict:
         settings.add(name, getattr(training, field), "flag" if batch[field] else "plan" if plan else "default")
     training, why = device_precision(cluster, training, args.dtype is not None) if cluster else (training, "")
     settings.add("dtype", why or training.dtype, "flag" if args.dtype else "default")
+    given = param_dtype(TrainingSpec(**plan.training)) if plan is not None else None
+    if None not in (args.param_dtype, given) and args.param_dtype != given:
+        raise ConfigError("--param-dtype", f"{args.param_dtype}, but the plan's parameters are {given}", "drop it")
+    training = with_param_dtype(training, args.param_dtype or given or "fp32")
+    settings.add("parameters", "fp32" + (", the optimizer's master copy" if training.dtype != "fp32" else "")
+                 if param_dtype(training) == "fp32" else f"{training.dtype}: no fp32 copy",
+                 "flag" if args.param_dtype else "plan" if given else "default")
 
     if args.weights:
         parse_weights(args.weights)

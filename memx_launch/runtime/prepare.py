@@ -23,9 +23,12 @@ import logging
 import os
 from typing import Callable
 
+import torch
 from torch import nn
 
 from memx_launch.errors import ConfigError
+from memx_launch.specs.precision import param_dtype
+from memx_launch.specs.training import TrainingSpec
 
 log = logging.getLogger("memx")
 # A frozen share this far from the plan's moves its memory: gradients and optimizer states of
@@ -50,7 +53,18 @@ def prepare(model: nn.Module, optimizer=None, *, data=None, loss_fn: Callable | 
     job.data = None if data is None else ReplicaBatches(data, job, seed=kwargs.get("seed", 0))
     if job.comm.rank == 0:
         check_frozen_share(model, job.plan.training.get("frozen_fraction", 0.0))
+        check_param_dtype(model, param_dtype(TrainingSpec(**job.plan.training)))
     return job
+
+
+def check_param_dtype(model: nn.Module, planned: str) -> None:
+    """Say where the model's parameters are not in the dtype the plan priced (fp32 master weights,
+    or 16-bit ones: its weights', gradients' and optimizer states' memory is off by up to 2x)."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    found = sorted({names.get(p.dtype, str(p.dtype)) for p in model.parameters() if p.is_floating_point()})
+    if found and found != [planned]:
+        log.warning("memx: the model's parameters are %s but the plan priced %s: memx-run --param-dtype %s plans "
+                    "for them", ", ".join(found), planned, found[0])
 
 
 def check_frozen_share(model: nn.Module, planned: float) -> None:

@@ -22,3 +22,22 @@ def device_precision(cluster, training: TrainingSpec, dtype_given: bool) -> tupl
     if dtype_given:
         raise ConfigError("--dtype", f"bf16, but there is no bf16 on {names}", "use --dtype fp16")
     return replace(training, dtype="fp16"), f"fp16, not the default bf16: no bf16 on {names}"
+
+
+def param_dtype(training: TrainingSpec) -> str:
+    """The dtype of the parameters ``training`` prices: fp32 (a master copy, or fp32 training) or
+    the training's 16 bits (no master copy)."""
+    return "fp32" if "fp32" in (training.weights_dtype, training.dtype) else training.dtype
+
+
+def with_param_dtype(training: TrainingSpec, dtype: str) -> TrainingSpec:
+    """``training`` for a model whose parameters are ``dtype``: fp32 (memx-run's default: autocast
+    computes in the training dtype, the optimizer steps the fp32 weights) or the training's own 16
+    bits (a checkpoint loaded in its dtype, Transformers' default: weights, gradients and Adam's
+    moments in 16 bits, no fp32 copy)."""
+    if dtype == "fp32":
+        return training
+    if dtype != training.dtype:
+        raise ConfigError("--param-dtype", f"{dtype}, but the training runs in {training.dtype}",
+                          f"use --dtype {dtype}, or --param-dtype fp32")
+    return replace(training, weights_dtype="training", grad_dtype="training", optimizer_dtype="training_no_master")
