@@ -573,3 +573,16 @@ def test_a_model_whose_parameters_are_not_in_the_plans_dtype_is_named(caplog):
         assert not caplog.records
         check_param_dtype(model, "fp32")
     assert "the model's parameters are bf16 but the plan priced fp32: memx-run --param-dtype bf16" in caplog.text
+
+
+def test_a_given_plan_brings_its_training_dtype_to_the_job_and_its_re_plans(tmp_path):
+    from memx_launch.runtime.launcher import resolve
+
+    target = tmp_path / "plan.json"
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run"]
+    assert main([*argv, "--dtype", "bf16", "--export-plan", str(target), TRAIN, "--model", "llama-tiny"]) == 0
+    given = resolve(build_parser().parse_args([*argv, "--plan", str(target), TRAIN, "--model", "llama-tiny"]))
+    assert given["training"].dtype == "bf16"  # on the emulated (CPU) cluster the default would be fp32
+    told = resolve(build_parser().parse_args([*argv, "--plan", str(target), "--dtype", "fp32", TRAIN,
+                                              "--model", "llama-tiny"]))
+    assert told["training"].dtype == "fp32"
