@@ -40,10 +40,12 @@ from memx_launch.runtime.detection import detect_cluster
 from memx_launch.runtime.messages import broadcast_json
 from memx_launch.runtime.devices import detect_rank_device
 from memx_launch.runtime.monitor import MemoryMonitor, MonitorConfig, free_shares, memory_reader
+from memx_launch.runtime.prepare import frozen_share
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.hf_config import model_from_hf_dict
 from memx_launch.specs.catalog import get_model
+from memx_launch.specs.precision import with_param_dtype
 from memx_launch.specs.training import TrainingSpec
 
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
@@ -154,11 +156,8 @@ class MemxCallback(pl.Callback):
 
         batch = self._user_batch_size(pl_module)
         accumulation = trainer.accumulate_grad_batches
-        # Lightning's DDP keeps torch's default gradient_as_bucket_view=False: a copy of the gradients;
-        # the user's module runs as eager ops, its gradients accumulated by torch's AccumulateGrad.
-        training = TrainingSpec(global_batch_size=batch * accumulation * trainer.world_size, seq_len=spec.seq_len,
-                                dtype=self.dtype, ddp_bucket_copy=True, eager_block=True, grad_accumulation_pass=True,
-                                weights_dtype=_weights_dtype(str(trainer.precision)))
+        training = planned_training(str(trainer.precision), frozen_share(pl_module),
+                                    global_batch_size=batch * accumulation * trainer.world_size, seq_len=spec.seq_len)
         root = trainer.default_root_dir
         db = self.profile_db or os.path.join(root, "memx-profiles.jsonl")
         if os.path.exists(db) and dist.is_initialized():  # every rank must agree: a fresh profile per fit
@@ -350,6 +349,18 @@ def _checkpointed(block: torch.nn.Module, on: bool) -> None:
                                          block)
     elif not on:
         block.__dict__.pop("forward", None)
+
+
+def planned_training(precision: str, frozen_fraction: float, **batch) -> TrainingSpec:
+    """What a Trainer of ``precision`` trains, as planned: "-mixed" autocast over fp32 weights,
+    "-true" the module in that dtype (16-bit weights, gradients and Adam moments, no fp32 copy);
+    the module's frozen share (fine-tuning). Lightning's DDP keeps torch's default
+    gradient_as_bucket_view=False (a copy of the gradients), the module runs as eager ops and its
+    gradients are accumulated by torch's AccumulateGrad."""
+    dtype = _dtype(precision)
+    training = TrainingSpec(**batch, dtype=dtype, ddp_bucket_copy=True, eager_block=True, grad_accumulation_pass=True,
+                            weights_dtype=_weights_dtype(precision), frozen_fraction=frozen_fraction)
+    return training if precision.endswith("-mixed") else with_param_dtype(training, dtype)
 
 
 def _weights_dtype(precision: str) -> str | None:

@@ -55,6 +55,13 @@ def test_the_trainers_precision_is_what_is_planned_for():
     # "-mixed" is autocast over fp32 weights: fp32 hidden states, a cast kept per linear
     assert [TrainingSpec(dtype=_dtype(p), weights_dtype=_weights_dtype(p)).autocast for p in settings] == \
         [True, False, True, False, False]
+    # "-true" casts the module: its gradients and Adam's moments take its dtype, with no fp32 copy.
+    from memx_callbacks.memx import planned_training
+
+    planned = [planned_training(p, 0.0) for p in settings]
+    assert [(t.weights_dtype, t.grad_dtype, t.optimizer_dtype) for t in planned[:2]] == \
+        [("fp32", "fp32", "fp32"), ("training", "training", "training_no_master")]
+    assert planned_training("bf16-mixed", 0.25).frozen_fraction == 0.25  # the module's frozen share
 
 
 def test_the_fewest_checkpointed_blocks_that_fit():

@@ -67,12 +67,16 @@ def check_param_dtype(model: nn.Module, planned: str) -> None:
                     "for them", ", ".join(found), planned, found[0])
 
 
-def check_frozen_share(model: nn.Module, planned: float) -> None:
-    """Say where the model's frozen parameters (requires_grad off: fine-tuning) are not the share
-    the plan priced: its memory and its backward's time are off by their gradients, optimizer
-    states and weight-gradient GEMMs."""
+def frozen_share(model: nn.Module) -> float:
+    """The share of the model's parameters that are frozen (requires_grad off: fine-tuning)."""
     sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
-    frozen = sum(n for n, trains in sizes if not trains) / max(sum(n for n, _ in sizes), 1)
+    return sum(n for n, trains in sizes if not trains) / max(sum(n for n, _ in sizes), 1)
+
+
+def check_frozen_share(model: nn.Module, planned: float) -> None:
+    """Say where the model's frozen share is not the one the plan priced: its memory and its
+    backward's time are off by their gradients, optimizer states and weight-gradient GEMMs."""
+    frozen = frozen_share(model)
     if abs(frozen - planned) > FROZEN_SHARE_TOLERANCE:
         log.warning("memx: %.1f%% of the model's parameters are frozen but the plan priced %.1f%%: "
                     "memx-run --frozen-fraction %.3f plans for them", 100 * frozen, 100 * planned, frozen)
