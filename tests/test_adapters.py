@@ -121,6 +121,7 @@ def _hf_config(family):
             "cohere": lambda: T.CohereConfig(**small, intermediate_size=64, logit_scale=0.5, pad_token_id=0),
             "granite": lambda: T.GraniteConfig(**small, intermediate_size=64, logits_scaling=4.0),
             "phi": lambda: T.PhiConfig(**small, intermediate_size=64),
+            "qwen3": lambda: T.Qwen3Config(**small, num_key_value_heads=2, intermediate_size=64, head_dim=8),
             # Mixtures of experts, each expert whole (transformers 5 keeps a block's experts in 3-D tensors).
             "mixtral": lambda: T.MixtralConfig(**small, num_key_value_heads=2, intermediate_size=48,
                                                num_local_experts=4, num_experts_per_tok=2),
@@ -134,7 +135,8 @@ def _hf_config(family):
 @pytest.mark.parametrize("family,tied", [("gpt2", True), ("opt", True), ("qwen2", True), ("gemma", True),
                                          ("phi", False), ("mixtral", False), ("qwen3_moe", False),
                                          ("qwen2_moe", False), ("gemma2", True), ("gemma3", True),
-                                         ("mistral", False), ("cohere", True), ("granite", False)])
+                                         ("mistral", False), ("cohere", True), ("granite", False),
+                                         ("qwen3", False)])
 def test_hugging_face_causal_lms_split_into_stages_reproduce_the_model(family, tied):
     """Learned positions (GPT-2, OPT), embedding scaling (Gemma), a projection after the final norm
     (OPT), parallel blocks (Phi), sliding windows (Mistral's on every block, Gemma 2 and 3's on
@@ -177,6 +179,7 @@ def make_plan(spec, stages, tp=1, dp=1, micro_batch_size=1, global_batch_size=8,
 MODELS = os.path.join(os.path.dirname(__file__), "..", "examples", "models")
 HF_SPEC = get_model(os.path.join(MODELS, "hf-llama-tiny"))
 QWEN2_SPEC = get_model(os.path.join(MODELS, "hf-qwen2-tiny"))  # tied embeddings, TP-able blocks
+QWEN3_SPEC = get_model(os.path.join(MODELS, "hf-qwen3-tiny"))  # a norm on each query and key head
 MIXTRAL_SPEC = get_model(os.path.join(MODELS, "hf-mixtral-tiny"))  # 4 experts, 2 a token, each whole on a rank
 # Its config with the load-balancing loss on (output_router_logits), its coefficient large enough to tell.
 ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
@@ -219,6 +222,9 @@ CASES = {
                                                training={"global_batch_size": 4, "dtype": "bf16",
                                                          "optimizer_dtype": "bf16-no-master", "grad_dtype": "bf16"}),
          "auto", TWO_VENDORS),
+    "qwen3 tp=2 x pp=2 uneven 3/5 selective/none (its per-head query and key norms on each rank's heads)":
+        ("hf-qwen3-tiny", make_plan(QWEN3_SPEC, [((0, 1), 3, "selective"), ((2, 3), 5, "none")], tp=2,
+                                    micro_batch_size=2, global_batch_size=4), "auto", None),
     "mixtral pp=2 x dp=2 (FSDP2) uneven 5/3 selective/full":
         ("hf-mixtral-tiny", make_plan(MIXTRAL_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
                                       micro_batch_size=2), "fsdp", None),

@@ -53,7 +53,8 @@ from memx_launch.models.router_loss import RouterLoss
 log = logging.getLogger("memx")
 
 BLOCK_PATHS = ("model.layers", "layers", "transformer.h")
-HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "GemmaDecoderLayer")
+HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                   "GemmaDecoderLayer")  # Qwen3's query and key norms act per head: TP keeps whole heads
 # The attention function memx registers with transformers: SDPA, with the core recomputed in the
 # backward pass on blocks of "selective" stages.
 HF_ATTENTION = "memx_sdpa"
@@ -395,7 +396,7 @@ def _gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _hf_tensor_parallel(stage: nn.Module, tp_mesh, config) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     tp = tp_mesh.size()
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
@@ -406,6 +407,10 @@ def _hf_tensor_parallel(stage: nn.Module, tp_mesh, config) -> None:
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel()}
+    # Qwen3's per-head query and key norms see this rank's heads ([b, s, heads, head_dim], dim 2):
+    # their weights are replicated and their gradients summed over the TP group, as torchtitan's.
     for block in stage.blocks.values():
-        parallelize_module(block, tp_mesh, plan)
+        head_norms = {f"self_attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                      for n in ("q_norm", "k_norm") if hasattr(block.self_attn, n)}
+        parallelize_module(block, tp_mesh, {**plan, **head_norms})
 

@@ -17,7 +17,7 @@ from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 # Model types whose q, k and v linears carry biases, the block's other linears none (by prefix: Qwen2,
 # Qwen2-MoE); others say it with a key: StableLM's use_qkv_bias, the Llama family's attention_bias
 # (Seed-OSS; Llama's own adds the output projection's h biases, which memx does not count).
