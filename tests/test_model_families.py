@@ -306,3 +306,14 @@ def test_gemma_s_soft_capped_logits_are_read_and_priced_with_the_tanh_they_keep(
         assert float(moved) == SOFTCAP_PASSES_PER_LOGIT * d
     with pytest.raises(ConfigError, match="final_logit_softcapping"):
         model_from_hf_dict({**SMALL, "model_type": "gemma2", "final_logit_softcapping": "30"}, "g")
+
+
+def test_memx_runs_tensor_parallel_families_are_read_from_the_config():
+    """memx-run splits by TP the blocks its runtime knows (models/adapters.py): the Llama family,
+    Qwen3 and Gemma 2 and 3, but not a soft-capped attention (Gemma 2's default), which memx's
+    attention does not run."""
+    read = {t: model_from_hf_dict({**SMALL, "model_type": t, **extra}, t).tensor_parallel_blocks
+            for t, extra in (("qwen3", {}), ("gemma3_text", {}), ("gemma2", {}), ("olmo2", {}))}
+    assert read == {"qwen3": True, "gemma3_text": True, "gemma2": False, "olmo2": False}
+    uncapped = model_from_hf_dict({**SMALL, "model_type": "gemma2", "attn_logit_softcapping": None}, "g")
+    assert uncapped.tensor_parallel_blocks

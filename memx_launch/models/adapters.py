@@ -53,8 +53,9 @@ from memx_launch.models.router_loss import RouterLoss
 log = logging.getLogger("memx")
 
 BLOCK_PATHS = ("model.layers", "layers", "transformer.h")
+# Qwen3's and Gemma 3's query and key norms act per head: TP keeps whole heads on a rank.
 HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                   "GemmaDecoderLayer")  # Qwen3's query and key norms act per head: TP keeps whole heads
+                   "GemmaDecoderLayer", "Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # The attention function memx registers with transformers: SDPA, with the core recomputed in the
 # backward pass on blocks of "selective" stages.
 HF_ATTENTION = "memx_sdpa"
@@ -81,7 +82,8 @@ KNOWN_KINDS = (MEMX_KIND, HF_KIND)
 def block_kind(block: nn.Module) -> BlockKind:
     if isinstance(block, TransformerBlock):
         return MEMX_KIND
-    if type(block).__name__ in HF_LLAMA_FAMILY:
+    # memx's attention (SDPA, its core recomputed under selective) has no soft cap: Gemma 2's own keeps its block.
+    if type(block).__name__ in HF_LLAMA_FAMILY and getattr(block.self_attn, "attn_logit_softcapping", None) is None:
         return HF_KIND
     return BlockKind(type(block).__name__, False, False)
 

@@ -17,7 +17,7 @@ from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")  # without attention soft caps
 # Model types whose q, k and v linears carry biases, the block's other linears none (by prefix: Qwen2,
 # Qwen2-MoE); others say it with a key: StableLM's use_qkv_bias, the Llama family's attention_bias
 # (Seed-OSS; Llama's own adds the output projection's h biases, which memx does not count).
@@ -176,7 +176,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         position_embeddings=positions,
         parallel_blocks=parallel,
         lm_head=lm_head,
-        tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
+        tensor_parallel_blocks=model_type in TP_MODEL_TYPES  # Gemma 2 soft-caps at 50 unless told
+        and cfg.get("attn_logit_softcapping", 50.0 if model_type == "gemma2" else None) is None,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
         post_norms=model_type.startswith(POST_NORM_TYPES) and model_type != "glm4_moe",  # GLM-4's dense blocks
