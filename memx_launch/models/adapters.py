@@ -279,7 +279,8 @@ class StageModule(nn.Module):
         if self.hf:
             for i, block in self.blocks.items():
                 block._memx_attention_type = parts.layer_types[int(i)]
-            self.block_inputs = BlockInputs(parts.config, self.rotary, set(parts.layer_types[layer_offset:][:num_layers]))
+            self.block_inputs = BlockInputs(parts.config, self.rotary,
+                                            set(parts.layer_types[layer_offset:layer_offset + num_layers]))
         self.levels = per_layer(recompute, num_layers)
         self.op_level = selective_policy == "op"
         if "selective" in self.levels and not self.op_level and not self.kind.knows_attention \
@@ -409,7 +410,7 @@ def _hf_tensor_parallel(stage: nn.Module, tp_mesh, config) -> None:
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel()}
-    # Qwen3's per-head query and key norms see this rank's heads ([b, s, heads, head_dim], dim 2):
+    # Qwen3's and Gemma 3's per-head query and key norms see this rank's heads ([b, s, heads, head_dim], dim 2):
     # their weights are replicated and their gradients summed over the TP group, as torchtitan's.
     for block in stage.blocks.values():
         head_norms = {f"self_attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)

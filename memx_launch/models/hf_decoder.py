@@ -82,7 +82,8 @@ class LogitTransform(nn.Module):
     @classmethod
     def of(cls, lm: nn.Module) -> "LogitTransform | None":
         config = lm.config
-        divisor, multiplier = getattr(config, "logits_scaling", None) or 1.0, getattr(config, "logit_scale", None) or 1.0
+        divisor = getattr(config, "logits_scaling", None) or 1.0
+        multiplier = getattr(config, "logit_scale", None) or 1.0
         softcap = getattr(config, "final_logit_softcapping", None)
         return None if divisor == multiplier == 1.0 and softcap is None else cls(divisor, multiplier, softcap)
 
