@@ -57,9 +57,13 @@ def test_uneven_stages_with_mixed_recompute_reproduce_the_model(make, policy):
         assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=0), name
 
 
-def test_recompute_levels_lower_the_peak_of_hf_blocks():
-    model, x = hf_llama(), torch.randint(0, 512, (4, 64))
+@pytest.mark.parametrize("make", [hf_llama, lambda: hf_example("hf-mixtral-tiny")], ids=["llama", "mixtral"])
+def test_recompute_levels_lower_the_peak_of_hf_blocks(make):
+    """Selective reaches the attention core of the Llama family's blocks and of a mixture's (whose
+    experts keep their activations), between no recompute and the whole block's."""
+    model, x = make(), torch.randint(0, 512, (4, 64))
     parts = ModelParts(model)
+    assert parts.kind.knows_attention
     peaks = {}
     for level in ("none", "selective", "full"):
         stage = parts.stage(0, parts.num_layers, first=True, last=True, recompute=level)

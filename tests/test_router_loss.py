@@ -67,7 +67,7 @@ def test_the_pipeline_loss_adds_the_term_and_a_model_without_it_carries_nothing(
     from transformers import AutoModelForCausalLM
 
     plain = ModelParts(AutoModelForCausalLM.from_config(_hf_config("mixtral")))  # output_router_logits off
-    assert plain.router_loss is None and not plain.takes_mask
+    assert plain.router_loss is None and plain.takes_mask  # its blocks take the padding mask, as Llama's
     stage = plain.stage(0, 1, first=True, last=False, recompute="none")
     assert isinstance(stage(torch.randint(0, 97, (1, 4))), torch.Tensor)
     mixture = ModelParts(_mixture("mixtral"))

@@ -26,7 +26,8 @@ under names that do not depend on the split (``blocks.{global index}``), so chec
 another plan.
 
 Block kinds memx knows (:data:`KNOWN_KINDS`) get selective recompute of their attention core and
-tensor parallelism; any other block trains with TP = 1, and "selective" recomputes the whole block
+tensor parallelism (a Hugging Face mixture's blocks: TP = 1, each expert whole); any other block
+trains with TP = 1, and "selective" recomputes the whole block
 (the same as "full") because memx cannot see inside it. A plan whose selective level is
 torchtitan's op-level policy runs it on every kind of block: the policy reads the block's ops,
 not its structure (:mod:`memx_launch.models.checkpointing`).
@@ -76,7 +77,12 @@ class BlockKind:
 
 MEMX_KIND = BlockKind("memx LLaMA", True, True)
 HF_KIND = BlockKind("Hugging Face Llama family", True, True, padding_mask=True)
-KNOWN_KINDS = (MEMX_KIND, HF_KIND)
+# A Hugging Face mixture's block: Llama's attention (memx_sdpa reaches its core) beside the experts,
+# each whole on every rank of the stage (no TP).
+HF_MOE_FAMILY = ("MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer")
+HF_MOE_KIND = BlockKind("Hugging Face mixture of experts", True, False, padding_mask=True)
+HF_KINDS = (HF_KIND, HF_MOE_KIND)
+KNOWN_KINDS = (MEMX_KIND, *HF_KINDS)
 
 
 def block_kind(block: nn.Module) -> BlockKind:
@@ -85,6 +91,8 @@ def block_kind(block: nn.Module) -> BlockKind:
     # memx's attention (SDPA, its core recomputed under selective) has no soft cap: Gemma 2's own keeps its block.
     if type(block).__name__ in HF_LLAMA_FAMILY and getattr(block.self_attn, "attn_logit_softcapping", None) is None:
         return HF_KIND
+    if type(block).__name__ in HF_MOE_FAMILY:
+        return HF_MOE_KIND
     return BlockKind(type(block).__name__, False, False)
 
 
@@ -141,7 +149,7 @@ class ModelParts:
         """A Hugging Face causal LM: blocks take positions (and the rotary table), no mask."""
         if lm is not None:
             self._hf_parts(*lm, container)
-        elif self.kind is HF_KIND:
+        elif self.kind in HF_KINDS:
             raise ConfigError("model", f"the {self.kind.name} blocks at {self.path} are not the layers of a "
                               "*ForCausalLM's decoder", "pass the Hugging Face *ForCausalLM (or a module holding it)")
         else:
@@ -170,7 +178,7 @@ class ModelParts:
         self.layer_types = layer_types(lm.config, len(self.blocks))
         """Each block's attention (full, sliding-window, chunked): the mask and rotary table it takes."""
         self.router_loss = RouterLoss.of(lm, self.blocks)
-        if self.kind is HF_KIND:
+        if self.kind in HF_KINDS:
             _use_memx_attention(lm.config)
 
     @property
@@ -291,7 +299,7 @@ class StageModule(nn.Module):
         for block, level in zip(self.blocks.values(), self.levels):
             if self.kind is MEMX_KIND:
                 block.recompute, block.selective_policy = level, selective_policy
-            elif self.kind is HF_KIND:
+            elif self.kind in HF_KINDS:
                 _hf_selective(block, level == "selective" and not self.op_level)
 
     def forward(self, x: torch.Tensor, router_sums: torch.Tensor | None = None,
@@ -384,9 +392,12 @@ def _use_memx_attention(config) -> None:
 
 
 def _hf_selective(block: nn.Module, on: bool) -> None:
-    """The attention core (through memx_sdpa) and the MLP's gated product recomputed in backward."""
+    """The attention core (through memx_sdpa) and a dense MLP's gated product recomputed in
+    backward (a mixture's experts keep theirs)."""
     block.self_attn._memx_selective = on
     mlp = block.mlp
+    if not hasattr(mlp, "gate_proj"):
+        return
     if on:
         mlp.forward = lambda x, mlp=mlp: mlp.down_proj(
             checkpoint(_gated, mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x), use_reentrant=False))
