@@ -297,6 +297,9 @@ def test_gemma_s_soft_capped_logits_are_read_and_priced_with_the_tanh_they_keep(
     capped = model_from_hf_dict({**SMALL, "model_type": "gemma2", "final_logit_softcapping": 30.0}, "g")
     plain = model_from_hf_dict({**SMALL, "model_type": "gemma2", "final_logit_softcapping": None}, "g")
     assert capped.logit_softcapping and not plain.logit_softcapping
+    # Gemma 2 soft-caps unless its config says otherwise, as Transformers' Gemma2Config does; Gemma 3 does not.
+    assert model_from_hf_dict({**SMALL, "model_type": "gemma2"}, "g").logit_softcapping
+    assert not model_from_hf_dict({**SMALL, "model_type": "gemma3_text"}, "g").logit_softcapping
     assert capped.signature() != plain.signature()  # profiles of the one are not the other's
     for dtype, d in (("fp32", 4), ("bf16", 2)):
         training = TrainingSpec(dtype=dtype, vocab_parallel_loss=False)

@@ -130,8 +130,12 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         require_type(cfg["hidden_act"], str, f"model ({where}).hidden_act")
     if cfg.get("tie_word_embeddings") is not None:
         require_type(cfg["tie_word_embeddings"], bool, f"model ({where}).tie_word_embeddings")
-    if cfg.get("final_logit_softcapping") is not None:  # Gemma 2 and 3
-        require_number(cfg["final_logit_softcapping"], f"model ({where}).final_logit_softcapping", lo=0, lo_open=True)
+    # Gemma 2 soft-caps its logits at 30 and its attention at 50 unless its config says otherwise (Gemma 3: neither).
+    softcaps = {key: cfg.get(key, default if model_type == "gemma2" else None)
+                for key, default in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0))}
+    for key, cap in softcaps.items():
+        if cap is not None:
+            require_number(cap, f"model ({where}).{key}", lo=0, lo_open=True)
     act = str(cfg.get("hidden_act", cfg.get("mlp_hidden_act", "silu")))  # Nemotron-H: mlp_hidden_act relu2
     gated = act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU)
     heads = cfg["num_attention_heads"]
@@ -176,13 +180,12 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         position_embeddings=positions,
         parallel_blocks=parallel,
         lm_head=lm_head,
-        tensor_parallel_blocks=model_type in TP_MODEL_TYPES  # Gemma 2 soft-caps at 50 unless told
-        and cfg.get("attn_logit_softcapping", 50.0 if model_type == "gemma2" else None) is None,
+        tensor_parallel_blocks=model_type in TP_MODEL_TYPES and softcaps["attn_logit_softcapping"] is None,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
         post_norms=model_type.startswith(POST_NORM_TYPES) and model_type != "glm4_moe",  # GLM-4's dense blocks
         norm_weight_in_fp32=model_type.startswith(GATED_GELU),  # Gemma's norms: (x * (1 + w)).to(dtype)
-        logit_softcapping=cfg.get("final_logit_softcapping") is not None,
+        logit_softcapping=softcaps["final_logit_softcapping"] is not None,
         **blocks,
         **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),

@@ -25,8 +25,8 @@ def device_precision(cluster, training: TrainingSpec, dtype_given: bool) -> tupl
 
 
 def param_dtype(training: TrainingSpec) -> str:
-    """The dtype of the parameters ``training`` prices: fp32 (a master copy, or fp32 training) or
-    the training's 16 bits (no master copy)."""
+    """The dtype of the model's parameters as ``training`` prices them: fp32 (``weights_dtype``
+    fp32, computed in 16 bits by autocast, or fp32 training), else the training's 16 bits."""
     return "fp32" if "fp32" in (training.weights_dtype, training.dtype) else training.dtype
 
 
