@@ -98,3 +98,16 @@ def test_a_config_asking_for_the_loss_plans_its_sums_into_every_pipeline_send():
         assert sent[1] - sent[0] == 2 * plain.num_experts * 4
     with pytest.raises(ConfigError, match="output_router_logits: must be a bool"):
         model_from_hf_dict({**config, "output_router_logits": "yes"}, "mixtral")
+
+
+def test_a_load_balancing_loss_of_other_arithmetic_is_refused(monkeypatch):
+    import sys
+
+    from memx_launch.errors import ConfigError
+
+    model = _mixture("qwen3_moe")  # its own copy of Mixtral's function: carried
+    assert ModelParts(model).router_loss is not None
+    module = sys.modules[type(model).__module__]
+    monkeypatch.setattr(module, "load_balancing_loss_func", lambda *args, **kwargs: 0.0)
+    with pytest.raises(ConfigError, match="load-balancing loss is not the one memx carries"):
+        ModelParts(model)

@@ -13,10 +13,14 @@ routers. Per micro-batch, as gradient accumulation over the model's own forward 
 
 from __future__ import annotations
 
+import inspect
+import sys
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from memx_launch.errors import ConfigError
 
 
 class RouterLoss:
@@ -37,6 +41,7 @@ class RouterLoss:
         router_class = getattr(recorder.get("router_logits"), "target_class", None)
         if not getattr(lm.config, "output_router_logits", False) or router_class is None:
             return None
+        _check_same_loss(lm)
         routers = sum(isinstance(m, router_class) for block in blocks for m in block.modules())
         coef = getattr(lm, "router_aux_loss_coef", lm.config.router_aux_loss_coef)  # what its forward reads
         return cls(router_class, recorder["router_logits"].index, routers, lm.num_experts, lm.num_experts_per_tok,
@@ -76,3 +81,16 @@ class RouterLoss:
         (``tokens``: its batch x sequence)."""
         rows = self.num_routers * (tokens if attention_mask is None else attention_mask.float().sum())
         return self.coef * self.num_experts * torch.sum(sums[0] / rows * (sums[1] / rows))
+
+
+def _check_same_loss(lm: nn.Module) -> None:
+    """The model's ``load_balancing_loss_func`` must be Mixtral's, the arithmetic memx carries (most
+    Transformers mixtures share its code: Qwen2/3-MoE, OLMoE, GPT-OSS, ...); another is refused."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    own = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
+    reference = modeling_mixtral.load_balancing_loss_func
+    if own is not reference and (own is None or inspect.getsource(own) != inspect.getsource(reference)):
+        raise ConfigError("model", f"{type(lm).__name__}'s load-balancing loss is not the one memx carries across "
+                          "pipeline stages (Mixtral's)", "set output_router_logits to false in its config: the "
+                          "loss is then the language model's alone")
