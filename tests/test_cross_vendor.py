@@ -112,6 +112,24 @@ CASES = {
 }
 
 
+def _matches_reference(name, rank, losses, grads, ref_loss, ref_grads) -> set:
+    """A rank's first loss and gradients against the one-process reference, and its loss falling
+    at the second step (the optimizer stepped on synced gradients); the parameters it holds."""
+    assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
+    assert losses[1] < losses[0], (name, rank)
+    for param, grad in grads.items():
+        diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
+        assert diff < GRAD_ATOL, (name, rank, param, diff)
+    return set(grads)
+
+
+def _pipeline_bytes(plan) -> int:
+    """What each rank of a pipeline through two domains sends over the bridge in a step: each fp32
+    hidden state once each way, over the edge v times and the wrap-around v - 1 times a micro-batch."""
+    boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
+    return 2 * (2 * plan.virtual_stages - 1) * plan.num_microbatches * boundary
+
+
 @pytest.mark.slow
 def test_cross_domain_plans_match_the_single_process_reference():
     cases = [(plan, cluster, 2, None) for plan, cluster in CASES.values()]
@@ -126,17 +144,10 @@ def test_cross_domain_plans_match_the_single_process_reference():
             assert mesh == ((2,) if plan.training.get("fully_sharded") else ()), (name, rank, mesh)
             assert unpickled == [], (name, rank, unpickled)
             assert bridge_checked, (name, rank)  # strict mode (the emulated default) checks inside the device
-            assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
-            assert losses[1] < losses[0], (name, rank)  # the optimizer stepped on synced gradients
-            for param, grad in grads.items():
-                diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
-                assert diff < GRAD_ATOL, (name, rank, param, diff)
-                covered.add(param)
+            covered |= _matches_reference(name, rank, losses, grads, ref_loss, ref_grads)
             crossed += messages
-            if plan.stages[0].send_parts > 1:  # each TP rank sends its 1/TP of each fp32 tensor, each way
-                boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
-                crossings = 2 * plan.virtual_stages - 1  # per micro-batch: the edge v times, the wrap-around v - 1
-                assert nbytes == 2 * crossings * plan.num_microbatches * boundary, (name, nbytes)  # whole: x TP
+            if plan.stages[0].send_parts > 1:  # each TP rank sends its 1/TP of each tensor (whole: x TP)
+                assert nbytes == _pipeline_bytes(plan), (name, nbytes)
         assert covered == set(ref_grads), name
         assert crossed > 0, f"{name}: nothing took the bridge"
 
@@ -287,16 +298,10 @@ def test_stages_of_different_tp_degrees_match_the_reference():
         for rank in range(3):
             losses, messages, nbytes, grads, unpickled, _, _ = results[rank][i]
             assert unpickled == [], (name, rank, unpickled)
-            assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
-            assert losses[1] < losses[0], (name, rank)
-            for param, grad in grads.items():
-                diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
-                assert diff < GRAD_ATOL, (name, rank, param, diff)
-                covered.add(param)
+            covered |= _matches_reference(name, rank, losses, grads, ref_loss, ref_grads)
             assert (messages > 0) == cluster.crosses_domains, name
             if cluster.crosses_domains:  # each tensor crosses once each way, never once per receiver
-                boundary = plan.micro_batch_size * plan.seq_len * SPEC.hidden_size * 4
-                assert nbytes == 2 * (2 * plan.virtual_stages - 1) * plan.num_microbatches * boundary, (name, nbytes)
+                assert nbytes == _pipeline_bytes(plan), (name, nbytes)
         assert covered == set(ref_grads), name
 
 
@@ -329,11 +334,6 @@ def test_three_domains_train_as_the_reference_and_send_what_the_plan_counts():
         for rank in range(4):
             losses, messages, nbytes, grads, unpickled, bridge_checked, _ = results[rank][i]
             assert unpickled == [] and bridge_checked, (name, rank, unpickled)
-            assert abs(losses[0] - ref_loss) < LOSS_ATOL, (name, rank, losses[0], ref_loss)
-            assert losses[1] < losses[0], (name, rank)
-            for param, grad in grads.items():
-                diff = (torch.from_numpy(grad) - ref_grads[param]).abs().max().item()
-                assert diff < GRAD_ATOL, (name, rank, param, diff)
-                covered.add(param)
+            covered |= _matches_reference(name, rank, losses, grads, ref_loss, ref_grads)
             assert nbytes == pytest.approx(plan.bridge_bytes_per_step, rel=1e-3), (name, rank, nbytes, plan.crossings)
         assert covered == set(ref_grads), name  # every parameter lives on some rank
