@@ -281,6 +281,7 @@ class StageModule(nn.Module):
         self.after = nn.ModuleDict({_key(n): m for n, m in parts.after}) if last else nn.ModuleDict()
         self.rotary = parts.rotary
         self.router_loss, self.last = parts.router_loss, last
+        self.routers = self.router_loss.routers_of(self.blocks.values()) if self.router_loss else []
         self.hf = parts.hf
         # A Hugging Face model's blocks take positions, masks and rotary tables by attention type.
         self.block_inputs = None
@@ -312,7 +313,7 @@ class StageModule(nn.Module):
             h = module(h)
         call = self._block_call(h, attention_mask)
         carries = self.router_loss is not None and self.training and torch.is_grad_enabled()  # not verify()'s
-        with self.router_loss.recording(self.blocks.values()) if carries else nullcontext() as logits:
+        with self.router_loss.recording(self.routers) if carries else nullcontext() as logits:
             for block, level in zip(self.blocks.values(), self.levels):
                 if self.kind is MEMX_KIND:  # its blocks recompute as their level and policy say
                     h = call(block, h)

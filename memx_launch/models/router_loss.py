@@ -42,18 +42,20 @@ class RouterLoss:
         if not getattr(lm.config, "output_router_logits", False) or router_class is None:
             return None
         _check_same_loss(lm)
-        routers = sum(isinstance(m, router_class) for block in blocks for m in block.modules())
         coef = getattr(lm, "router_aux_loss_coef", lm.config.router_aux_loss_coef)  # what its forward reads
-        return cls(router_class, recorder["router_logits"].index, routers, lm.num_experts, lm.num_experts_per_tok,
-                   float(coef))
+        return cls(router_class, recorder["router_logits"].index, len(_routers(blocks, router_class)),
+                   lm.num_experts, lm.num_experts_per_tok, float(coef))
+
+    def routers_of(self, blocks) -> list[nn.Module]:
+        """The router modules of ``blocks``, in order."""
+        return _routers(blocks, self.router_class)
 
     @contextmanager
-    def recording(self, blocks):
-        """The router logits of ``blocks``' forward inside the block, in call order (a list). A
-        recompute in the backward runs outside it and records nothing."""
+    def recording(self, routers: list[nn.Module]):
+        """The logits of ``routers`` (:meth:`routers_of` a stage's blocks) in a forward inside it,
+        in call order (a list). A recompute in the backward runs outside it and records nothing."""
         logits: list[torch.Tensor] = []
-        hooks = [m.register_forward_hook(lambda _m, _in, out: logits.append(out[self.index]))
-                 for block in blocks for m in block.modules() if isinstance(m, self.router_class)]
+        hooks = [m.register_forward_hook(lambda _m, _in, out: logits.append(out[self.index])) for m in routers]
         try:
             yield logits
         finally:
@@ -81,6 +83,10 @@ class RouterLoss:
         (``tokens``: its batch x sequence)."""
         rows = self.num_routers * (tokens if attention_mask is None else attention_mask.float().sum())
         return self.coef * self.num_experts * torch.sum(sums[0] / rows * (sums[1] / rows))
+
+
+def _routers(blocks, router_class: type) -> list[nn.Module]:
+    return [m for block in blocks for m in block.modules() if isinstance(m, router_class)]
 
 
 def _check_same_loss(lm: nn.Module) -> None:
