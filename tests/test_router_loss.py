@@ -111,3 +111,28 @@ def test_a_load_balancing_loss_of_other_arithmetic_is_refused(monkeypatch):
     monkeypatch.setattr(module, "load_balancing_loss_func", lambda *args, **kwargs: 0.0)
     with pytest.raises(ConfigError, match="load-balancing loss is not the one memx carries"):
         ModelParts(model)
+
+
+def test_a_fully_sharded_16_bit_stage_adds_to_the_sums_it_received_in_fp32():
+    """FSDP2's bf16 policy casts a unit's floating inputs: the sums, counts of millions of tokens,
+    would lose all but 8 bits at each stage. The stage's own unit leaves them as sent."""
+    import torch.distributed as dist
+
+    from memx_launch.runtime.fsdp_units import shard_stage
+
+    parts = ModelParts(_mixture("mixtral"))
+    stage = parts.stage(1, 1, first=False, last=False, recompute="none")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        shard_stage(stage, None, "bf16")
+        received = torch.tensor([[1_000_001.0, 3.0, 5.0, 7.0], [0.5, 0.25, 0.125, 2.0]])  # not all bf16 numbers
+        x = torch.randn(2, 8, 32, requires_grad=True)
+        h, sums = stage(x, received.clone())
+        (h.float().sum() + sums.sum()).backward()
+    finally:
+        dist.destroy_process_group()
+    assert h.dtype == torch.bfloat16 and sums.dtype == torch.float32  # the blocks ran in bf16
+    assert x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0  # sent back as received
+    added = sums.detach() - received
+    assert torch.equal(added[0], added[0].round()) and added[0].sum().item() == 2 * 8 * 2  # tokens x top-k
+    assert added[1].sum().item() == pytest.approx(2 * 8, rel=1e-3)  # each token's probabilities sum to 1

@@ -374,7 +374,7 @@ def test_a_plan_with_fewer_micro_batches_than_stages_stops_before_training():
 
 
 def test_fsdp_gathers_16_bit_training_s_weights_in_16_bits_and_reduces_in_fp32():
-    from memx_launch.runtime.training import fsdp_mixed_precision
+    from memx_launch.runtime.fsdp_units import fsdp_mixed_precision
 
     bf16 = fsdp_mixed_precision("bf16")
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)

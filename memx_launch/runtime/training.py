@@ -31,11 +31,12 @@ from memx_launch.runtime.communication import Communicator, bridge_backend, init
 from memx_launch.profiling.emulation import GIB, EmulatedDevice
 from memx_launch.runtime.layout import (RankLayout, process_domains, process_grid, process_rank, rank_layout,
                                        stage_runs_fully_sharded)
+from memx_launch.runtime.fsdp_units import shard_stage
 from memx_launch.runtime.meshes import stage_meshes
 from memx_launch.runtime.monitor import device_memory
 from memx_launch.runtime.pipeline_stage import DomainPipelineStage, PipelineLinks
 from memx_launch.runtime.optimizer import clip_grad_norm, local_optimizer, local_scheduler, parameter_names
-from memx_launch.runtime.precision import TORCH_DTYPES, Precision
+from memx_launch.runtime.precision import Precision
 from memx_launch.runtime.run_record import RunRecord
 from memx_launch.runtime.stage_clock import StageClock
 from memx_launch.runtime.step_stats import StepStats, progress_line
@@ -214,15 +215,7 @@ class Runtime:
             # DDP keeps whole gradients and optimizer state per replica, as the cost model assumes
             # without a distributed optimizer; DDP cannot hold DTensor parameters, so TP uses FSDP2.
             if self.sharded:  # across domains over each domain's shard groups, step() averaging the shards
-                from torch.distributed.fsdp import fully_shard
-                # A unit per block, then the stage's rest. torch's pipeline schedules keep a stage's
-                # weights gathered and its gradients unsharded from its first backward to the step's
-                # end, so the forward keeps them too (one gather a step, as torchtitan under PP): the
-                # cost model's hold_gathered "always". Gathered in the compute dtype, reduced in fp32.
-                policy = fsdp_mixed_precision(self.precision.dtype)
-                for block in _blocks(module):
-                    fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=False, mp_policy=policy)
-                fully_shard(module, mesh=self.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+                shard_stage(module, self.dp_mesh, self.precision.dtype)
             else:
                 from torch.nn.parallel import DistributedDataParallel
                 module = DistributedDataParallel(module, process_group=self.comm.native(self._dp_ranks))
@@ -383,24 +376,6 @@ class Runtime:
     # ---- reporting
     def progress_line(self, stats: StepStats) -> str:
         return progress_line(stats, self.plan)
-
-
-def fsdp_mixed_precision(dtype: str):
-    """FSDP2's policy for a run in ``dtype``: 16-bit training gathers the weights in 16 bits and
-    reduces the gradients in fp32 (the plan's compute weight and grad dtype); fp32 casts nothing."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    if dtype == "fp32":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[dtype], reduce_dtype=torch.float32)
-
-
-def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a stage module: memx's LlamaStage's ``layers``, a drop-in model's
-    StageModule's ``blocks``."""
-    blocks = getattr(module, "layers", None)
-    if blocks is None:
-        blocks = module.blocks
-    return list(blocks.values())
 
 
 def _out_of_memory(exc: BaseException | None) -> torch.OutOfMemoryError | None:
