@@ -116,8 +116,10 @@ def _hf_config(family):
             "gemma": lambda: T.GemmaConfig(**small, num_key_value_heads=1, head_dim=8, intermediate_size=64,
                                            pad_token_id=0, bos_token_id=0, eos_token_id=0),
             # Windows shorter than the test's sequence: each block must get its own type's mask.
-            "gemma2": lambda: T.Gemma2Config(**small, num_key_value_heads=1, head_dim=8, intermediate_size=64,
-                                             sliding_window=4, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+            # Its attention soft-capped at 0.01, where the tiny model's scores bend (its default is 50).
+            "gemma2": lambda: T.Gemma2Config(**small, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                             sliding_window=4, attn_logit_softcapping=0.01, pad_token_id=0,
+                                             bos_token_id=0, eos_token_id=0),
             "gemma3": lambda: T.Gemma3TextConfig(**small, num_key_value_heads=2, head_dim=8, intermediate_size=64,
                                                  sliding_window=4, sliding_window_pattern=2, pad_token_id=0,
                                                  bos_token_id=0, eos_token_id=0),
@@ -561,12 +563,14 @@ def _tp_worker(rank, port, families, queue):
 
 def test_tensor_parallel_blocks_give_the_model_s_logits_and_gradients():
     """Qwen3's and Gemma 3's per-head query and key norms see a rank's heads: their gradients must
-    be summed over the TP group, or each rank steps its norm weights on half of theirs."""
+    be summed over the TP group, or each rank steps its norm weights on half of theirs. Gemma 2's
+    soft-capped attention, its own, runs on a rank's heads as on all of them."""
     from ranks import spawn_ranks
 
-    families = ["qwen3", "gemma3"]
-    results = spawn_ranks(_tp_worker, 2, families, timeout=120)
+    families = {"qwen3": "Hugging Face Llama family", "gemma3": "Hugging Face Llama family",
+                "gemma2": "Hugging Face Llama family, its own attention"}
+    results = spawn_ranks(_tp_worker, 2, list(families), timeout=120)
     for rank in range(2):
-        for family, (kind, logits, grads) in zip(families, results[rank]):
-            assert kind == "Hugging Face Llama family", family
+        for (family, kind_name), (kind, logits, grads) in zip(families.items(), results[rank]):
+            assert kind == kind_name, family
             assert logits < 1e-6 and grads < 1e-6, (family, rank, logits, grads)

@@ -575,3 +575,86 @@ def test_ampere_attention_kernels_reach_a_smaller_share_of_hopper_s_peak():
         model = cm.AnalyticalCostModel(MODEL, h100, TrainingSpec(flash_attention_version=version))
         forward, _ = model.attention_seconds(0, 1, 1, 8192)
         assert cm.causal_attention_flops(MODEL, 1, 8192, 1) / forward == pytest.approx(share * 989e12)
+
+
+def _gemma2_attention(cap, dtype):
+    """Transformers' eager attention as Gemma 2 runs it (GQA, 4 heads over 2 KV heads, soft cap
+    ``cap``): (the core as a function of q, k and v, q, k, v, the number of scores)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    b, heads, kv_heads, seq, head_dim = 2, 4, 2, 128, 16
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    mask = torch.zeros(b, 1, seq, seq, dtype=dtype).masked_fill(
+        torch.ones(seq, seq, dtype=torch.bool).triu(1), torch.finfo(dtype).min)
+    q, k, v = (torch.randn(b, n, seq, head_dim, dtype=dtype, requires_grad=True) for n in (heads, kv_heads, kv_heads))
+
+    def core(q, k, v):
+        return eager_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=head_dim ** -0.5, softcap=cap)[0]
+    return core, (q, k, v, mask), b * heads * seq * seq
+
+
+@pytest.mark.parametrize("dtype_bytes", [2, 4])
+def test_a_soft_capped_attention_keeps_the_tanh_s_output_beside_its_probabilities(dtype_bytes):
+    """Gemma 2's attention (Transformers' eager attention: SDPA has no soft cap), what autograd
+    saves by storage, K and V repeated to the query heads aside: per score the fp32 softmax's
+    output and its 16-bit copy, and with the cap the tanh's output, as ``activation_bytes``
+    counts the scores of a soft-capped model (``attention_as_run``: unfused, softmax in fp32)."""
+    torch = pytest.importorskip("torch")
+    from memx_launch.specs.model import ModelSpec
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    spec = ModelSpec("g", 1, 64, 4, 2, 128, 1000, 128, attention_softcapping=True)
+    b, seq = 2, 128
+    for cap in (None, 50.0):
+        core, inputs, scores = _gemma2_attention(cap, dtype)
+        repeated_kv = 2 * b * spec.num_heads * seq * spec.head_dim * dtype_bytes
+        kept = (saved_storage_bytes(lambda: core(*inputs[:3]), owned=inputs) - repeated_kv) / scores
+        flags = dict(dtype_bytes=dtype_bytes, fused_softmax=False, softmax_in_fp32=True, repeat_kv=True,
+                     softcapped_scores=cap is not None)
+        unfused, fused = (float(cm.activation_bytes(spec, b, seq, 1, cm.NONE, flash_attention=flash,
+                                                    **flags).activation_bytes) for flash in (False, True))
+        logsumexp = 4 * b * spec.num_heads * seq  # what the fused kernel keeps instead
+        assert kept == pytest.approx((unfused - fused + logsumexp) / scores)
+        probabilities = 4 + (dtype_bytes if dtype_bytes < 4 else 0)  # fp32, and their 16-bit copy
+        assert kept == probabilities + (dtype_bytes if cap else 0)  # 6 / 8 bytes in bf16, 4 / 8 in fp32
+    # A soft-capped model's blocks are priced so whatever the setup's kernel, and traced the same.
+    training = TrainingSpec(setup="memx-run", dtype={2: "bf16", 4: "fp32"}[dtype_bytes])
+    as_run = cm.training_activation_bytes(spec, training, b, seq, 1, cm.NONE)
+    counted = cm.activation_bytes(spec, b, seq, 1, cm.NONE, flash_attention=False, autocast=training.autocast,
+                                  fused_gate_up=False, fused_qkv=False, **flags)
+    assert float(as_run.activation_bytes) == float(counted.activation_bytes)
+
+
+def test_a_soft_cap_moves_its_passes_over_the_scores():
+    """Gemma 2's eager attention traced with and without its soft cap, in bf16: the cap's divide,
+    tanh and multiply move SOFTCAP_SCORE_PASSES elements a score forward and backward, and the
+    cost model charges them on an unfused attention's scores."""
+    torch = pytest.importorskip("torch")
+    from memx_launch.specs.model import ModelSpec
+
+    traced = {}
+    for cap in (None, 50.0):
+        core, inputs, scores = _gemma2_attention(cap, torch.bfloat16)
+        traced[cap] = np.array(_traced_bytes(core, *inputs[:3])) / scores
+    assert (traced[50.0] - traced[None]).tolist() == pytest.approx([2 * p for p in elementwise.SOFTCAP_SCORE_PASSES])
+    spec = ModelSpec("g", 1, 64, 4, 2, 128, 1000, 128)
+    training = TrainingSpec(flash_attention=False, fused_softmax=False, softmax_in_fp32=True)
+    capped, plain = (float(elementwise.elementwise_traffic_bytes(m, training, 2, 128, 1, cm.NONE, False))
+                     for m in (ModelSpec(**{**spec.__dict__, "attention_softcapping": True}), spec))
+    assert capped - plain == pytest.approx(2 * 4 * 128 * 128 * 2 * sum(elementwise.SOFTCAP_SCORE_PASSES))
+
+
+def test_a_soft_capped_model_is_priced_unfused_whatever_the_setup_s_kernel():
+    import dataclasses
+
+    capped = dataclasses.replace(MODEL, attention_softcapping=True)
+    args = (np.zeros(1, int), np.full(1, T), np.ones(1), np.full(1, S), np.zeros(1))
+    eager = TrainingSpec(flash_attention=False, fused_softmax=False, softmax_in_fp32=True, repeat_kv=True)
+    costs = {(m.attention_softcapping, tr.flash_attention): cm.AnalyticalCostModel(m, _a100s(), tr).layer_costs(*args)
+             for m in (MODEL, capped) for tr in (TrainingSpec(), eager)}
+    for part in ("time_s", "activation_bytes", "working_bytes"):
+        assert getattr(costs[True, True], part)[0] == getattr(costs[True, False], part)[0], part
+        assert getattr(costs[True, True], part)[0] > getattr(costs[False, True], part)[0], part

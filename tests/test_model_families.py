@@ -313,10 +313,15 @@ def test_gemma_s_soft_capped_logits_are_read_and_priced_with_the_tanh_they_keep(
 
 def test_memx_runs_tensor_parallel_families_are_read_from_the_config():
     """memx-run splits by TP the blocks its runtime knows (models/adapters.py): the Llama family,
-    Qwen3 and Gemma 2 and 3, but not a soft-capped attention (Gemma 2's default), which memx's
-    attention does not run."""
-    read = {t: model_from_hf_dict({**SMALL, "model_type": t, **extra}, t).tensor_parallel_blocks
+    Qwen3 and Gemma 2 and 3, Gemma 2's soft-capped attention too (its own, unfused: the planner
+    says so where a config caps it or leaves Gemma 2's default cap of 50)."""
+    read = {t: model_from_hf_dict({**SMALL, "model_type": t, **extra}, t)
             for t, extra in (("qwen3", {}), ("gemma3_text", {}), ("gemma2", {}), ("olmo2", {}))}
-    assert read == {"qwen3": True, "gemma3_text": True, "gemma2": False, "olmo2": False}
+    assert {t: m.tensor_parallel_blocks for t, m in read.items()} == \
+        {"qwen3": True, "gemma3_text": True, "gemma2": True, "olmo2": False}
+    assert {t: m.attention_softcapping for t, m in read.items()} == \
+        {"qwen3": False, "gemma3_text": False, "gemma2": True, "olmo2": False}
     uncapped = model_from_hf_dict({**SMALL, "model_type": "gemma2", "attn_logit_softcapping": None}, "g")
-    assert uncapped.tensor_parallel_blocks
+    assert uncapped.tensor_parallel_blocks and not uncapped.attention_softcapping
+    with pytest.raises(ConfigError, match="attn_logit_softcapping"):
+        model_from_hf_dict({**SMALL, "model_type": "gemma2", "attn_logit_softcapping": 0}, "g")

@@ -25,10 +25,10 @@ A stage (:class:`StageModule`) keeps the user's module objects (their weights, p
 under names that do not depend on the split (``blocks.{global index}``), so checkpoints load under
 another plan.
 
-Block kinds memx knows (:data:`KNOWN_KINDS`) get selective recompute of their attention core and
-tensor parallelism (a Hugging Face mixture's blocks: TP = 1, each expert whole); any other block
-trains with TP = 1, and "selective" recomputes the whole block
-(the same as "full") because memx cannot see inside it. A plan whose selective level is
+Block kinds memx knows get selective recompute of their attention core and tensor parallelism
+(a Hugging Face mixture's blocks: TP = 1, each expert whole; Gemma 2's soft-capped attention, its
+own: TP, the whole block recomputed); any other block trains with TP = 1, and "selective"
+recomputes the whole block (the same as "full") because memx cannot see inside it. A plan whose selective level is
 torchtitan's op-level policy runs it on every kind of block: the policy reads the block's ops,
 not its structure (:mod:`memx_launch.models.checkpointing`).
 """
@@ -77,20 +77,21 @@ class BlockKind:
 
 MEMX_KIND = BlockKind("memx LLaMA", True, True)
 HF_KIND = BlockKind("Hugging Face Llama family", True, True, padding_mask=True)
+# Gemma 2's soft-capped attention runs as its own (Transformers' eager: SDPA has no soft cap),
+# split by TP as the family's; "selective" recomputes the whole block.
+HF_OWN_ATTENTION_KIND = BlockKind("Hugging Face Llama family, its own attention", False, True, padding_mask=True)
 # A Hugging Face mixture's block: Llama's attention (memx_sdpa reaches its core) beside the experts,
 # each whole on every rank of the stage (no TP).
 HF_MOE_FAMILY = ("MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer")
 HF_MOE_KIND = BlockKind("Hugging Face mixture of experts", True, False, padding_mask=True)
 HF_KINDS = (HF_KIND, HF_MOE_KIND)
-KNOWN_KINDS = (MEMX_KIND, *HF_KINDS)
 
 
 def block_kind(block: nn.Module) -> BlockKind:
     if isinstance(block, TransformerBlock):
         return MEMX_KIND
-    # memx's attention (SDPA, its core recomputed under selective) has no soft cap: Gemma 2's own keeps its block.
-    if type(block).__name__ in HF_LLAMA_FAMILY and getattr(block.self_attn, "attn_logit_softcapping", None) is None:
-        return HF_KIND
+    if type(block).__name__ in HF_LLAMA_FAMILY:
+        return HF_KIND if getattr(block.self_attn, "attn_logit_softcapping", None) is None else HF_OWN_ATTENTION_KIND
     if type(block).__name__ in HF_MOE_FAMILY:
         return HF_MOE_KIND
     return BlockKind(type(block).__name__, False, False)
@@ -149,7 +150,7 @@ class ModelParts:
         """A Hugging Face causal LM: blocks take positions (and the rotary table), no mask."""
         if lm is not None:
             self._hf_parts(*lm, container)
-        elif self.kind in HF_KINDS:
+        elif self.kind in (*HF_KINDS, HF_OWN_ATTENTION_KIND):
             raise ConfigError("model", f"the {self.kind.name} blocks at {self.path} are not the layers of a "
                               "*ForCausalLM's decoder", "pass the Hugging Face *ForCausalLM (or a module holding it)")
         else:

@@ -5,6 +5,7 @@ import."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      op_selective: bool = False, fused_activation: bool = False,
                      recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1,
                      autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True,
-                     stream_bytes: float | None = None, repeat_kv: bool = False) -> LayerCost:
+                     stream_bytes: float | None = None, repeat_kv: bool = False,
+                     softcapped_scores: bool = False) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -55,7 +57,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         softmax in fp32 (torch's softmax on an fp32 copy of 16-bit scores, Megatron's
         --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h;
         with attention dropout also its 1-byte mask and the dropped-out probabilities: 5as/h
-        over t, the Korthikanti s^2 term (fused attention regenerates its mask: nothing kept)
+        over t, the Korthikanti s^2 term (fused attention regenerates its mask: nothing kept);
+        soft-capped scores (``softcapped_scores``) the tanh's output besides, 2as/h over t
       hidden dropout on: 1-byte masks after attention and after the MLP: 2 (replicated unless SP)
       unfused norms (torch ops, Hugging Face's LlamaRMSNorm): ``x.float()`` is kept by the pow
         and the multiply by the rsqrt, and the normalised tensor cast back to the training dtype
@@ -133,6 +136,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     fp32_probs = softmax_in_fp32 and not fused_softmax and dtype_bytes < 4
     probs = (4.0 + dtype_bytes) / dtype_bytes * 2.0 if fp32_probs else 2.0
     score_bytes = probs + (2.0 + 1.0 / scale if attention_dropout else 0.0)  # (+ mask, dropout out)
+    score_bytes = score_bytes + (2.0 if softcapped_scores else 0.0)  # tanh's output, for its backward
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + model.residual_adds / scale / (tp if sequence_parallel else 1.0)
@@ -195,14 +199,26 @@ def mlp_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndar
 def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp, recompute,
                               flash_attention=True, linear_bytes=None, stream_bytes: float | None = None) -> LayerCost:
     """:func:`activation_bytes` of one block as ``training`` runs it on a device whose attention
-    is fused where ``flash_attention`` and whose quantized linears keep ``linear_bytes`` an element."""
-    tr = training
+    is fused where ``flash_attention`` and whose quantized linears keep ``linear_bytes`` an element
+    (a soft-capped attention: as :func:`attention_as_run` runs it)."""
+    tr = attention_as_run(model, training)
+    flash_attention = np.logical_and(flash_attention, tr.flash_attention)
     return activation_bytes(model, mbs, seq, tp, recompute, tr.dtype_bytes, flash_attention, tr.sequence_parallel,
                             tr.dropout, tr.fused_norm, tr.attention_dropout, tr.sp_keeps_gathered_input,
                             tr.fused_softmax, tr.softmax_in_fp32, tr.quantized_linears and linear_bytes,
                             tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
                             tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes,
-                            kv_repeated(model, tr))
+                            kv_repeated(model, tr), model.attention_softcapping)
+
+
+def attention_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:
+    """``training`` as ``model``'s attention runs: a soft-capped one (Gemma 2's) unfused, as
+    Transformers' eager attention runs it (SDPA has no soft cap, and Transformers picks eager for
+    Gemma 2): torch's softmax in fp32 on the 16-bit scores and K and V repeated to the query heads."""
+    if not model.attention_softcapping:
+        return training
+    return dataclasses.replace(training, flash_attention=False, fused_softmax=False, softmax_in_fp32=True,
+                               repeat_kv=True)
 
 
 def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool, fused_qkv: bool) -> int:

@@ -17,7 +17,7 @@ from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")  # without attention soft caps
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 # Model types whose q, k and v linears carry biases, the block's other linears none (by prefix: Qwen2,
 # Qwen2-MoE); others say it with a key: StableLM's use_qkv_bias, the Llama family's attention_bias
 # (Seed-OSS; Llama's own adds the output projection's h biases, which memx does not count).
@@ -180,12 +180,13 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         position_embeddings=positions,
         parallel_blocks=parallel,
         lm_head=lm_head,
-        tensor_parallel_blocks=model_type in TP_MODEL_TYPES and softcaps["attn_logit_softcapping"] is None,
+        tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
         post_norms=model_type.startswith(POST_NORM_TYPES) and model_type != "glm4_moe",  # GLM-4's dense blocks
         norm_weight_in_fp32=model_type.startswith(GATED_GELU),  # Gemma's norms: (x * (1 + w)).to(dtype)
         logit_softcapping=softcaps["final_logit_softcapping"] is not None,
+        attention_softcapping=softcaps["attn_logit_softcapping"] is not None,
         **blocks,
         **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),

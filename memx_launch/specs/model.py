@@ -31,8 +31,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "linear_key_heads": 0, "linear_value_heads": 0, "linear_key_head_dim": 128,
                          "linear_value_head_dim": 128, "linear_conv_kernel": 4, "linear_chunk_size": 64,
                          "attention_output_gate": False, "relu_mlp": False, "qkv_bias": False,
-                         "shared_expert_gate": False, "logit_softcapping": False}
-
+                         "shared_expert_gate": False, "logit_softcapping": False, "attention_softcapping": False}
 
 
 @dataclass(frozen=True)
@@ -93,8 +92,9 @@ class ModelSpec:
     shared_expert_gate: bool = False
     """A sigmoid gate on the shared expert's output, a weight per hidden unit (Qwen2-MoE; ``--moe-shared-expert-gate``)."""
     logit_softcapping: bool = False
-    """The head's logits soft-capped, ``cap * tanh(logits / cap)`` (Gemma 2 and 3's ``final_logit_softcapping``):
-    elementwise passes over the logits, and the tanh's output kept for its backward."""
+    """The head's logits soft-capped, ``cap * tanh(logits / cap)`` (Gemma 2 and 3's ``final_logit_softcapping``)."""
+    attention_softcapping: bool = False
+    """Attention scores soft-capped (Gemma 2's ``attn_logit_softcapping``): unfused attention (activations.py)."""
     router_aux_loss: bool = False
     """The routers' load-balancing loss joins the loss (Transformers' ``output_router_logits``): memx-run's
     stages send its running sums on with the hidden state, 2 x ``num_experts`` fp32 (models/router_loss.py)."""

@@ -30,7 +30,9 @@ def check_shape(model) -> None:
                    fix="the learned position table's rows, or 0 for rotary positions")
     require_type(model.parallel_blocks, bool, "model.parallel_blocks")
     require_type(model.lm_head, bool, "model.lm_head")
-    require_type(model.tensor_parallel_blocks, bool, "model.tensor_parallel_blocks")
+    for name in ("tensor_parallel_blocks", "qkv_bias", "shared_expert_gate", "logit_softcapping",
+                 "attention_softcapping", "router_aux_loss"):
+        require_type(getattr(model, name), bool, f"model.{name}")
     require_number(model.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
     require_number(model.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
     require_number(model.attention_head_dim, "model.attention_head_dim", lo=0, hi=MAX_DIMENSION, integer=True,
