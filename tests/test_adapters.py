@@ -574,3 +574,39 @@ def test_tensor_parallel_blocks_give_the_model_s_logits_and_gradients():
         for (family, kind_name), (kind, logits, grads) in zip(families.items(), results[rank]):
             assert kind == kind_name, family
             assert logits < 1e-6 and grads < 1e-6, (family, rank, logits, grads)
+
+
+def test_gemma_2_s_own_attention_recomputes_its_core_at_the_selective_level():
+    """Gemma 2's soft-capped attention runs as its own (Transformers' eager attention), registered
+    under memx's name: cut into stages at every level its logits and gradients are the model's,
+    and "selective" drops what its core keeps, the scores (8 bytes each in fp32: the softmax's
+    output and the tanh's), between no recompute and the whole block's."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_config("gemma2"))
+    x = torch.randint(1, 97, (4, 64))
+    ref = model(x).logits
+    ref.square().mean().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    parts = ModelParts(model)
+    assert parts.kind.name == "Hugging Face Llama family, its own attention" and parts.kind.knows_attention
+    assert model.config._attn_implementation == "memx_own_eager"
+    out = _split_forward(parts, x, [1, 1, 1], ["selective", "none", "full"])
+    assert torch.allclose(out, ref, atol=1e-6, rtol=0)
+    out.square().mean().backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=0), name
+    peaks = {}
+    for level in ("none", "selective", "full"):
+        model.zero_grad(set_to_none=True)
+        stage = parts.stage(0, parts.num_layers, first=True, last=True, recompute=level)
+        device = EmulatedDevice("cpu", 1.0)
+        device.track(stage.parameters())
+        with device:
+            stage(x).square().mean().backward()
+        peaks[level] = device.peak_bytes
+    scores = 4 * model.config.num_attention_heads * 64 * 64
+    assert peaks["none"] - peaks["selective"] >= (parts.num_layers - 1) * 8 * scores > 0
+    assert peaks["selective"] > peaks["full"]

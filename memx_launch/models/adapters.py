@@ -26,9 +26,9 @@ under names that do not depend on the split (``blocks.{global index}``), so chec
 another plan.
 
 Block kinds memx knows get selective recompute of their attention core and tensor parallelism
-(a Hugging Face mixture's blocks: TP = 1, each expert whole; Gemma 2's soft-capped attention, its
-own: TP, the whole block recomputed); any other block trains with TP = 1, and "selective"
-recomputes the whole block (the same as "full") because memx cannot see inside it. A plan whose selective level is
+(a Hugging Face mixture's blocks: TP = 1, each expert whole; Gemma 2's soft-capped attention: its
+own implementation, recomputed); any other block trains with TP = 1, and "selective" recomputes
+the whole block (the same as "full") because memx cannot see inside it. A plan whose selective level is
 torchtitan's op-level policy runs it on every kind of block: the policy reads the block's ops,
 not its structure (:mod:`memx_launch.models.checkpointing`).
 """
@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memx_launch.errors import ConfigError
 from memx_launch.models.checkpointing import op_level_checkpoint
+from memx_launch.models.hf_attention import hf_selective, recompute_own_attention, use_memx_sdpa
 from memx_launch.models.hf_decoder import BlockInputs, HFEmbedding, LogitTransform, layer_types
 from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel, per_layer
 from memx_launch.models.router_loss import RouterLoss
@@ -57,9 +58,6 @@ BLOCK_PATHS = ("model.layers", "layers", "transformer.h")
 # Qwen3's and Gemma 3's query and key norms act per head: TP keeps whole heads on a rank.
 HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                    "GemmaDecoderLayer", "Gemma2DecoderLayer", "Gemma3DecoderLayer")
-# The attention function memx registers with transformers: SDPA, with the core recomputed in the
-# backward pass on blocks of "selective" stages.
-HF_ATTENTION = "memx_sdpa"
 # What a Hugging Face decoder runs after its blocks, in this order (OPT: norm, then projection).
 HF_FINAL_MODULES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "project_out")
 _WARNED: set[str] = set()
@@ -77,14 +75,14 @@ class BlockKind:
 
 MEMX_KIND = BlockKind("memx LLaMA", True, True)
 HF_KIND = BlockKind("Hugging Face Llama family", True, True, padding_mask=True)
-# Gemma 2's soft-capped attention runs as its own (Transformers' eager: SDPA has no soft cap),
-# split by TP as the family's; "selective" recomputes the whole block.
-HF_OWN_ATTENTION_KIND = BlockKind("Hugging Face Llama family, its own attention", False, True, padding_mask=True)
+# Gemma 2's soft-capped attention runs as its own (Transformers' eager: SDPA has no soft cap), its
+# core recomputed in the backward on blocks of "selective" stages as memx_sdpa's; split by TP as the family's.
+HF_OWN_ATTENTION_KIND = BlockKind("Hugging Face Llama family, its own attention", True, True, padding_mask=True)
 # A Hugging Face mixture's block: Llama's attention (memx_sdpa reaches its core) beside the experts,
 # each whole on every rank of the stage (no TP).
 HF_MOE_FAMILY = ("MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer")
 HF_MOE_KIND = BlockKind("Hugging Face mixture of experts", True, False, padding_mask=True)
-HF_KINDS = (HF_KIND, HF_MOE_KIND)
+HF_KINDS = (HF_KIND, HF_MOE_KIND, HF_OWN_ATTENTION_KIND)
 
 
 def block_kind(block: nn.Module) -> BlockKind:
@@ -150,7 +148,7 @@ class ModelParts:
         """A Hugging Face causal LM: blocks take positions (and the rotary table), no mask."""
         if lm is not None:
             self._hf_parts(*lm, container)
-        elif self.kind in (*HF_KINDS, HF_OWN_ATTENTION_KIND):
+        elif self.kind in HF_KINDS:
             raise ConfigError("model", f"the {self.kind.name} blocks at {self.path} are not the layers of a "
                               "*ForCausalLM's decoder", "pass the Hugging Face *ForCausalLM (or a module holding it)")
         else:
@@ -179,8 +177,10 @@ class ModelParts:
         self.layer_types = layer_types(lm.config, len(self.blocks))
         """Each block's attention (full, sliding-window, chunked): the mask and rotary table it takes."""
         self.router_loss = RouterLoss.of(lm, self.blocks)
-        if self.kind in HF_KINDS:
-            _use_memx_attention(lm.config)
+        if self.kind is HF_OWN_ATTENTION_KIND:
+            recompute_own_attention(lm.config, self.blocks)
+        elif self.kind in HF_KINDS:
+            use_memx_sdpa(lm.config)
 
     @property
     def num_layers(self) -> int:
@@ -302,7 +302,7 @@ class StageModule(nn.Module):
             if self.kind is MEMX_KIND:
                 block.recompute, block.selective_policy = level, selective_policy
             elif self.kind in HF_KINDS:
-                _hf_selective(block, level == "selective" and not self.op_level)
+                hf_selective(block, level == "selective" and not self.op_level)
 
     def forward(self, x: torch.Tensor, router_sums: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None):
@@ -376,39 +376,6 @@ def _key(name: str) -> str:
 
 
 # --------------------------------------------------------------------------- Hugging Face Llama family
-
-
-def _use_memx_attention(config) -> None:
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def memx_sdpa(module, *args, **kwargs):
-        if getattr(module, "_memx_selective", False) and torch.is_grad_enabled():
-            return checkpoint(sdpa_attention_forward, module, *args, use_reentrant=False, **kwargs)
-        return sdpa_attention_forward(module, *args, **kwargs)
-
-    AttentionInterface.register(HF_ATTENTION, memx_sdpa)
-    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)  # the model's own forward still runs
-    config._attn_implementation = HF_ATTENTION
-
-
-def _hf_selective(block: nn.Module, on: bool) -> None:
-    """The attention core (through memx_sdpa) and a dense MLP's gated product recomputed in
-    backward (a mixture's experts keep theirs)."""
-    block.self_attn._memx_selective = on
-    mlp = block.mlp
-    if not hasattr(mlp, "gate_proj"):
-        return
-    if on:
-        mlp.forward = lambda x, mlp=mlp: mlp.down_proj(
-            checkpoint(_gated, mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x), use_reentrant=False))
-    else:
-        mlp.__dict__.pop("forward", None)
-
-
-def _gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return act(gate) * up
 
 
 def _hf_tensor_parallel(stage: nn.Module, tp_mesh, config) -> None:
