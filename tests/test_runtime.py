@@ -110,6 +110,33 @@ def test_emulated_peak_memory_counts_activations_and_falls_with_recompute():
     assert peaks["none"] > peaks["selective"] > peaks["full"] > 2 * weights
 
 
+def test_emulated_guard_counts_a_pending_collective_result_once():
+    """DTensor's row-parallel outputs are AsyncCollectiveTensors: wrappers, with a storage of their
+    own that holds nothing, around the all-reduce's result. The guard counts the result (a view of
+    the wrapper nothing more), as a GPU's allocator would; counted twice, a TP block whose norms
+    keep such outputs (Gemma 2's post-norms) was counted high."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        device = EmulatedDevice("x", 1.0)
+        with device:
+            x = torch.ones(1024)
+            before = device.live_bytes
+            pending = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            view = pending.view(32, 32)
+            assert type(view).__name__ == "AsyncCollectiveTensor"
+            assert device.live_bytes - before == x.numel() * 4
+            assert device.holds(pending) and device.holds(view)
+            y = view + 1
+            assert device.live_bytes - before == 2 * x.numel() * 4
+            del pending, view, y
+            assert device.live_bytes == before
+    finally:
+        dist.destroy_process_group()
+
+
 def test_emulated_guard_fails_like_a_gpu_oom():
     model = LlamaStage.full(SPEC)
     device = EmulatedDevice("tiny-gpu", memory_gib=8 * 2**20 / GIB)  # 8 MiB: the weights (6 MiB) fit

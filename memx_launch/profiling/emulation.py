@@ -69,8 +69,7 @@ class EmulatedDevice(TorchDispatchMode):
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in this device's memory (a tensor its guard counts)."""
-        local = getattr(t, "_local_tensor", None)
-        storage = (t if local is None else local).untyped_storage()
+        storage = _holder(t).untyped_storage()
         return storage.nbytes() > 0 and _storage_key(storage) in self._storages
 
     def reset_peak(self) -> None:
@@ -111,9 +110,7 @@ class EmulatedDevice(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor) -> None:
-        local = getattr(t, "_local_tensor", None)  # a DTensor holds its shard here
-        if local is not None:
-            t = local
+        t = _holder(t)
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()
@@ -168,6 +165,15 @@ class EmulatedDevice(TorchDispatchMode):
             f"{nbytes / 2**20:.2f} MiB; {self.live_bytes / GIB:.4f} GiB in use would pass the emulated "
             f"capacity of {self.capacity_bytes / GIB:.4f} GiB. Choose a plan with more recompute or fewer "
             f"layers on this device type, or raise memory_gib in the cluster file.")
+
+
+def _holder(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor whose storage ``t`` uses: a DTensor's shard, a collective's pending result
+    (DTensor's row-parallel outputs are such wrappers, each with a storage of its own that holds
+    nothing: counted, every TP all-reduce's output was counted twice)."""
+    local = getattr(t, "_local_tensor", None)
+    t = t if local is None else local
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def _storage_key(storage: torch.UntypedStorage) -> int:
