@@ -72,11 +72,11 @@ SETUPS: dict[str, dict] = {
     # and grads under autocast, torch's loss, DDP with its copy of the gradients (FSDP2 fully sharded or with
     # TP > 1 and DP > 1, a stage's gathered weights and unsharded gradients held through the step), torch's pipeline
     # stages keeping their in-flight outputs and sending a TP-th of each boundary tensor between stages of
-    # one TP degree where that is faster, its blocks of eager ops with q, k, v and gate, up apart,
-    # checkpointed without reentrance.
+    # one TP degree where that is faster, its blocks of eager ops with q, k, v and gate, up apart and
+    # torch-op RMSNorms (Hugging Face's; torch's nn.RMSNorm off CUDA), checkpointed without reentrance.
     "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
                      fully_sharded_with_tp=True, partitioned_sends=True, partition_where_faster=True,
-                     hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False,
+                     hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,
                      checkpoint_early_stop=True, keep_stage_outputs=True, grad_accumulation_pass=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
