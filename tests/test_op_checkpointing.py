@@ -140,8 +140,9 @@ def test_calibration_times_selective_blocks_under_the_plans_policy():
     selective, full = Sample(1, 2, 64, "selective", 4), Sample(1, 2, 64, "full", 4)
     attention, = calibrate(spec, cpu, [selective], num_blocks=2, repeats=1)
     op, op_full = calibrate(spec, cpu, [selective, full], num_blocks=2, repeats=1, selective_policy="op")
-    assert attention.run_options == {} and op.run_options == {"selective_recompute": "op"}
-    assert op_full.run_options == {}  # the policy changes nothing else: full records stay shared
+    assert attention.run_options == {"setup": "memx-run"}
+    assert op.run_options == {"setup": "memx-run", "selective_recompute": "op"}
+    assert op_full.run_options == {"setup": "memx-run"}  # the policy changes nothing else: full records stay shared
     # Measured: the op policy keeps every other projection's output, not the attention core's.
     assert op.peak_memory_bytes != attention.peak_memory_bytes
     assert measurement_key(op) == sample_key("cpu", spec, selective, "fp32", "op")

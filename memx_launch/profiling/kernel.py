@@ -32,6 +32,13 @@ from memx_launch.profiling.design import MinimalSet, minimal_sample_set
 from memx_launch.profiling.space import ProfileSpace, Sample
 
 
+# How calibration runs its blocks, as memx-run trains them (fp32 weights, autocast in 16-bit
+# training, eager ops, torch-op norms, q, k, v and gate, up apart): each record's learned ratio is
+# taken against the analytical model of that setup, which memx-run's own planning prices. Against
+# the default options' model instead, a ratio carried what the setup adds and counted it twice.
+CALIBRATED_AS = {"setup": "memx-run"}
+
+
 def software_versions() -> dict:
     import torch
     from importlib.metadata import PackageNotFoundError, version
@@ -170,7 +177,7 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
               tp_group=None, dtype: str = "fp32", num_blocks: int = 2, warmup: int = 1, repeats: int = 5,
               emulation_slowdown: float | None = None, tp_link: TpLink | None = None,
               progress: Callable[[Sample], None] | None = None, block_factory=None,
-              selective_policy: str = "attention") -> list[Measurement]:
+              selective_policy: str = "attention", run_options: dict | None = None) -> list[Measurement]:
     """Measure forward + backward of ``num_blocks`` blocks for each sample, on this rank.
 
     ``tp_group`` is a process group of same-type ranks for samples with tp > 1 (every rank of
@@ -185,7 +192,8 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     hidden] in and out, e.g. models/adapters.py's ModelParts.block_probe); default memx's LLaMA
     block of the shape. TP = 1 only. ``selective_policy``: what "selective" samples run again
     ("attention", or torchtitan's "op"); an op-level record says so in its ``run_options``, so
-    that its learned ratio is taken against the analytical model of that policy.
+    that its learned ratio is taken against the analytical model of that policy. ``run_options``:
+    how the blocks ran, as the records state it (default :data:`CALIBRATED_AS`).
     """
     import torch
 
@@ -228,15 +236,18 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             context_bytes=_context_bytes(torch.device(device)) if feasible else None,
             **record_fields(tp_link, s.tp),
             emulation_slowdown=emulation_slowdown if emulated else 1.0, emulated=emulated, software=software,
-            run_options=record_run_options(s.recompute, selective_policy)))
+            run_options=record_run_options(s.recompute, selective_policy, run_options)))
         if progress is not None:
             progress(s)
     return out
 
 
-def record_run_options(recompute: str, selective_policy: str) -> dict:
-    """A calibration record's ``run_options``: the op-level policy where it changed what ran."""
-    return {"selective_recompute": "op"} if recompute == "selective" and selective_policy == "op" else {}
+def record_run_options(recompute: str, selective_policy: str, run_options: dict | None = None) -> dict:
+    """A calibration record's ``run_options``: how its blocks ran (``run_options``, default
+    :data:`CALIBRATED_AS`), and the op-level policy where it changed what ran."""
+    options = dict(CALIBRATED_AS if run_options is None else run_options)
+    return {**options, "selective_recompute": "op"} if recompute == "selective" and selective_policy == "op" \
+        else options
 
 
 def local_blocks(shape: ModelSpec, num_blocks: int) -> list[bool]:
