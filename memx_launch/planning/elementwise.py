@@ -168,8 +168,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     dropout's masks and products, rotary embedding on q and k (LLaMA-style models), the MLP's
     activation on its width; without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
-    passes, attention dropout and a soft cap (:data:`SOFTCAP_SCORE_PASSES`); with quantized linears their casts (:func:`quantized_cast_bytes`);
-    a hybrid model's layer one residual add and one norm, and a Mamba or Gated DeltaNet layer's
+    passes, attention dropout and a soft cap (:data:`SOFTCAP_SCORE_PASSES`); with quantized
+    linears their casts (:func:`quantized_cast_bytes`); a hybrid model's layer one residual add and one norm, and a Mamba or Gated DeltaNet layer's
     kernels (:func:`~memx_launch.planning.mamba.traffic_bytes`,
     :func:`~memx_launch.planning.gated_deltanet.traffic_bytes`); an attention output gate's.
     """

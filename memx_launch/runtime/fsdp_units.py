@@ -32,7 +32,7 @@ def shard_stage(module: torch.nn.Module, mesh, dtype: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_mixed_precision(dtype)
-    for block in stage_blocks(module):
+    for block in _blocks(module):
         fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=False,
                 mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
@@ -47,7 +47,7 @@ def _cast_hidden_state(dtype: torch.dtype, _module, args: tuple):
     return None
 
 
-def stage_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a stage module: memx's LlamaStage's ``layers``, a drop-in model's
     StageModule's ``blocks``."""
     blocks = getattr(module, "layers", None)
