@@ -501,6 +501,26 @@ def test_a_layer_norm_config_is_calibrated_with_its_own_hugging_face_block(tmp_p
     assert probe(h).shape == h.shape
 
 
+@pytest.mark.parametrize("family,block", [("gemma2", "Gemma2DecoderLayer"), ("qwen3", "Qwen3DecoderLayer"),
+                                          ("gemma3_text", "Gemma3DecoderLayer")])
+def test_blocks_memx_s_llama_does_not_build_are_calibrated_with_their_own(tmp_path, family, block):
+    """Gemma 2's soft-capped attention keeps its scores, Gemma 2's and 3's norms after attention
+    and MLP and Qwen3's and Gemma 3's query and key norms keep their inputs: memx's own LLaMA block
+    of the shape measures none of it, and a ratio learned from it against the model's count pulled
+    a Gemma 2 plan's stages under what they held (by hand: 20%, emulated at TP 2, one stage out of
+    memory). The model's own block is calibrated instead."""
+    import json
+
+    from memx_launch.runtime.prepare import user_block_factory
+
+    config = _hf_config("gemma3" if family == "gemma3_text" else family).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": family}))
+    probe = user_block_factory({"MEMX_MODEL": str(tmp_path)})("none")
+    assert type(next(iter(probe.blocks.values()))).__name__ == block
+    h = torch.randn(2, 8, 32)
+    assert probe(h).shape == h.shape
+
+
 def test_the_plan_not_the_model_decides_what_is_recomputed(caplog):
     """A model with Transformers' gradient checkpointing on recomputes every block whatever the
     plan says: memx turns it off, and a stage at "none" keeps what the plan counted."""

@@ -114,13 +114,20 @@ def _hf_block_factory(model_arg: str):
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return None
     spec = get_model(model_arg)
-    if spec.gated_mlp and not spec.num_experts and not spec.layer_norm:
+    # What memx's own LLaMA block does not build, and which changes what a block keeps or takes
+    # (Gemma 2's soft-capped attention keeps its scores): the model's own block is measured instead.
+    missing = [what for what, present in (("experts", spec.num_experts),
+                                          ("a GELU MLP", not spec.gated_mlp),
+                                          ("LayerNorm", spec.layer_norm),
+                                          ("norms after attention and MLP", spec.post_norms),
+                                          ("query and key norms", spec.qk_norm),
+                                          ("a soft-capped attention", spec.attention_softcapping)) if present]
+    if not missing:
         return None
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        what = "experts" if spec.num_experts else "a GELU MLP" if not spec.gated_mlp else "LayerNorm"
-        raise ConfigError("--model", f"{model_arg} has {what}, which memx's own LLaMA block cannot measure "
+        raise ConfigError("--model", f"{model_arg} has {missing[0]}, which memx's own LLaMA block cannot measure "
                           "in its place", "pip install -e '.[hf]' so that memx measures the model's own block, "
                           "or pass --model-builder FILE:FUNCTION") from None
     config = AutoConfig.from_pretrained(folder)
