@@ -507,8 +507,7 @@ def test_blocks_memx_s_llama_does_not_build_are_calibrated_with_their_own(tmp_pa
     """Gemma 2's soft-capped attention keeps its scores, Gemma 2's and 3's norms after attention
     and MLP and Qwen3's and Gemma 3's query and key norms keep their inputs: memx's own LLaMA block
     of the shape measures none of it, and a ratio learned from it against the model's count pulled
-    a Gemma 2 plan's stages under what they held (by hand: 20%, emulated at TP 2, one stage out of
-    memory). The model's own block is calibrated instead."""
+    a Gemma 2 plan's stages under what they held. The model's own block is calibrated instead."""
     import json
 
     from memx_launch.runtime.prepare import user_block_factory
