@@ -12,7 +12,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.planning import elementwise
 from memx_launch.planning import matmuls as mm
 from memx_launch.planning import schedules
-from memx_launch.planning.loss import LOSS_BYTES_PER_LOGIT, logits_bytes
+from memx_launch.planning.loss import LOSS_BYTES_PER_LOGIT, SOFTCAP_PASSES, logits_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.peaks import SUSTAINED_HBM_SHARE, hbm_gbps
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes, torch_receive_buffer_bytes
@@ -659,7 +659,7 @@ def test_a_soft_capped_attention_keeps_the_tanh_s_output_beside_its_probabilitie
 
 def test_a_soft_cap_moves_its_passes_over_the_scores():
     """Gemma 2's eager attention traced with and without its soft cap, in bf16: the cap's divide,
-    tanh and multiply move SOFTCAP_SCORE_PASSES elements a score forward and backward, and the
+    tanh and multiply move SOFTCAP_PASSES elements a score forward and backward, and the
     cost model charges them on an unfused attention's scores."""
     torch = pytest.importorskip("torch")
     from memx_launch.specs.model import ModelSpec
@@ -668,12 +668,12 @@ def test_a_soft_cap_moves_its_passes_over_the_scores():
     for cap in (None, 50.0):
         core, inputs, scores = _gemma2_attention(cap, torch.bfloat16)
         traced[cap] = np.array(_traced_bytes(core, *inputs[:3])) / scores
-    assert (traced[50.0] - traced[None]).tolist() == pytest.approx([2 * p for p in elementwise.SOFTCAP_SCORE_PASSES])
+    assert (traced[50.0] - traced[None]).tolist() == pytest.approx([2 * p for p in SOFTCAP_PASSES])
     spec = ModelSpec("g", 1, 64, 4, 2, 128, 1000, 128)
     training = TrainingSpec(flash_attention=False, fused_softmax=False, softmax_in_fp32=True)
     capped, plain = (float(elementwise.elementwise_traffic_bytes(m, training, 2, 128, 1, cm.NONE, False))
                      for m in (ModelSpec(**{**spec.__dict__, "attention_softcapping": True}), spec))
-    assert capped - plain == pytest.approx(2 * 4 * 128 * 128 * 2 * sum(elementwise.SOFTCAP_SCORE_PASSES))
+    assert capped - plain == pytest.approx(2 * 4 * 128 * 128 * 2 * sum(SOFTCAP_PASSES))
 
 
 def test_a_soft_capped_model_is_priced_unfused_whatever_the_setup_s_kernel():

@@ -291,7 +291,7 @@ def test_what_autograd_saves_for_gemma3_s_post_norms_is_the_model():
 
 
 def test_gemma_s_soft_capped_logits_are_read_and_priced_with_the_tanh_they_keep():
-    from memx_launch.planning.loss import SOFTCAP_PASSES_PER_LOGIT, logits_bytes, loss_hbm_bytes_per_logit
+    from memx_launch.planning.loss import SOFTCAP_PASSES, logits_bytes, loss_hbm_bytes_per_logit
     from memx_launch.specs.training import TrainingSpec
 
     capped = model_from_hf_dict({**SMALL, "model_type": "gemma2", "final_logit_softcapping": 30.0}, "g")
@@ -306,7 +306,7 @@ def test_gemma_s_soft_capped_logits_are_read_and_priced_with_the_tanh_they_keep(
         kept = logits_bytes(capped, 2, 512, 1, training) - logits_bytes(plain, 2, 512, 1, training)
         assert float(kept) == d * 2 * 512 * SMALL["vocab_size"]  # the tanh's output, a logit of the dtype each
         moved = loss_hbm_bytes_per_logit(capped, training, 1) - loss_hbm_bytes_per_logit(plain, training, 1)
-        assert float(moved) == SOFTCAP_PASSES_PER_LOGIT * d
+        assert float(moved) == sum(SOFTCAP_PASSES) * d
     with pytest.raises(ConfigError, match="final_logit_softcapping"):
         model_from_hf_dict({**SMALL, "model_type": "gemma2", "final_logit_softcapping": "30"}, "g")
 

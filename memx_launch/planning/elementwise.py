@@ -15,6 +15,7 @@ import numpy as np
 
 from memx_launch.planning import gated_deltanet, mamba, quantization
 from memx_launch.planning.activations import kv_repeated, selective_modules
+from memx_launch.planning.loss import SOFTCAP_PASSES
 from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.planning.model_states import rank_layer_params
 from memx_launch.planning.plan import NONE, SELECTIVE
@@ -73,10 +74,6 @@ SCORE_BYTES = {True: (4.0, 7.0), False: (8.0, 9.0)}
 # the casts up and back, forward (2 + 4, 4 + 2) and backward (the same), and the mask fill, softmax
 # and their backward passes over 4-byte instead of 2-byte elements (about 6 x 2).
 SOFTMAX_FP32_EXTRA_BYTES = 36.0
-# A soft cap on the scores (Gemma 2's ``cap * tanh(scores / cap)``), in elements of the training
-# dtype read and written per score: forward the divide, tanh and multiply (2 each), backward the
-# multiply's and divide's (2 each) and tanh's, which reads its output and the gradient (3).
-SOFTCAP_SCORE_PASSES = (6.0, 7.0)
 
 
 class QuantizedCasts(NamedTuple):
@@ -168,7 +165,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     dropout's masks and products, rotary embedding on q and k (LLaMA-style models), the MLP's
     activation on its width; without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
-    passes, attention dropout and a soft cap (:data:`SOFTCAP_SCORE_PASSES`); with quantized
+    passes, attention dropout and a soft cap (:data:`~memx_launch.planning.loss.SOFTCAP_PASSES`); with quantized
     linears their casts (:func:`quantized_cast_bytes`); a hybrid model's layer one residual add and one norm, and a Mamba or Gated DeltaNet layer's
     kernels (:func:`~memx_launch.planning.mamba.traffic_bytes`,
     :func:`~memx_launch.planning.gated_deltanet.traffic_bytes`); an attention output gate's.
@@ -201,7 +198,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     if training.attention_dropout:
         score = [b + extra for b, extra in zip(score, dropout_bytes(training.dtype_bytes))]
     if model.attention_softcapping:
-        score = [b + passes * d for b, passes in zip(score, SOFTCAP_SCORE_PASSES)]
+        score = [b + passes * d for b, passes in zip(score, SOFTCAP_PASSES)]
 
     cast = quantized_cast_bytes(model, training, tokens, hidden, tp) if training.quantized_linears else (0.0, 0.0)
     norms = float(model.norms_per_block)  # parallel blocks one, sandwich norms four

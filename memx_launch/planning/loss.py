@@ -24,10 +24,11 @@ LOSS_BYTES_PER_LOGIT = 48.0
 # again (4 + 4), their sum (8 + 4), its product with the incoming gradient (4 + 4) and the cast
 # back (4 + 2).
 LOSS_PARALLEL_BYTES_PER_LOGIT = 76.0
-# A soft cap, cap * tanh(logits / cap) in three eager ops: forward each reads and writes the logits
-# (6 passes), backward the product's and the quotient's gradients (2 each) and tanh's from its
-# kept output and the incoming gradient (3): 13 passes of the logits' dtype.
-SOFTCAP_PASSES_PER_LOGIT = 13.0
+# A soft cap, cap * tanh(x / cap) in three eager ops (Gemma 2's logits and attention scores), in
+# passes over x in its dtype, forward and backward: forward the divide, tanh and multiply each read
+# and write it (6), backward the product's and the quotient's gradients (2 each) and tanh's from
+# its kept output and the incoming gradient (3).
+SOFTCAP_PASSES = (6.0, 7.0)
 
 
 def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None = None) -> np.ndarray:
@@ -73,7 +74,7 @@ def loss_hbm_bytes_per_logit(model: ModelSpec, training: TrainingSpec, tp) -> np
     """HBM bytes the loss moves per logit the rank holds, forward and backward: a fused kernel
     reads the 16-bit logits forward and again backward, writing the gradient; a soft cap's passes
     come before it."""
-    softcap = SOFTCAP_PASSES_PER_LOGIT * training.dtype_bytes if model.logit_softcapping else 0.0
+    softcap = sum(SOFTCAP_PASSES) * training.dtype_bytes if model.logit_softcapping else 0.0
     if training.fused_loss:
         return np.full(np.shape(tp), 3.0 * training.dtype_bytes + softcap)
     return np.where(_loss_parallel_runs(training, tp), LOSS_PARALLEL_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT) + softcap
