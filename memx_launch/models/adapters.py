@@ -145,7 +145,7 @@ class ModelParts:
         """A Hugging Face mixture's load-balancing loss, where its config asks for it."""
         lm = _hf_causal_lm(model, container)
         self.hf = lm is not None
-        """A Hugging Face causal LM: blocks take positions (and the rotary table), no mask."""
+        """A Hugging Face causal LM: blocks take positions, masks and rotary tables by attention type."""
         if lm is not None:
             self._hf_parts(*lm, container)
         elif self.kind in HF_KINDS:
@@ -180,7 +180,7 @@ class ModelParts:
         if self.kind is HF_OWN_ATTENTION_KIND:
             recompute_own_attention(lm.config, self.blocks)
         elif self.kind in HF_KINDS:
-            use_memx_sdpa(lm.config)
+            use_memx_sdpa(lm.config, self.blocks)
 
     @property
     def num_layers(self) -> int:

@@ -16,44 +16,43 @@ HF_ATTENTION = "memx_sdpa"
 OWN_ATTENTION_PREFIX = "memx_own_"
 
 
-def use_memx_sdpa(config) -> None:
+def use_memx_sdpa(config, blocks: list[nn.Module]) -> None:
     """The model's attention through SDPA (``memx_sdpa``), whatever it was loaded with: the fused
     kernel memx's plans price."""
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import sdpa_mask
 
-    def memx_sdpa(module, *args, **kwargs):
-        if getattr(module, "_memx_selective", False) and torch.is_grad_enabled():
-            return checkpoint(sdpa_attention_forward, module, *args, use_reentrant=False, **kwargs)
-        return sdpa_attention_forward(module, *args, **kwargs)
-
-    AttentionInterface.register(HF_ATTENTION, memx_sdpa)
-    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)  # the model's own forward still runs
-    config._attn_implementation = HF_ATTENTION
+    _register(config, blocks, HF_ATTENTION, sdpa_attention_forward, sdpa_mask)
 
 
 def recompute_own_attention(config, blocks: list[nn.Module]) -> None:
     """The model's own attention (its ``_attn_implementation``: Transformers' eager by default, the
-    function of the model's own module) under a memx name whose function recomputes it in the
-    backward on blocks of "selective" stages, as memx_sdpa does SDPA, masked as that implementation is."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    function of the model's own module), masked as that implementation is."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     own = config._attn_implementation
     if own.startswith(OWN_ATTENTION_PREFIX):  # the same model cut again
         return
+    attention = ALL_ATTENTION_FUNCTIONS[own] if own != "eager" else \
+        sys.modules[type(blocks[0].self_attn).__module__].eager_attention_forward
+    _register(config, blocks, OWN_ATTENTION_PREFIX + own, attention, ALL_MASK_ATTENTION_FUNCTIONS[own])
+
+
+def _register(config, blocks: list[nn.Module], name: str, attention, mask) -> None:
+    """``attention`` run by the blocks under ``name`` (the model's forward asks its config's name,
+    its masks built by ``mask``), recomputed in the backward on blocks of "selective" stages."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     for block in blocks:
-        attention = block.self_attn
-        attention._memx_attention = ALL_ATTENTION_FUNCTIONS[own] if own != "eager" else \
-            sys.modules[type(attention).__module__].eager_attention_forward
-    AttentionInterface.register(OWN_ATTENTION_PREFIX + own, _own_attention)
-    AttentionMaskInterface.register(OWN_ATTENTION_PREFIX + own, ALL_MASK_ATTENTION_FUNCTIONS[own])
-    config._attn_implementation = OWN_ATTENTION_PREFIX + own
+        block.self_attn._memx_attention = attention
+    AttentionInterface.register(name, _recomputed_attention)
+    AttentionMaskInterface.register(name, mask)
+    config._attn_implementation = name
 
 
-def _own_attention(module, *args, **kwargs):
+def _recomputed_attention(module, *args, **kwargs):
     if getattr(module, "_memx_selective", False) and torch.is_grad_enabled():
         return checkpoint(module._memx_attention, module, *args, use_reentrant=False, **kwargs)
     return module._memx_attention(module, *args, **kwargs)
