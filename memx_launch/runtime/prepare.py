@@ -23,10 +23,10 @@ import logging
 import os
 from typing import Callable
 
-import torch
 from torch import nn
 
 from memx_launch.errors import ConfigError
+from memx_launch.runtime.precision import TORCH_DTYPES
 from memx_launch.specs.precision import param_dtype
 from memx_launch.specs.training import TrainingSpec
 
@@ -60,7 +60,7 @@ def prepare(model: nn.Module, optimizer=None, *, data=None, loss_fn: Callable | 
 def check_param_dtype(model: nn.Module, planned: str) -> None:
     """Say where the model's parameters are not in the dtype the plan priced (fp32 master weights,
     or 16-bit ones: its weights', gradients' and optimizer states' memory is off by up to 2x)."""
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    names = {dtype: name for name, dtype in TORCH_DTYPES.items()}
     found = sorted({names.get(p.dtype, str(p.dtype)) for p in model.parameters() if p.is_floating_point()})
     if found and found != [planned]:
         log.warning("memx: the model's parameters are %s but the plan priced %s: memx-run --param-dtype %s plans "
