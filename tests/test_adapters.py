@@ -440,15 +440,15 @@ def test_a_mixture_of_experts_is_calibrated_with_its_own_hugging_face_block():
     from memx_launch.models.llama import TransformerBlock
     from memx_launch.profiling.kernel import calibrate
     from memx_launch.profiling.space import Sample
-    from memx_launch.runtime.prepare import user_block_factory
+    from memx_launch.runtime.prepare import user_block_parts
     from memx_launch.specs.cluster import DeviceType
 
-    factory = user_block_factory({"MEMX_MODEL": os.path.join(MODELS, "hf-mixtral-tiny")})
-    assert type(next(iter(factory("none").blocks.values()))).__name__ == "MixtralDecoderLayer"
+    parts = user_block_parts({"MEMX_MODEL": os.path.join(MODELS, "hf-mixtral-tiny")})
+    assert type(next(iter(parts.block_probe("none").blocks.values()))).__name__ == "MixtralDecoderLayer"
     cpu = DeviceType("cpu", "cpu", 8.0, 1.0, efficiency=1.0, memory_bandwidth_gbps=10)
     none, full = calibrate(MIXTRAL_SPEC, cpu, [Sample(1, 2, 32, level, MIXTRAL_SPEC.num_kv_heads)
                                                for level in ("none", "full")], num_blocks=3, repeats=1,
-                           block_factory=factory)
+                           block_factory=parts.block_probe)
     assert none.peak_memory_bytes > full.peak_memory_bytes > 0 and none.time_s > 0
     with pytest.raises(ConfigError, match="model.num_experts"):
         TransformerBlock(MIXTRAL_SPEC)
@@ -475,27 +475,27 @@ def test_memx_s_runtime_takes_a_mixture_of_experts_with_each_expert_whole_on_a_r
 def test_a_gelu_config_is_calibrated_with_its_own_hugging_face_block():
     """memx's LLaMA cannot stand in for GPT-2's block: without --model-builder, memx-run measures
     the model's own block, built from its config.json; Llama-shaped configs keep memx's block."""
-    from memx_launch.runtime.prepare import user_block_factory
+    from memx_launch.runtime.prepare import user_block_parts
 
     env = {"MEMX_MODEL": os.path.join(MODELS, "hf-gpt2-tiny")}
-    probe = user_block_factory(env)("none")
+    probe = user_block_parts(env).block_probe("none")
     assert type(next(iter(probe.blocks.values()))).__name__ == "GPT2Block"
     h = torch.randn(2, 8, GPT2_SPEC.hidden_size)
     assert probe(h).shape == h.shape
-    assert user_block_factory({"MEMX_MODEL": os.path.join(MODELS, "hf-llama-tiny")}) is None
-    assert user_block_factory({"MEMX_MODEL": "llama-tiny"}) is None
+    assert user_block_parts({"MEMX_MODEL": os.path.join(MODELS, "hf-llama-tiny")}) is None
+    assert user_block_parts({"MEMX_MODEL": "llama-tiny"}) is None
 
 
 def test_a_layer_norm_config_is_calibrated_with_its_own_hugging_face_block(tmp_path):
     """StableLM's block is gated like LLaMA's but normalises with LayerNorm, which memx's LLaMA does not build."""
     import json
 
-    from memx_launch.runtime.prepare import user_block_factory
+    from memx_launch.runtime.prepare import user_block_parts
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "stablelm", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97, "use_qkv_bias": True}))
-    probe = user_block_factory({"MEMX_MODEL": str(tmp_path)})("none")
+    probe = user_block_parts({"MEMX_MODEL": str(tmp_path)}).block_probe("none")
     assert type(next(iter(probe.blocks.values()))).__name__ == "StableLmDecoderLayer"
     h = torch.randn(2, 8, 32)
     assert probe(h).shape == h.shape
@@ -510,11 +510,11 @@ def test_blocks_memx_s_llama_does_not_build_are_calibrated_with_their_own(tmp_pa
     a Gemma 2 plan's stages under what they held. The model's own block is calibrated instead."""
     import json
 
-    from memx_launch.runtime.prepare import user_block_factory
+    from memx_launch.runtime.prepare import user_block_parts
 
     config = _hf_config("gemma3" if family == "gemma3_text" else family).to_dict()
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": family}))
-    probe = user_block_factory({"MEMX_MODEL": str(tmp_path)})("none")
+    probe = user_block_parts({"MEMX_MODEL": str(tmp_path)}).block_probe("none")
     assert type(next(iter(probe.blocks.values()))).__name__ == block
     h = torch.randn(2, 8, 32)
     assert probe(h).shape == h.shape
@@ -629,3 +629,50 @@ def test_gemma_2_s_own_attention_recomputes_its_core_at_the_selective_level():
     scores = 4 * model.config.num_attention_heads * 64 * 64
     assert peaks["none"] - peaks["selective"] >= (parts.num_layers - 1) * 8 * scores > 0
     assert peaks["selective"] > peaks["full"]
+
+
+def _user_block_calibration_worker(rank, port, queue):
+    """Gemma 2's own block calibrated at TP 1 and at TP 2 over the two ranks, and a block memx has
+    no TP plan for asked at TP 2."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from memx_launch.profiling.kernel import calibrate
+    from memx_launch.profiling.space import Sample
+    from memx_launch.specs.cluster import DeviceType
+    from memx_launch.specs.hf_config import model_from_hf_dict
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        cpu = DeviceType("cpu", "cpu", 8.0, 1.0, efficiency=1.0, memory_bandwidth_gbps=10)
+        config = _hf_config("gemma2")
+        torch.manual_seed(0)
+        parts = ModelParts(AutoModelForCausalLM.from_config(config))
+        spec = model_from_hf_dict(config.to_dict(), "gemma2-tiny")
+        records = [calibrate(spec, cpu, [Sample(tp, 2, 32, "none", 2)], tp_group=group, repeats=1,
+                             block_factory=parts.block_probe, block_tensor_parallel=parts.apply_tensor_parallel)[0]
+                   for tp, group in ((1, None), (2, dist.group.WORLD))]
+        try:
+            calibrate(TOY_SPEC, cpu, [Sample(2, 2, 32, "none", 2)], tp_group=dist.group.WORLD, repeats=1,
+                      block_factory=ModelParts(ToyModel()).block_probe)
+            refused = ""
+        except ConfigError as exc:
+            refused = str(exc)
+        queue.put((rank, ([(m.tp, m.feasible, m.peak_memory_bytes) for m in records], refused)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_user_s_own_block_is_calibrated_split_by_tp_as_it_trains():
+    """A plan at TP 2 was priced from the user's block measured whole, TP 2 extrapolated: Gemma 2's
+    step at TP 2 came out predicted a third of what it took on the emulated cluster. Blocks memx
+    splits by TP are now measured split, on a rank's heads and FFN share; the others only at TP 1."""
+    results = spawn_ranks(_user_block_calibration_worker, 2, timeout=120)
+    for rank in range(2):
+        [(tp1, fits1, whole), (tp2, fits2, split)], refused = results[rank]
+        assert (tp1, tp2) == (1, 2) and fits1 and fits2
+        # A rank keeps half the heads' scores, Q, K, V and half the FFN; the norms' inputs stay whole.
+        assert 0.5 * whole < split < 0.8 * whole, (rank, whole, split)
+        assert "no tensor-parallel plan" in refused and "tp=1" in refused

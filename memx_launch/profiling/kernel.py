@@ -176,7 +176,7 @@ def _is_oom(exc: BaseException) -> bool:
 def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample], *, device: str = "cpu",
               tp_group=None, dtype: str = "fp32", num_blocks: int = 2, warmup: int = 1, repeats: int = 5,
               emulation_slowdown: float | None = None, tp_link: TpLink | None = None,
-              progress: Callable[[Sample], None] | None = None, block_factory=None,
+              progress: Callable[[Sample], None] | None = None, block_factory=None, block_tensor_parallel=None,
               selective_policy: str = "attention", run_options: dict | None = None) -> list[Measurement]:
     """Measure forward + backward of ``num_blocks`` blocks for each sample, on this rank.
 
@@ -190,7 +190,9 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     ``feasible=False``; so do samples whose peak exceeds an emulated device's capacity.
     ``block_factory``: (recompute level, selective policy) -> one block of the user's model ([b, s,
     hidden] in and out, e.g. models/adapters.py's ModelParts.block_probe); default memx's LLaMA
-    block of the shape. TP = 1 only. ``selective_policy``: what "selective" samples run again
+    block of the shape. ``block_tensor_parallel``: (one of those blocks, TP mesh) -> None, splits it
+    by TP as training does (ModelParts.apply_tensor_parallel); without it the user's block is measured
+    at TP = 1 only. ``selective_policy``: what "selective" samples run again
     ("attention", or torchtitan's "op"); an op-level record says so in its ``run_options``, so
     that its learned ratio is taken against the analytical model of that policy. ``run_options``:
     how the blocks ran, as the records state it (default :data:`CALIBRATED_AS`).
@@ -213,7 +215,8 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
         try:
             time_s, spread_s, host_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
                                                                    num_blocks, warmup, repeats, block_factory,
-                                                                   selective_policy, emulation_slowdown)
+                                                                   block_tensor_parallel, selective_policy,
+                                                                   emulation_slowdown)
             feasible = True
         except (RuntimeError, MemoryError) as exc:
             if not _is_oom(exc):
@@ -259,7 +262,7 @@ def local_blocks(shape: ModelSpec, num_blocks: int) -> list[bool]:
 
 
 def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
-                repeats: int, block_factory=None, selective_policy: str = "attention",
+                repeats: int, block_factory=None, block_tensor_parallel=None, selective_policy: str = "attention",
                 emulation_slowdown: float | None = None) -> tuple[float, float, float | None, float, float | None]:
     """(median seconds per block, interquartile range per block, median seconds the host took
     to issue a block (GPUs; None on CPUs), peak bytes above resting, peak bytes the caching
@@ -273,8 +276,9 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
     from contextlib import nullcontext
 
     torch.manual_seed(0)  # identical weights and input on every rank of a TP group
-    if block_factory is not None and s.tp > 1:
-        raise ConfigError("tp", "calibrating the user's own block is for TP = 1 samples", "calibrate with tp=1")
+    if block_factory is not None and block_tensor_parallel is None and s.tp > 1:
+        raise ConfigError("tp", "the user's own block has no tensor-parallel plan to calibrate it by",
+                          "calibrate it with tp=1")
     blocks = torch.nn.Sequential(*[block_factory(s.recompute, selective_policy) if block_factory is not None
                                    else TransformerBlock(shape, s.recompute, selective_policy, local)
                                    for local in local_blocks(shape, num_blocks)])
@@ -285,7 +289,12 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
     if s.tp > 1:
         from torch.distributed.device_mesh import DeviceMesh
 
-        apply_tensor_parallel(blocks, DeviceMesh.from_group(tp_group, dev.type))
+        mesh = DeviceMesh.from_group(tp_group, dev.type)
+        if block_factory is None:
+            apply_tensor_parallel(blocks, mesh)
+        else:
+            for block in blocks:
+                block_tensor_parallel(block, mesh)
     x = torch.randn(s.micro_batch_size, s.seq_len, shape.hidden_size, device=dev, requires_grad=True)
     dy = torch.randn_like(x)
 

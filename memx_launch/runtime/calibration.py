@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.runtime.faults import Faults
 from memx_launch.runtime.messages import all_gather_json
 from memx_launch.profiling.profiledb import Measurement, ProfileDB
-from memx_launch.profiling.space import Sample, default_space
+from memx_launch.profiling.space import ProfileSpace, Sample, default_space
 from memx_launch.profiling.kernel import calibrate, record_run_options
 from memx_launch.profiling.design import minimal_sample_set
 from memx_launch.planning.costmodel import layer_forward_flops
@@ -106,14 +106,15 @@ class TypeCalibration:
 
     def __init__(self, model: ModelSpec, device_type: DeviceType, groups: TypeGroups, db: ProfileDB,
                  stored: list[Measurement], *, device: str, dtype: str, slowdown: float | None, tp_link,
-                 describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print, block_factory=None,
+                 describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print, user_parts=None,
                  selective_policy: str = "attention"):
-        """``block_factory``: the user's block to measure instead of memx's (kernel.calibrate; TP = 1);
-        ``selective_policy``: the plan's (TrainingSpec.selective_recompute)."""
+        """``user_parts``: the model (models/adapters.py's ModelParts) whose own block is measured
+        instead of memx's, split by TP where its kind has a plan; ``selective_policy``: the plan's
+        (TrainingSpec.selective_recompute)."""
         self.model, self.device_type, self.groups, self.db = model, device_type, groups, db
         self.device, self.dtype, self.slowdown, self.tp_link = device, dtype, slowdown, tp_link
         self.describe_rank, self.faults, self.timeout_s, self.log = describe_rank, faults, timeout_s, log
-        self.block_factory, self.selective_policy = block_factory, selective_policy
+        self.user_parts, self.selective_policy = user_parts, selective_policy
         self.stored = {measurement_key(m): m for m in stored}
         self.host_lock = os.path.join(tempfile.gettempdir(),
                                       f"memx-calibration-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}.lock")
@@ -127,7 +128,8 @@ class TypeCalibration:
             seconds_per_sample: float | None = None) -> list[Measurement]:
         """Measure up to ``budget`` samples; ``seconds_per_sample`` (the estimate) starts the
         progress lines' time left until measured times replace it."""
-        space = calibration_space(self.model, [d for d in tp_degrees if d in self.groups.tp_groups])
+        space = calibration_space(self.model, [d for d in tp_degrees if d in self.groups.tp_groups],
+                                  own_kv_heads=self.user_parts is not None)
         self.budget, self.estimate_s = budget, seconds_per_sample
         self.started = time.monotonic()
         if dist.get_rank() == self.groups.ranks[0]:
@@ -183,8 +185,8 @@ class TypeCalibration:
             with self._host_turn(leader):
                 [m] = calibrate(self.model, self.device_type, [s], device=self.device, tp_group=group,
                                 dtype=self.dtype, num_blocks=1, repeats=CALIBRATION_REPEATS,
-                                emulation_slowdown=self.slowdown, block_factory=self.block_factory,
-                                selective_policy=self.selective_policy,
+                                emulation_slowdown=self.slowdown, selective_policy=self.selective_policy,
+                                **self._user_block(),
                                 tp_link=self.tp_link(s.tp) if s.tp > 1 else None)
             out.append(m)
             if leader:  # stored at once: a rank that dies later loses nothing measured
@@ -193,6 +195,14 @@ class TypeCalibration:
                 if self.faults.kill_calibration is not None:
                     self.faults.kill_calibration.after_sample(dist.get_rank(), self.measured_here)
         return out
+
+    def _user_block(self) -> dict:
+        """calibrate's arguments that measure the user's own block instead of memx's."""
+        parts = self.user_parts
+        if parts is None:
+            return {}
+        return dict(block_factory=parts.block_probe,
+                    block_tensor_parallel=parts.apply_tensor_parallel if parts.kind.tensor_parallel else None)
 
     @contextlib.contextmanager
     def _host_turn(self, leader: bool):
@@ -234,10 +244,16 @@ def calibration_timeout_s(environ=os.environ) -> float:
                             f"MEMX_CALIBRATION_TIMEOUT_S={DEFAULT_TIMEOUT_S:g}")
 
 
-def calibration_space(model: ModelSpec, tp_degrees: list[int]):
-    """What the job calibrates: micro-batches up to 4, half and full sequence, every recompute level."""
-    return default_space(model, tp_degrees=tuple(tp_degrees), max_micro_batch=4,
-                         seq_lens=(max(16, model.seq_len // 2), model.seq_len))
+def calibration_space(model: ModelSpec, tp_degrees: list[int], own_kv_heads: bool = False):
+    """What the job calibrates: micro-batches up to 4, half and full sequence, every recompute level.
+    ``own_kv_heads``: the model's KV heads only (a user's block is built with its own, whatever a
+    sample's count)."""
+    space = default_space(model, tp_degrees=tuple(tp_degrees), max_micro_batch=4,
+                          seq_lens=(max(16, model.seq_len // 2), model.seq_len))
+    if not own_kv_heads:
+        return space
+    return ProfileSpace({**space.values, "num_kv_heads": (model.num_kv_heads,)},
+                        replace(space.default, num_kv_heads=model.num_kv_heads))
 
 
 def seconds_per_sample(model: ModelSpec, tp_degrees: list[int], tflops: float, slowdown: float = 1.0) -> float:

@@ -82,12 +82,14 @@ def check_frozen_share(model: nn.Module, planned: float) -> None:
                     "memx-run --frozen-fraction %.3f plans for them", 100 * frozen, 100 * planned, frozen)
 
 
-def user_block_factory(environ=os.environ):
-    """memx-run --model-builder FILE:FUNCTION (MEMX_MODEL_BUILDER): FUNCTION(model, seed) from the
-    script file builds the model, and calibration measures copies of its first block. Without it,
+def user_block_parts(environ=os.environ):
+    """The model whose first block calibration measures (models/adapters.py's ModelParts: its
+    ``block_probe``, split by TP with its ``apply_tensor_parallel`` where its kind has a plan), or
+    None: memx's LLaMA block of the shape. memx-run --model-builder FILE:FUNCTION
+    (MEMX_MODEL_BUILDER): FUNCTION(model, seed) from the script file builds the model. Without it,
     a Hugging Face config.json that memx's LLaMA cannot stand in for (a GELU MLP: GPT-2, OPT, Phi;
-    a mixture of experts: Mixtral, Qwen-MoE; LayerNorm: StableLM) gives the model's own block,
-    built from the config by transformers; else None (memx's LLaMA block of the shape)."""
+    a mixture of experts: Mixtral, Qwen-MoE; LayerNorm: StableLM; Gemma's and Qwen3's norms) gives
+    the model built from the config by transformers, with one block."""
     import importlib.util
     import json
     import sys
@@ -95,7 +97,7 @@ def user_block_factory(environ=os.environ):
     from memx_launch.models.adapters import ModelParts
 
     if not environ.get("MEMX_MODEL_BUILDER"):
-        return _hf_block_factory(environ.get("MEMX_MODEL", ""))
+        return _hf_block_parts(environ.get("MEMX_MODEL", ""))
     path, function, model_arg = json.loads(environ["MEMX_MODEL_BUILDER"])
     sys.path.insert(0, os.path.dirname(path))  # the script's own imports, as when it runs
     spec = importlib.util.spec_from_file_location("memx_model_builder", path)
@@ -103,10 +105,10 @@ def user_block_factory(environ=os.environ):
     spec.loader.exec_module(module)  # not __main__: the script's training does not start
     if not callable(getattr(module, function, None)):
         raise ConfigError("--model-builder", f"{path} has no function {function}", "name a function(model, seed)")
-    return _block_probe(ModelParts(getattr(module, function)(model_arg, 0)))
+    return _verified(ModelParts(getattr(module, function)(model_arg, 0)))
 
 
-def _hf_block_factory(model_arg: str):
+def _hf_block_parts(model_arg: str):
     from memx_launch.models.adapters import ModelParts
     from memx_launch.specs.catalog import get_model
 
@@ -132,11 +134,11 @@ def _hf_block_factory(model_arg: str):
                           "or pass --model-builder FILE:FUNCTION") from None
     config = AutoConfig.from_pretrained(folder)
     config.num_hidden_layers = 1  # the block is what calibration measures
-    return _block_probe(ModelParts(AutoModelForCausalLM.from_config(config)))
+    return _verified(ModelParts(AutoModelForCausalLM.from_config(config)))
 
 
-def _block_probe(parts):
-    """What calibration measures; a forward memx cannot read stops the job here, before calibrating."""
+def _verified(parts):
+    """A forward memx cannot read stops the job here, before calibrating."""
     if not parts.kind.knows_attention:
         parts.verify()
-    return parts.block_probe
+    return parts

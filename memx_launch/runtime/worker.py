@@ -76,10 +76,12 @@ def sample_budgets(model, cluster, speeds: dict[str, float], stored) -> dict[str
 
 
 def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training, budget,
-                          block_factory=None):
+                          user_parts=None, searched_tp=None):
     """This rank's share of calibrating its device type; returns the type's samples on the
     type's first rank (empty elsewhere). ``budget``: (samples, estimated seconds per sample).
-    ``block_factory``: the script's own block (TP = 1 only)."""
+    ``user_parts``: the model whose own block is measured (prepare.user_block_parts). Measured at
+    the TP degrees the search can choose, ``searched_tp`` (memx-run's restriction: TP 1 for blocks
+    memx does not split by TP) or all."""
     import torch.distributed as dist
 
     from memx_launch.planning.tp_links import tp_link
@@ -95,8 +97,9 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
         dtype=training.dtype,
         slowdown=rank_device.emulated.slowdown if emulated else None, tp_link=lambda tp: tp_link(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
-        log=_log, block_factory=block_factory, selective_policy=training.selective_recompute)
-    measurements = calibration.run([1] if block_factory is not None else tp_degrees(model, cluster), *budget)
+        log=_log, user_parts=user_parts, selective_policy=training.selective_recompute)
+    measurements = calibration.run([d for d in tp_degrees(model, cluster) if searched_tp is None or d in searched_tp],
+                                   *budget)
     return measurements if groups[name].ranks[0] == dist.get_rank() else []
 
 
@@ -153,10 +156,11 @@ def plan_in_job(env) -> None:
     for name, _, tflops in described:  # each type's first rank's
         speeds.setdefault(name, tflops)
     budgets = sample_budgets(model, cluster, speeds, stored)
-    from memx_launch.runtime.prepare import user_block_factory
-    block_factory = user_block_factory(env)  # memx-run --model-builder: calibrate the script's own block
+    from memx_launch.runtime.prepare import user_block_parts
+    user_parts = user_block_parts(env)  # the script's own block (--model-builder), a config's own, or None
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
-                                 budgets[rank_device.device_type.name], block_factory)
+                                 budgets[rank_device.device_type.name], user_parts,
+                                 search_restrictions(env).get("tp_degrees"))
     gathered = all_gather_json([m.to_json() for m in mine])
     bridges = measure_bridges(cluster.rank_domains()) if cluster.crosses_domains else []
 
