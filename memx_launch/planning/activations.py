@@ -96,7 +96,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     what it recomputes (:func:`dropped_by_module`).
     ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
     Full recompute keeps the block input only; its working set is one block recomputed.
-    Unfused attention's backward also holds, beside the kept probabilities, the gradient of the
+    The backward's working set is the larger of its two phases'. The MLP's, which runs first: the
+    gradient of the block's output and the MLP's intermediate gradients (:func:`mlp_backward_units`).
+    The attention's: the gradients of the block's input and output, and in unfused attention,
+    beside the kept probabilities, the gradient of the
     probabilities: one more s x s tensor per head in the training dtype when a fused softmax
     (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
     backward writes a new tensor (its forward holds as many: scores, masked copy, probabilities).
@@ -158,15 +161,17 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         selective = none - sum(dropped[name] for name in modules)
     full = np.broadcast_to(block_input, none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
-    # Backward of one block: its recomputed part is alive again, plus gradient buffers of
-    # the size of the block input and output.
+    # Backward of one block: its recomputed part is alive again, plus the larger phase's gradients.
     recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective + only_op], none)
     # Score gradients alive beside the kept scores in the backward, per score in units of the
     # training dtype: the fused kernel's in place (one), torch's softmax a new one (two); in fp32
     # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
     # 16-bit copy of the probabilities.
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
-    working = (recomputed + 4.0 * stream / dtype_bytes + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
+    stream_grad = 2.0 * stream / dtype_bytes
+    attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
+    mlp_phase = stream_grad + mlp_backward_units(model, tp)
+    working = (recomputed + np.maximum(attention_phase, mlp_phase)
                + mamba.working_units(model, tp, dtype_bytes) + gated_deltanet.working_units(model, tp, dtype_bytes))
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
@@ -183,6 +188,20 @@ def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp
         return (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
     relu_output_is_fc2_input = model.relu_mlp and not quantized
     return (0.0 if relu_output_is_fc2_input else 2.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
+
+
+def mlp_backward_units(model: ModelSpec, tp) -> np.ndarray:
+    """What a dense MLP's backward holds at once beyond what the MLP keeps, in
+    :func:`activation_bytes`' units: its intermediate gradients, less the down projection's input,
+    freed once that projection's backward has run. SwiGLU: the product's gradient and from it
+    gate's (or silu's) and up's, while gate, silu(gate) and up are still kept: two f-wide tensors
+    more (a fused activation the same: its [2f] input's gradient beside its input); GELU: one (its
+    output is freed); ReLU: two (its output stays for its own backward). A mixture's experts: not
+    counted (an expert loop holds one expert's tokens, a grouped GEMM all of them)."""
+    if not model.has_mlp or model.num_experts:
+        return np.zeros_like(np.asarray(tp, dtype=np.float64))
+    tensors = 2.0 if model.gated_mlp or model.relu_mlp else 1.0
+    return 2.0 * tensors * model.ffn_hidden_size / model.hidden_size / np.asarray(tp, dtype=np.float64)
 
 
 def mlp_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndarray:
