@@ -211,6 +211,27 @@ def test_memx_s_calibration_is_learned_against_memx_run_s_own_count():
     assert as_defaults[:, 1].min() > 1.05 and as_defaults[:, 0].min() > 2.0
 
 
+def test_autocast_s_weight_copies_in_a_16_bit_record_are_not_learned_as_activations():
+    """A block calibrated in bf16 runs under autocast and holds a 16-bit copy of its weights beside
+    its activations, which memx's plans count as model states: a record measured at the count
+    and the copies is learned at ratio 1 (its copies taken as activations, the probe's tiny blocks
+    were learned 6-30% high, and every in-flight micro-batch of a plan paid for them again)."""
+    from memx_launch.planning.model_states import weight_copy_bytes
+    from memx_launch.profiling.features import training_rows
+    from memx_launch.profiling.kernel import CALIBRATED_AS
+
+    physics = AnalyticalCostModel(SPEC, CLUSTER, TrainingSpec(dtype="bf16", **CALIBRATED_AS))
+    copies = float(weight_copy_bytes(SPEC, physics.training, 1)[0])
+    assert copies == 2 * SPEC.layer_params
+    records = []
+    for r in synthetic_records():
+        cost = physics.layer_costs([0], [1], [r.micro_batch_size], [r.seq_len], [LEVELS.index(r.recompute)])
+        memory = r.num_blocks * (cost.activation_bytes[0] + copies) + cost.working_bytes[0]
+        records.append(replace(r, dtype="bf16", time_s=float(cost.time_s[0]), peak_memory_bytes=float(memory),
+                               run_options=dict(CALIBRATED_AS)))
+    assert np.allclose(training_rows(records).Y[:, 1], 0.0, atol=1e-9)
+
+
 def eager_gpu_records(host_s=1e-3, device_ratio=1.2):
     """An eager framework's GPU: a block takes the longer of the host's time to issue it (half as
     much again under full recompute) and the device's work (1.2 x the analytical); each record

@@ -13,6 +13,7 @@ from memx_launch.planning import elementwise
 from memx_launch.planning import matmuls as mm
 from memx_launch.planning import schedules
 from memx_launch.planning.loss import LOSS_BYTES_PER_LOGIT, SOFTCAP_PASSES, logits_bytes
+from memx_launch.planning.model_states import last_stage_params, weight_copy_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.peaks import SUSTAINED_HBM_SHARE, hbm_gbps
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes, torch_receive_buffer_bytes
@@ -515,9 +516,30 @@ def test_what_autograd_saves_for_hugging_face_s_llama_layer_is_what_memx_run_cou
     memx_run = TrainingSpec(setup="memx-run", dtype=dtype)
     counted = float(cm.training_activation_bytes(spec, memx_run, b, seq, 1, cm.NONE).activation_bytes)
     assert kept == pytest.approx(counted, rel=0.005)
+    # Autocast's 16-bit weight casts, saved beside: a copy of every linear's weight, a model state.
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with_casts = saved_storage_bytes(lambda: layer(x, position_embeddings=rotary, attention_mask=None),
+                                         owned=(*layer.parameters(), *rotary))
+    copies = float(weight_copy_bytes(spec, memx_run, 1)[0])
+    assert with_casts - kept == pytest.approx(copies, rel=0.005) and (copies > 0) == (dtype == "bf16")
     fused = float(cm.training_activation_bytes(spec, TrainingSpec(setup="memx-run", dtype=dtype, fused_norm=True),
                                                b, seq, 1, cm.NONE).activation_bytes)
     assert kept / fused > 1.1
+
+
+def test_a_memx_run_stage_under_autocast_holds_a_16_bit_copy_of_the_weights_its_linears_read():
+    """Each stage's parameters part: its fp32 weights and, in 16-bit training, autocast's copies of
+    its blocks' and head's weights (the embedding's lookup is not cast)."""
+    head = last_stage_params(MODEL, 2) / 4
+    parts = {}
+    for dtype in ("fp32", "bf16"):
+        training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="memx-run", dtype=dtype)
+        plan = evaluate_layout(MODEL, _a100s(), training, tp=4, pp=2, dp=1, micro_batch_size=1, recompute="full",
+                               references=(1.0, 1.0, 1.0))
+        parts[dtype] = [(s.num_layers, s.memory_parts_gib["parameters"] * cm.GIB) for s in plan.stages]
+    for i, ((layers, fp32), (_, bf16)) in enumerate(zip(parts["fp32"], parts["bf16"])):
+        copies = 2 * (layers * MODEL.layer_params / 4 + (head if i == 1 else 0))
+        assert bf16 - fp32 == pytest.approx(copies, rel=1e-6)
 
 
 def test_what_autograd_saves_for_torch_softmax_attention_is_the_model():

@@ -241,6 +241,29 @@ def quantized_state_bytes(model: ModelSpec, training: TrainingSpec, tp, pp: int 
     return (amax, copies) if working else (copies + amax, 0.0)
 
 
+def autocast_copy_bytes(params, training: TrainingSpec):
+    """Bytes of torch.autocast's 16-bit copies of ``params`` fp32 weights on a rank. Each linear
+    casts its weight and keeps the copy for its backward (autocast's cache holds it for the
+    region besides: memx-run's spans the step's micro-batches), so a copy of every weight the
+    linears read is alive from the forward to the backward's start: d bytes a parameter
+    (measured on calibration's probe, tests/test_framework_memory.py). Zero without autocast, or
+    where quantized linears cast to their own format (:func:`quantized_state_bytes`). A run
+    that recomputes whole blocks with autocast around the forward only keeps none of theirs:
+    counted all the same."""
+    params = np.asarray(params, dtype=np.float64)
+    if not training.autocast or training.quantized_linears is not None:
+        return 0.0 * params
+    return params * training.dtype_bytes
+
+
+def weight_copy_bytes(model: ModelSpec, training: TrainingSpec, tp, pp: int = 1) -> tuple:
+    """(kept per block, working) bytes of the copies one block's linears compute with beside its
+    weights on a rank: quantized linears' (:func:`quantized_state_bytes`), autocast's 16-bit
+    ones (:func:`autocast_copy_bytes`)."""
+    kept, working = quantized_state_bytes(model, training, tp, pp)
+    return kept + autocast_copy_bytes(sum(rank_layer_params(model, training, tp)), training), working
+
+
 def last_stage_params(model: ModelSpec, pp: int) -> int:
     """Final norm and output layer, and the multi-token prediction modules' parameters beside their
     blocks; with tied embeddings or multi-token prediction and PP > 1 the last stage keeps its

@@ -25,9 +25,8 @@ from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
-from memx_launch.planning.model_states import (held_gradient_share, keeps_gathered, layer_state_bytes,
-                                               parameters_per_rank, quantized_state_bytes,
-                                               stage_state_bytes_by_part)
+from memx_launch.planning.model_states import (autocast_copy_bytes, held_gradient_share, keeps_gathered, layer_state_bytes,
+                                               parameters_per_rank, stage_state_bytes_by_part, weight_copy_bytes)
 from memx_launch.planning.pipeline_sends import StageSends, edge_hidden_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.hybrid_sharding import ShardLinks, bridged_syncs
@@ -84,13 +83,12 @@ class Evaluator:
 
     def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0,
                      layers: np.ndarray | None = None):
-        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the
-        block's backward working set (part of the fixed bytes: a stage without blocks has none)
-        for each row, on the device types of row ``replica`` of the layout's ``replica_device``.
-        With context parallelism a rank sees ``seq / cp`` tokens of each sequence; with a DP degree
-        per stage a stage of fewer replicas runs larger local micro-batches. Dense blocks between
-        a mixture of experts' expert ones, and a hybrid model's kinds of layers, are counted where
-        ``layers`` (the split) puts them; without it a layer costs their mean
+        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the block's backward
+        working set (part of the fixed bytes: a stage without blocks has none) for each row, on the device types
+        of row ``replica`` of the layout's ``replica_device``. With context parallelism a rank sees ``seq / cp``
+        tokens of each sequence; with a DP degree per stage a stage of fewer replicas runs larger local
+        micro-batches. Dense blocks between a mixture of experts' expert ones, and a hybrid model's kinds of
+        layers, are counted where ``layers`` (the split) puts them; without it a layer costs their mean
         (:func:`extra_blocks.mean_block`; a hybrid model's table is its mean layer's)."""
         m = self.model
         tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, g = self._level_free_inputs(
@@ -132,14 +130,14 @@ class Evaluator:
         g = tr.global_batch_size // (dp * mbs)
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
-        quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
+        copies_kept, copies_working = weight_copy_bytes(m, tr, tp, pp)
         share = held_gradient_share(tr, pp, g, v)
-        state = layer_state_bytes(m, tr, tp, shards, self.trained, pp, share) + quantized_kept
+        state = layer_state_bytes(m, tr, tp, shards, self.trained, pp, share) + copies_kept
         kind_states = [layer_state_bytes(kind, tr, tp, shards, self.trained, pp, share)
-                       + quantized_state_bytes(kind, tr, tp, pp)[0] for kind in extra_blocks.other_kinds(m)]
+                       + weight_copy_bytes(kind, tr, tp, pp)[0] for kind in extra_blocks.other_kinds(m)]
         fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight, share, shards),
                        pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v),
-                       cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), quantized_working,
+                       cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), copies_working,
                        self.overhead[device], layout.communicators * self.communicator_bytes[device])
         edge_t = self._edge_time(layout, device, local, seq_rank)
         self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, g)
@@ -186,7 +184,8 @@ class Evaluator:
         first_mbs, last_mbs = _ends(local, pp)
         out = self._edge_activations(inflight, first_mbs, last_mbs, seq)
         out[0] += m.embedding_params / first * first_bpp
-        out[-1] += cm.last_stage_params(m, pp) / last * last_bpp + logits_bytes(m, last_mbs, seq, last, tr)
+        head = cm.last_stage_params(m, pp) / last
+        out[-1] += head * last_bpp + autocast_copy_bytes(head, tr) + logits_bytes(m, last_mbs, seq, last, tr)
         return out
 
     def _edge_activations(self, inflight, first_mbs, last_mbs, seq) -> np.ndarray:
@@ -297,10 +296,10 @@ class Evaluator:
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the
         device type it is on; they add up to it (to float rounding). The terms are
-        :meth:`split_inputs`' own, told apart: parameters (with what a fully sharded run
-        gathers and FP8 weight copies), gradients (with its unsharded ones), optimizer states (fp32 master + moments),
-        activations (kept layers in flight, the embedding output, the backward's working set),
-        the last stage's logits for the loss, the pipeline engine's kept outputs, communicator
+        :meth:`split_inputs`' own, told apart: parameters (with what a fully sharded run gathers,
+        FP8 and autocast weight copies), gradients (with its unsharded ones), optimizer states (fp32
+        master + moments), activations (kept layers in flight, the embedding output, the backward's
+        working set), the last stage's logits, the pipeline engine's kept outputs, communicator
         buffers and the fixed per-process overhead."""
         layout, mbs, seq, v = result.layout, result.mbs, result.seq, result.v
         m, tr = self.model, self.training
@@ -315,7 +314,8 @@ class Evaluator:
         weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v,
                                                           held_gradient_share(tr, pp, g, v), shards)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, shards, pp)
-        quantized_kept, quantized_working = quantized_state_bytes(m, tr, tp, pp)
+        copies_kept, copies_working = weight_copy_bytes(m, tr, tp, pp)
+        copies_working = copies_working + np.eye(pp)[-1] * autocast_copy_bytes(cm.last_stage_params(m, pp) / last, tr)
         embedding_out = self._edge_activations(inflight, first_mbs, last_mbs, seq_rank)
         logits = np.zeros(pp)
         logits[-1] = logits_bytes(m, last_mbs, seq_rank, last, tr)
@@ -323,8 +323,8 @@ class Evaluator:
         replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
         by_replica = []
         kinds, counts = extra_blocks.other_kinds(m), extra_blocks.kind_counts(m, pp, layers[0], v)
-        quantized_blocks = layers[0] * quantized_kept + extra_blocks.beside_repeated(
-            m, np.broadcast_to(quantized_kept, pp), [quantized_state_bytes(kind, tr, tp, pp)[0] for kind in kinds], counts)
+        copies = layers[0] * copies_kept + extra_blocks.beside_repeated(
+            m, np.broadcast_to(copies_kept, pp), [weight_copy_bytes(kind, tr, tp, pp)[0] for kind in kinds], counts)
         for k, device in enumerate(layout.replica_device):
             def block_activations(at):  # at levels ``at``: (per block, beside the repeated blocks, working set)
                 _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, at))
@@ -339,7 +339,7 @@ class Evaluator:
                 kept = (r * act + (layers[0] - r) * act_none) * inflight + np.where(r > 0, beside, beside_none)
                 work = np.where(r > 0, work, work_none)
             by_replica.append({
-                "parameters": weights + gathered + quantized_blocks + quantized_working,
+                "parameters": weights + gathered + copies + copies_working,
                 "gradients": grads + unsharded_grad,
                 "optimizer_states": optim, "activations": kept + embedding_out + work * (layers[0] > 0)
                 - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning.costmodel import AnalyticalCostModel, LayerCost
+from memx_launch.planning.model_states import weight_copy_bytes
 from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import RECOMPUTE_LEVELS
 from memx_launch.profiling.profiledb import Measurement
@@ -101,14 +102,18 @@ def training_rows(records: list[Measurement]) -> TrainingSet:
     for rows in groups.values():
         first = rows[0]
         device = DeviceType(name=first.device_type, **first.device)
-        cost = AnalyticalCostModel(first.shape_spec(), profiled_cluster(first, device),
-                                   TrainingSpec(dtype=first.dtype, **first.run_options))
-        X, base = physics_features(cost, np.zeros(len(rows), dtype=np.int64), [r.tp for r in rows],
+        training = TrainingSpec(dtype=first.dtype, **first.run_options)
+        cost = AnalyticalCostModel(first.shape_spec(), profiled_cluster(first, device), training)
+        tp = np.array([r.tp for r in rows], dtype=np.float64)
+        X, base = physics_features(cost, np.zeros(len(rows), dtype=np.int64), tp,
                                    [r.micro_batch_size for r in rows], [r.seq_len for r in rows],
                                    [RECOMPUTE_LEVELS.index(r.recompute) for r in rows])
         k = np.array([r.num_blocks for r in rows], dtype=np.float64)
         analytical_memory = k * base.activation_bytes + base.working_bytes
-        measured_memory = np.array([r.peak_memory_bytes or np.nan for r in rows], dtype=np.float64)
+        # The blocks' weight copies (autocast's 16-bit ones) are model states, not what the ratio scales.
+        copies = k * weight_copy_bytes(cost.model, training, tp)[0]
+        measured_memory = np.array([r.peak_memory_bytes or np.nan for r in rows], dtype=np.float64) - copies
+        measured_memory[measured_memory <= 0] = np.nan
         time = np.array([r.time_s for r in rows])
         xs.append(X)
         ys.append(np.column_stack([np.log(time / base.time_s), np.log(measured_memory / analytical_memory)]))
