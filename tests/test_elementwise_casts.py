@@ -59,6 +59,37 @@ def test_memx_block_under_autocast_casts_each_weight_forward_and_its_gradient_ba
     assert backward == 6 * linear_weights * (1 + again)  # the gradient casts and, under full, the forward's again
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_an_autocast_region_over_the_step_casts_each_weight_once(recompute):
+    """memx-run runs a step's micro-batches inside one autocast region: the first forward casts each
+    weight, the later forwards and full recompute's forward again read autocast's cache, and every
+    backward still casts its gradients. Against ``--autocast-per-step``'s count: each micro-batch's
+    gradient casts, and the weights' casts once a step (elementwise.step_weight_cast_seconds)."""
+    torch = pytest.importorskip("torch")
+    from traced import byte_counter
+
+    from memx_launch.models.llama import TransformerBlock
+
+    h, seq = 512, 64
+    spec = ModelSpec("t", 1, h, 8, 2, 1376, 1000, seq)
+    block = TransformerBlock(spec, recompute=recompute)
+    x = torch.randn(1, seq, h, requires_grad=True)
+    traffic = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(3):  # micro-batches of one step
+            with byte_counter(_weight_cast(block)) as moved:
+                block(x).float().sum().backward()
+            traffic.append(moved.total)
+    linear_weights = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    per_step = TrainingSpec(setup="memx-run", dtype="bf16")
+    assert per_step.autocast_per_step and per_step.autocast
+    again = 1.0 if recompute == "full" else 0.0
+    each = float(elementwise.block_weight_cast_bytes(spec, per_step, 1, again))
+    assert traffic[1] == traffic[2] == pytest.approx(each, rel=2e-3) and traffic[1] == 6 * linear_weights
+    once = float(elementwise.step_weight_cast_seconds(linear_weights, per_step, 1.0, 1)) * 1e9
+    assert traffic[0] - traffic[1] == once == 6 * linear_weights
+
+
 def test_autocast_setups_take_longer_by_their_weight_casts_at_hbm_speed():
     """LLaMA-2-7B on an A100, micro-batch 1: under autocast a block takes its weights' casts longer
     than the same block on 16-bit weights (memx times the rest of its element-wise traffic in the

@@ -386,3 +386,30 @@ def test_a_kink_within_the_repeat_noise_buys_no_point():
     assert line_kinks(x, y)[0][0] == 2
     # The same line measured with a 20% spread per point: within 2x the noise, not a kink.
     assert line_kinks(x, y, noise=np.full(4, 0.2))[0] == []
+
+
+def test_memx_run_s_blocks_are_timed_in_one_autocast_region_as_its_steps_run():
+    """memx-run's micro-batches run inside one autocast region (--autocast-per-step), which casts
+    each weight once a step: its calibration times its repeats inside one too, where a region per
+    forward (the Lightning callback's records, memx's default options) casts at every repeat."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightCasts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].dim() == 2 and args[0].dtype == torch.float32 \
+                    and (kwargs or {}).get("dtype") == torch.bfloat16:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    repeats, casts = 4, {}
+    for name, options in (("memx-run", None), ("defaults", {})):
+        with WeightCasts() as counted:
+            [record] = calibrate(SPEC, CPU, [Sample(1, 1, 16, "none", SPEC.num_kv_heads)], dtype="bf16",
+                                 num_blocks=1, warmup=1, repeats=repeats, run_options=options)
+        casts[name] = counted.count
+        assert record.feasible
+    linears = 7  # q, k, v, o, gate, up, down
+    assert casts["defaults"] - casts["memx-run"] == repeats * linears

@@ -116,6 +116,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("grad-accumulation-pass", "each micro-batch after a step's first adds its gradients into the "
                         "held ones in a pass of its own (torch's AccumulateGrad; default off; --setup ddp and "
                         "memx-run: on)"),
+                       ("autocast-per-step", "torch.autocast's region spans the step (memx-run's runtime): each fp32 "
+                        "weight cast once a step, not every micro-batch (default off; --setup memx-run: on)"),
                        ("cp-all-gather", "context parallelism as torch's context_parallel runs it: each attention "
                         "pass all-gathers the K and V chunks at once, the backward rings dK and dV in fp32 (default "
                         "off: Transformer Engine's ring; --setup torchtitan: on)"),

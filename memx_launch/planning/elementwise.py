@@ -137,12 +137,25 @@ def autocast_weight_cast_bytes(weights, training: TrainingSpec, forward_again=0.
     (autocast's cache lives as long as its region, one forward), reading 4 bytes and writing d, and
     again in a recomputed forward (``forward_again``: the share of the forward's linear work that
     runs again); the backward casts the trained weights' 16-bit gradients back to fp32 (d in, 4
-    out). Zero without autocast. Traced on memx's block under CPU autocast
-    (tests/test_elementwise_casts.py)."""
+    out). A region over the step (``autocast_per_step``) casts the weights once a step instead
+    (:func:`step_weight_cast_seconds`). Zero without autocast. Traced on memx's block under CPU
+    autocast (tests/test_elementwise_casts.py)."""
     if not training.autocast:
         return np.zeros(np.broadcast_shapes(np.shape(weights), np.shape(forward_again)))
-    casts = 1.0 + np.asarray(forward_again) + (1.0 - training.frozen_fraction)  # forward (again), backward
+    forward = (1.0 + np.asarray(forward_again)) * (0.0 if training.autocast_per_step else 1.0)  # (again)
+    casts = forward + (1.0 - training.frozen_fraction)  # and the backward's
     return np.asarray(weights, dtype=np.float64) * (4.0 + training.dtype_bytes) * casts
+
+
+def step_weight_cast_seconds(params_on_rank, training: TrainingSpec, hbm_gbps, g: int) -> np.ndarray:
+    """Seconds per micro-batch of autocast's casts of a rank's fp32 weights where its region spans
+    the step (``autocast_per_step``, memx-run): once a step, 4 bytes read and d written a weight at
+    ``hbm_gbps``, spread over the step's ``g`` micro-batches (the embedding's, whose lookup casts
+    nothing, counted too); zero otherwise."""
+    if not (training.autocast and training.autocast_per_step):
+        return np.zeros(np.shape(params_on_rank))
+    moved = np.asarray(params_on_rank, dtype=np.float64) * (4.0 + training.dtype_bytes)
+    return moved / g / (np.asarray(hbm_gbps, dtype=np.float64) * 1e9)
 
 
 def block_weight_cast_bytes(model: ModelSpec, training: TrainingSpec, tp, forward_again=0.0) -> np.ndarray:

@@ -36,10 +36,10 @@ def accumulation_bytes(training: TrainingSpec, dp, pp: int, g: int) -> np.ndarra
 def accumulation_seconds(params_on_rank, training: TrainingSpec, hbm_gbps, dp, pp: int, g: int,
                          trained: TrainedParameters = FULL_TRAINING) -> np.ndarray:
     """Seconds per micro-batch a rank's accumulation takes where the training accumulates in a
-    pass of its own (``grad_accumulation_pass``, which the caller asks): :func:`accumulation_bytes`
-    of its trained parameters at ``hbm_gbps``, spread over the step's ``g`` micro-batches; zero with
-    one micro-batch a step."""
-    if g <= 1:
+    pass of its own (``grad_accumulation_pass``): :func:`accumulation_bytes` of its trained
+    parameters at ``hbm_gbps``, spread over the step's ``g`` micro-batches; zero with one
+    micro-batch a step or without the pass."""
+    if g <= 1 or not training.grad_accumulation_pass:
         return np.zeros(np.shape(params_on_rank))
     moved = np.asarray(params_on_rank, dtype=np.float64) * trained.share * accumulation_bytes(training, dp, pp, g)
     return moved / g / (np.asarray(hbm_gbps, dtype=np.float64) * 1e9)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, extra_blocks,
-                                  schedules)
+from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, elementwise,
+                                  extra_blocks, schedules)
 from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.grad_accumulation import accumulation_seconds
@@ -413,10 +413,10 @@ class Evaluator:
         stage_time, sync = data_parallel.stage_gradient_sync(m, tr, layout, layers, v, stage_params, stage_time,
                                                             layout.dp_gbps * self.cluster.link_efficiency, sm_share,
                                                             self.trained, self.shard_links.of(layout))
-        if tr.grad_accumulation_pass:  # each micro-batch's add into the held gradients, on the stage's slowest memory
-            stage_time = stage_time + accumulation_seconds(
-                stage_params, tr, self.hbm_gbps[layout.replica_device].min(axis=0), shards,
-                layout.pp, tr.global_batch_size // (layout.dp * mbs), self.trained)
+        # Once-a-step passes over the micro-batches on the slowest memory: gradient adds, a step-wide autocast's casts.
+        slowest, g = self.hbm_gbps[layout.replica_device].min(axis=0), tr.global_batch_size // (layout.dp * mbs)
+        stage_time = (stage_time + accumulation_seconds(stage_params, tr, slowest, shards, layout.pp, g, self.trained)
+                      + elementwise.step_weight_cast_seconds(stage_params, tr, slowest, g))
         sync = bridged_syncs(self.bridges, layout, self.shard_links.of(layout), sync, stage_params, tr, self.trained)
         exposed = sync
         if tr.overlap_grad_reduce and not keeps_gathered(tr, layout.pp):

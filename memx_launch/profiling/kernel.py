@@ -24,7 +24,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.planning.peaks import datasheet_of_sustained_gbps
 from memx_launch.planning.tp_links import TpLink, record_fields
 from memx_launch.profiling.profiledb import Measurement
-from memx_launch.specs.training import DTYPE_BYTES
+from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 from memx_launch.specs.cluster import DeviceType
 from memx_launch.specs.efficiency import power_limited_clock_share, training_share_of_best_matmul
 from memx_launch.specs.model import ModelSpec
@@ -212,11 +212,12 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
     out = []
     for s in samples:
         shape = replace(spec, num_kv_heads=s.num_kv_heads)
+        options = record_run_options(s.recompute, selective_policy, run_options)
         try:
-            time_s, spread_s, host_s, peak, reserved = _run_sample(shape, s, torch.device(device), tp_group, dtype,
-                                                                   num_blocks, warmup, repeats, block_factory,
-                                                                   block_tensor_parallel, selective_policy,
-                                                                   emulation_slowdown)
+            time_s, spread_s, host_s, peak, reserved = _run_sample(
+                shape, s, torch.device(device), tp_group, dtype, num_blocks, warmup, repeats, block_factory,
+                block_tensor_parallel, selective_policy, emulation_slowdown,
+                TrainingSpec(dtype=dtype, **options).autocast_per_step)
             feasible = True
         except (RuntimeError, MemoryError) as exc:
             if not _is_oom(exc):
@@ -239,7 +240,7 @@ def calibrate(spec: ModelSpec, device_type: DeviceType, samples: Iterable[Sample
             context_bytes=_context_bytes(torch.device(device)) if feasible else None,
             **record_fields(tp_link, s.tp),
             emulation_slowdown=emulation_slowdown if emulated else 1.0, emulated=emulated, software=software,
-            run_options=record_run_options(s.recompute, selective_policy, run_options)))
+            run_options=options))
         if progress is not None:
             progress(s)
     return out
@@ -263,11 +264,16 @@ def local_blocks(shape: ModelSpec, num_blocks: int) -> list[bool]:
 
 def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_blocks: int, warmup: int,
                 repeats: int, block_factory=None, block_tensor_parallel=None, selective_policy: str = "attention",
-                emulation_slowdown: float | None = None) -> tuple[float, float, float | None, float, float | None]:
+                emulation_slowdown: float | None = None,
+                autocast_per_step: bool = False) -> tuple[float, float, float | None, float, float | None]:
     """(median seconds per block, interquartile range per block, median seconds the host took
     to issue a block (GPUs; None on CPUs), peak bytes above resting, peak bytes the caching
     allocator reserved above resting (GPUs; None on CPUs)). With ``emulation_slowdown`` the
-    timed steps run under an emulated device of that slowdown; the memory pass stays outside it."""
+    timed steps run under an emulated device of that slowdown; the memory pass stays outside it.
+    ``autocast_per_step``: the warm-up and the timed steps run inside one autocast region, as
+    memx-run's micro-batches do, their forwards reading the weights' copies the warm-up cast; the
+    memory pass runs in a region of its own, so that its peak holds the copies (a model state,
+    which learning its ratio takes off: profiling/features.py)."""
     import torch
 
     from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel
@@ -303,33 +309,43 @@ def _run_sample(shape: ModelSpec, s: Sample, dev, tp_group, dtype: str, num_bloc
             y = blocks(x)
         y.backward(dy.to(y.dtype))
 
-    # Warm-up also allocates the gradients, which stay: they belong to the resting state.
-    for _ in range(max(1, warmup)):
-        step()
     times, host_times = [], []
     # Only the time: whether the sample fits is the memory pass's to say, against the capacity.
     guard = EmulatedDevice("calibration", math.inf, emulation_slowdown) if emulation_slowdown is not None \
         else nullcontext()
-    with guard:
-        for _ in range(repeats):
-            if dev.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                # The calls return once their kernels are queued: the host's share of the step.
-                t0 = time.perf_counter()
-                step()
-                host_times.append(time.perf_counter() - t0)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
+    step_region = torch.autocast(dev.type, dtype=low) if autocast_per_step and low is not None else nullcontext()
+    with step_region:
+        # Warm-up also allocates the gradients, which stay: they belong to the resting state.
+        for _ in range(max(1, warmup)):
+            step()
+        with guard:
+            _timed_steps(step, dev, repeats, times, host_times)
     peak, reserved = _peak_memory_bytes(step, dev)
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     host = statistics.median(host_times) / num_blocks if host_times else None
     return statistics.median(times) / num_blocks, (quartiles[2] - quartiles[0]) / num_blocks, host, peak, reserved
+
+
+def _timed_steps(step: Callable[[], None], dev, repeats: int, times: list, host_times: list) -> None:
+    """Run ``step`` ``repeats`` times, appending each one's seconds to ``times`` (CUDA events on
+    GPUs) and, on GPUs, the host's share of it to ``host_times``."""
+    import torch
+
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            # The calls return once their kernels are queued: the host's share of the step.
+            t0 = time.perf_counter()
+            step()
+            host_times.append(time.perf_counter() - t0)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
 
 
 def _context_bytes(dev) -> float | None:

@@ -69,15 +69,17 @@ SETUPS: dict[str, dict] = {
                     sp_keeps_gathered_input=True,
                     fused_gate_up=False, fp32_allreduce=True, full_gradient_allreduce=True, eager_block=True),
     # memx-run: what its runtime does (runtime/precision.py, training.py, pipeline_stage.py): fp32 weights
-    # and grads under autocast, torch's loss, DDP with its copy of the gradients (FSDP2 fully sharded or with
-    # TP > 1 and DP > 1, a stage's gathered weights and unsharded gradients held through the step), torch's pipeline
+    # and grads under autocast (one region over the step), torch's loss, DDP with its copy of the gradients
+    # (FSDP2 fully sharded or with TP > 1 and DP > 1, a stage's gathered weights and unsharded gradients held
+    # through the step), torch's pipeline
     # stages keeping their in-flight outputs and sending a TP-th of each boundary tensor between stages of
     # one TP degree where that is faster, its blocks of eager ops with q, k, v and gate, up apart and
     # torch-op RMSNorms (Hugging Face's; torch's nn.RMSNorm off CUDA), checkpointed without reentrance.
     "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
                      fully_sharded_with_tp=True, partitioned_sends=True, partition_where_faster=True,
                      hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,
-                     checkpoint_early_stop=True, keep_stage_outputs=True, grad_accumulation_pass=True),
+                     checkpoint_early_stop=True, keep_stage_outputs=True, grad_accumulation_pass=True,
+                     autocast_per_step=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
@@ -96,6 +98,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, grad_accumulation_pass=False,
+                       autocast_per_step=False,
                        cp_all_gather=False, repeat_kv=False, overlap_p2p_comm=True, hold_gathered="pipelined",
                        max_live_params=0.0, reduce_bucket_params=5e8, prefetch_bucket_params=5e7, hpz_partition_size=1,
                        quantized_weights=False, eager_block=False, fp8_weight_cache=True)

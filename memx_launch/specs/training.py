@@ -198,6 +198,11 @@ class TrainingSpec:
     grad_accumulation_pass: bool | None = None
     """Each micro-batch after a step's first adds its gradients into the held ones in a pass of its
     own (torch's ``AccumulateGrad``; Megatron's fuses it into the GEMM). Default off (ddp, memx-run: on)."""
+    autocast_per_step: bool | None = None
+    """torch.autocast's region spans the step's micro-batches (memx-run's runtime), so each fp32
+    weight is cast once a step and the later forwards and recomputes read autocast's cached copy;
+    off, a region per forward casts it every micro-batch (DDP under Accelerate, Lightning).
+    Default off (``memx-run``: on)."""
     eager_block: bool | None = None
     """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host time
     is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
