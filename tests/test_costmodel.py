@@ -87,6 +87,8 @@ def test_a_relu_mlp_keeps_its_output_only():
     assert get_model("opt-350m").relu_mlp and not get_model("gpt-neo-2.7b").relu_mlp
     with pytest.raises(ConfigError, match="model.relu_mlp: set with gated_mlp"):
         dataclasses.replace(gelu, gated_mlp=True, relu_mlp=True)
+    with pytest.raises(ConfigError, match="model.tanh_gelu_ops: set with a gated or ReLU MLP"):
+        dataclasses.replace(relu, tanh_gelu_ops=True)
 
 
 def test_recompute_levels_order_memory_and_time():

@@ -527,6 +527,60 @@ def test_what_autograd_saves_for_hugging_face_s_llama_layer_is_what_memx_run_cou
     assert kept / fused > 1.1
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("act", ["gelu_new", "gelu"])
+def test_what_autograd_saves_for_gpt_2_s_mlp_is_what_memx_counts(act, dtype):
+    """GPT-2's MLP (Transformers' GPT2MLP: Conv1D, the activation, Conv1D) as memx-run trains it.
+    Transformers' gelu_new, GPT-2's default, is GELU's tanh form in eight torch ops: five tensors of
+    the MLP's width kept (its input, the tanh's output, the two factors of its last product, and
+    its output, the second linear's input), where torch's GELU kernel keeps two; memx reads which
+    from the config (``tanh_gelu_ops``). Counted as the kernel, GPT-2's block measured 1.5x its count."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    from memx_launch.planning.activations import mlp_bytes
+    from memx_launch.specs.hf_config import model_from_hf_dict
+
+    config = GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=128, vocab_size=97, activation_function=act,
+                        resid_pdrop=0.0)
+    mlp = GPT2MLP(4 * 64, config)
+    x = torch.randn(2, 128, 64, requires_grad=True)
+    weights = {tuple(p.shape) for p in mlp.parameters()}  # and their casts, and the input's cast (as c_proj's)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        kept = saved_storage_bytes(lambda: mlp(x), owned=(x, *mlp.parameters()), skip_shapes=weights)
+    spec = model_from_hf_dict(config.to_dict(), "gpt2-mlp")
+    assert spec.tanh_gelu_ops == (act == "gelu_new") and not spec.gated_mlp
+    assert kept == float(mlp_bytes(spec, TrainingSpec(setup="memx-run", dtype=dtype), 2, 128, 1))
+    assert kept == (5 if act == "gelu_new" else 2) * 2 * 128 * 256 * (4 if dtype == "fp32" else 2)
+
+
+def test_gpt_2_s_tanh_gelu_ops_move_what_memx_times():
+    """Transformers' gelu_new, eight torch ops on a linear's output, traced: 18 elements of the
+    MLP's width read and written forward and 28 backward, where GELU's kernel moves 2 and 3; the
+    cost model times an eager GPT-2 block's MLP so (``elementwise.TANH_GELU_OPS_BYTES``)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from traced import byte_counter
+    from transformers.activations import NewGELUActivation
+
+    from memx_launch.specs.model import ModelSpec
+
+    x = torch.randn(4, 64, 512, requires_grad=True) * 1.0
+    with byte_counter() as forward:
+        y = NewGELUActivation()(x)
+    gradient = torch.ones_like(y)
+    with byte_counter() as backward:
+        torch.autograd.grad(y, x, gradient)
+    per_element = x.numel() * x.element_size()
+    assert (forward.total / per_element, backward.total / per_element) == elementwise.TANH_GELU_OPS_BYTES
+    gpt = ModelSpec("g", 1, 64, 4, 4, 256, 97, 128, gated_mlp=False)
+    ops, kernel = (float(elementwise.elementwise_traffic_bytes(m, TrainingSpec(), 2, 128, 1, cm.NONE))
+                   for m in (ModelSpec(**{**gpt.__dict__, "tanh_gelu_ops": True}), gpt))
+    assert ops - kernel == 2 * 128 * 256 * 2 * (18 + 28 - 2 - 3)
+
+
 def test_a_memx_run_stage_under_autocast_holds_a_16_bit_copy_of_the_weights_its_linears_read():
     """Each stage's parameters part: its fp32 weights and, in 16-bit training, autocast's copies of
     its blocks' and head's weights (the embedding's lookup is not cast)."""

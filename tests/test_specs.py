@@ -251,7 +251,8 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
                            "mamba_conv_kernel", "mamba_chunk_size", "layer_kind", "linear_key_heads",
                            "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel",
                            "linear_chunk_size", "attention_output_gate", "relu_mlp", "qkv_bias",
-                           "shared_expert_gate", "router_aux_loss", "logit_softcapping", "attention_softcapping")}
+                           "shared_expert_gate", "router_aux_loss", "logit_softcapping", "attention_softcapping",
+                           "tanh_gelu_ops")}
     assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     # A mixture's load-balancing loss changes what its stages send, not a layer's time or memory.
     mixtral = get_model("mixtral-8x7b")

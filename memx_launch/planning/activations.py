@@ -170,7 +170,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
     stream_grad = 2.0 * stream / dtype_bytes
     attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
-    mlp_phase = stream_grad + mlp_backward_units(model, tp)
+    mlp_phase = stream_grad + mlp_backward_units(model, tp, fused_activation)
     working = (recomputed + np.maximum(attention_phase, mlp_phase)
                + mamba.working_units(model, tp, dtype_bytes) + gated_deltanet.working_units(model, tp, dtype_bytes))
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
@@ -179,28 +179,37 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
 def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool) -> tuple:
     """(what the MLP's activation keeps, the down projection's kept input) of one block, in
     :func:`activation_bytes`' units: SwiGLU's gate and up outputs, silu(gate) unless fused, and
-    their product; GELU's input and output; ReLU's output, also the down projection's input
-    unless quantized; a mixture of experts' (:func:`~memx_launch.planning.experts.kept_units`)."""
+    their product; GELU's input and output (its tanh form as torch ops, ``tanh_gelu_ops``: five
+    tensors, measured on Transformers' ``gelu_new``); ReLU's output, also the down projection's
+    input unless quantized; a mixture of experts' (:func:`~memx_launch.planning.experts.kept_units`)."""
     if model.num_experts:
         return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp)
     f, h = model.ffn_hidden_size if model.has_mlp else 0, model.hidden_size
     if model.gated_mlp:
         return (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
     relu_output_is_fc2_input = model.relu_mlp and not quantized
-    return (0.0 if relu_output_is_fc2_input else 2.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
+    # GELU's tanh form as torch ops keeps its input, the tanh's output and the two factors of its last product.
+    kept = 0.0 if relu_output_is_fc2_input else 8.0 if tanh_gelu_as_ops(model, fused_activation) else 2.0
+    return kept * f / h / tp, 2.0 * fp8_share * f / h / tp
 
 
-def mlp_backward_units(model: ModelSpec, tp) -> np.ndarray:
+def tanh_gelu_as_ops(model: ModelSpec, fused_activation: bool) -> bool:
+    """Whether the MLP's GELU runs as torch ops of its tanh form (``tanh_gelu_ops``, not fused)."""
+    return model.tanh_gelu_ops and not fused_activation
+
+
+def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False) -> np.ndarray:
     """What a dense MLP's backward holds at once beyond what the MLP keeps, in
     :func:`activation_bytes`' units: its intermediate gradients, less the down projection's input,
     freed once that projection's backward has run. SwiGLU: the product's gradient and from it
     gate's (or silu's) and up's, while gate, silu(gate) and up are still kept: two f-wide tensors
     more (a fused activation the same: its [2f] input's gradient beside its input); GELU: one (its
-    output is freed); ReLU: two (its output stays for its own backward). A mixture's experts: not
-    counted (an expert loop holds one expert's tokens, a grouped GEMM all of them)."""
+    output is freed), its tanh form as torch ops two; ReLU: two (its output stays for its own
+    backward). A mixture's experts: not counted (an expert loop holds one expert's tokens, a
+    grouped GEMM all of them)."""
     if not model.has_mlp or model.num_experts:
         return np.zeros_like(np.asarray(tp, dtype=np.float64))
-    tensors = 2.0 if model.gated_mlp or model.relu_mlp else 1.0
+    tensors = 2.0 if model.gated_mlp or model.relu_mlp or tanh_gelu_as_ops(model, fused_activation) else 1.0
     return 2.0 * tensors * model.ffn_hidden_size / model.hidden_size / np.asarray(tp, dtype=np.float64)
 
 

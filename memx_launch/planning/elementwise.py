@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memx_launch.planning import gated_deltanet, mamba, quantization
-from memx_launch.planning.activations import kv_repeated, selective_modules
+from memx_launch.planning.activations import kv_repeated, selective_modules, tanh_gelu_as_ops
 from memx_launch.planning.loss import SOFTCAP_PASSES
 from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.planning.model_states import rank_layer_params
@@ -32,6 +32,8 @@ from memx_launch.specs.training import TrainingSpec
 ROPE_BYTES = (9.0, 14.0)
 SWIGLU_BYTES = (5.0, 9.0)
 GELU_BYTES = (2.0, 3.0)
+# GELU's tanh form as eight torch ops (Transformers' gelu_new, ``tanh_gelu_ops``): traced, 18d forward, 28d backward.
+TANH_GELU_OPS_BYTES = (18.0, 28.0)
 RESIDUAL_BYTES = (3.0, 3.0)
 FUSED_NORM_BYTES = (2.0, 4.0)
 # K and V repeated to the query heads (``repeat_kv``): each copied, read at the KV width and
@@ -197,7 +199,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         extra = unfused_norm_extra_bytes(training.dtype_bytes)
         norm = (FUSED_NORM_BYTES[0] * d + extra[0], FUSED_NORM_BYTES[1] * d + extra[1])
     dropout = dropout_bytes(training.dtype_bytes) if training.dropout else (0.0, 0.0)
-    mlp = SWIGLU_BYTES if model.gated_mlp else GELU_BYTES
+    mlp = SWIGLU_BYTES if model.gated_mlp else TANH_GELU_OPS_BYTES if tanh_gelu_as_ops(model, training.fused_activation) \
+        else GELU_BYTES
     # LLaMA-style (gated MLP) models rotate q and k in every block; GPT-style ones add learned
     # positions once, at the embedding.
     rope = ROPE_BYTES if model.gated_mlp else (0.0, 0.0)

@@ -173,6 +173,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         vocab_size=cfg["vocab_size"],
         seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
         gated_mlp=gated, relu_mlp=act == "relu" and not gated,  # OPT's MLP: ReLU
+        tanh_gelu_ops=act == "gelu_new" and not gated,  # Transformers' gelu_new: GPT-2, GPT-J, Phi
         tie_embeddings=bool(tied),
         layer_norm=layer_norm,
         linear_biases=linear_biases,

@@ -31,7 +31,8 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "linear_key_heads": 0, "linear_value_heads": 0, "linear_key_head_dim": 128,
                          "linear_value_head_dim": 128, "linear_conv_kernel": 4, "linear_chunk_size": 64,
                          "attention_output_gate": False, "relu_mlp": False, "qkv_bias": False,
-                         "shared_expert_gate": False, "logit_softcapping": False, "attention_softcapping": False}
+                         "shared_expert_gate": False, "logit_softcapping": False, "attention_softcapping": False,
+                         "tanh_gelu_ops": False}
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class ModelSpec:
     relu_mlp: bool = False
     """An ungated MLP of ReLU (OPT): its backward needs only the ReLU's output, which the second
     linear keeps as its input, so the MLP keeps one tensor of its width where GELU keeps two."""
+    tanh_gelu_ops: bool = False
+    """An ungated MLP's GELU as torch ops of its tanh form (Transformers' ``gelu_new``: GPT-2, GPT-J,
+    Phi, CodeGen): run eager, it keeps five tensors of the MLP's width where a GELU kernel keeps two."""
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     """RoPE base (Llama 3: 500000). Neither it nor ``norm_eps`` changes time or memory: they are
@@ -70,12 +74,10 @@ class ModelSpec:
     input and their outputs join the residual together, so a block keeps one norm input and one
     normed tensor, and TP reduces the two outputs (and the two input gradients) in one all-reduce."""
     lm_head: bool = True
-    """An output layer over the vocabulary, with its loss, on the last stage. Off: a model
-    without one (a reward or value model, a classifier, a base model feeding another): no output
-    projection, logits or loss, and no tied copy of the embeddings."""
+    """An output layer over the vocabulary, with its loss, on the last stage. Off: a model without one (a reward
+    or value model, a classifier, a base model feeding another): no projection, logits, loss or tied copy."""
     tensor_parallel_blocks: bool = True
-    """memx's runtime splits these blocks by TP (its LLaMA, the Hugging Face Llama family);
-    memx-run plans TP 1 otherwise (a plan for another framework may still use TP)."""
+    """memx's runtime splits these blocks by TP (its LLaMA, Hugging Face's Llama family); memx-run plans TP 1 else."""
     attention_head_dim: int = 0
     """Width of one attention head where it is not ``hidden_size / num_heads`` (Qwen3, Gemma,
     GPT-OSS: Hugging Face's ``head_dim``); the queries and the attention output are then
@@ -111,13 +113,11 @@ class ModelSpec:
     post_norms: bool = False
     """A norm on the attention's and the MLP's output before the residual adds (Gemma 2 and 3: four a block)."""
     norm_weight_in_fp32: bool = False
-    """Run as torch ops (unfused), a norm multiplies its weight in fp32 and keeps that fp32 product
-    for the backward, casting after (Hugging Face's Gemma norms, ``x * (1 + w)``), where Llama's
-    casts first and keeps the 16-bit tensor: 4 bytes an element instead of the training dtype's."""
+    """Run as torch ops (unfused), a norm multiplies its weight in fp32 and keeps that fp32 product, casting
+    after (Hugging Face's Gemma norms, ``x * (1 + w)``), where Llama's keeps the 16-bit tensor."""
     qk_norm: bool = False
-    """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and
-    Llama 4's ``use_qk_norm``; Megatron's ``--qk-layernorm``): its weights, a head's width each, and
-    the queries and keys it keeps for its backward."""
+    """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and Llama 4's
+    ``use_qk_norm``; Megatron's ``--qk-layernorm``): a head's width of weights, and the q and k it keeps."""
     kv_lora_rank: int = 0
     """Multi-head latent attention (DeepSeek-V2 and V3): keys and values come up from a shared
     latent of this width (Hugging Face's ``kv_lora_rank``); ``attention_head_dim`` is then a head's

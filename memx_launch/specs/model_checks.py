@@ -23,6 +23,10 @@ def check_shape(model) -> None:
     if model.relu_mlp and model.gated_mlp:
         raise ConfigError("model.relu_mlp", "set with gated_mlp (a gated ReLU is not modelled)",
                           "set gated_mlp: false for OPT's ReLU MLP, or drop relu_mlp")
+    require_type(model.tanh_gelu_ops, bool, "model.tanh_gelu_ops")
+    if model.tanh_gelu_ops and (model.gated_mlp or model.relu_mlp):
+        raise ConfigError("model.tanh_gelu_ops", "set with a gated or ReLU MLP (it describes an ungated GELU)",
+                          "set gated_mlp: false and relu_mlp: false for GPT-2's MLP, or drop tanh_gelu_ops")
     require_type(model.tie_embeddings, bool, "model.tie_embeddings")
     require_type(model.layer_norm, bool, "model.layer_norm")
     require_type(model.linear_biases, bool, "model.linear_biases")
