@@ -556,6 +556,34 @@ def test_what_autograd_saves_for_gpt_2_s_mlp_is_what_memx_counts(act, dtype):
     assert kept == (5 if act == "gelu_new" else 2) * 2 * 128 * 256 * (4 if dtype == "fp32" else 2)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_what_autograd_saves_for_gpt_2_s_block_is_what_memx_run_counts(dtype):
+    """Hugging Face's GPT2Block as memx-run trains it, every tensor autograd saves counted once by
+    storage (its parameters and their casts aside) against memx-run's count, its q, k and v one
+    linear as GPT-2's c_attn is: torch's LayerNorm kernel keeps its input whatever memx-run's
+    torch-op RMSNorms keep (``activations.training_as_run``; counted as torch ops, 7% over), and
+    its gelu_new keeps five MLP-wide tensors (counted as GELU's kernel, 25% under)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from memx_launch.specs.hf_config import model_from_hf_dict
+
+    config = GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=256, vocab_size=97, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+    config._attn_implementation = "sdpa"
+    block = GPT2Block(config, 0)
+    x = torch.randn(2, 256, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        kept = saved_storage_bytes(lambda: block(x), owned=tuple(block.parameters()),
+                                   skip_shapes={tuple(p.shape) for p in block.parameters()})
+    spec = model_from_hf_dict(config.to_dict(), "gpt2-block")
+    training = TrainingSpec(setup="memx-run", dtype=dtype, fused_qkv=True)
+    counted = float(cm.training_activation_bytes(spec, training, 2, 256, 1, cm.NONE).activation_bytes)
+    assert kept == pytest.approx(counted, rel=0.005)
+
+
 def test_gpt_2_s_tanh_gelu_ops_move_what_memx_times():
     """Transformers' gelu_new, eight torch ops on a linear's output, traced: 18 elements of the
     MLP's width read and written forward and 28 backward, where GELU's kernel moves 2 and 3; the
@@ -711,7 +739,7 @@ def test_a_soft_capped_attention_keeps_the_tanh_s_output_beside_its_probabilitie
     """Gemma 2's attention (Transformers' eager attention: SDPA has no soft cap), what autograd
     saves by storage, K and V repeated to the query heads aside: per score the fp32 softmax's
     output and its 16-bit copy, and with the cap the tanh's output, as ``activation_bytes``
-    counts the scores of a soft-capped model (``attention_as_run``: unfused, softmax in fp32)."""
+    counts the scores of a soft-capped model (``training_as_run``: unfused, softmax in fp32)."""
     torch = pytest.importorskip("torch")
     from memx_launch.specs.model import ModelSpec
 

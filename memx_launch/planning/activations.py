@@ -228,8 +228,8 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                               flash_attention=True, linear_bytes=None, stream_bytes: float | None = None) -> LayerCost:
     """:func:`activation_bytes` of one block as ``training`` runs it on a device whose attention
     is fused where ``flash_attention`` and whose quantized linears keep ``linear_bytes`` an element
-    (a soft-capped attention: as :func:`attention_as_run` runs it)."""
-    tr = attention_as_run(model, training)
+    (a soft-capped attention, a LayerNorm: as :func:`training_as_run` runs them)."""
+    tr = training_as_run(model, training)
     flash_attention = np.logical_and(flash_attention, tr.flash_attention)
     return activation_bytes(model, mbs, seq, tp, recompute, tr.dtype_bytes, flash_attention, tr.sequence_parallel,
                             tr.dropout, tr.fused_norm, tr.attention_dropout, tr.sp_keeps_gathered_input,
@@ -239,10 +239,14 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                             kv_repeated(model, tr), model.attention_softcapping)
 
 
-def attention_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:
-    """``training`` as ``model``'s attention runs: a soft-capped one (Gemma 2's) unfused, as
+def training_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:
+    """``training`` as ``model``'s blocks run. A soft-capped attention (Gemma 2's) unfused, as
     Transformers' eager attention runs it (SDPA has no soft cap, and Transformers picks eager for
-    Gemma 2): torch's softmax in fp32 on the 16-bit scores and K and V repeated to the query heads."""
+    Gemma 2): torch's softmax in fp32 on the 16-bit scores and K and V repeated to the query heads.
+    A LayerNorm as torch's kernel (``nn.LayerNorm``: its input kept, with a mean and a scale a
+    token) whatever ``fused_norm`` says, which tells RMSNorms' torch ops (Hugging Face's) apart."""
+    if model.layer_norm and not training.fused_norm:
+        training = dataclasses.replace(training, fused_norm=True)
     if not model.attention_softcapping:
         return training
     return dataclasses.replace(training, flash_attention=False, fused_softmax=False, softmax_in_fp32=True,

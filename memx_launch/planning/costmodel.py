@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from memx_launch.planning import experts, extra_blocks, gated_deltanet, host_time, mamba, op_checkpointing, quantization
-from memx_launch.planning.activations import (LayerCost, activation_bytes, attention_as_run,  # noqa: F401
+from memx_launch.planning.activations import (LayerCost, activation_bytes, training_as_run,  # noqa: F401
                                              attention_recomputed, selective_modules, training_activation_bytes)
 from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import autocast_weight_cast_bytes, block_weight_cast_bytes, elementwise_traffic_bytes
@@ -174,7 +174,7 @@ class AnalyticalCostModel:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec):
         self.model = model
         self.cluster = cluster
-        self.training = training = attention_as_run(model, training)
+        self.training = training = training_as_run(model, training)
         self.device_types: tuple[DeviceType, ...] = tuple(cluster.device_types)
         self.device_names = tuple(d.name for d in self.device_types)
         self._tflops = np.array([training_tflops(d, training) for d in self.device_types])
