@@ -97,8 +97,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
     Full recompute keeps the block input only; its working set is one block recomputed.
     The backward's working set is the larger of its two phases'. The MLP's, which runs first: the
-    gradient of the block's output and the MLP's intermediate gradients (:func:`mlp_backward_units`).
-    The attention's: the gradients of the block's input and output, and in unfused attention,
+    gradient of the block's output and the MLP's intermediate gradients (:func:`mlp_backward_units`),
+    with the attention-core policy the MLP's activation it runs again. The attention's: the
+    gradients of the block's input and output, that policy's recomputed core, and in unfused attention,
     beside the kept probabilities, the gradient of the
     probabilities: one more s x s tensor per head in the training dtype when a fused softmax
     (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
@@ -161,8 +162,6 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         selective = none - sum(dropped[name] for name in modules)
     full = np.broadcast_to(block_input, none.shape)
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
-    # Backward of one block: its recomputed part is alive again, plus the larger phase's gradients.
-    recomputed = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * none, none - selective + only_op], none)
     # Score gradients alive beside the kept scores in the backward, per score in units of the
     # training dtype: the fused kernel's in place (one), torch's softmax a new one (two); in fp32
     # the fp32 gradient in and out of the softmax (8 bytes) once AV's backward has freed the
@@ -171,7 +170,15 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     stream_grad = 2.0 * stream / dtype_bytes
     attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
     mlp_phase = stream_grad + mlp_backward_units(model, tp, fused_activation)
-    working = (recomputed + np.maximum(attention_phase, mlp_phase)
+    # Backward of one block: the larger phase's gradients, beside what it runs again. Full recompute (and the
+    # op-level policy, Megatron's modules) runs it before the block's backward; the attention-core policy runs
+    # the MLP's activation again in the MLP's phase and the attention core in the attention's.
+    phases = np.maximum(attention_phase, mlp_phase)
+    if op_selective or modules is not None:
+        selective_working = none - selective + only_op + phases
+    else:
+        selective_working = np.maximum(lse + scores + attention_phase, mlp_elementwise + mlp_phase)
+    working = (np.select([recompute == NONE, recompute == SELECTIVE], [phases, selective_working], none + phases)
                + mamba.working_units(model, tp, dtype_bytes) + gated_deltanet.working_units(model, tp, dtype_bytes))
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
