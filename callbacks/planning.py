@@ -109,9 +109,13 @@ def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, 
         emulated = rank_device.emulated
         device = "cpu" if emulated is not None or not _cuda() else "cuda"
 
-        def measure(samples):  # learned against the default options' blocks, as the callback plans them
+        # Learned against the default options' blocks, as the callback plans them; "-mixed" precisions' blocks
+        # run fp32 weights under autocast, whose copies of them the records' ratios must not take for activations.
+        run_options = {"weights_dtype": "fp32"} if training.autocast else {}
+
+        def measure(samples):
             return calibrate(spec, rank_device.device_type, samples, device=device, dtype=training.dtype,
-                             num_blocks=2, repeats=2, block_factory=probe, run_options={},
+                             num_blocks=2, repeats=2, block_factory=probe, run_options=run_options,
                              emulation_slowdown=emulated.slowdown if emulated is not None else None)
 
         result = minimal_sample_set(space, measure, budget=CALIBRATION_BUDGET)

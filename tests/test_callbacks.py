@@ -2,6 +2,7 @@
 and examples/lightning_train.py end to end (2-process DDP on emulated devices, then a resume)."""
 
 import configparser
+import json
 import csv
 import pathlib
 import re
@@ -140,11 +141,14 @@ def test_pressure_with_every_block_checkpointed_stops_with_a_smaller_micro_batch
                             "peak_none_gib": 0.02, "peak_full_gib": 0.01, "capacity_gib": 0.025})
 
 
-def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp_path, capsys, monkeypatch,
+                                                                              precision):
     """MemxCallback(cluster=None) under Lightning's SingleDeviceStrategy (no process group): the
     process describes its own device, calibrates the module's block (as the eager ops a
     LightningModule runs), trains with the plan and samples its memory (every step here; the
-    default's first sample, step 10, crashed once)."""
+    default's first sample, step 10, crashed once). Under "-mixed" precision the records say the
+    blocks ran fp32 weights under autocast, so that their ratios leave the weights' copies out."""
     import lightning as L
     import toy_models  # noqa: F401  (puts examples/ on the path: the examples import each other)
 
@@ -157,12 +161,16 @@ def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp
                         lambda *args, **kwargs: calibrated.append(args[4]) or calibrate(*args, **kwargs))
     callback = MemxCallback(None, model=example.MODEL, log_every_n_steps=1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, default_root_dir=str(tmp_path), logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False, callbacks=[callback])
+                        enable_progress_bar=False, enable_checkpointing=False, callbacks=[callback],
+                        precision=precision)
     trainer.fit(example.LitGPT())
     assert type(trainer.strategy).__name__ == "SingleDeviceStrategy" and trainer.global_step == 2
     assert callback._monitor.last_table is not None and callback._monitor.last_table.shape == (1, 2)
     assert "memx: plan for" in capsys.readouterr().out and (tmp_path / "memx-profiles.jsonl").exists()
     assert [training.eager_block for training in calibrated] == [True]
+    records = [json.loads(line) for line in (tmp_path / "memx-profiles.jsonl").read_text().splitlines()]
+    mixed = precision == "bf16-mixed"
+    assert records and all(r["run_options"] == ({"weights_dtype": "fp32"} if mixed else {}) for r in records)
 
 
 @pytest.mark.parametrize("value", ["abc", True, 2.5, 0, None])
