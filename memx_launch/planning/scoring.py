@@ -315,7 +315,7 @@ class Evaluator:
                                                           held_gradient_share(tr, pp, g, v), shards)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, shards, pp)
         copies_kept, copies_working = weight_copy_bytes(m, tr, tp, pp)
-        copies_working = copies_working + np.eye(pp)[-1] * autocast_copy_bytes(cm.last_stage_params(m, pp) / last, tr)
+        head_copies = np.eye(pp)[-1] * autocast_copy_bytes(cm.last_stage_params(m, pp) / last, tr)
         embedding_out = self._edge_activations(inflight, first_mbs, last_mbs, seq_rank)
         logits = np.zeros(pp)
         logits[-1] = logits_bytes(m, last_mbs, seq_rank, last, tr)
@@ -339,7 +339,7 @@ class Evaluator:
                 kept = (r * act + (layers[0] - r) * act_none) * inflight + np.where(r > 0, beside, beside_none)
                 work = np.where(r > 0, work, work_none)
             by_replica.append({
-                "parameters": weights + gathered + copies + copies_working,
+                "parameters": weights + gathered + copies + copies_working + head_copies,
                 "gradients": grads + unsharded_grad,
                 "optimizer_states": optim, "activations": kept + embedding_out + work * (layers[0] > 0)
                 - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),
