@@ -28,6 +28,11 @@ class LayerCost:
     """Extra transient bytes while this layer's backward runs (recomputed activations, grads)."""
 
 
+# fp32 tensors of the hidden width a torch-op RMSNorm's backward holds above its kept state (measured on
+# Transformers' LlamaRMSNorm and Gemma2RMSNorm, tests/test_framework_memory.py).
+TORCH_NORM_BACKWARD_HELD = 4.0
+
+
 def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int = 2,
                      flash_attention=True, sequence_parallel: bool = False,
                      dropout: bool = False, fused_norm: bool = True,
@@ -96,10 +101,13 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     what it recomputes (:func:`dropped_by_module`).
     ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
     Full recompute keeps the block input only; its working set is one block recomputed.
-    The backward's working set is the larger of its two phases'. The MLP's, which runs first: the
+    The backward's working set is the largest of its phases'. With sandwich norms (``post_norms``)
+    the norm on the MLP's output runs first, beside all the block keeps (as torch ops with
+    :data:`TORCH_NORM_BACKWARD_HELD` fp32 temporaries), and frees its own. The MLP's: the
     gradient of the block's output and the MLP's intermediate gradients (:func:`mlp_backward_units`),
-    with the attention-core policy the MLP's activation it runs again. The attention's: the
-    gradients of the block's input and output, that policy's recomputed core, and in unfused attention,
+    with the attention-core policy the MLP's activation it runs again. The attention's, once the
+    MLP's tensors are freed: the gradients of the block's input and output, that policy's recomputed
+    core, and in unfused attention,
     beside the kept probabilities, the gradient of the
     probabilities: one more s x s tensor per head in the training dtype when a fused softmax
     (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
@@ -127,7 +135,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     extra_casts = autocast_extra_casts(model, fused_gate_up, fused_qkv) if autocast else 0
     normed_copies = model.pre_norms_per_block + extra_casts
     linear_inputs = 2.0 * normed_copies * fp8_share / (tp if sequence_parallel and not sp_keeps_gathered_input else 1.0)
-    replicated = norms / (tp if sequence_parallel else 1.0) + linear_inputs
+    norm_split = tp if sequence_parallel else 1.0
+    replicated = norms / norm_split + linear_inputs
     heads_qkv = (2.0 * q + 4.0 * (q if repeat_kv else kv)) / h / tp
     latent = 2.0 * (2.0 * model.q_lora_rank + 2.0 * model.kv_lora_rank + model.rope_head_dim) / h
     qkv = heads_qkv + latent if model.kv_lora_rank else heads_qkv
@@ -168,16 +177,25 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # 16-bit copy of the probabilities.
     score_grads = 1.0 if fused_softmax else ((8.0 - dtype_bytes) / dtype_bytes if fp32_probs else 2.0)
     stream_grad = 2.0 * stream / dtype_bytes
-    attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp)
+    # The attention's backward runs once the MLP's has freed the MLP's tensors.
+    mlp_freed = mlp_kept + mlp_elementwise
+    attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp) - mlp_freed
     mlp_phase = stream_grad + mlp_backward_units(model, tp, fused_activation)
-    # Backward of one block: the larger phase's gradients, beside what it runs again. Full recompute (and the
-    # op-level policy, Megatron's modules) runs it before the block's backward; the attention-core policy runs
-    # the MLP's activation again in the MLP's phase and the attention core in the attention's.
-    phases = np.maximum(attention_phase, mlp_phase)
+    # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
+    # ops with its temporaries), and frees what it kept before the MLP's backward runs.
+    norm_phase = 0.0
+    if model.post_norms:
+        norm_phase = stream_grad + (0.0 if fused_norm else TORCH_NORM_BACKWARD_HELD * 8.0 / dtype_bytes) / norm_split
+        mlp_phase = mlp_phase - per_norm / norm_split
+    # Backward of one block: the largest phase's gradients, beside what it runs again. Full recompute (the
+    # op-level policy, Megatron's modules: counted so) runs it before the block's backward; the attention-core
+    # policy runs the MLP's activation again in the MLP's phase and the attention core in the attention's.
+    phases = np.maximum(np.maximum(attention_phase, mlp_phase), norm_phase)
     if op_selective or modules is not None:
         selective_working = none - selective + only_op + phases
     else:
-        selective_working = np.maximum(lse + scores + attention_phase, mlp_elementwise + mlp_phase)
+        selective_working = np.maximum(np.maximum(lse + scores + attention_phase, mlp_phase) + mlp_elementwise,
+                                       norm_phase)
     working = (np.select([recompute == NONE, recompute == SELECTIVE], [phases, selective_working], none + phases)
                + mamba.working_units(model, tp, dtype_bytes) + gated_deltanet.working_units(model, tp, dtype_bytes))
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
