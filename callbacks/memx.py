@@ -35,6 +35,7 @@ from memx_callbacks.planning import Decision, calibrate_blocks, decide
 from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.files import write_json_atomic
 from memx_launch.models.adapters import ModelParts, find_blocks
+from memx_launch.models.projections import own_block_training
 from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
 from memx_launch.runtime.detection import detect_cluster
 from memx_launch.runtime.messages import broadcast_json
@@ -167,7 +168,9 @@ class MemxCallback(pl.Callback):
         if dist.is_initialized():
             dist.barrier()
         parts = ModelParts(pl_module, self.blocks_path)
-        calibrate_blocks(spec, cluster, device, parts.block_probe, training, db, batch, log=_log_rank0(trainer))
+        training, own = own_block_training(training, parts.blocks[0], spec)  # GPT-2's one c_attn, Llama's three
+        calibrate_blocks(spec, cluster, device, parts.block_probe, training, db, batch, log=_log_rank0(trainer),
+                         block_options=own)
         payload = None
         if trainer.global_rank == 0:
             cost_model = load_cost_model(db, spec, cluster, training)

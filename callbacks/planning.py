@@ -92,11 +92,13 @@ class Decision:
         return next((k for k in range(at_least, len(self.peaks_gib)) if self.peaks_gib[k] <= target_gib), None)
 
 
-def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, max_micro_batch: int, log) -> str:
+def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, max_micro_batch: int, log,
+                     block_options: dict | None = None) -> str:
     """The first rank of each device type measures the module's block (``probe``: recompute level ->
     a copy of one block) at a minimal set of micro-batch sizes and recompute levels; rank 0 appends
-    every type's samples to the profile at ``db_path``. Collective (a single process without a
-    process group is rank 0 alone)."""
+    every type's samples to the profile at ``db_path``. ``block_options``: the training options the
+    block's own projections changed (models/projections.py), which its records say they ran with.
+    Collective (a single process without a process group is rank 0 alone)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     types = cluster.rank_device_types()
     mine = types[rank]
@@ -111,7 +113,7 @@ def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, 
 
         # Learned against the default options' blocks, as the callback plans them; "-mixed" precisions' blocks
         # run fp32 weights under autocast, whose copies of them the records' ratios must not take for activations.
-        run_options = {"weights_dtype": "fp32"} if training.autocast else {}
+        run_options = {**({"weights_dtype": "fp32"} if training.autocast else {}), **(block_options or {})}
 
         def measure(samples):
             return calibrate(spec, rank_device.device_type, samples, device=device, dtype=training.dtype,

@@ -41,27 +41,40 @@ def test_a_rank_that_never_reports_is_named_with_its_device(tmp_path):
         dist.destroy_process_group()
 
 
-def test_the_user_s_block_is_calibrated_with_its_own_kv_heads(tmp_path):
+def test_the_user_s_block_is_calibrated_with_its_own_kv_heads_and_projections(tmp_path):
     """memx's block is built with a sample's KV heads, the user's with its own: a user block's
-    samples at other counts would measure the same block under another label."""
+    samples at other counts would measure the same block under another label. Its records say
+    the projections it runs (the toy's one q, k, v linear, memx-run's setup three), and a later
+    job with the same options reuses them."""
     from memx_launch.models.adapters import ModelParts
+    from memx_launch.models.projections import own_block_training
+    from memx_launch.profiling.kernel import CALIBRATED_AS
+    from memx_launch.specs.training import TrainingSpec
     from toy_models import TOY_SPEC, ToyModel
 
+    parts = ModelParts(ToyModel())
+    _, own = own_block_training(TrainingSpec(setup="memx-run"), parts.blocks[0], TOY_SPEC)
+    assert own == {"fused_qkv": True}
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         cluster = ClusterSpec.from_yaml(CPU_CLUSTER)
         groups = TypeGroups([0], None, {1: [(None, [0])]})
-        calibration = TypeCalibration(TOY_SPEC, cluster.device_type("fast-small"), groups,
-                                      ProfileDB(str(tmp_path / "p.jsonl")), [], device="cpu", dtype="fp32",
-                                      slowdown=None, tp_link=lambda tp: TpLink(2.0, False),
-                                      describe_rank=str, faults=Faults(), user_parts=ModelParts(ToyModel()),
-                                      log=lambda line: None)
-        measured = calibration.run([1], budget=8)
+
+        def calibration(stored):
+            return TypeCalibration(TOY_SPEC, cluster.device_type("fast-small"), groups,
+                                   ProfileDB(str(tmp_path / "p.jsonl")), stored, device="cpu", dtype="fp32",
+                                   slowdown=None, tp_link=lambda tp: TpLink(2.0, False), describe_rank=str,
+                                   faults=Faults(), user_parts=parts, log=lambda line: None,
+                                   run_options={**CALIBRATED_AS, **own})
+        measured = calibration([]).run([1], budget=8)
+        again = calibration(measured)
+        assert again.run([1], budget=8) == measured and again.done == 0
     finally:
         dist.destroy_process_group()
     assert len(measured) > 1
     assert {m.block_shape["num_kv_heads"] for m in measured} == {TOY_SPEC.num_kv_heads}
+    assert all(m.run_options == {"setup": "memx-run", "fused_qkv": True} for m in measured)
 
 
 def test_tp_subgroups_are_the_search_degrees_inside_one_node(monkeypatch):

@@ -90,9 +90,10 @@ def make_groups(cluster: ClusterSpec, model: ModelSpec) -> dict[str, TypeGroups]
     return out
 
 
-def sample_key(device_type: str, model: ModelSpec, s: Sample, dtype: str, selective_policy: str = "attention") -> tuple:
+def sample_key(device_type: str, model: ModelSpec, s: Sample, dtype: str, selective_policy: str = "attention",
+               run_options: dict | None = None) -> tuple:
     return (device_type, model.signature(), s.tp, s.micro_batch_size, s.seq_len, s.recompute, s.num_kv_heads, dtype,
-            json.dumps(record_run_options(s.recompute, selective_policy), sort_keys=True))
+            json.dumps(record_run_options(s.recompute, selective_policy, run_options), sort_keys=True))
 
 
 def measurement_key(m: Measurement) -> tuple:
@@ -107,14 +108,15 @@ class TypeCalibration:
     def __init__(self, model: ModelSpec, device_type: DeviceType, groups: TypeGroups, db: ProfileDB,
                  stored: list[Measurement], *, device: str, dtype: str, slowdown: float | None, tp_link,
                  describe_rank, faults: Faults, timeout_s: float = DEFAULT_TIMEOUT_S, log=print, user_parts=None,
-                 selective_policy: str = "attention"):
+                 selective_policy: str = "attention", run_options: dict | None = None):
         """``user_parts``: the model (models/adapters.py's ModelParts) whose own block is measured
         instead of memx's, split by TP where its kind has a plan; ``selective_policy``: the plan's
-        (TrainingSpec.selective_recompute)."""
+        (TrainingSpec.selective_recompute); ``run_options``: how the blocks run, as their records
+        say (default profiling/kernel.py's CALIBRATED_AS; a user's block: with its own projections)."""
         self.model, self.device_type, self.groups, self.db = model, device_type, groups, db
         self.device, self.dtype, self.slowdown, self.tp_link = device, dtype, slowdown, tp_link
         self.describe_rank, self.faults, self.timeout_s, self.log = describe_rank, faults, timeout_s, log
-        self.user_parts, self.selective_policy = user_parts, selective_policy
+        self.user_parts, self.selective_policy, self.run_options = user_parts, selective_policy, run_options
         self.stored = {measurement_key(m): m for m in stored}
         self.host_lock = os.path.join(tempfile.gettempdir(),
                                       f"memx-calibration-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}.lock")
@@ -186,6 +188,7 @@ class TypeCalibration:
                 [m] = calibrate(self.model, self.device_type, [s], device=self.device, tp_group=group,
                                 dtype=self.dtype, num_blocks=1, repeats=CALIBRATION_REPEATS,
                                 emulation_slowdown=self.slowdown, selective_policy=self.selective_policy,
+                                run_options=self.run_options,
                                 **self._user_block(),
                                 tp_link=self.tp_link(s.tp) if s.tp > 1 else None)
             out.append(m)
@@ -236,7 +239,7 @@ class TypeCalibration:
                 time.sleep(0.05)
 
     def _key(self, s: Sample) -> tuple:
-        return sample_key(self.device_type.name, self.model, s, self.dtype, self.selective_policy)
+        return sample_key(self.device_type.name, self.model, s, self.dtype, self.selective_policy, self.run_options)
 
 
 def calibration_timeout_s(environ=os.environ) -> float:

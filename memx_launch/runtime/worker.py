@@ -76,12 +76,13 @@ def sample_budgets(model, cluster, speeds: dict[str, float], stored) -> dict[str
 
 
 def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored, training, budget,
-                          user_parts=None, searched_tp=None):
+                          user_parts=None, searched_tp=None, run_options=None):
     """This rank's share of calibrating its device type; returns the type's samples on the
     type's first rank (empty elsewhere). ``budget``: (samples, estimated seconds per sample).
-    ``user_parts``: the model whose own block is measured (prepare.user_block_parts). Measured at
-    the TP degrees the search can choose, ``searched_tp`` (memx-run's restriction: TP 1 for blocks
-    memx does not split by TP) or all."""
+    ``user_parts``: the model whose own block is measured (prepare.user_block_parts), with
+    ``run_options`` (its records' options: its own projections). Measured at the TP degrees the
+    search can choose, ``searched_tp`` (memx-run's restriction: TP 1 for blocks memx does not
+    split by TP) or all."""
     import torch.distributed as dist
 
     from memx_launch.planning.tp_links import tp_link
@@ -97,7 +98,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
         dtype=training.dtype,
         slowdown=rank_device.emulated.slowdown if emulated else None, tp_link=lambda tp: tp_link(cluster, name, tp),
         describe_rank=lambda r: descriptions[r], faults=Faults.from_env(), timeout_s=calibration_timeout_s(),
-        log=_log, user_parts=user_parts, selective_policy=training.selective_recompute)
+        log=_log, user_parts=user_parts, selective_policy=training.selective_recompute, run_options=run_options)
     measurements = calibration.run([d for d in tp_degrees(model, cluster) if searched_tp is None or d in searched_tp],
                                    *budget)
     return measurements if groups[name].ranks[0] == dist.get_rank() else []
@@ -108,6 +109,8 @@ def plan_in_job(env) -> None:
     from memx_launch.errors import ConfigError
     from memx_launch.planning import report
     from memx_launch.planning.plan import Plan
+    from memx_launch.models.projections import own_block_training
+    from memx_launch.profiling.kernel import CALIBRATED_AS
     from memx_launch.profiling.predictor import load_cost_model
     from memx_launch.profiling.profiledb import BridgeMeasurement, Measurement, ProfileDB
     from memx_launch.runtime.calibration import measure_bridges
@@ -158,9 +161,13 @@ def plan_in_job(env) -> None:
     budgets = sample_budgets(model, cluster, speeds, stored)
     from memx_launch.runtime.prepare import user_block_parts
     user_parts = user_block_parts(env)  # the script's own block (--model-builder), a config's own, or None
+    own = {}
+    if user_parts is not None:  # planned and calibrated with its projections as it runs them (GPT-2's one c_attn)
+        training, own = own_block_training(training, user_parts.blocks[0], model)
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
                                  budgets[rank_device.device_type.name], user_parts,
-                                 search_restrictions(env).get("tp_degrees"))
+                                 search_restrictions(env).get("tp_degrees"),
+                                 {**CALIBRATED_AS, **own} if own else None)
     gathered = all_gather_json([m.to_json() for m in mine])
     bridges = measure_bridges(cluster.rank_domains()) if cluster.crosses_domains else []
 
