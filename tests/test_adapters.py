@@ -501,6 +501,30 @@ def test_a_layer_norm_config_is_calibrated_with_its_own_hugging_face_block(tmp_p
     assert probe(h).shape == h.shape
 
 
+def test_a_config_whose_block_fuses_its_linears_is_calibrated_with_its_own(tmp_path):
+    """Phi-3's block is LLaMA's parts, its q, k and v one linear and its gate and up another: memx's
+    LLaMA of the shape would be measured with five, so the model's own block is (read on the meta
+    device first). OLMo's block of LLaMA's five linears keeps memx's."""
+    import json
+
+    from memx_launch.runtime.prepare import user_block_parts
+
+    def parts(model_type):
+        folder = tmp_path / model_type
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({
+            "model_type": model_type, "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97, "pad_token_id": 0,
+            "bos_token_id": 0, "eos_token_id": 0}))
+        return user_block_parts({"MEMX_MODEL": str(folder)})
+
+    probe = parts("phi3").block_probe("none")
+    assert type(next(iter(probe.blocks.values()))).__name__ == "Phi3DecoderLayer"
+    h = torch.randn(2, 8, 32)
+    assert probe(h).shape == h.shape
+    assert parts("olmo") is None
+
+
 @pytest.mark.parametrize("family,block", [("gemma2", "Gemma2DecoderLayer"), ("qwen3", "Qwen3DecoderLayer"),
                                           ("gemma3_text", "Gemma3DecoderLayer")])
 def test_blocks_memx_s_llama_does_not_build_are_calibrated_with_their_own(tmp_path, family, block):

@@ -88,8 +88,9 @@ def user_block_parts(environ=os.environ):
     None: memx's LLaMA block of the shape. memx-run --model-builder FILE:FUNCTION
     (MEMX_MODEL_BUILDER): FUNCTION(model, seed) from the script file builds the model. Without it,
     a Hugging Face config.json that memx's LLaMA cannot stand in for (a GELU MLP: GPT-2, OPT, Phi;
-    a mixture of experts: Mixtral, Qwen-MoE; LayerNorm: StableLM; Gemma's and Qwen3's norms) gives
-    the model built from the config by transformers, with one block."""
+    a mixture of experts: Mixtral, Qwen-MoE; LayerNorm: StableLM; Gemma's and Qwen3's norms; fused
+    q, k, v or gate, up linears outside the Llama family: Phi-3) gives the model built from the
+    config by transformers, with one block."""
     import importlib.util
     import json
     import sys
@@ -124,16 +125,29 @@ def _hf_block_parts(model_arg: str):
                                           ("norms after attention and MLP", spec.post_norms),
                                           ("query and key norms", spec.qk_norm),
                                           ("a soft-capped attention", spec.attention_softcapping)) if present]
-    if not missing:
+    if not missing and spec.tensor_parallel_blocks:  # the Llama family's blocks: memx's LLaMA's linears
         return None
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
+        if not missing:
+            return None
         raise ConfigError("--model", f"{model_arg} has {missing[0]}, which memx's own LLaMA block cannot measure "
                           "in its place", "pip install -e '.[hf]' so that memx measures the model's own block, "
                           "or pass --model-builder FILE:FUNCTION") from None
     config = AutoConfig.from_pretrained(folder)
     config.num_hidden_layers = 1  # the block is what calibration measures
+    if not missing:
+        # Another family's block of LLaMA's parts may fuse its linears (Phi-3's qkv_proj and
+        # gate_up_proj), which memx's LLaMA does not: read it built on the meta device, no memory.
+        import torch
+
+        from memx_launch.models.projections import block_projections
+
+        with torch.device("meta"):
+            block = ModelParts(AutoModelForCausalLM.from_config(config)).blocks[0]
+        if not any(block_projections(block, spec).values()):
+            return None
     return _verified(ModelParts(AutoModelForCausalLM.from_config(config)))
 
 
