@@ -525,6 +525,28 @@ def test_a_config_whose_block_fuses_its_linears_is_calibrated_with_its_own(tmp_p
     assert parts("olmo") is None
 
 
+def test_a_config_of_custom_code_is_never_run_and_keeps_memx_s_block_where_it_can(tmp_path):
+    """A config.json whose model needs its own code (auto_map; transformers would ask whether to
+    run it) is not built: memx's LLaMA stands in where it can, and where it cannot the job stops
+    with one line that says what to pass."""
+    import json
+
+    from memx_launch.runtime.prepare import user_block_parts
+
+    def config(**fields):
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "internlm2", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97,
+            "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"}, **fields}))
+        return {"MEMX_MODEL": str(tmp_path)}
+
+    assert user_block_parts(config()) is None
+    with pytest.raises(ConfigError, match="^--model: transformers cannot build .* a block with a GELU MLP; "
+                                          "pass --model-builder") as info:
+        user_block_parts(config(hidden_act="gelu"))
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("family,block", [("gemma2", "Gemma2DecoderLayer"), ("qwen3", "Qwen3DecoderLayer"),
                                           ("gemma3_text", "Gemma3DecoderLayer")])
 def test_blocks_memx_s_llama_does_not_build_are_calibrated_with_their_own(tmp_path, family, block):

@@ -12,8 +12,8 @@ made TP ranks sleep in proportion to each other's waits, a loop that grew every 
 
 The emulated device is the mode as a whole: training runs under it (runtime/training.py) and so
 does calibration (profiling/kernel.py), whose timed blocks pay the mode's call and bookkeeping per
-operator (llama-tiny's block: 4.09 ms bare, 10.54 ms under it, benchmarks/results/
-main_job_step_time.json) and its sleeps, as the steps will.
+operator (llama-tiny's block about twice its bare time under it: ``guard_cost`` in
+benchmarks/results/main_job_step_time.json) and its sleeps, as the steps will.
 """
 
 from __future__ import annotations
