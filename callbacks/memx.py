@@ -35,7 +35,7 @@ from memx_callbacks.planning import Decision, calibrate_blocks, decide
 from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.files import write_json_atomic
 from memx_launch.models.adapters import ModelParts, find_blocks
-from memx_launch.models.projections import own_block_training
+from memx_launch.models.block_reading import own_block_training
 from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
 from memx_launch.runtime.detection import detect_cluster
 from memx_launch.runtime.messages import broadcast_json

@@ -97,7 +97,7 @@ def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, 
     """The first rank of each device type measures the module's block (``probe``: recompute level ->
     a copy of one block) at a minimal set of micro-batch sizes and recompute levels; rank 0 appends
     every type's samples to the profile at ``db_path``. ``block_options``: the training options the
-    block's own projections changed (models/projections.py), which its records say they ran with.
+    block's own modules changed (models/block_reading.py), which its records say they ran with.
     Collective (a single process without a process group is rank 0 alone)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     types = cluster.rank_device_types()

@@ -47,7 +47,7 @@ def test_the_user_s_block_is_calibrated_with_its_own_kv_heads_and_projections(tm
     the projections it runs (the toy's one q, k, v linear, memx-run's setup three), and a later
     job with the same options reuses them."""
     from memx_launch.models.adapters import ModelParts
-    from memx_launch.models.projections import own_block_training
+    from memx_launch.models.block_reading import own_block_training
     from memx_launch.profiling.kernel import CALIBRATED_AS
     from memx_launch.specs.training import TrainingSpec
     from toy_models import TOY_SPEC, ToyModel

@@ -109,7 +109,7 @@ def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path, mo
     records = [json.loads(line) for line in db.read_text().splitlines()]
     assert records and all(r["tp"] == 1 for r in records)
     assert "tp=1 " in run.stdout
-    # Its one q, k, v linear is calibrated and planned as one (models/projections.py), not as the three
+    # Its one q, k, v linear is calibrated and planned as one (models/block_reading.py), not as the three
     # memx-run's setup assumes.
     assert all(r["run_options"] == {"setup": "memx-run", "fused_qkv": True} for r in records)
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["training"]["fused_qkv"] is True

@@ -557,7 +557,6 @@ def test_what_autograd_saves_for_gpt_2_s_mlp_is_what_memx_counts(act, dtype):
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
     from memx_launch.planning.activations import mlp_bytes
-    from memx_launch.models.projections import own_block_training
     from memx_launch.specs.hf_config import model_from_hf_dict
 
     config = GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=128, vocab_size=97, activation_function=act,
@@ -577,7 +576,7 @@ def test_what_autograd_saves_for_gpt_2_s_mlp_is_what_memx_counts(act, dtype):
 def test_what_autograd_saves_for_gpt_2_s_block_is_what_memx_run_counts(dtype):
     """Hugging Face's GPT2Block as memx-run trains it, every tensor autograd saves counted once by
     storage (its parameters and their casts aside) against memx-run's count, its q, k and v one
-    linear as memx-run reads GPT-2's c_attn (models/projections.py; its setup's three linears
+    linear as memx-run reads GPT-2's c_attn (models/block_reading.py; its setup's three linears
     count two casts too many in bf16, 6% over): torch's LayerNorm kernel keeps its input whatever memx-run's
     torch-op RMSNorms keep (``activations.training_as_run``; counted as torch ops, 7% over), and
     its gelu_new keeps five MLP-wide tensors (counted as GELU's kernel, 25% under)."""
@@ -586,7 +585,7 @@ def test_what_autograd_saves_for_gpt_2_s_block_is_what_memx_run_counts(dtype):
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from memx_launch.models.projections import own_block_training
+    from memx_launch.models.block_reading import own_block_training
     from memx_launch.specs.hf_config import model_from_hf_dict
 
     config = GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=256, vocab_size=97, bos_token_id=0,

@@ -112,7 +112,7 @@ class TypeCalibration:
         """``user_parts``: the model (models/adapters.py's ModelParts) whose own block is measured
         instead of memx's, split by TP where its kind has a plan; ``selective_policy``: the plan's
         (TrainingSpec.selective_recompute); ``run_options``: how the blocks run, as their records
-        say (default profiling/kernel.py's CALIBRATED_AS; a user's block: with its own projections)."""
+        say (default profiling/kernel.py's CALIBRATED_AS; a user's block: as it runs, models/block_reading.py)."""
         self.model, self.device_type, self.groups, self.db = model, device_type, groups, db
         self.device, self.dtype, self.slowdown, self.tp_link = device, dtype, slowdown, tp_link
         self.describe_rank, self.faults, self.timeout_s, self.log = describe_rank, faults, timeout_s, log

@@ -155,7 +155,7 @@ def _fuses_its_linears(folder: str, spec) -> bool:
     import torch
 
     from memx_launch.models.adapters import ModelParts
-    from memx_launch.models.projections import block_projections
+    from memx_launch.models.block_reading import read_block
 
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -168,7 +168,7 @@ def _fuses_its_linears(folder: str, spec) -> bool:
         log.info("memx: %s not built by transformers (%s): memx's LLaMA block of its shape is calibrated",
                  folder, str(exc).splitlines()[0])
         return False
-    return any(block_projections(block, spec).values())
+    return any(read_block(block, spec).get(k) for k in ("fused_qkv", "fused_gate_up"))
 
 
 def _verified(parts):

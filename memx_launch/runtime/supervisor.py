@@ -258,7 +258,7 @@ class Supervisor:
         from memx_launch.planning.replan import replan
         from memx_launch.runtime.restarts import record_planned_restart
         from memx_launch.specs.cluster import ClusterSpec
-        from memx_launch.models.projections import PROJECTION_FIELDS
+        from memx_launch.models.block_reading import READ_FIELDS
         from memx_launch.specs.training import TrainingSpec
 
         env = self.environ
@@ -281,8 +281,8 @@ class Supervisor:
                               "when the job planned", "pass --cluster FILE to memx-run, or --no-replan")
         plan = self.runtime.plan
         cluster = ClusterSpec.from_yaml(path)
-        # The job's setup, with the projections the in-job plan read off the model's own block.
-        own = {k: plan.training[k] for k in PROJECTION_FIELDS if k in plan.training}
+        # The job's setup, with what the in-job plan read off the model's own block (models/block_reading.py).
+        own = {k: plan.training[k] for k in READ_FIELDS if k in plan.training}
         training = replace(TrainingSpec(**json.loads(env["MEMX_TRAINING"])), **own)
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
         decision = replan(event, plan, plan.model_spec, cluster, training, _cost_model(env, plan, cluster, training),

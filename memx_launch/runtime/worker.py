@@ -80,7 +80,7 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
     """This rank's share of calibrating its device type; returns the type's samples on the
     type's first rank (empty elsewhere). ``budget``: (samples, estimated seconds per sample).
     ``user_parts``: the model whose own block is measured (prepare.user_block_parts), with
-    ``run_options`` (its records' options: its own projections). Measured at the TP degrees the
+    ``run_options`` (its records' options: how it runs, models/block_reading.py). Measured at the TP degrees the
     search can choose, ``searched_tp`` (memx-run's restriction: TP 1 for blocks memx does not
     split by TP) or all."""
     import torch.distributed as dist
@@ -109,7 +109,7 @@ def plan_in_job(env) -> None:
     from memx_launch.errors import ConfigError
     from memx_launch.planning import report
     from memx_launch.planning.plan import Plan
-    from memx_launch.models.projections import own_block_training
+    from memx_launch.models.block_reading import own_block_training
     from memx_launch.profiling.kernel import CALIBRATED_AS
     from memx_launch.profiling.predictor import load_cost_model
     from memx_launch.profiling.profiledb import BridgeMeasurement, Measurement, ProfileDB
@@ -162,7 +162,7 @@ def plan_in_job(env) -> None:
     from memx_launch.runtime.prepare import user_block_parts
     user_parts = user_block_parts(env)  # the script's own block (--model-builder), a config's own, or None
     own = {}
-    if user_parts is not None:  # planned and calibrated with its projections as it runs them (GPT-2's one c_attn)
+    if user_parts is not None:  # planned and calibrated as it runs (GPT-2's one c_attn)
         training, own = own_block_training(training, user_parts.blocks[0], model)
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
                                  budgets[rank_device.device_type.name], user_parts,

@@ -1,6 +1,6 @@
-"""A user's block read for how it projects its input (memx_launch/models/projections.py): q, k and
-v as one linear or three, a gated MLP's gate and up as one or two; memx-run and the Lightning
-callback plan and calibrate the block so."""
+"""A user's block read for how it runs (memx_launch/models/block_reading.py): q, k and v as one
+linear or three, a gated MLP's gate and up as one or two, RMSNorms of torch ops; memx-run and the
+Lightning callback plan and calibrate the block so."""
 
 import dataclasses
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from memx_launch.models.block_reading import own_block_training, read_block
 from memx_launch.models.llama import TransformerBlock
-from memx_launch.models.projections import block_projections, own_block_training
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.hf_config import model_from_hf_dict
 from memx_launch.specs.training import TrainingSpec
@@ -23,13 +23,13 @@ def _hf_block(config):
 
 
 @pytest.mark.parametrize("family,expected", [
-    ("gpt2", {"fused_qkv": True}),  # c_attn, a Conv1D: q, k and v as one
+    ("gpt2", {"fused_qkv": True}),  # c_attn, a Conv1D: q, k and v as one; torch's LayerNorm
     ("gpt_neox", {"fused_qkv": True}),  # query_key_value
-    ("llama", {"fused_qkv": False, "fused_gate_up": False}),
-    ("phi3", {"fused_qkv": True, "fused_gate_up": True}),  # qkv_proj, gate_up_proj
+    ("llama", {"fused_qkv": False, "fused_gate_up": False, "fused_norm": False}),  # LlamaRMSNorm: torch ops
+    ("phi3", {"fused_qkv": True, "fused_gate_up": True, "fused_norm": False}),  # qkv_proj, gate_up_proj
     ("opt", {"fused_qkv": False}),
 ])
-def test_a_hugging_face_block_is_read_as_it_projects(family, expected):
+def test_a_hugging_face_block_is_read_as_it_runs(family, expected):
     transformers = pytest.importorskip("transformers")
     small = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=97)
     config = {"gpt2": lambda: transformers.GPT2Config(n_embd=64, n_head=4, n_layer=1, vocab_size=97),
@@ -39,19 +39,20 @@ def test_a_hugging_face_block_is_read_as_it_projects(family, expected):
                                                       pad_token_id=0),
               "opt": lambda: transformers.OPTConfig(**small, ffn_dim=256, word_embed_proj_dim=64)}[family]()
     spec = model_from_hf_dict(config.to_dict(), family)
-    assert block_projections(_hf_block(config), spec) == expected
+    assert read_block(_hf_block(config), spec) == expected
 
 
-def test_memx_s_block_projects_as_memx_run_plans_it_and_the_default_setup_does_not():
+def test_memx_s_block_runs_as_memx_run_plans_it_and_the_default_setup_does_not():
+    """memx's block: five linears, torch's nn.RMSNorm (whose kernel depends on the device: not read)."""
     spec = get_model("llama-tiny")
     block = TransformerBlock(spec, "none")
-    assert block_projections(block, spec) == {"fused_qkv": False, "fused_gate_up": False}
+    assert read_block(block, spec) == {"fused_qkv": False, "fused_gate_up": False}
     unchanged, changed = own_block_training(TrainingSpec(setup="memx-run"), block, spec)
     assert changed == {} and unchanged == TrainingSpec(setup="memx-run")
     # Megatron's defaults (one linear each) are not how this block runs.
     trained, changed = own_block_training(TrainingSpec(), block, spec)
     assert changed == {"fused_qkv": False, "fused_gate_up": False}
-    assert (trained.fused_qkv, trained.fused_gate_up) == (False, False)
+    assert (trained.fused_qkv, trained.fused_gate_up, trained.fused_norm) == (False, False, True)
 
 
 def test_nothing_is_read_where_the_block_has_no_linear_module_or_its_widths_are_ambiguous():
@@ -62,8 +63,19 @@ def test_nothing_is_read_where_the_block_has_no_linear_module_or_its_widths_are_
             super().__init__()
             self.qkv = nn.Parameter(torch.zeros(spec.q_hidden_size + 2 * spec.kv_hidden_size, spec.hidden_size))
 
-    assert block_projections(BareWeights(), spec) == {}
+    assert read_block(BareWeights(), spec) == {}
     # q, k and v together as wide as gate and up together: a linear of that width could be either.
     ambiguous = dataclasses.replace(spec, num_kv_heads=spec.num_heads,
                                     ffn_hidden_size=3 * spec.hidden_size // 2)
-    assert block_projections(nn.Linear(spec.hidden_size, 3 * spec.hidden_size), ambiguous) == {}
+    assert read_block(nn.Linear(spec.hidden_size, 3 * spec.hidden_size), ambiguous) == {}
+
+
+def test_an_rms_norm_class_of_the_model_s_own_is_read_as_torch_ops():
+    spec = get_model("llama-tiny")
+
+    class MyRMSNorm(nn.Module):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    assert read_block(nn.Sequential(MyRMSNorm()), spec) == {"fused_norm": False}
+    assert read_block(nn.Sequential(nn.RMSNorm(spec.hidden_size), nn.LayerNorm(spec.hidden_size)), spec) == {}

@@ -1,0 +1,72 @@
+"""How the user's own block runs, read off its modules where memx's options describe it: the
+attention's queries, keys and values as one linear (GPT-2's c_attn, GPT-NeoX's, Falcon's and
+Bloom's query_key_value, MPT's Wqkv, Phi-3's qkv_proj) or three, a gated MLP's gate and up as one
+(Phi-3's gate_up_proj) or two, and RMSNorms of torch ops (Hugging Face's LlamaRMSNorm and its
+family's) or not.
+
+Under autocast each linear casts its input to 16 bits and keeps the copy, so memx counts one cast
+of the normed input per linear that reads it (planning/activations.py's ``autocast_extra_casts``):
+a setup that assumes Hugging Face Llama's three linears counts two casts too many a block of
+GPT-2's, and one that assumes Megatron's fused linears two too few of Llama's. An RMSNorm of torch
+ops keeps fp32 copies of its input where a fused kernel keeps the input alone (``fused_norm``).
+
+A linear is an ``nn.Linear`` or Transformers' ``Conv1D`` (GPT-2's), read by its output width:
+fused queries, keys and values are one linear as wide as the three together, a fused gate and up
+twice the MLP's width; where those widths could also be another linear's, nothing is read. An
+RMSNorm is read as torch ops when its class is one of its own (its name ends in RMSNorm), not
+torch's ``nn.RMSNorm``, whose kernel depends on the device: that one is left to the setup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+
+READ_FIELDS = ("fused_qkv", "fused_gate_up", "fused_norm")
+"""The TrainingSpec fields :func:`read_block` may set."""
+
+
+def linear_widths(block: nn.Module) -> list[int]:
+    """Output widths of the block's linear modules (``nn.Linear``, Transformers' ``Conv1D``)."""
+    widths = []
+    for module in block.modules():
+        if isinstance(module, nn.Linear):
+            widths.append(module.out_features)
+        elif type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int):
+            widths.append(module.nf)
+    return widths
+
+
+def torch_op_rms_norms(block: nn.Module) -> bool:
+    """Whether the block normalises with an RMSNorm class of its own (torch ops), not torch's."""
+    return any(type(m).__name__.endswith("RMSNorm") and not isinstance(m, nn.RMSNorm) for m in block.modules())
+
+
+def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
+    """The :data:`READ_FIELDS` ``block`` (one block of ``model``, whole: TP 1) settles: its
+    projections where it has linear modules to read, ``fused_norm`` off where its RMSNorms are
+    torch ops; nothing else."""
+    found = {}
+    widths = linear_widths(block)
+    qkv = model.q_hidden_size + 2 * model.kv_hidden_size
+    ffn = model.ffn_hidden_size
+    gated_dense = model.gated_mlp and not model.num_experts and model.has_mlp
+    mlp_widths = {ffn, 2 * ffn} if gated_dense else {ffn}
+    if widths and model.has_attention and not model.kv_lora_rank and qkv not in mlp_widths:
+        found["fused_qkv"] = qkv in widths
+    if widths and gated_dense and 2 * ffn != qkv:
+        found["fused_gate_up"] = 2 * ffn in widths
+    if torch_op_rms_norms(block):
+        found["fused_norm"] = False
+    return found
+
+
+def own_block_training(training: TrainingSpec, block: nn.Module, model: ModelSpec) -> tuple[TrainingSpec, dict]:
+    """``training`` as ``block`` runs (:func:`read_block`), and the options that changed (what
+    calibration's records of the block say they ran with: profiling/kernel.py's ``run_options``)."""
+    changed = {k: v for k, v in read_block(block, model).items() if getattr(training, k) != v}
+    return replace(training, **changed), changed
