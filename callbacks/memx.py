@@ -357,12 +357,15 @@ def _checkpointed(block: torch.nn.Module, on: bool) -> None:
 def planned_training(precision: str, frozen_fraction: float, **batch) -> TrainingSpec:
     """What a Trainer of ``precision`` trains, as planned: "-mixed" autocast over fp32 weights,
     "-true" the module in that dtype (16-bit weights, gradients and Adam moments, no fp32 copy);
-    the module's frozen share (fine-tuning). Lightning's DDP keeps torch's default
-    gradient_as_bucket_view=False (a copy of the gradients), the module runs as eager ops and its
-    gradients are accumulated by torch's AccumulateGrad."""
+    the module's frozen share (fine-tuning). Lightning's DDP is torch's (``--setup ddp``): its
+    default gradient_as_bucket_view=False (a copy of the gradients), the gradients' reduction
+    overlapping the backward, the module's eager ops, its gradients accumulated by torch's
+    AccumulateGrad, torch's cross entropy on the whole logits (the module's training_step), and
+    the callback's non-reentrant checkpoint; the block's projections and norms as the module's
+    own modules run them (models/block_reading.py, at calibration)."""
     dtype = _dtype(precision)
-    training = TrainingSpec(**batch, dtype=dtype, ddp_bucket_copy=True, eager_block=True, grad_accumulation_pass=True,
-                            weights_dtype=_weights_dtype(precision), frozen_fraction=frozen_fraction)
+    training = TrainingSpec(**batch, dtype=dtype, setup="ddp", weights_dtype=_weights_dtype(precision),
+                            frozen_fraction=frozen_fraction)
     return training if precision.endswith("-mixed") else with_param_dtype(training, dtype)
 
 

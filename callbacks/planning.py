@@ -111,9 +111,9 @@ def calibrate_blocks(spec, cluster, rank_device, probe, training, db_path: str, 
         emulated = rank_device.emulated
         device = "cpu" if emulated is not None or not _cuda() else "cuda"
 
-        # Learned against the default options' blocks, as the callback plans them; "-mixed" precisions' blocks
-        # run fp32 weights under autocast, whose copies of them the records' ratios must not take for activations.
-        run_options = {**({"weights_dtype": "fp32"} if training.autocast else {}), **(block_options or {})}
+        # Learned against the blocks of the callback's setup (--setup ddp) as calibration runs them: fp32 weights,
+        # under autocast in 16 bits, whose copies of them the records' ratios must not take for activations.
+        run_options = {"setup": training.setup, "weights_dtype": "fp32", **(block_options or {})}
 
         def measure(samples):
             return calibrate(spec, rank_device.device_type, samples, device=device, dtype=training.dtype,

@@ -62,6 +62,10 @@ def test_the_trainers_precision_is_what_is_planned_for():
     planned = [planned_training(p, 0.0) for p in settings]
     assert [(t.weights_dtype, t.grad_dtype, t.optimizer_dtype) for t in planned[:2]] == \
         [("fp32", "fp32", "fp32"), ("training", "training", "training_no_master")]
+    # torch's DDP over the module (--setup ddp): its bucket copy, its overlapped reduction, torch's
+    # cross entropy in the module's training_step
+    assert all(t.setup == "ddp" and t.ddp_bucket_copy and t.overlap_grad_reduce and not t.vocab_parallel_loss
+               for t in planned)
     assert planned_training("bf16-mixed", 0.25).frozen_fraction == 0.25  # the module's frozen share
 
 
@@ -170,7 +174,11 @@ def test_a_single_device_fit_without_a_cluster_file_plans_for_its_own_device(tmp
     assert [training.eager_block for training in calibrated] == [True]
     records = [json.loads(line) for line in (tmp_path / "memx-profiles.jsonl").read_text().splitlines()]
     mixed = precision == "bf16-mixed"
-    assert records and all(r["run_options"] == ({"weights_dtype": "fp32"} if mixed else {}) for r in records)
+    # The example's block has one q, k, v linear where --setup ddp's Hugging Face blocks have three.
+    assert records and all(r["run_options"] == {"setup": "ddp", "weights_dtype": "fp32", "fused_qkv": True}
+                           for r in records)
+    assert calibrated[0].setup == "ddp" and calibrated[0].fused_qkv and not calibrated[0].vocab_parallel_loss
+    assert calibrated[0].autocast == mixed
 
 
 @pytest.mark.parametrize("value", ["abc", True, 2.5, 0, None])
