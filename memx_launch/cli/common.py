@@ -227,7 +227,8 @@ BLOCK_OPTIONS = {
     "softmax_in_fp32": "torch's softmax on an fp32 copy of the scores (default off)",
     "dropout": "hidden dropout on: its masks are kept for the backward (default off)",
     "attention_dropout": "dropout on the attention probabilities (default off)",
-    "fused_norm": "fused RMSNorm/LayerNorm kernel (default on; --setup torchtitan: off)",
+    "fused_norm": "fused RMSNorm kernel; off: torch ops, as Hugging Face's LlamaRMSNorm (a LayerNorm is torch's "
+                  "kernel either way) (default on; --setup torchtitan, ddp, zero3 and memx-run: off)",
     "eager_block": "each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): "
                    f"the host's time per layer is their count at {EAGER_OP_HOST_S * 1e6:g} us each, not a fused "
                    f"block's {FUSED_BLOCK_HOST_S * 1e3:g} ms; with --fp8/--fp4 its linears cast their own inputs "

@@ -34,18 +34,19 @@ SETUPS: dict[str, dict] = {
                   vocab_parallel_loss=False, eager_block=True),
     "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
                   grad_dtype="training", vocab_parallel_loss=False, eager_block=True),
-    # zero3: DeepSpeed ZeRO-3 over a Hugging Face model (q, k, v and gate, up separate linears), each
-    # linear's weights fetched by an all-gather of its own, up to its default live budget gathered.
+    # zero3: DeepSpeed ZeRO-3 over a Hugging Face model (q, k, v and gate, up separate linears, RMSNorms
+    # of torch ops), each linear's weights fetched by an all-gather of its own, up to its default live
+    # budget gathered.
     "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
                   vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True,
-                  max_live_params=1e9, fused_qkv=False, fused_gate_up=False),
+                  max_live_params=1e9, fused_qkv=False, fused_gate_up=False, fused_norm=False),
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
                   overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
     # ddp: torch's DDP over a Hugging Face model under autocast (Accelerate, Lightning's "-mixed"),
-    # its q, k, v and gate, up projections separate linears, checkpointed without reentrance
-    # (transformers' default since its activation_checkpointing_enable).
+    # its q, k, v and gate, up projections separate linears and its RMSNorms torch ops (LlamaRMSNorm),
+    # checkpointed without reentrance (transformers' default since its activation_checkpointing_enable).
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
-                ddp_bucket_copy=True, eager_block=True, fused_qkv=False, fused_gate_up=False,
+                ddp_bucket_copy=True, eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,
                 checkpoint_early_stop=True, grad_accumulation_pass=True),
     # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
     # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing,
