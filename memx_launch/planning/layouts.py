@@ -129,6 +129,14 @@ class Layout:
         return len(self.replica_device) > 1
 
 
+def first_and_last(values, pp: int) -> tuple:
+    """The first and the last stage's ``values`` (one value, or one per stage)."""
+    if np.ndim(values) == 0:  # the search's hot path: one DP degree
+        return values, values
+    values = np.broadcast_to(values, (pp,))
+    return values[0], values[-1]
+
+
 def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     """Powers of two that divide the heads (and Mamba groups) and fit inside one node for every device type."""
     per_node = min(n for node in cluster.nodes for _, n in node.devices)

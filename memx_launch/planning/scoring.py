@@ -11,6 +11,7 @@ import numpy as np
 
 from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, elementwise,
                                   extra_blocks, schedules)
+from memx_launch.planning.lazy_gradients import gradient_relief as relief_of, lazy_gradient_bytes
 from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.grad_accumulation import accumulation_seconds
@@ -30,7 +31,7 @@ from memx_launch.planning.model_states import (autocast_copy_bytes, held_gradien
 from memx_launch.planning.pipeline_sends import StageSends, edge_hidden_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.hybrid_sharding import ShardLinks, bridged_syncs
-from memx_launch.planning.layouts import Layout
+from memx_launch.planning.layouts import Layout, first_and_last
 
 
 # What a stage's predicted peak holds, in the order reports list it (Evaluator.memory_parts).
@@ -91,10 +92,10 @@ class Evaluator:
         layers, are counted where ``layers`` (the split) puts them; without it a layer costs their mean
         (:func:`extra_blocks.mean_block`; a hybrid model's table is its mean layer's)."""
         m = self.model
-        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, g = self._level_free_inputs(
+        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, g = self._level_free_inputs(
             layout, mbs, seq, v, replica)
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
-        per_layer = state + inflight * act
+        per_layer = state - relief_of(lazy, inflight * act) + inflight * act
         kind_t, kind_layer = [], []  # each kind of layer beside the repeated one (extra_blocks.other_kinds)
         for kind_state, table in zip(kind_states, self.table.kinds):
             t, kind_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, table)
@@ -140,7 +141,8 @@ class Evaluator:
                        cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), copies_working,
                        self.overhead[device], layout.communicators * self.communicator_bytes[device])
         edge_t = self._edge_time(layout, device, local, seq_rank)
-        self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, g)
+        lazy = lazy_gradient_bytes(m, tr, tp, self.trained, pp, g, v)
+        self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, g)
         return self._level_free[key]
 
     def _offload(self, kept, act, t_layer, device) -> tuple:
@@ -180,8 +182,8 @@ class Evaluator:
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share, shards) -> np.ndarray:
         m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
         per_param = cm.model_state_bytes_per_param(tr, shards, self.trained, pp, gradient_share)
-        first_bpp, last_bpp = _ends(per_param, pp)
-        first_mbs, last_mbs = _ends(local, pp)
+        first_bpp, last_bpp = first_and_last(per_param, pp)
+        first_mbs, last_mbs = first_and_last(local, pp)
         out = self._edge_activations(inflight, first_mbs, last_mbs, seq)
         out[0] += m.embedding_params / first * first_bpp
         head = cm.last_stage_params(m, pp) / last
@@ -200,7 +202,7 @@ class Evaluator:
     def _edge_time(self, layout, device, local, seq) -> np.ndarray:
         """(P,) seconds of the embedding on the first stage and the head on the last, read-only:
         kept per query, as the search asks the same ends for group after group."""
-        (first, last), (first_mbs, last_mbs) = layout.end_tp, _ends(local, layout.pp)
+        (first, last), (first_mbs, last_mbs) = layout.end_tp, first_and_last(local, layout.pp)
         key = (layout.pp, int(device[0]), int(device[-1]), first, last, float(first_mbs), float(last_mbs), seq)
         if key not in self._edge_times:
             out = np.zeros(layout.pp)
@@ -305,12 +307,13 @@ class Evaluator:
         m, tr = self.model, self.training
         pp, dp = layout.pp, layout.dp
         seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
-        first_mbs, last_mbs = _ends(local, pp)
+        first_mbs, last_mbs = first_and_last(local, pp)
         tp, shards = layout.tp_degrees, self.shard_links.state_shards(layout)
         last = layout.end_tp[1]
         levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
         g = tr.global_batch_size // (dp * mbs)
         inflight = schedules.stage_inflight_microbatches(pp, g, v)
+        lazy = lazy_gradient_bytes(m, tr, tp, self.trained, pp, g, v)
         weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v,
                                                           held_gradient_share(tr, pp, g, v), shards)
         gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, shards, pp)
@@ -333,14 +336,16 @@ class Evaluator:
                 return act, inflight * extra_blocks.beside_repeated(m, act, kind_acts, counts), work
             act, beside, work = block_activations(levels)
             kept = layers[0] * inflight * act + beside
+            relief = layers[0] * relief_of(lazy, inflight * act)
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
                 act_none, beside_none, work_none = block_activations(np.full((1, pp), cm.NONE))
                 r = np.minimum(result.recompute_layers[row], layers[0])
                 kept = (r * act + (layers[0] - r) * act_none) * inflight + np.where(r > 0, beside, beside_none)
                 work = np.where(r > 0, work, work_none)
+                relief = r * relief_of(lazy, inflight * act) + (layers[0] - r) * relief_of(lazy, inflight * act_none)
             by_replica.append({
                 "parameters": weights + gathered + copies + copies_working + head_copies,
-                "gradients": grads + unsharded_grad,
+                "gradients": grads + unsharded_grad - relief,
                 "optimizer_states": optim, "activations": kept + embedding_out + work * (layers[0] > 0)
                 - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),
                 "logits_loss": logits, "pipeline_buffers": pipeline,
@@ -440,11 +445,3 @@ class Evaluator:
         else:
             T = schedules.iteration_time_1f1b(stage_time, transfer, g, t_fix, t_dp)
         return T, transfer, sync, parts
-
-
-def _ends(local, pp: int) -> tuple:
-    """The first and the last stage's ``local`` (one value, or one per stage)."""
-    if np.ndim(local) == 0:  # the search's hot path: one DP degree
-        return local, local
-    local = np.broadcast_to(local, (pp,))
-    return local[0], local[-1]

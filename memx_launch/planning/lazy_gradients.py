@@ -1,0 +1,56 @@
+"""Gradients created by the step's first backward. Where a framework keeps them as each
+parameter's ``.grad`` (torch's DDP and memx-run: ``grad_accumulation_pass``, torch's
+AccumulateGrad), torch's autograd creates them in the backward and ``zero_grad``
+(``set_to_none=True``, torch's default since 2.0) frees them before the next step's forward. A
+stage whose most micro-batches in flight come before its first backward holds none of them then:
+every stage of a step of one micro-batch, and under 1F1B a stage with no second forward after
+its first backward (the first stage of a pipeline with as many micro-batches as stages). Its
+peak is the larger of its activations' (the gradients not yet there) and the optimizer step's
+(the activations freed, the gradients there, and torch's foreach Adam's square root of the second
+moment, a temporary of every parameter at once); memx counts the activations' where a block's
+in-flight activations outweigh its gradients and that temporary, and both elsewhere, as before.
+DDP's buckets, Megatron's and DeepSpeed's gradient buffers are allocated once: held throughout.
+No torch import.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memx_launch.planning.model_states import model_state_bytes_by_part, rank_layer_params
+from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.training import TrainingSpec
+
+
+def peak_precedes_backward(pp: int, g: int, v: int) -> np.ndarray:
+    """(P,) whether each stage reaches its most micro-batches in flight only before its first
+    backward: under 1F1B stage i runs min(P - i - 1, g) forwards before it, then one more; its
+    in-flight count comes back only with a second forward after a backward. Interleaved
+    schedules: False (not derived)."""
+    if v > 1:
+        return np.zeros(pp, dtype=bool)
+    warmup = np.minimum(pp - np.arange(pp) - 1, g)
+    return g - warmup <= 1
+
+
+def lazy_gradient_bytes(model: ModelSpec, training: TrainingSpec, tp, trained, pp: int, g: int,
+                        v: int) -> tuple[np.ndarray, np.ndarray]:
+    """(P,) bytes of one block's ``.grad`` tensors a stage does not hold at its activation peak
+    (those of a training that creates them in the backward, on stages whose peak precedes it; 0
+    elsewhere: sharded or bucketed gradients, a distributed optimizer's), and (P,) the bytes its
+    optimizer step adds beside them (Adam's one moment-sized temporary)."""
+    if not training.grad_accumulation_pass or training.fully_sharded or training.sharded_gradients:
+        return np.zeros(pp), np.zeros(pp)
+    grad_per_param = model_state_bytes_by_part(training, 1, trained)[1]  # one copy, DDP's bucket aside
+    params = np.broadcast_to(sum(rank_layer_params(model, training, tp)), (pp,))
+    temporary = training.precision_bytes("optimizer_dtype") * trained.share if training.optimizer == "adam" else 0.0
+    lazy = np.where(peak_precedes_backward(pp, g, v), params * grad_per_param, 0.0)
+    return lazy, np.where(lazy > 0, params * temporary, 0.0)
+
+
+def gradient_relief(lazy: tuple, inflight_activations) -> np.ndarray:
+    """Per block, the gradient bytes its stage's peak leaves out: :func:`lazy_gradient_bytes`'
+    where the block's in-flight activations are at least its gradients and the optimizer step's
+    temporary (the activations' peak is then the stage's), else 0."""
+    grads, temporary = (np.asarray(x, dtype=np.float64) for x in lazy)
+    return np.where(np.asarray(inflight_activations) >= grads + temporary, grads, 0.0)

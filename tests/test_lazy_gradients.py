@@ -1,0 +1,86 @@
+"""Gradients created by the step's first backward (memx_launch/planning/lazy_gradients.py): a
+stage whose activation peak comes before it holds none of them then."""
+
+import math
+
+import numpy as np
+import pytest
+
+from estimates import cluster_file, estimated_plan
+from memx_launch.planning.lazy_gradients import lazy_gradient_bytes, peak_precedes_backward
+from memx_launch.specs.catalog import get_model
+from memx_launch.specs.training import TrainingSpec
+
+TWO_CPUS = {"version": 1, "name": "two-cpus", "nodes": [{"name": "n", "devices": {"cpu": 2}, "intra_node_gbps": 2}],
+            "device_types": {"cpu": {"vendor": "cpu", "memory_gib": 1.0, "peak_tflops": 0.03,
+                                     "memory_bandwidth_gbps": 5}}}
+
+
+@pytest.mark.parametrize("pp,g,v,expected", [
+    (1, 1, 1, [True]),  # one micro-batch a step
+    (4, 1, 1, [True] * 4),
+    (4, 4, 1, [True, False, False, False]),  # the first stage's fourth forward precedes its first backward
+    (2, 2, 1, [True, False]),
+    (4, 8, 1, [False] * 4),  # every stage forwards again after a backward
+    (4, 4, 2, [False] * 4),  # interleaved: not derived, held
+])
+def test_which_stages_peak_before_their_first_backward(pp, g, v, expected):
+    assert peak_precedes_backward(pp, g, v).tolist() == expected
+
+
+def test_only_gradients_autograd_creates_are_left_out():
+    model = get_model("llama-tiny")
+    for setup in ("megatron", "zero1", "zero3", "fsdp2", "torchtitan", "scaling"):  # buffers held throughout
+        assert not np.any(lazy_gradient_bytes(model, TrainingSpec(setup=setup), np.ones(2), None, 2, 2, 1)), setup
+    from memx_launch.planning.lazy_gradients import gradient_relief
+    from memx_launch.planning.model_states import FULL_TRAINING, rank_layer_params
+
+    lazy = lazy_gradient_bytes(model, TrainingSpec(setup="ddp"), np.ones(2), FULL_TRAINING, 2, 2, 1)
+    block = 4.0 * sum(rank_layer_params(model, TrainingSpec(), 1))
+    assert [x.tolist() for x in lazy] == [[block, 0.0], [block, 0.0]]  # one fp32 copy; Adam's sqrt(v) beside
+    # Left out only where the block's activations outweigh its gradients and the optimizer's temporary:
+    # the optimizer step's peak (activations freed) stays under the activations'.
+    assert gradient_relief(lazy, [2 * block, 2 * block]).tolist() == [block, 0.0]
+    assert gradient_relief(lazy, [2 * block - 1, 2 * block]).tolist() == [0.0, 0.0]
+
+
+def test_a_step_of_one_micro_batch_holds_no_gradients_at_its_peak_and_memx_leaves_them_out(tmp_path):
+    """memx's LLaMA trained a step (fp32, zero_grad(set_to_none=True), torch's default) peaks
+    before its backward creates any gradient: as measured by the emulated device's guard, all of
+    them below the same step's with gradients kept from the last (set_to_none=False). memx's
+    ``--setup ddp`` plan of one micro-batch a step counts its blocks' gradients out of the peak,
+    those of two micro-batches in."""
+    torch = pytest.importorskip("torch")
+    from memx_launch.models.llama import LlamaStage
+    from memx_launch.profiling.emulation import EmulatedDevice
+
+    spec = get_model("llama-tiny")
+    torch.manual_seed(0)
+    stage = LlamaStage(spec, spec.num_layers, first=True, last=True)
+    tokens = torch.randint(0, spec.vocab_size, (8, spec.seq_len))
+
+    def step_peak(set_to_none: bool) -> int:
+        torch.nn.functional.cross_entropy(stage(tokens).flatten(0, 1), tokens.flatten()).backward()
+        stage.zero_grad(set_to_none=set_to_none)
+        with EmulatedDevice("probe", math.inf) as device:
+            device.track([*stage.parameters(), *(p.grad for p in stage.parameters() if p.grad is not None)])
+            device.reset_peak()
+            torch.nn.functional.cross_entropy(stage(tokens).flatten(0, 1), tokens.flatten()).backward()
+        return device.peak_bytes
+
+    grads = 4 * sum(p.numel() for p in stage.parameters())
+    assert step_peak(False) - step_peak(True) == grads
+
+    cluster = cluster_file(tmp_path, TWO_CPUS)
+
+    def gradients_gib(batch: int) -> float:
+        plan = estimated_plan(tmp_path, f"b{batch}", ["--model", "llama-tiny", "--cluster", cluster, "--setup", "ddp",
+                                                     "--tp", "1", "--pp", "1", "--dp", "2", "--micro-batch-size", "8",
+                                                     "--global-batch-size", str(batch), "--dtype", "fp32"])
+        return plan["stages"][0]["memory_parts_gib"]["gradients"]
+
+    from memx_launch.planning.model_states import rank_layer_params
+
+    blocks = 4 * spec.num_layers * sum(rank_layer_params(spec, TrainingSpec(), 1)) / 2**30
+    assert gradients_gib(32) - gradients_gib(16) == pytest.approx(blocks, abs=2e-6)
+    assert blocks * 2**30 <= grads
