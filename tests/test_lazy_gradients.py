@@ -84,3 +84,26 @@ def test_a_step_of_one_micro_batch_holds_no_gradients_at_its_peak_and_memx_leave
     blocks = 4 * spec.num_layers * sum(rank_layer_params(spec, TrainingSpec(), 1)) / 2**30
     assert gradients_gib(32) - gradients_gib(16) == pytest.approx(blocks, abs=2e-6)
     assert blocks * 2**30 <= grads
+
+
+@pytest.mark.parametrize("recompute", ["none", "full:30"])
+def test_a_stage_of_several_kinds_of_blocks_says_what_it_left_out_where_its_peak_counts_it(tmp_path, recompute):
+    """DeepSeek-V3 (dense blocks before its expert ones, a multi-token prediction block) under
+    ``--setup ddp``, one micro-batch a step, large enough that a block's activations outweigh its
+    gradients: the gradients part leaves out what the peak leaves out, and the parts add up to it."""
+    big = {**TWO_CPUS, "device_types": {"cpu": {**TWO_CPUS["device_types"]["cpu"], "memory_gib": 100000.0}}}
+    plan = estimated_plan(tmp_path, "dsv3", ["--model", "deepseek-v3", "--cluster", cluster_file(tmp_path, big),
+                                             "--setup", "ddp", "--tp", "1", "--pp", "2", "--dp", "1",
+                                             "--micro-batch-size", "256", "--global-batch-size", "256",
+                                             "--seq-len", "4096", "--recompute", recompute])
+    held = estimated_plan(tmp_path, "dsv3-held", ["--model", "deepseek-v3", "--cluster", cluster_file(tmp_path, big),
+                                                  "--setup", "ddp", "--tp", "1", "--pp", "2", "--dp", "1",
+                                                  "--micro-batch-size", "256", "--global-batch-size", "1024",
+                                                  "--seq-len", "4096", "--recompute", recompute])
+    for stage, other in zip(plan["stages"], held["stages"]):  # four micro-batches: every stage forwards again
+        parts = stage["memory_parts_gib"]
+        assert sum(parts.values()) == pytest.approx(stage["predicted_peak_memory_gib"], abs=1e-5)
+        if recompute == "none":  # the dense blocks' kept
+            assert parts["gradients"] < 0.1 * other["memory_parts_gib"]["gradients"]
+        else:  # a block recomputed in full keeps too little to outweigh its own
+            assert parts["gradients"] <= other["memory_parts_gib"]["gradients"]

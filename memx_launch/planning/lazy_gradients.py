@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from memx_launch.planning.extra_blocks import beside_repeated
 from memx_launch.planning.model_states import model_state_bytes_by_part, rank_layer_params
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -54,3 +55,12 @@ def gradient_relief(lazy: tuple, inflight_activations) -> np.ndarray:
     temporary (the activations' peak is then the stage's), else 0."""
     grads, temporary = (np.asarray(x, dtype=np.float64) for x in lazy)
     return np.where(np.asarray(inflight_activations) >= grads + temporary, grads, 0.0)
+
+
+def stage_relief(model: ModelSpec, lazy: tuple, inflight_activations, layers, counts) -> np.ndarray:
+    """The gradient bytes a stage of ``layers`` blocks leaves out of its peak: each repeated
+    block's :func:`gradient_relief`, none of another kind's (``counts``, extra_blocks.kind_counts:
+    their activations are not weighed here) and a multi-token prediction block's as a block's, as
+    the scoring's per-layer bytes count them."""
+    block = gradient_relief(lazy, inflight_activations)
+    return layers * block + beside_repeated(model, block, [0.0] * len(counts), counts)

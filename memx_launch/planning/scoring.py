@@ -11,7 +11,7 @@ import numpy as np
 
 from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, elementwise,
                                   extra_blocks, schedules)
-from memx_launch.planning.lazy_gradients import gradient_relief as relief_of, lazy_gradient_bytes
+from memx_launch.planning.lazy_gradients import gradient_relief as relief_of, lazy_gradient_bytes, stage_relief
 from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.grad_accumulation import accumulation_seconds
@@ -336,13 +336,15 @@ class Evaluator:
                 return act, inflight * extra_blocks.beside_repeated(m, act, kind_acts, counts), work
             act, beside, work = block_activations(levels)
             kept = layers[0] * inflight * act + beside
-            relief = layers[0] * relief_of(lazy, inflight * act)
+            relief = stage_relief(m, lazy, inflight * act, layers[0], counts)
             if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
                 act_none, beside_none, work_none = block_activations(np.full((1, pp), cm.NONE))
                 r = np.minimum(result.recompute_layers[row], layers[0])
                 kept = (r * act + (layers[0] - r) * act_none) * inflight + np.where(r > 0, beside, beside_none)
                 work = np.where(r > 0, work, work_none)
-                relief = r * relief_of(lazy, inflight * act) + (layers[0] - r) * relief_of(lazy, inflight * act_none)
+                relief = np.where(r > 0, stage_relief(m, lazy, inflight * act, r, counts)
+                                  + (layers[0] - r) * relief_of(lazy, inflight * act_none),
+                                  stage_relief(m, lazy, inflight * act_none, layers[0], counts))
             by_replica.append({
                 "parameters": weights + gathered + copies + copies_working + head_copies,
                 "gradients": grads + unsharded_grad - relief,
