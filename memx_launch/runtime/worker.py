@@ -80,9 +80,9 @@ def calibrate_device_type(model, cluster, rank_device, descriptions, db, stored,
     """This rank's share of calibrating its device type; returns the type's samples on the
     type's first rank (empty elsewhere). ``budget``: (samples, estimated seconds per sample).
     ``user_parts``: the model whose own block is measured (prepare.user_block_parts), with
-    ``run_options`` (its records' options: how it runs, models/block_reading.py). Measured at the TP degrees the
-    search can choose, ``searched_tp`` (memx-run's restriction: TP 1 for blocks memx does not
-    split by TP) or all."""
+    ``run_options`` (its records' options: how it runs, models/block_reading.py). Measured at
+    the TP degrees the search can choose, ``searched_tp`` (memx-run's restriction: TP 1 for
+    blocks memx does not split by TP) or all."""
     import torch.distributed as dist
 
     from memx_launch.planning.tp_links import tp_link
