@@ -35,32 +35,39 @@ def peak_precedes_backward(pp: int, g: int, v: int) -> np.ndarray:
 
 
 def lazy_gradient_bytes(model: ModelSpec, training: TrainingSpec, tp, trained, pp: int, g: int,
-                        v: int) -> tuple[np.ndarray, np.ndarray]:
+                        v: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(P,) bytes of one block's ``.grad`` tensors a stage does not hold at its activation peak
     (those of a training that creates them in the backward, on stages whose peak precedes it; 0
-    elsewhere: sharded or bucketed gradients, a distributed optimizer's), and (P,) the bytes its
-    optimizer step adds beside them (Adam's one moment-sized temporary)."""
-    if not training.grad_accumulation_pass or training.fully_sharded or training.sharded_gradients:
-        return np.zeros(pp), np.zeros(pp)
+    elsewhere), and (P,) the bytes its optimizer step adds beside them (Adam's one moment-sized
+    temporary); None where no stage leaves any out (sharded or bucketed gradients, a distributed
+    optimizer's, a stage forwarding again after its backward): the search's scoring skips it."""
+    precedes = peak_precedes_backward(pp, g, v)
+    if not training.grad_accumulation_pass or training.fully_sharded or training.sharded_gradients \
+            or not precedes.any():
+        return None
     grad_per_param = model_state_bytes_by_part(training, 1, trained)[1]  # one copy, DDP's bucket aside
     params = np.broadcast_to(sum(rank_layer_params(model, training, tp)), (pp,))
     temporary = training.precision_bytes("optimizer_dtype") * trained.share if training.optimizer == "adam" else 0.0
-    lazy = np.where(peak_precedes_backward(pp, g, v), params * grad_per_param, 0.0)
-    return lazy, np.where(lazy > 0, params * temporary, 0.0)
+    lazy = np.where(precedes, params * grad_per_param, 0.0)
+    return lazy, np.where(precedes, params * temporary, 0.0)
 
 
-def gradient_relief(lazy: tuple, inflight_activations) -> np.ndarray:
+def gradient_relief(lazy: tuple | None, inflight_activations):
     """Per block, the gradient bytes its stage's peak leaves out: :func:`lazy_gradient_bytes`'
     where the block's in-flight activations are at least its gradients and the optimizer step's
-    temporary (the activations' peak is then the stage's), else 0."""
+    temporary (the activations' peak is then the stage's), else 0 (0.0 without any)."""
+    if lazy is None:
+        return 0.0
     grads, temporary = (np.asarray(x, dtype=np.float64) for x in lazy)
     return np.where(np.asarray(inflight_activations) >= grads + temporary, grads, 0.0)
 
 
-def stage_relief(model: ModelSpec, lazy: tuple, inflight_activations, layers, counts) -> np.ndarray:
+def stage_relief(model: ModelSpec, lazy: tuple | None, inflight_activations, layers, counts):
     """The gradient bytes a stage of ``layers`` blocks leaves out of its peak: each repeated
     block's :func:`gradient_relief`, none of another kind's (``counts``, extra_blocks.kind_counts:
     their activations are not weighed here) and a multi-token prediction block's as a block's, as
     the scoring's per-layer bytes count them."""
+    if lazy is None:
+        return 0.0
     block = gradient_relief(lazy, inflight_activations)
     return layers * block + beside_repeated(model, block, [0.0] * len(counts), counts)

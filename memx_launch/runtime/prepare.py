@@ -125,11 +125,13 @@ def _hf_block_parts(model_arg: str):
                                           ("norms after attention and MLP", spec.post_norms),
                                           ("query and key norms", spec.qk_norm),
                                           ("a soft-capped attention", spec.attention_softcapping)) if present]
-    if not missing and not _fuses_its_linears(folder, spec):
+    if not missing and spec.tensor_parallel_blocks:  # the Llama family's blocks: memx's LLaMA's linears
         return None
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
+        if not missing:
+            return None
         raise ConfigError("--model", f"{model_arg} has {missing[0]}, which memx's own LLaMA block cannot measure "
                           "in its place", "pip install -e '.[hf]' so that memx measures the model's own block, "
                           "or pass --model-builder FILE:FUNCTION") from None
@@ -137,37 +139,30 @@ def _hf_block_parts(model_arg: str):
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # a refusal, never a prompt
     except ValueError as exc:  # custom code (auto_map), or a model type transformers does not know
         why = str(exc).splitlines()[0].strip()
+        if not missing:  # memx's LLaMA stands in, as for any block of LLaMA's parts
+            log.info("memx: %s not built by transformers (%s): memx's LLaMA block of its shape is calibrated",
+                     folder, why)
+            return None
         raise ConfigError("--model", f"transformers cannot build {model_arg} ({why}), and memx's own LLaMA "
                           f"block cannot stand in for a block with {missing[0]}",
                           "pass --model-builder FILE:FUNCTION to build it") from None
     config.num_hidden_layers = 1  # the block is what calibration measures
+    if not missing and not _fuses_its_linears(config, spec, AutoModelForCausalLM):
+        return None
     return _verified(ModelParts(AutoModelForCausalLM.from_config(config)))
 
 
-def _fuses_its_linears(folder: str, spec) -> bool:
+def _fuses_its_linears(config, spec, auto_model) -> bool:
     """Whether a block of LLaMA's parts outside the Llama family fuses its linears (Phi-3's
-    qkv_proj and gate_up_proj), which memx's LLaMA does not: read off the block built on the meta
-    device (no memory). False for the Llama family's blocks (memx's LLaMA's linears), and where
-    transformers cannot build the model (not installed, a config of custom code): memx's LLaMA
-    stands in for those as before."""
-    if spec.tensor_parallel_blocks:
-        return False
+    qkv_proj and gate_up_proj), which memx's LLaMA does not: read off the block ``auto_model``
+    builds from ``config`` on the meta device (no memory)."""
     import torch
 
     from memx_launch.models.adapters import ModelParts
     from memx_launch.models.block_reading import read_block
 
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # a refusal, never a prompt
-        config.num_hidden_layers = 1
-        with torch.device("meta"):
-            block = ModelParts(AutoModelForCausalLM.from_config(config)).blocks[0]
-    except (ImportError, ValueError, KeyError, OSError) as exc:  # a ConfigError is a ValueError
-        log.info("memx: %s not built by transformers (%s): memx's LLaMA block of its shape is calibrated",
-                 folder, str(exc).splitlines()[0])
-        return False
+    with torch.device("meta"):
+        block = ModelParts(auto_model.from_config(config)).blocks[0]
     return any(read_block(block, spec).get(k) for k in ("fused_qkv", "fused_gate_up"))
 
 
