@@ -10,7 +10,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.layouts import layout_from_stage_devices
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.scoring import MEMORY_PARTS
+from memx_launch.planning.memory_parts import MEMORY_PARTS
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
@@ -126,7 +126,7 @@ def test_the_plan_file_and_the_report_carry_the_parts(tmp_path, capsys):
     assert code == 0 and "memory by part, per device:" in out
     lines = out.splitlines()
     header = lines[lines.index("memory by part, per device:") + 1]
-    assert header.split() == ["params", "grads", "optimizer", "activations", "logits", "pipeline", "comm",
+    assert header.split() == ["params", "grads", "optimizer", "step", "activations", "logits", "pipeline", "comm",
                               "fixed", "=", "peak"]
     assert [line.split()[:2] for line in lines if line.startswith("stage ") and "GiB" in line][:2] == \
         [["stage", "0"], ["stage", "1"]]

@@ -129,11 +129,12 @@ def test_time_budget_is_honoured():
     model = get_model("llama3-70b")
     space = SearchSpace(micro_batch_sizes=(1, 2, 4, 8, 16), seq_lens=(2048, 4096, 8192), time_prune_factor=1e9)
     result = search(model, cluster("hetero-1024"), TrainingSpec(global_batch_size=2048, seq_len=8192,
-                    distributed_optimizer=True), space=space, time_budget_s=2.0)
+                    distributed_optimizer=True), space=space, time_budget_s=0.5)
+    # A budget well under the whole search's (1.7 s on a fast 2-core host), so that it runs out on any host.
     assert result.stats.budget_exhausted and result.plans
     assert result.stats.evaluated < result.stats.enumerated
     # One group of candidates may finish after the deadline, nothing more.
-    assert result.stats.seconds < 4.0
+    assert result.stats.seconds < 2.5
 
 
 def test_nothing_fits_lists_closest_with_shortfall():

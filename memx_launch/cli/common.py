@@ -116,6 +116,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("grad-accumulation-pass", "each micro-batch after a step's first adds its gradients into the "
                         "held ones in a pass of its own (torch's AccumulateGrad; default off; --setup ddp and "
                         "memx-run: on)"),
+                       ("foreach-optimizer", "Adam steps all of a rank's plain-tensor parameters at once (torch's "
+                        "default on a GPU): a temporary of one moment each beside the gradients; off: fused kernels, "
+                        "a for-loop (default off; --setup ddp and memx-run: on)"),
                        ("autocast-per-step", "torch.autocast's region spans the step (memx-run's runtime): each fp32 "
                         "weight cast once a step, not every micro-batch (default off; --setup memx-run: on)"),
                        ("cp-all-gather", "context parallelism as torch's context_parallel runs it: each attention "

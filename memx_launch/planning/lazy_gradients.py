@@ -5,12 +5,12 @@ AccumulateGrad), torch's autograd creates them in the backward and ``zero_grad``
 stage whose most micro-batches in flight come before its first backward holds none of them then:
 every stage of a step of one micro-batch, and under 1F1B a stage with no second forward after
 its first backward (the first stage of a pipeline with as many micro-batches as stages). Its
-peak is the larger of its activations' (the gradients not yet there) and the optimizer step's
-(the activations freed, the gradients there, and torch's foreach Adam's square root of the second
-moment, a temporary of every parameter at once); memx counts the activations' where a block's
-in-flight activations outweigh its gradients and that temporary, and both elsewhere, as before.
-DDP's buckets, Megatron's and DeepSpeed's gradient buffers are allocated once: held throughout.
-No torch import.
+first backward frees that micro-batch's activations block by block as it creates the block's
+gradients, and no forward follows, so a block holds at most n of its kept activations, or n - 1
+and its gradients: its peak leaves out the smaller of its gradients and one micro-batch's
+activations. The optimizer step's peak, the activations freed and every gradient there, is
+:mod:`optimizer_peak`'s. DDP's buckets, Megatron's and DeepSpeed's gradient buffers are allocated
+once: held throughout. No torch import.
 """
 
 from __future__ import annotations
@@ -35,11 +35,9 @@ def peak_precedes_backward(pp: int, g: int, v: int) -> np.ndarray:
 
 
 def lazy_gradient_bytes(model: ModelSpec, training: TrainingSpec, tp, trained, pp: int, g: int,
-                        v: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(P,) bytes of one block's ``.grad`` tensors a stage does not hold at its activation peak
-    (those of a training that creates them in the backward, on stages whose peak precedes it; 0
-    elsewhere), and (P,) the bytes its optimizer step adds beside them (Adam's one moment-sized
-    temporary); None where no stage leaves any out (sharded or bucketed gradients, a distributed
+                        v: int) -> np.ndarray | None:
+    """(P,) bytes of one block's ``.grad`` tensors on stages whose peak precedes their creation (0
+    elsewhere); None where no stage has such a peak (sharded or bucketed gradients, a distributed
     optimizer's, a stage forwarding again after its backward): the search's scoring skips it."""
     precedes = peak_precedes_backward(pp, g, v)
     if not training.grad_accumulation_pass or training.fully_sharded or training.sharded_gradients \
@@ -47,27 +45,24 @@ def lazy_gradient_bytes(model: ModelSpec, training: TrainingSpec, tp, trained, p
         return None
     grad_per_param = model_state_bytes_by_part(training, 1, trained)[1]  # one copy, DDP's bucket aside
     params = np.broadcast_to(sum(rank_layer_params(model, training, tp)), (pp,))
-    temporary = training.precision_bytes("optimizer_dtype") * trained.share if training.optimizer == "adam" else 0.0
-    lazy = np.where(precedes, params * grad_per_param, 0.0)
-    return lazy, np.where(precedes, params * temporary, 0.0)
+    return np.where(precedes, params * grad_per_param, 0.0)
 
 
-def gradient_relief(lazy: tuple | None, inflight_activations):
-    """Per block, the gradient bytes its stage's peak leaves out: :func:`lazy_gradient_bytes`'
-    where the block's in-flight activations are at least its gradients and the optimizer step's
-    temporary (the activations' peak is then the stage's), else 0 (0.0 without any)."""
+def gradient_relief(lazy: np.ndarray | None, activations):
+    """Per block, the gradient bytes its stage's peak leaves out: the smaller of
+    :func:`lazy_gradient_bytes`' and ``activations`` (the block's kept bytes of one micro-batch,
+    which the first backward frees as it creates them); 0.0 without any."""
     if lazy is None:
         return 0.0
-    grads, temporary = (np.asarray(x, dtype=np.float64) for x in lazy)
-    return np.where(np.asarray(inflight_activations) >= grads + temporary, grads, 0.0)
+    return np.minimum(lazy, np.asarray(activations, dtype=np.float64))
 
 
-def stage_relief(model: ModelSpec, lazy: tuple | None, inflight_activations, layers, counts):
+def stage_relief(model: ModelSpec, lazy: np.ndarray | None, activations, layers, counts):
     """The gradient bytes a stage of ``layers`` blocks leaves out of its peak: each repeated
     block's :func:`gradient_relief`, none of another kind's (``counts``, extra_blocks.kind_counts:
     their activations are not weighed here) and a multi-token prediction block's as a block's, as
     the scoring's per-layer bytes count them."""
     if lazy is None:
         return 0.0
-    block = gradient_relief(lazy, inflight_activations)
+    block = gradient_relief(lazy, activations)
     return layers * block + beside_repeated(model, block, [0.0] * len(counts), counts)

@@ -14,6 +14,7 @@ import numpy as np
 from memx_launch.planning.activations import training_activation_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layout_training import layout_sharded_stages, training_precision_senders
+from memx_launch.planning.memory_parts import with_optimizer_step
 from memx_launch.planning.pipeline_buffers import boundary_bytes, kept_stage_output_bytes
 from memx_launch.planning.plan import NONE
 from memx_launch.planning.scoring import Evaluator
@@ -70,10 +71,11 @@ class MixedShardingEvaluator(Evaluator):
     def split_inputs(self, layout, mbs, seq, v, levels, replica=0, layers=None):
         whole = self.whole.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         sharded = self.sharded.split_inputs(layout, mbs, seq, v, levels, replica, layers)
-        per_layer, fixed, t_layer, edge_t, work = self._by_stage(layout, whole[:4] + whole[5:], sharded[:4] + sharded[5:])
+        per_layer, fixed, t_layer, edge_t, work, step_layer, step_fixed = self._by_stage(
+            layout, whole[:4] + whole[5:], sharded[:4] + sharded[5:])
         kept, working = self.narrowed_stream_bytes(layout, mbs, seq, v, levels)
         fixed = fixed + working + self.hidden_precision_bytes(layout, mbs, seq, v)
-        return per_layer + kept, fixed, t_layer, edge_t, whole[4], work + working  # g: one for both
+        return per_layer + kept, fixed, t_layer, edge_t, whole[4], work + working, step_layer, step_fixed  # g: one
 
     def narrowed_stream_bytes(self, layout, mbs, seq, v, levels) -> tuple:
         """((C, P) kept bytes per layer, its in-flight micro-batches' worth, and (C, P) working bytes)
@@ -148,4 +150,4 @@ class MixedShardingEvaluator(Evaluator):
         for stage, extra, activations in zip(parts, change, kept + working * (layers > 0)):
             stage["pipeline_buffers"] += float(extra)
             stage["activations"] += float(activations)
-        return parts
+        return with_optimizer_step(self, result, row, parts)

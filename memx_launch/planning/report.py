@@ -12,7 +12,7 @@ from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types, tp
 from memx_launch.planning.peaks import datasheet_hbm, hbm_gbps, linear_tflops, matmul_peak_tflops, training_tflops
 from memx_launch.planning.plan import Plan
 from memx_launch.planning.runtime_support import check_runnable
-from memx_launch.planning.scoring import MEMORY_PARTS
+from memx_launch.planning.memory_parts import MEMORY_PARTS
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -302,7 +302,7 @@ def host_bound_lines(plan: Plan, host_bound) -> list[str]:
 
 # Short headers of the parts of a stage's peak (StagePlan.memory_parts_gib), in MEMORY_PARTS order.
 _PART_HEADERS = {"parameters": "params", "gradients": "grads", "optimizer_states": "optimizer",
-                 "activations": "activations", "logits_loss": "logits", "pipeline_buffers": "pipeline",
+                 "optimizer_step": "step", "activations": "activations", "logits_loss": "logits", "pipeline_buffers": "pipeline",
                  "communicator_buffers": "comm", "fixed_overhead": "fixed"}
 
 

@@ -11,7 +11,9 @@ import numpy as np
 
 from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, elementwise,
                                   extra_blocks, schedules)
-from memx_launch.planning.lazy_gradients import gradient_relief as relief_of, lazy_gradient_bytes, stage_relief
+from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes
+from memx_launch.planning.memory_parts import stage_memory_parts
+from memx_launch.planning.optimizer_peak import step_block_bytes, step_temporary_bytes
 from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.grad_accumulation import accumulation_seconds
@@ -20,23 +22,19 @@ from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.cost_table import CostTable
 from memx_launch.planning.collectives import collective_sm_share, overlapped_exposed_seconds
 from memx_launch.planning.matmuls import device_sms
-from memx_launch.planning.pipeline_buffers import pipeline_buffer_bytes
+from memx_launch.planning.pipeline_buffers import pipeline_buffer_bytes, torch_receive_buffer_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
 from memx_launch.planning.model_states import (autocast_copy_bytes, held_gradient_share, keeps_gathered, layer_state_bytes,
-                                               parameters_per_rank, stage_state_bytes_by_part, weight_copy_bytes)
+                                               parameters_per_rank, weight_copy_bytes)
 from memx_launch.planning.pipeline_sends import StageSends, edge_hidden_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.hybrid_sharding import ShardLinks, bridged_syncs
 from memx_launch.planning.layouts import Layout, first_and_last
 
-
-# What a stage's predicted peak holds, in the order reports list it (Evaluator.memory_parts).
-MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations", "logits_loss", "pipeline_buffers",
-                "communicator_buffers", "fixed_overhead")
 
 
 class Evaluator:
@@ -84,18 +82,19 @@ class Evaluator:
 
     def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0,
                      layers: np.ndarray | None = None):
-        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the block's backward
-        working set (part of the fixed bytes: a stage without blocks has none) for each row, on the device types
+        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches, the block's backward
+        working set (part of the fixed bytes: a stage without blocks has none), and the optimizer step's per-layer
+        and fixed bytes (its peak, :mod:`optimizer_peak`) for each row, on the device types
         of row ``replica`` of the layout's ``replica_device``. With context parallelism a rank sees ``seq / cp``
         tokens of each sequence; with a DP degree per stage a stage of fewer replicas runs larger local
         micro-batches. Dense blocks between a mixture of experts' expert ones, and a hybrid model's kinds of
         layers, are counted where ``layers`` (the split) puts them; without it a layer costs their mean
         (:func:`extra_blocks.mean_block`; a hybrid model's table is its mean layer's)."""
         m = self.model
-        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, g = self._level_free_inputs(
+        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, step, g = self._level_free_inputs(
             layout, mbs, seq, v, replica)
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
-        per_layer = state - relief_of(lazy, inflight * act) + inflight * act
+        per_layer = state - gradient_relief(lazy, act) + inflight * act
         kind_t, kind_layer = [], []  # each kind of layer beside the repeated one (extra_blocks.other_kinds)
         for kind_state, table in zip(kind_states, self.table.kinds):
             t, kind_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, table)
@@ -106,10 +105,13 @@ class Evaluator:
         fixed = sum(fixed_parts, work) + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts)
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
         edge_t = edge_t + extra_blocks.beside_repeated(m, t_layer, kind_t, counts)
+        step_layer, step_kinds, step_fixed = step
+        step_fixed = step_fixed + extra_blocks.beside_repeated(m, step_layer, step_kinds, counts)
         if layers is None:
-            per_layer, t_layer = (extra_blocks.mean_block(m, per_layer, kind_layer),
-                                  extra_blocks.mean_block(m, t_layer, kind_t))
-        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work
+            per_layer, t_layer, step_layer = (extra_blocks.mean_block(m, per_layer, kind_layer),
+                                              extra_blocks.mean_block(m, t_layer, kind_t),
+                                              extra_blocks.mean_block(m, step_layer, step_kinds))
+        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work, step_layer, step_fixed
 
     def _level_free_inputs(self, layout: Layout, mbs: int, seq: int, v: int, replica: int) -> tuple:
         """What :meth:`split_inputs` needs that no recompute level changes, kept for the latest
@@ -118,7 +120,10 @@ class Evaluator:
         each other kind's), the fixed bytes beside the block's working set (the embedding, head
         and logits, the pipeline engine's kept outputs, a fully sharded run's gathered weights
         and their FP8 copies, what the process and its communicators hold above the tensors),
-        the embedding's and the head's seconds, and the micro-batches per step."""
+        the embedding's and the head's seconds, the blocks' gradients created after the peak
+        (:mod:`lazy_gradients`), the optimizer step's bytes per block, each other kind's, and its
+        fixed bytes (the ends' states, torch's pipeline receive buffers, the process's and its
+        communicators'), and the micro-batches per step."""
         key = (mbs, seq, v, replica)
         if self._level_free_layout is not layout:
             self._level_free_layout, self._level_free = layout, {}
@@ -136,13 +141,19 @@ class Evaluator:
         state = layer_state_bytes(m, tr, tp, shards, self.trained, pp, share) + copies_kept
         kind_states = [layer_state_bytes(kind, tr, tp, shards, self.trained, pp, share)
                        + weight_copy_bytes(kind, tr, tp, pp)[0] for kind in extra_blocks.other_kinds(m)]
+        held = self.overhead[device] + layout.communicators * self.communicator_bytes[device]
         fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight, share, shards),
                        pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v),
-                       cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), copies_working,
-                       self.overhead[device], layout.communicators * self.communicator_bytes[device])
+                       cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), copies_working, held)
         edge_t = self._edge_time(layout, device, local, seq_rank)
         lazy = lazy_gradient_bytes(m, tr, tp, self.trained, pp, g, v)
-        self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, g)
+        temporary = step_temporary_bytes(tr, self.trained, tp, shards, self.cluster.is_emulated)
+        step = (np.broadcast_to(step_block_bytes(m, tr, tp, state, temporary), (pp,)),
+                [np.broadcast_to(step_block_bytes(kind, tr, tp, kind_state, temporary), (pp,))
+                 for kind, kind_state in zip(extra_blocks.other_kinds(m), kind_states)],
+                self._end_state_bytes(layout, share, shards, temporary) + held
+                + torch_receive_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v))
+        self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, step, g)
         return self._level_free[key]
 
     def _offload(self, kept, act, t_layer, device) -> tuple:
@@ -180,14 +191,23 @@ class Evaluator:
         return t_layer + ring_s, act, work + ring_bytes
 
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share, shards) -> np.ndarray:
-        m, tr, (first, last), pp = self.model, self.training, layout.end_tp, layout.pp
-        per_param = cm.model_state_bytes_per_param(tr, shards, self.trained, pp, gradient_share)
-        first_bpp, last_bpp = first_and_last(per_param, pp)
+        m, tr, last, pp = self.model, self.training, layout.end_tp[1], layout.pp
         first_mbs, last_mbs = first_and_last(local, pp)
-        out = self._edge_activations(inflight, first_mbs, last_mbs, seq)
-        out[0] += m.embedding_params / first * first_bpp
+        out = self._edge_activations(inflight, first_mbs, last_mbs, seq) + self._end_state_bytes(
+            layout, gradient_share, shards)
         head = cm.last_stage_params(m, pp) / last
-        out[-1] += head * last_bpp + autocast_copy_bytes(head, tr) + logits_bytes(m, last_mbs, seq, last, tr)
+        out[-1] += autocast_copy_bytes(head, tr) + logits_bytes(m, last_mbs, seq, last, tr)
+        return out
+
+    def _end_state_bytes(self, layout, gradient_share, shards, extra_per_param=0.0) -> np.ndarray:
+        """(P,) the model states of the embedding on the first stage and the head on the last,
+        with ``extra_per_param`` (P,) bytes more per parameter (the optimizer step's)."""
+        m, (first, last), pp = self.model, layout.end_tp, layout.pp
+        per_param = cm.model_state_bytes_per_param(self.training, shards, self.trained, pp, gradient_share)
+        per_param = np.broadcast_to(per_param + np.asarray(extra_per_param, dtype=np.float64), (pp,))
+        out = np.zeros(pp)
+        out[0] += m.embedding_params / first * per_param[0]
+        out[-1] += cm.last_stage_params(m, pp) / last * per_param[-1]
         return out
 
     def _edge_activations(self, inflight, first_mbs, last_mbs, seq) -> np.ndarray:
@@ -230,8 +250,10 @@ class Evaluator:
     def _max_layers(self, layout, inputs) -> np.ndarray:
         """Layers each stage can hold on every one of its device types (``inputs``:
         :meth:`replica_inputs` at the levels in question)."""
-        return np.min([np.floor((self.usable(capacity) - fixed) / per_layer)
-                       for (per_layer, fixed, *_), capacity in zip(inputs, layout.replica_capacity)], axis=0)
+        return np.min([np.minimum(np.floor((self.usable(capacity) - fixed) / per_layer),
+                                  np.floor((self.usable(capacity) - step_fixed) / step_layer))
+                       for (per_layer, fixed, *_, step_layer, step_fixed), capacity
+                       in zip(inputs, layout.replica_capacity)], axis=0)
 
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
               levels: np.ndarray, layers: np.ndarray | None = None,
@@ -256,12 +278,13 @@ class Evaluator:
                 recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
         memories, times, fits = [], [], []
         for k in replicas:
-            per_layer, fixed, t_layer, edge_t, g, work = self.split_inputs(layout, mbs, seq, v, levels, k, layers)
+            per_layer, fixed, t_layer, edge_t, g, work, step_layer, step_fixed = self.split_inputs(
+                layout, mbs, seq, v, levels, k, layers)
             memory = layers * per_layer + fixed
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
                 # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
-                none_layer, none_fixed, none_t, _, _, none_work = (
+                none_layer, none_fixed, none_t, _, _, none_work, *_ = (
                     self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.NONE), k, layers)
                     if extra_blocks.split_places_kinds(self.model)
                     else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
@@ -270,6 +293,7 @@ class Evaluator:
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
                 work = np.where(r > 0, work, none_work)
             memory = memory - (layers == 0) * work  # an embedding- or head-only stage runs no block backward
+            memory = np.maximum(memory, layers * step_layer + step_fixed)  # or the optimizer step's peak
             memories.append(memory)
             times.append(stage_time)
             fits.append(memory <= self.usable(layout.replica_capacity[k]))
@@ -296,65 +320,9 @@ class Evaluator:
                            self.training.shard_degree, parts, self.tied_sum_bytes(layout))
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
-        """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`), on the
-        device type it is on; they add up to it (to float rounding). The terms are
-        :meth:`split_inputs`' own, told apart: parameters (with what a fully sharded run gathers,
-        FP8 and autocast weight copies), gradients (with its unsharded ones), optimizer states (fp32
-        master + moments), activations (kept layers in flight, the embedding output, the backward's
-        working set), the last stage's logits, the pipeline engine's kept outputs, communicator
-        buffers and the fixed per-process overhead."""
-        layout, mbs, seq, v = result.layout, result.mbs, result.seq, result.v
-        m, tr = self.model, self.training
-        pp, dp = layout.pp, layout.dp
-        seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
-        first_mbs, last_mbs = first_and_last(local, pp)
-        tp, shards = layout.tp_degrees, self.shard_links.state_shards(layout)
-        last = layout.end_tp[1]
-        levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
-        g = tr.global_batch_size // (dp * mbs)
-        inflight = schedules.stage_inflight_microbatches(pp, g, v)
-        lazy = lazy_gradient_bytes(m, tr, tp, self.trained, pp, g, v)
-        weights, grads, optim = stage_state_bytes_by_part(m, tr, layout, layers, self.trained, v,
-                                                          held_gradient_share(tr, pp, g, v), shards)
-        gathered, unsharded_grad = cm.fully_sharded_working_parts(m, tr, tp, shards, pp)
-        copies_kept, copies_working = weight_copy_bytes(m, tr, tp, pp)
-        head_copies = np.eye(pp)[-1] * autocast_copy_bytes(cm.last_stage_params(m, pp) / last, tr)
-        embedding_out = self._edge_activations(inflight, first_mbs, last_mbs, seq_rank)
-        logits = np.zeros(pp)
-        logits[-1] = logits_bytes(m, last_mbs, seq_rank, last, tr)
-        pipeline = pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v)
-        replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
-        by_replica = []
-        kinds, counts = extra_blocks.other_kinds(m), extra_blocks.kind_counts(m, pp, layers[0], v)
-        copies = layers[0] * copies_kept + extra_blocks.beside_repeated(
-            m, np.broadcast_to(copies_kept, pp), [weight_copy_bytes(kind, tr, tp, pp)[0] for kind in kinds], counts)
-        for k, device in enumerate(layout.replica_device):
-            def block_activations(at):  # at levels ``at``: (per block, beside the repeated blocks, working set)
-                _, act, work = (x[0] for x in self.stage_layer_costs(layout, device, tp, local, seq, at))
-                kind_acts = [self.stage_layer_costs(layout, device, tp, local, seq, at, table)[1][0]
-                             for table in self.table.kinds]
-                return act, inflight * extra_blocks.beside_repeated(m, act, kind_acts, counts), work
-            act, beside, work = block_activations(levels)
-            kept = layers[0] * inflight * act + beside
-            relief = stage_relief(m, lazy, inflight * act, layers[0], counts)
-            if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
-                act_none, beside_none, work_none = block_activations(np.full((1, pp), cm.NONE))
-                r = np.minimum(result.recompute_layers[row], layers[0])
-                kept = (r * act + (layers[0] - r) * act_none) * inflight + np.where(r > 0, beside, beside_none)
-                work = np.where(r > 0, work, work_none)
-                relief = np.where(r > 0, stage_relief(m, lazy, inflight * act, r, counts)
-                                  + (layers[0] - r) * relief_of(lazy, inflight * act_none),
-                                  stage_relief(m, lazy, inflight * act_none, layers[0], counts))
-            by_replica.append({
-                "parameters": weights + gathered + copies + copies_working + head_copies,
-                "gradients": grads + unsharded_grad - relief,
-                "optimizer_states": optim, "activations": kept + embedding_out + work * (layers[0] > 0)
-                - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),
-                "logits_loss": logits, "pipeline_buffers": pipeline,
-                "communicator_buffers": np.broadcast_to(layout.communicators * self.communicator_bytes[device], pp),
-                "fixed_overhead": self.overhead[device]})
-        return [{name: float(np.broadcast_to(by_replica[k][name], pp)[i]) for name in MEMORY_PARTS}
-                for i, k in enumerate(replica)]
+        """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`):
+        :func:`~memx_launch.planning.memory_parts.stage_memory_parts`."""
+        return stage_memory_parts(self, result, row)
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""

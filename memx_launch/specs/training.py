@@ -192,24 +192,25 @@ class TrainingSpec:
     them and updates its shard) instead of reduce-scattering them: twice the gradient traffic
     (Aleph Alpha's scaling, ``core/optimizer/allreduce.py``). Default off (``scaling``: on)."""
     ddp_bucket_copy: bool | None = None
-    """torch's DistributedDataParallel without ``gradient_as_bucket_view`` (its default, and
-    Accelerate's and Lightning's): every gradient is copied into DDP's communication buckets, a
-    second copy of the gradients on each replica (with more than one). Default off (``ddp``: on)."""
+    """torch's DDP without ``gradient_as_bucket_view`` (its default, Accelerate's, Lightning's): each gradient
+    copied into DDP's buckets, a second copy on each replica (with more than one). Default off (``ddp``: on)."""
     grad_accumulation_pass: bool | None = None
     """Each micro-batch after a step's first adds its gradients into the held ones in a pass of its
     own (torch's ``AccumulateGrad``; Megatron's fuses it into the GEMM). Default off (ddp, memx-run: on)."""
+    foreach_optimizer: bool | None = None
+    """Adam steps all of a rank's plain-tensor parameters at once (torch's Adam and AdamW on a GPU by default,
+    ``foreach``): a temporary of one moment each beside the gradients (planning/optimizer_peak.py). Off: fused
+    kernels (Apex, Transformer Engine, DeepSpeed, ``fused=True``), a for-loop. Default off (ddp, memx-run: on)."""
     autocast_per_step: bool | None = None
-    """torch.autocast's region spans the step's micro-batches (memx-run's runtime), so each fp32
-    weight is cast once a step and the later forwards and recomputes read autocast's cached copy;
-    off, a region per forward casts it every micro-batch (DDP under Accelerate, Lightning).
-    Default off (``memx-run``: on)."""
+    """torch.autocast's region spans the step's micro-batches (memx-run's): each fp32 weight cast once a step,
+    read from autocast's cache after; off, cast every micro-batch (Accelerate, Lightning). Default off (memx-run: on)."""
     eager_block: bool | None = None
     """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host time
     is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
     overlap_p2p_comm: bool | None = None
     """An interleaved pipeline's sends run while the stage computes its next chunk (Megatron-LM's
-    ``--overlap-p2p-communication``, on by default there since 2023; torch's ``ScheduleInterleaved1F1B``).
-    Off: each send blocks (Megatron-LM of 2021). Plain 1F1B's sends always block. Default on."""
+    ``--overlap-p2p-communication``, its default since 2023; torch's ``ScheduleInterleaved1F1B``).
+    Off: each send blocks, as plain 1F1B's do. Default on."""
     hold_gathered: str | None = None
     """What a fully sharded run keeps gathered: ``never`` (ZeRO-3, Megatron-FSDP: each layer every micro-batch),
     ``weights`` (from a micro-batch's forward to its backward: FSDP2's ``reshard_after_forward=False``),
