@@ -42,7 +42,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1,
                      autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True,
                      stream_bytes: float | None = None, repeat_kv: bool = False,
-                     softcapped_scores: bool = False) -> LayerCost:
+                     softcapped_scores: bool = False, transformers_experts_share: float | None = None) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -79,7 +79,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         :func:`~memx_launch.planning.gated_deltanet.kept_units`)
       SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h;
         ReLU, ``relu_mlp``: 2f/h, its output is its backward's and the down projection's input);
-        a mixture of experts: :func:`~memx_launch.planning.experts.kept_units`
+        a mixture of experts: :func:`~memx_launch.planning.experts.kept_units` (as Transformers runs
+        them with ``transformers_experts_share``: their tensors at that multiple of ``dtype_bytes``)
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
         take ``quantized_bytes`` per element: the two normed tensors, the attention output and
         the MLP's down-projection input
@@ -153,7 +154,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + model.residual_adds / scale / (tp if sequence_parallel else 1.0)
-    mlp_kept, mlp_elementwise = mlp_units(model, tp, fp8_share, fused_activation, expert_tp, bool(quantized_bytes))
+    mlp_kept, mlp_elementwise = mlp_units(model, tp, fp8_share, fused_activation, expert_tp, bool(quantized_bytes),
+                                          transformers_experts_share)
     # Query and key head norms keep their inputs, as the block's norms do (fused: the 16-bit q and k).
     qk_norms = (q + kv) / h / tp * per_norm if model.qk_norm else 0.0
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
@@ -180,7 +182,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # The attention's backward runs once the MLP's has freed the MLP's tensors.
     mlp_freed = mlp_kept + mlp_elementwise
     attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp) - mlp_freed
-    mlp_phase = stream_grad + mlp_backward_units(model, tp, fused_activation)
+    mlp_phase = stream_grad + mlp_backward_units(model, tp, fused_activation, transformers_experts_share)
     # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.
     norm_phase = 0.0
@@ -201,14 +203,15 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
-def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool) -> tuple:
+def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool,
+              transformers_experts_share: float | None = None) -> tuple:
     """(what the MLP's activation keeps, the down projection's kept input) of one block, in
     :func:`activation_bytes`' units: SwiGLU's gate and up outputs, silu(gate) unless fused, and
     their product; GELU's input and output (its tanh form as torch ops, ``tanh_gelu_ops``: five
     tensors, measured on Transformers' ``gelu_new``); ReLU's output, also the down projection's
     input unless quantized; a mixture of experts' (:func:`~memx_launch.planning.experts.kept_units`)."""
     if model.num_experts:
-        return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp)
+        return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp, transformers_experts_share)
     f, h = model.ffn_hidden_size if model.has_mlp else 0, model.hidden_size
     if model.gated_mlp:
         return (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
@@ -223,7 +226,8 @@ def tanh_gelu_as_ops(model: ModelSpec, fused_activation: bool) -> bool:
     return model.tanh_gelu_ops and not fused_activation
 
 
-def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False) -> np.ndarray:
+def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False,
+                       transformers_experts_share: float | None = None) -> np.ndarray:
     """What a dense MLP's backward holds at once beyond what the MLP keeps, in
     :func:`activation_bytes`' units: its intermediate gradients, less the down projection's input,
     freed once that projection's backward has run. SwiGLU: the product's gradient and from it
@@ -231,11 +235,17 @@ def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False) -> 
     more (a fused activation the same: its [2f] input's gradient beside its input); GELU: one (its
     output is freed), its tanh form as torch ops two; ReLU: two (its output stays for its own
     backward). A mixture's experts: not counted (an expert loop holds one expert's tokens, a
-    grouped GEMM all of them)."""
+    grouped GEMM all of them), but Transformers' grouped GEMMs (``transformers_experts_share``):
+    the gate-and-up output's gradient of every routed copy (measured on Mixtral's layer within
+    10%, tests/test_transformers_experts.py)."""
+    tp = np.asarray(tp, dtype=np.float64)
+    if model.num_experts and transformers_experts_share is not None:
+        width = (2.0 if model.gated_mlp else 1.0) * model.moe_ffn_hidden_size
+        return 2.0 * transformers_experts_share * model.experts_per_token * width / model.hidden_size / tp
     if not model.has_mlp or model.num_experts:
-        return np.zeros_like(np.asarray(tp, dtype=np.float64))
+        return np.zeros_like(tp)
     tensors = 2.0 if model.gated_mlp or model.relu_mlp or tanh_gelu_as_ops(model, fused_activation) else 1.0
-    return 2.0 * tensors * model.ffn_hidden_size / model.hidden_size / np.asarray(tp, dtype=np.float64)
+    return 2.0 * tensors * model.ffn_hidden_size / model.hidden_size / tp
 
 
 def mlp_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndarray:
@@ -244,7 +254,7 @@ def mlp_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndar
     quantized = training.quantized_linears
     fp8_share = quantization.element_bytes(training) / training.dtype_bytes if quantized else 1.0
     kept, down_input = mlp_units(model, np.asarray(tp, dtype=np.float64), fp8_share, training.fused_activation,
-                                 training.expert_tensor_parallel, bool(quantized))
+                                 training.expert_tensor_parallel, bool(quantized), transformers_experts_share(training))
     sbh = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64) * model.hidden_size
     return (kept + down_input) * sbh * training.dtype_bytes / 2.0
 
@@ -261,7 +271,15 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                             tr.fused_softmax, tr.softmax_in_fp32, tr.quantized_linears and linear_bytes,
                             tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
                             tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes,
-                            kv_repeated(model, tr), model.attention_softcapping)
+                            kv_repeated(model, tr), model.attention_softcapping, transformers_experts_share(tr))
+
+
+def transformers_experts_share(training: TrainingSpec) -> float | None:
+    """Bytes of a Transformers expert's tensors over the training dtype's (``transformers_experts``:
+    the weights' dtype, fp32 under autocast), None for Megatron-Core's experts."""
+    if not training.transformers_experts:
+        return None
+    return 4.0 / training.dtype_bytes if training.autocast else 1.0
 
 
 def training_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:

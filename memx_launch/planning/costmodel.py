@@ -5,7 +5,6 @@ No torch import: the search runs anywhere, on whole numpy arrays of configuratio
 Everything per layer goes through :class:`LayerCostModel`, one call for arrays of (device
 type, TP, micro-batch, sequence length, recompute level). The learned predictor wraps this
 analytical model and scales its outputs by learned ratios: the search never changes with it.
-
 Memory follows Korthikanti et al. 2022 (:mod:`activations`), adapted to LLaMA blocks.
 Time counts FLOPs at each device's effective TFLOPS, element-wise traffic at its memory
 bandwidth and tensor-parallel all-reduces at the TP group's link bandwidth.
@@ -187,6 +186,10 @@ class AnalyticalCostModel:
         self._backward_slowdown = np.array([quantization.backward_gemm_slowdown(d, training) for d in self.device_types])
         sixteen_bit = np.array([d.effective_tflops for d in self.device_types]) * 1e12  # a tile's fill, in time
         self._linear_fill, self._fill = fill_depth(self._linear_flops, sixteen_bit), fill_depth(self._best_flops, sixteen_bit)
+        # A mixture's routed experts: Transformers' run in fp32 under autocast over fp32 weights (experts.py).
+        rates = [experts.grouped_gemm_rate(d, training) for d in self.device_types]
+        self._expert_flops = np.array([r for r, _ in rates]) * 1e12
+        self._expert_fill, self._expert_bytes = fill_depth(self._expert_flops, sixteen_bit), rates[0][1]
         # Emulated devices are CPU processes whatever vendor they stand in for (the vendor picks
         # their communication domain): no tiles nor waves, no kernel launches.
         stand_in = cluster.is_emulated
@@ -245,7 +248,9 @@ class AnalyticalCostModel:
         linear_forward_s, linear_backward_s = linear_seconds(tokens, shapes, *gemm)
         expert_forward_s = exchange_s = 0.0
         if self.model.num_experts:  # the routed experts' grouped GEMMs
-            expert_forward_s, expert_backward_s = experts.expert_seconds(self.model, tr, tokens, tp, *gemm)
+            expert_forward_s, expert_backward_s = experts.expert_seconds(
+                self.model, tr, tokens, tp, self._expert_flops[device], *gemm[1:3], self._expert_bytes,
+                self._expert_fill[device])
             linear_forward_s, linear_backward_s = linear_forward_s + expert_forward_s, linear_backward_s + expert_backward_s
         linear_s = linear_forward_s + self._backward_slowdown[device] * linear_backward_s
         # Op-level selective recompute runs every other projection again (op_checkpointing.py).
@@ -387,8 +392,7 @@ class AnalyticalCostModel:
 
     @property
     def _forward_tp_allreduces(self) -> float:
-        """Of :meth:`tp_allreduces`, the first forward's: one each for attention and the MLP, one
-        for parallel blocks (one shared input) and a hybrid model's layer."""
+        """Of :meth:`tp_allreduces`, the first forward's: attention's and MLP's; parallel blocks' or a layer's one."""
         return 1.0 if self.model.parallel_blocks or self.model.layer_kind else 2.0
 
     def expert_tp_seconds(self, tokens, tp, device) -> np.ndarray:

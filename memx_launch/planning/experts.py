@@ -19,9 +19,11 @@ from math import comb, gcd
 import numpy as np
 
 from memx_launch.errors import ConfigError
+from memx_launch.planning import quantization
 from memx_launch.planning.matmuls import K_FILL, linear_seconds
+from memx_launch.planning.peaks import has_tf32, linear_tflops
 from memx_launch.planning.tp_links import tp_link_gbps
-from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -119,6 +121,17 @@ def ep_link_gbps(cluster: ClusterSpec, device_type: str, ep: int) -> float:
 def routed_tokens(model: ModelSpec, tokens, tp):
     """Token-expert pairs a rank's experts process per micro-batch: its ``tokens / TP`` times top-k."""
     return np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.experts_per_token
+
+
+def grouped_gemm_rate(device: DeviceType, training: TrainingSpec) -> tuple[float, float]:
+    """(sustained TFLOPS, bytes an element) of the routed experts' grouped GEMMs on ``device``: the
+    block linears' (:func:`~memx_launch.planning.peaks.linear_tflops`), but fp32 for Transformers'
+    experts under autocast over fp32 weights (:func:`kept_units`: they cast their input to the
+    weights' dtype), at the TF32 peak with ``tf32`` where the device has it."""
+    if training.transformers_experts and training.autocast:
+        tf32 = training.tf32 and has_tf32(device)
+        return (device.effective_tflops / 2.0 if tf32 else device.effective_tflops_for("fp32")), 4.0
+    return linear_tflops(device, training), quantization.element_bytes(training)
 
 
 def expert_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, best_flops, hbm_bytes_per_s, sms,
@@ -235,7 +248,8 @@ def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: boo
     return ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * shared, 2.0 * input_share * shared
 
 
-def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: int = 1) -> tuple:
+def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: int = 1,
+               transformers_share: float | None = None) -> tuple:
     """(kept, down-projection input) of a block's MLP of experts per token, in the unit of
     :func:`~memx_launch.planning.activations.activation_bytes` (2 bytes per hidden element):
     the router's fp32 logits, and per routed copy the dispatched token (the gate-and-up input,
@@ -243,10 +257,22 @@ def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: i
     and what its activation keeps (:data:`ROUTED_ACTIVATION_KEPT`); the down projection's input
     apart; and a shared expert's dense MLP. The routing weights multiply the activation's output
     inside the experts (Megatron-Core's ``activation_func_with_probs``, NeMo AutoModel's weighted
-    SwiGLU), so the combine keeps nothing. Over TP: each rank routes its share of the tokens."""
+    SwiGLU), so the combine keeps nothing. Over TP: each rank routes its share of the tokens.
+
+    ``transformers_share``: the experts as Transformers runs them (``transformers_experts``:
+    ``integrations/moe.py``'s grouped GEMMs, its default), their tensors at that multiple of the
+    training dtype's bytes. Per routed copy: the sorted token, the gate-and-up output, silu(gate)
+    (ungated: the activation's input), the product the down projection reads, and that
+    projection's output, which the routing weights multiply after it. Its grouped GEMMs are not
+    autocast-enabled: it casts their input to the weights' dtype, so under autocast over fp32
+    weights every one of them is fp32 (measured on Mixtral's block, tests/test_framework_memory.py)."""
     h, f, k = model.hidden_size, model.moe_ffn_hidden_size, model.experts_per_token
-    up = ROUTED_ACTIVATION_KEPT[bool(fused_activation)][bool(model.gated_mlp)] * f / h
     tp = np.asarray(tp, dtype=np.float64)
     shared_kept, shared_down = shared_expert_units(model, tp, input_share, fused_activation)
+    if transformers_share is not None:
+        activation = (3.0 if model.gated_mlp else 1.0) * f
+        routed_kept = (4.0 * model.num_experts / h + 2.0 * transformers_share * k * (2.0 * h + activation) / h) / tp
+        return routed_kept + shared_kept, 2.0 * transformers_share * k * f / h / tp + shared_down
+    up = ROUTED_ACTIVATION_KEPT[bool(fused_activation)][bool(model.gated_mlp)] * f / h
     routed_kept = (4.0 * model.num_experts / h + k * (2.0 * input_share * etp + up)) / tp
     return routed_kept + shared_kept, 2.0 * input_share * k * f / h / tp + shared_down

@@ -143,15 +143,15 @@ class TrainingSpec:
     all-reduce of their input gradient over TP, one cast under autocast. Off: three linears that
     each do both (Hugging Face's blocks, memx-run's under DTensor's per-linear TP plan). Default on."""
     overlap_expert_comm: bool | None = None
-    """A mixture of experts' all-to-alls run while another micro-batch computes (Megatron's
-    ``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``: one micro-batch's
-    forward and another's backward interleaved): a block waits only for what they take beyond
-    its compute. Default off."""
+    """A mixture's all-to-alls run while another micro-batch computes (Megatron's ``--overlap-moe-expert-parallel-comm``
+    with ``--delay-wgrad-compute``): a block waits only for what they take beyond its compute. Default off."""
+    transformers_experts: bool | None = None
+    """A mixture's experts as Transformers runs them (planning/experts.py): the down projections' outputs kept for the
+    routing weights, in the weights' dtype (fp32 under autocast). Default off (ddp, zero3, memx-run: on)."""
     fused_activation: bool | None = None
-    """The MLP's activation runs as one kernel that keeps only its input for the backward
-    (Megatron's ``bias_swiglu`` / ``bias_gelu`` fusions, ``--bias-swiglu-fusion``): SwiGLU's
-    silu(gate) is recomputed there, not kept. Off: torch's ops (torchtitan, Hugging Face), which
-    keep silu(gate) as well. Default off (``megatron``: on)."""
+    """The MLP's activation runs as one kernel that keeps only its input for the backward (Megatron's
+    ``bias_swiglu`` / ``bias_gelu`` fusions): SwiGLU's silu(gate) is recomputed there, not kept. Off: torch's
+    ops (torchtitan, Hugging Face), which keep silu(gate) as well. Default off (``megatron``: on)."""
     softmax_in_fp32: bool | None = None
     """With torch's softmax (no flash attention, no fused softmax) on 16-bit scores, the softmax
     runs on an fp32 copy (Megatron's ``--attention-softmax-in-fp32``): the fp32 probabilities and

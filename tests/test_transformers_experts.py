@@ -1,0 +1,133 @@
+"""A mixture's experts as Transformers runs them (``transformers_experts``, planning/experts.py):
+what autograd saves for a Hugging Face Mixtral layer, and its grouped GEMMs in fp32 under autocast."""
+
+import os
+
+import numpy as np
+import pytest
+
+from memx_launch.planning import costmodel as cm
+from memx_launch.specs.catalog import get_model
+from memx_launch.specs.cluster import ClusterSpec
+from memx_launch.specs.training import TrainingSpec
+
+HF_MIXTRAL = os.path.join(os.path.dirname(__file__), "..", "examples", "models", "hf-mixtral-tiny")
+
+
+def _mixtral_layer(seq: int, batch: int):
+    """Transformers' MixtralDecoderLayer (its experts as MixtralForCausalLM builds them: grouped
+    GEMMs), an input and its rotary tables."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
+
+    config = MixtralConfig.from_pretrained(HF_MIXTRAL)
+    config._attn_implementation, config._experts_implementation = "sdpa", "grouped_mm"
+    torch.manual_seed(0)
+    layer = MixtralDecoderLayer(config, 0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(batch, seq, config.hidden_size, requires_grad=True)
+    return layer, x, MixtralRotaryEmbedding(config)(x, torch.arange(seq)[None])
+
+
+def _mixtral_layer_saves(dtype: str, b: int, seq: int) -> tuple[int, set]:
+    """Bytes autograd saves for :func:`_mixtral_layer` trained as memx-run trains it (fp32
+    weights, under bf16 autocast in 16-bit training), each storage once, its parameters, their
+    casts (each expert's too) and the rotary tables aside; and the dtypes of the experts' saved
+    tensors."""
+    import torch
+
+    from test_framework_memory import saved_storage_bytes
+
+    layer, x, rotary = _mixtral_layer(seq, b)
+    width = layer.mlp.experts.intermediate_dim
+    weights = {tuple(s[::k]) for p in layer.parameters() for s in (p.shape, p.shape[1:]) for k in (1, -1)}
+    expert_dtypes = set()
+
+    def note(t):  # the experts' f-wide tensors
+        if t.shape[-1] in (width, 2 * width):
+            expert_dtypes.add(str(t.dtype).removeprefix("torch."))
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        kept = saved_storage_bytes(lambda: layer(x, position_embeddings=rotary, attention_mask=None),
+                                   owned=(*layer.parameters(), *rotary), skip_shapes=weights)
+        with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+            layer(x, position_embeddings=rotary, attention_mask=None)
+    return kept, expert_dtypes
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_what_autograd_saves_for_a_transformers_mixtral_layer_is_what_memx_run_counts(dtype):
+    """Per routed copy Transformers keeps the sorted token, the gate-and-up output, silu(gate), the
+    product and the down projection's output (which the routing weights multiply after it), all
+    in fp32 under autocast: its grouped GEMMs are not autocast-enabled and it casts their input to
+    the weights' dtype. memx-run's and ``--setup ddp``'s count holds it to 1%; Megatron-Core's
+    experts' count (the weights multiplied inside the activation, 16-bit) is 14% over in fp32
+    and 26% under in bf16."""
+    spec, b, seq = get_model(HF_MIXTRAL), 2, 128
+    kept, expert_dtypes = _mixtral_layer_saves(dtype, b, seq)
+    assert expert_dtypes == {"float32"}  # under bf16 autocast too
+    for setup in ("memx-run", "ddp"):
+        training = TrainingSpec(setup=setup, dtype=dtype)
+        counted = float(cm.training_activation_bytes(spec, training, b, seq, 1, cm.NONE).activation_bytes)
+        assert kept == pytest.approx(counted, rel=0.01), setup
+    megatron = float(cm.training_activation_bytes(spec, TrainingSpec(setup="memx-run", dtype=dtype,
+                                                                     transformers_experts=False),
+                                                  b, seq, 1, cm.NONE).activation_bytes)
+    assert abs(megatron / kept - 1) > 0.1
+
+
+def test_transformers_experts_under_autocast_run_their_gemms_at_the_fp32_rate():
+    """An H100's block of Mixtral under ``--setup ddp`` in bf16: the routed experts' grouped GEMMs
+    at the fp32 peak (67 of 989 TFLOPS) make the block slower than Megatron-Core's 16-bit experts;
+    with ``--tf32`` at half the 16-bit peak, in between; in bf16 weights (``--setup zero3``) the
+    same as Megatron's."""
+    h100 = ClusterSpec.from_dict({"version": 1, "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}],
+                                  "device_types": {"h100": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989,
+                                                            "peak_tflops_fp32": 67, "compute_capability": 9.0,
+                                                            "memory_bandwidth_gbps": 3350}}})
+    spec = get_model("mixtral-8x7b")
+
+    def block_s(**kw) -> float:
+        training = TrainingSpec(global_batch_size=8, seq_len=4096, **kw)
+        return float(cm.AnalyticalCostModel(spec, h100, training).layer_costs(0, 1, 1, 4096, cm.NONE).time_s)
+
+    fp32, tf32, megatron = (block_s(setup="ddp"), block_s(setup="ddp", tf32=True),
+                            block_s(setup="ddp", transformers_experts=False))
+    assert fp32 > tf32 > megatron
+    assert 4.5 < fp32 / megatron < 6  # the experts hold most of the block's FLOPs (docs/setups.md: 5x)
+    zero3, zero3_megatron = block_s(setup="zero3"), block_s(setup="zero3", transformers_experts=False)
+    assert zero3 == pytest.approx(zero3_megatron)
+    assert np.isfinite(fp32)
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_the_backward_of_transformers_experts_holds_their_gate_and_up_gradients(batch):
+    """Transformers' Mixtral layer in fp32, its gradients allocated (as from a step's second
+    micro-batch, and as calibration measures a block): what its backward holds above what the
+    forward kept, as the emulated device's guard counts it, is memx's backward working set
+    within 10% (it held the stream's gradient alone, 14% of it, before it counted each routed
+    copy's gate-and-up gradient)."""
+    import math
+
+    import torch
+
+    from memx_launch.profiling.emulation import EmulatedDevice
+
+    seq = 128
+    layer, x, rotary = _mixtral_layer(seq, batch)
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    with EmulatedDevice("probe", math.inf) as device:
+        device.track([*layer.parameters(), *(p.grad for p in layer.parameters()), x, *rotary])
+        y = layer(x, position_embeddings=rotary, attention_mask=None)
+        device.reset_peak()
+        kept = device.live_bytes
+        y.backward(torch.randn_like(y))
+    held = device.peak_bytes - kept
+    counted = cm.training_activation_bytes(get_model(HF_MIXTRAL), TrainingSpec(setup="memx-run", dtype="fp32"),
+                                           batch, seq, 1, cm.NONE).working_bytes
+    assert float(counted) == pytest.approx(held, rel=0.1)
