@@ -131,3 +131,23 @@ def test_the_backward_of_transformers_experts_holds_their_gate_and_up_gradients(
     counted = cm.training_activation_bytes(get_model(HF_MIXTRAL), TrainingSpec(setup="memx-run", dtype="fp32"),
                                            batch, seq, 1, cm.NONE).working_bytes
     assert float(counted) == pytest.approx(held, rel=0.1)
+
+
+def test_the_report_says_where_the_experts_run_in_fp32(tmp_path, capsys):
+    """``memx estimate``'s rates line names the experts' fp32 rate under ``--setup ddp`` (autocast
+    over fp32 weights), and not under ``--setup zero3`` (their weights gathered in bf16)."""
+    import json
+
+    from memx_launch.cli import main
+
+    cluster = tmp_path / "h100.json"
+    cluster.write_text(json.dumps({"version": 1, "nodes": [{"devices": {"h100": 8}, "intra_node_gbps": 450}],
+                                   "device_types": {"h100": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989,
+                                                             "peak_tflops_fp32": 67, "memory_bandwidth_gbps": 3350}}}))
+    lines = {}
+    for setup, pp, dp in (("ddp", "8", "1"), ("zero3", "1", "8")):
+        main(["estimate", "--model", "mixtral-8x7b", "--cluster", str(cluster), "--setup", setup, "--tp", "1",
+              "--pp", pp, "--dp", dp, "--micro-batch-size", "1", "--global-batch-size", "16", "--seq-len", "4096",
+              "--recompute", "full"])
+        lines[setup] = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rates"))
+    assert "64 in its experts' fp32 GEMMs" in lines["ddp"] and "experts" not in lines["zero3"]

@@ -115,7 +115,7 @@ def run_plan(args) -> int:
                         else experts.search_tensor_degrees(model, cluster))
     result = search(model, cluster, training, cost_model=cost_model, space=space, objective=args.objective,
                     weights=weights, time_budget_s=args.search_budget_s, top_k=args.top, progress=progress_from_args(args))
-    print(report.plan_report(result, cluster, analytical_rates(args, cluster, training)))
+    print(report.plan_report(result, cluster, analytical_rates(args, cluster, training, model)))
     if not args.profile_db:  # the winner's host-bound stages: the analytical model's word, as memx estimate's
         for line in report.host_bound_lines(result.best, host_bound_stages(result.best, cluster)):
             print(line)
@@ -144,12 +144,12 @@ _LAYOUT_FLAGS = ("tp", "stage_tp", "pp", "cp", "dp", "stage_dp", "micro_batch_si
                  "stage_devices", "schedule", "virtual_stages", "model", "global_batch_size", "seq_len")
 
 
-def analytical_rates(args, cluster: ClusterSpec, training) -> list[str]:
+def analytical_rates(args, cluster: ClusterSpec, training, model) -> list[str]:
     """The report's rates line: the analytical model's, so none under ``--profile-db`` (the learned
     ratios carry what the profile measured)."""
     from memx_launch.planning import report
 
-    return [] if args.profile_db else report.rate_lines(cluster, training)
+    return [] if args.profile_db else report.rate_lines(cluster, training, model)
 
 
 def add_estimate_command(sub) -> None:
@@ -246,7 +246,7 @@ def run_estimate(args) -> int:
     # The host's share is the analytical model's: a profile DB's learned ratios hold their own.
     host_bound = [] if args.profile_db else host_bound_stages(plan, cluster)
     print(report.estimate_report(plan, cluster, args.memory_headroom, split_note, host_bound,
-                                 analytical_rates(args, cluster, training)))
+                                 analytical_rates(args, cluster, training, model)))
     if args.json:
         plan.save(args.json, overwrite=args.force, flag="--json")
         print(f"estimate written to {args.json}", file=sys.stderr)

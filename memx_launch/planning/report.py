@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from memx_launch.errors import ConfigError
 from memx_launch.files import atomic_output, check_output_path
+from memx_launch.planning import experts
 from memx_launch.planning.estimate import stage_short_gib
 from memx_launch.planning.layouts import MIXED_SEPARATOR, stage_device_types, tp_text
 from memx_launch.planning.peaks import datasheet_hbm, hbm_gbps, linear_tflops, matmul_peak_tflops, training_tflops
@@ -67,17 +68,22 @@ def header(cluster: ClusterSpec, model: str) -> list[str]:
     return lines
 
 
-def rate_lines(cluster: ClusterSpec, training: TrainingSpec) -> list[str]:
+def rate_lines(cluster: ClusterSpec, training: TrainingSpec, model=None) -> list[str]:
     """The rates the analytical model times each device type at: its matmuls' sustained rate of
-    the peak for ``training``'s precision (and its FP8 or FP4 linears'), and what memory-bound work
-    moves of its datasheet bandwidth. None on an emulated cluster, whose stand-ins are timed by
-    what calibration measured of them."""
+    the peak for ``training``'s precision (and its FP8 or FP4 linears', or ``model``'s experts'
+    where they run in fp32), and what memory-bound work moves of its datasheet bandwidth. None on
+    an emulated cluster, whose stand-ins are timed by what calibration measured of them."""
     if cluster.is_emulated:
         return []
     parts = []
+    fp32_experts = bool(model is not None and model.num_experts and training.transformers_experts
+                        and training.autocast)
     for t in cluster.device_types:
         quantized = (f" ({linear_tflops(t, training):,.0f} in its {'FP8' if training.fp8 else 'FP4'} linears)"
                      if training.quantized_linears else "")
+        if fp32_experts:  # Transformers' grouped GEMMs under autocast (planning/experts.py)
+            quantized = (f" ({experts.grouped_gemm_rate(t, training)[0]:,.0f} in its experts' fp32 GEMMs: "
+                         "Transformers casts their input to the fp32 weights; 16-bit weights run them at 16 bits)")
         parts.append(f"{t.name} matmuls {training_tflops(t, training):,.0f} of {matmul_peak_tflops(t, training):,.0f} "
                      f"TFLOPS{quantized}, memory {hbm_gbps(t):,.0f} of {datasheet_hbm(t):,.0f} GB/s")
     return ["rates (analytical): " + "; ".join(parts)]
@@ -302,8 +308,8 @@ def host_bound_lines(plan: Plan, host_bound) -> list[str]:
 
 # Short headers of the parts of a stage's peak (StagePlan.memory_parts_gib), in MEMORY_PARTS order.
 _PART_HEADERS = {"parameters": "params", "gradients": "grads", "optimizer_states": "optimizer",
-                 "optimizer_step": "step", "activations": "activations", "logits_loss": "logits", "pipeline_buffers": "pipeline",
-                 "communicator_buffers": "comm", "fixed_overhead": "fixed"}
+                 "optimizer_step": "step", "activations": "activations", "logits_loss": "logits",
+                 "pipeline_buffers": "pipeline", "communicator_buffers": "comm", "fixed_overhead": "fixed"}
 
 
 def memory_parts_lines(plan: Plan) -> list[str]:
