@@ -300,9 +300,12 @@ def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool, fused_qkv: bool)
     """Under autocast, the 16-bit casts of normed tensors a block's linears keep beyond one per
     norm: each linear casts its own input. The attention's q, k and v projections read it as
     three linears unless fused (latent attention's two down projections), the MLP's gate and up
-    as two unless fused (GELU's fc1, a mixture's router: one)."""
+    as two unless fused (GELU's fc1, a mixture's router: one, and its shared expert's gate and up
+    and the gate of that expert's output beside it)."""
     attention = (2 if model.kv_lora_rank else 1 if fused_qkv else 3) if model.has_attention else 0
-    mlp = (2 if model.gated_mlp and not fused_gate_up and not model.num_experts else 1) if model.has_mlp else 0
+    gate_up = 2 if model.gated_mlp and not fused_gate_up else 1
+    shared = (gate_up if model.shared_expert_ffn_hidden_size else 0) + model.shared_expert_gate
+    mlp = ((1 + shared) if model.num_experts else gate_up) if model.has_mlp else 0
     return max(attention + mlp - model.pre_norms_per_block, 0)
 
 

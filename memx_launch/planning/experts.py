@@ -243,9 +243,13 @@ def _missed_share(model: ModelSpec, units: int) -> float:
 
 def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: bool) -> tuple:
     """(kept, down-projection input) of a shared expert per token in :func:`kept_units`' units: a
-    dense MLP of its width (gate and up outputs, silu(gate) unless fused; the product)."""
-    shared = model.shared_expert_ffn_hidden_size / model.hidden_size / np.asarray(tp, dtype=np.float64)
-    return ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * shared, 2.0 * input_share * shared
+    dense MLP of its width (gate and up outputs, silu(gate) unless fused; the product), and with a
+    gate (``shared_expert_gate``, Qwen2-MoE's) its output, which the gate's sigmoid multiplies."""
+    tp = np.asarray(tp, dtype=np.float64)
+    shared = model.shared_expert_ffn_hidden_size / model.hidden_size / tp
+    gated_output = 2.0 * model.shared_expert_gate / tp
+    return ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * shared + gated_output, \
+        2.0 * input_share * shared
 
 
 def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: int = 1,
