@@ -156,8 +156,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         replicated = replicated + model.residual_adds / scale / (tp if sequence_parallel else 1.0)
     mlp_kept, mlp_elementwise = mlp_units(model, tp, fp8_share, fused_activation, expert_tp, bool(quantized_bytes),
                                           transformers_experts_share)
-    # Query and key head norms keep their inputs, as the block's norms do (fused: the 16-bit q and k).
-    qk_norms = (q + kv) / h / tp * per_norm if model.qk_norm else 0.0
+    # Query and key head norms keep their inputs, as the block's norms do, but their input is a
+    # linear's 16-bit output under autocast too (fused: the 16-bit q and k; torch ops: its fp32
+    # copy and the 16-bit normalised tensor, Gemma's fp32 product).
+    qk_normalised = 4.0 if model.norm_weight_in_fp32 else dtype_bytes
+    per_qk_norm = 2.0 if fused_norm else 2.0 * (4.0 + qk_normalised) / dtype_bytes
+    qk_norms = (q + kv) / h / tp * per_qk_norm if model.qk_norm else 0.0
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
     mixer = mamba.kept_units(model, tp, fp8_share) + gated_deltanet.kept_units(model, tp, fp8_share)
     none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise + mixer
