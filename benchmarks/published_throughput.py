@@ -151,8 +151,9 @@ MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 
               "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56),
               "70b": (80, 8192, 64)}
 # FSDP's PURE is ZeRO-3's state with torch's FSDP units: one all-gather per block, MPT's fused Wqkv
-# and its one-kernel LayerNorm.
-MPT_SETUP = {"PURE": dict(setup="zero3", max_live_params=0.0, fused_qkv=True, fused_norm=True),
+# and its one-kernel LayerNorm, llm-foundry's own blocks (not Transformers').
+MPT_SETUP = {"PURE": dict(setup="zero3", max_live_params=0.0, fused_qkv=True, fused_norm=True,
+                          transformers_blocks=False),
              "DEFAULT": dict(setup="fsdp2")}
 
 

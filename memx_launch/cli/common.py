@@ -79,9 +79,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "autocast cast kept (default on; --setup scaling, ddp and memx-run: off)"),
                        ("fused-qkv", "q, k and v as one TP linear: one backward all-reduce, one autocast cast kept "
                         "(default on; --setup ddp and memx-run: off)"),
-                       ("transformers-experts", "a mixture's experts as Transformers runs them: each down projection's "
-                        "output kept for the routing weights, in the weights' dtype (fp32 under autocast, GEMMs at "
-                        "the fp32 rate) (default off; --setup ddp, zero3 and memx-run: on)"),
+                       ("transformers-blocks", "blocks as Transformers writes them: a mixture's experts keep each "
+                        "down projection's output, in the weights' dtype (fp32 under autocast, GEMMs at the fp32 "
+                        "rate); a fused q, k, v projection with rotary embedding is kept whole by its views (default "
+                        "off; --setup ddp, zero3 and memx-run: on)"),
                        ("overlap-expert-comm", "a mixture of experts' all-to-alls behind another micro-batch's "
                         "compute (Megatron's --overlap-moe-expert-parallel-comm; default off)"),
                        ("fused-activation", "the MLP's activation as one kernel keeping only its input: SwiGLU's "

@@ -42,7 +42,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1,
                      autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True,
                      stream_bytes: float | None = None, repeat_kv: bool = False,
-                     softcapped_scores: bool = False, transformers_experts_share: float | None = None) -> LayerCost:
+                     softcapped_scores: bool = False, transformers_share: float | None = None) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -80,7 +80,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       SwiGLU: gate and up outputs, silu(gate) (not with a fused kernel), product: 8f/h over t (GELU: 4f/h;
         ReLU, ``relu_mlp``: 2f/h, its output is its backward's and the down projection's input);
         a mixture of experts: :func:`~memx_launch.planning.experts.kept_units` (as Transformers runs
-        them with ``transformers_experts_share``: their tensors at that multiple of ``dtype_bytes``)
+        them with ``transformers_share``: their tensors at that multiple of ``dtype_bytes``)
+      Transformers' blocks (``transformers_share`` given) with a fused q, k and v projection and
+        rotary embedding (Phi-3, Falcon): the projection's whole output, which a saved view of v
+        keeps alive beside the rotated q and k, and a copy of the attention's output: 2(2q + kv)/h
+        over t more
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
         take ``quantized_bytes`` per element: the two normed tensors, the attention output and
         the MLP's down-projection input
@@ -142,6 +146,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     latent = 2.0 * (2.0 * model.q_lora_rank + 2.0 * model.kv_lora_rank + model.rope_head_dim) / h
     qkv = heads_qkv + latent if model.kv_lora_rank else heads_qkv
     attn_out = 2.0 * fp8_share * model.value_hidden_size / h / tp
+    if transformers_share is not None and fused_qkv and not model.position_embeddings and not model.kv_lora_rank:
+        # Transformers' fused q, k and v projection split into views (Phi-3, Falcon): the attention
+        # saves v, a view that keeps the whole projection alive beside the rotated q and k, and its
+        # output, laid out after the strided queries, is copied for the output projection.
+        qkv = qkv + 2.0 * (q + kv) / h / tp
+        attn_out = attn_out + 2.0 * q / h / tp
     if model.attention_output_gate and model.has_attention:  # its multiply keeps the core's output and sigmoid(gate)
         attn_out = attn_out + 4.0 * q / h / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token
@@ -155,7 +165,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + model.residual_adds / scale / (tp if sequence_parallel else 1.0)
     mlp_kept, mlp_elementwise = mlp_units(model, tp, fp8_share, fused_activation, expert_tp, bool(quantized_bytes),
-                                          transformers_experts_share)
+                                          transformers_share)
     # Query and key head norms keep their inputs, as the block's norms do, but their input is a
     # linear's 16-bit output under autocast too (fused: the 16-bit q and k; torch ops: its fp32
     # copy and the 16-bit normalised tensor, Gemma's fp32 product).
@@ -186,7 +196,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # The attention's backward runs once the MLP's has freed the MLP's tensors.
     mlp_freed = mlp_kept + mlp_elementwise
     attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp) - mlp_freed
-    mlp_phase = stream_grad + mlp_backward_units(model, tp, fused_activation, transformers_experts_share)
+    mlp_phase = stream_grad + mlp_backward_units(model, tp, fused_activation, transformers_share)
     # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.
     norm_phase = 0.0
@@ -208,14 +218,14 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
 
 
 def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool,
-              transformers_experts_share: float | None = None) -> tuple:
+              transformers_share: float | None = None) -> tuple:
     """(what the MLP's activation keeps, the down projection's kept input) of one block, in
     :func:`activation_bytes`' units: SwiGLU's gate and up outputs, silu(gate) unless fused, and
     their product; GELU's input and output (its tanh form as torch ops, ``tanh_gelu_ops``: five
     tensors, measured on Transformers' ``gelu_new``); ReLU's output, also the down projection's
     input unless quantized; a mixture of experts' (:func:`~memx_launch.planning.experts.kept_units`)."""
     if model.num_experts:
-        return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp, transformers_experts_share)
+        return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp, transformers_share)
     f, h = model.ffn_hidden_size if model.has_mlp else 0, model.hidden_size
     if model.gated_mlp:
         return (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
@@ -231,7 +241,7 @@ def tanh_gelu_as_ops(model: ModelSpec, fused_activation: bool) -> bool:
 
 
 def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False,
-                       transformers_experts_share: float | None = None) -> np.ndarray:
+                       transformers_share: float | None = None) -> np.ndarray:
     """What a dense MLP's backward holds at once beyond what the MLP keeps, in
     :func:`activation_bytes`' units: its intermediate gradients, less the down projection's input,
     freed once that projection's backward has run. SwiGLU: the product's gradient and from it
@@ -239,13 +249,13 @@ def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False,
     more (a fused activation the same: its [2f] input's gradient beside its input); GELU: one (its
     output is freed), its tanh form as torch ops two; ReLU: two (its output stays for its own
     backward). A mixture's experts: not counted (an expert loop holds one expert's tokens, a
-    grouped GEMM all of them), but Transformers' grouped GEMMs (``transformers_experts_share``):
+    grouped GEMM all of them), but Transformers' grouped GEMMs (``transformers_share``):
     the gate-and-up output's gradient of every routed copy (measured on Mixtral's layer within
-    10%, tests/test_transformers_experts.py)."""
+    10%, tests/test_transformers_blocks.py)."""
     tp = np.asarray(tp, dtype=np.float64)
-    if model.num_experts and transformers_experts_share is not None:
+    if model.num_experts and transformers_share is not None:
         width = (2.0 if model.gated_mlp else 1.0) * model.moe_ffn_hidden_size
-        return 2.0 * transformers_experts_share * model.experts_per_token * width / model.hidden_size / tp
+        return 2.0 * transformers_share * model.experts_per_token * width / model.hidden_size / tp
     if not model.has_mlp or model.num_experts:
         return np.zeros_like(tp)
     tensors = 2.0 if model.gated_mlp or model.relu_mlp or tanh_gelu_as_ops(model, fused_activation) else 1.0
@@ -258,7 +268,7 @@ def mlp_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndar
     quantized = training.quantized_linears
     fp8_share = quantization.element_bytes(training) / training.dtype_bytes if quantized else 1.0
     kept, down_input = mlp_units(model, np.asarray(tp, dtype=np.float64), fp8_share, training.fused_activation,
-                                 training.expert_tensor_parallel, bool(quantized), transformers_experts_share(training))
+                                 training.expert_tensor_parallel, bool(quantized), transformers_block_share(training))
     sbh = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64) * model.hidden_size
     return (kept + down_input) * sbh * training.dtype_bytes / 2.0
 
@@ -275,13 +285,14 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                             tr.fused_softmax, tr.softmax_in_fp32, tr.quantized_linears and linear_bytes,
                             tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
                             tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes,
-                            kv_repeated(model, tr), model.attention_softcapping, transformers_experts_share(tr))
+                            kv_repeated(model, tr), model.attention_softcapping, transformers_block_share(tr))
 
 
-def transformers_experts_share(training: TrainingSpec) -> float | None:
-    """Bytes of a Transformers expert's tensors over the training dtype's (``transformers_experts``:
-    the weights' dtype, fp32 under autocast), None for Megatron-Core's experts."""
-    if not training.transformers_experts:
+def transformers_block_share(training: TrainingSpec) -> float | None:
+    """For blocks as Transformers writes them (``transformers_blocks``), the bytes of a mixture's
+    expert tensors over the training dtype's (the weights' dtype, fp32 under autocast); None for
+    Megatron-Core's blocks."""
+    if not training.transformers_blocks:
         return None
     return 4.0 / training.dtype_bytes if training.autocast else 1.0
 

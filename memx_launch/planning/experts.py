@@ -128,7 +128,7 @@ def grouped_gemm_rate(device: DeviceType, training: TrainingSpec) -> tuple[float
     block linears' (:func:`~memx_launch.planning.peaks.linear_tflops`), but fp32 for Transformers'
     experts under autocast over fp32 weights (:func:`kept_units`: they cast their input to the
     weights' dtype), at the TF32 peak with ``tf32`` where the device has it."""
-    if training.transformers_experts and training.autocast:
+    if training.transformers_blocks and training.autocast:
         tf32 = training.tf32 and has_tf32(device)
         return (device.effective_tflops / 2.0 if tf32 else device.effective_tflops_for("fp32")), 4.0
     return linear_tflops(device, training), quantization.element_bytes(training)
@@ -263,7 +263,7 @@ def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: i
     inside the experts (Megatron-Core's ``activation_func_with_probs``, NeMo AutoModel's weighted
     SwiGLU), so the combine keeps nothing. Over TP: each rank routes its share of the tokens.
 
-    ``transformers_share``: the experts as Transformers runs them (``transformers_experts``:
+    ``transformers_share``: the experts as Transformers runs them (``transformers_blocks``:
     ``integrations/moe.py``'s grouped GEMMs, its default), their tensors at that multiple of the
     training dtype's bytes. Per routed copy: the sorted token, the gate-and-up output, silu(gate)
     (ungated: the activation's input), the product the down projection reads, and that

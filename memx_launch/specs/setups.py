@@ -39,7 +39,7 @@ SETUPS: dict[str, dict] = {
     # budget gathered.
     "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
                   vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True,
-                  max_live_params=1e9, fused_qkv=False, fused_gate_up=False, fused_norm=False, transformers_experts=True),
+                  max_live_params=1e9, fused_qkv=False, fused_gate_up=False, fused_norm=False, transformers_blocks=True),
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
                   overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
     # ddp: torch's DDP over a Hugging Face model under autocast (Accelerate, Lightning's "-mixed"),
@@ -47,7 +47,7 @@ SETUPS: dict[str, dict] = {
     # checkpointed without reentrance (transformers' default since its activation_checkpointing_enable).
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
                 ddp_bucket_copy=True, eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,
-                checkpoint_early_stop=True, grad_accumulation_pass=True, foreach_optimizer=True, transformers_experts=True),
+                checkpoint_early_stop=True, grad_accumulation_pass=True, foreach_optimizer=True, transformers_blocks=True),
     # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
     # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing,
     # torchao's FP8 linears, which cast their weights at each GEMM, without torch.compile (its
@@ -80,7 +80,7 @@ SETUPS: dict[str, dict] = {
                      fully_sharded_with_tp=True, partitioned_sends=True, partition_where_faster=True,
                      hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,
                      checkpoint_early_stop=True, keep_stage_outputs=True, grad_accumulation_pass=True,
-                     autocast_per_step=True, foreach_optimizer=True, transformers_experts=True),
+                     autocast_per_step=True, foreach_optimizer=True, transformers_blocks=True),
 }
 """Explicit field values of each named setup ("training" = the training dtype)."""
 
@@ -99,7 +99,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, grad_accumulation_pass=False,
-                       foreach_optimizer=False, transformers_experts=False,
+                       foreach_optimizer=False, transformers_blocks=False,
                        autocast_per_step=False,
                        cp_all_gather=False, repeat_kv=False, overlap_p2p_comm=True, hold_gathered="pipelined",
                        max_live_params=0.0, reduce_bucket_params=5e8, prefetch_bucket_params=5e7, hpz_partition_size=1,

@@ -145,9 +145,9 @@ class TrainingSpec:
     overlap_expert_comm: bool | None = None
     """A mixture's all-to-alls run while another micro-batch computes (Megatron's ``--overlap-moe-expert-parallel-comm``
     with ``--delay-wgrad-compute``): a block waits only for what they take beyond its compute. Default off."""
-    transformers_experts: bool | None = None
-    """A mixture's experts as Transformers runs them (planning/experts.py): the down projections' outputs kept for the
-    routing weights, in the weights' dtype (fp32 under autocast). Default off (ddp, zero3, memx-run: on)."""
+    transformers_blocks: bool | None = None
+    """Blocks as Transformers writes them: a mixture's experts keep their down projections' outputs, in the weights'
+    dtype (fp32 under autocast); views keep a fused q, k, v output whole. Default off (ddp, zero3, memx-run: on)."""
     fused_activation: bool | None = None
     """The MLP's activation runs as one kernel that keeps only its input for the backward (Megatron's
     ``bias_swiglu`` / ``bias_gelu`` fusions): SwiGLU's silu(gate) is recomputed there, not kept. Off: torch's
