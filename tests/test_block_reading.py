@@ -68,6 +68,10 @@ def test_nothing_is_read_where_the_block_has_no_linear_module_or_its_widths_are_
     ambiguous = dataclasses.replace(spec, num_kv_heads=spec.num_heads,
                                     ffn_hidden_size=3 * spec.hidden_size // 2)
     assert read_block(nn.Linear(spec.hidden_size, 3 * spec.hidden_size), ambiguous) == {}
+    # Nor where a mixture's shared expert is as wide as q, k and v together (a tiny Qwen2-MoE's).
+    mixture = dataclasses.replace(spec, num_experts=8, experts_per_token=2, expert_ffn_hidden_size=96,
+                                  shared_expert_ffn_hidden_size=spec.q_hidden_size + 2 * spec.kv_hidden_size)
+    assert "fused_qkv" not in read_block(nn.Linear(spec.hidden_size, mixture.shared_expert_ffn_hidden_size), mixture)
 
 
 def test_an_rms_norm_class_of_the_model_s_own_is_read_as_torch_ops():

@@ -17,6 +17,7 @@ from memx_launch.planning.model_states import last_stage_params, weight_copy_byt
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.peaks import SUSTAINED_HBM_SHARE, hbm_gbps
 from memx_launch.planning.pipeline_buffers import kept_stage_output_bytes, torch_receive_buffer_bytes
+from memx_launch.profiling.saved_tensors import saved_storage_bytes
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import FLASH_ATTENTION_VERSIONS, TrainingSpec
@@ -154,23 +155,6 @@ def test_the_scaling_setup_turns_a_fit_into_an_oom():
 
 
 # --------------------------------------------------------------------------- recompute of K of n layers
-
-
-def saved_storage_bytes(forward, owned=(), skip_shapes=()) -> int:
-    """Bytes of the storages autograd saves for the backward while ``forward()`` runs, each once,
-    less those of ``owned`` tensors (inputs and parameters the caller holds anyway) and of saved
-    tensors shaped as one of ``skip_shapes`` (autocast's weight casts)."""
-    import torch
-
-    saved = {}
-    def pack(t):
-        if tuple(t.shape) not in skip_shapes:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    skip = {t.untyped_storage().data_ptr() for t in owned}
-    return sum(n for ptr, n in saved.items() if ptr not in skip)
 
 
 def hf_decoder_layer(folder: str, seq: int, batch: int):

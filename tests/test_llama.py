@@ -11,7 +11,7 @@ from memx_launch.models.llama import LlamaStage, TransformerBlock, apply_tensor_
 from memx_launch.planning.plan import layer_recompute_levels
 from memx_launch.specs.catalog import get_model
 from ranks import spawn_ranks
-from tests.test_framework_memory import saved_storage_bytes
+from memx_launch.profiling.saved_tensors import saved_storage_bytes
 
 SPEC = get_model("llama-tiny")
 # fp32 on CPU: differences come only from summation order (TP all-reduce, checkpoint replay).

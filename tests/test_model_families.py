@@ -31,7 +31,7 @@ def _kept_as_built_and_stripped(build, strip, position_of, seq, hidden) -> list:
     input and position tables not counted): as ``build()`` makes it, and with ``strip(module)``
     having taken some of its norms out."""
     import torch
-    from test_framework_memory import saved_storage_bytes
+    from memx_launch.profiling.saved_tensors import saved_storage_bytes
 
     kept = []
     for stripped in (False, True):

@@ -55,7 +55,7 @@ def test_what_torch_keeps_under_the_op_policy_is_the_model():
     torch = pytest.importorskip("torch")
     from memx_launch.models.checkpointing import op_level_checkpoint
     from memx_launch.models.llama import TransformerBlock
-    from test_framework_memory import saved_storage_bytes
+    from memx_launch.profiling.saved_tensors import saved_storage_bytes
 
     h, seq = 512, 256
     spec = ModelSpec("t", 1, h, 8, 2, 1376, 1000, seq)

@@ -40,7 +40,8 @@ def _moe_layer_saves(folder: str, dtype: str, b: int, seq: int) -> tuple[int, se
     expert's too) and the rotary tables aside; and the dtypes of the experts' saved tensors."""
     import torch
 
-    from test_framework_memory import hf_decoder_layer, saved_storage_bytes
+    from memx_launch.profiling.saved_tensors import saved_storage_bytes
+    from test_framework_memory import hf_decoder_layer
 
     layer, x, rotary = hf_decoder_layer(folder, seq, b)
     width = layer.mlp.experts.intermediate_dim
@@ -166,7 +167,8 @@ def test_a_fused_qkv_projection_split_into_views_stays_whole(dtype, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from memx_launch.models.block_reading import own_block_training
-    from test_framework_memory import hf_decoder_layer, saved_storage_bytes
+    from memx_launch.profiling.saved_tensors import saved_storage_bytes
+    from test_framework_memory import hf_decoder_layer
 
     config = transformers.AutoConfig.for_model("phi3", hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512,

@@ -56,6 +56,10 @@ def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
     ffn = model.ffn_hidden_size
     gated_dense = model.gated_mlp and not model.num_experts and model.has_mlp
     mlp_widths = {ffn, 2 * ffn} if gated_dense else {ffn}
+    if model.num_experts:  # the experts', a shared expert's, the router's and that expert's gate's
+        for width in (model.moe_ffn_hidden_size, model.shared_expert_ffn_hidden_size):
+            mlp_widths |= {width, 2 * width}
+        mlp_widths |= {model.num_experts, 1}
     if widths and model.has_attention and not model.kv_lora_rank and qkv not in mlp_widths:
         found["fused_qkv"] = qkv in widths
     if widths and gated_dense and 2 * ffn != qkv:

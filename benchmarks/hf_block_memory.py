@@ -1,0 +1,120 @@
+"""memx-run's count of what one Hugging Face decoder layer keeps for its backward, against what
+autograd saves for it, family by family (Transformers as installed, on CPU).
+
+Each family's layer is built from a tiny config of its own (hidden 128, 4 heads, 2 KV heads,
+MLP 352, two layers; mixtures: 8 experts of width 96, 2 a token), inside its causal LM, so that it
+runs with the arguments the model passes it (rotary tables, no cache, no mask: causal attention).
+Measured: the bytes of the storages autograd saves while the layer's forward runs
+(``memx_launch/profiling/saved_tensors.py``), its parameters, their autocast casts and its
+arguments aside, in fp32 and under bf16 autocast over fp32 weights (as memx-run trains). Counted:
+memx's ``training_activation_bytes`` of the model read from the same config, under ``--setup
+memx-run`` with the options memx-run reads off the layer's modules (``models/block_reading.py``).
+
+Per family: measured, counted and their ratio in each precision. What a ratio off 1 says: the
+layer keeps what memx does not count (above 1) or less (below).
+
+Writes benchmarks/results/hf_block_memory.json. Run: .venv/bin/python benchmarks/hf_block_memory.py
+(about 20 s).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.machine import machine_info  # noqa: E402
+from memx_launch.files import write_json_atomic  # noqa: E402
+from memx_launch.models.block_reading import own_block_training  # noqa: E402
+from memx_launch.planning import costmodel as cm  # noqa: E402
+from memx_launch.profiling.saved_tensors import saved_storage_bytes  # noqa: E402
+from memx_launch.specs.catalog import get_model  # noqa: E402
+from memx_launch.specs.training import TrainingSpec  # noqa: E402
+
+OUT = os.path.join(ROOT, "benchmarks", "results", "hf_block_memory.json")
+SHAPE = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=512, max_position_embeddings=512, pad_token_id=0)
+MIXTURE = dict(moe_intermediate_size=96, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+# Each family's own fields beside SHAPE (None: the family's defaults).
+FAMILIES = {
+    "llama": None, "mistral": None, "qwen2": None, "qwen3": dict(head_dim=32), "granite": None,
+    "gemma": dict(head_dim=32), "gemma2": dict(head_dim=32, sliding_window=512),
+    "gemma3_text": dict(head_dim=32, sliding_window=512), "olmo2": None, "phi3": None, "glm": dict(head_dim=32),
+    "stablelm": None, "cohere": None, "gpt_neox": dict(rotary_pct=0.25, use_parallel_residual=False, num_key_value_heads=4),  # no grouped queries
+    "falcon": dict(new_decoder_architecture=False, parallel_attn=False, multi_query=False, num_kv_heads=4,
+                   bias=False),
+    "mixtral": dict(num_local_experts=8, intermediate_size=96), "qwen2_moe": {**MIXTURE, "shared_expert_intermediate_size": 256},
+    "qwen3_moe": {**MIXTURE, "head_dim": 32},
+}
+BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
+
+
+def first_layer(model):
+    """The first decoder layer of a causal LM, wherever its family keeps its layers."""
+    base = getattr(model, "model", None) or getattr(model, "gpt_neox", None) or model.transformer
+    return (getattr(base, "layers", None) or base.h)[0]
+
+
+def measure(kind: str, fields: dict | None, folder: str) -> dict:
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(kind, **{**SHAPE, **(fields or {})})
+    config.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    config.save_pretrained(folder)
+    spec = get_model(folder)
+    torch.manual_seed(0)  # Transformers' default attention (SDPA; eager where it has none, as Gemma 2)
+    model = transformers.AutoModelForCausalLM.from_config(config)  # a mixture's experts: grouped GEMMs, the default
+    model.config.use_cache = False
+    layer = first_layer(model)
+    captured = {}
+    hook = layer.register_forward_pre_hook(lambda _m, args, kwargs: captured.update(args=args, kwargs=kwargs),
+                                           with_kwargs=True)
+    weights = {tuple(p.shape[::k]) for p in layer.parameters() for k in (1, -1)}
+    row = {"family": kind}
+    for dtype in ("fp32", "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            model(torch.randint(1, SHAPE["vocab_size"], (BATCH, SEQ)))
+            args, kwargs = captured["args"], dict(captured["kwargs"])
+            x = (args[0] if args else kwargs.pop("hidden_states")).detach().requires_grad_(True)
+            kwargs.update({k: None for k in ("attention_mask", "past_key_values", "past_key_value") if k in kwargs})
+            arguments = [t for v in kwargs.values() for t in (v if isinstance(v, tuple) else (v,)) if torch.is_tensor(t)]
+            kept = saved_storage_bytes(lambda: layer(x, *args[1:], **kwargs),
+                                       owned=(*layer.parameters(), *arguments), skip_shapes=weights)
+        training, read = own_block_training(TrainingSpec(setup="memx-run", dtype=dtype), layer, spec)
+        counted = float(cm.training_activation_bytes(spec, training, BATCH, SEQ, 1, cm.NONE).activation_bytes)
+        row[dtype] = {"measured_bytes": kept, "counted_bytes": round(counted), "measured_over_counted":
+                      round(kept / counted, 3)}
+        row["block_read"] = read
+    hook.remove()
+    return row
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore")
+    start = time.time()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, fields in FAMILIES.items():
+            rows.append(measure(kind, fields, os.path.join(tmp, kind)))
+            print(f"{kind:12s} fp32 {rows[-1]['fp32']['measured_over_counted']:.3f}  "
+                  f"bf16 {rows[-1]['bf16']['measured_over_counted']:.3f}", flush=True)
+    ratios = [r[d]["measured_over_counted"] for r in rows for d in ("fp32", "bf16")]
+    within = {f"{p:.0%}": sum(abs(x - 1) <= p for x in ratios) for p in (0.01, 0.05, 0.10)}
+    import transformers
+    write_json_atomic(OUT, {"machine": machine_info(), "transformers": transformers.__version__,
+                            "tokens": BATCH * SEQ, "rows": rows,
+                            "summary": {"layers_x_precisions": len(ratios), "within": within,
+                                        "min": min(ratios), "max": max(ratios)},
+                            "seconds": round(time.time() - start, 1)}, overwrite=True)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
