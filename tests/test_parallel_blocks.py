@@ -35,6 +35,9 @@ def test_the_catalog_and_hugging_face_configs_say_which_blocks_are_parallel():
     gptj = model_from_hf_dict({"model_type": "gptj", "n_layer": 2, "n_embd": 64, "n_head": 4,
                                    "vocab_size": 100}, "j")
     assert [m.parallel_blocks for m in (neox, serial_neox, falcon, llama, gptj)] == [True, False, True, False, True]
+    # GPT-NeoX's blocks normalise with torch's LayerNorm, its linears biased unless attention_bias says not.
+    assert (neox.layer_norm, neox.linear_biases) == (True, True)
+    assert not model_from_hf_dict({**base, "model_type": "gpt_neox", "attention_bias": False}, "b").linear_biases
     # One norm per block, not two.
     assert SEQUENTIAL.layer_params - GPTJ.layer_params == GPTJ.norm_params
 

@@ -237,16 +237,18 @@ def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
 
 def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[bool, bool]:
     """(LayerNorm with a bias, a bias on every linear layer) of a family's blocks: GPT-2 style ones
-    both (OPT's ``enable_bias`` may drop the biases), StarCoder2's by its ``use_bias``, Falcon
+    both (OPT's ``enable_bias`` may drop the biases), StarCoder2's by its ``use_bias``, GPT-NeoX's
+    by its ``attention_bias``, Falcon
     LayerNorm and its ``bias`` key (none by default), StableLM LayerNorm alone; the Llama family
     and MPT neither (Hugging Face's MPT: weight-only norms, counted as RMSNorm's weight, and no
     linear biases)."""
     if model_type == "stablelm":  # its q, k and v biases, if any: use_qkv_bias
         return True, False
-    key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True)}.get(model_type, ("enable_bias", True))
+    key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True),
+                    "gpt_neox": ("attention_bias", True)}.get(model_type, ("enable_bias", True))
     flag = cfg.get(key, default)
     require_type(flag, bool, f"model ({where}).{key}")
-    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2")
+    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2", "gpt_neox")
     return layer_norm, layer_norm and flag
 
 
