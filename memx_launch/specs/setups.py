@@ -35,19 +35,22 @@ SETUPS: dict[str, dict] = {
     "zero2": dict(distributed_optimizer=True, sharded_gradients=True, weights_dtype="training",
                   grad_dtype="training", vocab_parallel_loss=False, eager_block=True),
     # zero3: DeepSpeed ZeRO-3 over a Hugging Face model (q, k, v and gate, up separate linears, RMSNorms
-    # of torch ops), each linear's weights fetched by an all-gather of its own, up to its default live
-    # budget gathered.
+    # of torch ops, its blocks as Transformers writes them), each linear's weights fetched by an all-gather
+    # of its own, up to its default live budget gathered.
     "zero3": dict(fully_sharded=True, weights_dtype="training", grad_dtype="training",
                   vocab_parallel_loss=False, overlap_grad_reduce=True, hold_gathered="never", eager_block=True,
-                  max_live_params=1e9, fused_qkv=False, fused_gate_up=False, fused_norm=False, transformers_blocks=True),
+                  max_live_params=1e9, fused_qkv=False, fused_gate_up=False, fused_norm=False,
+                  transformers_blocks=True),
     "fsdp2": dict(fully_sharded=True, weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False,
                   overlap_grad_reduce=True, hold_gathered="pipelined", eager_block=True),
     # ddp: torch's DDP over a Hugging Face model under autocast (Accelerate, Lightning's "-mixed"),
     # its q, k, v and gate, up projections separate linears and its RMSNorms torch ops (LlamaRMSNorm),
-    # checkpointed without reentrance (transformers' default since its activation_checkpointing_enable).
+    # checkpointed without reentrance (transformers' default since its activation_checkpointing_enable),
+    # its blocks as Transformers writes them, torch's AdamW stepping foreach.
     "ddp": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, overlap_grad_reduce=True,
                 ddp_bucket_copy=True, eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,
-                checkpoint_early_stop=True, grad_accumulation_pass=True, foreach_optimizer=True, transformers_blocks=True),
+                checkpoint_early_stop=True, grad_accumulation_pass=True, foreach_optimizer=True,
+                transformers_blocks=True),
     # torchtitan: fsdp2 with its TP plan (sequence-parallel norms whose gathered output the linears
     # keep, the loss on vocabulary shards in torch's ops), op-level selective checkpointing,
     # torchao's FP8 linears, which cast their weights at each GEMM, without torch.compile (its
@@ -75,7 +78,8 @@ SETUPS: dict[str, dict] = {
     # through the step), torch's pipeline
     # stages keeping their in-flight outputs and sending a TP-th of each boundary tensor between stages of
     # one TP degree where that is faster, its blocks of eager ops with q, k, v and gate, up apart and
-    # torch-op RMSNorms (Hugging Face's; torch's nn.RMSNorm off CUDA), checkpointed without reentrance.
+    # torch-op RMSNorms (Hugging Face's; torch's nn.RMSNorm off CUDA), checkpointed without reentrance,
+    # Transformers' blocks as Transformers writes them, torch's AdamW (foreach on plain tensors).
     "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
                      fully_sharded_with_tp=True, partitioned_sends=True, partition_where_faster=True,
                      hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,

@@ -202,8 +202,8 @@ class TrainingSpec:
     ``foreach``): a temporary of one moment each beside the gradients (planning/optimizer_peak.py). Off: fused
     kernels (Apex, Transformer Engine, DeepSpeed, ``fused=True``), a for-loop. Default off (ddp, memx-run: on)."""
     autocast_per_step: bool | None = None
-    """torch.autocast's region spans the step's micro-batches (memx-run's): each fp32 weight cast once a step,
-    read from autocast's cache after; off, cast every micro-batch (Accelerate, Lightning). Default off (memx-run: on)."""
+    """torch.autocast's region spans the step's micro-batches (memx-run's): each fp32 weight cast once a
+    step, read from its cache after; off, cast every micro-batch (Accelerate, Lightning). Default off (memx-run: on)."""
     eager_block: bool | None = None
     """Each block issued as eager PyTorch ops (Megatron-DeepSpeed, Hugging Face, torchtitan uncompiled): its host time
     is their count at 14 us each, not a fused block's 40 launches of 5 us. Default off (every setup but megatron: on)."""
