@@ -294,7 +294,7 @@ def transformers_block_share(training: TrainingSpec) -> float | None:
     Megatron-Core's blocks."""
     if not training.transformers_blocks:
         return None
-    return 4.0 / training.dtype_bytes if training.autocast else 1.0
+    return 4.0 / training.dtype_bytes if experts.fp32_experts(training) else 1.0
 
 
 def training_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:

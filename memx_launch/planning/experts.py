@@ -123,12 +123,18 @@ def routed_tokens(model: ModelSpec, tokens, tp):
     return np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.experts_per_token
 
 
+def fp32_experts(training: TrainingSpec) -> bool:
+    """Whether the routed experts run in fp32 in a 16-bit training: Transformers' (``transformers_blocks``)
+    under autocast over fp32 weights, which cast their grouped GEMMs' input to the weights' dtype
+    (:func:`kept_units`)."""
+    return bool(training.transformers_blocks and training.autocast)
+
+
 def grouped_gemm_rate(device: DeviceType, training: TrainingSpec) -> tuple[float, float]:
     """(sustained TFLOPS, bytes an element) of the routed experts' grouped GEMMs on ``device``: the
-    block linears' (:func:`~memx_launch.planning.peaks.linear_tflops`), but fp32 for Transformers'
-    experts under autocast over fp32 weights (:func:`kept_units`: they cast their input to the
-    weights' dtype), at the TF32 peak with ``tf32`` where the device has it."""
-    if training.transformers_blocks and training.autocast:
+    block linears' (:func:`~memx_launch.planning.peaks.linear_tflops`), but fp32 where they run so
+    (:func:`fp32_experts`), at the TF32 peak with ``tf32`` where the device has it."""
+    if fp32_experts(training):
         tf32 = training.tf32 and has_tf32(device)
         return (device.effective_tflops / 2.0 if tf32 else device.effective_tflops_for("fp32")), 4.0
     return linear_tflops(device, training), quantization.element_bytes(training)

@@ -90,15 +90,14 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
 
 def with_optimizer_step(evaluator, result: GroupResult, row: int, parts: list[dict[str, float]]) -> list[dict]:
     """``parts`` with each stage's ``optimizer_step``: how far the optimizer step's peak (the
-    ``evaluator``'s split inputs' step line, on the stage's device type) rises above the sum of
+    ``evaluator``'s step line, on the stage's device type) rises above the sum of
     its other parts, 0 where it does not."""
     layout, layers = result.layout, result.layers[row]
     replica = np.zeros(layout.pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
     steps = {}
     for i, (stage, k) in enumerate(zip(parts, replica)):
         if k not in steps:
-            *_, step_layer, step_fixed = evaluator.split_inputs(layout, result.mbs, result.seq, result.v,
-                                                                result.levels[row:row + 1], int(k), layers[None])
+            step_layer, step_fixed = evaluator.step_line(layout, result.mbs, result.seq, result.v, int(k), layers[None])
             steps[k] = np.broadcast_to(layers * step_layer + step_fixed, (1, layout.pp))[0]
         others = sum(value for name, value in stage.items() if name != "optimizer_step")
         stage["optimizer_step"] = max(0.0, float(steps[k][i]) - others)

@@ -71,11 +71,14 @@ class MixedShardingEvaluator(Evaluator):
     def split_inputs(self, layout, mbs, seq, v, levels, replica=0, layers=None):
         whole = self.whole.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         sharded = self.sharded.split_inputs(layout, mbs, seq, v, levels, replica, layers)
-        per_layer, fixed, t_layer, edge_t, work, step_layer, step_fixed = self._by_stage(
-            layout, whole[:4] + whole[5:], sharded[:4] + sharded[5:])
+        per_layer, fixed, t_layer, edge_t, work = self._by_stage(layout, whole[:4] + whole[5:], sharded[:4] + sharded[5:])
         kept, working = self.narrowed_stream_bytes(layout, mbs, seq, v, levels)
         fixed = fixed + working + self.hidden_precision_bytes(layout, mbs, seq, v)
-        return per_layer + kept, fixed, t_layer, edge_t, whole[4], work + working, step_layer, step_fixed  # g: one
+        return per_layer + kept, fixed, t_layer, edge_t, whole[4], work + working  # g: one for both
+
+    def step_line(self, layout, mbs, seq, v, replica=0, layers=None):
+        return self._by_stage(layout, self.whole.step_line(layout, mbs, seq, v, replica, layers),
+                              self.sharded.step_line(layout, mbs, seq, v, replica, layers))
 
     def narrowed_stream_bytes(self, layout, mbs, seq, v, levels) -> tuple:
         """((C, P) kept bytes per layer, its in-flight micro-batches' worth, and (C, P) working bytes)

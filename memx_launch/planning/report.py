@@ -76,8 +76,7 @@ def rate_lines(cluster: ClusterSpec, training: TrainingSpec, model=None) -> list
     if cluster.is_emulated:
         return []
     parts = []
-    fp32_experts = bool(model is not None and model.num_experts and training.transformers_blocks
-                        and training.autocast)
+    fp32_experts = bool(model is not None and model.num_experts and experts.fp32_experts(training))
     for t in cluster.device_types:
         quantized = (f" ({linear_tflops(t, training):,.0f} in its {'FP8' if training.fp8 else 'FP4'} linears)"
                      if training.quantized_linears else "")

@@ -82,16 +82,15 @@ class Evaluator:
 
     def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0,
                      layers: np.ndarray | None = None):
-        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches, the block's backward
-        working set (part of the fixed bytes: a stage without blocks has none), and the optimizer step's per-layer
-        and fixed bytes (its peak, :mod:`optimizer_peak`) for each row, on the device types
+        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the block's backward
+        working set (part of the fixed bytes: a stage without blocks has none) for each row, on the device types
         of row ``replica`` of the layout's ``replica_device``. With context parallelism a rank sees ``seq / cp``
         tokens of each sequence; with a DP degree per stage a stage of fewer replicas runs larger local
         micro-batches. Dense blocks between a mixture of experts' expert ones, and a hybrid model's kinds of
         layers, are counted where ``layers`` (the split) puts them; without it a layer costs their mean
         (:func:`extra_blocks.mean_block`; a hybrid model's table is its mean layer's)."""
         m = self.model
-        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, step, g = self._level_free_inputs(
+        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, _, g = self._level_free_inputs(
             layout, mbs, seq, v, replica)
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
         per_layer = state - gradient_relief(lazy, act) + inflight * act
@@ -105,13 +104,23 @@ class Evaluator:
         fixed = sum(fixed_parts, work) + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts)
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
         edge_t = edge_t + extra_blocks.beside_repeated(m, t_layer, kind_t, counts)
-        step_layer, step_kinds, step_fixed = step
+        if layers is None:
+            per_layer, t_layer = (extra_blocks.mean_block(m, per_layer, kind_layer),
+                                  extra_blocks.mean_block(m, t_layer, kind_t))
+        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work
+
+    def step_line(self, layout: Layout, mbs: int, seq: int, v: int, replica: int = 0,
+                  layers: np.ndarray | None = None) -> tuple:
+        """(per-layer, fixed) bytes of each stage's optimizer-step peak (:mod:`optimizer_peak`) on
+        the device types of row ``replica``: no recompute level changes them. Blocks of other kinds
+        where ``layers`` puts them, else at their mean (as :meth:`split_inputs`)."""
+        m = self.model
+        step_layer, step_kinds, step_fixed = self._level_free_inputs(layout, mbs, seq, v, replica)[-2]
+        counts = extra_blocks.kind_counts(m, layout.pp, layers, v)
         step_fixed = step_fixed + extra_blocks.beside_repeated(m, step_layer, step_kinds, counts)
         if layers is None:
-            per_layer, t_layer, step_layer = (extra_blocks.mean_block(m, per_layer, kind_layer),
-                                              extra_blocks.mean_block(m, t_layer, kind_t),
-                                              extra_blocks.mean_block(m, step_layer, step_kinds))
-        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work, step_layer, step_fixed
+            step_layer = extra_blocks.mean_block(m, step_layer, step_kinds)
+        return step_layer, step_fixed
 
     def _level_free_inputs(self, layout: Layout, mbs: int, seq: int, v: int, replica: int) -> tuple:
         """What :meth:`split_inputs` needs that no recompute level changes, kept for the latest
@@ -247,13 +256,13 @@ class Evaluator:
             self._uniform[level] = self.replica_inputs(layout, mbs, seq, v, np.full((1, layout.pp), level))
         return self._uniform[level]
 
-    def _max_layers(self, layout, inputs) -> np.ndarray:
+    def _max_layers(self, layout, inputs, steps) -> np.ndarray:
         """Layers each stage can hold on every one of its device types (``inputs``:
         :meth:`replica_inputs` at the levels in question)."""
         return np.min([np.minimum(np.floor((self.usable(capacity) - fixed) / per_layer),
                                   np.floor((self.usable(capacity) - step_fixed) / step_layer))
-                       for (per_layer, fixed, *_, step_layer, step_fixed), capacity
-                       in zip(inputs, layout.replica_capacity)], axis=0)
+                       for (per_layer, fixed, *_), (step_layer, step_fixed), capacity
+                       in zip(inputs, steps, layout.replica_capacity)], axis=0)
 
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
               levels: np.ndarray, layers: np.ndarray | None = None,
@@ -271,20 +280,20 @@ class Evaluator:
             inputs = self.replica_inputs(layout, mbs, seq, v, levels)
             t_layer, edge_t = (np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)) \
                 if layout.mixed else inputs[0][2:4]
-            layers, feasible = balance_layers(t_layer, edge_t, self._max_layers(layout, inputs), L, min_layers,
+            steps = [self.step_line(layout, mbs, seq, v, k) for k in replicas]
+            layers, feasible = balance_layers(t_layer, edge_t, self._max_layers(layout, inputs, steps), L, min_layers,
                                               layers_per_block(self.model))  # Gated DeltaNet blocks stay whole
             levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
             if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any() and cm.NONE in self.allowed_levels:
                 recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
         memories, times, fits = [], [], []
         for k in replicas:
-            per_layer, fixed, t_layer, edge_t, g, work, step_layer, step_fixed = self.split_inputs(
-                layout, mbs, seq, v, levels, k, layers)
+            per_layer, fixed, t_layer, edge_t, g, work = self.split_inputs(layout, mbs, seq, v, levels, k, layers)
             memory = layers * per_layer + fixed
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
                 # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
-                none_layer, none_fixed, none_t, _, _, none_work, *_ = (
+                none_layer, none_fixed, none_t, _, _, none_work = (
                     self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.NONE), k, layers)
                     if extra_blocks.split_places_kinds(self.model)
                     else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
@@ -293,6 +302,7 @@ class Evaluator:
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
                 work = np.where(r > 0, work, none_work)
             memory = memory - (layers == 0) * work  # an embedding- or head-only stage runs no block backward
+            step_layer, step_fixed = self.step_line(layout, mbs, seq, v, k, layers)
             memory = np.maximum(memory, layers * step_layer + step_fixed)  # or the optimizer step's peak
             memories.append(memory)
             times.append(stage_time)
@@ -326,7 +336,8 @@ class Evaluator:
 
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
-        max_layers = self._max_layers(layout, self.uniform_inputs(layout, mbs, seq, v, self.allowed_levels[-1]))
+        steps = [self.step_line(layout, mbs, seq, v, k) for k in range(len(layout.replica_device))]
+        max_layers = self._max_layers(layout, self.uniform_inputs(layout, mbs, seq, v, self.allowed_levels[-1]), steps)
         return bool((max_layers >= self.stage_min_layers(layout.pp, schedule, v)).all()
                     and max_layers.sum() >= self.model.num_layers)
 
