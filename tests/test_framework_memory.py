@@ -177,6 +177,18 @@ def hf_decoder_layer(folder: str, seq: int, batch: int):
     return layer, x, getattr(module, f"{prefix}RotaryEmbedding")(config)(x, torch.arange(seq)[None])
 
 
+def hf_layer_kept_bytes(layer, x, rotary, dtype: str) -> int:
+    """What autograd saves for a Transformers decoder layer (:func:`hf_decoder_layer`) as memx-run
+    trains it: fp32 weights, under bf16 autocast for ``dtype`` bf16; its parameters, their casts
+    (each expert's of a mixture's 3-D weights too) and the rotary tables aside."""
+    import torch
+
+    weights = {tuple(s[::k]) for p in layer.parameters() for s in (p.shape, p.shape[1:]) for k in (1, -1)}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        return saved_storage_bytes(lambda: layer(x, position_embeddings=rotary, attention_mask=None),
+                                   owned=(*layer.parameters(), *rotary), skip_shapes=weights)
+
+
 # What _a100s' element-wise kernels move per second: the datasheet's 2,039 GB/s at NVIDIA's sustained share.
 A100_BYTES_PER_S = 2039e9 * SUSTAINED_HBM_SHARE["nvidia"]
 
@@ -902,14 +914,9 @@ def test_query_and_key_norms_under_autocast_keep_a_16_bit_normalised_tensor(dtyp
     """Transformers' Qwen3 layer as memx-run trains it: its query and key norms read the
     projections' 16-bit outputs under autocast, so each keeps an fp32 copy and a 16-bit normalised
     tensor (6 bytes an element), not the block norms' fp32 pair; memx-run's count holds what
-    autograd saves to 1% (4% over before)."""
-    torch = pytest.importorskip("torch")
+    autograd saves to 1%."""
     folder, b, seq = os.path.join(os.path.dirname(__file__), "..", "examples", "models", "hf-qwen3-tiny"), 2, 80
-    layer, x, rotary = hf_decoder_layer(folder, seq, b)
-    weights = {tuple(p.shape[::k]) for p in layer.parameters() for k in (1, -1)}
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        kept = saved_storage_bytes(lambda: layer(x, position_embeddings=rotary, attention_mask=None),
-                                   owned=(*layer.parameters(), *rotary), skip_shapes=weights)
+    kept = hf_layer_kept_bytes(*hf_decoder_layer(folder, seq, b), dtype)
     counted = float(cm.training_activation_bytes(get_model(folder), TrainingSpec(setup="memx-run", dtype=dtype),
                                                  b, seq, 1, cm.NONE).activation_bytes)
     assert kept == pytest.approx(counted, rel=0.01)
