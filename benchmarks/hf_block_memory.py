@@ -10,8 +10,10 @@ arguments aside, in fp32 and under bf16 autocast over fp32 weights (as memx-run 
 memx's ``training_activation_bytes`` of the model read from the same config, under ``--setup
 memx-run`` with the options memx-run reads off the layer's modules (``models/block_reading.py``).
 
-Per family: measured, counted and their ratio in each precision. What a ratio off 1 says: the
-layer keeps what memx does not count (above 1) or less (below).
+Per family: measured, counted and their ratio in each precision, and the ratio to the count of the
+same layer taken for Megatron-Core's (``--no-transformers-blocks``: its experts and its fused q, k,
+v projection). What a ratio off 1 says: the layer keeps what memx does not count (above 1) or less
+(below).
 
 Writes benchmarks/results/hf_block_memory.json. Run: .venv/bin/python benchmarks/hf_block_memory.py
 (about 20 s).
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -87,9 +90,10 @@ def measure(kind: str, fields: dict | None, folder: str) -> dict:
             kept = saved_storage_bytes(lambda: layer(x, *args[1:], **kwargs),
                                        owned=(*layer.parameters(), *arguments), skip_shapes=weights)
         training, read = own_block_training(TrainingSpec(setup="memx-run", dtype=dtype), layer, spec)
-        counted = float(cm.training_activation_bytes(spec, training, BATCH, SEQ, 1, cm.NONE).activation_bytes)
+        counted, as_megatron = (float(cm.training_activation_bytes(spec, tr, BATCH, SEQ, 1, cm.NONE).activation_bytes)
+                                for tr in (training, replace(training, transformers_blocks=False)))
         row[dtype] = {"measured_bytes": kept, "counted_bytes": round(counted), "measured_over_counted":
-                      round(kept / counted, 3)}
+                      round(kept / counted, 3), "measured_over_counted_as_megatron_blocks": round(kept / as_megatron, 3)}
         row["block_read"] = read
     hook.remove()
     return row
