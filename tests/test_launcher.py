@@ -246,8 +246,9 @@ def test_the_search_restrictions_of_memx_plan_restrict_memx_run_s_search(tmp_pat
                  "--pp", "2", "--no-replan", TRAIN, "--model", "llama-tiny"]) == 0
     assert "search pipeline degrees (unused: --no-replan)" in capsys.readouterr().out
     # The script's own blocks train with TP 1: its search and re-plans keep to it.
+    own = os.path.join(os.path.dirname(OWN_MODEL), "models", "own-gpt-tiny")
     assert main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--model-builder",
-                 f"{OWN_MODEL}:build", TRAIN, "--model", "llama-tiny"]) == 0
+                 f"{OWN_MODEL}:build", OWN_MODEL, "--model", own]) == 0
     out = capsys.readouterr().out
     assert re.search(r"search tp degrees +1 +\(--model-builder\)", out)
     assert re.findall(r" tp=(\d+) pp=", out) and set(re.findall(r" tp=(\d+) pp=", out)) == {"1"}
@@ -262,6 +263,46 @@ def test_the_workers_read_the_restrictions_back():
     env = {"MEMX_SEARCH_RESTRICTIONS": json.dumps({"tp_degrees": [1, 2], "schedules": ["1f1b"]})}
     assert search_restrictions(env) == {"tp_degrees": (1, 2), "schedules": ("1f1b",)}
     assert search_restrictions({}) == {}
+
+
+def test_the_jobs_searches_leave_the_monitors_free_memory_unless_re_planning_is_off():
+    from memx_launch.planning.replan import DEFAULT_MIN_HEADROOM
+    from memx_launch.runtime.job_planning import job_search_space
+    restricted = {"MEMX_SEARCH_RESTRICTIONS": json.dumps({"tp_degrees": [1]})}
+    space = job_search_space(restricted)
+    assert space.memory_headroom == DEFAULT_MIN_HEADROOM > 0
+    assert space.tp_degrees == (1,) and not space.fewer_microbatches_than_stages
+    assert job_search_space({**restricted, "MEMX_MIN_HEADROOM": "0.25"}).memory_headroom == 0.25
+    assert job_search_space({**restricted, "MEMX_NO_REPLAN": "1"}).memory_headroom == 0.0
+
+
+def test_the_dry_run_plans_as_the_job_does(tmp_path, monkeypatch, capsys):
+    """--dry-run's plan (the one its torchrun line runs) is searched as the job's rank 0 searches:
+    with the script's block as it runs, and the free memory the monitor will ask for."""
+    own = os.path.join(os.path.dirname(OWN_MODEL), "models", "own-gpt-tiny")
+    plan_path = tmp_path / "own.json"
+    rc, out, _ = _run_here(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--export-plan",
+                            str(plan_path), "--model-builder", f"{OWN_MODEL}:build", OWN_MODEL, "--model", own],
+                           tmp_path, monkeypatch, capsys)
+    assert rc == 0 and "the script's block runs fused_qkv=True" in out  # its one qkv linear
+    assert json.loads(plan_path.read_text())["training"]["fused_qkv"] is True
+    argv = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", TRAIN, "--model", "llama-tiny"]
+    fullest = lambda out: max(int(p) for p in re.findall(r"MiB \((\d+)%\)", out.split("winner:")[1]))
+    rc, out, _ = _run_here([*argv[:5], "--no-replan", *argv[5:]], tmp_path, monkeypatch, capsys)
+    assert rc == 0 and fullest(out) > 12
+    monkeypatch.setenv("MEMX_MIN_HEADROOM", "0.88")
+    rc, out, _ = _run_here(argv, tmp_path, monkeypatch, capsys)
+    assert rc == 0 and fullest(out) <= 12
+
+
+def test_a_builder_that_fails_on_the_dry_runs_model_is_one_line(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "train_broken.py"
+    script.write_text("def build(model, seed):\n    raise ValueError(f'no such folder: {model}')\n")
+    rc, _, err = _run_here(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--model-builder",
+                            f"{script}:build", str(script), "--model", "llama-tiny"], tmp_path, monkeypatch, capsys)
+    assert rc == 2
+    assert _error_line(err).startswith("memx-run: error: --model-builder: build('llama-tiny', 0) in ")
+    assert "raised ValueError: no such folder: llama-tiny" in err
 
 
 def test_version_on_both_commands(capsys):

@@ -229,8 +229,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                 f"the search budget of {time_budget_s:g}s ran out before any feasible plan was found "
                 f"({stats.evaluated} of {stats.enumerated} evaluated); raise --search-budget-s", [])
         raise NoFeasiblePlanError(
-            f"no candidate fits in memory ({stats.enumerated} enumerated, {stats.pruned_memory} over capacity "
-            f"even with {cm.RECOMPUTE_LEVELS[evaluator.allowed_levels[-1]]} recompute); use more devices, a shorter --seq-len or a smaller model",
+            f"no candidate fits in memory ({stats.enumerated} enumerated, {stats.pruned_memory} over capacity"
+            + (f" less the {space.memory_headroom:.0%} asked to stay free" if space.memory_headroom else "") +
+            f" even with {cm.RECOMPUTE_LEVELS[evaluator.allowed_levels[-1]]} recompute); use more devices, a shorter --seq-len or a smaller model",
             [text for _, text in closest[:5]])
 
     bound = space.bound(objective, weights)

@@ -29,6 +29,7 @@ from memx_launch.planning.search_space import SearchSpace, add_restriction_args,
 from memx_launch.runtime import rendezvous
 from memx_launch.runtime.agent import start_fork_server, stop_fork_server
 from memx_launch.runtime.dry_run import dry_run
+from memx_launch.runtime.job_planning import planning_env
 from memx_launch.runtime.node_processes import has_gpu, max_nodes, node_processes
 from memx_launch.runtime.process_exit import end_process
 from memx_launch.runtime.script_check import check_builder, check_script_args, script_flag
@@ -354,13 +355,11 @@ def launch(args, resolved) -> int:
     if resolved["plan"] is not None:  # re-plans rewrite MEMX_PLAN: never the user's own file
         resolved["plan"].save(plan_path, overwrite=True)
     env = {
-        "MEMX_RUN_DIR": run_dir, "MEMX_PLAN": os.path.abspath(plan_path), "MEMX_MODEL": resolved["model_arg"],
+        "MEMX_RUN_DIR": run_dir, "MEMX_PLAN": os.path.abspath(plan_path), **planning_env(args, resolved),
         "MEMX_PROFILE_DB": os.path.abspath(resolved["profile_db"]),
         "MEMX_TRAINING": json.dumps(resolved["training"].__dict__),
         "MEMX_OBJECTIVE": args.objective or "", "MEMX_WEIGHTS": args.weights or "",
         "MEMX_SEARCH_BUDGET_S": "" if args.search_budget_s is None else str(args.search_budget_s),
-        "MEMX_SEARCH_RESTRICTIONS": json.dumps(resolved["restrictions"]),
-        "MEMX_NO_REPLAN": str(int(args.no_replan)),
         "MEMX_CALIBRATION_BUDGET_S": "" if args.calibration_budget_s is None else str(args.calibration_budget_s),
         "MEMX_REPRODUCE": json.dumps([args.training_script, *resolved["script_args"]]),
         # The workers stop (with a checkpoint) when this process is gone (supervisor.py), and leave
@@ -369,8 +368,6 @@ def launch(args, resolved) -> int:
     }
     if args.cluster:
         env["MEMX_CLUSTER"] = os.path.abspath(args.cluster)
-    if resolved["builder"] is not None:
-        env["MEMX_MODEL_BUILDER"] = json.dumps(resolved["builder"])
     env[ALLOCATOR_CONF_VAR] = resolved["allocator_conf"]  # the user's own, else expandable segments
     os.environ.update(env)
     # The workers run memx's worker, which runs the script. Planned restarts (the initial plan,

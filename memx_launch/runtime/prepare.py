@@ -106,7 +106,13 @@ def user_block_parts(environ=os.environ):
     spec.loader.exec_module(module)  # not __main__: the script's training does not start
     if not callable(getattr(module, function, None)):
         raise ConfigError("--model-builder", f"{path} has no function {function}", "name a function(model, seed)")
-    return _verified(ModelParts(getattr(module, function)(model_arg, 0)))
+    try:
+        model = getattr(module, function)(model_arg, 0)
+    except Exception as exc:  # the script's code on the user's --model: one line, as for any bad input
+        raise ConfigError("--model-builder", f"{function}({model_arg!r}, 0) in {path} raised "
+                          f"{type(exc).__name__}: {exc}", f"pass the --model {function} builds, or run "
+                          f"{function} alone to see where it fails") from exc
+    return _verified(ModelParts(model))
 
 
 def _hf_block_parts(model_arg: str):

@@ -109,7 +109,6 @@ def plan_in_job(env) -> None:
     from memx_launch.errors import ConfigError
     from memx_launch.planning import report
     from memx_launch.planning.plan import Plan
-    from memx_launch.models.block_reading import own_block_training
     from memx_launch.profiling.kernel import CALIBRATED_AS
     from memx_launch.profiling.predictor import load_cost_model
     from memx_launch.profiling.profiledb import BridgeMeasurement, Measurement, ProfileDB
@@ -118,8 +117,8 @@ def plan_in_job(env) -> None:
     from memx_launch.runtime.calibration import measurement_key
     from memx_launch.runtime.devices import calibration_tflops, detect_rank_device
     from memx_launch.runtime.messages import all_gather_json, broadcast_json
-    from memx_launch.runtime.monitor import MonitorConfig
-    from memx_launch.planning.search import SearchSpace, search
+    from memx_launch.planning.search import search
+    from memx_launch.runtime.job_planning import block_training, job_search_space
     from memx_launch.planning.objective import parse_weights
     from memx_launch.specs.cluster import ClusterSpec
     from memx_launch.specs.training import TrainingSpec
@@ -159,11 +158,9 @@ def plan_in_job(env) -> None:
     for name, _, tflops in described:  # each type's first rank's
         speeds.setdefault(name, tflops)
     budgets = sample_budgets(model, cluster, speeds, stored)
-    from memx_launch.runtime.prepare import user_block_parts
-    user_parts = user_block_parts(env)  # the script's own block (--model-builder), a config's own, or None
-    own = {}
-    if user_parts is not None:  # planned and calibrated as it runs (GPT-2's one c_attn)
-        training, own = own_block_training(training, user_parts.blocks[0], model)
+    # The script's own block (--model-builder), a config's own, or None: planned and calibrated as
+    # it runs (GPT-2's one c_attn).
+    user_parts, training, own = block_training(env, model, training)
     mine = calibrate_device_type(model, cluster, rank_device, [d[1] for d in described], db, stored, training,
                                  budgets[rank_device.device_type.name], user_parts,
                                  search_restrictions(env).get("tp_degrees"),
@@ -191,11 +188,7 @@ def plan_in_job(env) -> None:
         cost_model = load_cost_model(db.path, model, cluster, training)
         weights = parse_weights(env["MEMX_WEIGHTS"]) if env.get("MEMX_WEIGHTS") else None
         budget = float(env["MEMX_SEARCH_BUDGET_S"]) if env.get("MEMX_SEARCH_BUDGET_S") else None
-        # Leave the free memory the monitor will ask for, or the first samples would re-plan.
-        space = SearchSpace(memory_headroom=0.0 if env.get("MEMX_NO_REPLAN") == "1"
-                            else MonitorConfig.from_env(env).min_headroom, fewer_microbatches_than_stages=False,
-                            **search_restrictions(env))  # memx-run's, TP 1 with --model-builder
-        result = search(model, cluster, training, cost_model=cost_model, space=space,
+        result = search(model, cluster, training, cost_model=cost_model, space=job_search_space(env),
                         objective=env.get("MEMX_OBJECTIVE") or None,
                         weights=weights, time_budget_s=budget)
         plan = result.best
