@@ -13,7 +13,7 @@ from memx_launch.planning import (activation_offload, context_parallel, costmode
                                   extra_blocks, schedules)
 from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes
 from memx_launch.planning.memory_parts import stage_memory_parts
-from memx_launch.planning.optimizer_peak import step_block_bytes, step_temporary_bytes
+from memx_launch.planning.optimizer_peak import for_loop_temporary_bytes, step_block_bytes, step_temporary_bytes
 from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
 from memx_launch.planning.grad_accumulation import accumulation_seconds
@@ -161,6 +161,7 @@ class Evaluator:
                 [np.broadcast_to(step_block_bytes(kind, tr, tp, kind_state, temporary), (pp,))
                  for kind, kind_state in zip(extra_blocks.other_kinds(m), kind_states)],
                 self._end_state_bytes(layout, share, shards, temporary) + held
+                + for_loop_temporary_bytes(m, tr, tp, layout.end_tp, shards, pp, self.cluster.is_emulated)
                 + torch_receive_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v))
         self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, step, g)
         return self._level_free[key]
