@@ -138,6 +138,22 @@ def test_gemma3_s_text_model_keeps_its_family_s_tied_head_and_gated_gelu(tmp_pat
         get_model(str(tmp_path))
 
 
+def test_a_rotary_embedding_that_concatenates_and_norms_that_centre_are_read_from_the_config():
+    concatenates = {name: model_from_hf_dict({**SMALL, **extra}, name).rotary_concatenates for name, extra in (
+        ("stablelm", {"model_type": "stablelm", "partial_rotary_factor": 0.25}),
+        ("glm5", {"model_type": "glm", "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}),
+        ("neox", {"model_type": "gpt_neox", "rotary_pct": 0.25}), ("gptj", {"model_type": "gptj", "rotary_dim": 32}),
+        ("phi3", {"model_type": "phi3"}), ("whole", {"model_type": "stablelm", "partial_rotary_factor": 1.0}),
+        ("gptj_whole", {"model_type": "gptj", "rotary_dim": 10_000}), ("llama", {"model_type": "llama"}))}
+    assert concatenates == {"stablelm": True, "glm5": True, "neox": True, "gptj": True, "phi3": True,
+                            "whole": False, "gptj_whole": False, "llama": False}
+    assert model_from_hf_dict({**SMALL, "model_type": "cohere"}, "cohere").centred_norm_ops
+    assert not model_from_hf_dict(SMALL, "llama").centred_norm_ops
+    for key, value in (("partial_rotary_factor", 1.5), ("rotary_pct", "a quarter"), ("rotary_dim", 0)):
+        with pytest.raises(ConfigError, match=rf"\.{key}:"):
+            model_from_hf_dict({**SMALL, key: value}, "bad")
+
+
 def test_query_and_key_head_norms_are_read_counted_and_exported():
     from test_exporters import _megatron_config
 

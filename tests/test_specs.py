@@ -252,7 +252,7 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
                            "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel",
                            "linear_chunk_size", "attention_output_gate", "relu_mlp", "qkv_bias",
                            "shared_expert_gate", "router_aux_loss", "logit_softcapping", "attention_softcapping",
-                           "tanh_gelu_ops")}
+                           "tanh_gelu_ops", "centred_norm_ops", "rotary_concatenates")}
     assert llama.signature() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     # A mixture's load-balancing loss changes what its stages send, not a layer's time or memory.
     mixtral = get_model("mixtral-8x7b")

@@ -1,6 +1,7 @@
 """Blocks as Transformers writes them (``transformers_blocks``): what autograd saves for Hugging
-Face mixtures' layers and their grouped GEMMs in fp32 under autocast (planning/experts.py), and a
-fused q, k and v projection split into views (planning/activations.py)."""
+Face mixtures' layers and their grouped GEMMs in fp32 under autocast (planning/experts.py), a
+fused q, k and v projection split into views, rotary embeddings that concatenate and norms that
+centre in torch ops (planning/activations.py)."""
 
 import dataclasses
 import os
@@ -155,7 +156,8 @@ def test_the_report_says_where_the_experts_run_in_fp32(tmp_path, capsys):
 def test_a_fused_qkv_projection_split_into_views_stays_whole(dtype, tmp_path):
     """Transformers' Phi-3 layer (one ``qkv_proj``, rotary embedding) as memx-run plans it, its
     block read (``fused_qkv``, ``fused_gate_up``): the attention keeps v, a view of the projection's
-    output, so the whole output stays, and the attention's output is copied for ``o_proj``: what
+    output, so the whole output stays, and its rotary embedding concatenates (even whole heads), so
+    the attention's output is copied for ``o_proj``: what
     autograd saves is memx-run's count to 1% (11-13% under without the rule)."""
     transformers = pytest.importorskip("transformers")
     from memx_launch.models.block_reading import own_block_training
@@ -176,3 +178,43 @@ def test_a_fused_qkv_projection_split_into_views_stays_whole(dtype, tmp_path):
         return float(cm.training_activation_bytes(spec, tr, b, seq, 1, cm.NONE).activation_bytes)
     assert kept == pytest.approx(counted(training), rel=0.01)
     assert kept / counted(dataclasses.replace(training, transformers_blocks=False)) > 1.09
+
+
+# Tiny configs beside a family's defaults: rotary positions on part of each head (StableLM, GLM), a
+# LayerNorm of torch ops that centres twice (Cohere), a rotary embedding on a fused projection's
+# views that does not concatenate (Falcon's original blocks).
+ROTARY_AND_NORMS = {"stablelm": ("rotary_concatenates", {}), "glm": ("rotary_concatenates", dict(head_dim=32)),
+                    "cohere": ("centred_norm_ops", {}),
+                    "falcon": (None, dict(new_decoder_architecture=False, parallel_attn=False, multi_query=False,
+                                          num_kv_heads=4, bias=False))}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(ROTARY_AND_NORMS))
+def test_what_a_rotary_embedding_and_norms_keep_is_what_memx_run_counts(kind, dtype, tmp_path):
+    """A rotary embedding that concatenates each head's turned and passed parts makes the
+    attention's output a copy (``rotary_concatenates``, read off the config); Cohere's norms keep
+    ``x - mean`` twice (``centred_norm_ops``); Falcon's rotary embedding concatenates nothing:
+    what autograd saves is memx-run's count to 1.5%, and 3% or more off without the field."""
+    transformers = pytest.importorskip("transformers")
+    from memx_launch.models.block_reading import own_block_training
+    from test_framework_memory import hf_decoder_layer, hf_layer_kept_bytes
+
+    field, own = ROTARY_AND_NORMS[kind]
+    config = transformers.AutoConfig.for_model(kind, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                               pad_token_id=0, **own)
+    config.save_pretrained(tmp_path)
+    b, seq = 2, 80
+    layer, x, rotary = hf_decoder_layer(str(tmp_path), seq, b)
+    spec = get_model(str(tmp_path))
+    training, _ = own_block_training(TrainingSpec(setup="memx-run", dtype=dtype), layer, spec)
+    kept = hf_layer_kept_bytes(layer, x, rotary, dtype)
+
+    def counted(model):
+        return float(cm.training_activation_bytes(model, training, b, seq, 1, cm.NONE).activation_bytes)
+    assert kept == pytest.approx(counted(spec), rel=0.015)  # GLM's in bf16 the farthest: 1.0%
+    flags = {"rotary_concatenates": spec.rotary_concatenates, "centred_norm_ops": spec.centred_norm_ops}
+    assert flags == {name: name == field for name in flags}
+    if field:
+        assert kept / counted(dataclasses.replace(spec, **{field: False})) > 1.03

@@ -83,8 +83,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         them with ``transformers_share``: their tensors at that multiple of ``dtype_bytes``)
       Transformers' blocks (``transformers_share`` given) with a fused q, k and v projection and
         rotary embedding (Phi-3, Falcon): the projection's whole output, which a saved view of v
-        keeps alive beside the rotated q and k, and a copy of the attention's output: 2(2q + kv)/h
-        over t more
+        keeps alive beside the rotated q and k: 2(q + kv)/h over t more; a rotary embedding that
+        concatenates each head's turned and passed parts (``rotary_concatenates``: partial
+        rotary, Phi-3's) a query laid out by head, whose attention output is copied for the output
+        projection: 2q/h; norms of torch ops that centre their input (``centred_norm_ops``:
+        Cohere's) two fp32 copies of it, a scale and an fp32 result: 24/d over t each
       quantized linears (Transformer Engine's FP8 or FP4): the inputs they keep for the backward
         take ``quantized_bytes`` per element: the two normed tensors, the attention output and
         the MLP's down-projection input
@@ -135,6 +138,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     residual = 4.0 if autocast else dtype_bytes
     normalised = 4.0 if model.norm_weight_in_fp32 or autocast else dtype_bytes  # the torch-op norm's kept product
     per_norm = 2.0 * residual / dtype_bytes if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
+    if model.centred_norm_ops and transformers_share is not None:  # Cohere's: x - mean twice, all in fp32
+        per_norm = 2.0 * 12.0 / dtype_bytes
     norms = per_norm * model.norms_per_block
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
     extra_casts = autocast_extra_casts(model, fused_gate_up, fused_qkv) if autocast else 0
@@ -148,9 +153,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     attn_out = 2.0 * fp8_share * model.value_hidden_size / h / tp
     if transformers_share is not None and fused_qkv and not model.position_embeddings and not model.kv_lora_rank:
         # Transformers' fused q, k and v projection split into views (Phi-3, Falcon): the attention
-        # saves v, a view that keeps the whole projection alive beside the rotated q and k, and its
-        # output, laid out after the strided queries, is copied for the output projection.
+        # saves v, a view that keeps the whole projection alive beside the rotated q and k.
         qkv = qkv + 2.0 * (q + kv) / h / tp
+    if transformers_share is not None and model.rotary_concatenates:
+        # The attention's output follows the concatenated query's layout, by head: copied for the output projection.
         attn_out = attn_out + 2.0 * q / h / tp
     if model.attention_output_gate and model.has_attention:  # its multiply keeps the core's output and sigmoid(gate)
         attn_out = attn_out + 4.0 * q / h / tp

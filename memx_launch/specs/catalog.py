@@ -36,9 +36,10 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     # Models of the public GPU profiles in shared/peer-data/sailor (OPT's ReLU MLP, GPT-Neo's GELU;
     # LayerNorm, biases, learned positions: OPT's table has 2 rows more than its context; fp32 there).
     _gpt_style("opt-350m", 24, 1024, 16, 4096, 50272, 2048, positions=2050, relu=True),
-    # GPT-J-6B (EleutherAI): attention and MLP side by side, rotary positions, an untied head.
+    # GPT-J-6B (EleutherAI): attention and MLP side by side, rotary positions on 64 of each head's 256
+    # (rotary_dim), an untied head.
     ModelSpec("gpt-j-6b", 28, 4096, 16, 16, 16384, 50400, 2048, gated_mlp=False, layer_norm=True,
-              linear_biases=True, parallel_blocks=True),
+              linear_biases=True, parallel_blocks=True, rotary_concatenates=True),
     _gpt_style("gpt-neo-2.7b", 32, 2560, 20, 10240, 50257, 2048, positions=2048),
     _gpt_style("opt-30b", 48, 7168, 56, 28672, 50272, 2048, positions=2050, relu=True),
     # Mixtures of experts (their Hugging Face configs): Mixtral-8x7B; Qwen3-30B-A3B and
@@ -98,7 +99,8 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("qwen3-next-80b-a3b", 96, 2048, 16, 2, 5120, 151936, 8192, rope_theta=10000000.0, norm_eps=1e-6,
               attention_head_dim=256, qk_norm=True, hybrid_pattern="GEGEGE*E" * 12, linear_key_heads=16,
               linear_value_heads=32, attention_output_gate=True, num_experts=512, experts_per_token=10,
-              expert_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512, shared_expert_gate=True),
+              expert_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512, shared_expert_gate=True,
+              rotary_concatenates=True),  # rotary positions on a quarter of each head
 )}
 
 

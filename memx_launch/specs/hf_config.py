@@ -85,9 +85,10 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     model_type = cfg.get("model_type", "gpt2" if "n_layer" in cfg else "llama")
     require_type(model_type, str, f"model ({where}).model_type")
     _refuse_other_blocks(cfg, model_type, where)
-    rope = cfg.get("rope_parameters")  # Transformers 5 keeps the RoPE base there (model.config.to_dict())
-    if cfg.get("rope_theta") is None and isinstance(rope, dict) and rope.get("rope_theta") is not None:
-        cfg = {**cfg, "rope_theta": rope["rope_theta"]}
+    rope = cfg.get("rope_parameters")  # Transformers 5 keeps the RoPE base and share there (model.config.to_dict())
+    if isinstance(rope, dict):
+        cfg = {**cfg, **{k: rope[k] for k in ("rope_theta", "partial_rotary_factor")
+                         if cfg.get(k) is None and rope.get(k) is not None}}
     if "intermediate_size" not in cfg and cfg.get("moe_intermediate_size"):  # experts in every block (Qwen3.5 MoE)
         cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
     if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
@@ -172,6 +173,9 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
+        centred_norm_ops=model_type.startswith("cohere"),  # CohereLayerNorm: torch ops, x - mean twice
+        rotary_concatenates=model_type == "phi3" or _partial_rotary(cfg, head_dim or cfg["hidden_size"] // heads,
+                                                                    where),  # Phi-3's rotary concatenates even whole
         post_norms=model_type.startswith(POST_NORM_TYPES) and model_type != "glm4_moe",  # GLM-4's dense blocks
         norm_weight_in_fp32=model_type.startswith(GATED_GELU),  # Gemma's norms: (x * (1 + w)).to(dtype)
         logit_softcapping=softcaps["final_logit_softcapping"] is not None,
@@ -261,6 +265,23 @@ def _refuse_other_blocks(cfg: Mapping[str, Any], model_type: str, where: str) ->
         other = sorted({str(t) for t in types} - set(known))
         if other:
             raise ConfigError(f"model ({where}).layer_types", f"{', '.join(other)} blocks are not modelled", fix)
+
+
+def _partial_rotary(cfg: Mapping[str, Any], head_dim: int, where: str) -> bool:
+    """Rotary positions on part of each head: the config's ``partial_rotary_factor`` (StableLM,
+    GLM, Phi, Persimmon) or ``rotary_pct`` (GPT-NeoX) below 1, or ``rotary_dim`` (GPT-J, CodeGen)
+    below the head's width."""
+    for key in ("partial_rotary_factor", "rotary_pct"):
+        if cfg.get(key) is not None:
+            require_number(cfg[key], f"model ({where}).{key}", lo=0, lo_open=True, hi=1,
+                           fix="config.json must give the share of each head that turns, in (0, 1]")
+            if cfg[key] < 1:
+                return True
+    rotary_dim = cfg.get("rotary_dim")
+    if rotary_dim is not None:
+        require_number(rotary_dim, f"model ({where}).rotary_dim", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
+                       fix="config.json must give the width that turns as a positive integer")
+    return rotary_dim is not None and rotary_dim < head_dim
 
 
 def _qk_norm_of(cfg: Mapping[str, Any], model_type: str, where: str) -> bool:

@@ -32,7 +32,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "linear_value_head_dim": 128, "linear_conv_kernel": 4, "linear_chunk_size": 64,
                          "attention_output_gate": False, "relu_mlp": False, "qkv_bias": False,
                          "shared_expert_gate": False, "logit_softcapping": False, "attention_softcapping": False,
-                         "tanh_gelu_ops": False}
+                         "tanh_gelu_ops": False, "centred_norm_ops": False, "rotary_concatenates": False}
 
 
 @dataclass(frozen=True)
@@ -118,18 +118,20 @@ class ModelSpec:
     qk_norm: bool = False
     """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and Llama 4's
     ``use_qk_norm``; Megatron's ``--qk-layernorm``): a head's width of weights, and the q and k it keeps."""
+    centred_norm_ops: bool = False
+    """The norms subtract the mean in torch ops (Cohere's LayerNorm without bias): each keeps ``x - mean``
+    twice, the variance's and the scaling's, beside its scale and result (Transformers' blocks)."""
+    rotary_concatenates: bool = False
+    """The rotary embedding concatenates each head's turned and passed parts (partial rotary: StableLM, GLM,
+    GPT-NeoX; Phi-3's code even whole): a query laid out by head, whose attention output Transformers copies."""
     kv_lora_rank: int = 0
     """Multi-head latent attention (DeepSeek-V2 and V3): keys and values come up from a shared
     latent of this width (Hugging Face's ``kv_lora_rank``); ``attention_head_dim`` is then a head's
     part without positions (``qk_nope_head_dim``). 0: ordinary attention."""
     q_lora_rank: int = 0  # with kv_lora_rank: the queries' latent width (0: projected from the hidden state)
-    rope_head_dim: int = 0
-    """With ``kv_lora_rank``: the rotary part of a query and key head (``qk_rope_head_dim``), one
-    rotary key shared by every head."""
+    rope_head_dim: int = 0  # with kv_lora_rank: a head's rotary part (qk_rope_head_dim), one rotary key for all
     v_head_dim: int = 0  # with kv_lora_rank: one value head's width; 0: head_dim
-    dense_layers: int = 0
-    """With ``num_experts``: the first blocks run a dense MLP of ``ffn_hidden_size`` instead of
-    experts (DeepSeek's ``first_k_dense_replace``)."""
+    dense_layers: int = 0  # with num_experts: the first blocks' MLP is dense (DeepSeek's first_k_dense_replace)
     moe_layer_step: int = 1
     """With ``num_experts``: block ``i`` (from 0) runs the experts where ``(i + 1) % moe_layer_step``
     is 0, the others a dense MLP of ``ffn_hidden_size`` (Llama 4 Maverick's
@@ -137,16 +139,14 @@ class ModelSpec:
     expert_groups: int = 0
     """With ``num_experts``: group-limited routing (DeepSeek's ``n_group``): the experts fall in this
     many equal groups, and a token's top-k come from ``expert_groups_per_token`` of them. 0: any."""
-    expert_groups_per_token: int = 0
-    """With ``expert_groups``: the groups a token's experts come from (DeepSeek's ``topk_group``)."""
+    expert_groups_per_token: int = 0  # with expert_groups: the groups a token's experts come from (topk_group)
     mtp_layers: int = 0
     """Multi-token prediction modules after the last block (DeepSeek-V3's ``num_nextn_predict_layers``):
     each one more block, a projection of 2h to h and a loss of its own over the shared head."""
     hybrid_pattern: str = ""
-    """A hybrid model's layers, one character each (Megatron's ``--hybrid-override-pattern``, Hugging
-    Face's ``hybrid_override_pattern``: Nemotron-H): ``M`` a Mamba-2 mixer, ``*`` attention, ``-`` an
-    MLP, each a layer of its own behind one pre-norm and a residual add. '': every layer a block of
-    attention and MLP."""
+    """A hybrid model's layers, one character each (Megatron's ``--hybrid-override-pattern``, Hugging Face's
+    ``hybrid_override_pattern``: Nemotron-H): ``M`` a Mamba-2 mixer, ``*`` attention, ``-`` an MLP, each a layer of
+    its own behind one pre-norm and a residual add. '': every layer a block of attention and MLP."""
     mamba_heads: int = 0
     """With ``M`` layers: the Mamba-2 mixer's heads (its inner width is ``mamba_heads x mamba_head_dim``)."""
     mamba_head_dim: int = 64
