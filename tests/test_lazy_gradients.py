@@ -75,8 +75,13 @@ def _measured_left_out(stage, batch: int, seq: int) -> int:
 
 def _counted_left_out(tmp_path, mbs: int, seq: int) -> float:
     """The bytes memx's ``--setup ddp`` estimate of memx's LLaMA in fp32 (DP 2) leaves out of its
-    gradients part at one micro-batch a step: its part at two less at one."""
+    gradients part at one micro-batch a step: its part at two less at one, less the fresh gradient
+    the second backward holds (:func:`fresh_gradient_bytes`)."""
+    from memx_launch.planning.grad_accumulation import fresh_gradient_bytes
+
     cluster = cluster_file(tmp_path, TWO_CPUS)
+    fresh = float(fresh_gradient_bytes(get_model("llama-tiny"), TrainingSpec(setup="ddp", dtype="fp32"), 1, 1, 1, 2,
+                                       1)[0])
 
     def gradients(batch: int) -> float:
         plan = estimated_plan(tmp_path, f"s{seq}m{mbs}b{batch}", [
@@ -84,7 +89,7 @@ def _counted_left_out(tmp_path, mbs: int, seq: int) -> float:
             "--micro-batch-size", str(mbs), "--global-batch-size", str(2 * mbs * batch), "--seq-len", str(seq),
             "--dtype", "fp32"])
         return plan["stages"][0]["memory_parts_gib"]["gradients"] * 2**30
-    return gradients(2) - gradients(1)
+    return gradients(2) - fresh - gradients(1)
 
 
 def test_a_step_of_one_micro_batch_holds_no_gradients_at_its_peak_and_memx_leaves_them_out(tmp_path):
@@ -145,3 +150,40 @@ def test_the_first_backward_frees_activations_as_it_creates_gradients(tmp_path):
     assert [round(x / 1e6, 1) for x in (short, long, grads)] == [1.7, 6.0, 6.4]  # docs/estimate.md quotes them
     for seq, relief in ((16, short), (64, long)):
         assert _counted_left_out(tmp_path, 1, seq) == pytest.approx(relief, rel=0.25), seq
+
+
+def test_a_later_backward_holds_its_fresh_weight_gradient_beside_the_sum():
+    """torch's AccumulateGrad: from the second backward on, each weight gradient is computed whole
+    and held beside ``.grad`` until its in-place add (the guard's peak rises by exactly one
+    weight's bytes, nothing stays); memx adds the largest of them at a stage's peak where later
+    backwards reach it, the output layer's on the last stage."""
+    torch = pytest.importorskip("torch")
+    from memx_launch.planning.grad_accumulation import fresh_gradient_bytes
+    from memx_launch.profiling.emulation import EmulatedDevice
+
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(128, 352, bias=False), torch.randn(4, 128)
+    rises = []
+    for _ in range(3):
+        with EmulatedDevice("probe", math.inf) as device:
+            device.track([linear.weight, *([linear.weight.grad] if linear.weight.grad is not None else [])])
+            loss = linear(x).pow(2).sum()
+            device.reset_peak()
+            before = device.live_bytes
+            loss.backward()
+            rises.append((device.peak_bytes - before, device.live_bytes - before))
+    weight = 4 * linear.weight.numel()
+    output = 4 * x.shape[0] * 352  # what the forward saved, freed by the backward
+    assert rises[0][1] == weight - output  # the first backward's gradient stays: it is .grad
+    assert all(0 <= peak - weight < 8 and kept == -output for peak, kept in rises[1:])
+
+    spec = get_model("llama-tiny")
+    ddp = TrainingSpec(setup="ddp")
+    fresh = fresh_gradient_bytes(spec, ddp, np.ones(4), 1, 4, 8, 1)
+    block = 4 * spec.ffn_hidden_size * spec.hidden_size  # an MLP weight: LLaMA's largest
+    assert fresh.tolist() == [block] * 3 + [4 * spec.vocab_size * spec.hidden_size]
+    # Not where the peak precedes every later backward (4 micro-batches over 4 stages: the first stage's).
+    assert fresh_gradient_bytes(spec, ddp, np.ones(4), 1, 4, 4, 1).tolist()[0] == 0
+    for setup in ("megatron", "zero3", "fsdp2"):  # gradients accumulated inside the GEMM, or sharded
+        assert not fresh_gradient_bytes(spec, TrainingSpec(setup=setup), np.ones(4), 1, 4, 8, 1).any(), setup
+    assert not fresh_gradient_bytes(spec, ddp, np.ones(4), 1, 4, 1, 1).any()  # one micro-batch a step

@@ -273,6 +273,29 @@ def last_stage_params(model: ModelSpec, pp: int) -> int:
     return model.head_params + tied_copy + mtp_beside_blocks
 
 
+def output_layer_params(model: ModelSpec, pp: int) -> int:
+    """The last stage's largest parameter at its end: the output layer's weight, or the copy of the
+    word embeddings it keeps (:func:`last_stage_params`)."""
+    tied_copy = model.word_embedding_params if model.last_stage_reads_embedding and pp > 1 else 0
+    return max(model.head_params - model.norm_params, tied_copy)
+
+
+def largest_block_matrix(model: ModelSpec, training: TrainingSpec, tp) -> np.ndarray:
+    """Elements of one block's largest parameter on a rank: its largest linear module's
+    (:func:`~memx_launch.planning.matmuls.linear_module_params`: q, k and v fused or apart, gate and
+    up likewise), or its routed experts' (Transformers': their gate-and-up weights, one 3-D
+    parameter of the rank's experts; else one expert's gate or up); a hybrid model's largest layer's."""
+    if model.layer_kinds:
+        return np.max([largest_block_matrix(kind, training, tp) for kind, _ in model.layer_kinds], axis=0)
+    tp = np.asarray(tp, dtype=np.float64)
+    largest = np.max(np.broadcast_arrays(tp * 0.0, *linear_module_params(model, training, tp)), axis=0)
+    if not model.num_experts:
+        return largest
+    expert = 2 / 3 * rank_layer_params(model, training, tp)[1] if training.transformers_blocks \
+        else model.moe_ffn_hidden_size * model.hidden_size / training.expert_tensor_parallel
+    return np.maximum(largest, expert)
+
+
 def rank_layer_params(model: ModelSpec, training: TrainingSpec, tp) -> tuple:
     """(dense, routed-expert) parameters of one block on a rank: the dense ones over TP (but latent
     attention's down projections, whole on every rank), the routed experts over the

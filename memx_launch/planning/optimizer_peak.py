@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning.model_states import TrainedParameters, autocast_copy_bytes, rank_layer_params
+from memx_launch.planning.model_states import (TrainedParameters, autocast_copy_bytes, largest_block_matrix,
+                                              output_layer_params, rank_layer_params)
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -47,25 +48,6 @@ def step_temporary_bytes(training: TrainingSpec, trained: TrainedParameters, tp,
     return _moment_bytes(training, shards) * trained.share + np.zeros(tp.shape)
 
 
-def largest_block_matrix(model: ModelSpec, training: TrainingSpec, tp) -> np.ndarray:
-    """Elements of one block's largest parameter on a rank: an attention projection (q, k and v
-    fused where the block fuses them), an MLP weight (gate and up fused likewise), or a routed
-    expert's (Transformers' experts: their gate-and-up weights, one 3D parameter of the rank's
-    experts)."""
-    h = model.hidden_size
-    attention = (model.q_hidden_size + (2 * model.kv_hidden_size if training.fused_qkv else 0)) * h \
-        if model.has_attention else 0
-    ffn = (2 if model.gated_mlp and training.fused_gate_up else 1) * model.ffn_hidden_size * h \
-        if model.has_mlp and not model.num_experts else 0
-    dense = max(attention, ffn, model.shared_expert_ffn_hidden_size * h) / np.asarray(tp, dtype=np.float64)
-    if not model.num_experts:
-        return dense
-    expert_rank = rank_layer_params(model, training, tp)[1]
-    expert = 2 / 3 * expert_rank if training.transformers_blocks \
-        else model.moe_ffn_hidden_size * h / training.expert_tensor_parallel
-    return np.maximum(dense, expert)
-
-
 def for_loop_temporary_bytes(model: ModelSpec, training: TrainingSpec, tp, end_tp, shards, pp: int,
                              emulated: bool) -> np.ndarray:
     """(P,) bytes torch's for-loop Adam allocates at its peak on each of ``pp`` stages (TP degrees
@@ -83,9 +65,7 @@ def for_loop_temporary_bytes(model: ModelSpec, training: TrainingSpec, tp, end_t
     elements = 3 * largest_block_matrix(model, training, tp)
     first, last = end_tp
     elements[0] = max(elements[0], 2 * model.word_embedding_params / first)
-    tied_copy = model.word_embedding_params if model.last_stage_reads_embedding and pp > 1 else 0
-    output = max(model.head_params - model.norm_params, tied_copy)
-    elements[-1] = max(elements[-1], 2 * output / last + model.norm_params)
+    elements[-1] = max(elements[-1], 2 * output_layer_params(model, pp) / last + model.norm_params)
     return elements * _moment_bytes(training, shards)
 
 
