@@ -1,18 +1,14 @@
 """Gradient accumulation as eager frameworks run it (``grad_accumulation_pass``): each micro-batch
 of a step after the first adds its weight gradients into those the earlier ones left (torch's
 ``AccumulateGrad``: an in-place add that reads both and writes the sum), a memory-bound pass of
-its own behind every such backward, and until it adds, the fresh gradient is held beside the
-sum. Megatron's ``gradient_accumulation_fusion`` accumulates inside the weight-gradient GEMM
-instead (no pass, no fresh gradient). No torch import."""
+its own behind every such backward. Megatron's ``gradient_accumulation_fusion`` accumulates
+inside the weight-gradient GEMM instead (no pass). No torch import."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning.lazy_gradients import peak_precedes_backward
-from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, keeps_gathered, largest_block_matrix,
-                                               output_layer_params, reduced_gradient_bytes)
-from memx_launch.specs.model import ModelSpec
+from memx_launch.planning.model_states import FULL_TRAINING, TrainedParameters, keeps_gathered, reduced_gradient_bytes
 from memx_launch.specs.training import TrainingSpec
 
 
@@ -47,23 +43,3 @@ def accumulation_seconds(params_on_rank, training: TrainingSpec, hbm_gbps, dp, p
         return np.zeros(np.shape(params_on_rank))
     moved = np.asarray(params_on_rank, dtype=np.float64) * trained.share * accumulation_bytes(training, dp, pp, g)
     return moved / g / (np.asarray(hbm_gbps, dtype=np.float64) * 1e9)
-
-
-def fresh_gradient_bytes(model: ModelSpec, training: TrainingSpec, tp, last_tp, pp: int, g: int,
-                         v: int) -> np.ndarray:
-    """(P,) bytes at each stage's activations' peak of the weight gradient a backward has computed
-    and not yet added into the parameter's ``.grad``: torch's ``AccumulateGrad`` holds it beside
-    the sum until its in-place add, one parameter at a time (measured: ``tests/test_lazy_gradients.py``).
-    Where gradients accumulate in a pass of their own on whole stages, from the step's second
-    backward on (the first's become ``.grad``), on stages whose peak comes back after a backward
-    (:func:`~memx_launch.planning.lazy_gradients.peak_precedes_backward`: every later backward
-    starts with as many micro-batches in flight and every gradient held): a block's largest
-    matrix (its last block's down projection comes first), on the last stage the output layer's
-    if larger (its gradient comes first, beside the logits' gradient). An upper bound where only
-    part trains (LoRA, frozen layers)."""
-    if g <= 1 or not training.grad_accumulation_pass or training.fully_sharded or training.sharded_gradients:
-        return np.zeros(pp)
-    elements = np.broadcast_to(largest_block_matrix(model, training, tp), (pp,)).copy()
-    elements[-1] = max(elements[-1], output_layer_params(model, pp) / last_tp)
-    later = ~peak_precedes_backward(pp, g, v)
-    return np.where(later, elements * training.precision_bytes("grad_dtype"), 0.0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning import activation_offload, costmodel as cm, extra_blocks, schedules
-from memx_launch.planning.grad_accumulation import fresh_gradient_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layouts import first_and_last
 from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes, stage_relief
@@ -28,8 +27,7 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
     device type it is on; they add up to it (to float rounding). The terms are the
     ``evaluator``'s (a :class:`~memx_launch.planning.scoring.Evaluator`) split inputs, told apart:
     parameters (with what a fully sharded run gathers, FP8 and autocast weight copies),
-    gradients (with its unsharded ones and a later backward's fresh one, less those created after
-    the peak), optimizer states
+    gradients (with its unsharded ones, less those created after the peak), optimizer states
     (fp32 master + moments), what the optimizer step adds, activations (kept layers in flight,
     the embedding output, the backward's working set), the last stage's logits, the pipeline
     engine's kept outputs, communicator buffers and the fixed per-process overhead."""
@@ -54,7 +52,6 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
     logits = np.zeros(pp)
     logits[-1] = logits_bytes(m, last_mbs, seq_rank, last, tr)
     pipeline = pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v)
-    fresh = fresh_gradient_bytes(m, tr, tp, last, pp, g, v)
     replica = np.zeros(pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
     by_replica = []
     kinds, counts = extra_blocks.other_kinds(m), extra_blocks.kind_counts(m, pp, layers[0], v)
@@ -79,7 +76,7 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
                               stage_relief(m, lazy, act_none, layers[0], counts))
         by_replica.append({
             "parameters": weights + gathered + copies + copies_working + head_copies,
-            "gradients": grads + unsharded_grad - relief + fresh,
+            "gradients": grads + unsharded_grad - relief,
             "optimizer_states": optim, "optimizer_step": np.zeros(pp),
             "activations": kept + embedding_out + work * (layers[0] > 0)
             - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),

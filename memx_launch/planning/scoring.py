@@ -16,7 +16,7 @@ from memx_launch.planning.memory_parts import stage_memory_parts
 from memx_launch.planning.optimizer_peak import for_loop_temporary_bytes, step_block_bytes, step_temporary_bytes
 from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
-from memx_launch.planning.grad_accumulation import accumulation_seconds, fresh_gradient_bytes
+from memx_launch.planning.grad_accumulation import accumulation_seconds
 from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.planning.bridge import BridgePricing
 from memx_launch.planning.cost_table import CostTable
@@ -128,8 +128,7 @@ class Evaluator:
         device types, local micro-batch and in-flight micro-batches, a block's model states (and
         each other kind's), the fixed bytes beside the block's working set (the embedding, head
         and logits, the pipeline engine's kept outputs, a fully sharded run's gathered weights
-        and their FP8 copies, what the process and its communicators hold above the tensors, the
-        weight gradient a later backward holds before adding it: :mod:`grad_accumulation`),
+        and their FP8 copies, what the process and its communicators hold above the tensors),
         the embedding's and the head's seconds, the blocks' gradients created after the peak
         (:mod:`lazy_gradients`), the optimizer step's bytes per block, each other kind's, and its
         fixed bytes (the ends' states, torch's pipeline receive buffers, the process's and its
@@ -154,8 +153,7 @@ class Evaluator:
         held = self.overhead[device] + layout.communicators * self.communicator_bytes[device]
         fixed_parts = (self._edge_bytes(layout, local, seq_rank, inflight, share, shards),
                        pipeline_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v),
-                       cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), copies_working, held,
-                       fresh_gradient_bytes(m, tr, tp, layout.end_tp[1], pp, g, v))
+                       cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), copies_working, held)
         edge_t = self._edge_time(layout, device, local, seq_rank)
         lazy = lazy_gradient_bytes(m, tr, tp, self.trained, pp, g, v)
         temporary = step_temporary_bytes(tr, self.trained, tp, shards, self.cluster.is_emulated)
