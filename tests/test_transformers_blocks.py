@@ -104,13 +104,14 @@ def test_transformers_blocks_under_autocast_run_their_gemms_at_the_fp32_rate():
     assert zero3 == pytest.approx(zero3_megatron)
 
 
-@pytest.mark.parametrize("batch", [2, 4])
-def test_the_backward_of_transformers_blocks_holds_their_gate_and_up_gradients(batch):
+@pytest.mark.parametrize("batch, seq", [(2, 128), (4, 128), (2, 16)])
+def test_the_backward_of_transformers_blocks_holds_their_gate_and_up_gradients(batch, seq):
     """Transformers' Mixtral layer in fp32, its gradients allocated (as from a step's second
     micro-batch, and as calibration measures a block): what its backward holds above what the
     forward kept, as the emulated device's guard counts it, is memx's backward working set
     within 10% (it held the stream's gradient alone, 14% of it, before it counted each routed
-    copy's gate-and-up gradient)."""
+    copy's gate-and-up gradient), and at few tokens at least the experts' gate-and-up weights'
+    gradient, one 3-D parameter made whole (12% over at 32 tokens; 6x under before)."""
     import math
 
     import torch
@@ -118,7 +119,6 @@ def test_the_backward_of_transformers_blocks_holds_their_gate_and_up_gradients(b
     from memx_launch.profiling.emulation import EmulatedDevice
     from test_framework_memory import hf_decoder_layer
 
-    seq = 128
     layer, x, rotary = hf_decoder_layer(HF_MIXTRAL, seq, batch)
     for p in layer.parameters():
         p.grad = torch.zeros_like(p)
@@ -131,7 +131,11 @@ def test_the_backward_of_transformers_blocks_holds_their_gate_and_up_gradients(b
     held = device.peak_bytes - kept
     counted = cm.training_activation_bytes(get_model(HF_MIXTRAL), TrainingSpec(setup="memx-run", dtype="fp32"),
                                            batch, seq, 1, cm.NONE).working_bytes
-    assert float(counted) == pytest.approx(held, rel=0.1)
+    gate_up = 4 * next(p.numel() for name, p in layer.named_parameters() if name.endswith("gate_up_proj"))
+    if seq < 128:  # the weights' gradient binds
+        assert float(counted) == gate_up and held <= gate_up <= 1.12 * held
+    else:
+        assert float(counted) == pytest.approx(held, rel=0.1) and counted > gate_up
 
 
 def test_the_report_says_where_the_experts_run_in_fp32(tmp_path, capsys):
