@@ -267,6 +267,9 @@ def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_as
                                     tp_comm_overlap=async_tp and async_tp_as == "userbuffers")
             if as_megatron:
                 training = dataclasses.replace(training, torch_loss_parallel=tp == 1, fp8_weight_cache=True)
+            # Every other layer checkpointed, asked as the first half (memx's full:K): the same time, kept
+            # activations and working set (either way a recomputed layer's backward comes after a kept
+            # layer's has freed its activations, which the recomputed ones take the place of).
             recompute = {"none": "none", "full": "full", "selective_op": "selective",
                          "selective_layer": f"full:{model.num_layers // 2}"}[policy]
             row = {"group": d["table"], "gpu": d["gpu"], "real": "ok", "model": d["model"], "seq_len": seq,

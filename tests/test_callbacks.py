@@ -99,8 +99,9 @@ def test_the_peaks_are_memx_s_estimate_of_checkpointing_the_first_k_blocks():
     assert d.micro_batch_size == 8 and 0 < d.recompute_blocks < d.num_blocks  # some blocks, not all
     assert d.predicted_peak_gib == d.peaks_gib[d.recompute_blocks] <= 0.9 * d.capacity_gib
     assert d.peaks_gib[d.recompute_blocks - 1] > 0.9 * d.capacity_gib  # one fewer would not fit
-    # One checkpointed block costs more than it saves: its recompute working set comes with it.
-    assert d.peaks_gib[1] > d.peaks_gib[0] > d.peaks_gib[-1]
+    # Each checkpointed block saves its activations, the first too: its recompute's backward comes
+    # after the kept blocks freed theirs (measured: tests/test_framework_memory.py).
+    assert d.peaks_gib[0] > d.peaks_gib[1] > d.peaks_gib[-1]
 
 
 class _Trainer(SimpleNamespace):

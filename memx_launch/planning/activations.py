@@ -228,6 +228,17 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
+def partial_recompute_working(work, none_work, none_activations, layers, recomputed):
+    """The backward's working set on a stage whose first ``recomputed`` of its ``layers`` recompute
+    in full (Megatron's block method, ``full:K``) and the rest keep theirs: its backward runs the
+    kept layers first, beside everything in flight (``none_work``); a recomputed layer's runs after
+    them, once they freed that micro-batch's activations (``none_activations`` a layer), with one
+    layer recomputed (``work``, the full level's: its activations and its phases)."""
+    kept = layers - recomputed
+    later = np.where(kept > 0, np.maximum(none_work, work - kept * none_activations), work)
+    return np.where(recomputed > 0, later, none_work)
+
+
 def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool,
               transformers_share: float | None = None) -> tuple:
     """(what the MLP's activation keeps, the down projection's kept input) of one block, in

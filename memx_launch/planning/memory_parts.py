@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning import activation_offload, costmodel as cm, extra_blocks, schedules
+from memx_launch.planning.activations import partial_recompute_working
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layouts import first_and_last
 from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes, stage_relief
@@ -70,7 +71,7 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
             act_none, beside_none, work_none = block_activations(np.full((1, pp), cm.NONE))
             r = np.minimum(result.recompute_layers[row], layers[0])
             kept = (r * act + (layers[0] - r) * act_none) * inflight + np.where(r > 0, beside, beside_none)
-            work = np.where(r > 0, work, work_none)
+            work = partial_recompute_working(work, work_none, act_none, layers[0], r)
             relief = np.where(r > 0, stage_relief(m, lazy, act, r, counts)
                               + (layers[0] - r) * gradient_relief(lazy, act_none),
                               stage_relief(m, lazy, act_none, layers[0], counts))

@@ -13,6 +13,7 @@ from memx_launch.planning import (activation_offload, context_parallel, costmode
                                   extra_blocks, schedules)
 from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes
 from memx_launch.planning.memory_parts import stage_memory_parts
+from memx_launch.planning.activations import partial_recompute_working
 from memx_launch.planning.optimizer_peak import for_loop_temporary_bytes, step_block_bytes, step_temporary_bytes
 from memx_launch.planning.loss import logits_bytes
 from memx_launch.planning.optimizer_step import optimizer_step_seconds
@@ -293,15 +294,18 @@ class Evaluator:
             memory = layers * per_layer + fixed
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
-                # The working set of a recomputed layer is the larger: it applies once any layer recomputes.
+                none_levels = np.full_like(levels, cm.NONE)
                 none_layer, none_fixed, none_t, _, _, none_work = (
-                    self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.NONE), k, layers)
+                    self.split_inputs(layout, mbs, seq, v, none_levels, k, layers)
                     if extra_blocks.split_places_kinds(self.model)
                     else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
                 r = np.minimum(recompute_layers, layers)
-                memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed, none_fixed)
+                tp, device, local = self._level_free_inputs(layout, mbs, seq, v, k)[:3]
+                partial = partial_recompute_working(work, none_work, self.stage_layer_costs(
+                    layout, device, tp, local, seq, none_levels)[1], layers, r)
+                memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed - work + partial, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
-                work = np.where(r > 0, work, none_work)
+                work = partial
             memory = memory - (layers == 0) * work  # an embedding- or head-only stage runs no block backward
             step_layer, step_fixed = self.step_line(layout, mbs, seq, v, k, layers)
             memory = np.maximum(memory, layers * step_layer + step_fixed)  # or the optimizer step's peak
@@ -358,15 +362,25 @@ class Evaluator:
         its device types), where the hard rule chose full recompute (Megatron's block method);
         the others keep their level on every layer. A stage that fits nowhere keeps all its
         layers."""
-        fewest = np.ones_like(layers, dtype=np.float64)
-        for k, capacity in enumerate(layout.replica_capacity):
-            full_layer, full_fixed, *_ = self.uniform_inputs(layout, mbs, seq, v, cm.FULL)[k]
-            none_layer = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k][0]
-            # k full layers and n - k kept: k (full - none) + n none + fixed <= usable.
-            saved = np.maximum(none_layer - full_layer, 1.0)
-            fewest = np.maximum(fewest, np.ceil((layers * none_layer + full_fixed - self.usable(capacity)) / saved))
         unit = layers_per_block(self.model)  # whole blocks, as Megatron's block method recomputes them
-        return np.where(levels == cm.FULL, np.clip(np.ceil(fewest / unit) * unit, 1, layers).astype(np.int64), layers)
+        fewest = np.ones_like(layers, dtype=np.float64)
+        inputs = []
+        for k, capacity in enumerate(layout.replica_capacity):
+            full_layer, full_fixed, *_, full_work = self.uniform_inputs(layout, mbs, seq, v, cm.FULL)[k]
+            none_layer, *_, none_work = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
+            tp, device, local = self._level_free_inputs(layout, mbs, seq, v, k)[:3]
+            act = self.stage_layer_costs(layout, device, tp, local, seq, np.full((1, layout.pp), cm.NONE))[1]
+            # k full layers and n - k kept: k (full - none) + n none + fixed + the working set, at least
+            # the kept layers' (activations.partial_recompute_working) <= usable.
+            saved = np.maximum(none_layer - full_layer, 1.0)
+            rest = layers * none_layer + full_fixed - full_work - self.usable(capacity)
+            fewest = np.maximum(fewest, np.ceil((rest + none_work) / saved))
+            inputs.append((rest, saved, full_work, act))
+        fewest = np.clip(np.ceil(fewest / unit) * unit, 1, layers)
+        # A recomputed layer's working set beside what the fewer kept layers freed may not fit: all of them, then.
+        for rest, saved, full_work, act in inputs:
+            fewest = np.where(rest - fewest * saved + full_work - (layers - fewest) * act > 0, layers, fewest)
+        return np.where(levels == cm.FULL, fewest.astype(np.int64), layers)
 
     def send_in(self, parts) -> None:
         """Price each pipeline edge's sends in ``parts`` (a plan file's ``send_parts``); None: choose them."""
