@@ -51,10 +51,9 @@ def step_temporary_bytes(training: TrainingSpec, trained: TrainedParameters, tp,
 def for_loop_temporary_bytes(model: ModelSpec, training: TrainingSpec, tp, end_tp, shards, pp: int,
                              emulated: bool) -> np.ndarray:
     """(P,) bytes torch's for-loop Adam allocates at its peak on each of ``pp`` stages (TP degrees
-    ``tp``, the ends' ``end_tp``), on the host (an
-    emulated device's tensors; 0 elsewhere): a parameter's square root and its division by the
-    bias correction beside the previous parameter's denominator, which the loop's variable still
-    holds. A block's largest matrix follows one as large (LLaMA's up after its gate, GPT's
+    ``tp``, the ends' ``end_tp``), on the host (an emulated device's tensors; 0 elsewhere): a
+    parameter's square root and its division by the bias correction beside the previous
+    parameter's denominator, which the loop's variable still holds. A block's largest matrix follows one as large (LLaMA's up after its gate, GPT's
     projection after its MLP input): 3 of its moments; the embedding, the first parameter, 2 of
     its; the output layer 2 of its beside the final norm's. As if its largest parameters trained
     where only part does (LoRA, frozen layers): an upper bound. Measured on memx's LLaMA:
