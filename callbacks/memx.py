@@ -360,12 +360,13 @@ def planned_training(precision: str, frozen_fraction: float, **batch) -> Trainin
     the module's frozen share (fine-tuning). Lightning's DDP is torch's (``--setup ddp``): its
     default gradient_as_bucket_view=False (a copy of the gradients), the gradients' reduction
     overlapping the backward, the module's eager ops, its gradients accumulated by torch's
-    AccumulateGrad, torch's cross entropy on the whole logits (the module's training_step), and
+    AccumulateGrad and freed only after the next forward (Lightning's closure runs zero_grad between
+    training_step and backward), torch's cross entropy on the whole logits (the module's training_step), and
     the callback's non-reentrant checkpoint; the block's projections and norms as the module's
     own modules run them (models/block_reading.py, at calibration)."""
     dtype = _dtype(precision)
     training = TrainingSpec(**batch, dtype=dtype, setup="ddp", weights_dtype=_weights_dtype(precision),
-                            frozen_fraction=frozen_fraction)
+                            frozen_fraction=frozen_fraction, zero_grad_after_forward=True)
     return training if precision.endswith("-mixed") else with_param_dtype(training, dtype)
 
 

@@ -66,6 +66,8 @@ def test_the_trainers_precision_is_what_is_planned_for():
     # cross entropy in the module's training_step
     assert all(t.setup == "ddp" and t.ddp_bucket_copy and t.overlap_grad_reduce and not t.vocab_parallel_loss
                for t in planned)
+    # Lightning's closure runs zero_grad between training_step and backward: the forward holds the last gradients
+    assert all(t.zero_grad_after_forward for t in planned)
     assert planned_training("bf16-mixed", 0.25).frozen_fraction == 0.25  # the module's frozen share
 
 

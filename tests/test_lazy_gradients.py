@@ -33,8 +33,11 @@ def test_only_gradients_autograd_creates_are_left_out():
     model = get_model("llama-tiny")
     for setup in ("megatron", "zero1", "zero3", "fsdp2", "torchtitan", "scaling"):  # buffers held throughout
         assert lazy_gradient_bytes(model, TrainingSpec(setup=setup), np.ones(2), None, 2, 2, 1) is None, setup
-    # Nor where every stage forwards again after its first backward.
+    # Nor where every stage forwards again after its first backward, nor where the last step's
+    # gradients are freed only after the forward (Lightning's closure).
     assert lazy_gradient_bytes(model, TrainingSpec(setup="ddp"), np.ones(2), None, 2, 4, 1) is None
+    assert lazy_gradient_bytes(model, TrainingSpec(setup="ddp", zero_grad_after_forward=True), np.ones(2), None,
+                               2, 2, 1) is None
     from memx_launch.planning.lazy_gradients import gradient_relief
     from memx_launch.planning.model_states import FULL_TRAINING, rank_layer_params
 

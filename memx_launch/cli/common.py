@@ -120,7 +120,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("grad-accumulation-pass", "each micro-batch after a step's first adds its gradients into the "
                         "held ones in a pass of its own (torch's AccumulateGrad; default off; --setup ddp and "
                         "memx-run: on)"),
-                       ("foreach-optimizer", "Adam steps all of a rank's plain-tensor parameters at once (torch's "
+                       ("zero-grad-after-forward", "the last step's gradients freed after the forward (Lightning's "
+                        "closure: zero_grad between training_step and backward): the forward's peak holds them "
+                        "(default off; the Lightning callback: on)"),
+                       ("foreach-optimizer", "Adam steps all of a rank's parameters at once, DTensor ones too (torch's "
                         "default on a GPU): a temporary of one moment each beside the gradients; off: fused kernels, "
                         "a for-loop (default off; --setup ddp and memx-run: on)"),
                        ("autocast-per-step", "torch.autocast's region spans the step (memx-run's runtime): each fp32 "

@@ -38,10 +38,11 @@ def lazy_gradient_bytes(model: ModelSpec, training: TrainingSpec, tp, trained, p
                         v: int) -> np.ndarray | None:
     """(P,) bytes of one block's ``.grad`` tensors on stages whose peak precedes their creation (0
     elsewhere); None where no stage has such a peak (sharded or bucketed gradients, a distributed
-    optimizer's, a stage forwarding again after its backward): the search's scoring skips it."""
+    optimizer's, a stage forwarding again after its backward, the last step's gradients freed only
+    after the forward: ``zero_grad_after_forward``, Lightning's): the search's scoring skips it."""
     precedes = peak_precedes_backward(pp, g, v)
     if not training.grad_accumulation_pass or training.fully_sharded or training.sharded_gradients \
-            or not precedes.any():
+            or training.zero_grad_after_forward or not precedes.any():
         return None
     grad_per_param = model_state_bytes_by_part(training, 1, trained)[1]  # one copy, DDP's bucket aside
     params = np.broadcast_to(sum(rank_layer_params(model, training, tp)), (pp,))

@@ -103,7 +103,7 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        fp32_allreduce=False,
                        full_gradient_allreduce=False, fused_activation=False, overlap_expert_comm=False,
                        selective_recompute="attention", ddp_bucket_copy=False, grad_accumulation_pass=False,
-                       foreach_optimizer=False, transformers_blocks=False,
+                       zero_grad_after_forward=False, foreach_optimizer=False, transformers_blocks=False,
                        autocast_per_step=False,
                        cp_all_gather=False, repeat_kv=False, overlap_p2p_comm=True, hold_gathered="pipelined",
                        max_live_params=0.0, reduce_bucket_params=5e8, prefetch_bucket_params=5e7, hpz_partition_size=1,

@@ -197,8 +197,11 @@ class TrainingSpec:
     grad_accumulation_pass: bool | None = None
     """Each micro-batch after a step's first adds its gradients into the held ones in a pass of its
     own (torch's ``AccumulateGrad``; Megatron's fuses it into the GEMM). Default off (ddp, memx-run: on)."""
+    zero_grad_after_forward: bool | None = None
+    """The last step's gradients freed after the forward (Lightning's closure: zero_grad between training_step
+    and backward): the forward's peak holds them, none left out (planning/lazy_gradients.py). Default off."""
     foreach_optimizer: bool | None = None
-    """Adam steps all of a rank's plain-tensor parameters at once (torch's Adam and AdamW on a GPU by default,
+    """Adam steps all of a rank's parameters at once, DTensor ones too (torch's Adam and AdamW on a GPU by default,
     ``foreach``): a temporary of one moment each beside the gradients (planning/optimizer_peak.py). Off: fused
     kernels (Apex, Transformer Engine, DeepSpeed, ``fused=True``), a for-loop. Default off (ddp, memx-run: on)."""
     autocast_per_step: bool | None = None
@@ -222,12 +225,9 @@ class TrainingSpec:
     many parameters gathered at once (``stage3_max_live_parameters``), its module hooks' host time. 0: FSDP's units."""
     reduce_bucket_params: float | None = None
     """Such a run's gradient buckets (DeepSpeed's ``reduce_bucket_size``): a reduce-scatter per bucket. Default 5e8."""
-    prefetch_bucket_params: float | None = None
-    """Its prefetch (``stage3_prefetch_bucket_size``): a stage within the live budget, an all-gather per bucket. 5e7."""
-    hpz_partition_size: int | None = None
-    """ZeRO++'s hpZ (``zero_hpz_partition_size``): a second weight shard over N ranks for the backward's gathers."""
-    quantized_weights: bool | None = None
-    """ZeRO++'s qwZ (``zero_quantized_weights``): each fetch all-gathers int8 weights, then their fp32 scales."""
+    prefetch_bucket_params: float | None = None  # its prefetch (stage3_prefetch_bucket_size): 5e7
+    hpz_partition_size: int | None = None  # ZeRO++'s hpZ: a second weight shard over N ranks, for the backward
+    quantized_weights: bool | None = None  # ZeRO++'s qwZ: each fetch all-gathers int8 weights, then their fp32 scales
     shard_degree: int | None = None
     """Hybrid sharding (HSDP, DeepSpeed's MiCS, Megatron's partial distributed optimizer): what the setup
     shards spread over N consecutive ranks of each DP group (x CP), the DP / N groups replicas. None: all."""
