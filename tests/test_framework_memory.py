@@ -243,7 +243,8 @@ def _own_gpt_peak(recomputed: int) -> int:
     spec.loader.exec_module(module)
     model = module.build(os.path.join(EXAMPLES, "models", "lightning-gpt"), 0)
     for block in model.blocks[:recomputed]:
-        block.forward = (lambda f: lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False))(block.forward)
+        forward = block.forward
+        block.forward = lambda x, forward=forward: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 128, (8, 65), generator=torch.Generator().manual_seed(0))
     for _ in range(2):

@@ -52,12 +52,12 @@ def for_loop_temporary_bytes(model: ModelSpec, training: TrainingSpec, tp, end_t
                              emulated: bool) -> np.ndarray:
     """(P,) bytes torch's for-loop Adam allocates at its peak on each of ``pp`` stages (TP degrees
     ``tp``, the ends' ``end_tp``), on the host (an emulated device's tensors; 0 elsewhere): a
-    parameter's square root and its division by the bias correction beside the previous
-    parameter's denominator, which the loop's variable still holds. A block's largest matrix follows one as large (LLaMA's up after its gate, GPT's
-    projection after its MLP input): 3 of its moments; the embedding, the first parameter, 2 of
-    its; the output layer 2 of its beside the final norm's. As if its largest parameters trained
-    where only part does (LoRA, frozen layers): an upper bound. Measured on memx's LLaMA:
-    ``tests/test_optimizer_peak.py``."""
+    parameter's square root and its division by the bias correction beside the previous parameter's
+    denominator, which the loop's variable still holds. A block's largest matrix follows one as
+    large (LLaMA's up after its gate, GPT's projection after its MLP input): 3 of its moments; the
+    embedding, the first parameter, 2 of its; the output layer 2 of its beside the final norm's. As
+    if its largest parameters trained where only part does (LoRA, frozen layers): an upper bound.
+    Measured on memx's LLaMA: ``tests/test_optimizer_peak.py``."""
     if not _torch_adam(training) or not emulated:
         return np.zeros(pp)
     tp = np.broadcast_to(np.asarray(tp, dtype=np.float64), (pp,))
