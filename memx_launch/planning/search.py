@@ -231,8 +231,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         raise NoFeasiblePlanError(
             f"no candidate fits in memory ({stats.enumerated} enumerated, {stats.pruned_memory} over capacity"
             + (f" less the {space.memory_headroom:.0%} asked to stay free" if space.memory_headroom else "") +
-            f" even with {cm.RECOMPUTE_LEVELS[evaluator.allowed_levels[-1]]} recompute); use more devices, a shorter "
-            "--seq-len or a smaller model",
+            f" even with {cm.RECOMPUTE_LEVELS[evaluator.allowed_levels[-1]]} recompute); use more devices, a shorter --seq-len or a smaller model",
             [text for _, text in closest[:5]])
 
     bound = space.bound(objective, weights)
