@@ -206,7 +206,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     if transformers_share is not None and model.num_experts and model.has_mlp:
         # Transformers' experts' gate-and-up weights are one 3-D parameter, whose gradient the backward
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
-        gate_up = (2.0 if model.gated_mlp else 1.0) * model.num_experts * model.moe_ffn_hidden_size * h / expert_tp
+        gate_up = experts.gate_up_params(model, expert_tp=expert_tp)
         mlp_phase = np.maximum(mlp_phase, gate_up * transformers_share * dtype_bytes / sbh)
     # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.

@@ -118,6 +118,13 @@ def ep_link_gbps(cluster: ClusterSpec, device_type: str, ep: int) -> float:
     return (ep - 1) / slowest
 
 
+def gate_up_params(model: ModelSpec, expert_parallel: int = 1, expert_tp: int = 1) -> float:
+    """Parameters of a rank's routed experts' gate-and-up weights (the up projection alone in an
+    ungated MLP), which Transformers keeps as one 3-D parameter (``transformers_blocks``)."""
+    width = (2 if model.gated_mlp else 1) * model.moe_ffn_hidden_size
+    return model.num_experts * width * model.hidden_size / (expert_parallel * expert_tp)
+
+
 def routed_tokens(model: ModelSpec, tokens, tp):
     """Token-expert pairs a rank's experts process per micro-batch: its ``tokens / TP`` times top-k."""
     return np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.experts_per_token

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import quantization
+from memx_launch.planning import experts, quantization
 from memx_launch.planning.extra_blocks import other_kinds, stage_block_counts
 from memx_launch.planning.matmuls import linear_module_params, linear_shapes
 from memx_launch.specs.model import ModelSpec
@@ -284,15 +284,17 @@ def largest_block_matrix(model: ModelSpec, training: TrainingSpec, tp) -> np.nda
     """Elements of one block's largest parameter on a rank: its largest linear module's
     (:func:`~memx_launch.planning.matmuls.linear_module_params`: q, k and v fused or apart, gate and
     up likewise), or its routed experts' (Transformers': their gate-and-up weights, one 3-D
-    parameter of the rank's experts; else one expert's gate or up); a hybrid model's largest layer's."""
+    parameter of the rank's experts, :func:`~memx_launch.planning.experts.gate_up_params`; else one
+    expert's gate or up); a hybrid model's largest layer's."""
     if model.layer_kinds:
         return np.max([largest_block_matrix(kind, training, tp) for kind, _ in model.layer_kinds], axis=0)
     tp = np.asarray(tp, dtype=np.float64)
     largest = np.max(np.broadcast_arrays(tp * 0.0, *linear_module_params(model, training, tp)), axis=0)
     if not model.num_experts:
         return largest
-    expert = 2 / 3 * rank_layer_params(model, training, tp)[1] if training.transformers_blocks \
-        else model.moe_ffn_hidden_size * model.hidden_size / training.expert_tensor_parallel
+    ep, etp = training.expert_parallel, training.expert_tensor_parallel
+    expert = experts.gate_up_params(model, ep, etp) if training.transformers_blocks \
+        else model.moe_ffn_hidden_size * model.hidden_size / etp
     return np.maximum(largest, expert)
 
 

@@ -294,15 +294,13 @@ class Evaluator:
             memory = layers * per_layer + fixed
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
-                none_levels = np.full_like(levels, cm.NONE)
                 none_layer, none_fixed, none_t, _, _, none_work = (
-                    self.split_inputs(layout, mbs, seq, v, none_levels, k, layers)
+                    self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.NONE), k, layers)
                     if extra_blocks.split_places_kinds(self.model)
                     else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
                 r = np.minimum(recompute_layers, layers)
-                tp, device, local = self._level_free_inputs(layout, mbs, seq, v, k)[:3]
-                partial = partial_recompute_working(work, none_work, self.stage_layer_costs(
-                    layout, device, tp, local, seq, none_levels)[1], layers, r)
+                partial = partial_recompute_working(work, none_work, self._kept_layer_bytes(layout, mbs, seq, v, k),
+                                                    layers, r)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed - work + partial, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
                 work = partial
@@ -368,8 +366,7 @@ class Evaluator:
         for k, capacity in enumerate(layout.replica_capacity):
             full_layer, full_fixed, *_, full_work = self.uniform_inputs(layout, mbs, seq, v, cm.FULL)[k]
             none_layer, *_, none_work = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
-            tp, device, local = self._level_free_inputs(layout, mbs, seq, v, k)[:3]
-            act = self.stage_layer_costs(layout, device, tp, local, seq, np.full((1, layout.pp), cm.NONE))[1]
+            act = self._kept_layer_bytes(layout, mbs, seq, v, k)
             # k full layers and n - k kept: k (full - none) + n none + fixed + the working set, at least
             # the kept layers' (activations.partial_recompute_working) <= usable.
             saved = np.maximum(none_layer - full_layer, 1.0)
@@ -381,6 +378,12 @@ class Evaluator:
         for rest, saved, full_work, act in inputs:
             fewest = np.where(rest - fewest * saved + full_work - (layers - fewest) * act > 0, layers, fewest)
         return np.where(levels == cm.FULL, fewest.astype(np.int64), layers)
+
+    def _kept_layer_bytes(self, layout, mbs, seq, v, replica) -> np.ndarray:
+        """(1, P) what one layer keeps of one micro-batch with no recompute, on the device types of
+        row ``replica``: what a kept layer's backward frees before a recomputed one's runs."""
+        tp, device, local = self._level_free_inputs(layout, mbs, seq, v, replica)[:3]
+        return self.stage_layer_costs(layout, device, tp, local, seq, np.full((1, layout.pp), cm.NONE))[1]
 
     def send_in(self, parts) -> None:
         """Price each pipeline edge's sends in ``parts`` (a plan file's ``send_parts``); None: choose them."""
