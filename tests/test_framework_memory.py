@@ -262,8 +262,8 @@ def test_a_stage_recomputing_its_first_layers_holds_one_recomputed_layer_once_th
     """Megatron's block method (``full:K``): the backward runs the kept layers first, then each
     recomputed one after those freed that micro-batch's activations, so one recomputed layer's
     activations do not come on top of every kept layer's. Measured on the own GPT (8 blocks, 3
-    recomputed, one process): memx's ``--setup ddp`` estimate is 6% over the guard's peak (19%
-    when it added them), the same model with none recomputed 4%."""
+    recomputed, one process): memx's ``--setup ddp`` estimate is within 8% over the guard's peak
+    (over 15% when it added them), the same model with none recomputed within 6%."""
     pytest.importorskip("torch")
     monkeypatch.syspath_prepend(EXAMPLES)  # the example's own imports
     cluster = cluster_file(tmp_path, {"version": 1, "nodes": [{"devices": {"small": 1}, "intra_node_gbps": 2}],
@@ -276,8 +276,16 @@ def test_a_stage_recomputing_its_first_layers_holds_one_recomputed_layer_once_th
             "--tp", "1", "--pp", "1", "--dp", "1", "--micro-batch-size", "8", "--global-batch-size", "8",
             "--seq-len", "64", "--dtype", "fp32", "--recompute", recompute])
         counted[recompute] = plan["stages"][0]["predicted_peak_memory_gib"] * 2**30
-    for recompute, measured in (("none", _own_gpt_peak(0)), ("full:3", _own_gpt_peak(3))):
-        assert 1.0 <= counted[recompute] / measured < 1.08, recompute
+    measured = {"none": _own_gpt_peak(0), "full:3": _own_gpt_peak(3)}
+    assert 1.0 <= counted["none"] / measured["none"] < 1.06
+    assert 1.0 <= counted["full:3"] / measured["full:3"] < 1.08
+    # Counted before: one recomputed layer's activations and phases beside every kept layer's.
+    spec, training = get_model(os.path.join(EXAMPLES, "models", "lightning-gpt")), TrainingSpec(
+        global_batch_size=8, seq_len=64, setup="ddp", dtype="fp32")
+    full, none = (cm.training_activation_bytes(spec, training, 8, 64, 1, level) for level in (cm.FULL, cm.NONE))
+    on_top = float(full.working_bytes) - max(float(none.working_bytes),
+                                             float(full.working_bytes) - 5 * float(none.activation_bytes))
+    assert (counted["full:3"] + on_top) / measured["full:3"] > 1.15
 
 
 def test_recompute_of_k_layers_is_validated_and_exported_as_the_block_method():
