@@ -47,7 +47,7 @@ Tables (copied into benchmarks/data/, sources in benchmarks/data/README.md):
   under TP, op-level selective checkpointing (``--selective-recompute op``) and torchao's Float8
   linears, which cast the weight at each GEMM (``--no-fp8-weight-cache``); Float8 is
   ``--fp8 current`` (tensorwise dynamic scaling), selective layer checkpointing (every other block) is
-  ``full:K`` with K half the layers, context parallelism is ``--cp``, AsyncTP is ``--async-tp``.
+  ``full:every2``, context parallelism is ``--cp``, AsyncTP is ``--async-tp``.
   Its pipelines split the layers as torchtitan's ``generate_split_points`` does without given
   split points (two stages a rank for the interleaved schedule) and run as many micro-batches as
   pipeline ranks. memx has no torch.compile: a compiled row is asked with a fused norm only, so
@@ -267,11 +267,8 @@ def torchtitan(rated_power: bool = False, as_megatron: bool = False, async_tp_as
                                     tp_comm_overlap=async_tp and async_tp_as == "userbuffers")
             if as_megatron:
                 training = dataclasses.replace(training, torch_loss_parallel=tp == 1, fp8_weight_cache=True)
-            # Every other layer checkpointed, asked as the first half (memx's full:K): the same time, kept
-            # activations and working set (either way a recomputed layer's backward comes after a kept
-            # layer's has freed its activations, which the recomputed ones take the place of).
             recompute = {"none": "none", "full": "full", "selective_op": "selective",
-                         "selective_layer": f"full:{model.num_layers // 2}"}[policy]
+                         "selective_layer": "full:every2"}[policy]
             row = {"group": d["table"], "gpu": d["gpu"], "real": "ok", "model": d["model"], "seq_len": seq,
                    "gpus": gpus, "tokens": local * dp * seq,
                    "real_time_s": local * dp * seq / (float(d["tokens_per_s_per_gpu"]) * gpus),

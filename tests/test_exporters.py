@@ -535,6 +535,19 @@ def test_torchtitan_config_states_the_uneven_split_batch_and_dp_kind():
     assert any("per-stage recompute" in n and "'full'" in n for n in notes)
 
 
+def test_every_n_th_layer_s_recompute_is_torchtitan_s_layer_checkpointing_and_megatron_s_block_method():
+    plan = make_plan(layers=(16, 16), recompute=("full:every2", "full:every2"))
+    parsed, notes = _torchtitan(plan)
+    assert parsed["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
+    assert not [n for n in notes if "recompute" in n]
+    args, notes = (lambda e: (e.args, e.notes))(megatron_args(plan))
+    assert (_flag(args, "--recompute-method"), _flag(args, "--recompute-num-layers")) == ("block", "8")
+    assert [n for n in notes if "full:everyN" in n and "no more memory" in n]
+    # Stages that checkpoint differently: torchtitan has one setting, the strongest (full) is memory-safe.
+    parsed, notes = _torchtitan(make_plan(layers=(16, 16), recompute=("full:every2", "none")))
+    assert parsed["activation_checkpoint"] == {"mode": "full"} and [n for n in notes if "per-stage" in n]
+
+
 def test_torchtitan_interleaved_split_points_follow_its_looped_stage_order():
     # chunks in model order 4 | 12 | 4 | 12 layers on ranks 0, 1, 0, 1 (as Megatron's layout Et*4|t*12|t*4|t*12L)
     plan = make_plan(layers=(8, 24), virtual_stages=2, schedule="interleaved")

@@ -51,9 +51,9 @@ def test_layers_differ_from_each_other_and_seed_changes_weights():
     assert not torch.equal(ref.layers["0"].attention.wq.weight, other.layers["0"].attention.wq.weight)
 
 
-@pytest.mark.parametrize("level", ["selective", "full", "full:2"])
+@pytest.mark.parametrize("level", ["selective", "full", "full:2", "full:every2"])
 def test_recompute_gives_the_same_loss_and_gradients(level):
-    """full:K checkpoints the first K blocks and keeps everything of the rest."""
+    """full:K checkpoints the first K blocks and keeps everything of the rest; full:everyN every N-th."""
     levels = layer_recompute_levels(level, SPEC.num_layers)
     tokens = _tokens()
     base = LlamaStage.full(SPEC)
@@ -125,6 +125,7 @@ def test_full_k_checkpoints_the_first_k_blocks_and_no_others():
     Measured: the bytes autograd saves sit exactly K/N of the way from "none" to "full"."""
     n, k = SPEC.num_layers, 2
     assert layer_recompute_levels("full:2", 4) == ["full", "full", "none", "none"]
+    assert layer_recompute_levels("full:every2", 4) == ["none", "full", "none", "full"]
     model = LlamaStage.full(SPEC, recompute=f"full:{k}")
     assert [block.recompute for block in model.layers.values()] == ["full"] * k + ["none"] * (n - k)
     tokens = _tokens()

@@ -37,6 +37,7 @@ LAYOUTS = {
     "interleaved": dict(tp=1, pp=5, dp=4, schedule="interleaved", virtual_stages=2),
     "selective": dict(tp=2, pp=5, dp=2, recompute="selective", mbs=2),
     "full:K and none": dict(tp=1, pp=5, dp=4, recompute="full:3,none,full,none,selective"),
+    "full:everyN": dict(tp=1, pp=5, dp=4, recompute="full:every2,full:every3,none,full:every2,full"),
     "per-stage TP": dict(tp=None, stage_tp=[2, 4, 4], pp=3, dp=2,
                          stage_devices=["a100-80gb", "vendor-b-32gb", "vendor-c-32gb"]),
     "mixed stage": dict(cluster=TABLE1, tp=4, pp=2, dp=2, recompute="full",

@@ -71,22 +71,24 @@ def test_moderate_pressure_raises_recompute_on_that_stage_only(plan):
     assert "recompute none ->" in decision.why and "rank 2" in decision.why
 
 
-def test_a_stage_recomputing_k_layers_recomputes_them_all_under_pressure():
-    """full:1 of 2 on stage 2: the next step up is full on both, the other stages keep theirs."""
+@pytest.mark.parametrize("some", ["full:1", "full:every2"])
+def test_a_stage_recomputing_some_layers_recomputes_them_all_under_pressure(some):
+    """One of 2 layers on stage 2 (the first, or every other): the next step up is full on both,
+    the other stages keep theirs."""
     partial = evaluate_layout(MODEL, CLUSTER, TRAINING, tp=1, pp=4, dp=1, micro_batch_size=1,
-                              layers_per_stage=[2, 2, 2, 2], recompute=["full:1", "none", "full:1", "none"],
+                              layers_per_stage=[2, 2, 2, 2], recompute=[some, "none", some, "none"],
                               references=(1, 1, 1))
-    assert [s.recompute for s in partial.stages] == ["full:1", "none", "full:1", "none"]
+    assert [s.recompute for s in partial.stages] == [some, "none", some, "none"]
     whole = evaluate_layout(MODEL, CLUSTER, TRAINING, tp=1, pp=4, dp=1, micro_batch_size=1,
-                            layers_per_stage=[2, 2, 2, 2], recompute=["full:1", "none", "full", "none"],
+                            layers_per_stage=[2, 2, 2, 2], recompute=[some, "none", "full", "none"],
                             references=(1, 1, 1))
     room, partial_room = whole.stages[2].predicted_peak_memory_gib, partial.stages[2].predicted_peak_memory_gib
     assert partial_room > room
     ballast = (1 - HEADROOM) * CAPACITY[2] - (room + partial_room) / 2  # fits only once stage 2 recomputes both
     decision = replan(_event(partial, ballast), partial, MODEL, CLUSTER, TRAINING, min_headroom=HEADROOM)
     assert decision.action == "recompute", decision.why
-    assert [s.recompute for s in decision.plan.stages] == ["full:1", "none", "full", "none"]
-    assert "recompute full:1 -> full on stage 2" in decision.why
+    assert [s.recompute for s in decision.plan.stages] == [some, "none", "full", "none"]
+    assert f"recompute {some} -> full on stage 2" in decision.why
     assert _fits(decision)
 
 

@@ -172,7 +172,8 @@ def add_estimate_command(sub) -> None:
                         "degree x --micro-batch-size sequences, split over each stage's replicas (Sailor's plans)")
     p.add_argument("--micro-batch-size", "--micro_batch_size", type=int_flag)
     p.add_argument("--recompute", help="none|selective|full, or one level per stage: full,none; full:K "
-                   "recomputes a stage's first K layers (Megatron's block method)")
+                   "recomputes a stage's first K layers (Megatron's block method), full:everyN every N-th layer "
+                   "(torchtitan's layer checkpointing)")
     p.add_argument("--layers-per-stage", "--layers_per_stage", type=list_of(int),
                    help="layers per stage, kept as given, e.g. 8,24; the first or last of several may be 0, an "
                         "embedding-only or head-only stage (default: even, remainder first)")

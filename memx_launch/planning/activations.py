@@ -228,14 +228,24 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     return LayerCost(time_s=np.zeros_like(sbh), activation_bytes=stored * sbh, working_bytes=working * sbh)
 
 
-def partial_recompute_working(work, none_work, none_activations, layers, recomputed):
-    """The backward's working set on a stage whose first ``recomputed`` of its ``layers`` recompute
-    in full (Megatron's block method, ``full:K``) and the rest keep theirs: its backward runs the
-    kept layers first, beside everything in flight (``none_work``); a recomputed layer's runs after
-    them, once they freed that micro-batch's activations (``none_activations`` a layer), with one
-    layer recomputed (``work``, the full level's: its activations and its phases)."""
+def recomputed_layers(layers, recompute_layers, every=None):
+    """How many of a stage's ``layers`` recompute at its level: the first ``recompute_layers``
+    (at most all), or every ``every``-th where it is given and positive (``full:everyN``)."""
+    first = np.minimum(recompute_layers, layers)
+    return first if every is None else np.where(every > 0, layers // np.maximum(every, 1), first)
+
+
+def partial_recompute_working(work, none_work, none_activations, layers, recomputed, every=None):
+    """The backward's working set on a stage where ``recomputed`` of its ``layers`` recompute in
+    full and the rest keep theirs: the first ones (Megatron's block method, ``full:K``), or every
+    ``every``-th (torchtitan's layer checkpointing, ``full:everyN``). Its backward runs the layers
+    last to first: a kept one's beside everything in flight (``none_work``); the last recomputed
+    one's (``work``, the full level's: its activations and its phases) once the kept layers after
+    it freed that micro-batch's activations (``none_activations`` a layer): all the kept layers
+    when the recomputed ones are the first, none when the last layer recomputes."""
     kept = layers - recomputed
-    later = np.where(kept > 0, np.maximum(none_work, work - kept * none_activations), work)
+    after = kept if every is None else np.where(every > 0, layers - every * recomputed, kept)
+    later = np.where(kept > 0, np.maximum(none_work, work - after * none_activations), work)
     return np.where(recomputed > 0, later, none_work)
 
 

@@ -162,7 +162,11 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         lines += [f'pipeline_parallel_schedule = "{TORCHTITAN_SCHEDULES[plan.schedule]}"',
                   f"pipeline_parallel_microbatch_size = {plan.micro_batch_size}",
                   f"pipeline_parallel_split_points = [{split}]"]
-    lines += ["", "[activation_checkpoint]", f'mode = "{level}"']
+    every = {s.recompute.removeprefix("full:every") for s in plan.stages}
+    if len(every) == 1 and plan.stages[0].recompute.startswith("full:every"):  # its layer checkpointing
+        lines += ["", "[activation_checkpoint]", 'mode = "selective"', f'selective_ac_option = "{every.pop()}"']
+    else:
+        lines += ["", "[activation_checkpoint]", f'mode = "{level}"']
     if level == "selective":
         lines.append('selective_ac_option = "op"')
     return ConfigText("\n".join(lines) + "\n", notes)

@@ -34,9 +34,10 @@ from memx_launch.planning.search import default_references
 USUAL_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
 
-def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") -> tuple[np.ndarray, np.ndarray]:
-    """Per stage of ``layers`` (1, P): the level index and how many of its layers recompute at it
-    (the rest: none), from one recompute text for all stages or one per stage."""
+def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") -> tuple[np.ndarray, ...]:
+    """Per stage of ``layers`` (1, P): the level index, how many of its layers recompute at it
+    (the rest: none) and every how many layers they do (0: the first ones), from one recompute
+    text for all stages or one per stage."""
     pp = layers.shape[1]
     if recompute is None:
         recompute = ["none"]
@@ -47,8 +48,8 @@ def recompute_rows(recompute, layers: np.ndarray, field: str = "--recompute") ->
     if len(recompute) != pp:
         raise ConfigError(field, f"{len(recompute)} levels for pp={pp}", "give one level, or one per stage")
     parsed = [parse_recompute(text, int(n), field) for text, n in zip(recompute, layers[0])]
-    return (np.array([[cm.RECOMPUTE_LEVELS.index(level) for level, _ in parsed]]),
-            np.array([[k for _, k in parsed]], dtype=np.int64))
+    return (np.array([[cm.RECOMPUTE_LEVELS.index(level) for level, _, _ in parsed]]),
+            np.array([[k for _, k, _ in parsed]], dtype=np.int64), np.array([[n for *_, n in parsed]], dtype=np.int64))
 
 
 class LayoutScorer:
@@ -158,11 +159,11 @@ class LayoutScorer:
             raise ConfigError("--activation-offload-layers", f"{offloaded}, but a stage of the split "
                               f"{list(layers_per_stage)} holds {layers.min()} layers (its last keeps its activations)",
                               f"offload at most {max(layers.min() - 1, 0)} layers per stage")
-        levels, recompute_layers = recompute_rows(recompute, layers)
+        levels, recompute_layers, every = recompute_rows(recompute, layers)
         partial = recompute_layers < layers
         evaluator.send_in(send_parts)  # evaluators are kept across rows: set (or reset) on each
         result = evaluator.score(layout, micro_batch_size, training.seq_len, schedule, v, levels, layers,
-                                 recompute_layers if partial.any() else None)
+                                 recompute_layers if partial.any() else None, every if every.any() else None)
         return result, evaluator
 
 

@@ -72,8 +72,11 @@ def _megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
     partial = [parse_recompute(s.recompute, s.num_layers) for s in plan.stages if s.recompute.startswith("full:")]
     if partial and all(s.recompute.startswith("full:") or s.recompute == "none" for s in plan.stages):
         # Block method: the first K layers of every pipeline stage recompute fully, one K for all.
-        k = -(-max(count for _, count in partial) // layers_per_block(plan.model_spec))  # Megatron counts blocks
-        notes = [] if len(set(levels)) == 1 else [
+        k = -(-max(count for _, count, _ in partial) // layers_per_block(plan.model_spec))  # Megatron counts blocks
+        notes = [] if not any(every for *_, every in partial) else [
+            "every N-th layer's recompute (full:everyN) has no form in Megatron-LM: its block method recomputes "
+            "as many layers, the first ones, in the same time and with no more memory"]
+        notes += [] if len(set(levels)) == 1 else [
             "per-stage recompute (" + ", ".join(f"stage {i}: {lvl}" for i, lvl in enumerate(levels))
             + f") cannot be expressed in Megatron-LM, which recomputes the first K layers of every "
             f"stage; these arguments use K={k} everywhere: memory-safe, but slower than the plan predicts"]

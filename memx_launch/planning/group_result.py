@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import costmodel as cm
+from memx_launch.planning.activations import recomputed_layers
 from memx_launch.planning.layouts import Layout
 from memx_launch.planning.plan import recompute_text
 
@@ -53,10 +54,17 @@ class GroupResult:
     (:meth:`~memx_launch.planning.pipeline_sends.StageSends.transfers`)."""
     tied_bytes: float = 0.0
     """Bytes each rank of the first and the last stage sums with the other end (:meth:`Evaluator.tied_sum_bytes`)."""
+    recompute_every: np.ndarray | None = None
+    """(C, P) where positive, the stage recomputes every that many-th layer (``full:everyN``)
+    instead of its first ``recompute_layers``; None: the first ones on every stage."""
 
     def stage_recompute(self, row: int, stage: int) -> str:
-        """The plan's text for a stage's recompute: its level, or ``full:K`` for K of its layers."""
+        """The plan's text for a stage's recompute: its level, ``full:K`` for its first K layers or
+        ``full:everyN``."""
         level = cm.RECOMPUTE_LEVELS[int(self.levels[row, stage])]
         if self.recompute_layers is None:
             return level
-        return recompute_text(level, int(self.recompute_layers[row, stage]), int(self.layers[row, stage]))
+        every = 0 if self.recompute_every is None else int(self.recompute_every[row, stage])
+        layers = self.layers[row, stage]
+        return recompute_text(level, int(recomputed_layers(layers, self.recompute_layers[row, stage], every)),
+                              int(layers), every)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.planning import activation_offload, costmodel as cm, extra_blocks, schedules
-from memx_launch.planning.activations import partial_recompute_working
+from memx_launch.planning.activations import partial_recompute_working, recomputed_layers
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layouts import first_and_last
 from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes, stage_relief
@@ -67,11 +67,12 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
         act, beside, work = block_activations(levels)
         kept = layers[0] * inflight * act + beside
         relief = stage_relief(m, lazy, act, layers[0], counts)
-        if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
+        if result.recompute_layers is not None:  # r layers at the level (the first, or every N-th), the rest at none
             act_none, beside_none, work_none = block_activations(np.full((1, pp), cm.NONE))
-            r = np.minimum(result.recompute_layers[row], layers[0])
+            every = None if result.recompute_every is None else result.recompute_every[row]
+            r = recomputed_layers(layers[0], result.recompute_layers[row], every)
             kept = (r * act + (layers[0] - r) * act_none) * inflight + np.where(r > 0, beside, beside_none)
-            work = partial_recompute_working(work, work_none, act_none, layers[0], r)
+            work = partial_recompute_working(work, work_none, act_none, layers[0], r, every)
             relief = np.where(r > 0, stage_relief(m, lazy, act, r, counts)
                               + (layers[0] - r) * gradient_relief(lazy, act_none),
                               stage_relief(m, lazy, act_none, layers[0], counts))

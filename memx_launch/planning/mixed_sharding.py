@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning.activations import training_activation_bytes
+from memx_launch.planning.activations import recomputed_layers, training_activation_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layout_training import layout_sharded_stages, training_precision_senders
 from memx_launch.planning.memory_parts import with_optimizer_step
@@ -145,10 +145,11 @@ class MixedShardingEvaluator(Evaluator):
         layers, levels = result.layers[row], result.levels[row:row + 1]
         per_layer, working = (x[0] for x in self.narrowed_stream_bytes(layout, result.mbs, result.seq, result.v, levels))
         kept = layers * per_layer
-        if result.recompute_layers is not None:  # the first r layers at the level, the rest at none
+        if result.recompute_layers is not None:  # r layers at the level (the first, or every N-th), the rest at none
             none_layer, none_working = (x[0] for x in self.narrowed_stream_bytes(
                 layout, result.mbs, result.seq, result.v, np.full_like(levels, NONE)))
-            r = np.minimum(result.recompute_layers[row], layers)
+            r = recomputed_layers(layers, result.recompute_layers[row],
+                                  None if result.recompute_every is None else result.recompute_every[row])
             kept, working = r * per_layer + (layers - r) * none_layer, np.where(r > 0, working, none_working)
         for stage, extra, activations in zip(parts, change, kept + working * (layers > 0)):
             stage["pipeline_buffers"] += float(extra)

@@ -36,27 +36,38 @@ RECOMPUTE_LEVELS = ("none", "selective", "full")
 NONE, SELECTIVE, FULL = range(3)  # the levels' codes in the cost model's arrays
 
 
-def parse_recompute(text: str, num_layers: int, field: str = "--recompute") -> tuple[str, int]:
-    """A stage's recompute: a level for all its layers, or ``full:K``, full recompute of its first
+def parse_recompute(text: str, num_layers: int, field: str = "--recompute") -> tuple[str, int, int]:
+    """A stage's recompute: a level for all its layers; ``full:K``, full recompute of its first
     K layers and none for the rest (Megatron-LM's ``--recompute-method block
-    --recompute-num-layers K``). Returns (level, layers recomputing at that level)."""
+    --recompute-num-layers K``); or ``full:everyN``, full recompute of every N-th layer, the N-th,
+    2N-th, ... (torchtitan's layer checkpointing, ``selective_ac_option = "N"``). Returns (level,
+    layers recomputing at that level, N or 0 where they are the first ones)."""
     level, _, count = str(text).partition(":")
     if level not in RECOMPUTE_LEVELS:
-        raise ConfigError(field, f"unknown level {text!r}", f"use one of {', '.join(RECOMPUTE_LEVELS)} or full:K")
+        raise ConfigError(field, f"unknown level {text!r}",
+                          f"use one of {', '.join(RECOMPUTE_LEVELS)}, full:K or full:everyN")
     if not count:
-        return level, num_layers
-    if level != "full" or not (count.isascii() and count.isdigit()) or int(count) > num_layers:
-        raise ConfigError(field, f"{text!r} is not full:K with 0 <= K <= the stage's {num_layers} layers",
-                          "give full:K, the number of the stage's first layers that recompute fully")
-    return ("full", int(count)) if int(count) else ("none", num_layers)
+        return level, num_layers, 0
+    period = count.removeprefix("every")
+    number = int(period) if period.isascii() and period.isdigit() else -1
+    if level != "full" or number < 0 or (number > num_layers if period == count else number < 1):
+        raise ConfigError(field, f"{text!r} is neither full:K with 0 <= K <= the stage's {num_layers} layers nor "
+                          "full:everyN with N >= 1", "give full:K, the number of the stage's first layers that "
+                          "recompute fully, or full:everyN to recompute every N-th layer")
+    recomputed, every = (num_layers // number, number) if period != count else (number, 0)
+    if recomputed == num_layers:
+        return "full", num_layers, 0
+    return ("full", recomputed, every) if recomputed else ("none", num_layers, 0)
 
 
-def recompute_text(level: str, count: int, num_layers: int) -> str:
-    """What :func:`parse_recompute` reads back as (level, count): the level when every layer
-    recomputes at it, ``full:K`` for the first K, ``none`` for none."""
+def recompute_text(level: str, count: int, num_layers: int, every: int = 0) -> str:
+    """What :func:`parse_recompute` reads back as (level, count, every): the level when every
+    layer recomputes at it, ``none`` for none, else ``full:K`` for the first K or ``full:everyN``."""
     if count >= num_layers:
         return level
-    return f"full:{count}" if count else "none"
+    if not count:
+        return "none"
+    return f"full:every{every}" if every else f"full:{count}"
 
 
 def short_stages(layers, virtual_stages: int) -> list[int]:
@@ -77,8 +88,11 @@ def check_stage_dp_split(stage_dp, dp: int, micro_batch_size: int, field: str) -
 
 
 def layer_recompute_levels(text: str, num_layers: int) -> list[str]:
-    """The level of each of a stage's layers: ``full:K`` is full for the first K, none after."""
-    level, count = parse_recompute(text, num_layers)
+    """The level of each of a stage's layers: ``full:K`` is full for the first K, none after;
+    ``full:everyN`` full for the N-th, 2N-th, ... (counted from 1)."""
+    level, count, every = parse_recompute(text, num_layers)
+    if every:
+        return ["full" if (i + 1) % every == 0 else "none" for i in range(num_layers)]
     return [level] * count + ["none"] * (num_layers - count)
 
 

@@ -149,11 +149,13 @@ class _PlanScorer:
         self.evaluator = Evaluator(model, cluster, training, self.cost_model, table)
         self.v = plan.virtual_stages if plan.schedule == "interleaved" else 1
 
-    def score(self, layers: np.ndarray, levels: np.ndarray, recompute_layers: np.ndarray) -> GroupResult:
-        """``recompute_layers``: how many of each stage's first layers recompute at its level."""
+    def score(self, layers: np.ndarray, levels: np.ndarray, recompute: tuple[np.ndarray, np.ndarray]) -> GroupResult:
+        """``recompute``: how many of each stage's first layers recompute at its level, and where
+        positive, every how many layers they do instead (``full:everyN``)."""
+        counts, every = (np.asarray(x, dtype=np.int64) for x in recompute)
         return self.evaluator.score(self.layout, self.plan.micro_batch_size, self.plan.seq_len, self.plan.schedule,
                                     self.v, np.asarray(levels, dtype=np.int64), np.asarray(layers, dtype=np.int64),
-                                    np.asarray(recompute_layers, dtype=np.int64))
+                                    counts, every)
 
 
 def memory_correction(event: ReplanEvent, plan: Plan, predicted_stage_bytes: np.ndarray) -> MemoryCorrection:
@@ -184,8 +186,8 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
         raise ConfigError("min_headroom", f"must be in [0, 1), got {min_headroom!r}", "e.g. 0.10 for 10% free")
     scorer = _PlanScorer(plan, model, cluster, training, cost_model)
     layers = np.array([[s.num_layers for s in plan.stages]])
-    levels, counts = recompute_rows([s.recompute for s in plan.stages], layers, "plan.stages.recompute")
-    current = scorer.score(layers, levels, counts)
+    levels, counts, every = recompute_rows([s.recompute for s in plan.stages], layers, "plan.stages.recompute")
+    current = scorer.score(layers, levels, (counts, every))
     correction = memory_correction(event, plan, current.memory[0])
     usable = [(1 - min_headroom) * (c * GIB if not math.isnan(c) else cluster.device_type(t).memory_bytes)
               for c, t in zip(event.capacity_gib, cluster.rank_device_types())]
@@ -205,7 +207,7 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
     if stronger:
         rows = np.repeat(levels, len(stronger), axis=0)
         rows[:, s] = stronger
-        result = scorer.score(np.repeat(layers, len(stronger), axis=0), rows, _whole(counts, s, len(stronger)))
+        result = scorer.score(np.repeat(layers, len(stronger), axis=0), rows, _whole(counts, every, s, len(stronger)))
         best = _best_fitting(result, budgets)
         if best is not None:
             return ReplanDecision("recompute", _with_predictions(plan, result, best, correction), head + (
@@ -215,7 +217,7 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
     min_layers = scorer.v
     move_layers, move_levels = _layer_moves(layers[0], levels[0], s, min_layers)
     if len(move_layers):
-        result = scorer.score(move_layers, move_levels, _whole(counts, s, len(move_layers)))
+        result = scorer.score(move_layers, move_levels, _whole(counts, every, s, len(move_layers)))
         best = _best_fitting(result, budgets)
         if best is not None:
             moved = int(layers[0, s] - move_layers[best, s])
@@ -250,11 +252,11 @@ def replan(event: ReplanEvent, plan: Plan, model: ModelSpec, cluster: ClusterSpe
         f"{new.predicted_iteration_time_s / t_old - 1:+.0%}."), correction)
 
 
-def _whole(counts: np.ndarray, s: int, rows: int) -> np.ndarray:
-    """``rows`` copies of the plan's recompute counts with stage ``s`` recomputing every layer."""
-    out = np.repeat(counts, rows, axis=0)
-    out[:, s] = np.iinfo(np.int64).max
-    return out
+def _whole(counts: np.ndarray, every: np.ndarray, s: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` copies of the plan's recompute (counts, every) with stage ``s`` recomputing every layer."""
+    counts, every = np.repeat(counts, rows, axis=0), np.repeat(every, rows, axis=0)
+    counts[:, s], every[:, s] = np.iinfo(np.int64).max, 0
+    return counts, every
 
 
 def _best_fitting(result: GroupResult, budgets: np.ndarray) -> int | None:
