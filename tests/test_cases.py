@@ -36,7 +36,7 @@ def test_rows_match_single_estimates_and_bad_rows_stay_alone(tmp_path, capsys):
     path = _cases(tmp_path, "id,model,cluster,tp,pp,dp,micro_batch_size,global_batch_size,layers_per_stage,"
                             "recompute,stage_devices,stage_tp\n"
                             "fit,llama2-7b,t4.yaml,,,,,,,,,\n"   # unreadable cluster: this row only
-                            "ok,llama2-7b,t1.yaml,2,2,4,1,64,16/16,full|full,vendor-y-64gb|vendor-x-32gb,2|2\n"
+                            "ok,llama2-7b,t1.yaml,2,2,4,1,64,16/16,full:every2|full,vendor-y-64gb|vendor-x-32gb,2|2\n"
                             "oom,llama2-7b,t1.yaml,1,2,8,1,64,21/11,none,,\n"
                             "bad,llama2-7b,t1.yaml,,2,4,1,64,,full,,4|2\n"
                             "few,llama2-7b,t1.yaml,1,2,8,1,8,,full,,\n"
@@ -54,7 +54,7 @@ def test_rows_match_single_estimates_and_bad_rows_stay_alone(tmp_path, capsys):
 
     cluster = ClusterSpec.from_yaml(TABLE1)
     model = get_model("llama2-7b")
-    for row, kwargs in ((rows[1], dict(tp=2, dp=4, layers_per_stage=[16, 16], recompute="full",
+    for row, kwargs in ((rows[1], dict(tp=2, dp=4, layers_per_stage=[16, 16], recompute=["full:every2", "full"],
                                        stage_devices=["vendor-y-64gb", "vendor-x-32gb"])),
                         (rows[2], dict(tp=1, dp=8, layers_per_stage=[21, 11], recompute="none"))):
         plan = evaluate_layout(model, cluster, TrainingSpec(global_batch_size=64, seq_len=model.seq_len), pp=2,
