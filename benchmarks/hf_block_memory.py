@@ -87,7 +87,9 @@ def measure(kind: str, fields: dict | None, folder: str) -> dict:
             x = (args[0] if args else kwargs.pop("hidden_states")).detach().requires_grad_(True)
             kwargs.update({k: None for k in ("attention_mask", "past_key_values", "past_key_value") if k in kwargs})
             arguments = [t for v in kwargs.values() for t in (v if isinstance(v, tuple) else (v,)) if torch.is_tensor(t)]
-            kept = saved_storage_bytes(lambda: layer(x, *args[1:], **kwargs),
+            # x * 1.0: an op's output, as the layer's input is in the model (autocast caches its
+            # casts of a leaf: the linears that read the input would share one).
+            kept = saved_storage_bytes(lambda: layer(x * 1.0, *args[1:], **kwargs),
                                        owned=(*layer.parameters(), *arguments), skip_shapes=weights)
         training, read = own_block_training(TrainingSpec(setup="memx-run", dtype=dtype), layer, spec)
         counted, as_megatron = (float(cm.training_activation_bytes(spec, tr, BATCH, SEQ, 1, cm.NONE).activation_bytes)

@@ -183,12 +183,15 @@ def hf_decoder_layer(folder: str, seq: int, batch: int):
 def hf_layer_kept_bytes(layer, x, rotary, dtype: str) -> int:
     """What autograd saves for a Transformers decoder layer (:func:`hf_decoder_layer`) as memx-run
     trains it: fp32 weights, under bf16 autocast for ``dtype`` bf16; its parameters, their casts
-    (each expert's of a mixture's 3-D weights too) and the rotary tables aside."""
+    (each expert's of a mixture's 3-D weights too) and the rotary tables aside. The layer reads
+    ``x`` as an op's output, as in a model: autocast caches its casts of leaves that need a
+    gradient, which would give the linears that read a leaf input (OLMo 2's: its norms come after
+    them) one cast between them."""
     import torch
 
     weights = {tuple(s[::k]) for p in layer.parameters() for s in (p.shape, p.shape[1:]) for k in (1, -1)}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        return saved_storage_bytes(lambda: layer(x, position_embeddings=rotary, attention_mask=None),
+        return saved_storage_bytes(lambda: layer(x * 1.0, position_embeddings=rotary, attention_mask=None),
                                    owned=(*layer.parameters(), *rotary), skip_shapes=weights)
 
 

@@ -192,7 +192,7 @@ def test_a_fused_qkv_projection_split_into_views_stays_whole(dtype, tmp_path):
 # LayerNorm of torch ops that centres twice (Cohere), a rotary embedding on a fused projection's
 # views that does not concatenate (Falcon's original blocks).
 ROTARY_AND_NORMS = {"stablelm": ("rotary_concatenates", {}), "glm": ("rotary_concatenates", dict(head_dim=32)),
-                    "cohere": ("centred_norm_ops", {}),
+                    "cohere": ("centred_norm_ops", {}), "olmo2": ("norm_weight_in_fp32", {}),
                     "falcon": (None, dict(new_decoder_architecture=False, parallel_attn=False, multi_query=False,
                                           num_kv_heads=4, bias=False))}
 
@@ -222,7 +222,7 @@ def test_what_a_rotary_embedding_and_norms_keep_is_what_memx_run_counts(kind, dt
     def counted(model):
         return float(cm.training_activation_bytes(model, training, b, seq, 1, cm.NONE).activation_bytes)
     assert kept == pytest.approx(counted(spec), rel=0.015)  # GLM's in bf16 the farthest: 1.0%
-    flags = {"rotary_concatenates": spec.rotary_concatenates, "centred_norm_ops": spec.centred_norm_ops}
+    flags = {name: getattr(spec, name) for name in ("rotary_concatenates", "centred_norm_ops", "norm_weight_in_fp32")}
     assert flags == {name: name == field for name in flags}
-    if field:
+    if field and (dtype == "bf16" or field != "norm_weight_in_fp32"):  # fp32 keeps fp32 either way
         assert kept / counted(dataclasses.replace(spec, **{field: False})) > 1.03

@@ -42,6 +42,9 @@ OTHER_BLOCK_TYPES = ("kimi_linear", "minimax", "minimax_m1", "jamba", "bamba", "
                      "recurrent_gemma")
 OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_list", "hybrid_override_pattern",
                     "attn_layer_period", "mamba_d_ssm", "ssm_cfg")
+# Families whose torch-op norms multiply their weight in fp32 and cast after: Gemma's x * (1 + w),
+# OLMo 2's and GPT-OSS's (self.weight * x).to(dtype), where Llama's casts first (by prefix).
+FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "afmoe")
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich;
 # GLM-4's dense model, not its mixture glm4_moe).
 POST_NORM_TYPES = ("gemma2", "gemma3", "glm4")
@@ -177,7 +180,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         rotary_concatenates=model_type == "phi3" or _partial_rotary(cfg, head_dim or cfg["hidden_size"] // heads,
                                                                     where),  # Phi-3's rotary concatenates even whole
         post_norms=model_type.startswith(POST_NORM_TYPES) and model_type != "glm4_moe",  # GLM-4's dense blocks
-        norm_weight_in_fp32=model_type.startswith(GATED_GELU),  # Gemma's norms: (x * (1 + w)).to(dtype)
+        norm_weight_in_fp32=model_type.startswith(FP32_WEIGHT_NORM_TYPES),
         logit_softcapping=softcaps["final_logit_softcapping"] is not None,
         attention_softcapping=softcaps["attn_logit_softcapping"] is not None,
         **blocks,

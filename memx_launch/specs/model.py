@@ -114,7 +114,7 @@ class ModelSpec:
     """A norm on the attention's and the MLP's output before the residual adds (Gemma 2 and 3: four a block)."""
     norm_weight_in_fp32: bool = False
     """Run as torch ops (unfused), a norm multiplies its weight in fp32 and keeps that fp32 product, casting
-    after (Hugging Face's Gemma norms, ``x * (1 + w)``), where Llama's keeps the 16-bit tensor."""
+    after (Hugging Face's Gemma norms, ``x * (1 + w)``, OLMo 2's, GPT-OSS's), where Llama's keeps the 16-bit."""
     qk_norm: bool = False
     """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and Llama 4's
     ``use_qk_norm``; Megatron's ``--qk-layernorm``): a head's width of weights, and the q and k it keeps."""
