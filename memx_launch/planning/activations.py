@@ -281,13 +281,20 @@ def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False,
     more (a fused activation the same: its [2f] input's gradient beside its input); GELU: one (its
     output is freed), its tanh form as torch ops two; ReLU: two (its output stays for its own
     backward). A mixture's experts: not counted (an expert loop holds one expert's tokens, a
-    grouped GEMM all of them), but Transformers' grouped GEMMs (``transformers_share``):
-    the gate-and-up output's gradient of every routed copy (measured on Mixtral's layer within
-    10%, tests/test_transformers_blocks.py)."""
+    grouped GEMM all of them), but Transformers' grouped GEMMs (``transformers_share``): per
+    routed copy the larger of its gate-and-up output's gradient and what the backward of the
+    routing weights' multiply holds first, beside everything the MLP keeps: the copy's h-wide
+    gradient, its product with the weights and its product with the experts' output (summed
+    into the weights' gradient after), three h-wide tensors, which bind where an expert's
+    gate-and-up output is narrower than 3h (Qwen3-MoE's, DeepSeek's fine-grained experts); with
+    a gated shared expert (Qwen2-MoE's) its output's gradient besides, which the gate's multiply
+    made first (measured on Mixtral's, Qwen2-MoE's and Qwen3-MoE's layers, exactly at 1,024
+    tokens: tests/test_transformers_blocks.py)."""
     tp = np.asarray(tp, dtype=np.float64)
     if model.num_experts and transformers_share is not None:
         width = (2.0 if model.gated_mlp else 1.0) * model.moe_ffn_hidden_size
-        return 2.0 * transformers_share * model.experts_per_token * width / model.hidden_size / tp
+        routed = 2.0 * transformers_share * model.experts_per_token * max(width / model.hidden_size, 3.0)
+        return (routed + 2.0 * model.shared_expert_gate) / tp
     if not model.has_mlp or model.num_experts:
         return np.zeros_like(tp)
     tensors = 2.0 if model.gated_mlp or model.relu_mlp or tanh_gelu_as_ops(model, fused_activation) else 1.0
