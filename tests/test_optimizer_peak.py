@@ -102,7 +102,7 @@ def test_a_stage_that_keeps_few_activations_peaks_at_its_optimizer_step(tmp_path
         assert parts["optimizer_step"] == pytest.approx(added, abs=1e-5)
         if i in (1, 2):
             held = parts["communicator_buffers"] + parts["fixed_overhead"]
-            assert added > 0.4
+            assert added > 0.3
             assert step["predicted_peak_memory_gib"] == pytest.approx(step["num_layers"] * block * 24 / 2**30 + held)
 
 

@@ -42,7 +42,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      recompute_modules: tuple[str, ...] | None = None, expert_tp: int = 1,
                      autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True,
                      stream_bytes: float | None = None, repeat_kv: bool = False,
-                     softcapped_scores: bool = False, transformers_share: float | None = None) -> LayerCost:
+                     softcapped_scores: bool = False, transformers_share: float | None = None,
+                     weight_grad_bytes: float = 0.0) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -113,7 +114,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     the norm on the MLP's output runs first, beside all the block keeps (as torch ops with
     :data:`TORCH_NORM_BACKWARD_HELD` fp32 temporaries), and frees its own. The MLP's: the
     gradient of the block's output and the MLP's intermediate gradients (:func:`mlp_backward_units`),
-    with the attention-core policy the MLP's activation it runs again. The attention's, once the
+    with the attention-core policy the MLP's activation it runs again; where gradients accumulate
+    into ``.grad`` (torch's AccumulateGrad), at least the down projection's backward, which makes
+    its weight's gradient (``weight_grad_bytes`` a weight, the GEMM's dtype: under autocast cast
+    to the weight's after the node freed its input) beside ``.grad`` and its input's gradient
+    before the activation's backward runs (a GELU MLP's largest moment). The attention's, once the
     MLP's tensors are freed: the gradients of the block's input and output, that policy's recomputed
     core, and in unfused attention,
     beside the kept probabilities, the gradient of the
@@ -208,6 +213,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
         gate_up = experts.gate_up_params(model, expert_tp=expert_tp)
         mlp_phase = np.maximum(mlp_phase, gate_up * transformers_share * dtype_bytes / sbh)
+    elif weight_grad_bytes and model.has_mlp and not model.num_experts:
+        down = 2.0 * f / h / tp + f * h / tp * weight_grad_bytes / sbh  # its input's gradient, its weight's
+        copy = 2.0 if autocast and dtype_bytes < 4 else 0.0  # and under autocast its output's, cast to 16 bits
+        mlp_phase = np.maximum(mlp_phase, stream_grad + copy + down)
     # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.
     norm_phase = 0.0
@@ -324,7 +333,8 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                             tr.fused_softmax, tr.softmax_in_fp32, tr.quantized_linears and linear_bytes,
                             tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
                             tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes,
-                            kv_repeated(model, tr), model.attention_softcapping, transformers_block_share(tr))
+                            kv_repeated(model, tr), model.attention_softcapping, transformers_block_share(tr),
+                            tr.dtype_bytes if tr.grad_accumulation_pass else 0.0)
 
 
 def transformers_block_share(training: TrainingSpec) -> float | None:
