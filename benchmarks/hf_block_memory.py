@@ -10,6 +10,11 @@ arguments aside, in fp32 and under bf16 autocast over fp32 weights (as memx-run 
 memx's ``training_activation_bytes`` of the model read from the same config, under ``--setup
 memx-run`` with the options memx-run reads off the layer's modules (``models/block_reading.py``).
 
+Its backward's working set besides: what a later backward (the layer's gradients allocated, as
+from a step's second micro-batch: torch's AccumulateGrad adds each fresh weight gradient into
+them) holds above what the forward kept, the incoming gradient included, as the emulated device's
+guard counts it, against memx's ``working_bytes``.
+
 Per family: measured, counted and their ratio in each precision, and the ratio to the count of the
 same layer taken for Megatron-Core's (``--no-transformers-blocks``: its experts and its fused q, k,
 v projection). What a ratio off 1 says: the layer keeps what memx does not count (above 1) or less
@@ -35,6 +40,7 @@ from benchmarks.machine import machine_info  # noqa: E402
 from memx_launch.files import write_json_atomic  # noqa: E402
 from memx_launch.models.block_reading import own_block_training  # noqa: E402
 from memx_launch.planning import costmodel as cm  # noqa: E402
+from memx_launch.profiling.emulation import EmulatedDevice  # noqa: E402
 from memx_launch.profiling.saved_tensors import saved_storage_bytes  # noqa: E402
 from memx_launch.specs.catalog import get_model  # noqa: E402
 from memx_launch.specs.training import TrainingSpec  # noqa: E402
@@ -91,14 +97,39 @@ def measure(kind: str, fields: dict | None, folder: str) -> dict:
             # casts of a leaf: the linears that read the input would share one).
             kept = saved_storage_bytes(lambda: layer(x * 1.0, *args[1:], **kwargs),
                                        owned=(*layer.parameters(), *arguments), skip_shapes=weights)
+            held = backward_held_bytes(layer, x, args[1:], kwargs)
         training, read = own_block_training(TrainingSpec(setup="memx-run", dtype=dtype), layer, spec)
         counted, as_megatron = (float(cm.training_activation_bytes(spec, tr, BATCH, SEQ, 1, cm.NONE).activation_bytes)
                                 for tr in (training, replace(training, transformers_blocks=False)))
+        working = float(cm.training_activation_bytes(spec, training, BATCH, SEQ, 1, cm.NONE).working_bytes)
         row[dtype] = {"measured_bytes": kept, "counted_bytes": round(counted), "measured_over_counted":
-                      round(kept / counted, 3), "measured_over_counted_as_megatron_blocks": round(kept / as_megatron, 3)}
+                      round(kept / counted, 3), "measured_over_counted_as_megatron_blocks": round(kept / as_megatron, 3),
+                      "working_measured_bytes": held, "working_counted_bytes": round(working),
+                      "working_measured_over_counted": round(held / working, 3)}
         row["block_read"] = read
     hook.remove()
     return row
+
+
+def backward_held_bytes(layer, x, args, kwargs) -> int:
+    """What the layer's second backward holds above what its forward kept, its incoming gradient
+    included, its gradients allocated (as from a step's second micro-batch)."""
+    import math
+
+    import torch
+
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    with EmulatedDevice("probe", math.inf) as device:
+        device.track([*layer.parameters(), *(p.grad for p in layer.parameters()), x])
+        out = layer(x * 1.0, *args, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        device.reset_peak()
+        before = device.live_bytes
+        out.backward(torch.randn_like(out))
+    for p in layer.parameters():
+        p.grad = None
+    return device.peak_bytes - before
 
 
 def main() -> int:
@@ -108,15 +139,21 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for kind, fields in FAMILIES.items():
             rows.append(measure(kind, fields, os.path.join(tmp, kind)))
-            print(f"{kind:12s} fp32 {rows[-1]['fp32']['measured_over_counted']:.3f}  "
-                  f"bf16 {rows[-1]['bf16']['measured_over_counted']:.3f}", flush=True)
+            print(f"{kind:12s} kept: fp32 {rows[-1]['fp32']['measured_over_counted']:.3f}  "
+                  f"bf16 {rows[-1]['bf16']['measured_over_counted']:.3f}; backward: "
+                  f"fp32 {rows[-1]['fp32']['working_measured_over_counted']:.3f}  "
+                  f"bf16 {rows[-1]['bf16']['working_measured_over_counted']:.3f}", flush=True)
     ratios = [r[d]["measured_over_counted"] for r in rows for d in ("fp32", "bf16")]
     within = {f"{p:.0%}": sum(abs(x - 1) <= p for x in ratios) for p in (0.01, 0.05, 0.10)}
+    working = [r[d]["working_measured_over_counted"] for r in rows for d in ("fp32", "bf16")]
     import transformers
     write_json_atomic(OUT, {"machine": machine_info(), "transformers": transformers.__version__,
                             "tokens": BATCH * SEQ, "rows": rows,
                             "summary": {"layers_x_precisions": len(ratios), "within": within,
                                         "min": min(ratios), "max": max(ratios)},
+                            "backward_summary": {"within": {f"{p:.0%}": sum(abs(x - 1) <= p for x in working)
+                                                            for p in (0.01, 0.05, 0.10)},
+                                                 "min": min(working), "max": max(working)},
                             "seconds": round(time.time() - start, 1)}, overwrite=True)
     print(f"wrote {OUT}")
     return 0
