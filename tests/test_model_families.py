@@ -257,7 +257,10 @@ def test_gemma_s_sandwich_norms_are_read_counted_and_named_in_the_export():
     read = {t: (m.post_norms, m.norm_weight_in_fp32) for t in ("gemma", "gemma2", "gemma3_text", "llama", "olmo2")
             for m in [model_from_hf_dict({**SMALL, "model_type": t}, t)]}
     assert read == {"gemma": (False, True), "gemma2": (True, True), "gemma3_text": (True, True),
-                    "llama": (False, False), "olmo2": (False, True)}
+                    "llama": (False, False), "olmo2": (True, True)}
+    assert [model_from_hf_dict({**SMALL, "model_type": t}, t).pre_norms for t in ("gemma2", "olmo2")] == [True, False]
+    with pytest.raises(ConfigError, match="model.pre_norms: off without post_norms"):
+        dataclasses.replace(model_from_hf_dict({**SMALL, "model_type": "llama"}, "l"), pre_norms=False)
     gemma = model_from_hf_dict({**SMALL, "model_type": "gemma3_text", "num_key_value_heads": 2}, "g")
     plain = dataclasses.replace(gemma, post_norms=False)
     assert gemma.norms_per_block == 4 and gemma.layer_params - plain.layer_params == 2 * gemma.hidden_size

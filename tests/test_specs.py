@@ -244,7 +244,7 @@ def test_fields_added_at_their_defaults_keep_a_models_signature():
                            "attention_head_dim", "num_experts", "experts_per_token", "expert_ffn_hidden_size",
                            "shared_expert_ffn_hidden_size", "sliding_window", "full_attention_layers",
                            "attention_chunk_size", "qk_norm", "post_norms",
-                           "norm_weight_in_fp32",
+                           "norm_weight_in_fp32", "pre_norms",
                            "kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim", "dense_layers",
                            "moe_layer_step", "mtp_layers", "expert_groups", "expert_groups_per_token",
                            "hybrid_pattern", "mamba_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups",

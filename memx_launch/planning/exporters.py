@@ -195,8 +195,9 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
         notes.append("the model has no LM head; Megatron-LM's GPT builds one on the last stage (its output "
                      "layer, logits and loss), which the plan did not count")
     if spec.post_norms:
-        notes.append("the model's blocks normalise their attention's and MLP's outputs too (Gemma's sandwich "
-                     "norms), which the plan counted; Megatron-LM's GPT has no such norms: add your build's")
+        which = "too (Gemma's sandwich" if spec.pre_norms else "and not their inputs (OLMo 2's"
+        notes.append(f"the model's blocks normalise their attention's and MLP's outputs {which} norms), which the "
+                     "plan counted; Megatron-LM's GPT has no such norms: add your build's")
     if spec.relu_mlp:  # Megatron-LM's command line has no plain ReLU
         notes.append("the model's MLP is ReLU (OPT), which Megatron-LM builds as GELU: set your build's activation")
     if spec.parallel_blocks:

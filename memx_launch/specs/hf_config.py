@@ -48,6 +48,8 @@ FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "af
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich;
 # GLM-4's dense model, not its mixture glm4_moe).
 POST_NORM_TYPES = ("gemma2", "gemma3", "glm4")
+# Families whose blocks normalise only the attention's and the MLP's outputs (OLMo 2's reordering).
+POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo")
 # Families that normalise every query and key head with no config key saying so (by prefix).
 QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
@@ -179,7 +181,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         centred_norm_ops=model_type.startswith("cohere"),  # CohereLayerNorm: torch ops, x - mean twice
         rotary_concatenates=model_type == "phi3" or _partial_rotary(cfg, head_dim or cfg["hidden_size"] // heads,
                                                                     where),  # Phi-3's rotary concatenates even whole
-        post_norms=model_type.startswith(POST_NORM_TYPES) and model_type != "glm4_moe",  # GLM-4's dense blocks
+        post_norms=model_type.startswith(POST_NORM_TYPES + POST_NORM_ONLY_TYPES) and model_type != "glm4_moe",
+        pre_norms=not model_type.startswith(POST_NORM_ONLY_TYPES),
         norm_weight_in_fp32=model_type.startswith(FP32_WEIGHT_NORM_TYPES),
         logit_softcapping=softcaps["final_logit_softcapping"] is not None,
         attention_softcapping=softcaps["attn_logit_softcapping"] is not None,

@@ -23,7 +23,7 @@ _KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_
                          "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
                          "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
                          "sliding_window": 0, "full_attention_layers": 0, "attention_chunk_size": 0, "qk_norm": False,
-                         "post_norms": False, "norm_weight_in_fp32": False,
+                         "post_norms": False, "norm_weight_in_fp32": False, "pre_norms": True,
                          "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
                          "moe_layer_step": 1, "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0,
                          "hybrid_pattern": "", "mamba_heads": 0, "mamba_head_dim": 64, "mamba_state_size": 128,
@@ -58,8 +58,7 @@ class ModelSpec:
     Phi, CodeGen): run eager, it keeps five tensors of the MLP's width where a GELU kernel keeps two."""
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
-    """RoPE base (Llama 3: 500000). Neither it nor ``norm_eps`` changes time or memory: they are
-    kept so that exports state them (Megatron-LM's --rotary-base, --norm-epsilon)."""
+    """RoPE base (Llama 3: 500000); it and ``norm_eps`` change nothing priced: exports state them."""
     norm_eps: float = 1e-5
     layer_norm: bool = False
     """LayerNorm (a weight and a bias per norm), else RMSNorm (a weight)."""
@@ -110,8 +109,9 @@ class ModelSpec:
     attention_chunk_size: int = 0
     """Tokens of a chunk in a block with chunked attention (Llama 4): the sequence is cut into
     chunks of this many tokens and each query attends causally within its own chunk. 0: none."""
+    pre_norms: bool = True
     post_norms: bool = False
-    """A norm on the attention's and the MLP's output before the residual adds (Gemma 2 and 3: four a block)."""
+    """Norms on the attention's and the MLP's outputs too (Gemma 2 and 3), or alone (OLMo 2: no ``pre_norms``)."""
     norm_weight_in_fp32: bool = False
     """Run as torch ops (unfused), a norm multiplies its weight in fp32 and keeps that fp32 product, casting
     after (Hugging Face's Gemma norms, ``x * (1 + w)``, OLMo 2's, GPT-OSS's), where Llama's keeps the 16-bit."""
@@ -355,8 +355,8 @@ class ModelSpec:
 
     @property
     def norms_per_block(self) -> int:
-        """Norms over the hidden size in one block: the pre-norms, and two more with ``post_norms``."""
-        return self.pre_norms_per_block + (2 if self.post_norms else 0)
+        """Norms over the hidden size in one block: the pre-norms (unless off), and two with ``post_norms``."""
+        return self.pre_norms_per_block * self.pre_norms + (2 if self.post_norms else 0)
 
     @property
     def word_embedding_params(self) -> int:

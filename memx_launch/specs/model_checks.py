@@ -55,6 +55,9 @@ def check_shape(model) -> None:
     require_number(model.attention_chunk_size, "model.attention_chunk_size", lo=0, hi=MAX_DIMENSION, integer=True)
     require_type(model.qk_norm, bool, "model.qk_norm")
     require_type(model.post_norms, bool, "model.post_norms")
+    require_type(model.pre_norms, bool, "model.pre_norms")
+    if not (model.pre_norms or model.post_norms):
+        raise ConfigError("model.pre_norms", "off without post_norms: a block with no norms", "set post_norms too")
     require_type(model.norm_weight_in_fp32, bool, "model.norm_weight_in_fp32")
     if model.post_norms and model.parallel_blocks:
         raise ConfigError("model.post_norms", "set with parallel_blocks", "give a block one of them")
