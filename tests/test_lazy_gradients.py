@@ -153,7 +153,7 @@ def test_the_first_backward_frees_activations_as_it_creates_gradients(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["llama", "falcon", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "falcon", "olmo2", "cohere"])
 def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, dtype, tmp_path):
     """From the second backward on, torch's AccumulateGrad holds each fresh weight gradient beside
     ``.grad`` until its in-place add, one at a time. The one that binds is the MLP's down
@@ -164,8 +164,9 @@ def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, dtype, tmp_
     backward's peak (1.8x). OLMo 2's blocks normalise only the attention's and the MLP's outputs
     (``pre_norms`` off, ``post_norms``): the norm on the MLP's output runs its backward first, as
     Gemma's sandwich norms' does, and its input's gradient is the down projection's output's
-    (counted as pre-norm blocks, 18% over in fp32 and 15% under in bf16). The backward rises by
-    memx's working set to 1% in both precisions."""
+    (counted as pre-norm blocks, 18% over in fp32 and 15% under in bf16). Cohere's parallel block
+    under autocast casts its output's gradient to 16 bits for the attention and the MLP at once.
+    The backward rises by memx's working set to 1% in both precisions."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from memx_launch.planning import costmodel as cm
@@ -178,8 +179,8 @@ def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, dtype, tmp_
                                           vocab_size=512, new_decoder_architecture=False, parallel_attn=False,
                                           multi_query=False, bias=False).save_pretrained(tmp_path)
         folder = str(tmp_path)
-    elif kind == "olmo2":
-        transformers.AutoConfig.for_model("olmo2", hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+    elif kind in ("olmo2", "cohere"):
+        transformers.AutoConfig.for_model(kind, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                           pad_token_id=0).save_pretrained(tmp_path)
         folder = str(tmp_path)

@@ -215,9 +215,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         mlp_phase = np.maximum(mlp_phase, gate_up * transformers_share * dtype_bytes / sbh)
     elif weight_grad_bytes and model.has_mlp and not model.num_experts:
         down = 2.0 * f / h / tp + f * h / tp * weight_grad_bytes / sbh  # its input's gradient, its weight's
-        # Its output's gradient, where not the stream's: under autocast cast to 16 bits, after a norm on
-        # the MLP's output (post_norms) that norm's input gradient.
-        copy = 2.0 if autocast and dtype_bytes < 4 or model.post_norms else 0.0
+        # Its output's gradient, where not the stream's: under autocast cast to 16 bits (a parallel block's
+        # attention casts its own at once), after a norm on the MLP's output (post_norms) that norm's input's.
+        copy = 2.0 * (1 + model.parallel_blocks) if autocast and dtype_bytes < 4 else 2.0 * model.post_norms
         mlp_phase = np.maximum(mlp_phase, stream_grad + copy + down)
     # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.
