@@ -153,8 +153,9 @@ def test_the_first_backward_frees_activations_as_it_creates_gradients(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["llama", "falcon", "olmo2", "cohere"])
-def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, dtype, tmp_path):
+@pytest.mark.parametrize("kind, b, seq", [("llama", 2, 64), ("falcon", 2, 64), ("olmo2", 2, 64), ("cohere", 2, 64),
+                                          ("cohere", 4, 256)])
+def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, b, seq, dtype, tmp_path):
     """From the second backward on, torch's AccumulateGrad holds each fresh weight gradient beside
     ``.grad`` until its in-place add, one at a time. The one that binds is the MLP's down
     projection's: its backward makes its weight's gradient (in the GEMM's dtype) beside its
@@ -165,8 +166,10 @@ def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, dtype, tmp_
     (``pre_norms`` off, ``post_norms``): the norm on the MLP's output runs its backward first, as
     Gemma's sandwich norms' does, and its input's gradient is the down projection's output's
     (counted as pre-norm blocks, 18% over in fp32 and 15% under in bf16). Cohere's parallel block
-    under autocast casts its output's gradient to 16 bits for the attention and the MLP at once.
-    The backward rises by memx's working set to 1% in both precisions."""
+    under autocast casts its output's gradient to 16 bits for the attention and the MLP at once,
+    and the attention's copy waits through the MLP's backward (what binds at 1,024 tokens).
+    The backward rises by memx's working set to 1% in both precisions at 128 tokens; Cohere's at
+    1,024 tokens in bf16 is 4% under it (9% above it before the waiting copy was counted)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from memx_launch.planning import costmodel as cm
@@ -184,7 +187,6 @@ def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, dtype, tmp_
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                           pad_token_id=0).save_pretrained(tmp_path)
         folder = str(tmp_path)
-    b, seq = 2, 64
     layer, x, rotary = hf_decoder_layer(folder, seq, b)
     rises = []
     for _ in range(3):
@@ -202,12 +204,13 @@ def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, dtype, tmp_
     working = {accumulated: float(cm.training_activation_bytes(
         model, dataclasses.replace(training, grad_accumulation_pass=accumulated), b, seq, 1,
         cm.NONE).working_bytes) for accumulated in (True, False)}
-    assert rises[1] == rises[2] == pytest.approx(working[True], rel=0.01)
+    assert rises[1] == rises[2] and 0.95 < rises[1] / working[True] < 1.01 if seq > 64 else \
+        rises[1] == rises[2] == pytest.approx(working[True], rel=0.01)
     if kind == "olmo2":
         assert not model.pre_norms and model.post_norms and model.norms_per_block == 2
         as_pre_norm = dataclasses.replace(model, pre_norms=True, post_norms=False)
         pre_norm_working = cm.training_activation_bytes(as_pre_norm, training, b, seq, 1, cm.NONE).working_bytes
         assert abs(float(pre_norm_working) / rises[1] - 1) > 0.12
-    elif kind == "falcon" or dtype == "bf16":  # without it: Falcon's 0.56 (fp32) and 0.55, Llama's 0.88 in bf16
+    elif seq == 64 and (kind == "falcon" or dtype == "bf16"):  # without it: Falcon's 0.56 (fp32), 0.55; Llama's 0.88
         assert working[False] / rises[1] < (0.6 if kind == "falcon" else 0.9)
     assert rises[0] >= rises[1]  # the first backward keeps each weight's gradient it makes

@@ -207,7 +207,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # The attention's backward runs once the MLP's has freed the MLP's tensors.
     mlp_freed = mlp_kept + mlp_elementwise
     attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp) - mlp_freed
-    mlp_phase = stream_grad + mlp_backward_units(model, tp, fused_activation, transformers_share)
+    # A parallel block under autocast casts the output's gradient to 16 bits for the attention and the MLP at
+    # once: the attention's copy waits through the MLP's backward.
+    waiting = 2.0 if model.parallel_blocks and autocast and dtype_bytes < 4 else 0.0
+    mlp_phase = stream_grad + waiting + mlp_backward_units(model, tp, fused_activation, transformers_share)
     if transformers_share is not None and model.num_experts and model.has_mlp:
         # Transformers' experts' gate-and-up weights are one 3-D parameter, whose gradient the backward
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
@@ -215,10 +218,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         mlp_phase = np.maximum(mlp_phase, gate_up * transformers_share * dtype_bytes / sbh)
     elif weight_grad_bytes and model.has_mlp and not model.num_experts:
         down = 2.0 * f / h / tp + f * h / tp * weight_grad_bytes / sbh  # its input's gradient, its weight's
-        # Its output's gradient, where not the stream's: under autocast cast to 16 bits (a parallel block's
-        # attention casts its own at once), after a norm on the MLP's output (post_norms) that norm's input's.
-        copy = 2.0 * (1 + model.parallel_blocks) if autocast and dtype_bytes < 4 else 2.0 * model.post_norms
-        mlp_phase = np.maximum(mlp_phase, stream_grad + copy + down)
+        # Its output's gradient, where not the stream's: under autocast cast to 16 bits, after a norm on the
+        # MLP's output (post_norms) that norm's input's.
+        copy = 2.0 if autocast and dtype_bytes < 4 else 2.0 * model.post_norms
+        mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + copy + down)
     # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.
     norm_phase = 0.0
