@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from memx_launch.errors import ConfigError
 from memx_launch.planning.layer_split import chunk_layers
 from memx_launch.planning.model_states import keeps_gathered
-from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan
+from memx_launch.planning.plan import RECOMPUTE_LEVELS, Plan, parse_recompute
 from memx_launch.specs.setups import OPTION_DEFAULTS
 from memx_launch.specs.training import TrainingSpec
 
@@ -162,9 +162,9 @@ def torchtitan_toml(plan: Plan) -> ConfigText:
         lines += [f'pipeline_parallel_schedule = "{TORCHTITAN_SCHEDULES[plan.schedule]}"',
                   f"pipeline_parallel_microbatch_size = {plan.micro_batch_size}",
                   f"pipeline_parallel_split_points = [{split}]"]
-    every = {s.recompute.removeprefix("full:every") for s in plan.stages}
-    if len(every) == 1 and plan.stages[0].recompute.startswith("full:every"):  # its layer checkpointing
-        lines += ["", "[activation_checkpoint]", 'mode = "selective"', f'selective_ac_option = "{every.pop()}"']
+    periods = {parse_recompute(s.recompute, s.num_layers)[2] for s in plan.stages}
+    if len(periods) == 1 and 0 not in periods:  # every stage every N-th layer: its layer checkpointing
+        lines += ["", "[activation_checkpoint]", 'mode = "selective"', f'selective_ac_option = "{periods.pop()}"']
     else:
         lines += ["", "[activation_checkpoint]", f'mode = "{level}"']
     if level == "selective":

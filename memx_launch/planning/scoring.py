@@ -268,11 +268,11 @@ class Evaluator:
 
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
               levels: np.ndarray, layers: np.ndarray | None = None,
-              recompute_layers: np.ndarray | None = None, every: np.ndarray | None = None) -> GroupResult:
+              recompute_layers: np.ndarray | None = None, recompute_every: np.ndarray | None = None) -> GroupResult:
         """Split layers (unless given), apply the per-stage hard rule, and score every row.
         ``recompute_layers`` (with ``layers``): how many of each stage's layers recompute at its
         level, the others keeping everything (Megatron's block method: the first K layers); where
-        ``every`` is positive, every that many-th layer instead (``full:everyN``).
+        ``recompute_every`` is positive, every that many-th layer instead (``full:everyN``).
         A stage whose DP replicas sit on several device types runs at its slowest type's pace
         and fits only if it fits on each type; its memory is that of the type nearest (or
         furthest over) its capacity."""
@@ -299,9 +299,9 @@ class Evaluator:
                     self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.NONE), k, layers)
                     if extra_blocks.split_places_kinds(self.model)
                     else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
-                r = recomputed_layers(layers, recompute_layers, every)
+                r = recomputed_layers(layers, recompute_layers, recompute_every)
                 partial = partial_recompute_working(work, none_work, self._kept_layer_bytes(layout, mbs, seq, v, k),
-                                                    layers, r, every)
+                                                    layers, r, recompute_every)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed - work + partial, none_fixed)
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
                 work = partial
@@ -331,7 +331,7 @@ class Evaluator:
                            recompute_layers, transfer if crosses else None, sync if crosses else None, replica,
                            self.tied_sync_time(layout),
                            (self.training.expert_parallel, self.training.expert_tensor_parallel),
-                           self.training.shard_degree, parts, self.tied_sum_bytes(layout), every)
+                           self.training.shard_degree, parts, self.tied_sum_bytes(layout), recompute_every)
 
     def memory_parts(self, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
         """Per stage, the bytes of ``result.memory[row]`` by part (:data:`MEMORY_PARTS`):

@@ -79,7 +79,7 @@ SETUPS: dict[str, dict] = {
     # stages keeping their in-flight outputs and sending a TP-th of each boundary tensor between stages of
     # one TP degree where that is faster, its blocks of eager ops with q, k, v and gate, up apart and
     # torch-op RMSNorms (Hugging Face's; torch's nn.RMSNorm off CUDA), checkpointed without reentrance,
-    # Transformers' blocks as Transformers writes them, torch's AdamW (foreach on plain tensors).
+    # Transformers' blocks as Transformers writes them, torch's AdamW stepping foreach (DTensors too).
     "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
                      fully_sharded_with_tp=True, partitioned_sends=True, partition_where_faster=True,
                      hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,
