@@ -267,8 +267,8 @@ def sailor_calibrated(shared: str, trials: int = 10, fleet: bool = False) -> tup
 
 
 # The parts of a peak that memx counts as tensors (the rest: communicator buffers, fixed overhead).
-TENSOR_PARTS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "activations", "logits_loss",
-                "pipeline_buffers")
+TENSOR_PARTS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "cast_wait", "activations",
+                "logits_loss", "pipeline_buffers")
 
 
 def above_tensors(rows: list[dict]) -> dict:

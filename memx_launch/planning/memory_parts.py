@@ -17,10 +17,12 @@ from memx_launch.planning.model_states import (autocast_copy_bytes, held_gradien
                                                weight_copy_bytes)
 from memx_launch.planning.pipeline_buffers import pipeline_buffer_bytes
 
-# In the order reports list them. ``optimizer_step``: what the optimizer step's peak holds above the
-# activations' (planning/optimizer_peak.py), 0 where the activations' is the higher.
-MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "activations", "logits_loss",
-                "pipeline_buffers", "communicator_buffers", "fixed_overhead")
+# In the order reports list them. ``optimizer_step`` and ``cast_wait``: what the optimizer step's peak
+# (planning/optimizer_peak.py) or a later micro-batch's backward end (planning/cast_wait.py) holds above
+# the activations' peak, where the stage's peak is that moment; 0 elsewhere.
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "cast_wait", "activations",
+                "logits_loss", "pipeline_buffers", "communicator_buffers", "fixed_overhead")
+LATER_MOMENTS = ("optimizer_step", "cast_wait")
 
 
 def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
@@ -79,7 +81,7 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
         by_replica.append({
             "parameters": weights + gathered + copies + copies_working + head_copies,
             "gradients": grads + unsharded_grad - relief,
-            "optimizer_states": optim, "optimizer_step": np.zeros(pp),
+            "optimizer_states": optim, "optimizer_step": np.zeros(pp), "cast_wait": np.zeros(pp),
             "activations": kept + embedding_out + work * (layers[0] > 0)
             - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),
             "logits_loss": logits, "pipeline_buffers": pipeline,
@@ -87,13 +89,14 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
             "fixed_overhead": ev.overhead[device]})
     parts = [{name: float(np.broadcast_to(by_replica[k][name], pp)[i]) for name in MEMORY_PARTS}
              for i, k in enumerate(replica)]
-    return with_optimizer_step(ev, result, row, parts)
+    return with_later_moments(ev, result, row, parts)
 
 
-def with_optimizer_step(evaluator, result: GroupResult, row: int, parts: list[dict[str, float]]) -> list[dict]:
-    """``parts`` with each stage's ``optimizer_step``: how far the optimizer step's peak (the
-    ``evaluator``'s step line, on the stage's device type) rises above the sum of
-    its other parts, 0 where it does not."""
+def with_later_moments(evaluator, result: GroupResult, row: int, parts: list[dict[str, float]]) -> list[dict]:
+    """``parts`` with how far each stage's peak (``result.memory``) rises above the sum of its
+    other parts, the activations' peak: ``optimizer_step`` where the peak is the optimizer step's
+    (the ``evaluator``'s step line, on the stage's device type), else ``cast_wait`` (a later
+    micro-batch's backward end); 0 where the activations' peak is the stage's."""
     layout, layers = result.layout, result.layers[row]
     replica = np.zeros(layout.pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
     steps = {}
@@ -101,6 +104,9 @@ def with_optimizer_step(evaluator, result: GroupResult, row: int, parts: list[di
         if k not in steps:
             step_layer, step_fixed = evaluator.step_line(layout, result.mbs, result.seq, result.v, int(k), layers[None])
             steps[k] = np.broadcast_to(layers * step_layer + step_fixed, (1, layout.pp))[0]
-        others = sum(value for name, value in stage.items() if name != "optimizer_step")
-        stage["optimizer_step"] = max(0.0, float(steps[k][i]) - others)
+        others = sum(value for name, value in stage.items() if name not in LATER_MOMENTS)
+        peak = float(result.memory[row][i])
+        above = peak - others if peak - others > 1e-9 * peak else 0.0  # not the float rounding of the same sum
+        at_step = float(steps[k][i]) >= peak - 1e-9 * peak
+        stage["optimizer_step"], stage["cast_wait"] = (above, 0.0) if at_step else (0.0, above)
     return parts

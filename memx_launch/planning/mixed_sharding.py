@@ -14,7 +14,7 @@ import numpy as np
 from memx_launch.planning.activations import recomputed_layers, training_activation_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layout_training import layout_sharded_stages, training_precision_senders
-from memx_launch.planning.memory_parts import with_optimizer_step
+from memx_launch.planning.memory_parts import with_later_moments
 from memx_launch.planning.pipeline_buffers import boundary_bytes, kept_stage_output_bytes
 from memx_launch.planning.plan import NONE
 from memx_launch.planning.scoring import Evaluator
@@ -71,10 +71,15 @@ class MixedShardingEvaluator(Evaluator):
     def split_inputs(self, layout, mbs, seq, v, levels, replica=0, layers=None):
         whole = self.whole.split_inputs(layout, mbs, seq, v, levels, replica, layers)
         sharded = self.sharded.split_inputs(layout, mbs, seq, v, levels, replica, layers)
-        per_layer, fixed, t_layer, edge_t, work = self._by_stage(layout, whole[:4] + whole[5:], sharded[:4] + sharded[5:])
+        per_layer, fixed, t_layer, edge_t, work = self._by_stage(layout, whole[:4] + whole[5:6],
+                                                                 sharded[:4] + sharded[5:6])
         kept, working = self.narrowed_stream_bytes(layout, mbs, seq, v, levels)
-        fixed = fixed + working + self.hidden_precision_bytes(layout, mbs, seq, v)
-        return per_layer + kept, fixed, t_layer, edge_t, whole[4], work + working  # g: one for both
+        hidden = self.hidden_precision_bytes(layout, mbs, seq, v)
+        later = None  # a stage without a later backward's wait: its activations' line there, which binds anyway
+        if whole[6] is not None or sharded[6] is not None:
+            later = self._by_stage(layout, whole[6] or whole[:2], sharded[6] or sharded[:2])
+            later = (later[0] + kept, later[1] + hidden)
+        return per_layer + kept, fixed + working + hidden, t_layer, edge_t, whole[4], work + working, later  # one g
 
     def step_line(self, layout, mbs, seq, v, replica=0, layers=None):
         return self._by_stage(layout, self.whole.step_line(layout, mbs, seq, v, replica, layers),
@@ -154,4 +159,4 @@ class MixedShardingEvaluator(Evaluator):
         for stage, extra, activations in zip(parts, change, kept + working * (layers > 0)):
             stage["pipeline_buffers"] += float(extra)
             stage["activations"] += float(activations)
-        return with_optimizer_step(self, result, row, parts)
+        return with_later_moments(self, result, row, parts)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning import (activation_offload, context_parallel, costmodel as cm, data_parallel, elementwise,
-                                  extra_blocks, schedules)
+from memx_launch.planning import (activation_offload, cast_wait, context_parallel, costmodel as cm, data_parallel,
+                                  elementwise, extra_blocks, schedules, stage_fit)
 from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes
 from memx_launch.planning.memory_parts import stage_memory_parts
 from memx_launch.planning.activations import partial_recompute_working, recomputed_layers
@@ -83,32 +83,41 @@ class Evaluator:
 
     def split_inputs(self, layout: Layout, mbs: int, seq: int, v: int, levels: np.ndarray, replica: int = 0,
                      layers: np.ndarray | None = None):
-        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches and the block's backward
-        working set (part of the fixed bytes: a stage without blocks has none) for each row, on the device types
-        of row ``replica`` of the layout's ``replica_device``. With context parallelism a rank sees ``seq / cp``
-        tokens of each sequence; with a DP degree per stage a stage of fewer replicas runs larger local
-        micro-batches. Dense blocks between a mixture of experts' expert ones, and a hybrid model's kinds of
-        layers, are counted where ``layers`` (the split) puts them; without it a layer costs their mean
-        (:func:`extra_blocks.mean_block`; a hybrid model's table is its mean layer's)."""
+        """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches, the block's backward
+        working set (part of the fixed bytes: a stage without blocks has none) and, where a later micro-batch's
+        backward ends holding its casts' 16-bit gradients (:mod:`cast_wait`), that moment's per-layer and fixed
+        bytes (else None) for each row, on the device types of row ``replica`` of the layout's ``replica_device``.
+        With context parallelism a rank sees ``seq / cp`` tokens of each sequence; with a DP degree per stage a
+        stage of fewer replicas runs larger local micro-batches. Dense blocks between a mixture of experts' expert
+        ones, and a hybrid model's kinds of layers, are counted where ``layers`` (the split) puts them; without it a
+        layer costs their mean (:func:`extra_blocks.mean_block`; a hybrid model's table is its mean layer's)."""
         m = self.model
-        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, _, g = self._level_free_inputs(
-            layout, mbs, seq, v, replica)
+        tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, wait, _, g = \
+            self._level_free_inputs(layout, mbs, seq, v, replica)
         t_layer, act, work = self.stage_layer_costs(layout, device, tp, local, seq, levels)
         per_layer = state - gradient_relief(lazy, act) + inflight * act
-        kind_t, kind_layer = [], []  # each kind of layer beside the repeated one (extra_blocks.other_kinds)
-        for kind_state, table in zip(kind_states, self.table.kinds):
+        kind_t, kind_layer, kind_wait = [], [], []  # each kind beside the repeated one (extra_blocks.other_kinds)
+        for i, (kind_state, table) in enumerate(zip(kind_states, self.table.kinds)):
             t, kind_act, _ = self.stage_layer_costs(layout, device, tp, local, seq, levels, table)
             kind_t.append(t)
             kind_layer.append(kind_state + inflight * kind_act)
+            if wait is not None:
+                kind_wait.append(kind_state + (inflight - 1) * kind_act + wait[1][i])
         counts = extra_blocks.kind_counts(m, layout.pp, layers, v)
         # The kept parts added in their order after the working set (sum goes left to right).
         fixed = sum(fixed_parts, work) + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts)
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
         edge_t = edge_t + extra_blocks.beside_repeated(m, t_layer, kind_t, counts)
+        later = None  # a later micro-batch's backward end (cast_wait): one micro-batch fewer, no working set
+        if wait is not None:
+            wait_layer = state + (inflight - 1) * act + wait[0]
+            wait_fixed = sum(fixed_parts, wait[2]) + extra_blocks.beside_repeated(m, wait_layer, kind_wait, counts)
+            later = (wait_layer if layers is not None else extra_blocks.mean_block(m, wait_layer, kind_wait),
+                     wait_fixed - offloaded)
         if layers is None:
             per_layer, t_layer = (extra_blocks.mean_block(m, per_layer, kind_layer),
                                   extra_blocks.mean_block(m, t_layer, kind_t))
-        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work
+        return per_layer, fixed - offloaded, t_layer, edge_t + copy_s, g, work, later
 
     def step_line(self, layout: Layout, mbs: int, seq: int, v: int, replica: int = 0,
                   layers: np.ndarray | None = None) -> tuple:
@@ -131,7 +140,9 @@ class Evaluator:
         and logits, the pipeline engine's kept outputs, a fully sharded run's gathered weights
         and their FP8 copies, what the process and its communicators hold above the tensors),
         the embedding's and the head's seconds, the blocks' gradients created after the peak
-        (:mod:`lazy_gradients`), the optimizer step's bytes per block, each other kind's, and its
+        (:mod:`lazy_gradients`), what a later micro-batch's backward end holds beside the states
+        (:mod:`cast_wait`: per block, per other kind's, and fixed, less its micro-batch's ends'; None
+        where no cast waits), the optimizer step's bytes per block, each other kind's, and its
         fixed bytes (the ends' states, torch's pipeline receive buffers, the process's and its
         communicators'), and the micro-batches per step."""
         key = (mbs, seq, v, replica)
@@ -157,6 +168,15 @@ class Evaluator:
                        cm.fully_sharded_working_bytes(m, tr, tp, shards, pp), copies_working, held)
         edge_t = self._edge_time(layout, device, local, seq_rank)
         lazy = lazy_gradient_bytes(m, tr, tp, self.trained, pp, g, v)
+        wait = None
+        if cast_wait.waits(tr, g):  # its micro-batch's logits and embedding output are gone by then
+            first_mbs, last_mbs = first_and_last(local, pp)
+            once = self._edge_activations(np.ones(pp), first_mbs, last_mbs, seq_rank)
+            once[-1] += logits_bytes(m, last_mbs, seq_rank, layout.end_tp[1], tr)
+            wait = (cast_wait.waiting_block_bytes(m, tr, tp, self.trained, v),
+                    [cast_wait.waiting_block_bytes(kind, tr, tp, self.trained, v)
+                     for kind in extra_blocks.other_kinds(m)],
+                    cast_wait.first_cast_bytes(m, tr, tp, layout.end_tp, pp, self.trained) - once)
         temporary = step_temporary_bytes(tr, self.trained, tp, shards, self.cluster.is_emulated)
         step = (np.broadcast_to(step_block_bytes(m, tr, tp, state, temporary), (pp,)),
                 [np.broadcast_to(step_block_bytes(kind, tr, tp, kind_state, temporary), (pp,))
@@ -164,7 +184,8 @@ class Evaluator:
                 self._end_state_bytes(layout, share, shards, temporary) + held
                 + for_loop_temporary_bytes(m, tr, tp, layout.end_tp, shards, pp, self.cluster.is_emulated)
                 + torch_receive_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v))
-        self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, step, g)
+        self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, wait, step,
+                                 g)
         return self._level_free[key]
 
     def _offload(self, kept, act, t_layer, device) -> tuple:
@@ -258,14 +279,6 @@ class Evaluator:
             self._uniform[level] = self.replica_inputs(layout, mbs, seq, v, np.full((1, layout.pp), level))
         return self._uniform[level]
 
-    def _max_layers(self, layout, inputs, steps) -> np.ndarray:
-        """Layers each stage can hold on every one of its device types (``inputs``:
-        :meth:`replica_inputs` at the levels in question)."""
-        return np.min([np.minimum(np.floor((self.usable(capacity) - fixed) / per_layer),
-                                  np.floor((self.usable(capacity) - step_fixed) / step_layer))
-                       for (per_layer, fixed, *_), (step_layer, step_fixed), capacity
-                       in zip(inputs, steps, layout.replica_capacity)], axis=0)
-
     def score(self, layout: Layout, mbs: int, seq: int, schedule: str, v: int,
               levels: np.ndarray, layers: np.ndarray | None = None,
               recompute_layers: np.ndarray | None = None, recompute_every: np.ndarray | None = None) -> GroupResult:
@@ -284,28 +297,35 @@ class Evaluator:
             t_layer, edge_t = (np.max([x[2] for x in inputs], axis=0), np.max([x[3] for x in inputs], axis=0)) \
                 if layout.mixed else inputs[0][2:4]
             steps = [self.step_line(layout, mbs, seq, v, k) for k in replicas]
-            layers, feasible = balance_layers(t_layer, edge_t, self._max_layers(layout, inputs, steps), L, min_layers,
+            most = stage_fit.max_layers(self, layout, inputs, steps)
+            layers, feasible = balance_layers(t_layer, edge_t, most, L, min_layers,
                                               layers_per_block(self.model))  # Gated DeltaNet blocks stay whole
-            levels = self.lowest_fitting_levels(layout, mbs, seq, v, levels, layers)
+            levels = stage_fit.lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers)
             if self.recompute_some_layers and v == 1 and (levels == cm.FULL).any() and cm.NONE in self.allowed_levels:
-                recompute_layers = self.fewest_recomputed_layers(layout, mbs, seq, v, levels, layers)
+                recompute_layers = stage_fit.fewest_recomputed_layers(self, layout, mbs, seq, v, levels, layers)
         memories, times, fits = [], [], []
         for k in replicas:
-            per_layer, fixed, t_layer, edge_t, g, work = self.split_inputs(layout, mbs, seq, v, levels, k, layers)
+            per_layer, fixed, t_layer, edge_t, g, work, later = self.split_inputs(layout, mbs, seq, v, levels, k,
+                                                                                  layers)
             memory = layers * per_layer + fixed
+            wait = None if later is None else layers * later[0] + later[1]
             stage_time = layers * t_layer + edge_t
             if recompute_layers is not None:
-                none_layer, none_fixed, none_t, _, _, none_work = (
+                none_layer, none_fixed, none_t, _, _, none_work, none_later = (
                     self.split_inputs(layout, mbs, seq, v, np.full_like(levels, cm.NONE), k, layers)
                     if extra_blocks.split_places_kinds(self.model)
                     else self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k])
                 r = recomputed_layers(layers, recompute_layers, recompute_every)
-                partial = partial_recompute_working(work, none_work, self._kept_layer_bytes(layout, mbs, seq, v, k),
-                                                    layers, r, recompute_every)
+                kept_layer = stage_fit.kept_layer_bytes(self, layout, mbs, seq, v, k)
+                partial = partial_recompute_working(work, none_work, kept_layer, layers, r, recompute_every)
                 memory = r * per_layer + (layers - r) * none_layer + np.where(r > 0, fixed - work + partial, none_fixed)
+                if later is not None:
+                    wait = r * later[0] + (layers - r) * none_later[0] + np.where(r > 0, later[1], none_later[1])
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
                 work = partial
             memory = memory - (layers == 0) * work  # an embedding- or head-only stage runs no block backward
+            if wait is not None:  # or a later micro-batch's backward end's (cast_wait)
+                memory = np.maximum(memory, wait)
             step_layer, step_fixed = self.step_line(layout, mbs, seq, v, k, layers)
             memory = np.maximum(memory, layers * step_layer + step_fixed)  # or the optimizer step's peak
             memories.append(memory)
@@ -341,50 +361,10 @@ class Evaluator:
     def fits_with_full_recompute(self, layout, mbs, seq, schedule, v) -> bool:
         """Memory lower bound: can the stages hold every layer even when all recompute fully?"""
         steps = [self.step_line(layout, mbs, seq, v, k) for k in range(len(layout.replica_device))]
-        max_layers = self._max_layers(layout, self.uniform_inputs(layout, mbs, seq, v, self.allowed_levels[-1]), steps)
+        lightest = self.uniform_inputs(layout, mbs, seq, v, self.allowed_levels[-1])
+        max_layers = stage_fit.max_layers(self, layout, lightest, steps)
         return bool((max_layers >= self.stage_min_layers(layout.pp, schedule, v)).all()
                     and max_layers.sum() >= self.model.num_layers)
-
-    def lowest_fitting_levels(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
-        """Hard rule per stage: keep no recompute where it fits, else the lightest level that does."""
-        best = levels.copy()
-        for level in reversed(self.allowed_levels):
-            fits = True
-            for (per_layer, fixed, *_), capacity in zip(self.uniform_inputs(layout, mbs, seq, v, level),
-                                                        layout.replica_capacity):
-                fits = fits & (layers * per_layer + fixed <= self.usable(capacity))
-            best = np.where(fits & (level < best), level, best)
-        return best
-
-    def fewest_recomputed_layers(self, layout, mbs, seq, v, levels, layers) -> np.ndarray:
-        """Per stage, how many of its first layers must recompute fully for it to fit (on each of
-        its device types), where the hard rule chose full recompute (Megatron's block method);
-        the others keep their level on every layer. A stage that fits nowhere keeps all its
-        layers."""
-        unit = layers_per_block(self.model)  # whole blocks, as Megatron's block method recomputes them
-        fewest = np.ones_like(layers, dtype=np.float64)
-        inputs = []
-        for k, capacity in enumerate(layout.replica_capacity):
-            full_layer, full_fixed, *_, full_work = self.uniform_inputs(layout, mbs, seq, v, cm.FULL)[k]
-            none_layer, *_, none_work = self.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
-            act = self._kept_layer_bytes(layout, mbs, seq, v, k)
-            # k full layers and n - k kept: k (full - none) + n none + fixed + the working set, at least
-            # the kept layers' (activations.partial_recompute_working) <= usable.
-            saved = np.maximum(none_layer - full_layer, 1.0)
-            rest = layers * none_layer + full_fixed - full_work - self.usable(capacity)
-            fewest = np.maximum(fewest, np.ceil((rest + none_work) / saved))
-            inputs.append((rest, saved, full_work, act))
-        fewest = np.clip(np.ceil(fewest / unit) * unit, 1, layers)
-        # A recomputed layer's working set beside what the fewer kept layers freed may not fit: all of them, then.
-        for rest, saved, full_work, act in inputs:
-            fewest = np.where(rest - fewest * saved + full_work - (layers - fewest) * act > 0, layers, fewest)
-        return np.where(levels == cm.FULL, fewest.astype(np.int64), layers)
-
-    def _kept_layer_bytes(self, layout, mbs, seq, v, replica) -> np.ndarray:
-        """(1, P) what one layer keeps of one micro-batch with no recompute, on the device types of
-        row ``replica``: what a kept layer's backward frees before a recomputed one's runs."""
-        tp, device, local = self._level_free_inputs(layout, mbs, seq, v, replica)[:3]
-        return self.stage_layer_costs(layout, device, tp, local, seq, np.full((1, layout.pp), cm.NONE))[1]
 
     def send_in(self, parts) -> None:
         """Price each pipeline edge's sends in ``parts`` (a plan file's ``send_parts``); None: choose them."""
