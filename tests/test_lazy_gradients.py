@@ -152,6 +152,28 @@ def test_the_first_backward_frees_activations_as_it_creates_gradients(tmp_path):
         assert _counted_left_out(tmp_path, 1, seq) == pytest.approx(relief, rel=0.25), seq
 
 
+def _backward_rises(layer, x, rotary, dtype: str) -> list[int]:
+    """What each of three backwards of a Hugging Face decoder layer holds above its forward's end,
+    its incoming gradient included (the first creates the gradients), the forward under CPU
+    autocast (a region per forward) in bf16."""
+    torch = pytest.importorskip("torch")
+    from memx_launch.profiling.emulation import EmulatedDevice
+
+    rises = []
+    for _ in range(3):
+        with EmulatedDevice("probe", math.inf) as device:
+            device.track([*layer.parameters(), *(p.grad for p in layer.parameters() if p.grad is not None)])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                out = layer(x * 1.0, position_embeddings=rotary, attention_mask=None)  # (an op's output, as in a model)
+            out = out[0] if isinstance(out, tuple) else out
+            loss = out.pow(2).sum()
+            device.reset_peak()
+            before = device.live_bytes
+            loss.backward()
+            rises.append(device.peak_bytes - before)
+    return rises
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind, b, seq", [("llama", 2, 64), ("falcon", 2, 64), ("olmo2", 2, 64), ("cohere", 2, 64),
                                           ("cohere", 4, 256)])
@@ -170,10 +192,8 @@ def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, b, seq, dty
     and the attention's copy waits through the MLP's backward (what binds at 1,024 tokens).
     The backward rises by memx's working set to 1% in both precisions at 128 tokens; Cohere's at
     1,024 tokens in bf16 is 4% under it (9% above it before the waiting copy was counted)."""
-    torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from memx_launch.planning import costmodel as cm
-    from memx_launch.profiling.emulation import EmulatedDevice
     from test_framework_memory import hf_decoder_layer
 
     folder = os.path.join(os.path.dirname(__file__), "..", "examples", "models", "hf-llama-tiny")
@@ -187,19 +207,7 @@ def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, b, seq, dty
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                           pad_token_id=0).save_pretrained(tmp_path)
         folder = str(tmp_path)
-    layer, x, rotary = hf_decoder_layer(folder, seq, b)
-    rises = []
-    for _ in range(3):
-        with EmulatedDevice("probe", math.inf) as device:
-            device.track([*layer.parameters(), *(p.grad for p in layer.parameters() if p.grad is not None)])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                out = layer(x * 1.0, position_embeddings=rotary, attention_mask=None)  # (an op's output, as in a model)
-            out = out[0] if isinstance(out, tuple) else out
-            loss = out.pow(2).sum()
-            device.reset_peak()
-            before = device.live_bytes
-            loss.backward()
-            rises.append(device.peak_bytes - before)
+    rises = _backward_rises(*hf_decoder_layer(folder, seq, b), dtype)
     training, model = TrainingSpec(setup="memx-run", dtype=dtype), get_model(folder)
     working = {accumulated: float(cm.training_activation_bytes(
         model, dataclasses.replace(training, grad_accumulation_pass=accumulated), b, seq, 1,
@@ -214,3 +222,35 @@ def test_a_later_backward_rises_by_the_working_set_memx_counts(kind, b, seq, dty
     elif seq == 64 and (kind == "falcon" or dtype == "bf16"):  # without it: Falcon's 0.56 (fp32), 0.55; Llama's 0.88
         assert working[False] / rises[1] < (0.6 if kind == "falcon" else 0.9)
     assert rises[0] >= rises[1]  # the first backward keeps each weight's gradient it makes
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_where_weights_outweigh_the_tokens_a_fresh_gradient_in_the_weights_dtype_binds(kind, dtype, tmp_path,
+                                                                                       monkeypatch):
+    """Layers of hidden 1,024 (MLP 2,816) at 64 tokens, a region of autocast per forward
+    (``--setup ddp``: DDP, Lightning's ``bf16-mixed``), gradients accumulating: a weight's fresh
+    gradient in the weights' fp32 binds, 4 bytes a weight beside little else. Under autocast it is
+    the cast of the 16-bit gradient, made once the linear's node freed its input and its 16-bit
+    weight copy (which the 16-bit gradient's bytes equal): the down projection's beside the
+    output's gradient (Llama's layer 1.8x what memx counted without it); Phi-3's fused
+    gate-and-up weight, twice as large, once the MLP's tensors are freed (2.5x, and 1.8x in fp32,
+    where it is the GEMM's own output beside its output's gradient). Within 1%."""
+    transformers = pytest.importorskip("transformers")
+    from memx_launch.models.block_reading import own_block_training
+    from memx_launch.planning import activations, costmodel as cm
+    from test_framework_memory import hf_decoder_layer
+
+    transformers.AutoConfig.for_model(kind, hidden_size=1024, intermediate_size=2816, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=512,
+                                      pad_token_id=0).save_pretrained(tmp_path)
+    layer, x, rotary = hf_decoder_layer(str(tmp_path), 64, 1)
+    rises = _backward_rises(layer, x, rotary, dtype)
+    training, _ = own_block_training(TrainingSpec(setup="ddp", dtype=dtype), layer, get_model(str(tmp_path)))
+    assert training.fused_gate_up == (kind == "phi3") and not training.autocast_per_step
+    def counted():
+        return float(cm.training_activation_bytes(get_model(str(tmp_path)), training, 1, 64, 1, cm.NONE).working_bytes)
+    assert rises[1] == rises[2] == pytest.approx(counted(), rel=0.01)
+    monkeypatch.setattr(activations, "fresh_gradient_bytes", lambda training: 0.0)
+    if (kind, dtype) != ("llama", "fp32"):  # there the down projection's GEMM counted it already
+        assert rises[1] / counted() > 1.7

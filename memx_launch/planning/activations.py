@@ -43,7 +43,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
                      autocast: bool = False, fused_gate_up: bool = True, fused_qkv: bool = True,
                      stream_bytes: float | None = None, repeat_kv: bool = False,
                      softcapped_scores: bool = False, transformers_share: float | None = None,
-                     weight_grad_bytes: float = 0.0) -> LayerCost:
+                     weight_grad_bytes: float = 0.0, fresh_grad_bytes: float = 0.0) -> LayerCost:
     """Stored and transient activation bytes of one LLaMA block (numpy-broadcast inputs).
 
     Stored tensors of one block (fraction of sbh bytes at 2 bytes/element, t = TP):
@@ -118,7 +118,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     into ``.grad`` (torch's AccumulateGrad), at least the down projection's backward, which makes
     its weight's gradient (``weight_grad_bytes`` a weight, the GEMM's dtype: under autocast cast
     to the weight's after the node freed its input) beside ``.grad`` and its input's gradient
-    before the activation's backward runs (a GELU MLP's largest moment). The attention's, once the
+    before the activation's backward runs (a GELU MLP's largest moment), and the largest MLP linear's
+    gradient once in the weights' dtype (``fresh_grad_bytes`` a weight; under autocast its fp32 cast,
+    made after the linear's node freed its input and its 16-bit weight copy, which the 16-bit
+    gradient's bytes equal: a moment beside the output's gradient alone, which binds at few tokens).
+    The attention's, once the
     MLP's tensors are freed: the gradients of the block's input and output, that policy's recomputed
     core, and in unfused attention,
     beside the kept probabilities, the gradient of the
@@ -222,6 +226,16 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         # MLP's output (post_norms) that norm's input's.
         copy = 2.0 if autocast and dtype_bytes < 4 else 2.0 * model.post_norms
         mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + copy + down)
+    if fresh_grad_bytes and model.has_mlp and not model.num_experts:
+        down_weight = f * h / tp
+        mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + down_weight * fresh_grad_bytes / sbh)
+        if model.gated_mlp and fused_gate_up:
+            # The fused gate-and-up weight's, once the MLP's tensors are freed, beside its input's gradient: under
+            # autocast the down projection's 16-bit weight copy is freed too, else its output's gradient is alive.
+            cast = autocast and dtype_bytes < 4
+            alive = 2.0 + (0.0 if cast else 4.0 * f / h / tp) - mlp_freed
+            fused = down_weight * (2.0 * fresh_grad_bytes - (dtype_bytes if cast else 0.0)) / sbh
+            mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + alive + fused)
     # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.
     norm_phase = 0.0
@@ -339,7 +353,17 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                             tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
                             tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes,
                             kv_repeated(model, tr), model.attention_softcapping, transformers_block_share(tr),
-                            tr.dtype_bytes if tr.grad_accumulation_pass else 0.0)
+                            tr.dtype_bytes if tr.grad_accumulation_pass else 0.0, fresh_gradient_bytes(tr))
+
+
+def fresh_gradient_bytes(training: TrainingSpec) -> float:
+    """Bytes a weight's fresh gradient takes in the backward once in the weights' dtype, where
+    gradients accumulate into ``.grad``: fp32 weights' 4 (an fp32 GEMM's output, or under
+    autocast with a region per forward its cast back); 0 under one autocast region a step, whose
+    casts wait for the backward's end (:mod:`cast_wait`), or where the GEMMs read 16-bit weights
+    (a fully sharded stage's gathered ones: the GEMM's gradient, counted at the down projection)."""
+    fp32_gradients = training.dtype_bytes == 4 or (training.autocast and not training.autocast_per_step)
+    return 4.0 if training.grad_accumulation_pass and fp32_gradients else 0.0
 
 
 def transformers_block_share(training: TrainingSpec) -> float | None:
