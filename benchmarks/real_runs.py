@@ -267,7 +267,7 @@ def sailor_calibrated(shared: str, trials: int = 10, fleet: bool = False) -> tup
 
 
 # The parts of a peak that memx counts as tensors (the rest: communicator buffers, fixed overhead).
-TENSOR_PARTS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "cast_wait", "activations",
+TENSOR_PARTS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "backward_end", "activations",
                 "logits_loss", "pipeline_buffers")
 
 

@@ -127,7 +127,7 @@ def test_the_plan_file_and_the_report_carry_the_parts(tmp_path, capsys):
     assert code == 0 and "memory by part, per device:" in out
     lines = out.splitlines()
     header = lines[lines.index("memory by part, per device:") + 1]
-    assert header.split() == ["params", "grads", "optimizer", "step", "wait", "activations", "logits", "pipeline",
+    assert header.split() == ["params", "grads", "optimizer", "step", "end", "activations", "logits", "pipeline",
                               "comm", "fixed", "=", "peak"]
     assert [line.split()[:2] for line in lines if line.startswith("stage ") and "GiB" in line][:2] == \
         [["stage", "0"], ["stage", "1"]]

@@ -360,7 +360,7 @@ def fresh_gradient_bytes(training: TrainingSpec) -> float:
     """Bytes a weight's fresh gradient takes in the backward once in the weights' dtype, where
     gradients accumulate into ``.grad``: fp32 weights' 4 (an fp32 GEMM's output, or under
     autocast with a region per forward its cast back); 0 under one autocast region a step, whose
-    casts wait for the backward's end (:mod:`cast_wait`), or where the GEMMs read 16-bit weights
+    casts wait for a later backward's end (:mod:`backward_end`), or where the GEMMs read 16-bit weights
     (a fully sharded stage's gathered ones: the GEMM's gradient, counted at the down projection)."""
     fp32_gradients = training.dtype_bytes == 4 or (training.autocast and not training.autocast_per_step)
     return 4.0 if training.grad_accumulation_pass and fp32_gradients else 0.0

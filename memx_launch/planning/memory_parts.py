@@ -17,12 +17,12 @@ from memx_launch.planning.model_states import (autocast_copy_bytes, held_gradien
                                                weight_copy_bytes)
 from memx_launch.planning.pipeline_buffers import pipeline_buffer_bytes
 
-# In the order reports list them. ``optimizer_step`` and ``cast_wait``: what the optimizer step's peak
-# (planning/optimizer_peak.py) or a later micro-batch's backward end (planning/cast_wait.py) holds above
+# In the order reports list them. ``optimizer_step`` and ``backward_end``: what the optimizer step's peak
+# (planning/optimizer_peak.py) or a later micro-batch's backward end (planning/backward_end.py) holds above
 # the activations' peak, where the stage's peak is that moment; 0 elsewhere.
-MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "cast_wait", "activations",
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "backward_end", "activations",
                 "logits_loss", "pipeline_buffers", "communicator_buffers", "fixed_overhead")
-LATER_MOMENTS = ("optimizer_step", "cast_wait")
+LATER_MOMENTS = ("optimizer_step", "backward_end")
 
 
 def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dict[str, float]]:
@@ -81,7 +81,7 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
         by_replica.append({
             "parameters": weights + gathered + copies + copies_working + head_copies,
             "gradients": grads + unsharded_grad - relief,
-            "optimizer_states": optim, "optimizer_step": np.zeros(pp), "cast_wait": np.zeros(pp),
+            "optimizer_states": optim, "optimizer_step": np.zeros(pp), "backward_end": np.zeros(pp),
             "activations": kept + embedding_out + work * (layers[0] > 0)
             - activation_offload.offloaded_bytes(tr.activation_offload_layers, inflight * act, act),
             "logits_loss": logits, "pipeline_buffers": pipeline,
@@ -95,7 +95,7 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
 def with_later_moments(evaluator, result: GroupResult, row: int, parts: list[dict[str, float]]) -> list[dict]:
     """``parts`` with how far each stage's peak (``result.memory``) rises above the sum of its
     other parts, the activations' peak: ``optimizer_step`` where the peak is the optimizer step's
-    (the ``evaluator``'s step line, on the stage's device type), else ``cast_wait`` (a later
+    (the ``evaluator``'s step line, on the stage's device type), else ``backward_end`` (a later
     micro-batch's backward end); 0 where the activations' peak is the stage's."""
     layout, layers = result.layout, result.layers[row]
     replica = np.zeros(layout.pp, dtype=np.int64) if result.memory_replica is None else result.memory_replica[row]
@@ -108,5 +108,5 @@ def with_later_moments(evaluator, result: GroupResult, row: int, parts: list[dic
         peak = float(result.memory[row][i])
         above = peak - others if peak - others > 1e-9 * peak else 0.0  # not the float rounding of the same sum
         at_step = float(steps[k][i]) >= peak - 1e-9 * peak
-        stage["optimizer_step"], stage["cast_wait"] = (above, 0.0) if at_step else (0.0, above)
+        stage["optimizer_step"], stage["backward_end"] = (above, 0.0) if at_step else (0.0, above)
     return parts

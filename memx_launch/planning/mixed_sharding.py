@@ -75,7 +75,7 @@ class MixedShardingEvaluator(Evaluator):
                                                                  sharded[:4] + sharded[5:6])
         kept, working = self.narrowed_stream_bytes(layout, mbs, seq, v, levels)
         hidden = self.hidden_precision_bytes(layout, mbs, seq, v)
-        later = None  # a stage without a later backward's wait: its activations' line there, which binds anyway
+        later = None  # a stage whose casts do not wait: its activations' line there, which binds anyway
         if whole[6] is not None or sharded[6] is not None:
             later = self._by_stage(layout, whole[6] or whole[:2], sharded[6] or sharded[:2])
             later = (later[0] + kept, later[1] + hidden)

@@ -307,7 +307,7 @@ def host_bound_lines(plan: Plan, host_bound) -> list[str]:
 
 # Short headers of the parts of a stage's peak (StagePlan.memory_parts_gib), in MEMORY_PARTS order.
 _PART_HEADERS = {"parameters": "params", "gradients": "grads", "optimizer_states": "optimizer",
-                 "optimizer_step": "step", "cast_wait": "wait", "activations": "activations", "logits_loss": "logits",
+                 "optimizer_step": "step", "backward_end": "end", "activations": "activations", "logits_loss": "logits",
                  "pipeline_buffers": "pipeline", "communicator_buffers": "comm", "fixed_overhead": "fixed"}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.planning import (activation_offload, cast_wait, context_parallel, costmodel as cm, data_parallel,
+from memx_launch.planning import (activation_offload, backward_end, context_parallel, costmodel as cm, data_parallel,
                                   elementwise, extra_blocks, schedules, stage_fit)
 from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes
 from memx_launch.planning.memory_parts import stage_memory_parts
@@ -85,7 +85,7 @@ class Evaluator:
                      layers: np.ndarray | None = None):
         """Per-stage per-layer bytes, fixed bytes, layer time, fixed time, micro-batches, the block's backward
         working set (part of the fixed bytes: a stage without blocks has none) and, where a later micro-batch's
-        backward ends holding its casts' 16-bit gradients (:mod:`cast_wait`), that moment's per-layer and fixed
+        backward ends holding its casts' 16-bit gradients (:mod:`backward_end`), that moment's per-layer and fixed
         bytes (else None) for each row, on the device types of row ``replica`` of the layout's ``replica_device``.
         With context parallelism a rank sees ``seq / cp`` tokens of each sequence; with a DP degree per stage a
         stage of fewer replicas runs larger local micro-batches. Dense blocks between a mixture of experts' expert
@@ -108,7 +108,7 @@ class Evaluator:
         fixed = sum(fixed_parts, work) + extra_blocks.beside_repeated(m, per_layer, kind_layer, counts)
         offloaded, copy_s = self._offload(inflight * act, act, t_layer, device)
         edge_t = edge_t + extra_blocks.beside_repeated(m, t_layer, kind_t, counts)
-        later = None  # a later micro-batch's backward end (cast_wait): one micro-batch fewer, no working set
+        later = None  # a later micro-batch's backward end (backward_end): one micro-batch fewer, no working set
         if wait is not None:
             wait_layer = state + (inflight - 1) * act + wait[0]
             wait_fixed = sum(fixed_parts, wait[2]) + extra_blocks.beside_repeated(m, wait_layer, kind_wait, counts)
@@ -141,7 +141,7 @@ class Evaluator:
         and their FP8 copies, what the process and its communicators hold above the tensors),
         the embedding's and the head's seconds, the blocks' gradients created after the peak
         (:mod:`lazy_gradients`), what a later micro-batch's backward end holds beside the states
-        (:mod:`cast_wait`: per block, per other kind's, and fixed, less its micro-batch's ends'; None
+        (:mod:`backward_end`: per block, per other kind's, and fixed, less its micro-batch's ends'; None
         where no cast waits), the optimizer step's bytes per block, each other kind's, and its
         fixed bytes (the ends' states, torch's pipeline receive buffers, the process's and its
         communicators'), and the micro-batches per step."""
@@ -169,14 +169,14 @@ class Evaluator:
         edge_t = self._edge_time(layout, device, local, seq_rank)
         lazy = lazy_gradient_bytes(m, tr, tp, self.trained, pp, g, v)
         wait = None
-        if cast_wait.waits(tr, g):  # its micro-batch's logits and embedding output are gone by then
+        if backward_end.waits(tr, g):  # its micro-batch's logits and embedding output are gone by then
             first_mbs, last_mbs = first_and_last(local, pp)
             once = self._edge_activations(np.ones(pp), first_mbs, last_mbs, seq_rank)
             once[-1] += logits_bytes(m, last_mbs, seq_rank, layout.end_tp[1], tr)
-            wait = (cast_wait.waiting_block_bytes(m, tr, tp, self.trained, v),
-                    [cast_wait.waiting_block_bytes(kind, tr, tp, self.trained, v)
+            wait = (backward_end.waiting_block_bytes(m, tr, tp, self.trained, v),
+                    [backward_end.waiting_block_bytes(kind, tr, tp, self.trained, v)
                      for kind in extra_blocks.other_kinds(m)],
-                    cast_wait.first_cast_bytes(m, tr, tp, layout.end_tp, pp, self.trained) - once)
+                    backward_end.end_bytes(m, tr, tp, layout.end_tp, pp, self.trained) - once)
         temporary = step_temporary_bytes(tr, self.trained, tp, shards, self.cluster.is_emulated)
         step = (np.broadcast_to(step_block_bytes(m, tr, tp, state, temporary), (pp,)),
                 [np.broadcast_to(step_block_bytes(kind, tr, tp, kind_state, temporary), (pp,))
@@ -324,7 +324,7 @@ class Evaluator:
                 stage_time = r * t_layer + (layers - r) * none_t + edge_t
                 work = partial
             memory = memory - (layers == 0) * work  # an embedding- or head-only stage runs no block backward
-            if wait is not None:  # or a later micro-batch's backward end's (cast_wait)
+            if wait is not None:  # or a later micro-batch's backward end's (backward_end)
                 memory = np.maximum(memory, wait)
             step_layer, step_fixed = self.step_line(layout, mbs, seq, v, k, layers)
             memory = np.maximum(memory, layers * step_layer + step_fixed)  # or the optimizer step's peak

@@ -1,7 +1,7 @@
 """What fits on a stage: the layers each stage can hold and the per-stage recompute hard rule,
 from an :class:`~memx_launch.planning.scoring.Evaluator`'s memory lines. A stage's memory is the
-highest of lines in its layers: its activations' peak, a later micro-batch's backward end where
-its casts wait (:mod:`cast_wait`; the split inputs' last item, None where none waits) and its
+highest of lines in its layers: its activations' peak, a later micro-batch's backward end where its
+casts wait (:mod:`backward_end`; the split inputs' last item, None where none waits) and its
 optimizer step's (the step line). No torch import.
 """
 
@@ -17,7 +17,7 @@ from memx_launch.specs.hybrid import layers_per_block
 
 def level_lines(inputs: tuple) -> tuple:
     """The (per-layer, fixed) bytes lines of one row of split inputs that the recompute level
-    moves: the activations' peak and, where the casts wait, a later backward's end."""
+    moves: the activations' peak and, where casts wait, a later micro-batch's backward end."""
     per_layer, fixed, *_, later = inputs
     return ((per_layer, fixed),) if later is None else ((per_layer, fixed), tuple(later))
 
