@@ -74,3 +74,41 @@ def test_torch_loss_parallel_needs_a_vocab_parallel_loss():
         TrainingSpec(setup="fsdp2", torch_loss_parallel=True)  # fsdp2 gathers the logits unless told
     assert TrainingSpec(setup="fsdp2", vocab_parallel_loss=True, torch_loss_parallel=True).torch_loss_parallel
     assert TrainingSpec(setup="torchtitan").torch_loss_parallel
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_where_few_tokens_meet_a_large_vocabulary_the_head_s_fresh_gradient_is_the_peak(dtype, monkeypatch):
+    """memx's LLaMA last stage (one block of hidden 512, recomputed, a vocabulary of 32,768), 64 tokens, a
+    second micro-batch with gradients held (``--setup ddp``: a region of autocast per forward):
+    the output layer's backward makes its weight's fp32 gradient (in fp32 beside the logits' fp32
+    gradient; in bf16 the cast of its 16-bit gradient, once the weight's 16-bit copy is freed),
+    twice the loss's own peak. The step's rise, less that copy (a parameter part), within 1% of the
+    count; the loss's peak alone under half of it."""
+    import math
+    from dataclasses import replace
+
+    torch = pytest.importorskip("torch")
+    from memx_launch.models.llama import LlamaStage
+    from memx_launch.planning import loss
+    from memx_launch.profiling.emulation import EmulatedDevice
+
+    spec = replace(get_model("llama-small"), vocab_size=32768)
+    torch.manual_seed(0)
+    stage = LlamaStage(spec, 1, first=False, last=True, recompute="full")  # the block keeps its input alone
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p)
+    x, target = torch.randn(1, 64, spec.hidden_size), torch.randint(0, spec.vocab_size, (64,))
+    with EmulatedDevice("probe", math.inf) as device:
+        device.track([*stage.parameters(), *(p.grad for p in stage.parameters())])
+        for _ in range(2):  # micro-batches
+            device.reset_peak()
+            before = device.live_bytes
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                logits = stage(x.clone().requires_grad_(True))
+                value = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target)
+            value.backward()
+    copy = 2 * spec.vocab_size * spec.hidden_size if dtype == "bf16" else 0
+    training = TrainingSpec(setup="ddp", dtype=dtype)
+    assert device.peak_bytes - before - copy == pytest.approx(float(logits_bytes(spec, 1, 64, 1, training)), rel=0.01)
+    monkeypatch.setattr(loss, "head_gradient_bytes", lambda *args: 0.0)
+    assert float(logits_bytes(spec, 1, 64, 1, training)) < 0.5 * (device.peak_bytes - before - copy)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from memx_launch.planning.activations import fresh_gradient_bytes
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -50,7 +51,8 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     tests/test_costmodel.py). Each multi-token prediction module keeps
     logits of its own for its loss. Counted beside a block's backward working set: they take
     turns in allocated memory, but the measured runs' peaks keep both (docs/setups.md, "The loss
-    beside the blocks' working set").
+    beside the blocks' working set"). At least the head's backward where it makes a fresh gradient
+    (:func:`head_gradient_bytes`).
     """
     tr = training or TrainingSpec()
     d = tr.dtype_bytes
@@ -67,7 +69,23 @@ def logits_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec | None =
     else:
         per_logit = gathered
     per_logit = per_logit + (d if model.logit_softcapping else 0.0)
-    return per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share * (1 + model.mtp_layers)
+    loss = per_logit * np.asarray(mbs) * np.asarray(seq) * model.output_vocab / share * (1 + model.mtp_layers)
+    return np.maximum(loss, head_gradient_bytes(model, mbs, seq, tp, tr))
+
+
+def head_gradient_bytes(model: ModelSpec, mbs, seq, tp, training: TrainingSpec) -> np.ndarray:
+    """The head's backward where gradients accumulate into fp32 weights
+    (:func:`~memx_launch.planning.activations.fresh_gradient_bytes`): the output layer's weight's
+    whole gradient in fp32 (its 1/TP), beside the logits' fp32 gradient the GEMM reads in fp32
+    training (under autocast the cast of the GEMM's 16-bit gradient, once the node freed it, the
+    logits' gradient and the weight's 16-bit copy). Where few tokens meet a large vocabulary it
+    passes the loss's peak (tests/test_loss.py); 0 elsewhere (memx-run in 16 bits: the gradient
+    waits for the backward's end, planning/backward_end.py)."""
+    fresh = fresh_gradient_bytes(training)
+    tp = np.asarray(tp, dtype=np.float64)
+    logits_gradient = 4.0 * np.asarray(mbs) * np.asarray(seq) * model.output_vocab if training.dtype_bytes == 4 else 0.0
+    share = tp if training.vocab_parallel_loss else 1.0
+    return fresh * model.output_vocab * model.hidden_size / tp + (fresh > 0) * logits_gradient / share
 
 
 def loss_hbm_bytes_per_logit(model: ModelSpec, training: TrainingSpec, tp) -> np.ndarray:
