@@ -19,7 +19,7 @@ def level_lines(inputs: tuple) -> tuple:
     """The (per-layer, fixed) bytes lines of one row of split inputs that the recompute level
     moves: the activations' peak and, where casts wait, a later micro-batch's backward end."""
     per_layer, fixed, *_, later = inputs
-    return ((per_layer, fixed),) if later is None else ((per_layer, fixed), tuple(later))
+    return ((per_layer, fixed),) if later is None else ((per_layer, fixed), later)
 
 
 def max_layers(evaluator, layout, inputs, steps) -> np.ndarray:
