@@ -16,6 +16,7 @@ from one_node import H100, one_node
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import experts, host_time
+from memx_launch.planning.elementwise import elementwise_traffic_bytes
 from memx_launch.planning.estimate import evaluate_layout
 from memx_launch.planning.peaks import hbm_gbps
 from memx_launch.planning.search import search
@@ -482,3 +483,24 @@ def test_a_routed_copy_keeps_what_megatron_core_s_experts_keep():
     # Fused (Megatron's weighted SwiGLU keeps its input and the weights): the gate-and-up output only.
     fused, fused_down = experts.kept_units(toy, 1, 1.0, True)
     assert (fused - router + fused_down) * h / 2 / toy.experts_per_token == pytest.approx(h + 3 * f)
+
+
+def test_the_all_to_all_dispatcher_sorts_a_rank_s_copies_into_expert_order_and_back():
+    """Megatron-Core's all-to-all dispatcher receives a rank's copies in rank order and, where the
+    rank holds several experts, sorts them into expert order (``sort_chunks_by_idxs``) and back
+    before the combine: two more reads and writes of every copy each way, beyond permute and
+    unpermute. The flex dispatcher delivers them grouped; a rank of one expert has nothing to
+    sort; Transformers' blocks gather each expert's tokens instead."""
+    tokens, h, k = 4096.0, QWEN3.hidden_size, QWEN3.experts_per_token
+    permute_unpermute = 2 * (k + 1) * h * 2 * tokens
+    sorted_twice = 4 * k * h * 2 * tokens
+    every_copy, flex, one_each, transformers = (
+        _training(expert_parallel=8), _training(expert_parallel=8, expert_dispatcher="flex"),
+        _training(expert_parallel=128), _training(expert_parallel=8, transformers_blocks=True))
+    assert experts.permutation_bytes(QWEN3, every_copy, tokens, 1, 2) == pytest.approx(permute_unpermute + sorted_twice)
+    for training in (flex, one_each, transformers):
+        assert experts.permutation_bytes(QWEN3, training, tokens, 1, 2) == pytest.approx(permute_unpermute)
+    # The block's element-wise traffic moves by the sorts forward and again backward.
+    sorted_, grouped = (elementwise_traffic_bytes(QWEN3, tr, 1, 4096, 1, cm.NONE) for tr in (every_copy, flex))
+    assert float(sorted_ - grouped) == pytest.approx(2 * sorted_twice)
+    assert experts.permutation_bytes(get_model("llama2-7b"), every_copy, tokens, 1, 2) == 0.0

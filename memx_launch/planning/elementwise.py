@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memx_launch.planning import gated_deltanet, mamba, quantization
+from memx_launch.planning import experts, gated_deltanet, mamba, quantization
 from memx_launch.planning.activations import kv_repeated, selective_modules, tanh_gelu_as_ops
 from memx_launch.planning.loss import SOFTCAP_PASSES
 from memx_launch.planning.matmuls import linear_shapes
@@ -191,8 +191,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     tokens = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64)
     h, kv, f = model.hidden_size, model.kv_hidden_size, model.active_ffn_hidden_size
     hidden = tokens * h / (tp if training.sequence_parallel else 1.0)
-    # A mixture of experts copies each token to its top-k experts and back (permute, unpermute).
-    permuted = tokens / tp * 2.0 * (model.experts_per_token + 1) * h * d if model.num_experts else 0.0
+    permuted = experts.permutation_bytes(model, training, tokens, tp, d)
     if training.fused_norm:
         norm = (FUSED_NORM_BYTES[0] * d, FUSED_NORM_BYTES[1] * d)
     else:

@@ -130,6 +130,23 @@ def routed_tokens(model: ModelSpec, tokens, tp):
     return np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.experts_per_token
 
 
+def permutation_bytes(model: ModelSpec, training: TrainingSpec, tokens, tp, dtype_bytes: float) -> np.ndarray:
+    """HBM bytes one block's token permutations move on a rank each way (forward, and again
+    backward for their gradients): each token copied to its top-k experts and summed back
+    (permute and unpermute: read one, write k, and the reverse), and with Megatron-Core's
+    all-to-all dispatcher, where a rank holds several experts, the received copies sorted from
+    rank order to expert order after the dispatch and back before the combine
+    (``sort_chunks_by_idxs``: each copy read and written twice). The flex dispatcher's kernels
+    deliver them grouped; Transformers' blocks gather each expert's tokens instead."""
+    if not model.num_experts:
+        return np.zeros(np.shape(tokens))
+    k, h = model.experts_per_token, model.hidden_size
+    sorted_again = (training.expert_dispatcher != "flex" and not training.transformers_blocks
+                    and model.num_experts > training.expert_parallel)
+    per_token = (2.0 * (k + 1) + 4.0 * k * sorted_again) * h * dtype_bytes
+    return np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * per_token
+
+
 def fp32_experts(training: TrainingSpec) -> bool:
     """Whether the routed experts run in fp32 in a 16-bit training: Transformers' (``transformers_blocks``)
     under autocast over fp32 weights, which cast their grouped GEMMs' input to the weights' dtype
