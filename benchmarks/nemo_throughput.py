@@ -67,6 +67,11 @@ attention (the formula NeMo's tables count), per model.
 
 Every published run ran: each row is also a fit check (memx should say it fits on its GPU).
 
+Apart (``validated_recipes``, from benchmarks/data/megatron_bridge_validated.csv): the Megatron-Bridge
+recipes whose docstrings publish a validation run's seconds per update and peak allocated memory
+(Llama 3.1 405B, MXFP8, 64 GB200s): the step time, and the fullest stage's tensors (the estimate's
+peak less communicator buffers and fixed overhead, which allocated memory does not hold).
+
 Writes benchmarks/results/nemo_throughput.json and the plot nemo_throughput.png.
 Run: .venv/bin/python benchmarks/nemo_throughput.py   (a few seconds)
 """
@@ -93,6 +98,7 @@ from memx_launch.specs.training import TrainingSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "benchmarks", "data", "nemo_performance.csv")
 DGXC_DATA = os.path.join(ROOT, "benchmarks", "data", "dgxc_performance.csv")
+VALIDATED_DATA = os.path.join(ROOT, "benchmarks", "data", "megatron_bridge_validated.csv")
 OUT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.json")
 PLOT = os.path.join(ROOT, "benchmarks", "results", "nemo_throughput.png")
 
@@ -212,6 +218,24 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA, predict=predicted) -
     return rows
 
 
+def validated_recipes(path: str = VALIDATED_DATA) -> list[dict]:
+    """The Megatron-Bridge recipes whose docstrings publish a validation run's seconds per update and
+    peak allocated memory: memx's step time and its fullest stage's tensors against them. Allocated
+    memory (torch's ``max_memory_allocated``) holds the tensors only: the estimate's peak less its
+    communicator buffers and fixed overhead (the process's context and the allocator's reserve)."""
+    rows = nemo_rows(path=path, predict=lambda row, *args, **layout: predicted(row, *args, parts=True, **layout))
+    with open(path) as f:
+        allocated = [float(d["peak_allocated_gib"]) for d in csv.DictReader(f)]
+    out = []
+    for row, measured in zip(rows, allocated):
+        parts = row["parts_gib"]
+        tensors = row["peak_gib"] - parts["communicator_buffers"] - parts["fixed_overhead"]
+        out.append({**row, "real_peak_allocated_gib": measured, "predicted_tensors_gib": round(tensors, 2),
+                    "predicted_over_measured_time": round(row["time_s"] / row["real_time_s"], 3),
+                    "predicted_over_measured_allocated": round(tensors / measured, 3)})
+    return out
+
+
 def shape_check(rows: list[dict]) -> dict:
     """Per model: the table's FLOPs per token over the transcribed shape's, its first row's (1.0:
     the shape and the table's count agree)."""
@@ -279,6 +303,7 @@ def main() -> None:
     result["dgxc"] = {**run_summary(dgxc), **{f"by_{key}": {
         name: run_summary(members) for name, members in grouped(dgxc, lambda r: r[key]).items()}
         for key in ("model", "precision", "system")}, "table_over_shape_flops": shape_check(dgxc), "rows": dgxc}
+    result["validated_recipes"] = validated_recipes()
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
     plot(rows, dgxc, PLOT)
@@ -293,6 +318,9 @@ def main() -> None:
     print("DGX Cloud recipes", apart["time"], apart["fit"]["confusion"], apart["table_over_shape_flops"],
           *({name: s["time"]["time_mape_pct"] for name, s in apart[f"by_{key}"].items()}
             for key in ("model", "precision", "system")))
+    for r in result["validated_recipes"]:
+        print("validated recipe", r["layout"], "time", r["predicted_over_measured_time"], "allocated",
+              r["predicted_tensors_gib"], "GiB predicted,", r["real_peak_allocated_gib"], "measured")
     for r in rows + dgxc:
         print(f"  {r['layout']:75s} {r['real_time_s']:7.2f} s", f"{r['time_s']:7.2f} s" if "time_s" in r else r["error"],
               f"{r.get('peak_gib', '')} GiB")
