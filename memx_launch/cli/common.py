@@ -209,7 +209,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "reduce-scatter its output (Megatron's --expert-tensor-parallel-size; default 1; memx plan "
                         "without it tries the powers of two dividing an expert's width, up to a node's devices)")
     p.add_argument("--expert-dispatcher", "--expert_dispatcher", choices=EXPERT_DISPATCHERS,
-                   help="how a mixture of experts' tokens reach their experts: alltoall sends every routed copy; "
+                   help="how a mixture of experts' tokens reach their experts: alltoall sends every routed copy "
+                        "(and sorts a rank's copies into expert order and back); "
                         "flex (DeepEP, HybridEP) sends a token once per rank, and once per node beyond an NVLink "
                         "domain (Megatron's --moe-token-dispatcher-type; default alltoall)")
     p.add_argument("--expert-routing", "--expert_routing", choices=EXPERT_ROUTINGS,
