@@ -28,7 +28,8 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
   the dispatch's preprocessing in CUDA graphs, which memx does not model. Megatron-Bridge counts their
   attention FLOPs causal (half), which ``flops_per_token`` follows for mixtures of experts.
 - Megatron-Bridge 26.02's GPT-OSS-120B rows (BF16, 64 GPUs, EP 64; half its blocks attend within
-  128 tokens).
+  128 tokens), its activation unfused as its model provider sets it (``bias_activation_fusion=False``:
+  ``--no-fused-activation``, megatron-core's eager path keeping more per routed copy).
 - Apart (``dgxc``, from benchmarks/data/dgxc_performance.csv): NVIDIA's DGX Cloud Benchmarking
   recipes (NeMo 25.04, BF16 and FP8 with delayed scaling, micro-batch 1 at 8,192 tokens) for
   Llama 4 Maverick on 128-512 GB200s (TP 1, PP 2 x VP 12, EP 64: every other block runs the
@@ -197,6 +198,7 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA, predict=predicted) -
                                     expert_parallel=int(d["ep"]), expert_tensor_parallel=int(d.get("etp") or 1),
                                     expert_dispatcher=d["dispatcher"],
                                     recompute_modules=tuple(d["recompute_modules"].split()) or None,
+                                    fused_activation=False if d["model"].startswith("gpt-oss") else None,
                                     **{**flag, **memory})
             gpu = SYSTEMS[d["system"]]
             tokens = batch * seq
