@@ -407,6 +407,30 @@ def test_element_wise_bytes_are_what_memx_blocks_ops_read_and_write():
     assert backward / gate.numel() == pytest.approx(elementwise.SWIGLU_BYTES[1] * 2)
 
 
+def test_megatron_core_s_eager_expert_activation_moves_the_counted_bytes():
+    """megatron-core 0.16's TEGroupedMLP without ``bias_activation_fusion`` (GPT-OSS's recipe):
+    its grouped fc1's output chunked into gate and up, SwiGLU, then the product with the fp32
+    routing weights cast back to 16 bits, traced per element of the expert's width: SWIGLU_BYTES
+    and EAGER_ROUTED_EXTRA_BYTES together; the separate gate and up linears of memx's block move
+    SWIGLU_BYTES alone (the chunk's backward writes both halves' gradients anew)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    rows, width = 256, 1376
+    fc1 = torch.randn(rows, 2 * width, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(rows, 1, dtype=torch.float32)
+
+    def eager_experts(x):
+        gate, up = torch.chunk(x, 2, dim=-1)
+        return (F.silu(gate) * up * probs).to(torch.bfloat16)
+
+    forward, backward = _traced_bytes(eager_experts, fc1)
+    expected = [(swiglu + extra) * 2 for swiglu, extra in zip(elementwise.SWIGLU_BYTES,
+                                                              elementwise.EAGER_ROUTED_EXTRA_BYTES)]
+    assert forward / (rows * width) == pytest.approx(expected[0], abs=0.01)
+    assert backward / (rows * width) == pytest.approx(expected[1], abs=0.01)
+
+
 def test_recompute_moves_the_forwards_element_wise_bytes_again():
     """Full recompute runs every element-wise op's forward again; selective only the attention
     core's (rotary embedding, scores) and the MLP activation's. LLaMA-2-13B, 8k tokens, TP 4,

@@ -86,7 +86,8 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                        ("overlap-expert-comm", "a mixture of experts' all-to-alls behind another micro-batch's "
                         "compute (Megatron's --overlap-moe-expert-parallel-comm; default off)"),
                        ("fused-activation", "the MLP's activation as one kernel keeping only its input: SwiGLU's "
-                        "silu(gate) not kept (Megatron's fusion; default off; --setup megatron: on)"),
+                        "silu(gate) not kept, one read and one write (Megatron's fusion; default off; --setup "
+                        "megatron: on)"),
                        ("keep-stage-outputs", "the pipeline engine keeps each in-flight micro-batch's stage output "
                         "until its gradient returns (default off; --setup scaling, torchtitan and memx-run: on)"),
                        ("keep-previous-logits", "the last stage keeps the previous micro-batch's logits in its "

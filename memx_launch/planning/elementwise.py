@@ -31,6 +31,15 @@ from memx_launch.specs.training import TrainingSpec
 # norm kernel (2d; 4d).
 ROPE_BYTES = (9.0, 14.0)
 SWIGLU_BYTES = (5.0, 9.0)
+# Megatron's fused SwiGLU kernel (``fused_activation``: ``bias_swiglu``, weighted by the routing in the
+# experts): forward one read of the gate-and-up output and one write, backward one read of the gradient
+# and of that output and one write of its gradient.
+FUSED_SWIGLU_BYTES = (3.0, 5.0)
+# megatron-core's eager expert activation (``fused_activation`` off, GPT-OSS's recipe) beyond SWIGLU_BYTES,
+# per element of the routed width: the grouped fc1's output chunked into gate and up (the chunk's backward
+# writes both halves' gradients into a new tensor) and the product with the fp32 routing weights, cast
+# back to d (traced: 11d forward, 23d backward; tests/test_framework_memory.py).
+EAGER_ROUTED_EXTRA_BYTES = (6.0, 14.0)
 GELU_BYTES = (2.0, 3.0)
 # GELU's tanh form as eight torch ops (Transformers' gelu_new, ``tanh_gelu_ops``): traced, 18d forward, 28d backward.
 TANH_GELU_OPS_BYTES = (18.0, 28.0)
@@ -178,7 +187,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     Per token, over TP where the tensors are split: residual adds and norms on the hidden size
     (over TP only with sequence parallelism), the query and key head norms (``qk_norm``), hidden
     dropout's masks and products, rotary embedding on q and k (LLaMA-style models), the MLP's
-    activation on its width; without flash
+    activation on its width (eager ops, or Megatron's fused kernel; megatron-core's eager experts
+    also chunk their gate-and-up output and weigh it by the routing); without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
     passes, attention dropout and a soft cap (:data:`~memx_launch.planning.loss.SOFTCAP_PASSES`); with quantized
     linears their casts (:func:`quantized_cast_bytes`); a hybrid model's layer one residual add and one norm, and a Mamba or Gated DeltaNet layer's
@@ -198,8 +208,11 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         extra = unfused_norm_extra_bytes(training.dtype_bytes)
         norm = (FUSED_NORM_BYTES[0] * d + extra[0], FUSED_NORM_BYTES[1] * d + extra[1])
     dropout = dropout_bytes(training.dtype_bytes) if training.dropout else (0.0, 0.0)
-    mlp = SWIGLU_BYTES if model.gated_mlp else TANH_GELU_OPS_BYTES if tanh_gelu_as_ops(model, training.fused_activation) \
+    glu = FUSED_SWIGLU_BYTES if training.fused_activation else SWIGLU_BYTES
+    mlp = glu if model.gated_mlp else TANH_GELU_OPS_BYTES if tanh_gelu_as_ops(model, training.fused_activation) \
         else GELU_BYTES
+    eager_experts = model.num_experts and not (training.fused_activation or training.transformers_blocks)
+    routed = tokens * model.experts_per_token * model.moe_ffn_hidden_size / tp if eager_experts else 0.0
     # LLaMA-style (gated MLP) models rotate q and k in every block; GPT-style ones add learned
     # positions once, at the embedding.
     rope = ROPE_BYTES if model.gated_mlp else (0.0, 0.0)
@@ -230,8 +243,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         rotary embedding, the MLP's activation, the scores)."""
         blockwide = hidden * (model.residual_adds * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) \
             + cast[i] + permuted + qk_normed * norm[i] + mixer[i]
-        core = (tokens * (model.q_hidden_size + kv) / tp * (rope[i] + repeat[i]) * d, tokens * f / tp * mlp[i] * d,
-                scores * score[i])
+        core = (tokens * (model.q_hidden_size + kv) / tp * (rope[i] + repeat[i]) * d,
+                (tokens * f / tp * mlp[i] + routed * EAGER_ROUTED_EXTRA_BYTES[i]) * d, scores * score[i])
         return blockwide, core
 
     (block_forward, core_forward), (block_backward, core_backward) = passes(0), passes(1)
