@@ -215,7 +215,9 @@ def test_a_plan_recomputing_k_of_a_stages_layers_is_taken(tmp_path, capsys):
     capsys.readouterr()
     rc = main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
                TRAIN, "--model", "llama-tiny"])
-    assert rc == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "plan's setup" not in out.out + out.err  # memx-run's own plan: counted as it runs
     data["stages"][0]["recompute"] = "full:99"
     target.write_text(json.dumps(data))
     rc = main(["--nproc-per-node", "4", "--cluster", CPU_CLUSTER, "--dry-run", "--plan", str(target),
@@ -452,6 +454,8 @@ def test_a_given_plan_keeps_its_batch_for_the_job_and_its_re_plans(tmp_path):
     resolved = resolve(build_parser().parse_args([*base, TRAIN, "--model", "llama-tiny"]))
     assert (resolved["training"].global_batch_size, resolved["training"].seq_len) == (4, 32)
     assert re.search(r"global batch size +4 +\(plan\)", resolved["settings"].render())
+    # Counted without --setup memx-run: the settings say so (its predicted peaks are the monitor's baseline).
+    assert re.search(r"plan's setup +none: its memory and time counted for another framework", resolved["settings"].render())
     with pytest.raises(ConfigError, match="--global-batch-size: 16, but the plan trains 4"):
         resolve(build_parser().parse_args([*base, "--global-batch-size", "16", TRAIN, "--model", "llama-tiny"]))
 

@@ -224,6 +224,10 @@ def resolve(args) -> dict:
             raise ConfigError("--plan", f"{args.plan} needs {plan.world_size} ranks but the job launches {world}",
                               f"pass a plan for {world} ranks, or start {plan.world_size} processes")
         settings.add("plan", args.plan, "flag")
+        counted_for = plan.training.get("setup")
+        if counted_for != "memx-run":  # its predicted peaks (the monitor's baseline) are another framework's
+            settings.add("plan's setup", f"{counted_for or 'none'}: its memory and time counted for another "
+                         "framework than memx-run's (memx plan --setup memx-run counts it as memx-run runs)", "plan")
     else:
         settings.add("plan", "searched in the job after calibration" if not args.dry_run else "searched here",
                      "default")
