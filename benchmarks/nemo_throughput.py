@@ -205,7 +205,7 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA, predict=predicted) -
             row = {"group": d["table"], "system": d["system"], "precision": d["precision"], "real": "ok",
                    "kind": "moe" if model.num_experts else "dense",
                    "model": d["model"], "task": d["task"], "gpus": gpus,
-                   "seq_len": seq, "tokens": tokens,
+                   "seq_len": seq, "tokens": tokens, "tp_overlap": tp_overlap_group(tp, flag["tp_comm_overlap"]),
                    "real_time_s": tokens / (float(d["tokens_per_s_per_gpu"]) * gpus),
                    "table_flops_per_token": float(d["model_tflops_per_gpu"]) * 1e12 / float(d["tokens_per_s_per_gpu"]),
                    "shape_flops_per_token": flops_per_token(model, seq),
@@ -218,6 +218,12 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA, predict=predicted) -
                                 schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp,
                                 layers_per_stage=stage_layers(model, pp, vp, d["embedding_in_split"] == "True")))
     return rows
+
+
+def tp_overlap_group(tp: int, overlapped: bool) -> str:
+    """A row's TP communication: none (TP 1), overlapped behind its GEMMs (Transformer Engine's
+    userbuffers, ``tp_comm_overlap``) or not."""
+    return "tp1" if tp == 1 else "overlapped" if overlapped else "not overlapped"
 
 
 def validated_recipes(path: str = VALIDATED_DATA) -> list[dict]:
@@ -296,6 +302,8 @@ def main() -> None:
               "dense_blackwell": run_summary([r for r in rows if r["system"] != "dgx-h100" and r["kind"] == "dense"]),
               "by_precision": {name: run_summary(members)
                                for name, members in grouped(dense, lambda r: r["precision"]).items()},
+              "dense_by_tp_overlap": {name: run_summary(members)
+                                      for name, members in grouped(dense, lambda r: r["tp_overlap"]).items()},
               "table_over_shape_flops": shape_check(rows),
               "table_flops_off_shape": rows_off_shape(rows),
               "without_recipe_memory_settings": run_summary(without),

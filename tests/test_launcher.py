@@ -455,7 +455,8 @@ def test_a_given_plan_keeps_its_batch_for_the_job_and_its_re_plans(tmp_path):
     assert (resolved["training"].global_batch_size, resolved["training"].seq_len) == (4, 32)
     assert re.search(r"global batch size +4 +\(plan\)", resolved["settings"].render())
     # Counted without --setup memx-run: the settings say so (its predicted peaks are the monitor's baseline).
-    assert re.search(r"plan's setup +none: its memory and time counted for another framework", resolved["settings"].render())
+    assert re.search(r"plan's setup +none: its memory and time counted for another framework",
+                     resolved["settings"].render())
     with pytest.raises(ConfigError, match="--global-batch-size: 16, but the plan trains 4"):
         resolve(build_parser().parse_args([*base, "--global-batch-size", "16", TRAIN, "--model", "llama-tiny"]))
 
