@@ -23,13 +23,14 @@ from memx_launch.planning.collectives import NVLINK, PCI, collective_seconds
 from memx_launch.planning.elementwise import autocast_weight_cast_bytes, block_weight_cast_bytes, elementwise_traffic_bytes
 from memx_launch.planning.loss import loss_hbm_bytes_per_logit
 from memx_launch.planning.matmuls import (device_sms, fill_depth, forward_backward_seconds, gemm_seconds, latent_up_shapes,
-                                          linear_seconds, linear_shapes, mlp_shapes)
+                                          linear_seconds, linear_shapes, mlp_shapes, row_parallel_shapes)
 from memx_launch.planning.model_states import (FULL_TRAINING, TrainedParameters, fine_tuning_flops,  # noqa: F401
                                                fully_sharded_working_bytes, fully_sharded_working_parts, last_stage_params,
                                                model_state_bytes_by_part, model_state_bytes_per_param, trained_parameters)
 from memx_launch.planning.peaks import hbm_gbps, linear_tflops, training_tflops
 from memx_launch.planning.plan import FULL, NONE, RECOMPUTE_LEVELS, SELECTIVE  # noqa: F401 (callers read cm.RECOMPUTE_LEVELS)
 from memx_launch.planning.tp_links import tp_link_gbps, tp_over_pcie
+from memx_launch.planning.tp_overlap import chunked_behind, sm_margin_seconds
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import HOPPER_COMPUTE_CAPABILITY, default_efficiency, hopper_or_later
 from memx_launch.specs.hybrid import deltanet_params, mamba_params
@@ -91,13 +92,6 @@ def communicators_per_rank(tp: int, pp: int, dp: int, world: int | None = None, 
 
 
 # --------------------------------------------------------------------------- time
-
-
-def chunked_behind(comm_s, gemm_s, tp):
-    """Seconds of TP collectives split into TP chunks that run behind the GEMMs they feed or follow
-    (Megatron's userbuffers, torch's AsyncTP): the first chunk waits, and whatever the GEMMs
-    cannot cover."""
-    return np.maximum(comm_s - gemm_s, comm_s / np.maximum(tp, 1.0))
 
 
 # Fused attention's backward recomputes the scores: five s x s matmuls against the forward's
@@ -317,6 +311,10 @@ class AnalyticalCostModel:
             expert_tp_s = self.expert_tp_seconds(tokens, tp, device) * (1.0 + 0.5 * moe_again)
         if tr.tp_comm_overlap:  # Megatron's userbuffers: every pass's collectives behind its linear GEMMs
             comm_s = chunked_behind(comm_s, linear_s * self._slowdown[device], tp)
+            # on fewer SMs behind the forward reduce-scatters (row-parallel GEMMs), again where fully recomputed
+            reduce_scattered = sum(gemm_seconds(tokens, n, k, *gemm) for n, k in row_parallel_shapes(self.model, tr, tp))
+            compute_s = compute_s + np.where(tp > 1, (1.0 + (recompute == FULL)) * sm_margin_seconds(
+                reduce_scattered, self._sms[device]), 0.0)
         comm_s = comm_s + expert_tp_s  # the experts' own gathers: no userbuffers, nothing overlaps them
         device_s = (compute_s + memory_s) * self._slowdown[device] + comm_s
         # A MoE layer's experts and exchanges forward: what its host issues after waiting for the device.

@@ -201,3 +201,12 @@ def mlp_shapes(model, training, tp) -> list[tuple]:
     else:
         up = [(ffn / tp, h), (ffn / tp, h)]
     return [*up, (h, ffn / tp)]
+
+
+def row_parallel_shapes(model, training, tp) -> list[tuple]:
+    """(N, K) of a block's row-parallel linears on one TP rank, those whose forward output is
+    reduced (scattered) over TP: the attention's output projection (a Mamba or Gated DeltaNet
+    layer's), the MLP's down projection (a mixture's shared expert's)."""
+    shapes, mlp = linear_shapes(model, training, tp), mlp_shapes(model, training, tp)
+    attention = shapes[:len(shapes) - len(mlp)]
+    return [*attention[-1:], *mlp[-1:]]
