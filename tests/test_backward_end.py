@@ -127,6 +127,24 @@ def test_on_gpus_a_backward_s_end_passes_the_optimizer_step_where_micro_batches_
                                                                     for s in peaks[1, False]]
 
 
+def test_recomputing_some_layers_fits_a_later_backward_s_end_too():
+    """The search's partial recompute (Megatron's block method: the first K layers of a stage) asks
+    as many layers to recompute as a later micro-batch's backward end needs, not only the
+    activations' peak: LLaMA-2 7B under memx-run in bf16 on 21.5 GiB devices, TP 2, PP 4, where
+    the count for the activations' peak alone left every layout over capacity at that moment."""
+    from memx_launch.planning.search import search
+    from memx_launch.planning.search_space import SearchSpace
+
+    small = ClusterSpec.from_dict({"version": 1, "device_types": {"a100": {
+        "vendor": "nvidia", "memory_gib": 21.5, "peak_tflops": 312, "memory_bandwidth_gbps": 2039}},
+        "nodes": [{"devices": {"a100": 8}, "intra_node_gbps": 300}]})
+    training = TrainingSpec(global_batch_size=16, seq_len=4096, dtype="bf16", setup="memx-run")
+    space = SearchSpace(recompute_some_layers=True, tp_degrees=(2,), pipeline_degrees=(4,), schedules=("1f1b",))
+    best = search(get_model("llama2-7b"), small, training, space=space).best
+    assert any(s.recompute.startswith("full:") for s in best.stages)
+    assert all(s.predicted_peak_memory_gib <= s.memory_capacity_gib for s in best.stages)
+
+
 @pytest.mark.parametrize("region", ["per step", "per forward", "fp32"])
 def test_the_first_stage_s_backward_ends_with_its_word_embedding_s_whole_gradient(region):
     """memx's LLaMA's first stage (2 blocks of hidden 512, a vocabulary of 16,384), full recompute,

@@ -44,21 +44,25 @@ def lowest_fitting_levels(evaluator, layout, mbs, seq, v, levels, layers) -> np.
 
 def fewest_recomputed_layers(evaluator, layout, mbs, seq, v, levels, layers) -> np.ndarray:
     """Per stage, how many of its first layers must recompute fully for it to fit (on each of
-    its device types), where the hard rule chose full recompute (Megatron's block method);
+    its device types; the activations' line and, where casts wait, a later backward's end's),
+    where the hard rule chose full recompute (Megatron's block method);
     the others keep their level on every layer. A stage that fits nowhere keeps all its
     layers."""
     unit = layers_per_block(evaluator.model)  # whole blocks, as Megatron's block method recomputes them
     fewest = np.ones_like(layers, dtype=np.float64)
     inputs = []
     for k, capacity in enumerate(layout.replica_capacity):
-        full_layer, full_fixed, *_, full_work, _ = evaluator.uniform_inputs(layout, mbs, seq, v, cm.FULL)[k]
-        none_layer, *_, none_work, _ = evaluator.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
+        full_layer, full_fixed, *_, full_work, full_end = evaluator.uniform_inputs(layout, mbs, seq, v, cm.FULL)[k]
+        none_layer, *_, none_work, none_end = evaluator.uniform_inputs(layout, mbs, seq, v, cm.NONE)[k]
         act = kept_layer_bytes(evaluator, layout, mbs, seq, v, k)
         # k full layers and n - k kept: k (full - none) + n none + fixed + the working set, at least
         # the kept layers' (activations.partial_recompute_working) <= usable.
         saved = np.maximum(none_layer - full_layer, 1.0)
         rest = layers * none_layer + full_fixed - full_work - evaluator.usable(capacity)
         fewest = np.maximum(fewest, np.ceil((rest + none_work) / saved))
+        if full_end is not None:  # and a later backward's end, k full and n - k kept, where casts wait
+            end_rest = layers * none_end[0] + full_end[1] - evaluator.usable(capacity)
+            fewest = np.maximum(fewest, np.ceil(end_rest / np.maximum(none_end[0] - full_end[0], 1.0)))
         inputs.append((rest, saved, full_work, act))
     fewest = np.clip(np.ceil(fewest / unit) * unit, 1, layers)
     # A recomputed layer's working set beside what the fewer kept layers freed may not fit: all of them, then.
