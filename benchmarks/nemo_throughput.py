@@ -29,7 +29,8 @@ Tables (copied into benchmarks/data/nemo_performance.csv, sources in benchmarks/
   attention FLOPs causal (half), which ``flops_per_token`` follows for mixtures of experts.
 - Megatron-Bridge 26.02's GPT-OSS-120B rows (BF16, 64 GPUs, EP 64; half its blocks attend within
   128 tokens), its activation unfused as its model provider sets it (``bias_activation_fusion=False``:
-  ``--no-fused-activation``, megatron-core's eager path keeping more per routed copy).
+  the CSV's ``fused_activation``, ``--no-fused-activation``, megatron-core's eager path keeping more per
+  routed copy).
 - Apart (``dgxc``, from benchmarks/data/dgxc_performance.csv): NVIDIA's DGX Cloud Benchmarking
   recipes (NeMo 25.04, BF16 and FP8 with delayed scaling, micro-batch 1 at 8,192 tokens) for
   Llama 4 Maverick on 128-512 GB200s (TP 1, PP 2 x VP 12, EP 64: every other block runs the
@@ -187,8 +188,8 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA, predict=predicted) -
             tp, pp, cp, vp = (int(d[k]) for k in ("tp", "pp", "cp", "vp"))
             model = nemo_model(d["model"], seq)
             dp = gpus // (tp * pp * cp)
-            flag = {k: d[k] == "True" for k in ("sequence_parallel", "tp_comm_overlap", "fused_loss", "fp8_params",
-                                                 "distributed_optimizer", "overlap_expert_comm")}
+            flag = {k: d[k] == "True" for k in ("sequence_parallel", "tp_comm_overlap", "fused_loss", "fused_activation",
+                                                 "fp8_params", "distributed_optimizer", "overlap_expert_comm")}
             memory = dict(grad_dtype="training", optimizer_dtype=d["optimizer_dtype"],
                           activation_offload_layers=int(d["activation_offload_layers"])) if recipe_memory \
                 else dict(grad_dtype="fp32", optimizer_dtype="fp32", fp8_params=False)
@@ -198,7 +199,6 @@ def nemo_rows(recipe_memory: bool = True, path: str = DATA, predict=predicted) -
                                     expert_parallel=int(d["ep"]), expert_tensor_parallel=int(d.get("etp") or 1),
                                     expert_dispatcher=d["dispatcher"],
                                     recompute_modules=tuple(d["recompute_modules"].split()) or None,
-                                    fused_activation=False if d["model"].startswith("gpt-oss") else None,
                                     **{**flag, **memory})
             gpu = SYSTEMS[d["system"]]
             tokens = batch * seq
