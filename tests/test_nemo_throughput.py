@@ -109,6 +109,6 @@ def test_the_validated_405b_recipe_s_allocated_memory_is_memx_s_tensors():
     within a factor of 1.5."""
     [recipe] = nt.validated_recipes()
     assert recipe["real_peak_allocated_gib"] == 154.6 and recipe["real_time_s"] == pytest.approx(289, rel=1e-3)
-    assert recipe["predicted_tensors_gib"] < recipe["peak_gib"]
+    assert recipe["fits"]  # the run ran: every stage within a GB200's memory
     assert recipe["predicted_over_measured_allocated"] == pytest.approx(1.0, abs=0.04)
     assert 1 / 1.5 < recipe["predicted_over_measured_time"] < 1.5
