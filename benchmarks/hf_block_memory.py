@@ -59,6 +59,7 @@ FAMILIES = {
                    bias=False),
     "mixtral": dict(num_local_experts=8, intermediate_size=96), "qwen2_moe": {**MIXTURE, "shared_expert_intermediate_size": 256},
     "qwen3_moe": {**MIXTURE, "head_dim": 32},
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96, head_dim=32, sliding_window=512),
 }
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 

@@ -254,6 +254,27 @@ def test_the_megatron_export_builds_the_experts_in_megatron_core(tmp_path):
     assert get_model(str(tmp_path)).num_experts == 4
 
 
+def test_the_megatron_export_builds_gpt_oss_s_attention_sinks_and_clamped_glu_as_priced():
+    """GPT-OSS exported as its recipe runs it (``--no-fused-activation``): quick GeGLU clamped at 7 with
+    up offset by 1, learnable softmax offsets on Transformer Engine's cuDNN kernel, the activation
+    unfused; megatron-core builds and validates that config."""
+    from test_exporters import _megatron_config
+
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from memx_launch.planning.exporters import megatron_args
+
+    small = dataclasses.replace(get_model("gpt-oss-120b"), num_layers=4, full_attention_layers=2, name="gpt-oss-small")
+    plan = _estimate(small, _training(expert_parallel=4, fused_activation=False), tp=1, dp=8)
+    args = megatron_args(plan).args
+    assert "--swiglu" not in args and args[args.index("--attention-backend") + 1] == "fused"
+    config = _megatron_config(plan, args)
+    assert (config.activation_func, config.gated_linear_unit) == (quick_gelu, True)
+    assert (config.activation_func_clamp_value, config.glu_linear_offset) == (7.0, 1.0)
+    assert config.softmax_type == "learnable" and not config.bias_activation_fusion
+    fused = megatron_args(_estimate(small, _training(expert_parallel=4), tp=1, dp=8)).args
+    assert "--no-bias-gelu-fusion" not in fused and _megatron_config(plan, fused).bias_activation_fusion
+
+
 def test_sliding_windows_shrink_the_attention_of_the_blocks_that_have_them():
     gpt_oss = get_model("gpt-oss-120b")
     assert gpt_oss.total_params == pytest.approx(116.8e9, rel=0.001)  # published: 116.8B, 5.1B active

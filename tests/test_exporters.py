@@ -49,6 +49,9 @@ MEGATRON_LM_ARGUMENTS = {
     "--position-embedding-type": dict(choices=["learned_absolute", "rope", "mrope", "relative", "none"]),
     "--rotary-base": dict(type=int, default=10000), "--normalization": dict(choices=["LayerNorm", "RMSNorm"]),
     "--norm-epsilon": dict(type=float, default=1e-5), "--swiglu": dict(action="store_true"),
+    "--quick-geglu": dict(action="store_true"), "--activation-func-clamp-value": dict(type=float),
+    "--glu-linear-offset": dict(type=float, default=0.0),
+    "--softmax-type": dict(type=str, choices=["learnable", "vanilla", "off-by-one"], default="vanilla"),
     "--untie-embeddings-and-output-weights": dict(action="store_true"),
     "--attention-backend": dict(type=str, choices=["flash", "fused", "unfused", "local", "auto"], default="auto"),
     # regularization
@@ -60,6 +63,8 @@ MEGATRON_LM_ARGUMENTS = {
     "--disable-bias-linear": dict(action="store_true"), "--optimizer": dict(choices=["adam", "sgd"]),
     "--add-qkv-bias": dict(action="store_true"),
     "--cross-entropy-loss-fusion": dict(action="store_true"),
+    "--no-bias-gelu-fusion": dict(action="store_false", dest="bias_gelu_fusion"),
+    "--no-bias-swiglu-fusion": dict(action="store_false", dest="bias_swiglu_fusion"),
     "--no-masked-softmax-fusion": dict(action="store_false", dest="masked_softmax_fusion"),
     # mixed precision
     "--fp16": dict(action="store_true"), "--bf16": dict(action="store_true"),
@@ -143,6 +148,15 @@ def _megatron_config(plan, args):
                   pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
                   recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
                   pipeline_dtype=torch.bfloat16)
+    # Megatron-LM's core_transformer_config_from_args: SwiGLU or quick GeGLU, each fused unless told not.
+    kwargs["bias_activation_fusion"] = a.bias_swiglu_fusion if a.swiglu else a.bias_gelu_fusion
+    if a.swiglu:
+        kwargs["activation_func"] = torch.nn.functional.silu
+    elif a.quick_geglu:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu  # what its fused path checks for
+        kwargs.update(gated_linear_unit=True, activation_func=quick_gelu)
+    kwargs.update(activation_func_clamp_value=a.activation_func_clamp_value, glu_linear_offset=a.glu_linear_offset,
+                  softmax_type=a.softmax_type)
     if a.recompute_num_layers:
         kwargs["recompute_num_layers"] = a.recompute_num_layers
     if a.kv_channels:

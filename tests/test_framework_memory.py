@@ -162,16 +162,18 @@ def test_the_scaling_setup_turns_a_fit_into_an_oom():
 
 def hf_decoder_layer(folder: str, seq: int, batch: int):
     """The decoder layer of the Hugging Face config in ``folder`` as Transformers builds it (a
-    mixture's experts as its causal LM builds them: grouped GEMMs), weights drawn with std 0.02,
-    an input of ``batch`` x ``seq`` tokens and its rotary tables."""
+    mixture's experts as its causal LM builds them: grouped GEMMs; SDPA, eager where the family
+    has none), weights drawn with std 0.02, an input of ``batch`` x ``seq`` tokens and its rotary
+    tables."""
     import importlib
 
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.from_pretrained(folder)
-    config._attn_implementation, config._experts_implementation = "sdpa", "grouped_mm"
     module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
     prefix = type(config).__name__.removesuffix("Config")
+    sdpa = getattr(module, f"{prefix}PreTrainedModel")._supports_sdpa
+    config._attn_implementation, config._experts_implementation = "sdpa" if sdpa else "eager", "grouped_mm"
     torch.manual_seed(0)
     layer = getattr(module, f"{prefix}DecoderLayer")(config, 0)
     for p in layer.parameters():
@@ -429,6 +431,64 @@ def test_megatron_core_s_eager_expert_activation_moves_the_counted_bytes():
                                                               elementwise.EAGER_ROUTED_EXTRA_BYTES)]
     assert forward / (rows * width) == pytest.approx(expected[0], abs=0.01)
     assert backward / (rows * width) == pytest.approx(expected[1], abs=0.01)
+
+
+def _megatron_glu(x, clamp):
+    """megatron-core 0.16's TEGroupedMLP glu (``moe/experts.py``) as GPT-OSS's recipe runs it, the
+    activation a kernel that keeps only its input (as its compiled quick_gelu does; silu here)."""
+    import torch.nn.functional as F
+
+    gate, linear = x.chunk(2, dim=-1)
+    if clamp:
+        gate, linear = gate.clamp(min=None, max=7.0), linear.clamp(min=-7.0, max=7.0)
+    return F.silu(gate) * (linear + 1.0)
+
+
+@pytest.mark.parametrize("dtype_bytes", [4, 2])
+def test_gpt_oss_s_clamped_glu_moves_and_keeps_what_memx_counts(dtype_bytes):
+    """Per element of an expert's width: megatron-core's eager clamps move CLAMP_BYTES (d forward,
+    d and their 1-byte masks backward) and keep the clamped gate, one tensor more
+    (``experts.CLAMPED_GLU_KEPT``); Transformers' GptOssExperts gate moves CLAMPED_GLU_OPS_EXTRA_BYTES
+    more than its default SwiGLU gate on the same gate-and-up output (itself SwiGLU's and the chunk's
+    TRANSFORMERS_CHUNK_BYTES) and keeps three tensors more."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.moe import _default_apply_gate
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from memx_launch.planning import experts as experts_module
+    from memx_launch.profiling.saved_tensors import saved_storage_bytes
+
+    rows, width = 256, 96
+    dtype = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
+    gate_up = torch.randn(rows, 2 * width, dtype=dtype, requires_grad=True)
+    per_element = rows * width
+
+    def moved(fn):  # on a fresh leaf: a held gradient would add its accumulation's pass
+        forward, backward = _traced_bytes(fn, gate_up.detach().clone().requires_grad_(True))
+        return forward / per_element, backward / per_element
+
+    def kept(fn):
+        return saved_storage_bytes(lambda: fn(gate_up), owned=(gate_up,)) / (per_element * dtype_bytes)
+
+    clamped, plain = moved(lambda x: _megatron_glu(x, True)), moved(lambda x: _megatron_glu(x, False))
+    forward, backward, masks = elementwise.CLAMP_BYTES
+    assert clamped[0] - plain[0] == pytest.approx(forward * dtype_bytes, abs=0.01)
+    assert clamped[1] - plain[1] == pytest.approx(backward * dtype_bytes + masks, abs=0.01)
+    assert kept(lambda x: _megatron_glu(x, True)) - kept(lambda x: _megatron_glu(x, False)) == \
+        experts_module.CLAMPED_GLU_KEPT["megatron"]
+
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=width, num_local_experts=2)
+    experts = GptOssExperts(config)
+    experts.act_fn = torch.nn.functional.silu
+    gpt_oss, default = (lambda x: experts._apply_gate(x)), (lambda x: _default_apply_gate(experts, x))
+    forward, backward, masks = elementwise.CLAMPED_GLU_OPS_EXTRA_BYTES
+    (gpt_oss_f, gpt_oss_b), (default_f, default_b) = moved(gpt_oss), moved(default)
+    assert (default_f, default_b) == pytest.approx([(glu + chunk) * dtype_bytes for glu, chunk in zip(
+        elementwise.SWIGLU_BYTES, elementwise.TRANSFORMERS_CHUNK_BYTES)], abs=0.01)
+    assert gpt_oss_f - default_f == pytest.approx(forward * dtype_bytes, abs=0.01)
+    assert gpt_oss_b - default_b == pytest.approx(backward * dtype_bytes + masks, abs=0.01)
+    assert kept(gpt_oss) - kept(default) == experts_module.CLAMPED_GLU_KEPT["transformers"]
 
 
 def test_recompute_moves_the_forwards_element_wise_bytes_again():

@@ -42,9 +42,18 @@ def test_each_module_drops_what_it_recomputes():
     assert none - _kept(LLAMA, ("mlp",)) == pytest.approx(8 * 14336 / 4096 * SBH)
     # core_attn: fused attention's fp32 logsumexp, one a head.
     assert none - _kept(LLAMA, ("core_attn",)) == pytest.approx(4 * 32 / 4096 * SBH)
-    # moe_act: the routed experts' down-projection inputs, top-8 of 768 wide; a dense model has none.
+    # moe_act: the routed experts' down-projection inputs, top-8 of 768 wide, from Megatron's fused
+    # activation, which keeps only its input; from megatron-core's eager one (unfused), what it keeps
+    # beyond its input too: silu(gate), up plus its offset and the product, 2 + 2 + 2 bytes an element,
+    # and GPT-OSS's clamped gate 2 more; a dense model has none.
+    for fused, dropped in ((True, 2), (False, 2 + 6)):
+        qwen_none = float(activation_bytes(QWEN3, 1, 4096, 1, cm.NONE, fused_activation=fused).activation_bytes)
+        assert qwen_none - _kept(QWEN3, ("moe_act",), fused_activation=fused) == pytest.approx(
+            dropped * 8 * 768 * 4096)
+    clamped = dataclasses.replace(QWEN3, clamped_glu=True)
+    assert float(activation_bytes(clamped, 1, 4096, 1, cm.NONE).activation_bytes) - _kept(
+        clamped, ("moe_act",)) == pytest.approx((2 + 6 + 2) * 8 * 768 * 4096)
     qwen_none = float(activation_bytes(QWEN3, 1, 4096, 1, cm.NONE).activation_bytes)
-    assert qwen_none - _kept(QWEN3, ("moe_act",)) == pytest.approx(2 * 8 * 768 * 4096 * 1)
     assert _kept(LLAMA, ("moe_act",)) == pytest.approx(none)
     assert _kept(QWEN3, ("mlp",)) == pytest.approx(qwen_none)  # Megatron's mlp is the dense MLP
 

@@ -20,9 +20,11 @@ H100_NODE = {"version": 1, "nodes": [{"devices": {"h100": 8}, "intra_node_gbps":
              "device_types": {"h100": {"vendor": "nvidia", "memory_gib": 80, "peak_tflops": 989, "peak_tflops_fp32": 67,
                                        "compute_capability": 9.0, "memory_bandwidth_gbps": 3350}}}
 HF_MIXTRAL = os.path.join(os.path.dirname(__file__), "..", "examples", "models", "hf-mixtral-tiny")
-# Tiny configs of Transformers' two Qwen mixtures: Qwen2-MoE's shared expert and its sigmoid gate,
-# Qwen3-MoE's query and key norms. Their token counts below differ from every weight's width.
-QWEN_MOE = {"qwen2_moe": dict(shared_expert_intermediate_size=256), "qwen3_moe": dict(head_dim=32)}
+# Tiny configs of Transformers' Qwen mixtures and GPT-OSS: Qwen2-MoE's shared expert and its sigmoid
+# gate, Qwen3-MoE's query and key norms, GPT-OSS's attention sinks (eager attention), clamped GLU and
+# biases. Their token counts below differ from every weight's width.
+TINY_MOE = {"qwen2_moe": dict(shared_expert_intermediate_size=256), "qwen3_moe": dict(head_dim=32),
+            "gpt_oss": dict(intermediate_size=96, num_local_experts=8, head_dim=32, sliding_window=512)}
 
 
 def _moe_model(kind: str, tmp_path) -> str:
@@ -31,10 +33,10 @@ def _moe_model(kind: str, tmp_path) -> str:
         return HF_MIXTRAL
     import transformers
 
-    config = transformers.AutoConfig.for_model(
-        kind, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, moe_intermediate_size=96, num_experts=8, num_experts_per_tok=2,
-        decoder_sparse_step=1, mlp_only_layers=[], **QWEN_MOE[kind])
+    config = transformers.AutoConfig.for_model(kind, **{
+        "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "moe_intermediate_size": 96, "num_experts": 8,
+        "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [], **TINY_MOE[kind]})
     config.save_pretrained(tmp_path / kind)
     return str(tmp_path / kind)
 
@@ -48,7 +50,8 @@ def _moe_layer_saves(folder: str, dtype: str, b: int, seq: int) -> tuple[int, se
     from test_framework_memory import hf_decoder_layer, hf_layer_kept_bytes
 
     layer, x, rotary = hf_decoder_layer(folder, seq, b)
-    width = layer.mlp.experts.intermediate_dim
+    experts = layer.mlp.experts
+    width = getattr(experts, "intermediate_dim", None) or experts.intermediate_size
     expert_dtypes = set()
 
     def note(t):  # the experts' f-wide tensors
@@ -63,15 +66,18 @@ def _moe_layer_saves(folder: str, dtype: str, b: int, seq: int) -> tuple[int, se
     return kept, expert_dtypes
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_what_autograd_saves_for_a_transformers_mixture_s_layer_is_what_memx_run_counts(kind, dtype, tmp_path):
     """Per routed copy Transformers keeps the sorted token, the gate-and-up output, silu(gate), the
     product and the down projection's output (which the routing weights multiply after it), all
     in fp32 under autocast: its grouped GEMMs are not autocast-enabled and it casts their input to
     the weights' dtype; Qwen2-MoE's shared expert its MLP's tensors and its output, which its
-    gate's sigmoid multiplies. memx-run's and ``--setup ddp``'s count holds it to 1%; Megatron-Core's experts' count (the weights multiplied inside the
-    activation, 16-bit) is more than 3% off either way."""
+    gate's sigmoid multiplies; GPT-OSS's clamped GLU three tensors of the width more, and its
+    attention, eager (SDPA has no sinks), the fp32 probabilities and their 16-bit copy. memx-run's
+    and ``--setup ddp``'s count holds it to 1%; Megatron-Core's experts' count (the weights
+    multiplied inside the activation, 16-bit; GPT-OSS's sinks in a fused kernel) is more than 3%
+    off either way."""
     folder, b, seq = _moe_model(kind, tmp_path), 2, 128 if kind == "mixtral" else 80
     spec = get_model(folder)
     kept, expert_dtypes = _moe_layer_saves(folder, dtype, b, seq)
@@ -92,7 +98,8 @@ def test_transformers_blocks_under_autocast_run_their_gemms_at_the_fp32_rate():
     with ``--tf32`` at half the 16-bit peak, in between; in bf16 weights (``--setup zero3``) the
     same as Megatron's under its flex dispatcher (the all-to-all one also sorts its copies into
     expert order, :func:`~memx_launch.planning.experts.permutation_bytes`) but for megatron-core's
-    eager experts' chunk and routing-weight passes (``EAGER_ROUTED_EXTRA_BYTES``) at HBM speed."""
+    eager experts' chunk and routing-weight passes (``EAGER_ROUTED_EXTRA_BYTES``) beyond Transformers'
+    chunk's (``TRANSFORMERS_CHUNK_BYTES``) at HBM speed."""
     h100 = ClusterSpec.from_dict(H100_NODE)
     spec = get_model("mixtral-8x7b")
 
@@ -106,7 +113,8 @@ def test_transformers_blocks_under_autocast_run_their_gemms_at_the_fp32_rate():
     assert 4.5 < fp32 / megatron < 6  # the experts hold most of the block's FLOPs (docs/setups.md: 5x)
     zero3, zero3_megatron = block_s(setup="zero3"), block_s(setup="zero3", transformers_blocks=False,
                                                             expert_dispatcher="flex")
-    routed = 4096 * spec.experts_per_token * spec.moe_ffn_hidden_size * sum(elementwise.EAGER_ROUTED_EXTRA_BYTES) * 2
+    routed = 4096 * spec.experts_per_token * spec.moe_ffn_hidden_size * 2 * (
+        sum(elementwise.EAGER_ROUTED_EXTRA_BYTES) - sum(elementwise.TRANSFORMERS_CHUNK_BYTES))
     assert zero3_megatron - zero3 == pytest.approx(routed / (hbm_gbps(h100.device_type("h100")) * 1e9))
     assert block_s(setup="zero3", transformers_blocks=False) > zero3_megatron
 

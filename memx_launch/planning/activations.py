@@ -378,12 +378,14 @@ def transformers_block_share(training: TrainingSpec) -> float | None:
 def training_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:
     """``training`` as ``model``'s blocks run. A soft-capped attention (Gemma 2's) unfused, as
     Transformers' eager attention runs it (SDPA has no soft cap, and Transformers picks eager for
-    Gemma 2): torch's softmax in fp32 on the 16-bit scores and K and V repeated to the query heads.
+    Gemma 2): torch's softmax in fp32 on the 16-bit scores and K and V repeated to the query heads;
+    so too attention with sinks in Transformers' blocks (GPT-OSS's: SDPA has none; its fp32 sinks
+    joined to the scores make the softmax fp32).
     A LayerNorm as torch's kernel (``nn.LayerNorm``: its input kept, with a mean and a scale a
     token) whatever ``fused_norm`` says, which tells RMSNorms' torch ops (Hugging Face's) apart."""
     if model.layer_norm and not training.fused_norm:
         training = dataclasses.replace(training, fused_norm=True)
-    if not model.attention_softcapping:
+    if not (model.attention_softcapping or (model.attention_sinks and training.transformers_blocks)):
         return training
     return dataclasses.replace(training, flash_attention=False, fused_softmax=False, softmax_in_fp32=True,
                                repeat_kv=True)
@@ -434,12 +436,14 @@ def dropped_by_module(model: ModelSpec, tp, attention_core, heads_qkv, normed, m
     """What each of Megatron's recompute modules keeps no more, in :func:`activation_bytes`' units:
     ``core_attn`` the softmax's statistics or probabilities, ``mla_up_proj`` latent attention's
     Q, K and V, ``layernorm`` the 16-bit normed tensors the linears keep (not quantized ones),
-    ``moe_act`` the routed experts' down-projection inputs, ``mlp`` a dense MLP's kept tensors,
+    ``moe_act`` the routed experts' down-projection inputs (and an unfused activation's tensors beyond its
+    input: :func:`~memx_launch.planning.experts.unfused_activation_units`), ``mlp`` a dense MLP's kept tensors,
     ``moe`` everything a mixture of experts' MLP keeps, ``shared_experts`` its shared expert's."""
     experts_on = bool(model.num_experts)
     routed = (2.0 * input_share * model.experts_per_token * model.moe_ffn_hidden_size / model.hidden_size
               / np.asarray(tp, dtype=np.float64)) if experts_on else 0.0
     shared = sum(experts.shared_expert_units(model, tp, input_share, fused_activation)) if experts_on else 0.0
     return {"core_attn": attention_core, "mla_up_proj": heads_qkv if model.kv_lora_rank else 0.0, "layernorm": normed,
-            "moe_act": routed, "mlp": 0.0 if experts_on else mlp_kept + mlp_input,
+            "moe_act": routed + experts.unfused_activation_units(model, tp, fused_activation),
+            "mlp": 0.0 if experts_on else mlp_kept + mlp_input,
             "moe": mlp_kept + mlp_input if experts_on else 0.0, "shared_experts": shared}

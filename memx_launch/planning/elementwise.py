@@ -40,6 +40,15 @@ FUSED_SWIGLU_BYTES = (3.0, 5.0)
 # writes both halves' gradients into a new tensor) and the product with the fp32 routing weights, cast
 # back to d (traced: 11d forward, 23d backward; tests/test_framework_memory.py).
 EAGER_ROUTED_EXTRA_BYTES = (6.0, 14.0)
+# Transformers' experts (``transformers_blocks``) chunk one gate-and-up output too: the chunk's backward writes
+# both halves' gradients into a new tensor (traced on its default gate: tests/test_framework_memory.py).
+TRANSFORMERS_CHUNK_BYTES = (0.0, 4.0)
+# GPT-OSS's clamped GLU (``clamped_glu``) unfused beyond SwiGLU, per element of the routed width: (d forward,
+# d backward, bytes backward: the clamps' 1-byte masks). megatron-core's eager path adds the two clamps (its
+# quick_gelu is compiled, as silu's kernel moves); Transformers' ops the clamps, the gate's sigmoid(1.702 gate)
+# as ops and up + 1 (traced on the same gate-and-up output as SwiGLU's: tests/test_framework_memory.py).
+CLAMP_BYTES = (4.0, 7.0, 8.0)
+CLAMPED_GLU_OPS_EXTRA_BYTES = (11.0, 26.0, 8.0)
 GELU_BYTES = (2.0, 3.0)
 # GELU's tanh form as eight torch ops (Transformers' gelu_new, ``tanh_gelu_ops``): traced, 18d forward, 28d backward.
 TANH_GELU_OPS_BYTES = (18.0, 28.0)
@@ -49,6 +58,16 @@ FUSED_NORM_BYTES = (2.0, 4.0)
 # written at the query width; the backward sums the gradient back (read at the query width,
 # written at the KV width): (q + kv) x d per token for each of K and V, each way.
 REPEAT_KV_BYTES = (2.0, 2.0)
+
+
+def clamped_glu_extra_bytes(model: ModelSpec, training: TrainingSpec, routed) -> tuple:
+    """Bytes GPT-OSS's clamped GLU moves beyond SwiGLU on ``routed`` elements of the experts' width,
+    forward and backward: none fused (Megatron's compiled kernel reads and writes what SwiGLU's does)."""
+    if not model.clamped_glu or training.fused_activation:
+        return 0.0, 0.0
+    forward, backward, masks = CLAMPED_GLU_OPS_EXTRA_BYTES if training.transformers_blocks else CLAMP_BYTES
+    d = float(training.dtype_bytes)
+    return routed * forward * d, routed * (backward * d + masks)
 
 
 def dropout_bytes(dtype_bytes: int) -> tuple[float, float]:
@@ -187,8 +206,9 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     Per token, over TP where the tensors are split: residual adds and norms on the hidden size
     (over TP only with sequence parallelism), the query and key head norms (``qk_norm``), hidden
     dropout's masks and products, rotary embedding on q and k (LLaMA-style models), the MLP's
-    activation on its width (eager ops, or Megatron's fused kernel; megatron-core's eager experts
-    also chunk their gate-and-up output and weigh it by the routing); without flash
+    activation on its width (eager ops, or Megatron's fused kernel; unfused experts also chunk
+    their gate-and-up output, megatron-core's weigh it by the routing; GPT-OSS's clamped GLU
+    unfused its clamps and ops, :func:`clamped_glu_extra_bytes`); without flash
     attention, per score of the rank's heads: :data:`SCORE_BYTES`, the fp32 softmax's extra
     passes, attention dropout and a soft cap (:data:`~memx_launch.planning.loss.SOFTCAP_PASSES`); with quantized
     linears their casts (:func:`quantized_cast_bytes`); a hybrid model's layer one residual add and one norm, and a Mamba or Gated DeltaNet layer's
@@ -211,8 +231,11 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     glu = FUSED_SWIGLU_BYTES if training.fused_activation else SWIGLU_BYTES
     mlp = glu if model.gated_mlp else TANH_GELU_OPS_BYTES if tanh_gelu_as_ops(model, training.fused_activation) \
         else GELU_BYTES
-    eager_experts = model.num_experts and not (training.fused_activation or training.transformers_blocks)
-    routed = tokens * model.experts_per_token * model.moe_ffn_hidden_size / tp if eager_experts else 0.0
+    # Elements of the experts' width over every routed copy, and what their unfused gate moves beyond SwiGLU's.
+    routed = tokens * model.experts_per_token * model.moe_ffn_hidden_size / tp if model.num_experts else 0.0
+    gate_extra = (0.0, 0.0) if training.fused_activation else TRANSFORMERS_CHUNK_BYTES \
+        if training.transformers_blocks else EAGER_ROUTED_EXTRA_BYTES
+    clamped = clamped_glu_extra_bytes(model, training, routed)
     # LLaMA-style (gated MLP) models rotate q and k in every block; GPT-style ones add learned
     # positions once, at the embedding.
     rope = ROPE_BYTES if model.gated_mlp else (0.0, 0.0)
@@ -244,7 +267,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         blockwide = hidden * (model.residual_adds * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) \
             + cast[i] + permuted + qk_normed * norm[i] + mixer[i]
         core = (tokens * (model.q_hidden_size + kv) / tp * (rope[i] + repeat[i]) * d,
-                (tokens * f / tp * mlp[i] + routed * EAGER_ROUTED_EXTRA_BYTES[i]) * d, scores * score[i])
+                (tokens * f / tp * mlp[i] + routed * gate_extra[i]) * d + clamped[i], scores * score[i])
         return blockwide, core
 
     (block_forward, core_forward), (block_backward, core_backward) = passes(0), passes(1)

@@ -48,6 +48,11 @@ MOE_FORWARD_OPS_BEFORE_WAIT = (46, 0)
 # the linear half plus its offset (a new tensor), and the product the routing weights multiply:
 # 5 x the width (ungated: the activation's output and that product, 2).
 ROUTED_ACTIVATION_KEPT = {True: {True: 4.0, False: 2.0}, False: {True: 10.0, False: 4.0}}
+# Tensors of the expert's width that GPT-OSS's clamped GLU (``clamped_glu``) keeps beyond SwiGLU's, unfused:
+# megatron-core's eager path the clamped gate (its compiled quick_gelu's input, where silu's is a view of the
+# gate-and-up output), one; Transformers' ops the clamped gate, sigmoid(1.702 gate) and up + 1 (traced:
+# tests/test_framework_memory.py), three.
+CLAMPED_GLU_KEPT = {"megatron": 1.0, "transformers": 3.0}
 
 
 def check(model: ModelSpec, training: TrainingSpec, ranks_per_stage=None) -> None:
@@ -282,14 +287,26 @@ def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: boo
         2.0 * input_share * shared
 
 
+def unfused_activation_units(model: ModelSpec, tp, fused_activation: bool):
+    """Per token, what megatron-core's unfused expert activation keeps beyond its input (silu(gate), up plus
+    its offset, the product; GPT-OSS's clamped gate), in :func:`kept_units`' unit: what Megatron's ``moe_act``
+    recompute (a checkpoint of the activation alone, which keeps its input) drops with the down-projection's."""
+    if fused_activation or not model.num_experts:
+        return 0.0
+    gated = bool(model.gated_mlp)
+    inside = ROUTED_ACTIVATION_KEPT[False][gated] - ROUTED_ACTIVATION_KEPT[True][gated] \
+        + 2.0 * CLAMPED_GLU_KEPT["megatron"] * model.clamped_glu
+    return model.experts_per_token * inside * model.moe_ffn_hidden_size / model.hidden_size / np.asarray(tp, float)
+
+
 def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: int = 1,
                transformers_share: float | None = None) -> tuple:
     """(kept, down-projection input) of a block's MLP of experts per token, in the unit of
     :func:`~memx_launch.planning.activations.activation_bytes` (2 bytes per hidden element):
     the router's fp32 logits, and per routed copy the dispatched token (the gate-and-up input,
     at ``input_share`` of 2 bytes; gathered from ``etp`` ranks with expert tensor parallelism)
-    and what its activation keeps (:data:`ROUTED_ACTIVATION_KEPT`); the down projection's input
-    apart; and a shared expert's dense MLP. The routing weights multiply the activation's output
+    and what its activation keeps (:data:`ROUTED_ACTIVATION_KEPT`, :data:`CLAMPED_GLU_KEPT`); the down
+    projection's input apart; and a shared expert's dense MLP. The routing weights multiply the activation's output
     inside the experts (Megatron-Core's ``activation_func_with_probs``, NeMo AutoModel's weighted
     SwiGLU), so the combine keeps nothing. Over TP: each rank routes its share of the tokens.
 
@@ -304,9 +321,10 @@ def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: i
     tp = np.asarray(tp, dtype=np.float64)
     shared_kept, shared_down = shared_expert_units(model, tp, input_share, fused_activation)
     if transformers_share is not None:
-        activation = (3.0 if model.gated_mlp else 1.0) * f
+        activation = (3.0 + model.clamped_glu * CLAMPED_GLU_KEPT["transformers"] if model.gated_mlp else 1.0) * f
         routed_kept = (4.0 * model.num_experts / h + 2.0 * transformers_share * k * (2.0 * h + activation) / h) / tp
         return routed_kept + shared_kept, 2.0 * transformers_share * k * f / h / tp + shared_down
-    up = ROUTED_ACTIVATION_KEPT[bool(fused_activation)][bool(model.gated_mlp)] * f / h
+    unfused_clamps = 2.0 * CLAMPED_GLU_KEPT["megatron"] if model.clamped_glu and not fused_activation else 0.0
+    up = (ROUTED_ACTIVATION_KEPT[bool(fused_activation)][bool(model.gated_mlp)] + unfused_clamps) * f / h
     routed_kept = (4.0 * model.num_experts / h + k * (2.0 * input_share * etp + up)) / tp
     return routed_kept + shared_kept, 2.0 * input_share * k * f / h / tp + shared_down

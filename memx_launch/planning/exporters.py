@@ -140,8 +140,12 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
              "--normalization", "LayerNorm" if spec.layer_norm else "RMSNorm"]
     if not spec.linear_biases:
         args += ["--disable-bias-linear", *(["--add-qkv-bias"] if spec.qkv_bias else [])]
-    if spec.gated_mlp:
+    if spec.clamped_glu:  # GPT-OSS's experts' GLU at its published clamp (swiglu_limit 7) and up's offset (1)
+        args += ["--quick-geglu", "--activation-func-clamp-value", "7.0", "--glu-linear-offset", "1.0"]
+    elif spec.gated_mlp:
         args.append("--swiglu")
+    if spec.attention_sinks:  # a learned logit per head in each softmax (Transformer Engine's cuDNN kernel)
+        args += ["--softmax-type", "learnable"]
     if not spec.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     if spec.attention_output_gate:
@@ -293,6 +297,9 @@ def _megatron_training(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[st
         args.append("--no-overlap-p2p-communication")
     if tr.get("fused_loss"):
         args.append("--cross-entropy-loss-fusion")
+    if tr.get("fused_activation") is False:  # the activation as eager ops, as the plan timed it
+        swiglu = plan.model_spec.gated_mlp and not plan.model_spec.clamped_glu
+        args.append("--no-bias-swiglu-fusion" if swiglu else "--no-bias-gelu-fusion")
     if tr.get("fp8"):
         fp8_format, recipe = MEGATRON_FP8_RECIPES[tr["fp8"]]
         args += ["--fp8-format", fp8_format, "--fp8-recipe", recipe]
@@ -344,8 +351,8 @@ def _megatron_attention(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[s
                      + ", ".join(sorted(t for t in types if not fused[t])) + "; Megatron-LM takes one "
                      f"--attention-backend for all: unfused here, which every device runs; on {on} it keeps the "
                      "s x s attention scores: more memory and time than the plan predicts there")
-    if all(fused.values()):
-        return ["--attention-backend", "flash"], notes
+    if all(fused.values()):  # FlashAttention has no sinks: Transformer Engine's cuDNN kernel takes them
+        return ["--attention-backend", "fused" if plan.model_spec.attention_sinks else "flash"], notes
     args = ["--attention-backend", "unfused"]
     if not tr.get("fused_softmax", True):
         args.append("--no-masked-softmax-fusion")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from typing import Any, Mapping
 
@@ -17,22 +17,10 @@ from memx_launch.specs.model_checks import MAX_DIMENSION, check_shape  # noqa: F
 
 # Fields that change no time or memory: a model's profiles and plans stay its own whatever they hold.
 _NOT_SHAPE = ("name", "rope_theta", "norm_eps", "tensor_parallel_blocks", "router_aux_loss")
-# Fields added after profiles were keyed by the shape: at these defaults a shape keeps the
-# signature it had, so the profiles and predictors of LLaMA-style models stay valid.
-_KEYED_UNLESS_DEFAULT = {"layer_norm": False, "linear_biases": False, "position_embeddings": 0,
-                         "parallel_blocks": False, "lm_head": True, "attention_head_dim": 0, "num_experts": 0,
-                         "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
-                         "sliding_window": 0, "full_attention_layers": 0, "attention_chunk_size": 0, "qk_norm": False,
-                         "post_norms": False, "norm_weight_in_fp32": False, "pre_norms": True,
-                         "kv_lora_rank": 0, "q_lora_rank": 0, "rope_head_dim": 0, "v_head_dim": 0, "dense_layers": 0,
-                         "moe_layer_step": 1, "mtp_layers": 0, "expert_groups": 0, "expert_groups_per_token": 0,
-                         "hybrid_pattern": "", "mamba_heads": 0, "mamba_head_dim": 64, "mamba_state_size": 128,
-                         "mamba_groups": 8, "mamba_conv_kernel": 4, "mamba_chunk_size": 128, "layer_kind": "",
-                         "linear_key_heads": 0, "linear_value_heads": 0, "linear_key_head_dim": 128,
-                         "linear_value_head_dim": 128, "linear_conv_kernel": 4, "linear_chunk_size": 64,
-                         "attention_output_gate": False, "relu_mlp": False, "qkv_bias": False,
-                         "shared_expert_gate": False, "logit_softcapping": False, "attention_softcapping": False,
-                         "tanh_gelu_ops": False, "centred_norm_ops": False, "rotary_concatenates": False}
+# The fields profiles were first keyed by. Every later one joins a shape's signature only off its
+# default, so the profiles and predictors of LLaMA-style models stay valid as fields are added.
+_KEYED_ALWAYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size", "seq_len",
+                 "gated_mlp", "tie_embeddings")
 
 
 @dataclass(frozen=True)
@@ -96,6 +84,12 @@ class ModelSpec:
     """The head's logits soft-capped, ``cap * tanh(logits / cap)`` (Gemma 2 and 3's ``final_logit_softcapping``)."""
     attention_softcapping: bool = False
     """Attention scores soft-capped (Gemma 2's ``attn_logit_softcapping``): unfused attention (activations.py)."""
+    attention_sinks: bool = False
+    """A learned logit per head beside each query's scores in its softmax (GPT-OSS's sinks): Transformers runs such
+    attention eager (its SDPA has no sink), Megatron's cuDNN kernel takes it (activations.training_as_run)."""
+    clamped_glu: bool = False
+    """GPT-OSS's experts' GLU: gate clamped from above, up from both sides, ``gate * sigmoid(1.702 gate) * (up + 1)``;
+    as torch ops it keeps and moves more than SwiGLU (``elementwise.clamped_glu_extra_bytes``)."""
     router_aux_loss: bool = False
     """The routers' load-balancing loss joins the loss (Transformers' ``output_router_logits``): memx-run's
     stages send its running sums on with the hidden state, 2 x ``num_experts`` fp32 (models/router_loss.py)."""
@@ -418,9 +412,7 @@ class ModelSpec:
     def dense_block(self) -> "ModelSpec":
         """The shape of a mixture of experts' dense block (:attr:`dense_block_count`): experts replaced
         by a dense MLP of ``ffn_hidden_size``, every block so."""
-        return replace(self, num_experts=0, experts_per_token=0, expert_ffn_hidden_size=0,
-                       shared_expert_ffn_hidden_size=0, shared_expert_gate=False, dense_layers=0, moe_layer_step=1, mtp_layers=0,
-                       expert_groups=0, expert_groups_per_token=0)
+        return replace(self, **NO_EXPERTS, dense_layers=0, moe_layer_step=1, mtp_layers=0)
 
     @property
     def mtp_params(self) -> int:
@@ -434,8 +426,9 @@ class ModelSpec:
 
     def signature(self) -> str:
         """Short stable hash of the shape; keys profiles, caches and predictors."""
+        defaults = {f.name: f.default for f in fields(self)}
         shape = {k: v for k, v in asdict(self).items()
-                 if k not in _NOT_SHAPE and not (k in _KEYED_UNLESS_DEFAULT and v == _KEYED_UNLESS_DEFAULT[k])}
+                 if k not in _NOT_SHAPE and (k in _KEYED_ALWAYS or v != defaults[k])}
         payload = json.dumps(shape, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
