@@ -2,6 +2,7 @@
 parallelism that keeps gathered inputs, unfused attention's backward working set, pipeline
 buffers that keep stage outputs and the previous micro-batch's logits, torch's receive buffers."""
 
+import dataclasses
 import os
 
 import numpy as np
@@ -489,6 +490,43 @@ def test_gpt_oss_s_clamped_glu_moves_and_keeps_what_memx_counts(dtype_bytes):
     assert gpt_oss_f - default_f == pytest.approx(forward * dtype_bytes, abs=0.01)
     assert gpt_oss_b - default_b == pytest.approx(backward * dtype_bytes + masks, abs=0.01)
     assert kept(gpt_oss) - kept(default) == experts_module.CLAMPED_GLU_KEPT["transformers"]
+
+
+@pytest.mark.parametrize("dtype_bytes", [2, 4])
+def test_megatron_core_s_expert_biases_move_what_memx_counts(dtype_bytes):
+    """megatron-core 0.16's own TEGroupedMLP._apply_bias (GPT-OSS's experts' down-projection biases, each
+    weighed by the fp32 routing probability, then the experts' cat and the cast back), traced per element
+    of the routed copies' hidden width: EXPERT_BIAS_BYTES; an expert-biased block's element-wise traffic
+    is that much above the unbiased one's under ``--setup megatron`` and none, others' not (not priced)."""
+    torch = pytest.importorskip("torch")
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from traced import byte_counter
+
+    from memx_launch.specs.catalog import get_model
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    rows, h, local = 512, 256, 4
+    copies = torch.randn(rows, h, dtype=dtype, requires_grad=True)
+    biases = [torch.randn(h, dtype=dtype, requires_grad=True) for _ in range(local)]
+    probs = torch.rand(rows, 1, dtype=torch.float32, requires_grad=True)
+    with byte_counter() as forward:
+        out = TEGroupedMLP._apply_bias(copies, biases, [rows // local] * local, probs)
+    gradient = torch.randn_like(out)
+    with byte_counter() as backward:
+        torch.autograd.grad(out, [copies, probs, *biases], gradient)
+    per_element = rows * h
+    assert (forward.total / per_element, backward.total / per_element) == pytest.approx(
+        elementwise.EXPERT_BIAS_BYTES[dtype_bytes], abs=0.2)  # each op's read of a bias: 1/128 of a row's
+
+    gpt_oss = get_model("gpt-oss-20b")
+    unbiased = dataclasses.replace(gpt_oss, expert_biases=False)
+    dtype_name = {2: "bf16", 4: "fp32"}[dtype_bytes]
+    for setup, priced in (("megatron", True), (None, True), ("memx-run", False), ("fsdp2", False)):
+        training = TrainingSpec(setup=setup, dtype=dtype_name)
+        biased, plain = (float(elementwise.elementwise_traffic_bytes(m, training, 1, 1024, 2, cm.NONE))
+                         for m in (gpt_oss, unbiased))
+        assert biased - plain == pytest.approx(priced * 1024 * 4 * 2880 / 2 * sum(
+            elementwise.EXPERT_BIAS_BYTES[dtype_bytes]))
 
 
 def test_recompute_moves_the_forwards_element_wise_bytes_again():

@@ -156,23 +156,24 @@ def test_a_rotary_embedding_that_concatenates_and_norms_that_centre_are_read_fro
 
 def test_gpt_oss_s_sinks_and_clamped_glu_are_read_and_its_attention_runs_eager_only_in_transformers_blocks():
     """GPT-OSS's config (``swiglu_limit``) gives its clamped GLU, its family its attention sinks, which
-    Transformers' blocks run eager (SDPA has none) and Megatron's in its fused kernel; the clamped GLU
-    describes experts and is refused on a dense model."""
+    Transformers' blocks run eager (SDPA has none) and Megatron's in its fused kernel, and its experts'
+    biases; the clamped GLU and the experts' biases describe experts and are refused on a dense model."""
     from memx_launch.specs.model import ModelSpec
     from memx_launch.specs.training import TrainingSpec
 
     experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
     gpt_oss = model_from_hf_dict({**SMALL, **experts, "model_type": "gpt_oss", "swiglu_limit": 7.0}, "gpt-oss")
     mixtral = model_from_hf_dict({**SMALL, **experts, "model_type": "mixtral"}, "mixtral")
-    assert (gpt_oss.attention_sinks, gpt_oss.clamped_glu) == (True, True)
-    assert (mixtral.attention_sinks, mixtral.clamped_glu) == (False, False)
+    assert (gpt_oss.attention_sinks, gpt_oss.clamped_glu, gpt_oss.expert_biases) == (True, True, True)
+    assert (mixtral.attention_sinks, mixtral.clamped_glu, mixtral.expert_biases) == (False, False, False)
     assert get_model("gpt-oss-120b").attention_sinks and get_model("gpt-oss-20b").clamped_glu
     as_run = {setup: cm.training_as_run(gpt_oss, TrainingSpec(setup=setup)).flash_attention
               for setup in ("memx-run", "megatron")}
     assert as_run == {"memx-run": False, "megatron": True}
     assert cm.training_as_run(mixtral, TrainingSpec(setup="memx-run")).flash_attention
-    with pytest.raises(ConfigError, match=r"model\.clamped_glu"):
-        ModelSpec("dense", 2, 64, 4, 4, 128, 100, 32, clamped_glu=True)
+    for field in ("clamped_glu", "expert_biases"):
+        with pytest.raises(ConfigError, match=rf"model\.{field}"):
+            ModelSpec("dense", 2, 64, 4, 4, 128, 100, 32, **{field: True})
 
 
 def test_query_and_key_head_norms_are_read_counted_and_exported():

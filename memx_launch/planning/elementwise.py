@@ -49,6 +49,11 @@ TRANSFORMERS_CHUNK_BYTES = (0.0, 4.0)
 # as ops and up + 1 (traced on the same gate-and-up output as SwiGLU's: tests/test_framework_memory.py).
 CLAMP_BYTES = (4.0, 7.0, 8.0)
 CLAMPED_GLU_OPS_EXTRA_BYTES = (11.0, 26.0, 8.0)
+# megatron-core's TEGroupedMLP adds each expert's down-projection bias (``expert_biases``) after the grouped GEMM,
+# weighed by the routing, as eager ops (``_apply_bias``): bias x probability in fp32 (the probabilities' dtype),
+# the add, the experts' cat and the cast back. Bytes per element of a routed copy's hidden width (forward,
+# backward), by the training dtype's bytes (traced: tests/test_framework_memory.py).
+EXPERT_BIAS_BYTES = {2: (28.0, 40.0), 4: (24.0, 32.0)}
 GELU_BYTES = (2.0, 3.0)
 # GELU's tanh form as eight torch ops (Transformers' gelu_new, ``tanh_gelu_ops``): traced, 18d forward, 28d backward.
 TANH_GELU_OPS_BYTES = (18.0, 28.0)
@@ -222,6 +227,11 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     h, kv, f = model.hidden_size, model.kv_hidden_size, model.active_ffn_hidden_size
     hidden = tokens * h / (tp if training.sequence_parallel else 1.0)
     permuted = experts.permutation_bytes(model, training, tokens, tp, d)
+    # megatron-core's eager bias of the experts' down projections on every routed copy, where the experts are its
+    # (--setup megatron, and no setup: memx's defaults price its eager experts); others': not priced
+    biased = model.expert_biases and training.setup in (None, "megatron")
+    expert_bias = [tokens * model.experts_per_token * model.hidden_size / tp * b
+                   for b in EXPERT_BIAS_BYTES[training.dtype_bytes]] if biased else (0.0, 0.0)
     if training.fused_norm:
         norm = (FUSED_NORM_BYTES[0] * d, FUSED_NORM_BYTES[1] * d)
     else:
@@ -265,7 +275,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         """(the residual adds, norms, dropouts and FP8 casts; what selective recompute runs again:
         rotary embedding, the MLP's activation, the scores)."""
         blockwide = hidden * (model.residual_adds * (RESIDUAL_BYTES[i] * d + dropout[i]) + norms * norm[i]) \
-            + cast[i] + permuted + qk_normed * norm[i] + mixer[i]
+            + cast[i] + permuted + expert_bias[i] + qk_normed * norm[i] + mixer[i]
         core = (tokens * (model.q_hidden_size + kv) / tp * (rope[i] + repeat[i]) * d,
                 (tokens * f / tp * mlp[i] + routed * gate_extra[i]) * d + clamped[i], scores * score[i])
         return blockwide, core
@@ -282,7 +292,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         selective_again = (("core_attn" in modules) * (rotary + scored) + ("mla_up_proj" in modules) * rotary
                            + ("layernorm" in modules) * hidden * model.pre_norms_per_block * norm[0]
                            + bool({"moe_act", "mlp", "moe"} & set(modules)) * activation
-                           + ("moe" in modules) * permuted)
+                           + ("moe" in modules) * (permuted + expert_bias[0]))
     core_backward = sum(core_backward)
     again = np.select([recompute == NONE, recompute == SELECTIVE], [0.0 * forward, selective_again], forward)
     return forward + block_backward + core_backward + again

@@ -50,14 +50,14 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
               num_experts=128, experts_per_token=8, expert_ffn_hidden_size=768, qk_norm=True),
     ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, rope_theta=1e6, attention_head_dim=128,
               num_experts=128, experts_per_token=8, expert_ffn_hidden_size=1536, qk_norm=True),
-    # GPT-OSS-120B: every other block attends within 128 tokens; attention sinks and a clamped GLU
-    # (the biases of its attention and experts, 0.01% of its parameters, are not counted).
+    # GPT-OSS-120B: every other block attends within 128 tokens; attention sinks, a clamped GLU and
+    # biases on its experts, priced, not counted (with its attention's: 0.01% of its parameters).
     ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
               num_experts=128, experts_per_token=4, sliding_window=128, full_attention_layers=18,
-              attention_sinks=True, clamped_glu=True),
+              attention_sinks=True, clamped_glu=True, expert_biases=True),
     ModelSpec("gpt-oss-20b", 24, 2880, 64, 8, 2880, 201088, 4096, rope_theta=150000.0, attention_head_dim=64,
               num_experts=32, experts_per_token=4, sliding_window=128, full_attention_layers=12,
-              attention_sinks=True, clamped_glu=True),
+              attention_sinks=True, clamped_glu=True, expert_biases=True),
     # Llama-4-Scout-17B-16E's language model (Meta's text_config): 16 routed experts, top-1, and a
     # shared expert in every block; three blocks in four attend within chunks of 8,192 tokens, the
     # fourth (no rotary positions) to the whole sequence; its query and key heads are normalised.

@@ -188,6 +188,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         attention_softcapping=softcaps["attn_logit_softcapping"] is not None,
         attention_sinks=model_type == "gpt_oss",  # a learned logit per head in each query's softmax
         clamped_glu=cfg.get("swiglu_limit") is not None,  # GPT-OSS's experts' clamped GLU
+        expert_biases=model_type == "gpt_oss",  # and its experts' biases
         **blocks,
         **latent,
         **{field: cfg[key] for field, key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),

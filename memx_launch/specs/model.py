@@ -90,6 +90,10 @@ class ModelSpec:
     clamped_glu: bool = False
     """GPT-OSS's experts' GLU: gate clamped from above, up from both sides, ``gate * sigmoid(1.702 gate) * (up + 1)``;
     as torch ops it keeps and moves more than SwiGLU (``elementwise.clamped_glu_extra_bytes``)."""
+    expert_biases: bool = False
+    """Biases on the experts' linears (GPT-OSS): megatron-core (``--setup megatron``, or none) adds the down
+    projection's after the grouped GEMM, weighed by the routing, as eager ops in fp32
+    (``elementwise.EXPERT_BIAS_BYTES``)."""
     router_aux_loss: bool = False
     """The routers' load-balancing loss joins the loss (Transformers' ``output_router_logits``): memx-run's
     stages send its running sums on with the hidden state, 2 x ``num_experts`` fp32 (models/router_loss.py)."""
