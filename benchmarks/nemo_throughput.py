@@ -259,6 +259,20 @@ def rows_off_shape(rows: list[dict]) -> dict:
     return {key: round(ratio, 3) for key, ratio in ratios.items() if not 0.95 <= ratio <= 1.05}
 
 
+def fp8_pairs(rows: list[dict]) -> list[dict]:
+    """The runs a table gives in BF16 and in an FP8 recipe with one layout: FP8's measured speedup
+    (the BF16 run's step time over the FP8 one's) against memx's."""
+    pairs = []
+    for (group, layout), members in grouped(rows, lambda r: (r["group"], r["layout"].replace(
+            f" {r['precision']} ", " "))).items():
+        bf16 = [r for r in members if r["precision"] == "bf16" and "time_s" in r]
+        pairs += [{"group": group, "layout": layout, "precision": r["precision"],
+                   "measured_speedup": round(bf16[0]["real_time_s"] / r["real_time_s"], 3),
+                   "predicted_speedup": round(bf16[0]["time_s"] / r["time_s"], 3)}
+                  for r in members if bf16 and r["precision"].startswith("fp8") and "time_s" in r]
+    return pairs
+
+
 def plot(rows: list[dict], dgxc: list[dict], path: str) -> None:
     import matplotlib
 
@@ -313,6 +327,7 @@ def main() -> None:
     result["dgxc"] = {**run_summary(dgxc), **{f"by_{key}": {
         name: run_summary(members) for name, members in grouped(dgxc, lambda r: r[key]).items()}
         for key in ("model", "precision", "system")}, "table_over_shape_flops": shape_check(dgxc), "rows": dgxc}
+    result["fp8_over_bf16"] = fp8_pairs(rows + dgxc)
     result["validated_recipes"] = validated_recipes()
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(OUT, no_nan(result), overwrite=True)
@@ -328,6 +343,9 @@ def main() -> None:
     print("DGX Cloud recipes", apart["time"], apart["fit"]["confusion"], apart["table_over_shape_flops"],
           *({name: s["time"]["time_mape_pct"] for name, s in apart[f"by_{key}"].items()}
             for key in ("model", "precision", "system")))
+    for pair in result["fp8_over_bf16"]:
+        print("FP8 over BF16", pair["layout"], pair["precision"], "measured", pair["measured_speedup"], "predicted",
+              pair["predicted_speedup"])
     for r in result["validated_recipes"]:
         print("validated recipe", r["layout"], "time", r["predicted_over_measured_time"], "allocated",
               r["predicted_tensors_gib"], "GiB predicted,", r["real_peak_allocated_gib"], "measured")
