@@ -60,6 +60,16 @@ FAMILIES = {
     "mixtral": dict(num_local_experts=8, intermediate_size=96), "qwen2_moe": {**MIXTURE, "shared_expert_intermediate_size": 256},
     "qwen3_moe": {**MIXTURE, "head_dim": 32},
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96, head_dim=32, sliding_window=512),
+    "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=96, moe_num_shared_experts=2,
+                         moe_layer_start_index=0),
+    # Attention dropout off: on CPU SDPA with dropout falls back to its math path, keeping what CUDA's kernels
+    # regenerate (Seed-OSS's and HunYuan's configs default it to 0.1). Seed-OSS's residual dropout stays on.
+    "seed_oss": dict(head_dim=32, attention_dropout=0.0),
+    "hunyuan_v1_dense": dict(head_dim=32, use_qk_norm=True, attention_dropout=0.0),
+    "exaone4": dict(head_dim=32, sliding_window=4096, sliding_window_pattern=4),
+    "dots1": dict(n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=96, num_experts_per_tok=2,
+                  first_k_dense_replace=0, head_dim=32),
+    "glm4": dict(head_dim=32), "apertus": dict(qk_norm=True), "arcee": None,
 }
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 

@@ -10,6 +10,7 @@ import pytest
 
 from estimates import cluster_file, estimated_plan
 from memx_launch.errors import ConfigError
+from memx_launch.planning import activation_ops
 from memx_launch.planning import costmodel as cm
 from memx_launch.planning import elementwise
 from memx_launch.planning import matmuls as mm
@@ -821,10 +822,49 @@ def test_what_autograd_saves_for_gpt_2_s_block_is_what_memx_run_counts(dtype):
     assert kept == pytest.approx(counted, rel=0.005)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_squared_relu_and_xielu_as_ops_keep_and_move_what_memx_counts(autocast):
+    """Transformers' MLP (Apertus's: up, activation, down) with relu2 and with xIELU (its Python ops),
+    against GELU's, in fp32 and under bf16 autocast over fp32 weights, per element of the MLP's width:
+    what autograd saves beyond GELU's (squared ReLU nothing, xIELU ``XIELU_OPS_KEPT``) and what their
+    ops read and write (``activation_ops.hbm_bytes`` beyond ``GELU_BYTES``)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from traced import byte_counter
+
+    from memx_launch.profiling.saved_tensors import saved_storage_bytes
+    from memx_launch.specs.model import ModelSpec
+
+    tokens, h, f, d = 160, 128, 352, 2 if autocast else 4
+    measured = {}
+    for act in ("gelu", "relu2", "xielu"):
+        config = transformers.AutoConfig.for_model("apertus", hidden_size=h, intermediate_size=f, num_hidden_layers=1,
+                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                                   hidden_act=act)
+        torch.manual_seed(0)
+        mlp = transformers.AutoModelForCausalLM.from_config(config).model.layers[0].mlp
+        weights = {tuple(p.shape[::k]) for p in mlp.parameters() for k in (1, -1)}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            x = torch.randn(tokens, h, requires_grad=True)
+            kept = saved_storage_bytes(lambda: mlp(x * 1.0), owned=tuple(mlp.parameters()), skip_shapes=weights)
+            with byte_counter() as forward:
+                out = mlp(x * 1.0)
+            gradient = torch.randn_like(out)
+            with byte_counter() as backward:
+                torch.autograd.grad(out, [x], gradient)
+        measured[act] = np.array([kept, forward.total, backward.total]) / (tokens * f)
+    ungated = ModelSpec("m", 1, h, 4, 2, f, 64, tokens, gated_mlp=False)
+    for act, flag, kept in (("relu2", "squared_relu_ops", 0.0),
+                            ("xielu", "xielu_ops", activation_ops.XIELU_OPS_KEPT[d])):
+        moved = activation_ops.hbm_bytes(dataclasses.replace(ungated, **{flag: True}), False, d)
+        expected = [kept, *((m - g) * d for m, g in zip(moved, activation_ops.GELU_BYTES))]
+        assert (measured[act] - measured["gelu"]).tolist() == pytest.approx(expected, abs=0.01), act
+
+
 def test_gpt_2_s_tanh_gelu_ops_move_what_memx_times():
     """Transformers' gelu_new, eight torch ops on a linear's output, traced: 18 elements of the
     MLP's width read and written forward and 28 backward, where GELU's kernel moves 2 and 3; the
-    cost model times an eager GPT-2 block's MLP so (``elementwise.TANH_GELU_OPS_BYTES``)."""
+    cost model times an eager GPT-2 block's MLP so (``activation_ops.TANH_GELU_OPS_BYTES``)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from traced import byte_counter
@@ -839,7 +879,7 @@ def test_gpt_2_s_tanh_gelu_ops_move_what_memx_times():
     with byte_counter() as backward:
         torch.autograd.grad(y, x, gradient)
     per_element = x.numel() * x.element_size()
-    assert (forward.total / per_element, backward.total / per_element) == elementwise.TANH_GELU_OPS_BYTES
+    assert (forward.total / per_element, backward.total / per_element) == activation_ops.TANH_GELU_OPS_BYTES
     gpt = ModelSpec("g", 1, 64, 4, 4, 256, 97, 128, gated_mlp=False)
     ops, kernel = (float(elementwise.elementwise_traffic_bytes(m, TrainingSpec(), 2, 128, 1, cm.NONE))
                    for m in (ModelSpec(**{**gpt.__dict__, "tanh_gelu_ops": True}), gpt))

@@ -8,6 +8,7 @@ import torch
 
 from memx_launch.models.llama import LlamaStage, _attention_core, local_attention_mask
 from memx_launch.specs.catalog import get_model
+from memx_launch.specs.local_attention import attends_locally
 
 TINY = get_model("llama-tiny")
 
@@ -36,7 +37,7 @@ def test_windowed_attention_is_softmax_over_the_window_only():
 
 def test_the_local_blocks_are_where_the_families_put_them():
     def local(model):
-        return [model.attends_locally(i) for i in range(model.num_layers)]
+        return [attends_locally(model, i) for i in range(model.num_layers)]
 
     gemma3 = dataclasses.replace(TINY, num_layers=62, sliding_window=1024, full_attention_layers=10)
     assert [i for i, loc in enumerate(local(gemma3)) if not loc] == list(range(5, 62, 6))  # (i + 1) % 6 == 0

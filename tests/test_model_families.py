@@ -176,6 +176,19 @@ def test_gpt_oss_s_sinks_and_clamped_glu_are_read_and_its_attention_runs_eager_o
             ModelSpec("dense", 2, 64, 4, 4, 128, 100, 32, **{field: True})
 
 
+def test_ernie_4_5_s_mixture_is_read_by_its_own_keys():
+    """ERNIE 4.5's MoE config names its experts ``moe_num_experts``, its top-k ``moe_k``, its shared
+    experts ``moe_num_shared_experts`` (each of the experts' width) and its first expert block
+    ``moe_layer_start_index``; expert blocks at an interval are refused by the key that places them."""
+    ernie = {**SMALL, "model_type": "ernie4_5_moe", "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 96,
+             "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1}
+    spec = model_from_hf_dict(ernie, "ernie")
+    assert (spec.num_experts, spec.experts_per_token, spec.expert_ffn_hidden_size) == (8, 2, 96)
+    assert (spec.shared_expert_ffn_hidden_size, spec.dense_layers) == (2 * 96, 1)
+    with pytest.raises(ConfigError, match=r"moe_layer_interval"):
+        model_from_hf_dict({**ernie, "moe_layer_interval": 2}, "ernie")
+
+
 def test_query_and_key_head_norms_are_read_counted_and_exported():
     from test_exporters import _megatron_config
 
@@ -366,3 +379,41 @@ def test_memx_runs_tensor_parallel_families_are_read_from_the_config():
     assert uncapped.tensor_parallel_blocks and not uncapped.attention_softcapping
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         model_from_hf_dict({**SMALL, "model_type": "gemma2", "attn_logit_softcapping": 0}, "g")
+
+
+def _measured(kind: str, tmp_path) -> dict:
+    """``benchmarks/hf_block_memory.py``'s row of ``kind``'s layer: measured over counted, fp32 and bf16."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks.hf_block_memory import FAMILIES, measure
+
+    return measure(kind, FAMILIES[kind], str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["exaone4", "hunyuan_v1_dense", "glm4", "dots1", "apertus", "arcee"])
+def test_families_read_by_their_norms_keep_what_memx_counts(kind, tmp_path):
+    """EXAONE 4 (norms on the attention's and MLP's outputs only, query and key norms with no config
+    key), HunYuan (query and key norms after RoPE, whose fp32 tables make them fp32 under autocast),
+    GLM-4 (norms on 16-bit linear outputs: 4 + 2 bytes an element under autocast), dots.llm1
+    (query and key norms), Apertus (query and key norms, xIELU as torch ops) and Arcee (squared ReLU
+    as torch ops): what autograd saves for one layer within 1% of memx-run's count in fp32 and under
+    bf16 autocast, and what its later backward holds (but dots.llm1's, whose experts' gate-and-up
+    gradient memx takes as its peak at few tokens: an over-count)."""
+    pytest.importorskip("transformers")
+    row = _measured(kind, tmp_path)
+    for dtype in ("fp32", "bf16"):
+        assert row[dtype]["measured_over_counted"] == pytest.approx(1.0, abs=0.011), dtype
+        if kind != "dots1":
+            assert row[dtype]["working_measured_over_counted"] == pytest.approx(1.0, abs=0.011), dtype
+
+
+def test_seed_oss_s_residual_dropout_is_read_off_its_layer(tmp_path):
+    """Seed-OSS drops out the attention's and the MLP's outputs in training (``residual_dropout``):
+    memx-run reads it off the layer and counts the masks (a byte an element on CUDA; CPU's dropout
+    keeps its scaled mask in the input's dtype, which the measured layer shows above the count)."""
+    pytest.importorskip("transformers")
+    row = _measured("seed_oss", tmp_path)
+    assert row["block_read"] == {"dropout": True}
+    assert all(1.0 <= row[dtype]["measured_over_counted"] < 1.08 for dtype in ("fp32", "bf16"))

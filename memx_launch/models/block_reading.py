@@ -26,7 +26,7 @@ from torch import nn
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
-READ_FIELDS = ("fused_qkv", "fused_gate_up", "fused_norm")
+READ_FIELDS = ("fused_qkv", "fused_gate_up", "fused_norm", "dropout")
 """The TrainingSpec fields :func:`read_block` may set."""
 
 
@@ -66,6 +66,9 @@ def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
         found["fused_gate_up"] = 2 * ffn in widths
     if torch_op_rms_norms(block):
         found["fused_norm"] = False
+    if block.training and any(isinstance(getattr(m, "residual_dropout", None), float) and m.residual_dropout > 0
+                              for m in block.modules()):
+        found["dropout"] = True  # Seed-OSS: F.dropout on the attention's and the MLP's outputs
     return found
 
 

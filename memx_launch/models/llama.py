@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from memx_launch.errors import ConfigError
 from memx_launch.models.checkpointing import op_level_checkpoint
 from memx_launch.planning.plan import RECOMPUTE_LEVELS, layer_recompute_levels
+from memx_launch.specs.local_attention import attends_locally
 from memx_launch.specs.model import ModelSpec
 
 ROPE_THETA = 10000.0
@@ -133,7 +134,7 @@ class TransformerBlock(nn.Module):
     and the SwiGLU element-wise product in the backward pass (``selective_policy`` "op":
     torchtitan's op-level policy instead, :mod:`memx_launch.models.checkpointing`); "full"
     keeps only the block input. ``local_attention``: the block attends within the model's
-    window or chunk (:meth:`~memx_launch.specs.model.ModelSpec.attends_locally`).
+    window or chunk (:func:`~memx_launch.specs.local_attention.attends_locally`).
     """
 
     def __init__(self, spec: ModelSpec, recompute: str = "none", selective_policy: str = "attention",
@@ -214,7 +215,7 @@ class LlamaStage(nn.Module):
         # Keyed by global layer index, so checkpoints keep their names under any split.
         levels = per_layer(recompute, num_layers)
         self.layers = nn.ModuleDict({str(layer_offset + i): TransformerBlock(
-            spec, levels[i], selective_policy, spec.attends_locally(layer_offset + i)) for i in range(num_layers)})
+            spec, levels[i], selective_policy, attends_locally(spec, layer_offset + i)) for i in range(num_layers)})
         self.norm = nn.RMSNorm(spec.hidden_size, eps=NORM_EPS) if last else None
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
         self.reset_parameters(seed)

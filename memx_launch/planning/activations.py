@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import experts, gated_deltanet, mamba, op_checkpointing, quantization
+from memx_launch.planning import activation_ops, experts, gated_deltanet, mamba, op_checkpointing, quantization
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
@@ -149,7 +149,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     per_norm = 2.0 * residual / dtype_bytes if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
     if model.centred_norm_ops and transformers_share is not None:  # Cohere's: x - mean twice, all in fp32
         per_norm = 2.0 * 12.0 / dtype_bytes
-    norms = per_norm * model.norms_per_block
+    # Post-norms (on the attention's and the MLP's outputs) read a linear's 16-bit output under autocast:
+    # a Llama-style torch-op norm casts its normalised tensor back to 16 bits and keeps that (4 + d).
+    post_normalised = 4.0 if model.norm_weight_in_fp32 else dtype_bytes
+    per_post_norm = per_norm if fused_norm or model.centred_norm_ops else 2.0 * (4.0 + post_normalised) / dtype_bytes
+    post_count = 2 if model.post_norms else 0
+    norms = per_norm * (model.norms_per_block - post_count) + per_post_norm * post_count
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
     extra_casts = autocast_extra_casts(model, fused_gate_up, fused_qkv) if autocast else 0
     normed_copies = model.pre_norms_per_block + extra_casts
@@ -180,11 +185,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + model.residual_adds / scale / (tp if sequence_parallel else 1.0)
     mlp_kept, mlp_elementwise = mlp_units(model, tp, fp8_share, fused_activation, expert_tp, bool(quantized_bytes),
-                                          transformers_share)
+                                          transformers_share, dtype_bytes)
     # Query and key head norms keep their inputs, as the block's norms do, but their input is a
     # linear's 16-bit output under autocast too (fused: the 16-bit q and k; torch ops: its fp32
     # copy and the 16-bit normalised tensor, Gemma's fp32 product).
-    qk_normalised = 4.0 if model.norm_weight_in_fp32 else dtype_bytes
+    qk_normalised = 4.0 if model.norm_weight_in_fp32 or (autocast and model.qk_norm_after_rope) else dtype_bytes
     per_qk_norm = 2.0 if fused_norm else 2.0 * (4.0 + qk_normalised) / dtype_bytes
     qk_norms = (q + kv) / h / tp * per_qk_norm if model.qk_norm else 0.0
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
@@ -214,7 +219,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # A parallel block under autocast casts the output's gradient to 16 bits for the attention and the MLP at
     # once: the attention's copy waits through the MLP's backward.
     waiting = 2.0 if model.parallel_blocks and autocast and dtype_bytes < 4 else 0.0
-    mlp_phase = stream_grad + waiting + mlp_backward_units(model, tp, fused_activation, transformers_share)
+    mlp_phase = stream_grad + waiting + mlp_backward_units(model, tp, fused_activation, transformers_share, dtype_bytes)
     if transformers_share is not None and model.num_experts and model.has_mlp:
         # Transformers' experts' gate-and-up weights are one 3-D parameter, whose gradient the backward
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
@@ -240,8 +245,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.
     norm_phase = 0.0
     if model.post_norms:
-        norm_phase = stream_grad + (0.0 if fused_norm else TORCH_NORM_BACKWARD_HELD * 8.0 / dtype_bytes) / norm_split
-        mlp_phase = mlp_phase - per_norm / norm_split
+        # (a torch-op norm whose normalised tensor is 16-bit frees that, not an fp32 one, before its input's fp32
+        # gradient path peaks: 4 - d bytes more held)
+        held = TORCH_NORM_BACKWARD_HELD * 8.0 + 2.0 * (4.0 - post_normalised)
+        norm_phase = stream_grad + (0.0 if fused_norm else held / dtype_bytes) / norm_split
+        mlp_phase = mlp_phase - per_post_norm / norm_split
     # Backward of one block: the largest phase's gradients, beside what it runs again. Full recompute (the
     # op-level policy, Megatron's modules: counted so) runs it before the block's backward; the attention-core
     # policy runs the MLP's activation again in the MLP's phase and the attention core in the attention's.
@@ -278,11 +286,11 @@ def partial_recompute_working(work, none_work, none_activations, layers, recompu
 
 
 def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool,
-              transformers_share: float | None = None) -> tuple:
+              transformers_share: float | None = None, dtype_bytes: int = 2) -> tuple:
     """(what the MLP's activation keeps, the down projection's kept input) of one block, in
     :func:`activation_bytes`' units: SwiGLU's gate and up outputs, silu(gate) unless fused, and
-    their product; GELU's input and output (its tanh form as torch ops, ``tanh_gelu_ops``: five
-    tensors, measured on Transformers' ``gelu_new``); ReLU's output, also the down projection's
+    their product; GELU's input and output (as torch ops, :mod:`activation_ops`: its tanh form five
+    tensors, measured on Transformers' ``gelu_new``; xIELU more); ReLU's output, also the down projection's
     input unless quantized; a mixture of experts' (:func:`~memx_launch.planning.experts.kept_units`)."""
     if model.num_experts:
         return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp, transformers_share)
@@ -290,26 +298,21 @@ def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp
     if model.gated_mlp:
         return (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
     relu_output_is_fc2_input = model.relu_mlp and not quantized
-    # GELU's tanh form as torch ops keeps its input, the tanh's output and the two factors of its last product.
-    kept = 0.0 if relu_output_is_fc2_input else 8.0 if tanh_gelu_as_ops(model, fused_activation) else 2.0
+    kept = 0.0 if relu_output_is_fc2_input else activation_ops.kept_units(model, fused_activation, dtype_bytes)
     return kept * f / h / tp, 2.0 * fp8_share * f / h / tp
 
 
-def tanh_gelu_as_ops(model: ModelSpec, fused_activation: bool) -> bool:
-    """Whether the MLP's GELU runs as torch ops of its tanh form (``tanh_gelu_ops``, not fused)."""
-    return model.tanh_gelu_ops and not fused_activation
-
-
 def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False,
-                       transformers_share: float | None = None) -> np.ndarray:
+                       transformers_share: float | None = None, dtype_bytes: int = 2) -> np.ndarray:
     """What a dense MLP's backward holds at once beyond what the MLP keeps, in
     :func:`activation_bytes`' units: its intermediate gradients, less the down projection's input,
     freed once that projection's backward has run. SwiGLU: the product's gradient and from it
     gate's (or silu's) and up's, while gate, silu(gate) and up are still kept: two f-wide tensors
     more (a fused activation the same: its [2f] input's gradient beside its input); GELU: one (its
-    output is freed), its tanh form as torch ops two; ReLU: two (its output stays for its own
-    backward). A mixture's experts: not counted (an expert loop holds one expert's tokens, a
-    grouped GEMM all of them), but Transformers' grouped GEMMs (``transformers_share``): per
+    output is freed; as torch ops, :mod:`activation_ops`, its tanh form two, squared ReLU three);
+    ReLU: two (its output stays for its own backward). A mixture's experts: not counted (an expert
+    loop holds one expert's tokens, a grouped GEMM all of them), but Transformers' grouped GEMMs
+    (``transformers_share``): per
     routed copy the larger of its gate-and-up output's gradient and what the backward of the
     routing weights' multiply holds first, beside everything the MLP keeps: the copy's h-wide
     gradient, its product with the weights and its product with the experts' output (summed
@@ -325,7 +328,8 @@ def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False,
         return (routed + 2.0 * model.shared_expert_gate) / tp
     if not model.has_mlp or model.num_experts:
         return np.zeros_like(tp)
-    tensors = 2.0 if model.gated_mlp or model.relu_mlp or tanh_gelu_as_ops(model, fused_activation) else 1.0
+    tensors = 2.0 if model.gated_mlp or model.relu_mlp else activation_ops.backward_tensors(model, fused_activation,
+                                                                                            dtype_bytes)
     return 2.0 * tensors * model.ffn_hidden_size / model.hidden_size / tp
 
 
@@ -335,7 +339,8 @@ def mlp_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndar
     quantized = training.quantized_linears
     fp8_share = quantization.element_bytes(training) / training.dtype_bytes if quantized else 1.0
     kept, down_input = mlp_units(model, np.asarray(tp, dtype=np.float64), fp8_share, training.fused_activation,
-                                 training.expert_tensor_parallel, bool(quantized), transformers_block_share(training))
+                                 training.expert_tensor_parallel, bool(quantized), experts.transformers_share(training),
+                                 training.dtype_bytes)
     sbh = np.asarray(mbs, dtype=np.float64) * np.asarray(seq, dtype=np.float64) * model.hidden_size
     return (kept + down_input) * sbh * training.dtype_bytes / 2.0
 
@@ -352,7 +357,7 @@ def training_activation_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
                             tr.fused_softmax, tr.softmax_in_fp32, tr.quantized_linears and linear_bytes,
                             tr.selective_recompute == "op", tr.fused_activation, tr.recompute_modules,
                             tr.expert_tensor_parallel, tr.autocast, tr.fused_gate_up, tr.fused_qkv, stream_bytes,
-                            kv_repeated(model, tr), model.attention_softcapping, transformers_block_share(tr),
+                            kv_repeated(model, tr), model.attention_softcapping, experts.transformers_share(tr),
                             tr.dtype_bytes if tr.grad_accumulation_pass else 0.0, fresh_gradient_bytes(tr))
 
 
@@ -364,15 +369,6 @@ def fresh_gradient_bytes(training: TrainingSpec) -> float:
     (a fully sharded stage's gathered ones: the GEMM's gradient, counted at the down projection)."""
     fp32_gradients = training.dtype_bytes == 4 or (training.autocast and not training.autocast_per_step)
     return 4.0 if training.grad_accumulation_pass and fp32_gradients else 0.0
-
-
-def transformers_block_share(training: TrainingSpec) -> float | None:
-    """For blocks as Transformers writes them (``transformers_blocks``), the bytes of a mixture's
-    expert tensors over the training dtype's (the weights' dtype, fp32 under autocast); None for
-    Megatron-Core's blocks."""
-    if not training.transformers_blocks:
-        return None
-    return 4.0 / training.dtype_bytes if experts.fp32_experts(training) else 1.0
 
 
 def training_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:

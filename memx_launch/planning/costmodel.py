@@ -34,6 +34,7 @@ from memx_launch.planning.tp_overlap import chunked_behind, sm_margin_seconds
 from memx_launch.specs.cluster import ClusterSpec, DeviceType
 from memx_launch.specs.efficiency import HOPPER_COMPUTE_CAPABILITY, default_efficiency, hopper_or_later
 from memx_launch.specs.hybrid import deltanet_params, mamba_params
+from memx_launch.specs.local_attention import local_attention_share
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -123,7 +124,7 @@ def attended_share(model: ModelSpec, seq):
         c = float(model.attention_chunk_size)
         whole = np.floor(seq / c)
         share = (whole * c * c + (seq - whole * c) ** 2) / (seq * seq)
-    local = model.local_attention_share
+    local = local_attention_share(model)
     return 1.0 - local + local * share
 
 

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memx_launch.planning import experts, gated_deltanet, mamba, quantization
-from memx_launch.planning.activations import kv_repeated, selective_modules, tanh_gelu_as_ops
+from memx_launch.planning import activation_ops, experts, gated_deltanet, mamba, quantization
+from memx_launch.planning.activations import kv_repeated, selective_modules
 from memx_launch.planning.loss import SOFTCAP_PASSES
 from memx_launch.planning.matmuls import linear_shapes
 from memx_launch.planning.model_states import rank_layer_params
@@ -54,9 +54,6 @@ CLAMPED_GLU_OPS_EXTRA_BYTES = (11.0, 26.0, 8.0)
 # the add, the experts' cat and the cast back. Bytes per element of a routed copy's hidden width (forward,
 # backward), by the training dtype's bytes (traced: tests/test_framework_memory.py).
 EXPERT_BIAS_BYTES = {2: (28.0, 40.0), 4: (24.0, 32.0)}
-GELU_BYTES = (2.0, 3.0)
-# GELU's tanh form as eight torch ops (Transformers' gelu_new, ``tanh_gelu_ops``): traced, 18d forward, 28d backward.
-TANH_GELU_OPS_BYTES = (18.0, 28.0)
 RESIDUAL_BYTES = (3.0, 3.0)
 FUSED_NORM_BYTES = (2.0, 4.0)
 # K and V repeated to the query heads (``repeat_kv``): each copied, read at the KV width and
@@ -239,8 +236,7 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
         norm = (FUSED_NORM_BYTES[0] * d + extra[0], FUSED_NORM_BYTES[1] * d + extra[1])
     dropout = dropout_bytes(training.dtype_bytes) if training.dropout else (0.0, 0.0)
     glu = FUSED_SWIGLU_BYTES if training.fused_activation else SWIGLU_BYTES
-    mlp = glu if model.gated_mlp else TANH_GELU_OPS_BYTES if tanh_gelu_as_ops(model, training.fused_activation) \
-        else GELU_BYTES
+    mlp = glu if model.gated_mlp else activation_ops.hbm_bytes(model, training.fused_activation, training.dtype_bytes)
     # Elements of the experts' width over every routed copy, and what their unfused gate moves beyond SwiGLU's.
     routed = tokens * model.experts_per_token * model.moe_ffn_hidden_size / tp if model.num_experts else 0.0
     gate_extra = (0.0, 0.0) if training.fused_activation else TRANSFORMERS_CHUNK_BYTES \

@@ -159,6 +159,15 @@ def fp32_experts(training: TrainingSpec) -> bool:
     return bool(training.transformers_blocks and training.autocast)
 
 
+def transformers_share(training: TrainingSpec) -> float | None:
+    """For blocks as Transformers writes them (``transformers_blocks``), the bytes of a mixture's
+    expert tensors over the training dtype's (the weights' dtype, fp32 under autocast); None for
+    Megatron-Core's blocks (:func:`kept_units`' ``transformers_share``)."""
+    if not training.transformers_blocks:
+        return None
+    return 4.0 / training.dtype_bytes if fp32_experts(training) else 1.0
+
+
 def grouped_gemm_rate(device: DeviceType, training: TrainingSpec) -> tuple[float, float]:
     """(sustained TFLOPS, bytes an element) of the routed experts' grouped GEMMs on ``device``: the
     block linears' (:func:`~memx_launch.planning.peaks.linear_tflops`), but fp32 where they run so

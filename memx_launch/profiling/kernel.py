@@ -27,6 +27,7 @@ from memx_launch.profiling.profiledb import Measurement
 from memx_launch.specs.training import DTYPE_BYTES, TrainingSpec
 from memx_launch.specs.cluster import DeviceType
 from memx_launch.specs.efficiency import power_limited_clock_share, training_share_of_best_matmul
+from memx_launch.specs.local_attention import local_attention_share
 from memx_launch.specs.model import ModelSpec
 from memx_launch.profiling.design import MinimalSet, minimal_sample_set
 from memx_launch.profiling.space import ProfileSpace, Sample
@@ -256,9 +257,9 @@ def record_run_options(recompute: str, selective_policy: str, run_options: dict 
 
 def local_blocks(shape: ModelSpec, num_blocks: int) -> list[bool]:
     """Which of ``num_blocks`` timed blocks attend within the model's window or chunk: the model's
-    share of local blocks (:attr:`~memx_launch.specs.model.ModelSpec.local_attention_share`), rounded,
+    share of local blocks (:func:`~memx_launch.specs.local_attention.local_attention_share`), rounded,
     so that their mean is near the model's mean block, as the runtime trains them."""
-    local = round(num_blocks * shape.local_attention_share)
+    local = round(num_blocks * local_attention_share(shape))
     return [j < local for j in range(num_blocks)]
 
 

@@ -84,13 +84,13 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
               kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, v_head_dim=128, dense_layers=1),
     # Nemotron-H 56B: 54 Mamba-2 layers, 54 MLP layers (squared ReLU: an ungated MLP) and 10 attention
     # layers without positions (NeMo's NemotronHConfig56B).
-    ModelSpec("nemotron-h-56b", 118, 8192, 64, 8, 32768, 131072, 8192, gated_mlp=False,
+    ModelSpec("nemotron-h-56b", 118, 8192, 64, 8, 32768, 131072, 8192, gated_mlp=False, squared_relu_ops=True,
               hybrid_pattern=NEMOTRON_H_56B_PATTERN, mamba_heads=256, mamba_head_dim=64, mamba_state_size=256,
               mamba_groups=8),
     # Nemotron 3 Nano 30B-A3B: 23 Mamba-2 layers, 23 expert layers (128 experts of 1,856, top-6, and
     # a shared one of 3,712; squared ReLU, ungated) and 6 attention layers (Megatron-Bridge's
     # Nemotron3NanoProvider, the model's config.json).
-    ModelSpec("nemotron-3-nano-30b-a3b", 52, 2688, 32, 2, 1856, 131072, 8192, gated_mlp=False,
+    ModelSpec("nemotron-3-nano-30b-a3b", 52, 2688, 32, 2, 1856, 131072, 8192, gated_mlp=False, squared_relu_ops=True,
               attention_head_dim=128, hybrid_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
               mamba_heads=64, mamba_head_dim=64, mamba_state_size=128, mamba_groups=8,
               num_experts=128, experts_per_token=6, expert_ffn_hidden_size=1856, shared_expert_ffn_hidden_size=3712),

@@ -49,9 +49,9 @@ FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "af
 # GLM-4's dense model, not its mixture glm4_moe).
 POST_NORM_TYPES = ("gemma2", "gemma3", "glm4")
 # Families whose blocks normalise only the attention's and the MLP's outputs (OLMo 2's reordering).
-POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo")
+POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo", "exaone4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
-QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe")
+QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan_v1", "dots1", "apertus")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -168,6 +168,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         seq_len=min(cfg.get("max_position_embeddings") or 4096, 8192),
         gated_mlp=gated, relu_mlp=act == "relu" and not gated,  # OPT's MLP: ReLU
         tanh_gelu_ops=act == "gelu_new" and not gated,  # Transformers' gelu_new: GPT-2, GPT-J, Phi
+        squared_relu_ops=act == "relu2" and not gated, xielu_ops=act == "xielu" and not gated,  # Arcee; Apertus
         tie_embeddings=bool(tied),
         layer_norm=layer_norm,
         linear_biases=linear_biases,
@@ -178,6 +179,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
+        qk_norm_after_rope=model_type.startswith("hunyuan_v1"),
         centred_norm_ops=model_type.startswith("cohere"),  # CohereLayerNorm: torch ops, x - mean twice
         rotary_concatenates=model_type == "phi3" or _partial_rotary(cfg, head_dim or cfg["hidden_size"] // heads,
                                                                     where),  # Phi-3's rotary concatenates even whole
@@ -346,13 +348,30 @@ def _local_attention_of(cfg: Mapping[str, Any], model_type: str, where: str) -> 
     return {"sliding_window": window, "full_attention_layers": full}
 
 
+def _moe_aliases(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """ERNIE 4.5's own names for the mixture keys (its Transformers attribute map): ``moe_num_experts``,
+    ``moe_k``, ``moe_num_shared_experts`` (shared experts of the experts' width) and its expert blocks from
+    ``moe_layer_start_index`` to the last (every block from there: ``moe_layer_interval`` 1)."""
+    if model_type != "ernie4_5_moe":
+        return {}
+    layers, interval = cfg.get("num_hidden_layers") or 0, cfg.get("moe_layer_interval") or 1
+    if interval != 1 or cfg.get("moe_layer_end_index", -1) not in (-1, layers - 1):
+        raise ConfigError(f"model ({where}).moe_layer_interval", "dense MLP blocks among the expert ones at places "
+                          "memx does not model", "memx models a mixture of experts' dense blocks as its first ones")
+    return {name: cfg[key] for key, name in (("moe_num_experts", "num_experts"), ("moe_k", "num_experts_per_tok"),
+                                             ("moe_num_shared_experts", "n_shared_experts"),
+                                             ("moe_layer_start_index", "first_k_dense_replace")) if key in cfg}
+
+
 def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     """The mixture-of-experts fields of a Hugging Face config: Mixtral's and GPT-OSS's
     ``num_local_experts``, Qwen's ``num_experts`` and ``moe_intermediate_size`` (Qwen2-MoE's shared
-    expert), DeepSeek's ``n_routed_experts`` and ``n_shared_experts`` (Nemotron 3's of
+    expert), ERNIE 4.5's (:func:`_moe_aliases`), DeepSeek's ``n_routed_experts`` and ``n_shared_experts``
+    (Nemotron 3's of
     ``moe_shared_expert_intermediate_size``), Llama 4's shared expert of its
     experts' width, and where the dense blocks are (DeepSeek's first ones, or all but every n-th:
     Llama 4's ``interleave_moe_layer_step``, Qwen's ``decoder_sparse_step``); none in a dense config."""
+    cfg = {**cfg, **_moe_aliases(cfg, model_type, where)}
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return {}

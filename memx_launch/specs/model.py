@@ -44,6 +44,12 @@ class ModelSpec:
     tanh_gelu_ops: bool = False
     """An ungated MLP's GELU as torch ops of its tanh form (Transformers' ``gelu_new``: GPT-2, GPT-J,
     Phi, CodeGen): run eager, it keeps five tensors of the MLP's width where a GELU kernel keeps two."""
+    squared_relu_ops: bool = False
+    """An ungated MLP of squared ReLU (``relu2``: Arcee, Nemotron-H): run eager, as relu and square, its
+    backward holds three tensors of the MLP's width where GELU's holds one (``planning/activation_ops.py``)."""
+    xielu_ops: bool = False
+    """An ungated MLP of xIELU (Apertus): run eager (Transformers' Python path), its fp32 slopes and two
+    branches keep, hold and move more than GELU (``planning/activation_ops.py``)."""
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     """RoPE base (Llama 3: 500000); it and ``norm_eps`` change nothing priced: exports state them."""
@@ -116,6 +122,9 @@ class ModelSpec:
     qk_norm: bool = False
     """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and Llama 4's
     ``use_qk_norm``; Megatron's ``--qk-layernorm``): a head's width of weights, and the q and k it keeps."""
+    qk_norm_after_rope: bool = False
+    """The query and key norms run on the rotated heads (HunYuan): under autocast RoPE's fp32 cos and sin
+    promote q and k to fp32, so a torch-op norm keeps an fp32 normalised tensor (4 + 4 bytes)."""
     centred_norm_ops: bool = False
     """The norms subtract the mean in torch ops (Cohere's LayerNorm without bias): each keeps ``x - mean``
     twice, the variance's and the scaling's, beside its scale and result (Transformers' blocks)."""
@@ -386,25 +395,6 @@ class ModelSpec:
     def head_params(self) -> int:
         """Final norm plus the output projection (zero extra when tied or without an LM head)."""
         return self.norm_params + (0 if self.ties_head else self.output_vocab * self.hidden_size)
-
-    @property
-    def local_attention_share(self) -> float:
-        """Share of the blocks attending within a window or chunk (:meth:`attends_locally`)."""
-        if not (self.sliding_window or self.attention_chunk_size):
-            return 0.0
-        return (self.num_layers - self.full_attention_layers) / self.num_layers
-
-    def attends_locally(self, layer: int) -> bool:
-        """Whether block ``layer`` (from 0) attends within its window or chunk: all but
-        ``full_attention_layers`` of the blocks, the full ones evenly spaced as the families place
-        them, where ``(layer + 1) % (num_layers // full_attention_layers)`` is 0 (Gemma 2 and GPT-OSS
-        every other block from the second, Gemma 3 every sixth, Llama 4 every fourth)."""
-        if not (self.sliding_window or self.attention_chunk_size):
-            return False
-        if not self.full_attention_layers:
-            return True
-        period = self.num_layers // self.full_attention_layers
-        return (layer + 1) % period != 0 or (layer + 1) // period > self.full_attention_layers
 
     @property
     def dense_block_count(self) -> int:
