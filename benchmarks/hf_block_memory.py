@@ -21,7 +21,7 @@ v projection). What a ratio off 1 says: the layer keeps what memx does not count
 (below).
 
 Writes benchmarks/results/hf_block_memory.json. Run: .venv/bin/python benchmarks/hf_block_memory.py
-(about 20 s).
+(a few seconds).
 """
 
 from __future__ import annotations
@@ -70,6 +70,15 @@ FAMILIES = {
     "dots1": dict(n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=96, num_experts_per_tok=2,
                   first_k_dense_replace=0, head_dim=32),
     "glm4": dict(head_dim=32), "apertus": dict(qk_norm=True), "arcee": None,
+    "olmo": dict(clip_qkv=8.0),  # OLMo 1.7's: q, k and v clamped in place
+    "exaone_moe": dict(num_experts=8, moe_intermediate_size=96, num_experts_per_tok=2, head_dim=32,
+                       first_k_dense_replace=0),
+    "granite_swa": None, "granitemoe_swa": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96),
+    "flex_olmo": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=96),
+    "granitemoeshared": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96,
+                             shared_intermediate_size=96),
+    "afmoe": dict(num_experts=8, moe_intermediate_size=96, num_experts_per_tok=2, head_dim=32, num_dense_layers=0,
+                  num_shared_experts=1),
 }
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 

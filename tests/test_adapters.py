@@ -504,7 +504,7 @@ def test_a_layer_norm_config_is_calibrated_with_its_own_hugging_face_block(tmp_p
 def test_a_config_whose_block_fuses_its_linears_is_calibrated_with_its_own(tmp_path):
     """Phi-3's block is LLaMA's parts, its q, k and v one linear and its gate and up another: memx's
     LLaMA of the shape would be measured with five, so the model's own block is (read on the meta
-    device first). OLMo's block of LLaMA's five linears keeps memx's."""
+    device first). SmolLM3's block of LLaMA's five linears keeps memx's."""
     import json
 
     from memx_launch.runtime.prepare import user_block_parts
@@ -522,7 +522,7 @@ def test_a_config_whose_block_fuses_its_linears_is_calibrated_with_its_own(tmp_p
     assert type(next(iter(probe.blocks.values()))).__name__ == "Phi3DecoderLayer"
     h = torch.randn(2, 8, 32)
     assert probe(h).shape == h.shape
-    assert parts("olmo") is None
+    assert parts("smollm3") is None
 
 
 def test_a_config_of_custom_code_is_never_run_and_keeps_memx_s_block_where_it_can(tmp_path):

@@ -64,6 +64,10 @@ def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
         found["fused_qkv"] = qkv in widths
     if widths and gated_dense and 2 * ffn != qkv:
         found["fused_gate_up"] = 2 * ffn in widths
+    shared = model.shared_expert_ffn_hidden_size if model.num_experts and model.gated_mlp and model.has_mlp else 0
+    # (Transformers' routed experts are 3-D parameters, not linears: their widths are not read)
+    if widths and shared and 2 * shared not in (qkv, model.num_experts, model.q_hidden_size, model.kv_hidden_size):
+        found["fused_gate_up"] = 2 * shared in widths  # a shared expert's gate and up as one linear (GraniteMoeShared)
     if torch_op_rms_norms(block):
         found["fused_norm"] = False
     if block.training and any(isinstance(getattr(m, "residual_dropout", None), float) and m.residual_dropout > 0

@@ -12,6 +12,7 @@ import numpy as np
 
 from memx_launch.planning import activation_ops, experts, gated_deltanet, mamba, op_checkpointing, quantization
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
+from memx_launch.planning.recompute_modules import dropped_by_module
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
@@ -107,7 +108,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     it keeps) and silu(gate)*up: it drops the scores or logsumexp and silu(gate). In latent
     attention it is Megatron's ``mla_up_proj``: the up projections and RoPE run again from the
     kept latents, dropping Q, K and V. ``recompute_modules`` (Megatron's names) instead: each drops
-    what it recomputes (:func:`dropped_by_module`).
+    what it recomputes (:func:`~memx_launch.planning.recompute_modules.dropped_by_module`).
     ``op_selective``: selective is torchtitan's op-level policy instead (:mod:`op_checkpointing`).
     Full recompute keeps the block input only; its working set is one block recomputed.
     The backward's working set is the largest of its phases'. With sandwich norms (``post_norms``)
@@ -169,6 +170,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         # Transformers' fused q, k and v projection split into views (Phi-3, Falcon): the attention
         # saves v, a view that keeps the whole projection alive beside the rotated q and k.
         qkv = qkv + 2.0 * (q + kv) / h / tp
+    if transformers_share is not None and model.clipped_qkv:  # in-place clamp_ keeps each unclamped output
+        qkv = qkv + 2.0 * (q + 2.0 * kv) / h / tp
     if transformers_share is not None and model.rotary_concatenates:
         # The attention's output follows the concatenated query's layout, by head: copied for the output projection.
         attn_out = attn_out + 2.0 * q / h / tp
@@ -182,6 +185,12 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     score_bytes = probs + (2.0 + 1.0 / scale if attention_dropout else 0.0)  # (+ mask, dropout out)
     score_bytes = score_bytes + (2.0 if softcapped_scores else 0.0)  # tanh's output, for its backward
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
+    if model.attention_sink_scale and model.has_attention and transformers_share is not None:
+        # Granite SWA's sink: logsumexp keeps the raw scores and its d-byte result, out * sigmoid(lse - sink) the
+        # unscaled output and the fp32 scale (and, under 16 bits, its cast to the output's dtype).
+        per_head = (2.0 + 8.0 / dtype_bytes + (2.0 if dtype_bytes < 4 else 0.0)) * a / h / tp
+        scores = np.where(flash, 0.0, scores + 2.0 * a * seq / h / tp + per_head)
+        attn_out = attn_out + 2.0 * model.value_hidden_size / h / tp
     if dropout:  # 1-byte masks of the two residual dropouts, split over TP only with SP
         replicated = replicated + model.residual_adds / scale / (tp if sequence_parallel else 1.0)
     mlp_kept, mlp_elementwise = mlp_units(model, tp, fp8_share, fused_activation, expert_tp, bool(quantized_bytes),
@@ -393,7 +402,8 @@ def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool, fused_qkv: bool)
     three linears unless fused (latent attention's two down projections), the MLP's gate and up
     as two unless fused (GELU's fc1, a mixture's router: one, and its shared expert's gate and up
     and the gate of that expert's output beside it)."""
-    attention = (2 if model.kv_lora_rank else 1 if fused_qkv else 3) if model.has_attention else 0
+    attention = ((2 if model.kv_lora_rank else 1 if fused_qkv else 3)
+                 + (model.attention_output_gate and model.output_gate_linear)) if model.has_attention else 0
     gate_up = 2 if model.gated_mlp and not fused_gate_up else 1
     shared = (gate_up if model.shared_expert_ffn_hidden_size else 0) + model.shared_expert_gate
     mlp = ((1 + shared) if model.num_experts else gate_up) if model.has_mlp else 0
@@ -425,21 +435,3 @@ def attention_recomputed(recompute, model: ModelSpec, training, flash=True) -> n
     selective = (~np.asarray(flash, dtype=bool) if training.selective_recompute == "op"
                  else "core_attn" in selective_modules(model, training))
     return (recompute == FULL) | ((recompute == SELECTIVE) & selective)
-
-
-def dropped_by_module(model: ModelSpec, tp, attention_core, heads_qkv, normed, mlp_kept, mlp_input, input_share,
-                      fused_activation: bool) -> dict:
-    """What each of Megatron's recompute modules keeps no more, in :func:`activation_bytes`' units:
-    ``core_attn`` the softmax's statistics or probabilities, ``mla_up_proj`` latent attention's
-    Q, K and V, ``layernorm`` the 16-bit normed tensors the linears keep (not quantized ones),
-    ``moe_act`` the routed experts' down-projection inputs (and an unfused activation's tensors beyond its
-    input: :func:`~memx_launch.planning.experts.unfused_activation_units`), ``mlp`` a dense MLP's kept tensors,
-    ``moe`` everything a mixture of experts' MLP keeps, ``shared_experts`` its shared expert's."""
-    experts_on = bool(model.num_experts)
-    routed = (2.0 * input_share * model.experts_per_token * model.moe_ffn_hidden_size / model.hidden_size
-              / np.asarray(tp, dtype=np.float64)) if experts_on else 0.0
-    shared = sum(experts.shared_expert_units(model, tp, input_share, fused_activation)) if experts_on else 0.0
-    return {"core_attn": attention_core, "mla_up_proj": heads_qkv if model.kv_lora_rank else 0.0, "layernorm": normed,
-            "moe_act": routed + experts.unfused_activation_units(model, tp, fused_activation),
-            "mlp": 0.0 if experts_on else mlp_kept + mlp_input,
-            "moe": mlp_kept + mlp_input if experts_on else 0.0, "shared_experts": shared}

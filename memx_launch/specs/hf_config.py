@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number, require_type
+from memx_launch.specs.hf_family_keys import family_keys, moe_aliases
 from memx_launch.specs.hf_hybrid import DELTANET_TYPES, LINEAR_ATTENTION, hybrid_of
 from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
@@ -47,11 +48,16 @@ OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_
 FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "afmoe")
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich;
 # GLM-4's dense model, not its mixture glm4_moe).
-POST_NORM_TYPES = ("gemma2", "gemma3", "glm4")
+POST_NORM_TYPES = ("gemma2", "gemma3", "glm4", "afmoe")
 # Families whose blocks normalise only the attention's and the MLP's outputs (OLMo 2's reordering).
 POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo", "exaone4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
-QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan_v1", "dots1", "apertus")
+QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "exaone_moe", "hunyuan_v1", "dots1",
+                 "apertus", "flex_olmo", "afmoe")
+# Families that name their shared experts ``num_shared_experts``, and their configs' default count.
+NUM_SHARED_EXPERTS = {"exaone_moe": 1, "afmoe": 2}
+# Families whose sinks scale the attention's output after the softmax (Granite SWA's), not join it.
+SINK_SCALE_TYPES = ("granite_swa", "granitemoe_swa")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -98,7 +104,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
     if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
         cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
-    cfg = {**cfg, **{k: v for k, v in _family_keys(cfg, model_type, where).items() if v is not None}}
+    cfg = {**cfg, **{k: v for k, v in family_keys(cfg, model_type, where).items() if v is not None}}
     if "n_layer" in cfg and "num_hidden_layers" not in cfg:  # GPT-2's names (GPT-2, GPT-J): GELU, 4x unless n_inner
         require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
                        integer=True, fix="config.json must give it as a positive integer")
@@ -133,6 +139,8 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     act = str(cfg.get("hidden_act", cfg.get("mlp_hidden_act", "silu")))  # Nemotron-H: mlp_hidden_act relu2
     gated = act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU)
     heads = cfg["num_attention_heads"]
+    if model_type == "jetmoe" and cfg.get("head_dim") is None and cfg.get("kv_channels") is not None:
+        cfg = {**cfg, "head_dim": cfg["kv_channels"]}  # JetMoeConfig.attribute_map: head_dim -> kv_channels
     head_dim = 0
     if cfg.get("head_dim") is not None:
         require_number(cfg["head_dim"], f"model ({where}).head_dim", lo=0, lo_open=True, hi=MAX_DIMENSION,
@@ -180,6 +188,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
         qk_norm_after_rope=model_type.startswith("hunyuan_v1"),
+        clipped_qkv=model_type == "olmo" and cfg.get("clip_qkv") is not None,  # modeling_olmo.py: clamp_
         centred_norm_ops=model_type.startswith("cohere"),  # CohereLayerNorm: torch ops, x - mean twice
         rotary_concatenates=model_type == "phi3" or _partial_rotary(cfg, head_dim or cfg["hidden_size"] // heads,
                                                                     where),  # Phi-3's rotary concatenates even whole
@@ -188,7 +197,10 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         norm_weight_in_fp32=model_type.startswith(FP32_WEIGHT_NORM_TYPES),
         logit_softcapping=softcaps["final_logit_softcapping"] is not None,
         attention_softcapping=softcaps["attn_logit_softcapping"] is not None,
-        attention_sinks=model_type == "gpt_oss",  # a learned logit per head in each query's softmax
+        attention_sinks=model_type in ("gpt_oss",) + SINK_SCALE_TYPES,  # a learned logit per head
+        attention_sink_scale=model_type in SINK_SCALE_TYPES,  # Granite SWA's: sigmoid(lse - sink) after AV
+        attention_output_gate=blocks.pop("attention_output_gate", False) or model_type == "afmoe",
+        output_gate_linear=model_type == "afmoe",  # AFMoE's sigmoid(gate_proj(x)) * out: a linear of its own
         clamped_glu=cfg.get("swiglu_limit") is not None,  # GPT-OSS's experts' clamped GLU
         expert_biases=model_type == "gpt_oss",  # and its experts' biases
         **blocks,
@@ -199,45 +211,6 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     )
 
 
-def _family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """GPT-Neo's, Falcon's, BLOOM's and MPT's own names for the Llama-style keys (None: not given).
-    GPT-Neo: ``num_layers``, ``num_heads``, its MLP 4x wide unless ``intermediate_size``; its local blocks
-    stay whole-sequence ones, as Hugging Face's GPT-Neo computes every score and masks those out of
-    its window. Falcon: its layers and heads (GPT-2's names in its first configs),
-    ``ffn_hidden_size`` (4x unless given) and its key-value heads: ``num_kv_heads`` with
-    ``new_decoder_architecture``, else one with ``multi_query`` (its default), else one per head.
-    BLOOM: ``n_layer``, ``n_head``, a 4x GELU MLP (its embedding's own LayerNorm not counted).
-    MPT: ``d_model``, ``n_layers``, ``n_heads``, an ``expansion_ratio`` x GELU MLP, ``max_seq_len``."""
-    if model_type not in ("gpt_neo", "falcon", "bloom", "mpt"):
-        return {}
-    key = "d_model" if model_type == "mpt" else "hidden_size" if "hidden_size" in cfg or model_type != "bloom" \
-        else "n_embed"  # BLOOM's first configs
-    hidden = cfg.get(key)
-    require_number(hidden, f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
-                   fix="config.json must give it as a positive integer")
-    if model_type == "bloom":
-        return {"num_hidden_layers": cfg.get("n_layer"), "num_attention_heads": cfg.get("n_head"),
-                "hidden_size": hidden, "intermediate_size": 4 * hidden, "hidden_act": "gelu"}
-    if model_type == "mpt":
-        ratio = cfg.get("expansion_ratio", 4)
-        require_number(ratio, f"model ({where}).expansion_ratio", lo=0, lo_open=True, hi=64, integer=True)
-        return {"num_hidden_layers": cfg.get("n_layers"), "num_attention_heads": cfg.get("n_heads"),
-                "hidden_size": hidden, "intermediate_size": ratio * hidden, "hidden_act": "gelu",
-                "max_position_embeddings": cfg.get("max_seq_len")}
-    if model_type == "gpt_neo":
-        return {"num_hidden_layers": cfg.get("num_layers"), "num_attention_heads": cfg.get("num_heads"),
-                "intermediate_size": cfg.get("intermediate_size") or 4 * hidden,
-                "hidden_act": cfg.get("activation_function", "gelu_new")}
-    heads = cfg.get("num_attention_heads") or cfg.get("n_head")
-    if cfg.get("new_decoder_architecture"):
-        kv_heads = cfg.get("num_kv_heads") or heads
-    else:
-        kv_heads = 1 if cfg.get("multi_query", True) else heads
-    return {"num_hidden_layers": cfg.get("num_hidden_layers") or cfg.get("n_layer"), "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads, "intermediate_size": cfg.get("ffn_hidden_size") or 4 * hidden,
-            "hidden_act": cfg.get("activation", "gelu")}
-
-
 def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[bool, bool]:
     """(LayerNorm with a bias, a bias on every linear layer) of a family's blocks: GPT-2 style ones
     both (OPT's ``enable_bias`` may drop the biases), StarCoder2's by its ``use_bias``, GPT-NeoX's
@@ -246,6 +219,8 @@ def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tu
     and MPT neither (Hugging Face's MPT: weight-only norms, counted as RMSNorm's weight, and no
     linear biases)."""
     if model_type == "stablelm":  # its q, k and v biases, if any: use_qkv_bias
+        return True, False
+    if model_type == "olmo":  # OLMo 1's OlmoLayerNorm: F.layer_norm without weight or bias (torch's kernel)
         return True, False
     key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True),
                     "gpt_neox": ("attention_bias", True)}.get(model_type, ("enable_bias", True))
@@ -348,41 +323,28 @@ def _local_attention_of(cfg: Mapping[str, Any], model_type: str, where: str) -> 
     return {"sliding_window": window, "full_attention_layers": full}
 
 
-def _moe_aliases(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """ERNIE 4.5's own names for the mixture keys (its Transformers attribute map): ``moe_num_experts``,
-    ``moe_k``, ``moe_num_shared_experts`` (shared experts of the experts' width) and its expert blocks from
-    ``moe_layer_start_index`` to the last (every block from there: ``moe_layer_interval`` 1)."""
-    if model_type != "ernie4_5_moe":
-        return {}
-    layers, interval = cfg.get("num_hidden_layers") or 0, cfg.get("moe_layer_interval") or 1
-    if interval != 1 or cfg.get("moe_layer_end_index", -1) not in (-1, layers - 1):
-        raise ConfigError(f"model ({where}).moe_layer_interval", "dense MLP blocks among the expert ones at places "
-                          "memx does not model", "memx models a mixture of experts' dense blocks as its first ones")
-    return {name: cfg[key] for key, name in (("moe_num_experts", "num_experts"), ("moe_k", "num_experts_per_tok"),
-                                             ("moe_num_shared_experts", "n_shared_experts"),
-                                             ("moe_layer_start_index", "first_k_dense_replace")) if key in cfg}
-
-
 def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     """The mixture-of-experts fields of a Hugging Face config: Mixtral's and GPT-OSS's
     ``num_local_experts``, Qwen's ``num_experts`` and ``moe_intermediate_size`` (Qwen2-MoE's shared
-    expert), ERNIE 4.5's (:func:`_moe_aliases`), DeepSeek's ``n_routed_experts`` and ``n_shared_experts``
-    (Nemotron 3's of
+    expert), ERNIE 4.5's (:func:`~memx_launch.specs.hf_family_keys.moe_aliases`), DeepSeek's
+    ``n_routed_experts`` and ``n_shared_experts`` (Nemotron 3's of
     ``moe_shared_expert_intermediate_size``), Llama 4's shared expert of its
     experts' width, and where the dense blocks are (DeepSeek's first ones, or all but every n-th:
     Llama 4's ``interleave_moe_layer_step``, Qwen's ``decoder_sparse_step``); none in a dense config."""
-    cfg = {**cfg, **_moe_aliases(cfg, model_type, where)}
+    cfg = {**cfg, **moe_aliases(cfg, model_type, where)}
+    if model_type in NUM_SHARED_EXPERTS and cfg.get("n_shared_experts") is None:  # of the experts' width
+        cfg = {**cfg, "n_shared_experts": cfg.get("num_shared_experts", NUM_SHARED_EXPERTS[model_type])}
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return {}
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
                 "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts",
-                "moe_shared_expert_intermediate_size"):
+                "moe_shared_expert_intermediate_size", "shared_intermediate_size", "num_shared_experts"):
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
     interleaved = ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step")
-    for key in ("first_k_dense_replace", "n_group", "topk_group") + interleaved:
+    for key in ("first_k_dense_replace", "num_dense_layers", "n_group", "topk_group") + interleaved:
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
@@ -405,6 +367,7 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
         require_type(cfg["output_router_logits"], bool, f"model ({where}).output_router_logits")
     expert_ffn = cfg.get("moe_intermediate_size") or 0
     shared = (cfg.get("shared_expert_intermediate_size")  # Nemotron 3: each shared expert's own width
+              or cfg.get("shared_intermediate_size")  # GraniteMoeShared
               or (cfg.get("n_shared_experts") or 0) * (cfg.get("moe_shared_expert_intermediate_size") or expert_ffn))
     dense_ffn = {}
     if model_type.startswith("llama4"):  # every MoE block's shared expert, of the experts' width
@@ -417,7 +380,8 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
             "shared_expert_gate": bool(shared) and model_type.startswith(SHARED_EXPERT_GATE),
-            "dense_layers": cfg.get("first_k_dense_replace") or 0, "moe_layer_step": step, **dense_ffn,
+            "dense_layers": cfg.get("first_k_dense_replace") or cfg.get("num_dense_layers") or 0,  # AFMoE's key
+            "moe_layer_step": step, **dense_ffn,
             "router_aux_loss": bool(cfg.get("output_router_logits")),
             **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}
                if (cfg.get("n_group") or 1) > 1 else {})}

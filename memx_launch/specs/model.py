@@ -93,6 +93,10 @@ class ModelSpec:
     attention_sinks: bool = False
     """A learned logit per head beside each query's scores in its softmax (GPT-OSS's sinks): Transformers runs such
     attention eager (its SDPA has no sink), Megatron's cuDNN kernel takes it (activations.training_as_run)."""
+    attention_sink_scale: bool = False
+    """With ``attention_sinks``: the sink scales the attention's output after the softmax, ``out * sigmoid(lse -
+    sink)`` (Granite SWA's eager attention): its logsumexp keeps the raw scores and its result, the multiply the
+    unscaled output and the fp32 scale (and its cast), beyond what GPT-OSS's sink joined to the softmax keeps."""
     clamped_glu: bool = False
     """GPT-OSS's experts' GLU: gate clamped from above, up from both sides, ``gate * sigmoid(1.702 gate) * (up + 1)``;
     as torch ops it keeps and moves more than SwiGLU (``elementwise.clamped_glu_extra_bytes``)."""
@@ -125,6 +129,9 @@ class ModelSpec:
     qk_norm_after_rope: bool = False
     """The query and key norms run on the rotated heads (HunYuan): under autocast RoPE's fp32 cos and sin
     promote q and k to fp32, so a torch-op norm keeps an fp32 normalised tensor (4 + 4 bytes)."""
+    clipped_qkv: bool = False
+    """Queries, keys and values clamped in place after their projections (OLMo 1's ``clip_qkv``): Transformers'
+    ``clamp_`` keeps a copy of each unclamped projection output for its backward, q + 2kv wide."""
     centred_norm_ops: bool = False
     """The norms subtract the mean in torch ops (Cohere's LayerNorm without bias): each keeps ``x - mean``
     twice, the variance's and the scaling's, beside its scale and result (Transformers' blocks)."""
@@ -175,6 +182,9 @@ class ModelSpec:
     attention_output_gate: bool = False
     """Attention multiplies its output by a sigmoid gate its query projection also computes
     (Qwen3-Next; Megatron's ``--attention-output-gate``): that projection is twice as wide."""
+    output_gate_linear: bool = False
+    """With ``attention_output_gate``: the gate is a linear of its own beside q, k and v (AFMoE's ``gate_proj``),
+    not half of the query projection (Qwen3-Next's): under autocast it keeps its own 16-bit cast of the normed input."""
     layer_kind: str = ""
     """One layer of a hybrid model (:attr:`layer_kinds` sets it): ``mamba``, ``gated_deltanet``,
     ``attention``, ``mlp`` or ``moe``; '' a block of attention and MLP."""

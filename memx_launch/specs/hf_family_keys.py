@@ -1,0 +1,65 @@
+"""Families' own names for the keys a Hugging Face config reader asks: GPT-Neo's, Falcon's,
+BLOOM's and MPT's for the Llama-style ones, ERNIE 4.5's for a mixture's (``hf_config.py`` reads
+the rest)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from memx_launch.errors import ConfigError
+from memx_launch.specs.checks import require_number
+from memx_launch.specs.model import MAX_DIMENSION
+
+
+def family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """GPT-Neo's, Falcon's, BLOOM's and MPT's own names for the Llama-style keys (None: not given).
+    GPT-Neo: ``num_layers``, ``num_heads``, its MLP 4x wide unless ``intermediate_size``; its local blocks
+    stay whole-sequence ones, as Hugging Face's GPT-Neo computes every score and masks those out of
+    its window. Falcon: its layers and heads (GPT-2's names in its first configs),
+    ``ffn_hidden_size`` (4x unless given) and its key-value heads: ``num_kv_heads`` with
+    ``new_decoder_architecture``, else one with ``multi_query`` (its default), else one per head.
+    BLOOM: ``n_layer``, ``n_head``, a 4x GELU MLP (its embedding's own LayerNorm not counted).
+    MPT: ``d_model``, ``n_layers``, ``n_heads``, an ``expansion_ratio`` x GELU MLP, ``max_seq_len``."""
+    if model_type not in ("gpt_neo", "falcon", "bloom", "mpt"):
+        return {}
+    key = "d_model" if model_type == "mpt" else "hidden_size" if "hidden_size" in cfg or model_type != "bloom" \
+        else "n_embed"  # BLOOM's first configs
+    hidden = cfg.get(key)
+    require_number(hidden, f"model ({where}).{key}", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
+                   fix="config.json must give it as a positive integer")
+    if model_type == "bloom":
+        return {"num_hidden_layers": cfg.get("n_layer"), "num_attention_heads": cfg.get("n_head"),
+                "hidden_size": hidden, "intermediate_size": 4 * hidden, "hidden_act": "gelu"}
+    if model_type == "mpt":
+        ratio = cfg.get("expansion_ratio", 4)
+        require_number(ratio, f"model ({where}).expansion_ratio", lo=0, lo_open=True, hi=64, integer=True)
+        return {"num_hidden_layers": cfg.get("n_layers"), "num_attention_heads": cfg.get("n_heads"),
+                "hidden_size": hidden, "intermediate_size": ratio * hidden, "hidden_act": "gelu",
+                "max_position_embeddings": cfg.get("max_seq_len")}
+    if model_type == "gpt_neo":
+        return {"num_hidden_layers": cfg.get("num_layers"), "num_attention_heads": cfg.get("num_heads"),
+                "intermediate_size": cfg.get("intermediate_size") or 4 * hidden,
+                "hidden_act": cfg.get("activation_function", "gelu_new")}
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head")
+    if cfg.get("new_decoder_architecture"):
+        kv_heads = cfg.get("num_kv_heads") or heads
+    else:
+        kv_heads = 1 if cfg.get("multi_query", True) else heads
+    return {"num_hidden_layers": cfg.get("num_hidden_layers") or cfg.get("n_layer"), "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "intermediate_size": cfg.get("ffn_hidden_size") or 4 * hidden,
+            "hidden_act": cfg.get("activation", "gelu")}
+
+
+def moe_aliases(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """ERNIE 4.5's own names for the mixture keys (its Transformers attribute map): ``moe_num_experts``,
+    ``moe_k``, ``moe_num_shared_experts`` (shared experts of the experts' width) and its expert blocks from
+    ``moe_layer_start_index`` to the last (every block from there: ``moe_layer_interval`` 1)."""
+    if model_type != "ernie4_5_moe":
+        return {}
+    layers, interval = cfg.get("num_hidden_layers") or 0, cfg.get("moe_layer_interval") or 1
+    if interval != 1 or cfg.get("moe_layer_end_index", -1) not in (-1, layers - 1):
+        raise ConfigError(f"model ({where}).moe_layer_interval", "dense MLP blocks among the expert ones at places "
+                          "memx does not model", "memx models a mixture of experts' dense blocks as its first ones")
+    return {name: cfg[key] for key, name in (("moe_num_experts", "num_experts"), ("moe_k", "num_experts_per_tok"),
+                                             ("moe_num_shared_experts", "n_shared_experts"),
+                                             ("moe_layer_start_index", "first_k_dense_replace")) if key in cfg}
