@@ -144,7 +144,10 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
         args += ["--quick-geglu", "--activation-func-clamp-value", "7.0", "--glu-linear-offset", "1.0"]
     elif spec.gated_mlp:
         args.append("--swiglu")
-    if spec.attention_sinks:  # a learned logit per head in each softmax (Transformer Engine's cuDNN kernel)
+    if spec.attention_sink_scale:
+        notes.append("the model's attention sinks scale the attention's output after the softmax (Granite SWA's), "
+                     "as the plan counted; Megatron-LM has no such option: add your build's")
+    elif spec.attention_sinks:  # a learned logit per head in each softmax (Transformer Engine's cuDNN kernel)
         args += ["--softmax-type", "learnable"]
     if not spec.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
@@ -352,7 +355,8 @@ def _megatron_attention(plan: Plan, cluster: ClusterSpec | None) -> tuple[list[s
                      f"--attention-backend for all: unfused here, which every device runs; on {on} it keeps the "
                      "s x s attention scores: more memory and time than the plan predicts there")
     if all(fused.values()):  # FlashAttention has no sinks: Transformer Engine's cuDNN kernel takes them
-        return ["--attention-backend", "fused" if plan.model_spec.attention_sinks else "flash"], notes
+        sinks = plan.model_spec.attention_sinks and not plan.model_spec.attention_sink_scale
+        return ["--attention-backend", "fused" if sinks else "flash"], notes
     args = ["--attention-backend", "unfused"]
     if not tr.get("fused_softmax", True):
         args.append("--no-masked-softmax-fusion")
