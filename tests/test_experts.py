@@ -274,8 +274,8 @@ def test_the_megatron_export_builds_gpt_oss_s_attention_sinks_and_clamped_glu_as
     fused = megatron_args(_estimate(small, _training(expert_parallel=4), tp=1, dp=8)).args
     assert "--no-bias-gelu-fusion" not in fused and _megatron_config(plan, fused).bias_activation_fusion
     # Granite SWA's sinks scale the output after the softmax: no Megatron-LM option, said in a note.
-    scaled = megatron_args(_estimate(dataclasses.replace(small, attention_sink_scale=True), _training(expert_parallel=4),
-                                     tp=1, dp=8))
+    scaled = megatron_args(_estimate(dataclasses.replace(small, attention_sink_scale=True),
+                                     _training(expert_parallel=4), tp=1, dp=8))
     assert "--softmax-type" not in scaled.args and any("after the softmax" in note for note in scaled.notes)
 
 
