@@ -35,11 +35,6 @@ def _kind(model: ModelSpec, fused_activation: bool) -> str:
             else "xielu" if model.xielu_ops else "")
 
 
-def tanh_gelu_as_ops(model: ModelSpec, fused_activation: bool) -> bool:
-    """Whether the MLP's GELU runs as torch ops of its tanh form (``tanh_gelu_ops``, not fused)."""
-    return _kind(model, fused_activation) == "tanh_gelu"
-
-
 def kept_units(model: ModelSpec, fused_activation: bool, dtype_bytes: int) -> float:
     """What an ungated activation keeps beside the down projection's input, in
     :func:`~memx_launch.planning.activations.activation_bytes`' units (2 a tensor of the MLP's
