@@ -179,7 +179,8 @@ def test_gpt_oss_s_sinks_and_clamped_glu_are_read_and_its_attention_runs_eager_o
 def test_ernie_4_5_s_mixture_is_read_by_its_own_keys():
     """ERNIE 4.5's MoE config names its experts ``moe_num_experts``, its top-k ``moe_k``, its shared
     experts ``moe_num_shared_experts`` (each of the experts' width) and its first expert block
-    ``moe_layer_start_index``; expert blocks at an interval are refused by the key that places them."""
+    ``moe_layer_start_index``; expert blocks at an interval are refused by the key that places them.
+    AFMoE's and GraniteMoeShared's names too, a bad value named by the family's own key."""
     ernie = {**SMALL, "model_type": "ernie4_5_moe", "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 96,
              "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1}
     spec = model_from_hf_dict(ernie, "ernie")
@@ -187,6 +188,16 @@ def test_ernie_4_5_s_mixture_is_read_by_its_own_keys():
     assert (spec.shared_expert_ffn_hidden_size, spec.dense_layers) == (2 * 96, 1)
     with pytest.raises(ConfigError, match=r"moe_layer_interval"):
         model_from_hf_dict({**ernie, "moe_layer_interval": 2}, "ernie")
+    # Other families' names (hf_family_keys.RENAMED_KEYS), at their config classes' defaults where omitted.
+    afmoe = model_from_hf_dict({**SMALL, "model_type": "afmoe", "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 96}, "afmoe")
+    assert (afmoe.shared_expert_ffn_hidden_size, afmoe.dense_layers) == (2 * 96, 1)
+    shared = model_from_hf_dict({**SMALL, "model_type": "granitemoeshared", "num_local_experts": 8,
+                                 "num_experts_per_tok": 2, "shared_intermediate_size": 64}, "granite")
+    assert shared.shared_expert_ffn_hidden_size == 64
+    with pytest.raises(ConfigError, match=r"\.num_shared_experts"):
+        model_from_hf_dict({**SMALL, "model_type": "exaone_moe", "num_experts": 8, "num_experts_per_tok": 2,
+                            "num_shared_experts": "one"}, "exaone")
 
 
 def test_query_and_key_head_norms_are_read_counted_and_exported():

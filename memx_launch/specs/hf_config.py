@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number, require_type
-from memx_launch.specs.hf_family_keys import family_keys, moe_aliases
+from memx_launch.specs.hf_family_keys import family_keys, renamed_keys
 from memx_launch.specs.hf_hybrid import DELTANET_TYPES, LINEAR_ATTENTION, hybrid_of
 from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
@@ -54,8 +54,6 @@ POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo", "exaone4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
 QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "exaone_moe", "hunyuan_v1", "dots1",
                  "apertus", "flex_olmo", "afmoe")
-# Families that name their shared experts ``num_shared_experts``, and their configs' default count.
-NUM_SHARED_EXPERTS = {"exaone_moe": 1, "afmoe": 2}
 # Families whose sinks scale the attention's output after the softmax (Granite SWA's), not join it.
 SINK_SCALE_TYPES = ("granite_swa", "granitemoe_swa")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
@@ -105,6 +103,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
         cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
     cfg = {**cfg, **{k: v for k, v in family_keys(cfg, model_type, where).items() if v is not None}}
+    cfg = {**cfg, **renamed_keys(cfg, model_type, where)}
     if "n_layer" in cfg and "num_hidden_layers" not in cfg:  # GPT-2's names (GPT-2, GPT-J): GELU, 4x unless n_inner
         require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
                        integer=True, fix="config.json must give it as a positive integer")
@@ -139,8 +138,6 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     act = str(cfg.get("hidden_act", cfg.get("mlp_hidden_act", "silu")))  # Nemotron-H: mlp_hidden_act relu2
     gated = act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU)
     heads = cfg["num_attention_heads"]
-    if model_type == "jetmoe" and cfg.get("head_dim") is None and cfg.get("kv_channels") is not None:
-        cfg = {**cfg, "head_dim": cfg["kv_channels"]}  # JetMoeConfig.attribute_map: head_dim -> kv_channels
     head_dim = 0
     if cfg.get("head_dim") is not None:
         require_number(cfg["head_dim"], f"model ({where}).head_dim", lo=0, lo_open=True, hi=MAX_DIMENSION,
@@ -326,25 +323,22 @@ def _local_attention_of(cfg: Mapping[str, Any], model_type: str, where: str) -> 
 def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     """The mixture-of-experts fields of a Hugging Face config: Mixtral's and GPT-OSS's
     ``num_local_experts``, Qwen's ``num_experts`` and ``moe_intermediate_size`` (Qwen2-MoE's shared
-    expert), ERNIE 4.5's (:func:`~memx_launch.specs.hf_family_keys.moe_aliases`), DeepSeek's
+    expert), ERNIE 4.5's (renamed: :data:`~memx_launch.specs.hf_family_keys.RENAMED_KEYS`), DeepSeek's
     ``n_routed_experts`` and ``n_shared_experts`` (Nemotron 3's of
     ``moe_shared_expert_intermediate_size``), Llama 4's shared expert of its
     experts' width, and where the dense blocks are (DeepSeek's first ones, or all but every n-th:
     Llama 4's ``interleave_moe_layer_step``, Qwen's ``decoder_sparse_step``); none in a dense config."""
-    cfg = {**cfg, **moe_aliases(cfg, model_type, where)}
-    if model_type in NUM_SHARED_EXPERTS and cfg.get("n_shared_experts") is None:  # of the experts' width
-        cfg = {**cfg, "n_shared_experts": cfg.get("num_shared_experts", NUM_SHARED_EXPERTS[model_type])}
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return {}
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
                 "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts",
-                "moe_shared_expert_intermediate_size", "shared_intermediate_size", "num_shared_experts"):
+                "moe_shared_expert_intermediate_size"):
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
     interleaved = ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step")
-    for key in ("first_k_dense_replace", "num_dense_layers", "n_group", "topk_group") + interleaved:
+    for key in ("first_k_dense_replace", "n_group", "topk_group") + interleaved:
         if cfg.get(key) is not None:
             require_number(cfg[key], f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
                            fix="config.json must give it as a non-negative integer")
@@ -367,7 +361,6 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
         require_type(cfg["output_router_logits"], bool, f"model ({where}).output_router_logits")
     expert_ffn = cfg.get("moe_intermediate_size") or 0
     shared = (cfg.get("shared_expert_intermediate_size")  # Nemotron 3: each shared expert's own width
-              or cfg.get("shared_intermediate_size")  # GraniteMoeShared
               or (cfg.get("n_shared_experts") or 0) * (cfg.get("moe_shared_expert_intermediate_size") or expert_ffn))
     dense_ffn = {}
     if model_type.startswith("llama4"):  # every MoE block's shared expert, of the experts' width
@@ -380,8 +373,7 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
             "shared_expert_gate": bool(shared) and model_type.startswith(SHARED_EXPERT_GATE),
-            "dense_layers": cfg.get("first_k_dense_replace") or cfg.get("num_dense_layers") or 0,  # AFMoE's key
-            "moe_layer_step": step, **dense_ffn,
+            "dense_layers": cfg.get("first_k_dense_replace") or 0, "moe_layer_step": step, **dense_ffn,
             "router_aux_loss": bool(cfg.get("output_router_logits")),
             **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}
                if (cfg.get("n_group") or 1) > 1 else {})}

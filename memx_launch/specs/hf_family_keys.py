@@ -1,6 +1,6 @@
 """Families' own names for the keys a Hugging Face config reader asks: GPT-Neo's, Falcon's,
-BLOOM's and MPT's for the Llama-style ones, ERNIE 4.5's for a mixture's (``hf_config.py`` reads
-the rest)."""
+BLOOM's and MPT's for the Llama-style ones, others' attribute maps (ERNIE 4.5's, EXAONE MoE's,
+AFMoE's, GraniteMoeShared's and JetMoE's: :data:`RENAMED_KEYS`); ``hf_config.py`` reads the rest."""
 
 from __future__ import annotations
 
@@ -50,16 +50,34 @@ def family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
             "hidden_act": cfg.get("activation", "gelu")}
 
 
-def moe_aliases(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """ERNIE 4.5's own names for the mixture keys (its Transformers attribute map): ``moe_num_experts``,
-    ``moe_k``, ``moe_num_shared_experts`` (shared experts of the experts' width) and its expert blocks from
-    ``moe_layer_start_index`` to the last (every block from there: ``moe_layer_interval`` 1)."""
-    if model_type != "ernie4_5_moe":
-        return {}
-    layers, interval = cfg.get("num_hidden_layers") or 0, cfg.get("moe_layer_interval") or 1
-    if interval != 1 or cfg.get("moe_layer_end_index", -1) not in (-1, layers - 1):
-        raise ConfigError(f"model ({where}).moe_layer_interval", "dense MLP blocks among the expert ones at places "
-                          "memx does not model", "memx models a mixture of experts' dense blocks as its first ones")
-    return {name: cfg[key] for key, name in (("moe_num_experts", "num_experts"), ("moe_k", "num_experts_per_tok"),
-                                             ("moe_num_shared_experts", "n_shared_experts"),
-                                             ("moe_layer_start_index", "first_k_dense_replace")) if key in cfg}
+# Families' own names for keys the reader asks by others' names (their Transformers attribute maps), each
+# with the default their config class takes where a config.json omits it: (their key, the reader's, default).
+RENAMED_KEYS = {
+    "ernie4_5_moe": (("moe_num_experts", "num_experts", 64), ("moe_k", "num_experts_per_tok", 6),
+                     ("moe_num_shared_experts", "n_shared_experts", 2),  # shared experts of the experts' width
+                     ("moe_layer_start_index", "first_k_dense_replace", 1)),
+    "exaone_moe": (("num_shared_experts", "n_shared_experts", 1),),
+    "afmoe": (("num_shared_experts", "n_shared_experts", 2), ("num_dense_layers", "first_k_dense_replace", 1)),
+    "granitemoeshared": (("shared_intermediate_size", "shared_expert_intermediate_size", 0),),
+    "jetmoe": (("kv_channels", "head_dim", 128),),
+}
+
+
+def renamed_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """The reader's keys a family gives under its own names (:data:`RENAMED_KEYS`), where the config
+    does not give the reader's own. ERNIE 4.5's expert blocks run from its start index to the last
+    block (``moe_layer_interval`` 1): others are refused."""
+    if model_type == "ernie4_5_moe":
+        layers, interval = cfg.get("num_hidden_layers") or 0, cfg.get("moe_layer_interval") or 1
+        if interval != 1 or cfg.get("moe_layer_end_index", -1) not in (-1, layers - 1):
+            raise ConfigError(f"model ({where}).moe_layer_interval", "dense MLP blocks among the expert ones at "
+                              "places memx does not model", "memx models a mixture of experts' dense blocks as its "
+                              "first ones")
+    renamed = {}
+    for theirs, ours, default in RENAMED_KEYS.get(model_type, ()):
+        if cfg.get(ours) is None:
+            value = cfg[theirs] if cfg.get(theirs) is not None else default
+            require_number(value, f"model ({where}).{theirs}", lo=0, hi=MAX_DIMENSION, integer=True,
+                           fix="config.json must give it as a non-negative integer")
+            renamed[ours] = value
+    return renamed
