@@ -228,7 +228,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # A parallel block under autocast casts the output's gradient to 16 bits for the attention and the MLP at
     # once: the attention's copy waits through the MLP's backward.
     waiting = 2.0 if model.parallel_blocks and autocast and dtype_bytes < 4 else 0.0
-    mlp_phase = stream_grad + waiting + mlp_backward_units(model, tp, fused_activation, transformers_share, dtype_bytes)
+    mlp_phase = stream_grad + waiting + mlp_backward_units(model, tp, fused_activation, transformers_share, dtype_bytes=dtype_bytes)
     if transformers_share is not None and model.num_experts and model.has_mlp:
         # Transformers' experts' gate-and-up weights are one 3-D parameter, whose gradient the backward
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
@@ -295,7 +295,7 @@ def partial_recompute_working(work, none_work, none_activations, layers, recompu
 
 
 def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool,
-              transformers_share: float | None = None, dtype_bytes: int = 2) -> tuple:
+              transformers_share: float | None, dtype_bytes: int) -> tuple:
     """(what the MLP's activation keeps, the down projection's kept input) of one block, in
     :func:`activation_bytes`' units: SwiGLU's gate and up outputs, silu(gate) unless fused, and
     their product; GELU's input and output (as torch ops, :mod:`activation_ops`: its tanh form five
@@ -312,7 +312,7 @@ def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp
 
 
 def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False,
-                       transformers_share: float | None = None, dtype_bytes: int = 2) -> np.ndarray:
+                       transformers_share: float | None = None, *, dtype_bytes: int) -> np.ndarray:
     """What a dense MLP's backward holds at once beyond what the MLP keeps, in
     :func:`activation_bytes`' units: its intermediate gradients, less the down projection's input,
     freed once that projection's backward has run. SwiGLU: the product's gradient and from it
