@@ -79,6 +79,14 @@ FAMILIES = {
                              shared_intermediate_size=96),
     "afmoe": dict(num_experts=8, moe_intermediate_size=96, num_experts_per_tok=2, head_dim=32, num_dense_layers=0,
                   num_shared_experts=1),
+    "hyperclovax": None, "jais2": None, "nanochat": None, "ernie4_5": dict(head_dim=32),
+    "phimoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96),
+    "cohere2_moe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=96, head_dim=32),
+    "mellum": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32),
+    "solar_open": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, n_shared_experts=1,
+                       head_dim=32),
+    "kolibri1": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                     shared_expert_intermediate_size=96, head_dim=32),
 }
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 

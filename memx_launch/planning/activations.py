@@ -147,15 +147,23 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # the MLP's outputs.
     residual = 4.0 if autocast else dtype_bytes
     normalised = 4.0 if model.norm_weight_in_fp32 or autocast else dtype_bytes  # the torch-op norm's kept product
-    per_norm = 2.0 * residual / dtype_bytes if fused_norm else 2.0 * (4.0 + normalised) / dtype_bytes
+    # Weightless torch-op norms (NanoChat's) keep their fp32 input alone: no weight multiply keeps the normalised one.
+    kept_normalised = 0.0 if model.weightless_norms else normalised
+    per_norm = 2.0 * residual / dtype_bytes if fused_norm else 2.0 * (4.0 + kept_normalised) / dtype_bytes
     if model.centred_norm_ops and transformers_share is not None:  # Cohere's: x - mean twice, all in fp32
         per_norm = 2.0 * 12.0 / dtype_bytes
     # Post-norms (on the attention's and the MLP's outputs) read a linear's 16-bit output under autocast:
     # a Llama-style torch-op norm casts its normalised tensor back to 16 bits and keeps that (4 + d).
+    # Transformers' experts run in fp32 under autocast (experts.kept_units: their grouped GEMMs cast to the weights'
+    # dtype), so the norm on a mixture's output reads an fp32 sum and keeps an fp32 normalised tensor.
     post_normalised = 4.0 if model.norm_weight_in_fp32 else dtype_bytes
-    per_post_norm = per_norm if fused_norm or model.centred_norm_ops else 2.0 * (4.0 + post_normalised) / dtype_bytes
-    post_count = 2 if model.post_norms else 0
-    norms = per_norm * (model.norms_per_block - post_count) + per_post_norm * post_count
+    fp32_experts_out = autocast and transformers_share is not None and bool(model.num_experts) and model.has_mlp
+    mlp_post_normalised = 4.0 if fp32_experts_out else post_normalised
+    per_post_norm, per_mlp_post_norm = (per_norm if fused_norm or model.centred_norm_ops else
+                                        2.0 * (4.0 + kept) / dtype_bytes
+                                        for kept in (post_normalised, mlp_post_normalised))
+    post_norms = (per_post_norm + per_mlp_post_norm) if model.post_norms else 0.0
+    norms = per_norm * (model.norms_per_block - (2 if model.post_norms else 0)) + post_norms
     fp8_share = quantized_bytes / dtype_bytes if quantized_bytes else 1.0  # a linear's kept input
     extra_casts = autocast_extra_casts(model, fused_gate_up, fused_qkv) if autocast else 0
     normed_copies = model.pre_norms_per_block + extra_casts
@@ -199,7 +207,7 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # linear's 16-bit output under autocast too (fused: the 16-bit q and k; torch ops: its fp32
     # copy and the 16-bit normalised tensor, Gemma's fp32 product).
     qk_normalised = 4.0 if model.norm_weight_in_fp32 or (autocast and model.qk_norm_after_rope) else dtype_bytes
-    per_qk_norm = 2.0 if fused_norm else 2.0 * (4.0 + qk_normalised) / dtype_bytes
+    per_qk_norm = 2.0 if fused_norm else 2.0 * (4.0 + (0.0 if model.weightless_norms else qk_normalised)) / dtype_bytes
     qk_norms = (q + kv) / h / tp * per_qk_norm if model.qk_norm else 0.0
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
     mixer = mamba.kept_units(model, tp, fp8_share) + gated_deltanet.kept_units(model, tp, fp8_share)
@@ -228,7 +236,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # A parallel block under autocast casts the output's gradient to 16 bits for the attention and the MLP at
     # once: the attention's copy waits through the MLP's backward.
     waiting = 2.0 if model.parallel_blocks and autocast and dtype_bytes < 4 else 0.0
-    mlp_phase = stream_grad + waiting + mlp_backward_units(model, tp, fused_activation, transformers_share, dtype_bytes=dtype_bytes)
+    mlp_phase = stream_grad + waiting + mlp_backward_units(model, tp, fused_activation, transformers_share,
+                                                           dtype_bytes=dtype_bytes)
     if transformers_share is not None and model.num_experts and model.has_mlp:
         # Transformers' experts' gate-and-up weights are one 3-D parameter, whose gradient the backward
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
@@ -256,9 +265,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     if model.post_norms:
         # (a torch-op norm whose normalised tensor is 16-bit frees that, not an fp32 one, before its input's fp32
         # gradient path peaks: 4 - d bytes more held)
-        held = TORCH_NORM_BACKWARD_HELD * 8.0 + 2.0 * (4.0 - post_normalised)
+        held = TORCH_NORM_BACKWARD_HELD * 8.0 + 2.0 * (4.0 - mlp_post_normalised)
         norm_phase = stream_grad + (0.0 if fused_norm else held / dtype_bytes) / norm_split
-        mlp_phase = mlp_phase - per_post_norm / norm_split
+        mlp_phase = mlp_phase - per_mlp_post_norm / norm_split
     # Backward of one block: the largest phase's gradients, beside what it runs again. Full recompute (the
     # op-level policy, Megatron's modules: counted so) runs it before the block's backward; the attention-core
     # policy runs the MLP's activation again in the MLP's phase and the attention core in the attention's.

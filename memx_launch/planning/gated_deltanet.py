@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memx_launch.specs.hybrid import deltanet_conv_channels
+from memx_launch.specs.hybrid import deltanet_conv_channels, deltanet_key_size, deltanet_value_size
 from memx_launch.specs.model import ModelSpec
 
 # HBM passes over the chunk states (fp32, one dk x dv matrix per value head and chunk): the
@@ -26,7 +26,7 @@ STATE_PASSES = 2
 def _widths(model: ModelSpec, tp):
     """(keys' width, values' width, value heads, keys' width once repeated to the value heads) on a rank."""
     tp = np.asarray(tp, dtype=np.float64)
-    keys, values = model.deltanet_key_size / tp, model.deltanet_value_size / tp
+    keys, values = deltanet_key_size(model) / tp, deltanet_value_size(model) / tp
     heads = model.linear_value_heads / tp
     return keys, values, heads, keys * model.linear_value_heads / model.linear_key_heads
 

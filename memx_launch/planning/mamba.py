@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from memx_launch.errors import ConfigError
-from memx_launch.specs.hybrid import conv_channels
+from memx_launch.specs.hybrid import conv_channels, mamba_inner_size
 from memx_launch.specs.model import ModelSpec
 
 # HBM passes over the scan's chunk states (fp32, one d_inner x d_state matrix per chunk): the
@@ -24,7 +24,7 @@ def scan_flops(model: ModelSpec, tokens, tp) -> np.ndarray:
     The backward runs twice as many."""
     if model.layer_kind != "mamba":
         return 0.0
-    inner, state, chunk = model.mamba_inner_size, model.mamba_state_size, model.mamba_chunk_size
+    inner, state, chunk = mamba_inner_size(model), model.mamba_state_size, model.mamba_chunk_size
     per_token = inner * chunk + 2.0 * inner * state + chunk * state * model.mamba_groups
     return 2.0 * np.asarray(tokens, dtype=np.float64) * per_token / np.asarray(tp, dtype=np.float64)
 
@@ -43,7 +43,7 @@ def traffic_bytes(model: ModelSpec, tokens, tp, dtype_bytes: float) -> tuple:
     convolution again (the fused kernel keeps its input, not its output)."""
     if model.layer_kind != "mamba":
         return 0.0, 0.0
-    d, inner, conv = dtype_bytes, model.mamba_inner_size, conv_channels(model)
+    d, inner, conv = dtype_bytes, mamba_inner_size(model), conv_channels(model)
     states = STATE_PASSES * 4.0 * inner * model.mamba_state_size / model.mamba_chunk_size
     per_token = d * (2.0 * conv + conv + model.mamba_heads + inner + 3.0 * inner) + states
     forward = np.asarray(tokens, dtype=np.float64) * per_token / np.asarray(tp, dtype=np.float64)
@@ -57,7 +57,7 @@ def kept_units(model: ModelSpec, tp, fp8_share) -> np.ndarray:
     the output projection reads (quantized with FP8 linears); 0 in another layer."""
     if model.layer_kind != "mamba":
         return 0.0
-    inner = model.mamba_inner_size
+    inner = mamba_inner_size(model)
     projected = inner + conv_channels(model) + model.mamba_heads
     return 2.0 * (projected + inner + fp8_share * inner) / model.hidden_size / np.asarray(tp, dtype=np.float64)
 
@@ -67,7 +67,7 @@ def working_units(model: ModelSpec, tp, dtype_bytes: float) -> np.ndarray:
     convolution's output it computes again, and the scan's chunk states in fp32; 0 in another layer."""
     if model.layer_kind != "mamba":
         return 0.0
-    states = 4.0 * model.mamba_inner_size * model.mamba_state_size / model.mamba_chunk_size / dtype_bytes
+    states = 4.0 * mamba_inner_size(model) * model.mamba_state_size / model.mamba_chunk_size / dtype_bytes
     return 2.0 * (conv_channels(model) + states) / model.hidden_size / np.asarray(tp, dtype=np.float64)
 
 

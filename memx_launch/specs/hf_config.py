@@ -34,7 +34,7 @@ TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon", "cohere", "bloom
 GATED_GELU = ("gemma",)
 # Model types whose attention and MLP read one normed input side by side, and the config key
 # that turns it off (GPT-J, CodeGen and Cohere always; GPT-NeoX's use_parallel_residual, Falcon's parallel_attn).
-PARALLEL_BLOCK_KEYS = {"gptj": None, "codegen": None, "cohere": None, "cohere2": None,
+PARALLEL_BLOCK_KEYS = {"gptj": None, "codegen": None, "cohere": None, "cohere2": None, "cohere2_moe": None,
                        "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
 # Families with blocks other than softmax attention's (linear attention, Mamba, RWKV's recurrence),
 # which memx does not model: by model type, and by the key naming such blocks in a config.
@@ -48,12 +48,15 @@ OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_
 FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "afmoe")
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich;
 # GLM-4's dense model, not its mixture glm4_moe).
-POST_NORM_TYPES = ("gemma2", "gemma3", "glm4", "afmoe")
+POST_NORM_TYPES = ("gemma2", "gemma3", "glm4", "afmoe", "kolibri1")
+# Families whose blocks normalise those outputs unless their config's key turns it off (HyperCLOVA X's post_norm1
+# and post_norm2).
+POST_NORM_KEYS = {"hyperclovax": "use_post_norm"}
 # Families whose blocks normalise only the attention's and the MLP's outputs (OLMo 2's reordering).
 POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo", "exaone4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
 QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "exaone_moe", "hunyuan_v1", "dots1",
-                 "apertus", "flex_olmo", "afmoe")
+                 "apertus", "flex_olmo", "afmoe", "mellum", "nanochat", "kolibri1")
 # Families whose sinks scale the attention's output after the softmax (Granite SWA's), not join it.
 SINK_SCALE_TYPES = ("granite_swa", "granitemoe_swa")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
@@ -184,12 +187,13 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
-        qk_norm_after_rope=model_type.startswith("hunyuan_v1"),
+        qk_norm_after_rope=model_type.startswith(("hunyuan_v1", "nanochat")),  # NanoChat: RoPE, then its q and k norms
+        weightless_norms=model_type == "nanochat",  # NanoChatRMSNorm: no weight (modeling_nanochat.py:44-53)
         clipped_qkv=model_type == "olmo" and cfg.get("clip_qkv") is not None,  # modeling_olmo.py: clamp_
         centred_norm_ops=model_type.startswith("cohere"),  # CohereLayerNorm: torch ops, x - mean twice
         rotary_concatenates=model_type == "phi3" or _partial_rotary(cfg, head_dim or cfg["hidden_size"] // heads,
                                                                     where),  # Phi-3's rotary concatenates even whole
-        post_norms=model_type.startswith(POST_NORM_TYPES + POST_NORM_ONLY_TYPES) and model_type != "glm4_moe",
+        post_norms=_post_norms_of(cfg, model_type, where),
         pre_norms=not model_type.startswith(POST_NORM_ONLY_TYPES),
         norm_weight_in_fp32=model_type.startswith(FP32_WEIGHT_NORM_TYPES),
         logit_softcapping=softcaps["final_logit_softcapping"] is not None,
@@ -211,19 +215,17 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
 def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[bool, bool]:
     """(LayerNorm with a bias, a bias on every linear layer) of a family's blocks: GPT-2 style ones
     both (OPT's ``enable_bias`` may drop the biases), StarCoder2's by its ``use_bias``, GPT-NeoX's
-    by its ``attention_bias``, Falcon
-    LayerNorm and its ``bias`` key (none by default), StableLM LayerNorm alone; the Llama family
-    and MPT neither (Hugging Face's MPT: weight-only norms, counted as RMSNorm's weight, and no
-    linear biases)."""
-    if model_type == "stablelm":  # its q, k and v biases, if any: use_qkv_bias
+    and Jais 2's by their ``attention_bias``, Falcon's by its ``bias`` (none by default); StableLM's,
+    PhiMoE's and OLMo 1's LayerNorm alone (their q, k and v biases, if any, are read apart); the
+    Llama family and MPT neither (Hugging Face's MPT: weight-only norms, counted as RMSNorm's
+    weight, and no linear biases)."""
+    if model_type in ("stablelm", "phimoe", "olmo"):  # OLMo 1's: F.layer_norm without weight or bias
         return True, False
-    if model_type == "olmo":  # OLMo 1's OlmoLayerNorm: F.layer_norm without weight or bias (torch's kernel)
-        return True, False
-    key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True),
-                    "gpt_neox": ("attention_bias", True)}.get(model_type, ("enable_bias", True))
+    key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True), "gpt_neox": ("attention_bias", True),
+                    "jais2": ("attention_bias", True)}.get(model_type, ("enable_bias", True))
     flag = cfg.get(key, default)
     require_type(flag, bool, f"model ({where}).{key}")
-    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2", "gpt_neox")
+    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2", "gpt_neox", "jais2")
     return layer_norm, layer_norm and flag
 
 
@@ -265,6 +267,17 @@ def _partial_rotary(cfg: Mapping[str, Any], head_dim: int, where: str) -> bool:
         require_number(rotary_dim, f"model ({where}).rotary_dim", lo=0, lo_open=True, hi=MAX_DIMENSION, integer=True,
                        fix="config.json must give the width that turns as a positive integer")
     return rotary_dim is not None and rotary_dim < head_dim
+
+
+def _post_norms_of(cfg: Mapping[str, Any], model_type: str, where: str) -> bool:
+    """Norms on the attention's and the MLP's outputs: the family's (:data:`POST_NORM_TYPES`,
+    :data:`POST_NORM_ONLY_TYPES`), or its key's (:data:`POST_NORM_KEYS`, on where omitted)."""
+    key = POST_NORM_KEYS.get(model_type)
+    if key is not None and cfg.get(key) is not None:
+        require_type(cfg[key], bool, f"model ({where}).{key}")
+        return cfg[key]
+    family = model_type.startswith(POST_NORM_TYPES + POST_NORM_ONLY_TYPES) and model_type != "glm4_moe"
+    return key is not None or family
 
 
 def _qk_norm_of(cfg: Mapping[str, Any], model_type: str, where: str) -> bool:

@@ -19,6 +19,21 @@ NO_EXPERTS = {"num_experts": 0, "experts_per_token": 0, "expert_ffn_hidden_size"
               "expert_biases": False}
 
 
+def mamba_inner_size(model) -> int:
+    """A Mamba layer's inner width: its heads x their width (Mamba-2's d_inner)."""
+    return model.mamba_heads * model.mamba_head_dim
+
+
+def deltanet_key_size(model) -> int:
+    """A Gated DeltaNet layer's query (and key) width: its key heads x their width."""
+    return model.linear_key_heads * model.linear_key_head_dim
+
+
+def deltanet_value_size(model) -> int:
+    """A Gated DeltaNet layer's value (and output gate) width: its value heads x their width."""
+    return model.linear_value_heads * model.linear_value_head_dim
+
+
 def mamba_params(model) -> int:
     """A Mamba-2 mixer's parameters (Megatron-Core's MambaMixer): the input projection to z, x, B,
     C and dt (2 d_inner + 2 groups x d_state + heads), the depthwise causal convolution over x, B
@@ -26,14 +41,14 @@ def mamba_params(model) -> int:
     none in another layer."""
     if model.layer_kind != "mamba":
         return 0
-    inner, h, heads = model.mamba_inner_size, model.hidden_size, model.mamba_heads
+    inner, h, heads = mamba_inner_size(model), model.hidden_size, model.mamba_heads
     conv = conv_channels(model)
     return h * (inner + conv + heads) + conv * (model.mamba_conv_kernel + 1) + 3 * heads + inner + inner * h
 
 
 def conv_channels(model) -> int:
     """Channels of a Mamba layer's convolution: x (d_inner), B and C (groups x d_state each)."""
-    return model.mamba_inner_size + 2 * model.mamba_groups * model.mamba_state_size
+    return mamba_inner_size(model) + 2 * model.mamba_groups * model.mamba_state_size
 
 
 def deltanet_params(model) -> int:
@@ -44,23 +59,23 @@ def deltanet_params(model) -> int:
     projection; none in another layer."""
     if model.layer_kind != "gated_deltanet":
         return 0
-    keys, values, heads = model.deltanet_key_size, model.deltanet_value_size, model.linear_value_heads
+    keys, values, heads = deltanet_key_size(model), deltanet_value_size(model), model.linear_value_heads
     return (model.hidden_size * (2 * keys + 2 * values + 2 * heads) + deltanet_conv_channels(model) * model.linear_conv_kernel
             + 2 * heads + model.linear_value_head_dim + values * model.hidden_size)
 
 
 def deltanet_conv_channels(model) -> int:
     """Channels of a Gated DeltaNet layer's convolution: q and k (the keys' width each) and v."""
-    return 2 * model.deltanet_key_size + model.deltanet_value_size
+    return 2 * deltanet_key_size(model) + deltanet_value_size(model)
 
 
 def mixer_projections(model) -> tuple[int, int] | None:
     """(the input projection's output width, the output projection's input width) of a Mamba or
     Gated DeltaNet layer, whole (TP splits both); None in another layer."""
     if model.layer_kind == "mamba":  # z, x, B, C and dt; y
-        return model.mamba_inner_size + conv_channels(model) + model.mamba_heads, model.mamba_inner_size
+        return mamba_inner_size(model) + conv_channels(model) + model.mamba_heads, mamba_inner_size(model)
     if model.layer_kind == "gated_deltanet":  # q, k, v, z, beta and alpha; the gated output
-        values = model.deltanet_value_size
+        values = deltanet_value_size(model)
         return deltanet_conv_channels(model) + values + 2 * model.linear_value_heads, values
     return None
 

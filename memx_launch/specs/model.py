@@ -123,6 +123,10 @@ class ModelSpec:
     norm_weight_in_fp32: bool = False
     """Run as torch ops (unfused), a norm multiplies its weight in fp32 and keeps that fp32 product, casting
     after (Hugging Face's Gemma norms, ``x * (1 + w)``, OLMo 2's, GPT-OSS's), where Llama's keeps the 16-bit."""
+    weightless_norms: bool = False
+    """Norms with no weight (NanoChat's ``x.float() * rsqrt(...)``, cast back): as torch ops each keeps its fp32
+    input alone (its pow and multiply), its normalised tensor kept only by what reads it (a linear, attention),
+    where Llama's weight multiply keeps it too."""
     qk_norm: bool = False
     """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and Llama 4's
     ``use_qk_norm``; Megatron's ``--qk-layernorm``): a head's width of weights, and the q and k it keeps."""
@@ -225,21 +229,6 @@ class ModelSpec:
         units += [f"{self.mamba_groups} Mamba groups"] * ("M" in self.hybrid_pattern)
         units += [f"{self.linear_key_heads} Gated DeltaNet key heads"] * ("G" in self.hybrid_pattern)
         return ", ".join(units[:-1]) + (" and " if len(units) > 2 else ", ") + units[-1]
-
-    @property
-    def mamba_inner_size(self) -> int:
-        """A Mamba layer's inner width: its heads x their width (Mamba-2's d_inner)."""
-        return self.mamba_heads * self.mamba_head_dim
-
-    @property
-    def deltanet_key_size(self) -> int:
-        """A Gated DeltaNet layer's query (and key) width: its key heads x their width."""
-        return self.linear_key_heads * self.linear_key_head_dim
-
-    @property
-    def deltanet_value_size(self) -> int:
-        """A Gated DeltaNet layer's value (and output gate) width: its value heads x their width."""
-        return self.linear_value_heads * self.linear_value_head_dim
 
     @property
     def head_dim(self) -> int:

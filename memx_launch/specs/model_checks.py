@@ -39,7 +39,7 @@ def check_shape(model) -> None:
     require_type(model.lm_head, bool, "model.lm_head")
     for name in ("tensor_parallel_blocks", "qkv_bias", "shared_expert_gate", "logit_softcapping",
                  "attention_softcapping", "router_aux_loss", "attention_sinks", "clamped_glu", "expert_biases",
-                 "qk_norm_after_rope", "clipped_qkv", "attention_sink_scale", "output_gate_linear"):
+                 "qk_norm_after_rope", "weightless_norms", "clipped_qkv", "attention_sink_scale", "output_gate_linear"):
         require_type(getattr(model, name), bool, f"model.{name}")
     if model.clamped_glu and not (model.gated_mlp and model.num_experts):
         raise ConfigError("model.clamped_glu", "set without gated experts (it describes GPT-OSS's experts' GLU)",
