@@ -87,6 +87,20 @@ FAMILIES = {
                        head_dim=32),
     "kolibri1": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
                      shared_expert_intermediate_size=96, head_dim=32),
+    # GLM-4.5's (partial rotary, query and key norms) and MiniMax-M2's (query and key norms over all heads at once,
+    # which its Transformers model runs whatever use_qk_norm says; partial rotary by rotary_dim; a sigmoid router).
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, n_shared_experts=1,
+                     first_k_dense_replace=0, head_dim=32, use_qk_norm=True),
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96, head_dim=32, rotary_dim=16,
+                       use_qk_norm=True, qk_norm_type="per_layer", bos_token_id=None, eos_token_id=None),
+    # Latent attention: queries as wide as the values (GLM-4.7-Flash's 192 + 64 = 256), as CPU's flash kernel
+    # needs; DeepSeek-V3's narrower values send CPU's SDPA to its math path, which keeps fp32 probabilities.
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, n_shared_experts=1,
+                        first_k_dense_replace=0, n_group=2, topk_group=1, num_key_value_heads=4, kv_lora_rank=32,
+                        q_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=32),
+    "glm4_moe_lite": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, n_shared_experts=1,
+                          mlp_layer_types=["sparse", "sparse"], num_key_value_heads=4, kv_lora_rank=32,
+                          q_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=32),
 }
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 

@@ -405,7 +405,7 @@ def _measured(kind: str, tmp_path) -> dict:
 
 @pytest.mark.parametrize("kind", ["exaone4", "hunyuan_v1_dense", "glm4", "dots1", "apertus", "arcee", "olmo",
                                   "exaone_moe", "granite_swa", "granitemoe_swa", "flex_olmo", "granitemoeshared",
-                                  "afmoe"])
+                                  "afmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite"])
 def test_families_read_by_their_norms_keep_what_memx_counts(kind, tmp_path):
     """EXAONE 4 (norms on the attention's and MLP's outputs only, query and key norms with no config
     key), HunYuan (query and key norms after RoPE, whose fp32 tables make them fp32 under autocast),
@@ -414,8 +414,11 @@ def test_families_read_by_their_norms_keep_what_memx_counts(kind, tmp_path):
     as torch ops), OLMo 1 (a LayerNorm without weights, its q, k and v clamped in place), EXAONE
     MoE (query and key norms, a shared expert), Granite SWA's (eager attention whose sink scales the
     output after the softmax), FlexOlmo (query and key norms), GraniteMoeShared (its shared expert's
-    own key, its gate and up one linear) and AFMoE (sandwich and query and key norms, an output gate
-    of its own linear, shared experts): what autograd saves for one layer within 1.2% of
+    own key, its gate and up one linear), AFMoE (sandwich and query and key norms, an output gate
+    of its own linear, shared experts), GLM-4.5 (partial rotary, query and key norms), MiniMax-M2
+    (query and key norms over all heads), DeepSeek-V3 and GLM-4.7-Flash (latent attention: torch-op
+    latent norms, the values' view keeping the key-value up projection's output, the flash kernel's
+    output laid out by head as the concatenated query): what autograd saves for one layer within 1.2% of
     memx-run's count in fp32 and under bf16 autocast, and what its later backward holds (but the
     mixtures', whose experts' gate-and-up gradient memx takes as its peak at few tokens, an over-count;
     and Granite's, whose residual multiplier memx does not count)."""
@@ -453,3 +456,20 @@ def test_seed_oss_s_residual_dropout_is_read_off_its_layer(tmp_path):
     row = _measured("seed_oss", tmp_path)
     assert row["block_read"] == {"dropout": True}
     assert all(1.0 <= row[dtype]["measured_over_counted"] < 1.08 for dtype in ("fp32", "bf16"))
+
+
+def test_glm_and_minimax_mixtures_read_their_own_norms_and_dense_blocks():
+    """GLM-4.7-Flash (glm4_moe_lite) has no post-norms (GLM-4's dense model has) and places its dense
+    blocks by mlp_layer_types (its first one where omitted, whatever first_k_dense_replace says);
+    MiniMax-M2 normalises its queries and keys with no config key saying so."""
+    base = {**SMALL, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16}
+    lite = model_from_hf_dict({**base, "model_type": "glm4_moe_lite"}, "g")
+    assert not lite.post_norms and lite.dense_layers == 1
+    lite = model_from_hf_dict({**base, "model_type": "glm4_moe_lite", "mlp_layer_types": ["sparse"] * 8}, "g")
+    assert lite.dense_layers == 0
+    with pytest.raises(ConfigError, match="mlp_layer_types"):
+        model_from_hf_dict({**base, "model_type": "glm4_moe_lite", "mlp_layer_types": ["sparse", "dense"] * 4}, "g")
+    minimax = model_from_hf_dict({**SMALL, "model_type": "minimax_m2", "num_local_experts": 8,
+                                  "num_experts_per_tok": 2}, "m")
+    assert minimax.qk_norm

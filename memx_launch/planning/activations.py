@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import activation_ops, experts, gated_deltanet, mamba, op_checkpointing, quantization
+from memx_launch.planning import (activation_ops, experts, gated_deltanet, latent_attention, mamba, op_checkpointing,
+                                  quantization)
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.planning.recompute_modules import dropped_by_module
 from memx_launch.specs.model import ModelSpec
@@ -57,9 +58,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
       attention output (input of Wo): 2q/h over t (latent attention: its values' width); fused
         kernels add a fp32 logsumexp per head; an output gate (``attention_output_gate``) adds
         the core's output and the sigmoid of the gate its multiply keeps, 4q/h over t
-      latent attention's down projections (whole on every TP rank): the query and key-value
-        latents, each its norm's input and the normed tensor its up projection reads, and the
-        shared rotary key: 2(2 q_lora + 2 kv_lora + rope)/h
+      latent attention's down projections (whole on every TP rank), and what Transformers' keeps
+        beyond them: :mod:`~memx_launch.planning.latent_attention`
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
         softmax in fp32 (torch's softmax on an fp32 copy of 16-bit scores, Megatron's
         --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h;
@@ -171,7 +171,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     norm_split = tp if sequence_parallel else 1.0
     replicated = norms / norm_split + linear_inputs
     heads_qkv = (2.0 * q + 4.0 * (q if repeat_kv else kv)) / h / tp
-    latent = 2.0 * (2.0 * model.q_lora_rank + 2.0 * model.kv_lora_rank + model.rope_head_dim) / h
+    if model.kv_lora_rank and transformers_share is not None:
+        heads_qkv = heads_qkv + latent_attention.transformers_value_view_units(model, tp, flash)
+    latent = latent_attention.latent_units(model, fused_norm, dtype_bytes)
     qkv = heads_qkv + latent if model.kv_lora_rank else heads_qkv
     attn_out = 2.0 * fp8_share * model.value_hidden_size / h / tp
     if transformers_share is not None and fused_qkv and not model.position_embeddings and not model.kv_lora_rank:
@@ -183,6 +185,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     if transformers_share is not None and model.rotary_concatenates:
         # The attention's output follows the concatenated query's layout, by head: copied for the output projection.
         attn_out = attn_out + 2.0 * q / h / tp
+    if transformers_share is not None and model.kv_lora_rank:
+        attn_out = attn_out + latent_attention.transformers_output_copy_units(model, tp, flash)
     if model.attention_output_gate and model.has_attention:  # its multiply keeps the core's output and sigmoid(gate)
         attn_out = attn_out + 4.0 * q / h / tp
     lse = np.where(flash, 4.0 * a / h / tp / scale, 0.0)  # fp32, one value per head and token

@@ -47,7 +47,7 @@ OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_
 # OLMo 2's and GPT-OSS's (self.weight * x).to(dtype), where Llama's casts first (by prefix).
 FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "afmoe")
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich;
-# GLM-4's dense model, not its mixture glm4_moe).
+# GLM-4's dense model, not its mixtures glm4_moe and glm4_moe_lite).
 POST_NORM_TYPES = ("gemma2", "gemma3", "glm4", "afmoe", "kolibri1")
 # Families whose blocks normalise those outputs unless their config's key turns it off (HyperCLOVA X's post_norm1
 # and post_norm2).
@@ -57,6 +57,9 @@ POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo", "exaone4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
 QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "exaone_moe", "hunyuan_v1", "dots1",
                  "apertus", "flex_olmo", "afmoe", "mellum", "nanochat", "kolibri1")
+# Families whose queries and keys Transformers normalises whatever their config's use_qk_norm says: MiniMax-M2's
+# q_norm and k_norm over all heads' width at once (modeling_minimax_m2.py's MiniMaxM2Attention builds them always).
+QK_NORM_ALWAYS_TYPES = ("minimax_m2",)
 # Families whose sinks scale the attention's output after the softmax (Granite SWA's), not join it.
 SINK_SCALE_TYPES = ("granite_swa", "granitemoe_swa")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
@@ -276,13 +279,16 @@ def _post_norms_of(cfg: Mapping[str, Any], model_type: str, where: str) -> bool:
     if key is not None and cfg.get(key) is not None:
         require_type(cfg[key], bool, f"model ({where}).{key}")
         return cfg[key]
-    family = model_type.startswith(POST_NORM_TYPES + POST_NORM_ONLY_TYPES) and model_type != "glm4_moe"
+    family = model_type.startswith(POST_NORM_TYPES + POST_NORM_ONLY_TYPES) and not model_type.startswith("glm4_moe")
     return key is not None or family
 
 
 def _qk_norm_of(cfg: Mapping[str, Any], model_type: str, where: str) -> bool:
     """A norm on every query and key head: the config's ``use_qk_norm`` (GLM-4.5, Llama 4, Cohere),
-    ``qk_layernorm`` (Persimmon) or ``qk_norm``, else its family's (:data:`QK_NORM_TYPES`)."""
+    ``qk_layernorm`` (Persimmon) or ``qk_norm``, else its family's (:data:`QK_NORM_TYPES`); always in a family
+    whose Transformers model reads no such key (:data:`QK_NORM_ALWAYS_TYPES`)."""
+    if model_type.startswith(QK_NORM_ALWAYS_TYPES):
+        return True
     for key in ("use_qk_norm", "qk_layernorm", "qk_norm"):
         if cfg.get(key) is not None:
             require_type(cfg[key], bool, f"model ({where}).{key}")
@@ -372,6 +378,7 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
                           "or as all but every n-th block (interleave_moe_layer_step, decoder_sparse_step)")
     if cfg.get("output_router_logits") is not None:
         require_type(cfg["output_router_logits"], bool, f"model ({where}).output_router_logits")
+    dense_layers = _leading_dense_layers(cfg, model_type, where)
     expert_ffn = cfg.get("moe_intermediate_size") or 0
     shared = (cfg.get("shared_expert_intermediate_size")  # Nemotron 3: each shared expert's own width
               or (cfg.get("n_shared_experts") or 0) * (cfg.get("moe_shared_expert_intermediate_size") or expert_ffn))
@@ -386,10 +393,28 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
             "shared_expert_gate": bool(shared) and model_type.startswith(SHARED_EXPERT_GATE),
-            "dense_layers": cfg.get("first_k_dense_replace") or 0, "moe_layer_step": step, **dense_ffn,
+            "dense_layers": dense_layers, "moe_layer_step": step, **dense_ffn,
             "router_aux_loss": bool(cfg.get("output_router_logits")),
             **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}
                if (cfg.get("n_group") or 1) > 1 else {})}
+
+
+def _leading_dense_layers(cfg: Mapping[str, Any], model_type: str, where: str) -> int:
+    """A mixture's first dense blocks: its ``mlp_layer_types`` (``dense`` and ``sparse``, which the
+    Transformers models that have it read instead of ``first_k_dense_replace``: GLM-4.7-Flash's
+    glm4_moe_lite, whose config class makes the first block dense where it is omitted), else
+    ``first_k_dense_replace``. Dense blocks after an expert one are refused."""
+    types = cfg.get("mlp_layer_types")
+    if types is None:
+        return 1 if model_type == "glm4_moe_lite" else cfg.get("first_k_dense_replace") or 0
+    require_type(types, list, f"model ({where}).mlp_layer_types")
+    if not set(types) <= {"dense", "sparse"}:  # other kinds of block (hashed experts): as before, by the other keys
+        return cfg.get("first_k_dense_replace") or 0
+    dense = types.index("sparse") if "sparse" in types else len(types)
+    if "dense" in types[dense:]:
+        raise ConfigError(f"model ({where}).mlp_layer_types", "dense MLP blocks among the expert ones at places memx "
+                          "does not model", "memx models a mixture of experts' dense blocks as its first ones")
+    return dense
 
 
 def _latent_attention_of(cfg: Mapping[str, Any], where: str) -> dict:
