@@ -101,6 +101,10 @@ FAMILIES = {
     "glm4_moe_lite": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, n_shared_experts=1,
                           mlp_layer_types=["sparse", "sparse"], num_key_value_heads=4, kv_lora_rank=32,
                           q_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=32),
+    # Llama 4: experts of intermediate_size (its dense blocks' MLP: intermediate_size_mlp), top-1 as it routes,
+    # every block an expert one (interleave_moe_layer_step 1); block 0 has RoPE and the L2 query/key norms.
+    "llama4_text": dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size=96, intermediate_size_mlp=352,
+                        interleave_moe_layer_step=1, head_dim=32),
 }
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 

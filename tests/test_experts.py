@@ -529,3 +529,19 @@ def test_the_all_to_all_dispatcher_sorts_a_rank_s_copies_into_expert_order_and_b
     sorted_, grouped = (elementwise_traffic_bytes(QWEN3, tr, 1, 4096, 1, cm.NONE) for tr in (every_copy, flex))
     assert float(sorted_ - grouped) == pytest.approx(2 * sorted_twice)
     assert experts.permutation_bytes(get_model("llama2-7b"), every_copy, tokens, 1, 2) == 0.0
+
+
+def test_transformers_llama4_experts_run_every_token_through_every_expert():
+    """Transformers' Llama 4 repeats each token to all its experts (scaled by the sigmoid router score, 0 off
+    its top-k) and runs them as one bmm: its blocks' expert GEMMs take E / k times the rows Megatron-Core's
+    routed ones take, and keep E copies a token; a model that routes (Qwen3's) is unchanged by the setup."""
+    scout = get_model("llama4-scout")
+    e, k = scout.num_experts, scout.experts_per_token
+    routed, every = (experts.routed_tokens(scout, _training(transformers_blocks=blocks), 4096, 1)
+                     for blocks in (False, True))
+    assert float(every) == pytest.approx(float(routed) * e / k)
+    assert (experts.copies_per_token(QWEN3, _training(transformers_blocks=True))
+            == experts.copies_per_token(QWEN3, _training()) == QWEN3.experts_per_token)
+    kept = [float(experts.kept_units(scout, 1, 1.0, False, 1, share)[0]) for share in (None, 1.0)]
+    assert kept[1] > kept[0] * e / k / 2
+

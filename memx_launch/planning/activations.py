@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memx_launch.planning import (activation_ops, experts, gated_deltanet, latent_attention, mamba, op_checkpointing,
-                                  quantization)
+from memx_launch.planning import experts, gated_deltanet, latent_attention, mamba, op_checkpointing, quantization
+from memx_launch.planning.mlp_activations import mlp_backward_units, mlp_units
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.planning.recompute_modules import dropped_by_module
 from memx_launch.specs.model import ModelSpec
@@ -210,8 +210,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # Query and key head norms keep their inputs, as the block's norms do, but their input is a
     # linear's 16-bit output under autocast too (fused: the 16-bit q and k; torch ops: its fp32
     # copy and the 16-bit normalised tensor, Gemma's fp32 product).
-    qk_normalised = 4.0 if model.norm_weight_in_fp32 or (autocast and model.qk_norm_after_rope) else dtype_bytes
-    per_qk_norm = 2.0 if fused_norm else 2.0 * (4.0 + (0.0 if model.weightless_norms else qk_normalised)) / dtype_bytes
+    # Weightless query and key norms (``qk_norm_weightless``: Llama 4's, nanochat's) keep their fp32 input alone.
+    qk_normalised = 0.0 if model.qk_norm_weightless else \
+        4.0 if model.norm_weight_in_fp32 or (autocast and model.qk_norm_after_rope) else dtype_bytes
+    per_qk_norm = 2.0 if fused_norm else 2.0 * (4.0 + qk_normalised) / dtype_bytes
     qk_norms = (q + kv) / h / tp * per_qk_norm if model.qk_norm else 0.0
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
     mixer = mamba.kept_units(model, tp, fp8_share) + gated_deltanet.kept_units(model, tp, fp8_share)
@@ -245,8 +247,14 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     if transformers_share is not None and model.num_experts and model.has_mlp:
         # Transformers' experts' gate-and-up weights are one 3-D parameter, whose gradient the backward
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
+        # (Llama 4's, ``experts_take_every_token``, as traced: experts.every_token_backward_units.)
         gate_up = experts.gate_up_params(model, expert_tp=expert_tp)
-        mlp_phase = np.maximum(mlp_phase, gate_up * transformers_share * dtype_bytes / sbh)
+        if not model.experts_take_every_token:
+            mlp_phase = np.maximum(mlp_phase, gate_up * transformers_share * dtype_bytes / sbh)
+        else:
+            mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + experts.every_token_backward_units(
+                model, tp, sbh, dtype_bytes, transformers_share, fused_activation, fused_gate_up,
+                autocast and dtype_bytes < 4))
     elif weight_grad_bytes and model.has_mlp and not model.num_experts:
         down = 2.0 * f / h / tp + f * h / tp * weight_grad_bytes / sbh  # its input's gradient, its weight's
         # Its output's gradient, where not the stream's: under autocast cast to 16 bits, after a norm on the
@@ -305,54 +313,6 @@ def partial_recompute_working(work, none_work, none_activations, layers, recompu
     after = kept if every is None else np.where(every > 0, layers - every * recomputed, kept)
     later = np.where(kept > 0, np.maximum(none_work, work - after * none_activations), work)
     return np.where(recomputed > 0, later, none_work)
-
-
-def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp: int, quantized: bool,
-              transformers_share: float | None, dtype_bytes: int) -> tuple:
-    """(what the MLP's activation keeps, the down projection's kept input) of one block, in
-    :func:`activation_bytes`' units: SwiGLU's gate and up outputs, silu(gate) unless fused, and
-    their product; GELU's input and output (as torch ops, :mod:`activation_ops`: its tanh form five
-    tensors, measured on Transformers' ``gelu_new``; xIELU more); ReLU's output, also the down projection's
-    input unless quantized; a mixture of experts' (:func:`~memx_launch.planning.experts.kept_units`)."""
-    if model.num_experts:
-        return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp, transformers_share)
-    f, h = model.ffn_hidden_size if model.has_mlp else 0, model.hidden_size
-    if model.gated_mlp:
-        return (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
-    relu_output_is_fc2_input = model.relu_mlp and not quantized
-    kept = 0.0 if relu_output_is_fc2_input else activation_ops.kept_units(model, fused_activation, dtype_bytes)
-    return kept * f / h / tp, 2.0 * fp8_share * f / h / tp
-
-
-def mlp_backward_units(model: ModelSpec, tp, fused_activation: bool = False,
-                       transformers_share: float | None = None, *, dtype_bytes: int) -> np.ndarray:
-    """What a dense MLP's backward holds at once beyond what the MLP keeps, in
-    :func:`activation_bytes`' units: its intermediate gradients, less the down projection's input,
-    freed once that projection's backward has run. SwiGLU: the product's gradient and from it
-    gate's (or silu's) and up's, while gate, silu(gate) and up are still kept: two f-wide tensors
-    more (a fused activation the same: its [2f] input's gradient beside its input); GELU: one (its
-    output is freed; as torch ops, :mod:`activation_ops`, its tanh form two, squared ReLU three);
-    ReLU: two (its output stays for its own backward). A mixture's experts: not counted (an expert
-    loop holds one expert's tokens, a grouped GEMM all of them), but Transformers' grouped GEMMs
-    (``transformers_share``): per
-    routed copy the larger of its gate-and-up output's gradient and what the backward of the
-    routing weights' multiply holds first, beside everything the MLP keeps: the copy's h-wide
-    gradient, its product with the weights and its product with the experts' output (summed
-    into the weights' gradient after), three h-wide tensors, which bind where an expert's
-    gate-and-up output is narrower than 3h (Qwen3-MoE's, DeepSeek's fine-grained experts); with
-    a gated shared expert (Qwen2-MoE's) its output's gradient besides, which the gate's multiply
-    made first (measured on Mixtral's, Qwen2-MoE's and Qwen3-MoE's layers, exactly at 1,024
-    tokens: tests/test_transformers_blocks.py)."""
-    tp = np.asarray(tp, dtype=np.float64)
-    if model.num_experts and transformers_share is not None:
-        width = (2.0 if model.gated_mlp else 1.0) * model.moe_ffn_hidden_size
-        routed = 2.0 * transformers_share * model.experts_per_token * max(width / model.hidden_size, 3.0)
-        return (routed + 2.0 * model.shared_expert_gate) / tp
-    if not model.has_mlp or model.num_experts:
-        return np.zeros_like(tp)
-    tensors = 2.0 if model.gated_mlp or model.relu_mlp else activation_ops.backward_tensors(model, fused_activation,
-                                                                                            dtype_bytes)
-    return 2.0 * tensors * model.ffn_hidden_size / model.hidden_size / tp
 
 
 def mlp_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq, tp) -> np.ndarray:

@@ -238,7 +238,8 @@ def elementwise_traffic_bytes(model: ModelSpec, training: TrainingSpec, mbs, seq
     glu = FUSED_SWIGLU_BYTES if training.fused_activation else SWIGLU_BYTES
     mlp = glu if model.gated_mlp else activation_ops.hbm_bytes(model, training.fused_activation, training.dtype_bytes)
     # Elements of the experts' width over every routed copy, and what their unfused gate moves beyond SwiGLU's.
-    routed = tokens * model.experts_per_token * model.moe_ffn_hidden_size / tp if model.num_experts else 0.0
+    routed = tokens * experts.copies_per_token(model, training) * model.moe_ffn_hidden_size / tp if model.num_experts \
+        else 0.0
     gate_extra = (0.0, 0.0) if training.fused_activation else TRANSFORMERS_CHUNK_BYTES \
         if training.transformers_blocks else EAGER_ROUTED_EXTRA_BYTES
     clamped = clamped_glu_extra_bytes(model, training, routed)

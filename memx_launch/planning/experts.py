@@ -130,9 +130,17 @@ def gate_up_params(model: ModelSpec, expert_parallel: int = 1, expert_tp: int = 
     return model.num_experts * width * model.hidden_size / (expert_parallel * expert_tp)
 
 
-def routed_tokens(model: ModelSpec, tokens, tp):
-    """Token-expert pairs a rank's experts process per micro-batch: its ``tokens / TP`` times top-k."""
-    return np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * model.experts_per_token
+def copies_per_token(model: ModelSpec, training: TrainingSpec) -> int:
+    """Experts each token runs through: its top-k, or all of them where Transformers' blocks run every
+    token through every expert, scaled by its routing score (``experts_take_every_token``: Llama 4's)."""
+    every = training.transformers_blocks and model.experts_take_every_token
+    return model.num_experts if every else model.experts_per_token
+
+
+def routed_tokens(model: ModelSpec, training: TrainingSpec, tokens, tp):
+    """Token-expert pairs a rank's experts process per micro-batch: its ``tokens / TP`` times
+    :func:`copies_per_token`."""
+    return np.asarray(tokens, dtype=np.float64) / np.asarray(tp, dtype=np.float64) * copies_per_token(model, training)
 
 
 def permutation_bytes(model: ModelSpec, training: TrainingSpec, tokens, tp, dtype_bytes: float) -> np.ndarray:
@@ -184,7 +192,7 @@ def expert_seconds(model: ModelSpec, training: TrainingSpec, tokens, tp, best_fl
     experts' grouped GEMMs (gate and up fused, then down), each of ``tokens x k x EP / E`` rows,
     or with ETP its gathered ``ETP x`` those rows at ``1 / ETP`` of the width."""
     ep, etp = training.expert_parallel, training.expert_tensor_parallel
-    rows = routed_tokens(model, tokens, tp) * ep / model.num_experts * etp
+    rows = routed_tokens(model, training, tokens, tp) * ep / model.num_experts * etp
     f, h = float(model.moe_ffn_hidden_size) / etp, float(model.hidden_size)
     shapes = [((2.0 if model.gated_mlp else 1.0) * f, h), (h, f)]
     forward, backward = linear_seconds(rows, shapes, best_flops, hbm_bytes_per_s, sms, dtype_bytes, fill_k)
@@ -225,7 +233,7 @@ def expert_tp_bytes(model: ModelSpec, training: TrainingSpec, tokens, tp) -> np.
     of the dispatched tokens before the experts, the reduce-scatter of their output after, and
     the two again backward): its routed copies, ETP ranks' worth."""
     etp = training.expert_tensor_parallel
-    return routed_tokens(model, tokens, tp) * etp * model.hidden_size * training.dtype_bytes
+    return routed_tokens(model, training, tokens, tp) * etp * model.hidden_size * training.dtype_bytes
 
 
 def exchange_seconds_per_byte(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
@@ -308,8 +316,41 @@ def unfused_activation_units(model: ModelSpec, tp, fused_activation: bool):
     return model.experts_per_token * inside * model.moe_ffn_hidden_size / model.hidden_size / np.asarray(tp, float)
 
 
+def every_token_backward_units(model: ModelSpec, tp, sbh, dtype_bytes: float, transformers_share: float,
+                               fused_activation: bool, fused_gate_up: bool, autocast16: bool):
+    """What the backward of Llama 4's experts (``experts_take_every_token``: every token through every one
+    of the ``E`` experts, :func:`kept_units`) holds beyond the output's gradient, in :func:`kept_units`'
+    units (``sbh``: the bytes of one such unit for the micro-batch, to price weights): the largest of three
+    moments, each once the shared expert's backward (run first: its nodes are the newest) has freed what it
+    kept (and, under 16-bit autocast, ``autocast16``, its gate and up linears' casts of its input), beside
+    its input's gradient (in the norm output's dtype, ``transformers_share``). The down projection's bmm
+    backward: the routed output's gradient, which ``reshape(E, -1, h).sum(0)``'s backward makes whole
+    (E x h), the product's gradient (E x f) and the down projection's weight gradient (E x f x h), in the
+    training dtype. The gate-and-up projection's, once silu(gate) and the product are freed: its weight
+    gradient (E x 2f x h; under autocast beside the down projection's 16-bit one, waiting as below) and its
+    input's gradient (E x h), which binds at few tokens. The routing scores' multiply's backward, once the
+    experts' kept tensors are freed: the scaled copy's gradient and its products with the score and with the
+    repeated token, three E x h tensors in the norm output's dtype, and under autocast the experts' 16-bit
+    weight gradients, whose cast node runs after every other (planning/backward_end.py). Traced on
+    Transformers' Llama4TextMoe, fp32 and bf16 autocast (benchmarks/hf_block_memory.py)."""
+    h, f, e = model.hidden_size, model.moe_ffn_hidden_size, model.num_experts
+    tp = np.asarray(tp, dtype=np.float64)
+    shared_kept, shared_down = shared_expert_units(model, tp, 1.0, fused_activation)
+    casts = (2.0 if model.gated_mlp and not fused_gate_up else 1.0) if autocast16 else 0.0
+    shared = 2.0 * transformers_share / tp - shared_kept - shared_down - 2.0 * casts
+    weights = e * 3.0 * f * h / tp * dtype_bytes / sbh  # gate-and-up and down
+    down = 2.0 * e * (h + f) / h / tp + weights / 3.0
+    if autocast16:  # its input's 16-bit gradient cast to the multiply's dtype, all the weight gradients waiting
+        gate_up = 2.0 * e * (transformers_share * h - 4.0 * f) / h / tp + weights
+    else:  # its input's gradient, made before AccumulateGrad takes its weight's
+        gate_up = 2.0 * e * (h - 2.0 * f) / h / tp + weights * 2.0 / 3.0
+    scores = 2.0 * e * (3.0 * transformers_share * h + 4.0 / dtype_bytes) / h / tp \
+        - 2.0 * e * (h + 4.0 * f) / h / tp + (weights if autocast16 else 0.0)
+    return shared + np.maximum(np.maximum(down, gate_up), scores)
+
+
 def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: int = 1,
-               transformers_share: float | None = None) -> tuple:
+               transformers_share: float | None = None, dtype_bytes: float = 2.0) -> tuple:
     """(kept, down-projection input) of a block's MLP of experts per token, in the unit of
     :func:`~memx_launch.planning.activations.activation_bytes` (2 bytes per hidden element):
     the router's fp32 logits, and per routed copy the dispatched token (the gate-and-up input,
@@ -325,10 +366,22 @@ def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: i
     (ungated: the activation's input), the product the down projection reads, and that
     projection's output, which the routing weights multiply after it. Its grouped GEMMs are not
     autocast-enabled: it casts their input to the weights' dtype, so under autocast over fp32
-    weights every one of them is fp32 (measured on Mixtral's block, tests/test_framework_memory.py)."""
+    weights every one of them is fp32 (measured on Mixtral's block, tests/test_framework_memory.py).
+
+    Llama 4's (``experts_take_every_token``, ``dtype_bytes`` the training's) run every token through all ``E``
+    experts instead (modeling_llama4.py's ``Llama4TextMoe``): the router keeps its fp32 sigmoid scores, their
+    transposed copy in the training dtype and its top-k indices (int64); per expert a token keeps its repeated
+    copy (the norm's output: fp32 under autocast, ``transformers_share``), that copy times its score (the bmm's
+    input), the gate-and-up output, silu(gate) and the product the down projection reads, all in the training
+    dtype (``torch.bmm`` autocasts); the experts' summed output is kept by nothing."""
     h, f, k = model.hidden_size, model.moe_ffn_hidden_size, model.experts_per_token
     tp = np.asarray(tp, dtype=np.float64)
     shared_kept, shared_down = shared_expert_units(model, tp, input_share, fused_activation)
+    if transformers_share is not None and model.experts_take_every_token:
+        e, gate_up = model.num_experts, (2.0 if model.gated_mlp else 1.0) * f
+        router = 2.0 * ((4.0 + dtype_bytes) * e + 8.0 * k) / dtype_bytes / h
+        routed_kept = (router + 2.0 * e * ((transformers_share + 1.0) * h + gate_up + f * model.gated_mlp) / h) / tp
+        return routed_kept + shared_kept, 2.0 * e * f / h / tp + shared_down
     if transformers_share is not None:
         activation = (3.0 + model.clamped_glu * CLAMPED_GLU_KEPT["transformers"] if model.gated_mlp else 1.0) * f
         routed_kept = (4.0 * model.num_experts / h + 2.0 * transformers_share * k * (2.0 * h + activation) / h) / tp

@@ -63,13 +63,13 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in (
     # fourth (no rotary positions) to the whole sequence; its query and key heads are normalised.
     ModelSpec("llama4-scout", 48, 5120, 40, 8, 8192, 202048, 8192, rope_theta=500000.0, num_experts=16,
               experts_per_token=1, shared_expert_ffn_hidden_size=8192, attention_chunk_size=8192,
-              full_attention_layers=12, qk_norm=True),
+              full_attention_layers=12, qk_norm=True, qk_norm_weightless=True, experts_take_every_token=True),
     # Llama-4-Maverick-17B-128E's language model: Scout's attention, without its query/key norms;
     # every other block (the second, fourth, ...) runs 128 routed experts (top-1) and a shared
     # one, 8,192 wide, the others a dense MLP 16,384 wide.
     ModelSpec("llama4-maverick", 48, 5120, 40, 8, 16384, 202048, 8192, rope_theta=500000.0, num_experts=128,
               experts_per_token=1, expert_ffn_hidden_size=8192, shared_expert_ffn_hidden_size=8192,
-              moe_layer_step=2, attention_chunk_size=8192, full_attention_layers=12),
+              moe_layer_step=2, attention_chunk_size=8192, full_attention_layers=12, experts_take_every_token=True),
     # DeepSeek-V3 (671B, 37B active): latent attention, three dense first blocks, one shared and
     # 256 routed experts in 8 groups (a token's top-8 from 4 of them), one multi-token prediction module.
     ModelSpec("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, norm_eps=1e-6, attention_head_dim=128,

@@ -190,6 +190,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
         qk_norm=_qk_norm_of(cfg, model_type, where),
+        qk_norm_weightless=model_type.startswith(("llama4", "nanochat")) and _qk_norm_of(cfg, model_type, where),
         qk_norm_after_rope=model_type.startswith(("hunyuan_v1", "nanochat")),  # NanoChat: RoPE, then its q and k norms
         weightless_norms=model_type == "nanochat",  # NanoChatRMSNorm: no weight (modeling_nanochat.py:44-53)
         clipped_qkv=model_type == "olmo" and cfg.get("clip_qkv") is not None,  # modeling_olmo.py: clamp_
@@ -393,6 +394,7 @@ def _experts_of(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
     return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
             or 0, "expert_ffn_hidden_size": expert_ffn, "shared_expert_ffn_hidden_size": shared,
             "shared_expert_gate": bool(shared) and model_type.startswith(SHARED_EXPERT_GATE),
+            "experts_take_every_token": model_type.startswith("llama4"),  # modeling_llama4.py's Llama4TextMoe
             "dense_layers": dense_layers, "moe_layer_step": step, **dense_ffn,
             "router_aux_loss": bool(cfg.get("output_router_logits")),
             **({"expert_groups": cfg["n_group"], "expert_groups_per_token": cfg.get("topk_group") or 0}

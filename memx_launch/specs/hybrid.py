@@ -16,7 +16,7 @@ BLOCK_MIXERS, BLOCK_MLPS = "G*", "E-"
 # What a hybrid model's layers other than its expert ones (E) hold none of.
 NO_EXPERTS = {"num_experts": 0, "experts_per_token": 0, "expert_ffn_hidden_size": 0, "shared_expert_ffn_hidden_size": 0,
               "shared_expert_gate": False, "expert_groups": 0, "expert_groups_per_token": 0, "clamped_glu": False,
-              "expert_biases": False}
+              "expert_biases": False, "experts_take_every_token": False}
 
 
 def mamba_inner_size(model) -> int:

@@ -86,6 +86,11 @@ class ModelSpec:
     """Width of the MLP every token also runs through beside its routed experts (a shared expert); 0: none."""
     shared_expert_gate: bool = False
     """A sigmoid gate on the shared expert's output, a weight per hidden unit (Qwen2-MoE; ``--moe-shared-expert-gate``)."""
+    experts_take_every_token: bool = False
+    """Transformers' blocks run every token through every expert, pre-scaled by its sigmoid router score (0 off its
+    top-k), rather than route it (Llama 4's ``Llama4TextMoe``: ``hidden_states.repeat(num_experts, 1)`` and
+    ``torch.bmm``): ``num_experts`` copies a token, not ``experts_per_token`` (``experts.kept_units``).
+    Megatron-Core's blocks route it."""
     logit_softcapping: bool = False
     """The head's logits soft-capped, ``cap * tanh(logits / cap)`` (Gemma 2 and 3's ``final_logit_softcapping``)."""
     attention_softcapping: bool = False
@@ -124,12 +129,14 @@ class ModelSpec:
     """Run as torch ops (unfused), a norm multiplies its weight in fp32 and keeps that fp32 product, casting
     after (Hugging Face's Gemma norms, ``x * (1 + w)``, OLMo 2's, GPT-OSS's), where Llama's keeps the 16-bit."""
     weightless_norms: bool = False
-    """Norms with no weight (NanoChat's ``x.float() * rsqrt(...)``, cast back): as torch ops each keeps its fp32
-    input alone (its pow and multiply), its normalised tensor kept only by what reads it (a linear, attention),
-    where Llama's weight multiply keeps it too."""
+    """The block's norms multiply no weight (nanochat's ``x.float() * rsqrt(...)``, cast back): as torch ops each
+    keeps its fp32 input alone (what reads its output keeps that), and they hold no parameters."""
     qk_norm: bool = False
     """A norm on every query and key head before attention (Qwen3, Gemma 3, OLMo 2, GLM-4.5's and Llama 4's
     ``use_qk_norm``; Megatron's ``--qk-layernorm``): a head's width of weights, and the q and k it keeps."""
+    qk_norm_weightless: bool = False
+    """With ``qk_norm``: the query and key norms multiply no weight (Llama 4's L2 norm, nanochat's): as torch ops
+    they keep their fp32 input alone, and they hold no parameters."""
     qk_norm_after_rope: bool = False
     """The query and key norms run on the rotated heads (HunYuan): under autocast RoPE's fp32 cos and sin
     promote q and k to fp32, so a torch-op norm keeps an fp32 normalised tensor (4 + 4 bytes)."""
@@ -319,7 +326,7 @@ class ModelSpec:
 
     @property
     def norm_params(self) -> int:
-        return (2 if self.layer_norm else 1) * self.hidden_size
+        return 0 if self.weightless_norms else (2 if self.layer_norm else 1) * self.hidden_size
 
     @property
     def bias_params(self) -> int:
@@ -336,7 +343,7 @@ class ModelSpec:
         hybrid model's layer: the mean of its layers' (:attr:`block_params`)."""
         if self.hybrid_pattern:
             return self.block_params / self.num_layers
-        qk_norms = 2 * self.qk_head_dim if self.qk_norm and self.has_attention else 0
+        qk_norms = 2 * self.qk_head_dim if self.qk_norm and not self.qk_norm_weightless and self.has_attention else 0
         return (self.attention_params + self.mlp_params + mamba_params(self) + deltanet_params(self) + self.bias_params
                 + self.norms_per_block * self.norm_params + qk_norms)
 

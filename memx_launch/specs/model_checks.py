@@ -39,13 +39,17 @@ def check_shape(model) -> None:
     require_type(model.lm_head, bool, "model.lm_head")
     for name in ("tensor_parallel_blocks", "qkv_bias", "shared_expert_gate", "logit_softcapping",
                  "attention_softcapping", "router_aux_loss", "attention_sinks", "clamped_glu", "expert_biases",
-                 "qk_norm_after_rope", "weightless_norms", "clipped_qkv", "attention_sink_scale", "output_gate_linear"):
+                 "qk_norm_after_rope", "weightless_norms", "clipped_qkv", "attention_sink_scale", "output_gate_linear",
+                 "experts_take_every_token", "qk_norm_weightless"):
         require_type(getattr(model, name), bool, f"model.{name}")
     if model.clamped_glu and not (model.gated_mlp and model.num_experts):
         raise ConfigError("model.clamped_glu", "set without gated experts (it describes GPT-OSS's experts' GLU)",
                           "give num_experts and gated_mlp: true, or drop clamped_glu")
     if model.expert_biases and not model.num_experts:
         raise ConfigError("model.expert_biases", "set without experts", "give num_experts, or drop expert_biases")
+    if model.experts_take_every_token and not model.num_experts:
+        raise ConfigError("model.experts_take_every_token", "set without experts",
+                          "give num_experts, or drop experts_take_every_token")
     require_number(model.rope_theta, "model.rope_theta", lo=0, lo_open=True, hi=1e12, fix="e.g. 10000 or 500000")
     require_number(model.norm_eps, "model.norm_eps", lo=0, lo_open=True, hi=1, fix="e.g. 1e-5")
     require_number(model.attention_head_dim, "model.attention_head_dim", lo=0, hi=MAX_DIMENSION, integer=True,
