@@ -23,6 +23,7 @@ from memx_launch.specs.catalog import get_model
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.hf_config import model_from_hf_dict
 from memx_launch.specs.training import TrainingSpec
+from memx_launch.specs.tp_split import splits_over_tp
 
 # Qwen3-Next-80B-A3B's config.json (its model-specific keys, as Hugging Face's Qwen3NextConfig names them).
 QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 48,
@@ -109,7 +110,7 @@ def test_each_layer_holds_hugging_faces_parameters(family, module, config, sizes
 
 def test_tp_must_divide_the_deltanet_key_heads():
     model = model_from_hf_dict({**TINY, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}, "tiny")
-    assert model.splits_over_tp(2) and not model.splits_over_tp(4)  # two key heads
+    assert splits_over_tp(model, 2) and not splits_over_tp(model, 4)  # two key heads
     with pytest.raises(ConfigError, match="4 does not divide .* and 2 Gated DeltaNet key heads"):
         _estimate(model, tp=4, dp=2)
     with pytest.raises(ConfigError) as refused:  # value heads not a multiple of the key heads

@@ -28,6 +28,7 @@ from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.scoring import Evaluator
 from memx_launch.planning.scored_plan import to_plan
 from memx_launch.planning.search import default_references
+from memx_launch.specs.tp_split import splits_over_tp, tp_units
 
 # Micro-batch sizes a scorer's first cost table prices beside those asked: a cases file's rows
 # ask a few of them, and one cost-model call prices many as fast as one.
@@ -68,7 +69,7 @@ class LayoutScorer:
         self._evaluators: dict[tuple, Evaluator] = {}  # by CP degree, and whether layout_training shards (or "mixed")
         self._cost_models = {False: self.cost_model}  # by whether layout_training shards
         self._layouts: dict[tuple, Layout] = {} if layouts is None else layouts
-        self._degrees = [t for t in range(1, min(model.num_heads, cluster.world_size) + 1) if model.splits_over_tp(t)]
+        self._degrees = [t for t in range(1, min(model.num_heads, cluster.world_size) + 1) if splits_over_tp(model, t)]
 
     def _evaluator(self, cp: int, sharded: bool, local_mbss: set[int]) -> Evaluator:
         """The evaluator of the training (fully sharded or as given) at CP degree ``cp``, its table
@@ -122,9 +123,9 @@ class LayoutScorer:
                               "interleaving needs a multiple of pp micro-batches (Megatron-LM's rule); or use 1f1b")
         degrees = tuple(sorted(set(stage_tps)))
         for t in degrees:
-            if not model.splits_over_tp(t):
+            if not splits_over_tp(model, t):
                 raise ConfigError("--tp" if stage_tp is None else "--stage-tp", f"{t} does not divide the model's "
-                                  f"{model.tp_units}", "use a divisor of each")
+                                  f"{tp_units(model)}", "use a divisor of each")
         tp_arg = stage_tps[0] if len(degrees) == 1 else tuple(stage_tps)
         names = tuple(self.cost_model.device_names)
         dp_arg = dp if len(set(stage_dps)) == 1 else tuple(stage_dps)

@@ -20,6 +20,7 @@ from memx_launch.planning.collectives import NVLINK, PCI
 from memx_launch.planning.costmodel import communicators_per_rank
 from memx_launch.specs.cluster import ClusterSpec
 from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.tp_split import splits_over_tp
 
 
 MIXED_SEPARATOR = "+"
@@ -142,7 +143,7 @@ def tp_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     per_node = min(n for node in cluster.nodes for _, n in node.devices)
     out, tp = [], 1
     while tp <= min(8, per_node):
-        if model.splits_over_tp(tp):
+        if splits_over_tp(model, tp):
             out.append(tp)
         tp *= 2
     return out

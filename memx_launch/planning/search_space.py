@@ -10,6 +10,7 @@ from memx_launch.planning import costmodel as cm
 from memx_launch.planning.objective import DEFAULT_MAX_SLOWDOWN
 from memx_launch.specs.checks import list_of
 from memx_launch.specs.model import ModelSpec
+from memx_launch.specs.tp_split import splits_over_tp, tp_units
 
 
 # Command-line restrictions of the space (memx plan and memx-run): flag, SearchSpace field,
@@ -108,6 +109,6 @@ class SearchSpace:
         if self.max_slowdown is not None and not 0 <= self.max_slowdown < math.inf:
             raise ConfigError("--max-slowdown", f"must be a share of 0 or more, got {self.max_slowdown}",
                               "e.g. --max-slowdown 5%")
-        bad = [t for t in self.tp_degrees or () if not model.splits_over_tp(t)]
+        bad = [t for t in self.tp_degrees or () if not splits_over_tp(model, t)]
         if bad:
-            raise ConfigError("--tp", f"{bad[0]} does not divide the model's {model.tp_units}", "use a divisor of each")
+            raise ConfigError("--tp", f"{bad[0]} does not divide the model's {tp_units(model)}", "use a divisor of each")

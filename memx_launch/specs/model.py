@@ -222,21 +222,6 @@ class ModelSpec:
                       self.hybrid_pattern.count(char))
                      for char, kind in HYBRID_LAYER_KINDS.items() if char in self.hybrid_pattern)
 
-    def splits_over_tp(self, tp: int) -> bool:
-        """Whether TP ``tp`` divides the heads, the KV heads, a hybrid model's Mamba groups and its
-        Gated DeltaNet key heads (which the value heads are a multiple of)."""
-        mamba_groups_split = "M" not in self.hybrid_pattern or self.mamba_groups % tp == 0
-        deltanet_split = "G" not in self.hybrid_pattern or self.linear_key_heads % tp == 0
-        return self.num_heads % tp == 0 and self.num_kv_heads % tp == 0 and mamba_groups_split and deltanet_split
-
-    @property
-    def tp_units(self) -> str:
-        """What TP splits, in words (:meth:`splits_over_tp`)."""
-        units = [f"{self.num_heads} heads", f"{self.num_kv_heads} KV heads"]
-        units += [f"{self.mamba_groups} Mamba groups"] * ("M" in self.hybrid_pattern)
-        units += [f"{self.linear_key_heads} Gated DeltaNet key heads"] * ("G" in self.hybrid_pattern)
-        return ", ".join(units[:-1]) + (" and " if len(units) > 2 else ", ") + units[-1]
-
     @property
     def head_dim(self) -> int:
         return self.attention_head_dim or self.hidden_size // self.num_heads
