@@ -105,7 +105,15 @@ FAMILIES = {
     # every block an expert one (interleave_moe_layer_step 1); block 0 has RoPE and the L2 query/key norms.
     "llama4_text": dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size=96, intermediate_size_mlp=352,
                         interleave_moe_layer_step=1, head_dim=32),
+    # Gemma 4 (E2B's layout): its first layer a sliding one of head_dim (its full ones global_head_dim wide), with
+    # per-layer inputs (hidden_size_per_layer_input) from a table of vocab_size_per_layer_input rows.
+    "gemma4_text": dict(head_dim=32, global_head_dim=64, hidden_size_per_layer_input=64,
+                        vocab_size_per_layer_input=512),
+    "gemma4_unified_text": dict(head_dim=32, global_head_dim=64),
 }
+# Gemma 4's mixture (26B-A4B's layout): experts beside its dense MLP, no per-layer inputs.
+GEMMA4_MIXTURE = dict(head_dim=32, global_head_dim=64, hidden_size_per_layer_input=0, enable_moe_block=True,
+                      num_experts=8, top_k_experts=2, moe_intermediate_size=96)
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 
 
@@ -137,6 +145,10 @@ def measure(kind: str, fields: dict | None, folder: str) -> dict:
             model(torch.randint(1, SHAPE["vocab_size"], (BATCH, SEQ)))
             args, kwargs = captured["args"], dict(captured["kwargs"])
             x = (args[0] if args else kwargs.pop("hidden_states")).detach().requires_grad_(True)
+            # A further input the model computes with gradients (Gemma 4's per-layer input, a view of one
+            # tensor of every layer's): the layer's own, a leaf of its own size (as x), counted where kept.
+            args = (x, *(a.detach().clone().requires_grad_(True) if torch.is_tensor(a) and a.requires_grad else a
+                         for a in args[1:]))
             kwargs.update({k: None for k in ("attention_mask", "past_key_values", "past_key_value") if k in kwargs})
             arguments = [t for v in kwargs.values() for t in (v if isinstance(v, tuple) else (v,)) if torch.is_tensor(t)]
             # x * 1.0: an op's output, as the layer's input is in the model (autocast caches its
@@ -157,6 +169,23 @@ def measure(kind: str, fields: dict | None, folder: str) -> dict:
     return row
 
 
+def _fresh_gradient():
+    import torch
+
+    class FreshGradient(torch.autograd.Function):
+        """The identity, whose backward hands its input a fresh random gradient (the engine's alone)."""
+
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.randn(grad.shape, dtype=grad.dtype)
+
+    return FreshGradient
+
+
 def backward_held_bytes(layer, x, args, kwargs) -> int:
     """What the layer's second backward holds above what its forward kept, its incoming gradient
     included, its gradients allocated (as from a step's second micro-batch)."""
@@ -172,7 +201,10 @@ def backward_held_bytes(layer, x, args, kwargs) -> int:
         out = out[0] if isinstance(out, tuple) else out
         device.reset_peak()
         before = device.live_bytes
-        out.backward(torch.randn_like(out))
+        # The incoming gradient as the next layer's backward hands it on: the engine's alone, freed once the
+        # layer's last op has used it (held here, it would count twice where that op copies it: Gemma 4's
+        # layer_scalar multiply).
+        _fresh_gradient().apply(out).sum().backward()
     for p in layer.parameters():
         p.grad = None
     return device.peak_bytes - before

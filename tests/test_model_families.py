@@ -449,6 +449,29 @@ def test_more_families_read_by_their_norms_and_blocks_keep_what_memx_counts(kind
             assert row[dtype]["working_measured_over_counted"] == pytest.approx(1.0, abs=0.01), dtype
 
 
+@pytest.mark.parametrize("kind,mixture", [("gemma4_text", False), ("gemma4_text", True),
+                                          ("gemma4_unified_text", False)])
+def test_gemma4_layers_keep_what_memx_counts(kind, mixture, tmp_path):
+    """Gemma 4's first (sliding) layer: sandwich norms, query and key norms and a weightless value norm
+    (modeling_gemma4.py's Gemma4TextAttention), with E2B's per-layer input gated after the MLP, or 26B-A4B's
+    experts beside the dense MLP (their own norms and router's), or neither (Gemma 4 Unified's text model):
+    what autograd saves within 1.2% of memx-run's count in fp32 and under bf16 autocast (the mixture's 1.5%: its
+    router's per-token top-k weights, indices and scalings, uncounted, at h = 128), and what its later backward
+    holds within 1.1% (but the mixture's, whose experts' gate-and-up gradient memx takes as its peak)."""
+    pytest.importorskip("transformers")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks.hf_block_memory import FAMILIES, GEMMA4_MIXTURE, measure
+
+    row = measure(kind, GEMMA4_MIXTURE if mixture else FAMILIES[kind], str(tmp_path))
+    for dtype in ("fp32", "bf16"):
+        assert row[dtype]["measured_over_counted"] == pytest.approx(1.0, abs=0.015 if mixture else 0.012), dtype
+        if not mixture:
+            assert row[dtype]["working_measured_over_counted"] == pytest.approx(1.0, abs=0.011), dtype
+
+
 def test_seed_oss_s_residual_dropout_is_read_off_its_layer(tmp_path):
     """Seed-OSS drops out the attention's and the MLP's outputs in training (``residual_dropout``):
     memx-run reads it off the layer and counts the masks (a byte an element on CUDA; CPU's dropout

@@ -215,20 +215,41 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         4.0 if model.norm_weight_in_fp32 or (autocast and model.qk_norm_after_rope) else dtype_bytes
     per_qk_norm = 2.0 if fused_norm else 2.0 * (4.0 + qk_normalised) / dtype_bytes
     qk_norms = (q + kv) / h / tp * per_qk_norm if model.qk_norm else 0.0
+    if model.value_norm and model.has_attention:  # no weight: its input alone (fp32 as torch ops); its output is V
+        qk_norms = qk_norms + kv / h / tp * (2.0 if fused_norm else 8.0 / dtype_bytes)
+    if model.experts_beside_mlp_norms and model.num_experts and model.has_mlp:  # kept beside the MLP's units
+        # Gemma 4's: norms on the MLP's and the experts' outputs; the experts' own norm and the router's (no weight)
+        # on the stream, whose fp32 copy the block's norm keeps (the stream itself, fp32, unless 16-bit: a copy
+        # each), the one's normalised tensor, the other's scaled by its weight (and the router linear's input,
+        # unless autocast's cast of it is already counted, autocast_extra_casts).
+        shared_input = 0.0 if fused_norm or residual == 4.0 else 8.0 / dtype_bytes
+        own_norm = 0.0 if fused_norm else 2.0 * normalised / dtype_bytes
+        router = 2.0 * residual / dtype_bytes + (0.0 if autocast else 2.0 * fp8_share)
+        beside_mlp = (2.0 * per_post_norm + own_norm + router + 2.0 * shared_input) / norm_split
+    else:
+        beside_mlp = 0.0
+    # Gemma 4's per-layer input (p wide), gated after the MLP: the gate's input (the stream, or its 16-bit cast),
+    # GELU's input and output (the multiply keeps it, the per-layer input having gradients), that input (in the
+    # stream's bytes: fp32 under autocast), their product (the projection's input) and the norm on its output.
+    p = model.per_layer_input_size / h
+    per_layer_input = 2.0 * residual / dtype_bytes * p
+    per_layer = (2.0 * fp8_share * (1.0 + p) + 4.0 * p + per_layer_input + per_post_norm / norm_split) if p else 0.0
     # A hybrid model's Mamba or Gated DeltaNet layer: no selective module drops it.
     mixer = mamba.kept_units(model, tp, fp8_share) + gated_deltanet.kept_units(model, tp, fp8_share)
-    none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise + mixer
+    none = replicated + qkv + qk_norms + attn_out + lse + scores + mlp_kept + mlp_elementwise + mixer + per_layer \
+        + beside_mlp
     stream = residual if stream_bytes is None else stream_bytes
     block_input = 2.0 * stream / dtype_bytes / (tp if sequence_parallel else 1.0)  # what full recompute keeps
     selective, only_op = (op_checkpointing.kept_units(model, tp, block_input, sequence_parallel, flash, lse)
-                          if op_selective else (replicated + qkv + qk_norms + attn_out + mlp_kept + mixer, 0.0))
+                          if op_selective else (replicated + qkv + qk_norms + attn_out + mlp_kept + mixer + per_layer
+                                                + beside_mlp, 0.0))
     # Megatron's named modules (latent attention's default: mla_up_proj) instead of memx's selective.
     modules = recompute_modules if recompute_modules is not None else ("mla_up_proj",) if model.kv_lora_rank else None
     if modules is not None and not op_selective:
         dropped = dropped_by_module(model, tp, lse + scores, heads_qkv, 0.0 if quantized_bytes else linear_inputs,
                                     mlp_kept, mlp_elementwise, fp8_share, fused_activation)
         selective = none - sum(dropped[name] for name in modules)
-    full = np.broadcast_to(block_input, none.shape)
+    full = np.broadcast_to(block_input + per_layer_input, none.shape)  # the checkpoint keeps the per-layer input too
     stored = np.select([recompute == NONE, recompute == SELECTIVE], [none, selective], full)
     # Score gradients alive beside the kept scores in the backward, per score in units of the
     # training dtype: the fused kernel's in place (one), torch's softmax a new one (two); in fp32

@@ -130,6 +130,8 @@ def _hf_block_parts(model_arg: str):
                                           ("LayerNorm", spec.layer_norm),
                                           ("norms after attention and MLP", spec.post_norms),
                                           ("query and key norms", spec.qk_norm),
+                                          ("a value norm", spec.value_norm),
+                                          ("per-layer inputs", spec.per_layer_input_size),
                                           ("a soft-capped attention", spec.attention_softcapping)) if present]
     if not missing and spec.tensor_parallel_blocks:  # the Llama family's blocks: memx's LLaMA's linears
         return None

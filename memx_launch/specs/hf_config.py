@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number, require_type
-from memx_launch.specs.hf_family_keys import family_keys, renamed_keys
+from memx_launch.specs.hf_family_keys import family_keys, gemma4_mixture_keys, per_layer_inputs, renamed_keys
 from memx_launch.specs.hf_hybrid import DELTANET_TYPES, LINEAR_ATTENTION, hybrid_of
 from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
@@ -48,18 +48,20 @@ OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_
 FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "afmoe")
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich;
 # GLM-4's dense model, not its mixtures glm4_moe and glm4_moe_lite).
-POST_NORM_TYPES = ("gemma2", "gemma3", "glm4", "afmoe", "kolibri1")
+POST_NORM_TYPES = ("gemma2", "gemma3", "gemma4", "glm4", "afmoe", "kolibri1")
 # Families whose blocks normalise those outputs unless their config's key turns it off (HyperCLOVA X's post_norm1
 # and post_norm2).
 POST_NORM_KEYS = {"hyperclovax": "use_post_norm"}
 # Families whose blocks normalise only the attention's and the MLP's outputs (OLMo 2's reordering).
 POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo", "exaone4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
-QK_NORM_TYPES = ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "exaone_moe", "hunyuan_v1", "dots1",
+QK_NORM_TYPES = ("qwen3", "gemma3", "gemma4", "olmo2", "olmo3", "olmoe", "exaone4", "exaone_moe", "hunyuan_v1", "dots1",
                  "apertus", "flex_olmo", "afmoe", "mellum", "nanochat", "kolibri1")
 # Families whose queries and keys Transformers normalises whatever their config's use_qk_norm says: MiniMax-M2's
 # q_norm and k_norm over all heads' width at once (modeling_minimax_m2.py's MiniMaxM2Attention builds them always).
 QK_NORM_ALWAYS_TYPES = ("minimax_m2",)
+# Families that also normalise every value head, without a weight (Gemma 4's v_norm), by prefix.
+VALUE_NORM_TYPES = ("gemma4",)
 # Families whose sinks scale the attention's output after the softmax (Granite SWA's), not join it.
 SINK_SCALE_TYPES = ("granite_swa", "granitemoe_swa")
 # Hugging Face's layer_types that memx models: whole-sequence, sliding-window and chunked attention.
@@ -109,7 +111,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
     if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
         cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
     cfg = {**cfg, **{k: v for k, v in family_keys(cfg, model_type, where).items() if v is not None}}
-    cfg = {**cfg, **renamed_keys(cfg, model_type, where)}
+    cfg = {**cfg, **renamed_keys(cfg, model_type, where), **gemma4_mixture_keys(cfg, model_type)}
     if "n_layer" in cfg and "num_hidden_layers" not in cfg:  # GPT-2's names (GPT-2, GPT-J): GELU, 4x unless n_inner
         require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
                        integer=True, fix="config.json must give it as a positive integer")
@@ -193,6 +195,9 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         qk_norm_weightless=model_type.startswith(("llama4", "nanochat")) and _qk_norm_of(cfg, model_type, where),
         qk_norm_after_rope=model_type.startswith(("hunyuan_v1", "nanochat")),  # NanoChat: RoPE, then its q and k norms
         weightless_norms=model_type == "nanochat",  # NanoChatRMSNorm: no weight (modeling_nanochat.py:44-53)
+        value_norm=model_type.startswith(VALUE_NORM_TYPES),
+        experts_beside_mlp_norms=model_type.startswith("gemma4") and bool(blocks.get("num_experts")),
+        **per_layer_inputs(cfg, model_type, where),
         clipped_qkv=model_type == "olmo" and cfg.get("clip_qkv") is not None,  # modeling_olmo.py: clamp_
         centred_norm_ops=model_type.startswith("cohere"),  # CohereLayerNorm: torch ops, x - mean twice
         rotary_concatenates=model_type == "phi3" or _partial_rotary(cfg, head_dim or cfg["hidden_size"] // heads,

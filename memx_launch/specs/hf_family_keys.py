@@ -1,6 +1,7 @@
 """Families' own names for the keys a Hugging Face config reader asks: GPT-Neo's, Falcon's,
 BLOOM's and MPT's for the Llama-style ones, others' attribute maps (ERNIE 4.5's, EXAONE MoE's,
-AFMoE's, GraniteMoeShared's and JetMoE's: :data:`RENAMED_KEYS`); ``hf_config.py`` reads the rest."""
+AFMoE's, GraniteMoeShared's and JetMoE's: :data:`RENAMED_KEYS`), Gemma 4's mixture and per-layer
+inputs; ``hf_config.py`` reads the rest."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Any, Mapping
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number
 from memx_launch.specs.model import MAX_DIMENSION
+
+# Families with per-layer embeddings (Gemma 4's PLE): their config keys (width, rows) and their config class's
+# defaults where a config.json omits them (Gemma 4 Unified's text model has none).
+PER_LAYER_INPUT_KEYS = {"gemma4_text": (("hidden_size_per_layer_input", 256), ("vocab_size_per_layer_input", 262_144))}
 
 
 def family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
@@ -61,6 +66,33 @@ RENAMED_KEYS = {
     "granitemoeshared": (("shared_intermediate_size", "shared_expert_intermediate_size", 0),),
     "jetmoe": (("kv_channels", "head_dim", 128),),
 }
+
+
+def per_layer_inputs(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
+    """Gemma 4's per-layer embeddings (:data:`PER_LAYER_INPUT_KEYS`): each block's input width
+    (``hidden_size_per_layer_input``; 0 or null: none) and the table's rows."""
+    if model_type not in PER_LAYER_INPUT_KEYS:
+        return {}
+    (width_key, width_default), (rows_key, rows_default) = PER_LAYER_INPUT_KEYS[model_type]
+    width = cfg.get(width_key, width_default) or 0
+    rows = cfg.get(rows_key, rows_default) or 0
+    for key, value in ((width_key, width), (rows_key, rows)):
+        require_number(value, f"model ({where}).{key}", lo=0, hi=MAX_DIMENSION, integer=True,
+                       fix="config.json must give it as a non-negative integer")
+    return {"per_layer_input_size": width, "per_layer_input_vocab": rows} if width else {}
+
+
+def gemma4_mixture_keys(cfg: Mapping[str, Any], model_type: str) -> dict:
+    """Gemma 4's mixture (``enable_moe_block``) in the reader's keys: its routed experts
+    (``num_experts``, ``top_k_experts``, ``moe_intermediate_size``) beside the block's dense MLP of
+    ``intermediate_size``, which every token runs through (a shared expert's part); without the flag
+    no experts, whatever ``num_experts`` says (modeling_gemma4.py's Gemma4TextDecoderLayer)."""
+    if not model_type.startswith("gemma4"):
+        return {}
+    if not cfg.get("enable_moe_block"):
+        return {"num_experts": None}
+    return {"num_experts_per_tok": cfg.get("top_k_experts"), "shared_expert_intermediate_size": cfg.get(
+        "intermediate_size")}
 
 
 def renamed_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:

@@ -140,6 +140,21 @@ class ModelSpec:
     qk_norm_after_rope: bool = False
     """The query and key norms run on the rotated heads (HunYuan): under autocast RoPE's fp32 cos and sin
     promote q and k to fp32, so a torch-op norm keeps an fp32 normalised tensor (4 + 4 bytes)."""
+    value_norm: bool = False
+    """A norm without a weight on every value head before attention (Gemma 4's ``v_norm``): as torch ops it keeps
+    its input in fp32 (the attention keeps its output, as V), a fused kernel its input."""
+    experts_beside_mlp_norms: bool = False
+    """With ``num_experts``: Gemma 4's mixture block, its dense MLP (``shared_expert_ffn_hidden_size``) and its
+    routed experts side by side, each output normalised (two norms more than the block's), the experts' input
+    normalised apart from the MLP's (a third), and the router normalising the stream without a weight and scaling
+    it by one: its normalised stream and its linear's input kept on their own."""
+    per_layer_input_size: int = 0
+    """Gemma 4's per-layer embeddings (Hugging Face's ``hidden_size_per_layer_input``): each block ends by gating
+    an input of this width the model computes for it from the tokens (``gelu(gate(x)) * input``), projecting it
+    back to the hidden size and adding its norm to the stream: two linears and a norm more a block. 0: none."""
+    per_layer_input_vocab: int = 0
+    """With ``per_layer_input_size``: the rows of the per-layer embedding (``vocab_size_per_layer_input``), one
+    table of every block's inputs, ``num_layers x per_layer_input_size`` wide, beside the token embedding."""
     clipped_qkv: bool = False
     """Queries, keys and values clamped in place after their projections (OLMo 1's ``clip_qkv``): Transformers'
     ``clamp_`` keeps a copy of each unclamped projection output for its backward, q + 2kv wide."""
@@ -329,8 +344,12 @@ class ModelSpec:
         if self.hybrid_pattern:
             return self.block_params / self.num_layers
         qk_norms = 2 * self.qk_head_dim if self.qk_norm and not self.qk_norm_weightless and self.has_attention else 0
+        per_layer = (2 * self.hidden_size * self.per_layer_input_size + self.norm_params
+                     if self.per_layer_input_size else 0)  # Gemma 4's gate, projection and norm
+        if self.experts_beside_mlp_norms and self.num_experts:  # three norms, the router's scale, each expert's
+            per_layer += 4 * self.norm_params + self.num_experts  # scale
         return (self.attention_params + self.mlp_params + mamba_params(self) + deltanet_params(self) + self.bias_params
-                + self.norms_per_block * self.norm_params + qk_norms)
+                + self.norms_per_block * self.norm_params + qk_norms + per_layer)
 
     @property
     def block_params(self) -> int:
@@ -364,7 +383,10 @@ class ModelSpec:
     @property
     def embedding_params(self) -> int:
         """What the first stage holds before the blocks: the token and position embeddings."""
-        return self.word_embedding_params + self.position_embeddings * self.hidden_size
+        per_layer = self.num_layers * self.per_layer_input_size  # Gemma 4's per-layer table, its projection and norm
+        per_layer_params = (self.per_layer_input_vocab + self.hidden_size) * per_layer + self.per_layer_input_size \
+            if per_layer else 0
+        return self.word_embedding_params + self.position_embeddings * self.hidden_size + per_layer_params
 
     @property
     def output_vocab(self) -> int:

@@ -67,6 +67,10 @@ def check_shape(model) -> None:
                    integer=True, fix=f"give how many of the {model.num_layers} blocks attend to the whole sequence")
     require_number(model.attention_chunk_size, "model.attention_chunk_size", lo=0, hi=MAX_DIMENSION, integer=True)
     require_type(model.qk_norm, bool, "model.qk_norm")
+    require_type(model.value_norm, bool, "model.value_norm")
+    require_type(model.experts_beside_mlp_norms, bool, "model.experts_beside_mlp_norms")
+    for name in ("per_layer_input_size", "per_layer_input_vocab"):
+        require_number(getattr(model, name), f"model.{name}", lo=0, hi=MAX_DIMENSION, integer=True)
     require_type(model.post_norms, bool, "model.post_norms")
     require_type(model.pre_norms, bool, "model.pre_norms")
     if not (model.pre_norms or model.post_norms):
