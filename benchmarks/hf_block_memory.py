@@ -110,6 +110,13 @@ FAMILIES = {
     "gemma4_text": dict(head_dim=32, global_head_dim=64, hidden_size_per_layer_input=64,
                         vocab_size_per_layer_input=512),
     "gemma4_unified_text": dict(head_dim=32, global_head_dim=64),
+    # GPT-2 style names (n_inner: SHAPE's intermediate_size is not theirs). Their dropout is off: attention
+    # dropout sends CPU's SDPA down its math path, and CPU's residual dropout keeps its mask in the input's
+    # dtype where CUDA keeps a byte (memx counts CUDA's). StarCoder's one key-value head: multi_query.
+    "gpt2": dict(n_inner=352, attn_pdrop=0.0, resid_pdrop=0.0),
+    "gpt_bigcode": dict(n_inner=352, multi_query=True, num_key_value_heads=1, attn_pdrop=0.0, resid_pdrop=0.0),
+    "phi": None, "nemotron": None,  # Phi-1/2's parallel block and partial rotary; LayerNorm1P and squared ReLU
+    "bloom": None,  # ALiBi attention as torch ops (its dropouts 0 by default); no grouped queries
 }
 # Gemma 4's mixture (26B-A4B's layout): experts beside its dense MLP, no per-layer inputs.
 GEMMA4_MIXTURE = dict(head_dim=32, global_head_dim=64, hidden_size_per_layer_input=0, enable_moe_block=True,

@@ -23,7 +23,8 @@ def _hf_block(config):
 
 
 @pytest.mark.parametrize("family,expected", [
-    ("gpt2", {"fused_qkv": True}),  # c_attn, a Conv1D: q, k and v as one; torch's LayerNorm
+    # c_attn, a Conv1D: q, k and v as one; torch's LayerNorm; its defaults' resid_pdrop and attn_pdrop (0.1)
+    ("gpt2", {"fused_qkv": True, "dropout": True, "attention_dropout": True}),
     ("gpt_neox", {"fused_qkv": True}),  # query_key_value
     ("llama", {"fused_qkv": False, "fused_gate_up": False, "fused_norm": False}),  # LlamaRMSNorm: torch ops
     ("phi3", {"fused_qkv": True, "fused_gate_up": True, "fused_norm": False}),  # qkv_proj, gate_up_proj

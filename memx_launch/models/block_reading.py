@@ -1,8 +1,9 @@
 """How the user's own block runs, read off its modules where memx's options describe it: the
 attention's queries, keys and values as one linear (GPT-2's c_attn, GPT-NeoX's, Falcon's and
 Bloom's query_key_value, MPT's Wqkv, Phi-3's qkv_proj) or three, a gated MLP's gate and up as one
-(Phi-3's gate_up_proj) or two, and RMSNorms of torch ops (Hugging Face's LlamaRMSNorm and its
-family's) or not.
+(Phi-3's gate_up_proj) or two, RMSNorms of torch ops (Hugging Face's LlamaRMSNorm and its
+family's) or not, and dropout on its residual branches or on its attention's probabilities
+(:func:`dropouts`).
 
 Under autocast each linear casts its input to 16 bits and keeps the copy, so memx counts one cast
 of the normed input per linear that reads it (planning/activations.py's ``autocast_extra_casts``):
@@ -26,7 +27,7 @@ from torch import nn
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
-READ_FIELDS = ("fused_qkv", "fused_gate_up", "fused_norm", "dropout")
+READ_FIELDS = ("fused_qkv", "fused_gate_up", "fused_norm", "dropout", "attention_dropout")
 """The TrainingSpec fields :func:`read_block` may set."""
 
 
@@ -44,6 +45,34 @@ def linear_widths(block: nn.Module) -> list[int]:
 def torch_op_rms_norms(block: nn.Module) -> bool:
     """Whether the block normalises with an RMSNorm class of its own (torch ops), not torch's."""
     return any(type(m).__name__.endswith("RMSNorm") and not isinstance(m, nn.RMSNorm) for m in block.modules())
+
+
+# Dropout on the attention's probabilities, by its attribute's name: an ``nn.Dropout`` (GPT-2's attn_dropout,
+# BLOOM's attention_dropout) or the probability the attention passes its kernel (StarCoder's attn_dropout, the
+# Llama family's attention_dropout). Any other ``nn.Dropout`` of a block is on a residual branch (GPT-2's and
+# StarCoder's resid_dropout and MLP dropout, Phi's resid_dropout), as are the probabilities a block passes
+# F.dropout there (Seed-OSS's residual_dropout, BLOOM's hidden_dropout).
+ATTENTION_DROPOUT_NAMES = ("attn_dropout", "attention_dropout")
+RESIDUAL_DROPOUT_NAMES = ("residual_dropout", "hidden_dropout")
+
+
+def dropouts(block: nn.Module) -> tuple[bool, bool]:
+    """(on a residual branch, on the attention's probabilities): whether ``block``, training, drops out there."""
+    residual = attention = False
+    if not block.training:
+        return residual, attention
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            if name.rsplit(".", 1)[-1] in ATTENTION_DROPOUT_NAMES:
+                attention = True
+            else:
+                residual = True
+        for key in RESIDUAL_DROPOUT_NAMES + ATTENTION_DROPOUT_NAMES:
+            value = getattr(module, key, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                residual = residual or key in RESIDUAL_DROPOUT_NAMES
+                attention = attention or key in ATTENTION_DROPOUT_NAMES
+    return residual, attention
 
 
 def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
@@ -70,9 +99,11 @@ def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
         found["fused_gate_up"] = 2 * shared in widths  # a shared expert's gate and up as one linear (GraniteMoeShared)
     if torch_op_rms_norms(block):
         found["fused_norm"] = False
-    if block.training and any(isinstance(getattr(m, "residual_dropout", None), float) and m.residual_dropout > 0
-                              for m in block.modules()):
-        found["dropout"] = True  # Seed-OSS: F.dropout on the attention's and the MLP's outputs
+    residual, attention = dropouts(block)
+    if residual:
+        found["dropout"] = True  # 1-byte masks on CUDA (CPU's dropout keeps its mask in the input's dtype)
+    if attention:
+        found["attention_dropout"] = True  # kept only where the attention is unfused (BLOOM's)
     return found
 
 

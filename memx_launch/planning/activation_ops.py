@@ -17,6 +17,12 @@ TANH_GELU_OPS_BYTES = (18.0, 28.0)
 # Squared ReLU as relu and square (Transformers' relu2, ``squared_relu_ops``): relu's output kept where GELU
 # keeps its input; 4d forward, 10d backward, the square's backward holding x^1, 2x and their product.
 SQUARED_RELU_OPS_BYTES = (4.0, 10.0)
+# BLOOM's GELU (``bloom_gelu_ops``, Transformers' GeLUFunction): its input kept, as GELU's kernel keeps it; its
+# forward nine torch ops of the tanh form (12d read, 9d written), its backward, bloom_gelu_back, the tanh again
+# and its derivative in eighteen (26d read, 18d written), of which five tensors live at once: the tanh's
+# output, 0.5x, 1 - tanh^2, and 0.107x with its product by x (traced under CPU autocast and in fp32).
+BLOOM_GELU_OPS_BYTES = (21.0, 44.0)
+BLOOM_GELU_OPS_HELD = 5.0
 # xIELU in Python ops (Apertus, ``xielu_ops``; Transformers' path without the ``xielu`` kernel): its trainable
 # slopes are fp32 parameters, so under autocast the positive branch's product and the output are fp32. By the
 # training dtype's bytes: the bytes it keeps beyond GELU's input (the slope's product, the negative branch's
@@ -32,7 +38,7 @@ def _kind(model: ModelSpec, fused_activation: bool) -> str:
     if fused_activation or model.gated_mlp:
         return ""
     return ("tanh_gelu" if model.tanh_gelu_ops else "squared_relu" if model.squared_relu_ops
-            else "xielu" if model.xielu_ops else "")
+            else "xielu" if model.xielu_ops else "bloom_gelu" if model.bloom_gelu_ops else "")
 
 
 def kept_units(model: ModelSpec, fused_activation: bool, dtype_bytes: int) -> float:
@@ -48,11 +54,12 @@ def kept_units(model: ModelSpec, fused_activation: bool, dtype_bytes: int) -> fl
 
 def backward_tensors(model: ModelSpec, fused_activation: bool, dtype_bytes: int) -> float:
     """Tensors of the MLP's width an ungated activation's backward holds at once beyond what it
-    keeps, in the training dtype: GELU one, its tanh form as ops two, squared ReLU three, xIELU its bytes'."""
+    keeps, in the training dtype: GELU one, its tanh form as ops two, squared ReLU three, BLOOM's five,
+    xIELU its bytes'."""
     kind = _kind(model, fused_activation)
     if kind == "xielu":
         return XIELU_OPS_HELD[dtype_bytes] / dtype_bytes
-    return {"tanh_gelu": 2.0, "squared_relu": 3.0}.get(kind, 1.0)
+    return {"tanh_gelu": 2.0, "squared_relu": 3.0, "bloom_gelu": BLOOM_GELU_OPS_HELD}.get(kind, 1.0)
 
 
 def hbm_bytes(model: ModelSpec, fused_activation: bool, dtype_bytes: int) -> tuple[float, float]:
@@ -60,4 +67,5 @@ def hbm_bytes(model: ModelSpec, fused_activation: bool, dtype_bytes: int) -> tup
     kind = _kind(model, fused_activation)
     if kind == "xielu":
         return XIELU_OPS_BYTES[dtype_bytes]
-    return {"tanh_gelu": TANH_GELU_OPS_BYTES, "squared_relu": SQUARED_RELU_OPS_BYTES}.get(kind, GELU_BYTES)
+    return {"tanh_gelu": TANH_GELU_OPS_BYTES, "squared_relu": SQUARED_RELU_OPS_BYTES,
+            "bloom_gelu": BLOOM_GELU_OPS_BYTES}.get(kind, GELU_BYTES)

@@ -62,7 +62,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         beyond them: :mod:`~memx_launch.planning.latent_attention`
       unfused attention: the softmax output, 2as/h over t (its backward needs only its output);
         softmax in fp32 (torch's softmax on an fp32 copy of 16-bit scores, Megatron's
-        --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h;
+        --attention-softmax-in-fp32): the fp32 probabilities and their 16-bit copy fed to AV, (4 + d)as/h
+        (with attention dropout not the copy, the dropout's input);
         with attention dropout also its 1-byte mask and the dropped-out probabilities: 5as/h
         over t, the Korthikanti s^2 term (fused attention regenerates its mask: nothing kept);
         soft-capped scores (``softcapped_scores``) the tanh's output besides, 2as/h over t
@@ -176,9 +177,11 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     latent = latent_attention.latent_units(model, fused_norm, dtype_bytes)
     qkv = heads_qkv + latent if model.kv_lora_rank else heads_qkv
     attn_out = 2.0 * fp8_share * model.value_hidden_size / h / tp
-    if transformers_share is not None and fused_qkv and not model.position_embeddings and not model.kv_lora_rank:
+    if (transformers_share is not None and fused_qkv and not model.position_embeddings and not model.kv_lora_rank
+            and not model.alibi_attention):
         # Transformers' fused q, k and v projection split into views (Phi-3, Falcon): the attention
-        # saves v, a view that keeps the whole projection alive beside the rotated q and k.
+        # saves v, a view that keeps the whole projection alive beside the rotated q and k (BLOOM's
+        # ALiBi attention reshapes q, k and v into copies: the projection is freed).
         qkv = qkv + 2.0 * (q + kv) / h / tp
     if transformers_share is not None and model.clipped_qkv:  # in-place clamp_ keeps each unclamped output
         qkv = qkv + 2.0 * (q + 2.0 * kv) / h / tp
@@ -193,7 +196,9 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # Bytes kept per score (in units of 2 bytes x scale): the softmax output, in fp32 plus its
     # 16-bit copy when torch's softmax upcasts (a fused kernel reads and writes 16 bits).
     fp32_probs = softmax_in_fp32 and not fused_softmax and dtype_bytes < 4
-    probs = (4.0 + dtype_bytes) / dtype_bytes * 2.0 if fp32_probs else 2.0
+    # With attention dropout the 16-bit copy is the dropout's input, which keeps its mask alone: AV keeps the
+    # dropped-out probabilities in its place (BLOOM's attention_dropout after its fp32 softmax's cast).
+    probs = (4.0 + (0.0 if attention_dropout else dtype_bytes)) / dtype_bytes * 2.0 if fp32_probs else 2.0
     score_bytes = probs + (2.0 + 1.0 / scale if attention_dropout else 0.0)  # (+ mask, dropout out)
     score_bytes = score_bytes + (2.0 if softcapped_scores else 0.0)  # tanh's output, for its backward
     scores = np.where(flash, 0.0, score_bytes * a * seq / h / tp)
@@ -379,11 +384,14 @@ def training_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:
     Transformers' eager attention runs it (SDPA has no soft cap, and Transformers picks eager for
     Gemma 2): torch's softmax in fp32 on the 16-bit scores and K and V repeated to the query heads;
     so too attention with sinks in Transformers' blocks (GPT-OSS's: SDPA has none; its fp32 sinks
-    joined to the scores make the softmax fp32).
+    joined to the scores make the softmax fp32). So too BLOOM's ALiBi attention in Transformers' blocks
+    (``alibi_attention``: baddbmm, torch's softmax in fp32 cast back to the training dtype, bmm).
     A LayerNorm as torch's kernel (``nn.LayerNorm``: its input kept, with a mean and a scale a
     token) whatever ``fused_norm`` says, which tells RMSNorms' torch ops (Hugging Face's) apart."""
     if model.layer_norm and not training.fused_norm:
         training = dataclasses.replace(training, fused_norm=True)
+    if model.alibi_attention and training.transformers_blocks:  # BLOOM's: torch ops, softmax in fp32, no repeat
+        training = dataclasses.replace(training, flash_attention=False, fused_softmax=False, softmax_in_fp32=True)
     if not (model.attention_softcapping or (model.attention_sinks and training.transformers_blocks)):
         return training
     return dataclasses.replace(training, flash_attention=False, fused_softmax=False, softmax_in_fp32=True,

@@ -1,6 +1,6 @@
 """Reading a model's shape from a Hugging Face config (a ``config.json``, or a loaded model's
 ``config.to_dict()``): the Llama (4 included), Mistral, Qwen, Gemma, Mixtral, DeepSeek, GLM and GPT-OSS
-families, GPT-2 style keys, OPT's, GPT-Neo's, Falcon's, BLOOM's and MPT's, the language model of a multimodal
+families, GPT-2 style keys, OPT's, GPT-Neo's, Falcon's, BLOOM's, MPT's and StarCoder's, the language model of a multimodal
 config (its ``text_config``) and Nemotron-H's hybrid of Mamba-2, attention and MLP layers. Other
 hybrid and recurrent families (linear attention, other Mamba hybrids, RWKV) are refused by name."""
 
@@ -17,7 +17,7 @@ from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
-GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom")
+GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom", "gpt_bigcode")
 # Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 # Model types whose q, k and v linears carry biases, the block's other linears none (by prefix: Qwen2,
@@ -33,8 +33,9 @@ TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gpt_neo", "falcon", "cohere", "bloom
 # Model types with a gated MLP whose activation is not SiLU (Gemma: GeGLU), by prefix.
 GATED_GELU = ("gemma",)
 # Model types whose attention and MLP read one normed input side by side, and the config key
-# that turns it off (GPT-J, CodeGen and Cohere always; GPT-NeoX's use_parallel_residual, Falcon's parallel_attn).
-PARALLEL_BLOCK_KEYS = {"gptj": None, "codegen": None, "cohere": None, "cohere2": None, "cohere2_moe": None,
+# that turns it off (GPT-J, CodeGen, Cohere and Phi-1/2 always; GPT-NeoX's use_parallel_residual, Falcon's
+# parallel_attn).
+PARALLEL_BLOCK_KEYS = {"gptj": None, "codegen": None, "cohere": None, "cohere2": None, "cohere2_moe": None, "phi": None,
                        "gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
 # Families with blocks other than softmax attention's (linear attention, Mamba, RWKV's recurrence),
 # which memx does not model: by model type, and by the key naming such blocks in a config.
@@ -157,8 +158,10 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         if cfg.get(key) is not None:
             require_type(cfg[key], bool, f"model ({where}).{key}")
     qkv_bias = not linear_biases and (model_type.startswith(QKV_BIAS) or any(cfg.get(k) for k in QKV_BIAS_KEYS))
-    # Learned position tables: GPT-2's n_positions rows, GPT-Neo's max_position_embeddings, OPT's + 2 (its offset).
+    # Learned position tables: GPT-2's and StarCoder's n_positions rows, GPT-Neo's max_position_embeddings, OPT's
+    # + 2 (its offset).
     positions = {"gpt2": cfg.get("max_position_embeddings") or 1024,
+                 "gpt_bigcode": cfg.get("max_position_embeddings") or 1024,
                  "gpt_neo": cfg.get("max_position_embeddings") or 2048,
                  "opt": (cfg.get("max_position_embeddings") or 2048) + 2}.get(model_type, 0)
     # The MLP width (a mixture's dense blocks may set their own), the experts and local attention.
@@ -182,6 +185,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         gated_mlp=gated, relu_mlp=act == "relu" and not gated,  # OPT's MLP: ReLU
         tanh_gelu_ops=act == "gelu_new" and not gated,  # Transformers' gelu_new: GPT-2, GPT-J, Phi
         squared_relu_ops=act == "relu2" and not gated, xielu_ops=act == "xielu" and not gated,  # Arcee; Apertus
+        bloom_gelu_ops=model_type == "bloom",  # modeling_bloom.py's GeLUFunction: bloom_gelu_back as torch ops
         tie_embeddings=bool(tied),
         layer_norm=layer_norm,
         linear_biases=linear_biases,
@@ -209,6 +213,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         attention_softcapping=softcaps["attn_logit_softcapping"] is not None,
         attention_sinks=model_type in ("gpt_oss",) + SINK_SCALE_TYPES,  # a learned logit per head
         attention_sink_scale=model_type in SINK_SCALE_TYPES,  # Granite SWA's: sigmoid(lse - sink) after AV
+        alibi_attention=model_type == "bloom",  # modeling_bloom.py: baddbmm on the ALiBi bias, fp32 softmax, bmm
         attention_output_gate=blocks.pop("attention_output_gate", False) or model_type == "afmoe",
         output_gate_linear=model_type == "afmoe",  # AFMoE's sigmoid(gate_proj(x)) * out: a linear of its own
         clamped_glu=cfg.get("swiglu_limit") is not None,  # GPT-OSS's experts' clamped GLU
@@ -224,17 +229,19 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
 def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tuple[bool, bool]:
     """(LayerNorm with a bias, a bias on every linear layer) of a family's blocks: GPT-2 style ones
     both (OPT's ``enable_bias`` may drop the biases), StarCoder2's by its ``use_bias``, GPT-NeoX's
-    and Jais 2's by their ``attention_bias``, Falcon's by its ``bias`` (none by default); StableLM's,
-    PhiMoE's and OLMo 1's LayerNorm alone (their q, k and v biases, if any, are read apart); the
-    Llama family and MPT neither (Hugging Face's MPT: weight-only norms, counted as RMSNorm's
-    weight, and no linear biases)."""
+    and Jais 2's by their ``attention_bias``, Falcon's by its ``bias`` (none by default), Nemotron's
+    LayerNorm1P (torch's kernel, weight + 1) by its ``attention_bias`` (none by default; its ``mlp_bias``
+    not read); StableLM's, PhiMoE's and OLMo 1's LayerNorm alone (their q, k and v biases, if any, are
+    read apart); the Llama family and MPT neither (Hugging Face's MPT: weight-only norms, counted as
+    RMSNorm's weight, and no linear biases)."""
     if model_type in ("stablelm", "phimoe", "olmo"):  # OLMo 1's: F.layer_norm without weight or bias
         return True, False
     key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True), "gpt_neox": ("attention_bias", True),
-                    "jais2": ("attention_bias", True)}.get(model_type, ("enable_bias", True))
+                    "jais2": ("attention_bias", True), "nemotron": ("attention_bias", False)}.get(
+        model_type, ("enable_bias", True))
     flag = cfg.get(key, default)
     require_type(flag, bool, f"model ({where}).{key}")
-    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2", "gpt_neox", "jais2")
+    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2", "gpt_neox", "jais2", "nemotron")
     return layer_norm, layer_norm and flag
 
 

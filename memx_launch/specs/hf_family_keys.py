@@ -17,16 +17,27 @@ PER_LAYER_INPUT_KEYS = {"gemma4_text": (("hidden_size_per_layer_input", 256), ("
 
 
 def family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
-    """GPT-Neo's, Falcon's, BLOOM's and MPT's own names for the Llama-style keys (None: not given).
+    """GPT-Neo's, Falcon's, BLOOM's, MPT's and StarCoder's own names for the Llama-style keys (None: not given).
     GPT-Neo: ``num_layers``, ``num_heads``, its MLP 4x wide unless ``intermediate_size``; its local blocks
     stay whole-sequence ones, as Hugging Face's GPT-Neo computes every score and masks those out of
     its window. Falcon: its layers and heads (GPT-2's names in its first configs),
     ``ffn_hidden_size`` (4x unless given) and its key-value heads: ``num_kv_heads`` with
     ``new_decoder_architecture``, else one with ``multi_query`` (its default), else one per head.
-    BLOOM: ``n_layer``, ``n_head``, a 4x GELU MLP (its embedding's own LayerNorm not counted).
+    BLOOM: ``n_layer``, ``n_head``, a 4x GELU MLP (its embedding's own LayerNorm not counted), a key-value head
+    per head (its model reads no ``num_key_value_heads``). StarCoder's (``gpt_bigcode``): GPT-2's names, its
+    MLP ``n_inner`` wide (4x unless given), one key-value head with ``multi_query`` (its default), else one a head.
     MPT: ``d_model``, ``n_layers``, ``n_heads``, an ``expansion_ratio`` x GELU MLP, ``max_seq_len``."""
-    if model_type not in ("gpt_neo", "falcon", "bloom", "mpt"):
+    if model_type not in ("gpt_neo", "falcon", "bloom", "mpt", "gpt_bigcode"):
         return {}
+    if model_type == "gpt_bigcode":  # modeling_gpt_bigcode.py: kv_heads = 1 if multi_query else num_heads
+        require_number(cfg.get("n_embd"), f"model ({where}).n_embd", lo=0, lo_open=True, hi=MAX_DIMENSION,
+                       integer=True, fix="config.json must give it as a positive integer")
+        heads = cfg.get("n_head")
+        return {"num_hidden_layers": cfg.get("n_layer"), "num_attention_heads": heads, "hidden_size": cfg["n_embd"],
+                "num_key_value_heads": 1 if cfg.get("multi_query", True) else heads,
+                "intermediate_size": cfg.get("n_inner") or 4 * cfg["n_embd"],
+                "hidden_act": cfg.get("activation_function", "gelu_pytorch_tanh"),
+                "max_position_embeddings": cfg.get("n_positions")}
     key = "d_model" if model_type == "mpt" else "hidden_size" if "hidden_size" in cfg or model_type != "bloom" \
         else "n_embed"  # BLOOM's first configs
     hidden = cfg.get(key)
@@ -34,7 +45,8 @@ def family_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
                    fix="config.json must give it as a positive integer")
     if model_type == "bloom":
         return {"num_hidden_layers": cfg.get("n_layer"), "num_attention_heads": cfg.get("n_head"),
-                "hidden_size": hidden, "intermediate_size": 4 * hidden, "hidden_act": "gelu"}
+                "num_key_value_heads": cfg.get("n_head"), "hidden_size": hidden, "intermediate_size": 4 * hidden,
+                "hidden_act": "gelu"}
     if model_type == "mpt":
         ratio = cfg.get("expansion_ratio", 4)
         require_number(ratio, f"model ({where}).expansion_ratio", lo=0, lo_open=True, hi=64, integer=True)

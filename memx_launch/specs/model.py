@@ -47,6 +47,9 @@ class ModelSpec:
     squared_relu_ops: bool = False
     """An ungated MLP of squared ReLU (``relu2``: Arcee, Nemotron-H): run eager, as relu and square, its
     backward holds three tensors of the MLP's width where GELU's holds one (``planning/activation_ops.py``)."""
+    bloom_gelu_ops: bool = False
+    """BLOOM's GELU (``GeLUFunction``): its input kept as GELU's kernel keeps it, its forward and backward torch ops,
+    which hold five tensors of the MLP's width at once (``planning/activation_ops.py``)."""
     xielu_ops: bool = False
     """An ungated MLP of xIELU (Apertus): run eager (Transformers' Python path), its fp32 slopes and two
     branches keep, hold and move more than GELU (``planning/activation_ops.py``)."""
@@ -98,6 +101,9 @@ class ModelSpec:
     attention_sinks: bool = False
     """A learned logit per head beside each query's scores in its softmax (GPT-OSS's sinks): Transformers runs such
     attention eager (its SDPA has no sink), Megatron's cuDNN kernel takes it (activations.training_as_run)."""
+    alibi_attention: bool = False
+    """ALiBi (BLOOM): Transformers runs it as torch ops on copies of q, k and v (``baddbmm`` on the bias, torch's
+    softmax in fp32 cast back, ``bmm``), keeping its probabilities (activations.training_as_run)."""
     attention_sink_scale: bool = False
     """With ``attention_sinks``: the sink scales the attention's output after the softmax, ``out * sigmoid(lse -
     sink)`` (Granite SWA's eager attention): its logsumexp keeps the raw scores and its result, the multiply the
@@ -144,17 +150,13 @@ class ModelSpec:
     """A norm without a weight on every value head before attention (Gemma 4's ``v_norm``): as torch ops it keeps
     its input in fp32 (the attention keeps its output, as V), a fused kernel its input."""
     experts_beside_mlp_norms: bool = False
-    """With ``num_experts``: Gemma 4's mixture block, its dense MLP (``shared_expert_ffn_hidden_size``) and its
-    routed experts side by side, each output normalised (two norms more than the block's), the experts' input
-    normalised apart from the MLP's (a third), and the router normalising the stream without a weight and scaling
-    it by one: its normalised stream and its linear's input kept on their own."""
+    """With ``num_experts``: Gemma 4's block runs its dense MLP (``shared_expert_ffn_hidden_size``) and its experts
+    side by side, with three norms more (each output's, the experts' input's) and its router's weightless one."""
     per_layer_input_size: int = 0
-    """Gemma 4's per-layer embeddings (Hugging Face's ``hidden_size_per_layer_input``): each block ends by gating
-    an input of this width the model computes for it from the tokens (``gelu(gate(x)) * input``), projecting it
-    back to the hidden size and adding its norm to the stream: two linears and a norm more a block. 0: none."""
+    """Gemma 4's per-layer embeddings (``hidden_size_per_layer_input``): each block gates an input this wide computed
+    from the tokens (``gelu(gate(x)) * input``), projects it back and adds its norm: two linears and a norm more."""
     per_layer_input_vocab: int = 0
-    """With ``per_layer_input_size``: the rows of the per-layer embedding (``vocab_size_per_layer_input``), one
-    table of every block's inputs, ``num_layers x per_layer_input_size`` wide, beside the token embedding."""
+    """With ``per_layer_input_size``: rows of the per-layer table, ``num_layers x per_layer_input_size`` wide."""
     clipped_qkv: bool = False
     """Queries, keys and values clamped in place after their projections (OLMo 1's ``clip_qkv``): Transformers'
     ``clamp_`` keeps a copy of each unclamped projection output for its backward, q + 2kv wide."""
@@ -344,10 +346,9 @@ class ModelSpec:
         if self.hybrid_pattern:
             return self.block_params / self.num_layers
         qk_norms = 2 * self.qk_head_dim if self.qk_norm and not self.qk_norm_weightless and self.has_attention else 0
-        per_layer = (2 * self.hidden_size * self.per_layer_input_size + self.norm_params
-                     if self.per_layer_input_size else 0)  # Gemma 4's gate, projection and norm
-        if self.experts_beside_mlp_norms and self.num_experts:  # three norms, the router's scale, each expert's
-            per_layer += 4 * self.norm_params + self.num_experts  # scale
+        per_layer = (2 * self.hidden_size * self.per_layer_input_size + self.norm_params) * bool(
+            self.per_layer_input_size)  # Gemma 4's gate, projection and norm; three norms, router's and experts' scales
+        per_layer += (4 * self.norm_params + self.num_experts) * (self.experts_beside_mlp_norms and self.num_experts > 0)
         return (self.attention_params + self.mlp_params + mamba_params(self) + deltanet_params(self) + self.bias_params
                 + self.norms_per_block * self.norm_params + qk_norms + per_layer)
 
@@ -383,10 +384,9 @@ class ModelSpec:
     @property
     def embedding_params(self) -> int:
         """What the first stage holds before the blocks: the token and position embeddings."""
-        per_layer = self.num_layers * self.per_layer_input_size  # Gemma 4's per-layer table, its projection and norm
-        per_layer_params = (self.per_layer_input_vocab + self.hidden_size) * per_layer + self.per_layer_input_size \
-            if per_layer else 0
-        return self.word_embedding_params + self.position_embeddings * self.hidden_size + per_layer_params
+        p = self.per_layer_input_size  # Gemma 4's per-layer table, its projection and norm
+        per_layer = (self.per_layer_input_vocab + self.hidden_size) * self.num_layers * p + p
+        return self.word_embedding_params + self.position_embeddings * self.hidden_size + per_layer
 
     @property
     def output_vocab(self) -> int:

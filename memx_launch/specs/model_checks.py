@@ -23,13 +23,14 @@ def check_shape(model) -> None:
     if model.relu_mlp and model.gated_mlp:
         raise ConfigError("model.relu_mlp", "set with gated_mlp (a gated ReLU is not modelled)",
                           "set gated_mlp: false for OPT's ReLU MLP, or drop relu_mlp")
-    for name in ("tanh_gelu_ops", "squared_relu_ops", "xielu_ops"):
+    ops_flags = ("tanh_gelu_ops", "squared_relu_ops", "xielu_ops", "bloom_gelu_ops")
+    for name in ops_flags:
         require_type(getattr(model, name), bool, f"model.{name}")
-    ungated_ops = [name for name in ("tanh_gelu_ops", "squared_relu_ops", "xielu_ops") if getattr(model, name)]
+    ungated_ops = [name for name in ops_flags if getattr(model, name)]
     if ungated_ops and (model.gated_mlp or model.relu_mlp or len(ungated_ops) > 1):
         raise ConfigError(f"model.{ungated_ops[-1]}", "set with a gated or ReLU MLP or another activation's ops (it "
                           "describes an ungated MLP's one activation)", "set gated_mlp: false and relu_mlp: false, "
-                          "and one of tanh_gelu_ops, squared_relu_ops, xielu_ops")
+                          "and one of tanh_gelu_ops, squared_relu_ops, xielu_ops, bloom_gelu_ops")
     require_type(model.tie_embeddings, bool, "model.tie_embeddings")
     require_type(model.layer_norm, bool, "model.layer_norm")
     require_type(model.linear_biases, bool, "model.linear_biases")
@@ -40,7 +41,7 @@ def check_shape(model) -> None:
     for name in ("tensor_parallel_blocks", "qkv_bias", "shared_expert_gate", "logit_softcapping",
                  "attention_softcapping", "router_aux_loss", "attention_sinks", "clamped_glu", "expert_biases",
                  "qk_norm_after_rope", "weightless_norms", "clipped_qkv", "attention_sink_scale", "output_gate_linear",
-                 "experts_take_every_token", "qk_norm_weightless"):
+                 "experts_take_every_token", "qk_norm_weightless", "alibi_attention"):
         require_type(getattr(model, name), bool, f"model.{name}")
     if model.clamped_glu and not (model.gated_mlp and model.num_experts):
         raise ConfigError("model.clamped_glu", "set without gated experts (it describes GPT-OSS's experts' GLU)",
