@@ -12,8 +12,9 @@ memx-run`` with the options memx-run reads off the layer's modules (``models/blo
 
 Its backward's working set besides: what a later backward (the layer's gradients allocated, as
 from a step's second micro-batch: torch's AccumulateGrad adds each fresh weight gradient into
-them) holds above what the forward kept, the incoming gradient included, as the emulated device's
-guard counts it, against memx's ``working_bytes``.
+them; under autocast the weights' casts made by the step's first forward, whose 16-bit gradients wait
+for the backward's end) holds above what the forward kept, the incoming gradient included, as the
+emulated device's guard counts it, against memx's ``working_bytes``.
 
 Per family: measured, counted and their ratio in each precision, and the ratio to the count of the
 same layer taken for Megatron-Core's (``--no-transformers-blocks``: its experts and its fused q, k,
@@ -195,15 +196,18 @@ def _fresh_gradient():
 
 def backward_held_bytes(layer, x, args, kwargs) -> int:
     """What the layer's second backward holds above what its forward kept, its incoming gradient
-    included, its gradients allocated (as from a step's second micro-batch)."""
+    included, its gradients allocated (as from a step's second micro-batch): the step's first forward
+    made autocast's weight casts on the device (their cache is the step's: one autocast region)."""
     import math
 
     import torch
 
     for p in layer.parameters():
         p.grad = torch.zeros_like(p)
+    torch.clear_autocast_cache()
     with EmulatedDevice("probe", math.inf) as device:
         device.track([*layer.parameters(), *(p.grad for p in layer.parameters()), x])
+        layer(x * 1.0, *args, **kwargs)  # the step's first micro-batch: makes (and caches) the weights' casts
         out = layer(x * 1.0, *args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         device.reset_peak()

@@ -96,11 +96,11 @@ def test_a_dp_group_across_domains_leaves_the_other_stages_with_tp_fully_sharded
     whole = evaluate_layout(MODEL, cluster, replace(MEMX_RUN, fully_sharded_with_tp=False), **ONE_STAGE_CROSSES)
     assert not mixed.training["fully_sharded"] and plan_sharded_stages(MEMX_RUN, mixed) == [0]
     assert mixed.stages[0].memory_parts_gib == sharded.stages[0].memory_parts_gib
-    # Stage 1 receives stage 0's 16-bit hidden states: its backward's residual gradient (one hidden
-    # state of micro-batch 1 beside the MLP's gradients, its larger phase) is 16-bit, 16 MiB less
-    # than its fp32 pricing; the rest equal.
+    # Stage 1 receives stage 0's 16-bit hidden states: its backward's residual gradients (two hidden
+    # states of micro-batch 1 in the attention's phase, its larger beside the MLP's 16-bit weight
+    # gradients waiting for their casts) are 16-bit, 2 x 16 MiB less than its fp32 pricing; the rest equal.
     parts, as_whole = mixed.stages[1].memory_parts_gib, whole.stages[1].memory_parts_gib
-    assert parts["activations"] == pytest.approx(as_whole["activations"] - 2048 * MODEL.hidden_size * 2 / 2**30)
+    assert parts["activations"] == pytest.approx(as_whole["activations"] - 2 * 2048 * MODEL.hidden_size * 2 / 2**30)
     assert {k: v for k, v in parts.items() if k != "activations"} == \
         {k: v for k, v in as_whole.items() if k != "activations"}
     assert mixed.stages[0].predicted_peak_memory_gib < whole.stages[0].predicted_peak_memory_gib
@@ -149,8 +149,9 @@ def test_a_whole_stage_behind_a_sharded_one_keeps_16_bit_block_inputs_under_full
     hidden_gib = 2048 * MODEL.hidden_size / 2**30  # an element of one micro-batch's hidden state, in GiB
     recomputed = 10 if ":" in recompute else 16
     in_flight = 1  # the last of two 1F1B stages
-    # block inputs, and the residual gradient beside the MLP's gradients (the backward's larger phase)
-    narrower = recomputed * in_flight * 2 * hidden_gib + 2 * hidden_gib
+    # block inputs, and the attention phase's two residual gradients (the backward's larger phase, beside
+    # the MLP's 16-bit weight gradients waiting for their casts)
+    narrower = recomputed * in_flight * 2 * hidden_gib + 2 * 2 * hidden_gib
     parts, as_whole = mixed.stages[1].memory_parts_gib, whole.stages[1].memory_parts_gib
     assert parts["activations"] == pytest.approx(as_whole["activations"] - narrower)
     assert mixed.stages[1].predicted_peak_memory_gib == pytest.approx(sum(parts.values()), abs=0.01)
@@ -172,8 +173,8 @@ def test_a_whole_stage_behind_a_sharded_one_sends_16_bit_hidden_states():
     parts, as_whole = mixed.stages[1].memory_parts_gib, whole.stages[1].memory_parts_gib
     two_hidden_states_gib = 2 * 2048 * MODEL.hidden_size * 2 / 2**30
     assert parts["pipeline_buffers"] == pytest.approx(as_whole["pipeline_buffers"] - two_hidden_states_gib)
-    # and its backward's residual gradient beside the MLP's gradients in 16 bits: 16 MiB less
-    assert parts["activations"] == pytest.approx(as_whole["activations"] - two_hidden_states_gib / 2)
+    # and its backward's two residual gradients in the attention's phase in 16 bits: 2 x 16 MiB less
+    assert parts["activations"] == pytest.approx(as_whole["activations"] - two_hidden_states_gib)
     assert {k: v for k, v in parts.items() if k not in ("pipeline_buffers", "activations")} == \
         {k: v for k, v in as_whole.items() if k not in ("pipeline_buffers", "activations")}
     def pipeline(plan):

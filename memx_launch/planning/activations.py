@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memx_launch.planning import experts, gated_deltanet, latent_attention, mamba, op_checkpointing, quantization
+from memx_launch.planning.backward_end import waiting_weights
 from memx_launch.planning.mlp_activations import mlp_backward_units, mlp_units
 from memx_launch.planning.plan import FULL, NONE, SELECTIVE
 from memx_launch.planning.recompute_modules import dropped_by_module
@@ -124,14 +125,13 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     gradient once in the weights' dtype (``fresh_grad_bytes`` a weight; under autocast its fp32 cast,
     made after the linear's node freed its input and its 16-bit weight copy, which the 16-bit
     gradient's bytes equal: a moment beside the output's gradient alone, which binds at few tokens).
-    The attention's, once the
-    MLP's tensors are freed: the gradients of the block's input and output, that policy's recomputed
-    core, and in unfused attention,
-    beside the kept probabilities, the gradient of the
-    probabilities: one more s x s tensor per head in the training dtype when a fused softmax
-    (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
+    The attention's, once the MLP's tensors are freed: the gradients of the block's input and output,
+    that policy's recomputed core, and in unfused attention, beside the kept probabilities, the
+    gradient of the probabilities: one more s x s tensor per head in the training dtype when a fused
+    softmax (Megatron's) turns it into the scores' gradient in place; two with torch's softmax, whose
     backward writes a new tensor (its forward holds as many: scores, masked copy, probabilities).
-    """
+    Under one autocast region a step, a later micro-batch's 16-bit weight gradients wait for their
+    casts beside those phases (:func:`~memx_launch.planning.backward_end.waiting_weights`)."""
     mbs = np.asarray(mbs, dtype=np.float64)
     seq = np.asarray(seq, dtype=np.float64)
     tp = np.asarray(tp, dtype=np.float64)
@@ -265,22 +265,29 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     # The attention's backward runs once the MLP's has freed the MLP's tensors.
     mlp_freed = mlp_kept + mlp_elementwise
     attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp) - mlp_freed
+    # One autocast region a step (a later micro-batch's backward): its 16-bit weight gradients wait for their casts.
+    waiting_down = 0.0
+    if weight_grad_bytes and not fresh_grad_bytes and autocast and dtype_bytes < 4 and model.has_mlp:
+        beside_attention, beside_activation = waiting_weights(model, transformers_share is not None)
+        attention_phase = attention_phase + beside_attention / tp * weight_grad_bytes / sbh
+        waiting_down = beside_activation / tp * weight_grad_bytes / sbh
     # A parallel block under autocast casts the output's gradient to 16 bits for the attention and the MLP at
     # once: the attention's copy waits through the MLP's backward.
     waiting = 2.0 if model.parallel_blocks and autocast and dtype_bytes < 4 else 0.0
-    mlp_phase = stream_grad + waiting + mlp_backward_units(model, tp, fused_activation, transformers_share,
-                                                           dtype_bytes=dtype_bytes)
+    mlp_phase = stream_grad + waiting + waiting_down + mlp_backward_units(model, tp, fused_activation,
+                                                                          transformers_share, dtype_bytes=dtype_bytes)
     if transformers_share is not None and model.num_experts and model.has_mlp:
         # Transformers' experts' gate-and-up weights are one 3-D parameter, whose gradient the backward
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
         # (Llama 4's, ``experts_take_every_token``, as traced: experts.every_token_backward_units.)
         gate_up = experts.gate_up_params(model, expert_tp=expert_tp)
+        cast = autocast and dtype_bytes < 4
         if not model.experts_take_every_token:
             mlp_phase = np.maximum(mlp_phase, gate_up * transformers_share * dtype_bytes / sbh)
         else:
-            mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + experts.every_token_backward_units(
-                model, tp, sbh, dtype_bytes, transformers_share, fused_activation, fused_gate_up,
-                autocast and dtype_bytes < 4))
+            every_token = experts.every_token_backward_units(model, tp, sbh, dtype_bytes, transformers_share,
+                                                            fused_activation, fused_gate_up, cast)
+            mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + waiting_down + every_token)
     elif weight_grad_bytes and model.has_mlp and not model.num_experts:
         down = 2.0 * f / h / tp + f * h / tp * weight_grad_bytes / sbh  # its input's gradient, its weight's
         # Its output's gradient, where not the stream's: under autocast cast to 16 bits, after a norm on the

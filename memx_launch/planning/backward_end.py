@@ -38,6 +38,23 @@ from memx_launch.specs.training import TrainingSpec
 FP32_BYTES = 4
 
 
+def waiting_weights(model: ModelSpec, transformers_blocks: bool) -> tuple[float, float]:
+    """(the weights whose 16-bit gradients wait beside the attention core's backward, those beside the
+    MLP's activation's) of one block (of a layer with an MLP), whole (TP splits them), where the casts
+    wait: each gradient a block's backward makes waits in the engine's buffers for the backward's end,
+    the MLP's and the attention's projections' beside its attention core's backward (but q, k and v's,
+    made after it: counted there all the same), the down projection's beside the activation's, or a
+    mixture's router's and shared expert's (which runs first), and its experts' where they autocast
+    (Transformers' Llama 4's ``torch.bmm``; its grouped GEMMs run in the weights' fp32)."""
+    h, matrices = model.hidden_size, 3.0 if model.gated_mlp else 2.0
+    if not model.num_experts:
+        return matrices * model.ffn_hidden_size * h + model.attention_params, model.ffn_hidden_size * h
+    first = matrices * model.shared_expert_ffn_hidden_size * h
+    cast_experts = model.num_experts * matrices * model.moe_ffn_hidden_size * h \
+        if transformers_blocks and model.experts_take_every_token else 0.0
+    return first + h * model.num_experts + cast_experts + model.attention_params, first
+
+
 def waits(training: TrainingSpec, g: int) -> bool:
     """Whether a step's later micro-batches (``g`` of them a step) wait for their casts: autocast
     over fp32 weights with one region a step (quantized linears cast to their own formats)."""
