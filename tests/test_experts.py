@@ -279,6 +279,22 @@ def test_the_megatron_export_builds_gpt_oss_s_attention_sinks_and_clamped_glu_as
     assert "--softmax-type" not in scaled.args and any("after the softmax" in note for note in scaled.notes)
 
 
+def test_what_megatron_lm_has_no_option_for_is_said_in_a_note():
+    """BLOOM's ALiBi biases (exported without positions, not as rotary ones), Gemma 4's value norm and
+    per-layer inputs: each a note beside the arguments, none dropped silently."""
+    from memx_launch.planning.exporters import megatron_args
+
+    base = dataclasses.replace(get_model("llama2-7b"), num_layers=4, name="small")
+    plain = megatron_args(_estimate(base, _training(), tp=1, dp=8)).notes
+    assert not any("no such option" in note for note in plain)
+    for field, value, words in (("alibi_attention", True, "ALiBi"), ("value_norm", True, "value head"),
+                                ("per_layer_input_size", 256, "per-layer inputs")):
+        exported = megatron_args(_estimate(dataclasses.replace(base, **{field: value}), _training(), tp=1, dp=8))
+        assert [note for note in exported.notes if words in note] != [], field
+        positions = exported.args[exported.args.index("--position-embedding-type") + 1]
+        assert positions == ("none" if field == "alibi_attention" else "rope")
+
+
 def test_sliding_windows_shrink_the_attention_of_the_blocks_that_have_them():
     gpt_oss = get_model("gpt-oss-120b")
     assert gpt_oss.total_params == pytest.approx(116.8e9, rel=0.001)  # published: 116.8B, 5.1B active

@@ -136,7 +136,8 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
     args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
              str(spec.position_embeddings if learned else max(plan.seq_len, spec.seq_len)),
              "--vocab-size", str(spec.vocab_size),
-             "--position-embedding-type", "learned_absolute" if learned else "none" if spec.hybrid_pattern else "rope",
+             "--position-embedding-type",
+             "learned_absolute" if learned else "none" if spec.hybrid_pattern or spec.alibi_attention else "rope",
              "--normalization", "LayerNorm" if spec.layer_norm else "RMSNorm"]
     if not spec.linear_biases:
         args += ["--disable-bias-linear", *(["--add-qkv-bias"] if spec.qkv_bias else [])]
@@ -149,6 +150,12 @@ def _megatron_model(plan: Plan) -> tuple[list[str], list[str]]:
                      "as the plan counted; Megatron-LM has no such option: add your build's")
     elif spec.attention_sinks:  # a learned logit per head in each softmax (Transformer Engine's cuDNN kernel)
         args += ["--softmax-type", "learnable"]
+    # What the plan counted that Megatron-LM's blocks have no option for: said, not dropped.
+    for present, what in ((spec.alibi_attention, "ALiBi attention biases (BLOOM's; exported without positions)"),
+                          (spec.value_norm, "a norm on every value head (Gemma 4's)"),
+                          (spec.per_layer_input_size, "per-layer inputs (Gemma 4's)")):
+        if present:
+            notes.append(f"the model's {what}, as the plan counted; Megatron-LM has no such option: add your build's")
     if not spec.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     if spec.attention_output_gate:
