@@ -80,6 +80,33 @@ def test_sigterm_stops_memx_with_one_line_and_143(tmp_path):
     assert os.listdir(tmp_path) == ["profile.jsonl"] and db.read_text() == ""
 
 
+def test_sigterm_that_lands_in_a_weakref_callback_still_stops_memx():
+    """Python prints and drops what a weakref callback raises (the emulated device releases every freed
+    tensor in one), so the SIGTERM handler's exit, raised there, would be lost and the command run on: an
+    alarm raises it again, silently, until it unwinds."""
+    script = """
+import os, signal, time, weakref
+from memx_launch.cli.main import _terminate
+signal.signal(signal.SIGTERM, _terminate)
+class Tracked: pass
+def released(_ref):
+    os.kill(os.getpid(), signal.SIGTERM)
+    sum(range(1000))  # the handler runs here, inside the callback, and its exit is dropped
+tracked = Tracked()
+ref = weakref.ref(tracked, released)
+try:
+    del tracked
+    time.sleep(5)
+    print("ran on")
+except SystemExit as exc:
+    print("exit", exc.code)
+"""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["exit", "143"] and done.stderr == ""
+    assert time.monotonic() - start < 4
+
+
 def test_temporaries_left_by_a_killed_write_are_removed_by_the_next_one(tmp_path):
     stale, fresh = tmp_path / ".memx-abcd1234.tmp", tmp_path / ".memx-efgh5678.tmp"
     for path in (stale, fresh):

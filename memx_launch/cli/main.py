@@ -36,8 +36,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TERMINATED = 128 + signal.SIGTERM
+# How often SIGTERM's exit is raised again until it unwinds (see _terminate).
+TERMINATE_RETRY_S = 0.2
+
+
 def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds: temporary files are removed on the way out
+    """SIGTERM: unwind (temporary files are removed on the way out). Raised where the signal lands, the
+    exit is dropped when that is a weakref callback or a ``__del__`` (the emulated device's, on every
+    tensor freed: Python prints and ignores what they raise), so an alarm raises it again, unless it is
+    already unwinding, until it reaches :func:`_run`."""
+    sys.unraisablehook = _quiet_terminated_hook(sys.unraisablehook)
+    signal.signal(signal.SIGALRM, _terminate_again)
+    signal.setitimer(signal.ITIMER_REAL, TERMINATE_RETRY_S, TERMINATE_RETRY_S)
+    raise SystemExit(TERMINATED)
+
+
+def _terminate_again(signum, frame):
+    if not isinstance(sys.exc_info()[1], SystemExit):  # dropped, not unwinding: raise it again
+        raise SystemExit(TERMINATED)
+
+
+def _quiet_terminated_hook(default):
+    """The unraisable-exception hook, silent about a dropped termination (the one line says it)."""
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, SystemExit) and unraisable.exc_value.code == TERMINATED):
+            default(unraisable)
+    return hook
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +84,8 @@ def _run(parser, argv) -> int:
         print("memx: interrupted; no output file was written", file=sys.stderr)
         return 130
     except SystemExit as exc:
-        if exc.code == 128 + signal.SIGTERM:
+        if exc.code == TERMINATED:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             print("memx: terminated; no output file was written", file=sys.stderr)
         raise
     except NoFeasiblePlanError as exc:
