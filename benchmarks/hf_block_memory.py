@@ -118,6 +118,14 @@ FAMILIES = {
     "gpt_bigcode": dict(n_inner=352, multi_query=True, num_key_value_heads=1, attn_pdrop=0.0, resid_pdrop=0.0),
     "phi": None, "nemotron": None,  # Phi-1/2's parallel block and partial rotary; LayerNorm1P and squared ReLU
     "bloom": None,  # ALiBi attention as torch ops (its dropouts 0 by default); no grouped queries
+    "hy_v3": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, num_shared_experts=1, head_dim=32,
+                  mlp_layer_types=["sparse", "sparse"]),
+    # MiMo-V2-Flash: eager attention (no SDPA), sinks on its sliding layers (its first, full, has none);
+    # Laguna: a per-head softplus output gate, not modelled.
+    "mimo_v2_flash": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32,
+                          v_head_dim=32, mlp_layer_types=["sparse", "sparse"]),
+    "laguna": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=96,
+                   head_dim=32, mlp_layer_types=["sparse", "sparse"]),
 }
 # Gemma 4's mixture (26B-A4B's layout): experts beside its dense MLP, no per-layer inputs.
 GEMMA4_MIXTURE = dict(head_dim=32, global_head_dim=64, hidden_size_per_layer_input=0, enable_moe_block=True,

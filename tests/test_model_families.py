@@ -431,13 +431,15 @@ def test_families_read_by_their_norms_keep_what_memx_counts(kind, tmp_path):
             assert row[dtype]["working_measured_over_counted"] == pytest.approx(1.0, abs=0.011), dtype
 
 
-@pytest.mark.parametrize("kind", ["hyperclovax", "jais2", "nanochat", "phimoe", "cohere2_moe", "mellum", "kolibri1"])
+@pytest.mark.parametrize("kind", ["hyperclovax", "jais2", "nanochat", "phimoe", "cohere2_moe", "mellum", "kolibri1",
+                                  "hy_v3"])
 def test_more_families_read_by_their_norms_and_blocks_keep_what_memx_counts(kind, tmp_path):
     """HyperCLOVA X (norms on the attention's and MLP's outputs, its ``use_post_norm``), Jais 2 and
     PhiMoE (LayerNorms, Jais 2's biases on every linear), nanochat (norms without weights, which keep
     their fp32 input alone, and query and key norms after RoPE), Cohere 2's mixture (a parallel block),
     Mellum (query and key norms with no config key) and Kolibri (sandwich and query and key norms,
-    the one on its experts' fp32 output an fp32 tensor under autocast): what autograd saves for one
+    the one on its experts' fp32 output an fp32 tensor under autocast), HunYuan 3 (query and key norms, shared
+    experts by its own key): what autograd saves for one
     layer within 1.6% of memx-run's count in fp32 and under bf16 autocast (PhiMoE's sparsemixer
     router keeps masks and indices of the experts' count a token, which memx does not count), and
     the dense ones' later backward within 1%."""

@@ -57,7 +57,7 @@ POST_NORM_KEYS = {"hyperclovax": "use_post_norm"}
 POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo", "exaone4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
 QK_NORM_TYPES = ("qwen3", "gemma3", "gemma4", "olmo2", "olmo3", "olmoe", "exaone4", "exaone_moe", "hunyuan_v1", "dots1",
-                 "apertus", "flex_olmo", "afmoe", "mellum", "nanochat", "kolibri1")
+                 "apertus", "flex_olmo", "afmoe", "mellum", "nanochat", "kolibri1", "hy_v3", "laguna")
 # Families whose queries and keys Transformers normalises whatever their config's use_qk_norm says: MiniMax-M2's
 # q_norm and k_norm over all heads' width at once (modeling_minimax_m2.py's MiniMaxM2Attention builds them always).
 QK_NORM_ALWAYS_TYPES = ("minimax_m2",)
@@ -211,7 +211,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         norm_weight_in_fp32=model_type.startswith(FP32_WEIGHT_NORM_TYPES),
         logit_softcapping=softcaps["final_logit_softcapping"] is not None,
         attention_softcapping=softcaps["attn_logit_softcapping"] is not None,
-        attention_sinks=model_type in ("gpt_oss",) + SINK_SCALE_TYPES,  # a learned logit per head
+        attention_sinks=model_type in ("gpt_oss", "mimo_v2_flash") + SINK_SCALE_TYPES,  # a learned logit per head
         attention_sink_scale=model_type in SINK_SCALE_TYPES,  # Granite SWA's: sigmoid(lse - sink) after AV
         alibi_attention=model_type == "bloom",  # modeling_bloom.py: baddbmm on the ALiBi bias, fp32 softmax, bmm
         attention_output_gate=blocks.pop("attention_output_gate", False) or model_type == "afmoe",

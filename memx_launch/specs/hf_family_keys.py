@@ -74,6 +74,7 @@ RENAMED_KEYS = {
                      ("moe_num_shared_experts", "n_shared_experts", 2),  # shared experts of the experts' width
                      ("moe_layer_start_index", "first_k_dense_replace", 1)),
     "exaone_moe": (("num_shared_experts", "n_shared_experts", 1),),
+    "hy_v3": (("num_shared_experts", "n_shared_experts", 1),),  # modeling_hy_v3.py:348: of the experts' width
     "afmoe": (("num_shared_experts", "n_shared_experts", 2), ("num_dense_layers", "first_k_dense_replace", 1)),
     "granitemoeshared": (("shared_intermediate_size", "shared_expert_intermediate_size", 0),),
     "jetmoe": (("kv_channels", "head_dim", 128),),
