@@ -124,6 +124,12 @@ FAMILIES = {
     # Laguna: a per-head softplus output gate, not modelled.
     "mimo_v2_flash": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32,
                           v_head_dim=32, mlp_layer_types=["sparse", "sparse"]),
+    "aria_text": dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=2, intermediate_size=96),
+    "minimax_m3_vl_text": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96,
+                               shared_intermediate_size=96, head_dim=32, rotary_dim=16, bos_token_id=None,
+                               eos_token_id=None),
+    "persimmon": dict(num_key_value_heads=4), "phi4_multimodal": None,  # Persimmon: no grouped queries
+    "modernbert-decoder": dict(num_key_value_heads=4),  # its first layer has no attention norm (an nn.Identity)
     "laguna": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=96,
                    head_dim=32, mlp_layer_types=["sparse", "sparse"]),
 }

@@ -220,6 +220,10 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         4.0 if model.norm_weight_in_fp32 or (autocast and model.qk_norm_after_rope) else dtype_bytes
     per_qk_norm = 2.0 if fused_norm else 2.0 * (4.0 + qk_normalised) / dtype_bytes
     qk_norms = (q + kv) / h / tp * per_qk_norm if model.qk_norm else 0.0
+    if (model.qk_norm and fused_norm and transformers_share is not None and fused_qkv and not model.position_embeddings
+            and not model.kv_lora_rank and not model.alibi_attention):
+        # Kernel norms on views of the fused projection (Persimmon's), counted above: their fp32 mean and scale alone.
+        qk_norms = 8.0 * (a + model.num_kv_heads) / h / tp / scale
     if model.value_norm and model.has_attention:  # no weight: its input alone (fp32 as torch ops); its output is V
         qk_norms = qk_norms + kv / h / tp * (2.0 if fused_norm else 8.0 / dtype_bytes)
     if model.experts_beside_mlp_norms and model.num_experts and model.has_mlp:  # kept beside the MLP's units

@@ -46,7 +46,7 @@ OTHER_BLOCK_KEYS = ("full_attention_interval", "linear_attn_config", "attn_type_
                     "attn_layer_period", "mamba_d_ssm", "ssm_cfg")
 # Families whose torch-op norms multiply their weight in fp32 and cast after: Gemma's x * (1 + w),
 # OLMo 2's and GPT-OSS's (self.weight * x).to(dtype), where Llama's casts first (by prefix).
-FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "afmoe")
+FP32_WEIGHT_NORM_TYPES = ("gemma", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "afmoe", "minimax_m3")
 # Families whose blocks normalise the attention's and the MLP's outputs too (Gemma 2 and 3's sandwich;
 # GLM-4's dense model, not its mixtures glm4_moe and glm4_moe_lite).
 POST_NORM_TYPES = ("gemma2", "gemma3", "gemma4", "glm4", "afmoe", "kolibri1")
@@ -57,7 +57,7 @@ POST_NORM_KEYS = {"hyperclovax": "use_post_norm"}
 POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "flex_olmo", "exaone4")
 # Families that normalise every query and key head with no config key saying so (by prefix).
 QK_NORM_TYPES = ("qwen3", "gemma3", "gemma4", "olmo2", "olmo3", "olmoe", "exaone4", "exaone_moe", "hunyuan_v1", "dots1",
-                 "apertus", "flex_olmo", "afmoe", "mellum", "nanochat", "kolibri1", "hy_v3", "laguna")
+                 "apertus", "flex_olmo", "afmoe", "mellum", "nanochat", "kolibri1", "hy_v3", "laguna", "minimax_m3")
 # Families whose queries and keys Transformers normalises whatever their config's use_qk_norm says: MiniMax-M2's
 # q_norm and k_norm over all heads' width at once (modeling_minimax_m2.py's MiniMaxM2Attention builds them always).
 QK_NORM_ALWAYS_TYPES = ("minimax_m2",)
@@ -145,7 +145,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         if cap is not None:
             require_number(cap, f"model ({where}).{key}", lo=0, lo_open=True)
     act = str(cfg.get("hidden_act", cfg.get("mlp_hidden_act", "silu")))  # Nemotron-H: mlp_hidden_act relu2
-    gated = act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU)
+    gated = act in ("silu", "swiglu", "swish") or model_type.startswith(GATED_GELU) or model_type == "bitnet"  # relu2
     heads = cfg["num_attention_heads"]
     head_dim = 0
     if cfg.get("head_dim") is not None:
@@ -204,8 +204,9 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         **per_layer_inputs(cfg, model_type, where),
         clipped_qkv=model_type == "olmo" and cfg.get("clip_qkv") is not None,  # modeling_olmo.py: clamp_
         centred_norm_ops=model_type.startswith("cohere"),  # CohereLayerNorm: torch ops, x - mean twice
-        rotary_concatenates=model_type == "phi3" or _partial_rotary(cfg, head_dim or cfg["hidden_size"] // heads,
-                                                                    where),  # Phi-3's rotary concatenates even whole
+        # Phi-3's, Phi-4-multimodal's and MiniMax-M3's rotary concatenates even whole (M3's reads no rotary_dim)
+        rotary_concatenates=model_type in ("phi3", "phi4_multimodal", "minimax_m3_vl_text") or _partial_rotary(
+            cfg, head_dim or cfg["hidden_size"] // heads, where),
         post_norms=_post_norms_of(cfg, model_type, where),
         pre_norms=not model_type.startswith(POST_NORM_ONLY_TYPES),
         norm_weight_in_fp32=model_type.startswith(FP32_WEIGHT_NORM_TYPES),
@@ -237,11 +238,13 @@ def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tu
     if model_type in ("stablelm", "phimoe", "olmo"):  # OLMo 1's: F.layer_norm without weight or bias
         return True, False
     key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True), "gpt_neox": ("attention_bias", True),
-                    "jais2": ("attention_bias", True), "nemotron": ("attention_bias", False)}.get(
+                    "jais2": ("attention_bias", True), "nemotron": ("attention_bias", False),
+                    "modernbert-decoder": ("attention_bias", False)}.get(
         model_type, ("enable_bias", True))
     flag = cfg.get(key, default)
     require_type(flag, bool, f"model ({where}).{key}")
-    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2", "gpt_neox", "jais2", "nemotron")
+    layer_norm = model_type in GPT_STYLE or model_type in ("falcon", "starcoder2", "gpt_neox", "jais2", "nemotron",
+                                                           "persimmon", "modernbert-decoder")  # nn.LayerNorm
     return layer_norm, layer_norm and flag
 
 

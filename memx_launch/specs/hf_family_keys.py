@@ -78,6 +78,12 @@ RENAMED_KEYS = {
     "afmoe": (("num_shared_experts", "n_shared_experts", 2), ("num_dense_layers", "first_k_dense_replace", 1)),
     "granitemoeshared": (("shared_intermediate_size", "shared_expert_intermediate_size", 0),),
     "jetmoe": (("kv_channels", "head_dim", 128),),
+    "minimax_m3_vl_text": (("shared_intermediate_size", "shared_expert_intermediate_size", 3072),),  # one shared MLP
+    # Aria (modeling_aria.py's AriaTextMoELayer): every block's experts intermediate_size wide, its shared MLP
+    # moe_num_shared_experts times that.
+    "aria_text": (("moe_num_experts", "num_experts", 8), ("moe_topk", "num_experts_per_tok", 2),
+                  ("moe_num_shared_experts", "n_shared_experts", 2),
+                  ("intermediate_size", "moe_intermediate_size", 4096)),
 }
 
 
