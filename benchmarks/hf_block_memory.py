@@ -120,8 +120,7 @@ FAMILIES = {
     "bloom": None,  # ALiBi attention as torch ops (its dropouts 0 by default); no grouped queries
     "hy_v3": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, num_shared_experts=1, head_dim=32,
                   mlp_layer_types=["sparse", "sparse"]),
-    # MiMo-V2-Flash: eager attention (no SDPA), sinks on its sliding layers (its first, full, has none);
-    # Laguna: a per-head softplus output gate, not modelled.
+    # MiMo-V2-Flash: eager attention (no SDPA), sinks on its sliding layers (its first, full, has none).
     "mimo_v2_flash": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32,
                           v_head_dim=32, mlp_layer_types=["sparse", "sparse"]),
     "aria_text": dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=2, intermediate_size=96),
@@ -131,7 +130,7 @@ FAMILIES = {
     "persimmon": dict(num_key_value_heads=4), "phi4_multimodal": None,  # Persimmon: no grouped queries
     "modernbert-decoder": dict(num_key_value_heads=4),  # its first layer has no attention norm (an nn.Identity)
     "laguna": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=96,
-                   head_dim=32, mlp_layer_types=["sparse", "sparse"]),
+                   head_dim=32, mlp_layer_types=["sparse", "sparse"]),  # its per-head softplus output gate: not modelled
 }
 # Gemma 4's mixture (26B-A4B's layout): experts beside its dense MLP, no per-layer inputs.
 GEMMA4_MIXTURE = dict(head_dim=32, global_head_dim=64, hidden_size_per_layer_input=0, enable_moe_block=True,
