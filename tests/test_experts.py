@@ -518,11 +518,11 @@ def test_a_routed_copy_keeps_what_megatron_core_s_experts_keep():
     h, f = counted["hidden_size"], counted["expert_width"]
     assert {row["kept_elements_per_routed_copy"] for row in counted["rows"]} == {h + 6 * f + 1}
     toy = ModelSpec("toy-moe", 1, h, 4, 4, 32, 256, 16, num_experts=4, experts_per_token=2, expert_ffn_hidden_size=f)
-    kept, down = experts.kept_units(toy, 1, 1.0, False)
+    kept, down = experts.kept_units(toy, 1, 1.0, False, dtype_bytes=2)
     router = 4.0 * toy.num_experts / h
     assert (kept - router + down) * h / 2 / toy.experts_per_token == pytest.approx(h + 6 * f)
     # Fused (Megatron's weighted SwiGLU keeps its input and the weights): the gate-and-up output only.
-    fused, fused_down = experts.kept_units(toy, 1, 1.0, True)
+    fused, fused_down = experts.kept_units(toy, 1, 1.0, True, dtype_bytes=2)
     assert (fused - router + fused_down) * h / 2 / toy.experts_per_token == pytest.approx(h + 3 * f)
 
 
@@ -558,6 +558,6 @@ def test_transformers_llama4_experts_run_every_token_through_every_expert():
     assert float(every) == pytest.approx(float(routed) * e / k)
     assert (experts.copies_per_token(QWEN3, _training(transformers_blocks=True))
             == experts.copies_per_token(QWEN3, _training()) == QWEN3.experts_per_token)
-    kept = [float(experts.kept_units(scout, 1, 1.0, False, 1, share)[0]) for share in (None, 1.0)]
+    kept = [float(experts.kept_units(scout, 1, 1.0, False, 1, share, dtype_bytes=2)[0]) for share in (None, 1.0)]
     assert kept[1] > kept[0] * e / k / 2
 

@@ -64,7 +64,7 @@ def test_a_mixture_s_whole_mlp_or_its_shared_expert():
     shared = dataclasses.replace(QWEN3, shared_expert_ffn_hidden_size=768)
     sbh = 4096 * shared.hidden_size
     none = float(activation_bytes(shared, 1, 4096, 1, cm.NONE).activation_bytes)
-    kept, down = experts.kept_units(shared, 1, 1.0, False)
+    kept, down = experts.kept_units(shared, 1, 1.0, False, dtype_bytes=2)
     # moe keeps only the MLP's input: the router's logits and every routed and shared tensor go.
     assert none - _kept(shared, ("moe",)) == pytest.approx((kept + down) * sbh)
     # shared_experts: its gate and up outputs, silu(gate) and product, (6 + 2) x 768 / h.

@@ -353,7 +353,7 @@ def every_token_backward_units(model: ModelSpec, tp, sbh, dtype_bytes: float, tr
 
 
 def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: int = 1,
-               transformers_share: float | None = None, dtype_bytes: float = 2.0) -> tuple:
+               transformers_share: float | None = None, *, dtype_bytes: float) -> tuple:
     """(kept, down-projection input) of a block's MLP of experts per token, in the unit of
     :func:`~memx_launch.planning.activations.activation_bytes` (2 bytes per hidden element):
     the router's fp32 logits, and per routed copy the dispatched token (the gate-and-up input,

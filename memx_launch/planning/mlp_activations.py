@@ -18,7 +18,8 @@ def mlp_units(model: ModelSpec, tp, fp8_share, fused_activation: bool, expert_tp
     tensors, measured on Transformers' ``gelu_new``; xIELU more); ReLU's output, also the down projection's
     input unless quantized; a mixture of experts' (:func:`~memx_launch.planning.experts.kept_units`)."""
     if model.num_experts:
-        return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp, transformers_share, dtype_bytes)
+        return experts.kept_units(model, tp, fp8_share, fused_activation, expert_tp, transformers_share,
+                                 dtype_bytes=dtype_bytes)
     f, h = model.ffn_hidden_size if model.has_mlp else 0, model.hidden_size
     if model.gated_mlp:
         return (4.0 if fused_activation else 6.0) * f / h / tp, 2.0 * fp8_share * f / h / tp
