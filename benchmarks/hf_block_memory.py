@@ -9,6 +9,8 @@ Measured: the bytes of the storages autograd saves while the layer's forward run
 arguments aside, in fp32 and under bf16 autocast over fp32 weights (as memx-run trains). Counted:
 memx's ``training_activation_bytes`` of the model read from the same config, under ``--setup
 memx-run`` with the options memx-run reads off the layer's modules (``models/block_reading.py``).
+Every layer besides: the mean of both layers' saved bytes over that count (a family whose layers
+differ, as Gemma 4's sliding and global ones, shows there what its first layer does not).
 
 Its backward's working set besides: what a later backward (the layer's gradients allocated, as
 from a step's second micro-batch: torch's AccumulateGrad adds each fresh weight gradient into
@@ -138,10 +140,36 @@ GEMMA4_MIXTURE = dict(head_dim=32, global_head_dim=64, hidden_size_per_layer_inp
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 
 
-def first_layer(model):
-    """The first decoder layer of a causal LM, wherever its family keeps its layers."""
+def decoder_layers(model):
+    """The decoder layers of a causal LM, wherever its family keeps them."""
     base = getattr(model, "model", None) or getattr(model, "gpt_neox", None) or model.transformer
-    return (getattr(base, "layers", None) or base.h)[0]
+    return getattr(base, "layers", None) or base.h
+
+
+def layer_inputs(captured: dict):
+    """A layer's input as a leaf and its other arguments, from what its pre-hook captured: a further input
+    the model computes with gradients (Gemma 4's per-layer input, a view of one tensor of every layer's)
+    the layer's own leaf of its own size; no mask or cache (causal attention)."""
+    import torch
+
+    args, kwargs = captured["args"], dict(captured["kwargs"])
+    x = (args[0] if args else kwargs.pop("hidden_states")).detach().requires_grad_(True)
+    args = tuple(a.detach().clone().requires_grad_(True) if torch.is_tensor(a) and a.requires_grad else a
+                 for a in args[1:])
+    kwargs.update({k: None for k in ("attention_mask", "past_key_values", "past_key_value") if k in kwargs})
+    return x, args, kwargs
+
+
+def kept_bytes(layer, x, args, kwargs) -> int:
+    """What autograd saves in ``layer``'s forward, its parameters, their casts and its arguments aside."""
+    import torch
+
+    weights = {tuple(p.shape[::k]) for p in layer.parameters() for k in (1, -1)}
+    arguments = [t for v in kwargs.values() for t in (v if isinstance(v, tuple) else (v,)) if torch.is_tensor(t)]
+    # x * 1.0: an op's output, as the layer's input is in the model (autocast caches its casts of a
+    # leaf: the linears that read the input would share one).
+    return saved_storage_bytes(lambda: layer(x * 1.0, *args, **kwargs), owned=(*layer.parameters(), *arguments),
+                               skip_shapes=weights)
 
 
 def measure(kind: str, fields: dict | None, folder: str) -> dict:
@@ -155,38 +183,30 @@ def measure(kind: str, fields: dict | None, folder: str) -> dict:
     torch.manual_seed(0)  # Transformers' default attention (SDPA; eager where it has none, as Gemma 2)
     model = transformers.AutoModelForCausalLM.from_config(config)  # a mixture's experts: grouped GEMMs, the default
     model.config.use_cache = False
-    layer = first_layer(model)
-    captured = {}
-    hook = layer.register_forward_pre_hook(lambda _m, args, kwargs: captured.update(args=args, kwargs=kwargs),
-                                           with_kwargs=True)
-    weights = {tuple(p.shape[::k]) for p in layer.parameters() for k in (1, -1)}
+    layers = decoder_layers(model)
+    layer, captured = layers[0], [{} for _ in layers]
+    hooks = [each.register_forward_pre_hook(lambda _m, args, kwargs, into=into: into.update(args=args, kwargs=kwargs),
+                                            with_kwargs=True) for each, into in zip(layers, captured)]
     row = {"family": kind}
     for dtype in ("fp32", "bf16"):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             model(torch.randint(1, SHAPE["vocab_size"], (BATCH, SEQ)))
-            args, kwargs = captured["args"], dict(captured["kwargs"])
-            x = (args[0] if args else kwargs.pop("hidden_states")).detach().requires_grad_(True)
-            # A further input the model computes with gradients (Gemma 4's per-layer input, a view of one
-            # tensor of every layer's): the layer's own, a leaf of its own size (as x), counted where kept.
-            args = (x, *(a.detach().clone().requires_grad_(True) if torch.is_tensor(a) and a.requires_grad else a
-                         for a in args[1:]))
-            kwargs.update({k: None for k in ("attention_mask", "past_key_values", "past_key_value") if k in kwargs})
-            arguments = [t for v in kwargs.values() for t in (v if isinstance(v, tuple) else (v,)) if torch.is_tensor(t)]
-            # x * 1.0: an op's output, as the layer's input is in the model (autocast caches its
-            # casts of a leaf: the linears that read the input would share one).
-            kept = saved_storage_bytes(lambda: layer(x * 1.0, *args[1:], **kwargs),
-                                       owned=(*layer.parameters(), *arguments), skip_shapes=weights)
-            held = backward_held_bytes(layer, x, args[1:], kwargs)
+            every = [kept_bytes(each, *layer_inputs(into)) for each, into in zip(layers, captured)]
+            kept = every[0]
+            x, args, kwargs = layer_inputs(captured[0])
+            held = backward_held_bytes(layer, x, args, kwargs)
         training, read = own_block_training(TrainingSpec(setup="memx-run", dtype=dtype), layer, spec)
         counted, as_megatron = (float(cm.training_activation_bytes(spec, tr, BATCH, SEQ, 1, cm.NONE).activation_bytes)
                                 for tr in (training, replace(training, transformers_blocks=False)))
         working = float(cm.training_activation_bytes(spec, training, BATCH, SEQ, 1, cm.NONE).working_bytes)
         row[dtype] = {"measured_bytes": kept, "counted_bytes": round(counted), "measured_over_counted":
                       round(kept / counted, 3), "measured_over_counted_as_megatron_blocks": round(kept / as_megatron, 3),
+                      "every_layer_measured_over_counted": round(sum(every) / len(every) / counted, 3),
                       "working_measured_bytes": held, "working_counted_bytes": round(working),
                       "working_measured_over_counted": round(held / working, 3)}
         row["block_read"] = read
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     return row
 
 
@@ -248,11 +268,15 @@ def main() -> int:
     ratios = [r[d]["measured_over_counted"] for r in rows for d in ("fp32", "bf16")]
     within = {f"{p:.0%}": sum(abs(x - 1) <= p for x in ratios) for p in (0.01, 0.05, 0.10)}
     working = [r[d]["working_measured_over_counted"] for r in rows for d in ("fp32", "bf16")]
+    every = [r[d]["every_layer_measured_over_counted"] for r in rows for d in ("fp32", "bf16")]
     import transformers
     write_json_atomic(OUT, {"machine": machine_info(), "transformers": transformers.__version__,
                             "tokens": BATCH * SEQ, "rows": rows,
                             "summary": {"layers_x_precisions": len(ratios), "within": within,
                                         "min": min(ratios), "max": max(ratios)},
+                            "every_layer_summary": {"within": {f"{p:.0%}": sum(abs(x - 1) <= p for x in every)
+                                                               for p in (0.01, 0.05, 0.10)},
+                                                    "min": min(every), "max": max(every)},
                             "backward_summary": {"within": {f"{p:.0%}": sum(abs(x - 1) <= p for x in working)
                                                             for p in (0.01, 0.05, 0.10)},
                                                  "min": min(working), "max": max(working)},
