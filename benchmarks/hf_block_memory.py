@@ -131,6 +131,14 @@ FAMILIES = {
                                eos_token_id=None),
     "persimmon": dict(num_key_value_heads=4), "phi4_multimodal": None,  # Persimmon: no grouped queries
     "modernbert-decoder": dict(num_key_value_heads=4),  # its first layer has no attention norm (an nn.Identity)
+    # OPT's, MPT's, GPT-J's and CodeGen's own names; none has grouped queries (SHAPE's 2 KV heads are not theirs).
+    "opt": dict(ffn_dim=352, intermediate_size=None, num_key_value_heads=4, word_embed_proj_dim=128, dropout=0.0,
+                attention_dropout=0.0),
+    "mpt": dict(d_model=128, n_heads=4, n_layers=2, expansion_ratio=4, max_seq_len=512, num_key_value_heads=4),
+    "gptj": dict(n_embd=128, n_head=4, n_layer=2, rotary_dim=16, n_inner=352, num_key_value_heads=4, attn_pdrop=0.0,
+                 resid_pdrop=0.0, embd_pdrop=0.0),
+    "codegen": dict(n_embd=128, n_head=4, n_layer=2, rotary_dim=16, n_inner=352, num_key_value_heads=4,
+                    attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
     "laguna": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=96,
                    head_dim=32, mlp_layer_types=["sparse", "sparse"]),  # its per-head softplus output gate: not modelled
 }
@@ -143,7 +151,8 @@ BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's c
 def decoder_layers(model):
     """The decoder layers of a causal LM, wherever its family keeps them."""
     base = getattr(model, "model", None) or getattr(model, "gpt_neox", None) or model.transformer
-    return getattr(base, "layers", None) or base.h
+    base = getattr(base, "decoder", base)  # OPT's
+    return getattr(base, "layers", None) or getattr(base, "blocks", None) or base.h  # MPT's blocks
 
 
 def layer_inputs(captured: dict):

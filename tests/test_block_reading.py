@@ -83,4 +83,6 @@ def test_an_rms_norm_class_of_the_model_s_own_is_read_as_torch_ops():
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
     assert read_block(nn.Sequential(MyRMSNorm()), spec) == {"fused_norm": False}
-    assert read_block(nn.Sequential(nn.RMSNorm(spec.hidden_size), nn.LayerNorm(spec.hidden_size)), spec) == {}
+    assert read_block(nn.Sequential(nn.RMSNorm(spec.hidden_size)), spec) == {}
+    # Weight-only norms read as RMSNorm's (MPT's config) that run torch's LayerNorm kernel: fused.
+    assert read_block(nn.Sequential(nn.LayerNorm(spec.hidden_size)), spec) == {"fused_norm": True}

@@ -78,7 +78,7 @@ def dropouts(block: nn.Module) -> tuple[bool, bool]:
 def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
     """The :data:`READ_FIELDS` ``block`` (one block of ``model``, whole: TP 1) settles: its
     projections where it has linear modules to read, ``fused_norm`` off where its RMSNorms are
-    torch ops; nothing else."""
+    torch ops and on where norms read as RMSNorms are torch's LayerNorm kernel; nothing else."""
     found = {}
     widths = linear_widths(block)
     qkv = model.q_hidden_size + 2 * model.kv_hidden_size
@@ -99,6 +99,8 @@ def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
         found["fused_gate_up"] = 2 * shared in widths  # a shared expert's gate and up as one linear (GraniteMoeShared)
     if torch_op_rms_norms(block):
         found["fused_norm"] = False
+    elif not model.layer_norm and any(isinstance(m, nn.LayerNorm) for m in block.modules()):
+        found["fused_norm"] = True  # weight-only norms read as RMSNorm's that run torch's LayerNorm kernel (MPT's)
     residual, attention = dropouts(block)
     if residual:
         found["dropout"] = True  # 1-byte masks on CUDA (CPU's dropout keeps its mask in the input's dtype)

@@ -109,7 +109,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
                          if cfg.get(k) is None and rope.get(k) is not None}}
     if "intermediate_size" not in cfg and cfg.get("moe_intermediate_size"):  # experts in every block (Qwen3.5 MoE)
         cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
-    if "ffn_dim" in cfg and "intermediate_size" not in cfg:  # OPT
+    if "ffn_dim" in cfg and cfg.get("intermediate_size") is None:  # OPT
         cfg = {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg.get("activation_function", "relu")}
     cfg = {**cfg, **{k: v for k, v in family_keys(cfg, model_type, where).items() if v is not None}}
     cfg = {**cfg, **renamed_keys(cfg, model_type, where), **gemma4_mixture_keys(cfg, model_type)}
@@ -214,7 +214,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         attention_softcapping=softcaps["attn_logit_softcapping"] is not None,
         attention_sinks=model_type in ("gpt_oss", "mimo_v2_flash") + SINK_SCALE_TYPES,  # a learned logit per head
         attention_sink_scale=model_type in SINK_SCALE_TYPES,  # Granite SWA's: sigmoid(lse - sink) after AV
-        alibi_attention=model_type == "bloom",  # modeling_bloom.py: baddbmm on the ALiBi bias, fp32 softmax, bmm
+        alibi_attention=model_type in ("bloom", "mpt"),  # scores plus the ALiBi bias, fp32 softmax, AV: torch ops
         attention_output_gate=blocks.pop("attention_output_gate", False) or model_type == "afmoe",
         output_gate_linear=model_type == "afmoe",  # AFMoE's sigmoid(gate_proj(x)) * out: a linear of its own
         clamped_glu=cfg.get("swiglu_limit") is not None,  # GPT-OSS's experts' clamped GLU
@@ -234,7 +234,7 @@ def _norms_and_biases(cfg: Mapping[str, Any], model_type: str, where: str) -> tu
     LayerNorm1P (torch's kernel, weight + 1) by its ``attention_bias`` (none by default; its ``mlp_bias``
     not read); StableLM's, PhiMoE's and OLMo 1's LayerNorm alone (their q, k and v biases, if any, are
     read apart); the Llama family and MPT neither (Hugging Face's MPT: weight-only norms, counted as
-    RMSNorm's weight, and no linear biases)."""
+    RMSNorm's weight, and no linear biases; memx-run reads its LayerNorm kernels off the block)."""
     if model_type in ("stablelm", "phimoe", "olmo"):  # OLMo 1's: F.layer_norm without weight or bias
         return True, False
     key, default = {"falcon": ("bias", False), "starcoder2": ("use_bias", True), "gpt_neox": ("attention_bias", True),
