@@ -44,7 +44,8 @@ def test_a_rank_that_never_reports_is_named_with_its_device(tmp_path):
 def test_the_user_s_block_is_calibrated_with_its_own_kv_heads_and_projections(tmp_path):
     """memx's block is built with a sample's KV heads, the user's with its own: a user block's
     samples at other counts would measure the same block under another label. Its records say
-    the projections it runs (the toy's one q, k, v linear, memx-run's setup three), and a later
+    the projections and norms it runs (the toy's one q, k, v linear, memx-run's setup three; its
+    LayerNorm kernel, where its shape reads as RMSNorm's), and a later
     job with the same options reuses them."""
     from memx_launch.models.adapters import ModelParts
     from memx_launch.models.block_reading import own_block_training
@@ -54,7 +55,7 @@ def test_the_user_s_block_is_calibrated_with_its_own_kv_heads_and_projections(tm
 
     parts = ModelParts(ToyModel())
     _, own = own_block_training(TrainingSpec(setup="memx-run"), parts.blocks[0], TOY_SPEC)
-    assert own == {"fused_qkv": True}
+    assert own == {"fused_qkv": True, "fused_norm": True}  # one q, k, v linear; torch's LayerNorm kernel
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -74,7 +75,7 @@ def test_the_user_s_block_is_calibrated_with_its_own_kv_heads_and_projections(tm
         dist.destroy_process_group()
     assert len(measured) > 1
     assert {m.block_shape["num_kv_heads"] for m in measured} == {TOY_SPEC.num_kv_heads}
-    assert all(m.run_options == {"setup": "memx-run", "fused_qkv": True} for m in measured)
+    assert all(m.run_options == {"setup": "memx-run", "fused_qkv": True, "fused_norm": True} for m in measured)
 
 
 def test_tp_subgroups_are_the_search_degrees_inside_one_node(monkeypatch):
