@@ -271,13 +271,14 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
     attention_phase = 2.0 * stream_grad + np.where(flash, 0.0, score_grads * 2.0 * a * seq / h / tp) - mlp_freed
     # One autocast region a step (a later micro-batch's backward): its 16-bit weight gradients wait for their casts.
     waiting_down = 0.0
-    if weight_grad_bytes and not fresh_grad_bytes and autocast and dtype_bytes < 4 and model.has_mlp:
+    autocast16 = autocast and dtype_bytes < 4
+    if weight_grad_bytes and not fresh_grad_bytes and autocast16 and model.has_mlp:
         beside_attention, beside_activation = waiting_weights(model, transformers_share is not None)
         attention_phase = attention_phase + beside_attention / tp * weight_grad_bytes / sbh
         waiting_down = beside_activation / tp * weight_grad_bytes / sbh
     # A parallel block under autocast casts the output's gradient to 16 bits for the attention and the MLP at
     # once: the attention's copy waits through the MLP's backward.
-    waiting = 2.0 if model.parallel_blocks and autocast and dtype_bytes < 4 else 0.0
+    waiting = 2.0 if model.parallel_blocks and autocast16 else 0.0
     mlp_phase = stream_grad + waiting + waiting_down + mlp_backward_units(model, tp, fused_activation,
                                                                           transformers_share, dtype_bytes=dtype_bytes)
     if transformers_share is not None and model.num_experts and model.has_mlp:
@@ -285,18 +286,17 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         # makes whole (beside .grad from a step's second micro-batch on): the MLP's phase holds at least it.
         # (Llama 4's, ``experts_take_every_token``, as traced: experts.every_token_backward_units.)
         gate_up = experts.gate_up_params(model, expert_tp=expert_tp)
-        cast = autocast and dtype_bytes < 4
         if not model.experts_take_every_token:
             mlp_phase = np.maximum(mlp_phase, gate_up * transformers_share * dtype_bytes / sbh)
         else:
             every_token = experts.every_token_backward_units(model, tp, sbh, dtype_bytes, transformers_share,
-                                                            fused_activation, fused_gate_up, cast)
+                                                            fused_activation, fused_gate_up, autocast16)
             mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + waiting_down + every_token)
     elif weight_grad_bytes and model.has_mlp and not model.num_experts:
         down = 2.0 * f / h / tp + f * h / tp * weight_grad_bytes / sbh  # its input's gradient, its weight's
         # Its output's gradient, where not the stream's: under autocast cast to 16 bits, after a norm on the
         # MLP's output (post_norms) that norm's input's.
-        copy = 2.0 if autocast and dtype_bytes < 4 else 2.0 * model.post_norms
+        copy = 2.0 if autocast16 else 2.0 * model.post_norms
         mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + copy + down)
     if fresh_grad_bytes and model.has_mlp and not model.num_experts:
         down_weight = f * h / tp
@@ -304,9 +304,8 @@ def activation_bytes(model: ModelSpec, mbs, seq, tp, recompute, dtype_bytes: int
         if model.gated_mlp and fused_gate_up:
             # The fused gate-and-up weight's, once the MLP's tensors are freed, beside its input's gradient: under
             # autocast the down projection's 16-bit weight copy is freed too, else its output's gradient is alive.
-            cast = autocast and dtype_bytes < 4
-            alive = 2.0 + (0.0 if cast else 4.0 * f / h / tp) - mlp_freed
-            fused = down_weight * (2.0 * fresh_grad_bytes - (dtype_bytes if cast else 0.0)) / sbh
+            alive = 2.0 + (0.0 if autocast16 else 4.0 * f / h / tp) - mlp_freed
+            fused = down_weight * (2.0 * fresh_grad_bytes - (dtype_bytes if autocast16 else 0.0)) / sbh
             mlp_phase = np.maximum(mlp_phase, stream_grad + waiting + alive + fused)
     # Sandwich norms: the one on the MLP's output runs its backward first, beside all the block keeps (as torch
     # ops with its temporaries), and frees what it kept before the MLP's backward runs.
@@ -395,18 +394,18 @@ def training_as_run(model: ModelSpec, training: TrainingSpec) -> TrainingSpec:
     Transformers' eager attention runs it (SDPA has no soft cap, and Transformers picks eager for
     Gemma 2): torch's softmax in fp32 on the 16-bit scores and K and V repeated to the query heads;
     so too attention with sinks in Transformers' blocks (GPT-OSS's: SDPA has none; its fp32 sinks
-    joined to the scores make the softmax fp32). So too BLOOM's ALiBi attention in Transformers' blocks
-    (``alibi_attention``: baddbmm, torch's softmax in fp32 cast back to the training dtype, bmm).
+    joined to the scores make the softmax fp32). So too BLOOM's and MPT's ALiBi attention in Transformers' blocks
+    (``alibi_attention``: scores plus the bias, torch's softmax in fp32 cast back, AV; K and V not repeated).
     A LayerNorm as torch's kernel (``nn.LayerNorm``: its input kept, with a mean and a scale a
     token) whatever ``fused_norm`` says, which tells RMSNorms' torch ops (Hugging Face's) apart."""
     if model.layer_norm and not training.fused_norm:
         training = dataclasses.replace(training, fused_norm=True)
-    if model.alibi_attention and training.transformers_blocks:  # BLOOM's: torch ops, softmax in fp32, no repeat
-        training = dataclasses.replace(training, flash_attention=False, fused_softmax=False, softmax_in_fp32=True)
-    if not (model.attention_softcapping or (model.attention_sinks and training.transformers_blocks)):
+    eager = model.attention_softcapping or (training.transformers_blocks and (model.attention_sinks
+                                                                             or model.alibi_attention))
+    if not eager:
         return training
     return dataclasses.replace(training, flash_attention=False, fused_softmax=False, softmax_in_fp32=True,
-                               repeat_kv=True)
+                               repeat_kv=training.repeat_kv if model.alibi_attention else True)  # BLOOM's: none
 
 
 def autocast_extra_casts(model: ModelSpec, fused_gate_up: bool, fused_qkv: bool) -> int:

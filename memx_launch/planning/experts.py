@@ -293,15 +293,17 @@ def _missed_share(model: ModelSpec, units: int) -> float:
     return 1.0 - picked + picked * comb(pool - experts // units, k) / comb(pool, k)
 
 
-def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: bool,
-                        clamps: float = CLAMPED_GLU_KEPT["megatron"]) -> tuple:
+def shared_expert_units(model: ModelSpec, tp, input_share, fused_activation: bool, *,
+                        transformers_blocks: bool) -> tuple:
     """(kept, down-projection input) of a shared expert per token in :func:`kept_units`' units: a
     dense MLP of its width (gate and up outputs, silu(gate) unless fused; the product), and with a
     gate (``shared_expert_gate``, Qwen2-MoE's) its output, which the gate's sigmoid multiplies; unfused, the
-    experts' clamped GLU's ``clamps`` more (MiniMax-M3's shared MLP runs it too: modeling_minimax_m3_vl.py:185-190)."""
+    experts' clamped GLU's more tensors, as its framework runs it (MiniMax-M3's shared MLP runs it too:
+    modeling_minimax_m3_vl.py:185-190)."""
     tp = np.asarray(tp, dtype=np.float64)
     shared = model.shared_expert_ffn_hidden_size / model.hidden_size / tp
     gated_output = 2.0 * model.shared_expert_gate / tp
+    clamps = CLAMPED_GLU_KEPT["transformers" if transformers_blocks else "megatron"]
     clamped = 0.0 if fused_activation or not model.gated_mlp else 2.0 * clamps * model.clamped_glu
     return ((4.0 if fused_activation else 6.0) if model.gated_mlp else 2.0) * shared + gated_output \
         + clamped * shared, 2.0 * input_share * shared
@@ -338,7 +340,7 @@ def every_token_backward_units(model: ModelSpec, tp, sbh, dtype_bytes: float, tr
     Transformers' Llama4TextMoe, fp32 and bf16 autocast (benchmarks/hf_block_memory.py)."""
     h, f, e = model.hidden_size, model.moe_ffn_hidden_size, model.num_experts
     tp = np.asarray(tp, dtype=np.float64)
-    shared_kept, shared_down = shared_expert_units(model, tp, 1.0, fused_activation)
+    shared_kept, shared_down = shared_expert_units(model, tp, 1.0, fused_activation, transformers_blocks=True)
     casts = (2.0 if model.gated_mlp and not fused_gate_up else 1.0) if autocast16 else 0.0
     shared = 2.0 * transformers_share / tp - shared_kept - shared_down - 2.0 * casts
     weights = e * 3.0 * f * h / tp * dtype_bytes / sbh  # gate-and-up and down
@@ -379,8 +381,8 @@ def kept_units(model: ModelSpec, tp, input_share, fused_activation: bool, etp: i
     dtype (``torch.bmm`` autocasts); the experts' summed output is kept by nothing."""
     h, f, k = model.hidden_size, model.moe_ffn_hidden_size, model.experts_per_token
     tp = np.asarray(tp, dtype=np.float64)
-    shared_kept, shared_down = shared_expert_units(model, tp, input_share, fused_activation, CLAMPED_GLU_KEPT[
-        "megatron" if transformers_share is None else "transformers"])
+    shared_kept, shared_down = shared_expert_units(model, tp, input_share, fused_activation,
+                                                   transformers_blocks=transformers_share is not None)
     if transformers_share is not None and model.experts_take_every_token:
         e, gate_up = model.num_experts, (2.0 if model.gated_mlp else 1.0) * f
         router = 2.0 * ((4.0 + dtype_bytes) * e + 8.0 * k) / dtype_bytes / h

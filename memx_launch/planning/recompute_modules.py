@@ -21,7 +21,8 @@ def dropped_by_module(model: ModelSpec, tp, attention_core, heads_qkv, normed, m
     experts_on = bool(model.num_experts)
     routed = (2.0 * input_share * model.experts_per_token * model.moe_ffn_hidden_size / model.hidden_size
               / np.asarray(tp, dtype=np.float64)) if experts_on else 0.0
-    shared = sum(experts.shared_expert_units(model, tp, input_share, fused_activation)) if experts_on else 0.0
+    shared = sum(experts.shared_expert_units(model, tp, input_share, fused_activation, transformers_blocks=False)
+                 ) if experts_on else 0.0
     return {"core_attn": attention_core, "mla_up_proj": heads_qkv if model.kv_lora_rank else 0.0, "layernorm": normed,
             "moe_act": routed + experts.unfused_activation_units(model, tp, fused_activation),
             "mlp": 0.0 if experts_on else mlp_kept + mlp_input,

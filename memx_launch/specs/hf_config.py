@@ -1,8 +1,8 @@
-"""Reading a model's shape from a Hugging Face config (a ``config.json``, or a loaded model's
-``config.to_dict()``): the Llama (4 included), Mistral, Qwen, Gemma, Mixtral, DeepSeek, GLM and GPT-OSS
-families, GPT-2 style keys, OPT's, GPT-Neo's, Falcon's, BLOOM's, MPT's and StarCoder's, the language model of a multimodal
-config (its ``text_config``) and Nemotron-H's hybrid of Mamba-2, attention and MLP layers. Other
-hybrid and recurrent families (linear attention, other Mamba hybrids, RWKV) are refused by name."""
+"""Reading a model's shape from a Hugging Face config (a ``config.json``, or a loaded model's ``config.to_dict()``):
+the Llama (4 included), Mistral, Qwen, Gemma, Mixtral, DeepSeek, GLM and GPT-OSS families, GPT-2 style keys, OPT's,
+GPT-Neo's, Falcon's, BLOOM's, MPT's and StarCoder's, the language model of a multimodal config (its ``text_config``)
+and Nemotron-H's hybrid of Mamba-2, attention and MLP layers. Other hybrid and recurrent families (linear
+attention, other Mamba hybrids, RWKV) are refused by name."""
 
 from __future__ import annotations
 
@@ -174,6 +174,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         key = PARALLEL_BLOCK_KEYS[model_type]
         parallel = True if key is None else cfg.get(key, True)
         require_type(parallel, bool, f"model ({where}).{key}")
+    qk_norm = _qk_norm_of(cfg, model_type, where)
     return ModelSpec(
         name=name,
         num_layers=blocks.pop("num_layers", cfg["num_hidden_layers"]),
@@ -195,8 +196,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         lm_head=lm_head,
         tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
         attention_head_dim=head_dim,
-        qk_norm=_qk_norm_of(cfg, model_type, where),
-        qk_norm_weightless=model_type.startswith(("llama4", "nanochat")) and _qk_norm_of(cfg, model_type, where),
+        qk_norm=qk_norm, qk_norm_weightless=qk_norm and model_type.startswith(("llama4", "nanochat")),
         qk_norm_after_rope=model_type.startswith(("hunyuan_v1", "nanochat")),  # NanoChat: RoPE, then its q and k norms
         weightless_norms=model_type == "nanochat",  # NanoChatRMSNorm: no weight (modeling_nanochat.py:44-53)
         value_norm=model_type.startswith(VALUE_NORM_TYPES),
