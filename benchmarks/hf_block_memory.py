@@ -142,9 +142,6 @@ FAMILIES = {
     "laguna": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=96,
                    head_dim=32, mlp_layer_types=["sparse", "sparse"]),  # its per-head softplus output gate: not modelled
 }
-# Gemma 4's mixture (26B-A4B's layout): experts beside its dense MLP, no per-layer inputs.
-GEMMA4_MIXTURE = dict(head_dim=32, global_head_dim=64, hidden_size_per_layer_input=0, enable_moe_block=True,
-                      num_experts=8, top_k_experts=2, moe_intermediate_size=96)
 BATCH, SEQ = 2, 80  # 160 tokens: no activation shaped as a weight (autocast's casts are told apart by shape)
 
 
