@@ -16,6 +16,7 @@ from memx_launch.profiling.emulation import EmulatedDevice
 from memx_launch.runtime.batches import default_loss
 from memx_launch.specs.catalog import get_model
 from memx_launch.specs.training import TrainingSpec
+from benchmarks import hf_block_memory
 from ranks import spawn_ranks
 from test_cross_vendor import TWO_VENDORS
 from toy_models import TOY_SPEC, NoBlocks, ToyModel, hf_example, hf_llama
@@ -171,6 +172,75 @@ def test_hugging_face_causal_lms_split_into_stages_reproduce_the_model(family, t
     assert parts.tied_names(parts.stage(0, 3, first=True, last=True, recompute="none")) == []
 
 
+@pytest.mark.parametrize("kind", list(hf_block_memory.FAMILIES))
+def test_every_family_memx_reads_runs_as_its_own_forward_cut_after_its_first_block(kind):
+    """Each Transformers family the memory benchmark measures (Llama 4's decoder where get_decoder()
+    does not look, Gemma 4's key-value store, BLOOM's and MPT's ALiBi biases, nanochat's norm before
+    its blocks, ModernBERT's head transform, ...), two layers of its own config, cut after its first
+    layer: its logits with and without a padding mask, as ``verify`` checks it, and each end holding
+    its copy of a tied embedding. Gemma 4's E models (per-layer inputs) run as one stage and refuse a cut."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(kind, **{**hf_block_memory.SHAPE, **(hf_block_memory.FAMILIES[kind] or {})})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    parts = ModelParts(model)
+    parts.verify()
+    x = torch.randint(1, hf_block_memory.SHAPE["vocab_size"], (2, 16))
+    mask = torch.ones_like(x)
+    mask[1, 12:] = 0
+    kept = mask.bool()
+    if parts.one_stage:
+        with pytest.raises(ConfigError, match="--pp 1"):
+            parts.stage(0, 1, first=True, last=False, recompute="none")
+        stages = [parts.stage(0, 2, first=True, last=True, recompute="none")]
+    else:
+        stages = [parts.stage(0, 1, first=True, last=False, recompute="none"),
+                  parts.stage(1, 1, first=False, last=True, recompute="full")]
+        assert len(parts.tied_names(stages[0])) == len(parts.tied_names(stages[1])) == len(parts.tied)
+    got, got_masked = x, x
+    for stage in stages:
+        got, got_masked = stage(got), stage(got_masked, attention_mask=mask)
+    assert torch.allclose(got, model(x).logits, atol=1e-5, rtol=0)
+    assert torch.allclose(got_masked[kept], model(x, attention_mask=mask).logits[kept], atol=1e-5, rtol=0)
+
+
+def test_gemma_4_s_per_layer_inputs_and_shared_keys_and_values_train_on_one_stage():
+    """Gemma 4's E models: each block takes a per-layer input made from the token ids, and the last
+    layers reuse earlier layers' keys and values. One stage holding every block is the model, its
+    forward and (full recompute included) its gradients; a split is refused, naming --pp 1; and
+    calibration's probe of one block runs (given a per-layer input of zeros)."""
+    import copy
+
+    model = hf_example("hf-gemma4-tiny")
+    assert model.config.kv_sharing_modes.count("reuse") == 4  # what the example exercises
+    parts = ModelParts(model)
+    parts.verify()
+    assert len(parts.one_stage) == 2
+    x = torch.randint(1, 512, (2, 24))
+    mask = torch.ones_like(x)
+    mask[1, 18:] = 0
+    reference = copy.deepcopy(model)
+    for recompute in ("none", "full"):
+        whole = parts.stage(0, parts.num_layers, first=True, last=True, recompute=recompute)
+        got = whole(x, attention_mask=mask)
+        want = reference(x, attention_mask=mask).logits
+        assert torch.allclose(got, want, atol=1e-6, rtol=0)
+        model.zero_grad(), reference.zero_grad()
+        got.pow(2).mean().backward()
+        want.pow(2).mean().backward()
+        grads = dict(reference.named_parameters())
+        assert all(p.grad is not None and torch.allclose(p.grad, grads[n].grad, atol=1e-6, rtol=0)
+                   for n, p in model.named_parameters())
+    with pytest.raises(ConfigError, match=r"per-layer inputs made from the token ids and layers reusing earlier "
+                                          r"layers' keys and values.*--pp 1"):
+        parts.stage(0, 4, first=True, last=False, recompute="none")
+    probe = parts.block_probe("full")
+    h = torch.randn(2, 24, model.config.hidden_size, requires_grad=True)
+    probe(h).sum().backward()
+    assert h.grad is not None and h.grad.abs().sum() > 0
+
+
 # --------------------------------------------------------------------------- 4 gloo processes
 
 
@@ -190,6 +260,8 @@ MIXTRAL_SPEC = get_model(os.path.join(MODELS, "hf-mixtral-tiny"))  # 4 experts, 
 # Its config with the load-balancing loss on (output_router_logits), its coefficient large enough to tell.
 ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, learned positions
+# Every token through each of its 4 experts, chunked attention, a layer in four without RoPE.
+LLAMA4_SPEC = get_model(os.path.join(MODELS, "hf-llama4-tiny"))
 PADDED = "hf pp=2 x dp=2 (DDP) left-padded dict batches from a DataLoader, memx's token-mean loss"
 
 
@@ -237,6 +309,9 @@ CASES = {
     "mixtral with its load-balancing loss pp=2 x dp=2 (DDP) uneven 3/5 none/full, the stages on two vendors":
         ("hf-mixtral-router-loss", _across_vendors(replace(MIXTRAL_SPEC, router_aux_loss=True), [3, 5],
                                                    ["none", "full"], tp=1, dp=2), "auto", TWO_VENDORS),
+    "llama4 pp=2 x dp=2 (DDP) uneven 5/3 full/selective, its blocks' arguments rebuilt on the second stage":
+        ("hf-llama4-tiny", make_plan(LLAMA4_SPEC, [((0, 1), 5, "full"), ((2, 3), 3, "selective")], dp=2,
+                                     micro_batch_size=2), "auto", None),
     "own block pp=2 x dp=2 uneven 3/1 full/selective":
         ("toy", make_plan(TOY_SPEC, [((0, 1), 3, "full"), ((2, 3), 1, "selective")], dp=2), "auto", None),
     "gpt2 tied pp=2 x dp=2 (FSDP2) uneven 3/5 full/none, the stages on two vendors":

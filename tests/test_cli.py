@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from memx_launch.cli import main
+from memx_launch.errors import ConfigError
 from memx_launch.planning.plan import Plan
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -453,3 +454,28 @@ def test_plan_for_memx_run_searches_what_memx_run_runs(tmp_path, capsys):
     code, _, err = run(capsys, "plan", "--model", os.path.join(models, "hf-gpt2-tiny"), "--cluster", cluster,
                        "--setup", "memx-run", "--tp", "2")
     assert code == 2 and "leaves out TP 1" in one_error_line(err)
+
+
+def test_plan_for_memx_run_keeps_gemma_4_s_per_layer_inputs_on_one_stage(tmp_path, capsys):
+    """Gemma 4's E models take per-layer inputs made from the token ids, which only memx-run's first
+    stage has: memx plan --setup memx-run searches one stage over every device type (its DP
+    replicas on both of the emulated cluster's), as memx-run's own search does; memx-run refuses a
+    plan of more stages before it starts its workers."""
+    from memx_launch.planning.runtime_support import check_runnable
+
+    cluster = os.path.join(CLUSTERS, "cpu-emulated.yaml")
+    gemma4 = os.path.join(ROOT, "examples", "models", "hf-gemma4-tiny")
+    out_json = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "--model", gemma4, "--cluster", cluster, "--setup", "memx-run", "--quiet",
+                     "--json", str(out_json))
+    assert code == 0
+    plan = check_runnable(Plan.load(str(out_json)))
+    assert plan.pp == 1 and set(plan.stages[0].device_type.split("+")) == {"fast-small", "slow-big"}
+    code, _, _ = run(capsys, "plan", "--model", gemma4, "--cluster", cluster, "--quiet", "--json",
+                     str(tmp_path / "megatron.json"))
+    split = Plan.load(str(tmp_path / "megatron.json"))
+    assert code == 0 and split.pp > 1  # another framework's plan splits it
+    with pytest.raises(ConfigError, match="per-layer inputs made from the token ids.*--pp 1"):
+        check_runnable(split)
+    code, _, err = run(capsys, "plan", "--model", gemma4, "--cluster", cluster, "--setup", "memx-run", "--pp", "2")
+    assert code == 2 and "leaves out PP 1" in one_error_line(err)

@@ -114,3 +114,27 @@ def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path, mo
     assert all(r["run_options"] == {"setup": "memx-run", "fused_qkv": True} for r in records)
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["training"]["fused_qkv"] is True
     _assert_losses_match_the_reference(run.stdout, script, model, monkeypatch, capsys)
+
+
+@pytest.mark.slow
+def test_memx_run_trains_gemma_4_s_per_layer_inputs_on_one_stage_over_both_device_types(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """A Gemma 4 E model (per-layer inputs made from the token ids, its last layers reusing earlier
+    layers' keys and values) under memx-run's own calibration and search: its block measured with
+    a per-layer input of zeros from a config cut to its first layer, the search kept to one stage,
+    whose DP replicas sit on both device types, and the losses the one-process reference's."""
+    script, model = os.path.join(EXAMPLES, "train_hf.py"), os.path.join(EXAMPLES, "models", "hf-gemma4-tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
+    run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
+                          "--cluster", at_cpu_speed(tmp_path), "--global-batch-size", str(BATCH), "--run-dir",
+                          str(tmp_path / "run"), "--profile-db", str(tmp_path / "profiles.jsonl"), script,
+                          "--model", model, "--steps", str(STEPS)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert re.search(r"search pipeline degrees +1 +\(blocks with per-layer inputs made from the token ids\)",
+                     run.stdout)
+    records = [json.loads(line) for line in (tmp_path / "profiles.jsonl").read_text().splitlines()]
+    assert records and {r["device_type"] for r in records} == {"fast-small", "slow-big"}
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert len(plan["stages"]) == 1 and set(plan["stages"][0]["device_type"].split("+")) == {"fast-small", "slow-big"}
+    _assert_losses_match_the_reference(run.stdout, script, model, monkeypatch, capsys)

@@ -75,7 +75,8 @@ def run_plan(args) -> int:
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_slowdown, parse_weights
     from memx_launch.planning.shard_hint import hybrid_sharding_hint
-    from memx_launch.planning.runtime_support import tp_one_blocks, tp_one_restriction
+    from memx_launch.planning.runtime_support import (one_stage_blocks, one_stage_restriction, tp_one_blocks,
+                                                      tp_one_restriction)
 
     if not 1 <= args.top <= 10_000:
         raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
@@ -97,14 +98,17 @@ def run_plan(args) -> int:
 
     restrictions = restrictions_from_args(args)
     # --setup memx-run searches what memx-run's own search does: TP 1 for blocks memx has no TP plan
-    # for (a mixture's among them), each expert whole, one micro-batch per stage at least.
+    # for (a mixture's among them), one stage for blocks taking per-layer inputs (Gemma 4's E models),
+    # each expert whole, one micro-batch per stage at least.
     memx_run = training.setup == "memx-run"
+    one_stage = one_stage_blocks(model) if memx_run else None  # one stage over every device type
     if memx_run:
         restrictions["tp_degrees"] = tp_one_restriction(restrictions.get("tp_degrees"), tp_one_blocks(model))
+        restrictions["pipeline_degrees"] = one_stage_restriction(restrictions.get("pipeline_degrees"), one_stage)
     searches_experts = not memx_run and not args.expert_parallel
     space = SearchSpace(memory_headroom=args.memory_headroom,
                         max_slowdown=parse_slowdown(args.max_slowdown) if args.max_slowdown else None, recompute_some_layers=args.recompute_some_layers,
-                        per_type_tp=args.per_type_tp, per_type_dp=args.per_type_dp, mixed_stages=args.mixed_stages,
+                        per_type_tp=args.per_type_tp, per_type_dp=args.per_type_dp, mixed_stages=args.mixed_stages or one_stage is not None,
                         cp_degrees=tuple(args.cp) if args.cp else None, **restrictions,
                         shard_degrees=tuple(args.shard_degrees) if args.shard_degrees else None,
                         fewer_microbatches_than_stages=not memx_run,

@@ -6,12 +6,14 @@ What is found (:class:`ModelParts`):
 - the blocks: the ModuleList (or ModuleDict) the user names with ``blocks="path"``, else the first
   of ``model.layers`` (Hugging Face decoders, memx's LlamaStage), ``layers`` (torchtitan style),
   ``transformer.h``, else the largest list of modules of one class;
-- Hugging Face causal LMs (``*ForCausalLM``: GPT-2, OPT, Llama, Mistral, Qwen2, Gemma, Phi and
-  any other whose decoder holds the blocks): before the blocks, the decoder's own forward with its
-  blocks and final modules left out (embeddings, learned positions, scaling and dropout as the
-  model does them); after them, the final norm (OPT: and projection) and the LM head; blocks called
-  with positions (and the rotary table), causal, with the batch's padding mask
-  (Llama family) when it has one;
+- Hugging Face causal LMs (``*ForCausalLM``: GPT-2, OPT, Llama 1-4, Mistral, Qwen2 and 3, Gemma
+  1-4, Phi and any other whose decoder holds the blocks): before the blocks, the decoder's own
+  forward up to them (embeddings, learned positions, scaling, dropout and a norm before the
+  blocks as the model does them), which records what it passes each block; after them, the final
+  norm (OPT: and projection) and the LM head; on a later stage the blocks' arguments rebuilt as
+  the model builds them (positions, rotary tables, masks by attention type with the batch's padding
+  mask, ALiBi biases, Gemma 4's key-value store). Gemma 4's E models (per-layer inputs made from
+  the token ids) run on one stage only;
 - any other model: the modules registered before the blocks (in each module on the path from the
   root to the blocks) run before them, in registration order, and those registered after run after
   them, innermost first.
@@ -59,7 +61,7 @@ BLOCK_PATHS = ("model.layers", "layers", "transformer.h")
 HF_LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                    "GemmaDecoderLayer", "Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # What a Hugging Face decoder runs after its blocks, in this order (OPT: norm, then projection).
-HF_FINAL_MODULES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "project_out")
+HF_FINAL_MODULES = ("norm", "ln_f", "norm_f", "final_norm", "final_layernorm", "final_layer_norm", "project_out")
 _WARNED: set[str] = set()
 
 
@@ -141,6 +143,7 @@ class ModelParts:
         self.kind = kinds.pop()
         _plan_decides_recompute(self.blocks)
         self.rotary: nn.Module | None = None
+        self.one_stage: list[str] = []
         self.router_loss: RouterLoss | None = None
         """A Hugging Face mixture's load-balancing loss, where its config asks for it."""
         lm = _hf_causal_lm(model, container)
@@ -159,23 +162,32 @@ class ModelParts:
 
     def _hf_parts(self, lm: nn.Module, prefix: str, container: nn.Module) -> None:
         """A Hugging Face causal LM (the model itself, or a module inside a wrapper such as a
-        LightningModule): before the blocks, its decoder's own forward with no blocks and no final
-        norm (embeddings, learned positions, scaling and dropout as the model does them); after
-        them, the final norm (and projection) and the LM head; the rotary table every block uses."""
-        decoder = lm.get_decoder()
+        LightningModule): before the blocks, its decoder's own forward up to them (embeddings,
+        learned positions, scaling and dropout as the model does them, and each block's arguments);
+        after them, the final norm (and projection) and the LM head (with the modules the LM
+        registers between its decoder and its head: ModernBERT's head transform); the rotary table
+        every block uses."""
+        decoder = next(m for m in lm.modules() if any(child is container for child in m.children()))
         decoder_prefix = prefix + next(n + "." for n, m in lm.named_modules() if m is decoder)
         blocks_name = next(n for n, m in decoder.named_children() if m is container)
         finals = [n for n in HF_FINAL_MODULES if getattr(decoder, n, None) is not None]
-        head_name = next(n for n, m in lm.named_children() if m is lm.get_output_embeddings())
-        self.before = [(decoder_prefix.rstrip("."), HFEmbedding(decoder, blocks_name, finals))]
+        children = list(lm.named_children())
+        first = next(i for i, (_, m) in enumerate(children) if any(d is decoder for d in m.modules())) + 1
+        last = next(i for i, (_, m) in enumerate(children) if m is lm.get_output_embeddings())
+        self.before = [(decoder_prefix.rstrip("."), HFEmbedding(decoder, blocks_name, len(self.blocks), finals))]
         self.after = [(decoder_prefix + n, getattr(decoder, n)) for n in finals] + \
-            [(prefix + head_name, lm.get_output_embeddings())]
+            [(prefix + n, m) for n, m in children[first:last + 1]]
         transform = LogitTransform.of(lm)
         self.after += [(prefix + "memx_logit_transform", transform)] if transform is not None else []
         self.rotary = getattr(decoder, "rotary_emb", None)
         self.config = lm.config
         self.layer_types = layer_types(lm.config, len(self.blocks))
         """Each block's attention (full, sliding-window, chunked): the mask and rotary table it takes."""
+        self.one_stage = [why for why, present in (
+            ("per-layer inputs made from the token ids", getattr(lm.config, "hidden_size_per_layer_input", 0)),
+            ("layers reusing earlier layers' keys and values", getattr(lm.config, "num_kv_shared_layers", 0)))
+            if present]
+        """Why its blocks run only on one stage holding them all (Gemma 4's E models): none for most."""
         self.router_loss = RouterLoss.of(lm, self.blocks)
         if self.kind is HF_OWN_ATTENTION_KIND:
             recompute_own_attention(lm.config, self.blocks)
@@ -202,6 +214,10 @@ class ModelParts:
 
     def stage(self, layer_offset: int, num_layers: int, *, first: bool, last: bool,
               recompute: str | list[str], selective_policy: str = "attention") -> "StageModule":
+        if self.one_stage and num_layers < self.num_layers:
+            raise ConfigError("plan", f"{type(self.model).__name__} has {' and '.join(self.one_stage)}, which "
+                              "memx's runtime trains on one pipeline stage holding every block",
+                              "plan with --pp 1")
         return StageModule(self, layer_offset, num_layers, first=first, last=last, recompute=recompute,
                            selective_policy=selective_policy)
 
@@ -213,13 +229,14 @@ class ModelParts:
         probe.blocks, probe.before, probe.after = [copy.deepcopy(self.blocks[0])], [], []
         probe.router_loss = None  # [b, s, hidden] out, as calibration times it
         return StageModule(probe, 0, 1, first=False, last=False, recompute=recompute,
-                           selective_policy=selective_policy)
+                           selective_policy=selective_policy, block_probe=True)
 
     @torch.no_grad()
     def verify(self, example: torch.Tensor | None = None, atol: float = 1e-5) -> None:
         """The whole model against before -> blocks -> after on ``example`` (default: 1 x 8 token
         ids when the first part is an embedding; nothing to check otherwise), in eval mode (dropout
-        would differ between the two runs)."""
+        would differ between the two runs); a Hugging Face model's also cut after its first block,
+        where the second stage's blocks take the arguments memx rebuilds (:class:`BlockInputs`)."""
         if example is None:
             first = next((m for _, part in self.before for m in part.modules() if isinstance(m, nn.Embedding)), None)
             if first is None or first.weight.device.type == "meta":
@@ -232,6 +249,7 @@ class ModelParts:
             expected = getattr(expected, "logits", expected)
             expected = expected[0] if isinstance(expected, (tuple, list)) else expected
             got = self.stage(0, self.num_layers, first=True, last=True, recompute="none")(example)
+            split = self._split_after_first_block(example) if got.shape == expected.shape else None
         finally:
             for module, mode in training.items():
                 module.training = mode
@@ -240,6 +258,23 @@ class ModelParts:
                               f"{[n for n, _ in self.before]}, after: {[n for n, _ in self.after]}) does not "
                               "reproduce its forward", "give memx a model whose forward is embedding -> blocks "
                               "-> head, or name the blocks with blocks='path'")
+        if split is not None and not torch.allclose(split, expected, atol=atol, rtol=0):
+            raise ConfigError("model", f"{type(self.model).__name__}'s blocks on a stage after the first do not "
+                              "reproduce its forward with the arguments memx gives them", "plan with --pp 1")
+
+    def _split_after_first_block(self, example: torch.Tensor) -> torch.Tensor | None:
+        """The model run as two stages, its first block and the rest (a Hugging Face model that more
+        than one stage may hold); None for any other."""
+        if not self.hf or self.one_stage or self.num_layers < 2:
+            return None
+        first = self.stage(0, 1, first=True, last=False, recompute="none")
+        rest = self.stage(1, self.num_layers - 1, first=False, last=True, recompute="none")
+        try:
+            return rest(first(example))
+        except (TypeError, KeyError, AttributeError) as exc:  # a block argument memx does not rebuild
+            raise ConfigError("model", f"{type(self.model).__name__}'s blocks on a stage after the first cannot "
+                              f"take the arguments memx gives them ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})", "plan with --pp 1") from None
 
     def apply_tensor_parallel(self, stage: nn.Module, tp_mesh) -> None:
         if tp_mesh.size() == 1:
@@ -273,7 +308,7 @@ class StageModule(nn.Module):
     op-level policy, which needs no knowledge of the block and applies to any)."""
 
     def __init__(self, parts: ModelParts, layer_offset: int, num_layers: int, *, first: bool, last: bool,
-                 recompute: str | list[str], selective_policy: str = "attention"):
+                 recompute: str | list[str], selective_policy: str = "attention", block_probe: bool = False):
         super().__init__()
         self.kind = parts.kind
         self.before = nn.ModuleDict({_key(n): m for n, m in parts.before}) if first else nn.ModuleDict()
@@ -284,13 +319,15 @@ class StageModule(nn.Module):
         self.router_loss, self.last = parts.router_loss, last
         self.routers = self.router_loss.routers_of(self.blocks.values()) if self.router_loss else []
         self.hf = parts.hf
-        # A Hugging Face model's blocks take positions, masks and rotary tables by attention type.
+        # A Hugging Face model's blocks take what its forward passes them: recorded on the first stage
+        # (HFEmbedding), rebuilt by attention type on a later one.
         self.block_inputs = None
-        if self.hf:
+        if self.hf and not first:
             for i, block in self.blocks.items():
                 block._memx_attention_type = parts.layer_types[int(i)]
             self.block_inputs = BlockInputs(parts.config, self.rotary,
-                                            set(parts.layer_types[layer_offset:layer_offset + num_layers]))
+                                            set(parts.layer_types[layer_offset:layer_offset + num_layers]),
+                                            parts.blocks[layer_offset], block_probe)
         self.levels = per_layer(recompute, num_layers)
         self.op_level = selective_policy == "op"
         if "selective" in self.levels and not self.op_level and not self.kind.knows_attention \
@@ -309,13 +346,16 @@ class StageModule(nn.Module):
         """``attention_mask``: [batch, seq], 0 at padding (:attr:`ModelParts.takes_mask`). In training,
         a model with a load-balancing loss (:class:`RouterLoss`) takes the previous stage's
         ``router_sums`` and returns (hidden state, sums), its last stage (logits, the loss's term)."""
-        h = x
+        h, recorded = x, None
         for module in self.before.values():
-            h = module(h)
-        call = self._block_call(h, attention_mask)
+            if isinstance(module, HFEmbedding):
+                h, recorded = module(h, attention_mask, len(self.blocks))
+            else:
+                h = module(h)
+        calls = self._block_calls(h, attention_mask, recorded)
         carries = self.router_loss is not None and self.training and torch.is_grad_enabled()  # not verify()'s
         with self.router_loss.recording(self.routers) if carries else nullcontext() as logits:
-            for block, level in zip(self.blocks.values(), self.levels):
+            for call, block, level in zip(calls, self.blocks.values(), self.levels):
                 if self.kind is MEMX_KIND:  # its blocks recompute as their level and policy say
                     h = call(block, h)
                 elif level == "selective" and self.op_level:
@@ -331,21 +371,28 @@ class StageModule(nn.Module):
         sums = self.router_loss.add(router_sums, logits, attention_mask, h.device)
         return (h, self.router_loss.loss(sums, attention_mask, h.shape[0] * h.shape[1])) if self.last else (h, sums)
 
-    def _block_call(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> Callable:
+    def _block_calls(self, h: torch.Tensor, attention_mask: torch.Tensor | None,
+                     recorded: list[tuple[tuple, dict]] | None) -> list[Callable]:
+        """Each block's call (block, hidden state) -> hidden state: with the arguments the model's
+        own forward gave it (``recorded``, the first stage), or rebuilt for its attention type."""
+        if recorded is not None:
+            return [lambda block, x, args=args, kwargs=kwargs: _first(block(x, *args, **kwargs))
+                    for args, kwargs in recorded]
         if self.hf:  # causal, masked by each block's attention type as the model's own forward masks it
             by_type = self.block_inputs(h, attention_mask)
-            return lambda block, x: _first(block(x, **by_type[block._memx_attention_type]))
-        return lambda block, x: _first(block(x))
+            return [lambda block, x: _first(block(x, **by_type[block._memx_attention_type]))] * len(self.blocks)
+        return [lambda block, x: _first(block(x))] * len(self.blocks)
 
 
 def _hf_causal_lm(model: nn.Module, container: nn.Module) -> tuple[nn.Module, str] | None:
     """The Hugging Face causal LM whose decoder holds ``container`` as its blocks, and its name
-    prefix inside ``model``; None when the blocks are not such a model's."""
+    prefix inside ``model``; None when the blocks are not such a model's. The decoder is the module
+    holding the blocks, not ``get_decoder()``'s guess (Llama 4's and ModernBERT's name it wrong)."""
     for name, module in model.named_modules():
-        get_decoder = getattr(module, "get_decoder", None)
-        if callable(getattr(module, "get_output_embeddings", None)) and callable(get_decoder) \
+        if callable(getattr(module, "get_output_embeddings", None)) and callable(getattr(module, "get_decoder", None)) \
                 and module.get_output_embeddings() is not None \
-                and any(child is container for child in get_decoder().children()):
+                and any(child is container for inner in module.modules() if inner is not module
+                        for child in inner.children()):
             return module, name + "." if name else ""
     return None
 

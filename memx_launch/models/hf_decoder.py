@@ -1,13 +1,17 @@
 """What a Hugging Face causal LM's own forward does around its blocks, done the same way on
-memx's stages: the embeddings before them (:class:`HFEmbedding`), each block's mask and rotary
-table by its attention type (:class:`BlockInputs`: full, sliding-window or chunked, Transformers'
-``layer_types``; Gemma 3's rotary table per type), and what the LM does to its head's logits
-(:class:`LogitTransform`: Gemma 2 and 3's soft cap, Cohere's and Granite's scales)."""
+memx's stages: on the first stage, its decoder's own forward up to the blocks, which records what
+the model passes each block (:class:`HFEmbedding`); on a later stage, which has neither the token
+ids nor the embedding's weights, the arguments that do not depend on them rebuilt as the model
+builds them (:class:`BlockInputs`: each block's mask and rotary table by its attention type, full,
+sliding-window or chunked, Transformers' ``layer_types``; ALiBi biases; Gemma 4's key-value store);
+and what the LM does to its head's logits (:class:`LogitTransform`: Gemma 2 and 3's soft cap,
+Cohere's and Granite's scales)."""
 
 from __future__ import annotations
 
 import copy
 import inspect
+import sys
 
 import torch
 from torch import nn
@@ -15,20 +19,64 @@ from torch import nn
 from memx_launch.errors import ConfigError
 
 
-class HFEmbedding(nn.Module):
-    """A Hugging Face decoder's forward up to its blocks: the decoder itself (same modules, no
-    copies of weights) with no blocks and no final modules, so that token and position embeddings,
-    scaling and dropout are exactly the model's."""
+class _Recorded(Exception):
+    """The decoder's forward reached the last block a stage runs: every block's arguments are recorded."""
 
-    def __init__(self, decoder: nn.Module, blocks_name: str, finals: list[str]):
+
+class _Recording:
+    """What the block stand-ins of one forward recorded, and after how many blocks it stops."""
+
+    def __init__(self):
+        self.calls: list[tuple[torch.Tensor, tuple, dict]] = []
+        self.stop = 1
+
+
+class _BlockStandIn(nn.Module):
+    """Stands in for a block in the decoder's own forward: keeps the hidden state and the other
+    arguments the model passes it, and stops the forward at the last block the stage runs."""
+
+    def __init__(self, recording: _Recording):
         super().__init__()
+        self.recording = recording
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.recording.calls.append((hidden_states, args, kwargs))
+        if len(self.recording.calls) == self.recording.stop:
+            raise _Recorded
+        return hidden_states
+
+
+class HFEmbedding(nn.Module):
+    """A Hugging Face decoder's forward up to its blocks: the decoder itself (same modules, no copies
+    of weights) whose blocks are stand-ins, so that embeddings, learned positions, scaling, dropout
+    and a norm before the blocks (nanochat's) are exactly the model's, and so are the arguments it
+    passes each block (masks, rotary tables, ALiBi biases, Gemma 4's per-layer inputs and key-value
+    store). Its final modules that hold weights are left out (the last stage holds them); the
+    forward stops at the stage's last block, before any final module runs."""
+
+    def __init__(self, decoder: nn.Module, blocks_name: str, num_blocks: int, finals: list[str]):
+        super().__init__()
+        self.recording = _Recording()
         shell = copy.copy(decoder)  # the modules dict is replaced below, never the decoder's own
-        shell._modules = {**decoder._modules, blocks_name: nn.ModuleList(),
-                          **{name: nn.Identity() for name in finals}}
+        weighted = [name for name in finals if any(True for _ in getattr(decoder, name).parameters())]
+        shell._modules = {**decoder._modules,
+                          blocks_name: nn.ModuleList(_BlockStandIn(self.recording) for _ in range(num_blocks)),
+                          **{name: nn.Identity() for name in weighted}}
         self.decoder = shell
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.decoder(input_ids=tokens, use_cache=False).last_hidden_state
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                blocks: int = 1) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        """The hidden state entering the first block, and the arguments beside it of each of the
+        first ``blocks`` blocks, as the model's forward gives them."""
+        self.recording.calls, self.recording.stop = [], blocks
+        try:
+            self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False)
+        except _Recorded:
+            calls = self.recording.calls
+            self.recording.calls = []  # holds no tensor past the forward
+            return calls[0][0], [(args, kwargs) for _, args, kwargs in calls]
+        raise ConfigError("model", f"{type(self.decoder).__name__}'s forward did not run its blocks",
+                          "give memx a model whose forward is embedding -> blocks -> head")
 
 
 def layer_types(config, num_layers: int) -> list[str]:
@@ -41,30 +89,80 @@ def layer_types(config, num_layers: int) -> list[str]:
     return ["full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"] * num_layers
 
 
-class BlockInputs:
-    """The keyword arguments a stage's blocks take besides the hidden state, by attention type,
-    built once per forward as the model's own forward builds them: positions, the mask of that
-    type (with the batch's padding where there is a padding mask) and the rotary table."""
+def _alibi(config, module, h, attention_mask, block_probe):
+    """BLOOM's ALiBi biases: its model's ``build_alibi_tensor`` over the padding mask (all ones without one)."""
+    mask = attention_mask if attention_mask is not None else torch.ones(h.shape[:2], device=h.device)
+    return module.build_alibi_tensor(mask, config.n_head, h.dtype)
 
-    def __init__(self, config, rotary: nn.Module | None, types: set[str]):
+
+def _position_bias(config, module, h, attention_mask, block_probe):
+    """MPT's ALiBi biases, as its model builds them (over its ``max_seq_len``)."""
+    return module.build_mpt_alibi_tensor(config.n_heads, config.max_seq_len, device=h.device)
+
+
+def _kv_store(config, module, h, attention_mask, block_probe):
+    """Gemma 4's store of the keys and values its sharing layers reuse: empty at the stage's start
+    (a layer reusing another stage's is refused: ``ModelParts.stage``)."""
+    from transformers.cache_utils import KVSharingDict
+
+    return KVSharingDict()
+
+
+def _per_layer_input(config, module, h, attention_mask, block_probe):
+    """Gemma 4's per-layer input, made from the token ids on the first stage: only calibration's
+    probe runs such a block on a later stage (``ModelParts.stage`` refuses one), given zeros of its
+    width, which change nothing of what the block keeps or how long it runs. None where its config
+    has none (Gemma 4's 31B and 26B-A4B)."""
+    width = getattr(config, "hidden_size_per_layer_input", 0)
+    if not width:
+        return None
+    if not block_probe:
+        raise ConfigError("plan", "a block taking a per-layer input on a stage after the first",
+                          "train the model as one pipeline stage (--pp 1)")
+    return torch.zeros(*h.shape[:2], width, dtype=h.dtype, device=h.device)
+
+
+# A later stage's block arguments that are neither masks nor rotary tables, by the block's parameter name.
+LATER_STAGE_INPUTS = {"alibi": _alibi, "position_bias": _position_bias, "shared_kv_states": _kv_store,
+                      "per_layer_input": _per_layer_input}
+# Blocks whose model passes them its mask as booleans, True where a score is masked (MPT's forward casts
+# its additive mask so).
+BOOLEAN_MASK_BLOCKS = ("MptBlock",)
+
+
+class BlockInputs:
+    """The keyword arguments a later stage's blocks take besides the hidden state, by attention type,
+    built once per forward as the model's own forward builds them: positions, the mask of that
+    type (with the batch's padding where there is a padding mask), the rotary table, and what else
+    its blocks take (:data:`LATER_STAGE_INPUTS`). ``block_probe``: calibration's probe of one block."""
+
+    def __init__(self, config, rotary: nn.Module | None, types: set[str], block: nn.Module,
+                 block_probe: bool = False):
         from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
-        self.config, self.rotary = config, rotary
+        self.config, self.rotary, self.block_probe = config, rotary, block_probe
         self.masks = {t: LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(t) for t in types}
         unknown = sorted(t for t, make in self.masks.items() if not callable(make))
         if unknown:
             raise ConfigError("model", f"blocks of attention type {', '.join(unknown)}, which memx cannot mask as "
                               "the model does", "use a model of full, sliding-window or chunked attention blocks")
         self.rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        taken = inspect.signature(block.forward).parameters
+        self.module = sys.modules[type(block).__module__]
+        self.others = {name: make for name, make in LATER_STAGE_INPUTS.items() if name in taken}
+        self.boolean_mask = type(block).__name__ in BOOLEAN_MASK_BLOCKS
 
     def __call__(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[str, dict]:
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         shared = None if self.rotary is None or self.rotary_by_type else self.rotary(h, positions)
+        others = {name: make(self.config, self.module, h, attention_mask, self.block_probe)
+                  for name, make in self.others.items()}
         out = {}
         for kind, make in self.masks.items():
             mask = make(config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
                         position_ids=positions)
-            out[kind] = {"attention_mask": mask, "position_ids": positions}
+            mask = mask.to(torch.bool) if self.boolean_mask else mask
+            out[kind] = {"attention_mask": mask, "position_ids": positions, **others}
             if self.rotary is not None:
                 out[kind]["position_embeddings"] = self.rotary(h, positions, kind) if self.rotary_by_type else shared
         return out

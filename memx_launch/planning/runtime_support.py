@@ -42,11 +42,31 @@ def tp_one_restriction(tp_degrees, blocks: str | None) -> tuple[int, ...] | None
     """The TP degrees memx's runtime searches where ``blocks`` (:func:`tp_one_blocks`) train with
     TP 1, which ``tp_degrees`` (the ``--tp`` given, or None) must hold; ``tp_degrees`` unchanged
     where ``blocks`` is None."""
-    if blocks is None:
-        return tp_degrees
-    if 1 not in (tp_degrees or (1,)):
-        raise ConfigError("--tp", f"{list(tp_degrees)} leaves out TP 1, the only degree the {blocks} blocks train with",
-                          "drop --tp or include 1")
+    return _degree_one("--tp", "TP", tp_degrees, None if blocks is None else f"the {blocks} blocks train with")
+
+
+def one_stage_blocks(model: ModelSpec) -> str | None:
+    """What makes memx's runtime train ``model``'s blocks on one pipeline stage holding them all:
+    per-layer inputs made from the token ids, which only the first stage has (Gemma 4's E models,
+    whose later layers also reuse earlier layers' keys and values: models/adapters.py); None where
+    it splits them."""
+    return "per-layer inputs made from the token ids" if model.per_layer_input_size else None
+
+
+def one_stage_restriction(pipeline_degrees, why: str | None) -> tuple[int, ...] | None:
+    """The pipeline degrees memx's runtime searches where a model's blocks train on one stage
+    (``why``: :func:`one_stage_blocks`), which ``pipeline_degrees`` (``--pp``, or None) must hold."""
+    return _degree_one("--pp", "PP", pipeline_degrees, None if why is None else f"blocks with {why} train with")
+
+
+def _degree_one(flag: str, name: str, degrees, why: str | None) -> tuple[int, ...] | None:
+    """(1,) where ``why`` says only degree 1 runs, which ``degrees`` (the flag's, or None) must hold;
+    ``degrees`` unchanged where ``why`` is None."""
+    if why is None:
+        return degrees
+    if 1 not in (degrees or (1,)):
+        raise ConfigError(flag, f"{list(degrees)} leaves out {name} 1, the only degree {why}",
+                          f"drop {flag} or include 1")
     return (1,)
 
 
@@ -62,6 +82,10 @@ def check_runnable(plan: Plan) -> Plan:
         raise ConfigError("--plan", f"stage {empty[0]} holds no layers (an embedding-only or head-only stage), "
                           "which memx's runtime does not run", f"give every stage a layer, or {instead}")
     runnable_model(plan.model_spec, "--plan", instead)
+    one_stage = one_stage_blocks(plan.model_spec)
+    if one_stage and plan.pp > 1:
+        raise ConfigError("--plan", f"pp={plan.pp}: {plan.model_spec.name}'s blocks take {one_stage}, which memx's "
+                          "runtime trains on one pipeline stage holding every block", f"plan with --pp 1, or {instead}")
     experts = plan.training.get("expert_parallel", 1) * plan.training.get("expert_tensor_parallel", 1)
     if plan.model_spec.num_experts and (max(plan.stage_tps) > 1 or experts > 1):
         raise ConfigError("--plan", f"tp={plan.tp or plan.stage_tp}, expert parallelism over {experts} rank(s): memx's "

@@ -23,7 +23,8 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, path_component
 from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.runtime_support import check_runnable, runnable_model, tp_one_blocks, tp_one_restriction
+from memx_launch.planning.runtime_support import (check_runnable, one_stage_blocks, one_stage_restriction,
+                                                  runnable_model, tp_one_blocks, tp_one_restriction)
 from memx_launch.planning.search import check_space
 from memx_launch.planning.search_space import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
@@ -302,13 +303,19 @@ def resolve(args) -> dict:
     tp_one = tp_one_blocks(model, builder is not None)
     if tp_one is not None:
         restrictions["tp_degrees"] = tp_one_restriction(restrictions.get("tp_degrees"), tp_one)
-    restrictions.update({flag: True for flag in ("mixed_stages", "per_type_tp") if getattr(args, flag)})
+    one_stage = one_stage_blocks(model)
+    if one_stage is not None:  # one stage over every device type: its DP replicas on several
+        restrictions["pipeline_degrees"] = one_stage_restriction(restrictions.get("pipeline_degrees"), one_stage)
+    restrictions.update({flag: True for flag in ("mixed_stages", "per_type_tp")
+                         if getattr(args, flag) or (flag == "mixed_stages" and one_stage is not None)})
     check_space(model, cluster if plan is None else None, training,  # what the job would refuse after calibrating
                 SearchSpace(fewer_microbatches_than_stages=False, max_slowdown=max_slowdown, **restrictions))
     applies = "" if previous is None and not args.plan else " (unused: --no-replan)" if args.no_replan \
         else " (re-plans)"
     for field, values in restrictions.items():
-        source = tp_one if tp_one is not None and field == "tp_degrees" else "flag"
+        source = {"tp_degrees": tp_one, "pipeline_degrees": one_stage and f"blocks with {one_stage}",
+                  "mixed_stages": not args.mixed_stages and one_stage and "one stage over every device type"
+                  }.get(field) or "flag"
         shown = ",".join(map(str, values)) if isinstance(values, tuple) else "yes"
         settings.add(f"search {field.replace('_', ' ')}{applies}", shown, source)
     if max_slowdown is not None:  # the job's search and its re-plans (shown with the objective)

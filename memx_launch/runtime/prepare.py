@@ -154,10 +154,21 @@ def _hf_block_parts(model_arg: str):
         raise ConfigError("--model", f"transformers cannot build {model_arg} ({why}), and memx's own LLaMA "
                           f"block cannot stand in for a block with {missing[0]}",
                           "pass --model-builder FILE:FUNCTION to build it") from None
-    config.num_hidden_layers = 1  # the block is what calibration measures
+    _first_block_only(config)
     if not missing and not _fuses_its_linears(config, spec, AutoModelForCausalLM):
         return None
     return _verified(ModelParts(AutoModelForCausalLM.from_config(config)))
+
+
+def _first_block_only(config) -> None:
+    """``config`` cut to its first block, which calibration measures: its per-layer attention types
+    with it, and no layer reusing another's keys and values (Gemma 4's config checks both against
+    the layer count)."""
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:1]
+    if getattr(config, "num_kv_shared_layers", 0):
+        config.num_kv_shared_layers = 0
 
 
 def _fuses_its_linears(config, spec, auto_model) -> bool:
