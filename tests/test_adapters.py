@@ -542,9 +542,44 @@ def test_memx_s_runtime_takes_a_mixture_of_experts_with_each_expert_whole_on_a_r
     plan.training = {"expert_parallel": 2}
     with pytest.raises(ConfigError, match="expert parallelism over 2 rank"):
         check_runnable(plan)
-    # Calibration measures one block: dense blocks between the expert ones would go unmeasured.
-    with pytest.raises(ConfigError, match="dense blocks among its expert ones"):
-        runnable_model(dataclasses.replace(MIXTRAL_SPEC, moe_layer_step=2))
+    # Dense blocks among the expert ones run too: calibration measures the first expert block.
+    maverick = dataclasses.replace(MIXTRAL_SPEC, moe_layer_step=2)
+    assert runnable_model(maverick) is maverick
+    # A plan priced with multi-token prediction modules, which the model memx-run trains has none of.
+    mtp = make_plan(dataclasses.replace(MIXTRAL_SPEC, mtp_layers=1), [((0, 1), 4, "none"), ((2, 3), 4, "full")], dp=2)
+    with pytest.raises(ConfigError, match="prices 1 multi-token prediction module.*plan with --setup memx-run"):
+        check_runnable(mtp)
+
+
+@pytest.mark.parametrize("family,fields,dense", [
+    ("llama4_text", {"interleave_moe_layer_step": 2}, [0]),  # Maverick's: a dense block before each expert one
+    ("glm4_moe", {"first_k_dense_replace": 2, "num_nextn_predict_layers": 1}, [0, 1]),  # GLM-4.5's, with MTP
+])
+def test_a_mixture_s_first_expert_block_is_calibrated_beside_its_dense_ones(family, fields, dense, tmp_path):
+    """A mixture whose first blocks, or every other one, are dense: memx-run builds its config up to
+    its first expert block, which calibration measures (a profile times the repeated block; the
+    dense ones are priced beside it at its learned ratio), and trains it without the multi-token
+    prediction modules Transformers does not build."""
+    from transformers import AutoConfig
+
+    from memx_launch.planning.runtime_support import as_memx_run_trains, runnable_model
+    from memx_launch.runtime.prepare import user_block_parts
+
+    config = AutoConfig.for_model(family, **{**hf_block_memory.SHAPE, **hf_block_memory.FAMILIES[family],
+                                             "num_hidden_layers": 4, **fields})
+    config.save_pretrained(tmp_path)
+    spec = as_memx_run_trains(runnable_model(get_model(str(tmp_path))))
+    assert spec.dense_block_count == 2 and spec.mtp_layers == 0
+    parts = user_block_parts({"MEMX_MODEL": str(tmp_path)})
+    assert parts.num_layers == len(dense) + 1 and parts.repeated_block == len(dense)
+    params = [sum(p.numel() for p in block.parameters()) for block in parts.blocks]
+    assert all(params[i] < params[-1] for i in dense)  # the dense ones hold no experts
+    probe = parts.block_probe("full")
+    (block,) = probe.blocks.values()
+    assert sum(p.numel() for p in block.parameters()) == params[-1]
+    h = torch.randn(2, 8, hf_block_memory.SHAPE["hidden_size"], requires_grad=True)
+    probe(h).sum().backward()
+    assert h.grad is not None
 
 
 def test_a_gelu_config_is_calibrated_with_its_own_hugging_face_block():

@@ -73,6 +73,23 @@ def test_learned_attention_is_scaled_as_the_learned_block(fitted):
     assert ratio == pytest.approx(true_ratio(4)[0], rel=0.15)
 
 
+def test_a_mixture_s_dense_blocks_take_the_time_ratio_learned_for_its_expert_block():
+    """A profile times a mixture's expert block (memx-run calibrates its first one); its dense blocks,
+    priced beside it, take that block's learned time ratio at the same point (what the profile
+    measured of the device), their memory their own count."""
+    moe = replace(SPEC, name="moe-tiny", num_experts=4, experts_per_token=2,
+                  expert_ffn_hidden_size=SPEC.ffn_hidden_size // 2, dense_layers=1)
+    learned = LearnedCostModel(moe, CLUSTER, TRAINING, fit_predictor(synthetic_records(spec=moe), trials=1))
+    analytical = AnalyticalCostModel(moe, CLUSTER, TRAINING)
+    mbs = np.array([1, 4, 16])
+    ratio = learned.layer_costs(0, 1, mbs, 64, 0).time_s / analytical.layer_costs(0, 1, mbs, 64, 0).time_s
+    assert np.all(ratio > 1.3)  # the synthetic device is slower than the analytical model: 1.5-2.25x
+    dense, counted = (m.other_kinds[0].layer_costs(0, 1, mbs, 64, 0) for m in (learned, analytical))
+    assert np.allclose(dense.time_s, counted.time_s * ratio, rtol=1e-9)
+    assert np.array_equal(dense.activation_bytes, counted.activation_bytes)
+    assert np.array_equal(dense.working_bytes, counted.working_bytes)
+
+
 def test_saved_predictor_loads_and_predicts_the_same(tmp_path, fitted):
     path = str(tmp_path / "p.ubj")
     fitted.save(path)

@@ -75,8 +75,8 @@ def run_plan(args) -> int:
     from memx_launch.planning.baselines import compare_baselines
     from memx_launch.planning.objective import parse_slowdown, parse_weights
     from memx_launch.planning.shard_hint import hybrid_sharding_hint
-    from memx_launch.planning.runtime_support import (one_stage_blocks, one_stage_restriction, tp_one_blocks,
-                                                      tp_one_restriction)
+    from memx_launch.planning.runtime_support import (as_memx_run_trains, one_stage_blocks, one_stage_restriction,
+                                                      tp_one_blocks, tp_one_restriction)
 
     if not 1 <= args.top <= 10_000:
         raise ConfigError("--top", f"must be between 1 and 10000, got {args.top}", "e.g. --top 5")
@@ -93,14 +93,16 @@ def run_plan(args) -> int:
     model = model_from_args(args)
     cluster = ClusterSpec.from_yaml(args.cluster)
     training, precision = device_precision(cluster, training_from_args(args, model), args.dtype is not None)
+    # --setup memx-run plans the model memx-run trains (no multi-token prediction modules) and searches
+    # what memx-run's own search does: TP 1 for blocks memx has no TP plan for (a mixture's among them),
+    # one stage for blocks taking per-layer inputs (Gemma 4's E models), each expert whole, one
+    # micro-batch per stage at least.
+    memx_run = training.setup == "memx-run"
+    model = as_memx_run_trains(model) if memx_run else model
     weights = parse_weights(args.weights) if args.weights else None
     cost_model = cost_model_from_args(args, model, cluster, training)
 
     restrictions = restrictions_from_args(args)
-    # --setup memx-run searches what memx-run's own search does: TP 1 for blocks memx has no TP plan
-    # for (a mixture's among them), one stage for blocks taking per-layer inputs (Gemma 4's E models),
-    # each expert whole, one micro-batch per stage at least.
-    memx_run = training.setup == "memx-run"
     one_stage = one_stage_blocks(model) if memx_run else None  # one stage over every device type
     if memx_run:
         restrictions["tp_degrees"] = tp_one_restriction(restrictions.get("tp_degrees"), tp_one_blocks(model))

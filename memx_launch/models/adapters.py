@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from memx_launch.errors import ConfigError
 from memx_launch.models.checkpointing import op_level_checkpoint
 from memx_launch.models.hf_attention import hf_selective, recompute_own_attention, use_memx_sdpa
-from memx_launch.models.hf_decoder import BlockInputs, HFEmbedding, LogitTransform, layer_types
+from memx_launch.models.hf_decoder import BlockInputs, HFEmbedding, LogitTransform, hf_causal_lm, layer_types
 from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel, per_layer
 from memx_launch.models.router_loss import RouterLoss
 
@@ -143,10 +143,13 @@ class ModelParts:
         self.kind = kinds.pop()
         _plan_decides_recompute(self.blocks)
         self.rotary: nn.Module | None = None
+        self.repeated_block = 0
+        """The first block of the model's repeated kind, which calibration measures (a mixture's first
+        expert block, after its dense ones)."""
         self.one_stage: list[str] = []
         self.router_loss: RouterLoss | None = None
         """A Hugging Face mixture's load-balancing loss, where its config asks for it."""
-        lm = _hf_causal_lm(model, container)
+        lm = hf_causal_lm(model, container)
         self.hf = lm is not None
         """A Hugging Face causal LM: blocks take positions, masks and rotary tables by attention type."""
         if lm is not None:
@@ -222,11 +225,13 @@ class ModelParts:
                            selective_policy=selective_policy)
 
     def block_probe(self, recompute: str, selective_policy: str = "attention") -> "StageModule":
-        """A copy of the first block (own weights) run as a middle stage: [b, s, hidden] in and out,
-        at ``recompute`` under ``selective_policy``. What calibration measures (profiling/kernel.py's
-        block_factory)."""
-        probe = copy.copy(self)
-        probe.blocks, probe.before, probe.after = [copy.deepcopy(self.blocks[0])], [], []
+        """A copy of the first block of the repeated kind (own weights) run as a middle stage: [b, s,
+        hidden] in and out, at ``recompute`` under ``selective_policy``. What calibration measures
+        (profiling/kernel.py's block_factory)."""
+        probe, index = copy.copy(self), self.repeated_block
+        probe.blocks, probe.before, probe.after = [copy.deepcopy(self.blocks[index])], [], []
+        if self.hf:
+            probe.layer_types = self.layer_types[index:index + 1]
         probe.router_loss = None  # [b, s, hidden] out, as calibration times it
         return StageModule(probe, 0, 1, first=False, last=False, recompute=recompute,
                            selective_policy=selective_policy, block_probe=True)
@@ -382,19 +387,6 @@ class StageModule(nn.Module):
             by_type = self.block_inputs(h, attention_mask)
             return [lambda block, x: _first(block(x, **by_type[block._memx_attention_type]))] * len(self.blocks)
         return [lambda block, x: _first(block(x))] * len(self.blocks)
-
-
-def _hf_causal_lm(model: nn.Module, container: nn.Module) -> tuple[nn.Module, str] | None:
-    """The Hugging Face causal LM whose decoder holds ``container`` as its blocks, and its name
-    prefix inside ``model``; None when the blocks are not such a model's. The decoder is the module
-    holding the blocks, not ``get_decoder()``'s guess (Llama 4's and ModernBERT's name it wrong)."""
-    for name, module in model.named_modules():
-        if callable(getattr(module, "get_output_embeddings", None)) and callable(getattr(module, "get_decoder", None)) \
-                and module.get_output_embeddings() is not None \
-                and any(child is container for inner in module.modules() if inner is not module
-                        for child in inner.children()):
-            return module, name + "." if name else ""
-    return None
 
 
 def _plan_decides_recompute(blocks: list[nn.Module]) -> None:

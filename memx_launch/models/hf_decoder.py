@@ -1,11 +1,12 @@
 """What a Hugging Face causal LM's own forward does around its blocks, done the same way on
-memx's stages: on the first stage, its decoder's own forward up to the blocks, which records what
-the model passes each block (:class:`HFEmbedding`); on a later stage, which has neither the token
-ids nor the embedding's weights, the arguments that do not depend on them rebuilt as the model
-builds them (:class:`BlockInputs`: each block's mask and rotary table by its attention type, full,
-sliding-window or chunked, Transformers' ``layer_types``; ALiBi biases; Gemma 4's key-value store);
-and what the LM does to its head's logits (:class:`LogitTransform`: Gemma 2 and 3's soft cap,
-Cohere's and Granite's scales)."""
+memx's stages (the LM found as the one whose decoder holds them: :func:`hf_causal_lm`): on the
+first stage, its decoder's own forward up to the blocks, which records what the model passes each
+block (:class:`HFEmbedding`); on a later stage, which has neither the token ids nor the
+embedding's weights, the arguments that do not depend on them rebuilt as the model builds them
+(:class:`BlockInputs`: each block's mask and rotary table by its attention type, full,
+sliding-window or chunked, Transformers' ``layer_types``; ALiBi biases; Gemma 4's key-value
+store); and what the LM does to its head's logits (:class:`LogitTransform`: Gemma 2 and 3's soft
+cap, Cohere's and Granite's scales)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,19 @@ class HFEmbedding(nn.Module):
             return calls[0][0], [(args, kwargs) for _, args, kwargs in calls]
         raise ConfigError("model", f"{type(self.decoder).__name__}'s forward did not run its blocks",
                           "give memx a model whose forward is embedding -> blocks -> head")
+
+
+def hf_causal_lm(model: nn.Module, container: nn.Module) -> tuple[nn.Module, str] | None:
+    """The Hugging Face causal LM whose decoder holds ``container`` as its blocks, and its name
+    prefix inside ``model``; None when the blocks are not such a model's. The decoder is the module
+    holding the blocks, not ``get_decoder()``'s guess (Llama 4's and ModernBERT's name it wrong)."""
+    for name, module in model.named_modules():
+        if callable(getattr(module, "get_output_embeddings", None)) and callable(getattr(module, "get_decoder", None)) \
+                and module.get_output_embeddings() is not None \
+                and any(child is container for inner in module.modules() if inner is not module
+                        for child in inner.children()):
+            return module, name + "." if name else ""
+    return None
 
 
 def layer_types(config, num_layers: int) -> list[str]:

@@ -25,6 +25,14 @@ def first_stage_min_layers(model: ModelSpec, v: int) -> int:
     return model.dense_layers + v - 1 if model.dense_layers else 0
 
 
+def first_repeated_block(model: ModelSpec) -> int:
+    """The index of the model's first block of its repeated kind, the one calibration measures (a
+    profile times that block; the other kinds are priced beside it): a mixture's first expert
+    block, after its dense first blocks or at the step where dense ones sit between its expert ones
+    (block ``step - 1``); 0 for any other model."""
+    return model.dense_layers or model.moe_layer_step - 1 if model.num_experts else 0
+
+
 def other_kinds(model: ModelSpec) -> list[ModelSpec]:
     """The shapes priced beside the repeated layer: a mixture of experts' dense block, or each of
     a hybrid model's kinds; none for a transformer of one kind of block."""

@@ -4,6 +4,8 @@ elsewhere for the rest. Pure Python on the Plan (no torch), so the planner can s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memx_launch.errors import ConfigError
 from memx_launch.planning.model_states import keeps_gathered
 from memx_launch.planning.plan import Plan
@@ -13,14 +15,13 @@ from memx_launch.specs.training import TrainingSpec
 
 def runnable_model(model: ModelSpec, field: str = "--model",
                    instead: str = "plan it with memx plan and run it with Megatron-LM (memx export)") -> ModelSpec:
-    """``model`` where memx's runtime can train it: not latent attention, multi-token prediction, an
-    attention output gate nor a hybrid model (its blocks have none of them); a mixture of experts
-    whose every block has them (its own module, each expert whole: :func:`check_runnable`; calibration
-    measures one block). ``instead``: the refusal's way to run it elsewhere."""
-    interleaved = model.num_experts and (model.dense_layers or model.moe_layer_step > 1)
-    unsupported = [what for what, present in (("dense blocks among its expert ones", interleaved),
-                                               ("latent attention", model.kv_lora_rank),
-                                               ("multi-token prediction", model.mtp_layers),
+    """``model`` where memx's runtime can train it: not latent attention, an attention output gate nor
+    a hybrid model (its blocks have none of them; multi-token prediction it leaves out:
+    :func:`as_memx_run_trains`); a mixture of experts as
+    its own module, each expert whole (:func:`check_runnable`), its dense blocks among its expert ones
+    too (calibration measures its first expert block, the dense ones are priced beside it:
+    ``extra_blocks.first_repeated_block``). ``instead``: the refusal's way to run it elsewhere."""
+    unsupported = [what for what, present in (("latent attention", model.kv_lora_rank),
                                                ("Mamba, Gated DeltaNet and lone attention or MLP layers",
                                                 model.hybrid_pattern),
                                                ("an attention output gate", model.attention_output_gate))
@@ -29,6 +30,12 @@ def runnable_model(model: ModelSpec, field: str = "--model",
         raise ConfigError(field, f"{model.name} has {' and '.join(unsupported)}, which memx's runtime does not run",
                           instead)
     return model
+
+
+def as_memx_run_trains(model: ModelSpec) -> ModelSpec:
+    """``model`` as memx's runtime trains it: without its multi-token prediction modules, which the
+    models it trains do not build (memx's LLaMA has none; Transformers drops their weights on load)."""
+    return replace(model, mtp_layers=0) if model.mtp_layers else model
 
 
 def tp_one_blocks(model: ModelSpec, builder: bool = False) -> str | None:
@@ -82,6 +89,10 @@ def check_runnable(plan: Plan) -> Plan:
         raise ConfigError("--plan", f"stage {empty[0]} holds no layers (an embedding-only or head-only stage), "
                           "which memx's runtime does not run", f"give every stage a layer, or {instead}")
     runnable_model(plan.model_spec, "--plan", instead)
+    if plan.model_spec.mtp_layers:
+        raise ConfigError("--plan", f"it prices {plan.model_spec.mtp_layers} multi-token prediction module(s), which "
+                          "memx's runtime does not train (the model it trains has none)",
+                          f"plan with --setup memx-run, or {instead}")
     one_stage = one_stage_blocks(plan.model_spec)
     if one_stage and plan.pp > 1:
         raise ConfigError("--plan", f"pp={plan.pp}: {plan.model_spec.name}'s blocks take {one_stage}, which memx's "

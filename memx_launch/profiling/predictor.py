@@ -242,8 +242,8 @@ class LearnedCostModel:
             base = with_type_fields(base, {d.name: {"host_ms_per_layer": training.host_ms_per_layer}
                                            for d in base.device_types if d.name not in profiled})
         self.analytical = AnalyticalCostModel(model, base, replace(training, host_ms_per_layer=None))
-        # Profiles time the repeated block: a mixture of experts' dense blocks stay analytical.
-        self.other_kinds = self.analytical.other_kinds
+        # Profiles time the repeated block; the kinds beside it (a mixture's dense blocks) are timed at its ratios.
+        self.other_kinds = [KindAtLearnedRatios(kind, self) for kind in self.analytical.other_kinds]
         self.model, self.cluster, self.training = model, cluster, training
         self.device_names = self.analytical.device_names
         self.device_types = self.analytical.device_types
@@ -302,6 +302,26 @@ class LearnedCostModel:
     def head_time(self, device, tp, mbs, seq) -> np.ndarray:
         scale, fixed = (t[np.asarray(device)] for t in self._head_terms)
         return fixed + scale * self.analytical.head_time(device, tp, mbs, seq)
+
+
+class KindAtLearnedRatios:
+    """A kind of layer priced beside the repeated one, which profiles do not time (a mixture's dense
+    blocks, measured where memx-run calibrates its first expert block): its analytical time scaled
+    by the time ratio learned for the repeated block at the same point, so that what the profile
+    measured of the device (its efficiency, its overheads) carries over while the shape stays the
+    kind's; its memory is its own count."""
+
+    def __init__(self, kind: AnalyticalCostModel, learned: LearnedCostModel):
+        self.kind, self.learned = kind, learned
+
+    def layer_costs(self, device, tp, mbs, seq, recompute) -> LayerCost:
+        ratio, shape = self.learned._learned(device, tp, mbs, seq, recompute)[1:]
+        base = self.kind.layer_costs(device, tp, mbs, seq, recompute)
+        return replace(base, time_s=np.asarray(base.time_s) * ratio[:, 0].reshape(shape))
+
+    def attention_seconds(self, device, tp, mbs, seq) -> tuple[np.ndarray, np.ndarray]:
+        ratio, shape = self.learned._learned(device, tp, mbs, seq, NONE)[1:]
+        return tuple(ratio[:, 0].reshape(shape) * t for t in self.kind.attention_seconds(device, tp, mbs, seq))
 
 
 class FittedProfile:

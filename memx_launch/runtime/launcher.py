@@ -23,8 +23,9 @@ from memx_launch.errors import ConfigError, MemxError
 from memx_launch.files import check_output_path, path_component
 from memx_launch.planning.objective import add_slowdown_arg, parse_slowdown, parse_weights
 from memx_launch.planning.plan import Plan
-from memx_launch.planning.runtime_support import (check_runnable, one_stage_blocks, one_stage_restriction,
-                                                  runnable_model, tp_one_blocks, tp_one_restriction)
+from memx_launch.planning.runtime_support import (as_memx_run_trains, check_runnable, one_stage_blocks,
+                                                  one_stage_restriction, runnable_model, tp_one_blocks,
+                                                  tp_one_restriction)
 from memx_launch.planning.search import check_space
 from memx_launch.planning.search_space import SearchSpace, add_restriction_args, restrictions_from_args
 from memx_launch.runtime import rendezvous
@@ -173,7 +174,8 @@ def resolve(args) -> dict:
         model_name, source = script_flag(script_args, "--model"), "flag, the script's --model"
     if model_name is None:
         raise ConfigError("--model", "not given", "pass --model NAME to memx-run or to the script")
-    model = runnable_model(get_model(model_name))
+    read = runnable_model(get_model(model_name))
+    model = as_memx_run_trains(read)
     if model.num_experts and not os.path.exists(model_name) and not args.model_builder:
         raise ConfigError("--model", f"{model.name} is a mixture of experts, which memx's own LLaMA does not build",
                           "give the model's config.json as --model and train its own module (memx_launch.prepare), "
@@ -181,6 +183,9 @@ def resolve(args) -> dict:
     # What the workers read back with get_model: a config.json's path (absolute), else the catalog name.
     model_arg = os.path.abspath(model_name) if os.path.exists(model_name) else model.name
     settings.add("model", model.name, source)
+    if read.mtp_layers:
+        settings.add("multi-token prediction", f"its {read.mtp_layers} module(s) not in the model trained: "
+                     "planned without them", "config.json")
 
     cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else None
     nodes = max_nodes(args)

@@ -117,6 +117,7 @@ def user_block_parts(environ=os.environ):
 
 def _hf_block_parts(model_arg: str):
     from memx_launch.models.adapters import ModelParts
+    from memx_launch.planning.extra_blocks import first_repeated_block
     from memx_launch.specs.catalog import get_model
 
     folder = model_arg if os.path.isdir(model_arg) else os.path.dirname(model_arg)
@@ -154,19 +155,22 @@ def _hf_block_parts(model_arg: str):
         raise ConfigError("--model", f"transformers cannot build {model_arg} ({why}), and memx's own LLaMA "
                           f"block cannot stand in for a block with {missing[0]}",
                           "pass --model-builder FILE:FUNCTION to build it") from None
-    _first_block_only(config)
+    repeated = first_repeated_block(spec)
+    _blocks_up_to(config, repeated + 1)
     if not missing and not _fuses_its_linears(config, spec, AutoModelForCausalLM):
         return None
-    return _verified(ModelParts(AutoModelForCausalLM.from_config(config)))
+    parts = ModelParts(AutoModelForCausalLM.from_config(config))
+    parts.repeated_block = repeated
+    return _verified(parts)
 
 
-def _first_block_only(config) -> None:
-    """``config`` cut to its first block, which calibration measures: its per-layer attention types
-    with it, and no layer reusing another's keys and values (Gemma 4's config checks both against
-    the layer count)."""
-    config.num_hidden_layers = 1
+def _blocks_up_to(config, blocks: int) -> None:
+    """``config`` cut to its first ``blocks`` blocks, the last of them the one calibration measures:
+    its per-layer attention types with them, and no layer reusing another's keys and values
+    (Gemma 4's config checks both against the layer count)."""
+    config.num_hidden_layers = blocks
     if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types)[:1]
+        config.layer_types = list(config.layer_types)[:blocks]
     if getattr(config, "num_kv_shared_layers", 0):
         config.num_kv_shared_layers = 0
 

@@ -122,11 +122,12 @@ def plan_in_job(env) -> None:
     from memx_launch.planning.objective import parse_weights
     from memx_launch.specs.cluster import ClusterSpec
     from memx_launch.specs.training import TrainingSpec
+    from memx_launch.planning.runtime_support import as_memx_run_trains
     from memx_launch.specs.catalog import get_model
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = get_model(env["MEMX_MODEL"])
+    model = as_memx_run_trains(get_model(env["MEMX_MODEL"]))
     training = TrainingSpec(**json.loads(env["MEMX_TRAINING"]))
     cluster = ClusterSpec.from_yaml(env["MEMX_CLUSTER"]) if env.get("MEMX_CLUSTER") else None
     if cluster is not None and cluster.world_size != world:
