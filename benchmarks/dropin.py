@@ -7,7 +7,14 @@ the one-process reference.
    --model-builder (its own block calibrated);
 3. examples/lightning_train.py (2-process DDP, MemxCallback on cpu-emulated-ddp.yaml);
 4. examples/train_hf.py with a mixture of experts (transformers MixtralForCausalLM, 4 experts, 2 a
-   token, each whole on every rank) the same way as 1, its own block calibrated.
+   token, each whole on every rank) the same way as 1, its own block calibrated;
+5. the same with 2026's layouts, each its own block calibrated: Llama 4 Maverick's (a dense block
+   before each expert one, chunked attention, a layer in four without RoPE), GLM-4.5's (a dense
+   first block, a shared expert, a multi-token prediction module in its config, which Transformers
+   does not build) and Gemma 4's E models' (per-layer inputs, layers reusing earlier layers' keys
+   and values: one stage).
+
+Per stage of the last step: its peak memory and its compute per micro-batch, measured and predicted.
 
     python benchmarks/dropin.py [--steps 3]
 
@@ -33,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
 OUT = os.path.join(REPO, "benchmarks", "results", "dropin.json")
 CLUSTER = os.path.join(EXAMPLES, "clusters", "cpu-emulated.yaml")
-STAGE = re.compile(r"s(\d+) (\S+) emulated: mem ([0-9.]+)/([0-9.]+) MiB")
+STAGE = re.compile(r"s(\d+) (\S+) emulated: mem ([0-9.]+)/([0-9.]+) MiB, mb ([0-9.]+)/([0-9.]+) ms")
 
 
 def _losses(text: str) -> list[float]:
@@ -54,8 +61,10 @@ def memx_run(script: str, model: str, steps: int, builder: bool) -> dict:
     got, want = _losses(run.stdout), _losses(ref.stdout)
     return {"plan": re.search(r"^training .*$", run.stdout, re.M)[0],
             "stages_last_step": [{"stage": int(s), "device": d, "measured_mib": float(m), "predicted_mib": float(p),
-                                  "measured_over_predicted": round(float(m) / float(p), 3)}
-                                 for s, d, m, p in STAGE.findall(last)],
+                                  "measured_over_predicted": round(float(m) / float(p), 3),
+                                  "compute_measured_ms": float(tm), "compute_predicted_ms": float(tp),
+                                  "compute_measured_over_predicted": round(float(tm) / float(tp), 3)}
+                                 for s, d, m, p, tm, tp in STAGE.findall(last)],
             "losses": got, "reference_losses": want,
             "max_abs_loss_difference": max(abs(a - b) for a, b in zip(got, want))}
 
@@ -84,8 +93,10 @@ def main() -> int:
               "own_block": memx_run(os.path.join(EXAMPLES, "train_own_model.py"),
                                     os.path.join(EXAMPLES, "models", "own-gpt-tiny"), args.steps, builder=True),
               "lightning": lightning(max(4, args.steps)),
-              "hf_mixtral": memx_run(os.path.join(EXAMPLES, "train_hf.py"),
-                                     os.path.join(EXAMPLES, "models", "hf-mixtral-tiny"), args.steps, builder=False)}
+              **{case: memx_run(os.path.join(EXAMPLES, "train_hf.py"), os.path.join(EXAMPLES, "models", folder),
+                                args.steps, builder=False)
+                 for case, folder in (("hf_mixtral", "hf-mixtral-tiny"), ("hf_llama4_maverick", "hf-llama4-tiny"),
+                                      ("hf_glm4_moe", "hf-glm4-moe-tiny"), ("hf_gemma4_e", "hf-gemma4-tiny"))}}
     write_json_atomic(OUT, result, overwrite=True)
     print(f"wrote {OUT}")
     return 0

@@ -260,7 +260,8 @@ MIXTRAL_SPEC = get_model(os.path.join(MODELS, "hf-mixtral-tiny"))  # 4 experts, 
 # Its config with the load-balancing loss on (output_router_logits), its coefficient large enough to tell.
 ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, learned positions
-# Every token through each of its 4 experts, chunked attention, a layer in four without RoPE.
+# Maverick's layout: a dense block before each expert one (every token through each of its 4 experts),
+# chunked attention, a layer in four without RoPE.
 LLAMA4_SPEC = get_model(os.path.join(MODELS, "hf-llama4-tiny"))
 PADDED = "hf pp=2 x dp=2 (DDP) left-padded dict batches from a DataLoader, memx's token-mean loss"
 
@@ -309,7 +310,8 @@ CASES = {
     "mixtral with its load-balancing loss pp=2 x dp=2 (DDP) uneven 3/5 none/full, the stages on two vendors":
         ("hf-mixtral-router-loss", _across_vendors(replace(MIXTRAL_SPEC, router_aux_loss=True), [3, 5],
                                                    ["none", "full"], tp=1, dp=2), "auto", TWO_VENDORS),
-    "llama4 pp=2 x dp=2 (DDP) uneven 5/3 full/selective, its blocks' arguments rebuilt on the second stage":
+    "llama4 pp=2 x dp=2 (DDP) uneven 5/3 full/selective, dense blocks between its expert ones, its blocks' "
+    "arguments rebuilt on the second stage":
         ("hf-llama4-tiny", make_plan(LLAMA4_SPEC, [((0, 1), 5, "full"), ((2, 3), 3, "selective")], dp=2,
                                      micro_batch_size=2), "auto", None),
     "own block pp=2 x dp=2 uneven 3/1 full/selective":

@@ -145,26 +145,17 @@ def test_memx_run_trains_a_mixture_with_dense_first_blocks_and_multi_token_predi
         tmp_path, monkeypatch, capsys):
     """GLM-4.5's layout (a dense first block, then expert blocks with a shared expert; one
     multi-token prediction module in its config, which Transformers does not build) under memx-run's
-    own calibration and search: the MTP module said and left out of the plan, the first expert block
-    calibrated, and the losses the one-process reference's."""
-    from transformers import AutoConfig
-
-    from benchmarks.hf_block_memory import FAMILIES, SHAPE
-
-    config = AutoConfig.for_model("glm4_moe", **{**SHAPE, **FAMILIES["glm4_moe"], "num_hidden_layers": 6,
-                                                 "max_position_embeddings": 64, "first_k_dense_replace": 1,
-                                                 "num_nextn_predict_layers": 1})
-    config.architectures = ["Glm4MoeForCausalLM"]
-    model, script = tmp_path / "glm45-tiny", os.path.join(EXAMPLES, "train_hf.py")
-    config.save_pretrained(model)
+    own calibration and search (its first expert block measured: tests/test_adapters.py): the MTP
+    module said and left out of the plan, and the losses the one-process reference's."""
+    script, model = os.path.join(EXAMPLES, "train_hf.py"), os.path.join(EXAMPLES, "models", "hf-glm4-moe-tiny")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
                           "--cluster", at_cpu_speed(tmp_path), "--global-batch-size", str(BATCH), "--run-dir",
                           str(tmp_path / "run"), "--profile-db", str(tmp_path / "profiles.jsonl"), script,
-                          "--model", str(model), "--steps", str(STEPS)],
+                          "--model", model, "--steps", str(STEPS)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
     assert run.returncode == 0, run.stderr[-4000:]
     assert re.search(r"multi-token prediction +its 1 module\(s\) not in the model trained", run.stdout)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["model_spec"]["mtp_layers"] == 0 and plan["model_spec"]["dense_layers"] == 1
-    _assert_losses_match_the_reference(run.stdout, script, str(model), monkeypatch, capsys)
+    _assert_losses_match_the_reference(run.stdout, script, model, monkeypatch, capsys)
