@@ -11,8 +11,8 @@ the one-process reference.
 5. the same with 2026's layouts, each its own block calibrated: Llama 4 Maverick's (a dense block
    before each expert one, chunked attention, a layer in four without RoPE), GLM-4.5's (a dense
    first block, a shared expert, a multi-token prediction module in its config, which Transformers
-   does not build) and Gemma 4's E models' (per-layer inputs, layers reusing earlier layers' keys
-   and values: one stage).
+   does not build), DeepSeek-V3's (the same with latent attention and group-limited routing) and
+   Gemma 4's E models' (per-layer inputs, layers reusing earlier layers' keys and values: one stage).
 
 Per stage of the last step: its peak memory and its compute per micro-batch, measured and predicted.
 
@@ -96,7 +96,8 @@ def main() -> int:
               **{case: memx_run(os.path.join(EXAMPLES, "train_hf.py"), os.path.join(EXAMPLES, "models", folder),
                                 args.steps, builder=False)
                  for case, folder in (("hf_mixtral", "hf-mixtral-tiny"), ("hf_llama4_maverick", "hf-llama4-tiny"),
-                                      ("hf_glm4_moe", "hf-glm4-moe-tiny"), ("hf_gemma4_e", "hf-gemma4-tiny"))}}
+                                      ("hf_glm4_moe", "hf-glm4-moe-tiny"), ("hf_deepseek_v3", "hf-deepseek-v3-tiny"),
+                                      ("hf_gemma4_e", "hf-gemma4-tiny"))}}
     write_json_atomic(OUT, result, overwrite=True)
     print(f"wrote {OUT}")
     return 0

@@ -556,6 +556,7 @@ def test_memx_s_runtime_takes_a_mixture_of_experts_with_each_expert_whole_on_a_r
 @pytest.mark.parametrize("family,fields,dense", [
     ("llama4_text", {"interleave_moe_layer_step": 2}, [0]),  # Maverick's: a dense block before each expert one
     ("glm4_moe", {"first_k_dense_replace": 2, "num_nextn_predict_layers": 1}, [0, 1]),  # GLM-4.5's, with MTP
+    ("deepseek_v3", {"first_k_dense_replace": 2, "num_nextn_predict_layers": 1}, [0, 1]),  # and latent attention
 ])
 def test_a_mixture_s_first_expert_block_is_calibrated_beside_its_dense_ones(family, fields, dense, tmp_path):
     """A mixture whose first blocks, or every other one, are dense: memx-run builds its config up to

@@ -73,7 +73,8 @@ def _tiny_plan(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["unknown model", "cluster size", "missing script", "corrupt plan",
-                                  "plan for another model", "plan for another world size", "mixture of experts"])
+                                  "plan for another model", "plan for another world size", "mixture of experts",
+                                  "latent attention"])
 def test_bad_input_is_one_line_and_nothing_starts(tmp_path, case, monkeypatch, capsys):
     base = ["--nproc-per-node", "4", "--cluster", CPU_CLUSTER]
     if case == "unknown model":
@@ -88,7 +89,9 @@ def test_bad_input_is_one_line_and_nothing_starts(tmp_path, case, monkeypatch, c
         bad.write_text('{"version": 1, "model": ')
         argv, field = base + ["--plan", str(bad), TRAIN, "--model", "llama-tiny"], "--plan"
     elif case == "mixture of experts":  # memx's own LLaMA has no experts: a catalog mixture is refused up front
-        argv, field = base + [TRAIN, "--model", "mixtral-8x7b"], "--model"
+        argv, field = base + [TRAIN, "--model", "mixtral-8x7b"], "--model: mixtral-8x7b has experts, which"
+    elif case == "latent attention":  # nor latent attention: its config.json's own module trains it
+        argv, field = base + [TRAIN, "--model", "deepseek-v3"], "has experts and latent attention, which memx's own"
     elif case == "plan for another model":
         plan = _tiny_plan(tmp_path)
         argv, field = base + ["--plan", str(plan), TRAIN, "--model", "llama-small"], "--plan"

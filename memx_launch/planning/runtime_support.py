@@ -15,20 +15,16 @@ from memx_launch.specs.training import TrainingSpec
 
 def runnable_model(model: ModelSpec, field: str = "--model",
                    instead: str = "plan it with memx plan and run it with Megatron-LM (memx export)") -> ModelSpec:
-    """``model`` where memx's runtime can train it: not latent attention, an attention output gate nor
-    a hybrid model (its blocks have none of them; multi-token prediction it leaves out:
-    :func:`as_memx_run_trains`); a mixture of experts as
-    its own module, each expert whole (:func:`check_runnable`), its dense blocks among its expert ones
-    too (calibration measures its first expert block, the dense ones are priced beside it:
-    ``extra_blocks.first_repeated_block``). ``instead``: the refusal's way to run it elsewhere."""
-    unsupported = [what for what, present in (("latent attention", model.kv_lora_rank),
-                                               ("Mamba, Gated DeltaNet and lone attention or MLP layers",
-                                                model.hybrid_pattern),
-                                               ("an attention output gate", model.attention_output_gate))
-                   if present]
-    if unsupported:
-        raise ConfigError(field, f"{model.name} has {' and '.join(unsupported)}, which memx's runtime does not run",
-                          instead)
+    """``model`` where memx's runtime can train it: not a hybrid model (calibration measures one block,
+    its layers are of several kinds). Multi-token prediction it leaves out (:func:`as_memx_run_trains`);
+    experts, latent attention and an attention output gate (AFMoE's) it trains in the user's own module,
+    which memx's LLaMA does not build (runtime/launcher.py): a mixture each expert whole
+    (:func:`check_runnable`), its dense blocks among its expert ones too (calibration measures its first
+    expert block, the dense ones are priced beside it: ``extra_blocks.first_repeated_block``).
+    ``instead``: the refusal's way to run it elsewhere."""
+    if model.hybrid_pattern:
+        raise ConfigError(field, f"{model.name} has Mamba, Gated DeltaNet and lone attention or MLP layers, which "
+                          "memx's runtime does not run", instead)
     return model
 
 

@@ -43,5 +43,5 @@ def block_training(env, model: ModelSpec, training: TrainingSpec):
     parts = user_block_parts(env)
     if parts is None:
         return None, training, {}
-    training, own = own_block_training(training, parts.blocks[0], model)
+    training, own = own_block_training(training, parts.blocks[parts.repeated_block], model)
     return parts, training, own

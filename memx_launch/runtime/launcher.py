@@ -176,10 +176,12 @@ def resolve(args) -> dict:
         raise ConfigError("--model", "not given", "pass --model NAME to memx-run or to the script")
     read = runnable_model(get_model(model_name))
     model = as_memx_run_trains(read)
-    if model.num_experts and not os.path.exists(model_name) and not args.model_builder:
-        raise ConfigError("--model", f"{model.name} is a mixture of experts, which memx's own LLaMA does not build",
-                          "give the model's config.json as --model and train its own module (memx_launch.prepare), "
-                          "or plan it with memx plan for Megatron-LM")
+    not_llama = [what for what, present in (("experts", model.num_experts), ("latent attention", model.kv_lora_rank))
+                 if present]
+    if not_llama and not os.path.exists(model_name) and not args.model_builder:
+        raise ConfigError("--model", f"{model.name} has {' and '.join(not_llama)}, which memx's own LLaMA does not "
+                          "build", "give the model's config.json as --model and train its own module "
+                          "(memx_launch.prepare), or plan it with memx plan for Megatron-LM")
     # What the workers read back with get_model: a config.json's path (absolute), else the catalog name.
     model_arg = os.path.abspath(model_name) if os.path.exists(model_name) else model.name
     settings.add("model", model.name, source)
