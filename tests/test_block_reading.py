@@ -3,6 +3,7 @@ linear or three, a gated MLP's gate and up as one or two, RMSNorms of torch ops;
 Lightning callback plan and calibrate the block so."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -86,3 +87,39 @@ def test_an_rms_norm_class_of_the_model_s_own_is_read_as_torch_ops():
     assert read_block(nn.Sequential(nn.RMSNorm(spec.hidden_size)), spec) == {}
     # Weight-only norms read as RMSNorm's (MPT's config) that run torch's LayerNorm kernel: fused.
     assert read_block(nn.Sequential(nn.LayerNorm(spec.hidden_size)), spec) == {"fused_norm": True}
+
+
+def test_a_block_memx_cannot_see_into_is_priced_searched_and_run_with_its_selective_level_as_full():
+    """GPT-2's block (memx cannot reach its attention core): memx-run reads ``selective_recompute=
+    "block"`` off it, the cost model prices its selective level as full recompute (it priced the
+    attention core's before, a peak far above what ran), the search leaves the level out, and the
+    stage checkpoints the whole block; torchtitan's op-level policy reads ops and stays."""
+    transformers = pytest.importorskip("transformers")
+    from memx_launch.models.adapters import ModelParts
+    from memx_launch.planning import costmodel as cm
+    from memx_launch.planning.search import search
+    from memx_launch.planning.search_space import SearchSpace
+    from memx_launch.specs.cluster import ClusterSpec
+
+    config = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=97, n_positions=64)
+    spec = model_from_hf_dict(config.to_dict(), "gpt2-tiny")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    block = model.transformer.h[0]
+    training, read = own_block_training(TrainingSpec(setup="memx-run", dtype="fp32"), block, spec)
+    assert read["selective_recompute"] == "block"
+    assert "selective_recompute" not in own_block_training(TrainingSpec(setup="memx-run", selective_recompute="op"),
+                                                           block, spec)[1]
+    cluster = ClusterSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
+                                                 "cpu-emulated.yaml"))
+    costs = {policy: [cm.AnalyticalCostModel(spec, cluster, dataclasses.replace(training, selective_recompute=policy))
+                      .layer_costs(0, 1, 2, 64, level) for level in (cm.SELECTIVE, cm.FULL)]
+             for policy in ("block", "attention")}
+    (selective, full), (attention, _) = costs["block"], costs["attention"]
+    for part in ("time_s", "activation_bytes", "working_bytes"):
+        assert getattr(selective, part) == pytest.approx(getattr(full, part))
+    assert attention.activation_bytes > full.activation_bytes  # what was priced before
+    plans = search(spec, cluster, dataclasses.replace(training, global_batch_size=8, seq_len=64),
+                   space=SearchSpace(micro_batch_sizes=(1,))).plans
+    assert plans and all("selective" not in stage.recompute for plan in plans for stage in plan.stages)
+    stage = ModelParts(model).stage(0, 2, first=True, last=True, recompute="selective", selective_policy="block")
+    assert stage.levels == ["full", "full"]

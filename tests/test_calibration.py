@@ -55,7 +55,8 @@ def test_the_user_s_block_is_calibrated_with_its_own_kv_heads_and_projections(tm
 
     parts = ModelParts(ToyModel())
     _, own = own_block_training(TrainingSpec(setup="memx-run"), parts.blocks[0], TOY_SPEC)
-    assert own == {"fused_qkv": True, "fused_norm": True}  # one q, k, v linear; torch's LayerNorm kernel
+    # one q, k, v linear; torch's LayerNorm kernel; its selective level the whole block (memx cannot see inside)
+    assert own == {"fused_qkv": True, "fused_norm": True, "selective_recompute": "block"}
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -75,7 +76,8 @@ def test_the_user_s_block_is_calibrated_with_its_own_kv_heads_and_projections(tm
         dist.destroy_process_group()
     assert len(measured) > 1
     assert {m.block_shape["num_kv_heads"] for m in measured} == {TOY_SPEC.num_kv_heads}
-    assert all(m.run_options == {"setup": "memx-run", "fused_qkv": True, "fused_norm": True} for m in measured)
+    assert all(m.run_options == {"setup": "memx-run", "fused_qkv": True, "fused_norm": True,
+                                 "selective_recompute": "block"} for m in measured)
 
 
 def test_tp_subgroups_are_the_search_degrees_inside_one_node(monkeypatch):

@@ -110,8 +110,10 @@ def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path, mo
     assert records and all(r["tp"] == 1 for r in records)
     assert "tp=1 " in run.stdout
     # Its one q, k, v linear is calibrated and planned as one (models/block_reading.py), not as the three
-    # memx-run's setup assumes.
-    assert all(r["run_options"] == {"setup": "memx-run", "fused_qkv": True} for r in records)
+    # memx-run's setup assumes; its selective level recomputes the whole block (memx cannot reach its
+    # attention core): priced so.
+    assert all(r["run_options"] == {"setup": "memx-run", "fused_qkv": True, "selective_recompute": "block"}
+               for r in records)
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["training"]["fused_qkv"] is True
     _assert_losses_match_the_reference(run.stdout, script, model, monkeypatch, capsys)
 

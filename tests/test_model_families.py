@@ -482,7 +482,7 @@ def test_seed_oss_s_residual_dropout_is_read_off_its_layer(tmp_path):
     keeps its scaled mask in the input's dtype, which the measured layer shows above the count)."""
     pytest.importorskip("transformers")
     row = _measured("seed_oss", tmp_path)
-    assert row["block_read"] == {"dropout": True}
+    assert row["block_read"] == {"dropout": True, "selective_recompute": "block"}
     assert all(1.0 <= row[dtype]["measured_over_counted"] < 1.08 for dtype in ("fp32", "bf16"))
 
 

@@ -204,7 +204,7 @@ def test_a_fused_qkv_projection_split_into_views_stays_whole(dtype, tmp_path):
     layer, x, rotary = hf_decoder_layer(str(tmp_path), seq, b)
     spec = get_model(str(tmp_path))
     training, read = own_block_training(TrainingSpec(setup="memx-run", dtype=dtype), layer, spec)
-    assert read == {"fused_qkv": True, "fused_gate_up": True}
+    assert read == {"fused_qkv": True, "fused_gate_up": True, "selective_recompute": "block"}
     kept = hf_layer_kept_bytes(layer, x, rotary, dtype)
 
     def counted(tr):

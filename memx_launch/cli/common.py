@@ -169,9 +169,10 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "fp32 scales, two collectives of half the bytes (DeepSpeed's zero_quantized_weights; "
                         "default off)")
     p.add_argument("--selective-recompute", "--selective_recompute", choices=SELECTIVE_POLICIES,
-                   help="what the selective level recomputes: attention (Megatron's attention core, default) or op "
+                   help="what the selective level recomputes: attention (Megatron's attention core, default), op "
                         "(torchtitan's op-level policy: all but the attention output and every other matmul's; "
-                        "--setup torchtitan's default)")
+                        "--setup torchtitan's default) or block (the whole block, as full: memx-run's on blocks "
+                        "whose attention core it cannot reach)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                    help="fp32 matmuls as TF32 on NVIDIA Ampere and later: half the 16-bit peak (default off)")
     p.add_argument("--host-ms-per-layer", "--host_ms_per_layer", type=float, metavar="MS",

@@ -333,7 +333,9 @@ class StageModule(nn.Module):
             self.block_inputs = BlockInputs(parts.config, self.rotary,
                                             set(parts.layer_types[layer_offset:layer_offset + num_layers]),
                                             parts.blocks[layer_offset], block_probe)
-        self.levels = per_layer(recompute, num_layers)
+        # The "block" policy's selective level is the whole block (as the plan priced it: full).
+        self.levels = ["full" if level == "selective" and selective_policy == "block" else level
+                       for level in per_layer(recompute, num_layers)]
         self.op_level = selective_policy == "op"
         if "selective" in self.levels and not self.op_level and not self.kind.knows_attention \
                 and self.kind.name not in _WARNED:

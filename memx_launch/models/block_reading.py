@@ -24,10 +24,11 @@ from dataclasses import replace
 
 from torch import nn
 
+from memx_launch.models.adapters import block_kind
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 
-READ_FIELDS = ("fused_qkv", "fused_gate_up", "fused_norm", "dropout", "attention_dropout")
+READ_FIELDS = ("fused_qkv", "fused_gate_up", "fused_norm", "dropout", "attention_dropout", "selective_recompute")
 """The TrainingSpec fields :func:`read_block` may set."""
 
 
@@ -110,7 +111,13 @@ def read_block(block: nn.Module, model: ModelSpec) -> dict[str, bool]:
 
 
 def own_block_training(training: TrainingSpec, block: nn.Module, model: ModelSpec) -> tuple[TrainingSpec, dict]:
-    """``training`` as ``block`` runs (:func:`read_block`), and the options that changed (what
-    calibration's records of the block say they ran with: profiling/kernel.py's ``run_options``)."""
-    changed = {k: v for k, v in read_block(block, model).items() if getattr(training, k) != v}
+    """``training`` as ``block`` runs (:func:`read_block`; and ``selective_recompute="block"`` where
+    memx-run cannot reach its attention core, so that its selective level checkpoints the whole
+    block: models/adapters.py; torchtitan's op-level policy reads the block's ops and runs on any),
+    and the options that changed (what calibration's records of the block say they ran with:
+    profiling/kernel.py's ``run_options``)."""
+    read = read_block(block, model)
+    if not block_kind(block).knows_attention and training.selective_recompute != "op":
+        read["selective_recompute"] = "block"
+    changed = {k: v for k, v in read.items() if getattr(training, k) != v}
     return replace(training, **changed), changed

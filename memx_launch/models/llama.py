@@ -132,8 +132,8 @@ class TransformerBlock(nn.Module):
 
     ``recompute``: "none" keeps every activation; "selective" recomputes the attention core
     and the SwiGLU element-wise product in the backward pass (``selective_policy`` "op":
-    torchtitan's op-level policy instead, :mod:`memx_launch.models.checkpointing`); "full"
-    keeps only the block input. ``local_attention``: the block attends within the model's
+    torchtitan's op-level policy instead, :mod:`memx_launch.models.checkpointing`; "block": the
+    whole block, as "full"); "full" keeps only the block input. ``local_attention``: the block attends within the model's
     window or chunk (:func:`~memx_launch.specs.local_attention.attends_locally`).
     """
 
@@ -174,7 +174,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h), selective)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._recompute == "full":
+        if self._recompute == "full" or (self._recompute == "selective" and self.selective_policy == "block"):
             return checkpoint(self._block, x, use_reentrant=False)
         if self._recompute == "selective" and self.selective_policy == "op":
             return op_level_checkpoint(self._block, x)

@@ -232,6 +232,7 @@ class AnalyticalCostModel:
         tp = np.asarray(tp, dtype=np.float64)
         recompute = np.asarray(recompute)
         tr = self.training
+        recompute = np.where(recompute == SELECTIVE, FULL, recompute) if tr.selective_recompute == "block" else recompute
         op_level = (recompute == SELECTIVE) & (tr.selective_recompute == "op")
         act = training_activation_bytes(self.model, tr, mbs, seq, tp, recompute, self._flash[device], self._linear_bytes)
         mbs_a, seq_a = np.asarray(mbs, dtype=np.float64), np.asarray(seq, dtype=np.float64)

@@ -104,7 +104,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
            progress: Callable[[str], None] | None = None) -> SearchResult:
     """Rank every candidate of the space by Phi; raise NoFeasiblePlanError when none fits."""
     start = time.perf_counter()
-    space = space or SearchSpace()
+    space = (space or SearchSpace()).searched_for(training)
     space.check(model)
     seqs = tuple(space.seq_lens or (training.seq_len,))
     # A mixture of experts is searched at each expert-parallel and expert-tensor-parallel degree of

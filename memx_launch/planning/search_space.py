@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memx_launch.errors import ConfigError
 from memx_launch.planning import costmodel as cm
@@ -94,6 +94,12 @@ class SearchSpace:
         if self.max_slowdown is not None:
             return self.max_slowdown
         return DEFAULT_MAX_SLOWDOWN if objective is None and weights is None else None
+
+    def searched_for(self, training) -> "SearchSpace":
+        """The space a search of ``training`` walks: without the selective level where its policy
+        recomputes the whole block (``block``: priced as full, which the search walks already)."""
+        levels = tuple(level for level in self.recompute_levels if level != "selective")
+        return replace(self, recompute_levels=levels) if training.selective_recompute == "block" and levels else self
 
     def check(self, model: ModelSpec) -> None:
         """Restrictions given on the command line (memx plan --tp/--pp/...) name their flag."""

@@ -23,16 +23,15 @@ OPTIMIZERS = ("adam", "sgd")
 FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise")
 # A mixture of experts' token dispatchers (Megatron's --moe-token-dispatcher-type alltoall / flex).
 EXPERT_DISPATCHERS = ("alltoall", "flex")
-# How balanced routing picks a token's experts: at random (Megatron's --moe-router-force-load-balancing),
-# or consecutively, token t to experts t*k .. t*k + k - 1 (NeMo AutoModel's fake_balanced_gate).
+# Balanced routing: random (Megatron's --moe-router-force-load-balancing), or token t to experts t*k.. (AutoModel's)
 EXPERT_ROUTINGS = ("random", "consecutive")
 FP4_RECIPES = ("nvfp4",)
 # When a fully sharded run holds its weights gathered through a step (TrainingSpec.hold_gathered).
 HOLD_GATHERED = ("never", "weights", "pipelined", "always")
 FLASH_ATTENTION_VERSIONS = (1, 2, 3)
-# What the selective recompute level runs again: Megatron's attention core, or torchtitan's
-# op-level policy (planning/op_checkpointing.py).
-SELECTIVE_POLICIES = ("attention", "op")
+# What the selective recompute level runs again: Megatron's attention core, torchtitan's op-level
+# policy (planning/op_checkpointing.py), or the whole block (memx-run's on a block it cannot see into).
+SELECTIVE_POLICIES = ("attention", "op", "block")
 # Megatron's --recompute-modules that memx prices (its selective level with them).
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
 
@@ -232,10 +231,11 @@ class TrainingSpec:
     """Hybrid sharding (HSDP, DeepSpeed's MiCS, Megatron's partial distributed optimizer): what the setup
     shards spread over N consecutive ranks of each DP group (x CP), the DP / N groups replicas. None: all."""
     selective_recompute: str | None = None
-    """What the selective recompute level runs again: ``attention`` (Megatron's
-    ``--recompute-granularity selective``: the attention core and the MLP's activation) or
-    ``op`` (torchtitan's op-level policy: everything but the fused attention kernel's output and
-    every other matmul's). Default attention."""
+    """What the selective recompute level runs again: ``attention`` (Megatron's ``--recompute-granularity
+    selective``: the attention core and the MLP's activation), ``op`` (torchtitan's op-level policy:
+    everything but the fused attention kernel's output and every other matmul's) or ``block`` (the whole
+    block, as full recompute: memx-run's on a block whose attention core it cannot reach, read off
+    the block: models/block_reading.py). Default attention."""
     recompute_modules: tuple[str, ...] | None = None
     """What the selective level runs again, in Megatron's words (``--recompute-modules``, NVIDIA's
     MoE recipes): ``core_attn`` (the attention core), ``mla_up_proj`` (latent attention's up
