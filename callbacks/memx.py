@@ -36,6 +36,7 @@ from memx_launch.errors import ConfigError, MemxError, NoFeasiblePlanError
 from memx_launch.files import write_json_atomic
 from memx_launch.models.adapters import ModelParts, find_blocks
 from memx_launch.models.block_reading import own_block_training
+from memx_launch.planning.extra_blocks import first_repeated_block
 from memx_launch.planning.plan import Objective, Plan, StagePlan, recompute_text
 from memx_launch.runtime.detection import detect_cluster
 from memx_launch.runtime.messages import broadcast_json
@@ -168,7 +169,8 @@ class MemxCallback(pl.Callback):
         if dist.is_initialized():
             dist.barrier()
         parts = ModelParts(pl_module, self.blocks_path)
-        training, own = own_block_training(training, parts.blocks[0], spec)  # GPT-2's one c_attn, Llama's three
+        parts.repeated_block = first_repeated_block(spec)  # a mixture's first expert block, after its dense ones
+        training, own = own_block_training(training, parts.blocks[parts.repeated_block], spec)  # GPT-2's one c_attn
         calibrate_blocks(spec, cluster, device, parts.block_probe, training, db, batch, log=_log_rank0(trainer),
                          block_options=own)
         payload = None

@@ -583,6 +583,14 @@ def test_a_mixture_s_first_expert_block_is_calibrated_beside_its_dense_ones(fami
     h = torch.randn(2, 8, hf_block_memory.SHAPE["hidden_size"], requires_grad=True)
     probe(h).sum().backward()
     assert h.grad is not None
+    # The Lightning callback reads the whole model: the same block, by the spec (first_repeated_block).
+    from transformers import AutoModelForCausalLM
+
+    from memx_launch.planning.extra_blocks import first_repeated_block
+
+    whole = ModelParts(AutoModelForCausalLM.from_config(config))
+    assert first_repeated_block(spec) == len(dense) and whole.num_layers == 4
+    assert sum(p.numel() for p in whole.blocks[first_repeated_block(spec)].parameters()) == params[-1]
 
 
 def test_a_gelu_config_is_calibrated_with_its_own_hugging_face_block():

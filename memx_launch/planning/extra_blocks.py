@@ -30,7 +30,7 @@ def first_repeated_block(model: ModelSpec) -> int:
     profile times that block; the other kinds are priced beside it): a mixture's first expert
     block, after its dense first blocks or at the step where dense ones sit between its expert ones
     (block ``step - 1``); 0 for any other model."""
-    return model.dense_layers or model.moe_layer_step - 1 if model.num_experts else 0
+    return (model.dense_layers or model.moe_layer_step - 1) if model.num_experts else 0
 
 
 def other_kinds(model: ModelSpec) -> list[ModelSpec]:
