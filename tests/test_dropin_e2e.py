@@ -118,14 +118,10 @@ def test_memx_run_calibrates_the_scripts_own_block_and_plans_for_it(tmp_path, mo
     _assert_losses_match_the_reference(run.stdout, script, model, monkeypatch, capsys)
 
 
-@pytest.mark.slow
-def test_memx_run_trains_gemma_4_s_per_layer_inputs_on_one_stage_over_both_device_types(tmp_path, monkeypatch,
-                                                                                       capsys):
-    """A Gemma 4 E model (per-layer inputs made from the token ids, its last layers reusing earlier
-    layers' keys and values) under memx-run's own calibration and search: its block measured with
-    a per-layer input of zeros from a config cut to its first layer, the search kept to one stage,
-    whose DP replicas sit on both device types, and the losses the one-process reference's."""
-    script, model = os.path.join(EXAMPLES, "train_hf.py"), os.path.join(EXAMPLES, "models", "hf-gemma4-tiny")
+def _planned_in_the_job(tmp_path, folder: str):
+    """examples/train_hf.py on ``examples/models/<folder>`` under memx-run, calibrated and planned in
+    the job on the emulated cluster at the CPU's speed: (script, model, the finished run)."""
+    script, model = os.path.join(EXAMPLES, "train_hf.py"), os.path.join(EXAMPLES, "models", folder)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
                           "--cluster", at_cpu_speed(tmp_path), "--global-batch-size", str(BATCH), "--run-dir",
@@ -133,6 +129,17 @@ def test_memx_run_trains_gemma_4_s_per_layer_inputs_on_one_stage_over_both_devic
                           "--model", model, "--steps", str(STEPS)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
     assert run.returncode == 0, run.stderr[-4000:]
+    return script, model, run
+
+
+@pytest.mark.slow
+def test_memx_run_trains_gemma_4_s_per_layer_inputs_on_one_stage_over_both_device_types(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """A Gemma 4 E model (per-layer inputs made from the token ids, its last layers reusing earlier
+    layers' keys and values) under memx-run's own calibration and search: its block measured with
+    a per-layer input of zeros from a config cut to its first layer, the search kept to one stage,
+    whose DP replicas sit on both device types, and the losses the one-process reference's."""
+    script, model, run = _planned_in_the_job(tmp_path, "hf-gemma4-tiny")
     assert re.search(r"search pipeline degrees +1 +\(blocks with per-layer inputs made from the token ids\)",
                      run.stdout)
     records = [json.loads(line) for line in (tmp_path / "profiles.jsonl").read_text().splitlines()]
@@ -149,14 +156,7 @@ def test_memx_run_trains_a_mixture_with_dense_first_blocks_and_multi_token_predi
     multi-token prediction module in its config, which Transformers does not build) under memx-run's
     own calibration and search (its first expert block measured: tests/test_adapters.py): the MTP
     module said and left out of the plan, and the losses the one-process reference's."""
-    script, model = os.path.join(EXAMPLES, "train_hf.py"), os.path.join(EXAMPLES, "models", "hf-glm4-moe-tiny")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
-    run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
-                          "--cluster", at_cpu_speed(tmp_path), "--global-batch-size", str(BATCH), "--run-dir",
-                          str(tmp_path / "run"), "--profile-db", str(tmp_path / "profiles.jsonl"), script,
-                          "--model", model, "--steps", str(STEPS)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
-    assert run.returncode == 0, run.stderr[-4000:]
+    script, model, run = _planned_in_the_job(tmp_path, "hf-glm4-moe-tiny")
     assert re.search(r"multi-token prediction +its 1 module\(s\) not in the model trained", run.stdout)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["model_spec"]["mtp_layers"] == 0 and plan["model_spec"]["dense_layers"] == 1
