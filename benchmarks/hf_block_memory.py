@@ -178,12 +178,22 @@ def kept_bytes(layer, x, args, kwargs) -> int:
                                skip_shapes=weights)
 
 
+def family_config(kind: str, fields: dict | None = None, **overrides):
+    """The tiny config of family ``kind``: SHAPE, the family's ``fields`` (default its FAMILIES entry)
+    and ``overrides``, with its causal LM's class as its architecture."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(kind, **{**SHAPE, **((FAMILIES[kind] if fields is None else fields)
+                                                                   or {}), **overrides})
+    config.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    return config
+
+
 def measure(kind: str, fields: dict | None, folder: str) -> dict:
     import torch
     import transformers
 
-    config = transformers.AutoConfig.for_model(kind, **{**SHAPE, **(fields or {})})
-    config.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    config = family_config(kind, fields or {})
     config.save_pretrained(folder)
     spec = get_model(folder)
     torch.manual_seed(0)  # Transformers' default attention (SDPA; eager where it has none, as Gemma 2)

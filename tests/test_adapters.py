@@ -179,11 +179,10 @@ def test_every_family_memx_reads_runs_as_its_own_forward_cut_after_its_first_blo
     its blocks, ModernBERT's head transform, ...), two layers of its own config, cut after its first
     layer: its logits with and without a padding mask, as ``verify`` checks it, and each end holding
     its copy of a tied embedding. Gemma 4's E models (per-layer inputs) run as one stage and refuse a cut."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(kind, **{**hf_block_memory.SHAPE, **(hf_block_memory.FAMILIES[kind] or {})})
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(hf_block_memory.family_config(kind)).eval()
     parts = ModelParts(model)
     parts.verify()
     x = torch.randint(1, hf_block_memory.SHAPE["vocab_size"], (2, 16))
@@ -563,13 +562,10 @@ def test_a_mixture_s_first_expert_block_is_calibrated_beside_its_dense_ones(fami
     its first expert block, which calibration measures (a profile times the repeated block; the
     dense ones are priced beside it at its learned ratio), and trains it without the multi-token
     prediction modules Transformers does not build."""
-    from transformers import AutoConfig
-
     from memx_launch.planning.runtime_support import as_memx_run_trains, runnable_model
     from memx_launch.runtime.prepare import user_block_parts
 
-    config = AutoConfig.for_model(family, **{**hf_block_memory.SHAPE, **hf_block_memory.FAMILIES[family],
-                                             "num_hidden_layers": 4, **fields})
+    config = hf_block_memory.family_config(family, num_hidden_layers=4, **fields)
     config.save_pretrained(tmp_path)
     spec = as_memx_run_trains(runnable_model(get_model(str(tmp_path))))
     assert spec.dense_block_count == 2 and spec.mtp_layers == 0

@@ -234,7 +234,7 @@ class ModelParts:
             probe.layer_types = self.layer_types[index:index + 1]
         probe.router_loss = None  # [b, s, hidden] out, as calibration times it
         return StageModule(probe, 0, 1, first=False, last=False, recompute=recompute,
-                           selective_policy=selective_policy, block_probe=True)
+                           selective_policy=selective_policy)
 
     @torch.no_grad()
     def verify(self, example: torch.Tensor | None = None, atol: float = 1e-5) -> None:
@@ -313,7 +313,7 @@ class StageModule(nn.Module):
     op-level policy, which needs no knowledge of the block and applies to any)."""
 
     def __init__(self, parts: ModelParts, layer_offset: int, num_layers: int, *, first: bool, last: bool,
-                 recompute: str | list[str], selective_policy: str = "attention", block_probe: bool = False):
+                 recompute: str | list[str], selective_policy: str = "attention"):
         super().__init__()
         self.kind = parts.kind
         self.before = nn.ModuleDict({_key(n): m for n, m in parts.before}) if first else nn.ModuleDict()
@@ -332,7 +332,7 @@ class StageModule(nn.Module):
                 block._memx_attention_type = parts.layer_types[int(i)]
             self.block_inputs = BlockInputs(parts.config, self.rotary,
                                             set(parts.layer_types[layer_offset:layer_offset + num_layers]),
-                                            parts.blocks[layer_offset], block_probe)
+                                            parts.blocks[layer_offset])
         # The "block" policy's selective level is the whole block (as the plan priced it: full).
         self.levels = ["full" if level == "selective" and selective_policy == "block" else level
                        for level in per_layer(recompute, num_layers)]

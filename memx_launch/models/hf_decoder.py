@@ -103,18 +103,18 @@ def layer_types(config, num_layers: int) -> list[str]:
     return ["full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"] * num_layers
 
 
-def _alibi(config, module, h, attention_mask, block_probe):
+def _alibi(config, module, h, attention_mask):
     """BLOOM's ALiBi biases: its model's ``build_alibi_tensor`` over the padding mask (all ones without one)."""
     mask = attention_mask if attention_mask is not None else torch.ones(h.shape[:2], device=h.device)
     return module.build_alibi_tensor(mask, config.n_head, h.dtype)
 
 
-def _position_bias(config, module, h, attention_mask, block_probe):
+def _position_bias(config, module, h, attention_mask):
     """MPT's ALiBi biases, as its model builds them (over its ``max_seq_len``)."""
     return module.build_mpt_alibi_tensor(config.n_heads, config.max_seq_len, device=h.device)
 
 
-def _kv_store(config, module, h, attention_mask, block_probe):
+def _kv_store(config, module, h, attention_mask):
     """Gemma 4's store of the keys and values its sharing layers reuse: empty at the stage's start
     (a layer reusing another stage's is refused: ``ModelParts.stage``)."""
     from transformers.cache_utils import KVSharingDict
@@ -122,7 +122,7 @@ def _kv_store(config, module, h, attention_mask, block_probe):
     return KVSharingDict()
 
 
-def _per_layer_input(config, module, h, attention_mask, block_probe):
+def _per_layer_input(config, module, h, attention_mask):
     """Gemma 4's per-layer input, made from the token ids on the first stage: only calibration's
     probe runs such a block on a later stage (``ModelParts.stage`` refuses one), given zeros of its
     width, which change nothing of what the block keeps or how long it runs. None where its config
@@ -130,9 +130,6 @@ def _per_layer_input(config, module, h, attention_mask, block_probe):
     width = getattr(config, "hidden_size_per_layer_input", 0)
     if not width:
         return None
-    if not block_probe:
-        raise ConfigError("plan", "a block taking a per-layer input on a stage after the first",
-                          "train the model as one pipeline stage (--pp 1)")
     return torch.zeros(*h.shape[:2], width, dtype=h.dtype, device=h.device)
 
 
@@ -148,13 +145,12 @@ class BlockInputs:
     """The keyword arguments a later stage's blocks take besides the hidden state, by attention type,
     built once per forward as the model's own forward builds them: positions, the mask of that
     type (with the batch's padding where there is a padding mask), the rotary table, and what else
-    its blocks take (:data:`LATER_STAGE_INPUTS`). ``block_probe``: calibration's probe of one block."""
+    its blocks take (:data:`LATER_STAGE_INPUTS`)."""
 
-    def __init__(self, config, rotary: nn.Module | None, types: set[str], block: nn.Module,
-                 block_probe: bool = False):
+    def __init__(self, config, rotary: nn.Module | None, types: set[str], block: nn.Module):
         from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
-        self.config, self.rotary, self.block_probe = config, rotary, block_probe
+        self.config, self.rotary = config, rotary
         self.masks = {t: LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(t) for t in types}
         unknown = sorted(t for t, make in self.masks.items() if not callable(make))
         if unknown:
@@ -169,7 +165,7 @@ class BlockInputs:
     def __call__(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[str, dict]:
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         shared = None if self.rotary is None or self.rotary_by_type else self.rotary(h, positions)
-        others = {name: make(self.config, self.module, h, attention_mask, self.block_probe)
+        others = {name: make(self.config, self.module, h, attention_mask)
                   for name, make in self.others.items()}
         out = {}
         for kind, make in self.masks.items():

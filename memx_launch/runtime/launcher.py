@@ -307,22 +307,24 @@ def resolve(args) -> dict:
         builder = [os.path.abspath(path), function, model_arg]
         settings.add("calibrated block", f"{function} in {path} (TP = 1)", "flag")
     restrictions = restrictions_from_args(args)  # the job's search and re-plans (or only those) keep to these
+    restrictions.update({flag: True for flag in ("mixed_stages", "per_type_tp") if getattr(args, flag)})
+    why = {}  # what set a restriction other than its flag
     tp_one = tp_one_blocks(model, builder is not None)
     if tp_one is not None:
         restrictions["tp_degrees"] = tp_one_restriction(restrictions.get("tp_degrees"), tp_one)
+        why["tp_degrees"] = tp_one
     one_stage = one_stage_blocks(model)
     if one_stage is not None:  # one stage over every device type: its DP replicas on several
         restrictions["pipeline_degrees"] = one_stage_restriction(restrictions.get("pipeline_degrees"), one_stage)
-    restrictions.update({flag: True for flag in ("mixed_stages", "per_type_tp")
-                         if getattr(args, flag) or (flag == "mixed_stages" and one_stage is not None)})
+        why["pipeline_degrees"] = f"blocks with {one_stage}"
+        if not args.mixed_stages:
+            restrictions["mixed_stages"], why["mixed_stages"] = True, "one stage over every device type"
     check_space(model, cluster if plan is None else None, training,  # what the job would refuse after calibrating
                 SearchSpace(fewer_microbatches_than_stages=False, max_slowdown=max_slowdown, **restrictions))
     applies = "" if previous is None and not args.plan else " (unused: --no-replan)" if args.no_replan \
         else " (re-plans)"
     for field, values in restrictions.items():
-        source = {"tp_degrees": tp_one, "pipeline_degrees": one_stage and f"blocks with {one_stage}",
-                  "mixed_stages": not args.mixed_stages and one_stage and "one stage over every device type"
-                  }.get(field) or "flag"
+        source = why.get(field, "flag")
         shown = ",".join(map(str, values)) if isinstance(values, tuple) else "yes"
         settings.add(f"search {field.replace('_', ' ')}{applies}", shown, source)
     if max_slowdown is not None:  # the job's search and its re-plans (shown with the objective)
