@@ -377,9 +377,10 @@ def test_gemma_s_soft_capped_logits_are_read_and_priced_with_the_tanh_they_keep(
 
 
 def test_memx_runs_tensor_parallel_families_are_read_from_the_config():
-    """memx-run splits by TP the blocks its runtime knows (models/adapters.py): the Llama family,
-    Qwen3 and Gemma 2 and 3, Gemma 2's soft-capped attention too (its own, unfused: the planner
-    says so where a config caps it or leaves Gemma 2's default cap of 50)."""
+    """memx-run splits by TP the blocks of the families whose Transformers plan is Megatron's split
+    (models/hf_tensor_parallel.py; every family: tests/test_hf_tensor_parallel.py): Qwen3, Gemma 2
+    and 3, Gemma 2's soft-capped attention too (its own, unfused: the planner says so where a config
+    caps it or leaves Gemma 2's default cap of 50), not OLMo 2 (its plan gathers q, k and v)."""
     read = {t: model_from_hf_dict({**SMALL, "model_type": t, **extra}, t)
             for t, extra in (("qwen3", {}), ("gemma3_text", {}), ("gemma2", {}), ("olmo2", {}))}
     assert {t: m.tensor_parallel_blocks for t, m in read.items()} == \

@@ -103,8 +103,8 @@ def test_gpt2_style_config_json(tmp_path):
       "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True},
      dict(gated_mlp=True, tie_embeddings=True, tensor_parallel_blocks=True)),
     ({"model_type": "phi", "num_hidden_layers": 32, "hidden_size": 2560, "num_attention_heads": 32,
-      "intermediate_size": 10240, "vocab_size": 51200, "hidden_act": "gelu_new"},
-     dict(gated_mlp=False, relu_mlp=False, tie_embeddings=False, tensor_parallel_blocks=False)),
+      "intermediate_size": 10240, "vocab_size": 51200, "hidden_act": "gelu_new"},  # split by Transformers' TP plan
+     dict(gated_mlp=False, relu_mlp=False, tie_embeddings=False, tensor_parallel_blocks=True)),
     # Falcon-7B as published (GPT-2's names in its first configs: n_layer, n_head): one KV head
     # (multi_query), parallel blocks, LayerNorm, no linear biases, tied; Falcon-40B's KV heads
     ({"model_type": "falcon", "n_layer": 32, "n_head": 71, "hidden_size": 4544, "multi_query": True,

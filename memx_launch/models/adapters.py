@@ -27,10 +27,12 @@ A stage (:class:`StageModule`) keeps the user's module objects (their weights, p
 under names that do not depend on the split (``blocks.{global index}``), so checkpoints load under
 another plan.
 
-Block kinds memx knows get selective recompute of their attention core and tensor parallelism
-(a Hugging Face mixture's blocks: TP = 1, each expert whole; Gemma 2's soft-capped attention: its
-own implementation, recomputed); any other block trains with TP = 1, and "selective" recomputes
-the whole block (the same as "full") because memx cannot see inside it. A plan whose selective level is
+Block kinds memx knows get selective recompute of their attention core (Gemma 2's soft-capped
+attention: its own implementation, recomputed); on any other block "selective" recomputes the
+whole block (the same as "full") because memx cannot see inside it. Tensor parallelism splits memx's
+LLaMA and the dense blocks of the Hugging Face families whose own TP plan is Megatron's split
+(:mod:`memx_launch.models.hf_tensor_parallel`; a mixture's blocks: TP = 1, each expert whole); any
+other block trains with TP = 1. A plan whose selective level is
 torchtitan's op-level policy runs it on every kind of block: the policy reads the block's ops,
 not its structure (:mod:`memx_launch.models.checkpointing`).
 """
@@ -51,6 +53,7 @@ from memx_launch.errors import ConfigError
 from memx_launch.models.checkpointing import op_level_checkpoint
 from memx_launch.models.hf_attention import hf_selective, recompute_own_attention, use_memx_sdpa
 from memx_launch.models.hf_decoder import BlockInputs, HFEmbedding, LogitTransform, hf_causal_lm, layer_types
+from memx_launch.models.hf_tensor_parallel import block_tp_plan, split_blocks
 from memx_launch.models.llama import TransformerBlock, apply_tensor_parallel, per_layer
 from memx_launch.models.router_loss import RouterLoss
 
@@ -70,20 +73,18 @@ class BlockKind:
     name: str
     knows_attention: bool
     """Selective recompute reaches the attention core (else it falls back to the whole block)."""
-    tensor_parallel: bool
     padding_mask: bool = False
     """Its blocks take a padding mask (else batches may pad only on the right: runtime/batches.py)."""
 
 
-MEMX_KIND = BlockKind("memx LLaMA", True, True)
-HF_KIND = BlockKind("Hugging Face Llama family", True, True, padding_mask=True)
+MEMX_KIND = BlockKind("memx LLaMA", True)
+HF_KIND = BlockKind("Hugging Face Llama family", True, padding_mask=True)
 # Gemma 2's soft-capped attention runs as its own (Transformers' eager: SDPA has no soft cap), its
-# core recomputed in the backward on blocks of "selective" stages as memx_sdpa's; split by TP as the family's.
-HF_OWN_ATTENTION_KIND = BlockKind("Hugging Face Llama family, its own attention", True, True, padding_mask=True)
-# A Hugging Face mixture's block: Llama's attention (memx_sdpa reaches its core) beside the experts,
-# each whole on every rank of the stage (no TP).
+# core recomputed in the backward on blocks of "selective" stages as memx_sdpa's.
+HF_OWN_ATTENTION_KIND = BlockKind("Hugging Face Llama family, its own attention", True, padding_mask=True)
+# A Hugging Face mixture's block: Llama's attention (memx_sdpa reaches its core) beside the experts.
 HF_MOE_FAMILY = ("MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer")
-HF_MOE_KIND = BlockKind("Hugging Face mixture of experts", True, False, padding_mask=True)
+HF_MOE_KIND = BlockKind("Hugging Face mixture of experts", True, padding_mask=True)
 HF_KINDS = (HF_KIND, HF_MOE_KIND, HF_OWN_ATTENTION_KIND)
 
 
@@ -94,7 +95,7 @@ def block_kind(block: nn.Module) -> BlockKind:
         return HF_KIND if getattr(block.self_attn, "attn_logit_softcapping", None) is None else HF_OWN_ATTENTION_KIND
     if type(block).__name__ in HF_MOE_FAMILY:
         return HF_MOE_KIND
-    return BlockKind(type(block).__name__, False, False)
+    return BlockKind(type(block).__name__, False)
 
 
 def _container(model: nn.Module, path: str) -> nn.Module | None:
@@ -147,6 +148,9 @@ class ModelParts:
         """The first block of the model's repeated kind, which calibration measures (a mixture's first
         expert block, after its dense ones)."""
         self.one_stage: list[str] = []
+        self.tp_plan: dict[str, str] | None = None
+        """A Hugging Face model's TP plan for its blocks (module path in a block -> style), where memx
+        splits them by it."""
         self.router_loss: RouterLoss | None = None
         """A Hugging Face mixture's load-balancing loss, where its config asks for it."""
         lm = hf_causal_lm(model, container)
@@ -184,6 +188,7 @@ class ModelParts:
         self.after += [(prefix + "memx_logit_transform", transform)] if transform is not None else []
         self.rotary = getattr(decoder, "rotary_emb", None)
         self.config = lm.config
+        self.tp_plan = block_tp_plan(lm.config, blocks_name, self.blocks)
         self.layer_types = layer_types(lm.config, len(self.blocks))
         """Each block's attention (full, sliding-window, chunked): the mask and rotary table it takes."""
         self.one_stage = [why for why, present in (
@@ -196,6 +201,11 @@ class ModelParts:
             recompute_own_attention(lm.config, self.blocks)
         elif self.kind in HF_KINDS:
             use_memx_sdpa(lm.config, self.blocks)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """memx splits its blocks by TP: memx's LLaMA's, a Hugging Face model's by its plan."""
+        return self.kind is MEMX_KIND or self.tp_plan is not None
 
     @property
     def num_layers(self) -> int:
@@ -284,13 +294,14 @@ class ModelParts:
     def apply_tensor_parallel(self, stage: nn.Module, tp_mesh) -> None:
         if tp_mesh.size() == 1:
             return
-        if not self.kind.tensor_parallel:
+        if not self.tensor_parallel:
             raise ConfigError("tp", f"memx has no tensor-parallel plan for {self.kind.name} blocks",
-                              "use a plan with tp=1 (memx-run --plan, or re-plan), or a Llama-family model")
+                              "use a plan with tp=1 (memx-run --plan, or re-plan), or a model whose family "
+                              "memx splits by TP (docs/bring-your-own-model.md)")
         if self.kind is MEMX_KIND:
             apply_tensor_parallel(stage, tp_mesh)
         else:
-            _hf_tensor_parallel(stage, tp_mesh, self.config)
+            split_blocks(list(stage.blocks.values()), tp_mesh, self.config, self.tp_plan)
 
 
 def _around(model: nn.Module, path: str) -> tuple[list, list]:
@@ -414,27 +425,3 @@ def _first(out):
 
 def _key(name: str) -> str:
     return name.replace(".", "__")  # ModuleDict keys cannot hold dots
-
-
-# --------------------------------------------------------------------------- Hugging Face Llama family
-
-
-def _hf_tensor_parallel(stage: nn.Module, tp_mesh, config) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-
-    tp = tp_mesh.size()
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    if heads % tp or kv_heads % tp or config.intermediate_size % tp:
-        raise ConfigError("tp", f"{tp} does not divide the {heads} heads, {kv_heads} KV heads and FFN width "
-                          f"{config.intermediate_size}", "choose a TP degree that divides all three")
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()}
-    # Qwen3's and Gemma 3's per-head query and key norms see this rank's heads ([b, s, heads, head_dim], dim 2):
-    # their weights are replicated and their gradients summed over the TP group, as torchtitan's.
-    for block in stage.blocks.values():
-        head_norms = {f"self_attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
-                      for n in ("q_norm", "k_norm") if hasattr(block.self_attn, n)}
-        parallelize_module(block, tp_mesh, {**plan, **head_norms})
-

@@ -205,7 +205,7 @@ class TypeCalibration:
         if parts is None:
             return {}
         return dict(block_factory=parts.block_probe,
-                    block_tensor_parallel=parts.apply_tensor_parallel if parts.kind.tensor_parallel else None)
+                    block_tensor_parallel=parts.apply_tensor_parallel if parts.tensor_parallel else None)
 
     @contextlib.contextmanager
     def _host_turn(self, leader: bool):

@@ -19,6 +19,7 @@ scheduler is a function of the optimizer (it must be built on the optimizer memx
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Callable
@@ -27,6 +28,7 @@ from torch import nn
 
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.precision import TORCH_DTYPES
+from memx_launch.specs.hf_family_keys import LLAMA_FAMILY_TYPES
 from memx_launch.specs.precision import param_dtype
 from memx_launch.specs.training import TrainingSpec
 
@@ -92,7 +94,6 @@ def user_block_parts(environ=os.environ):
     q, k, v or gate, up linears outside the Llama family: Phi-3) gives the model built from the
     config by transformers, with one block."""
     import importlib.util
-    import json
     import sys
 
     from memx_launch.models.adapters import ModelParts
@@ -134,7 +135,9 @@ def _hf_block_parts(model_arg: str):
                                           ("a value norm", spec.value_norm),
                                           ("per-layer inputs", spec.per_layer_input_size),
                                           ("a soft-capped attention", spec.attention_softcapping)) if present]
-    if not missing and spec.tensor_parallel_blocks:  # the Llama family's blocks: memx's LLaMA's linears
+    with open(os.path.join(folder, "config.json")) as f:
+        llama_family = json.load(f).get("model_type") in LLAMA_FAMILY_TYPES
+    if not missing and llama_family:  # memx's LLaMA's linears
         return None
     try:
         from transformers import AutoConfig, AutoModelForCausalLM

@@ -11,15 +11,14 @@ from typing import Any, Mapping
 
 from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number, require_type
-from memx_launch.specs.hf_family_keys import family_keys, gemma4_mixture_keys, per_layer_inputs, renamed_keys
+from memx_launch.specs.hf_family_keys import (family_keys, gemma4_mixture_keys, per_layer_inputs, renamed_keys,
+                                              splits_by_tp)
 from memx_launch.specs.hf_hybrid import DELTANET_TYPES, LINEAR_ATTENTION, hybrid_of
 from memx_launch.specs.inputs import load_json
 from memx_launch.specs.model import MAX_DIMENSION, ModelSpec
 
 # Model types whose blocks are GPT-2 style: LayerNorm with a bias, a bias on every linear layer.
 GPT_STYLE = ("gpt2", "opt", "gpt_neo", "phi", "bloom", "gpt_bigcode")
-# Hugging Face model types whose blocks memx's runtime splits by TP (models/adapters.py's Llama family).
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 # Model types whose q, k and v linears carry biases, the block's other linears none (by prefix: Qwen2,
 # Qwen2-MoE); others say it with a key: StableLM's use_qkv_bias, the Llama family's attention_bias
 # (Seed-OSS; Llama's own adds the output projection's h biases, which memx does not count).
@@ -194,7 +193,7 @@ def model_from_hf_dict(cfg: Mapping[str, Any], name: str, where: str = "config")
         position_embeddings=positions,
         parallel_blocks=parallel,
         lm_head=lm_head,
-        tensor_parallel_blocks=model_type in TP_MODEL_TYPES,
+        tensor_parallel_blocks=splits_by_tp(model_type, qk_norm, blocks.get("num_experts", 0)),
         attention_head_dim=head_dim,
         qk_norm=qk_norm, qk_norm_weightless=qk_norm and model_type.startswith(("llama4", "nanochat")),
         qk_norm_after_rope=model_type.startswith(("hunyuan_v1", "nanochat")),  # NanoChat: RoPE, then its q and k norms

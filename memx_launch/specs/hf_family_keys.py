@@ -11,6 +11,20 @@ from memx_launch.errors import ConfigError
 from memx_launch.specs.checks import require_number
 from memx_launch.specs.model import MAX_DIMENSION
 
+# Hugging Face model types whose Llama-style blocks memx's own LLaMA measures in their place (the same linears).
+LLAMA_FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+# Model types whose dense blocks memx-run splits by TP with Transformers' own plan for them, Megatron's split
+# (models/hf_tensor_parallel.py), each checked against its unsplit model (tests/test_hf_tensor_parallel.py).
+# Not: OLMo (its clip_qkv clamps the split q, k and v in place), Apertus (its xIELU activation's weights see a
+# rank's share of the MLP width, the plan leaves their gradients unsummed), families whose plan gathers a split
+# output or splits packed experts (Phi-3, OLMo 2, GLM, Llama 4, ...), any mixture (routed experts stay whole).
+TP_MODEL_TYPES = (*LLAMA_FAMILY_TYPES, "gemma4_text", "gemma4_unified_text", "granite", "cohere", "gpt_neox",
+                  "seed_oss", "exaone4", "arcee", "hyperclovax", "jais2", "nanochat", "ernie4_5", "phi", "nemotron",
+                  "gptj", "codegen")
+# Of those, families whose optional query and key norms (Cohere's use_qk_norm, Phi's qk_layernorm) see a rank's
+# heads with weights the plan leaves whole.
+QK_NORMS_OUTSIDE_TP_PLAN = ("cohere", "phi")
+
 # Families with per-layer embeddings (Gemma 4's PLE): their config keys (width, rows) and their config class's
 # defaults where a config.json omits them (Gemma 4 Unified's text model has none).
 PER_LAYER_INPUT_KEYS = {"gemma4_text": (("hidden_size_per_layer_input", 256), ("vocab_size_per_layer_input", 262_144))}
@@ -132,3 +146,9 @@ def renamed_keys(cfg: Mapping[str, Any], model_type: str, where: str) -> dict:
                            fix="config.json must give it as a non-negative integer")
             renamed[ours] = value
     return renamed
+
+
+def splits_by_tp(model_type: str, qk_norm: bool, experts: int) -> bool:
+    """Whether memx's runtime splits the blocks of a Hugging Face config of ``model_type`` by TP
+    (:data:`TP_MODEL_TYPES`, without experts or query and key norms its plan leaves whole)."""
+    return model_type in TP_MODEL_TYPES and not experts and not (qk_norm and model_type in QK_NORMS_OUTSIDE_TP_PLAN)
