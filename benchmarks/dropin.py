@@ -12,7 +12,9 @@ the one-process reference.
    before each expert one, chunked attention, a layer in four without RoPE), GLM-4.5's (a dense
    first block, a shared expert, a multi-token prediction module in its config, which Transformers
    does not build), DeepSeek-V3's (the same with latent attention and group-limited routing) and
-   Gemma 4's E models' (per-layer inputs, layers reusing earlier layers' keys and values: one stage).
+   Gemma 4's E models' (per-layer inputs, layers reusing earlier layers' keys and values: one stage);
+6. GPT-NeoX (biases, LayerNorm, attention and MLP side by side, one q, k, v linear) the same way,
+   its search held to TP 2 (``--tp 2``): its blocks split by Transformers' TP plan for them.
 
 Per stage of the last step: its peak memory and its compute per micro-batch, measured and predicted.
 
@@ -47,10 +49,11 @@ def _losses(text: str) -> list[float]:
     return [float(m[1]) for m in re.finditer(r"^step \d+ \| loss ([0-9.]+)", text, re.M)]
 
 
-def memx_run(script: str, model: str, steps: int, builder: bool) -> dict:
+def memx_run(script: str, model: str, steps: int, builder: bool, search: tuple[str, ...] = ()) -> dict:
+    """``search``: memx-run's search restrictions (``--tp 2``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMX_")}
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--model-builder", f"{script}:build"] if builder else []
+        flags = [*(["--model-builder", f"{script}:build"] if builder else []), *search]
         run = subprocess.run([sys.executable, "-m", "memx_launch.runtime.launcher", "--nproc-per-node", "4",
                               "--cluster", CLUSTER, *flags, script, "--model", model, "--steps", str(steps)],
                              cwd=tmp, env=env, capture_output=True, text=True, timeout=900, check=True)
@@ -97,7 +100,10 @@ def main() -> int:
                                 args.steps, builder=False)
                  for case, folder in (("hf_mixtral", "hf-mixtral-tiny"), ("hf_llama4_maverick", "hf-llama4-tiny"),
                                       ("hf_glm4_moe", "hf-glm4-moe-tiny"), ("hf_deepseek_v3", "hf-deepseek-v3-tiny"),
-                                      ("hf_gemma4_e", "hf-gemma4-tiny"))}}
+                                      ("hf_gemma4_e", "hf-gemma4-tiny"))},
+              "hf_gpt_neox_tp2": memx_run(os.path.join(EXAMPLES, "train_hf.py"),
+                                          os.path.join(EXAMPLES, "models", "hf-gpt-neox-tiny"), args.steps,
+                                          builder=False, search=("--tp", "2"))}
     write_json_atomic(OUT, result, overwrite=True)
     print(f"wrote {OUT}")
     return 0

@@ -86,6 +86,24 @@ def test_blocks_are_found_where_models_keep_them():
         ("layers", ["tok_embeddings"], ["norm", "output"])
 
 
+def test_a_model_built_with_one_block_has_it_found_where_its_full_model_keeps_them():
+    """Calibration builds the user's model with one block (runtime/prepare.py): GPT-NeoX's, OPT's and
+    MPT's, kept where no BLOCK_PATHS names, were not found at all with one."""
+    from transformers import AutoModelForCausalLM
+
+    from memx_launch.runtime.prepare import _blocks_up_to
+
+    for kind in hf_block_memory.FAMILIES:
+        found = []
+        for cut in (False, True):
+            config = hf_block_memory.family_config(kind)
+            if cut:
+                _blocks_up_to(config, 1)
+            with torch.device("meta"):
+                found.append(find_blocks(AutoModelForCausalLM.from_config(config)))
+        assert found[0] == found[1], kind
+
+
 def test_a_module_without_blocks_is_a_one_line_error():
     with pytest.raises(ConfigError) as info:
         ModelParts(NoBlocks())
@@ -259,6 +277,8 @@ MIXTRAL_SPEC = get_model(os.path.join(MODELS, "hf-mixtral-tiny"))  # 4 experts, 
 # Its config with the load-balancing loss on (output_router_logits), its coefficient large enough to tell.
 ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 GPT2_SPEC = get_model(os.path.join(MODELS, "hf-gpt2-tiny"))  # tied embeddings, learned positions
+# Biases, LayerNorm, attention and MLP side by side, one q, k, v linear: split by Transformers' TP plan.
+GPT_NEOX_SPEC = get_model(os.path.join(MODELS, "hf-gpt-neox-tiny"))
 # Maverick's layout: a dense block before each expert one (every token through each of its 4 experts),
 # chunked attention, a layer in four without RoPE.
 LLAMA4_SPEC = get_model(os.path.join(MODELS, "hf-llama4-tiny"))
@@ -303,6 +323,9 @@ CASES = {
     "qwen3 tp=2 x pp=2 uneven 3/5 selective/none (its per-head query and key norms on each rank's heads)":
         ("hf-qwen3-tiny", make_plan(QWEN3_SPEC, [((0, 1), 3, "selective"), ((2, 3), 5, "none")], tp=2,
                                     micro_batch_size=2, global_batch_size=4), "auto", None),
+    "gpt-neox tp=2 x pp=2 uneven 5/3 selective/full (its plan from Transformers: biases, fused q, k, v)":
+        ("hf-gpt-neox-tiny", make_plan(GPT_NEOX_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], tp=2,
+                                       micro_batch_size=2, global_batch_size=4), "auto", None),
     "mixtral pp=2 x dp=2 (FSDP2) uneven 5/3 selective/full":
         ("hf-mixtral-tiny", make_plan(MIXTRAL_SPEC, [((0, 1), 5, "selective"), ((2, 3), 3, "full")], dp=2,
                                       micro_batch_size=2), "fsdp", None),

@@ -888,8 +888,9 @@ def test_gpt_2_s_tanh_gelu_ops_move_what_memx_times():
 
 def test_a_memx_run_stage_under_autocast_holds_a_16_bit_copy_of_the_weights_its_linears_read():
     """Each stage's parameters part: its fp32 weights and, in 16-bit training, autocast's copies of
-    its blocks' and head's weights (the embedding's lookup is not cast)."""
-    head = last_stage_params(MODEL, 2) / 4
+    its blocks' and head's weights (the embedding's lookup is not cast); the head whole on each TP
+    rank, as memx-run runs it."""
+    head = last_stage_params(MODEL, 2)
     parts = {}
     for dtype in ("fp32", "bf16"):
         training = TrainingSpec(global_batch_size=64, seq_len=4096, setup="memx-run", dtype=dtype)

@@ -65,6 +65,28 @@ def test_a_16_bit_optimizer_keeps_master_weights_and_moments_in_6_bytes():
         TrainingSpec(optimizer_dtype="fp8")
 
 
+def test_memx_run_s_embedding_and_head_are_whole_on_every_tp_rank():
+    """memx-run splits the blocks by TP alone (models/adapters.py): its plans keep the embedding's and
+    the head's weights, gradients and optimizer states whole on every TP rank, and time the head's
+    GEMM whole with no all-gather of the logits; a vocab-parallel embedding splits all of them."""
+    from memx_launch.planning.layouts import make_layout
+    from memx_launch.planning.model_states import last_stage_params, parameters_per_rank
+
+    model, cluster = get_model("llama2-7b"), _cluster()
+    layout = make_layout(cluster, ("gpu",), 4, 1, ("gpu",), [[0, 1, 2, 3], [4, 5, 6, 7]])
+    layers = np.array([[16, 16]])
+    whole, split = (TrainingSpec(setup="memx-run", vocab_parallel_embedding=v) for v in (False, True))
+    assert TrainingSpec(setup="memx-run").vocab_parallel_embedding is False
+    assert TrainingSpec(setup="megatron").vocab_parallel_embedding is True
+    assert (parameters_per_rank(model, whole, layout, layers) - parameters_per_rank(model, split, layout, layers)
+            ).tolist() == [[model.embedding_params * 3 / 4, last_stage_params(model, 2) * 3 / 4]]
+    estimates = [evaluate_layout(model, cluster, t, tp=4, pp=2, dp=1, micro_batch_size=1, references=(1, 1, 1))
+                 for t in (whole, split)]
+    ends = [(e.stages[0].memory_parts_gib["parameters"], e.stages[-1].memory_parts_gib["parameters"]) for e in estimates]
+    assert all(w > s for w, s in zip(*ends))
+    assert estimates[0].stages[-1].predicted_stage_time_s != estimates[1].stages[-1].predicted_stage_time_s
+
+
 def test_with_sequence_parallelism_each_tp_rank_sends_its_shard_to_the_next_stage():
     # Megatron's pipeline tensor shape under sequence parallelism is seq / TP: each TP rank sends
     # its own shard to its peer, so a stage boundary moves 1/TP of the hidden state per rank.

@@ -69,6 +69,9 @@ def add_target_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--vocab-parallel-loss", "--vocab_parallel_loss", action=argparse.BooleanOptionalAction,
                    default=None, help="Megatron's vocab-parallel cross entropy; off: logits gathered over TP "
                    "(default on)")
+    p.add_argument("--vocab-parallel-embedding", "--vocab_parallel_embedding", action=argparse.BooleanOptionalAction,
+                   default=None, help="the embedding and output layer split over the vocabulary by TP; off: whole on "
+                   "every TP rank (default on; --setup memx-run: off)")
     p.add_argument("--overlap-grad-reduce", "--overlap_grad_reduce", action=argparse.BooleanOptionalAction,
                    default=None, help="DP gradient reduction overlapped with the last backward (default off)")
     for flag, text in (("fused-loss", "one-kernel cross entropy: 16-bit logits and gradient only (default off)"),

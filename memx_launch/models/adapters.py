@@ -116,13 +116,15 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> str:
     for path in BLOCK_PATHS:
         if _container(model, path) is not None:
             return path
-    best, best_params = None, 0
+    # The list of same-class modules holding the most parameters; one of a single module only where
+    # no longer list exists (a model built with one block, as calibration builds it: GPT-NeoX's, OPT's).
+    best, best_key = None, (False, 0)
     for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 1 \
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) \
                 and len({type(m) for m in module.children()}) == 1:
-            params = sum(p.numel() for p in module.parameters())
-            if params > best_params:
-                best, best_params = name, params
+            key = (len(module) > 1, sum(p.numel() for p in module.parameters()))
+            if key > best_key:
+                best, best_key = name, key
     if best is None:
         raise ConfigError("model", f"no transformer blocks found in {type(model).__name__} (no list of "
                           "same-class modules)", "pass blocks='attribute.path' naming the ModuleList of blocks")

@@ -13,8 +13,8 @@ from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.layouts import first_and_last
 from memx_launch.planning.lazy_gradients import gradient_relief, lazy_gradient_bytes, stage_relief
 from memx_launch.planning.loss import logits_bytes
-from memx_launch.planning.model_states import (autocast_copy_bytes, held_gradient_share, stage_state_bytes_by_part,
-                                               weight_copy_bytes)
+from memx_launch.planning.model_states import (autocast_copy_bytes, ends_split, held_gradient_share,
+                                               stage_state_bytes_by_part, weight_copy_bytes)
 from memx_launch.planning.pipeline_buffers import pipeline_buffer_bytes
 
 # In the order reports list them. ``optimizer_step`` and ``backward_end``: what the optimizer step's peak
@@ -41,7 +41,7 @@ def stage_memory_parts(evaluator, result: GroupResult, row: int = 0) -> list[dic
     seq_rank, local = seq // layout.cp, layout.local_micro_batch(mbs)
     first_mbs, last_mbs = first_and_last(local, pp)
     tp, shards = layout.tp_degrees, ev.shard_links.state_shards(layout)
-    last = layout.end_tp[1]
+    last = ends_split(layout, tr)[1]
     levels, layers = result.levels[row:row + 1], result.layers[row:row + 1]
     g = tr.global_batch_size // (dp * mbs)
     inflight = schedules.stage_inflight_microbatches(pp, g, v)

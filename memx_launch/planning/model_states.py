@@ -332,11 +332,17 @@ def layer_state_bytes(model: ModelSpec, training: TrainingSpec, tp, dp_cp, train
                                                          trained, pp, gradient_share)
 
 
+def ends_split(layout, training: TrainingSpec) -> tuple[int, int]:
+    """The TP degrees the embedding (first stage) and the head (last stage) are split by: their
+    stages' with a vocab-parallel embedding, else 1 (whole on every TP rank: memx-run's)."""
+    return layout.end_tp if training.vocab_parallel_embedding else (1, 1)
+
+
 def parameters_per_rank(model: ModelSpec, training: TrainingSpec, layout, layers: np.ndarray, v: int = 1) -> np.ndarray:
     """(C, P) parameters a rank of each stage holds: its blocks in ``v`` chunks each, each kind's
     (over TP, routed experts over EP; :func:`~memx_launch.planning.extra_blocks.stage_block_counts`),
     the embedding on the first stage, the head on the last."""
-    first, last = layout.end_tp
+    first, last = ends_split(layout, training)
     params = _stage_block_params(model, training, layout, layers, v, sum)
     params[:, 0] += model.embedding_params / first
     params[:, -1] += last_stage_params(model, layout.pp) / last

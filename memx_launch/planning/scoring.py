@@ -29,8 +29,8 @@ from memx_launch.specs.hybrid import layers_per_block
 from memx_launch.specs.model import ModelSpec
 from memx_launch.specs.training import TrainingSpec
 from memx_launch.planning.layer_split import balance_layers
-from memx_launch.planning.model_states import (autocast_copy_bytes, held_gradient_share, keeps_gathered, layer_state_bytes,
-                                               parameters_per_rank, weight_copy_bytes)
+from memx_launch.planning.model_states import (autocast_copy_bytes, ends_split, held_gradient_share, keeps_gathered,
+                                               layer_state_bytes, parameters_per_rank, weight_copy_bytes)
 from memx_launch.planning.pipeline_sends import StageSends, edge_hidden_bytes
 from memx_launch.planning.group_result import GroupResult
 from memx_launch.planning.hybrid_sharding import ShardLinks, bridged_syncs
@@ -172,17 +172,17 @@ class Evaluator:
         if backward_end.waits(tr, g):  # its micro-batch's logits and embedding output are gone by then
             first_mbs, last_mbs = first_and_last(local, pp)
             once = self._edge_activations(np.ones(pp), first_mbs, last_mbs, seq_rank)
-            once[-1] += logits_bytes(m, last_mbs, seq_rank, layout.end_tp[1], tr)
+            once[-1] += logits_bytes(m, last_mbs, seq_rank, ends_split(layout, tr)[1], tr)
             wait = (backward_end.waiting_block_bytes(m, tr, tp, self.trained, v),
                     [backward_end.waiting_block_bytes(kind, tr, tp, self.trained, v)
                      for kind in extra_blocks.other_kinds(m)],
-                    backward_end.end_bytes(m, tr, tp, layout.end_tp, pp, self.trained) - once)
+                    backward_end.end_bytes(m, tr, tp, ends_split(layout, tr), pp, self.trained) - once)
         temporary = step_temporary_bytes(tr, self.trained, tp, shards, self.cluster.is_emulated)
         step = (np.broadcast_to(step_block_bytes(m, tr, tp, state, temporary), (pp,)),
                 [np.broadcast_to(step_block_bytes(kind, tr, tp, kind_state, temporary), (pp,))
                  for kind, kind_state in zip(extra_blocks.other_kinds(m), kind_states)],
                 self._end_state_bytes(layout, share, shards, temporary) + held
-                + for_loop_temporary_bytes(m, tr, tp, layout.end_tp, shards, pp, self.cluster.is_emulated)
+                + for_loop_temporary_bytes(m, tr, tp, ends_split(layout, tr), shards, pp, self.cluster.is_emulated)
                 + torch_receive_buffer_bytes(m, tr, local, seq_rank, tp, inflight, g, v))
         self._level_free[key] = (tp, device, local, inflight, state, kind_states, fixed_parts, edge_t, lazy, wait, step,
                                  g)
@@ -223,7 +223,7 @@ class Evaluator:
         return t_layer + ring_s, act, work + ring_bytes
 
     def _edge_bytes(self, layout, local, seq, inflight, gradient_share, shards) -> np.ndarray:
-        m, tr, last, pp = self.model, self.training, layout.end_tp[1], layout.pp
+        m, tr, last, pp = self.model, self.training, ends_split(layout, self.training)[1], layout.pp
         first_mbs, last_mbs = first_and_last(local, pp)
         out = self._edge_activations(inflight, first_mbs, last_mbs, seq) + self._end_state_bytes(
             layout, gradient_share, shards)
@@ -234,7 +234,7 @@ class Evaluator:
     def _end_state_bytes(self, layout, gradient_share, shards, extra_per_param=0.0) -> np.ndarray:
         """(P,) the model states of the embedding on the first stage and the head on the last,
         with ``extra_per_param`` (P,) bytes more per parameter (the optimizer step's)."""
-        m, (first, last), pp = self.model, layout.end_tp, layout.pp
+        m, (first, last), pp = self.model, ends_split(layout, self.training), layout.pp
         per_param = cm.model_state_bytes_per_param(self.training, shards, self.trained, pp, gradient_share)
         per_param = np.broadcast_to(per_param + np.asarray(extra_per_param, dtype=np.float64), (pp,))
         out = np.zeros(pp)
@@ -254,7 +254,7 @@ class Evaluator:
     def _edge_time(self, layout, device, local, seq) -> np.ndarray:
         """(P,) seconds of the embedding on the first stage and the head on the last, read-only:
         kept per query, as the search asks the same ends for group after group."""
-        (first, last), (first_mbs, last_mbs) = layout.end_tp, first_and_last(local, layout.pp)
+        (first, last), (first_mbs, last_mbs) = ends_split(layout, self.training), first_and_last(local, layout.pp)
         key = (layout.pp, int(device[0]), int(device[-1]), first, last, float(first_mbs), float(last_mbs), seq)
         if key not in self._edge_times:
             out = np.zeros(layout.pp)

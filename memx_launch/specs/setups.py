@@ -79,8 +79,10 @@ SETUPS: dict[str, dict] = {
     # stages keeping their in-flight outputs and sending a TP-th of each boundary tensor between stages of
     # one TP degree where that is faster, its blocks of eager ops with q, k, v and gate, up apart and
     # torch-op RMSNorms (Hugging Face's; torch's nn.RMSNorm off CUDA), checkpointed without reentrance,
-    # Transformers' blocks as Transformers writes them, torch's AdamW stepping foreach (DTensors too).
-    "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, ddp_bucket_copy=True,
+    # Transformers' blocks as Transformers writes them, torch's AdamW stepping foreach (DTensors too); TP splits
+    # the blocks alone (models/adapters.py), the embedding and the head whole on every TP rank.
+    "memx-run": dict(weights_dtype="fp32", grad_dtype="fp32", vocab_parallel_loss=False, vocab_parallel_embedding=False,
+                     ddp_bucket_copy=True,
                      fully_sharded_with_tp=True, partitioned_sends=True, partition_where_faster=True,
                      hold_gathered="always", eager_block=True, fused_qkv=False, fused_gate_up=False, fused_norm=False,
                      checkpoint_early_stop=True, keep_stage_outputs=True, grad_accumulation_pass=True,
@@ -94,7 +96,8 @@ OPTION_DEFAULTS = dict(distributed_optimizer=False, sharded_gradients=False, ful
                        fully_sharded_with_tp=False,
                        grad_dtype="fp32", sequence_parallel=False, flash_attention=True, flash_attention_version=2,
                        loss_dtype="fp32", optimizer_dtype="fp32", dropout=False, attention_dropout=False,
-                       fused_norm=True, overlap_grad_reduce=False, vocab_parallel_loss=True, torch_loss_parallel=False,
+                       fused_norm=True, overlap_grad_reduce=False, vocab_parallel_loss=True,
+                       vocab_parallel_embedding=True, torch_loss_parallel=False,
                        keep_stage_outputs=False, keep_previous_logits=False, torch_pipelining=False,
                        checkpoint_early_stop=False,
                        sp_keeps_gathered_input=False,

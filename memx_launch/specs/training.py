@@ -94,9 +94,11 @@ class TrainingSpec:
     """Fused RMSNorm/LayerNorm kernel (keeps its 16-bit input). Off: torch ops (Hugging Face's
     LlamaRMSNorm) keep the fp32 copy of the input and the normalised tensor (4 + 2 bytes, not 2). Default on."""
     vocab_parallel_loss: bool | None = None
-    """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits.
-    Off (torch's cross entropy, Hugging Face models): the output layer gathers the whole
-    vocabulary on every TP rank and the loss keeps a log-softmax of it. Default on."""
+    """Megatron's vocab-parallel cross entropy: each TP rank keeps its 1/TP of the logits. Off (torch's
+    cross entropy, Hugging Face models): every TP rank the whole vocabulary's logits and their log-softmax. Default on."""
+    vocab_parallel_embedding: bool | None = None
+    """The embedding and the output layer split over the vocabulary by TP (Megatron's, torchtitan's). Off: whole on
+    every TP rank with their states, the head's GEMM whole and its logits not gathered (memx-run's). Default on."""
     torch_loss_parallel: bool | None = None
     """The vocab-parallel loss is torch's loss parallel (DTensor's ``loss_parallel()``, torchtitan's
     under TP): torch ops that keep their temporaries, 16 bytes per logit where Megatron's holds 8."""
@@ -106,9 +108,8 @@ class TrainingSpec:
     ``fwd_cache`` holds it for the backward: torchtitan, memx-run). Off: Megatron frees an
     output's data once sent (Korthikanti et al. 2022, appendix B). Default off."""
     keep_previous_logits: bool | None = None
-    """The last stage writes each micro-batch's logits into one of two buffers and never empties
-    them, so the previous micro-batch's are kept while the next one's loss runs (DeepSpeed-style
-    buffers, Aleph Alpha's scaling). Default off."""
+    """The last stage writes each micro-batch's logits into one of two buffers and never empties them, so the
+    previous micro-batch's are kept while the next one's loss runs (DeepSpeed-style buffers, scaling's). Default off."""
     torch_pipelining: bool | None = None
     """The pipeline runs on torch's own ``PipelineStage`` (torchtitan): each stage allocates once,
     and keeps for the job, a receive buffer per micro-batch and model chunk for its input (every
@@ -128,9 +129,8 @@ class TrainingSpec:
     of its last linear: that GEMM and the TP collective after it do not run again. Off: the whole
     forward again (Megatron's checkpoint, reentrant ones). Default off (torchtitan, ddp, memx-run: on)."""
     fused_softmax: bool | None = None
-    """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked
-    softmax) whose backward works in place; off: torch's softmax, whose backward holds one more
-    s x s tensor. Default on."""
+    """Without flash attention, the softmax runs as one fused kernel (Megatron's scaled masked softmax) whose
+    backward works in place; off: torch's softmax, whose backward holds one more s x s tensor. Default on."""
     fused_gate_up: bool | None = None
     """SwiGLU's gate and up projections as one column-parallel linear (Megatron's linear_fc1):
     one all-reduce of their input gradient over TP in the backward, one 16-bit cast of the normed
