@@ -7,6 +7,7 @@ torch is imported lazily inside the kernel, so the sampling plan stays importabl
 
 from __future__ import annotations
 
+import gc
 import glob
 import itertools
 import math
@@ -366,9 +367,14 @@ def _peak_memory_bytes(step: Callable[[], None], dev) -> tuple[float, float | No
 
     GPU: max_memory_allocated and max_memory_reserved. CPU: the profiler's memory events,
     which see every tensor allocation and free (the process RSS does not: freed blocks stay
-    mapped and large ones bypass it); there is no allocator reserve to read.
+    mapped and large ones bypass it); there is no allocator reserve to read. Garbage of earlier
+    code (reference cycles, a previous sample's) is collected first: freed inside the step by the
+    collector, a tensor allocated under an earlier profile reads as a free of this step's, which
+    lowered a calibrated block's peak by a third when the collector ran there (test order decides).
     """
     import torch
+
+    gc.collect()
 
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
