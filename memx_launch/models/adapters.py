@@ -303,7 +303,7 @@ class ModelParts:
         if self.kind is MEMX_KIND:
             apply_tensor_parallel(stage, tp_mesh)
         else:
-            split_blocks(list(stage.blocks.values()), tp_mesh, self.config, self.tp_plan)
+            split_blocks(list(stage.blocks.values()), tp_mesh, self.tp_plan)
 
 
 def _around(model: nn.Module, path: str) -> tuple[list, list]:

@@ -30,14 +30,18 @@ def block_tp_plan(config, blocks_name: str, blocks: list[nn.Module]) -> dict[str
             if key.startswith(prefix)}
     if config.model_type not in TP_MODEL_TYPES or not plan or any(s not in MEGATRON_STYLES for s in plan.values()):
         return None
-    return plan if all(_split_as_planned(block, plan) for block in blocks) else None
+    modules = [dict(block.named_modules()) for block in blocks]
+    if any(all(path not in each for each in modules) for path in plan):
+        return None
+    return plan if all(_split_as_planned(block, plan, each) for block, each in zip(blocks, modules)) else None
 
 
-def _split_as_planned(block: nn.Module, plan: dict[str, str]) -> bool:
-    """Every planned module is in ``block``, no routed experts are, and every weight inside the
-    modules the plan splits (``self_attn``, ``mlp``) belongs to a planned module."""
-    modules = dict(block.named_modules())
-    if any(path not in modules for path in plan) or any(n.rsplit(".", 1)[-1] == "experts" for n in modules):
+def _split_as_planned(block: nn.Module, plan: dict[str, str], modules: dict[str, nn.Module]) -> bool:
+    """No routed experts are in ``block``, and every weight inside the modules the plan splits
+    (``self_attn``, ``mlp``) belongs to a planned module. A planned module a block lacks is not
+    split there (Gemma 4's layers that reuse earlier layers' keys and values have no k and v
+    projections, its global layers with ``attention_k_eq_v`` no v projection)."""
+    if any(n.rsplit(".", 1)[-1] == "experts" for n in modules):
         return False
     split = {path.rsplit(".", 1)[0] for path in plan if "." in path}
     for name, _ in block.named_parameters():
@@ -51,21 +55,33 @@ def _within(path: str, modules) -> bool:
     return any(path == m or path.startswith(m + ".") for m in modules)
 
 
-def split_blocks(blocks, tp_mesh, config, plan: dict[str, str]) -> None:
-    """Each block split by ``plan`` over ``tp_mesh``; the config's head counts and every
-    column-split width must be whole multiples of the TP degree."""
+def split_blocks(blocks, tp_mesh, plan: dict[str, str]) -> None:
+    """Each block split by ``plan`` over ``tp_mesh``: every rank whole heads of each column-split
+    projection (a layer's own head width: Gemma 4's global layers are wider) and an equal share of
+    every other column-split width."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     tp = tp_mesh.size()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    widths = {path: blocks[0].get_submodule(path).out_features for path, style in plan.items() if style == "colwise"}
-    uneven = [f"{name} {n}" for name, n in (("heads", heads), ("KV heads", kv_heads), *widths.items()) if n % tp]
-    if uneven:
-        raise ConfigError("tp", f"{tp} does not divide {', '.join(uneven)}", "choose a TP degree that divides them")
+    for i, block in enumerate(blocks):
+        split = {path: block.get_submodule(path) for path, style in plan.items() if style == "colwise"
+                 and _has(block, path)}
+        for path, linear in split.items():
+            unit = getattr(block.get_submodule(path.rsplit(".", 1)[0]), "head_dim", 1) if "." in path else 1
+            if linear.out_features % (tp * unit):
+                raise ConfigError("tp", f"{tp} does not divide the {linear.out_features // unit} "
+                                  f"{'heads' if unit > 1 else 'features'} of block {i}'s {path}",
+                                  "choose a TP degree that divides each layer's heads")
     # A per-head norm sees this rank's heads ([b, s, heads, head_dim]): its weight replicated, its
     # gradients summed over the group, as Transformers' replicated_with_grad_allreduce and torchtitan's.
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
               "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True)}
     for block in blocks:
-        parallelize_module(block, tp_mesh, {path: styles[style]() for path, style in plan.items()})
+        parallelize_module(block, tp_mesh, {path: styles[style]() for path, style in plan.items() if _has(block, path)})
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:  # a planned module this block lacks
+        return False
+    return True
