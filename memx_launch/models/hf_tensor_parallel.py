@@ -62,10 +62,12 @@ def split_blocks(blocks, tp_mesh, plan: dict[str, str]) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     tp = tp_mesh.size()
-    for i, block in enumerate(blocks):
-        split = {path: block.get_submodule(path) for path, style in plan.items() if style == "colwise"
-                 and _has(block, path)}
-        for path, linear in split.items():
+    # The plan's modules each block has (a planned module a block lacks is not split there).
+    present = [{path: style for path, style in plan.items() if path in modules}
+               for modules in (dict(block.named_modules()) for block in blocks)]
+    for i, (block, planned) in enumerate(zip(blocks, present)):
+        for path in (path for path, style in planned.items() if style == "colwise"):
+            linear = block.get_submodule(path)
             unit = getattr(block.get_submodule(path.rsplit(".", 1)[0]), "head_dim", 1) if "." in path else 1
             if linear.out_features % (tp * unit):
                 raise ConfigError("tp", f"{tp} does not divide the {linear.out_features // unit} "
@@ -75,13 +77,5 @@ def split_blocks(blocks, tp_mesh, plan: dict[str, str]) -> None:
     # gradients summed over the group, as Transformers' replicated_with_grad_allreduce and torchtitan's.
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
               "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True)}
-    for block in blocks:
-        parallelize_module(block, tp_mesh, {path: styles[style]() for path, style in plan.items() if _has(block, path)})
-
-
-def _has(block: nn.Module, path: str) -> bool:
-    try:
-        block.get_submodule(path)
-    except AttributeError:  # a planned module this block lacks
-        return False
-    return True
+    for block, planned in zip(blocks, present):
+        parallelize_module(block, tp_mesh, {path: styles[style]() for path, style in planned.items()})

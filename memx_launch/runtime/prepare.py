@@ -29,6 +29,7 @@ from torch import nn
 from memx_launch.errors import ConfigError
 from memx_launch.runtime.precision import TORCH_DTYPES
 from memx_launch.specs.hf_family_keys import LLAMA_FAMILY_TYPES
+from memx_launch.specs.inputs import load_json
 from memx_launch.specs.precision import param_dtype
 from memx_launch.specs.training import TrainingSpec
 
@@ -135,9 +136,8 @@ def _hf_block_parts(model_arg: str):
                                           ("a value norm", spec.value_norm),
                                           ("per-layer inputs", spec.per_layer_input_size),
                                           ("a soft-capped attention", spec.attention_softcapping)) if present]
-    with open(os.path.join(folder, "config.json")) as f:
-        llama_family = json.load(f).get("model_type") in LLAMA_FAMILY_TYPES
-    if not missing and llama_family:  # memx's LLaMA's linears
+    if not missing and load_json(os.path.join(folder, "config.json"), "--model").get("model_type") \
+            in LLAMA_FAMILY_TYPES:  # memx's LLaMA's linears
         return None
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
